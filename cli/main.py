@@ -1,0 +1,79 @@
+"""The ``rmm-jax`` command line: one click group, one verb per sub-command.
+
+The CLI is a thin shell over :mod:`rmm_jax`. Bad input raises
+:class:`rmm_jax.errors.InputError`; :func:`main` prints its one-line message on stderr
+and exits with status 2, with no traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import click
+
+from rmm_jax.errors import InputError
+
+CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
+
+
+@click.group(context_settings=CONTEXT)
+def cli():
+    """rmm-jax: train and simulate the citation-driven memory reranker of
+    Reflective Memory Management (Tan et al., ACL 2025) on precomputed embeddings.
+
+    \b
+    Typical flow:
+      rmm-jax embed synthetic --out store        # data -> embedding store
+      rmm-jax retrieve store --k 20              # base retriever quality
+      rmm-jax pretrain store --out policies      # offline supervised reranker
+      rmm-jax simulate store --policies policies # online loop, oracle citations
+      rmm-jax demo                               # all of the above on built-in data
+    """
+
+
+@cli.command()
+def version():
+    """Print the rmm-jax, JAX and device versions."""
+    import jax
+
+    from rmm_jax import __version__
+
+    click.echo(f"rmm-jax {__version__} (jax {jax.__version__}, backend {jax.default_backend()})")
+
+
+def _register() -> None:
+    # Each verb lives in its own module and adds itself to `cli`.
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"cli.{name}")
+
+
+COMMAND_MODULES: list[str] = []
+
+
+def main(argv=None) -> None:
+    _register()
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except InputError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

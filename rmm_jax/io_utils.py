@@ -1,0 +1,82 @@
+"""Crash-safe file output: nothing half-written.
+
+Outputs are written into a temporary sibling and moved into place with ``os.replace``
+(atomic on POSIX within one filesystem). A crash, a kill or an exception leaves either
+the old output or the complete new one, never a mix.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
+    """Yield a temporary directory that becomes ``target`` on success.
+
+    On an exception the temporary directory is removed and ``target`` is untouched.
+    With ``overwrite`` an existing ``target`` is replaced (old copy removed after the
+    new one is in place).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not overwrite:
+        raise FileExistsError(str(target))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(target: str | os.PathLike, mode: str = "w"):
+    """Yield a file object whose content replaces ``target`` only on success."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(target: str | os.PathLike, obj) -> None:
+    """Atomically write ``obj`` as indented JSON."""
+    with atomic_file(target) as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
