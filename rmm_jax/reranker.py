@@ -1,0 +1,147 @@
+"""The residual reranker of RMM's Retrospective Reflection (Tan et al., ACL 2025, §4.2).
+
+A fixed dense retriever gives a query embedding q ∈ R^d and K candidate memory
+embeddings m_i ∈ R^d. The reranker adapts both with residual maps and scores by dot
+product:
+
+    q' = q + W_q q,    m_i' = m_i + W_m m_i,    s_i = q'ᵀ m_i'            (`linear`, paper)
+    q' = q + f_q(q),   m_i' = m_i + f_m(m_i)                             (`mlp`)
+
+with f a two-layer GELU MLP. The residual branches start at exactly zero (zero
+initialised output layers), so before any update the reranker ranks candidates exactly
+as the base retriever's dot product.
+
+Parameters are the plain nested dict that flax returns, e.g. for `linear`
+``{"q_adapter": {"W": {"kernel": (d, d)}}, "m_adapter": {"W": {"kernel": (d, d)}}}``
+(flax's Dense computes x @ kernel, so W = kernelᵀ). The kind is read from the tree's
+structure, which is static under jit, so one `score` serves both kinds.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rmm_jax import _checks
+
+KINDS = ("linear", "mlp")
+
+
+class ResidualLinear(nn.Module):
+    """x ↦ x + W x, W initialised to zero."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1], use_bias=False, kernel_init=nn.initializers.zeros, name="W")(x)
+
+
+class ResidualMLP(nn.Module):
+    """x ↦ x + W₂ gelu(W₁ x + b₁) + b₂, output layer initialised to zero."""
+
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(self.hidden, name="up")(x))
+        return x + nn.Dense(x.shape[-1], kernel_init=nn.initializers.zeros, name="down")(h)
+
+
+class Reranker(nn.Module):
+    """Scores K candidate memories for one query: s = (m + f_m(m)) · (q + f_q(q))."""
+
+    kind: str = "linear"
+    hidden: int | None = None
+
+    def setup(self):
+        if self.kind == "linear":
+            self.q_adapter, self.m_adapter = ResidualLinear(), ResidualLinear()
+        else:
+            self.q_adapter, self.m_adapter = ResidualMLP(self.hidden), ResidualMLP(self.hidden)
+
+    def __call__(self, q, m):
+        return self.m_adapter(m) @ self.q_adapter(q)
+
+
+def kind_of(params) -> str:
+    """`linear` or `mlp`, read from the parameter tree's structure."""
+    return "linear" if "W" in params["q_adapter"] else "mlp"
+
+
+def dim_of(params) -> int:
+    leaf = params["q_adapter"]["W" if kind_of(params) == "linear" else "down"]["kernel"]
+    return int(leaf.shape[-1])
+
+
+def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None):
+    """Parameters of a reranker whose scores equal the base dot product exactly.
+
+    Args:
+      key: PRNG key (the `mlp` input layer is random; its zero output layer keeps the
+        residual at zero).
+      dim: embedding dimension d.
+      kind: ``"linear"`` (paper) or ``"mlp"``.
+      hidden: MLP hidden width (default d); must be None for `linear`.
+    """
+    _checks.require(kind in KINDS, "kind", f"must be one of {KINDS}, got {kind!r}")
+    _checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    if kind == "linear":
+        _checks.require(hidden is None, "hidden", "only the `mlp` kind has a hidden width")
+    else:
+        hidden = dim if hidden is None else hidden
+        _checks.require(isinstance(hidden, int) and hidden > 0, "hidden", f"must be a positive int, got {hidden!r}")
+    module = Reranker(kind=kind, hidden=hidden)
+    return module.init(key, jnp.zeros((dim,), jnp.float32), jnp.zeros((1, dim), jnp.float32))["params"]
+
+
+def _apply_adapter(p, x):
+    if "W" in p:
+        return x + x @ p["W"]["kernel"]
+    return ResidualMLP(p["up"]["kernel"].shape[-1]).apply({"params": p}, x)
+
+
+def score_naive(params, q, m):
+    """Reference path: build every adapted memory, s_i = (m_i + W_m m_i)ᵀ(q + W_q q). O(K·d²)."""
+    return _apply_adapter(params["m_adapter"], m) @ _apply_adapter(params["q_adapter"], q)
+
+
+def _score_unmasked(params, q, m):
+    if kind_of(params) == "mlp":
+        return score_naive(params, q, m)
+    # Fused linear path: s_i = m_iᵀ (I + K_m) q' with K_m = W_mᵀ the flax kernel, so
+    # s = M v with v = q' + K_m q'. O(d² + K·d) per query; the K adapted memories are
+    # never built.
+    q_prime = q + q @ params["q_adapter"]["W"]["kernel"]
+    v = q_prime + params["m_adapter"]["W"]["kernel"] @ q_prime
+    return m @ v
+
+
+def score(params, q, m, mask=None):
+    """Reranker scores of K candidates for one query.
+
+    Args:
+      params: from :func:`init_reranker`.
+      q: (d,) query embedding.
+      m: (K, d) candidate memory embeddings.
+      mask: optional (K,) bool; False marks padding. Masked slots score −inf and
+        receive zero gradient.
+
+    Returns:
+      (K,) float32 scores s_i = q'ᵀ m_i'. For `linear` the fused O(d² + K·d) path.
+    """
+    _checks.check_rank(q, 1, "q")
+    _checks.check_rank(m, 2, "m")
+    _checks.check_float(q, "q")
+    _checks.check_float(m, "m")
+    d = dim_of(params)
+    _checks.require(q.shape[0] == d, "q", f"dimension {q.shape[0]} does not match the reranker's {d}")
+    _checks.require(m.shape[1] == d, "m", f"dimension {m.shape[1]} does not match the reranker's {d}")
+    _checks.check_mask(mask, (m.shape[0],))
+    s = _score_unmasked(params, q, m)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def score_batch(params, q, m, mask=None):
+    """:func:`score` over a leading batch axis: q (B, d), m (B, K, d), mask (B, K)."""
+    if mask is None:
+        return jax.vmap(score, in_axes=(None, 0, 0))(params, q, m)
+    return jax.vmap(score, in_axes=(None, 0, 0, 0))(params, q, m, mask)

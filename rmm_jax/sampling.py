@@ -1,0 +1,110 @@
+"""Stochastic top-M selection and the log-probability of an ordered selection.
+
+Gumbel-top-M (Kool, van Hoof & Welling, ICML 2019, "Stochastic Beams and Where to Find
+Them"): with g_i ~ Gumbel(0, 1) i.i.d., the indices of the M largest s_i/τ + g_i are an
+ordered sample without replacement from the Plackett–Luce distribution of softmax(s/τ):
+
+    P(i_1, …, i_M) = Π_j exp(s_{i_j}/τ) / Σ_{k ∉ {i_1..i_{j−1}}} exp(s_k/τ).
+
+RMM (Tan et al., ACL 2025, §4.2) samples this way and writes the log-probability as a sum
+of per-item log-softmaxes of the perturbed scores, Σ_{i∈sel} log softmax((s + g)/τ)_i.
+That is a surrogate, not the probability of the sample; mode ``plackett_luce`` is exact.
+
+Conventions: a selection is an (M,) int32 vector of candidate indices in draw order;
+slots that could not be filled (fewer than M valid candidates) hold −1 and contribute
+nothing. Masked candidates are never drawn and receive zero gradient.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rmm_jax import _checks
+
+# Finite stand-in for −inf on masked logits: logsumexp stays finite and gradients NaN-free.
+NEG = -1e30
+MODES = ("plackett_luce", "rmm")
+
+
+def valid_mask(scores, mask=None):
+    """Candidates that may be drawn: unmasked and with a finite score."""
+    v = jnp.isfinite(scores)
+    return v if mask is None else v & mask
+
+
+def _check_scores(scores, mask, m=None, selected=None):
+    _checks.check_rank(scores, 1, "scores")
+    _checks.check_float(scores, "scores")
+    _checks.check_no_nan(scores, "scores")
+    _checks.check_mask(mask, scores.shape)
+    k = scores.shape[0]
+    if m is not None:
+        _checks.require(isinstance(m, int) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
+    if selected is not None:
+        _checks.check_rank(selected, 1, "selected")
+        _checks.check_int(selected, "selected")
+        _checks.require(selected.shape[0] <= k, "selected", f"length {selected.shape[0]} exceeds K={k}")
+
+
+def top_m(logits, m: int, mask=None):
+    """Deterministic ordered top-M of the valid logits; unfilled slots are −1."""
+    valid = valid_mask(logits, mask)
+    _, idx = jax.lax.top_k(jnp.where(valid, logits, -jnp.inf), m)
+    return jnp.where(valid[idx], idx, -1).astype(jnp.int32)
+
+
+def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
+    """Draw an ordered selection of M candidates from Plackett–Luce(softmax(s/τ)).
+
+    i_1..i_M = top-M of (s/τ + g), g ~ Gumbel(0, 1) i.i.d. (Kool et al., 2019).
+
+    Args:
+      key: PRNG key (ignored when ``gumbel`` is given).
+      scores: (K,) float scores.
+      m: number of memories to select, 1 ≤ m ≤ K.
+      tau: temperature > 0.
+      mask: optional (K,) bool of valid candidates.
+      gumbel: optional (K,) precomputed Gumbel noise (to reuse it in the `rmm` log-prob).
+
+    Returns:
+      (M,) int32 candidate indices in draw order; −1 where fewer than M are valid.
+    """
+    _check_scores(scores, mask, m=m)
+    _checks.check_tau(tau)
+    if gumbel is None:
+        gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
+    return top_m(scores / tau + gumbel, m, valid_mask(scores, mask))
+
+
+def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumbel=None, mask=None):
+    """Per-draw log-probabilities of an ordered selection, shape (M,); 0 at unfilled slots.
+
+    ``plackett_luce`` (exact): log π_j = s_{i_j}/τ − logsumexp_{k ∈ R_j} s_k/τ, where R_j
+      are the valid candidates not drawn before step j. Σ_j log π_j = log P(selection).
+    ``rmm`` (RMM paper): log π_j = log softmax((s + g)/τ)_{i_j} with the sampled Gumbel
+      noise g (on the score scale; pass τ·g for noise drawn on the s/τ scale), treated as
+      a constant.
+    """
+    _checks.require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    _check_scores(scores, mask, selected=selected)
+    _checks.check_tau(tau)
+    valid = valid_mask(scores, mask)
+    filled = selected >= 0
+    idx = jnp.where(filled, selected, 0)
+    if mode == "rmm":
+        _checks.require(gumbel is not None, "gumbel", "mode 'rmm' needs the sampled Gumbel noise")
+        _checks.require(jnp.shape(gumbel) == scores.shape, "gumbel", f"expected shape {scores.shape}")
+        z = jnp.where(valid, (scores + jax.lax.stop_gradient(gumbel)) / tau, NEG)
+        lp = jax.nn.log_softmax(z)[idx]
+    else:
+        z = jnp.where(valid, scores / tau, NEG)
+        onehot = (idx[:, None] == jnp.arange(scores.shape[0])[None, :]) & filled[:, None]
+        drawn_before = jnp.cumsum(onehot, axis=0) - onehot
+        remaining = valid[None, :] & (drawn_before == 0)
+        lp = z[idx] - jax.nn.logsumexp(jnp.where(remaining, z[None, :], NEG), axis=1)
+    return jnp.where(filled, lp, 0.0)
+
+
+def selection_log_prob(scores, selected, tau, mode: str = "plackett_luce", gumbel=None, mask=None):
+    """log P(selection | scores): the sum of :func:`selection_log_probs` (a scalar)."""
+    return jnp.sum(selection_log_probs(scores, selected, tau, mode, gumbel, mask))

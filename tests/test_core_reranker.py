@@ -1,0 +1,84 @@
+"""The reranker starts as the base retriever, and the fused path equals the naive one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rmm_jax as rj
+
+
+def random_params(key, d, kind):
+    """Parameters with non-zero residuals, to compare scoring paths away from init."""
+    p = rj.init_reranker(key, d, kind, None if kind == "linear" else 16)
+    leaves, tree = jax.tree.flatten(p)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fused_linear_scores_equal_naive_scores(seed):
+    d, k = 32, 20
+    key = jax.random.key(seed)
+    p = random_params(key, d, "linear")
+    q = jax.random.normal(jax.random.fold_in(key, 1), (d,))
+    m = jax.random.normal(jax.random.fold_in(key, 2), (k, d))
+    np.testing.assert_allclose(rj.score(p, q, m), rj.score_naive(p, q, m), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_path_never_builds_the_k_adapted_memories():
+    # The jaxpr of the fused path has no (K, d) x (d, d) product: its only matmul with
+    # the memory matrix is (K, d) @ (d,).
+    d, k = 16, 7
+    p = rj.init_reranker(jax.random.key(0), d)
+    jaxpr = jax.make_jaxpr(rj.score)(p, jnp.ones(d), jnp.ones((k, d)))
+    shapes = [tuple(v.aval.shape) for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"
+              for v in eqn.outvars]
+    assert (k, d) not in shapes and (k,) in shapes
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_initial_ranking_equals_base_dot_product_ranking(kind):
+    d, k = 24, 30
+    for seed in range(5):
+        key = jax.random.key(seed)
+        p = rj.init_reranker(key, d, kind)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (d,))
+        m = jax.random.normal(jax.random.fold_in(key, 2), (k, d))
+        s = rj.score(p, q, m)
+        np.testing.assert_allclose(s, m @ q, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.argsort(-np.asarray(s)), np.argsort(-np.asarray(m @ q)))
+
+
+def test_masked_slots_score_minus_inf_and_get_zero_gradient():
+    d, k = 8, 6
+    key = jax.random.key(3)
+    p = random_params(key, d, "linear")
+    q = jax.random.normal(key, (d,))
+    m = jax.random.normal(jax.random.fold_in(key, 1), (k, d))
+    mask = jnp.array([True, True, False, True, False, True])
+    s = rj.score(p, q, m, mask)
+    assert np.isneginf(np.asarray(s)[~np.asarray(mask)]).all()
+    g = jax.grad(lambda mm: jnp.sum(jnp.where(mask, rj.score(p, q, mm, mask), 0.0) ** 2))(m)
+    assert np.all(np.asarray(g)[~np.asarray(mask)] == 0.0)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda p: rj.score(p, jnp.ones(7), jnp.ones((3, 8))), "q"),
+    (lambda p: rj.score(p, jnp.ones(8), jnp.ones((3, 7))), "m"),
+    (lambda p: rj.score(p, jnp.ones((1, 8)), jnp.ones((3, 8))), "q"),
+    (lambda p: rj.score(p, jnp.ones(8, jnp.int32), jnp.ones((3, 8))), "q"),
+    (lambda p: rj.score(p, jnp.ones(8), jnp.ones((3, 8)), jnp.ones(3)), "mask"),
+])
+def test_bad_shapes_and_dtypes_raise_value_error_naming_the_argument(call, arg):
+    p = rj.init_reranker(jax.random.key(0), 8)
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        call(p)
+
+
+def test_init_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="^kind:"):
+        rj.init_reranker(jax.random.key(0), 8, "transformer")
+    with pytest.raises(ValueError, match="^dim:"):
+        rj.init_reranker(jax.random.key(0), 0)
+    with pytest.raises(ValueError, match="^hidden:"):
+        rj.init_reranker(jax.random.key(0), 8, "linear", hidden=4)

@@ -1,0 +1,107 @@
+"""Gumbel-top-M draws from Plackett–Luce, and the log-probabilities are exact."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rmm_jax as rj
+
+
+def pl_prob_bruteforce(scores, sel, tau, valid):
+    """P(ordered selection) by the sequential definition, in float64."""
+    z = np.where(valid, np.asarray(scores, np.float64) / tau, -np.inf)
+    remaining = valid.copy()
+    p = 1.0
+    for i in sel:
+        w = np.exp(z[remaining] - z[remaining].max())
+        p *= np.exp(z[i] - z[remaining].max()) / w.sum()
+        remaining[i] = False
+    return p
+
+
+@pytest.mark.parametrize("mask", [None, np.array([True, False, True, True, True]),
+                                  np.array([True, False, True, False, False])])
+@pytest.mark.parametrize("tau", [0.5, 1.0, 2.0])
+def test_plackett_luce_log_probs_of_all_ordered_selections_sum_to_one(mask, tau):
+    k, m = 5, 3
+    scores = jnp.array([0.3, -1.2, 2.0, 0.7, 0.1], jnp.float32)
+    valid = np.ones(k, bool) if mask is None else mask
+    n_valid = int(valid.sum())
+    depth = min(m, n_valid)
+    total = 0.0
+    for perm in itertools.permutations(np.flatnonzero(valid), depth):
+        sel = jnp.array(list(perm) + [-1] * (m - depth), jnp.int32)
+        lp = rj.selection_log_prob(scores, sel, tau, mask=None if mask is None else jnp.asarray(mask))
+        np.testing.assert_allclose(np.exp(lp), pl_prob_bruteforce(scores, perm, tau, valid.copy()), rtol=1e-5)
+        total += float(np.exp(lp))
+    assert abs(total - 1.0) < 1e-5
+
+
+def test_gumbel_top_m_frequencies_match_plackett_luce():
+    k, m, tau, n = 5, 2, 0.7, 40_000
+    scores = jnp.array([0.5, -0.3, 1.1, 0.0, -1.0], jnp.float32)
+    keys = jax.random.split(jax.random.key(1234), n)
+    draws = np.asarray(jax.jit(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, tau)))(keys))
+    counts = {}
+    for a, b in draws:
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    max_err = 0.0
+    for perm in itertools.permutations(range(k), m):
+        p = pl_prob_bruteforce(scores, perm, tau, np.ones(k, bool))
+        max_err = max(max_err, abs(counts.get(perm, 0) / n - p))
+    # 20 cells, each frequency has std <= sqrt(0.25/n) = 0.0025; 0.01 is 4 sigma.
+    assert max_err < 0.01, max_err
+
+
+def test_gumbel_top_m_is_ordered_by_perturbed_score_and_reproducible():
+    scores = jnp.linspace(-1, 1, 10)
+    a = rj.gumbel_top_m(jax.random.key(0), scores, 4, 0.5)
+    b = rj.gumbel_top_m(jax.random.key(0), scores, 4, 0.5)
+    assert a.dtype == jnp.int32 and a.shape == (4,)
+    np.testing.assert_array_equal(a, b)
+    assert len(set(np.asarray(a).tolist())) == 4
+
+
+def test_masked_candidates_are_never_selected():
+    k, m = 8, 5
+    mask = jnp.array([True, False, True, False, True, True, False, True])
+    scores = jnp.array([0., 9., 0., 9., 0., 0., 9., 0.])  # masked ones would win if allowed
+    keys = jax.random.split(jax.random.key(7), 2000)
+    sel = np.asarray(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, 1.0, mask))(keys))
+    assert not np.isin(sel, [1, 3, 6]).any()
+    # fewer valid than M: the rest are -1, never a masked index
+    few = jnp.array([True, False, False, False, True, False, False, False])
+    sel = np.asarray(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, 1.0, few))(keys))
+    assert (np.sort(sel[:, :2], axis=1) == [0, 4]).all() and (sel[:, 2:] == -1).all()
+
+
+def test_rmm_mode_is_the_sum_of_per_item_log_softmax_of_perturbed_scores():
+    scores = jnp.array([0.2, 1.0, -0.5, 0.3])
+    g = jnp.array([0.1, -0.4, 0.9, 0.0])
+    sel = jnp.array([2, 1], jnp.int32)
+    tau = 0.5
+    expect = jax.nn.log_softmax((scores + g) / tau)[jnp.array([2, 1])].sum()
+    got = rj.selection_log_prob(scores, sel, tau, mode="rmm", gumbel=g)
+    np.testing.assert_allclose(got, expect, rtol=1e-6)
+    # and it is not the exact probability of the selection
+    exact = rj.selection_log_prob(scores, sel, tau)
+    assert abs(float(got) - float(exact)) > 1e-3
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 5, 1.0), "m"),
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, 0.0), "tau"),
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, -1.0), "tau"),
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.array([0., jnp.nan]), 1, 1.0), "scores"),
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros((2, 4)), 1, 1.0), "scores"),
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 1, 1.0, jnp.ones(3, bool)), "mask"),
+    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(2, jnp.float32), 1.0), "selected"),
+    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(5, jnp.int32), 1.0), "selected"),
+    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="bogus"), "mode"),
+    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="rmm"), "gumbel"),
+])
+def test_bad_arguments_raise_value_error_naming_the_argument(call, arg):
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        call()
