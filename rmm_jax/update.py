@@ -107,14 +107,14 @@ def baseline_for(cfg: Config, learner_state, rewards, filled):
     return ema, new
 
 
-def importance_weights(cfg: Config, params, batch):
+def importance_weights(cfg: Config, scores, batch):
     """Per-query weights: 0 for padding; clip(π/μ) where a behaviour log-prob μ is logged.
 
-    π is the exact Plackett–Luce probability of the logged selection under ``params``.
-    A ratio within ``on_policy_tol`` of 1 in log space is exactly 1: the replaying policy
-    is the one that logged the data (keeps on-policy replay bit-identical).
+    π is the exact Plackett–Luce probability of the logged selection under the current
+    ``scores`` (B, K). A ratio within ``on_policy_tol`` of 1 in log space is exactly 1:
+    the replaying policy is the one that logged the data (keeps on-policy replay
+    bit-identical).
     """
-    scores = score_batch(params, batch["q"], batch["m"], batch["mask"])
     lp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.tau, "plackett_luce", None, mk))(
         scores, batch["selected"], batch["mask"])
     diff = lp - batch["logged_log_prob"]
@@ -128,7 +128,8 @@ def make_apply_update(cfg: Config, optimizer: optax.GradientTransformation | Non
 
     ``batch`` holds: q (B,d), m (B,K,d), mask (B,K) bool, selected (B,M) int32 (−1 unfilled),
     cited (B,M) bool, gumbel (B,K) noise on the score scale (used by mode ``rmm``),
-    valid (B,) bool, logged_log_prob (B,) and has_logged (B,) bool.
+    valid (B,) bool, logged_log_prob (B,) and has_logged (B,) bool; optionally scores
+    (B,K), the current policy's scores if the caller already has them (saves a pass).
     """
     opt = optimizer or make_optimizer(cfg)
 
@@ -136,7 +137,8 @@ def make_apply_update(cfg: Config, optimizer: optax.GradientTransformation | Non
         filled = (batch["selected"] >= 0) & batch["valid"][:, None]
         rewards = citation_rewards(batch["cited"], filled, cfg.reward)
         b, new_baseline = baseline_for(cfg, learner_state, rewards, filled)
-        weights = importance_weights(cfg, params, batch)
+        scores = batch["scores"] if "scores" in batch else score_batch(params, batch["q"], batch["m"], batch["mask"])
+        weights = importance_weights(cfg, scores, batch)
         batch = {**batch, "weight": weights}
         loss, grads = jax.value_and_grad(reranker_reinforce_loss)(params, batch, jax.lax.stop_gradient(b), cfg)
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -154,17 +156,29 @@ def make_apply_update(cfg: Config, optimizer: optax.GradientTransformation | Non
 CiteFn = Callable  # (key, is_gold (M,) bool, filled (M,) bool) -> cited (M,) bool
 
 
-def act(cfg: Config, params, batch, key):
+def act(cfg: Config, scores, mask, key):
     """Sample ordered selections for a batch: Gumbel-top-M of s/τ (Plackett–Luce).
 
+    Args: scores (B,K) under the current policy; mask (B,K); key.
     Returns (selected (B,M) int32, gumbel on the score scale (B,K), log P(selection) (B,)).
     """
-    scores = score_batch(params, batch["q"], batch["m"], batch["mask"])
     g = jax.random.gumbel(key, scores.shape, scores.dtype)
-    selected = jax.vmap(lambda z, mk: top_m(z, cfg.m, mk))(scores / cfg.tau + g, batch["mask"])
+    selected = jax.vmap(lambda z, mk: top_m(z, cfg.m, mk))(scores / cfg.tau + g, mask)
     logp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.tau, "plackett_luce", None, mk))(
-        scores, selected, batch["mask"])
+        scores, selected, mask)
     return selected, cfg.tau * g, logp
+
+
+def simulated_batch(cfg: Config, cite_fn, scores, batch, key):
+    """act → cite on a batch with gold labels; returns the batch :func:`make_apply_update` takes."""
+    k_act, k_cite = jax.random.split(key)
+    selected, gumbel, logp = act(cfg, scores, batch["mask"], k_act)
+    filled = (selected >= 0) & batch["valid"][:, None]
+    is_gold = jnp.take_along_axis(batch["gold"], jnp.maximum(selected, 0), axis=1) & filled
+    cited = jax.vmap(cite_fn)(jax.random.split(k_cite, selected.shape[0]), is_gold, filled)
+    return {"q": batch["q"], "m": batch["m"], "mask": batch["mask"], "valid": batch["valid"],
+            "selected": selected, "cited": cited, "gumbel": gumbel, "scores": scores,
+            "logged_log_prob": logp, "has_logged": jnp.zeros_like(batch["valid"])}
 
 
 def make_update_step(cfg: Config, cite_fn: CiteFn, optimizer=None):
@@ -178,15 +192,10 @@ def make_update_step(cfg: Config, cite_fn: CiteFn, optimizer=None):
     apply = make_apply_update(cfg, optimizer)
 
     def step(params, opt_state, learner_state, batch, key):
-        k_act, k_cite = jax.random.split(key)
-        selected, gumbel, logp = act(cfg, params, batch, k_act)
-        filled = (selected >= 0) & batch["valid"][:, None]
-        is_gold = jnp.take_along_axis(batch["gold"], jnp.maximum(selected, 0), axis=1) & filled
-        cited = jax.vmap(cite_fn)(jax.random.split(k_cite, selected.shape[0]), is_gold, filled)
-        full = {"q": batch["q"], "m": batch["m"], "mask": batch["mask"], "valid": batch["valid"],
-                "selected": selected, "cited": cited, "gumbel": gumbel,
-                "logged_log_prob": logp, "has_logged": jnp.zeros_like(batch["valid"])}
+        scores = score_batch(params, batch["q"], batch["m"], batch["mask"])
+        full = simulated_batch(cfg, cite_fn, scores, batch, key)
         params, opt_state, learner_state, metrics = apply(params, opt_state, learner_state, full)
-        return params, opt_state, learner_state, {**metrics, "selected": selected, "cited": cited, "log_prob": logp}
+        return params, opt_state, learner_state, {
+            **metrics, "selected": full["selected"], "cited": full["cited"], "log_prob": full["logged_log_prob"]}
 
     return step

@@ -92,8 +92,10 @@ def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
     cfg = rj.Config(m=M, k=K, clip=2.0)
     params, opt_state, ls = setup(cfg)
     batch = make_batch(jax.random.key(4))
-    sel, _, logp = act(cfg, params, batch, jax.random.key(8))
-    from rmm_jax.update import importance_weights
+    scores = rj.score_batch(params, batch["q"], batch["m"], batch["mask"])
+    sel, _, logp = act(cfg, scores, batch["mask"], jax.random.key(8))
+    from rmm_jax.update import importance_weights as iw
+    importance_weights = lambda c, p, b: iw(c, scores, b)
     on = {**batch, "selected": sel, "logged_log_prob": logp, "has_logged": jnp.ones((B,), bool)}
     np.testing.assert_array_equal(importance_weights(cfg, params, on), np.ones(B))
     off = {**on, "logged_log_prob": logp - 5.0}  # logged policy found it far less likely
