@@ -52,7 +52,7 @@ def _register() -> None:
         importlib.import_module(f"cli.{name}")
 
 
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies"]
 
 
 def main(argv=None) -> None:
@@ -76,4 +76,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run through the imported module so sub-commands register on the same group.
+    from cli.main import main as _main
+
+    _main()

@@ -1,0 +1,137 @@
+"""``rmm-jax policies``: inspect and export a per-user policy store.
+
+A policy store (see :mod:`rmm_jax.policies`) is written by ``pretrain``/``simulate``;
+these commands only read it, so they need no lock and are safe while a writer runs.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+import numpy as np
+
+from cli.main import cli
+
+
+def _open(store: str):
+    from rmm_jax.policies import PolicyStore
+
+    return PolicyStore.open(store)
+
+
+def _progress(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@cli.group()
+def policies():
+    """Inspect per-user reranker policies saved by the online learner.
+
+    \b
+    Examples:
+      rmm-jax policies list policies/                 # users, versions, queries seen
+      rmm-jax policies show policies/ user_7          # shapes, norms, info of one user
+      rmm-jax policies export policies/ user_7 --out user_7.npz
+    """
+
+
+def list_rows(store) -> list[dict]:
+    """One summary per user: versions, queries seen (from info) and last update."""
+    rows = []
+    for uid in store.users():
+        entries = store.version_entries(uid)
+        info = store.info(uid)
+        rows.append({"user": uid, "versions": [e["version"] for e in entries],
+                     "queries_seen": info.get("queries_seen"),
+                     "last_update": entries[-1].get("saved_at") if entries else None})
+    return rows
+
+
+@policies.command("list")
+@click.argument("store", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of a table.")
+def list_cmd(store, as_json):
+    """List the users of policy store STORE: saved versions (newest last), queries seen
+    (the "queries_seen" entry of the newest info) and time of the last update (UTC)."""
+    st = _open(store)
+    rows = list_rows(st)
+    if as_json:
+        click.echo(json.dumps({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}))
+        return
+    m = st.meta
+    click.echo(f"{store}: kind={m['kind']} dim={m['dim']} hidden={m['hidden']} users={len(rows)}")
+    if not rows:
+        return
+    w = max(4, *(len(r["user"]) for r in rows))
+    click.echo(f"{'user':<{w}}  {'versions':<20}  {'queries':>8}  last update")
+    for r in rows:
+        q = "-" if r["queries_seen"] is None else str(r["queries_seen"])
+        click.echo(f"{r['user']:<{w}}  {','.join(map(str, r['versions'])):<20}  {q:>8}  {r['last_update']}")
+
+
+def _leaf_table(tree) -> list[dict]:
+    """Path, shape, dtype and L2 norm of every leaf of a pytree."""
+    from rmm_jax.policies import encode_tree, leaf_specs
+
+    spec, leaves = encode_tree(tree)
+    out = []
+    for s in leaf_specs(spec):
+        a = leaves[s["i"]]
+        norm = float(np.linalg.norm(a.astype(np.float64).ravel())) if a.dtype.kind in "fiub" else None
+        out.append({"path": s["path"], "shape": s["shape"], "dtype": s["dtype"], "norm": norm})
+    return out
+
+
+def show_doc(st, user: str) -> dict:
+    """Everything ``show`` prints for one user, as a JSON-able dict."""
+    pol = st.load_user(user)
+    return {"store": str(st.path), "user": user, "meta": st.meta, "restored_version": pol.version,
+            "skipped": st.last_restore_report["skipped"] if st.last_restore_report else [],
+            "versions": st.version_entries(user), "info": pol.info,
+            "params": _leaf_table(pol.params), "opt_state": _leaf_table(pol.opt_state),
+            "learner_state": _leaf_table(pol.learner_state)}
+
+
+@policies.command()
+@click.argument("store", type=click.Path())
+@click.argument("user")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of text.")
+def show(store, user, as_json):
+    """Show USER's policy in STORE: store meta, saved versions, the version restored
+    (a newer corrupt one is skipped and reported), shapes and L2 norms of the params,
+    optimiser and learner state, and the saved info (queries seen, metrics)."""
+    st = _open(store)
+    _progress(f"loading {user!r} from {store} ...")
+    doc = show_doc(st, user)
+    if as_json:
+        click.echo(json.dumps(doc))
+        return
+    m = doc["meta"]
+    click.echo(f"user {user} in {store} (kind={m['kind']} dim={m['dim']} hidden={m['hidden']})")
+    vs = ", ".join(f"v{e['version']} ({e.get('saved_at')})" for e in doc["versions"])
+    click.echo(f"versions: {vs}; restored v{doc['restored_version']}")
+    for s in doc["skipped"]:
+        click.echo(f"  skipped v{s['version']}: {s['reason']}")
+    for part in ("params", "opt_state", "learner_state"):
+        click.echo(f"{part}:")
+        for leaf in doc[part]:
+            norm = "" if leaf["norm"] is None else f"  |.|={leaf['norm']:.6g}"
+            click.echo(f"  {leaf['path']:<32} {str(tuple(leaf['shape'])):<14} {leaf['dtype']:<8}{norm}")
+    click.echo(f"info: {json.dumps(doc['info'], sort_keys=True)}")
+
+
+@policies.command()
+@click.argument("store", type=click.Path())
+@click.argument("user")
+@click.option("--out", "out", required=True, type=click.Path(),
+              help="Output .npz; keys are leaf paths such as q_adapter/W/kernel. A FILE.json "
+                   "with meta, version and info is written next to it.")
+@click.option("--version", "version", type=int, default=None,
+              help="Export this saved version instead of the newest good one.")
+def export(store, user, out, version):
+    """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
+    load with numpy.load outside rmm-jax. Both files are written atomically."""
+    st = _open(store)
+    _progress(f"exporting {user!r} from {store} ...")
+    doc = st.export_user(user, out, version=version)
+    _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
