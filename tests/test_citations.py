@@ -1,0 +1,352 @@
+"""Tests for rmm_jax.citations: the oracle citation simulator, the parser, the prompt."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from rmm_jax.citations import (
+    DEFAULT_PRECISION,
+    DEFAULT_RECALL,
+    RMM_PROMPT_TEMPLATE,
+    false_cite_prob,
+    format_prompt,
+    oracle_cite,
+    parse_citations,
+)
+from rmm_jax.errors import InputError
+
+M = 8
+N_CALLS = 80_000
+
+
+# ---------------------------------------------------------------------------
+# oracle_cite: calibration
+# ---------------------------------------------------------------------------
+
+def _patterns(seed: int, n: int = N_CALLS, m: int = M) -> tuple[np.ndarray, np.ndarray]:
+    """Varied (is_gold, valid) patterns: 1..m valid slots, gold rate per call in 0..1."""
+    rng = np.random.default_rng(seed)
+    n_valid = rng.integers(1, m + 1, size=n)
+    valid = np.arange(m)[None, :] < n_valid[:, None]
+    gold_rate = rng.choice([0.0, 0.1, 0.25, 0.5, 0.75, 1.0], size=n)
+    is_gold = rng.random((n, m)) < gold_rate[:, None]
+    # Padded slots get random gold flags too: they must be ignored anyway.
+    return is_gold, valid
+
+
+def _raw_q(is_gold, valid, p, r):
+    g = (is_gold & valid).sum(-1).astype(np.float64)
+    ng = (~is_gold & valid).sum(-1).astype(np.float64)
+    return r * g * (1 - p) / (p * np.maximum(ng, 1)), g, ng
+
+
+def _simulate(seed, is_gold, valid, p, r):
+    keys = jax.random.split(jax.random.key(seed), is_gold.shape[0])
+    fn = jax.jit(jax.vmap(lambda k, g, v: oracle_cite(k, g, v, precision=p, recall=r)))
+    return np.asarray(fn(keys, jnp.asarray(is_gold), jnp.asarray(valid)))
+
+
+def _rates(cited, is_gold, valid):
+    tp = (cited & is_gold & valid).sum()
+    recall = tp / (is_gold & valid).sum()
+    precision = tp / cited.sum()
+    return float(recall), float(precision)
+
+
+TOL = 0.01  # >= 6 standard errors: ~1e5 gold slots and ~8e4 citations per setting
+
+
+@pytest.mark.parametrize("p, r, seed", [
+    (DEFAULT_PRECISION, DEFAULT_RECALL, 0),
+    (0.7, 0.6, 1),
+    (0.95, 0.99, 2),
+    (0.5, 0.3, 3),
+])
+def test_empirical_precision_and_recall_match_settings(p, r, seed):
+    """Over calls where the target is reachable - q not clipped and at least one
+    non-gold memory selected (with none, no false citation is possible) - the
+    aggregate precision and recall match the settings. Calls without gold count too
+    (they cite nothing). Adding the unreachable calls only raises precision."""
+    is_gold, valid = _patterns(seed)
+    raw_q, _, n_nongold = _raw_q(is_gold, valid, p, r)
+    reachable = (raw_q <= 1.0) & (n_nongold > 0)
+    assert reachable.sum() >= 50_000
+    cited = _simulate(seed, is_gold, valid, p, r)
+    assert not (cited & ~valid).any()
+    recall, precision = _rates(cited[reachable], is_gold[reachable], valid[reachable])
+    assert abs(recall - r) < TOL, (recall, r)
+    assert abs(precision - p) < TOL, (precision, p)
+    recall_all, precision_all = _rates(cited, is_gold, valid)
+    assert abs(recall_all - r) < TOL
+    assert precision_all >= precision
+
+
+def test_defaults_never_clip_for_m_up_to_9():
+    # Documented: with the defaults q clips only when n_gold / n_nongold > ~8.23.
+    for g in range(0, 10):
+        for ng in range(1, 10 - g):
+            raw = DEFAULT_RECALL * g * (1 - DEFAULT_PRECISION) / (DEFAULT_PRECISION * ng)
+            assert raw <= 1.0
+
+
+def test_clipped_q_gives_precision_above_target():
+    p, r = 0.5, 0.9
+    n = 50_000
+    is_gold = np.zeros((n, M), bool)
+    is_gold[:, :6] = True  # 6 gold, 1 non-gold: raw q = 0.9 * 6 = 5.4 -> 1
+    valid = np.zeros((n, M), bool)
+    valid[:, :7] = True
+    q = np.asarray(false_cite_prob(is_gold, valid, precision=p, recall=r))
+    assert np.all(q == 1.0)
+    cited = _simulate(7, is_gold, valid, p, r)
+    assert cited[:, 6].all()  # every non-gold slot cited
+    _, precision = _rates(cited, is_gold, valid)
+    assert precision > p + 0.3  # ~ 5.4 / 6.4 = 0.84
+
+
+def test_per_call_q_beats_fixed_false_citation_rate():
+    """Per-call q hits the target; a fixed q = 1 - precision (the naive reading of a
+    "false citation rate") over-cites non-gold memories and loses precision."""
+    p, r, seed = DEFAULT_PRECISION, DEFAULT_RECALL, 11
+    is_gold, valid = _patterns(seed)
+    keys = jax.random.split(jax.random.key(seed), is_gold.shape[0])
+    u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (M,), dtype=jnp.float32))(keys))
+    cited = _simulate(seed, is_gold, valid, p, r)
+    # Same uniforms: oracle_cite thresholds u against the per-slot probability.
+    q = np.asarray(false_cite_prob(is_gold, valid, precision=p, recall=r))
+    again = valid & (u < np.where(is_gold, np.float32(r), q[:, None]))
+    np.testing.assert_array_equal(cited, again)
+    fixed = valid & (u < np.where(is_gold, np.float32(r), np.float32(1 - p)))
+    _, prec_oracle = _rates(cited, is_gold, valid)
+    _, prec_fixed = _rates(fixed, is_gold, valid)
+    assert prec_oracle >= prec_fixed
+    # On calls with a non-gold memory selected (no clipping with the defaults):
+    ok = (~is_gold & valid).any(-1)
+    _, prec_oracle = _rates(cited[ok], is_gold[ok], valid[ok])
+    _, prec_fixed = _rates(fixed[ok], is_gold[ok], valid[ok])
+    assert abs(prec_oracle - p) < TOL
+    assert prec_fixed < p - 0.05
+
+
+def test_false_cite_prob_formula():
+    is_gold = np.array([[1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0],
+                        [1, 1, 1, 0, 0, 0]], bool)
+    valid = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0],
+                      [1, 1, 1, 0, 0, 0]], bool)
+    p, r = 0.8, 0.6
+    q = np.asarray(false_cite_prob(is_gold, valid, precision=p, recall=r))
+    assert q.dtype == np.float32
+    np.testing.assert_allclose(q[0], r * 2 * (1 - p) / (p * 3), rtol=1e-6)
+    np.testing.assert_allclose(q[1], r * 1 * (1 - p) / (p * 2), rtol=1e-6)
+    assert q[2] == 0.0          # no gold selected -> q = 0 (nothing cited)
+    assert math.isfinite(q[3])  # no non-gold: finite, unused
+
+
+# ---------------------------------------------------------------------------
+# oracle_cite: masking, edge cases, determinism, transforms
+# ---------------------------------------------------------------------------
+
+def test_masked_slots_never_cited_even_when_gold():
+    is_gold, valid = _patterns(5, n=20_000)
+    cited = _simulate(5, is_gold, valid, 0.6, 1.0)
+    assert not (cited & ~valid).any()
+    # With recall 1 every valid gold slot is cited.
+    assert (cited[is_gold & valid]).all()
+
+
+def test_precision_one_gives_no_false_citations():
+    is_gold, valid = _patterns(6, n=20_000)
+    cited = _simulate(6, is_gold, valid, 1.0, DEFAULT_RECALL)
+    assert not (cited & ~is_gold).any()
+    assert cited.any()
+
+
+def test_no_gold_selected_cites_nothing():
+    is_gold = np.zeros((5_000, M), bool)
+    valid = np.ones((5_000, M), bool)
+    assert not _simulate(8, is_gold, valid, 0.3, 1.0).any()
+
+
+def test_recall_zero_cites_nothing_and_recall_one_precision_one_is_exact():
+    is_gold, valid = _patterns(9, n=5_000)
+    assert not _simulate(9, is_gold, valid, DEFAULT_PRECISION, 0.0).any()
+    np.testing.assert_array_equal(_simulate(9, is_gold, valid, 1.0, 1.0), is_gold & valid)
+
+
+def test_seeded_and_jit_vmap_consistent():
+    key = jax.random.key(42)
+    g = jnp.array([True, False, True, False, False, True], dtype=jnp.bool_)
+    v = jnp.array([True, True, True, True, True, False], dtype=jnp.bool_)
+    a = oracle_cite(key, g, v)
+    b = oracle_cite(key, g, v)
+    c = jax.jit(oracle_cite)(key, g, v)
+    d = jax.jit(oracle_cite, static_argnames=("precision", "recall"))(key, g, v, precision=0.5,
+                                                                      recall=0.9)
+    assert a.dtype == jnp.bool_ and a.shape == (6,) and d.shape == (6,)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, c)
+    keys = jax.random.split(key, 16)
+    batched = jax.vmap(oracle_cite, in_axes=(0, None, None))(keys, g, v)
+    for i in range(16):
+        np.testing.assert_array_equal(batched[i], oracle_cite(keys[i], g, v))
+    assert len({tuple(np.asarray(x)) for x in batched}) > 1  # different keys differ
+    # Legacy uint32 keys work too.
+    np.testing.assert_array_equal(oracle_cite(jax.random.PRNGKey(0), g, v),
+                                  oracle_cite(jax.random.PRNGKey(0), g, v))
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"precision": 0.0}, "precision"), ({"precision": 1.5}, "precision"),
+    ({"precision": float("nan")}, "precision"), ({"precision": True}, "precision"),
+    ({"precision": "0.9"}, "precision"), ({"precision": -0.1}, "precision"),
+    ({"recall": -0.1}, "recall"), ({"recall": 1.01}, "recall"),
+    ({"recall": float("inf")}, "recall"), ({"recall": None}, "recall"),
+])
+def test_rate_validation(kw, name):
+    g = jnp.zeros(4, dtype=jnp.bool_)
+    with pytest.raises(InputError, match=f"argument '{name}'"):
+        oracle_cite(jax.random.key(0), g, g, **kw)
+
+
+def test_rate_accepts_numpy_scalars_and_boundaries():
+    g = jnp.array([True, False, True, False], dtype=jnp.bool_)
+    oracle_cite(jax.random.key(0), g, g, precision=np.float32(0.5), recall=np.float64(0.0))
+    oracle_cite(jax.random.key(0), g, g, precision=1, recall=1)
+
+
+def test_traced_rate_is_input_error():
+    g = jnp.array([True, False, True, False], dtype=jnp.bool_)
+    with pytest.raises(InputError, match="argument 'precision'.*static"):
+        jax.jit(lambda k, p: oracle_cite(k, g, g, precision=p))(jax.random.key(0), 0.5)
+
+
+def test_shape_mismatch_is_input_error():
+    with pytest.raises(InputError, match="argument 'valid'"):
+        oracle_cite(jax.random.key(0), jnp.zeros(4, bool), jnp.zeros(5, bool))
+    with pytest.raises(InputError, match="argument 'is_gold'"):
+        oracle_cite(jax.random.key(0), jnp.bool_(True), jnp.bool_(True))
+
+
+# ---------------------------------------------------------------------------
+# parse_citations
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, n, expected", [
+    ("I went there. [1]", 5, (0,)),
+    ("Yes [2, 3].", 5, (1, 2)),
+    ("Yes [1,2]", 5, (0, 1)),
+    ("see [Memory 3]", 5, (2,)),
+    ("see [memory 3]", 5, (2,)),
+    ("[M2]", 5, (1,)),
+    ("[m2]", 5, (1,)),
+    ("[Memory 1, Memory 4]", 5, (0, 3)),
+    ("[M1][M3]", 5, (0, 2)),
+    ("Nothing relevant.\nCitations: [NO_CITE]", 5, ()),
+    ("[no_cite]", 5, ()),
+    ("In [2023] we met [2]", 5, (1,)),
+    ("[0] [6] [3]", 5, (2,)),
+    ("[3] then [1] then [3, 1] again", 5, (2, 0)),
+    ("[see above] [1, foo] [2]", 5, (1,)),
+    ("no citations at all", 5, ()),
+    ("[1]", 0, ()),
+    ("[ 2 ; 4 ]", 5, (1, 3)),
+    ("[Memory4]", 5, (3,)),
+    ("Citations: [1, 3]", 3, (0, 2)),
+    ("[]", 3, ()),
+    ("[[2]]", 3, (1,)),
+    ("[99999999999999999999999]", 3, ()),
+])
+def test_parse_examples(text, n, expected):
+    assert parse_citations(text, n) == expected
+
+
+def test_parse_validation():
+    with pytest.raises(InputError, match="argument 'text'"):
+        parse_citations(None, 3)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(InputError, match="argument 'num_shown'"):
+            parse_citations("[1]", bad)
+    assert parse_citations("[2]", np.int64(3)) == (1,)
+
+
+def _fmt_item(style: str, n: int, upper: bool) -> str:
+    if style == "plain":
+        return str(n)
+    if style == "memory":
+        return ("Memory " if upper else "memory ") + str(n)
+    return ("M" if upper else "m") + str(n)
+
+
+@st.composite
+def _cited_text(draw):
+    num_shown = draw(st.integers(1, 30))
+    cites = draw(st.lists(st.integers(1, num_shown), min_size=0, max_size=12))
+    filler = st.text(alphabet=st.characters(blacklist_characters="[]",
+                                            blacklist_categories=("Cs",)), max_size=12)
+    noise = st.sampled_from(["[NO_CITE]", "[2023]", "[0]", f"[{num_shown + 1}]",
+                             "[see above]", "[1, foo]", "[]", "", "Memory [x]"])
+    parts = [draw(filler)]
+    i = 0
+    while i < len(cites):
+        size = draw(st.integers(1, len(cites) - i))
+        group = cites[i:i + size]
+        i += size
+        sep = draw(st.sampled_from([",", ", ", " , ", ";", "; "]))
+        items = [_fmt_item(draw(st.sampled_from(["plain", "memory", "m"])), n, draw(st.booleans()))
+                 for n in group]
+        parts.append("[" + sep.join(items) + "]")
+        parts.append(draw(st.one_of(filler, noise)))
+    if draw(st.booleans()):
+        parts.append("\nCitations: " + draw(noise))
+    expected = tuple(dict.fromkeys(n - 1 for n in cites))
+    return "".join(parts), num_shown, expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(_cited_text())
+def test_parse_round_trip(case):
+    text, num_shown, expected = case
+    assert parse_citations(text, num_shown) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(), st.integers(0, 50))
+def test_parse_never_crashes_and_stays_in_range(text, n):
+    out = parse_citations(text, n)
+    assert isinstance(out, tuple)
+    assert len(set(out)) == len(out)
+    assert all(isinstance(i, int) and 0 <= i < n for i in out)
+
+
+# ---------------------------------------------------------------------------
+# Prompt
+# ---------------------------------------------------------------------------
+
+def test_template_placeholders():
+    assert "{memories}" in RMM_PROMPT_TEMPLATE and "{query}" in RMM_PROMPT_TEMPLATE
+    assert "[NO_CITE]" in RMM_PROMPT_TEMPLATE and "Citations: [1, 3]" in RMM_PROMPT_TEMPLATE
+    # Only the two documented placeholders.
+    RMM_PROMPT_TEMPLATE.format(memories="", query="")
+
+
+def test_format_prompt_numbers_memories_in_order():
+    text = format_prompt("Where did I go {last} week?", ["I went to {Paris}.", "I like tea."])
+    assert "Memory [1]: I went to {Paris}." in text
+    assert "Memory [2]: I like tea." in text
+    assert text.index("Memory [1]") < text.index("Memory [2]") < text.index("User: Where")
+    assert "User: Where did I go {last} week?" in text
+    assert "(no memories)" in format_prompt("hi", [])
+
+
+def test_format_prompt_validation():
+    with pytest.raises(InputError, match="argument 'query'"):
+        format_prompt(3, ["a"])
+    with pytest.raises(InputError, match="argument 'memories'"):
+        format_prompt("q", "abc")
+    with pytest.raises(InputError, match="argument 'memories'"):
+        format_prompt("q", ["a", None])

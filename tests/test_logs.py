@@ -1,0 +1,519 @@
+"""Tests for rmm_jax.logs: the logged-citations JSONL schema, reader and writer."""
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from rmm_jax.errors import InputError
+from rmm_jax.logs import (
+    LogRecord,
+    iter_log,
+    iter_user_chunks,
+    read_log,
+    record_to_json,
+    validate_record,
+    write_log,
+)
+
+# ---------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------
+
+ids = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6)
+finite_nonpos = st.one_of(
+    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False),
+    st.integers(max_value=0, min_value=-(10 ** 6)),
+)
+timestamps = st.one_of(st.none(), st.text(max_size=10), st.integers(-(10 ** 12), 10 ** 12),
+                       st.floats(allow_nan=False, allow_infinity=False))
+
+
+# Cheap ids for the many-example malformed-line tests (the round trip uses ``ids``).
+small_ids = st.sampled_from(["m1", "m2", "m3", "m4", "m5", "m6", "ü", 'a"b', "x\ny", "\u2028"])
+
+
+@st.composite
+def record_objs(draw, user_id=None, query_id=None, ids=ids):
+    """A valid record as a JSON object (dict)."""
+    candidates = draw(st.lists(ids, min_size=1, max_size=8, unique=True))
+    selected = draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=len(candidates),
+                             unique=True))
+    cited = draw(st.lists(st.sampled_from(selected), max_size=len(selected), unique=True))
+    obj = {
+        "user_id": user_id if user_id is not None else draw(ids),
+        "query_id": query_id if query_id is not None else draw(ids),
+        "candidates": candidates,
+        "selected": selected,
+        "cited": cited,
+    }
+    lp = draw(st.one_of(st.none(), st.just("absent"), finite_nonpos))
+    if lp != "absent":
+        obj["log_prob"] = lp
+    ts = draw(st.one_of(st.just("absent"), timestamps))
+    if ts != "absent":
+        obj["timestamp"] = ts
+    if draw(st.booleans()):
+        obj["extra_" + draw(st.text(max_size=3))] = draw(st.one_of(st.integers(), st.text()))
+    return obj
+
+
+@st.composite
+def record_lists(draw, min_size=1, max_size=6, ids=ids):
+    n = draw(st.integers(min_size, max_size))
+    users = draw(st.lists(ids, min_size=1, max_size=3, unique=True))
+    out, seen = [], set()
+    for _ in range(n):
+        u = draw(st.sampled_from(users))
+        q = draw(ids)
+        if (u, q) in seen:
+            continue
+        seen.add((u, q))
+        out.append(draw(record_objs(user_id=u, query_id=q, ids=ids)))
+    return out
+
+
+def _dump(obj) -> str:
+    return json.dumps(obj, allow_nan=True)
+
+
+def _fresh(obj) -> str:
+    """An id in none of the record's lists (longer than all of them)."""
+    return "#" + "".join(obj["candidates"]) + "#"
+
+
+def _other_type(draw, kind: str):
+    """A JSON value that is not of ``kind`` (and not null where null means absent)."""
+    pools = {
+        "string": [st.integers(), st.floats(allow_nan=False), st.booleans(), st.none(),
+                   st.lists(st.integers(), max_size=2), st.just({"a": 1})],
+        "list": [st.text(max_size=3), st.integers(), st.booleans(), st.none(), st.just({"a": [1]})],
+        "number": [st.text(max_size=3), st.booleans(), st.lists(st.integers(), max_size=2),
+                   st.just({"x": 1})],
+        "timestamp": [st.booleans(), st.lists(st.integers(), max_size=2), st.just({"x": 1})],
+    }
+    return draw(st.one_of(pools[kind]))
+
+
+MUTATIONS = ["drop", "type", "elem_type", "empty_id", "cited_outside", "selected_outside",
+             "duplicate", "empty_list", "bad_log_prob", "non_object", "broken_json",
+             "bad_utf8", "dup_json_key", "bad_timestamp", "dup_pair"]
+
+
+# Each mutation returns (line text or bytes, expected key or None, kind).
+@st.composite
+def malformed_line(draw, earlier: list[dict], kind: str):
+    obj = draw(record_objs(ids=small_ids))
+    if kind == "drop":
+        key = draw(st.sampled_from(["user_id", "query_id", "candidates", "selected", "cited"]))
+        del obj[key]
+        return _dump(obj), key, kind
+    if kind == "type":
+        key = draw(st.sampled_from(["user_id", "query_id", "candidates", "selected", "cited",
+                                    "log_prob"]))
+        want = {"user_id": "string", "query_id": "string", "log_prob": "number"}.get(key, "list")
+        obj[key] = _other_type(draw, want)
+        return _dump(obj), key, kind
+    if kind == "bad_timestamp":
+        if draw(st.booleans()):
+            obj["timestamp"] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        else:
+            obj["timestamp"] = _other_type(draw, "timestamp")
+        return _dump(obj), "timestamp", kind
+    if kind == "elem_type":
+        key = draw(st.sampled_from(["candidates", "selected", "cited"]))
+        lst = obj[key] or []
+        pos = draw(st.integers(0, len(lst)))
+        obj[key] = lst[:pos] + [_other_type(draw, "string")] + lst[pos:]
+        return _dump(obj), key, kind
+    if kind == "empty_id":
+        key = draw(st.sampled_from(["user_id", "query_id", "candidates"]))
+        if key == "candidates":
+            obj[key] = obj[key] + [""]
+        else:
+            obj[key] = ""
+        return _dump(obj), key, kind
+    if kind == "cited_outside":
+        outside = draw(st.sampled_from(
+            [c for c in obj["candidates"] if c not in obj["selected"]] + [_fresh(obj)]))
+        obj["cited"] = obj["cited"] + [outside]
+        return _dump(obj), "cited", kind
+    if kind == "selected_outside":
+        obj["selected"] = obj["selected"] + [_fresh(obj)]
+        return _dump(obj), "selected", kind
+    if kind == "duplicate":
+        key = draw(st.sampled_from(["candidates", "selected", "cited"]))
+        if key == "cited" and not obj["cited"]:
+            obj["cited"] = [obj["selected"][0]]
+        lst = obj[key]
+        obj[key] = lst + [draw(st.sampled_from(lst))]
+        return _dump(obj), key, kind
+    if kind == "empty_list":
+        key = draw(st.sampled_from(["candidates", "selected"]))
+        obj[key] = []
+        return _dump(obj), key, kind
+    if kind == "bad_log_prob":
+        obj["log_prob"] = draw(st.one_of(
+            st.sampled_from([math.nan, math.inf, -math.inf, 1e-300, 10 ** 400, -(10 ** 400)]),
+            st.floats(min_value=0.0, exclude_min=True, allow_infinity=False),
+            st.integers(min_value=1)))  # -(10 ** 400) overflows float: not finite
+        return _dump(obj), "log_prob", kind
+    if kind == "non_object":
+        value = draw(st.one_of(st.lists(st.integers(), max_size=3), st.integers(), st.text(),
+                               st.none(), st.booleans(), st.just([obj])))
+        return _dump(value), None, kind
+    if kind == "broken_json":
+        text = _dump(obj)
+        how = draw(st.sampled_from(["truncate", "extra", "quote", "nan_word"]))
+        if how == "truncate":
+            text = text[:draw(st.integers(1, len(text) - 1))]
+        elif how == "extra":
+            text = text + draw(st.sampled_from(["}", "]", ",", "x", " {}"]))
+        elif how == "quote":
+            text = text.replace('"', "'", 1)
+        else:
+            text = text[:-1] + ', "log_prob": nan}'
+        return text, None, kind
+    if kind == "bad_utf8":
+        return b"\xff\xfe" + _dump(obj).encode(), None, kind
+    if kind == "dup_json_key":
+        text = _dump(obj)
+        return text[:-1] + ', "user_id": "again"}', "user_id", kind
+    assert kind == "dup_pair"
+    prev = draw(st.sampled_from(earlier))
+    obj = draw(record_objs(user_id=prev["user_id"], query_id=prev["query_id"], ids=small_ids))
+    return _dump(obj), "query_id", kind
+
+
+def _write_lines(path: Path, lines, blanks) -> list[int]:
+    """Write ``lines`` (str or bytes) with ``blanks[i]`` blank lines before line i.
+
+    Returns the physical line number of each line."""
+    out, numbers, lineno = [], [], 0
+    for line, nb in zip(lines, blanks):
+        for _ in range(nb):
+            out.append(b"" if nb % 2 else b"   \t")
+            lineno += 1
+        out.append(line if isinstance(line, bytes) else line.encode())
+        lineno += 1
+        numbers.append(lineno)
+    path.write_bytes(b"\n".join(out) + b"\n")
+    return numbers
+
+
+# ---------------------------------------------------------------------------
+# Property tests
+# ---------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(record_lists())
+def test_valid_records_round_trip(objs):
+    recs = [validate_record(o, "<test>") for o in objs]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "log.jsonl"
+        assert write_log(path, recs) == len(recs)
+        got, report = read_log(path)
+        assert got == recs
+        assert list(iter_log(path)) == recs
+        assert report == {"records": len(recs), "skipped": 0, "first_errors": []}
+        # The hand-written form (extra keys, nulls, int log_prob) reads the same too.
+        raw = Path(d) / "raw.jsonl"
+        _write_lines(raw, [json.dumps(o) for o in objs], [i % 3 for i in range(len(objs))])
+        assert read_log(raw)[0] == recs
+    for r, o in zip(recs, objs):
+        assert record_to_json(r)["candidates"] == o["candidates"]
+        assert r.log_prob is None or (isinstance(r.log_prob, float) and r.log_prob <= 0)
+
+
+@pytest.mark.parametrize("kind", MUTATIONS)
+# 80 examples per mutation class: 1,200 malformed files in all, each class well covered.
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_malformed_records_rejected_with_file_and_line(tmp_path_factory, kind, data):
+    good = data.draw(record_lists(min_size=1 if kind == "dup_pair" else 0, max_size=4,
+                                  ids=small_ids))
+    before = data.draw(st.integers(1 if kind == "dup_pair" else 0, len(good)))
+    bad, key, _ = data.draw(malformed_line(good[:before], kind))
+    lines = ([json.dumps(o) for o in good[:before]] + [bad]
+             + [json.dumps(o) for o in good[before:]])
+    blanks = data.draw(st.lists(st.integers(0, 2), min_size=len(lines), max_size=len(lines)))
+    path = _scratch(tmp_path_factory) / "calls-log.jsonl"
+    numbers = _write_lines(path, lines, blanks)
+    line = numbers[before]
+    with pytest.raises(InputError) as info:
+        read_log(path)
+    msg = str(info.value)
+    assert "calls-log.jsonl" in msg
+    assert msg.startswith(f"{path}:{line}:"), (kind, msg)
+    assert "\n" not in msg
+    if key is not None:
+        assert f"key '{key}'" in msg, (kind, msg)
+    # skip_invalid: the bad line is counted and the good ones are kept.
+    if good:
+        recs, report = read_log(path, skip_invalid=True)
+        assert report["skipped"] == 1 and report["records"] == len(good) == len(recs)
+        assert report["first_errors"] == [msg]
+    else:
+        with pytest.raises(InputError, match="no records"):
+            read_log(path, skip_invalid=True)
+
+
+_SCRATCH: list[Path] = []
+
+
+def _scratch(factory) -> Path:
+    """One scratch directory for all examples (a fresh one per example is slow)."""
+    if not _SCRATCH:
+        _SCRATCH.append(factory.mktemp("malformed"))
+    return _SCRATCH[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(),
+                 st.lists(st.integers()),
+                 st.dictionaries(st.sampled_from(["user_id", "query_id", "candidates",
+                                                  "selected", "cited", "log_prob",
+                                                  "timestamp"]),
+                                 st.one_of(st.none(), st.booleans(), st.integers(),
+                                           st.floats(), st.text(max_size=3),
+                                           st.lists(st.text(max_size=2), max_size=3)))))
+def test_validate_record_only_raises_input_error(obj):
+    try:
+        rec = validate_record(obj, "f.jsonl:3")
+    except InputError as exc:
+        assert str(exc).startswith("f.jsonl:3")
+    else:
+        assert isinstance(rec, LogRecord)
+
+
+# ---------------------------------------------------------------------------
+# Unit tests: one per error class
+# ---------------------------------------------------------------------------
+
+BASE = {"user_id": "u1", "query_id": "q1", "candidates": ["m1", "m2", "m3"],
+        "selected": ["m2", "m1"], "cited": ["m2"], "log_prob": -0.5, "timestamp": "2023-05-01"}
+
+
+def _with(**changes):
+    obj = dict(BASE)
+    for k, v in changes.items():
+        if v is _DROP:
+            obj.pop(k)
+        else:
+            obj[k] = v
+    return obj
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("obj, key, fragment", [
+    (_with(user_id=_DROP), "user_id", "missing required key"),
+    (_with(cited=_DROP), "cited", "missing required key"),
+    (_with(user_id=7), "user_id", "must be a string, got number"),
+    (_with(query_id=None), "query_id", "must be a string, got null"),
+    (_with(query_id=""), "query_id", "non-empty"),
+    (_with(candidates="m1"), "candidates", "must be a list of strings, got string"),
+    (_with(candidates=["m1", 2]), "candidates", "item 1 must be a string, got number"),
+    (_with(selected=[True]), "selected", "item 0 must be a string, got boolean"),
+    (_with(candidates=[]), "candidates", "non-empty list"),
+    (_with(selected=[]), "selected", "non-empty list"),
+    (_with(candidates=["m1", "m2", "m1"]), "candidates", "duplicate id 'm1'"),
+    (_with(selected=["m2", "m2"]), "selected", "duplicate id 'm2'"),
+    (_with(cited=["m2", "m2"]), "cited", "duplicate id 'm2'"),
+    (_with(selected=["m2", "m9"]), "selected", "id 'm9' is not in 'candidates'"),
+    (_with(cited=["m3"]), "cited", "id 'm3' is not in 'selected'"),
+    (_with(log_prob=True), "log_prob", "must be a number, got boolean"),
+    (_with(log_prob="-1"), "log_prob", "must be a number, got string"),
+    (_with(log_prob=math.nan), "log_prob", "must be finite"),
+    (_with(log_prob=-math.inf), "log_prob", "must be finite"),
+    (_with(log_prob=-(10 ** 400)), "log_prob", "must be finite"),
+    (_with(log_prob=0.25), "log_prob", "must be <= 0"),
+    (_with(log_prob=3), "log_prob", "must be <= 0"),
+    (_with(timestamp=False), "timestamp", "string or a number"),
+    (_with(timestamp=[1]), "timestamp", "string or a number"),
+    (_with(timestamp=math.inf), "timestamp", "must be finite"),
+])
+def test_error_messages_name_file_line_and_key(tmp_path, obj, key, fragment):
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(_with(query_id="q0")) + "\n\n" + json.dumps(obj) + "\n")
+    with pytest.raises(InputError) as info:
+        read_log(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:3: key '{key}': "), msg
+    assert fragment in msg
+    assert info.value.where == f"{path}:3: key '{key}'"
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("[1, 2]", "expected a JSON object, got list"),
+    ("\"text\"", "expected a JSON object, got string"),
+    ("null", "expected a JSON object, got null"),
+    ("{\"user_id\": ", "invalid JSON ("),
+    ("{\"a\": 1} x", "invalid JSON (Extra data"),
+    ("1" * 5000, "invalid JSON ("),
+    ("[" * 100_000 + "]" * 100_000, "invalid JSON ("),
+])
+def test_line_level_errors(tmp_path, line, fragment):
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(BASE) + "\n" + line + "\n")
+    with pytest.raises(InputError) as info:
+        read_log(path)
+    assert str(info.value).startswith(f"{path}:2: ")
+    assert fragment in str(info.value)
+
+
+def test_invalid_utf8_and_bom_and_crlf(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(BASE).encode() + b"\r\n"
+                     + json.dumps(_with(query_id="q2")).encode() + b"\r\n")
+    recs, _ = read_log(path)
+    assert [r.query_id for r in recs] == ["q1", "q2"]
+    path.write_bytes(json.dumps(BASE).encode() + b"\n\xff{}\n")
+    with pytest.raises(InputError, match=r":2: invalid UTF-8"):
+        read_log(path)
+
+
+def test_repeated_json_key(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(BASE)[:-1] + ', "cited": []}\n')
+    with pytest.raises(InputError, match=r":1: key 'cited': key repeated"):
+        read_log(path)
+
+
+def test_duplicate_pair(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.write_text("\n".join([json.dumps(BASE), json.dumps(_with(query_id="q2")),
+                               json.dumps(_with(cited=[]))]) + "\n")
+    with pytest.raises(InputError) as info:
+        read_log(path)
+    assert str(info.value) == (f"{path}:3: key 'query_id': duplicate (user_id, query_id) "
+                               "('u1', 'q1'), first logged at line 1")
+    # Same query id for another user is fine.
+    path.write_text(json.dumps(BASE) + "\n" + json.dumps(_with(user_id="u2")) + "\n")
+    assert len(read_log(path)[0]) == 2
+
+
+def test_extra_keys_ignored_and_nulls_absent(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(_with(answer="Paris", log_prob=None, timestamp=None)) + "\n")
+    (rec,), _ = read_log(path)
+    assert rec == LogRecord("u1", "q1", ("m1", "m2", "m3"), ("m2", "m1"), ("m2",))
+    assert record_to_json(rec) == {k: BASE[k] for k in
+                                   ("user_id", "query_id", "candidates", "selected", "cited")}
+    rec = validate_record(_with(log_prob=-3))  # ints are fine, stored as float
+    assert rec.log_prob == -3.0 and isinstance(rec.log_prob, float)
+
+
+def test_empty_missing_and_directory(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(InputError, match=r"empty.jsonl: no records"):
+        read_log(empty)
+    empty.write_text("\n  \n\t\n")
+    with pytest.raises(InputError, match=r"empty.jsonl: no records"):
+        read_log(empty)
+    with pytest.raises(InputError, match="file not found"):
+        read_log(tmp_path / "missing.jsonl")
+    with pytest.raises(InputError, match="directory"):
+        read_log(tmp_path)
+
+
+def test_skip_invalid_counts_and_caps_first_errors(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    lines = [json.dumps(_with(query_id=f"q{i}")) for i in range(3)]
+    bad = ["{", "[]", json.dumps(_with(query_id="x", cited=["m3"])), "7",
+           json.dumps(_with(query_id="q0")), json.dumps(_with(query_id="y", log_prob=1)),
+           "null"]
+    path.write_text("\n".join(lines[:1] + bad + lines[1:]) + "\n")
+    recs, report = read_log(path, skip_invalid=True)
+    assert [r.query_id for r in recs] == ["q0", "q1", "q2"]
+    assert report["records"] == 3 and report["skipped"] == 7
+    assert len(report["first_errors"]) == 5
+    assert report["first_errors"][0].startswith(f"{path}:2: invalid JSON")
+    assert report["first_errors"][2].startswith(f"{path}:4: key 'cited'")
+    assert report["first_errors"][4].startswith(f"{path}:6: key 'query_id': duplicate")
+    # iter_log fills a caller's report in place.
+    rep = {"stale": 1}
+    assert len(list(iter_log(path, skip_invalid=True, report=rep))) == 3
+    assert rep["skipped"] == 7 and rep["records"] == 3
+    # All invalid -> no records.
+    path.write_text("{\n[]\n")
+    with pytest.raises(InputError, match=r"no records \(2 invalid lines skipped; first: "):
+        read_log(path, skip_invalid=True)
+
+
+class _Store:
+    def __init__(self):
+        self.users = {"u1": ({"q1", "q2"}, {"m1", "m2", "m3"}), "u2": ({"q1"}, {"m1"})}
+
+
+@pytest.mark.parametrize("known", [
+    _Store(), _Store().users, lambda uid: _Store().users.get(uid)])
+def test_known_ids(tmp_path, known):
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(BASE) + "\n")
+    assert len(read_log(path, known=known)[0]) == 1
+    cases = [
+        (_with(user_id="u9"), "user_id", "unknown user id 'u9'"),
+        (_with(query_id="q7"), "query_id", "unknown query id 'q7' for user 'u1'"),
+        (_with(candidates=["m1", "m2", "m3", "m4"]), "candidates",
+         "unknown memory id 'm4' for user 'u1'"),
+    ]
+    for obj, key, fragment in cases:
+        path.write_text(json.dumps(BASE) + "\n" + json.dumps(obj) + "\n")
+        with pytest.raises(InputError) as info:
+            read_log(path, known=known)
+        assert str(info.value) == f"{path}:2: key '{key}': {fragment}"
+        recs, report = read_log(path, known=known, skip_invalid=True)
+        assert len(recs) == 1 and report["skipped"] == 1
+
+
+def test_bad_known_argument(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(BASE) + "\n")
+    with pytest.raises(InputError, match="argument 'known'"):
+        read_log(path, known=42)
+
+
+def test_iter_user_chunks(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    objs = [_with(user_id=u, query_id=q) for u, q in
+            [("a", "1"), ("a", "2"), ("b", "1"), ("c", "1"), ("c", "2"), ("d", "1")]]
+    path.write_text("\n".join(json.dumps(o) for o in objs) + "\n")
+    chunks = list(iter_user_chunks(path, 2))
+    assert [[(r.user_id, r.query_id) for r in c] for c in chunks] == [
+        [("a", "1"), ("a", "2"), ("b", "1")], [("c", "1"), ("c", "2"), ("d", "1")]]
+    assert [len(c) for c in iter_user_chunks(path, 10)] == [6]
+    path.write_text("\n".join(json.dumps(o) for o in objs + [_with(user_id="a", query_id="3")])
+                    + "\n")
+    with pytest.raises(InputError, match=r":7: key 'user_id': records of user 'a' are not"):
+        list(iter_user_chunks(path, 2))
+    with pytest.raises(InputError, match="users_per_chunk"):
+        list(iter_user_chunks(path, 0))
+
+
+def test_write_log_validates_and_is_atomic(tmp_path):
+    path = tmp_path / "out.jsonl"
+    good = [validate_record(BASE), validate_record(_with(query_id="q2", log_prob=None))]
+    assert write_log(path, good) == 2
+    before = path.read_bytes()
+    bad = LogRecord("u1", "q3", ("m1",), ("m1",), ("m2",))
+    with pytest.raises(InputError, match=r"record 1: key 'cited'"):
+        write_log(path, [good[0], bad])
+    with pytest.raises(InputError, match=r"record 1: key 'log_prob': must be finite"):
+        write_log(path, [good[0], LogRecord("u1", "q3", ("m1",), ("m1",), (), math.nan)])
+    with pytest.raises(InputError, match=r"record 1: key 'query_id': duplicate"):
+        write_log(path, [good[0], good[0]])
+    with pytest.raises(InputError, match=r"record 0: expected a LogRecord"):
+        write_log(path, ["nope"])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]  # no temp leftovers
+    assert read_log(path)[0] == good
+    # Plain dicts are accepted (validated) too.
+    write_log(path, [BASE])
+    assert read_log(path)[0] == [good[0]]
