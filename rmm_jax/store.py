@@ -1,0 +1,430 @@
+"""The embedding store: a dataset's memories and queries, embedded once, on disk.
+
+Layout of a store directory (written whole by :func:`write_store` through
+:func:`rmm_jax.io_utils.atomic_dir`, so a failure leaves no partial store)::
+
+    manifest.json    {"format": "rmm-jax-embedding-store", "version": 1, "model", "dim",
+                      "granularity", "dataset", "spec",
+                      "counts": {"users", "memories", "queries"}, "stats"}
+    memories.npy     (N_mem, d) float32, all users concatenated
+    queries.npy      (N_q, d) float32
+    users.json       [{"id", "mem_start", "mem_end", "query_start", "query_end"}, ...]
+    memories.jsonl   {"user", "id", "session_id", "timestamp", "turn_ids", "text"} per row
+    queries.jsonl    {"user", "id", "text", "category", "date", "gold_turn_ids",
+                      "gold_memory_ids", "abstention"} per row
+
+``gold_memory_ids`` are the ids of that user's memories holding a gold turn
+(:func:`rmm_jax.data.types.gold_matrix`).
+
+:func:`open_store` validates a store and returns an :class:`EmbeddingStore`; its
+``.user(id)`` gives one user's arrays (:class:`UserData`), the unit that retrieval,
+reranking and the metrics work on.
+
+Example::
+
+    >>> store = open_store("store", expect_model="sentence-transformers/all-MiniLM-L6-v2")  # doctest: +SKIP
+    >>> u = store.user(store.user_ids[0])                      # doctest: +SKIP
+    >>> u.memory_emb.shape, u.gold.shape                       # doctest: +SKIP
+    ((419, 384), (199, 419))
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rmm_jax.data.types import Dataset, gold_matrix
+from rmm_jax.errors import InputError, at
+from rmm_jax.io_utils import atomic_dir
+
+__all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "EmbeddingStore",
+           "UserData"]
+
+FORMAT = "rmm-jax-embedding-store"
+VERSION = 1
+GRANULARITIES = ("turn", "session", "segment")
+_FILES = ("manifest.json", "memories.npy", "queries.npy", "users.json", "memories.jsonl",
+          "queries.jsonl")
+
+
+def _build_memories(user, granularity, embed_fn, **kwargs):
+    try:
+        from rmm_jax.data import build_memories
+    except ImportError:  # package __init__ not exporting it (yet): use the module itself
+        from rmm_jax.data.granularity import build_memories
+
+    return build_memories(user, granularity, embed_fn, **kwargs)
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False))
+            f.write("\n")
+
+
+def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str | None = None,
+                log=None, **granularity_kwargs) -> dict:
+    """Build memories at ``granularity``, embed memories and queries, write the store.
+
+    Args:
+      path: output directory (replaced atomically if it exists).
+      dataset: a :class:`~rmm_jax.data.types.Dataset`.
+      granularity: ``"turn"``, ``"session"`` or ``"segment"``.
+      embedder: an :class:`rmm_jax.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
+      spec: the dataset spec, recorded in the manifest.
+      log: optional ``callable(str)`` for progress lines (e.g. to stderr).
+      granularity_kwargs: passed to ``build_memories`` (``segment_threshold``,
+        ``merge_threshold``).
+
+    Returns:
+      The manifest written.
+    """
+    if granularity not in GRANULARITIES:
+        raise InputError(f"unknown granularity {granularity!r}; choose one of "
+                         f"{', '.join(GRANULARITIES)}", where="--granularity")
+    say = log or (lambda msg: None)
+    t0 = time.perf_counter()
+    users = dataset.users
+    seen = set()
+    for u in users:
+        if u.id in seen:
+            raise InputError(f"duplicate user id {u.id!r} in dataset {dataset.name!r}",
+                             where=spec or "dataset")
+        seen.add(u.id)
+
+    embed_fn = embedder.encode if granularity == "segment" else None
+    mem_rows, qry_rows, user_rows = [], [], []
+    n_valid = n_nogold = n_abst = 0
+    mem_counts = []
+    for u in users:
+        mems = list(_build_memories(u, granularity, embed_fn, **granularity_kwargs))
+        ids = [m.id for m in mems]
+        if len(set(ids)) != len(ids):
+            raise InputError(f"duplicate memory ids for user {u.id!r}", where=spec or "dataset")
+        qids = [q.id for q in u.queries]
+        if len(set(qids)) != len(qids):
+            raise InputError(f"duplicate query ids for user {u.id!r}", where=spec or "dataset")
+        gold = gold_matrix(u.queries, mems) if mems and u.queries else \
+            np.zeros((len(u.queries), len(mems)), bool)
+        m0, q0 = len(mem_rows), len(qry_rows)
+        for m in mems:
+            mem_rows.append({"user": u.id, "id": m.id, "session_id": m.session_id,
+                             "timestamp": m.timestamp, "turn_ids": list(m.turn_ids),
+                             "text": m.text})
+        for i, q in enumerate(u.queries):
+            g = [ids[j] for j in np.flatnonzero(gold[i])]
+            qry_rows.append({"user": u.id, "id": q.id, "text": q.text, "category": q.category,
+                             "date": q.date, "gold_turn_ids": list(q.gold_turn_ids),
+                             "gold_memory_ids": g, "abstention": bool(q.abstention)})
+            if q.abstention:
+                n_abst += 1
+            elif not g:
+                n_nogold += 1
+            else:
+                n_valid += 1
+        user_rows.append({"id": u.id, "mem_start": m0, "mem_end": len(mem_rows),
+                          "query_start": q0, "query_end": len(qry_rows)})
+        mem_counts.append(len(mems))
+    t_build = time.perf_counter() - t0
+    say(f"{len(users)} users, {len(mem_rows)} {granularity} memories, {len(qry_rows)} queries "
+        f"({t_build:.1f}s to build)")
+
+    t1 = time.perf_counter()
+    mem_emb = embedder.encode([r["text"] for r in mem_rows], desc="memories")
+    qry_emb = embedder.encode([r["text"] for r in qry_rows], desc="queries")
+    t_embed = time.perf_counter() - t1
+    for name, arr in (("memories", mem_emb), ("queries", qry_emb)):
+        arr = np.asarray(arr)
+        if not np.isfinite(arr).all():
+            raise InputError(f"NaN/Inf in {name} embeddings from model {embedder.model_id!r}",
+                             where="--model")
+    dim = int(embedder.dim)
+    mem_emb = np.asarray(mem_emb, np.float32).reshape(len(mem_rows), dim)
+    qry_emb = np.asarray(qry_emb, np.float32).reshape(len(qry_rows), dim)
+
+    stats = dict(dataset.stats)
+    stats.update({
+        "valid_queries": n_valid,
+        "queries_without_gold_memory": n_nogold,
+        "abstention_queries": n_abst,
+        "memories_per_user": {"min": int(min(mem_counts, default=0)),
+                              "max": int(max(mem_counts, default=0)),
+                              "mean": float(np.mean(mem_counts)) if mem_counts else 0.0},
+        "granularity_options": {k: v for k, v in granularity_kwargs.items()},
+        "seconds": {"build": round(t_build, 3), "embed": round(t_embed, 3)},
+    })
+    manifest = {
+        "format": FORMAT, "version": VERSION, "model": embedder.model_id, "dim": dim,
+        "granularity": granularity, "dataset": dataset.name, "spec": spec,
+        "counts": {"users": len(users), "memories": len(mem_rows), "queries": len(qry_rows)},
+        "stats": _jsonable(stats),
+    }
+    with atomic_dir(path) as tmp:
+        np.save(tmp / "memories.npy", mem_emb)
+        np.save(tmp / "queries.npy", qry_emb)
+        (tmp / "users.json").write_text(json.dumps(user_rows, indent=1) + "\n")
+        _write_jsonl(tmp / "memories.jsonl", mem_rows)
+        _write_jsonl(tmp / "queries.jsonl", qry_rows)
+        # manifest last: a directory with a manifest is complete
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+@dataclasses.dataclass(frozen=True)
+class UserData:
+    """One user's slice of a store.
+
+    ``gold[i, j]`` is True when memory ``j`` holds a gold turn of query ``i``. A query
+    counts for retrieval metrics when ``valid[i]``: at least one gold memory and not an
+    abstention question.
+    """
+    user_id: str
+    memory_emb: np.ndarray      # (n_m, d) float32
+    query_emb: np.ndarray       # (n_q, d) float32
+    gold: np.ndarray            # (n_q, n_m) bool
+    memory_ids: tuple[str, ...]
+    query_ids: tuple[str, ...]
+    categories: tuple[str, ...]
+    abstention: np.ndarray      # (n_q,) bool
+
+    @property
+    def num_gold(self) -> np.ndarray:
+        return self.gold.sum(axis=1).astype(np.int32)
+
+    @property
+    def valid(self) -> np.ndarray:
+        return (self.num_gold > 0) & ~self.abstention
+
+
+class EmbeddingStore:
+    """A validated store directory; use :func:`open_store`."""
+
+    def __init__(self, path: Path, manifest: dict, users: list[dict], memory_emb, query_emb):
+        self.path = path
+        self.manifest = manifest
+        self.dim = int(manifest["dim"])
+        self.model = manifest["model"]
+        self.granularity = manifest.get("granularity")
+        self._users = users
+        self._by_id = {u["id"]: u for u in users}
+        self.user_ids = tuple(u["id"] for u in users)
+        self.memory_emb = memory_emb
+        self.query_emb = query_emb
+        self._mem_meta = None
+        self._qry_meta = None
+
+    def __repr__(self) -> str:
+        c = self.manifest["counts"]
+        return (f"EmbeddingStore({str(self.path)!r}, model={self.model!r}, dim={self.dim}, "
+                f"granularity={self.granularity!r}, users={c['users']}, "
+                f"memories={c['memories']}, queries={c['queries']})")
+
+    @property
+    def bank_sizes(self) -> dict[str, int]:
+        """Number of memories of each user, without reading the metadata files."""
+        return {u["id"]: u["mem_end"] - u["mem_start"] for u in self._users}
+
+    def _jsonl(self, name: str, n: int, keys: tuple[str, ...]) -> list[dict]:
+        p = self.path / name
+        if not p.is_file():
+            raise InputError("missing file of the embedding store", where=at(p))
+        rows = []
+        with open(p, encoding="utf-8") as f:
+            for ln, line in enumerate(f, 1):
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"invalid JSON: {e.msg}", where=at(p, ln)) from None
+                if not isinstance(r, dict):
+                    raise InputError("expected a JSON object", where=at(p, ln))
+                for k in keys:
+                    if k not in r:
+                        raise InputError("missing key", where=at(p, ln, k))
+                rows.append(r)
+        if len(rows) != n:
+            raise InputError(f"{len(rows)} rows but the manifest counts {n}", where=at(p))
+        return rows
+
+    @property
+    def memories(self) -> list[dict]:
+        """Rows of ``memories.jsonl`` (parsed on first use)."""
+        if self._mem_meta is None:
+            self._mem_meta = self._jsonl("memories.jsonl", self.manifest["counts"]["memories"],
+                                         ("user", "id", "text"))
+        return self._mem_meta
+
+    @property
+    def queries(self) -> list[dict]:
+        """Rows of ``queries.jsonl`` (parsed on first use)."""
+        if self._qry_meta is None:
+            self._qry_meta = self._jsonl("queries.jsonl", self.manifest["counts"]["queries"],
+                                         ("user", "id", "text", "gold_memory_ids"))
+        return self._qry_meta
+
+    def user(self, user_id) -> UserData:
+        """One user's embeddings, gold matrix and ids."""
+        uid = str(user_id)
+        if uid not in self._by_id:
+            shown = ", ".join(self.user_ids[:5]) + (" ..." if len(self.user_ids) > 5 else "")
+            raise InputError(f"unknown user id {uid!r} (store has {len(self.user_ids)} users: "
+                             f"{shown})", where=str(self.path))
+        u = self._by_id[uid]
+        ms, me, qs, qe = u["mem_start"], u["mem_end"], u["query_start"], u["query_end"]
+        mems, qrys = self.memories[ms:me], self.queries[qs:qe]
+        qpath = self.path / "queries.jsonl"
+        for off, r in enumerate(mems):
+            if str(r["user"]) != uid:
+                raise InputError(f"row belongs to user {r['user']!r}, users.json says {uid!r}",
+                                 where=at(self.path / "memories.jsonl", ms + off + 1))
+        mem_ids = tuple(str(r["id"]) for r in mems)
+        col = {m: j for j, m in enumerate(mem_ids)}
+        gold = np.zeros((len(qrys), len(mems)), bool)
+        for i, r in enumerate(qrys):
+            if str(r["user"]) != uid:
+                raise InputError(f"row belongs to user {r['user']!r}, users.json says {uid!r}",
+                                 where=at(qpath, qs + i + 1))
+            g = r["gold_memory_ids"]
+            if not isinstance(g, list):
+                raise InputError("expected a list", where=at(qpath, qs + i + 1, "gold_memory_ids"))
+            for m in g:
+                if m not in col:
+                    raise InputError(f"unknown memory id {m!r} for user {uid!r}",
+                                     where=at(qpath, qs + i + 1, "gold_memory_ids"))
+                gold[i, col[m]] = True
+        return UserData(
+            user_id=uid,
+            memory_emb=self.memory_emb[ms:me],
+            query_emb=self.query_emb[qs:qe],
+            gold=gold,
+            memory_ids=mem_ids,
+            query_ids=tuple(str(r["id"]) for r in qrys),
+            categories=tuple(str(r.get("category") or "") for r in qrys),
+            abstention=np.array([bool(r.get("abstention", False)) for r in qrys], bool),
+        )
+
+    def iter_users(self):
+        """Iterate over :class:`UserData` of every user, in store order."""
+        for uid in self.user_ids:
+            yield self.user(uid)
+
+
+def _load_npy(path: Path, rows: int, dim: int, name: str):
+    if not path.is_file():
+        raise InputError("missing file of the embedding store", where=at(path))
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        raise InputError(f"not a readable .npy array ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
+                         where=at(path)) from None
+    if arr.dtype != np.float32:
+        raise InputError(f"dtype {arr.dtype}, expected float32", where=at(path))
+    if arr.shape != (rows, dim):
+        raise InputError(f"shape {arr.shape} does not match the manifest ({rows} {name}, dim {dim})",
+                         where=at(path))
+    step = max(1, (1 << 24) // max(dim, 1))
+    for s in range(0, rows, step):
+        block = np.asarray(arr[s:s + step])
+        ok = np.isfinite(block).all(axis=1)
+        if not ok.all():
+            bad = s + int(np.flatnonzero(~ok)[0])
+            raise InputError(f"NaN/Inf in the embeddings (row {bad}, and maybe others); "
+                             f"re-run `rmm-jax embed`", where=at(path))
+    return arr
+
+
+def _nonneg_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def open_store(path, expect_model: str | None = None, expect_dim: int | None = None) -> EmbeddingStore:
+    """Open and validate an embedding store.
+
+    Checks: the manifest exists and parses, its format and version, that the arrays are
+    float32 with the manifest's counts and dim, finite values, that ``users.json``
+    tiles the rows, and optionally the model and dim the caller expects. Every failure
+    is an :class:`InputError` naming the file (or the store and the mismatch).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise InputError("no such embedding store (create one with `rmm-jax embed`)", where=at(root))
+    if not root.is_dir():
+        raise InputError("not an embedding store directory", where=at(root))
+    mpath = root / "manifest.json"
+    if not mpath.is_file():
+        raise InputError("missing manifest.json: not an embedding store (or an incomplete one)",
+                         where=at(root))
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON: {e.msg}", where=at(mpath, e.lineno)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read manifest ({e})", where=at(mpath)) from None
+    if not isinstance(manifest, dict):
+        raise InputError("expected a JSON object", where=at(mpath))
+    if manifest.get("format") != FORMAT:
+        raise InputError(f"format {manifest.get('format')!r}, expected {FORMAT!r}",
+                         where=at(mpath, key="format"))
+    if manifest.get("version") != VERSION:
+        raise InputError(f"unsupported store version {manifest.get('version')!r} (this rmm-jax "
+                         f"reads version {VERSION})", where=at(mpath, key="version"))
+    for key in ("model", "dim", "counts"):
+        if key not in manifest:
+            raise InputError("missing key", where=at(mpath, key=key))
+    dim = manifest["dim"]
+    if not _nonneg_int(dim) or dim == 0:
+        raise InputError(f"dim must be a positive integer, got {dim!r}", where=at(mpath, key="dim"))
+    counts = manifest["counts"]
+    if not isinstance(counts, dict):
+        raise InputError("expected an object", where=at(mpath, key="counts"))
+    for key in ("users", "memories", "queries"):
+        if not _nonneg_int(counts.get(key)):
+            raise InputError(f"expected a non-negative integer, got {counts.get(key)!r}",
+                             where=at(mpath, key=f"counts.{key}"))
+    if expect_model is not None and manifest["model"] != expect_model:
+        raise InputError(f"store was embedded with model {manifest['model']!r}, expected "
+                         f"{expect_model!r}", where=at(root))
+    if expect_dim is not None and dim != int(expect_dim):
+        raise InputError(f"store has embedding dim {dim}, expected {expect_dim}", where=at(root))
+
+    upath = root / "users.json"
+    if not upath.is_file():
+        raise InputError("missing file of the embedding store", where=at(upath))
+    try:
+        users = json.loads(upath.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON: {e.msg}", where=at(upath, e.lineno)) from None
+    if not isinstance(users, list) or len(users) != counts["users"]:
+        raise InputError(f"expected a list of {counts['users']} users", where=at(upath))
+    m_end = q_end = 0
+    seen = set()
+    for i, u in enumerate(users):
+        if not isinstance(u, dict):
+            raise InputError("expected an object", where=at(upath, key=f"[{i}]"))
+        for key in ("id", "mem_start", "mem_end", "query_start", "query_end"):
+            if key not in u:
+                raise InputError("missing key", where=at(upath, key=f"[{i}].{key}"))
+        u["id"] = str(u["id"])
+        if u["id"] in seen:
+            raise InputError(f"duplicate user id {u['id']!r}", where=at(upath, key=f"[{i}].id"))
+        seen.add(u["id"])
+        if (u["mem_start"] != m_end or u["query_start"] != q_end
+                or not _nonneg_int(u["mem_end"]) or not _nonneg_int(u["query_end"])
+                or u["mem_end"] < u["mem_start"] or u["query_end"] < u["query_start"]):
+            raise InputError("row ranges do not tile the arrays in order",
+                             where=at(upath, key=f"[{i}]"))
+        m_end, q_end = u["mem_end"], u["query_end"]
+    if m_end != counts["memories"] or q_end != counts["queries"]:
+        raise InputError(f"users cover {m_end} memories / {q_end} queries, the manifest counts "
+                         f"{counts['memories']} / {counts['queries']}", where=at(upath))
+
+    mem = _load_npy(root / "memories.npy", counts["memories"], dim, "memories")
+    qry = _load_npy(root / "queries.npy", counts["queries"], dim, "queries")
+    return EmbeddingStore(root, manifest, users, mem, qry)

@@ -1,0 +1,230 @@
+"""`rmm-jax embed` and `rmm-jax retrieve`, run in-process through cli.main.main."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli.main import main
+
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def run(capsys, *args):
+    """Run the CLI; return (exit code, stdout, stderr)."""
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+TURNS = [
+    ("Ann", "I just adopted a golden retriever puppy named Max."),
+    ("Bob", "Congrats! I have been training for the city marathon."),
+    ("Ann", "My sister moved to Lisbon for a new job in biotech."),
+    ("Bob", "I painted a sunset over the lake last weekend."),
+    ("Ann", "We are renovating the kitchen with blue tiles."),
+    ("Bob", "My favourite band is playing a concert in June."),
+    ("Ann", "I started learning the cello three months ago."),
+    ("Bob", "Our team won the regional chess tournament."),
+]
+
+
+def write_locomo(path: Path, with_bad_evidence: bool = False) -> Path:
+    """A tiny LoCoMo-layout conversation: 2 sessions x 4 turns, 4 questions.
+
+    Each question is the exact text of its evidence turn, so the retriever must put the
+    gold turn first: Recall@k = MRR = 1 for every question.
+    """
+    conv = {"speaker_a": "Ann", "speaker_b": "Bob", "qa": []}
+    for s in (1, 2):
+        conv[f"session_{s}_date_time"] = f"1:00 pm on {s} May, 2023"
+        conv[f"session_{s}"] = [
+            {"speaker": sp, "dia_id": f"D{s}:{t + 1}", "text": txt}
+            for t, (sp, txt) in enumerate(TURNS[(s - 1) * 4: s * 4])]
+    for i in (0, 3, 5, 6):
+        s, t = divmod(i, 4)
+        sp, txt = TURNS[i]
+        conv["qa"].append({"question": f"{sp}: {txt}", "answer": "x",
+                           "evidence": [f"D{s + 1}:{t + 1}"], "category": 1 + i % 4})
+    path.write_text(json.dumps(conv))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(monkeypatch, cache_dir):
+    monkeypatch.setenv("RMM_JAX_CACHE", str(cache_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory):
+    """A store of the tiny conversation, built once through the CLI."""
+    d = tmp_path_factory.mktemp("tiny")
+    data = write_locomo(d / "7.json")
+    out = d / "store"
+    try:
+        main(["embed", f"locomo:{data}", "--out", str(out), "--quiet"])
+    except SystemExit as e:
+        assert e.code in (0, None)
+    return out
+
+
+def no_leftovers(parent: Path, name: str) -> bool:
+    return not any(p.name == name or p.name.startswith(f".{name}.") for p in parent.iterdir())
+
+
+# --------------------------------------------------------------------------- help
+def test_help_teaches(capsys):
+    code, out, _ = run(capsys, "embed", "--help")
+    out = " ".join(out.split())                      # independent of the terminal width
+    assert code == 0 and "Examples:" in out and "rmm-jax embed locomo:" in out
+    assert "[default: turn]" in out and "[default: all-MiniLM-L6-v2]" in out
+    code, out, _ = run(capsys, "retrieve", "--help")
+    out = " ".join(out.split())
+    assert code == 0 and "Examples:" in out and "[default: 20;" in out
+
+
+# --------------------------------------------------------------------------- embed
+def test_embed_json_and_cache(capsys, tmp_path, cache_dir):
+    data = write_locomo(tmp_path / "7.json")
+    out = tmp_path / "store"
+    code, stdout, stderr = run(capsys, "embed", f"locomo:{data}", "--out", out, "--json",
+                               "--cache-dir", tmp_path / "own-cache")
+    assert code == 0, stderr
+    rep = json.loads(stdout)                         # one parseable object; info went to stderr
+    assert rep["format"] == "rmm-jax-embedding-store" and rep["model"] == MODEL_ID
+    assert rep["counts"] == {"users": 1, "memories": 8, "queries": 4}
+    # 8 turns + 4 questions, but each question is a turn's exact text: embedded once
+    assert rep["granularity"] == "turn" and rep["texts_embedded"] == 8
+    assert "wrote" in stderr
+    # a re-run (other granularity) embeds nothing twice: turns and questions are cached
+    code, stdout, _ = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s2", "--json",
+                          "--cache-dir", tmp_path / "own-cache", "--granularity", "segment")
+    assert code == 0 and json.loads(stdout)["texts_embedded"] <= 2   # only merged segment texts
+    code, stdout, _ = run(capsys, "embed", f"locomo:{data}", "--out", out, "--json",
+                          "--cache-dir", tmp_path / "own-cache")
+    assert code == 0 and json.loads(stdout)["texts_embedded"] == 0
+
+
+def test_embed_session_granularity(capsys, tmp_path):
+    data = write_locomo(tmp_path / "7.json")
+    code, stdout, _ = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s",
+                          "--granularity", "session", "--quiet")
+    assert code == 0 and "2 session memories" in stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "malformed", "unknown-spec", "bad-model",
+                                  "bad-granularity", "bad-threshold"])
+def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
+    data = write_locomo(tmp_path / "7.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"speaker_a": "A",\n "qa": [}')
+    args = {
+        "missing": [f"locomo:{tmp_path / 'nope.json'}"],
+        "malformed": [f"locomo:{bad}"],
+        "unknown-spec": ["nosuchdataset:foo"],
+        "bad-model": [f"locomo:{data}", "--model", "no-such-model-xyz"],
+        "bad-granularity": [f"locomo:{data}", "--granularity", "paragraph"],
+        "bad-threshold": [f"locomo:{data}", "--granularity", "segment", "--merge-threshold", "3"],
+    }[case]
+    out_dir = tmp_path / "out" / "store"
+    code, stdout, stderr = run(capsys, "embed", *args, "--out", out_dir, "--quiet")
+    assert code == 2, (code, stderr)
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    if case in ("bad-granularity", "bad-threshold"):      # click usage errors
+        assert lines[-1].startswith("Error:")
+    else:
+        assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "Traceback" not in stderr
+    if case == "missing":
+        assert "nope.json" in stderr
+    if case == "malformed":
+        assert "bad.json:2" in stderr
+    if case == "bad-model":
+        assert "--model" in stderr and "no-such-model-xyz" in stderr
+    if case == "bad-granularity":
+        assert "paragraph" in stderr
+    assert not out_dir.exists()
+    assert not (tmp_path / "out").exists() or no_leftovers(tmp_path / "out", "store")
+
+
+# --------------------------------------------------------------------------- retrieve
+def test_retrieve_json_exact_recall(capsys, tiny_store):
+    code, stdout, stderr = run(capsys, "retrieve", tiny_store, "--k", 5, "--json")
+    assert code == 0, stderr
+    res = json.loads(stdout)
+    assert {"overall", "per_user", "per_category", "counts"} <= set(res)
+    # every question is the verbatim text of its gold turn -> found at rank 1
+    assert res["overall"]["recall@5"] == pytest.approx(1.0)
+    assert res["overall"]["mrr"] == pytest.approx(1.0)
+    assert res["overall"]["ndcg@5"] == pytest.approx(1.0)
+    assert res["overall"]["recall_all@5"] == pytest.approx(1.0)
+    assert res["per_user"]["7"]["recall@5"] == pytest.approx(1.0) and res["per_user"]["7"]["n"] == 4
+    assert set(res["per_category"]) == {"1", "2", "3", "4"}
+    assert res["counts"]["valid_queries"] == 4 and res["counts"]["memories"] == 8
+
+
+def test_retrieve_table(capsys, tiny_store):
+    code, stdout, _ = run(capsys, "retrieve", tiny_store, "--k", 8)
+    assert code == 0
+    assert "recall@5" in stdout and "recall@8" in stdout and "recall_all@8" in stdout
+    assert "ndcg@8" in stdout and "mrr" in stdout
+    overall = next(ln for ln in stdout.splitlines() if ln.startswith("overall"))
+    assert overall.split()[1] == "4" and overall.split()[2] == "1.000"
+    assert "category" in stdout
+
+
+def test_retrieve_k_larger_than_bank(capsys, tiny_store):
+    code, stdout, stderr = run(capsys, "retrieve", tiny_store, "--k", 20)
+    assert code == 2 and stdout == ""
+    assert stderr.count("\n") == 1 and "--k" in stderr and "k=20" in stderr and "8 memories" in stderr
+    code, stdout, _ = run(capsys, "retrieve", tiny_store, "--k", 20, "--pad-short-banks", "--json")
+    assert code == 0 and json.loads(stdout)["overall"]["recall@20"] == pytest.approx(1.0)
+
+
+def test_retrieve_bad_stores(capsys, tmp_path, tiny_store):
+    code, _, err = run(capsys, "retrieve", tmp_path / "nope")
+    assert code == 2 and "no such embedding store" in err and err.count("\n") == 1
+    code, _, err = run(capsys, "retrieve", tiny_store, "--expect-model", "other/model")
+    assert code == 2 and "other/model" in err and MODEL_ID in err
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_store, broken)
+    q = np.load(broken / "queries.npy")
+    q[1, 0] = np.nan
+    np.save(broken / "queries.npy", q)
+    code, out, err = run(capsys, "retrieve", broken, "--k", 5, "--json")
+    assert code == 2 and out == "" and "queries.npy" in err and "NaN" in err
+    (broken / "manifest.json").write_text("[1, 2")
+    code, _, err = run(capsys, "retrieve", broken)
+    assert code == 2 and "manifest.json:1" in err
+
+
+# --------------------------------------------------------------------------- real data
+@pytest.mark.locomo
+def test_locomo_conversation_26_baseline(capsys, tmp_path):
+    from conftest import locomo_dir
+
+    path = locomo_dir() / "26.json"
+    out = tmp_path / "store26"
+    code, _, err = run(capsys, "embed", f"locomo:{path}", "--out", out, "--quiet")
+    assert code == 0, err
+    code, stdout, err = run(capsys, "retrieve", out, "--k", 20, "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    u = res["per_user"]["26"]
+    # reference: Recall@5 ~ 0.34, Recall@20 ~ 0.57 with speaker + caption in the turn text
+    assert u["recall@5"] == pytest.approx(0.34, abs=0.02)
+    assert u["recall@20"] == pytest.approx(0.57, abs=0.02)
+    assert res["counts"]["valid_queries"] == u["n"] >= 190

@@ -1,0 +1,354 @@
+"""Embedder (packaged MiniLM, disk cache) and the embedding store (write/open/validate)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rmm_jax import embed as E
+from rmm_jax.data.types import Dataset, Query, Session, Turn, User, gold_matrix
+from rmm_jax.errors import InputError
+from rmm_jax.store import FORMAT, UserData, open_store, write_store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("emb-cache")
+
+
+@pytest.fixture(scope="module")
+def embedder(cache_root):
+    """One real packaged-MiniLM embedder shared by the module."""
+    emb = E.Embedder(cache_dir=cache_root, progress=False)
+    yield emb
+    emb.close()
+
+
+def count_model_calls(emb, monkeypatch):
+    """Wrap the underlying model's encode; returns the list of texts it saw."""
+    seen: list[str] = []
+    real = emb._model.encode
+
+    def spy(texts, *a, **kw):
+        seen.extend(texts)
+        return real(texts, *a, **kw)
+
+    monkeypatch.setattr(emb._model, "encode", spy)
+    return seen
+
+
+class FakeEmbedder:
+    """Deterministic text -> unit vector, no model: fast store tests."""
+
+    model_id = "fake/hash-16"
+    dim = 16
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, texts, desc=""):
+        self.calls += 1
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for i, t in enumerate(texts):
+            seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
+            v = np.random.default_rng(seed).standard_normal(self.dim)
+            out[i] = v / np.linalg.norm(v)
+        return out
+
+
+def tiny_dataset() -> Dataset:
+    def user(uid, n_sessions, n_turns):
+        sessions = []
+        for s in range(1, n_sessions + 1):
+            turns = tuple(Turn(f"D{s}:{t}", f"session_{s}", "Ann" if t % 2 else "Bob",
+                               f"{uid} s{s} t{t}: talk about topic {(s * 7 + t) % 5}",
+                               f"day {s}") for t in range(1, n_turns + 1))
+            sessions.append(Session(f"session_{s}", f"day {s}", turns))
+        queries = (
+            Query("q0", f"{uid}: what about topic 1?", ("D1:1",), category="1"),
+            Query("q1", f"{uid}: and topic 3?", ("D1:2", "D2:3"), category="2", date="day 3"),
+            Query("q2", f"{uid}: unanswerable", ("D2:1",), category="5", abstention=True),
+            Query("q3", f"{uid}: evidence missing", ("D9:9",), category="2"),
+        )
+        return User(uid, tuple(sessions), queries)
+
+    return Dataset("tiny", (user("alice", 2, 4), user("bob", 3, 3)), stats={"note": "hand-built"})
+
+
+# --------------------------------------------------------------------------- Embedder
+def test_encode_shape_norm_and_semantics(embedder):
+    texts = ["I adopted a kitten last week.", "My new cat is very playful.",
+             "The stock market fell sharply today.", "I adopted a kitten last week."]
+    x = embedder.encode(texts)
+    assert embedder.model_id == "sentence-transformers/all-MiniLM-L6-v2" and embedder.dim == 384
+    assert x.shape == (4, 384) and x.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(x[0], x[3])
+    assert x[0] @ x[1] > x[0] @ x[2] + 0.2           # cats are closer to each other
+    assert embedder.encode([]).shape == (0, 384)
+    with pytest.raises(InputError):
+        embedder.encode("one string, not a list")
+
+
+def test_cache_rerun_embeds_nothing_twice(embedder, cache_root, monkeypatch):
+    seen = count_model_calls(embedder, monkeypatch)
+    texts = [f"cache probe sentence number {i}" for i in range(10)]
+    a = embedder.encode(texts + texts[:3])           # duplicates within a call: embedded once
+    assert sorted(seen) == sorted(texts)
+    seen.clear()
+    b = embedder.encode(texts)
+    assert seen == [] and np.array_equal(a[:10], b)
+    c = embedder.encode(texts[:5] + ["one brand new sentence"])
+    assert seen == ["one brand new sentence"]
+    np.testing.assert_array_equal(c[:5], a[:5])
+    # a second Embedder (another process would do the same) reads the same on-disk cache
+    other = E.Embedder(cache_dir=cache_root, progress=False)
+    seen2 = count_model_calls(other, monkeypatch)
+    d = other.encode(texts)
+    assert seen2 == [] and other.texts_embedded == 0
+    np.testing.assert_array_equal(d, a[:10])
+    db = cache_root / E.model_slug(other.model_id) / "embeddings.sqlite"
+    assert db.is_file()
+    other.close()
+
+
+def test_alias_names_map_to_packaged_model(cache_root):
+    e = E.Embedder("sentence-transformers/all-MiniLM-L6-v2", cache_dir=cache_root, progress=False)
+    assert e.model_id == "sentence-transformers/all-MiniLM-L6-v2"
+    assert e.cache_dir == cache_root / "sentence-transformers__all-MiniLM-L6-v2"
+    e.close()
+
+
+def test_default_cache_dir_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path / "c"))
+    assert E.default_cache_root() == tmp_path / "c"
+    monkeypatch.delenv("RMM_JAX_CACHE")
+    assert E.default_cache_root() == Path.home() / ".cache" / "rmm-jax" / "embeddings"
+    assert "/" not in E.model_slug("org/model") and E.model_slug("local:/a/b/m").startswith("m-")
+
+
+@pytest.mark.parametrize("name", ["no-such-model-xyz", "./no/such/dir", "/nonexistent/model"])
+def test_unknown_model_is_input_error_naming_it(name, tmp_path):
+    with pytest.raises(InputError) as ei:
+        E.Embedder(name, cache_dir=tmp_path, progress=False)
+    msg = str(ei.value)
+    assert msg.startswith("--model:") and repr(name) in msg and "\n" not in msg
+
+
+def test_nan_output_is_input_error_and_not_cached(embedder, monkeypatch):
+    monkeypatch.setattr(embedder._model, "encode",
+                        lambda texts, *a, **kw: np.full((len(texts), 384), np.nan, np.float32))
+    with pytest.raises(InputError, match="NaN/Inf"):
+        embedder.encode(["a text whose embedding is NaN"])
+    monkeypatch.undo()
+    seen = count_model_calls(embedder, monkeypatch)
+    v = embedder.encode(["a text whose embedding is NaN"])   # nothing bad was cached
+    assert seen == ["a text whose embedding is NaN"] and np.isfinite(v).all()
+
+
+def test_cache_concurrent_writers(tmp_path):
+    """Two processes write one cache at once; every row lands, none is corrupted."""
+    code = (
+        "import sys, numpy as np; from pathlib import Path; from rmm_jax.embed import _Cache\n"
+        "c = _Cache(Path(sys.argv[1]), 'fake/m', 4); w = int(sys.argv[2])\n"
+        "for i in range(40):\n"
+        "    c.put([f'{w}-{i}', f'shared-{i}'], np.full((2, 4), i, np.float32))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(w)], cwd=REPO)
+             for w in range(2)]
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    c = E._Cache(tmp_path, "fake/m", 4)
+    got = c.get([f"{w}-{i}" for w in range(2) for i in range(40)] + [f"shared-{i}" for i in range(40)])
+    assert len(got) == 120 and len(c) == 120
+    assert all(got[f"1-{i}"][0] == i for i in range(40))
+    with pytest.raises(InputError, match="belongs to model"):
+        E._Cache(tmp_path, "other/model", 4)
+    c.close()
+
+
+# --------------------------------------------------------------------------- store
+def test_write_and_open_store_roundtrip(tmp_path):
+    ds = tiny_dataset()
+    emb = FakeEmbedder()
+    out = tmp_path / "store"
+    man = write_store(out, ds, "turn", emb, spec="tiny-spec")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["manifest.json", "memories.npy", "queries.npy", "users.json", "memories.jsonl",
+         "queries.jsonl"])
+    disk = json.loads((out / "manifest.json").read_text())
+    assert disk == man
+    assert disk["format"] == FORMAT and disk["version"] == 1 and disk["model"] == "fake/hash-16"
+    assert disk["counts"] == {"users": 2, "memories": 8 + 9, "queries": 8}
+    assert disk["granularity"] == "turn" and disk["dataset"] == "tiny" and disk["spec"] == "tiny-spec"
+    assert disk["stats"]["note"] == "hand-built"
+    assert disk["stats"]["valid_queries"] == 4 and disk["stats"]["abstention_queries"] == 2
+    assert disk["stats"]["queries_without_gold_memory"] == 2
+
+    st = open_store(out, expect_model="fake/hash-16", expect_dim=16)
+    assert st.dim == 16 and st.model == "fake/hash-16" and st.user_ids == ("alice", "bob")
+    assert isinstance(st.memory_emb, np.memmap) and st.memory_emb.shape == (17, 16)
+    u = st.user("bob")
+    assert isinstance(u, UserData)
+    assert u.memory_emb.shape == (9, 16) and u.query_emb.shape == (4, 16)
+    assert u.memory_ids[:2] == ("D1:1", "D1:2") and u.query_ids == ("q0", "q1", "q2", "q3")
+    assert u.categories == ("1", "2", "5", "2")
+    np.testing.assert_array_equal(u.abstention, [False, False, True, False])
+    bob = ds.users[1]
+    from rmm_jax.data.granularity import build_memories
+    mems = build_memories(bob, "turn")
+    np.testing.assert_array_equal(u.gold, gold_matrix(bob.queries, mems))
+    np.testing.assert_array_equal(u.valid, [True, True, False, False])
+    np.testing.assert_array_equal(u.num_gold, [1, 2, 1, 0])
+    # the arrays are the embeddings of the texts
+    np.testing.assert_allclose(u.memory_emb, emb.encode([m.text for m in mems]))
+    np.testing.assert_allclose(u.query_emb, emb.encode([q.text for q in bob.queries]))
+    rows = [json.loads(line) for line in (out / "queries.jsonl").read_text().splitlines()]
+    assert rows[5] == {"user": "bob", "id": "q1", "text": "bob: and topic 3?", "category": "2",
+                       "date": "day 3", "gold_turn_ids": ["D1:2", "D2:3"],
+                       "gold_memory_ids": ["D1:2", "D2:3"], "abstention": False}
+    mrow = json.loads((out / "memories.jsonl").read_text().splitlines()[0])
+    assert set(mrow) == {"user", "id", "session_id", "timestamp", "turn_ids", "text"}
+    assert json.loads((out / "users.json").read_text())[1] == {
+        "id": "bob", "mem_start": 8, "mem_end": 17, "query_start": 4, "query_end": 8}
+    with pytest.raises(InputError, match="unknown user id 'carol'"):
+        st.user("carol")
+
+
+def test_session_and_segment_granularity(tmp_path):
+    ds = tiny_dataset()
+    st = open_store(_w(tmp_path / "s", ds, "session"))
+    u = st.user("alice")
+    assert u.memory_ids == ("session_1", "session_2")
+    np.testing.assert_array_equal(u.gold, [[1, 0], [1, 1], [0, 1], [0, 0]])
+    seg = open_store(_w(tmp_path / "g", ds, "segment", segment_threshold=0.99,
+                        merge_threshold=0.999))
+    assert seg.granularity == "segment"
+    ua = seg.user("alice")
+    # threshold 0.99 on random vectors: every turn its own segment, nothing merged
+    assert ua.memory_emb.shape[0] == 8 and ua.gold.sum() == 4
+    assert seg.manifest["stats"]["granularity_options"] == {"segment_threshold": 0.99,
+                                                           "merge_threshold": 0.999}
+
+
+def _w(path, ds, gran, **kw):
+    write_store(path, ds, gran, FakeEmbedder(), **kw)
+    return path
+
+
+def test_real_model_store(tmp_path, embedder):
+    out = tmp_path / "real"
+    write_store(out, tiny_dataset(), "turn", embedder)
+    st = open_store(out, expect_model="sentence-transformers/all-MiniLM-L6-v2", expect_dim=384)
+    u = st.user("alice")
+    np.testing.assert_allclose(np.linalg.norm(u.memory_emb, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(u.memory_emb[0], embedder.encode([tiny_dataset().users[0].turns[0].text])[0])
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    class Boom(FakeEmbedder):
+        def encode(self, texts, desc=""):
+            raise InputError("model exploded", where="--model")
+
+    out = tmp_path / "store"
+    with pytest.raises(InputError):
+        write_store(out, tiny_dataset(), "turn", Boom())
+    assert list(tmp_path.iterdir()) == []
+    # an existing store survives a failed rewrite untouched
+    write_store(out, tiny_dataset(), "turn", FakeEmbedder())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(InputError):
+        write_store(out, tiny_dataset(), "session", Boom())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["store"]
+    with pytest.raises(InputError, match="^--granularity:"):
+        write_store(tmp_path / "x", tiny_dataset(), "paragraph", FakeEmbedder())
+    assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------- validation
+@pytest.fixture
+def store(tmp_path):
+    return _w(tmp_path / "store", tiny_dataset(), "turn")
+
+
+def _edit_manifest(store, **changes):
+    m = json.loads((store / "manifest.json").read_text())
+    m.update(changes)
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+def test_open_store_rejects_missing_and_malformed(store, tmp_path):
+    with pytest.raises(InputError, match="no such embedding store"):
+        open_store(tmp_path / "nope")
+    (store / "manifest.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"manifest\.json:1: invalid JSON"):
+        open_store(store)
+    (store / "manifest.json").unlink()
+    with pytest.raises(InputError, match="missing manifest.json"):
+        open_store(store)
+
+
+def test_open_store_rejects_format_version_and_mismatch(tmp_path):
+    s = _w(tmp_path / "a", tiny_dataset(), "turn")
+    _edit_manifest(s, format="something-else")
+    with pytest.raises(InputError, match="key 'format'"):
+        open_store(s)
+    s = _w(tmp_path / "b", tiny_dataset(), "turn")
+    _edit_manifest(s, version=99)
+    with pytest.raises(InputError, match="key 'version'.*version 99"):
+        open_store(s)
+    s = _w(tmp_path / "c", tiny_dataset(), "turn")
+    with pytest.raises(InputError) as ei:
+        open_store(s, expect_model="sentence-transformers/all-MiniLM-L6-v2")
+    assert str(s) in str(ei.value) and "'fake/hash-16'" in str(ei.value)
+    with pytest.raises(InputError, match="dim 16, expected 384"):
+        open_store(s, expect_dim=384)
+    _edit_manifest(s, dim=8)
+    with pytest.raises(InputError, match=r"memories\.npy: shape \(17, 16\)"):
+        open_store(s)
+
+
+def test_open_store_rejects_bad_arrays(store):
+    np.save(store / "memories.npy", np.zeros((5, 16), np.float32))
+    with pytest.raises(InputError, match=r"memories\.npy: shape"):
+        open_store(store)
+    np.save(store / "memories.npy", np.zeros((17, 16), np.float64))
+    with pytest.raises(InputError, match=r"memories\.npy: dtype float64"):
+        open_store(store)
+    np.save(store / "memories.npy", np.zeros((17, 16), np.float32))
+    q = np.load(store / "queries.npy")
+    q[3, 2] = np.inf
+    np.save(store / "queries.npy", q)
+    with pytest.raises(InputError, match=r"queries\.npy: NaN/Inf .*row 3"):
+        open_store(store)
+    q[3, 2] = np.nan
+    np.save(store / "queries.npy", q)
+    with pytest.raises(InputError, match=r"queries\.npy: NaN/Inf"):
+        open_store(store)
+    (store / "queries.npy").write_bytes(b"garbage")
+    with pytest.raises(InputError, match=r"queries\.npy: not a readable"):
+        open_store(store)
+
+
+def test_open_store_rejects_bad_users_and_jsonl(store):
+    users = json.loads((store / "users.json").read_text())
+    users[1]["mem_start"] = 7
+    (store / "users.json").write_text(json.dumps(users))
+    with pytest.raises(InputError, match=r"users\.json: key '\[1\]'"):
+        open_store(store)
+    users[1]["mem_start"] = 8
+    (store / "users.json").write_text(json.dumps(users))
+    lines = (store / "queries.jsonl").read_text().splitlines()
+    lines[2] = "{broken"
+    (store / "queries.jsonl").write_text("\n".join(lines) + "\n")
+    st = open_store(store)                   # metadata is parsed lazily ...
+    with pytest.raises(InputError, match=r"queries\.jsonl:3: invalid JSON"):
+        st.user("alice")                     # ... and fails naming file:line

@@ -1,0 +1,303 @@
+"""Dense top-k retrieval (rmm_jax.retrieval) and ranking metrics (rmm_jax.metrics)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rmm_jax import metrics as M
+from rmm_jax import retrieval as R
+from rmm_jax.errors import InputError
+from rmm_jax.store import UserData
+
+
+# --------------------------------------------------------------------------- references
+def brute_top_k(q, bank, k, mask=None):
+    """numpy reference: full score matrix, sort by (score desc, index asc)."""
+    s = np.asarray(q, np.float64) @ np.asarray(bank, np.float64).T
+    if mask is not None:
+        s = np.where(mask[None, :], s, -np.inf)
+    idx = np.arange(s.shape[1])
+    order = np.stack([np.lexsort((idx, -row)) for row in s])[:, :k]
+    return np.take_along_axis(s, order, axis=1), order
+
+
+def int_data(rng, n_q, n, d, lo=-2, hi=3):
+    """Small-integer vectors: dot products are exact in float32 and ties are common."""
+    return (rng.integers(lo, hi, (n_q, d)).astype(np.float32),
+            rng.integers(lo, hi, (n, d)).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- top_k
+def test_top_k_hand_example_and_ties_by_lower_index():
+    bank = np.array([[1, 0], [0, 1], [1, 0], [0.5, 0.5], [1, 0]], np.float32)
+    q = np.array([[1, 0], [0, 1]], np.float32)
+    s, i = R.top_k(q, bank, 4, chunk_size=2)
+    assert i.dtype == np.int32 and s.shape == (2, 4)
+    assert i[0].tolist() == [0, 2, 4, 3]          # three rows tie at 1.0 -> lower index first
+    assert i[1].tolist() == [1, 3, 0, 2]          # 0.5, then ties at 0 -> 0 before 2
+    np.testing.assert_allclose(s[0], [1, 1, 1, 0.5])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 7, 16, 64, 10_000])
+def test_top_k_matches_brute_force_any_chunk_size(chunk_size):
+    rng = np.random.default_rng(chunk_size)
+    q, bank = int_data(rng, 9, 53, 5)             # many exact ties
+    for k in (1, 5, 53):
+        s, i = R.top_k(q, bank, k, chunk_size=chunk_size)
+        rs, ri = brute_top_k(q, bank, k)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_array_equal(s, rs.astype(np.float32))
+
+
+def test_top_k_bank_mask_and_query_blocks():
+    rng = np.random.default_rng(1)
+    q, bank = int_data(rng, 11, 40, 4)
+    mask = rng.random(40) < 0.5
+    nv = int(mask.sum())
+    s, i = R.top_k(q, bank, nv, chunk_size=6, bank_mask=mask, query_block=4)
+    rs, ri = brute_top_k(q, bank, nv, mask)
+    np.testing.assert_array_equal(i, ri)
+    assert mask[i].all()
+    with pytest.raises(InputError, match=r"^k: k=\d+ is larger"):
+        R.top_k(q, bank, nv + 1, bank_mask=mask)
+
+
+def test_top_k_bad_inputs_name_the_argument():
+    q = np.zeros((2, 3), np.float32)
+    bank = np.zeros((4, 3), np.float32)
+    with pytest.raises(InputError, match=r"^k: k=5 is larger than the number of \(valid\) bank rows \(4\)"):
+        R.top_k(q, bank, 5)
+    with pytest.raises(InputError, match="^k:"):
+        R.top_k(q, bank, 0)
+    with pytest.raises(InputError, match="^bank:.*dim"):
+        R.top_k(q, np.zeros((4, 2), np.float32), 1)
+    with pytest.raises(InputError, match="^queries:"):
+        R.top_k(np.zeros(3, np.float32), bank, 1)
+    with pytest.raises(InputError, match="^chunk_size:"):
+        R.top_k(q, bank, 1, chunk_size=0)
+    s, i = R.top_k(np.zeros((0, 3), np.float32), bank, 2)
+    assert s.shape == (0, 2) and i.shape == (0, 2)
+
+
+def test_top_k_large_bank_against_numpy():
+    """>= 200,000 x 384 bank, default chunking (last chunk partial), subset checked."""
+    rng = np.random.default_rng(0)
+    n, d = 200_003, 384
+    bank = rng.standard_normal((n, d), dtype=np.float32)
+    bank /= np.linalg.norm(bank, axis=1, keepdims=True)
+    q = rng.standard_normal((24, d), dtype=np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    k = 50
+    s, i = R.top_k(q, bank, k)                    # chunk_size=65536 -> 4 chunks
+    sub = np.arange(0, 24, 3)
+    rs, ri = brute_top_k(q[sub], bank, k)
+    np.testing.assert_allclose(s[sub], rs, atol=1e-5)
+    same = i[sub] == ri
+    # any disagreement may only be a float near-tie
+    assert same.mean() > 0.99 and np.all(np.abs(s[sub] - rs)[~same] < 1e-5)
+    # smaller chunks give the same answer
+    s2, i2 = R.top_k(q[sub], bank, k, chunk_size=30_000)
+    np.testing.assert_array_equal(i2, i[sub])
+
+
+def _all_shapes(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+        out.extend(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for p in eqn.params.values():
+            subs = p if isinstance(p, (list, tuple)) else [p]
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    out.extend(_all_shapes(inner))
+                elif hasattr(sub, "eqns"):
+                    out.extend(_all_shapes(sub))
+    return out
+
+
+def test_million_row_bank_never_materialises_q_by_n():
+    """Trace (no data) a 1,000,000 x 384 bank: no intermediate has N columns."""
+    n, d, q, k, chunk = 1_000_000, 384, 64, 20, 65536
+    n_chunks = math.ceil(n / chunk)
+    args = (jax.ShapeDtypeStruct((q, d), jnp.float32), jax.ShapeDtypeStruct((n, d), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.bool_))
+    jaxpr = jax.make_jaxpr(lambda a, b, m: R._top_k_jit(a, b, m, k=k, chunk=chunk,
+                                                       n_chunks=n_chunks))(*args)
+    shapes = _all_shapes(jaxpr.jaxpr)
+    assert (q, chunk) in shapes                   # scores exist only per chunk
+    assert not any(len(s) >= 2 and s[-1] >= n for s in shapes), "a (., N) array appears"
+    assert max(int(np.prod(s)) for s in shapes if len(s) >= 2 and s[0] == q) <= q * chunk
+
+
+# --------------------------------------------------------------------------- multi-probe
+def multi_probe_reference(probes, bank, k):
+    """The definition: union of each probe's top-k, de-duplicated, scored by best probe."""
+    out_s, out_i = [], []
+    for pq in probes:
+        cands = set()
+        for p in pq:
+            _, ii = brute_top_k(p[None], bank, k)
+            cands.update(ii[0].tolist())
+        cands = sorted(cands)
+        score = {c: max(float(p @ bank[c]) for p in pq) for c in cands}
+        order = sorted(cands, key=lambda c: (-score[c], c))[:k]
+        out_i.append(order)
+        out_s.append([score[c] for c in order])
+    return np.array(out_s), np.array(out_i)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_multi_probe_matches_union_definition(chunk_size):
+    rng = np.random.default_rng(7)
+    bank = rng.integers(-2, 3, (37, 6)).astype(np.float32)
+    probes = rng.integers(-2, 3, (5, 3, 6)).astype(np.float32)
+    for k in (1, 4, 10):
+        s, i = R.multi_probe_top_k(probes, bank, k, chunk_size=chunk_size)
+        rs, ri = multi_probe_reference(probes, bank, k)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_allclose(s, rs)
+
+
+def test_multi_probe_single_probe_equals_top_k_and_probe_mask():
+    rng = np.random.default_rng(3)
+    q, bank = int_data(rng, 6, 30, 4)
+    s1, i1 = R.multi_probe_top_k(q[:, None, :], bank, 7, chunk_size=8)
+    s2, i2 = R.top_k(q, bank, 7, chunk_size=8)
+    np.testing.assert_array_equal(i1, i2)
+    # a masked-out probe is ignored: (q, garbage) with garbage masked == q alone
+    probes = np.stack([q, 100 * np.ones_like(q)], axis=1)
+    pm = np.array([[True, False]] * 6)
+    _, i3 = R.multi_probe_top_k(probes, bank, 7, probe_mask=pm, chunk_size=8)
+    np.testing.assert_array_equal(i3, i2)
+    with pytest.raises(InputError, match="probe"):
+        R.multi_probe_top_k(probes, bank, 7, probe_mask=np.zeros((6, 2), bool))
+    with pytest.raises(InputError, match="^k:"):
+        R.multi_probe_top_k(probes, bank, 31)
+
+
+# --------------------------------------------------------------------------- candidates
+def _user(n_m, n_q, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return UserData("u", rng.standard_normal((n_m, d)).astype(np.float32),
+                    rng.standard_normal((n_q, d)).astype(np.float32),
+                    np.zeros((n_q, n_m), bool), tuple(f"m{j}" for j in range(n_m)),
+                    tuple(f"q{i}" for i in range(n_q)), ("",) * n_q, np.zeros(n_q, bool))
+
+
+def test_retrieve_candidates_pads_small_banks():
+    u = _user(3, 4)
+    idx, mask = R.retrieve_candidates(u, 5)
+    assert idx.shape == (4, 5) and idx.dtype == np.int32 and mask.dtype == bool
+    assert mask[:, :3].all() and not mask[:, 3:].any()
+    assert (idx[:, 3:] == 0).all()
+    _, ref = brute_top_k(u.query_emb, u.memory_emb, 3)
+    np.testing.assert_array_equal(idx[:, :3], ref)
+    # big enough bank: plain top-k, all valid
+    u2 = _user(30, 2, seed=1)
+    idx2, mask2 = R.retrieve_candidates(u2, 5)
+    assert mask2.all()
+    np.testing.assert_array_equal(idx2, brute_top_k(u2.query_emb, u2.memory_emb, 5)[1])
+    # empty bank / no queries
+    idx3, mask3 = R.retrieve_candidates(_user(0, 2), 4)
+    assert idx3.shape == (2, 4) and not mask3.any()
+    assert R.retrieve_candidates(_user(5, 0), 4)[0].shape == (0, 4)
+    with pytest.raises(InputError, match="^k:"):
+        R.retrieve_candidates(u, 0)
+
+
+# --------------------------------------------------------------------------- metrics
+def test_metrics_hand_computed():
+    rel = np.array([
+        [1, 0, 1, 0, 0],   # gold 2, both in list at ranks 1 and 3
+        [0, 0, 0, 1, 0],   # gold 3, one found at rank 4
+        [0, 0, 0, 0, 0],   # gold 1, missed
+        [1, 1, 0, 0, 0],   # gold 2, at ranks 1, 2
+    ], bool)
+    ng = np.array([2, 3, 1, 2])
+    np.testing.assert_allclose(M.recall_at_k(rel, ng, 1), [0.5, 0, 0, 0.5])
+    np.testing.assert_allclose(M.recall_at_k(rel, ng, 3), [1.0, 0, 0, 1.0])
+    np.testing.assert_allclose(M.recall_at_k(rel, ng, 5), [1.0, 1 / 3, 0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(M.recall_at_k(rel, ng, 50), [1.0, 1 / 3, 0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(M.recall_any_at_k(rel, ng, 3), [1, 0, 0, 1])
+    np.testing.assert_allclose(M.recall_any_at_k(rel, ng, 4), [1, 1, 0, 1])
+    np.testing.assert_allclose(M.recall_all_at_k(rel, ng, 2), [0, 0, 0, 1])
+    np.testing.assert_allclose(M.recall_all_at_k(rel, ng, 5), [1, 0, 0, 1])
+    np.testing.assert_allclose(M.mrr(rel), [1.0, 0.25, 0.0, 1.0])
+    # NDCG@3, row 0: (1 + 1/log2 4) / (1 + 1/log2 3)
+    nd = np.asarray(M.ndcg_at_k(rel, ng, 3))
+    assert nd[0] == pytest.approx((1 + 0.5) / (1 + 1 / math.log2(3)), rel=1e-6)
+    assert nd[1] == 0.0 and nd[2] == 0.0 and nd[3] == pytest.approx(1.0)
+    # NDCG@5 row 1: 1/log2(5) over ideal of 3 gold = 1 + 1/log2 3 + 1/2
+    nd5 = np.asarray(M.ndcg_at_k(rel, ng, 5))
+    assert nd5[1] == pytest.approx((1 / math.log2(5)) / (1 + 1 / math.log2(3) + 0.5), rel=1e-6)
+    # ideal uses min(num_gold, k): 3 gold, k=1, rank-1 hit -> 1.0
+    assert float(M.ndcg_at_k(np.array([[1, 0]], bool), np.array([3]), 1)[0]) == pytest.approx(1.0)
+    # num_gold == 0 gives 0 (callers exclude these)
+    z = np.zeros((1, 3), bool)
+    for f in (M.recall_at_k, M.recall_all_at_k, M.ndcg_at_k):
+        assert float(f(z, np.array([0]), 3)[0]) == 0.0
+    with pytest.raises(InputError, match="^k:"):
+        M.recall_at_k(rel, ng, 0)
+
+
+def py_metrics(rel_row, ng, k):
+    """Brute-force python reference for one query."""
+    top = [bool(x) for x in rel_row[:k]]
+    found = sum(top)
+    rec = found / ng if ng else 0.0
+    any_ = float(found > 0)
+    all_ = float(ng > 0 and found >= ng)
+    dcg = sum(1 / math.log2(r + 2) for r, x in enumerate(top) if x)
+    idcg = sum(1 / math.log2(r + 2) for r in range(min(ng, k)))
+    nd = dcg / idcg if idcg else 0.0
+    first = next((r for r, x in enumerate(rel_row) if x), None)
+    rr = 0.0 if first is None else 1 / (first + 1)
+    return rec, any_, all_, nd, rr
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_random_against_python(seed):
+    rng = np.random.default_rng(seed)
+    q, length = 40, int(rng.integers(1, 25))
+    rel = rng.random((q, length)) < rng.uniform(0.05, 0.5)
+    ng = rel.sum(1) + rng.integers(0, 3, q)       # gold may lie outside the list
+    for k in (1, 3, 5, 10, 30):
+        got = [np.asarray(f) for f in (M.recall_at_k(rel, ng, k), M.recall_any_at_k(rel, ng, k),
+                                       M.recall_all_at_k(rel, ng, k), M.ndcg_at_k(rel, ng, k),
+                                       M.mrr(rel))]
+        for i in range(q):
+            ref = py_metrics(rel[i], int(ng[i]), k)
+            for g, r in zip(got, ref):
+                assert g[i] == pytest.approx(r, abs=1e-6)
+
+
+def test_metrics_are_jittable():
+    rel = jnp.array([[True, False, True]])
+    ng = jnp.array([2])
+
+    @jax.jit
+    def f(r, g):
+        return (M.recall_at_k(r, g, 2) + M.ndcg_at_k(r, g, 2) + M.recall_all_at_k(r, g, 3)
+                + M.recall_any_at_k(r, g, 1) + M.mrr(r))
+
+    expected = 0.5 + 1 / (1 + 1 / math.log2(3)) + 1 + 1 + 1
+    assert float(f(rel, ng)[0]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_summarize_overall_and_groups():
+    per_q = {"r": np.array([1.0, 0.5, 0.0, 0.25]), "m": np.array([1.0, 1.0, 0.0, 0.0])}
+    valid = np.array([True, True, False, True])
+    groups = {"user": np.array(["a", "a", "b", "b"]), "category": np.array([1, 2, 2, 2])}
+    s = M.summarize(per_q, valid, groups)
+    assert s["overall"] == {"r": pytest.approx(1.75 / 3), "m": pytest.approx(2 / 3), "n": 3}
+    assert s["per_user"]["a"] == {"r": 0.75, "m": 1.0, "n": 2}
+    assert s["per_user"]["b"] == {"r": 0.25, "m": 0.0, "n": 1}
+    assert s["per_category"]["1"]["n"] == 1 and s["per_category"]["2"]["r"] == pytest.approx(0.375)
+    s2 = M.summarize(per_q, np.array([True, True, False, False]), groups)
+    assert s2["per_user"]["b"] == {"r": None, "m": None, "n": 0}
+    with pytest.raises(InputError, match="per_query"):
+        M.summarize({"r": np.zeros(3)}, valid)
