@@ -79,8 +79,14 @@ def user_key(seed: int, user_id: str):
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two ≥ max(n, minimum)."""
-    return 1 << max(int(n) - 1, minimum - 1, 0).bit_length()
+    """Smallest size ≥ max(n, minimum) of the form j·2^e with j ∈ {4..7}: four buckets
+    per octave, so padding wastes at most 25% while lengths inside a bucket share one
+    compiled program."""
+    n = max(int(n), minimum, 1)
+    if n <= 8:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
 
 
 def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *, replay: bool = False,
@@ -140,6 +146,31 @@ def _tree_where(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+def _empty_buffer(cfg: Config, data) -> dict:
+    """A ring of ``cfg.buffer`` past batches (newest first), initially all invalid."""
+    r, b, k, d = cfg.buffer, cfg.batch, cfg.k, data["q"].shape[-1]
+    return {"q": jnp.zeros((r, b, d), data["q"].dtype), "cand": jnp.zeros((r, b, k), jnp.int32),
+            "mask": jnp.zeros((r, b, k), bool), "selected": jnp.full((r, b, cfg.m), -1, jnp.int32),
+            "cited": jnp.zeros((r, b, cfg.m), bool), "logged_log_prob": jnp.zeros((r, b), jnp.float32),
+            "valid": jnp.zeros((r, b), bool)}
+
+
+def _with_buffer(full: dict, buf: dict, bank, params) -> dict:
+    """The current batch followed by the buffered ones, as one (R+1)·B batch.
+
+    Buffered selections were drawn by earlier policies: their updates are importance
+    weighted with the logged behaviour log-prob (clipped ratio, see
+    :func:`rmm_jax.update.importance_weights`).
+    """
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), buf)
+    m = bank[flat["cand"]]
+    old = {"q": flat["q"], "m": m, "mask": flat["mask"], "valid": flat["valid"], "selected": flat["selected"],
+           "cited": flat["cited"], "gumbel": jnp.zeros(flat["mask"].shape, full["gumbel"].dtype),
+           "scores": score_batch(params, flat["q"], m, flat["mask"]),
+           "logged_log_prob": flat["logged_log_prob"], "has_logged": flat["valid"]}
+    return jax.tree.map(lambda a, b_: jnp.concatenate([a, b_]), full, old)
+
+
 def make_run(cfg: Config, cite_fn: Callable | None = None, *, segment_batches: int | None = None):
     """Build ``run(states, data, start) -> (states, outputs)``, jitted over a users chunk.
 
@@ -170,7 +201,7 @@ def make_run(cfg: Config, cite_fn: Callable | None = None, *, segment_batches: i
         xs["index"] = start + jnp.arange(seg)
 
         def body(carry, x):
-            params, opt_state, ls = carry
+            (params, opt_state, ls), buf = carry
             m = bank[x["cand"]]                                          # (B, K, d)
             scores = score_batch(params, x["q"], m, x["mask"])
             top = jax.vmap(lambda s, mk: top_m(s, cfg.m, mk))(scores, x["mask"])
@@ -186,14 +217,22 @@ def make_run(cfg: Config, cite_fn: Callable | None = None, *, segment_batches: i
                 key = jax.random.fold_in(jax.random.wrap_key_data(ls["key"]), x["index"])
                 full = simulated_batch(cfg, cite_fn, scores, batch, key)
                 out.update(selected=full["selected"], cited=full["cited"], log_prob=full["logged_log_prob"])
-            new = apply(params, opt_state, ls, full)
+            full.pop("gold", None)
+            if cfg.buffer:
+                entry = {"q": x["q"], "cand": x["cand"], "mask": x["mask"], "selected": full["selected"],
+                         "cited": full["cited"], "logged_log_prob": full["logged_log_prob"], "valid": x["present"]}
+                new = apply(params, opt_state, ls, _with_buffer(full, buf, bank, params))
+                buf = jax.tree.map(lambda b_, e: jnp.concatenate([e[None], b_[:-1]]), buf, entry)
+            else:
+                new = apply(params, opt_state, ls, full)
             any_valid = jnp.any(x["present"])
-            params, opt_state, ls = _tree_where(any_valid, new[:3], (params, opt_state, ls))
+            state = _tree_where(any_valid, new[:3], (params, opt_state, ls))
             met = new[3]
             out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"], updated=any_valid)
-            return (params, opt_state, ls), out
+            return (state, buf), out
 
-        return jax.lax.scan(body, state, xs)
+        (state, _), outs = jax.lax.scan(body, (state, _empty_buffer(cfg, data)), xs)
+        return state, outs
 
     run = jax.vmap(one_user, in_axes=(0, 0, None))
     return jax.jit(run, donate_argnums=(0,))

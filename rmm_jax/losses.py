@@ -32,7 +32,7 @@ from rmm_jax.reranker import score_batch
 from rmm_jax.sampling import NEG, selection_log_probs, valid_mask
 
 REWARDS = ("pm1", "binary")
-BASELINES = ("constant", "batch_mean", "running_mean")
+BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")
 CREDITS = ("reward_to_go", "selection", "item")
 
 

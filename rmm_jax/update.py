@@ -32,17 +32,18 @@ class Config:
     k: int = 20                  # candidates from the base retriever
     m: int = 5                   # memories shown to the generator
     batch: int = 4               # queries per update (paper: 4)
-    tau: float = 1.0
-    lr: float = 1e-4
+    tau: float = 0.1
+    lr: float = 3e-4
     optimizer: str = "adam"      # adam | sgd
     reward: str = "binary"       # binary | pm1
     baseline: str = "batch_mean"  # constant | batch_mean | running_mean
     baseline_value: float = 0.5  # b for `constant`; start value for `running_mean`
     ema: float = 0.9             # running_mean decay
     mode: str = "plackett_luce"  # plackett_luce | rmm
-    credit: str = "reward_to_go"  # reward_to_go | selection | item
+    credit: str = "item"         # item | reward_to_go | selection
     clip: float = 5.0            # importance-ratio ceiling for off-policy replay
     on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
+    buffer: int = 0              # past batches re-used in every update (importance-weighted)
 
     def __post_init__(self):
         c = _checks.require
@@ -59,6 +60,7 @@ class Config:
         c(self.mode in MODES, "mode", f"must be one of {MODES}")
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
         c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
+        c(self.buffer >= 0, "buffer", f"must be >= 0, got {self.buffer}")
 
     @staticmethod
     def preset(name: str, **overrides) -> "Config":
@@ -96,12 +98,19 @@ def baseline_for(cfg: Config, learner_state, rewards, filled):
 
     constant: b = cfg.baseline_value. batch_mean: b = mean reward of the batch's shown
     memories. running_mean: b = EMA before this batch; EMA ← ema·EMA + (1−ema)·batch mean.
+    query_mean: b = mean reward of the memories shown for the same query (B, 1), so a
+    query where nothing or everything was cited carries no update; it depends on the
+    sampled selection, so the estimate is no longer unbiased.
     """
     batch_mean, any_filled = _mean_reward(rewards, filled)
     if cfg.baseline == "constant":
         return jnp.float32(cfg.baseline_value), learner_state["baseline"]
     if cfg.baseline == "batch_mean":
         return batch_mean, learner_state["baseline"]
+    if cfg.baseline == "query_mean":
+        n = jnp.sum(filled, axis=-1, keepdims=True)
+        q_mean = jnp.sum(jnp.where(filled, rewards, 0.0), axis=-1, keepdims=True) / jnp.maximum(n, 1)
+        return q_mean, learner_state["baseline"]
     ema = learner_state["baseline"]
     new = jnp.where(any_filled, cfg.ema * ema + (1 - cfg.ema) * batch_mean, ema)
     return ema, new
@@ -145,7 +154,7 @@ def make_apply_update(cfg: Config, optimizer: optax.GradientTransformation | Non
         params = optax.apply_updates(params, updates)
         learner_state = {**learner_state, "baseline": new_baseline, "step": learner_state["step"] + 1}
         n = jnp.maximum(jnp.sum(filled), 1)
-        metrics = {"loss": loss, "reward": jnp.sum(rewards) / n, "baseline": b,
+        metrics = {"loss": loss, "reward": jnp.sum(rewards) / n, "baseline": jnp.mean(b),
                    "cite_rate": jnp.sum(batch["cited"] & filled) / n,
                    "grad_norm": optax.tree.norm(grads), "weight": jnp.mean(weights)}
         return params, opt_state, learner_state, metrics
