@@ -52,7 +52,7 @@ def _register() -> None:
         importlib.import_module(f"cli.{name}")
 
 
-COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies"]
+COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "demo"]
 
 
 def main(argv=None) -> None:

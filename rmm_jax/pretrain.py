@@ -69,12 +69,18 @@ def _pad_rows(data: dict, multiple: int) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("m",))
-def eval_recall(params, data, m: int):
-    """Mean Recall@m of the reranked top-m over the rows with gold."""
+def eval_per_query(params, data, m: int):
+    """Per-query (Recall@m, NDCG@m) of the reranked top-m."""
     scores = score_batch(params, data["q"], data["m"], data["mask"])
     top = jax.vmap(lambda s, mk: top_m(s, m, mk))(scores, data["mask"])
     rel = jnp.take_along_axis(data["gold"], jnp.maximum(top, 0), axis=1) & (top >= 0)
-    r = rmetrics.recall_at_k(rel, data["num_gold"], m)
+    return rmetrics.recall_at_k(rel, data["num_gold"], m), rmetrics.ndcg_at_k(rel, data["num_gold"], m)
+
+
+@functools.partial(jax.jit, static_argnames=("m",))
+def eval_recall(params, data, m: int):
+    """Mean Recall@m of the reranked top-m over the rows with gold."""
+    r, _ = eval_per_query(params, data, m)
     has = data["num_gold"] > 0
     return jnp.sum(jnp.where(has, r, 0.0)) / jnp.maximum(jnp.sum(has), 1)
 

@@ -22,3 +22,51 @@ def locomo_dir() -> Path:
     if os.environ.get("CI") == "true":
         pytest.fail(msg)
     pytest.skip(msg)
+
+
+class FakeEmbedder:
+    """Deterministic bag-of-words embedder, no model: fast store tests.
+
+    A text is the normalised sum of one fixed random vector per lower-cased word, so
+    texts that share words are close (retrieval has signal, as with a real model).
+    """
+
+    def __init__(self, dim: int = 16):
+        self.calls = 0
+        self.dim = dim
+        self.model_id = f"fake/bow-{dim}"
+
+    def _word(self, w):
+        import hashlib
+
+        import numpy as np
+
+        seed = int.from_bytes(hashlib.sha256(w.encode()).digest()[:8], "little")
+        return np.random.default_rng(seed).standard_normal(self.dim)
+
+    def encode(self, texts, desc=""):
+        import re
+
+        import numpy as np
+
+        self.calls += 1
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for i, t in enumerate(texts):
+            words = re.findall(r"[a-z0-9]+", t.lower()) or [t]
+            v = sum(self._word(w) for w in words) + 1e-3 * self._word("\0" + t)
+            out[i] = v / np.linalg.norm(v)
+        return out
+
+    def close(self):
+        pass
+
+
+def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
+    """An embedding store of synthetic users with hash embeddings (no model, ~1 s)."""
+    from rmm_jax.data import make_synthetic
+    from rmm_jax.store import write_store
+
+    spec = f"synthetic:users={users},sessions={sessions},turns={turns},seed={seed}"
+    write_store(path, make_synthetic(users=users, sessions=sessions, turns=turns, seed=seed), "turn",
+                FakeEmbedder(dim), spec=spec)
+    return path

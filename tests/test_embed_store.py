@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import FakeEmbedder
+
 from rmm_jax import embed as E
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User, gold_matrix
 from rmm_jax.errors import InputError
@@ -43,25 +45,6 @@ def count_model_calls(emb, monkeypatch):
 
     monkeypatch.setattr(emb._model, "encode", spy)
     return seen
-
-
-class FakeEmbedder:
-    """Deterministic text -> unit vector, no model: fast store tests."""
-
-    model_id = "fake/hash-16"
-    dim = 16
-
-    def __init__(self):
-        self.calls = 0
-
-    def encode(self, texts, desc=""):
-        self.calls += 1
-        out = np.zeros((len(texts), self.dim), np.float32)
-        for i, t in enumerate(texts):
-            seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
-            v = np.random.default_rng(seed).standard_normal(self.dim)
-            out[i] = v / np.linalg.norm(v)
-        return out
 
 
 def tiny_dataset() -> Dataset:
@@ -185,15 +168,15 @@ def test_write_and_open_store_roundtrip(tmp_path):
          "queries.jsonl"])
     disk = json.loads((out / "manifest.json").read_text())
     assert disk == man
-    assert disk["format"] == FORMAT and disk["version"] == 1 and disk["model"] == "fake/hash-16"
+    assert disk["format"] == FORMAT and disk["version"] == 1 and disk["model"] == "fake/bow-16"
     assert disk["counts"] == {"users": 2, "memories": 8 + 9, "queries": 8}
     assert disk["granularity"] == "turn" and disk["dataset"] == "tiny" and disk["spec"] == "tiny-spec"
     assert disk["stats"]["note"] == "hand-built"
     assert disk["stats"]["valid_queries"] == 4 and disk["stats"]["abstention_queries"] == 2
     assert disk["stats"]["queries_without_gold_memory"] == 2
 
-    st = open_store(out, expect_model="fake/hash-16", expect_dim=16)
-    assert st.dim == 16 and st.model == "fake/hash-16" and st.user_ids == ("alice", "bob")
+    st = open_store(out, expect_model="fake/bow-16", expect_dim=16)
+    assert st.dim == 16 and st.model == "fake/bow-16" and st.user_ids == ("alice", "bob")
     assert isinstance(st.memory_emb, np.memmap) and st.memory_emb.shape == (17, 16)
     u = st.user("bob")
     assert isinstance(u, UserData)
@@ -308,7 +291,7 @@ def test_open_store_rejects_format_version_and_mismatch(tmp_path):
     s = _w(tmp_path / "c", tiny_dataset(), "turn")
     with pytest.raises(InputError) as ei:
         open_store(s, expect_model="sentence-transformers/all-MiniLM-L6-v2")
-    assert str(s) in str(ei.value) and "'fake/hash-16'" in str(ei.value)
+    assert str(s) in str(ei.value) and "'fake/bow-16'" in str(ei.value)
     with pytest.raises(InputError, match="dim 16, expected 384"):
         open_store(s, expect_dim=384)
     _edit_manifest(s, dim=8)

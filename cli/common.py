@@ -1,0 +1,75 @@
+"""Shared CLI pieces: the online-learning options, progress bars and JSON output."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import click
+
+from rmm_jax.errors import InputError
+
+PRESET_NAMES = ("default", "paper")
+
+
+def info(msg: str) -> None:
+    """Progress and notes go to stderr so that ``--json`` stdout stays parseable."""
+    click.echo(msg, err=True)
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
+
+
+def config_options(f):
+    """Options that build a :class:`rmm_jax.Config`; unset ones come from --preset."""
+    opts = [
+        click.option("--preset", type=click.Choice(PRESET_NAMES), default="default",
+                     help="Named setting: 'default' (chosen by measurement, see README) or 'paper' "
+                          "(rewards ±1, b=0.5, tau=0.5, lr 1e-3, batch 4, per-item rmm log-prob)."),
+        click.option("--k", type=int, default=20, help="Candidates from the base retriever."),
+        click.option("--m", type=int, default=5, help="Memories shown to the generator (selected)."),
+        click.option("--batch", type=int, default=None, help="Queries per update [preset]."),
+        click.option("--tau", type=float, default=None, help="Sampling temperature > 0 [preset]."),
+        click.option("--lr", type=float, default=None, help="Learning rate [preset]."),
+        click.option("--reward", type=click.Choice(["binary", "pm1"]), default=None,
+                     help="Citation reward: binary 1/0 or pm1 ±1 [preset]."),
+        click.option("--baseline", type=click.Choice(["constant", "batch_mean", "running_mean"]), default=None,
+                     help="REINFORCE baseline [preset]."),
+        click.option("--credit", type=click.Choice(["reward_to_go", "selection", "item"]), default=None,
+                     help="Credit assignment over the selection [preset]."),
+        click.option("--kind", type=click.Choice(["linear", "mlp"]), default="linear",
+                     help="Reranker adapters (when creating a policy store)."),
+        click.option("--seed", type=int, default=0, help="Run seed (per-user keys derive from it)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def make_config(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, **_):
+    from rmm_jax.update import Config
+
+    overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
+                                       credit=credit).items() if v is not None}
+    try:
+        return Config.preset(preset, k=k, m=m, kind=kind, **overrides)
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
+
+
+def config_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def open_store(path, **kw):
+    from rmm_jax.store import open_store as _open
+
+    return _open(path, **kw)
+
+
+def progress_bar(total: int, desc: str, unit: str = "user"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=total <= 0, leave=False)

@@ -1,0 +1,236 @@
+"""The main jobs, as library calls: pretrain, simulate, replay, and their summaries.
+
+The CLI and the benchmarks are thin shells over these functions. Every report uses
+prequential evaluation (see :mod:`rmm_jax.learner`): for each query in stream order,
+the deterministic top-M of the policy *before* the update that uses the query.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from rmm_jax.citations import oracle_cite
+from rmm_jax.errors import InputError
+from rmm_jax.learner import Stream, flatten_queries, moving_average, run_streams, stream_from_user
+from rmm_jax.pretrain import PretrainConfig, pretrain, split_users
+from rmm_jax.update import Config
+
+CURVE_WINDOW = 25
+
+
+def load_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stream]:
+    """One :class:`Stream` per user of an embedding store (all users by default)."""
+    ids = list(store.user_ids) if not users else list(users)
+    unknown = [u for u in ids if u not in set(store.user_ids)]
+    if unknown:
+        raise InputError(f"unknown user id {unknown[0]!r} (the store has {len(store.user_ids)} users)",
+                         where="--users")
+    return [stream_from_user(store.user(u), k) for u in ids]
+
+
+def summarize(streams: Sequence[Stream], per_user_recall: dict, per_user_ndcg: dict, m: int) -> dict:
+    """Query-weighted overall means, per-user means and the learning curve.
+
+    ``per_user_*``: user id → (T,) prequential values in stream order; only queries with
+    ``Stream.valid`` count.
+    """
+    rec, nd, per_user, by_pos = [], [], {}, {}
+    for s in streams:
+        r, n, v = per_user_recall[s.user_id], per_user_ndcg[s.user_id], s.valid
+        rec.append(r[v])
+        nd.append(n[v])
+        per_user[s.user_id] = {f"recall@{m}": float(r[v].mean()) if v.any() else None,
+                               f"ndcg@{m}": float(n[v].mean()) if v.any() else None, "queries": int(v.sum())}
+        for i, x in enumerate(r[v]):
+            by_pos.setdefault(i, []).append(x)
+    rec, nd = np.concatenate(rec), np.concatenate(nd)
+    curve = np.array([np.mean(by_pos[i]) for i in sorted(by_pos)])
+    return {f"recall@{m}": float(rec.mean()) if rec.size else None,
+            f"ndcg@{m}": float(nd.mean()) if nd.size else None,
+            "queries": int(rec.size), "per_user": per_user,
+            "curve": moving_average(curve, CURVE_WINDOW).round(5).tolist()}
+
+
+def base_summary(streams: Sequence[Stream], m: int) -> dict:
+    """The base retriever's order, evaluated like a policy (same metric, same queries)."""
+    from rmm_jax import metrics
+
+    rec, nd = {}, {}
+    for s in streams:
+        rel = s.cand_gold[:, :m] & s.cand_mask[:, :m]
+        rec[s.user_id] = np.asarray(metrics.recall_at_k(rel, s.num_gold, m))
+        nd[s.user_id] = np.asarray(metrics.ndcg_at_k(rel, s.num_gold, m))
+    return summarize(streams, rec, nd, m)
+
+
+@dataclasses.dataclass
+class OnlineResult:
+    summary: dict
+    user_ids: list
+    states: list           # per chunk: stacked (params, opt_state, learner_state), host numpy
+    chunk_users: list      # per chunk: user ids
+    records: list          # log records (dicts), simulate only, when asked for
+
+
+def run_online(streams: Sequence[Stream], params, cfg: Config, *, seed: int = 0, cite_fn=None,
+               users_per_chunk: int = 8, want_log: bool = False, mesh=None,
+               on_chunk: Callable | None = None, progress: Callable[[int], None] | None = None) -> OnlineResult:
+    """Simulate (``cite_fn`` given) or replay (streams carry the logged selections).
+
+    ``on_chunk(chunk_user_ids, stacked_states, infos)`` is called after each chunk of
+    users, e.g. to save their policies (bounded memory for many users).
+    """
+    rec, nd, states, chunk_users, records = {}, {}, [], [], []
+    for chunk, st, out in run_streams(streams, params, cfg, seed=seed, cite_fn=cite_fn,
+                                      users_per_chunk=users_per_chunk, mesh=mesh, progress=progress):
+        fq = flatten_queries(out, cfg.batch)
+        infos = []
+        for i, s in enumerate(chunk):
+            t = s.queries.shape[0]
+            rec[s.user_id], nd[s.user_id] = fq["recall"][i, :t], fq["ndcg"][i, :t]
+            v = s.valid
+            infos.append({"queries_seen": int(t), f"prequential_recall@{cfg.m}":
+                          float(rec[s.user_id][v].mean()) if v.any() else None})
+            if want_log and cite_fn is not None:
+                records.extend(_log_records(s, fq["selected"][i, :t], fq["cited"][i, :t], fq["log_prob"][i, :t]))
+        ids = [s.user_id for s in chunk]
+        if on_chunk is not None:
+            on_chunk(ids, st, infos)
+        else:
+            states.append(st)
+            chunk_users.append(ids)
+    summary = summarize(streams, rec, nd, cfg.m)
+    return OnlineResult(summary, [s.user_id for s in streams], states, chunk_users, records)
+
+
+def _log_records(s: Stream, selected, cited, log_prob) -> list[dict]:
+    out = []
+    for t, qid in enumerate(s.query_ids):
+        cand_ids = [s.memory_ids[j] for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
+        sel = [int(p) for p in selected[t] if p >= 0]
+        out.append({"user_id": s.user_id, "query_id": qid, "candidates": cand_ids,
+                    "selected": [s.memory_ids[s.cand[t][p]] for p in sel],
+                    "cited": [s.memory_ids[s.cand[t][p]] for p, c in zip(sel, cited[t]) if c],
+                    "log_prob": float(log_prob[t])})
+    return out
+
+
+def simulate(streams, params, cfg: Config, *, precision: float, recall: float, **kw) -> OnlineResult:
+    """The online loop against the oracle citation simulator."""
+    from rmm_jax.citations import _check_rate  # validate before tracing
+
+    _check_rate(precision, "precision", low_open=True)
+    _check_rate(recall, "recall", low_open=False)
+    cite = lambda key, is_gold, filled: oracle_cite(key, is_gold, filled, precision, recall)
+    return run_online(streams, params, cfg, cite_fn=cite, **kw)
+
+
+def streams_from_log(store, records, cfg: Config, log_path: str = "log") -> list[Stream]:
+    """Replay streams: per user, the logged queries in log order with their logged
+    candidates, selections and citations (ids mapped to the store's memories)."""
+    by_user: dict[str, list] = {}
+    for rec in records:
+        by_user.setdefault(rec.user_id, []).append(rec)
+    streams = []
+    for uid, recs in by_user.items():
+        user = store.user(uid)
+        mem_index = {m: j for j, m in enumerate(user.memory_ids)}
+        q_index = {q: i for i, q in enumerate(user.query_ids)}
+        t, k = len(recs), cfg.k
+        cand = np.zeros((t, k), np.int32)
+        cmask = np.zeros((t, k), bool)
+        sel = np.full((t, cfg.m), -1, np.int32)
+        cited = np.zeros((t, cfg.m), bool)
+        lp = np.zeros((t,), np.float32)
+        has = np.zeros((t,), bool)
+        qi = np.zeros((t,), np.int64)
+        for i, r in enumerate(recs):
+            if len(r.candidates) > k:
+                raise InputError(f"record for user {uid!r}, query {r.query_id!r} has {len(r.candidates)} "
+                                 f"candidates, more than --k {k}", where=log_path)
+            if len(r.selected) > cfg.m:
+                raise InputError(f"record for user {uid!r}, query {r.query_id!r} selected {len(r.selected)} "
+                                 f"memories, more than --m {cfg.m}", where=log_path)
+            qi[i] = q_index[r.query_id]
+            cand[i, :len(r.candidates)] = [mem_index[c] for c in r.candidates]
+            cmask[i, :len(r.candidates)] = True
+            pos = {c: p for p, c in enumerate(r.candidates)}
+            sel[i, :len(r.selected)] = [pos[x] for x in r.selected]
+            cset = set(r.cited)
+            cited[i, :len(r.selected)] = [x in cset for x in r.selected]
+            if r.log_prob is not None:
+                lp[i], has[i] = r.log_prob, True
+        gold = np.asarray(user.gold, bool)[qi]
+        streams.append(Stream(
+            user_id=uid, bank=np.asarray(user.memory_emb, np.float32), queries=np.asarray(user.query_emb)[qi],
+            cand=cand, cand_mask=cmask, cand_gold=np.take_along_axis(gold, cand, axis=1) & cmask,
+            num_gold=gold.sum(1).astype(np.int32), valid=np.asarray(user.valid)[qi],
+            memory_ids=tuple(user.memory_ids), query_ids=tuple(user.query_ids[j] for j in qi),
+            selected=sel, cited=cited, logged_log_prob=lp, has_logged=has))
+    return streams
+
+
+def run_pretrain(streams: Sequence[Stream], params, pcfg: PretrainConfig, *, seed: int = 0,
+                 progress=None):
+    """Split users into train/validation and pretrain; returns (params, history, split)."""
+    train_ids, val_ids = split_users([s.user_id for s in streams], pcfg.val_fraction, seed)
+    by_id = {s.user_id: s for s in streams}
+    best, history = pretrain(params, [by_id[u] for u in train_ids], [by_id[u] for u in val_ids], pcfg,
+                             seed=seed, progress=progress)
+    return best, history, {"train": train_ids, "validation": val_ids}
+
+
+def static_summary(streams: Sequence[Stream], params, m: int) -> dict:
+    """A fixed policy (no online updates) evaluated like the online runs."""
+    from rmm_jax.pretrain import eval_per_query
+
+    rec, nd = {}, {}
+    for s in streams:
+        data = {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold, "num_gold": s.num_gold}
+        r, n = eval_per_query(params, data, m)
+        rec[s.user_id], nd[s.user_id] = np.asarray(r), np.asarray(n)
+    return summarize(streams, rec, nd, m)
+
+
+ROWS = ("base", "pretrain", "online", "pretrain+online", "paper")
+
+
+def compare(train_streams, eval_streams, cfg: Config, pcfg: PretrainConfig, *, rows=ROWS[:4], seed: int = 0,
+            precision: float = 0.876, recall: float = 0.858, users_per_chunk: int = 8, kind_hidden=None,
+            progress=None) -> dict:
+    """The comparison table of the README: base retriever, pretrained policy (fixed),
+    online from identity, online from pretrained, and the literal paper preset.
+
+    Pretraining uses ``train_streams`` only (with its own validation split by user);
+    every row is evaluated prequentially on ``eval_streams``. Returns row → summary.
+    """
+    from rmm_jax.reranker import init_reranker
+
+    dim = eval_streams[0].bank.shape[1]
+    identity = init_reranker(jax.random.key(seed), dim, cfg.kind, cfg.hidden)
+    out, pretrained = {}, None
+    if any(r.startswith("pretrain") for r in rows):
+        pretrained, history, split = run_pretrain(train_streams, identity, pcfg, seed=seed)
+        out["_pretrain"] = {"best_epoch": history["best_epoch"], "split": split,
+                            "val_recall": history["val_recall"][history["best_epoch"]]}
+    sim = lambda p, c: simulate(eval_streams, p, c, precision=precision, recall=recall, seed=seed,
+                                users_per_chunk=users_per_chunk).summary
+    for row in rows:
+        if progress:
+            progress(row)
+        if row == "base":
+            out[row] = base_summary(eval_streams, cfg.m)
+        elif row == "pretrain":
+            out[row] = static_summary(eval_streams, pretrained, cfg.m)
+        elif row == "online":
+            out[row] = sim(identity, cfg)
+        elif row == "pretrain+online":
+            out[row] = sim(pretrained, cfg)
+        elif row == "paper":
+            out[row] = sim(identity, Config.preset("paper", k=cfg.k, m=cfg.m))
+        else:
+            raise ValueError(f"rows: unknown row {row!r}")
+    return out

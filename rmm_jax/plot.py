@@ -1,0 +1,27 @@
+"""Learning-curve plots (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "query in stream (per user)") -> None:
+    """Write a PNG with one line per named curve, atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rmm_jax.io_utils import atomic_file
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_file(Path(path), "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
