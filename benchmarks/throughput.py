@@ -15,7 +15,9 @@ citations with the paper's precision/recall):
     blocked on). queries/s = real queries / steady seconds.
   - PyTorch eager (``benchmarks/ref_torch.py``): per-batch Python loop, naive scoring
     (all K memories adapted), the same prequential top-M eval, Gumbel top-M, oracle
-    citations, exact Plackett–Luce REINFORCE, ``loss.backward()``, ``torch.optim.Adam``.
+    citations, exact Plackett–Luce REINFORCE (reward-to-go credit in all three
+    implementations; the library's per-item default costs the same), ``loss.backward()``,
+    ``torch.optim.Adam``.
     Median over ``--ref-repeats`` (1) runs of the whole stream, fresh model each time
     (default threads; BLAS thread pools suffer most on an oversubscribed machine, so
     check ``machine.load_avg`` in the JSON before trusting the ratios).
@@ -247,7 +249,7 @@ def run_configs(args, machine):
     for name, sp in specs.items():
         rng = np.random.default_rng(0)
         stream = make_stream(rng, "bench-user", sp["d"], sp["k"], args.queries, args.bank)
-        cfg = rj.Config(kind=sp["kind"], hidden=sp.get("hidden"), k=sp["k"], m=sp["m"], batch=B)
+        cfg = rj.Config(kind=sp["kind"], hidden=sp.get("hidden"), k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
         params = rj.init_reranker(jax.random.key(0), sp["d"], sp["kind"], sp.get("hidden"))
         n_params = sum(int(x.size) for x in jax.tree.leaves(params))
         compile_s, jt, *_ = time_rmm_jax(stream, cfg, params, args.repeats)
@@ -280,7 +282,7 @@ def run_users(args, machine):
     d, k, m = (32, 8, 3) if args.quick else (384, 20, 5)
     counts = [2, 4] if args.quick else [1, 10, 100, 1000]
     chunk_max = 2 if args.quick else args.chunk
-    cfg = rj.Config(k=k, m=m, batch=B)
+    cfg = rj.Config(k=k, m=m, batch=B, credit="reward_to_go")
     params = rj.init_reranker(jax.random.key(0), d)
     rng = np.random.default_rng(1)
     all_streams = [make_stream(rng, f"user{i:05d}", d, k, args.user_queries, args.bank) for i in range(max(counts))]
@@ -411,7 +413,7 @@ def main(argv=None):
     res["targets"] = targets(res)
     if not (args.no_profile or args.quick):
         sp = configs["paper"]
-        cfg = rj.Config(k=sp["k"], m=sp["m"], batch=B)
+        cfg = rj.Config(k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
         res["profile"] = profile_substeps(cfg, rj.init_reranker(jax.random.key(0), sp["d"]), sp["d"], sp["k"],
                                           repeats=3 if args.quick else 50)
     res["total_s"] = time.perf_counter() - t_start

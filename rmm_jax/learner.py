@@ -137,13 +137,21 @@ def init_states(params, cfg: Config, keys) -> tuple:
     ``params`` is one shared tree (e.g. pretrained), broadcast to every user; ``keys``
     is a (U,) array of PRNG keys, one per user.
     """
+    return _init_states(params, keys, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _init_states(params, keys, cfg: Config):
+    # Jitted so that the outputs are fresh buffers: the run donates them, and a state
+    # aliasing the caller's keys or params would delete the caller's arrays.
     opt = make_optimizer(cfg)
-    one = lambda key: (params, opt.init(params), init_learner_state(key, cfg))
-    return jax.vmap(one)(keys)
+    one = lambda p, key: (p, opt.init(p), init_learner_state(key, cfg))
+    return jax.vmap(one, in_axes=(None, 0))(params, keys)
 
 
-def _tree_where(pred, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+def _tree_where_users(pred, new, old):
+    """Per user (leading axis): ``new`` where ``pred`` else ``old``."""
+    return jax.tree.map(lambda a, b: jnp.where(pred.reshape(pred.shape + (1,) * (a.ndim - 1)), a, b), new, old)
 
 
 def _empty_buffer(cfg: Config, data) -> dict:
@@ -188,53 +196,74 @@ def make_run(cfg: Config, cite_fn: Callable | None = None, *, segment_batches: i
     replay = cite_fn is None
     b = cfg.batch
 
-    def one_user(state, data, start):
-        bank = data["bank"]
-        n_total = data["q"].shape[0] // b
+    def user_step(state, buf, x, bank):
+        """One batch of one user: evaluate, act, cite, update (no padding logic)."""
+        params, opt_state, ls = state
+        m = bank[x["cand"]]                                              # (B, K, d)
+        scores = score_batch(params, x["q"], m, x["mask"])
+        top = jax.vmap(lambda s, mk: top_m(s, cfg.m, mk))(scores, x["mask"])
+        rel = jnp.take_along_axis(x["gold"], jnp.maximum(top, 0), axis=1) & (top >= 0)
+        out = {"recall": rmetrics.recall_at_k(rel, x["num_gold"], cfg.m),
+               "ndcg": rmetrics.ndcg_at_k(rel, x["num_gold"], cfg.m), "eval": x["eval"]}
+        batch = {"q": x["q"], "m": m, "mask": x["mask"], "valid": x["present"], "gold": x["gold"]}
+        if replay:
+            full = {**batch, "selected": x["selected"], "cited": x["cited"], "scores": scores,
+                    "gumbel": jnp.zeros_like(scores), "logged_log_prob": x["logged_log_prob"],
+                    "has_logged": x["has_logged"]}
+        else:
+            key = jax.random.fold_in(jax.random.wrap_key_data(ls["key"]), x["index"])
+            full = simulated_batch(cfg, cite_fn, scores, batch, key)
+            out.update(selected=full["selected"], cited=full["cited"], log_prob=full["logged_log_prob"])
+        full.pop("gold", None)
+        if cfg.buffer:
+            entry = {"q": x["q"], "cand": x["cand"], "mask": x["mask"], "selected": full["selected"],
+                     "cited": full["cited"], "logged_log_prob": full["logged_log_prob"], "valid": x["present"]}
+            new = apply(params, opt_state, ls, _with_buffer(full, buf, bank, params))
+            buf = jax.tree.map(lambda b_, e: jnp.concatenate([e[None], b_[:-1]]), buf, entry)
+        else:
+            new = apply(params, opt_state, ls, full)
+        met = new[3]
+        out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"], updated=jnp.any(x["present"]))
+        return new[:3], buf, out
+
+    def run(states, data, start):
+        bank = data["bank"]                                              # (U, N, d)
+        n_total = data["q"].shape[1] // b
         seg = n_total if segment_batches is None else segment_batches
 
-        def batched(x):
-            x = x.reshape((n_total, b) + x.shape[1:])
+        def batched(x):  # (U, T, ...) -> (n_batches, U, B, ...), scan axis first
+            x = jnp.moveaxis(x.reshape((x.shape[0], n_total, b) + x.shape[2:]), 1, 0)
             return jax.lax.dynamic_slice_in_dim(x, start, seg, axis=0) if segment_batches else x
 
         xs = {name: batched(v) for name, v in data.items() if name != "bank"}
-        xs["index"] = start + jnp.arange(seg)
+        n_users = bank.shape[0]
+        xs["index"] = jnp.broadcast_to((start + jnp.arange(seg))[:, None], (seg, n_users))
+        step = jax.vmap(user_step)
+        bufs = jax.vmap(lambda _: _empty_buffer(cfg, data))(jnp.arange(n_users))
+        at = lambda i: jax.tree.map(lambda v: v[i], xs)
+        out_shapes = jax.eval_shape(step, states, bufs, at(0), bank)[2]
+        outs = jax.tree.map(lambda o: jnp.zeros((seg,) + o.shape, o.dtype), out_shapes)
 
-        def body(carry, x):
-            (params, opt_state, ls), buf = carry
-            m = bank[x["cand"]]                                          # (B, K, d)
-            scores = score_batch(params, x["q"], m, x["mask"])
-            top = jax.vmap(lambda s, mk: top_m(s, cfg.m, mk))(scores, x["mask"])
-            rel = jnp.take_along_axis(x["gold"], jnp.maximum(top, 0), axis=1) & (top >= 0)
-            out = {"recall": rmetrics.recall_at_k(rel, x["num_gold"], cfg.m),
-                   "ndcg": rmetrics.ndcg_at_k(rel, x["num_gold"], cfg.m), "eval": x["eval"]}
-            batch = {"q": x["q"], "m": m, "mask": x["mask"], "valid": x["present"], "gold": x["gold"]}
-            if replay:
-                full = {**batch, "selected": x["selected"], "cited": x["cited"], "scores": scores,
-                        "gumbel": jnp.zeros_like(scores), "logged_log_prob": x["logged_log_prob"],
-                        "has_logged": x["has_logged"]}
-            else:
-                key = jax.random.fold_in(jax.random.wrap_key_data(ls["key"]), x["index"])
-                full = simulated_batch(cfg, cite_fn, scores, batch, key)
-                out.update(selected=full["selected"], cited=full["cited"], log_prob=full["logged_log_prob"])
-            full.pop("gold", None)
-            if cfg.buffer:
-                entry = {"q": x["q"], "cand": x["cand"], "mask": x["mask"], "selected": full["selected"],
-                         "cited": full["cited"], "logged_log_prob": full["logged_log_prob"], "valid": x["present"]}
-                new = apply(params, opt_state, ls, _with_buffer(full, buf, bank, params))
-                buf = jax.tree.map(lambda b_, e: jnp.concatenate([e[None], b_[:-1]]), buf, entry)
-            else:
-                new = apply(params, opt_state, ls, full)
-            any_valid = jnp.any(x["present"])
-            state = _tree_where(any_valid, new[:3], (params, opt_state, ls))
-            met = new[3]
-            out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"], updated=any_valid)
-            return (state, buf), out
+        def body(i, carry, masked: bool):
+            state, buf, outs = carry
+            x = at(i)
+            new_state, buf, out = step(state, buf, x, bank)
+            if masked:
+                # A user with no valid query in this batch (padding at the end of a
+                # shorter stream) keeps its state: an Adam step on a zero gradient would
+                # still move it. The select costs a full pass over the state, so only
+                # the padded tail of the chunk pays for it.
+                new_state = _tree_where_users(jnp.any(x["present"], axis=-1), new_state, state)
+            outs = jax.tree.map(lambda o, v: o.at[i].set(v), outs, out)
+            return new_state, buf, outs
 
-        (state, _), outs = jax.lax.scan(body, (state, _empty_buffer(cfg, data)), xs)
-        return state, outs
+        # Batches where every user of the chunk has a real query run without the select.
+        full = jnp.all(jnp.any(xs["present"], axis=-1), axis=-1)              # (seg,)
+        n_full = jnp.where(jnp.all(full), seg, jnp.argmin(full))
+        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), (states, bufs, outs))
+        states, _, outs = jax.lax.fori_loop(n_full, seg, functools.partial(body, masked=True), carry)
+        return states, jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)
 
-    run = jax.vmap(one_user, in_axes=(0, 0, None))
     return jax.jit(run, donate_argnums=(0,))
 
 
@@ -247,9 +276,50 @@ class RunResult:
     per_batch: dict                    # name -> list of (n_batches_u,) arrays
 
 
+@dataclasses.dataclass
+class ChunkProgress:
+    """A users chunk part-way through its stream (for resuming): ``segments_done``
+    segments have run; ``states`` are the stacked host states after them (padded users
+    axis) and ``outputs`` the raw outputs of those segments (batches on axis 1)."""
+    segments_done: int
+    states: tuple
+    outputs: dict
+
+
+def segment_plan(n_batches: int, segment_batches: int | None) -> tuple[int, int]:
+    """``(batches per segment, segments)`` for a padded stream of ``n_batches`` batches.
+
+    Segments hold at most ``segment_batches`` batches and are equal, so the stream is
+    padded by fewer than one batch per segment (None/0: one segment of the whole stream).
+    """
+    if not segment_batches or segment_batches >= n_batches:
+        return n_batches, 1
+    n_seg = -(-n_batches // segment_batches)
+    return -(-n_batches // n_seg), n_seg
+
+
+def stream_batches(streams: Sequence[Stream], cfg: Config) -> int:
+    """Padded number of batches of a chunk of streams (see :func:`pad_streams`)."""
+    return bucket(max(-(-s.queries.shape[0] // cfg.batch) for s in streams), 4)
+
+
+def _fetch(tree):
+    """``device_get`` that waits in short sleeps, so that Python signal handlers (e.g. a
+    second Ctrl-C) run while a long jitted call is in flight."""
+    import time
+
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "is_ready")]
+    while not all(x.is_ready() for x in leaves):
+        time.sleep(0.002)
+    return jax.device_get(tree)
+
+
 def run_streams(streams: Sequence[Stream], params, cfg: Config, *, seed: int = 0, cite_fn=None,
                 users_per_chunk: int = 8, initial_states: Callable | None = None, mesh=None,
-                progress: Callable[[int], None] | None = None, run_fn=None) -> Iterable[tuple]:
+                progress: Callable[[int], None] | None = None, run_fn=None,
+                segment_batches: int | None = None, segment_runs: Callable | None = None,
+                resume: ChunkProgress | None = None,
+                on_segment: Callable[[ChunkProgress], None] | None = None) -> Iterable[tuple]:
     """Run the online loop over many users, chunk by chunk; yields per-chunk results.
 
     Yields ``(chunk_streams, final_states, outputs)`` with host (numpy) arrays, users
@@ -259,13 +329,31 @@ def run_streams(streams: Sequence[Stream], params, cfg: Config, *, seed: int = 0
     starts from ``params`` with a fresh optimiser and ``user_key(seed, user_id)``.
     ``mesh``: a :class:`jax.sharding.Mesh` with a ``users`` axis; the chunk's users
     axis is sharded over it.
+
+    ``segment_batches`` (periodic checkpoints): each chunk runs as equal segments of at
+    most that many batches (:func:`segment_plan`), one compiled call each, with the
+    states brought to the host in between; ``on_segment(ChunkProgress)`` is called after
+    every segment but the last. ``resume`` continues the FIRST chunk from such a
+    progress. An interrupted-and-resumed run makes exactly the same sequence of calls
+    on the same inputs as an uninterrupted one, so its results are bit-identical.
+    ``segment_runs(n) -> run`` supplies (cached) programs for n-batch segments.
     """
     replay = cite_fn is None
-    run = run_fn or make_run(cfg, cite_fn)
+    if segment_batches:
+        if segment_runs is None:
+            segment_runs = segment_runner(cfg, cite_fn)
+    else:
+        run = run_fn or make_run(cfg, cite_fn)
     for start in range(0, len(streams), users_per_chunk):
         chunk = list(streams[start:start + users_per_chunk])
-        data = pad_streams(chunk, cfg, users_per_chunk, replay=replay)
-        if initial_states is not None:
+        seg, n_seg = segment_plan(stream_batches(chunk, cfg), segment_batches)
+        data = pad_streams(chunk, cfg, users_per_chunk, replay=replay, batches_multiple=seg)
+        if segment_batches:
+            run = segment_runs(seg)
+        parts, first = [], 0
+        if resume is not None and start == 0 and resume.segments_done > 0:
+            states, parts, first = resume.states, [resume.outputs], resume.segments_done
+        elif initial_states is not None:
             states = initial_states(chunk, users_per_chunk)
         else:
             ids = [s.user_id for s in chunk] + [f"<pad{i}>" for i in range(users_per_chunk - len(chunk))]
@@ -273,15 +361,37 @@ def run_streams(streams: Sequence[Stream], params, cfg: Config, *, seed: int = 0
             states = init_states(params, cfg, keys)
         if mesh is not None:
             from rmm_jax.sharding import shard_users
-            data, states = shard_users(data, mesh), shard_users(states, mesh)
-        states, outputs = run(states, data, 0)
-        states, outputs = jax.device_get((states, outputs))
+            data = shard_users(data, mesh)
+        for s in range(first, n_seg):
+            if mesh is not None:
+                states = shard_users(states, mesh)
+            states, out = _fetch(run(states, data, s * seg))
+            parts.append(out)
+            if on_segment is not None and s + 1 < n_seg:
+                on_segment(ChunkProgress(s + 1, states, _concat(parts)))
+        outputs = _concat(parts)
         n = len(chunk)
         states = jax.tree.map(lambda x: x[:n], states)
         outputs = jax.tree.map(lambda x: x[:n], outputs)
         if progress is not None:
             progress(n)
         yield chunk, states, outputs
+
+
+def _concat(parts: list) -> dict:
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *parts)
+
+
+def segment_runner(cfg: Config, cite_fn=None) -> Callable[[int], Callable]:
+    """``get(n) -> make_run(cfg, cite_fn, segment_batches=n)``, built once per ``n``."""
+    cache: dict[int, Callable] = {}
+
+    def get(n: int):
+        if n not in cache:
+            cache[n] = make_run(cfg, cite_fn, segment_batches=n)
+        return cache[n]
+
+    return get
 
 
 def flatten_queries(outputs: dict, b: int) -> dict:

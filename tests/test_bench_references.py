@@ -33,7 +33,7 @@ LR = 1e-2
 
 
 def cfg_for(kind):
-    return rj.Config(kind=kind, k=K, m=M, batch=B, lr=LR, tau=0.7)
+    return rj.Config(kind=kind, k=K, m=M, batch=B, lr=LR, tau=0.7, credit="reward_to_go")
 
 
 def make_batch(seed):
