@@ -73,3 +73,29 @@ def progress_bar(total: int, desc: str, unit: str = "user"):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=total <= 0, leave=False)
+
+
+def checkpoint_options(default_every: int, unit: str):
+    """``--checkpoint-every`` and ``--resume`` (see :mod:`rmm_jax.checkpoint`)."""
+    def deco(f):
+        f = click.option("--resume", is_flag=True,
+                         help="Continue the interrupted run of the same command, inputs and options "
+                              "from its last complete checkpoint.")(f)
+        f = click.option("--checkpoint-every", type=int, default=default_every,
+                         help=f"Checkpoint the run every N {unit} (0: only when interrupted by "
+                              "SIGINT/SIGTERM); results do not depend on it.")(f)
+        return f
+    return deco
+
+
+def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict):
+    """Lock (and with ``resume`` restore) the run-state next to ``target``.
+
+    The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
+    input files, initial params) and the library versions; a resumed run must match."""
+    from rmm_jax import checkpoint
+
+    if checkpoint_every < 0:
+        raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")
+    fp = {**options, **inputs, **checkpoint.versions()}
+    return checkpoint.RunState.begin(target, command, fp, resume=resume, notify=info)

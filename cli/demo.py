@@ -27,8 +27,8 @@ def print_table(rows: dict, m: int, title: str) -> None:
 @cli.command()
 @click.option("--out", default="runs/demo", type=click.Path(file_okay=False),
               help="Working directory for the store, policies, table and plot.")
-@click.option("--users", type=int, default=24, help="Synthetic users (half pretrain, half online).")
-@click.option("--sessions", type=int, default=8, help="Sessions per user.")
+@click.option("--users", type=int, default=16, help="Synthetic users (half pretrain, half online).")
+@click.option("--sessions", type=int, default=16, help="Sessions per user.")
 @click.option("--turns", type=int, default=10, help="Turns per session.")
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")

@@ -2,7 +2,8 @@
 
 The CLI is a thin shell over :mod:`rmm_jax`. Bad input raises
 :class:`rmm_jax.errors.InputError`; :func:`main` prints its one-line message on stderr
-and exits with status 2, with no traceback.
+and exits with status 2, with no traceback. Click's usage errors (a bad option value, a
+missing argument) are printed the same way: one ``error: ...`` line, status 2.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import click
 
+from rmm_jax.checkpoint import Interrupted
 from rmm_jax.errors import InputError
 
 CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
@@ -62,9 +64,17 @@ def main(argv=None) -> None:
     except InputError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.checkpoint)
+        click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as e:
+        # One line, like InputError (click's own format adds usage and hint lines).
+        hint = f" (try '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

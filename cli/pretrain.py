@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 import jax
 
-from cli.common import emit_json, info, open_store
+from cli.common import begin_run_state, checkpoint_options, emit_json, info, open_store
 from cli.main import cli
 from rmm_jax.errors import InputError
 
@@ -24,9 +24,10 @@ from rmm_jax.errors import InputError
 @click.option("--kind", type=click.Choice(["linear", "mlp"]), default="linear", help="Reranker adapters.")
 @click.option("--hidden", type=int, default=None, help="MLP hidden width (default: the embedding dim).")
 @click.option("--seed", type=int, default=0, help="Seed for initialisation, split and shuffling.")
+@checkpoint_options(1, "epochs")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
-             hidden, seed, as_json):
+             hidden, seed, checkpoint_every, resume, as_json):
     """Pretrain the shared reranker on STORE's labelled queries; write a policy store.
 
     Listwise softmax cross-entropy over the base retriever's K candidates against the
@@ -47,6 +48,15 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                         ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
         if not ok:
             raise InputError(f"out of range: {v}", where=name)
+    from pathlib import Path
+
+    o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
+    from rmm_jax import checkpoint
+
+    # (with --resume, an --out written just before a kill is checked against the result below)
+    written = resume and checkpoint.RunState.path_for(o).is_dir()
+    if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
+        raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     st = open_store(store)
     streams = load_streams(st, k, users.split(",") if users else None)
     pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
@@ -55,14 +65,28 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     log = lambda h: info(f"epoch {h['epoch']:3d}  loss {h['loss'] if h['loss'] is not None else float('nan'):.4f}  "
                          f"train R@{m} {h['train_recall']:.4f}  val R@{m} "
                          f"{h['val_recall'] if h['val_recall'] is not None else float('nan'):.4f}")
-    try:
-        best, history, split = run_pretrain(streams, params, pcfg, seed=seed, progress=log)
-    except ValueError as e:
-        raise InputError(str(e), where=str(store)) from None
-    meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None,
-            "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
-                       "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
-    PolicyStore.create(out, meta, best)
+    options = {"--users": users, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
+               "--temperature": temperature, "--val-fraction": val_fraction, "--patience": patience, "--k": k,
+               "--m": m, "--kind": kind, "--hidden": hidden, "--seed": seed}
+    rs = begin_run_state(out, "pretrain", options, resume=resume, checkpoint_every=checkpoint_every,
+                         inputs={"STORE": checkpoint.file_digest(store)})
+    with rs:
+        try:
+            best, history, split = checkpoint.run_pretrain(rs, streams, params, pcfg, every=checkpoint_every,
+                                                           seed=seed, progress=log)
+        except ValueError as e:
+            raise InputError(str(e), where=str(store)) from None
+        meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None,
+                "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
+                           "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
+        if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?
+            if checkpoint.tree_digest(PolicyStore.open(out).shared_params()) != checkpoint.tree_digest(best):
+                raise InputError("already exists and is not empty; choose a new policy store path",
+                                 where=f"--out {out}")
+            info(f"{out} was already written by the interrupted run")
+        else:
+            PolicyStore.create(out, meta, best)
+        rs.finish()
     summary = {"policies": str(out), "best_epoch": history["best_epoch"], "split": split,
                f"val_recall@{m}": history["val_recall"][history["best_epoch"]],
                f"train_recall@{m}": history["train_recall"][history["best_epoch"]],

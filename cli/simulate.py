@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 import jax
 
-from cli.common import (config_dict, config_options, emit_json, info, make_config, open_store,
-                        progress_bar)
+from cli.common import (begin_run_state, checkpoint_options, config_dict, config_options, emit_json, info,
+                        make_config, open_store, progress_bar)
 from cli.main import cli
 from rmm_jax.errors import InputError
 
@@ -21,6 +21,10 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int):
     p = Path(path)
     if p.exists():
         ps = PolicyStore.open(p, expect_dim=st.dim)
+        made_for = (ps.meta.get("config") or {}).get("model")
+        if made_for and made_for != st.model:  # same dim, another embedding space
+            raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
+                             where=f"--policies {path}")
     else:
         if init == "pretrained":
             raise InputError("does not exist; run `rmm-jax pretrain` first or use --init identity",
@@ -39,20 +43,29 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int):
     return ps, params
 
 
-def run_and_save(streams, params, cfg, ps, *, cite_fn_args, seed, users_per_chunk, want_log, desc):
-    from rmm_jax import jobs
+def run_and_save(chunks, n_users, params, cfg, ps, *, cite_fn, seed, users_per_chunk, on_records, desc,
+                 run_state=None, checkpoint_every=0):
+    """Run ``chunks`` (an iterable of stream lists, one chunk of users in memory at a
+    time) and save every chunk's policies; returns (online summary, base summary).
+    With ``run_state`` the run is checkpointed and resumable (:mod:`rmm_jax.checkpoint`)."""
+    from rmm_jax import checkpoint, jobs
 
-    bar = progress_bar(len(streams), desc)
-    with ps.writer():
-        save = lambda ids, states, infos: ps.save_batch(ids, states, infos)
-        if cite_fn_args is None:
-            res = jobs.run_online(streams, params, cfg, seed=seed, users_per_chunk=users_per_chunk,
-                                  on_chunk=save, progress=bar.update)
-        else:
-            res = jobs.simulate(streams, params, cfg, seed=seed, users_per_chunk=users_per_chunk,
-                                want_log=want_log, on_chunk=save, progress=bar.update, **cite_fn_args)
-    bar.close()
-    return res
+    bar = progress_bar(n_users, desc)
+    try:
+        with ps.writer():
+            save = lambda ids, states, infos: ps.save_batch(ids, states, infos)
+            kw = dict(seed=seed, cite_fn=cite_fn, users_per_chunk=users_per_chunk, on_chunk=save,
+                      on_records=on_records, progress=bar.update)
+            if run_state is None:
+                return jobs.run_chunks(chunks, params, cfg, **kw)
+            return checkpoint.run_chunks(run_state, chunks, params, cfg, segment_batches=checkpoint_every, **kw)
+    finally:
+        bar.close()
+
+
+def online_options(opts: dict, **more) -> dict:
+    """The options of an online run, by option name, for the run-state fingerprint."""
+    return {**{f"--{k.replace('_', '-')}": v for k, v in opts.items()}, **more}
 
 
 def report(summary, base, cfg, extra, as_json):
@@ -85,8 +98,10 @@ def report(summary, base, cfg, extra, as_json):
 @click.option("--users", default=None, help="Comma-separated user ids (default: all).")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
+@checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def simulate(store, policies, init, precision, cite_recall, users, users_per_chunk, log_out, as_json, **opts):
+def simulate(store, policies, init, precision, cite_recall, users, users_per_chunk, log_out, checkpoint_every,
+             resume, as_json, **opts):
     """Run the online loop on STORE against simulated (oracle) citations.
 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
@@ -98,22 +113,41 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
     Example:
       rmm-jax simulate store --policies policies --init pretrained --log-out log.jsonl
     """
-    from rmm_jax.jobs import base_summary, load_streams
-    from rmm_jax.logs import validate_record, write_log
+    import contextlib
+
+    from rmm_jax.jobs import LogAppender, oracle, store_chunks
 
     cfg = make_config(**opts)
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    # Rates are checked here, before any work (and progress output), not inside the run.
+    if not 0.0 < precision <= 1.0:
+        raise InputError(f"must be in (0, 1], got {precision}", where="--precision")
+    if not 0.0 <= cite_recall <= 1.0:
+        raise InputError(f"must be in [0, 1], got {cite_recall}", where="--recall")
+    if log_out and Path(log_out).is_dir():
+        raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
+    cite = oracle(precision, cite_recall)
     st = open_store(store)
-    streams = load_streams(st, cfg.k, users.split(",") if users else None)
+    n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk)
     ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"])
-    res = run_and_save(streams, params, cfg, ps, cite_fn_args=dict(precision=precision, recall=cite_recall),
-                       seed=opts["seed"], users_per_chunk=users_per_chunk, want_log=log_out is not None,
-                       desc="simulate")
+    from rmm_jax.checkpoint import file_digest, tree_digest
+
+    options = online_options(opts, **{"--init": init, "--precision": precision, "--recall": cite_recall,
+                                      "--users": users, "--users-per-chunk": users_per_chunk,
+                                      "--checkpoint-every": checkpoint_every})
+    with begin_run_state(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
+                         inputs={"STORE": file_digest(store), "initial params": tree_digest(params),
+                                 "config": config_dict(cfg)}) as rs:
+        # The log is appended chunk by chunk to a temp file, renamed into place at the end.
+        with (LogAppender(log_out) if log_out else contextlib.nullcontext()) as log:
+            summary, base = run_and_save(chunks, n_users, params, cfg, ps, cite_fn=cite, seed=opts["seed"],
+                                         users_per_chunk=users_per_chunk, on_records=log, desc="simulate",
+                                         run_state=rs, checkpoint_every=checkpoint_every)
+        rs.finish()
     if log_out:
-        write_log(log_out, [validate_record(r, "<generated>") for r in res.records])
-        info(f"wrote {len(res.records)} log records to {log_out}")
-    report(res.summary, base_summary(streams, cfg.m), cfg, {"policies": str(policies), "init": init}, as_json)
+        info(f"wrote {log.count} log records to {log_out}")
+    report(summary, base, cfg, {"policies": str(policies), "init": init}, as_json)
 
 
 @cli.command()
@@ -126,8 +160,10 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
+@checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk, as_json, **opts):
+def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk, checkpoint_every, resume, as_json,
+           **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log
@@ -142,7 +178,7 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
     """
     import dataclasses
 
-    from rmm_jax.jobs import base_summary, streams_from_log
+    from rmm_jax.jobs import known_ids, replay_chunks, scan_log, streams_from_log
     from rmm_jax.logs import read_log
 
     cfg = make_config(**opts)
@@ -153,16 +189,38 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
         cfg = dataclasses.replace(cfg, clip=clip)
     except ValueError as e:
         raise InputError(str(e).partition(": ")[2], where="--clip") from None
+    if users_per_chunk < 1:
+        raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     st = open_store(store)
-    known = {u: (set(st.user(u).query_ids), set(st.user(u).memory_ids)) for u in st.user_ids}
-    records, rep = read_log(log_path, known=known, skip_invalid=skip_invalid)
-    if rep.get("skipped"):
-        info(f"skipped {rep['skipped']} invalid records of {rep['records']}; first: {rep['first_errors'][0]}")
-    if not records:
-        raise InputError("no valid records", where=str(log_path))
-    streams = streams_from_log(st, records, cfg, str(log_path))
+    if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
+        from rmm_jax.policies import PolicyStore
+
+        PolicyStore.open(policies, expect_dim=st.dim)
+    known = known_ids(st)
+    # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
+    # bad one; pass 2 streams it users_per_chunk users at a time.
+    rep = scan_log(log_path, cfg, known=known, skip_invalid=skip_invalid)
+    grouped, n_users = rep.pop("grouped"), rep.pop("users")
     ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"])
-    res = run_and_save(streams, params, cfg, ps, cite_fn_args=None, seed=opts["seed"],
-                       users_per_chunk=users_per_chunk, want_log=False, desc="replay")
-    report(res.summary, base_summary(streams, cfg.m), cfg,
+    if grouped:
+        chunks = replay_chunks(st, log_path, cfg, users_per_chunk, known, skip_invalid)
+    else:  # a user's records are spread over the log: read it whole (sort by user_id to stream)
+        records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
+        streams = streams_from_log(st, records, cfg, str(log_path))
+        chunks = (streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk))
+    from rmm_jax.checkpoint import file_digest, tree_digest
+
+    options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid,
+                                      "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
+    with begin_run_state(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
+                         inputs={"STORE": file_digest(store), "--log": file_digest(log_path),
+                                 "initial params": tree_digest(params), "config": config_dict(cfg)}) as rs:
+        summary, base = run_and_save(chunks, n_users, params, cfg, ps, cite_fn=None, seed=opts["seed"],
+                                     users_per_chunk=users_per_chunk, on_records=None, desc="replay",
+                                     run_state=rs, checkpoint_every=checkpoint_every)
+        rs.finish()
+    if rep.get("skipped"):
+        info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
+             f"first: {rep['first_errors'][0]}")
+    report(summary, base, cfg,
            {"policies": str(policies), "init": init, "log": {"path": str(log_path), **rep}}, as_json)

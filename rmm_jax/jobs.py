@@ -174,12 +174,13 @@ def streams_from_log(store, records, cfg: Config, log_path: str = "log") -> list
 
 
 def run_pretrain(streams: Sequence[Stream], params, pcfg: PretrainConfig, *, seed: int = 0,
-                 progress=None):
-    """Split users into train/validation and pretrain; returns (params, history, split)."""
+                 progress=None, resume: dict | None = None, on_epoch=None):
+    """Split users into train/validation and pretrain; returns (params, history, split).
+    ``resume``/``on_epoch``: see :func:`rmm_jax.pretrain.pretrain`."""
     train_ids, val_ids = split_users([s.user_id for s in streams], pcfg.val_fraction, seed)
     by_id = {s.user_id: s for s in streams}
     best, history = pretrain(params, [by_id[u] for u in train_ids], [by_id[u] for u in val_ids], pcfg,
-                             seed=seed, progress=progress)
+                             seed=seed, progress=progress, resume=resume, on_epoch=on_epoch)
     return best, history, {"train": train_ids, "validation": val_ids}
 
 
@@ -234,3 +235,236 @@ def compare(train_streams, eval_streams, cfg: Config, pcfg: PretrainConfig, *, r
         else:
             raise ValueError(f"rows: unknown row {row!r}")
     return out
+
+
+# ---------------------------------------------------------------------------
+# Many users in bounded memory: one chunk of users at a time
+# ---------------------------------------------------------------------------
+
+OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")
+
+
+@dataclasses.dataclass
+class RunProgress:
+    """Where a chunked online run stands (what a run-state checkpoint holds).
+
+    ``chunks_done`` chunks are complete (their policies saved); ``done`` maps each of
+    their users to its per-query outputs (``OUTPUT_KEYS``, cut to the stream length);
+    ``chunk`` is the progress of chunk number ``chunks_done`` (None: not started).
+    """
+    chunks_done: int
+    done: dict
+    chunk: object = None  # rmm_jax.learner.ChunkProgress | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    """What the summaries keep of a finished stream (its arrays are dropped)."""
+    user_id: str
+    valid: np.ndarray
+
+
+def known_ids(store, cache_users: int = 4) -> Callable:
+    """A ``known=`` lookup for :mod:`rmm_jax.logs` that reads one user's ids at a time:
+    ``user_id -> (query_ids, memory_ids) | None``. A streamed log holds each user's
+    records on consecutive lines, so a small cache suffices."""
+    import functools
+
+    users = frozenset(store.user_ids)
+
+    @functools.lru_cache(maxsize=cache_users)
+    def lookup(uid: str):
+        if uid not in users:
+            return None
+        u = store.user(uid)
+        return frozenset(u.query_ids), frozenset(u.memory_ids)
+
+    return lookup
+
+
+def _check_limits(rec, cfg: Config, log_path) -> None:
+    if len(rec.candidates) > cfg.k:
+        raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} has {len(rec.candidates)} "
+                         f"candidates, more than --k {cfg.k}", where=str(log_path))
+    if len(rec.selected) > cfg.m:
+        raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} selected {len(rec.selected)} "
+                         f"memories, more than --m {cfg.m}", where=str(log_path))
+
+
+def scan_log(log_path, cfg: Config, *, known=None, skip_invalid: bool = False) -> dict:
+    """Validation pass over a whole log before any work, in bounded memory.
+
+    Checks every record (schema, ``known`` ids, repeated pairs, the ``--k``/``--m``
+    limits) and returns the read report plus ``"users"`` and ``"grouped"``: False when
+    a user's records are not on consecutive lines (such a log cannot be streamed by
+    user; :func:`replay_chunks` needs ``grouped``)."""
+    from rmm_jax.logs import NotGroupedError, iter_user_chunks, read_log
+
+    report: dict = {}
+    users = 0
+    try:
+        for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid, report=report):
+            for r in recs:
+                _check_limits(r, cfg, log_path)
+            users += 1
+    except NotGroupedError:
+        records, report = read_log(log_path, known=known, skip_invalid=skip_invalid)
+        for r in records:
+            _check_limits(r, cfg, log_path)
+        return {**report, "users": len({r.user_id for r in records}), "grouped": False}
+    return {**report, "users": users, "grouped": True}
+
+
+def replay_chunks(store, log_path, cfg: Config, users_per_chunk: int, known=None, skip_invalid: bool = False,
+                  report: dict | None = None):
+    """Replay streams read from a log ``users_per_chunk`` users at a time (the log must
+    hold each user's records on consecutive lines, see :func:`scan_log`); yields a list
+    of :class:`Stream` per chunk. Memory holds one chunk's records and streams."""
+    from rmm_jax.logs import iter_user_chunks
+
+    for recs in iter_user_chunks(log_path, users_per_chunk, known=known, skip_invalid=skip_invalid,
+                                 report=report):
+        yield streams_from_log(store, recs, cfg, str(log_path))
+
+
+def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int):
+    """Streams of a store's users (all by default), built ``users_per_chunk`` at a time."""
+    ids = list(store.user_ids) if not users else list(users)
+    known = set(store.user_ids)
+    unknown = [u for u in ids if u not in known]
+    if unknown:
+        raise InputError(f"unknown user id {unknown[0]!r} (the store has {len(store.user_ids)} users)",
+                         where="--users")
+
+    def gen():
+        for i in range(0, len(ids), users_per_chunk):
+            yield [stream_from_user(store.user(u), k) for u in ids[i:i + users_per_chunk]]
+
+    return len(ids), gen()
+
+
+def oracle(precision: float, recall: float) -> Callable:
+    """The oracle citation function of :func:`simulate`, rates checked before tracing."""
+    from rmm_jax.citations import _check_rate
+
+    _check_rate(precision, "precision", low_open=True)
+    _check_rate(recall, "recall", low_open=False)
+    return lambda key, is_gold, filled: oracle_cite(key, is_gold, filled, precision, recall)
+
+
+def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, users_per_chunk: int = 8,
+               on_chunk: Callable | None = None, on_records: Callable | None = None,
+               progress: Callable[[int], None] | None = None, segment_batches: int | None = None,
+               resume: "RunProgress | None" = None,
+               on_progress: Callable[["RunProgress"], None] | None = None) -> tuple[dict, dict]:
+    """:func:`run_online` over an iterable of stream chunks (each <= ``users_per_chunk``
+    users), holding one chunk at a time; the program is compiled once for all chunks.
+
+    ``on_chunk(ids, states, infos)`` saves each chunk's policies; with ``cite_fn``
+    (simulate) ``on_records(records)`` receives each chunk's generated log records.
+    Per-user results equal :func:`run_online`'s (per-user keys do not depend on
+    chunking). Returns ``(online summary, base retriever summary)``.
+
+    Resumable runs (:mod:`rmm_jax.checkpoint`): ``segment_batches`` splits every chunk's
+    stream into segments (see :func:`rmm_jax.learner.run_streams`); ``on_progress`` gets
+    a :class:`RunProgress` after every segment but a chunk's last and after every
+    completed chunk (once its ``on_chunk``/``on_records`` returned); ``resume`` (such a
+    progress) skips the completed chunks (their streams are still read, for the base
+    summary and to re-emit their log records) and continues the one in progress.
+    """
+    from rmm_jax import metrics
+    from rmm_jax.learner import make_run, segment_runner
+
+    run = None if segment_batches else make_run(cfg, cite_fn)
+    seg_runs = segment_runner(cfg, cite_fn) if segment_batches else None
+    keep = on_progress is not None  # completed users' outputs, for the checkpoints
+    per_user = dict(resume.done) if resume is not None else {}
+    n_chunk = 0
+    done, rec, nd, brec, bnd = [], {}, {}, {}, {}
+    for streams in chunks:
+        streams = list(streams)
+        if not streams:
+            continue
+        if len(streams) > users_per_chunk:
+            raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
+        for s in streams:
+            rel = s.cand_gold[:, :cfg.m] & s.cand_mask[:, :cfg.m]
+            # np.array copies (here and below): views would keep device buffers or a
+            # chunk's whole padded output array alive until the end (memory per user)
+            brec[s.user_id] = np.array(metrics.recall_at_k(rel, s.num_gold, cfg.m))
+            bnd[s.user_id] = np.array(metrics.ndcg_at_k(rel, s.num_gold, cfg.m))
+        ci, n_chunk = n_chunk, n_chunk + 1
+        if resume is not None and ci < resume.chunks_done:  # completed before the interruption
+            records = []
+            for s in streams:
+                o = resume.done[s.user_id]
+                rec[s.user_id], nd[s.user_id] = o["recall"], o["ndcg"]
+                if on_records is not None and cite_fn is not None:
+                    records.extend(_log_records(s, o["selected"], o["cited"], o["log_prob"]))
+            if records:
+                on_records(records)
+            if progress is not None:
+                progress(len(streams))
+            done.extend(_Done(s.user_id, np.asarray(s.valid)) for s in streams)
+            continue
+        seg_cb = None if on_progress is None else \
+            (lambda cp, ci=ci: on_progress(RunProgress(ci, per_user, cp)))
+        for chunk, st, out in run_streams(streams, params, cfg, seed=seed, cite_fn=cite_fn,
+                                          users_per_chunk=users_per_chunk, run_fn=run, progress=progress,
+                                          segment_batches=segment_batches, segment_runs=seg_runs,
+                                          resume=resume.chunk if resume is not None and ci == resume.chunks_done
+                                          else None, on_segment=seg_cb):
+            fq = flatten_queries(out, cfg.batch)
+            infos, records = [], []
+            for i, s in enumerate(chunk):
+                t = s.queries.shape[0]
+                rec[s.user_id], nd[s.user_id] = np.array(fq["recall"][i, :t]), np.array(fq["ndcg"][i, :t])
+                if keep:
+                    per_user[s.user_id] = {k: np.array(fq[k][i, :t]) for k in OUTPUT_KEYS if k in fq}
+                v = s.valid
+                infos.append({"queries_seen": int(t), f"prequential_recall@{cfg.m}":
+                              float(rec[s.user_id][v].mean()) if v.any() else None})
+                if on_records is not None and cite_fn is not None:
+                    records.extend(_log_records(s, fq["selected"][i, :t], fq["cited"][i, :t],
+                                                fq["log_prob"][i, :t]))
+            if on_chunk is not None:
+                on_chunk([s.user_id for s in chunk], st, infos)
+            if records:
+                on_records(records)
+        done.extend(_Done(s.user_id, np.asarray(s.valid)) for s in streams)
+        if on_progress is not None:
+            on_progress(RunProgress(ci + 1, per_user, None))
+    if not done:
+        raise InputError("no users to run", where="users")
+    return summarize(done, rec, nd, cfg.m), summarize(done, brec, bnd, cfg.m)
+
+
+class LogAppender:
+    """Write generated log records chunk by chunk into a temporary file that replaces
+    ``path`` atomically when the ``with`` block succeeds (nothing is left on failure).
+    Records are validated as :func:`rmm_jax.logs.write_log` does."""
+
+    def __init__(self, path):
+        self.path, self.count, self._cm, self._f = path, 0, None, None
+
+    def __enter__(self):
+        from pathlib import Path
+
+        from rmm_jax.io_utils import atomic_file
+
+        self._cm = atomic_file(Path(self.path))
+        self._f = self._cm.__enter__()
+        return self
+
+    def __call__(self, records) -> None:
+        import json
+
+        from rmm_jax.logs import record_to_json, validate_record
+
+        for r in records:
+            rec = validate_record(r, f"generated record {self.count}")
+            self._f.write(json.dumps(record_to_json(rec), allow_nan=False) + "\n")
+            self.count += 1
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)

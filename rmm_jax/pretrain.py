@@ -111,12 +111,18 @@ def make_epoch(cfg: PretrainConfig, optimizer):
 
 
 def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
-             progress: Callable[[dict], None] | None = None):
+             progress: Callable[[dict], None] | None = None, resume: dict | None = None,
+             on_epoch: Callable[[dict], None] | None = None):
     """Supervised listwise pretraining with early stopping.
 
     Returns ``(best_params, history)``; history has per-epoch ``loss``, ``train_recall``,
     ``val_recall`` (None without validation users) and ``best_epoch``. Epoch 0 is the
     initial parameters (the base retriever), so early stopping can keep them.
+
+    ``on_epoch(state)`` is called after every epoch with the whole loop state (``epoch``,
+    ``params``, ``opt_state``, ``best_params``, ``best``, ``since``, ``history``);
+    ``resume=state`` continues from it with the same result, bit for bit, as a run that
+    was never stopped (epoch e always shuffles with ``fold_in(key(seed), e)``).
     """
     train = labelled_queries(train_streams)
     if train["q"].shape[0] == 0:
@@ -141,10 +147,17 @@ def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainC
             progress({"epoch": len(history["loss"]) - 1, "loss": loss, "train_recall": tr, "val_recall": vr})
         return vr if vr is not None else tr
 
-    best = record(None)
-    best_params, since = params, 0
+    if resume is None:
+        best = record(None)
+        best_params, since, e = params, 0, 0
+    else:
+        import copy
+
+        params, opt_state, best_params = resume["params"], resume["opt_state"], resume["best_params"]
+        best, since, e, history = resume["best"], resume["since"], resume["epoch"], copy.deepcopy(resume["history"])
     key = jax.random.key(seed)
-    for e in range(1, cfg.epochs + 1):
+    while e < cfg.epochs and not (val_dev is not None and since >= cfg.patience):
+        e += 1
         params, opt_state, loss = epoch_fn(params, opt_state, data, jax.random.fold_in(key, e))
         score_e = record(float(loss))
         if score_e > best:
@@ -152,8 +165,9 @@ def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainC
             history["best_epoch"] = e
         else:
             since += 1
-            if val_dev is not None and since >= cfg.patience:
-                break
+        if on_epoch is not None:
+            on_epoch({"epoch": e, "params": params, "opt_state": opt_state, "best_params": best_params,
+                      "best": best, "since": since, "history": history})
     if val_dev is None:  # nothing to select on: keep the last epoch
         best_params, history["best_epoch"] = params, len(history["loss"]) - 1
     return jax.device_get(best_params), history

@@ -1,0 +1,469 @@
+"""Crash-safe, resumable runs: a run-state checkpoint next to the policy store.
+
+``simulate``, ``replay`` and ``pretrain`` save their progress periodically (every
+``--checkpoint-every`` updates or epochs) and when they get SIGINT/SIGTERM, into
+``<policies>.runstate/`` (``<out>.runstate/`` for pretrain)::
+
+    POLICIES.runstate/
+      .lock                 flock'ed by the running process (a second run fails fast)
+      s00000007/            one checkpoint (the last KEEP=2 are kept)
+        meta.json           command, fingerprint of inputs and options, progress, tree specs
+        arrays/             orbax checkpoint of every array (states, outputs so far)
+        CHECKSUMS.json      sha256 of every file above + a hash of itself, written LAST
+
+A checkpoint is written into ``.tmp-*`` and renamed into place after its checksums, so
+it is complete or absent. Loading verifies the checksums; a damaged newest checkpoint
+is skipped (and reported) for the previous one. ``--resume`` refuses a checkpoint whose
+fingerprint (command, input digests, options, initial params, versions) differs from
+the current invocation, naming the first differing option. On success the directory
+is removed.
+
+What a checkpoint holds is enough to continue bit-identically: for an online run, the
+completed users' per-query outputs (for the summary and, for simulate, the log
+records; their policies are in the policy store), and for the chunk in progress the
+stacked per-user ``(params, opt_state, learner_state)``, the segment reached and its
+outputs so far. Segments are compiled calls of a fixed number of batches (see
+:func:`rmm_jax.learner.run_streams`), so a resumed run makes the same calls on the same
+inputs as an uninterrupted one. For pretrain: the epoch, params, optimiser state, best
+params and the early-stopping history.
+
+This module is the I/O edge; the compute (:mod:`rmm_jax.jobs`) only sees progress
+objects and callbacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from rmm_jax.errors import InputError
+from rmm_jax.io_utils import _fsync_dir, write_json
+
+FORMAT = "rmm-jax-run-state"
+FORMAT_VERSION = 1
+SUFFIX = ".runstate"
+KEEP = 2
+META_FILE = "meta.json"
+ARRAYS_DIR = "arrays"
+CHECKSUM_FILE = "CHECKSUMS.json"
+LOCK_FILE = ".lock"
+MESSAGE = "interrupted; resume with --resume"
+
+
+class Interrupted(Exception):
+    """Raised after SIGINT/SIGTERM once the progress is checkpointed."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(MESSAGE)
+
+
+class StopSignals:
+    """Within ``with``: SIGINT/SIGTERM only set a flag, checked by :meth:`check` between
+    compiled calls (after the checkpoint); a second signal exits at once (the last
+    checkpoint stays valid). Outside the main thread this does nothing."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            sys.stderr.write(MESSAGE + "\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+        return False
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def file_digest(*paths) -> str:
+    """sha256 over the files (directories: every regular file below, by relative name)."""
+    h = hashlib.sha256()
+    for p in map(Path, paths):
+        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+        for f in files:
+            h.update((f.relative_to(p).as_posix() if p.is_dir() else f.name).encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def tree_digest(tree) -> str:
+    """sha256 of a pytree's structure and leaves (dtype, shape, bytes)."""
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    h = hashlib.sha256(str(treedef).encode())
+    for x in leaves:
+        a = np.ascontiguousarray(np.asarray(x))
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def versions() -> dict:
+    import jax
+
+    from rmm_jax import __version__
+
+    return {"rmm-jax version": __version__, "jax version": jax.__version__, "backend": jax.default_backend()}
+
+
+def _show(v) -> str:
+    if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+        return f"sha256 {v[:12]}…"
+    return json.dumps(v)
+
+
+def check_fingerprint(saved: dict, now: dict, where: Path) -> None:
+    """InputError naming the first key (option) whose value differs."""
+    for key in list(now) + [k for k in saved if k not in now]:
+        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        if a != b:
+            raise InputError(f"differs from the interrupted run ({_show(a)} there, {_show(b)} now); "
+                             f"resume with the same value, or remove {where} to start over", where=key)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    meta: dict              # the caller's JSON progress
+    trees: dict             # name -> pytree (numpy leaves)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _self_hash(files: dict) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _verify(snap: Path) -> str | None:
+    """None if every file matches CHECKSUMS.json (and nothing listed is missing)."""
+    try:
+        sums = json.loads((snap / CHECKSUM_FILE).read_text())
+        files = sums["files"]
+        if sums.get("self") != _self_hash(files):
+            return f"{CHECKSUM_FILE} does not match its own hash"
+    except FileNotFoundError:
+        return f"no {CHECKSUM_FILE}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {CHECKSUM_FILE} ({type(e).__name__})"
+    if META_FILE not in files:
+        return f"{CHECKSUM_FILE} lists no {META_FILE}"
+    for rel in sorted(files):
+        try:
+            if _sha256(snap / rel) != files[rel]:
+                return f"{rel}: sha256 mismatch"
+        except OSError:
+            return f"{rel}: missing or unreadable"
+    return None
+
+
+class RunState:
+    """The run-state directory of one policy store (or pretrain output); see the module
+    docstring. Make with :meth:`begin`; use as a context manager (releases the lock)."""
+
+    def __init__(self, path: Path, command: str, fingerprint: dict, notify: Callable[[str], None] | None):
+        self.path = Path(path)
+        self.command = command
+        self.fingerprint = json.loads(json.dumps(fingerprint))
+        self.notify = notify or (lambda msg: None)
+        self.restored: Checkpoint | None = None
+        self.saved = 0
+        self._fd: int | None = None
+
+    @staticmethod
+    def path_for(target) -> Path:
+        t = Path(target)
+        return t.parent / (t.name + SUFFIX)
+
+    @classmethod
+    def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
+              notify: Callable[[str], None] | None = None) -> "RunState":
+        """Lock the run-state of ``target``; with ``resume`` restore its newest good
+        checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
+        ``resume`` an unfinished run-state is an error."""
+        rs = cls(cls.path_for(target), command, fingerprint, notify)
+        rs._lock()
+        try:
+            snaps = rs._snapshots()
+            if snaps and not resume:
+                raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here; pass "
+                                 f"--resume to continue it, or remove {rs.path} to start over", where=str(rs.path))
+            if resume:
+                if snaps:
+                    rs.restored = rs._load(snaps)
+                else:
+                    rs.notify(f"--resume: no checkpoint in {rs.path}; starting from the beginning")
+        except BaseException:
+            rs.close()
+            raise
+        return rs
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # ---- locking
+
+    def _lock(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            os.close(fd)
+            raise InputError(f"in use by pid {holder.get('pid', '?')} (another run on the same policies is "
+                             "running; retry when it ends)", where=str(self.path)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid()}).encode(), 0)
+        self._fd = fd
+        for p in self.path.iterdir():  # leftovers of a killed writer
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def close(self) -> None:
+        """Release the lock; an empty run-state directory (nothing saved) is removed."""
+        if self._fd is None:
+            return
+        if self.path.is_dir() and not self._snapshots():
+            shutil.rmtree(self.path, ignore_errors=True)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def finish(self) -> None:
+        """The run completed: remove the run-state directory and release the lock."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.close()
+
+    # ---- snapshots
+
+    def _snapshots(self) -> list[tuple[int, Path]]:
+        out = []
+        if self.path.is_dir():
+            for p in self.path.iterdir():
+                if p.name.startswith("s") and p.name[1:].isdigit():
+                    out.append((int(p.name[1:]), p))
+        return sorted(out)
+
+    def _command_of(self, snaps) -> str:
+        for _, p in reversed(snaps):
+            try:
+                return json.loads((p / META_FILE).read_text())["command"]
+            except Exception:  # noqa: BLE001 - damaged: say something generic
+                continue
+        return "unknown"
+
+    def save(self, meta: dict, trees: dict[str, Any]) -> Path:
+        """Write a checkpoint of ``meta`` (JSON) and ``trees`` (pytrees); atomic; keeps the
+        newest :data:`KEEP`."""
+        import orbax.checkpoint as ocp
+
+        from rmm_jax.policies import _write_checksums, encode_tree
+
+        snaps = self._snapshots()
+        step = (snaps[-1][0] + 1) if snaps else 1
+        specs, arrays = {}, {}
+        for name, tree in trees.items():
+            specs[name], leaves = encode_tree(tree, where=f"run-state {name}")
+            if leaves:
+                arrays[name] = {f"l{i:06d}": np.ascontiguousarray(a) for i, a in enumerate(leaves)}
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.path))
+        try:
+            if arrays:
+                ocp.PyTreeCheckpointer().save((tmp / ARRAYS_DIR).resolve(), arrays)
+            write_json(tmp / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+                                         "command": self.command, "fingerprint": self.fingerprint,
+                                         "meta": meta, "specs": specs})
+            _write_checksums(tmp)
+            dest = self.path / f"s{step:08d}"
+            os.rename(tmp, dest)
+            _fsync_dir(self.path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for _, old in self._snapshots()[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.saved += 1
+        return dest
+
+    def _load(self, snaps) -> Checkpoint:
+        skipped = []
+        for step, snap in reversed(snaps):
+            reason = _verify(snap)
+            if reason is None:
+                try:
+                    ck = self._read(step, snap)
+                except InputError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - any read failure = damaged checkpoint
+                    reason = f"unreadable ({type(e).__name__}: {e})"
+                else:
+                    if skipped:
+                        self.notify(f"{self.path}: checkpoint {skipped[-1][0]} is damaged ("
+                                    + "; ".join(f"{s}: {r}" for s, r in skipped)
+                                    + f"); resuming from the previous good one, {snap.name}")
+                    return ck
+            skipped.append((snap.name, reason))
+        raise InputError("no usable checkpoint (" + "; ".join(f"{s}: {r}" for s, r in skipped)
+                         + f"); remove {self.path} to start over", where=str(self.path))
+
+    def _read(self, step: int, snap: Path) -> Checkpoint:
+        import orbax.checkpoint as ocp
+
+        from rmm_jax.policies import decode_tree, leaf_specs
+
+        doc = json.loads((snap / META_FILE).read_text())
+        if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} checkpoint")
+        if doc["command"] != self.command:
+            raise InputError(f"holds an interrupted `{doc['command']}` run, not `{self.command}`; finish it "
+                             f"with `{doc['command']} --resume`, or remove {self.path}", where=str(self.path))
+        check_fingerprint(doc["fingerprint"], self.fingerprint, self.path)
+        counts = {name: len(leaf_specs(spec)) for name, spec in doc["specs"].items()}
+        arrays = {}
+        if any(counts.values()):
+            args = {n: {f"l{i:06d}": ocp.RestoreArgs(restore_type=np.ndarray) for i in range(c)}
+                    for n, c in counts.items() if c}
+            arrays = ocp.PyTreeCheckpointer().restore((snap / ARRAYS_DIR).resolve(),
+                                                      args=ocp.args.PyTreeRestore(restore_args=args))
+        trees = {}
+        for n, spec in doc["specs"].items():  # orbax gives 0-d arrays back as (1,): restore shapes
+            leaves = [np.asarray(arrays[n][f"l{i:06d}"]).reshape(ls["shape"]) for i, ls in enumerate(leaf_specs(spec))]
+            for i, ls in enumerate(leaf_specs(spec)):
+                if str(leaves[i].dtype) != ls["dtype"]:
+                    raise ValueError(f"{n} leaf {i}: dtype {leaves[i].dtype}, expected {ls['dtype']}")
+            trees[n] = decode_tree(spec, leaves)
+        return Checkpoint(step, snap, doc["meta"], trees)
+
+
+# --------------------------------------------------------------------------- online runs
+
+
+def _done_tree(done: dict) -> tuple[list, dict]:
+    """Completed users' outputs as ``[[user, T], ...]`` + one concatenated array per key."""
+    users = list(done)
+    rows = [[u, int(done[u]["recall"].shape[0])] for u in users]
+    keys = sorted(done[users[0]]) if users else []
+    return rows, {k: np.concatenate([np.asarray(done[u][k]) for u in users]) for k in keys}
+
+
+def _split_done(rows: list, arrays: dict) -> dict:
+    out, lo = {}, 0
+    for u, t in rows:
+        out[u] = {k: a[lo:lo + t] for k, a in arrays.items()}
+        lo += t
+    return out
+
+
+def progress_to_checkpoint(p) -> tuple[dict, dict]:
+    """A :class:`rmm_jax.jobs.RunProgress` as checkpoint ``(meta, trees)``."""
+    rows, arrays = _done_tree(p.done)
+    meta = {"chunks_done": p.chunks_done, "done_users": rows,
+            "segments_done": p.chunk.segments_done if p.chunk is not None else 0}
+    trees = {"done": arrays, "states": p.chunk.states if p.chunk is not None else None,
+             "outputs": p.chunk.outputs if p.chunk is not None else None}
+    return meta, trees
+
+
+def progress_from_checkpoint(ck: Checkpoint):
+    from rmm_jax.jobs import RunProgress
+    from rmm_jax.learner import ChunkProgress
+
+    m, t = ck.meta, ck.trees
+    chunk = ChunkProgress(m["segments_done"], t["states"], t["outputs"]) if m["segments_done"] else None
+    return RunProgress(m["chunks_done"], _split_done(m["done_users"], t["done"] or {}), chunk)
+
+
+def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None, **kw) -> tuple[dict, dict]:
+    """:func:`rmm_jax.jobs.run_chunks` with a checkpoint after every segment and every
+    completed chunk, resumed from ``rs.restored``; raises :class:`Interrupted` after the
+    checkpoint that follows a SIGINT/SIGTERM."""
+    from rmm_jax import jobs
+
+    resume = None
+    if rs.restored is not None:
+        resume = progress_from_checkpoint(rs.restored)
+        c = resume.chunk
+        rs.notify(f"resuming from {rs.restored.path.name}: {len(resume.done)} users done"
+                  + (f", users chunk {resume.chunks_done + 1} at segment {c.segments_done}" if c else ""))
+    with StopSignals() as stop:
+        def on_progress(p):
+            rs.save(*progress_to_checkpoint(p))
+            stop.check()
+
+        return jobs.run_chunks(chunks, params, cfg, segment_batches=segment_batches or None, resume=resume,
+                               on_progress=on_progress, **kw)
+
+
+# --------------------------------------------------------------------------- pretrain
+
+
+def run_pretrain(rs: RunState, streams, params, pcfg, *, every: int, seed: int, progress=None):
+    """:func:`rmm_jax.jobs.run_pretrain` with a checkpoint every ``every`` epochs (0:
+    only on a signal), resumed from ``rs.restored``."""
+    from rmm_jax import jobs
+
+    resume = None
+    if rs.restored is not None:
+        m, t = rs.restored.meta, rs.restored.trees
+        resume = {**m, **t}
+        rs.notify(f"resuming from {rs.restored.path.name}: epoch {m['epoch']}")
+    with StopSignals() as stop:
+        def on_epoch(state):
+            if (every and state["epoch"] % every == 0) or stop.signum is not None:
+                rs.save({k: state[k] for k in ("epoch", "best", "since", "history")},
+                        {k: state[k] for k in ("params", "opt_state", "best_params")})
+            stop.check()
+
+        return jobs.run_pretrain(streams, params, pcfg, seed=seed, progress=progress, resume=resume,
+                                 on_epoch=on_epoch)
