@@ -11,6 +11,7 @@ import click
 import numpy as np
 
 from cli.main import cli
+from rmm_jax.errors import InputError
 
 
 def _open(store: str):
@@ -21,6 +22,13 @@ def _open(store: str):
 
 def _progress(msg: str) -> None:
     click.echo(msg, err=True)
+
+
+def _require_user(st, user: str) -> None:
+    """Fail on an unknown user before any progress line (errors are one line on stderr)."""
+    if not st.version_entries(user):
+        raise InputError(f"no saved policy for user {user!r} (known users: {len(st.users())})",
+                         where=str(st.path))
 
 
 @cli.group()
@@ -101,6 +109,7 @@ def show(store, user, as_json):
     (a newer corrupt one is skipped and reported), shapes and L2 norms of the params,
     optimiser and learner state, and the saved info (queries seen, metrics)."""
     st = _open(store)
+    _require_user(st, user)
     _progress(f"loading {user!r} from {store} ...")
     doc = show_doc(st, user)
     if as_json:
@@ -132,6 +141,9 @@ def export(store, user, out, version):
     """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
     load with numpy.load outside rmm-jax. Both files are written atomically."""
     st = _open(store)
+    _require_user(st, user)
+    if not str(out).endswith(".npz"):
+        raise InputError("export file must end in .npz", where=f"--out {out}")
     _progress(f"exporting {user!r} from {store} ...")
     doc = st.export_user(user, out, version=version)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")

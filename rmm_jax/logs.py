@@ -254,6 +254,10 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+class NotGroupedError(InputError):
+    """A streamed (grouped) log holds a user's records on non-consecutive lines."""
+
+
 class _DuplicateKey(Exception):
     def __init__(self, key: str):
         super().__init__(key)
@@ -294,11 +298,19 @@ def _new_report() -> dict:
 
 
 def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
-                   report: dict) -> Iterator[tuple[int, LogRecord]]:
-    """The engine of :func:`iter_log`: yields ``(line number, record)``."""
+                   report: dict, grouped: bool = False) -> Iterator[tuple[int, LogRecord]]:
+    """The engine of :func:`iter_log`: yields ``(line number, record)``.
+
+    ``grouped``: each user's records must be on consecutive lines (a user reappearing
+    after another user's records is an error, even with ``skip_invalid``); repeated
+    pairs are then tracked for the current user only, so memory does not grow with
+    the number of records (only a set of finished user ids is kept).
+    """
     lookup = _known_lookup(known) if known is not None else None
     report.update(_new_report())
     seen: dict[tuple[str, str], int] = {}
+    current: str | None = None
+    finished: set[str] = set()
     nonblank = 0
     with _open_log(path) as f:
         for lineno, raw in enumerate(f, start=1):
@@ -322,6 +334,16 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
                 if len(report["first_errors"]) < MAX_FIRST_ERRORS:
                     report["first_errors"].append(str(exc))
                 continue
+            if grouped and rec.user_id != current:
+                if rec.user_id in finished:
+                    raise NotGroupedError(
+                        f"records of user {rec.user_id!r} are not on consecutive lines "
+                        "(sort the log by user_id to stream it by user)",
+                        where=_key_where(where, "user_id"))
+                if current is not None:
+                    finished.add(current)
+                current = rec.user_id
+                seen.clear()
             seen[pair] = lineno
             report["records"] += 1
             yield lineno, rec
@@ -388,7 +410,7 @@ def iter_user_chunks(path: str | os.PathLike, users_per_chunk: int, *, known: Kn
     current: str | None = None
     finished: set[str] = set()
     for lineno, rec in _iter_numbered(path, known, skip_invalid,
-                                      report if report is not None else {}):
+                                      report if report is not None else {}, grouped=True):
         if rec.user_id != current:
             if rec.user_id in finished:
                 raise InputError(

@@ -220,6 +220,7 @@ class EmbeddingStore:
         self.query_emb = query_emb
         self._mem_meta = None
         self._qry_meta = None
+        self._offsets_cache: dict[str, np.ndarray] = {}
 
     def __repr__(self) -> str:
         c = self.manifest["counts"]
@@ -253,6 +254,46 @@ class EmbeddingStore:
             raise InputError(f"{len(rows)} rows but the manifest counts {n}", where=at(p))
         return rows
 
+    def _line_offsets(self, name: str, n: int) -> np.ndarray:
+        """Byte offset of every row of a JSONL file (plus the end): 8 bytes per row, so
+        :meth:`user` reads one user's rows without holding every row in memory."""
+        if name not in self._offsets_cache:
+            p = self.path / name
+            if not p.is_file():
+                raise InputError("missing file of the embedding store", where=at(p))
+            offs, pos = [0], 0
+            with open(p, "rb") as f:
+                for line in f:
+                    pos += len(line)
+                    offs.append(pos)
+            if len(offs) - 1 != n:
+                raise InputError(f"{len(offs) - 1} rows but the manifest counts {n}", where=at(p))
+            self._offsets_cache[name] = np.asarray(offs, np.int64)
+        return self._offsets_cache[name]
+
+    def _row_slice(self, name: str, n: int, keys: tuple[str, ...], start: int, end: int) -> list[dict]:
+        """Rows ``start:end`` of a JSONL file, validated like :meth:`_jsonl`."""
+        offs = self._line_offsets(name, n)
+        p = self.path / name
+        with open(p, "rb") as f:
+            f.seek(int(offs[start]))
+            blob = f.read(int(offs[end] - offs[start]))
+        rows = []
+        for i, line in enumerate(blob.splitlines(keepends=True)[:end - start]):
+            ln = start + i + 1
+            try:
+                r = json.loads(line.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InputError(f"invalid JSON: {getattr(e, 'msg', e.__class__.__name__)}",
+                                 where=at(p, ln)) from None
+            if not isinstance(r, dict):
+                raise InputError("expected a JSON object", where=at(p, ln))
+            for k in keys:
+                if k not in r:
+                    raise InputError("missing key", where=at(p, ln, k))
+            rows.append(r)
+        return rows
+
     @property
     def memories(self) -> list[dict]:
         """Rows of ``memories.jsonl`` (parsed on first use)."""
@@ -278,7 +319,12 @@ class EmbeddingStore:
                              f"{shown})", where=str(self.path))
         u = self._by_id[uid]
         ms, me, qs, qe = u["mem_start"], u["mem_end"], u["query_start"], u["query_end"]
-        mems, qrys = self.memories[ms:me], self.queries[qs:qe]
+        c = self.manifest["counts"]
+        # Only this user's rows are read (unless the whole lists were loaded already).
+        mems = self._mem_meta[ms:me] if self._mem_meta is not None else \
+            self._row_slice("memories.jsonl", c["memories"], ("user", "id", "text"), ms, me)
+        qrys = self._qry_meta[qs:qe] if self._qry_meta is not None else \
+            self._row_slice("queries.jsonl", c["queries"], ("user", "id", "text", "gold_memory_ids"), qs, qe)
         qpath = self.path / "queries.jsonl"
         for off, r in enumerate(mems):
             if str(r["user"]) != uid:

@@ -1,0 +1,523 @@
+"""Every command fed malformed input: exit 2, ONE line on stderr naming the file:line, the
+JSON key or the option, no traceback, and nothing created or changed on disk.
+
+Driven in-process through ``cli.main.main`` (what the console script calls), plus a few
+cases through the real ``rmm-jax`` script in a subprocess. Decisions pinned here:
+
+* click usage errors (a bad option value, a missing argument) are one ``error: ...``
+  line too, exit 2 (``cli.main.main``);
+* a policy store made for another embedding model (``meta.config.model``) is rejected
+  even when the dim matches (``--policies``); a store of another model is rejected by
+  ``retrieve --expect-model``;
+* ``--k`` larger than a user's bank is an error for ``retrieve`` (without
+  ``--pad-short-banks``); the online commands pad short banks with masked candidates;
+* ``replay --skip-invalid`` succeeds (exit 0) and reports the count of skipped records
+  (JSON ``log.skipped``; its one info line on stderr is legitimate on success).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import REPO, make_fake_store
+
+K, M = 10, 3
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def cli(capsys, *args):
+    from cli.main import main
+
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(root: Path) -> dict:
+    """Every file and directory under ``root``: (size, mtime, sha256) or 'dir'."""
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            snap[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            st_ = os.stat(p)
+            with open(p, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()
+            snap[os.path.relpath(p, root)] = (st_.st_size, st_.st_mtime_ns, digest)
+    return snap
+
+
+def assert_one_line_error(code, err, names, expect_code=2):
+    assert code == expect_code, (code, err)
+    assert "Traceback" not in err, err
+    lines = err.splitlines()  # splits on \r too: a progress bar before the error shows up here
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {err!r}"
+    assert lines[0].startswith("error: "), lines[0]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+def jl(*objs) -> str:
+    return "".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One tree holding every input; each case snapshots all of it before and after."""
+    import jax
+
+    from rmm_jax import init_reranker
+    from rmm_jax.policies import PolicyStore
+    from rmm_jax.store import open_store
+
+    root = tmp_path_factory.mktemp("bad")
+    e = {"root": root}
+    e["store"] = make_fake_store(root / "store", users=3, sessions=4, dim=32)
+    e["store16"] = make_fake_store(root / "store16", users=2, sessions=2, dim=16)
+    # a store whose memories hold NaN (shape and dtype intact)
+    e["nan_store"] = root / "nan_store"
+    shutil.copytree(e["store"], e["nan_store"])
+    arr = np.load(e["nan_store"] / "memories.npy", mmap_mode="r+")
+    arr[3, 5] = np.nan
+    arr.flush()
+    del arr
+    # policy stores: dim 16, and dim 32 made for another embedding model
+    p16 = init_reranker(jax.random.key(0), 16)
+    e["pol16"] = root / "pol16"
+    PolicyStore.create(e["pol16"], {"kind": "linear", "dim": 16, "hidden": None,
+                                    "config": {"pretrained": True, "model": "fake/bow-16"}}, p16)
+    e["pol_model"] = root / "pol_model"
+    PolicyStore.create(e["pol_model"], {"kind": "linear", "dim": 32, "hidden": None,
+                                        "config": {"pretrained": True, "model": "other/model-32"}},
+                       init_reranker(jax.random.key(0), 32))
+    e["pol_existing"] = root / "pol_existing"
+    PolicyStore.create(e["pol_existing"], {"kind": "linear", "dim": 32, "hidden": None,
+                                           "config": {"pretrained": True, "model": "fake/bow-32"}},
+                       init_reranker(jax.random.key(0), 32))
+    # logs
+    s = open_store(e["store"])
+    e["open_store"] = s
+    u = s.user(s.user_ids[0])
+    e["user"] = u
+    good = [{"user_id": u.user_id, "query_id": q, "candidates": list(u.memory_ids[:K]),
+             "selected": list(u.memory_ids[:M]), "cited": [u.memory_ids[0]]} for q in u.query_ids[:6]]
+    e["good"] = good
+    g0, g1 = good[0], good[1]
+    logs = {
+        "empty": "",
+        "blank_only": "\n\n",
+        "invalid_json": '{"user_id": "x", \n',
+        "not_object": jl([1, 2]),
+        "wrong_type": jl({**g0, "user_id": 7}),
+        "wrong_type_list": jl({**g0, "candidates": "m1"}),
+        "missing_key": jl({k: v for k, v in g0.items() if k != "cited"}),
+        "unknown_user": jl(g0, {**g1, "user_id": "nobody"}),
+        "unknown_query": jl({**g0, "query_id": "no-such-query"}),
+        "unknown_memory": jl({**g0, "candidates": g0["candidates"][:-1] + ["no-such-memory"]}),
+        "duplicate_query": jl(g0, g1, g0),
+        "cited_outside_selected": jl({**g0, "cited": [g0["candidates"][-1]]}),
+        "selected_outside_candidates": jl({**g0, "selected": g0["selected"] + ["zz"]}),
+        "positive_log_prob": jl({**g0, "log_prob": 0.5}),
+        "nan_log_prob": jl(g0) + json.dumps({**g1, "log_prob": float("nan")}) + "\n",
+        "too_many_candidates": jl({**g0, "candidates": list(u.memory_ids[:K + 1])}),
+        "too_many_selected": jl({**g0, "selected": list(u.memory_ids[:M + 1])}),
+    }
+    ld = root / "logs"
+    ld.mkdir()
+    for name, text in logs.items():
+        (ld / f"{name}.jsonl").write_text(text)
+    (ld / "good.jsonl").write_text(jl(*good))
+    (ld / "mixed.jsonl").write_text(jl(g0, {**g1, "cited": ["zz"]}, good[2], "{oops", good[3]))
+    e["logs"] = ld
+    (root / "a_file.txt").write_text("not a directory\n")
+    e["file"] = root / "a_file.txt"
+    return e
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def cases():
+    """(id, argv builder, names that must appear in the error line)."""
+    S = lambda e: e["store"]
+    L = lambda e, n: e["logs"] / f"{n}.jsonl"
+    new_pol = lambda e: e["root"] / "new_pol"     # must never appear
+    rp = lambda e, log, *more: ["replay", S(e), "--log", L(e, log), "--policies", new_pol(e), "--k", K, "--m", M,
+                                *more]
+    sim = lambda e, *more: ["simulate", S(e), "--policies", new_pol(e), "--k", K, "--m", M,
+                            "--log-out", e["root"] / "new_log.jsonl", *more]
+    pre = lambda e, *more: ["pretrain", S(e), "--out", new_pol(e), "--k", K, "--m", M, *more]
+    c = []
+    # ---- citation logs through replay
+    c += [
+        ("log-empty", lambda e: rp(e, "empty"), lambda e: [str(L(e, "empty")), "empty"]),
+        ("log-blank-only", lambda e: rp(e, "blank_only"), lambda e: [str(L(e, "blank_only"))]),
+        ("log-invalid-json", lambda e: rp(e, "invalid_json"), lambda e: [f"{L(e, 'invalid_json')}:1", "invalid JSON"]),
+        ("log-not-object", lambda e: rp(e, "not_object"), lambda e: [f"{L(e, 'not_object')}:1"]),
+        ("log-wrong-type", lambda e: rp(e, "wrong_type"), lambda e: [f"{L(e, 'wrong_type')}:1", "'user_id'"]),
+        ("log-wrong-type-list", lambda e: rp(e, "wrong_type_list"), lambda e: [":1", "'candidates'"]),
+        ("log-missing-key", lambda e: rp(e, "missing_key"), lambda e: [f"{L(e, 'missing_key')}:1", "'cited'"]),
+        ("log-unknown-user", lambda e: rp(e, "unknown_user"), lambda e: [f"{L(e, 'unknown_user')}:2", "'user_id'",
+                                                                          "nobody"]),
+        ("log-unknown-query", lambda e: rp(e, "unknown_query"), lambda e: [":1", "'query_id'", "no-such-query"]),
+        ("log-unknown-memory", lambda e: rp(e, "unknown_memory"), lambda e: [":1", "'candidates'", "no-such-memory"]),
+        ("log-duplicate-query", lambda e: rp(e, "duplicate_query"), lambda e: [f"{L(e, 'duplicate_query')}:3",
+                                                                                "'query_id'", "line 1"]),
+        ("log-cited-outside-selected", lambda e: rp(e, "cited_outside_selected"), lambda e: [":1", "'cited'"]),
+        ("log-selected-outside-candidates", lambda e: rp(e, "selected_outside_candidates"),
+         lambda e: [":1", "'selected'"]),
+        ("log-positive-log-prob", lambda e: rp(e, "positive_log_prob"), lambda e: [":1", "'log_prob'"]),
+        ("log-nan-log-prob", lambda e: rp(e, "nan_log_prob"), lambda e: [":2", "'log_prob'"]),
+        ("log-more-candidates-than-k", lambda e: rp(e, "too_many_candidates"), lambda e: ["--k", "too_many"]),
+        ("log-more-selected-than-m", lambda e: rp(e, "too_many_selected"), lambda e: ["--m", "too_many"]),
+        ("log-is-directory", lambda e: ["replay", S(e), "--log", e["logs"], "--policies", new_pol(e)],
+         lambda e: [str(e["logs"]), "directory"]),
+        ("log-missing", lambda e: ["replay", S(e), "--log", e["root"] / "nope.jsonl", "--policies", new_pol(e)],
+         lambda e: ["nope.jsonl", "not found"]),
+        ("replay-store-is-file", lambda e: ["replay", e["file"], "--log", L(e, "good"), "--policies", new_pol(e)],
+         lambda e: [str(e["file"])]),
+        ("replay-nan-store", lambda e: ["replay", e["nan_store"], "--log", L(e, "good"), "--policies", new_pol(e),
+                                        "--k", K, "--m", M], lambda e: ["memories.npy", "NaN"]),
+        ("replay-policy-dim", lambda e: rp(e, "good")[:4] + ["--policies", e["pol16"], "--k", K, "--m", M],
+         lambda e: [str(e["pol16"]), "dim 16", "32"]),
+        ("replay-policy-other-model", lambda e: rp(e, "good")[:4] + ["--policies", e["pol_model"], "--k", K,
+                                                                     "--m", M], lambda e: ["--policies",
+                                                                                           "other/model-32"]),
+        ("replay-clip", lambda e: rp(e, "good", "--clip", "0.5"), lambda e: ["--clip"]),
+        ("replay-paper-preset", lambda e: rp(e, "good", "--preset", "paper"), lambda e: ["--preset"]),
+        ("replay-users-per-chunk", lambda e: rp(e, "good", "--users-per-chunk", 0), lambda e: ["--users-per-chunk"]),
+    ]
+    # ---- K, M, tau, lr out of range: every online command
+    for opt, val, name in [("--k", 0, "--k"), ("--m", 0, "--m"), ("--m", K + 1, "--m"), ("--tau", 0, "--tau"),
+                           ("--tau", -1, "--tau"), ("--tau", "nan", "--tau"), ("--lr", 0, "--lr"),
+                           ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k")]:
+        c.append((f"replay{opt}={val}", lambda e, o=opt, v=val: rp(e, "good", o, v), lambda e, n=name: [n]))
+        c.append((f"simulate{opt}={val}", lambda e, o=opt, v=val: sim(e, o, v), lambda e, n=name: [n]))
+        c.append((f"demo{opt}={val}", lambda e, o=opt, v=val: ["demo", "--out", e["root"] / "demo", "--k", K, o, v],
+                  lambda e, n=name: [n]))
+    # ---- simulate
+    c += [
+        ("simulate-precision", lambda e: sim(e, "--precision", 1.5), lambda e: ["--precision"]),
+        ("simulate-precision-0", lambda e: sim(e, "--precision", 0), lambda e: ["--precision"]),
+        ("simulate-recall", lambda e: sim(e, "--recall", -0.1), lambda e: ["--recall"]),
+        ("simulate-unknown-user", lambda e: sim(e, "--users", "nobody"), lambda e: ["--users", "nobody"]),
+        ("simulate-users-per-chunk", lambda e: sim(e, "--users-per-chunk", 0), lambda e: ["--users-per-chunk"]),
+        ("simulate-log-out-dir", lambda e: sim(e)[:-2] + ["--log-out", e["logs"]], lambda e: ["--log-out"]),
+        ("simulate-store-missing", lambda e: ["simulate", e["root"] / "nostore", "--policies", new_pol(e)],
+         lambda e: ["nostore"]),
+        ("simulate-store-is-file", lambda e: ["simulate", e["file"], "--policies", new_pol(e)],
+         lambda e: [str(e["file"])]),
+        ("simulate-nan-store", lambda e: ["simulate", e["nan_store"], "--policies", new_pol(e)],
+         lambda e: ["memories.npy", "NaN"]),
+        ("simulate-policy-dim", lambda e: ["simulate", e["store"], "--policies", e["pol16"]],
+         lambda e: [str(e["pol16"]), "dim 16"]),
+        ("simulate-store16-vs-policy32", lambda e: ["simulate", e["store16"], "--policies", e["pol_existing"]],
+         lambda e: [str(e["pol_existing"]), "dim 32", "expected 16"]),
+        ("simulate-policy-other-model", lambda e: ["simulate", e["store"], "--policies", e["pol_model"], "--init",
+                                                   "pretrained"], lambda e: ["--policies", "other/model-32"]),
+        ("simulate-pretrained-missing", lambda e: sim(e, "--init", "pretrained"), lambda e: ["--policies"]),
+        ("simulate-kind-mismatch", lambda e: ["simulate", e["store"], "--policies", e["pol_existing"], "--kind",
+                                              "mlp"], lambda e: ["--kind"]),
+        ("simulate-store-not-store-dir", lambda e: ["simulate", e["logs"], "--policies", new_pol(e)],
+         lambda e: [str(e["logs"]), "manifest.json"]),
+    ]
+    # ---- pretrain
+    c += [
+        ("pretrain-lr-0", lambda e: pre(e, "--lr", 0), lambda e: ["--lr"]),
+        ("pretrain-lr-neg", lambda e: pre(e, "--lr", -1), lambda e: ["--lr"]),
+        ("pretrain-temperature", lambda e: pre(e, "--temperature", 0), lambda e: ["--temperature"]),
+        ("pretrain-k-0", lambda e: pre(e, "--k", 0), lambda e: ["--k"]),
+        ("pretrain-m-gt-k", lambda e: pre(e, "--m", K + 1), lambda e: ["--m"]),
+        ("pretrain-epochs", lambda e: pre(e, "--epochs", 0), lambda e: ["--epochs"]),
+        ("pretrain-val-fraction", lambda e: pre(e, "--val-fraction", 1.0), lambda e: ["--val-fraction"]),
+        ("pretrain-unknown-user", lambda e: pre(e, "--users", "nobody"), lambda e: ["--users"]),
+        ("pretrain-out-exists", lambda e: ["pretrain", e["store"], "--out", e["pol_existing"], "--epochs", 1],
+         lambda e: ["--out", str(e["pol_existing"])]),
+        ("pretrain-store-is-file", lambda e: ["pretrain", e["file"], "--out", new_pol(e)],
+         lambda e: [str(e["file"])]),
+        ("pretrain-nan-store", lambda e: ["pretrain", e["nan_store"], "--out", new_pol(e)],
+         lambda e: ["memories.npy", "NaN"]),
+    ]
+    # ---- retrieve
+    c += [
+        ("retrieve-k-0", lambda e: ["retrieve", e["store"], "--k", 0], lambda e: ["--k"]),
+        ("retrieve-k-bigger-than-bank", lambda e: ["retrieve", e["store"], "--k", 10_000], lambda e: ["--k", "bank"]),
+        ("retrieve-other-model", lambda e: ["retrieve", e["store"], "--expect-model", "other/model"],
+         lambda e: [str(e["store"]), "other/model"]),
+        ("retrieve-nan-store", lambda e: ["retrieve", e["nan_store"]], lambda e: ["memories.npy", "NaN"]),
+        ("retrieve-store-missing", lambda e: ["retrieve", e["root"] / "nostore"], lambda e: ["nostore"]),
+        ("retrieve-store-is-file", lambda e: ["retrieve", e["file"]], lambda e: [str(e["file"])]),
+    ]
+    # ---- embed
+    out = lambda e: e["root"] / "new_store"
+    c += [
+        ("embed-unknown-spec", lambda e: ["embed", "nosuch:x", "--out", out(e)], lambda e: ["SPEC", "nosuch"]),
+        ("embed-empty-spec", lambda e: ["embed", "", "--out", out(e)], lambda e: ["SPEC"]),
+        ("embed-synthetic-users-0", lambda e: ["embed", "synthetic:users=0", "--out", out(e)],
+         lambda e: ["synthetic spec", "users"]),
+        ("embed-synthetic-unknown-key", lambda e: ["embed", "synthetic:colour=3", "--out", out(e)],
+         lambda e: ["synthetic spec", "colour"]),
+        ("embed-synthetic-not-int", lambda e: ["embed", "synthetic:users=two", "--out", out(e)],
+         lambda e: ["synthetic spec", "users"]),
+        ("embed-synthetic-no-equals", lambda e: ["embed", "synthetic:users", "--out", out(e)],
+         lambda e: ["synthetic spec"]),
+        ("embed-locomo-missing", lambda e: ["embed", f"locomo:{e['root'] / 'nope'}", "--out", out(e)],
+         lambda e: ["nope"]),
+        ("embed-locomo-path-missing", lambda e: ["embed", "locomo:", "--out", out(e)], lambda e: ["SPEC"]),
+        ("embed-out-is-file", lambda e: ["embed", "synthetic:users=1", "--out", e["file"]],
+         lambda e: ["--out"]),
+        ("embed-bad-granularity", lambda e: ["embed", "synthetic:users=1", "--out", out(e), "--granularity", "x"],
+         lambda e: ["--granularity"]),
+    ]
+    # ---- policies
+    c += [
+        ("policies-list-missing", lambda e: ["policies", "list", e["root"] / "nopol"], lambda e: ["nopol"]),
+        ("policies-list-file", lambda e: ["policies", "list", e["file"]], lambda e: [str(e["file"])]),
+        ("policies-list-store-dir", lambda e: ["policies", "list", e["store"]], lambda e: [str(e["store"])]),
+        ("policies-show-unknown-user", lambda e: ["policies", "show", e["pol_existing"], "nobody"],
+         lambda e: ["nobody", str(e["pol_existing"])]),
+        ("policies-export-unknown-user", lambda e: ["policies", "export", e["pol_existing"], "nobody", "--out",
+                                                    e["root"] / "x.npz"], lambda e: ["nobody"]),
+        ("policies-export-missing-out", lambda e: ["policies", "export", e["pol_existing"], "u"],
+         lambda e: ["--out"]),
+    ]
+    # ---- demo
+    c += [
+        ("demo-users", lambda e: ["demo", "--out", e["root"] / "demo", "--users", 2], lambda e: ["--users"]),
+        ("demo-out-is-file", lambda e: ["demo", "--out", e["file"]], lambda e: ["--out"]),
+    ]
+    # ---- the CLI itself
+    c += [
+        ("unknown-command", lambda e: ["frobnicate"], lambda e: ["frobnicate"]),
+        ("unknown-option", lambda e: ["retrieve", e["store"], "--frob"], lambda e: ["--frob"]),
+        ("missing-argument", lambda e: ["retrieve"], lambda e: ["STORE"]),
+        ("missing-required-option", lambda e: ["replay", e["store"], "--log", L(e, "good")],
+         lambda e: ["--policies"]),
+    ]
+    return c
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("argv,names", [pytest.param(a, n, id=i) for i, a, n in CASES])
+def test_bad_input_fails_with_one_line_and_touches_nothing(env, capsys, argv, names):
+    before = snapshot(env["root"])
+    code, out, err = cli(capsys, *argv(env))
+    assert_one_line_error(code, err, names(env))
+    after = snapshot(env["root"])
+    assert after == before, {k: (before.get(k), after.get(k)) for k in set(before) | set(after)
+                             if before.get(k) != after.get(k)}
+
+
+def test_case_ids_are_unique():
+    ids = [c[0] for c in CASES]
+    assert len(ids) == len(set(ids))
+
+
+def test_skip_invalid_counts_and_succeeds(env, capsys, tmp_path):
+    log = env["logs"] / "mixed.jsonl"   # 3 valid lines, 2 invalid (line 2: cited, line 4: JSON)
+    code, out, err = cli(capsys, "replay", env["store"], "--log", log, "--policies", tmp_path / "pol",
+                         "--k", K, "--m", M, "--skip-invalid", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["log"]["records"] == 3 and doc["log"]["skipped"] == 2
+    assert any(f"{log}:2" in m for m in doc["log"]["first_errors"])
+    assert doc["online"]["queries"] <= 3
+    # the one info line is the count (progress bars are cleared: no other text remains)
+    info = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "%|" not in ln]
+    assert info and info[-1].startswith("skipped 2 invalid records of 5"), err
+    assert "Traceback" not in err
+    # without --skip-invalid the same log fails on line 2 and writes nothing
+    code, _, err = cli(capsys, "replay", env["store"], "--log", log, "--policies", tmp_path / "pol2",
+                       "--k", K, "--m", M)
+    assert_one_line_error(code, err, [f"{log}:2", "'cited'"])
+    assert not (tmp_path / "pol2").exists()
+
+
+def test_skip_invalid_with_no_valid_record_fails(env, capsys, tmp_path):
+    code, _, err = cli(capsys, "replay", env["store"], "--log", env["logs"] / "unknown_query.jsonl",
+                       "--policies", tmp_path / "pol", "--k", K, "--m", M, "--skip-invalid")
+    assert_one_line_error(code, err, ["unknown_query.jsonl", "no records"])
+    assert not (tmp_path / "pol").exists()
+
+
+@pytest.mark.parametrize("argv,names", [
+    pytest.param(lambda e: ["replay", e["store"], "--log", e["logs"] / "duplicate_query.jsonl", "--policies",
+                            e["root"] / "new_pol"], lambda e: ["duplicate_query.jsonl:3", "'query_id'"], id="replay-log"),
+    pytest.param(lambda e: ["simulate", e["store"], "--policies", e["root"] / "new_pol", "--tau", "0"],
+                 lambda e: ["--tau"], id="simulate-tau"),
+    pytest.param(lambda e: ["embed", "synthetic:users=0", "--out", e["root"] / "new_store"],
+                 lambda e: ["synthetic spec"], id="embed-spec"),
+    pytest.param(lambda e: ["retrieve", e["store"], "--k", "x"], lambda e: ["--k"], id="usage-error"),
+])
+def test_console_script_behaves_the_same(env, argv, names):
+    exe = REPO / ".venv" / "bin" / "rmm-jax"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "cli.main"]
+    before = snapshot(env["root"])
+    r = subprocess.run(cmd + [str(a) for a in argv(env)], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    assert_one_line_error(r.returncode, r.stderr, names(env))
+    assert r.stdout == ""
+    assert snapshot(env["root"]) == before
+
+
+# --------------------------------------------------------------------------- property-based
+
+
+MUTATIONS = ("drop_key", "wrong_type", "ghost_user", "ghost_query", "ghost_memory", "selected_outside",
+             "cited_outside", "dup_id", "empty_candidates", "log_prob_positive", "log_prob_nan", "truncated",
+             "not_object", "dup_pair", "too_many_candidates", "too_many_selected")
+
+
+@st.composite
+def valid_record(draw, env):
+    s = env["open_store"]
+    uid = draw(st.sampled_from(s.user_ids))
+    u = s.user(uid)
+    qid = draw(st.sampled_from(u.query_ids))
+    cand = draw(st.lists(st.sampled_from(u.memory_ids), min_size=1, max_size=K, unique=True))
+    sel = draw(st.lists(st.sampled_from(cand), min_size=1, max_size=min(M, len(cand)), unique=True))
+    cited = draw(st.lists(st.sampled_from(sel), max_size=len(sel), unique=True))
+    rec = {"user_id": uid, "query_id": qid, "candidates": cand, "selected": sel, "cited": cited}
+    if draw(st.booleans()):
+        rec["log_prob"] = draw(st.floats(-50, 0))
+    if draw(st.booleans()):
+        rec["timestamp"] = draw(st.one_of(st.text(max_size=5), st.integers(0, 10**9)))
+    if draw(st.booleans()):
+        rec["extra"] = "ignored"
+    return rec
+
+
+def mutate(draw, rec, env, kind):
+    """Return (lines, bad line number) for a record broken in one way that is always invalid."""
+    rec = json.loads(json.dumps(rec))
+    u = env["open_store"].user(rec["user_id"])
+    if kind == "drop_key":
+        del rec[draw(st.sampled_from(["user_id", "query_id", "candidates", "selected", "cited"]))]
+    elif kind == "wrong_type":
+        key = draw(st.sampled_from(["user_id", "query_id", "candidates", "selected", "cited", "log_prob"]))
+        rec[key] = draw(st.sampled_from([7, True, {"a": 1}, [1]] if key != "log_prob" else ["x", True, [0]]))
+        if key in ("user_id", "query_id") and rec[key] == [1]:
+            rec[key] = 3.5
+    elif kind == "ghost_user":
+        rec["user_id"] = "ghost-user"
+    elif kind == "ghost_query":
+        rec["query_id"] = "ghost-query"
+    elif kind == "ghost_memory":
+        rec["candidates"] = rec["candidates"][:-1] + ["ghost-memory"] if len(rec["candidates"]) > len(
+            rec["selected"]) else rec["candidates"] + ["ghost-memory"]
+        rec["candidates"] = rec["candidates"][:K]
+        if "ghost-memory" not in rec["candidates"]:
+            rec["candidates"][-1] = "ghost-memory"
+            rec["selected"] = [x for x in rec["selected"] if x in rec["candidates"]] or [rec["candidates"][0]]
+            rec["cited"] = [x for x in rec["cited"] if x in rec["selected"]]
+    elif kind == "selected_outside":
+        rec["selected"] = rec["selected"][:M - 1] + ["not-a-candidate"]
+    elif kind == "cited_outside":
+        rec["cited"] = rec["cited"] + ["not-selected"]
+    elif kind == "dup_id":
+        key = draw(st.sampled_from(["candidates", "selected"]))
+        rec[key] = rec[key][:1] * 2
+    elif kind == "empty_candidates":
+        rec["candidates"] = []
+    elif kind == "log_prob_positive":
+        rec["log_prob"] = draw(st.floats(1e-6, 1e6))
+    elif kind == "log_prob_nan":
+        rec["log_prob"] = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    elif kind == "truncated":
+        line = json.dumps(rec)
+        return [line[:draw(st.integers(1, len(line) - 1))]], 1
+    elif kind == "not_object":
+        return [json.dumps(draw(st.sampled_from([[rec], "x", 3, None])))], 1
+    elif kind == "dup_pair":
+        return [json.dumps(rec), json.dumps(rec)], 2
+    elif kind == "too_many_candidates":
+        extra = [m for m in u.memory_ids if m not in rec["candidates"]]
+        rec["candidates"] = rec["candidates"] + extra[:K + 1 - len(rec["candidates"])]
+        return [json.dumps(rec)], None   # a --k limit, named by option rather than line
+    elif kind == "too_many_selected":
+        extra = [m for m in rec["candidates"] if m not in rec["selected"]]
+        rec["candidates"] = rec["candidates"] + [m for m in u.memory_ids if m not in rec["candidates"]][:M]
+        rec["candidates"] = rec["candidates"][:K]
+        extra = [m for m in rec["candidates"] if m not in rec["selected"]]
+        rec["selected"] = rec["selected"] + extra[:M + 1 - len(rec["selected"])]
+        return [json.dumps(rec)], None
+    return [json.dumps(rec, allow_nan=True)], 1
+
+
+_counter = [0]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_records_through_replay(env, capsys, data):
+    """Valid records are accepted by the validation pass replay runs first (the same
+    scan_log and known_ids); malformed ones make `rmm-jax replay` exit 2 with one line
+    naming the file and line (or --k/--m), creating nothing. Never a crash."""
+    from rmm_jax import jobs
+    from rmm_jax.update import Config
+
+    rec = data.draw(valid_record(env))
+    kind = data.draw(st.sampled_from((None,) * 4 + MUTATIONS))
+    _counter[0] += 1
+    log = env["root"] / "hyp" / f"log{_counter[0]}.jsonl"
+    log.parent.mkdir(exist_ok=True)
+    pol = env["root"] / "hyp" / "pol"
+    if kind is None:
+        log.write_text(json.dumps(rec) + "\n")
+        rep = jobs.scan_log(log, Config(k=K, m=M), known=jobs.known_ids(env["open_store"]))
+        assert rep["records"] == 1 and rep["users"] == 1 and rep["skipped"] == 0
+    else:
+        lines, bad = mutate(data.draw, rec, env, kind)
+        log.write_text("\n".join(lines) + "\n")
+        code, out, err = cli(capsys, "replay", env["store"], "--log", log, "--policies", pol, "--k", K, "--m", M)
+        names = [f"{log}:{bad}"] if bad else [str(log)]
+        assert_one_line_error(code, err, names)
+        assert out == "" and not pol.exists()
+    log.unlink()
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_valid_logs_replay_end_to_end(env, capsys, data):
+    """A few random valid logs run the whole replay (each call compiles once)."""
+    recs, seen = [], set()
+    for _ in range(data.draw(st.integers(1, 6))):
+        r = data.draw(valid_record(env))
+        if (r["user_id"], r["query_id"]) not in seen:
+            seen.add((r["user_id"], r["query_id"]))
+            recs.append(r)
+    recs.sort(key=lambda r: r["user_id"])
+    _counter[0] += 1
+    d = env["root"] / "hyp_ok" / str(_counter[0])
+    d.mkdir(parents=True)
+    (d / "log.jsonl").write_text(jl(*recs))
+    code, out, err = cli(capsys, "replay", env["store"], "--log", d / "log.jsonl", "--policies", d / "pol",
+                         "--k", K, "--m", M, "--json", "--users-per-chunk", 2)
+    assert code == 0, err
+    assert "Traceback" not in err
+    doc = json.loads(out)
+    assert doc["log"]["records"] == len(recs) and doc["log"]["skipped"] == 0
+    shutil.rmtree(d)
