@@ -17,7 +17,6 @@ RMM preset from identity). The default preset was chosen on conversations 26 and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -68,8 +67,6 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the mean learning curves")
     args = ap.parse_args(argv)
-
-    import jax  # noqa: F401
 
     from rmm_jax import Config, jobs
     from rmm_jax.pretrain import PretrainConfig

@@ -1,7 +1,6 @@
 """``rmm-jax demo``: the whole method end to end on the built-in synthetic users."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 

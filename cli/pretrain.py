@@ -39,7 +39,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
       rmm-jax pretrain store --out policies --epochs 30
     """
     from rmm_jax import init_reranker
-    from rmm_jax.jobs import load_streams, run_pretrain
+    from rmm_jax.jobs import load_streams
     from rmm_jax.policies import PolicyStore
     from rmm_jax.pretrain import PretrainConfig
 

@@ -6,6 +6,7 @@
 
     POLICIES.runstate/
       .lock                 flock'ed by the running process (a second run fails fast)
+      done/c000003.npz      per-query outputs of completed users chunk 3 (written once)
       s00000007/            one checkpoint (the last KEEP=2 are kept)
         meta.json           command, fingerprint of inputs and options, progress, tree specs
         arrays/             orbax checkpoint of every array (states, outputs so far)
@@ -18,9 +19,10 @@ fingerprint (command, input digests, options, initial params, versions) differs 
 the current invocation, naming the first differing option. On success the directory
 is removed.
 
-What a checkpoint holds is enough to continue bit-identically: for an online run, the
-completed users' per-query outputs (for the summary and, for simulate, the log
-records; their policies are in the policy store), and for the chunk in progress the
+What a checkpoint holds is enough to continue bit-identically: for an online run, how
+many users chunks are complete (their policies are in the policy store, their
+per-query outputs in ``done/cNNNNNN.npz``, written once when the chunk completes, for
+the summary and, for simulate, the log records), and for the chunk in progress the
 stacked per-user ``(params, opt_state, learner_state)``, the segment reached and its
 outputs so far. Segments are compiled calls of a fixed number of batches (see
 :func:`rmm_jax.learner.run_streams`), so a resumed run makes the same calls on the same
@@ -58,6 +60,7 @@ META_FILE = "meta.json"
 ARRAYS_DIR = "arrays"
 CHECKSUM_FILE = "CHECKSUMS.json"
 LOCK_FILE = ".lock"
+DONE_DIR = "done"
 MESSAGE = "interrupted; resume with --resume"
 
 
@@ -285,6 +288,38 @@ class RunState:
         shutil.rmtree(self.path, ignore_errors=True)
         self.close()
 
+    # ---- completed chunks' outputs (written once each, not in every checkpoint)
+
+    def _done_path(self, chunk: int) -> Path:
+        return self.path / DONE_DIR / f"c{chunk:06d}.npz"
+
+    def save_done(self, chunk: int, outputs: dict) -> None:
+        """Store completed chunk ``chunk``'s per-user outputs ``{user: {key: (T, ...)}}``."""
+        from rmm_jax.io_utils import atomic_file
+
+        users = list(outputs)
+        keys = sorted(outputs[users[0]]) if users else []
+        arrays = {f"k_{k}": np.concatenate([outputs[u][k] for u in users]) for k in keys}
+        lengths = np.array([len(outputs[u][keys[0]]) for u in users] if keys else [], np.int64)
+        with atomic_file(self._done_path(chunk), "wb") as f:
+            np.savez(f, users=np.array(users, dtype=str), lengths=lengths, **arrays)
+
+    def load_done(self, chunk: int) -> dict:
+        """The outputs :meth:`save_done` stored for ``chunk``."""
+        path = self._done_path(chunk)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                users, lengths = z["users"].tolist(), z["lengths"]
+                arrays = {k[2:]: z[k] for k in z.files if k.startswith("k_")}
+        except Exception as e:  # noqa: BLE001 - a missing or damaged file cannot be resumed
+            raise InputError(f"cannot read the outputs of completed users chunk {chunk} ({type(e).__name__}: {e}); "
+                             f"remove {self.path} to start over", where=str(path)) from None
+        out, lo = {}, 0
+        for u, t in zip(users, lengths):
+            out[u] = {k: a[lo:lo + t] for k, a in arrays.items()}
+            lo += int(t)
+        return out
+
     # ---- snapshots
 
     def _snapshots(self) -> list[tuple[int, Path]]:
@@ -389,28 +424,10 @@ class RunState:
 # --------------------------------------------------------------------------- online runs
 
 
-def _done_tree(done: dict) -> tuple[list, dict]:
-    """Completed users' outputs as ``[[user, T], ...]`` + one concatenated array per key."""
-    users = list(done)
-    rows = [[u, int(done[u]["recall"].shape[0])] for u in users]
-    keys = sorted(done[users[0]]) if users else []
-    return rows, {k: np.concatenate([np.asarray(done[u][k]) for u in users]) for k in keys}
-
-
-def _split_done(rows: list, arrays: dict) -> dict:
-    out, lo = {}, 0
-    for u, t in rows:
-        out[u] = {k: a[lo:lo + t] for k, a in arrays.items()}
-        lo += t
-    return out
-
-
 def progress_to_checkpoint(p) -> tuple[dict, dict]:
     """A :class:`rmm_jax.jobs.RunProgress` as checkpoint ``(meta, trees)``."""
-    rows, arrays = _done_tree(p.done)
-    meta = {"chunks_done": p.chunks_done, "done_users": rows,
-            "segments_done": p.chunk.segments_done if p.chunk is not None else 0}
-    trees = {"done": arrays, "states": p.chunk.states if p.chunk is not None else None,
+    meta = {"chunks_done": p.chunks_done, "segments_done": p.chunk.segments_done if p.chunk is not None else 0}
+    trees = {"states": p.chunk.states if p.chunk is not None else None,
              "outputs": p.chunk.outputs if p.chunk is not None else None}
     return meta, trees
 
@@ -421,7 +438,7 @@ def progress_from_checkpoint(ck: Checkpoint):
 
     m, t = ck.meta, ck.trees
     chunk = ChunkProgress(m["segments_done"], t["states"], t["outputs"]) if m["segments_done"] else None
-    return RunProgress(m["chunks_done"], _split_done(m["done_users"], t["done"] or {}), chunk)
+    return RunProgress(m["chunks_done"], chunk)
 
 
 def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None, **kw) -> tuple[dict, dict]:
@@ -434,7 +451,7 @@ def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None
     if rs.restored is not None:
         resume = progress_from_checkpoint(rs.restored)
         c = resume.chunk
-        rs.notify(f"resuming from {rs.restored.path.name}: {len(resume.done)} users done"
+        rs.notify(f"resuming from {rs.restored.path.name}: {resume.chunks_done} users chunks done"
                   + (f", users chunk {resume.chunks_done + 1} at segment {c.segments_done}" if c else ""))
     with StopSignals() as stop:
         def on_progress(p):
@@ -442,7 +459,7 @@ def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None
             stop.check()
 
         return jobs.run_chunks(chunks, params, cfg, segment_batches=segment_batches or None, resume=resume,
-                               on_progress=on_progress, **kw)
+                               on_progress=on_progress, save_done=rs.save_done, load_done=rs.load_done, **kw)
 
 
 # --------------------------------------------------------------------------- pretrain

@@ -31,27 +31,46 @@ def load_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stre
     return [stream_from_user(store.user(u), k) for u in ids]
 
 
-def summarize(streams: Sequence[Stream], per_user_recall: dict, per_user_ndcg: dict, m: int) -> dict:
-    """Query-weighted overall means, per-user means and the learning curve.
+class Summary:
+    """Query-weighted overall means, per-user means and the learning curve, built one
+    user at a time: memory holds one small row per user, not the per-query values."""
 
-    ``per_user_*``: user id → (T,) prequential values in stream order; only queries with
-    ``Stream.valid`` count.
-    """
-    rec, nd, per_user, by_pos = [], [], {}, {}
+    def __init__(self, m: int):
+        self.m, self.per_user = m, {}
+        self.sum_r = self.sum_n = 0.0
+        self.count = 0
+        self.pos_sum, self.pos_cnt = np.zeros(0), np.zeros(0)
+
+    def add(self, user_id: str, recall, ndcg, valid) -> None:
+        """Add one user's (T,) prequential values in stream order; only ``valid`` count."""
+        v = np.asarray(valid, bool)
+        r, n = np.asarray(recall, np.float64)[v], np.asarray(ndcg, np.float64)[v]
+        m = self.m
+        self.per_user[user_id] = {f"recall@{m}": float(r.mean()) if r.size else None,
+                                  f"ndcg@{m}": float(n.mean()) if n.size else None, "queries": int(r.size)}
+        self.sum_r += float(r.sum())
+        self.sum_n += float(n.sum())
+        self.count += int(r.size)
+        if r.size > self.pos_sum.size:
+            grow = r.size - self.pos_sum.size
+            self.pos_sum, self.pos_cnt = np.pad(self.pos_sum, (0, grow)), np.pad(self.pos_cnt, (0, grow))
+        self.pos_sum[:r.size] += r
+        self.pos_cnt[:r.size] += 1
+
+    def result(self) -> dict:
+        m, c = self.m, self.count
+        curve = self.pos_sum / np.maximum(self.pos_cnt, 1)
+        return {f"recall@{m}": self.sum_r / c if c else None, f"ndcg@{m}": self.sum_n / c if c else None,
+                "queries": c, "per_user": self.per_user,
+                "curve": moving_average(curve, CURVE_WINDOW).round(5).tolist()}
+
+
+def summarize(streams: Sequence[Stream], per_user_recall: dict, per_user_ndcg: dict, m: int) -> dict:
+    """:class:`Summary` of whole streams: ``per_user_*`` map user id → (T,) values."""
+    acc = Summary(m)
     for s in streams:
-        r, n, v = per_user_recall[s.user_id], per_user_ndcg[s.user_id], s.valid
-        rec.append(r[v])
-        nd.append(n[v])
-        per_user[s.user_id] = {f"recall@{m}": float(r[v].mean()) if v.any() else None,
-                               f"ndcg@{m}": float(n[v].mean()) if v.any() else None, "queries": int(v.sum())}
-        for i, x in enumerate(r[v]):
-            by_pos.setdefault(i, []).append(x)
-    rec, nd = np.concatenate(rec), np.concatenate(nd)
-    curve = np.array([np.mean(by_pos[i]) for i in sorted(by_pos)])
-    return {f"recall@{m}": float(rec.mean()) if rec.size else None,
-            f"ndcg@{m}": float(nd.mean()) if nd.size else None,
-            "queries": int(rec.size), "per_user": per_user,
-            "curve": moving_average(curve, CURVE_WINDOW).round(5).tolist()}
+        acc.add(s.user_id, per_user_recall[s.user_id], per_user_ndcg[s.user_id], s.valid)
+    return acc.result()
 
 
 def base_summary(streams: Sequence[Stream], m: int) -> dict:
@@ -78,31 +97,22 @@ class OnlineResult:
 def run_online(streams: Sequence[Stream], params, cfg: Config, *, seed: int = 0, cite_fn=None,
                users_per_chunk: int = 8, want_log: bool = False, mesh=None,
                on_chunk: Callable | None = None, progress: Callable[[int], None] | None = None) -> OnlineResult:
-    """Simulate (``cite_fn`` given) or replay (streams carry the logged selections).
+    """Simulate (``cite_fn`` given) or replay (streams carry the logged selections) over
+    streams in memory; :func:`run_chunks` with the final states kept unless ``on_chunk``
+    (e.g. saving policies) takes them."""
+    states, chunk_users, records = [], [], []
 
-    ``on_chunk(chunk_user_ids, stacked_states, infos)`` is called after each chunk of
-    users, e.g. to save their policies (bounded memory for many users).
-    """
-    rec, nd, states, chunk_users, records = {}, {}, [], [], []
-    for chunk, st, out in run_streams(streams, params, cfg, seed=seed, cite_fn=cite_fn,
-                                      users_per_chunk=users_per_chunk, mesh=mesh, progress=progress):
-        fq = flatten_queries(out, cfg.batch)
-        infos = []
-        for i, s in enumerate(chunk):
-            t = s.queries.shape[0]
-            rec[s.user_id], nd[s.user_id] = fq["recall"][i, :t], fq["ndcg"][i, :t]
-            v = s.valid
-            infos.append({"queries_seen": int(t), f"prequential_recall@{cfg.m}":
-                          float(rec[s.user_id][v].mean()) if v.any() else None})
-            if want_log and cite_fn is not None:
-                records.extend(_log_records(s, fq["selected"][i, :t], fq["cited"][i, :t], fq["log_prob"][i, :t]))
-        ids = [s.user_id for s in chunk]
+    def keep(ids, st, infos):
         if on_chunk is not None:
             on_chunk(ids, st, infos)
         else:
             states.append(st)
             chunk_users.append(ids)
-    summary = summarize(streams, rec, nd, cfg.m)
+
+    chunks = [streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk)]
+    summary, _ = run_chunks(chunks, params, cfg, seed=seed, cite_fn=cite_fn, users_per_chunk=users_per_chunk,
+                            on_chunk=keep, on_records=records.extend if want_log else None, progress=progress,
+                            mesh=mesh)
     return OnlineResult(summary, [s.user_id for s in streams], states, chunk_users, records)
 
 
@@ -120,12 +130,7 @@ def _log_records(s: Stream, selected, cited, log_prob) -> list[dict]:
 
 def simulate(streams, params, cfg: Config, *, precision: float, recall: float, **kw) -> OnlineResult:
     """The online loop against the oracle citation simulator."""
-    from rmm_jax.citations import _check_rate  # validate before tracing
-
-    _check_rate(precision, "precision", low_open=True)
-    _check_rate(recall, "recall", low_open=False)
-    cite = lambda key, is_gold, filled: oracle_cite(key, is_gold, filled, precision, recall)
-    return run_online(streams, params, cfg, cite_fn=cite, **kw)
+    return run_online(streams, params, cfg, cite_fn=oracle(precision, recall), **kw)
 
 
 def streams_from_log(store, records, cfg: Config, log_path: str = "log") -> list[Stream]:
@@ -248,20 +253,12 @@ OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")
 class RunProgress:
     """Where a chunked online run stands (what a run-state checkpoint holds).
 
-    ``chunks_done`` chunks are complete (their policies saved); ``done`` maps each of
-    their users to its per-query outputs (``OUTPUT_KEYS``, cut to the stream length);
-    ``chunk`` is the progress of chunk number ``chunks_done`` (None: not started).
+    ``chunks_done`` chunks are complete (their policies saved, their per-query outputs
+    handed to ``save_done``); ``chunk`` is the progress of chunk number ``chunks_done``
+    (None: not started).
     """
     chunks_done: int
-    done: dict
     chunk: object = None  # rmm_jax.learner.ChunkProgress | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Done:
-    """What the summaries keep of a finished stream (its arrays are dropped)."""
-    user_id: str
-    valid: np.ndarray
 
 
 def known_ids(store, cache_users: int = 4) -> Callable:
@@ -356,31 +353,34 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
                on_chunk: Callable | None = None, on_records: Callable | None = None,
                progress: Callable[[int], None] | None = None, segment_batches: int | None = None,
                resume: "RunProgress | None" = None,
-               on_progress: Callable[["RunProgress"], None] | None = None) -> tuple[dict, dict]:
-    """:func:`run_online` over an iterable of stream chunks (each <= ``users_per_chunk``
+               on_progress: Callable[["RunProgress"], None] | None = None,
+               save_done: Callable[[int, dict], None] | None = None,
+               load_done: Callable[[int], dict] | None = None, mesh=None) -> tuple[dict, dict]:
+    """The online loop over an iterable of stream chunks (each <= ``users_per_chunk``
     users), holding one chunk at a time; the program is compiled once for all chunks.
 
     ``on_chunk(ids, states, infos)`` saves each chunk's policies; with ``cite_fn``
     (simulate) ``on_records(records)`` receives each chunk's generated log records.
-    Per-user results equal :func:`run_online`'s (per-user keys do not depend on
-    chunking). Returns ``(online summary, base retriever summary)``.
+    Per-user results do not depend on chunking (per-user keys). ``mesh`` shards each
+    chunk's users over devices (:mod:`rmm_jax.sharding`). Returns ``(online summary, base retriever summary)``; memory holds one
+    chunk plus one summary row per user.
 
     Resumable runs (:mod:`rmm_jax.checkpoint`): ``segment_batches`` splits every chunk's
     stream into segments (see :func:`rmm_jax.learner.run_streams`); ``on_progress`` gets
     a :class:`RunProgress` after every segment but a chunk's last and after every
-    completed chunk (once its ``on_chunk``/``on_records`` returned); ``resume`` (such a
-    progress) skips the completed chunks (their streams are still read, for the base
-    summary and to re-emit their log records) and continues the one in progress.
+    completed chunk (once its ``on_chunk``/``on_records``/``save_done`` returned).
+    ``save_done(i, outputs)`` stores completed chunk i's per-user outputs
+    (``OUTPUT_KEYS``) and ``load_done(i)`` reads them back: ``resume`` (such a progress)
+    skips the completed chunks, taking their summaries and log records from
+    ``load_done``, and continues the one in progress.
     """
     from rmm_jax import metrics
     from rmm_jax.learner import make_run, segment_runner
 
     run = None if segment_batches else make_run(cfg, cite_fn)
     seg_runs = segment_runner(cfg, cite_fn) if segment_batches else None
-    keep = on_progress is not None  # completed users' outputs, for the checkpoints
-    per_user = dict(resume.done) if resume is not None else {}
+    online, base = Summary(cfg.m), Summary(cfg.m)
     n_chunk = 0
-    done, rec, nd, brec, bnd = [], {}, {}, {}, {}
     for streams in chunks:
         streams = list(streams)
         if not streams:
@@ -389,41 +389,38 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
             raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
         for s in streams:
             rel = s.cand_gold[:, :cfg.m] & s.cand_mask[:, :cfg.m]
-            # np.array copies (here and below): views would keep device buffers or a
-            # chunk's whole padded output array alive until the end (memory per user)
-            brec[s.user_id] = np.array(metrics.recall_at_k(rel, s.num_gold, cfg.m))
-            bnd[s.user_id] = np.array(metrics.ndcg_at_k(rel, s.num_gold, cfg.m))
+            base.add(s.user_id, metrics.recall_at_k(rel, s.num_gold, cfg.m), metrics.ndcg_at_k(rel, s.num_gold, cfg.m),
+                     s.valid)
         ci, n_chunk = n_chunk, n_chunk + 1
         if resume is not None and ci < resume.chunks_done:  # completed before the interruption
+            done = load_done(ci)
             records = []
             for s in streams:
-                o = resume.done[s.user_id]
-                rec[s.user_id], nd[s.user_id] = o["recall"], o["ndcg"]
+                o = done[s.user_id]
+                online.add(s.user_id, o["recall"], o["ndcg"], s.valid)
                 if on_records is not None and cite_fn is not None:
                     records.extend(_log_records(s, o["selected"], o["cited"], o["log_prob"]))
             if records:
                 on_records(records)
             if progress is not None:
                 progress(len(streams))
-            done.extend(_Done(s.user_id, np.asarray(s.valid)) for s in streams)
             continue
-        seg_cb = None if on_progress is None else \
-            (lambda cp, ci=ci: on_progress(RunProgress(ci, per_user, cp)))
+        seg_cb = None if on_progress is None else (lambda cp, ci=ci: on_progress(RunProgress(ci, cp)))
         for chunk, st, out in run_streams(streams, params, cfg, seed=seed, cite_fn=cite_fn,
                                           users_per_chunk=users_per_chunk, run_fn=run, progress=progress,
                                           segment_batches=segment_batches, segment_runs=seg_runs,
                                           resume=resume.chunk if resume is not None and ci == resume.chunks_done
-                                          else None, on_segment=seg_cb):
+                                          else None, on_segment=seg_cb, mesh=mesh):
             fq = flatten_queries(out, cfg.batch)
-            infos, records = [], []
+            infos, records, done = [], [], {}
             for i, s in enumerate(chunk):
                 t = s.queries.shape[0]
-                rec[s.user_id], nd[s.user_id] = np.array(fq["recall"][i, :t]), np.array(fq["ndcg"][i, :t])
-                if keep:
-                    per_user[s.user_id] = {k: np.array(fq[k][i, :t]) for k in OUTPUT_KEYS if k in fq}
-                v = s.valid
+                r, v = fq["recall"][i, :t], s.valid
+                online.add(s.user_id, r, fq["ndcg"][i, :t], v)
+                if save_done is not None:
+                    done[s.user_id] = {k: np.array(fq[k][i, :t]) for k in OUTPUT_KEYS if k in fq}
                 infos.append({"queries_seen": int(t), f"prequential_recall@{cfg.m}":
-                              float(rec[s.user_id][v].mean()) if v.any() else None})
+                              float(r[v].mean()) if v.any() else None})
                 if on_records is not None and cite_fn is not None:
                     records.extend(_log_records(s, fq["selected"][i, :t], fq["cited"][i, :t],
                                                 fq["log_prob"][i, :t]))
@@ -431,12 +428,13 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
                 on_chunk([s.user_id for s in chunk], st, infos)
             if records:
                 on_records(records)
-        done.extend(_Done(s.user_id, np.asarray(s.valid)) for s in streams)
+            if save_done is not None:
+                save_done(ci, done)
         if on_progress is not None:
-            on_progress(RunProgress(ci + 1, per_user, None))
-    if not done:
+            on_progress(RunProgress(ci + 1, None))
+    if not online.per_user:
         raise InputError("no users to run", where="users")
-    return summarize(done, rec, nd, cfg.m), summarize(done, brec, bnd, cfg.m)
+    return online.result(), base.result()
 
 
 class LogAppender:

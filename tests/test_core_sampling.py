@@ -65,7 +65,7 @@ def test_gumbel_top_m_is_ordered_by_perturbed_score_and_reproducible():
 
 
 def test_masked_candidates_are_never_selected():
-    k, m = 8, 5
+    m = 5
     mask = jnp.array([True, False, True, False, True, True, False, True])
     scores = jnp.array([0., 9., 0., 9., 0., 0., 9., 0.])  # masked ones would win if allowed
     keys = jax.random.split(jax.random.key(7), 2000)

@@ -1,7 +1,6 @@
 """Embedder (packaged MiniLM, disk cache) and the embedding store (write/open/validate)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
