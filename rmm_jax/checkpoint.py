@@ -49,6 +49,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rmm_jax import checksums
+from rmm_jax.checksums import CHECKSUM_FILE
 from rmm_jax.errors import InputError
 from rmm_jax.io_utils import _fsync_dir, write_json
 
@@ -58,7 +60,6 @@ SUFFIX = ".runstate"
 KEEP = 2
 META_FILE = "meta.json"
 ARRAYS_DIR = "arrays"
-CHECKSUM_FILE = "CHECKSUMS.json"
 LOCK_FILE = ".lock"
 DONE_DIR = "done"
 MESSAGE = "interrupted; resume with --resume"
@@ -169,38 +170,10 @@ class Checkpoint:
     trees: dict             # name -> pytree (numpy leaves)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _self_hash(files: dict) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
 def _verify(snap: Path) -> str | None:
     """None if every file matches CHECKSUMS.json (and nothing listed is missing)."""
-    try:
-        sums = json.loads((snap / CHECKSUM_FILE).read_text())
-        files = sums["files"]
-        if sums.get("self") != _self_hash(files):
-            return f"{CHECKSUM_FILE} does not match its own hash"
-    except FileNotFoundError:
-        return f"no {CHECKSUM_FILE}"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {CHECKSUM_FILE} ({type(e).__name__})"
-    if META_FILE not in files:
-        return f"{CHECKSUM_FILE} lists no {META_FILE}"
-    for rel in sorted(files):
-        try:
-            if _sha256(snap / rel) != files[rel]:
-                return f"{rel}: sha256 mismatch"
-        except OSError:
-            return f"{rel}: missing or unreadable"
-    return None
+    return checksums.verify(snap, lambda files: list(files) if META_FILE in files
+                            else f"{CHECKSUM_FILE} lists no {META_FILE}", f"no {CHECKSUM_FILE}")
 
 
 class RunState:
@@ -343,7 +316,7 @@ class RunState:
         newest :data:`KEEP`."""
         import orbax.checkpoint as ocp
 
-        from rmm_jax.policies import _write_checksums, encode_tree
+        from rmm_jax.policies import encode_tree
 
         snaps = self._snapshots()
         step = (snaps[-1][0] + 1) if snaps else 1
@@ -359,7 +332,7 @@ class RunState:
             write_json(tmp / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
                                          "command": self.command, "fingerprint": self.fingerprint,
                                          "meta": meta, "specs": specs})
-            _write_checksums(tmp)
+            checksums.write_checksums(tmp)
             dest = self.path / f"s{step:08d}"
             os.rename(tmp, dest)
             _fsync_dir(self.path)

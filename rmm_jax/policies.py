@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import fcntl
-import hashlib
 import importlib
 import json
 import os
@@ -56,6 +55,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from rmm_jax import checksums
 from rmm_jax.errors import InputError
 from rmm_jax.io_utils import _fsync_dir, atomic_dir, atomic_file, write_json
 
@@ -65,7 +65,6 @@ STORE_FILE = "policy_store.json"
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
 ROWS_FILE = "rows.json"
-CHECKSUM_FILE = "CHECKSUMS.json"
 PARTS = ("params", "opt_state", "learner_state")
 KINDS = ("linear", "mlp")
 DEFAULT_KEEP = 3
@@ -210,55 +209,16 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _sha256(path: Path, fsync: bool = False) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-        if fsync:
-            os.fsync(f.fileno())
-    return h.hexdigest()
-
-
-def _self_hash(files: dict) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def _write_checksums(snap: Path) -> None:
-    """Hash (and fsync) every file of ``snap``; write CHECKSUMS.json last."""
-    files = {}
-    for root, _, names in os.walk(snap):
-        for n in names:
-            p = Path(root) / n
-            files[p.relative_to(snap).as_posix()] = _sha256(p, fsync=True)
-    for root, _, _ in os.walk(snap):
-        _fsync_dir(Path(root))
-    with atomic_file(snap / CHECKSUM_FILE) as f:
-        json.dump({"algorithm": "sha256", "files": files, "self": _self_hash(files)}, f, sort_keys=True)
-
-
 def verify_snapshot(snap: Path, chunk: str | None = None) -> str | None:
     """Check ``rows.json`` and the files of ``chunk`` (all files if None) against
     CHECKSUMS.json. Returns None when good, else a one-line reason."""
-    try:
-        sums = json.loads((snap / CHECKSUM_FILE).read_text())
-        files = sums["files"]
-        if sums.get("self") != _self_hash(files):
-            return f"{CHECKSUM_FILE} does not match its own hash"
-    except FileNotFoundError:
-        return "incomplete version (no checksum file)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {CHECKSUM_FILE} ({type(e).__name__})"
-    wanted = [r for r in files if chunk is None or r == ROWS_FILE or r.startswith(chunk + "/")]
-    if ROWS_FILE not in wanted or (chunk is not None and len(wanted) < 2):
-        return f"checksums list no files for {chunk or ROWS_FILE}"
-    for rel in sorted(wanted):
-        try:
-            if _sha256(snap / rel) != files[rel]:
-                return f"{rel}: sha256 mismatch"
-        except OSError:
-            return f"{rel}: missing or unreadable"
-    return None
+    def select(files):
+        wanted = [r for r in files if chunk is None or r == ROWS_FILE or r.startswith(chunk + "/")]
+        if ROWS_FILE not in wanted or (chunk is not None and len(wanted) < 2):
+            return f"checksums list no files for {chunk or ROWS_FILE}"
+        return wanted
+
+    return checksums.verify(snap, select, "incomplete version (no checksum file)")
 
 
 def _save_chunk(dest: Path, parts: dict[str, list[np.ndarray]]) -> None:
@@ -520,7 +480,7 @@ class PolicyStore:
             write_json(tmp / ROWS_FILE, {"version": version, "saved_at": _now(),
                                          "chunks": {"c0000": {"users": [], "spec": {"params": spec}}}})
             _save_chunk(tmp / "c0000", {"params": leaves})
-            _write_checksums(tmp)
+            checksums.write_checksums(tmp)
             os.rename(tmp, root / _vname(version))
             _fsync_dir(root)
         except BaseException:
@@ -664,7 +624,7 @@ class PolicyStore:
                         placed.append((uid, name, row))
                         info[uid] = infos[lo + row]
             write_json(tmp / ROWS_FILE, {"version": version, "saved_at": saved_at, "chunks": chunks, "info": info})
-            _write_checksums(tmp)
+            checksums.write_checksums(tmp)
             os.rename(tmp, gens / _vname(version))
             _fsync_dir(gens)
             return placed
