@@ -178,6 +178,20 @@ def _jsonable(obj):
     return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
+def _parse_row(line, path, ln: int, keys) -> dict:
+    """One JSONL row (str or bytes) that must be an object holding ``keys``."""
+    try:
+        r = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"invalid JSON: {getattr(e, 'msg', e.__class__.__name__)}", where=at(path, ln)) from None
+    if not isinstance(r, dict):
+        raise InputError("expected a JSON object", where=at(path, ln))
+    for k in keys:
+        if k not in r:
+            raise InputError("missing key", where=at(path, ln, k))
+    return r
+
+
 @dataclasses.dataclass(frozen=True)
 class UserData:
     """One user's slice of a store.
@@ -240,16 +254,7 @@ class EmbeddingStore:
         rows = []
         with open(p, encoding="utf-8") as f:
             for ln, line in enumerate(f, 1):
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"invalid JSON: {e.msg}", where=at(p, ln)) from None
-                if not isinstance(r, dict):
-                    raise InputError("expected a JSON object", where=at(p, ln))
-                for k in keys:
-                    if k not in r:
-                        raise InputError("missing key", where=at(p, ln, k))
-                rows.append(r)
+                rows.append(_parse_row(line, p, ln, keys))
         if len(rows) != n:
             raise InputError(f"{len(rows)} rows but the manifest counts {n}", where=at(p))
         return rows
@@ -281,17 +286,7 @@ class EmbeddingStore:
         rows = []
         for i, line in enumerate(blob.splitlines(keepends=True)[:end - start]):
             ln = start + i + 1
-            try:
-                r = json.loads(line.decode("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise InputError(f"invalid JSON: {getattr(e, 'msg', e.__class__.__name__)}",
-                                 where=at(p, ln)) from None
-            if not isinstance(r, dict):
-                raise InputError("expected a JSON object", where=at(p, ln))
-            for k in keys:
-                if k not in r:
-                    raise InputError("missing key", where=at(p, ln, k))
-            rows.append(r)
+            rows.append(_parse_row(line, p, ln, keys))
         return rows
 
     @property

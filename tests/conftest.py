@@ -70,3 +70,16 @@ def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
     write_store(path, make_synthetic(users=users, sessions=sessions, turns=turns, seed=seed), "turn",
                 FakeEmbedder(dim), spec=spec)
     return path
+
+
+def run_cli(capsys, *args):
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    from cli.main import main
+
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

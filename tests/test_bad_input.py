@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import REPO, make_fake_store
+from conftest import REPO, make_fake_store, run_cli
 
 K, M = 10, 3
 
@@ -36,16 +37,7 @@ K, M = 10, 3
 # --------------------------------------------------------------------------- helpers
 
 
-def cli(capsys, *args):
-    from cli.main import main
-
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+cli = run_cli
 
 
 def snapshot(root: Path) -> dict:

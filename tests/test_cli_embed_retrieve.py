@@ -7,20 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_cli
+
 from cli.main import main
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
-def run(capsys, *args):
-    """Run the CLI; return (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 TURNS = [
