@@ -1,11 +1,13 @@
 """Argument checks that run before tracing where the values are concrete.
 
-Shapes and dtypes are static under ``jit`` and are always checked. Values (τ, NaN scores)
+Shapes and dtypes are static under ``jit`` and are always checked (with chex; a failed
+assertion becomes a ``ValueError`` that names the argument). Values (τ, NaN scores)
 are checked only when concrete: a traced value cannot be inspected without a host
 round trip, so inside a jitted loop the caller's outer check is what guards it.
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,18 +22,24 @@ def require(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _chex(assertion, name: str, message: str) -> None:
+    """Run a chex assertion; re-raise its failure as a ValueError naming the argument."""
+    try:
+        assertion()
+    except AssertionError:
+        raise ValueError(f"{name}: {message}") from None
+
+
 def check_rank(x, rank: int, name: str) -> None:
-    require(jnp.ndim(x) == rank, name, f"expected a rank-{rank} array, got shape {jnp.shape(x)}")
+    _chex(lambda: chex.assert_rank(x, rank), name, f"expected a rank-{rank} array, got shape {jnp.shape(x)}")
 
 
 def check_float(x, name: str) -> None:
-    require(jnp.issubdtype(jnp.result_type(x), jnp.floating), name,
-            f"expected a floating dtype, got {jnp.result_type(x)}")
+    _chex(lambda: chex.assert_type(x, float), name, f"expected a floating dtype, got {jnp.result_type(x)}")
 
 
 def check_int(x, name: str) -> None:
-    require(jnp.issubdtype(jnp.result_type(x), jnp.integer), name,
-            f"expected an integer dtype, got {jnp.result_type(x)}")
+    _chex(lambda: chex.assert_type(x, int), name, f"expected an integer dtype, got {jnp.result_type(x)}")
 
 
 def check_tau(tau) -> None:
