@@ -21,6 +21,13 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
 
 
+def _preset_default(field: str) -> str:
+    """'[default: X; paper: Y]' for a Config field set by the presets."""
+    from rmm_jax.update import Config
+
+    return f"[default: {getattr(Config(), field)}; paper: {getattr(Config.preset('paper'), field)}]"
+
+
 def config_options(f):
     """Options that build a :class:`rmm_jax.Config`; unset ones come from --preset."""
     opts = [
@@ -29,15 +36,15 @@ def config_options(f):
                           "(rewards ±1, b=0.5, tau=0.5, lr 1e-3, batch 4, per-item rmm log-prob)."),
         click.option("--k", type=int, default=20, help="Candidates from the base retriever."),
         click.option("--m", type=int, default=5, help="Memories shown to the generator (selected)."),
-        click.option("--batch", type=int, default=None, help="Queries per update [preset]."),
-        click.option("--tau", type=float, default=None, help="Sampling temperature > 0 [preset]."),
-        click.option("--lr", type=float, default=None, help="Learning rate [preset]."),
+        click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
+        click.option("--tau", type=float, default=None, help=f"Sampling temperature > 0 {_preset_default('tau')}."),
+        click.option("--lr", type=float, default=None, help=f"Adam learning rate {_preset_default('lr')}."),
         click.option("--reward", type=click.Choice(["binary", "pm1"]), default=None,
-                     help="Citation reward: binary 1/0 or pm1 ±1 [preset]."),
-        click.option("--baseline", type=click.Choice(["constant", "batch_mean", "running_mean"]), default=None,
-                     help="REINFORCE baseline [preset]."),
-        click.option("--credit", type=click.Choice(["reward_to_go", "selection", "item"]), default=None,
-                     help="Credit assignment over the selection [preset]."),
+                     help=f"Citation reward: binary 1/0 or pm1 ±1 {_preset_default('reward')}."),
+        click.option("--baseline", type=click.Choice(["constant", "batch_mean", "running_mean", "query_mean"]),
+                     default=None, help=f"REINFORCE baseline {_preset_default('baseline')}."),
+        click.option("--credit", type=click.Choice(["item", "reward_to_go", "selection"]), default=None,
+                     help=f"Credit assignment over the selection {_preset_default('credit')}."),
         click.option("--kind", type=click.Choice(["linear", "mlp"]), default="linear",
                      help="Reranker adapters (when creating a policy store)."),
         click.option("--seed", type=int, default=0, help="Run seed (per-user keys derive from it)."),
