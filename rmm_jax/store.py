@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -342,8 +343,8 @@ class EmbeddingStore:
                 gold[i, col[m]] = True
         return UserData(
             user_id=uid,
-            memory_emb=self.memory_emb[ms:me],
-            query_emb=self.query_emb[qs:qe],
+            memory_emb=read_rows(self.memory_emb, ms, me),
+            query_emb=read_rows(self.query_emb, qs, qe),
             gold=gold,
             memory_ids=mem_ids,
             query_ids=tuple(str(r["id"]) for r in qrys),
@@ -355,6 +356,22 @@ class EmbeddingStore:
         """Iterate over :class:`UserData` of every user, in store order."""
         for uid in self.user_ids:
             yield self.user(uid)
+
+
+def read_rows(mm: np.memmap, start: int, end: int) -> np.ndarray:
+    """Rows ``start:end`` of a memory-mapped ``.npy`` array, read with ``pread``.
+
+    Touching the memory map would make its pages resident in this process, so reading
+    every user once would grow the RSS by the whole store; read pages stay in the
+    kernel's page cache instead and memory stays bounded with the number of users.
+    """
+    if not isinstance(mm, np.memmap) or mm.filename is None:
+        return np.asarray(mm[start:end])
+    width = int(np.prod(mm.shape[1:], dtype=np.int64))
+    row = width * mm.dtype.itemsize
+    with open(mm.filename, "rb") as f:
+        buf = os.pread(f.fileno(), (end - start) * row, mm.offset + start * row)
+    return np.frombuffer(buf, mm.dtype).reshape((end - start,) + mm.shape[1:])
 
 
 def _load_npy(path: Path, rows: int, dim: int, name: str):
@@ -372,7 +389,7 @@ def _load_npy(path: Path, rows: int, dim: int, name: str):
                          where=at(path))
     step = max(1, (1 << 24) // max(dim, 1))
     for s in range(0, rows, step):
-        block = np.asarray(arr[s:s + step])
+        block = read_rows(arr, s, min(rows, s + step))
         ok = np.isfinite(block).all(axis=1)
         if not ok.all():
             bad = s + int(np.flatnonzero(~ok)[0])
