@@ -1,4 +1,4 @@
-"""The online loop: every user's whole citation stream inside one jitted ``lax.scan``.
+"""The online loop: every user's whole citation stream inside one jitted device loop.
 
 For each batch of B queries, in stream order (RMM's Retrospective Reflection, Tan et
 al., ACL 2025, §4.2):
@@ -10,9 +10,12 @@ al., ACL 2025, §4.2):
   4. citations: the oracle simulator, or the logged ``cited`` ids;
   5. one REINFORCE update (:func:`rmm_jax.update.make_apply_update`).
 
-Users run side by side under ``vmap``. Streams are padded: the users axis to a fixed
-chunk size, stream length and bank size to power-of-two buckets, so users with
-different numbers of queries and memories share one compiled program. Padded queries
+The loop is ``lax.fori_loop`` (the while-loop form of ``lax.scan``, writing per-batch
+outputs in place), split at the first batch where some user of the chunk has only
+padding, so full batches skip the padding select. Users run side by side under
+``vmap``. Streams are padded: the users axis to a fixed chunk size, stream length and
+bank size to buckets (four per octave), so users with different numbers of queries and
+memories share one compiled program. Padded queries
 have weight 0 and a batch with no valid query leaves the state untouched (an Adam step
 on a zero gradient would still move the parameters).
 """
