@@ -73,16 +73,20 @@ def summarize(streams: Sequence[Stream], per_user_recall: dict, per_user_ndcg: d
     return acc.result()
 
 
-def base_summary(streams: Sequence[Stream], m: int) -> dict:
-    """The base retriever's order, evaluated like a policy (same metric, same queries)."""
+def base_values(s: Stream, m: int) -> tuple:
+    """(Recall@m, NDCG@m) per query of the base retriever's own order."""
     from rmm_jax import metrics
 
-    rec, nd = {}, {}
+    rel = s.cand_gold[:, :m] & s.cand_mask[:, :m]
+    return metrics.recall_at_k(rel, s.num_gold, m), metrics.ndcg_at_k(rel, s.num_gold, m)
+
+
+def base_summary(streams: Sequence[Stream], m: int) -> dict:
+    """The base retriever's order, evaluated like a policy (same metric, same queries)."""
+    acc = Summary(m)
     for s in streams:
-        rel = s.cand_gold[:, :m] & s.cand_mask[:, :m]
-        rec[s.user_id] = np.asarray(metrics.recall_at_k(rel, s.num_gold, m))
-        nd[s.user_id] = np.asarray(metrics.ndcg_at_k(rel, s.num_gold, m))
-    return summarize(streams, rec, nd, m)
+        acc.add(s.user_id, *base_values(s, m), s.valid)
+    return acc.result()
 
 
 @dataclasses.dataclass
@@ -374,7 +378,6 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
     skips the completed chunks, taking their summaries and log records from
     ``load_done``, and continues the one in progress.
     """
-    from rmm_jax import metrics
     from rmm_jax.learner import make_run, segment_runner
 
     run = None if segment_batches else make_run(cfg, cite_fn)
@@ -388,9 +391,7 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
         if len(streams) > users_per_chunk:
             raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
         for s in streams:
-            rel = s.cand_gold[:, :cfg.m] & s.cand_mask[:, :cfg.m]
-            base.add(s.user_id, metrics.recall_at_k(rel, s.num_gold, cfg.m), metrics.ndcg_at_k(rel, s.num_gold, cfg.m),
-                     s.valid)
+            base.add(s.user_id, *base_values(s, cfg.m), s.valid)
         ci, n_chunk = n_chunk, n_chunk + 1
         if resume is not None and ci < resume.chunks_done:  # completed before the interruption
             done = load_done(ci)

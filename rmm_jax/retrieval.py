@@ -125,6 +125,18 @@ def _blocks(n_q: int, query_block: int):
     return qb, [(s, min(s + qb, n_q)) for s in range(0, n_q, qb)]
 
 
+def _by_blocks(n_q: int, query_block: int, call):
+    """Run ``call(start, end, padded_rows) -> (scores, indices)`` over fixed-size query
+    blocks (one compiled shape) and concatenate the unpadded results."""
+    qb, blocks = _blocks(n_q, query_block)
+    out_s, out_i = [], []
+    for s, e in blocks:
+        sc, ix = call(s, e, qb)
+        out_s.append(np.asarray(sc)[: e - s])
+        out_i.append(np.asarray(ix)[: e - s])
+    return np.concatenate(out_s), np.concatenate(out_i).astype(np.int32)
+
+
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     if x.shape[0] == rows:
         return x
@@ -158,14 +170,8 @@ def top_k(queries, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
     n_q = q.shape[0]
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
-    qb, blocks = _blocks(n_q, query_block)
-    out_s, out_i = [], []
-    for s, e in blocks:
-        qs = jnp.asarray(_pad_rows(q[s:e], qb))
-        sc, ix = _top_k_jit(qs, bank, mask, k=k, chunk=chunk, n_chunks=n_chunks)
-        out_s.append(np.asarray(sc)[: e - s])
-        out_i.append(np.asarray(ix)[: e - s])
-    return np.concatenate(out_s), np.concatenate(out_i).astype(np.int32)
+    return _by_blocks(n_q, query_block, lambda s, e, qb: _top_k_jit(
+        jnp.asarray(_pad_rows(q[s:e], qb)), bank, mask, k=k, chunk=chunk, n_chunks=n_chunks))
 
 
 def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
@@ -201,17 +207,13 @@ def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mas
         raise InputError("every query needs at least one probe", where="probes")
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
-    qb, blocks = _blocks(n_q, query_block)
-    out_s, out_i = [], []
-    for s, e in blocks:
-        ps = jnp.asarray(_pad_rows(p[s:e], qb))
+    def block(s, e, qb):
         ms = _pad_rows(pm[s:e], qb)
         ms[e - s:] = True
-        sc, ix = _multi_probe_jit(ps, jnp.asarray(ms), bank, mask, k=k, chunk=chunk,
-                                  n_chunks=n_chunks)
-        out_s.append(np.asarray(sc)[: e - s])
-        out_i.append(np.asarray(ix)[: e - s])
-    return np.concatenate(out_s), np.concatenate(out_i).astype(np.int32)
+        return _multi_probe_jit(jnp.asarray(_pad_rows(p[s:e], qb)), jnp.asarray(ms), bank, mask, k=k,
+                                chunk=chunk, n_chunks=n_chunks)
+
+    return _by_blocks(n_q, query_block, block)
 
 
 def retrieve_candidates(store_user, k: int, *, chunk_size: int = 65536):
