@@ -28,6 +28,7 @@ import os
 import re
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,20 @@ def _resolve(model: str) -> tuple[str, str]:
     return model, model
 
 
+def _set_wal(conn, attempts: int = 100) -> None:
+    """Switch to WAL journaling. SQLite does not call its busy handler for this switch,
+    so two processes creating the same cache at once can see "database is locked";
+    the mode is persistent once set, so retrying briefly is enough."""
+    for i in range(attempts):
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or i == attempts - 1:
+                raise
+            time.sleep(0.05)
+
+
 class _Cache:
     """sha256(text) -> float32 vector, one SQLite file per model."""
 
@@ -94,7 +109,7 @@ class _Cache:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None)
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            _set_wal(self.conn)
             self.conn.execute("PRAGMA synchronous=NORMAL")
             self.conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
             self.conn.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB NOT NULL)")
