@@ -33,8 +33,8 @@ ROWS = ("base", "pretrain", "online", "pretrain+online", "paper")
 
 def build_store(path: Path, model: str, granularity: str, out: Path):
     from rmm_jax.data import load_locomo
-    from rmm_jax.embed import Embedder
-    from rmm_jax.store import open_store, write_store
+    from rmm_jax.data.embed import Embedder
+    from rmm_jax.data.store import open_store, write_store
 
     emb = Embedder(model, progress=False)
     try:
@@ -68,8 +68,9 @@ def main(argv=None):
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the mean learning curves")
     args = ap.parse_args(argv)
 
-    from rmm_jax import Config, jobs
-    from rmm_jax.pretrain import PretrainConfig
+    from rmm_jax import Config
+    from rmm_jax.online import jobs
+    from rmm_jax.online.pretrain import PretrainConfig
 
     for p in (args.train, args.eval):
         if not p.exists():
@@ -118,7 +119,7 @@ def main(argv=None):
         print(f"{row:<16}{cells}{r[f'recall@{m}']:>9.4f}{r[f'recall@{m}'] - base:>+9.4f}{hs}")
     print(f"({out['seconds']} s)")
     if args.plot:
-        from rmm_jax.plot import plot_curves
+        from rmm_jax.online.plot import plot_curves
 
         curves = {}
         for row in rows:
@@ -128,7 +129,7 @@ def main(argv=None):
         plot_curves(curves, args.plot, title=f"LoCoMo prequential Recall@{m} (moving average, mean of conversations)",
                     ylabel=f"Recall@{m}")
     if args.json:
-        from rmm_jax.io_utils import write_json
+        from rmm_jax.persist.atomic import write_json
 
         write_json(args.json, out)
 

@@ -8,7 +8,7 @@ step in a Python loop, float32 throughout:
             rmm-jax's fused path; ``fused=False`` adapts all K memories first (O(K·d²)).
             A = W_q, B = W_m in math convention (flax kernels are their transposes).
   eval      deterministic top-M → Recall@M (prequential, before the update).
-  act       Gumbel-top-M of s/τ; oracle citations (rmm_jax.citations.oracle_cite's model).
+  act       Gumbel-top-M of s/τ; oracle citations (rmm_jax.data.citations.oracle_cite's model).
   backward  binary rewards r, batch-mean baseline b over shown memories, reward-to-go
             advantages A_bj = Σ_{k≥j}(r_bk − b). With z = s/τ and the exact Plackett–Luce
             log-prob lp_bj = z_{b,i_j} − logsumexp_{k∈R_j} z_bk, the loss

@@ -10,7 +10,7 @@ stream, one batch of B queries at a time, each step in eager PyTorch:
   2. prequential evaluation: deterministic top-M of the scores → Recall@M (no grad), the
      same extra work rmm-jax's ``make_run`` does before each update;
   3. Gumbel top-M sampling of M memories from Plackett–Luce(softmax(s/τ));
-  4. oracle citations (the same simulator as :func:`rmm_jax.citations.oracle_cite`:
+  4. oracle citations (the same simulator as :func:`rmm_jax.data.citations.oracle_cite`:
      gold cited with prob. r, non-gold with q = clip(r·n_gold(1−p)/(p·n_nongold), 0, 1));
   5. REINFORCE: binary rewards, batch-mean baseline over the shown memories,
      reward-to-go credit, the exact Plackett–Luce log-probability (loop over the M draws),
@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 NEG = -1e30
-PRECISION, RECALL = 0.876, 0.858  # rmm_jax.citations.DEFAULT_PRECISION / DEFAULT_RECALL
+PRECISION, RECALL = 0.876, 0.858  # rmm_jax.data.citations.DEFAULT_PRECISION / DEFAULT_RECALL
 
 
 class ResidualLinear(nn.Module):
@@ -119,7 +119,7 @@ def gumbel_top_m(scores, m, tau, mask, gen):
 
 
 def oracle_cite(is_gold, filled, gen, precision=PRECISION, recall=RECALL):
-    """Citation simulator of rmm_jax.citations.oracle_cite (same probabilities, torch RNG)."""
+    """Citation simulator of rmm_jax.data.citations.oracle_cite (same probabilities, torch RNG)."""
     n_gold = (is_gold & filled).sum(1, keepdim=True).float()
     n_non = (~is_gold & filled).sum(1, keepdim=True).float()
     q = (recall * (1 - precision) * n_gold / (precision * n_non.clamp(min=1.0))).clamp(0.0, 1.0)

@@ -7,7 +7,7 @@ For each user count in ``--users`` (default 1000 and 10000):
    text): ``--memories`` (64) memories and ``--queries`` (100) queries per user, dim
    ``--dim`` (32); each query is a noisy copy of one of the user's memories (its gold
    memory), so the base retriever and the reranker have signal. The layout is the
-   standard one (``rmm_jax.store``), validated by ``open_store``.
+   standard one (``rmm_jax.data.store``), validated by ``open_store``.
 2. ``rmm-jax simulate STORE --policies P1 --log-out LOG`` (oracle citations) runs the
    online loop over every user, writing per-user policies and the citation log (one
    record per query, appended chunk by chunk and renamed into place at the end).
@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_synthetic_store(path: Path, users: int, memories: int, queries: int, dim: int, seed: int = 0) -> dict:
     """A store of ``users`` users written directly (fast): unit-norm random memories, queries
-    = gold memory + noise. Same files and manifest as :func:`rmm_jax.store.write_store`."""
-    from rmm_jax.io_utils import atomic_dir
-    from rmm_jax.store import FORMAT, VERSION
+    = gold memory + noise. Same files and manifest as :func:`rmm_jax.data.store.write_store`."""
+    from rmm_jax.persist.atomic import atomic_dir
+    from rmm_jax.data.store import FORMAT, VERSION
 
     rng = np.random.default_rng(seed)
     n_mem, n_q = users * memories, users * queries
@@ -113,7 +113,7 @@ def soak(users: int, args, work: Path) -> dict:
     write_synthetic_store(d / "store", users, args.memories, args.queries, args.dim)
     t_store = time.perf_counter() - t0
     exe = [str(ROOT / ".venv" / "bin" / "rmm-jax")] if (ROOT / ".venv" / "bin" / "rmm-jax").exists() \
-        else [sys.executable, "-m", "cli.main"]
+        else [sys.executable, "-m", "rmm_jax.cli.main"]
     common = ["--k", str(args.k), "--m", str(args.m), "--users-per-chunk", str(args.users_per_chunk), "--json"]
     sim = run_measured(exe + ["simulate", str(d / "store"), "--policies", str(d / "pol_sim"),
                               "--log-out", str(d / "log.jsonl")] + common, d / "simulate.json")

@@ -7,7 +7,7 @@ citations with the paper's precision/recall):
 * ``configs`` — one user, one stream of ``--queries`` (512) queries, batch B=4:
   ``paper`` (linear, d=384, K=20, M=5), ``large`` (linear, d=1024, K=50, M=10) and
   ``mlp`` (d=384, hidden 384, K=20, M=5).
-  - rmm-jax: the library's own path, ``rmm_jax.learner.make_run(cfg, oracle_cite)`` on a
+  - rmm-jax: the library's own path, ``rmm_jax.online.loop.make_run(cfg, oracle_cite)`` on a
     1-user chunk built by ``pad_streams`` (one jitted ``vmap``/``lax.scan``: score →
     prequential top-M eval → Gumbel top-M → oracle citations → REINFORCE + Adam).
     Compile time = ``run.lower(...).compile()``; steady time = median over ``--repeats``
@@ -75,8 +75,8 @@ import ref_torch  # noqa: E402
 import torch  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
-from rmm_jax.citations import oracle_cite  # noqa: E402
-from rmm_jax.learner import Stream, bucket, init_states, make_run, pad_streams, run_streams, user_key  # noqa: E402
+from rmm_jax.data.citations import oracle_cite  # noqa: E402
+from rmm_jax.online.loop import Stream, bucket, init_states, make_run, pad_streams, run_streams, user_key  # noqa: E402
 
 B = 4
 

@@ -10,10 +10,10 @@ The core is a handful of pure functions over embedding arrays:
 """
 __version__ = "0.1.0"
 
-from rmm_jax.losses import advantages, citation_rewards, listwise_loss, reinforce_loss
-from rmm_jax.reranker import init_reranker, score, score_batch, score_naive
-from rmm_jax.sampling import gumbel_top_m, selection_log_prob, selection_log_probs, top_m
-from rmm_jax.update import (PRESETS, Config, init_learner_state, make_apply_update,
+from rmm_jax.core.losses import advantages, citation_rewards, listwise_loss, reinforce_loss
+from rmm_jax.core.reranker import init_reranker, score, score_batch, score_naive
+from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, selection_log_probs, top_m
+from rmm_jax.core.update import (PRESETS, Config, init_learner_state, make_apply_update,
                             make_optimizer, make_update_step)
 
 __all__ = [

@@ -64,7 +64,7 @@ class FakeEmbedder:
 def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
     """An embedding store of synthetic users with hash embeddings (no model, ~1 s)."""
     from rmm_jax.data import make_synthetic
-    from rmm_jax.store import write_store
+    from rmm_jax.data.store import write_store
 
     spec = f"synthetic:users={users},sessions={sessions},turns={turns},seed={seed}"
     write_store(path, make_synthetic(users=users, sessions=sessions, turns=turns, seed=seed), "turn",
@@ -74,7 +74,7 @@ def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
 
 def run_cli(capsys, *args):
     """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    from cli.main import main
+    from rmm_jax.cli.main import main
 
     try:
         main([str(a) for a in args])

@@ -1,11 +1,11 @@
 """Every command fed malformed input: exit 2, ONE line on stderr naming the file:line, the
 JSON key or the option, no traceback, and nothing created or changed on disk.
 
-Driven in-process through ``cli.main.main`` (what the console script calls), plus a few
+Driven in-process through ``rmm_jax.cli.main.main`` (what the console script calls), plus a few
 cases through the real ``rmm-jax`` script in a subprocess. Decisions pinned here:
 
 * click usage errors (a bad option value, a missing argument) are one ``error: ...``
-  line too, exit 2 (``cli.main.main``);
+  line too, exit 2 (``rmm_jax.cli.main.main``);
 * a policy store made for another embedding model (``meta.config.model``) is rejected
   even when the dim matches (``--policies``); a store of another model is rejected by
   ``retrieve --expect-model``;
@@ -78,8 +78,8 @@ def env(tmp_path_factory):
     import jax
 
     from rmm_jax import init_reranker
-    from rmm_jax.policies import PolicyStore
-    from rmm_jax.store import open_store
+    from rmm_jax.persist.policy_store import PolicyStore
+    from rmm_jax.data.store import open_store
 
     root = tmp_path_factory.mktemp("bad")
     e = {"root": root}
@@ -364,7 +364,7 @@ def test_skip_invalid_with_no_valid_record_fails(env, capsys, tmp_path):
 ])
 def test_console_script_behaves_the_same(env, argv, names):
     exe = REPO / ".venv" / "bin" / "rmm-jax"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "cli.main"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
     before = snapshot(env["root"])
     r = subprocess.run(cmd + [str(a) for a in argv(env)], capture_output=True, text=True, cwd=REPO,
                        timeout=120)
@@ -467,8 +467,8 @@ def test_random_records_through_replay(env, capsys, data):
     """Valid records are accepted by the validation pass replay runs first (the same
     scan_log and known_ids); malformed ones make `rmm-jax replay` exit 2 with one line
     naming the file and line (or --k/--m), creating nothing. Never a crash."""
-    from rmm_jax import jobs
-    from rmm_jax.update import Config
+    from rmm_jax.online import jobs
+    from rmm_jax.core.update import Config
 
     rec = data.draw(valid_record(env))
     kind = data.draw(st.sampled_from((None,) * 4 + MUTATIONS))

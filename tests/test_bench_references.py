@@ -26,7 +26,7 @@ import ref_torch  # noqa: E402
 import torch  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
-from rmm_jax.losses import reranker_reinforce_loss  # noqa: E402
+from rmm_jax.core.losses import reranker_reinforce_loss  # noqa: E402
 
 D, K, M, B = 16, 8, 3, 4
 LR = 1e-2

@@ -1,4 +1,4 @@
-"""Tests for rmm_jax.citations: the oracle citation simulator, the parser, the prompt."""
+"""Tests for rmm_jax.data.citations: the oracle citation simulator, the parser, the prompt."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rmm_jax.citations import (
+from rmm_jax.data.citations import (
     DEFAULT_PRECISION,
     DEFAULT_RECALL,
     RMM_PROMPT_TEMPLATE,

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 
-from cli.main import main
+from rmm_jax.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 

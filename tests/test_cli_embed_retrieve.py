@@ -1,4 +1,4 @@
-"""`rmm-jax embed` and `rmm-jax retrieve`, run in-process through cli.main.main."""
+"""`rmm-jax embed` and `rmm-jax retrieve`, run in-process through rmm_jax.cli.main.main."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_cli
 
-from cli.main import main
+from rmm_jax.cli.main import main
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 

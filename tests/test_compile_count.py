@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 import rmm_jax as rj
-from rmm_jax.citations import oracle_cite
-from rmm_jax.learner import Stream, make_run, run_streams
+from rmm_jax.data.citations import oracle_cite
+from rmm_jax.online.loop import Stream, make_run, run_streams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, K = 8, 6

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import rmm_jax as rj
-from rmm_jax.update import act, baseline_for
+from rmm_jax.core.update import act, baseline_for
 
 D, K, M, B = 16, 8, 3, 4
 
@@ -94,7 +94,7 @@ def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
     batch = make_batch(jax.random.key(4))
     scores = rj.score_batch(params, batch["q"], batch["m"], batch["mask"])
     sel, _, logp = act(cfg, scores, batch["mask"], jax.random.key(8))
-    from rmm_jax.update import importance_weights as iw
+    from rmm_jax.core.update import importance_weights as iw
     importance_weights = lambda c, p, b: iw(c, scores, b)
     on = {**batch, "selected": sel, "logged_log_prob": logp, "has_logged": jnp.ones((B,), bool)}
     np.testing.assert_array_equal(importance_weights(cfg, params, on), np.ones(B))

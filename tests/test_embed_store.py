@@ -11,10 +11,10 @@ import pytest
 
 from conftest import FakeEmbedder
 
-from rmm_jax import embed as E
+from rmm_jax.data import embed as E
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User, gold_matrix
 from rmm_jax.errors import InputError
-from rmm_jax.store import FORMAT, UserData, open_store, write_store
+from rmm_jax.data.store import FORMAT, UserData, open_store, write_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ def test_nan_output_is_input_error_and_not_cached(embedder, monkeypatch):
 def test_cache_concurrent_writers(tmp_path):
     """Two processes write one cache at once; every row lands, none is corrupted."""
     code = (
-        "import sys, numpy as np; from pathlib import Path; from rmm_jax.embed import _Cache\n"
+        "import sys, numpy as np; from pathlib import Path; from rmm_jax.data.embed import _Cache\n"
         "c = _Cache(Path(sys.argv[1]), 'fake/m', 4); w = int(sys.argv[2])\n"
         "for i in range(40):\n"
         "    c.put([f'{w}-{i}', f'shared-{i}'], np.full((2, 4), i, np.float32))\n"

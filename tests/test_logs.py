@@ -1,4 +1,4 @@
-"""Tests for rmm_jax.logs: the logged-citations JSONL schema, reader and writer."""
+"""Tests for rmm_jax.data.citation_log: the logged-citations JSONL schema, reader and writer."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rmm_jax.errors import InputError
-from rmm_jax.logs import (
+from rmm_jax.data.citation_log import (
     LogRecord,
     iter_log,
     iter_user_chunks,

@@ -9,9 +9,9 @@ import pytest
 
 import rmm_jax as rj
 from conftest import make_fake_store
-from rmm_jax import jobs
-from rmm_jax.logs import read_log, validate_record, write_log
-from rmm_jax.store import open_store
+from rmm_jax.online import jobs
+from rmm_jax.data.citation_log import read_log, validate_record, write_log
+from rmm_jax.data.store import open_store
 
 CFG = rj.Config(k=10, m=3, batch=4)
 
@@ -86,8 +86,8 @@ def test_a_querys_own_citations_never_affect_its_prequential_score(store):
 def test_prequential_score_uses_the_policy_from_before_the_querys_batch(store):
     # Batch n's online scores equal a static evaluation with the params reached after
     # running only batches 0..n-1 (n: a later batch with some non-zero recall).
-    from rmm_jax.citations import oracle_cite
-    from rmm_jax.pretrain import eval_per_query
+    from rmm_jax.data.citations import oracle_cite
+    from rmm_jax.online.pretrain import eval_per_query
 
     s = jobs.load_streams(store, CFG.k)[0]
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
@@ -111,7 +111,7 @@ def test_prequential_score_uses_the_policy_from_before_the_querys_batch(store):
 def test_pretraining_raises_training_recall_and_keeps_the_best_epoch(store):
     streams = jobs.load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    from rmm_jax.pretrain import PretrainConfig
+    from rmm_jax.online.pretrain import PretrainConfig
 
     best, hist, split = jobs.run_pretrain(streams, p0, PretrainConfig(epochs=15, m=3, batch_size=8), seed=0)
     assert set(split["train"]).isdisjoint(split["validation"]) and split["validation"]
@@ -121,7 +121,7 @@ def test_pretraining_raises_training_recall_and_keeps_the_best_epoch(store):
 
 
 def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
-    from cli.main import main
+    from rmm_jax.cli.main import main
 
     def run(*args):
         try:
@@ -140,7 +140,7 @@ def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
         "--init", "identity", "--k", "10", "--m", "3")
     run("simulate", str(st), "--policies", str(tmp_path / "pol3"), "--k", "10", "--m", "3",
         "--log-out", str(tmp_path / "log3.jsonl"))
-    from rmm_jax.policies import PolicyStore
+    from rmm_jax.persist.policy_store import PolicyStore
 
     a, b = PolicyStore.open(tmp_path / "pol2"), PolicyStore.open(tmp_path / "pol3")
     for u in a.users():

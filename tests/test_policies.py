@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from rmm_jax.errors import InputError
-from rmm_jax.policies import (PolicyRestoreWarning, PolicyStore, UserPolicy, score_query,
+from rmm_jax.persist.policy_store import (PolicyRestoreWarning, PolicyStore, UserPolicy, score_query,
                               verify_snapshot)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ D = 8
 # Shared by the tests and by the subprocesses (writers killed mid-save).
 STATE_SRC = textwrap.dedent('''
     import numpy as np, optax, jax
-    from rmm_jax.policies import UserPolicy
+    from rmm_jax.persist.policy_store import UserPolicy
 
     def params_of(seed, kind="linear", d=8, hidden=16):
         rng = np.random.default_rng(seed)
@@ -262,7 +262,7 @@ WRITER_SRC = textwrap.dedent('''
     import sys
     import numpy as np
     from rmm_jax.errors import InputError
-    from rmm_jax.policies import PolicyStore, UserPolicy
+    from rmm_jax.persist.policy_store import PolicyStore, UserPolicy
     try:
         PolicyStore.open(sys.argv[1]).save_users({"sub": UserPolicy({"w": np.arange(4.0)}, None, None, {"n": 5})})
     except InputError as e:
@@ -299,7 +299,7 @@ def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
 
 KILL_SRC = STATE_SRC + textwrap.dedent('''
     import sys
-    from rmm_jax.policies import PolicyStore
+    from rmm_jax.persist.policy_store import PolicyStore
     st = PolicyStore.open(sys.argv[1])
     start = int(sys.argv[2])
     for i in range(start, start + 10_000):
@@ -322,7 +322,7 @@ def _check_every_verifying_version(st: PolicyStore):
             continue
         rows = json.loads((snap / "rows.json").read_text())
         for chunk, c in rows["chunks"].items():
-            from rmm_jax.policies import _load_chunk, leaf_specs, decode_tree
+            from rmm_jax.persist.policy_store import _load_chunk, leaf_specs, decode_tree
             counts = {p: len(leaf_specs(c["spec"][p])) for p in ("params", "opt_state", "learner_state")}
             leaves = _load_chunk(snap / chunk, counts)
             for row, uid in enumerate(c["users"]):
@@ -333,7 +333,7 @@ def _check_every_verifying_version(st: PolicyStore):
                 assert_policy(UserPolicy(*got, rows["info"][uid]), ref)
                 n_ok += 1
     known = {params_of(s)["q_adapter"]["W"]["kernel"].tobytes() for s in range(0, 20_000, 10)}  # i * 10 for every i a writer may reach
-    from rmm_jax.policies import _load_chunk
+    from rmm_jax.persist.policy_store import _load_chunk
     for snap in sorted((st.path / "shared").glob("v*")):
         if verify_snapshot(snap) is None:
             leaves = _load_chunk(snap / "c0000", {"params": 2})["params"]   # sorted: m_adapter, q_adapter
@@ -407,7 +407,7 @@ def test_export_user_npz_and_json(tmp_path):
 # ----------------------------------------------------------------------------- CLI
 
 def _cli(argv, capsys):
-    from cli.main import main
+    from rmm_jax.cli.main import main
 
     code = 0
     try:

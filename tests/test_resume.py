@@ -1,6 +1,6 @@
-"""Crash-safe, resumable, deterministic runs (rmm_jax.checkpoint).
+"""Crash-safe, resumable, deterministic runs (rmm_jax.persist.runstate).
 
-Real subprocesses of ``python -m cli.main`` are killed (SIGKILL at random times and
+Real subprocesses of ``python -m rmm_jax.cli.main`` are killed (SIGKILL at random times and
 right after a mid-chunk checkpoint, SIGTERM) and resumed with ``--resume`` until they
 complete; the final per-user policies (params, opt_state, learner_state) and the
 ``--log-out`` file are bit-identical to an uninterrupted run. Pretrain likewise. A
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_fake_store
-from rmm_jax.checkpoint import MESSAGE, RunState
+from rmm_jax.persist.runstate import MESSAGE, RunState
 from rmm_jax.errors import InputError
-from rmm_jax.policies import PolicyStore
+from rmm_jax.persist.policy_store import PolicyStore
 
 SIM = ["--k", "10", "--m", "3", "--users-per-chunk", "2", "--checkpoint-every", "2", "--seed", "3"]
 PRE = ["--k", "10", "--m", "3", "--epochs", "14", "--patience", "100", "--seed", "1"]
@@ -44,7 +44,7 @@ def env(tmp_path_factory):
 
 
 def start(env, args, err: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env["env"],
+    return subprocess.Popen([sys.executable, "-m", "rmm_jax.cli.main", *args], cwd=REPO, env=env["env"],
                             stdout=subprocess.DEVNULL, stderr=open(err, "w"))
 
 

@@ -1,4 +1,4 @@
-"""Dense top-k retrieval (rmm_jax.retrieval) and ranking metrics (rmm_jax.metrics)."""
+"""Dense top-k retrieval (rmm_jax.data.retrieval) and ranking metrics (rmm_jax.core.metrics)."""
 from __future__ import annotations
 
 import math
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rmm_jax import metrics as M
-from rmm_jax import retrieval as R
+from rmm_jax.core import metrics as M
+from rmm_jax.data import retrieval as R
 from rmm_jax.errors import InputError
-from rmm_jax.store import UserData
+from rmm_jax.data.store import UserData
 
 
 # --------------------------------------------------------------------------- references

@@ -3,7 +3,7 @@
 A subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (8 CPU
 devices) runs the simulated online loop (Gumbel top-M, oracle citations, REINFORCE +
 Adam) for 11 users with ``users_per_chunk=8`` (so one full and one padded chunk) twice
-with the same seed: once with ``mesh=rmm_jax.sharding.users_mesh()`` and once without.
+with the same seed: once with ``mesh=rmm_jax.online.sharding.users_mesh()`` and once without.
 Integer/bool outputs (selections, citations, steps) must be identical, and every float
 leaf (final params, Adam state, baseline, recall/NDCG, log-probs, losses) must agree
 within 1e-5·max(1, |x|) (1e-5 absolute for |x| ≤ 1). The test prints whether the runs
@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent("""
     import json
     import jax, numpy as np
     import rmm_jax as rj
-    from rmm_jax.citations import oracle_cite
-    from rmm_jax.learner import Stream, make_run, run_streams
-    from rmm_jax.sharding import users_mesh
+    from rmm_jax.data.citations import oracle_cite
+    from rmm_jax.online.loop import Stream, make_run, run_streams
+    from rmm_jax.online.sharding import users_mesh
 
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(0)

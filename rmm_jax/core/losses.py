@@ -5,7 +5,7 @@ REINFORCE (Williams, 1992) as used by RMM's Retrospective Reflection (Tan et al.
 reward r_j (cited or not) and the policy moves along (r − b) ∇ log π.
 
 Credit assignment (``credit``), for an ordered selection i_1..i_M with per-draw
-log-probabilities log π_j (see :mod:`rmm_jax.sampling`) and advantages a_j = r_j − b:
+log-probabilities log π_j (see :mod:`rmm_jax.core.sampling`) and advantages a_j = r_j − b:
 
 * ``reward_to_go`` (default): A_j = Σ_{k ≥ j} a_k. Draw j changes which memories can be
   drawn later, so it is credited with its own and all later rewards. Unbiased for the
@@ -27,9 +27,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rmm_jax import _checks
-from rmm_jax.reranker import score_batch
-from rmm_jax.sampling import NEG, selection_log_probs, valid_mask
+from rmm_jax.core import _checks
+from rmm_jax.core.reranker import score_batch
+from rmm_jax.core.sampling import NEG, selection_log_probs, valid_mask
 
 REWARDS = ("pm1", "binary")
 BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")

@@ -6,9 +6,9 @@ from pathlib import Path
 import click
 import jax
 
-from cli.common import (begin_run_state, checkpoint_options, config_dict, config_options, emit_json, info,
+from rmm_jax.cli.common import (begin_run_state, checkpoint_options, config_dict, config_options, emit_json, info,
                         make_config, open_store, progress_bar)
-from cli.main import cli
+from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 
 
@@ -16,7 +16,7 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int):
     """The policy store at ``path`` (created with identity shared params if absent) and the
     initial params for every user (``pretrained``: the store's shared params)."""
     from rmm_jax import init_reranker
-    from rmm_jax.policies import PolicyStore
+    from rmm_jax.persist.policy_store import PolicyStore
 
     p = Path(path)
     if p.exists():
@@ -47,8 +47,9 @@ def run_and_save(chunks, n_users, params, cfg, ps, *, cite_fn, seed, users_per_c
                  run_state=None, checkpoint_every=0):
     """Run ``chunks`` (an iterable of stream lists, one chunk of users in memory at a
     time) and save every chunk's policies; returns (online summary, base summary).
-    With ``run_state`` the run is checkpointed and resumable (:mod:`rmm_jax.checkpoint`)."""
-    from rmm_jax import checkpoint, jobs
+    With ``run_state`` the run is checkpointed and resumable (:mod:`rmm_jax.persist.runstate`)."""
+    from rmm_jax.persist import runstate as checkpoint
+    from rmm_jax.online import jobs
 
     bar = progress_bar(n_users, desc)
     try:
@@ -115,7 +116,7 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
     """
     import contextlib
 
-    from rmm_jax.jobs import LogAppender, oracle, store_chunks
+    from rmm_jax.online.jobs import LogAppender, oracle, store_chunks
 
     cfg = make_config(**opts)
     if users_per_chunk < 1:
@@ -131,7 +132,7 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
     st = open_store(store)
     n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk)
     ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"])
-    from rmm_jax.checkpoint import file_digest, tree_digest
+    from rmm_jax.persist.runstate import file_digest, tree_digest
 
     options = online_options(opts, **{"--init": init, "--precision": precision, "--recall": cite_recall,
                                       "--users": users, "--users-per-chunk": users_per_chunk,
@@ -178,8 +179,8 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
     """
     import dataclasses
 
-    from rmm_jax.jobs import known_ids, replay_chunks, scan_log, streams_from_log
-    from rmm_jax.logs import read_log
+    from rmm_jax.online.jobs import known_ids, replay_chunks, scan_log, streams_from_log
+    from rmm_jax.data.citation_log import read_log
 
     cfg = make_config(**opts)
     if cfg.mode == "rmm":
@@ -193,7 +194,7 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     st = open_store(store)
     if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
-        from rmm_jax.policies import PolicyStore
+        from rmm_jax.persist.policy_store import PolicyStore
 
         PolicyStore.open(policies, expect_dim=st.dim)
     known = known_ids(st)
@@ -208,7 +209,7 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
         records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
         streams = streams_from_log(st, records, cfg, str(log_path))
         chunks = (streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk))
-    from rmm_jax.checkpoint import file_digest, tree_digest
+    from rmm_jax.persist.runstate import file_digest, tree_digest
 
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rmm_jax import _checks
+from rmm_jax.core import _checks
 
 KINDS = ("linear", "mlp")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from cli.common import config_dict, config_options, emit_json, info, make_config
-from cli.main import cli
+from rmm_jax.cli.common import config_dict, config_options, emit_json, info, make_config
+from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 
 
@@ -45,13 +45,13 @@ def demo(out, users, sessions, turns, as_json, **opts):
     Example:
       rmm-jax demo --out runs/demo
     """
-    from rmm_jax import jobs
+    from rmm_jax.online import jobs
     from rmm_jax.data import load_spec
-    from rmm_jax.embed import Embedder
-    from rmm_jax.io_utils import write_json
-    from rmm_jax.plot import plot_curves
-    from rmm_jax.pretrain import PretrainConfig
-    from rmm_jax.store import open_store, write_store
+    from rmm_jax.data.embed import Embedder
+    from rmm_jax.persist.atomic import write_json
+    from rmm_jax.online.plot import plot_curves
+    from rmm_jax.online.pretrain import PretrainConfig
+    from rmm_jax.data.store import open_store, write_store
 
     if users < 4:
         raise InputError(f"need at least 4 users, got {users}", where="--users")

@@ -1,6 +1,6 @@
 """``rmm-jax policies``: inspect and export a per-user policy store.
 
-A policy store (see :mod:`rmm_jax.policies`) is written by ``pretrain``/``simulate``;
+A policy store (see :mod:`rmm_jax.persist.policy_store`) is written by ``pretrain``/``simulate``;
 these commands only read it, so they need no lock and are safe while a writer runs.
 """
 from __future__ import annotations
@@ -10,12 +10,12 @@ import json
 import click
 import numpy as np
 
-from cli.main import cli
+from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 
 
 def _open(store: str):
-    from rmm_jax.policies import PolicyStore
+    from rmm_jax.persist.policy_store import PolicyStore
 
     return PolicyStore.open(store)
 
@@ -79,7 +79,7 @@ def list_cmd(store, as_json):
 
 def _leaf_table(tree) -> list[dict]:
     """Path, shape, dtype and L2 norm of every leaf of a pytree."""
-    from rmm_jax.policies import encode_tree, leaf_specs
+    from rmm_jax.persist.policy_store import encode_tree, leaf_specs
 
     spec, leaves = encode_tree(tree)
     out = []

@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError, at
-from .io_utils import atomic_file
+from rmm_jax.errors import InputError, at
+from rmm_jax.persist.atomic import atomic_file
 
 __all__ = [
     "LogRecord",

@@ -1,7 +1,7 @@
 """Offline supervised pretraining of the shared reranker (RMM, Tan et al., ACL 2025, §4.2:
 "the reranker can be initialised by supervised training on labelled retrieval data").
 
-Listwise softmax cross-entropy (:func:`rmm_jax.losses.listwise_loss`) of the reranker's
+Listwise softmax cross-entropy (:func:`rmm_jax.core.losses.listwise_loss`) of the reranker's
 scores over the base retriever's K candidates against the normalised multi-hot gold
 vector; Adam; a validation split by user; early stopping on validation Recall@M of the
 reranked top-M. The best parameters become every user's initial online policy.
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rmm_jax import metrics as rmetrics
-from rmm_jax.losses import listwise_loss
-from rmm_jax.reranker import score_batch
-from rmm_jax.sampling import top_m
+from rmm_jax.core import metrics as rmetrics
+from rmm_jax.core.losses import listwise_loss
+from rmm_jax.core.reranker import score_batch
+from rmm_jax.core.sampling import top_m
 
 
 @dataclasses.dataclass(frozen=True)

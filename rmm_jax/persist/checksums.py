@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from rmm_jax.io_utils import _fsync_dir, atomic_file
+from rmm_jax.persist.atomic import _fsync_dir, atomic_file
 
 CHECKSUM_FILE = "CHECKSUMS.json"
 

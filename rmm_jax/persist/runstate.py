@@ -25,11 +25,11 @@ per-query outputs in ``done/cNNNNNN.npz``, written once when the chunk completes
 the summary and, for simulate, the log records), and for the chunk in progress the
 stacked per-user ``(params, opt_state, learner_state)``, the segment reached and its
 outputs so far. Segments are compiled calls of a fixed number of batches (see
-:func:`rmm_jax.learner.run_streams`), so a resumed run makes the same calls on the same
+:func:`rmm_jax.online.loop.run_streams`), so a resumed run makes the same calls on the same
 inputs as an uninterrupted one. For pretrain: the epoch, params, optimiser state, best
 params and the early-stopping history.
 
-This module is the I/O edge; the compute (:mod:`rmm_jax.jobs`) only sees progress
+This module is the I/O edge; the compute (:mod:`rmm_jax.online.jobs`) only sees progress
 objects and callbacks.
 """
 from __future__ import annotations
@@ -49,10 +49,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rmm_jax import checksums
-from rmm_jax.checksums import CHECKSUM_FILE
+from rmm_jax.persist import checksums
+from rmm_jax.persist.checksums import CHECKSUM_FILE
 from rmm_jax.errors import InputError
-from rmm_jax.io_utils import _fsync_dir, write_json
+from rmm_jax.persist.atomic import _fsync_dir, write_json
 
 FORMAT = "rmm-jax-run-state"
 FORMAT_VERSION = 1
@@ -268,7 +268,7 @@ class RunState:
 
     def save_done(self, chunk: int, outputs: dict) -> None:
         """Store completed chunk ``chunk``'s per-user outputs ``{user: {key: (T, ...)}}``."""
-        from rmm_jax.io_utils import atomic_file
+        from rmm_jax.persist.atomic import atomic_file
 
         users = list(outputs)
         keys = sorted(outputs[users[0]]) if users else []
@@ -316,7 +316,7 @@ class RunState:
         newest :data:`KEEP`."""
         import orbax.checkpoint as ocp
 
-        from rmm_jax.policies import encode_tree
+        from rmm_jax.persist.policy_store import encode_tree
 
         snaps = self._snapshots()
         step = (snaps[-1][0] + 1) if snaps else 1
@@ -368,7 +368,7 @@ class RunState:
     def _read(self, step: int, snap: Path) -> Checkpoint:
         import orbax.checkpoint as ocp
 
-        from rmm_jax.policies import decode_tree, leaf_specs
+        from rmm_jax.persist.policy_store import decode_tree, leaf_specs
 
         doc = json.loads((snap / META_FILE).read_text())
         if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
@@ -398,7 +398,7 @@ class RunState:
 
 
 def progress_to_checkpoint(p) -> tuple[dict, dict]:
-    """A :class:`rmm_jax.jobs.RunProgress` as checkpoint ``(meta, trees)``."""
+    """A :class:`rmm_jax.online.jobs.RunProgress` as checkpoint ``(meta, trees)``."""
     meta = {"chunks_done": p.chunks_done, "segments_done": p.chunk.segments_done if p.chunk is not None else 0}
     trees = {"states": p.chunk.states if p.chunk is not None else None,
              "outputs": p.chunk.outputs if p.chunk is not None else None}
@@ -406,8 +406,8 @@ def progress_to_checkpoint(p) -> tuple[dict, dict]:
 
 
 def progress_from_checkpoint(ck: Checkpoint):
-    from rmm_jax.jobs import RunProgress
-    from rmm_jax.learner import ChunkProgress
+    from rmm_jax.online.jobs import RunProgress
+    from rmm_jax.online.loop import ChunkProgress
 
     m, t = ck.meta, ck.trees
     chunk = ChunkProgress(m["segments_done"], t["states"], t["outputs"]) if m["segments_done"] else None
@@ -415,10 +415,10 @@ def progress_from_checkpoint(ck: Checkpoint):
 
 
 def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None, **kw) -> tuple[dict, dict]:
-    """:func:`rmm_jax.jobs.run_chunks` with a checkpoint after every segment and every
+    """:func:`rmm_jax.online.jobs.run_chunks` with a checkpoint after every segment and every
     completed chunk, resumed from ``rs.restored``; raises :class:`Interrupted` after the
     checkpoint that follows a SIGINT/SIGTERM."""
-    from rmm_jax import jobs
+    from rmm_jax.online import jobs
 
     resume = None
     if rs.restored is not None:
@@ -439,9 +439,9 @@ def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None
 
 
 def run_pretrain(rs: RunState, streams, params, pcfg, *, every: int, seed: int, progress=None):
-    """:func:`rmm_jax.jobs.run_pretrain` with a checkpoint every ``every`` epochs (0:
+    """:func:`rmm_jax.online.jobs.run_pretrain` with a checkpoint every ``every`` epochs (0:
     only on a signal), resumed from ``rs.restored``."""
-    from rmm_jax import jobs
+    from rmm_jax.online import jobs
 
     resume = None
     if rs.restored is not None:

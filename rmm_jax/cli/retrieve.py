@@ -7,7 +7,7 @@ import time
 import click
 import numpy as np
 
-from cli.main import cli
+from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 
 
@@ -25,8 +25,8 @@ def evaluate_store(store, k: int, *, pad_short_banks: bool = False) -> dict:
     maps metric names (see :func:`metric_names`) to means over the valid questions
     (>= 1 gold memory and not an abstention question) plus ``"n"``.
     """
-    from rmm_jax import metrics as M
-    from rmm_jax.retrieval import retrieve_candidates
+    from rmm_jax.core import metrics as M
+    from rmm_jax.data.retrieval import retrieve_candidates
 
     if not pad_short_banks:
         for uid, n_m in store.bank_sizes.items():
@@ -126,7 +126,7 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
       rmm-jax retrieve stores/locomo_turn --k 20
       rmm-jax retrieve stores/locomo_turn --k 20 --json | jq .overall
     """
-    from rmm_jax.store import open_store
+    from rmm_jax.data.store import open_store
 
     t0 = time.perf_counter()
     st = open_store(store, expect_model=expect_model)

@@ -1,7 +1,7 @@
 """The main jobs, as library calls: pretrain, simulate, replay, and their summaries.
 
 The CLI and the benchmarks are thin shells over these functions. Every report uses
-prequential evaluation (see :mod:`rmm_jax.learner`): for each query in stream order,
+prequential evaluation (see :mod:`rmm_jax.online.loop`): for each query in stream order,
 the deterministic top-M of the policy *before* the update that uses the query.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from rmm_jax.citations import oracle_cite
+from rmm_jax.data.citations import oracle_cite
 from rmm_jax.errors import InputError
-from rmm_jax.learner import Stream, flatten_queries, moving_average, run_streams, stream_from_user
-from rmm_jax.pretrain import PretrainConfig, pretrain, split_users
-from rmm_jax.update import Config
+from rmm_jax.online.loop import Stream, flatten_queries, moving_average, run_streams, stream_from_user
+from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_users
+from rmm_jax.core.update import Config
 
 CURVE_WINDOW = 25
 
@@ -75,7 +75,7 @@ def summarize(streams: Sequence[Stream], per_user_recall: dict, per_user_ndcg: d
 
 def base_values(s: Stream, m: int) -> tuple:
     """(Recall@m, NDCG@m) per query of the base retriever's own order."""
-    from rmm_jax import metrics
+    from rmm_jax.core import metrics
 
     rel = s.cand_gold[:, :m] & s.cand_mask[:, :m]
     return metrics.recall_at_k(rel, s.num_gold, m), metrics.ndcg_at_k(rel, s.num_gold, m)
@@ -185,7 +185,7 @@ def streams_from_log(store, records, cfg: Config, log_path: str = "log") -> list
 def run_pretrain(streams: Sequence[Stream], params, pcfg: PretrainConfig, *, seed: int = 0,
                  progress=None, resume: dict | None = None, on_epoch=None):
     """Split users into train/validation and pretrain; returns (params, history, split).
-    ``resume``/``on_epoch``: see :func:`rmm_jax.pretrain.pretrain`."""
+    ``resume``/``on_epoch``: see :func:`rmm_jax.online.pretrain.pretrain`."""
     train_ids, val_ids = split_users([s.user_id for s in streams], pcfg.val_fraction, seed)
     by_id = {s.user_id: s for s in streams}
     best, history = pretrain(params, [by_id[u] for u in train_ids], [by_id[u] for u in val_ids], pcfg,
@@ -195,7 +195,7 @@ def run_pretrain(streams: Sequence[Stream], params, pcfg: PretrainConfig, *, see
 
 def static_summary(streams: Sequence[Stream], params, m: int) -> dict:
     """A fixed policy (no online updates) evaluated like the online runs."""
-    from rmm_jax.pretrain import eval_per_query
+    from rmm_jax.online.pretrain import eval_per_query
 
     rec, nd = {}, {}
     for s in streams:
@@ -217,7 +217,7 @@ def compare(train_streams, eval_streams, cfg: Config, pcfg: PretrainConfig, *, r
     Pretraining uses ``train_streams`` only (with its own validation split by user);
     every row is evaluated prequentially on ``eval_streams``. Returns row → summary.
     """
-    from rmm_jax.reranker import init_reranker
+    from rmm_jax.core.reranker import init_reranker
 
     dim = eval_streams[0].bank.shape[1]
     identity = init_reranker(jax.random.key(seed), dim, cfg.kind, cfg.hidden)
@@ -262,11 +262,11 @@ class RunProgress:
     (None: not started).
     """
     chunks_done: int
-    chunk: object = None  # rmm_jax.learner.ChunkProgress | None
+    chunk: object = None  # rmm_jax.online.loop.ChunkProgress | None
 
 
 def known_ids(store, cache_users: int = 4) -> Callable:
-    """A ``known=`` lookup for :mod:`rmm_jax.logs` that reads one user's ids at a time:
+    """A ``known=`` lookup for :mod:`rmm_jax.data.citation_log` that reads one user's ids at a time:
     ``user_id -> (query_ids, memory_ids) | None``. A streamed log holds each user's
     records on consecutive lines, so a small cache suffices."""
     import functools
@@ -299,7 +299,7 @@ def scan_log(log_path, cfg: Config, *, known=None, skip_invalid: bool = False) -
     limits) and returns the read report plus ``"users"`` and ``"grouped"``: False when
     a user's records are not on consecutive lines (such a log cannot be streamed by
     user; :func:`replay_chunks` needs ``grouped``)."""
-    from rmm_jax.logs import NotGroupedError, iter_user_chunks, read_log
+    from rmm_jax.data.citation_log import NotGroupedError, iter_user_chunks, read_log
 
     report: dict = {}
     users = 0
@@ -321,7 +321,7 @@ def replay_chunks(store, log_path, cfg: Config, users_per_chunk: int, known=None
     """Replay streams read from a log ``users_per_chunk`` users at a time (the log must
     hold each user's records on consecutive lines, see :func:`scan_log`); yields a list
     of :class:`Stream` per chunk. Memory holds one chunk's records and streams."""
-    from rmm_jax.logs import iter_user_chunks
+    from rmm_jax.data.citation_log import iter_user_chunks
 
     for recs in iter_user_chunks(log_path, users_per_chunk, known=known, skip_invalid=skip_invalid,
                                  report=report):
@@ -346,7 +346,7 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
 
 def oracle(precision: float, recall: float) -> Callable:
     """The oracle citation function of :func:`simulate`, rates checked before tracing."""
-    from rmm_jax.citations import _check_rate
+    from rmm_jax.data.citations import _check_rate
 
     _check_rate(precision, "precision", low_open=True)
     _check_rate(recall, "recall", low_open=False)
@@ -366,11 +366,11 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
     ``on_chunk(ids, states, infos)`` saves each chunk's policies; with ``cite_fn``
     (simulate) ``on_records(records)`` receives each chunk's generated log records.
     Per-user results do not depend on chunking (per-user keys). ``mesh`` shards each
-    chunk's users over devices (:mod:`rmm_jax.sharding`). Returns ``(online summary, base retriever summary)``; memory holds one
+    chunk's users over devices (:mod:`rmm_jax.online.sharding`). Returns ``(online summary, base retriever summary)``; memory holds one
     chunk plus one summary row per user.
 
-    Resumable runs (:mod:`rmm_jax.checkpoint`): ``segment_batches`` splits every chunk's
-    stream into segments (see :func:`rmm_jax.learner.run_streams`); ``on_progress`` gets
+    Resumable runs (:mod:`rmm_jax.persist.runstate`): ``segment_batches`` splits every chunk's
+    stream into segments (see :func:`rmm_jax.online.loop.run_streams`); ``on_progress`` gets
     a :class:`RunProgress` after every segment but a chunk's last and after every
     completed chunk (once its ``on_chunk``/``on_records``/``save_done`` returned).
     ``save_done(i, outputs)`` stores completed chunk i's per-user outputs
@@ -378,7 +378,7 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
     skips the completed chunks, taking their summaries and log records from
     ``load_done``, and continues the one in progress.
     """
-    from rmm_jax.learner import make_run, segment_runner
+    from rmm_jax.online.loop import make_run, segment_runner
 
     run = None if segment_batches else make_run(cfg, cite_fn)
     seg_runs = segment_runner(cfg, cite_fn) if segment_batches else None
@@ -441,7 +441,7 @@ def run_chunks(chunks, params, cfg: Config, *, seed: int = 0, cite_fn=None, user
 class LogAppender:
     """Write generated log records chunk by chunk into a temporary file that replaces
     ``path`` atomically when the ``with`` block succeeds (nothing is left on failure).
-    Records are validated as :func:`rmm_jax.logs.write_log` does."""
+    Records are validated as :func:`rmm_jax.data.citation_log.write_log` does."""
 
     def __init__(self, path):
         self.path, self.count, self._cm, self._f = path, 0, None, None
@@ -449,7 +449,7 @@ class LogAppender:
     def __enter__(self):
         from pathlib import Path
 
-        from rmm_jax.io_utils import atomic_file
+        from rmm_jax.persist.atomic import atomic_file
 
         self._cm = atomic_file(Path(self.path))
         self._f = self._cm.__enter__()
@@ -458,7 +458,7 @@ class LogAppender:
     def __call__(self, records) -> None:
         import json
 
-        from rmm_jax.logs import record_to_json, validate_record
+        from rmm_jax.data.citation_log import record_to_json, validate_record
 
         for r in records:
             rec = validate_record(r, f"generated record {self.count}")

@@ -55,9 +55,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from rmm_jax import checksums
+from rmm_jax.persist import checksums
 from rmm_jax.errors import InputError
-from rmm_jax.io_utils import _fsync_dir, atomic_dir, atomic_file, write_json
+from rmm_jax.persist.atomic import _fsync_dir, atomic_dir, atomic_file, write_json
 
 FORMAT = "rmm-jax-policy-store"
 FORMAT_VERSION = 1

@@ -63,7 +63,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from .errors import InputError
+from rmm_jax.errors import InputError
 
 __all__ = [
     "DEFAULT_PRECISION",

@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 import jax
 
-from cli.common import begin_run_state, checkpoint_options, emit_json, info, open_store
-from cli.main import cli
+from rmm_jax.cli.common import begin_run_state, checkpoint_options, emit_json, info, open_store
+from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 
 
@@ -39,9 +39,9 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
       rmm-jax pretrain store --out policies --epochs 30
     """
     from rmm_jax import init_reranker
-    from rmm_jax.jobs import load_streams
-    from rmm_jax.policies import PolicyStore
-    from rmm_jax.pretrain import PretrainConfig
+    from rmm_jax.online.jobs import load_streams
+    from rmm_jax.persist.policy_store import PolicyStore
+    from rmm_jax.online.pretrain import PretrainConfig
 
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0), ("--temperature", temperature, temperature > 0),
                         ("--val-fraction", val_fraction, 0 <= val_fraction < 1), ("--patience", patience, patience >= 1),
@@ -51,7 +51,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     from pathlib import Path
 
     o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
-    from rmm_jax import checkpoint
+    from rmm_jax.persist import runstate as checkpoint
 
     # (with --resume, an --out written just before a kill is checked against the result below)
     written = resume and checkpoint.RunState.path_for(o).is_dir()

@@ -8,7 +8,7 @@ al., ACL 2025, §4.2):
      gold (Recall@M, NDCG@M) *before* any update that uses these queries;
   3. act: Gumbel-top-M selection (simulate) or the logged selection (replay);
   4. citations: the oracle simulator, or the logged ``cited`` ids;
-  5. one REINFORCE update (:func:`rmm_jax.update.make_apply_update`).
+  5. one REINFORCE update (:func:`rmm_jax.core.update.make_apply_update`).
 
 The loop is ``lax.fori_loop`` (the while-loop form of ``lax.scan``, writing per-batch
 outputs in place), split at the first batch where some user of the chunk has only
@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rmm_jax import metrics as rmetrics
-from rmm_jax.reranker import score_batch
-from rmm_jax.sampling import top_m
-from rmm_jax.update import Config, init_learner_state, make_apply_update, make_optimizer, simulated_batch
+from rmm_jax.core import metrics as rmetrics
+from rmm_jax.core.reranker import score_batch
+from rmm_jax.core.sampling import top_m
+from rmm_jax.core.update import Config, init_learner_state, make_apply_update, make_optimizer, simulated_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Stream:
 
 
 def stream_from_user(user, k: int) -> Stream:
-    """Build a :class:`Stream` from a store's :class:`rmm_jax.store.UserData`."""
-    from rmm_jax.retrieval import retrieve_candidates
+    """Build a :class:`Stream` from a store's :class:`rmm_jax.data.store.UserData`."""
+    from rmm_jax.data.retrieval import retrieve_candidates
 
     cand, cand_mask = retrieve_candidates(user, k)
     gold = np.asarray(user.gold, bool)
@@ -171,7 +171,7 @@ def _with_buffer(full: dict, buf: dict, bank, params) -> dict:
 
     Buffered selections were drawn by earlier policies: their updates are importance
     weighted with the logged behaviour log-prob (clipped ratio, see
-    :func:`rmm_jax.update.importance_weights`).
+    :func:`rmm_jax.core.update.importance_weights`).
     """
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), buf)
     m = bank[flat["cand"]]
@@ -363,7 +363,7 @@ def run_streams(streams: Sequence[Stream], params, cfg: Config, *, seed: int = 0
             keys = jnp.stack([user_key(seed, u) for u in ids])
             states = init_states(params, cfg, keys)
         if mesh is not None:
-            from rmm_jax.sharding import shard_users
+            from rmm_jax.online.sharding import shard_users
             data = shard_users(data, mesh)
         for s in range(first, n_seg):
             if mesh is not None:

@@ -23,7 +23,7 @@ def emit_json(obj) -> None:
 
 def _preset_default(field: str) -> str:
     """'[default: X; paper: Y]' for a Config field set by the presets."""
-    from rmm_jax.update import Config
+    from rmm_jax.core.update import Config
 
     return f"[default: {getattr(Config(), field)}; paper: {getattr(Config.preset('paper'), field)}]"
 
@@ -55,7 +55,7 @@ def config_options(f):
 
 
 def make_config(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, **_):
-    from rmm_jax.update import Config
+    from rmm_jax.core.update import Config
 
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
@@ -71,7 +71,7 @@ def config_dict(cfg) -> dict:
 
 
 def open_store(path, **kw):
-    from rmm_jax.store import open_store as _open
+    from rmm_jax.data.store import open_store as _open
 
     return _open(path, **kw)
 
@@ -83,7 +83,7 @@ def progress_bar(total: int, desc: str, unit: str = "user"):
 
 
 def checkpoint_options(default_every: int, unit: str):
-    """``--checkpoint-every`` and ``--resume`` (see :mod:`rmm_jax.checkpoint`)."""
+    """``--checkpoint-every`` and ``--resume`` (see :mod:`rmm_jax.persist.runstate`)."""
     def deco(f):
         f = click.option("--resume", is_flag=True,
                          help="Continue the interrupted run of the same command, inputs and options "
@@ -100,7 +100,7 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
 
     The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
     input files, initial params) and the library versions; a resumed run must match."""
-    from rmm_jax import checkpoint
+    from rmm_jax.persist import runstate as checkpoint
 
     if checkpoint_every < 0:
         raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")

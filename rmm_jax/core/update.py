@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rmm_jax import _checks
-from rmm_jax.losses import (BASELINES, CREDITS, REWARDS, citation_rewards,
+from rmm_jax.core import _checks
+from rmm_jax.core.losses import (BASELINES, CREDITS, REWARDS, citation_rewards,
                             reranker_reinforce_loss)
-from rmm_jax.reranker import KINDS, score_batch
-from rmm_jax.sampling import MODES, selection_log_prob, top_m
+from rmm_jax.core.reranker import KINDS, score_batch
+from rmm_jax.core.sampling import MODES, selection_log_prob, top_m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +195,7 @@ def make_update_step(cfg: Config, cite_fn: CiteFn, optimizer=None):
 
     ``batch`` holds q, m, mask, valid and gold (B,K) bool (what the citation source may
     look at). ``cite_fn(key, is_gold, filled)`` returns which shown memories are cited,
-    e.g. :func:`rmm_jax.citations.oracle_cite` with its noise settings bound.
+    e.g. :func:`rmm_jax.data.citations.oracle_cite` with its noise settings bound.
     The metrics include the selection, citations and behaviour log-prob (for logging).
     """
     apply = make_apply_update(cfg, optimizer)

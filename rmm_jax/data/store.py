@@ -1,7 +1,7 @@
 """The embedding store: a dataset's memories and queries, embedded once, on disk.
 
 Layout of a store directory (written whole by :func:`write_store` through
-:func:`rmm_jax.io_utils.atomic_dir`, so a failure leaves no partial store)::
+:func:`rmm_jax.persist.atomic.atomic_dir`, so a failure leaves no partial store)::
 
     manifest.json    {"format": "rmm-jax-embedding-store", "version": 1, "model", "dim",
                       "granularity", "dataset", "spec",
@@ -39,7 +39,7 @@ import numpy as np
 
 from rmm_jax.data.types import Dataset, gold_matrix
 from rmm_jax.errors import InputError, at
-from rmm_jax.io_utils import atomic_dir
+from rmm_jax.persist.atomic import atomic_dir
 
 __all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "EmbeddingStore",
            "UserData"]
@@ -75,7 +75,7 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
       path: output directory (replaced atomically if it exists).
       dataset: a :class:`~rmm_jax.data.types.Dataset`.
       granularity: ``"turn"``, ``"session"`` or ``"segment"``.
-      embedder: an :class:`rmm_jax.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
+      embedder: an :class:`rmm_jax.data.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
       spec: the dataset spec, recorded in the manifest.
       log: optional ``callable(str)`` for progress lines (e.g. to stderr).
       granularity_kwargs: passed to ``build_memories`` (``segment_threshold``,

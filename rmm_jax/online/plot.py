@@ -11,7 +11,7 @@ def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "q
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rmm_jax.io_utils import atomic_file
+    from rmm_jax.persist.atomic import atomic_file
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for name, ys in curves.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rmm_jax import _checks
+from rmm_jax.core import _checks
 
 # Finite stand-in for −inf on masked logits: logsumexp stays finite and gradients NaN-free.
 NEG = -1e30

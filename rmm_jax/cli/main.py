@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import click
 
-from rmm_jax.checkpoint import Interrupted
+from rmm_jax.persist.runstate import Interrupted
 from rmm_jax.errors import InputError
 
 CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
@@ -51,7 +51,7 @@ def _register() -> None:
     import importlib
 
     for name in COMMAND_MODULES:
-        importlib.import_module(f"cli.{name}")
+        importlib.import_module(f"rmm_jax.cli.{name}")
 
 
 COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "demo"]
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     except InputError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.checkpoint)
+    except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.persist.runstate)
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
@@ -87,6 +87,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     # Run through the imported module so sub-commands register on the same group.
-    from cli.main import main as _main
+    from rmm_jax.cli.main import main as _main
 
     _main()

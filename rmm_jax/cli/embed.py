@@ -6,7 +6,7 @@ import time
 
 import click
 
-from cli.main import cli
+from rmm_jax.cli.main import cli
 
 
 def _info(msg: str) -> None:
@@ -53,8 +53,8 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
       rmm-jax embed synthetic:users=4 --out /tmp/store --json
     """
     from rmm_jax.data import load_spec
-    from rmm_jax.embed import Embedder
-    from rmm_jax.store import write_store
+    from rmm_jax.data.embed import Embedder
+    from rmm_jax.data.store import write_store
 
     say = (lambda m: None) if quiet else _info
     t0 = time.perf_counter()

@@ -223,7 +223,7 @@ def retrieve_candidates(store_user, k: int, *, chunk_size: int = 65536):
     Downstream reranking works on these ``K`` candidates per query plus the mask.
 
     Args:
-      store_user: a :class:`rmm_jax.store.UserData` (``memory_emb``, ``query_emb``).
+      store_user: a :class:`rmm_jax.data.store.UserData` (``memory_emb``, ``query_emb``).
       k: candidates per query.
 
     Returns:
