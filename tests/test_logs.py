@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from rmm_jax.errors import InputError
 from rmm_jax.data.citation_log import (
     LogRecord,
+    LogWriter,
     iter_log,
     iter_user_chunks,
     read_log,
@@ -517,3 +518,37 @@ def test_write_log_validates_and_is_atomic(tmp_path):
     # Plain dicts are accepted (validated) too.
     write_log(path, [BASE])
     assert read_log(path)[0] == [good[0]]
+
+
+def test_log_writer_round_trip_chunk_by_chunk(tmp_path):
+    path = tmp_path / "gen.jsonl"
+    recs = [validate_record(_with(user_id=f"u{i // 3}", query_id=f"q{i}",
+                                  log_prob=-0.5 * i if i % 2 else None)) for i in range(7)]
+    with LogWriter(path) as log:
+        assert log.count == 0
+        log.write(recs[:3])                                   # LogRecords ...
+        log.write([record_to_json(r) for r in recs[3:6]])     # ... or their JSON objects
+        log([])                                               # calling it is write()
+        log(recs[6:])
+        assert not path.exists()                              # nothing in place before the end
+    assert log.count == 7
+    got, report = read_log(path)
+    assert got == recs and report["records"] == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl"]
+
+
+def test_log_writer_leaves_nothing_on_failure(tmp_path):
+    path = tmp_path / "gen.jsonl"
+    with pytest.raises(RuntimeError, match="boom"):
+        with LogWriter(path) as log:
+            log.write([BASE])
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []                    # no file, no temp leftover
+    # An invalid record fails the block too (naming it), and an old log stays as it was.
+    write_log(path, [BASE])
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=r"generated record 1: key 'cited'"):
+        with LogWriter(path) as log:
+            log.write([_with(query_id="q2"), _with(query_id="q3", cited=["m9"])])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl"]

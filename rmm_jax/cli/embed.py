@@ -6,33 +6,39 @@ import time
 
 import click
 
+from rmm_jax.cli.common import info
 from rmm_jax.cli.main import cli
-
-
-def _info(msg: str) -> None:
-    click.echo(msg, err=True)
+from rmm_jax.data import load_spec
+from rmm_jax.data.embed import (CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL,
+                                Embedder)
+from rmm_jax.data.granularity import (DEFAULT_GRANULARITY, DEFAULT_MERGE_THRESHOLD,
+                                      DEFAULT_SEGMENT_THRESHOLD, GRANULARITIES)
+from rmm_jax.data.store import write_store
 
 
 @cli.command()
 @click.argument("spec", metavar="SPEC")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Store directory to write (replaced atomically; nothing is left on failure).")
-@click.option("--granularity", type=click.Choice(["turn", "session", "segment"]), default="turn",
+@click.option("--granularity", type=click.Choice(GRANULARITIES), default=DEFAULT_GRANULARITY,
               help="Memory unit: one dialogue turn, one whole session, or a topic segment "
                    "(embedding-similarity segmentation plus add/merge).")
-@click.option("--model", default="all-MiniLM-L6-v2",
+@click.option("--model", default=DEFAULT_MODEL,
               help="sentence-transformers model name or local directory; the default is the "
-                   "packaged offline copy of all-MiniLM-L6-v2.")
-@click.option("--segment-threshold", type=click.FloatRange(-1.0, 1.0), default=0.5,
+                   f"packaged offline copy of {DEFAULT_MODEL}.")
+@click.option("--segment-threshold", type=click.FloatRange(-1.0, 1.0),
+              default=DEFAULT_SEGMENT_THRESHOLD,
               help="segment: a turn joins the current segment while its cosine to the "
                    "segment mean is at least this.")
-@click.option("--merge-threshold", type=click.FloatRange(-1.0, 1.0), default=0.85,
+@click.option("--merge-threshold", type=click.FloatRange(-1.0, 1.0),
+              default=DEFAULT_MERGE_THRESHOLD,
               help="segment: a segment merges into the most similar existing memory when "
                    "their cosine exceeds this.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              show_default="$RMM_JAX_CACHE or ~/.cache/rmm-jax/embeddings",
+              show_default=f"${CACHE_ENV} or {DEFAULT_CACHE_ROOT}",
               help="Embedding cache root; one sub-directory per model.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Texts per model call.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE,
+              help="Texts per model call.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the embedding cache.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
 @click.option("--json", "as_json", is_flag=True,
@@ -52,11 +58,7 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
       rmm-jax embed locomo:data/locomo --out stores/locomo_seg --granularity segment
       rmm-jax embed synthetic:users=4 --out /tmp/store --json
     """
-    from rmm_jax.data import load_spec
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.data.store import write_store
-
-    say = (lambda m: None) if quiet else _info
+    say = (lambda m: None) if quiet else info
     t0 = time.perf_counter()
     dataset = load_spec(spec)
     t_load = time.perf_counter() - t0

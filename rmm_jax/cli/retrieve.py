@@ -8,6 +8,10 @@ import click
 import numpy as np
 
 from rmm_jax.cli.main import cli
+from rmm_jax.core import metrics as M
+from rmm_jax.core.update import Config
+from rmm_jax.data.retrieval import retrieve_candidates
+from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 
 
@@ -25,9 +29,6 @@ def evaluate_store(store, k: int, *, pad_short_banks: bool = False) -> dict:
     maps metric names (see :func:`metric_names`) to means over the valid questions
     (>= 1 gold memory and not an abstention question) plus ``"n"``.
     """
-    from rmm_jax.core import metrics as M
-    from rmm_jax.data.retrieval import retrieve_candidates
-
     if not pad_short_banks:
         for uid, n_m in store.bank_sizes.items():
             if k > n_m:
@@ -104,7 +105,7 @@ def _table(title: str, rows: dict, names: list[str]) -> list[str]:
 
 @cli.command()
 @click.argument("store", type=click.Path())
-@click.option("--k", "k", type=click.IntRange(min=1), default=20,
+@click.option("--k", "k", type=click.IntRange(min=1), default=Config().k,
               help="Memories retrieved per question (the list every metric is cut at).")
 @click.option("--pad-short-banks", is_flag=True,
               help="Allow users with fewer than k memories (their lists are shorter) "
@@ -126,8 +127,6 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
       rmm-jax retrieve stores/locomo_turn --k 20
       rmm-jax retrieve stores/locomo_turn --k 20 --json | jq .overall
     """
-    from rmm_jax.data.store import open_store
-
     t0 = time.perf_counter()
     st = open_store(store, expect_model=expect_model)
     res = evaluate_store(st, k, pad_short_banks=pad_short_banks)

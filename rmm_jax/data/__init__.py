@@ -1,6 +1,21 @@
-"""Datasets (LoCoMo, LongMemEval, synthetic) and memory granularity.
+"""The data layer: datasets -> memories -> embedding store; retrieval; citations.
 
-A dataset is named on the command line by a SPEC string (:func:`load_spec`)::
+Modules (each imports only :mod:`rmm_jax.core`, :mod:`rmm_jax.persist`,
+:mod:`rmm_jax.errors` and this package, never :mod:`rmm_jax.online` or :mod:`rmm_jax.cli`):
+
+* :mod:`~rmm_jax.data.types` - users, sessions, turns, queries, memory units;
+  :mod:`~rmm_jax.data.locomo`, :mod:`~rmm_jax.data.longmemeval`,
+  :mod:`~rmm_jax.data.synthetic` - the loaders, over the checked JSON reads of
+  :mod:`~rmm_jax.data.json_fields`;
+* :mod:`~rmm_jax.data.granularity` - memory units per turn, session or topic segment;
+* :mod:`~rmm_jax.data.embed` - sentence embeddings with a disk cache;
+* :mod:`~rmm_jax.data.store` - the embedding store on disk;
+* :mod:`~rmm_jax.data.retrieval` - exact dense top-k in JAX;
+* :mod:`~rmm_jax.data.citations` - the oracle citation simulator, citation parser, prompt;
+* :mod:`~rmm_jax.data.citation_log` - the citation log (JSONL): schema, reader, writer.
+
+This package itself exports the dataset side. A dataset is named on the command line
+by a SPEC string (:func:`load_spec`)::
 
     locomo:PATH                     LoCoMo file (per-conversation or locomo10.json) or directory
     longmemeval:PATH                LongMemEval file, turn-level gold (has_answer turns)
@@ -11,14 +26,17 @@ A dataset is named on the command line by a SPEC string (:func:`load_spec`)::
 """
 from __future__ import annotations
 
-from rmm_jax.data.granularity import GRANULARITIES, Topic, build_memories
+from rmm_jax.data.granularity import (DEFAULT_GRANULARITY, DEFAULT_MERGE_THRESHOLD,
+                                      DEFAULT_SEGMENT_THRESHOLD, GRANULARITIES, Topic,
+                                      build_memories)
 from rmm_jax.data.locomo import load_locomo
-from rmm_jax.data.longmemeval import load_longmemeval
+from rmm_jax.data.longmemeval import DEFAULT_GOLD_LEVEL, GOLD_LEVELS, load_longmemeval
 from rmm_jax.data.synthetic import make_synthetic, parse_synthetic_spec
 from rmm_jax.data.types import Dataset, MemoryUnit, Query, Session, Turn, User, gold_matrix
 from rmm_jax.errors import InputError
 
 __all__ = [
+    "DEFAULT_GRANULARITY", "DEFAULT_MERGE_THRESHOLD", "DEFAULT_SEGMENT_THRESHOLD",
     "GRANULARITIES", "Dataset", "MemoryUnit", "Query", "SCHEMES", "Session", "Topic", "Turn", "User",
     "build_memories", "gold_matrix", "load_locomo", "load_longmemeval", "load_spec", "make_synthetic",
     "parse_synthetic_spec",
@@ -45,9 +63,9 @@ def load_spec(spec: str) -> Dataset:
         raise InputError(f"missing path, expected {scheme}:PATH", where=f"SPEC {spec!r}")
     if scheme == "locomo":
         return load_locomo(rest)
-    path, level = rest, "turn"
+    path, level = rest, DEFAULT_GOLD_LEVEL
     head, at_sign, tail = rest.rpartition("@")
-    if at_sign and tail in ("turn", "session"):
+    if at_sign and tail in GOLD_LEVELS:
         path, level = head, tail
     if not path:
         raise InputError(f"missing path, expected {scheme}:PATH", where=f"SPEC {spec!r}")

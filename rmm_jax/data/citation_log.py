@@ -22,7 +22,8 @@ Example line::
 Decisions:
 
 * ``true``/``false`` are not numbers (``log_prob: true`` is a type error).
-* ``null`` for an optional key means "absent"; :func:`write_log` omits absent keys.
+* ``null`` for an optional key means "absent"; :func:`write_log` and :class:`LogWriter`
+  omit absent keys.
 * Numeric ``timestamp`` values must be finite.
 * Memory, user and query ids must be non-empty strings.
 * Unknown extra keys are **allowed and ignored** (forward compatibility: a logger may
@@ -48,6 +49,7 @@ from rmm_jax.persist.atomic import atomic_file
 
 __all__ = [
     "LogRecord",
+    "LogWriter",
     "iter_log",
     "iter_user_chunks",
     "read_log",
@@ -212,9 +214,10 @@ Known = Any  # object with .users, a Mapping, or a callable; see _known_lookup
 def _known_lookup(known: Known) -> Callable[[str], Any]:
     """Normalise ``known`` to ``user_id -> (query_ids, memory_ids) | None``.
 
-    Accepted: an object with a ``users`` mapping ``user_id -> (query_ids, memory_ids)``
-    (e.g. an embedding store), such a mapping itself, or a callable taking a user id and
-    returning the pair or ``None`` for an unknown user.
+    Accepted: an object with a ``users`` mapping ``user_id -> (query_ids, memory_ids)``,
+    such a mapping itself, or a callable taking a user id and returning the pair or
+    ``None`` for an unknown user (an embedding store has no ``users`` mapping: wrap it
+    in a callable that reads one user's ids at a time).
     """
     users = getattr(known, "users", None)
     if isinstance(users, Mapping):
@@ -365,9 +368,10 @@ def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool
     UTF-8 included) are counted and skipped. Blank lines are not records.
 
     ``known`` (optional) is an object with a ``users`` mapping
-    ``user_id -> (query_ids, memory_ids)`` (e.g. an embedding store), such a mapping
-    itself, or a callable ``user_id -> (query_ids, memory_ids) | None``; an unknown
-    user, query or memory id is an error naming the line, the key and the id.
+    ``user_id -> (query_ids, memory_ids)``, such a mapping itself, or a callable
+    ``user_id -> (query_ids, memory_ids) | None`` (e.g. one that reads a user's ids
+    from an embedding store); an unknown user, query or memory id is an error naming
+    the line, the key and the id.
 
     ``report``, when given, is reset and updated in place with ``records`` (yielded so
     far), ``skipped`` and ``first_errors`` (up to 5 messages). A file without a
@@ -433,6 +437,19 @@ def iter_user_chunks(path: str | os.PathLike, users_per_chunk: int, *, known: Kn
 # Writing
 # ---------------------------------------------------------------------------
 
+def _json_line(rec: LogRecord | Mapping, where: str) -> tuple[LogRecord, str]:
+    """Validate one record to write (a :class:`LogRecord` or its JSON object) and
+    return it with its JSONL line."""
+    if isinstance(rec, LogRecord):
+        obj = record_to_json(rec)
+    elif isinstance(rec, Mapping):
+        obj = rec
+    else:
+        raise InputError(f"expected a LogRecord, got {type(rec).__name__}", where=where)
+    rec = validate_record(obj, where)
+    return rec, json.dumps(record_to_json(rec), allow_nan=False) + "\n"
+
+
 def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
     """Atomically write ``records`` as JSONL; return the number written.
 
@@ -444,19 +461,60 @@ def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
     seen: set[tuple[str, str]] = set()
     for i, rec in enumerate(records):
         where = f"record {i}"
-        if isinstance(rec, LogRecord):
-            obj = record_to_json(rec)
-        elif isinstance(rec, Mapping):
-            obj = rec
-        else:
-            raise InputError(f"expected a LogRecord, got {type(rec).__name__}", where=where)
-        rec = validate_record(obj, where)
+        rec, line = _json_line(rec, where)
         pair = (rec.user_id, rec.query_id)
         if pair in seen:
             raise InputError(f"duplicate (user_id, query_id) ({rec.user_id!r}, {rec.query_id!r})",
                              where=_key_where(where, "query_id"))
         seen.add(pair)
-        lines.append(json.dumps(record_to_json(rec), allow_nan=False) + "\n")
+        lines.append(line)
     with atomic_file(Path(path)) as f:
         f.writelines(lines)
     return len(lines)
+
+
+class LogWriter:
+    """Write a citation log chunk by chunk, atomically.
+
+    Inside the ``with`` block, :meth:`write` validates each record (a :class:`LogRecord`
+    or its JSON object, checked by :func:`validate_record`; an error names
+    ``generated record i``, 0-based over the whole log) and appends its line to a
+    temporary file next to ``path``. When the block ends without an exception the
+    temporary file replaces ``path`` atomically; on an exception it is removed and
+    ``path`` is untouched. ``count`` is the number of records written so far.
+
+    Unlike :func:`write_log`, repeated ``(user_id, query_id)`` pairs are not checked
+    (that would keep every pair in memory); the caller writes each query once.
+
+    Example::
+
+        >>> with LogWriter("log.jsonl") as log:          # doctest: +SKIP
+        ...     for chunk in chunks:
+        ...         log.write(chunk)
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self.count = 0
+        self._cm = None
+        self._f = None
+
+    def __enter__(self) -> "LogWriter":
+        self._cm = atomic_file(Path(self.path))
+        self._f = self._cm.__enter__()
+        return self
+
+    def write(self, records: Iterable[LogRecord | Mapping]) -> None:
+        """Validate and append ``records`` (in order)."""
+        if self._f is None:
+            raise RuntimeError("LogWriter.write called outside its with-block")
+        for r in records:
+            _, line = _json_line(r, f"generated record {self.count}")
+            self._f.write(line)
+            self.count += 1
+
+    __call__ = write
+
+    def __exit__(self, *exc) -> bool | None:
+        cm, self._cm, self._f = self._cm, None, None
+        return cm.__exit__(*exc)

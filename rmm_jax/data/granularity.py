@@ -39,7 +39,14 @@ import numpy as np
 from rmm_jax.data.types import MemoryUnit, Session, Turn, User
 from rmm_jax.errors import InputError
 
+#: Memory granularities, in the order the CLI lists them.
 GRANULARITIES = ("turn", "session", "segment")
+#: The granularity ``rmm-jax embed`` uses unless told otherwise.
+DEFAULT_GRANULARITY = "turn"
+#: Step (i): a turn joins the current segment while its cosine to the segment mean is >= this.
+DEFAULT_SEGMENT_THRESHOLD = 0.5
+#: Step (ii): a segment merges into the most similar memory when their cosine exceeds this.
+DEFAULT_MERGE_THRESHOLD = 0.85
 EmbedFn = Callable[[list[str]], np.ndarray]
 
 
@@ -180,7 +187,8 @@ def add_or_merge(segments: Sequence[Segment], emb_of: dict[str, np.ndarray],
 
 
 def build_memories(user: User, granularity: str, embed_fn: EmbedFn | None = None, *,
-                   segment_threshold: float = 0.5, merge_threshold: float = 0.85,
+                   segment_threshold: float = DEFAULT_SEGMENT_THRESHOLD,
+                   merge_threshold: float = DEFAULT_MERGE_THRESHOLD,
                    topic_extractor: Callable[[Session], list[Topic]] | None = None) -> list[MemoryUnit]:
     """The memory units of one user at ``granularity`` ("turn", "session" or "segment").
 

@@ -27,11 +27,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from rmm_jax.data.locomo import expect, field, read_json, scalar_text
+from rmm_jax.data.json_fields import expect, field, read_json, scalar_text
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
 GOLD_LEVELS = ("turn", "session")
+DEFAULT_GOLD_LEVEL = "turn"
 
 
 def _sessions(inst: dict, path: Path, loc: str) -> tuple[Session, ...]:
@@ -100,7 +101,7 @@ def _user(inst: dict, path: Path, loc: str, gold_level: str, stats: Counter) -> 
     return User(qid, sessions, (query,))
 
 
-def load_longmemeval(path: str | Path, gold_level: str = "turn") -> Dataset:
+def load_longmemeval(path: str | Path, gold_level: str = DEFAULT_GOLD_LEVEL) -> Dataset:
     """Load a LongMemEval file; one user per instance (see the module docstring).
 
     ``Dataset.stats``: ``questions``, ``per_category`` (by question_type), ``abstention``,

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rmm_jax.data.types import Dataset, gold_matrix
+from rmm_jax.data.granularity import GRANULARITIES, build_memories
+from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.errors import InputError, at
 from rmm_jax.persist.atomic import atomic_dir
 
@@ -46,18 +47,122 @@ __all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "E
 
 FORMAT = "rmm-jax-embedding-store"
 VERSION = 1
-GRANULARITIES = ("turn", "session", "segment")
-_FILES = ("manifest.json", "memories.npy", "queries.npy", "users.json", "memories.jsonl",
-          "queries.jsonl")
 
 
-def _build_memories(user, granularity, embed_fn, **kwargs):
-    try:
-        from rmm_jax.data import build_memories
-    except ImportError:  # package __init__ not exporting it (yet): use the module itself
-        from rmm_jax.data.granularity import build_memories
+# --------------------------------------------------------------------------- writing
+@dataclasses.dataclass
+class _Rows:
+    """The metadata rows of a store being built, all users concatenated."""
 
-    return build_memories(user, granularity, embed_fn, **kwargs)
+    memories: list[dict] = dataclasses.field(default_factory=list)   # memories.jsonl
+    queries: list[dict] = dataclasses.field(default_factory=list)    # queries.jsonl
+    users: list[dict] = dataclasses.field(default_factory=list)      # users.json
+    memories_per_user: list[int] = dataclasses.field(default_factory=list)
+    valid: int = 0           # queries with a gold memory, not abstentions
+    no_gold: int = 0         # queries without a gold memory, not abstentions
+    abstention: int = 0
+
+
+def _check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise InputError(f"unknown granularity {granularity!r}; choose one of "
+                         f"{', '.join(GRANULARITIES)}", where="--granularity")
+
+
+def _check_user_ids(dataset: Dataset, where: str) -> None:
+    seen = set()
+    for u in dataset.users:
+        if u.id in seen:
+            raise InputError(f"duplicate user id {u.id!r} in dataset {dataset.name!r}", where=where)
+        seen.add(u.id)
+
+
+def _user_memories(user: User, granularity: str, embed_fn, where: str,
+                   granularity_kwargs: dict) -> list[MemoryUnit]:
+    """One user's memories at ``granularity``; memory and query ids must be unique."""
+    mems = list(build_memories(user, granularity, embed_fn, **granularity_kwargs))
+    ids = [m.id for m in mems]
+    if len(set(ids)) != len(ids):
+        raise InputError(f"duplicate memory ids for user {user.id!r}", where=where)
+    qids = [q.id for q in user.queries]
+    if len(set(qids)) != len(qids):
+        raise InputError(f"duplicate query ids for user {user.id!r}", where=where)
+    return mems
+
+
+def _add_user_rows(rows: _Rows, user: User, mems: list[MemoryUnit]) -> None:
+    """Append one user's memory, query and user rows (with gold memory ids) to ``rows``."""
+    gold = gold_matrix(user.queries, mems) if mems and user.queries else \
+        np.zeros((len(user.queries), len(mems)), bool)
+    ids = [m.id for m in mems]
+    m0, q0 = len(rows.memories), len(rows.queries)
+    for m in mems:
+        rows.memories.append({"user": user.id, "id": m.id, "session_id": m.session_id,
+                              "timestamp": m.timestamp, "turn_ids": list(m.turn_ids),
+                              "text": m.text})
+    for i, q in enumerate(user.queries):
+        g = [ids[j] for j in np.flatnonzero(gold[i])]
+        rows.queries.append({"user": user.id, "id": q.id, "text": q.text, "category": q.category,
+                             "date": q.date, "gold_turn_ids": list(q.gold_turn_ids),
+                             "gold_memory_ids": g, "abstention": bool(q.abstention)})
+        if q.abstention:
+            rows.abstention += 1
+        elif not g:
+            rows.no_gold += 1
+        else:
+            rows.valid += 1
+    rows.users.append({"id": user.id, "mem_start": m0, "mem_end": len(rows.memories),
+                       "query_start": q0, "query_end": len(rows.queries)})
+    rows.memories_per_user.append(len(mems))
+
+
+def _build_rows(dataset: Dataset, granularity: str, embed_fn, where: str,
+                granularity_kwargs: dict) -> _Rows:
+    """Build every user's memories and the rows describing them."""
+    rows = _Rows()
+    for u in dataset.users:
+        _add_user_rows(rows, u, _user_memories(u, granularity, embed_fn, where, granularity_kwargs))
+    return rows
+
+
+def _embed_rows(embedder, rows: _Rows) -> tuple:
+    """Embed the memory texts, then the query texts (as the embedder returns them)."""
+    mem_emb = embedder.encode([r["text"] for r in rows.memories], desc="memories")
+    qry_emb = embedder.encode([r["text"] for r in rows.queries], desc="queries")
+    return mem_emb, qry_emb
+
+
+def _assemble_arrays(mem_emb, qry_emb, rows: _Rows, model_id: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check the embeddings are finite and shape them ``(n, dim)`` float32."""
+    for name, arr in (("memories", mem_emb), ("queries", qry_emb)):
+        if not np.isfinite(np.asarray(arr)).all():
+            raise InputError(f"NaN/Inf in {name} embeddings from model {model_id!r}", where="--model")
+    return (np.asarray(mem_emb, np.float32).reshape(len(rows.memories), dim),
+            np.asarray(qry_emb, np.float32).reshape(len(rows.queries), dim))
+
+
+def _manifest(dataset: Dataset, granularity: str, model_id: str, dim: int, spec: str | None,
+              rows: _Rows, granularity_kwargs: dict, seconds: dict) -> dict:
+    """The manifest: format, model, counts, and the dataset's stats plus the store's own."""
+    counts = rows.memories_per_user
+    stats = dict(dataset.stats)
+    stats.update({
+        "valid_queries": rows.valid,
+        "queries_without_gold_memory": rows.no_gold,
+        "abstention_queries": rows.abstention,
+        "memories_per_user": {"min": int(min(counts, default=0)),
+                              "max": int(max(counts, default=0)),
+                              "mean": float(np.mean(counts)) if counts else 0.0},
+        "granularity_options": dict(granularity_kwargs),
+        "seconds": seconds,
+    })
+    return {
+        "format": FORMAT, "version": VERSION, "model": model_id, "dim": dim,
+        "granularity": granularity, "dataset": dataset.name, "spec": spec,
+        "counts": {"users": len(dataset.users), "memories": len(rows.memories),
+                   "queries": len(rows.queries)},
+        "stats": _jsonable(stats),
+    }
 
 
 def _write_jsonl(path: Path, rows) -> None:
@@ -67,6 +172,19 @@ def _write_jsonl(path: Path, rows) -> None:
             f.write("\n")
 
 
+def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
+                 manifest: dict) -> None:
+    """Write the store directory at ``path`` whole, or nothing (see the module docstring)."""
+    with atomic_dir(path) as tmp:
+        np.save(tmp / "memories.npy", mem_emb)
+        np.save(tmp / "queries.npy", qry_emb)
+        (tmp / "users.json").write_text(json.dumps(rows.users, indent=1) + "\n")
+        _write_jsonl(tmp / "memories.jsonl", rows.memories)
+        _write_jsonl(tmp / "queries.jsonl", rows.queries)
+        # manifest last: a directory with a manifest is complete
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
 def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str | None = None,
                 log=None, **granularity_kwargs) -> dict:
     """Build memories at ``granularity``, embed memories and queries, write the store.
@@ -74,104 +192,37 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     Args:
       path: output directory (replaced atomically if it exists).
       dataset: a :class:`~rmm_jax.data.types.Dataset`.
-      granularity: ``"turn"``, ``"session"`` or ``"segment"``.
+      granularity: one of :data:`~rmm_jax.data.granularity.GRANULARITIES`.
       embedder: an :class:`rmm_jax.data.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
       spec: the dataset spec, recorded in the manifest.
       log: optional ``callable(str)`` for progress lines (e.g. to stderr).
-      granularity_kwargs: passed to ``build_memories`` (``segment_threshold``,
+      granularity_kwargs: passed to
+        :func:`~rmm_jax.data.granularity.build_memories` (``segment_threshold``,
         ``merge_threshold``).
 
     Returns:
       The manifest written.
     """
-    if granularity not in GRANULARITIES:
-        raise InputError(f"unknown granularity {granularity!r}; choose one of "
-                         f"{', '.join(GRANULARITIES)}", where="--granularity")
+    _check_granularity(granularity)
     say = log or (lambda msg: None)
+    where = spec or "dataset"
     t0 = time.perf_counter()
-    users = dataset.users
-    seen = set()
-    for u in users:
-        if u.id in seen:
-            raise InputError(f"duplicate user id {u.id!r} in dataset {dataset.name!r}",
-                             where=spec or "dataset")
-        seen.add(u.id)
-
+    _check_user_ids(dataset, where)
     embed_fn = embedder.encode if granularity == "segment" else None
-    mem_rows, qry_rows, user_rows = [], [], []
-    n_valid = n_nogold = n_abst = 0
-    mem_counts = []
-    for u in users:
-        mems = list(_build_memories(u, granularity, embed_fn, **granularity_kwargs))
-        ids = [m.id for m in mems]
-        if len(set(ids)) != len(ids):
-            raise InputError(f"duplicate memory ids for user {u.id!r}", where=spec or "dataset")
-        qids = [q.id for q in u.queries]
-        if len(set(qids)) != len(qids):
-            raise InputError(f"duplicate query ids for user {u.id!r}", where=spec or "dataset")
-        gold = gold_matrix(u.queries, mems) if mems and u.queries else \
-            np.zeros((len(u.queries), len(mems)), bool)
-        m0, q0 = len(mem_rows), len(qry_rows)
-        for m in mems:
-            mem_rows.append({"user": u.id, "id": m.id, "session_id": m.session_id,
-                             "timestamp": m.timestamp, "turn_ids": list(m.turn_ids),
-                             "text": m.text})
-        for i, q in enumerate(u.queries):
-            g = [ids[j] for j in np.flatnonzero(gold[i])]
-            qry_rows.append({"user": u.id, "id": q.id, "text": q.text, "category": q.category,
-                             "date": q.date, "gold_turn_ids": list(q.gold_turn_ids),
-                             "gold_memory_ids": g, "abstention": bool(q.abstention)})
-            if q.abstention:
-                n_abst += 1
-            elif not g:
-                n_nogold += 1
-            else:
-                n_valid += 1
-        user_rows.append({"id": u.id, "mem_start": m0, "mem_end": len(mem_rows),
-                          "query_start": q0, "query_end": len(qry_rows)})
-        mem_counts.append(len(mems))
+    rows = _build_rows(dataset, granularity, embed_fn, where, granularity_kwargs)
     t_build = time.perf_counter() - t0
-    say(f"{len(users)} users, {len(mem_rows)} {granularity} memories, {len(qry_rows)} queries "
-        f"({t_build:.1f}s to build)")
+    say(f"{len(dataset.users)} users, {len(rows.memories)} {granularity} memories, "
+        f"{len(rows.queries)} queries ({t_build:.1f}s to build)")
 
     t1 = time.perf_counter()
-    mem_emb = embedder.encode([r["text"] for r in mem_rows], desc="memories")
-    qry_emb = embedder.encode([r["text"] for r in qry_rows], desc="queries")
+    mem_emb, qry_emb = _embed_rows(embedder, rows)
     t_embed = time.perf_counter() - t1
-    for name, arr in (("memories", mem_emb), ("queries", qry_emb)):
-        arr = np.asarray(arr)
-        if not np.isfinite(arr).all():
-            raise InputError(f"NaN/Inf in {name} embeddings from model {embedder.model_id!r}",
-                             where="--model")
     dim = int(embedder.dim)
-    mem_emb = np.asarray(mem_emb, np.float32).reshape(len(mem_rows), dim)
-    qry_emb = np.asarray(qry_emb, np.float32).reshape(len(qry_rows), dim)
-
-    stats = dict(dataset.stats)
-    stats.update({
-        "valid_queries": n_valid,
-        "queries_without_gold_memory": n_nogold,
-        "abstention_queries": n_abst,
-        "memories_per_user": {"min": int(min(mem_counts, default=0)),
-                              "max": int(max(mem_counts, default=0)),
-                              "mean": float(np.mean(mem_counts)) if mem_counts else 0.0},
-        "granularity_options": {k: v for k, v in granularity_kwargs.items()},
-        "seconds": {"build": round(t_build, 3), "embed": round(t_embed, 3)},
-    })
-    manifest = {
-        "format": FORMAT, "version": VERSION, "model": embedder.model_id, "dim": dim,
-        "granularity": granularity, "dataset": dataset.name, "spec": spec,
-        "counts": {"users": len(users), "memories": len(mem_rows), "queries": len(qry_rows)},
-        "stats": _jsonable(stats),
-    }
-    with atomic_dir(path) as tmp:
-        np.save(tmp / "memories.npy", mem_emb)
-        np.save(tmp / "queries.npy", qry_emb)
-        (tmp / "users.json").write_text(json.dumps(user_rows, indent=1) + "\n")
-        _write_jsonl(tmp / "memories.jsonl", mem_rows)
-        _write_jsonl(tmp / "queries.jsonl", qry_rows)
-        # manifest last: a directory with a manifest is complete
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    mem_emb, qry_emb = _assemble_arrays(mem_emb, qry_emb, rows, embedder.model_id, dim)
+    manifest = _manifest(dataset, granularity, embedder.model_id, dim, spec, rows,
+                         granularity_kwargs,
+                         {"build": round(t_build, 3), "embed": round(t_embed, 3)})
+    _write_files(path, mem_emb, qry_emb, rows, manifest)
     return manifest
 
 
@@ -179,6 +230,7 @@ def _jsonable(obj):
     return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
+# --------------------------------------------------------------------------- reading
 def _parse_row(line, path, ln: int, keys) -> dict:
     """One JSONL row (str or bytes) that must be an object holding ``keys``."""
     try:

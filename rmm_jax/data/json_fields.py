@@ -1,0 +1,78 @@
+"""Checked reads of JSON data files, shared by the dataset loaders.
+
+Every problem becomes one :class:`~rmm_jax.errors.InputError` line naming the file and,
+where there is one, the line or the key (e.g. ``26.json: key 'qa[3].evidence':
+expected a list, got a string``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rmm_jax.errors import InputError, at
+
+__all__ = ["expect", "field", "json_type", "read_json", "scalar_text"]
+
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "a boolean"}
+
+
+def read_json(path: str | Path) -> Any:
+    """Parse one JSON file; every failure is an InputError naming the file (and line)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError("no such file", where=at(path))
+    if path.is_dir():
+        raise InputError("is a directory, expected a JSON file", where=at(path))
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read file ({e.strerror})", where=at(path)) from None
+    if not raw.strip():
+        raise InputError("empty file, expected JSON", where=at(path))
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text (byte {e.start})", where=at(path)) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON: {e.msg} (column {e.colno})", where=at(path, e.lineno)) from None
+    except RecursionError:
+        raise InputError("invalid JSON: nested too deeply", where=at(path)) from None
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def expect(value: Any, kind: type | tuple[type, ...], path: Path, key: str) -> Any:
+    """Return ``value`` if it has JSON type ``kind``; else InputError naming file and key."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        want = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise InputError(f"expected {want}, got {json_type(value)}", where=at(path, key=key))
+    return value
+
+
+def field(obj: dict, name: str, kind: type | tuple[type, ...], path: Path, prefix: str = "") -> Any:
+    """``obj[name]`` checked for presence and type; ``prefix`` locates ``obj`` in the file."""
+    key = f"{prefix}.{name}" if prefix else name
+    if name not in obj:
+        raise InputError("missing key", where=at(path, key=key))
+    return expect(obj[name], kind, path, key)
+
+
+def scalar_text(value: Any) -> str | None:
+    """An answer as text: strings kept, numbers formatted, null -> None."""
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value)
