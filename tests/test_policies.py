@@ -16,39 +16,20 @@ import numpy as np
 import optax
 import pytest
 
+import rmm_jax as R
+from rmm_jax.core import reranker
+from helpers import TESTS_DIR, learner_of, params_of, state_of
+from rmm_jax.cli.main import main
+from rmm_jax.core.types import LearnerState
 from rmm_jax.errors import InputError
-from rmm_jax.persist.policy_store import (PolicyRestoreWarning, PolicyStore, UserPolicy, score_query,
-                              verify_snapshot)
+from rmm_jax.online.scoring import score_query
+from rmm_jax.persist.codec import decode_tree, leaf_specs
+from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, UserPolicy, load_chunk, verify_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
-
-# Shared by the tests and by the subprocesses (writers killed mid-save).
-STATE_SRC = textwrap.dedent('''
-    import numpy as np, optax, jax
-    from rmm_jax.persist.policy_store import UserPolicy
-
-    def params_of(seed, kind="linear", d=8, hidden=16):
-        rng = np.random.default_rng(seed)
-        if kind == "linear":
-            shapes = {"q_adapter": {"W": {"kernel": (d, d)}}, "m_adapter": {"W": {"kernel": (d, d)}}}
-        else:
-            layer = {"down": {"kernel": (hidden, d), "bias": (d,)}, "up": {"kernel": (d, hidden), "bias": (hidden,)}}
-            shapes = {"q_adapter": layer, "m_adapter": layer}
-        return jax.tree_util.tree_map(lambda s: rng.standard_normal(s).astype(np.float32), shapes,
-                                      is_leaf=lambda x: isinstance(x, tuple))
-
-    def state_of(seed, kind="linear", d=8):
-        p = params_of(seed, kind, d)
-        opt = optax.adam(1e-3)
-        o = opt.init(p)
-        g = params_of(seed + 10_000, kind, d)
-        _, o = opt.update(g, o, p)          # non-zero moments, count = 1
-        l = {"baseline": np.float32(seed / 7), "step": np.int32(seed),
-             "key": np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))}
-        return UserPolicy(p, o, l, {"queries_seen": int(seed), "seed": int(seed)})
-''')
-exec(STATE_SRC)  # defines params_of, state_of
+# Subprocesses (writers, killed writers) import helpers too.
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
 
 
 META = {"kind": "linear", "dim": D, "hidden": None, "config": {"lr": 1e-3, "embedding_model": "test"}}
@@ -107,20 +88,44 @@ def test_round_trip_bit_identical_and_optax_keeps_working(tmp_path, kind):
 
 
 def test_real_reranker_params_and_typed_key(tmp_path):
-    import rmm_jax as R
-
     st = new_store(tmp_path)
     cfg = R.Config()
     params = R.init_reranker(jax.random.PRNGKey(1), D)
     opt_state = R.make_optimizer(cfg).init(params)
     learner = R.init_learner_state(jax.random.PRNGKey(2), cfg)
-    learner["typed"] = jax.random.key(5)
-    st.save_users({"a": UserPolicy(params, opt_state, learner, {})})
+    assert isinstance(learner, LearnerState)
+    typed = learner._replace(key=jax.random.key(5))
+    st.save_users({"a": UserPolicy(params, opt_state, learner, {}), "t": UserPolicy(params, None, typed, {})})
+    rows = json.loads((st.path / "gens" / "v00000001" / "rows.json").read_text())
+    assert {c["spec"]["learner_state"]["cls"] for c in rows["chunks"].values()} == {"rmm_jax.core.types:LearnerState"}
     pol = PolicyStore.open(st.path).load_user("a")
     assert_same(pol.params, params)
     assert_same(pol.opt_state, opt_state)
-    assert jax.dtypes.issubdtype(pol.learner_state["typed"].dtype, jax.dtypes.prng_key)
-    assert np.array_equal(jax.random.key_data(pol.learner_state["typed"]), jax.random.key_data(learner["typed"]))
+    assert_same(pol.learner_state, learner)
+    key = PolicyStore.open(st.path).load_user("t").learner_state.key
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(key), jax.random.key_data(typed.key))
+
+
+def test_legacy_dict_learner_state_loads_as_learner_state(tmp_path):
+    """Stores written before LearnerState existed hold {baseline, key, step} dicts."""
+    st = new_store(tmp_path)
+    ref = state_of(3)
+    old = dict(ref.learner_state._asdict())
+    st.save_users({"old": UserPolicy(ref.params, ref.opt_state, old, ref.info),
+                   "new": state_of(4)})
+    rows = json.loads((st.path / "gens" / "v00000001" / "rows.json").read_text())
+    specs = {c["users"][0]: c["spec"]["learner_state"] for c in rows["chunks"].values()}
+    assert specs["old"]["t"] == "dict" and specs["old"]["k"] == ["baseline", "key", "step"]
+    assert specs["new"]["t"] == "nt"
+    pol = PolicyStore.open(st.path).load_user("old")
+    assert type(pol.learner_state) is LearnerState
+    assert_policy(pol, ref)
+    batch = st.load_batch(["old", "new"])                 # both forms stack into one LearnerState
+    assert type(batch.learner_state) is LearnerState
+    assert batch.learner_state.step.tolist() == [3, 4]
+    tpl = UserPolicy(ref.params, ref.opt_state, learner_of(0))
+    assert_same(st.load_user("old", template=tpl).learner_state, ref.learner_state)
 
 
 def test_mixed_structures_in_one_save(tmp_path):
@@ -273,7 +278,7 @@ WRITER_SRC = textwrap.dedent('''
 
 def _run_writer(path):
     return subprocess.run([sys.executable, "-c", WRITER_SRC, str(path)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
+                          cwd=ROOT, env=SUBPROCESS_ENV, timeout=60)
 
 
 def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
@@ -297,8 +302,9 @@ def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
 
 # ----------------------------------------------------------------------------- killed writers
 
-KILL_SRC = STATE_SRC + textwrap.dedent('''
+KILL_SRC = textwrap.dedent('''
     import sys
+    from helpers import state_of
     from rmm_jax.persist.policy_store import PolicyStore
     st = PolicyStore.open(sys.argv[1])
     start = int(sys.argv[2])
@@ -322,9 +328,8 @@ def _check_every_verifying_version(st: PolicyStore):
             continue
         rows = json.loads((snap / "rows.json").read_text())
         for chunk, c in rows["chunks"].items():
-            from rmm_jax.persist.policy_store import _load_chunk, leaf_specs, decode_tree
             counts = {p: len(leaf_specs(c["spec"][p])) for p in ("params", "opt_state", "learner_state")}
-            leaves = _load_chunk(snap / chunk, counts)
+            leaves = load_chunk(snap / chunk, counts)
             for row, uid in enumerate(c["users"]):
                 seed = rows["info"][uid]["seed"]
                 ref = state_of(seed)
@@ -333,10 +338,9 @@ def _check_every_verifying_version(st: PolicyStore):
                 assert_policy(UserPolicy(*got, rows["info"][uid]), ref)
                 n_ok += 1
     known = {params_of(s)["q_adapter"]["W"]["kernel"].tobytes() for s in range(0, 20_000, 10)}  # i * 10 for every i a writer may reach
-    from rmm_jax.persist.policy_store import _load_chunk
     for snap in sorted((st.path / "shared").glob("v*")):
         if verify_snapshot(snap) is None:
-            leaves = _load_chunk(snap / "c0000", {"params": 2})["params"]   # sorted: m_adapter, q_adapter
+            leaves = load_chunk(snap / "c0000", {"params": 2})["params"]   # sorted: m_adapter, q_adapter
             assert leaves[1].tobytes() in known
             n_ok += 1
     return n_ok
@@ -348,7 +352,8 @@ def test_sigkill_mid_save_never_leaves_wrong_verifying_version(tmp_path):
     total = 0
     for round_ in range(3):
         p = subprocess.Popen([sys.executable, "-c", KILL_SRC, str(st.path), str(round_ * 40)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                             env=SUBPROCESS_ENV)
         assert p.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.8))
         os.kill(p.pid, signal.SIGKILL)
@@ -367,8 +372,6 @@ def test_sigkill_mid_save_never_leaves_wrong_verifying_version(tmp_path):
 # ----------------------------------------------------------------------------- scoring / export
 
 def test_score_query_uses_core_scorer(tmp_path, monkeypatch):
-    import rmm_jax as R
-
     st = new_store(tmp_path)
     params = R.init_reranker(jax.random.PRNGKey(0), D)
     params = jax.tree_util.tree_map(lambda a: a + 0.1, params)
@@ -380,7 +383,7 @@ def test_score_query_uses_core_scorer(tmp_path, monkeypatch):
     got = score_query(st.path, "u", q, m, mask)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(R.score(params, *map(jax.numpy.asarray, (q, m, mask)))))
     calls = []
-    monkeypatch.setattr(R, "score", lambda p, q, m, mask=None: calls.append(p) or np.zeros(len(m)))
+    monkeypatch.setattr(reranker, "score", lambda p, q, m, mask=None: calls.append(p) or np.zeros(len(m)))
     score_query(st.path, "new_user", q, m, fallback_to_shared=True)
     assert_same(calls[0], params_of(0))
     with pytest.raises(InputError, match="dim 8, expected 4"):
@@ -407,8 +410,6 @@ def test_export_user_npz_and_json(tmp_path):
 # ----------------------------------------------------------------------------- CLI
 
 def _cli(argv, capsys):
-    from rmm_jax.cli.main import main
-
     code = 0
     try:
         main(argv)

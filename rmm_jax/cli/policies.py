@@ -12,11 +12,11 @@ import numpy as np
 
 from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
+from rmm_jax.persist.codec import encode_tree, leaf_specs
+from rmm_jax.persist.policy_store import PolicyStore
 
 
-def _open(store: str):
-    from rmm_jax.persist.policy_store import PolicyStore
-
+def _open(store: str) -> PolicyStore:
     return PolicyStore.open(store)
 
 
@@ -79,8 +79,6 @@ def list_cmd(store, as_json):
 
 def _leaf_table(tree) -> list[dict]:
     """Path, shape, dtype and L2 norm of every leaf of a pytree."""
-    from rmm_jax.persist.policy_store import encode_tree, leaf_specs
-
     spec, leaves = encode_tree(tree)
     out = []
     for s in leaf_specs(spec):

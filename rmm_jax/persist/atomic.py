@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync directory ``path`` so renames into it are durable (best effort: errors ignored)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -42,7 +43,7 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"
             os.replace(target, old)
@@ -50,7 +51,7 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -68,7 +69,7 @@ def atomic_file(target: str | os.PathLike, mode: str = "w"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from rmm_jax.persist.atomic import _fsync_dir, atomic_file
+from rmm_jax.persist.atomic import atomic_file, fsync_dir
 
 CHECKSUM_FILE = "CHECKSUMS.json"
 
@@ -40,7 +40,7 @@ def write_checksums(snap: Path) -> None:
             p = Path(root) / n
             files[p.relative_to(snap).as_posix()] = sha256(p, fsync=True)
     for root, _, _ in os.walk(snap):
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
     with atomic_file(snap / CHECKSUM_FILE) as f:
         json.dump({"algorithm": "sha256", "files": files, "self": _self_hash(files)}, f, sort_keys=True)
 

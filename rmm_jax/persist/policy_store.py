@@ -6,14 +6,15 @@ leading *users* axis on every leaf (``vmap``), so the store's primary write path
 :meth:`PolicyStore.save_batch`: the stacked arrays are cut into chunks of users and each
 chunk is written as ONE orbax-checkpoint; an index maps ``user_id -> (version, chunk, row)``.
 The per-user API (:meth:`PolicyStore.save_users`, :meth:`PolicyStore.load_user`) sits on
-top of it.
+top of it. Scoring a query with a stored user's policy is
+:func:`rmm_jax.online.scoring.score_query`.
 
 On-disk layout (``STORE`` is the directory given to :meth:`PolicyStore.create`)::
 
     STORE/
       policy_store.json        format marker + meta {kind, dim, hidden, config} + settings
       index.json               user -> [{version, chunk, row, saved_at}, ...] (oldest first)
-      .lock                    fcntl.flock'ed by the one writer (pid/host inside, advisory)
+      .lock                    flock'ed by the one writer (persist/lock.py; pid/host inside, advisory)
       shared/v00000001/        shared (pretrained) params, same snapshot format as below
       gens/v00000007/          one snapshot = one save call (a "version")
         rows.json              {version, saved_at, chunks: {c0000: {users, spec}}, info: {user: {...}}}
@@ -29,35 +30,40 @@ but unindexed snapshots) are removed by the next writer. Loading verifies the ch
 the rows and chunk it reads; a truncated or corrupted version is skipped and the previous
 one is used, which is reported in :attr:`PolicyStore.last_restore_report`, in
 :attr:`UserPolicy.version` and by a :class:`PolicyRestoreWarning`.
+Not orbax's CheckpointManager (here or for run-state snapshots): it verifies no content
+checksums and does not fall back past a damaged step (and keeps N steps, not N per user).
 
-Pytrees are stored structure-agnostically: leaves are flattened in JAX order and the
-structure is written as a small JSON *spec* (dicts, lists, tuples, None, and NamedTuples
-such as optax's ``ScaleByAdamState``, re-imported by name from an allow-list of packages),
-so a restored Adam state has the same tree type and optax can keep using it. A
-``template`` pytree may be passed to restore into any other structure.
+Pytrees are stored structure-agnostically with :mod:`rmm_jax.persist.codec`: leaves in
+JAX order, the structure as a JSON *spec* in ``rows.json`` (NamedTuples such as optax's
+``ScaleByAdamState`` and :class:`rmm_jax.core.types.LearnerState` are re-imported by
+name), so a restored Adam state has the same tree type and optax can keep using it. A
+``template`` pytree may be passed to restore into any other structure. Stores written
+before ``LearnerState`` existed hold the learner state as a dict ``{baseline, key,
+step}``; it is loaded as a ``LearnerState``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime as _dt
-import fcntl
-import importlib
 import json
 import os
 import shutil
-import socket
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
-from rmm_jax.persist import checksums
+from rmm_jax.core.types import LearnerState
 from rmm_jax.errors import InputError
-from rmm_jax.persist.atomic import _fsync_dir, atomic_dir, atomic_file, write_json
+from rmm_jax.persist import checksums
+from rmm_jax.persist.atomic import atomic_dir, atomic_file, fsync_dir, write_json
+from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs, unflatten_like
+from rmm_jax.persist.lock import WriterLock
 
 FORMAT = "rmm-jax-policy-store"
 FORMAT_VERSION = 1
@@ -69,8 +75,6 @@ PARTS = ("params", "opt_state", "learner_state")
 KINDS = ("linear", "mlp")
 DEFAULT_KEEP = 3
 DEFAULT_CHUNK = 16  # 16 users x ~3.5 MB (d=384, Adam) ~ 56 MB read per load_user
-# NamedTuple classes in a spec are re-imported only from these top-level packages.
-ALLOWED_MODULE_ROOTS = ("optax", "rmm_jax", "flax", "chex", "jax", "collections")
 
 
 class PolicyRestoreWarning(UserWarning):
@@ -89,117 +93,6 @@ class UserPolicy:
     learner_state: Any = None
     info: dict = dataclasses.field(default_factory=dict)
     version: int | None = None
-
-
-# --------------------------------------------------------------------------- pytrees
-
-
-def _is_namedtuple(x) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _as_leaf(x, where: str):
-    """Return ``(numpy array, extra spec)`` for a leaf; typed PRNG keys store key data."""
-    import jax
-
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x)), {"prng_impl": str(jax.random.key_impl(x))}
-    if isinstance(x, (np.ndarray, np.generic, jax.Array, bool, int, float, complex)):
-        return np.asarray(x), {}
-    raise InputError(f"unsupported pytree node of type {type(x).__qualname__}", where=where)
-
-
-def encode_tree(tree, *, batch: int | None = None, where: str = "tree"):
-    """Flatten ``tree`` into ``(spec, leaves)``: a JSON-able structure + numpy leaves.
-
-    Leaves come in JAX flattening order (dict keys sorted). With ``batch`` every leaf must
-    have that leading (users) axis; the spec then records per-user shapes.
-    """
-    leaves: list[np.ndarray] = []
-
-    def enc(node, path: list[str]):
-        here = "/".join(path) or "<root>"
-        if node is None:
-            return {"t": "none"}
-        if type(node) is dict:
-            bad = [k for k in node if not isinstance(k, (str, int))]
-            if bad:
-                raise InputError(f"dict key {bad[0]!r} is not str or int", where=f"{where}:{here}")
-            keys = sorted(node)
-            return {"t": "dict", "k": keys, "c": [enc(node[k], path + [str(k)]) for k in keys]}
-        if _is_namedtuple(node):
-            cls = type(node)
-            return {"t": "nt", "cls": f"{cls.__module__}:{cls.__qualname__}", "f": list(cls._fields),
-                    "c": [enc(v, path + [f]) for f, v in zip(cls._fields, node)]}
-        if type(node) in (tuple, list):
-            return {"t": type(node).__name__, "c": [enc(v, path + [str(i)]) for i, v in enumerate(node)]}
-        arr, extra = _as_leaf(node, f"{where}:{here}")
-        shape = list(arr.shape)
-        if batch is not None:
-            if arr.ndim == 0 or arr.shape[0] != batch:
-                raise InputError(f"leaf has shape {tuple(arr.shape)}, expected a leading users axis of "
-                                 f"{batch}", where=f"{where}:{here}")
-            shape = shape[1:]
-        leaves.append(arr)
-        return {"t": "leaf", "i": len(leaves) - 1, "path": here, "shape": shape,
-                "dtype": str(arr.dtype), **extra}
-
-    return enc(tree, []), leaves
-
-
-def _import_namedtuple(name: str):
-    module, _, qual = name.partition(":")
-    if module.split(".")[0] not in ALLOWED_MODULE_ROOTS:
-        raise InputError(f"NamedTuple class {name} is not in an allowed package "
-                         f"{ALLOWED_MODULE_ROOTS}; pass template= to restore", where="spec")
-    try:
-        obj = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise InputError(f"cannot import NamedTuple class {name} ({e}); pass template= to restore",
-                         where="spec") from None
-    return obj
-
-
-def decode_tree(spec: dict, leaves: Sequence):
-    """Rebuild the pytree described by ``spec`` from ``leaves`` (inverse of encode_tree)."""
-    t = spec["t"]
-    if t == "none":
-        return None
-    if t == "leaf":
-        arr = leaves[spec["i"]]
-        if "prng_impl" in spec:
-            import jax
-
-            return jax.random.wrap_key_data(arr, impl=spec["prng_impl"])
-        return arr
-    children = [decode_tree(c, leaves) for c in spec["c"]]
-    if t == "dict":
-        return dict(zip(spec["k"], children))
-    if t == "nt":
-        return _import_namedtuple(spec["cls"])(*children)
-    return tuple(children) if t == "tuple" else list(children)
-
-
-def leaf_specs(spec: dict) -> list[dict]:
-    """The leaf entries of a spec (path, shape, dtype), in leaf order."""
-    if spec["t"] == "leaf":
-        return [spec]
-    return [leaf for c in spec.get("c", []) for leaf in leaf_specs(c)]
-
-
-def _unflatten_like(template, leaves: list, where: str):
-    """Put ``leaves`` into the structure of ``template`` (same count and shapes)."""
-    import jax
-
-    tl, treedef = jax.tree_util.tree_flatten(template)
-    if len(tl) != len(leaves):
-        raise InputError(f"template has {len(tl)} leaves, stored tree has {len(leaves)}", where=where)
-    for i, (a, b) in enumerate(zip(tl, leaves)):
-        if tuple(np.shape(a)) != tuple(np.shape(b)):
-            raise InputError(f"leaf {i}: template shape {np.shape(a)} != stored {np.shape(b)}", where=where)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -221,10 +114,8 @@ def verify_snapshot(snap: Path, chunk: str | None = None) -> str | None:
     return checksums.verify(snap, select, "incomplete version (no checksum file)")
 
 
-def _save_chunk(dest: Path, parts: dict[str, list[np.ndarray]]) -> None:
+def save_chunk(dest: Path, parts: dict[str, list[np.ndarray]]) -> None:
     """Write one orbax checkpoint ``{part: {"l000000": leaf, ...}}`` at ``dest``."""
-    import orbax.checkpoint as ocp
-
     tree = {p: {f"l{i:06d}": np.ascontiguousarray(a) for i, a in enumerate(ls)}
             for p, ls in parts.items() if ls}
     if not tree:
@@ -233,10 +124,8 @@ def _save_chunk(dest: Path, parts: dict[str, list[np.ndarray]]) -> None:
     ocp.PyTreeCheckpointer().save(dest.resolve(), tree)
 
 
-def _load_chunk(src: Path, counts: dict[str, int]) -> dict[str, list[np.ndarray]]:
-    """Read a chunk written by :func:`_save_chunk` back as numpy leaves per part."""
-    import orbax.checkpoint as ocp
-
+def load_chunk(src: Path, counts: dict[str, int]) -> dict[str, list[np.ndarray]]:
+    """Read a chunk written by :func:`save_chunk` back as numpy leaves per part."""
     want = {p: n for p, n in counts.items() if n}
     if not want:
         return {p: [] for p in counts}
@@ -244,6 +133,11 @@ def _load_chunk(src: Path, counts: dict[str, int]) -> dict[str, list[np.ndarray]
             for p, n in want.items()}
     tree = ocp.PyTreeCheckpointer().restore(src.resolve(), args=ocp.args.PyTreeRestore(restore_args=args))
     return {p: [np.asarray(tree[p][f"l{i:06d}"]) for i in range(want.get(p, 0))] for p in counts}
+
+
+def _is_legacy_learner_state(spec: dict) -> bool:
+    """A learner state saved before :class:`LearnerState` existed: a dict {baseline, key, step}."""
+    return spec["t"] == "dict" and spec["k"] == sorted(LearnerState._fields)
 
 
 def _snapshot_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -278,8 +172,7 @@ class PolicyStore:
         self.chunk_size: int = int(self._header.get("chunk_size", DEFAULT_CHUNK))
         self.last_restore_report: dict | None = None
         self.restore_reports: dict[str, dict] = {}
-        self._lock_fd: int | None = None
-        self._lock_depth = 0
+        self._lock = WriterLock(self.path / LOCK_FILE, self._locked_error)
 
     # ---- create / open
 
@@ -360,52 +253,21 @@ class PolicyStore:
     def writer(self, wait: float = 0.0):
         """Hold the store's write lock (re-entrant in this object).
 
-        Raises InputError naming the holder's pid and host if another process holds it
-        (after waiting up to ``wait`` seconds). ``flock`` is released when the holder
-        exits or dies, so a stale ``.lock`` file is harmless.
+        Raises InputError naming the holder's pid and host if another process (or
+        another PolicyStore object) holds it, after waiting up to ``wait`` seconds. The
+        lock is released when the holder exits or dies, so a stale ``.lock`` file is
+        harmless.
         """
-        if self._lock_fd is not None:
-            self._lock_depth += 1
-            try:
-                yield self
-            finally:
-                self._lock_depth -= 1
-            return
-        lock = self.path / LOCK_FILE
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                holder = self._lock_holder(fd)
-                os.close(fd)
-                err = InputError(f"policy store {self.path} is locked by pid {holder.get('pid', '?')} on host "
-                                 f"{holder.get('host', '?')} (another writer is running; retry when it ends)")
-                err.where = str(self.path)
-                raise err from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                      "since": _now()}).encode(), 0)
-            self._lock_fd, self._lock_depth = fd, 1
-            self._cleanup_temp()
+        with self._lock.hold(wait) as outermost:
+            if outermost:
+                self._cleanup_temp()
             yield self
-        finally:
-            self._lock_fd, self._lock_depth = None, 0
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
-    @staticmethod
-    def _lock_holder(fd: int) -> dict:
-        try:
-            return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        except (OSError, ValueError):
-            return {}
+    def _locked_error(self, holder: dict) -> InputError:
+        err = InputError(f"policy store {self.path} is locked by pid {holder.get('pid', '?')} on host "
+                         f"{holder.get('host', '?')} (another writer is running; retry when it ends)")
+        err.where = str(self.path)
+        return err
 
     def _cleanup_temp(self) -> None:
         """Remove temp dirs left by killed writers (only called under the lock)."""
@@ -479,10 +341,10 @@ class PolicyStore:
         try:
             write_json(tmp / ROWS_FILE, {"version": version, "saved_at": _now(),
                                          "chunks": {"c0000": {"users": [], "spec": {"params": spec}}}})
-            _save_chunk(tmp / "c0000", {"params": leaves})
+            save_chunk(tmp / "c0000", {"params": leaves})
             checksums.write_checksums(tmp)
             os.rename(tmp, root / _vname(version))
-            _fsync_dir(root)
+            fsync_dir(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -506,9 +368,9 @@ class PolicyStore:
             if reason is None:
                 try:
                     spec = json.loads((snap / ROWS_FILE).read_text())["chunks"]["c0000"]["spec"]["params"]
-                    leaves = _load_chunk(snap / "c0000", {"params": len(leaf_specs(spec))})["params"]
+                    leaves = load_chunk(snap / "c0000", {"params": len(leaf_specs(spec))})["params"]
                     tree = (decode_tree(spec, leaves) if template is None
-                            else _unflatten_like(template, leaves, f"{self.path}: shared params"))
+                            else unflatten_like(template, leaves, f"{self.path}: shared params"))
                 except InputError:
                     raise
                 except Exception as e:  # noqa: BLE001 - any read failure = bad version
@@ -551,8 +413,6 @@ class PolicyStore:
         ``stacked_state`` is a :class:`UserPolicy` (its ``info`` ignored) or a
         ``(params, opt_state, learner_state)`` tuple; ``infos`` aligns with ``user_ids``.
         """
-        import jax
-
         user_ids = list(user_ids)
         if isinstance(stacked_state, UserPolicy):
             trees = (stacked_state.params, stacked_state.opt_state, stacked_state.learner_state)
@@ -618,7 +478,7 @@ class PolicyStore:
                 for lo in range(0, len(uids), size):
                     name = f"c{len(chunks):04d}"
                     part = {p: [a[lo:lo + size] for a in stacked[p]] for p in PARTS}
-                    _save_chunk(tmp / name, part)
+                    save_chunk(tmp / name, part)
                     chunks[name] = {"users": uids[lo:lo + size], "spec": specs}
                     for row, uid in enumerate(uids[lo:lo + size]):
                         placed.append((uid, name, row))
@@ -626,7 +486,7 @@ class PolicyStore:
             write_json(tmp / ROWS_FILE, {"version": version, "saved_at": saved_at, "chunks": chunks, "info": info})
             checksums.write_checksums(tmp)
             os.rename(tmp, gens / _vname(version))
-            _fsync_dir(gens)
+            fsync_dir(gens)
             return placed
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -674,8 +534,6 @@ class PolicyStore:
 
     def load_batch(self, user_ids: Sequence[str], **kw) -> UserPolicy:
         """Load users and stack them (leading users axis); ``info`` is a list."""
-        import jax
-
         pols = self.load_users(user_ids, **kw)
         ps = [pols[u] for u in user_ids]
         stack = lambda *xs: np.stack(xs)  # noqa: E731
@@ -722,7 +580,7 @@ class PolicyStore:
                     rows = json.loads((snap / ROWS_FILE).read_text())
                     specs = rows["chunks"][chunk]["spec"]
                     counts = {p: len(leaf_specs(specs[p])) for p in PARTS}
-                    cache[key] = (rows, _load_chunk(snap / chunk, counts))
+                    cache[key] = (rows, load_chunk(snap / chunk, counts))
                 except Exception as e:  # noqa: BLE001 - any read failure = bad version
                     cache[key] = f"restore failed ({type(e).__name__}: {e})"
             else:
@@ -737,8 +595,13 @@ class PolicyStore:
         trees = []
         for p in PARTS:
             ls = [np.array(a[row]) for a in leaves[p]]
-            if template is not None:
-                trees.append(_unflatten_like(getattr(template, p), ls, f"{self.path}: user {uid!r} {p}"))
+            where = f"{self.path}: user {uid!r} {p}"
+            if p == "learner_state" and _is_legacy_learner_state(c["spec"][p]):
+                tree = LearnerState(**decode_tree(c["spec"][p], ls))
+                trees.append(tree if template is None else
+                             unflatten_like(template.learner_state, jax.tree_util.tree_leaves(tree), where))
+            elif template is not None:
+                trees.append(unflatten_like(getattr(template, p), ls, where))
             else:
                 trees.append(decode_tree(c["spec"][p], ls))
         return UserPolicy(*trees, info=dict(rows.get("info", {}).get(uid, {})), version=entry["version"])
@@ -774,37 +637,3 @@ class PolicyStore:
             np.savez(f, **arrays, __meta__=np.array(json.dumps(doc, sort_keys=True)))
         write_json(out.with_suffix(".json"), doc)
         return doc
-
-
-# --------------------------------------------------------------------------- scoring
-
-
-def score_query(store_path, user_id: str, query_emb, candidate_embs, mask=None, *,
-                fallback_to_shared: bool = False):
-    """Load ``user_id``'s policy from the store and score candidates: ``(K,)`` scores.
-
-    One call from a saved store to reranker scores, via ``rmm_jax.score(params, q, m,
-    mask)``. With ``fallback_to_shared`` a user without saved state is scored with the
-    shared (pretrained) params instead of raising.
-    """
-    q = np.asarray(query_emb)
-    m = np.asarray(candidate_embs)
-    if q.ndim != 1:
-        raise InputError(f"query_emb must have shape (d,), got {q.shape}", where="query_emb")
-    if m.ndim != 2 or m.shape[1] != q.shape[0]:
-        raise InputError(f"candidate_embs must have shape (K, {q.shape[0]}), got {m.shape}", where="candidate_embs")
-    if mask is not None and np.shape(mask) != (m.shape[0],):
-        raise InputError(f"mask must have shape ({m.shape[0]},), got {np.shape(mask)}", where="mask")
-    store = PolicyStore.open(store_path, expect_dim=q.shape[0])
-    if fallback_to_shared and user_id not in store._read_index()["users"]:
-        params = store.shared_params()
-    else:
-        params = store.load_user(user_id).params
-    import jax
-    import jax.numpy as jnp
-
-    from rmm_jax import score
-
-    # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.
-    params = jax.tree_util.tree_map(jnp.asarray, params)
-    return score(params, jnp.asarray(q), jnp.asarray(m), mask=None if mask is None else jnp.asarray(mask))

@@ -1,0 +1,42 @@
+"""Serving: score a new query with a stored user's policy, in one call.
+
+:func:`score_query` loads the user's newest good policy from a policy store
+(:mod:`rmm_jax.persist.policy_store`) and scores the candidates with the core reranker
+(:func:`rmm_jax.core.reranker.score`). It lives here, not in :mod:`rmm_jax.persist`, because the
+persistence layer does not import the reranker.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rmm_jax.core import reranker
+from rmm_jax.errors import InputError
+from rmm_jax.persist.policy_store import PolicyStore
+
+
+def score_query(store_path, user_id: str, query_emb, candidate_embs, mask=None, *,
+                fallback_to_shared: bool = False):
+    """Load ``user_id``'s policy from the store and score candidates: ``(K,)`` scores.
+
+    One call from a saved store to reranker scores, via ``rmm_jax.core.reranker.score(params, q, m,
+    mask)``. With ``fallback_to_shared`` a user without saved state is scored with the
+    shared (pretrained) params instead of raising.
+    """
+    q = np.asarray(query_emb)
+    m = np.asarray(candidate_embs)
+    if q.ndim != 1:
+        raise InputError(f"query_emb must have shape (d,), got {q.shape}", where="query_emb")
+    if m.ndim != 2 or m.shape[1] != q.shape[0]:
+        raise InputError(f"candidate_embs must have shape (K, {q.shape[0]}), got {m.shape}", where="candidate_embs")
+    if mask is not None and np.shape(mask) != (m.shape[0],):
+        raise InputError(f"mask must have shape ({m.shape[0]},), got {np.shape(mask)}", where="mask")
+    store = PolicyStore.open(store_path, expect_dim=q.shape[0])
+    if fallback_to_shared and user_id not in store.users():
+        params = store.shared_params()
+    else:
+        params = store.load_user(user_id).params
+    # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    return reranker.score(params, jnp.asarray(q), jnp.asarray(m), mask=None if mask is None else jnp.asarray(mask))
