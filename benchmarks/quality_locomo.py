@@ -28,14 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from rmm_jax import Config  # noqa: E402
+from rmm_jax.data import load_locomo  # noqa: E402
+from rmm_jax.data.embed import Embedder  # noqa: E402
+from rmm_jax.data.store import open_store, write_store  # noqa: E402
+from rmm_jax.online.compare import compare  # noqa: E402
+from rmm_jax.online.plot import plot_curves  # noqa: E402
+from rmm_jax.online.pretrain import PretrainConfig  # noqa: E402
+from rmm_jax.online.streams import load_streams  # noqa: E402
+from rmm_jax.persist.atomic import write_json  # noqa: E402
+
 ROWS = ("base", "pretrain", "online", "pretrain+online", "paper")
 
 
 def build_store(path: Path, model: str, granularity: str, out: Path):
-    from rmm_jax.data import load_locomo
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.data.store import open_store, write_store
-
     emb = Embedder(model, progress=False)
     try:
         write_store(out, load_locomo(path), granularity, emb, spec=f"locomo:{path}")
@@ -68,10 +74,6 @@ def main(argv=None):
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the mean learning curves")
     args = ap.parse_args(argv)
 
-    from rmm_jax import Config
-    from rmm_jax.online import jobs
-    from rmm_jax.online.pretrain import PretrainConfig
-
     for p in (args.train, args.eval):
         if not p.exists():
             sys.exit(f"error: {p}: LoCoMo data not found (set --train/--eval or RMM_LOCOMO_DIR)")
@@ -83,12 +85,12 @@ def main(argv=None):
         train_store = build_store(args.train, args.model, args.granularity, Path(tmp) / "train")
         same = args.train.resolve() == args.eval.resolve()
         eval_store = train_store if same else build_store(args.eval, args.model, args.granularity, Path(tmp) / "eval")
-        train_streams = jobs.load_streams(train_store, args.k)
-        eval_streams = train_streams if same else jobs.load_streams(eval_store, args.k)
+        train_streams = load_streams(train_store, args.k)
+        eval_streams = train_streams if same else load_streams(eval_store, args.k)
         per_fold, pretrain_info = {}, {}
         for s in eval_streams:
             train = [x for x in train_streams if x.user_id != s.user_id] if same else train_streams
-            res = jobs.compare(train, [s], cfg, pcfg, rows=rows, seed=args.seed,
+            res = compare(train, [s], cfg, pcfg, rows=rows, seed=args.seed,
                                progress=lambda r: print(f"  conversation {s.user_id}: {r}", file=sys.stderr))
             pretrain_info[s.user_id] = res.pop("_pretrain", None)
             per_fold[s.user_id] = res
@@ -119,8 +121,6 @@ def main(argv=None):
         print(f"{row:<16}{cells}{r[f'recall@{m}']:>9.4f}{r[f'recall@{m}'] - base:>+9.4f}{hs}")
     print(f"({out['seconds']} s)")
     if args.plot:
-        from rmm_jax.online.plot import plot_curves
-
         curves = {}
         for row in rows:
             cs = [per_fold[u][row]["curve"] for u in users]
@@ -129,8 +129,6 @@ def main(argv=None):
         plot_curves(curves, args.plot, title=f"LoCoMo prequential Recall@{m} (moving average, mean of conversations)",
                     ylabel=f"Recall@{m}")
     if args.json:
-        from rmm_jax.persist.atomic import write_json
-
         write_json(args.json, out)
 
 

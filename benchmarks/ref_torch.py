@@ -16,8 +16,9 @@ stream, one batch of B queries at a time, each step in eager PyTorch:
      reward-to-go credit, the exact Plackett–Luce log-probability (loop over the M draws),
      ``loss.backward()`` and a ``torch.optim.Adam`` step.
 
-This is the same algorithm as ``rmm_jax.Config()`` (defaults: binary reward, batch_mean
-baseline, plackett_luce, reward_to_go, Adam). ``tests/test_bench_references.py`` checks
+This is the algorithm of ``rmm_jax.Config(credit="reward_to_go")`` (binary reward,
+batch_mean baseline, plackett_luce, reward_to_go, Adam), the configuration that
+``benchmarks/throughput.py`` times; the library default credit is ``item``. ``tests/test_bench_references.py`` checks
 scores, gradients and Adam steps against rmm-jax on fixed inputs.
 ``torch.set_num_threads`` is left at its default.
 """

@@ -46,14 +46,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rmm_jax.data.store import FORMAT, VERSION  # noqa: E402
+from rmm_jax.persist.atomic import atomic_dir  # noqa: E402
 
 
 def write_synthetic_store(path: Path, users: int, memories: int, queries: int, dim: int, seed: int = 0) -> dict:
     """A store of ``users`` users written directly (fast): unit-norm random memories, queries
     = gold memory + noise. Same files and manifest as :func:`rmm_jax.data.store.write_store`."""
-    from rmm_jax.persist.atomic import atomic_dir
-    from rmm_jax.data.store import FORMAT, VERSION
-
     rng = np.random.default_rng(seed)
     n_mem, n_q = users * memories, users * queries
     manifest = {"format": FORMAT, "version": VERSION, "model": f"soak/random-{dim}", "dim": dim,

@@ -26,7 +26,7 @@ citations with the paper's precision/recall):
   The same work is done by all three (rmm-jax additionally computes NDCG and computes
   the forward twice, once for acting and once inside ``value_and_grad``).
 * ``users_scaling`` — 1, 10, 100, 1000 users × ``--user-queries`` (200) queries, d=384,
-  paper config, bank of 256 memories per user, through ``run_streams`` with
+  paper config, bank of 256 memories per user, through ``rmm_jax.online.driver.drive`` with
   ``users_per_chunk = min(users, --chunk)`` (100): end-to-end seconds after compile
   (host padding, state init, the jitted run, device→host copy), queries/s counting real
   (unpadded) queries. Compile time per chunk shape is reported separately. 200 queries
@@ -65,6 +65,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -76,7 +77,10 @@ import torch  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.data.citations import oracle_cite  # noqa: E402
-from rmm_jax.online.loop import Stream, bucket, init_states, make_run, pad_streams, run_streams, user_key  # noqa: E402
+from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
+from rmm_jax.online.loop import init_states, make_run  # noqa: E402
+from rmm_jax.online.streams import Stream, bucket, pad_streams, user_key  # noqa: E402
+from rmm_jax.persist.atomic import write_json  # noqa: E402
 
 B = 4
 
@@ -110,9 +114,8 @@ def block(tree):
 
 # --------------------------------------------------------------------------- machine
 
-def measure_machine(quick):
-    """Memory bandwidth (large copy, read+write bytes) and float32 matmul rate."""
-    n_bytes = (16 if quick else 512) * 2 ** 20
+def _copy_bandwidths(n_bytes):
+    """(NumPy, JAX) bytes/s of a copy of ``n_bytes`` (read + write); the buffers die on return."""
     x = np.ones(n_bytes // 4, np.float32)
     y = np.empty_like(x)
     np.copyto(y, x)
@@ -121,8 +124,13 @@ def measure_machine(quick):
     cp = jax.jit(lambda a: a * 1.0000001)                         # not elided, one read + one write
     cp(xj).block_until_ready()
     t_jx = min(_timeit(lambda: cp(xj).block_until_ready()) for _ in range(5))
-    bw_np, bw_jx = 2 * n_bytes / t_np, 2 * n_bytes / t_jx
-    del x, y, xj
+    return 2 * n_bytes / t_np, 2 * n_bytes / t_jx
+
+
+def measure_machine(quick):
+    """Memory bandwidth (large copy, read+write bytes) and float32 matmul rate."""
+    n_bytes = (16 if quick else 512) * 2 ** 20
+    bw_np, bw_jx = _copy_bandwidths(n_bytes)
     nm = 512 if quick else 4096
     a = jnp.asarray(np.random.default_rng(0).standard_normal((nm, nm), dtype=np.float32))
     mm = jax.jit(lambda u, v: u @ v)
@@ -207,18 +215,17 @@ def profile_substeps(cfg, params, d, k, repeats=20):
     opt_state = opt.init(params)
     g = jax.tree.map(jnp.ones_like, params)
     sel = jnp.tile(jnp.arange(cfg.m, dtype=jnp.int32)[None], (B, 1))
-    batch = {"q": q, "m": m, "mask": mask, "selected": sel, "cited": jnp.zeros((B, cfg.m), bool).at[:, 0].set(True),
-             "gumbel": jnp.zeros((B, k)), "valid": jnp.ones((B,), bool), "logged_log_prob": jnp.zeros((B,)),
-             "has_logged": jnp.zeros((B,), bool)}
+    batch = rj.Batch(q=q, m=m, mask=mask, selected=sel, cited=jnp.zeros((B, cfg.m), bool).at[:, 0].set(True),
+                     gumbel=jnp.zeros((B, k)), valid=jnp.ones((B,), bool), logged_log_prob=jnp.zeros((B,)),
+                     has_logged=jnp.zeros((B,), bool))
     apply = rj.make_apply_update(cfg)
     ls = rj.init_learner_state(jax.random.key(0), cfg)
     fns = {
         "score_batch": (jax.jit(lambda p: rj.score_batch(p, q, m, mask)), (params,)),
         "value_and_grad": (jax.jit(lambda p: jax.value_and_grad(
             lambda pp: jnp.sum(rj.score_batch(pp, q, m, mask) ** 2))(p)), (params,)),
-        "adam_update": (jax.jit(lambda gg, st, p: rj.optax_apply(opt, gg, st, p)) if hasattr(rj, "optax_apply") else
-                        jax.jit(lambda gg, st, p: _adam(opt, gg, st, p)), (g, opt_state, params)),
-        "apply_update (all)": (jax.jit(lambda p, st: apply(p, st, ls, batch)), (params, opt_state)),
+        "adam_update": (jax.jit(lambda gg, st, p: _adam(opt, gg, st, p)), (g, opt_state, params)),
+        "apply_update (all)": (jax.jit(lambda p, st: apply(rj.UserState(p, st, ls), batch)), (params, opt_state)),
     }
     out = {}
     for name, (fn, args) in fns.items():
@@ -233,7 +240,6 @@ def profile_substeps(cfg, params, d, k, repeats=20):
 
 
 def _adam(opt, g, st, p):
-    import optax
     u, st = opt.update(g, st, p)
     return optax.apply_updates(p, u), st
 
@@ -300,9 +306,11 @@ def run_users(args, machine):
         compiled, compile_s = compiled_by_chunk[chunk]
         t0 = time.perf_counter()
         n_done = 0
-        for _, states, outputs in run_streams(streams, params, cfg, cite_fn=oracle_cite, users_per_chunk=chunk,
-                                              run_fn=lambda s, dt, st: compiled(s, dt, st)):
-            n_done += len(states[2]["step"])
+        chunks = [streams[i:i + chunk] for i in range(0, n_users, chunk)]
+        program = lambda s, dt, st, n_batches=None: compiled(s, dt, st)  # noqa: E731 - the precompiled loop
+        for event in drive(chunks, params, cfg, program, users_per_chunk=chunk):
+            if isinstance(event, ChunkDone):
+                n_done += len(event.states.learner_state.step)
         secs = time.perf_counter() - t0
         assert n_done == n_users
         n_q = n_users * args.user_queries
@@ -341,7 +349,7 @@ def report(res, args):
             f"{r.get('ratio_vs_numpy', float('nan')):>9.1f} "
             f"{r.get('floor', {}).get('floor_queries_per_s', float('nan')):>10.0f} "
             f"{r.get('fraction_of_floor', float('nan')):>8.2f}")
-    lines += ["", "Users scaling (d=%d, %d queries/user, bank %d, run_streams; after compile):"
+    lines += ["", "Users scaling (d=%d, %d queries/user, bank %d, drive; after compile):"
               % (res["users_scaling_d"], args.user_queries, args.bank)]
     hdr2 = (f"{'users':>6} {'chunk':>6} {'compile s':>9} {'seconds':>9} {'queries/s':>10} "
             f"{'batches run/real':>16} {'floor s':>8} {'of floor':>8}")
@@ -421,15 +429,14 @@ def main(argv=None):
     print(report(res, args))
     print(f"\ntotal benchmark time {res['total_s']:.1f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=float)
+        write_json(args.json, json.loads(json.dumps(res, default=float)))  # numpy scalars → JSON numbers
     if args.plot:
-        import matplotlib
+        import matplotlib  # lazy: only for --plot, and Agg must be chosen before pyplot loads
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         xs = [r["users"] for r in users.values()]
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(xs, [r["queries_per_s"] for r in users.values()], "o-", label="rmm-jax (run_streams)")
+        ax.plot(xs, [r["queries_per_s"] for r in users.values()], "o-", label="rmm-jax (drive)")
         ax.axhline(configs["paper"]["torch_qps"], color="C1", ls="--", label="PyTorch eager, 1 user")
         if "numpy_qps" in configs["paper"]:
             ax.axhline(configs["paper"]["numpy_qps"], color="C2", ls=":", label="NumPy, 1 user")

@@ -30,6 +30,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import REPO, make_fake_store, run_cli
+from rmm_jax.core.update import Config
+from rmm_jax.online.streams import known_ids, scan_log
 
 K, M = 10, 3
 
@@ -467,9 +469,6 @@ def test_random_records_through_replay(env, capsys, data):
     """Valid records are accepted by the validation pass replay runs first (the same
     scan_log and known_ids); malformed ones make `rmm-jax replay` exit 2 with one line
     naming the file and line (or --k/--m), creating nothing. Never a crash."""
-    from rmm_jax.online import jobs
-    from rmm_jax.core.update import Config
-
     rec = data.draw(valid_record(env))
     kind = data.draw(st.sampled_from((None,) * 4 + MUTATIONS))
     _counter[0] += 1
@@ -478,7 +477,7 @@ def test_random_records_through_replay(env, capsys, data):
     pol = env["root"] / "hyp" / "pol"
     if kind is None:
         log.write_text(json.dumps(rec) + "\n")
-        rep = jobs.scan_log(log, Config(k=K, m=M), known=jobs.known_ids(env["open_store"]))
+        rep = scan_log(log, Config(k=K, m=M), known=known_ids(env["open_store"]))
         assert rep["records"] == 1 and rep["users"] == 1 and rep["skipped"] == 0
     else:
         lines, bad = mutate(data.draw, rec, env, kind)

@@ -26,7 +26,7 @@ import ref_torch  # noqa: E402
 import torch  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
-from rmm_jax.core.losses import reranker_reinforce_loss  # noqa: E402
+from rmm_jax.core.update import reranker_reinforce_loss  # noqa: E402
 
 D, K, M, B = 16, 8, 3, 4
 LR = 1e-2
@@ -54,10 +54,10 @@ def make_batch(seed):
 
 
 def jax_batch(bt):
-    return {"q": jnp.asarray(bt["q"]), "m": jnp.asarray(bt["m"]), "mask": jnp.asarray(bt["mask"]),
-            "selected": jnp.asarray(bt["selected"]), "cited": jnp.asarray(bt["cited"]),
-            "gumbel": jnp.zeros((B, K)), "valid": jnp.asarray(bt["valid"]),
-            "logged_log_prob": jnp.zeros((B,)), "has_logged": jnp.zeros((B,), bool)}
+    return rj.Batch(q=jnp.asarray(bt["q"]), m=jnp.asarray(bt["m"]), mask=jnp.asarray(bt["mask"]),
+                    selected=jnp.asarray(bt["selected"]), cited=jnp.asarray(bt["cited"]),
+                    gumbel=jnp.zeros((B, K)), valid=jnp.asarray(bt["valid"]),
+                    logged_log_prob=jnp.zeros((B,)), has_logged=jnp.zeros((B,), bool))
 
 
 def start_params(kind, nonzero):
@@ -120,11 +120,10 @@ def test_numpy_scores_match(nonzero, fused):
 
 def jax_grads(params, cfg, bt):
     jb = jax_batch(bt)
-    filled = (jb["selected"] >= 0) & jb["valid"][:, None]
-    r = rj.citation_rewards(jb["cited"], filled, cfg.reward)
+    filled = (jb.selected >= 0) & jb.valid[:, None]
+    r = rj.citation_rewards(jb.cited, filled, cfg.reward)
     b = jnp.sum(r) / jnp.sum(filled)
-    jb["weight"] = jb["valid"].astype(jnp.float32)
-    return jax.value_and_grad(reranker_reinforce_loss)(params, jb, b, cfg)
+    return jax.value_and_grad(reranker_reinforce_loss)(params, jb, b, jb.valid.astype(jnp.float32), cfg)
 
 
 @pytest.mark.parametrize("nonzero", [False, True])
@@ -166,12 +165,11 @@ def jitted_apply(kind):
 def jax_steps(kind, params, n_steps):
     cfg = cfg_for(kind)
     apply = jitted_apply(kind)
-    opt_state = rj.make_optimizer(cfg).init(params)
-    ls = rj.init_learner_state(jax.random.key(0), cfg)
+    state = rj.init_user_state(params, jax.random.key(0), cfg)
     out = []
     for i in range(n_steps):
-        params, opt_state, ls, met = apply(params, opt_state, ls, jax_batch(make_batch(10 + i)))
-        out.append(params)
+        state, _ = apply(state, jax_batch(make_batch(10 + i)))
+        out.append(state.params)
     return out
 
 

@@ -1,13 +1,14 @@
-"""The jitted online loop compiles once per padded shape, not per user or per stream length.
+"""The online program compiles once per padded shape, not per user or per stream length.
 
-``make_run`` returns one ``jax.jit`` function; its ``_cache_size()`` counts compiled
-executables. Running ``run_streams`` with ``users_per_chunk=4`` over 3 users (one padded
-chunk) and then 11 users (three chunks, the last padded) must not add compilations, nor
-must streams of 57 vs 64 queries with batch 4 (15 vs 16 batches → both the 16-batch
-bucket; banks of 50 vs 56 memories → both the 56 bucket). A stream of 100 queries (25
-batches → 28-batch bucket) is the positive control: it compiles exactly once more.
+``make_run`` builds one jitted program; :func:`rmm_jax.online.driver.drive` runs every
+chunk through it. Compilations are counted with JAX's public monitoring events (one
+``backend_compile`` event per XLA compilation, the loop's and any other). After a warm-up
+chunk, running more users (chunks of 4, the last padded) and streams of 57 vs 64 queries
+with batch 4 (15 vs 16 batches → both the 16-batch bucket; banks of 50 vs 56 memories →
+both the 56 bucket) must compile nothing. A stream of 100 queries (25 batches → the
+28-batch bucket) is the positive control: it compiles the loop again.
 
-Also: ``benchmarks/throughput.py --quick --json`` runs and writes every top-level key.
+Also: ``benchmarks/throughput.py --quick --json`` runs and writes a consistent JSON.
 """
 import json
 import os
@@ -16,13 +17,17 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import rmm_jax as rj
 from rmm_jax.data.citations import oracle_cite
-from rmm_jax.online.loop import Stream, make_run, run_streams
+from rmm_jax.online.driver import ChunkDone, drive
+from rmm_jax.online.loop import make_run
+from rmm_jax.online.streams import Stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, K = 8, 6
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def mk(rng, uid, t, n):
@@ -34,30 +39,38 @@ def mk(rng, uid, t, n):
                   gold.sum(1).astype(np.int32), gold.sum(1) > 0)
 
 
-def drain(run, streams, cfg, params):
-    n = 0
-    for chunk, states, outputs in run_streams(streams, params, cfg, cite_fn=oracle_cite, users_per_chunk=4,
-                                              run_fn=run):
-        n += len(chunk)
-        assert np.all(np.isfinite(np.asarray(states[0]["q_adapter"]["W"]["kernel"])))
-    return n
+@pytest.fixture
+def compiles():
+    """A list that receives one entry per XLA compilation while the test runs."""
+    seen = []
+    listener = lambda event, duration, **kw: seen.append(event) if event == COMPILE_EVENT else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_compilations_do_not_grow_with_users_or_lengths_within_a_bucket():
+def test_compilations_do_not_grow_with_users_or_lengths_within_a_bucket(compiles):
     rng = np.random.default_rng(0)
     cfg = rj.Config(k=K, m=2, batch=4)
     params = rj.init_reranker(jax.random.key(0), D)
-    run = make_run(cfg, oracle_cite)
-    assert run._cache_size() == 0
+    program = make_run(cfg, oracle_cite)
 
-    assert drain(run, [mk(rng, f"a{i}", 57, 50) for i in range(3)], cfg, params) == 3
-    assert run._cache_size() == 1
-    assert drain(run, [mk(rng, f"b{i}", 57, 50) for i in range(11)], cfg, params) == 11
-    assert run._cache_size() == 1                              # more users: same program
-    assert drain(run, [mk(rng, f"c{i}", 64, 56) for i in range(5)], cfg, params) == 5
-    assert run._cache_size() == 1                              # 57 vs 64 queries: same bucket
-    assert drain(run, [mk(rng, "d0", 100, 60)], cfg, params) == 1
-    assert run._cache_size() == 2                              # control: a new bucket compiles
+    def drain(streams):
+        chunks = [streams[i:i + 4] for i in range(0, len(streams), 4)]
+        done = [e for e in drive(chunks, params, cfg, program, users_per_chunk=4) if isinstance(e, ChunkDone)]
+        for e in done:
+            assert np.all(np.isfinite(np.asarray(e.states.params["q_adapter"]["W"]["kernel"])))
+        return sum(len(e.streams) for e in done)
+
+    assert drain([mk(rng, f"a{i}", 57, 50) for i in range(3)]) == 3     # warm-up: compiles
+    assert len(compiles) >= 1
+    warm = len(compiles)
+    assert drain([mk(rng, f"b{i}", 57, 50) for i in range(11)]) == 11
+    assert len(compiles) == warm                                # more users, padded chunks: no compile
+    assert drain([mk(rng, f"c{i}", 64, 56) for i in range(5)]) == 5
+    assert len(compiles) == warm                                # 57 vs 64 queries: same bucket
+    assert drain([mk(rng, "d0", 100, 60)]) == 1
+    assert len(compiles) > warm                                 # control: a new bucket compiles
 
 
 def test_throughput_quick_writes_json(tmp_path):
@@ -68,13 +81,18 @@ def test_throughput_quick_writes_json(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    for key in ("configs", "users_scaling", "floor", "machine", "date"):
+    for key in ("configs", "users_scaling", "floor", "machine", "date", "targets"):
         assert key in res, key
     assert set(res["configs"]) == {"paper", "large", "mlp"}
     for r in res["configs"].values():
         assert r["rmm_jax_qps"] > 0 and r["torch_qps"] > 0 and r["rmm_jax_compile_s"] > 0
+        np.testing.assert_allclose(r["ratio_vs_torch"], r["rmm_jax_qps"] / r["torch_qps"], rtol=1e-6)
     assert res["configs"]["paper"]["numpy_qps"] > 0
     assert all(r["seconds"] > 0 for r in res["users_scaling"].values())
     assert res["machine"]["bandwidth_GBps"] > 0 and res["machine"]["matmul_GFLOPs"] > 0
     assert png.stat().st_size > 0
-    assert "PASS" in proc.stdout or "MISS" in proc.stdout
+    # every target's verdict follows from its value, and the report prints each one
+    for t in res["targets"]:
+        op, bound = t["target"].split()
+        assert t["pass"] == (t["value"] >= float(bound) if op == ">=" else t["value"] <= float(bound)), t
+        assert f"{'PASS' if t['pass'] else 'MISS'}  {t['name']}" in proc.stdout

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import rmm_jax as rj
-from rmm_jax.core.update import act, baseline_for
+from rmm_jax.core.update import act, baseline_for, importance_weights
 
 D, K, M, B = 16, 8, 3, 4
 
@@ -15,34 +15,33 @@ D, K, M, B = 16, 8, 3, 4
 def make_batch(key, cited_pattern=(True, False, False)):
     kq, km = jax.random.split(key)
     sel = jnp.tile(jnp.array([[0, 3, 5]], jnp.int32), (B, 1))
-    return {"q": jax.random.normal(kq, (B, D)), "m": jax.random.normal(km, (B, K, D)),
-            "mask": jnp.ones((B, K), bool), "selected": sel,
-            "cited": jnp.tile(jnp.array([cited_pattern]), (B, 1)), "gumbel": jnp.zeros((B, K)),
-            "valid": jnp.ones((B,), bool), "logged_log_prob": jnp.zeros((B,)),
-            "has_logged": jnp.zeros((B,), bool)}
+    return rj.Batch(q=jax.random.normal(kq, (B, D)), m=jax.random.normal(km, (B, K, D)),
+                    mask=jnp.ones((B, K), bool), selected=sel,
+                    cited=jnp.tile(jnp.array([cited_pattern]), (B, 1)), gumbel=jnp.zeros((B, K)),
+                    valid=jnp.ones((B,), bool), logged_log_prob=jnp.zeros((B,)),
+                    has_logged=jnp.zeros((B,), bool))
 
 
-def setup(cfg, key=jax.random.key(0)):
-    params = rj.init_reranker(key, D, cfg.kind)
-    opt_state = rj.make_optimizer(cfg).init(params)
-    return params, opt_state, rj.init_learner_state(key, cfg)
+def setup(cfg, key=jax.random.key(0)) -> rj.UserState:
+    return rj.init_user_state(rj.init_reranker(key, D, cfg.kind), key, cfg)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_positive_advantage_raises_log_prob_of_the_chosen_selection(kind):
     cfg = rj.Config(kind=kind, m=M, k=K, lr=1e-2, baseline="constant", baseline_value=0.0,
                     reward="binary", credit="selection")
-    params, opt_state, ls = setup(cfg)
+    state = setup(cfg)
+    params = state.params
     batch = make_batch(jax.random.key(1), cited_pattern=(True, True, True))
     apply = jax.jit(rj.make_apply_update(cfg))
     lp = lambda p: jax.vmap(lambda q, m, s: rj.selection_log_prob(rj.score(p, q, m), s, cfg.tau))(
-        batch["q"], batch["m"], batch["selected"]).sum()
-    new_params, *_ = apply(params, opt_state, ls, batch)
-    assert lp(new_params) > lp(params)
+        batch.q, batch.m, batch.selected).sum()
+    new, _ = apply(state, batch)
+    assert lp(new.params) > lp(params)
     # and a negative advantage lowers it
     cfg_neg = dataclasses.replace(cfg, baseline_value=2.0)
-    new_params, *_ = jax.jit(rj.make_apply_update(cfg_neg))(params, opt_state, ls, batch)
-    assert lp(new_params) < lp(params)
+    new, _ = jax.jit(rj.make_apply_update(cfg_neg))(state, batch)
+    assert lp(new.params) < lp(params)
 
 
 def test_update_runs_under_vmap_over_users_and_equals_per_user_updates():
@@ -53,28 +52,27 @@ def test_update_runs_under_vmap_over_users_and_equals_per_user_updates():
     batches = [make_batch(jax.random.fold_in(k, 9), (True, i % 2 == 0, False)) for i, k in enumerate(keys)]
     stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
     apply = rj.make_apply_update(cfg)
-    p, o, l = (stack([s[i] for s in states]) for i in range(3))
-    vp, vo, vl, vm = jax.jit(jax.vmap(apply))(p, o, l, stack(batches))
+    vstate, _ = jax.jit(jax.vmap(apply))(stack(states), stack(batches))
     for u in range(n_users):
-        up, uo, ul, um = jax.jit(apply)(*states[u], batches[u])
-        for a, b in zip(jax.tree.leaves(up), jax.tree.leaves(jax.tree.map(lambda x: x[u], vp))):
+        ustate, _ = jax.jit(apply)(states[u], batches[u])
+        for a, b in zip(jax.tree.leaves(ustate), jax.tree.leaves(jax.tree.map(lambda x: x[u], vstate))):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert int(vl["step"][0]) == 1
+    np.testing.assert_array_equal(vstate.learner_state.step, [1] * n_users)
 
 
 def test_step_acts_cites_and_updates_under_jit():
     cfg = rj.Config(m=M, k=K, lr=1e-2)
-    params, opt_state, ls = setup(cfg)
+    state = setup(cfg)
     batch = make_batch(jax.random.key(2))
     gold = jnp.zeros((B, K), bool).at[:, :4].set(True)
-    inputs = {"q": batch["q"], "m": batch["m"], "mask": batch["mask"], "valid": batch["valid"], "gold": gold}
+    queries = rj.QueryBatch(q=batch.q, m=batch.m, mask=batch.mask, valid=batch.valid, gold=gold)
     cite_gold = lambda key, is_gold, filled: is_gold & filled
     step = jax.jit(rj.make_update_step(cfg, cite_gold))
-    p2, _, ls2, metrics = step(params, opt_state, ls, inputs, jax.random.key(3))
+    new, metrics = step(state, queries, jax.random.key(3))
     sel, cited = np.asarray(metrics["selected"]), np.asarray(metrics["cited"])
     np.testing.assert_array_equal(cited, sel < 4)  # exactly the gold ones were cited
-    assert int(ls2["step"]) == 1
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p2)))
+    assert int(new.learner_state.step) == 1
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params)))
 
 
 def test_running_mean_baseline_is_an_ema_used_before_its_update():
@@ -90,20 +88,19 @@ def test_running_mean_baseline_is_an_ema_used_before_its_update():
 
 def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
     cfg = rj.Config(m=M, k=K, clip=2.0)
-    params, opt_state, ls = setup(cfg)
+    state = setup(cfg)
     batch = make_batch(jax.random.key(4))
-    scores = rj.score_batch(params, batch["q"], batch["m"], batch["mask"])
-    sel, _, logp = act(cfg, scores, batch["mask"], jax.random.key(8))
-    from rmm_jax.core.update import importance_weights as iw
-    importance_weights = lambda c, p, b: iw(c, scores, b)
-    on = {**batch, "selected": sel, "logged_log_prob": logp, "has_logged": jnp.ones((B,), bool)}
-    np.testing.assert_array_equal(importance_weights(cfg, params, on), np.ones(B))
-    off = {**on, "logged_log_prob": logp - 5.0}  # logged policy found it far less likely
-    np.testing.assert_allclose(importance_weights(cfg, params, off), np.full(B, 2.0), rtol=1e-6)
-    low = {**on, "logged_log_prob": logp + 1.0}
-    np.testing.assert_allclose(importance_weights(cfg, params, low), np.full(B, np.exp(-1.0)), rtol=1e-5)
-    pad = {**on, "valid": jnp.array([True, False, True, False])}
-    np.testing.assert_array_equal(importance_weights(cfg, params, pad), [1, 0, 1, 0])
+    scores = rj.score_batch(state.params, batch.q, batch.m, batch.mask)
+    sel, _, logp = act(cfg, scores, batch.mask, jax.random.key(8))
+    weights = lambda b: importance_weights(cfg, scores, b)
+    on = batch._replace(selected=sel, logged_log_prob=logp, has_logged=jnp.ones((B,), bool))
+    np.testing.assert_array_equal(weights(on), np.ones(B))
+    off = on._replace(logged_log_prob=logp - 5.0)  # logged policy found it far less likely
+    np.testing.assert_allclose(weights(off), np.full(B, 2.0), rtol=1e-6)
+    low = on._replace(logged_log_prob=logp + 1.0)
+    np.testing.assert_allclose(weights(low), np.full(B, np.exp(-1.0)), rtol=1e-5)
+    pad = on._replace(valid=jnp.array([True, False, True, False]))
+    np.testing.assert_array_equal(weights(pad), [1, 0, 1, 0])
 
 
 @pytest.mark.parametrize("field, value", [("m", 30), ("tau", 0.0), ("tau", -1.0), ("k", 0),

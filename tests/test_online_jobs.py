@@ -9,9 +9,15 @@ import pytest
 
 import rmm_jax as rj
 from conftest import make_fake_store
-from rmm_jax.online import jobs
 from rmm_jax.data.citation_log import read_log, validate_record, write_log
+from rmm_jax.data.citations import oracle_cite
 from rmm_jax.data.store import open_store
+from rmm_jax.online.driver import ChunkDone, drive
+from rmm_jax.online.loop import make_run
+from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams
+from rmm_jax.online.run import run_online, simulate
+from rmm_jax.online.streams import load_streams, streams_from_log
+from rmm_jax.persist.policy_store import PolicyStore
 
 CFG = rj.Config(k=10, m=3, batch=4)
 
@@ -25,6 +31,14 @@ def leaves_equal(a, b):
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def one_chunk(streams, params, cite_fn=None, **kw) -> ChunkDone:
+    """The (only) completed chunk of a one-chunk run."""
+    program = make_run(CFG, cite_fn)
+    (done,) = [e for e in drive([streams], params, CFG, program, users_per_chunk=len(streams), **kw)
+               if isinstance(e, ChunkDone)]
+    return done
+
+
 def final_params(res):
     out = {}
     for ids, st in zip(res.chunk_users, res.states):
@@ -34,28 +48,28 @@ def final_params(res):
 
 
 def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tmp_path):
-    streams = jobs.load_streams(store, CFG.k)
+    streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    sim = jobs.simulate(streams, p0, CFG, precision=0.9, recall=0.8, seed=3, users_per_chunk=2, want_log=True)
+    sim = simulate(streams, p0, CFG, precision=0.9, recall=0.8, seed=3, users_per_chunk=2, want_log=True)
     log = tmp_path / "log.jsonl"
     write_log(log, [validate_record(r) for r in sim.records])
     records, _ = read_log(log)
-    rep = jobs.run_online(jobs.streams_from_log(store, records, CFG), p0, CFG, seed=3, users_per_chunk=2)
+    rep = run_online(streams_from_log(store, records, CFG), p0, CFG, seed=3, users_per_chunk=2)
     a, b = final_params(sim), final_params(rep)
     assert set(a) == set(b) == set(store.user_ids)
     for u in a:
         assert leaves_equal(a[u], b[u]), u
     assert sim.summary["recall@3"] == rep.summary["recall@3"]
     # and the updates did something
-    assert not leaves_equal(a[store.user_ids[0]][0], p0)
+    assert not leaves_equal(a[store.user_ids[0]].params, p0)
 
 
 def test_off_policy_log_probs_change_the_replayed_policy(store, tmp_path):
-    streams = jobs.load_streams(store, CFG.k)
+    streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    sim = jobs.simulate(streams[:1], p0, CFG, precision=0.9, recall=0.8, seed=1, want_log=True)
+    sim = simulate(streams[:1], p0, CFG, precision=0.9, recall=0.8, seed=1, want_log=True)
     recs = [validate_record({**r, "log_prob": r["log_prob"] - 1.0}) for r in sim.records]
-    rep = jobs.run_online(jobs.streams_from_log(store, recs, CFG), p0, CFG, seed=1)
+    rep = run_online(streams_from_log(store, recs, CFG), p0, CFG, seed=1)
     assert not leaves_equal(final_params(sim)[streams[0].user_id], final_params(rep)[streams[0].user_id])
 
 
@@ -63,57 +77,50 @@ def test_a_querys_own_citations_never_affect_its_prequential_score(store):
     # Replay the same logged stream twice, differing only in the citations of query t:
     # every query up to the end of t's batch is scored identically (its update comes
     # after), and later queries see a different policy.
-    streams = jobs.load_streams(store, CFG.k)
+    streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    sim = jobs.simulate(streams[:1], p0, CFG, precision=0.9, recall=0.8, seed=2, want_log=True)
+    sim = simulate(streams[:1], p0, CFG, precision=0.9, recall=0.8, seed=2, want_log=True)
     records = [validate_record(r) for r in sim.records]
     t = 9  # third batch (queries 8..11)
     flipped = list(records)
     r = records[t]
     flipped[t] = dataclasses.replace(r, cited=tuple(x for x in r.selected if x not in r.cited))
-    outs = []
-    for recs in (records, flipped):
-        s = jobs.streams_from_log(store, recs, CFG)
-        _, st, out = next(iter(jobs.run_streams(s, p0, CFG, users_per_chunk=1)))
-        outs.append((st, out))
-    (st_a, out_a), (st_b, out_b) = outs
-    ra, rb = out_a["recall"].reshape(-1), out_b["recall"].reshape(-1)
+    a, b = (one_chunk(streams_from_log(store, recs, CFG), p0) for recs in (records, flipped))
+    uid = streams[0].user_id
+    ra, rb = a.outputs[uid]["recall"], b.outputs[uid]["recall"]
     end = (t // CFG.batch + 1) * CFG.batch
     np.testing.assert_array_equal(ra[:end], rb[:end])
-    assert not leaves_equal(st_a[0], st_b[0])
+    assert not leaves_equal(a.states.params, b.states.params)
 
 
 def test_prequential_score_uses_the_policy_from_before_the_querys_batch(store):
     # Batch n's online scores equal a static evaluation with the params reached after
     # running only batches 0..n-1 (n: a later batch with some non-zero recall).
-    from rmm_jax.data.citations import oracle_cite
-    from rmm_jax.online.pretrain import eval_per_query
-
-    s = jobs.load_streams(store, CFG.k)[0]
+    s = load_streams(store, CFG.k)[0]
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
     cite = lambda k, g, f: oracle_cite(k, g, f, 0.9, 0.8)
     cut = lambda a, b: dataclasses.replace(s, queries=s.queries[a:b], cand=s.cand[a:b], cand_mask=s.cand_mask[a:b],
                                            cand_gold=s.cand_gold[a:b], num_gold=s.num_gold[a:b],
                                            valid=s.valid[a:b], query_ids=s.query_ids[a:b])
-    _, _, out = next(iter(jobs.run_streams([s], p0, CFG, seed=4, cite_fn=cite, users_per_chunk=1)))
+    recall = one_chunk([s], p0, cite_fn=cite, seed=4).outputs[s.user_id]["recall"]
     b = CFG.batch
     n_real = s.queries.shape[0] // b
-    n = next(i for i in range(2, n_real) if out["recall"][0, i].max() > 0)
-    _, st, _ = next(iter(jobs.run_streams([cut(0, n * b)], p0, CFG, seed=4, cite_fn=cite, users_per_chunk=1)))
-    params_before = jax.tree.map(lambda x: x[0], st[0])
+    n = next(i for i in range(2, n_real) if recall[i * b:(i + 1) * b].max() > 0)
+    st = one_chunk([cut(0, n * b)], p0, cite_fn=cite, seed=4).states
+    params_before = jax.tree.map(lambda x: x[0], st.params)
     nxt = cut(n * b, (n + 1) * b)
     data = {"q": nxt.queries, "m": nxt.bank[nxt.cand], "mask": nxt.cand_mask, "gold": nxt.cand_gold,
             "num_gold": nxt.num_gold}
     static_recall, _ = eval_per_query(params_before, data, CFG.m)
-    np.testing.assert_allclose(out["recall"][0, n], static_recall, rtol=1e-6)
+    np.testing.assert_allclose(recall[n * b:(n + 1) * b], static_recall, rtol=1e-6)
 
 
 def test_pretraining_raises_training_recall_and_keeps_the_best_epoch(store):
-    streams = jobs.load_streams(store, CFG.k)
+    streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    from rmm_jax.online.pretrain import PretrainConfig
-
-    best, hist, split = jobs.run_pretrain(streams, p0, PretrainConfig(epochs=15, m=3, batch_size=8), seed=0)
+    pcfg = PretrainConfig(epochs=15, m=3, batch_size=8)
+    train, val, split = split_streams(streams, pcfg.val_fraction, seed=0)
+    best, hist = pretrain(p0, train, val, pcfg, seed=0)
     assert set(split["train"]).isdisjoint(split["validation"]) and split["validation"]
     assert max(hist["train_recall"]) > hist["train_recall"][0]
     best_val = hist["val_recall"][hist["best_epoch"]]
@@ -121,6 +128,9 @@ def test_pretraining_raises_training_recall_and_keeps_the_best_epoch(store):
 
 
 def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
+    # embed-free chain on a fake store: pretrain → simulate (logging) → replay the log.
+    # Replaying a simulate log from the same start reproduces its policies bit for bit,
+    # from the pretrained start and from identity.
     from rmm_jax.cli.main import main
 
     def run(*args):
@@ -130,18 +140,26 @@ def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
             assert not e.code, capsys.readouterr().err
         return capsys.readouterr()
 
+    km = ("--k", "10", "--m", "3")
     st = make_fake_store(tmp_path / "st", users=3)
-    run("pretrain", str(st), "--out", str(tmp_path / "pol"), "--epochs", "2", "--k", "10", "--m", "3")
-    out = run("simulate", str(st), "--policies", str(tmp_path / "pol"), "--init", "pretrained", "--k", "10",
-              "--m", "3", "--log-out", str(tmp_path / "log.jsonl"), "--json")
+    pol = str(tmp_path / "pol")
+    run("pretrain", str(st), "--out", pol, "--epochs", "2", *km)
+    out = run("simulate", str(st), "--policies", pol, "--init", "pretrained", *km,
+              "--log-out", str(tmp_path / "log.jsonl"), "--json")
     summary = json.loads(out.out)
     assert summary["online"]["queries"] == summary["base"]["queries"] > 0
-    run("replay", str(st), "--log", str(tmp_path / "log.jsonl"), "--policies", str(tmp_path / "pol2"),
-        "--init", "identity", "--k", "10", "--m", "3")
-    run("simulate", str(st), "--policies", str(tmp_path / "pol3"), "--k", "10", "--m", "3",
-        "--log-out", str(tmp_path / "log3.jsonl"))
-    from rmm_jax.persist.policy_store import PolicyStore
+    simulated = {u: PolicyStore.open(pol).load_user(u).params for u in PolicyStore.open(pol).users()}
+    run("replay", str(st), "--log", str(tmp_path / "log.jsonl"), "--policies", pol, "--init", "pretrained", *km)
+    replayed = PolicyStore.open(pol)
+    assert set(simulated) == set(replayed.users()) and simulated
+    for u in simulated:
+        assert len(replayed.versions(u)) == 2  # a new version was written...
+        assert leaves_equal(replayed.load_user(u).params, simulated[u])  # ...with the same policy
 
+    run("simulate", str(st), "--policies", str(tmp_path / "pol3"), *km, "--log-out", str(tmp_path / "log3.jsonl"))
+    run("replay", str(st), "--log", str(tmp_path / "log3.jsonl"), "--policies", str(tmp_path / "pol2"),
+        "--init", "identity", *km)
     a, b = PolicyStore.open(tmp_path / "pol2"), PolicyStore.open(tmp_path / "pol3")
+    assert set(a.users()) == set(b.users()) and a.users()
     for u in a.users():
         assert leaves_equal(a.load_user(u).params, b.load_user(u).params)

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_fake_store
-from rmm_jax.persist.runstate import MESSAGE, RunState
+from rmm_jax.cli.signals import MESSAGE
+from rmm_jax.persist.runstate import RunState
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_store import PolicyStore
 

@@ -25,8 +25,10 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     import rmm_jax as rj
     from rmm_jax.data.citations import oracle_cite
-    from rmm_jax.online.loop import Stream, make_run, run_streams
+    from rmm_jax.online.driver import ChunkDone, drive
+    from rmm_jax.online.loop import make_run
     from rmm_jax.online.sharding import users_mesh
+    from rmm_jax.online.streams import Stream
 
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(0)
@@ -49,9 +51,10 @@ SCRIPT = textwrap.dedent("""
 
     def collect(mesh_arg):
         out = []
-        for chunk, states, outputs in run_streams(streams, params, cfg, seed=3, cite_fn=oracle_cite,
-                                                  users_per_chunk=8, mesh=mesh_arg, run_fn=run):
-            out.append((states, outputs))
+        chunks = [streams[:8], streams[8:]]
+        for e in drive(chunks, params, cfg, run, seed=3, users_per_chunk=8, mesh=mesh_arg):
+            if isinstance(e, ChunkDone):
+                out.append((e.states, e.outputs))
         return out
 
     plain, sharded = collect(None), collect(mesh)
@@ -70,7 +73,7 @@ SCRIPT = textwrap.dedent("""
             max_scaled = max(max_scaled, float(np.max(diff / np.maximum(1.0, np.abs(y)), initial=0.0)))
         else:
             discrete_equal &= bool(np.array_equal(x, y))
-    moved = float(np.max(np.abs(np.asarray(plain[0][0][0]["q_adapter"]["W"]["kernel"]))))
+    moved = float(np.max(np.abs(np.asarray(plain[0][0].params["q_adapter"]["W"]["kernel"]))))
     print("RESULT " + json.dumps({"bitwise": bool(bitwise), "max_diff": max_diff, "max_scaled_diff": max_scaled,
                                   "discrete_equal": discrete_equal, "leaves": len(a),
                                   "moved": moved, "devices": len(jax.devices())}))

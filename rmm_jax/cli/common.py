@@ -6,10 +6,15 @@ import json
 import sys
 
 import click
+from tqdm import tqdm
 
+from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS
+from rmm_jax.core.reranker import KINDS
+from rmm_jax.core.update import PRESETS, Config
 from rmm_jax.errors import InputError
+from rmm_jax.persist import runstate
 
-PRESET_NAMES = ("default", "paper")
+DEFAULTS = Config()
 
 
 def info(msg: str) -> None:
@@ -23,29 +28,27 @@ def emit_json(obj) -> None:
 
 def _preset_default(field: str) -> str:
     """'[default: X; paper: Y]' for a Config field set by the presets."""
-    from rmm_jax.core.update import Config
-
-    return f"[default: {getattr(Config(), field)}; paper: {getattr(Config.preset('paper'), field)}]"
+    return f"[default: {getattr(DEFAULTS, field)}; paper: {getattr(Config.preset('paper'), field)}]"
 
 
 def config_options(f):
     """Options that build a :class:`rmm_jax.Config`; unset ones come from --preset."""
     opts = [
-        click.option("--preset", type=click.Choice(PRESET_NAMES), default="default",
+        click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
                      help="Named setting: 'default' (chosen by measurement, see README) or 'paper' "
                           "(rewards ±1, b=0.5, tau=0.5, lr 1e-3, batch 4, per-item rmm log-prob)."),
-        click.option("--k", type=int, default=20, help="Candidates from the base retriever."),
-        click.option("--m", type=int, default=5, help="Memories shown to the generator (selected)."),
+        click.option("--k", type=int, default=DEFAULTS.k, help="Candidates from the base retriever."),
+        click.option("--m", type=int, default=DEFAULTS.m, help="Memories shown to the generator (selected)."),
         click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None, help=f"Sampling temperature > 0 {_preset_default('tau')}."),
         click.option("--lr", type=float, default=None, help=f"Adam learning rate {_preset_default('lr')}."),
-        click.option("--reward", type=click.Choice(["binary", "pm1"]), default=None,
+        click.option("--reward", type=click.Choice(REWARDS), default=None,
                      help=f"Citation reward: binary 1/0 or pm1 ±1 {_preset_default('reward')}."),
-        click.option("--baseline", type=click.Choice(["constant", "batch_mean", "running_mean", "query_mean"]),
+        click.option("--baseline", type=click.Choice(BASELINES),
                      default=None, help=f"REINFORCE baseline {_preset_default('baseline')}."),
-        click.option("--credit", type=click.Choice(["item", "reward_to_go", "selection"]), default=None,
+        click.option("--credit", type=click.Choice(CREDITS), default=None,
                      help=f"Credit assignment over the selection {_preset_default('credit')}."),
-        click.option("--kind", type=click.Choice(["linear", "mlp"]), default="linear",
+        click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.kind,
                      help="Reranker adapters (when creating a policy store)."),
         click.option("--seed", type=int, default=0, help="Run seed (per-user keys derive from it)."),
     ]
@@ -55,8 +58,6 @@ def config_options(f):
 
 
 def make_config(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, **_):
-    from rmm_jax.core.update import Config
-
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
     try:
@@ -70,15 +71,7 @@ def config_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def open_store(path, **kw):
-    from rmm_jax.data.store import open_store as _open
-
-    return _open(path, **kw)
-
-
 def progress_bar(total: int, desc: str, unit: str = "user"):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=total <= 0, leave=False)
 
 
@@ -100,9 +93,7 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
 
     The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
     input files, initial params) and the library versions; a resumed run must match."""
-    from rmm_jax.persist import runstate as checkpoint
-
     if checkpoint_every < 0:
         raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")
-    fp = {**options, **inputs, **checkpoint.versions()}
-    return checkpoint.RunState.begin(target, command, fp, resume=resume, notify=info)
+    fp = {**options, **inputs, **runstate.versions()}
+    return runstate.RunState.begin(target, command, fp, resume=resume, notify=info)

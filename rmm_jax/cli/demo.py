@@ -8,7 +8,15 @@ import click
 
 from rmm_jax.cli.common import config_dict, config_options, emit_json, info, make_config
 from rmm_jax.cli.main import cli
+from rmm_jax.data import load_spec
+from rmm_jax.data.embed import Embedder
+from rmm_jax.data.store import open_store, write_store
 from rmm_jax.errors import InputError
+from rmm_jax.online.compare import compare
+from rmm_jax.online.plot import plot_curves
+from rmm_jax.online.pretrain import PretrainConfig
+from rmm_jax.online.streams import load_streams
+from rmm_jax.persist.atomic import write_json
 
 
 def print_table(rows: dict, m: int, title: str) -> None:
@@ -45,14 +53,6 @@ def demo(out, users, sessions, turns, as_json, **opts):
     Example:
       rmm-jax demo --out runs/demo
     """
-    from rmm_jax.online import jobs
-    from rmm_jax.data import load_spec
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.persist.atomic import write_json
-    from rmm_jax.online.plot import plot_curves
-    from rmm_jax.online.pretrain import PretrainConfig
-    from rmm_jax.data.store import open_store, write_store
-
     if users < 4:
         raise InputError(f"need at least 4 users, got {users}", where="--users")
     cfg = make_config(**opts)
@@ -75,11 +75,11 @@ def demo(out, users, sessions, turns, as_json, **opts):
         st = open_store(store_path)
     else:
         info(f"[1/3] reusing embedding store {store_path}")
-    streams = jobs.load_streams(st, cfg.k)
+    streams = load_streams(st, cfg.k)
     half = len(streams) // 2
     train, evaluate = streams[:half], streams[half:]
     info(f"[2/3] pretraining on {len(train)} users; [3/3] online loop on {len(evaluate)} other users")
-    rows = jobs.compare(train, evaluate, cfg, PretrainConfig(m=cfg.m), seed=opts["seed"],
+    rows = compare(train, evaluate, cfg, PretrainConfig(m=cfg.m), seed=opts["seed"],
                         progress=lambda r: info(f"      row: {r}"))
     m = cfg.m
     curves = {name: s["curve"] for name, s in rows.items() if not name.startswith("_")}

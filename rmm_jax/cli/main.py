@@ -7,6 +7,7 @@ missing argument) are printed the same way: one ``error: ...`` line, status 2.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -14,9 +15,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import click
+import jax
 
-from rmm_jax.persist.runstate import Interrupted
+from rmm_jax.cli.signals import Interrupted
 from rmm_jax.errors import InputError
+from rmm_jax.version import __version__
 
 CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
 
@@ -39,32 +42,27 @@ def cli():
 @cli.command()
 def version():
     """Print the rmm-jax, JAX and device versions."""
-    import jax
-
-    from rmm_jax import __version__
-
     click.echo(f"rmm-jax {__version__} (jax {jax.__version__}, backend {jax.default_backend()})")
 
 
-def _register() -> None:
-    # Each verb lives in its own module and adds itself to `cli`.
-    import importlib
-
+def register_commands() -> None:
+    """Import every verb's module; each adds itself to :data:`cli` (they import ``cli`` from
+    here, so they cannot be imported at the top of this module)."""
     for name in COMMAND_MODULES:
         importlib.import_module(f"rmm_jax.cli.{name}")
 
 
-COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "demo"]
+COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "demo"]
 
 
 def main(argv=None) -> None:
-    _register()
+    register_commands()
     try:
         cli.main(args=argv, standalone_mode=False)
     except InputError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.persist.runstate)
+    except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.cli.signals)
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:

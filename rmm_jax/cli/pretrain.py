@@ -1,27 +1,69 @@
 """``rmm-jax pretrain``: offline supervised pretraining of the shared reranker."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import jax
 
-from rmm_jax.cli.common import begin_run_state, checkpoint_options, emit_json, info, open_store
+from rmm_jax.cli.common import DEFAULTS, begin_run_state, checkpoint_options, emit_json, info
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.signals import StopSignals
+from rmm_jax.core.reranker import KINDS, init_reranker
+from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
+from rmm_jax.online.pretrain import EpochDone, PretrainConfig, PretrainDone, PretrainState, pretrain_epochs, split_streams
+from rmm_jax.online.streams import load_streams
+from rmm_jax.persist.codec import tree_digest
+from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.runstate import RunState, file_digest
+
+PRETRAIN = PretrainConfig()
+CHECKPOINTED = ("params", "opt_state", "best_params")  # PretrainState fields saved as arrays
+
+
+def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: int, seed: int):
+    """Pretrain on ``streams`` (split by user), checkpointing every ``every`` epochs (0:
+    only on SIGINT/SIGTERM) and resuming from ``rs``; returns ``(best, history, split)``."""
+    train, val, split = split_streams(streams, pcfg.val_fraction, seed)
+    resume = None
+    if rs.restored is not None:
+        m, t = rs.restored.meta, rs.restored.trees
+        resume = PretrainState(m["epoch"], t["params"], t["opt_state"], t["best_params"], m["best"], m["since"],
+                               m["history"])
+        rs.notify(f"resuming from {rs.restored.path.name}: epoch {m['epoch']}")
+    nan = float("nan")
+    with StopSignals() as stop:
+        for event in pretrain_epochs(params, train, val, pcfg, seed=seed, resume=resume):
+            match event:
+                case PretrainDone(params=best, history=history):
+                    return best, history, split
+                case EpochDone(state=state, row=h):
+                    info(f"epoch {h['epoch']:3d}  loss {nan if h['loss'] is None else h['loss']:.4f}  "
+                         f"train R@{pcfg.m} {h['train_recall']:.4f}  "
+                         f"val R@{pcfg.m} {nan if h['val_recall'] is None else h['val_recall']:.4f}")
+                    if state.epoch == 0:  # the initial parameters: nothing to checkpoint yet
+                        continue
+                    if (every and state.epoch % every == 0) or stop.signum is not None:
+                        rs.save({k: getattr(state, k) for k in ("epoch", "best", "since", "history")},
+                                {k: getattr(state, k) for k in CHECKPOINTED})
+                    stop.check()
+    raise AssertionError("pretrain_epochs always ends with PretrainDone")
 
 
 @cli.command()
 @click.argument("store", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="New policy store directory to create.")
 @click.option("--users", default=None, help="Comma-separated user ids to train on (default: all).")
-@click.option("--epochs", type=int, default=30, help="Maximum epochs (early stopping on validation users).")
-@click.option("--lr", type=float, default=1e-3, help="AdamW learning rate.")
-@click.option("--weight-decay", type=float, default=1e-2, help="AdamW weight decay.")
-@click.option("--temperature", type=float, default=0.05, help="Listwise softmax temperature.")
-@click.option("--val-fraction", type=float, default=0.2, help="Fraction of users held out for early stopping.")
-@click.option("--patience", type=int, default=4, help="Epochs without validation gain before stopping.")
-@click.option("--k", type=int, default=20, help="Candidates from the base retriever.")
-@click.option("--m", type=int, default=5, help="Validation metric is Recall@m of the reranked top-m.")
-@click.option("--kind", type=click.Choice(["linear", "mlp"]), default="linear", help="Reranker adapters.")
+@click.option("--epochs", type=int, default=PRETRAIN.epochs, help="Maximum epochs (early stopping on validation users).")
+@click.option("--lr", type=float, default=PRETRAIN.lr, help="AdamW learning rate.")
+@click.option("--weight-decay", type=float, default=PRETRAIN.weight_decay, help="AdamW weight decay.")
+@click.option("--temperature", type=float, default=PRETRAIN.tau, help="Listwise softmax temperature.")
+@click.option("--val-fraction", type=float, default=PRETRAIN.val_fraction, help="Fraction of users held out for early stopping.")
+@click.option("--patience", type=int, default=PRETRAIN.patience, help="Epochs without validation gain before stopping.")
+@click.option("--k", type=int, default=DEFAULTS.k, help="Candidates from the base retriever.")
+@click.option("--m", type=int, default=PRETRAIN.m, help="Validation metric is Recall@m of the reranked top-m.")
+@click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.kind, help="Reranker adapters.")
 @click.option("--hidden", type=int, default=None, help="MLP hidden width (default: the embedding dim).")
 @click.option("--seed", type=int, default=0, help="Seed for initialisation, split and shuffling.")
 @checkpoint_options(1, "epochs")
@@ -38,23 +80,14 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     Example:
       rmm-jax pretrain store --out policies --epochs 30
     """
-    from rmm_jax import init_reranker
-    from rmm_jax.online.jobs import load_streams
-    from rmm_jax.persist.policy_store import PolicyStore
-    from rmm_jax.online.pretrain import PretrainConfig
-
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0), ("--temperature", temperature, temperature > 0),
                         ("--val-fraction", val_fraction, 0 <= val_fraction < 1), ("--patience", patience, patience >= 1),
                         ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
         if not ok:
             raise InputError(f"out of range: {v}", where=name)
-    from pathlib import Path
-
     o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
-    from rmm_jax.persist import runstate as checkpoint
-
     # (with --resume, an --out written just before a kill is checked against the result below)
-    written = resume and checkpoint.RunState.path_for(o).is_dir()
+    written = resume and RunState.path_for(o).is_dir()
     if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     st = open_store(store)
@@ -62,25 +95,22 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
                           patience=patience, val_fraction=val_fraction, m=m)
     params = init_reranker(jax.random.key(seed), st.dim, kind, hidden)
-    log = lambda h: info(f"epoch {h['epoch']:3d}  loss {h['loss'] if h['loss'] is not None else float('nan'):.4f}  "
-                         f"train R@{m} {h['train_recall']:.4f}  val R@{m} "
-                         f"{h['val_recall'] if h['val_recall'] is not None else float('nan'):.4f}")
     options = {"--users": users, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
                "--temperature": temperature, "--val-fraction": val_fraction, "--patience": patience, "--k": k,
                "--m": m, "--kind": kind, "--hidden": hidden, "--seed": seed}
     rs = begin_run_state(out, "pretrain", options, resume=resume, checkpoint_every=checkpoint_every,
-                         inputs={"STORE": checkpoint.file_digest(store)})
+                         inputs={"STORE": file_digest(store)})
     with rs:
         try:
-            best, history, split = checkpoint.run_pretrain(rs, streams, params, pcfg, every=checkpoint_every,
-                                                           seed=seed, progress=log)
+            best, history, split = train_and_checkpoint(rs, streams, params, pcfg, every=checkpoint_every,
+                                                        seed=seed)
         except ValueError as e:
             raise InputError(str(e), where=str(store)) from None
         meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None,
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
                            "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
         if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?
-            if checkpoint.tree_digest(PolicyStore.open(out).shared_params()) != checkpoint.tree_digest(best):
+            if tree_digest(PolicyStore.open(out).shared_params()) != tree_digest(best):
                 raise InputError("already exists and is not empty; choose a new policy store path",
                                  where=f"--out {out}")
             info(f"{out} was already written by the interrupted run")

@@ -1,4 +1,4 @@
-"""One online update: (params, opt_state, learner_state, batch, key) → new state, metrics.
+"""One online update: (UserState, Batch) → (UserState, metrics), and the Config that builds it.
 
 Everything here is a pure function of arrays, built once per :class:`Config` by
 :func:`make_update_step`; it runs under ``jit``, ``vmap`` (over users) and ``lax.scan``
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import optax
 
 from rmm_jax.core import _checks
-from rmm_jax.core.losses import (BASELINES, CREDITS, REWARDS, citation_rewards,
-                            reranker_reinforce_loss)
+from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS, citation_rewards, reinforce_loss
 from rmm_jax.core.reranker import KINDS, score_batch
 from rmm_jax.core.sampling import MODES, selection_log_prob, top_m
+from rmm_jax.core.types import Batch, LearnerState, QueryBatch, UserState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Config:
     lr: float = 3e-4
     optimizer: str = "adam"      # adam | sgd
     reward: str = "binary"       # binary | pm1
-    baseline: str = "batch_mean"  # constant | batch_mean | running_mean
+    baseline: str = "batch_mean"  # constant | batch_mean | running_mean | query_mean
     baseline_value: float = 0.5  # b for `constant`; start value for `running_mean`
     ema: float = 0.9             # running_mean decay
     mode: str = "plackett_luce"  # plackett_luce | rmm
@@ -81,11 +81,18 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.adam(cfg.lr) if cfg.optimizer == "adam" else optax.sgd(cfg.lr)
 
 
-def init_learner_state(key, cfg: Config):
-    """{"baseline": b₀, "step": 0, "key": key}: the per-user state besides params and optimiser."""
-    return {"baseline": jnp.asarray(cfg.baseline_value if cfg.baseline != "batch_mean" else 0.0, jnp.float32),
-            "step": jnp.asarray(0, jnp.int32),
-            "key": jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key}
+def init_learner_state(key, cfg: Config) -> LearnerState:
+    """The learner state of a new user: b₀, step 0 and the user's PRNG key data."""
+    return LearnerState(
+        baseline=jnp.asarray(cfg.baseline_value if cfg.baseline != "batch_mean" else 0.0, jnp.float32),
+        step=jnp.asarray(0, jnp.int32),
+        key=jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
+
+
+def init_user_state(params, key, cfg: Config, optimizer: optax.GradientTransformation | None = None) -> UserState:
+    """A new user's :class:`UserState`: ``params``, a fresh optimiser state and learner state."""
+    opt = optimizer or make_optimizer(cfg)
+    return UserState(params, opt.init(params), init_learner_state(key, cfg))
 
 
 def _mean_reward(rewards, filled):
@@ -93,7 +100,7 @@ def _mean_reward(rewards, filled):
     return jnp.where(n > 0, jnp.sum(jnp.where(filled, rewards, 0.0)) / jnp.maximum(n, 1), 0.0), n > 0
 
 
-def baseline_for(cfg: Config, learner_state, rewards, filled):
+def baseline_for(cfg: Config, learner_state: LearnerState, rewards, filled):
     """The baseline b for this batch and the next learner state's baseline.
 
     constant: b = cfg.baseline_value. batch_mean: b = mean reward of the batch's shown
@@ -104,19 +111,19 @@ def baseline_for(cfg: Config, learner_state, rewards, filled):
     """
     batch_mean, any_filled = _mean_reward(rewards, filled)
     if cfg.baseline == "constant":
-        return jnp.float32(cfg.baseline_value), learner_state["baseline"]
+        return jnp.float32(cfg.baseline_value), learner_state.baseline
     if cfg.baseline == "batch_mean":
-        return batch_mean, learner_state["baseline"]
+        return batch_mean, learner_state.baseline
     if cfg.baseline == "query_mean":
         n = jnp.sum(filled, axis=-1, keepdims=True)
         q_mean = jnp.sum(jnp.where(filled, rewards, 0.0), axis=-1, keepdims=True) / jnp.maximum(n, 1)
-        return q_mean, learner_state["baseline"]
-    ema = learner_state["baseline"]
+        return q_mean, learner_state.baseline
+    ema = learner_state.baseline
     new = jnp.where(any_filled, cfg.ema * ema + (1 - cfg.ema) * batch_mean, ema)
     return ema, new
 
 
-def importance_weights(cfg: Config, scores, batch):
+def importance_weights(cfg: Config, scores, batch: Batch):
     """Per-query weights: 0 for padding; clip(π/μ) where a behaviour log-prob μ is logged.
 
     π is the exact Plackett–Luce probability of the logged selection under the current
@@ -125,39 +132,57 @@ def importance_weights(cfg: Config, scores, batch):
     bit-identical).
     """
     lp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.tau, "plackett_luce", None, mk))(
-        scores, batch["selected"], batch["mask"])
-    diff = lp - batch["logged_log_prob"]
+        scores, batch.selected, batch.mask)
+    diff = lp - batch.logged_log_prob
     ratio = jnp.where(jnp.abs(diff) <= cfg.on_policy_tol, 1.0, jnp.exp(jnp.minimum(diff, jnp.log(cfg.clip))))
-    ratio = jnp.where(batch["has_logged"], ratio, 1.0)
-    return jax.lax.stop_gradient(jnp.where(batch["valid"], ratio, 0.0))
+    ratio = jnp.where(batch.has_logged, ratio, 1.0)
+    return jax.lax.stop_gradient(jnp.where(batch.valid, ratio, 0.0))
+
+
+def reranker_reinforce_loss(params, batch: Batch, baseline, weights, cfg: Config):
+    """:func:`rmm_jax.core.losses.reinforce_loss` on the reranker's scores of ``batch``."""
+    scores = score_batch(params, batch.q, batch.m, batch.mask)
+    rewards = citation_rewards(batch.cited, batch.selected >= 0, cfg.reward)
+    return reinforce_loss(scores, batch.selected, rewards, baseline, cfg.tau, mode=cfg.mode,
+                          credit=cfg.credit, gumbel=batch.gumbel, mask=batch.mask, weights=weights)
 
 
 def make_apply_update(cfg: Config, optimizer: optax.GradientTransformation | None = None):
-    """Build ``apply(params, opt_state, learner_state, batch) -> (params, opt_state, learner_state, metrics)``.
+    """Build ``apply(state, batch) -> (state, metrics)``: one REINFORCE + optimiser step.
 
-    ``batch`` holds: q (B,d), m (B,K,d), mask (B,K) bool, selected (B,M) int32 (−1 unfilled),
-    cited (B,M) bool, gumbel (B,K) noise on the score scale (used by mode ``rmm``),
-    valid (B,) bool, logged_log_prob (B,) and has_logged (B,) bool; optionally scores
-    (B,K), the current policy's scores if the caller already has them (saves a pass).
+    ``state`` is a :class:`UserState`, ``batch`` a :class:`Batch`; ``metrics`` is a dict
+    of scalars (loss, reward, baseline, cite_rate, grad_norm, weight).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> cfg = rj.Config(k=3, m=2)
+      >>> state = rj.init_user_state(rj.init_reranker(jax.random.key(0), 4), jax.random.key(1), cfg)
+      >>> b = rj.Batch(q=jnp.ones((1, 4)), m=jnp.eye(3, 4)[None], mask=jnp.ones((1, 3), bool),
+      ...              valid=jnp.ones(1, bool), selected=jnp.array([[0, 2]]), cited=jnp.array([[True, False]]),
+      ...              gumbel=jnp.zeros((1, 3)), logged_log_prob=jnp.zeros(1), has_logged=jnp.zeros(1, bool))
+      >>> new, metrics = rj.make_apply_update(cfg)(state, b)
+      >>> int(new.learner_state.step), float(metrics["cite_rate"])
+      (1, 0.5)
     """
     opt = optimizer or make_optimizer(cfg)
 
-    def apply(params, opt_state, learner_state, batch):
-        filled = (batch["selected"] >= 0) & batch["valid"][:, None]
-        rewards = citation_rewards(batch["cited"], filled, cfg.reward)
+    def apply(state: UserState, batch: Batch):
+        params, opt_state, learner_state = state
+        filled = (batch.selected >= 0) & batch.valid[:, None]
+        rewards = citation_rewards(batch.cited, filled, cfg.reward)
         b, new_baseline = baseline_for(cfg, learner_state, rewards, filled)
-        scores = batch["scores"] if "scores" in batch else score_batch(params, batch["q"], batch["m"], batch["mask"])
+        scores = batch.scores if batch.scores is not None else score_batch(params, batch.q, batch.m, batch.mask)
         weights = importance_weights(cfg, scores, batch)
-        batch = {**batch, "weight": weights}
-        loss, grads = jax.value_and_grad(reranker_reinforce_loss)(params, batch, jax.lax.stop_gradient(b), cfg)
+        loss, grads = jax.value_and_grad(reranker_reinforce_loss)(
+            params, batch, jax.lax.stop_gradient(b), weights, cfg)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        learner_state = {**learner_state, "baseline": new_baseline, "step": learner_state["step"] + 1}
+        learner_state = learner_state._replace(baseline=new_baseline, step=learner_state.step + 1)
         n = jnp.maximum(jnp.sum(filled), 1)
         metrics = {"loss": loss, "reward": jnp.sum(rewards) / n, "baseline": jnp.mean(b),
-                   "cite_rate": jnp.sum(batch["cited"] & filled) / n,
+                   "cite_rate": jnp.sum(batch.cited & filled) / n,
                    "grad_norm": optax.tree.norm(grads), "weight": jnp.mean(weights)}
-        return params, opt_state, learner_state, metrics
+        return UserState(params, opt_state, learner_state), metrics
 
     return apply
 
@@ -178,33 +203,32 @@ def act(cfg: Config, scores, mask, key):
     return selected, cfg.tau * g, logp
 
 
-def simulated_batch(cfg: Config, cite_fn, scores, batch, key):
-    """act → cite on a batch with gold labels; returns the batch :func:`make_apply_update` takes."""
+def simulated_batch(cfg: Config, cite_fn: CiteFn, scores, queries: QueryBatch, key) -> Batch:
+    """act → cite on queries with gold labels; returns the :class:`Batch` an update takes."""
     k_act, k_cite = jax.random.split(key)
-    selected, gumbel, logp = act(cfg, scores, batch["mask"], k_act)
-    filled = (selected >= 0) & batch["valid"][:, None]
-    is_gold = jnp.take_along_axis(batch["gold"], jnp.maximum(selected, 0), axis=1) & filled
+    selected, gumbel, logp = act(cfg, scores, queries.mask, k_act)
+    filled = (selected >= 0) & queries.valid[:, None]
+    is_gold = jnp.take_along_axis(queries.gold, jnp.maximum(selected, 0), axis=1) & filled
     cited = jax.vmap(cite_fn)(jax.random.split(k_cite, selected.shape[0]), is_gold, filled)
-    return {"q": batch["q"], "m": batch["m"], "mask": batch["mask"], "valid": batch["valid"],
-            "selected": selected, "cited": cited, "gumbel": gumbel, "scores": scores,
-            "logged_log_prob": logp, "has_logged": jnp.zeros_like(batch["valid"])}
+    return Batch(q=queries.q, m=queries.m, mask=queries.mask, valid=queries.valid, selected=selected,
+                 cited=cited, gumbel=gumbel, logged_log_prob=logp,
+                 has_logged=jnp.zeros_like(queries.valid), scores=scores)
 
 
 def make_update_step(cfg: Config, cite_fn: CiteFn, optimizer=None):
-    """Build ``step(params, opt_state, learner_state, batch, key)``: act → cite → update.
+    """Build ``step(state, queries, key) -> (state, metrics)``: act → cite → update.
 
-    ``batch`` holds q, m, mask, valid and gold (B,K) bool (what the citation source may
-    look at). ``cite_fn(key, is_gold, filled)`` returns which shown memories are cited,
-    e.g. :func:`rmm_jax.data.citations.oracle_cite` with its noise settings bound.
-    The metrics include the selection, citations and behaviour log-prob (for logging).
+    ``queries`` is a :class:`QueryBatch` (gold is what the citation source may look
+    at). ``cite_fn(key, is_gold, filled)`` returns which shown memories are cited, e.g.
+    :func:`rmm_jax.data.citations.oracle_cite` with its noise settings bound. The
+    metrics include the selection, citations and behaviour log-prob (for logging).
     """
     apply = make_apply_update(cfg, optimizer)
 
-    def step(params, opt_state, learner_state, batch, key):
-        scores = score_batch(params, batch["q"], batch["m"], batch["mask"])
-        full = simulated_batch(cfg, cite_fn, scores, batch, key)
-        params, opt_state, learner_state, metrics = apply(params, opt_state, learner_state, full)
-        return params, opt_state, learner_state, {
-            **metrics, "selected": full["selected"], "cited": full["cited"], "log_prob": full["logged_log_prob"]}
+    def step(state: UserState, queries: QueryBatch, key):
+        scores = score_batch(state.params, queries.q, queries.m, queries.mask)
+        full = simulated_batch(cfg, cite_fn, scores, queries, key)
+        state, metrics = apply(state, full)
+        return state, {**metrics, "selected": full.selected, "cited": full.cited, "log_prob": full.logged_log_prob}
 
     return step

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rmm_jax.persist.atomic import atomic_file
+
 
 def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "query in stream (per user)") -> None:
     """Write a PNG with one line per named curve, atomically."""
-    import matplotlib
+    import matplotlib  # lazy: slow to import, and Agg must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from rmm_jax.persist.atomic import atomic_file
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for name, ys in curves.items():

@@ -9,9 +9,10 @@ One epoch is one jitted ``lax.scan`` over shuffled minibatches.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,19 +111,38 @@ def make_epoch(cfg: PretrainConfig, optimizer):
     return epoch
 
 
-def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0,
-             progress: Callable[[dict], None] | None = None, resume: dict | None = None,
-             on_epoch: Callable[[dict], None] | None = None):
-    """Supervised listwise pretraining with early stopping.
+class PretrainState(NamedTuple):
+    """Where pretraining stands after ``epoch`` epochs (what a checkpoint holds)."""
+    epoch: int
+    params: Any
+    opt_state: Any
+    best_params: Any
+    best: float               # best validation (or, without validation users, training) Recall@m
+    since: int                # epochs since ``best`` improved
+    history: dict             # per-epoch loss, train_recall, val_recall; best_epoch
 
-    Returns ``(best_params, history)``; history has per-epoch ``loss``, ``train_recall``,
-    ``val_recall`` (None without validation users) and ``best_epoch``. Epoch 0 is the
-    initial parameters (the base retriever), so early stopping can keep them.
 
-    ``on_epoch(state)`` is called after every epoch with the whole loop state (``epoch``,
-    ``params``, ``opt_state``, ``best_params``, ``best``, ``since``, ``history``);
-    ``resume=state`` continues from it with the same result, bit for bit, as a run that
-    was never stopped (epoch e always shuffles with ``fold_in(key(seed), e)``).
+class EpochDone(NamedTuple):
+    """Epoch ``state.epoch`` finished (epoch 0: the initial parameters, evaluated)."""
+    state: PretrainState
+    row: dict                 # {epoch, loss, train_recall, val_recall}
+
+
+class PretrainDone(NamedTuple):
+    """Training stopped: the best parameters (host arrays) and the history."""
+    params: Any
+    history: dict
+
+
+def pretrain_epochs(params, train_streams, val_streams, cfg: PretrainConfig = PretrainConfig(), *,
+                    seed: int = 0, resume: PretrainState | None = None) -> Iterator[EpochDone | PretrainDone]:
+    """Supervised listwise pretraining with early stopping, one event per epoch.
+
+    Epoch 0 is the initial parameters (the base retriever), so early stopping can keep
+    them. ``resume`` (a yielded state) continues with the same result, bit for bit, as
+    a run that was never stopped (epoch e always shuffles with ``fold_in(key(seed), e)``).
+    The last event is a :class:`PretrainDone`; without validation users it holds the
+    last epoch's parameters (nothing to select on).
     """
     train = labelled_queries(train_streams)
     if train["q"].shape[0] == 0:
@@ -131,43 +151,58 @@ def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainC
     if val is not None and val["q"].shape[0] == 0:
         val = None
     optimizer = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
-    opt_state = optimizer.init(params)
     data = jax.device_put(_pad_rows(train, cfg.batch_size))
     val_dev = jax.device_put(val) if val is not None else None
     epoch_fn = make_epoch(cfg, optimizer)
-    history = {"loss": [], "train_recall": [], "val_recall": [], "best_epoch": 0}
 
-    def record(loss):
+    def evaluate(params, loss, history):
         tr = float(eval_recall(params, data, cfg.m))
         vr = float(eval_recall(params, val_dev, cfg.m)) if val_dev is not None else None
         history["loss"].append(loss)
         history["train_recall"].append(tr)
         history["val_recall"].append(vr)
-        if progress:
-            progress({"epoch": len(history["loss"]) - 1, "loss": loss, "train_recall": tr, "val_recall": vr})
-        return vr if vr is not None else tr
+        row = {"epoch": len(history["loss"]) - 1, "loss": loss, "train_recall": tr, "val_recall": vr}
+        return (vr if vr is not None else tr), row
 
     if resume is None:
-        best = record(None)
-        best_params, since, e = params, 0, 0
+        history = {"loss": [], "train_recall": [], "val_recall": [], "best_epoch": 0}
+        best, row = evaluate(params, None, history)
+        state = PretrainState(0, params, optimizer.init(params), params, best, 0, history)
+        yield EpochDone(state, row)
     else:
-        import copy
-
-        params, opt_state, best_params = resume["params"], resume["opt_state"], resume["best_params"]
-        best, since, e, history = resume["best"], resume["since"], resume["epoch"], copy.deepcopy(resume["history"])
+        state = resume._replace(history=copy.deepcopy(resume.history))
     key = jax.random.key(seed)
-    while e < cfg.epochs and not (val_dev is not None and since >= cfg.patience):
-        e += 1
-        params, opt_state, loss = epoch_fn(params, opt_state, data, jax.random.fold_in(key, e))
-        score_e = record(float(loss))
-        if score_e > best:
-            best, best_params, since = score_e, params, 0
+    while state.epoch < cfg.epochs and not (val_dev is not None and state.since >= cfg.patience):
+        e = state.epoch + 1
+        params, opt_state, loss = epoch_fn(state.params, state.opt_state, data, jax.random.fold_in(key, e))
+        history = state.history
+        score_e, row = evaluate(params, float(loss), history)
+        if score_e > state.best:
             history["best_epoch"] = e
+            state = state._replace(best=score_e, best_params=params, since=0)
         else:
-            since += 1
-        if on_epoch is not None:
-            on_epoch({"epoch": e, "params": params, "opt_state": opt_state, "best_params": best_params,
-                      "best": best, "since": since, "history": history})
+            state = state._replace(since=state.since + 1)
+        state = state._replace(epoch=e, params=params, opt_state=opt_state, history=history)
+        yield EpochDone(state, row)
     if val_dev is None:  # nothing to select on: keep the last epoch
-        best_params, history["best_epoch"] = params, len(history["loss"]) - 1
-    return jax.device_get(best_params), history
+        state.history["best_epoch"] = len(state.history["loss"]) - 1
+        yield PretrainDone(jax.device_get(state.params), state.history)
+    else:
+        yield PretrainDone(jax.device_get(state.best_params), state.history)
+
+
+def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0):
+    """Run :func:`pretrain_epochs` to the end; returns ``(best_params, history)``.
+
+    History has per-epoch ``loss``, ``train_recall``, ``val_recall`` (None without
+    validation users) and ``best_epoch``.
+    """
+    *_, done = pretrain_epochs(params, train_streams, val_streams, cfg, seed=seed)
+    return done.params, done.history
+
+
+def split_streams(streams, val_fraction: float, seed: int = 0) -> tuple[list, list, dict]:
+    """``(train streams, validation streams, {"train": ids, "validation": ids})``, split by user."""
+    train_ids, val_ids = split_users([s.user_id for s in streams], val_fraction, seed)
+    by_id = {s.user_id: s for s in streams}
+    return [by_id[u] for u in train_ids], [by_id[u] for u in val_ids], {"train": train_ids, "validation": val_ids}

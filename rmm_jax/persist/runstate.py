@@ -25,34 +25,35 @@ per-query outputs in ``done/cNNNNNN.npz``, written once when the chunk completes
 the summary and, for simulate, the log records), and for the chunk in progress the
 stacked per-user ``(params, opt_state, learner_state)``, the segment reached and its
 outputs so far. Segments are compiled calls of a fixed number of batches (see
-:func:`rmm_jax.online.loop.run_streams`), so a resumed run makes the same calls on the same
+:func:`rmm_jax.online.driver.drive`), so a resumed run makes the same calls on the same
 inputs as an uninterrupted one. For pretrain: the epoch, params, optimiser state, best
 params and the early-stopping history.
 
-This module is the I/O edge; the compute (:mod:`rmm_jax.online.jobs`) only sees progress
-objects and callbacks.
+This module only saves and restores what it is handed; the caller (the CLI, reading the
+events of :func:`rmm_jax.online.driver.drive`) decides when.
 """
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import signal
-import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
-from rmm_jax.persist import checksums
-from rmm_jax.persist.checksums import CHECKSUM_FILE
 from rmm_jax.errors import InputError
-from rmm_jax.persist.atomic import _fsync_dir, write_json
+from rmm_jax.persist import checksums
+from rmm_jax.persist.atomic import atomic_file, fsync_dir, write_json
+from rmm_jax.persist.checksums import CHECKSUM_FILE
+from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
+from rmm_jax.persist.lock import WriterLock
+from rmm_jax.version import __version__
 
 FORMAT = "rmm-jax-run-state"
 FORMAT_VERSION = 1
@@ -62,49 +63,6 @@ META_FILE = "meta.json"
 ARRAYS_DIR = "arrays"
 LOCK_FILE = ".lock"
 DONE_DIR = "done"
-MESSAGE = "interrupted; resume with --resume"
-
-
-class Interrupted(Exception):
-    """Raised after SIGINT/SIGTERM once the progress is checkpointed."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        self.exit_code = 128 + signum
-        super().__init__(MESSAGE)
-
-
-class StopSignals:
-    """Within ``with``: SIGINT/SIGTERM only set a flag, checked by :meth:`check` between
-    compiled calls (after the checkpoint); a second signal exits at once (the last
-    checkpoint stays valid). Outside the main thread this does nothing."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            sys.stderr.write(MESSAGE + "\n")
-            sys.stderr.flush()
-            os._exit(128 + signum)
-        self.signum = signum
-
-    def check(self) -> None:
-        if self.signum is not None:
-            raise Interrupted(self.signum)
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-        return False
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -123,24 +81,7 @@ def file_digest(*paths) -> str:
     return h.hexdigest()
 
 
-def tree_digest(tree) -> str:
-    """sha256 of a pytree's structure and leaves (dtype, shape, bytes)."""
-    import jax
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    h = hashlib.sha256(str(treedef).encode())
-    for x in leaves:
-        a = np.ascontiguousarray(np.asarray(x))
-        h.update(f"{a.dtype}{a.shape}".encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
 def versions() -> dict:
-    import jax
-
-    from rmm_jax import __version__
-
     return {"rmm-jax version": __version__, "jax version": jax.__version__, "backend": jax.default_backend()}
 
 
@@ -187,7 +128,7 @@ class RunState:
         self.notify = notify or (lambda msg: None)
         self.restored: Checkpoint | None = None
         self.saved = 0
-        self._fd: int | None = None
+        self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error)
 
     @staticmethod
     def path_for(target) -> Path:
@@ -228,33 +169,22 @@ class RunState:
 
     def _lock(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            os.close(fd)
-            raise InputError(f"in use by pid {holder.get('pid', '?')} (another run on the same policies is "
-                             "running; retry when it ends)", where=str(self.path)) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid()}).encode(), 0)
-        self._fd = fd
+        self._writer.acquire()
         for p in self.path.iterdir():  # leftovers of a killed writer
             if p.name.startswith(".tmp-"):
                 shutil.rmtree(p, ignore_errors=True)
 
+    def _in_use_error(self, holder: dict) -> InputError:
+        return InputError(f"in use by pid {holder.get('pid', '?')} (another run on the same policies is "
+                          "running; retry when it ends)", where=str(self.path))
+
     def close(self) -> None:
         """Release the lock; an empty run-state directory (nothing saved) is removed."""
-        if self._fd is None:
+        if not self._writer.held:
             return
         if self.path.is_dir() and not self._snapshots():
             shutil.rmtree(self.path, ignore_errors=True)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
+        self._writer.release()
 
     def finish(self) -> None:
         """The run completed: remove the run-state directory and release the lock."""
@@ -268,8 +198,6 @@ class RunState:
 
     def save_done(self, chunk: int, outputs: dict) -> None:
         """Store completed chunk ``chunk``'s per-user outputs ``{user: {key: (T, ...)}}``."""
-        from rmm_jax.persist.atomic import atomic_file
-
         users = list(outputs)
         keys = sorted(outputs[users[0]]) if users else []
         arrays = {f"k_{k}": np.concatenate([outputs[u][k] for u in users]) for k in keys}
@@ -314,10 +242,6 @@ class RunState:
     def save(self, meta: dict, trees: dict[str, Any]) -> Path:
         """Write a checkpoint of ``meta`` (JSON) and ``trees`` (pytrees); atomic; keeps the
         newest :data:`KEEP`."""
-        import orbax.checkpoint as ocp
-
-        from rmm_jax.persist.policy_store import encode_tree
-
         snaps = self._snapshots()
         step = (snaps[-1][0] + 1) if snaps else 1
         specs, arrays = {}, {}
@@ -335,7 +259,7 @@ class RunState:
             checksums.write_checksums(tmp)
             dest = self.path / f"s{step:08d}"
             os.rename(tmp, dest)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -366,10 +290,6 @@ class RunState:
                          + f"); remove {self.path} to start over", where=str(self.path))
 
     def _read(self, step: int, snap: Path) -> Checkpoint:
-        import orbax.checkpoint as ocp
-
-        from rmm_jax.persist.policy_store import decode_tree, leaf_specs
-
         doc = json.loads((snap / META_FILE).read_text())
         if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not a {FORMAT} v{FORMAT_VERSION} checkpoint")
@@ -392,68 +312,3 @@ class RunState:
                     raise ValueError(f"{n} leaf {i}: dtype {leaves[i].dtype}, expected {ls['dtype']}")
             trees[n] = decode_tree(spec, leaves)
         return Checkpoint(step, snap, doc["meta"], trees)
-
-
-# --------------------------------------------------------------------------- online runs
-
-
-def progress_to_checkpoint(p) -> tuple[dict, dict]:
-    """A :class:`rmm_jax.online.jobs.RunProgress` as checkpoint ``(meta, trees)``."""
-    meta = {"chunks_done": p.chunks_done, "segments_done": p.chunk.segments_done if p.chunk is not None else 0}
-    trees = {"states": p.chunk.states if p.chunk is not None else None,
-             "outputs": p.chunk.outputs if p.chunk is not None else None}
-    return meta, trees
-
-
-def progress_from_checkpoint(ck: Checkpoint):
-    from rmm_jax.online.jobs import RunProgress
-    from rmm_jax.online.loop import ChunkProgress
-
-    m, t = ck.meta, ck.trees
-    chunk = ChunkProgress(m["segments_done"], t["states"], t["outputs"]) if m["segments_done"] else None
-    return RunProgress(m["chunks_done"], chunk)
-
-
-def run_chunks(rs: RunState, chunks, params, cfg, *, segment_batches: int | None, **kw) -> tuple[dict, dict]:
-    """:func:`rmm_jax.online.jobs.run_chunks` with a checkpoint after every segment and every
-    completed chunk, resumed from ``rs.restored``; raises :class:`Interrupted` after the
-    checkpoint that follows a SIGINT/SIGTERM."""
-    from rmm_jax.online import jobs
-
-    resume = None
-    if rs.restored is not None:
-        resume = progress_from_checkpoint(rs.restored)
-        c = resume.chunk
-        rs.notify(f"resuming from {rs.restored.path.name}: {resume.chunks_done} users chunks done"
-                  + (f", users chunk {resume.chunks_done + 1} at segment {c.segments_done}" if c else ""))
-    with StopSignals() as stop:
-        def on_progress(p):
-            rs.save(*progress_to_checkpoint(p))
-            stop.check()
-
-        return jobs.run_chunks(chunks, params, cfg, segment_batches=segment_batches or None, resume=resume,
-                               on_progress=on_progress, save_done=rs.save_done, load_done=rs.load_done, **kw)
-
-
-# --------------------------------------------------------------------------- pretrain
-
-
-def run_pretrain(rs: RunState, streams, params, pcfg, *, every: int, seed: int, progress=None):
-    """:func:`rmm_jax.online.jobs.run_pretrain` with a checkpoint every ``every`` epochs (0:
-    only on a signal), resumed from ``rs.restored``."""
-    from rmm_jax.online import jobs
-
-    resume = None
-    if rs.restored is not None:
-        m, t = rs.restored.meta, rs.restored.trees
-        resume = {**m, **t}
-        rs.notify(f"resuming from {rs.restored.path.name}: epoch {m['epoch']}")
-    with StopSignals() as stop:
-        def on_epoch(state):
-            if (every and state["epoch"] % every == 0) or stop.signum is not None:
-                rs.save({k: state[k] for k in ("epoch", "best", "since", "history")},
-                        {k: state[k] for k in ("params", "opt_state", "best_params")})
-            stop.check()
-
-        return jobs.run_pretrain(streams, params, pcfg, seed=seed, progress=progress, resume=resume,
-                                 on_epoch=on_epoch)

@@ -1,0 +1,136 @@
+"""The host driver: chunks of users through the compiled loop, as a stream of events.
+
+:func:`drive` takes an iterable of stream chunks and runs each through the program that
+:func:`rmm_jax.online.loop.make_run` built, in segments of a fixed number of batches.
+It saves nothing and calls nothing back: it *yields* what happened, and the caller
+decides what to keep::
+
+    program = make_run(cfg, cite_fn)                  # built once
+    for event in drive(chunks, params, cfg, program, segment_batches=16, resume=resume):
+        match event:
+            case SegmentDone():   runstate.save(...)        # a resumable point in a chunk
+            case ChunkSkipped():  outputs = runstate.load_done(event.chunk)
+            case ChunkDone():     policies.save(...); log.write(...)
+
+Determinism: every user's PRNG key derives from the seed and its id, batch i samples
+with ``fold_in(key, i)``, and segments are fixed-size compiled calls, so a run resumed
+from a :class:`SegmentDone` makes the same calls on the same inputs as an uninterrupted
+one: its results are bit-identical.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rmm_jax.core.types import UserState
+from rmm_jax.core.update import Config
+from rmm_jax.online.loop import init_states, per_query, segment_plan
+from rmm_jax.online.sharding import shard_users
+from rmm_jax.online.streams import Stream, pad_streams, stream_batches, user_key
+
+OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")  # per-query outputs kept per user
+
+
+class Resume(NamedTuple):
+    """Where an interrupted run stands: ``chunks_done`` chunks are complete; the next one
+    has run ``segments_done`` segments, reaching ``states`` (padded users axis) with the
+    raw ``outputs`` of those segments (batches on axis 1)."""
+    chunks_done: int
+    segments_done: int = 0
+    states: UserState | None = None
+    outputs: dict | None = None
+
+
+class SegmentDone(NamedTuple):
+    """A segment of chunk ``chunk`` ran and more remain: a point to checkpoint."""
+    chunk: int
+    segments_done: int
+    states: UserState         # stacked over the padded users axis, host arrays
+    outputs: dict             # raw outputs of the chunk's segments so far
+
+    def resume(self) -> Resume:
+        return Resume(self.chunk, self.segments_done, self.states, self.outputs)
+
+
+class ChunkDone(NamedTuple):
+    """Chunk ``chunk`` ran to the end of every stream."""
+    chunk: int
+    streams: list[Stream]
+    states: UserState         # final states, users axis first (padding users removed), host arrays
+    outputs: dict             # user id -> {key in OUTPUT_KEYS: (T_user, ...) array}
+
+    def resume(self) -> Resume:
+        return Resume(self.chunk + 1)
+
+
+class ChunkSkipped(NamedTuple):
+    """Chunk ``chunk`` was completed before the run was resumed; its outputs are the caller's."""
+    chunk: int
+    streams: list[Stream]
+
+
+Event = SegmentDone | ChunkDone | ChunkSkipped
+
+
+def drive(chunks: Iterable[Sequence[Stream]], params, cfg: Config, program, *, seed: int = 0,
+          users_per_chunk: int = 8, segment_batches: int | None = None, resume: Resume | None = None,
+          mesh=None) -> Iterator[Event]:
+    """Run ``program`` (:func:`rmm_jax.online.loop.make_run`) over ``chunks``, each at
+    most ``users_per_chunk`` streams.
+
+    Streams that carry logged selections are replayed (the program must be built
+    without a citation function). Every user starts from ``params`` with a fresh
+    optimiser and ``user_key(seed, user_id)``.
+    Each chunk runs as equal segments of at most ``segment_batches`` batches
+    (:func:`rmm_jax.online.loop.segment_plan`; None: one segment), one compiled call
+    each, with the states brought to the host in between. ``resume`` skips the chunks
+    it counts as done and continues the next one from its segment. ``mesh`` (a 1-D
+    ``users`` mesh, :mod:`rmm_jax.online.sharding`) shards each chunk over devices.
+    Memory holds one chunk.
+    """
+    for ci, streams in enumerate(c for c in map(list, chunks) if c):
+        if len(streams) > users_per_chunk:
+            raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
+        if resume is not None and ci < resume.chunks_done:
+            yield ChunkSkipped(ci, streams)
+            continue
+        seg, n_seg = segment_plan(stream_batches(streams, cfg), segment_batches)
+        n_batches = seg if segment_batches else None
+        data = pad_streams(streams, cfg, users_per_chunk, batches_multiple=seg)
+        parts, first = [], 0
+        if resume is not None and ci == resume.chunks_done and resume.segments_done > 0:
+            states, parts, first = resume.states, [resume.outputs], resume.segments_done
+        else:
+            ids = [s.user_id for s in streams] + [f"<pad{i}>" for i in range(users_per_chunk - len(streams))]
+            states = init_states(params, cfg, jnp.stack([user_key(seed, u) for u in ids]))
+        if mesh is not None:
+            data = shard_users(data, mesh)
+        for s in range(first, n_seg):
+            if mesh is not None:
+                states = shard_users(states, mesh)
+            states, out = _fetch(program(states, data, s * seg, n_batches=n_batches))
+            parts.append(out)
+            if s + 1 < n_seg:
+                yield SegmentDone(ci, s + 1, states, _concat(parts))
+        n = len(streams)
+        flat = per_query(_concat(parts))
+        outputs = {st.user_id: {k: np.array(flat[k][i, :st.queries.shape[0]]) for k in OUTPUT_KEYS if k in flat}
+                   for i, st in enumerate(streams)}
+        yield ChunkDone(ci, streams, jax.tree.map(lambda x: x[:n], states), outputs)
+
+
+def _concat(parts: list) -> dict:
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *parts)
+
+
+def _fetch(tree):
+    """``device_get`` that waits in short sleeps, so that Python signal handlers (e.g. a
+    second Ctrl-C) run while a long jitted call is in flight."""
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "is_ready")]
+    while not all(x.is_ready() for x in leaves):
+        time.sleep(0.002)
+    return jax.device_get(tree)

@@ -1,0 +1,299 @@
+"""Streams: each user's queries in order, with their retrieved candidates, on the host.
+
+The online data flow is dataset → embedding store → **streams** → compiled loop. A
+:class:`Stream` is one user's unpadded arrays; :func:`pad_streams` stacks a chunk of
+them into the fixed-shape :class:`ChunkData` the compiled loop takes. Streams come from
+an embedding store (:func:`store_chunks`, :func:`load_streams`: simulate, pretrain) or
+from a citation log (:func:`log_chunks`, :func:`streams_from_log`: replay), and a run's
+per-query outputs go back to log records with :func:`log_records`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from rmm_jax.core.update import Config
+from rmm_jax.data.citation_log import LogRecord, NotGroupedError, iter_user_chunks, read_log
+from rmm_jax.data.retrieval import retrieve_candidates
+from rmm_jax.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One user's online stream on host memory (unpadded).
+
+    ``cand`` indexes ``bank``; ``selected`` indexes positions within ``cand`` (replay only).
+    """
+    user_id: str
+    bank: np.ndarray           # (N, d) float32 memory embeddings
+    queries: np.ndarray        # (T, d) float32, in stream order
+    cand: np.ndarray           # (T, K) int32 base-retriever candidates, best first
+    cand_mask: np.ndarray      # (T, K) bool
+    cand_gold: np.ndarray      # (T, K) bool
+    num_gold: np.ndarray       # (T,) int32 gold memories in the whole bank
+    valid: np.ndarray          # (T,) bool: counts in metrics (has gold, not abstention)
+    memory_ids: tuple = ()
+    query_ids: tuple = ()
+    selected: np.ndarray | None = None         # (T, M) int32 positions in cand, -1 unfilled
+    cited: np.ndarray | None = None            # (T, M) bool
+    logged_log_prob: np.ndarray | None = None  # (T,) float32
+    has_logged: np.ndarray | None = None       # (T,) bool
+    present: np.ndarray | None = None          # (T,) bool: query takes part in updates
+
+
+class ChunkData(NamedTuple):
+    """A chunk of streams padded to fixed shapes, users axis first: the compiled loop's input.
+
+    U users (padded to the chunk size), T = B·n_batches queries (padded), N memories.
+    The replay fields are None for a simulated run.
+    """
+    bank: np.ndarray                 # (U, N, d) float32
+    q: np.ndarray                    # (U, T, d) float32
+    cand: np.ndarray                 # (U, T, K) int32
+    mask: np.ndarray                 # (U, T, K) bool
+    gold: np.ndarray                 # (U, T, K) bool
+    num_gold: np.ndarray             # (U, T) int32
+    eval: np.ndarray                 # (U, T) bool: counts in the prequential metrics
+    present: np.ndarray              # (U, T) bool: takes part in updates
+    selected: np.ndarray | None = None         # (U, T, M) int32
+    cited: np.ndarray | None = None            # (U, T, M) bool
+    logged_log_prob: np.ndarray | None = None  # (U, T) float32
+    has_logged: np.ndarray | None = None       # (U, T) bool
+
+
+def user_key(seed: int, user_id: str):
+    """Per-user PRNG key from the run seed and a stable hash of the user id.
+
+    Depends on the user, not on its position in a chunk, so chunking, sharding and
+    resuming never change a user's random stream.
+    """
+    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(user_id.encode()) & 0x7FFFFFFF)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest size ≥ max(n, minimum) of the form j·2^e with j ∈ {4..7}: four buckets
+    per octave, so padding wastes at most 25% while lengths inside a bucket share one
+    compiled program."""
+    n = max(int(n), minimum, 1)
+    if n <= 8:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+def stream_batches(streams: Sequence[Stream], cfg: Config) -> int:
+    """Padded number of batches of a chunk of streams (see :func:`pad_streams`)."""
+    return bucket(max(-(-s.queries.shape[0] // cfg.batch) for s in streams), 4)
+
+
+def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
+                batches_multiple: int = 1) -> ChunkData:
+    """Stack streams into a :class:`ChunkData` of fixed shapes.
+
+    The replay fields are filled when the streams carry logged selections (from a log).
+    Users are padded to ``users_per_chunk`` (dummy users have no valid query), stream
+    length to B·bucket(⌈T/B⌉) (rounded to a multiple of ``batches_multiple`` batches) and
+    the bank to bucket(N).
+    """
+    assert 1 <= len(streams) <= users_per_chunk
+    d = streams[0].bank.shape[1]
+    k, b = cfg.k, cfg.batch
+    n_batches = stream_batches(streams, cfg)
+    n_batches = -(-n_batches // batches_multiple) * batches_multiple
+    t, n = n_batches * b, bucket(max(s.bank.shape[0] for s in streams), 32)
+    u = users_per_chunk
+    replay = streams[0].selected is not None
+    out = {"bank": np.zeros((u, n, d), np.float32), "q": np.zeros((u, t, d), np.float32),
+           "cand": np.zeros((u, t, k), np.int32), "mask": np.zeros((u, t, k), bool),
+           "gold": np.zeros((u, t, k), bool), "num_gold": np.zeros((u, t), np.int32),
+           "eval": np.zeros((u, t), bool), "present": np.zeros((u, t), bool)}
+    if replay:
+        out.update(selected=np.full((u, t, cfg.m), -1, np.int32), cited=np.zeros((u, t, cfg.m), bool),
+                   logged_log_prob=np.zeros((u, t), np.float32), has_logged=np.zeros((u, t), bool))
+    for i, s in enumerate(streams):
+        nq, nm = s.queries.shape[0], s.bank.shape[0]
+        if s.cand.shape[1] != k:
+            raise ValueError(f"k: stream of user {s.user_id} has {s.cand.shape[1]} candidates, config k={k}")
+        out["bank"][i, :nm] = s.bank
+        out["q"][i, :nq] = s.queries
+        out["cand"][i, :nq] = s.cand
+        out["mask"][i, :nq] = s.cand_mask
+        out["gold"][i, :nq] = s.cand_gold
+        out["num_gold"][i, :nq] = s.num_gold
+        out["eval"][i, :nq] = s.valid
+        out["present"][i, :nq] = True if s.present is None else s.present
+        if replay:
+            out["selected"][i, :nq] = s.selected
+            out["cited"][i, :nq] = s.cited
+            out["logged_log_prob"][i, :nq] = s.logged_log_prob
+            out["has_logged"][i, :nq] = s.has_logged
+    return ChunkData(**out)
+
+
+# --------------------------------------------------------------------------- from a store
+
+
+def stream_from_user(user, k: int) -> Stream:
+    """Build a :class:`Stream` from a store's :class:`rmm_jax.data.store.UserData`."""
+    cand, cand_mask = retrieve_candidates(user, k)
+    gold = np.asarray(user.gold, bool)
+    cand_gold = np.take_along_axis(gold, cand, axis=1) & cand_mask if gold.size else np.zeros(cand.shape, bool)
+    return Stream(user_id=user.user_id, bank=np.asarray(user.memory_emb, np.float32),
+                  queries=np.asarray(user.query_emb, np.float32), cand=cand, cand_mask=cand_mask,
+                  cand_gold=cand_gold, num_gold=gold.sum(1).astype(np.int32), valid=np.asarray(user.valid),
+                  memory_ids=tuple(user.memory_ids), query_ids=tuple(user.query_ids))
+
+
+def check_users(store, users: Sequence[str] | None) -> list[str]:
+    """The requested user ids (all of the store's by default); an unknown one is an error."""
+    ids = list(store.user_ids) if not users else list(users)
+    known = set(store.user_ids)
+    unknown = [u for u in ids if u not in known]
+    if unknown:
+        raise InputError(f"unknown user id {unknown[0]!r} (the store has {len(store.user_ids)} users)",
+                         where="--users")
+    return ids
+
+
+def load_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stream]:
+    """One :class:`Stream` per user of an embedding store (all users by default)."""
+    return [stream_from_user(store.user(u), k) for u in check_users(store, users)]
+
+
+def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int) -> tuple[int, Iterator]:
+    """``(number of users, chunks)``: streams of a store's users (all by default), built
+    ``users_per_chunk`` at a time, so memory holds one chunk."""
+    ids = check_users(store, users)
+
+    def gen():
+        for i in range(0, len(ids), users_per_chunk):
+            yield [stream_from_user(store.user(u), k) for u in ids[i:i + users_per_chunk]]
+
+    return len(ids), gen()
+
+
+# --------------------------------------------------------------------------- from a citation log
+
+
+def check_limits(rec: LogRecord, cfg: Config, log_path) -> None:
+    """A record may list at most ``cfg.k`` candidates and select at most ``cfg.m``."""
+    if len(rec.candidates) > cfg.k:
+        raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} has {len(rec.candidates)} "
+                         f"candidates, more than --k {cfg.k}", where=str(log_path))
+    if len(rec.selected) > cfg.m:
+        raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} selected {len(rec.selected)} "
+                         f"memories, more than --m {cfg.m}", where=str(log_path))
+
+
+def streams_from_log(store, records: Sequence[LogRecord], cfg: Config, log_path: str = "log") -> list[Stream]:
+    """Replay streams: per user, the logged queries in log order with their logged
+    candidates, selections and citations (ids mapped to the store's memories)."""
+    by_user: dict[str, list] = {}
+    for rec in records:
+        by_user.setdefault(rec.user_id, []).append(rec)
+    streams = []
+    for uid, recs in by_user.items():
+        user = store.user(uid)
+        mem_index = {m: j for j, m in enumerate(user.memory_ids)}
+        q_index = {q: i for i, q in enumerate(user.query_ids)}
+        t, k = len(recs), cfg.k
+        cand = np.zeros((t, k), np.int32)
+        cmask = np.zeros((t, k), bool)
+        sel = np.full((t, cfg.m), -1, np.int32)
+        cited = np.zeros((t, cfg.m), bool)
+        lp = np.zeros((t,), np.float32)
+        has = np.zeros((t,), bool)
+        qi = np.zeros((t,), np.int64)
+        for i, r in enumerate(recs):
+            check_limits(r, cfg, log_path)
+            qi[i] = q_index[r.query_id]
+            cand[i, :len(r.candidates)] = [mem_index[c] for c in r.candidates]
+            cmask[i, :len(r.candidates)] = True
+            pos = {c: p for p, c in enumerate(r.candidates)}
+            sel[i, :len(r.selected)] = [pos[x] for x in r.selected]
+            cset = set(r.cited)
+            cited[i, :len(r.selected)] = [x in cset for x in r.selected]
+            if r.log_prob is not None:
+                lp[i], has[i] = r.log_prob, True
+        gold = np.asarray(user.gold, bool)[qi]
+        streams.append(Stream(
+            user_id=uid, bank=np.asarray(user.memory_emb, np.float32), queries=np.asarray(user.query_emb)[qi],
+            cand=cand, cand_mask=cmask, cand_gold=np.take_along_axis(gold, cand, axis=1) & cmask,
+            num_gold=gold.sum(1).astype(np.int32), valid=np.asarray(user.valid)[qi],
+            memory_ids=tuple(user.memory_ids), query_ids=tuple(user.query_ids[j] for j in qi),
+            selected=sel, cited=cited, logged_log_prob=lp, has_logged=has))
+    return streams
+
+
+def known_ids(store, cache_users: int = 4) -> Callable:
+    """A ``known=`` lookup for :mod:`rmm_jax.data.citation_log` that reads one user's ids
+    at a time: ``user_id -> (query_ids, memory_ids) | None``. A streamed log holds each
+    user's records on consecutive lines, so a small cache suffices."""
+    users = frozenset(store.user_ids)
+
+    @functools.lru_cache(maxsize=cache_users)
+    def lookup(uid: str):
+        if uid not in users:
+            return None
+        u = store.user(uid)
+        return frozenset(u.query_ids), frozenset(u.memory_ids)
+
+    return lookup
+
+
+def scan_log(log_path, cfg: Config, *, known=None, skip_invalid: bool = False) -> dict:
+    """Validation pass over a whole log before any work, in bounded memory.
+
+    Checks every record (schema, ``known`` ids, repeated pairs, the ``--k``/``--m``
+    limits) and returns the read report plus ``"users"`` and ``"grouped"``: False when
+    a user's records are not on consecutive lines (such a log cannot be streamed by
+    user; :func:`log_chunks` reads it whole)."""
+    report: dict = {}
+    users = 0
+    try:
+        for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid, report=report):
+            for r in recs:
+                check_limits(r, cfg, log_path)
+            users += 1
+    except NotGroupedError:
+        records, report = read_log(log_path, known=known, skip_invalid=skip_invalid)
+        for r in records:
+            check_limits(r, cfg, log_path)
+        return {**report, "users": len({r.user_id for r in records}), "grouped": False}
+    return {**report, "users": users, "grouped": True}
+
+
+def log_chunks(store, log_path, cfg: Config, users_per_chunk: int, *, grouped: bool, known=None,
+               skip_invalid: bool = False) -> Iterator[list[Stream]]:
+    """Replay streams from a log, ``users_per_chunk`` users at a time.
+
+    ``grouped`` (see :func:`scan_log`): each user's records are on consecutive lines, so
+    the log is streamed and memory holds one chunk; otherwise it is read whole (sort it
+    by user_id to stream it)."""
+    if grouped:
+        for recs in iter_user_chunks(log_path, users_per_chunk, known=known, skip_invalid=skip_invalid):
+            yield streams_from_log(store, recs, cfg, str(log_path))
+        return
+    records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
+    streams = streams_from_log(store, records, cfg, str(log_path))
+    for i in range(0, len(streams), users_per_chunk):
+        yield streams[i:i + users_per_chunk]
+
+
+def log_records(s: Stream, selected, cited, log_prob) -> list[dict]:
+    """Citation-log records of one simulated stream: the run's selections (positions in
+    ``s.cand``), citations and behaviour log-probs mapped back to memory ids."""
+    out = []
+    for t, qid in enumerate(s.query_ids):
+        cand_ids = [s.memory_ids[j] for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
+        sel = [int(p) for p in selected[t] if p >= 0]
+        out.append({"user_id": s.user_id, "query_id": qid, "candidates": cand_ids,
+                    "selected": [s.memory_ids[s.cand[t][p]] for p in sel],
+                    "cited": [s.memory_ids[s.cand[t][p]] for p, c in zip(sel, cited[t]) if c],
+                    "log_prob": float(log_prob[t])})
+    return out
