@@ -1,12 +1,30 @@
 """Shared test helpers. Keep this small; append helpers below."""
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
+from rmm_jax.cli.main import main
+from rmm_jax.data import make_synthetic
+from rmm_jax.data.store import write_store
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["jit", "eager"])
+def variant(request):
+    """``variant(fn, static_argnames=...)``: ``jax.jit(fn, ...)`` or ``fn`` itself, so a test
+    of a pure function runs both ways (rlax's ``chex.variants``). Static arguments (m,
+    mode, credit, kinds) stay Python values under jit, as callers pass them."""
+    if request.param == "eager":
+        return lambda fn, static_argnames=(): fn
+    return lambda fn, static_argnames=(): jax.jit(fn, static_argnames=static_argnames)
 
 
 def locomo_dir() -> Path:
@@ -37,18 +55,10 @@ class FakeEmbedder:
         self.model_id = f"fake/bow-{dim}"
 
     def _word(self, w):
-        import hashlib
-
-        import numpy as np
-
         seed = int.from_bytes(hashlib.sha256(w.encode()).digest()[:8], "little")
         return np.random.default_rng(seed).standard_normal(self.dim)
 
     def encode(self, texts, desc=""):
-        import re
-
-        import numpy as np
-
         self.calls += 1
         out = np.zeros((len(texts), self.dim), np.float32)
         for i, t in enumerate(texts):
@@ -63,9 +73,6 @@ class FakeEmbedder:
 
 def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
     """An embedding store of synthetic users with hash embeddings (no model, ~1 s)."""
-    from rmm_jax.data import make_synthetic
-    from rmm_jax.data.store import write_store
-
     spec = f"synthetic:users={users},sessions={sessions},turns={turns},seed={seed}"
     write_store(path, make_synthetic(users=users, sessions=sessions, turns=turns, seed=seed), "turn",
                 FakeEmbedder(dim), spec=spec)
@@ -74,8 +81,6 @@ def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
 
 def run_cli(capsys, *args):
     """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    from rmm_jax.cli.main import main
-
     try:
         main([str(a) for a in args])
         code = 0

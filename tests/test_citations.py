@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rmm_jax.data.citations import (
     DEFAULT_PRECISION,
@@ -86,12 +87,53 @@ def test_empirical_precision_and_recall_match_settings(p, r, seed):
     assert precision_all >= precision
 
 
+def _all_counts(width: int, min_gold: int = 0):
+    """One call per (n_gold, n_nongold) with n_nongold >= 1 and n_gold + n_nongold <= width:
+    gold slots first, then non-gold, then padding."""
+    counts = [(g, ng) for g in range(min_gold, width) for ng in range(1, width - g + 1)]
+    slot = np.arange(width)[None, :]
+    g = np.array([c[0] for c in counts])[:, None]
+    ng = np.array([c[1] for c in counts])[:, None]
+    return counts, slot < g, slot < g + ng
+
+
 def test_defaults_never_clip_for_m_up_to_9():
-    # Documented: with the defaults q clips only when n_gold / n_nongold > ~8.23.
-    for g in range(0, 10):
-        for ng in range(1, 10 - g):
-            raw = DEFAULT_RECALL * g * (1 - DEFAULT_PRECISION) / (DEFAULT_PRECISION * ng)
-            assert raw <= 1.0
+    """Documented: with the defaults q clips only when n_gold / n_nongold > ~8.23, which
+    cannot happen for M <= 9. Checked on the code: false_cite_prob (default rates) is
+    the unclipped formula, below 1, for every gold/non-gold count of up to 9 selected
+    memories, and it does clip at M = 10 (9 gold, 1 non-gold), so the bound is tight."""
+    p, r = DEFAULT_PRECISION, DEFAULT_RECALL
+    counts, is_gold, valid = _all_counts(9)
+    q = np.asarray(false_cite_prob(is_gold, valid))
+    raw, _, _ = _raw_q(is_gold, valid, p, r)
+    assert np.all(q < 1.0), [c for c, x in zip(counts, q) if x >= 1.0]
+    np.testing.assert_allclose(q, raw, rtol=1e-6)
+    ten_gold = np.arange(10) < 9
+    assert float(false_cite_prob(ten_gold, np.ones(10, bool))) == 1.0
+
+
+def test_defaults_hit_target_precision_and_recall_for_every_selection_up_to_m_9():
+    """Because q never clips for M <= 9, every single selection pattern with gold and
+    non-gold memories (not just the aggregate over a workload) is cited with the paper's
+    precision 0.876 and recall 0.858. Per pattern, 20,000 simulated calls with the
+    default rates; each measured rate must be within 5 standard errors of its target
+    (SE = sqrt(x (1 - x) / n), n = citations for precision, gold slots for recall;
+    ~0.0024 and ~0.0025 at worst, fixed seed), and so must the precision pooled over
+    all patterns (SE ~0.0002, which catches a q off by a few percent)."""
+    p, r, n = DEFAULT_PRECISION, DEFAULT_RECALL, 20_000
+    counts, is_gold, valid = _all_counts(9, min_gold=1)
+    assert len(counts) == 36
+    cited = _simulate(13, np.repeat(is_gold, n, 0), np.repeat(valid, n, 0), p, r).reshape(len(counts), n, -1)
+    assert not (cited & ~valid[:, None, :]).any()
+    for (g, ng), c, gold in zip(counts, cited, is_gold):
+        tp = int(c[:, gold].sum())
+        n_cited = int(c.sum())
+        precision, recall = tp / n_cited, tp / (g * n)
+        assert abs(precision - p) < 5 * math.sqrt(p * (1 - p) / n_cited), (g, ng, precision)
+        assert abs(recall - r) < 5 * math.sqrt(r * (1 - r) / (g * n)), (g, ng, recall)
+    # Pooled over all patterns (each has expected precision p): ~2e6 citations, SE ~2e-4.
+    _, precision = _rates(cited, np.repeat(is_gold[:, None], n, 1), np.repeat(valid[:, None], n, 1))
+    assert abs(precision - p) < 5 * math.sqrt(p * (1 - p) / cited.sum()), precision
 
 
 def test_clipped_q_gives_precision_above_target():

@@ -1,12 +1,18 @@
 """The console script exists, teaches, and reports its version."""
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import click
+import pytest
+from click.testing import CliRunner
 
-from rmm_jax.cli.main import main
+from rmm_jax.cli.main import cli, main, register_commands
 
 REPO = Path(__file__).resolve().parents[1]
+
+register_commands()  # every verb module adds itself to `cli`
 
 
 def run_cli(args, capsys):
@@ -19,9 +25,89 @@ def run_cli(args, capsys):
     return code, out.out, out.err
 
 
+def command_paths(group=cli, prefix=()):
+    """Every registered command as a path of names, sub-groups included and walked."""
+    for name, cmd in sorted(group.commands.items()):
+        yield prefix + (name,)
+        if isinstance(cmd, click.Group):
+            yield from command_paths(cmd, prefix + (name,))
+
+
+def command_at(path):
+    cmd = cli
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
+
+def help_of(path):
+    """``rmm-jax <path> --help``: (exit code, output)."""
+    r = CliRunner().invoke(cli, [*path, "--help"], prog_name="rmm-jax")
+    return r.exit_code, r.output
+
+
+def section(help_text, title):
+    """The lines of a help section (``Options:``, ``Commands:``), up to the next blank line."""
+    m = re.search(rf"^{title}:\n((?:.+\n?)*)", help_text, re.M)
+    return m.group(1).splitlines() if m else []
+
+
+def option_entries(help_text):
+    """{option name: its whole entry in ``Options:``, whitespace collapsed}."""
+    entries = []
+    for line in section(help_text, "Options"):
+        if re.match(r"^  -", line):
+            entries.append(line)
+        else:
+            entries[-1] += " " + line
+    out = {}
+    for e in entries:
+        column = re.split(r"\s{2,}", e.strip())[0]
+        for name in re.findall(r"(?:^|[ ,])(--?[\w-]+)", column):
+            out[name] = " ".join(e.split())
+    return out
+
+
+def examples(help_text):
+    """Command lines shown under an ``Example:``/``Examples:`` heading."""
+    m = re.search(r"^  Examples?:\n((?:    .*\n?)+)", help_text, re.M)
+    return [line.strip() for line in m.group(1).splitlines()] if m else []
+
+
 def test_help_lists_the_verbs(capsys):
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0 and "version" in out and "Typical flow" in out
+    listed = {line.split()[0] for line in section(out, "Commands")}
+    assert listed == set(cli.commands) and len(listed) >= 7, (listed, sorted(cli.commands))
+
+
+ALL_PATHS = list(command_paths())
+NO_DEFAULT = (None, getattr(click.core, "UNSET", None))  # click >= 8.2 marks "no default" UNSET
+TOP_LEVEL = [p for p in ALL_PATHS if len(p) == 1]
+
+
+@pytest.mark.parametrize("path", ALL_PATHS, ids=" ".join)
+def test_every_verb_help_exits_0_and_shows_the_defaults(path):
+    code, out = help_of(path)
+    assert code == 0 and out.startswith(f"Usage: rmm-jax {' '.join(path)} "), out
+    entries = option_entries(out)
+    for opt in command_at(path).params:
+        if not isinstance(opt, click.Option) or opt.hidden:
+            continue
+        assert all(name in entries for name in opt.opts), (opt.opts, sorted(entries))
+        if opt.is_flag or opt.required or opt.default in NO_DEFAULT or opt.show_default is False:
+            continue
+        assert "[default:" in entries[opt.opts[0]], entries[opt.opts[0]]
+
+
+@pytest.mark.parametrize("path", TOP_LEVEL, ids=" ".join)
+def test_every_verb_help_has_an_example_of_that_verb(path):
+    _, out = help_of(path)
+    shown = examples(out)
+    assert shown and all(line.startswith(f"rmm-jax {path[0]}") for line in shown), shown
+    if isinstance(command_at(path), click.Group):  # a group's examples cover each sub-command
+        for sub in command_at(path).commands:
+            assert any(line.startswith(f"rmm-jax {path[0]} {sub} ") for line in shown), (sub, shown)
 
 
 def test_version_names_jax_and_backend():

@@ -1,4 +1,7 @@
-"""The reranker starts as the base retriever, and the fused path equals the naive one."""
+"""The reranker starts as the base retriever, and the fused path equals the naive one.
+
+Every test of a pure function runs twice, jitted and eager (the ``variant`` fixture in conftest.py).
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,19 +13,19 @@ import rmm_jax as rj
 def random_params(key, d, kind):
     """Parameters with non-zero residuals, to compare scoring paths away from init."""
     p = rj.init_reranker(key, d, kind, None if kind == "linear" else 16)
-    leaves, tree = jax.tree.flatten(p)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())  # numpy: no compiles
+    return jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), jnp.float32), p)
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_fused_linear_scores_equal_naive_scores(seed):
+def test_fused_linear_scores_equal_naive_scores(seed, variant):
     d, k = 32, 20
     key = jax.random.key(seed)
     p = random_params(key, d, "linear")
     q = jax.random.normal(jax.random.fold_in(key, 1), (d,))
     m = jax.random.normal(jax.random.fold_in(key, 2), (k, d))
-    np.testing.assert_allclose(rj.score(p, q, m), rj.score_naive(p, q, m), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(variant(rj.score)(p, q, m), variant(rj.score_naive)(p, q, m),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_fused_path_never_builds_the_k_adapted_memories():
@@ -37,48 +40,68 @@ def test_fused_path_never_builds_the_k_adapted_memories():
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_initial_ranking_equals_base_dot_product_ranking(kind):
+def test_initial_ranking_equals_base_dot_product_ranking(kind, variant):
     d, k = 24, 30
+    init = variant(rj.init_reranker, static_argnames=("dim", "kind", "hidden"))
+    score = variant(rj.score)
     for seed in range(5):
         key = jax.random.key(seed)
-        p = rj.init_reranker(key, d, kind)
+        p = init(key, d, kind)
         q = jax.random.normal(jax.random.fold_in(key, 1), (d,))
         m = jax.random.normal(jax.random.fold_in(key, 2), (k, d))
-        s = rj.score(p, q, m)
+        s = score(p, q, m)
         np.testing.assert_allclose(s, m @ q, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.argsort(-np.asarray(s)), np.argsort(-np.asarray(m @ q)))
 
 
-def test_masked_slots_score_minus_inf_and_get_zero_gradient():
+def test_score_batch_is_score_per_query(variant):
+    b, d, k = 3, 8, 5
+    key = jax.random.key(11)
+    p = random_params(key, d, "mlp")
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((b, d)), jnp.float32)
+    m = jnp.asarray(rng.standard_normal((b, k, d)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, k)) < 0.7)
+    assert not mask.all() and mask.any(axis=1).all()
+    batched = np.asarray(variant(rj.score_batch)(p, q, m, mask))
+    for i in range(b):
+        np.testing.assert_allclose(batched[i], rj.score(p, q[i], m[i], mask[i]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(variant(rj.score_batch)(p, q, m)[0], rj.score(p, q[0], m[0]), rtol=1e-5)
+
+
+def test_masked_slots_score_minus_inf_and_get_zero_gradient(variant):
     d, k = 8, 6
     key = jax.random.key(3)
     p = random_params(key, d, "linear")
     q = jax.random.normal(key, (d,))
     m = jax.random.normal(jax.random.fold_in(key, 1), (k, d))
     mask = jnp.array([True, True, False, True, False, True])
-    s = rj.score(p, q, m, mask)
+    score = variant(rj.score)
+    s = score(p, q, m, mask)
     assert np.isneginf(np.asarray(s)[~np.asarray(mask)]).all()
-    g = jax.grad(lambda mm: jnp.sum(jnp.where(mask, rj.score(p, q, mm, mask), 0.0) ** 2))(m)
+    g = jax.grad(lambda mm: jnp.sum(jnp.where(mask, score(p, q, mm, mask), 0.0) ** 2))(m)
     assert np.all(np.asarray(g)[~np.asarray(mask)] == 0.0)
 
 
 @pytest.mark.parametrize("call, arg", [
-    (lambda p: rj.score(p, jnp.ones(7), jnp.ones((3, 8))), "q"),
-    (lambda p: rj.score(p, jnp.ones(8), jnp.ones((3, 7))), "m"),
-    (lambda p: rj.score(p, jnp.ones((1, 8)), jnp.ones((3, 8))), "q"),
-    (lambda p: rj.score(p, jnp.ones(8, jnp.int32), jnp.ones((3, 8))), "q"),
-    (lambda p: rj.score(p, jnp.ones(8), jnp.ones((3, 8)), jnp.ones(3)), "mask"),
+    (lambda score, p: score(p, jnp.ones(7), jnp.ones((3, 8))), "q"),
+    (lambda score, p: score(p, jnp.ones(8), jnp.ones((3, 7))), "m"),
+    (lambda score, p: score(p, jnp.ones((1, 8)), jnp.ones((3, 8))), "q"),
+    (lambda score, p: score(p, jnp.ones(8, jnp.int32), jnp.ones((3, 8))), "q"),
+    (lambda score, p: score(p, jnp.ones(8), jnp.ones((3, 8)), jnp.ones(3)), "mask"),
 ])
-def test_bad_shapes_and_dtypes_raise_value_error_naming_the_argument(call, arg):
+def test_bad_shapes_and_dtypes_raise_value_error_naming_the_argument(call, arg, variant):
+    # Shapes and dtypes are static, so the checks fire under jit too (at trace time).
     p = rj.init_reranker(jax.random.key(0), 8)
     with pytest.raises(ValueError, match=rf"^{arg}:"):
-        call(p)
+        call(variant(rj.score), p)
 
 
-def test_init_rejects_bad_arguments():
+def test_init_rejects_bad_arguments(variant):
+    init = variant(rj.init_reranker, static_argnames=("dim", "kind", "hidden"))
     with pytest.raises(ValueError, match="^kind:"):
-        rj.init_reranker(jax.random.key(0), 8, "transformer")
+        init(jax.random.key(0), 8, "transformer")
     with pytest.raises(ValueError, match="^dim:"):
-        rj.init_reranker(jax.random.key(0), 0)
+        init(jax.random.key(0), 0)
     with pytest.raises(ValueError, match="^hidden:"):
-        rj.init_reranker(jax.random.key(0), 8, "linear", hidden=4)
+        init(jax.random.key(0), 8, "linear", hidden=4)

@@ -1,4 +1,7 @@
-"""Gumbel-top-M draws from Plackett–Luce, and the log-probabilities are exact."""
+"""Gumbel-top-M draws from Plackett–Luce, and the log-probabilities are exact.
+
+Every test of a pure function runs twice, jitted and eager (the ``variant`` fixture in conftest.py).
+"""
 import itertools
 
 import jax
@@ -7,6 +10,14 @@ import numpy as np
 import pytest
 
 import rmm_jax as rj
+
+
+def gumbel_top_m_of(variant):
+    return variant(rj.gumbel_top_m, static_argnames=("m",))
+
+
+def log_prob_of(variant):
+    return variant(rj.selection_log_prob, static_argnames=("mode",))
 
 
 def pl_prob_bruteforce(scores, sel, tau, valid):
@@ -24,8 +35,9 @@ def pl_prob_bruteforce(scores, sel, tau, valid):
 @pytest.mark.parametrize("mask", [None, np.array([True, False, True, True, True]),
                                   np.array([True, False, True, False, False])])
 @pytest.mark.parametrize("tau", [0.5, 1.0, 2.0])
-def test_plackett_luce_log_probs_of_all_ordered_selections_sum_to_one(mask, tau):
+def test_plackett_luce_log_probs_of_all_ordered_selections_sum_to_one(mask, tau, variant):
     k, m = 5, 3
+    log_prob = log_prob_of(variant)
     scores = jnp.array([0.3, -1.2, 2.0, 0.7, 0.1], jnp.float32)
     valid = np.ones(k, bool) if mask is None else mask
     n_valid = int(valid.sum())
@@ -33,17 +45,17 @@ def test_plackett_luce_log_probs_of_all_ordered_selections_sum_to_one(mask, tau)
     total = 0.0
     for perm in itertools.permutations(np.flatnonzero(valid), depth):
         sel = jnp.array(list(perm) + [-1] * (m - depth), jnp.int32)
-        lp = rj.selection_log_prob(scores, sel, tau, mask=None if mask is None else jnp.asarray(mask))
+        lp = log_prob(scores, sel, tau, mask=None if mask is None else jnp.asarray(mask))
         np.testing.assert_allclose(np.exp(lp), pl_prob_bruteforce(scores, perm, tau, valid.copy()), rtol=1e-5)
         total += float(np.exp(lp))
     assert abs(total - 1.0) < 1e-5
 
 
-def test_gumbel_top_m_frequencies_match_plackett_luce():
+def test_gumbel_top_m_frequencies_match_plackett_luce(variant):
     k, m, tau, n = 5, 2, 0.7, 40_000
     scores = jnp.array([0.5, -0.3, 1.1, 0.0, -1.0], jnp.float32)
     keys = jax.random.split(jax.random.key(1234), n)
-    draws = np.asarray(jax.jit(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, tau)))(keys))
+    draws = np.asarray(variant(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, tau)))(keys))
     counts = {}
     for a, b in draws:
         counts[(a, b)] = counts.get((a, b), 0) + 1
@@ -55,53 +67,93 @@ def test_gumbel_top_m_frequencies_match_plackett_luce():
     assert max_err < 0.01, max_err
 
 
-def test_gumbel_top_m_is_ordered_by_perturbed_score_and_reproducible():
-    scores = jnp.linspace(-1, 1, 10)
-    a = rj.gumbel_top_m(jax.random.key(0), scores, 4, 0.5)
-    b = rj.gumbel_top_m(jax.random.key(0), scores, 4, 0.5)
-    assert a.dtype == jnp.int32 and a.shape == (4,)
-    np.testing.assert_array_equal(a, b)
-    assert len(set(np.asarray(a).tolist())) == 4
+def ordered_top_m_bruteforce(z, valid, m):
+    """Indices of the M largest valid z, largest first, padded with −1 (numpy, float64)."""
+    order = [int(i) for i in np.argsort(-np.asarray(z, np.float64), kind="stable") if valid[i]]
+    return np.array((order + [-1] * m)[:m], np.int32)
 
 
-def test_masked_candidates_are_never_selected():
+@pytest.mark.parametrize("k, m", [(1, 1), (6, 1), (6, 4), (6, 6), (13, 5)])
+def test_gumbel_top_m_is_ordered_by_perturbed_score_and_reproducible(k, m, variant):
+    """The draw is exactly the argsort of s/τ + g over the valid candidates (g the
+    Gumbel noise of the key), for random scores, temperatures, masks (down to fewer
+    valid candidates than M) and −inf scores; the same key gives the same draw."""
+    draw = gumbel_top_m_of(variant)
+    rng = np.random.default_rng(100 * k + m)
+    n_cases = 60
+    for case in range(n_cases):
+        scores = rng.normal(0.0, 2.0, k).astype(np.float32)
+        if case % 3 == 1:
+            scores[rng.random(k) < 0.3] = -np.inf        # non-finite scores are never drawn
+        mask = None if case % 2 == 0 else rng.random(k) < rng.uniform(0.2, 1.0)
+        tau = np.float32(rng.choice([0.1, 0.5, 1.0, 3.0]))
+        key = jax.random.key(case)
+        kw = {} if mask is None else {"mask": jnp.asarray(mask)}
+        sel = np.asarray(draw(key, jnp.asarray(scores), m, tau, **kw))
+        assert sel.dtype == np.int32 and sel.shape == (m,)
+        np.testing.assert_array_equal(sel, np.asarray(draw(key, jnp.asarray(scores), m, tau, **kw)))
+        g = np.asarray(jax.random.gumbel(key, (k,), jnp.float32))
+        valid = np.isfinite(scores) & (np.ones(k, bool) if mask is None else mask)
+        z = np.where(valid, scores / tau + g, -np.inf)
+        np.testing.assert_array_equal(sel, ordered_top_m_bruteforce(z, valid, m), err_msg=f"case {case}")
+        # Explicit noise is used as given: the draw is the argsort of s/τ + gumbel.
+        g2 = rng.gumbel(size=k).astype(np.float32)
+        sel2 = np.asarray(draw(None, jnp.asarray(scores), m, tau, gumbel=jnp.asarray(g2), **kw))
+        np.testing.assert_array_equal(
+            sel2, ordered_top_m_bruteforce(np.where(valid, scores / tau + g2, -np.inf), valid, m))
+    assert len({tuple(np.asarray(draw(jax.random.key(s), jnp.linspace(-1, 1, k), m, 0.5)))
+                for s in range(20)}) > (k > 1)  # different keys give different draws
+
+
+def test_masked_candidates_are_never_selected(variant):
     m = 5
     mask = jnp.array([True, False, True, False, True, True, False, True])
     scores = jnp.array([0., 9., 0., 9., 0., 0., 9., 0.])  # masked ones would win if allowed
     keys = jax.random.split(jax.random.key(7), 2000)
-    sel = np.asarray(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, 1.0, mask))(keys))
+    sel = np.asarray(variant(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, 1.0, mask)))(keys))
     assert not np.isin(sel, [1, 3, 6]).any()
     # fewer valid than M: the rest are -1, never a masked index
     few = jnp.array([True, False, False, False, True, False, False, False])
-    sel = np.asarray(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, 1.0, few))(keys))
+    sel = np.asarray(variant(jax.vmap(lambda kk: rj.gumbel_top_m(kk, scores, m, 1.0, few)))(keys))
     assert (np.sort(sel[:, :2], axis=1) == [0, 4]).all() and (sel[:, 2:] == -1).all()
 
 
-def test_rmm_mode_is_the_sum_of_per_item_log_softmax_of_perturbed_scores():
+def test_rmm_mode_is_the_sum_of_per_item_log_softmax_of_perturbed_scores(variant):
+    log_prob = log_prob_of(variant)
     scores = jnp.array([0.2, 1.0, -0.5, 0.3])
     g = jnp.array([0.1, -0.4, 0.9, 0.0])
     sel = jnp.array([2, 1], jnp.int32)
     tau = 0.5
     expect = jax.nn.log_softmax((scores + g) / tau)[jnp.array([2, 1])].sum()
-    got = rj.selection_log_prob(scores, sel, tau, mode="rmm", gumbel=g)
+    got = log_prob(scores, sel, tau, mode="rmm", gumbel=g)
     np.testing.assert_allclose(got, expect, rtol=1e-6)
     # and it is not the exact probability of the selection
-    exact = rj.selection_log_prob(scores, sel, tau)
+    exact = log_prob(scores, sel, tau)
     assert abs(float(got) - float(exact)) > 1e-3
 
 
+# Shapes, dtypes and the static arguments (m, mode) are checked at trace time: these
+# raise under jit too.
 @pytest.mark.parametrize("call, arg", [
-    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 5, 1.0), "m"),
+    (lambda top, lp: top(jax.random.key(0), jnp.zeros(4), 5, 1.0), "m"),
+    (lambda top, lp: top(jax.random.key(0), jnp.zeros((2, 4)), 1, 1.0), "scores"),
+    (lambda top, lp: top(jax.random.key(0), jnp.zeros(4), 1, 1.0, jnp.ones(3, bool)), "mask"),
+    (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(2, jnp.float32), 1.0), "selected"),
+    (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(5, jnp.int32), 1.0), "selected"),
+    (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="bogus"), "mode"),
+    (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="rmm"), "gumbel"),
+])
+def test_bad_arguments_raise_value_error_naming_the_argument(call, arg, variant):
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        call(gumbel_top_m_of(variant), log_prob_of(variant))
+
+
+# Values (τ, NaN scores) are checked only when concrete (rmm_jax.core.checks): eager.
+@pytest.mark.parametrize("call, arg", [
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, 0.0), "tau"),
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, -1.0), "tau"),
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.array([0., jnp.nan]), 1, 1.0), "scores"),
-    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros((2, 4)), 1, 1.0), "scores"),
-    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 1, 1.0, jnp.ones(3, bool)), "mask"),
-    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(2, jnp.float32), 1.0), "selected"),
-    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(5, jnp.int32), 1.0), "selected"),
-    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="bogus"), "mode"),
-    (lambda: rj.selection_log_prob(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="rmm"), "gumbel"),
 ])
-def test_bad_arguments_raise_value_error_naming_the_argument(call, arg):
+def test_bad_values_raise_value_error_naming_the_argument(call, arg):
     with pytest.raises(ValueError, match=rf"^{arg}:"):
         call()

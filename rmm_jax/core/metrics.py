@@ -88,19 +88,54 @@ def _mrr(rel):
 
 
 def recall_at_k(rel, num_gold, k: int):
-    """Fraction of the query's gold items found in the top ``k`` (0 when num_gold == 0)."""
+    """Fraction of the query's gold items found in the top ``k`` (0 when num_gold == 0).
+
+        recall@k = |gold ∩ top-k| / num_gold
+
+    Examples:
+      >>> import numpy as np
+      >>> from rmm_jax.core import metrics
+      >>> rel = np.array([[True, False, True, False],    # gold at ranks 1 and 3
+      ...                 [False, False, False, True]])  # gold at rank 4
+      >>> metrics.recall_at_k(rel, np.array([2, 1]), 3).tolist()
+      [1.0, 0.0]
+      >>> metrics.recall_at_k(rel, np.array([4, 0]), 4).tolist()  # 2 of 4 gold were retrieved
+      [0.5, 0.0]
+    """
     return _recall(rel, num_gold, k=_check_k(k))
 
 
 def recall_any_at_k(rel, num_gold, k: int):
     """1 if at least one gold item is in the top ``k``, else 0. ``num_gold`` is unused
-    (kept for a uniform signature)."""
+    (kept for a uniform signature).
+
+    Examples:
+      >>> import numpy as np
+      >>> from rmm_jax.core import metrics
+      >>> rel = np.array([[True, False, True, False],    # gold at ranks 1 and 3
+      ...                 [False, False, False, True]])  # gold at rank 4
+      >>> metrics.recall_any_at_k(rel, np.array([2, 1]), 1).tolist()
+      [1.0, 0.0]
+      >>> metrics.recall_any_at_k(rel, np.array([2, 1]), 4).tolist()
+      [1.0, 1.0]
+    """
     del num_gold
     return _recall_any(rel, k=_check_k(k))
 
 
 def recall_all_at_k(rel, num_gold, k: int):
-    """1 if every gold item (all ``num_gold`` of them) is in the top ``k``, else 0."""
+    """1 if every gold item (all ``num_gold`` of them) is in the top ``k``, else 0.
+
+    Examples:
+      >>> import numpy as np
+      >>> from rmm_jax.core import metrics
+      >>> rel = np.array([[True, False, True, False],    # gold at ranks 1 and 3
+      ...                 [False, False, False, True]])  # gold at rank 4
+      >>> metrics.recall_all_at_k(rel, np.array([2, 1]), 2).tolist()  # rank 3 is cut
+      [0.0, 0.0]
+      >>> metrics.recall_all_at_k(rel, np.array([2, 1]), 4).tolist()
+      [1.0, 1.0]
+    """
     return _recall_all(rel, num_gold, k=_check_k(k))
 
 
@@ -109,12 +144,34 @@ def ndcg_at_k(rel, num_gold, k: int):
     ``min(num_gold, k)`` gold items at the top (0 when num_gold == 0).
 
     When the list is shorter than ``k`` the ideal still uses ``k`` (a short list is
-    penalised for gold it could not show)."""
+    penalised for gold it could not show).
+
+        NDCG@k = Σ_{i ≤ k} rel_i / log2(i + 1)  /  Σ_{i ≤ min(num_gold, k)} 1 / log2(i + 1)
+
+    Examples:
+      >>> import numpy as np
+      >>> from rmm_jax.core import metrics
+      >>> rel = np.array([[True, False, True, False],    # gold at ranks 1 and 3
+      ...                 [False, False, False, True]])  # gold at rank 4
+      >>> [round(x, 4) for x in metrics.ndcg_at_k(rel, np.array([2, 1]), 4).tolist()]
+      [0.9197, 0.4307]
+    """
     return _ndcg(rel, num_gold, k=_check_k(k))
 
 
 def mrr(rel):
-    """Reciprocal rank of the first relevant item (1-based), 0 if none in the list."""
+    """Reciprocal rank of the first relevant item (1-based), 0 if none in the list.
+
+    Examples:
+      >>> import numpy as np
+      >>> from rmm_jax.core import metrics
+      >>> rel = np.array([[True, False, True, False],    # gold at ranks 1 and 3
+      ...                 [False, False, False, True]])  # gold at rank 4
+      >>> metrics.mrr(rel).tolist()
+      [1.0, 0.25]
+      >>> metrics.mrr(np.zeros((1, 3), bool)).tolist()
+      [0.0]
+    """
     return _mrr(rel)
 
 

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rmm_jax.core import _checks
+from rmm_jax.core import checks
 
 KINDS = ("linear", "mlp")
 
@@ -81,14 +81,26 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
       dim: embedding dimension d.
       kind: ``"linear"`` (paper) or ``"mlp"``.
       hidden: MLP hidden width (default d); must be None for `linear`.
+
+    Returns:
+      The flax parameter dict (see the module docstring).
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> params = rj.init_reranker(jax.random.key(0), 4)
+      >>> jax.tree.map(lambda x: x.shape, params)
+      {'m_adapter': {'W': {'kernel': (4, 4)}}, 'q_adapter': {'W': {'kernel': (4, 4)}}}
+      >>> mlp = rj.init_reranker(jax.random.key(0), 4, "mlp", hidden=8)
+      >>> mlp["q_adapter"]["up"]["kernel"].shape, mlp["q_adapter"]["down"]["kernel"].shape
+      ((4, 8), (8, 4))
     """
-    _checks.require(kind in KINDS, "kind", f"must be one of {KINDS}, got {kind!r}")
-    _checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    checks.require(kind in KINDS, "kind", f"must be one of {KINDS}, got {kind!r}")
+    checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
     if kind == "linear":
-        _checks.require(hidden is None, "hidden", "only the `mlp` kind has a hidden width")
+        checks.require(hidden is None, "hidden", "only the `mlp` kind has a hidden width")
     else:
         hidden = dim if hidden is None else hidden
-        _checks.require(isinstance(hidden, int) and hidden > 0, "hidden", f"must be a positive int, got {hidden!r}")
+        checks.require(isinstance(hidden, int) and hidden > 0, "hidden", f"must be a positive int, got {hidden!r}")
     module = Reranker(kind=kind, hidden=hidden)
     return module.init(key, jnp.zeros((dim,), jnp.float32), jnp.zeros((1, dim), jnp.float32))["params"]
 
@@ -127,21 +139,45 @@ def score(params, q, m, mask=None):
 
     Returns:
       (K,) float32 scores s_i = q'ᵀ m_i'. For `linear` the fused O(d² + K·d) path.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> params = rj.init_reranker(jax.random.key(0), 3)
+      >>> q = jnp.array([1.0, 0.0, 2.0])
+      >>> m = jnp.array([[1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [2.0, 0.0, 0.0]])
+      >>> rj.score(params, q, m).tolist()        # at init: the base dot products m @ q
+      [3.0, 2.0, 2.0]
+      >>> rj.score(params, q, m, mask=jnp.array([True, False, True])).tolist()
+      [3.0, -inf, 2.0]
     """
-    _checks.check_rank(q, 1, "q")
-    _checks.check_rank(m, 2, "m")
-    _checks.check_float(q, "q")
-    _checks.check_float(m, "m")
+    checks.check_rank(q, 1, "q")
+    checks.check_rank(m, 2, "m")
+    checks.check_float(q, "q")
+    checks.check_float(m, "m")
     d = dim_of(params)
-    _checks.require(q.shape[0] == d, "q", f"dimension {q.shape[0]} does not match the reranker's {d}")
-    _checks.require(m.shape[1] == d, "m", f"dimension {m.shape[1]} does not match the reranker's {d}")
-    _checks.check_mask(mask, (m.shape[0],))
+    checks.require(q.shape[0] == d, "q", f"dimension {q.shape[0]} does not match the reranker's {d}")
+    checks.require(m.shape[1] == d, "m", f"dimension {m.shape[1]} does not match the reranker's {d}")
+    checks.check_mask(mask, (m.shape[0],))
     s = _score_unmasked(params, q, m)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
 def score_batch(params, q, m, mask=None):
-    """:func:`score` over a leading batch axis: q (B, d), m (B, K, d), mask (B, K)."""
+    """:func:`score` over a leading batch axis: q (B, d), m (B, K, d), mask (B, K).
+
+    Returns:
+      (B, K) float32 scores.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> params = rj.init_reranker(jax.random.key(0), 3)
+      >>> q = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])         # B = 2 queries
+      >>> m = jnp.broadcast_to(jnp.eye(3), (2, 3, 3))                 # K = 3 candidates each
+      >>> rj.score_batch(params, q, m).tolist()
+      [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+      >>> rj.score_batch(params, q, m, jnp.array([[True, True, False]] * 2)).shape
+      (2, 3)
+    """
     if mask is None:
         return jax.vmap(score, in_axes=(None, 0, 0))(params, q, m)
     return jax.vmap(score, in_axes=(None, 0, 0, 0))(params, q, m, mask)

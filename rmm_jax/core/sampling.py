@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rmm_jax.core import _checks
+from rmm_jax.core import checks
 
 # Finite stand-in for −inf on masked logits: logsumexp stays finite and gradients NaN-free.
 NEG = -1e30
@@ -33,21 +33,36 @@ def valid_mask(scores, mask=None):
 
 
 def _check_scores(scores, mask, m=None, selected=None):
-    _checks.check_rank(scores, 1, "scores")
-    _checks.check_float(scores, "scores")
-    _checks.check_no_nan(scores, "scores")
-    _checks.check_mask(mask, scores.shape)
+    checks.check_rank(scores, 1, "scores")
+    checks.check_float(scores, "scores")
+    checks.check_no_nan(scores, "scores")
+    checks.check_mask(mask, scores.shape)
     k = scores.shape[0]
     if m is not None:
-        _checks.require(isinstance(m, int) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
+        checks.require(isinstance(m, int) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
     if selected is not None:
-        _checks.check_rank(selected, 1, "selected")
-        _checks.check_int(selected, "selected")
-        _checks.require(selected.shape[0] <= k, "selected", f"length {selected.shape[0]} exceeds K={k}")
+        checks.check_rank(selected, 1, "selected")
+        checks.check_int(selected, "selected")
+        checks.require(selected.shape[0] <= k, "selected", f"length {selected.shape[0]} exceeds K={k}")
 
 
 def top_m(logits, m: int, mask=None):
-    """Deterministic ordered top-M of the valid logits; unfilled slots are −1."""
+    """Deterministic ordered top-M of the valid logits; unfilled slots are −1.
+
+    Args:
+      logits: (K,) float. m: static int, 1 ≤ m ≤ K. mask: optional (K,) bool.
+
+    Returns:
+      (M,) int32 indices of the M largest valid logits, largest first.
+
+    Examples:
+      >>> import jax.numpy as jnp, rmm_jax as rj
+      >>> logits = jnp.array([0.1, 3.0, -2.0, 1.5])
+      >>> rj.top_m(logits, 3).tolist()
+      [1, 3, 0]
+      >>> rj.top_m(logits, 3, mask=jnp.array([True, False, False, True])).tolist()  # 2 valid
+      [3, 0, -1]
+    """
     valid = valid_mask(logits, mask)
     _, idx = jax.lax.top_k(jnp.where(valid, logits, -jnp.inf), m)
     return jnp.where(valid[idx], idx, -1).astype(jnp.int32)
@@ -68,9 +83,21 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
 
     Returns:
       (M,) int32 candidate indices in draw order; −1 where fewer than M are valid.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> scores = jnp.array([2.0, -1.0, 0.5, 1.0])
+      >>> sel = rj.gumbel_top_m(jax.random.key(0), scores, 2, tau=0.5)
+      >>> sel.shape, sel.dtype, len(set(sel.tolist()))       # 2 distinct candidates
+      ((2,), dtype('int32'), 2)
+      >>> rj.gumbel_top_m(None, scores, 3, 1.0, gumbel=jnp.zeros(4)).tolist()  # no noise: top-M
+      [0, 3, 2]
+      >>> few = jnp.array([True, False, False, True])         # fewer valid than M
+      >>> sorted(rj.gumbel_top_m(jax.random.key(1), scores, 3, 1.0, mask=few).tolist())
+      [-1, 0, 3]
     """
     _check_scores(scores, mask, m=m)
-    _checks.check_tau(tau)
+    checks.check_tau(tau)
     if gumbel is None:
         gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
     return top_m(scores / tau + gumbel, m, valid_mask(scores, mask))
@@ -84,16 +111,23 @@ def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumb
     ``rmm`` (RMM paper): log π_j = log softmax((s + g)/τ)_{i_j} with the sampled Gumbel
       noise g (on the score scale; pass τ·g for noise drawn on the s/τ scale), treated as
       a constant.
+
+    Examples:
+      >>> import jax.numpy as jnp, rmm_jax as rj
+      >>> scores = jnp.log(jnp.array([1.0, 2.0, 1.0]))     # softmax = (1/4, 1/2, 1/4)
+      >>> lp = rj.selection_log_probs(scores, jnp.array([1, 0, -1]), 1.0)
+      >>> [round(x, 6) for x in jnp.exp(lp).tolist()]       # 1/2, then (1/4)/(1/2); unfilled: 1
+      [0.5, 0.5, 1.0]
     """
-    _checks.require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    checks.require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
     _check_scores(scores, mask, selected=selected)
-    _checks.check_tau(tau)
+    checks.check_tau(tau)
     valid = valid_mask(scores, mask)
     filled = selected >= 0
     idx = jnp.where(filled, selected, 0)
     if mode == "rmm":
-        _checks.require(gumbel is not None, "gumbel", "mode 'rmm' needs the sampled Gumbel noise")
-        _checks.require(jnp.shape(gumbel) == scores.shape, "gumbel", f"expected shape {scores.shape}")
+        checks.require(gumbel is not None, "gumbel", "mode 'rmm' needs the sampled Gumbel noise")
+        checks.require(jnp.shape(gumbel) == scores.shape, "gumbel", f"expected shape {scores.shape}")
         z = jnp.where(valid, (scores + jax.lax.stop_gradient(gumbel)) / tau, NEG)
         lp = jax.nn.log_softmax(z)[idx]
     else:
@@ -106,5 +140,17 @@ def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumb
 
 
 def selection_log_prob(scores, selected, tau, mode: str = "plackett_luce", gumbel=None, mask=None):
-    """log P(selection | scores): the sum of :func:`selection_log_probs` (a scalar)."""
+    """log P(selection | scores): the sum of :func:`selection_log_probs` (a scalar).
+
+    Examples:
+      >>> import jax.numpy as jnp, rmm_jax as rj
+      >>> scores = jnp.log(jnp.array([1.0, 2.0, 1.0]))     # softmax = (1/4, 1/2, 1/4)
+      >>> sel = jnp.array([1, 0], jnp.int32)                # P = 1/2 · (1/4)/(1/2) = 1/4
+      >>> round(float(jnp.exp(rj.selection_log_prob(scores, sel, 1.0))), 6)
+      0.25
+      >>> # the paper's surrogate with zero noise: softmax(s)_1 · softmax(s)_0 = 1/8
+      >>> g = jnp.zeros(3)
+      >>> round(float(jnp.exp(rj.selection_log_prob(scores, sel, 1.0, mode="rmm", gumbel=g))), 6)
+      0.125
+    """
     return jnp.sum(selection_log_probs(scores, selected, tau, mode, gumbel, mask))
