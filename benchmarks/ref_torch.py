@@ -1,7 +1,7 @@
 """PyTorch-eager reference of RMM's online reranker update (the baseline rmm-jax is timed against).
 
-Written the way existing open-source RMM implementations are: a Python loop over the
-stream, one batch of B queries at a time, each step in eager PyTorch:
+Our transcription (the paper released no code) in the usual PyTorch style: a Python loop
+over the stream, one batch of B queries at a time, each step in eager PyTorch:
 
   1. forward the reranker: residual adapters ``W_q``, ``W_m`` (``nn.Linear`` without bias,
      zero init; or the GELU-MLP variant with a zero-initialised output layer). Scores are

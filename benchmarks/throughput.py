@@ -361,7 +361,8 @@ def report(res, args):
     f = res["floor"]
     lines += ["", "Floor (linear fused path, per query / per update):"]
     for name, fl in f.items():
-        lines.append(f"  {name}: {fl['flops_per_query'] / 1e6:.2f} MFLOP/query, {fl['bytes_per_update'] / 1e6:.2f} MB/update, "
+        lines.append(f"  {name}: {fl['flops_per_query'] / 1e6:.2f} MFLOP/query, "
+                     f"{fl['bytes_per_update'] / 1e6:.2f} MB/update, "
                      f"compute {fl['compute_s_per_batch'] * 1e6:.1f} us/batch, memory "
                      f"{fl['memory_s_per_batch'] * 1e6:.1f} us/batch -> {fl['bound']}-bound, "
                      f"floor {fl['floor_queries_per_s']:.0f} q/s")

@@ -14,16 +14,23 @@ compiled loop (:func:`make_run`) driven chunk by chunk (:func:`drive`, which yie
 events) → policies and logs (:mod:`rmm_jax.persist`, :mod:`rmm_jax.cli`).
 """
 
-from rmm_jax.version import __version__
 from rmm_jax.core.losses import advantages, citation_rewards, listwise_loss, reinforce_loss
 from rmm_jax.core.reranker import init_reranker, score, score_batch, score_naive
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, selection_log_probs, top_m
 from rmm_jax.core.types import Batch, LearnerState, QueryBatch, UserState
-from rmm_jax.core.update import (PRESETS, Config, init_learner_state, init_user_state, make_apply_update,
-                                 make_optimizer, make_update_step)
+from rmm_jax.core.update import (
+                                 PRESETS,
+                                 Config,
+                                 init_learner_state,
+                                 init_user_state,
+                                 make_apply_update,
+                                 make_optimizer,
+                                 make_update_step,
+)
 from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Resume, SegmentDone, drive
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import run_online
+from rmm_jax.version import __version__
 
 __all__ = [
     "__version__",

@@ -24,14 +24,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from conftest import REPO, make_fake_store, run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rmm_jax import init_reranker
 from rmm_jax.core.update import Config
+from rmm_jax.data.store import open_store
 from rmm_jax.online.streams import known_ids, scan_log
+from rmm_jax.persist.policy_store import PolicyStore
 
 K, M = 10, 3
 
@@ -77,12 +81,6 @@ def jl(*objs) -> str:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """One tree holding every input; each case snapshots all of it before and after."""
-    import jax
-
-    from rmm_jax import init_reranker
-    from rmm_jax.persist.policy_store import PolicyStore
-    from rmm_jax.data.store import open_store
-
     root = tmp_path_factory.mktemp("bad")
     e = {"root": root}
     e["store"] = make_fake_store(root / "store", users=3, sessions=4, dim=32)
@@ -357,7 +355,8 @@ def test_skip_invalid_with_no_valid_record_fails(env, capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,names", [
     pytest.param(lambda e: ["replay", e["store"], "--log", e["logs"] / "duplicate_query.jsonl", "--policies",
-                            e["root"] / "new_pol"], lambda e: ["duplicate_query.jsonl:3", "'query_id'"], id="replay-log"),
+                            e["root"] / "new_pol"],
+                 lambda e: ["duplicate_query.jsonl:3", "'query_id'"], id="replay-log"),
     pytest.param(lambda e: ["simulate", e["store"], "--policies", e["root"] / "new_pol", "--tau", "0"],
                  lambda e: ["--tau"], id="simulate-tau"),
     pytest.param(lambda e: ["embed", "synthetic:users=0", "--out", e["root"] / "new_store"],

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from conftest import run_cli
+from conftest import locomo_dir, run_cli
 
 from rmm_jax.cli.main import main
 
@@ -189,8 +189,6 @@ def test_retrieve_bad_stores(capsys, tmp_path, tiny_store):
     assert code == 2 and "no such embedding store" in err and err.count("\n") == 1
     code, _, err = run(capsys, "retrieve", tiny_store, "--expect-model", "other/model")
     assert code == 2 and "other/model" in err and MODEL_ID in err
-    import shutil
-
     broken = tmp_path / "broken"
     shutil.copytree(tiny_store, broken)
     q = np.load(broken / "queries.npy")
@@ -206,8 +204,6 @@ def test_retrieve_bad_stores(capsys, tmp_path, tiny_store):
 # --------------------------------------------------------------------------- real data
 @pytest.mark.locomo
 def test_locomo_conversation_26_baseline(capsys, tmp_path):
-    from conftest import locomo_dir
-
     path = locomo_dir() / "26.json"
     out = tmp_path / "store26"
     code, _, err = run(capsys, "embed", f"locomo:{path}", "--out", out, "--quiet")

@@ -82,7 +82,8 @@ def test_running_mean_baseline_is_an_ema_used_before_its_update():
     b, new = baseline_for(cfg, ls, rewards, jnp.ones((1, 4), bool))
     assert float(b) == 0.5
     np.testing.assert_allclose(new, 0.9 * 0.5 + 0.1 * 0.75)
-    b, _ = baseline_for(dataclasses.replace(cfg, baseline="batch_mean"), ls, rewards, jnp.array([[True, True, False, False]]))
+    first_two = jnp.array([[True, True, False, False]])
+    b, _ = baseline_for(dataclasses.replace(cfg, baseline="batch_mean"), ls, rewards, first_two)
     np.testing.assert_allclose(b, 0.5)
 
 

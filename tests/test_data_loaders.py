@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 from conftest import locomo_dir
 
-from rmm_jax.data import (Dataset, gold_matrix, load_locomo, load_longmemeval, load_spec,
-                          make_synthetic, parse_synthetic_spec)
+from rmm_jax.data import (
+    Dataset,
+    gold_matrix,
+    load_locomo,
+    load_longmemeval,
+    load_spec,
+    make_synthetic,
+    parse_synthetic_spec,
+)
 from rmm_jax.data.synthetic import UPDATES
 from rmm_jax.errors import InputError
 
@@ -250,7 +257,8 @@ def test_longmemeval_session_level_gold_is_all_turns_of_answer_sessions():
     (lambda r: r[0].pop("question"), "key '[0].question'"),
     (lambda r: r[1]["haystack_sessions"][2][0].pop("content"), "key '[1].haystack_sessions[2][0].content'"),
     (lambda r: r[1]["haystack_dates"].pop(), "key '[1].haystack_sessions'"),
-    (lambda r: r[0]["haystack_sessions"][1][0].update(has_answer="yes"), "key '[0].haystack_sessions[1][0].has_answer'"),
+    (lambda r: r[0]["haystack_sessions"][1][0].update(has_answer="yes"),
+     "key '[0].haystack_sessions[1][0].has_answer'"),
     (lambda r: r[2].update(answer_session_ids="x"), "key '[2].answer_session_ids'"),
     (lambda r: r[2].update(question_id="e47becba"), "key '[2].question_id'"),
 ])

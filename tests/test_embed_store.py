@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import FakeEmbedder
 
 from rmm_jax.data import embed as E
+from rmm_jax.data.store import FORMAT, UserData, open_store, write_store
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User, gold_matrix
 from rmm_jax.errors import InputError
-from rmm_jax.data.store import FORMAT, UserData, open_store, write_store
 
 REPO = Path(__file__).resolve().parents[1]
 

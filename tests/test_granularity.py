@@ -10,8 +10,18 @@ import numpy as np
 import pytest
 from conftest import locomo_dir
 
-from rmm_jax.data import (GRANULARITIES, Session, Topic, Turn, User, build_memories, gold_matrix,
-                          load_locomo, load_longmemeval, make_synthetic)
+from rmm_jax.data import (
+    GRANULARITIES,
+    Session,
+    Topic,
+    Turn,
+    User,
+    build_memories,
+    gold_matrix,
+    load_locomo,
+    load_longmemeval,
+    make_synthetic,
+)
 from rmm_jax.data.granularity import split_session
 from rmm_jax.errors import InputError
 

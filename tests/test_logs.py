@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rmm_jax.errors import InputError
 from rmm_jax.data.citation_log import (
     LogRecord,
     LogWriter,
@@ -20,6 +20,7 @@ from rmm_jax.data.citation_log import (
     validate_record,
     write_log,
 )
+from rmm_jax.errors import InputError
 
 # ---------------------------------------------------------------------------
 # Strategies

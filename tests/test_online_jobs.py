@@ -6,9 +6,9 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import make_fake_store
 
 import rmm_jax as rj
-from conftest import make_fake_store
 from rmm_jax.data.citation_log import read_log, validate_record, write_log
 from rmm_jax.data.citations import oracle_cite
 from rmm_jax.data.store import open_store

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import TESTS_DIR, learner_of, params_of, state_of
 
 import rmm_jax as R
-from rmm_jax.core import reranker
-from helpers import TESTS_DIR, learner_of, params_of, state_of
 from rmm_jax.cli.main import main
+from rmm_jax.core import reranker
 from rmm_jax.core.types import LearnerState
 from rmm_jax.errors import InputError
 from rmm_jax.online.scoring import score_query
@@ -29,7 +29,8 @@ from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, User
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
 # Subprocesses (writers, killed writers) import helpers too.
-SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+SUBPROCESS_ENV = {**os.environ,
+                  "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
 
 
 META = {"kind": "linear", "dim": D, "hidden": None, "config": {"lr": 1e-3, "embedding_model": "test"}}
@@ -337,7 +338,8 @@ def _check_every_verifying_version(st: PolicyStore):
                        for p in ("params", "opt_state", "learner_state")]
                 assert_policy(UserPolicy(*got, rows["info"][uid]), ref)
                 n_ok += 1
-    known = {params_of(s)["q_adapter"]["W"]["kernel"].tobytes() for s in range(0, 20_000, 10)}  # i * 10 for every i a writer may reach
+    # i * 10 for every i a writer may reach
+    known = {params_of(s)["q_adapter"]["W"]["kernel"].tobytes() for s in range(0, 20_000, 10)}
     for snap in sorted((st.path / "shared").glob("v*")):
         if verify_snapshot(snap) is None:
             leaves = load_chunk(snap / "c0000", {"params": 2})["params"]   # sorted: m_adapter, q_adapter

@@ -23,12 +23,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from conftest import REPO, make_fake_store
+
 from rmm_jax.cli.signals import MESSAGE
-from rmm_jax.persist.runstate import RunState
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.runstate import RunState
 
 SIM = ["--k", "10", "--m", "3", "--users-per-chunk", "2", "--checkpoint-every", "2", "--seed", "3"]
 PRE = ["--k", "10", "--m", "3", "--epochs", "14", "--patience", "100", "--seed", "1"]

@@ -10,8 +10,8 @@ import pytest
 
 from rmm_jax.core import metrics as M
 from rmm_jax.data import retrieval as R
-from rmm_jax.errors import InputError
 from rmm_jax.data.store import UserData
+from rmm_jax.errors import InputError
 
 
 # --------------------------------------------------------------------------- references

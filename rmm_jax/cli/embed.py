@@ -9,10 +9,13 @@ import click
 from rmm_jax.cli.common import info
 from rmm_jax.cli.main import cli
 from rmm_jax.data import load_spec
-from rmm_jax.data.embed import (CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL,
-                                Embedder)
-from rmm_jax.data.granularity import (DEFAULT_GRANULARITY, DEFAULT_MERGE_THRESHOLD,
-                                      DEFAULT_SEGMENT_THRESHOLD, GRANULARITIES)
+from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
+from rmm_jax.data.granularity import (
+    DEFAULT_GRANULARITY,
+    DEFAULT_MERGE_THRESHOLD,
+    DEFAULT_SEGMENT_THRESHOLD,
+    GRANULARITIES,
+)
 from rmm_jax.data.store import write_store
 
 

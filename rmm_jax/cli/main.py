@@ -41,7 +41,12 @@ def cli():
 
 @cli.command()
 def version():
-    """Print the rmm-jax, JAX and device versions."""
+    """Print the rmm-jax, JAX and device versions.
+
+    \b
+    Example:
+      rmm-jax version
+    """
     click.echo(f"rmm-jax {__version__} (jax {jax.__version__}, backend {jax.default_backend()})")
 
 
@@ -58,7 +63,9 @@ COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simu
 def main(argv=None) -> None:
     register_commands()
     try:
-        cli.main(args=argv, standalone_mode=False)
+        code = cli.main(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:  # ctx.exit(n) returns n when click is not standalone
+            sys.exit(code)
     except InputError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -17,7 +17,6 @@ from rmm_jax.online.streams import log_records
 from rmm_jax.online.summary import Summary, base_values
 from rmm_jax.persist.policy_store import PolicyStore
 
-
 INITS = ("identity", "pretrained")  # every user's starting policy: the base retriever, or the store's shared params
 
 
@@ -35,7 +34,8 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int):
         if init == "pretrained":
             raise InputError("does not exist; run `rmm-jax pretrain` first or use --init identity",
                              where=f"--policies {path}")
-        meta = {"kind": cfg.kind, "dim": st.dim, "hidden": cfg.hidden, "config": {"pretrained": False, "model": st.model}}
+        meta = {"kind": cfg.kind, "dim": st.dim, "hidden": cfg.hidden,
+                "config": {"pretrained": False, "model": st.model}}
         ps = PolicyStore.create(p, meta, init_reranker(jax.random.key(seed), st.dim, cfg.kind, cfg.hidden))
     if ps.meta.get("kind") != cfg.kind:
         raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{cfg.kind}'", where="--kind")

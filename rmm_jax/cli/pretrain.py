@@ -12,7 +12,14 @@ from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
-from rmm_jax.online.pretrain import EpochDone, PretrainConfig, PretrainDone, PretrainState, pretrain_epochs, split_streams
+from rmm_jax.online.pretrain import (
+    EpochDone,
+    PretrainConfig,
+    PretrainDone,
+    PretrainState,
+    pretrain_epochs,
+    split_streams,
+)
 from rmm_jax.online.streams import load_streams
 from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.policy_store import PolicyStore
@@ -55,11 +62,13 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @click.argument("store", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="New policy store directory to create.")
 @click.option("--users", default=None, help="Comma-separated user ids to train on (default: all).")
-@click.option("--epochs", type=int, default=PRETRAIN.epochs, help="Maximum epochs (early stopping on validation users).")
+@click.option("--epochs", type=int, default=PRETRAIN.epochs,
+              help="Maximum epochs (early stopping on validation users).")
 @click.option("--lr", type=float, default=PRETRAIN.lr, help="AdamW learning rate.")
 @click.option("--weight-decay", type=float, default=PRETRAIN.weight_decay, help="AdamW weight decay.")
 @click.option("--temperature", type=float, default=PRETRAIN.tau, help="Listwise softmax temperature.")
-@click.option("--val-fraction", type=float, default=PRETRAIN.val_fraction, help="Fraction of users held out for early stopping.")
+@click.option("--val-fraction", type=float, default=PRETRAIN.val_fraction,
+              help="Fraction of users held out for early stopping.")
 @click.option("--patience", type=int, default=PRETRAIN.patience, help="Epochs without validation gain before stopping.")
 @click.option("--k", type=int, default=DEFAULTS.k, help="Candidates from the base retriever.")
 @click.option("--m", type=int, default=PRETRAIN.m, help="Validation metric is Recall@m of the reranked top-m.")
@@ -80,8 +89,10 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     Example:
       rmm-jax pretrain store --out policies --epochs 30
     """
-    for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0), ("--temperature", temperature, temperature > 0),
-                        ("--val-fraction", val_fraction, 0 <= val_fraction < 1), ("--patience", patience, patience >= 1),
+    for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
+                        ("--temperature", temperature, temperature > 0),
+                        ("--val-fraction", val_fraction, 0 <= val_fraction < 1),
+                        ("--patience", patience, patience >= 1),
                         ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
         if not ok:
             raise InputError(f"out of range: {v}", where=name)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rmm_jax.core import _checks
+from rmm_jax.core import checks
 from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS, citation_rewards, reinforce_loss
 from rmm_jax.core.reranker import KINDS, score_batch
 from rmm_jax.core.sampling import MODES, selection_log_prob, top_m
@@ -46,7 +46,7 @@ class Config:
     buffer: int = 0              # past batches re-used in every update (importance-weighted)
 
     def __post_init__(self):
-        c = _checks.require
+        c = checks.require
         c(self.kind in KINDS, "kind", f"must be one of {KINDS}")
         c(self.k >= 1, "k", f"must be >= 1, got {self.k}")
         c(1 <= self.m <= self.k, "m", f"must be in [1, k={self.k}], got {self.m}")
@@ -64,7 +64,7 @@ class Config:
 
     @staticmethod
     def preset(name: str, **overrides) -> "Config":
-        _checks.require(name in PRESETS, "preset", f"must be one of {tuple(PRESETS)}, got {name!r}")
+        checks.require(name in PRESETS, "preset", f"must be one of {tuple(PRESETS)}, got {name!r}")
         return dataclasses.replace(Config(), **{**PRESETS[name], **overrides})
 
 

@@ -26,9 +26,14 @@ by a SPEC string (:func:`load_spec`)::
 """
 from __future__ import annotations
 
-from rmm_jax.data.granularity import (DEFAULT_GRANULARITY, DEFAULT_MERGE_THRESHOLD,
-                                      DEFAULT_SEGMENT_THRESHOLD, GRANULARITIES, Topic,
-                                      build_memories)
+from rmm_jax.data.granularity import (
+    DEFAULT_GRANULARITY,
+    DEFAULT_MERGE_THRESHOLD,
+    DEFAULT_SEGMENT_THRESHOLD,
+    GRANULARITIES,
+    Topic,
+    build_memories,
+)
 from rmm_jax.data.locomo import load_locomo
 from rmm_jax.data.longmemeval import DEFAULT_GOLD_LEVEL, GOLD_LEVELS, load_longmemeval
 from rmm_jax.data.synthetic import make_synthetic, parse_synthetic_spec

@@ -213,7 +213,7 @@ FACTS: tuple[FactKind, ...] = (
     ),
     FactKind(
         "language",
-        tuple(_v(lang=l) for l in ["Spanish", "Japanese", "Italian", "Korean", "German", "Portuguese"]),
+        tuple(_v(lang=lang) for lang in ["Spanish", "Japanese", "Italian", "Korean", "German", "Portuguese"]),
         ("I started learning {lang} with an app every morning.", "My {lang} lessons are going well, I can order food now!"),
         ("That's impressive, keep it up!", "Learning a language is such a great challenge.",
          "Nice! Daily practice really pays off."),
