@@ -143,7 +143,8 @@ def make_run(cfg: Config, cite_fn: CiteFn | None = None):
                          has_logged=x.has_logged, scores=scores)
         else:
             key = jax.random.fold_in(jax.random.wrap_key_data(state.learner_state.key), index)
-            queries = QueryBatch(q=x.q, m=m, mask=x.mask, valid=x.present, gold=x.gold)
+            queries = QueryBatch(q=x.q, m=m, mask=x.mask, valid=x.present,
+                                 gold=x.gold if x.cite_gold is None else x.cite_gold)
             full = simulated_batch(cfg, cite_fn, scores, queries, key)
             out.update(selected=full.selected, cited=full.cited, log_prob=full.logged_log_prob)
         if cfg.buffer:

@@ -16,6 +16,21 @@ from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_store import PolicyStore
 
 
+def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = False):
+    """The reranker params that score ``user_id``'s queries, as device arrays.
+
+    The one way to read a usable policy out of a store, whatever its scope (see
+    :data:`rmm_jax.core.update.SCOPES`). With ``fallback_to_shared`` a user without saved
+    state gets the shared params instead of an error.
+    """
+    if fallback_to_shared and user_id not in store.users():
+        params = store.shared_params()
+    else:
+        params = store.load_user(user_id).params
+    # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.
+    return jax.tree_util.tree_map(jnp.asarray, params)
+
+
 def score_query(store_path, user_id: str, query_emb, candidate_embs, mask=None, *,
                 fallback_to_shared: bool = False):
     """Load ``user_id``'s policy from the store and score candidates: ``(K,)`` scores.
@@ -33,10 +48,5 @@ def score_query(store_path, user_id: str, query_emb, candidate_embs, mask=None, 
     if mask is not None and np.shape(mask) != (m.shape[0],):
         raise InputError(f"mask must have shape ({m.shape[0]},), got {np.shape(mask)}", where="mask")
     store = PolicyStore.open(store_path, expect_dim=q.shape[0])
-    if fallback_to_shared and user_id not in store.users():
-        params = store.shared_params()
-    else:
-        params = store.load_user(user_id).params
-    # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.
-    params = jax.tree_util.tree_map(jnp.asarray, params)
+    params = user_params(store, user_id, fallback_to_shared=fallback_to_shared)
     return reranker.score(params, jnp.asarray(q), jnp.asarray(m), mask=None if mask is None else jnp.asarray(mask))

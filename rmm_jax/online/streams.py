@@ -44,6 +44,8 @@ class Stream:
     logged_log_prob: np.ndarray | None = None  # (T,) float32
     has_logged: np.ndarray | None = None       # (T,) bool
     present: np.ndarray | None = None          # (T,) bool: query takes part in updates
+    cite_gold: np.ndarray | None = None        # (T, K) bool: what a citation model treats as useful
+                                               # (e.g. answer support); None: the gold labels
 
 
 class ChunkData(NamedTuple):
@@ -64,6 +66,7 @@ class ChunkData(NamedTuple):
     cited: np.ndarray | None = None            # (U, T, M) bool
     logged_log_prob: np.ndarray | None = None  # (U, T) float32
     has_logged: np.ndarray | None = None       # (U, T) bool
+    cite_gold: np.ndarray | None = None        # (U, T, K) bool: useful to the citation model; None: gold
 
 
 def user_key(seed: int, user_id: str):
@@ -108,6 +111,7 @@ def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
     t, n = n_batches * b, bucket(max(s.bank.shape[0] for s in streams), 32)
     u = users_per_chunk
     replay = streams[0].selected is not None
+    own_cite = any(s.cite_gold is not None for s in streams)
     out = {"bank": np.zeros((u, n, d), np.float32), "q": np.zeros((u, t, d), np.float32),
            "cand": np.zeros((u, t, k), np.int32), "mask": np.zeros((u, t, k), bool),
            "gold": np.zeros((u, t, k), bool), "num_gold": np.zeros((u, t), np.int32),
@@ -115,6 +119,8 @@ def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
     if replay:
         out.update(selected=np.full((u, t, cfg.m), -1, np.int32), cited=np.zeros((u, t, cfg.m), bool),
                    logged_log_prob=np.zeros((u, t), np.float32), has_logged=np.zeros((u, t), bool))
+    if own_cite:
+        out["cite_gold"] = np.zeros((u, t, k), bool)
     for i, s in enumerate(streams):
         nq, nm = s.queries.shape[0], s.bank.shape[0]
         if s.cand.shape[1] != k:
@@ -132,6 +138,8 @@ def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
             out["cited"][i, :nq] = s.cited
             out["logged_log_prob"][i, :nq] = s.logged_log_prob
             out["has_logged"][i, :nq] = s.has_logged
+        if own_cite:
+            out["cite_gold"][i, :nq] = s.cand_gold if s.cite_gold is None else s.cite_gold
     return ChunkData(**out)
 
 
