@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS
 from rmm_jax.core.reranker import KINDS
-from rmm_jax.core.update import PRESETS, Config
+from rmm_jax.core.update import PRESETS, SCOPES, Config
 from rmm_jax.errors import InputError
 from rmm_jax.persist import runstate
 
@@ -50,6 +50,7 @@ def config_options(f):
                      help=f"Credit assignment over the selection {_preset_default('credit')}."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.kind,
                      help="Reranker adapters (when creating a policy store)."),
+        *scope_options(),
         click.option("--seed", type=int, default=0, help="Run seed (per-user keys derive from it)."),
     ]
     for o in reversed(opts):
@@ -57,11 +58,31 @@ def config_options(f):
     return f
 
 
-def make_config(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, **_):
+def scope_options() -> list:
+    """``--scope`` and ``--rank``: who learns from whose citations (README, "Policy scopes")."""
+    return [
+        click.option("--scope", type=click.Choice(SCOPES), default=DEFAULTS.scope, show_default=True,
+                     help="user: a private reranker per user; shared: one reranker learns from every user; "
+                          "hybrid: shared + a per-user low-rank residual. Stored in the policy store."),
+        click.option("--rank", type=int, default=DEFAULTS.rank, show_default=True,
+                     help="Rank r of the per-user residual A Bᵀ (--scope hybrid), 1 <= r < d."),
+    ]
+
+
+def check_rank(cfg: Config, dim: int) -> None:
+    """The per-user residual's rank must be below the embedding dimension."""
+    if cfg.scope == "hybrid" and cfg.rank >= dim:
+        raise InputError(f"must be in [1, d={dim}), got {cfg.rank}", where="--rank")
+
+
+def make_config(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope="user", rank=DEFAULTS.rank,
+                **_):
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
+    if rank is not None and rank < 1:
+        raise InputError(f"must be >= 1, got {rank}", where="--rank")
     try:
-        return Config.preset(preset, k=k, m=m, kind=kind, **overrides)
+        return Config.preset(preset, k=k, m=m, kind=kind, scope=scope, rank=rank, **overrides)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None

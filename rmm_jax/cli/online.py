@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 import jax
 
-from rmm_jax.cli.common import config_dict, emit_json, progress_bar
+from rmm_jax.cli.common import check_rank, config_dict, emit_json, progress_bar
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.errors import InputError
@@ -20,9 +20,28 @@ from rmm_jax.persist.policy_store import PolicyStore
 INITS = ("identity", "pretrained")  # every user's starting policy: the base retriever, or the store's shared params
 
 
+def scope_meta(cfg) -> dict:
+    """What a policy store records about who learns from whose citations."""
+    return {"scope": cfg.scope, **({"rank": cfg.rank} if cfg.scope == "hybrid" else {})}
+
+
+def check_scope(ps, cfg, path) -> None:
+    """A store holds policies of one scope (and rank); another is refused before any work."""
+    held = {"scope": ps.meta.get("scope") or "user", "rank": ps.meta.get("rank")}
+    if held["scope"] != cfg.scope:
+        raise InputError(f"policy store {path} holds '{held['scope']}'-scope policies, not '{cfg.scope}' "
+                         f"(use --scope {held['scope']} or a new --policies)", where="--scope")
+    if cfg.scope == "hybrid" and held["rank"] != cfg.rank:
+        raise InputError(f"policy store {path} holds rank-{held['rank']} residuals, not rank {cfg.rank}",
+                         where="--rank")
+
+
 def open_or_create_policies(path, st, cfg, init: str, seed: int):
     """The policy store at ``path`` (created with identity shared params if absent) and the
-    initial params for every user (``pretrained``: the store's shared params)."""
+    starting params (``pretrained``: the store's shared params). In scopes ``shared`` and
+    ``hybrid`` these are the shared part, which online runs update after every users chunk,
+    so ``pretrained`` continues from the newest shared part."""
+    check_rank(cfg, st.dim)
     p = Path(path)
     if p.exists():
         ps = PolicyStore.open(p, expect_dim=st.dim)
@@ -34,9 +53,10 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int):
         if init == "pretrained":
             raise InputError("does not exist; run `rmm-jax pretrain` first or use --init identity",
                              where=f"--policies {path}")
-        meta = {"kind": cfg.kind, "dim": st.dim, "hidden": cfg.hidden,
+        meta = {"kind": cfg.kind, "dim": st.dim, "hidden": cfg.hidden, **scope_meta(cfg),
                 "config": {"pretrained": False, "model": st.model}}
         ps = PolicyStore.create(p, meta, init_reranker(jax.random.key(seed), st.dim, cfg.kind, cfg.hidden))
+    check_scope(ps, cfg, path)
     if ps.meta.get("kind") != cfg.kind:
         raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{cfg.kind}'", where="--kind")
     if init == "pretrained":
@@ -55,7 +75,7 @@ def resume_point(rs) -> Resume | None:
     if ck is None:
         return None
     m, t = ck.meta, ck.trees
-    resume = Resume(m["chunks_done"], m["segments_done"], t["states"], t["outputs"])
+    resume = Resume(m["chunks_done"], m["segments_done"], t["states"], t["outputs"], t["shared"])
     rs.notify(f"resuming from {ck.path.name}: {resume.chunks_done} users chunks done"
               + (f", users chunk {resume.chunks_done + 1} at segment {resume.segments_done}"
                  if resume.segments_done else ""))
@@ -64,14 +84,15 @@ def resume_point(rs) -> Resume | None:
 
 def checkpoint(rs, resume: Resume) -> None:
     rs.save({"chunks_done": resume.chunks_done, "segments_done": resume.segments_done},
-            {"states": resume.states, "outputs": resume.outputs})
+            {"states": resume.states, "outputs": resume.outputs, "shared": resume.shared})
 
 
 def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: int, users_per_chunk: int,
                  checkpoint_every: int, log=None, desc: str) -> tuple[dict, dict]:
     """Drive ``chunks`` through the online loop and keep what each event carries.
 
-    Every completed users chunk: its policies go to ``ps``, its per-query outputs to the
+    Every completed users chunk: its policies go to ``ps`` (in scopes ``shared``/``hybrid``
+    the users' own parts, then the shared part as a new shared version), its per-query outputs to the
     run-state ``rs`` (written once), its log records to ``log`` (simulate), then a
     checkpoint. Every ``checkpoint_every`` batches inside a chunk: a checkpoint. After a
     checkpoint that follows SIGINT/SIGTERM the run stops (:class:`Interrupted`).
@@ -104,6 +125,8 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
                         {"queries_seen": int(s.queries.shape[0]), f"prequential_recall@{cfg.m}":
                          float(outputs[s.user_id]["recall"][s.valid].mean()) if s.valid.any() else None}
                         for s in streams])
+                    if cfg.scope != "user":
+                        ps.set_shared(event.shared.params)
                     finish(streams, outputs)
                     rs.save_done(i, outputs)
                     checkpoint(rs, event.resume())

@@ -6,8 +6,18 @@ from pathlib import Path
 import click
 import jax
 
-from rmm_jax.cli.common import DEFAULTS, begin_run_state, checkpoint_options, emit_json, info
+from rmm_jax.cli.common import (
+    DEFAULTS,
+    begin_run_state,
+    check_rank,
+    checkpoint_options,
+    emit_json,
+    info,
+    make_config,
+    scope_options,
+)
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.online import scope_meta
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
@@ -27,6 +37,12 @@ from rmm_jax.persist.runstate import RunState, file_digest
 
 PRETRAIN = PretrainConfig()
 CHECKPOINTED = ("params", "opt_state", "best_params")  # PretrainState fields saved as arrays
+
+
+def scope_options_deco(f):
+    for o in reversed(scope_options()):
+        f = o(f)
+    return f
 
 
 def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: int, seed: int):
@@ -75,15 +91,17 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.kind, help="Reranker adapters.")
 @click.option("--hidden", type=int, default=None, help="MLP hidden width (default: the embedding dim).")
 @click.option("--seed", type=int, default=0, help="Seed for initialisation, split and shuffling.")
+@scope_options_deco
 @checkpoint_options(1, "epochs")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
-             hidden, seed, checkpoint_every, resume, as_json):
+             hidden, seed, scope, rank, checkpoint_every, resume, as_json):
     """Pretrain the shared reranker on STORE's labelled queries; write a policy store.
 
     Listwise softmax cross-entropy over the base retriever's K candidates against the
     gold memories, with a validation split by user and early stopping. The result is
-    every user's starting policy for `simulate --init pretrained`.
+    every user's starting policy for `simulate --init pretrained`; in scopes shared and
+    hybrid it is the shared part that online runs go on training.
 
     \b
     Example:
@@ -96,19 +114,21 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                         ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
         if not ok:
             raise InputError(f"out of range: {v}", where=name)
+    cfg = make_config("default", k, m, None, None, None, None, None, None, kind, scope=scope, rank=rank)
     o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
     # (with --resume, an --out written just before a kill is checked against the result below)
     written = resume and RunState.path_for(o).is_dir()
     if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     st = open_store(store)
+    check_rank(cfg, st.dim)
     streams = load_streams(st, k, users.split(",") if users else None)
     pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
                           patience=patience, val_fraction=val_fraction, m=m)
     params = init_reranker(jax.random.key(seed), st.dim, kind, hidden)
     options = {"--users": users, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
                "--temperature": temperature, "--val-fraction": val_fraction, "--patience": patience, "--k": k,
-               "--m": m, "--kind": kind, "--hidden": hidden, "--seed": seed}
+               "--m": m, "--kind": kind, "--hidden": hidden, "--seed": seed, "--scope": scope, "--rank": rank}
     rs = begin_run_state(out, "pretrain", options, resume=resume, checkpoint_every=checkpoint_every,
                          inputs={"STORE": file_digest(store)})
     with rs:
@@ -117,7 +137,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                                                         seed=seed)
         except ValueError as e:
             raise InputError(str(e), where=str(store)) from None
-        meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None,
+        meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **scope_meta(cfg),
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
                            "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
         if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?

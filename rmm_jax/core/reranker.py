@@ -7,14 +7,22 @@ product:
     q' = q + W_q q,    m_i' = m_i + W_m m_i,    s_i = q'ᵀ m_i'            (`linear`, paper)
     q' = q + f_q(q),   m_i' = m_i + f_m(m_i)                             (`mlp`)
 
-with f a two-layer GELU MLP. The residual branches start at exactly zero (zero
+with f a two-layer GELU MLP, and for a user u of a ``hybrid`` policy (a shared reranker
+plus a per-user low-rank residual, in the flax kernel convention x ↦ x K)
+
+    K_q^u = K_q + A_q^u B_q^uᵀ,    K_m^u = K_m + A_m^u B_m^uᵀ,    A, B ∈ R^{d×r}   (`linear` + `lora`)
+
+(LoRA, Hu et al., ICLR 2022). The residual branches start at exactly zero (zero
 initialised output layers), so before any update the reranker ranks candidates exactly
 as the base retriever's dot product.
 
 Parameters are the plain nested dict that flax returns, e.g. for `linear`
 ``{"q_adapter": {"W": {"kernel": (d, d)}}, "m_adapter": {"W": {"kernel": (d, d)}}}``
-(flax's Dense computes x @ kernel, so W = kernelᵀ). The kind is read from the tree's
-structure, which is static under jit, so one `score` serves both kinds.
+(flax's Dense computes x @ kernel, so W = kernelᵀ). A low-rank residual adds
+``{"lora": {"a": (d, r), "b": (d, r)}}`` beside ``"W"`` in each adapter: the per-user tree of
+:func:`init_lowrank` is merged into the shared one with :func:`merge_params`. The kind is
+read from the tree's structure, which is static under jit, so one `score` serves every
+kind.
 """
 from __future__ import annotations
 
@@ -105,9 +113,54 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
     return module.init(key, jnp.zeros((dim,), jnp.float32), jnp.zeros((1, dim), jnp.float32))["params"]
 
 
+def init_lowrank(key, dim: int, rank: int):
+    """A per-user low-rank residual that starts at exactly zero: A ~ N(0, 1/d), B = 0.
+
+    A Bᵀ = 0, so a new user scores exactly as the shared reranker. B's gradient is
+    not zero (it is linear in A), so the product leaves zero on the first update;
+    A's gradient is zero until B has moved (LoRA's initialisation).
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> lr = rj.init_lowrank(jax.random.key(0), 6, 2)
+      >>> jax.tree.map(lambda x: x.shape, lr)["q_adapter"]
+      {'lora': {'a': (6, 2), 'b': (6, 2)}}
+      >>> float(abs(lr["m_adapter"]["lora"]["b"]).max())
+      0.0
+    """
+    checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    checks.require(isinstance(rank, int) and 0 < rank < dim, "rank", f"must be in [1, d={dim}), got {rank!r}")
+    kq, km = jax.random.split(key)
+    one = lambda k: {"lora": {"a": jax.random.normal(k, (dim, rank), jnp.float32) / jnp.sqrt(jnp.float32(dim)),
+                              "b": jnp.zeros((dim, rank), jnp.float32)}}
+    return {"m_adapter": one(km), "q_adapter": one(kq)}
+
+
+def merge_params(shared, local):
+    """The reranker params of one user: the union of the shared and per-user trees.
+
+    Scope ``user``: shared ``{}``; ``shared``: local ``{}``; ``hybrid``: the shared
+    ``W`` kernels and the user's ``lora`` factors side by side in each adapter.
+    Gradients through the merge split back into the two parts.
+    """
+    if not isinstance(shared, dict) or not isinstance(local, dict):
+        return local if isinstance(shared, dict) and not shared else shared
+    out = dict(shared)
+    for k, v in local.items():
+        out[k] = merge_params(shared[k], v) if k in shared else v
+    return out
+
+
+def _lora_delta(p, x):
+    """x ↦ (x A) Bᵀ: the low-rank residual in O(d·r), or 0 without one."""
+    if "lora" not in p:
+        return 0.0
+    return (x @ p["lora"]["a"]) @ p["lora"]["b"].T
+
+
 def _apply_adapter(p, x):
     if "W" in p:
-        return x + x @ p["W"]["kernel"]
+        return x + x @ p["W"]["kernel"] + _lora_delta(p, x)
     return ResidualMLP(p["up"]["kernel"].shape[-1]).apply({"params": p}, x)
 
 
@@ -121,9 +174,13 @@ def _score_unmasked(params, q, m):
         return score_naive(params, q, m)
     # Fused linear path: s_i = m_iᵀ (I + K_m) q' with K_m = W_mᵀ the flax kernel, so
     # s = M v with v = q' + K_m q'. O(d² + K·d) per query; the K adapted memories are
-    # never built.
-    q_prime = q + q @ params["q_adapter"]["W"]["kernel"]
-    v = q_prime + params["m_adapter"]["W"]["kernel"] @ q_prime
+    # never built. A low-rank residual adds K_q^u = K_q + A_q B_qᵀ and K_m^u = K_m + A_m B_mᵀ:
+    # (q A_q) B_qᵀ and A_m (B_mᵀ q') cost O(d·r) more.
+    pq, pm = params["q_adapter"], params["m_adapter"]
+    q_prime = q + q @ pq["W"]["kernel"] + _lora_delta(pq, q)
+    v = q_prime + pm["W"]["kernel"] @ q_prime
+    if "lora" in pm:
+        v = v + pm["lora"]["a"] @ (pm["lora"]["b"].T @ q_prime)
     return m @ v
 
 

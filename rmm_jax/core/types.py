@@ -30,6 +30,13 @@ class UserState(NamedTuple):
     learner_state: LearnerState
 
 
+class SharedState(NamedTuple):
+    """The part of the policy every user of a run shares (scopes ``shared``/``hybrid``):
+    its params and optimiser state. Empty trees in scope ``user``."""
+    params: Params
+    opt_state: OptState
+
+
 class QueryBatch(NamedTuple):
     """B queries as the policy sees them, plus what a citation simulator may read."""
     q: Array          # (B, d) query embeddings

@@ -19,6 +19,13 @@ from rmm_jax.core.reranker import KINDS, score_batch
 from rmm_jax.core.sampling import MODES, selection_log_prob, top_m
 from rmm_jax.core.types import Batch, LearnerState, QueryBatch, UserState
 
+# Who learns from whose citations (README, "Policy scopes"):
+#   user    every user has a private reranker, learnt from that user's citations only;
+#   shared  one reranker learns from every user's citations (the paper's runs);
+#   hybrid  a shared reranker plus a per-user low-rank residual A Bᵀ (rank ``Config.rank``).
+SCOPES = ("user", "shared", "hybrid")
+DEFAULT_RANK = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -44,6 +51,8 @@ class Config:
     clip: float = 5.0            # importance-ratio ceiling for off-policy replay
     on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
     buffer: int = 0              # past batches re-used in every update (importance-weighted)
+    scope: str = "user"          # user | shared | hybrid (see SCOPES)
+    rank: int = DEFAULT_RANK     # rank r of the per-user residual (scope hybrid)
 
     def __post_init__(self):
         c = checks.require
@@ -61,6 +70,11 @@ class Config:
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
         c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
         c(self.buffer >= 0, "buffer", f"must be >= 0, got {self.buffer}")
+        c(self.scope in SCOPES, "scope", f"must be one of {SCOPES}, got {self.scope!r}")
+        c(isinstance(self.rank, int) and self.rank >= 1, "rank", f"must be >= 1, got {self.rank!r}")
+        c(self.scope != "hybrid" or self.kind == "linear", "scope",
+          "hybrid needs the linear reranker (the low-rank residual adapts its W)")
+        c(self.scope == "user" or self.buffer == 0, "buffer", "the experience buffer needs --scope user")
 
     @staticmethod
     def preset(name: str, **overrides) -> "Config":

@@ -25,46 +25,50 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from rmm_jax.core.types import UserState
+from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.core.update import Config
-from rmm_jax.online.loop import init_states, per_query, segment_plan
-from rmm_jax.online.sharding import shard_users
+from rmm_jax.online.loop import LoopState, init_shared, init_states, per_query, segment_plan
+from rmm_jax.online.sharding import replicate, shard_users
 from rmm_jax.online.streams import Stream, pad_streams, stream_batches, user_key
 
 OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")  # per-query outputs kept per user
 
 
 class Resume(NamedTuple):
-    """Where an interrupted run stands: ``chunks_done`` chunks are complete; the next one
-    has run ``segments_done`` segments, reaching ``states`` (padded users axis) with the
-    raw ``outputs`` of those segments (batches on axis 1)."""
+    """Where an interrupted run stands: ``chunks_done`` chunks are complete, leaving the
+    shared part ``shared``; the next one has run ``segments_done`` segments, reaching
+    ``states`` (a :class:`LoopState`, padded users axis) with the raw ``outputs`` of those
+    segments (batches on axis 1)."""
     chunks_done: int
     segments_done: int = 0
-    states: UserState | None = None
+    states: LoopState | None = None
     outputs: dict | None = None
+    shared: SharedState | None = None
 
 
 class SegmentDone(NamedTuple):
     """A segment of chunk ``chunk`` ran and more remain: a point to checkpoint."""
     chunk: int
     segments_done: int
-    states: UserState         # stacked over the padded users axis, host arrays
+    states: LoopState         # users stacked over the padded users axis, and the shared part; host arrays
     outputs: dict             # raw outputs of the chunk's segments so far
 
     def resume(self) -> Resume:
-        return Resume(self.chunk, self.segments_done, self.states, self.outputs)
+        return Resume(self.chunk, self.segments_done, self.states, self.outputs, self.states.shared)
 
 
 class ChunkDone(NamedTuple):
     """Chunk ``chunk`` ran to the end of every stream."""
     chunk: int
     streams: list[Stream]
-    states: UserState         # final states, users axis first (padding users removed), host arrays
+    states: UserState         # final per-user states, users axis first (padding users removed), host arrays
     outputs: dict             # user id -> {key in OUTPUT_KEYS: (T_user, ...) array}
+    shared: SharedState       # the shared part after this chunk (empty trees in scope ``user``)
 
     def resume(self) -> Resume:
-        return Resume(self.chunk + 1)
+        return Resume(self.chunk + 1, shared=self.shared)
 
 
 class ChunkSkipped(NamedTuple):
@@ -78,20 +82,28 @@ Event = SegmentDone | ChunkDone | ChunkSkipped
 
 def drive(chunks: Iterable[Sequence[Stream]], params, cfg: Config, program, *, seed: int = 0,
           users_per_chunk: int = 8, segment_batches: int | None = None, resume: Resume | None = None,
-          mesh=None) -> Iterator[Event]:
+          mesh=None, shared: SharedState | None = None) -> Iterator[Event]:
     """Run ``program`` (:func:`rmm_jax.online.loop.make_run`) over ``chunks``, each at
     most ``users_per_chunk`` streams.
 
     Streams that carry logged selections are replayed (the program must be built
     without a citation function). Every user starts from ``params`` with a fresh
-    optimiser and ``user_key(seed, user_id)``.
+    optimiser and ``user_key(seed, user_id)`` (:func:`rmm_jax.online.loop.init_states`).
+    The shared part (scopes ``shared``/``hybrid``) starts from ``params``, or from
+    ``shared`` when given, and is carried from chunk to chunk in order: with
+    ``users_per_chunk=1`` each user sees only the updates of the users before it.
     Each chunk runs as equal segments of at most ``segment_batches`` batches
     (:func:`rmm_jax.online.loop.segment_plan`; None: one segment), one compiled call
     each, with the states brought to the host in between. ``resume`` skips the chunks
     it counts as done and continues the next one from its segment. ``mesh`` (a 1-D
     ``users`` mesh, :mod:`rmm_jax.online.sharding`) shards each chunk over devices.
-    Memory holds one chunk.
+    Memory holds one chunk. Under ``jax.distributed`` (several processes, ``mesh`` over
+    all their devices) every process runs this same loop on the same chunks, and each
+    event carries the whole chunk's results on every process.
     """
+    carried = resume.shared if resume is not None and resume.shared is not None else shared
+    if carried is None:
+        carried = init_shared(params, cfg)
     for ci, streams in enumerate(c for c in map(list, chunks) if c):
         if len(streams) > users_per_chunk:
             raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
@@ -106,12 +118,12 @@ def drive(chunks: Iterable[Sequence[Stream]], params, cfg: Config, program, *, s
             states, parts, first = resume.states, [resume.outputs], resume.segments_done
         else:
             ids = [s.user_id for s in streams] + [f"<pad{i}>" for i in range(users_per_chunk - len(streams))]
-            states = init_states(params, cfg, jnp.stack([user_key(seed, u) for u in ids]))
+            states = init_states(params, cfg, jnp.stack([user_key(seed, u) for u in ids]), shared=carried)
         if mesh is not None:
             data = shard_users(data, mesh)
         for s in range(first, n_seg):
             if mesh is not None:
-                states = shard_users(states, mesh)
+                states = LoopState(shard_users(states.users, mesh), replicate(states.shared, mesh))
             states, out = _fetch(program(states, data, s * seg, n_batches=n_batches))
             parts.append(out)
             if s + 1 < n_seg:
@@ -120,7 +132,8 @@ def drive(chunks: Iterable[Sequence[Stream]], params, cfg: Config, program, *, s
         flat = per_query(_concat(parts))
         outputs = {st.user_id: {k: np.array(flat[k][i, :st.queries.shape[0]]) for k in OUTPUT_KEYS if k in flat}
                    for i, st in enumerate(streams)}
-        yield ChunkDone(ci, streams, jax.tree.map(lambda x: x[:n], states), outputs)
+        carried = states.shared
+        yield ChunkDone(ci, streams, jax.tree.map(lambda x: x[:n], states.users), outputs, carried)
 
 
 def _concat(parts: list) -> dict:
@@ -129,8 +142,19 @@ def _concat(parts: list) -> dict:
 
 def _fetch(tree):
     """``device_get`` that waits in short sleeps, so that Python signal handlers (e.g. a
-    second Ctrl-C) run while a long jitted call is in flight."""
+    second Ctrl-C) run while a long jitted call is in flight. Arrays spread over several
+    processes are gathered, so every process gets the whole tree."""
     leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "is_ready")]
     while not all(x.is_ready() for x in leaves):
         time.sleep(0.002)
+    if jax.process_count() > 1:
+        return jax.tree.map(_gather, tree)
     return jax.device_get(tree)
+
+
+def _gather(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

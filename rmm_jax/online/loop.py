@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from rmm_jax.core import metrics as rmetrics
-from rmm_jax.core.reranker import score_batch
+from rmm_jax.core.reranker import merge_params, score_batch
 from rmm_jax.core.sampling import top_m
-from rmm_jax.core.types import Batch, QueryBatch, UserState
-from rmm_jax.core.update import CiteFn, Config, init_user_state, make_apply_update, make_optimizer, simulated_batch
+from rmm_jax.core.scoped import init_local_state, init_shared_state, make_apply_scoped_update
+from rmm_jax.core.types import Batch, QueryBatch, SharedState, UserState
+from rmm_jax.core.update import CiteFn, Config, make_apply_update, make_optimizer, simulated_batch
 from rmm_jax.online.streams import ChunkData
 
 PER_QUERY = ("recall", "ndcg", "eval", "selected", "cited", "log_prob")  # outputs with a (B,) axis per batch
@@ -51,21 +52,42 @@ class ReplayBuffer(NamedTuple):
     valid: jax.Array            # (R, B) bool
 
 
-def init_states(params, cfg: Config, keys) -> UserState:
-    """Per-user :class:`UserState`, stacked over the users axis.
+class LoopState(NamedTuple):
+    """What the compiled loop carries for a chunk: every user's own state (users axis first)
+    and the part they share (:class:`SharedState`; empty trees in scope ``user``)."""
+    users: UserState
+    shared: SharedState
 
-    ``params`` is one shared tree (e.g. pretrained), broadcast to every user; ``keys``
-    is a (U,) array of PRNG keys, one per user.
+
+def init_states(params, cfg: Config, keys, shared: SharedState | None = None) -> LoopState:
+    """A chunk's starting :class:`LoopState`.
+
+    ``params`` is one starting reranker (e.g. pretrained): in scope ``user`` every user gets
+    a copy, in ``shared``/``hybrid`` it is the shared part and users get empty or zero
+    low-rank parts (:func:`rmm_jax.core.scoped.split_params`). ``keys`` is a (U,) array
+    of PRNG keys, one per user. ``shared`` continues a shared state carried from an
+    earlier chunk instead of starting one from ``params``.
     """
-    return _init_states(params, keys, cfg)
+    return _init_states(params, keys, shared, cfg)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _init_states(params, keys, cfg: Config) -> UserState:
+@functools.partial(jax.jit, static_argnums=1)
+def init_shared(params, cfg: Config) -> SharedState:
+    """The shared part of a starting policy ``params`` with a fresh optimiser state."""
+    return init_shared_state(params, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _init_states(params, keys, shared, cfg: Config) -> LoopState:
     # Jitted so that the outputs are fresh buffers: the run donates them, and a state
     # aliasing the caller's keys or params would delete the caller's arrays.
     opt = make_optimizer(cfg)
-    return jax.vmap(lambda p, key: init_user_state(p, key, cfg, opt), in_axes=(None, 0))(params, keys)
+    users = jax.vmap(lambda key: init_local_state(params, key, cfg, opt))(keys)
+    if shared is None:
+        shared = init_shared_state(params, cfg, opt)
+    else:
+        shared = jax.tree.map(jnp.copy, shared)
+    return LoopState(users, shared)
 
 
 def segment_plan(n_batches: int, segment_batches: int | None) -> tuple[int, int]:
@@ -109,30 +131,39 @@ def _with_buffer(full: Batch, buf: ReplayBuffer, bank, params) -> Batch:
 
 
 def make_run(cfg: Config, cite_fn: CiteFn | None = None):
-    """Build ``run(states, data, start=0, n_batches=None) -> (states, outputs)``, jitted
+    """Build ``run(state, data, start=0, n_batches=None) -> (state, outputs)``, jitted
     over a users chunk; build it once and run every chunk and segment through it.
 
-    ``states`` is the chunk's stacked :class:`UserState` (donated), ``data`` its
-    :class:`ChunkData`. ``cite_fn`` given: simulate (act + simulated citations);
+    ``state`` is the chunk's :class:`LoopState` (donated; :func:`init_states`), ``data``
+    its :class:`ChunkData`. ``cite_fn`` given: simulate (act + simulated citations);
     ``cite_fn=None``: replay the logged selections and citations in ``data``.
     ``n_batches`` (static): run that many batches starting at batch ``start`` (traced,
     so every segment of a chunk reuses one compiled program; used for periodic
     checkpoints); None runs the whole padded stream. It compiles once per padded shape
     and segment length.
 
+    Scope ``user`` runs each user's update independently under ``vmap``
+    (:func:`rmm_jax.core.update.make_apply_update`); ``shared`` and ``hybrid`` make one
+    step of the whole chunk per batch (:func:`rmm_jax.core.scoped.make_apply_scoped_update`):
+    at batch i every user of the chunk scores, acts and is cited with the policy after
+    batch i−1, then the shared part takes the mean of their gradients. Users of later
+    chunks see the shared state the earlier chunks left (the driver carries it).
+
     ``outputs`` (users axis first, then batches) hold per-query ``recall``, ``ndcg``
     (prequential, at M), ``eval``, and for simulate ``selected`` (positions in
     ``cand``), ``cited``, ``log_prob``; and per-batch ``reward``, ``cite_rate``,
     ``loss``, ``updated``.
     """
-    apply = make_apply_update(cfg)
+    scoped = cfg.scope != "user"
+    apply = make_apply_scoped_update(cfg) if scoped else make_apply_update(cfg)
     replay = cite_fn is None
     b = cfg.batch
 
-    def user_step(state: UserState, buf: ReplayBuffer, x: ChunkData, index, bank):
-        """One batch of one user: evaluate, act, cite, update (no padding logic)."""
+    def observe(params, key_data, x: ChunkData, index, bank):
+        """One batch of one user before the update: prequential metrics, then the batch
+        the update takes (the logged one, or act + cite)."""
         m = bank[x.cand]                                                 # (B, K, d)
-        scores = score_batch(state.params, x.q, m, x.mask)
+        scores = score_batch(params, x.q, m, x.mask)
         top = jax.vmap(lambda s, mk: top_m(s, cfg.m, mk))(scores, x.mask)
         rel = jnp.take_along_axis(x.gold, jnp.maximum(top, 0), axis=1) & (top >= 0)
         out = {"recall": rmetrics.recall_at_k(rel, x.num_gold, cfg.m),
@@ -142,11 +173,16 @@ def make_run(cfg: Config, cite_fn: CiteFn | None = None):
                          gumbel=jnp.zeros_like(scores), logged_log_prob=x.logged_log_prob,
                          has_logged=x.has_logged, scores=scores)
         else:
-            key = jax.random.fold_in(jax.random.wrap_key_data(state.learner_state.key), index)
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), index)
             queries = QueryBatch(q=x.q, m=m, mask=x.mask, valid=x.present,
                                  gold=x.gold if x.cite_gold is None else x.cite_gold)
             full = simulated_batch(cfg, cite_fn, scores, queries, key)
             out.update(selected=full.selected, cited=full.cited, log_prob=full.logged_log_prob)
+        return full, out
+
+    def user_step(state: UserState, buf: ReplayBuffer, x: ChunkData, index, bank):
+        """Scope ``user``: one batch of one user: evaluate, act, cite, update."""
+        full, out = observe(state.params, state.learner_state.key, x, index, bank)
         if cfg.buffer:
             entry = ReplayBuffer(q=x.q, cand=x.cand, mask=x.mask, selected=full.selected, cited=full.cited,
                                  logged_log_prob=full.logged_log_prob, valid=x.present)
@@ -157,7 +193,21 @@ def make_run(cfg: Config, cite_fn: CiteFn | None = None):
         out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"], updated=jnp.any(x.present))
         return new, buf, out
 
-    def run(states: UserState, data: ChunkData, start=0, n_batches: int | None = None):
+    def chunk_step(state: LoopState, buf, x: ChunkData, index, bank):
+        """One batch of every user of the chunk: ``user`` vmaps :func:`user_step`;
+        ``shared``/``hybrid`` observe under vmap, then make one scoped update."""
+        if not scoped:
+            users, buf, out = jax.vmap(user_step, in_axes=(0, 0, 0, None, 0))(state.users, buf, x, index, bank)
+            return LoopState(users, state.shared), buf, out
+        shared, users = state.shared, state.users
+        full, out = jax.vmap(lambda lp, kd, xu, bk: observe(merge_params(shared.params, lp), kd, xu, index, bk))(
+            users.params, users.learner_state.key, x, bank)
+        shared, users, met = apply(shared, users, full)
+        out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"],
+                   updated=jnp.any(x.present, axis=-1))
+        return LoopState(users, shared), buf, out
+
+    def run(state: LoopState, data: ChunkData, start=0, n_batches: int | None = None):
         bank = data.bank                                                 # (U, N, d)
         n_total = data.q.shape[1] // b
         seg = n_total if n_batches is None else n_batches
@@ -168,31 +218,32 @@ def make_run(cfg: Config, cite_fn: CiteFn | None = None):
 
         xs = jax.tree.map(batched, data._replace(bank=None))
         n_users = bank.shape[0]
-        step = jax.vmap(user_step, in_axes=(0, 0, 0, None, 0))
         bufs = jax.vmap(lambda _: _empty_buffer(cfg, data.q.shape[-1], data.q.dtype))(jnp.arange(n_users))
         at = lambda i: jax.tree.map(lambda v: v[i], xs)
-        out_shapes = jax.eval_shape(step, states, bufs, at(0), start, bank)[2]
+        out_shapes = jax.eval_shape(chunk_step, state, bufs, at(0), start, bank)[2]
         outs = jax.tree.map(lambda o: jnp.zeros((seg,) + o.shape, o.dtype), out_shapes)
 
         def body(i, carry, masked: bool):
             state, buf, outs = carry
             x = at(i)
-            new_state, buf, out = step(state, buf, x, start + i, bank)
+            new_state, buf, out = chunk_step(state, buf, x, start + i, bank)
             if masked:
                 # A user with no valid query in this batch (padding at the end of a
                 # shorter stream) keeps its state: an Adam step on a zero gradient would
                 # still move it. The select costs a full pass over the state, so only
-                # the padded tail of the chunk pays for it.
-                new_state = _tree_where_users(jnp.any(x.present, axis=-1), new_state, state)
+                # the padded tail of the chunk pays for it. (The scoped update already
+                # leaves the shared part alone when no user has a query.)
+                new_state = new_state._replace(
+                    users=_tree_where_users(jnp.any(x.present, axis=-1), new_state.users, state.users))
             outs = jax.tree.map(lambda o, v: o.at[i].set(v), outs, out)
             return new_state, buf, outs
 
         # Batches where every user of the chunk has a real query run without the select.
         full = jnp.all(jnp.any(xs.present, axis=-1), axis=-1)               # (seg,)
         n_full = jnp.where(jnp.all(full), seg, jnp.argmin(full))
-        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), (states, bufs, outs))
-        states, _, outs = jax.lax.fori_loop(n_full, seg, functools.partial(body, masked=True), carry)
-        return states, jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)
+        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), (state, bufs, outs))
+        state, _, outs = jax.lax.fori_loop(n_full, seg, functools.partial(body, masked=True), carry)
+        return state, jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)
 
     return jax.jit(run, donate_argnums=(0,), static_argnames=("n_batches",))
 

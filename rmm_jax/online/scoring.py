@@ -20,11 +20,16 @@ def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
     """The reranker params that score ``user_id``'s queries, as device arrays.
 
     The one way to read a usable policy out of a store, whatever its scope (see
-    :data:`rmm_jax.core.update.SCOPES`). With ``fallback_to_shared`` a user without saved
+    :data:`rmm_jax.core.update.SCOPES`): ``user``, the user's own params; ``shared``, the
+    store's shared params; ``hybrid``, the shared params merged with the user's low-rank
+    residual (:func:`rmm_jax.core.reranker.merge_params`). With ``fallback_to_shared`` a user without saved
     state gets the shared params instead of an error.
     """
-    if fallback_to_shared and user_id not in store.users():
-        params = store.shared_params()
+    scope = store.meta.get("scope") or "user"
+    if scope == "shared" or (fallback_to_shared and user_id not in store.users()):
+        params = store.shared_params()      # a new user of a hybrid store: its residual is zero
+    elif scope == "hybrid":
+        params = reranker.merge_params(store.shared_params(), store.load_user(user_id).params)
     else:
         params = store.load_user(user_id).params
     # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.

@@ -2,9 +2,12 @@
 
 A 1-D :class:`~jax.sharding.Mesh` named ``users`` over every device (of every host after
 ``jax.distributed.initialize``) and a :class:`~jax.sharding.NamedSharding` that splits
-the leading (users) dimension of every array. The online loop is per-user
-independent, so XLA runs each device's users with no communication; results equal
-the single-device run for the same seed.
+the leading (users) dimension of every array. In scope ``user`` the online loop is
+per-user independent, so XLA runs each device's users with no communication; results
+equal the single-device run for the same seed. In scopes ``shared``/``hybrid`` the shared
+part is replicated (:func:`replicate`) and the sum of the users' gradients that updates it
+becomes an all-reduce that XLA inserts (over gloo or the accelerator's interconnect
+across processes); results equal the single-device run up to float32 summation order.
 """
 from __future__ import annotations
 
@@ -34,3 +37,8 @@ def shard_users(tree, mesh: Mesh):
         return jax.device_put(x, NamedSharding(mesh, P("users")))
 
     return jax.tree.map(put, tree)
+
+
+def replicate(tree, mesh: Mesh):
+    """Place every leaf whole on every device of the mesh (the shared part of a policy)."""
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), tree)
