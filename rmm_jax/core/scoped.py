@@ -135,7 +135,8 @@ def make_apply_scoped_update(cfg: Config, optimizer: optax.GradientTransformatio
         g_shared = jax.tree.map(lambda g: g / jnp.maximum(n_active, 1).astype(g.dtype), g_shared)
         upd, opt_state = opt.update(g_shared, shared.opt_state, shared.params)
         shared = _where(n_active > 0, SharedState(optax.apply_updates(shared.params, upd), opt_state), shared)
-        upd, local_opt = jax.vmap(opt.update)(g_local, users.opt_state, users.params)
+        n_users = users.learner_state.step.shape[0]
+        upd, local_opt = jax.vmap(opt.update, axis_size=n_users)(g_local, users.opt_state, users.params)
         learner = users.learner_state._replace(baseline=new_baseline, step=users.learner_state.step + 1)
         users = UserState(optax.apply_updates(users.params, upd), local_opt, learner)
         return shared, users, {"loss": losses, **stats}
