@@ -24,7 +24,9 @@ from rmm_jax.core.types import LearnerState
 from rmm_jax.errors import InputError
 from rmm_jax.online.scoring import score_query
 from rmm_jax.persist.codec import decode_tree, leaf_specs
-from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, UserPolicy, load_chunk, verify_snapshot
+from rmm_jax.persist.policy_index import PolicyIndex
+from rmm_jax.persist.policy_snapshot import load_arrays
+from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, UserPolicy, verify_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
@@ -59,6 +61,11 @@ def assert_policy(pol: UserPolicy, ref: UserPolicy):
 def biggest_file(snap: Path) -> Path:
     files = [p for p in snap.rglob("*") if p.is_file() and p.name != "CHECKSUMS.json"]
     return max(files, key=lambda p: p.stat().st_size)
+
+
+def chunk_metas(snap: Path) -> dict[str, dict]:
+    """chunk.json of every chunk of a snapshot, by chunk name."""
+    return {d.name: json.loads((d / "chunk.json").read_text()) for d in sorted(snap.iterdir())}
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -97,8 +104,8 @@ def test_real_reranker_params_and_typed_key(tmp_path):
     assert isinstance(learner, LearnerState)
     typed = learner._replace(key=jax.random.key(5))
     st.save_users({"a": UserPolicy(params, opt_state, learner, {}), "t": UserPolicy(params, None, typed, {})})
-    rows = json.loads((st.path / "gens" / "v00000001" / "rows.json").read_text())
-    assert {c["spec"]["learner_state"]["cls"] for c in rows["chunks"].values()} == {"rmm_jax.core.types:LearnerState"}
+    metas = chunk_metas(st.path / "gens" / "v00000001")
+    assert {c["spec"]["learner_state"]["cls"] for c in metas.values()} == {"rmm_jax.core.types:LearnerState"}
     pol = PolicyStore.open(st.path).load_user("a")
     assert_same(pol.params, params)
     assert_same(pol.opt_state, opt_state)
@@ -115,8 +122,7 @@ def test_legacy_dict_learner_state_loads_as_learner_state(tmp_path):
     old = dict(ref.learner_state._asdict())
     st.save_users({"old": UserPolicy(ref.params, ref.opt_state, old, ref.info),
                    "new": state_of(4)})
-    rows = json.loads((st.path / "gens" / "v00000001" / "rows.json").read_text())
-    specs = {c["users"][0]: c["spec"]["learner_state"] for c in rows["chunks"].values()}
+    specs = {c["users"][0]: c["spec"]["learner_state"] for c in chunk_metas(st.path / "gens" / "v00000001").values()}
     assert specs["old"]["t"] == "dict" and specs["old"]["k"] == ["baseline", "key", "step"]
     assert specs["new"]["t"] == "nt"
     pol = PolicyStore.open(st.path).load_user("old")
@@ -179,11 +185,11 @@ def test_index_rebuilt_when_corrupt(tmp_path):
     st = new_store(tmp_path)
     st.save_users({"u": state_of(1)})
     st.save_users({"u": state_of(2)})
-    (st.path / "index.json").write_text("{ broken")
+    (st.path / "index.sqlite").write_bytes(b"{ broken" * 100)
     assert st.versions("u") == [1, 2]
     assert_policy(st.load_user("u"), state_of(2))
     assert st.save_users({"u": state_of(3)}) == 3
-    assert json.loads((st.path / "index.json").read_text())["users"]["u"][-1]["version"] == 3
+    assert PolicyIndex.open(st.path / "index.sqlite").entries("u")[-1].version == 3
 
 
 # ----------------------------------------------------------------------------- corruption
@@ -208,7 +214,7 @@ def test_corrupt_newest_version_falls_back_and_reports(tmp_path, how):
     for i in range(3):
         st.save_users({"u": state_of(i)})
     snap = st.path / "gens" / "v00000003"
-    target = snap / "CHECKSUMS.json" if how == "drop_checksums" else biggest_file(snap)
+    target = snap / "c0000" / "CHECKSUMS.json" if how == "drop_checksums" else biggest_file(snap)
     _corrupt(target, how)
     assert verify_snapshot(snap, "c0000") is not None
     st2 = PolicyStore.open(st.path)
@@ -224,7 +230,7 @@ def test_corrupt_small_files_and_all_bad(tmp_path):
     st = new_store(tmp_path)
     for i in range(2):
         st.save_users({"u": state_of(i)})
-    _corrupt(st.path / "gens" / "v00000002" / "rows.json", "flip")
+    _corrupt(st.path / "gens" / "v00000002" / "c0000" / "chunk.json", "flip")
     with pytest.warns(PolicyRestoreWarning):
         assert st.load_user("u").version == 1
     _corrupt(biggest_file(st.path / "gens" / "v00000001"), "truncate")
@@ -324,25 +330,23 @@ def _check_every_verifying_version(st: PolicyStore):
     """Every snapshot on disk that verifies holds exactly the states it claims."""
     n_ok = 0
     for snap in sorted((st.path / "gens").glob("v*")):
-        rows_ok = verify_snapshot(snap) is None
-        if not rows_ok:
-            continue
-        rows = json.loads((snap / "rows.json").read_text())
-        for chunk, c in rows["chunks"].items():
+        for chunk in sorted(snap.iterdir()):
+            if verify_snapshot(snap, chunk.name) is not None:
+                continue
+            c = json.loads((chunk / "chunk.json").read_text())
             counts = {p: len(leaf_specs(c["spec"][p])) for p in ("params", "opt_state", "learner_state")}
-            leaves = load_chunk(snap / chunk, counts)
+            leaves = load_arrays(chunk / "arrays.npz", counts)
             for row, uid in enumerate(c["users"]):
-                seed = rows["info"][uid]["seed"]
-                ref = state_of(seed)
+                ref = state_of(c["info"][row]["seed"])
                 got = [decode_tree(c["spec"][p], [a[row] for a in leaves[p]])
                        for p in ("params", "opt_state", "learner_state")]
-                assert_policy(UserPolicy(*got, rows["info"][uid]), ref)
+                assert_policy(UserPolicy(*got, c["info"][row]), ref)
                 n_ok += 1
     # i * 10 for every i a writer may reach
     known = {params_of(s)["q_adapter"]["W"]["kernel"].tobytes() for s in range(0, 20_000, 10)}
     for snap in sorted((st.path / "shared").glob("v*")):
         if verify_snapshot(snap) is None:
-            leaves = load_chunk(snap / "c0000", {"params": 2})["params"]   # sorted: m_adapter, q_adapter
+            leaves = load_arrays(snap / "c0000" / "arrays.npz", {"params": 2})["params"]  # m_adapter, q_adapter
             assert leaves[1].tobytes() in known
             n_ok += 1
     return n_ok
@@ -439,8 +443,16 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     leaf = {x["path"]: x for x in doc["params"]}["q_adapter/W/kernel"]
     assert leaf["shape"] == [D, D] and leaf["norm"] == pytest.approx(k)
     assert "loading" in err
+    on_disk = (st.path / "gens" / "v00000001" / "c0000" / "arrays.npz").stat().st_size  # alice and bob share it
+    assert doc["bytes"]["user"] == {"version": 1, "chunk": "c0000", "row": 1, "users_in_chunk": 2,
+                                    "chunk_bytes": on_disk, "bytes": round(on_disk / 2), "array_bytes": 1556}
+    shared = st.path / "shared" / "v00000001" / "c0000" / "arrays.npz"
+    assert doc["bytes"]["shared"] == {"version": 1, "array_bytes": 2 * D * D * 4, "bytes": shared.stat().st_size}
+    assert doc["scope"] == "user"
     code, out, _ = _cli(["policies", "show", str(st.path), "bob"], capsys)
     assert code == 0 and "q_adapter/W/kernel" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("bytes on disk:"))
+    assert "(v1 c0000 row 1, 1/2 of " in line and "; shared " in line and "once for all users" in line
     code, _, err = _cli(["policies", "export", str(st.path), "alice", "--out", str(tmp_path / "a.npz")], capsys)
     assert code == 0 and (tmp_path / "a.npz").exists() and (tmp_path / "a.json").exists()
     for argv, needle in [(["policies", "list", str(tmp_path / "nope")], "no such policy store"),

@@ -26,8 +26,8 @@ def _progress(msg: str) -> None:
 
 def _require_user(st, user: str) -> None:
     """Fail on an unknown user before any progress line (errors are one line on stderr)."""
-    if not st.version_entries(user):
-        raise InputError(f"no saved policy for user {user!r} (known users: {len(st.users())})",
+    if not st.has_user(user):
+        raise InputError(f"no saved policy for user {user!r} (known users: {st.n_users()})",
                          where=str(st.path))
 
 
@@ -38,21 +38,16 @@ def policies():
     \b
     Examples:
       rmm-jax policies list policies/                 # users, versions, queries seen
-      rmm-jax policies show policies/ user_7          # shapes, norms, info of one user
+      rmm-jax policies show policies/ user_7          # shapes, norms, bytes, info of one user
       rmm-jax policies export policies/ user_7 --out user_7.npz
     """
 
 
 def list_rows(store) -> list[dict]:
     """One summary per user: versions, queries seen (from info) and last update."""
-    rows = []
-    for uid in store.users():
-        entries = store.version_entries(uid)
-        info = store.info(uid)
-        rows.append({"user": uid, "versions": [e["version"] for e in entries],
-                     "queries_seen": info.get("queries_seen"),
-                     "last_update": entries[-1].get("saved_at") if entries else None})
-    return rows
+    return [{"user": r["user"], "versions": [e["version"] for e in r["versions"]],
+             "queries_seen": r["info"].get("queries_seen"), "last_update": r["versions"][-1]["saved_at"]}
+            for r in store.listing()]
 
 
 @policies.command("list")
@@ -89,13 +84,29 @@ def _leaf_table(tree) -> list[dict]:
 
 
 def show_doc(st, user: str) -> dict:
-    """Everything ``show`` prints for one user, as a JSON-able dict."""
+    """Everything ``show`` prints for one user, as a JSON-able dict. ``bytes``: on disk,
+    the user's newest entry (its row's share of its chunk's array files) and the newest
+    shared version (stored once for all users)."""
     pol = st.load_user(user)
-    return {"store": str(st.path), "user": user, "meta": st.meta, "restored_version": pol.version,
+    return {"store": str(st.path), "user": user, "meta": st.meta, "scope": st.scope,
+            "restored_version": pol.version,
             "skipped": st.last_restore_report["skipped"] if st.last_restore_report else [],
             "versions": st.version_entries(user), "info": pol.info,
+            "bytes": {"user": st.user_bytes(user), "shared": st.shared_bytes()},
             "params": _leaf_table(pol.params), "opt_state": _leaf_table(pol.opt_state),
             "learner_state": _leaf_table(pol.learner_state)}
+
+
+def _size(n: int) -> str:
+    """``n`` bytes, human-readable (the exact count is in ``--json``)."""
+    if n < 1024:
+        return f"{n} B"
+    x, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if x < 1024:
+            break
+    return f"{x:.1f} {unit}"
 
 
 @policies.command()
@@ -104,8 +115,9 @@ def show_doc(st, user: str) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of text.")
 def show(store, user, as_json):
     """Show USER's policy in STORE: store meta, saved versions, the version restored
-    (a newer corrupt one is skipped and reported), shapes and L2 norms of the params,
-    optimiser and learner state, and the saved info (queries seen, metrics)."""
+    (a newer corrupt one is skipped and reported), bytes on disk (the user's entry and
+    the shared part), shapes and L2 norms of the params, optimiser and learner state, and
+    the saved info (queries seen, metrics)."""
     st = _open(store)
     _require_user(st, user)
     _progress(f"loading {user!r} from {store} ...")
@@ -114,11 +126,16 @@ def show(store, user, as_json):
         click.echo(json.dumps(doc))
         return
     m = doc["meta"]
-    click.echo(f"user {user} in {store} (kind={m['kind']} dim={m['dim']} hidden={m['hidden']})")
+    click.echo(f"user {user} in {store} (kind={m['kind']} dim={m['dim']} hidden={m['hidden']} "
+               f"scope={doc['scope']})")
     vs = ", ".join(f"v{e['version']} ({e.get('saved_at')})" for e in doc["versions"])
     click.echo(f"versions: {vs}; restored v{doc['restored_version']}")
     for s in doc["skipped"]:
         click.echo(f"  skipped v{s['version']}: {s['reason']}")
+    ub, sb = doc["bytes"]["user"], doc["bytes"]["shared"]
+    click.echo(f"bytes on disk: user {_size(ub['bytes'])} (v{ub['version']} {ub['chunk']} row {ub['row']}, "
+               f"1/{ub['users_in_chunk']} of {_size(ub['chunk_bytes'])}); shared {_size(sb['bytes'])} "
+               f"(v{sb['version']}, once for all users)")
     for part in ("params", "opt_state", "learner_state"):
         click.echo(f"{part}:")
         for leaf in doc[part]:

@@ -1,0 +1,223 @@
+"""Policy-store scale: save N synthetic hybrid-scope users, then open the store and load
+one random user, as a server answering one user's query would.
+
+Per user (hybrid scope, d=384, rank 8), as ``save_batch`` gets it from the online loop:
+params ``{q: {a: (384, 8), b: (384, 8)}, m: {a, b}}`` float32, an optax Adam state
+``(ScaleByAdamState(count, mu, nu), EmptyState())`` with moments of the same shapes, and
+a learner state ``{baseline f32, step i32, key (2,) u32}``: 147,472 array bytes.
+
+1. A store is created in a temp dir (``--workdir``), and N users are saved in
+   ``save_batch`` calls of ``--per-save`` users (chunks sized by bytes, the default).
+   Reported: total and per-call save time, bytes on disk per user (allocated blocks of the
+   whole store / N, and :meth:`PolicyStore.user_bytes`), the index size.
+2. For comparison, a few ``user``-scope states at d=384 (two (384, 384) kernels + two
+   Adam moments) are saved to a second store and their bytes per user reported.
+3. 20 random users are loaded, each with a NEW ``PolicyStore`` object (open + load_user,
+   checked against what was saved). Before each load the user's chunk files are evicted
+   from the page cache (``posix_fadvise(DONTNEED)``), so the chunk is read from disk;
+   the index and the Python process are warm. Median and max are reported, and the same
+   20 loads again with the chunk cached. One load in a fresh Python process (imports
+   included) is timed too.
+4. Peak RSS of this process (``ru_maxrss``).
+
+Targets: loading one user from a 100,000-user store in <= 1 s; saving 100,000 users in
+1,000-user calls in a few minutes.
+
+Usage::
+
+    .venv/bin/python benchmarks/store_scale.py [--users 10000] [--per-save 1000] [--json]
+        [--workdir DIR] [--keep] [--out benchmarks/results/store_scale.json]
+
+The result is merged into ``--out`` (one entry per (users, per_save), replacing an older
+one); ``--json`` also prints it on stdout. The store is deleted afterwards unless
+``--keep``. Disk: ~150 KB per user (100,000 users: ~15 GB).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rmm_jax.core.types import LearnerState  # noqa: E402
+from rmm_jax.persist.policy_store import PolicyStore, UserPolicy  # noqa: E402
+
+D, RANK = 384, 8
+META = {"kind": "linear", "dim": D, "hidden": None, "scope": "hybrid", "rank": RANK,
+        "config": {"benchmark": "store_scale"}}
+
+
+def hybrid_block(n: int, rng: np.random.Generator) -> UserPolicy:
+    """Stacked hybrid states of ``n`` users (random values)."""
+    def factors():
+        return {s: {f: rng.standard_normal((n, D, RANK), dtype=np.float32) for f in ("a", "b")} for s in ("q", "m")}
+
+    adam = (optax.ScaleByAdamState(count=np.ones(n, np.int32), mu=factors(), nu=factors()), optax.EmptyState())
+    learner = LearnerState(baseline=np.zeros(n, np.float32), step=np.zeros(n, np.int32),
+                           key=rng.integers(0, 2**32, (n, 2), dtype=np.uint32))
+    return UserPolicy(factors(), adam, learner)
+
+
+def uid(i: int) -> str:
+    return f"user_{i:07d}"
+
+
+def du(path: Path) -> tuple[int, int]:
+    """(allocated bytes, apparent bytes) of every file under ``path``."""
+    alloc = size = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            st = os.lstat(os.path.join(root, n))
+            alloc += st.st_blocks * 512
+            size += st.st_size
+    return alloc, size
+
+
+def evict(path: Path) -> None:
+    """Drop ``path``'s files from the page cache (they are fsynced, so clean)."""
+    for f in path.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def user_scope_bytes(work: Path) -> dict:
+    """Bytes per user of a user-scope d=384 policy (2 kernels + Adam), 4 users saved."""
+    rng = np.random.default_rng(1)
+    n = 4
+    k = lambda: {s: {"W": {"kernel": rng.standard_normal((n, D, D), dtype=np.float32)}}  # noqa: E731
+                 for s in ("q_adapter", "m_adapter")}
+    state = UserPolicy(k(), (optax.ScaleByAdamState(np.ones(n, np.int32), k(), k()), optax.EmptyState()),
+                       LearnerState(np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros((n, 2), np.uint32)))
+    meta = {**{key: v for key, v in META.items() if key != "rank"}, "scope": "user"}
+    st = PolicyStore.create(work / "user_scope", meta, {})
+    st.save_batch([uid(i) for i in range(n)], state)
+    ub = st.user_bytes(uid(0))
+    return {"array_bytes": ub["array_bytes"], "bytes_on_disk": ub["bytes"], "users_per_chunk": ub["users_in_chunk"]}
+
+
+def load_in_fresh_process(path: Path, user: str) -> dict:
+    code = ("import json, time; t0 = time.perf_counter()\n"
+            "from rmm_jax.persist.policy_store import PolicyStore\n"
+            "t1 = time.perf_counter()\n"
+            f"PolicyStore.open({str(path)!r}).load_user({user!r})\n"
+            "t2 = time.perf_counter()\n"
+            "print(json.dumps({'import_s': t1 - t0, 'open_and_load_s': t2 - t1}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    path = work / "store"
+    st = PolicyStore.create(path, META, {})
+    block = hybrid_block(min(per_save, n), rng)
+    save_s = []
+    t_all = time.perf_counter()
+    for lo in range(0, n, per_save):
+        hi = min(n, lo + per_save)
+        part = jax.tree_util.tree_map(lambda a: a[:hi - lo], (block.params, block.opt_state, block.learner_state))
+        # each user's baseline is its global index, so a load can be checked
+        part = (*part[:2], part[2]._replace(baseline=np.arange(lo, hi, dtype=np.float32)))
+        t = time.perf_counter()
+        st.save_batch([uid(i) for i in range(lo, hi)], part, [{"i": i} for i in range(lo, hi)])
+        save_s.append(time.perf_counter() - t)
+        if len(save_s) % 10 == 0 or hi == n:
+            print(f"  saved {hi:,}/{n:,} users  ({time.perf_counter() - t_all:.1f} s)", file=sys.stderr, flush=True)
+    total_save = time.perf_counter() - t_all
+    alloc, apparent = du(path)
+    ub = st.user_bytes(uid(0))
+
+    picks = random.Random(seed).sample(range(n), min(loads, n))
+    cold, warm = [], []
+    for pass_, out in (("cold", cold), ("warm", warm)):
+        for i in picks:
+            e = st.version_entries(uid(i))[-1]
+            if pass_ == "cold":
+                evict(path / "gens" / f"v{e['version']:08d}" / e["chunk"])
+            t = time.perf_counter()
+            pol = PolicyStore.open(path).load_user(uid(i))
+            out.append(time.perf_counter() - t)
+            row = i % per_save
+            assert float(pol.learner_state.baseline) == i and pol.info == {"i": i}
+            assert np.array_equal(pol.params["q"]["a"], block.params["q"]["a"][row])
+    fresh = load_in_fresh_process(path, uid(picks[0]))
+    t = time.perf_counter()
+    n_users = PolicyStore.open(path).n_users()
+    n_users_s = time.perf_counter() - t
+    assert n_users == n
+    return {
+        "users": n, "per_save": per_save, "saves": len(save_s),
+        "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()} cores, {sys.platform}",
+        "user_state": "hybrid d=384 rank 8: params q/m a,b (384,8) f32 + Adam mu,nu + learner state",
+        "save_total_s": round(total_save, 2), "save_call_s_median": round(float(np.median(save_s)), 3),
+        "save_call_s_max": round(max(save_s), 3), "users_per_s": round(n / total_save, 1),
+        # a save must not slow down as the store grows: the first and the last 10 calls
+        "save_call_s_median_first10": round(float(np.median(save_s[:10])), 3),
+        "save_call_s_median_last10": round(float(np.median(save_s[-10:])), 3),
+        "store_bytes_allocated": alloc, "store_bytes_apparent": apparent,
+        "bytes_per_user_on_disk": round(alloc / n), "index_sqlite_bytes": (path / "index.sqlite").stat().st_size,
+        "user_bytes": ub, "user_scope_d384_bytes_per_user": user_scope_bytes(work),
+        "load_one_user_s_median": round(float(np.median(cold)), 4), "load_one_user_s_max": round(max(cold), 4),
+        "load_one_user_cached_s_median": round(float(np.median(warm)), 4),
+        "load_fresh_process": {k: round(v, 3) for k, v in fresh.items()},
+        "n_users_s": round(n_users_s, 4),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "target_load_le_1s": bool(max(cold) <= 1.0),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, default=10_000, help="Users to save.")
+    ap.add_argument("--per-save", type=int, default=1000, help="Users per save_batch call.")
+    ap.add_argument("--loads", type=int, default=20, help="Random users to load.")
+    ap.add_argument("--json", action="store_true", help="Also print the result as JSON on stdout.")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_scale.json"),
+                    help="Results file; this run's entry is merged in.")
+    ap.add_argument("--workdir", default=None, help="Where the store goes (default: a temp dir).")
+    ap.add_argument("--keep", action="store_true", help="Keep the store.")
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="store_scale-", dir=args.workdir))
+    try:
+        res = run(args.users, args.per_save, work, args.loads)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "store_scale", "runs": []}
+    doc["runs"] = [r for r in doc["runs"] if (r["users"], r["per_save"]) != (res["users"], res["per_save"])] + [res]
+    doc["runs"].sort(key=lambda r: (r["users"], r["per_save"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['users']:,} users in {res['saves']} saves: {res['save_total_s']} s; "
+              f"{res['bytes_per_user_on_disk']:,} B/user on disk; load one user {res['load_one_user_s_median']} s "
+              f"median, {res['load_one_user_s_max']} s max; peak RSS {res['peak_rss_mib']} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

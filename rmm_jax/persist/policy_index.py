@@ -1,0 +1,293 @@
+"""The policy store's index in SQLite: which saved versions each user has, and where.
+
+``STORE/index.sqlite`` answers "where are ``user_id``'s versions?" with one indexed
+lookup, and a save of U users changes O(U) rows in one transaction, however many users
+the store holds. It replaced ``index.json`` (one JSON object for all users, parsed by
+every load and rewritten by every save; :mod:`rmm_jax.persist.policy_store` still reads
+and migrates it). SQLite is the stdlib's transactional engine: no server, one file,
+crash-safe commits, many concurrent readers.
+
+Schema (``kv['schema'] == 1``)::
+
+    kv(key TEXT PRIMARY KEY, value)                 'schema' -> 1, 'next_version' -> int
+    versions(version INTEGER PRIMARY KEY, saved_at)  every snapshot some user still keeps
+    entries(user, version, chunk, row)               PRIMARY KEY (user, version), WITHOUT ROWID
+      + INDEX entries_by_version(version)            (garbage collection, users of a save)
+
+``saved_at`` is per save, so it lives once in ``versions``, not in each entry.
+:meth:`PolicyIndex.commit_version` records one saved version in ONE transaction: the new
+entries, the trim of every saved user to its newest ``keep`` versions, and the versions
+that no entry references any more (returned, so the caller deletes their directories
+after the commit). The caller commits only after the snapshot directory is in place, so a
+kill leaves the index at the old state or the new one, never between.
+
+Concurrency: the store's one writer holds its flock (:mod:`rmm_jax.persist.lock`); the
+database is in WAL mode, so readers (opened ``mode=ro``, no lock) see the last committed
+state and never block the writer or each other. A read-only connection still creates
+SQLite's ``-wal``/``-shm`` side files when they are absent (the writer's last close
+removes them). A missing, corrupt or unopenable database raises
+:class:`IndexUnavailable`; the store then rebuilds the index from the snapshots
+(:meth:`PolicyIndex.build`: in memory for a reader, to the file for the writer).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
+
+from rmm_jax.errors import InputError
+
+SCHEMA = 1
+BUSY_TIMEOUT_S = 30.0
+_DDL = (
+    "CREATE TABLE kv(key TEXT PRIMARY KEY, value) WITHOUT ROWID",
+    "CREATE TABLE versions(version INTEGER PRIMARY KEY, saved_at TEXT)",
+    "CREATE TABLE entries(user TEXT NOT NULL, version INTEGER NOT NULL, chunk INTEGER NOT NULL, "
+    "row INTEGER NOT NULL, PRIMARY KEY (user, version)) WITHOUT ROWID",
+    "CREATE INDEX entries_by_version ON entries(version)",
+)
+# entries of users beyond their newest :keep versions (restricted to the users in temp.touched)
+_BEYOND_KEEP = """
+    SELECT user, version FROM (
+        SELECT user, version, ROW_NUMBER() OVER (PARTITION BY user ORDER BY version DESC) AS rn
+        FROM entries WHERE user IN (SELECT user FROM temp.touched))
+    WHERE rn > :keep"""
+_BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
+
+
+class Entry(NamedTuple):
+    """One saved version of one user: snapshot ``version``, chunk number, row in the chunk."""
+
+    version: int
+    chunk: int
+    row: int
+    saved_at: str | None
+
+
+class IndexUnavailable(Exception):
+    """The index is missing, corrupt or cannot be opened; rebuild it from the snapshots."""
+
+
+def sidecar_files(path: Path) -> list[Path]:
+    """SQLite's side files of database ``path`` (WAL, shared memory, rollback journal)."""
+    return [path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal")]
+
+
+def remove_database(path: Path) -> None:
+    """Delete database ``path`` and its side files. A stale ``-wal`` next to a new file of
+    the same name would be replayed into it, so they go together."""
+    for p in [path, *sidecar_files(path)]:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+class PolicyIndex:
+    """A connection to a policy-store index (see the module docstring). Use as a context
+    manager or call :meth:`close`."""
+
+    def __init__(self, conn: sqlite3.Connection, where: str):
+        self._conn = conn
+        self.where = where
+
+    # ---- open / create / build
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, readonly: bool = True) -> "PolicyIndex":
+        """Open an existing index file; :class:`IndexUnavailable` if it is missing, not
+        an index of this schema, or cannot be opened."""
+        path = Path(path)
+        if not path.is_file():
+            raise IndexUnavailable(f"{path}: missing")
+        uri = path.resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
+        try:
+            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        except sqlite3.Error as e:
+            raise IndexUnavailable(f"{path}: cannot open ({e})") from None
+        idx = cls(conn, str(path))
+        try:
+            schema = idx._one("SELECT value FROM kv WHERE key = 'schema'")
+            if schema != SCHEMA:
+                raise IndexUnavailable(f"{path}: schema {schema!r}, expected {SCHEMA}")
+            if not readonly:
+                idx._run("PRAGMA synchronous = FULL")
+        except BaseException:
+            idx.close()
+            raise
+        return idx
+
+    @classmethod
+    def create(cls, path: str | os.PathLike | None = None, *, next_version: int = 1) -> "PolicyIndex":
+        """A new empty index at ``path`` (which must not exist), or in memory if None."""
+        if path is None:
+            conn = sqlite3.connect(":memory:", isolation_level=None)
+            where = ":memory:"
+        else:
+            path = Path(path)
+            if path.exists():
+                raise FileExistsError(str(path))
+            conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = FULL")
+            where = str(path)
+        idx = cls(conn, where)
+        with idx._transaction():
+            for stmt in _DDL:
+                conn.execute(stmt)
+            conn.executemany("INSERT INTO kv VALUES (?, ?)", [("schema", SCHEMA), ("next_version", next_version)])
+        return idx
+
+    @classmethod
+    def build(cls, path: str | os.PathLike | None, records: Iterable[tuple[str, int, int, int, str | None]],
+              *, keep: int, next_version: int = 1) -> "PolicyIndex":
+        """A new index holding ``records`` ``(user, version, chunk, row, saved_at)``, each
+        user trimmed to its newest ``keep`` versions; versions nobody keeps are left out.
+        ``next_version`` is raised above the newest version seen. With a ``path`` the
+        file is written beside it and renamed into place (old file and side files go)."""
+        if path is None:
+            return cls._fill(cls.create(None), records, keep, next_version)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        remove_database(tmp)
+        try:
+            cls._fill(cls.create(tmp), records, keep, next_version).close()
+            remove_database(path)
+            os.replace(tmp, path)
+        finally:
+            remove_database(tmp)
+        return cls.open(path, readonly=False)
+
+    @classmethod
+    def _fill(cls, idx: "PolicyIndex", records, keep: int, next_version: int) -> "PolicyIndex":
+        c = idx._conn
+        with idx._transaction():
+            c.execute("CREATE TEMP TABLE IF NOT EXISTS touched(user TEXT PRIMARY KEY) WITHOUT ROWID")
+            saved: dict[int, str | None] = {}
+
+            def rows():
+                for user, version, chunk, row, saved_at in records:
+                    saved.setdefault(int(version), saved_at)
+                    yield str(user), int(version), int(chunk), int(row)
+
+            c.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", rows())
+            c.executemany("INSERT INTO versions VALUES (?, ?)", sorted(saved.items()))
+            c.execute("INSERT INTO temp.touched SELECT DISTINCT user FROM entries")
+            c.execute(f"DELETE FROM entries WHERE (user, version) IN ({_BEYOND_KEEP})", {"keep": keep})
+            c.execute("DELETE FROM versions WHERE version NOT IN (SELECT version FROM entries)")
+            c.execute("DELETE FROM temp.touched")
+            top = max(saved, default=0)
+            c.execute("UPDATE kv SET value = ? WHERE key = 'next_version'", (max(int(next_version), top + 1),))
+        return idx
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "PolicyIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- queries
+
+    def _run(self, sql: str, params=()) -> sqlite3.Cursor:
+        try:
+            return self._conn.execute(sql, params)
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+
+    def _all(self, sql: str, params=()) -> list[tuple]:
+        try:
+            return self._run(sql, params).fetchall()
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+
+    def _one(self, sql: str, params=()):
+        rows = self._all(sql, params)
+        return rows[0][0] if rows else None
+
+    def _error(self, e: sqlite3.Error) -> Exception:
+        """Busy after the timeout: a one-line InputError. Anything else: the file is not a
+        usable index (corrupt, truncated, other schema)."""
+        if getattr(e, "sqlite_errorname", "") in _BUSY:
+            return InputError(f"policy index is busy for more than {BUSY_TIMEOUT_S:.0f} s ({e})", where=self.where)
+        return IndexUnavailable(f"{self.where}: {type(e).__name__}: {e}")
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+        try:
+            yield
+            self._conn.execute("COMMIT")
+        except BaseException as e:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+            if isinstance(e, sqlite3.Error):
+                raise self._error(e) from None
+            raise
+
+    def entries(self, user: str) -> list[Entry]:
+        """``user``'s entries, oldest first ([] if unknown)."""
+        return [Entry(*r) for r in self._all(
+            "SELECT e.version, e.chunk, e.row, v.saved_at FROM entries e JOIN versions v USING (version) "
+            "WHERE e.user = ? ORDER BY e.version", (user,))]
+
+    def all_entries(self) -> Iterator[tuple[str, Entry]]:
+        """``(user, entry)`` for every entry, by user then version (streamed)."""
+        cur = self._run("SELECT e.user, e.version, e.chunk, e.row, v.saved_at FROM entries e "
+                        "JOIN versions v USING (version) ORDER BY e.user, e.version")
+        try:
+            for r in cur:
+                yield r[0], Entry(*r[1:])
+        except sqlite3.Error as e:
+            raise self._error(e) from None
+
+    def has_user(self, user: str) -> bool:
+        return self._one("SELECT 1 FROM entries WHERE user = ? LIMIT 1", (user,)) is not None
+
+    def users(self) -> list[str]:
+        """Every user with an entry, sorted."""
+        return [r[0] for r in self._all("SELECT DISTINCT user FROM entries ORDER BY user")]
+
+    def n_users(self) -> int:
+        return int(self._one("SELECT COUNT(DISTINCT user) FROM entries"))
+
+    def live_versions(self) -> list[int]:
+        """Versions some user still keeps, ascending."""
+        return [r[0] for r in self._all("SELECT version FROM versions ORDER BY version")]
+
+    def version_users(self, version: int) -> int:
+        """How many users keep ``version`` (an indexed count)."""
+        return int(self._one("SELECT COUNT(*) FROM entries WHERE version = ?", (version,)))
+
+    def next_version(self) -> int:
+        return int(self._one("SELECT value FROM kv WHERE key = 'next_version'"))
+
+    # ---- the one write
+
+    def commit_version(self, version: int, saved_at: str, placed: Iterable[tuple[str, int, int]], *,
+                       keep: int) -> list[int]:
+        """Record saved ``version`` holding ``placed`` ``(user, chunk, row)`` in one
+        transaction: add the entries, keep each of these users' newest ``keep``, drop the
+        versions nobody keeps any more, set next_version. Returns the dropped versions."""
+        if version < self.next_version():
+            raise ValueError(f"version {version} is below next_version {self.next_version()}")
+        c = self._conn
+        with self._transaction():
+            c.execute("CREATE TEMP TABLE IF NOT EXISTS touched(user TEXT PRIMARY KEY) WITHOUT ROWID")
+            c.execute("INSERT INTO versions VALUES (?, ?)", (version, saved_at))
+            c.executemany("INSERT INTO entries VALUES (?, ?, ?, ?)",
+                          ((u, version, int(ch), int(r)) for u, ch, r in placed))
+            c.execute("INSERT INTO temp.touched SELECT user FROM entries WHERE version = ?", (version,))
+            doomed = c.execute(f"SELECT DISTINCT version FROM ({_BEYOND_KEEP})", {"keep": keep}).fetchall()
+            c.execute(f"DELETE FROM entries WHERE (user, version) IN ({_BEYOND_KEEP})", {"keep": keep})
+            dead = [v for (v,) in doomed
+                    if c.execute("SELECT 1 FROM entries WHERE version = ? LIMIT 1", (v,)).fetchone() is None]
+            c.executemany("DELETE FROM versions WHERE version = ?", [(v,) for v in dead])
+            c.execute("DELETE FROM temp.touched")
+            c.execute("UPDATE kv SET value = ? WHERE key = 'next_version'", (version + 1,))
+        return sorted(dead)
