@@ -126,7 +126,7 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
                          float(outputs[s.user_id]["recall"][s.valid].mean()) if s.valid.any() else None}
                         for s in streams])
                     if cfg.scope != "user":
-                        ps.set_shared(event.shared.params)
+                        ps.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
                     finish(streams, outputs)
                     rs.save_done(i, outputs)
                     checkpoint(rs, event.resume())

@@ -25,3 +25,28 @@ def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "q
     with atomic_file(Path(path), "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def plot_gains(gains: dict, path, *, title: str) -> None:
+    """Write a PNG of named gains as points with their intervals (``gain_interval`` dicts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(gains)
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.4), dpi=120)
+    for i, n in enumerate(names):
+        g = gains[n]
+        ax.errorbar(g["mean"], i, xerr=[[g["mean"] - g["lo"]], [g["hi"] - g["mean"]]], fmt="o", capsize=3,
+                    color="C0" if g["significant"] else "C7")
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("gain over the retriever")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    with atomic_file(Path(path), "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)

@@ -33,6 +33,7 @@ class OnlineResult:
     states: list           # per chunk: stacked UserState, host numpy
     chunk_users: list      # per chunk: user ids
     records: list          # log records (dicts), simulate only, when asked for
+    recall: dict           # user id -> (T,) prequential Recall@M per query (stream order; valid ones count)
 
 
 def oracle(precision: float, recall: float) -> CiteFn:
@@ -44,19 +45,22 @@ def oracle(precision: float, recall: float) -> CiteFn:
 
 
 def run_online(streams: Sequence[Stream], params, cfg: Config, *, cite_fn: CiteFn | None = None, seed: int = 0,
-               users_per_chunk: int = 8, want_log: bool = False, mesh=None) -> OnlineResult:
+               users_per_chunk: int = 8, want_log: bool = False, mesh=None, shared=None) -> OnlineResult:
     """Simulate (``cite_fn`` given) or replay (the streams carry logged selections) over
-    streams in memory; every user starts from ``params``."""
+    streams in memory; every user starts from ``params`` (the shared part from ``shared``
+    when given, see :func:`rmm_jax.online.driver.drive`)."""
     online, base = Summary(cfg.m), Summary(cfg.m)
-    states, chunk_users, records = [], [], []
+    states, chunk_users, records, recall = [], [], [], {}
     chunks = [streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk)]
     program = make_run(cfg, cite_fn)
-    for event in drive(chunks, params, cfg, program, seed=seed, users_per_chunk=users_per_chunk, mesh=mesh):
+    for event in drive(chunks, params, cfg, program, seed=seed, users_per_chunk=users_per_chunk, mesh=mesh,
+                       shared=shared):
         if not isinstance(event, ChunkDone):
             continue
         for s in event.streams:
             out = event.outputs[s.user_id]
             online.add(s.user_id, out["recall"], out["ndcg"], s.valid)
+            recall[s.user_id] = out["recall"]
             base.add(s.user_id, *base_values(s, cfg.m), s.valid)
             if want_log and cite_fn is not None:
                 records.extend(log_records(s, out["selected"], out["cited"], out["log_prob"]))
@@ -64,7 +68,8 @@ def run_online(streams: Sequence[Stream], params, cfg: Config, *, cite_fn: CiteF
         chunk_users.append([s.user_id for s in event.streams])
     if not online.per_user:
         raise InputError("no users to run", where="users")
-    return OnlineResult(online.result(), base.result(), [s.user_id for s in streams], states, chunk_users, records)
+    return OnlineResult(online.result(), base.result(), [s.user_id for s in streams], states, chunk_users, records,
+                        recall)
 
 
 def simulate(streams: Sequence[Stream], params, cfg: Config, *, precision: float, recall: float,

@@ -26,7 +26,7 @@ def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
     state gets the shared params instead of an error.
     """
     scope = store.meta.get("scope") or "user"
-    if scope == "shared" or (fallback_to_shared and user_id not in store.users()):
+    if scope == "shared" or (fallback_to_shared and not store.has_user(user_id)):
         params = store.shared_params()      # a new user of a hybrid store: its residual is zero
     elif scope == "hybrid":
         params = reranker.merge_params(store.shared_params(), store.load_user(user_id).params)
