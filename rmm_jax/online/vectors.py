@@ -2,7 +2,8 @@
 
 For benchmarks and tests that need many users without text or an embedding model (the
 scale benchmark, one-question-per-user learning). Each user is generated on the fly from
-``(seed, user index)``, so 100,000 users cost no storage.
+``(seed, user index)`` in one jitted call per chunk (``jax.random``), so 100,000 users cost
+no storage and little time.
 
 How a user is made (d dimensions, N memories, T queries):
 
@@ -20,8 +21,11 @@ it. Scope ``shared`` can learn S from everyone's citations;
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.online.streams import Stream
@@ -40,34 +44,48 @@ class VectorSpec(NamedTuple):
     noise: float = 0.3        # σ
 
 
-def shared_distortion(spec: VectorSpec, seed: int) -> np.ndarray:
+def shared_distortion(spec: VectorSpec, seed: int) -> jax.Array:
     """S: the distortion every user of ``seed`` shares."""
-    rng = np.random.default_rng([seed, 0x5EED])
-    return (rng.standard_normal((spec.dim, spec.dim)) / np.sqrt(spec.dim)).astype(np.float32)
+    return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x5EED), (spec.dim, spec.dim)) / np.sqrt(spec.dim)
 
 
-def vector_stream(spec: VectorSpec, seed: int, index: int, shared: np.ndarray | None = None) -> Stream:
-    """User ``index`` of the population ``seed`` (see the module docstring)."""
-    d, n, t, k = spec.dim, spec.memories, spec.queries, spec.k
+@functools.partial(jax.jit, static_argnums=0)
+def _make_users(spec: VectorSpec, s, keys):
+    """Bank, queries, candidates and gold of a batch of users (one PRNG key each)."""
+    d, n, t, r = spec.dim, spec.memories, spec.queries, spec.user_rank
+
+    def one(key):
+        kb, ku, kv, kg, ke = jax.random.split(key, 5)
+        bank = jax.random.normal(kb, (n, d)) / np.sqrt(d)
+        u = jax.random.normal(ku, (d, r)) / np.sqrt(r)
+        v = jax.random.normal(kv, (d, r)) / np.sqrt(d)
+        gold_idx = jax.random.randint(kg, (t,), 0, n)
+        g = bank[gold_idx]
+        q = spec.signal / np.sqrt(d) * g + spec.alpha * g @ s.T + spec.beta * (g @ v) @ u.T
+        q = q + spec.noise * jax.random.normal(ke, (t, d)) / np.sqrt(d)
+        _, cand = jax.lax.top_k(q @ bank.T, spec.k)
+        return bank, q, cand.astype(jnp.int32), cand == gold_idx[:, None]
+
+    return jax.vmap(one)(keys)
+
+
+def vector_users(spec: VectorSpec, seed: int, indices, shared=None) -> list[Stream]:
+    """Users ``indices`` of the population ``seed`` (see the module docstring), made in one
+    jitted call on the default device."""
     s = shared_distortion(spec, seed) if shared is None else shared
-    rng = np.random.default_rng([seed, index])
-    bank = (rng.standard_normal((n, d)) / np.sqrt(d)).astype(np.float32)
-    r = spec.user_rank
-    u = rng.standard_normal((d, r)).astype(np.float32) / np.sqrt(r)
-    v = rng.standard_normal((d, r)).astype(np.float32) / np.sqrt(d)
-    gold_idx = rng.integers(0, n, t)
-    g = bank[gold_idx]                                                        # (T, d)
-    q = spec.signal / np.sqrt(d) * g + spec.alpha * g @ s.T + spec.beta * (g @ v) @ u.T
-    q += spec.noise * rng.standard_normal((t, d)).astype(np.float32) / np.sqrt(d)
-    q = q.astype(np.float32)
-    scores = q @ bank.T
-    cand = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int32)
-    gold = np.zeros((t, n), bool)
-    gold[np.arange(t), gold_idx] = True
-    return Stream(user_id=f"u{index:07d}", bank=bank, queries=q, cand=cand, cand_mask=np.ones((t, k), bool),
-                  cand_gold=np.take_along_axis(gold, cand, axis=1), num_gold=np.ones(t, np.int32),
-                  valid=np.ones(t, bool), memory_ids=tuple(f"m{j}" for j in range(n)),
-                  query_ids=tuple(f"q{j}" for j in range(t)))
+    base = jax.random.fold_in(jax.random.key(seed), 0xB0B)
+    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(indices, jnp.uint32))
+    bank, q, cand, gold = jax.device_get(_make_users(spec, s, keys))
+    t, k = spec.queries, spec.k
+    mem_ids, q_ids = tuple(f"m{j}" for j in range(spec.memories)), tuple(f"q{j}" for j in range(t))
+    return [Stream(user_id=f"u{i:07d}", bank=bank[j], queries=q[j], cand=cand[j], cand_mask=np.ones((t, k), bool),
+                   cand_gold=gold[j], num_gold=np.ones(t, np.int32), valid=np.ones(t, bool), memory_ids=mem_ids,
+                   query_ids=q_ids) for j, i in enumerate(indices)]
+
+
+def vector_stream(spec: VectorSpec, seed: int, index: int, shared=None) -> Stream:
+    """User ``index`` of the population ``seed``."""
+    return vector_users(spec, seed, [index], shared)[0]
 
 
 def vector_chunks(spec: VectorSpec, seed: int, users: int, users_per_chunk: int,
@@ -75,4 +93,4 @@ def vector_chunks(spec: VectorSpec, seed: int, users: int, users_per_chunk: int,
     """Users ``start .. start+users−1`` in chunks, generated as they are needed."""
     s = shared_distortion(spec, seed)
     for lo in range(start, start + users, users_per_chunk):
-        yield [vector_stream(spec, seed, i, s) for i in range(lo, min(lo + users_per_chunk, start + users))]
+        yield vector_users(spec, seed, list(range(lo, min(lo + users_per_chunk, start + users))), s)

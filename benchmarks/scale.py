@@ -1,0 +1,190 @@
+"""Scale: many users online in one process, with their policies written to a policy store.
+
+    python benchmarks/scale.py --users 100000 --scopes hybrid --json benchmarks/results/scale_100k.json
+    python benchmarks/scale.py --users 10000 --scopes user,shared,hybrid --json benchmarks/results/scale_10k.json
+    python benchmarks/scale.py --throughput --json benchmarks/results/scale_throughput.json
+
+Users are synthetic vector streams (:mod:`rmm_jax.online.vectors`): each user's 100
+memories are Gaussian vectors in d = 384, each query a distorted copy of one of them
+(a distortion shared by all users plus a low-rank one of the user's own), generated on
+the fly from ``(seed, user index)``, so the embeddings are never stored. Each chunk of
+users runs through the compiled loop (:func:`rmm_jax.online.driver.drive`); after each
+chunk its users' policies are saved to the store (:meth:`PolicyStore.save_batch`) and, in
+the shared scopes, the shared part (:meth:`PolicyStore.set_shared`), as ``rmm-jax
+simulate`` does.
+
+Reported per scope: wall time (total, and the part spent saving), queries/s, peak RSS of
+the process, bytes per user on disk, and the median time to open the store and load
+one user's policy (20 random users, a new store object each time). Scope ``user`` at d=384
+holds 3.5 MB per user: with ``--user-save-limit`` (default 200) only that many of its
+users are written (bytes per user are the same for every user), the rest only run.
+
+``--throughput``: queries/s of 1,000 users × 200 queries, ``hybrid`` against ``user``,
+interleaved repeats in one run (median [min, max]), no saving.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy BLAS threads spin against XLA on a small, busy machine
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import rmm_jax as rj  # noqa: E402
+from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
+from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
+from rmm_jax.online.loop import make_run  # noqa: E402
+from rmm_jax.online.run import oracle  # noqa: E402
+from rmm_jax.online.scoring import user_params  # noqa: E402
+from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
+from rmm_jax.persist.atomic import write_json  # noqa: E402
+from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
+    cfg = rj.Config(k=spec.k, m=5, scope=scope, rank=args.rank)
+    params = rj.init_reranker(jax.random.key(0), spec.dim)
+    meta = {"kind": "linear", "dim": spec.dim, "hidden": None, "scope": scope,
+            **({"rank": args.rank} if scope == "hybrid" else {}), "config": {"benchmark": "scale"}}
+    path = root / f"policies-{scope}"
+    ps = PolicyStore.create(path, meta, params)
+    program = make_run(cfg, oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
+    save_limit = args.user_save_limit if scope == "user" else args.users
+    saved, save_s, recall_sum, n_q = 0, 0.0, 0.0, 0
+    t0 = time.perf_counter()
+    chunks = vector_chunks(spec, args.seed, args.users, args.chunk)
+    with ps.writer(), tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar:
+        for e in drive(chunks, params, cfg, program, seed=args.seed, users_per_chunk=args.chunk):
+            if not isinstance(e, ChunkDone):
+                continue
+            ts = time.perf_counter()
+            if saved < save_limit:
+                ids = [s.user_id for s in e.streams]
+                ps.save_batch(ids, e.states)
+                saved += len(ids)
+            if scope != "user":
+                ps.set_shared(e.shared.params)
+            save_s += time.perf_counter() - ts
+            for o in e.outputs.values():
+                recall_sum += float(o["recall"].sum())
+                n_q += o["recall"].shape[0]
+            bar.update(len(e.streams))
+    total_s = time.perf_counter() - t0
+    # Loading one user: open the store afresh, then the user's usable params.
+    rng = np.random.default_rng(0)
+    users = ps.users()
+    loads = []
+    for u in rng.choice(users, size=min(20, len(users)), replace=False):
+        t = time.perf_counter()
+        p = user_params(PolicyStore.open(path), str(u))
+        jax.block_until_ready(p)
+        loads.append(time.perf_counter() - t)
+    user_bytes = ps.user_bytes(users[0]) if hasattr(ps, "user_bytes") else None
+    disk = du(path)
+    row = {"scope": scope, "users": args.users, "queries_per_user": spec.queries, "dim": spec.dim,
+           "rank": args.rank if scope == "hybrid" else None, "users_per_chunk": args.chunk,
+           "seconds": round(total_s, 1), "save_seconds": round(save_s, 1),
+           "queries_per_s": round(n_q / total_s, 1), "prequential_recall@5": recall_sum / max(n_q, 1),
+           "users_saved": saved, "store_bytes": disk, "bytes_per_user_on_disk": user_bytes,
+           "store_bytes_per_saved_user": disk / max(saved, 1),
+           "load_one_user_s": {"median": float(np.median(loads)), "min": float(np.min(loads)),
+                               "max": float(np.max(loads)), "n": len(loads)},
+           "peak_rss_mb_so_far": round(peak_rss_mb(), 1), "loadavg": os.getloadavg()}
+    if not args.keep:
+        shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def throughput(args) -> dict:
+    """hybrid vs user queries/s on 1,000 users × 200 queries, interleaved repeats, no saving."""
+    spec = VectorSpec(dim=args.dim, memories=100, queries=200)
+    chunks = [list(c) for c in vector_chunks(spec, args.seed, args.tp_users, args.chunk)]
+    params = rj.init_reranker(jax.random.key(0), spec.dim)
+    programs = {s: (rj.Config(k=spec.k, m=5, scope=s, rank=args.rank),) for s in ("user", "hybrid")}
+    programs = {s: (c, make_run(c, oracle(DEFAULT_PRECISION, DEFAULT_RECALL))) for s, (c,) in programs.items()}
+    times = {s: [] for s in programs}
+    for rep in range(args.repeats + 1):                     # repeat 0 compiles (not counted)
+        for s, (cfg, program) in programs.items():
+            t0 = time.perf_counter()
+            for _ in drive(chunks, params, cfg, program, seed=args.seed, users_per_chunk=args.chunk):
+                pass
+            if rep:
+                times[s].append(time.perf_counter() - t0)
+            print(f"  repeat {rep} {s}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    n_q = args.tp_users * spec.queries
+    qps = {s: [n_q / t for t in ts] for s, ts in times.items()}
+    ratios = [h / u for h, u in zip(qps["hybrid"], qps["user"])]
+    return {"users": args.tp_users, "queries_per_user": spec.queries, "dim": spec.dim, "rank": args.rank,
+            "users_per_chunk": args.chunk, "repeats": args.repeats,
+            "queries_per_s": {s: {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v))}
+                              for s, v in qps.items()},
+            "hybrid_over_user": {"median": float(np.median(ratios)), "min": float(np.min(ratios)),
+                                 "max": float(np.max(ratios))},
+            "loadavg": os.getloadavg()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, default=10_000)
+    ap.add_argument("--queries", type=int, default=100)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--rank", type=int, default=rj.Config().rank)
+    ap.add_argument("--scopes", default="hybrid", help="comma-separated scopes to run one after another")
+    ap.add_argument("--chunk", type=int, default=250, help="users per compiled call")
+    ap.add_argument("--user-save-limit", type=int, default=200, help="users of scope `user` written to disk")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", type=Path, default=None, help="where the policy stores go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the policy stores")
+    ap.add_argument("--throughput", action="store_true", help="only the hybrid-vs-user throughput comparison")
+    ap.add_argument("--tp-users", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    out = {"command": "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": {"cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}}
+    if args.throughput:
+        out["throughput"] = throughput(args)
+        t = out["throughput"]
+        print(f"1,000 users x 200 queries, d={args.dim}: hybrid/user = {t['hybrid_over_user']['median']:.2f}x "
+              f"[{t['hybrid_over_user']['min']:.2f}, {t['hybrid_over_user']['max']:.2f}]; "
+              + ", ".join(f"{s} {v['median']:.0f} q/s" for s, v in t["queries_per_s"].items()))
+    else:
+        spec = VectorSpec(dim=args.dim, memories=100, queries=args.queries)
+        root = args.root or Path(tempfile.mkdtemp(prefix="rmm-scale-"))
+        root.mkdir(parents=True, exist_ok=True)
+        out["rows"] = [run_scope(s, args, spec, root) for s in args.scopes.split(",")]
+        out["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        print(f"{'scope':<8}{'users':>8}{'seconds':>9}{'q/s':>9}{'R@5':>7}{'B/user':>11}{'load 1 user':>12}")
+        for r in out["rows"]:
+            print(f"{r['scope']:<8}{r['users']:>8}{r['seconds']:>9}{r['queries_per_s']:>9.0f}"
+                  f"{r['prequential_recall@5']:>7.3f}{r['store_bytes_per_saved_user']:>11.0f}"
+                  f"{r['load_one_user_s']['median']:>11.3f}s")
+        print(f"peak RSS {out['peak_rss_mb']} MB")
+        if not args.keep and args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
