@@ -17,6 +17,7 @@ from rmm_jax.data.granularity import (
     GRANULARITIES,
 )
 from rmm_jax.data.store import write_store
+from rmm_jax.errors import InputError
 
 
 @cli.command()
@@ -51,21 +52,34 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     """Embed a dataset's memories and questions into an embedding store.
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
-    `longmemeval:PATH`, or `synthetic[:users=N,...]`. Memories are built at the chosen
-    granularity, embedded with MODEL (cached on disk: re-runs embed nothing twice) and
-    written with the questions and their gold memories to OUT.
+    `longmemeval:PATH`, `synthetic[:users=N,...]`, your own chat histories
+    `jsonl:PATH` (OpenAI-style messages; schema in the README), or a generator-call log
+    that carries texts, `log:CALLS.jsonl[,memories=MEMS.jsonl]` (each call becomes a
+    question, its candidates the user's memories, ids kept as logged so the log replays
+    on the store). Memories are built at the chosen granularity, embedded with MODEL
+    (cached on disk: re-runs embed nothing twice) and written with the questions and
+    their gold memories to OUT.
 
     \b
     Examples:
       rmm-jax embed locomo:data/locomo --out stores/locomo_turn
       rmm-jax embed locomo:data/locomo --out stores/locomo_seg --granularity segment
       rmm-jax embed synthetic:users=4 --out /tmp/store --json
+      rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine
+      rmm-jax embed log:examples/calls.jsonl --out stores/calls
     """
     say = (lambda m: None) if quiet else info
     t0 = time.perf_counter()
     dataset = load_spec(spec)
+    if dataset.name == "log" and granularity != "turn":
+        raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
+                         f"use --granularity turn, not {granularity!r}", where="--granularity")
     t_load = time.perf_counter() - t0
     say(f"loaded {spec}: {len(dataset.users)} users ({t_load:.1f}s)")
+    n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
+    if dataset.name in ("jsonl", "log") and no_gold:
+        say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
+            + (" (no question has gold)" if no_gold == n_q else ""))
     t1 = time.perf_counter()
     embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
                         use_cache=not no_cache)

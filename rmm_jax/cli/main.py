@@ -57,7 +57,7 @@ def register_commands() -> None:
         importlib.import_module(f"rmm_jax.cli.{name}")
 
 
-COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "demo"]
+COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "evaluate", "demo"]
 
 
 def main(argv=None) -> None:

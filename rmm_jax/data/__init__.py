@@ -6,7 +6,8 @@ Modules (each imports only :mod:`rmm_jax.core`, :mod:`rmm_jax.persist`,
 * :mod:`~rmm_jax.data.types` - users, sessions, turns, queries, memory units;
   :mod:`~rmm_jax.data.locomo`, :mod:`~rmm_jax.data.longmemeval`,
   :mod:`~rmm_jax.data.synthetic` - the loaders, over the checked JSON reads of
-  :mod:`~rmm_jax.data.json_fields`;
+  :mod:`~rmm_jax.data.json_fields`; :mod:`~rmm_jax.data.jsonl` - your own chat
+  histories and generator-call logs;
 * :mod:`~rmm_jax.data.granularity` - memory units per turn, session or topic segment;
 * :mod:`~rmm_jax.data.embed` - sentence embeddings with a disk cache;
 * :mod:`~rmm_jax.data.store` - the embedding store on disk;
@@ -23,6 +24,8 @@ by a SPEC string (:func:`load_spec`)::
     longmemeval:PATH@turn           ... turn-level gold, explicitly
     synthetic                       built-in demo data, default sizes
     synthetic:users=N,sessions=S,turns=T,seed=X   (any subset of the keys)
+    jsonl:PATH                      your chat histories (OpenAI messages), schema in rmm_jax.data.jsonl
+    log:PATH[,memories=MEMS]        a generator-call log carrying query and memory texts
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from rmm_jax.data.granularity import (
     Topic,
     build_memories,
 )
+from rmm_jax.data.jsonl import load_jsonl, load_log_dataset, parse_log_spec
 from rmm_jax.data.locomo import load_locomo
 from rmm_jax.data.longmemeval import DEFAULT_GOLD_LEVEL, GOLD_LEVELS, load_longmemeval
 from rmm_jax.data.synthetic import make_synthetic, parse_synthetic_spec
@@ -43,11 +47,11 @@ from rmm_jax.errors import InputError
 __all__ = [
     "DEFAULT_GRANULARITY", "DEFAULT_MERGE_THRESHOLD", "DEFAULT_SEGMENT_THRESHOLD",
     "GRANULARITIES", "Dataset", "MemoryUnit", "Query", "SCHEMES", "Session", "Topic", "Turn", "User",
-    "build_memories", "gold_matrix", "load_locomo", "load_longmemeval", "load_spec", "make_synthetic",
-    "parse_synthetic_spec",
+    "build_memories", "gold_matrix", "load_jsonl", "load_locomo", "load_log_dataset", "load_longmemeval",
+    "load_spec", "make_synthetic", "parse_synthetic_spec",
 ]
 
-SCHEMES = ("locomo", "longmemeval", "synthetic")
+SCHEMES = ("locomo", "longmemeval", "synthetic", "jsonl", "log")
 
 
 def load_spec(spec: str) -> Dataset:
@@ -68,6 +72,10 @@ def load_spec(spec: str) -> Dataset:
         raise InputError(f"missing path, expected {scheme}:PATH", where=f"SPEC {spec!r}")
     if scheme == "locomo":
         return load_locomo(rest)
+    if scheme == "jsonl":
+        return load_jsonl(rest)
+    if scheme == "log":
+        return load_log_dataset(*parse_log_spec(rest))
     path, level = rest, DEFAULT_GOLD_LEVEL
     head, at_sign, tail = rest.rpartition("@")
     if at_sign and tail in GOLD_LEVELS:

@@ -13,11 +13,23 @@ line (``\\n``), blank ones included, starting at 1.
 | `cited`      | list of string        | yes      | memory ids the generator cited; may be empty; unique, each in `selected` |
 | `log_prob`   | number or null        | no       | log-probability of `selected` under the policy that logged it; finite, `<= 0` (integers accepted) |
 | `timestamp`  | string, number, null  | no       | when the call happened (free form; numbers must be finite)    |
+| `query`      | string or null        | no       | the query text (needed by `rmm-jax embed log:PATH`, which builds a store from the log) |
+| `gold`       | list of string, null  | no       | memory ids relevant to the query (gold), for Recall@M; unique; used by `embed log:` |
+| `logits`     | list of number, null  | no       | the logging policy's Plackett–Luce logits s_i/τ, one per candidate, in `candidates` order; finite. With `log_prob` too, the two must agree (see below) |
 
-Example line::
+Each item of `candidates` is either a memory id (a string) or an object
+``{"id": "m3", "text": "..."}`` carrying the memory's text; the two forms may be mixed.
+Texts, `query` and `gold` are what ``rmm-jax embed log:calls.jsonl --out STORE`` needs
+to build an embedding store straight from a production log (:mod:`rmm_jax.data.jsonl`);
+``replay`` and ``evaluate`` only read the ids.
+
+Example lines::
 
     {"user_id": "u1", "query_id": "q7", "candidates": ["m3", "m1", "m9"],
      "selected": ["m1", "m3"], "cited": ["m1"], "log_prob": -1.2}
+    {"user_id": "u1", "query_id": "q8", "query": "Where does my sister live now?",
+     "candidates": [{"id": "m3", "text": "My sister moved to Lisbon."}, {"id": "m1", "text": "..."}],
+     "selected": ["m3"], "cited": ["m3"], "logits": [4.1, 2.0], "log_prob": -0.115, "gold": ["m3"]}
 
 Decisions:
 
@@ -26,6 +38,13 @@ Decisions:
   omit absent keys.
 * Numeric ``timestamp`` values must be finite.
 * Memory, user and query ids must be non-empty strings.
+* `logits` and `log_prob` together must agree: the exact Plackett–Luce log-probability
+  of `selected` under `logits`, Σ_j [z_{i_j} − logsumexp of the candidates not drawn
+  yet], may differ from `log_prob` by at most max(1e-3, 1e-4·|log_prob|) (float32
+  rounding of the logger). Off-policy evaluation needs `logits` for the slate
+  estimators (RIPS, IIPS); IPS and SNIPS need only `log_prob`.
+* A memory's text may appear in several records; that it is the same everywhere is
+  checked by the loader that reads the texts (:mod:`rmm_jax.data.jsonl`).
 * Unknown extra keys are **allowed and ignored** (forward compatibility: a logger may
   add e.g. ``"answer"``); they are not kept in :class:`LogRecord`. A key repeated
   inside any JSON object on a line is an error (JSON parsers silently keep the last).
@@ -51,6 +70,9 @@ __all__ = [
     "LogRecord",
     "LogWriter",
     "iter_log",
+    "iter_numbered",
+    "json_lines",
+    "pl_log_prob",
     "iter_user_chunks",
     "read_log",
     "record_to_json",
@@ -59,7 +81,7 @@ __all__ = [
 ]
 
 REQUIRED_KEYS = ("user_id", "query_id", "candidates", "selected", "cited")
-OPTIONAL_KEYS = ("log_prob", "timestamp")
+OPTIONAL_KEYS = ("log_prob", "timestamp", "query", "gold", "logits")
 MAX_FIRST_ERRORS = 5
 
 
@@ -74,6 +96,10 @@ class LogRecord:
     cited: tuple[str, ...]
     log_prob: float | None = None
     timestamp: str | int | float | None = None
+    query_text: str | None = None                           # key 'query'
+    candidate_texts: tuple[str | None, ...] | None = None   # per candidate; None: ids only
+    gold: tuple[str, ...] | None = None
+    logits: tuple[float, ...] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -153,6 +179,80 @@ def _timestamp(value: Any, where: str) -> str | int | float | None:
     return value
 
 
+def _candidates(value: Any, where: str) -> tuple[tuple[str, ...], tuple[str | None, ...] | None]:
+    """``candidates``: ids, or objects ``{"id", "text"}`` (mixed allowed) -> (ids, texts or None)."""
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"must be a list of strings, got {_type_name(value)} (items may also be "
+                         f"{{\"id\", \"text\"}} objects)", where=_key_where(where, "candidates"))
+    if not value:
+        raise InputError("must be a non-empty list", where=_key_where(where, "candidates"))
+    ids, texts = [], []
+    for i, item in enumerate(value):
+        if isinstance(item, Mapping):
+            if "id" not in item:
+                raise InputError(f"item {i}: object without 'id'", where=_key_where(where, "candidates"))
+            ids.append(_id(item["id"], where, "candidates", f"item {i} 'id'"))
+            text = item.get("text")
+            if not isinstance(text, str):
+                raise InputError(f"item {i} 'text' must be a string, got {_type_name(text)}",
+                                 where=_key_where(where, "candidates"))
+            texts.append(text)
+        else:
+            ids.append(_id(item, where, "candidates", f"item {i}"))
+            texts.append(None)
+    seen: set[str] = set()
+    for item in ids:
+        if item in seen:
+            raise InputError(f"duplicate id {item!r}", where=_key_where(where, "candidates"))
+        seen.add(item)
+    return tuple(ids), (tuple(texts) if any(t is not None for t in texts) else None)
+
+
+def _logits(value: Any, where: str, n: int) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"must be a list of numbers, got {_type_name(value)}", where=_key_where(where, "logits"))
+    if len(value) != n:
+        raise InputError(f"has {len(value)} numbers, 'candidates' has {n}: one logit per candidate",
+                         where=_key_where(where, "logits"))
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InputError(f"item {i} must be a number, got {_type_name(v)}", where=_key_where(where, "logits"))
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise InputError(f"item {i} must be finite, got {v!r}", where=_key_where(where, "logits"))
+        out.append(f)
+    return tuple(out)
+
+
+def pl_log_prob(logits, order) -> float:
+    """Exact Plackett–Luce log-probability of drawing ``order`` (positions into
+    ``logits``) in that order without replacement, in float64:
+
+        log P = Σ_j [z_{i_j} − logsumexp_{k not drawn before j} z_k]
+
+    (Plackett 1975; Luce 1959). The NumPy twin of
+    :func:`rmm_jax.core.sampling.selection_log_prob` with τ = 1, for validating records
+    without tracing a JAX function per record shape.
+
+    >>> round(pl_log_prob([0.0, math.log(2.0), 0.0], [1, 0]), 6) == round(math.log(0.25), 6)
+    True
+    """
+    z = [float(x) for x in logits]
+    left = list(range(len(z)))
+    total = 0.0
+    for i in order:
+        top = max(z[k] for k in left)
+        total += z[i] - (top + math.log(sum(math.exp(z[k] - top) for k in left)))
+        left.remove(i)
+    return total
+
+
 def validate_record(obj: Any, where: str = "<record>") -> LogRecord:
     """Check one decoded JSON value against the schema and return a :class:`LogRecord`.
 
@@ -169,11 +269,17 @@ def validate_record(obj: Any, where: str = "<record>") -> LogRecord:
             raise InputError("missing required key", where=_key_where(where, key))
     user_id = _id(obj["user_id"], where, "user_id", "user_id")
     query_id = _id(obj["query_id"], where, "query_id", "query_id")
-    candidates = _id_list(obj["candidates"], where, "candidates", allow_empty=False)
+    candidates, texts = _candidates(obj["candidates"], where)
     selected = _id_list(obj["selected"], where, "selected", allow_empty=False)
     cited = _id_list(obj["cited"], where, "cited", allow_empty=True)
     log_prob = _log_prob(obj.get("log_prob"), where)
     timestamp = _timestamp(obj.get("timestamp"), where)
+    query = obj.get("query")
+    if query is not None and not isinstance(query, str):
+        raise InputError(f"must be a string, got {_type_name(query)}", where=_key_where(where, "query"))
+    gold = obj.get("gold")
+    gold = None if gold is None else _id_list(gold, where, "gold", allow_empty=True)
+    logits = _logits(obj.get("logits"), where, len(candidates))
     cand_set = set(candidates)
     for mid in selected:
         if mid not in cand_set:
@@ -184,16 +290,26 @@ def validate_record(obj: Any, where: str = "<record>") -> LogRecord:
         if mid not in sel_set:
             raise InputError(f"id {mid!r} is not in 'selected'",
                              where=_key_where(where, "cited"))
+    if logits is not None and log_prob is not None:
+        pos = {c: p for p, c in enumerate(candidates)}
+        implied = pl_log_prob(logits, [pos[x] for x in selected])
+        if abs(implied - log_prob) > max(1e-3, 1e-4 * abs(log_prob)):
+            raise InputError(f"{log_prob!r} is not the Plackett–Luce log-probability of 'selected' under "
+                             f"'logits' ({implied:.6g})", where=_key_where(where, "log_prob"))
     return LogRecord(user_id=user_id, query_id=query_id, candidates=candidates,
-                     selected=selected, cited=cited, log_prob=log_prob, timestamp=timestamp)
+                     selected=selected, cited=cited, log_prob=log_prob, timestamp=timestamp,
+                     query_text=query, candidate_texts=texts, gold=gold, logits=logits)
 
 
 def record_to_json(rec: LogRecord) -> dict:
     """The JSON object for ``rec`` (absent optional keys are omitted)."""
+    cands: list[Any] = list(rec.candidates)
+    if rec.candidate_texts is not None:
+        cands = [c if t is None else {"id": c, "text": t} for c, t in zip(rec.candidates, rec.candidate_texts)]
     out: dict[str, Any] = {
         "user_id": rec.user_id,
         "query_id": rec.query_id,
-        "candidates": list(rec.candidates),
+        "candidates": cands,
         "selected": list(rec.selected),
         "cited": list(rec.cited),
     }
@@ -201,6 +317,12 @@ def record_to_json(rec: LogRecord) -> dict:
         out["log_prob"] = rec.log_prob
     if rec.timestamp is not None:
         out["timestamp"] = rec.timestamp
+    if rec.query_text is not None:
+        out["query"] = rec.query_text
+    if rec.gold is not None:
+        out["gold"] = list(rec.gold)
+    if rec.logits is not None:
+        out["logits"] = list(rec.logits)
     return out
 
 
@@ -355,6 +477,31 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
                          f"{report['first_errors'][0]})", where=str(path))
+
+
+def iter_numbered(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
+                  report: dict | None = None) -> Iterator[tuple[int, LogRecord]]:
+    """:func:`iter_log` with each record's line number: yields ``(line, record)``, so a
+    later check (e.g. of a key this module does not interpret) can name ``path:line``."""
+    yield from _iter_numbered(path, known, skip_invalid, report if report is not None else {})
+
+
+def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded JSON value)`` for every non-blank line of a JSONL file.
+
+    The same decoding as the log reader: UTF-8 (a BOM on line 1 is allowed), a key
+    repeated within an object is an error, and every problem raises
+    :class:`InputError` naming ``path:line``. An empty file raises "no records".
+    """
+    nonblank = 0
+    with _open_log(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            nonblank += 1
+            yield lineno, _decode_line(raw, path, lineno)
+    if nonblank == 0:
+        raise InputError("no records (the file is empty)", where=str(path))
 
 
 def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,

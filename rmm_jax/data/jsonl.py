@@ -1,0 +1,338 @@
+"""Bring your own data: chat histories (``jsonl:PATH``) and generator-call logs (``log:PATH``).
+
+Two loaders that turn a team's own files into a :class:`~rmm_jax.data.types.Dataset`,
+so that ``rmm-jax embed`` can build an embedding store from them.
+
+Chat histories: ``jsonl:PATH``
+------------------------------
+A UTF-8 JSONL file, one JSON object per line (blank lines skipped). A line is either
+**one user** (key ``sessions``) or **one session** (key ``messages``); both shapes may be
+mixed, and the lines of one user are merged in file order::
+
+    {"user_id": "alice", "sessions": [
+        {"session_id": "s1", "timestamp": "2024-05-01",
+         "messages": [{"role": "user", "content": "I adopted a puppy named Max."},
+                      {"role": "assistant", "content": "Congratulations!"}]}],
+     "questions": [{"id": "q1", "question": "What is my dog called?", "gold_turn_ids": ["s1:0"]}]}
+    {"user_id": "bob", "session_id": "s1", "messages": [{"role": "user", "content": "..."}]}
+
+| key (per line)     | type             | required | meaning |
+|--------------------|------------------|----------|---------|
+| `user_id`          | string           | yes      | the user whose history this is |
+| `sessions`         | list of sessions | one of   | per-user line: the user's sessions, in time order |
+| `messages`         | list of messages | these    | per-session line: its turns (+ `session_id`, `timestamp`) |
+| `questions`        | list of questions| no       | questions asked later, with optional gold |
+
+| key (session)  | type                | required | meaning |
+|----------------|---------------------|----------|---------|
+| `messages`     | list of messages    | yes      | non-empty, in order |
+| `session_id`   | string              | no       | default `session_<n>` (n: the user's sessions from 1); unique |
+| `timestamp`    | string or number    | no       | free form, kept as text |
+
+| key (message)  | type    | required | meaning |
+|----------------|---------|----------|---------|
+| `role`         | string  | yes      | OpenAI chat shape: `user`, `assistant`, ... |
+| `content`      | string  | yes      | the text |
+| `name`         | string  | no       | speaker name; the embedded text is `"{name or role}: {content}"` |
+| `id`           | string  | no       | turn id; default `"{session_id}:{i}"` (i from 0); unique per user |
+
+| key (question)      | type            | required | meaning |
+|---------------------|-----------------|----------|---------|
+| `question`          | string          | yes      | the question text |
+| `id`                | string          | no       | default `q<n>` (n: the user's questions from 0); unique |
+| `gold_turn_ids`     | list of string  | no       | turns that hold the answer |
+| `gold_session_ids`  | list of string  | no       | sessions that hold the answer: all their turns count as gold |
+| `answer`, `category`, `date` | any / string / string | no | kept in the store |
+| `abstention`        | boolean         | no       | excluded from retrieval metrics |
+
+Gold is the union of ``gold_turn_ids`` and the turns of ``gold_session_ids``; ids must
+name turns or sessions of the same user (on any line). A question without gold is
+kept (it can be embedded, retrieved and logged) but metrics that need gold skip it;
+``Dataset.stats["no_gold"]`` counts them and ``rmm-jax embed`` prints a note. Unknown
+keys are ignored. Every problem is one :class:`~rmm_jax.errors.InputError` line naming
+``file:line`` and the key, e.g. ``chats.jsonl:3: key 'sessions[0].messages[2].content':
+expected a string, got a number``.
+
+Generator-call logs: ``log:PATH[,memories=MEMS]``
+-------------------------------------------------
+A citation log (:mod:`rmm_jax.data.citation_log`) whose records carry text: the query
+text (key ``query``) and the candidates' texts (``candidates`` as ``{"id", "text"}``
+objects), or texts from a separate memories file ``MEMS``, one JSON object per line::
+
+    {"user_id": "alice", "id": "s1:0", "text": "user: I adopted a puppy named Max.",
+     "session_id": "s1", "timestamp": "2024-05-01"}
+
+(``session_id`` and ``timestamp`` optional). Each user's memory bank is the memories of
+the memories file, then every candidate of the log, in order of first appearance; each
+logged call becomes one query with the record's ``query_id`` and, when the record has
+``gold``, those memories as gold. The memory ids are kept as logged, so the same log
+replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
+between two places, a call without ``query`` text, a candidate without text and a gold
+id that is not a memory of the user are errors naming ``file:line`` and the key.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rmm_jax.data.citation_log import iter_numbered, json_lines
+from rmm_jax.data.json_fields import json_type, scalar_text
+from rmm_jax.data.types import Dataset, Query, Session, Turn, User
+from rmm_jax.errors import InputError, at
+
+__all__ = ["load_jsonl", "load_log_dataset", "parse_log_spec"]
+
+LOG_SESSION = "log"  # the session of log memories that name none
+
+
+# --------------------------------------------------------------------------- checked reads
+def _get(obj: dict, key: str, kinds, path, line: int, loc: str, *, required: bool = True, default=None):
+    """``obj[key]`` checked for type (``null`` counts as absent for optional keys)."""
+    full = f"{loc}.{key}" if loc else key
+    if key not in obj or (obj[key] is None and not required):
+        if required:
+            raise InputError("missing key", where=at(path, line, full))
+        return default
+    return _expect(obj[key], kinds, path, line, full)
+
+
+_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+
+
+def _expect(value: Any, kinds, path, line: int, key: str):
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        want = " or ".join(dict.fromkeys(_NAMES.get(k, k.__name__) for k in kinds))
+        raise InputError(f"expected {want}, got {json_type(value)}", where=at(path, line, key))
+    return value
+
+
+def _line_object(obj: Any, path, line: int) -> dict:
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {json_type(obj)}", where=at(path, line))
+    return obj
+
+
+def _id_str(value: Any, path, line: int, key: str) -> str:
+    value = _expect(value, str, path, line, key)
+    if not value:
+        raise InputError("must be a non-empty string", where=at(path, line, key))
+    return value
+
+
+def _id_list(obj: dict, key: str, path, line: int, loc: str) -> tuple[str, ...]:
+    full = f"{loc}.{key}"
+    items = _get(obj, key, list, path, line, loc, required=False, default=[])
+    out = tuple(_id_str(v, path, line, f"{full}[{i}]") for i, v in enumerate(items))
+    if len(set(out)) != len(out):
+        dup = next(v for v in out if out.count(v) > 1)
+        raise InputError(f"duplicate id {dup!r}", where=at(path, line, full))
+    return out
+
+
+def _stamp(obj: dict, key: str, path, line: int, loc: str) -> str | None:
+    value = _get(obj, key, (str, int, float), path, line, loc, required=False)
+    return None if value is None else str(value)
+
+
+# --------------------------------------------------------------------------- chat histories
+class _UserDraft:
+    """One user's sessions and questions while the file is read."""
+
+    def __init__(self, uid: str):
+        self.id = uid
+        self.sessions: list[Session] = []
+        self.session_ids: set[str] = set()
+        self.turn_where: dict[str, str] = {}          # turn id -> "file:line" of first use
+        self.questions: list[tuple[dict, int, str]] = []  # (question object, line, key prefix)
+
+
+def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str) -> Session:
+    n = len(draft.sessions) + 1
+    sid = _get(obj, "session_id", str, path, line, loc, required=False)
+    sid = f"session_{n}" if sid is None else _id_str(sid, path, line, f"{loc}.session_id" if loc else "session_id")
+    if sid in draft.session_ids:
+        raise InputError(f"duplicate session id {sid!r} for user {draft.id!r}",
+                         where=at(path, line, f"{loc}.session_id" if loc else "session_id"))
+    stamp = _stamp(obj, "timestamp", path, line, loc)
+    mloc = f"{loc}.messages" if loc else "messages"
+    messages = _get(obj, "messages", list, path, line, loc)
+    if not messages:
+        raise InputError("must be a non-empty list", where=at(path, line, mloc))
+    turns = []
+    for i, msg in enumerate(messages):
+        tloc = f"{mloc}[{i}]"
+        _expect(msg, dict, path, line, tloc)
+        role = _id_str(_get(msg, "role", str, path, line, tloc), path, line, f"{tloc}.role")
+        content = _get(msg, "content", str, path, line, tloc)
+        name = _get(msg, "name", str, path, line, tloc, required=False)
+        tid = _get(msg, "id", str, path, line, tloc, required=False)
+        tid = f"{sid}:{i}" if tid is None else _id_str(tid, path, line, f"{tloc}.id")
+        if tid in draft.turn_where:
+            raise InputError(f"duplicate turn id {tid!r} for user {draft.id!r} (first at "
+                             f"{draft.turn_where[tid]})", where=at(path, line, f"{tloc}.id"))
+        draft.turn_where[tid] = at(path, line)
+        turns.append(Turn(tid, sid, name or role, f"{name or role}: {content}", stamp))
+    draft.session_ids.add(sid)
+    return Session(sid, stamp, tuple(turns))
+
+
+def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], path, line: int, loc: str,
+              seen: set[str]) -> Query:
+    text = _get(q, "question", str, path, line, loc)
+    qid = _get(q, "id", (str, int), path, line, loc, required=False)
+    qid = f"q{n}" if qid is None else (str(qid) if not isinstance(qid, str) else _id_str(qid, path, line, f"{loc}.id"))
+    if qid in seen:
+        raise InputError(f"duplicate question id {qid!r} for user {draft.id!r}", where=at(path, line, f"{loc}.id"))
+    seen.add(qid)
+    gold_turns = list(_id_list(q, "gold_turn_ids", path, line, loc))
+    for j, t in enumerate(gold_turns):
+        if t not in draft.turn_where:
+            raise InputError(f"unknown turn id {t!r} for user {draft.id!r}",
+                             where=at(path, line, f"{loc}.gold_turn_ids[{j}]"))
+    gold_sessions = _id_list(q, "gold_session_ids", path, line, loc)
+    for j, s in enumerate(gold_sessions):
+        if s not in sessions:
+            raise InputError(f"unknown session id {s!r} for user {draft.id!r}",
+                             where=at(path, line, f"{loc}.gold_session_ids[{j}]"))
+        gold_turns.extend(t.id for t in sessions[s].turns)
+    abstention = _get(q, "abstention", bool, path, line, loc, required=False, default=False)
+    return Query(qid, text, tuple(dict.fromkeys(gold_turns)),
+                 category=str(_get(q, "category", (str, int), path, line, loc, required=False, default="")),
+                 date=_stamp(q, "date", path, line, loc), answer=scalar_text(q.get("answer")),
+                 abstention=abstention, gold_session_ids=gold_sessions)
+
+
+def load_jsonl(path: str | Path) -> Dataset:
+    """Load a chat-history JSONL file (schema in the module docstring).
+
+    ``Dataset.stats``: ``lines``, ``sessions``, ``turns``, ``questions``, ``no_gold``
+    (questions without gold, skipped by metrics that need it) and ``abstention``.
+    """
+    path = Path(path)
+    drafts: dict[str, _UserDraft] = {}
+    lines = 0
+    for line, obj in json_lines(path):
+        lines += 1
+        _line_object(obj, path, line)
+        uid = _id_str(_get(obj, "user_id", str, path, line, ""), path, line, "user_id")
+        has_sessions, has_messages = "sessions" in obj, "messages" in obj
+        if has_sessions == has_messages:
+            raise InputError("a line holds either a user ('sessions') or one session ('messages')"
+                             + (", not both" if has_sessions else ""),
+                             where=at(path, line, "sessions" if has_sessions else "messages"))
+        draft = drafts.setdefault(uid, _UserDraft(uid))
+        if has_sessions:
+            for j, s in enumerate(_get(obj, "sessions", list, path, line, "")):
+                draft.sessions.append(_session(_expect(s, dict, path, line, f"sessions[{j}]"), draft, path, line,
+                                               f"sessions[{j}]"))
+        else:
+            draft.sessions.append(_session(obj, draft, path, line, ""))
+        for j, q in enumerate(_get(obj, "questions", list, path, line, "", required=False, default=[])):
+            draft.questions.append((_expect(q, dict, path, line, f"questions[{j}]"), line, f"questions[{j}]"))
+    users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
+    for draft in drafts.values():
+        sessions = {s.id: s for s in draft.sessions}
+        seen: set[str] = set()
+        queries = tuple(_question(q, n, draft, sessions, path, line, loc, seen)
+                        for n, (q, line, loc) in enumerate(draft.questions))
+        users.append(User(draft.id, tuple(draft.sessions), queries))
+        stats["sessions"] += len(draft.sessions)
+        stats["turns"] += sum(len(s.turns) for s in draft.sessions)
+        stats["questions"] += len(queries)
+        stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids and not q.abstention)
+        stats["abstention"] += sum(1 for q in queries if q.abstention)
+    return Dataset("jsonl", tuple(users), dict(stats))
+
+
+# --------------------------------------------------------------------------- generator-call logs
+def parse_log_spec(rest: str) -> tuple[str, str | None]:
+    """``CALLS[,memories=MEMS]`` -> ``(calls path, memories path or None)``."""
+    head, sep, tail = rest.rpartition(",memories=")
+    if not sep:
+        return rest, None
+    if not head or not tail:
+        raise InputError("expected log:CALLS.jsonl[,memories=MEMORIES.jsonl]", where=f"SPEC 'log:{rest}'")
+    return head, tail
+
+
+class _Bank:
+    """One user's memories: id -> (text, session, timestamp), with where each text came from."""
+
+    def __init__(self):
+        self.rows: dict[str, tuple[str, str, str | None]] = {}
+        self.where: dict[str, str] = {}
+
+    def add(self, mid: str, text: str, session: str, stamp: str | None, where: str, user: str, key: str) -> None:
+        if mid in self.rows:
+            if self.rows[mid][0] != text:
+                raise InputError(f"memory {mid!r} of user {user!r} has a different text than at "
+                                 f"{self.where[mid]}", where=f"{where}: key '{key}'")
+            return
+        self.rows[mid] = (text, session, stamp)
+        self.where[mid] = where
+
+
+def _read_memories(path: Path, banks: dict[str, _Bank]) -> int:
+    n = 0
+    for line, obj in json_lines(path):
+        _line_object(obj, path, line)
+        uid = _id_str(_get(obj, "user_id", str, path, line, ""), path, line, "user_id")
+        mid = _id_str(_get(obj, "id", str, path, line, ""), path, line, "id")
+        text = _get(obj, "text", str, path, line, "")
+        session = _get(obj, "session_id", str, path, line, "", required=False) or LOG_SESSION
+        banks.setdefault(uid, _Bank()).add(mid, text, session, _stamp(obj, "timestamp", path, line, ""),
+                                           at(path, line), uid, "text")
+        n += 1
+    return n
+
+
+def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Dataset:
+    """A dataset from a generator-call log that carries text (see the module docstring).
+
+    Every record is validated as a citation-log record first
+    (:func:`rmm_jax.data.citation_log.validate_record`). ``Dataset.stats``: ``records``,
+    ``memories``, ``memories_from_file``, ``questions``, ``no_gold``.
+    """
+    path = Path(path)
+    banks: dict[str, _Bank] = {}
+    n_file = _read_memories(Path(memories), banks) if memories is not None else 0
+    calls: dict[str, list[tuple[int, Any]]] = {}
+    records = 0
+    for line, rec in iter_numbered(path):
+        records += 1
+        where = at(path, line)
+        if rec.query_text is None:
+            raise InputError("missing: building a store from a log needs each call's query text",
+                             where=at(path, line, "query"))
+        bank = banks.setdefault(rec.user_id, _Bank())
+        texts = rec.candidate_texts or (None,) * len(rec.candidates)
+        for mid, text in zip(rec.candidates, texts):
+            if text is not None:
+                bank.add(mid, text, LOG_SESSION, None, where, rec.user_id, "candidates")
+            elif mid not in bank.rows:
+                raise InputError(f"no text for memory {mid!r} of user {rec.user_id!r} (give candidates as "
+                                 f'{{"id", "text"}} objects or a memories file: log:PATH,memories=MEMS)',
+                                 where=at(path, line, "candidates"))
+        calls.setdefault(rec.user_id, []).append((line, rec))
+    users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0)
+    for uid, bank in banks.items():
+        by_session: dict[str, list[Turn]] = {}
+        for mid, (text, session, stamp) in bank.rows.items():
+            by_session.setdefault(session, []).append(Turn(mid, session, "", text, stamp))
+        sessions = tuple(Session(sid, turns[0].timestamp, tuple(turns)) for sid, turns in by_session.items())
+        queries = []
+        for line, rec in calls.get(uid, []):
+            for j, g in enumerate(rec.gold or ()):
+                if g not in bank.rows:
+                    raise InputError(f"unknown memory id {g!r} for user {uid!r} (not a candidate of any call "
+                                     "and not in the memories file)", where=at(path, line, f"gold[{j}]"))
+            queries.append(Query(rec.query_id, rec.query_text, tuple(rec.gold or ()),
+                                 date=None if rec.timestamp is None else str(rec.timestamp)))
+        users.append(User(uid, sessions, tuple(queries)))
+        stats["memories"] += len(bank.rows)
+        stats["questions"] += len(queries)
+        stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids)
+    return Dataset("log", tuple(users), dict(stats))

@@ -1,0 +1,341 @@
+"""Bring your own data: ``jsonl:`` chat histories and ``log:`` generator-call logs.
+
+Loader happy paths on the shipped examples, every bad record as one ``file:line: key``
+error (exit 2, nothing written), text-carrying log records, and the README walkthrough end
+to end through the CLI: ``embed log:`` (through the embedding cache) → ``replay`` →
+``evaluate`` with no dataset, and a chat-history store that replays the same log.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+from conftest import REPO, run_cli
+
+from rmm_jax.core.reranker import init_reranker
+from rmm_jax.data import load_spec
+from rmm_jax.data.citation_log import LogRecord, pl_log_prob, read_log, record_to_json, validate_record
+from rmm_jax.data.jsonl import load_jsonl, load_log_dataset
+from rmm_jax.data.store import open_store
+from rmm_jax.errors import InputError
+from rmm_jax.persist.policy_store import PolicyStore
+
+EXAMPLES = REPO / "examples"
+CHATS, CALLS = EXAMPLES / "chat_history.jsonl", EXAMPLES / "calls.jsonl"
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def jl(*objs) -> str:
+    return "".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs)
+
+
+# --------------------------------------------------------------------------- chat histories
+def test_example_chat_history():
+    ds = load_spec(f"jsonl:{CHATS}")
+    assert ds.name == "jsonl" and [u.id for u in ds.users] == ["alice", "bob"]
+    alice, bob = ds.users
+    assert [s.id for s in alice.sessions] == ["s1", "s2", "s3"] and len(alice.turns) == 18
+    assert [s.id for s in bob.sessions] == ["s1", "s2"] and len(bob.turns) == 8  # two per-session lines, merged
+    t = alice.turns[0]
+    assert (t.id, t.session_id, t.speaker, t.timestamp) == ("s1:0", "s1", "user", "2024-05-01 09:12")
+    assert t.text == "user: I just adopted a golden retriever puppy and named him Max."
+    q = {q.id: q for q in alice.queries}
+    assert q["q1"].gold_turn_ids == ("s1:0",) and q["q3"].answer == "peanuts"
+    assert q["q6"].gold_turn_ids == tuple(f"s3:{i}" for i in range(6)) and q["q6"].gold_session_ids == ("s3",)
+    assert q["q8"].gold_turn_ids == ()
+    assert [q.id for q in bob.queries] == ["q1", "q2", "q3", "q4"]
+    assert ds.stats == {"lines": 3, "sessions": 5, "turns": 26, "questions": 12, "no_gold": 1, "abstention": 0}
+
+
+def test_defaults_names_and_union_gold(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(jl(
+        {"user_id": "u", "messages": [{"role": "user", "content": "hi", "name": "Ann"},
+                                      {"role": "assistant", "content": "hello", "id": "t-x"}],
+         "questions": [{"question": "who?", "gold_turn_ids": ["session_1:0"], "gold_session_ids": ["session_2"]},
+                       {"question": "what?", "abstention": True, "category": 3, "date": 20240101}]},
+        "",
+        {"user_id": "u", "timestamp": 1714550400, "messages": [{"role": "user", "content": "again"}]}))
+    (u,) = load_jsonl(path).users
+    assert [s.id for s in u.sessions] == ["session_1", "session_2"] and u.sessions[1].timestamp == "1714550400"
+    assert [t.id for t in u.turns] == ["session_1:0", "t-x", "session_2:0"]
+    assert u.turns[0].text == "Ann: hi" and u.turns[1].text == "assistant: hello"
+    q0, q1 = u.queries
+    assert (q0.id, q1.id) == ("q0", "q1")
+    assert q0.gold_turn_ids == ("session_1:0", "session_2:0")  # the session's turns, after the named turn
+    assert q1.abstention and q1.category == "3" and q1.date == "20240101"
+
+
+GOOD = {"user_id": "u", "messages": [{"role": "user", "content": "hello"}]}
+BAD_LINES = [
+    ("[1, 2]", None, "expected a JSON object"),
+    ('{"user_id": "u", ', None, "invalid JSON"),
+    ({"messages": GOOD["messages"]}, "user_id", "missing key"),
+    ({"user_id": "", "messages": GOOD["messages"]}, "user_id", "non-empty"),
+    ({"user_id": "u"}, "messages", "either a user"),
+    ({"user_id": "u", "sessions": [], "messages": []}, "sessions", "not both"),
+    ({"user_id": "u", "messages": []}, "messages", "non-empty"),
+    ({"user_id": "u", "messages": [{"role": "user", "content": 3}]}, "messages[0].content", "expected a string"),
+    ({"user_id": "u", "messages": [{"content": "x"}]}, "messages[0].role", "missing key"),
+    ({"user_id": "u", "messages": ["x"]}, "messages[0]", "expected an object"),
+    ({"user_id": "u", "sessions": [{"messages": [{"role": "user", "content": "a", "name": 1}]}]},
+     "sessions[0].messages[0].name", "expected a string"),
+    ({"user_id": "u", "sessions": {"a": 1}}, "sessions", "expected a list"),
+    ({"user_id": "u", "session_id": "session_1", "messages": GOOD["messages"]}, "session_id", "duplicate session"),
+    ({"user_id": "u", "messages": [{"role": "user", "content": "a", "id": "session_1:0"}]}, "messages[0].id",
+     "duplicate turn id"),
+    ({"user_id": "u", "messages": GOOD["messages"], "timestamp": [1]}, "timestamp", "expected a string or a number"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"id": "q"}]}, "questions[0].question",
+     "missing key"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "gold_turn_ids": ["nope"]}]},
+     "questions[0].gold_turn_ids[0]", "unknown turn id 'nope'"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "gold_session_ids": ["s9"]}]},
+     "questions[0].gold_session_ids[0]", "unknown session id 's9'"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "gold_turn_ids": "x"}]},
+     "questions[0].gold_turn_ids", "expected a list"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "id": "a"},
+                                                                  {"question": "!", "id": "a"}]},
+     "questions[1].id", "duplicate question id"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "abstention": "no"}]},
+     "questions[0].abstention", "expected a boolean"),
+]
+
+
+@pytest.mark.parametrize("line,key,fragment", BAD_LINES)
+def test_bad_chat_lines_name_file_line_and_key(tmp_path, line, key, fragment):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(jl(GOOD, line))
+    with pytest.raises(InputError) as e:
+        load_jsonl(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:2") and fragment in msg and "\n" not in msg, msg
+    if key is not None:
+        assert f"key '{key}'" in msg, msg
+
+
+def test_empty_and_missing_chat_files(tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n\n")
+    with pytest.raises(InputError, match="no records"):
+        load_jsonl(tmp_path / "e.jsonl")
+    with pytest.raises(InputError, match="file not found"):
+        load_spec(f"jsonl:{tmp_path / 'nope.jsonl'}")
+
+
+# --------------------------------------------------------------------------- logs that carry text
+CALL = {"user_id": "u", "query_id": "q1", "query": "where is Lena?",
+        "candidates": [{"id": "m1", "text": "Lena moved to Lisbon."}, {"id": "m2", "text": "I like tea."}],
+        "selected": ["m1"], "cited": ["m1"], "gold": ["m1"]}
+
+
+def test_text_records_round_trip_and_old_records_unchanged():
+    rec = validate_record(CALL)
+    assert rec.candidates == ("m1", "m2") and rec.candidate_texts == ("Lena moved to Lisbon.", "I like tea.")
+    assert rec.query_text == "where is Lena?" and rec.gold == ("m1",) and rec.logits is None
+    assert validate_record(record_to_json(rec)) == rec
+    mixed = validate_record({**CALL, "candidates": ["m1", {"id": "m2", "text": "t"}]})
+    assert mixed.candidate_texts == (None, "t") and record_to_json(mixed)["candidates"] == ["m1", {"id": "m2",
+                                                                                                  "text": "t"}]
+    old = {"user_id": "u", "query_id": "q", "candidates": ["a", "b"], "selected": ["b"], "cited": []}
+    assert validate_record(old) == LogRecord("u", "q", ("a", "b"), ("b",), ()) and record_to_json(
+        validate_record(old)) == old
+
+
+@pytest.mark.parametrize("change,key,fragment", [
+    ({"candidates": [{"text": "x"}]}, "candidates", "without 'id'"),
+    ({"candidates": [{"id": "m1", "text": 5}]}, "candidates", "'text' must be a string"),
+    ({"candidates": [{"id": "m1", "text": "a"}, "m1"]}, "candidates", "duplicate id 'm1'"),
+    ({"query": 3}, "query", "must be a string"),
+    ({"gold": "m1"}, "gold", "list of strings"),
+    ({"logits": [1.0]}, "logits", "one logit per candidate"),
+    ({"logits": [1.0, "a"]}, "logits", "item 1 must be a number"),
+    ({"logits": [1.0, 1e400]}, "logits", "finite"),
+    ({"logits": [0.0, 0.0], "log_prob": -0.1}, "log_prob", "not the Plackett–Luce log-probability"),
+])
+def test_bad_text_records(change, key, fragment):
+    with pytest.raises(InputError) as e:
+        validate_record({**CALL, **change}, "calls.jsonl:7")
+    msg = str(e.value)
+    assert msg.startswith(f"calls.jsonl:7: key '{key}'") and fragment in msg, msg
+
+
+def test_logits_and_log_prob_agree():
+    logits = [2.0, -1.0]
+    rec = validate_record({**CALL, "logits": logits, "log_prob": pl_log_prob(logits, [0]) + 5e-4})
+    assert rec.logits == (2.0, -1.0)
+
+
+def test_example_log_dataset():
+    ds = load_spec(f"log:{CALLS}")
+    assert ds.name == "log" and [u.id for u in ds.users] == ["alice", "bob"]
+    records, _ = read_log(CALLS)
+    alice = ds.users[0]
+    assert [q.id for q in alice.queries] == [r.query_id for r in records if r.user_id == "alice"]
+    chats = {t.id: t.text for u in load_jsonl(CHATS).users if u.id == "alice" for t in u.turns}
+    for t in alice.turns:  # memories keep the logged ids and texts (the chat history's turns here)
+        assert chats[t.id] == t.text and t.session_id == "log"
+    assert ds.stats["records"] == 12 and ds.stats["no_gold"] == 1 and ds.stats["memories"] == 26
+
+
+def test_log_with_a_memories_file(tmp_path):
+    mems = tmp_path / "mems.jsonl"
+    mems.write_text(jl({"user_id": "u", "id": "m1", "text": "Lena moved to Lisbon.", "session_id": "s1",
+                        "timestamp": "2024-01-01"},
+                       {"user_id": "u", "id": "m2", "text": "I like tea."},
+                       {"user_id": "u", "id": "m3", "text": "never retrieved"}))
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(jl({**CALL, "candidates": ["m2", "m1"]}))
+    (u,) = load_spec(f"log:{calls},memories={mems}").users
+    assert [t.id for t in u.turns] == ["m1", "m2", "m3"] and [s.id for s in u.sessions] == ["s1", "log"]
+    assert u.sessions[0].timestamp == "2024-01-01" and u.queries[0].gold_turn_ids == ("m1",)
+
+
+@pytest.mark.parametrize("case", ["no_query", "no_text", "conflict", "unknown_gold", "mem_missing_text",
+                                  "mem_conflict", "bad_json"])
+def test_bad_log_datasets_name_file_line_and_key(tmp_path, case):
+    calls, mems = tmp_path / "calls.jsonl", tmp_path / "mems.jsonl"
+    second = {**CALL, "query_id": "q2"}
+    mem_lines = [{"user_id": "u", "id": "m9", "text": "x"}]
+    where, key, fragment = calls, None, ""
+    if case == "no_query":
+        del second["query"]
+        key, fragment = "query", "query text"
+    elif case == "no_text":
+        second["candidates"] = ["m1", "m5"]
+        key, fragment = "candidates", "no text for memory 'm5'"
+    elif case == "conflict":
+        second["candidates"] = [{"id": "m1", "text": "Lena moved to Porto."}]
+        second["selected"], second["cited"] = ["m1"], []
+        key, fragment = "candidates", f"different text than at {calls}:1"
+    elif case == "unknown_gold":
+        second["gold"] = ["m1", "zz"]
+        key, fragment = "gold[1]", "unknown memory id 'zz'"
+    elif case == "mem_missing_text":
+        mem_lines.append({"user_id": "u", "id": "m8"})
+        where, key, fragment = mems, "text", "missing key"
+    elif case == "mem_conflict":
+        mem_lines.append({"user_id": "u", "id": "m9", "text": "y"})
+        where, key, fragment = mems, "text", "different text"
+    else:
+        second = '{"user_id": "u",'
+        fragment = "invalid JSON"
+    calls.write_text(jl(CALL, second))
+    mems.write_text(jl(*mem_lines))
+    with pytest.raises(InputError) as e:
+        load_log_dataset(calls, mems)
+    msg = str(e.value)
+    assert msg.startswith(f"{where}:2") and fragment in msg, msg
+    if key:
+        assert f"key '{key}'" in msg, msg
+
+
+def test_bad_log_spec():
+    with pytest.raises(InputError, match="expected log:CALLS"):
+        load_spec("log:calls.jsonl,memories=")
+
+
+# --------------------------------------------------------------------------- through the CLI
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("jsonl-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(monkeypatch, cache_dir):
+    monkeypatch.setenv("RMM_JAX_CACHE", str(cache_dir))
+
+
+def one_line_error(code, out, err, *names):
+    assert code == 2 and out == "", (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+def test_embed_chat_history_notes_missing_gold(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", tmp_path / "s", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["dataset"] == "jsonl" and rep["counts"] == {"users": 2, "memories": 26, "queries": 12}
+    assert "note: 1 of 12 questions have no gold ids" in err
+    code, out, err = run_cli(capsys, "retrieve", tmp_path / "s", "--k", 5, "--json")
+    assert code == 0 and json.loads(out)["counts"]["valid_queries"] == 11
+
+
+def test_embed_bad_chat_history_writes_nothing(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(jl(GOOD, {"user_id": "u", "messages": [{"role": "user", "content": None}]}))
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{bad}", "--out", tmp_path / "out" / "s", "--quiet")
+    one_line_error(code, out, err, "bad.jsonl:2", "'messages[0].content'")
+    assert not (tmp_path / "out").exists()
+    code, out, err = run_cli(capsys, "embed", f"log:{CALLS}", "--out", tmp_path / "s2", "--granularity", "session")
+    one_line_error(code, out, err, "--granularity")
+    assert not (tmp_path / "s2").exists()
+
+
+def test_walkthrough_log_to_store_replay_evaluate(capsys, tmp_path, cache_dir):
+    """A generator-call log alone → a store (embedded through the cache) → replay → evaluate."""
+    store, own = tmp_path / "calls_store", ["--cache-dir", tmp_path / "own-cache"]
+    code, out, err = run_cli(capsys, "embed", f"log:{CALLS}", "--out", store, "--json", *own)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["model"] == MODEL_ID and rep["counts"] == {"users": 2, "memories": 26, "queries": 12}
+    assert rep["texts_embedded"] == 26 + 12
+    code, out, _ = run_cli(capsys, "embed", f"log:{CALLS}", "--out", store, "--json", *own)
+    assert code == 0 and json.loads(out)["texts_embedded"] == 0  # the same cache: nothing embedded twice
+    # the chat history holds the same turn and question texts: embedding it costs nothing either
+    code, out, _ = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", tmp_path / "chats", "--json", *own)
+    assert code == 0 and json.loads(out)["texts_embedded"] == 0
+    st = open_store(store)
+    assert set(st.user("alice").memory_ids) >= {"s1:0", "s3:5"}
+    # replay with no dataset: the log's ids are the store's
+    pol = tmp_path / "policies"
+    code, out, err = run_cli(capsys, "replay", store, "--log", CALLS, "--policies", pol, "--k", 8, "--m", 3,
+                             "--json")
+    assert code == 0, err
+    assert json.loads(out)["log"]["records"] == 12
+    # evaluate: the logging policy was the base retriever at tau 0.2, so an identity target at
+    # tau 0.2 has weights ~1 and every estimate is the logged value (logits rounded to 1e-4)
+    ident = tmp_path / "identity"
+    PolicyStore.create(ident, {"kind": "linear", "dim": st.dim, "hidden": None,
+                               "config": {"pretrained": False, "model": st.model}}, init_reranker(jax.random.key(0),
+                                                                                                  st.dim))
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", CALLS, "--policies", ident, "--k", 8, "--m", 3,
+                             "--tau", 0.2, "--json", "--bootstrap", 100)
+    assert code == 0, err
+    rep = json.loads(out)
+    logged = rep["estimates"]["cited"]["logged"]["value"]
+    for name in ("ips", "snips", "rips", "snrips", "iips"):
+        assert rep["estimates"]["cited"][name]["value"] == pytest.approx(logged, rel=2e-2), name
+    assert rep["estimates"]["recall"]["ips"]["n"] == 11  # q8 has no gold
+    # the replayed policies evaluate too (own policy per user)
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", CALLS, "--policies", pol, "--k", 8, "--m", 3,
+                             "--json", "--bootstrap", 100)
+    assert code == 0, err
+    assert json.loads(out)["users_on_shared_params"] == 0
+
+
+def test_chat_history_store_replays_the_same_log(capsys, tmp_path):
+    """Turn ids of the chat history are the log's memory ids, and its question ids the log's
+    query ids: the log replays on the chat-history store as well."""
+    store = tmp_path / "mine"
+    code, _, err = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", store, "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "replay", store, "--log", CALLS, "--policies", tmp_path / "p", "--k", 8,
+                             "--m", 3, "--json")
+    assert code == 0, err
+
+
+def test_examples_are_current():
+    """examples/calls.jsonl reads back, and its records agree with the chat history."""
+    records, report = read_log(CALLS)
+    assert report["records"] == 12 and report["skipped"] == 0
+    users = {u.id: u for u in load_jsonl(CHATS).users}
+    for r in records:
+        turns = {t.id: t.text for t in users[r.user_id].turns}
+        assert r.query_text == next(q.text for q in users[r.user_id].queries if q.id == r.query_id)
+        assert all(turns[c] == t for c, t in zip(r.candidates, r.candidate_texts))
+        assert r.logits is not None and r.log_prob is not None
+    assert Path(EXAMPLES / "make_calls.py").is_file()
