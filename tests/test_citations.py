@@ -1,6 +1,8 @@
-"""Tests for rmm_jax.data.citations: the oracle citation simulator, the parser, the prompt."""
+"""Tests for rmm_jax.data.citations: the citation simulators (precision/recall, class-calibrated,
+position), answer support, the parser, the prompt."""
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -11,13 +13,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rmm_jax.data.citations import (
+    ANSWER_THRESHOLD,
+    ANSWER_TOP_C,
     DEFAULT_PRECISION,
     DEFAULT_RECALL,
+    JUDGE_TABLE,
+    JUDGE_USEFUL_SHARE,
+    P_OTHER,
+    P_USEFUL,
+    POSITION_DECAY,
     RMM_PROMPT_TEMPLATE,
+    SPURIOUS,
+    answer_support,
+    class_cite,
     false_cite_prob,
     format_prompt,
+    oracle,
     oracle_cite,
     parse_citations,
+    position_oracle,
 )
 from rmm_jax.errors import InputError
 
@@ -275,6 +289,284 @@ def test_shape_mismatch_is_input_error():
 
 
 # ---------------------------------------------------------------------------
+# Class-calibrated simulator (oracle), position model
+# ---------------------------------------------------------------------------
+
+def _draw(cite_fn, seed, is_gold, valid):
+    """The cite_fn as the loop calls it: jitted, vmapped over calls, one key per call."""
+    keys = jax.random.split(jax.random.key(seed), is_gold.shape[0])
+    return np.asarray(jax.jit(jax.vmap(cite_fn))(keys, jnp.asarray(is_gold), jnp.asarray(valid)))
+
+
+def _class_rates(cited, is_gold, valid):
+    """Empirical P(cite | useful), P(cite | not useful, call shows a useful one),
+    P(cite | call shows none useful), each with its number of trials."""
+    useful = is_gold & valid
+    any_useful = useful.any(-1, keepdims=True)
+    groups = {"useful": useful, "other": valid & ~is_gold & any_useful, "spurious": valid & ~any_useful}
+    return {k: (float(cited[g].mean()), int(g.sum())) for k, g in groups.items()}
+
+
+def _close(rate, n, p, z=5.0):
+    """|rate - p| within z binomial standard deviations (exact when p is 0 or 1)."""
+    return abs(rate - p) <= z * math.sqrt(p * (1 - p) / n) + 1e-12
+
+
+def test_judge_constants_follow_the_class_rows():
+    """The documented derivation: P(cite|useful) = R(Useful), P(cite|not useful) =
+    1 - R(Not-useful), spurious = that same rate."""
+    assert P_USEFUL == JUDGE_TABLE["useful"][1] == 0.911
+    assert P_OTHER == pytest.approx(1 - JUDGE_TABLE["not_useful"][1], abs=1e-12)
+    assert SPURIOUS == P_OTHER
+    assert JUDGE_TABLE["overall"] == (DEFAULT_PRECISION, DEFAULT_RECALL)
+
+
+def test_implied_share_reproduces_the_table_precisions():
+    """The two recalls and the share pi of useful memories fix both precisions; pi = 0.585
+    must give the table's 89.4 / 87.2 to within the rounding of its inputs (0.2 point)."""
+    pi, a, b = JUDGE_USEFUL_SHARE, P_USEFUL, P_OTHER
+    p_useful = pi * a / (pi * a + (1 - pi) * b)
+    p_not = (1 - pi) * (1 - b) / ((1 - pi) * (1 - b) + pi * (1 - a))
+    assert abs(p_useful - JUDGE_TABLE["useful"][0]) < 0.002
+    assert abs(p_not - JUDGE_TABLE["not_useful"][0]) < 0.002
+
+
+@pytest.mark.parametrize("p_useful, p_other, spurious, seed", [
+    (P_USEFUL, P_OTHER, SPURIOUS, 0),
+    (0.6, 0.3, 0.05, 1),
+    (0.35, 0.0, 0.5, 2),
+    (1.0, 0.0, 0.0, 3),
+])
+def test_oracle_per_class_rates_match(p_useful, p_other, spurious, seed):
+    """80,000 varied calls (M = 8, 1..8 filled slots, useful share 0..1 per call): each
+    class's empirical cite rate is within 5 binomial s.d. of its setting (exact at 0 and
+    1); padded slots are never cited, even when flagged useful."""
+    is_gold, valid = _patterns(seed)
+    cited = _draw(oracle(p_useful=p_useful, p_other=p_other, spurious=spurious), seed, is_gold, valid)
+    assert not (cited & ~valid).any()
+    rates = _class_rates(cited, is_gold, valid)
+    for name, p in (("useful", p_useful), ("other", p_other), ("spurious", spurious)):
+        rate, n = rates[name]
+        assert n > 30_000, (name, n)
+        assert _close(rate, n, p), (name, rate, p, n)
+
+
+def test_default_oracle_reproduces_the_judge_table():
+    """Shown memories useful i.i.d. with the implied share 0.585: the simulated citations,
+    scored against the labels like the paper's judge table, give each class's P and R to
+    within 0.002 (the derivation's rounding) plus 5 s.d. (1.2e6 memories, >= 4e5 per
+    denominator)."""
+    rng = np.random.default_rng(4)
+    n, m = 240_000, 5
+    is_gold = rng.random((n, m)) < JUDGE_USEFUL_SHARE
+    valid = np.ones((n, m), bool)
+    cited = _draw(oracle(), 4, is_gold, valid)
+    tp, fp = (cited & is_gold).sum(), (cited & ~is_gold).sum()
+    fn, tn = (~cited & is_gold).sum(), (~cited & ~is_gold).sum()
+    got = {"useful": (tp / (tp + fp), tp / (tp + fn)), "not_useful": (tn / (tn + fn), tn / (tn + fp))}
+    for row, (p, r) in got.items():
+        for measured, target in zip((p, r), JUDGE_TABLE[row]):
+            sd = math.sqrt(target * (1 - target) / (n * m * 0.4))
+            assert abs(measured - target) < 0.002 + 5 * sd, (row, measured, target)
+
+
+def test_spurious_zero_is_no_cite_when_nothing_useful_and_spurious_fires_only_then():
+    is_gold = np.zeros((20_000, M), bool)
+    valid = np.ones((20_000, M), bool)
+    assert not _draw(oracle(spurious=0.0), 5, is_gold, valid).any()
+    cited = _draw(oracle(p_other=0.0, spurious=0.4), 5, is_gold, valid)
+    assert _close(cited.mean(), cited.size, 0.4)
+    # One useful memory shown: the other slots follow p_other (0 here), not spurious.
+    is_gold[:, 3] = True
+    cited = _draw(oracle(p_other=0.0, spurious=1.0), 5, is_gold, valid)
+    assert not cited[:, [0, 1, 2, 4, 5, 6, 7]].any()
+    # An unfilled useful slot does not count as "a useful memory is shown".
+    valid[:, 3] = False
+    cited = _draw(oracle(p_other=0.0, spurious=1.0), 5, is_gold, valid)
+    np.testing.assert_array_equal(cited, valid)
+
+
+def test_exact_oracle_cites_exactly_the_useful_shown_memories():
+    is_gold, valid = _patterns(6, n=5_000)
+    cited = _draw(oracle(p_useful=1.0, p_other=0.0, spurious=0.0), 6, is_gold, valid)
+    np.testing.assert_array_equal(cited, is_gold & valid)
+
+
+@pytest.mark.parametrize("decay", [POSITION_DECAY, 0.5])
+def test_position_bias_decays_geometrically_per_slot(decay):
+    """Every slot filled; per slot and class, the empirical rate is within 5 s.d. of
+    rate * decay**slot, and the measured per-slot rates decrease."""
+    rng = np.random.default_rng(7)
+    n = 60_000
+    is_gold = rng.random((n, M)) < 0.4
+    is_gold[: n // 4] = False  # a quarter of the calls show nothing useful
+    valid = np.ones((n, M), bool)
+    cited = _draw(position_oracle(decay=decay), 7, is_gold, valid)
+    any_useful = is_gold.any(-1)
+    for j in range(M):
+        factor = decay ** j
+        for name, sel, p in (("useful", is_gold[:, j], P_USEFUL),
+                             ("other", ~is_gold[:, j] & any_useful, P_OTHER),
+                             ("spurious", ~any_useful, SPURIOUS)):
+            rate = cited[sel, j].mean()
+            assert _close(rate, int(sel.sum()), p * factor), (j, name, rate, p * factor)
+    useful_by_slot = [cited[is_gold[:, j], j].mean() for j in range(M)]
+    assert all(a > b for a, b in zip(useful_by_slot, useful_by_slot[1:]))
+
+
+def test_position_decay_one_is_the_oracle_and_jit_matches_eager():
+    key = jax.random.key(3)
+    g = jnp.array([True, False, True, False, False, True, False, False])
+    v = jnp.array([True, True, True, True, True, True, False, False])
+    for fn in (oracle(), position_oracle(), oracle(p_useful=0.5, p_other=0.5, spurious=0.5)):
+        eager = fn(key, g, v)
+        assert eager.dtype == jnp.bool_ and eager.shape == (M,)
+        np.testing.assert_array_equal(eager, jax.jit(fn)(key, g, v))
+        keys = jax.random.split(key, 8)
+        batched = jax.jit(jax.vmap(fn, in_axes=(0, None, None)))(keys, g, v)
+        for i in range(8):
+            np.testing.assert_array_equal(batched[i], fn(keys[i], g, v))
+    # Same key, same uniforms: decay 1 is the oracle bit for bit; decay < 1 only removes citations.
+    keys = jax.random.split(key, 2_000)
+    gs = jnp.asarray(np.random.default_rng(0).random((2_000, M)) < 0.3)
+    vs = jnp.ones((2_000, M), bool)
+    base = jax.vmap(oracle())(keys, gs, vs)
+    np.testing.assert_array_equal(base, jax.vmap(position_oracle(decay=1.0))(keys, gs, vs))
+    biased = jax.vmap(position_oracle())(keys, gs, vs)
+    assert not (biased & ~base).any() and (base & ~biased).any()
+    np.testing.assert_array_equal(biased[:, 0], base[:, 0])
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"p_useful": 1.2}, "p_useful"), ({"p_useful": -0.1}, "p_useful"), ({"p_other": float("nan")}, "p_other"),
+    ({"spurious": "0.1"}, "spurious"), ({"spurious": True}, "spurious"), ({"decay": 0.0}, "decay"),
+    ({"decay": 1.5}, "decay"),
+])
+def test_class_rate_validation(kw, name):
+    with pytest.raises(InputError, match=f"argument '{name}'"):
+        position_oracle(**kw)
+    with pytest.raises(InputError, match=f"argument '{name}'"):
+        class_cite(jax.random.key(0), jnp.zeros(4, bool), jnp.ones(4, bool), **kw)
+
+
+def test_oracle_rates_are_keyword_only_and_traced_rates_rejected():
+    with pytest.raises(TypeError):
+        oracle(0.9, 0.1)  # positional (precision, recall) is oracle_cite's; no silent mix-up
+    g = jnp.array([True, False, False, False])
+    with pytest.raises(InputError, match="argument 'p_useful'.*static"):
+        jax.jit(lambda k, p: class_cite(k, g, g, p_useful=p))(jax.random.key(0), 0.5)
+
+
+# ---------------------------------------------------------------------------
+# answer_support
+# ---------------------------------------------------------------------------
+
+def _brute_support(qa, bank, cand, mask, top_c, threshold):
+    """Loop-by-loop reference: rank the real candidates by (-similarity, position)."""
+    t, k = cand.shape
+    out = np.zeros((t, k), bool)
+    for i in range(t):
+        real = [j for j in range(k) if mask[i, j]]
+        sims = {j: float(np.dot(qa[i].astype(np.float64), bank[cand[i, j]].astype(np.float64))) for j in real}
+        ranked = sorted(real, key=lambda j: (-sims[j], j))
+        keep = ranked if top_c is None else ranked[:top_c]
+        for j in keep:
+            if threshold is None or sims[j] >= threshold:
+                out[i, j] = True
+    return out
+
+
+def _random_case(seed, t=40, n=30, k=12, d=16):
+    rng = np.random.default_rng(seed)
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+    bank, qa = unit(rng.normal(size=(n, d))), unit(rng.normal(size=(t, d)))
+    cand = np.stack([rng.choice(n, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+    mask = np.arange(k)[None, :] < rng.integers(0, k + 1, size=t)[:, None]
+    cand[~mask] = rng.integers(-5, 1000, size=(~mask).sum())  # padding is never read
+    return qa, bank, cand, mask
+
+
+@pytest.mark.parametrize("top_c, threshold", [
+    (ANSWER_TOP_C, ANSWER_THRESHOLD), (1, None), (3, None), (2, 0.1), (None, 0.2), (None, -1.0), (50, None),
+])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_answer_support_matches_brute_force(top_c, threshold, seed):
+    qa, bank, cand, mask = _random_case(seed)
+    got = answer_support(qa, bank, cand, mask, top_c=top_c, threshold=threshold)
+    assert got.dtype == bool and got.shape == cand.shape
+    np.testing.assert_array_equal(got, _brute_support(qa, bank, cand, mask, top_c, threshold))
+    assert not (got & ~mask).any()
+    if top_c is not None:
+        assert (got.sum(1) <= np.minimum(top_c, mask.sum(1))).all()
+
+
+def test_answer_support_ties_go_to_the_earlier_candidate():
+    qa = np.array([[1.0, 0.0]], np.float32)
+    bank = np.array([[0.6, 0.8], [0.6, -0.8], [0.0, 1.0]], np.float32)  # memories 0 and 1 tie
+    cand = np.array([[2, 1, 0]], np.int32)
+    got = answer_support(qa, bank, cand, np.ones((1, 3), bool), top_c=1, threshold=None)
+    np.testing.assert_array_equal(got, [[False, True, False]])
+
+
+@pytest.mark.parametrize("top_c", [1, 2, 5, 9])
+def test_answer_support_many_ties_match_brute_force(top_c):
+    """40 candidates drawn from 4 memories: every rank limit cuts through ties, which go
+    to the earlier candidates (a sort that is not stable fails this)."""
+    qa, bank, _, _ = _random_case(9, t=30, n=4, k=4)
+    cand = np.random.default_rng(9).integers(0, 4, size=(30, 40)).astype(np.int32)
+    mask = np.ones(cand.shape, bool)
+    got = answer_support(qa, bank, cand, mask, top_c=top_c, threshold=None)
+    np.testing.assert_array_equal(got, _brute_support(qa, bank, cand, mask, top_c, None))
+
+
+def test_answer_support_reads_no_gold():
+    """No gold input exists: the result is a function of the embeddings and candidates only."""
+    params = inspect.signature(answer_support).parameters
+    assert list(params)[:4] == ["qa_emb", "bank", "cand", "cand_mask"]
+    assert not any("gold" in p or "label" in p for p in params)
+
+
+def test_answer_support_then_exact_oracle_cites_the_supported_shown_memories():
+    """The online path: support precomputed per candidate (Stream.cite_gold), gathered to
+    the shown slots, then cited inside jit."""
+    qa, bank, cand, mask = _random_case(5, t=64, k=10)
+    support = answer_support(qa, bank, cand, mask, top_c=2, threshold=None)
+    rng = np.random.default_rng(5)
+    selected = np.stack([rng.permutation(10)[:4] for _ in range(64)])
+    filled = np.take_along_axis(mask, selected, 1)
+    is_useful = np.take_along_axis(support, selected, 1) & filled
+    cited = _draw(oracle(p_useful=1.0, p_other=0.0, spurious=0.0), 0, is_useful, filled)
+    np.testing.assert_array_equal(cited, is_useful)
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"top_c": None, "threshold": None}, "top_c"), ({"top_c": 0}, "top_c"), ({"top_c": 1.5}, "top_c"),
+    ({"top_c": True}, "top_c"), ({"threshold": float("nan")}, "threshold"), ({"threshold": "0.5"}, "threshold"),
+])
+def test_answer_support_rule_validation(kw, name):
+    qa, bank, cand, mask = _random_case(0, t=3)
+    with pytest.raises(InputError, match=f"argument '{name}'"):
+        answer_support(qa, bank, cand, mask, **kw)
+
+
+def test_answer_support_shape_validation():
+    qa, bank, cand, mask = _random_case(0, t=3)
+    with pytest.raises(InputError, match="argument 'qa_emb'"):
+        answer_support(qa[:, :5], bank, cand, mask)
+    with pytest.raises(InputError, match="argument 'cand'"):
+        answer_support(qa, bank, cand[:2], mask[:2])
+    with pytest.raises(InputError, match="argument 'cand_mask'"):
+        answer_support(qa, bank, cand, mask[:, :3])
+    bad = cand.copy()
+    bad[0, 0], mask = 10_000, mask.copy()
+    mask[0, 0] = True
+    with pytest.raises(InputError, match="argument 'cand'"):
+        answer_support(qa, bank, bad, mask)
+    with pytest.raises(InputError, match="argument 'bank'"):
+        answer_support(qa, bank[0], cand, mask)
+
+
+# ---------------------------------------------------------------------------
 # parse_citations
 # ---------------------------------------------------------------------------
 
@@ -392,3 +684,11 @@ def test_format_prompt_validation():
         format_prompt("q", "abc")
     with pytest.raises(InputError, match="argument 'memories'"):
         format_prompt("q", ["a", None])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import rmm_jax.data.citations as mod
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,239 @@
+"""How much citation noise online learning survives, on LoCoMo.
+
+    python benchmarks/citation_noise.py --json benchmarks/results/citation_noise.json \\
+        --plot benchmarks/results/citation_noise.png
+
+Sweeps the two rates of the class-calibrated simulator
+(:func:`rmm_jax.data.citations.oracle`): P(cite | useful shown) ``p_useful`` over
+0.3 .. 1.0 and P(cite | not-useful shown) ``p_other`` over 0 .. 0.5, with the spurious
+rate (calls that show no useful memory) equal to ``p_other``: a not-useful memory is
+cited at ``p_other`` whatever else is shown. "Useful" is LoCoMo's gold evidence.
+
+Every cell runs the online loop from identity (default preset, turn memories, MiniLM,
+K = 20, M = 5) on all five conversations at once: online learning from identity needs
+no pretraining, so there is nothing to leave out. The reported number is the
+prequential Recall@5 gain over the base retriever on the conversations the default
+preset was *not* tuned on (``--held-out``, default 41,42,43); the all-conversation
+gain is in the JSON too. Each cell runs ``--seeds`` seeds (sampling and citation draws)
+through one compiled program. The 95% interval adds the seed variance of the run
+means to the bootstrap variance over questions (see
+``citation_agreement.gain_ci``); a cell whose interval excludes 0 is significant.
+
+Reference points, run the same way: the class-calibrated defaults (0.911 / 0.154,
+spurious 0.154), the same with spurious 0, the position model (decay 0.9) and the
+precision/recall simulator at its old defaults (0.876 / 0.858). And a sweep of the
+spurious rate alone (``--spurious``) at the paper's p_useful / p_other.
+
+LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
+``/work/shared/data/locomo``); when absent the script says so and exits 0, or 1 under
+``CI=true``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from citation_agreement import DEFAULT_DATA, build, gain_ci, pooled, require_data, run_seeds  # noqa: E402
+
+P_USEFUL_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+P_OTHER_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+SPURIOUS_GRID = (0.0, 0.05, 0.1, 0.154, 0.2, 0.3)
+
+
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pu, po = out["grid"]["p_useful"], out["grid"]["p_other"]
+    mean = np.array([[c["held_out"]["mean"] for c in row] for row in out["cells"]])
+    sig = np.array([[c["held_out"]["significant"] for c in row] for row in out["cells"]])
+    lim = max(float(np.abs(mean).max()), 1e-3)
+    fig, ax = plt.subplots(figsize=(7.2, 6.0))
+    im = ax.imshow(mean, origin="lower", cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto",
+                   extent=(-0.5, len(po) - 0.5, -0.5, len(pu) - 0.5))
+    for i in range(len(pu)):
+        for j in range(len(po)):
+            txt = f"{mean[i, j]:+.3f}" + ("" if sig[i, j] else "\n(n.s.)")
+            ax.text(j, i, txt, ha="center", va="center", fontsize=7.5,
+                    color="white" if abs(mean[i, j]) > 0.6 * lim else "black",
+                    fontweight="bold" if sig[i, j] else "normal")
+    ax.set_xticks(range(len(po)), [f"{x:g}" for x in po])
+    ax.set_yticks(range(len(pu)), [f"{x:g}" for x in pu])
+    # The paper's class-calibrated rates, on the grid's index scale.
+    ref_cell = out["reference"]["class-calibrated (paper judge table)"]
+    ref, ref_gain = ref_cell["rates"], ref_cell["held_out"]
+    x = np.interp(ref["p_other"], po, range(len(po)))
+    y = np.interp(ref["p_useful"], pu, range(len(pu)))
+    ax.plot([x], [y], marker="*", markersize=14, color="gold", markeredgecolor="black", linestyle="none",
+            label=f"paper judge rates ({ref['p_useful']}, {ref['p_other']}): {ref_gain['mean']:+.3f} "
+                  f"[{ref_gain['ci95'][0]:+.3f}, {ref_gain['ci95'][1]:+.3f}]")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=8, frameon=False)
+    ax.set_xlabel("P(cite | not-useful memory shown) = spurious rate")
+    ax.set_ylabel("P(cite | useful memory shown)")
+    held = ",".join(out["config"]["held_out"])
+    ax.set_title(f"LoCoMo held-out ({held}) online Recall@{out['config']['m']} gain over the retriever\n"
+                 f"mean of {len(out['config']['seeds'])} seeds; bold = 95% interval excludes 0", fontsize=10)
+    fig.colorbar(im, ax=ax, label="ΔRecall@5")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def region(out: dict) -> dict:
+    """Per p_other: the smallest p_useful from which every cell above is a significant gain."""
+    pu = out["grid"]["p_useful"]
+    res = {}
+    for j, po in enumerate(out["grid"]["p_other"]):
+        col = [out["cells"][i][j]["held_out"] for i in range(len(pu))]
+        lowest = None
+        for i in range(len(pu) - 1, -1, -1):
+            if col[i]["significant"] and col[i]["mean"] > 0:
+                lowest = pu[i]
+            else:
+                break
+        res[f"{po:g}"] = lowest
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LoCoMo file or directory")
+    ap.add_argument("--model", default="all-MiniLM-L6-v2")
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--m", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=5, help="seeds per cell")
+    ap.add_argument("--p-useful", type=floats, default=P_USEFUL_GRID, help="comma-separated P(cite | useful)")
+    ap.add_argument("--p-other", type=floats, default=P_OTHER_GRID, help="comma-separated P(cite | not useful)")
+    ap.add_argument("--spurious", type=floats, default=SPURIOUS_GRID,
+                    help="comma-separated spurious rates swept at the paper's p_useful / p_other")
+    ap.add_argument("--held-out", default="41,42,43", help="conversations the heat map reports")
+    ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
+    ap.add_argument("--plot", type=Path, default=None, help="heat map PNG")
+    ap.add_argument("--from-json", type=Path, default=None, help="redraw --plot from a saved result; run nothing")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        import json
+        if args.plot:
+            plot(json.loads(args.from_json.read_text()), args.plot)
+        return
+    require_data(args.data)
+    t0 = time.perf_counter()
+
+    from rmm_jax import Config
+    from rmm_jax.data.citations import (
+        DEFAULT_PRECISION,
+        DEFAULT_RECALL,
+        P_OTHER,
+        P_USEFUL,
+        POSITION_DECAY,
+        oracle,
+        oracle_cite,
+        position_oracle,
+    )
+    from rmm_jax.online.streams import load_streams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _, store, _ = build(args.data, args.model, Path(tmp), qa=False)
+        streams = load_streams(store, args.k)
+    users = [s.user_id for s in streams]
+    held = [u for u in args.held_out.split(",") if u in users]
+    cfg = Config.preset("default", k=args.k, m=args.m)
+    seeds = list(range(args.seeds))
+
+    def cell(cite_fn, rates):
+        online, base = run_seeds(streams, cfg, cite_fn, seeds)
+        return {"rates": rates, "held_out": gain_ci(*pooled(online, base, held)),
+                "all": gain_ci(*pooled(online, base, users))}
+
+    n_cells = len(args.p_useful) * len(args.p_other) + 4 + len(args.spurious)
+    done = 0
+
+    def tick(label):
+        nonlocal done
+        done += 1
+        el = time.perf_counter() - t0
+        print(f"  [{done}/{n_cells}] {label} ({el:.0f} s, ~{el / done * (n_cells - done):.0f} s left)",
+              file=sys.stderr, flush=True)
+
+    reference = {}
+    refs = {"class-calibrated (paper judge table)":
+            (oracle(), {"p_useful": P_USEFUL, "p_other": P_OTHER, "spurious": P_OTHER}),
+            "class-calibrated, spurious 0":
+            (oracle(spurious=0.0), {"p_useful": P_USEFUL, "p_other": P_OTHER, "spurious": 0.0}),
+            f"position (decay {POSITION_DECAY})":
+            (position_oracle(), {"p_useful": P_USEFUL, "p_other": P_OTHER, "spurious": P_OTHER,
+                                 "decay": POSITION_DECAY}),
+            "precision/recall oracle (old defaults)":
+            (functools.partial(oracle_cite, precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL),
+             {"precision": DEFAULT_PRECISION, "recall": DEFAULT_RECALL})}
+    for name, (fn, rates) in refs.items():
+        reference[name] = cell(fn, rates)
+        tick(name)
+    spurious = []
+    for sp in args.spurious:
+        spurious.append(cell(oracle(spurious=sp), {"p_useful": P_USEFUL, "p_other": P_OTHER, "spurious": sp}))
+        tick(f"spurious {sp:g}: {spurious[-1]['held_out']['mean']:+.4f}")
+    cells = []
+    for pu in args.p_useful:
+        row = []
+        for po in args.p_other:
+            row.append(cell(oracle(p_useful=pu, p_other=po, spurious=po),
+                            {"p_useful": pu, "p_other": po, "spurious": po}))
+            tick(f"p_useful {pu:g}, p_other {po:g}: {row[-1]['held_out']['mean']:+.4f}")
+        cells.append(row)
+
+    out = {"grid": {"p_useful": list(args.p_useful), "p_other": list(args.p_other)}, "cells": cells,
+           "reference": reference, "spurious_sweep": spurious,
+           "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "preset": "default",
+                      "init": "identity", "conversations": users, "held_out": held, "seeds": seeds,
+                      "spurious": "= p_other", "interval": "1.96 * sqrt(seed variance / R + question bootstrap "
+                                                          "variance), 1000 resamples"},
+           "seconds": None}
+    out["region"] = region(out)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+
+    print(f"Held-out ({','.join(held)}) online Recall@{args.m} gain over the retriever, {args.seeds} seeds per cell "
+          f"(* = 95% interval excludes 0):")
+    corner = "p_useful \\ p_other"
+    print(f"{corner:>18}" + "".join(f"{po:>10g}" for po in args.p_other))
+    for pu, row in zip(args.p_useful, cells):
+        print(f"{pu:>18g}" + "".join(f"{c['held_out']['mean']:>+9.4f}{'*' if c['held_out']['significant'] else ' '}"
+                                     for c in row))
+    print("Reference points:")
+    for name, c in reference.items():
+        h = c["held_out"]
+        print(f"  {name:<42}{h['mean']:+.4f} [{h['ci95'][0]:+.4f}, {h['ci95'][1]:+.4f}]")
+    print(f"Spurious rate alone, at p_useful {P_USEFUL} / p_other {P_OTHER}:")
+    for c in spurious:
+        h = c["held_out"]
+        print(f"  spurious {c['rates']['spurious']:<6g}{h['mean']:+.4f} [{h['ci95'][0]:+.4f}, {h['ci95'][1]:+.4f}]")
+    print("Smallest p_useful from which learning significantly beats the retriever, per p_other: "
+          + ", ".join(f"{k}: {v}" for k, v in out["region"].items()))
+    print(f"({out['seconds']} s)")
+    if args.plot:
+        plot(out, args.plot)
+    if args.json:
+        from rmm_jax.persist.atomic import write_json
+        write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
