@@ -103,3 +103,38 @@ def test_eight_devices_learn_the_same_shared_policy_as_one(tmp_path):
     assert (d8, d1) == (8, 1)
     assert moved > 0
     assert worst <= 1e-5, worst
+
+
+def test_the_same_command_per_process_writes_what_one_process_writes(tmp_path):
+    """`rmm-jax simulate ... --coordinator HOST:PORT --num-processes 2 --process-id I` on two
+    processes: process 0 writes the policy store, and it holds the single-process result."""
+    import jax
+    from conftest import make_fake_store
+
+    from rmm_jax.online.scoring import user_params
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    store = make_fake_store(tmp_path / "store", users=4, dim=16)
+    args = ["simulate", str(store), "--k", "8", "--m", "3", "--lr", "0.01", "--scope", "hybrid", "--rank", "2",
+            "--users-per-chunk", "2", "--checkpoint-every", "0"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    one = subprocess.run([sys.executable, "-m", "rmm_jax.cli.main", *args, "--policies", str(tmp_path / "one")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "rmm_jax.cli.main", *args, "--policies", str(tmp_path / "two"),
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    a, b = PolicyStore.open(tmp_path / "one"), PolicyStore.open(tmp_path / "two")
+    assert a.users() == b.users() and len(a.users()) == 4
+    worst = 0.0
+    for u in a.users():
+        for x, y in zip(jax.tree.leaves(user_params(b, u)), jax.tree.leaves(user_params(a, u))):
+            x, y = np.asarray(x), np.asarray(y)
+            worst = max(worst, float(np.max(np.abs(x - y) / np.maximum(1.0, np.abs(y)))))
+    assert worst <= 1e-5, worst
+    assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(a.shared_params())) > 0

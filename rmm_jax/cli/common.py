@@ -6,12 +6,14 @@ import json
 import sys
 
 import click
+import jax
 from tqdm import tqdm
 
 from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.update import PRESETS, SCOPES, Config
 from rmm_jax.errors import InputError
+from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
 
 DEFAULTS = Config()
@@ -67,6 +69,49 @@ def scope_options() -> list:
         click.option("--rank", type=int, default=DEFAULTS.rank, show_default=True,
                      help="Rank r of the per-user residual A Bᵀ (--scope hybrid), 1 <= r < d."),
     ]
+
+
+def distributed_options(f):
+    """``--coordinator``, ``--num-processes``, ``--process-id``: one run over several hosts."""
+    f = click.option("--process-id", type=int, default=0, show_default=True,
+                     help="This process's index in [0, --num-processes).")(f)
+    f = click.option("--num-processes", type=int, default=1, show_default=True,
+                     help="Processes taking part (one per host or per accelerator set); each runs the same "
+                          "command with its own --process-id.")(f)
+    f = click.option("--coordinator", default=None, metavar="HOST:PORT",
+                     help="Address of process 0 for jax.distributed; with it the users of each chunk are "
+                          "sharded over every device of every process, and process 0 writes the results.")(f)
+    f = click.option("--shard", is_flag=True,
+                     help="Shard each users chunk over all local devices (implied by --coordinator).")(f)
+    return f
+
+
+def start_distributed(coordinator, num_processes: int, process_id: int, shard: bool, users_per_chunk: int,
+                      resume: bool):
+    """Join the run's processes (``jax.distributed``, gloo collectives on CPU) and return the
+    users mesh, or None for a single-device run. Must run before any JAX computation."""
+    if num_processes < 1:
+        raise InputError(f"must be >= 1, got {num_processes}", where="--num-processes")
+    if not 0 <= process_id < num_processes:
+        raise InputError(f"must be in [0, {num_processes}), got {process_id}", where="--process-id")
+    if num_processes > 1 and not coordinator:
+        raise InputError("several processes need the coordinator's HOST:PORT", where="--coordinator")
+    if coordinator:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise InputError(f"expected HOST:PORT, got {coordinator!r}", where="--coordinator")
+        if resume and num_processes > 1:
+            raise InputError("a run over several processes cannot be resumed (only process 0 checkpoints); "
+                             "rerun it", where="--resume")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    if not (coordinator or shard):
+        return None
+    mesh = users_mesh()
+    if users_per_chunk % mesh.devices.size:
+        raise InputError(f"{users_per_chunk} users do not split over {mesh.devices.size} devices; use a multiple",
+                         where="--users-per-chunk")
+    return mesh
 
 
 def check_rank(cfg: Config, dim: int) -> None:

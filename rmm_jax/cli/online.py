@@ -2,6 +2,7 @@
 that saves, logs and checkpoints, and the report."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -36,13 +37,18 @@ def check_scope(ps, cfg, path) -> None:
                          where="--rank")
 
 
-def open_or_create_policies(path, st, cfg, init: str, seed: int):
+def open_or_create_policies(path, st, cfg, init: str, seed: int, *, writer: bool = True):
     """The policy store at ``path`` (created with identity shared params if absent) and the
     starting params (``pretrained``: the store's shared params). In scopes ``shared`` and
     ``hybrid`` these are the shared part, which online runs update after every users chunk,
-    so ``pretrained`` continues from the newest shared part."""
+    so ``pretrained`` continues from the newest shared part. A process that is not the
+    writer (``jax.process_index() > 0``) gets ``(None, params)`` and creates nothing."""
     check_rank(cfg, st.dim)
     p = Path(path)
+    if not writer:
+        if init == "identity":
+            return None, init_reranker(jax.random.key(seed), st.dim, cfg.kind, cfg.hidden)
+        return None, PolicyStore.open(p, expect_dim=st.dim).shared_params()
     if p.exists():
         ps = PolicyStore.open(p, expect_dim=st.dim)
         made_for = (ps.meta.get("config") or {}).get("model")
@@ -71,7 +77,7 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int):
 
 def resume_point(rs) -> Resume | None:
     """The :class:`Resume` of the run-state's restored checkpoint (None: start afresh)."""
-    ck = rs.restored
+    ck = rs.restored if rs is not None else None
     if ck is None:
         return None
     m, t = ck.meta, ck.trees
@@ -83,19 +89,23 @@ def resume_point(rs) -> Resume | None:
 
 
 def checkpoint(rs, resume: Resume) -> None:
+    if rs is None:
+        return
     rs.save({"chunks_done": resume.chunks_done, "segments_done": resume.segments_done},
             {"states": resume.states, "outputs": resume.outputs, "shared": resume.shared})
 
 
 def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: int, users_per_chunk: int,
-                 checkpoint_every: int, log=None, desc: str) -> tuple[dict, dict]:
+                 checkpoint_every: int, log=None, desc: str, mesh=None) -> tuple[dict, dict]:
     """Drive ``chunks`` through the online loop and keep what each event carries.
 
     Every completed users chunk: its policies go to ``ps`` (in scopes ``shared``/``hybrid``
     the users' own parts, then the shared part as a new shared version), its per-query outputs to the
     run-state ``rs`` (written once), its log records to ``log`` (simulate), then a
     checkpoint. Every ``checkpoint_every`` batches inside a chunk: a checkpoint. After a
-    checkpoint that follows SIGINT/SIGTERM the run stops (:class:`Interrupted`).
+    checkpoint that follows SIGINT/SIGTERM the run stops (:class:`Interrupted`). ``mesh``
+    shards the users axis (:mod:`rmm_jax.online.sharding`); under ``jax.distributed`` every
+    process runs this loop and only process 0 (``ps`` and ``rs`` given) writes.
     Returns ``(online summary, base retriever summary)``.
     """
     online, base = Summary(cfg.m), Summary(cfg.m)
@@ -105,14 +115,15 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
             out = outputs[s.user_id]
             base.add(s.user_id, *base_values(s, cfg.m), s.valid)
             online.add(s.user_id, out["recall"], out["ndcg"], s.valid)
-        if log is not None:
+        if log is not None and ps is not None:
             log.write([r for s in streams for r in log_records(s, *(outputs[s.user_id][k]
                                                                    for k in ("selected", "cited", "log_prob")))])
         bar.update(len(streams))
 
     events = drive(chunks, params, cfg, make_run(cfg, cite_fn), seed=seed, users_per_chunk=users_per_chunk,
-                   segment_batches=checkpoint_every or None, resume=resume_point(rs))
-    with ps.writer(), StopSignals() as stop, progress_bar(n_users, desc) as bar:
+                   segment_batches=checkpoint_every or None, resume=resume_point(rs), mesh=mesh)
+    with ps.writer() if ps is not None else contextlib.nullcontext(), StopSignals() as stop, \
+            progress_bar(n_users, desc) as bar:
         for event in events:
             match event:
                 case SegmentDone():
@@ -120,6 +131,8 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
                 case ChunkSkipped(chunk=i, streams=streams):
                     finish(streams, rs.load_done(i))
                     continue
+                case ChunkDone(chunk=i, streams=streams, states=states, outputs=outputs) if ps is None:
+                    finish(streams, outputs)
                 case ChunkDone(chunk=i, streams=streams, states=states, outputs=outputs):
                     ps.save_batch([s.user_id for s in streams], states, [
                         {"queries_seen": int(s.queries.shape[0]), f"prequential_recall@{cfg.m}":
@@ -128,7 +141,8 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
                     if cfg.scope != "user":
                         ps.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
                     finish(streams, outputs)
-                    rs.save_done(i, outputs)
+                    if rs is not None:
+                        rs.save_done(i, outputs)
                     checkpoint(rs, event.resume())
             stop.check()
     if not online.per_user:

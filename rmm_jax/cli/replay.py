@@ -1,14 +1,25 @@
 """``rmm-jax replay``: the online loop over every user against logged citations."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
 import click
+import jax
 
-from rmm_jax.cli.common import begin_run_state, checkpoint_options, config_dict, config_options, info, make_config
+from rmm_jax.cli.common import (
+    begin_run_state,
+    checkpoint_options,
+    config_dict,
+    config_options,
+    distributed_options,
+    info,
+    make_config,
+    start_distributed,
+)
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save
+from rmm_jax.cli.online import INITS, check_scope, online_options, open_or_create_policies, report, run_and_save
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.streams import known_ids, log_chunks, scan_log
@@ -27,6 +38,7 @@ from rmm_jax.persist.runstate import file_digest
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
+@distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk, checkpoint_every, resume, as_json,
@@ -53,25 +65,33 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
         raise InputError(str(e).partition(": ")[2], where="--clip") from None
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    dist = {k: opts.pop(k) for k in ("coordinator", "num_processes", "process_id", "shard")}
+    mesh = start_distributed(**dist, users_per_chunk=users_per_chunk, resume=resume)
+    writer = jax.process_index() == 0
+    # Over several processes only process 0 writes, and no run-state is kept: orbax's
+    # checkpoint writes synchronise all processes, which the others would not join.
     st = open_store(store)
     if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
-        PolicyStore.open(policies, expect_dim=st.dim)
+        check_scope(PolicyStore.open(policies, expect_dim=st.dim), cfg, policies)
     known = known_ids(st)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     rep = scan_log(log_path, cfg, known=known, skip_invalid=skip_invalid)
     grouped, n_users = rep.pop("grouped"), rep.pop("users")
-    ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"])
+    ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"], writer=writer)
     chunks = log_chunks(st, log_path, cfg, users_per_chunk, grouped=grouped, known=known, skip_invalid=skip_invalid)
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
-    with begin_run_state(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
-                         inputs={"STORE": file_digest(store), "--log": file_digest(log_path),
-                                 "initial params": tree_digest(params), "config": config_dict(cfg)}) as rs:
+    state = (begin_run_state(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
+                             inputs={"STORE": file_digest(store), "--log": file_digest(log_path),
+                                     "initial params": tree_digest(params), "config": config_dict(cfg)})
+             if writer and jax.process_count() == 1 else contextlib.nullcontext())
+    with state as rs:
         summary, base = run_and_save(chunks, n_users, params, cfg, ps, rs, cite_fn=None, seed=opts["seed"],
                                      users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                                     desc="replay")
-        rs.finish()
+                                     desc="replay", mesh=mesh)
+        if rs is not None:
+            rs.finish()
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")

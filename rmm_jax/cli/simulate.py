@@ -5,8 +5,18 @@ import contextlib
 from pathlib import Path
 
 import click
+import jax
 
-from rmm_jax.cli.common import begin_run_state, checkpoint_options, config_dict, config_options, info, make_config
+from rmm_jax.cli.common import (
+    begin_run_state,
+    checkpoint_options,
+    config_dict,
+    config_options,
+    distributed_options,
+    info,
+    make_config,
+    start_distributed,
+)
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save
 from rmm_jax.data.citation_log import LogWriter
@@ -30,6 +40,7 @@ from rmm_jax.persist.runstate import file_digest
 @click.option("--users", default=None, help="Comma-separated user ids (default: all).")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
+@distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def simulate(store, policies, init, precision, cite_recall, users, users_per_chunk, log_out, checkpoint_every,
@@ -48,6 +59,7 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
     cfg = make_config(**opts)
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    dist = {k: opts.pop(k) for k in ("coordinator", "num_processes", "process_id", "shard")}
     # Rates are checked here, before any work (and progress output), not inside the run.
     if not 0.0 < precision <= 1.0:
         raise InputError(f"must be in (0, 1], got {precision}", where="--precision")
@@ -55,22 +67,29 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
         raise InputError(f"must be in [0, 1], got {cite_recall}", where="--recall")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
+    mesh = start_distributed(**dist, users_per_chunk=users_per_chunk, resume=resume)
+    writer = jax.process_index() == 0
+    # Over several processes only process 0 writes, and no run-state is kept: orbax's
+    # checkpoint writes synchronise all processes, which the others would not join.
     cite = oracle(precision, cite_recall)
     st = open_store(store)
     n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk)
-    ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"])
+    ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"], writer=writer)
     options = online_options(opts, **{"--init": init, "--precision": precision, "--recall": cite_recall,
                                       "--users": users, "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
-    with begin_run_state(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
-                         inputs={"STORE": file_digest(store), "initial params": tree_digest(params),
-                                 "config": config_dict(cfg)}) as rs:
+    state = (begin_run_state(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
+                             inputs={"STORE": file_digest(store), "initial params": tree_digest(params),
+                                     "config": config_dict(cfg)})
+             if writer and jax.process_count() == 1 else contextlib.nullcontext())
+    with state as rs:
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
-        with (LogWriter(log_out) if log_out else contextlib.nullcontext()) as log:
+        with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             summary, base = run_and_save(chunks, n_users, params, cfg, ps, rs, cite_fn=cite, seed=opts["seed"],
                                          users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                                         log=log, desc="simulate")
-        rs.finish()
-    if log_out:
+                                         log=log, desc="simulate", mesh=mesh)
+        if rs is not None:
+            rs.finish()
+    if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
     report(summary, base, cfg, {"policies": str(policies), "init": init}, as_json)
