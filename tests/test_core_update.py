@@ -113,5 +113,21 @@ def test_config_rejects_out_of_range_values_naming_the_field(field, value):
 
 def test_paper_preset_is_the_literal_setting():
     c = rj.Config.preset("paper")
-    assert (c.tau, c.lr, c.batch, c.reward, c.baseline, c.baseline_value, c.mode, c.credit) == \
-        (0.5, 1e-3, 4, "pm1", "constant", 0.5, "rmm", "item")
+    assert (c.tau, c.lr, c.batch, c.reward, c.baseline, c.baseline_value, c.mode, c.credit, c.optimizer,
+            c.noise) == (0.5, 1e-3, 4, "pm1", "constant", 0.5, "rmm", "item", "sgd", "unit")
+    t = rj.Config.preset("tempered_adam")
+    assert (t.optimizer, t.noise, t.tau, t.mode) == ("adam", "tempered", 0.5, "rmm")
+
+
+@pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
+def test_act_samples_plackett_luce_at_the_noise_temperature(noise, temp):
+    """Unit noise (the paper: top-M of s + g) picks i with softmax(s)_i whatever τ is;
+    tempered noise with softmax(s/τ)_i. The logged log-prob is the exact one of that sampler."""
+    cfg = rj.Config(k=3, m=1, tau=0.5, noise=noise)
+    s = jnp.array([[1.0, 0.0, -0.5]])
+    sel, _, logp = jax.vmap(lambda k: act(cfg, s, jnp.ones((1, 3), bool), k))(jax.random.split(jax.random.key(0),
+                                                                                             20000))
+    freq = np.bincount(np.asarray(sel[:, 0, 0]), minlength=3) / 20000
+    want = np.asarray(jax.nn.softmax(s[0] / temp))
+    assert np.all(np.abs(freq - want) < 4 * np.sqrt(want * (1 - want) / 20000)), (freq, want)
+    np.testing.assert_allclose(np.exp(np.asarray(logp[:, 0])), want[np.asarray(sel[:, 0, 0])], rtol=1e-5)

@@ -37,13 +37,15 @@ def config_options(f):
     """Options that build a :class:`rmm_jax.Config`; unset ones come from --preset."""
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
-                     help="Named setting: 'default' (chosen by measurement, see README) or 'paper' "
-                          "(rewards ±1, b=0.5, tau=0.5, lr 1e-3, batch 4, per-item rmm log-prob)."),
+                     help="Named setting: 'default' (chosen by measurement, see README); 'paper' (the RMM "
+                          "update as written: top-M of s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob "
+                          "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
+                          "Adam)."),
         click.option("--k", type=int, default=DEFAULTS.k, help="Candidates from the base retriever."),
         click.option("--m", type=int, default=DEFAULTS.m, help="Memories shown to the generator (selected)."),
         click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None, help=f"Sampling temperature > 0 {_preset_default('tau')}."),
-        click.option("--lr", type=float, default=None, help=f"Adam learning rate {_preset_default('lr')}."),
+        click.option("--lr", type=float, default=None, help=f"Learning rate {_preset_default('lr')}."),
         click.option("--reward", type=click.Choice(REWARDS), default=None,
                      help=f"Citation reward: binary 1/0 or pm1 ±1 {_preset_default('reward')}."),
         click.option("--baseline", type=click.Choice(BASELINES),

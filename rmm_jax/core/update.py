@@ -51,6 +51,7 @@ class Config:
     clip: float = 5.0            # importance-ratio ceiling for off-policy replay
     on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
     buffer: int = 0              # past batches re-used in every update (importance-weighted)
+    noise: str = "tempered"      # tempered: top-M of s/τ + g (PL at τ) | unit: top-M of s + g, τ only in log P
     scope: str = "user"          # user | shared | hybrid (see SCOPES)
     rank: int = DEFAULT_RANK     # rank r of the per-user residual (scope hybrid)
 
@@ -70,11 +71,19 @@ class Config:
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
         c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
         c(self.buffer >= 0, "buffer", f"must be >= 0, got {self.buffer}")
+        c(self.noise in NOISES, "noise", f"must be one of {NOISES}, got {self.noise!r}")
         c(self.scope in SCOPES, "scope", f"must be one of {SCOPES}, got {self.scope!r}")
         c(isinstance(self.rank, int) and self.rank >= 1, "rank", f"must be >= 1, got {self.rank!r}")
         c(self.scope != "hybrid" or self.kind == "linear", "scope",
           "hybrid needs the linear reranker (the low-rank residual adapts its W)")
         c(self.scope == "user" or self.buffer == 0, "buffer", "the experience buffer needs --scope user")
+
+    @property
+    def sample_tau(self) -> float:
+        """The temperature of the behaviour policy's Plackett–Luce sample: τ for tempered
+        noise (top-M of s/τ + g), 1 for unit noise (top-M of s + g, the paper's literal
+        sampler, where τ enters only the rmm log-prob)."""
+        return self.tau if self.noise == "tempered" else 1.0
 
     @staticmethod
     def preset(name: str, **overrides) -> "Config":
@@ -82,12 +91,22 @@ class Config:
         return dataclasses.replace(Config(), **{**PRESETS[name], **overrides})
 
 
+NOISES = ("tempered", "unit")
+
 PRESETS: dict[str, dict] = {
     # Chosen by measurement on LoCoMo (README, "Choosing the defaults").
     "default": {},
-    # The literal RMM setting (Tan et al., 2025, §5 and App. B).
-    "paper": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant",
-                  baseline_value=0.5, mode="rmm", credit="item"),
+    # The RMM update as the paper writes it (Tan et al., 2025, §4.2 Retrospective
+    # Reflection, and App. B): s̃ = s + g with unit Gumbel g, the top-M of s̃ shown,
+    # p = softmax(s̃/τ), rewards ±1, b = 0.5, Δφ = η (R − b) ∇ log P with plain SGD,
+    # η = 1e-3, batch 4, τ = 0.5. Reading taken where it is ambiguous: each shown memory's
+    # own R − b weighs its own log p (credit "item"); see README, "Paper fidelity".
+    "paper": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
+                  mode="rmm", credit="item", optimizer="sgd", noise="unit"),
+    # The earlier "paper" preset: the same rewards, baseline and rmm log-prob, but the
+    # Gumbel noise scaled by τ (a Plackett–Luce sample at temperature τ) and Adam.
+    "tempered_adam": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
+                          mode="rmm", credit="item"),
 }
 
 
@@ -145,7 +164,7 @@ def importance_weights(cfg: Config, scores, batch: Batch):
     the replaying policy is the one that logged the data (keeps on-policy replay
     bit-identical).
     """
-    lp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.tau, "plackett_luce", None, mk))(
+    lp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.sample_tau, "plackett_luce", None, mk))(
         scores, batch.selected, batch.mask)
     diff = lp - batch.logged_log_prob
     ratio = jnp.where(jnp.abs(diff) <= cfg.on_policy_tol, 1.0, jnp.exp(jnp.minimum(diff, jnp.log(cfg.clip))))
@@ -157,7 +176,8 @@ def reranker_reinforce_loss(params, batch: Batch, baseline, weights, cfg: Config
     """:func:`rmm_jax.core.losses.reinforce_loss` on the reranker's scores of ``batch``."""
     scores = score_batch(params, batch.q, batch.m, batch.mask)
     rewards = citation_rewards(batch.cited, batch.selected >= 0, cfg.reward)
-    return reinforce_loss(scores, batch.selected, rewards, baseline, cfg.tau, mode=cfg.mode,
+    tau = cfg.tau if cfg.mode == "rmm" else cfg.sample_tau
+    return reinforce_loss(scores, batch.selected, rewards, baseline, tau, mode=cfg.mode,
                           credit=cfg.credit, gumbel=batch.gumbel, mask=batch.mask, weights=weights)
 
 
@@ -205,16 +225,19 @@ CiteFn = Callable  # (key, is_gold (M,) bool, filled (M,) bool) -> cited (M,) bo
 
 
 def act(cfg: Config, scores, mask, key):
-    """Sample ordered selections for a batch: Gumbel-top-M of s/τ (Plackett–Luce).
+    """Sample ordered selections for a batch: Gumbel-top-M of s/τ' (Plackett–Luce at τ').
 
-    Args: scores (B,K) under the current policy; mask (B,K); key.
-    Returns (selected (B,M) int32, gumbel on the score scale (B,K), log P(selection) (B,)).
+    τ' = ``cfg.sample_tau``: τ for tempered noise, 1 for the paper's unit noise (top-M of
+    s + g). Args: scores (B,K) under the current policy; mask (B,K); key.
+    Returns (selected (B,M) int32, gumbel on the score scale (B,K), exact behaviour
+    log P(selection) (B,) under PL at τ').
     """
+    t = cfg.sample_tau
     g = jax.random.gumbel(key, scores.shape, scores.dtype)
-    selected = jax.vmap(lambda z, mk: top_m(z, cfg.m, mk))(scores / cfg.tau + g, mask)
-    logp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.tau, "plackett_luce", None, mk))(
+    selected = jax.vmap(lambda z, mk: top_m(z, cfg.m, mk))(scores / t + g, mask)
+    logp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, t, "plackett_luce", None, mk))(
         scores, selected, mask)
-    return selected, cfg.tau * g, logp
+    return selected, t * g, logp
 
 
 def simulated_batch(cfg: Config, cite_fn: CiteFn, scores, queries: QueryBatch, key) -> Batch:
