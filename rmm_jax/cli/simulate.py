@@ -19,6 +19,7 @@ from rmm_jax.cli.common import (
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save
+from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
 from rmm_jax.data.store import open_store
@@ -28,6 +29,8 @@ from rmm_jax.online.streams import store_chunks
 from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.runstate import file_digest
 
+CITATION_MODELS = ("oracle", "position")  # `answer` needs answer embeddings in the store (README)
+
 
 @cli.command()
 @click.argument("store", type=click.Path())
@@ -35,22 +38,30 @@ from rmm_jax.persist.runstate import file_digest
 @click.option("--init", "init", type=click.Choice(INITS), default="identity",
               help="Every user's starting policy: the store's pretrained shared params, or the base retriever.")
 @config_options
-@click.option("--precision", type=float, default=DEFAULT_PRECISION, help="Simulated citation precision.")
-@click.option("--recall", "cite_recall", type=float, default=DEFAULT_RECALL, help="Simulated citation recall.")
+@click.option("--citations", type=click.Choice(CITATION_MODELS), default="oracle", show_default=True,
+              help="Simulated generator: oracle cites gold memories at the paper's per-class judge rates "
+                   f"(useful {cm.P_USEFUL}, not useful {cm.P_OTHER}, spurious {cm.SPURIOUS}); position adds a "
+                   f"decay {cm.POSITION_DECAY}^slot (README, 'Citation models').")
+@click.option("--precision", type=float, default=None,
+              help=f"Instead: the precision/recall simulator with this precision [{DEFAULT_PRECISION} when only "
+                   "--recall is given].")
+@click.option("--recall", "cite_recall", type=float, default=None,
+              help=f"Instead: the precision/recall simulator with this recall [{DEFAULT_RECALL}].")
 @click.option("--users", default=None, help="Comma-separated user ids (default: all).")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def simulate(store, policies, init, precision, cite_recall, users, users_per_chunk, log_out, checkpoint_every,
-             resume, as_json, **opts):
-    """Run the online loop on STORE against simulated (oracle) citations.
+def simulate(store, policies, init, citations, precision, cite_recall, users, users_per_chunk, log_out,
+             checkpoint_every, resume, as_json, **opts):
+    """Run the online loop on STORE against simulated citations.
 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
-    memories (Gumbel top-M), the simulated generator cites the gold ones with the given
-    precision/recall, and the policy is updated by REINFORCE every --batch queries.
-    Per-user policies are saved to --policies. Reported: prequential Recall@M.
+    memories (Gumbel top-M), the simulated generator (--citations) cites some of them, and
+    the policy is updated by REINFORCE every --batch queries. Policies are saved to
+    --policies (per user, and the shared part in scopes shared/hybrid). Reported:
+    prequential Recall@M.
 
     \b
     Example:
@@ -61,21 +72,32 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     dist = {k: opts.pop(k) for k in ("coordinator", "num_processes", "process_id", "shard")}
     # Rates are checked here, before any work (and progress output), not inside the run.
+    overridden = precision is not None or cite_recall is not None
+    precision = DEFAULT_PRECISION if precision is None else precision
+    cite_recall = DEFAULT_RECALL if cite_recall is None else cite_recall
     if not 0.0 < precision <= 1.0:
         raise InputError(f"must be in (0, 1], got {precision}", where="--precision")
     if not 0.0 <= cite_recall <= 1.0:
         raise InputError(f"must be in [0, 1], got {cite_recall}", where="--recall")
+    if overridden and citations != "oracle":
+        raise InputError(f"--precision/--recall replace the oracle; they do not apply to {citations!r}",
+                         where="--citations")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
     mesh = start_distributed(**dist, users_per_chunk=users_per_chunk, resume=resume)
     writer = jax.process_index() == 0
     # Over several processes only process 0 writes, and no run-state is kept: orbax's
     # checkpoint writes synchronise all processes, which the others would not join.
-    cite = oracle(precision, cite_recall)
+    if overridden:
+        cite = oracle(precision, cite_recall)
+    else:
+        cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
     n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk)
     ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"], writer=writer)
-    options = online_options(opts, **{"--init": init, "--precision": precision, "--recall": cite_recall,
+    options = online_options(opts, **{"--init": init, "--citations": citations,
+                                      "--precision": precision if overridden else None,
+                                      "--recall": cite_recall if overridden else None,
                                       "--users": users, "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
     state = (begin_run_state(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
@@ -92,4 +114,7 @@ def simulate(store, policies, init, precision, cite_recall, users, users_per_chu
             rs.finish()
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
-    report(summary, base, cfg, {"policies": str(policies), "init": init}, as_json)
+    report(summary, base, cfg, {"policies": str(policies), "init": init,
+                                "citations": {"model": "precision/recall" if overridden else citations,
+                                              **({"precision": precision, "recall": cite_recall} if overridden
+                                                 else {})}}, as_json)

@@ -22,10 +22,10 @@ after the commit). The caller commits only after the snapshot directory is in pl
 kill leaves the index at the old state or the new one, never between.
 
 Concurrency: the store's one writer holds its flock (:mod:`rmm_jax.persist.lock`); the
-database is in WAL mode, so readers (opened ``mode=ro``, no lock) see the last committed
-state and never block the writer or each other. A read-only connection still creates
-SQLite's ``-wal``/``-shm`` side files when they are absent (the writer's last close
-removes them). A missing, corrupt or unopenable database raises
+database uses SQLite's rollback journal (``journal_mode = DELETE``), so readers (opened
+``mode=ro``, no lock) see the last committed state, wait at most ``BUSY_TIMEOUT_S`` while
+a commit is being written, and create no file: reading a store leaves it byte for byte
+as it was (WAL mode would make every reader create ``-wal``/``-shm`` side files). A missing, corrupt or unopenable database raises
 :class:`IndexUnavailable`; the store then rebuilds the index from the snapshots
 (:meth:`PolicyIndex.build`: in memory for a reader, to the file for the writer).
 """
@@ -128,7 +128,7 @@ class PolicyIndex:
             if path.exists():
                 raise FileExistsError(str(path))
             conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA journal_mode = DELETE")
             conn.execute("PRAGMA synchronous = FULL")
             where = str(path)
         idx = cls(conn, where)
