@@ -44,11 +44,14 @@ from rmm_jax.errors import InputError
 @click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE,
               help="Texts per model call.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the embedding cache.")
+@click.option("--answers", is_flag=True,
+              help="Also embed each question with its reference answer (answers.npy), for "
+                   "`simulate --citations answer`.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the store manifest (plus timings) as one JSON object on stdout.")
 def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cache_dir,
-          batch_size, no_cache, quiet, as_json):
+          batch_size, no_cache, answers, quiet, as_json):
     """Embed a dataset's memories and questions into an embedding store.
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
@@ -86,7 +89,7 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
         f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
     try:
-        manifest = write_store(out, dataset, granularity, embedder, spec=spec, log=say,
+        manifest = write_store(out, dataset, granularity, embedder, spec=spec, log=say, answers=answers,
                                segment_threshold=segment_threshold,
                                merge_threshold=merge_threshold)
     finally:

@@ -29,7 +29,7 @@ from rmm_jax.online.streams import store_chunks
 from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.runstate import file_digest
 
-CITATION_MODELS = ("oracle", "position")  # `answer` needs answer embeddings in the store (README)
+CITATION_MODELS = ("oracle", "position", "answer")
 
 
 @cli.command()
@@ -41,7 +41,9 @@ CITATION_MODELS = ("oracle", "position")  # `answer` needs answer embeddings in 
 @click.option("--citations", type=click.Choice(CITATION_MODELS), default="oracle", show_default=True,
               help="Simulated generator: oracle cites gold memories at the paper's per-class judge rates "
                    f"(useful {cm.P_USEFUL}, not useful {cm.P_OTHER}, spurious {cm.SPURIOUS}); position adds a "
-                   f"decay {cm.POSITION_DECAY}^slot (README, 'Citation models').")
+                   f"decay {cm.POSITION_DECAY}^slot; answer cites the shown memory most similar to the question "
+                   "plus its reference answer, never reading gold (needs a store made with `embed --answers`). "
+                   "README, 'Citation models'.")
 @click.option("--precision", type=float, default=None,
               help=f"Instead: the precision/recall simulator with this precision [{DEFAULT_PRECISION} when only "
                    "--recall is given].")
@@ -90,10 +92,13 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
     # checkpoint writes synchronise all processes, which the others would not join.
     if overridden:
         cite = oracle(precision, cite_recall)
+    elif citations == "answer":      # cites exactly the shown memories that support the answer
+        cite = cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0)
     else:
         cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
-    n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk)
+    n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk,
+                                   answers=citations == "answer")
     ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"], writer=writer)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,

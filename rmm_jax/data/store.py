@@ -173,11 +173,13 @@ def _write_jsonl(path: Path, rows) -> None:
 
 
 def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
-                 manifest: dict) -> None:
+                 manifest: dict, ans_emb: np.ndarray | None = None) -> None:
     """Write the store directory at ``path`` whole, or nothing (see the module docstring)."""
     with atomic_dir(path) as tmp:
         np.save(tmp / "memories.npy", mem_emb)
         np.save(tmp / "queries.npy", qry_emb)
+        if ans_emb is not None:
+            np.save(tmp / "answers.npy", ans_emb)
         (tmp / "users.json").write_text(json.dumps(rows.users, indent=1) + "\n")
         _write_jsonl(tmp / "memories.jsonl", rows.memories)
         _write_jsonl(tmp / "queries.jsonl", rows.queries)
@@ -185,8 +187,15 @@ def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
+def answer_texts(dataset: Dataset) -> list[str]:
+    """Per query, in store order: the question followed by its reference answer (the
+    simulated response of the ``answer`` citation model; just the question when the
+    dataset gives no answer)."""
+    return [f"{q.text} {q.answer or ''}".strip() for u in dataset.users for q in u.queries]
+
+
 def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str | None = None,
-                log=None, **granularity_kwargs) -> dict:
+                log=None, answers: bool = False, **granularity_kwargs) -> dict:
     """Build memories at ``granularity``, embed memories and queries, write the store.
 
     Args:
@@ -196,6 +205,8 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
       embedder: an :class:`rmm_jax.data.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
       spec: the dataset spec, recorded in the manifest.
       log: optional ``callable(str)`` for progress lines (e.g. to stderr).
+      answers: also embed each question with its reference answer (:func:`answer_texts`)
+        into ``answers.npy``, for the ``answer`` citation model.
       granularity_kwargs: passed to
         :func:`~rmm_jax.data.granularity.build_memories` (``segment_threshold``,
         ``merge_threshold``).
@@ -219,10 +230,16 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     t_embed = time.perf_counter() - t1
     dim = int(embedder.dim)
     mem_emb, qry_emb = _assemble_arrays(mem_emb, qry_emb, rows, embedder.model_id, dim)
+    ans_emb = None
+    if answers:
+        _, ans_emb = _assemble_arrays(mem_emb, embedder.encode(answer_texts(dataset), desc="answers"), rows,
+                                      embedder.model_id, dim)
     manifest = _manifest(dataset, granularity, embedder.model_id, dim, spec, rows,
                          granularity_kwargs,
                          {"build": round(t_build, 3), "embed": round(t_embed, 3)})
-    _write_files(path, mem_emb, qry_emb, rows, manifest)
+    if answers:
+        manifest["answers"] = True
+    _write_files(path, mem_emb, qry_emb, rows, manifest, ans_emb)
     return manifest
 
 
@@ -274,7 +291,7 @@ class UserData:
 class EmbeddingStore:
     """A validated store directory; use :func:`open_store`."""
 
-    def __init__(self, path: Path, manifest: dict, users: list[dict], memory_emb, query_emb):
+    def __init__(self, path: Path, manifest: dict, users: list[dict], memory_emb, query_emb, answer_emb=None):
         self.path = path
         self.manifest = manifest
         self.dim = int(manifest["dim"])
@@ -285,6 +302,7 @@ class EmbeddingStore:
         self.user_ids = tuple(u["id"] for u in users)
         self.memory_emb = memory_emb
         self.query_emb = query_emb
+        self.answer_emb = answer_emb        # (N_q, d) question + answer embeddings, or None
         self._mem_meta = None
         self._qry_meta = None
         self._offsets_cache: dict[str, np.ndarray] = {}
@@ -403,6 +421,14 @@ class EmbeddingStore:
             categories=tuple(str(r.get("category") or "") for r in qrys),
             abstention=np.array([bool(r.get("abstention", False)) for r in qrys], bool),
         )
+
+    def user_answers(self, user_id) -> np.ndarray:
+        """One user's question + answer embeddings (n_q, d), for the ``answer`` citation model."""
+        if self.answer_emb is None:
+            raise InputError("store holds no answer embeddings; rebuild it with `rmm-jax embed ... --answers`",
+                             where=str(self.path))
+        u = self._by_id[str(user_id)]
+        return read_rows(self.answer_emb, u["query_start"], u["query_end"])
 
     def iter_users(self):
         """Iterate over :class:`UserData` of every user, in store order."""
@@ -537,4 +563,5 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
 
     mem = _load_npy(root / "memories.npy", counts["memories"], dim, "memories")
     qry = _load_npy(root / "queries.npy", counts["queries"], dim, "queries")
-    return EmbeddingStore(root, manifest, users, mem, qry)
+    ans = _load_npy(root / "answers.npy", counts["queries"], dim, "answers") if manifest.get("answers") else None
+    return EmbeddingStore(root, manifest, users, mem, qry, ans)

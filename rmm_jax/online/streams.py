@@ -19,6 +19,7 @@ import numpy as np
 
 from rmm_jax.core.update import Config
 from rmm_jax.data.citation_log import LogRecord, NotGroupedError, iter_user_chunks, read_log
+from rmm_jax.data.citations import answer_support
 from rmm_jax.data.retrieval import retrieve_candidates
 from rmm_jax.errors import InputError
 
@@ -173,14 +174,30 @@ def load_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stre
     return [stream_from_user(store.user(u), k) for u in check_users(store, users)]
 
 
-def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int) -> tuple[int, Iterator]:
+def with_answer_support(stream: Stream, qa_emb) -> Stream:
+    """The stream with ``cite_gold`` = the candidates that support each query's reference
+    answer (:func:`rmm_jax.data.citations.answer_support`; never reads gold), for the
+    label-free ``answer`` citation model. ``qa_emb``: (T, d) question + answer embeddings."""
+    return dataclasses.replace(stream, cite_gold=answer_support(np.asarray(qa_emb), stream.bank, stream.cand,
+                                                                stream.cand_mask))
+
+
+def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int, *,
+                 answers: bool = False) -> tuple[int, Iterator]:
     """``(number of users, chunks)``: streams of a store's users (all by default), built
-    ``users_per_chunk`` at a time, so memory holds one chunk."""
+    ``users_per_chunk`` at a time, so memory holds one chunk. ``answers``: each stream
+    carries answer support as ``cite_gold`` (:func:`with_answer_support`)."""
     ids = check_users(store, users)
+    if answers and store.answer_emb is None:
+        store.user_answers(ids[0] if ids else "")          # the one-line error naming the store
+
+    def build(u):
+        s = stream_from_user(store.user(u), k)
+        return with_answer_support(s, store.user_answers(u)) if answers else s
 
     def gen():
         for i in range(0, len(ids), users_per_chunk):
-            yield [stream_from_user(store.user(u), k) for u in ids[i:i + users_per_chunk]]
+            yield [build(u) for u in ids[i:i + users_per_chunk]]
 
     return len(ids), gen()
 

@@ -25,9 +25,10 @@ Concurrency: the store's one writer holds its flock (:mod:`rmm_jax.persist.lock`
 database uses SQLite's rollback journal (``journal_mode = DELETE``), so readers (opened
 ``mode=ro``, no lock) see the last committed state, wait at most ``BUSY_TIMEOUT_S`` while
 a commit is being written, and create no file: reading a store leaves it byte for byte
-as it was (WAL mode would make every reader create ``-wal``/``-shm`` side files). A missing, corrupt or unopenable database raises
-:class:`IndexUnavailable`; the store then rebuilds the index from the snapshots
-(:meth:`PolicyIndex.build`: in memory for a reader, to the file for the writer).
+as it was (WAL mode would make every reader create ``-wal``/``-shm`` side files). A
+missing, corrupt or unopenable database raises :class:`IndexUnavailable`; the store then
+rebuilds the index from the snapshots (:meth:`PolicyIndex.build`: in memory for a reader,
+to the file for the writer).
 """
 from __future__ import annotations
 
