@@ -28,7 +28,6 @@ import argparse
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy BLAS threads spin against XLA on a small, busy machine
-import os
 import resource
 import shutil
 import sys
