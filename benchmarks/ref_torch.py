@@ -20,9 +20,19 @@ This is the algorithm of ``rmm_jax.Config(credit="reward_to_go")`` (binary rewar
 batch_mean baseline, plackett_luce, reward_to_go, Adam), the configuration that
 ``benchmarks/throughput.py`` times; the library default credit is ``item``. ``tests/test_bench_references.py`` checks
 scores, gradients and Adam steps against rmm-jax on fixed inputs.
-``torch.set_num_threads`` is left at its default.
+``torch.set_num_threads`` is left at its default here (``benchmarks/throughput.py`` times
+each reference with the faster of 1 thread and the default).
+
+"PyTorch done well" (:class:`CompiledStep`, :func:`run_stream_compiled`): the same loop with
+the fused O(d² + K·d) scoring (linear kind) and ``torch.compile`` (inductor) of the forward,
+the act/eval/cite step, the loss and ``Adam.step``. It draws the same random numbers in the
+same order as :func:`run_stream`, so both make the same selections and citations (tested).
 """
 from __future__ import annotations
+
+import functools
+import os
+import shutil
 
 import numpy as np
 import torch
@@ -59,11 +69,18 @@ class ResidualMLP(nn.Module):
 
 
 class Reranker(nn.Module):
-    """s_bi = (m_bi + f_m(m_bi))ᵀ (q_b + f_q(q_b)), naive: all K memories are adapted."""
+    """s_bi = (m_bi + f_m(m_bi))ᵀ (q_b + f_q(q_b)).
 
-    def __init__(self, d, kind="linear", hidden=None):
+    ``fused=False`` (the eager baseline): naive, all K memories are adapted, O(K·d²) per
+    query. ``fused=True`` (linear kind only, what the ``torch.compile`` reference uses):
+    s_b = M_b v_b with v_b = q'_b + W_mᵀ q'_b, O(d² + K·d) per query, the algebra of
+    rmm-jax's fused path.
+    """
+
+    def __init__(self, d, kind="linear", hidden=None, fused=False):
         super().__init__()
         self.kind = kind
+        self.fused = fused and kind == "linear"
         if kind == "linear":
             self.q_adapter, self.m_adapter = ResidualLinear(d), ResidualLinear(d)
         else:
@@ -73,8 +90,10 @@ class Reranker(nn.Module):
     def forward(self, q, m, mask=None):
         """q (B, d), m (B, K, d), mask (B, K) bool → scores (B, K), −inf at masked slots."""
         q2 = self.q_adapter(q)
-        m2 = self.m_adapter(m)
-        s = torch.einsum("bkd,bd->bk", m2, q2)
+        if self.fused:                                   # m'ᵀq' = mᵀ(q' + W_mᵀ q')
+            s = torch.einsum("bkd,bd->bk", m, q2 + q2 @ self.m_adapter.W.weight)
+        else:
+            s = torch.einsum("bkd,bd->bk", self.m_adapter(m), q2)
         return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
     @torch.no_grad()
@@ -131,7 +150,8 @@ def oracle_cite(is_gold, filled, gen, precision=PRECISION, recall=RECALL):
 def pl_log_probs(scores, selected, tau, mask):
     """Exact Plackett–Luce per-draw log-probs (B, M): s_{i_j}/τ − logsumexp_{k ∈ R_j} s_k/τ."""
     z = torch.where(mask, scores / tau, torch.full_like(scores, NEG))
-    remaining = mask.clone()
+    remaining = mask
+    cols = torch.arange(scores.shape[1])
     out = []
     for j in range(selected.shape[1]):
         sel = selected[:, j]
@@ -140,8 +160,8 @@ def pl_log_probs(scores, selected, tau, mask):
         lse = torch.logsumexp(torch.where(remaining, z, torch.full_like(z, NEG)), dim=1)
         lp = z.gather(1, idx[:, None])[:, 0] - lse
         out.append(torch.where(filled, lp, torch.zeros_like(lp)))
-        remaining = remaining.clone()
-        remaining[torch.arange(len(sel))[filled], idx[filled]] = False
+        # drop the drawn memory (no boolean indexing: the shapes stay static for torch.compile)
+        remaining = remaining & ~((cols[None, :] == idx[:, None]) & filled[:, None])
     return torch.stack(out, 1)
 
 
@@ -153,7 +173,7 @@ def reinforce_loss(scores, selected, cited, valid, tau, mask):
     filled = (selected >= 0) & valid[:, None]
     r = torch.where(cited, 1.0, 0.0) * filled
     n = filled.sum()
-    b = r.sum() / n.clamp(min=1) if n > 0 else torch.zeros(())
+    b = torch.where(n > 0, r.sum() / n.clamp(min=1), torch.zeros(()))
     a = torch.where(filled, r - b, torch.zeros_like(r))
     adv = torch.flip(torch.cumsum(torch.flip(a, [1]), 1), [1]) * filled
     lp = pl_log_probs(scores, selected, tau, mask)
@@ -171,9 +191,9 @@ def update(model, opt, q, m, mask, selected, cited, valid, tau):
     return loss.detach()
 
 
-def make(d, kind="linear", hidden=None, lr=1e-4, params=None):
+def make(d, kind="linear", hidden=None, lr=1e-4, params=None, fused=False):
     """A fresh (model, Adam) pair; ``params`` (rmm-jax tree) optionally loaded."""
-    model = Reranker(d, kind, hidden)
+    model = Reranker(d, kind, hidden, fused)
     if params is not None:
         model.load_flax(params)
     return model, torch.optim.Adam(model.parameters(), lr=lr)
@@ -211,3 +231,91 @@ def run_stream(model, opt, data, *, m=5, batch=4, tau=1.0, seed=0):
         loss.backward()
         opt.step()
     return np.asarray(recalls)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+def compile_available() -> tuple[bool, str]:
+    """Whether ``torch.compile`` can run here (its CPU backend, inductor, needs a C++ compiler)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        return False, "no C++ compiler (g++/c++/clang++) on PATH: inductor's CPU backend compiles C++"
+    return True, f"inductor CPU backend, C++ compiler {cxx}"
+
+
+def act_and_eval(scores, mask, gold, num_gold, u_gumbel, u_cite, m: int, tau: float):
+    """Prequential Recall@M of the deterministic top-M, Gumbel-top-M selection and oracle
+    citations, from uniforms drawn outside (so the function has no RNG state and compiles
+    to one graph). Same computation as :func:`run_stream`'s eager steps."""
+    scores = scores.detach()
+    top = top_m(scores, m, mask)
+    rel = gold.gather(1, top.clamp(min=0)) & (top >= 0)
+    recall = (rel.sum(1).float() / num_gold.clamp(min=1).float()).mean()
+    g = -torch.log(-torch.log(u_gumbel.clamp(1e-20, 1.0)))
+    selected = top_m(scores / tau + g, m, mask)
+    filled = selected >= 0
+    is_gold = gold.gather(1, selected.clamp(min=0)) & filled
+    n_gold = (is_gold & filled).sum(1, keepdim=True).float()
+    n_non = (~is_gold & filled).sum(1, keepdim=True).float()
+    q = (RECALL * (1 - PRECISION) * n_gold / (PRECISION * n_non.clamp(min=1.0))).clamp(0.0, 1.0)
+    prob = torch.where(is_gold, torch.full_like(q, RECALL).expand_as(is_gold.float()), q.expand_as(is_gold.float()))
+    cited = filled & (u_cite < prob)
+    return recall, selected, cited
+
+
+class CompiledStep:
+    """The same online step as :func:`run_stream`, "PyTorch done well": fused scoring (linear
+    kind), and ``torch.compile`` (inductor) of the forward, the act/eval/cite step, the
+    REINFORCE loss and Adam's step (``torch.compile(opt.step)``, the PyTorch recipe for a
+    compiled optimizer). Random numbers come from a ``torch.Generator`` outside the graphs;
+    the backward runs through the compiled graphs' AOTAutograd backward.
+    """
+
+    def __init__(self, model, opt, *, m: int, tau: float):
+        self.model, self.opt, self.m, self.tau = model, opt, m, tau
+        # Static shapes: one stream's batches all have the same shape (no dynamic-shape kernels).
+        self.fwd = torch.compile(model, dynamic=False)
+        self.act = torch.compile(functools.partial(act_and_eval, m=m, tau=tau), dynamic=False)
+        self.loss = torch.compile(functools.partial(reinforce_loss, tau=tau), dynamic=False)
+        self.opt_step = torch.compile(opt.step, dynamic=False)
+
+    def __call__(self, q, mem, mask, gold, num_gold, gen):
+        scores = self.fwd(q, mem, mask)
+        u1 = torch.rand(scores.shape, generator=gen)
+        u2 = torch.rand((scores.shape[0], self.m), generator=gen)
+        recall, selected, cited = self.act(scores, mask, gold, num_gold, u1, u2)
+        valid = torch.ones(q.shape[0], dtype=torch.bool)
+        loss, _, _ = self.loss(scores, selected, cited, valid, mask=mask)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt_step()
+        return recall
+
+
+@torch.no_grad()
+def reset(model, opt, params):
+    """Put a (model, Adam) pair back to its start in place: parameters from ``params`` (an
+    rmm-jax tree) and Adam's state zeroed, which is what a fresh optimiser holds after its
+    lazy initialisation. Keeps the objects, so graphs compiled for them are reused."""
+    model.load_flax(params)
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                v.zero_()
+
+
+def run_stream_compiled(step: CompiledStep, data, *, batch=4, seed=0):
+    """:func:`run_stream` with a :class:`CompiledStep` (build the step once; its first
+    calls compile). Returns per-batch mean prequential Recall@M."""
+    gen = torch.Generator().manual_seed(seed)
+    bank = torch.from_numpy(np.ascontiguousarray(data["bank"], np.float32))
+    qs = torch.from_numpy(np.ascontiguousarray(data["q"], np.float32))
+    cand = torch.from_numpy(np.asarray(data["cand"], np.int64))
+    masks = torch.from_numpy(np.asarray(data["mask"], bool))
+    golds = torch.from_numpy(np.asarray(data["gold"], bool))
+    num_gold = torch.from_numpy(np.asarray(data["num_gold"], np.int64))
+    recalls = []
+    for t in range(0, qs.shape[0], batch):
+        recalls.append(step(qs[t:t + batch], bank[cand[t:t + batch]], masks[t:t + batch], golds[t:t + batch],
+                            num_gold[t:t + batch], gen))
+    return torch.stack(recalls).numpy()
