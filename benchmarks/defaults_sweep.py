@@ -24,12 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from quality_locomo import build_store  # noqa: E402  (the sibling benchmark's LoCoMo store builder)
 
 from rmm_jax import Config, init_reranker  # noqa: E402
-from rmm_jax.data import load_locomo  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
-from rmm_jax.data.embed import Embedder  # noqa: E402
-from rmm_jax.data.store import open_store, write_store  # noqa: E402
 from rmm_jax.online.run import simulate  # noqa: E402
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: E402
 from rmm_jax.online.streams import load_streams  # noqa: E402
@@ -47,15 +45,6 @@ SETTINGS = (
     ("reward_to_go", 0.1, 1e-3),
 )
 TUNED_ON = ("26", "30")
-
-
-def build_store(path: Path, model: str, granularity: str, out: Path):
-    emb = Embedder(model, progress=False)
-    try:
-        write_store(out, load_locomo(path), granularity, emb, spec=f"locomo:{path}")
-    finally:
-        emb.close()
-    return open_store(out)
 
 
 def main(argv=None):
