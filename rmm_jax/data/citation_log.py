@@ -436,44 +436,37 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     seen: dict[tuple[str, str], int] = {}
     current: str | None = None
     finished: set[str] = set()
-    nonblank = 0
-    with _open_log(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            nonblank += 1
-            where = at(path, lineno)
-            try:
-                rec = validate_record(_decode_line(raw, path, lineno), where)
-                if lookup is not None:
-                    _check_known(rec, lookup, where)
-                pair = (rec.user_id, rec.query_id)
-                if pair in seen:
-                    raise InputError(
-                        f"duplicate (user_id, query_id) ({rec.user_id!r}, {rec.query_id!r}), "
-                        f"first logged at line {seen[pair]}", where=_key_where(where, "query_id"))
-            except InputError as exc:
-                if not skip_invalid:
-                    raise
-                report["skipped"] += 1
-                if len(report["first_errors"]) < MAX_FIRST_ERRORS:
-                    report["first_errors"].append(str(exc))
-                continue
-            if grouped and rec.user_id != current:
-                if rec.user_id in finished:
-                    raise NotGroupedError(
-                        f"records of user {rec.user_id!r} are not on consecutive lines "
-                        "(sort the log by user_id to stream it by user)",
-                        where=_key_where(where, "user_id"))
-                if current is not None:
-                    finished.add(current)
-                current = rec.user_id
-                seen.clear()
-            seen[pair] = lineno
-            report["records"] += 1
-            yield lineno, rec
-    if nonblank == 0:
-        raise InputError("no records (the file is empty)", where=str(path))
+    for lineno, raw in _nonblank_lines(path):
+        where = at(path, lineno)
+        try:
+            rec = validate_record(_decode_line(raw, path, lineno), where)
+            if lookup is not None:
+                _check_known(rec, lookup, where)
+            pair = (rec.user_id, rec.query_id)
+            if pair in seen:
+                raise InputError(
+                    f"duplicate (user_id, query_id) ({rec.user_id!r}, {rec.query_id!r}), "
+                    f"first logged at line {seen[pair]}", where=_key_where(where, "query_id"))
+        except InputError as exc:
+            if not skip_invalid:
+                raise
+            report["skipped"] += 1
+            if len(report["first_errors"]) < MAX_FIRST_ERRORS:
+                report["first_errors"].append(str(exc))
+            continue
+        if grouped and rec.user_id != current:
+            if rec.user_id in finished:
+                raise NotGroupedError(
+                    f"records of user {rec.user_id!r} are not on consecutive lines "
+                    "(sort the log by user_id to stream it by user)",
+                    where=_key_where(where, "user_id"))
+            if current is not None:
+                finished.add(current)
+            current = rec.user_id
+            seen.clear()
+        seen[pair] = lineno
+        report["records"] += 1
+        yield lineno, rec
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
                          f"{report['first_errors'][0]})", where=str(path))
@@ -493,13 +486,18 @@ def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     repeated within an object is an error, and every problem raises
     :class:`InputError` naming ``path:line``. An empty file raises "no records".
     """
+    for lineno, raw in _nonblank_lines(path):
+        yield lineno, _decode_line(raw, path, lineno)
+
+
+def _nonblank_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of every non-blank line; an empty file is an error."""
     nonblank = 0
     with _open_log(path) as f:
         for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            nonblank += 1
-            yield lineno, _decode_line(raw, path, lineno)
+            if raw.strip():
+                nonblank += 1
+                yield lineno, raw
     if nonblank == 0:
         raise InputError("no records (the file is empty)", where=str(path))
 
