@@ -1,6 +1,7 @@
 """Shared CLI pieces: the online-learning options, progress bars and JSON output."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -88,10 +89,14 @@ def distributed_options(f):
     return f
 
 
-def start_distributed(coordinator, num_processes: int, process_id: int, shard: bool, users_per_chunk: int,
-                      resume: bool):
-    """Join the run's processes (``jax.distributed``, gloo collectives on CPU) and return the
-    users mesh, or None for a single-device run. Must run before any JAX computation."""
+DISTRIBUTED_OPTIONS = ("coordinator", "num_processes", "process_id", "shard")
+
+
+def start_distributed(opts: dict, *, users_per_chunk: int, resume: bool):
+    """Take the :func:`distributed_options` out of ``opts``, join the run's processes
+    (``jax.distributed``, gloo collectives on CPU) and return the users mesh, or None for
+    a single-device run. Must run before any JAX computation."""
+    coordinator, num_processes, process_id, shard = (opts.pop(k) for k in DISTRIBUTED_OPTIONS)
     if num_processes < 1:
         raise InputError(f"must be >= 1, got {num_processes}", where="--num-processes")
     if not 0 <= process_id < num_processes:
@@ -114,6 +119,19 @@ def start_distributed(coordinator, num_processes: int, process_id: int, shard: b
         raise InputError(f"{users_per_chunk} users do not split over {mesh.devices.size} devices; use a multiple",
                          where="--users-per-chunk")
     return mesh
+
+
+def is_writer() -> bool:
+    """Only process 0 of a multi-process run writes policies, logs and run-state."""
+    return jax.process_index() == 0
+
+
+def begin_run_state_if_single(target, command: str, options: dict, **kw):
+    """:func:`begin_run_state`, or a context yielding None when several processes run: only
+    process 0 writes, and orbax's checkpoint writes would wait for every process."""
+    if jax.process_count() > 1:
+        return contextlib.nullcontext()
+    return begin_run_state(target, command, options, **kw)
 
 
 def check_rank(cfg: Config, dim: int) -> None:

@@ -1,20 +1,19 @@
 """``rmm-jax replay``: the online loop over every user against logged citations."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 
 import click
-import jax
 
 from rmm_jax.cli.common import (
-    begin_run_state,
+    begin_run_state_if_single,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
     info,
+    is_writer,
     make_config,
     start_distributed,
 )
@@ -65,11 +64,8 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
         raise InputError(str(e).partition(": ")[2], where="--clip") from None
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
-    dist = {k: opts.pop(k) for k in ("coordinator", "num_processes", "process_id", "shard")}
-    mesh = start_distributed(**dist, users_per_chunk=users_per_chunk, resume=resume)
-    writer = jax.process_index() == 0
-    # Over several processes only process 0 writes, and no run-state is kept: orbax's
-    # checkpoint writes synchronise all processes, which the others would not join.
+    mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
+    writer = is_writer()
     st = open_store(store)
     if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
         check_scope(PolicyStore.open(policies, expect_dim=st.dim), cfg, policies)
@@ -82,11 +78,10 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
     chunks = log_chunks(st, log_path, cfg, users_per_chunk, grouped=grouped, known=known, skip_invalid=skip_invalid)
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
-    state = (begin_run_state(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
-                             inputs={"STORE": file_digest(store), "--log": file_digest(log_path),
-                                     "initial params": tree_digest(params), "config": config_dict(cfg)})
-             if writer and jax.process_count() == 1 else contextlib.nullcontext())
-    with state as rs:
+    inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "initial params": tree_digest(params),
+              "config": config_dict(cfg)}
+    with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
+                                   inputs=inputs) as rs:
         summary, base = run_and_save(chunks, n_users, params, cfg, ps, rs, cite_fn=None, seed=opts["seed"],
                                      users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                                      desc="replay", mesh=mesh)

@@ -5,15 +5,15 @@ import contextlib
 from pathlib import Path
 
 import click
-import jax
 
 from rmm_jax.cli.common import (
-    begin_run_state,
+    begin_run_state_if_single,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
     info,
+    is_writer,
     make_config,
     start_distributed,
 )
@@ -72,7 +72,6 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
     cfg = make_config(**opts)
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
-    dist = {k: opts.pop(k) for k in ("coordinator", "num_processes", "process_id", "shard")}
     # Rates are checked here, before any work (and progress output), not inside the run.
     overridden = precision is not None or cite_recall is not None
     precision = DEFAULT_PRECISION if precision is None else precision
@@ -86,10 +85,8 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
                          where="--citations")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
-    mesh = start_distributed(**dist, users_per_chunk=users_per_chunk, resume=resume)
-    writer = jax.process_index() == 0
-    # Over several processes only process 0 writes, and no run-state is kept: orbax's
-    # checkpoint writes synchronise all processes, which the others would not join.
+    mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
+    writer = is_writer()
     if overridden:
         cite = oracle(precision, cite_recall)
     elif citations == "answer":      # cites exactly the shown memories that support the answer
@@ -105,11 +102,9 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
                                       "--recall": cite_recall if overridden else None,
                                       "--users": users, "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
-    state = (begin_run_state(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
-                             inputs={"STORE": file_digest(store), "initial params": tree_digest(params),
-                                     "config": config_dict(cfg)})
-             if writer and jax.process_count() == 1 else contextlib.nullcontext())
-    with state as rs:
+    inputs = {"STORE": file_digest(store), "initial params": tree_digest(params), "config": config_dict(cfg)}
+    with begin_run_state_if_single(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
+                                   inputs=inputs) as rs:
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             summary, base = run_and_save(chunks, n_users, params, cfg, ps, rs, cite_fn=cite, seed=opts["seed"],
