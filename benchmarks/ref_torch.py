@@ -199,6 +199,16 @@ def make(d, kind="linear", hidden=None, lr=1e-4, params=None, fused=False):
     return model, torch.optim.Adam(model.parameters(), lr=lr)
 
 
+def _stream_tensors(data):
+    """The stream's numpy arrays as torch tensors: bank, q, cand, mask, gold, num_gold."""
+    return (torch.from_numpy(np.ascontiguousarray(data["bank"], np.float32)),
+            torch.from_numpy(np.ascontiguousarray(data["q"], np.float32)),
+            torch.from_numpy(np.asarray(data["cand"], np.int64)),
+            torch.from_numpy(np.asarray(data["mask"], bool)),
+            torch.from_numpy(np.asarray(data["gold"], bool)),
+            torch.from_numpy(np.asarray(data["num_gold"], np.int64)))
+
+
 def run_stream(model, opt, data, *, m=5, batch=4, tau=1.0, seed=0):
     """The online loop over one user's stream: per-batch Python loop as described above.
 
@@ -206,12 +216,7 @@ def run_stream(model, opt, data, *, m=5, batch=4, tau=1.0, seed=0):
     gold (T, K) bool, num_gold (T,) int. Returns per-batch mean prequential Recall@M.
     """
     gen = torch.Generator().manual_seed(seed)
-    bank = torch.from_numpy(np.ascontiguousarray(data["bank"], np.float32))
-    qs = torch.from_numpy(np.ascontiguousarray(data["q"], np.float32))
-    cand = torch.from_numpy(np.asarray(data["cand"], np.int64))
-    masks = torch.from_numpy(np.asarray(data["mask"], bool))
-    golds = torch.from_numpy(np.asarray(data["gold"], bool))
-    num_gold = torch.from_numpy(np.asarray(data["num_gold"], np.int64))
+    bank, qs, cand, masks, golds, num_gold = _stream_tensors(data)
     recalls = []
     for t in range(0, qs.shape[0], batch):
         q, c, mask, gold = qs[t:t + batch], cand[t:t + batch], masks[t:t + batch], golds[t:t + batch]
@@ -308,12 +313,7 @@ def run_stream_compiled(step: CompiledStep, data, *, batch=4, seed=0):
     """:func:`run_stream` with a :class:`CompiledStep` (build the step once; its first
     calls compile). Returns per-batch mean prequential Recall@M."""
     gen = torch.Generator().manual_seed(seed)
-    bank = torch.from_numpy(np.ascontiguousarray(data["bank"], np.float32))
-    qs = torch.from_numpy(np.ascontiguousarray(data["q"], np.float32))
-    cand = torch.from_numpy(np.asarray(data["cand"], np.int64))
-    masks = torch.from_numpy(np.asarray(data["mask"], bool))
-    golds = torch.from_numpy(np.asarray(data["gold"], bool))
-    num_gold = torch.from_numpy(np.asarray(data["num_gold"], np.int64))
+    bank, qs, cand, masks, golds, num_gold = _stream_tensors(data)
     recalls = []
     for t in range(0, qs.shape[0], batch):
         recalls.append(step(qs[t:t + batch], bank[cand[t:t + batch]], masks[t:t + batch], golds[t:t + batch],
