@@ -56,7 +56,7 @@ from rmm_jax.data.embed import Embedder  # noqa: E402
 from rmm_jax.data.store import open_store, write_store  # noqa: E402
 from rmm_jax.online.ope import evaluate_log, shown_set_probs, slot_marginals_exact  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, pretrain  # noqa: E402
-from rmm_jax.online.run import oracle, run_online  # noqa: E402
+from rmm_jax.online.run import precision_recall_oracle, run_online  # noqa: E402
 from rmm_jax.online.streams import load_streams  # noqa: E402
 from rmm_jax.persist.atomic import write_json  # noqa: E402
 from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = Config(k=20, m=5, tau=args.tau)
-    cite = oracle(DEFAULT_PRECISION, DEFAULT_RECALL)
+    cite = precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         emb = Embedder(progress=False)

@@ -89,7 +89,7 @@ import rmm_jax as rj  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
 from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
 from rmm_jax.online.loop import init_states, make_run  # noqa: E402
-from rmm_jax.online.run import oracle  # noqa: E402
+from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.streams import Stream, load_streams, pad_streams, user_key  # noqa: E402
 from rmm_jax.persist.atomic import write_json  # noqa: E402
 
@@ -224,7 +224,7 @@ class RmmJax:
     def __init__(self, streams, cfg: rj.Config, precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL):
         self.streams, self.cfg = list(streams), cfg
         self.params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], cfg.kind, cfg.hidden)
-        run = make_run(cfg, oracle(precision, recall))
+        run = make_run(cfg, precision_recall_oracle(precision, recall))
         u = len(self.streams)
         data = pad_streams(self.streams, cfg, u)
         states = init_states(self.params, cfg, jnp.stack([user_key(0, s.user_id) for s in self.streams]))

@@ -45,7 +45,7 @@ import rmm_jax as rj  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
 from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
 from rmm_jax.online.loop import make_run  # noqa: E402
-from rmm_jax.online.run import oracle  # noqa: E402
+from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.scoring import user_params  # noqa: E402
 from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
 from rmm_jax.persist.atomic import write_json  # noqa: E402
@@ -67,7 +67,7 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
             **({"rank": args.rank} if scope == "hybrid" else {}), "config": {"benchmark": "scale"}}
     path = root / f"policies-{scope}"
     ps = PolicyStore.create(path, meta, params)
-    program = make_run(cfg, oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
+    program = make_run(cfg, precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
     save_limit = args.user_save_limit if scope == "user" else args.users
     saved, save_s, recall_sum, n_q = 0, 0.0, 0.0, 0
     t0 = time.perf_counter()
@@ -119,8 +119,9 @@ def throughput(args) -> dict:
     spec = VectorSpec(dim=args.dim, memories=100, queries=200)
     chunks = [list(c) for c in vector_chunks(spec, args.seed, args.tp_users, args.chunk)]
     params = rj.init_reranker(jax.random.key(0), spec.dim)
-    programs = {s: (rj.Config(k=spec.k, m=5, scope=s, rank=args.rank),) for s in ("user", "hybrid")}
-    programs = {s: (c, make_run(c, oracle(DEFAULT_PRECISION, DEFAULT_RECALL))) for s, (c,) in programs.items()}
+    cite = precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL)
+    configs = {s: rj.Config(k=spec.k, m=5, scope=s, rank=args.rank) for s in ("user", "hybrid")}
+    programs = {s: (c, make_run(c, cite)) for s, c in configs.items()}
     times = {s: [] for s in programs}
     for rep in range(args.repeats + 1):                     # repeat 0 compiles (not counted)
         for s, (cfg, program) in programs.items():

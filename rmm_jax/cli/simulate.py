@@ -24,7 +24,7 @@ from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
-from rmm_jax.online.run import oracle
+from rmm_jax.online.run import precision_recall_oracle
 from rmm_jax.online.streams import store_chunks
 from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.runstate import file_digest
@@ -88,7 +88,7 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     if overridden:
-        cite = oracle(precision, cite_recall)
+        cite = precision_recall_oracle(precision, cite_recall)
     elif citations == "answer":      # cites exactly the shown memories that support the answer
         cite = cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0)
     else:

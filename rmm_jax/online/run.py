@@ -7,7 +7,7 @@ carry (summaries, final states, log records); the CLI consumes the same events f
 Examples:
   >>> import jax, rmm_jax as rj
   >>> from rmm_jax.data import make_synthetic  # doctest: +SKIP
-  >>> result = run_online(streams, params, rj.Config(), cite_fn=oracle(0.9, 0.9))  # doctest: +SKIP
+  >>> result = run_online(streams, params, rj.Config(), cite_fn=precision_recall_oracle(0.9, 0.9))  # doctest: +SKIP
   >>> result.summary["recall@5"]  # doctest: +SKIP
 """
 from __future__ import annotations
@@ -36,9 +36,10 @@ class OnlineResult:
     recall: dict           # user id -> (T,) prequential Recall@M per query (stream order; valid ones count)
 
 
-def oracle(precision: float, recall: float) -> CiteFn:
-    """The oracle citation function (:func:`rmm_jax.data.citations.oracle_cite`) with its
-    rates bound, checked here before any tracing."""
+def precision_recall_oracle(precision: float, recall: float) -> CiteFn:
+    """The precision/recall oracle (:func:`rmm_jax.data.citations.oracle_cite`) with its
+    rates bound, checked here before any tracing. Not the class-calibrated
+    :func:`rmm_jax.data.citations.oracle` of ``simulate --citations oracle``."""
     check_rate(precision, "precision", low_open=True)
     check_rate(recall, "recall", low_open=False)
     return functools.partial(oracle_cite, precision=precision, recall=recall)
@@ -75,4 +76,4 @@ def run_online(streams: Sequence[Stream], params, cfg: Config, *, cite_fn: CiteF
 def simulate(streams: Sequence[Stream], params, cfg: Config, *, precision: float, recall: float,
              **kw) -> OnlineResult:
     """:func:`run_online` against the oracle citation simulator."""
-    return run_online(streams, params, cfg, cite_fn=oracle(precision, recall), **kw)
+    return run_online(streams, params, cfg, cite_fn=precision_recall_oracle(precision, recall), **kw)
