@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rmm_jax import init_reranker
-from rmm_jax.core.update import Config
+from rmm_jax.core.config import Layout
 from rmm_jax.data.store import open_store
 from rmm_jax.online.streams import known_ids, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
@@ -476,7 +476,7 @@ def test_random_records_through_replay(env, capsys, data):
     pol = env["root"] / "hyp" / "pol"
     if kind is None:
         log.write_text(json.dumps(rec) + "\n")
-        rep = scan_log(log, Config(k=K, m=M), known=known_ids(env["open_store"]))
+        rep = scan_log(log, Layout(k=K, m=M), known=known_ids(env["open_store"]))
         assert rep["records"] == 1 and rep["users"] == 1 and rep["skipped"] == 0
     else:
         lines, bad = mutate(data.draw, rec, env, kind)

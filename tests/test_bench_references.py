@@ -7,7 +7,7 @@ sampling randomness), for the linear kind (torch and numpy) and the MLP kind (to
 * the REINFORCE gradient (binary reward, batch-mean baseline, reward-to-go, exact
   Plackett–Luce) equals ``jax.grad`` of rmm-jax's loss within float32 tolerance;
 * params after one Adam step, and after three consecutive steps on different batches,
-  equal rmm-jax's ``make_apply_update`` (same lr, selection, citations, baseline).
+  equal rmm-jax's ``make_update`` (same lr, selection, citations, baseline).
   (A first Adam step is ≈ −lr·sign(g), so the multi-step check is the stronger one.)
 Both zero-initialised and random non-zero starting parameters are used.
 
@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import _ref_numpy as ref_numpy  # noqa: E402
+import _ref_torch as ref_torch  # noqa: E402
 import peer_vw  # noqa: E402
-import ref_numpy  # noqa: E402
-import ref_torch  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
 
@@ -45,7 +45,12 @@ LR = 1e-2
 
 
 def cfg_for(kind):
-    return rj.Config(kind=kind, k=K, m=M, batch=B, lr=LR, tau=0.7, credit="reward_to_go")
+    """The estimator of the references (``cfg.tau`` is the only field they read)."""
+    return setting_for(kind).estimator
+
+
+def setting_for(kind):
+    return rj.preset("default", kind=kind, k=K, m=M, batch=B, lr=LR, tau=0.7, credit="reward_to_go")
 
 
 def make_batch(seed):
@@ -171,17 +176,22 @@ def test_numpy_gradient_matches(nonzero):
 
 @functools.lru_cache(maxsize=None)
 def jitted_apply(kind):
-    return jax.jit(rj.make_apply_update(cfg_for(kind)))
+    return jax.jit(rj.make_update(*setting_for(kind)))
 
 
 def jax_steps(kind, params, n_steps):
-    cfg = cfg_for(kind)
+    """rmm-jax's update on one user (a users axis of 1) for ``n_steps`` batches."""
+    layout, est, opt = setting_for(kind)
     apply = jitted_apply(kind)
-    state = rj.init_user_state(params, jax.random.key(0), cfg)
+    one = lambda tree: jax.tree.map(lambda x: x[None], tree)
+    shared = rj.init_shared(params, layout, opt)
+    users = one(rj.init_user(params, jax.random.key(0), layout, est, opt))
     out = []
     for i in range(n_steps):
-        state, _ = apply(state, jax_batch(make_batch(10 + i)))
-        out.append(state.params)
+        jb = jax_batch(make_batch(10 + i))
+        jb = jb._replace(scores=rj.score_batch(jax.tree.map(lambda x: x[0], users.params), jb.q, jb.m, jb.mask))
+        shared, users, _ = apply(shared, users, one(jb))
+        out.append(jax.tree.map(lambda x: x[0], users.params))
     return out
 
 

@@ -26,7 +26,7 @@ def test_simulate_log_then_replay_gives_identical_policies(capsys, tmp_path, sto
     code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "a", "--log-out",
                              tmp_path / "log.jsonl", *SIM, *extra, "--json")
     assert code == 0, err
-    assert json.loads(out)["config"]["scope"] == scope
+    assert json.loads(out)["config"]["layout"]["scope"] == scope
     code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / "log.jsonl", "--policies", tmp_path / "b",
                            *SIM, *extra, "--json")
     assert code == 0, err

@@ -51,13 +51,12 @@ def compiles():
 
 def test_compilations_do_not_grow_with_users_or_lengths_within_a_bucket(compiles):
     rng = np.random.default_rng(0)
-    cfg = rj.Config(k=K, m=2, batch=4)
     params = rj.init_reranker(jax.random.key(0), D)
-    program = make_run(cfg, oracle_cite)
+    program = make_run(*rj.preset("default", k=K, m=2, batch=4), cite_fn=oracle_cite)
 
     def drain(streams):
         chunks = [streams[i:i + 4] for i in range(0, len(streams), 4)]
-        done = [e for e in drive(chunks, params, cfg, program, users_per_chunk=4) if isinstance(e, ChunkDone)]
+        done = [e for e in drive(chunks, program, params, users_per_chunk=4) if isinstance(e, ChunkDone)]
         for e in done:
             assert np.all(np.isfinite(np.asarray(e.states.params["q_adapter"]["W"]["kernel"])))
         return sum(len(e.streams) for e in done)

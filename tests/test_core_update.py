@@ -1,132 +1,224 @@
-"""The update step is pure: it jits, vmaps over users, and moves the policy the right way."""
-import dataclasses
-
+"""The one update: pure, jitted and eager, the same function in every scope, and equal to a
+per-user brute force (autodiff of each user's loss, then optax) whatever the optimiser."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import rmm_jax as rj
-from rmm_jax.core.update import act, baseline_for, importance_weights
+from rmm_jax.core import optim
+from rmm_jax.core.update import (
+    act,
+    baseline_for,
+    importance_weights,
+    linear_factors,
+    reranker_reinforce_loss,
+    scores_loss,
+)
 
-D, K, M, B = 16, 8, 3, 4
+D, K, M, B, U = 6, 5, 2, 3, 4
+VALID = jnp.array([[True, True, False], [True, False, False], [False, False, False], [True, True, True]])
 
 
-def make_batch(key, cited_pattern=(True, False, False)):
-    kq, km = jax.random.split(key)
-    sel = jnp.tile(jnp.array([[0, 3, 5]], jnp.int32), (B, 1))
-    return rj.Batch(q=jax.random.normal(kq, (B, D)), m=jax.random.normal(km, (B, K, D)),
-                    mask=jnp.ones((B, K), bool), selected=sel,
-                    cited=jnp.tile(jnp.array([cited_pattern]), (B, 1)), gumbel=jnp.zeros((B, K)),
-                    valid=jnp.ones((B,), bool), logged_log_prob=jnp.zeros((B,)),
-                    has_logged=jnp.zeros((B,), bool))
+def random_tree(tree, key, scale=0.3):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
 
-def setup(cfg, key=jax.random.key(0)) -> rj.UserState:
-    return rj.init_user_state(rj.init_reranker(key, D, cfg.kind), key, cfg)
+def random_batch(key, valid, u=U):
+    kq, km, ks, kc, kl = jax.random.split(key, 5)
+    sel = jax.vmap(jax.vmap(lambda k: jax.random.permutation(k, K)[:M]))(jax.random.split(ks, u * B).reshape(u, B))
+    return rj.Batch(q=jax.random.normal(kq, (u, B, D)), m=jax.random.normal(km, (u, B, K, D)),
+                    mask=jnp.ones((u, B, K), bool).at[:, :, -1].set(False), valid=valid,
+                    selected=sel.astype(jnp.int32).clip(0, K - 2), cited=jax.random.bernoulli(kc, 0.5, (u, B, M)),
+                    gumbel=jnp.zeros((u, B, K)), logged_log_prob=jax.random.normal(kl, (u, B)) - 3.0,
+                    has_logged=jnp.zeros((u, B), bool).at[:, 0].set(True), scores=None)
+
+
+def setup(scope, optimizer, kind="linear", **est):
+    layout = rj.Layout(k=K, m=M, batch=B, kind=kind, hidden=8 if kind == "mlp" else None,
+                       scope=rj.Scope.named(scope, 2 if scope == "hybrid" else None))
+    estimator = rj.Estimator(**{"baseline": "constant", "baseline_value": 0.25, "clip": 3.0, **est})
+    base = random_tree(rj.init_reranker(jax.random.key(0), D, kind, layout.hidden), jax.random.key(1))
+    shared = rj.init_shared(base, layout, optimizer)
+    users = jax.vmap(lambda k: rj.init_user(base, k, layout, estimator, optimizer))(
+        jax.random.split(jax.random.key(2), U))
+    users = users._replace(params=random_tree(users.params, jax.random.key(3)))      # non-zero own parts
+    batch = random_batch(jax.random.key(4), VALID)
+    scores = jax.vmap(lambda lp, q, m, mk: rj.score_batch(rj.merge_params(shared.params, lp), q, m, mk))(
+        users.params, batch.q, batch.m, batch.mask)
+    return layout, estimator, shared, users, batch._replace(scores=scores)
+
+
+OPTIMIZERS = {"sgd": lambda: rj.sgd(0.1), "adam": lambda: rj.adam(0.05),
+              "optax_adamw": lambda: optax.adamw(0.05, weight_decay=0.1)}   # any optax transformation
+
+
+@pytest.mark.parametrize("scope", rj.SCOPES)
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_update_equals_per_user_brute_force_in_every_scope(scope, opt_name):
+    """g_shared = mean over users with a query of each user's own autodiff gradient, stepped
+    once by the optimiser; each user's own part steps on that user's gradient only (jitted;
+    the eager run of the same check is the next test)."""
+    check_brute_force(scope, opt_name, jax.jit)
+
+
+@pytest.mark.parametrize("scope", rj.SCOPES)
+def test_update_equals_per_user_brute_force_eagerly(scope):
+    check_brute_force(scope, "adam", lambda f: f)
+
+
+def check_brute_force(scope, opt_name, variant):
+    opt = OPTIMIZERS[opt_name]()
+    layout, est, shared, users, batch = setup(scope, opt)
+    new_shared, new_users, metrics = variant(rj.make_update(layout, est, opt))(shared, users, batch)
+    grads_s, grads_l = [], []
+    for u in range(U):
+        bu = jax.tree.map(lambda x: x[u], batch)
+        w = importance_weights(est, bu.scores, bu)
+        gs, gl = jax.grad(lambda s, ll: reranker_reinforce_loss(rj.merge_params(s, ll), bu, jnp.float32(0.25), w,
+                                                                est), argnums=(0, 1))(shared.params,
+                                                                                      jax.tree.map(lambda x: x[u],
+                                                                                                   users.params))
+        grads_s.append(gs)
+        grads_l.append(gl)
+    close = lambda got, want: [np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+                               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+    active = [u for u in range(U) if bool(VALID[u].any())]
+    if layout.scope.has_shared:
+        mean_g = jax.tree.map(lambda *g: sum(g[u] for u in active) / len(active), *grads_s)
+        assert float(optax.tree.norm(mean_g)) > 1e-3                      # the check is not vacuous
+        upd, _ = opt.update(mean_g, shared.opt_state, shared.params)
+        close(new_shared.params, optax.apply_updates(shared.params, upd))
+    else:
+        assert new_shared.params == {}
+    for u in range(U):
+        own = lambda tree: jax.tree.map(lambda x: x[u], tree)
+        upd, _ = opt.update(grads_l[u], own(users.opt_state), own(users.params))
+        close(own(new_users.params), optax.apply_updates(own(users.params), upd))
+    np.testing.assert_array_equal(new_users.learner_state.step, [1] * U)
+    assert metrics["loss"].shape == (U,)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_positive_advantage_raises_log_prob_of_the_chosen_selection(kind):
-    cfg = rj.Config(kind=kind, m=M, k=K, lr=1e-2, baseline="constant", baseline_value=0.0,
-                    reward="binary", credit="selection")
-    state = setup(cfg)
-    params = state.params
-    batch = make_batch(jax.random.key(1), cited_pattern=(True, True, True))
-    apply = jax.jit(rj.make_apply_update(cfg))
-    lp = lambda p: jax.vmap(lambda q, m, s: rj.selection_log_prob(rj.score(p, q, m), s, cfg.tau))(
-        batch.q, batch.m, batch.selected).sum()
-    new, _ = apply(state, batch)
-    assert lp(new.params) > lp(params)
-    # and a negative advantage lowers it
-    cfg_neg = dataclasses.replace(cfg, baseline_value=2.0)
-    new, _ = jax.jit(rj.make_apply_update(cfg_neg))(state, batch)
-    assert lp(new.params) < lp(params)
+def test_a_positive_advantage_raises_the_log_prob_of_the_selection_and_a_negative_lowers_it(kind):
+    layout, est, shared, users, batch = setup("user", rj.adam(1e-2), kind, credit="selection", baseline_value=0.0)
+    batch = batch._replace(cited=jnp.ones_like(batch.cited), has_logged=jnp.zeros_like(batch.has_logged))
+    lp = lambda params: jax.vmap(lambda p, b: jax.vmap(lambda q, m, mk, s: rj.selection_log_prob(
+        rj.score(p, q, m, mk), s, est.tau, mask=mk))(b.q, b.m, b.mask, b.selected).sum())(params, batch)
+    _, up, _ = jax.jit(rj.make_update(layout, est, rj.adam(1e-2)))(shared, users, batch)
+    neg = rj.Estimator(credit="selection", baseline="constant", baseline_value=2.0)
+    _, down, _ = jax.jit(rj.make_update(layout, neg, rj.adam(1e-2)))(shared, users, batch)
+    active = np.asarray(jnp.any(VALID, -1))
+    assert np.all(np.asarray(lp(up.params) > lp(users.params))[active])
+    assert np.all(np.asarray(lp(down.params) < lp(users.params))[active])
 
 
-def test_update_runs_under_vmap_over_users_and_equals_per_user_updates():
-    cfg = rj.Config(m=M, k=K, lr=1e-2)
-    n_users = 3
-    keys = jax.random.split(jax.random.key(5), n_users)
-    states = [setup(cfg, k) for k in keys]
-    batches = [make_batch(jax.random.fold_in(k, 9), (True, i % 2 == 0, False)) for i, k in enumerate(keys)]
-    stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
-    apply = rj.make_apply_update(cfg)
-    vstate, _ = jax.jit(jax.vmap(apply))(stack(states), stack(batches))
-    for u in range(n_users):
-        ustate, _ = jax.jit(apply)(states[u], batches[u])
-        for a, b in zip(jax.tree.leaves(ustate), jax.tree.leaves(jax.tree.map(lambda x: x[u], vstate))):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    np.testing.assert_array_equal(vstate.learner_state.step, [1] * n_users)
+@pytest.mark.parametrize("scope", ["user", "hybrid"])
+def test_closed_form_linear_gradient_equals_autodiff(scope):
+    """linear_factors: Σ_b x_b ⊗ y_b for the kernels and the low-rank factors' gradients equal
+    jax.grad of the same scores loss through the reranker."""
+    layout, est, shared, users, batch = setup(scope, rj.sgd(0.1))
+    u = 0
+    bu = jax.tree.map(lambda x: x[u], batch)
+    params = rj.merge_params(shared.params, jax.tree.map(lambda x: x[u], users.params))
+    loss = lambda p: scores_loss(est, rj.score_batch(p, bu.q, bu.m, bu.mask), bu, 0.25, importance_weights(
+        est, bu.scores, bu))
+    want = jax.grad(loss)(params)
+    ds = jax.grad(lambda s: scores_loss(est, s, bu, 0.25, importance_weights(est, bu.scores, bu)))(bu.scores)
+    kernels, lora = linear_factors(params, bu.q, bu.m, bu.mask, ds)
+    for a, (x, y) in kernels.items():
+        np.testing.assert_allclose(x.T @ y, want[a]["W"]["kernel"], rtol=1e-5, atol=1e-6)
+    for a, g in lora.items():
+        for f in ("a", "b"):
+            np.testing.assert_allclose(g[f], want[a]["lora"][f], rtol=1e-5, atol=1e-6)
+    assert (scope == "hybrid") == bool(lora)
 
 
-def test_step_acts_cites_and_updates_under_jit():
-    cfg = rj.Config(m=M, k=K, lr=1e-2)
-    state = setup(cfg)
-    batch = make_batch(jax.random.key(2))
-    gold = jnp.zeros((B, K), bool).at[:, :4].set(True)
-    queries = rj.QueryBatch(q=batch.q, m=batch.m, mask=batch.mask, valid=batch.valid, gold=gold)
-    cite_gold = lambda key, is_gold, filled: is_gold & filled
-    step = jax.jit(rj.make_update_step(cfg, cite_gold))
-    new, metrics = step(state, queries, jax.random.key(3))
-    sel, cited = np.asarray(metrics["selected"]), np.asarray(metrics["cited"])
-    np.testing.assert_array_equal(cited, sel < 4)  # exactly the gold ones were cited
-    assert int(new.learner_state.step) == 1
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params)))
+@pytest.mark.parametrize("make", [rj.adam, rj.sgd])
+def test_an_optimizer_steps_the_same_on_factors_as_optax_on_the_dense_gradient(make):
+    opt = make(1e-2)
+    p = {"w": jax.random.normal(jax.random.key(0), (5, 7))}
+    st_f, st_d, pf, pd = opt.init(p), opt.init(p), p, p
+    for i in range(5):
+        x, y = jax.random.normal(jax.random.key(10 + i), (3, 5)), jax.random.normal(jax.random.key(20 + i), (3, 7))
+        pf, st_f = jax.jit(opt.step_factors)(pf, st_f, {"w": (x, y)})
+        upd, st_d = opt.update({"w": x.T @ y}, st_d, pd)
+        pd = optax.apply_updates(pd, upd)
+    np.testing.assert_allclose(pf["w"], pd["w"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(st_f), jax.tree.leaves(st_d), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert jax.tree.structure(st_f) == jax.tree.structure(st_d)              # a stored policy is the same
+
+
+def test_a_batch_without_queries_leaves_the_shared_part(variant):
+    layout, est, shared, users, batch = setup("shared", rj.adam(0.05))
+    batch = batch._replace(valid=jnp.zeros((U, B), bool))
+    new_shared, _, _ = variant(rj.make_update(layout, est, rj.adam(0.05)))(shared, users, batch)
+    for a, b in zip(jax.tree.leaves(new_shared), jax.tree.leaves(shared)):
+        assert np.array_equal(a, b)
 
 
 def test_running_mean_baseline_is_an_ema_used_before_its_update():
-    cfg = rj.Config(baseline="running_mean", baseline_value=0.5, ema=0.9)
-    ls = rj.init_learner_state(jax.random.key(0), cfg)
+    est = rj.Estimator(baseline="running_mean", baseline_value=0.5, ema=0.9)
+    ls = rj.init_learner_state(jax.random.key(0), est)
     rewards = jnp.array([[1.0, 0.0, 1.0, 1.0]])
-    b, new = baseline_for(cfg, ls, rewards, jnp.ones((1, 4), bool))
+    b, new = baseline_for(est, ls, rewards, jnp.ones((1, 4), bool))
     assert float(b) == 0.5
     np.testing.assert_allclose(new, 0.9 * 0.5 + 0.1 * 0.75)
-    first_two = jnp.array([[True, True, False, False]])
-    b, _ = baseline_for(dataclasses.replace(cfg, baseline="batch_mean"), ls, rewards, first_two)
+    b, _ = baseline_for(rj.Estimator(baseline="batch_mean"), ls, rewards, jnp.array([[True, True, False, False]]))
     np.testing.assert_allclose(b, 0.5)
 
 
 def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
-    cfg = rj.Config(m=M, k=K, clip=2.0)
-    state = setup(cfg)
-    batch = make_batch(jax.random.key(4))
-    scores = rj.score_batch(state.params, batch.q, batch.m, batch.mask)
-    sel, _, logp = act(cfg, scores, batch.mask, jax.random.key(8))
-    weights = lambda b: importance_weights(cfg, scores, b)
+    est = rj.Estimator(clip=2.0)
+    batch = jax.tree.map(lambda x: x[0], random_batch(jax.random.key(4), jnp.ones((1, B), bool), u=1))
+    scores = rj.score_batch(rj.init_reranker(jax.random.key(0), D), batch.q, batch.m, batch.mask)
+    sel, _, logp = act(est, M, scores, batch.mask, jax.random.key(8))
+    weights = lambda b: importance_weights(est, scores, b)
     on = batch._replace(selected=sel, logged_log_prob=logp, has_logged=jnp.ones((B,), bool))
     np.testing.assert_array_equal(weights(on), np.ones(B))
-    off = on._replace(logged_log_prob=logp - 5.0)  # logged policy found it far less likely
-    np.testing.assert_allclose(weights(off), np.full(B, 2.0), rtol=1e-6)
-    low = on._replace(logged_log_prob=logp + 1.0)
-    np.testing.assert_allclose(weights(low), np.full(B, np.exp(-1.0)), rtol=1e-5)
-    pad = on._replace(valid=jnp.array([True, False, True, False]))
-    np.testing.assert_array_equal(weights(pad), [1, 0, 1, 0])
+    np.testing.assert_allclose(weights(on._replace(logged_log_prob=logp - 5.0)), np.full(B, 2.0), rtol=1e-6)
+    np.testing.assert_allclose(weights(on._replace(logged_log_prob=logp + 1.0)), np.full(B, np.exp(-1.0)), rtol=1e-5)
+    np.testing.assert_array_equal(weights(on._replace(valid=jnp.array([True, False, True]))), [1, 0, 1])
 
 
-@pytest.mark.parametrize("field, value", [("m", 30), ("tau", 0.0), ("tau", -1.0), ("k", 0),
-                                          ("reward", "pm2"), ("baseline", "median"), ("lr", 0.0)])
-def test_config_rejects_out_of_range_values_naming_the_field(field, value):
+@pytest.mark.parametrize("field, value", [("m", 30), ("tau", 0.0), ("tau", -1.0), ("k", 0), ("reward", "pm2"),
+                                          ("baseline", "median"), ("lr", 0.0), ("optimizer", "rmsprop"),
+                                          ("scope", "everyone"), ("rank", 0), ("batch", 0)])
+def test_settings_reject_out_of_range_values_naming_the_field(field, value):
+    extra = {"scope": "hybrid"} if field == "rank" else {}
     with pytest.raises(ValueError, match=rf"^{field}:"):
-        rj.Config(**{field: value})
+        rj.preset("default", **{field: value}, **extra)
 
 
-def test_paper_preset_is_the_literal_setting():
-    c = rj.Config.preset("paper")
-    assert (c.tau, c.lr, c.batch, c.reward, c.baseline, c.baseline_value, c.mode, c.credit, c.optimizer,
-            c.noise) == (0.5, 1e-3, 4, "pm1", "constant", 0.5, "rmm", "item", "sgd", "unit")
-    t = rj.Config.preset("tempered_adam")
-    assert (t.optimizer, t.noise, t.tau, t.mode) == ("adam", "tempered", 0.5, "rmm")
+def test_hybrid_needs_the_linear_kind_and_a_rank_below_d():
+    with pytest.raises(ValueError, match="^scope:"):
+        rj.preset("default", scope="hybrid", kind="mlp", hidden=4)
+    with pytest.raises(ValueError, match="^rank:"):
+        rj.Scope.named("hybrid", 4).validate("linear", dim=4)
+
+
+def test_presets_route_each_field_to_its_part():
+    lay, est, opt = rj.preset("paper")
+    assert (est.tau, opt.lr, lay.batch, est.reward, est.baseline, est.baseline_value, est.mode, est.credit,
+            opt.name, est.noise) == (0.5, 1e-3, 4, "pm1", "constant", 0.5, "rmm", "item", "sgd", "unit")
+    lay, est, opt = rj.preset("tempered_adam", k=7, scope="hybrid", rank=3)
+    assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
+                                                                          rj.Scope("hybrid", 3))
+    assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
 
 
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
 def test_act_samples_plackett_luce_at_the_noise_temperature(noise, temp):
     """Unit noise (the paper: top-M of s + g) picks i with softmax(s)_i whatever τ is;
     tempered noise with softmax(s/τ)_i. The logged log-prob is the exact one of that sampler."""
-    cfg = rj.Config(k=3, m=1, tau=0.5, noise=noise)
+    est = rj.Estimator(tau=0.5, noise=noise)
     s = jnp.array([[1.0, 0.0, -0.5]])
-    sel, _, logp = jax.vmap(lambda k: act(cfg, s, jnp.ones((1, 3), bool), k))(jax.random.split(jax.random.key(0),
-                                                                                             20000))
+    sel, _, logp = jax.vmap(lambda k: act(est, 1, s, jnp.ones((1, 3), bool), k))(jax.random.split(jax.random.key(0),
+                                                                                                 20000))
     freq = np.bincount(np.asarray(sel[:, 0, 0]), minlength=3) / 20000
     want = np.asarray(jax.nn.softmax(s[0] / temp))
     assert np.all(np.abs(freq - want) < 4 * np.sqrt(want * (1 - want) / 20000)), (freq, want)

@@ -34,11 +34,11 @@ SCRIPT = textwrap.dedent("""
     from rmm_jax.online.vectors import VectorSpec, vector_chunks
 
     spec = VectorSpec(dim=16, memories=30, queries=24, k=8)
-    cfg = rj.Config(k=8, m=3, lr=1e-2, scope=scope, rank=2)
+    program = make_run(*rj.preset("default", k=8, m=3, lr=1e-2, scope=scope, rank=2), cite_fn=oracle_cite)
     params = rj.init_reranker(jax.random.key(0), 16)
     mesh = users_mesh() if len(jax.devices()) > 1 else None
     out_arrays = {}
-    for e in drive(vector_chunks(spec, 0, 14, 8), params, cfg, make_run(cfg, oracle_cite), users_per_chunk=8,
+    for e in drive(vector_chunks(spec, 0, 14, 8), program, params, users_per_chunk=8,
                    mesh=mesh):
         if isinstance(e, ChunkDone):
             for i, x in enumerate(jax.tree.leaves(e.shared.params)):

@@ -15,11 +15,14 @@ from rmm_jax.data.store import open_store
 from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams
-from rmm_jax.online.run import run_online, simulate
+from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.streams import load_streams, streams_from_log
 from rmm_jax.persist.policy_store import PolicyStore
 
-CFG = rj.Config(k=10, m=3, batch=4)
+SETTING = rj.preset("default", k=10, m=3, batch=4)
+CFG = SETTING.layout
+SIM = make_run(*SETTING, cite_fn=precision_recall_oracle(0.9, 0.8))
+REPLAY = make_run(*SETTING)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +36,8 @@ def leaves_equal(a, b):
 
 def one_chunk(streams, params, cite_fn=None, **kw) -> ChunkDone:
     """The (only) completed chunk of a one-chunk run."""
-    program = make_run(CFG, cite_fn)
-    (done,) = [e for e in drive([streams], params, CFG, program, users_per_chunk=len(streams), **kw)
+    program = make_run(*SETTING, cite_fn=cite_fn)
+    (done,) = [e for e in drive([streams], program, params, users_per_chunk=len(streams), **kw)
                if isinstance(e, ChunkDone)]
     return done
 
@@ -50,11 +53,11 @@ def final_params(res):
 def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tmp_path):
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    sim = simulate(streams, p0, CFG, precision=0.9, recall=0.8, seed=3, users_per_chunk=2, want_log=True)
+    sim = run_online(streams, SIM, p0, seed=3, users_per_chunk=2, want_log=True)
     log = tmp_path / "log.jsonl"
     write_log(log, [validate_record(r) for r in sim.records])
     records, _ = read_log(log)
-    rep = run_online(streams_from_log(store, records, CFG), p0, CFG, seed=3, users_per_chunk=2)
+    rep = run_online(streams_from_log(store, records, CFG), REPLAY, p0, seed=3, users_per_chunk=2)
     a, b = final_params(sim), final_params(rep)
     assert set(a) == set(b) == set(store.user_ids)
     for u in a:
@@ -67,9 +70,9 @@ def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tm
 def test_off_policy_log_probs_change_the_replayed_policy(store, tmp_path):
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    sim = simulate(streams[:1], p0, CFG, precision=0.9, recall=0.8, seed=1, want_log=True)
+    sim = run_online(streams[:1], SIM, p0, seed=1, want_log=True)
     recs = [validate_record({**r, "log_prob": r["log_prob"] - 1.0}) for r in sim.records]
-    rep = run_online(streams_from_log(store, recs, CFG), p0, CFG, seed=1)
+    rep = run_online(streams_from_log(store, recs, CFG), REPLAY, p0, seed=1)
     assert not leaves_equal(final_params(sim)[streams[0].user_id], final_params(rep)[streams[0].user_id])
 
 
@@ -79,7 +82,7 @@ def test_a_querys_own_citations_never_affect_its_prequential_score(store):
     # after), and later queries see a different policy.
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
-    sim = simulate(streams[:1], p0, CFG, precision=0.9, recall=0.8, seed=2, want_log=True)
+    sim = run_online(streams[:1], SIM, p0, seed=2, want_log=True)
     records = [validate_record(r) for r in sim.records]
     t = 9  # third batch (queries 8..11)
     flipped = list(records)

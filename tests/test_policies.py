@@ -97,10 +97,9 @@ def test_round_trip_bit_identical_and_optax_keeps_working(tmp_path, kind):
 
 def test_real_reranker_params_and_typed_key(tmp_path):
     st = new_store(tmp_path)
-    cfg = R.Config()
     params = R.init_reranker(jax.random.PRNGKey(1), D)
-    opt_state = R.make_optimizer(cfg).init(params)
-    learner = R.init_learner_state(jax.random.PRNGKey(2), cfg)
+    opt_state = R.adam(1e-3).init(params)
+    learner = R.init_learner_state(jax.random.PRNGKey(2), R.Estimator())
     assert isinstance(learner, LearnerState)
     typed = learner._replace(key=jax.random.key(5))
     st.save_users({"a": UserPolicy(params, opt_state, learner, {}), "t": UserPolicy(params, None, typed, {})})

@@ -44,15 +44,14 @@ SCRIPT = textwrap.dedent("""
                       gold.sum(1).astype(np.int32), gold.sum(1) > 0)
 
     streams = [mk(f"u{i}", 20 + 3 * i, 30 + i) for i in range(11)]
-    cfg = rj.Config(k=k, m=3, lr=1e-2)
     params = rj.init_reranker(jax.random.key(0), d)
-    run = make_run(cfg, oracle_cite)
+    run = make_run(*rj.preset("default", k=k, m=3, lr=1e-2), cite_fn=oracle_cite)
     mesh = users_mesh()
 
     def collect(mesh_arg):
         out = []
         chunks = [streams[:8], streams[8:]]
-        for e in drive(chunks, params, cfg, run, seed=3, users_per_chunk=8, mesh=mesh_arg):
+        for e in drive(chunks, run, params, seed=3, users_per_chunk=8, mesh=mesh_arg):
             if isinstance(e, ChunkDone):
                 out.append((e.states, e.outputs))
         return out

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 
@@ -10,14 +9,17 @@ import click
 import jax
 from tqdm import tqdm
 
+from rmm_jax.core import config as settings
+from rmm_jax.core.config import PRESETS, Layout, Setting, describe
 from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS
 from rmm_jax.core.reranker import KINDS
-from rmm_jax.core.update import PRESETS, SCOPES, Config
+from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
 
-DEFAULTS = Config()
+DEFAULTS = settings.preset("default")
+PAPER = settings.preset("paper")
 
 
 def info(msg: str) -> None:
@@ -29,21 +31,31 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
 
 
+def _field(setting: Setting, field: str):
+    for part in (setting.layout, setting.estimator, setting.optimizer):
+        if hasattr(part, field):
+            return getattr(part, field)
+    raise AttributeError(field)
+
+
 def _preset_default(field: str) -> str:
-    """'[default: X; paper: Y]' for a Config field set by the presets."""
-    return f"[default: {getattr(DEFAULTS, field)}; paper: {getattr(Config.preset('paper'), field)}]"
+    """'[default: X; paper: Y]' for a setting field the presets set."""
+    return f"[default: {_field(DEFAULTS, field)}; paper: {_field(PAPER, field)}]"
 
 
 def config_options(f):
-    """Options that build a :class:`rmm_jax.Config`; unset ones come from --preset."""
+    """Options that build a program's :class:`~rmm_jax.core.config.Setting`; unset ones come
+    from --preset."""
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
                      help="Named setting: 'default' (chosen by measurement, see README); 'paper' (the RMM "
                           "update as written: top-M of s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob "
                           "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
                           "Adam)."),
-        click.option("--k", type=int, default=DEFAULTS.k, help="Candidates from the base retriever."),
-        click.option("--m", type=int, default=DEFAULTS.m, help="Memories shown to the generator (selected)."),
+        click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True,
+                     help="Candidates from the base retriever."),
+        click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True,
+                     help="Memories shown to the generator (selected)."),
         click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None, help=f"Sampling temperature > 0 {_preset_default('tau')}."),
         click.option("--lr", type=float, default=None, help=f"Learning rate {_preset_default('lr')}."),
@@ -53,10 +65,10 @@ def config_options(f):
                      default=None, help=f"REINFORCE baseline {_preset_default('baseline')}."),
         click.option("--credit", type=click.Choice(CREDITS), default=None,
                      help=f"Credit assignment over the selection {_preset_default('credit')}."),
-        click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.kind,
+        click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(),
-        click.option("--seed", type=int, default=0, help="Run seed (per-user keys derive from it)."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Run seed (per-user keys derive from it)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -66,10 +78,10 @@ def config_options(f):
 def scope_options() -> list:
     """``--scope`` and ``--rank``: who learns from whose citations (README, "Policy scopes")."""
     return [
-        click.option("--scope", type=click.Choice(SCOPES), default=DEFAULTS.scope, show_default=True,
+        click.option("--scope", type=click.Choice(SCOPES), default=None, show_default="user, or the store's",
                      help="user: a private reranker per user; shared: one reranker learns from every user; "
                           "hybrid: shared + a per-user low-rank residual. Stored in the policy store."),
-        click.option("--rank", type=int, default=DEFAULTS.rank, show_default=True,
+        click.option("--rank", type=int, default=None, show_default=f"{DEFAULT_RANK}, or the store's",
                      help="Rank r of the per-user residual A Bᵀ (--scope hybrid), 1 <= r < d."),
     ]
 
@@ -134,27 +146,39 @@ def begin_run_state_if_single(target, command: str, options: dict, **kw):
     return begin_run_state(target, command, options, **kw)
 
 
-def check_rank(cfg: Config, dim: int) -> None:
+def check_rank(layout: Layout, dim: int) -> None:
     """The per-user residual's rank must be below the embedding dimension."""
-    if cfg.scope == "hybrid" and cfg.rank >= dim:
-        raise InputError(f"must be in [1, d={dim}), got {cfg.rank}", where="--rank")
+    try:
+        layout.scope.validate(layout.kind, dim)
+    except ValueError as e:
+        raise_option_error(e)
 
 
-def make_config(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope="user", rank=DEFAULTS.rank,
-                **_):
+def raise_option_error(e: ValueError):
+    """A core ``ValueError("field: message")`` as the one-line error of option ``--field``."""
+    name, _, msg = str(e).partition(": ")
+    raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
+
+
+ESTIMATOR_OPTIONS = ("clip",)  # Estimator fields some verbs expose beyond config_options
+
+
+def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None,
+                 **more) -> Setting:
+    """The program's parts from the options (``scope`` None: user). ``more`` may set other
+    :class:`Estimator` fields (e.g. ``clip``); other keys are ignored."""
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
-    if rank is not None and rank < 1:
-        raise InputError(f"must be >= 1, got {rank}", where="--rank")
+    overrides.update({n: v for n, v in more.items() if n in ESTIMATOR_OPTIONS and v is not None})
     try:
-        return Config.preset(preset, k=k, m=m, kind=kind, scope=scope, rank=rank, **overrides)
+        return settings.preset(preset, k=k, m=m, kind=kind, scope=scope or "user", rank=rank, **overrides)
     except ValueError as e:
-        name, _, msg = str(e).partition(": ")
-        raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
+        raise_option_error(e)
 
 
-def config_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+def config_dict(setting: Setting) -> dict:
+    """The JSON record of a program's parts (reports, run-state fingerprints)."""
+    return describe(*setting)
 
 
 def progress_bar(total: int, desc: str, unit: str = "user"):

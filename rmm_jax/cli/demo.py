@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import config_dict, config_options, emit_json, info, make_config
+from rmm_jax.cli.common import config_dict, config_options, emit_json, info, make_setting
 from rmm_jax.cli.main import cli
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import Embedder
@@ -55,7 +55,8 @@ def demo(out, users, sessions, turns, as_json, **opts):
     """
     if users < 4:
         raise InputError(f"need at least 4 users, got {users}", where="--users")
-    cfg = make_config(**opts)
+    setting = make_setting(**opts)
+    k, m = setting.layout.k, setting.layout.m
     t0 = time.perf_counter()
     spec = f"synthetic:users={users},sessions={sessions},turns={turns},seed={opts['seed']}"
     out = Path(out)
@@ -75,24 +76,23 @@ def demo(out, users, sessions, turns, as_json, **opts):
         st = open_store(store_path)
     else:
         info(f"[1/3] reusing embedding store {store_path}")
-    streams = load_streams(st, cfg.k)
+    streams = load_streams(st, k)
     half = len(streams) // 2
     train, evaluate = streams[:half], streams[half:]
     info(f"[2/3] pretraining on {len(train)} users; [3/3] online loop on {len(evaluate)} other users")
-    rows = compare(train, evaluate, cfg, PretrainConfig(m=cfg.m), seed=opts["seed"],
+    rows = compare(train, evaluate, setting, PretrainConfig(m=m), seed=opts["seed"],
                         progress=lambda r: info(f"      row: {r}"))
-    m = cfg.m
     curves = {name: s["curve"] for name, s in rows.items() if not name.startswith("_")}
     plot_curves(curves, out / "learning_curve.png",
                 title=f"Prequential Recall@{m} on {len(evaluate)} synthetic users (moving average)",
                 ylabel=f"Recall@{m}")
     summary = {"rows": {n: {k: v for k, v in s.items() if k != "curve"} for n, s in rows.items()},
-               "config": config_dict(cfg), "spec": spec, "seconds": round(time.perf_counter() - t0, 1),
+               "config": config_dict(setting), "spec": spec, "seconds": round(time.perf_counter() - t0, 1),
                "plot": str(out / "learning_curve.png")}
     write_json(out / "summary.json", summary)
     if as_json:
         emit_json(summary)
     else:
         print_table(rows, m, f"Prequential Recall@{m} on {len(evaluate)} held-out synthetic users "
-                             f"(K={cfg.k}, M={m}, preset {opts['preset']}):")
+                             f"(K={k}, M={m}, preset {opts['preset']}):")
         click.echo(f"learning curve: {out / 'learning_curve.png'}   summary: {out / 'summary.json'}")

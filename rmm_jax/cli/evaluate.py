@@ -5,10 +5,10 @@ import click
 
 from rmm_jax.cli.common import DEFAULTS, emit_json, info
 from rmm_jax.cli.main import cli
-from rmm_jax.core.update import Config
+from rmm_jax.core.config import Layout
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
-from rmm_jax.online.ope import DEFAULT_BOOTSTRAP, DEFAULT_EXACT_LIMIT, DEFAULT_MC_SAMPLES, evaluate_log
+from rmm_jax.online.ope import DEFAULT_BOOTSTRAP, DEFAULT_EXACT_LIMIT, DEFAULT_MC_SAMPLES, Target, evaluate_log
 from rmm_jax.persist.policy_store import PolicyStore
 
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
@@ -22,9 +22,9 @@ LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the sho
                    "logits).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store holding the target policy.")
 @click.option("--user", "users", multiple=True, help="Only this user's calls (repeat for several; default: all).")
-@click.option("--tau", type=float, default=DEFAULTS.tau, help="Target policy's sampling temperature.")
-@click.option("--k", type=int, default=DEFAULTS.k, help="Most candidates a record may list.")
-@click.option("--m", type=int, default=DEFAULTS.m, help="Most memories a record may show.")
+@click.option("--tau", type=float, default=DEFAULTS.estimator.tau, help="Target policy's sampling temperature.")
+@click.option("--k", type=int, default=DEFAULTS.layout.k, help="Most candidates a record may list.")
+@click.option("--m", type=int, default=DEFAULTS.layout.m, help="Most memories a record may show.")
 @click.option("--clip", type=float, default=None, show_default="no clipping",
               help="Cap every importance weight at this (>= 1); reported as a bias warning.")
 @click.option("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP, help="Bootstrap resamples for the 95% intervals.")
@@ -58,7 +58,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, bootstrap, exact
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
     try:
-        cfg = Config(k=k, m=m, tau=tau)
+        Layout(k=k, m=m)
+        cfg = Target(k, m, tau)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None

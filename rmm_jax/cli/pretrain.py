@@ -13,11 +13,10 @@ from rmm_jax.cli.common import (
     checkpoint_options,
     emit_json,
     info,
-    make_config,
+    make_setting,
     scope_options,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.online import scope_meta
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
@@ -86,9 +85,9 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @click.option("--val-fraction", type=float, default=PRETRAIN.val_fraction,
               help="Fraction of users held out for early stopping.")
 @click.option("--patience", type=int, default=PRETRAIN.patience, help="Epochs without validation gain before stopping.")
-@click.option("--k", type=int, default=DEFAULTS.k, help="Candidates from the base retriever.")
+@click.option("--k", type=int, default=DEFAULTS.layout.k, help="Candidates from the base retriever.")
 @click.option("--m", type=int, default=PRETRAIN.m, help="Validation metric is Recall@m of the reranked top-m.")
-@click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.kind, help="Reranker adapters.")
+@click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, help="Reranker adapters.")
 @click.option("--hidden", type=int, default=None, help="MLP hidden width (default: the embedding dim).")
 @click.option("--seed", type=int, default=0, help="Seed for initialisation, split and shuffling.")
 @scope_options_deco
@@ -114,14 +113,14 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                         ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
         if not ok:
             raise InputError(f"out of range: {v}", where=name)
-    cfg = make_config("default", k, m, None, None, None, None, None, None, kind, scope=scope, rank=rank)
+    layout = make_setting("default", k, m, None, None, None, None, None, None, kind, scope=scope, rank=rank).layout
     o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
     # (with --resume, an --out written just before a kill is checked against the result below)
     written = resume and RunState.path_for(o).is_dir()
     if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     st = open_store(store)
-    check_rank(cfg, st.dim)
+    check_rank(layout, st.dim)
     streams = load_streams(st, k, users.split(",") if users else None)
     pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
                           patience=patience, val_fraction=val_fraction, m=m)
@@ -137,7 +136,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                                                         seed=seed)
         except ValueError as e:
             raise InputError(str(e), where=str(store)) from None
-        meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **scope_meta(cfg),
+        meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **layout.scope.meta(),
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
                            "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
         if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?

@@ -1,7 +1,6 @@
 """``rmm-jax replay``: the online loop over every user against logged citations."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import click
@@ -14,13 +13,22 @@ from rmm_jax.cli.common import (
     distributed_options,
     info,
     is_writer,
-    make_config,
+    make_setting,
     start_distributed,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.online import INITS, check_scope, online_options, open_or_create_policies, report, run_and_save
+from rmm_jax.cli.online import (
+    INITS,
+    check_scope,
+    online_options,
+    open_or_create_policies,
+    report,
+    run_and_save,
+    stored_scope,
+)
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
+from rmm_jax.online.loop import make_run
 from rmm_jax.online.streams import known_ids, log_chunks, scan_log
 from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.policy_store import PolicyStore
@@ -54,41 +62,40 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
     Example:
       rmm-jax replay store --log log.jsonl --policies policies2
     """
-    cfg = make_config(**opts)
-    if cfg.mode == "rmm":
+    opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
+    setting = make_setting(**opts, clip=clip)
+    opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
+    if setting.estimator.mode == "rmm":
         raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
                          "record; replay with --preset default", where="--preset")
-    try:
-        cfg = dataclasses.replace(cfg, clip=clip)
-    except ValueError as e:
-        raise InputError(str(e).partition(": ")[2], where="--clip") from None
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     st = open_store(store)
     if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
-        check_scope(PolicyStore.open(policies, expect_dim=st.dim), cfg, policies)
+        check_scope(PolicyStore.open(policies, expect_dim=st.dim), setting.layout, policies)
     known = known_ids(st)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
-    rep = scan_log(log_path, cfg, known=known, skip_invalid=skip_invalid)
+    rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid)
     grouped, n_users = rep.pop("grouped"), rep.pop("users")
-    ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"], writer=writer)
-    chunks = log_chunks(st, log_path, cfg, users_per_chunk, grouped=grouped, known=known, skip_invalid=skip_invalid)
+    ps, params = open_or_create_policies(policies, st, setting.layout, init, opts["seed"], writer=writer)
+    chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
+                        skip_invalid=skip_invalid)
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "initial params": tree_digest(params),
-              "config": config_dict(cfg)}
+              "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
                                    inputs=inputs) as rs:
-        summary, base = run_and_save(chunks, n_users, params, cfg, ps, rs, cite_fn=None, seed=opts["seed"],
-                                     users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                                     desc="replay", mesh=mesh)
+        result = run_and_save(chunks, n_users, make_run(*setting), params, ps, rs, seed=opts["seed"],
+                              users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
+                              desc="replay", mesh=mesh)
         if rs is not None:
             rs.finish()
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")
-    report(summary, base, cfg,
+    report(result, setting,
            {"policies": str(policies), "init": init, "log": {"path": str(log_path), **rep}}, as_json)

@@ -14,16 +14,17 @@ from rmm_jax.cli.common import (
     distributed_options,
     info,
     is_writer,
-    make_config,
+    make_setting,
     start_distributed,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save
+from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save, stored_scope
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
+from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
 from rmm_jax.online.streams import store_chunks
 from rmm_jax.persist.codec import tree_digest
@@ -69,7 +70,9 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
     Example:
       rmm-jax simulate store --policies policies --init pretrained --log-out log.jsonl
     """
-    cfg = make_config(**opts)
+    opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
+    setting = make_setting(**opts)
+    opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     # Rates are checked here, before any work (and progress output), not inside the run.
@@ -94,27 +97,27 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
     else:
         cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
-    n_users, chunks = store_chunks(st, cfg.k, users.split(",") if users else None, users_per_chunk,
+    n_users, chunks = store_chunks(st, setting.layout.k, users.split(",") if users else None, users_per_chunk,
                                    answers=citations == "answer")
-    ps, params = open_or_create_policies(policies, st, cfg, init, opts["seed"], writer=writer)
+    ps, params = open_or_create_policies(policies, st, setting.layout, init, opts["seed"], writer=writer)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
                                       "--users": users, "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
-    inputs = {"STORE": file_digest(store), "initial params": tree_digest(params), "config": config_dict(cfg)}
+    inputs = {"STORE": file_digest(store), "initial params": tree_digest(params), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
                                    inputs=inputs) as rs:
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
-            summary, base = run_and_save(chunks, n_users, params, cfg, ps, rs, cite_fn=cite, seed=opts["seed"],
-                                         users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                                         log=log, desc="simulate", mesh=mesh)
+            result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), params, ps, rs,
+                                  seed=opts["seed"], users_per_chunk=users_per_chunk,
+                                  checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
         if rs is not None:
             rs.finish()
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
-    report(summary, base, cfg, {"policies": str(policies), "init": init,
+    report(result, setting, {"policies": str(policies), "init": init,
                                 "citations": {"model": "precision/recall" if overridden else citations,
                                               **({"precision": precision, "recall": cite_recall} if overridden
                                                  else {})}}, as_json)

@@ -7,7 +7,7 @@ reward r_j (cited or not) and the policy moves along (r − b) ∇ log π.
 Credit assignment (``credit``), for an ordered selection i_1..i_M with per-draw
 log-probabilities log π_j (see :mod:`rmm_jax.core.sampling`) and advantages a_j = r_j − b:
 
-* ``item`` (the default, as in :class:`rmm_jax.Config`): A_j = a_j, per-memory credit.
+* ``item`` (the default, as in :class:`rmm_jax.Estimator`): A_j = a_j, per-memory credit.
   Biased under Plackett–Luce sampling: it ignores that drawing i_j removes it from the
   later draws (``tests/test_core_losses.py`` measures the bias against the exact
   gradient), but its variance is much lower, and it learned fastest on LoCoMo (README,

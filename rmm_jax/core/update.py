@@ -1,162 +1,118 @@
-"""One online update: (UserState, Batch) → (UserState, metrics), and the Config that builds it.
+"""One online update for every scope: U users' batches in, the shared part and each user's
+own part updated.
 
-Everything here is a pure function of arrays, built once per :class:`Config` by
-:func:`make_update_step`; it runs under ``jit``, ``vmap`` (over users) and ``lax.scan``
-(over a stream) without Python in the loop.
+A user's reranker is ``scope.merge(shared, local_u)`` (:mod:`rmm_jax.core.scope`). One step of
+U users, each with a batch of B queries (:class:`rmm_jax.core.types.Batch`, users axis
+first), is REINFORCE (Williams, 1992) as in RMM's Retrospective Reflection (Tan et al., ACL
+2025, §4.2), with the gradients split by owner:
+
+    L_u      = −Σ_b w_ub Σ_j sg[A_ubj] log π_ubj      (:func:`rmm_jax.core.losses.reinforce_loss`)
+    g_shared = (1/U_a) Σ_u ∇_shared L_u     over the U_a users with a real query in the batch,
+    g_u      = ∇_{local_u} L_u               each user's own part learns from that user only.
+
+The shared gradient is the mean of the users' batch gradients, so a step has the scale of
+one user's update whatever the number of users run side by side, and ``lr`` means the
+same in every scope. Scope ``user`` has an empty shared part, so g_shared is empty and
+each user's whole reranker is its own part; ``shared`` has empty local parts. A batch
+where no user has a real query leaves the shared state unchanged (an Adam step on a zero
+gradient would still move it).
+
+**The linear kind never builds a d×d gradient per user.** The loss is differentiated with
+respect to the scores the batch already carries (one forward per step), and the chain rule
+through s_bk = m_bk · (q'_b + M_m q'_b), q'_b = q_b + q_b M_q (flax kernels; in hybrid
+M = K + A Bᵀ) is closed form: with u_b = Σ_k ∂L/∂s_bk m_bk and w_b = u_b + u_b M_m,
+
+    ∂L/∂M_m = Σ_b u_b ⊗ q'_b,   ∂L/∂M_q = Σ_b q_b ⊗ w_b,
+    ∂L/∂A = (∂L/∂M) B,          ∂L/∂B = (∂L/∂M)ᵀ A           (hybrid's per-user factors),
+
+rank-B factors (:func:`linear_factors`). A user's own full kernels (scope ``user``) take
+them straight into the optimiser's elementwise update
+(:attr:`rmm_jax.core.optim.Optimizer.step_factors`); the shared kernels take the mean over
+users as one contraction of all users' factors (one matmul; XLA reduces it over devices
+when the users axis is sharded). The ``mlp`` kind uses autodiff of Σ_u L_u.
+
+Everything is a pure function of arrays, built once by :func:`make_update`; it runs under
+``jit``, ``vmap`` and ``lax`` loops without Python in the loop.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
 
-from rmm_jax.core import checks
-from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS, citation_rewards, reinforce_loss
-from rmm_jax.core.reranker import KINDS, score_batch
-from rmm_jax.core.sampling import MODES, selection_log_prob, top_m
-from rmm_jax.core.types import Batch, LearnerState, QueryBatch, UserState
+from rmm_jax.core.config import Estimator, Layout
+from rmm_jax.core.losses import citation_rewards, reinforce_loss
+from rmm_jax.core.optim import step_dense_or_factors
+from rmm_jax.core.reranker import score_batch
+from rmm_jax.core.sampling import selection_log_prob, top_m
+from rmm_jax.core.types import Batch, LearnerState, QueryBatch, SharedState, UserState
 
-# Who learns from whose citations (README, "Policy scopes"):
-#   user    every user has a private reranker, learnt from that user's citations only;
-#   shared  one reranker learns from every user's citations (the paper's runs);
-#   hybrid  a shared reranker plus a per-user low-rank residual A Bᵀ (rank ``Config.rank``).
-SCOPES = ("user", "shared", "hybrid")
-DEFAULT_RANK = 8
+CiteFn = Callable  # (key, is_gold (M,) bool, filled (M,) bool) -> cited (M,) bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Online-learning configuration. Frozen and hashable: it is a static argument.
-
-    Defaults are the `default` preset (see :data:`PRESETS` and the README for how they
-    were chosen); ``Config.preset("paper")`` is the literal RMM setting.
-    """
-    kind: str = "linear"
-    hidden: int | None = None
-    k: int = 20                  # candidates from the base retriever
-    m: int = 5                   # memories shown to the generator
-    batch: int = 4               # queries per update (paper: 4)
-    tau: float = 0.1
-    lr: float = 3e-4
-    optimizer: str = "adam"      # adam | sgd
-    reward: str = "binary"       # binary | pm1
-    baseline: str = "batch_mean"  # constant | batch_mean | running_mean | query_mean
-    baseline_value: float = 0.5  # b for `constant`; start value for `running_mean`
-    ema: float = 0.9             # running_mean decay
-    mode: str = "plackett_luce"  # plackett_luce | rmm
-    credit: str = "item"         # item | reward_to_go | selection
-    clip: float = 5.0            # importance-ratio ceiling for off-policy replay
-    on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
-    buffer: int = 0              # past batches re-used in every update (importance-weighted)
-    noise: str = "tempered"      # tempered: top-M of s/τ + g (PL at τ) | unit: top-M of s + g, τ only in log P
-    scope: str = "user"          # user | shared | hybrid (see SCOPES)
-    rank: int = DEFAULT_RANK     # rank r of the per-user residual (scope hybrid)
-
-    def __post_init__(self):
-        c = checks.require
-        c(self.kind in KINDS, "kind", f"must be one of {KINDS}")
-        c(self.k >= 1, "k", f"must be >= 1, got {self.k}")
-        c(1 <= self.m <= self.k, "m", f"must be in [1, k={self.k}], got {self.m}")
-        c(self.batch >= 1, "batch", f"must be >= 1, got {self.batch}")
-        c(self.tau > 0 and self.tau < float("inf"), "tau", f"must be > 0, got {self.tau}")
-        c(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        c(self.optimizer in ("adam", "sgd"), "optimizer", "must be adam or sgd")
-        c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
-        c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
-        c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
-        c(self.mode in MODES, "mode", f"must be one of {MODES}")
-        c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
-        c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
-        c(self.buffer >= 0, "buffer", f"must be >= 0, got {self.buffer}")
-        c(self.noise in NOISES, "noise", f"must be one of {NOISES}, got {self.noise!r}")
-        c(self.scope in SCOPES, "scope", f"must be one of {SCOPES}, got {self.scope!r}")
-        c(isinstance(self.rank, int) and self.rank >= 1, "rank", f"must be >= 1, got {self.rank!r}")
-        c(self.scope != "hybrid" or self.kind == "linear", "scope",
-          "hybrid needs the linear reranker (the low-rank residual adapts its W)")
-        c(self.scope == "user" or self.buffer == 0, "buffer", "the experience buffer needs --scope user")
-
-    @property
-    def sample_tau(self) -> float:
-        """The temperature of the behaviour policy's Plackett–Luce sample: τ for tempered
-        noise (top-M of s/τ + g), 1 for unit noise (top-M of s + g, the paper's literal
-        sampler, where τ enters only the rmm log-prob)."""
-        return self.tau if self.noise == "tempered" else 1.0
-
-    @staticmethod
-    def preset(name: str, **overrides) -> "Config":
-        checks.require(name in PRESETS, "preset", f"must be one of {tuple(PRESETS)}, got {name!r}")
-        return dataclasses.replace(Config(), **{**PRESETS[name], **overrides})
+# --------------------------------------------------------------------------- state
 
 
-NOISES = ("tempered", "unit")
-
-PRESETS: dict[str, dict] = {
-    # Chosen by measurement on LoCoMo (README, "Choosing the defaults").
-    "default": {},
-    # The RMM update as the paper writes it (Tan et al., 2025, §4.2 Retrospective
-    # Reflection, and App. B): s̃ = s + g with unit Gumbel g, the top-M of s̃ shown,
-    # p = softmax(s̃/τ), rewards ±1, b = 0.5, Δφ = η (R − b) ∇ log P with plain SGD,
-    # η = 1e-3, batch 4, τ = 0.5. Reading taken where it is ambiguous: each shown memory's
-    # own R − b weighs its own log p (credit "item"); see README, "Paper fidelity".
-    "paper": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
-                  mode="rmm", credit="item", optimizer="sgd", noise="unit"),
-    # The earlier "paper" preset: the same rewards, baseline and rmm log-prob, but the
-    # Gumbel noise scaled by τ (a Plackett–Luce sample at temperature τ) and Adam.
-    "tempered_adam": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
-                          mode="rmm", credit="item"),
-}
-
-
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    return optax.adam(cfg.lr) if cfg.optimizer == "adam" else optax.sgd(cfg.lr)
-
-
-def init_learner_state(key, cfg: Config) -> LearnerState:
+def init_learner_state(key, estimator: Estimator) -> LearnerState:
     """The learner state of a new user: b₀, step 0 and the user's PRNG key data."""
     return LearnerState(
-        baseline=jnp.asarray(cfg.baseline_value if cfg.baseline != "batch_mean" else 0.0, jnp.float32),
+        baseline=jnp.asarray(estimator.baseline_value if estimator.baseline != "batch_mean" else 0.0, jnp.float32),
         step=jnp.asarray(0, jnp.int32),
         key=jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
 
 
-def init_user_state(params, key, cfg: Config, optimizer: optax.GradientTransformation | None = None) -> UserState:
-    """A new user's :class:`UserState`: ``params``, a fresh optimiser state and learner state."""
-    opt = optimizer or make_optimizer(cfg)
-    return UserState(params, opt.init(params), init_learner_state(key, cfg))
+def init_shared(params, layout: Layout, optimizer) -> SharedState:
+    """The shared part of a starting policy ``params`` with a fresh optimiser state
+    (empty trees in scope ``user``)."""
+    shared = layout.scope.shared_part(params)
+    return SharedState(shared, optimizer.init(shared))
 
 
-def _mean_reward(rewards, filled):
-    n = jnp.sum(filled)
-    return jnp.where(n > 0, jnp.sum(jnp.where(filled, rewards, 0.0)) / jnp.maximum(n, 1), 0.0), n > 0
+def init_user(params, key, layout: Layout, estimator: Estimator, optimizer) -> UserState:
+    """A new user's own part of a starting policy ``params`` (:meth:`Scope.split`), its
+    optimiser state and its learner state.
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> lay, est, opt = rj.preset("default", k=3, m=2)
+      >>> st = init_user(rj.init_reranker(jax.random.key(0), 4), jax.random.key(1), lay, est, opt)
+      >>> int(st.learner_state.step), st.params["q_adapter"]["W"]["kernel"].shape
+      (0, (4, 4))
+    """
+    _, local = layout.scope.split(params, key)
+    return UserState(local, optimizer.init(local), init_learner_state(key, estimator))
 
 
-def baseline_for(cfg: Config, learner_state: LearnerState, rewards, filled):
+# --------------------------------------------------------------------------- the estimate
+
+
+def baseline_for(estimator: Estimator, learner_state: LearnerState, rewards, filled):
     """The baseline b for this batch and the next learner state's baseline.
 
-    constant: b = cfg.baseline_value. batch_mean: b = mean reward of the batch's shown
+    constant: b = baseline_value. batch_mean: b = mean reward of the batch's shown
     memories. running_mean: b = EMA before this batch; EMA ← ema·EMA + (1−ema)·batch mean.
     query_mean: b = mean reward of the memories shown for the same query (B, 1), so a
     query where nothing or everything was cited carries no update; it depends on the
     sampled selection, so the estimate is no longer unbiased.
     """
-    batch_mean, any_filled = _mean_reward(rewards, filled)
-    if cfg.baseline == "constant":
-        return jnp.float32(cfg.baseline_value), learner_state.baseline
-    if cfg.baseline == "batch_mean":
+    n = jnp.sum(filled)
+    batch_mean = jnp.where(n > 0, jnp.sum(jnp.where(filled, rewards, 0.0)) / jnp.maximum(n, 1), 0.0)
+    if estimator.baseline == "constant":
+        return jnp.float32(estimator.baseline_value), learner_state.baseline
+    if estimator.baseline == "batch_mean":
         return batch_mean, learner_state.baseline
-    if cfg.baseline == "query_mean":
-        n = jnp.sum(filled, axis=-1, keepdims=True)
-        q_mean = jnp.sum(jnp.where(filled, rewards, 0.0), axis=-1, keepdims=True) / jnp.maximum(n, 1)
-        return q_mean, learner_state.baseline
+    if estimator.baseline == "query_mean":
+        nq = jnp.sum(filled, axis=-1, keepdims=True)
+        return jnp.sum(jnp.where(filled, rewards, 0.0), axis=-1, keepdims=True) / jnp.maximum(nq, 1), \
+            learner_state.baseline
     ema = learner_state.baseline
-    new = jnp.where(any_filled, cfg.ema * ema + (1 - cfg.ema) * batch_mean, ema)
-    return ema, new
+    return ema, jnp.where(n > 0, estimator.ema * ema + (1 - estimator.ema) * batch_mean, ema)
 
 
-def importance_weights(cfg: Config, scores, batch: Batch):
+def importance_weights(estimator: Estimator, scores, batch: Batch):
     """Per-query weights: 0 for padding; clip(π/μ) where a behaviour log-prob μ is logged.
 
     π is the exact Plackett–Luce probability of the logged selection under the current
@@ -164,108 +120,175 @@ def importance_weights(cfg: Config, scores, batch: Batch):
     the replaying policy is the one that logged the data (keeps on-policy replay
     bit-identical).
     """
-    lp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, cfg.sample_tau, "plackett_luce", None, mk))(
+    lp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, estimator.sample_tau, "plackett_luce", None, mk))(
         scores, batch.selected, batch.mask)
     diff = lp - batch.logged_log_prob
-    ratio = jnp.where(jnp.abs(diff) <= cfg.on_policy_tol, 1.0, jnp.exp(jnp.minimum(diff, jnp.log(cfg.clip))))
+    ratio = jnp.where(jnp.abs(diff) <= estimator.on_policy_tol, 1.0,
+                      jnp.exp(jnp.minimum(diff, jnp.log(estimator.clip))))
     ratio = jnp.where(batch.has_logged, ratio, 1.0)
     return jax.lax.stop_gradient(jnp.where(batch.valid, ratio, 0.0))
 
 
-def reranker_reinforce_loss(params, batch: Batch, baseline, weights, cfg: Config):
-    """:func:`rmm_jax.core.losses.reinforce_loss` on the reranker's scores of ``batch``."""
-    scores = score_batch(params, batch.q, batch.m, batch.mask)
-    rewards = citation_rewards(batch.cited, batch.selected >= 0, cfg.reward)
-    tau = cfg.tau if cfg.mode == "rmm" else cfg.sample_tau
-    return reinforce_loss(scores, batch.selected, rewards, baseline, tau, mode=cfg.mode,
-                          credit=cfg.credit, gumbel=batch.gumbel, mask=batch.mask, weights=weights)
+def scores_loss(estimator: Estimator, scores, batch: Batch, baseline, weights):
+    """One user's batch loss as a function of its scores (B, K)."""
+    rewards = citation_rewards(batch.cited, batch.selected >= 0, estimator.reward)
+    return reinforce_loss(scores, batch.selected, rewards, baseline, estimator.loss_tau, mode=estimator.mode,
+                          credit=estimator.credit, gumbel=batch.gumbel, mask=batch.mask, weights=weights)
 
 
-def make_apply_update(cfg: Config, optimizer: optax.GradientTransformation | None = None):
-    """Build ``apply(state, batch) -> (state, metrics)``: one REINFORCE + optimiser step.
+def reranker_reinforce_loss(params, batch: Batch, baseline, weights, estimator: Estimator):
+    """:func:`scores_loss` on the reranker's scores of ``batch`` (the autodiff path)."""
+    return scores_loss(estimator, score_batch(params, batch.q, batch.m, batch.mask), batch, baseline, weights)
 
-    ``state`` is a :class:`UserState`, ``batch`` a :class:`Batch`; ``metrics`` is a dict
-    of scalars (loss, reward, baseline, cite_rate, grad_norm, weight).
+
+def linear_factors(params, q, m, mask, dscores):
+    """The linear reranker's gradient from ∂L/∂s (B, K), in closed form (module docstring).
+
+    ``params`` is one user's merged reranker (kernels ``W`` and, in hybrid, ``lora``
+    factors). Returns ``(kernels, lora)``: ``kernels`` = {adapter: (x (B, d), y (B, d))}
+    with ∂L/∂K = Σ_b x_b ⊗ y_b; ``lora`` = {adapter: {"a": (d, r), "b": (d, r)}} dense
+    gradients, or {} without a residual.
+    """
+    pq, pm = params["q_adapter"], params["m_adapter"]
+    kq, km = pq["W"]["kernel"], pm["W"]["kernel"]
+    lq, lm = pq.get("lora"), pm.get("lora")
+    qp = q + q @ kq + (0.0 if lq is None else (q @ lq["a"]) @ lq["b"].T)
+    u = jnp.einsum("bk,bkd->bd", jnp.where(mask, dscores, 0.0), m)
+    w = u + u @ km + (0.0 if lm is None else (u @ lm["a"]) @ lm["b"].T)
+    kernels = {"q_adapter": (q, w), "m_adapter": (u, qp)}
+    if lq is None:
+        return kernels, {}
+    lora = {"q_adapter": {"a": q.T @ (w @ lq["b"]), "b": w.T @ (q @ lq["a"])},
+            "m_adapter": {"a": u.T @ (qp @ lm["b"]), "b": qp.T @ (u @ lm["a"])}}
+    return kernels, lora
+
+
+def _kernel_tree(pairs):
+    """{adapter: pair} -> the params tree shape {adapter: {"W": {"kernel": pair}}}."""
+    return {a: {"W": {"kernel": xy}} for a, xy in pairs.items()}
+
+
+def _lora_tree(grads):
+    return {a: {"lora": g} for a, g in grads.items()}
+
+
+def _where(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def make_update(layout: Layout, estimator: Estimator, optimizer):
+    """Build ``apply(shared, users, batch) -> (shared, users, metrics)``: one step of U users.
+
+    ``shared`` is a :class:`SharedState`; ``users`` a :class:`UserState` and ``batch`` a
+    :class:`Batch` with ``scores`` (the users' current scores), both with a leading users
+    axis U. ``metrics`` holds per-user (U,) loss, reward, baseline, cite_rate and weight.
 
     Examples:
       >>> import jax, jax.numpy as jnp, rmm_jax as rj
-      >>> cfg = rj.Config(k=3, m=2)
-      >>> state = rj.init_user_state(rj.init_reranker(jax.random.key(0), 4), jax.random.key(1), cfg)
-      >>> b = rj.Batch(q=jnp.ones((1, 4)), m=jnp.eye(3, 4)[None], mask=jnp.ones((1, 3), bool),
-      ...              valid=jnp.ones(1, bool), selected=jnp.array([[0, 2]]), cited=jnp.array([[True, False]]),
-      ...              gumbel=jnp.zeros((1, 3)), logged_log_prob=jnp.zeros(1), has_logged=jnp.zeros(1, bool))
-      >>> new, metrics = rj.make_apply_update(cfg)(state, b)
-      >>> int(new.learner_state.step), float(metrics["cite_rate"])
-      (1, 0.5)
+      >>> lay, est, opt = rj.preset("default", k=3, m=2, scope="shared")
+      >>> p = rj.init_reranker(jax.random.key(0), 4)
+      >>> shared = rj.init_shared(p, lay, opt)
+      >>> users = jax.vmap(lambda k: rj.init_user(p, k, lay, est, opt))(jax.random.split(jax.random.key(1), 2))
+      >>> q, m = jnp.ones((2, 1, 4)), jnp.broadcast_to(jnp.eye(3, 4), (2, 1, 3, 4))
+      >>> b = rj.Batch(q=q, m=m, mask=jnp.ones((2, 1, 3), bool), valid=jnp.array([[True], [False]]),
+      ...              selected=jnp.array([[[0, 2]], [[1, 0]]]), cited=jnp.array([[[True, False]], [[True, True]]]),
+      ...              gumbel=jnp.zeros((2, 1, 3)), logged_log_prob=jnp.zeros((2, 1)),
+      ...              has_logged=jnp.zeros((2, 1), bool), scores=rj.score_batch(p, q[0], m[0])[None].repeat(2, 0))
+      >>> new_shared, new_users, metrics = rj.make_update(lay, est, opt)(shared, users, b)
+      >>> new_users.learner_state.step.tolist(), metrics["cite_rate"].tolist()   # user 1 had no real query
+      ([1, 1], [0.5, 0.0])
     """
-    opt = optimizer or make_optimizer(cfg)
+    scope = layout.scope
+    linear = layout.kind == "linear"
 
-    def apply(state: UserState, batch: Batch):
-        params, opt_state, learner_state = state
+    def prepare(learner_state, batch: Batch):
         filled = (batch.selected >= 0) & batch.valid[:, None]
-        rewards = citation_rewards(batch.cited, filled, cfg.reward)
-        b, new_baseline = baseline_for(cfg, learner_state, rewards, filled)
-        scores = batch.scores if batch.scores is not None else score_batch(params, batch.q, batch.m, batch.mask)
-        weights = importance_weights(cfg, scores, batch)
-        loss, grads = jax.value_and_grad(reranker_reinforce_loss)(
-            params, batch, jax.lax.stop_gradient(b), weights, cfg)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        learner_state = learner_state._replace(baseline=new_baseline, step=learner_state.step + 1)
+        rewards = citation_rewards(batch.cited, filled, estimator.reward)
+        b, new_baseline = baseline_for(estimator, learner_state, rewards, filled)
+        weights = importance_weights(estimator, batch.scores, batch)
         n = jnp.maximum(jnp.sum(filled), 1)
-        metrics = {"loss": loss, "reward": jnp.sum(rewards) / n, "baseline": jnp.mean(b),
-                   "cite_rate": jnp.sum(batch.cited & filled) / n,
-                   "grad_norm": optax.tree.norm(grads), "weight": jnp.mean(weights)}
-        return UserState(params, opt_state, learner_state), metrics
+        stats = {"reward": jnp.sum(rewards) / n, "baseline": jnp.mean(b),
+                 "cite_rate": jnp.sum(batch.cited & filled) / n, "weight": jnp.mean(weights)}
+        return jax.lax.stop_gradient(b), new_baseline, weights, stats
+
+    def linear_grads(shared_params, local_params, batch, b, weights):
+        """(losses (U,), shared gradient or {}, per-user factored/dense local gradient)."""
+        def one(local, bt, bb, w):
+            loss, ds = jax.value_and_grad(lambda s: scores_loss(estimator, s, bt, bb, w))(
+                jax.lax.stop_gradient(bt.scores))
+            kernels, lora = linear_factors(scope.merge(shared_params, local), bt.q, bt.m, bt.mask, ds)
+            return loss, kernels, lora
+
+        losses, kernels, lora = jax.vmap(one)(local_params, batch, b, weights)
+        if scope.local_is_full:
+            return losses, {}, _kernel_tree(kernels)
+        n_active = jnp.maximum(jnp.sum(jnp.any(batch.valid, axis=-1)), 1).astype(jnp.float32)
+        g_shared = _kernel_tree({a: jnp.einsum("ubi,ubj->ij", x, y) / n_active for a, (x, y) in kernels.items()})
+        return losses, g_shared, _lora_tree(lora) if lora else {}
+
+    def autodiff_grads(shared_params, local_params, batch, b, weights):
+        def total(sp, lp):
+            per_user = jax.vmap(lambda l_, bt, bb, w: reranker_reinforce_loss(scope.merge(sp, l_), bt, bb, w,
+                                                                               estimator))(lp, batch, b, weights)
+            return jnp.sum(per_user), per_user
+
+        (_, losses), (g_shared, g_local) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(
+            shared_params, local_params)
+        n_active = jnp.maximum(jnp.sum(jnp.any(batch.valid, axis=-1)), 1)
+        return losses, jax.tree.map(lambda g: g / n_active.astype(g.dtype), g_shared), g_local
+
+    def step_local(params, opt_state, grads):
+        if linear and scope.local_is_full:          # factored kernels: into the optimiser's elementwise loop
+            return step_dense_or_factors(optimizer, params, opt_state, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def apply(shared: SharedState, users: UserState, batch: Batch):
+        chex.assert_rank([batch.q, batch.m], [3, 4])
+        if batch.scores is None:
+            raise ValueError("scores: the update needs the batch's current scores")
+        b, new_baseline, weights, stats = jax.vmap(prepare)(users.learner_state, batch)
+        grads = linear_grads if linear else autodiff_grads
+        losses, g_shared, g_local = grads(shared.params, users.params, batch, b, weights)
+        if scope.has_shared:
+            upd, opt_state = optimizer.update(g_shared, shared.opt_state, shared.params)
+            n_active = jnp.sum(jnp.any(batch.valid, axis=-1))
+            shared = _where(n_active > 0, SharedState(optax.apply_updates(shared.params, upd), opt_state), shared)
+        n_users = users.learner_state.step.shape[0]
+        params, opt_state = jax.vmap(step_local, axis_size=n_users)(users.params, users.opt_state, g_local)
+        learner = users.learner_state._replace(baseline=new_baseline, step=users.learner_state.step + 1)
+        return shared, UserState(params, opt_state, learner), {"loss": losses, **stats}
 
     return apply
 
 
-CiteFn = Callable  # (key, is_gold (M,) bool, filled (M,) bool) -> cited (M,) bool
+# --------------------------------------------------------------------------- acting
 
 
-def act(cfg: Config, scores, mask, key):
+def act(estimator: Estimator, m: int, scores, mask, key):
     """Sample ordered selections for a batch: Gumbel-top-M of s/τ' (Plackett–Luce at τ').
 
-    τ' = ``cfg.sample_tau``: τ for tempered noise, 1 for the paper's unit noise (top-M of
-    s + g). Args: scores (B,K) under the current policy; mask (B,K); key.
+    τ' = ``estimator.sample_tau``: τ for tempered noise, 1 for the paper's unit noise (top-M
+    of s + g). Args: scores (B,K) under the current policy; mask (B,K); key.
     Returns (selected (B,M) int32, gumbel on the score scale (B,K), exact behaviour
     log P(selection) (B,) under PL at τ').
     """
-    t = cfg.sample_tau
+    chex.assert_rank([scores, mask], [2, 2])
+    t = estimator.sample_tau
     g = jax.random.gumbel(key, scores.shape, scores.dtype)
-    selected = jax.vmap(lambda z, mk: top_m(z, cfg.m, mk))(scores / t + g, mask)
+    selected = jax.vmap(lambda z, mk: top_m(z, m, mk))(scores / t + g, mask)
     logp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, t, "plackett_luce", None, mk))(
         scores, selected, mask)
     return selected, t * g, logp
 
 
-def simulated_batch(cfg: Config, cite_fn: CiteFn, scores, queries: QueryBatch, key) -> Batch:
+def simulated_batch(estimator: Estimator, m: int, cite_fn: CiteFn, scores, queries: QueryBatch, key) -> Batch:
     """act → cite on queries with gold labels; returns the :class:`Batch` an update takes."""
     k_act, k_cite = jax.random.split(key)
-    selected, gumbel, logp = act(cfg, scores, queries.mask, k_act)
+    selected, gumbel, logp = act(estimator, m, scores, queries.mask, k_act)
     filled = (selected >= 0) & queries.valid[:, None]
     is_gold = jnp.take_along_axis(queries.gold, jnp.maximum(selected, 0), axis=1) & filled
     cited = jax.vmap(cite_fn)(jax.random.split(k_cite, selected.shape[0]), is_gold, filled)
     return Batch(q=queries.q, m=queries.m, mask=queries.mask, valid=queries.valid, selected=selected,
                  cited=cited, gumbel=gumbel, logged_log_prob=logp,
                  has_logged=jnp.zeros_like(queries.valid), scores=scores)
-
-
-def make_update_step(cfg: Config, cite_fn: CiteFn, optimizer=None):
-    """Build ``step(state, queries, key) -> (state, metrics)``: act → cite → update.
-
-    ``queries`` is a :class:`QueryBatch` (gold is what the citation source may look
-    at). ``cite_fn(key, is_gold, filled)`` returns which shown memories are cited, e.g.
-    :func:`rmm_jax.data.citations.oracle_cite` with its noise settings bound. The
-    metrics include the selection, citations and behaviour log-prob (for logging).
-    """
-    apply = make_apply_update(cfg, optimizer)
-
-    def step(state: UserState, queries: QueryBatch, key):
-        scores = score_batch(state.params, queries.q, queries.m, queries.mask)
-        full = simulated_batch(cfg, cite_fn, scores, queries, key)
-        state, metrics = apply(state, full)
-        return state, {**metrics, "selected": full.selected, "cited": full.cited, "log_prob": full.logged_log_prob}
-
-    return step

@@ -7,18 +7,20 @@ from typing import Callable, Sequence
 
 import jax
 
+from rmm_jax.core.config import Setting, preset
 from rmm_jax.core.reranker import init_reranker
-from rmm_jax.core.update import Config
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
+from rmm_jax.online.loop import make_run
 from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams
-from rmm_jax.online.run import simulate
+from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.streams import Stream
 from rmm_jax.online.summary import base_summary, static_summary
 
 ROWS = ("base", "pretrain", "online", "pretrain+online", "paper")
 
 
-def compare(train_streams: Sequence[Stream], eval_streams: Sequence[Stream], cfg: Config, pcfg: PretrainConfig, *,
+def compare(train_streams: Sequence[Stream], eval_streams: Sequence[Stream], setting: Setting,
+            pcfg: PretrainConfig, *,
             rows: Sequence[str] = ROWS[:4], seed: int = 0, precision: float = DEFAULT_PRECISION,
             recall: float = DEFAULT_RECALL, users_per_chunk: int = 8,
             progress: Callable[[str], None] | None = None) -> dict:
@@ -31,26 +33,28 @@ def compare(train_streams: Sequence[Stream], eval_streams: Sequence[Stream], cfg
     if unknown:
         raise ValueError(f"rows: unknown row {unknown[0]!r}")
     dim = eval_streams[0].bank.shape[1]
-    identity = init_reranker(jax.random.key(seed), dim, cfg.kind, cfg.hidden)
+    layout = setting.layout
+    identity = init_reranker(jax.random.key(seed), dim, layout.kind, layout.hidden)
     out, pretrained = {}, None
     if any(r.startswith("pretrain") for r in rows):
         train, val, split = split_streams(train_streams, pcfg.val_fraction, seed)
         pretrained, history = pretrain(identity, train, val, pcfg, seed=seed)
         out["_pretrain"] = {"best_epoch": history["best_epoch"], "split": split,
                             "val_recall": history["val_recall"][history["best_epoch"]]}
-    sim = lambda p, c: simulate(eval_streams, p, c, precision=precision, recall=recall, seed=seed,
-                                users_per_chunk=users_per_chunk).summary
+    cite = precision_recall_oracle(precision, recall)
+    sim = lambda p, s: run_online(eval_streams, make_run(*s, cite_fn=cite), p, seed=seed,
+                                  users_per_chunk=users_per_chunk).summary
     for row in rows:
         if progress:
             progress(row)
         if row == "base":
-            out[row] = base_summary(eval_streams, cfg.m)
+            out[row] = base_summary(eval_streams, layout.m)
         elif row == "pretrain":
-            out[row] = static_summary(eval_streams, pretrained, cfg.m)
+            out[row] = static_summary(eval_streams, pretrained, layout.m)
         elif row == "online":
-            out[row] = sim(identity, cfg)
+            out[row] = sim(identity, setting)
         elif row == "pretrain+online":
-            out[row] = sim(pretrained, cfg)
+            out[row] = sim(pretrained, setting)
         elif row == "paper":
-            out[row] = sim(identity, Config.preset("paper", k=cfg.k, m=cfg.m))
+            out[row] = sim(identity, preset("paper", k=layout.k, m=layout.m))
     return out

@@ -5,8 +5,8 @@
 It saves nothing and calls nothing back: it *yields* what happened, and the caller
 decides what to keep::
 
-    program = make_run(cfg, cite_fn)                  # built once
-    for event in drive(chunks, params, cfg, program, segment_batches=16, resume=resume):
+    program = make_run(layout, estimator, optimizer, cite_fn)     # built once
+    for event in drive(chunks, program, params, segment_batches=16, resume=resume):
         match event:
             case SegmentDone():   runstate.save(...)        # a resumable point in a chunk
             case ChunkSkipped():  outputs = runstate.load_done(event.chunk)
@@ -28,10 +28,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rmm_jax.core.types import SharedState, UserState
-from rmm_jax.core.update import Config
-from rmm_jax.online.loop import LoopState, init_shared, init_states, per_query, segment_plan
+from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
 from rmm_jax.online.sharding import replicate, shard_users
-from rmm_jax.online.streams import Stream, pad_streams, stream_batches, user_key
+from rmm_jax.online.streams import Stream, user_key
 
 OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")  # per-query outputs kept per user
 
@@ -80,7 +79,7 @@ class ChunkSkipped(NamedTuple):
 Event = SegmentDone | ChunkDone | ChunkSkipped
 
 
-def drive(chunks: Iterable[Sequence[Stream]], params, cfg: Config, program, *, seed: int = 0,
+def drive(chunks: Iterable[Sequence[Stream]], program: Program, params, *, seed: int = 0,
           users_per_chunk: int = 8, segment_batches: int | None = None, resume: Resume | None = None,
           mesh=None, shared: SharedState | None = None) -> Iterator[Event]:
     """Run ``program`` (:func:`rmm_jax.online.loop.make_run`) over ``chunks``, each at
@@ -88,52 +87,77 @@ def drive(chunks: Iterable[Sequence[Stream]], params, cfg: Config, program, *, s
 
     Streams that carry logged selections are replayed (the program must be built
     without a citation function). Every user starts from ``params`` with a fresh
-    optimiser and ``user_key(seed, user_id)`` (:func:`rmm_jax.online.loop.init_states`).
-    The shared part (scopes ``shared``/``hybrid``) starts from ``params``, or from
-    ``shared`` when given, and is carried from chunk to chunk in order: with
-    ``users_per_chunk=1`` each user sees only the updates of the users before it.
-    Each chunk runs as equal segments of at most ``segment_batches`` batches
-    (:func:`rmm_jax.online.loop.segment_plan`; None: one segment), one compiled call
-    each, with the states brought to the host in between. ``resume`` skips the chunks
-    it counts as done and continues the next one from its segment. ``mesh`` (a 1-D
-    ``users`` mesh, :mod:`rmm_jax.online.sharding`) shards each chunk over devices.
-    Memory holds one chunk. Under ``jax.distributed`` (several processes, ``mesh`` over
-    all their devices) every process runs this same loop on the same chunks, and each
-    event carries the whole chunk's results on every process.
+    optimiser and ``user_key(seed, user_id)`` (``program.init``). The shared part (scopes
+    ``shared``/``hybrid``) starts from ``params``, or from ``shared`` when given, and is
+    carried from chunk to chunk in order: with ``users_per_chunk=1`` each user sees only
+    the updates of the users before it. Each chunk runs as equal segments of at most
+    ``segment_batches`` batches (:func:`rmm_jax.online.loop.segment_plan`; None: one
+    segment), one compiled call each, with the states brought to the host in between.
+    ``resume`` skips the chunks it counts as done and continues the next one from its
+    segment. ``mesh`` (a 1-D ``users`` mesh, :mod:`rmm_jax.online.sharding`) shards each
+    chunk over devices. Under ``jax.distributed`` (several processes, ``mesh`` over all
+    their devices) every process runs this same loop on the same chunks, and each event
+    carries the whole chunk's results on every process.
+
+    **Pipelined.** Chunk i+1 is padded on the host while chunk i runs on the device, and
+    the :class:`ChunkDone` of chunk i is yielded only after chunk i+1 has been dispatched,
+    so whatever the caller does with it (writing policies and logs) overlaps chunk i+1's
+    run. Memory holds about two chunks. (Over several processes the chunks run one after
+    another: their collectives must not interleave.)
     """
     carried = resume.shared if resume is not None and resume.shared is not None else shared
     if carried is None:
-        carried = init_shared(params, cfg)
+        carried = program.init_shared(params)
+    pipelined = jax.process_count() == 1
+    group = 0 if mesh is not None else None        # cache groups split the users axis that a mesh shards
+    pending = None                                 # a chunk whose last segment is dispatched, not yet fetched
     for ci, streams in enumerate(c for c in map(list, chunks) if c):
         if len(streams) > users_per_chunk:
             raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
         if resume is not None and ci < resume.chunks_done:
             yield ChunkSkipped(ci, streams)
             continue
-        seg, n_seg = segment_plan(stream_batches(streams, cfg), segment_batches)
+        seg, n_seg = segment_plan(program.batches(streams), segment_batches)
         n_batches = seg if segment_batches else None
-        data = pad_streams(streams, cfg, users_per_chunk, batches_multiple=seg)
+        data = program.pad(streams, users_per_chunk, batches_multiple=seg)
         parts, first = [], 0
         if resume is not None and ci == resume.chunks_done and resume.segments_done > 0:
             states, parts, first = resume.states, [resume.outputs], resume.segments_done
         else:
             ids = [s.user_id for s in streams] + [f"<pad{i}>" for i in range(users_per_chunk - len(streams))]
-            states = init_states(params, cfg, jnp.stack([user_key(seed, u) for u in ids]), shared=carried)
+            states = program.init(params, jnp.stack([user_key(seed, u) for u in ids]), carried)
         if mesh is not None:
             data = shard_users(data, mesh)
         for s in range(first, n_seg):
             if mesh is not None:
                 states = LoopState(shard_users(states.users, mesh), replicate(states.shared, mesh))
-            states, out = _fetch(program(states, data, s * seg, n_batches=n_batches))
-            parts.append(out)
+            states, out = program.run(states, data, s * seg, n_batches=n_batches, group=group)
+            if pending is not None:                # chunk i-1 finished first; the caller's work overlaps this run
+                yield _chunk_done(*pending)
+                pending = None
             if s + 1 < n_seg:
+                states, out = _fetch((states, out))
+                parts.append(out)
                 yield SegmentDone(ci, s + 1, states, _concat(parts))
-        n = len(streams)
-        flat = per_query(_concat(parts))
-        outputs = {st.user_id: {k: np.array(flat[k][i, :st.queries.shape[0]]) for k in OUTPUT_KEYS if k in flat}
-                   for i, st in enumerate(streams)}
+            else:
+                parts.append(out)
         carried = states.shared
-        yield ChunkDone(ci, streams, jax.tree.map(lambda x: x[:n], states.users), outputs, carried)
+        pending = (ci, streams, states, parts)
+        if not pipelined:
+            yield _chunk_done(*pending)
+            pending = None
+    if pending is not None:
+        yield _chunk_done(*pending)
+
+
+def _chunk_done(ci: int, streams: list, states: LoopState, parts: list) -> ChunkDone:
+    """Bring a finished chunk to the host: its users' states (padding removed), per-user outputs."""
+    states, parts = _fetch((states, parts))
+    n = len(streams)
+    flat = per_query(_concat(parts))
+    outputs = {st.user_id: {k: np.array(flat[k][i, :st.queries.shape[0]]) for k in OUTPUT_KEYS if k in flat}
+               for i, st in enumerate(streams)}
+    return ChunkDone(ci, streams, jax.tree.map(lambda x: x[:n], states.users), outputs, states.shared)
 
 
 def _concat(parts: list) -> dict:

@@ -1,55 +1,55 @@
 """The compiled online loop: every user's whole citation stream inside one jitted device loop.
 
-For each batch of B queries, in stream order (RMM's Retrospective Reflection, Tan et
-al., ACL 2025, §4.2):
+For each batch of B queries, in stream order (RMM's Retrospective Reflection, Tan et al.,
+ACL 2025, §4.2):
 
   1. score the K base-retriever candidates with the user's current reranker;
   2. **prequential evaluation**: the deterministic top-M (no noise) is scored against
      gold (Recall@M, NDCG@M) *before* any update that uses these queries;
   3. act: Gumbel-top-M selection (simulate) or the logged selection (replay);
   4. citations: the citation simulator, or the logged ``cited`` ids;
-  5. one REINFORCE update (:func:`rmm_jax.core.update.make_apply_update`).
+  5. one REINFORCE update of every user of the chunk (:func:`rmm_jax.core.update.make_update`,
+     the same function in every scope).
 
-The loop is ``lax.fori_loop`` (the while-loop form of ``lax.scan``, writing per-batch
-outputs in place), split at the first batch where some user of the chunk has only
-padding, so full batches skip the padding select. Users run side by side under
-``vmap``. Streams are padded (:func:`rmm_jax.online.streams.pad_streams`): the users
-axis to a fixed chunk size, stream length and bank size to buckets (four per octave),
-so users with different numbers of queries and memories share one compiled program.
-Padded queries have weight 0 and a batch with no valid query leaves the state untouched
-(an Adam step on a zero gradient would still move the parameters).
+:func:`make_run` binds a :class:`~rmm_jax.core.config.Layout`, an
+:class:`~rmm_jax.core.config.Estimator` and an optimiser once and returns a
+:class:`Program` (PureJaxRL's ``make_train``): ``init`` starts a chunk's states, ``pad``
+stacks its streams into fixed shapes, ``run`` is the jitted loop. The host driver
+(:mod:`rmm_jax.online.driver`) takes the program and nothing else.
 
-:func:`make_run` builds the program once (PureJaxRL's ``make_train``); the host driver
-(:mod:`rmm_jax.online.driver`) feeds it chunks and segments.
+**Loop order and speed.** The batch loop is ``lax.fori_loop`` over the chunk's batches,
+users side by side under ``vmap``; a batch where some user has only padding runs in a
+second loop that keeps such users' states (an Adam step on a zero gradient would still
+move them), and batches that are padding for every user are not run at all. In scope
+``user`` the users are independent, so the chunk runs in cache-sized groups (on CPU): each
+group of G users runs its whole stream before the next starts, so G users' params and
+optimiser moments stay in the last-level cache instead of streaming the chunk's states
+through main memory at every batch (:func:`users_per_group`). In scopes ``shared`` and
+``hybrid`` every user of the chunk must see the shared part after the previous batch, so
+the chunk is the group. Streams are padded (:func:`rmm_jax.online.streams.pad_streams`):
+the users axis to a fixed chunk size, stream length and bank size to buckets (four per
+octave), so users with different numbers of queries and memories share one compiled
+program.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from rmm_jax.core import metrics as rmetrics
-from rmm_jax.core.reranker import merge_params, score_batch
+from rmm_jax.core import optim
+from rmm_jax.core.config import Estimator, Layout
+from rmm_jax.core.reranker import score_batch
 from rmm_jax.core.sampling import top_m
-from rmm_jax.core.scoped import init_local_state, init_shared_state, make_apply_scoped_update
 from rmm_jax.core.types import Batch, QueryBatch, SharedState, UserState
-from rmm_jax.core.update import CiteFn, Config, make_apply_update, make_optimizer, simulated_batch
-from rmm_jax.online.streams import ChunkData
+from rmm_jax.core.update import CiteFn, init_shared, init_user, make_update, simulated_batch
+from rmm_jax.online.streams import ChunkData, pad_streams, stream_batches
 
 PER_QUERY = ("recall", "ndcg", "eval", "selected", "cited", "log_prob")  # outputs with a (B,) axis per batch
-
-
-class ReplayBuffer(NamedTuple):
-    """A ring of ``cfg.buffer`` past batches (newest first) of one user."""
-    q: jax.Array                # (R, B, d)
-    cand: jax.Array             # (R, B, K) int32
-    mask: jax.Array             # (R, B, K) bool
-    selected: jax.Array         # (R, B, M) int32
-    cited: jax.Array            # (R, B, M) bool
-    logged_log_prob: jax.Array  # (R, B)
-    valid: jax.Array            # (R, B) bool
+GROUP_CACHE_BYTES = 24 << 20   # what a group of users' states may take: most of a 32 MiB last-level cache
 
 
 class LoopState(NamedTuple):
@@ -59,35 +59,34 @@ class LoopState(NamedTuple):
     shared: SharedState
 
 
-def init_states(params, cfg: Config, keys, shared: SharedState | None = None) -> LoopState:
-    """A chunk's starting :class:`LoopState`.
+class Program(NamedTuple):
+    """An online program, built once by :func:`make_run`; the driver needs nothing else.
 
-    ``params`` is one starting reranker (e.g. pretrained): in scope ``user`` every user gets
-    a copy, in ``shared``/``hybrid`` it is the shared part and users get empty or zero
-    low-rank parts (:func:`rmm_jax.core.scoped.split_params`). ``keys`` is a (U,) array
-    of PRNG keys, one per user. ``shared`` continues a shared state carried from an
-    earlier chunk instead of starting one from ``params``.
+    * ``init(params, keys, shared=None, users=None, known=None) -> LoopState``: a chunk's
+      starting states. Every user starts from ``params`` (its own part, see
+      :meth:`rmm_jax.core.scope.Scope.split`) with key ``keys[u]``, except where ``known[u]``:
+      that user continues from row u of ``users`` (a stacked :class:`UserState`). The shared
+      part continues from ``shared``, or starts from ``params``.
+    * ``init_shared(params) -> SharedState``: the shared part of a starting policy.
+    * ``pad(streams, users_per_chunk, batches_multiple=1) -> ChunkData``: fixed shapes.
+    * ``batches(streams) -> int``: padded batches of a chunk of streams.
+    * ``run(state, data, start=0, n_batches=None, group=None) -> (state, outputs)``, jitted
+      (``state`` donated): ``n_batches`` batches from batch ``start`` (all when None);
+      ``group`` users per cache group (None: :func:`users_per_group` on CPU, none on other
+      backends; 0: no grouping). ``outputs`` (users axis first, then batches) hold
+      per-query ``recall``, ``ndcg`` (prequential, at M), ``eval``, and when simulating
+      ``selected`` (positions in ``cand``), ``cited``, ``log_prob``; and per-batch
+      ``reward``, ``cite_rate``, ``loss``, ``updated``.
     """
-    return _init_states(params, keys, shared, cfg)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def init_shared(params, cfg: Config) -> SharedState:
-    """The shared part of a starting policy ``params`` with a fresh optimiser state."""
-    return init_shared_state(params, cfg)
-
-
-@functools.partial(jax.jit, static_argnums=3)
-def _init_states(params, keys, shared, cfg: Config) -> LoopState:
-    # Jitted so that the outputs are fresh buffers: the run donates them, and a state
-    # aliasing the caller's keys or params would delete the caller's arrays.
-    opt = make_optimizer(cfg)
-    users = jax.vmap(lambda key: init_local_state(params, key, cfg, opt))(keys)
-    if shared is None:
-        shared = init_shared_state(params, cfg, opt)
-    else:
-        shared = jax.tree.map(jnp.copy, shared)
-    return LoopState(users, shared)
+    layout: Layout
+    estimator: Estimator
+    optimizer: Any
+    simulates: bool
+    init: Callable
+    init_shared: Callable
+    pad: Callable
+    batches: Callable
+    run: Callable
 
 
 def segment_plan(n_batches: int, segment_batches: int | None) -> tuple[int, int]:
@@ -102,72 +101,52 @@ def segment_plan(n_batches: int, segment_batches: int | None) -> tuple[int, int]
     return -(-n_batches // n_seg), n_seg
 
 
+def users_per_group(n_users: int, bytes_per_user: int, cache_bytes: int = GROUP_CACHE_BYTES) -> int:
+    """The largest divisor G of ``n_users`` whose G users' states (and a gradient's worth
+    more) fit in ``cache_bytes``; at least 1.
+
+    >>> users_per_group(100, 4_718_592)     # d = 384, Adam: params, μ, ν and a gradient, 4.7 MB a user
+    5
+    """
+    fit = max(1, cache_bytes // max(1, bytes_per_user))
+    return max(g for g in range(1, min(fit, n_users) + 1) if n_users % g == 0)
+
+
 def _tree_where_users(pred, new, old):
     """Per user (leading axis): ``new`` where ``pred`` else ``old``."""
     return jax.tree.map(lambda a, b: jnp.where(pred.reshape(pred.shape + (1,) * (a.ndim - 1)), a, b), new, old)
 
 
-def _empty_buffer(cfg: Config, d: int, dtype) -> ReplayBuffer:
-    r, b, k = cfg.buffer, cfg.batch, cfg.k
-    return ReplayBuffer(q=jnp.zeros((r, b, d), dtype), cand=jnp.zeros((r, b, k), jnp.int32),
-                        mask=jnp.zeros((r, b, k), bool), selected=jnp.full((r, b, cfg.m), -1, jnp.int32),
-                        cited=jnp.zeros((r, b, cfg.m), bool), logged_log_prob=jnp.zeros((r, b), jnp.float32),
-                        valid=jnp.zeros((r, b), bool))
+def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: CiteFn | None = None) -> Program:
+    """Build the :class:`Program` of ``layout``, ``estimator`` and ``optimizer`` (any optax
+    ``GradientTransformation``; default :func:`rmm_jax.core.optim.adam` at 3e-4).
 
-
-def _with_buffer(full: Batch, buf: ReplayBuffer, bank, params) -> Batch:
-    """The current batch followed by the buffered ones, as one (R+1)·B batch.
-
-    Buffered selections were drawn by earlier policies: their updates are importance
-    weighted with the logged behaviour log-prob (clipped ratio, see
-    :func:`rmm_jax.core.update.importance_weights`).
-    """
-    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), buf)
-    m = bank[flat.cand]
-    old = Batch(q=flat.q, m=m, mask=flat.mask, valid=flat.valid, selected=flat.selected, cited=flat.cited,
-                gumbel=jnp.zeros(flat.mask.shape, full.gumbel.dtype), logged_log_prob=flat.logged_log_prob,
-                has_logged=flat.valid, scores=score_batch(params, flat.q, m, flat.mask))
-    return jax.tree.map(lambda a, b_: jnp.concatenate([a, b_]), full, old)
-
-
-def make_run(cfg: Config, cite_fn: CiteFn | None = None):
-    """Build ``run(state, data, start=0, n_batches=None) -> (state, outputs)``, jitted
-    over a users chunk; build it once and run every chunk and segment through it.
-
-    ``state`` is the chunk's :class:`LoopState` (donated; :func:`init_states`), ``data``
-    its :class:`ChunkData`. ``cite_fn`` given: simulate (act + simulated citations);
-    ``cite_fn=None``: replay the logged selections and citations in ``data``.
-    ``n_batches`` (static): run that many batches starting at batch ``start`` (traced,
-    so every segment of a chunk reuses one compiled program; used for periodic
-    checkpoints); None runs the whole padded stream. It compiles once per padded shape
+    ``cite_fn`` given: simulate (act + simulated citations, e.g.
+    :func:`rmm_jax.data.citations.oracle` with its rates bound); ``cite_fn=None``: replay the
+    logged selections and citations the chunks carry. It compiles once per padded shape
     and segment length.
 
-    Scope ``user`` runs each user's update independently under ``vmap``
-    (:func:`rmm_jax.core.update.make_apply_update`); ``shared`` and ``hybrid`` make one
-    step of the whole chunk per batch (:func:`rmm_jax.core.scoped.make_apply_scoped_update`):
-    at batch i every user of the chunk scores, acts and is cited with the policy after
-    batch i−1, then the shared part takes the mean of their gradients. Users of later
-    chunks see the shared state the earlier chunks left (the driver carries it).
-
-    ``outputs`` (users axis first, then batches) hold per-query ``recall``, ``ndcg``
-    (prequential, at M), ``eval``, and for simulate ``selected`` (positions in
-    ``cand``), ``cited``, ``log_prob``; and per-batch ``reward``, ``cite_rate``,
-    ``loss``, ``updated``.
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> from rmm_jax.data.citations import oracle
+      >>> program = rj.make_run(*rj.preset("default", k=6, m=2), cite_fn=oracle())
+      >>> program.layout.m, program.optimizer.name, program.simulates
+      (2, 'adam', True)
     """
-    scoped = cfg.scope != "user"
-    apply = make_apply_scoped_update(cfg) if scoped else make_apply_update(cfg)
+    optimizer = optim.adam(3e-4) if optimizer is None else optimizer
+    apply = make_update(layout, estimator, optimizer)
     replay = cite_fn is None
-    b = cfg.batch
+    scope, b, m_shown = layout.scope, layout.batch, layout.m
 
     def observe(params, key_data, x: ChunkData, index, bank):
         """One batch of one user before the update: prequential metrics, then the batch
-        the update takes (the logged one, or act + cite)."""
+        the update takes (the logged one, or act + cite with fold_in(key, ``index``))."""
         m = bank[x.cand]                                                 # (B, K, d)
         scores = score_batch(params, x.q, m, x.mask)
-        top = jax.vmap(lambda s, mk: top_m(s, cfg.m, mk))(scores, x.mask)
+        top = jax.vmap(lambda s, mk: top_m(s, m_shown, mk))(scores, x.mask)
         rel = jnp.take_along_axis(x.gold, jnp.maximum(top, 0), axis=1) & (top >= 0)
-        out = {"recall": rmetrics.recall_at_k(rel, x.num_gold, cfg.m),
-               "ndcg": rmetrics.ndcg_at_k(rel, x.num_gold, cfg.m), "eval": x.eval}
+        out = {"recall": rmetrics.recall_at_k(rel, x.num_gold, m_shown),
+               "ndcg": rmetrics.ndcg_at_k(rel, x.num_gold, m_shown), "eval": x.eval}
         if replay:
             full = Batch(q=x.q, m=m, mask=x.mask, valid=x.present, selected=x.selected, cited=x.cited,
                          gumbel=jnp.zeros_like(scores), logged_log_prob=x.logged_log_prob,
@@ -176,38 +155,23 @@ def make_run(cfg: Config, cite_fn: CiteFn | None = None):
             key = jax.random.fold_in(jax.random.wrap_key_data(key_data), index)
             queries = QueryBatch(q=x.q, m=m, mask=x.mask, valid=x.present,
                                  gold=x.gold if x.cite_gold is None else x.cite_gold)
-            full = simulated_batch(cfg, cite_fn, scores, queries, key)
+            full = simulated_batch(estimator, m_shown, cite_fn, scores, queries, key)
             out.update(selected=full.selected, cited=full.cited, log_prob=full.logged_log_prob)
         return full, out
 
-    def user_step(state: UserState, buf: ReplayBuffer, x: ChunkData, index, bank):
-        """Scope ``user``: one batch of one user: evaluate, act, cite, update."""
-        full, out = observe(state.params, state.learner_state.key, x, index, bank)
-        if cfg.buffer:
-            entry = ReplayBuffer(q=x.q, cand=x.cand, mask=x.mask, selected=full.selected, cited=full.cited,
-                                 logged_log_prob=full.logged_log_prob, valid=x.present)
-            new, met = apply(state, _with_buffer(full, buf, bank, state.params))
-            buf = jax.tree.map(lambda b_, e: jnp.concatenate([e[None], b_[:-1]]), buf, entry)
-        else:
-            new, met = apply(state, full)
-        out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"], updated=jnp.any(x.present))
-        return new, buf, out
-
-    def chunk_step(state: LoopState, buf, x: ChunkData, index, bank):
-        """One batch of every user of the chunk: ``user`` vmaps :func:`user_step`;
-        ``shared``/``hybrid`` observe under vmap, then make one scoped update."""
-        if not scoped:
-            users, buf, out = jax.vmap(user_step, in_axes=(0, 0, 0, None, 0))(state.users, buf, x, index, bank)
-            return LoopState(users, state.shared), buf, out
+    def step(state: LoopState, x: ChunkData, bank):
+        """One batch of every user of a group: observe under vmap, then one update."""
         shared, users = state.shared, state.users
-        full, out = jax.vmap(lambda lp, kd, xu, bk: observe(merge_params(shared.params, lp), kd, xu, index, bk))(
-            users.params, users.learner_state.key, x, bank)
+        # A user's batch samples with fold_in(key, its update count): for a fresh stream that is
+        # the batch index, and a user continued from a store goes on where it stopped.
+        full, out = jax.vmap(lambda lp, ls, xu, bk: observe(scope.merge(shared.params, lp), ls.key, xu, ls.step, bk))(
+            users.params, users.learner_state, x, bank)
         shared, users, met = apply(shared, users, full)
         out.update(reward=met["reward"], cite_rate=met["cite_rate"], loss=met["loss"],
                    updated=jnp.any(x.present, axis=-1))
-        return LoopState(users, shared), buf, out
+        return LoopState(users, shared), out
 
-    def run(state: LoopState, data: ChunkData, start=0, n_batches: int | None = None):
+    def run_group(state: LoopState, data: ChunkData, start, n_batches: int | None):
         bank = data.bank                                                 # (U, N, d)
         n_total = data.q.shape[1] // b
         seg = n_total if n_batches is None else n_batches
@@ -217,35 +181,70 @@ def make_run(cfg: Config, cite_fn: CiteFn | None = None):
             return x if n_batches is None else jax.lax.dynamic_slice_in_dim(x, start, seg, axis=0)
 
         xs = jax.tree.map(batched, data._replace(bank=None))
-        n_users = bank.shape[0]
-        bufs = jax.vmap(lambda _: _empty_buffer(cfg, data.q.shape[-1], data.q.dtype))(jnp.arange(n_users))
         at = lambda i: jax.tree.map(lambda v: v[i], xs)
-        out_shapes = jax.eval_shape(chunk_step, state, bufs, at(0), start, bank)[2]
+        out_shapes = jax.eval_shape(step, state, at(0), bank)[1]
         outs = jax.tree.map(lambda o: jnp.zeros((seg,) + o.shape, o.dtype), out_shapes)
 
         def body(i, carry, masked: bool):
-            state, buf, outs = carry
+            state, outs = carry
             x = at(i)
-            new_state, buf, out = chunk_step(state, buf, x, start + i, bank)
+            new_state, out = step(state, x, bank)
             if masked:
-                # A user with no valid query in this batch (padding at the end of a
-                # shorter stream) keeps its state: an Adam step on a zero gradient would
-                # still move it. The select costs a full pass over the state, so only
-                # the padded tail of the chunk pays for it. (The scoped update already
-                # leaves the shared part alone when no user has a query.)
+                # A user with no valid query in this batch (padding at the end of a shorter
+                # stream) keeps its state. The select costs a pass over the state, so only
+                # the padded tail pays for it; the update already leaves the shared part
+                # alone when no user has a query.
                 new_state = new_state._replace(
                     users=_tree_where_users(jnp.any(x.present, axis=-1), new_state.users, state.users))
-            outs = jax.tree.map(lambda o, v: o.at[i].set(v), outs, out)
-            return new_state, buf, outs
+            return new_state, jax.tree.map(lambda o, v: o.at[i].set(v), outs, out)
 
-        # Batches where every user of the chunk has a real query run without the select.
-        full = jnp.all(jnp.any(xs.present, axis=-1), axis=-1)               # (seg,)
+        # Batches where every user has a real query run without the select; batches where
+        # none has one (the padding of the length bucket) are not run.
+        present = jnp.any(xs.present, axis=-1)                              # (seg, U)
+        full, live = jnp.all(present, axis=-1), jnp.any(present, axis=-1)   # (seg,)
         n_full = jnp.where(jnp.all(full), seg, jnp.argmin(full))
-        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), (state, bufs, outs))
-        state, _, outs = jax.lax.fori_loop(n_full, seg, functools.partial(body, masked=True), carry)
+        n_live = jnp.where(jnp.any(live), seg - jnp.argmax(live[::-1]), 0)
+        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), (state, outs))
+        state, outs = jax.lax.fori_loop(n_full, jnp.maximum(n_full, n_live), functools.partial(body, masked=True),
+                                        carry)
         return state, jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)
 
-    return jax.jit(run, donate_argnums=(0,), static_argnames=("n_batches",))
+    def run(state: LoopState, data: ChunkData, start=0, n_batches: int | None = None, group: int | None = None):
+        n_users = data.q.shape[0]
+        if group is None:
+            per_user = sum(x.nbytes for x in jax.tree.leaves((state.users.params, state.users.params,
+                                                               state.users.opt_state))) // n_users
+            group = users_per_group(n_users, per_user) if jax.default_backend() == "cpu" else 0
+        if not scope.local_is_full or not group or group >= n_users or n_users % group:
+            return run_group(state, data, start, n_batches)
+        split = lambda x: x.reshape((n_users // group, group) + x.shape[1:])
+        merge = lambda x: x.reshape((n_users,) + x.shape[2:])
+
+        def one_group(args):
+            users, chunk = args
+            new, outs = run_group(LoopState(users, state.shared), chunk, start, n_batches)
+            return new.users, outs
+
+        users, outs = jax.lax.map(one_group, (jax.tree.map(split, state.users), jax.tree.map(split, data)))
+        return LoopState(jax.tree.map(merge, users), state.shared), jax.tree.map(merge, outs)
+
+    @jax.jit
+    def init(params, keys, shared=None, users=None, known=None) -> LoopState:
+        # Jitted so that the outputs are fresh buffers: the run donates them, and a state
+        # aliasing the caller's keys or params would delete the caller's arrays.
+        fresh = jax.vmap(lambda key: init_user(params, key, layout, estimator, optimizer))(keys)
+        if users is not None:
+            fresh = _tree_where_users(known, users, fresh)
+        shared = init_shared(params, layout, optimizer) if shared is None else jax.tree.map(jnp.copy, shared)
+        return LoopState(fresh, shared)
+
+    return Program(
+        layout=layout, estimator=estimator, optimizer=optimizer, simulates=not replay, init=init,
+        init_shared=jax.jit(lambda params: init_shared(params, layout, optimizer)),
+        pad=lambda streams, users_per_chunk, batches_multiple=1: pad_streams(
+            streams, layout, users_per_chunk, batches_multiple=batches_multiple),
+        batches=lambda streams: stream_batches(streams, layout),
+        run=jax.jit(run, donate_argnums=(0,), static_argnames=("n_batches", "group")))
 
 
 def per_query(outputs: dict) -> dict:

@@ -54,7 +54,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +62,13 @@ import numpy as np
 
 from rmm_jax.core import reranker
 from rmm_jax.core.sampling import selection_log_probs, top_m
-from rmm_jax.core.update import Config
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.scoring import user_params
 from rmm_jax.online.streams import check_limits, known_ids
 
 __all__ = [
-    "Calls", "ESTIMATORS", "METRICS", "estimate", "estimator_weights", "evaluate_log", "load_calls",
+    "Calls", "ESTIMATORS", "Target", "METRICS", "estimate", "estimator_weights", "evaluate_log", "load_calls",
     "prefix_log_probs", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
     "subset_count",
 ]
@@ -329,12 +328,19 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([x, pad])
 
 
+class Target(NamedTuple):
+    """The target policy's sampling: at most ``k`` candidates and ``m`` shown, temperature ``tau``."""
+    k: int
+    m: int
+    tau: float
+
+
 @jax.jit
 def _score_chunk(params, q, m, mask):
     return jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
 
 
-def load_calls(store, log_path, policies, cfg: Config, *, users: Sequence[str] | None = None,
+def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                skip_invalid: bool = False, report: dict | None = None) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
 
@@ -432,7 +438,7 @@ def slot_rewards(calls: Calls) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def evaluate_calls(calls: Calls, cfg: Config, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
+def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
                    seed: int = 0, exact_limit: int = DEFAULT_EXACT_LIMIT,
                    mc_samples: int = DEFAULT_MC_SAMPLES) -> dict:
     """The estimates of every metric by every estimator that the log supports (see the
@@ -483,7 +489,7 @@ def _logged(rewards, bootstrap: int, seed: int) -> dict:
     return res
 
 
-def evaluate_log(store, log_path, policies, cfg: Config, *, users: Sequence[str] | None = None,
+def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
                  skip_invalid: bool = False) -> dict:

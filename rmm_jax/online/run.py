@@ -1,14 +1,25 @@
-"""The online loop for library callers who keep everything in memory.
+"""The one consumer of the driver's events: summaries, plus whatever sinks the caller gives.
 
-:func:`run_online` drives streams through the compiled loop and keeps what the events
-carry (summaries, final states, log records); the CLI consumes the same events from
-:func:`rmm_jax.online.driver.drive` and writes them to disk instead.
+:func:`rmm_jax.online.driver.drive` yields what happened; a :class:`Recorder` keeps the
+prequential summaries (online and base retriever) of every finished user and hands each
+event to its sinks in order (:mod:`rmm_jax.online.sinks`: the policy store, the citation
+log, the run-state), so the CLI, :func:`run_online` and the benchmarks share one loop
+body::
+
+    recorder = Recorder(program.layout.m, sinks=[PolicySink(store, program), LogSink(log)])
+    for event in drive(chunks, program, params):
+        recorder.feed(event)          # returns the number of users finished by the event
+    result = recorder.result()
 
 Examples:
   >>> import jax, rmm_jax as rj
-  >>> from rmm_jax.data import make_synthetic  # doctest: +SKIP
-  >>> result = run_online(streams, params, rj.Config(), cite_fn=precision_recall_oracle(0.9, 0.9))  # doctest: +SKIP
-  >>> result.summary["recall@5"]  # doctest: +SKIP
+  >>> from rmm_jax.data.citations import oracle
+  >>> from rmm_jax.online.vectors import VectorSpec, vector_users
+  >>> streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=[0, 1])
+  >>> program = rj.make_run(*rj.preset("default", k=6, m=2), cite_fn=oracle())
+  >>> result = rj.run_online(streams, program, rj.init_reranker(jax.random.key(0), 16))
+  >>> result.summary["queries"], sorted(result.recall)
+  (16, ['u0000000', 'u0000001'])
 """
 from __future__ import annotations
 
@@ -16,11 +27,14 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from rmm_jax.core.update import CiteFn, Config
+import jax
+
+from rmm_jax.core.types import SharedState
+from rmm_jax.core.update import CiteFn
 from rmm_jax.data.citations import check_rate, oracle_cite
 from rmm_jax.errors import InputError
-from rmm_jax.online.driver import ChunkDone, drive
-from rmm_jax.online.loop import make_run
+from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Event, SegmentDone, drive
+from rmm_jax.online.loop import Program
 from rmm_jax.online.streams import Stream, log_records
 from rmm_jax.online.summary import Summary, base_values
 
@@ -29,11 +43,83 @@ from rmm_jax.online.summary import Summary, base_values
 class OnlineResult:
     summary: dict          # prequential summary of the run (see rmm_jax.online.summary)
     base: dict             # the base retriever's summary on the same queries
-    user_ids: list
-    states: list           # per chunk: stacked UserState, host numpy
-    chunk_users: list      # per chunk: user ids
+    user_ids: list         # in the order the users finished
+    states: list           # per chunk: stacked UserState, host numpy (when kept)
+    chunk_users: list      # per chunk: user ids (when states are kept)
     records: list          # log records (dicts), simulate only, when asked for
     recall: dict           # user id -> (T,) prequential Recall@M per query (stream order; valid ones count)
+    shared: SharedState | None = None   # the shared part after the last chunk
+
+
+class Recorder:
+    """Consumes :func:`rmm_jax.online.driver.drive`'s events (see the module docstring).
+
+    ``sinks`` receive ``segment(SegmentDone)``, ``chunk(ChunkDone)`` and, for a chunk done
+    before a resume, ``restore(ChunkSkipped) -> outputs`` (the first sink that has it).
+    ``keep_states``: keep every chunk's final states in the result; ``keep_records``: keep
+    the simulated citation-log records.
+    """
+
+    def __init__(self, m: int, *, sinks: Sequence = (), keep_states: bool = False, keep_records: bool = False):
+        self.m, self.sinks = m, list(sinks)
+        self.keep_states, self.keep_records = keep_states, keep_records
+        self.online, self.base = Summary(m), Summary(m)
+        self.states, self.chunk_users, self.records, self.recall, self.user_ids = [], [], [], {}, []
+        self.shared = None
+
+    def feed(self, event: Event) -> int:
+        """Take one event; returns how many users it finished (for a progress bar)."""
+        match event:
+            case SegmentDone():
+                for s in self.sinks:
+                    if hasattr(s, "segment"):
+                        s.segment(event)
+                return 0
+            case ChunkSkipped(streams=streams):
+                restorers = [s for s in self.sinks if hasattr(s, "restore")]
+                if not restorers:
+                    raise ValueError("resume: a skipped chunk needs a sink that restores its outputs")
+                outputs = restorers[0].restore(event)
+                for s in self.sinks:
+                    if hasattr(s, "replayed"):
+                        s.replayed(event, outputs)
+                self._add(streams, outputs)
+                return len(streams)
+            case ChunkDone(streams=streams, outputs=outputs):
+                for s in self.sinks:
+                    if hasattr(s, "chunk"):
+                        s.chunk(event)
+                self._add(streams, outputs)
+                self.shared = event.shared
+                if self.keep_states:
+                    self.states.append(event.states)
+                    self.chunk_users.append([s.user_id for s in streams])
+                if self.keep_records:
+                    self.records.extend(r for s in streams for r in chunk_records(s, outputs))
+                return len(streams)
+        raise TypeError(f"not a driver event: {event!r}")
+
+    def _add(self, streams, outputs) -> None:
+        for s in streams:
+            out = outputs[s.user_id]
+            self.online.add(s.user_id, out["recall"], out["ndcg"], s.valid)
+            self.base.add(s.user_id, *base_values(s, self.m), s.valid)
+            self.recall[s.user_id] = out["recall"]
+            self.user_ids.append(s.user_id)
+
+    def result(self) -> OnlineResult:
+        if not self.online.per_user:
+            raise InputError("no users to run", where="users")
+        return OnlineResult(self.online.result(), self.base.result(), self.user_ids, self.states, self.chunk_users,
+                            self.records, self.recall, self.shared)
+
+
+def chunk_records(stream: Stream, outputs: dict) -> list[dict]:
+    """The citation-log records of one simulated user of a chunk (empty for a replay)."""
+    out = outputs[stream.user_id]
+    if "selected" not in out:
+        return []
+    return log_records(stream, out["selected"], out["cited"], out["log_prob"])
 
 
 def precision_recall_oracle(precision: float, recall: float) -> CiteFn:
@@ -45,35 +131,26 @@ def precision_recall_oracle(precision: float, recall: float) -> CiteFn:
     return functools.partial(oracle_cite, precision=precision, recall=recall)
 
 
-def run_online(streams: Sequence[Stream], params, cfg: Config, *, cite_fn: CiteFn | None = None, seed: int = 0,
-               users_per_chunk: int = 8, want_log: bool = False, mesh=None, shared=None) -> OnlineResult:
-    """Simulate (``cite_fn`` given) or replay (the streams carry logged selections) over
-    streams in memory; every user starts from ``params`` (the shared part from ``shared``
-    when given, see :func:`rmm_jax.online.driver.drive`)."""
-    online, base = Summary(cfg.m), Summary(cfg.m)
-    states, chunk_users, records, recall = [], [], [], {}
+def run_online(streams: Sequence[Stream], program: Program, params, *, seed: int = 0, users_per_chunk: int = 8,
+               want_log: bool = False, mesh=None, shared: SharedState | None = None) -> OnlineResult:
+    """Simulate (``program`` built with a citation function) or replay (the streams carry
+    logged selections) over streams in memory, keeping the summaries, every chunk's final
+    states and, with ``want_log``, the simulated log records. Every user starts from
+    ``params``; the shared part from ``shared`` when given (see
+    :func:`rmm_jax.online.driver.drive`)."""
     chunks = [streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk)]
-    program = make_run(cfg, cite_fn)
-    for event in drive(chunks, params, cfg, program, seed=seed, users_per_chunk=users_per_chunk, mesh=mesh,
+    recorder = Recorder(program.layout.m, keep_states=True, keep_records=want_log)
+    for event in drive(chunks, program, params, seed=seed, users_per_chunk=users_per_chunk, mesh=mesh,
                        shared=shared):
-        if not isinstance(event, ChunkDone):
-            continue
-        for s in event.streams:
-            out = event.outputs[s.user_id]
-            online.add(s.user_id, out["recall"], out["ndcg"], s.valid)
-            recall[s.user_id] = out["recall"]
-            base.add(s.user_id, *base_values(s, cfg.m), s.valid)
-            if want_log and cite_fn is not None:
-                records.extend(log_records(s, out["selected"], out["cited"], out["log_prob"]))
-        states.append(event.states)
-        chunk_users.append([s.user_id for s in event.streams])
-    if not online.per_user:
-        raise InputError("no users to run", where="users")
-    return OnlineResult(online.result(), base.result(), [s.user_id for s in streams], states, chunk_users, records,
-                        recall)
+        recorder.feed(event)
+    return recorder.result()
 
 
-def simulate(streams: Sequence[Stream], params, cfg: Config, *, precision: float, recall: float,
-             **kw) -> OnlineResult:
-    """:func:`run_online` against the oracle citation simulator."""
-    return run_online(streams, params, cfg, cite_fn=precision_recall_oracle(precision, recall), **kw)
+def final_params(result: OnlineResult, program: Program, user_id: str):
+    """The reranker a user ended with in an in-memory run: its own part merged with the
+    final shared part."""
+    for users, ids in zip(result.states, result.chunk_users):
+        if user_id in ids:
+            local = jax.tree.map(lambda x: x[ids.index(user_id)], users.params)
+            return program.layout.scope.merge(result.shared.params if result.shared is not None else {}, local)
+    raise KeyError(user_id)

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from rmm_jax.core.update import Config
+from rmm_jax.core.config import Layout
 from rmm_jax.data.citation_log import LogRecord, NotGroupedError, iter_user_chunks, read_log
 from rmm_jax.data.citations import answer_support
 from rmm_jax.data.retrieval import retrieve_candidates
@@ -90,12 +90,12 @@ def bucket(n: int, minimum: int = 16) -> int:
     return -(-n // step) * step
 
 
-def stream_batches(streams: Sequence[Stream], cfg: Config) -> int:
+def stream_batches(streams: Sequence[Stream], layout: Layout) -> int:
     """Padded number of batches of a chunk of streams (see :func:`pad_streams`)."""
-    return bucket(max(-(-s.queries.shape[0] // cfg.batch) for s in streams), 4)
+    return bucket(max(-(-s.queries.shape[0] // layout.batch) for s in streams), 4)
 
 
-def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
+def pad_streams(streams: Sequence[Stream], layout: Layout, users_per_chunk: int, *,
                 batches_multiple: int = 1) -> ChunkData:
     """Stack streams into a :class:`ChunkData` of fixed shapes.
 
@@ -106,8 +106,8 @@ def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
     """
     assert 1 <= len(streams) <= users_per_chunk
     d = streams[0].bank.shape[1]
-    k, b = cfg.k, cfg.batch
-    n_batches = stream_batches(streams, cfg)
+    k, b = layout.k, layout.batch
+    n_batches = stream_batches(streams, layout)
     n_batches = -(-n_batches // batches_multiple) * batches_multiple
     t, n = n_batches * b, bucket(max(s.bank.shape[0] for s in streams), 32)
     u = users_per_chunk
@@ -118,7 +118,7 @@ def pad_streams(streams: Sequence[Stream], cfg: Config, users_per_chunk: int, *,
            "gold": np.zeros((u, t, k), bool), "num_gold": np.zeros((u, t), np.int32),
            "eval": np.zeros((u, t), bool), "present": np.zeros((u, t), bool)}
     if replay:
-        out.update(selected=np.full((u, t, cfg.m), -1, np.int32), cited=np.zeros((u, t, cfg.m), bool),
+        out.update(selected=np.full((u, t, layout.m), -1, np.int32), cited=np.zeros((u, t, layout.m), bool),
                    logged_log_prob=np.zeros((u, t), np.float32), has_logged=np.zeros((u, t), bool))
     if own_cite:
         out["cite_gold"] = np.zeros((u, t, k), bool)
@@ -205,17 +205,17 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
 # --------------------------------------------------------------------------- from a citation log
 
 
-def check_limits(rec: LogRecord, cfg: Config, log_path) -> None:
-    """A record may list at most ``cfg.k`` candidates and select at most ``cfg.m``."""
-    if len(rec.candidates) > cfg.k:
+def check_limits(rec: LogRecord, layout: Layout, log_path) -> None:
+    """A record may list at most ``layout.k`` candidates and select at most ``layout.m``."""
+    if len(rec.candidates) > layout.k:
         raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} has {len(rec.candidates)} "
-                         f"candidates, more than --k {cfg.k}", where=str(log_path))
-    if len(rec.selected) > cfg.m:
+                         f"candidates, more than --k {layout.k}", where=str(log_path))
+    if len(rec.selected) > layout.m:
         raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} selected {len(rec.selected)} "
-                         f"memories, more than --m {cfg.m}", where=str(log_path))
+                         f"memories, more than --m {layout.m}", where=str(log_path))
 
 
-def streams_from_log(store, records: Sequence[LogRecord], cfg: Config, log_path: str = "log") -> list[Stream]:
+def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log") -> list[Stream]:
     """Replay streams: per user, the logged queries in log order with their logged
     candidates, selections and citations (ids mapped to the store's memories)."""
     by_user: dict[str, list] = {}
@@ -226,16 +226,16 @@ def streams_from_log(store, records: Sequence[LogRecord], cfg: Config, log_path:
         user = store.user(uid)
         mem_index = {m: j for j, m in enumerate(user.memory_ids)}
         q_index = {q: i for i, q in enumerate(user.query_ids)}
-        t, k = len(recs), cfg.k
+        t, k = len(recs), layout.k
         cand = np.zeros((t, k), np.int32)
         cmask = np.zeros((t, k), bool)
-        sel = np.full((t, cfg.m), -1, np.int32)
-        cited = np.zeros((t, cfg.m), bool)
+        sel = np.full((t, layout.m), -1, np.int32)
+        cited = np.zeros((t, layout.m), bool)
         lp = np.zeros((t,), np.float32)
         has = np.zeros((t,), bool)
         qi = np.zeros((t,), np.int64)
         for i, r in enumerate(recs):
-            check_limits(r, cfg, log_path)
+            check_limits(r, layout, log_path)
             qi[i] = q_index[r.query_id]
             cand[i, :len(r.candidates)] = [mem_index[c] for c in r.candidates]
             cmask[i, :len(r.candidates)] = True
@@ -271,7 +271,7 @@ def known_ids(store, cache_users: int = 4) -> Callable:
     return lookup
 
 
-def scan_log(log_path, cfg: Config, *, known=None, skip_invalid: bool = False) -> dict:
+def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False) -> dict:
     """Validation pass over a whole log before any work, in bounded memory.
 
     Checks every record (schema, ``known`` ids, repeated pairs, the ``--k``/``--m``
@@ -283,17 +283,17 @@ def scan_log(log_path, cfg: Config, *, known=None, skip_invalid: bool = False) -
     try:
         for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid, report=report):
             for r in recs:
-                check_limits(r, cfg, log_path)
+                check_limits(r, layout, log_path)
             users += 1
     except NotGroupedError:
         records, report = read_log(log_path, known=known, skip_invalid=skip_invalid)
         for r in records:
-            check_limits(r, cfg, log_path)
+            check_limits(r, layout, log_path)
         return {**report, "users": len({r.user_id for r in records}), "grouped": False}
     return {**report, "users": users, "grouped": True}
 
 
-def log_chunks(store, log_path, cfg: Config, users_per_chunk: int, *, grouped: bool, known=None,
+def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
                skip_invalid: bool = False) -> Iterator[list[Stream]]:
     """Replay streams from a log, ``users_per_chunk`` users at a time.
 
@@ -302,10 +302,10 @@ def log_chunks(store, log_path, cfg: Config, users_per_chunk: int, *, grouped: b
     by user_id to stream it)."""
     if grouped:
         for recs in iter_user_chunks(log_path, users_per_chunk, known=known, skip_invalid=skip_invalid):
-            yield streams_from_log(store, recs, cfg, str(log_path))
+            yield streams_from_log(store, recs, layout, str(log_path))
         return
     records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
-    streams = streams_from_log(store, records, cfg, str(log_path))
+    streams = streams_from_log(store, records, layout, str(log_path))
     for i in range(0, len(streams), users_per_chunk):
         yield streams[i:i + users_per_chunk]
 

@@ -1,0 +1,150 @@
+"""What an online program is made of, in three separate parts, and the named presets.
+
+* :class:`Layout`: what shapes the arrays: the reranker's ``kind``/``hidden``, K candidates,
+  M shown, B queries per update, and the policy :class:`~rmm_jax.core.scope.Scope`.
+* :class:`Estimator`: what the REINFORCE estimate is: rewards, baseline, credit, the
+  sampling temperature τ and where it acts (``noise``), the importance-ratio clip.
+* the optimiser: any optax ``GradientTransformation``; :func:`rmm_jax.core.optim.adam` and
+  :func:`~rmm_jax.core.optim.sgd` are optax's, able to step on a factored gradient.
+
+:func:`rmm_jax.online.loop.make_run` binds the three once into a program; nothing else takes
+them again. :func:`preset` builds all three from a name and overrides (each override goes
+to the part that owns the field).
+
+Examples:
+  >>> s = preset("paper", k=10)
+  >>> s.layout.k, s.estimator.noise, s.optimizer.name, s.optimizer.lr
+  (10, 'unit', 'sgd', 0.001)
+  >>> preset("default", scope="hybrid", rank=4).layout.scope
+  Scope(name='hybrid', rank=4)
+  >>> Estimator(tau=0)
+  Traceback (most recent call last):
+  ...
+  ValueError: tau: must be > 0, got 0
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from rmm_jax.core import checks, optim
+from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS
+from rmm_jax.core.reranker import KINDS
+from rmm_jax.core.sampling import MODES
+from rmm_jax.core.scope import Scope
+
+NOISES = ("tempered", "unit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The shapes of a program: frozen and hashable (its fields are static under jit)."""
+    kind: str = "linear"
+    hidden: int | None = None
+    k: int = 20                  # candidates from the base retriever
+    m: int = 5                   # memories shown to the generator
+    batch: int = 4               # queries per update (paper: 4)
+    scope: Scope = Scope()       # who learns from whose citations
+
+    def __post_init__(self):
+        c = checks.require
+        c(self.kind in KINDS, "kind", f"must be one of {KINDS}")
+        c(self.kind == "mlp" or self.hidden is None, "hidden", "only the `mlp` kind has a hidden width")
+        c(isinstance(self.k, int) and self.k >= 1, "k", f"must be >= 1, got {self.k}")
+        c(isinstance(self.m, int) and 1 <= self.m <= self.k, "m", f"must be in [1, k={self.k}], got {self.m}")
+        c(isinstance(self.batch, int) and self.batch >= 1, "batch", f"must be >= 1, got {self.batch}")
+        c(isinstance(self.scope, Scope), "scope", f"must be a Scope, got {self.scope!r}")
+        self.scope.validate(self.kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """The REINFORCE estimator: frozen and hashable. Defaults are the ``default`` preset."""
+    reward: str = "binary"       # binary | pm1
+    baseline: str = "batch_mean"  # constant | batch_mean | running_mean | query_mean
+    baseline_value: float = 0.5  # b for `constant`; start value for `running_mean`
+    ema: float = 0.9             # running_mean decay
+    mode: str = "plackett_luce"  # plackett_luce | rmm
+    credit: str = "item"         # item | reward_to_go | selection
+    tau: float = 0.1
+    noise: str = "tempered"      # tempered: top-M of s/τ + g (PL at τ) | unit: top-M of s + g, τ only in log P
+    clip: float = 5.0            # importance-ratio ceiling for off-policy replay
+    on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
+
+    def __post_init__(self):
+        c = checks.require
+        c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
+        c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
+        c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
+        c(self.mode in MODES, "mode", f"must be one of {MODES}")
+        c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
+        c(self.tau > 0 and self.tau < float("inf"), "tau", f"must be > 0, got {self.tau}")
+        c(self.noise in NOISES, "noise", f"must be one of {NOISES}, got {self.noise!r}")
+        c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
+
+    @property
+    def sample_tau(self) -> float:
+        """The temperature of the behaviour policy's Plackett–Luce sample: τ for tempered
+        noise (top-M of s/τ + g), 1 for unit noise (top-M of s + g, the paper's literal
+        sampler, where τ enters only the rmm log-prob)."""
+        return self.tau if self.noise == "tempered" else 1.0
+
+    @property
+    def loss_tau(self) -> float:
+        """The temperature inside the loss's log-prob: τ for the paper's ``rmm`` surrogate,
+        else the sampler's (the exact log-probability of the sample)."""
+        return self.tau if self.mode == "rmm" else self.sample_tau
+
+
+class Setting(NamedTuple):
+    """The three parts of a program, as :func:`preset` builds them."""
+    layout: Layout
+    estimator: Estimator
+    optimizer: Any               # an optax GradientTransformation (rmm_jax.core.optim.Optimizer by default)
+
+
+# Each preset overrides fields of Layout, Estimator, or the optimiser (``optimizer``, ``lr``).
+PRESETS: dict[str, dict] = {
+    # Chosen by measurement on LoCoMo (README, "Choosing the defaults").
+    "default": dict(optimizer="adam", lr=3e-4),
+    # The RMM update as the paper writes it (Tan et al., 2025, §4.2 Retrospective
+    # Reflection, and App. B): s̃ = s + g with unit Gumbel g, the top-M of s̃ shown,
+    # p = softmax(s̃/τ), rewards ±1, b = 0.5, Δφ = η (R − b) ∇ log P with plain SGD,
+    # η = 1e-3, batch 4, τ = 0.5. Reading taken where it is ambiguous: each shown memory's
+    # own R − b weighs its own log p (credit "item"); see README, "Paper fidelity".
+    "paper": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
+                  mode="rmm", credit="item", optimizer="sgd", noise="unit"),
+    # The earlier "paper" preset: the same rewards, baseline and rmm log-prob, but the
+    # Gumbel noise scaled by τ (a Plackett–Luce sample at temperature τ) and Adam.
+    "tempered_adam": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
+                          mode="rmm", credit="item", optimizer="adam"),
+}
+
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+ESTIMATOR_FIELDS = tuple(f.name for f in dataclasses.fields(Estimator))
+OPTIMIZER_FIELDS = ("optimizer", "lr")
+
+
+def preset(name: str = "default", *, rank: int | None = None, **overrides) -> Setting:
+    """The :class:`Setting` of preset ``name`` with ``overrides`` (fields of :class:`Layout`,
+    :class:`Estimator`, ``optimizer`` (a name in :data:`rmm_jax.core.optim.OPTIMIZERS`) and
+    ``lr``). ``scope`` may be a name, with ``rank`` for hybrid. A bad value raises
+    ``ValueError("field: message")``."""
+    checks.require(name in PRESETS, "preset", f"must be one of {tuple(PRESETS)}, got {name!r}")
+    values = {**PRESETS[name], **overrides}
+    unknown = sorted(set(values) - set(LAYOUT_FIELDS) - set(ESTIMATOR_FIELDS) - set(OPTIMIZER_FIELDS))
+    checks.require(not unknown, unknown[0] if unknown else "", "is not a setting")
+    scope = values.get("scope", Scope())
+    if not isinstance(scope, Scope):
+        scope = Scope.named(scope, rank)
+    elif rank is not None:
+        scope = Scope.named(scope.name, rank)
+    layout = Layout(**{k: v for k, v in values.items() if k in LAYOUT_FIELDS and k != "scope"}, scope=scope)
+    estimator = Estimator(**{k: v for k, v in values.items() if k in ESTIMATOR_FIELDS})
+    return Setting(layout, estimator, optim.make(values["optimizer"], values["lr"]))
+
+
+def describe(layout: Layout, estimator: Estimator, optimizer) -> dict:
+    """A JSON-ready record of a program's parts (reports and run-state fingerprints)."""
+    lay = {**dataclasses.asdict(layout), "scope": layout.scope.name, "rank": layout.scope.rank}
+    return {"layout": lay, "estimator": dataclasses.asdict(estimator), "optimizer": optim.describe(optimizer)}

@@ -1,0 +1,119 @@
+"""Who learns from whose citations: the one place that knows the three policy scopes.
+
+A user's reranker is ``merge(shared, local_u)`` (:func:`rmm_jax.core.reranker.merge_params`):
+
+    user     every user has a private reranker φ_u: shared part {}, local part φ_u;
+    shared   one reranker φ for all users: shared part φ, local part {};
+    hybrid   φ_u = (W_q, W_m) shared + (A_q^u, B_q^u, A_m^u, B_m^u) per user: the low-rank
+             residual K^u = K + A^u B^uᵀ of each adapter (rank r, LoRA; Hu et al., ICLR 2022).
+
+So scope ``user`` is the case with an empty shared part, and one update
+(:func:`rmm_jax.core.update.make_update`) serves all three: the shared part learns from
+the mean of the active users' gradients (nothing, when it is empty), each local part from
+its own user's. Everything else (the loop, the policy store, the CLI) asks a :class:`Scope`
+how to split, merge, start and record a policy, and never tests the scope's name.
+
+Examples:
+  >>> import jax, rmm_jax as rj
+  >>> p = rj.init_reranker(jax.random.key(0), 4)
+  >>> shared, local = Scope.named("hybrid", rank=2).split(p, jax.random.key(1))
+  >>> sorted(shared["q_adapter"]), sorted(local["q_adapter"]), local["q_adapter"]["lora"]["a"].shape
+  (['W'], ['lora'], (4, 2))
+  >>> Scope.named("user").split(p, jax.random.key(1))[0]
+  {}
+  >>> Scope.from_meta({"scope": "hybrid", "rank": 8}).meta()
+  {'scope': 'hybrid', 'rank': 8}
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from rmm_jax.core import checks
+from rmm_jax.core.reranker import dim_of, init_lowrank, merge_params
+
+SCOPES = ("user", "shared", "hybrid")
+DEFAULT_RANK = 8
+LOWRANK_KEY = 0x10CA1  # folded into a user's key for its low-rank initialisation
+
+
+class Scope(NamedTuple):
+    """A policy scope: ``name`` in :data:`SCOPES` and, for ``hybrid``, the residual's rank."""
+    name: str = "user"
+    rank: int | None = None
+
+    @staticmethod
+    def named(name: str, rank: int | None = None) -> "Scope":
+        """The scope ``name``; ``rank`` is kept for ``hybrid`` only (default :data:`DEFAULT_RANK`).
+        Raises ``ValueError("scope: ...")``/``("rank: ...")`` for a bad value."""
+        checks.require(name in SCOPES, "scope", f"must be one of {SCOPES}, got {name!r}")
+        if name != "hybrid":
+            return Scope(name, None)
+        rank = DEFAULT_RANK if rank is None else rank
+        checks.require(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, "rank",
+                       f"must be >= 1, got {rank!r}")
+        return Scope(name, rank)
+
+    # ---- what each scope shares
+
+    @property
+    def has_shared(self) -> bool:
+        """Whether users share a part that learns from all of them (``shared``, ``hybrid``)."""
+        return self.name != "user"
+
+    @property
+    def local_is_full(self) -> bool:
+        """Whether a user's local part is a whole reranker (``user``)."""
+        return self.name == "user"
+
+    def validate(self, kind: str, dim: int | None = None) -> None:
+        """``hybrid`` adapts the linear reranker's W with a residual of rank below d."""
+        if self.name != "hybrid":
+            return
+        checks.require(kind == "linear", "scope", "hybrid needs the linear reranker (the low-rank residual "
+                                                  "adapts its W)")
+        if dim is not None:
+            checks.require(self.rank < dim, "rank", f"must be in [1, d={dim}), got {self.rank}")
+
+    # ---- params
+
+    def split(self, params, key):
+        """``(shared, local)`` parts of a starting policy ``params`` for one user: ``user``
+        ``({}, params)``; ``shared`` ``(params, {})``; ``hybrid`` ``(params, low-rank zero
+        residual)`` with a key derived from ``key``, so the user scores exactly as ``params``."""
+        if self.name == "user":
+            return {}, params
+        if self.name == "shared":
+            return params, {}
+        return params, init_lowrank(jax.random.fold_in(key, LOWRANK_KEY), dim_of(params), self.rank)
+
+    def shared_part(self, params):
+        """The shared part of ``params`` (``{}`` in scope ``user``)."""
+        return params if self.has_shared else {}
+
+    @staticmethod
+    def merge(shared, local):
+        """A user's reranker from its two parts (:func:`rmm_jax.core.reranker.merge_params`)."""
+        return merge_params(shared, local)
+
+    # ---- what a policy store records
+
+    def meta(self) -> dict:
+        """The policy store's record of this scope: ``{"scope": name}`` plus ``rank`` for hybrid."""
+        return {"scope": self.name, **({"rank": self.rank} if self.rank is not None else {})}
+
+    @staticmethod
+    def from_meta(meta: dict) -> "Scope":
+        """The scope a policy store's metadata records (absent: ``user``, the first stores')."""
+        return Scope.named(meta.get("scope") or "user", meta.get("rank"))
+
+    def mismatch(self, stored: "Scope") -> tuple[str, str] | None:
+        """``(option, message)`` when a store of scope ``stored`` cannot take this scope's
+        policies, else None."""
+        if stored.name != self.name:
+            return "--scope", (f"holds '{stored.name}'-scope policies, not '{self.name}' "
+                               f"(use --scope {stored.name} or a new --policies)")
+        if stored.rank != self.rank:
+            return "--rank", f"holds rank-{stored.rank} residuals, not rank {self.rank}"
+        return None

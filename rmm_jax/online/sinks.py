@@ -1,0 +1,87 @@
+"""Where a run's results go: the sinks a :class:`rmm_jax.online.run.Recorder` hands events to.
+
+Each sink takes only the events it cares about (a method per event kind), in the order
+the caller lists them; the CLI lists the policy store, then the citation log, then the
+run-state, so a checkpoint that counts a chunk as done always comes after that chunk's
+policies and log records were written.
+
+* :class:`PolicySink`: every finished chunk's users go to the policy store as one new
+  version (with the shared part, in scopes that have one, saved after them).
+* :class:`LogSink`: the simulated citation-log records of every finished (or restored)
+  chunk.
+* :class:`RunStateSink`: checkpoints (:mod:`rmm_jax.persist.runstate`) at every segment
+  and chunk, and the saved outputs of chunks done before a resume.
+"""
+from __future__ import annotations
+
+from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Resume, SegmentDone
+from rmm_jax.online.loop import Program
+from rmm_jax.online.run import chunk_records
+
+
+def user_info(stream, outputs: dict, m: int) -> dict:
+    """The JSON info stored with a user's new policy version."""
+    out = outputs[stream.user_id]
+    return {"queries_seen": int(stream.queries.shape[0]),
+            f"prequential_recall@{m}": float(out["recall"][stream.valid].mean()) if stream.valid.any() else None}
+
+
+class PolicySink:
+    """Saves each finished chunk to a :class:`rmm_jax.persist.policy_store.PolicyStore`."""
+
+    def __init__(self, store, program: Program):
+        self.store, self.program = store, program
+
+    def chunk(self, event: ChunkDone) -> None:
+        m = self.program.layout.m
+        self.store.save_batch([s.user_id for s in event.streams], event.states,
+                              [user_info(s, event.outputs, m) for s in event.streams])
+        if self.program.layout.scope.has_shared:
+            self.store.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
+
+
+class LogSink:
+    """Writes the simulated citation-log records to a :class:`rmm_jax.data.citation_log.LogWriter`."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def chunk(self, event: ChunkDone) -> None:
+        self.writer.write([r for s in event.streams for r in chunk_records(s, event.outputs)])
+
+    def replayed(self, event: ChunkSkipped, outputs: dict) -> None:
+        self.writer.write([r for s in event.streams for r in chunk_records(s, outputs)])
+
+
+class RunStateSink:
+    """Checkpoints to a :class:`rmm_jax.persist.runstate.RunState` and restores skipped chunks."""
+
+    def __init__(self, runstate):
+        self.rs = runstate
+
+    def segment(self, event: SegmentDone) -> None:
+        self._checkpoint(event.resume())
+
+    def chunk(self, event: ChunkDone) -> None:
+        self.rs.save_done(event.chunk, event.outputs)
+        self._checkpoint(event.resume())
+
+    def restore(self, event: ChunkSkipped) -> dict:
+        return self.rs.load_done(event.chunk)
+
+    def _checkpoint(self, resume: Resume) -> None:
+        self.rs.save({"chunks_done": resume.chunks_done, "segments_done": resume.segments_done},
+                     {"states": resume.states, "outputs": resume.outputs, "shared": resume.shared})
+
+
+def resume_point(runstate) -> Resume | None:
+    """The :class:`Resume` of a run-state's restored checkpoint (None: start afresh)."""
+    ck = runstate.restored if runstate is not None else None
+    if ck is None:
+        return None
+    m, t = ck.meta, ck.trees
+    resume = Resume(m["chunks_done"], m["segments_done"], t["states"], t["outputs"], t["shared"])
+    runstate.notify(f"resuming from {ck.path.name}: {resume.chunks_done} users chunks done"
+                    + (f", users chunk {resume.chunks_done + 1} at segment {resume.segments_done}"
+                       if resume.segments_done else ""))
+    return resume
