@@ -28,27 +28,27 @@ import argparse
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy BLAS threads spin against XLA on a small, busy machine
-import resource
-import shutil
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import spread, write_result  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.scope import DEFAULT_RANK  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
-from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
+from rmm_jax.online.driver import drive  # noqa: E402
 from rmm_jax.online.loop import make_run  # noqa: E402
-from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
+from rmm_jax.online.run import Recorder, precision_recall_oracle  # noqa: E402
 from rmm_jax.online.scoring import user_params  # noqa: E402
+from rmm_jax.online.sinks import PolicySink  # noqa: E402
 from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
-from rmm_jax.persist.atomic import write_json  # noqa: E402
 from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
 
 
@@ -60,35 +60,45 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+class TimedSaves(PolicySink):
+    """The CLI's policy sink, timed, writing at most ``limit`` users (the shared part always)."""
+
+    def __init__(self, store, program, limit: int):
+        super().__init__(store, program)
+        self.limit, self.saved, self.seconds = limit, 0, 0.0
+
+    def chunk(self, event) -> None:
+        t = time.perf_counter()
+        if self.saved < self.limit:
+            super().chunk(event)
+            self.saved += len(event.streams)
+        elif self.program.layout.scope.has_shared:
+            self.store.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
+        self.seconds += time.perf_counter() - t
+
+
+def program_for(scope: str, args, spec: VectorSpec):
+    setting = rj.preset("default", k=spec.k, m=5, scope=scope, rank=args.rank)
+    return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
+
+
 def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
-    cfg = rj.Config(k=spec.k, m=5, scope=scope, rank=args.rank)
+    program = program_for(scope, args, spec)
     params = rj.init_reranker(jax.random.key(0), spec.dim)
-    meta = {"kind": "linear", "dim": spec.dim, "hidden": None, "scope": scope,
-            **({"rank": args.rank} if scope == "hybrid" else {}), "config": {"benchmark": "scale"}}
+    meta = {"kind": "linear", "dim": spec.dim, "hidden": None, **program.layout.scope.meta(),
+            "config": {"benchmark": "scale"}}
     path = root / f"policies-{scope}"
     ps = PolicyStore.create(path, meta, params)
-    program = make_run(cfg, precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
-    save_limit = args.user_save_limit if scope == "user" else args.users
-    saved, save_s, recall_sum, n_q = 0, 0.0, 0.0, 0
+    saves = TimedSaves(ps, program, args.user_save_limit if scope == "user" else args.users)
+    recorder = Recorder(program.layout.m, sinks=[saves])
     t0 = time.perf_counter()
     chunks = vector_chunks(spec, args.seed, args.users, args.chunk)
     with ps.writer(), tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar:
-        for e in drive(chunks, params, cfg, program, seed=args.seed, users_per_chunk=args.chunk):
-            if not isinstance(e, ChunkDone):
-                continue
-            ts = time.perf_counter()
-            if saved < save_limit:
-                ids = [s.user_id for s in e.streams]
-                ps.save_batch(ids, e.states)
-                saved += len(ids)
-            if scope != "user":
-                ps.set_shared(e.shared.params)
-            save_s += time.perf_counter() - ts
-            for o in e.outputs.values():
-                recall_sum += float(o["recall"].sum())
-                n_q += o["recall"].shape[0]
-            bar.update(len(e.streams))
+        for e in drive(chunks, program, params, seed=args.seed, users_per_chunk=args.chunk):
+            bar.update(recorder.feed(e))
     total_s = time.perf_counter() - t0
+    summary = recorder.result().summary
+    saved, save_s, n_q = saves.saved, saves.seconds, summary["queries"]
     # Loading one user: open the store afresh, then the user's usable params.
     rng = np.random.default_rng(0)
     users = ps.users()
@@ -103,11 +113,10 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
     row = {"scope": scope, "users": args.users, "queries_per_user": spec.queries, "dim": spec.dim,
            "rank": args.rank if scope == "hybrid" else None, "users_per_chunk": args.chunk,
            "seconds": round(total_s, 1), "save_seconds": round(save_s, 1),
-           "queries_per_s": round(n_q / total_s, 1), "prequential_recall@5": recall_sum / max(n_q, 1),
+           "queries_per_s": round(n_q / total_s, 1), "prequential_recall@5": summary["recall@5"],
            "users_saved": saved, "store_bytes": disk, "bytes_per_user_on_disk": user_bytes,
            "store_bytes_per_saved_user": disk / max(saved, 1),
-           "load_one_user_s": {"median": float(np.median(loads)), "min": float(np.min(loads)),
-                               "max": float(np.max(loads)), "n": len(loads)},
+           "load_one_user_s": spread(loads),
            "peak_rss_mb_so_far": round(peak_rss_mb(), 1), "loadavg": os.getloadavg()}
     if not args.keep:
         shutil.rmtree(path, ignore_errors=True)
@@ -119,14 +128,12 @@ def throughput(args) -> dict:
     spec = VectorSpec(dim=args.dim, memories=100, queries=200)
     chunks = [list(c) for c in vector_chunks(spec, args.seed, args.tp_users, args.chunk)]
     params = rj.init_reranker(jax.random.key(0), spec.dim)
-    cite = precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL)
-    configs = {s: rj.Config(k=spec.k, m=5, scope=s, rank=args.rank) for s in ("user", "hybrid")}
-    programs = {s: (c, make_run(c, cite)) for s, c in configs.items()}
+    programs = {s: program_for(s, args, spec) for s in ("user", "hybrid")}
     times = {s: [] for s in programs}
     for rep in range(args.repeats + 1):                     # repeat 0 compiles (not counted)
-        for s, (cfg, program) in programs.items():
+        for s, program in (programs.items() if rep % 2 else reversed(programs.items())):
             t0 = time.perf_counter()
-            for _ in drive(chunks, params, cfg, program, seed=args.seed, users_per_chunk=args.chunk):
+            for _ in drive(chunks, program, params, seed=args.seed, users_per_chunk=args.chunk):
                 pass
             if rep:
                 times[s].append(time.perf_counter() - t0)
@@ -136,10 +143,7 @@ def throughput(args) -> dict:
     ratios = [h / u for h, u in zip(qps["hybrid"], qps["user"])]
     return {"users": args.tp_users, "queries_per_user": spec.queries, "dim": spec.dim, "rank": args.rank,
             "users_per_chunk": args.chunk, "repeats": args.repeats,
-            "queries_per_s": {s: {"median": float(np.median(v)), "min": float(np.min(v)), "max": float(np.max(v))}
-                              for s, v in qps.items()},
-            "hybrid_over_user": {"median": float(np.median(ratios)), "min": float(np.min(ratios)),
-                                 "max": float(np.max(ratios))},
+            "queries_per_s": {s: spread(v) for s, v in qps.items()}, "hybrid_over_user": spread(ratios),
             "loadavg": os.getloadavg()}
 
 
@@ -148,7 +152,7 @@ def main(argv=None):
     ap.add_argument("--users", type=int, default=10_000)
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--rank", type=int, default=rj.Config().rank)
+    ap.add_argument("--rank", type=int, default=DEFAULT_RANK)
     ap.add_argument("--scopes", default="hybrid", help="comma-separated scopes to run one after another")
     ap.add_argument("--chunk", type=int, default=250, help="users per compiled call")
     ap.add_argument("--user-save-limit", type=int, default=200, help="users of scope `user` written to disk")
@@ -160,8 +164,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    out = {"command": "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": {"cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}}
+    out = {"machine": {"cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}}
     if args.throughput:
         out["throughput"] = throughput(args)
         t = out["throughput"]
@@ -183,7 +186,7 @@ def main(argv=None):
         if not args.keep and args.root is None:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        write_json(args.json, out)
+        write_result(args.json, out)
 
 
 if __name__ == "__main__":

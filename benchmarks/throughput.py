@@ -7,8 +7,8 @@ citations with the paper's precision/recall):
 * ``configs``: one user, one stream of ``--queries`` (512) queries, batch B=4:
   ``paper`` (linear, d=384, K=20, M=5), ``large`` (linear, d=1024, K=50, M=10) and
   ``mlp`` (d=384, hidden 384, K=20, M=5).
-  - rmm-jax: the library's own path, ``rmm_jax.online.loop.make_run(cfg, oracle_cite)`` on a
-    1-user chunk built by ``pad_streams`` (one jitted ``vmap``/``fori_loop``: score →
+  - rmm-jax: the library's own path, ``rmm_jax.make_run(*preset, cite_fn=oracle_cite)`` on a
+    1-user chunk built by ``program.pad`` (one jitted ``vmap``/``fori_loop``: score →
     prequential top-M eval → Gumbel top-M → oracle citations → REINFORCE + Adam).
     Compile time = ``run.lower(...).compile()``; a timed run = one call of the compiled
     executable on fresh states (data already on device; result blocked on).
@@ -72,36 +72,31 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import sys
 import time
+from typing import NamedTuple
 
+import _ref_numpy as ref_numpy
+import _ref_torch as ref_torch
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-import ref_numpy  # noqa: E402
-import ref_torch  # noqa: E402
-import torch  # noqa: E402
+import torch
+from _common import spread as interval
+from _common import write_result
 
 try:
     from threadpoolctl import threadpool_limits
 except ImportError:  # NumPy's BLAS then keeps its default threads
     threadpool_limits = None
 
-import rmm_jax as rj  # noqa: E402
-from rmm_jax.data.citations import oracle_cite  # noqa: E402
-from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
-from rmm_jax.online.loop import init_states, make_run  # noqa: E402
-from rmm_jax.online.streams import Stream, bucket, pad_streams, user_key  # noqa: E402
-from rmm_jax.persist.atomic import write_json  # noqa: E402
+import rmm_jax as rj
+from rmm_jax.data.citations import oracle_cite
+from rmm_jax.online.driver import ChunkDone, drive
+from rmm_jax.online.loop import make_run
+from rmm_jax.online.streams import Stream, bucket, user_key
 
 B = 4
 
@@ -139,12 +134,6 @@ def _timeit(fn):
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def interval(values) -> dict:
-    """Median, min and max of per-repeat values (and the values)."""
-    v = [float(x) for x in values]
-    return {"median": float(np.median(v)), "min": min(v), "max": max(v), "values": v}
 
 
 _COPY_LOOPS: dict = {}
@@ -213,14 +202,14 @@ def floor_for(d, k, bandwidth_GBps, matmul_GFLOPs, n_params):
 
 # --------------------------------------------------------------------------- one-user configs
 
-def jax_runner(stream, cfg, params, seed=0):
+def jax_runner(stream, setting, params, seed=0):
     """(compile seconds, run()): run() times one call of the compiled loop on fresh states."""
-    run = make_run(cfg, oracle_cite)
-    data = jax.device_put(pad_streams([stream], cfg, 1))
-    fresh = lambda: init_states(params, cfg, jnp.stack([user_key(seed, stream.user_id)]))
+    program = make_run(*setting, cite_fn=oracle_cite)
+    data = jax.device_put(program.pad([stream], 1))
+    fresh = lambda: program.init(params, jnp.stack([user_key(seed, stream.user_id)]))
     states = block(fresh())
     t0 = time.perf_counter()
-    compiled = run.lower(states, data, 0).compile()
+    compiled = program.run.lower(states, data, 0).compile()
     compile_s = time.perf_counter() - t0
 
     def once():
@@ -230,6 +219,21 @@ def jax_runner(stream, cfg, params, seed=0):
         return time.perf_counter() - t0
 
     return compile_s, once
+
+
+class Flat(NamedTuple):
+    """The fields of a setting the references read."""
+    kind: str
+    hidden: int | None
+    m: int
+    batch: int
+    tau: float
+    lr: float
+
+
+def flat(setting) -> Flat:
+    lay, est, opt = setting
+    return Flat(lay.kind, lay.hidden, lay.m, lay.batch, est.tau, opt.lr)
 
 
 def torch_runner(stream, cfg, params, fused=False, seed=0):
@@ -277,27 +281,30 @@ def numpy_runner(stream, cfg, seed=0):
     return once
 
 
-def profile_substeps(cfg, params, d, k, repeats=20):
+def profile_substeps(setting, params, d, k, repeats=20):
     """Time the pieces of one jitted update on one user's batch (why a config is slow)."""
+    layout, est, opt = setting
+    cfg = flat(setting)
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((B, d), dtype=np.float32))
     m = jnp.asarray(rng.standard_normal((B, k, d), dtype=np.float32))
     mask = jnp.ones((B, k), bool)
-    opt = rj.make_optimizer(cfg)
     opt_state = opt.init(params)
     g = jax.tree.map(jnp.ones_like, params)
     sel = jnp.tile(jnp.arange(cfg.m, dtype=jnp.int32)[None], (B, 1))
     batch = rj.Batch(q=q, m=m, mask=mask, selected=sel, cited=jnp.zeros((B, cfg.m), bool).at[:, 0].set(True),
                      gumbel=jnp.zeros((B, k)), valid=jnp.ones((B,), bool), logged_log_prob=jnp.zeros((B,)),
                      has_logged=jnp.zeros((B,), bool))
-    apply = rj.make_apply_update(cfg)
-    ls = rj.init_learner_state(jax.random.key(0), cfg)
+    batch = jax.tree.map(lambda x: x[None], batch._replace(scores=rj.score_batch(params, q, m, mask)))
+    apply = rj.make_update(layout, est, opt)
+    shared = rj.init_shared(params, layout, opt)
+    user = jax.tree.map(lambda x: x[None], rj.init_user(params, jax.random.key(0), layout, est, opt))
     fns = {
         "score_batch": (jax.jit(lambda p: rj.score_batch(p, q, m, mask)), (params,)),
         "value_and_grad": (jax.jit(lambda p: jax.value_and_grad(
             lambda pp: jnp.sum(rj.score_batch(pp, q, m, mask) ** 2))(p)), (params,)),
         "adam_update": (jax.jit(lambda gg, st, p: _adam(opt, gg, st, p)), (g, opt_state, params)),
-        "apply_update (all)": (jax.jit(lambda p, st: apply(rj.UserState(p, st, ls), batch)), (params, opt_state)),
+        "update (all)": (jax.jit(lambda u: apply(shared, u, batch)), (user,)),
     }
     out = {}
     for name, (fn, args) in fns.items():
@@ -360,13 +367,15 @@ def run_configs(args, machine):
     for name, sp in config_specs(args.quick).items():
         rng = np.random.default_rng(0)
         stream = make_stream(rng, "bench-user", sp["d"], sp["k"], args.queries, args.bank)
-        cfg = rj.Config(kind=sp["kind"], hidden=sp.get("hidden"), k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
+        setting = rj.preset("default", kind=sp["kind"], hidden=sp.get("hidden"), k=sp["k"], m=sp["m"], batch=B,
+                            credit="reward_to_go")
+        cfg = flat(setting)
         params = rj.init_reranker(jax.random.key(0), sp["d"], sp["kind"], sp.get("hidden"))
         n_params = sum(int(x.size) for x in jax.tree.leaves(params))
         linear = sp["kind"] == "linear"
         r = {**sp, "queries": args.queries, "batch": B, "params": n_params}
         runners = {}
-        r["rmm_jax_compile_s"], runners["rmm_jax"] = jax_runner(stream, cfg, params)
+        r["rmm_jax_compile_s"], runners["rmm_jax"] = jax_runner(stream, setting, params)
         runners["torch"] = torch_runner(stream, cfg, params)
         if linear:
             runners["torch_fused"] = torch_runner(stream, cfg, params, fused=True)
@@ -441,30 +450,30 @@ def run_users(args, machine):
     d, k, m = (32, 8, 3) if args.quick else (384, 20, 5)
     counts = [2, 4] if args.quick else [1, 10, 100, 1000]
     chunk_max = 2 if args.quick else args.chunk
-    cfg = rj.Config(k=k, m=m, batch=B, credit="reward_to_go")
     params = rj.init_reranker(jax.random.key(0), d)
     p_count = sum(int(x.size) for x in jax.tree.leaves(params))
     rng = np.random.default_rng(1)
     all_streams = [make_stream(rng, f"user{i:05d}", d, k, args.user_queries, args.bank) for i in range(max(counts))]
-    run = make_run(cfg, oracle_cite)
+    program = make_run(*rj.preset("default", k=k, m=m, batch=B, credit="reward_to_go"), cite_fn=oracle_cite)
+    keys = lambda streams: jnp.stack([user_key(0, s.user_id) for s in streams])
     compiled_by_chunk = {}
     for n_users in counts:
         chunk = min(n_users, chunk_max)
         if chunk not in compiled_by_chunk:
-            data = pad_streams(all_streams[:chunk], cfg, chunk)
-            states = init_states(params, cfg, jnp.stack([user_key(0, s.user_id) for s in all_streams[:chunk]]))
+            data = program.pad(all_streams[:chunk], chunk)
+            states = program.init(params, keys(all_streams[:chunk]))
             t0 = time.perf_counter()
-            compiled_by_chunk[chunk] = (run.lower(states, data, 0).compile(), time.perf_counter() - t0)
+            compiled_by_chunk[chunk] = (program.run.lower(states, data, 0).compile(), time.perf_counter() - t0)
 
     def drive_all(n_users):
         chunk = min(n_users, chunk_max)
         compiled = compiled_by_chunk[chunk][0]
         streams = all_streams[:n_users]
         chunks = [streams[i:i + chunk] for i in range(0, n_users, chunk)]
-        program = lambda s, dt, st, n_batches=None: compiled(s, dt, st)  # noqa: E731 - the precompiled loop
+        precompiled = program._replace(run=lambda s, dt, st, n_batches=None, group=None: compiled(s, dt, st))
         t0 = time.perf_counter()
         n_done = 0
-        for event in drive(chunks, params, cfg, program, users_per_chunk=chunk):
+        for event in drive(chunks, precompiled, params, users_per_chunk=chunk):
             if isinstance(event, ChunkDone):
                 n_done += len(event.states.learner_state.step)
         assert n_done == n_users
@@ -474,8 +483,8 @@ def run_users(args, machine):
         """The compiled program on one chunk already on the device: no host work."""
         chunk = min(n_users, chunk_max)
         compiled = compiled_by_chunk[chunk][0]
-        data = jax.device_put(pad_streams(all_streams[:chunk], cfg, chunk))
-        states = block(init_states(params, cfg, jnp.stack([user_key(0, s.user_id) for s in all_streams[:chunk]])))
+        data = jax.device_put(program.pad(all_streams[:chunk], chunk))
+        states = block(program.init(params, keys(all_streams[:chunk])))
         t0 = time.perf_counter()
         block(compiled(states, data, 0))
         return time.perf_counter() - t0
@@ -654,15 +663,15 @@ def main(argv=None):
     res["targets"] = targets(res)
     if not (args.no_profile or args.quick):
         sp = configs["paper"]
-        cfg = rj.Config(k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
-        res["profile"] = profile_substeps(cfg, rj.init_reranker(jax.random.key(0), sp["d"]), sp["d"], sp["k"],
+        setting = rj.preset("default", k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
+        res["profile"] = profile_substeps(setting, rj.init_reranker(jax.random.key(0), sp["d"]), sp["d"], sp["k"],
                                           repeats=50)
     res["total_s"] = time.perf_counter() - t_start
     print()
     print(report(res, args))
     print(f"\ntotal benchmark time {res['total_s']:.1f} s")
     if args.json:
-        write_json(args.json, json.loads(json.dumps(res, default=float)))  # numpy scalars → JSON numbers
+        write_result(args.json, res)
     if args.plot:
         import matplotlib  # lazy: only for --plot, and Agg must be chosen before pyplot loads
         matplotlib.use("Agg")
