@@ -29,8 +29,8 @@ memory, anchored at the retriever.
   sample at rmm-jax's temperature: before learning, both draw from the same law).
 * labels: every shown memory is one example, +1 cited, −1 not (importance 1), learned
   after the query is scored; VW learns after every query, rmm-jax after every batch of 4.
-* tuning: ``-l`` × ``--power_t`` (the knobs VW's own docs point to first; VW's default
-  adaptive, normalised updates stay on) on conversations 26 and 30 only, over
+* tuning: ``-l`` × ``--power_t`` (the knobs a VW user tunes first; VW's default adaptive,
+  normalised updates stay on) on conversations 26 and 30 only, over
   ``--tune-seeds``, separately for each citation model; 41–43 are the held-out report.
 
 **Ablation** (the ``vw_cb`` rows, exempt from the floor): the setting this benchmark used
@@ -38,8 +38,8 @@ before, ``--cb_explore_adf --softmax --lambda 10 --cb_type dm -l 0.1 -q QM`` (th
 its 12-setting grid), one contextual-bandit example per shown slot over the actions not
 yet shown, the retriever's score qᵀm as a feature in namespace ``B``. It ranks by VW's
 pmf, whose scores start at zero for every action: the retriever's score is one feature
-among ~148k, and it never gets weight (with and without it the result is the same), so
-it ends below the retriever. It shows what a contextual-bandit reduction without an
+among ~148k and never gets weight (in this benchmark's earlier runs, leaving it out changed
+Recall@5 in no digit), so it ends below the retriever. It shows what a contextual-bandit reduction without an
 anchor costs here.
 
 **rmm-jax** (the ``rmm_jax`` rows): the library's online loop (``make_run`` + ``drive``,
@@ -64,10 +64,10 @@ VW: per user a fresh workspace, the memories formatted as VW text once, then per
 the retriever logits, K predicts, the ranking, the Gumbel draw, the citations and M learn
 calls, single-threaded as VW runs (``vw_core_seconds``: inside predict and learn only).
 rmm-jax: ``drive`` (host padding, the compiled run over one chunk of all users, results
-copied back) after compile (``compile_s``: its first pass, compile included); a pass
-takes well under a second, so each is the median of ``--jax-timing-runs`` identical
-passes. Per seed VW and rmm-jax run back to back (interleaved); the ratio is taken per
-seed and summarised as median [min, max].
+copied back) after compile (``compile_s``: its first pass, compile included), XLA's CPU
+backend with its own threads, all users at once; a pass takes well under a second, so each
+is the median of ``--jax-timing-runs`` identical passes. Per seed VW and rmm-jax run back
+to back (interleaved); the ratio is taken per seed and summarised as median [min, max].
 """
 from __future__ import annotations
 
@@ -457,8 +457,11 @@ def main(argv=None):
     settings, tuning = {}, {}
     for cm in cms:
         if args.tuned is not None:
-            prev = json.loads(args.tuned.read_text())["vw"]["setting"][cm]
-            settings[cm] = VWSetting(prev["lr"], prev["power_t"], prev.get("l2", 0.0), args.bits)
+            try:
+                prev = json.loads(args.tuned.read_text())["vw"]["setting"][cm]
+                settings[cm] = VWSetting(float(prev["lr"]), float(prev["power_t"]), float(prev["l2"]), args.bits)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                sys.exit(f"error: --tuned {args.tuned}: no VW setting for citations {cm!r} ({type(e).__name__}: {e})")
         elif args.lr is not None:
             settings[cm] = VWSetting(args.lr, args.power_t, 0.0, args.bits)
         else:
@@ -549,15 +552,21 @@ def main(argv=None):
     if args.json:
         _common.write_result(args.json, out)
     if args.plot:
-        from rmm_jax.online.plot import plot_gains
-
-        plot_gains({f"{LEARNERS[n]} [{cm}]": results[cm][n]["gain_held_out"] for cm in cms for n in results[cm]},
-                   args.plot, title=f"{dataset.split(':')[0]} held-out gain in Recall@{m} over the retriever "
-                                    f"({len(seeds)} seeds, 95% interval)")
+        plot(out, args.plot)
     if failures:
         sys.exit("error: a learner ends below the retriever (a bug in the benchmark, not a result):\n  "
                  + "\n  ".join(failures))
     return out
+
+
+def plot(out: dict, path) -> None:
+    """The held-out gains over the retriever with their 95% intervals, one row per learner and citation model."""
+    from rmm_jax.online.plot import plot_gains
+
+    plot_gains({f"{LEARNERS[n].replace(' (ablation)', ' (abl.)')} [{cm}]": r["gain_held_out"]
+                for cm, res in out["results"].items() for n, r in res.items()}, path,
+               title=f"{out['dataset'].split(':')[0]}: held-out Recall@{out['m']} gain over the retriever\n"
+                     f"{len(out['seeds'])} seeds, 95% interval (grey: contains 0)")
 
 
 def _vw_version():
