@@ -152,6 +152,15 @@ def oracle_cite(is_gold, filled, rng, precision=PRECISION, recall=RECALL):
     return filled & (rng.random(is_gold.shape) < prob)
 
 
+def class_cite(is_gold, filled, rng, p_useful, p_other, spurious):
+    """rmm_jax.data.citations.class_cite's model: per call (last axis), a useful shown memory is
+    cited with p_useful, another with p_other, and every memory of a call that shows nothing
+    useful with spurious; unfilled slots never."""
+    useful = is_gold & filled
+    prob = np.where(useful, p_useful, np.where(useful.any(-1, keepdims=True), p_other, spurious))
+    return filled & (rng.random(is_gold.shape) < prob)
+
+
 def run_stream(p, opt, data, *, m=5, batch=4, tau=1.0, seed=0, fused=True):
     """The online loop over one user's stream (see module docstring). Returns per-batch Recall@M."""
     rng = np.random.default_rng(seed)

@@ -1,71 +1,78 @@
-"""Vowpal Wabbit as a peer: the same citation-driven reranking task, learned by VW's contextual bandit.
+"""Vowpal Wabbit as a peer: the same citation-driven reranking, learned by VW as its users would.
+
+    python benchmarks/peer_vw.py --json benchmarks/results/peer_vw.json --plot benchmarks/results/peer_vw.png
+    python benchmarks/peer_vw.py --synthetic --quick          # seconds, no LoCoMo data needed
 
 Vowpal Wabbit is what practitioners reach for to learn online from bandit feedback. This
-script runs it on the LoCoMo streams of ``benchmarks/quality_locomo.py`` (turn granularity,
-all-MiniLM-L6-v2, K=20 base-retriever candidates, M=5 shown), with the same citation
-simulator and the same prequential scoring as rmm-jax, and reports both side by side.
+script runs it on the LoCoMo streams of ``benchmarks/quality_locomo.py`` (turn memories,
+all-MiniLM-L6-v2, K = 20 base-retriever candidates, M = 5 shown), against the same
+citation simulators and with the same prequential Recall@5 as rmm-jax, and reports both
+side by side. A peer is configured as its best users would configure it, so one that ends
+below the retriever it reranks (no learning at all) is a bug in the benchmark: the script
+then exits 1 with the reason (after writing its JSON, so the evidence is kept).
 
-**VW's learner.** ``--cb_explore_adf --softmax --lambda λ --cb_type mtr -q QM`` (one VW
-workspace per user, as rmm-jax keeps one policy per user):
+**VW's learner** (the ``vw`` rows): per user one workspace
+``--loss_function logistic -q QM -b 22 -l η --power_t p``, a logistic regression per shown
+memory, anchored at the retriever.
 
-* features: the query embedding in namespace ``Q`` (shared example), each candidate
-  memory's embedding in namespace ``M`` (one action example each), and ``-q QM``, all d²
-  query × memory products, so VW's model contains the bilinear score qᵀWm of the reranker
-  (rmm-jax's linear kind scores q'ᵀm' = qᵀ(I+W_q)ᵀ(I+W_m)m, a bilinear form). Namespace
-  ``B`` carries the base retriever's score qᵀm, so VW can start from the retriever's
-  ranking as rmm-jax does (its residual adapters start at zero). ``--proj D`` projects
-  both embeddings with one fixed Gaussian matrix to D dims first (d²→D² features); the
-  default is no projection: VW runs all 147k interactions at d=384 at 20–80 queries/s on
-  the development machine (``dm`` / ``mtr``), fast enough for LoCoMo's 997 queries, and a
-  projection costs VW accuracy (recorded in the JSON).
-* policy: the softmax explorer gives a full pmf ∝ exp(−λ·predicted cost) over the K
-  candidates. The deterministic top-M (highest pmf first, ties in retriever order, so an
-  untrained VW ranks exactly as the retriever) is scored prequentially; the M shown
-  memories are drawn from the pmf without replacement (a Plackett–Luce sample, the same
-  exploration family as rmm-jax's Gumbel-top-M on s/τ).
-* slates: we chose ``--cb_explore_adf`` with one CB example per slot over
-  ``--ccb_explore_adf``. Slot j is learned as VW's conditional contextual bandit learns it:
-  a multi-line example with the actions not shown in slots < j, the shown memory labelled
-  with its cost (−1 cited, 0 not) and its probability under the slot's renormalised pmf.
-  ``--ccb_explore_adf`` itself ran about 90× slower per query here (325 ms vs 3.6 ms for
-  a predict at d=384; it adds slot interactions to every ``-q`` term) and cannot give a
-  deterministic ranking of all K candidates to score. ``--no_predict`` skips the
-  prediction a learn call would otherwise make first (its result is not used here).
-* hyperparameters: a grid over ``--cb_type`` (mtr, dm), ``-l`` (0.1, 0.5) and λ (1, 3, 10)
-  on conversations 26 and 30 only, seed 0, exactly where rmm-jax's default preset was
-  tuned; the held-out conversations 41–43 are reported. The JSON also records, on the
-  tuning conversations, the chosen setting without the base-score feature and with a
-  32- or 64-dim projection (what VW gains from each).
+* features: the query embedding in namespace ``Q``, the memory's in ``M``; ``-q QM`` adds
+  all d² products, so VW's score contains the bilinear qᵀWm of rmm-jax's linear reranker
+  (q'ᵀm' = qᵀ(I+W_q)ᵀ(I+W_m)m), plus VW's linear terms in q and m and its constant.
+* the anchor: with s = qᵀm the retriever's score and τ rmm-jax's temperature (0.1), a
+  candidate's logit is z = s/τ + f, f = VW's raw prediction (w·x). Learning passes s/τ as
+  the example's ``base`` (VW text format ``label importance base |Q … |M …``: the
+  prediction starts there, so the logistic loss is taken at σ(s/τ + f)); ranking predicts
+  f without it and adds s/τ. f starts at exactly 0, so an untrained workspace ranks as the
+  retriever (``tests/test_bench_references.py`` checks this, and that learning sees the
+  base).
+* acting: the M shown memories are the Gumbel-top-M of z (an ordered Plackett–Luce
+  sample at rmm-jax's temperature: before learning, both draw from the same law).
+* labels: every shown memory is one example, +1 cited, −1 not (importance 1), learned
+  after the query is scored; VW learns after every query, rmm-jax after every batch of 4.
+* tuning: ``-l`` × ``--power_t`` (the knobs a VW user tunes first; VW's default adaptive,
+  normalised updates stay on) on conversations 26 and 30 only, over
+  ``--tune-seeds``, separately for each citation model; 41–43 are the held-out report.
 
-**Same citations and scoring.** Each shown slate is cited by the simulator of
-:func:`rmm_jax.data.citations.oracle_cite` (gold cited with probability r = 0.858,
-non-gold at the per-call rate that makes precision p = 0.876), in NumPy
-(``ref_numpy.oracle_cite``, whose rule ``tests/test_bench_references.py`` checks against
-the library's). Recall@5 is |gold ∩ top-5| / gold in the bank, for each query before the
-update that uses it, and averaged over valid queries (query weighted), as in
-``rmm_jax.online.summary``. rmm-jax runs its own library path (``make_run`` +
-``drive``, default preset, online from the identity reranker, i.e. the ``online`` row of
-``quality_locomo.py``; VW has no pretraining either).
+**Ablation** (the ``vw_cb`` rows, exempt from the floor): the setting this benchmark used
+before, ``--cb_explore_adf --softmax --lambda 10 --cb_type dm -l 0.1 -q QM`` (the best of
+its 12-setting grid), one contextual-bandit example per shown slot over the actions not
+yet shown, the retriever's score qᵀm as a feature in namespace ``B``. It ranks by VW's
+pmf, whose scores start at zero for every action: the retriever's score is one feature
+among ~148k and never gets weight (in this benchmark's earlier runs, leaving it out changed
+Recall@5 in no digit), so it ends below the retriever. It shows what a contextual-bandit reduction without an
+anchor costs here.
 
-**Timing.** queries/s = real queries / wall seconds of the whole online pass over all
-conversations: for VW, per user a fresh workspace, feature text (each memory formatted
-once), predict, sampling, citations and M learn calls, single-threaded as VW runs; for
-rmm-jax, ``drive`` (host padding, the compiled run over one chunk of all users, copying
-results back) after compile, which is reported separately; its pass takes well under a
-second, so each seed's is the median of ``--jax-timing-runs`` (5) identical passes. Each
-seed runs VW and rmm-jax back to back (interleaved); medians with [min, max] over seeds and
-the load average are reported.
+**rmm-jax** (the ``rmm_jax`` rows): the library's online loop (``make_run`` + ``drive``,
+:func:`rmm_jax_online`), default preset, every user from the identity reranker (the
+``online`` row of ``quality_locomo.py``; VW has no pretraining either), on the same
+streams and seeds.
 
-Usage::
+**Citations.** Both models of the library, each the same for every learner: ``oracle``
+is the class-calibrated :func:`rmm_jax.data.citations.oracle` (``rmm-jax simulate``'s
+default: a useful memory cited at 0.911, another at 0.154, each memory of a call that
+shows nothing useful at 0.154); ``precision_recall`` is
+:func:`rmm_jax.online.run.precision_recall_oracle` at (0.876, 0.858). VW's slates are cited
+by the NumPy transcriptions in ``ref_numpy`` (``class_cite``, ``oracle_cite``), checked
+against the library's by ``tests/test_bench_references.py``. Recall@5 is prequential:
+|gold ∩ top-5| / gold in the bank, each query scored before the update that uses it,
+averaged over valid queries (query weighted), as in :mod:`rmm_jax.online.summary`. A
+gain is the mean over seeds and queries of the per-query difference with its 95%
+interval (:func:`rmm_jax.online.stats.gain_interval`).
 
-    python benchmarks/peer_vw.py --json benchmarks/results/peer_vw.json [--seeds 0,1,2,3,4]
-    python benchmarks/peer_vw.py --synthetic --quick          # seconds, no LoCoMo data needed
+**Timing.** queries/s = all queries / wall seconds of one online pass over every user.
+VW: per user a fresh workspace, the memories formatted as VW text once, then per query
+the retriever logits, K predicts, the ranking, the Gumbel draw, the citations and M learn
+calls, single-threaded as VW runs (``vw_core_seconds``: inside predict and learn only).
+rmm-jax: ``drive`` (host padding, the compiled run over one chunk of all users, results
+copied back) after compile (``compile_s``: its first pass, compile included), XLA's CPU
+backend with its own threads, all users at once; a pass takes well under a second, so each
+is the median of ``--jax-timing-runs`` identical passes. Per seed VW and rmm-jax run back
+to back (interleaved); the ratio is taken per seed and summarised as median [min, max].
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
 import json
 import os
@@ -76,57 +83,143 @@ import zlib
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
+import _common  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import ref_numpy  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
-from rmm_jax.online.driver import ChunkDone, drive  # noqa: E402
-from rmm_jax.online.loop import init_states, make_run  # noqa: E402
+from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, P_OTHER, P_USEFUL, SPURIOUS, oracle  # noqa: E402
 from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
-from rmm_jax.online.streams import Stream, load_streams, pad_streams, user_key  # noqa: E402
-from rmm_jax.persist.atomic import write_json  # noqa: E402
+from rmm_jax.online.streams import Stream  # noqa: E402
 
 try:
     from vowpalwabbit import pyvw
-except ImportError:  # the smoke test skips with a reason; main() exits with one line
+except ImportError:  # the tests skip with a reason; main() exits with one line
     pyvw = None
 
 TUNED_ON = ("26", "30")
+LEARNERS = {"vw": "VW logistic, anchored", "rmm_jax": "rmm-jax", "vw_cb": "VW cb_explore_adf (ablation)"}
+FLOORED = ("vw", "rmm_jax")          # must end above the retriever; the ablation is reported only
 
 
-# --------------------------------------------------------------------------- the VW policy
+# --------------------------------------------------------------------------- citation models
+
+@dataclasses.dataclass(frozen=True)
+class Citations:
+    """One citation model: the library's cite function (rmm-jax) and its NumPy transcription (VW)."""
+    name: str
+    what: str
+    library: object                  # () -> cite_fn(key, is_gold, filled), jittable
+    numpy: object                    # (is_gold (1, M), filled (1, M), rng) -> cited (1, M)
+
+
+CITATIONS = {
+    "oracle": Citations(
+        "oracle", f"class-calibrated, rmm_jax.data.citations.oracle() (simulate's default): p_useful {P_USEFUL}, "
+        f"p_other {P_OTHER}, spurious {SPURIOUS}", oracle,
+        lambda g, f, rng: ref_numpy.class_cite(g, f, rng, P_USEFUL, P_OTHER, SPURIOUS)),
+    "precision_recall": Citations(
+        "precision_recall", f"rmm_jax.online.run.precision_recall_oracle({DEFAULT_PRECISION}, {DEFAULT_RECALL})",
+        lambda: precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL),
+        lambda g, f, rng: ref_numpy.oracle_cite(g, f, rng, DEFAULT_PRECISION, DEFAULT_RECALL)),
+}
+
+
+# --------------------------------------------------------------------------- VW, anchored at the retriever
 
 @dataclasses.dataclass(frozen=True)
 class VWSetting:
-    """One VW configuration: learning rate ``-l``, softmax ``--lambda``, ``--cb_type``, whether
-    the base retriever's score is a feature, and an optional random projection to ``proj`` dims."""
+    """VW's logistic regression per shown memory: learning rate ``-l``, ``--power_t``, ``--l2``."""
     lr: float = 0.5
-    lam: float = 3.0
-    cb_type: str = "mtr"
-    base_score: bool = True
-    proj: int = 0
+    power_t: float = 0.5
+    l2: float = 0.0
     bits: int = 22
 
     def args(self, seed: int = 0) -> str:
-        return (f"--cb_explore_adf --softmax --lambda {self.lam:g} --cb_type {self.cb_type} -q QM -b {self.bits} "
-                f"-l {self.lr:g} --no_predict --random_seed {seed} --quiet")
-
-    def projection(self, d: int):
-        if not self.proj:
-            return None
-        return (np.random.default_rng(0).standard_normal((d, self.proj)) / np.sqrt(self.proj)).astype(np.float32)
+        return (f"--loss_function logistic -q QM -b {self.bits} -l {self.lr:g} --power_t {self.power_t:g}"
+                + (f" --l2 {self.l2:g}" if self.l2 else "") + f" --random_seed {seed} --quiet")
 
 
 def features(x: np.ndarray) -> str:
     """Dense vector → VW ``index:value`` text."""
     return " ".join(f"{i}:{v:.6g}" for i, v in enumerate(x.tolist()))
+
+
+def retriever_logits(stream: Stream, t: int, cand: np.ndarray, tau: float) -> np.ndarray:
+    """s/τ for query t's candidates, s = qᵀm in float32 as the retriever scored them."""
+    return (stream.bank[cand] @ stream.queries[t]).astype(np.float64) / tau
+
+
+def vw_logits(ws, base: np.ndarray, q_text: str, mem_text) -> np.ndarray:
+    """z = s/τ + f: VW's raw prediction f (no base in the example) added to the retriever's logits."""
+    return base + np.array([ws.predict(q_text + m) for m in mem_text], np.float64)
+
+
+def vw_learn(ws, base: np.ndarray, q_text: str, mem_text, shown, cited) -> None:
+    """One logistic example per shown memory: label ±1 (cited or not), importance 1, base s/τ."""
+    for i, c in zip(shown, cited):
+        ws.learn(f"{1 if c else -1} 1 {base[i]:.9g} {q_text}{mem_text[i]}")
+
+
+def rank(z: np.ndarray, m: int) -> np.ndarray:
+    """Top-m positions by z, ties in retriever order."""
+    return np.argsort(-z, kind="stable")[:m]
+
+
+def gumbel_top(z: np.ndarray, m: int, rng: np.random.Generator) -> np.ndarray:
+    """Gumbel-top-m of z: an ordered Plackett–Luce sample of m positions (rmm-jax's act step)."""
+    return rank(z + rng.gumbel(size=z.size), m)
+
+
+def user_rng(seed: int, user_id: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(user_id.encode())])
+
+
+def run_vw_user(stream: Stream, vw: VWSetting, cite, *, m: int, tau: float, seed: int) -> dict:
+    """One user's online pass with anchored VW: per query score prequentially, draw, cite, learn.
+
+    Returns per-query ``recall`` (T,), ``cite_rate`` and the seconds spent (``seconds``:
+    all of it; ``vw_seconds``: inside VW's predict and learn calls).
+    """
+    t_start = time.perf_counter()
+    rng = user_rng(seed, stream.user_id)
+    ws = pyvw.Workspace(vw.args(seed))
+    mem_text = [f"|M {features(v)}" for v in stream.bank]               # each memory formatted once
+    t_vw, n_cited, n_shown = 0.0, 0, 0
+    recalls = np.zeros(stream.queries.shape[0])
+    try:
+        for t in range(stream.queries.shape[0]):
+            ok = stream.cand_mask[t]
+            cand = stream.cand[t][ok]
+            useful = (stream.cand_gold if stream.cite_gold is None else stream.cite_gold)[t][ok]
+            base = retriever_logits(stream, t, cand, tau)
+            q_text, mems = f"|Q {features(stream.queries[t])} ", [mem_text[j] for j in cand]
+            t0 = time.perf_counter()
+            z = vw_logits(ws, base, q_text, mems)
+            t_vw += time.perf_counter() - t0
+            k_m = min(m, cand.size)
+            recalls[t] = recall_at(stream.cand_gold[t][ok][rank(z, k_m)], int(stream.num_gold[t]))
+            shown = gumbel_top(z, k_m, rng)
+            cited = cite(useful[shown][None], np.ones((1, k_m), bool), rng)[0]
+            n_cited, n_shown = n_cited + int(cited.sum()), n_shown + k_m
+            t0 = time.perf_counter()
+            vw_learn(ws, base, q_text, mems, shown, cited)
+            t_vw += time.perf_counter() - t0
+    finally:
+        ws.finish()
+    return {"recall": recalls, "cite_rate": n_cited / max(n_shown, 1), "seconds": time.perf_counter() - t_start,
+            "vw_seconds": t_vw}
+
+
+def recall_at(rel: np.ndarray, num_gold: int) -> float:
+    return float(rel.sum()) / num_gold if num_gold > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- the ablation: VW's contextual bandit
+
+CB_ARGS = "--cb_explore_adf --softmax --lambda 10 --cb_type dm -q QM -b 22 -l 0.1 --no_predict"
 
 
 def det_top_m(pmf: np.ndarray, m: int) -> np.ndarray:
@@ -148,117 +241,137 @@ def sample_slate(pmf: np.ndarray, m: int, rng: np.random.Generator):
     return order, pmf[order] / np.maximum(left, 1e-300)
 
 
-def recall_at(rel: np.ndarray, num_gold: int) -> float:
-    return float(rel.sum()) / num_gold if num_gold > 0 else 0.0
-
-
-def run_vw_user(stream: Stream, vw: VWSetting, *, m: int, seed: int, precision: float = DEFAULT_PRECISION,
-                recall: float = DEFAULT_RECALL) -> dict:
-    """One user's online pass with VW: per query, score prequentially, draw a slate, cite, learn.
-
-    Returns per-query ``recall`` (T,), ``cite_rate`` and the seconds spent (``seconds``:
-    all of it; ``vw_seconds``: inside VW's predict and learn calls).
-    """
-    if pyvw is None:
-        raise RuntimeError("vowpalwabbit is not installed (pip install vowpalwabbit)")
+def run_cb_user(stream: Stream, cite, *, m: int, seed: int) -> dict:
+    """The ablation: ``CB_ARGS``, one CB example per shown slot over the actions not yet shown,
+    the shown memory's cost −1 if cited else 0 with its slot probability."""
     t_start = time.perf_counter()
-    rng = np.random.default_rng([seed, zlib.crc32(stream.user_id.encode())])
-    ws = pyvw.Workspace(vw.args(seed))
-    proj = vw.projection(stream.bank.shape[1])
-    bank = stream.bank if proj is None else stream.bank @ proj
-    qs = stream.queries if proj is None else stream.queries @ proj
-    mem_text = [f"|M {features(v)}" for v in bank]               # each memory formatted once
+    rng = user_rng(seed, stream.user_id)
+    ws = pyvw.Workspace(f"{CB_ARGS} --random_seed {seed} --quiet")
+    mem_text = [f"|M {features(v)}" for v in stream.bank]
     t_vw = 0.0
     recalls = np.zeros(stream.queries.shape[0])
-    n_cited = n_shown = 0
     try:
         for t in range(stream.queries.shape[0]):
             ok = stream.cand_mask[t]
             cand = stream.cand[t][ok]
             useful = (stream.cand_gold if stream.cite_gold is None else stream.cite_gold)[t][ok]
-            shared = f"shared |Q {features(qs[t])}"
-            if vw.base_score:
-                base = stream.bank[cand] @ stream.queries[t]
-                actions = [f"{mem_text[j]} |B s:{b:.6g}" for j, b in zip(cand, base)]
-            else:
-                actions = [mem_text[j] for j in cand]
+            shared = f"shared |Q {features(stream.queries[t])}"
+            base = stream.bank[cand] @ stream.queries[t]
+            actions = [f"{mem_text[j]} |B s:{b:.6g}" for j, b in zip(cand, base)]
             t0 = time.perf_counter()
             pmf = np.asarray(ws.predict([shared] + actions), np.float64)
             t_vw += time.perf_counter() - t0
             k_m = min(m, cand.size)
             recalls[t] = recall_at(stream.cand_gold[t][ok][det_top_m(pmf, k_m)], int(stream.num_gold[t]))
             shown, probs = sample_slate(pmf, k_m, rng)
-            cited = ref_numpy.oracle_cite(useful[shown][None], np.ones((1, k_m), bool), rng, precision, recall)[0]
-            n_cited += int(cited.sum())
-            n_shown += k_m
+            cited = cite(useful[shown][None], np.ones((1, k_m), bool), rng)[0]
             left = list(range(cand.size))
             t0 = time.perf_counter()
             for a, p, c in zip(shown, probs, cited):                 # slot j over the actions still unshown
-                lines = [shared] + [(f"0:{-1.0 if c else 0.0:g}:{p:.6g} " if i == a else "") + actions[i]
-                                    for i in left]
-                ws.learn(lines)
+                ws.learn([shared] + [(f"0:{-1.0 if c else 0.0:g}:{p:.6g} " if i == a else "") + actions[i]
+                                     for i in left])
                 left.remove(a)
             t_vw += time.perf_counter() - t0
     finally:
         ws.finish()
-    return {"recall": recalls, "cite_rate": n_cited / max(n_shown, 1), "seconds": time.perf_counter() - t_start,
-            "vw_seconds": t_vw}
+    return {"recall": recalls, "seconds": time.perf_counter() - t_start, "vw_seconds": t_vw}
 
 
-def run_vw(streams, vw: VWSetting, *, m: int, seed: int) -> dict:
-    """All users, one after the other, each with its own workspace. Per-user recall and timing."""
+def run_users(run_user, streams) -> dict:
+    """All users one after the other, each with its own workspace: per-user recall and timing."""
     t0 = time.perf_counter()
     per_user, vw_s = {}, 0.0
     for s in streams:
-        r = run_vw_user(s, vw, m=m, seed=seed)
+        r = run_user(s)
         per_user[s.user_id] = r["recall"]
         vw_s += r["vw_seconds"]
-    return {"recall": per_user, "seconds": time.perf_counter() - t0, "vw_seconds": vw_s}
+    return {"recall": per_user, "seconds": time.perf_counter() - t0, "vw_core_seconds": vw_s}
 
 
 # --------------------------------------------------------------------------- rmm-jax, same streams
 
-class RmmJax:
-    """rmm-jax's online loop over all streams in one chunk, compiled once, run per seed."""
+def rmm_jax_online(streams, cfg: rj.Config, cite_fn):
+    """rmm-jax's online loop, built once: ``run(seed) -> {user: (T,) prequential Recall@M}``.
 
-    def __init__(self, streams, cfg: rj.Config, precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL):
-        self.streams, self.cfg = list(streams), cfg
-        self.params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], cfg.kind, cfg.hidden)
-        run = make_run(cfg, precision_recall_oracle(precision, recall))
-        u = len(self.streams)
-        data = pad_streams(self.streams, cfg, u)
-        states = init_states(self.params, cfg, jnp.stack([user_key(0, s.user_id) for s in self.streams]))
+    Every user starts from the identity reranker; all users run in one chunk. The only
+    place this benchmark calls the library's online loop.
+    """
+    from rmm_jax.online.driver import ChunkDone, drive
+    from rmm_jax.online.loop import make_run
+
+    params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], cfg.kind, cfg.hidden)
+    program = make_run(cfg, cite_fn)
+
+    def run(seed: int) -> dict:
+        for ev in drive([streams], params, cfg, program, seed=seed, users_per_chunk=len(streams)):
+            if isinstance(ev, ChunkDone):
+                return {uid: np.asarray(o["recall"]) for uid, o in ev.outputs.items()}
+        raise RuntimeError("drive yielded no chunk")
+
+    return run
+
+
+def timed_rmm_jax(run, seed: int, repeats: int) -> dict:
+    """``repeats`` identical passes (deterministic given the seed): recall of the last, median seconds."""
+    secs = []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        compiled = run.lower(states, data, 0).compile()
-        self.compile_s = time.perf_counter() - t0
-        self.program = lambda st, dt, start, n_batches=None: compiled(st, dt, start)
+        per_user = run(seed)
+        secs.append(time.perf_counter() - t0)
+    return {"recall": per_user, "seconds": float(np.median(secs)), "timing_runs_s": secs}
 
-    def run(self, seed: int, timing_runs: int = 1) -> dict:
-        """One pass per seed is a fraction of a second, so it is timed ``timing_runs`` times
-        (the same deterministic work) and the median kept."""
-        secs = []
-        for _ in range(timing_runs):
-            t0 = time.perf_counter()
-            per_user = {}
-            for ev in drive([self.streams], self.params, self.cfg, self.program, seed=seed,
-                            users_per_chunk=len(self.streams)):
-                if isinstance(ev, ChunkDone):
-                    per_user = {uid: np.asarray(o["recall"]) for uid, o in ev.outputs.items()}
-            secs.append(time.perf_counter() - t0)
-        return {"recall": per_user, "seconds": float(np.median(secs)), "timing_runs_s": secs}
+
+# --------------------------------------------------------------------------- data
+
+def locomo_streams(path: Path, k: int) -> list[Stream]:
+    """The LoCoMo streams of ``quality_locomo.py``: turn memories, all-MiniLM-L6-v2, K candidates."""
+    from rmm_jax.data import load_locomo
+    from rmm_jax.data.embed import Embedder
+    from rmm_jax.data.store import open_store, write_store
+    from rmm_jax.online.streams import load_streams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        emb = Embedder("all-MiniLM-L6-v2", progress=False)
+        try:
+            write_store(Path(tmp) / "store", load_locomo(path), "turn", emb, spec=f"locomo:{path}")
+        finally:
+            emb.close()
+        return load_streams(open_store(Path(tmp) / "store"), k)
+
+
+def synthetic_streams(n_users: int, t: int, n: int, d: int, k: int, seed: int = 0, rank_: int = 2,
+                      planted: float = 3.0) -> list[Stream]:
+    """Users whose one gold memory per query is the candidate with the highest
+    qᵀm + planted · qᵀW*m (W* a random rank-``rank_`` matrix of unit spectral scale): the
+    retriever ranks candidates by qᵀm alone (best first), so it finds the gold part of the
+    time, and a learner that picks up the planted query × memory interaction finds it more often."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for u in range(n_users):
+        w = rng.standard_normal((d, rank_)) @ rng.standard_normal((rank_, d)) / np.sqrt(d * rank_)
+        bank = rng.standard_normal((n, d)).astype(np.float32)
+        bank /= np.linalg.norm(bank, axis=1, keepdims=True)
+        q = rng.standard_normal((t, d)).astype(np.float32)
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+        cand = np.argsort(-(q @ bank.T), axis=1, kind="stable")[:, :k].astype(np.int32)
+        s = np.einsum("td,tkd->tk", q, bank[cand]) + planted * np.einsum("td,de,tke->tk", q, w, bank[cand])
+        cand_gold = np.zeros((t, k), bool)
+        cand_gold[np.arange(t), s.argmax(1)] = True
+        out.append(Stream(f"syn{u}", bank, q, cand, np.ones((t, k), bool), cand_gold, np.ones(t, np.int32),
+                          np.ones(t, bool)))
+    return out
 
 
 # --------------------------------------------------------------------------- summaries
 
-def weighted_recall(per_user: dict, streams, users) -> float:
-    """Query-weighted mean over the valid queries of ``users`` (as rmm_jax.online.summary)."""
+def valid_values(per_user: dict, streams, users) -> np.ndarray:
+    """Per-query values of ``users``' valid queries, concatenated in user order."""
     by_id = {s.user_id: s for s in streams}
-    num = sum(float(np.asarray(per_user[u])[by_id[u].valid].sum()) for u in users)
-    den = sum(int(by_id[u].valid.sum()) for u in users)
-    return num / den if den else float("nan")
+    return np.concatenate([np.asarray(per_user[u], np.float64)[np.asarray(by_id[u].valid, bool)] for u in users])
 
 
 def base_recall(streams, m: int) -> dict:
+    """The retriever's Recall@m per query (its first m candidates)."""
     out = {}
     for s in streams:
         rel = s.cand_gold[:, :m] & s.cand_mask[:, :m]
@@ -266,213 +379,227 @@ def base_recall(streams, m: int) -> dict:
     return out
 
 
-def interval(values) -> dict:
-    """Mean, median, min, max and a 95% t-interval of the mean over seeds."""
-    v = np.asarray(values, np.float64)
-    t95 = {1: float("nan"), 2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}
-    half = t95.get(v.size, 1.96) * v.std(ddof=1) / np.sqrt(v.size) if v.size > 1 else float("nan")
-    return {"mean": float(v.mean()), "median": float(np.median(v)), "min": float(v.min()), "max": float(v.max()),
-            "ci95": [float(v.mean() - half), float(v.mean() + half)], "values": v.tolist()}
-
-
-# --------------------------------------------------------------------------- data
-
-def locomo_streams(path: Path, k: int) -> list[Stream]:
-    """The LoCoMo streams exactly as ``benchmarks/quality_locomo.py`` builds them."""
-    import quality_locomo  # lazy: it loads the embedding stack, which --synthetic does not need
-
-    with tempfile.TemporaryDirectory() as tmp:
-        store = quality_locomo.build_store(path, "all-MiniLM-L6-v2", "turn", Path(tmp) / "store")
-        return load_streams(store, k)
-
-
-def synthetic_streams(n_users: int, t: int, n: int, d: int, k: int, seed: int = 0, rank: int = 4) -> list[Stream]:
-    """Users whose gold memory follows a planted low-rank bilinear score qᵀW*m the base
-    retriever does not know (candidates come in random order), so only a learner that
-    picks up the query × memory interaction beats random ranking."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for u in range(n_users):
-        w = rng.standard_normal((d, rank)) @ rng.standard_normal((rank, d))
-        bank = rng.standard_normal((n, d)).astype(np.float32)
-        bank /= np.linalg.norm(bank, axis=1, keepdims=True)
-        q = rng.standard_normal((t, d)).astype(np.float32)
-        q /= np.linalg.norm(q, axis=1, keepdims=True)
-        cand = np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32)
-        s = np.einsum("td,de,tke->tk", q, w, bank[cand])
-        gold_pos = s.argmax(1)
-        cand_gold = np.zeros((t, k), bool)
-        cand_gold[np.arange(t), gold_pos] = True
-        out.append(Stream(f"syn{u}", bank, q, cand, np.ones((t, k), bool), cand_gold, np.ones(t, np.int32),
-                          np.ones(t, bool)))
-    return out
+def floor_failures(out: dict) -> list[str]:
+    """One line per floored learner and citation model whose held-out gain over the retriever is not positive."""
+    bad = []
+    for cm, res in out["results"].items():
+        for name in FLOORED:
+            g = res[name]["gain_held_out"]
+            if not g["mean"] > 0:
+                bad.append(f"{LEARNERS[name]} under citations {cm!r}: held-out Recall@{out['m']} "
+                           f"{res[name]['held_out_recall']['mean']:.4f} is not above the retriever's "
+                           f"{out['base']['held_out']:.4f} (gain {_common.format_interval(g)})")
+    return bad
 
 
 # --------------------------------------------------------------------------- main
 
-def tune_vw(streams, settings, *, m):
-    """Each setting on ``streams`` with seed 0; returns (best setting, rows)."""
+def tune_vw(streams, grid, cite, *, m, tau, seeds, log):
+    """Each setting on ``streams`` over ``seeds``; returns (best setting, rows)."""
     rows = []
     ids = [s.user_id for s in streams]
-    for st in settings:
-        r = run_vw(streams, st, m=m, seed=0)
-        rows.append({**dataclasses.asdict(st), "recall": weighted_recall(r["recall"], streams, ids)})
-        print(f"  VW {st.args()}: Recall@{m} {rows[-1]['recall']:.4f}", flush=True)
-    best = max(range(len(rows)), key=lambda i: rows[i]["recall"])
-    return settings[best], rows
+    for st in grid:
+        r = [valid_values(run_users(lambda s: run_vw_user(s, st, cite, m=m, tau=tau, seed=seed), streams)["recall"],
+                          streams, ids).mean() for seed in seeds]
+        rows.append({**dataclasses.asdict(st), "recall": float(np.mean(r)), "per_seed": [float(x) for x in r]})
+        log(f"  {st.args()}: Recall@{m} {rows[-1]['recall']:.4f}")
+    return grid[int(np.argmax([r["recall"] for r in rows]))], rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default = Path(os.environ.get("RMM_LOCOMO_DIR", HERE.parents[1] / "shared/data/locomo"))
-    ap.add_argument("--data", type=Path, default=default, help="LoCoMo directory (default $RMM_LOCOMO_DIR)")
+    _common.add_data_option(ap)
     ap.add_argument("--synthetic", action="store_true", help="planted-bilinear synthetic users instead of LoCoMo")
     ap.add_argument("--quick", action="store_true", help="tiny run (with --synthetic: seconds)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4; quick 0,1,2)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2)")
+    ap.add_argument("--tune-seeds", default=None, help="seeds each tuning setting runs (default 0,1; quick 0)")
+    ap.add_argument("--citations", default=",".join(CITATIONS),
+                    help=f"comma-separated citation models (default {','.join(CITATIONS)})")
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--m", type=int, default=5)
     ap.add_argument("--bits", type=int, default=22, help="VW hash bits (-b)")
-    ap.add_argument("--proj", type=int, default=0, help="random projection to this many dims (0: none)")
-    ap.add_argument("--no-base-score", action="store_true", help="leave the retriever score out of VW's features")
-    ap.add_argument("--lr", type=float, default=None, help="VW -l; with --lam (and --cb-type) skips the tuning")
-    ap.add_argument("--lam", type=float, default=None, help="VW softmax --lambda")
-    ap.add_argument("--cb-type", default="mtr", choices=["mtr", "dm", "ips", "dr"])
-    ap.add_argument("--jax-timing-runs", type=int, default=5, help="rmm-jax timings per seed (median; its pass "
-                    "over the streams takes well under a second)")
+    ap.add_argument("--lr", type=float, default=None, help="VW -l for every citation model; skips the tuning")
+    ap.add_argument("--power-t", type=float, default=0.5, help="VW --power_t with --lr (default 0.5)")
+    ap.add_argument("--tuned", type=Path, default=None,
+                    help="take each citation model's VW setting from this earlier result JSON; skips the tuning")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the cb_explore_adf ablation rows")
+    ap.add_argument("--jax-timing-runs", type=int, default=5,
+                    help="rmm-jax passes per seed, timed (median; a pass takes well under a second)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of the held-out gains with their 95%% intervals")
     args = ap.parse_args(argv)
     if pyvw is None:
         sys.exit("error: vowpalwabbit is not installed (pip install vowpalwabbit, or the `bench` extra)")
-    seeds = [int(x) for x in (args.seeds or ("0,1,2" if args.quick else "0,1,2,3,4")).split(",")]
+    cms = args.citations.split(",")
+    if any(c not in CITATIONS for c in cms):
+        sys.exit(f"error: --citations: unknown model {next(c for c in cms if c not in CITATIONS)!r} "
+                 f"(choose from {', '.join(CITATIONS)})")
+    seeds = [int(x) for x in (args.seeds or "0,1,2").split(",")]
+    tune_seeds = [int(x) for x in (args.tune_seeds or ("0" if args.quick else "0,1")).split(",")]
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
-    load = [os.getloadavg()]
     if args.synthetic:
         k, m = (6, 2) if args.quick else (args.k, args.m)
-        streams = synthetic_streams(3 if args.quick else 5, 120 if args.quick else 200, 40 if args.quick else 400,
-                                    8 if args.quick else 64, k)
+        streams = synthetic_streams(3 if args.quick else 5, 300 if args.quick else 400, 60 if args.quick else 400,
+                                    8 if args.quick else 32, k)
         tuned_on, dataset = (streams[0].user_id,), "synthetic"
     else:
-        if not args.data.exists():
-            sys.exit(f"error: {args.data}: LoCoMo data not found (set --data or RMM_LOCOMO_DIR, or use --synthetic)")
         k, m = args.k, args.m
-        streams = locomo_streams(args.data, k)
+        streams = locomo_streams(_common.require_data(args.data), k)
         tuned_on, dataset = TUNED_ON, f"locomo:{args.data}"
     users = [s.user_id for s in streams]
     held = [u for u in users if u not in tuned_on]
-    d = streams[0].bank.shape[1]
-    tune_streams = [s for s in streams if s.user_id in tuned_on]
-    common = dict(base_score=not args.no_base_score, proj=args.proj, bits=args.bits)
-
-    ablations = []
-    if args.lr is not None and args.lam is not None:
-        best, grid_rows = VWSetting(args.lr, args.lam, args.cb_type, **common), []
-    else:
-        grid = [VWSetting(lr, lam, cb, **common) for cb, lr, lam in itertools.product(
-            ("mtr",) if args.quick else ("mtr", "dm"), (0.1, 0.5), (3.0,) if args.quick else (1.0, 3.0, 10.0))]
-        print(f"tuning VW on {','.join(tuned_on)} (seed 0) ...", flush=True)
-        best, grid_rows = tune_vw(tune_streams, grid, m=m)
-        if not args.quick:                                           # what the chosen setting misses, and why
-            alts = [dataclasses.replace(best, base_score=not best.base_score),
-                    dataclasses.replace(best, proj=32), dataclasses.replace(best, proj=64)]
-            _, ablations = tune_vw(tune_streams, alts, m=m)
-    print(f"VW: {best.args()}", flush=True)
-
     cfg = rj.Config.preset("default", k=k, m=m)
-    print("compiling rmm-jax ...", flush=True)
-    rmm = RmmJax(streams, cfg)
-    rmm.run(seeds[0])                                                # warm-up (first-call allocations)
-    rows = {"vw": [], "rmm_jax": []}
+    tau = cfg.tau
+    tune_streams = [s for s in streams if s.user_id in tuned_on]
     n_queries = sum(s.queries.shape[0] for s in streams)
-    for seed in seeds:                                               # interleaved: VW then rmm-jax per seed
-        load.append(os.getloadavg())
-        v = run_vw(streams, best, m=m, seed=seed)
-        j = rmm.run(seed, timing_runs=args.jax_timing_runs)
-        load.append(os.getloadavg())
-        for name, r in (("vw", v), ("rmm_jax", j)):
-            rows[name].append({"seed": seed, "held_out": weighted_recall(r["recall"], streams, held),
-                               "all": weighted_recall(r["recall"], streams, users),
-                               "per_user": {u: weighted_recall(r["recall"], streams, [u]) for u in users},
-                               "seconds": r["seconds"], "queries_per_s": n_queries / r["seconds"],
-                               **({"vw_core_seconds": r["vw_seconds"]} if "vw_seconds" in r else {}),
-                               **({"timing_runs_s": r["timing_runs_s"]} if "timing_runs_s" in r else {})})
-        print(f"  seed {seed}: held-out Recall@{m} VW {rows['vw'][-1]['held_out']:.4f} "
-              f"({rows['vw'][-1]['queries_per_s']:.0f} q/s), rmm-jax {rows['rmm_jax'][-1]['held_out']:.4f} "
-              f"({rows['rmm_jax'][-1]['queries_per_s']:.0f} q/s)", flush=True)
+
+    settings, tuning = {}, {}
+    for cm in cms:
+        if args.tuned is not None:
+            try:
+                prev = json.loads(args.tuned.read_text())["vw"]["setting"][cm]
+                settings[cm] = VWSetting(float(prev["lr"]), float(prev["power_t"]), float(prev["l2"]), args.bits)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                sys.exit(f"error: --tuned {args.tuned}: no VW setting for citations {cm!r} ({type(e).__name__}: {e})")
+        elif args.lr is not None:
+            settings[cm] = VWSetting(args.lr, args.power_t, 0.0, args.bits)
+        else:
+            lrs, pts = ((0.3, 1.0), (0.5,)) if args.quick else ((0.1, 0.3, 1.0, 3.0), (0.5, 0.0))
+            grid = [VWSetting(lr, pt, 0.0, args.bits) for pt, lr in itertools.product(pts, lrs)]
+            log(f"tuning VW on {','.join(tuned_on)} under citations {cm!r} (seeds {tune_seeds}) ...")
+            settings[cm], tuning[cm] = tune_vw(tune_streams, grid, CITATIONS[cm].numpy, m=m, tau=tau,
+                                               seeds=tune_seeds, log=log)
+        log(f"VW under {cm!r}: {settings[cm].args()}")
+
     base = base_recall(streams, m)
-    out = {"dataset": dataset, "k": k, "m": m, "d": d, "queries": n_queries, "users": users,
-           "held_out": held, "tuned_on": list(tuned_on), "seeds": seeds,
-           "vw": {"args": best.args().replace(" --random_seed 0", ""), "setting": dataclasses.asdict(best),
-                  "tuning": grid_rows, "ablations_on_tuning_users": ablations},
-           "rmm_jax": {"config": cfg.__dict__, "init": "identity (the online row of quality_locomo.py)",
-                       "compile_s": rmm.compile_s},
-           "base": {"held_out": weighted_recall(base, streams, held), "all": weighted_recall(base, streams, users),
-                    "tuning_users": weighted_recall(base, streams, list(tuned_on))}}
-    for name in ("vw", "rmm_jax"):
-        out[name]["runs"] = rows[name]
-        out[name]["held_out_recall"] = interval([r["held_out"] for r in rows[name]])
-        out[name]["queries_per_s"] = interval([r["queries_per_s"] for r in rows[name]])
-    diff = [a["held_out"] - b["held_out"] for a, b in zip(rows["rmm_jax"], rows["vw"])]
-    speed = [a["queries_per_s"] / b["queries_per_s"] for a, b in zip(rows["rmm_jax"], rows["vw"])]
-    out["rmm_jax_minus_vw_held_out"] = interval(diff)
-    out["rmm_jax_over_vw_queries_per_s"] = interval(speed)
-    out["rmm_jax_over_vw_including_compile"] = float(
-        (n_queries / (rmm.compile_s + np.median([r["seconds"] for r in rows["rmm_jax"]])))
-        / np.median([r["queries_per_s"] for r in rows["vw"]]))
-    out["targets"] = [
-        {"name": "rmm-jax ahead of VW on held-out Recall@%d (mean over seeds)" % m,
-         "value": out["rmm_jax_minus_vw_held_out"]["mean"], "target": "> 0",
-         "pass": out["rmm_jax_minus_vw_held_out"]["mean"] > 0},
-        {"name": "rmm-jax ahead of VW on queries/s (median ratio, after compile)",
-         "value": out["rmm_jax_over_vw_queries_per_s"]["median"], "target": "> 1",
-         "pass": out["rmm_jax_over_vw_queries_per_s"]["median"] > 1}]
-    out["machine"] = {"load_avg": load, "load_avg_1min": interval([x[0] for x in load]), "cores": os.cpu_count(),
-                      "backend": jax.default_backend(), "jax": jax.__version__,
-                      "vowpalwabbit": _vw_version()}
-    out["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-    out["seconds"] = round(time.perf_counter() - t_start, 1)
+    runs = {cm: {name: [] for name in LEARNERS if not (name == "vw_cb" and args.no_ablation)} for cm in cms}
+    compile_s = {}
+    load = [os.getloadavg()[0]]
+    for cm in cms:
+        cit = CITATIONS[cm]
+        rmm = rmm_jax_online(streams, cfg, cit.library())
+        t0 = time.perf_counter()
+        rmm(seeds[0])                                                # compile + first pass
+        compile_s[cm] = time.perf_counter() - t0
+        for seed in seeds:                                           # interleaved: VW, rmm-jax, ablation per seed
+            got = {"vw": run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau, seed=seed),
+                                   streams),
+                   "rmm_jax": timed_rmm_jax(rmm, seed, args.jax_timing_runs)}
+            if "vw_cb" in runs[cm]:
+                got["vw_cb"] = run_users(lambda s: run_cb_user(s, cit.numpy, m=m, seed=seed), streams)
+            load.append(os.getloadavg()[0])
+            for name, r in got.items():
+                runs[cm][name].append({
+                    "seed": seed, "recall": r["recall"], "seconds": r["seconds"],
+                    "queries_per_s": n_queries / r["seconds"],
+                    **{x: r[x] for x in ("vw_core_seconds", "timing_runs_s") if x in r}})
+            log(f"  {cm} seed {seed}: held-out Recall@{m} " + ", ".join(
+                f"{name} {valid_values(runs[cm][name][-1]['recall'], streams, held).mean():.4f} "
+                f"({runs[cm][name][-1]['queries_per_s']:.0f} q/s)" for name in runs[cm]))
+
+    def per_query(name, cm, us):
+        return np.stack([valid_values(r["recall"], streams, us) for r in runs[cm][name]])
+
+    base_held, base_all = valid_values(base, streams, held), valid_values(base, streams, users)
+    results, ratios = {}, {}
+    for cm in cms:
+        results[cm] = {}
+        for name in runs[cm]:
+            ph, pa = per_query(name, cm, held), per_query(name, cm, users)
+            results[cm][name] = {
+                "label": LEARNERS[name],
+                "held_out_recall": {"mean": float(ph.mean()), **_common.spread(ph.mean(1))},
+                "all_recall": {"mean": float(pa.mean()), **_common.spread(pa.mean(1))},
+                "gain_held_out": _common.gain_interval(ph - base_held),
+                "gain_all": _common.gain_interval(pa - base_all),
+                "per_user": {u: float(per_query(name, cm, [u]).mean()) for u in users},
+                "queries_per_s": _common.spread([r["queries_per_s"] for r in runs[cm][name]]),
+                "runs": [{k_: v for k_, v in r.items() if k_ != "recall"} for r in runs[cm][name]]}
+        ratios[cm] = {
+            "rmm_jax_minus_vw_held_out": _common.gain_interval(
+                per_query("rmm_jax", cm, held) - per_query("vw", cm, held)),
+            "rmm_jax_over_vw_queries_per_s": _common.spread(
+                [a["queries_per_s"] / b["queries_per_s"] for a, b in zip(runs[cm]["rmm_jax"], runs[cm]["vw"])])}
+    out = {"dataset": dataset, "k": k, "m": m, "d": int(streams[0].bank.shape[1]), "tau": tau, "queries": n_queries,
+           "users": users, "held_out": held, "tuned_on": list(tuned_on), "seeds": seeds,
+           "citations": {cm: CITATIONS[cm].what for cm in cms},
+           "base": {"held_out": float(base_held.mean()), "all": float(base_all.mean()),
+                    "tuning_users": float(valid_values(base, streams, list(tuned_on)).mean())},
+           "vw": {"args": {cm: settings[cm].args().replace(" --random_seed 0", "") for cm in cms},
+                  "setting": {cm: dataclasses.asdict(settings[cm]) for cm in cms},
+                  "tuning": tuning, "tune_seeds": tune_seeds if tuning else None,
+                  "version": _vw_version()},
+           "vw_cb": {"args": CB_ARGS, "ablation": True},
+           "rmm_jax": {"config": dataclasses.asdict(cfg), "init": "identity (the online row of quality_locomo.py)",
+                       "compile_s": compile_s},
+           "results": results, "ratios": ratios,
+           "timing": {"vw": "one pass: per user a fresh workspace and its memories as VW text, then per query the "
+                            "retriever logits, K predicts, ranking, Gumbel draw, citations and M learns "
+                            "(vw_core_seconds: predict and learn calls only); single-threaded",
+                      "rmm_jax": "drive(): host padding, the compiled run over one chunk of all users, results back; "
+                                 "after compile (compile_s: first pass with compile); median of "
+                                 f"{args.jax_timing_runs} identical passes per seed",
+                      "vw_cb": "as vw, with CB_ARGS",
+                      "order": "per seed: vw, rmm_jax, vw_cb back to back",
+                      "load_avg_1min": _common.spread(load), "backend": jax.default_backend(), "jax": jax.__version__},
+           "seconds": round(time.perf_counter() - t_start, 1)}
+    failures = floor_failures(out)
+    out["targets"] = [{"name": f"{LEARNERS[n]} above the retriever on held-out Recall@{m}, citations {cm}",
+                       "value": results[cm][n]["gain_held_out"]["mean"], "target": "> 0",
+                       "pass": results[cm][n]["gain_held_out"]["mean"] > 0} for cm in cms for n in FLOORED]
     print(report(out))
     if args.json:
-        write_json(args.json, json.loads(json.dumps(out, default=float)))
+        _common.write_result(args.json, out)
+    if args.plot:
+        plot(out, args.plot)
+    if failures:
+        sys.exit("error: a learner ends below the retriever (a bug in the benchmark, not a result):\n  "
+                 + "\n  ".join(failures))
     return out
 
 
+def plot(out: dict, path) -> None:
+    """The held-out gains over the retriever with their 95% intervals, one row per learner and citation model."""
+    from rmm_jax.online.plot import plot_gains
+
+    plot_gains({f"{LEARNERS[n].replace(' (ablation)', ' (abl.)')} [{cm}]": r["gain_held_out"]
+                for cm, res in out["results"].items() for n, r in res.items()}, path,
+               title=f"{out['dataset'].split(':')[0]}: held-out Recall@{out['m']} gain over the retriever\n"
+                     f"{len(out['seeds'])} seeds, 95% interval (grey: contains 0)")
+
+
 def _vw_version():
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from importlib.metadata import version
         return version("vowpalwabbit")
-    except Exception:  # pragma: no cover
+    except PackageNotFoundError:  # pragma: no cover
         return None
 
 
 def report(out: dict) -> str:
     m = out["m"]
     f = lambda iv, p=4: f"{iv['median']:.{p}f} [{iv['min']:.{p}f}, {iv['max']:.{p}f}]"  # noqa: E731
-    la = out["machine"]["load_avg_1min"]
+    la = out["timing"]["load_avg_1min"]
     lines = [f"Peer comparison on {out['dataset']} ({out['queries']} queries, {len(out['users'])} users, d={out['d']}, "
-             f"K={out['k']}, M={m}); held out: {','.join(out['held_out'])}; seeds {out['seeds']}; "
+             f"K={out['k']}, M={m}, tau={out['tau']}); held out: {','.join(out['held_out'])}; seeds {out['seeds']}; "
              f"load avg {la['min']:.2f}-{la['max']:.2f}",
-             f"  base retriever held-out Recall@{m}: {out['base']['held_out']:.4f}",
-             f"  {'learner':<10} {'held-out Recall@%d median [min, max]' % m:>38} {'mean (95% CI)':>26} "
-             f"{'queries/s median [min, max]':>30}"]
-    for name, label in (("rmm_jax", "rmm-jax"), ("vw", "VW")):
-        r, q = out[name]["held_out_recall"], out[name]["queries_per_s"]
-        lines.append(f"  {label:<10} {f(r):>38} {r['mean']:>10.4f} ({r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}) "
-                     f"{f(q, 0):>30}")
-    d, s = out["rmm_jax_minus_vw_held_out"], out["rmm_jax_over_vw_queries_per_s"]
-    lines += [f"  rmm-jax − VW held-out Recall@{m}: {f(d)}, mean {d['mean']:+.4f} "
-              f"(95% CI {d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f})",
-              f"  rmm-jax / VW queries/s: {f(s, 1)} after compile; {out['rmm_jax_over_vw_including_compile']:.2f}× "
-              f"counting rmm-jax's one-time compile ({out['rmm_jax']['compile_s']:.1f} s)",
-              f"  VW: {out['vw']['args']}"]
-    if out["vw"]["tuning"]:
-        tb = out["base"]["tuning_users"]
-        best = max(r["recall"] for r in out["vw"]["tuning"])
-        lines.append(f"  VW tuning on {','.join(out['tuned_on'])}: best Recall@{m} {best:.4f} of "
-                     f"{len(out['vw']['tuning'])} settings (base retriever there {tb:.4f})")
-    for r in out["vw"]["ablations_on_tuning_users"]:
-        lines.append(f"    variant base_score={r['base_score']} proj={r['proj'] or 'none'}: {r['recall']:.4f}")
+             f"  retriever held-out Recall@{m}: {out['base']['held_out']:.4f}"]
+    for cm, res in out["results"].items():
+        lines += [f"citations {cm}: {out['citations'][cm]}",
+                  f"  {'learner':<30} {'held-out R@%d' % m:>13} {'gain over retriever [95%]':>30} "
+                  f"{'queries/s median [min, max]':>30}"]
+        for name, r in res.items():
+            lines.append(f"  {r['label']:<30} {r['held_out_recall']['mean']:>13.4f} "
+                         f"{_common.format_interval(r['gain_held_out']):>30} {f(r['queries_per_s'], 1):>30}")
+        ra = out["ratios"][cm]
+        lines += [f"  rmm-jax - VW held-out: {_common.format_interval(ra['rmm_jax_minus_vw_held_out'])}; "
+                  f"rmm-jax / VW queries/s: {f(ra['rmm_jax_over_vw_queries_per_s'], 1)} "
+                  f"(rmm-jax compile + first pass {out['rmm_jax']['compile_s'][cm]:.1f} s)",
+                  f"  VW: {out['vw']['args'][cm]}"]
     for t in out["targets"]:
-        lines.append(f"  {'PASS' if t['pass'] else 'MISS'}  {t['name']}: {t['value']:.4g} (target {t['target']})")
+        lines.append(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {t['value']:+.4f} (target {t['target']})")
     return "\n".join(lines)
 
 

@@ -14,8 +14,10 @@ Both zero-initialised and random non-zero starting parameters are used.
 Also: the ``torch.compile`` reference (fused scoring) makes the same selections, citations
 and updates as the eager loop, and ``ref_torch.reset`` gives a fresh start; the throughput
 floor is the roofline; the Vowpal Wabbit peer (``benchmarks/peer_vw.py``) cites with the
-library's rule, logs Plackett–Luce slot probabilities, starts in retriever order and learns
-a planted bilinear ranking (skipped without ``vowpalwabbit``, except on CI); and
+library's two citation models, is anchored at the retriever (an untrained workspace ranks by
+s/τ, learning sees s/τ as VW's base), learns a planted bilinear ranking, and the benchmark
+exits non-zero when a learner ends below the retriever; its ablation logs Plackett–Luce slot
+probabilities (skipped without ``vowpalwabbit``, except on CI); and
 ``benchmarks/gpu.sh --dry-run`` runs every benchmark's smoke version and writes its JSON.
 """
 import functools
@@ -38,6 +40,7 @@ import torch  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.update import reranker_reinforce_loss  # noqa: E402
+from rmm_jax.data import citations as cm  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, false_cite_prob  # noqa: E402
 
 D, K, M, B = 16, 8, 3, 4
@@ -345,10 +348,15 @@ def require_vw():
 
 
 def test_numpy_citations_follow_the_library_rule():
-    """VW's slates are cited by ref_numpy.oracle_cite: gold with probability r, non-gold with
-    the library's per-call q (rmm_jax.data.citations.false_cite_prob)."""
+    """VW's slates are cited by NumPy transcriptions of the library's two citation models:
+    ref_numpy.oracle_cite (gold with probability r, non-gold with the library's per-call q,
+    rmm_jax.data.citations.false_cite_prob) and ref_numpy.class_cite (useful p_useful, other
+    p_other, all of a call without a useful one spurious, unfilled never), each slot's rate
+    equal to the library's cite function's own, sampled over keys."""
     rng = np.random.default_rng(0)
     n = 200_000
+    lib = peer_vw.CITATIONS["oracle"].library()
+    keys = jax.random.split(jax.random.key(0), n)
     for is_gold in ([True, False, False, False, False], [True, True, False, False, False],
                     [False, False, False, False, False], [True, True, True, True, False]):
         g = np.tile(np.array(is_gold), (n, 1))
@@ -357,11 +365,18 @@ def test_numpy_citations_follow_the_library_rule():
         rate = cited.mean(0)
         for j, gj in enumerate(is_gold):
             np.testing.assert_allclose(rate[j], DEFAULT_RECALL if gj else q, atol=0.005)
+        filled = np.array([True, True, True, True, False])                 # the last slot unfilled
+        cited = peer_vw.CITATIONS["oracle"].numpy(g, np.tile(filled, (n, 1)), rng)
+        lib_rate = np.asarray(jax.vmap(lambda k: lib(k, jnp.asarray(is_gold), jnp.asarray(filled)))(keys)).mean(0)
+        useful = np.array(is_gold) & filled
+        want = np.where(useful, cm.P_USEFUL, cm.P_OTHER if useful.any() else cm.SPURIOUS) * filled
+        np.testing.assert_allclose(cited.mean(0), want, atol=0.005)
+        np.testing.assert_allclose(lib_rate, want, atol=0.005)
 
 
 def test_slate_probabilities_are_plackett_luce():
-    """sample_slate's per-slot probabilities multiply to the Plackett–Luce probability of the
-    ordered slate, and its first draw follows the pmf."""
+    """The ablation's sample_slate: per-slot probabilities multiply to the Plackett–Luce
+    probability of the ordered slate, and its first draw follows the pmf."""
     rng = np.random.default_rng(1)
     pmf = rng.dirichlet(np.ones(6))
     first = np.zeros(6)
@@ -378,23 +393,90 @@ def test_slate_probabilities_are_plackett_luce():
     np.testing.assert_allclose(first / first.sum(), pmf, atol=0.015)
 
 
+def _vw_example(seed, k=8, d=6):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(d)
+    m = rng.standard_normal((k, d))
+    return f"|Q {peer_vw.features(q)} ", [f"|M {peer_vw.features(v)}" for v in m], m @ q
+
+
 def test_untrained_vw_ranks_as_the_retriever():
-    """Equal probabilities (VW before any update) keep the retriever's order."""
-    assert peer_vw.det_top_m(np.full(8, 0.125), 3).tolist() == [0, 1, 2]
-    assert peer_vw.det_top_m(np.array([0.1, 0.3, 0.3, 0.3]), 2).tolist() == [1, 2]
+    """The anchor at ranking time: an untrained workspace predicts f = 0, so z = s/τ + f orders
+    the candidates by the retriever's score, not by their position (the candidates here are
+    in random order, so dropping s/τ would fall back to position order and fail). The
+    Gumbel draw on z is rmm-jax's act step: with f = 0 its first pick follows softmax(s/τ)."""
+    require_vw()
+    ws = peer_vw.pyvw.Workspace(peer_vw.VWSetting().args())
+    for seed in range(5):
+        q_text, mem_text, s = _vw_example(seed)
+        z = peer_vw.vw_logits(ws, s / 0.1, q_text, mem_text)
+        np.testing.assert_array_equal(z, s / 0.1)
+        assert peer_vw.rank(z, 3).tolist() == np.argsort(-s)[:3].tolist() != [0, 1, 2]
+    rng = np.random.default_rng(0)
+    first = np.bincount([peer_vw.gumbel_top(z, 3, rng)[0] for _ in range(20_000)], minlength=z.size) / 20_000
+    np.testing.assert_allclose(first, np.exp(z - z.max()) / np.exp(z - z.max()).sum(), atol=0.012)
+    ws.finish()
+
+
+def test_vw_learning_sees_the_retriever_logit():
+    """The anchor at learning time: a memory cited half the time has logit 0, so VW's learned
+    f must end at −base (σ(base + f) = 1/2); a learner that ignored the base would end at 0."""
+    require_vw()
+    q_text, mem_text, _ = _vw_example(0, k=3, d=4)
+    for b in (3.0, 0.0, -2.0):
+        ws = peer_vw.pyvw.Workspace(peer_vw.VWSetting(lr=0.5).args())
+        for i in range(300):
+            peer_vw.vw_learn(ws, np.full(3, b), q_text, mem_text, [0, 1], [i % 2 == 0, i % 2 == 1])
+        f = peer_vw.vw_logits(ws, np.zeros(3), q_text, mem_text)
+        np.testing.assert_allclose(f[:2], -b, atol=0.3)
+        ws.finish()
 
 
 def test_vw_learns_a_planted_bilinear_ranking():
-    """On users whose gold memory follows a planted query × memory score that the retriever
-    does not know (random candidate order), VW with -q QM learns to rank it: its prequential
-    Recall@2 on the second half of the stream is well above random (2/6)."""
+    """On users whose gold memory follows the retriever's score plus a planted query × memory
+    score, anchored VW with -q QM starts at the retriever and learns the rest: on the second
+    half of the stream its prequential Recall@2 is well above the retriever's."""
     require_vw()
-    streams = peer_vw.synthetic_streams(1, 400, 40, 8, 6, seed=0)
-    r = peer_vw.run_vw_user(streams[0], peer_vw.VWSetting(lr=0.5, lam=3.0), m=2, seed=0)
-    second_half = r["recall"][200:].mean()
-    assert second_half > 2 / 6 + 0.2, second_half
-    assert r["recall"][200:].mean() > r["recall"][:50].mean()
+    s = peer_vw.synthetic_streams(1, 400, 60, 8, 6, seed=0)[0]
+    r = peer_vw.run_vw_user(s, peer_vw.VWSetting(lr=1.0), peer_vw.CITATIONS["oracle"].numpy, m=2, tau=0.1, seed=0)
+    base = peer_vw.base_recall([s], 2)[s.user_id]
+    assert r["recall"][200:].mean() > base[200:].mean() + 0.1, (r["recall"][200:].mean(), base[200:].mean())
     assert 0 < r["cite_rate"] < 1
+
+
+def test_floor_failures_name_each_learner_below_the_retriever():
+    """The floor covers VW and rmm-jax under every citation model; the ablation is exempt."""
+    g = lambda mean: {"mean": mean, "lo": mean - 0.01, "hi": mean + 0.01, "significant": False}  # noqa: E731
+    res = lambda a, b, c: {"vw": {"gain_held_out": g(a), "held_out_recall": {"mean": 0.4 + a}},  # noqa: E731
+                           "rmm_jax": {"gain_held_out": g(b), "held_out_recall": {"mean": 0.4 + b}},
+                           "vw_cb": {"gain_held_out": g(c), "held_out_recall": {"mean": 0.4 + c}}}
+    out = {"m": 5, "base": {"held_out": 0.4}, "results": {"oracle": res(0.03, 0.1, -0.07),
+                                                          "precision_recall": res(-0.01, 0.0, 0.2)}}
+    bad = peer_vw.floor_failures(out)
+    assert len(bad) == 2 and "'precision_recall'" in bad[0] and "VW" in bad[0] and "rmm-jax" in bad[1]
+    out["results"]["precision_recall"] = res(0.01, 0.02, -0.3)
+    assert peer_vw.floor_failures(out) == []
+
+
+def test_peer_vw_fails_loudly_below_the_retriever(tmp_path, monkeypatch):
+    """The tiny synthetic run end to end with VW ranking against the retriever (the anchor
+    reversed): the run exits non-zero naming VW, and its JSON keeps every learner's gain, the
+    speeds and the failed target. rmm-jax is stood in for by a perfect ranker here (no
+    compile); the real one runs in gpu.sh's dry run below, which must pass."""
+    require_vw()
+    monkeypatch.setattr(peer_vw, "vw_logits", lambda ws, base, q, m: -base)
+    monkeypatch.setattr(peer_vw, "rmm_jax_online", lambda streams, cfg, cite: lambda seed: {
+        s.user_id: np.ones(s.queries.shape[0]) for s in streams})
+    with pytest.raises(SystemExit) as exc:
+        peer_vw.main(["--synthetic", "--quick", "--citations", "oracle", "--no-ablation", "--seeds", "0,1", "--lr", "1",
+                      "--json", str(tmp_path / "bad.json")])
+    assert "below the retriever" in str(exc.value.code) and "VW logistic" in str(exc.value.code)
+    assert "rmm-jax" not in str(exc.value.code)
+    bad = json.loads((tmp_path / "bad.json").read_text())
+    res = bad["results"]["oracle"]
+    assert res["vw"]["gain_held_out"]["mean"] < 0 < res["rmm_jax"]["gain_held_out"]["mean"]
+    assert [t["pass"] for t in bad["targets"]] == [False, True]
+    assert bad["ratios"]["oracle"]["rmm_jax_over_vw_queries_per_s"]["median"] > 0 and bad["provenance"]["command"]
 
 
 # --------------------------------------------------------------------------- gpu.sh
@@ -424,4 +506,5 @@ def test_gpu_script_dry_run(tmp_path):
     tp = json.loads((tmp_path / "out" / summary["benchmarks"][0]["json"]).read_text())
     assert set(tp["configs"]) == {"paper", "large", "mlp"}
     vw = json.loads((tmp_path / "out" / summary["benchmarks"][1]["json"]).read_text())
-    assert vw["vw"]["queries_per_s"]["median"] > 0 and vw["rmm_jax"]["queries_per_s"]["median"] > 0
+    for res in vw["results"].values():
+        assert res["vw"]["queries_per_s"]["median"] > 0 and res["rmm_jax"]["queries_per_s"]["median"] > 0
