@@ -85,11 +85,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import _common  # noqa: E402
+import _ref_numpy as ref_numpy  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import ref_numpy  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, P_OTHER, P_USEFUL, SPURIOUS, oracle  # noqa: E402
 from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
@@ -290,23 +291,19 @@ def run_users(run_user, streams) -> dict:
 
 # --------------------------------------------------------------------------- rmm-jax, same streams
 
-def rmm_jax_online(streams, cfg: rj.Config, cite_fn):
+def rmm_jax_online(streams, setting: rj.Setting, cite_fn):
     """rmm-jax's online loop, built once: ``run(seed) -> {user: (T,) prequential Recall@M}``.
 
     Every user starts from the identity reranker; all users run in one chunk. The only
     place this benchmark calls the library's online loop.
     """
-    from rmm_jax.online.driver import ChunkDone, drive
-    from rmm_jax.online.loop import make_run
-
-    params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], cfg.kind, cfg.hidden)
-    program = make_run(cfg, cite_fn)
+    layout = setting.layout
+    params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], layout.kind, layout.hidden)
+    program = rj.make_run(*setting, cite_fn=cite_fn)
 
     def run(seed: int) -> dict:
-        for ev in drive([streams], params, cfg, program, seed=seed, users_per_chunk=len(streams)):
-            if isinstance(ev, ChunkDone):
-                return {uid: np.asarray(o["recall"]) for uid, o in ev.outputs.items()}
-        raise RuntimeError("drive yielded no chunk")
+        result = rj.run_online(streams, program, params, seed=seed, users_per_chunk=len(streams))
+        return {uid: np.asarray(r) for uid, r in result.recall.items()}
 
     return run
 
@@ -449,8 +446,8 @@ def main(argv=None):
         tuned_on, dataset = TUNED_ON, f"locomo:{args.data}"
     users = [s.user_id for s in streams]
     held = [u for u in users if u not in tuned_on]
-    cfg = rj.Config.preset("default", k=k, m=m)
-    tau = cfg.tau
+    setting = rj.preset("default", k=k, m=m)
+    tau = setting.estimator.tau
     tune_streams = [s for s in streams if s.user_id in tuned_on]
     n_queries = sum(s.queries.shape[0] for s in streams)
 
@@ -478,7 +475,7 @@ def main(argv=None):
     load = [os.getloadavg()[0]]
     for cm in cms:
         cit = CITATIONS[cm]
-        rmm = rmm_jax_online(streams, cfg, cit.library())
+        rmm = rmm_jax_online(streams, setting, cit.library())
         t0 = time.perf_counter()
         rmm(seeds[0])                                                # compile + first pass
         compile_s[cm] = time.perf_counter() - t0
@@ -531,7 +528,7 @@ def main(argv=None):
                   "tuning": tuning, "tune_seeds": tune_seeds if tuning else None,
                   "version": _vw_version()},
            "vw_cb": {"args": CB_ARGS, "ablation": True},
-           "rmm_jax": {"config": dataclasses.asdict(cfg), "init": "identity (the online row of quality_locomo.py)",
+           "rmm_jax": {"config": describe(*setting), "init": "identity (the online row of quality_locomo.py)",
                        "compile_s": compile_s},
            "results": results, "ratios": ratios,
            "timing": {"vw": "one pass: per user a fresh workspace and its memories as VW text, then per query the "
