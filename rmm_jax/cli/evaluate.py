@@ -70,7 +70,8 @@ def _row(name: str, est: dict) -> str:
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
               help="Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a "
-                   "reference line, unreliable estimates as hollow red markers with no value.")
+                   "reference line, each unreliable estimate as a hatched column labelled 'unreliable', with no "
+                   "value.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one strict JSON object on stdout.")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
@@ -117,8 +118,9 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     warning line on stderr suggesting --clip or more logged calls.
 
     \b
-    Example:
-      rmm-jax evaluate stores/calls --log examples/calls.jsonl --policies policies --json
+    Examples:
+      rmm-jax evaluate stores/locomo --log log.jsonl --policies policies2 --plot ope.png
+      rmm-jax evaluate stores/calls --log examples/calls.jsonl --policies p --min-ess 10  # 12 calls
     """
     if not tau > 0 or tau == float("inf"):
         raise InputError(f"must be > 0, got {tau}", where="--tau")

@@ -69,7 +69,7 @@ checks:
   check off).
 * **Weights that do not average 1.** For any target, E_μ[π(a)/μ(a)] = Σ_a π(a) = 1
   when μ gives every selection π can make a positive probability, and the same holds for
-  each slot of the prefix and marginal ratios. The mean weight is flagged when it is
+  each slot of the prefix and marginal ratios. The mean (unclipped) weight is flagged when it is
   further from 1 than both 0.1 (:data:`WEIGHT_MEAN_TOL`) and 3.29 standard errors
   (:data:`WEIGHT_MEAN_Z`, a two-sided 0.1% test, so a correct log is almost never
   flagged). It catches ``log_prob`` values that are not the logging policy's
