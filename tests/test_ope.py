@@ -468,7 +468,7 @@ def test_overflowing_weights_are_unreliable_not_nan(capsys, ope_env, tmp_path):
     for metric in ("cited", "cite_rate", "recall"):
         for name in ("ips", "snips"):
             est = rep["estimates"][metric][name]
-            assert est["value"] is None and est["ci95"] is None and not est["reliable"]
+            assert est["value"] is None and est["ci95"] is None and est["se"] is None and not est["reliable"]
             assert "overflow" in est["reason"] and "on 1 of 48 calls" in est["reason"]
         assert rep["estimates"][metric]["logged"]["reliable"]
     assert {(u["metric"], u["estimator"]) for u in rep["unreliable"]} == {

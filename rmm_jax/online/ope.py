@@ -423,8 +423,9 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
 
 def report_entry(est: dict, reasons: Sequence[str], value_range: tuple[float, float] | None = None) -> dict:
     """The report's row for one estimate: strict-JSON numbers only (``None`` for what is
-    not finite). Unreliable (``reasons``): ``value`` and ``ci95`` are ``None``, ``reason``
-    says why. Reliable: ``value`` is within ``value_range`` (rounding beyond it, at most
+    not finite). Unreliable (``reasons``): ``value``, ``ci95`` and ``se`` are ``None``,
+    ``reason`` says why; ``ess`` and ``weight_mean`` stay, as diagnostics of the weights.
+    Reliable: ``value`` is within ``value_range`` (rounding beyond it, at most
     :data:`RANGE_TOL` of the range, is clamped) and ``ci95`` is the bootstrap interval
     intersected with the range, ``ci95_clipped`` saying whether that cut it."""
     fin = lambda x: float(x) if x is not None and math.isfinite(x) else None  # noqa: E731
@@ -434,8 +435,8 @@ def report_entry(est: dict, reasons: Sequence[str], value_range: tuple[float, fl
             out[key] = fin(est[key])
     if "clipped" in est:
         out["clipped"] = int(est["clipped"])
-    if reasons:
-        return {**out, "value": None, "ci95": None, "reason": "; ".join(reasons)}
+    if reasons:      # the standard error of a number that is no estimate means nothing either
+        return {**out, "value": None, "ci95": None, "se": None, "reason": "; ".join(reasons)}
     value, (lo, hi) = float(est["value"]), est["ci95"]
     cut = False
     if value_range is not None:
