@@ -9,13 +9,20 @@
 * IPS, SNIPS, RIPS and IIPS against the Open Bandit Pipeline (``obp``) on the same inputs,
   and against a direct NumPy transcription of the formulas (kept when obp is absent).
 * ``rmm-jax evaluate`` end to end on a fake store: JSON shape, on-policy sanity
-  (target = logging policy gives weights 1), --user, --clip, missing logits, bad records.
+  (target = logging policy gives weights 1), --users, --clip, missing logits, bad records.
+* Reliability: overflowing weights, impossible log_probs, low ESS, out-of-range values
+  and intervals are reported as unreliable (no number, a reason, exit 3, strict JSON, one
+  warning line, no NumPy warning), and a correct on-policy log is not (no false alarm);
+  ``--plot``.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+import re
+import warnings
 
 import jax
 import numpy as np
@@ -26,14 +33,20 @@ from rmm_jax.core.reranker import init_reranker
 from rmm_jax.data.citation_log import pl_log_prob
 from rmm_jax.data.store import open_store
 from rmm_jax.online.ope import (
+    Target,
+    call_problems,
     estimate,
     estimator_weights,
+    evaluate_calls,
+    load_calls,
     prefix_log_probs,
+    report_entry,
     shown_set_probs,
     slot_marginals,
     slot_marginals_exact,
     slot_marginals_mc,
     subset_count,
+    verdict,
 )
 from rmm_jax.online.streams import stream_from_user
 from rmm_jax.persist.policy_store import PolicyStore
@@ -267,7 +280,7 @@ def ope_env(tmp_path_factory):
     """A fake store, an identity policy store, and a log drawn by the identity reranker at TAU
     (logits and log_prob on every record)."""
     root = tmp_path_factory.mktemp("ope")
-    store = make_fake_store(root / "store", users=2, sessions=3, turns=6, dim=16)
+    store = make_fake_store(root / "store", users=4, sessions=4, turns=8, dim=16)   # 48 calls: ESS 48 on policy
     st = open_store(store)
     pol = root / "pol"
     PolicyStore.create(pol, {"kind": "linear", "dim": 16, "hidden": None,
@@ -292,6 +305,13 @@ def ope_env(tmp_path_factory):
     return {"root": root, "store": store, "pol": pol, "log": log, "records": records, "users": st.user_ids}
 
 
+def strict_json(text: str):
+    """``json.loads`` that refuses NaN, Infinity and -Infinity."""
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name} in the output")
+    return json.loads(text, parse_constant=refuse)
+
+
 def evaluate(capsys, env, *args, log=None):
     return run_cli(capsys, "evaluate", env["store"], "--log", log or env["log"], "--policies", env["pol"],
                    "--k", KK, "--m", MM, "--bootstrap", 200, *args)
@@ -299,40 +319,58 @@ def evaluate(capsys, env, *args, log=None):
 
 def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     """Target = the logging policy (identity reranker, same τ): every importance weight is 1,
-    so every estimator returns the logged mean and the ESS is the number of calls."""
+    so every estimator returns the logged mean and the ESS is the number of calls. No false
+    alarm: every estimate is reliable, nothing is printed on stderr, exit 0."""
     code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--json")
-    assert code == 0, err
-    rep = json.loads(out)
+    assert code == 0 and err == "", err
+    rep = strict_json(out)
     n = len(ope_env["records"])
-    assert rep["calls"] == n and rep["users"] == 2 and rep["marginals"]["method"] == "exact"
+    assert n >= 30 and rep["calls"] == n and rep["users"] == 4 and rep["marginals"]["method"] == "exact"
     assert rep["estimators"] == ["ips", "snips", "rips", "snrips", "iips"]
-    assert set(rep["estimates"]) == {"cited", "cite_rate", "recall"}
+    assert set(rep["estimates"]) == {"cited", "cite_rate", "recall"} and rep["unreliable"] == []
     cited = rep["estimates"]["cited"]
     mean_cited = np.mean([len(r["cited"]) for r in ope_env["records"]])
     assert cited["logged"]["value"] == pytest.approx(mean_cited)
     for name in rep["estimators"]:
+        assert cited[name]["reliable"] and "reason" not in cited[name]
         assert cited[name]["value"] == pytest.approx(mean_cited, rel=1e-4), name
         assert cited[name]["ess"] == pytest.approx(n, rel=1e-3)
+        assert cited[name]["weight_mean"] == pytest.approx(1.0, abs=1e-4)
         lo, hi = cited[name]["ci95"]
         assert lo <= cited[name]["value"] <= hi
     assert "direct" in rep["estimates"]["recall"]
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU)
+    assert code == 0 and err == "" and "unreliable" not in out and "nan" not in out.lower()
 
 
-def test_evaluate_other_target_table_user_and_clip(capsys, ope_env):
+def test_evaluate_other_target_table_users_and_clip(capsys, ope_env):
     code, out, err = evaluate(capsys, ope_env, "--tau", 0.3, "--json", "--clip", 1.5)
-    assert code == 0
-    rep = json.loads(out)
+    assert code == 0, err
+    rep = strict_json(out)
     assert rep["clip"] == 1.5 and rep["warnings"] and "biased" in rep["warnings"][0]
     assert "warning: importance weights clipped at 1.5" in err
     assert rep["estimates"]["cited"]["ips"]["clipped"] > 0
-    code, out, _ = evaluate(capsys, ope_env, "--tau", 0.3)
+    code, out, _ = evaluate(capsys, ope_env, "--tau", 0.3, "--allow-unreliable")
     assert code == 0 and "95% interval" in out and "snips" in out and "iips" in out and "direct" in out
     uid = ope_env["users"][0]
-    code, out, _ = evaluate(capsys, ope_env, "--user", uid, "--json")
+    code, out, _ = evaluate(capsys, ope_env, "--users", uid, "--json", "--min-ess", 0)
     n_user = sum(r["user_id"] == uid for r in ope_env["records"])
-    assert code == 0 and json.loads(out)["calls"] == n_user
+    assert code == 0 and strict_json(out)["calls"] == n_user
+    two = ",".join(ope_env["users"][:2])
+    code, out, _ = evaluate(capsys, ope_env, "--users", two, "--json", "--min-ess", 0)
+    assert code == 0 and strict_json(out)["calls"] == sum(r["user_id"] in two.split(",") for r in ope_env["records"])
     code, out, _ = evaluate(capsys, ope_env, "--exact-limit", 2, "--mc-samples", 64, "--json")
-    assert code == 0 and json.loads(out)["marginals"]["method"] == "monte_carlo"
+    assert code == 0 and strict_json(out)["marginals"]["method"] == "monte_carlo"
+
+
+@pytest.mark.parametrize("users,fragment", [("nobody", "unknown user id 'nobody'"),
+                                            ("user0,,user1", "empty user id")])
+def test_evaluate_users_bad_one_line(capsys, ope_env, users, fragment):
+    code, out, err = evaluate(capsys, ope_env, "--users", users)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and "--users" in lines[0] and fragment in lines[0], err
+    code, _, err = evaluate(capsys, ope_env, "--user", "user0")      # the old repeatable form is gone
+    assert code == 2 and "--user" in err
 
 
 def test_evaluate_without_logits_reports_ips_snips_only(capsys, ope_env, tmp_path):
@@ -341,13 +379,14 @@ def test_evaluate_without_logits_reports_ips_snips_only(capsys, ope_env, tmp_pat
                            for r in ope_env["records"]))
     code, out, err = evaluate(capsys, ope_env, "--json", log=log)
     assert code == 0, err
-    rep = json.loads(out)
+    rep = strict_json(out)
     assert rep["estimators"] == ["ips", "snips"]
     assert set(rep["estimates"]["cited"]) == {"logged", "ips", "snips"}
     assert any("logits" in note for note in rep["notes"])
 
 
-@pytest.mark.parametrize("case", ["no_behaviour", "mismatch", "unknown_memory", "too_many_selected", "clip"])
+@pytest.mark.parametrize("case", ["no_behaviour", "mismatch", "positive", "unknown_memory", "too_many_selected",
+                                  "clip", "min_ess", "plot"])
 def test_evaluate_bad_input_one_line(capsys, ope_env, tmp_path, case):
     recs = [dict(r) for r in ope_env["records"][:4]]
     names = [":3", "'log_prob'"]
@@ -356,6 +395,9 @@ def test_evaluate_bad_input_one_line(capsys, ope_env, tmp_path, case):
         del recs[2]["log_prob"], recs[2]["logits"]
     elif case == "mismatch":
         recs[2]["log_prob"] = recs[2]["log_prob"] - 1.0
+    elif case == "positive":          # no policy gives a probability above 1: bad input, not an estimate
+        del recs[2]["logits"]
+        recs[2]["log_prob"] = 0.5
     elif case == "unknown_memory":
         spare = next(c for c in recs[2]["candidates"] if c not in recs[2]["selected"])
         recs[2]["candidates"] = [("ghost" if c == spare else c) for c in recs[2]["candidates"]]
@@ -365,8 +407,12 @@ def test_evaluate_bad_input_one_line(capsys, ope_env, tmp_path, case):
         recs[2]["cited"] = []
         del recs[2]["log_prob"]
         names = ["--m"]
-    else:
+    elif case == "clip":
         args, names = ["--clip", "0.5"], ["--clip"]
+    elif case == "min_ess":
+        args, names = ["--min-ess", "-1"], ["--min-ess"]
+    else:
+        args, names = ["--plot", str(tmp_path / "p.pdf")], ["--plot", ".png"]
     log = tmp_path / "bad.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
     code, out, err = evaluate(capsys, ope_env, "--json", *args, log=log)
@@ -375,3 +421,257 @@ def test_evaluate_bad_input_one_line(capsys, ope_env, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     for name in names:
         assert name in lines[0], (name, lines[0])
+
+
+# --------------------------------------------------------------------------- reliability
+def crafted_log(env, tmp_path, change, *, logits=False):
+    """The fixture's log with ``change(records)`` applied (``logits`` dropped unless kept:
+    a changed log_prob would disagree with them, which the reader refuses)."""
+    recs = [{k: v for k, v in r.items() if logits or k != "logits"} for r in env["records"]]
+    change(recs)
+    log = tmp_path / "crafted.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return log
+
+
+
+
+def run_strict(capsys, env, *args, log):
+    """``evaluate`` with every warning turned into an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return evaluate(capsys, env, *args, log=log)
+
+
+NUMBER_WORDS = re.compile(r"\b(nan|inf|infinity)\b", re.IGNORECASE)
+
+
+def first_uncited(recs):
+    return next(i for i, r in enumerate(recs) if not r["cited"])
+
+
+def test_overflowing_weights_are_unreliable_not_nan(capsys, ope_env, tmp_path):
+    """A log_prob of -800 makes log(π/μ) ≈ 800 > 709.8: the weight is not a float64. Before:
+    'nan' printed, exit 0, NumPy RuntimeWarnings with source lines."""
+    def change(recs):
+        recs[first_uncited(recs)]["log_prob"] = -800.0
+    log = crafted_log(ope_env, tmp_path, change)
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, log=log)
+    assert code == 3, err
+    assert not NUMBER_WORDS.search(out) and "Warning" not in err and "Traceback" not in err
+    assert out.count("unreliable (weights overflow: log(π/μ) up to 79") == 6    # ips, snips on three metrics
+    assert "logged" in out and "direct" in out                                   # the rest of the table is there
+    assert err.strip().splitlines()[-1].startswith("6 of 10 estimates are unreliable; exit status 3")
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, "--json", log=log)
+    assert code == 3
+    rep = strict_json(out)
+    for metric in ("cited", "cite_rate", "recall"):
+        for name in ("ips", "snips"):
+            est = rep["estimates"][metric][name]
+            assert est["value"] is None and est["ci95"] is None and est["se"] is None and not est["reliable"]
+            assert "overflow" in est["reason"] and "on 1 of 48 calls" in est["reason"]
+        assert rep["estimates"][metric]["logged"]["reliable"]
+    assert {(u["metric"], u["estimator"]) for u in rep["unreliable"]} == {
+        (m, e) for m in ("cited", "cite_rate", "recall") for e in ("ips", "snips")}
+    code, out2, _ = run_strict(capsys, ope_env, "--tau", TAU, "--allow-unreliable", log=log)
+    assert code == 0 and "unreliable (weights overflow" in out2
+    # the clip cannot hide a weight that is no number: still unreliable
+    code, out, _ = run_strict(capsys, ope_env, "--tau", TAU, "--json", "--clip", 5, log=log)
+    assert code == 3 and "overflow" in strict_json(out)["estimates"]["cited"]["ips"]["reason"]
+
+
+def test_huge_weight_out_of_range_and_low_ess(capsys, ope_env, tmp_path):
+    """The reported case: one cited call logged with log_prob -60 gets weight ~e^58, so IPS
+    claims ~1e23 cited memories per call (at most 2 are shown). Now: unreliable, with both
+    reasons, and the one-line low-ESS warning."""
+    def change(recs):
+        recs[next(i for i, r in enumerate(recs) if r["cited"])]["log_prob"] = -60.0
+    log = crafted_log(ope_env, tmp_path, change)
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, "--json", log=log)
+    assert code == 3
+    est = strict_json(out)["estimates"]["cited"]["ips"]
+    assert est["value"] is None and "outside the metric's range [0, 2]" in est["reason"]
+    assert "ESS 1.0 of 48 calls < 30" in est["reason"]
+    warn = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warn) == 1 and "effective sample size below 30" in warn[0] and "--clip" in warn[0], err
+
+
+def test_low_ess_one_warning_and_clip_fixes_it(capsys, ope_env, tmp_path):
+    """One uncited call weighs e^6 ≈ 403 (its log_prob lowered by 6): ESS (47+e^6)²/(47+e^12)
+    ≈ 1.2 of 48 calls, values in range, weights' mean within its error. Only the ESS check
+    fires; --clip 2 brings the ESS back to (47+2)²/(47+4) ≈ 47 and the estimates back."""
+    def change(recs):
+        recs[first_uncited(recs)]["log_prob"] -= 6.0
+    log = crafted_log(ope_env, tmp_path, change)
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, log=log)
+    assert code == 3
+    warn = [line for line in err.splitlines() if "effective sample size" in line]
+    assert len(warn) == 1 and warn[0].startswith("warning: ") and "--clip" in warn[0] and "log more calls" in warn[0]
+    ess = (47 + math.exp(6)) ** 2 / (47 + math.exp(12))
+    assert out.count(f"unreliable (ESS {ess:.1f} of 48 calls < 30)") == 6     # ips, snips on the three metrics
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, "--json", "--clip", 2, log=log)
+    assert code == 0, err
+    rep = strict_json(out)
+    assert rep["unreliable"] == [] and "effective sample size" not in err
+    ips = rep["estimates"]["cited"]["ips"]
+    assert ips["ess"] == pytest.approx(49 ** 2 / 51, rel=1e-3) and ips["clipped"] == 1
+
+
+def test_ess_threshold_is_the_option(capsys, ope_env):
+    """On policy every weight is 1 and the ESS is n = 48: --min-ess 48.5 flags it (the log is
+    too small for that threshold, and the warning says so), --min-ess 47.5 does not."""
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--min-ess", 48.5, "--json")
+    rep = strict_json(out)
+    assert code == 3 and rep["min_ess"] == 48.5
+    assert all("ESS 48.0 of 48 calls < 48.5" in u["reason"] for u in rep["unreliable"])
+    assert {u["metric"] for u in rep["unreliable"]} == {"cited", "cite_rate", "recall"}
+    assert "too few calls" in err and len([ln for ln in err.splitlines() if ln.startswith("warning:")]) == 1
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--min-ess", 47.5, "--json")
+    assert code == 0 and strict_json(out)["unreliable"] == [] and err == ""
+
+
+def test_deterministic_logger_log_prob_zero_is_flagged(capsys, ope_env, tmp_path):
+    """log_prob 0 says the logger could show nothing else. Then the weights are π(a) < 1 and
+    cannot average 1: the log does not cover the target, and IPS would quietly shrink."""
+    def change(recs):
+        for r in recs:
+            r["log_prob"] = 0.0
+    log = crafted_log(ope_env, tmp_path, change)
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, "--json", log=log)
+    assert code == 3
+    rep = strict_json(out)
+    for metric in ("cited", "cite_rate", "recall"):
+        for name in ("ips", "snips"):
+            est = rep["estimates"][metric][name]
+            assert est["value"] is None and "not 1: log_prob is not the logging policy's probability" in est["reason"]
+            assert est["weight_mean"] < 0.9
+
+
+def test_intervals_within_range_and_marked_when_cut(capsys, ope_env):
+    """Every reported value and interval lies in its metric's range; '*' marks exactly the
+    intervals the range cut."""
+    code, out, _ = evaluate(capsys, ope_env, "--tau", 0.3, "--json", "--allow-unreliable", "--min-ess", 0)
+    rep = strict_json(out)
+    assert code == 0
+    cut = 0
+    for metric, per in rep["estimates"].items():
+        lo, hi = rep["ranges"][metric]
+        for name, est in per.items():
+            a, b = est["ci95"]
+            assert lo <= a <= est["value"] <= b <= hi, (metric, name, est)
+            cut += est["ci95_clipped"]
+    code, out, _ = evaluate(capsys, ope_env, "--tau", 0.3, "--allow-unreliable", "--min-ess", 0)
+    assert sum(line.rstrip().split("]")[-1].startswith("*") for line in out.splitlines() if "[" in line) == cut
+
+
+def test_report_entry_clamps_and_cuts_and_verdict_judges_range():
+    est = {"value": 0.9, "ci95": [0.5, 1.3], "se": 0.2, "ess": 50.0, "n": 50, "nonfinite": 0,
+           "weight_mean": 1.02, "weight_mean_se": 0.05}
+    assert verdict(est, value_range=(0.0, 1.0), min_ess=30) == []
+    row = report_entry(est, [], (0.0, 1.0))
+    assert row["value"] == 0.9 and row["ci95"] == [0.5, 1.0] and row["ci95_clipped"] is True and row["reliable"]
+    assert report_entry(est, [], (0.0, 2.0))["ci95_clipped"] is False
+    rounding = dict(est, value=1.0 + 1e-6, ci95=[0.5, 1.0 + 1e-6])
+    assert verdict(rounding, value_range=(0.0, 1.0)) == []
+    assert report_entry(rounding, [], (0.0, 1.0))["value"] == 1.0
+    assert report_entry(rounding, [], (0.0, 1.0))["ci95_clipped"] is False
+    out = dict(est, value=1.2)
+    (reason,) = verdict(out, value_range=(0.0, 1.0))
+    assert "1.2 is outside the metric's range [0, 1]" == reason
+    row = report_entry(out, [reason], (0.0, 1.0))
+    assert row["value"] is None and row["ci95"] is None and row["reason"] == reason
+    assert verdict(dict(est, ess=29.9), min_ess=30) == ["ESS 29.9 of 50 calls < 30"]
+    assert verdict(dict(est, ess=30.0), min_ess=30) == []
+    assert verdict(dict(est, weight_mean=1.09, weight_mean_se=0.001)) == []              # within 0.1
+    assert verdict(dict(est, weight_mean=1.5, weight_mean_se=0.2)) == []                 # within 3.29 s.e.
+    (reason,) = verdict(dict(est, weight_mean=1.5, weight_mean_se=0.1))
+    assert reason.startswith("weights average 1.5 (s.e. 0.1), not 1")
+
+
+def test_estimate_with_overflow_is_silent_and_flagged():
+    lr = np.array([800.0, 0.0, -1.0, 0.5])
+    r = np.array([[1.0], [0.0], [1.0], [0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = estimator_weights("ips", log_ratio=lr)
+        est = estimate("ips", w, r, bootstrap=50)
+        near = estimate("ips", np.array([[1e308], [1e308], [1.0], [1.0]]), np.ones((4, 1)), bootstrap=50)  # sum: inf
+    assert np.isinf(w[0, 0]) and est["nonfinite"] == 1 and math.isnan(est["value"])
+    assert verdict(est) == ["importance weights overflow: not finite on 1 of 4 calls"]
+    assert verdict(est, problems=["x"]) == ["x"]
+    assert verdict(near) == ["not finite: the weighted sums overflow float64"]
+    row = report_entry(est, verdict(est))
+    assert row["value"] is None and row["ess"] is None
+    json.dumps(row, allow_nan=False)
+
+
+def test_kish_ess_exact_and_scale_free():
+    rng = np.random.default_rng(0)
+    w = rng.lognormal(size=(200, 1)) * 3
+    r = rng.uniform(size=(200, 1))
+    want = w.sum() ** 2 / (w ** 2).sum()
+    assert estimate("ips", w, r, bootstrap=0)["ess"] == pytest.approx(want, rel=1e-12)
+    assert estimate("ips", w * 1e300, r, bootstrap=0)["ess"] == pytest.approx(want, rel=1e-12)  # no overflow
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_weight_mean_check_quiet_on_correct_logs_loud_on_deterministic(seed):
+    """Calls logged by a PL policy with its true log_prob, target moderately different: the
+    weights' mean is 1 in expectation and the 0.1% check stays quiet. The same calls with
+    log_prob 0 (a deterministic logger) are flagged every time."""
+    rng = np.random.default_rng(seed)
+    n, k, m = 400, 8, 3
+    zb = rng.normal(size=(n, k))
+    zt = zb + 0.5 * rng.normal(size=(n, k))
+    mask = np.ones((n, k), bool)
+    sel = np.argsort(-(zb + rng.gumbel(size=(n, k))), axis=1)[:, :m]
+    pb, pt = prefix_log_probs(zb, sel, mask), prefix_log_probs(zt, sel, mask)
+    r = (rng.uniform(size=(n, m)) < 0.3).astype(np.float64)
+    for name in ("ips", "rips"):
+        kw = {"log_ratio": pt[:, -1] - pb[:, -1], "prefix_log_ratio": pt - pb}
+        est = estimate(name, estimator_weights(name, **kw), r, bootstrap=0)
+        assert not any("not 1" in x for x in verdict(est)), (name, est["weight_mean"], est["weight_mean_se"])
+    est = estimate("ips", estimator_weights("ips", log_ratio=pt[:, -1]), r, bootstrap=0)
+    assert any("not 1" in x for x in verdict(est))
+
+
+def test_call_problems_name_what_the_reader_would_refuse(ope_env):
+    """Calls built without the reader (the library API): a positive log_prob, a selection
+    no Plackett–Luce policy can draw, non-finite target scores each give their reason."""
+    st = open_store(ope_env["store"])
+    calls = load_calls(st, ope_env["log"], PolicyStore.open(ope_env["pol"]), Target(KK, MM, TAU))
+    n = len(calls.user_ids)
+    rows = np.arange(n)
+    kw = {"log_ratio": np.zeros(n)}
+    assert call_problems(calls, rows, **kw) == {"direct": [], "ips": [], "snips": []}
+    lp = calls.log_prob.copy()
+    lp[[0, 1]] = 0.3
+    got = call_problems(dataclasses.replace(calls, log_prob=lp), rows, **kw)
+    assert got["ips"] == [f"log_prob is not a log-probability (> 0 or not finite) on 2 of {n} calls"]
+    assert call_problems(dataclasses.replace(calls, log_prob=lp), rows[2:], **kw)["ips"] == []
+    sel = calls.selected.copy()
+    sel[3] = [sel[3, 0], sel[3, 0]]
+    got = call_problems(dataclasses.replace(calls, selected=sel), rows, **kw)
+    assert "impossible under any Plackett–Luce policy" in got["ips"][0] and got["direct"] == []
+    t = calls.target_logits.copy()
+    t[5, 0] = np.nan
+    got = call_problems(dataclasses.replace(calls, target_logits=t), rows, **kw)
+    assert got["direct"] == got["snips"] == [f"the target policy's scores are not finite on 1 of {n} calls"]
+    res = evaluate_calls(dataclasses.replace(calls, target_logits=t), Target(KK, MM, TAU), bootstrap=20)
+    assert not res["estimates"]["recall"]["direct"]["reliable"]
+    assert all(not res["estimates"][m][e]["reliable"] for m in res["estimates"] for e in res["estimators"])
+    json.dumps(res, allow_nan=False)
+
+
+def test_evaluate_plot_writes_png(capsys, ope_env, tmp_path):
+    def change(recs):
+        recs[first_uncited(recs)]["log_prob"] = -800.0
+    log = crafted_log(ope_env, tmp_path, change, logits=False)
+    png = tmp_path / "plots" / "ope.png"
+    code, _, err = run_strict(capsys, ope_env, "--tau", 0.3, "--plot", png, "--allow-unreliable", log=log)
+    assert code == 0, err
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(png)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 300

@@ -16,6 +16,7 @@ from rmm_jax.data.granularity import (
     DEFAULT_SEGMENT_THRESHOLD,
     GRANULARITIES,
 )
+from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS
 from rmm_jax.data.store import write_store
 from rmm_jax.errors import InputError
 
@@ -47,21 +48,32 @@ from rmm_jax.errors import InputError
 @click.option("--answers", is_flag=True,
               help="Also embed each question with its reference answer (answers.npy), for "
                    "`simulate --citations answer`.")
+@click.option("--skip-invalid", is_flag=True,
+              help="jsonl: skip and count messages with empty content or longer than "
+                   f"{MAX_MESSAGE_CHARS} characters instead of failing on the first.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the store manifest (plus timings) as one JSON object on stdout.")
 def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cache_dir,
-          batch_size, no_cache, answers, quiet, as_json):
+          batch_size, no_cache, answers, skip_invalid, quiet, as_json):
     """Embed a dataset's memories and questions into an embedding store.
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
     `longmemeval:PATH`, `synthetic[:users=N,...]`, your own chat histories
-    `jsonl:PATH` (OpenAI-style messages; schema in the README), or a generator-call log
+    `jsonl:PATH` (OpenAI chat messages; schema in the README), or a generator-call log
     that carries texts, `log:CALLS.jsonl[,memories=MEMS.jsonl]` (each call becomes a
     question, its candidates the user's memories, ids kept as logged so the log replays
     on the store). Memories are built at the chosen granularity, embedded with MODEL
     (cached on disk: re-runs embed nothing twice) and written with the questions and
     their gold memories to OUT.
+
+    jsonl: messages as OpenAI writes them. A list `content` keeps its text parts,
+    joined by a newline; other parts (images, audio, files) are dropped and counted,
+    and a message with no text part is skipped. Tool results (role `tool`) and
+    tool-call-only messages (`content: null` with `tool_calls`) are skipped and
+    counted. Empty content and content over the character limit are errors naming
+    file:line, or skipped and counted with --skip-invalid. The counts are printed
+    on stderr and kept in the manifest (`stats.skipped` in --json).
 
     \b
     Examples:
@@ -73,12 +85,14 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     """
     say = (lambda m: None) if quiet else info
     t0 = time.perf_counter()
-    dataset = load_spec(spec)
+    dataset = load_spec(spec, skip_invalid=skip_invalid)
     if dataset.name == "log" and granularity != "turn":
         raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
                          f"use --granularity turn, not {granularity!r}", where="--granularity")
     t_load = time.perf_counter() - t0
     say(f"loaded {spec}: {len(dataset.users)} users ({t_load:.1f}s)")
+    if dataset.name == "jsonl":
+        _note_skipped(dataset.stats["skipped"], say)
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
     if dataset.name in ("jsonl", "log") and no_gold:
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
@@ -108,3 +122,19 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     else:
         click.echo(f"{out}: {c['users']} users, {c['memories']} {granularity} memories, "
                    f"{c['queries']} queries, model {manifest['model']} (dim {manifest['dim']})")
+
+
+
+def _note_skipped(skipped: dict, say) -> None:
+    """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
+    labels = {"tool_results": "tool results", "tool_calls": "tool calls only", "no_text": "no text part",
+              "empty": "empty", "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
+    kinds = [f"{label} {skipped[k]}" for k, label in labels.items() if skipped[k]]
+    parts = [f"{sum(skipped[k] for k in labels)} messages ({', '.join(kinds)})"] if kinds else []
+    if skipped["non_text_parts"]:
+        parts.append(f"{skipped['non_text_parts']} non-text content parts (images, audio, files)")
+    if skipped["gold_on_skipped"]:
+        parts.append(f"{skipped['gold_on_skipped']} gold turn ids naming skipped messages")
+    if parts:
+        first = f"; first invalid: {skipped['first_errors'][0]}" if skipped["first_errors"] else ""
+        say(f"skipped {'; '.join(parts)}{first}")

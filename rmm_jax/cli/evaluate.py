@@ -1,18 +1,49 @@
 """``rmm-jax evaluate``: off-policy estimates of a policy store's value from a citation log."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import click
 
-from rmm_jax.cli.common import DEFAULTS, emit_json, info
+from rmm_jax.cli.common import DEFAULTS, info
 from rmm_jax.cli.main import cli
 from rmm_jax.core.config import Layout
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
-from rmm_jax.online.ope import DEFAULT_BOOTSTRAP, DEFAULT_EXACT_LIMIT, DEFAULT_MC_SAMPLES, Target, evaluate_log
+from rmm_jax.online.ope import (
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_EXACT_LIMIT,
+    DEFAULT_MC_SAMPLES,
+    DEFAULT_MIN_ESS,
+    Target,
+    evaluate_log,
+)
+from rmm_jax.online.plot import plot_estimates
 from rmm_jax.persist.policy_store import PolicyStore
 
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
           "recall": "Recall@M of the shown memories (calls with gold)"}
+EXIT_UNRELIABLE = 3
+
+
+def parse_users(users: str | None) -> list[str] | None:
+    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty item is an error."""
+    if users is None:
+        return None
+    ids = [u.strip() for u in users.split(",")]
+    if not all(ids):
+        raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
+    return ids
+
+
+def _row(name: str, est: dict) -> str:
+    ess = f"{est['ess']:8.1f}" if est.get("ess") is not None else f"{'-':>8}"
+    if est["value"] is None:
+        return f"  {name:<10} unreliable ({est['reason']})"
+    lo, hi = est["ci95"]
+    cut = "*" if est.get("ci95_clipped") else " "
+    return f"  {name:<10} {est['value']:8.4f}  [{lo:8.4f}, {hi:8.4f}]{cut} {ess}"
 
 
 @cli.command()
@@ -21,12 +52,17 @@ LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the sho
               help="Citation log (JSONL) whose records carry the logging policy's log_prob (and, for rips/iips, "
                    "logits).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store holding the target policy.")
-@click.option("--user", "users", multiple=True, help="Only this user's calls (repeat for several; default: all).")
-@click.option("--tau", type=float, default=DEFAULTS.estimator.tau, help="Target policy's sampling temperature.")
-@click.option("--k", type=int, default=DEFAULTS.layout.k, help="Most candidates a record may list.")
-@click.option("--m", type=int, default=DEFAULTS.layout.m, help="Most memories a record may show.")
+@click.option("--users", default=None, help="Comma-separated user ids whose calls to use (default: all).")
+@click.option("--tau", type=float, default=DEFAULTS.estimator.tau, show_default=True,
+              help="Target policy's sampling temperature.")
+@click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True, help="Most candidates a record may list.")
+@click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True, help="Most memories a record may show.")
 @click.option("--clip", type=float, default=None, show_default="no clipping",
               help="Cap every importance weight at this (>= 1); reported as a bias warning.")
+@click.option("--min-ess", type=float, default=DEFAULT_MIN_ESS,
+              help="An estimate whose weights have a smaller effective sample size is unreliable (0: no check).")
+@click.option("--allow-unreliable", is_flag=True,
+              help=f"Exit 0 even when an estimate is unreliable (otherwise exit {EXIT_UNRELIABLE}).")
 @click.option("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP, help="Bootstrap resamples for the 95% intervals.")
 @click.option("--exact-limit", type=int, default=DEFAULT_EXACT_LIMIT,
               help="Per-slot marginals (iips, recall direct) are exact when they need at most this many "
@@ -34,9 +70,13 @@ LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the sho
 @click.option("--mc-samples", type=int, default=DEFAULT_MC_SAMPLES, help="Samples per call for Monte Carlo marginals.")
 @click.option("--seed", type=int, default=0, help="Seed of the bootstrap and the Monte Carlo marginals.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
-def evaluate(store, log_path, policies, users, tau, k, m, clip, bootstrap, exact_limit, mc_samples, seed,
-             skip_invalid, as_json):
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+              help="Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a "
+                   "reference line, each unreliable estimate as a hatched column labelled 'unreliable', with no "
+                   "value.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one strict JSON object on stdout.")
+def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
+             mc_samples, seed, skip_invalid, plot_path, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
 
     Every record's selection was drawn by the logging policy with probability
@@ -46,31 +86,66 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, bootstrap, exact
     Recall@M. Estimators: ips, snips; with per-candidate `logits` in the log also rips
     (reward-interaction), snrips and iips (independent, per-slot marginals). Each comes
     with a bootstrap 95% interval and its effective sample size (ESS); `logged` is the
-    logging policy's own value. Nothing is written.
+    logging policy's own value. Nothing is written but --plot.
+
+    An estimate is UNRELIABLE, printed as `unreliable (reason)` with no number
+    (`"value": null` and a `"reason"` in --json), when:
 
     \b
-    Example:
-      rmm-jax evaluate stores/calls --log examples/calls.jsonl --policies policies --json
+      - its importance weights overflow float64 (log(target/logging) > 709.8)
+        or are not finite (the target's scores are not finite);
+      - its ESS is below --min-ess (30: below about 30 equally weighted
+        calls the bootstrap interval is not trustworthy and a few calls
+        decide the estimate; an on-policy log of fewer calls is flagged too);
+      - its weights average far from 1 (beyond 0.1 and 3.29 standard
+        errors): E[target/logging] = 1 whenever the log covers the target,
+        so log_prob is not the logging policy's probability (a deterministic
+        logger writing 0, a wrong temperature) or the log misses selections
+        the target makes;
+      - its value lies outside the metric's range on these calls: cited in
+        [0, mean shown], cite rate in [0, 1], Recall@M between the least and
+        the most any selection of the candidates gets (IPS can leave the
+        range in finite samples; then it is no estimate of the metric).
+
+    A log_prob > 0 or not finite, one that disagrees with the record's logits,
+    or a selection no policy can draw is bad input (error naming file:line;
+    --skip-invalid skips such records). Intervals are intersected with the
+    metric's range (marked `*`, "ci95_clipped" in --json): the metric always
+    lies in its range, so the cut interval covers it as often as the bootstrap
+    interval did. It is still the interval of the unclipped estimator.
+
+    \b
+    Exit status: 0; 2 bad input; 3 some estimate is unreliable (the report is
+    printed in full first; --allow-unreliable exits 0). A low ESS also prints one
+    warning line on stderr suggesting --clip or more logged calls.
+
+    \b
+    Examples:
+      rmm-jax evaluate stores/locomo --log log.jsonl --policies policies2 --plot ope.png
+      rmm-jax evaluate stores/calls --log examples/calls.jsonl --policies p --min-ess 10  # 12 calls
     """
     if not tau > 0 or tau == float("inf"):
         raise InputError(f"must be > 0, got {tau}", where="--tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
+    if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
+        raise InputError(f"must name a .png file, got {plot_path!r}", where="--plot")
     try:
         Layout(k=k, m=m)
         cfg = Target(k, m, tau)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None
+    user_ids = parse_users(users)
     st = open_store(store)
     ps = PolicyStore.open(policies, expect_dim=st.dim)
     made_for = (ps.meta.get("config") or {}).get("model")
     if made_for and made_for != st.model:
         raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
                          where=f"--policies {policies}")
-    rep = evaluate_log(st, log_path, ps, cfg, users=list(users) or None, clip=clip, bootstrap=bootstrap, seed=seed,
-                       exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid)
+    rep = evaluate_log(st, log_path, ps, cfg, users=user_ids, clip=clip, bootstrap=bootstrap, seed=seed,
+                       exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid, min_ess=min_ess)
     rep = {"store": str(store), "policies": str(policies), **rep}
     log = rep["log"]
     if log.get("skipped"):
@@ -78,22 +153,38 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, bootstrap, exact
              f"first: {log['first_errors'][0]}")
     for w in rep["warnings"]:
         info(f"warning: {w}")
+    if plot_path is not None:
+        plot_estimates(rep["estimates"], rep["ranges"], plot_path, labels=LABELS,
+                       title=f"off-policy estimates for {policies} ({rep['calls']} calls, target tau {tau:g})")
     if as_json:
-        emit_json(rep)
-        return
+        click.echo(json.dumps(rep, indent=2, sort_keys=True, allow_nan=False))
+    else:
+        _print_table(rep, policies, tau)
+    if rep["unreliable"]:
+        n_est = sum(len(per) for per in rep["estimates"].values())
+        info(f"{len(rep['unreliable'])} of {n_est} estimates are unreliable"
+             + ("" if allow_unreliable else f"; exit status {EXIT_UNRELIABLE} (--allow-unreliable: 0)"))
+        if not allow_unreliable:
+            click.get_current_context().exit(EXIT_UNRELIABLE)
+
+
+def _print_table(rep: dict, policies, tau: float) -> None:
     marg = rep["marginals"]
     how = (f"exact, {marg['subsets']} sets" if marg["method"] == "exact"
            else f"Monte Carlo, {marg['samples']} samples per call")
     click.echo(f"Off-policy estimates for {policies} from {rep['calls']} calls of {rep['users']} users "
                f"(target tau {tau:g}; slot marginals {how}):")
+    cut = False
     for metric, per in rep["estimates"].items():
-        click.echo(f"\n{LABELS[metric]}")
-        click.echo(f"  {'estimator':<10} {'value':>8}  {'95% interval':>19}  {'ESS':>8}")
+        lo, hi = rep["ranges"][metric]
+        click.echo(f"\n{LABELS[metric]} (range {lo:.4g} to {hi:.4g})")
+        click.echo(f"  {'estimator':<10} {'value':>8}  {'95% interval':>19}   {'ESS':>8}")
         for name, est in per.items():
-            lo, hi = est["ci95"]
-            ess = f"{est['ess']:8.1f}" if "ess" in est else f"{'-':>8}"
-            click.echo(f"  {name:<10} {est['value']:8.4f}  [{lo:8.4f}, {hi:8.4f}]  {ess}")
+            click.echo(_row(name, est))
+            cut = cut or bool(est.get("ci95_clipped"))
     click.echo("\n(logged: the logging policy's own value; direct: the target's exact expected Recall@M "
                "from the gold labels)" if "recall" in rep["estimates"] else "\n(logged: the logging policy's value)")
+    if cut:
+        click.echo("(*: interval cut at the metric's range)")
     for note in rep["notes"]:
         click.echo(f"note: {note}")

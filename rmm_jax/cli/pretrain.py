@@ -28,6 +28,7 @@ from rmm_jax.online.pretrain import (
     PretrainState,
     pretrain_epochs,
     split_streams,
+    untrained_kept,
 )
 from rmm_jax.online.streams import load_streams
 from rmm_jax.persist.codec import tree_digest
@@ -44,6 +45,14 @@ def scope_options_deco(f):
     return f
 
 
+def epoch_line(row: dict, m: int) -> str:
+    """One progress line; epoch 0 is the untrained start, which has no training loss ('-')."""
+    num = lambda x: f"{'-':>6}" if x is None else f"{x:.4f}"  # noqa: E731
+    start = "  (untrained start: the base retriever)" if row["epoch"] == 0 else ""
+    return (f"epoch {row['epoch']:3d}  loss {num(row['loss'])}  train R@{m} {num(row['train_recall'])}  "
+            f"val R@{m} {num(row['val_recall'])}{start}")
+
+
 def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: int, seed: int):
     """Pretrain on ``streams`` (split by user), checkpointing every ``every`` epochs (0:
     only on SIGINT/SIGTERM) and resuming from ``rs``; returns ``(best, history, split)``."""
@@ -54,16 +63,13 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
         resume = PretrainState(m["epoch"], t["params"], t["opt_state"], t["best_params"], m["best"], m["since"],
                                m["history"])
         rs.notify(f"resuming from {rs.restored.path.name}: epoch {m['epoch']}")
-    nan = float("nan")
     with StopSignals() as stop:
         for event in pretrain_epochs(params, train, val, pcfg, seed=seed, resume=resume):
             match event:
                 case PretrainDone(params=best, history=history):
                     return best, history, split
                 case EpochDone(state=state, row=h):
-                    info(f"epoch {h['epoch']:3d}  loss {nan if h['loss'] is None else h['loss']:.4f}  "
-                         f"train R@{pcfg.m} {h['train_recall']:.4f}  "
-                         f"val R@{pcfg.m} {nan if h['val_recall'] is None else h['val_recall']:.4f}")
+                    info(epoch_line(h, pcfg.m))
                     if state.epoch == 0:  # the initial parameters: nothing to checkpoint yet
                         continue
                     if (every and state.epoch % every == 0) or stop.signum is not None:
@@ -101,6 +107,11 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     gold memories, with a validation split by user and early stopping. The result is
     every user's starting policy for `simulate --init pretrained`; in scopes shared and
     hybrid it is the shared part that online runs go on training.
+
+    Epoch 0 is the untrained start (the base retriever's ranking): it has no training
+    loss (printed `-`, null in JSON). Early stopping may keep it: when no trained epoch
+    beats its validation Recall@m, a note on stderr says so, and --json has
+    `untrained_start_kept: true` with the reason.
 
     \b
     Example:
@@ -147,10 +158,14 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
         else:
             PolicyStore.create(out, meta, best)
         rs.finish()
+    kept = untrained_kept(history, m)
     summary = {"policies": str(out), "best_epoch": history["best_epoch"], "split": split,
                f"val_recall@{m}": history["val_recall"][history["best_epoch"]],
                f"train_recall@{m}": history["train_recall"][history["best_epoch"]],
-               f"initial_val_recall@{m}": history["val_recall"][0], "epochs_run": len(history["loss"]) - 1}
+               f"initial_val_recall@{m}": history["val_recall"][0], "epochs_run": len(history["loss"]) - 1,
+               "untrained_start_kept": kept is not None, "untrained_start_kept_reason": kept}
+    if kept is not None:
+        info(f"note: {kept}")
     if as_json:
         emit_json(summary)
     else:

@@ -31,10 +31,41 @@ mixed, and the lines of one user are merged in file order::
 
 | key (message)  | type    | required | meaning |
 |----------------|---------|----------|---------|
-| `role`         | string  | yes      | OpenAI chat shape: `user`, `assistant`, ... |
-| `content`      | string  | yes      | the text |
+| `role`         | string  | yes      | OpenAI chat shape: `user`, `assistant`, `system`, `tool`, ... |
+| `content`      | string, list of parts, or null | yes | the text (see below) |
 | `name`         | string  | no       | speaker name; the embedded text is `"{name or role}: {content}"` |
-| `id`           | string  | no       | turn id; default `"{session_id}:{i}"` (i from 0); unique per user |
+| `id`           | string  | no       | turn id; default `"{session_id}:{i}"` (i from 0, see below); unique per user |
+
+Messages as OpenAI's chat API writes them (``i`` in a default turn id is the message's
+index in ``messages``, skipped messages included, so ids do not shift when some are
+skipped):
+
+* ``content`` may be a **list of parts** (``{"type": "text", "text": ...}``,
+  ``{"type": "image_url", ...}``, ...). The text parts are joined with a newline
+  (:data:`PART_SEPARATOR`: parts are separate blocks, and a newline keeps them apart
+  without gluing words); every other part (image, audio, file, refusal) has no text to
+  embed and is dropped and counted (``non_text_parts``). A message with no text part at
+  all (an image alone) is skipped and counted (``no_text``).
+* ``content: null`` with ``tool_calls`` (or the older ``function_call``): an assistant
+  message that only calls a tool. Skipped and counted (``tool_calls``); ``null`` without
+  them is an error.
+* Role ``tool`` (and the older ``function``): a tool's output, JSON or documents the
+  assistant read, not something the user or the assistant said. Skipped and counted
+  (``tool_results``), whatever its content: embedding them would fill the memory bank
+  with tool dumps.
+* **Invalid** messages: empty content (nothing but whitespace, or no characters in its
+  text parts) and content longer than :data:`MAX_MESSAGE_CHARS` = 16,000 characters
+  (about 4,000 tokens, four pages: a pasted document, a log or base64 data, not a chat
+  turn; the default embedding model reads only the first ~256 word pieces, about 1,000
+  characters, of any text anyway). Each is an error naming ``file:line`` and the key;
+  with ``skip_invalid`` (``rmm-jax embed --skip-invalid``) they are skipped and counted
+  (``empty``, ``too_long``) and the first few messages kept (``first_errors``).
+
+The counts are ``Dataset.stats["skipped"]`` (in the store manifest, so in ``embed
+--json``). A gold turn id that names a skipped message is dropped from its question and
+counted (``gold_on_skipped``): it holds no text to retrieve. A session left with no
+message is not a memory source (its id still counts for ``gold_session_ids``); a user
+left with none is an error.
 
 | key (question)      | type            | required | meaning |
 |---------------------|-----------------|----------|---------|
@@ -81,9 +112,14 @@ from rmm_jax.data.json_fields import json_type, scalar_text
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
-__all__ = ["load_jsonl", "load_log_dataset", "parse_log_spec"]
+__all__ = ["MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl", "load_log_dataset", "parse_log_spec"]
 
 LOG_SESSION = "log"  # the session of log memories that name none
+MAX_MESSAGE_CHARS = 16_000  # longer content is invalid (see the module docstring)
+PART_SEPARATOR = "\n"       # joins the text parts of a list content
+TOOL_ROLES = ("tool", "function")
+SKIP_COUNTS = ("tool_results", "tool_calls", "no_text", "non_text_parts", "empty", "too_long", "gold_on_skipped")
+MAX_FIRST_ERRORS = 5
 
 
 # --------------------------------------------------------------------------- checked reads
@@ -141,15 +177,77 @@ def _stamp(obj: dict, key: str, path, line: int, loc: str) -> str | None:
 class _UserDraft:
     """One user's sessions and questions while the file is read."""
 
-    def __init__(self, uid: str):
+    def __init__(self, uid: str, line: int):
         self.id = uid
+        self.line = line                              # first line of the user
         self.sessions: list[Session] = []
         self.session_ids: set[str] = set()
         self.turn_where: dict[str, str] = {}          # turn id -> "file:line" of first use
+        self.skipped_turns: set[str] = set()          # ids of skipped messages
         self.questions: list[tuple[dict, int, str]] = []  # (question object, line, key prefix)
 
 
-def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str) -> Session:
+class _Skips:
+    """What :func:`load_jsonl` skipped: counts per kind and the first invalid messages."""
+
+    def __init__(self, skip_invalid: bool):
+        self.skip_invalid = skip_invalid
+        self.counts = dict.fromkeys(SKIP_COUNTS, 0)
+        self.first_errors: list[str] = []
+
+    def invalid(self, kind: str, err: InputError) -> None:
+        """Count an invalid message, or raise ``err`` without ``skip_invalid``."""
+        if not self.skip_invalid:
+            raise err
+        self.counts[kind] += 1
+        if len(self.first_errors) < MAX_FIRST_ERRORS:
+            self.first_errors.append(str(err))
+
+    def report(self) -> dict:
+        return {**self.counts, "first_errors": list(self.first_errors)}
+
+
+def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str | None:
+    """The text of one message, or None when it is skipped (counted in ``skips``)."""
+    role = _id_str(_get(msg, "role", str, path, line, tloc), path, line, f"{tloc}.role")
+    if role in TOOL_ROLES:
+        skips.counts["tool_results"] += 1
+        return None
+    if "content" not in msg:
+        raise InputError("missing key", where=at(path, line, f"{tloc}.content"))
+    content, key = msg["content"], f"{tloc}.content"
+    if content is None:
+        if msg.get("tool_calls") or msg.get("function_call"):
+            skips.counts["tool_calls"] += 1
+            return None
+        raise InputError("is null and the message has no 'tool_calls'", where=at(path, line, key))
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            ploc = f"{key}[{j}]"
+            _expect(part, dict, path, line, ploc)
+            kind = _id_str(_get(part, "type", str, path, line, ploc), path, line, f"{ploc}.type")
+            if kind == "text":
+                texts.append(_get(part, "text", str, path, line, ploc))
+            else:
+                skips.counts["non_text_parts"] += 1
+        if content and not texts:
+            skips.counts["no_text"] += 1
+            return None
+        text = PART_SEPARATOR.join(texts)
+    else:
+        text = _expect(content, (str, list), path, line, key)
+    if not text.strip():
+        skips.invalid("empty", InputError("empty content (no text to embed)", where=at(path, line, key)))
+        return None
+    if len(text) > MAX_MESSAGE_CHARS:
+        skips.invalid("too_long", InputError(f"content has {len(text)} characters, more than {MAX_MESSAGE_CHARS} "
+                                             "(a document or data, not a chat turn)", where=at(path, line, key)))
+        return None
+    return text
+
+
+def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Skips) -> Session:
     n = len(draft.sessions) + 1
     sid = _get(obj, "session_id", str, path, line, loc, required=False)
     sid = f"session_{n}" if sid is None else _id_str(sid, path, line, f"{loc}.session_id" if loc else "session_id")
@@ -165,14 +263,18 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str) -> Session
     for i, msg in enumerate(messages):
         tloc = f"{mloc}[{i}]"
         _expect(msg, dict, path, line, tloc)
-        role = _id_str(_get(msg, "role", str, path, line, tloc), path, line, f"{tloc}.role")
-        content = _get(msg, "content", str, path, line, tloc)
+        content = _message_text(msg, path, line, tloc, skips)
+        role = msg["role"]
         name = _get(msg, "name", str, path, line, tloc, required=False)
         tid = _get(msg, "id", str, path, line, tloc, required=False)
         tid = f"{sid}:{i}" if tid is None else _id_str(tid, path, line, f"{tloc}.id")
-        if tid in draft.turn_where:
-            raise InputError(f"duplicate turn id {tid!r} for user {draft.id!r} (first at "
-                             f"{draft.turn_where[tid]})", where=at(path, line, f"{tloc}.id"))
+        if tid in draft.turn_where or tid in draft.skipped_turns:
+            first = f" (first at {draft.turn_where[tid]})" if tid in draft.turn_where else ""
+            raise InputError(f"duplicate turn id {tid!r} for user {draft.id!r}{first}",
+                             where=at(path, line, f"{tloc}.id"))
+        if content is None:
+            draft.skipped_turns.add(tid)
+            continue
         draft.turn_where[tid] = at(path, line)
         turns.append(Turn(tid, sid, name or role, f"{name or role}: {content}", stamp))
     draft.session_ids.add(sid)
@@ -180,18 +282,22 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str) -> Session
 
 
 def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], path, line: int, loc: str,
-              seen: set[str]) -> Query:
+              seen: set[str], skips: _Skips) -> Query:
     text = _get(q, "question", str, path, line, loc)
     qid = _get(q, "id", (str, int), path, line, loc, required=False)
     qid = f"q{n}" if qid is None else (str(qid) if not isinstance(qid, str) else _id_str(qid, path, line, f"{loc}.id"))
     if qid in seen:
         raise InputError(f"duplicate question id {qid!r} for user {draft.id!r}", where=at(path, line, f"{loc}.id"))
     seen.add(qid)
-    gold_turns = list(_id_list(q, "gold_turn_ids", path, line, loc))
-    for j, t in enumerate(gold_turns):
-        if t not in draft.turn_where:
+    gold_turns = []
+    for j, t in enumerate(_id_list(q, "gold_turn_ids", path, line, loc)):
+        if t in draft.skipped_turns:
+            skips.counts["gold_on_skipped"] += 1
+        elif t not in draft.turn_where:
             raise InputError(f"unknown turn id {t!r} for user {draft.id!r}",
                              where=at(path, line, f"{loc}.gold_turn_ids[{j}]"))
+        else:
+            gold_turns.append(t)
     gold_sessions = _id_list(q, "gold_session_ids", path, line, loc)
     for j, s in enumerate(gold_sessions):
         if s not in sessions:
@@ -205,13 +311,17 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
                  abstention=abstention, gold_session_ids=gold_sessions)
 
 
-def load_jsonl(path: str | Path) -> Dataset:
+def load_jsonl(path: str | Path, *, skip_invalid: bool = False) -> Dataset:
     """Load a chat-history JSONL file (schema in the module docstring).
 
     ``Dataset.stats``: ``lines``, ``sessions``, ``turns``, ``questions``, ``no_gold``
-    (questions without gold, skipped by metrics that need it) and ``abstention``.
+    (questions without gold, skipped by metrics that need it), ``abstention`` and
+    ``skipped`` (messages and parts skipped, per kind, and ``first_errors``).
+    ``skip_invalid``: skip and count invalid messages (empty or too long) instead of
+    raising.
     """
     path = Path(path)
+    skips = _Skips(skip_invalid)
     drafts: dict[str, _UserDraft] = {}
     lines = 0
     for line, obj in json_lines(path):
@@ -223,28 +333,31 @@ def load_jsonl(path: str | Path) -> Dataset:
             raise InputError("a line holds either a user ('sessions') or one session ('messages')"
                              + (", not both" if has_sessions else ""),
                              where=at(path, line, "sessions" if has_sessions else "messages"))
-        draft = drafts.setdefault(uid, _UserDraft(uid))
+        draft = drafts.setdefault(uid, _UserDraft(uid, line))
         if has_sessions:
             for j, s in enumerate(_get(obj, "sessions", list, path, line, "")):
                 draft.sessions.append(_session(_expect(s, dict, path, line, f"sessions[{j}]"), draft, path, line,
-                                               f"sessions[{j}]"))
+                                               f"sessions[{j}]", skips))
         else:
-            draft.sessions.append(_session(obj, draft, path, line, ""))
+            draft.sessions.append(_session(obj, draft, path, line, "", skips))
         for j, q in enumerate(_get(obj, "questions", list, path, line, "", required=False, default=[])):
             draft.questions.append((_expect(q, dict, path, line, f"questions[{j}]"), line, f"questions[{j}]"))
     users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
     for draft in drafts.values():
+        if not draft.turn_where:
+            raise InputError(f"user {draft.id!r} has no message with text (every one was skipped: tool results, "
+                             "tool calls, images or invalid)", where=at(path, draft.line, "user_id"))
         sessions = {s.id: s for s in draft.sessions}
         seen: set[str] = set()
-        queries = tuple(_question(q, n, draft, sessions, path, line, loc, seen)
+        queries = tuple(_question(q, n, draft, sessions, path, line, loc, seen, skips)
                         for n, (q, line, loc) in enumerate(draft.questions))
-        users.append(User(draft.id, tuple(draft.sessions), queries))
-        stats["sessions"] += len(draft.sessions)
+        users.append(User(draft.id, tuple(s for s in draft.sessions if s.turns), queries))
+        stats["sessions"] += sum(1 for s in draft.sessions if s.turns)
         stats["turns"] += sum(len(s.turns) for s in draft.sessions)
         stats["questions"] += len(queries)
         stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids and not q.abstention)
         stats["abstention"] += sum(1 for q in queries if q.abstention)
-    return Dataset("jsonl", tuple(users), dict(stats))
+    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()})
 
 
 # --------------------------------------------------------------------------- generator-call logs

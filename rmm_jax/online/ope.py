@@ -47,6 +47,55 @@ With ``clip``, every weight is capped at ``clip``: lower variance, but biased (t
 the logging policy's value for IPS), which the report states as a warning. For Recall@M
 the target's expected value is also computed exactly, with no logged reward at all:
 Σ_a P_π(a shown) gold(a)/|gold| from the same marginals (``direct``).
+
+Reliability
+-----------
+An estimate that cannot be trusted is reported as **unreliable**, with no number (value
+``None``) and the reasons (:func:`verdict`); ``rmm-jax evaluate`` then exits 3. The
+checks:
+
+* **Weights overflow.** exp(log π/μ) is beyond float64 when the log-ratio exceeds
+  log(max float64) ≈ 709.8 (:data:`LOG_FLOAT_MAX`), or a behaviour slot marginal
+  underflows to 0; a non-finite weight, or a weighted sum that overflows, also counts.
+  Nothing is computed with such weights, and no NumPy warning escapes (``np.errstate``).
+* **The target's scores are not finite** (a diverged or corrupt policy).
+* **Low effective sample size**: Kish's ESS of the weights (after ``clip``) below
+  ``min_ess``, :data:`DEFAULT_MIN_ESS` = 30 by default. ESS is the number of equally
+  weighted calls the estimate is worth; below about 30 the bootstrap percentile interval
+  (and the normal approximation that underlies any 95% interval) is not trustworthy, and
+  a handful of calls decide the estimate. The threshold is absolute, not a fraction of
+  n: what matters for the interval is how many calls the estimate effectively rests on,
+  so an on-policy log of fewer than 30 calls is flagged too (``min_ess=0`` turns the
+  check off).
+* **Weights that do not average 1.** For any target, E_μ[π(a)/μ(a)] = Σ_a π(a) = 1
+  when μ gives every selection π can make a positive probability, and the same holds for
+  each slot of the prefix and marginal ratios. The mean (unclipped) weight is flagged when it is
+  further from 1 than both 0.1 (:data:`WEIGHT_MEAN_TOL`) and 3.29 standard errors
+  (:data:`WEIGHT_MEAN_Z`, a two-sided 0.1% test, so a correct log is almost never
+  flagged). It catches ``log_prob`` values that are not the logging policy's
+  probabilities of one normalised policy (a deterministic logger that writes 0, a
+  probability at another temperature, a missing normaliser) and a log that does not
+  cover the target.
+* **Out of range.** The estimand, V = (1/n) Σ_i E_{a~π}[R_i] on the logged calls, lies
+  in [mean_i low_i, mean_i high_i], each call's range over all selections of its shown
+  count (:func:`slot_rewards`): cited [0, M_i], cite rate [0, 1], Recall@M
+  [max(0, M_i − (K_i − G_i))/N_i, min(M_i, G_i)/N_i]. IPS can leave this range in finite
+  samples (weights need not sum to n); such a value is no estimate of the metric.
+  Values within :data:`RANGE_TOL` of the range (float rounding) are clamped.
+
+What is checkable about ``log_prob`` itself: under Plackett–Luce with finite logits
+every ordered selection of distinct candidates has a probability in (0, 1), and any
+value in (−∞, 0] is some policy's log-probability of it, so a single record can only be
+wrong by being > 0 or not finite, by disagreeing with its own ``logits``, or by showing
+a memory that is not a candidate or twice. The log reader refuses all of these as bad
+input naming ``file:line`` (:func:`rmm_jax.data.citation_log.validate_record`);
+:func:`call_problems` checks them again for calls built without it. Across records,
+the weights' mean is the check.
+
+Intervals are intersected with the metric's range (``ci95_clipped`` says when that cut
+them). The estimand always lies in its range, so the cut interval covers it exactly as
+often as the bootstrap interval did; it is still the interval of the unclipped
+estimator, not of a clipped one.
 """
 from __future__ import annotations
 
@@ -65,12 +114,13 @@ from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.scoring import user_params
-from rmm_jax.online.streams import check_limits, known_ids
+from rmm_jax.online.streams import check_limits, check_users, known_ids
 
 __all__ = [
-    "Calls", "ESTIMATORS", "Target", "METRICS", "estimate", "estimator_weights", "evaluate_log", "load_calls",
-    "prefix_log_probs", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
-    "subset_count",
+    "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
+    "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs", "report_entry",
+    "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc", "slot_rewards",
+    "subset_count", "unreliable", "verdict",
 ]
 
 ESTIMATORS = ("ips", "snips", "rips", "snrips", "iips")
@@ -79,6 +129,11 @@ METRICS = ("cited", "cite_rate", "recall")
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_EXACT_LIMIT = 100_000
 DEFAULT_MC_SAMPLES = 4096
+DEFAULT_MIN_ESS = 30.0               # see "Reliability" above
+WEIGHT_MEAN_Z = 3.29                 # two-sided 0.1% normal quantile
+WEIGHT_MEAN_TOL = 0.1                # a weight mean within 1 ± 0.1 is never flagged
+RANGE_TOL = 1e-4                     # of a metric's range: float rounding, clamped
+LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
 _CHUNK = 64                          # calls per compiled scoring call (fixed: one compile per K, M)
 
 
@@ -232,14 +287,16 @@ def estimator_weights(name: str, *, log_ratio, prefix_log_ratio=None, marginal_r
 
     ``log_ratio`` (n,): log π(a)/μ(a) of the whole selection (ips, snips);
     ``prefix_log_ratio`` (n, M): of each prefix (rips, snrips); ``marginal_ratio``
-    (n, M): π_j(a_j)/μ_j(a_j) (iips).
+    (n, M): π_j(a_j)/μ_j(a_j) (iips). A log-ratio beyond :data:`LOG_FLOAT_MAX` gives an
+    infinite weight, silently (:func:`verdict` reports it).
     """
-    if name in SLATE_ONLY:
-        lr = np.asarray(log_ratio, np.float64)
-        m = 1 if prefix_log_ratio is None else np.shape(prefix_log_ratio)[1]
-        return np.repeat(np.exp(lr)[:, None], m, axis=1)
-    if name in ("rips", "snrips"):
-        return np.exp(np.asarray(prefix_log_ratio, np.float64))
+    with np.errstate(over="ignore", invalid="ignore"):
+        if name in SLATE_ONLY:
+            lr = np.asarray(log_ratio, np.float64)
+            m = 1 if prefix_log_ratio is None else np.shape(prefix_log_ratio)[1]
+            return np.repeat(np.exp(lr)[:, None], m, axis=1)
+        if name in ("rips", "snrips"):
+            return np.exp(np.asarray(prefix_log_ratio, np.float64))
     if name == "iips":
         return np.asarray(marginal_ratio, np.float64)
     raise InputError(f"unknown estimator {name!r}; one of {', '.join(ESTIMATORS)}", where="estimator")
@@ -258,41 +315,135 @@ def _values(weights, rewards, counts, self_normalized: bool, slate: bool) -> np.
     return np.divide(num, den, out=np.zeros_like(num), where=den > 0).sum(1)
 
 
+def _kish(cols) -> float:
+    """Kish's ESS (Σw)²/Σw², the smallest over columns; each column scaled by its maximum
+    first, so that weights near the float range do not overflow the squares."""
+    top = cols.max(0)
+    s = cols / np.where(top > 0, top, 1.0)
+    sums, sq = s.sum(0), (s ** 2).sum(0)
+    return float(np.divide(sums ** 2, sq, out=np.zeros_like(sums), where=sq > 0).min())
+
+
+def _weight_mean(cols) -> tuple[float, float]:
+    """``(mean, standard error)`` of the column whose mean departs most from 1 beyond
+    :func:`_weight_mean_allowance` (see :func:`verdict`)."""
+    n = cols.shape[0]
+    mean = cols.mean(0)
+    se = cols.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full_like(mean, np.inf)
+    excess = np.abs(mean - 1.0) - _weight_mean_allowance(se)
+    j = int(np.argmax(np.where(np.isnan(excess), np.inf, excess)))
+    return float(mean[j]), float(se[j])
+
+
+def _weight_mean_allowance(se):
+    return np.maximum(WEIGHT_MEAN_TOL, WEIGHT_MEAN_Z * se)
+
+
 def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
              seed: int = 0, level: float = 0.95) -> dict:
-    """One estimate from per-slot ``weights`` and ``rewards`` (n, M): value, bootstrap
-    interval, standard error, ESS and how many weights ``clip`` capped.
+    """One estimate from per-slot ``weights`` and ``rewards`` (n, M): the raw numbers that
+    :func:`verdict` judges and :func:`report_entry` reports.
 
     ``name`` picks the normalisation: ``ips``, ``rips``, ``iips`` divide by n, ``snips``
     by Σ_i w_i and ``snrips`` by Σ_i w_ij per slot. ``weights`` of ``ips``/``snips`` are
     the slate weight repeated over the slots (:func:`estimator_weights`).
+
+    Returns ``value``, the bootstrap ``ci95``, the standard error ``se``, Kish's ``ess``
+    of the (clipped) weights, the smallest over slots; ``n``; ``nonfinite``, the calls
+    with a weight that is not finite; ``weight_mean`` and ``weight_mean_se`` of the
+    unclipped weights (the slot furthest from 1); and with ``clip`` how many weights it
+    capped. Everything is computed under ``np.errstate``: an overflow makes a number
+    non-finite (``value`` is ``nan`` when a weight is not finite), never a warning.
     """
     w = np.asarray(weights, np.float64)
     r = np.asarray(rewards, np.float64)
     n = r.shape[0]
     if n == 0:
         raise InputError("no calls to estimate from", where="log")
-    clipped = 0
-    if clip is not None:
-        clipped = int((w[:, 0] > clip).sum()) if name in SLATE_ONLY else int((w > clip).sum())
-        w = np.minimum(w, clip)
     self_norm, slate = name in ("snips", "snrips"), name in SLATE_ONLY
-    value = float(_values(w, r, np.ones((1, n)), self_norm, slate)[0])
-    rng = np.random.default_rng(seed)
-    boot = []
-    step = max(1, 4_000_000 // max(n, 1))
-    for s in range(0, bootstrap, step):
-        b = min(step, bootstrap - s)
-        draws = rng.integers(0, n, size=(b, n)) + (np.arange(b) * n)[:, None]
-        counts = np.bincount(draws.ravel(), minlength=b * n).reshape(b, n).astype(np.float64)
-        boot.append(_values(w, r, counts, self_norm, slate))
-    boot = np.concatenate(boot) if boot else np.zeros(0)
-    lo, hi = (np.quantile(boot, [(1 - level) / 2, (1 + level) / 2]) if boot.size else (value, value))
-    cols = w[:, :1] if slate else w
-    sums, sq = cols.sum(0), (cols ** 2).sum(0)
-    ess = np.divide(sums ** 2, sq, out=np.zeros_like(sums), where=sq > 0)
-    return {"value": value, "ci95": [float(lo), float(hi)], "se": float(boot.std(ddof=1)) if boot.size > 1 else None,
-            "ess": float(ess.min()), "n": n, **({"clipped": clipped} if clip is not None else {})}
+    with np.errstate(all="ignore"):
+        cols = w[:, :1] if slate else w
+        mean, mean_se = _weight_mean(cols)
+        out = {"n": n, "nonfinite": int((~np.isfinite(cols)).any(1).sum()), "weight_mean": mean,
+               "weight_mean_se": mean_se}
+        if clip is not None:
+            out["clipped"] = int((cols > clip).sum())
+            w = np.minimum(w, clip)
+            cols = w[:, :1] if slate else w
+        if not np.isfinite(w).all():
+            return {"value": math.nan, "ci95": [math.nan, math.nan], "se": None, "ess": math.nan, **out}
+        value = float(_values(w, r, np.ones((1, n)), self_norm, slate)[0])
+        rng = np.random.default_rng(seed)
+        boot = []
+        step = max(1, 4_000_000 // max(n, 1))
+        for s in range(0, bootstrap, step):
+            b = min(step, bootstrap - s)
+            draws = rng.integers(0, n, size=(b, n)) + (np.arange(b) * n)[:, None]
+            counts = np.bincount(draws.ravel(), minlength=b * n).reshape(b, n).astype(np.float64)
+            boot.append(_values(w, r, counts, self_norm, slate))
+        boot = np.concatenate(boot) if boot else np.zeros(0)
+        lo, hi = (np.quantile(boot, [(1 - level) / 2, (1 + level) / 2]) if boot.size else (value, value))
+        se = float(boot.std(ddof=1)) if boot.size > 1 else None
+        ess = _kish(cols)
+    return {"value": value, "ci95": [float(lo), float(hi)], "se": se, "ess": ess, **out}
+
+
+def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_ess: float = 0.0,
+            problems: Sequence[str] = ()) -> list[str]:
+    """Why the estimate :func:`estimate` returned is unreliable: one short reason per
+    failed check (empty: reliable). See "Reliability" in the module docstring.
+
+    ``problems``: reasons found upstream in the calls themselves (:func:`call_problems`);
+    ``value_range``: the estimand's range (:func:`reward_ranges`); ``min_ess``: the
+    smallest acceptable ESS (0: no check).
+    """
+    reasons = list(problems)
+    n, value, (lo, hi) = est["n"], est["value"], est["ci95"]
+    if est.get("nonfinite"):
+        if not problems:
+            reasons.append(f"importance weights overflow: not finite on {est['nonfinite']} of {n} calls")
+        return reasons
+    if not (math.isfinite(value) and math.isfinite(lo) and math.isfinite(hi)):
+        return reasons + ["not finite: the weighted sums overflow float64"]
+    ess = est.get("ess")
+    if ess is not None and ess < min_ess:
+        reasons.append(f"ESS {ess:.1f} of {n} calls < {min_ess:g}")
+    mean, se = est.get("weight_mean"), est.get("weight_mean_se")
+    if mean is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
+        reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}), not 1: log_prob is not the logging policy's "
+                       "probability, or the log does not cover the target")
+    if value_range is not None:
+        a, b = value_range
+        tol = RANGE_TOL * max(b - a, 1.0)
+        if not a - tol <= value <= b + tol:
+            reasons.append(f"{value:.4g} is outside the metric's range [{a:.4g}, {b:.4g}]")
+    return reasons
+
+
+def report_entry(est: dict, reasons: Sequence[str], value_range: tuple[float, float] | None = None) -> dict:
+    """The report's row for one estimate: strict-JSON numbers only (``None`` for what is
+    not finite). Unreliable (``reasons``): ``value``, ``ci95`` and ``se`` are ``None``,
+    ``reason`` says why; ``ess`` and ``weight_mean`` stay, as diagnostics of the weights.
+    Reliable: ``value`` is within ``value_range`` (rounding beyond it, at most
+    :data:`RANGE_TOL` of the range, is clamped) and ``ci95`` is the bootstrap interval
+    intersected with the range, ``ci95_clipped`` saying whether that cut it."""
+    fin = lambda x: float(x) if x is not None and math.isfinite(x) else None  # noqa: E731
+    out = {"n": int(est["n"]), "reliable": not reasons}
+    for key in ("se", "ess", "weight_mean", "weight_mean_se"):
+        if key in est:
+            out[key] = fin(est[key])
+    if "clipped" in est:
+        out["clipped"] = int(est["clipped"])
+    if reasons:      # the standard error of a number that is no estimate means nothing either
+        return {**out, "value": None, "ci95": None, "se": None, "reason": "; ".join(reasons)}
+    value, (lo, hi) = float(est["value"]), est["ci95"]
+    cut = False
+    if value_range is not None:
+        a, b = value_range
+        tol = RANGE_TOL * max(b - a, 1.0)
+        cut = bool(lo < a - tol or hi > b + tol)
+        value, lo, hi = (float(min(max(x, a), b)) for x in (value, lo, hi))
+    return {**out, "value": value, "ci95": [float(lo), float(hi)], "ci95_clipped": cut}
 
 
 # --------------------------------------------------------------------------- logged calls
@@ -350,12 +501,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     for users without their own), scored with :func:`rmm_jax.core.reranker.score`.
     """
     known = known_ids(store)
-    wanted = None if not users else set(users)
-    if wanted is not None:
-        missing = sorted(wanted - set(store.user_ids))
-        if missing:
-            raise InputError(f"unknown user id {missing[0]!r} (the store has {len(store.user_ids)} users)",
-                             where="--user")
+    wanted = None if not users else set(check_users(store, users))
     by_user: dict[str, list] = {}
     report = {} if report is None else report
     for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
@@ -366,7 +512,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         if wanted is None or rec.user_id in wanted:
             by_user.setdefault(rec.user_id, []).append(rec)
     if not by_user:
-        raise InputError("no logged call of the requested users", where="--user")
+        raise InputError("no logged call of the requested users", where="--users")
     has_policy = set(policies.users())
     k, m = cfg.k, cfg.m
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
@@ -425,97 +571,202 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user})
 
 
-def slot_rewards(calls: Calls) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per metric: ``(slot rewards (n', M), rows of calls used)``; recall only on valid calls."""
+class MetricRewards(NamedTuple):
+    """One metric's slot rewards on the calls it is defined for, with the exact range of
+    each call's expected reward over every policy that shows as many memories."""
+    rewards: np.ndarray                # (n', M) slot rewards
+    rows: np.ndarray                   # (n',) the calls used (recall: calls with gold)
+    low: np.ndarray                    # (n',) the least expected reward any policy can get on each call
+    high: np.ndarray                   # (n',) the most
+
+    @property
+    def value_range(self) -> tuple[float, float]:
+        """The estimand's range: the mean over the calls of each call's range."""
+        return float(self.low.mean()), float(self.high.mean())
+
+
+def slot_rewards(calls: Calls) -> dict[str, MetricRewards]:
+    """Per metric, its :class:`MetricRewards`; recall only on valid calls.
+
+    Ranges (M_i shown, K_i candidates, G_i of them gold, N_i gold in the bank): cited
+    [0, M_i] (the generator may cite none or all); cite rate [0, 1]; Recall@M
+    [max(0, M_i − (K_i − G_i)) / N_i, min(M_i, G_i) / N_i], which any selection of M_i
+    of the candidates attains (recall does not depend on the generator).
+    """
     filled = calls.filled
     cited = (calls.cited & filled).astype(np.float64)
-    shown = np.maximum(calls.shown, 1)[:, None]
-    out = {"cited": (cited, np.arange(len(cited))), "cite_rate": (cited / shown, np.arange(len(cited)))}
+    shown = np.maximum(calls.shown, 1)
+    everyone = np.arange(len(cited))
+    zero = np.zeros(len(cited))
+    out = {"cited": MetricRewards(cited, everyone, zero, shown.astype(np.float64)),
+           "cite_rate": MetricRewards(cited / shown[:, None], everyone, zero, np.ones(len(cited)))}
     rows = np.flatnonzero(calls.valid)
     if rows.size:
         gold = np.take_along_axis(calls.cand_gold, np.maximum(calls.selected, 0), 1) & filled
-        out["recall"] = ((gold / np.maximum(calls.num_gold, 1)[:, None])[rows], rows)
+        n_gold = np.maximum(calls.num_gold, 1).astype(np.float64)
+        g, k = calls.cand_gold.sum(1), calls.mask.sum(1)
+        low, high = np.maximum(0, calls.shown - (k - g)) / n_gold, np.minimum(calls.shown, g) / n_gold
+        out["recall"] = MetricRewards((gold / n_gold[:, None])[rows], rows, low[rows], high[rows])
+    return out
+
+
+def call_problems(calls: Calls, rows, *, log_ratio, prefix_log_ratio=None, marginals=None) -> dict[str, list[str]]:
+    """Per estimator (and ``direct``), the reasons found in the calls ``rows`` themselves
+    that make its weights meaningless: the target's scores not finite, a selection no
+    Plackett–Luce policy can draw, a ``log_prob`` that is not a log-probability, and
+    log-ratios beyond float64 (``exp`` overflows above :data:`LOG_FLOAT_MAX`).
+    ``marginals``: ``(target, behaviour)`` per-slot marginals of the shown memories (n, M)."""
+    rows = np.asarray(rows)
+    n = rows.size
+
+    def on(flags, text: str) -> list[str]:
+        k = int(np.asarray(flags)[rows].sum())
+        return [f"{text} on {k} of {n} calls"] if k else []
+
+    def overflow(lr, text: str) -> list[str]:
+        over = (np.asarray(lr) > LOG_FLOAT_MAX).reshape(len(lr), -1).any(1)
+        top = float(np.max(np.asarray(lr)[rows])) if over[rows].any() else 0.0
+        return on(over, f"weights overflow: {text} up to {top:.4g}, beyond float64's {LOG_FLOAT_MAX:.1f},")
+
+    mask, sel = calls.mask, calls.selected
+    filled = sel >= 0
+    target_bad = ~np.where(mask, np.isfinite(calls.target_logits), True).all(1)
+    ordered = np.sort(sel, axis=1)
+    impossible = ((filled & ~np.take_along_axis(mask, np.maximum(sel, 0), 1)).any(1)
+                  | ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1))
+    common = (on(target_bad, "the target policy's scores are not finite")
+              + on(impossible, "the logged selection is impossible under any Plackett–Luce policy over its "
+                               "candidates (a shown memory that is not a candidate, or shown twice)"))
+    lp = np.asarray(calls.log_prob, np.float64)
+    slate = (common + on(~(np.isfinite(lp) & (lp <= 0)), "log_prob is not a log-probability (> 0 or not finite)")
+             + overflow(log_ratio, "log(π/μ)"))
+    out = {"direct": on(target_bad, "the target policy's scores are not finite"), "ips": slate, "snips": slate}
+    if prefix_log_ratio is not None:
+        out["rips"] = out["snrips"] = common + overflow(prefix_log_ratio, "prefix log(π/μ)")
+    if marginals is not None:
+        pt, pb = marginals
+        out["iips"] = common + on((filled & (pb <= 0) & (pt > 0)).any(1),
+                                  "weights overflow: the logging policy's per-slot marginal of a shown memory "
+                                  "underflows to 0")
     return out
 
 
 def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
-                   seed: int = 0, exact_limit: int = DEFAULT_EXACT_LIMIT,
-                   mc_samples: int = DEFAULT_MC_SAMPLES) -> dict:
+                   seed: int = 0, exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
+                   min_ess: float = DEFAULT_MIN_ESS) -> dict:
     """The estimates of every metric by every estimator that the log supports (see the
     module docstring), the logging policy's own logged value and, for Recall@M, the
-    exact expected value of the target (``direct``)."""
+    exact expected value of the target (``direct``), each judged (:func:`verdict`) and
+    reported (:func:`report_entry`); ``ranges``: each metric's range."""
     m = calls.selected.shape[1]
-    target_prefix = prefix_log_probs(calls.target_logits, calls.selected, calls.mask)      # (n, M)
-    log_ratio = target_prefix[:, -1] - calls.log_prob
-    notes, names = [], list(SLATE_ONLY)
-    t_marg, info = slot_marginals(calls.target_logits, calls.mask, m, exact_limit=exact_limit,
-                                  samples=mc_samples, seed=seed)
-    kw = {"log_ratio": log_ratio}
-    if calls.behaviour_logits is not None:
-        b_prefix = prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
-        b_marg, _ = slot_marginals(calls.behaviour_logits, calls.mask, m, exact_limit=exact_limit,
-                                   samples=mc_samples, seed=seed + 1)
-        idx = np.maximum(calls.selected, 0)[:, :, None]
-        pt = np.take_along_axis(t_marg, idx, 2)[:, :, 0]
-        pb = np.take_along_axis(b_marg, idx, 2)[:, :, 0]
-        kw["prefix_log_ratio"] = target_prefix - b_prefix
-        kw["marginal_ratio"] = np.where(calls.filled, np.divide(pt, pb, out=np.zeros_like(pt), where=pb > 0), 1.0)
-        names += ["rips", "snrips", "iips"]
-    else:
-        kw["prefix_log_ratio"] = np.zeros_like(target_prefix)
-        notes.append("rips, snrips and iips skipped: they need the logging policy's per-candidate 'logits' on "
-                     "every record (ips and snips need only 'log_prob')")
-    weights = {name: estimator_weights(name, **kw) for name in names}
-    out: dict = {}
-    for metric, (rewards, rows) in slot_rewards(calls).items():
-        per = {"logged": _logged(rewards, bootstrap, seed)}
-        for name in names:
-            per[name] = estimate(name, weights[name][rows], rewards, clip=clip, bootstrap=bootstrap, seed=seed)
-        if metric == "recall":
-            incl = (t_marg * (np.arange(m)[None, :, None] < calls.shown[:, None, None])).sum(1)   # (n, K)
-            direct = (incl * calls.cand_gold).sum(1) / np.maximum(calls.num_gold, 1)
-            per["direct"] = _logged(direct[rows][:, None], bootstrap, seed)
-        out[metric] = per
+    with np.errstate(all="ignore"):
+        target_prefix = prefix_log_probs(calls.target_logits, calls.selected, calls.mask)      # (n, M)
+        log_ratio = target_prefix[:, -1] - calls.log_prob
+        notes, names = [], list(SLATE_ONLY)
+        t_marg, info = slot_marginals(calls.target_logits, calls.mask, m, exact_limit=exact_limit,
+                                      samples=mc_samples, seed=seed)
+        kw = {"log_ratio": log_ratio}
+        problem_kw: dict = {"log_ratio": log_ratio}
+        if calls.behaviour_logits is not None:
+            b_prefix = prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
+            b_marg, _ = slot_marginals(calls.behaviour_logits, calls.mask, m, exact_limit=exact_limit,
+                                       samples=mc_samples, seed=seed + 1)
+            idx = np.maximum(calls.selected, 0)[:, :, None]
+            pt = np.take_along_axis(t_marg, idx, 2)[:, :, 0]
+            pb = np.take_along_axis(b_marg, idx, 2)[:, :, 0]
+            kw["prefix_log_ratio"] = target_prefix - b_prefix
+            kw["marginal_ratio"] = np.where(calls.filled, pt / pb, 1.0)    # pb = 0: inf or nan, reported
+            problem_kw.update(prefix_log_ratio=kw["prefix_log_ratio"], marginals=(pt, pb))
+            names += ["rips", "snrips", "iips"]
+        else:
+            kw["prefix_log_ratio"] = np.zeros_like(target_prefix)
+            notes.append("rips, snrips and iips skipped: they need the logging policy's per-candidate 'logits' on "
+                         "every record (ips and snips need only 'log_prob')")
+        weights = {name: estimator_weights(name, **kw) for name in names}
+        out: dict = {}
+        ranges: dict = {}
+        for metric, mr in slot_rewards(calls).items():
+            span = mr.value_range
+            problems = call_problems(calls, mr.rows, **problem_kw)
+            per = {"logged": _plain_mean(mr.rewards, bootstrap, seed, span)}
+            for name in names:
+                est = estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed)
+                per[name] = report_entry(est, verdict(est, value_range=span, min_ess=min_ess,
+                                                      problems=problems[name]), span)
+            if metric == "recall":
+                incl = (t_marg * (np.arange(m)[None, :, None] < calls.shown[:, None, None])).sum(1)   # (n, K)
+                direct = (incl * calls.cand_gold).sum(1) / np.maximum(calls.num_gold, 1)
+                per["direct"] = _plain_mean(direct[mr.rows][:, None], bootstrap, seed, span, problems["direct"])
+            out[metric] = per
+            ranges[metric] = list(span)
     if "recall" not in out:
         notes.append("recall skipped: no logged call has gold memories in STORE")
-    return {"estimates": out, "estimators": names, "marginals": info, "notes": notes}
+    return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes}
 
 
-def _logged(rewards, bootstrap: int, seed: int) -> dict:
-    """The plain mean of the logged rewards: the logging policy's own value."""
-    res = estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
+def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Sequence[str] = ()) -> dict:
+    """The plain mean of per-call values (summed over slots) with its bootstrap interval:
+    the logging policy's own value (``logged``) or the target's exact one (``direct``)."""
+    est = estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
                    seed=seed)
-    res.pop("ess")
+    res = report_entry(est, verdict(est, value_range=value_range, problems=problems), value_range)
+    for key in ("ess", "weight_mean", "weight_mean_se"):
+        res.pop(key)
     return res
+
+
+def unreliable(report: dict) -> list[tuple[str, str, str]]:
+    """``(metric, estimator, reason)`` of every unreliable estimate in an
+    :func:`evaluate_log` report."""
+    return [(metric, name, est["reason"]) for metric, per in report["estimates"].items()
+            for name, est in per.items() if not est["reliable"]]
 
 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
-                 skip_invalid: bool = False) -> dict:
+                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS) -> dict:
     """Off-policy estimates of the policies in ``policies`` (a
     :class:`~rmm_jax.persist.policy_store.PolicyStore`) from the calls logged in
-    ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints."""
+    ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints.
+
+    ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
+    estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
+    one about clipping."""
     if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
         raise InputError(f"must be a finite number >= 1, got {clip}", where="--clip")
     if bootstrap < 0:
         raise InputError(f"must be >= 0, got {bootstrap}", where="--bootstrap")
+    if not (min_ess >= 0 and math.isfinite(min_ess)):
+        raise InputError(f"must be a finite number >= 0, got {min_ess}", where="--min-ess")
     read: dict = {}
     calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
-                         mc_samples=mc_samples)
+                         mc_samples=mc_samples, min_ess=min_ess)
     scope = (getattr(policies, "meta", None) or {}).get("scope") or "user"
     shared = [] if scope == "shared" else sorted(u for u, own in calls.own_policy.items() if not own)
     if shared:
         res["notes"].append(f"{len(shared)} of {len(calls.own_policy)} users have no policy of their own in "
                             f"POLICIES: scored with its shared params")
     warnings = []
+    low = [(est["ess"], est["n"], metric, name) for metric, per in res["estimates"].items()
+           for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
+    if low:
+        ess, n, metric, name = min(low)
+        fix = "a lower --clip" if clip is not None else "--clip (e.g. --clip 10: biased, lower variance)"
+        advice = ("the log has too few calls: log more calls (or lower --min-ess)" if ess > 0.9 * n else
+                  f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} "
+                  "or log more calls")
+        warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
+                        f"{n} calls, {name} on {metric}); {advice}")
     if clip is not None:
         n_clipped = {name: est.get("clipped", 0) for name, est in next(iter(res["estimates"].values())).items()
                      if name not in ("logged", "direct")}
         counts = ", ".join(f"{k}: {v}" for k, v in n_clipped.items())
         warnings.append(f"importance weights clipped at {clip:g} (weights capped, cited metric: {counts}): "
                         "clipped estimates are biased, towards the logging policy's value for ips")
+    bad = [{"metric": metric, "estimator": name, "reason": reason} for metric, name, reason in unreliable(res)]
     return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
-            "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "bootstrap": bootstrap, "seed": seed,
-            "log": {"path": str(log_path), **{k: v for k, v in read.items()}}, "warnings": warnings, **res}
+            "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
+            "seed": seed, "log": {"path": str(log_path), **{k: v for k, v in read.items()}}, "warnings": warnings,
+            "unreliable": bad, **res}

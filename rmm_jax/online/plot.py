@@ -50,3 +50,60 @@ def plot_gains(gains: dict, path, *, title: str) -> None:
     with atomic_file(Path(path), "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: dict | None = None) -> None:
+    """Write a PNG of off-policy estimates (the ``estimates`` and ``ranges`` of an
+    :func:`rmm_jax.online.ope.evaluate_log` report), one panel per metric, atomically.
+
+    Each estimator is a point with its 95% interval (dashed where the interval was cut
+    at the metric's range); the ``logged`` value is a dashed horizontal reference line;
+    the y axis spans the metric's range. An unreliable estimate has no value: its column
+    is a hollow hatched band over the whole height, labelled "unreliable", never a point
+    at a number.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or {}
+    metrics = list(estimates)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics) + 0.6, 4.2), dpi=120, squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        per = estimates[metric]
+        lo, hi = ranges[metric]
+        pad = 0.06 * (hi - lo) if hi > lo else 0.05
+        names = [n for n in per if n != "logged"]
+        logged = per.get("logged")
+        if logged is not None and logged["value"] is not None:
+            ax.axhline(logged["value"], ls="--", color="k", lw=1, label="logged (logging policy)")
+        for i, name in enumerate(names):
+            est = per[name]
+            if est["value"] is None:
+                ax.axvspan(i - 0.35, i + 0.35, facecolor="none", edgecolor="C3", hatch="///", lw=0, alpha=0.35,
+                           label="unreliable: no value (reason in the report)")
+                ax.text(i, 0.5, "unreliable", rotation=90, ha="center", va="center", color="C3", fontsize=9,
+                        transform=ax.get_xaxis_transform(), bbox={"facecolor": "white", "edgecolor": "none"})
+                continue
+            v, (a, b) = est["value"], est["ci95"]
+            bars = ax.errorbar(i, v, yerr=[[v - a], [b - v]], fmt="o", capsize=4,
+                               color="C2" if name == "direct" else "C0",
+                               label="estimate, 95% interval (dashed: cut at the range)")
+            if est.get("ci95_clipped"):
+                bars[2][0].set_linestyle("--")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.set_title(labels.get(metric, metric), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    handles = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    with atomic_file(Path(path), "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)

@@ -125,7 +125,7 @@ class PretrainState(NamedTuple):
 class EpochDone(NamedTuple):
     """Epoch ``state.epoch`` finished (epoch 0: the initial parameters, evaluated)."""
     state: PretrainState
-    row: dict                 # {epoch, loss, train_recall, val_recall}
+    row: dict                 # {epoch, loss (None at epoch 0: no training yet), train_recall, val_recall}
 
 
 class PretrainDone(NamedTuple):
@@ -194,11 +194,25 @@ def pretrain_epochs(params, train_streams, val_streams, cfg: PretrainConfig = Pr
 def pretrain(params, train_streams, val_streams, cfg: PretrainConfig = PretrainConfig(), *, seed: int = 0):
     """Run :func:`pretrain_epochs` to the end; returns ``(best_params, history)``.
 
-    History has per-epoch ``loss``, ``train_recall``, ``val_recall`` (None without
-    validation users) and ``best_epoch``.
+    History has per-epoch ``loss`` (None at epoch 0, the untrained start: it has no
+    training loss), ``train_recall``, ``val_recall`` (None without validation users) and
+    ``best_epoch``.
     """
     *_, done = pretrain_epochs(params, train_streams, val_streams, cfg, seed=seed)
     return done.params, done.history
+
+
+def untrained_kept(history: dict, m: int) -> str | None:
+    """Why early stopping kept the untrained start (epoch 0, the base retriever's ranking),
+    or None when it kept a trained epoch. Only with validation users: without them the
+    last epoch is kept."""
+    if history["best_epoch"] != 0 or history["val_recall"][0] is None:
+        return None
+    start, trained = history["val_recall"][0], history["val_recall"][1:]
+    best = f" (best trained: {max(trained):.4f})" if trained else ""
+    epochs = f"{len(trained)} epoch" + ("" if len(trained) == 1 else "s")
+    return (f"validation Recall@{m} never improved on the base retriever's {start:.4f} in {epochs}{best}; "
+            "the untrained start was kept")
 
 
 def split_streams(streams, val_fraction: float, seed: int = 0) -> tuple[list, list, dict]:

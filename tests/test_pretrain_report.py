@@ -1,0 +1,64 @@
+"""What ``rmm-jax pretrain`` reports: epoch 0 is the untrained start (no training loss, never
+'nan'), a run that keeps it says so and why (stderr note, ``--json`` field), and an unknown
+``--users`` id is a one-line error that writes nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_fake_store, run_cli
+
+from rmm_jax.cli.pretrain import epoch_line
+from rmm_jax.online.pretrain import untrained_kept
+
+
+def history(val, best):
+    return {"loss": [None] + [1.0] * (len(val) - 1), "train_recall": [0.5] * len(val), "val_recall": val,
+            "best_epoch": best}
+
+
+def test_untrained_kept_says_why_only_when_epoch_0_wins():
+    msg = untrained_kept(history([0.41234, 0.4, 0.41234], 0), 5)
+    assert msg == ("validation Recall@5 never improved on the base retriever's 0.4123 in 2 epochs (best trained: "
+                   "0.4123); the untrained start was kept")
+    assert "in 1 epoch (" in untrained_kept(history([0.4, 0.3], 0), 5)
+    assert untrained_kept(history([0.4, 0.3, 0.5], 2), 5) is None
+    assert untrained_kept(history([None, None], 0), 5) is None          # no validation users: nothing to select on
+
+
+def test_epoch_line_untrained_start_has_no_loss():
+    line = epoch_line({"epoch": 0, "loss": None, "train_recall": 0.25, "val_recall": 0.5}, 3)
+    assert line == "epoch   0  loss      -  train R@3 0.2500  val R@3 0.5000  (untrained start: the base retriever)"
+    line = epoch_line({"epoch": 4, "loss": 0.123456, "train_recall": 0.25, "val_recall": None}, 3)
+    assert line == "epoch   4  loss 0.1235  train R@3 0.2500  val R@3      -"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_fake_store(tmp_path_factory.mktemp("pretrain") / "st", users=4)
+
+
+def pretrain(capsys, store, out, *args):
+    return run_cli(capsys, "pretrain", store, "--out", out, "--k", 10, "--m", 3, "--json", *args)
+
+
+def test_best_epoch_0_is_reported(capsys, store, tmp_path):
+    """A learning rate too small to change the ranking: no trained epoch beats the start."""
+    code, out, err = pretrain(capsys, store, tmp_path / "p", "--lr", 1e-12, "--epochs", 2, "--patience", 1)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["best_epoch"] == 0 and rep["untrained_start_kept"] is True
+    start = rep["initial_val_recall@3"]
+    assert f"never improved on the base retriever's {start:.4f}" in rep["untrained_start_kept_reason"]
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {rep['untrained_start_kept_reason']}"]
+    assert "nan" not in err.lower() and "epoch   0  loss      -" in err
+
+
+@pytest.mark.parametrize("users,fragment", [("nobody", "unknown user id 'nobody'"),
+                                            ("user0,nobody", "unknown user id 'nobody'")])
+def test_unknown_user_one_line_nothing_written(capsys, store, tmp_path, users, fragment):
+    code, out, err = pretrain(capsys, store, tmp_path / "p", "--users", users)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: --users: "), err
+    assert fragment in lines[0] and not (tmp_path / "p").exists()
