@@ -31,6 +31,23 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
 
 
+def parse_users(users: str | None) -> list[str] | None:
+    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty item is an error."""
+    if users is None:
+        return None
+    ids = [u.strip() for u in users.split(",")]
+    if not all(ids):
+        raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
+    return ids
+
+
+def users_option(what: str = "Only these users"):
+    """``--users a,b``, the same filter on every verb that takes users; the value arrives
+    parsed (a list of ids, or None for all)."""
+    return click.option("--users", default=None, metavar="A,B", callback=lambda ctx, p, v: parse_users(v),
+                        help=f"{what} (comma-separated ids; default: all).")
+
+
 def _field(setting: Setting, field: str):
     for part in (setting.layout, setting.estimator, setting.optimizer):
         if hasattr(part, field):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, info
+from rmm_jax.cli.common import DEFAULTS, info, users_option
 from rmm_jax.cli.main import cli
 from rmm_jax.core.config import Layout
 from rmm_jax.data.store import open_store
@@ -27,16 +27,6 @@ LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the sho
 EXIT_UNRELIABLE = 3
 
 
-def parse_users(users: str | None) -> list[str] | None:
-    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty item is an error."""
-    if users is None:
-        return None
-    ids = [u.strip() for u in users.split(",")]
-    if not all(ids):
-        raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
-    return ids
-
-
 def _row(name: str, est: dict) -> str:
     ess = f"{est['ess']:8.1f}" if est.get("ess") is not None else f"{'-':>8}"
     if est["value"] is None:
@@ -52,7 +42,7 @@ def _row(name: str, est: dict) -> str:
               help="Citation log (JSONL) whose records carry the logging policy's log_prob (and, for rips/iips, "
                    "logits).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store holding the target policy.")
-@click.option("--users", default=None, help="Comma-separated user ids whose calls to use (default: all).")
+@users_option("Only these users' calls")
 @click.option("--tau", type=float, default=DEFAULTS.estimator.tau, show_default=True,
               help="Target policy's sampling temperature.")
 @click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True, help="Most candidates a record may list.")
@@ -137,14 +127,13 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None
-    user_ids = parse_users(users)
     st = open_store(store)
     ps = PolicyStore.open(policies, expect_dim=st.dim)
     made_for = (ps.meta.get("config") or {}).get("model")
     if made_for and made_for != st.model:
         raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
                          where=f"--policies {policies}")
-    rep = evaluate_log(st, log_path, ps, cfg, users=user_ids, clip=clip, bootstrap=bootstrap, seed=seed,
+    rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                        exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid, min_ess=min_ess)
     rep = {"store": str(store), "policies": str(policies), **rep}
     log = rep["log"]

@@ -15,6 +15,7 @@ from rmm_jax.cli.common import (
     info,
     make_setting,
     scope_options,
+    users_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.signals import StopSignals
@@ -82,7 +83,7 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @cli.command()
 @click.argument("store", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="New policy store directory to create.")
-@click.option("--users", default=None, help="Comma-separated user ids to train on (default: all).")
+@users_option("Train on these users only")
 @click.option("--epochs", type=int, default=PRETRAIN.epochs,
               help="Maximum epochs (early stopping on validation users).")
 @click.option("--lr", type=float, default=PRETRAIN.lr, help="AdamW learning rate.")
@@ -132,7 +133,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     st = open_store(store)
     check_rank(layout, st.dim)
-    streams = load_streams(st, k, users.split(",") if users else None)
+    streams = load_streams(st, k, users)
     pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
                           patience=patience, val_fraction=val_fraction, m=m)
     params = init_reranker(jax.random.key(seed), st.dim, kind, hidden)

@@ -15,6 +15,7 @@ from rmm_jax.cli.common import (
     is_writer,
     make_setting,
     start_distributed,
+    users_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
@@ -44,12 +45,13 @@ from rmm_jax.persist.runstate import file_digest
 @config_options
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
+@users_option("Only these users' records")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk, checkpoint_every, resume, as_json,
-           **opts):
+def replay(store, log_path, policies, init, clip, skip_invalid, users, users_per_chunk, checkpoint_every, resume,
+           as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log
@@ -78,12 +80,12 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users_per_chunk,
     known = known_ids(st)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
-    rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid)
+    rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
     grouped, n_users = rep.pop("grouped"), rep.pop("users")
     ps, params = open_or_create_policies(policies, st, setting.layout, init, opts["seed"], writer=writer)
     chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
-                        skip_invalid=skip_invalid)
-    options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid,
+                        skip_invalid=skip_invalid, users=users)
+    options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "initial params": tree_digest(params),
               "config": config_dict(setting)}

@@ -16,6 +16,7 @@ from rmm_jax.cli.common import (
     is_writer,
     make_setting,
     start_distributed,
+    users_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save, stored_scope
@@ -31,6 +32,20 @@ from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.runstate import file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
+
+
+def parse_range(text: str | None) -> tuple[int, int | None]:
+    """``START:END`` -> ``(start, end)``; either side may be empty (0, the end)."""
+    if text is None:
+        return 0, None
+    a, sep, b = text.partition(":")
+    try:
+        start, stop = int(a) if a.strip() else 0, int(b) if b.strip() else None
+    except ValueError:
+        start = stop = -1
+    if not sep or start < 0 or (stop is not None and stop <= start):
+        raise InputError(f"expected START:END with 0 <= START < END, got {text!r}", where="--queries")
+    return start, stop
 
 
 @cli.command()
@@ -50,13 +65,16 @@ CITATION_MODELS = ("oracle", "position", "answer")
                    "--recall is given].")
 @click.option("--recall", "cite_recall", type=float, default=None,
               help=f"Instead: the precision/recall simulator with this recall [{DEFAULT_RECALL}].")
-@click.option("--users", default=None, help="Comma-separated user ids (default: all).")
+@users_option("Only these users")
+@click.option("--queries", "query_range", default=None, metavar="START:END",
+              help="Only each user's queries START..END-1 in stream order (either end may be left out): a "
+                   "later run over the next range continues where this one stopped.")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def simulate(store, policies, init, citations, precision, cite_recall, users, users_per_chunk, log_out,
+def simulate(store, policies, init, citations, precision, cite_recall, users, query_range, users_per_chunk, log_out,
              checkpoint_every, resume, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
 
@@ -97,13 +115,14 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, us
     else:
         cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
-    n_users, chunks = store_chunks(st, setting.layout.k, users.split(",") if users else None, users_per_chunk,
-                                   answers=citations == "answer")
+    n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk, answers=citations == "answer",
+                                   queries=parse_range(query_range))
     ps, params = open_or_create_policies(policies, st, setting.layout, init, opts["seed"], writer=writer)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
-                                      "--users": users, "--users-per-chunk": users_per_chunk,
+                                      "--users": users, "--queries": query_range, "--log-out": log_out,
+                                      "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "initial params": tree_digest(params), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,

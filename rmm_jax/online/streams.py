@@ -158,6 +158,19 @@ def stream_from_user(user, k: int) -> Stream:
                   memory_ids=tuple(user.memory_ids), query_ids=tuple(user.query_ids))
 
 
+def query_range(stream: Stream, start: int, stop: int | None) -> Stream:
+    """The stream's queries ``start .. stop−1`` in stream order (memories unchanged): a later
+    run continues a user's stream where an earlier one stopped (``simulate --queries``)."""
+    cut = slice(start, stop)
+    opt = lambda x: None if x is None else x[cut]
+    return dataclasses.replace(
+        stream, queries=stream.queries[cut], cand=stream.cand[cut], cand_mask=stream.cand_mask[cut],
+        cand_gold=stream.cand_gold[cut], num_gold=stream.num_gold[cut], valid=stream.valid[cut],
+        query_ids=tuple(stream.query_ids[cut]) if stream.query_ids else (), selected=opt(stream.selected),
+        cited=opt(stream.cited), logged_log_prob=opt(stream.logged_log_prob), has_logged=opt(stream.has_logged),
+        present=opt(stream.present), cite_gold=opt(stream.cite_gold))
+
+
 def check_users(store, users: Sequence[str] | None) -> list[str]:
     """The requested user ids (all of the store's by default); an unknown one is an error."""
     ids = list(store.user_ids) if not users else list(users)
@@ -183,21 +196,32 @@ def with_answer_support(stream: Stream, qa_emb) -> Stream:
 
 
 def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int, *,
-                 answers: bool = False) -> tuple[int, Iterator]:
+                 answers: bool = False, queries: tuple[int, int | None] = (0, None)) -> tuple[int, Iterator]:
     """``(number of users, chunks)``: streams of a store's users (all by default), built
     ``users_per_chunk`` at a time, so memory holds one chunk. ``answers``: each stream
-    carries answer support as ``cite_gold`` (:func:`with_answer_support`)."""
+    carries answer support as ``cite_gold`` (:func:`with_answer_support`). ``queries``:
+    only each user's queries in that ``(start, stop)`` range (:func:`query_range`); users
+    with none are left out."""
     ids = check_users(store, users)
     if answers and store.answer_emb is None:
         store.user_answers(ids[0] if ids else "")          # the one-line error naming the store
 
     def build(u):
         s = stream_from_user(store.user(u), k)
-        return with_answer_support(s, store.user_answers(u)) if answers else s
+        s = with_answer_support(s, store.user_answers(u)) if answers else s
+        return s if queries == (0, None) else query_range(s, *queries)
 
     def gen():
-        for i in range(0, len(ids), users_per_chunk):
-            yield [build(u) for u in ids[i:i + users_per_chunk]]
+        chunk = []
+        for u in ids:
+            s = build(u)
+            if s.queries.shape[0]:
+                chunk.append(s)
+            if len(chunk) == users_per_chunk:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
 
     return len(ids), gen()
 
@@ -271,41 +295,55 @@ def known_ids(store, cache_users: int = 4) -> Callable:
     return lookup
 
 
-def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False) -> dict:
+def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False,
+             users: Sequence[str] | None = None) -> dict:
     """Validation pass over a whole log before any work, in bounded memory.
 
     Checks every record (schema, ``known`` ids, repeated pairs, the ``--k``/``--m``
-    limits) and returns the read report plus ``"users"`` and ``"grouped"``: False when
-    a user's records are not on consecutive lines (such a log cannot be streamed by
+    limits) and returns the read report plus ``"users"`` (how many will be replayed:
+    all, or those of ``users``, each of which must have a record) and ``"grouped"``: False
+    when a user's records are not on consecutive lines (such a log cannot be streamed by
     user; :func:`log_chunks` reads it whole)."""
     report: dict = {}
-    users = 0
+    seen: set[str] = set()
     try:
         for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid, report=report):
             for r in recs:
                 check_limits(r, layout, log_path)
-            users += 1
+            seen.add(recs[0].user_id)
+        grouped = True
     except NotGroupedError:
         records, report = read_log(log_path, known=known, skip_invalid=skip_invalid)
         for r in records:
             check_limits(r, layout, log_path)
-        return {**report, "users": len({r.user_id for r in records}), "grouped": False}
-    return {**report, "users": users, "grouped": True}
+        seen, grouped = {r.user_id for r in records}, False
+    missing = [u for u in users or () if u not in seen]
+    if missing:
+        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
+    return {**report, "users": len(users) if users else len(seen), "grouped": grouped}
 
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
-               skip_invalid: bool = False) -> Iterator[list[Stream]]:
-    """Replay streams from a log, ``users_per_chunk`` users at a time.
+               skip_invalid: bool = False, users: Sequence[str] | None = None) -> Iterator[list[Stream]]:
+    """Replay streams from a log, ``users_per_chunk`` users at a time (only ``users``' when given).
 
     ``grouped`` (see :func:`scan_log`): each user's records are on consecutive lines, so
     the log is streamed and memory holds one chunk; otherwise it is read whole (sort it
     by user_id to stream it)."""
+    keep = (lambda u: True) if not users else frozenset(users).__contains__
     if grouped:
-        for recs in iter_user_chunks(log_path, users_per_chunk, known=known, skip_invalid=skip_invalid):
-            yield streams_from_log(store, recs, layout, str(log_path))
+        chunk: list[Stream] = []
+        for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid):
+            if keep(recs[0].user_id):
+                chunk += streams_from_log(store, recs, layout, str(log_path))
+            if len(chunk) == users_per_chunk:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
         return
     records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
-    streams = streams_from_log(store, records, layout, str(log_path))
+    streams = streams_from_log(store, [r for r in records if keep(r.user_id)], layout, str(log_path))
     for i in range(0, len(streams), users_per_chunk):
         yield streams[i:i + users_per_chunk]
 
