@@ -9,8 +9,8 @@ memories are Gaussian vectors in d = 384, each query a distorted copy of one of 
 (a distortion shared by all users plus a low-rank one of the user's own), generated on
 the fly from ``(seed, user index)``, so the embeddings are never stored. Each chunk of
 users runs through the compiled loop (:func:`rmm_jax.online.driver.drive`); after each
-chunk its users' policies are saved to the store (:meth:`PolicyStore.save_batch`) and, in
-the shared scopes, the shared part (:meth:`PolicyStore.set_shared`), as ``rmm-jax
+chunk its users' policies are saved to the store (:meth:`PolicyStore.save`) and, in
+the shared scopes, the shared part first (:meth:`PolicyStore.save_shared`), as ``rmm-jax
 simulate`` does.
 
 Reported per scope: wall time (total, and the part spent saving), queries/s, peak RSS of
@@ -77,12 +77,11 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
             if not isinstance(e, ChunkDone):
                 continue
             ts = time.perf_counter()
+            sv = ps.save_shared(e.shared._replace(opt_state=None)) if scope != "user" else None
             if saved < save_limit:
                 ids = [s.user_id for s in e.streams]
-                ps.save_batch(ids, e.states)
+                ps.save(ids, e.states, shared_version=sv)
                 saved += len(ids)
-            if scope != "user":
-                ps.set_shared(e.shared.params)
             save_s += time.perf_counter() - ts
             for o in e.outputs.values():
                 recall_sum += float(o["recall"].sum())

@@ -48,7 +48,7 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int, *, writer: bool
     if not writer:
         if init == "identity":
             return None, init_reranker(jax.random.key(seed), st.dim, cfg.kind, cfg.hidden)
-        return None, PolicyStore.open(p, expect_dim=st.dim).shared_params()
+        return None, PolicyStore.open(p, expect_dim=st.dim).shared_state().state.params
     if p.exists():
         ps = PolicyStore.open(p, expect_dim=st.dim)
         made_for = (ps.meta.get("config") or {}).get("model")
@@ -69,7 +69,7 @@ def open_or_create_policies(path, st, cfg, init: str, seed: int, *, writer: bool
         if not ps.meta.get("config", {}).get("pretrained"):
             raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
                              where=f"--policies {path}")
-        params = ps.shared_params()
+        params = ps.shared_state().state.params
     else:
         params = init_reranker(jax.random.key(seed), st.dim, cfg.kind, cfg.hidden)
     return ps, params
@@ -100,7 +100,7 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
     """Drive ``chunks`` through the online loop and keep what each event carries.
 
     Every completed users chunk: its policies go to ``ps`` (in scopes ``shared``/``hybrid``
-    the users' own parts, then the shared part as a new shared version), its per-query outputs to the
+    the shared part as a new shared version, then the users' own parts paired with it), its per-query outputs to the
     run-state ``rs`` (written once), its log records to ``log`` (simulate), then a
     checkpoint. Every ``checkpoint_every`` batches inside a chunk: a checkpoint. After a
     checkpoint that follows SIGINT/SIGTERM the run stops (:class:`Interrupted`). ``mesh``
@@ -134,12 +134,11 @@ def run_and_save(chunks, n_users: int, params, cfg, ps, rs, *, cite_fn, seed: in
                 case ChunkDone(chunk=i, streams=streams, states=states, outputs=outputs) if ps is None:
                     finish(streams, outputs)
                 case ChunkDone(chunk=i, streams=streams, states=states, outputs=outputs):
-                    ps.save_batch([s.user_id for s in streams], states, [
+                    shared_version = ps.save_shared(event.shared, {"source": "online"}) if cfg.scope != "user" else None
+                    ps.save([s.user_id for s in streams], states, [
                         {"queries_seen": int(s.queries.shape[0]), f"prequential_recall@{cfg.m}":
                          float(outputs[s.user_id]["recall"][s.valid].mean()) if s.valid.any() else None}
-                        for s in streams])
-                    if cfg.scope != "user":
-                        ps.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
+                        for s in streams], shared_version=shared_version)
                     finish(streams, outputs)
                     if rs is not None:
                         rs.save_done(i, outputs)
