@@ -104,6 +104,7 @@ from rmm_jax.persist.policy_snapshot import (
     snapshot_dirs,
     snapshot_records,
     users_per_chunk,
+    verify_snapshot,
     vname,
     write_chunk,
     write_shared,
@@ -123,7 +124,7 @@ SCOPES = ("user", "shared", "hybrid")
 DEFAULT_KEEP = 3
 DEFAULT_CHUNK_BYTES = 8 << 20  # 4-16 MB per chunk: one load reads and hashes ~8 MB
 MAX_CHUNK_USERS = 4096         # bounds the chunk.json a load parses when states are tiny
-SHARED_CACHE = 4               # decoded shared versions a store object keeps (they never change)
+SHARED_CACHE = 4               # restored shared versions a store object keeps (they never change)
 
 
 def _now() -> str:
@@ -215,7 +216,8 @@ class PolicyStore:
         self.chunk_bytes: int = int(self._header.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
         self._lock = WriterLock(self.path / LOCK_FILE, self._locked_error)
         self._fallback: tuple[object, PolicyIndex] | None = None
-        self._shared: collections.OrderedDict[int, SavedShared | str] = collections.OrderedDict()
+        self._shared: collections.OrderedDict[int, SavedShared] = collections.OrderedDict()
+        self._shared_checked: dict[int, str | None] = {}
 
     @property
     def scope(self) -> str:
@@ -317,7 +319,10 @@ class PolicyStore:
         version left that pruning would remove."""
         for sub in (self.path, self.path / "gens", self.path / "shared"):
             for p in leftovers(sub):
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
         try:
             with self._writer_index() as idx:
                 live = set(idx.live_versions())
@@ -514,22 +519,28 @@ class PolicyStore:
                 shutil.rmtree(snap, ignore_errors=True)
 
     def _shared_version(self, version: int) -> SavedShared | str:
-        """Shared ``version`` restored (cached: versions never change), or why it does not load."""
+        """Shared ``version`` restored, or why it does not load. The newest few restored are
+        cached (a version never changes once written)."""
         if version in self._shared:
             self._shared.move_to_end(version)
             return self._shared[version]
         got = restore_shared(self.path / "shared" / vname(version))
-        if not isinstance(got, str):
-            got = SavedShared(_read_only(got[0]), got[1], version)
-        self._shared[version] = got
-        good = [v for v, x in self._shared.items() if not isinstance(x, str)]
-        for v in good[:-SHARED_CACHE]:
-            del self._shared[v]
-        return got
+        if isinstance(got, str):
+            self._shared_checked[version] = problem(got)
+            return got
+        self._shared_checked[version] = None
+        self._shared[version] = SavedShared(_read_only(got[0]), got[1], version)
+        while len(self._shared) > SHARED_CACHE:
+            self._shared.popitem(last=False)
+        return self._shared[version]
 
     def _shared_problem(self, version: int) -> str | None:
-        got = self._shared_version(version)
-        return problem(got) if isinstance(got, str) else None
+        """What is wrong with shared ``version`` (``missing``, ``damaged (...)``; None: it
+        verifies). Checked once per store object, by checksums, without decoding it."""
+        if version not in self._shared_checked:
+            reason = verify_snapshot(self.path / "shared" / vname(version), cname(0))
+            self._shared_checked[version] = None if reason is None else problem(reason)
+        return self._shared_checked[version]
 
     def shared_state(self, version: int | None = None) -> SavedShared:
         """Shared ``version``, or the newest shared version that loads (older ones used with
