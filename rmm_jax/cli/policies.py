@@ -182,7 +182,8 @@ def _echo_user(d: dict) -> None:
     click.echo(f"user {d['user']}: v{d['version']} loads{pair}")
     for s in d["skipped"]:
         click.echo(f"  skipped v{s['version']}: {s['reason']}")
-    click.echo("versions: " + ", ".join(f"v{e['version']} ({e['saved_at']})" for e in d["versions"]))
+    click.echo("versions: " + ", ".join(f"v{e['version']} ({e['saved_at']}" + (
+        f", shared v{e['shared_version']})" if e["shared_version"] is not None else ")") for e in d["versions"]))
     ub, sb = d["bytes"]["user"], d["bytes"]["shared"]
     click.echo(f"bytes on disk: user {_size(ub['bytes'])} (v{ub['version']} {ub['chunk']} row {ub['row']}, "
                f"1/{ub['users_in_chunk']} of {_size(ub['chunk_bytes'])}); shared {_size(sb['bytes'])} "
@@ -204,7 +205,7 @@ def _echo_user(d: dict) -> None:
 def show(store, user, users, as_json):
     """Show what loads from STORE. The store: its meta, the shared version that loads
     (newer damaged ones skipped), the shared versions on disk and why each is kept (among
-    the newest --keep, or used by a kept user version), the user versions kept. For USER
+    the store's newest `keep`, or used by a kept user version), the user versions kept. For USER
     (or --users): the version that loads, the shared version it pairs with (scopes shared
     and hybrid), any newer version skipped and why, bytes on disk, shapes and L2 norms of
     the params, optimiser and learner state, and the saved info."""
