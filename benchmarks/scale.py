@@ -9,8 +9,8 @@ memories are Gaussian vectors in d = 384, each query a distorted copy of one of 
 (a distortion shared by all users plus a low-rank one of the user's own), generated on
 the fly from ``(seed, user index)``, so the embeddings are never stored. Each chunk of
 users runs through the compiled loop (:func:`rmm_jax.online.driver.drive`); after each
-chunk its users' policies are saved to the store (:meth:`PolicyStore.save_batch`) and, in
-the shared scopes, the shared part (:meth:`PolicyStore.set_shared`), as ``rmm-jax
+chunk, in the shared scopes, the shared part is saved to the store
+(:meth:`PolicyStore.save_shared`) and then its users' policies (:meth:`PolicyStore.save`), as ``rmm-jax
 simulate`` does.
 
 Reported per scope: wall time (total, and the part spent saving), queries/s, peak RSS of
@@ -73,7 +73,7 @@ class TimedSaves(PolicySink):
             super().chunk(event)
             self.saved += len(event.streams)
         elif self.program.layout.scope.has_shared:
-            self.store.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
+            self.save_shared(event)
         self.seconds += time.perf_counter() - t
 
 

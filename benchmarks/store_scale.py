@@ -1,18 +1,18 @@
 """Policy-store scale: save N synthetic hybrid-scope users, then open the store and load
 one random user, as a server answering one user's query would.
 
-Per user (hybrid scope, d=384, rank 8), as ``save_batch`` gets it from the online loop:
+Per user (hybrid scope, d=384, rank 8), as ``PolicyStore.save`` gets it from the online loop:
 params ``{q: {a: (384, 8), b: (384, 8)}, m: {a, b}}`` float32, an optax Adam state
 ``(ScaleByAdamState(count, mu, nu), EmptyState())`` with moments of the same shapes, and
 a learner state ``{baseline f32, step i32, key (2,) u32}``: 147,472 array bytes.
 
 1. A store is created in a temp dir (``--workdir``), and N users are saved in
-   ``save_batch`` calls of ``--per-save`` users (chunks sized by bytes, the default).
+   ``save`` calls of ``--per-save`` users (chunks sized by bytes, the default).
    Reported: total and per-call save time, bytes on disk per user (allocated blocks of the
    whole store / N, and :meth:`PolicyStore.user_bytes`), the index size.
 2. For comparison, a few ``user``-scope states at d=384 (two (384, 384) kernels + two
    Adam moments) are saved to a second store and their bytes per user reported.
-3. 20 random users are loaded, each with a NEW ``PolicyStore`` object (open + load_user,
+3. 20 random users are loaded, each with a NEW ``PolicyStore`` object (open + load,
    checked against what was saved). Before each load the user's chunk files are evicted
    from the page cache (``posix_fadvise(DONTNEED)``), so the chunk is read from disk;
    the index and the Python process are warm. Median and max are reported, and the same
@@ -54,15 +54,15 @@ import optax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmm_jax.core.types import LearnerState  # noqa: E402
-from rmm_jax.persist.policy_store import PolicyStore, UserPolicy  # noqa: E402
+from rmm_jax.core.types import LearnerState, UserState  # noqa: E402
+from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
 
 D, RANK = 384, 8
 META = {"kind": "linear", "dim": D, "hidden": None, "scope": "hybrid", "rank": RANK,
         "config": {"benchmark": "store_scale"}}
 
 
-def hybrid_block(n: int, rng: np.random.Generator) -> UserPolicy:
+def hybrid_block(n: int, rng: np.random.Generator) -> UserState:
     """Stacked hybrid states of ``n`` users (random values)."""
     def factors():
         return {s: {f: rng.standard_normal((n, D, RANK), dtype=np.float32) for f in ("a", "b")} for s in ("q", "m")}
@@ -70,7 +70,7 @@ def hybrid_block(n: int, rng: np.random.Generator) -> UserPolicy:
     adam = (optax.ScaleByAdamState(count=np.ones(n, np.int32), mu=factors(), nu=factors()), optax.EmptyState())
     learner = LearnerState(baseline=np.zeros(n, np.float32), step=np.zeros(n, np.int32),
                            key=rng.integers(0, 2**32, (n, 2), dtype=np.uint32))
-    return UserPolicy(factors(), adam, learner)
+    return UserState(factors(), adam, learner)
 
 
 def uid(i: int) -> str:
@@ -105,11 +105,11 @@ def user_scope_bytes(work: Path) -> dict:
     n = 4
     k = lambda: {s: {"W": {"kernel": rng.standard_normal((n, D, D), dtype=np.float32)}}  # noqa: E731
                  for s in ("q_adapter", "m_adapter")}
-    state = UserPolicy(k(), (optax.ScaleByAdamState(np.ones(n, np.int32), k(), k()), optax.EmptyState()),
-                       LearnerState(np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros((n, 2), np.uint32)))
+    state = UserState(k(), (optax.ScaleByAdamState(np.ones(n, np.int32), k(), k()), optax.EmptyState()),
+                      LearnerState(np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros((n, 2), np.uint32)))
     meta = {**{key: v for key, v in META.items() if key != "rank"}, "scope": "user"}
     st = PolicyStore.create(work / "user_scope", meta, {})
-    st.save_batch([uid(i) for i in range(n)], state)
+    st.save([uid(i) for i in range(n)], state)
     ub = st.user_bytes(uid(0))
     return {"array_bytes": ub["array_bytes"], "bytes_on_disk": ub["bytes"], "users_per_chunk": ub["users_in_chunk"]}
 
@@ -118,7 +118,7 @@ def load_in_fresh_process(path: Path, user: str) -> dict:
     code = ("import json, time; t0 = time.perf_counter()\n"
             "from rmm_jax.persist.policy_store import PolicyStore\n"
             "t1 = time.perf_counter()\n"
-            f"PolicyStore.open({str(path)!r}).load_user({user!r})\n"
+            f"PolicyStore.open({str(path)!r}).load({user!r})\n"
             "t2 = time.perf_counter()\n"
             "print(json.dumps({'import_s': t1 - t0, 'open_and_load_s': t2 - t1}))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -136,11 +136,11 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
     t_all = time.perf_counter()
     for lo in range(0, n, per_save):
         hi = min(n, lo + per_save)
-        part = jax.tree_util.tree_map(lambda a: a[:hi - lo], (block.params, block.opt_state, block.learner_state))
+        part = jax.tree_util.tree_map(lambda a: a[:hi - lo], block)
         # each user's baseline is its global index, so a load can be checked
-        part = (*part[:2], part[2]._replace(baseline=np.arange(lo, hi, dtype=np.float32)))
+        part = part._replace(learner_state=part.learner_state._replace(baseline=np.arange(lo, hi, dtype=np.float32)))
         t = time.perf_counter()
-        st.save_batch([uid(i) for i in range(lo, hi)], part, [{"i": i} for i in range(lo, hi)])
+        st.save([uid(i) for i in range(lo, hi)], part, [{"i": i} for i in range(lo, hi)], shared_version=1)
         save_s.append(time.perf_counter() - t)
         if len(save_s) % 10 == 0 or hi == n:
             print(f"  saved {hi:,}/{n:,} users  ({time.perf_counter() - t_all:.1f} s)", file=sys.stderr, flush=True)
@@ -152,15 +152,15 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
     cold, warm = [], []
     for pass_, out in (("cold", cold), ("warm", warm)):
         for i in picks:
-            e = st.version_entries(uid(i))[-1]
+            e = st.entries(uid(i))[-1]
             if pass_ == "cold":
-                evict(path / "gens" / f"v{e['version']:08d}" / e["chunk"])
+                evict(path / "gens" / f"v{e.version:08d}" / f"c{e.chunk:04d}")
             t = time.perf_counter()
-            pol = PolicyStore.open(path).load_user(uid(i))
+            pol = PolicyStore.open(path).load(uid(i))
             out.append(time.perf_counter() - t)
             row = i % per_save
-            assert float(pol.learner_state.baseline) == i and pol.info == {"i": i}
-            assert np.array_equal(pol.params["q"]["a"], block.params["q"]["a"][row])
+            assert float(pol.state.learner_state.baseline) == i and pol.info == {"i": i}
+            assert np.array_equal(pol.state.params["q"]["a"], block.params["q"]["a"][row])
     fresh = load_in_fresh_process(path, uid(picks[0]))
     t = time.perf_counter()
     n_users = PolicyStore.open(path).n_users()
@@ -190,7 +190,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=10_000, help="Users to save.")
-    ap.add_argument("--per-save", type=int, default=1000, help="Users per save_batch call.")
+    ap.add_argument("--per-save", type=int, default=1000, help="Users per save call.")
     ap.add_argument("--loads", type=int, default=20, help="Random users to load.")
     ap.add_argument("--json", action="store_true", help="Also print the result as JSON on stdout.")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_scale.json"),

@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import optax
 
-from rmm_jax.core.types import LearnerState
-from rmm_jax.persist.policy_store import UserPolicy
+from rmm_jax.core.types import LearnerState, UserState
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -32,12 +31,29 @@ def learner_of(seed) -> LearnerState:
                         key=np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))))
 
 
-def state_of(seed, kind="linear", d=8) -> UserPolicy:
-    """A user's policy: params, an Adam state with non-zero moments (count 1), a learner
-    state and info ``{"queries_seen": seed, "seed": seed}``."""
+def state_of(seed, kind="linear", d=8) -> UserState:
+    """A user's policy: params, an Adam state with non-zero moments (count 1) and a learner state."""
     p = params_of(seed, kind, d)
     opt = optax.adam(1e-3)
     o = opt.init(p)
     g = params_of(seed + 10_000, kind, d)
     _, o = opt.update(g, o, p)
-    return UserPolicy(p, o, learner_of(seed), {"queries_seen": int(seed), "seed": int(seed)})
+    return UserState(p, o, learner_of(seed))
+
+
+def info_of(seed) -> dict:
+    """The info saved with ``state_of(seed)``: ``{"queries_seen": seed, "seed": seed}``."""
+    return {"queries_seen": int(seed), "seed": int(seed)}
+
+
+def stacked(states) -> UserState:
+    """Per-user states stacked on a leading users axis, as the online loop hands them over
+    (typed PRNG keys stack as jax arrays)."""
+    return jax.tree_util.tree_map(lambda *xs: jax.numpy.stack(xs) if isinstance(xs[0], jax.Array) else np.stack(xs),
+                                  *states)
+
+
+def save_seeds(store, seeds: dict, **kw) -> int:
+    """Save users ``{user: seed}`` (``state_of(seed)``, ``info_of(seed)``) as one version."""
+    return store.save(list(seeds), stacked([state_of(s) for s in seeds.values()]),
+                      [info_of(s) for s in seeds.values()], **kw)

@@ -32,7 +32,7 @@ def test_simulate_log_then_replay_gives_identical_policies(capsys, tmp_path, sto
     assert code == 0, err
     a, b = PolicyStore.open(tmp_path / "a"), PolicyStore.open(tmp_path / "b")
     assert a.meta["scope"] == scope and a.users() == b.users() and len(a.users()) == 3
-    sa, sb = a.shared_params(), b.shared_params()
+    sa, sb = a.shared_state().state.params, b.shared_state().state.params
     for x, y in zip(*(np.concatenate([np.ravel(v) for v in jax.tree.leaves(t)]) for t in (sa, sb))):
         assert x == y
     ident = make_identity_check(sa)
@@ -42,7 +42,7 @@ def test_simulate_log_then_replay_gives_identical_policies(capsys, tmp_path, sto
         for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
             assert np.array_equal(np.asarray(x), np.asarray(y))
         if scope == "hybrid":
-            lora = a.load_user(u).params["q_adapter"]["lora"]
+            lora = a.load(u).state.params["q_adapter"]["lora"]
             assert np.abs(np.asarray(lora["b"])).max() > 0           # each user's factors learned
 
 
@@ -80,7 +80,7 @@ def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
     code, _, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "p", "--epochs", "2", "--k", "8", "--m",
                            "3", "--scope", scope, "--rank", "2", "--checkpoint-every", "0")
     assert code == 0, err
-    pre = PolicyStore.open(tmp_path / "p").shared_params()
+    pre = PolicyStore.open(tmp_path / "p").shared_state().state.params
     code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", "--init", "pretrained", *SIM,
                              "--scope", scope, "--rank", "2", "--json")
     assert code == 0, err
@@ -92,4 +92,4 @@ def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
                        zip(jax.tree.leaves(user_params(ps, u)), jax.tree.leaves(pre)))
     else:                    # the shared part started from the pretrained one and moved
         assert not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-                       zip(jax.tree.leaves(ps.shared_params()), jax.tree.leaves(pre)))
+                       zip(jax.tree.leaves(ps.shared_state().state.params), jax.tree.leaves(pre)))

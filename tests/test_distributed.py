@@ -137,4 +137,4 @@ def test_the_same_command_per_process_writes_what_one_process_writes(tmp_path):
             x, y = np.asarray(x), np.asarray(y)
             worst = max(worst, float(np.max(np.abs(x - y) / np.maximum(1.0, np.abs(y)))))
     assert worst <= 1e-5, worst
-    assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(a.shared_params())) > 0
+    assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(a.shared_state().state.params)) > 0

@@ -151,13 +151,13 @@ def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
               "--log-out", str(tmp_path / "log.jsonl"), "--json")
     summary = json.loads(out.out)
     assert summary["online"]["queries"] == summary["base"]["queries"] > 0
-    simulated = {u: PolicyStore.open(pol).load_user(u).params for u in PolicyStore.open(pol).users()}
+    simulated = {u: PolicyStore.open(pol).load(u).state.params for u in PolicyStore.open(pol).users()}
     run("replay", str(st), "--log", str(tmp_path / "log.jsonl"), "--policies", pol, "--init", "pretrained", *km)
     replayed = PolicyStore.open(pol)
     assert set(simulated) == set(replayed.users()) and simulated
     for u in simulated:
-        assert len(replayed.versions(u)) == 2  # a new version was written...
-        assert leaves_equal(replayed.load_user(u).params, simulated[u])  # ...with the same policy
+        assert len(replayed.entries(u)) == 2  # a new version was written...
+        assert leaves_equal(replayed.load(u).state.params, simulated[u])  # ...with the same policy
 
     run("simulate", str(st), "--policies", str(tmp_path / "pol3"), *km, "--log-out", str(tmp_path / "log3.jsonl"))
     run("replay", str(st), "--log", str(tmp_path / "log3.jsonl"), "--policies", str(tmp_path / "pol2"),
@@ -165,4 +165,4 @@ def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
     a, b = PolicyStore.open(tmp_path / "pol2"), PolicyStore.open(tmp_path / "pol3")
     assert set(a.users()) == set(b.users()) and a.users()
     for u in a.users():
-        assert leaves_equal(a.load_user(u).params, b.load_user(u).params)
+        assert leaves_equal(a.load(u).state.params, b.load(u).state.params)

@@ -15,18 +15,19 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import TESTS_DIR, learner_of, params_of, state_of
+from helpers import TESTS_DIR, info_of, params_of, save_seeds, stacked, state_of
 
 import rmm_jax as R
 from rmm_jax.cli.main import main
+from rmm_jax.cli.policies import export_params
 from rmm_jax.core import reranker
-from rmm_jax.core.types import LearnerState
+from rmm_jax.core.types import LearnerState, SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.online.scoring import score_query
 from rmm_jax.persist.codec import decode_tree, leaf_specs
 from rmm_jax.persist.policy_index import PolicyIndex
-from rmm_jax.persist.policy_snapshot import load_arrays
-from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, UserPolicy, verify_snapshot
+from rmm_jax.persist.policy_snapshot import load_arrays, verify_snapshot
+from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, Saved
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
@@ -51,11 +52,21 @@ def assert_same(a, b):
         assert x.tobytes() == y.tobytes()
 
 
-def assert_policy(pol: UserPolicy, ref: UserPolicy):
-    assert_same(pol.params, ref.params)
-    assert_same(pol.opt_state, ref.opt_state)
-    assert_same(pol.learner_state, ref.learner_state)
-    assert pol.info == ref.info
+def assert_policy(pol: Saved, ref: UserState, info: dict | None = None):
+    """A loaded policy holds exactly ``ref`` (and ``info``, by default the seed's)."""
+    assert_same(pol.state.params, ref.params)
+    assert_same(pol.state.opt_state, ref.opt_state)
+    assert_same(pol.state.learner_state, ref.learner_state)
+    if info is not None:
+        assert pol.info == info
+
+
+def save_one(st: PolicyStore, uid: str, state: UserState, info: dict | None = None, **kw) -> int:
+    return st.save([uid], stacked([state]), [info or {}], **kw)
+
+
+def versions(st: PolicyStore, uid: str) -> list[int]:
+    return [e.version for e in st.entries(uid)]
 
 
 def biggest_file(snap: Path) -> Path:
@@ -76,23 +87,24 @@ def test_round_trip_bit_identical_and_optax_keeps_working(tmp_path, kind):
     PolicyStore.create(tmp_path / "s", meta, params_of(0, kind))
     st = PolicyStore.open(tmp_path / "s", expect_dim=D)
     refs = {f"u{i}": state_of(i, kind) for i in range(3)}
-    st.save_users(refs)
+    st.save(list(refs), stacked(list(refs.values())), [info_of(i) for i in range(3)])
     st2 = PolicyStore.open(tmp_path / "s")
     assert st2.meta == meta and st2.users() == ["u0", "u1", "u2"]
-    for uid, ref in refs.items():
-        pol = st2.load_user(uid)
-        assert_policy(pol, ref)
-        assert type(pol.opt_state[0]) is type(ref.opt_state[0])  # ScaleByAdamState
-        assert st2.last_restore_report["skipped"] == [] and pol.version == 1
+    for i, (uid, ref) in enumerate(refs.items()):
+        pol = st2.load(uid)
+        assert_policy(pol, ref, info_of(i))
+        assert type(pol.state.opt_state[0]) is type(ref.opt_state[0])  # ScaleByAdamState
+        assert type(pol.state) is UserState and type(pol.state.learner_state) is LearnerState
+        assert pol.skipped == () and pol.version == 1 and pol.shared_version is None
     # optax keeps using the restored state: same update as with the original
     opt = optax.adam(1e-3)
     g = params_of(99, kind)
-    pol = st2.load_user("u1")
+    pol = st2.load("u1").state
     u_ref, s_ref = opt.update(g, refs["u1"].opt_state, refs["u1"].params)
     u_new, s_new = opt.update(g, pol.opt_state, pol.params)
     assert_same(u_ref, u_new)
     assert_same(s_ref, s_new)
-    assert_same(st2.shared_params(), params_of(0, kind))
+    assert_same(st2.shared_state().state.params, params_of(0, kind))
 
 
 def test_real_reranker_params_and_typed_key(tmp_path):
@@ -102,14 +114,15 @@ def test_real_reranker_params_and_typed_key(tmp_path):
     learner = R.init_learner_state(jax.random.PRNGKey(2), R.Estimator())
     assert isinstance(learner, LearnerState)
     typed = learner._replace(key=jax.random.key(5))
-    st.save_users({"a": UserPolicy(params, opt_state, learner, {}), "t": UserPolicy(params, None, typed, {})})
+    save_one(st, "a", UserState(params, opt_state, learner))
+    save_one(st, "t", UserState(params, None, typed))
     metas = chunk_metas(st.path / "gens" / "v00000001")
     assert {c["spec"]["learner_state"]["cls"] for c in metas.values()} == {"rmm_jax.core.types:LearnerState"}
-    pol = PolicyStore.open(st.path).load_user("a")
+    pol = PolicyStore.open(st.path).load("a").state
     assert_same(pol.params, params)
     assert_same(pol.opt_state, opt_state)
     assert_same(pol.learner_state, learner)
-    key = PolicyStore.open(st.path).load_user("t").learner_state.key
+    key = PolicyStore.open(st.path).load("t").state.learner_state.key
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     assert np.array_equal(jax.random.key_data(key), jax.random.key_data(typed.key))
 
@@ -118,28 +131,31 @@ def test_legacy_dict_learner_state_loads_as_learner_state(tmp_path):
     """Stores written before LearnerState existed hold {baseline, key, step} dicts."""
     st = new_store(tmp_path)
     ref = state_of(3)
-    old = dict(ref.learner_state._asdict())
-    st.save_users({"old": UserPolicy(ref.params, ref.opt_state, old, ref.info),
-                   "new": state_of(4)})
-    specs = {c["users"][0]: c["spec"]["learner_state"] for c in chunk_metas(st.path / "gens" / "v00000001").values()}
-    assert specs["old"]["t"] == "dict" and specs["old"]["k"] == ["baseline", "key", "step"]
-    assert specs["new"]["t"] == "nt"
-    pol = PolicyStore.open(st.path).load_user("old")
-    assert type(pol.learner_state) is LearnerState
+    save_one(st, "old", ref._replace(learner_state=dict(ref.learner_state._asdict())))
+    save_one(st, "new", state_of(4))
+    spec = lambda v: chunk_metas(st.path / "gens" / f"v{v:08d}")["c0000"]["spec"]["learner_state"]  # noqa: E731
+    assert spec(1)["t"] == "dict" and spec(1)["k"] == ["baseline", "key", "step"]
+    assert spec(2)["t"] == "nt"
+    pol = PolicyStore.open(st.path).load("old")
+    assert type(pol.state.learner_state) is LearnerState
     assert_policy(pol, ref)
     batch = st.load_batch(["old", "new"])                 # both forms stack into one LearnerState
-    assert type(batch.learner_state) is LearnerState
-    assert batch.learner_state.step.tolist() == [3, 4]
-    tpl = UserPolicy(ref.params, ref.opt_state, learner_of(0))
-    assert_same(st.load_user("old", template=tpl).learner_state, ref.learner_state)
+    assert type(batch.state.learner_state) is LearnerState and batch.versions == [1, 2]
+    assert batch.state.learner_state.step.tolist() == [3, 4]
+    assert_same(jax.tree_util.tree_map(lambda a: a[1], batch.state), state_of(4))
 
 
-def test_mixed_structures_in_one_save(tmp_path):
+def test_users_of_different_structures_load_alone_not_stacked(tmp_path):
     st = new_store(tmp_path)
     refs = {"lin": state_of(1, "linear"), "deep": state_of(2, "mlp")}
-    st.save_users(refs)
     for uid, ref in refs.items():
-        assert_policy(st.load_user(uid), ref)
+        save_one(st, uid, ref)
+    for uid, ref in refs.items():
+        assert_policy(st.load(uid), ref)
+    with pytest.raises(InputError) as ei:
+        st.load_batch(["lin", "deep"])
+    msg = str(ei.value)
+    assert "'lin' (v1) and 'deep' (v2)" in msg and "different structures" in msg and "\n" not in msg
 
 
 # ----------------------------------------------------------------------------- batched layout
@@ -148,47 +164,50 @@ def test_save_batch_then_per_user_rows(tmp_path):
     st = new_store(tmp_path)
     uids = [f"user_{i}" for i in range(5)]
     refs = [state_of(10 + i) for i in range(5)]
-    stack = lambda *xs: np.stack(xs)  # noqa: E731
-    stacked = UserPolicy(*(jax.tree_util.tree_map(stack, *[getattr(r, p) for r in refs])
-                           for p in ("params", "opt_state", "learner_state")))
-    v = st.save_batch(uids, stacked, [r.info for r in refs], chunk_size=2)
+    both = stacked(refs)
+    v = st.save(uids, both, [info_of(10 + i) for i in range(5)], chunk_size=2)
     snap = st.path / "gens" / f"v{v:08d}"
     assert sorted(p.name for p in snap.iterdir() if p.is_dir()) == ["c0000", "c0001", "c0002"]
-    entries = {u: st.version_entries(u)[-1] for u in uids}
-    assert (entries["user_3"]["chunk"], entries["user_3"]["row"]) == ("c0001", 1)
+    e = st.entries("user_3")[-1]
+    assert (e.chunk, e.row) == (1, 1)
     st2 = PolicyStore.open(st.path)
-    for uid, ref in zip(uids, refs):
-        assert_policy(st2.load_user(uid), ref)
-    back = st2.load_batch(uids)
-    assert_same(back.params, stacked.params)
-    assert_same(back.opt_state, stacked.opt_state)
-    assert back.info == [r.info for r in refs]
+    for i, (uid, ref) in enumerate(zip(uids, refs)):
+        assert_policy(st2.load(uid), ref, info_of(10 + i))
+    back = st2.load_batch(uids[::-1] + ["nobody"])        # any order; unknown users are listed, not loaded
+    assert back.users == uids[::-1] and back.missing == ["nobody"] and back.versions == [1] * 5
+    assert_same(back.state, stacked(refs[::-1]))
+    assert back.infos == [info_of(10 + i) for i in range(5)][::-1] and back.skipped == {}
+    assert st2.load_batch(["nobody"]).state is None
     with pytest.raises(InputError, match="leading users axis"):
-        st.save_batch(uids[:4], stacked)
+        st.save(uids[:4], both)
+    with pytest.raises(InputError, match="^save: state must be a UserState"):
+        st.save(uids, tuple(both))
 
 
 def test_versions_kept_is_n(tmp_path):
-    st = new_store(tmp_path, keep_versions=3)
+    st = new_store(tmp_path, keep=3)
     for i in range(5):
-        st.save_users({"u": state_of(i), "w": state_of(100 + i)} if i == 0 else {"u": state_of(i)})
-    assert st.versions("u") == [3, 4, 5]
-    assert st.versions("w") == [1]           # w's only version is kept ...
+        save_seeds(st, {"u": i, "w": 100 + i} if i == 0 else {"u": i})
+    assert versions(st, "u") == [3, 4, 5]
+    assert versions(st, "w") == [1]           # w's only version is kept ...
     assert sorted(p.name for p in (st.path / "gens").iterdir()) == \
         ["v00000001", "v00000003", "v00000004", "v00000005"]   # ... v2 is gone
-    assert_policy(st.load_user("u"), state_of(4))
-    assert_policy(st.load_user("u", version=3), state_of(2))
-    assert_policy(st.load_user("w"), state_of(100))
+    assert_policy(st.load("u"), state_of(4))
+    assert_policy(st.load("u", version=3), state_of(2))
+    assert_policy(st.load("w"), state_of(100))
+    with pytest.raises(InputError, match=r"user 'u' has no version 1 \(has \[3, 4, 5\]\)"):
+        st.load("u", version=1)
 
 
 def test_index_rebuilt_when_corrupt(tmp_path):
     st = new_store(tmp_path)
-    st.save_users({"u": state_of(1)})
-    st.save_users({"u": state_of(2)})
+    save_seeds(st, {"u": 1})
+    save_seeds(st, {"u": 2})
     (st.path / "index.sqlite").write_bytes(b"{ broken" * 100)
-    assert st.versions("u") == [1, 2]
-    assert_policy(st.load_user("u"), state_of(2))
-    assert st.save_users({"u": state_of(3)}) == 3
-    assert PolicyIndex.open(st.path / "index.sqlite").entries("u")[-1].version == 3
+    assert versions(st, "u") == [1, 2]
+    assert_policy(st.load("u"), state_of(2))
+    assert save_seeds(st, {"u": 3}) == 3
+    assert PolicyIndex.open(st.path / "index.sqlite").entries(["u"])["u"][-1].version == 3
 
 
 # ----------------------------------------------------------------------------- corruption
@@ -211,41 +230,46 @@ def _corrupt(path: Path, how: str):
 def test_corrupt_newest_version_falls_back_and_reports(tmp_path, how):
     st = new_store(tmp_path)
     for i in range(3):
-        st.save_users({"u": state_of(i)})
+        save_seeds(st, {"u": i})
     snap = st.path / "gens" / "v00000003"
     target = snap / "c0000" / "CHECKSUMS.json" if how == "drop_checksums" else biggest_file(snap)
     _corrupt(target, how)
     assert verify_snapshot(snap, "c0000") is not None
     st2 = PolicyStore.open(st.path)
-    with pytest.warns(PolicyRestoreWarning, match="restored version 2"):
-        pol = st2.load_user("u")
+    with pytest.warns(PolicyRestoreWarning, match=r"store: user 'u': restored v2, v3 is damaged \(") as rec:
+        pol = st2.load("u")
+    assert len(rec) == 1 and "\n" not in str(rec[0].message)
     assert pol.version == 2
-    assert_policy(pol, state_of(1))
-    rep = st2.last_restore_report
-    assert rep["version"] == 2 and [s["version"] for s in rep["skipped"]] == [3]
+    assert_policy(pol, state_of(1), info_of(1))
+    assert [s.version for s in pol.skipped] == [3] and pol.skipped[0].reason.startswith("is damaged (")
 
 
 def test_corrupt_small_files_and_all_bad(tmp_path):
     st = new_store(tmp_path)
     for i in range(2):
-        st.save_users({"u": state_of(i)})
+        save_seeds(st, {"u": i})
     _corrupt(st.path / "gens" / "v00000002" / "c0000" / "chunk.json", "flip")
     with pytest.warns(PolicyRestoreWarning):
-        assert st.load_user("u").version == 1
+        assert st.load("u").version == 1
     _corrupt(biggest_file(st.path / "gens" / "v00000001"), "truncate")
     with pytest.raises(InputError) as ei:
-        st.load_user("u")
+        st.load("u")
     msg = str(ei.value)
     assert "'u'" in msg and str(st.path) in msg and "v2" in msg and "v1" in msg and "\n" not in msg
 
 
 def test_shared_params_versions_and_corruption(tmp_path):
     st = new_store(tmp_path)
-    assert st.set_shared(params_of(7)) == 2
-    assert_same(st.shared_params(), params_of(7))
+    assert st.save_shared(SharedState(params_of(7), None)) == 2
+    assert_same(st.shared_state().state.params, params_of(7))
     _corrupt(biggest_file(st.path / "shared" / "v00000002"), "flip")
-    with pytest.warns(PolicyRestoreWarning):
-        assert_same(st.shared_params(), params_of(0))
+    st = PolicyStore.open(st.path)                     # a fresh reader (an object caches what it verified)
+    with pytest.warns(PolicyRestoreWarning, match=r"store: shared: restored v1, v2 is damaged"):
+        got = st.shared_state()
+    assert_same(got.state.params, params_of(0))
+    assert got.version == 1 and [s.version for s in got.skipped] == [2]
+    with pytest.raises(InputError, match=r"store: shared version 2 is damaged \("):
+        st.shared_state(2)
 
 
 # ----------------------------------------------------------------------------- open / create errors
@@ -264,7 +288,9 @@ def test_open_errors_name_path_and_mismatch(tmp_path):
     with pytest.raises(InputError, match="kind"):
         PolicyStore.create(tmp_path / "x", {**META, "kind": "cnn"}, params_of(0))
     with pytest.raises(InputError, match="no saved policy for user 'ghost'"):
-        st.load_user("ghost")
+        st.load("ghost")
+    with pytest.raises(InputError, match="keep must be a positive int"):
+        PolicyStore.open(st.path, keep=0)
 
 
 # ----------------------------------------------------------------------------- lock
@@ -273,9 +299,10 @@ WRITER_SRC = textwrap.dedent('''
     import sys
     import numpy as np
     from rmm_jax.errors import InputError
-    from rmm_jax.persist.policy_store import PolicyStore, UserPolicy
+    from rmm_jax.core.types import UserState
+    from rmm_jax.persist.policy_store import PolicyStore
     try:
-        PolicyStore.open(sys.argv[1]).save_users({"sub": UserPolicy({"w": np.arange(4.0)}, None, None, {"n": 5})})
+        PolicyStore.open(sys.argv[1]).save(["sub"], UserState({"w": np.arange(4.0)[None]}, None, None), [{"n": 5}])
     except InputError as e:
         print(e); sys.exit(3)
     print("saved")
@@ -290,7 +317,7 @@ def _run_writer(path):
 def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
     st = new_store(tmp_path)
     with st.writer():
-        st.save_users({"u": state_of(1)})          # re-entrant inside the writer
+        save_seeds(st, {"u": 1})                   # re-entrant inside the writer
         r = _run_writer(st.path)
         assert r.returncode == 3, r.stderr
         line = r.stdout.strip()
@@ -298,31 +325,31 @@ def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
                         f"{os.uname().nodename} (another writer is running; retry when it ends)")
         other = PolicyStore.open(st.path)           # same process, other handle: also locked out
         with pytest.raises(InputError, match="is locked by pid"):
-            other.set_shared(params_of(1))
+            other.save_shared(SharedState(params_of(1), None))
     r = _run_writer(st.path)
     assert r.returncode == 0 and r.stdout.strip() == "saved", r.stderr
-    sub = st.load_user("sub")
-    assert_same(sub.params, {"w": np.arange(4.0)})
-    assert sub.opt_state is None and sub.info == {"n": 5}
+    sub = st.load("sub")
+    assert_same(sub.state.params, {"w": np.arange(4.0)})
+    assert sub.state.opt_state is None and sub.info == {"n": 5}
 
 
 # ----------------------------------------------------------------------------- killed writers
 
 KILL_SRC = textwrap.dedent('''
     import sys
-    from helpers import state_of
+    from helpers import params_of, save_seeds
+    from rmm_jax.core.types import SharedState
     from rmm_jax.persist.policy_store import PolicyStore
     st = PolicyStore.open(sys.argv[1])
     start = int(sys.argv[2])
     for i in range(start, start + 10_000):
-        users = {f"u{r}": state_of(i * 10 + r) for r in range(3)}
-        if i % 2:
-            st.save_users(users, chunk_size=2)
-        else:
-            st.set_shared(users["u0"].params)
+        sv = st.save_shared(SharedState(params_of(i * 10), None), {"i": i})
+        users = {"u0": i * 10} if i % 2 else {f"u{r}": i * 10 + r for r in range(3)}
+        save_seeds(st, users, shared_version=sv, chunk_size=2)
         if i == start + 1:
             print("ready", flush=True)   # warmed up (imports, jit): the kill lands in steady state
 ''')
+HYBRID = {**META, "scope": "hybrid", "rank": 2}
 
 
 def _check_every_verifying_version(st: PolicyStore):
@@ -336,23 +363,23 @@ def _check_every_verifying_version(st: PolicyStore):
             counts = {p: len(leaf_specs(c["spec"][p])) for p in ("params", "opt_state", "learner_state")}
             leaves = load_arrays(chunk / "arrays.npz", counts)
             for row, uid in enumerate(c["users"]):
-                ref = state_of(c["info"][row]["seed"])
                 got = [decode_tree(c["spec"][p], [a[row] for a in leaves[p]])
                        for p in ("params", "opt_state", "learner_state")]
-                assert_policy(UserPolicy(*got, c["info"][row]), ref)
+                assert_policy(Saved(UserState(*got), c["info"][row], 0, None), state_of(c["info"][row]["seed"]))
                 n_ok += 1
-    # i * 10 for every i a writer may reach
-    known = {params_of(s)["q_adapter"]["W"]["kernel"].tobytes() for s in range(0, 20_000, 10)}
     for snap in sorted((st.path / "shared").glob("v*")):
         if verify_snapshot(snap) is None:
-            leaves = load_arrays(snap / "c0000" / "arrays.npz", {"params": 2})["params"]  # m_adapter, q_adapter
-            assert leaves[1].tobytes() in known
+            i = json.loads((snap / "c0000" / "chunk.json").read_text())["info"].get("i", 0)
+            assert_same(PolicyStore.open(st.path).shared_state(int(snap.name[1:])).state.params, params_of(i * 10))
             n_ok += 1
     return n_ok
 
 
-def test_sigkill_mid_save_never_leaves_wrong_verifying_version(tmp_path):
-    st = new_store(tmp_path)
+def test_sigkill_mid_save_never_leaves_wrong_or_unpaired_versions(tmp_path):
+    """Kills during hybrid saves (shared version, then users paired with it; keep=1, so
+    pruning runs on every save): every version that verifies is right, every user loads
+    with exactly the shared version it was trained with, and nothing it needs is pruned."""
+    st = PolicyStore.create(tmp_path / "store", HYBRID, params_of(0), keep=1)
     rng = random.Random(1234)
     total = 0
     for round_ in range(3):
@@ -364,14 +391,21 @@ def test_sigkill_mid_save_never_leaves_wrong_verifying_version(tmp_path):
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
         total += _check_every_verifying_version(st)
-        users = st.users()
-        for uid in users:                            # indexed newest versions load
-            pol = st.load_user(uid)
+        reader = PolicyStore.open(st.path)
+        assert reader.users() == ["u0", "u1", "u2"]
+        for uid in reader.users():                   # indexed newest versions load, paired exactly
+            pol = reader.load(uid)
+            assert pol.skipped == () and len(reader.entries(uid)) == 1
             assert_policy(pol, state_of(pol.info["seed"]))
+            shared = reader.shared_state(pol.shared_version)
+            assert shared.info["i"] == pol.info["seed"] // 10
+            assert_same(shared.state.params, params_of(shared.info["i"] * 10))
     assert total > 0
     with st.writer():                                # the next writer clears leftovers
         pass
-    assert not list((st.path / "gens").glob(".tmp-*")) and not list((st.path / "shared").glob(".tmp-*"))
+    assert not list((st.path / "gens").glob(".*")) and not list((st.path / "shared").glob(".*"))
+    refs = {e.shared_version for u in st.users() for e in st.entries(u)}
+    assert set(st.shared_versions()) == refs | {max(st.shared_versions())}   # keep=1: newest + referenced
 
 
 # ----------------------------------------------------------------------------- scoring / export
@@ -381,7 +415,7 @@ def test_score_query_uses_core_scorer(tmp_path, monkeypatch):
     params = R.init_reranker(jax.random.PRNGKey(0), D)
     params = jax.tree_util.tree_map(lambda a: a + 0.1, params)
     opt = optax.adam(1e-3)
-    st.save_users({"u": UserPolicy(params, opt.init(params), {"step": np.int32(0)}, {})})
+    save_one(st, "u", UserState(params, opt.init(params), {"step": np.int32(0)}))
     rng = np.random.default_rng(0)
     q, m = rng.standard_normal(D).astype(np.float32), rng.standard_normal((5, D)).astype(np.float32)
     mask = np.array([1, 1, 0, 1, 1], bool)
@@ -400,16 +434,15 @@ def test_score_query_uses_core_scorer(tmp_path, monkeypatch):
 def test_export_user_npz_and_json(tmp_path):
     st = new_store(tmp_path)
     ref = state_of(3)
-    st.save_users({"u": ref})
-    doc = st.export_user("u", tmp_path / "out" / "u.npz")
+    save_seeds(st, {"u": 3})
+    save_seeds(st, {"u": 4})
+    doc = export_params(st, "u", tmp_path / "out" / "u.npz", version=1)
     with np.load(tmp_path / "out" / "u.npz", allow_pickle=False) as z:
         assert set(z.files) == {"q_adapter/W/kernel", "m_adapter/W/kernel", "__meta__"}
         assert np.array_equal(z["q_adapter/W/kernel"], ref.params["q_adapter"]["W"]["kernel"])
         assert json.loads(str(z["__meta__"]))["meta"] == META
     side = json.loads((tmp_path / "out" / "u.json").read_text())
-    assert side == json.loads(json.dumps(doc)) and side["version"] == 1
-    with pytest.raises(InputError, match="must end in .npz"):
-        st.export_user("u", tmp_path / "u.bin")
+    assert side == json.loads(json.dumps(doc)) and side["version"] == 1 and side["info"] == info_of(3)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -426,8 +459,8 @@ def _cli(argv, capsys):
 
 def test_cli_list_show_export_and_errors(tmp_path, capsys):
     st = new_store(tmp_path)
-    st.save_users({"alice": state_of(4), "bob": state_of(6)})
-    st.save_users({"alice": state_of(5)})
+    save_seeds(st, {"alice": 4, "bob": 6})
+    save_seeds(st, {"alice": 5})
     code, out, _ = _cli(["policies", "list", str(st.path), "--json"], capsys)
     doc = json.loads(out)
     assert code == 0 and doc["n_users"] == 2
@@ -435,9 +468,13 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     assert doc["users"][0]["queries_seen"] == 5 and doc["users"][0]["last_update"]
     code, out, _ = _cli(["policies", "list", str(st.path)], capsys)
     assert code == 0 and "alice" in out and "1,2" in out
+    code, out, _ = _cli(["policies", "list", str(st.path), "--users", "bob", "--json"], capsys)
+    assert code == 0 and [r["user"] for r in json.loads(out)["users"]] == ["bob"]
     code, out, err = _cli(["policies", "show", str(st.path), "bob", "--json"], capsys)
-    doc = json.loads(out)
-    assert code == 0 and doc["restored_version"] == 1 and doc["info"]["queries_seen"] == 6
+    whole = json.loads(out)
+    assert whole["store"]["n_users"] == 2 and whole["store"]["shared"]["loads"] == 1 and len(whole["users"]) == 1
+    doc = whole["users"][0]
+    assert code == 0 and doc["version"] == 1 and doc["shared_version"] is None and doc["info"]["queries_seen"] == 6
     k = np.linalg.norm(state_of(6).params["q_adapter"]["W"]["kernel"].astype(np.float64))
     leaf = {x["path"]: x for x in doc["params"]}["q_adapter/W/kernel"]
     assert leaf["shape"] == [D, D] and leaf["norm"] == pytest.approx(k)
@@ -447,7 +484,7 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
                                     "chunk_bytes": on_disk, "bytes": round(on_disk / 2), "array_bytes": 1556}
     shared = st.path / "shared" / "v00000001" / "c0000" / "arrays.npz"
     assert doc["bytes"]["shared"] == {"version": 1, "array_bytes": 2 * D * D * 4, "bytes": shared.stat().st_size}
-    assert doc["scope"] == "user"
+    assert whole["store"]["scope"] == "user" and whole["store"]["keep"] == 3
     code, out, _ = _cli(["policies", "show", str(st.path), "bob"], capsys)
     assert code == 0 and "q_adapter/W/kernel" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("bytes on disk:"))

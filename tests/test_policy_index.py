@@ -15,24 +15,18 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import TESTS_DIR, learner_of, params_of, state_of
+from helpers import TESTS_DIR, info_of, learner_of, params_of, save_seeds, stacked, state_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
-from rmm_jax.core.types import LearnerState
+from rmm_jax.core.types import LearnerState, SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.persist import checksums
 from rmm_jax.persist.atomic import write_json
 from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
 from rmm_jax.persist.policy_snapshot import dir_bytes, save_chunk, verify_snapshot
-from rmm_jax.persist.policy_store import (
-    MAX_CHUNK_USERS,
-    PolicyRestoreWarning,
-    PolicyStore,
-    SharedSnapshot,
-    UserPolicy,
-)
+from rmm_jax.persist.policy_store import MAX_CHUNK_USERS, PolicyRestoreWarning, PolicyStore, Saved, SavedShared
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
@@ -54,20 +48,19 @@ def assert_same(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
-def assert_policy(pol: UserPolicy, ref: UserPolicy):
-    for p in PARTS:
-        assert_same(getattr(pol, p), getattr(ref, p))
-    assert pol.info == ref.info
+def assert_policy(pol: Saved, ref: UserState, info: dict | None = None):
+    assert_same(pol.state, ref)
+    if info is not None:
+        assert pol.info == info
 
 
-def stacked(refs: list[UserPolicy]) -> UserPolicy:
-    stack = lambda *xs: np.stack(xs)  # noqa: E731
-    return UserPolicy(*(jax.tree_util.tree_map(stack, *[getattr(r, p) for r in refs]) for p in PARTS))
+def versions(st: PolicyStore, uid: str) -> list[int]:
+    return [e.version for e in st.entries(uid)]
 
 
 def lookups(st: PolicyStore) -> dict:
     """Everything the index answers, per user."""
-    return {u: st.version_entries(u) for u in st.users()}
+    return {u: st.entries(u) for u in st.users()}
 
 
 def gens_versions(st: PolicyStore) -> set[int]:
@@ -83,7 +76,7 @@ def tree_files(root: Path) -> dict:
 
 def test_failure_between_snapshot_and_commit_leaves_old_index_and_is_cleaned(tmp_path, monkeypatch):
     st = new_store(tmp_path)
-    st.save_users({"u": state_of(1)})
+    save_seeds(st, {"u": 1})
 
     def boom(*a, **k):
         raise RuntimeError("killed before commit")
@@ -91,50 +84,50 @@ def test_failure_between_snapshot_and_commit_leaves_old_index_and_is_cleaned(tmp
     with monkeypatch.context() as m:
         m.setattr(PolicyIndex, "commit_version", boom)
         with pytest.raises(RuntimeError, match="killed before commit"):
-            st.save_users({"u": state_of(2), "new": state_of(3)})
+            save_seeds(st, {"u": 2, "new": 3})
     snap = st.path / "gens" / "v00000002"
     assert verify_snapshot(snap) is None              # complete on disk ...
     other = PolicyStore.open(st.path)
-    assert other.versions("u") == [1] and not other.has_user("new")   # ... but never committed
-    assert_policy(other.load_user("u"), state_of(1))
-    assert other.save_users({"u": state_of(4)}) == 2  # the next writer removed it and reused the number
-    assert_policy(other.load_user("u"), state_of(4))
+    assert versions(other, "u") == [1] and not other.has_user("new")   # ... but never committed
+    assert_policy(other.load("u"), state_of(1))
+    assert save_seeds(other, {"u": 4}) == 2  # the next writer removed it and reused the number
+    assert_policy(other.load("u"), state_of(4))
     assert gens_versions(other) == {1, 2} and not other.has_user("new")
 
 
 KILL_BEFORE_COMMIT = textwrap.dedent('''
     import os, signal, sys
-    from helpers import state_of
+    from helpers import save_seeds
     from rmm_jax.persist.policy_index import PolicyIndex
     from rmm_jax.persist.policy_store import PolicyStore
     PolicyIndex.commit_version = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-    PolicyStore.open(sys.argv[1]).save_users({"u": state_of(2), "new": state_of(3)})
+    save_seeds(PolicyStore.open(sys.argv[1]), {"u": 2, "new": 3})
 ''')
 
 
 def test_sigkill_between_snapshot_and_commit(tmp_path):
     st = new_store(tmp_path)
-    st.save_users({"u": state_of(1)})
+    save_seeds(st, {"u": 1})
     before = lookups(st)
     r = subprocess.run([sys.executable, "-c", KILL_BEFORE_COMMIT, str(st.path)], cwd=ROOT, env=SUBPROCESS_ENV,
                        capture_output=True, timeout=120)
     assert r.returncode == -9, r.stderr.decode()[-2000:]
     assert verify_snapshot(st.path / "gens" / "v00000002") is None
     assert lookups(PolicyStore.open(st.path)) == before
-    assert_policy(PolicyStore.open(st.path).load_user("u"), state_of(1))
+    assert_policy(PolicyStore.open(st.path).load("u"), state_of(1))
     with st.writer():
         pass
     assert gens_versions(st) == {1}
-    assert st.save_users({"new": state_of(5)}) == 2
+    assert save_seeds(st, {"new": 5}) == 2
 
 
 # ----------------------------------------------------------------------------- rebuild
 
 @pytest.mark.parametrize("how", ["delete", "garbage", "truncate", "other_schema"])
 def test_rebuild_after_losing_index_gives_same_lookups(tmp_path, how):
-    st = new_store(tmp_path, keep_versions=2)
+    st = new_store(tmp_path, keep=2)
     for i in range(4):
-        st.save_users({f"u{j}": state_of(10 * i + j) for j in range(i + 1)}, chunk_size=2)
+        save_seeds(st, {f"u{j}": 10 * i + j for j in range(i + 1)}, chunk_size=2)
     before = lookups(st)
     db = st.path / "index.sqlite"
     if how == "delete":
@@ -151,7 +144,7 @@ def test_rebuild_after_losing_index_gives_same_lookups(tmp_path, how):
             idx._run("UPDATE kv SET value = 99 WHERE key = 'schema'")
     reader = PolicyStore.open(st.path)                  # no lock: rebuilt in memory, file untouched
     assert lookups(reader) == before
-    assert_policy(reader.load_user("u3"), state_of(33))
+    assert_policy(reader.load("u3"), state_of(33))
     if how != "delete":
         with pytest.raises(IndexUnavailable):
             PolicyIndex.open(db)
@@ -160,28 +153,28 @@ def test_rebuild_after_losing_index_gives_same_lookups(tmp_path, how):
     with PolicyIndex.open(db) as idx:
         assert idx.next_version() == 5
     assert lookups(PolicyStore.open(st.path)) == before
-    assert st.save_users({"u0": state_of(99)}) == 5
-    assert st.versions("u0") == [4, 5]
+    assert save_seeds(st, {"u0": 99}) == 5
+    assert versions(st, "u0") == [4, 5]
 
 
 def test_corrupt_index_during_a_save_is_rebuilt_with_the_new_version(tmp_path, monkeypatch):
     st = new_store(tmp_path)
-    st.save_users({"a": state_of(1)})
+    save_seeds(st, {"a": 1})
 
     def corrupt(self, *a, **k):
         raise IndexUnavailable("database disk image is malformed")
 
     monkeypatch.setattr(PolicyIndex, "commit_version", corrupt)
-    assert st.save_users({"a": state_of(2), "b": state_of(3)}) == 2
+    assert save_seeds(st, {"a": 2, "b": 3}) == 2
     monkeypatch.undo()
-    assert st.versions("a") == [1, 2] and st.versions("b") == [2]
-    assert_policy(st.load_user("b"), state_of(3))
+    assert versions(st, "a") == [1, 2] and versions(st, "b") == [2]
+    assert_policy(st.load("b"), state_of(3))
 
 
 def test_index_corrupt_past_its_header_is_rebuilt_by_the_next_writer(tmp_path, monkeypatch):
     st = new_store(tmp_path)
-    st.save_users({"a": state_of(1), "b": state_of(2)})
-    st.save_users({"a": state_of(3)})
+    save_seeds(st, {"a": 1, "b": 2})
+    save_seeds(st, {"a": 3})
     before = lookups(st)
     real = PolicyIndex.live_versions
     calls = []
@@ -201,16 +194,16 @@ def test_index_corrupt_past_its_header_is_rebuilt_by_the_next_writer(tmp_path, m
 # ----------------------------------------------------------------------------- GC
 
 def test_gc_keeps_exactly_the_referenced_versions(tmp_path):
-    st = new_store(tmp_path, keep_versions=2)
+    st = new_store(tmp_path, keep=2)
     saves = [["a", "b"], ["a"], ["a"], ["b", "c"], ["c"], ["c"]]
     for i, users in enumerate(saves):
-        st.save_users({u: state_of(i * 10 + k) for k, u in enumerate(users)})
+        save_seeds(st, {u: i * 10 + k for k, u in enumerate(users)})
     # a: v2 v3; b: v1 v4; c: v5 v6 -> v1..v6 all referenced except none dropped? b keeps v1
-    assert st.versions("a") == [2, 3] and st.versions("b") == [1, 4] and st.versions("c") == [5, 6]
+    assert versions(st, "a") == [2, 3] and versions(st, "b") == [1, 4] and versions(st, "c") == [5, 6]
     assert gens_versions(st) == {1, 2, 3, 4, 5, 6}
-    st.save_users({"b": state_of(70)})                  # b drops v1; nobody else holds it
+    save_seeds(st, {"b": 70})                  # b drops v1; nobody else holds it
     assert gens_versions(st) == {2, 3, 4, 5, 6, 7}
-    st.save_users({"a": state_of(80), "c": state_of(81)})   # a drops v2, c drops v5
+    save_seeds(st, {"a": 80, "c": 81})   # a drops v2, c drops v5
     assert gens_versions(st) == {3, 4, 6, 7, 8}
     with PolicyIndex.open(st.path / "index.sqlite") as idx:
         assert idx.live_versions() == [3, 4, 6, 7, 8]
@@ -225,18 +218,20 @@ USERS = [f"u{i}" for i in range(6)]
 @settings(max_examples=60, deadline=None)
 @given(keep=hst.integers(1, 3),
        saves=hst.lists(hst.tuples(hst.sets(hst.sampled_from(USERS), min_size=1), hst.integers(1, 4),
-                                  hst.integers(0, 2)), min_size=1, max_size=12))
+                                  hst.integers(0, 2), hst.none() | hst.integers(1, 5)), min_size=1, max_size=12))
 def test_index_answers_like_a_dict(keep, saves):
     idx = PolicyIndex.create(None)
     model: dict[str, list[tuple]] = {}
+    shared_of: dict[int, int | None] = {}
     live: set[int] = set()
     records = []
     version = 0
-    for users, per, gap in saves:
+    for users, per, gap, shared in saves:
         version += 1 + gap                               # gaps: saves that were killed before commit
+        shared_of[version] = shared
         placed = [(u, j // per, j % per) for j, u in enumerate(sorted(users))]
-        records += [(u, version, c, r, f"t{version}") for u, c, r in placed]
-        dead = idx.commit_version(version, f"t{version}", placed, keep=keep)
+        records += [(u, version, c, r, f"t{version}", shared) for u, c, r in placed]
+        dead = idx.commit_version(version, f"t{version}", placed, keep=keep, shared_version=shared)
         for u, c, r in placed:
             model[u] = (model.get(u, []) + [(version, c, r)])[-keep:]
         referenced = {e[0] for es in model.values() for e in es}
@@ -245,38 +240,43 @@ def test_index_answers_like_a_dict(keep, saves):
         assert idx.live_versions() == sorted(referenced)
         assert idx.users() == sorted(model) and idx.n_users() == len(model)
         assert idx.next_version() == version + 1
+        assert idx.shared_refs() == {shared_of[v] for v in referenced} - {None}
+        assert idx.saves() == [(v, f"t{v}", shared_of[v], sum(any(e[0] == v for e in es) for es in model.values()))
+                               for v in sorted(referenced)]
+        got = idx.entries(USERS)
         for u in USERS:
-            got = idx.entries(u)
-            assert [(e.version, e.chunk, e.row) for e in got] == model.get(u, [])
-            assert all(e.saved_at == f"t{e.version}" for e in got)
+            assert [(e.version, e.chunk, e.row) for e in got[u]] == model.get(u, [])
+            assert all(e.saved_at == f"t{e.version}" and e.shared_version == shared_of[e.version] for e in got[u])
             assert idx.has_user(u) == (u in model)
     with pytest.raises(ValueError, match="below next_version"):
         idx.commit_version(version, "t", [("u0", 0, 0)], keep=keep)
     rebuilt = PolicyIndex.build(None, records, keep=keep)      # a rebuild from every snapshot agrees
     assert list(rebuilt.all_entries()) == list(idx.all_entries())
     assert rebuilt.live_versions() == idx.live_versions() and rebuilt.next_version() == version + 1
+    assert rebuilt.saves() == idx.saves()
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(keep=hst.integers(1, 3), saves=hst.lists(hst.sets(hst.sampled_from(USERS[:4]), min_size=1),
                                                  min_size=1, max_size=5))
 def test_store_matches_brute_force_over_random_saves(tmp_path_factory, keep, saves):
-    st = new_store(tmp_path_factory.mktemp("prop"), keep_versions=keep)
+    st = new_store(tmp_path_factory.mktemp("prop"), keep=keep)
     model: dict[str, list[int]] = {}
     newest: dict[str, int] = {}
     for i, users in enumerate(saves):
-        v = st.save_users({u: UserPolicy({"w": np.arange(3, dtype=np.float32) + 10 * i}, None, None, {"i": i})
-                           for u in sorted(users)}, chunk_size=2)
+        us = sorted(users)
+        v = st.save(us, UserState({"w": np.tile(np.arange(3, dtype=np.float32) + 10 * i, (len(us), 1))}, None, None),
+                    [{"i": i}] * len(us), chunk_size=2)
         assert v == i + 1
         for u in users:
             model[u] = (model.get(u, []) + [v])[-keep:]
             newest[u] = i
     assert st.users() == sorted(model)
-    assert {u: st.versions(u) for u in model} == model
+    assert {u: versions(st, u) for u in model} == model
     assert gens_versions(st) == {v for vs in model.values() for v in vs}
     for u, i in newest.items():
-        pol = st.load_user(u)
-        assert pol.info == {"i": i} and pol.params["w"].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
+        pol = st.load(u)
+        assert pol.info == {"i": i} and pol.state.params["w"].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
 
 
 # ----------------------------------------------------------------------------- format-1 stores
@@ -285,9 +285,10 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_format1_store(path: Path, shared, saves: list[dict[str, UserPolicy]], *, keep=3, chunk_size=16):
+def write_format1_store(path: Path, shared, saves: list[dict[str, int]], *, keep=3, chunk_size=16):
     """A store exactly as rmm-jax format 1 wrote it: index.json, one rows.json and one
-    CHECKSUMS.json per snapshot, orbax checkpoints directly in cNNNN/."""
+    CHECKSUMS.json per snapshot, orbax checkpoints directly in cNNNN/. ``saves``: one
+    ``{user: seed}`` per save (``state_of(seed)``, ``info_of(seed)``)."""
     path.mkdir()
     write_json(path / "policy_store.json", {"format": "rmm-jax-policy-store", "format_version": 1, "meta": META,
                                             "keep_versions": keep, "chunk_size": chunk_size, "created_at": _now()})
@@ -299,7 +300,8 @@ def write_format1_store(path: Path, shared, saves: list[dict[str, UserPolicy]], 
     save_chunk(snap / "c0000", {"params": leaves})
     checksums.write_checksums(snap)
     index = {"next_version": 1, "users": {}}
-    for v, states in enumerate(saves, 1):
+    for v, seeds in enumerate(saves, 1):
+        states = {u: state_of(seed) for u, seed in seeds.items()}
         snap = path / "gens" / f"v{v:08d}"
         snap.mkdir(parents=True)
         uids = list(states)
@@ -315,7 +317,7 @@ def write_format1_store(path: Path, shared, saves: list[dict[str, UserPolicy]], 
                 entries = index["users"].setdefault(u, [])
                 entries.append({"version": v, "chunk": f"c{n:04d}", "row": row, "saved_at": _now()})
                 del entries[:-keep]
-                info[u] = states[u].info
+                info[u] = info_of(seeds[u])
         write_json(snap / "rows.json", {"version": v, "saved_at": _now(), "chunks": chunks, "info": info})
         checksums.write_checksums(snap)
         index["next_version"] = v + 1
@@ -324,47 +326,47 @@ def write_format1_store(path: Path, shared, saves: list[dict[str, UserPolicy]], 
 
 def test_format1_store_loads_then_migrates_on_first_write(tmp_path):
     path = tmp_path / "old"
-    saves = [{"a": state_of(1), "b": state_of(2), "c": state_of(3)}, {"a": state_of(4)}]
+    saves = [{"a": 1, "b": 2, "c": 3}, {"a": 4}]
     write_format1_store(path, params_of(7), saves, keep=2, chunk_size=2)
     before = tree_files(path)
     st = PolicyStore.open(path)
-    assert st.users() == ["a", "b", "c"] and st.versions("a") == [1, 2] and st.n_users() == 3
-    assert st.version_entries("c")[-1]["chunk"] == "c0001"
-    assert_policy(st.load_user("a"), state_of(4))
-    assert_policy(st.load_user("a", version=1), state_of(1))
-    assert_policy(st.load_user("c"), state_of(3))
-    assert_same(st.shared_params(), params_of(7))
-    assert st.shared_state().opt_state is None
-    assert st.info("b") == state_of(2).info and st.user_bytes("c")["users_in_chunk"] == 1
+    assert st.users() == ["a", "b", "c"] and versions(st, "a") == [1, 2] and st.n_users() == 3
+    assert st.entries("c")[-1].chunk == 1 and st.entries("c")[-1].shared_version is None
+    assert_policy(st.load("a"), state_of(4), info_of(4))
+    assert_policy(st.load("a", version=1), state_of(1), info_of(1))
+    assert_policy(st.load("c"), state_of(3))
+    assert_same(st.shared_state().state.params, params_of(7))
+    assert st.shared_state().state.opt_state is None
+    assert st.load_batch(["b", "zz"]).infos == [info_of(2)] and st.user_bytes("c")["users_in_chunk"] == 1
     assert st.shared_bytes()["bytes"] == dir_bytes(path / "shared" / "v00000001" / "c0000")
     assert tree_files(path) == before                   # reading a format-1 store writes nothing
-    assert st.save_users({"a": state_of(5), "d": state_of(6)}) == 3    # first write migrates
+    assert save_seeds(st, {"a": 5, "d": 6}) == 3    # first write migrates
     assert not (path / "index.json").exists() and (path / "index.sqlite").exists()
     assert json.loads((path / "policy_store.json").read_text())["format_version"] == 2
     assert (path / "gens" / "v00000003" / "c0000" / "chunk.json").exists()
     st2 = PolicyStore.open(path)
-    assert st2.versions("a") == [2, 3] and st2.versions("b") == [1]
-    assert_policy(st2.load_user("a", version=2), state_of(4))       # old snapshot, new index
-    assert_policy(st2.load_user("b"), state_of(2))
-    assert_policy(st2.load_user("d"), state_of(6))
-    st2.save_users({"b": state_of(8), "c": state_of(9)})
-    st2.save_users({"b": state_of(10), "c": state_of(11)})
+    assert versions(st2, "a") == [2, 3] and versions(st2, "b") == [1]
+    assert_policy(st2.load("a", version=2), state_of(4))       # old snapshot, new index
+    assert_policy(st2.load("b"), state_of(2))
+    assert_policy(st2.load("d"), state_of(6))
+    save_seeds(st2, {"b": 8, "c": 9})
+    save_seeds(st2, {"b": 10, "c": 11})
     assert gens_versions(st2) == {2, 3, 4, 5}           # v1 (format 1) collected once unreferenced
 
 
 def test_format1_migration_interrupted_is_finished_by_next_writer(tmp_path):
     path = tmp_path / "old"
-    write_format1_store(path, params_of(7), [{"a": state_of(1)}])
+    write_format1_store(path, params_of(7), [{"a": 1}])
     st = PolicyStore.open(path)
     st._build_index(path / "index.sqlite").close()      # killed right after the index went into place
     assert (path / "index.json").exists()
     assert json.loads((path / "policy_store.json").read_text())["format_version"] == 1
-    assert_policy(PolicyStore.open(path).load_user("a"), state_of(1))
+    assert_policy(PolicyStore.open(path).load("a"), state_of(1))
     with st.writer():
         pass
     assert not (path / "index.json").exists()
     assert json.loads((path / "policy_store.json").read_text())["format_version"] == 2
-    assert_policy(PolicyStore.open(path).load_user("a"), state_of(1))
+    assert_policy(PolicyStore.open(path).load("a"), state_of(1))
 
 
 def test_newer_format_is_refused(tmp_path):
@@ -392,50 +394,53 @@ def test_shared_scope_empty_trees_round_trip_bit_identically(tmp_path):
     n = 5000                                             # tiny rows: capped at MAX_CHUNK_USERS per chunk
     uids = [f"user_{i:05d}" for i in range(n)]
     ls = learners(n, 3)
-    v = st.save_batch(uids, ({}, {}, ls), [{"i": i} for i in range(n)])
+    v = st.save(uids, UserState({}, {}, ls), [{"i": i} for i in range(n)], shared_version=1)
     assert sorted(p.name for p in (st.path / "gens" / f"v{v:08d}").iterdir()) == ["c0000", "c0001"]
-    assert n / 2 <= MAX_CHUNK_USERS and st.version_entries("user_02500")[-1]["chunk"] == "c0001"
+    assert n / 2 <= MAX_CHUNK_USERS and st.entries("user_02500")[-1].chunk == 1
     st2 = PolicyStore.open(st.path)
     for i in (0, 2499, 2500, 4999):
-        pol = st2.load_user(uids[i])
-        assert pol.params == {} and pol.opt_state == {} and pol.info == {"i": i}
-        assert_same(pol.learner_state, jax.tree_util.tree_map(lambda a, i=i: a[i], ls))
+        pol = st2.load(uids[i])
+        assert pol.state.params == {} and pol.state.opt_state == {} and pol.info == {"i": i}
+        assert pol.shared_version == 1
+        assert_same(pol.state.learner_state, jax.tree_util.tree_map(lambda a, i=i: a[i], ls))
     back = st2.load_batch(uids[:3])
-    assert back.params == {} and back.opt_state == {}
-    assert_same(back.learner_state, jax.tree_util.tree_map(lambda a: a[:3], ls))
+    assert back.state.params == {} and back.state.opt_state == {} and back.shared_versions == [1, 1, 1]
+    assert_same(back.state.learner_state, jax.tree_util.tree_map(lambda a: a[:3], ls))
     ub = st2.user_bytes(uids[7])
     assert ub["array_bytes"] == 4 + 4 + 8 and ub["users_in_chunk"] == 2500
-    st2.save_users({"x": UserPolicy({}, None, learner_of(1), {})})   # None and {} also via save_users
-    pol = st2.load_user("x")
-    assert pol.params == {} and pol.opt_state is None
-    assert_same(pol.learner_state, learner_of(1))
+    st2.save(["x"], stacked([UserState({}, None, learner_of(1))]), shared_version=1)   # None and {} alike
+    pol = st2.load("x")
+    assert pol.state.params == {} and pol.state.opt_state is None
+    assert_same(pol.state.learner_state, learner_of(1))
+    with pytest.raises(InputError, match="^save: a save in scope 'shared' needs shared_version"):
+        st2.save(["x"], stacked([UserState({}, None, learner_of(1))]))
 
 
 def test_bfloat16_and_scalar_leaves_round_trip(tmp_path):
     """.npy holds ml_dtypes as raw bytes and the shared state has 0-d leaves: both come back as saved."""
     st = new_store(tmp_path)
     w = (np.arange(12, dtype=np.float32) / 3).astype(jax.numpy.bfloat16).reshape(3, 4)
-    ref = UserPolicy({"w": w, "s": np.float32(2.5)}, None, learner_of(2), {})
-    st.save_users({"b": ref})
-    assert_policy(PolicyStore.open(st.path).load_user("b"), ref)
-    st.set_shared({"w": w}, {"count": np.int32(7)})
+    ref = UserState({"w": w, "s": np.float32(2.5)}, None, learner_of(2))
+    st.save(["b"], stacked([ref]))
+    assert_policy(PolicyStore.open(st.path).load("b"), ref)
+    st.save_shared(SharedState({"w": w}, {"count": np.int32(7)}))
     got = PolicyStore.open(st.path).shared_state()
-    assert_same(got.params, {"w": w})
-    assert_same(got.opt_state, {"count": np.int32(7)})
+    assert_same(got.state.params, {"w": w})
+    assert_same(got.state.opt_state, {"count": np.int32(7)})
 
 
 def test_chunks_are_sized_by_bytes_unless_chunk_size_is_given(tmp_path):
     st = new_store(tmp_path, chunk_bytes=64 << 10)       # 64 KiB chunks; a d=8 policy row is 1556 B
     refs = [state_of(i) for i in range(100)]
-    st.save_batch([f"u{i}" for i in range(100)], stacked(refs), [r.info for r in refs])
+    st.save([f"u{i}" for i in range(100)], stacked(refs), [info_of(i) for i in range(100)])
     sizes = [len(json.loads((c / "chunk.json").read_text())["users"])
              for c in sorted((st.path / "gens" / "v00000001").iterdir())]
     assert sizes == [33, 34, 33]                         # 65536 // 1556 = 42 per chunk: 3 equal chunks
-    st.save_batch([f"u{i}" for i in range(7)], stacked(refs[:7]), chunk_size=3)
+    st.save([f"u{i}" for i in range(7)], stacked(refs[:7]), chunk_size=3)
     sizes = [len(json.loads((c / "chunk.json").read_text())["users"])
              for c in sorted((st.path / "gens" / "v00000002").iterdir())]
     assert sizes == [3, 3, 1]
-    assert_policy(st.load_user("u99"), refs[99])
+    assert_policy(st.load("u99"), refs[99])
 
 
 @pytest.mark.parametrize("bad,needle", [
@@ -466,47 +471,50 @@ def test_hybrid_meta_is_kept(tmp_path):
 # ----------------------------------------------------------------------------- shared state with optimiser
 
 def test_shared_state_with_adam_state_and_info(tmp_path):
-    st = new_store(tmp_path, meta=SHARED_META, keep_versions=2)
+    st = new_store(tmp_path, meta=SHARED_META, keep=2)
     s1 = st.shared_state()
-    assert isinstance(s1, SharedSnapshot) and s1.version == 1 and s1.opt_state is None and s1.info == {}
+    assert isinstance(s1, SavedShared) and s1.version == 1 and s1.state.opt_state is None and s1.info == {}
     p = params_of(5)
     opt = optax.adam(1e-3)
     _, o = opt.update(params_of(6), opt.init(p), p)
-    assert st.set_shared(p, o, {"epoch": 3}) == 2
+    assert st.save_shared(SharedState(p, o), {"epoch": 3}) == 2
     got = PolicyStore.open(st.path).shared_state()
-    assert got.version == 2 and got.info == {"epoch": 3}
-    assert_same(got.params, p)
-    assert_same(got.opt_state, o)
-    assert type(got.opt_state[0]) is type(o[0])         # ScaleByAdamState: optax keeps using it
-    assert_same(opt.update(params_of(7), got.opt_state, got.params), opt.update(params_of(7), o, p))
-    assert_same(st.shared_params(), p)
-    tpl = SharedSnapshot(jax.tree_util.tree_map(np.zeros_like, p), None, 0, {})
-    assert_same(st.shared_state(tpl).params, p)
+    assert got.version == 2 and got.info == {"epoch": 3} and got.skipped == ()
+    assert_same(got.state.params, p)
+    assert_same(got.state.opt_state, o)
+    assert type(got.state.opt_state[0]) is type(o[0])   # ScaleByAdamState: optax keeps using it
+    assert_same(opt.update(params_of(7), got.state.opt_state, got.state.params), opt.update(params_of(7), o, p))
+    assert_same(st.shared_state(1).state.params, params_of(0))
+    with pytest.raises(ValueError, match="read-only"):   # handed out to every caller: nobody changes it
+        got.state.params["q_adapter"]["W"]["kernel"][0, 0] = 1.0
     # stored once per version, never per user
-    st.save_batch(["a", "b"], ({}, {}, learners(2)))
+    st.save(["a", "b"], UserState({}, {}, learners(2)), shared_version=2)
     chunk = json.loads((st.path / "gens" / "v00000001" / "c0000" / "chunk.json").read_text())
     assert chunk["spec"]["params"] == chunk["spec"]["opt_state"] == {"t": "dict", "k": [], "c": []}
     assert st.user_bytes("a")["array_bytes"] == 16
     sb = st.shared_bytes()
     assert sb["version"] == 2 and sb["array_bytes"] == 3 * 2 * D * D * 4 + 4
     assert sb["bytes"] == (st.path / "shared" / "v00000002" / "c0000" / "arrays.npz").stat().st_size
-    st.set_shared(params_of(8))
-    assert [p.name for p in sorted((st.path / "shared").iterdir())] == ["v00000002", "v00000003"]
+    st.save_shared(SharedState(params_of(8), None))
+    st.save_shared(SharedState(params_of(9), None))  # keep=2: v3, v4 newest; v1 goes, v2 stays (a and b need it)
+    assert st.shared_versions() == [2, 3, 4]
     with pytest.raises(InputError, match="shared info is not JSON-serialisable"):
-        st.set_shared(p, None, {"x": object()})
+        st.save_shared(SharedState(p, None), {"x": object()})
+    with pytest.raises(InputError, match="expected a SharedState"):
+        st.save_shared(p)
 
 
 def test_damaged_shared_version_falls_back_with_its_optimiser_state(tmp_path):
     st = new_store(tmp_path)
     p, o = params_of(1), optax.adam(1e-3).init(params_of(1))
-    st.set_shared(p, o, {"v": 2})
-    st.set_shared(params_of(2), None, {"v": 3})
+    st.save_shared(SharedState(p, o), {"v": 2})
+    st.save_shared(SharedState(params_of(2), None), {"v": 3})
     victim = st.path / "shared" / "v00000003" / "c0000" / "arrays.npz"
     victim.write_bytes(victim.read_bytes()[:-8])
-    with pytest.warns(PolicyRestoreWarning, match="restored version 2"):
+    with pytest.warns(PolicyRestoreWarning, match="restored v2, v3 is damaged"):
         got = st.shared_state()
     assert got.version == 2 and got.info == {"v": 2}
-    assert_same(got.opt_state, o)
+    assert_same(got.state.opt_state, o)
 
 
 # ----------------------------------------------------------------------------- per-chunk reads and bytes
@@ -514,24 +522,26 @@ def test_damaged_shared_version_falls_back_with_its_optimiser_state(tmp_path):
 def test_load_reads_only_its_own_chunk(tmp_path):
     st = new_store(tmp_path)
     refs = [state_of(i) for i in range(6)]
-    st.save_batch([f"u{i}" for i in range(6)], stacked(refs), [r.info for r in refs], chunk_size=2)
+    st.save([f"u{i}" for i in range(6)], stacked(refs), [info_of(i) for i in range(6)], chunk_size=2)
     snap = st.path / "gens" / "v00000001"
     for name in ("c0000", "c0002"):                     # wreck every other chunk completely
         (snap / name / "chunk.json").write_text("{")
         (snap / name / "CHECKSUMS.json").unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_policy(st.load_user("u2"), refs[2])
-        assert_policy(st.load_user("u3"), refs[3])
-    with pytest.raises(InputError, match="no good saved version for user 'u0'; v1: incomplete chunk c0000"):
-        st.load_user("u0")
+        assert_policy(st.load("u2"), refs[2])
+        assert_policy(st.load("u3"), refs[3])
+    with pytest.raises(InputError, match=r"no good saved version for user 'u0': v1 is damaged \(incomplete"):
+        st.load("u0")
+    with pytest.raises(InputError, match="user 'u0'"):   # a batch refuses too, naming the user
+        st.load_batch(["u2", "u0"])
 
 
 def test_user_bytes_is_the_rows_share_of_its_chunk(tmp_path):
     st = new_store(tmp_path)
     refs = [state_of(i) for i in range(3)]
-    st.save_batch(["a", "b", "c"], stacked(refs), chunk_size=2)
-    st.save_batch(["c"], stacked(refs[2:]))
+    st.save(["a", "b", "c"], stacked(refs), chunk_size=2)
+    st.save(["c"], stacked(refs[2:]))
     size = (st.path / "gens" / "v00000001" / "c0000" / "arrays.npz").stat().st_size
     ub = st.user_bytes("b")
     assert ub == {"version": 1, "chunk": "c0000", "row": 1, "users_in_chunk": 2, "chunk_bytes": size,
@@ -544,10 +554,10 @@ def test_user_bytes_is_the_rows_share_of_its_chunk(tmp_path):
 
 def test_readers_need_no_lock_and_see_committed_state(tmp_path):
     st = new_store(tmp_path)
-    st.save_users({"a": state_of(1)})
+    save_seeds(st, {"a": 1})
     with st.writer():                                   # a writer holds the lock ...
         reader = PolicyStore.open(st.path)
-        assert_policy(reader.load_user("a"), state_of(1))   # ... readers carry on
-        st.save_users({"a": state_of(2)})
-        assert reader.versions("a") == [1, 2]
-        assert_policy(reader.load_user("a"), state_of(2))
+        assert_policy(reader.load("a"), state_of(1))   # ... readers carry on
+        save_seeds(st, {"a": 2})
+        assert versions(reader, "a") == [1, 2]
+        assert_policy(reader.load("a"), state_of(2))

@@ -81,7 +81,7 @@ def assert_same_policies(a: Path, b: Path) -> None:
     sa, sb = PolicyStore.open(a), PolicyStore.open(b)
     assert sa.users() == sb.users() and len(sa.users()) == 6
     for u in sa.users():
-        pa, pb = sa.load_user(u), sb.load_user(u)
+        pa, pb = sa.load(u).state, sb.load(u).state
         for part in ("params", "opt_state", "learner_state"):
             ta, tb = getattr(pa, part), getattr(pb, part)
             assert jax.tree.structure(ta) == jax.tree.structure(tb), (u, part)
@@ -249,8 +249,8 @@ def test_pretrain_killed_and_resumed_equals_uninterrupted(env):
     assert not (d / "pre").exists()
     rc, text = run(env, [*args, "--resume"], "p2")
     assert rc == 0 and "resuming from s" in text, text
-    a = PolicyStore.open(d / "pre-ref").shared_params()
-    b = PolicyStore.open(d / "pre").shared_params()
+    a = PolicyStore.open(d / "pre-ref").shared_state().state.params
+    b = PolicyStore.open(d / "pre").shared_state().state.params
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)

@@ -3,7 +3,9 @@
 The CLI is a thin shell over :mod:`rmm_jax`. Bad input raises
 :class:`rmm_jax.errors.InputError`; :func:`main` prints its one-line message on stderr
 and exits with status 2, with no traceback. Click's usage errors (a bad option value, a
-missing argument) are printed the same way: one ``error: ...`` line, status 2.
+missing argument) are printed the same way: one ``error: ...`` line, status 2. Warnings
+raised during a command print as ``warning: ...`` lines without source lines, repeated
+policy restores summarised (:mod:`rmm_jax.cli.warning_lines`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import click
 import jax
 
 from rmm_jax.cli.signals import Interrupted
+from rmm_jax.cli.warning_lines import reported_warnings
 from rmm_jax.errors import InputError
 from rmm_jax.version import __version__
 
@@ -63,7 +66,8 @@ COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simu
 def main(argv=None) -> None:
     register_commands()
     try:
-        code = cli.main(args=argv, standalone_mode=False)
+        with reported_warnings():  # one formatted line per warning on stderr, at the end
+            code = cli.main(args=argv, standalone_mode=False)
         if isinstance(code, int) and code:  # ctx.exit(n) returns n when click is not standalone
             sys.exit(code)
     except InputError as e:

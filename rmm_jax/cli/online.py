@@ -47,7 +47,9 @@ def open_or_create_policies(path, st, layout, init: str, seed: int, *, writer: b
     p = Path(path)
     identity = lambda: init_reranker(jax.random.key(seed), st.dim, layout.kind, layout.hidden)
     if not writer:
-        return None, identity() if init == "identity" else PolicyStore.open(p, expect_dim=st.dim).shared_params()
+        if init == "identity":
+            return None, identity()
+        return None, PolicyStore.open(p, expect_dim=st.dim).shared_state().state.params
     if p.exists():
         ps = PolicyStore.open(p, expect_dim=st.dim)
         made_for = (ps.meta.get("config") or {}).get("model")
@@ -68,7 +70,7 @@ def open_or_create_policies(path, st, layout, init: str, seed: int, *, writer: b
         if not ps.meta.get("config", {}).get("pretrained"):
             raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
                              where=f"--policies {path}")
-        return ps, ps.shared_params()
+        return ps, ps.shared_state().state.params
     return ps, identity()
 
 

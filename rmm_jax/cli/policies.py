@@ -1,34 +1,49 @@
 """``rmm-jax policies``: inspect and export a per-user policy store.
 
 A policy store (see :mod:`rmm_jax.persist.policy_store`) is written by ``pretrain``/``simulate``;
-these commands only read it, so they need no lock and are safe while a writer runs.
+these commands only read it, so they need no lock and are safe while a writer runs. ``show``
+reports what a load would actually get: it loads, with the store's own rules.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
+import jax
 import numpy as np
 
 from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
 from rmm_jax.persist.policy_store import PolicyStore
 
-
-def _open(store: str) -> PolicyStore:
-    return PolicyStore.open(store)
+SHOW_VERSIONS = 10  # kept versions listed in text (all of them with --json)
 
 
 def _progress(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _require_user(st, user: str) -> None:
+def _user_list(user: str | None, users: str | None) -> list[str] | None:
+    """USER and/or ``--users a,b`` as one list without repeats; None if neither was given."""
+    ids = ([user] if user else []) + ([u.strip() for u in users.split(",")] if users else [])
+    if any(not u for u in ids):
+        raise InputError(f"empty user id in {users!r}", where="--users")
+    return list(dict.fromkeys(ids)) or None
+
+
+def _require_users(st: PolicyStore, users: list[str]) -> None:
     """Fail on an unknown user before any progress line (errors are one line on stderr)."""
-    if not st.has_user(user):
-        raise InputError(f"no saved policy for user {user!r} (known users: {st.n_users()})",
-                         where=str(st.path))
+    for u in users:
+        if not st.has_user(u):
+            raise InputError(f"no saved policy for user {u!r} (known users: {st.n_users()})", where=str(st.path))
+
+
+def _entry(e) -> dict:
+    return {"version": e.version, "chunk": f"c{e.chunk:04d}", "row": e.row, "saved_at": e.saved_at,
+            "shared_version": e.shared_version}
 
 
 @cli.group()
@@ -38,26 +53,31 @@ def policies():
     \b
     Examples:
       rmm-jax policies list policies/                 # users, versions, queries seen
-      rmm-jax policies show policies/ user_7          # shapes, norms, bytes, info of one user
+      rmm-jax policies show policies/                 # what loads: shared version, versions kept
+      rmm-jax policies show policies/ user_7          # the version of user_7 that loads, and why
+      rmm-jax policies show policies/ --users u1,u2 --json
       rmm-jax policies export policies/ user_7 --out user_7.npz
     """
 
 
-def list_rows(store) -> list[dict]:
+def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
     """One summary per user: versions, queries seen (from info) and last update."""
-    return [{"user": r["user"], "versions": [e["version"] for e in r["versions"]],
-             "queries_seen": r["info"].get("queries_seen"), "last_update": r["versions"][-1]["saved_at"]}
-            for r in store.listing()]
+    return [{"user": u, "versions": [e.version for e in es], "queries_seen": info.get("queries_seen"),
+             "last_update": es[-1].saved_at} for u, es, info in store.listing(users)]
 
 
 @policies.command("list")
 @click.argument("store", type=click.Path())
+@click.option("--users", default=None, help="Comma-separated user ids (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of a table.")
-def list_cmd(store, as_json):
+def list_cmd(store, users, as_json):
     """List the users of policy store STORE: saved versions (newest last), queries seen
     (the "queries_seen" entry of the newest info) and time of the last update (UTC)."""
-    st = _open(store)
-    rows = list_rows(st)
+    st = PolicyStore.open(store)
+    wanted = _user_list(None, users)
+    if wanted:
+        _require_users(st, wanted)
+    rows = list_rows(st, wanted)
     if as_json:
         click.echo(json.dumps({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}))
         return
@@ -83,18 +103,44 @@ def _leaf_table(tree) -> list[dict]:
     return out
 
 
-def show_doc(st, user: str) -> dict:
-    """Everything ``show`` prints for one user, as a JSON-able dict. ``bytes``: on disk,
-    the user's newest entry (its row's share of its chunk's array files) and the newest
-    shared version (stored once for all users)."""
-    pol = st.load_user(user)
-    return {"store": str(st.path), "user": user, "meta": st.meta, "scope": st.scope,
-            "restored_version": pol.version,
-            "skipped": st.last_restore_report["skipped"] if st.last_restore_report else [],
-            "versions": st.version_entries(user), "info": pol.info,
-            "bytes": {"user": st.user_bytes(user), "shared": st.shared_bytes()},
-            "params": _leaf_table(pol.params), "opt_state": _leaf_table(pol.opt_state),
-            "learner_state": _leaf_table(pol.learner_state)}
+def store_doc(st: PolicyStore) -> dict:
+    """What ``show`` reports about the store: the shared version that loads (and newer ones
+    skipped), every shared version on disk and why it is kept, every kept user version."""
+    try:
+        shared = st.shared_state()
+        loads, skipped, error = shared.version, shared.skipped, None
+    except InputError as e:
+        loads, skipped, error = None, (), str(e)
+    saves = st.saves()
+    on_disk = st.shared_versions()
+    newest = set(on_disk[-st.keep:])
+    used_by: dict[int, list[int]] = {}
+    for s in saves:
+        used_by.setdefault(s.shared_version, []).append(s.version)
+    return {"path": str(st.path), "meta": st.meta, "scope": st.scope, "keep": st.keep, "n_users": st.n_users(),
+            "shared": {"loads": loads, "error": error, "skipped": [s._asdict() for s in skipped],
+                       "versions": [{"version": v, "newest": v in newest, "used_by": used_by.get(v, [])}
+                                    for v in on_disk]},
+            "versions": [s._asdict() for s in saves]}
+
+
+def user_docs(st: PolicyStore, users: list[str]) -> list[dict]:
+    """What ``show`` reports per user, from one batch load: the version that loads, the
+    shared version it pairs with, newer versions skipped and why, every kept version, bytes
+    on disk (its row's share of its chunk; the shared version it pairs with, or the newest
+    in scope ``user``), shapes and L2 norms of each part, and the saved info."""
+    got = st.load_batch(users)
+    docs = []
+    for i, u in enumerate(got.users):
+        state = jax.tree_util.tree_map(lambda a, i=i: a[i], got.state)
+        sv = got.shared_versions[i]
+        docs.append({"user": u, "version": got.versions[i], "shared_version": sv,
+                     "skipped": [s._asdict() for s in got.skipped.get(u, ())],
+                     "versions": [_entry(e) for e in st.entries(u)], "info": got.infos[i],
+                     "bytes": {"user": st.user_bytes(u, got.versions[i]),
+                               "shared": st.shared_bytes(sv if st.paired else None)},
+                     **{p: _leaf_table(getattr(state, p)) for p in ("params", "opt_state", "learner_state")}})
+    return docs
 
 
 def _size(n: int) -> str:
@@ -109,39 +155,88 @@ def _size(n: int) -> str:
     return f"{x:.1f} {unit}"
 
 
-@policies.command()
-@click.argument("store", type=click.Path())
-@click.argument("user")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of text.")
-def show(store, user, as_json):
-    """Show USER's policy in STORE: store meta, saved versions, the version restored
-    (a newer corrupt one is skipped and reported), bytes on disk (the user's entry and
-    the shared part), shapes and L2 norms of the params, optimiser and learner state, and
-    the saved info (queries seen, metrics)."""
-    st = _open(store)
-    _require_user(st, user)
-    _progress(f"loading {user!r} from {store} ...")
-    doc = show_doc(st, user)
-    if as_json:
-        click.echo(json.dumps(doc))
-        return
-    m = doc["meta"]
-    click.echo(f"user {user} in {store} (kind={m['kind']} dim={m['dim']} hidden={m['hidden']} "
-               f"scope={doc['scope']})")
-    vs = ", ".join(f"v{e['version']} ({e.get('saved_at')})" for e in doc["versions"])
-    click.echo(f"versions: {vs}; restored v{doc['restored_version']}")
-    for s in doc["skipped"]:
+def _listed(items: list[str]) -> str:
+    more = len(items) - SHOW_VERSIONS
+    return ", ".join(items[-SHOW_VERSIONS:]) + (f" (and {more} older)" if more > 0 else "")
+
+
+def _echo_store(doc: dict) -> None:
+    m, sh = doc["meta"], doc["shared"]
+    click.echo(f"store {doc['path']}: kind={m['kind']} dim={m['dim']} hidden={m['hidden']} scope={doc['scope']} "
+               f"keep={doc['keep']} users={doc['n_users']}")
+    loads = f"v{sh['loads']} loads" if sh["loads"] is not None else f"none loads ({sh['error']})"
+    kept = [f"v{r['version']} (" + ", ".join((["newest"] if r["newest"] else [])
+                                            + ([f"used by user versions {','.join(map(str, r['used_by']))}"]
+                                               if r["used_by"] else [])) + ")" for r in sh["versions"]]
+    click.echo(f"shared: {loads}; on disk: {_listed(kept)}")
+    for s in sh["skipped"]:
+        click.echo(f"  skipped shared v{s['version']}: {s['reason']}")
+    vs = [f"v{s['version']} ({s['users']} users" + (f", shared v{s['shared_version']}"
+                                                     if s["shared_version"] is not None else "") + ")"
+          for s in doc["versions"]]
+    click.echo(f"user versions kept: {_listed(vs) or 'none'}")
+
+
+def _echo_user(d: dict) -> None:
+    pair = f", with shared v{d['shared_version']}" if d["shared_version"] is not None else ""
+    click.echo(f"user {d['user']}: v{d['version']} loads{pair}")
+    for s in d["skipped"]:
         click.echo(f"  skipped v{s['version']}: {s['reason']}")
-    ub, sb = doc["bytes"]["user"], doc["bytes"]["shared"]
+    click.echo("versions: " + ", ".join(f"v{e['version']} ({e['saved_at']}" + (
+        f", shared v{e['shared_version']})" if e["shared_version"] is not None else ")") for e in d["versions"]))
+    ub, sb = d["bytes"]["user"], d["bytes"]["shared"]
     click.echo(f"bytes on disk: user {_size(ub['bytes'])} (v{ub['version']} {ub['chunk']} row {ub['row']}, "
                f"1/{ub['users_in_chunk']} of {_size(ub['chunk_bytes'])}); shared {_size(sb['bytes'])} "
                f"(v{sb['version']}, once for all users)")
     for part in ("params", "opt_state", "learner_state"):
         click.echo(f"{part}:")
-        for leaf in doc[part]:
+        for leaf in d[part]:
             norm = "" if leaf["norm"] is None else f"  |.|={leaf['norm']:.6g}"
             click.echo(f"  {leaf['path']:<32} {str(tuple(leaf['shape'])):<14} {leaf['dtype']:<8}{norm}")
-    click.echo(f"info: {json.dumps(doc['info'], sort_keys=True)}")
+    click.echo(f"info: {json.dumps(d['info'], sort_keys=True)}")
+
+
+@policies.command()
+@click.argument("store", type=click.Path())
+@click.argument("user", required=False)
+@click.option("--users", default=None, help="Comma-separated user ids (with or instead of USER).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print one JSON object {"store": {...}, "users": [...]} on stdout instead of text.')
+def show(store, user, users, as_json):
+    """Show what loads from STORE. The store: its meta, the shared version that loads
+    (newer damaged ones skipped), the shared versions on disk and why each is kept (among
+    the store's newest `keep`, or used by a kept user version), the user versions kept. For USER
+    (or --users): the version that loads, the shared version it pairs with (scopes shared
+    and hybrid), any newer version skipped and why, bytes on disk, shapes and L2 norms of
+    the params, optimiser and learner state, and the saved info."""
+    st = PolicyStore.open(store)
+    wanted = _user_list(user, users) or []
+    _require_users(st, wanted)
+    if wanted:
+        _progress(f"loading {len(wanted)} user(s) from {store} ...")
+    doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else []}
+    if as_json:
+        click.echo(json.dumps(doc))
+        return
+    _echo_store(doc["store"])
+    for d in doc["users"]:
+        _echo_user(d)
+
+
+def export_params(st: PolicyStore, user: str, out: Path, version: int | None = None) -> dict:
+    """Write ``user``'s params (the version that loads, or ``version``) as one ``.npz``
+    (keys: leaf paths joined by "/", plus ``__meta__``) and ``<out>.json`` (meta, version,
+    shared version, info, shapes); both atomically. Returns the JSON written."""
+    saved = st.load(user, version=version)
+    spec, leaves = encode_tree(saved.state.params, where=f"user {user!r} params")
+    arrays = {s["path"]: leaves[s["i"]] for s in leaf_specs(spec)}
+    doc = {"store": str(st.path), "user": user, "version": saved.version, "shared_version": saved.shared_version,
+           "meta": st.meta, "info": saved.info, "shapes": {k: list(v.shape) for k, v in arrays.items()},
+           "dtypes": {k: str(v.dtype) for k, v in arrays.items()}}
+    with atomic_file(out, "wb") as f:
+        np.savez(f, **arrays, __meta__=np.array(json.dumps(doc, sort_keys=True)))
+    write_json(out.with_suffix(".json"), doc)
+    return doc
 
 
 @policies.command()
@@ -154,11 +249,12 @@ def show(store, user, as_json):
               help="Export this saved version instead of the newest good one.")
 def export(store, user, out, version):
     """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
-    load with numpy.load outside rmm-jax. Both files are written atomically."""
-    st = _open(store)
-    _require_user(st, user)
+    load with numpy.load outside rmm-jax. Both files are written atomically. In scope
+    hybrid these are the user's own factors; the .json names the shared version they pair with."""
+    st = PolicyStore.open(store)
+    _require_users(st, [user])
     if not str(out).endswith(".npz"):
         raise InputError("export file must end in .npz", where=f"--out {out}")
     _progress(f"exporting {user!r} from {store} ...")
-    doc = st.export_user(user, out, version=version)
+    doc = export_params(st, user, Path(out), version)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")

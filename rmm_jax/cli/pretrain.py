@@ -152,7 +152,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
                            "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
         if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?
-            if tree_digest(PolicyStore.open(out).shared_params()) != tree_digest(best):
+            if tree_digest(PolicyStore.open(out).shared_state().state.params) != tree_digest(best):
                 raise InputError("already exists and is not empty; choose a new policy store path",
                                  where=f"--out {out}")
             info(f"{out} was already written by the interrupted run")

@@ -21,17 +21,19 @@ def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
 
     The one way to read a usable policy out of a store, whatever its scope (see
     :data:`rmm_jax.core.update.SCOPES`): ``user``, the user's own params; ``shared``, the
-    store's shared params; ``hybrid``, the shared params merged with the user's low-rank
-    residual (:func:`rmm_jax.core.reranker.merge_params`). With ``fallback_to_shared`` a user without saved
-    state gets the shared params instead of an error.
+    store's newest shared params; ``hybrid``, the user's low-rank residual merged
+    (:func:`rmm_jax.core.reranker.merge_params`) with exactly the shared version it was
+    trained against (:meth:`PolicyStore.load`). With ``fallback_to_shared`` a user without
+    saved state gets the newest shared params instead of an error.
     """
     scope = store.meta.get("scope") or "user"
     if scope == "shared" or (fallback_to_shared and not store.has_user(user_id)):
-        params = store.shared_params()      # a new user of a hybrid store: its residual is zero
+        params = store.shared_state().state.params   # a new user of a hybrid store: its residual is zero
     elif scope == "hybrid":
-        params = reranker.merge_params(store.shared_params(), store.load_user(user_id).params)
+        saved = store.load(user_id)
+        params = reranker.merge_params(store.shared_state(saved.shared_version).state.params, saved.state.params)
     else:
-        params = store.load_user(user_id).params
+        params = store.load(user_id).state.params
     # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.
     return jax.tree_util.tree_map(jnp.asarray, params)
 

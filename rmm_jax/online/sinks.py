@@ -27,17 +27,21 @@ def user_info(stream, outputs: dict, m: int) -> dict:
 
 
 class PolicySink:
-    """Saves each finished chunk to a :class:`rmm_jax.persist.policy_store.PolicyStore`."""
+    """Saves each finished chunk to a :class:`rmm_jax.persist.policy_store.PolicyStore`: in
+    scopes with a shared part, that part first (a new shared version), then the chunk's
+    users as one version that records the shared version they were trained against."""
 
     def __init__(self, store, program: Program):
         self.store, self.program = store, program
 
     def chunk(self, event: ChunkDone) -> None:
         m = self.program.layout.m
-        self.store.save_batch([s.user_id for s in event.streams], event.states,
-                              [user_info(s, event.outputs, m) for s in event.streams])
-        if self.program.layout.scope.has_shared:
-            self.store.set_shared(event.shared.params, event.shared.opt_state, {"source": "online"})
+        shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
+        self.store.save([s.user_id for s in event.streams], event.states,
+                        [user_info(s, event.outputs, m) for s in event.streams], shared_version=shared_version)
+
+    def save_shared(self, event: ChunkDone) -> int:
+        return self.store.save_shared(event.shared, {"source": "online"})
 
 
 class LogSink:

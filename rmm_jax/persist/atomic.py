@@ -2,7 +2,9 @@
 
 Outputs are written into a temporary sibling and moved into place with ``os.replace``
 (atomic on POSIX within one filesystem). A crash, a kill or an exception leaves either
-the old output or the complete new one, never a mix.
+the old output or the complete new one, never a mix. The temporary names are hidden
+siblings (``.NAME.tmp-*``, and ``.NAME.old-*`` while a directory is replaced); what a
+killed process left of them is found by :func:`leftovers`.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+_MARKERS = (".tmp-", ".old-")
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,16 +32,41 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` whose new directories are durable: each one created is fsynced into its parent."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    make_dirs(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    fsync_dir(path.parent)
+
+
+def leftovers(parent: Path) -> list[Path]:
+    """Temporary siblings under ``parent`` that :func:`atomic_dir`/:func:`atomic_file` left
+    behind when their process was killed (remove them only while no writer can be running)."""
+    if not Path(parent).is_dir():
+        return []
+    return [p for p in Path(parent).iterdir() if p.name.startswith(".") and any(m in p.name for m in _MARKERS)]
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     """Yield a temporary directory that becomes ``target`` on success.
 
-    On an exception the temporary directory is removed and ``target`` is untouched.
-    With ``overwrite`` an existing ``target`` is replaced (old copy removed after the
-    new one is in place).
+    The caller fsyncs the files it writes; this fsyncs the directory, renames it into place
+    and fsyncs the parent, so the new name survives a power cut (missing parents are created
+    durably too). On an exception the temporary directory is removed and ``target`` is
+    untouched. With ``overwrite`` an existing ``target`` is replaced (old copy removed after
+    the new one is in place); without it an existing ``target`` raises FileExistsError
+    before any work and again just before the rename (callers that need the check to be
+    race-free hold a lock, as the policy store's writer does).
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)
     if target.exists() and not overwrite:
         raise FileExistsError(str(target))
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -45,6 +74,8 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
         yield tmp
         fsync_dir(tmp)
         if target.exists():
+            if not overwrite:
+                raise FileExistsError(str(target))
             old = target.parent / f".{target.name}.old-{os.getpid()}"
             os.replace(target, old)
             os.replace(tmp, target)

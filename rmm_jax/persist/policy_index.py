@@ -4,22 +4,27 @@
 lookup, and a save of U users changes O(U) rows in one transaction, however many users
 the store holds. It replaced ``index.json`` (one JSON object for all users, parsed by
 every load and rewritten by every save; :mod:`rmm_jax.persist.policy_store` still reads
-and migrates it). SQLite is the stdlib's transactional engine: no server, one file,
-crash-safe commits, many concurrent readers.
+and migrates it, :mod:`rmm_jax.persist.policy_format1`). SQLite is the stdlib's
+transactional engine: no server, one file, crash-safe commits, many concurrent readers.
 
-Schema (``kv['schema'] == 1``)::
+Schema (``kv['schema'] == 2``)::
 
-    kv(key TEXT PRIMARY KEY, value)                 'schema' -> 1, 'next_version' -> int
-    versions(version INTEGER PRIMARY KEY, saved_at)  every snapshot some user still keeps
+    kv(key TEXT PRIMARY KEY, value)                 'schema' -> 2, 'next_version' -> int
+    versions(version INTEGER PRIMARY KEY, saved_at, shared_version)
+                                                     every snapshot some user still keeps
     entries(user, version, chunk, row)               PRIMARY KEY (user, version), WITHOUT ROWID
       + INDEX entries_by_version(version)            (garbage collection, users of a save)
 
-``saved_at`` is per save, so it lives once in ``versions``, not in each entry.
-:meth:`PolicyIndex.commit_version` records one saved version in ONE transaction: the new
-entries, the trim of every saved user to its newest ``keep`` versions, and the versions
-that no entry references any more (returned, so the caller deletes their directories
-after the commit). The caller commits only after the snapshot directory is in place, so a
-kill leaves the index at the old state or the new one, never between.
+``saved_at`` and ``shared_version`` (the shared version the save's users were trained
+against; NULL if none was recorded) are per save, so they live once in ``versions``, not
+in each entry. The shared versions still referenced (:meth:`PolicyIndex.shared_refs`) are
+what the store may not prune. :meth:`PolicyIndex.commit_version` records one saved version
+in ONE transaction: the new entries, the trim of every saved user to its newest ``keep``
+versions, and the versions that no entry references any more (returned, so the caller
+deletes their directories after the commit). The caller commits only after the snapshot
+directory is in place, so a kill leaves the index at the old state or the new one, never
+between. Schema 1 (no ``shared_version``) is read as NULLs and upgraded in place by the
+first writer that opens it (one ``ALTER TABLE`` transaction).
 
 Concurrency: the store's one writer holds its flock (:mod:`rmm_jax.persist.lock`); the
 database uses SQLite's rollback journal (``journal_mode = DELETE``), so readers (opened
@@ -36,15 +41,16 @@ import contextlib
 import os
 import sqlite3
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from rmm_jax.errors import InputError
 
-SCHEMA = 1
+SCHEMA = 2
+READS_SCHEMAS = (1, 2)
 BUSY_TIMEOUT_S = 30.0
 _DDL = (
     "CREATE TABLE kv(key TEXT PRIMARY KEY, value) WITHOUT ROWID",
-    "CREATE TABLE versions(version INTEGER PRIMARY KEY, saved_at TEXT)",
+    "CREATE TABLE versions(version INTEGER PRIMARY KEY, saved_at TEXT, shared_version INTEGER)",
     "CREATE TABLE entries(user TEXT NOT NULL, version INTEGER NOT NULL, chunk INTEGER NOT NULL, "
     "row INTEGER NOT NULL, PRIMARY KEY (user, version)) WITHOUT ROWID",
     "CREATE INDEX entries_by_version ON entries(version)",
@@ -56,15 +62,27 @@ _BEYOND_KEEP = """
         FROM entries WHERE user IN (SELECT user FROM temp.touched))
     WHERE rn > :keep"""
 _BUSY = ("SQLITE_BUSY", "SQLITE_LOCKED")
+QUERY_USERS = 500  # users per IN (...) lookup, well under SQLite's bound-parameter limit
 
 
 class Entry(NamedTuple):
-    """One saved version of one user: snapshot ``version``, chunk number, row in the chunk."""
+    """One saved version of one user: snapshot ``version``, chunk number, row in the chunk,
+    when it was saved and the shared version it was trained against (None: not recorded)."""
 
     version: int
     chunk: int
     row: int
     saved_at: str | None
+    shared_version: int | None = None
+
+
+class Save(NamedTuple):
+    """One live saved version: when, against which shared version, how many users keep it."""
+
+    version: int
+    saved_at: str | None
+    shared_version: int | None
+    users: int
 
 
 class IndexUnavailable(Exception):
@@ -91,6 +109,7 @@ class PolicyIndex:
     def __init__(self, conn: sqlite3.Connection, where: str):
         self._conn = conn
         self.where = where
+        self._sv = "v.shared_version"    # "NULL" on a read-only schema-1 index (no such column)
 
     # ---- open / create / build
 
@@ -109,10 +128,17 @@ class PolicyIndex:
         idx = cls(conn, str(path))
         try:
             schema = idx._one("SELECT value FROM kv WHERE key = 'schema'")
-            if schema != SCHEMA:
-                raise IndexUnavailable(f"{path}: schema {schema!r}, expected {SCHEMA}")
+            if schema not in READS_SCHEMAS:
+                raise IndexUnavailable(f"{path}: schema {schema!r}, expected one of {READS_SCHEMAS}")
             if not readonly:
                 idx._run("PRAGMA synchronous = FULL")
+                if schema == 1:
+                    with idx._transaction():
+                        conn.execute("ALTER TABLE versions ADD COLUMN shared_version INTEGER")
+                        conn.execute("UPDATE kv SET value = ? WHERE key = 'schema'", (SCHEMA,))
+                    schema = SCHEMA
+            if schema == 1:
+                idx._sv = "NULL"
         except BaseException:
             idx.close()
             raise
@@ -140,10 +166,12 @@ class PolicyIndex:
         return idx
 
     @classmethod
-    def build(cls, path: str | os.PathLike | None, records: Iterable[tuple[str, int, int, int, str | None]],
+    def build(cls, path: str | os.PathLike | None,
+              records: Iterable[tuple[str, int, int, int, str | None, int | None]],
               *, keep: int, next_version: int = 1) -> "PolicyIndex":
-        """A new index holding ``records`` ``(user, version, chunk, row, saved_at)``, each
-        user trimmed to its newest ``keep`` versions; versions nobody keeps are left out.
+        """A new index holding ``records`` ``(user, version, chunk, row, saved_at,
+        shared_version)``, each user trimmed to its newest ``keep`` versions; versions nobody
+        keeps are left out (a version's saved_at and shared_version: its first record's).
         ``next_version`` is raised above the newest version seen. With a ``path`` the
         file is written beside it and renamed into place (old file and side files go)."""
         if path is None:
@@ -164,15 +192,15 @@ class PolicyIndex:
         c = idx._conn
         with idx._transaction():
             c.execute("CREATE TEMP TABLE IF NOT EXISTS touched(user TEXT PRIMARY KEY) WITHOUT ROWID")
-            saved: dict[int, str | None] = {}
+            saved: dict[int, tuple] = {}
 
             def rows():
-                for user, version, chunk, row, saved_at in records:
-                    saved.setdefault(int(version), saved_at)
+                for user, version, chunk, row, saved_at, shared in records:
+                    saved.setdefault(int(version), (saved_at, None if shared is None else int(shared)))
                     yield str(user), int(version), int(chunk), int(row)
 
             c.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", rows())
-            c.executemany("INSERT INTO versions VALUES (?, ?)", sorted(saved.items()))
+            c.executemany("INSERT INTO versions VALUES (?, ?, ?)", [(v, *x) for v, x in sorted(saved.items())])
             c.execute("INSERT INTO temp.touched SELECT DISTINCT user FROM entries")
             c.execute(f"DELETE FROM entries WHERE (user, version) IN ({_BEYOND_KEEP})", {"keep": keep})
             c.execute("DELETE FROM versions WHERE version NOT IN (SELECT version FROM entries)")
@@ -231,16 +259,28 @@ class PolicyIndex:
                 raise self._error(e) from None
             raise
 
-    def entries(self, user: str) -> list[Entry]:
-        """``user``'s entries, oldest first ([] if unknown)."""
-        return [Entry(*r) for r in self._all(
-            "SELECT e.version, e.chunk, e.row, v.saved_at FROM entries e JOIN versions v USING (version) "
-            "WHERE e.user = ? ORDER BY e.version", (user,))]
+    def _select(self) -> str:
+        return (f"SELECT e.user, e.version, e.chunk, e.row, v.saved_at, {self._sv} "
+                "FROM entries e JOIN versions v USING (version)")
+
+    def entries(self, users: Sequence[str]) -> dict[str, list[Entry]]:
+        """Each of ``users``' entries, oldest first ([] if unknown): one indexed query per
+        :data:`QUERY_USERS` users."""
+        if isinstance(users, str):
+            raise TypeError("entries() takes a sequence of user ids, not one string")
+        users = list(dict.fromkeys(users))
+        out: dict[str, list[Entry]] = {u: [] for u in users}
+        for lo in range(0, len(users), QUERY_USERS):
+            part = users[lo:lo + QUERY_USERS]
+            rows = self._all(f"{self._select()} WHERE e.user IN ({','.join('?' * len(part))}) "
+                             "ORDER BY e.user, e.version", part)
+            for r in rows:
+                out[r[0]].append(Entry(*r[1:]))
+        return out
 
     def all_entries(self) -> Iterator[tuple[str, Entry]]:
         """``(user, entry)`` for every entry, by user then version (streamed)."""
-        cur = self._run("SELECT e.user, e.version, e.chunk, e.row, v.saved_at FROM entries e "
-                        "JOIN versions v USING (version) ORDER BY e.user, e.version")
+        cur = self._run(f"{self._select()} ORDER BY e.user, e.version")
         try:
             for r in cur:
                 yield r[0], Entry(*r[1:])
@@ -261,6 +301,16 @@ class PolicyIndex:
         """Versions some user still keeps, ascending."""
         return [r[0] for r in self._all("SELECT version FROM versions ORDER BY version")]
 
+    def saves(self) -> list[Save]:
+        """Every live version with its saved_at, shared version and number of users, ascending."""
+        return [Save(*r) for r in self._all(
+            f"SELECT v.version, v.saved_at, {self._sv}, (SELECT COUNT(*) FROM entries e WHERE e.version = v.version) "
+            "FROM versions v ORDER BY v.version")]
+
+    def shared_refs(self) -> set[int]:
+        """The shared versions some live user version was trained against (never pruned)."""
+        return {r[0] for r in self._all(f"SELECT DISTINCT {self._sv} FROM versions v") if r[0] is not None}
+
     def version_users(self, version: int) -> int:
         """How many users keep ``version`` (an indexed count)."""
         return int(self._one("SELECT COUNT(*) FROM entries WHERE version = ?", (version,)))
@@ -271,16 +321,17 @@ class PolicyIndex:
     # ---- the one write
 
     def commit_version(self, version: int, saved_at: str, placed: Iterable[tuple[str, int, int]], *,
-                       keep: int) -> list[int]:
-        """Record saved ``version`` holding ``placed`` ``(user, chunk, row)`` in one
-        transaction: add the entries, keep each of these users' newest ``keep``, drop the
-        versions nobody keeps any more, set next_version. Returns the dropped versions."""
+                       keep: int, shared_version: int | None = None) -> list[int]:
+        """Record saved ``version`` holding ``placed`` ``(user, chunk, row)``, trained
+        against ``shared_version``, in one transaction: add the entries, keep each of these
+        users' newest ``keep``, drop the versions nobody keeps any more, set next_version.
+        Returns the dropped versions."""
         if version < self.next_version():
             raise ValueError(f"version {version} is below next_version {self.next_version()}")
         c = self._conn
         with self._transaction():
             c.execute("CREATE TEMP TABLE IF NOT EXISTS touched(user TEXT PRIMARY KEY) WITHOUT ROWID")
-            c.execute("INSERT INTO versions VALUES (?, ?)", (version, saved_at))
+            c.execute("INSERT INTO versions VALUES (?, ?, ?)", (version, saved_at, shared_version))
             c.executemany("INSERT INTO entries VALUES (?, ?, ?, ?)",
                           ((u, version, int(ch), int(r)) for u, ch, r in placed))
             c.execute("INSERT INTO temp.touched SELECT user FROM entries WHERE version = ?", (version,))

@@ -5,8 +5,9 @@ Layout (store format 2)::
 
     gens/v00000007/              one save call (a "version")
       c0000/                     one chunk: U users of one tree structure, rows 0..U-1
-        chunk.json               {format, version, chunk, saved_at, users: [U ids], info: [U dicts],
-                                  spec: {params|opt_state|learner_state: codec spec}, row_bytes, array_bytes}
+        chunk.json               {format, version, chunk, saved_at, shared_version, users: [U ids],
+                                  info: [U dicts], spec: {params|opt_state|learner_state: codec spec},
+                                  row_bytes, array_bytes}
         arrays.npz               uncompressed; member "<part>.<i:06d>" = leaf i of the part, shape (U, ...)
         CHECKSUMS.json           sha256 of chunk.json and arrays.npz, written last
       c0001/ ...
@@ -182,7 +183,9 @@ def verify_chunk(chunk_dir: Path) -> str | None:
     def select(files):
         return list(files) if CHUNK_FILE in files else f"checksums list no {CHUNK_FILE}"
 
-    return checksums.verify(chunk_dir, select, f"incomplete chunk {chunk_dir.name} (no checksum file)")
+    if not chunk_dir.is_dir():
+        return "missing"
+    return checksums.verify(chunk_dir, select, "incomplete (no checksum file)")
 
 
 def verify_snapshot(snap: Path, chunk: str | None = None) -> str | None:
@@ -195,7 +198,7 @@ def verify_snapshot(snap: Path, chunk: str | None = None) -> str | None:
                 return f"checksums list no files for {chunk or ROWS_FILE}"
             return wanted
 
-        return checksums.verify(snap, select, "incomplete version (no checksum file)")
+        return checksums.verify(snap, select, "incomplete (no checksum file)")
     if chunk is not None:
         return verify_chunk(snap / chunk)
     names = sorted(p.name for p in snap.iterdir() if p.is_dir()) if snap.is_dir() else []
@@ -246,13 +249,13 @@ def chunk_array_bytes(snap: Path, chunk: str) -> int:
 
 
 def snapshot_records(gens: Path):
-    """``(user, version, chunk number, row, saved_at)`` of every readable chunk of every
-    snapshot under ``gens`` (unverified): what an index rebuild starts from."""
+    """``(user, version, chunk number, row, saved_at, shared_version)`` of every readable
+    chunk of every snapshot under ``gens`` (unverified): what an index rebuild starts from."""
     for v, snap in snapshot_dirs(gens):
         if is_legacy(snap):
             try:
                 rows = json.loads((snap / ROWS_FILE).read_text())
-                chunks = [(name, c["users"], rows.get("saved_at")) for name, c in rows["chunks"].items()]
+                chunks = [(name, c["users"], rows.get("saved_at"), None) for name, c in rows["chunks"].items()]
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
         else:
@@ -260,14 +263,14 @@ def snapshot_records(gens: Path):
             for d in sorted(snap.iterdir()):
                 try:
                     meta = json.loads((d / CHUNK_FILE).read_text())
-                    chunks.append((d.name, meta["users"], meta.get("saved_at")))
+                    chunks.append((d.name, meta["users"], meta.get("saved_at"), meta.get("shared_version")))
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
-        for name, users, saved_at in chunks:
+        for name, users, saved_at, shared in chunks:
             if not (name.startswith("c") and name[1:].isdigit()):
                 continue
             for row, uid in enumerate(users):
-                yield uid, v, int(name[1:]), row, saved_at
+                yield uid, v, int(name[1:]), row, saved_at, shared
 
 
 # --------------------------------------------------------------------------- shared

@@ -1,0 +1,209 @@
+"""Reading policies back from a store's snapshots: which version loads, and the states
+(stacked over users) it holds.
+
+A user's version loads when its chunk verifies (:func:`rmm_jax.persist.policy_snapshot.read_chunk`)
+and, where versions are paired with the shared part (scopes ``shared`` and ``hybrid``), the
+shared version it was trained against is available too: the factors of a hybrid user only
+make sense with the shared weights they were fitted to, so a user version is never combined
+with another shared version. Each user gets the newest version that loads; every newer one
+is reported as a :class:`Skip` (``v4 is damaged (arrays.npz: sha256 mismatch)``, ``v5 needs
+shared v9, which is missing``). A version whose shared version was not recorded (stores
+written before pairing existed) loads with the newest good shared version.
+
+:func:`restore_users` reads many users at once, each needed chunk once: candidates are
+grouped by chunk, each chunk is verified and read, its rows are copied into one array per
+leaf with a leading users axis, and users whose chunk failed move on to their next older
+version in another round (a chunk is read again only if such a fallback needs it).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from rmm_jax.core.types import LearnerState, SharedState, UserState
+from rmm_jax.errors import InputError
+from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
+from rmm_jax.persist.policy_index import Entry
+from rmm_jax.persist.policy_snapshot import SHARED_PARTS, USER_PARTS, cname, read_chunk, read_shared, vname
+
+
+class Skip(NamedTuple):
+    """A newer version that did not load, and why: ``f"v{version} {reason}"`` reads as a
+    sentence (``reason`` starts with "is" or "needs")."""
+
+    version: int
+    reason: str
+
+
+class Saved(NamedTuple):
+    """One user's policy as restored: its state, the JSON info saved with it, the version
+    that loaded, the shared version it was trained against (None: scope ``user`` or not
+    recorded) and the newer versions skipped."""
+
+    state: UserState
+    info: dict
+    version: int
+    shared_version: int | None
+    skipped: tuple[Skip, ...] = ()
+
+
+class SavedBatch(NamedTuple):
+    """Users restored together. ``users`` are the requested users the store holds (request
+    order); ``state`` stacks theirs on a leading users axis (None when ``users`` is empty);
+    ``infos``, ``versions`` and ``shared_versions`` align with ``users``; ``missing`` lists
+    the requested users the store does not hold; ``skipped`` the newer versions skipped, for
+    the users where any were."""
+
+    users: list[str]
+    state: UserState | None
+    infos: list[dict]
+    versions: list[int]
+    shared_versions: list[int | None]
+    missing: list[str]
+    skipped: dict[str, tuple[Skip, ...]]
+
+
+class SavedShared(NamedTuple):
+    """The shared part as restored: params and optimiser state (None if none was saved),
+    its JSON info, its version and the newer shared versions skipped."""
+
+    state: SharedState
+    info: dict
+    version: int
+    skipped: tuple[Skip, ...] = ()
+
+
+class PolicyRestoreWarning(UserWarning):
+    """A newer version did not load and an older one was restored. The message is one line
+    (``STORE: user 'u7': restored v3, v4 is damaged (...)``); ``store``, ``who`` (a user id,
+    or None for the shared part), ``version`` and ``skipped`` let a CLI summarise many."""
+
+    def __init__(self, store: str, who: str | None, version: int, skipped: Sequence[Skip]):
+        self.store, self.who, self.version, self.skipped = store, who, version, tuple(skipped)
+        name = "shared" if who is None else f"user {who!r}"
+        super().__init__(f"{store}: {name}: restored v{version}, {skips_text(skipped)}")
+
+
+def skips_text(skipped: Sequence[Skip]) -> str:
+    """``v4 is damaged (...); v3 needs shared v2, which is missing``."""
+    return "; ".join(f"v{s.version} {s.reason}" for s in skipped)
+
+
+def problem(reason: str) -> str:
+    """What is wrong with a version, from a read failure's reason: ``missing`` or ``damaged (...)``."""
+    return "missing" if reason == "missing" else f"damaged ({reason})"
+
+
+class Restored(NamedTuple):
+    """What :func:`restore_users` found: per requested user (in order) the entry that loads
+    (None: none), the stacked state of the users that load, their infos, and the skips."""
+
+    picked: list[Entry | None]
+    state: UserState | None
+    infos: list[dict | None]
+    skipped: list[list[Skip]]
+
+
+def _canonical(meta: dict, leaves: dict, n: int) -> tuple[dict, dict]:
+    """A chunk's specs and leaves with a pre-:class:`LearnerState` learner state (a dict
+    ``{baseline, key, step}``) converted to a LearnerState, so old and new chunks stack."""
+    spec = meta["spec"]["learner_state"]
+    if not (spec["t"] == "dict" and spec["k"] == sorted(LearnerState._fields)):
+        return meta["spec"], leaves
+    ls = LearnerState(**decode_tree(spec, leaves["learner_state"]))
+    new_spec, new_leaves = encode_tree(ls, batch=n, where="learner_state")
+    return {**meta["spec"], "learner_state": new_spec}, {**leaves, "learner_state": new_leaves}
+
+
+def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entry]], *,
+                  shared_problem: Callable[[int], str | None] | None = None) -> Restored:
+    """Each of ``users``' newest version that loads, read from snapshot root ``gens``.
+
+    ``entries[user]`` are the candidates, oldest first (one, for an exact version).
+    ``shared_problem(v)`` says what is wrong with shared version ``v`` (None: it loads);
+    given it, a candidate trained against a shared version with a problem is skipped. All
+    users must hold one tree structure (an InputError otherwise).
+    """
+    n = len(users)
+    cands = {u: list(reversed(entries[u])) for u in users}
+    skipped: dict[str, list[Skip]] = {u: [] for u in users}
+    picked: dict[str, Entry] = {}
+    infos: list[dict | None] = [None] * n
+    pos = {u: i for i, u in enumerate(users)}
+    specs, out, first = None, None, None
+    bad_chunks: dict[tuple[int, int], str] = {}
+
+    def skip(u: str, reason: str) -> None:
+        skipped[u].append(Skip(cands[u].pop(0).version, reason))
+
+    pending = list(users)
+    while pending:
+        groups: dict[tuple[int, int], list[str]] = {}
+        for u in pending:
+            while cands[u]:
+                e = cands[u][0]
+                if (e.version, e.chunk) in bad_chunks:
+                    skip(u, bad_chunks[e.version, e.chunk])
+                elif shared_problem and e.shared_version is not None and (bad := shared_problem(e.shared_version)):
+                    skip(u, f"needs shared v{e.shared_version}, which is {bad}")
+                else:
+                    groups.setdefault((e.version, e.chunk), []).append(u)
+                    break
+        pending = []
+        for (v, c), group in sorted(groups.items()):
+            got = read_chunk(gens / vname(v), cname(c))
+            if not isinstance(got, str):
+                meta, leaves = got
+                try:
+                    chunk_specs, leaves = _canonical(meta, leaves, len(meta["users"]))
+                    holds = {u: meta["users"][cands[u][0].row] for u in group}
+                except Exception as ex:  # noqa: BLE001 - a chunk.json that disagrees with the index
+                    got = f"bad chunk ({type(ex).__name__}: {ex})"
+            if isinstance(got, str):
+                bad_chunks[v, c] = f"is {problem(got)}"
+                for u in group:
+                    skip(u, bad_chunks[v, c])
+                pending += group
+                continue
+            members = [u for u in group if holds[u] == u]
+            for u in group:
+                if holds[u] != u:          # the index and chunk.json disagree (a hand-edited store)
+                    skip(u, f"is damaged (row {cands[u][0].row} of c{c:04d} holds {holds[u]!r})")
+                    pending.append(u)
+            if not members:
+                continue
+            if specs is None:
+                specs, first = chunk_specs, (members[0], v)
+                out = {p: [np.empty((n, *s["shape"]), np.dtype(s["dtype"])) for s in leaf_specs(specs[p])]
+                       for p in USER_PARTS}
+            elif json.dumps(chunk_specs, sort_keys=True) != json.dumps(specs, sort_keys=True):
+                raise InputError(f"users {first[0]!r} (v{first[1]}) and {members[0]!r} (v{v}) hold policies of "
+                                 "different structures; load them separately", where=str(gens.parent))
+            at = np.array([pos[u] for u in members])
+            take = np.array([cands[u][0].row for u in members])
+            for p in USER_PARTS:
+                for dst, src in zip(out[p], leaves[p]):
+                    dst[at] = src[take]
+            for u in members:
+                picked[u] = cands[u][0]
+                infos[pos[u]] = dict(meta["info"][picked[u].row] or {})
+    state = None if specs is None else UserState(*(decode_tree(specs[p], out[p]) for p in USER_PARTS))
+    return Restored([picked.get(u) for u in users], state, infos, [skipped[u] for u in users])
+
+
+def restore_shared(snap: Path) -> tuple[SharedState, dict] | str:
+    """The shared state and info of shared snapshot ``snap``, or the reason it does not load."""
+    got = read_shared(snap)
+    if isinstance(got, str):
+        return got
+    meta, leaves = got
+    try:
+        state = SharedState(*(decode_tree(meta["spec"][p], leaves[p]) for p in SHARED_PARTS))
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any decode failure = bad version
+        return f"restore failed ({type(e).__name__}: {e})"
+    return state, dict(meta.get("info") or {})

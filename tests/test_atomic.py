@@ -1,0 +1,88 @@
+"""atomic_dir / atomic_file: the whole output or none, never an overwrite that was not asked
+for, and what a killed writer leaves is found by leftovers()."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rmm_jax.persist.atomic import atomic_dir, atomic_file, leftovers, make_dirs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "a" / "b" / "out"                 # parents are made
+    with atomic_dir(target) as tmp:
+        (tmp / "x").write_text("1")
+        assert not target.exists()
+    assert (target / "x").read_text() == "1" and leftovers(target.parent) == []
+    with pytest.raises(RuntimeError), atomic_dir(target) as tmp:   # a failure keeps the old one
+        (tmp / "x").write_text("2")
+        raise RuntimeError("boom")
+    assert (target / "x").read_text() == "1" and leftovers(target.parent) == []
+    with atomic_dir(target) as tmp:                       # overwrite (the default) replaces it
+        (tmp / "y").write_text("3")
+    assert sorted(p.name for p in target.iterdir()) == ["y"] and leftovers(target.parent) == []
+
+
+def test_atomic_dir_without_overwrite_never_replaces(tmp_path):
+    target = tmp_path / "v1"
+    target.mkdir()
+    (target / "keep").write_text("old")
+    ran = []
+    with pytest.raises(FileExistsError), atomic_dir(target, overwrite=False):
+        ran.append(1)                                     # refused before any work
+    assert ran == []
+    other = tmp_path / "v2"
+    with pytest.raises(FileExistsError), atomic_dir(other, overwrite=False) as tmp:
+        (tmp / "new").write_text("new")
+        other.mkdir()                                     # appears while we write
+        (other / "theirs").write_text("theirs")
+    assert sorted(p.name for p in other.iterdir()) == ["theirs"] and leftovers(tmp_path) == []
+    assert (target / "keep").read_text() == "old"
+
+
+def test_make_dirs_and_leftovers(tmp_path):
+    make_dirs(tmp_path / "p" / "q")
+    make_dirs(tmp_path / "p" / "q")                       # idempotent
+    assert (tmp_path / "p" / "q").is_dir()
+    for name in (".v00000002.tmp-abc", ".index.sqlite.tmp-12", ".x.old-7", ".lock", "v00000001", ".hidden"):
+        (tmp_path / name).mkdir()
+    assert sorted(p.name for p in leftovers(tmp_path)) == [".index.sqlite.tmp-12", ".v00000002.tmp-abc", ".x.old-7"]
+    assert leftovers(tmp_path / "nope") == []
+
+
+def test_atomic_file_keeps_the_old_content_on_failure(tmp_path):
+    f = tmp_path / "f.json"
+    with atomic_file(f) as out:
+        out.write("one")
+    with pytest.raises(RuntimeError), atomic_file(f) as out:
+        out.write("two")
+        raise RuntimeError("boom")
+    assert f.read_text() == "one" and leftovers(tmp_path) == []
+
+
+KILLED = textwrap.dedent('''
+    import importlib.util, os, signal, sys
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("atomic", sys.argv[2])   # not the whole package: fast
+    atomic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(atomic)
+    with atomic.atomic_dir(Path(sys.argv[1])) as tmp:
+        (tmp / "half").write_text("x")
+        os.kill(os.getpid(), signal.SIGKILL)
+''')
+
+
+def test_a_kill_inside_leaves_no_target_and_a_leftover_to_remove(tmp_path):
+    target = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", KILLED, str(target), str(ROOT / "rmm_jax" / "persist" / "atomic.py")],
+                       cwd=tmp_path, capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    assert not target.exists()
+    assert [p.name.startswith(".out.tmp-") for p in leftovers(tmp_path)] == [True]
