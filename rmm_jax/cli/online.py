@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import click
 import jax
@@ -12,13 +13,28 @@ from rmm_jax.cli.common import check_rank, config_dict, emit_json, progress_bar
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
+from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError
 from rmm_jax.online.driver import drive
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
-from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.online.starts import from_store
+from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
 
-INITS = ("identity", "pretrained")  # every user's starting policy: the base retriever, or the store's shared params
+INITS = ("continue", "identity", "pretrained")
+INIT_HELP = ("Where the run starts. continue (the default when --policies exists): every user the store holds "
+             "resumes from its latest good version (params, optimiser state, baseline, step, key), the shared "
+             "part from its latest, and new users start from the store's shared part. identity: everyone "
+             "starts from the base retriever; pretrained: from the store's pretrained shared params.")
+
+
+class Start(NamedTuple):
+    """Where a run starts: new users' policy ``params``; the shared part to continue from
+    (None: from ``params``); ``before``: users continue from their versions older than this
+    (None: nobody continues)."""
+    params: Any
+    shared: SharedState | None = None
+    before: int | None = None
 
 
 def stored_scope(path, scope: str | None, rank: int | None) -> tuple[str | None, int | None]:
@@ -37,57 +53,90 @@ def check_scope(ps, layout, path) -> None:
         raise InputError(f"policy store {path} {bad[1]}", where=bad[0])
 
 
-def open_or_create_policies(path, st, layout, init: str, seed: int, *, writer: bool = True):
-    """The policy store at ``path`` (created with identity shared params if absent) and the
-    starting params (``pretrained``: the store's shared params). In scopes ``shared`` and
-    ``hybrid`` these are the shared part, which online runs update after every users chunk,
-    so ``pretrained`` continues from the newest shared part. A process that is not the
-    writer (``jax.process_index() > 0``) gets ``(None, params)`` and creates nothing."""
+def resolve_init(path, init: str | None) -> str:
+    """``--init`` as given, else ``continue`` when the policy store exists, ``identity`` when not."""
+    return init or ("continue" if Path(path).exists() else "identity")
+
+
+def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, writer: bool = True):
+    """The policy store at ``path``, created (with the identity reranker as its shared part)
+    when absent; checked against the run's scope, kind and embedding model. A process that
+    is not the writer (``jax.process_index() > 0``) opens but never creates (None if absent)."""
     check_rank(layout, st.dim)
     p = Path(path)
-    identity = lambda: init_reranker(jax.random.key(seed), st.dim, layout.kind, layout.hidden)
-    if not writer:
-        if init == "identity":
-            return None, identity()
-        return None, PolicyStore.open(p, expect_dim=st.dim).shared_state().state.params
-    if p.exists():
-        ps = PolicyStore.open(p, expect_dim=st.dim)
-        made_for = (ps.meta.get("config") or {}).get("model")
-        if made_for and made_for != st.model:  # same dim, another embedding space
-            raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
+    if not p.exists():
+        if init in ("pretrained", "continue"):
+            raise InputError(f"does not exist; run `rmm-jax pretrain` first or use --init identity (--init {init})",
                              where=f"--policies {path}")
-    else:
-        if init == "pretrained":
-            raise InputError("does not exist; run `rmm-jax pretrain` first or use --init identity",
-                             where=f"--policies {path}")
+        if not writer:
+            return None
         meta = {"kind": layout.kind, "dim": st.dim, "hidden": layout.hidden, **layout.scope.meta(),
                 "config": {"pretrained": False, "model": st.model}}
-        ps = PolicyStore.create(p, meta, identity())
+        return PolicyStore.create(p, meta, identity_params(st, layout, seed),
+                                  **({"keep": keep} if keep is not None else {}))
+    ps = PolicyStore.open(p, expect_dim=st.dim, keep=keep)
+    made_for = (ps.meta.get("config") or {}).get("model")
+    if made_for and made_for != st.model:  # same dim, another embedding space
+        raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
+                         where=f"--policies {path}")
     check_scope(ps, layout, path)
     if ps.meta.get("kind") != layout.kind:
         raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{layout.kind}'", where="--kind")
+    if init == "pretrained" and not ps.meta.get("config", {}).get("pretrained"):
+        raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
+                         where=f"--policies {path}")
+    return ps
+
+
+def keep_option(f):
+    """``--keep N``: versions kept per user (and the shared versions those need)."""
+    return click.option("--keep", type=click.IntRange(min=1), default=None,
+                        show_default=f"the store's; {DEFAULT_KEEP} for a new store",
+                        help="Versions kept per user; a shared version stays while a kept user version needs it.")(f)
+
+
+def identity_params(st, layout, seed: int):
+    return init_reranker(jax.random.key(seed), st.dim, layout.kind, layout.hidden)
+
+
+def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
+    """The run's :class:`Start`. A resumed run starts where the interrupted one did (the
+    run-state's checkpoint holds it), whatever the store has gained since."""
+    ck = rs.restored if rs is not None else None
+    if ck is not None:
+        return Start(ck.trees["params"], None, ck.meta.get("before"))
+    if init == "identity":
+        return Start(identity_params(st, layout, seed))
+    saved = ps.shared_state()
     if init == "pretrained":
-        if not ps.meta.get("config", {}).get("pretrained"):
-            raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
-                             where=f"--policies {path}")
-        return ps, ps.shared_state().state.params
-    return ps, identity()
+        return Start(saved.state.params)
+    shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
+    return Start(saved.state.params, shared, ps.next_version())
 
 
-def run_and_save(chunks, n_users: int, program, params, ps, rs, *, seed: int, users_per_chunk: int,
-                 checkpoint_every: int, log=None, desc: str, mesh=None):
-    """Drive ``chunks`` through ``program`` and keep what each event carries: policies to
-    ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs to the
-    run-state ``rs`` (:mod:`rmm_jax.online.sinks`); a progress bar on stderr. After a
+def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
+                 checkpoint_every: int, log=None, desc: str, mesh=None, writer: bool = True):
+    """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
+    policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
+    to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`); a progress bar on stderr. With
+    ``start.before``, users the store holds continue from their saved versions. After a
     checkpoint that follows SIGINT/SIGTERM the run stops. Under ``jax.distributed`` every
-    process runs this loop and only process 0 (``ps`` and ``rs`` given) writes. Returns
+    process runs this loop (reading ``ps``) and only the writer, process 0, writes. Returns
     the :class:`rmm_jax.online.run.OnlineResult` (summaries only)."""
+    if start.before is not None:
+        chunks = from_store(chunks, ps, before=start.before)
+    ps = ps if writer else None
+    checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before}) if rs is not None else None
     sinks = ([PolicySink(ps, program)] if ps is not None else []) \
         + ([LogSink(log)] if log is not None and ps is not None else []) \
-        + ([RunStateSink(rs)] if rs is not None else [])
+        + ([checkpoints] if checkpoints is not None else [])
     recorder = Recorder(program.layout.m, sinks=sinks)
-    events = drive(chunks, program, params, seed=seed, users_per_chunk=users_per_chunk,
-                   segment_batches=checkpoint_every or None, resume=resume_point(rs), mesh=mesh)
+    resume = resume_point(rs)
+    shared = start.shared
+    if checkpoints is not None and resume is None:   # the start, before anything is written to the store
+        resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
+    events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
+                   segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
     with ps.writer() if ps is not None else contextlib.nullcontext(), StopSignals() as stop, \
             progress_bar(n_users, desc) as bar:
         for event in events:

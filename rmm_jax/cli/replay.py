@@ -19,11 +19,15 @@ from rmm_jax.cli.common import (
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
+    INIT_HELP,
     INITS,
     check_scope,
+    keep_option,
     online_options,
-    open_or_create_policies,
+    open_policies,
+    plan_start,
     report,
+    resolve_init,
     run_and_save,
     stored_scope,
 )
@@ -31,7 +35,6 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.streams import known_ids, log_chunks, scan_log
-from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
 
@@ -40,8 +43,10 @@ from rmm_jax.persist.runstate import file_digest
 @click.argument("store", type=click.Path())
 @click.option("--log", "log_path", required=True, type=click.Path(), help="Citation log (JSONL; schema in README).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store (created if absent).")
-@click.option("--init", "init", type=click.Choice(INITS), default="identity",
-              help="Every user's starting policy.")
+@click.option("--init", "init", type=click.Choice(INITS), default=None,
+              show_default="continue if --policies exists, else identity",
+              help=INIT_HELP)
+@keep_option
 @config_options
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
@@ -50,7 +55,7 @@ from rmm_jax.persist.runstate import file_digest
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, clip, skip_invalid, users, users_per_chunk, checkpoint_every, resume,
+def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, users_per_chunk, checkpoint_every, resume,
            as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
@@ -72,6 +77,7 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users, users_per
                          "record; replay with --preset default", where="--preset")
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    init = resolve_init(policies, init)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     st = open_store(store)
@@ -82,18 +88,18 @@ def replay(store, log_path, policies, init, clip, skip_invalid, users, users_per
     # bad one; pass 2 streams it users_per_chunk users at a time.
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
     grouped, n_users = rep.pop("grouped"), rep.pop("users")
-    ps, params = open_or_create_policies(policies, st, setting.layout, init, opts["seed"], writer=writer)
+    ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
                         skip_invalid=skip_invalid, users=users)
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
-    inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "initial params": tree_digest(params),
-              "config": config_dict(setting)}
+    inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
                                    inputs=inputs) as rs:
-        result = run_and_save(chunks, n_users, make_run(*setting), params, ps, rs, seed=opts["seed"],
+        start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+        result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                               users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                              desc="replay", mesh=mesh)
+                              desc="replay", mesh=mesh, writer=writer)
         if rs is not None:
             rs.finish()
     if rep.get("skipped"):

@@ -19,7 +19,18 @@ from rmm_jax.cli.common import (
     users_option,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.online import INITS, online_options, open_or_create_policies, report, run_and_save, stored_scope
+from rmm_jax.cli.online import (
+    INIT_HELP,
+    INITS,
+    keep_option,
+    online_options,
+    open_policies,
+    plan_start,
+    report,
+    resolve_init,
+    run_and_save,
+    stored_scope,
+)
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
@@ -28,7 +39,6 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
 from rmm_jax.online.streams import store_chunks
-from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.runstate import file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
@@ -51,8 +61,10 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @cli.command()
 @click.argument("store", type=click.Path())
 @click.option("--policies", required=True, type=click.Path(), help="Policy store (created if absent).")
-@click.option("--init", "init", type=click.Choice(INITS), default="identity",
-              help="Every user's starting policy: the store's pretrained shared params, or the base retriever.")
+@click.option("--init", "init", type=click.Choice(INITS), default=None,
+              show_default="continue if --policies exists, else identity",
+              help=INIT_HELP)
+@keep_option
 @config_options
 @click.option("--citations", type=click.Choice(CITATION_MODELS), default="oracle", show_default=True,
               help="Simulated generator: oracle cites gold memories at the paper's per-class judge rates "
@@ -74,8 +86,8 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def simulate(store, policies, init, citations, precision, cite_recall, users, query_range, users_per_chunk, log_out,
-             checkpoint_every, resume, as_json, **opts):
+def simulate(store, policies, init, keep, citations, precision, cite_recall, users, query_range, users_per_chunk,
+             log_out, checkpoint_every, resume, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
@@ -106,6 +118,7 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, qu
                          where="--citations")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
+    init = resolve_init(policies, init)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     if overridden:
@@ -117,20 +130,21 @@ def simulate(store, policies, init, citations, precision, cite_recall, users, qu
     st = open_store(store)
     n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk, answers=citations == "answer",
                                    queries=parse_range(query_range))
-    ps, params = open_or_create_policies(policies, st, setting.layout, init, opts["seed"], writer=writer)
+    ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
                                       "--users": users, "--queries": query_range, "--log-out": log_out,
                                       "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
-    inputs = {"STORE": file_digest(store), "initial params": tree_digest(params), "config": config_dict(setting)}
+    inputs = {"STORE": file_digest(store), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
                                    inputs=inputs) as rs:
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
-            result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), params, ps, rs,
-                                  seed=opts["seed"], users_per_chunk=users_per_chunk,
+            start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+            result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
+                                  seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
         if rs is not None:
             rs.finish()

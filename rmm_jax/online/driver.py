@@ -28,11 +28,21 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rmm_jax.core.types import SharedState, UserState
+from rmm_jax.errors import InputError
 from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
 from rmm_jax.online.sharding import replicate, shard_users
 from rmm_jax.online.streams import Stream, user_key
 
 OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")  # per-query outputs kept per user
+
+
+class Chunk(NamedTuple):
+    """A chunk of streams whose users may continue from saved states (a policy store's):
+    stream i starts from row i of ``users`` where ``known[i]``, and afresh otherwise. A
+    plain sequence of streams is a chunk where every user starts afresh."""
+    streams: list[Stream]
+    users: UserState | None = None     # stacked over the streams (host arrays); rows of unknown users unused
+    known: np.ndarray | None = None    # (len(streams),) bool
 
 
 class Resume(NamedTuple):
@@ -79,7 +89,7 @@ class ChunkSkipped(NamedTuple):
 Event = SegmentDone | ChunkDone | ChunkSkipped
 
 
-def drive(chunks: Iterable[Sequence[Stream]], program: Program, params, *, seed: int = 0,
+def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, *, seed: int = 0,
           users_per_chunk: int = 8, segment_batches: int | None = None, resume: Resume | None = None,
           mesh=None, shared: SharedState | None = None) -> Iterator[Event]:
     """Run ``program`` (:func:`rmm_jax.online.loop.make_run`) over ``chunks``, each at
@@ -87,7 +97,8 @@ def drive(chunks: Iterable[Sequence[Stream]], program: Program, params, *, seed:
 
     Streams that carry logged selections are replayed (the program must be built
     without a citation function). Every user starts from ``params`` with a fresh
-    optimiser and ``user_key(seed, user_id)`` (``program.init``). The shared part (scopes
+    optimiser and ``user_key(seed, user_id)`` (``program.init``), except the users a
+    :class:`Chunk` carries saved states for, which continue from them. The shared part (scopes
     ``shared``/``hybrid``) starts from ``params``, or from ``shared`` when given, and is
     carried from chunk to chunk in order: with ``users_per_chunk=1`` each user sees only
     the updates of the users before it. Each chunk runs as equal segments of at most
@@ -111,7 +122,8 @@ def drive(chunks: Iterable[Sequence[Stream]], program: Program, params, *, seed:
     pipelined = jax.process_count() == 1
     group = 0 if mesh is not None else None        # cache groups split the users axis that a mesh shards
     pending = None                                 # a chunk whose last segment is dispatched, not yet fetched
-    for ci, streams in enumerate(c for c in map(list, chunks) if c):
+    for ci, chunk in enumerate(c for c in map(_as_chunk, chunks) if c.streams):
+        streams = chunk.streams
         if len(streams) > users_per_chunk:
             raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
         if resume is not None and ci < resume.chunks_done:
@@ -125,7 +137,8 @@ def drive(chunks: Iterable[Sequence[Stream]], program: Program, params, *, seed:
             states, parts, first = resume.states, [resume.outputs], resume.segments_done
         else:
             ids = [s.user_id for s in streams] + [f"<pad{i}>" for i in range(users_per_chunk - len(streams))]
-            states = program.init(params, jnp.stack([user_key(seed, u) for u in ids]), carried)
+            keys = jnp.stack([user_key(seed, u) for u in ids])
+            states = program.init(params, keys, carried, *_padded_start(chunk, program, params, keys, carried))
         if mesh is not None:
             data = shard_users(data, mesh)
         for s in range(first, n_seg):
@@ -148,6 +161,26 @@ def drive(chunks: Iterable[Sequence[Stream]], program: Program, params, *, seed:
             pending = None
     if pending is not None:
         yield _chunk_done(*pending)
+
+
+def _as_chunk(c) -> Chunk:
+    return c if isinstance(c, Chunk) else Chunk(list(c))
+
+
+def _padded_start(chunk: Chunk, program: Program, params, keys, shared) -> tuple:
+    """``(users, known)`` for ``program.init``, padded to the chunk size; ``()`` when every
+    user starts afresh. Saved states that do not fit the program (another kind, rank,
+    optimiser or embedding size) are refused in one line."""
+    if chunk.users is None or not np.any(chunk.known):
+        return ()
+    want = jax.eval_shape(program.init, params, keys, shared).users
+    shape = lambda t: jax.tree.map(lambda x: x.shape[1:], t)
+    if jax.tree.structure(chunk.users) != jax.tree.structure(want) or shape(chunk.users) != shape(want):
+        raise InputError("the saved policies do not fit this run (another --kind, --rank, optimiser or "
+                         "embedding size than the one they were trained with?)", where="--policies")
+    n, pad = len(chunk.streams), keys.shape[0] - len(chunk.streams)
+    users = jax.tree.map(lambda x: np.concatenate([x, np.repeat(x[:1], pad, axis=0)]), chunk.users)
+    return users, np.concatenate([np.asarray(chunk.known, bool)[:n], np.zeros(pad, bool)])
 
 
 def _chunk_done(ci: int, streams: list, states: LoopState, parts: list) -> ChunkDone:

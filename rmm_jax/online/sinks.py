@@ -58,10 +58,21 @@ class LogSink:
 
 
 class RunStateSink:
-    """Checkpoints to a :class:`rmm_jax.persist.runstate.RunState` and restores skipped chunks."""
+    """Checkpoints to a :class:`rmm_jax.persist.runstate.RunState` and restores skipped chunks.
 
-    def __init__(self, runstate):
-        self.rs = runstate
+    Every checkpoint also holds ``trees`` and ``meta`` the caller gives once (where the run
+    started: new users' params, which store versions users continue from), so a resumed run
+    starts where the interrupted one did."""
+
+    def __init__(self, runstate, trees: dict | None = None, meta: dict | None = None):
+        self.rs, self.trees, self.meta = runstate, dict(trees or {}), dict(meta or {})
+
+    def begin(self, shared) -> Resume:
+        """A checkpoint of the start (no chunk done, the shared part ``shared``), written before
+        the run writes anything else; returns it as the :class:`Resume` to drive from."""
+        resume = Resume(0, shared=shared)
+        self._checkpoint(resume)
+        return resume
 
     def segment(self, event: SegmentDone) -> None:
         self._checkpoint(event.resume())
@@ -74,8 +85,8 @@ class RunStateSink:
         return self.rs.load_done(event.chunk)
 
     def _checkpoint(self, resume: Resume) -> None:
-        self.rs.save({"chunks_done": resume.chunks_done, "segments_done": resume.segments_done},
-                     {"states": resume.states, "outputs": resume.outputs, "shared": resume.shared})
+        self.rs.save({"chunks_done": resume.chunks_done, "segments_done": resume.segments_done, **self.meta},
+                     {"states": resume.states, "outputs": resume.outputs, "shared": resume.shared, **self.trees})
 
 
 def resume_point(runstate) -> Resume | None:

@@ -657,15 +657,24 @@ class PolicyStore:
         one = jax.tree_util.tree_map(lambda a: a[0], b.state)
         return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()))
 
-    def load_batch(self, user_ids: Sequence[str]) -> SavedBatch:
+    def load_batch(self, user_ids: Sequence[str], *, before: int | None = None) -> SavedBatch:
         """Restore every stored one of ``user_ids`` (newest version that loads, as
         :meth:`load`), stacked on a leading users axis; the others are listed in
         ``missing``. Each chunk is verified and read once (again only for a fallback).
         This is how a run continues from a store: ``users`` resume from ``state``, trained
-        against ``shared_versions``; ``missing`` users start afresh."""
-        return self._load(user_ids, None, missing_ok=True)
+        against ``shared_versions``; ``missing`` users start afresh. ``before``: only
+        versions older than it (:meth:`next_version` when the run began), so a resumed run
+        starts every user where the interrupted one did, whatever it saved since; a user
+        whose every such version was pruned is an error."""
+        return self._load(user_ids, None, missing_ok=True, before=before)
 
-    def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool) -> SavedBatch:
+    def next_version(self) -> int:
+        """The version number the next :meth:`save` will take (every saved one is below it)."""
+        existing = snapshot_dirs(self.path / "gens")
+        return max(self._query(lambda idx: idx.next_version()), (existing[-1][0] + 1) if existing else 1)
+
+    def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool,
+              before: int | None = None) -> SavedBatch:
         if isinstance(user_ids, str):
             raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="users")
         ids = list(user_ids)
@@ -674,6 +683,14 @@ class PolicyStore:
 
         def candidates():
             entries = self._query(lambda idx: idx.entries(ids))
+            if before is not None:
+                for u in ids:
+                    older = [e for e in entries[u] if e.version < before]
+                    if entries[u] and not older:
+                        raise InputError(f"user {u!r} keeps no version older than v{before} (has "
+                                         f"{[e.version for e in entries[u]]}; pruned by keep={self.keep})",
+                                         where=str(self.path))
+                    entries[u] = older
             if version is not None:
                 for u in ids:
                     if entries[u] and not any(e.version == version for e in entries[u]):

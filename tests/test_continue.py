@@ -1,0 +1,129 @@
+"""Policies that live on: a run over a store that holds policies continues from them.
+
+Replaying the first half of a log and then the second half gives, bit for bit, the policies
+of replaying the whole log once, in every scope (users split at a batch boundary; with a
+shared part, the halves split at a users chunk so that the order of updates is the same);
+two simulate runs over disjoint query ranges equal one run over both; new users start from
+the store's shared part; --init identity starts over; --keep bounds the versions kept; a
+store trained with another optimiser is refused in one line.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_fake_store, run_cli
+
+from rmm_jax.persist.policy_store import PolicyStore
+
+SIM = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_fake_store(tmp_path_factory.mktemp("continue") / "store", users=4, sessions=6, dim=16)
+
+
+def states(path) -> dict:
+    """Every user's saved state as flat arrays, and the shared part's."""
+    ps = PolicyStore.open(path)
+    got = ps.load_batch(ps.users())
+    out = {u: [np.asarray(x[i]) for x in jax.tree.leaves(got.state)] for i, u in enumerate(got.users)}
+    out["<shared>"] = [np.asarray(x) for x in jax.tree.leaves(ps.shared_state().state)]
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert len(a[k]) == len(b[k]) and all(np.array_equal(x, y) for x, y in zip(a[k], b[k])), k
+
+
+def write(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="module")
+def logged(store, tmp_path_factory):
+    """A simulated log of every user (user scope), read back as records in log order."""
+    tmp = tmp_path_factory.mktemp("log")
+    code, _, err = run_cli_plain("simulate", store, "--policies", tmp / "p", "--log-out", tmp / "log.jsonl", *SIM)
+    assert code == 0, err
+    return [json.loads(line) for line in (tmp / "log.jsonl").read_text().splitlines()]
+
+
+def run_cli_plain(*args):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "rmm_jax.cli.main", *map(str, args)], capture_output=True, text=True)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("scope", ["user", "shared", "hybrid"])
+def test_replaying_half_then_half_equals_replaying_the_whole_log(capsys, tmp_path, store, logged, scope):
+    users = list(dict.fromkeys(r["user_id"] for r in logged))
+    if scope == "user":     # each user's first two batches, then the rest
+        seen: dict = {}
+        first = []
+        for r in logged:
+            seen[r["user_id"]] = seen.get(r["user_id"], 0) + 1
+            first.append(seen[r["user_id"]] <= 8)
+    else:                   # the first users chunk, then the second: the same order of updates
+        first = [r["user_id"] in users[:2] for r in logged]
+    write(tmp_path / "a.jsonl", [r for r, f in zip(logged, first) if f])
+    write(tmp_path / "b.jsonl", [r for r, f in zip(logged, first) if not f])
+    write(tmp_path / "all.jsonl", logged)
+    extra = ["--scope", scope, "--rank", "2"]
+    for log, pol in (("a", "halves"), ("b", "halves"), ("all", "whole")):
+        code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / f"{log}.jsonl", "--policies",
+                               tmp_path / pol, *SIM, *extra)
+        assert code == 0, err
+    assert_same(states(tmp_path / "halves"), states(tmp_path / "whole"))
+    # the second half did continue: starting over from identity gives other policies
+    code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / "b.jsonl", "--policies", tmp_path / "halves",
+                           "--init", "identity", *SIM, *extra)
+    assert code == 0, err
+    with pytest.raises(AssertionError):
+        assert_same(states(tmp_path / "halves"), states(tmp_path / "whole"))
+
+
+def test_simulating_two_query_ranges_equals_one_run(capsys, tmp_path, store):
+    for rng, pol in (("0:12", "two"), ("12:", "two"), (None, "one")):
+        code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / pol, *SIM,
+                               *(["--queries", rng] if rng else []))
+        assert code == 0, err
+    assert_same(states(tmp_path / "two"), states(tmp_path / "one"))
+    two = PolicyStore.open(tmp_path / "two")
+    assert all(len(two.entries(u)) == 2 for u in two.users())          # each user saved once per run
+
+
+def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, tmp_path, store):
+    ps_path = tmp_path / "p"
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, "--users", "user0,user1", *SIM,
+                           "--scope", "shared", "--keep", "1")
+    assert code == 0, err
+    shared_after_first = states(ps_path)["<shared>"]
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", ps_path, "--users", "user2", *SIM, "--json")
+    assert code == 0, err
+    assert json.loads(out)["init"] == "continue" and json.loads(out)["config"]["layout"]["scope"] == "shared"
+    # user2 was new: its first queries were scored with the shared part the first run left
+    code, out2, _ = run_cli(capsys, "simulate", store, "--policies", tmp_path / "fresh", "--users", "user2", *SIM,
+                            "--scope", "shared", "--json")
+    assert json.loads(out)["online"]["per_user"]["user2"] != json.loads(out2)["online"]["per_user"]["user2"]
+    assert not all(np.array_equal(a, b) for a, b in zip(shared_after_first, states(ps_path)["<shared>"]))
+    ps = PolicyStore.open(ps_path)
+    assert all(len(ps.entries(u)) == 1 for u in ps.users())          # --keep 1
+
+
+def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, tmp_path, store):
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM)
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper")
+    assert code == 2 and err.strip().count("\n") == 0 and "--policies" in err and "optimiser" in err, err
+
+
+def test_continue_needs_a_store(capsys, tmp_path, store):
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "none", *SIM, "--init", "continue")
+    assert code == 2 and "does not exist" in err and not (tmp_path / "none").exists(), err
