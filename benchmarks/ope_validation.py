@@ -38,7 +38,10 @@ only (no code of :mod:`rmm_jax.online.ope`, which the estimators use):
 
 Per scenario, metric and estimator over the seeds: bias (mean of estimate − truth) with
 its 95% interval over seeds, RMSE, coverage of the bootstrap 95% interval (with a Wilson
-95% interval for the coverage itself), mean interval width and mean ESS.
+95% interval for the coverage itself), mean interval width and mean ESS. A seed whose
+estimate ``evaluate`` reports as unreliable (no value; see "Reliability" in
+:mod:`rmm_jax.online.ope`) is left out of that row and counted as ``withheld``, with its
+reasons.
 
 **Checks of the library against the enumeration** (no estimator rows; the ``direct``
 Recall row of ``evaluate`` is not an estimate: it has no sampling error, and compared
@@ -164,33 +167,35 @@ def on_policy_mc(act_and_cite, arrays, m: int, replicates: int, seed: int) -> di
 
 # --------------------------------------------------------------------------- the online loop (one place)
 class Loop(NamedTuple):
-    cfg: object                 # the Config that evaluate_log reads K, M and τ from
     act_and_cite: Callable      # (scores, mask, gold, valid, key) -> (selected, cited, log_prob), jitted
     learner_log: Callable       # (streams, seed) -> the records ``simulate --log-out`` writes
 
 
 def online_loop(k: int, m: int, tau: float, precision: float, recall: float) -> Loop:
-    """Every call of this benchmark into the online loop's API (``Config``,
-    ``simulated_batch``, ``run_online``), in one place."""
-    from rmm_jax.core.update import Config, simulated_batch
+    """Every call of this benchmark into the online loop's API (``preset``,
+    ``simulated_batch``, ``make_run``, ``run_online``), in one place: the default setting
+    at K, M and τ, citations from the precision/recall oracle."""
+    from rmm_jax.core.config import preset
+    from rmm_jax.core.update import simulated_batch
+    from rmm_jax.online.loop import make_run
     from rmm_jax.online.run import precision_recall_oracle, run_online
 
-    cfg = Config(k=k, m=m, tau=tau)
+    setting = preset("default", k=k, m=m, tau=tau)
     cite = precision_recall_oracle(precision, recall)
+    program = make_run(*setting, cite_fn=cite)
 
     @jax.jit
     def act_and_cite(scores, mask, gold, valid, key):
         n, kk = scores.shape
         qb = QueryBatch(q=jnp.zeros((n, 1)), m=jnp.zeros((n, kk, 1)), mask=mask, valid=valid, gold=gold)
-        b = simulated_batch(cfg, cite, scores, qb, key)
+        b = simulated_batch(setting.estimator, m, cite, scores, qb, key)
         return b.selected, b.cited, b.logged_log_prob
 
     def learner_log(streams, seed):
         p0 = init_reranker(jax.random.key(seed), streams[0].bank.shape[1])
-        res = run_online(streams, p0, cfg, cite_fn=cite, seed=seed, want_log=True, users_per_chunk=len(streams))
-        return res.records
+        return run_online(streams, program, p0, seed=seed, want_log=True, users_per_chunk=len(streams)).records
 
-    return Loop(cfg, act_and_cite, learner_log)
+    return Loop(act_and_cite, learner_log)
 
 
 # --------------------------------------------------------------------------- logs
@@ -211,12 +216,12 @@ def call_arrays(streams, params):
     return {**out, "user": user, "query": query}
 
 
-def fixed_log(loop: Loop, arrays, memory_ids, seed, path):
+def fixed_log(loop: Loop, arrays, memory_ids, tau, seed, path):
     """One log of the base-retriever policy (identity reranker at τ), with its logits."""
     out = loop.act_and_cite(*(jnp.asarray(arrays[x]) for x in ("scores", "mask", "gold", "valid")),
                             jax.random.key(seed))
     sel, cited, lp = (np.asarray(x) for x in out)
-    logits = arrays["scores"] / np.float32(loop.cfg.tau)
+    logits = arrays["scores"] / np.float32(tau)
     records = []
     for i in range(len(sel)):
         ids = memory_ids[arrays["user"][i]]
@@ -237,22 +242,31 @@ def wilson(hits: int, n: int, z: float = 1.96) -> list[float]:
 
 
 def summarise(runs: list[dict], truth: dict) -> dict:
-    """Per metric and estimator, over the seeds: bias (± its 95% interval), RMSE, coverage
-    of the 95% interval (± Wilson), mean width and mean ESS, all against ``truth``."""
+    """Per metric and estimator, over the seeds whose estimate ``evaluate`` reported as
+    reliable: bias (± its 95% interval), RMSE, coverage of the 95% interval (± Wilson),
+    mean width and mean ESS, all against ``truth``; ``withheld``: the seeds it reported
+    as unreliable (no value), with their reasons."""
     out = {}
     for metric in METRICS:
         per, t = {}, truth[metric]
         for name in (n for n in runs[0]["estimates"][metric] if n not in ("logged", "direct")):
-            rows = [r["estimates"][metric][name] for r in runs]
-            est = np.array([x["value"] for x in rows])
-            lo, hi = np.array([x["ci95"][0] for x in rows]), np.array([x["ci95"][1] for x in rows])
-            err, hits, s = est - t, int(((lo <= t) & (t <= hi)).sum()), len(rows)
-            half = 1.96 * err.std(ddof=1) / np.sqrt(s) if s > 1 else float("nan")
-            per[name] = {"truth": "enumeration", "mean": float(est.mean()), "bias": float(err.mean()),
-                         "bias_ci95": [float(err.mean() - half), float(err.mean() + half)],
-                         "rmse": float(np.sqrt((err ** 2).mean())), "coverage": hits / s,
-                         "coverage_ci95": wilson(hits, s), "mean_width": float((hi - lo).mean()),
-                         **({"mean_ess": float(np.mean([x["ess"] for x in rows]))} if "ess" in rows[0] else {})}
+            every = [r["estimates"][metric][name] for r in runs]
+            rows = [x for x in every if x["value"] is not None]
+            withheld = sorted({x.get("reason", "") for x in every if x["value"] is None})
+            row = {"truth": "enumeration", "seeds": len(rows), "withheld": len(every) - len(rows),
+                   **({"withheld_reasons": withheld} if withheld else {})}
+            if rows:
+                est = np.array([x["value"] for x in rows])
+                lo, hi = np.array([x["ci95"][0] for x in rows]), np.array([x["ci95"][1] for x in rows])
+                err, hits, s = est - t, int(((lo <= t) & (t <= hi)).sum()), len(rows)
+                half = 1.96 * err.std(ddof=1) / np.sqrt(s) if s > 1 else float("nan")
+                row.update({"mean": float(est.mean()), "bias": float(err.mean()),
+                            "bias_ci95": [float(err.mean() - half), float(err.mean() + half)],
+                            "rmse": float(np.sqrt((err ** 2).mean())), "coverage": hits / s,
+                            "coverage_ci95": wilson(hits, s), "mean_width": float((hi - lo).mean())})
+                if all(x.get("ess") is not None for x in rows):
+                    row["mean_ess"] = float(np.mean([x["ess"] for x in rows]))
+            per[name] = row
         per["logged"] = {"mean": float(np.mean([r["estimates"][metric]["logged"]["value"] for r in runs]))}
         out[metric] = per
     return out
@@ -261,7 +275,9 @@ def summarise(runs: list[dict], truth: dict) -> dict:
 def per_seed(runs: list[dict]) -> dict:
     """Every seed's estimate and 95% interval, as columns: ``{metric: {estimator: {value,
     lo, hi}}}``, rounded to 6 decimals (the coverage can be recomputed from them)."""
-    cols = lambda metric, name, f: [round(f(r["estimates"][metric][name]), 6) for r in runs]
+    def cols(metric, name, pick):   # None: reported unreliable, no value
+        return [None if r["estimates"][metric][name]["value"] is None else round(pick(r["estimates"][metric][name]), 6)
+                for r in runs]
     return {metric: {name: {"value": cols(metric, name, lambda e: e["value"]),
                             "lo": cols(metric, name, lambda e: e["ci95"][0]),
                             "hi": cols(metric, name, lambda e: e["ci95"][1])}
@@ -277,8 +293,11 @@ def targets(scenarios: dict) -> list[dict]:
         for metric in ("cited", "recall"):
             row = scenarios.get(sc, {}).get("summary", {}).get(metric, {}).get(est)
             if row is not None:
-                out.append({"name": f"{sc} {est} {metric}: coverage of the 95% interval", "value": row["coverage"],
-                            "target": f">= {COVERAGE_TARGET}", "pass": row["coverage"] >= COVERAGE_TARGET})
+                cov = row.get("coverage")       # None: every seed reported unreliable
+                out.append({"name": f"{sc} {est} {metric}: coverage of the 95% interval "
+                                    f"({row['seeds']} reliable seeds of {row['seeds'] + row['withheld']})",
+                            "value": cov, "target": f">= {COVERAGE_TARGET}",
+                            "pass": cov is not None and cov >= COVERAGE_TARGET})
     return out
 
 
@@ -293,8 +312,8 @@ def plot(scenarios: dict, truth: dict, path: Path) -> None:
             for sc in sorted(scenarios, key=lambda x: x != "fixed")}
     cols = max(len(v) for v in rows.values())
     fig, axes = plt.subplots(len(rows), cols, figsize=(2.8 * cols, 3.0 * len(rows)), sharey=True, squeeze=False)
-    ends = np.concatenate([scenarios[sc]["per_seed"]["cited"][est][x] for sc, names in rows.items()
-                           for est in names for x in ("lo", "hi")])
+    ends = np.array([v for sc, names in rows.items() for est in names for x in ("lo", "hi")
+                     for v in scenarios[sc]["per_seed"]["cited"][est][x] if v is not None])
     low, high = np.quantile(ends, [0.005, 0.995])      # a few heavy-tailed intervals would flatten the rest
     pad = 0.05 * (high - low)
     axes[0][0].set_ylim(low - pad, high + pad)
@@ -304,7 +323,8 @@ def plot(scenarios: dict, truth: dict, path: Path) -> None:
             ax.set_visible(False)
         for ax, est in zip(ax_row, names):
             col = scenarios[sc]["per_seed"]["cited"][est]
-            for i, (v, lo, hi) in enumerate(sorted(zip(col["value"], col["lo"], col["hi"]))):
+            shown = sorted(x for x in zip(col["value"], col["lo"], col["hi"]) if x[0] is not None)
+            for i, (v, lo, hi) in enumerate(shown):
                 ax.plot([i, i], [lo, hi], color="tab:blue" if lo <= t <= hi else "tab:red", lw=1)
                 ax.plot(i, v, ".", color="k", ms=2)
             ax.axhline(t, color="k", lw=0.8)
@@ -341,10 +361,11 @@ def main(argv=None) -> int:
         plot(saved["scenarios"], saved["truth"]["enumeration"]["target"], args.plot)
         return 0
     data = _common.require_data(args.data)
-    from rmm_jax.online.ope import evaluate_log, slot_marginals  # the code under test
+    from rmm_jax.online.ope import Target, evaluate_log, slot_marginals  # the code under test
     t0 = time.perf_counter()
     k, m, precision, recall = 20, 5, DEFAULT_PRECISION, DEFAULT_RECALL
     loop = online_loop(k, m, args.tau, precision, recall)
+    target_sampling = Target(k, m, args.tau)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         emb = Embedder(progress=False)
@@ -387,10 +408,10 @@ def main(argv=None) -> int:
             for seed in range(args.seeds):
                 log = tmp / f"{name}-{seed}.jsonl"
                 if name == "fixed":
-                    fixed_log(loop, behaviour, memory_ids, seed, log)
+                    fixed_log(loop, behaviour, memory_ids, args.tau, seed, log)
                 else:
                     write_log(log, loop.learner_log(ev_streams, seed))
-                runs.append(evaluate_log(st, log, ps, loop.cfg, bootstrap=args.bootstrap, seed=seed))
+                runs.append(evaluate_log(st, log, ps, target_sampling, bootstrap=args.bootstrap, seed=seed))
                 log.unlink()
                 print(f"{name} seed {seed}: " + ", ".join(
                     f"{x} {v['value']:.3f}" for x, v in runs[-1]["estimates"]["cited"].items()), file=sys.stderr)
@@ -451,13 +472,17 @@ def report(result: dict) -> str:
         lines.append(f"\n{sc} ({result['setup']['seeds']} seeds):")
         for metric, per in res["summary"].items():
             for est, row in per.items():
-                if est != "logged":
+                if est != "logged" and "coverage" not in row:
+                    lines.append(f"  {metric:<10} {est:<7} every seed withheld: {row.get('withheld_reasons')}")
+                elif est != "logged":
                     lines.append(f"  {metric:<10} {est:<7} bias {row['bias']:+.4f} [{row['bias_ci95'][0]:+.4f}, "
                                  f"{row['bias_ci95'][1]:+.4f}]  rmse {row['rmse']:.4f}  coverage {row['coverage']:.2f} "
                                  f"[{row['coverage_ci95'][0]:.2f}, {row['coverage_ci95'][1]:.2f}]  width "
                                  f"{row['mean_width']:.4f}"
-                                 + (f"  ess {row['mean_ess']:.0f}" if "mean_ess" in row else ""))
-    lines += [f"{'PASS' if t['pass'] else 'MISS'} {t['name']} = {t['value']:.2f} (target {t['target']})"
+                                 + (f"  ess {row['mean_ess']:.0f}" if "mean_ess" in row else "")
+                                 + (f"  withheld {row['withheld']}" if row["withheld"] else ""))
+    lines += [f"{'PASS' if t['pass'] else 'MISS'} {t['name']} = "
+              f"{'none' if t['value'] is None else format(t['value'], '.2f')} (target {t['target']})"
               for t in result["targets"]]
     return "\n".join(lines)
 
