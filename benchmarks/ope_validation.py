@@ -1,32 +1,54 @@
-"""Validate the off-policy estimators of ``rmm-jax evaluate`` against the truth, on LoCoMo.
+"""Validate the off-policy estimators of ``rmm-jax evaluate`` against a truth they do not share code with.
 
-    python benchmarks/ope_validation.py --seeds 20 --json benchmarks/results/ope_validation.json
+    python benchmarks/ope_validation.py --seeds 100 --plot benchmarks/results/ope_validation.png
+    python benchmarks/ope_validation.py --replot --plot benchmarks/results/ope_validation.png  # redraw only
 
-Set-up (turn granularity, MiniLM, K=20, M=5, τ=0.1, oracle citations with the default
+Set-up (LoCoMo, turn granularity, MiniLM, K=20, M=5, τ=0.1, oracle citations with the default
 precision/recall 0.876/0.858, as ``rmm-jax simulate``):
 
 * **target** π: a reranker pretrained on conversations 26 and 30 (listwise, 10 epochs),
   sampling Plackett–Luce at τ; its value is estimated on the calls of 41, 42 and 43.
-* **truth**: π's exact expected value on those same queries under the same citation
-  model: cited count and cite rate from the exact distribution of the shown set
-  (:func:`rmm_jax.online.ope.shown_set_probs`; the oracle's expected citations depend
-  only on how many shown memories are gold), Recall@M from the exact slot marginals. An
-  on-policy simulation of π (the library's act-and-cite step, 200 replicates) is
-  reported next to it as a check.
 * scenario ``fixed``: the logging policy μ is the base retriever (identity reranker) at
   τ; each seed draws its selections and citations with the library's act-and-cite step
-  (:func:`rmm_jax.core.update.simulated_batch`, what ``simulate`` runs per batch) and
-  logs the behaviour's ``logits`` and ``log_prob``: every estimator applies.
-* scenario ``adaptive``: the log of ``simulate --log-out`` itself
-  (:func:`rmm_jax.online.run.run_online` with ``want_log=True``): μ starts at the base
-  retriever and learns online, so each record's ``log_prob`` is that of the policy of
-  its time; only ``log_prob`` is logged, so only IPS and SNIPS apply (both stay valid
-  under adaptive logging).
+  (what ``simulate`` runs per batch) and logs the behaviour's ``logits`` and ``log_prob``:
+  every estimator applies.
+* scenario ``adaptive``: the log of ``simulate --log-out`` itself: μ starts at the base
+  retriever and learns online, so each record's ``log_prob`` is that of the policy of its
+  time; only ``log_prob`` is logged, so only IPS and SNIPS apply (both stay valid under
+  adaptive logging).
 
 Every seed's log is written as JSONL and read back by
 :func:`rmm_jax.online.ope.evaluate_log`, the function behind ``rmm-jax evaluate``.
-Reported per scenario, metric and estimator over the seeds: bias (mean of estimate −
-truth), RMSE, coverage of the bootstrap 95% interval, mean interval width and mean ESS.
+
+**Truth.** The estimand is π's expected value averaged over the evaluated calls. Every
+row is scored against the *enumerated* truth, computed here with NumPy
+only (no code of :mod:`rmm_jax.online.ope`, which the estimators use):
+
+* **enumeration** (:func:`enumerate_pl`): on every call, all K!/(K−M)! = 1,860,480
+  ordered selections, in :func:`itertools.permutations` order, each with its
+  Plackett–Luce probability Π_j w_{a_j} / Σ_{k ∉ {a_1..a_{j−1}}} w_k, w = exp(s/τ). The
+  count g of gold memories shown gives Recall@M = g/|gold| and the oracle's expected
+  cited count r·g + q(g)·(M−g), q(g) = min(1, r·g·(1−p) / (p·(M−g))) (the rates of
+  :func:`rmm_jax.data.citations.oracle_cite`, :func:`expected_cited`). Its own error is
+  float64 rounding: the JSON reports the largest |Σ P − 1| over calls.
+* **on-policy Monte Carlo** (the check of the enumeration and of the citation formula):
+  π run ``--replicates`` times on every call with the library's act-and-cite step (its
+  Gumbel-top-M sampler and its citation draw); the JSON gives the mean, its standard
+  error over replicates and the z-score of enumeration − Monte Carlo.
+
+Per scenario, metric and estimator over the seeds: bias (mean of estimate − truth) with
+its 95% interval over seeds, RMSE, coverage of the bootstrap 95% interval (with a Wilson
+95% interval for the coverage itself), mean interval width and mean ESS. A seed whose
+estimate ``evaluate`` reports as unreliable (no value; see "Reliability" in
+:mod:`rmm_jax.online.ope`) is left out of that row and counted as ``withheld``, with its
+reasons.
+
+**Checks of the library against the enumeration** (no estimator rows; the ``direct``
+Recall row of ``evaluate`` is not an estimate: it has no sampling error, and compared
+with a truth from the same marginals it was the truth compared with itself): the largest
+difference between ``rmm_jax.online.ope.slot_marginals`` (what IIPS uses, here its exact
+branch at K=20) and the enumerated marginals on every real call, for π and μ, and
+``direct`` minus the enumerated Recall@M.
 """
 from __future__ import annotations
 
@@ -38,101 +60,170 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rmm_jax.core.reranker import init_reranker, score_batch  # noqa: E402
 from rmm_jax.core.types import QueryBatch  # noqa: E402
-from rmm_jax.core.update import Config, simulated_batch  # noqa: E402
 from rmm_jax.data import load_locomo  # noqa: E402
 from rmm_jax.data.citation_log import write_log  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
 from rmm_jax.data.embed import Embedder  # noqa: E402
 from rmm_jax.data.store import open_store, write_store  # noqa: E402
-from rmm_jax.online.ope import evaluate_log, shown_set_probs, slot_marginals_exact  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, pretrain  # noqa: E402
-from rmm_jax.online.run import precision_recall_oracle, run_online  # noqa: E402
 from rmm_jax.online.streams import load_streams  # noqa: E402
-from rmm_jax.persist.atomic import write_json  # noqa: E402
 from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 METRICS = ("cited", "cite_rate", "recall")
+COVERAGE_TARGET = 0.9
 
 
-def call_arrays(streams, params):
-    """Scores of every query's K candidates under ``params``, with the masks and gold."""
-    scores, mask, gold, ng, valid, cand, uid, qid = [], [], [], [], [], [], [], []
-    for s in streams:
-        m = s.bank[s.cand]
-        scores.append(np.asarray(score_batch(params, jnp.asarray(s.queries), jnp.asarray(m),
-                                             jnp.asarray(s.cand_mask))))
-        mask.append(s.cand_mask)
-        gold.append(s.cand_gold)
-        ng.append(s.num_gold)
-        valid.append(s.valid)
-        cand.append(s.cand)
-        uid += [s.user_id] * len(s.query_ids)
-        qid += list(s.query_ids)
-    cat = np.concatenate
-    return {"scores": cat(scores).astype(np.float32), "mask": cat(mask), "gold": cat(gold), "num_gold": cat(ng),
-            "valid": cat(valid), "cand": cat(cand), "user": uid, "query": qid}
+# --------------------------------------------------------------------------- the truth (NumPy only)
+@functools.lru_cache(maxsize=4)
+def prefix_tree(k: int, m: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Every ordered selection of ``m`` of ``k`` candidates as a prefix tree: per level j,
+    ``(free, parent, appended)``: ``free`` (k!/(k−j)!, k) marks the candidates not in each
+    prefix of length j, and prefix i of length j+1 is prefix ``parent[i]`` followed by
+    candidate ``appended[i]``. The leaves, level m−1, are the k!/(k−m)! selections in
+    :func:`itertools.permutations` order."""
+    levels, prefixes = [], np.zeros((1, 0), np.int64)
+    for _ in range(m):
+        free = np.ones((len(prefixes), k), bool)
+        np.put_along_axis(free, prefixes, False, axis=1)
+        parent, appended = np.nonzero(free)
+        levels.append((free, parent, appended))
+        prefixes = np.concatenate([prefixes[parent], appended[:, None]], axis=1)
+    return tuple(levels)
 
 
-def exact_values(logits, mask, gold, num_gold, valid, m, precision, recall, chunk=40):
-    """The exact expected cited count, cite rate and Recall@M of PL(logits) under the oracle
-    citation model, per call (recall: NaN where the call has no gold)."""
-    assert mask.sum(1).min() >= m, "every call needs at least M candidates"
-    cited = np.zeros(len(logits))
-    for s in range(0, len(logits), chunk):
-        part = slice(s, s + chunk)
-        members, probs = shown_set_probs(logits[part], mask[part], m)            # (C, K), (n, C)
-        g = members.astype(np.float64) @ gold[part].T.astype(np.float64)        # (C, n) gold shown
-        ng = m - g
-        q = np.clip(recall * g * (1 - precision) / (precision * np.maximum(ng, 1)), 0, 1)
-        cited[part] = (probs * (recall * g + q * ng).T).sum(1)
-    incl = slot_marginals_exact(logits, mask, m).sum(1)
-    rec = np.where(valid, (incl * gold).sum(1) / np.maximum(num_gold, 1), np.nan)
+def enumerate_pl(logits, mask, gold, m: int) -> dict:
+    """Exact Plackett–Luce quantities by enumerating every ordered selection of ``m``.
+
+    Per call i (rows of ``logits``/``mask``/``gold``, (n, K)): ``gold_shown`` (n, m+1),
+    P(g gold candidates among the m shown); ``marginals`` (n, m, K), P(candidate a is drawn
+    j-th); ``mass_error``, the largest |Σ_selections P − 1|. A selection's probability is
+    the product over its draws of w_a / Σ_{k not drawn before} w_k, w = exp(logits) (0
+    where masked), built one draw at a time along :func:`prefix_tree`.
+    """
+    logits = np.asarray(logits, np.float64)
+    mask, gold = np.asarray(mask, bool), np.asarray(gold, bool) & np.asarray(mask, bool)
+    n, k = logits.shape
+    if mask.sum(1).min() < m:
+        raise ValueError("every call needs at least M valid candidates")
+    levels = prefix_tree(k, m)
+    gold_shown, marginals, err = np.zeros((n, m + 1)), np.zeros((n, m, k)), 0.0
+    for i in range(n):
+        z = np.where(mask[i], logits[i], -np.inf)
+        w = np.exp(z - z.max())
+        p, g = np.ones(1), np.zeros(1, np.int64)
+        for j, (free, parent, a) in enumerate(levels):
+            left = free @ w                     # a sum of the undrawn weights, not total − drawn:
+            p = p[parent] * w[a] / left[parent]  # no cancellation when the drawn ones dominate
+            g = g[parent] + gold[i, a]
+            marginals[i, j] = np.bincount(a, weights=p, minlength=k)
+        gold_shown[i] = np.bincount(g, weights=p, minlength=m + 1)
+        err = max(err, abs(p.sum() - 1.0))
+    return {"gold_shown": gold_shown, "marginals": marginals, "mass_error": err}
+
+
+def expected_cited(g, m: int, precision: float, recall: float) -> np.ndarray:
+    """E[cited | g gold among m shown] under the precision/recall oracle: gold cited with
+    probability r, non-gold with q = min(1, r·g·(1−p) / (p·(m−g)))."""
+    g = np.asarray(g, np.float64)
+    q = np.minimum(1.0, recall * g * (1 - precision) / (precision * np.maximum(m - g, 1)))
+    return recall * g + q * (m - g)
+
+
+def truth_per_call(enum: dict, num_gold, valid, m: int, precision: float, recall: float) -> dict:
+    """Per call: the exact expected cited count, cite rate and Recall@M (NaN without gold)."""
+    g = np.arange(m + 1)
+    cited = np.where(valid, enum["gold_shown"] @ expected_cited(g, m, precision, recall), 0.0)
+    rec = np.where(valid, enum["gold_shown"] @ g / np.maximum(num_gold, 1), np.nan)
     return {"cited": cited, "cite_rate": cited / m, "recall": rec}
 
 
-def on_policy_simulation(scores, mask, gold, cfg, cite, replicates, seed):
-    """Mean cited count of the policy that samples PL(scores/τ), simulated ``replicates``
-    times on every call with the library's act-and-cite step."""
-    step = act_and_cite(cfg, cite)
-    args = (jnp.asarray(scores), jnp.asarray(mask), jnp.asarray(gold))
-    per = np.stack([np.asarray(step(*args, jax.random.fold_in(jax.random.key(seed), r))[1]).sum(1)
-                    for r in range(replicates)])
-    means = per.mean(1)
-    return float(means.mean()), float(means.std(ddof=1) / np.sqrt(replicates))
+def on_policy_mc(act_and_cite, arrays, m: int, replicates: int, seed: int) -> dict:
+    """π's value simulated ``replicates`` times on every call with the library's act-and-cite
+    step: per metric the mean over replicates and its standard error."""
+    args = tuple(jnp.asarray(arrays[x]) for x in ("scores", "mask", "gold", "valid"))
+    valid, ng = arrays["valid"], np.maximum(arrays["num_gold"], 1)
+    per = {x: [] for x in METRICS}
+    for r in range(replicates):
+        sel, cited, _ = (np.asarray(x) for x in act_and_cite(*args, jax.random.fold_in(jax.random.key(seed), r)))
+        shown_gold = np.take_along_axis(arrays["gold"], np.maximum(sel, 0), axis=1) & (sel >= 0)
+        c = cited.sum(1)
+        per["cited"].append(c.mean())
+        per["cite_rate"].append((c / m).mean())
+        per["recall"].append((shown_gold.sum(1) / ng)[valid].mean())
+    return {x: {"mean": float(np.mean(v)), "se": float(np.std(v, ddof=1) / np.sqrt(replicates))}
+            for x, v in per.items()}
 
 
-@functools.lru_cache(maxsize=2)
-def act_and_cite(cfg, cite):
-    """The act-and-cite step of ``simulate`` (one jitted call for all queries):
-    ``(scores, mask, gold, key) -> (selected, cited, log_prob)``."""
-    def run(scores, mask, gold, key):
-        n, k = scores.shape
-        qb = QueryBatch(q=jnp.zeros((n, 1)), m=jnp.zeros((n, k, 1)), mask=mask, valid=jnp.ones(n, bool), gold=gold)
-        b = simulated_batch(cfg, cite, scores, qb, key)
+# --------------------------------------------------------------------------- the online loop (one place)
+class Loop(NamedTuple):
+    act_and_cite: Callable      # (scores, mask, gold, valid, key) -> (selected, cited, log_prob), jitted
+    learner_log: Callable       # (streams, seed) -> the records ``simulate --log-out`` writes
+
+
+def online_loop(k: int, m: int, tau: float, precision: float, recall: float) -> Loop:
+    """Every call of this benchmark into the online loop's API (``preset``,
+    ``simulated_batch``, ``make_run``, ``run_online``), in one place: the default setting
+    at K, M and τ, citations from the precision/recall oracle."""
+    from rmm_jax.core.config import preset
+    from rmm_jax.core.update import simulated_batch
+    from rmm_jax.online.loop import make_run
+    from rmm_jax.online.run import precision_recall_oracle, run_online
+
+    setting = preset("default", k=k, m=m, tau=tau)
+    cite = precision_recall_oracle(precision, recall)
+    program = make_run(*setting, cite_fn=cite)
+
+    @jax.jit
+    def act_and_cite(scores, mask, gold, valid, key):
+        n, kk = scores.shape
+        qb = QueryBatch(q=jnp.zeros((n, 1)), m=jnp.zeros((n, kk, 1)), mask=mask, valid=valid, gold=gold)
+        b = simulated_batch(setting.estimator, m, cite, scores, qb, key)
         return b.selected, b.cited, b.logged_log_prob
-    return jax.jit(run)
+
+    def learner_log(streams, seed):
+        p0 = init_reranker(jax.random.key(seed), streams[0].bank.shape[1])
+        return run_online(streams, program, p0, seed=seed, want_log=True, users_per_chunk=len(streams)).records
+
+    return Loop(act_and_cite, learner_log)
 
 
-def fixed_log(arrays, memory_ids, cfg, cite, seed, path):
+# --------------------------------------------------------------------------- logs
+def call_arrays(streams, params):
+    """Scores of every query's K candidates under ``params``, with the masks and gold."""
+    parts: dict[str, list] = {x: [] for x in ("scores", "mask", "gold", "num_gold", "valid", "cand")}
+    user, query = [], []
+    for s in streams:
+        parts["scores"].append(np.asarray(score_batch(params, jnp.asarray(s.queries), jnp.asarray(s.bank[s.cand]),
+                                                      jnp.asarray(s.cand_mask))))
+        for x, v in (("mask", s.cand_mask), ("gold", s.cand_gold), ("num_gold", s.num_gold), ("valid", s.valid),
+                     ("cand", s.cand)):
+            parts[x].append(v)
+        user += [s.user_id] * len(s.query_ids)
+        query += list(s.query_ids)
+    out = {x: np.concatenate(v) for x, v in parts.items()}
+    out["scores"] = out["scores"].astype(np.float32)
+    return {**out, "user": user, "query": query}
+
+
+def fixed_log(loop: Loop, arrays, memory_ids, tau, seed, path):
     """One log of the base-retriever policy (identity reranker at τ), with its logits."""
-    n, k = arrays["scores"].shape
-    out = act_and_cite(cfg, cite)(jnp.asarray(arrays["scores"]), jnp.asarray(arrays["mask"]),
-                                  jnp.asarray(arrays["gold"]), jax.random.key(seed))
+    out = loop.act_and_cite(*(jnp.asarray(arrays[x]) for x in ("scores", "mask", "gold", "valid")),
+                            jax.random.key(seed))
     sel, cited, lp = (np.asarray(x) for x in out)
-    logits = arrays["scores"] / np.float32(cfg.tau)
+    logits = arrays["scores"] / np.float32(tau)
     records = []
-    for i in range(n):
+    for i in range(len(sel)):
         ids = memory_ids[arrays["user"][i]]
         cand = [ids[j] for j in arrays["cand"][i]]
         shown = [p for p in sel[i] if p >= 0]
@@ -142,126 +233,258 @@ def fixed_log(arrays, memory_ids, cfg, cite, seed, path):
     write_log(path, records)
 
 
-def adaptive_log(streams, cfg, cite, seed, path):
-    """The log ``simulate --log-out`` writes: the online learner from the base retriever."""
-    p0 = init_reranker(jax.random.key(seed), streams[0].bank.shape[1])
-    res = run_online(streams, p0, cfg, cite_fn=cite, seed=seed, want_log=True, users_per_chunk=len(streams))
-    write_log(path, res.records)
+# --------------------------------------------------------------------------- summaries
+def wilson(hits: int, n: int, z: float = 1.96) -> list[float]:
+    """Wilson score 95% interval of a proportion ``hits / n`` (Wilson 1927)."""
+    p = hits / n
+    centre, half = p + z * z / (2 * n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return [float((centre - half) / (1 + z * z / n)), float((centre + half) / (1 + z * z / n))]
 
 
 def summarise(runs: list[dict], truth: dict) -> dict:
+    """Per metric and estimator, over the seeds whose estimate ``evaluate`` reported as
+    reliable: bias (± its 95% interval), RMSE, coverage of the 95% interval (± Wilson),
+    mean width and mean ESS, all against ``truth``; ``withheld``: the seeds it reported
+    as unreliable (no value), with their reasons."""
     out = {}
     for metric in METRICS:
-        per = {}
-        names = [n for n in runs[0]["estimates"].get(metric, {}) if n not in ("logged", "direct")]
-        for name in names + (["direct"] if metric == "recall" else []):
-            est = np.array([r["estimates"][metric][name]["value"] for r in runs])
-            lo = np.array([r["estimates"][metric][name]["ci95"][0] for r in runs])
-            hi = np.array([r["estimates"][metric][name]["ci95"][1] for r in runs])
-            t = truth[metric]
-            row = {"mean": float(est.mean()), "bias": float((est - t).mean()),
-                   "rmse": float(np.sqrt(((est - t) ** 2).mean())),
-                   "coverage": float(((lo <= t) & (t <= hi)).mean()), "mean_width": float((hi - lo).mean())}
-            if "ess" in runs[0]["estimates"][metric][name]:
-                row["mean_ess"] = float(np.mean([r["estimates"][metric][name]["ess"] for r in runs]))
+        per, t = {}, truth[metric]
+        for name in (n for n in runs[0]["estimates"][metric] if n not in ("logged", "direct")):
+            every = [r["estimates"][metric][name] for r in runs]
+            rows = [x for x in every if x["value"] is not None]
+            withheld = sorted({x.get("reason", "") for x in every if x["value"] is None})
+            row = {"truth": "enumeration", "seeds": len(rows), "withheld": len(every) - len(rows),
+                   **({"withheld_reasons": withheld} if withheld else {})}
+            if rows:
+                est = np.array([x["value"] for x in rows])
+                lo, hi = np.array([x["ci95"][0] for x in rows]), np.array([x["ci95"][1] for x in rows])
+                err, hits, s = est - t, int(((lo <= t) & (t <= hi)).sum()), len(rows)
+                half = 1.96 * err.std(ddof=1) / np.sqrt(s) if s > 1 else float("nan")
+                row.update({"mean": float(est.mean()), "bias": float(err.mean()),
+                            "bias_ci95": [float(err.mean() - half), float(err.mean() + half)],
+                            "rmse": float(np.sqrt((err ** 2).mean())), "coverage": hits / s,
+                            "coverage_ci95": wilson(hits, s), "mean_width": float((hi - lo).mean())})
+                if all(x.get("ess") is not None for x in rows):
+                    row["mean_ess"] = float(np.mean([x["ess"] for x in rows]))
             per[name] = row
-        logged = np.array([r["estimates"][metric]["logged"]["value"] for r in runs])
-        per["logged"] = {"mean": float(logged.mean())}
+        per["logged"] = {"mean": float(np.mean([r["estimates"][metric]["logged"]["value"] for r in runs]))}
         out[metric] = per
     return out
 
 
+def per_seed(runs: list[dict]) -> dict:
+    """Every seed's estimate and 95% interval, as columns: ``{metric: {estimator: {value,
+    lo, hi}}}``, rounded to 6 decimals (the coverage can be recomputed from them)."""
+    def cols(metric, name, pick):   # None: reported unreliable, no value
+        return [None if r["estimates"][metric][name]["value"] is None else round(pick(r["estimates"][metric][name]), 6)
+                for r in runs]
+    return {metric: {name: {"value": cols(metric, name, lambda e: e["value"]),
+                            "lo": cols(metric, name, lambda e: e["ci95"][0]),
+                            "hi": cols(metric, name, lambda e: e["ci95"][1])}
+                     for name in runs[0]["estimates"][metric] if name != "direct"}
+            for metric in runs[0]["estimates"]}
+
+
+def targets(scenarios: dict) -> list[dict]:
+    """Coverage ≥ 0.9 against the enumerated truth for SNIPS and RIPS (both metrics with
+    distinct rewards; cite rate is cited / M with M fixed, so it covers exactly like cited)."""
+    out = []
+    for sc, est in (("fixed", "snips"), ("fixed", "rips"), ("adaptive", "snips")):
+        for metric in ("cited", "recall"):
+            row = scenarios.get(sc, {}).get("summary", {}).get(metric, {}).get(est)
+            if row is not None:
+                cov = row.get("coverage")       # None: every seed reported unreliable
+                out.append({"name": f"{sc} {est} {metric}: coverage of the 95% interval "
+                                    f"({row['seeds']} reliable seeds of {row['seeds'] + row['withheld']})",
+                            "value": cov, "target": f">= {COVERAGE_TARGET}",
+                            "pass": cov is not None and cov >= COVERAGE_TARGET})
+    return out
+
+
+def plot(scenarios: dict, truth: dict, path: Path) -> None:
+    """Every seed's 95% interval of the cited count, sorted by estimate, against the
+    enumerated truth (red: the interval misses it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    order = ("ips", "snips", "rips", "snrips", "iips")
+    rows = {sc: [est for est in order if est in scenarios[sc]["summary"]["cited"]]
+            for sc in sorted(scenarios, key=lambda x: x != "fixed")}
+    cols = max(len(v) for v in rows.values())
+    fig, axes = plt.subplots(len(rows), cols, figsize=(2.8 * cols, 3.0 * len(rows)), sharey=True, squeeze=False)
+    ends = np.array([v for sc, names in rows.items() for est in names for x in ("lo", "hi")
+                     for v in scenarios[sc]["per_seed"]["cited"][est][x] if v is not None])
+    low, high = np.quantile(ends, [0.005, 0.995])      # a few heavy-tailed intervals would flatten the rest
+    pad = 0.05 * (high - low)
+    axes[0][0].set_ylim(low - pad, high + pad)
+    t = truth["cited"]
+    for ax_row, (sc, names) in zip(axes, rows.items()):
+        for ax in ax_row[len(names):]:
+            ax.set_visible(False)
+        for ax, est in zip(ax_row, names):
+            col = scenarios[sc]["per_seed"]["cited"][est]
+            shown = sorted(x for x in zip(col["value"], col["lo"], col["hi"]) if x[0] is not None)
+            for i, (v, lo, hi) in enumerate(shown):
+                ax.plot([i, i], [lo, hi], color="tab:blue" if lo <= t <= hi else "tab:red", lw=1)
+                ax.plot(i, v, ".", color="k", ms=2)
+            ax.axhline(t, color="k", lw=0.8)
+            ax.set_title(f"{sc} {est}: coverage {scenarios[sc]['summary']['cited'][est]['coverage']:.2f}", fontsize=8)
+            ax.set_xlabel("seed (sorted by estimate)", fontsize=7)
+            ax.tick_params(labelsize=7)
+        ax_row[0].set_ylabel("cited per call: estimate, 95% interval\n(axis cut at 0.5%/99.5% of ends)", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "ope_validation.json"),
-                    help="where to write the results")
-    ap.add_argument("--locomo", default=os.environ.get("RMM_LOCOMO_DIR") or str(REPO.parent / "shared" / "data" /
-                                                                               "locomo"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=100, help="logs per scenario")
+    ap.add_argument("--json", type=Path, default=_common.RESULTS / "ope_validation.json")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of every seed's interval of the cited count")
+    ap.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --json")
+    _common.add_data_option(ap)
     ap.add_argument("--train", default="26,30")
     ap.add_argument("--eval", default="41,42,43")
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--bootstrap", type=int, default=1000)
-    ap.add_argument("--replicates", type=int, default=200, help="on-policy simulation replicates (the check)")
+    ap.add_argument("--replicates", type=int, default=2000, help="on-policy Monte Carlo replicates (the check)")
     ap.add_argument("--scenarios", default="fixed,adaptive")
     args = ap.parse_args(argv)
+    if args.replot:
+        if args.plot is None:
+            ap.error("--replot needs --plot")
+        saved = json.loads(args.json.read_text())
+        plot(saved["scenarios"], saved["truth"]["enumeration"]["target"], args.plot)
+        return 0
+    data = _common.require_data(args.data)
+    from rmm_jax.online.ope import Target, evaluate_log, slot_marginals  # the code under test
     t0 = time.perf_counter()
-    cfg = Config(k=20, m=5, tau=args.tau)
-    cite = precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL)
+    k, m, precision, recall = 20, 5, DEFAULT_PRECISION, DEFAULT_RECALL
+    loop = online_loop(k, m, args.tau, precision, recall)
+    target_sampling = Target(k, m, args.tau)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         emb = Embedder(progress=False)
         try:
-            write_store(tmp / "store", load_locomo(args.locomo), "turn", emb, spec=f"locomo:{args.locomo}")
+            write_store(tmp / "store", load_locomo(data), "turn", emb, spec=f"locomo:{data}")
         finally:
             emb.close()
         st = open_store(tmp / "store")
-        streams = {s.user_id: s for s in load_streams(st, cfg.k)}
+        streams = {s.user_id: s for s in load_streams(st, k)}
         train, ev = args.train.split(","), args.eval.split(",")
         p0 = init_reranker(jax.random.key(0), st.dim)
         target, hist = pretrain(p0, [streams[u] for u in train], [], PretrainConfig(epochs=10))
         ps = PolicyStore.create(tmp / "target", {"kind": "linear", "dim": st.dim, "hidden": None,
                                                  "config": {"pretrained": True, "model": st.model}}, target)
         ev_streams = [streams[u] for u in ev]
+        assert all(s.cite_gold is None for s in ev_streams), "the truth assumes citations see the gold labels"
         memory_ids = {s.user_id: s.memory_ids for s in ev_streams}
-        behaviour = call_arrays(ev_streams, p0)
-        tgt = call_arrays(ev_streams, target)
+        behaviour, tgt = call_arrays(ev_streams, p0), call_arrays(ev_streams, target)
         t_setup = time.perf_counter() - t0
-        per_call = exact_values(tgt["scores"] / cfg.tau, tgt["mask"], tgt["gold"], tgt["num_gold"], tgt["valid"],
-                                cfg.m, DEFAULT_PRECISION, DEFAULT_RECALL)
-        truth = {k: float(np.nanmean(v)) for k, v in per_call.items()}
-        beh_call = exact_values(behaviour["scores"] / cfg.tau, behaviour["mask"], behaviour["gold"],
-                                behaviour["num_gold"], behaviour["valid"], cfg.m, DEFAULT_PRECISION, DEFAULT_RECALL)
-        sim_mean, sim_se = on_policy_simulation(tgt["scores"], tgt["mask"], tgt["gold"], cfg, cite,
-                                                args.replicates, seed=10_000)
-        print(f"set-up {t_setup:.1f}s; {len(tgt['user'])} calls; truth {truth}; on-policy simulation of the cited "
-              f"count {sim_mean:.4f} ± {sim_se:.4f}", file=sys.stderr)
+
+        t1 = time.perf_counter()
+        enum = {name: enumerate_pl(a["scores"] / np.float32(args.tau), a["mask"], a["gold"], m)
+                for name, a in (("target", tgt), ("behaviour", behaviour))}
+        per_call = {name: truth_per_call(enum[name], a["num_gold"], a["valid"], m, precision, recall)
+                    for name, a in (("target", tgt), ("behaviour", behaviour))}
+        truth = {x: float(np.nanmean(v)) for x, v in per_call["target"].items()}
+        t_enum = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        mc = on_policy_mc(loop.act_and_cite, tgt, m, args.replicates, seed=10_000)
+        t_mc = time.perf_counter() - t1
+        lib_marg = {name: slot_marginals(a["scores"] / np.float32(args.tau), a["mask"], m)
+                    for name, a in (("target", tgt), ("behaviour", behaviour))}
+        print(f"set-up {t_setup:.0f}s, enumeration {t_enum:.0f}s, Monte Carlo {t_mc:.0f}s; {len(tgt['user'])} calls; "
+              f"truth {truth}; Monte Carlo " + ", ".join(f"{x} {v['mean']:.4f} ± {v['se']:.4f}" for x, v in mc.items()),
+              file=sys.stderr)
+
         scenarios = {}
         for name in args.scenarios.split(","):
             runs, t1 = [], time.perf_counter()
             for seed in range(args.seeds):
                 log = tmp / f"{name}-{seed}.jsonl"
                 if name == "fixed":
-                    fixed_log(behaviour, memory_ids, cfg, cite, seed, log)
+                    fixed_log(loop, behaviour, memory_ids, args.tau, seed, log)
                 else:
-                    adaptive_log(ev_streams, cfg, cite, seed, log)
-                runs.append(evaluate_log(st, log, ps, cfg, bootstrap=args.bootstrap, seed=seed))
+                    write_log(log, loop.learner_log(ev_streams, seed))
+                runs.append(evaluate_log(st, log, ps, target_sampling, bootstrap=args.bootstrap, seed=seed))
                 log.unlink()
                 print(f"{name} seed {seed}: " + ", ".join(
-                    f"{k} {v['value']:.3f}" for k, v in runs[-1]["estimates"]["cited"].items()), file=sys.stderr)
-            scenarios[name] = {"summary": summarise(runs, truth), "seconds": round(time.perf_counter() - t1, 1),
-                               "marginals": runs[0]["marginals"], "notes": runs[0]["notes"],
-                               "per_seed": [{m: {k: {"value": v["value"], "ci95": v["ci95"]}
-                                                 for k, v in r["estimates"][m].items()}
-                                             for m in r["estimates"]} for r in runs]}
-    fixed = scenarios.get("fixed", {}).get("summary", {}).get("cited", {})
+                    f"{x} {v['value']:.3f}" for x, v in runs[-1]["estimates"]["cited"].items()), file=sys.stderr)
+            direct = [r["estimates"]["recall"]["direct"]["value"] for r in runs if "direct" in r["estimates"]["recall"]]
+            scenarios[name] = {
+                "summary": summarise(runs, truth), "seconds": round(time.perf_counter() - t1, 1),
+                "marginals": runs[0]["marginals"], "notes": runs[0]["notes"],
+                "ope_direct_recall_minus_enumeration": (max(abs(d - truth["recall"]) for d in direct)
+                                                        if direct else None),
+                "per_seed": per_seed(runs)}
+
     result = {
-        "setup": {"data": "LoCoMo", "granularity": "turn", "model": st.model, "k": cfg.k, "m": cfg.m, "tau": cfg.tau,
-                  "precision": DEFAULT_PRECISION, "recall": DEFAULT_RECALL, "train": train, "eval": ev,
+        "setup": {"data": "LoCoMo", "granularity": "turn", "model": st.model, "k": k, "m": m, "tau": args.tau,
+                  "precision": precision, "recall": recall, "train": train, "eval": ev,
                   "calls": len(tgt["user"]), "calls_with_gold": int(tgt["valid"].sum()), "seeds": args.seeds,
                   "bootstrap": args.bootstrap, "pretrain_epochs": 10,
                   "pretrain_train_recall": hist["train_recall"][-1]},
-        "truth": {"target": truth, "behaviour_base_retriever": {k: float(np.nanmean(v)) for k, v in beh_call.items()},
-                  "target_cited_on_policy_simulation": {"mean": sim_mean, "se": sim_se,
-                                                        "replicates": args.replicates}},
+        "truth": {
+            "rows_scored_against": "enumeration",
+            "enumeration": {"target": truth,
+                            "behaviour_base_retriever": {x: float(np.nanmean(v))
+                                                         for x, v in per_call["behaviour"].items()},
+                            "selections_per_call": int(np.prod(np.arange(k - m + 1, k + 1))),
+                            "max_abs_probability_mass_error": max(e["mass_error"] for e in enum.values()),
+                            "seconds": round(t_enum, 1),
+                            "uses": "NumPy only (no rmm_jax.online.ope)"},
+            "on_policy_monte_carlo": {**{x: {**v, "z_enumeration_minus_mc": (truth[x] - v["mean"]) / v["se"]}
+                                         for x, v in mc.items()},
+                                      "replicates": args.replicates, "seconds": round(t_mc, 1),
+                                      "uses": "the library's act-and-cite step (Gumbel-top-M sampler, oracle_cite)"}},
+        "checks": {
+            "ope_slot_marginals_max_abs_diff_vs_enumeration": {
+                name: {"value": float(np.abs(lib_marg[name][0] - enum[name]["marginals"]).max()), **lib_marg[name][1]}
+                for name in lib_marg},
+            "ope_direct_recall_max_abs_diff_vs_enumeration": {
+                sc: res["ope_direct_recall_minus_enumeration"] for sc, res in scenarios.items()}},
         "scenarios": scenarios,
-        "targets": {"coverage_snips_cited>=0.9": fixed.get("snips", {}).get("coverage", 0) >= 0.9,
-                    "coverage_rips_cited>=0.9": fixed.get("rips", {}).get("coverage", 0) >= 0.9},
+        "targets": targets(scenarios),
         "seconds": round(time.perf_counter() - t0, 1),
-        "machine": f"{os.cpu_count()} CPUs, jax {jax.__version__} ({jax.default_backend()})",
+        "backend": f"jax {jax.__version__} ({jax.default_backend()})",
     }
-    write_json(Path(args.json), result)
-    print(json.dumps({k: result[k] for k in ("truth", "targets", "seconds")}, indent=1))
-    for sc, res in scenarios.items():
-        print(f"\n{sc}:")
+    _common.write_result(args.json, result)
+    if args.plot:
+        plot(scenarios, truth, args.plot)
+    print(report(result))
+    return 0
+
+
+def report(result: dict) -> str:
+    tr = result["truth"]
+    lines = ["truth (enumeration): " + ", ".join(f"{x} {v:.4f}" for x, v in tr["enumeration"]["target"].items()),
+             "on-policy Monte Carlo: " + ", ".join(f"{x} {tr['on_policy_monte_carlo'][x]['mean']:.4f} ± "
+                                                   f"{tr['on_policy_monte_carlo'][x]['se']:.4f} (z "
+                                                   f"{tr['on_policy_monte_carlo'][x]['z_enumeration_minus_mc']:+.1f})"
+                                                   for x in METRICS),
+             f"checks: {result['checks']}"]
+    for sc, res in result["scenarios"].items():
+        lines.append(f"\n{sc} ({result['setup']['seeds']} seeds):")
         for metric, per in res["summary"].items():
             for est, row in per.items():
-                if est == "logged":
-                    continue
-                print(f"  {metric:<10} {est:<7} bias {row['bias']:+.4f}  rmse {row['rmse']:.4f}  "
-                      f"coverage {row['coverage']:.2f}  width {row['mean_width']:.4f}"
-                      + (f"  ess {row['mean_ess']:.0f}" if "mean_ess" in row else ""))
-    return 0
+                if est != "logged" and "coverage" not in row:
+                    lines.append(f"  {metric:<10} {est:<7} every seed withheld: {row.get('withheld_reasons')}")
+                elif est != "logged":
+                    lines.append(f"  {metric:<10} {est:<7} bias {row['bias']:+.4f} [{row['bias_ci95'][0]:+.4f}, "
+                                 f"{row['bias_ci95'][1]:+.4f}]  rmse {row['rmse']:.4f}  coverage {row['coverage']:.2f} "
+                                 f"[{row['coverage_ci95'][0]:.2f}, {row['coverage_ci95'][1]:.2f}]  width "
+                                 f"{row['mean_width']:.4f}"
+                                 + (f"  ess {row['mean_ess']:.0f}" if "mean_ess" in row else "")
+                                 + (f"  withheld {row['withheld']}" if row["withheld"] else ""))
+    lines += [f"{'PASS' if t['pass'] else 'MISS'} {t['name']} = "
+              f"{'none' if t['value'] is None else format(t['value'], '.2f')} (target {t['target']})"
+              for t in result["targets"]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
