@@ -46,7 +46,7 @@ from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E4
 from rmm_jax.online.driver import drive  # noqa: E402
 from rmm_jax.online.loop import make_run  # noqa: E402
 from rmm_jax.online.run import Recorder, precision_recall_oracle  # noqa: E402
-from rmm_jax.online.scoring import user_params  # noqa: E402
+from rmm_jax.online.serve import user_params  # noqa: E402
 from rmm_jax.online.sinks import PolicySink  # noqa: E402
 from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
 from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402

@@ -6,13 +6,20 @@ import os
 import re
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+# Compiled programs are cached on disk, keyed by their HLO: the CLI builds a new program per
+# command (a new closure, so jit's in-memory cache misses), and the tests run hundreds of
+# commands of a few shapes. Set before JAX is imported; subprocesses inherit it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-from rmm_jax.cli.main import main
-from rmm_jax.data import make_synthetic
-from rmm_jax.data.store import write_store
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from rmm_jax.cli.main import main  # noqa: E402
+from rmm_jax.data import make_synthetic  # noqa: E402
+from rmm_jax.data.store import write_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

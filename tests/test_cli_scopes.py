@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import make_fake_store, run_cli
 
-from rmm_jax.online.scoring import user_params
+from rmm_jax.online.serve import user_params
 from rmm_jax.persist.policy_store import PolicyStore
 
 SIM = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "0"]

@@ -111,7 +111,7 @@ def test_the_same_command_per_process_writes_what_one_process_writes(tmp_path):
     import jax
     from conftest import make_fake_store
 
-    from rmm_jax.online.scoring import user_params
+    from rmm_jax.online.serve import user_params
     from rmm_jax.persist.policy_store import PolicyStore
 
     store = make_fake_store(tmp_path / "store", users=4, dim=16)

@@ -20,10 +20,9 @@ from helpers import TESTS_DIR, info_of, params_of, save_seeds, stacked, state_of
 import rmm_jax as R
 from rmm_jax.cli.main import main
 from rmm_jax.cli.policies import export_params
-from rmm_jax.core import reranker
 from rmm_jax.core.types import LearnerState, SharedState, UserState
 from rmm_jax.errors import InputError
-from rmm_jax.online.scoring import score_query
+from rmm_jax.online.serve import Reranker
 from rmm_jax.persist.codec import decode_tree, leaf_specs
 from rmm_jax.persist.policy_index import PolicyIndex
 from rmm_jax.persist.policy_snapshot import load_arrays, verify_snapshot
@@ -410,25 +409,32 @@ def test_sigkill_mid_save_never_leaves_wrong_or_unpaired_versions(tmp_path):
 
 # ----------------------------------------------------------------------------- scoring / export
 
-def test_score_query_uses_core_scorer(tmp_path, monkeypatch):
+def test_reranker_ranks_with_the_stored_policy_and_new_users_get_the_shared_part(tmp_path):
     st = new_store(tmp_path)
     params = R.init_reranker(jax.random.PRNGKey(0), D)
     params = jax.tree_util.tree_map(lambda a: a + 0.1, params)
     opt = optax.adam(1e-3)
     save_one(st, "u", UserState(params, opt.init(params), {"step": np.int32(0)}))
     rng = np.random.default_rng(0)
-    q, m = rng.standard_normal(D).astype(np.float32), rng.standard_normal((5, D)).astype(np.float32)
+    q, m = rng.standard_normal((3, D)).astype(np.float32), rng.standard_normal((3, 5, D)).astype(np.float32)
     mask = np.array([1, 1, 0, 1, 1], bool)
-    got = score_query(st.path, "u", q, m, mask)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(R.score(params, *map(jax.numpy.asarray, (q, m, mask)))))
-    calls = []
-    monkeypatch.setattr(reranker, "score", lambda p, q, m, mask=None: calls.append(p) or np.zeros(len(m)))
-    score_query(st.path, "new_user", q, m, fallback_to_shared=True)
-    assert_same(calls[0], params_of(0))
-    with pytest.raises(InputError, match="dim 8, expected 4"):
-        score_query(st.path, "u", q[:4], m[:, :4])
+    rr = Reranker.open(st.path, cache_users=1)
+    got = rr.rank("u", q, m, 2, mask)
+    for i in range(3):                                  # the core scorer, and its deterministic top-2
+        want = np.asarray(R.score(params, *map(jax.numpy.asarray, (q[i], m[i], mask))))
+        np.testing.assert_allclose(got.scores[i], want, rtol=1e-6)
+        assert got.selected[i].tolist() == np.argsort(-np.where(mask, want, -np.inf))[:2].tolist()
+    assert rr.policy("u").version == 1
+    new = rr.rank("new_user", q[0], m[0], 2)                  # served the shared part (here: params_of(0))
+    np.testing.assert_allclose(new.scores[0], np.asarray(R.score(params_of(0), jax.numpy.asarray(q[0]),
+                                                                 jax.numpy.asarray(m[0]))), rtol=1e-6)
+    assert rr.policy("new_user").version is None and list(rr._cache) == ["new_user"]    # LRU of one
+    with pytest.raises(InputError, match="query_emb"):
+        rr.rank("u", q[:, :4], m, 2)
     with pytest.raises(InputError, match="candidate_embs"):
-        score_query(st.path, "u", q, m[:, :4])
+        rr.rank("u", q, m[:, :, :4], 2)
+    with pytest.raises(InputError, match="^m"):
+        rr.rank("u", q, m, 6)
 
 
 def test_export_user_npz_and_json(tmp_path):

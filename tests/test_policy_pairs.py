@@ -21,7 +21,7 @@ from rmm_jax.cli.main import cli, main
 from rmm_jax.core import reranker
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
-from rmm_jax.online.scoring import user_params
+from rmm_jax.online.serve import user_params
 from rmm_jax.persist import policy_restore, policy_store
 from rmm_jax.persist.policy_index import PolicyIndex
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyRestoreWarning, PolicyStore, Skip

@@ -60,7 +60,8 @@ def register_commands() -> None:
         importlib.import_module(f"rmm_jax.cli.{name}")
 
 
-COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "evaluate", "demo"]
+COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "rerank", "evaluate",
+                              "demo"]
 
 
 def main(argv=None) -> None:

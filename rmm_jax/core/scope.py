@@ -63,6 +63,11 @@ class Scope(NamedTuple):
         return self.name != "user"
 
     @property
+    def has_local(self) -> bool:
+        """Whether each user has params of its own (``user``, ``hybrid``)."""
+        return self.name != "shared"
+
+    @property
     def local_is_full(self) -> bool:
         """Whether a user's local part is a whole reranker (``user``)."""
         return self.name == "user"

@@ -113,7 +113,7 @@ from rmm_jax.core import reranker
 from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.errors import InputError, at
-from rmm_jax.online.scoring import user_params
+from rmm_jax.online.serve import user_params
 from rmm_jax.online.streams import check_limits, check_users, known_ids
 
 __all__ = [
@@ -497,7 +497,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
 
     Each record is validated (schema, ids known to ``store``, the ``--k``/``--m``
     limits) and must carry the behaviour's ``log_prob`` or ``logits``. Every user's
-    target params come from :func:`rmm_jax.online.scoring.user_params` (the shared params
+    target params come from :func:`rmm_jax.online.serve.user_params` (the shared params
     for users without their own), scored with :func:`rmm_jax.core.reranker.score`.
     """
     known = known_ids(store)

@@ -9,7 +9,7 @@ each a self-contained, checksummed directory (:mod:`rmm_jax.persist.policy_snaps
 a SQLite index maps ``user_id -> versions`` (:mod:`rmm_jax.persist.policy_index`).
 :meth:`PolicyStore.load_batch` reads many users back stacked, each chunk once;
 :meth:`PolicyStore.load` reads one. Scoring a query with a stored user's policy is
-:func:`rmm_jax.online.scoring.score_query`.
+:class:`rmm_jax.online.serve.Reranker`.
 
 On-disk layout (``STORE`` is the directory given to :meth:`PolicyStore.create`)::
 

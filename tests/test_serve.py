@@ -1,0 +1,129 @@
+"""Serving stored policies: ``Reranker`` and ``rmm-jax rerank``.
+
+The ranking is the core scorer's deterministic top-M with the policy a load pairs (in
+hybrid, the user's factors with exactly the shared version they were trained against),
+every call gets one output line in input order, texts go through the embedder, and a bad
+call is one error line naming file:line with nothing written.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FakeEmbedder, make_fake_store, run_cli
+
+import rmm_jax as rj
+from rmm_jax.cli import rerank as rerank_cli
+from rmm_jax.data.store import open_store
+from rmm_jax.online.serve import Reranker, load_policy
+from rmm_jax.persist.policy_store import PolicyStore
+
+SIM = ["--k", "8", "--m", "3", "--lr", "0.05", "--users-per-chunk", "2", "--checkpoint-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A store and, per scope, a policy store trained on it by two simulate runs."""
+    from conftest import main
+    tmp = tmp_path_factory.mktemp("serve")
+    store = make_fake_store(tmp / "store", users=3, dim=16)
+    pol = {}
+    for scope in ("user", "hybrid"):
+        pol[scope] = tmp / f"pol-{scope}"
+        for _ in range(2):
+            main(["simulate", str(store), "--policies", str(pol[scope]), *SIM, "--scope", scope, "--rank", "2"])
+    return store, pol
+
+
+def core_top(params, q, cands, m):
+    s = np.asarray(rj.score(params, jnp.asarray(q), jnp.asarray(cands)))
+    return np.argsort(-s, kind="stable")[:m].tolist(), s
+
+
+@pytest.mark.parametrize("scope", ["user", "hybrid"])
+def test_rank_is_the_paired_policys_top_m(env, scope):
+    store, pol = env
+    ps = PolicyStore.open(pol[scope])
+    u = ps.users()[0]
+    saved = ps.load(u)
+    want_params = saved.state.params if scope == "user" else rj.merge_params(
+        ps.shared_state(saved.shared_version).state.params, saved.state.params)
+    if scope == "hybrid":              # a newer shared version exists: the pair is not the newest one
+        assert saved.shared_version < ps.shared_state().version
+    user = open_store(store).user(u)
+    q, cands = user.query_emb[:5], user.memory_emb[:9]
+    got = Reranker.open(pol[scope]).rank(u, q, cands, 3)
+    for i in range(5):
+        top, s = core_top(want_params, q[i], cands, 3)
+        assert got.selected[i].tolist() == top
+        np.testing.assert_allclose(got.scores[i], s, rtol=1e-5, atol=1e-6)
+    assert load_policy(ps, u).version == saved.version
+
+
+def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, monkeypatch):
+    store, pol = env
+    st = open_store(store)
+    user = st.user("user1")
+    calls = [{"call_id": "a", "user_id": "user1", "query_id": user.query_ids[2]},
+             {"call_id": "b", "user_id": "user1", "query_id": user.query_ids[0],
+              "candidates": list(user.memory_ids[:6])},
+             {"call_id": "c", "user_id": "someone-new", "query": "where is my passport",
+              "candidate_texts": ["passport in the drawer", "my cat is called Tom", "flight on Monday"]}]
+    (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    monkeypatch.setattr(rerank_cli, "Embedder", lambda model, progress=False: FakeEmbedder(16))
+    code, _, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
+                           "--m", "2", "--k", "8", "--out", tmp_path / "out.jsonl")
+    assert code == 0, err
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["call_id"] for o in out] == ["a", "b", "c"]
+    rr = Reranker.open(pol["user"])
+    params = rr.policy("user1").params
+    # a: the base retriever's top-8 of the user's memories, reranked
+    q = user.query_emb[2]
+    top8 = np.argsort(-(user.memory_emb @ q), kind="stable")[:8]
+    top, _ = core_top(params, q, user.memory_emb[top8], 2)
+    assert out[0]["selected"] == [user.memory_ids[top8[p]] for p in top] and out[0]["positions"] == top
+    # b: the listed candidates
+    top, s = core_top(params, user.query_emb[0], user.memory_emb[:6], 2)
+    assert out[1]["selected"] == [user.memory_ids[p] for p in top]
+    np.testing.assert_allclose(out[1]["scores"], s[top], atol=1e-5)
+    assert out[1]["policy_version"] == PolicyStore.open(pol["user"]).load("user1").version
+    # c: a new user, served the shared part, on embedded texts
+    fake = FakeEmbedder(16)
+    shared = PolicyStore.open(pol["user"]).shared_state().state.params
+    top, _ = core_top(shared, fake.encode([calls[2]["query"]])[0], fake.encode(calls[2]["candidate_texts"]), 2)
+    assert out[2]["selected"] == [calls[2]["candidate_texts"][p] for p in top] and out[2]["policy_version"] is None
+
+
+@pytest.mark.parametrize("line, where", [
+    ({"user_id": "user0", "query_id": "q0", "candidates": ["nope"]}, "key 'candidates'"),
+    ({"user_id": "user0", "query": "x", "query_id": "q0"}, "exactly one"),
+    ({"user_id": "user0"}, "exactly one"),
+    ({"user_id": "nobody", "query_id": "q0"}, "key 'user_id'"),
+    ({"user_id": "user0", "query_id": "q999"}, "key 'query_id'"),
+    ({"user_id": "user0", "query_id": "q0", "extra": 1}, "key 'extra'"),
+    ({"user_id": "user0", "query_id": "q0", "candidates": ["D1:1", "D1:1"]}, "twice"),
+])
+def test_a_bad_call_is_one_line_naming_the_line_and_nothing_is_written(capsys, tmp_path, env, line, where):
+    store, pol = env
+    good = {"user_id": "user0", "query_id": "q0"}
+    (tmp_path / "calls.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(line) + "\n")
+    code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
+                             "--out", tmp_path / "out.jsonl")
+    assert code == 2 and not (tmp_path / "out.jsonl").exists() and out == "", (err, out)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "calls.jsonl:2" in last and where in last, err
+
+
+def test_the_cache_keeps_the_most_recently_used_users(env):
+    _, pol = env
+    rr = Reranker.open(pol["user"], cache_users=2)
+    for u in ("user0", "user1", "user0", "user2"):
+        rr.policy(u)
+    assert list(rr._cache) == ["user0", "user2"]
+    p0 = rr.policy("user0").params
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
+                                                    jax.tree.leaves(load_policy(rr.store, "user0").params)))
