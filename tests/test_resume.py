@@ -173,6 +173,11 @@ def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_f
     # --resume with another option: the option is named
     rc, text = run(env, [*args, "--resume", "--lr", "0.01"], "t2")
     assert rc == 2 and text.strip().splitlines()[-1].startswith("error: --lr: differs from the interrupted run"), text
+    # --resume without the log the interrupted run was writing: refused, not silently dropped
+    no_log = [a for a in args if a not in ("--log-out", str(log))]
+    rc, text = run(env, [*no_log, "--resume"], "t3")
+    assert rc == 2 and text.strip().splitlines()[-1].startswith("error: --log-out: differs from the interrupted run"), \
+        text
 
     # damage the newest checkpoint: flip bytes in its arrays -> the previous one is used
     victim = max((f for f in (snaps[-1] / "arrays").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
@@ -185,6 +190,32 @@ def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_f
     assert_same_policies(reference["policies"], pol)
     assert log.read_bytes() == reference["log"].read_bytes()
     assert not rs_dir.exists()
+
+
+def test_a_continued_run_killed_mid_way_resumes_where_it_started(env):
+    """The second of two runs over a store (--queries 0:12, then 12:, continuing) is killed
+    after it has saved a users chunk; --resume starts every user from the version it had
+    before that run, so the result equals the uninterrupted pair of runs."""
+    d = env["dir"]
+    for pol, kill in ((d / "cont-ref", False), (d / "cont-kill", True)):
+        first = ["simulate", env["store"], "--policies", str(pol), *SIM, "--queries", "0:12"]
+        rc, err = run(env, first, f"{pol.name}-1")
+        assert rc == 0, err
+        second = ["simulate", env["store"], "--policies", str(pol), *SIM, "--queries", "12:"]
+        if not kill:
+            rc, err = run(env, second, f"{pol.name}-2")
+            assert rc == 0, err
+            continue
+        p = start(env, second, d / "ck.err")
+        rs_dir = RunState.path_for(pol)
+        assert wait_for(p, lambda: (m := newest_meta(rs_dir)) is not None and m["chunks_done"] >= 1
+                        and m["segments_done"] >= 1), (d / "ck.err").read_text()
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert newest_meta(rs_dir)["before"] is not None          # the run continued from the store
+        rc, err = run(env, [*second, "--resume"], "ck-resume")
+        assert rc == 0 and "resuming from" in err, err
+    assert_same_policies(d / "cont-ref", d / "cont-kill")
 
 
 def test_damaged_checkpoints_in_process(tmp_path):

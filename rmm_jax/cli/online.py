@@ -20,6 +20,7 @@ from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
+from rmm_jax.persist.runstate import RunState
 
 INITS = ("continue", "identity", "pretrained")
 INIT_HELP = ("Where the run starts. continue (the default when --policies exists): every user the store holds "
@@ -53,9 +54,15 @@ def check_scope(ps, layout, path) -> None:
         raise InputError(f"policy store {path} {bad[1]}", where=bad[0])
 
 
-def resolve_init(path, init: str | None) -> str:
-    """``--init`` as given, else ``continue`` when the policy store exists, ``identity`` when not."""
-    return init or ("continue" if Path(path).exists() else "identity")
+def resolve_init(path, init: str | None, resume: bool = False) -> str:
+    """``--init`` as given, else as the interrupted run resolved it (``--resume``), else
+    ``continue`` when the policy store exists, ``identity`` when not."""
+    if init:
+        return init
+    before = RunState.interrupted_fingerprint(path) if resume else None
+    if before and before.get("--init") in INITS:
+        return before["--init"]
+    return "continue" if Path(path).exists() else "identity"
 
 
 def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, writer: bool = True):

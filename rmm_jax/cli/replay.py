@@ -77,7 +77,7 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
                          "record; replay with --preset default", where="--preset")
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
-    init = resolve_init(policies, init)   # before the processes meet: process 0 may create the store
+    init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     st = open_store(store)

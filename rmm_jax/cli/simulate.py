@@ -118,7 +118,7 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
                          where="--citations")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
-    init = resolve_init(policies, init)   # before the processes meet: process 0 may create the store
+    init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     if overridden:

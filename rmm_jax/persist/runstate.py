@@ -136,6 +136,19 @@ class RunState:
         return t.parent / (t.name + SUFFIX)
 
     @classmethod
+    def interrupted_fingerprint(cls, target) -> dict | None:
+        """The fingerprint of the newest checkpoint an interrupted run of ``target`` left
+        (unverified; None if there is none), e.g. to resolve an option's default as that run
+        did before the checkpoint is restored and checked."""
+        rs = cls(cls.path_for(target), "", {}, None)
+        for _, snap in reversed(rs._snapshots()):
+            try:
+                return json.loads((snap / META_FILE).read_text())["fingerprint"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return None
+
+    @classmethod
     def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
               notify: Callable[[str], None] | None = None) -> "RunState":
         """Lock the run-state of ``target``; with ``resume`` restore its newest good

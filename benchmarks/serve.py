@@ -1,0 +1,117 @@
+"""Serving latency and throughput: ``Reranker.rank`` against a 100,000-user hybrid policy store.
+
+    python benchmarks/serve.py --json benchmarks/results/serve.json
+
+The store holds ``--users`` hybrid users (d = 384, rank 8: each user's low-rank factors,
+their Adam moments and learner state, 147 KB a user, as ``simulate --scope hybrid``
+writes them) saved against one shared version; their values are random (serving cost does
+not depend on them). It is built once into ``--store`` (kept for reuse with ``--keep``).
+
+Measured, each as a median of ``--repeats`` interleaved repeats with [min, max]:
+
+* **cold**: one query (K = 20 candidates, top 5) for a user whose policy is not in the
+  reranker's cache: the load from disk (an indexed SQLite lookup, one chunk read and its
+  checksums verified, the factors merged with their shared version, which one store object
+  reads once) plus the ranking. p50 and p99 over ``--samples`` random users. The OS page
+  cache is whatever the build left (no root to drop it), so a user's chunk may be in memory.
+* **warm**: the same users again, their policies cached on the device: the ranking alone.
+* **batched**: ``--batch`` queries of one cached user in one call: queries/s.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from _common import spread, write_result
+from tqdm import tqdm
+
+import rmm_jax as rj
+from rmm_jax.online.serve import Reranker
+from rmm_jax.persist.policy_store import PolicyStore
+
+
+def build(path: Path, users: int, dim: int, rank: int, per_save: int = 2000) -> None:
+    """A hybrid store of ``users`` random users, saved ``per_save`` at a time."""
+    layout, est, opt = rj.preset("default", scope="hybrid", rank=rank)
+    params = rj.init_reranker(jax.random.key(0), dim)
+    meta = {"kind": "linear", "dim": dim, "hidden": None, **layout.scope.meta(), "config": {"benchmark": "serve"}}
+    store = PolicyStore.create(path, meta, params)
+    sv = store.save_shared(rj.init_shared(params, layout, opt))
+    one = jax.jit(jax.vmap(lambda k: rj.init_user(params, k, layout, est, opt)))
+    noise = jax.jit(lambda t, k: jax.tree.map(lambda x: x + 0.01 * jax.random.normal(k, x.shape), t))
+    with store.writer(), tqdm(total=users, desc="build", unit="user", file=sys.stderr) as bar:
+        for lo in range(0, users, per_save):
+            n = min(per_save, users - lo)
+            keys = jax.random.split(jax.random.fold_in(jax.random.key(1), lo), n)
+            st = one(keys)
+            st = st._replace(params=noise(st.params, keys[0]))
+            store.save([f"u{i:07d}" for i in range(lo, lo + n)], jax.device_get(st), shared_version=sv)
+            bar.update(n)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--users", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--m", type=int, default=5)
+    ap.add_argument("--samples", type=int, default=200, help="users timed per repeat (cold, then warm)")
+    ap.add_argument("--batch", type=int, default=256, help="queries per batched call")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--store", type=Path, default=None, help="where the store is built (reused if present)")
+    ap.add_argument("--keep", action="store_true", help="keep the store")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    root = args.store or Path(tempfile.mkdtemp(prefix="rmm-serve-")) / "store"
+    t0 = time.perf_counter()
+    if not root.exists():
+        build(root, args.users, args.dim, args.rank)
+    build_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
+    cands = rng.standard_normal((args.batch, args.k, args.dim)).astype(np.float32)
+    rows = {"cold_p50_ms": [], "cold_p99_ms": [], "warm_p50_ms": [], "warm_p99_ms": [], "batched_qps": []}
+    Reranker.open(root).rank("u0000000", q[0], cands[0], args.m)          # compile once (both shapes)
+    Reranker.open(root).rank("u0000000", q, cands, args.m)
+    for rep in range(args.repeats):
+        rr = Reranker.open(root, cache_users=args.samples)                  # a new store object: nothing cached
+        users = [f"u{i:07d}" for i in rng.choice(args.users, args.samples, replace=False)]
+        cold = [timed(lambda: rr.rank(u, q[i % 8], cands[i % 8], args.m).scores) for i, u in enumerate(users)]
+        warm = [timed(lambda: rr.rank(u, q[i % 8], cands[i % 8], args.m).scores) for i, u in enumerate(users)]
+        batched = [args.batch / timed(lambda: rr.rank(users[0], q, cands, args.m).scores) for _ in range(5)]
+        rows["cold_p50_ms"].append(1e3 * np.percentile(cold, 50))
+        rows["cold_p99_ms"].append(1e3 * np.percentile(cold, 99))
+        rows["warm_p50_ms"].append(1e3 * np.percentile(warm, 50))
+        rows["warm_p99_ms"].append(1e3 * np.percentile(warm, 99))
+        rows["batched_qps"].append(float(np.median(batched)))
+        print(f"repeat {rep}: cold p50 {rows['cold_p50_ms'][-1]:.1f} ms, p99 {rows['cold_p99_ms'][-1]:.1f} ms; warm "
+              f"p50 {rows['warm_p50_ms'][-1]:.2f} ms, p99 {rows['warm_p99_ms'][-1]:.2f} ms; batched "
+              f"{rows['batched_qps'][-1]:.0f} queries/s", flush=True)
+    ps = PolicyStore.open(root)
+    out = {"setup": {"users": ps.n_users(), "dim": args.dim, "rank": args.rank, "k": args.k, "m": args.m,
+                     "samples": args.samples, "batch": args.batch, "repeats": args.repeats,
+                     "bytes_per_user": ps.user_bytes("u0000000")["bytes"], "build_s": round(build_s, 1),
+                     "backend": jax.default_backend(), "device": str(jax.devices()[0])},
+           **{k: spread(v) for k, v in rows.items()}}
+    if args.json:
+        write_result(args.json, out)
+    if not args.keep and args.store is None:
+        shutil.rmtree(root.parent, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
