@@ -145,9 +145,9 @@ def linear_factors(params, q, m, mask, dscores):
     """The linear reranker's gradient from ∂L/∂s (B, K), in closed form (module docstring).
 
     ``params`` is one user's merged reranker (kernels ``W`` and, in hybrid, ``lora``
-    factors). Returns ``(kernels, lora)``: ``kernels`` = {adapter: (x (B, d), y (B, d))}
-    with ∂L/∂K = Σ_b x_b ⊗ y_b; ``lora`` = {adapter: {"a": (d, r), "b": (d, r)}} dense
-    gradients, or {} without a residual.
+    factors). Returns the gradient tree with a pair ``(x (B, d), y (B, d'))`` at each leaf,
+    ∂L/∂leaf = Σ_b x_b ⊗ y_b: every leaf's gradient is rank B, kernels and low-rank factors
+    alike, so it can enter an optimiser's elementwise update without being written out.
     """
     pq, pm = params["q_adapter"], params["m_adapter"]
     kq, km = pq["W"]["kernel"], pm["W"]["kernel"]
@@ -155,21 +155,20 @@ def linear_factors(params, q, m, mask, dscores):
     qp = q + q @ kq + (0.0 if lq is None else (q @ lq["a"]) @ lq["b"].T)
     u = jnp.einsum("bk,bkd->bd", jnp.where(mask, dscores, 0.0), m)
     w = u + u @ km + (0.0 if lm is None else (u @ lm["a"]) @ lm["b"].T)
-    kernels = {"q_adapter": (q, w), "m_adapter": (u, qp)}
-    if lq is None:
-        return kernels, {}
-    lora = {"q_adapter": {"a": q.T @ (w @ lq["b"]), "b": w.T @ (q @ lq["a"])},
-            "m_adapter": {"a": u.T @ (qp @ lm["b"]), "b": qp.T @ (u @ lm["a"])}}
-    return kernels, lora
+    out = {"q_adapter": {"W": {"kernel": (q, w)}}, "m_adapter": {"W": {"kernel": (u, qp)}}}
+    if lq is not None:   # ∂L/∂A = (∂L/∂K) B = Σ_b x_b ⊗ (y_b B), ∂L/∂B = (∂L/∂K)ᵀ A = Σ_b y_b ⊗ (x_b A)
+        out["q_adapter"]["lora"] = {"a": (q, w @ lq["b"]), "b": (w, q @ lq["a"])}
+        out["m_adapter"]["lora"] = {"a": (u, qp @ lm["b"]), "b": (qp, u @ lm["a"])}
+    return out
 
 
-def _kernel_tree(pairs):
-    """{adapter: pair} -> the params tree shape {adapter: {"W": {"kernel": pair}}}."""
-    return {a: {"W": {"kernel": xy}} for a, xy in pairs.items()}
-
-
-def _lora_tree(grads):
-    return {a: {"lora": g} for a, g in grads.items()}
+def _split_factors(factors, shared_params):
+    """``(shared part, local part)`` of a factored gradient tree, by the shared params' keys."""
+    if not shared_params:
+        return {}, factors
+    shared = {a: {k: v for k, v in f.items() if k in shared_params[a]} for a, f in factors.items()}
+    local = {a: {k: v for k, v in f.items() if k not in shared_params[a]} for a, f in factors.items()}
+    return shared, {a: f for a, f in local.items() if f}
 
 
 def _where(pred, new, old):
@@ -212,19 +211,19 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
         return jax.lax.stop_gradient(b), new_baseline, weights, stats
 
     def linear_grads(shared_params, local_params, batch, b, weights):
-        """(losses (U,), shared gradient or {}, per-user factored/dense local gradient)."""
+        """(losses (U,), the shared part's dense gradient (the mean over active users of
+        their rank-B gradients, one contraction), each user's own part as rank-B factors)."""
         def one(local, bt, bb, w):
             loss, ds = jax.value_and_grad(lambda s: scores_loss(estimator, s, bt, bb, w))(
                 jax.lax.stop_gradient(bt.scores))
-            kernels, lora = linear_factors(scope.merge(shared_params, local), bt.q, bt.m, bt.mask, ds)
-            return loss, kernels, lora
+            return loss, linear_factors(scope.merge(shared_params, local), bt.q, bt.m, bt.mask, ds)
 
-        losses, kernels, lora = jax.vmap(one)(local_params, batch, b, weights)
-        if scope.local_is_full:
-            return losses, {}, _kernel_tree(kernels)
+        losses, factors = jax.vmap(one)(local_params, batch, b, weights)
+        shared_f, local_f = _split_factors(factors, shared_params)
         n_active = jnp.maximum(jnp.sum(jnp.any(batch.valid, axis=-1)), 1).astype(jnp.float32)
-        g_shared = _kernel_tree({a: jnp.einsum("ubi,ubj->ij", x, y) / n_active for a, (x, y) in kernels.items()})
-        return losses, g_shared, _lora_tree(lora) if lora else {}
+        g_shared = jax.tree.map(lambda xy: jnp.einsum("ubi,ubj->ij", *xy) / n_active, shared_f,
+                                is_leaf=lambda v: isinstance(v, tuple))
+        return losses, g_shared, local_f
 
     def autodiff_grads(shared_params, local_params, batch, b, weights):
         def total(sp, lp):
@@ -238,7 +237,7 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
         return losses, jax.tree.map(lambda g: g / n_active.astype(g.dtype), g_shared), g_local
 
     def step_local(params, opt_state, grads):
-        if linear and scope.local_is_full:          # factored kernels: into the optimiser's elementwise loop
+        if linear:                                  # rank-B factors: into the optimiser's elementwise loop
             return step_dense_or_factors(optimizer, params, opt_state, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
