@@ -13,7 +13,7 @@ ALLOWED = {
     "online": {"online", "data", "core", "persist"},
     "data": {"data", "core", "persist"},
     "core": {"core"},
-    "persist": {"persist", "core.types"},
+    "persist": {"persist", "core.types", "core.scope", "core.reranker"},
 }
 FLOOR = {"errors", "version"}
 

@@ -390,7 +390,7 @@ def learners(n, seed=0) -> LearnerState:
 
 def test_shared_scope_empty_trees_round_trip_bit_identically(tmp_path):
     st = new_store(tmp_path, meta=SHARED_META)
-    assert st.scope == "shared" and st.meta["scope"] == "shared"
+    assert st.scope.name == "shared" and st.meta["scope"] == "shared"
     n = 5000                                             # tiny rows: capped at MAX_CHUNK_USERS per chunk
     uids = [f"user_{i:05d}" for i in range(n)]
     ls = learners(n, 3)
@@ -444,11 +444,11 @@ def test_chunks_are_sized_by_bytes_unless_chunk_size_is_given(tmp_path):
 
 
 @pytest.mark.parametrize("bad,needle", [
-    ({"scope": "global"}, "meta scope 'global' is not one of"),
+    ({"scope": "global"}, "meta scope must be one of ('user', 'shared', 'hybrid'), got 'global'"),
     ({"scope": "hybrid"}, "needs a rank"),
-    ({"scope": "hybrid", "rank": 0}, "rank must be a positive int, got 0"),
-    ({"scope": "hybrid", "rank": True}, "rank must be a positive int, got True"),
-    ({"scope": "hybrid", "rank": "8"}, "rank must be a positive int"),
+    ({"scope": "hybrid", "rank": 0}, "meta rank must be >= 1, got 0"),
+    ({"scope": "hybrid", "rank": True}, "meta rank must be >= 1, got True"),
+    ({"scope": "hybrid", "rank": "8"}, "meta rank must be >= 1, got '8'"),
     ({"rank": 8}, "rank is only for scope 'hybrid', not 'user'"),
     ({"scope": "shared", "rank": 8}, "rank is only for scope 'hybrid', not 'shared'"),
 ])
@@ -464,8 +464,8 @@ def test_meta_scope_and_rank_errors_are_one_line(tmp_path, bad, needle):
 
 def test_hybrid_meta_is_kept(tmp_path):
     st = new_store(tmp_path, meta={**META, "scope": "hybrid", "rank": 4})
-    assert PolicyStore.open(st.path).meta["rank"] == 4 and st.scope == "hybrid"
-    assert new_store(tmp_path, "plain").scope == "user"
+    assert PolicyStore.open(st.path).meta["rank"] == 4 and st.scope.name == "hybrid"
+    assert new_store(tmp_path, "plain").scope.name == "user"
 
 
 # ----------------------------------------------------------------------------- shared state with optimiser

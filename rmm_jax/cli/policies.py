@@ -117,7 +117,7 @@ def store_doc(st: PolicyStore) -> dict:
     used_by: dict[int, list[int]] = {}
     for s in saves:
         used_by.setdefault(s.shared_version, []).append(s.version)
-    return {"path": str(st.path), "meta": st.meta, "scope": st.scope, "keep": st.keep, "n_users": st.n_users(),
+    return {"path": str(st.path), "meta": st.meta, "scope": st.scope.name, "keep": st.keep, "n_users": st.n_users(),
             "shared": {"loads": loads, "error": error, "skipped": [s._asdict() for s in skipped],
                        "versions": [{"version": v, "newest": v in newest, "used_by": used_by.get(v, [])}
                                     for v in on_disk]},

@@ -110,8 +110,14 @@ class Scope(NamedTuple):
 
     @staticmethod
     def from_meta(meta: dict) -> "Scope":
-        """The scope a policy store's metadata records (absent: ``user``, the first stores')."""
-        return Scope.named(meta.get("scope") or "user", meta.get("rank"))
+        """The scope a policy store's metadata records (absent: ``user``, the first stores'),
+        checked: a rank is recorded for ``hybrid`` and only for it (``ValueError("scope: ...")``
+        or ``("rank: ...")`` otherwise)."""
+        name, rank = meta.get("scope") or "user", meta.get("rank")
+        checks.require(name in SCOPES, "scope", f"must be one of {SCOPES}, got {name!r}")
+        checks.require(name == "hybrid" or rank is None, "rank", f"is only for scope 'hybrid', not {name!r}")
+        checks.require(name != "hybrid" or rank is not None, "rank", "scope 'hybrid' needs a rank (a positive int)")
+        return Scope.named(name, rank)
 
     def mismatch(self, stored: "Scope") -> tuple[str, str] | None:
         """``(option, message)`` when a store of scope ``stored`` cannot take this scope's

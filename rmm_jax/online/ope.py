@@ -111,6 +111,7 @@ import numpy as np
 
 from rmm_jax.core import reranker
 from rmm_jax.core.sampling import selection_log_probs, top_m
+from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import user_params
@@ -743,8 +744,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples, min_ess=min_ess)
-    scope = (getattr(policies, "meta", None) or {}).get("scope") or "user"
-    shared = [] if scope == "shared" else sorted(u for u, own in calls.own_policy.items() if not own)
+    scope = Scope.from_meta(getattr(policies, "meta", None) or {})
+    shared = [] if not scope.has_local else sorted(u for u, own in calls.own_policy.items() if not own)
     if shared:
         res["notes"].append(f"{len(shared)} of {len(calls.own_policy)} users have no policy of their own in "
                             f"POLICIES: scored with its shared params")

@@ -75,6 +75,8 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
+from rmm_jax.core.reranker import KINDS
+from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1
@@ -111,7 +113,7 @@ from rmm_jax.persist.policy_snapshot import (
 )
 
 __all__ = ["PolicyStore", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save", "PolicyRestoreWarning",
-           "SCOPES", "DEFAULT_KEEP"]
+           "DEFAULT_KEEP"]
 
 FORMAT = "rmm-jax-policy-store"
 FORMAT_VERSION = 2
@@ -119,8 +121,6 @@ READS_FORMAT_VERSIONS = (1, 2)
 STORE_FILE = "policy_store.json"
 INDEX_DB = "index.sqlite"
 LOCK_FILE = ".lock"
-KINDS = ("linear", "mlp")
-SCOPES = ("user", "shared", "hybrid")
 DEFAULT_KEEP = 3
 DEFAULT_CHUNK_BYTES = 8 << 20  # 4-16 MB per chunk: one load reads and hashes ~8 MB
 MAX_CHUNK_USERS = 4096         # bounds the chunk.json a load parses when states are tiny
@@ -161,16 +161,11 @@ def _check_meta(meta: dict, where: str) -> dict:
     h = meta["hidden"]
     if h is not None and not _is_pos_int(h):
         raise InputError(f"meta hidden must be a positive int or None, got {h!r}", where=f"{where}: key 'hidden'")
-    scope = meta.get("scope", "user")
-    if scope not in SCOPES:
-        raise InputError(f"meta scope {scope!r} is not one of {SCOPES}", where=f"{where}: key 'scope'")
-    if "rank" in meta:
-        if scope != "hybrid":
-            raise InputError(f"meta rank is only for scope 'hybrid', not {scope!r}", where=f"{where}: key 'rank'")
-        if not _is_pos_int(meta["rank"]):
-            raise InputError(f"meta rank must be a positive int, got {meta['rank']!r}", where=f"{where}: key 'rank'")
-    elif scope == "hybrid":
-        raise InputError("meta scope 'hybrid' needs a rank (a positive int)", where=f"{where}: key 'rank'")
+    try:
+        Scope.from_meta(meta)
+    except ValueError as e:
+        key, _, msg = str(e).partition(": ")
+        raise InputError(f"meta {key} {msg}", where=f"{where}: key '{key}'") from None
     meta = {**meta, "config": dict(meta.get("config") or {})}
     try:
         json.dumps(meta)
@@ -220,15 +215,15 @@ class PolicyStore:
         self._shared_checked: dict[int, str | None] = {}
 
     @property
-    def scope(self) -> str:
-        """``meta["scope"]``: ``user`` (the default), ``shared`` or ``hybrid``."""
-        return self.meta.get("scope", "user")
+    def scope(self) -> Scope:
+        """The :class:`rmm_jax.core.scope.Scope` the store's metadata records."""
+        return Scope.from_meta(self.meta)
 
     @property
     def paired(self) -> bool:
         """Whether user versions are paired with the shared version they were trained
-        against (scopes ``shared`` and ``hybrid``)."""
-        return self.scope != "user"
+        against (scopes with a shared part)."""
+        return self.scope.has_shared
 
     # ---- create / open
 
@@ -597,7 +592,7 @@ class PolicyStore:
         if chunk_size is not None and chunk_size < 1:
             raise InputError(f"chunk_size must be >= 1, got {chunk_size}", where="save")
         if self.paired and shared_version is None:
-            raise InputError(f"a save in scope {self.scope!r} needs shared_version (the shared version these "
+            raise InputError(f"a save in scope {self.scope.name!r} needs shared_version (the shared version these "
                              "users were trained against)", where="save")
         specs, stacked = {}, {}
         for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
