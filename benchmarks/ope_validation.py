@@ -414,7 +414,8 @@ def main(argv=None) -> int:
                 runs.append(evaluate_log(st, log, ps, target_sampling, bootstrap=args.bootstrap, seed=seed))
                 log.unlink()
                 print(f"{name} seed {seed}: " + ", ".join(
-                    f"{x} {v['value']:.3f}" for x, v in runs[-1]["estimates"]["cited"].items()), file=sys.stderr)
+                    f"{x} " + ("withheld" if v["value"] is None else f"{v['value']:.3f}")
+                for x, v in runs[-1]["estimates"]["cited"].items()), file=sys.stderr)
             direct = [r["estimates"]["recall"]["direct"]["value"] for r in runs if "direct" in r["estimates"]["recall"]]
             scenarios[name] = {
                 "summary": summarise(runs, truth), "seconds": round(time.perf_counter() - t1, 1),
