@@ -5,9 +5,16 @@ Scripts run as ``python benchmarks/NAME.py``, so Python puts this folder first o
 ``sys.path`` and ``import _common`` works without touching it; ``rmm_jax`` is the installed
 package. No benchmark imports another: what two of them need lives here.
 
+* :class:`HelpFormatter`: the docstring as written and every default in ``--help``.
 * :func:`locomo_dir` / :func:`add_data_option`: ``--data`` (default ``$RMM_LOCOMO_DIR``, else
   ``../shared/data/locomo`` beside the repository), and :func:`require_data`: absent data
   is a skip with the reason (exit 0), except under ``CI=true`` where it fails (exit 1).
+* :func:`locomo_streams`: the one LoCoMo store builder (granularity, model, and
+  ``answers=`` for the question + answer embeddings of ``embed --answers``), and
+  :data:`TUNED_ON`: the conversations the defaults were tuned on (the rest are held out).
+* :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
+  users, side by side, and which user (conversation) each belongs to, for
+  :func:`gain_interval`'s ``groups``.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
   with the command line, date, commit and machine that produced it.
 * :func:`spread`: median, min and max of per-repeat values (timings: medians of
@@ -23,17 +30,26 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
+from rmm_jax.online.streams import Stream, load_streams, with_answer_support
 from rmm_jax.persist.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 DATA_ENV = "RMM_LOCOMO_DIR"
+MODEL = "all-MiniLM-L6-v2"       # the packaged offline model (rmm_jax.data.embed.DEFAULT_MODEL)
+TUNED_ON = ("26", "30")          # the LoCoMo conversations the defaults were chosen on; the rest are held out
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the module docstring's layout and shows every option's default."""
 
 
 def locomo_dir() -> Path:
@@ -44,7 +60,7 @@ def locomo_dir() -> Path:
 def add_data_option(ap: argparse.ArgumentParser) -> None:
     """``--data``: the LoCoMo file or directory (default :func:`locomo_dir`)."""
     ap.add_argument("--data", type=Path, default=locomo_dir(),
-                    help=f"LoCoMo file or directory (default ${DATA_ENV}, else ../shared/data/locomo)")
+                    help=f"LoCoMo file or directory (${DATA_ENV}, else ../shared/data/locomo)")
 
 
 def require_data(path: Path) -> Path:
@@ -57,6 +73,57 @@ def require_data(path: Path) -> Path:
         sys.exit(f"error: {msg}")
     print(f"skipped: {msg}", file=sys.stderr)
     sys.exit(0)
+
+
+class LoCoMo(NamedTuple):
+    """LoCoMo as the benchmarks use it: one stream per conversation (gold labels from the
+    dataset's evidence), and, when built with ``answers=True``, each conversation's
+    question + answer embeddings (T, d), in stream order."""
+    streams: list[Stream]
+    answers: dict[str, np.ndarray] | None
+
+    def answer_streams(self) -> list[Stream]:
+        """The streams with ``cite_gold`` = answer support at the library's rule
+        (:func:`rmm_jax.online.streams.with_answer_support`; never reads gold)."""
+        if self.answers is None:
+            raise ValueError("answer_streams: built without answers=True")
+        return [with_answer_support(s, self.answers[s.user_id]) for s in self.streams]
+
+
+def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn", answers: bool = False,
+                   users: Sequence[str] | None = None) -> LoCoMo:
+    """Embed LoCoMo (``data``: file or directory) into a temporary store, as ``rmm-jax embed
+    locomo:DATA --granularity G [--answers]`` would, and load ``users``' streams (all by
+    default) with ``k`` candidates each. Embeddings come from the embedder's disk cache
+    after the first build. The store is deleted; the streams hold their arrays."""
+    from rmm_jax.data import load_locomo
+    from rmm_jax.data.embed import Embedder
+    from rmm_jax.data.store import open_store, write_store
+
+    dataset = load_locomo(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        emb = Embedder(model, progress=False)
+        try:
+            write_store(Path(tmp) / "store", dataset, granularity, emb, spec=f"locomo:{data}", answers=answers)
+        finally:
+            emb.close()
+        store = open_store(Path(tmp) / "store")
+        streams = load_streams(store, k, users)
+        qa = {s.user_id: np.array(store.user_answers(s.user_id), np.float32) for s in streams} if answers else None
+    return LoCoMo(streams, qa)
+
+
+def pooled(per_user: dict, streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
+    """``users``' per-query values (user id -> (T,) in stream order), valid queries only,
+    concatenated in the order of ``users`` (float64)."""
+    by_id = {s.user_id: s for s in streams}
+    return np.concatenate([np.asarray(per_user[u], np.float64)[np.asarray(by_id[u].valid, bool)] for u in users])
+
+
+def query_groups(streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
+    """Which of ``users`` each value of :func:`pooled` belongs to (its index in ``users``)."""
+    by_id = {s.user_id: s for s in streams}
+    return np.concatenate([np.full(int(np.asarray(by_id[u].valid, bool).sum()), i) for i, u in enumerate(users)])
 
 
 def _commit() -> str | None:
