@@ -8,7 +8,7 @@ and the result names them in ``resamples``:
 
 * ``["seed", "query"]`` (no ``groups``): each replicate draws S seeds with replacement,
   then Q queries with replacement (the same queries for every drawn seed, as the runs
-  share them), and takes the mean. It covers the run-to-run noise of online learning and
+  share them), and takes the mean over both. It covers the run-to-run noise of online learning and
   the sampling of queries, *given these users*: the answer to "would another run on the
   same conversations give the same gain?".
 * ``["conversation", "seed", "query"]`` (``groups``: the conversation, or user, of each
@@ -28,9 +28,9 @@ Coverage of a nominal 95%, measured by simulation (gain 0.05, per-query noise σ
 
 * Without groups, on independent queries, the interval is conservative (resampling queries
   inside resampled seeds counts the query noise twice): 0.99.
-* 8 conversations of 80–120 queries, σ_c = 0.06: three levels 0.94; seed and query alone
-  0.65, as they take these conversations as the whole population.
-* 3 conversations of 80–120 queries, σ_c = 0.1: three levels 0.81, seed and query 0.46.
+* 8 conversations of 80–120 queries, σ_c = 0.06: three levels 0.95; seed and query alone
+  0.66, as they take these conversations as the whole population.
+* 3 conversations of 80–120 queries, σ_c = 0.1: three levels 0.79, seed and query 0.46.
   A percentile bootstrap over 3 clusters cannot see how far a fourth could lie (its
   variance is (G − 1)/G of the truth, and 3 clusters have only 10 distinct resamples).
   With LoCoMo's shape (3 held-out conversations of 150–260 queries, σ_c = 0.03, about the
@@ -59,43 +59,50 @@ from __future__ import annotations
 import numpy as np
 
 
+def resample_counts(groups, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """How often each of Q queries is drawn in each of ``n_boot`` replicates, (n_boot, Q)
+    ints: G of the G groups (``groups``: a label per query) with replacement, then inside
+    each drawn group as many of its queries as it has, with replacement (a group drawn
+    twice gives two independent draws). One group: a plain bootstrap over queries. Any
+    statistic of weighted queries (a mean, a ratio of summed counts) is then a product
+    with these counts."""
+    _, member = np.unique(np.asarray(groups), return_inverse=True)
+    n_groups, q = int(member.max()) + 1, member.size
+    drawn = (np.ones((n_boot, 1), np.int64) if n_groups == 1 else
+             rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=n_boot))     # (n_boot, G)
+    counts = np.zeros(n_boot * q, np.int64)
+    rows = np.arange(n_boot)[:, None] * q
+    for j in range(n_groups):
+        idx = np.flatnonzero(member == j)
+        for copy in range(int(drawn[:, j].max())):        # the copy-th draw of group j, where it was drawn that often
+            pick = idx[rng.integers(0, idx.size, (n_boot, idx.size))] + rows
+            counts += np.bincount(pick[drawn[:, j] > copy].ravel(), minlength=n_boot * q)
+    return counts.reshape(n_boot, q)
+
+
 def gain_interval(diffs, *, groups=None, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
-    """``{mean, lo, hi, seeds, queries, [groups,] resamples, significant}`` of per-query
-    paired ``diffs`` (S, Q); ``groups`` (Q,): the conversation (any hashable label) of each
-    query, which adds the conversation level (see the module docstring)."""
+    """``{mean, lo, hi, seeds, queries, groups, level, resamples, significant}`` of per-query
+    paired ``diffs`` (S, Q); ``groups`` (Q,): the conversation (any label) of each query,
+    which adds the conversation level (see the module docstring)."""
     d = np.asarray(diffs, np.float64)
     if d.ndim == 1:
         d = d[None]
     if d.ndim != 2 or d.size == 0:
         raise ValueError(f"diffs: expected a non-empty (seeds, queries) array, got shape {d.shape}")
     s, q = d.shape
+    g = np.zeros(q, int) if groups is None else np.asarray(groups)
+    if g.shape != (q,):
+        raise ValueError(f"groups: expected one label per query, shape ({q},), got {g.shape}")
+    n_groups = len(np.unique(g))
     rng = np.random.default_rng(seed)
-    seeds = rng.integers(0, s, (n_boot, s))
-    per_query_mean = d[seeds].mean(axis=1)                       # (n_boot, Q): mean over drawn seeds
-    out = {"mean": float(d.mean()), "seeds": s, "queries": q}
-    if groups is None:
-        queries = rng.integers(0, q, (n_boot, q))
-        boot = np.take_along_axis(per_query_mean, queries, axis=1).mean(axis=1)
-        levels = [("seed", s), ("query", q)]
-    else:
-        g = np.asarray(groups)
-        if g.shape != (q,):
-            raise ValueError(f"groups: expected one label per query, shape ({q},), got {g.shape}")
-        _, member = np.unique(g, return_inverse=True)
-        n_groups = int(member.max()) + 1
-        drawn = rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=n_boot)   # (n_boot, G)
-        # A group drawn c times contributes c independent draws of its n queries: together
-        # Multinomial(c·n, uniform) counts over its queries.
-        weights = np.zeros((n_boot, q))
-        for j in range(n_groups):
-            idx = np.flatnonzero(member == j)
-            weights[:, idx] = rng.multinomial(drawn[:, j] * idx.size, np.full(idx.size, 1 / idx.size))
-        boot = (weights * per_query_mean).sum(axis=1) / weights.sum(axis=1)
-        out["groups"] = n_groups
-        levels = [("conversation", n_groups), ("seed", s), ("query", q)]
+    per_query_mean = d[rng.integers(0, s, (n_boot, s))].mean(axis=1)   # (n_boot, Q): mean over drawn seeds
+    counts = resample_counts(g, n_boot, rng)
+    boot = (counts * per_query_mean).sum(axis=1) / counts.sum(axis=1)
     lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
-    return {**out, "lo": float(lo), "hi": float(hi), "level": level,
-            "resamples": [name for name, n in levels if n > 1], "significant": bool(lo > 0 or hi < 0)}
+    levels = (("conversation", n_groups), ("seed", s), ("query", q))
+    return {"mean": float(d.mean()), "lo": float(lo), "hi": float(hi), "seeds": s, "queries": q,
+            "groups": n_groups, "level": level, "resamples": [name for name, n in levels if n > 1],
+            "significant": bool(lo > 0 or hi < 0)}
 
 
 def format_interval(r: dict) -> str:
