@@ -12,6 +12,8 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`locomo_streams`: the one LoCoMo store builder (granularity, model, and
   ``answers=`` for the question + answer embeddings of ``embed --answers``), and
   :data:`TUNED_ON`: the conversations the defaults were tuned on (the rest are held out).
+* :func:`online_recall`: the one call of the online loop the LoCoMo benchmarks make (every
+  stream side by side in one chunk, per-query prequential Recall@M back).
 * :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
   users, side by side, and which user (conversation) each belongs to, for
   :func:`gain_interval`'s ``groups``.
@@ -36,6 +38,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from rmm_jax.online.run import run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
 from rmm_jax.online.streams import Stream, load_streams, with_answer_support
 from rmm_jax.persist.atomic import write_json
@@ -111,6 +114,13 @@ def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn
         streams = load_streams(store, k, users)
         qa = {s.user_id: np.array(store.user_answers(s.user_id), np.float32) for s in streams} if answers else None
     return LoCoMo(streams, qa)
+
+
+def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict:
+    """User id -> (T,) prequential Recall@M of one run of ``program`` (built once by
+    :func:`rmm_jax.make_run`, reused over seeds) with every stream side by side in one
+    chunk, each user starting from ``params``."""
+    return run_online(streams, program, params, seed=seed, users_per_chunk=len(streams)).recall
 
 
 def pooled(per_user: dict, streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:

@@ -79,29 +79,22 @@ def citation_model(name: str):
              "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD})
 
 
-def online_recall(streams, setting, cite, params, seed: int) -> dict:
-    """The one call of the online loop: user id -> (T,) prequential Recall@M, every stream
-    side by side in one chunk."""
-    program = rj.make_run(*setting, cite_fn=cite)
-    return rj.run_online(streams, program, params, seed=seed, users_per_chunk=len(streams)).recall
-
-
-def run_seed(streams, setting, cite, pcfg, scopes, rows, seed, log, preset_kw):
+def run_seed(streams, programs, pcfg, scopes, rows, seed, log):
     """Per-query prequential Recall@M of every row for one seed: row -> user -> (T,) array.
+    ``programs``: ``scope:<scope>`` (default preset) and ``paper``/``tempered_adam``, built once.
     ``streams`` carry what the citation model treats as useful (``cite_gold``); evaluation
     and pretraining use the gold labels."""
-    m = setting.layout.m
+    m = programs["scope:user"].layout.m
     identity = rj.init_reranker(jax.random.key(seed), streams[0].bank.shape[1])
     out = {"base": {s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}}
-    scoped = {sc: rj.preset("default", scope=sc, **preset_kw) for sc in scopes}
     for scope in scopes:
         if f"online:{scope}" in rows:
             log(f"seed {seed}: online, scope {scope}")
-            out[f"online:{scope}"] = online_recall(streams, scoped[scope], cite, identity, seed)
+            out[f"online:{scope}"] = _common.online_recall(streams, programs[f"scope:{scope}"], identity, seed)
     for name in ("paper", "tempered_adam"):
         if name in rows:
             log(f"seed {seed}: {name} preset")
-            out[name] = online_recall(streams, rj.preset(name, k=setting.layout.k, m=m), cite, identity, seed)
+            out[name] = _common.online_recall(streams, programs[name], identity, seed)
     pre_rows = [r for r in rows if r.startswith("pretrain")]
     info = {}
     for s in streams if pre_rows else []:
@@ -119,7 +112,7 @@ def run_seed(streams, setting, cite, pcfg, scopes, rows, seed, log, preset_kw):
                 continue
             # scope user learns from the held-out conversation alone; the shared scopes run
             # the other four beside it, as users of one deployment would.
-            got = online_recall([s] if scope == "user" else streams, scoped[scope], cite, pre, seed)
+            got = _common.online_recall([s] if scope == "user" else streams, programs[f"scope:{scope}"], pre, seed)
             out.setdefault(f"pretrain+online:{scope}", {})[s.user_id] = got[s.user_id]
     return out, info
 
@@ -165,9 +158,13 @@ def main(argv=None):
     locomo = _common.locomo_streams(data, args.k, model=args.model, granularity=args.granularity,
                                     answers=args.citations == "answer")
     streams = locomo.answer_streams() if args.citations == "answer" else locomo.streams
+    programs = {f"scope:{sc}": rj.make_run(*rj.preset("default", scope=sc, **preset_kw), cite_fn=cite)
+                for sc in SCOPES}
+    programs.update({name: rj.make_run(*rj.preset(name, k=args.k, m=m), cite_fn=cite)
+                     for name in ("paper", "tempered_adam")})
     per_seed, pretrain_info = [], {}
     for seed in seeds:
-        res, info = run_seed(streams, setting, cite, pcfg, scopes, rows, seed, log, preset_kw)
+        res, info = run_seed(streams, programs, pcfg, scopes, rows, seed, log)
         per_seed.append(res)
         pretrain_info[seed] = info
     users = [s.user_id for s in streams]
