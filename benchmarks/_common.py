@@ -12,6 +12,7 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`locomo_streams`: the one LoCoMo store builder (granularity, model, and
   ``answers=`` for the question + answer embeddings of ``embed --answers``), and
   :data:`TUNED_ON`: the conversations the defaults were tuned on (the rest are held out).
+* :func:`citation_model`: the ``--citations`` choices (:data:`CITATIONS`), as cite functions.
 * :func:`online_recall`: the one call of the online loop the LoCoMo benchmarks make (every
   stream side by side in one chunk, per-query prequential Recall@M back).
 * :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
@@ -47,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 DATA_ENV = "RMM_LOCOMO_DIR"
+CITATIONS = ("oracle", "precision_recall", "answer")
 MODEL = "all-MiniLM-L6-v2"       # the packaged offline model (rmm_jax.data.embed.DEFAULT_MODEL)
 TUNED_ON = ("26", "30")          # the LoCoMo conversations the defaults were chosen on; the rest are held out
 
@@ -114,6 +116,34 @@ def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn
         streams = load_streams(store, k, users)
         qa = {s.user_id: np.array(store.user_answers(s.user_id), np.float32) for s in streams} if answers else None
     return LoCoMo(streams, qa)
+
+
+def citation_model(name: str):
+    """``(cite_fn, description)`` of a ``--citations`` choice:
+
+    * ``oracle`` (``rmm-jax simulate``'s default): the class-calibrated simulator
+      (:func:`rmm_jax.data.citations.oracle`): a shown gold memory is cited with P 0.911,
+      any other with 0.154, every shown memory with 0.154 when no gold one is shown.
+    * ``precision_recall``: the older, more generous simulator at precision/recall
+      0.876/0.858 (:func:`rmm_jax.online.run.precision_recall_oracle`); it never cites
+      when no gold memory is shown.
+    * ``answer``: cites exactly the shown memories that support the reference answer;
+      the streams must carry answer support (:meth:`LoCoMo.answer_streams`).
+    """
+    from rmm_jax.data import citations as cm
+    from rmm_jax.online.run import precision_recall_oracle
+
+    if name == "oracle":
+        return cm.oracle(), {"model": "oracle (class-calibrated)", "p_useful": cm.P_USEFUL, "p_other": cm.P_OTHER,
+                             "spurious": cm.SPURIOUS}
+    if name == "precision_recall":
+        return (precision_recall_oracle(cm.DEFAULT_PRECISION, cm.DEFAULT_RECALL),
+                {"model": "precision/recall", "precision": cm.DEFAULT_PRECISION, "recall": cm.DEFAULT_RECALL})
+    if name == "answer":
+        return (cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0),
+                {"model": "answer (cites exactly the shown memories that support the reference answer)",
+                 "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD})
+    raise ValueError(f"citations: must be one of {CITATIONS}, got {name!r}")
 
 
 def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict:

@@ -56,27 +56,11 @@ import numpy as np  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.scope import DEFAULT_RANK  # noqa: E402
-from rmm_jax.data import citations as cm  # noqa: E402
 from rmm_jax.online.plot import plot_gains  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
-from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
-CITATIONS = ("oracle", "precision_recall", "answer")
-
-
-def citation_model(name: str):
-    """``(cite_fn, description)`` of a ``--citations`` choice."""
-    if name == "oracle":
-        return cm.oracle(), {"model": "oracle (class-calibrated)", "p_useful": cm.P_USEFUL, "p_other": cm.P_OTHER,
-                             "spurious": cm.SPURIOUS}
-    if name == "precision_recall":
-        return (precision_recall_oracle(cm.DEFAULT_PRECISION, cm.DEFAULT_RECALL),
-                {"model": "precision/recall", "precision": cm.DEFAULT_PRECISION, "recall": cm.DEFAULT_RECALL})
-    return (cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0),
-            {"model": "answer (cites exactly the shown memories that support the reference answer)",
-             "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD})
 
 
 def run_seed(streams, programs, pcfg, scopes, rows, seed, log):
@@ -124,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--granularity", default="turn", choices=["turn", "session", "segment"])
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--m", type=int, default=5)
-    ap.add_argument("--citations", default="precision_recall", choices=CITATIONS,
+    ap.add_argument("--citations", default="precision_recall", choices=_common.CITATIONS,
                     help="simulated generator of the online rows")
     ap.add_argument("--scope", default=",".join(SCOPES), help="comma-separated policy scopes")
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="rank of the hybrid residual")
@@ -153,7 +137,7 @@ def main(argv=None):
     preset_kw = dict(k=args.k, m=m, rank=args.rank, **({"lr": args.lr} if args.lr else {}))
     setting = rj.preset("default", **preset_kw)
     pcfg = PretrainConfig(m=m)
-    cite, cite_info = citation_model(args.citations)
+    cite, cite_info = _common.citation_model(args.citations)
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)
     locomo = _common.locomo_streams(data, args.k, model=args.model, granularity=args.granularity,
                                     answers=args.citations == "answer")
