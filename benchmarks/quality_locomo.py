@@ -197,8 +197,8 @@ def main(argv=None):
     print(f"({out['seconds']} s)")
     if args.plot:
         plot_gains({k: v["gain_held_out"] for k, v in out["rows"].items() if "gain_held_out" in v}, args.plot,
-                   title=f"LoCoMo held-out ({','.join(held)}) gain in Recall@{m} over the retriever, "
-                         f"{args.citations} citations\n95% interval resampling conversation, seed and query")
+                   title=f"LoCoMo held-out ({','.join(held)}): Recall@{m} gain over the retriever\n"
+                         f"{args.citations} citations; 95% interval over conversation, seed, query")
     if args.json:
         _common.write_result(args.json, out)
 
