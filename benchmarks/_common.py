@@ -39,7 +39,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from rmm_jax.online.run import run_online
+from rmm_jax.data import citations as cm
+from rmm_jax.data import load_locomo
+from rmm_jax.data.embed import Embedder
+from rmm_jax.data.store import open_store, write_store
+from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
 from rmm_jax.online.streams import Stream, load_streams, with_answer_support
 from rmm_jax.persist.atomic import write_json
@@ -101,10 +105,6 @@ def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn
     locomo:DATA --granularity G [--answers]`` would, and load ``users``' streams (all by
     default) with ``k`` candidates each. Embeddings come from the embedder's disk cache
     after the first build. The store is deleted; the streams hold their arrays."""
-    from rmm_jax.data import load_locomo
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.data.store import open_store, write_store
-
     dataset = load_locomo(data)
     with tempfile.TemporaryDirectory() as tmp:
         emb = Embedder(model, progress=False)
@@ -130,9 +130,6 @@ def citation_model(name: str):
     * ``answer``: cites exactly the shown memories that support the reference answer;
       the streams must carry answer support (:meth:`LoCoMo.answer_streams`).
     """
-    from rmm_jax.data import citations as cm
-    from rmm_jax.online.run import precision_recall_oracle
-
     if name == "oracle":
         return cm.oracle(), {"model": "oracle (class-calibrated)", "p_useful": cm.P_USEFUL, "p_other": cm.P_OTHER,
                              "spurious": cm.SPURIOUS}
