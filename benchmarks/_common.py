@@ -5,9 +5,19 @@ Scripts run as ``python benchmarks/NAME.py``, so Python puts this folder first o
 ``sys.path`` and ``import _common`` works without touching it; ``rmm_jax`` is the installed
 package. No benchmark imports another: what two of them need lives here.
 
+* :class:`HelpFormatter`: the docstring as written and every default in ``--help``.
 * :func:`locomo_dir` / :func:`add_data_option`: ``--data`` (default ``$RMM_LOCOMO_DIR``, else
   ``../shared/data/locomo`` beside the repository), and :func:`require_data`: absent data
   is a skip with the reason (exit 0), except under ``CI=true`` where it fails (exit 1).
+* :func:`locomo_streams`: the one LoCoMo store builder (granularity, model, and
+  ``answers=`` for the question + answer embeddings of ``embed --answers``), and
+  :data:`TUNED_ON`: the conversations the defaults were tuned on (the rest are held out).
+* :func:`citation_model`: the ``--citations`` choices (:data:`CITATIONS`), as cite functions.
+* :func:`online_recall`: the one call of the online loop the LoCoMo benchmarks make (every
+  stream side by side in one chunk, per-query prequential Recall@M back).
+* :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
+  users, side by side, and which user (conversation) each belongs to, for
+  :func:`gain_interval`'s ``groups``.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
   with the command line, date, commit and machine that produced it.
 * :func:`spread`: median, min and max of per-repeat values (timings: medians of
@@ -23,17 +33,32 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from rmm_jax.data import citations as cm
+from rmm_jax.data import load_locomo
+from rmm_jax.data.embed import Embedder
+from rmm_jax.data.store import open_store, write_store
+from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
+from rmm_jax.online.streams import Stream, load_streams, with_answer_support
 from rmm_jax.persist.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 DATA_ENV = "RMM_LOCOMO_DIR"
+CITATIONS = ("oracle", "precision_recall", "answer")
+MODEL = "all-MiniLM-L6-v2"       # the packaged offline model (rmm_jax.data.embed.DEFAULT_MODEL)
+TUNED_ON = ("26", "30")          # the LoCoMo conversations the defaults were chosen on; the rest are held out
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the module docstring's layout and shows every option's default."""
 
 
 def locomo_dir() -> Path:
@@ -44,7 +69,7 @@ def locomo_dir() -> Path:
 def add_data_option(ap: argparse.ArgumentParser) -> None:
     """``--data``: the LoCoMo file or directory (default :func:`locomo_dir`)."""
     ap.add_argument("--data", type=Path, default=locomo_dir(),
-                    help=f"LoCoMo file or directory (default ${DATA_ENV}, else ../shared/data/locomo)")
+                    help=f"LoCoMo file or directory (${DATA_ENV}, else ../shared/data/locomo)")
 
 
 def require_data(path: Path) -> Path:
@@ -57,6 +82,85 @@ def require_data(path: Path) -> Path:
         sys.exit(f"error: {msg}")
     print(f"skipped: {msg}", file=sys.stderr)
     sys.exit(0)
+
+
+class LoCoMo(NamedTuple):
+    """LoCoMo as the benchmarks use it: one stream per conversation (gold labels from the
+    dataset's evidence), and, when built with ``answers=True``, each conversation's
+    question + answer embeddings (T, d), in stream order."""
+    streams: list[Stream]
+    answers: dict[str, np.ndarray] | None
+
+    def answer_streams(self) -> list[Stream]:
+        """The streams with ``cite_gold`` = answer support at the library's rule
+        (:func:`rmm_jax.online.streams.with_answer_support`; never reads gold)."""
+        if self.answers is None:
+            raise ValueError("answer_streams: built without answers=True")
+        return [with_answer_support(s, self.answers[s.user_id]) for s in self.streams]
+
+
+def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn", answers: bool = False,
+                   users: Sequence[str] | None = None) -> LoCoMo:
+    """Embed LoCoMo (``data``: file or directory) into a temporary store, as ``rmm-jax embed
+    locomo:DATA --granularity G [--answers]`` would, and load ``users``' streams (all by
+    default) with ``k`` candidates each. Embeddings come from the embedder's disk cache
+    after the first build. The store is deleted; the streams hold their arrays."""
+    dataset = load_locomo(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        emb = Embedder(model, progress=False)
+        try:
+            write_store(Path(tmp) / "store", dataset, granularity, emb, spec=f"locomo:{data}", answers=answers)
+        finally:
+            emb.close()
+        store = open_store(Path(tmp) / "store")
+        streams = load_streams(store, k, users)
+        qa = {s.user_id: np.array(store.user_answers(s.user_id), np.float32) for s in streams} if answers else None
+    return LoCoMo(streams, qa)
+
+
+def citation_model(name: str):
+    """``(cite_fn, description)`` of a ``--citations`` choice:
+
+    * ``oracle`` (``rmm-jax simulate``'s default): the class-calibrated simulator
+      (:func:`rmm_jax.data.citations.oracle`): a shown gold memory is cited with P 0.911,
+      any other with 0.154, every shown memory with 0.154 when no gold one is shown.
+    * ``precision_recall``: the older, more generous simulator at precision/recall
+      0.876/0.858 (:func:`rmm_jax.online.run.precision_recall_oracle`); it never cites
+      when no gold memory is shown.
+    * ``answer``: cites exactly the shown memories that support the reference answer;
+      the streams must carry answer support (:meth:`LoCoMo.answer_streams`).
+    """
+    if name == "oracle":
+        return cm.oracle(), {"model": "oracle (class-calibrated)", "p_useful": cm.P_USEFUL, "p_other": cm.P_OTHER,
+                             "spurious": cm.SPURIOUS}
+    if name == "precision_recall":
+        return (precision_recall_oracle(cm.DEFAULT_PRECISION, cm.DEFAULT_RECALL),
+                {"model": "precision/recall", "precision": cm.DEFAULT_PRECISION, "recall": cm.DEFAULT_RECALL})
+    if name == "answer":
+        return (cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0),
+                {"model": "answer (cites exactly the shown memories that support the reference answer)",
+                 "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD})
+    raise ValueError(f"citations: must be one of {CITATIONS}, got {name!r}")
+
+
+def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict:
+    """User id -> (T,) prequential Recall@M of one run of ``program`` (built once by
+    :func:`rmm_jax.make_run`, reused over seeds) with every stream side by side in one
+    chunk, each user starting from ``params``."""
+    return run_online(streams, program, params, seed=seed, users_per_chunk=len(streams)).recall
+
+
+def pooled(per_user: dict, streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
+    """``users``' per-query values (user id -> (T,) in stream order), valid queries only,
+    concatenated in the order of ``users`` (float64)."""
+    by_id = {s.user_id: s for s in streams}
+    return np.concatenate([np.asarray(per_user[u], np.float64)[np.asarray(by_id[u].valid, bool)] for u in users])
+
+
+def query_groups(streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
+    """Which of ``users`` each value of :func:`pooled` belongs to (its index in ``users``)."""
+    by_id = {s.user_id: s for s in streams}
+    return np.concatenate([np.full(int(np.asarray(by_id[u].valid, bool).sum()), i) for i, u in enumerate(users)])
 
 
 def _commit() -> str | None:

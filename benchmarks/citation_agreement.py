@@ -15,18 +15,21 @@ prediction "useful"):
 
 counted over the base retriever's top-K candidates of every valid question (turn
 memories, MiniLM, K = 20), and again over its top-M (the memories an untrained policy
-shows). Each number carries a 95% bootstrap interval over questions (1000 resamples).
+shows). Each number carries a 95% bootstrap interval (1000 resamples) that resamples
+conversations, then questions inside them
+(:func:`rmm_jax.online.stats.resample_counts`; ``resamples`` in the JSON).
 
 The rule is tuned on ``--tune-on`` (default 26,30, the conversations the online preset
 was tuned on): top_c in 1..3 x threshold in {none, 0.40, 0.45, .., 0.70}, best
 Useful-class F1 (the Not-useful class is ~96% of candidates and near 1 either way). The
 held-out conversations are the report. With ``--learn-seeds N`` it also runs the online
-loop from identity (default preset) for N seeds with each citation model and reports
-the held-out prequential Recall@M gain over the retriever (mean and 95% interval, see
-``benchmarks/citation_noise.py`` for how the interval is formed).
+loop from identity (default preset, scope user) for N seeds with each citation model and
+reports the held-out prequential Recall@M gain over the retriever: the mean and its 95%
+interval over conversations, seeds and questions
+(:func:`rmm_jax.online.stats.gain_interval`), with the seed and question one beside it.
 
 LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
-``/work/shared/data/locomo``); when absent the script says so and exits 0, or 1 under
+``../shared/data/locomo``); when absent the script says so and exits 0, or 1 under
 ``CI=true``.
 """
 from __future__ import annotations
@@ -35,56 +38,31 @@ import argparse
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _common  # noqa: E402  (benchmarks/_common.py)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rmm_jax.data.citations import ANSWER_THRESHOLD, ANSWER_TOP_C, answer_support  # noqa: E402
+import rmm_jax as rj  # noqa: E402
+from rmm_jax.data.citations import (  # noqa: E402
+    ANSWER_THRESHOLD,
+    ANSWER_TOP_C,
+    P_OTHER,
+    P_USEFUL,
+    SPURIOUS,
+    answer_support,
+    oracle,
+)
+from rmm_jax.online.stats import resample_counts  # noqa: E402
+from rmm_jax.online.summary import base_values  # noqa: E402
 
-DEFAULT_DATA = Path(os.environ.get("RMM_LOCOMO_DIR", "/work/shared/data/locomo"))
 TOP_CS = (1, 2, 3)
 THRESHOLDS = (None, 0.40, 0.45, 0.50, 0.55, 0.60, 0.65, 0.70)
 N_BOOT = 1000
-
-
-def require_data(path: Path) -> None:
-    """Exit 0 with the reason when LoCoMo is absent (exit 1 under ``CI=true``)."""
-    if path.exists():
-        return
-    msg = f"{path}: LoCoMo data not found (set --data or RMM_LOCOMO_DIR)"
-    if os.environ.get("CI", "").lower() == "true":
-        sys.exit(f"error: {msg}")
-    print(f"skipped: {msg}", file=sys.stderr)
-    sys.exit(0)
-
-
-def build(data: Path, model: str, tmp: Path, *, qa: bool):
-    """(dataset, store, qa embeddings by user id or None): turn memories of LoCoMo."""
-    from rmm_jax.data import load_locomo
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.data.store import open_store, write_store
-
-    dataset = load_locomo(data)
-    emb = Embedder(model, progress=False)
-    try:
-        write_store(tmp / "store", dataset, "turn", emb, spec=f"locomo:{data}")
-        store = open_store(tmp / "store")
-        qa_emb = None
-        if qa:
-            qa_emb = {}
-            for u in dataset.users:
-                order = {q.id: i for i, q in enumerate(u.queries)}
-                texts = [f"{q.text} {q.answer or ''}".strip() for q in u.queries]
-                e = emb.encode(texts, desc=f"question+answer {u.id}")
-                qa_emb[u.id] = e[[order[qid] for qid in store.user(u.id).query_ids]]
-    finally:
-        emb.close()
-    return dataset, store, qa_emb
 
 
 def counts(pred: np.ndarray, gold: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -104,12 +82,11 @@ def table(c: np.ndarray) -> dict:
             "overall": {"P": po, "R": ro, "F1": f1(po, ro)}}
 
 
-def table_ci(per_q: np.ndarray, seed: int = 0) -> dict:
-    """:func:`table` of all questions, each value with a 95% bootstrap interval over questions."""
+def table_ci(per_q: np.ndarray, groups: np.ndarray, seed: int = 0) -> dict:
+    """:func:`table` of all questions, each value with a 95% bootstrap interval that
+    resamples conversations (``groups``: each question's), then questions inside them."""
     point = table(per_q.sum(0))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, per_q.shape[0], size=(N_BOOT, per_q.shape[0]))
-    boots = [table(per_q[i].sum(0)) for i in idx]
+    boots = [table(c) for c in resample_counts(groups, N_BOOT, np.random.default_rng(seed)) @ per_q]
     out = {}
     for row, vals in point.items():
         out[row] = {}
@@ -120,18 +97,19 @@ def table_ci(per_q: np.ndarray, seed: int = 0) -> dict:
     return out
 
 
-def support_counts(streams, qa_emb, users, top_c, threshold, width=None) -> np.ndarray:
-    """Stacked per-question counts of answer support vs gold over ``users``' valid questions."""
+def support_counts(streams, qa_emb, users, top_c, threshold, width=None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-question counts (Q, 4) of answer support vs gold over ``users``' valid questions,
+    and each question's conversation (its index in ``users``)."""
+    by_id = {s.user_id: s for s in streams}
     rows = []
-    for s in streams:
-        if s.user_id not in users:
-            continue
-        sup = answer_support(qa_emb[s.user_id], s.bank, s.cand, s.cand_mask, top_c=top_c, threshold=threshold)
+    for u in users:
+        s = by_id[u]
+        sup = answer_support(qa_emb[u], s.bank, s.cand, s.cand_mask, top_c=top_c, threshold=threshold)
         mask = s.cand_mask.copy()
         if width is not None:
             mask[:, width:] = False
         rows.append(counts(sup, s.cand_gold, mask)[s.valid])
-    return np.concatenate(rows)
+    return np.concatenate(rows), _common.query_groups(streams, users)
 
 
 def tune(streams, qa_emb, users) -> tuple[list, tuple]:
@@ -139,83 +117,42 @@ def tune(streams, qa_emb, users) -> tuple[list, tuple]:
     grid = []
     for c in TOP_CS:
         for th in THRESHOLDS:
-            t = table(support_counts(streams, qa_emb, users, c, th).sum(0))
+            t = table(support_counts(streams, qa_emb, users, c, th)[0].sum(0))
             grid.append({"top_c": c, "threshold": th, "useful_F1": round(t["useful"]["F1"], 4),
                          "useful_P": round(t["useful"]["P"], 4), "useful_R": round(t["useful"]["R"], 4)})
     best = max(grid, key=lambda g: g["useful_F1"])  # first of equals: the smaller c, no/lower threshold
     return grid, (best["top_c"], best["threshold"])
 
 
-def gain_ci(online: np.ndarray, base: np.ndarray, seed: int = 0) -> dict:
-    """Mean gain and its 95% interval from R seeds x Q questions of prequential recall.
-
-    ``online`` (R, Q), ``base`` (Q,). The seed part (sampling and citation draws) and the
-    question part (which questions the dataset has) are independent, so their variances
-    add: half-width = 1.96 * sqrt(s_seeds^2 / R + se_questions^2), where s_seeds is the
-    standard deviation of the R run means and se_questions the bootstrap standard error
-    over questions of the seed-averaged per-question gain.
-    """
-    online = np.asarray(online, np.float64)
-    per_q = online.mean(0) - base
-    runs = online.mean(1) - base.mean()
-    r = online.shape[0]
-    rng = np.random.default_rng(seed)
-    boot = per_q[rng.integers(0, per_q.size, size=(N_BOOT, per_q.size))].mean(1)
-    se2 = (runs.var(ddof=1) / r if r > 1 else 0.0) + boot.var(ddof=1)
-    half = 1.96 * float(np.sqrt(se2))
-    mean = float(per_q.mean())
-    return {"mean": round(mean, 4), "ci95": [round(mean - half, 4), round(mean + half, 4)],
-            "significant": bool(mean - half > 0 or mean + half < 0), "per_seed": [round(float(x), 4) for x in runs]}
-
-
-def run_seeds(streams, cfg, cite_fn, seeds) -> tuple[dict, dict]:
-    """Online from identity (one compiled program) for each seed. Returns ``(online, base)``:
-    user id -> prequential Recall@M of its valid questions in stream order, ``(R, Q_u)``
-    for the R seeds and ``(Q_u,)`` for the retriever."""
-    import jax
-
-    from rmm_jax.core.reranker import init_reranker
-    from rmm_jax.online.driver import ChunkDone, drive
-    from rmm_jax.online.loop import make_run
-    from rmm_jax.online.summary import base_values
-
-    params = init_reranker(jax.random.key(0), streams[0].bank.shape[1], cfg.kind, cfg.hidden)
-    program = make_run(cfg, cite_fn)
-    base = {s.user_id: np.asarray(base_values(s, cfg.m)[0])[s.valid] for s in streams}
-    online = {s.user_id: [] for s in streams}
-    for seed in seeds:
-        for ev in drive([streams], params, cfg, program, seed=seed, users_per_chunk=len(streams)):
-            if isinstance(ev, ChunkDone):
-                for s in ev.streams:
-                    online[s.user_id].append(ev.outputs[s.user_id]["recall"][s.valid])
-    return {u: np.stack(v) for u, v in online.items()}, base
-
-
-def pooled(online: dict, base: dict, users) -> tuple[np.ndarray, np.ndarray]:
-    """``users``' questions side by side: online (R, Q), base (Q,)."""
-    return np.concatenate([online[u] for u in users], 1), np.concatenate([base[u] for u in users])
+def learning_gain(streams, program, seeds, users) -> dict:
+    """Online from identity for each seed: the held-out gain in prequential Recall@M over
+    the retriever on ``users``, with its intervals (conversation+seed+question and
+    seed+question) and the per-seed means."""
+    params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
+    m = program.layout.m
+    base = _common.pooled({s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}, streams, users)
+    diffs = np.stack([_common.pooled(_common.online_recall(streams, program, params, seed), streams, users) - base
+                      for seed in seeds])
+    return {**_common.gain_interval(diffs, groups=_common.query_groups(streams, users)),
+            "given_these_conversations": _common.gain_interval(diffs),
+            "per_seed": [round(float(x), 4) for x in diffs.mean(1)], "base_recall": round(float(base.mean()), 4)}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LoCoMo file or directory")
-    ap.add_argument("--model", default="all-MiniLM-L6-v2")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    _common.add_data_option(ap)
+    ap.add_argument("--model", default=_common.MODEL)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--m", type=int, default=5)
-    ap.add_argument("--tune-on", default="26,30", help="conversations the rule is tuned on")
+    ap.add_argument("--tune-on", default=",".join(_common.TUNED_ON), help="conversations the rule is tuned on")
     ap.add_argument("--learn-seeds", type=int, default=5, help="seeds of the online runs (0: no learning runs)")
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
     args = ap.parse_args(argv)
-    require_data(args.data)
+    data = _common.require_data(args.data)
     t0 = time.perf_counter()
 
-    from rmm_jax import Config
-    from rmm_jax.data.citations import P_OTHER, P_USEFUL, SPURIOUS, oracle
-    from rmm_jax.online.streams import load_streams
-
-    with tempfile.TemporaryDirectory() as tmp:
-        _, store, qa_emb = build(args.data, args.model, Path(tmp), qa=True)
-        streams = load_streams(store, args.k)
+    locomo = _common.locomo_streams(data, args.k, model=args.model, answers=True)
+    streams, qa_emb = locomo.streams, locomo.answers
     users = [s.user_id for s in streams]
     tuned = [u for u in args.tune_on.split(",") if u in users]
     held = [u for u in users if u not in tuned]
@@ -225,11 +162,13 @@ def main(argv=None):
               f"(top_c={ANSWER_TOP_C}, threshold={ANSWER_THRESHOLD})", file=sys.stderr)
 
     def report(group, width):
-        c = support_counts(streams, qa_emb, group, top_c, threshold, width)
+        c, groups = support_counts(streams, qa_emb, group, top_c, threshold, width)
         cand = c.sum(0)
-        return {"questions": int(c.shape[0]), "candidates": int(cand.sum()),
+        return {"questions": int(c.shape[0]), "conversations": len(group), "candidates": int(cand.sum()),
                 "useful_share": round(float((cand[0] + cand[2]) / cand.sum()), 4),
-                "supported_share": round(float((cand[0] + cand[1]) / cand.sum()), 4), "table": table_ci(c)}
+                "supported_share": round(float((cand[0] + cand[1]) / cand.sum()), 4),
+                "resamples": ["conversation", "question"] if len(group) > 1 else ["question"],
+                "table": table_ci(c, groups)}
 
     out = {"rule": {"top_c": top_c, "threshold": threshold, "tuned_on": tuned, "held_out": held,
                     "criterion": "Useful-class F1 on the tuning conversations", "grid": grid},
@@ -241,7 +180,7 @@ def main(argv=None):
                      "overall": {"P": 0.876, "R": 0.858, "F1": 0.867}, "useful_share_implied": 0.585}}
 
     if args.learn_seeds > 0:
-        cfg = Config.preset("default", k=args.k, m=args.m)
+        setting = rj.preset("default", k=args.k, m=args.m)
         ans = [dataclasses.replace(s, cite_gold=answer_support(qa_emb[s.user_id], s.bank, s.cand, s.cand_mask,
                                                                 top_c=top_c, threshold=threshold)) for s in streams]
         models = {"oracle (gold, class-calibrated)": (streams, oracle()),
@@ -252,10 +191,8 @@ def main(argv=None):
         learning = {}
         for name, (ss, fn) in models.items():
             print(f"  learning: {name}", file=sys.stderr)
-            online, base = pooled(*run_seeds(ss, cfg, fn, seeds), held)
-            learning[name] = gain_ci(online, base)
-            learning[name]["base_recall"] = round(float(base.mean()), 4)
-        out["learning"] = {"held_out": held, "seeds": seeds, "preset": "default", "init": "identity",
+            learning[name] = learning_gain(ss, rj.make_run(*setting, cite_fn=fn), seeds, held)
+        out["learning"] = {"held_out": held, "seeds": seeds, "preset": "default", "scope": "user", "init": "identity",
                            "rates": {"p_useful": P_USEFUL, "p_other": P_OTHER, "spurious": SPURIOUS},
                            "gain_recall@m": learning}
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -271,18 +208,19 @@ def main(argv=None):
             print(f"  {name:<12}{cells}")
 
     print(f"Answer support (top_c={top_c}, threshold={threshold}, tuned on {','.join(tuned)}) vs gold evidence, "
-          f"percent with 95% bootstrap intervals:")
+          f"percent with 95% bootstrap intervals over conversations and questions:")
     show(f"held-out {','.join(held)}, top-{args.k} candidates", out["top_k"]["held_out"])
     show(f"tuned-on {','.join(tuned)}, top-{args.k} candidates", out["top_k"]["tuned_on"])
     show(f"held-out {','.join(held)}, retriever top-{args.m}", out["top_m"]["held_out"])
     if "learning" in out:
-        print(f"Online from identity, held-out Recall@{args.m} gain over the retriever ({args.learn_seeds} seeds):")
+        print(f"Online from identity, held-out Recall@{args.m} gain over the retriever ({args.learn_seeds} seeds; "
+              f"95% over conversation+seed+question, then seed+question):")
         for name, g in out["learning"]["gain_recall@m"].items():
-            print(f"  {name:<55}{g['mean']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]")
+            these = g["given_these_conversations"]
+            print(f"  {name:<55}{_common.format_interval(g)}  [{these['lo']:+.3f}, {these['hi']:+.3f}]")
     print(f"({out['seconds']} s)")
     if args.json:
-        from rmm_jax.persist.atomic import write_json
-        write_json(args.json, out)
+        _common.write_result(args.json, out)
 
 
 if __name__ == "__main__":

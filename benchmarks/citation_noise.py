@@ -15,9 +15,10 @@ no pretraining, so there is nothing to leave out. The reported number is the
 prequential Recall@5 gain over the base retriever on the conversations the default
 preset was *not* tuned on (``--held-out``, default 41,42,43); the all-conversation
 gain is in the JSON too. Each cell runs ``--seeds`` seeds (sampling and citation draws)
-through one compiled program. The 95% interval adds the seed variance of the run
-means to the bootstrap variance over questions (see
-``citation_agreement.gain_ci``); a cell whose interval excludes 0 is significant.
+through one compiled program. The 95% interval resamples conversations, seeds and
+questions (:func:`rmm_jax.online.stats.gain_interval`; ``resamples`` in the JSON); a cell
+whose interval excludes 0 is significant. With three held-out conversations that
+interval is approximate (see :mod:`rmm_jax.online.stats`).
 
 Reference points, run the same way: the class-calibrated defaults (0.911 / 0.154,
 spurious 0.154), the same with spurious 0, the position model (decay 0.9) and the
@@ -25,25 +26,35 @@ precision/recall simulator at its old defaults (0.876 / 0.858). And a sweep of t
 spurious rate alone (``--spurious``) at the paper's p_useful / p_other.
 
 LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
-``/work/shared/data/locomo``); when absent the script says so and exits 0, or 1 under
+``../shared/data/locomo``); when absent the script says so and exits 0, or 1 under
 ``CI=true``.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common  # noqa: E402  (benchmarks/_common.py)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from citation_agreement import DEFAULT_DATA, build, gain_ci, pooled, require_data, run_seeds  # noqa: E402
+
+import rmm_jax as rj  # noqa: E402
+from rmm_jax.data.citations import (  # noqa: E402
+    DEFAULT_PRECISION,
+    DEFAULT_RECALL,
+    P_OTHER,
+    P_USEFUL,
+    POSITION_DECAY,
+    oracle,
+    position_oracle,
+)
+from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
+from rmm_jax.online.summary import base_values  # noqa: E402
 
 P_USEFUL_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 P_OTHER_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
@@ -80,14 +91,15 @@ def plot(out: dict, path: Path) -> None:
     x = np.interp(ref["p_other"], po, range(len(po)))
     y = np.interp(ref["p_useful"], pu, range(len(pu)))
     ax.plot([x], [y], marker="*", markersize=14, color="gold", markeredgecolor="black", linestyle="none",
-            label=f"paper judge rates ({ref['p_useful']}, {ref['p_other']}): {ref_gain['mean']:+.3f} "
-                  f"[{ref_gain['ci95'][0]:+.3f}, {ref_gain['ci95'][1]:+.3f}]")
+            label=f"paper judge rates ({ref['p_useful']}, {ref['p_other']}): "
+                  f"{_common.format_interval(ref_gain)}")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=8, frameon=False)
     ax.set_xlabel("P(cite | not-useful memory shown) = spurious rate")
     ax.set_ylabel("P(cite | useful memory shown)")
     held = ",".join(out["config"]["held_out"])
     ax.set_title(f"LoCoMo held-out ({held}) online Recall@{out['config']['m']} gain over the retriever\n"
-                 f"mean of {len(out['config']['seeds'])} seeds; bold = 95% interval excludes 0", fontsize=10)
+                 f"mean of {len(out['config']['seeds'])} seeds; bold = 95% interval (conversation, seed, "
+                 f"question) excludes 0", fontsize=10)
     fig.colorbar(im, ax=ax, label="ΔRecall@5")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,9 +126,9 @@ def region(out: dict) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LoCoMo file or directory")
-    ap.add_argument("--model", default="all-MiniLM-L6-v2")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    _common.add_data_option(ap)
+    ap.add_argument("--model", default=_common.MODEL)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--m", type=int, default=5)
     ap.add_argument("--seeds", type=int, default=5, help="seeds per cell")
@@ -124,7 +136,8 @@ def main(argv=None):
     ap.add_argument("--p-other", type=floats, default=P_OTHER_GRID, help="comma-separated P(cite | not useful)")
     ap.add_argument("--spurious", type=floats, default=SPURIOUS_GRID,
                     help="comma-separated spurious rates swept at the paper's p_useful / p_other")
-    ap.add_argument("--held-out", default="41,42,43", help="conversations the heat map reports")
+    ap.add_argument("--held-out", default=None,
+                    help=f"conversations the heat map reports (default: all but {','.join(_common.TUNED_ON)})")
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
     ap.add_argument("--plot", type=Path, default=None, help="heat map PNG")
     ap.add_argument("--from-json", type=Path, default=None, help="redraw --plot from a saved result; run nothing")
@@ -134,34 +147,26 @@ def main(argv=None):
         if args.plot:
             plot(json.loads(args.from_json.read_text()), args.plot)
         return
-    require_data(args.data)
+    data = _common.require_data(args.data)
     t0 = time.perf_counter()
 
-    from rmm_jax import Config
-    from rmm_jax.data.citations import (
-        DEFAULT_PRECISION,
-        DEFAULT_RECALL,
-        P_OTHER,
-        P_USEFUL,
-        POSITION_DECAY,
-        oracle,
-        oracle_cite,
-        position_oracle,
-    )
-    from rmm_jax.online.streams import load_streams
-
-    with tempfile.TemporaryDirectory() as tmp:
-        _, store, _ = build(args.data, args.model, Path(tmp), qa=False)
-        streams = load_streams(store, args.k)
+    streams = _common.locomo_streams(data, args.k, model=args.model).streams
     users = [s.user_id for s in streams]
-    held = [u for u in args.held_out.split(",") if u in users]
-    cfg = Config.preset("default", k=args.k, m=args.m)
+    held = ([u for u in args.held_out.split(",") if u in users] if args.held_out
+            else [u for u in users if u not in _common.TUNED_ON])
+    setting = rj.preset("default", k=args.k, m=args.m)
     seeds = list(range(args.seeds))
+    params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
+    base = {s.user_id: np.asarray(base_values(s, args.m)[0]) for s in streams}
 
     def cell(cite_fn, rates):
-        online, base = run_seeds(streams, cfg, cite_fn, seeds)
-        return {"rates": rates, "held_out": gain_ci(*pooled(online, base, held)),
-                "all": gain_ci(*pooled(online, base, users))}
+        program = rj.make_run(*setting, cite_fn=cite_fn)
+        runs = [_common.online_recall(streams, program, params, seed) for seed in seeds]
+        out = {"rates": rates}
+        for name, us in (("held_out", held), ("all", users)):
+            diffs = np.stack([_common.pooled(r, streams, us) for r in runs]) - _common.pooled(base, streams, us)
+            out[name] = _common.gain_interval(diffs, groups=_common.query_groups(streams, us))
+        return out
 
     n_cells = len(args.p_useful) * len(args.p_other) + 4 + len(args.spurious)
     done = 0
@@ -182,7 +187,7 @@ def main(argv=None):
             (position_oracle(), {"p_useful": P_USEFUL, "p_other": P_OTHER, "spurious": P_OTHER,
                                  "decay": POSITION_DECAY}),
             "precision/recall oracle (old defaults)":
-            (functools.partial(oracle_cite, precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL),
+            (precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL),
              {"precision": DEFAULT_PRECISION, "recall": DEFAULT_RECALL})}
     for name, (fn, rates) in refs.items():
         reference[name] = cell(fn, rates)
@@ -204,8 +209,8 @@ def main(argv=None):
            "reference": reference, "spurious_sweep": spurious,
            "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "preset": "default",
                       "init": "identity", "conversations": users, "held_out": held, "seeds": seeds,
-                      "spurious": "= p_other", "interval": "1.96 * sqrt(seed variance / R + question bootstrap "
-                                                          "variance), 1000 resamples"},
+                      "spurious": "= p_other",
+                      "interval": "rmm_jax.online.stats.gain_interval, 95%, 2000 resamples"},
            "seconds": None}
     out["region"] = region(out)
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -220,19 +225,18 @@ def main(argv=None):
     print("Reference points:")
     for name, c in reference.items():
         h = c["held_out"]
-        print(f"  {name:<42}{h['mean']:+.4f} [{h['ci95'][0]:+.4f}, {h['ci95'][1]:+.4f}]")
+        print(f"  {name:<42}{_common.format_interval(h)}")
     print(f"Spurious rate alone, at p_useful {P_USEFUL} / p_other {P_OTHER}:")
     for c in spurious:
         h = c["held_out"]
-        print(f"  spurious {c['rates']['spurious']:<6g}{h['mean']:+.4f} [{h['ci95'][0]:+.4f}, {h['ci95'][1]:+.4f}]")
+        print(f"  spurious {c['rates']['spurious']:<6g}{_common.format_interval(h)}")
     print("Smallest p_useful from which learning significantly beats the retriever, per p_other: "
           + ", ".join(f"{k}: {v}" for k, v in out["region"].items()))
     print(f"({out['seconds']} s)")
     if args.plot:
         plot(out, args.plot)
     if args.json:
-        from rmm_jax.persist.atomic import write_json
-        write_json(args.json, out)
+        _common.write_result(args.json, out)
 
 
 if __name__ == "__main__":

@@ -12,43 +12,40 @@ users who come after. Users run ``--users-per-chunk`` at a time, in order.
 Default population: ``--users`` synthetic vector users (:mod:`rmm_jax.online.vectors`,
 d = 384, 100 memories, one query each; a distortion shared by all users hides the gold
 memory from the base retriever). ``--store`` runs the users of an embedding store instead
-(one stream per user, as LongMemEval's loader makes them). Oracle citations at the
-paper's precision/recall (0.876/0.858), default preset. Gains: mean ± 95% interval over
-``--seeds`` and a bootstrap over users (:mod:`rmm_jax.online.stats`).
+(one stream per user, as LongMemEval's loader makes them). Citations: ``--citations``
+(``oracle``, the class-calibrated simulator ``rmm-jax simulate`` uses, or
+``precision_recall`` at 0.876/0.858; see ``_common.citation_model``), default preset.
+Gains: mean ± 95% interval over ``--seeds`` and a bootstrap over users, each user one
+query (:func:`rmm_jax.online.stats.gain_interval`; ``resamples`` in the JSON).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # benchmarks/_common.py
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import rmm_jax as rj  # noqa: E402
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
-from rmm_jax.data.store import open_store  # noqa: E402
-from rmm_jax.online.run import simulate  # noqa: E402
-from rmm_jax.online.stats import format_interval, gain_interval  # noqa: E402
-from rmm_jax.online.streams import load_streams  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
-from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
-from rmm_jax.persist.atomic import write_json  # noqa: E402
+import rmm_jax as rj
+from rmm_jax.core.config import describe
+from rmm_jax.data.store import open_store
+from rmm_jax.online.streams import load_streams
+from rmm_jax.online.summary import base_values
+from rmm_jax.online.vectors import VectorSpec, vector_chunks
 
 SCOPES = ("user", "shared", "hybrid")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     ap.add_argument("--users", type=int, default=600)
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--store", type=Path, default=None, help="an embedding store to use instead of synthetic users")
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--scopes", default=",".join(SCOPES))
+    ap.add_argument("--citations", default="oracle", choices=_common.CITATIONS[:2], help="simulated generator")
     ap.add_argument("--users-per-chunk", type=int, default=8)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--json", type=Path, default=None)
@@ -63,33 +60,33 @@ def main(argv=None):
         source = {"synthetic vector users": spec._asdict()}
     q_per_user = [int(s.valid.sum()) for s in streams]
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
-    out = {"command": "python benchmarks/one_question.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "source": source, "users": len(streams), "queries_per_user": {"min": min(q_per_user),
-                                                                         "max": max(q_per_user)},
-           "config": {"preset": "default", "precision": DEFAULT_PRECISION, "recall": DEFAULT_RECALL,
-                      "users_per_chunk": args.users_per_chunk}, "rows": {}}
+    cite, cite_info = _common.citation_model(args.citations)
+    out = {"source": source, "users": len(streams),
+           "queries_per_user": {"min": min(q_per_user), "max": max(q_per_user)},
+           "config": {"preset": "default", "citations": cite_info, "users_per_chunk": args.users_per_chunk},
+           "rows": {}}
     seeds = [int(x) for x in args.seeds.split(",")]
     for scope in args.scopes.split(","):
-        cfg = rj.Config(k=args.k, scope=scope)
-        diffs, online, base = [], [], None
+        setting = rj.preset("default", k=args.k, scope=scope)
+        program = rj.make_run(*setting, cite_fn=cite)
+        m = setting.layout.m
+        ref = np.concatenate([np.asarray(base_values(s, m)[0])[s.valid] for s in streams])
+        diffs, online = [], []
         for seed in seeds:
-            r = simulate(streams, params, cfg, precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL, seed=seed,
-                         users_per_chunk=args.users_per_chunk)
+            r = rj.run_online(streams, program, params, seed=seed, users_per_chunk=args.users_per_chunk)
             got = np.concatenate([np.asarray(r.recall[s.user_id])[s.valid] for s in streams])
-            ref = np.concatenate([np.asarray(base_values(s, cfg.m)[0])[s.valid] for s in streams])
             diffs.append(got - ref)
             online.append(float(got.mean()))
-            base = float(ref.mean())
-        g = gain_interval(np.stack(diffs))
-        out["rows"][scope] = {"base_recall@5": base, "online_recall@5": float(np.mean(online)), "gain": g,
+        g = _common.gain_interval(np.stack(diffs))
+        out["rows"][scope] = {"setting": describe(*setting), f"base_recall@{m}": float(ref.mean()),
+                              f"online_recall@{m}": float(np.mean(online)), "gain": g,
                               "exactly_base": bool(all(np.all(d == 0) for d in diffs))}
-        print(f"{scope:<8} base {base:.4f}  online {np.mean(online):.4f}  gain {format_interval(g)}"
+        print(f"{scope:<8} base {ref.mean():.4f}  online {np.mean(online):.4f}  gain {_common.format_interval(g)}"
               + ("  (identical to the retriever on every query)" if out["rows"][scope]["exactly_base"] else ""),
               flush=True)
     out["seconds"] = round(time.perf_counter() - t0, 1)
-    out["loadavg"] = os.getloadavg()
     if args.json:
-        write_json(args.json, out)
+        _common.write_result(args.json, out)
 
 
 if __name__ == "__main__":

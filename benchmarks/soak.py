@@ -8,7 +8,8 @@ For each user count in ``--users`` (default 1000 and 10000):
    ``--dim`` (32); each query is a noisy copy of one of the user's memories (its gold
    memory), so the base retriever and the reranker have signal. The layout is the
    standard one (``rmm_jax.data.store``), validated by ``open_store``.
-2. ``rmm-jax simulate STORE --policies P1 --log-out LOG`` (oracle citations) runs the
+2. ``rmm-jax simulate STORE --policies P1 --log-out LOG`` (its default citations, the
+   class-calibrated oracle) runs the
    online loop over every user, writing per-user policies and the citation log (one
    record per query, appended chunk by chunk and renamed into place at the end).
 3. ``rmm-jax replay STORE --log LOG --policies P2`` validates the whole log in one
@@ -43,13 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common  # benchmarks/_common.py
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rmm_jax.data.store import FORMAT, VERSION
+from rmm_jax.persist.atomic import atomic_dir
 
-from rmm_jax.data.store import FORMAT, VERSION  # noqa: E402
-from rmm_jax.persist.atomic import atomic_dir  # noqa: E402
+ROOT = _common.REPO
 
 
 def write_synthetic_store(path: Path, users: int, memories: int, queries: int, dim: int, seed: int = 0) -> dict:
@@ -137,7 +138,8 @@ def soak(users: int, args, work: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--users", default="1000,10000", help="Comma-separated user counts (one soak each).")
     ap.add_argument("--queries", type=int, default=100, help="Queries per user.")
     ap.add_argument("--memories", type=int, default=64, help="Memories per user.")
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
     doc = {"config": {k: v for k, v in vars(args).items() if k != "json_out"}, "runs": results,
            "peak_rss_mib": peaks, "growth_mib": round(growth, 1), "pass": ok_bound and ok_growth}
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+        _common.write_result(args.json_out, doc)
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if doc["pass"] else 1

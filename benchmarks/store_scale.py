@@ -29,13 +29,13 @@ Usage::
         [--workdir DIR] [--keep] [--out benchmarks/results/store_scale.json]
 
 The result is merged into ``--out`` (one entry per (users, per_save), replacing an older
-one); ``--json`` also prints it on stdout. The store is deleted afterwards unless
+one, each entry with the ``provenance`` of the run that wrote it); ``--json`` also prints it
+on stdout. The store is deleted afterwards unless
 ``--keep``. Disk: ~150 KB per user (100,000 users: ~15 GB).
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import random
@@ -47,15 +47,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common  # benchmarks/_common.py
 import jax
 import numpy as np
 import optax
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rmm_jax.core.types import LearnerState, UserState
+from rmm_jax.persist.atomic import write_json
+from rmm_jax.persist.policy_store import PolicyStore
 
-from rmm_jax.core.types import LearnerState, UserState  # noqa: E402
-from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
+ROOT = _common.REPO
 
 D, RANK = 384, 8
 META = {"kind": "linear", "dim": D, "hidden": None, "scope": "hybrid", "rank": RANK,
@@ -168,7 +169,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
     assert n_users == n
     return {
         "users": n, "per_save": per_save, "saves": len(save_s),
-        "date": _dt.date.today().isoformat(), "machine": f"{os.cpu_count()} cores, {sys.platform}",
+        "provenance": _common.provenance(),
         "user_state": "hybrid d=384 rank 8: params q/m a,b (384,8) f32 + Adam mu,nu + learner state",
         "save_total_s": round(total_save, 2), "save_call_s_median": round(float(np.median(save_s)), 3),
         "save_call_s_max": round(max(save_s), 3), "users_per_s": round(n / total_save, 1),
@@ -188,7 +189,8 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--users", type=int, default=10_000, help="Users to save.")
     ap.add_argument("--per-save", type=int, default=1000, help="Users per save call.")
     ap.add_argument("--loads", type=int, default=20, help="Random users to load.")
@@ -208,8 +210,7 @@ def main(argv=None) -> int:
     doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "store_scale", "runs": []}
     doc["runs"] = [r for r in doc["runs"] if (r["users"], r["per_save"]) != (res["users"], res["per_save"])] + [res]
     doc["runs"].sort(key=lambda r: (r["users"], r["per_save"]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(out, doc)
     if args.json:
         print(json.dumps(res))
     else:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_fake_store, run_cli
 
+import rmm_jax as rj
+from rmm_jax.data.store import open_store
 from rmm_jax.online.serve import user_params
+from rmm_jax.online.streams import stream_from_user
 from rmm_jax.persist.policy_store import PolicyStore
 
 SIM = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "0"]
@@ -75,15 +79,52 @@ def test_rank_out_of_range_is_one_line_and_writes_nothing(capsys, tmp_path, stor
     assert not (tmp_path / "p").exists()
 
 
+def first_batch_log_probs(store, log, params, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the first ``n`` records of a simulate log (the first user's first batch, chosen
+    before any update): the logged behaviour log-probability of each selection, and the
+    exact Plackett–Luce log-probability of that selection under ``params`` at the default
+    preset's τ."""
+    records = [json.loads(line) for line in open(log) if line.strip()][:n]
+    st = open_store(store)
+    s = stream_from_user(st.user(records[0]["user_id"]), 8)
+    tau = rj.preset("default").estimator.sample_tau
+    logged, recomputed = [], []
+    for r in records:
+        assert r["user_id"] == s.user_id
+        t = s.query_ids.index(r["query_id"])
+        cand = [s.memory_ids[j] for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
+        assert r["candidates"] == cand                      # the log and this stream agree on the candidates
+        sel = jnp.asarray([cand.index(x) for x in r["selected"]])
+        mask = jnp.asarray(s.cand_mask[t])
+        scores = rj.score(params, jnp.asarray(s.queries[t]), jnp.asarray(s.bank[s.cand[t]]), mask)
+        recomputed.append(float(rj.selection_log_prob(scores, sel, tau, mask=mask)))
+        logged.append(r["log_prob"])
+    return np.asarray(logged), np.asarray(recomputed)
+
+
 @pytest.mark.parametrize("scope", ["user", "shared", "hybrid"])
 def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
+    # No validation users: the last trained epoch is kept (early stopping could keep the
+    # untrained start, which is identity, and then nothing here could tell the two apart).
     code, _, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "p", "--epochs", "2", "--k", "8", "--m",
-                           "3", "--scope", scope, "--rank", "2", "--checkpoint-every", "0")
+                           "3", "--scope", scope, "--rank", "2", "--checkpoint-every", "0", "--val-fraction", "0")
     assert code == 0, err
     pre = PolicyStore.open(tmp_path / "p").shared_state().state.params
+    assert not make_identity_check(pre)
     code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", "--init", "pretrained", *SIM,
-                             "--scope", scope, "--rank", "2", "--json")
+                             "--scope", scope, "--rank", "2", "--log-out", tmp_path / "log.jsonl", "--json")
     assert code == 0, err
+    # The first batch of the first user was drawn before any update, by the starting policy:
+    # its logged behaviour log-probabilities are those of the pretrained reranker (a new
+    # user's hybrid residual is zero), not those of the identity a run that ignored
+    # --init pretrained would have started from.
+    batch = rj.preset("default").layout.batch
+    logged, under_pre = first_batch_log_probs(store, tmp_path / "log.jsonl", pre, batch)
+    _, under_identity = first_batch_log_probs(store, tmp_path / "log.jsonl",
+                                              rj.init_reranker(jax.random.key(0), 16), batch)
+    assert len(logged) == batch
+    np.testing.assert_allclose(logged, under_pre, atol=1e-4)
+    assert np.abs(logged - under_identity).max() > 0.05
     ps = PolicyStore.open(tmp_path / "p")
     assert ps.meta["scope"] == scope
     u = ps.users()[0]

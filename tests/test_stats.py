@@ -1,5 +1,11 @@
-"""The gain interval covers the true gain (fixed seeds) and flags a null gain as not significant."""
+"""The gain interval covers the true gain (fixed seeds), flags a null gain as not
+significant, and, given each query's conversation, resamples conversations as the
+hierarchical bootstrap says (checked against exact enumeration) and covers when
+conversations differ, where the seed/query interval does not."""
+import itertools
+
 import numpy as np
+import pytest
 
 from rmm_jax.online.stats import format_interval, gain_interval
 
@@ -18,7 +24,76 @@ def test_interval_is_not_wider_than_needed_and_null_gains_are_not_significant():
     rng = np.random.default_rng(2)
     r = gain_interval(rng.normal(0, 0.3, (3, 300)), n_boot=1000)
     assert not r["significant"] and "n.s." in format_interval(r)
+    assert r["resamples"] == ["seed", "query"]
     # the interval is about ±1.96·σ/√Q·√2 at most (conservative by at most √2 here)
     assert r["hi"] - r["lo"] < 2 * 1.96 * 0.3 / np.sqrt(900) * 1.6
     big = gain_interval(0.2 + rng.normal(0, 0.3, (3, 300)), n_boot=1000)
     assert big["significant"] and big["lo"] > 0.1
+
+
+def conversations(rng, n_conv: int, sd_conv: float, gain: float = 0.05):
+    """3 seeds × the queries of ``n_conv`` conversations (80–120 each): gain + a
+    conversation effect + a small per-seed effect + per-query noise."""
+    sizes = rng.integers(80, 120, n_conv)
+    groups = np.repeat(np.arange(n_conv), sizes)
+    conv = rng.normal(0, sd_conv, n_conv)[groups]
+    return gain + conv[None] + rng.normal(0, 0.3, (3, groups.size)) + rng.normal(0, 0.01, (3, 1)), groups
+
+
+def coverage(n_conv: int, sd_conv: float, grouped: bool, reps: int = 150) -> float:
+    rng = np.random.default_rng(7)
+    hits = 0
+    for i in range(reps):
+        d, groups = conversations(rng, n_conv, sd_conv)
+        r = gain_interval(d, groups=groups if grouped else None, n_boot=300, seed=i)
+        hits += r["lo"] <= 0.05 <= r["hi"]
+    return hits / reps
+
+
+def test_with_conversations_as_a_level_the_interval_covers_where_seed_and_query_alone_do_not():
+    # Conversations that differ (σ_c = 0.06): the seed/query interval takes these 8 conversations
+    # as the whole population and misses the population gain; three levels cover (docstring: 0.95, 0.66).
+    assert coverage(8, 0.06, grouped=True, reps=120) >= 0.92
+    assert coverage(8, 0.06, grouped=False, reps=120) <= 0.75
+    # With three conversations the three-level interval is approximate, too narrow (0.79), and
+    # still far better than ignoring the level (0.46).
+    three = coverage(3, 0.1, grouped=True)
+    assert 0.7 <= three <= 0.9 and coverage(3, 0.1, grouped=False) <= three - 0.25
+
+
+def test_conversation_level_matches_exact_enumeration_of_the_draws():
+    # Every query of conversation g has the value v_g (no seed or query noise), so a replicate is
+    # Σ c_g n_g v_g / Σ c_g n_g over the conversation counts c of G draws with replacement: the
+    # G^G equally likely ordered draws give its exact distribution.
+    sizes, values = np.array([2, 3, 5]), np.array([0.0, 1.0, 4.0])
+    groups = np.repeat(["a", "b", "c"], sizes)
+    d = np.tile(np.repeat(values, sizes), (2, 1))
+    exact = []
+    for draw in itertools.product(range(3), repeat=3):
+        c = np.bincount(draw, minlength=3)
+        exact.append((c * sizes * values).sum() / (c * sizes).sum())
+    r = gain_interval(d, groups=groups, n_boot=40000, seed=3)
+    assert r["resamples"] == ["conversation", "seed", "query"] and r["groups"] == 3
+    assert r["mean"] == pytest.approx((sizes * values).sum() / sizes.sum())
+    want_lo, want_hi = np.quantile(exact, [0.025, 0.975], method="inverted_cdf")
+    assert r["lo"] == pytest.approx(want_lo) and r["hi"] == pytest.approx(want_hi)
+    # The whole distribution, not just two quantiles: the replicates' mean and spread.
+    middle = gain_interval(d, groups=groups, n_boot=40000, seed=3, level=0.5)
+    want_q = np.quantile(exact, [0.25, 0.75], method="inverted_cdf")
+    assert [middle["lo"], middle["hi"]] == pytest.approx(want_q)
+
+
+def test_queries_are_resampled_inside_each_drawn_conversation_only():
+    # One conversation holds only 1s, the other only 0s, in equal numbers: resampling queries
+    # within a conversation never mixes them, so a replicate is 0, 1/2 or 1 (draw 00, 01/10, 11).
+    groups = np.repeat([0, 1], 50)
+    d = np.repeat([1.0, 0.0], 50)[None]
+    r = gain_interval(d, groups=groups, n_boot=4000, seed=0, level=0.4)
+    assert r["lo"] == r["hi"] == 0.5 and r["resamples"] == ["conversation", "query"]
+    wide = gain_interval(d, groups=groups, n_boot=4000, seed=0)
+    assert wide["lo"] == 0.0 and wide["hi"] == 1.0
+
+
+def test_groups_must_label_every_query():
+    with pytest.raises(ValueError, match="groups"):
+        gain_interval(np.zeros((2, 5)), groups=[0, 1])

@@ -1,0 +1,60 @@
+"""The benchmark scripts stay runnable and separate: each imports on today's API, as
+``python benchmarks/NAME.py`` sees it (the script's folder first on ``sys.path``, no edits
+to it), and none imports another script; what two need lives in ``benchmarks/_common.py``
+(or a private ``_ref_*`` module)."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+SHARED = {p.stem for p in BENCH.glob("_*.py")}
+# Not yet ported to the program object (another helper's remit); drop it from here once it is.
+NOT_PORTED = {"ope_validation"}
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def edits_sys_path(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+            return True
+    return False
+
+
+def test_no_script_imports_another_or_edits_sys_path():
+    scripts = {p.stem for p in SCRIPTS}
+    assert {"quality_locomo", "citation_noise", "defaults_sweep"} <= scripts
+    for p in SCRIPTS + [BENCH / f"{s}.py" for s in SHARED]:
+        assert not imports(p) & scripts, f"{p.name} imports another script: {sorted(imports(p) & scripts)}"
+        if p.stem not in NOT_PORTED:
+            assert not edits_sys_path(p), f"{p.name} edits sys.path"
+
+
+def test_every_script_imports_on_the_current_api():
+    code = ("import importlib, json, sys\n"
+            f"sys.path.insert(0, {str(BENCH)!r})\n"       # what `python benchmarks/NAME.py` puts first
+            "bad = {}\n"
+            f"for name in {sorted(p.stem for p in SCRIPTS if p.stem not in NOT_PORTED)!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except Exception as e:\n"
+            "        bad[name] = f'{type(e).__name__}: {e}'\n"
+            "print(json.dumps(bad))\n")
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {}
