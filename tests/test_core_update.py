@@ -70,9 +70,18 @@ def test_update_equals_per_user_brute_force_eagerly(scope):
     check_brute_force(scope, "adam", lambda f: f)
 
 
-def check_brute_force(scope, opt_name, variant):
+@pytest.mark.parametrize("scope", rj.SCOPES)
+@pytest.mark.parametrize("variant_name", ["jit", "eager"])
+def test_the_logistic_loss_runs_through_the_same_update_and_equals_the_brute_force(scope, variant_name):
+    """``loss="logistic"`` (judge-corrected) is a loss of the scores like REINFORCE: the one update's
+    closed-form linear gradient and its shared mean equal autodiff of each user's loss."""
+    check_brute_force(scope, "adam", jax.jit if variant_name == "jit" else (lambda f: f),
+                      loss="logistic", offset=0.5, p_useful=0.9, p_other=0.2)
+
+
+def check_brute_force(scope, opt_name, variant, **est_fields):
     opt = OPTIMIZERS[opt_name]()
-    layout, est, shared, users, batch = setup(scope, opt)
+    layout, est, shared, users, batch = setup(scope, opt, **est_fields)
     new_shared, new_users, metrics = variant(rj.make_update(layout, est, opt))(shared, users, batch)
     grads_s, grads_l = [], []
     for u in range(U):
@@ -187,7 +196,8 @@ def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
 
 @pytest.mark.parametrize("field, value", [("m", 30), ("tau", 0.0), ("tau", -1.0), ("k", 0), ("reward", "pm2"),
                                           ("baseline", "median"), ("lr", 0.0), ("optimizer", "rmsprop"),
-                                          ("scope", "everyone"), ("rank", 0), ("batch", 0)])
+                                          ("scope", "everyone"), ("rank", 0), ("batch", 0), ("loss", "hinge"),
+                                          ("offset", float("nan")), ("p_useful", 0.0), ("p_other", 1.0)])
 def test_settings_reject_out_of_range_values_naming_the_field(field, value):
     extra = {"scope": "hybrid"} if field == "rank" else {}
     with pytest.raises(ValueError, match=rf"^{field}:"):
