@@ -1,5 +1,7 @@
 """The one update: pure, jitted and eager, the same function in every scope, and equal to a
 per-user brute force (autodiff of each user's loss, then optax) whatever the optimiser."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,6 +221,9 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
+    real, default = rj.preset("realistic"), rj.preset("default")       # default with the logistic loss, nothing else
+    assert real.layout == default.layout and optim.describe(real.optimizer) == optim.describe(default.optimizer)
+    assert real.estimator == dataclasses.replace(default.estimator, loss="logistic") != default.estimator
 
 
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
