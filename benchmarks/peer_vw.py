@@ -43,7 +43,8 @@ Recall@5 in no digit), so it ends below the retriever. It shows what a contextua
 anchor costs here.
 
 **rmm-jax** (the ``rmm_jax`` rows): the library's online loop (``make_run`` + ``drive``,
-:func:`rmm_jax_online`), default preset, every user from the identity reranker (the
+:func:`rmm_jax_online`), the ``--preset`` (default ``default``; ``realistic`` takes the
+citations as labels, see ``benchmarks/learn_sweep.py``), every user from the identity reranker (the
 ``online`` row of ``quality_locomo.py``; VW has no pretraining either), on the same
 streams and seeds.
 
@@ -420,6 +421,8 @@ def main(argv=None):
     ap.add_argument("--tuned", type=Path, default=None,
                     help="take each citation model's VW setting from this earlier result JSON; skips the tuning")
     ap.add_argument("--no-ablation", action="store_true", help="skip the cb_explore_adf ablation rows")
+    ap.add_argument("--preset", default="default", choices=list(rj.PRESETS),
+                    help="rmm-jax's preset (default: default; realistic: the logistic loss)")
     ap.add_argument("--jax-timing-runs", type=int, default=5,
                     help="rmm-jax passes per seed, timed (median; a pass takes well under a second)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -446,7 +449,7 @@ def main(argv=None):
         tuned_on, dataset = TUNED_ON, f"locomo:{args.data}"
     users = [s.user_id for s in streams]
     held = [u for u in users if u not in tuned_on]
-    setting = rj.preset("default", k=k, m=m)
+    setting = rj.preset(args.preset, k=k, m=m)
     tau = setting.estimator.tau
     tune_streams = [s for s in streams if s.user_id in tuned_on]
     n_queries = sum(s.queries.shape[0] for s in streams)

@@ -19,7 +19,7 @@ which yields events, consumed by a :class:`Recorder` and its sinks) → policies
 """
 
 from rmm_jax.core.config import PRESETS, Estimator, Layout, Setting, preset
-from rmm_jax.core.losses import advantages, citation_rewards, listwise_loss, reinforce_loss
+from rmm_jax.core.losses import advantages, citation_logistic_loss, citation_rewards, listwise_loss, reinforce_loss
 from rmm_jax.core.optim import Optimizer, adam, sgd
 from rmm_jax.core.reranker import init_lowrank, init_reranker, merge_params, score, score_batch, score_naive
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, selection_log_probs, top_m
@@ -35,8 +35,9 @@ __all__ = [
     "__version__",
     "Batch", "ChunkDone", "ChunkSkipped", "Estimator", "LearnerState", "Layout", "Optimizer", "PRESETS", "Program",
     "QueryBatch", "Recorder", "Resume", "SCOPES", "Scope", "SegmentDone", "Setting", "SharedState", "UserState",
-    "adam", "advantages", "citation_rewards", "drive", "gumbel_top_m", "init_learner_state", "init_lowrank",
-    "init_reranker", "init_shared", "init_user", "listwise_loss", "make_run", "make_update", "merge_params",
+    "adam", "advantages", "citation_logistic_loss", "citation_rewards", "drive", "gumbel_top_m", "init_learner_state",
+    "init_lowrank", "init_reranker", "init_shared", "init_user", "listwise_loss", "make_run", "make_update",
+    "merge_params",
     "preset", "reinforce_loss", "run_online", "score", "score_batch", "score_naive", "selection_log_prob",
     "selection_log_probs", "sgd", "top_m",
 ]

@@ -119,3 +119,12 @@ def test_version_names_jax_and_backend():
 def test_unknown_verb_fails_with_one_line(capsys):
     code, _, err = run_cli(["frobnicate"], capsys)
     assert code != 0 and "No such command" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("preset, loss, want", [("default", None, "reinforce"), ("default", "logistic", "logistic"),
+                                                ("realistic", None, "logistic"), ("realistic", "reinforce", "reinforce")])
+def test_loss_option_overrides_the_presets_loss(preset, loss, want):
+    from rmm_jax.cli.common import make_setting
+
+    setting = make_setting(preset, 20, 5, None, None, None, None, None, None, "linear", loss=loss)
+    assert setting.estimator.loss == want

@@ -119,3 +119,137 @@ def test_listwise_loss_is_cross_entropy_against_normalised_gold(variant):
     np.testing.assert_allclose(listwise(s, gold, mask), (l0 + l2) / 2, rtol=1e-6)
     g = jax.grad(lambda x: listwise(x, gold, mask))(s)
     assert g[2, 3] == 0.0 and np.all(np.asarray(g[1]) == 0.0)
+
+
+JUDGES = [(0.911, 0.154), (0.9, 0.2), (0.6, 0.0), (1.0, 0.0)]
+
+
+@pytest.mark.parametrize("p_useful, p_other", JUDGES)
+@pytest.mark.parametrize("mapping", ["binary", "pm1"])
+def test_corrected_rewards_are_unbiased_for_usefulness_by_enumeration(mapping, p_useful, p_other, variant):
+    """E[r | y] = Σ_c P(c | y)·r(c) over both citation outcomes equals y (binary) or 2y − 1 (pm1)."""
+    rewards = variant(rj.citation_rewards, static_argnames=("mapping", "p_useful", "p_other"))
+    r = rewards(jnp.array([True, False]), jnp.array([True, True]), mapping, p_useful, p_other)
+    r_cited, r_not = float(r[0]), float(r[1])
+    for y in (0, 1):
+        p_cite = p_useful if y else p_other
+        want = y if mapping == "binary" else 2 * y - 1
+        assert abs(p_cite * r_cited + (1 - p_cite) * r_not - want) < 1e-6, (y, r_cited, r_not)
+
+
+@pytest.mark.parametrize("mapping", ["binary", "pm1"])
+def test_corrected_rewards_average_to_usefulness_under_the_class_calibrated_simulator(mapping):
+    """Monte Carlo with the library's own class-calibrated citations (fixed seed): the mean
+    corrected reward of useful and of other shown memories is 1 and 0 (binary) or ±1 (pm1)
+    within 5 standard errors; the uncorrected reward misses by far more."""
+    from rmm_jax.data.citations import P_OTHER, P_USEFUL, oracle
+
+    n, cite = 40_000, oracle()
+    useful = jnp.array([True, False, False, True, False])          # calls that show something useful
+    cited = jax.jit(jax.vmap(lambda k: cite(k, useful, jnp.ones(5, bool))))(jax.random.split(jax.random.key(3), n))
+    for rates, unbiased in (((P_USEFUL, P_OTHER), True), ((1.0, 0.0), False)):
+        r = np.asarray(rj.citation_rewards(cited, jnp.ones_like(cited), mapping, *rates))
+        for cls, y in ((np.asarray(useful), 1), (~np.asarray(useful), 0)):
+            vals = r[:, cls].ravel()
+            want = y if mapping == "binary" else 2 * y - 1
+            off = abs(vals.mean() - want)
+            assert (off < 5 * vals.std() / np.sqrt(vals.size)) == unbiased, (rates, cls, off)
+
+
+def test_corrected_binary_reward_with_the_batch_mean_scales_the_reinforce_gradient_by_the_judge_gap(variant):
+    """r̂ = (c − p_o)/(p_u − p_o) is affine in c and the batch mean is shift-invariant, so the
+    loss gradient is exactly the uncorrected one divided by p_u − p_o (autodiff, both ways)."""
+    p_u, p_o = 0.911, 0.154
+    sel = jnp.array([[2, 0], [1, 3]], jnp.int32)
+    cited = jnp.array([[True, False], [False, False]])
+    filled = sel >= 0
+
+    def grad(rates):
+        r = rj.citation_rewards(cited, filled, "binary", *rates)
+        b = jnp.sum(r) / jnp.sum(filled)
+        return jax.grad(lambda s: rj.reinforce_loss(s, sel, r, b, TAU))(jnp.stack([SCORES, -SCORES]))
+
+    g = variant(grad, static_argnames=("rates",))
+    plain, corrected = np.asarray(g((1.0, 0.0))), np.asarray(g((p_u, p_o)))
+    assert np.abs(plain).max() > 1e-2                                  # not vacuous
+    np.testing.assert_allclose(corrected, plain / (p_u - p_o), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("p_useful, p_other, field", [(0.0, 0.0, "p_useful"), (1.2, 0.1, "p_useful"),
+                                                      (0.5, 0.5, "p_other"), (0.5, -0.1, "p_other")])
+def test_judge_rates_without_a_correction_are_rejected_naming_the_field(p_useful, p_other, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        rj.Estimator(p_useful=p_useful, p_other=p_other)
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        rj.citation_rewards(jnp.array([True]), jnp.array([True]), "binary", p_useful, p_other)
+
+
+def logistic_case(key, b=3, k=6, m=3):
+    """Random scores, selections (query 1 with an unfilled last slot) and citations; query 0's
+    candidate 5 is masked and never selected."""
+    ks, kc, kp = jax.random.split(key, 3)
+    scores = jax.random.normal(ks, (b, k))
+    sel = jax.vmap(lambda kk: jax.random.permutation(kk, k - 1)[:m])(jax.random.split(kp, b)).astype(jnp.int32)
+    sel = sel.at[1, -1].set(-1)
+    mask = jnp.ones((b, k), bool).at[0, 5].set(False)
+    return scores, sel, jax.random.bernoulli(kc, 0.4, (b, m)), mask
+
+
+def test_plain_logistic_loss_is_binary_cross_entropy_of_the_anchored_logits(variant):
+    """p_useful 1, p_other 0: optax's sigmoid BCE of u = (s − max s)/τ + offset over the shown memories."""
+    import optax
+
+    scores, sel, cited, mask = logistic_case(jax.random.key(0))
+    w = jnp.array([1.0, 0.5, 2.0])
+    got = variant(rj.citation_logistic_loss, static_argnames=("offset",))(scores, sel, cited, 0.3, offset=0.7,
+                                                                            mask=mask, weights=w)
+    s = np.where(np.asarray(mask), np.asarray(scores), -np.inf)
+    want = 0.0
+    for b in range(3):
+        for j, i in enumerate(np.asarray(sel[b])):
+            if i >= 0:
+                u = (s[b, i] - s[b].max()) / 0.3 + 0.7
+                want += float(w[b]) * float(optax.sigmoid_binary_cross_entropy(jnp.float32(u), cited[b, j]))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_logistic_gradient_moves_only_the_shown_memories_by_the_closed_form(variant):
+    """dL/ds_i = −w [c/P − (1 − c)/(1 − P)]·(p_u − p_o)·σ'(u)/τ for a shown memory, 0 for every other
+    candidate (the anchor is a constant), the masked one included."""
+    p_u, p_o, tau = 0.911, 0.154, 0.2
+    scores, sel, cited, mask = logistic_case(jax.random.key(1))
+    w = jnp.array([1.0, 0.5, 2.0])
+    g = variant(jax.grad(lambda s: rj.citation_logistic_loss(s, sel, cited, tau, p_useful=p_u, p_other=p_o,
+                                                              mask=mask, weights=w)))(scores)
+    s = np.where(np.asarray(mask), np.asarray(scores, np.float64), -np.inf)
+    want = np.zeros(s.shape)
+    for b in range(3):
+        for j, i in enumerate(np.asarray(sel[b])):
+            if i >= 0:
+                sig = 1 / (1 + np.exp(-(s[b, i] - s[b].max()) / tau))
+                p, c = p_o + (p_u - p_o) * sig, float(cited[b, j])
+                want[b, i] += -float(w[b]) * (c / p - (1 - c) / (1 - p)) * (p_u - p_o) * sig * (1 - sig) / tau
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("eta", [0.1, 0.4, 0.8])
+def test_judge_corrected_logistic_loss_is_proper_for_usefulness(eta):
+    """A memory useful with probability η, cited at the judge's rates: the expected corrected loss
+    is smallest at σ(u) = η; the uncorrected one at σ(u) = P(cite) = p_o + (p_u − p_o)·η instead."""
+    p_u, p_o, off = 0.911, 0.154, 6.0
+    x = jnp.linspace(-12.0, 0.0, 2401)                   # the memory's score; the other candidate's is 0, the best
+    scores = jnp.stack([jnp.zeros_like(x), x], axis=1)
+    sel = jnp.ones((1, 1), jnp.int32)
+    p_cite = p_o + (p_u - p_o) * eta
+
+    def expected(rates):
+        per = lambda c: jax.vmap(lambda s: rj.citation_logistic_loss(s[None], sel, jnp.full((1, 1), c), 1.0,
+                                                                     offset=off, p_useful=rates[0],
+                                                                     p_other=rates[1]))(scores)
+        return p_cite * per(True) + (1 - p_cite) * per(False)
+
+    logit = lambda p: np.log(p / (1 - p))
+    best = lambda rates: float(x[int(jnp.argmin(expected(rates)))]) + off          # u at the minimum
+    assert abs(best((p_u, p_o)) - logit(eta)) < 0.02
+    assert abs(best((1.0, 0.0)) - logit(p_cite)) < 0.02

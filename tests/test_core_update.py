@@ -1,5 +1,7 @@
 """The one update: pure, jitted and eager, the same function in every scope, and equal to a
 per-user brute force (autodiff of each user's loss, then optax) whatever the optimiser."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,9 +72,18 @@ def test_update_equals_per_user_brute_force_eagerly(scope):
     check_brute_force(scope, "adam", lambda f: f)
 
 
-def check_brute_force(scope, opt_name, variant):
+@pytest.mark.parametrize("scope", rj.SCOPES)
+@pytest.mark.parametrize("variant_name", ["jit", "eager"])
+def test_the_logistic_loss_runs_through_the_same_update_and_equals_the_brute_force(scope, variant_name):
+    """``loss="logistic"`` (judge-corrected) is a loss of the scores like REINFORCE: the one update's
+    closed-form linear gradient and its shared mean equal autodiff of each user's loss."""
+    check_brute_force(scope, "adam", jax.jit if variant_name == "jit" else (lambda f: f),
+                      loss="logistic", offset=0.5, p_useful=0.9, p_other=0.2)
+
+
+def check_brute_force(scope, opt_name, variant, **est_fields):
     opt = OPTIMIZERS[opt_name]()
-    layout, est, shared, users, batch = setup(scope, opt)
+    layout, est, shared, users, batch = setup(scope, opt, **est_fields)
     new_shared, new_users, metrics = variant(rj.make_update(layout, est, opt))(shared, users, batch)
     grads_s, grads_l = [], []
     for u in range(U):
@@ -186,7 +197,8 @@ def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
 
 @pytest.mark.parametrize("field, value", [("m", 30), ("tau", 0.0), ("tau", -1.0), ("k", 0), ("reward", "pm2"),
                                           ("baseline", "median"), ("lr", 0.0), ("optimizer", "rmsprop"),
-                                          ("scope", "everyone"), ("rank", 0), ("batch", 0)])
+                                          ("scope", "everyone"), ("rank", 0), ("batch", 0), ("loss", "hinge"),
+                                          ("offset", float("nan")), ("p_useful", 0.0), ("p_other", 1.0)])
 def test_settings_reject_out_of_range_values_naming_the_field(field, value):
     extra = {"scope": "hybrid"} if field == "rank" else {}
     with pytest.raises(ValueError, match=rf"^{field}:"):
@@ -208,6 +220,9 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
+    real, default = rj.preset("realistic"), rj.preset("default")       # default with the logistic loss, nothing else
+    assert real.layout == default.layout and optim.describe(real.optimizer) == optim.describe(default.optimizer)
+    assert real.estimator == dataclasses.replace(default.estimator, loss="logistic") != default.estimator
 
 
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])

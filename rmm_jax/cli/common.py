@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import PRESETS, Layout, Setting, describe
-from rmm_jax.core.losses import BASELINES, CREDITS, REWARDS
+from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REWARDS
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
@@ -68,7 +68,8 @@ def config_options(f):
                      help="Named setting: 'default' (chosen by measurement, see README); 'paper' (the RMM "
                           "update as written: top-M of s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob "
                           "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
-                          "Adam)."),
+                          "Adam); 'realistic' (default with the citations as labels of the shown memories, "
+                          "--loss logistic: for noisy citations)."),
         click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True,
                      help="Candidates from the base retriever."),
         click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True,
@@ -82,6 +83,9 @@ def config_options(f):
                      default=None, help=f"REINFORCE baseline {_preset_default('baseline')}."),
         click.option("--credit", type=click.Choice(CREDITS), default=None,
                      help=f"Credit assignment over the selection {_preset_default('credit')}."),
+        click.option("--loss", type=click.Choice(LOSSES), default=None,
+                     help="reinforce: REINFORCE on the citation rewards; logistic: the citations as labels of "
+                          "the shown memories (no baseline or credit) [default: reinforce; realistic: logistic]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(),
@@ -177,7 +181,7 @@ def raise_option_error(e: ValueError):
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 
-ESTIMATOR_OPTIONS = ("clip",)  # Estimator fields some verbs expose beyond config_options
+ESTIMATOR_OPTIONS = ("clip", "loss")  # Estimator fields passed on by name (not every verb has them)
 
 
 def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None,

@@ -35,13 +35,32 @@ from rmm_jax.core.sampling import NEG, selection_log_probs, valid_mask
 REWARDS = ("pm1", "binary")
 BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")
 CREDITS = ("item", "reward_to_go", "selection")
+LOSSES = ("reinforce", "logistic")
 
 
-def citation_rewards(cited, filled, mapping: str = "binary"):
-    """Per-shown-memory rewards: ``pm1`` +1 cited / −1 not (paper); ``binary`` 1 / 0.
+def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1.0, p_other: float = 0.0):
+    """Per-shown-memory rewards: ``binary`` 1 cited / 0 not; ``pm1`` +1 / −1 (paper); each
+    corrected for a judge that cites a useful memory with probability ``p_useful`` and any
+    other with ``p_other`` (the defaults 1 and 0 are a perfect judge: no correction).
+
+    With c ∈ {0, 1} the citation and y ∈ {0, 1} whether the memory was useful,
+    E[c | y] = p_other + (p_useful − p_other)·y, so
+
+        binary:  r = (c − p_other) / (p_useful − p_other),      E[r | y] = y
+        pm1:     r = 2·(c − p_other) / (p_useful − p_other) − 1, E[r | y] = 2y − 1
+
+    are unbiased for the usefulness indicator (binary) and for ±1 (pm1). A reward affine in
+    c changes a REINFORCE step only by a scale 1/(p_useful − p_other) and, for a constant
+    baseline b, by moving b to p_other + b·(p_useful − p_other): with ``batch_mean`` or
+    ``query_mean`` (shift-invariant) and Adam (scale-invariant) it leaves the update as it was.
+    It matters for SGD, for a constant baseline, and for reading ``reward`` on the usefulness
+    scale. The estimate is unbiased only where the judge's rates hold: the class-calibrated
+    simulator (:func:`rmm_jax.data.citations.oracle`) cites a call with nothing useful at its
+    ``spurious`` rate, which its defaults set equal to ``p_other``.
 
     Args:
       cited: (..., M) bool. filled: (..., M) bool, slots that held a memory.
+      p_useful, p_other: the judge's rates, 0 <= p_other < p_useful <= 1.
     Returns:
       (..., M) float32, zero at unfilled slots.
 
@@ -53,10 +72,23 @@ def citation_rewards(cited, filled, mapping: str = "binary"):
       [1.0, 0.0, 0.0]
       >>> rj.citation_rewards(cited, filled, "pm1").tolist()
       [1.0, -1.0, 0.0]
+      >>> [round(x, 4) for x in rj.citation_rewards(cited, filled, "binary", 0.9, 0.2).tolist()]  # (c − .2)/.7
+      [1.1429, -0.2857, 0.0]
+      >>> [round(x, 4) for x in rj.citation_rewards(cited, filled, "pm1", 0.9, 0.2).tolist()]     # 2(c − .2)/.7 − 1
+      [1.2857, -1.5714, 0.0]
     """
     checks.require(mapping in REWARDS, "reward", f"must be one of {REWARDS}, got {mapping!r}")
-    r = jnp.where(cited, 1.0, -1.0 if mapping == "pm1" else 0.0)
+    check_judge_rates(p_useful, p_other)
+    y = (jnp.where(cited, 1.0, 0.0) - p_other) / (p_useful - p_other)     # unbiased for usefulness
+    r = 2.0 * y - 1.0 if mapping == "pm1" else y
     return jnp.where(filled, r, 0.0).astype(jnp.float32)
+
+
+def check_judge_rates(p_useful: float, p_other: float) -> None:
+    """``ValueError`` naming the field unless 0 <= p_other < p_useful <= 1 (a judge that cites
+    useful memories more often than others; otherwise no correction exists)."""
+    checks.require(0.0 < p_useful <= 1.0, "p_useful", f"must be in (0, 1], got {p_useful}")
+    checks.require(0.0 <= p_other < p_useful, "p_other", f"must be in [0, p_useful={p_useful}), got {p_other}")
 
 
 def advantages(rewards, baseline, filled, credit: str = "item"):
@@ -134,6 +166,73 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
     lp = jax.vmap(lambda s, sel, g, mk: selection_log_probs(s, sel, tau, mode, g, mk))(
         scores, selected, gumbel, mask)
     return -jnp.sum(w[:, None] * adv * lp)
+
+
+def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful=1.0, p_other=0.0, mask=None,
+                           weights=None):
+    """Pointwise logistic regression of citations on the shown memories' scores, corrected
+    for the judge's rates (the ``logistic`` estimator).
+
+    Each shown memory j of query b is a labelled example: cited or not. Its usefulness
+    logit is the score relative to the query's best candidate, and a citation follows the
+    judge's rates (forward loss correction for class-conditional label noise: Natarajan et
+    al., NeurIPS 2013; Patrini et al., CVPR 2017):
+
+        u_bj = (s_{b,i_j} − sg[max_k s_bk]) / τ + offset,
+        P_bj = P(cite) = p_other + (p_useful − p_other)·σ(u_bj),
+        L = −Σ_b w_b Σ_j [c_bj log P_bj + (1 − c_bj) log(1 − P_bj)].
+
+    With ``p_useful`` = 1, ``p_other`` = 0 it is plain binary cross-entropy on the logits u
+    (what Vowpal Wabbit's ``--loss_function logistic`` fits per shown memory). The loss is
+    proper for usefulness: if a memory is useful with probability η and the judge cites at
+    those rates, E_c[L] is smallest at σ(u) = η. A memory that was not shown gets no
+    gradient, and the anchor max_k s_bk is a constant, so the loss moves the shown
+    memories' scores only, each against its own label: a cited memory rises by
+    ∝ (1 − P)·…, an uncited one falls by ∝ P·…, until its predicted citation rate matches
+    what it gets. ``offset`` places the best candidate's logit: memories the judge cites
+    less often than σ(offset) (plain) are pushed below the best.
+
+    Args:
+      scores: (B, K) reranker scores (differentiable). selected: (B, M) int32 positions,
+        −1 unfilled. cited: (B, M) bool. tau: logit scale > 0.
+      offset: the logit of the query's best candidate. p_useful, p_other: the judge's rates
+        (:func:`check_judge_rates`). mask: (B, K) bool valid candidates. weights: (B,)
+        per-query weights (importance ratios; 0 drops a padded query).
+
+    Returns:
+      Scalar loss.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> scores = jnp.array([[0.3, 0.2, 0.0]])            # memory 0 is the best candidate
+      >>> selected, cited = jnp.array([[0, 2]]), jnp.array([[False, True]])
+      >>> loss = lambda s: rj.citation_logistic_loss(s, selected, cited, 0.1)
+      >>> round(float(loss(scores)), 4)                     # −log(1 − σ(0)) − log σ(−3)
+      3.7417
+      >>> [round(x, 3) for x in jax.grad(loss)(scores)[0].tolist()]  # (σ(u) − c)/τ on the shown only
+      [5.0, 0.0, -9.526]
+    """
+    checks.check_rank(scores, 2, "scores")
+    checks.check_rank(selected, 2, "selected")
+    checks.require(cited.shape == selected.shape, "cited",
+                   f"shape {cited.shape} does not match selected {selected.shape}")
+    check_judge_rates(p_useful, p_other)
+    b = scores.shape[0]
+    weights = jnp.ones((b,), jnp.float32) if weights is None else weights
+    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
+    valid = valid_mask(scores, mask)
+    finite = jnp.where(valid, scores, 0.0)                  # masked (−inf) slots out before any arithmetic
+    top = jax.lax.stop_gradient(jnp.max(jnp.where(valid, scores, NEG), axis=-1, keepdims=True))
+    top = jnp.where(jnp.any(valid, axis=-1, keepdims=True), top, 0.0)
+    filled = selected >= 0
+    u = (jnp.take_along_axis(finite, jnp.maximum(selected, 0), axis=-1) - top) / tau + offset
+    u = jnp.where(filled, u, 0.0)
+    gap = p_useful - p_other
+    # log P and log(1 − P), stable for any u: P = p_other + gap·σ(u), 1 − P = (1 − p_useful) + gap·σ(−u)
+    log_p = jnp.logaddexp(jnp.log(jnp.float32(p_other)), jnp.log(jnp.float32(gap)) + jax.nn.log_sigmoid(u))
+    log_q = jnp.logaddexp(jnp.log(jnp.float32(1.0 - p_useful)), jnp.log(jnp.float32(gap)) + jax.nn.log_sigmoid(-u))
+    per = jnp.where(filled, jnp.where(cited, log_p, log_q), 0.0)
+    return -jnp.sum(jax.lax.stop_gradient(weights) * jnp.sum(per, axis=-1))
 
 
 def listwise_loss(scores, gold, mask=None, tau=1.0):

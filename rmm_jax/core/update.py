@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 
 from rmm_jax.core.config import Estimator, Layout
-from rmm_jax.core.losses import citation_rewards, reinforce_loss
+from rmm_jax.core.losses import citation_logistic_loss, citation_rewards, reinforce_loss
 from rmm_jax.core.optim import step_dense_or_factors
 from rmm_jax.core.reranker import score_batch
 from rmm_jax.core.sampling import selection_log_prob, top_m
@@ -112,6 +112,12 @@ def baseline_for(estimator: Estimator, learner_state: LearnerState, rewards, fil
     return ema, jnp.where(n > 0, estimator.ema * ema + (1 - estimator.ema) * batch_mean, ema)
 
 
+def estimator_rewards(estimator: Estimator, cited, filled):
+    """The estimator's per-shown-memory rewards (:func:`rmm_jax.core.losses.citation_rewards`
+    with its ``reward`` and judge rates)."""
+    return citation_rewards(cited, filled, estimator.reward, estimator.p_useful, estimator.p_other)
+
+
 def importance_weights(estimator: Estimator, scores, batch: Batch):
     """Per-query weights: 0 for padding; clip(π/μ) where a behaviour log-prob μ is logged.
 
@@ -130,8 +136,14 @@ def importance_weights(estimator: Estimator, scores, batch: Batch):
 
 
 def scores_loss(estimator: Estimator, scores, batch: Batch, baseline, weights):
-    """One user's batch loss as a function of its scores (B, K)."""
-    rewards = citation_rewards(batch.cited, batch.selected >= 0, estimator.reward)
+    """One user's batch loss as a function of its scores (B, K): REINFORCE on the citation
+    rewards, or (``loss="logistic"``) the citations as labels of the shown memories
+    (:func:`rmm_jax.core.losses.citation_logistic_loss`; no baseline or credit)."""
+    if estimator.loss == "logistic":
+        return citation_logistic_loss(scores, batch.selected, batch.cited, estimator.tau, offset=estimator.offset,
+                                      p_useful=estimator.p_useful, p_other=estimator.p_other, mask=batch.mask,
+                                      weights=weights)
+    rewards = estimator_rewards(estimator, batch.cited, batch.selected >= 0)
     return reinforce_loss(scores, batch.selected, rewards, baseline, estimator.loss_tau, mode=estimator.mode,
                           credit=estimator.credit, gumbel=batch.gumbel, mask=batch.mask, weights=weights)
 
@@ -202,7 +214,7 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
 
     def prepare(learner_state, batch: Batch):
         filled = (batch.selected >= 0) & batch.valid[:, None]
-        rewards = citation_rewards(batch.cited, filled, estimator.reward)
+        rewards = estimator_rewards(estimator, batch.cited, filled)
         b, new_baseline = baseline_for(estimator, learner_state, rewards, filled)
         weights = importance_weights(estimator, batch.scores, batch)
         n = jnp.maximum(jnp.sum(filled), 1)
