@@ -121,8 +121,9 @@ def test_unknown_verb_fails_with_one_line(capsys):
     assert code != 0 and "No such command" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("preset, loss, want", [("default", None, "reinforce"), ("default", "logistic", "logistic"),
-                                                ("realistic", None, "logistic"), ("realistic", "reinforce", "reinforce")])
+@pytest.mark.parametrize("preset, loss, want", [
+    ("default", None, "reinforce"), ("default", "logistic", "logistic"),
+    ("realistic", None, "logistic"), ("realistic", "reinforce", "reinforce")])
 def test_loss_option_overrides_the_presets_loss(preset, loss, want):
     from rmm_jax.cli.common import make_setting
 
