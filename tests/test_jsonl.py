@@ -1,6 +1,6 @@
 """Bring your own data: ``jsonl:`` chat histories and ``log:`` generator-call logs.
 
-Loader happy paths on the shipped examples, every bad record as one ``file:line: key``
+Loader happy paths on the small schema examples (``tests/fixtures``), every bad record as one ``file:line: key``
 error (exit 2, nothing written), text-carrying log records, and the README walkthrough end
 to end through the CLI: ``embed log:`` (through the embedding cache) → ``replay`` →
 ``evaluate`` with no dataset, and a chat-history store that replays the same log.
@@ -22,8 +22,8 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_store import PolicyStore
 
-EXAMPLES = REPO / "examples"
-CHATS, CALLS = EXAMPLES / "chat_history.jsonl", EXAMPLES / "calls.jsonl"
+EXAMPLES, FIXTURES = REPO / "examples", REPO / "tests" / "fixtures"
+CHATS, CALLS = FIXTURES / "chat_history.jsonl", FIXTURES / "calls.jsonl"   # every schema variant, 12 calls
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -474,8 +474,8 @@ def test_chat_history_store_replays_the_same_log(capsys, tmp_path):
     assert code == 0, err
 
 
-def test_examples_are_current():
-    """examples/calls.jsonl reads back, and its records agree with the chat history."""
+def test_fixtures_are_current():
+    """tests/fixtures/calls.jsonl reads back, and its records agree with the chat history."""
     records, report = read_log(CALLS)
     assert report["records"] == 12 and report["skipped"] == 0
     users = {u.id: u for u in load_jsonl(CHATS).users}
@@ -484,4 +484,36 @@ def test_examples_are_current():
         assert r.query_text == next(q.text for q in users[r.user_id].queries if q.id == r.query_id)
         assert all(turns[c] == t for c, t in zip(r.candidates, r.candidate_texts))
         assert r.logits is not None and r.log_prob is not None
-    assert Path(EXAMPLES / "make_calls.py").is_file()
+    assert Path(FIXTURES / "make_calls.py").is_file()
+
+
+def test_examples_are_current():
+    """The walkthrough's examples (examples/make_examples.py): every question of the chat
+    history is logged once, on the day its position in the user's questions gives; each
+    record's texts, gold and citations agree with the chat history (cited = the shown gold
+    turns); the requests are the script's."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_examples", EXAMPLES / "make_examples.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    users = {u.id: u for u in load_jsonl(EXAMPLES / "chat_history.jsonl").users}
+    assert len(users) == mod.USERS
+    seen = {}
+    for day in range(1, mod.DAYS + 1):
+        records, report = read_log(EXAMPLES / f"calls_day{day}.jsonl")
+        assert report["skipped"] == 0
+        for r in records:
+            user = users[r.user_id]
+            n = [q.id for q in user.queries].index(r.query_id)
+            assert n * mod.DAYS // len(user.queries) == day - 1 and (r.user_id, r.query_id) not in seen
+            seen[r.user_id, r.query_id] = day
+            q, turns = user.queries[n], {t.id: t.text for t in user.turns}
+            assert r.query_text == q.text and set(r.gold) == set(q.gold_turn_ids)
+            assert all(turns[c] == t for c, t in zip(r.candidates, r.candidate_texts))
+            assert len(r.candidates) == mod.K and len(r.selected) == mod.M
+            assert list(r.cited) == [t for t in r.selected if t in set(q.gold_turn_ids)]
+            assert r.log_prob == pytest.approx(pl_log_prob(r.logits, [r.candidates.index(t) for t in r.selected]),
+                                               abs=1e-5)
+    assert len(seen) == sum(len(u.queries) for u in users.values())
+    lines = (EXAMPLES / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == mod.REQUESTS

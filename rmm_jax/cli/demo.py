@@ -83,9 +83,11 @@ def demo(out, users, sessions, turns, as_json, **opts):
     rows = compare(train, evaluate, setting, PretrainConfig(m=m), seed=opts["seed"],
                         progress=lambda r: info(f"      row: {r}"))
     curves = {name: s["curve"] for name, s in rows.items() if not name.startswith("_")}
+    base_r = rows["base"][f"recall@{m}"]
     plot_curves(curves, out / "learning_curve.png",
-                title=f"Prequential Recall@{m} on {len(evaluate)} synthetic users (moving average)",
-                ylabel=f"Recall@{m}")
+                title=f"Prequential Recall@{m} on {len(evaluate)} held-out synthetic users (moving average)",
+                ylabel=f"Recall@{m}", reference="base",
+                notes={n: f"{rows[n][f'recall@{m}'] - base_r:+.3f} vs base" for n in curves if n != "base"})
     summary = {"rows": {n: {k: v for k, v in s.items() if k != "curve"} for n, s in rows.items()},
                "config": config_dict(setting), "spec": spec, "seconds": round(time.perf_counter() - t0, 1),
                "plot": str(out / "learning_curve.png")}

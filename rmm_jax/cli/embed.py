@@ -81,7 +81,7 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
       rmm-jax embed locomo:data/locomo --out stores/locomo_seg --granularity segment
       rmm-jax embed synthetic:users=4 --out /tmp/store --json
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine
-      rmm-jax embed log:examples/calls.jsonl --out stores/calls
+      rmm-jax embed log:examples/calls_day1.jsonl --out stores/calls
     """
     say = (lambda m: None) if quiet else info
     t0 = time.perf_counter()

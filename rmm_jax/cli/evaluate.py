@@ -112,7 +112,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     \b
     Examples:
       rmm-jax evaluate stores/locomo --log log.jsonl --policies policies2 --plot ope.png
-      rmm-jax evaluate stores/calls --log examples/calls.jsonl --policies p --min-ess 10  # 12 calls
+      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --k 8 --m 3
     """
     if not tau > 0 or tau == float("inf"):
         raise InputError(f"must be > 0, got {tau}", where="--tau")

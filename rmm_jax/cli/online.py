@@ -9,13 +9,14 @@ from typing import Any, NamedTuple
 import click
 import jax
 
-from rmm_jax.cli.common import check_rank, config_dict, emit_json, progress_bar
+from rmm_jax.cli.common import check_rank, config_dict, emit_json, info, progress_bar
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError
 from rmm_jax.online.driver import drive
+from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
@@ -100,6 +101,29 @@ def keep_option(f):
     return click.option("--keep", type=click.IntRange(min=1), default=None,
                         show_default=f"the store's; {DEFAULT_KEEP} for a new store",
                         help="Versions kept per user; a shared version stays while a kept user version needs it.")(f)
+
+
+def _png_path(ctx, param, value):
+    if value is not None and Path(value).suffix.lower() != ".png":
+        raise InputError(f"must name a .png file, got {value!r}", where="--plot")
+    return value
+
+
+def plot_option(f):
+    """``--plot FILE.png``: the run's prequential learning curve beside the base retriever's."""
+    return click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+                        callback=_png_path, expose_value=True,
+                        help="Also write a PNG: the prequential learning curve (moving average of per-query "
+                             "Recall@M over the query's position in its user's stream) beside the base "
+                             "retriever's on the same queries.")(f)
+
+
+def save_plot(result, setting, path, verb: str) -> None:
+    """Write ``--plot``: the learning curve of ``result`` (see :func:`plot_option`)."""
+    m, scope = setting.layout.m, setting.layout.scope
+    plot_learning(result.summary, result.base, path, m=m, label=f"{verb}, scope {scope.name}",
+                  title=f"{verb}: prequential Recall@{m} of {len(result.summary['per_user'])} users")
+    info(f"wrote {path}")
 
 
 def identity_params(st, layout, seed: int):

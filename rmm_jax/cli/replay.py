@@ -26,9 +26,11 @@ from rmm_jax.cli.online import (
     online_options,
     open_policies,
     plan_start,
+    plot_option,
     report,
     resolve_init,
     run_and_save,
+    save_plot,
     stored_scope,
 )
 from rmm_jax.data.store import open_store
@@ -54,9 +56,10 @@ from rmm_jax.persist.runstate import file_digest
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
+@plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, users_per_chunk, checkpoint_every, resume,
-           as_json, **opts):
+           plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log
@@ -68,6 +71,7 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     \b
     Example:
       rmm-jax replay store --log log.jsonl --policies policies2
+      rmm-jax replay store --log day2.jsonl --policies policies2 --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     setting = make_setting(**opts, clip=clip)
@@ -105,5 +109,7 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")
+    if plot_path and writer:
+        save_plot(result, setting, plot_path, "replay")
     report(result, setting,
            {"policies": str(policies), "init": init, "log": {"path": str(log_path), **rep}}, as_json)

@@ -26,9 +26,11 @@ from rmm_jax.cli.online import (
     online_options,
     open_policies,
     plan_start,
+    plot_option,
     report,
     resolve_init,
     run_and_save,
+    save_plot,
     stored_scope,
 )
 from rmm_jax.data import citations as cm
@@ -85,9 +87,10 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
+@plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def simulate(store, policies, init, keep, citations, precision, cite_recall, users, query_range, users_per_chunk,
-             log_out, checkpoint_every, resume, as_json, **opts):
+             log_out, checkpoint_every, resume, plot_path, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
@@ -99,6 +102,7 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
     \b
     Example:
       rmm-jax simulate store --policies policies --init pretrained --log-out log.jsonl
+      rmm-jax simulate store --policies policies --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     setting = make_setting(**opts)
@@ -150,6 +154,8 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
             rs.finish()
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
+    if plot_path and writer:
+        save_plot(result, setting, plot_path, "simulate")
     report(result, setting, {"policies": str(policies), "init": init,
                                 "citations": {"model": "precision/recall" if overridden else citations,
                                               **({"precision": precision, "recall": cite_recall} if overridden

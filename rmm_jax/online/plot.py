@@ -6,25 +6,61 @@ from pathlib import Path
 from rmm_jax.persist.atomic import atomic_file
 
 
-def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "query in stream (per user)") -> None:
-    """Write a PNG with one line per named curve, atomically."""
+def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "query in stream (per user)",
+                reference: str | None = None, notes: dict | None = None) -> None:
+    """Write a PNG of named curves (one value per query position), atomically.
+
+    Without ``reference``, one panel with a line per curve. With ``reference`` (a name in
+    ``curves``), one panel per other curve, side by side on a shared y axis, each drawn
+    beside the reference (grey, dashed): two curves that coincide (a pretrained policy
+    and the same policy trained on online) stay visible, each in its own panel. ``notes``
+    adds a text to a curve's panel title (e.g. its overall gain).
+    """
     import matplotlib  # lazy: slow to import, and Agg must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for name, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.8)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    if reference is not None and reference not in curves:
+        raise ValueError(f"reference {reference!r} is not one of the curves {sorted(curves)}")
+    panels = [n for n in curves if n != reference] if reference is not None else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(min(4.2 * len(panels), 12.6) if reference else 7, 4.2),
+                             dpi=120, sharey=True, squeeze=False)
+    for i, (ax, name) in enumerate(zip(axes[0], panels)):
+        if name is None:
+            for j, (n, ys) in enumerate(curves.items()):
+                ax.plot(range(1, len(ys) + 1), ys, label=n, lw=1.8, color=f"C{j}")
+            ax.legend()
+        else:
+            ref, ys = curves[reference], curves[name]
+            ax.plot(range(1, len(ref) + 1), ref, label=reference, lw=1.5, ls="--", color="0.45")
+            ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.8, color=f"C{i}")
+            note = (notes or {}).get(name)
+            ax.set_title(f"{name}: {note}" if note else name, fontsize=9)
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    if reference is None:
+        axes[0][0].set_title(title)
+    else:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     with atomic_file(Path(path), "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def plot_learning(summary: dict, base: dict, path, *, m: int, label: str, title: str) -> None:
+    """Write the prequential learning curve of one online run (``summary``, an
+    :class:`rmm_jax.online.run.OnlineResult`'s) beside the base retriever's on the same
+    queries (``base``): the moving average of per-query Recall@``m`` over the query's
+    position in its user's stream, averaged over the users that reach that position."""
+    key = f"recall@{m}"
+    gain = summary[key] - base[key] if summary[key] is not None and base[key] is not None else None
+    plot_curves({"base retriever": base["curve"], label: summary["curve"]}, path, title=title,
+                ylabel=f"Recall@{m} (moving average)", reference="base retriever",
+                notes={label: f"Recall@{m} {summary[key]:.3f}, {gain:+.3f} vs base" if gain is not None else ""})
 
 
 def plot_gains(gains: dict, path, *, title: str) -> None:

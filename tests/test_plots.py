@@ -1,0 +1,74 @@
+"""Pictures that show every row: learning curves beside a reference curve, and the
+``--plot`` of ``simulate``/``replay``.
+
+A curve is visible when its colour is in the image: two identical curves drawn on one
+axis leave only the colour of the one drawn last, so the test of "every row shows" is that
+every curve's colour is present.
+"""
+from __future__ import annotations
+
+import matplotlib.colors
+import matplotlib.image
+import numpy as np
+import pytest
+from conftest import make_fake_store, run_cli
+
+from rmm_jax.online.plot import plot_curves
+
+SIM = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "0"]
+
+
+def pixels_of(png, color: str, tol: float = 0.06) -> int:
+    """How many pixels of ``png`` are within ``tol`` (per RGB channel) of matplotlib colour ``color``."""
+    img = matplotlib.image.imread(png)[..., :3]
+    rgb = np.asarray(matplotlib.colors.to_rgb(color))
+    return int((np.abs(img - rgb) <= tol).all(axis=-1).sum())
+
+
+def test_identical_curves_beside_a_reference_each_show(tmp_path):
+    base = list(np.linspace(0.5, 0.6, 40))
+    same = list(np.linspace(0.7, 0.8, 40))
+    curves = {"base": base, "pretrain": same, "online": list(np.linspace(0.5, 0.7, 40)), "pretrain+online": same}
+    png = tmp_path / "curves.png"
+    plot_curves(curves, png, title="t", ylabel="Recall@5", reference="base")
+    for i in range(3):   # panels draw their curve in C0, C1, C2
+        assert pixels_of(png, f"C{i}") > 100, f"curve C{i} does not show"
+    # One axis, as before: the first of two identical curves is hidden under the last.
+    one = tmp_path / "one.png"
+    plot_curves({"pretrain": same, "pretrain+online": same}, one, title="t", ylabel="r")
+    assert pixels_of(one, "C1") > 100 and pixels_of(one, "C0") < 0.2 * pixels_of(one, "C1")
+
+
+def test_reference_must_be_a_curve(tmp_path):
+    with pytest.raises(ValueError, match="reference 'base'"):
+        plot_curves({"a": [0.1]}, tmp_path / "x.png", title="t", ylabel="r", reference="base")
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_fake_store(tmp_path_factory.mktemp("plots") / "store", users=3, sessions=4, dim=16)
+
+
+def test_simulate_and_replay_plot_the_learning_curve(capsys, tmp_path, store):
+    png, log = tmp_path / "figs" / "sim.png", tmp_path / "log.jsonl"
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--log-out", log,
+                           "--plot", png)
+    assert code == 0, err
+    assert f"wrote {png}" in err
+    assert pixels_of(png, "0.45") > 100 and pixels_of(png, "C0") > 100   # base (grey) and the run's curve
+    png2 = tmp_path / "replay.png"
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p2", *SIM,
+                           "--plot", png2)
+    assert code == 0, err
+    assert matplotlib.image.imread(png2).shape[0] > 100
+
+
+@pytest.mark.parametrize("verb", ["simulate", "replay"])
+def test_plot_must_be_a_png_before_any_work(capsys, tmp_path, store, verb):
+    extra = ["--log", tmp_path / "missing.jsonl"] if verb == "replay" else []
+    code, out, err = run_cli(capsys, verb, store, "--policies", tmp_path / "p", *extra, *SIM,
+                             "--plot", tmp_path / "curve.pdf")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"error: --plot: must name a .png file, got '{tmp_path / 'curve.pdf'}'"]
+    assert not (tmp_path / "p").exists() and not (tmp_path / "curve.pdf").exists()
