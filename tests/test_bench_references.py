@@ -505,6 +505,22 @@ def test_gpu_script_dry_run(tmp_path):
         assert res["targets"] and all("pass" in t for t in res["targets"])
     tp = json.loads((tmp_path / "out" / summary["benchmarks"][0]["json"]).read_text())
     assert set(tp["configs"]) == {"paper", "large", "mlp"}
+    for key in ("users_scaling", "floor", "machine", "targets"):
+        assert key in tp, key
+    for r in tp["configs"].values():
+        assert r["rmm_jax_qps"] > 0 and r["torch_qps"] > 0 and r["rmm_jax_compile_s"] > 0
+        np.testing.assert_allclose(r["ratio_vs_torch"], r["rmm_jax_qps"] / r["torch_qps"], rtol=1e-6)
+    assert tp["configs"]["paper"]["numpy_qps"] > 0
+    assert all(r["seconds"] > 0 for r in tp["users_scaling"].values())
+    assert tp["machine"]["bandwidth_GBps"] > 0 and tp["machine"]["matmul_GFLOPs"] > 0
+    assert any(f.endswith(".png") and (tmp_path / "out" / f).stat().st_size > 0
+               for f in os.listdir(tmp_path / "out"))
+    # every target's verdict follows from its value, and the report prints each one
+    log = (tmp_path / "out" / summary["benchmarks"][0]["json"].replace(".json", ".log")).read_text()
+    for t in tp["targets"]:
+        op, bound = t["target"].split()
+        assert t["pass"] == (t["value"] >= float(bound) if op == ">=" else t["value"] <= float(bound)), t
+        assert f"{'PASS' if t['pass'] else 'MISS'}  {t['name']}" in log
     vw = json.loads((tmp_path / "out" / summary["benchmarks"][1]["json"]).read_text())
     for res in vw["results"].values():
         assert res["vw"]["queries_per_s"]["median"] > 0 and res["rmm_jax"]["queries_per_s"]["median"] > 0
