@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rmm-jax demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --numprocesses auto --maxprocesses 4 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

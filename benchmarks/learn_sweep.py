@@ -49,6 +49,10 @@ pretraining data in the leave-one-out rows) and is the report. The levers:
   ``HELDOUT_PRETRAIN``; the ``realistic`` preset is the estimator lever's best), paired
   differences between them, and the issue's targets; the VW peer's gains are read from
   ``benchmarks/results/peer_vw.json`` (same held-out queries, 3 seeds; not paired).
+  The first report (``learn_sweep_heldout_first.json``, the realistic preset at lr 3e-4)
+  showed that preset gaining nothing under precision/recall citations; the ``lr`` lever then
+  chose lr 1e-4 on 26 and 30 (best worst case over the citation models), and this report is
+  the second look at 41-43, so its realistic rows are not untouched by them.
 
 The store: ``--store`` (made by ``rmm-jax embed locomo:DATA --answers --out DIR``) is
 reused when it exists and is built there otherwise (a temporary one without it).
@@ -534,7 +538,7 @@ HELDOUT_ONLINE = [
     {"name": "realistic", "preset": "realistic"},
     {"name": "realistic [precision_recall]", "preset": "realistic", "citations": "precision_recall"},
     {"name": "realistic [answer]", "preset": "realistic", "citations": "answer"},
-    {"name": "realistic lr 1e-4 [answer]", "preset": "realistic", "lr": 1e-4, "citations": "answer"},  # answer's best
+    {"name": "realistic lr 3e-4", "preset": "realistic", "lr": 3e-4},    # the preset of the first held-out report
     {"name": "realistic hybrid", "preset": "realistic", "scope": "hybrid", "rank": 8},
     {"name": "logistic calibrated offset -1", "loss": "logistic", "offset": -1.0, **JUDGE},   # the robust variant
 ]
@@ -548,7 +552,7 @@ HELDOUT_PRETRAIN = [
      "preset": "realistic"},
 ]
 PAIRS = [("realistic", "default"), ("realistic [precision_recall]", "default [precision_recall]"),
-         ("realistic lr 1e-4 [answer]", "default [answer]"), ("realistic", "reinforce tuned (tau 0.05, lr 2e-4)"),
+         ("realistic [answer]", "default [answer]"), ("realistic", "reinforce tuned (tau 0.05, lr 2e-4)"),
          ("gold pretrain + realistic online hybrid", "gold pretrain + realistic online"),
          ("gold pretrain + realistic online", "gold pretrain + default online")]
 
@@ -581,8 +585,8 @@ def lever_heldout(ctx) -> dict:
          "value": g("gold pretrain + realistic online hybrid"), "target": 0.09},
         {"name": "hybrid pretrain+online >= user pretrain+online", "row": "hybrid − user",
          "value": hybrid_vs_user, "target": 0.0},
-        {"name": "answer citations: online >= base + 0.05", "row": "realistic lr 1e-4 [answer]",
-         "value": g("realistic lr 1e-4 [answer]"), "target": 0.05},
+        {"name": "answer citations: online >= base + 0.05", "row": "realistic [answer]",
+         "value": g("realistic [answer]"), "target": 0.05},
         {"name": f"ahead of the VW peer, class-calibrated (VW {VW_PEER['oracle']:+.4f}, unpaired)", "row": "realistic",
          "value": g("realistic"), "target": VW_PEER["oracle"]},
         {"name": f"ahead of the VW peer, precision/recall (VW {VW_PEER['precision_recall']:+.4f}, unpaired)",
@@ -636,7 +640,7 @@ LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_s
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_common.HelpFormatter)
     ap.add_argument("lever", choices=list(LEVERS))
     _common.add_data_option(ap)
     ap.add_argument("--store", type=Path, default=None,

@@ -405,7 +405,7 @@ def tune_vw(streams, grid, cite, *, m, tau, seeds, log):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_common.HelpFormatter)
     _common.add_data_option(ap)
     ap.add_argument("--synthetic", action="store_true", help="planted-bilinear synthetic users instead of LoCoMo")
     ap.add_argument("--quick", action="store_true", help="tiny run (with --synthetic: seconds)")

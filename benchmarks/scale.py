@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import spread, write_result  # noqa: E402
+from _common import HelpFormatter, spread, write_result  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
@@ -148,7 +148,7 @@ def throughput(args) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--users", type=int, default=10_000)
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--dim", type=int, default=384)

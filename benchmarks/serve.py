@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import spread, write_result
+from _common import HelpFormatter, spread, write_result
 from tqdm import tqdm
 
 import rmm_jax as rj
@@ -62,18 +62,18 @@ def timed(fn) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--users", type=int, default=100_000)
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--users", type=int, default=100_000, help="hybrid users in the store")
+    ap.add_argument("--dim", type=int, default=384, help="embedding dimension")
+    ap.add_argument("--rank", type=int, default=8, help="hybrid rank of each user's factors")
+    ap.add_argument("--k", type=int, default=20, help="candidates per query")
+    ap.add_argument("--m", type=int, default=5, help="memories returned per query")
     ap.add_argument("--samples", type=int, default=200, help="users timed per repeat (cold, then warm)")
     ap.add_argument("--batch", type=int, default=256, help="queries per batched call")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median, min, max)")
     ap.add_argument("--store", type=Path, default=None, help="where the store is built (reused if present)")
     ap.add_argument("--keep", action="store_true", help="keep the store")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     root = args.store or Path(tempfile.mkdtemp(prefix="rmm-serve-")) / "store"
     t0 = time.perf_counter()

@@ -84,8 +84,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
+from _common import HelpFormatter, write_result
 from _common import spread as interval
-from _common import write_result
 
 try:
     from threadpoolctl import threadpool_limits
@@ -622,7 +622,7 @@ def targets(res):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--json", help="write results as JSON here")
     ap.add_argument("--plot", help="write a PNG of queries/s vs users here")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved timing repeats (median); default 3, quick 1")

@@ -69,7 +69,7 @@ def config_options(f):
                           "update as written: top-M of s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob "
                           "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
                           "Adam); 'realistic' (default with the citations as labels of the shown memories, "
-                          "--loss logistic: for noisy citations)."),
+                          "--loss logistic, lr 1e-4: for noisy citations)."),
         click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True,
                      help="Candidates from the base retriever."),
         click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True,
