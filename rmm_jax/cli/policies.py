@@ -13,6 +13,7 @@ import click
 import jax
 import numpy as np
 
+from rmm_jax.cli.common import users_option
 from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -26,12 +27,9 @@ def _progress(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _user_list(user: str | None, users: str | None) -> list[str] | None:
-    """USER and/or ``--users a,b`` as one list without repeats; None if neither was given."""
-    ids = ([user] if user else []) + ([u.strip() for u in users.split(",")] if users else [])
-    if any(not u for u in ids):
-        raise InputError(f"empty user id in {users!r}", where="--users")
-    return list(dict.fromkeys(ids)) or None
+def _user_list(user: str | None, users: list[str] | None) -> list[str] | None:
+    """USER and/or the parsed ``--users`` as one list without repeats; None if neither was given."""
+    return list(dict.fromkeys(([user] if user else []) + (users or []))) or None
 
 
 def _require_users(st: PolicyStore, users: list[str]) -> None:
@@ -68,7 +66,7 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 
 @policies.command("list")
 @click.argument("store", type=click.Path())
-@click.option("--users", default=None, help="Comma-separated user ids (default: all).")
+@users_option("Only these users")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of a table.")
 def list_cmd(store, users, as_json):
     """List the users of policy store STORE: saved versions (newest last), queries seen
@@ -199,7 +197,7 @@ def _echo_user(d: dict) -> None:
 @policies.command()
 @click.argument("store", type=click.Path())
 @click.argument("user", required=False)
-@click.option("--users", default=None, help="Comma-separated user ids (with or instead of USER).")
+@users_option("These users, with or instead of USER")
 @click.option("--json", "as_json", is_flag=True,
               help='Print one JSON object {"store": {...}, "users": [...]} on stdout instead of text.')
 def show(store, user, users, as_json):
