@@ -8,7 +8,8 @@ A page writes a marker where a table (or one number) goes::
     the gain is {{ result("quality_locomo.json", "rows.online:hybrid.gain_held_out", "interval") }}
 
 * ``rows`` is a dotted path to a dict (one row per item, in file order, or in the order of
-  ``only``) or a list; ``"@key"`` in a column is the item's key (``labels`` renames keys).
+  ``only``) or a list (``key="name"`` names its rows by a field); ``"@key"`` in a column is
+  the item's key (``labels`` renames keys).
 * a column is ``(header, path)`` or ``(header, path, format)``; a path may also be a list of
   keys (for keys holding dots); a path ending in ``?`` renders ``–`` when absent. Any other
   missing key is an error, so ``mkdocs build --strict`` fails rather than print a stale table.
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MARKER = re.compile(r"\{\{\s*(results_table|result)\((.*?)\)\s*\}\}", re.S)
 MISSING = object()
+KINDS = ("interval", "spread", "ratio", "pass", "str")
 
 
 class ResultError(ValueError):
@@ -79,7 +81,9 @@ def fmt(value, spec: str = "", name: str = "?") -> str:
     """One cell: a number by a format spec, or an interval, spread, ratio, pass or string."""
     if value is MISSING or value is None:
         return "–"
-    kind, sub = spec.split(":", 1) if ":" in spec else ("", spec)
+    kind, _, sub = spec.partition(":")
+    if kind not in KINDS:
+        kind, sub = "", spec
     try:
         if kind == "interval":
             s = sub or "+.3f"
@@ -89,12 +93,10 @@ def fmt(value, spec: str = "", name: str = "?") -> str:
         if kind in ("spread", "ratio"):
             s, x = sub or ".2f", "×" if kind == "ratio" else ""
             return f"{value['median']:{s}}{x} [{value['min']:{s}}, {value['max']:{s}}]"
-        if spec == "pass":
+        if kind == "pass":
             return "met" if value else "**missed**"
-        if spec == "str":
+        if kind == "str":
             return str(value)
-        if kind:
-            raise ResultError(f"{name}: unknown format kind {kind!r}")
         return format(value, sub) if sub else (f"{value:.4g}" if isinstance(value, float) else str(value))
     except (KeyError, TypeError, ValueError) as e:
         raise ResultError(f"{name}: cannot format {str(value)[:60]!r} as {spec!r}: {e}") from e
@@ -108,10 +110,13 @@ def caption(name: str, data: dict) -> str:
     return f"*From [`benchmarks/results/{name}`](results/{name}){by}{f' ({when})' if when else ''}.*"
 
 
-def results_table(name: str, rows: str, columns, only=None, labels=None) -> str:
-    """A markdown table with one row per item under ``rows`` of ``benchmarks/results/NAME``."""
+def results_table(name: str, rows: str, columns, only=None, labels=None, key=None) -> str:
+    """A markdown table with one row per item under ``rows`` of ``benchmarks/results/NAME``
+    (``key``: for a list of rows, the field that names a row, so ``only`` can name rows)."""
     data = load(name)
     node = get(data, rows, name)
+    if key is not None and isinstance(node, list):
+        node = {str(get(r, key, name)): r for r in node}
     if isinstance(node, dict):
         keys = list(node) if only is None else list(only)
     elif isinstance(node, list):
