@@ -63,7 +63,7 @@ def command_of(data: dict) -> str | None:
 def get(data, path, name: str = "?"):
     """Follow a dotted path (or a list of keys); ``MISSING`` for an optional path that is absent."""
     optional = isinstance(path, str) and path.endswith("?")
-    keys = path.rstrip("?").split(".") if isinstance(path, str) else list(path)
+    keys = [k for k in path.rstrip("?").split(".") if k] if isinstance(path, str) else list(path)  # "": the row
     node = data
     for k in keys:
         if isinstance(node, dict) and str(k) in node:
@@ -125,7 +125,7 @@ def results_table(name: str, rows: str, columns, only=None, labels=None, key=Non
         raise ResultError(f"{name}: {rows!r} is neither a dict nor a list")
     labels = labels or {}
     head = [c[0] for c in columns]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = ["| " + " | ".join(c.replace("|", "\\|") for c in head) + " |", "|" + "---|" * len(head)]
     for key in keys:
         row = get(node, [key], name)
         cells = [str(labels.get(key, key)) if col[1] == "@key"
