@@ -256,3 +256,13 @@ def test_readme_headline_numbers_are_the_files():
             assert f"benchmarks/results/{file}" in text, f"README headline {label!r} does not link {file}"
     extra = sorted(set(rows) - set(HEADLINE))
     assert not extra, f"headline rows without a source in HEADLINE: {extra}"
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README names a file of the repository (the site checks its own)."""
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [x for x in links if "://" not in x]
+    assert local, "the README links no file"
+    missing = [x for x in local if not (REPO / x).exists()]
+    assert not missing, f"README links missing files: {missing}"
