@@ -17,6 +17,8 @@ A page writes a marker where a table (or one number) goes::
   KIND ``interval`` (``{mean, lo, hi}`` → ``+0.040 [+0.012, +0.068]``, with ``, n.s.`` when
   the interval holds 0), ``spread`` (``{median, min, max}`` → ``5.48 [5.03, 5.52]``),
   ``ratio`` (the same with ``×``), ``pass`` (a boolean → met / missed) or ``str``.
+* ``optional=True`` lets a table name a result file that a benchmark run has not committed
+  yet; it renders as a note until the file exists, then as the table (its keys checked).
 
 Under each table the hook names the file (linked: the result files are published with the
 site under ``results/``) and the command that wrote it (``command`` or ``provenance.command``
@@ -110,9 +112,12 @@ def caption(name: str, data: dict) -> str:
     return f"*From [`benchmarks/results/{name}`](results/{name}){by}{f' ({when})' if when else ''}.*"
 
 
-def results_table(name: str, rows: str, columns, only=None, labels=None, key=None) -> str:
+def results_table(name: str, rows: str, columns, only=None, labels=None, key=None, optional=False) -> str:
     """A markdown table with one row per item under ``rows`` of ``benchmarks/results/NAME``
-    (``key``: for a list of rows, the field that names a row, so ``only`` can name rows)."""
+    (``key``: for a list of rows, the field that names a row, so ``only`` can name rows;
+    ``optional``: a file not yet committed renders as a note saying so, not as an error)."""
+    if optional and not (RESULTS / name).is_file():
+        return f"*(`benchmarks/results/{name}` is not in this checkout yet: this table appears once it is.)*"
     data = load(name)
     node = get(data, rows, name)
     if key is not None and isinstance(node, list):
