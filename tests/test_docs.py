@@ -269,3 +269,13 @@ def test_readme_links_resolve():
     assert local, "the README links no file"
     missing = [x for x in local if not (REPO / x).exists()]
     assert not missing, f"README links missing files: {missing}"
+
+
+def test_readme_is_a_quickstart():
+    """The README stays short, starts with the two make targets, and lists every page of the site."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    first = next(b for b in parse(REPO / "README.md") if b.lang in SHELL)
+    assert [x.split("#")[0].strip() for x in first.text.splitlines() if x.strip()] == ["make demo", "make test"]
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
+    assert pages and all(f"(docs/{p})" in text for p in pages), "a page of the site the README does not list"
