@@ -251,12 +251,16 @@ def test_readme_headline_numbers_are_the_files():
     formats it; the row's links name those files."""
     h, rows = _hooks(), _headline_rows()
     assert set(HEADLINE) <= set(rows), sorted(set(HEADLINE) - set(rows))
+    wrong = []   # every stale cell at once, so one run tells what to write
     for label, sources in HEADLINE.items():
         text = " ".join(rows[label])
         for file, path, spec in sources:
             want = h.fmt(h.get(h.load(file), path, file), spec, file)
-            assert want in text, f"README headline {label!r}: expected {want!r} from {file} {path}, row says {text!r}"
-            assert f"benchmarks/results/{file}" in text, f"README headline {label!r} does not link {file}"
+            if want not in text:
+                wrong.append(f"{label!r}: expected {want!r} from {file} {path}, row says {text!r}")
+            if f"benchmarks/results/{file}" not in text:
+                wrong.append(f"{label!r} does not link {file}")
+    assert not wrong, "README headline:\n" + "\n".join(wrong)
     extra = sorted(set(rows) - set(HEADLINE))
     assert not extra, f"headline rows without a source in HEADLINE: {extra}"
 
