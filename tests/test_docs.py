@@ -1,0 +1,285 @@
+"""Docs that cannot go stale: every command and example in README.md and docs/*.md runs.
+
+* Every shell block (```bash, ```sh, ```console: its ``$ `` lines) runs with ``bash -e`` in one
+  temporary workspace per page, in page order, with ``examples/`` copied in and ``rmm-jax`` on
+  the PATH: a page's blocks build on each other as a reader's would.
+* Every ```python block runs, in the same workspace, after the page's blocks above it.
+* A marker on the line before a block changes that:
+  ``<!-- test: ci-only -->`` runs it only under ``CI=true`` (LoCoMo, or more than seconds);
+  ``<!-- test: skip (reason) -->`` never runs it (multi-host commands, ``make`` itself);
+  ``<!-- test: write FILE -->`` writes the block to FILE in the workspace (a schema example
+  a later command reads).
+* Every ``{{ results_table(...) }}`` and ``{{ result(...) }}`` marker renders from its
+  result file (``docs/hooks.py``, the mkdocs hook) and names the file.
+* The README's headline table is plain markdown: each of its numbers is checked against the
+  result file and key listed in ``HEADLINE`` below, formatted as the hook formats it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from conftest import REPO
+
+PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+SHELL, PYTHON = {"bash", "sh", "shell", "console"}, {"python", "py"}
+FENCE = re.compile(r"^(```|~~~)\s*([\w+-]*)")
+MARK = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->$")
+CI = os.environ.get("CI") == "true"
+TAIL = 3000  # characters of a failing block's output in the report
+
+
+class Block(NamedTuple):
+    page: Path
+    line: int      # 1-based line of the opening fence
+    lang: str
+    text: str
+    mode: str      # run | ci-only | skip | write
+    arg: str       # the skip reason or the file to write
+
+
+def parse(path: Path) -> list[Block]:
+    """The fenced blocks of a markdown page with the test marker before each (if any)."""
+    lines, out, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, fence, lang = i, m.group(1), m.group(2).lower()
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith(fence):
+            j += 1
+        prev = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), "")
+        mark = MARK.match(prev)
+        mode, arg = "run", ""
+        if mark:
+            word, _, rest = mark.group(1).partition(" ")
+            mode, arg = word, rest.strip()
+        out.append(Block(path, start + 1, lang, "\n".join(lines[start + 1:j]) + "\n", mode, arg))
+        i = j + 1
+    return out
+
+
+def name(b: Block) -> str:
+    return f"{b.page.relative_to(REPO)}:{b.line}"
+
+
+BLOCKS = [b for p in PAGES for b in parse(p)]
+RUNNABLE = [b for b in BLOCKS if b.lang in SHELL | PYTHON or b.mode == "write"]
+
+
+def test_markers_are_well_formed():
+    """Every marker is one this file knows, sits right above a block, and a skip says why."""
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for n, line in enumerate(lines):
+            m = MARK.match(line.strip())
+            if not m:
+                continue
+            where = f"{page.relative_to(REPO)}:{n + 1}"
+            word, _, rest = m.group(1).partition(" ")
+            assert word in ("ci-only", "skip", "write"), f"{where}: unknown marker {word!r}"
+            assert word != "skip" or re.fullmatch(r"\(.+\)", rest.strip()), f"{where}: skip needs a (reason)"
+            assert word != "write" or rest.strip(), f"{where}: write needs a file name"
+            nxt = next((x for x in lines[n + 1:] if x.strip()), "")
+            assert FENCE.match(nxt), f"{where}: a marker must stand right above a fenced block"
+    assert any(b.lang in SHELL for b in BLOCKS) and any(b.page.name == "README.md" for b in RUNNABLE)
+
+
+# ------------------------------------------------------------------------- running the blocks
+
+class Workspace:
+    """One page's temporary directory; runs the page's blocks in order, each at most once."""
+
+    def __init__(self, root: Path, page: Path):
+        self.root, self.page, self.done, self.failed = root, page, set(), None
+        shutil.copytree(REPO / "examples", root / "examples")
+        bindir = str(Path(sys.executable).parent)
+        self.env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+                    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    "RMM_LOCOMO_DIR": os.environ.get("RMM_LOCOMO_DIR") or str(REPO.parent / "shared" / "data"
+                                                                              / "locomo"),
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+
+    def run(self, block: Block) -> None:
+        if block.line in self.done:
+            return
+        self.done.add(block.line)
+        if block.mode == "write":
+            (self.root / block.arg).write_text(block.text)
+        elif block.lang in PYTHON:
+            self._python(block)
+        else:
+            self._shell(block)
+
+    def _shell(self, block: Block) -> None:
+        text = block.text
+        if block.lang == "console":
+            text = "\n".join(x[2:] for x in text.splitlines() if x.startswith("$ ")) + "\n"
+        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=self.root, env=self.env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            out = (proc.stdout + proc.stderr)[-TAIL:]
+            raise AssertionError(f"{name(block)}: exit {proc.returncode}\n{text}\n--- output (tail) ---\n{out}")
+
+    def _python(self, block: Block) -> None:
+        here = os.getcwd()
+        os.chdir(self.root)
+        try:
+            exec(compile(block.text, name(block), "exec"), {"__name__": "__docs__"})
+        finally:
+            os.chdir(here)
+
+
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory):
+    made = {}
+
+    def get(page: Path) -> Workspace:
+        if page not in made:
+            made[page] = Workspace(tmp_path_factory.mktemp(page.stem.lower()), page)
+        return made[page]
+    return get
+
+
+def _runs(b: Block) -> bool:
+    return b.mode in ("run", "write") or (b.mode == "ci-only" and CI)
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=name)
+def test_block_runs(block, workspaces):
+    if block.mode == "skip":
+        pytest.skip(f"marked skip {block.arg}")
+    if block.mode == "ci-only" and not CI:
+        pytest.skip("marked ci-only: runs when CI=true")
+    ws = workspaces(block.page)
+    if ws.failed:
+        pytest.fail(f"an earlier block of this page failed: {ws.failed}")
+    earlier = [b for b in RUNNABLE if b.page == block.page and b.line < block.line and _runs(b)]
+    try:
+        for b in earlier + [block]:   # a block selected alone still gets what the page built before it
+            ws.run(b)
+    except BaseException:
+        ws.failed = name(block)
+        raise
+
+
+# ------------------------------------------------------------------------- result tables
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.parent.name == "docs"], ids=lambda p: p.name)
+def test_result_markers_render(page):
+    """Every marker of a docs page renders from a file that holds its keys, under a caption
+    that names the file; none is left unexpanded."""
+    hooks, text = _hooks(), page.read_text()
+    out = hooks.render(text, page.name)
+    assert "{{" not in out, f"{page.name}: a marker was not expanded"
+    for m in re.finditer(r'results_table\(\s*"([^"]+)"', text):
+        if (hooks.RESULTS / m.group(1)).is_file():
+            assert f"benchmarks/results/{m.group(1)}`](results/{m.group(1)})" in out
+        else:
+            assert f"`benchmarks/results/{m.group(1)}` is not in this checkout yet" in out
+
+
+def test_hook_formats_and_refuses():
+    """The hook's cells on hand-made rows, and a missing key fails rather than print."""
+    h = _hooks()
+    assert h.fmt({"mean": 0.04, "lo": 0.012, "hi": 0.068}, "interval") == "+0.040 [+0.012, +0.068]"
+    assert h.fmt({"mean": 0.01, "lo": -0.01, "hi": 0.03}, "interval") == "+0.010 [-0.010, +0.030], n.s."
+    assert h.fmt({"median": 5.4765, "min": 5.0322, "max": 5.5214}, "ratio:.2f") == "5.48× [5.03, 5.52]"
+    assert h.fmt(1387.9, ",.0f") == "1,388" and h.fmt(True, "pass") == "met"
+    assert h.get({"a": [{"b": 1}]}, "a.0.b") == 1 and h.get({"a": 1}, "b?") is h.MISSING
+    with pytest.raises(h.ResultError, match="no key 'c'"):
+        h.get({"a": {"b": 1}}, "a.c")
+    assert h.command_of({"provenance": {"command": "python x.py"}}) == "python x.py"
+    assert h.command_of({"runs": [{"provenance": {"command": "python y.py"}}]}) == "python y.py"
+
+
+# ------------------------------------------------------------------------- the README's headline table
+
+# README row (its first cell) → (result file, key path, format as the hook formats it), one per
+# number cell of that row, left to right. After a benchmark is re-run, update the README until
+# this passes; the failure prints the expected cell.
+HEADLINE = {
+    "Recall@5 gain, held-out LoCoMo, pretrain + online (hybrid)": [
+        ("quality_locomo.json", "rows.pretrain+online:hybrid.gain_held_out", "interval")],
+    "Recall@5 gain, held-out LoCoMo, online from the retriever (hybrid)": [
+        ("quality_locomo.json", "rows.online:hybrid.gain_held_out", "interval")],
+    "Against Vowpal Wabbit (online, held-out Recall@5 difference; speed)": [
+        ("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_held_out", "interval"),
+        ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")],
+    "Off-policy estimates: coverage of the 95% interval (SNIPS, cited)": [
+        ("ope_validation.json", "scenarios.fixed.summary.cited.snips.coverage", ".2f"),
+        ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage", ".2f")],
+    "Throughput, one user, paper shapes: rmm-jax / torch.compile": [
+        ("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")],
+    "100,000 users × 100 queries, scope hybrid: wall time; peak memory": [
+        ("scale_100k.json", "rows.0.seconds", ",.0f"),
+        ("scale_100k.json", "peak_rss_mb", ",.0f")],
+}
+
+
+def _headline_rows() -> dict[str, list[str]]:
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip() == "<!-- headline: tests/test_docs.py -->")
+    first = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("|"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = lines[first:end]
+    rows = {}
+    for x in table[2:]:  # the header and the --- line aside
+        cells = [c.strip() for c in x.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_readme_headline_numbers_are_the_files():
+    """Every number in the README's headline table equals its result file's, as the hook
+    formats it; the row's links name those files."""
+    h, rows = _hooks(), _headline_rows()
+    assert set(HEADLINE) <= set(rows), sorted(set(HEADLINE) - set(rows))
+    wrong = []   # every stale cell at once, so one run tells what to write
+    for label, sources in HEADLINE.items():
+        text = " ".join(rows[label])
+        for file, path, spec in sources:
+            want = h.fmt(h.get(h.load(file), path, file), spec, file)
+            if want not in text:
+                wrong.append(f"{label!r}: expected {want!r} from {file} {path}, row says {text!r}")
+            if f"benchmarks/results/{file}" not in text:
+                wrong.append(f"{label!r} does not link {file}")
+    assert not wrong, "README headline:\n" + "\n".join(wrong)
+    extra = sorted(set(rows) - set(HEADLINE))
+    assert not extra, f"headline rows without a source in HEADLINE: {extra}"
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README names a file of the repository (the site checks its own)."""
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [x for x in links if "://" not in x]
+    assert local, "the README links no file"
+    missing = [x for x in local if not (REPO / x).exists()]
+    assert not missing, f"README links missing files: {missing}"
+
+
+def test_readme_is_a_quickstart():
+    """The README stays short, starts with the two make targets, and lists every page of the site."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    first = next(b for b in parse(REPO / "README.md") if b.lang in SHELL)
+    assert [x.split("#")[0].strip() for x in first.text.splitlines() if x.strip()] == ["make demo", "make test"]
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
+    assert pages and all(f"(docs/{p})" in text for p in pages), "a page of the site the README does not list"
