@@ -65,7 +65,7 @@ def config_options(f):
     from --preset."""
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
-                     help="Named setting: 'default' (chosen by measurement, see README); 'paper' (the RMM "
+                     help="Named setting: 'default' (chosen by measurement, docs/method.md); 'paper' (the RMM "
                           "update as written: top-M of s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob "
                           "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
                           "Adam); 'realistic' (default with the citations as labels of the shown memories, "
@@ -97,7 +97,7 @@ def config_options(f):
 
 
 def scope_options() -> list:
-    """``--scope`` and ``--rank``: who learns from whose citations (README, "Policy scopes")."""
+    """``--scope`` and ``--rank``: who learns from whose citations (docs/scopes.md)."""
     return [
         click.option("--scope", type=click.Choice(SCOPES), default=None, show_default="user, or the store's",
                      help="user: a private reranker per user; shared: one reranker learns from every user; "

@@ -60,7 +60,7 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
     `longmemeval:PATH`, `synthetic[:users=N,...]`, your own chat histories
-    `jsonl:PATH` (OpenAI chat messages; schema in the README), or a generator-call log
+    `jsonl:PATH` (OpenAI chat messages; schema in docs/own-data.md), or a generator-call log
     that carries texts, `log:CALLS.jsonl[,memories=MEMS.jsonl]` (each call becomes a
     question, its candidates the user's memories, ids kept as logged so the log replays
     on the store). Memories are built at the chosen granularity, embedded with MODEL

@@ -43,7 +43,8 @@ from rmm_jax.persist.runstate import file_digest
 
 @cli.command()
 @click.argument("store", type=click.Path())
-@click.option("--log", "log_path", required=True, type=click.Path(), help="Citation log (JSONL; schema in README).")
+@click.option("--log", "log_path", required=True, type=click.Path(),
+              help="Citation log (JSONL; schema in docs/own-data.md).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store (created if absent).")
 @click.option("--init", "init", type=click.Choice(INITS), default=None,
               show_default="continue if --policies exists, else identity",

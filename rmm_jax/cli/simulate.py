@@ -73,7 +73,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
                    f"(useful {cm.P_USEFUL}, not useful {cm.P_OTHER}, spurious {cm.SPURIOUS}); position adds a "
                    f"decay {cm.POSITION_DECAY}^slot; answer cites the shown memory most similar to the question "
                    "plus its reference answer, never reading gold (needs a store made with `embed --answers`). "
-                   "README, 'Citation models'.")
+                   "docs/citations.md.")
 @click.option("--precision", type=float, default=None,
               help=f"Instead: the precision/recall simulator with this precision [{DEFAULT_PRECISION} when only "
                    "--recall is given].")

@@ -113,7 +113,7 @@ class Setting(NamedTuple):
 
 # Each preset overrides fields of Layout, Estimator, or the optimiser (``optimizer``, ``lr``).
 PRESETS: dict[str, dict] = {
-    # Chosen by measurement on LoCoMo (README, "Choosing the defaults").
+    # Chosen by measurement on LoCoMo (docs/method.md, "Choosing the defaults").
     "default": dict(optimizer="adam", lr=3e-4),
     # For a generator whose citations are as noisy as the paper's judge table says
     # (class-calibrated: a useful memory cited at 0.911, another at 0.154): the citations
@@ -127,7 +127,7 @@ PRESETS: dict[str, dict] = {
     # Reflection, and App. B): s̃ = s + g with unit Gumbel g, the top-M of s̃ shown,
     # p = softmax(s̃/τ), rewards ±1, b = 0.5, Δφ = η (R − b) ∇ log P with plain SGD,
     # η = 1e-3, batch 4, τ = 0.5. Reading taken where it is ambiguous: each shown memory's
-    # own R − b weighs its own log p (credit "item"); see README, "Paper fidelity".
+    # own R − b weighs its own log p (credit "item"); see docs/method.md, "The paper's presets, read literally".
     "paper": dict(tau=0.5, lr=1e-3, batch=4, reward="pm1", baseline="constant", baseline_value=0.5,
                   mode="rmm", credit="item", optimizer="sgd", noise="unit"),
     # The earlier "paper" preset: the same rewards, baseline and rmm log-prob, but the

@@ -10,7 +10,7 @@ log-probabilities log π_j (see :mod:`rmm_jax.core.sampling`) and advantages a_j
 * ``item`` (the default, as in :class:`rmm_jax.Estimator`): A_j = a_j, per-memory credit.
   Biased under Plackett–Luce sampling: it ignores that drawing i_j removes it from the
   later draws (``tests/test_core_losses.py`` measures the bias against the exact
-  gradient), but its variance is much lower, and it learned fastest on LoCoMo (README,
+  gradient), but its variance is much lower, and it learned fastest on LoCoMo (docs/method.md,
   "Choosing the defaults").
 * ``reward_to_go``: A_j = Σ_{k ≥ j} a_k. Draw j changes which memories can be drawn
   later, so it is credited with its own and all later rewards. Unbiased for the

@@ -1,4 +1,4 @@
-"""The comparison table of the README and the demo: base retriever, pretrained policy,
+"""The comparison table of the demo and the docs: base retriever, pretrained policy,
 online from identity, online from pretrained, and the paper preset, all evaluated
 prequentially on the same streams."""
 from __future__ import annotations
