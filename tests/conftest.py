@@ -15,8 +15,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # The tests' programs are tiny and compiled hundreds of times: XLA's CPU backend at its lowest
 # optimisation level compiles them about a quarter faster (measured on test_continue.py and
 # test_core_update.py: 124 s -> 92 s). Every comparison in a test runs both sides under the same
-# flags; a test that sets XLA_FLAGS itself (forced device counts) replaces these.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+# flags; a test that sets XLA_FLAGS itself (forced device counts) replaces these. The resume
+# tests run their subprocesses under the user's own flags (USER_XLA_FLAGS): bit-identical resume
+# after a kill holds for XLA's default optimisation (a resumed segment is a program of another
+# length, which at level 0 can round differently), and that is the guarantee users get.
+USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [USER_XLA_FLAGS, "--xla_backend_optimization_level=0",
                                                  "--xla_llvm_disable_expensive_passes=true"]))
 
 import jax  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, make_fake_store
+from conftest import REPO, USER_XLA_FLAGS, make_fake_store
 
 from rmm_jax.cli.signals import MESSAGE
 from rmm_jax.errors import InputError
@@ -39,7 +39,7 @@ def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
     store = make_fake_store(d / "store", users=6, sessions=6, turns=8)
     cache = d / "jax-cache"
-    e = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+    e = {**os.environ, "XLA_FLAGS": USER_XLA_FLAGS, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     return {"dir": d, "store": str(store), "env": e}
 
