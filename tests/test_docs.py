@@ -231,6 +231,9 @@ HEADLINE = {
     "100,000 users × 100 queries, scope hybrid: wall time; peak memory": [
         ("scale_100k.json", "rows.0.seconds", ",.0f"),
         ("scale_100k.json", "peak_rss_mb", ",.0f")],
+    "Serving from a 100,000-user hybrid store: one query, p50 not cached; cached": [
+        ("serve.json", "cold_p50_ms.median", ".1f"),
+        ("serve.json", "warm_p50_ms.median", ".2f")],
 }
 
 
