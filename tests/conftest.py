@@ -19,9 +19,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # tests run their subprocesses under the user's own flags (USER_XLA_FLAGS): bit-identical resume
 # after a kill holds for XLA's default optimisation (a resumed segment is a program of another
 # length, which at level 0 can round differently), and that is the guarantee users get.
-USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [USER_XLA_FLAGS, "--xla_backend_optimization_level=0",
-                                                 "--xla_llvm_disable_expensive_passes=true"]))
+# (pytest-xdist's workers inherit the controller's environment, where this already ran: the
+# user's flags are what remains without ours.)
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+USER_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _FAST_COMPILE)
+os.environ["XLA_FLAGS"] = " ".join([USER_XLA_FLAGS, *_FAST_COMPILE]).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
