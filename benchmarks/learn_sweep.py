@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -77,26 +78,20 @@ import optax  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, P_OTHER, P_USEFUL, oracle  # noqa: E402
+from rmm_jax.data.citations import P_OTHER, P_USEFUL  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
-from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
 TUNED_ON = ("26", "30")
 K, M = 20, 5
 JUDGE = {"p_useful": P_USEFUL, "p_other": P_OTHER}        # the class-calibrated judge's rates
-CITE_FNS = {
-    "oracle": oracle(),
-    "precision_recall": precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL),
-    "answer": oracle(p_useful=1.0, p_other=0.0, spurious=0.0),   # cites exactly the supported shown ones
-}
+CITE_FNS = {name: _common.citation_model(name)[0] for name in _common.CITATIONS}
 NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs")   # row keys that are not program settings
 
 
 def vw_peer_gains() -> dict:
     """The fair VW peer's held-out mean gains per citation model, read from its committed file."""
-    import json
     d = json.loads((_common.REPO / "benchmarks" / "results" / "peer_vw.json").read_text())
     return {c: d["results"][c]["vw"]["gain_held_out"]["mean"] for c in ("oracle", "precision_recall")}
 
@@ -236,9 +231,7 @@ def record(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- summaries
 
-def pooled(per_user: dict, streams, users) -> np.ndarray:
-    by_id = {s.user_id: s for s in streams}
-    return np.concatenate([np.asarray(per_user[u], np.float64)[np.asarray(by_id[u].valid, bool)] for u in users])
+pooled = _common.pooled
 
 
 def base_per_user(streams) -> dict:
@@ -514,8 +507,8 @@ LR_ROWS = [{"name": f"realistic lr {lr:g} [{cm}]", "preset": "realistic", "lr": 
 
 
 def lever_lr(ctx) -> dict:
-    """The realistic preset's learning rate under every citation model: the best by mean gain
-    per model, and the rate whose worst model is best (max-min over models)."""
+    """The realistic preset's learning rate under every citation model, and the rate whose
+    worst model is best (max-min over models)."""
     runs = online_rows(ctx, select(LR_ROWS, ctx.rows), TUNED_ON, TUNED_ON)
     rows = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON)}
             for r in LR_ROWS if r["name"] in runs]
