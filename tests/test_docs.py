@@ -3,6 +3,9 @@
 * Every shell block (```bash, ```sh, ```console: its ``$ `` lines) runs with ``bash -e`` in one
   temporary workspace per page, in page order, with ``examples/`` copied in and ``rmm-jax`` on
   the PATH: a page's blocks build on each other as a reader's would.
+* A ```console block's other lines are the output a reader relies on, and are checked
+  (:func:`expected_output`, :func:`missing_lines`): each must appear in the commands' output
+  (stdout and stderr), in order, with runs of spaces equal and ``...`` standing for any text.
 * Every ```python block runs, in the same workspace, after the page's blocks above it.
 * A marker on the line before a block changes that:
   ``<!-- test: ci-only -->`` runs it only under ``CI=true`` (LoCoMo, or more than seconds);
@@ -121,14 +124,54 @@ class Workspace:
             self._shell(block)
 
     def _shell(self, block: Block) -> None:
-        text = block.text
+        text, want = block.text, []
         if block.lang == "console":
-            text = "\n".join(x[2:] for x in text.splitlines() if x.startswith("$ ")) + "\n"
+            text, want = expected_output(text)
         proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=self.root, env=self.env,
                               capture_output=True, text=True)
+        out = proc.stdout + proc.stderr
         if proc.returncode:
-            out = (proc.stdout + proc.stderr)[-TAIL:]
-            raise AssertionError(f"{name(block)}: exit {proc.returncode}\n{text}\n--- output (tail) ---\n{out}")
+            raise AssertionError(f"{name(block)}: exit {proc.returncode}\n{text}\n--- output (tail) ---\n{out[-TAIL:]}")
+        missing = missing_lines(want, out)
+        if missing:
+            raise AssertionError(f"{name(block)}: the output lacks, in order, {missing[0]!r}\n{text}\n"
+                                 f"--- output (tail) ---\n{out[-TAIL:]}")
+
+
+def expected_output(block_text: str) -> tuple[str, list[str]]:
+    """``(script, expected lines)`` of a console block: ``$ `` lines are commands (a command
+    line ending in a backslash continues on the next line), every other non-blank line is
+    output the reader relies on."""
+    script, want, cont = [], [], False
+    for line in block_text.splitlines():
+        if cont or line.startswith("$ "):
+            script.append(line if cont else line[2:])
+            cont = line.rstrip().endswith("\\")
+        elif line.strip():
+            want.append(line)
+    return "\n".join(script) + "\n", want
+
+
+def _normal(line: str) -> str:
+    return " ".join(line.split())
+
+
+def missing_lines(want: list[str], output: str) -> list[str]:
+    """The expected lines from the first one not found on: each must match a whole line of
+    ``output`` after the previous match, runs of whitespace equal and ``...`` matching any
+    text (a line of only ``...`` matches anything, so it only marks an elision)."""
+    lines = [_normal(x) for x in output.splitlines()]
+    i = 0
+    for n, w in enumerate(want):
+        if _normal(w) == "...":
+            continue
+        pattern = re.compile(".*".join(re.escape(part) for part in _normal(w).split("...")))
+        while i < len(lines) and not pattern.fullmatch(lines[i]):
+            i += 1
+        if i == len(lines):
+            return want[n:]
+        i += 1
+    return []
 
     def _python(self, block: Block) -> None:
         here = os.getcwd()
@@ -137,6 +180,19 @@ class Workspace:
             exec(compile(block.text, name(block), "exec"), {"__name__": "__docs__"})
         finally:
             os.chdir(here)
+
+
+def test_console_output_is_checked_in_order_with_ellipses():
+    """A console block's expected lines are found in order, spaces and ``...`` as documented,
+    and a wrong, missing or reordered line is reported."""
+    script, want = expected_output("$ echo a \\\n  b\nout  1\n...\n$ true\nend... 3\n")
+    assert script == "echo a \\\n  b\ntrue\n" and want == ["out  1", "...", "end... 3"]
+    out = "noise\nout 1\nmore\nend: 0.25 of 3\n"
+    assert missing_lines(want, out) == []
+    assert missing_lines(["end... 3", "out 1"], out) == ["out 1"]            # order matters
+    assert missing_lines(["out 2"], out) == ["out 2"]                          # exact text
+    assert missing_lines(["out"], out) == ["out"]                              # whole lines, not parts
+    assert missing_lines(["...of 3"], out) == []
 
 
 @pytest.fixture(scope="module")
