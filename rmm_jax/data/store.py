@@ -313,6 +313,9 @@ class EmbeddingStore:
                 f"granularity={self.granularity!r}, users={c['users']}, "
                 f"memories={c['memories']}, queries={c['queries']})")
 
+    def has_user(self, user_id) -> bool:
+        return str(user_id) in self._by_id
+
     @property
     def bank_sizes(self) -> dict[str, int]:
         """Number of memories of each user, without reading the metadata files."""

@@ -113,9 +113,11 @@ from rmm_jax.core import reranker
 from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
+from rmm_jax.data.embed import embed_texts
+from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import user_params
-from rmm_jax.online.streams import check_limits, check_users, known_ids
+from rmm_jax.online.streams import check_limits
 
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
@@ -452,7 +454,7 @@ def report_entry(est: dict, reasons: Sequence[str], value_range: tuple[float, fl
 class Calls:
     """Logged calls as padded arrays: n calls, K candidate slots, M selection slots."""
     user_ids: list[str]
-    query_ids: list[str]
+    query_ids: list[str]               # call_key of each call
     target_logits: np.ndarray          # (n, K) float32: target scores / τ (0 where masked)
     behaviour_logits: np.ndarray | None  # (n, K) float32 from the log's 'logits'; None: not on every record
     mask: np.ndarray                   # (n, K) bool
@@ -496,14 +498,18 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                skip_invalid: bool = False, report: dict | None = None) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
 
-    Each record is validated (schema, ids known to ``store``, the ``--k``/``--m``
-    limits) and must carry the behaviour's ``log_prob`` or ``logits``. Every user's
-    target params come from :func:`rmm_jax.online.serve.user_params` (the shared params
-    for users without their own), scored with :func:`rmm_jax.core.reranker.score`.
+    Each record is validated (schema, ids known to ``store`` or carried as text, the
+    ``--k``/``--m`` limits) and must carry the behaviour's ``log_prob`` or ``logits``.
+    Queries and memories the store lacks are embedded from the records' texts
+    (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache).
+    Every user's target params come from :func:`rmm_jax.online.serve.user_params` (the
+    shared params for users without their own), scored with
+    :func:`rmm_jax.core.reranker.score`.
     """
     known = known_ids(store)
-    wanted = None if not users else set(check_users(store, users))
+    wanted = None if not users else set(users)
     by_user: dict[str, list] = {}
+    texts: dict[str, None] = {}
     report = {} if report is None else report
     for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
         check_limits(rec, cfg, log_path)
@@ -512,59 +518,43 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                              "on every record", where=at(log_path, line, "log_prob"))
         if wanted is None or rec.user_id in wanted:
             by_user.setdefault(rec.user_id, []).append(rec)
-    if not by_user:
-        raise InputError("no logged call of the requested users", where="--users")
+            texts.update(dict.fromkeys(unseen_texts(rec, known(rec.user_id))))
+    missing = sorted((wanted or set()) - set(by_user))
+    if missing:
+        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
+    vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
-    k, m = cfg.k, cfg.m
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
                                                  "valid")}
     all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
     for uid, recs in by_user.items():
-        user = store.user(uid)
+        c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
         params = user_params(policies, uid, fallback_to_shared=uid not in has_policy)
-        mem_index = {mid: j for j, mid in enumerate(user.memory_ids)}
-        q_index = {qid: i for i, qid in enumerate(user.query_ids)}
         n = len(recs)
-        cand = np.zeros((n, k), np.int64)
-        mask = np.zeros((n, k), bool)
-        sel = np.full((n, m), -1, np.int32)
-        cited = np.zeros((n, m), bool)
-        qi = np.array([q_index[r.query_id] for r in recs], np.int64)
-        beh = np.zeros((n, k), np.float32)
-        for i, r in enumerate(recs):
-            cand[i, :len(r.candidates)] = [mem_index[c] for c in r.candidates]
-            mask[i, :len(r.candidates)] = True
-            pos = {c: p for p, c in enumerate(r.candidates)}
-            sel[i, :len(r.selected)] = [pos[x] for x in r.selected]
-            cset = set(r.cited)
-            cited[i, :len(r.selected)] = [x in cset for x in r.selected]
-            if r.logits is not None:
-                beh[i, :len(r.candidates)] = r.logits
         scores = []
         for s in range(0, n, _CHUNK):
             part = slice(s, s + _CHUNK)
-            q = _pad_rows(np.asarray(user.query_emb)[qi[part]], _CHUNK)
-            mm = _pad_rows(np.asarray(user.memory_emb)[cand[part]], _CHUNK)
-            mk = _pad_rows(mask[part], _CHUNK)
-            mk[qi[part].shape[0]:, 0] = True  # padded rows: one valid slot keeps the scores finite
+            rows_here = c.queries[part].shape[0]
+            q = _pad_rows(c.queries[part], _CHUNK)
+            mm = _pad_rows(c.bank[c.cand[part]], _CHUNK)
+            mk = _pad_rows(c.cand_mask[part], _CHUNK)
+            mk[rows_here:, 0] = True  # padded rows: one valid slot keeps the scores finite
             scores.append(np.asarray(_score_chunk(params, jnp.asarray(q), jnp.asarray(mm), jnp.asarray(mk)))
-                          [:qi[part].shape[0]])
+                          [:rows_here])
         scores = np.concatenate(scores).astype(np.float32)
-        gold = np.asarray(user.gold, bool)[qi]
-        cand_gold = np.take_along_axis(gold, cand, axis=1) & mask if gold.size else np.zeros((n, k), bool)
         lp = [r.log_prob if r.log_prob is not None else
-              pl_log_prob(r.logits, [p for p in sel[i] if p >= 0]) for i, r in enumerate(recs)]
+              pl_log_prob(r.logits, [p for p in c.selected[i] if p >= 0]) for i, r in enumerate(recs)]
         rows["uid"] += [uid] * n
-        rows["qid"] += [r.query_id for r in recs]
-        rows["t"].append(np.where(mask, scores / cfg.tau, 0.0).astype(np.float32))
-        rows["b"].append(beh)
-        rows["mask"].append(mask)
-        rows["sel"].append(sel)
-        rows["cited"].append(cited)
+        rows["qid"] += list(c.call_keys)
+        rows["t"].append(np.where(c.cand_mask, scores / cfg.tau, 0.0).astype(np.float32))
+        rows["b"].append(c.logits)
+        rows["mask"].append(c.cand_mask)
+        rows["sel"].append(c.selected)
+        rows["cited"].append(c.cited)
         rows["lp"].append(np.asarray(lp, np.float64))
-        rows["cg"].append(cand_gold)
-        rows["ng"].append(gold.sum(1).astype(np.int32))
-        rows["valid"].append(np.asarray(user.valid, bool)[qi])
+        rows["cg"].append(c.cand_gold)
+        rows["ng"].append(c.num_gold)
+        rows["valid"].append(c.valid)
     cat = lambda key: np.concatenate(rows[key])
     return Calls(user_ids=rows["uid"], query_ids=rows["qid"], target_logits=cat("t"),
                  behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
