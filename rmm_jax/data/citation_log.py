@@ -126,7 +126,8 @@ class LogRecord:
 
 def call_key(rec: LogRecord) -> str:
     """The identity of a call within its user's log (module docstring, "Identity"):
-    ``call:<call_id>``, else ``query:<query_id>``, else ``text:<query>``.
+    ``call:<call_id>``, else ``query:<query_id>``, else ``text:<query>``. ``rec`` may be
+    anything with ``call_id``, ``query_id`` and ``query_text`` (a ``rerank`` request too).
 
     >>> call_key(LogRecord("u1", "q7", ("m1",), ("m1",), ()))
     'query:q7'
