@@ -96,6 +96,19 @@ Intervals are intersected with the metric's range (``ci95_clipped`` says when th
 them). The estimand always lies in its range, so the cut interval covers it exactly as
 often as the bootstrap interval did; it is still the interval of the unclipped
 estimator, not of a clipped one.
+
+The verdict
+-----------
+Two intervals, the target's and the logging policy's, can overlap while the target is
+better on every call: both vary with the same calls. So every estimate also carries its
+**gain** over the logging policy, V̂(π) − V(μ) on the same calls, with a **paired**
+bootstrap interval: each resample of the calls gives both values (the estimator on the
+resample, and the logged mean on the same resample), and the interval is the percentile
+interval of their difference (:func:`estimate` with ``logged``). ``direct`` (Recall@M)
+has one too. :func:`ship_verdict` turns it into a decision: ship when the SNIPS estimate
+of the cite rate (:data:`SHIP_ESTIMATOR`, :data:`SHIP_METRIC`: SNIPS has far less
+variance than IPS, and the cite rate needs no gold) is reliable and its gain's interval
+lies above 0.
 """
 from __future__ import annotations
 
@@ -122,7 +135,7 @@ from rmm_jax.online.streams import check_limits
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
     "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs", "report_entry",
-    "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc", "slot_rewards",
+    "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc", "slot_rewards",
     "subset_count", "unreliable", "verdict",
 ]
 
@@ -133,6 +146,7 @@ DEFAULT_BOOTSTRAP = 1000
 DEFAULT_EXACT_LIMIT = 100_000
 DEFAULT_MC_SAMPLES = 4096
 DEFAULT_MIN_ESS = 30.0               # see "Reliability" above
+SHIP_METRIC, SHIP_ESTIMATOR = "cite_rate", "snips"   # see "The verdict" above
 WEIGHT_MEAN_Z = 3.29                 # two-sided 0.1% normal quantile
 WEIGHT_MEAN_TOL = 0.1                # a weight mean within 1 ± 0.1 is never flagged
 RANGE_TOL = 1e-4                     # of a metric's range: float rounding, clamped
@@ -343,7 +357,7 @@ def _weight_mean_allowance(se):
 
 
 def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
-             seed: int = 0, level: float = 0.95) -> dict:
+             seed: int = 0, level: float = 0.95, logged=None) -> dict:
     """One estimate from per-slot ``weights`` and ``rewards`` (n, M): the raw numbers that
     :func:`verdict` judges and :func:`report_entry` reports.
 
@@ -357,6 +371,11 @@ def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstra
     unclipped weights (the slot furthest from 1); and with ``clip`` how many weights it
     capped. Everything is computed under ``np.errstate``: an overflow makes a number
     non-finite (``value`` is ``nan`` when a weight is not finite), never a warning.
+
+    ``logged`` (n,): the logging policy's value on each call; then ``gain`` is the
+    estimate minus the logging policy's value on the same calls, with a **paired**
+    bootstrap interval: every resample of calls gives both values, and the interval is
+    that of their difference (``value``, ``ci95``, ``se``).
     """
     w = np.asarray(weights, np.float64)
     r = np.asarray(rewards, np.float64)
@@ -364,6 +383,7 @@ def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstra
     if n == 0:
         raise InputError("no calls to estimate from", where="log")
     self_norm, slate = name in ("snips", "snrips"), name in SLATE_ONLY
+    q = (1 - level) / 2, (1 + level) / 2
     with np.errstate(all="ignore"):
         cols = w[:, :1] if slate else w
         mean, mean_se = _weight_mean(cols)
@@ -374,20 +394,29 @@ def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstra
             w = np.minimum(w, clip)
             cols = w[:, :1] if slate else w
         if not np.isfinite(w).all():
-            return {"value": math.nan, "ci95": [math.nan, math.nan], "se": None, "ess": math.nan, **out}
+            nan = {"value": math.nan, "ci95": [math.nan, math.nan], "se": None}
+            return {**nan, "ess": math.nan, **out, **({"gain": nan} if logged is not None else {})}
         value = float(_values(w, r, np.ones((1, n)), self_norm, slate)[0])
         rng = np.random.default_rng(seed)
-        boot = []
+        boot, boot_logged = [], []
         step = max(1, 4_000_000 // max(n, 1))
         for s in range(0, bootstrap, step):
             b = min(step, bootstrap - s)
             draws = rng.integers(0, n, size=(b, n)) + (np.arange(b) * n)[:, None]
             counts = np.bincount(draws.ravel(), minlength=b * n).reshape(b, n).astype(np.float64)
             boot.append(_values(w, r, counts, self_norm, slate))
+            if logged is not None:
+                boot_logged.append(counts @ np.asarray(logged, np.float64) / counts.sum(1))
         boot = np.concatenate(boot) if boot else np.zeros(0)
-        lo, hi = (np.quantile(boot, [(1 - level) / 2, (1 + level) / 2]) if boot.size else (value, value))
+        lo, hi = np.quantile(boot, q) if boot.size else (value, value)
         se = float(boot.std(ddof=1)) if boot.size > 1 else None
         ess = _kish(cols)
+        if logged is not None:
+            diff = value - float(np.mean(logged))
+            d = boot - np.concatenate(boot_logged) if boot.size else np.zeros(0)
+            glo, ghi = np.quantile(d, q) if d.size else (diff, diff)
+            out["gain"] = {"value": diff, "ci95": [float(glo), float(ghi)],
+                           "se": float(d.std(ddof=1)) if d.size > 1 else None}
     return {"value": value, "ci95": [float(lo), float(hi)], "se": se, "ess": ess, **out}
 
 
@@ -438,7 +467,11 @@ def report_entry(est: dict, reasons: Sequence[str], value_range: tuple[float, fl
     if "clipped" in est:
         out["clipped"] = int(est["clipped"])
     if reasons:      # the standard error of a number that is no estimate means nothing either
-        return {**out, "value": None, "ci95": None, "se": None, "reason": "; ".join(reasons)}
+        gain = {"gain": None} if "gain" in est else {}
+        return {**out, "value": None, "ci95": None, "se": None, "reason": "; ".join(reasons), **gain}
+    if "gain" in est:
+        g = est["gain"]
+        out["gain"] = {"value": float(g["value"]), "ci95": [float(x) for x in g["ci95"]], "se": fin(g["se"])}
     value, (lo, hi) = float(est["value"]), est["ci95"]
     cut = False
     if value_range is not None:
@@ -679,15 +712,18 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
         for metric, mr in slot_rewards(calls).items():
             span = mr.value_range
             problems = call_problems(calls, mr.rows, **problem_kw)
+            logged = mr.rewards.sum(1)
             per = {"logged": _plain_mean(mr.rewards, bootstrap, seed, span)}
             for name in names:
-                est = estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed)
+                est = estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed,
+                               logged=logged)
                 per[name] = report_entry(est, verdict(est, value_range=span, min_ess=min_ess,
                                                       problems=problems[name]), span)
             if metric == "recall":
                 incl = (t_marg * (np.arange(m)[None, :, None] < calls.shown[:, None, None])).sum(1)   # (n, K)
                 direct = (incl * calls.cand_gold).sum(1) / np.maximum(calls.num_gold, 1)
-                per["direct"] = _plain_mean(direct[mr.rows][:, None], bootstrap, seed, span, problems["direct"])
+                per["direct"] = _plain_mean(direct[mr.rows][:, None], bootstrap, seed, span, problems["direct"],
+                                            logged=logged)
             out[metric] = per
             ranges[metric] = list(span)
     if "recall" not in out:
@@ -695,15 +731,32 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
     return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes}
 
 
-def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Sequence[str] = ()) -> dict:
+def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Sequence[str] = (), logged=None) -> dict:
     """The plain mean of per-call values (summed over slots) with its bootstrap interval:
-    the logging policy's own value (``logged``) or the target's exact one (``direct``)."""
+    the logging policy's own value (``logged``) or the target's exact one (``direct``,
+    with its paired gain over the ``logged`` per-call values)."""
     est = estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
-                   seed=seed)
+                   seed=seed, logged=logged)
     res = report_entry(est, verdict(est, value_range=value_range, problems=problems), value_range)
     for key in ("ess", "weight_mean", "weight_mean_se"):
         res.pop(key)
     return res
+
+
+def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SHIP_ESTIMATOR) -> dict:
+    """Whether to ship the target policy, from an :func:`evaluate_calls` report's
+    ``estimates`` (module docstring, "The verdict"): ship when the ``estimator``'s estimate
+    of ``metric`` is reliable and the 95% interval of its paired gain over the logging
+    policy lies above 0. Returns ``{"ship", "metric", "estimator", "gain", "reason"}``."""
+    est = estimates[metric][estimator]
+    out = {"metric": metric, "estimator": estimator, "gain": est.get("gain")}
+    if not est["reliable"]:
+        return {**out, "ship": False, "reason": f"the estimate is unreliable ({est['reason']})"}
+    g = est["gain"]
+    lo, hi = g["ci95"]
+    where = "lies above 0" if lo > 0 else ("lies below 0" if hi < 0 else "contains 0")
+    return {**out, "ship": bool(lo > 0),
+            "reason": f"gain {g['value']:+.4f} in {metric}, 95% interval [{lo:+.4f}, {hi:+.4f}] {where}"}
 
 
 def unreliable(report: dict) -> list[tuple[str, str, str]]:
@@ -757,6 +810,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         warnings.append(f"importance weights clipped at {clip:g} (weights capped, cited metric: {counts}): "
                         "clipped estimates are biased, towards the logging policy's value for ips")
     bad = [{"metric": metric, "estimator": name, "reason": reason} for metric, name, reason in unreliable(res)]
+    res["verdict"] = ship_verdict(res["estimates"])
     return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
             "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
             "seed": seed, "log": {"path": str(log_path), **{k: v for k, v in read.items()}}, "warnings": warnings,

@@ -110,20 +110,33 @@ def plot_gains(gains: dict, path, *, title: str) -> None:
     _save(fig, path)
 
 
-def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: dict | None = None) -> None:
-    """Write a PNG of off-policy estimates (the ``estimates`` and ``ranges`` of an
-    :func:`rmm_jax.online.ope.evaluate_log` report), one panel per metric, atomically.
+def _unreliable_column(ax, i: int) -> None:
+    ax.axvspan(i - 0.35, i + 0.35, facecolor="none", edgecolor="C3", hatch="///", lw=0, alpha=0.35,
+               label="unreliable: no value (reason in the report)")
+    ax.text(i, 0.5, "unreliable", rotation=90, ha="center", va="center", color="C3", fontsize=9,
+            transform=ax.get_xaxis_transform(), bbox={"facecolor": "white", "edgecolor": "none"})
 
-    Each estimator is a point with its 95% interval (dashed where the interval was cut
-    at the metric's range); the ``logged`` value is a dashed horizontal reference line;
-    the y axis spans the metric's range. An unreliable estimate has no value: its column
-    is a hollow hatched band over the whole height, labelled "unreliable", never a point
-    at a number.
+
+def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: dict | None = None,
+                   verdict: dict | None = None) -> None:
+    """Write a PNG of off-policy estimates (the ``estimates`` and ``ranges`` of an
+    :func:`rmm_jax.online.ope.evaluate_log` report), one column per metric, atomically.
+
+    Top row: each estimator is a point with its 95% interval (dashed where the interval
+    was cut at the metric's range); the ``logged`` value is a dashed horizontal reference
+    line; the y axis spans the metric's range. Bottom row (when the estimates carry
+    gains): each estimator's paired gain over the logging policy with its 95% interval,
+    beside a line at 0; the ``verdict``'s estimate is drawn in green when it ships. An
+    unreliable estimate has no value: its column is a hollow hatched band over the whole
+    height, labelled "unreliable", never a point at a number.
     """
     plt = _pyplot()
     labels = labels or {}
     metrics = list(estimates)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics) + 0.6, 4.2), dpi=120, squeeze=False)
+    gains = any(est.get("gain") is not None for per in estimates.values() for est in per.values())
+    rows = 2 if gains else 1
+    fig, axes = plt.subplots(rows, len(metrics), figsize=(3.6 * len(metrics) + 0.6, 4.2 * rows), dpi=120,
+                             squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         per = estimates[metric]
         lo, hi = ranges[metric]
@@ -135,10 +148,7 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
         for i, name in enumerate(names):
             est = per[name]
             if est["value"] is None:
-                ax.axvspan(i - 0.35, i + 0.35, facecolor="none", edgecolor="C3", hatch="///", lw=0, alpha=0.35,
-                           label="unreliable: no value (reason in the report)")
-                ax.text(i, 0.5, "unreliable", rotation=90, ha="center", va="center", color="C3", fontsize=9,
-                        transform=ax.get_xaxis_transform(), bbox={"facecolor": "white", "edgecolor": "none"})
+                _unreliable_column(ax, i)
                 continue
             v, (a, b) = est["value"], est["ci95"]
             bars = ax.errorbar(i, v, yerr=[[v - a], [b - v]], fmt="o", capsize=4,
@@ -151,11 +161,34 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
         ax.set_ylim(lo - pad, hi + pad)
         ax.set_title(labels.get(metric, metric), fontsize=9)
         ax.grid(alpha=0.3, axis="y")
+    for ax, metric in zip(axes[1] if gains else (), metrics):
+        names = [n for n in estimates[metric] if n != "logged"]
+        ax.axhline(0.0, color="k", lw=1)
+        for i, name in enumerate(names):
+            est = estimates[metric][name]
+            if est["value"] is None:
+                _unreliable_column(ax, i)
+                continue
+            g = est.get("gain")
+            if g is None:
+                continue
+            v, (a, b) = g["value"], g["ci95"]
+            ships = verdict is not None and verdict["ship"] and (metric, name) == (verdict["metric"],
+                                                                                  verdict["estimator"])
+            ax.errorbar(i, v, yerr=[[v - a], [b - v]], fmt="s", capsize=4, color="C2" if ships else "C1",
+                        label="gain over logged, paired 95% interval")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        ax.set_title(f"gain in {labels.get(metric, metric)}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
     handles = {}
-    for ax in axes[0]:
+    for ax in axes.ravel():
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 3), fontsize=8,
+               frameon=False)
+    if verdict is not None:
+        title += f"\nverdict: {'ship' if verdict['ship'] else 'do not ship'} ({verdict['reason']})"
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.07 / rows, 1, 1))
     _save(fig, path)
