@@ -91,7 +91,8 @@ def test_replay_learns_from_new_question_texts_without_gold_and_reports_measures
     calls_cited = sum(1 for line in log.read_text().splitlines() if json.loads(line)["cited"])
     assert doc["online"]["calls"] == 27 and doc["online"]["calls_cited"] == calls_cited
     assert 0 <= doc["online"]["cited_recall@3"] <= 1 and 0 <= doc["base"]["cited_recall@3"] <= 1
-    assert (tmp_path / "day.png").stat().st_size > 1000 and "embedded 54 texts the store lacks" in err    # 27 questions, 27 memories
+    # 27 new questions and 27 new memories, embedded once before the run
+    assert (tmp_path / "day.png").stat().st_size > 1000 and "embedded 54 texts the store lacks" in err
     code, out, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p2", *ONLINE)
     assert code == 0, err
     assert "Recall@3 is not measured" in out and "overall" in out

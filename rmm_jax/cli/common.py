@@ -239,12 +239,15 @@ class LearningSetting(NamedTuple):
         return self.recorded is None or bool(self.changes)
 
 
-def learning_setting(policies, opts: dict, *, change: bool = False, **more) -> LearningSetting:
+def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool = False,
+                     **more) -> LearningSetting:
     """The run's setting: the options (:func:`make_setting`) on a policy store that records
     none; on one that does, the recorded setting with the options the user gave on top
     (docs/lifecycle.md, "Continue means the same learner"). An option that changes the
     recorded setting is refused in one line naming it and both values, unless ``change``
-    (``--change-setting``). ``more``: other setting options of the verb (``clip``)."""
+    (``--change-setting``), or unless ``resume`` finds an interrupted run, whose own check
+    refuses any option that differs from it. ``more``: other setting options of the verb
+    (``clip``)."""
     recorded = read_setting(PolicyStore.open(policies)) if Path(policies).exists() else None
     if recorded is None:
         return LearningSetting(make_setting(**opts, **more), opts["preset"], None, [])
@@ -260,7 +263,7 @@ def learning_setting(policies, opts: dict, *, change: bool = False, **more) -> L
     except ValueError as e:
         raise_option_error(e)
     changes = setting_changes(recorded, setting_record(name, setting))
-    if changes and not change:
+    if changes and not change and not (resume and runstate.RunState.interrupted_fingerprint(policies)):
         field, old, new = changes[0]
         option = "preset" if name != recorded.get("preset") else field
         shown = name if option == "preset" else new

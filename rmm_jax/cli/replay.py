@@ -85,7 +85,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
       rmm-jax replay store --log day2.jsonl --policies policies2 --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
-    ls = learning_setting(policies, opts, change=change_setting, clip=clip)
+    ls = learning_setting(policies, opts, change=change_setting, resume=resume, clip=clip)
     setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     if setting.estimator.mode == "rmm":
@@ -109,8 +109,6 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
         info(f"embedded {len(texts)} texts the store lacks (queries and memories the log carries as text)")
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies, clip=clip)
-    if ls.to_record and writer:
-        write_setting(ps, ls.record)
     chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
                         skip_invalid=skip_invalid, users=users, vectors=vectors)
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid, "--users": users,
@@ -122,6 +120,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
         result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                               users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                               desc="replay", mesh=mesh, writer=writer)
+        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
+            write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
     if rep.get("skipped"):

@@ -110,7 +110,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
       rmm-jax simulate store --policies policies --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
-    ls = learning_setting(policies, opts, change=change_setting)
+    ls = learning_setting(policies, opts, change=change_setting, resume=resume)
     setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     if users_per_chunk < 1:
@@ -142,8 +142,6 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                                    queries=parse_range(query_range))
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)
-    if ls.to_record and writer:
-        write_setting(ps, ls.record)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
@@ -159,6 +157,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
+        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
+            write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
     if log_out and writer:

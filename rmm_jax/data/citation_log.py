@@ -526,7 +526,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
             for mem, text in carried:
                 if mem in texts and texts[mem][0] != text:
                     raise InputError(f"memory {mem[1]!r} of user {rec.user_id!r} has a different text than at "
-                                     f"line {texts[mem][1]}", where=_key_where(where, "candidates"))
+                                     f"{at(path, texts[mem][1])}", where=_key_where(where, "candidates"))
         except InputError as exc:
             if not skip_invalid:
                 raise

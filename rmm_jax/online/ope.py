@@ -554,7 +554,9 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
             texts.update(dict.fromkeys(unseen_texts(rec, known(rec.user_id))))
     missing = sorted((wanted or set()) - set(by_user))
     if missing:
-        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
+        u = missing[0]
+        raise InputError(f"user {u!r} has no record in {log_path}" if store.has_user(u) else
+                         f"unknown user id {u!r} (not in STORE, no record in {log_path})", where="--users")
     vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
@@ -751,7 +753,7 @@ def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SH
     est = estimates[metric][estimator]
     out = {"metric": metric, "estimator": estimator, "gain": est.get("gain")}
     if not est["reliable"]:
-        return {**out, "ship": False, "reason": f"the estimate is unreliable ({est['reason']})"}
+        return {**out, "ship": False, "reason": f"no reliable estimate: {est['reason']}"}
     g = est["gain"]
     lo, hi = g["ci95"]
     where = "lies above 0" if lo > 0 else ("lies below 0" if hi < 0 else "contains 0")
