@@ -106,9 +106,11 @@ bootstrap interval: each resample of the calls gives both values (the estimator 
 resample, and the logged mean on the same resample), and the interval is the percentile
 interval of their difference (:func:`estimate` with ``logged``). ``direct`` (Recall@M)
 has one too. :func:`ship_verdict` turns it into a decision: ship when the SNIPS estimate
-of the cite rate (:data:`SHIP_ESTIMATOR`, :data:`SHIP_METRIC`: SNIPS has far less
-variance than IPS, and the cite rate needs no gold) is reliable and its gain's interval
-lies above 0.
+of the cite rate (:data:`SHIP_ESTIMATOR`, :data:`SHIP_METRIC`) is reliable and its gain's
+interval lies above 0. The cite rate needs no gold; SNIPS needs only ``log_prob``, has far
+less variance than IPS, and is the estimator ``benchmarks/ope_validation.py`` validates
+under both fixed and adaptive logging (95% coverage 0.93 and 1.0 on cited memories); the
+slate estimators are narrower but assume how citations depend on the slots.
 """
 from __future__ import annotations
 

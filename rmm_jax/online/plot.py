@@ -179,7 +179,7 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
                         label="gain over logged, paired 95% interval")
         ax.set_xticks(range(len(names)), names)
         ax.set_xlim(-0.6, len(names) - 0.4)
-        ax.set_title(f"gain in {labels.get(metric, metric)}", fontsize=9)
+        ax.set_title(f"gain over the logging policy: {metric}", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     handles = {}
     for ax in axes.ravel():
