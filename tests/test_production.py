@@ -31,7 +31,7 @@ from rmm_jax.data.store_append import append_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.driver import ChunkDone, SegmentDone, drive
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.ope import estimate
+from rmm_jax.online.ope import Calls, cited_recall, estimate
 from rmm_jax.online.serve import Reranker, call_key
 from rmm_jax.online.streams import streams_from_log
 
@@ -366,3 +366,33 @@ def test_a_kill_mid_append_leaves_the_old_store(tmp_path, days):
     proc.wait()
     assert {p.name: p.read_bytes() for p in store.iterdir()} == before
     assert open_store(store).user_ids == ("a", "b")
+
+
+def test_evaluate_reports_the_targets_cited_recall_beside_the_retrievers():
+    """Brute force over random calls: the share of each call's cited memories in the
+    target's top-M (M = the call's shown count) and in the retriever's first M."""
+    rng = np.random.default_rng(0)
+    n, k, m = 30, 6, 3
+    mask = np.ones((n, k), bool)
+    mask[::4, 5] = False
+    logits = rng.normal(size=(n, k)).astype(np.float32)
+    selected = np.stack([rng.permutation(5)[:m] for _ in range(n)]).astype(np.int32)
+    selected[::5, 2] = -1
+    cited = rng.random((n, m)) < 0.5
+    calls = Calls(user_ids=["u"] * n, query_ids=[f"q{i}" for i in range(n)], target_logits=logits,
+                  behaviour_logits=None, mask=mask, selected=selected, cited=cited, log_prob=np.zeros(n),
+                  cand_gold=np.zeros((n, k), bool), num_gold=np.zeros(n, np.int32), valid=np.zeros(n, bool),
+                  own_policy={"u": True})
+    got = cited_recall(calls, bootstrap=50)["cited_recall"]
+    target, base = [], []
+    for i in range(n):
+        c = {int(selected[i, j]) for j in range(m) if cited[i, j] and selected[i, j] >= 0}
+        if not c:
+            continue
+        shown = int((selected[i] >= 0).sum())
+        top = set(np.argsort(-np.where(mask[i], logits[i], -np.inf), kind="stable")[:shown].tolist())
+        target.append(len(c & top) / len(c))
+        base.append(len(c & set(range(shown))) / len(c))
+    assert got["calls"] == len(target)
+    np.testing.assert_allclose([got["target"]["value"], got["retriever"]["value"], got["target"]["gain"]["value"]],
+                               [np.mean(target), np.mean(base), np.mean(target) - np.mean(base)], rtol=1e-12)

@@ -114,6 +114,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     printed in full first; --allow-unreliable exits 0). A low ESS also prints one
     warning line on stderr suggesting --clip or more logged calls.
 
+    Without gold, beside the estimates: the target's cited-recall@M on the logged calls
+    (the share of each call's cited memories in its deterministic top-M) against the
+    retriever's first M, with the paired gain ("cited_recall" in --json).
+
     Every estimate also has its GAIN over the logging policy on the same calls, with a
     paired bootstrap interval (the per-call difference resampled together), which is
     what decides a release: two overlapping intervals can hide a gain on every call.
@@ -194,6 +198,12 @@ def _print_table(rep: dict, policies, tau: float) -> None:
     click.echo("(gain: the estimate minus the logging policy's value on the same calls, paired bootstrap interval)")
     for note in rep["notes"]:
         click.echo(f"note: {note}")
+    cr = rep.get("cited_recall")
+    if cr:
+        t, r, g = cr["target"], cr["retriever"], cr["target"]["gain"]
+        click.echo(f"cited-recall@M on the {cr['calls']} calls with a citation (no gold needed): target "
+                   f"{t['value']:.4f} [{t['ci95'][0]:.4f}, {t['ci95'][1]:.4f}], retriever {r['value']:.4f}; "
+                   f"gain {g['value']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]")
     v = rep["verdict"]
     decision = "ship" if v["ship"] else "do not ship"
     click.echo(f"\nverdict: {decision} ({v['estimator']} on {v['metric']}: {v['reason']})")

@@ -136,9 +136,9 @@ from rmm_jax.online.streams import check_limits
 
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
-    "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs", "report_entry",
-    "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc", "slot_rewards",
-    "subset_count", "unreliable", "verdict",
+    "cited_recall", "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs",
+    "report_entry", "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
+    "slot_rewards", "subset_count", "unreliable", "verdict",
 ]
 
 ESTIMATORS = ("ips", "snips", "rips", "snrips", "iips")
@@ -732,7 +732,33 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
             ranges[metric] = list(span)
     if "recall" not in out:
         notes.append("recall skipped: no logged call has gold memories in STORE")
-    return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes}
+    return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes,
+            **cited_recall(calls, bootstrap=bootstrap, seed=seed)}
+
+
+def cited_recall(calls: Calls, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> dict:
+    """The gold-free cited-recall of the logged calls (docs/lifecycle.md, "Measures without
+    gold"): over the calls with a citation, the share of the cited memories that the
+    target's deterministic top-M (M: the call's shown count) holds, and that the
+    retriever's first M candidates hold, with the target's paired gain over the retriever.
+    ``{"cited_recall": {"calls", "target", "retriever"}}`` (each a value with its bootstrap
+    interval; ``target`` with its ``gain``), or ``{}`` when no call has a citation."""
+    cited = calls.cited & calls.filled
+    n_cited = cited.sum(1)
+    rows = np.flatnonzero(n_cited > 0)
+    if not rows.size:
+        return {}
+    pos = np.where(cited, calls.selected, -1)[rows]                             # cited positions
+    order = np.argsort(-np.where(calls.mask, calls.target_logits, -np.inf)[rows], axis=1, kind="stable")
+    rank = np.argsort(order, axis=1)                                              # each candidate's rank
+    shown = calls.shown[rows][:, None]
+    in_top = (pos >= 0) & (np.take_along_axis(rank, np.maximum(pos, 0), 1) < shown)
+    in_base = (pos >= 0) & (pos < shown)
+    share = lambda hit: hit.sum(1) / n_cited[rows]                                # noqa: E731
+    span = (0.0, 1.0)
+    retriever = _plain_mean(share(in_base)[:, None], bootstrap, seed, span)
+    target = _plain_mean(share(in_top)[:, None], bootstrap, seed, span, logged=share(in_base))
+    return {"cited_recall": {"calls": int(rows.size), "target": target, "retriever": retriever}}
 
 
 def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Sequence[str] = (), logged=None) -> dict:
