@@ -33,8 +33,9 @@ from hypothesis import strategies as st
 
 from rmm_jax import init_reranker
 from rmm_jax.core.config import Layout
+from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
-from rmm_jax.online.streams import known_ids, scan_log
+from rmm_jax.online.streams import scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 
 K, M = 10, 3

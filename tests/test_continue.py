@@ -121,7 +121,10 @@ def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, t
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM)
     assert code == 0, err
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper")
-    assert code == 2 and err.strip().count("\n") == 0 and "--policies" in err and "optimiser" in err, err
+    assert code == 2 and err.strip().count("\n") == 0 and "--preset: paper would change" in err, err
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper",
+                           "--change-setting")     # asked for: the saved Adam states still cannot continue with SGD
+    assert code == 2 and err.strip().count("\n") == 1 and "--policies" in err and "optimiser" in err, err
 
 
 def test_continue_needs_a_store(capsys, tmp_path, store):

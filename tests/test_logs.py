@@ -317,7 +317,7 @@ _DROP = object()
     (_with(user_id=_DROP), "user_id", "missing required key"),
     (_with(cited=_DROP), "cited", "missing required key"),
     (_with(user_id=7), "user_id", "must be a string, got number"),
-    (_with(query_id=None), "query_id", "must be a string, got null"),
+    (_with(query_id=None), "query_id", "a record names its call by 'call_id', 'query_id' or the 'query' text"),
     (_with(query_id=""), "query_id", "non-empty"),
     (_with(candidates="m1"), "candidates", "must be a list of strings, got string"),
     (_with(candidates=["m1", 2]), "candidates", "item 1 must be a string, got number"),
@@ -470,9 +470,18 @@ def test_known_ids(tmp_path, known):
         path.write_text(json.dumps(BASE) + "\n" + json.dumps(obj) + "\n")
         with pytest.raises(InputError) as info:
             read_log(path, known=known)
-        assert str(info.value) == f"{path}:2: key '{key}': {fragment}"
+        assert str(info.value).startswith(f"{path}:2: key '{key}': {fragment} ("), str(info.value)
         recs, report = read_log(path, known=known, skip_invalid=True)
         assert len(recs) == 1 and report["skipped"] == 1
+    # What the store lacks, the record may carry as text: a new question, a new memory, a new user.
+    texts = [{"id": m, "text": f"text of {m}"} for m in ("m1", "m2", "m4")]
+    carried = [_with(query_id="q7", query="a new question"), _with(candidates=texts),
+               _with(user_id="u9", query="new", candidates=texts, selected=["m2", "m1"], cited=["m2"])]
+    path.write_text("".join(json.dumps(o) + "\n" for o in carried))
+    assert len(read_log(path, known=known)[0]) == 3
+    path.write_text(json.dumps(_with(user_id="u9", query="new")) + "\n")     # ids only: unknown user
+    with pytest.raises(InputError, match="unknown user id 'u9'"):
+        read_log(path, known=known)
 
 
 def test_bad_known_argument(tmp_path):

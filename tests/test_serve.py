@@ -16,7 +16,7 @@ import pytest
 from conftest import FakeEmbedder, make_fake_store, run_cli
 
 import rmm_jax as rj
-from rmm_jax.cli import rerank as rerank_cli
+from rmm_jax.data import embed as embed_mod
 from rmm_jax.data.store import open_store
 from rmm_jax.online.serve import Reranker, load_policy
 from rmm_jax.persist.policy_store import PolicyStore
@@ -73,7 +73,7 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
              {"call_id": "c", "user_id": "someone-new", "query": "where is my passport",
               "candidate_texts": ["passport in the drawer", "my cat is called Tom", "flight on Monday"]}]
     (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
-    monkeypatch.setattr(rerank_cli, "Embedder", lambda model, progress=False: FakeEmbedder(16))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False: FakeEmbedder(16))
     code, _, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
                            "--m", "2", "--k", "8", "--out", tmp_path / "out.jsonl")
     assert code == 0, err
@@ -95,13 +95,15 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
     fake = FakeEmbedder(16)
     shared = PolicyStore.open(pol["user"]).shared_state().state.params
     top, _ = core_top(shared, fake.encode([calls[2]["query"]])[0], fake.encode(calls[2]["candidate_texts"]), 2)
-    assert out[2]["selected"] == [calls[2]["candidate_texts"][p] for p in top] and out[2]["policy_version"] is None
+    texts = calls[2]["candidate_texts"]
+    assert [c["text"] for c in out[2]["candidates"]] == texts and out[2]["policy_version"] is None
+    assert out[2]["selected"] == [out[2]["candidates"][p]["id"] for p in top]
 
 
 @pytest.mark.parametrize("line, where", [
     ({"user_id": "user0", "query_id": "q0", "candidates": ["nope"]}, "key 'candidates'"),
-    ({"user_id": "user0", "query": "x", "query_id": "q0"}, "exactly one"),
-    ({"user_id": "user0"}, "exactly one"),
+    ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),
+    ({"user_id": "user0"}, "needs 'query'"),
     ({"user_id": "nobody", "query_id": "q0"}, "key 'user_id'"),
     ({"user_id": "user0", "query_id": "q999"}, "key 'query_id'"),
     ({"user_id": "user0", "query_id": "q0", "extra": 1}, "key 'extra'"),

@@ -4,19 +4,24 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import click
 import jax
+from click.core import ParameterSource
 from tqdm import tqdm
 
 from rmm_jax.core import config as settings
-from rmm_jax.core.config import PRESETS, Layout, Setting, describe
+from rmm_jax.core.config import PRESETS, Layout, Setting, describe, setting_changes, setting_record, setting_values
 from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REWARDS
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
+from rmm_jax.persist.policy_setting import read_setting
+from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULTS = settings.preset("default")
 PAPER = settings.preset("paper")
@@ -195,6 +200,94 @@ def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, s
         return settings.preset(preset, k=k, m=m, kind=kind, scope=scope or "user", rank=rank, **overrides)
     except ValueError as e:
         raise_option_error(e)
+
+
+SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit", "loss", "clip")  # see below
+
+
+def explicit_options() -> set[str]:
+    """The parameters of the running command that the user gave (on the command line or
+    in the environment), not left at their defaults."""
+    ctx = click.get_current_context()
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return {n for n in ctx.params if ctx.get_parameter_source(n) in given}
+
+
+def change_setting_option(f):
+    """``--change-setting``: let this run change the learning setting the policy store records."""
+    return click.option("--change-setting", is_flag=True,
+                        help="Let an option change the learning setting the policy store records (preset, batch, "
+                             "estimator, optimiser, step size); the run says what changed and the store records the "
+                             "new setting. Without it such an option is refused.")(f)
+
+
+class LearningSetting(NamedTuple):
+    """A run's :class:`Setting`, its preset's name, what the policy store records (None: no
+    record yet) and the ``(field, recorded, new)`` changes this run makes to the record."""
+    setting: Setting
+    preset: str
+    recorded: dict | None
+    changes: list
+
+    @property
+    def record(self) -> dict:
+        return setting_record(self.preset, self.setting)
+
+    @property
+    def to_record(self) -> bool:
+        """Whether the run records its setting: a store without one, or a change."""
+        return self.recorded is None or bool(self.changes)
+
+
+def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool = False,
+                     **more) -> LearningSetting:
+    """The run's setting: the options (:func:`make_setting`) on a policy store that records
+    none; on one that does, the recorded setting with the options the user gave on top
+    (docs/lifecycle.md, "Continue means the same learner"). An option that changes the
+    recorded setting is refused in one line naming it and both values, unless ``change``
+    (``--change-setting``), or unless ``resume`` finds an interrupted run, whose own check
+    refuses any option that differs from it. ``more``: other setting options of the verb
+    (``clip``)."""
+    recorded = read_setting(PolicyStore.open(policies)) if Path(policies).exists() else None
+    if recorded is None:
+        return LearningSetting(make_setting(**opts, **more), opts["preset"], None, [])
+    explicit = explicit_options()
+    given = {**opts, **more}
+    name = given["preset"] if "preset" in explicit else recorded.get("preset", given["preset"])
+    values = setting_values(recorded) if name == recorded.get("preset") else {}
+    values.pop("preset", None)
+    values.update({f: given[f] for f in SETTING_OPTIONS[1:] if f in explicit and f in given})
+    structure = {k: opts[k] for k in ("k", "m", "kind", "scope", "rank")}
+    try:
+        setting = settings.preset(name, **{**structure, "scope": opts["scope"] or "user"}, **values)
+    except ValueError as e:
+        raise_option_error(e)
+    changes = setting_changes(recorded, setting_record(name, setting))
+    if changes and not change and not (resume and runstate.RunState.interrupted_fingerprint(policies)):
+        field, old, new = changes[0]
+        option = "preset" if name != recorded.get("preset") else field
+        shown = name if option == "preset" else new
+        was = recorded.get("preset") if option == "preset" else old
+        others = [f for f, _, _ in changes if f != option]
+        more_text = f"; {', '.join(others)} change with it" if others else ""
+        raise InputError(f"{shown} would change the learning setting policy store {policies} records ({option} {was}"
+                         f"{more_text}); leave the option out to continue with it, or add --change-setting",
+                         where=f"--{option.replace('_', '-')}")
+    return LearningSetting(setting, name, recorded, changes)
+
+
+def note_setting(ls: LearningSetting, opts: dict, policies, **more) -> None:
+    """One stderr line when the run's setting is not what its options alone give: the
+    recorded setting continued, or the changes ``--change-setting`` made."""
+    if ls.changes:
+        info(f"learning setting of {policies} changed (--change-setting): "
+             + ", ".join(f"{f} {a} -> {b}" for f, a, b in ls.changes))
+    elif ls.recorded is not None:
+        plain = setting_record(opts["preset"], make_setting(**opts, **more))
+        differ = setting_changes(plain, ls.record)
+        if differ:
+            info(f"continuing with the learning setting {policies} records: "
+                 + ", ".join(f"{f} {b}" for f, _, b in differ) + " (not the options' defaults)")
 
 
 def config_dict(setting: Setting) -> dict:

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from rmm_jax.cli.common import info
+from rmm_jax.cli.common import explicit_options, info
 from rmm_jax.cli.main import cli
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
@@ -17,14 +17,19 @@ from rmm_jax.data.granularity import (
     GRANULARITIES,
 )
 from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS
-from rmm_jax.data.store import write_store
+from rmm_jax.data.store import open_store, write_store
+from rmm_jax.data.store_append import append_store
 from rmm_jax.errors import InputError
 
 
 @cli.command()
 @click.argument("spec", metavar="SPEC")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+@click.option("--out", "out", default=None, type=click.Path(file_okay=False),
               help="Store directory to write (replaced atomically; nothing is left on failure).")
+@click.option("--into", "into", default=None, type=click.Path(file_okay=False),
+              help="Instead: append SPEC's new users, sessions and questions to this existing store, embedding "
+                   "only their texts; repeated sessions are skipped and counted; ids and every user's rows stay "
+                   "(docs/own-data.md, 'Memory banks grow'). Same model and granularity as the store.")
 @click.option("--granularity", type=click.Choice(GRANULARITIES), default=DEFAULT_GRANULARITY,
               help="Memory unit: one dialogue turn, one whole session, or a topic segment "
                    "(embedding-similarity segmentation plus add/merge).")
@@ -54,7 +59,7 @@ from rmm_jax.errors import InputError
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the store manifest (plus timings) as one JSON object on stdout.")
-def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cache_dir,
+def embed(spec, out, into, granularity, model, segment_threshold, merge_threshold, cache_dir,
           batch_size, no_cache, answers, skip_invalid, quiet, as_json):
     """Embed a dataset's memories and questions into an embedding store.
 
@@ -82,8 +87,13 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
       rmm-jax embed synthetic:users=4 --out /tmp/store --json
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine
       rmm-jax embed log:examples/calls_day1.jsonl --out stores/calls
+      rmm-jax embed jsonl:day2_sessions.jsonl --into stores/mine
     """
     say = (lambda m: None) if quiet else info
+    if (out is None) == (into is None):
+        raise InputError("give --out (a new store) or --into (append to an existing one)", where="--out")
+    if into is not None:
+        return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, say, as_json)
     t0 = time.perf_counter()
     dataset = load_spec(spec, skip_invalid=skip_invalid)
     if dataset.name == "log" and granularity != "turn":
@@ -123,6 +133,36 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
         click.echo(f"{out}: {c['users']} users, {c['memories']} {granularity} memories, "
                    f"{c['queries']} queries, model {manifest['model']} (dim {manifest['dim']})")
 
+
+
+def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, say, as_json) -> None:
+    """``embed SPEC --into STORE``: the store's model and granularity unless given (and then
+    they must match it)."""
+    st = open_store(into)
+    given = explicit_options()
+    if "granularity" in given and granularity != st.granularity:
+        raise InputError(f"STORE {into} holds {st.granularity!r} memories, not {granularity!r}", where="--granularity")
+    t0 = time.perf_counter()
+    dataset = load_spec(spec, skip_invalid=skip_invalid)
+    if dataset.name == "jsonl":
+        _note_skipped(dataset.stats["skipped"], say)
+    embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
+                        batch_size=batch_size, progress=say is info, use_cache=not no_cache)
+    try:
+        res = append_store(into, dataset, embedder, spec=spec, log=say)
+    finally:
+        embedder.close()
+    c, a = res["manifest"]["counts"], res["added"]
+    say(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
+        f"now {c['users']} users, {c['memories']} memories, {c['queries']} queries ({embedder.texts_embedded} texts "
+        f"embedded; {time.perf_counter() - t0:.1f}s)")
+    if as_json:
+        click.echo(json.dumps({**res["manifest"], "store": str(into), "added": a,
+                               "texts_embedded": embedder.texts_embedded}, sort_keys=True))
+    else:
+        click.echo(f"{into}: +{a['users']} users, +{a['sessions']} sessions ({a['memories']} memories), "
+                   f"+{a['queries']} questions; skipped {a['sessions_repeated']} sessions and "
+                   f"{a['queries_repeated']} questions already in the store")
 
 
 def _note_skipped(skipped: dict, say) -> None:

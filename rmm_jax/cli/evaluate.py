@@ -20,6 +20,7 @@ from rmm_jax.online.ope import (
     evaluate_log,
 )
 from rmm_jax.online.plot import plot_estimates
+from rmm_jax.online.serve import behaviour_tau
 from rmm_jax.persist.policy_store import PolicyStore
 
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
@@ -33,7 +34,11 @@ def _row(name: str, est: dict) -> str:
         return f"  {name:<10} unreliable ({est['reason']})"
     lo, hi = est["ci95"]
     cut = "*" if est.get("ci95_clipped") else " "
-    return f"  {name:<10} {est['value']:8.4f}  [{lo:8.4f}, {hi:8.4f}]{cut} {ess}"
+    gain = ""
+    if est.get("gain") is not None:
+        g = est["gain"]
+        gain = f"  {g['value']:+8.4f} [{g['ci95'][0]:+8.4f}, {g['ci95'][1]:+8.4f}]"
+    return f"  {name:<10} {est['value']:8.4f}  [{lo:8.4f}, {hi:8.4f}]{cut} {ess}{gain}"
 
 
 @cli.command()
@@ -43,8 +48,8 @@ def _row(name: str, est: dict) -> str:
                    "logits).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store holding the target policy.")
 @users_option("Only these users' calls")
-@click.option("--tau", type=float, default=DEFAULTS.estimator.tau, show_default=True,
-              help="Target policy's sampling temperature.")
+@click.option("--tau", type=float, default=None, show_default="the learning setting POLICIES records, else "
+              f"{DEFAULTS.estimator.tau}", help="Target policy's sampling temperature.")
 @click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True, help="Most candidates a record may list.")
 @click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True, help="Most memories a record may show.")
 @click.option("--clip", type=float, default=None, show_default="no clipping",
@@ -63,7 +68,7 @@ def _row(name: str, est: dict) -> str:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
               help="Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a "
                    "reference line, each unreliable estimate as a hatched column labelled 'unreliable', with no "
-                   "value.")
+                   "value; below, each estimate's paired gain over the logging policy; the verdict in the title.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one strict JSON object on stdout.")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
@@ -109,26 +114,40 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     printed in full first; --allow-unreliable exits 0). A low ESS also prints one
     warning line on stderr suggesting --clip or more logged calls.
 
+    Without gold, beside the estimates: the target's cited-recall@M on the logged calls
+    (the share of each call's cited memories in its deterministic top-M) against the
+    retriever's first M, with the paired gain ("cited_recall" in --json).
+
+    Every estimate also has its GAIN over the logging policy on the same calls, with a
+    paired bootstrap interval (the per-call difference resampled together), which is
+    what decides a release: two overlapping intervals can hide a gain on every call.
+    The last line is the verdict ("verdict" in --json, "ship": true or false): ship
+    when the SNIPS estimate of the cite rate is reliable and its gain's 95% interval
+    lies above 0. A nightly job that ships on it reads `.verdict.ship` from --json;
+    one with another rule reads `.estimates.METRIC.ESTIMATOR.gain` (value, ci95) and
+    `.reliable`.
+
     \b
     Examples:
       rmm-jax evaluate stores/locomo --log log.jsonl --policies policies2 --plot ope.png
       rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --k 8 --m 3
     """
-    if not tau > 0 or tau == float("inf"):
+    if tau is not None and (not tau > 0 or tau == float("inf")):
         raise InputError(f"must be > 0, got {tau}", where="--tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
     if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
         raise InputError(f"must name a .png file, got {plot_path!r}", where="--plot")
+    st = open_store(store)
+    ps = PolicyStore.open(policies, expect_dim=st.dim)
+    tau = behaviour_tau(ps) if tau is None else tau
     try:
         Layout(k=k, m=m)
         cfg = Target(k, m, tau)
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None
-    st = open_store(store)
-    ps = PolicyStore.open(policies, expect_dim=st.dim)
     made_for = (ps.meta.get("config") or {}).get("model")
     if made_for and made_for != st.model:
         raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
@@ -143,7 +162,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for w in rep["warnings"]:
         info(f"warning: {w}")
     if plot_path is not None:
-        plot_estimates(rep["estimates"], rep["ranges"], plot_path, labels=LABELS,
+        plot_estimates(rep["estimates"], rep["ranges"], plot_path, labels=LABELS, verdict=rep["verdict"],
                        title=f"off-policy estimates for {policies} ({rep['calls']} calls, target tau {tau:g})")
     if as_json:
         click.echo(json.dumps(rep, indent=2, sort_keys=True, allow_nan=False))
@@ -167,7 +186,8 @@ def _print_table(rep: dict, policies, tau: float) -> None:
     for metric, per in rep["estimates"].items():
         lo, hi = rep["ranges"][metric]
         click.echo(f"\n{LABELS[metric]} (range {lo:.4g} to {hi:.4g})")
-        click.echo(f"  {'estimator':<10} {'value':>8}  {'95% interval':>19}   {'ESS':>8}")
+        gain = "gain over logged, 95%"
+        click.echo(f"  {'estimator':<10} {'value':>8}  {'95% interval':>19}   {'ESS':>8}  {gain:>30}")
         for name, est in per.items():
             click.echo(_row(name, est))
             cut = cut or bool(est.get("ci95_clipped"))
@@ -175,5 +195,15 @@ def _print_table(rep: dict, policies, tau: float) -> None:
                "from the gold labels)" if "recall" in rep["estimates"] else "\n(logged: the logging policy's value)")
     if cut:
         click.echo("(*: interval cut at the metric's range)")
+    click.echo("(gain: the estimate minus the logging policy's value on the same calls, paired bootstrap interval)")
     for note in rep["notes"]:
         click.echo(f"note: {note}")
+    cr = rep.get("cited_recall")
+    if cr:
+        t, r, g = cr["target"], cr["retriever"], cr["target"]["gain"]
+        click.echo(f"cited-recall@M on the {cr['calls']} calls with a citation (no gold needed): target "
+                   f"{t['value']:.4f} [{t['ci95'][0]:.4f}, {t['ci95'][1]:.4f}], retriever {r['value']:.4f}; "
+                   f"gain {g['value']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]")
+    v = rep["verdict"]
+    decision = "ship" if v["ship"] else "do not ship"
+    click.echo(f"\nverdict: {decision} ({v['estimator']} on {v['metric']}: {v['reason']})")

@@ -113,16 +113,16 @@ def plot_option(f):
     """``--plot FILE.png``: the run's prequential learning curve beside the base retriever's."""
     return click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
                         callback=_png_path, expose_value=True,
-                        help="Also write a PNG: the prequential learning curve (moving average of per-query "
-                             "Recall@M over the query's position in its user's stream) beside the base "
-                             "retriever's on the same queries.")(f)
+                        help="Also write a PNG: the prequential learning curves (moving average of the per-call "
+                             "value over the call's position in its user's stream) beside the base retriever's on the "
+                             "same calls: Recall@M when calls have gold, cited-recall@M when they have citations.")(f)
 
 
 def save_plot(result, setting, path, verb: str) -> None:
     """Write ``--plot``: the learning curve of ``result`` (see :func:`plot_option`)."""
     m, scope = setting.layout.m, setting.layout.scope
     plot_learning(result.summary, result.base, path, m=m, label=f"{verb}, scope {scope.name}",
-                  title=f"{verb}: prequential Recall@{m} of {len(result.summary['per_user'])} users")
+                  title=f"{verb}: prequential measures of {len(result.summary['per_user'])} users")
     info(f"wrote {path}")
 
 
@@ -181,21 +181,56 @@ def online_options(opts: dict, **more) -> dict:
     return {**{f"--{k.replace('_', '-')}": v for k, v in opts.items()}, **more}
 
 
+def setting_report(ls) -> dict:
+    """The ``setting`` of a run's JSON report: the preset, whether the store recorded a
+    setting before this run, and what ``--change-setting`` changed."""
+    return {"preset": ls.preset, "recorded_before": ls.recorded is not None,
+            "changed": [{"field": f, "from": a, "to": b} for f, a, b in ls.changes]}
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def report(result, setting, extra, as_json):
+    """Print the run's summary: ``--json``, or a table of prequential Recall@M per user
+    (when some call has gold) and one of the gold-free measures (docs/lifecycle.md,
+    "Measures without gold"): each measure is left out, never printed as null, when no
+    call supports it."""
     summary, base, m = result.summary, result.base, setting.layout.m
+    rec, cr = f"recall@{m}", f"cited_recall@{m}"
+    curves = ("curve", "cited_curve")
     out = {**extra, "config": config_dict(setting),
-           "base": {k: base[k] for k in (f"recall@{m}", f"ndcg@{m}", "queries")},
-           "online": {k: v for k, v in summary.items() if k != "curve"}, "curve": summary["curve"]}
+           "base": {k: base[k] for k in (rec, f"ndcg@{m}", "queries", cr) if k in base},
+           "online": {k: v for k, v in summary.items() if k not in curves},
+           **{k: summary[k] for k in curves if k in summary}}
     if as_json:
         emit_json(out)
         return
-    click.echo(f"{'user':>12}  {'queries':>7}  {'base R@' + str(m):>9}  {'online R@' + str(m):>10}  {'delta':>7}")
+    if rec in summary:
+        click.echo(f"{'user':>12}  {'queries':>7}  {'base R@' + str(m):>9}  {'online R@' + str(m):>10}  {'delta':>7}")
+        for uid, row in summary["per_user"].items():
+            if rec not in row:
+                continue
+            b, o = base["per_user"][uid][rec], row[rec]
+            click.echo(f"{uid:>12}  {row['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}")
+        b, o = base[rec], summary[rec]
+        click.echo(f"{'overall':>12}  {summary['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}")
+        click.echo(f"(prequential Recall@{m}: each query scored before any update that uses it)")
+    else:
+        click.echo(f"(no call has gold memories: Recall@{m} is not measured; the measures below need none)")
+    if "cite_rate" not in summary:
+        return
+    head = f"{'user':>12}  {'calls':>7}  {'cite rate':>9}  {'base cR@' + str(m):>10}  {'online cR@' + str(m):>11}"
+    click.echo("\n" + head + f"  {'delta':>7}")
     for uid, row in summary["per_user"].items():
-        b = base["per_user"][uid][f"recall@{m}"]
-        o = row[f"recall@{m}"]
-        if o is None:
+        if not row.get("calls"):
             continue
-        click.echo(f"{uid:>12}  {row['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}")
-    b, o = base[f"recall@{m}"], summary[f"recall@{m}"]
-    click.echo(f"{'overall':>12}  {summary['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}")
-    click.echo(f"(prequential Recall@{m}: each query scored before any update that uses it)")
+        b, o = base["per_user"][uid].get(cr), row.get(cr)
+        click.echo(f"{uid:>12}  {row['calls']:>7}  {row['cite_rate']:>9.4f}  {_fmt(b, '>10.4f')}  "
+                   f"{_fmt(o, '>11.4f')}  {_fmt(None if o is None else o - b, '>+7.4f')}")
+    b, o = base.get(cr), summary.get(cr)
+    click.echo(f"{'overall':>12}  {summary['calls']:>7}  {summary['cite_rate']:>9.4f}  {_fmt(b, '>10.4f')}  "
+               f"{_fmt(o, '>11.4f')}  {_fmt(None if o is None else o - b, '>+7.4f')}")
+    click.echo(f"(cited-recall@{m}, cR: the share of a call's cited memories in the top-{m}, before any update that "
+               f"uses the call, over the {summary['calls_cited']} calls with a citation; cite rate: cited / shown)")

@@ -7,13 +7,15 @@ import click
 
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
+    change_setting_option,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
     info,
     is_writer,
-    make_setting,
+    learning_setting,
+    note_setting,
     start_distributed,
     users_option,
 )
@@ -31,12 +33,16 @@ from rmm_jax.cli.online import (
     resolve_init,
     run_and_save,
     save_plot,
+    setting_report,
     stored_scope,
 )
+from rmm_jax.data.embed import embed_texts
+from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.streams import known_ids, log_chunks, scan_log
+from rmm_jax.online.streams import log_chunks, scan_log
+from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
 
@@ -51,6 +57,7 @@ from rmm_jax.persist.runstate import file_digest
               help=INIT_HELP)
 @keep_option
 @config_options
+@change_setting_option
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @users_option("Only these users' records")
@@ -59,15 +66,18 @@ from rmm_jax.persist.runstate import file_digest
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, users_per_chunk, checkpoint_every, resume,
-           plot_path, as_json, **opts):
+def replay(store, log_path, policies, init, keep, change_setting, clip, skip_invalid, users, users_per_chunk,
+           checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log
-    order per user. Where a record carries the behaviour policy's log_prob and the
-    replaying policy differs, the update is importance-weighted (ratio clipped at
-    --clip). Replaying a `simulate --log-out` log with the same options and seed
-    reproduces its per-user policies bit for bit.
+    order per user. A query or memory that STORE lacks is embedded from the text the
+    record carries (`query`, candidates as {"id", "text"}), with STORE's model through
+    the embedding cache; so a day's log of new questions replays as it is. Where a
+    record carries the behaviour policy's log_prob and the replaying policy differs,
+    the update is importance-weighted (ratio clipped at --clip). Replaying a
+    `simulate --log-out` log with the same options and seed reproduces its per-user
+    policies bit for bit.
 
     \b
     Example:
@@ -75,7 +85,8 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
       rmm-jax replay store --log day2.jsonl --policies policies2 --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
-    setting = make_setting(**opts, clip=clip)
+    ls = learning_setting(policies, opts, change=change_setting, resume=resume, clip=clip)
+    setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     if setting.estimator.mode == "rmm":
         raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
@@ -92,10 +103,14 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
-    grouped, n_users = rep.pop("grouped"), rep.pop("users")
+    grouped, n_users, texts = rep.pop("grouped"), rep.pop("users"), rep.pop("texts")
+    vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
+    if texts:
+        info(f"embedded {len(texts)} texts the store lacks (queries and memories the log carries as text)")
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
+    note_setting(ls, opts, policies, clip=clip)
     chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
-                        skip_invalid=skip_invalid, users=users)
+                        skip_invalid=skip_invalid, users=users, vectors=vectors)
     options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
@@ -105,6 +120,8 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
         result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                               users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                               desc="replay", mesh=mesh, writer=writer)
+        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
+            write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
     if rep.get("skipped"):
@@ -112,5 +129,5 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
              f"first: {rep['first_errors'][0]}")
     if plot_path and writer:
         save_plot(result, setting, plot_path, "replay")
-    report(result, setting,
-           {"policies": str(policies), "init": init, "log": {"path": str(log_path), **rep}}, as_json)
+    report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
+                             "log": {"path": str(log_path), **rep}}, as_json)

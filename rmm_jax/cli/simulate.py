@@ -8,13 +8,15 @@ import click
 
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
+    change_setting_option,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
     info,
     is_writer,
-    make_setting,
+    learning_setting,
+    note_setting,
     start_distributed,
     users_option,
 )
@@ -31,6 +33,7 @@ from rmm_jax.cli.online import (
     resolve_init,
     run_and_save,
     save_plot,
+    setting_report,
     stored_scope,
 )
 from rmm_jax.data import citations as cm
@@ -41,6 +44,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
 from rmm_jax.online.streams import store_chunks
+from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.runstate import file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
@@ -68,6 +72,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
               help=INIT_HELP)
 @keep_option
 @config_options
+@change_setting_option
 @click.option("--citations", type=click.Choice(CITATION_MODELS), default="oracle", show_default=True,
               help="Simulated generator: oracle cites gold memories at the paper's per-class judge rates "
                    f"(useful {cm.P_USEFUL}, not useful {cm.P_OTHER}, spurious {cm.SPURIOUS}); position adds a "
@@ -89,8 +94,8 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def simulate(store, policies, init, keep, citations, precision, cite_recall, users, query_range, users_per_chunk,
-             log_out, checkpoint_every, resume, plot_path, as_json, **opts):
+def simulate(store, policies, init, keep, change_setting, citations, precision, cite_recall, users, query_range,
+             users_per_chunk, log_out, checkpoint_every, resume, plot_path, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
@@ -105,7 +110,8 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
       rmm-jax simulate store --policies policies --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
-    setting = make_setting(**opts)
+    ls = learning_setting(policies, opts, change=change_setting, resume=resume)
+    setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
@@ -135,6 +141,7 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
     n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk, answers=citations == "answer",
                                    queries=parse_range(query_range))
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
+    note_setting(ls, opts, policies)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
@@ -150,13 +157,15 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
+        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
+            write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
     if plot_path and writer:
         save_plot(result, setting, plot_path, "simulate")
-    report(result, setting, {"policies": str(policies), "init": init,
+    report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
                                 "citations": {"model": "precision/recall" if overridden else citations,
                                               **({"precision": precision, "recall": cite_recall} if overridden
                                                  else {})}}, as_json)

@@ -164,3 +164,45 @@ def describe(layout: Layout, estimator: Estimator, optimizer) -> dict:
     """A JSON-ready record of a program's parts (reports and run-state fingerprints)."""
     lay = {**dataclasses.asdict(layout), "scope": layout.scope.name, "rank": layout.scope.rank}
     return {"layout": lay, "estimator": dataclasses.asdict(estimator), "optimizer": optim.describe(optimizer)}
+
+
+# The fields of a recorded learning setting that a continued run keeps (docs/lifecycle.md,
+# "Continue means the same learner"): the preset, the batch, every estimator field, the
+# optimiser and its step size. Not the shapes of the calls (k, m: each log has its own)
+# nor the policy's structure (kind, hidden, scope, rank: the store's meta holds them and
+# a run with others is refused on its own).
+SETTING_FIELDS = ("preset", "batch", *ESTIMATOR_FIELDS, *OPTIMIZER_FIELDS)
+
+
+def setting_record(name: str, setting: Setting) -> dict:
+    """What a policy store records of the setting that trains it: the preset ``name`` and
+    :func:`describe` of its parts (JSON-ready).
+
+    >>> r = setting_record("realistic", preset("realistic"))
+    >>> r["preset"], r["estimator"]["loss"], r["optimizer"]
+    ('realistic', 'logistic', {'name': 'adam', 'lr': 0.0001})
+    """
+    return {"preset": name, **describe(*setting)}
+
+
+def setting_values(record: dict) -> dict:
+    """The :data:`SETTING_FIELDS` of a :func:`setting_record`, flat (``field -> value``);
+    fields this version does not know are left out, and fields it has that the record
+    lacks (a record written by an older version) are absent, so :func:`preset` fills them
+    with the preset's values."""
+    flat = {"preset": record.get("preset"), "batch": (record.get("layout") or {}).get("batch"),
+            **{k: v for k, v in (record.get("estimator") or {}).items() if k in ESTIMATOR_FIELDS}}
+    opt = record.get("optimizer") or {}
+    flat.update({"optimizer": opt.get("name"), "lr": opt.get("lr")})
+    return {k: v for k, v in flat.items() if v is not None}
+
+
+def setting_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """``(field, old value, new value)`` for every :data:`SETTING_FIELDS` field in which two
+    :func:`setting_record` records differ, in :data:`SETTING_FIELDS` order.
+
+    >>> setting_changes(setting_record("realistic", preset("realistic")), setting_record("default", preset()))
+    [('preset', 'realistic', 'default'), ('loss', 'logistic', 'reinforce'), ('lr', 0.0001, 0.0003)]
+    """
+    a, b = setting_values(old), setting_values(new)
+    return [(f, a.get(f), b.get(f)) for f in SETTING_FIELDS if f in a and f in b and a[f] != b[f]]

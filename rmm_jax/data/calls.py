@@ -8,14 +8,20 @@ key                  meaning
 ``user_id``          (required) the user whose policy ranks the call; a user of STORE when
                      ``query_id`` or ``candidates`` name STORE's queries or memories
 ``query``            the query text (embedded with STORE's model, through its disk cache),
-``query_id``         or a query of that user in STORE (exactly one of the two)
+``query_id``         and/or a query id: STORE's question when STORE holds it (then the text
+                     is not needed), else the application's own id for the call's question
 ``candidates``       memory ids of that user in STORE, in any order,
 ``candidate_texts``  or candidate memory texts (embedded); neither: the base retriever's
                      top-K of the user's memories in STORE (``--k``)
-``call_id``          (optional) echoed in the output
+``call_id``          (optional) a non-empty string naming the call, echoed in the output
 ===================  ========================================================================
 
-Every problem is one :class:`~rmm_jax.errors.InputError` naming ``file:line`` and the key,
+A call needs ``query`` or a ``query_id`` that STORE holds. Its identity is its
+``call_id``, else its ``query_id``, else its ``query`` text, as in a citation log
+(:func:`rmm_jax.data.citation_log.call_key`). A candidate given as text gets the id
+``t:`` + the first 16 hex digits of the text's sha256 (:func:`text_id`), so the same text
+has the same id in every call and the served line replays as a log record. Every
+problem is one :class:`~rmm_jax.errors.InputError` naming ``file:line`` and the key,
 raised before anything is embedded, ranked or written.
 
 Examples:
@@ -24,21 +30,28 @@ Examples:
   >>> _ = p.write_text(json.dumps({"user_id": "u1", "query": "where do I live?"}) + "\\n")
   >>> [c.query_text for c in read_calls(p)]
   ['where do I live?']
+  >>> text_id("user: I live in Lisbon.")
+  't:e229215f0adbf3e0'
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import NamedTuple
 
+import numpy as np
+
 from rmm_jax.data.citation_log import json_lines
+from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
+from rmm_jax.data.retrieval import top_k
 from rmm_jax.errors import InputError, at
 
 
 class Call(NamedTuple):
     line: int
     user_id: str
-    call_id: object = None
+    call_id: str | None = None
     query_text: str | None = None
     query_id: str | None = None
     candidates: tuple[str, ...] | None = None        # memory ids
@@ -46,6 +59,11 @@ class Call(NamedTuple):
 
 
 KEYS = ("user_id", "query", "query_id", "candidates", "candidate_texts", "call_id")
+
+
+def text_id(text: str) -> str:
+    """The memory id of a candidate given as text (module docstring)."""
+    return "t:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _strings(value, path, line, key) -> tuple[str, ...]:
@@ -68,18 +86,95 @@ def read_calls(path: str | os.PathLike) -> list[Call]:
         unknown = sorted(set(obj) - set(KEYS))
         if unknown:
             raise InputError(f"unknown key (expected some of {', '.join(KEYS)})", where=at(path, line, unknown[0]))
-        uid = obj.get("user_id")
-        if not isinstance(uid, str) or not uid:
-            raise InputError(f"expected a non-empty string, got {json_type(uid)}", where=at(path, line, "user_id"))
-        if ("query" in obj) == ("query_id" in obj):
-            raise InputError("needs exactly one of 'query' (text) and 'query_id'", where=at(path, line))
-        for key in ("query", "query_id"):
-            if key in obj and (not isinstance(obj[key], str) or not obj[key].strip()):
-                raise InputError(f"expected a non-empty string, got {json_type(obj[key])}", where=at(path, line, key))
+        for key in ("user_id", "query", "query_id", "call_id"):
+            if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
+                raise InputError(f"expected a non-empty string, got {json_type(obj.get(key))}",
+                                 where=at(path, line, key))
+        if "query" not in obj and "query_id" not in obj:
+            raise InputError("needs 'query' (text) or a 'query_id' of STORE", where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:
             raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
-        calls.append(Call(line, uid, obj.get("call_id"), obj.get("query"), obj.get("query_id"),
+        calls.append(Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
                           _strings(obj["candidates"], path, line, "candidates") if "candidates" in obj else None,
                           _strings(obj["candidate_texts"], path, line, "candidate_texts")
                           if "candidate_texts" in obj else None))
     return calls
+
+
+class Prepared(NamedTuple):
+    """A call ready to rank: its query (d,) and candidates (K, d) embeddings, the
+    candidates' ids and, for candidates given as text, their texts (else None)."""
+    call: Call
+    query: np.ndarray
+    cands: np.ndarray
+    ids: list
+    texts: list | None
+
+
+class _Users:
+    """STORE's users, read once each, with their memory and query indices."""
+
+    def __init__(self, st, calls_path):
+        self.st, self.path, self.cache = st, calls_path, {}
+
+    def get(self, call, key):
+        if call.user_id not in self.cache:
+            if not self.st.has_user(call.user_id):
+                raise InputError(f"user {call.user_id!r} is not in STORE {self.st.path} (needed for '{key}')",
+                                 where=at(self.path, call.line, "user_id"))
+            u = self.st.user(call.user_id)
+            self.cache[call.user_id] = (u, {m: j for j, m in enumerate(u.memory_ids)},
+                                        {q: i for i, q in enumerate(u.query_ids)})
+        return self.cache[call.user_id]
+
+    def held_query(self, call) -> int | None:
+        """The row of the call's ``query_id`` in STORE, None when STORE lacks it."""
+        if call.query_id is None or not self.st.has_user(call.user_id):
+            return None
+        return self.get(call, "query_id")[2].get(call.query_id)
+
+
+def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepared]:
+    """Resolve every call against ``store`` (an embedding store): STORE's question when it
+    holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
+    the base retriever's top ``k``. Every call is checked first (users, ids, at least ``m``
+    candidates); then the texts are embedded with the store's model through the embedding
+    cache (:func:`rmm_jax.data.embed.embed_texts`), all at once."""
+    users = _Users(store, path)
+    texts = []
+    for c in calls:
+        held = users.held_query(c)
+        if held is None and c.query_text is None:
+            users.get(c, "query_id")               # an unknown user: the one-line error
+            raise InputError(f"unknown query id for user {c.user_id!r} (give the call's text in 'query')",
+                             where=at(path, c.line, "query_id"))
+        texts += [c.query_text] if held is None else []
+        if c.candidate_texts is not None:
+            n = len(c.candidate_texts)
+            texts += c.candidate_texts
+        else:
+            u, m_index, _ = users.get(c, "candidates" if c.candidates else "the retrieved candidates")
+            bad = [x for x in c.candidates or () if x not in m_index]
+            if bad:
+                raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r}",
+                                 where=at(path, c.line, "candidates"))
+            n = len(c.candidates) if c.candidates is not None else min(k, len(u.memory_ids))
+        if m > n:
+            raise InputError(f"--m {m} is more than this call's {n} candidates", where=at(path, c.line))
+    vecs = embed_texts(texts, store.model)
+    out = []
+    for c in calls:
+        row = users.held_query(c)
+        q = users.get(c, "query_id")[0].query_emb[row] if row is not None else vecs[c.query_text]
+        if c.candidate_texts is not None:
+            out.append(Prepared(c, np.asarray(q, np.float32), np.stack([vecs[t] for t in c.candidate_texts]),
+                                [text_id(t) for t in c.candidate_texts], list(c.candidate_texts)))
+            continue
+        u, m_index, _ = users.get(c, "candidates")
+        if c.candidates is not None:
+            idx = [m_index[x] for x in c.candidates]
+        else:
+            idx = top_k(np.asarray(q)[None], u.memory_emb, min(k, len(u.memory_ids)))[1][0].tolist()
+        out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(u.memory_emb[idx], np.float32),
+                            [u.memory_ids[j] for j in idx], None))
+    return out

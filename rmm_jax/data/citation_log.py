@@ -4,30 +4,45 @@ A citation log is a UTF-8 JSONL file with one JSON object per generator call, in
 order. Blank lines are skipped; line numbers in error messages count every physical
 line (``\\n``), blank ones included, starting at 1.
 
-| key          | type                  | required | meaning / constraints                                         |
-|--------------|-----------------------|----------|---------------------------------------------------------------|
-| `user_id`    | string (non-empty)    | yes      | the user whose memory bank was searched                       |
-| `query_id`   | string (non-empty)    | yes      | the query; each (`user_id`, `query_id`) pair is logged once    |
-| `candidates` | list of string        | yes      | the K memory ids the retriever returned, in retriever order; non-empty, unique |
-| `selected`   | list of string        | yes      | the M memory ids shown to the generator, in display order (position 1 first); non-empty, unique, each in `candidates` |
-| `cited`      | list of string        | yes      | memory ids the generator cited; may be empty; unique, each in `selected` |
-| `log_prob`   | number or null        | no       | log-probability of `selected` under the policy that logged it; finite, `<= 0` (integers accepted) |
-| `timestamp`  | string, number, null  | no       | when the call happened (free form; numbers must be finite)    |
-| `query`      | string or null        | no       | the query text (needed by `rmm-jax embed log:PATH`, which builds a store from the log) |
-| `gold`       | list of string, null  | no       | memory ids relevant to the query (gold), for Recall@M; unique; used by `embed log:` |
-| `logits`     | list of number, null  | no       | the logging policy's Plackett–Luce logits s_i/τ, one per candidate, in `candidates` order; finite. With `log_prob` too, the two must agree (see below) |
+| key              | type                  | required | meaning / constraints                                         |
+|------------------|-----------------------|----------|---------------------------------------------------------------|
+| `user_id`        | string (non-empty)    | yes      | the user whose memory bank was searched                       |
+| `call_id`        | string (non-empty)    | no       | the call's own id (what a serving system writes); names the call |
+| `query_id`       | string (non-empty)    | one of these three | the query: a question of the store, or the application's id for it |
+| `query`          | string                | (see "Identity") | the query text; embedded when the store lacks the query |
+| `candidates`     | list of string        | yes      | the K memory ids the retriever returned, in retriever order; non-empty, unique |
+| `selected`       | list of string        | yes      | the M memory ids shown to the generator, in display order (position 1 first); non-empty, unique, each in `candidates` |
+| `cited`          | list of string        | yes      | memory ids the generator cited; may be empty; unique, each in `selected` |
+| `log_prob`       | number or null        | no       | log-probability of `selected` under the policy that logged it; finite, `<= 0` (integers accepted) |
+| `logits`         | list of number, null  | no       | the logging policy's Plackett–Luce logits s_i/τ, one per candidate, in `candidates` order; finite. With `log_prob` too, the two must agree (see below) |
+| `timestamp`      | string, number, null  | no       | when the call happened (free form; numbers must be finite)    |
+| `gold`           | list of string, null  | no       | memory ids relevant to the query (gold), for Recall@M; unique |
+| `policy_version` | integer ≥ 1, null     | no       | the served user's policy version (``rmm-jax rerank``; null: none of its own) |
+| `shared_version` | integer ≥ 1, null     | no       | the shared version it was served with (null: none)            |
+
+**Identity of a call.** Within one user, a call is named by its ``call_id`` when it has
+one, else by its ``query_id``, else by its ``query`` text (:func:`call_key`); a record
+needs at least one of the three, and two records of a log may not name the same call
+(the first one wins with ``skip_invalid``). So a production log that asks the same
+question twice gives each call its own ``call_id``.
 
 Each item of `candidates` is either a memory id (a string) or an object
 ``{"id": "m3", "text": "..."}`` carrying the memory's text; the two forms may be mixed.
 Texts, `query` and `gold` are what ``rmm-jax embed log:calls.jsonl --out STORE`` needs
-to build an embedding store straight from a production log (:mod:`rmm_jax.data.jsonl`);
-``replay`` and ``evaluate`` only read the ids.
+to build an embedding store straight from a production log (:mod:`rmm_jax.data.jsonl`).
+``replay`` and ``evaluate`` take a query or a memory from the store when the store holds
+its id, and embed the record's text otherwise (:mod:`rmm_jax.data.log_vectors`); gold
+comes from the store for a question it holds, from the record's ``gold`` otherwise.
+
+A **served record** (what ``rmm-jax rerank --explore`` writes, :func:`validate_record`
+with ``served=True``) is a record without ``cited``: the application adds the memories
+the generator cited, and the line becomes a log record.
 
 Example lines::
 
     {"user_id": "u1", "query_id": "q7", "candidates": ["m3", "m1", "m9"],
      "selected": ["m1", "m3"], "cited": ["m1"], "log_prob": -1.2}
-    {"user_id": "u1", "query_id": "q8", "query": "Where does my sister live now?",
+    {"user_id": "u1", "call_id": "c-0412", "query": "Where does my sister live now?",
      "candidates": [{"id": "m3", "text": "My sister moved to Lisbon."}, {"id": "m1", "text": "..."}],
      "selected": ["m3"], "cited": ["m3"], "logits": [4.1, 2.0], "log_prob": -0.115, "gold": ["m3"]}
 
@@ -43,8 +58,9 @@ Decisions:
   yet], may differ from `log_prob` by at most max(1e-3, 1e-4·|log_prob|) (float32
   rounding of the logger). Off-policy evaluation needs `logits` for the slate
   estimators (RIPS, IIPS); IPS and SNIPS need only `log_prob`.
-* A memory's text may appear in several records; that it is the same everywhere is
-  checked by the loader that reads the texts (:mod:`rmm_jax.data.jsonl`).
+* A memory's text may appear in several records of a user; it must be the same in all
+  of them (the reader checks it). A memory id the store holds keeps the store's
+  embedding, whatever text a record carries for it.
 * Unknown extra keys are **allowed and ignored** (forward compatibility: a logger may
   add e.g. ``"answer"``); they are not kept in :class:`LogRecord`. A key repeated
   inside any JSON object on a line is an error (JSON parsers silently keep the last).
@@ -74,23 +90,26 @@ __all__ = [
     "json_lines",
     "pl_log_prob",
     "iter_user_chunks",
+    "call_key",
     "read_log",
     "record_to_json",
     "validate_record",
     "write_log",
 ]
 
-REQUIRED_KEYS = ("user_id", "query_id", "candidates", "selected", "cited")
-OPTIONAL_KEYS = ("log_prob", "timestamp", "query", "gold", "logits")
+REQUIRED_KEYS = ("user_id", "candidates", "selected", "cited")
+OPTIONAL_KEYS = ("call_id", "query_id", "log_prob", "timestamp", "query", "gold", "logits", "policy_version",
+                 "shared_version")
 MAX_FIRST_ERRORS = 5
 
 
 @dataclasses.dataclass(frozen=True)
 class LogRecord:
-    """One generator call. Id lists are tuples; ``selected`` is in display order."""
+    """One generator call. Id lists are tuples; ``selected`` is in display order.
+    ``query_id``, ``call_id`` and ``query_text`` may be None, not all three."""
 
     user_id: str
-    query_id: str
+    query_id: str | None
     candidates: tuple[str, ...]
     selected: tuple[str, ...]
     cited: tuple[str, ...]
@@ -100,6 +119,35 @@ class LogRecord:
     candidate_texts: tuple[str | None, ...] | None = None   # per candidate; None: ids only
     gold: tuple[str, ...] | None = None
     logits: tuple[float, ...] | None = None
+    call_id: str | None = None
+    policy_version: int | None = None
+    shared_version: int | None = None
+
+
+def call_key(rec: LogRecord) -> str:
+    """The identity of a call within its user's log (module docstring, "Identity"):
+    ``call:<call_id>``, else ``query:<query_id>``, else ``text:<query>``. ``rec`` may be
+    anything with ``call_id``, ``query_id`` and ``query_text`` (a ``rerank`` request too).
+
+    >>> call_key(LogRecord("u1", "q7", ("m1",), ("m1",), ()))
+    'query:q7'
+    >>> call_key(LogRecord("u1", "q7", ("m1",), ("m1",), (), call_id="c9"))
+    'call:c9'
+    """
+    if rec.call_id is not None:
+        return f"call:{rec.call_id}"
+    if rec.query_id is not None:
+        return f"query:{rec.query_id}"
+    return f"text:{rec.query_text}"
+
+
+def _call_name(rec: LogRecord) -> tuple[str, str]:
+    """``(key, what)`` naming a record's call in messages: the key that gives its identity."""
+    if rec.call_id is not None:
+        return "call_id", f"call_id {rec.call_id!r}"
+    if rec.query_id is not None:
+        return "query_id", f"(user_id, query_id) ({rec.user_id!r}, {rec.query_id!r})"
+    return "query", f"query text of user {rec.user_id!r}"
 
 
 # ---------------------------------------------------------------------------
@@ -253,33 +301,48 @@ def pl_log_prob(logits, order) -> float:
     return total
 
 
-def validate_record(obj: Any, where: str = "<record>") -> LogRecord:
+def _version(value: Any, where: str, key: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"must be an integer >= 1 or null, got {value!r}", where=_key_where(where, key))
+    return value
+
+
+def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) -> LogRecord:
     """Check one decoded JSON value against the schema and return a :class:`LogRecord`.
 
     ``where`` locates the record in messages, usually ``at(path, line)``; errors read
     ``{where}: key 'k': ...``. Raises :class:`InputError` for: not an object, a missing
-    required key, a wrong type, an empty ``candidates``/``selected``, duplicate ids,
-    ``selected`` outside ``candidates``, ``cited`` outside ``selected``, and a
-    non-finite or positive ``log_prob``. Unknown keys are ignored.
+    required key, no identity (none of ``call_id``, ``query_id``, ``query``), a wrong
+    type, an empty ``candidates``/``selected``, duplicate ids, ``selected`` outside
+    ``candidates``, ``cited`` outside ``selected``, and a non-finite or positive
+    ``log_prob``. Unknown keys are ignored. ``served``: a served record, which has no
+    ``cited`` yet (``cited`` is then ``()``).
     """
     if not isinstance(obj, Mapping):
         raise InputError(f"expected a JSON object, got {_type_name(obj)}", where=where)
     for key in REQUIRED_KEYS:
-        if key not in obj:
+        if key not in obj and not (served and key == "cited"):
             raise InputError("missing required key", where=_key_where(where, key))
     user_id = _id(obj["user_id"], where, "user_id", "user_id")
-    query_id = _id(obj["query_id"], where, "query_id", "query_id")
+    call_id = None if obj.get("call_id") is None else _id(obj["call_id"], where, "call_id", "call_id")
+    query_id = None if obj.get("query_id") is None else _id(obj["query_id"], where, "query_id", "query_id")
     candidates, texts = _candidates(obj["candidates"], where)
     selected = _id_list(obj["selected"], where, "selected", allow_empty=False)
-    cited = _id_list(obj["cited"], where, "cited", allow_empty=True)
+    cited = _id_list(obj.get("cited", []), where, "cited", allow_empty=True)
     log_prob = _log_prob(obj.get("log_prob"), where)
     timestamp = _timestamp(obj.get("timestamp"), where)
     query = obj.get("query")
     if query is not None and not isinstance(query, str):
         raise InputError(f"must be a string, got {_type_name(query)}", where=_key_where(where, "query"))
+    if call_id is None and query_id is None and not (query or "").strip():
+        raise InputError("missing: a record names its call by 'call_id', 'query_id' or the 'query' text",
+                         where=_key_where(where, "query_id"))
     gold = obj.get("gold")
     gold = None if gold is None else _id_list(gold, where, "gold", allow_empty=True)
     logits = _logits(obj.get("logits"), where, len(candidates))
+    versions = {k: _version(obj.get(k), where, k) for k in ("policy_version", "shared_version")}
     cand_set = set(candidates)
     for mid in selected:
         if mid not in cand_set:
@@ -298,31 +361,29 @@ def validate_record(obj: Any, where: str = "<record>") -> LogRecord:
                              f"'logits' ({implied:.6g})", where=_key_where(where, "log_prob"))
     return LogRecord(user_id=user_id, query_id=query_id, candidates=candidates,
                      selected=selected, cited=cited, log_prob=log_prob, timestamp=timestamp,
-                     query_text=query, candidate_texts=texts, gold=gold, logits=logits)
+                     query_text=query, candidate_texts=texts, gold=gold, logits=logits, call_id=call_id,
+                     **versions)
 
 
-def record_to_json(rec: LogRecord) -> dict:
-    """The JSON object for ``rec`` (absent optional keys are omitted)."""
+def record_to_json(rec: LogRecord, *, served: bool = False) -> dict:
+    """The JSON object for ``rec`` (absent optional keys are omitted; ``served``: without
+    ``cited``, and with ``policy_version``/``shared_version`` even when null)."""
     cands: list[Any] = list(rec.candidates)
     if rec.candidate_texts is not None:
         cands = [c if t is None else {"id": c, "text": t} for c, t in zip(rec.candidates, rec.candidate_texts)]
-    out: dict[str, Any] = {
-        "user_id": rec.user_id,
-        "query_id": rec.query_id,
-        "candidates": cands,
-        "selected": list(rec.selected),
-        "cited": list(rec.cited),
-    }
-    if rec.log_prob is not None:
-        out["log_prob"] = rec.log_prob
-    if rec.timestamp is not None:
-        out["timestamp"] = rec.timestamp
-    if rec.query_text is not None:
-        out["query"] = rec.query_text
-    if rec.gold is not None:
-        out["gold"] = list(rec.gold)
-    if rec.logits is not None:
-        out["logits"] = list(rec.logits)
+    out: dict[str, Any] = {"user_id": rec.user_id}
+    for key, value in (("call_id", rec.call_id), ("query_id", rec.query_id), ("query", rec.query_text)):
+        if value is not None:
+            out[key] = value
+    out.update(candidates=cands, selected=list(rec.selected))
+    if not served:
+        out["cited"] = list(rec.cited)
+    optional = (("log_prob", rec.log_prob), ("logits", None if rec.logits is None else list(rec.logits)),
+                ("timestamp", rec.timestamp), ("gold", None if rec.gold is None else list(rec.gold)))
+    out.update({k: v for k, v in optional if v is not None})
+    for key, value in (("policy_version", rec.policy_version), ("shared_version", rec.shared_version)):
+        if value is not None or served:
+            out[key] = value
     return out
 
 
@@ -353,17 +414,28 @@ def _known_lookup(known: Known) -> Callable[[str], Any]:
 
 
 def _check_known(rec: LogRecord, lookup: Callable[[str], Any], where: str) -> None:
+    """What the store lacks the record must carry as text: a query id the store does not
+    hold needs the ``query`` text, a memory id it does not hold needs the candidate's
+    text, and a user it does not hold needs both for everything."""
     entry = lookup(rec.user_id)
-    if entry is None:
-        raise InputError(f"unknown user id {rec.user_id!r}", where=_key_where(where, "user_id"))
-    query_ids, memory_ids = entry
-    if rec.query_id not in query_ids:
-        raise InputError(f"unknown query id {rec.query_id!r} for user {rec.user_id!r}",
-                         where=_key_where(where, "query_id"))
-    for mid in rec.candidates:  # selected and cited are subsets of candidates
-        if mid not in memory_ids:
-            raise InputError(f"unknown memory id {mid!r} for user {rec.user_id!r}",
+    query_ids, memory_ids = entry if entry is not None else ((), ())
+    texts = rec.candidate_texts or (None,) * len(rec.candidates)
+    if entry is None and (rec.query_text is None or any(t is None for t in texts)):
+        raise InputError(f"unknown user id {rec.user_id!r} (a user the store lacks needs the 'query' text and "
+                         "every candidate's text)", where=_key_where(where, "user_id"))
+    if rec.query_text is None and rec.query_id not in query_ids:
+        what = f"unknown query id {rec.query_id!r}" if rec.query_id is not None else "no query id"
+        raise InputError(f"{what} for user {rec.user_id!r} (give the call's text in 'query' to embed it)",
+                         where=_key_where(where, "query_id" if rec.query_id is not None else "query"))
+    for mid, text in zip(rec.candidates, texts):  # selected and cited are subsets of candidates
+        if text is None and mid not in memory_ids:
+            raise InputError(f"unknown memory id {mid!r} for user {rec.user_id!r} (give candidates the store "
+                             'lacks as {"id", "text"} objects, or append them with `rmm-jax embed --into`)',
                              where=_key_where(where, "candidates"))
+    for mid in rec.gold or ():
+        if mid not in memory_ids and mid not in rec.candidates:
+            raise InputError(f"unknown memory id {mid!r} for user {rec.user_id!r} (neither in the store nor a "
+                             "candidate of the record)", where=_key_where(where, "gold"))
 
 
 # ---------------------------------------------------------------------------
@@ -429,11 +501,13 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     ``grouped``: each user's records must be on consecutive lines (a user reappearing
     after another user's records is an error, even with ``skip_invalid``); repeated
     pairs are then tracked for the current user only, so memory does not grow with
-    the number of records (only a set of finished user ids is kept).
+    the number of records (only a set of finished user ids is kept). A memory whose
+    text two records of a user give differently is an error (so is a call logged twice).
     """
     lookup = _known_lookup(known) if known is not None else None
     report.update(_new_report())
     seen: dict[tuple[str, str], int] = {}
+    texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
     for lineno, raw in _nonblank_lines(path):
@@ -442,11 +516,17 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
             rec = validate_record(_decode_line(raw, path, lineno), where)
             if lookup is not None:
                 _check_known(rec, lookup, where)
-            pair = (rec.user_id, rec.query_id)
+            pair = (rec.user_id, call_key(rec))
             if pair in seen:
-                raise InputError(
-                    f"duplicate (user_id, query_id) ({rec.user_id!r}, {rec.query_id!r}), "
-                    f"first logged at line {seen[pair]}", where=_key_where(where, "query_id"))
+                key, what = _call_name(rec)
+                raise InputError(f"duplicate {what}, first logged at line {seen[pair]}",
+                                 where=_key_where(where, key))
+            carried = [((rec.user_id, mid), text) for mid, text in zip(rec.candidates, rec.candidate_texts or ())
+                       if text is not None]
+            for mem, text in carried:
+                if mem in texts and texts[mem][0] != text:
+                    raise InputError(f"memory {mem[1]!r} of user {rec.user_id!r} has a different text than at "
+                                     f"{at(path, texts[mem][1])}", where=_key_where(where, "candidates"))
         except InputError as exc:
             if not skip_invalid:
                 raise
@@ -464,7 +544,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
                 finished.add(current)
             current = rec.user_id
             seen.clear()
+            texts.clear()
         seen[pair] = lineno
+        for mem, text in carried:
+            texts.setdefault(mem, (text, lineno))
         report["records"] += 1
         yield lineno, rec
     if report["records"] == 0:
@@ -507,8 +590,8 @@ def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool
     """Stream the valid records of a citation log, one line at a time.
 
     Each line is decoded, validated (:func:`validate_record`), checked against
-    ``known`` when given, and checked for a repeated ``(user_id, query_id)`` pair
-    (the first occurrence wins). Without ``skip_invalid`` the first problem raises
+    ``known`` when given, and checked for a call logged twice (the same
+    :func:`call_key` of the same user; the first occurrence wins). Without ``skip_invalid`` the first problem raises
     :class:`InputError` naming ``path:line``; with it, bad lines (invalid JSON or
     UTF-8 included) are counted and skipped. Blank lines are not records.
 
@@ -516,12 +599,13 @@ def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool
     ``user_id -> (query_ids, memory_ids)``, such a mapping itself, or a callable
     ``user_id -> (query_ids, memory_ids) | None`` (e.g. one that reads a user's ids
     from an embedding store); an unknown user, query or memory id is an error naming
-    the line, the key and the id.
+    the line, the key and the id, unless the record carries its text (see
+    :func:`_check_known`).
 
     ``report``, when given, is reset and updated in place with ``records`` (yielded so
     far), ``skipped`` and ``first_errors`` (up to 5 messages). A file without a
     non-blank line, or whose lines were all skipped, raises ``InputError`` "no records"
-    when the stream ends. Memory use: one line plus the seen (user_id, query_id) pairs.
+    when the stream ends. Memory use: one line plus the seen calls.
     """
     for _, rec in _iter_numbered(path, known, skip_invalid,
                                  report if report is not None else {}):
@@ -599,7 +683,7 @@ def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
     """Atomically write ``records`` as JSONL; return the number written.
 
     Every record is re-validated first (``InputError`` naming ``record i`` - 0-based -
-    and the key), including repeated ``(user_id, query_id)`` pairs, so a written log
+    and the key), including calls logged twice, so a written log
     always reads back. Nothing is written when a record is invalid.
     """
     lines: list[str] = []
@@ -607,10 +691,10 @@ def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
     for i, rec in enumerate(records):
         where = f"record {i}"
         rec, line = _json_line(rec, where)
-        pair = (rec.user_id, rec.query_id)
+        pair = (rec.user_id, call_key(rec))
         if pair in seen:
-            raise InputError(f"duplicate (user_id, query_id) ({rec.user_id!r}, {rec.query_id!r})",
-                             where=_key_where(where, "query_id"))
+            key, what = _call_name(rec)
+            raise InputError(f"duplicate {what}", where=_key_where(where, key))
         seen.add(pair)
         lines.append(line)
     with atomic_file(Path(path)) as f:
@@ -628,8 +712,8 @@ class LogWriter:
     temporary file replaces ``path`` atomically; on an exception it is removed and
     ``path`` is untouched. ``count`` is the number of records written so far.
 
-    Unlike :func:`write_log`, repeated ``(user_id, query_id)`` pairs are not checked
-    (that would keep every pair in memory); the caller writes each query once.
+    Unlike :func:`write_log`, calls logged twice are not checked (that would keep every
+    call's identity in memory); the caller writes each call once.
 
     Example::
 

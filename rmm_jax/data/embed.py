@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from rmm_jax.errors import InputError
 
-__all__ = ["Embedder", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL",
+__all__ = ["Embedder", "embed_texts", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL",
            "default_cache_root", "model_slug"]
 
 #: The packaged offline model, by its short name.
@@ -303,3 +303,23 @@ class Embedder:
 
     def __repr__(self) -> str:
         return f"Embedder(model_id={self.model_id!r}, dim={self.dim}, cache_dir={self.cache_dir})"
+
+
+def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embedding") -> dict[str, np.ndarray]:
+    """Every distinct text of ``texts`` -> its embedding with ``model`` (an embedding
+    store's ``model``), through the disk cache: how ``replay``, ``evaluate`` and ``rerank``
+    embed the query and memory texts a store lacks. The model is loaded only when there
+    is text to embed (and the cache is the default one, ``$RMM_JAX_CACHE``).
+
+    >>> embed_texts([], "all-MiniLM-L6-v2")       # nothing to embed: no model loaded
+    {}
+    """
+    distinct = list(dict.fromkeys(texts))
+    if not distinct:
+        return {}
+    emb = Embedder(model.removeprefix("local:"), progress=progress)   # a store records a local model as local:PATH
+    try:
+        vecs = emb.encode(distinct, desc=desc)
+    finally:
+        emb.close()
+    return dict(zip(distinct, vecs))

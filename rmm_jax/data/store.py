@@ -90,11 +90,14 @@ def _user_memories(user: User, granularity: str, embed_fn, where: str,
     return mems
 
 
-def _add_user_rows(rows: _Rows, user: User, mems: list[MemoryUnit]) -> None:
-    """Append one user's memory, query and user rows (with gold memory ids) to ``rows``."""
-    gold = gold_matrix(user.queries, mems) if mems and user.queries else \
-        np.zeros((len(user.queries), len(mems)), bool)
-    ids = [m.id for m in mems]
+def _add_user_rows(rows: _Rows, user: User, mems: list[MemoryUnit], bank: list[MemoryUnit] | None = None) -> None:
+    """Append one user's memory, query and user rows (with gold memory ids) to ``rows``.
+    ``bank``: the memories gold is looked up in (default ``mems``; a store append gives
+    the user's old memories and the new ones)."""
+    bank = mems if bank is None else bank
+    gold = gold_matrix(user.queries, bank) if bank and user.queries else \
+        np.zeros((len(user.queries), len(bank)), bool)
+    ids = [m.id for m in bank]
     m0, q0 = len(rows.memories), len(rows.queries)
     for m in mems:
         rows.memories.append({"user": user.id, "id": m.id, "session_id": m.session_id,
@@ -312,6 +315,9 @@ class EmbeddingStore:
         return (f"EmbeddingStore({str(self.path)!r}, model={self.model!r}, dim={self.dim}, "
                 f"granularity={self.granularity!r}, users={c['users']}, "
                 f"memories={c['memories']}, queries={c['queries']})")
+
+    def has_user(self, user_id) -> bool:
+        return str(user_id) in self._by_id
 
     @property
     def bank_sizes(self) -> dict[str, int]:

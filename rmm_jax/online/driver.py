@@ -33,7 +33,8 @@ from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
 from rmm_jax.online.sharding import replicate, shard_users
 from rmm_jax.online.streams import Stream, user_key
 
-OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob")  # per-query outputs kept per user
+OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob",   # per-query outputs kept per user
+               "hit", "hit_base", "n_cited", "n_shown")
 
 
 class Chunk(NamedTuple):

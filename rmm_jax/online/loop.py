@@ -7,7 +7,9 @@ ACL 2025, §4.2):
   2. **prequential evaluation**: the deterministic top-M (no noise) is scored against
      gold (Recall@M, NDCG@M) *before* any update that uses these queries;
   3. act: Gumbel-top-M selection (simulate) or the logged selection (replay);
-  4. citations: the citation simulator, or the logged ``cited`` ids;
+  4. citations: the citation simulator, or the logged ``cited`` ids; the gold-free
+     measures (:func:`cited_counts`) score the policy's top-M of step 2, and the
+     retriever's, against these citations, still before the update;
   5. one REINFORCE update of every user of the chunk (:func:`rmm_jax.core.update.make_update`,
      the same function in every scope).
 
@@ -48,7 +50,8 @@ from rmm_jax.core.types import Batch, QueryBatch, SharedState, UserState
 from rmm_jax.core.update import CiteFn, init_shared, init_user, make_update, simulated_batch
 from rmm_jax.online.streams import ChunkData, pad_streams, stream_batches
 
-PER_QUERY = ("recall", "ndcg", "eval", "selected", "cited", "log_prob")  # outputs with a (B,) axis per batch
+PER_QUERY = ("recall", "ndcg", "eval", "selected", "cited", "log_prob",   # outputs with a (B,) axis per batch
+             "hit", "hit_base", "n_cited", "n_shown")
 GROUP_CACHE_BYTES = 24 << 20   # what a group of users' states may take: most of a 32 MiB last-level cache
 
 
@@ -74,8 +77,9 @@ class Program(NamedTuple):
       (``state`` donated): ``n_batches`` batches from batch ``start`` (all when None);
       ``group`` users per cache group (None: :func:`users_per_group` on CPU, none on other
       backends; 0: no grouping). ``outputs`` (users axis first, then batches) hold
-      per-query ``recall``, ``ndcg`` (prequential, at M), ``eval``, and when simulating
-      ``selected`` (positions in ``cand``), ``cited``, ``log_prob``; and per-batch
+      per-query ``recall``, ``ndcg`` (prequential, at M), ``eval``, the gold-free counts
+      ``hit``, ``hit_base``, ``n_cited``, ``n_shown`` (:func:`cited_counts`), and when
+      simulating ``selected`` (positions in ``cand``), ``cited``, ``log_prob``; and per-batch
       ``reward``, ``cite_rate``, ``loss``, ``updated``.
     """
     layout: Layout
@@ -110,6 +114,31 @@ def users_per_group(n_users: int, bytes_per_user: int, cache_bytes: int = GROUP_
     """
     fit = max(1, cache_bytes // max(1, bytes_per_user))
     return max(g for g in range(1, min(fit, n_users) + 1) if n_users % g == 0)
+
+
+def cited_counts(top, selected, cited, present, m: int) -> dict:
+    """The gold-free measures of one batch, as counts per query (docs/lifecycle.md,
+    "Measures without gold"): ``n_shown`` memories shown, ``n_cited`` of them cited,
+    ``hit`` cited memories that the policy's deterministic top-M ``top`` holds and
+    ``hit_base`` cited memories among the retriever's first M candidates. The summaries
+    turn them into prequential cited-recall@M (hit / n_cited over calls with a citation)
+    and the cite rate (n_cited / n_shown).
+
+    Args: ``top`` (B, M) positions in the candidates, −1 unfilled; ``selected`` (B, M')
+    positions shown, −1 unfilled; ``cited`` (B, M') bool per shown slot; ``present`` (B,).
+
+    >>> import jax.numpy as jnp
+    >>> c = cited_counts(jnp.array([[3, 0]]), jnp.array([[0, 2, 3]]), jnp.array([[True, False, True]]),
+    ...                  jnp.array([True]), m=2)
+    >>> {k: int(v[0]) for k, v in sorted(c.items())}    # cited: positions 0 and 3; top-2 {3, 0}; retriever {0, 1}
+    {'hit': 2, 'hit_base': 1, 'n_cited': 2, 'n_shown': 3}
+    """
+    shown = (selected >= 0) & present[:, None]
+    pos = jnp.where(cited & shown, selected, -1)                         # cited positions, −1 elsewhere
+    in_top = jnp.any((pos[:, :, None] == top[:, None, :]) & (top[:, None, :] >= 0), axis=-1)
+    return {"hit": jnp.sum(in_top & (pos >= 0), axis=-1, dtype=jnp.int32),
+            "hit_base": jnp.sum((pos >= 0) & (pos < m), axis=-1, dtype=jnp.int32),
+            "n_cited": jnp.sum(pos >= 0, axis=-1, dtype=jnp.int32), "n_shown": jnp.sum(shown, axis=-1, dtype=jnp.int32)}
 
 
 def _tree_where_users(pred, new, old):
@@ -157,6 +186,7 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
                                  gold=x.gold if x.cite_gold is None else x.cite_gold)
             full = simulated_batch(estimator, m_shown, cite_fn, scores, queries, key)
             out.update(selected=full.selected, cited=full.cited, log_prob=full.logged_log_prob)
+        out.update(cited_counts(top, full.selected, full.cited, x.present, m_shown))
         return full, out
 
     def step(state: LoopState, x: ChunkData, bank):

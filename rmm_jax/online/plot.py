@@ -6,6 +6,29 @@ from pathlib import Path
 from rmm_jax.persist.atomic import atomic_file
 
 
+def _pyplot():
+    import matplotlib  # lazy: slow to import, and Agg must be chosen before pyplot loads
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _beside(ax, reference: str, ref, name: str, ys, color: str, title: str) -> None:
+    """One panel: curve ``name`` drawn beside the ``reference`` curve (grey, dashed)."""
+    ax.plot(range(1, len(ref) + 1), ref, label=reference, lw=1.5, ls="--", color="0.45")
+    ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.8, color=color)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+
+
+def _save(fig, path) -> None:
+    plt = _pyplot()
+    with atomic_file(Path(path), "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+
+
 def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "query in stream (per user)",
                 reference: str | None = None, notes: dict | None = None) -> None:
     """Write a PNG of named curves (one value per query position), atomically.
@@ -16,11 +39,7 @@ def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "q
     and the same policy trained on online) stay visible, each in its own panel. ``notes``
     adds a text to a curve's panel title (e.g. its overall gain).
     """
-    import matplotlib  # lazy: slow to import, and Agg must be chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     if reference is not None and reference not in curves:
         raise ValueError(f"reference {reference!r} is not one of the curves {sorted(curves)}")
     panels = [n for n in curves if n != reference] if reference is not None else [None]
@@ -32,12 +51,8 @@ def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "q
                 ax.plot(range(1, len(ys) + 1), ys, label=n, lw=1.8, color=f"C{j}")
             ax.legend()
         else:
-            ref, ys = curves[reference], curves[name]
-            ax.plot(range(1, len(ref) + 1), ref, label=reference, lw=1.5, ls="--", color="0.45")
-            ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.8, color=f"C{i}")
             note = (notes or {}).get(name)
-            ax.set_title(f"{name}: {note}" if note else name, fontsize=9)
-            ax.legend(fontsize=8, loc="lower right")
+            _beside(ax, reference, curves[reference], name, curves[name], f"C{i}", f"{name}: {note}" if note else name)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
@@ -46,30 +61,39 @@ def plot_curves(curves: dict, path, *, title: str, ylabel: str, xlabel: str = "q
     else:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    with atomic_file(Path(path), "wb") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_learning(summary: dict, base: dict, path, *, m: int, label: str, title: str) -> None:
-    """Write the prequential learning curve of one online run (``summary``, an
+    """Write the prequential learning curves of one online run (``summary``, an
     :class:`rmm_jax.online.run.OnlineResult`'s) beside the base retriever's on the same
-    queries (``base``): the moving average of per-query Recall@``m`` over the query's
-    position in its user's stream, averaged over the users that reach that position."""
-    key = f"recall@{m}"
-    gain = summary[key] - base[key] if summary[key] is not None and base[key] is not None else None
-    plot_curves({"base retriever": base["curve"], label: summary["curve"]}, path, title=title,
-                ylabel=f"Recall@{m} (moving average)", reference="base retriever",
-                notes={label: f"Recall@{m} {summary[key]:.3f}, {gain:+.3f} vs base" if gain is not None else ""})
+    calls (``base``), one panel per measure the run has: Recall@``m`` when some query has
+    gold, and cited-recall@``m`` when some call has a citation (docs/lifecycle.md,
+    "Measures without gold"). Each curve is the moving average of the per-call value over
+    the call's position in its user's stream, averaged over the users that reach it."""
+    panels = []
+    for key, curve, what in ((f"recall@{m}", "curve", f"Recall@{m}"),
+                             (f"cited_recall@{m}", "cited_curve", f"cited-recall@{m} (no gold)")):
+        if summary.get(key) is not None and base.get(key) is not None:
+            panels.append((what, summary[curve], base[curve],
+                           f"{what} {summary[key]:.3f}, {summary[key] - base[key]:+.3f} vs base"))
+    if not panels:
+        raise ValueError("nothing to plot: no call has gold or a citation")
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.2), dpi=120, squeeze=False)
+    for i, (ax, (what, ys, ref, note)) in enumerate(zip(axes[0], panels)):
+        _beside(ax, "base retriever", ref, label, ys, f"C{i}", note)
+        ax.set_xlabel("call in stream (per user)")
+        ax.set_ylabel(f"{what} (moving average)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
 
 
 def plot_gains(gains: dict, path, *, title: str) -> None:
     """Write a PNG of named gains as points with their intervals (``gain_interval`` dicts)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     names = list(gains)
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.4), dpi=120)
     for i, n in enumerate(names):
@@ -83,29 +107,36 @@ def plot_gains(gains: dict, path, *, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    with atomic_file(Path(path), "wb") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
+    _save(fig, path)
 
 
-def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: dict | None = None) -> None:
+def _unreliable_column(ax, i: int) -> None:
+    ax.axvspan(i - 0.35, i + 0.35, facecolor="none", edgecolor="C3", hatch="///", lw=0, alpha=0.35,
+               label="unreliable: no value (reason in the report)")
+    ax.text(i, 0.5, "unreliable", rotation=90, ha="center", va="center", color="C3", fontsize=9,
+            transform=ax.get_xaxis_transform(), bbox={"facecolor": "white", "edgecolor": "none"})
+
+
+def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: dict | None = None,
+                   verdict: dict | None = None) -> None:
     """Write a PNG of off-policy estimates (the ``estimates`` and ``ranges`` of an
-    :func:`rmm_jax.online.ope.evaluate_log` report), one panel per metric, atomically.
+    :func:`rmm_jax.online.ope.evaluate_log` report), one column per metric, atomically.
 
-    Each estimator is a point with its 95% interval (dashed where the interval was cut
-    at the metric's range); the ``logged`` value is a dashed horizontal reference line;
-    the y axis spans the metric's range. An unreliable estimate has no value: its column
-    is a hollow hatched band over the whole height, labelled "unreliable", never a point
-    at a number.
+    Top row: each estimator is a point with its 95% interval (dashed where the interval
+    was cut at the metric's range); the ``logged`` value is a dashed horizontal reference
+    line; the y axis spans the metric's range. Bottom row (when the estimates carry
+    gains): each estimator's paired gain over the logging policy with its 95% interval,
+    beside a line at 0; the ``verdict``'s estimate is drawn in green when it ships. An
+    unreliable estimate has no value: its column is a hollow hatched band over the whole
+    height, labelled "unreliable", never a point at a number.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     labels = labels or {}
     metrics = list(estimates)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics) + 0.6, 4.2), dpi=120, squeeze=False)
+    gains = any(est.get("gain") is not None for per in estimates.values() for est in per.values())
+    rows = 2 if gains else 1
+    fig, axes = plt.subplots(rows, len(metrics), figsize=(3.6 * len(metrics) + 0.6, 4.2 * rows), dpi=120,
+                             squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         per = estimates[metric]
         lo, hi = ranges[metric]
@@ -117,10 +148,7 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
         for i, name in enumerate(names):
             est = per[name]
             if est["value"] is None:
-                ax.axvspan(i - 0.35, i + 0.35, facecolor="none", edgecolor="C3", hatch="///", lw=0, alpha=0.35,
-                           label="unreliable: no value (reason in the report)")
-                ax.text(i, 0.5, "unreliable", rotation=90, ha="center", va="center", color="C3", fontsize=9,
-                        transform=ax.get_xaxis_transform(), bbox={"facecolor": "white", "edgecolor": "none"})
+                _unreliable_column(ax, i)
                 continue
             v, (a, b) = est["value"], est["ci95"]
             bars = ax.errorbar(i, v, yerr=[[v - a], [b - v]], fmt="o", capsize=4,
@@ -133,13 +161,34 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
         ax.set_ylim(lo - pad, hi + pad)
         ax.set_title(labels.get(metric, metric), fontsize=9)
         ax.grid(alpha=0.3, axis="y")
+    for ax, metric in zip(axes[1] if gains else (), metrics):
+        names = [n for n in estimates[metric] if n != "logged"]
+        ax.axhline(0.0, color="k", lw=1)
+        for i, name in enumerate(names):
+            est = estimates[metric][name]
+            if est["value"] is None:
+                _unreliable_column(ax, i)
+                continue
+            g = est.get("gain")
+            if g is None:
+                continue
+            v, (a, b) = g["value"], g["ci95"]
+            ships = verdict is not None and verdict["ship"] and (metric, name) == (verdict["metric"],
+                                                                                  verdict["estimator"])
+            ax.errorbar(i, v, yerr=[[v - a], [b - v]], fmt="s", capsize=4, color="C2" if ships else "C1",
+                        label="gain over logged, paired 95% interval")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        ax.set_title(f"gain over the logging policy: {metric}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
     handles = {}
-    for ax in axes[0]:
+    for ax in axes.ravel():
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 3), fontsize=8,
+               frameon=False)
+    if verdict is not None:
+        title += f"\nverdict: {'ship' if verdict['ship'] else 'do not ship'} ({verdict['reason']})"
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    with atomic_file(Path(path), "wb") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0.07 / rows, 1, 1))
+    _save(fig, path)

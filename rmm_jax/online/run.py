@@ -102,8 +102,9 @@ class Recorder:
     def _add(self, streams, outputs) -> None:
         for s in streams:
             out = outputs[s.user_id]
-            self.online.add(s.user_id, out["recall"], out["ndcg"], s.valid)
-            self.base.add(s.user_id, *base_values(s, self.m), s.valid)
+            shown = (out["n_cited"], out["n_shown"])
+            self.online.add(s.user_id, out["recall"], out["ndcg"], s.valid, (out["hit"], *shown))
+            self.base.add(s.user_id, *base_values(s, self.m), s.valid, (out["hit_base"], *shown))
             self.recall[s.user_id] = out["recall"]
             self.user_ids.append(s.user_id)
 

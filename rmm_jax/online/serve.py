@@ -8,6 +8,20 @@ the reranker's scores s_i = q'ᵀm_i' (RMM, Tan et al., ACL 2025, §4.2) for a b
 queries in one jitted call. A user the store does not hold is served the store's shared
 part, the policy a run would start them from. Nothing is written.
 
+**Exploration.** :meth:`Reranker.sample` draws the shown memories instead, as the online
+loop does: the Gumbel top-M of s/τ, an ordered Plackett–Luce sample
+(:func:`rmm_jax.core.sampling.gumbel_top_m`), and returns the exact log-probability of
+the draw (:func:`rmm_jax.core.sampling.selection_log_prob`) and the logits s/τ: the
+propensities that let the next day's log be replayed with importance weights and
+evaluated off-policy. τ is the behaviour temperature of the learning setting the store
+records (:attr:`Reranker.tau`). Each call's noise comes from its own key,
+:func:`call_key` (the seed, the user and the call's identity), so serving the same call
+again draws the same memories, whatever else is served with it.
+
+**No policy yet.** ``Reranker(None, dim=d)`` serves the identity reranker to everyone:
+its scores are exactly the retriever's cosine q·m, so a team can explore (and log
+propensities) from day one, and replaying that log from the identity policy is on-policy.
+
 Examples:
   >>> import numpy as np, jax, rmm_jax as rj                                       # doctest: +SKIP
   >>> rr = Reranker.open("policies")                                               # doctest: +SKIP
@@ -18,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 from typing import Any, NamedTuple
 
 import jax
@@ -25,10 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.core import reranker
-from rmm_jax.core.sampling import top_m
+from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator
+from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError
-from rmm_jax.online.streams import bucket
+from rmm_jax.online.streams import bucket, user_key
+from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULT_CACHE_USERS = 1024
@@ -40,6 +57,29 @@ class Ranking(NamedTuple):
     at masked candidates."""
     selected: np.ndarray
     scores: np.ndarray
+
+
+class Sample(NamedTuple):
+    """Gumbel top-M draws for n calls: ``selected`` (n, m) positions in the candidate list
+    in draw order (−1 where fewer than m candidates are valid); ``log_prob`` (n,) the exact
+    Plackett–Luce log-probability of the draw; ``logits`` (n, K) = s/τ (0 at masked
+    candidates); ``scores`` (n, K), −inf at masked candidates."""
+    selected: np.ndarray
+    log_prob: np.ndarray
+    logits: np.ndarray
+    scores: np.ndarray
+
+
+def call_key(seed: int, user_id: str, call: str):
+    """The PRNG key of one served call: :func:`rmm_jax.online.streams.user_key` (the seed and
+    the user) folded with the first 8 bytes of sha256(``call``), ``call`` being the call's
+    identity (:func:`rmm_jax.data.citation_log.call_key`). The same call draws the same
+    noise in every run with the same seed; two calls of a user almost surely not."""
+    h = hashlib.sha256(call.encode("utf-8")).digest()
+    key = user_key(seed, user_id)
+    for i in (0, 4):
+        key = jax.random.fold_in(key, int.from_bytes(h[i:i + 4], "little") & 0x7FFFFFFF)
+    return key
 
 
 class Policy(NamedTuple):
@@ -91,16 +131,39 @@ def _rank(params, q, cands, mask, m: int):
     return jax.vmap(lambda s, mk: top_m(s, m, mk))(scores, mask), scores
 
 
+@functools.partial(jax.jit, static_argnames=("m",))
+def _sample(params, q, cands, mask, keys, tau, m: int):
+    scores = reranker.score_batch(params, q, cands, mask)
+    sel = jax.vmap(lambda key, s, mk: gumbel_top_m(key, s, m, tau, mk))(keys, scores, mask)
+    lp = jax.vmap(lambda s, se, mk: selection_log_prob(s, se, tau, mask=mk))(scores, sel, mask)
+    return sel, lp, scores
+
+
+def behaviour_tau(store: PolicyStore | None) -> float:
+    """The temperature the policies of ``store`` sample at: the behaviour τ
+    (:attr:`rmm_jax.core.config.Estimator.sample_tau`) of the learning setting the store
+    records, else of the default estimator (no store, or no setting recorded yet)."""
+    rec = read_setting(store) if store is not None else None
+    est = (rec or {}).get("estimator") or {}
+    return Estimator(**{k: v for k, v in est.items() if k in ESTIMATOR_FIELDS}).sample_tau
+
+
 class Reranker:
     """Serve a policy store's policies (module docstring). ``cache_users``: how many users'
-    policies stay on the device (least recently used dropped first)."""
+    policies stay on the device (least recently used dropped first). ``store`` None: the
+    identity reranker for everyone (``dim`` needed), before any policy exists."""
 
-    def __init__(self, store: PolicyStore, *, cache_users: int = DEFAULT_CACHE_USERS):
+    def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None):
         if cache_users < 1:
             raise InputError(f"must be >= 1, got {cache_users}", where="cache_users")
+        if store is None and dim is None:
+            raise InputError("the identity reranker (no policy store) needs the embedding dim", where="dim")
         self.store, self.cache_users = store, cache_users
         self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
-        self.dim = int(store.meta["dim"])
+        self.dim = int(store.meta["dim"]) if store is not None else int(dim)
+        self.tau = behaviour_tau(store)
+        self._identity = None if store is not None else Policy(
+            _device(reranker.init_reranker(jax.random.key(0), self.dim)), None, None)
 
     @classmethod
     def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS) -> "Reranker":
@@ -108,6 +171,8 @@ class Reranker:
 
     def policy(self, user_id: str) -> Policy:
         """The policy ``user_id`` is served (cached)."""
+        if self._identity is not None:
+            return self._identity
         got = self._cache.get(user_id)
         if got is None:
             got = self._cache[user_id] = load_policy(self.store, user_id)
@@ -117,15 +182,10 @@ class Reranker:
             self._cache.move_to_end(user_id)
         return got
 
-    def rank(self, user_id: str, query_emb, candidate_embs, m: int, mask=None) -> Ranking:
-        """Deterministic top-``m`` of ``user_id``'s policy for one query or a batch.
-
-        ``query_emb`` (d,) or (n, d); ``candidate_embs`` (K, d), shared by every query, or
-        (n, K, d); ``mask`` (K,) or (n, K) bool, False at padding. Shapes are padded to
-        buckets, so batches of nearby sizes share one compiled program."""
+    def _padded(self, query_emb, candidate_embs, m, mask):
+        """Inputs checked and padded to buckets: ``(n, K, q, cands, mask)``."""
         q = np.asarray(query_emb, np.float32)
-        one = q.ndim == 1
-        q = q[None] if one else q
+        q = q[None] if q.ndim == 1 else q
         c = np.asarray(candidate_embs, np.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"expected shape (d,) or (n, d) with d={self.dim}, got {np.shape(query_emb)}",
@@ -147,5 +207,41 @@ class Reranker:
         cp[:n, :k] = c
         mp = np.zeros((nb, kb), bool)
         mp[:n, :k] = mk
+        return n, k, qp, cp, mp
+
+    def rank(self, user_id: str, query_emb, candidate_embs, m: int, mask=None) -> Ranking:
+        """Deterministic top-``m`` of ``user_id``'s policy for one query or a batch.
+
+        ``query_emb`` (d,) or (n, d); ``candidate_embs`` (K, d), shared by every query, or
+        (n, K, d); ``mask`` (K,) or (n, K) bool, False at padding. Shapes are padded to
+        buckets, so batches of nearby sizes share one compiled program."""
+        n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
         sel, scores = jax.device_get(_rank(self.policy(user_id).params, qp, cp, mp, m=m))
         return Ranking(np.asarray(sel[:n]), np.asarray(scores[:n, :k]))
+
+    def sample(self, user_id: str, query_emb, candidate_embs, m: int, *, keys, tau: float | None = None,
+               mask=None) -> Sample:
+        """Gumbel top-``m`` draws of ``user_id``'s policy at temperature ``tau`` (default
+        :attr:`tau`, the store's) for one query or a batch, shapes as in :meth:`rank`.
+
+        ``keys``: one PRNG key per query (n,), e.g. :func:`call_key` of each call; a
+        query's draw depends on its key, scores and candidate count only.
+
+        >>> rr = Reranker(None, dim=2)                       # no policy yet: the identity reranker
+        >>> q, c = np.array([1.0, 0.0]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+        >>> got = rr.sample("u1", q, c, 2, keys=jax.random.split(jax.random.key(0), 1), tau=1.0)
+        >>> got.selected.shape, bool(np.allclose(got.logits, [[1.0, 0.0, 0.6]]))
+        ((1, 2), True)
+        """
+        tau = self.tau if tau is None else float(tau)
+        if not 0 < tau < float("inf"):
+            raise InputError(f"must be > 0, got {tau}", where="tau")
+        n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
+        keys = jnp.asarray(keys)
+        if keys.shape != (n,):
+            raise InputError(f"expected {n} keys, one per query, got shape {keys.shape}", where="keys")
+        keys = jnp.concatenate([keys, jnp.repeat(keys[:1], qp.shape[0] - n)])
+        sel, lp, scores = jax.device_get(_sample(self.policy(user_id).params, qp, cp, mp, keys, tau, m=m))
+        scores = np.asarray(scores[:n, :k])
+        logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
+        return Sample(np.asarray(sel[:n]), np.asarray(lp[:n], np.float64), logits, scores)

@@ -10,16 +10,16 @@ per-query outputs go back to log records with :func:`log_records`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import zlib
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
 from rmm_jax.core.config import Layout
-from rmm_jax.data.citation_log import LogRecord, NotGroupedError, iter_user_chunks, read_log
+from rmm_jax.data.citation_log import LogRecord, NotGroupedError, call_key, iter_user_chunks, read_log
 from rmm_jax.data.citations import answer_support
+from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import retrieve_candidates
 from rmm_jax.errors import InputError
 
@@ -232,110 +232,87 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
 def check_limits(rec: LogRecord, layout: Layout, log_path) -> None:
     """A record may list at most ``layout.k`` candidates and select at most ``layout.m``."""
     if len(rec.candidates) > layout.k:
-        raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} has {len(rec.candidates)} "
+        raise InputError(f"record for user {rec.user_id!r}, {call_key(rec)} has {len(rec.candidates)} "
                          f"candidates, more than --k {layout.k}", where=str(log_path))
     if len(rec.selected) > layout.m:
-        raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} selected {len(rec.selected)} "
+        raise InputError(f"record for user {rec.user_id!r}, {call_key(rec)} selected {len(rec.selected)} "
                          f"memories, more than --m {layout.m}", where=str(log_path))
 
 
-def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log") -> list[Stream]:
-    """Replay streams: per user, the logged queries in log order with their logged
-    candidates, selections and citations (ids mapped to the store's memories)."""
+def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log",
+                     vectors: Mapping[str, np.ndarray] | None = None) -> list[Stream]:
+    """Replay streams: per user, the logged calls in log order with their logged
+    candidates, selections and citations, resolved against the store
+    (:func:`rmm_jax.data.log_vectors.resolve_calls`: what the store lacks comes from
+    ``vectors``, the embeddings of the log's unseen texts, :func:`scan_log`)."""
     by_user: dict[str, list] = {}
     for rec in records:
+        check_limits(rec, layout, log_path)
         by_user.setdefault(rec.user_id, []).append(rec)
     streams = []
     for uid, recs in by_user.items():
-        user = store.user(uid)
-        mem_index = {m: j for j, m in enumerate(user.memory_ids)}
-        q_index = {q: i for i, q in enumerate(user.query_ids)}
-        t, k = len(recs), layout.k
-        cand = np.zeros((t, k), np.int32)
-        cmask = np.zeros((t, k), bool)
-        sel = np.full((t, layout.m), -1, np.int32)
-        cited = np.zeros((t, layout.m), bool)
-        lp = np.zeros((t,), np.float32)
-        has = np.zeros((t,), bool)
-        qi = np.zeros((t,), np.int64)
-        for i, r in enumerate(recs):
-            check_limits(r, layout, log_path)
-            qi[i] = q_index[r.query_id]
-            cand[i, :len(r.candidates)] = [mem_index[c] for c in r.candidates]
-            cmask[i, :len(r.candidates)] = True
-            pos = {c: p for p, c in enumerate(r.candidates)}
-            sel[i, :len(r.selected)] = [pos[x] for x in r.selected]
-            cset = set(r.cited)
-            cited[i, :len(r.selected)] = [x in cset for x in r.selected]
-            if r.log_prob is not None:
-                lp[i], has[i] = r.log_prob, True
-        gold = np.asarray(user.gold, bool)[qi]
+        c = resolve_calls(store, uid, recs, vectors or {}, layout.k, layout.m)
         streams.append(Stream(
-            user_id=uid, bank=np.asarray(user.memory_emb, np.float32), queries=np.asarray(user.query_emb)[qi],
-            cand=cand, cand_mask=cmask, cand_gold=np.take_along_axis(gold, cand, axis=1) & cmask,
-            num_gold=gold.sum(1).astype(np.int32), valid=np.asarray(user.valid)[qi],
-            memory_ids=tuple(user.memory_ids), query_ids=tuple(user.query_ids[j] for j in qi),
-            selected=sel, cited=cited, logged_log_prob=lp, has_logged=has))
+            user_id=uid, bank=c.bank, queries=c.queries, cand=c.cand, cand_mask=c.cand_mask, cand_gold=c.cand_gold,
+            num_gold=c.num_gold, valid=c.valid, memory_ids=c.memory_ids, query_ids=c.call_keys,
+            selected=c.selected, cited=c.cited, logged_log_prob=c.log_prob.astype(np.float32),
+            has_logged=c.has_log_prob))
     return streams
-
-
-def known_ids(store, cache_users: int = 4) -> Callable:
-    """A ``known=`` lookup for :mod:`rmm_jax.data.citation_log` that reads one user's ids
-    at a time: ``user_id -> (query_ids, memory_ids) | None``. A streamed log holds each
-    user's records on consecutive lines, so a small cache suffices."""
-    users = frozenset(store.user_ids)
-
-    @functools.lru_cache(maxsize=cache_users)
-    def lookup(uid: str):
-        if uid not in users:
-            return None
-        u = store.user(uid)
-        return frozenset(u.query_ids), frozenset(u.memory_ids)
-
-    return lookup
 
 
 def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False,
              users: Sequence[str] | None = None) -> dict:
     """Validation pass over a whole log before any work, in bounded memory.
 
-    Checks every record (schema, ``known`` ids, repeated pairs, the ``--k``/``--m``
+    Checks every record (schema, ``known`` ids, repeated calls, the ``--k``/``--m``
     limits) and returns the read report plus ``"users"`` (how many will be replayed:
-    all, or those of ``users``, each of which must have a record) and ``"grouped"``: False
+    all, or those of ``users``, each of which must have a record), ``"grouped"``: False
     when a user's records are not on consecutive lines (such a log cannot be streamed by
-    user; :func:`log_chunks` reads it whole)."""
+    user; :func:`log_chunks` reads it whole), and ``"texts"``: the distinct texts of the
+    replayed records that the store lacks (:func:`rmm_jax.data.log_vectors.unseen_texts`),
+    to embed before the run."""
     report: dict = {}
     seen: set[str] = set()
+    texts: dict[str, None] = {}
+    keep = (lambda u: True) if not users else frozenset(users).__contains__
+
+    def note(r):
+        check_limits(r, layout, log_path)
+        if keep(r.user_id):
+            texts.update(dict.fromkeys(unseen_texts(r, known(r.user_id) if known is not None else None)))
+
     try:
         for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid, report=report):
             for r in recs:
-                check_limits(r, layout, log_path)
+                note(r)
             seen.add(recs[0].user_id)
         grouped = True
     except NotGroupedError:
+        texts.clear()
         records, report = read_log(log_path, known=known, skip_invalid=skip_invalid)
         for r in records:
-            check_limits(r, layout, log_path)
+            note(r)
         seen, grouped = {r.user_id for r in records}, False
     missing = [u for u in users or () if u not in seen]
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
-    return {**report, "users": len(users) if users else len(seen), "grouped": grouped}
+    return {**report, "users": len(users) if users else len(seen), "grouped": grouped, "texts": list(texts)}
 
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
-               skip_invalid: bool = False, users: Sequence[str] | None = None) -> Iterator[list[Stream]]:
+               skip_invalid: bool = False, users: Sequence[str] | None = None,
+               vectors: Mapping[str, np.ndarray] | None = None) -> Iterator[list[Stream]]:
     """Replay streams from a log, ``users_per_chunk`` users at a time (only ``users``' when given).
 
     ``grouped`` (see :func:`scan_log`): each user's records are on consecutive lines, so
     the log is streamed and memory holds one chunk; otherwise it is read whole (sort it
-    by user_id to stream it)."""
+    by user_id to stream it). ``vectors``: the embeddings of the texts the store lacks."""
     keep = (lambda u: True) if not users else frozenset(users).__contains__
     if grouped:
         chunk: list[Stream] = []
         for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid):
             if keep(recs[0].user_id):
-                chunk += streams_from_log(store, recs, layout, str(log_path))
+                chunk += streams_from_log(store, recs, layout, str(log_path), vectors)
             if len(chunk) == users_per_chunk:
                 yield chunk
                 chunk = []
@@ -343,7 +320,7 @@ def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped
             yield chunk
         return
     records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
-    streams = streams_from_log(store, [r for r in records if keep(r.user_id)], layout, str(log_path))
+    streams = streams_from_log(store, [r for r in records if keep(r.user_id)], layout, str(log_path), vectors)
     for i in range(0, len(streams), users_per_chunk):
         yield streams[i:i + users_per_chunk]
 

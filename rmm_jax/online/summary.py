@@ -29,38 +29,84 @@ def moving_average(x: np.ndarray, window: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
+class _Curve:
+    """Per position in a user's stream: the sum and count of a per-query value."""
+
+    def __init__(self):
+        self.sum, self.cnt = np.zeros(0), np.zeros(0)
+
+    def add(self, values, counts) -> None:
+        n = len(values)
+        if n > self.sum.size:
+            self.sum, self.cnt = np.pad(self.sum, (0, n - self.sum.size)), np.pad(self.cnt, (0, n - self.cnt.size))
+        self.sum[:n] += values
+        self.cnt[:n] += counts
+
+    def result(self) -> list:
+        return moving_average(self.sum / np.maximum(self.cnt, 1), CURVE_WINDOW).round(5).tolist()
+
+
 class Summary:
-    """Query-weighted overall means, per-user means and the learning curve, built one
-    user at a time: memory holds one small row per user, not the per-query values."""
+    """Query-weighted overall means, per-user means and the learning curves, built one
+    user at a time: memory holds one small row per user, not the per-query values.
+
+    Two families of measures (docs/lifecycle.md, "Measures without gold"):
+
+    * with gold: Recall@M and NDCG@M of the policy's top-M, over the queries with gold
+      (``queries``); left out of the result when no query has gold;
+    * without gold, from the calls' citations (:func:`rmm_jax.online.loop.cited_counts`):
+      ``cited_recall@M``, the mean over calls with a citation of the share of its cited
+      memories in the top-M (``calls_cited``), and ``cite_rate``, the mean over calls
+      that showed memories of cited / shown (``calls``); left out when no call showed one.
+    """
 
     def __init__(self, m: int):
         self.m, self.per_user = m, {}
-        self.sum_r = self.sum_n = 0.0
-        self.count = 0
-        self.pos_sum, self.pos_cnt = np.zeros(0), np.zeros(0)
+        self.sum_r = self.sum_n = self.sum_cr = self.sum_rate = 0.0
+        self.count = self.calls = self.calls_cited = 0
+        self.curve, self.cited_curve = _Curve(), _Curve()
 
-    def add(self, user_id: str, recall, ndcg, valid) -> None:
-        """Add one user's (T,) prequential values in stream order; only ``valid`` count."""
+    def add(self, user_id: str, recall, ndcg, valid, cited=None) -> None:
+        """Add one user's (T,) prequential values in stream order; only ``valid`` count.
+        ``cited``: the user's gold-free counts ``(hit, n_cited, n_shown)``, each (T,)."""
         v = np.asarray(valid, bool)
         r, n = np.asarray(recall, np.float64)[v], np.asarray(ndcg, np.float64)[v]
         m = self.m
-        self.per_user[user_id] = {f"recall@{m}": float(r.mean()) if r.size else None,
-                                  f"ndcg@{m}": float(n.mean()) if n.size else None, "queries": int(r.size)}
+        row = {"queries": int(r.size)}
+        if r.size:
+            row.update({f"recall@{m}": float(r.mean()), f"ndcg@{m}": float(n.mean())})
         self.sum_r += float(r.sum())
         self.sum_n += float(n.sum())
         self.count += int(r.size)
-        if r.size > self.pos_sum.size:
-            grow = r.size - self.pos_sum.size
-            self.pos_sum, self.pos_cnt = np.pad(self.pos_sum, (0, grow)), np.pad(self.pos_cnt, (0, grow))
-        self.pos_sum[:r.size] += r
-        self.pos_cnt[:r.size] += 1
+        self.curve.add(r, np.ones(r.size))
+        if cited is not None:
+            hit, n_cited, n_shown = (np.asarray(x, np.float64) for x in cited)
+            share = np.divide(hit, n_cited, out=np.zeros_like(hit), where=n_cited > 0)
+            rate = np.divide(n_cited, n_shown, out=np.zeros_like(n_cited), where=n_shown > 0)
+            has, shows = n_cited > 0, n_shown > 0
+            row.update(calls=int(shows.sum()), calls_cited=int(has.sum()))
+            if has.any():
+                row[f"cited_recall@{m}"] = float(share[has].mean())
+            if shows.any():
+                row["cite_rate"] = float(rate[shows].mean())
+            self.sum_cr += float(share[has].sum())
+            self.sum_rate += float(rate[shows].sum())
+            self.calls += int(shows.sum())
+            self.calls_cited += int(has.sum())
+            self.cited_curve.add(share, has)
+        self.per_user[user_id] = row
 
     def result(self) -> dict:
         m, c = self.m, self.count
-        curve = self.pos_sum / np.maximum(self.pos_cnt, 1)
-        return {f"recall@{m}": self.sum_r / c if c else None, f"ndcg@{m}": self.sum_n / c if c else None,
-                "queries": c, "per_user": self.per_user,
-                "curve": moving_average(curve, CURVE_WINDOW).round(5).tolist()}
+        out = {"queries": c, "per_user": self.per_user, "curve": self.curve.result()}
+        if c:
+            out.update({f"recall@{m}": self.sum_r / c, f"ndcg@{m}": self.sum_n / c})
+        if self.calls:
+            out.update(calls=self.calls, calls_cited=self.calls_cited, cite_rate=self.sum_rate / self.calls,
+                       cited_curve=self.cited_curve.result())
+        if self.calls_cited:
+            out[f"cited_recall@{m}"] = self.sum_cr / self.calls_cited
+        return out
 
 
 def base_values(s: Stream, m: int) -> tuple:

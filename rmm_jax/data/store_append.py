@@ -1,0 +1,238 @@
+"""Memory banks grow: append a day's new sessions (and new users) to an embedding store.
+
+``rmm-jax embed SPEC --into STORE`` (:func:`append_store`) reads a dataset as ``embed``
+does and adds to an existing store what it does not hold yet, embedding only the new
+texts. What is **new**, for any dataset the loaders read (``jsonl:``, ``locomo:``,
+``longmemeval:``, ``synthetic``):
+
+* a **user** the store does not hold: all of it (sessions and questions), after the
+  store's users;
+* a **session**, by its ``session_id`` within its user: a session id the store does not
+  hold for that user is new, and its memories go after the user's existing ones. A
+  session the store holds with the same memories (ids and texts) is a **repeat**:
+  skipped and counted, so appending the same day twice changes nothing. The same
+  session id with other content is an error (one line naming the user and the session):
+  give every session of a day file its own ``session_id`` (``jsonl:`` numbers sessions
+  without one from 1 in each file, so two day files without ids collide);
+* a **question**, by its id within its user, likewise: new ones are appended with gold
+  over the user's whole bank, repeats skipped, a changed text is an error.
+
+What stays: every existing user, memory and question keeps its id, its position in its
+user's bank (the rows of :meth:`rmm_jax.data.store.EmbeddingStore.user`) and its
+embedding, bit for bit, so policies trained on the store keep working (a policy is a
+function of embeddings, and logs name memories by id). Only the global row offsets of
+the users after a grown one move. The store must have been embedded with the same model
+and at ``turn`` or ``session`` granularity (``segment`` merges new topics into old
+memories, which would change them). The new store is written whole, next to the old one,
+and renamed into place (:func:`rmm_jax.persist.atomic.atomic_dir`): a crash leaves the
+old store.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rmm_jax.data.granularity import build_memories
+from rmm_jax.data.store import (
+    _add_user_rows,
+    _assemble_arrays,
+    _check_user_ids,
+    _jsonable,
+    _Rows,
+    answer_texts,
+    open_store,
+    read_rows,
+)
+from rmm_jax.data.types import Dataset, MemoryUnit, User
+from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import atomic_dir
+
+__all__ = ["APPENDABLE", "append_store"]
+
+APPENDABLE = ("turn", "session")
+
+
+@dataclasses.dataclass
+class _Growth:
+    """What one user of the dataset adds: its new memories and questions (with gold over
+    ``bank``, the user's whole bank after the append)."""
+    user: User
+    memories: list[MemoryUnit]
+    bank: list[MemoryUnit]
+
+
+def _stored_units(rows: list[dict]) -> list[MemoryUnit]:
+    return [MemoryUnit(str(r["id"]), r["text"], str(r.get("session_id")), r.get("timestamp"),
+                       tuple(r.get("turn_ids") or ())) for r in rows]
+
+
+def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_queries: list[dict], where: str,
+               counts: dict) -> _Growth:
+    """The new memories and questions of ``user`` against what the store holds of it."""
+    stored: dict[str, list] = {}
+    for r in old_mems:
+        stored.setdefault(str(r.get("session_id")), []).append((str(r["id"]), r["text"]))
+    by_session: dict[str, list[MemoryUnit]] = {}
+    for mem in mems:
+        by_session.setdefault(mem.session_id, []).append(mem)
+    held_ids = {str(r["id"]) for r in old_mems}
+    new: list[MemoryUnit] = []
+    for sid, units in by_session.items():
+        if sid in stored:
+            if [(u.id, u.text) for u in units] != stored[sid]:
+                raise InputError(f"session {sid!r} of user {user.id!r} is already in the store with other content "
+                                 "(give every new session its own session_id)", where=where)
+            counts["sessions_repeated"] += 1
+            continue
+        clash = [u.id for u in units if u.id in held_ids]
+        if clash:
+            raise InputError(f"memory id {clash[0]!r} of user {user.id!r} (session {sid!r}) is already in the "
+                             "store, in another session", where=where)
+        counts["sessions"] += 1
+        new += units
+    held_q = {str(r["id"]): r["text"] for r in old_queries}
+    queries = []
+    for q in user.queries:
+        if q.id in held_q:
+            if held_q[q.id] != q.text:
+                raise InputError(f"question {q.id!r} of user {user.id!r} is already in the store with another "
+                                 "text", where=where)
+            counts["queries_repeated"] += 1
+        else:
+            queries.append(q)
+    return _Growth(dataclasses.replace(user, queries=tuple(queries)), new, _stored_units(old_mems) + new)
+
+
+def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None) -> dict:
+    """Append ``dataset``'s new users, sessions and questions to the store at ``path``
+    (module docstring), embedding only their texts with ``embedder`` (its ``model_id``
+    must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
+    was added or skipped (``users``, ``sessions``, ``sessions_repeated``, ``memories``,
+    ``queries``, ``queries_repeated``)."""
+    say = log or (lambda msg: None)
+    where = spec or "dataset"
+    t0 = time.perf_counter()
+    st = open_store(path)
+    if embedder.model_id != st.model:
+        raise InputError(f"STORE {path} was embedded with model {st.model!r}, not {embedder.model_id!r}: a store "
+                         "holds one embedding space", where="--model")
+    if st.granularity not in APPENDABLE:
+        raise InputError(f"STORE {path} has {st.granularity!r} memories; appending keeps old memories as they are, "
+                         f"which only {' and '.join(APPENDABLE)} granularity do", where="--into")
+    if dataset.name == "log":
+        raise InputError("a log's memories need no store append: replay and evaluate embed what the store lacks "
+                         "from the records' texts", where=where)
+    _check_user_ids(dataset, where)
+    counts = dict.fromkeys(("users", "sessions", "sessions_repeated", "memories", "queries", "queries_repeated"), 0)
+    c = st.manifest["counts"]
+    growth: dict[str, _Growth] = {}
+    for u in dataset.users:
+        mems = build_memories(u, st.granularity)
+        if st.has_user(u.id):
+            r = st._by_id[u.id]
+            old_m = st._row_slice("memories.jsonl", c["memories"], ("user", "id", "text"), r["mem_start"],
+                                  r["mem_end"])
+            old_q = st._row_slice("queries.jsonl", c["queries"], ("user", "id", "text", "gold_memory_ids"),
+                                  r["query_start"], r["query_end"])
+            g = _grow_user(u, mems, old_m, old_q, where, counts)
+        else:
+            counts["users"] += 1
+            counts["sessions"] += len({m.session_id for m in mems})
+            g = _Growth(u, mems, mems)
+        if g.memories or g.user.queries:
+            growth[u.id] = g
+    rows = _Rows()                       # the new rows only, users in store order, then new users
+    order = [uid for uid in st.user_ids if uid in growth] + [u.id for u in dataset.users
+                                                             if u.id in growth and not st.has_user(u.id)]
+    spans = {}
+    for uid in order:
+        g = growth[uid]
+        m0, q0 = len(rows.memories), len(rows.queries)
+        _add_user_rows(rows, g.user, g.memories, bank=g.bank)
+        spans[uid] = (m0, len(rows.memories), q0, len(rows.queries))
+    counts["memories"], counts["queries"] = len(rows.memories), len(rows.queries)
+    say(f"new: {counts['users']} users, {counts['sessions']} sessions ({counts['memories']} memories), "
+        f"{counts['queries']} questions; already in the store: {counts['sessions_repeated']} sessions, "
+        f"{counts['queries_repeated']} questions")
+    if not order:
+        return {"manifest": st.manifest, "added": counts}
+    mem_emb, qry_emb = _assemble_arrays(embedder.encode([r["text"] for r in rows.memories], desc="new memories"),
+                                        embedder.encode([r["text"] for r in rows.queries], desc="new questions"),
+                                        rows, st.model, st.dim)
+    ans_emb = None
+    if st.answer_emb is not None:
+        texts = answer_texts(Dataset(dataset.name, tuple(growth[uid].user for uid in order)))
+        _, ans_emb = _assemble_arrays(mem_emb, embedder.encode(texts, desc="new answers"), rows, st.model, st.dim)
+    manifest = _write_grown(st, rows, spans, mem_emb, qry_emb, ans_emb, order, spec, counts,
+                            round(time.perf_counter() - t0, 3))
+    return {"manifest": manifest, "added": counts}
+
+
+def _copy_lines(src: Path, offsets: np.ndarray, start: int, end: int, dst) -> None:
+    with open(src, "rb") as f:
+        f.seek(int(offsets[start]))
+        dst.write(f.read(int(offsets[end] - offsets[start])))
+
+
+def _put(out, at: int, old, o0: int, o1: int, new, n0: int, n1: int) -> int:
+    """Rows ``o0:o1`` of ``old`` (bit for bit), then ``n0:n1`` of ``new``, into ``out`` from
+    row ``at``; returns the next free row."""
+    out[at:at + o1 - o0] = read_rows(old, o0, o1)
+    at += o1 - o0
+    out[at:at + n1 - n0] = new[n0:n1]
+    return at + n1 - n0
+
+
+def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order: list, spec, counts: dict,
+                 seconds: float) -> dict:
+    """Write the grown store next to ``st`` and rename it into place: per user, its old rows
+    (copied, bit for bit) then its new ones; new users last."""
+    c = st.manifest["counts"]
+    n_mem, n_q = c["memories"] + len(rows.memories), c["queries"] + len(rows.queries)
+    old_users = {u["id"]: u for u in st._users}
+    none = {"mem_start": 0, "mem_end": 0, "query_start": 0, "query_end": 0}
+    all_ids = list(st.user_ids) + [uid for uid in order if uid not in old_users]
+    moffs, qoffs = st._line_offsets("memories.jsonl", c["memories"]), st._line_offsets("queries.jsonl", c["queries"])
+    users_out, m_at, q_at = [], 0, 0
+    with atomic_dir(st.path) as tmp:
+        out_m = np.lib.format.open_memmap(tmp / "memories.npy", "w+", np.float32, (n_mem, st.dim))
+        out_q = np.lib.format.open_memmap(tmp / "queries.npy", "w+", np.float32, (n_q, st.dim))
+        out_a = None if ans_emb is None else np.lib.format.open_memmap(tmp / "answers.npy", "w+", np.float32,
+                                                                       (n_q, st.dim))
+        with open(tmp / "memories.jsonl", "wb") as fm, open(tmp / "queries.jsonl", "wb") as fq:
+            for uid in all_ids:
+                old = old_users.get(uid, none)
+                nm0, nm1, nq0, nq1 = spans.get(uid, (0, 0, 0, 0))
+                m_end = _put(out_m, m_at, st.memory_emb, old["mem_start"], old["mem_end"], mem_emb, nm0, nm1)
+                q_end = _put(out_q, q_at, st.query_emb, old["query_start"], old["query_end"], qry_emb, nq0, nq1)
+                if out_a is not None:
+                    _put(out_a, q_at, st.answer_emb, old["query_start"], old["query_end"], ans_emb, nq0, nq1)
+                _copy_lines(st.path / "memories.jsonl", moffs, old["mem_start"], old["mem_end"], fm)
+                _copy_lines(st.path / "queries.jsonl", qoffs, old["query_start"], old["query_end"], fq)
+                fm.writelines((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows.memories[nm0:nm1])
+                fq.writelines((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows.queries[nq0:nq1])
+                users_out.append({"id": uid, "mem_start": m_at, "mem_end": m_end, "query_start": q_at,
+                                  "query_end": q_end})
+                m_at, q_at = m_end, q_end
+        for out in (out_m, out_q, out_a):
+            if out is not None:
+                out.flush()
+        del out_m, out_q, out_a
+        (tmp / "users.json").write_text(json.dumps(users_out, indent=1) + "\n")
+        sizes = [u["mem_end"] - u["mem_start"] for u in users_out]
+        stats = dict(st.manifest.get("stats") or {})
+        for key, add in (("valid_queries", rows.valid), ("queries_without_gold_memory", rows.no_gold),
+                         ("abstention_queries", rows.abstention)):
+            stats[key] = stats.get(key, 0) + add
+        stats["memories_per_user"] = {"min": int(min(sizes, default=0)), "max": int(max(sizes, default=0)),
+                                      "mean": float(np.mean(sizes)) if sizes else 0.0}
+        stats["appends"] = [*stats.get("appends", []), {"spec": spec, **counts, "seconds": seconds}]
+        manifest = {**st.manifest, "counts": {"users": len(users_out), "memories": n_mem, "queries": n_q},
+                    "stats": _jsonable(stats)}
+        # manifest last: a directory with a manifest is complete
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest

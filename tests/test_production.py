@@ -1,0 +1,398 @@
+"""The production day (docs/lifecycle.md): logs as production writes them (new question texts,
+no gold), memory banks that grow, measures without gold, the same learner when a store
+continues, serving that explores, and a verdict from evaluate.
+
+Everything runs on a fake store and FakeEmbedder (no model): the real model's texts go
+through the same function (``rmm_jax.data.embed.embed_texts``), patched here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import REPO, FakeEmbedder, make_fake_store, run_cli
+
+import rmm_jax as rj
+from rmm_jax.core.types import Batch
+from rmm_jax.core.update import importance_weights
+from rmm_jax.data import embed as embed_mod
+from rmm_jax.data import load_spec
+from rmm_jax.data.citation_log import pl_log_prob, read_log, validate_record
+from rmm_jax.data.store import open_store, write_store
+from rmm_jax.data.store_append import append_store
+from rmm_jax.errors import InputError
+from rmm_jax.online.driver import ChunkDone, SegmentDone, drive
+from rmm_jax.online.loop import make_run
+from rmm_jax.online.ope import Calls, cited_recall, estimate
+from rmm_jax.online.serve import Reranker, call_key
+from rmm_jax.online.streams import streams_from_log
+
+DIM = 16
+ONLINE = ["--k", "8", "--m", "3", "--users-per-chunk", "2", "--checkpoint-every", "0"]
+
+
+@pytest.fixture(autouse=True)
+def fake_model(monkeypatch):
+    """Texts a store lacks are embedded by FakeEmbedder (the store's model is fake too)."""
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False: FakeEmbedder(DIM))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_fake_store(tmp_path_factory.mktemp("prod") / "store", users=3, sessions=4, dim=DIM)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def production_log(store, tmp_path, *, seed=0):
+    """A day as production writes it: every call a new question text under a call_id, no
+    gold, one candidate the store lacks carried as text; selections and citations drawn
+    at random, with the logging policy's logits and log_prob."""
+    st, rng, rows = open_store(store), np.random.default_rng(seed), []
+    for uid in st.user_ids:
+        u = st.user(uid)
+        for i in range(9):
+            cands = [{"id": m} for m in rng.choice(u.memory_ids, 7, replace=False)] + \
+                [{"id": f"new-{uid}-{i}", "text": f"today {uid} said something new {i}"}]
+            ids = [c["id"] for c in cands]
+            logits = rng.normal(size=8).round(4)
+            sel = [int(j) for j in rng.permutation(8)[:3]]
+            cands = [c["id"] if "text" not in c else c for c in cands]
+            rows.append({"user_id": uid, "call_id": f"{uid}-c{i}", "query": f"{uid} asks new question {i}",
+                         "candidates": cands, "selected": [ids[j] for j in sel],
+                         "cited": [ids[j] for j in sel if rng.random() < 0.5],
+                         "logits": logits.tolist(), "log_prob": pl_log_prob(logits, sel)})
+    return write_jsonl(tmp_path / f"day{seed}.jsonl", rows)
+
+
+# --------------------------------------------------------------------------- logs as production writes them
+
+
+def test_replay_learns_from_new_question_texts_without_gold_and_reports_measures_that_need_none(
+        capsys, tmp_path, store):
+    log = production_log(store, tmp_path)
+    code, out, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p", *ONLINE,
+                             "--json", "--plot", tmp_path / "day.png")
+    assert code == 0, err
+    doc = json.loads(out)
+    results = json.dumps([doc["online"], doc["base"], doc["cited_curve"]])
+    assert "null" not in results and doc["online"]["queries"] == 0 and "recall@3" not in doc["online"]
+    calls_cited = sum(1 for line in log.read_text().splitlines() if json.loads(line)["cited"])
+    assert doc["online"]["calls"] == 27 and doc["online"]["calls_cited"] == calls_cited
+    assert 0 <= doc["online"]["cited_recall@3"] <= 1 and 0 <= doc["base"]["cited_recall@3"] <= 1
+    # 27 new questions and 27 new memories, embedded once before the run
+    assert (tmp_path / "day.png").stat().st_size > 1000 and "embedded 54 texts the store lacks" in err
+    code, out, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p2", *ONLINE)
+    assert code == 0, err
+    assert "Recall@3 is not measured" in out and "overall" in out
+
+
+def test_a_record_the_store_cannot_resolve_says_what_to_add(capsys, tmp_path, store):
+    rec = {"user_id": "user0", "query_id": "prod-0", "candidates": ["D1:1", "D1:2"], "selected": ["D1:1"],
+           "cited": []}
+    code, _, err = run_cli(capsys, "replay", store, "--log", write_jsonl(tmp_path / "l.jsonl", [rec]),
+                           "--policies", tmp_path / "p", *ONLINE)
+    assert code == 2 and "l.jsonl:1: key 'query_id': unknown query id 'prod-0'" in err and "'query'" in err
+
+
+def test_gold_free_cited_recall_is_the_brute_force_share_before_each_update(tmp_path, store):
+    """Per call, the loop's counts equal NumPy's: the cited memories among the top-M of the
+    policy as it stood before the batch that uses the call (the states after each
+    one-batch segment), and among the retriever's first M candidates."""
+    records, _ = read_log(production_log(store, tmp_path, seed=1), known=None)
+    st = open_store(store)
+    vectors = {t: FakeEmbedder(DIM).encode([t])[0] for r in records
+               for t in [r.query_text, *(x for x in r.candidate_texts or () if x)]}
+    setting = rj.preset("default", k=8, m=3, batch=4, lr=0.05)
+    streams = streams_from_log(st, records, setting.layout, vectors=vectors)
+    params0 = rj.init_reranker(jax.random.key(0), DIM)
+    states, done = [], None
+    for ev in drive([streams], make_run(*setting), params0, users_per_chunk=3, segment_batches=1):
+        if isinstance(ev, SegmentDone):
+            states.append(ev.states.users.params)
+        elif isinstance(ev, ChunkDone):
+            done = ev
+    assert len(states) >= 2          # the policy moved between batches
+    for u, s in enumerate(streams):
+        out = done.outputs[s.user_id]
+        for t in range(s.queries.shape[0]):
+            b = t // setting.layout.batch
+            p = params0 if b == 0 else jax.tree.map(lambda x: np.asarray(x[u], np.float64), states[b - 1])
+            kq, km = (np.asarray(p[a]["W"]["kernel"], np.float64) for a in ("q_adapter", "m_adapter"))
+            q, m = s.queries[t].astype(np.float64), s.bank[s.cand[t]].astype(np.float64)
+            scores = (m + m @ km) @ (q + q @ kq)
+            top = set(np.argsort(-scores, kind="stable")[:3].tolist())
+            cited = {int(s.selected[t, j]) for j in range(3) if s.cited[t, j] and s.selected[t, j] >= 0}
+            assert out["n_cited"][t] == len(cited) and out["n_shown"][t] == 3
+            assert out["hit"][t] == len(cited & top), (s.user_id, t)
+            assert out["hit_base"][t] == len(cited & {0, 1, 2})
+
+
+# --------------------------------------------------------------------------- continue means the same learner
+
+
+def test_a_continued_run_keeps_the_recorded_setting_and_a_change_is_explicit(capsys, tmp_path, store):
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    code, _, err = run_cli(capsys, *sim, ":4", "--preset", "realistic")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *sim, "4:8", "--json")            # no --preset: the store's setting
+    assert code == 0, err
+    cfg = json.loads(out)["config"]
+    assert (cfg["estimator"]["loss"], cfg["optimizer"]["lr"]) == ("logistic", 1e-4)
+    assert "continuing with the learning setting" in err and "lr 0.0001" in err
+    code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "3e-4")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (f"error: --lr: 0.0003 would change the learning setting policy store "
+                                            f"{pol} records (lr 0.0001); leave the option out to continue with it, "
+                                            "or add --change-setting")
+    code, _, err = run_cli(capsys, *sim, "8:12", "--preset", "default")
+    assert code == 2 and "--preset: default would change" in err and "(preset realistic; loss, lr change" in err
+    code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "3e-4", "--change-setting", "--json")
+    assert code == 0, err
+    assert "changed (--change-setting): lr 0.0001 -> 0.0003" in err
+    assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 1e-4, "to": 3e-4}]
+    header = json.loads((pol / "policy_store.json").read_text())
+    assert header["setting"]["optimizer"]["lr"] == 3e-4 and header["setting"]["estimator"]["loss"] == "logistic"
+
+
+# --------------------------------------------------------------------------- serving that explores
+
+
+def served(capsys, tmp_path, store, *extra, name="served.jsonl"):
+    st = open_store(store)
+    calls = [{"call_id": f"r{i}", "user_id": uid, "query": f"{uid} wants to know thing {i}"}
+             for i, uid in enumerate(st.user_ids * 4)]
+    calls.append({"call_id": "t1", "user_id": "user0", "query": "a text-only call",
+                  "candidate_texts": ["alpha beta", "beta gamma", "gamma delta", "delta alpha"]})
+    calls.append({"user_id": "user1", "query_id": st.user("user1").query_ids[0]})
+    path = write_jsonl(tmp_path / "calls.jsonl", calls)
+    code, _, err = run_cli(capsys, "rerank", store, "--calls", path, "--m", "3", "--k", "8", "--explore",
+                           "--out", tmp_path / name, *extra)
+    assert code == 0, err
+    return [json.loads(x) for x in (tmp_path / name).read_text().splitlines()], err
+
+
+def test_served_lines_are_log_records_that_replay_and_evaluate_read_once_cited_is_added(capsys, tmp_path, store):
+    lines, err = served(capsys, tmp_path, store)
+    assert "serving the identity reranker" in err
+    for line in lines:
+        rec = validate_record(line, served=True)
+        assert "cited" not in line and line["policy_version"] is None and rec.logits is not None
+        assert abs(pl_log_prob(rec.logits, [rec.candidates.index(x) for x in rec.selected]) - rec.log_prob) < 1e-4
+    assert lines[-2]["candidates"][0] == {"id": lines[-2]["candidates"][0]["id"], "text": "alpha beta"}
+    rng = np.random.default_rng(0)
+    log = write_jsonl(tmp_path / "day.jsonl", [{**x, "cited": [s for s in x["selected"] if rng.random() < 0.5]}
+                                               for x in lines])
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p", *ONLINE)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", log, "--policies", tmp_path / "p", "--k", "8",
+                             "--m", "3", "--min-ess", "0", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["verdict"]["metric"] == "cite_rate" and isinstance(rep["verdict"]["ship"], bool)
+    gain = rep["estimates"]["cite_rate"]["snips"]["gain"]
+    assert gain["ci95"][0] <= gain["value"] <= gain["ci95"][1]
+
+
+def test_explore_reproduces_with_its_seed_and_differs_with_another(capsys, tmp_path, store):
+    a, _ = served(capsys, tmp_path, store, name="a.jsonl")
+    b, _ = served(capsys, tmp_path, store, name="b.jsonl")
+    c, _ = served(capsys, tmp_path, store, "--seed", "1", name="c.jsonl")
+    assert a == b
+    assert [x["selected"] for x in a] != [x["selected"] for x in c]
+    assert [x["logits"] for x in a] == [x["logits"] for x in c]
+
+
+def test_explore_draws_match_the_plackett_luce_probabilities_it_logs():
+    """30,000 draws of one call (K=4, M=2): every ordered pair's frequency lies within 4.5
+    standard errors of exp(log_prob) it logs, and those are the exact PL probabilities."""
+    rr = Reranker(None, dim=3)
+    q = np.array([1.0, 0.0, 0.0], np.float32)
+    cands = np.array([[1.0, 0, 0], [0.6, 0.8, 0], [0, 1.0, 0], [-0.5, 0, 0.866]], np.float32)
+    n = 30_000
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(n))
+    got = rr.sample("u", np.repeat(q[None], n, 0), cands, 2, keys=keys, tau=0.5)
+    pairs, counts = np.unique(got.selected, axis=0, return_counts=True)
+    logits = cands @ q / 0.5
+    assert len(pairs) == 12
+    for pair, count in zip(pairs, counts):
+        p = np.exp(pl_log_prob(logits, pair.tolist()))
+        logged = np.exp(got.log_prob[(got.selected == pair).all(1)])
+        np.testing.assert_allclose(logged, p, rtol=1e-5)
+        assert abs(count / n - p) <= 4.5 * np.sqrt(p * (1 - p) / n), (pair, count / n, p)
+
+
+def test_explore_before_any_policy_is_on_policy_for_an_identity_replay(capsys, tmp_path, store):
+    """The identity reranker's served log_prob is what replay computes from the identity
+    policy: every importance ratio is exactly 1."""
+    lines, _ = served(capsys, tmp_path, store)
+    path = write_jsonl(tmp_path / "day.jsonl", [{**x, "cited": x["selected"][:1]} for x in lines])
+    records, _ = read_log(path)
+    st = open_store(store)
+    vectors = {t: FakeEmbedder(DIM).encode([t])[0] for r in records
+               for t in [r.query_text, *(x for x in r.candidate_texts or () if x)] if t}
+    setting = rj.preset("default", k=8, m=3)
+    params = rj.init_reranker(jax.random.key(0), DIM)
+    for s in streams_from_log(st, records, setting.layout, vectors=vectors):
+        m = s.bank[s.cand]
+        scores = rj.score_batch(params, jnp.asarray(s.queries), jnp.asarray(m), jnp.asarray(s.cand_mask))
+        batch = Batch(q=s.queries, m=m, mask=s.cand_mask, valid=np.ones(len(s.queries), bool), selected=s.selected,
+                      cited=s.cited, gumbel=jnp.zeros_like(scores), logged_log_prob=s.logged_log_prob,
+                      has_logged=s.has_logged, scores=scores)
+        assert s.has_logged.all()
+        assert np.all(np.asarray(importance_weights(setting.estimator, scores, batch)) == 1.0)
+
+
+def test_sample_keys_derive_from_seed_user_and_call():
+    same = [call_key(0, "u1", "call:c1"), call_key(0, "u1", "call:c1")]
+    assert jax.random.key_data(same[0]).tolist() == jax.random.key_data(same[1]).tolist()
+    others = [call_key(1, "u1", "call:c1"), call_key(0, "u2", "call:c1"), call_key(0, "u1", "call:c2")]
+    assert len({tuple(jax.random.key_data(k).tolist()) for k in [same[0], *others]}) == 4
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+@pytest.mark.parametrize("name", ["ips", "snips"])
+def test_the_gain_interval_is_a_paired_bootstrap_of_the_per_call_difference(name):
+    rng = np.random.default_rng(3)
+    n, boots = 40, 300
+    w, r = rng.gamma(2.0, 0.5, n), (rng.random(n) < 0.4).astype(float)
+    est = estimate(name, w[:, None], r[:, None], bootstrap=boots, seed=5, logged=r)
+    draws = np.random.default_rng(5).integers(0, n, size=(boots, n))
+    value = (lambda i: (w[i] * r[i]).mean()) if name == "ips" else (lambda i: (w[i] * r[i]).sum() / w[i].sum())
+    diffs = np.array([value(i) - r[i].mean() for i in draws])
+    np.testing.assert_allclose(est["gain"]["ci95"], np.quantile(diffs, [0.025, 0.975]), rtol=1e-12)
+    np.testing.assert_allclose(est["gain"]["value"], value(np.arange(n)) - r.mean(), rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- memory banks grow
+
+
+def session(sid, texts, date):
+    return {"session_id": sid, "timestamp": date, "messages": [{"role": "user", "content": t} for t in texts]}
+
+
+class CountingEmbedder(FakeEmbedder):
+    def __init__(self, dim=DIM):
+        super().__init__(dim)
+        self.texts = []
+
+    def encode(self, texts, desc=""):
+        self.texts += list(texts)
+        return super().encode(texts, desc)
+
+
+@pytest.fixture
+def days(tmp_path):
+    d1 = [{"user_id": "a", "sessions": [session("s1", ["I adopted a puppy named Max", "hello"], "2024-05-01")],
+           "questions": [{"id": "q1", "question": "dog name?", "gold_turn_ids": ["s1:0"]}]},
+          {"user_id": "b", "sessions": [session("s1", ["My sister moved to Lisbon"], "2024-05-01")]}]
+    d2 = [{"user_id": "a", "sessions": [session("s1", ["I adopted a puppy named Max", "hello"], "2024-05-01"),
+                                        session("s2", ["I started piano lessons"], "2024-05-02")],
+           "questions": [{"id": "q2", "question": "which lessons?", "gold_turn_ids": ["s2:0"]}]},
+          {"user_id": "c", "sessions": [session("s1", ["a new user arrives"], "2024-05-02")]}]
+    store = tmp_path / "store"
+    write_store(store, load_spec(f"jsonl:{write_jsonl(tmp_path / 'd1.jsonl', d1)}"), "turn", FakeEmbedder(DIM))
+    return store, f"jsonl:{write_jsonl(tmp_path / 'd2.jsonl', d2)}", d2
+
+
+def test_append_embeds_only_new_texts_and_keeps_every_existing_row(days):
+    store, spec, _ = days
+    before = open_store(store)
+    old = {u: before.user(u) for u in before.user_ids}
+    emb = CountingEmbedder()
+    res = append_store(store, load_spec(spec), emb, spec=spec)
+    assert sorted(emb.texts) == sorted(["user: I started piano lessons", "user: a new user arrives", "which lessons?"])
+    assert res["added"] == {"users": 1, "sessions": 2, "sessions_repeated": 1, "memories": 2, "queries": 1,
+                            "queries_repeated": 0}
+    st = open_store(store)
+    assert st.user_ids == ("a", "b", "c")
+    for uid, u in old.items():
+        new = st.user(uid)
+        n, nq = len(u.memory_ids), len(u.query_ids)
+        assert new.memory_ids[:n] == u.memory_ids and new.query_ids[:nq] == u.query_ids
+        assert new.memory_emb[:n].tobytes() == u.memory_emb.tobytes()
+        assert new.query_emb[:nq].tobytes() == u.query_emb.tobytes()
+    a = st.user("a")
+    assert a.memory_ids == ("s1:0", "s1:1", "s2:0") and a.gold[1].tolist() == [False, False, True]
+    emb = CountingEmbedder()
+    again = append_store(store, load_spec(spec), emb, spec=spec)       # the same day twice: nothing new
+    assert emb.texts == [] and again["added"]["sessions_repeated"] == 3 and again["added"]["queries_repeated"] == 1
+
+
+def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):
+    store, _, d2 = days
+    d2[0]["sessions"][0]["messages"][0]["content"] = "I adopted a kitten"
+    spec = f"jsonl:{write_jsonl(tmp_path / 'bad.jsonl', d2)}"
+    with pytest.raises(InputError, match="session 's1' of user 'a' is already in the store with other content"):
+        append_store(store, load_spec(spec), FakeEmbedder(DIM), spec=spec)
+    with pytest.raises(InputError, match="^--model: STORE .* was embedded with model 'fake/bow-16', not 'fake/bow-8'"):
+        append_store(store, load_spec(spec), FakeEmbedder(8), spec=spec)
+
+
+def test_a_kill_mid_append_leaves_the_old_store(tmp_path, days):
+    store, spec, _ = days
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    child = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+        from conftest import FakeEmbedder
+        import rmm_jax.data.store_append as sa
+        from rmm_jax.data import load_spec
+        real = sa._put
+        def slow(*a):
+            print("writing", flush=True)
+            time.sleep(60)
+        sa._put = slow
+        sa.append_store({str(store)!r}, load_spec({spec!r}), FakeEmbedder({DIM}))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.stdout.readline().strip() == "writing"          # inside the new store's temporary directory
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+    assert open_store(store).user_ids == ("a", "b")
+
+
+def test_evaluate_reports_the_targets_cited_recall_beside_the_retrievers():
+    """Brute force over random calls: the share of each call's cited memories in the
+    target's top-M (M = the call's shown count) and in the retriever's first M."""
+    rng = np.random.default_rng(0)
+    n, k, m = 30, 6, 3
+    mask = np.ones((n, k), bool)
+    mask[::4, 5] = False
+    logits = rng.normal(size=(n, k)).astype(np.float32)
+    selected = np.stack([rng.permutation(5)[:m] for _ in range(n)]).astype(np.int32)
+    selected[::5, 2] = -1
+    cited = rng.random((n, m)) < 0.5
+    calls = Calls(user_ids=["u"] * n, query_ids=[f"q{i}" for i in range(n)], target_logits=logits,
+                  behaviour_logits=None, mask=mask, selected=selected, cited=cited, log_prob=np.zeros(n),
+                  cand_gold=np.zeros((n, k), bool), num_gold=np.zeros(n, np.int32), valid=np.zeros(n, bool),
+                  own_policy={"u": True})
+    got = cited_recall(calls, bootstrap=50)["cited_recall"]
+    target, base = [], []
+    for i in range(n):
+        c = {int(selected[i, j]) for j in range(m) if cited[i, j] and selected[i, j] >= 0}
+        if not c:
+            continue
+        shown = int((selected[i] >= 0).sum())
+        top = set(np.argsort(-np.where(mask[i], logits[i], -np.inf), kind="stable")[:shown].tolist())
+        target.append(len(c & top) / len(c))
+        base.append(len(c & set(range(shown))) / len(c))
+    assert got["calls"] == len(target)
+    np.testing.assert_allclose([got["target"]["value"], got["retriever"]["value"], got["target"]["gain"]["value"]],
+                               [np.mean(target), np.mean(base), np.mean(target) - np.mean(base)], rtol=1e-12)
