@@ -45,7 +45,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from rmm_jax.errors import InputError
 from rmm_jax.persist import checksums
@@ -265,6 +264,8 @@ class RunState:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.path))
         try:
             if arrays:
+                import orbax.checkpoint as ocp  # lazy: a third of a second to import, needed only here
+
                 ocp.PyTreeCheckpointer().save((tmp / ARRAYS_DIR).resolve(), arrays)
             write_json(tmp / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
                                          "command": self.command, "fingerprint": self.fingerprint,
@@ -313,6 +314,8 @@ class RunState:
         counts = {name: len(leaf_specs(spec)) for name, spec in doc["specs"].items()}
         arrays = {}
         if any(counts.values()):
+            import orbax.checkpoint as ocp
+
             args = {n: {f"l{i:06d}": ocp.RestoreArgs(restore_type=np.ndarray) for i in range(c)}
                     for n, c in counts.items() if c}
             arrays = ocp.PyTreeCheckpointer().restore((snap / ARRAYS_DIR).resolve(),
