@@ -611,6 +611,17 @@ def test_user_bytes_is_the_rows_share_of_its_chunk(tmp_path):
         st.user_bytes("zed")
 
 
+def test_a_reader_follows_an_index_that_was_rebuilt_under_it(tmp_path):
+    st = new_store(tmp_path)
+    save_seeds(st, {"a": 1})
+    reader = PolicyStore.open(st.path)
+    assert versions(reader, "a") == [1]                  # its connection is open now
+    st._build_index(st.path / "index.sqlite").close()   # a writer's rebuild: a new file in its place
+    save_seeds(st, {"a": 2, "b": 3})
+    assert versions(reader, "a") == [1, 2] and reader.has_user("b")
+    assert_policy(reader.load("b"), state_of(3))
+
+
 def test_readers_need_no_lock_and_see_committed_state(tmp_path):
     st = new_store(tmp_path)
     save_seeds(st, {"a": 1})

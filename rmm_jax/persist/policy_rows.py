@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -78,7 +79,7 @@ def row_slots(specs: dict, parts: Sequence[str]) -> tuple[list[Slot], int]:
         for i, s in enumerate(leaf_specs(specs[p])):
             dt = np.dtype(s["dtype"])
             at = -(-at // dt.itemsize) * dt.itemsize
-            nbytes = int(np.prod(s["shape"], dtype=np.int64)) * dt.itemsize
+            nbytes = math.prod(s["shape"]) * dt.itemsize
             slots.append(Slot(p, i, dt, tuple(s["shape"]), at, nbytes))
             at += nbytes
     return slots, -(-at // STRIDE_ALIGN) * STRIDE_ALIGN

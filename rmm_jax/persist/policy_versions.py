@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import threading
 from pathlib import Path
 
 from rmm_jax.persist import policy_format1
@@ -35,19 +36,45 @@ def build_index(store: Path, header: dict, keep: int, path: Path | None) -> Poli
 
 class IndexReader:
     """Read-only queries on a store's index; an index rebuilt in memory while the file is
-    missing or corrupt, cached until the snapshots or ``index.json`` change."""
+    missing or corrupt, cached until the snapshots or ``index.json`` change.
+
+    The read-only connection stays open between queries (opening one costs more than an
+    indexed lookup), one per thread, for as long as the file is the same file: a rebuild
+    replaces it under a new inode, and the next query opens that. An open connection
+    sees every commit (SQLite checks at the start of each read)."""
 
     def __init__(self, store: Path):
         self.store = store
         self._fallback: tuple[object, PolicyIndex] | None = None
+        self._open = threading.local()
 
     def query(self, fn, header: dict, keep: int):
         """``fn(index)`` on index.sqlite, or on the in-memory rebuild."""
         try:
-            with PolicyIndex.open(self.store / INDEX_DB) as idx:
-                return fn(idx)
+            return fn(self._connection())
         except IndexUnavailable:
+            self._close()
             return fn(self._rebuilt(header, keep))
+
+    def _connection(self) -> PolicyIndex:
+        path = self.store / INDEX_DB
+        try:
+            st = path.stat()
+        except OSError:
+            raise IndexUnavailable(f"{path}: missing") from None
+        held = getattr(self._open, "held", None)
+        if held is not None and held[0] == (st.st_dev, st.st_ino):
+            return held[1]
+        self._close()
+        idx = PolicyIndex.open(path)
+        self._open.held = ((st.st_dev, st.st_ino), idx)
+        return idx
+
+    def _close(self) -> None:
+        held = getattr(self._open, "held", None)
+        if held is not None:
+            held[1].close()
+            self._open.held = None
 
     def _rebuilt(self, header: dict, keep: int) -> PolicyIndex:
         gens = self.store / "gens"
