@@ -213,12 +213,18 @@ class LoadWatch:
 
     def result(self) -> dict:
         self.sample()
-        worst = max(self.samples)
-        if worst > NOISY_LOAD:
-            print(f"note: 1-minute load average reached {worst:.2f} (> {NOISY_LOAD}): timings marked noisy",
-                  file=sys.stderr)
-        return {"one_minute": [round(x, 2) for x in self.samples], "max": round(worst, 2),
-                "noisy": worst > NOISY_LOAD, "noisy_above": NOISY_LOAD}
+        return load_summary(self.samples)
+
+
+def load_summary(one_minute) -> dict:
+    """``{one_minute: samples, max, noisy, noisy_above}`` of 1-minute load averages taken
+    during a timing (see :class:`LoadWatch`); says so on stderr when it is noisy."""
+    worst = max(one_minute)
+    if worst > NOISY_LOAD:
+        print(f"note: 1-minute load average reached {worst:.2f} (> {NOISY_LOAD}): timings marked noisy",
+              file=sys.stderr)
+    return {"one_minute": [round(x, 2) for x in one_minute], "max": round(worst, 2), "noisy": worst > NOISY_LOAD,
+            "noisy_above": NOISY_LOAD}
 
 
 def spread(values) -> dict:
