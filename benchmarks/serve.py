@@ -26,6 +26,7 @@ per-user rows (0.53 ms and 25,084 queries/s, ``serve.json`` at commit c655ff9).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from tqdm import tqdm
 
 import rmm_jax as rj
 from rmm_jax.online.serve import Reranker
-from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.policy_store import FORMAT_VERSION, STORE_FILE, PolicyStore
 
 
 def build(path: Path, users: int, dim: int, rank: int, per_save: int = 2000) -> None:
@@ -85,6 +86,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     if not root.exists():
         build(root, args.users, args.dim, args.rank)
+    written = json.loads((root / STORE_FILE).read_text())["format_version"]
+    if written != FORMAT_VERSION:
+        sys.exit(f"error: {root} is a store of format {written}, not {FORMAT_VERSION} (what this rmm-jax writes); "
+                 "the cost of a load depends on the format: pass a new --store")
     build_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     q = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
