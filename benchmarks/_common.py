@@ -21,7 +21,8 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
   with the command line, date, commit and machine that produced it.
 * :func:`spread`: median, min and max of per-repeat values (timings: medians of
-  interleaved repeats). :func:`gain_interval` / :func:`format_interval`: a gain's 95%
+  interleaved repeats). :class:`LoadWatch`: the load average around a timing, and whether
+  it was too busy to trust (``noisy``). :func:`gain_interval` / :func:`format_interval`: a gain's 95%
   interval, re-exported from :mod:`rmm_jax.online.stats` (the one interval function).
 """
 from __future__ import annotations
@@ -192,6 +193,38 @@ def _plain(x):
     if isinstance(x, (np.floating, np.integer, np.bool_)):
         return x.item()
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+NOISY_LOAD = 2.5   # a 1-minute load average above this on the 2-core machine: timings are contended
+
+
+class LoadWatch:
+    """The 1-minute load average around a timed measurement: sampled at the start, at
+    :meth:`sample` calls (one per repeat) and at the end. :meth:`result` records every
+    sample and ``noisy`` (some sample above :data:`NOISY_LOAD`): such a ratio is re-run in
+    a quiet window, or kept marked noisy in its file and in the docs."""
+
+    def __init__(self):
+        self.samples = [os.getloadavg()[0]]
+
+    def sample(self) -> float:
+        self.samples.append(os.getloadavg()[0])
+        return self.samples[-1]
+
+    def result(self) -> dict:
+        self.sample()
+        return load_summary(self.samples)
+
+
+def load_summary(one_minute) -> dict:
+    """``{one_minute: samples, max, noisy, noisy_above}`` of 1-minute load averages taken
+    during a timing (see :class:`LoadWatch`); says so on stderr when it is noisy."""
+    worst = max(one_minute)
+    if worst > NOISY_LOAD:
+        print(f"note: 1-minute load average reached {worst:.2f} (> {NOISY_LOAD}): timings marked noisy",
+              file=sys.stderr)
+    return {"one_minute": [round(x, 2) for x in one_minute], "max": round(worst, 2), "noisy": worst > NOISY_LOAD,
+            "noisy_above": NOISY_LOAD}
 
 
 def spread(values) -> dict:

@@ -1,23 +1,31 @@
 """Scale: many users online in one process, with their policies written to a policy store.
 
-    python benchmarks/scale.py --users 100000 --scopes hybrid --json benchmarks/results/scale_100k.json
+    python benchmarks/scale.py --users 100000 --scopes hybrid --root /work/cache/scale \\
+        --json benchmarks/results/scale_100k.json
     python benchmarks/scale.py --users 10000 --scopes user,shared,hybrid --json benchmarks/results/scale_10k.json
     python benchmarks/scale.py --throughput --json benchmarks/results/scale_throughput.json
 
 Users are synthetic vector streams (:mod:`rmm_jax.online.vectors`): each user's 100
 memories are Gaussian vectors in d = 384, each query a distorted copy of one of them
-(a distortion shared by all users plus a low-rank one of the user's own), generated on
-the fly from ``(seed, user index)``, so the embeddings are never stored. Each chunk of
-users runs through the compiled loop (:func:`rmm_jax.online.driver.drive`); after each
-chunk, in the shared scopes, the shared part is saved to the store
-(:meth:`PolicyStore.save_shared`) and then its users' policies (:meth:`PolicyStore.save`), as ``rmm-jax
-simulate`` does.
+(a distortion shared by all users plus a low-rank one of the user's own), generated from
+``(seed, user index)``. **They are generated before the clock starts**, into a file of
+fixed-size records (``--streams``; memories and queries as float16, which halves the file:
+100,000 users take 16 GB; candidates and gold labels as small integers), and the timed run
+reads each chunk of users from it as the CLI reads an embedding store from disk: the time
+is the tool's, not the generator's (which on two cores competed with XLA for them). Each
+chunk of users runs through the compiled loop (:func:`rmm_jax.online.driver.drive`);
+after each chunk, in the shared scopes, the shared part is saved to the store
+(:meth:`PolicyStore.save_shared`) and then its users' policies (:meth:`PolicyStore.save`),
+as ``rmm-jax simulate`` does, through the CLI's own sink
+(:class:`rmm_jax.online.sinks.PolicySink`).
 
 Reported per scope: wall time (total, and the part spent saving), queries/s, peak RSS of
 the process, bytes per user on disk, and the median time to open the store and load
-one user's policy (20 random users, a new store object each time). Scope ``user`` at d=384
+one user's policy (20 random users, a new store object each time), and the 1-minute load
+average around the run (``load``; ``noisy`` above 2.5). Scope ``user`` at d=384
 holds 3.5 MB per user: with ``--user-save-limit`` (default 200) only that many of its
 users are written (bytes per user are the same for every user), the rest only run.
+Targets (100,000 hybrid users × 100 queries): ≤ 600 s, saving included, and peak RSS ≤ 2 GB.
 
 ``--throughput``: queries/s of 1,000 users × 200 queries, ``hybrid`` against ``user``,
 interleaved repeats in one run (median [min, max]), no saving.
@@ -25,6 +33,7 @@ interleaved repeats in one run (median [min, max]), no saving.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy BLAS threads spin against XLA on a small, busy machine
@@ -37,7 +46,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import HelpFormatter, spread, write_result  # noqa: E402
+from _common import HelpFormatter, LoadWatch, spread, write_result  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
@@ -48,6 +57,7 @@ from rmm_jax.online.loop import make_run  # noqa: E402
 from rmm_jax.online.run import Recorder, precision_recall_oracle  # noqa: E402
 from rmm_jax.online.serve import user_params  # noqa: E402
 from rmm_jax.online.sinks import PolicySink  # noqa: E402
+from rmm_jax.online.streams import Stream  # noqa: E402
 from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
 from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
 
@@ -58,6 +68,55 @@ def peak_rss_mb() -> float:
 
 def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class StreamFile:
+    """Users ``0 .. users-1`` of a vector population as fixed-size records in one file, written
+    once (:meth:`write`, before the clock starts) and read a chunk of users at a time with one
+    ``read`` per chunk (no memory map: pages of a mapped file would count in the resident set).
+    A JSON header beside it records what the records hold; a file of another population is
+    written anew."""
+
+    def __init__(self, path: Path, spec: VectorSpec, seed: int, users: int):
+        self.path, self.spec, self.seed, self.users = path, spec, seed, users
+        idx = np.uint8 if spec.memories <= 256 else np.int32
+        t, n, d, k = spec.queries, spec.memories, spec.dim, spec.k
+        self.record = np.dtype([("bank", np.float16, (n, d)), ("queries", np.float16, (t, d)),
+                                ("cand", idx, (t, k)), ("gold", np.bool_, (t, k))])
+        self.header = {"spec": spec._asdict(), "seed": seed, "users": users, "record_bytes": self.record.itemsize}
+        self._ones = (np.ones((t, k), bool), np.ones(t, np.int32), np.ones(t, bool))
+        self._ids = tuple(f"m{j}" for j in range(n)), tuple(f"q{j}" for j in range(t))
+
+    def ready(self) -> bool:
+        head = self.path.with_suffix(".json")
+        return (head.is_file() and json.loads(head.read_text()) == self.header and self.path.is_file()
+                and self.path.stat().st_size == self.users * self.record.itemsize)
+
+    def write(self, per_call: int = 500) -> float:
+        """Generate the population into the file; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.path.with_suffix(".json").unlink(missing_ok=True)
+        with open(self.path, "wb") as f, tqdm(total=self.users, desc="streams", unit="user", file=sys.stderr) as bar:
+            for streams in vector_chunks(self.spec, self.seed, self.users, per_call):
+                rec = np.zeros(len(streams), self.record)
+                for j, st in enumerate(streams):
+                    rec[j] = (st.bank, st.queries, st.cand, st.cand_gold)
+                f.write(rec.tobytes())
+                bar.update(len(streams))
+        self.path.with_suffix(".json").write_text(json.dumps(self.header))
+        return time.perf_counter() - t0
+
+    def chunks(self, users_per_chunk: int):
+        """The users as :class:`Stream` chunks, read from the file as they are needed."""
+        (mask, num_gold, valid), (mem_ids, q_ids) = self._ones, self._ids
+        with open(self.path, "rb") as f:
+            for lo in range(0, self.users, users_per_chunk):
+                n = min(users_per_chunk, self.users - lo)
+                f.seek(lo * self.record.itemsize)
+                rec = np.fromfile(f, self.record, count=n)
+                yield [Stream(user_id=f"u{lo + j:07d}", bank=rec["bank"][j], queries=rec["queries"][j],
+                              cand=rec["cand"][j], cand_mask=mask, cand_gold=rec["gold"][j], num_gold=num_gold,
+                              valid=valid, memory_ids=mem_ids, query_ids=q_ids) for j in range(n)]
 
 
 class TimedSaves(PolicySink):
@@ -82,7 +141,7 @@ def program_for(scope: str, args, spec: VectorSpec):
     return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
 
 
-def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
+def run_scope(scope: str, args, spec: VectorSpec, root: Path, streams: StreamFile) -> dict:
     program = program_for(scope, args, spec)
     params = rj.init_reranker(jax.random.key(0), spec.dim)
     meta = {"kind": "linear", "dim": spec.dim, "hidden": None, **program.layout.scope.meta(),
@@ -91,12 +150,15 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
     ps = PolicyStore.create(path, meta, params)
     saves = TimedSaves(ps, program, args.user_save_limit if scope == "user" else args.users)
     recorder = Recorder(program.layout.m, sinks=[saves])
+    watch = LoadWatch()
     t0 = time.perf_counter()
-    chunks = vector_chunks(spec, args.seed, args.users, args.chunk)
     with ps.writer(), tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar:
-        for e in drive(chunks, program, params, seed=args.seed, users_per_chunk=args.chunk):
+        for e in drive(streams.chunks(args.chunk), program, params, seed=args.seed, users_per_chunk=args.chunk):
             bar.update(recorder.feed(e))
+            if bar.n % (20 * args.chunk) == 0:
+                watch.sample()
     total_s = time.perf_counter() - t0
+    load = watch.result()
     summary = recorder.result().summary
     saved, save_s, n_q = saves.saved, saves.seconds, summary["queries"]
     # Loading one user: open the store afresh, then the user's usable params.
@@ -117,7 +179,7 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path) -> dict:
            "users_saved": saved, "store_bytes": disk, "bytes_per_user_on_disk": user_bytes,
            "store_bytes_per_saved_user": disk / max(saved, 1),
            "load_one_user_s": spread(loads),
-           "peak_rss_mb_so_far": round(peak_rss_mb(), 1), "loadavg": os.getloadavg()}
+           "peak_rss_mb_so_far": round(peak_rss_mb(), 1), "loadavg": os.getloadavg(), "load": load}
     if not args.keep:
         shutil.rmtree(path, ignore_errors=True)
     return row
@@ -159,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", type=Path, default=None, help="where the policy stores go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the policy stores")
+    ap.add_argument("--streams", type=Path, default=None, help="the synthetic streams' file, written before the "
+                    "timed run if it does not hold this population (default: in --root; reused while it matches)")
     ap.add_argument("--throughput", action="store_true", help="only the hybrid-vs-user throughput comparison")
     ap.add_argument("--tp-users", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
@@ -175,7 +239,11 @@ def main(argv=None):
         spec = VectorSpec(dim=args.dim, memories=100, queries=args.queries)
         root = args.root or Path(tempfile.mkdtemp(prefix="rmm-scale-"))
         root.mkdir(parents=True, exist_ok=True)
-        out["rows"] = [run_scope(s, args, spec, root) for s in args.scopes.split(",")]
+        streams = StreamFile(args.streams or root / f"streams-{args.users}x{args.queries}-seed{args.seed}.bin",
+                             spec, args.seed, args.users)
+        out["streams"] = {"file": str(streams.path), "bytes": streams.users * streams.record.itemsize,
+                          "generated_s": None if streams.ready() else round(streams.write(), 1)}
+        out["rows"] = [run_scope(s, args, spec, root, streams) for s in args.scopes.split(",")]
         out["peak_rss_mb"] = round(peak_rss_mb(), 1)
         print(f"{'scope':<8}{'users':>8}{'seconds':>9}{'q/s':>9}{'R@5':>7}{'B/user':>11}{'load 1 user':>12}")
         for r in out["rows"]:

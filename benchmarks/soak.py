@@ -156,7 +156,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.users.split(",") if x.strip()]
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rmm-soak-"))
-    results = [soak(n, args, work) for n in sorted(counts)]
+    watch = _common.LoadWatch()
+    results = []
+    for n in sorted(counts):
+        results.append(soak(n, args, work))
+        watch.sample()
     peaks = [max(r["simulate"]["peak_rss_mib"], r["replay"]["peak_rss_mib"]) for r in results]
     growth = peaks[-1] - peaks[0]
     ok_bound = max(peaks) <= args.rss_bound_mib
@@ -178,7 +182,8 @@ def main(argv=None) -> int:
           f"growth {counts[0] if len(counts) == 1 else sorted(counts)[0]}->{sorted(counts)[-1]} users "
           f"{growth:+.1f} MiB (allowed {args.growth_mib:.0f}): {'PASS' if ok_growth else 'MISS'}")
     doc = {"config": {k: v for k, v in vars(args).items() if k != "json_out"}, "runs": results,
-           "peak_rss_mib": peaks, "growth_mib": round(growth, 1), "pass": ok_bound and ok_growth}
+           "peak_rss_mib": peaks, "growth_mib": round(growth, 1), "pass": ok_bound and ok_growth,
+           "load": watch.result()}
     if args.json_out:
         _common.write_result(args.json_out, doc)
     if not args.workdir:

@@ -201,8 +201,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="Keep the store.")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="store_scale-", dir=args.workdir))
+    watch = _common.LoadWatch()
     try:
-        res = run(args.users, args.per_save, work, args.loads)
+        res = {**run(args.users, args.per_save, work, args.loads), "load": watch.result()}
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -101,6 +101,19 @@ def test_cache_rerun_embeds_nothing_twice(embedder, cache_root, monkeypatch):
     other.close()
 
 
+def test_model_loads_only_on_a_cache_miss(embedder, cache_root):
+    texts = ["a sentence the first embedder cached", "and a second one"]
+    a = embedder.encode(texts)
+    warm = E.Embedder(cache_dir=cache_root, progress=False)      # the cache records the model's dim
+    assert warm.dim == 384
+    np.testing.assert_array_equal(warm.encode(texts), a)
+    assert warm._loaded is None and warm.texts_embedded == 0     # all cached: torch and weights never loaded
+    v = warm.encode(["a text nobody embedded before this test"])
+    assert warm._loaded is not None and warm.texts_embedded == 1
+    np.testing.assert_array_equal(v, embedder.encode(["a text nobody embedded before this test"]))
+    warm.close()
+
+
 def test_alias_names_map_to_packaged_model(cache_root):
     e = E.Embedder("sentence-transformers/all-MiniLM-L6-v2", cache_dir=cache_root, progress=False)
     assert e.model_id == "sentence-transformers/all-MiniLM-L6-v2"

@@ -2,6 +2,8 @@
 pretraining learns, and the CLI chain embed → pretrain → simulate → replay holds."""
 import dataclasses
 import json
+import threading
+import time
 
 import jax
 import numpy as np
@@ -12,11 +14,12 @@ import rmm_jax as rj
 from rmm_jax.data.citation_log import read_log, validate_record, write_log
 from rmm_jax.data.citations import oracle_cite
 from rmm_jax.data.store import open_store
+from rmm_jax.errors import InputError
 from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams
 from rmm_jax.online.run import precision_recall_oracle, run_online
-from rmm_jax.online.streams import load_streams, streams_from_log
+from rmm_jax.online.streams import load_streams, streams_from_log, user_key, user_keys
 from rmm_jax.persist.policy_store import PolicyStore
 
 SETTING = rj.preset("default", k=10, m=3, batch=4)
@@ -48,6 +51,42 @@ def final_params(res):
         for i, u in enumerate(ids):
             out[u] = jax.tree.map(lambda x: x[i], st)
     return out
+
+
+def test_a_chunks_keys_in_one_call_are_each_users_own_key():
+    ids = ["user0", "u1", "<pad0>", "ünï"]
+    together = jax.random.key_data(user_keys(5, ids))
+    assert np.array_equal(together, np.stack([jax.random.key_data(user_key(5, u)) for u in ids]))
+    assert not np.array_equal(together, jax.random.key_data(user_keys(6, ids)))
+
+
+def test_chunks_read_ahead_keep_their_order_errors_and_an_early_stop(store):
+    """drive reads and pads the next chunk in a thread: events still come chunk by chunk,
+    an error of the chunk source is raised where that chunk would be, and leaving the loop
+    early stops the reading."""
+    streams = load_streams(store, CFG.k)
+    params = rj.init_reranker(jax.random.key(0), store.dim)
+    read = []
+
+    def source(fail_at=None, n=len(streams)):
+        for i in range(n):
+            if i == fail_at:
+                raise InputError("bad user", where="source")
+            read.append(i)
+            yield [streams[i % len(streams)]]
+
+    done = [e.chunk for e in drive(source(), SIM, params, users_per_chunk=1) if isinstance(e, ChunkDone)]
+    assert done == list(range(len(streams)))
+    got = []
+    with pytest.raises(InputError, match="bad user"):
+        for e in drive(source(fail_at=3), SIM, params, users_per_chunk=1):
+            got.append(e.chunk)
+    assert got == [0, 1]                    # chunk 2 was still in flight (pipelined), as without the thread
+    read.clear()
+    for _ in drive(source(n=20), SIM, params, users_per_chunk=1):
+        break                               # 2 chunks used, 1 waiting, 1 read for the next place at most
+    time.sleep(0.5)
+    assert len(read) <= 4 and not any(t.name == "rmm-jax-pad-ahead" for t in threading.enumerate())
 
 
 def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tmp_path):

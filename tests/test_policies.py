@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -23,9 +24,9 @@ from rmm_jax.cli.policies import export_params
 from rmm_jax.core.types import LearnerState, SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.online.serve import Reranker
-from rmm_jax.persist.codec import decode_tree, leaf_specs
+from rmm_jax.persist.codec import decode_tree
 from rmm_jax.persist.policy_index import PolicyIndex
-from rmm_jax.persist.policy_snapshot import load_arrays, verify_snapshot
+from rmm_jax.persist.policy_snapshot import read_chunk, verify_snapshot
 from rmm_jax.persist.policy_store import PolicyRestoreWarning, PolicyStore, Saved
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,6 +244,32 @@ def test_corrupt_newest_version_falls_back_and_reports(tmp_path, how):
     assert [s.version for s in pol.skipped] == [3] and pol.skipped[0].reason.startswith("is damaged (")
 
 
+def test_a_damaged_row_costs_only_its_user_its_version(tmp_path):
+    st = new_store(tmp_path)
+    uids = [f"u{i}" for i in range(4)]
+    st.save(uids, stacked([state_of(i) for i in range(4)]), [info_of(i) for i in range(4)])
+    st.save(uids, stacked([state_of(10 + i) for i in range(4)]), [info_of(10 + i) for i in range(4)])
+    chunk = st.path / "gens" / "v00000002" / "c0000"
+    stride = json.loads((chunk / "chunk.json").read_text())["row_stride"]
+    with open(chunk / "rows.bin", "r+b") as f:          # one bit of u2's row, after its chunk was verified
+        f.seek(2 * stride + stride // 3)
+        b = f.read(1)
+        f.seek(2 * stride + stride // 3)
+        f.write(bytes([b[0] ^ 1]))
+    assert verify_snapshot(chunk.parent, "c0000") == "rows.bin: sha256 mismatch"
+    reader = PolicyStore.open(st.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # the other users of the chunk load quietly
+        for i in (0, 1, 3):
+            assert_policy(reader.load(f"u{i}"), state_of(10 + i), info_of(10 + i))
+    with pytest.warns(PolicyRestoreWarning, match=r"user 'u2': restored v1, v2 is damaged \(rows.bin: sha256"):
+        assert_policy(reader.load("u2"), state_of(2), info_of(2))
+    with pytest.warns(PolicyRestoreWarning):
+        back = reader.load_batch(uids)
+    assert back.versions == [2, 2, 1, 2] and list(back.skipped) == ["u2"]
+    assert_same(back.state, stacked([state_of(10), state_of(11), state_of(2), state_of(13)]))
+
+
 def test_corrupt_small_files_and_all_bad(tmp_path):
     st = new_store(tmp_path)
     for i in range(2):
@@ -359,8 +386,8 @@ def _check_every_verifying_version(st: PolicyStore):
             if verify_snapshot(snap, chunk.name) is not None:
                 continue
             c = json.loads((chunk / "chunk.json").read_text())
-            counts = {p: len(leaf_specs(c["spec"][p])) for p in ("params", "opt_state", "learner_state")}
-            leaves = load_arrays(chunk / "arrays.npz", counts)
+            _, leaves, bad = read_chunk(snap, chunk.name, range(len(c["users"])))
+            assert bad == {}
             for row, uid in enumerate(c["users"]):
                 got = [decode_tree(c["spec"][p], [a[row] for a in leaves[p]])
                        for p in ("params", "opt_state", "learner_state")]
@@ -485,10 +512,10 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     leaf = {x["path"]: x for x in doc["params"]}["q_adapter/W/kernel"]
     assert leaf["shape"] == [D, D] and leaf["norm"] == pytest.approx(k)
     assert "loading" in err
-    on_disk = (st.path / "gens" / "v00000001" / "c0000" / "arrays.npz").stat().st_size  # alice and bob share it
+    on_disk = (st.path / "gens" / "v00000001" / "c0000" / "rows.bin").stat().st_size  # alice and bob share it
     assert doc["bytes"]["user"] == {"version": 1, "chunk": "c0000", "row": 1, "users_in_chunk": 2,
                                     "chunk_bytes": on_disk, "bytes": round(on_disk / 2), "array_bytes": 1556}
-    shared = st.path / "shared" / "v00000001" / "c0000" / "arrays.npz"
+    shared = st.path / "shared" / "v00000001" / "c0000" / "rows.bin"
     assert doc["bytes"]["shared"] == {"version": 1, "array_bytes": 2 * D * D * 4, "bytes": shared.stat().st_size}
     assert whole["store"]["scope"] == "user" and whole["store"]["keep"] == 3
     code, out, _ = _cli(["policies", "show", str(st.path), "bob"], capsys)

@@ -342,8 +342,8 @@ def test_format1_store_loads_then_migrates_on_first_write(tmp_path):
     assert tree_files(path) == before                   # reading a format-1 store writes nothing
     assert save_seeds(st, {"a": 5, "d": 6}) == 3    # first write migrates
     assert not (path / "index.json").exists() and (path / "index.sqlite").exists()
-    assert json.loads((path / "policy_store.json").read_text())["format_version"] == 2
-    assert (path / "gens" / "v00000003" / "c0000" / "chunk.json").exists()
+    assert json.loads((path / "policy_store.json").read_text())["format_version"] == 3
+    assert (path / "gens" / "v00000003" / "c0000" / "rows.bin").exists()
     st2 = PolicyStore.open(path)
     assert versions(st2, "a") == [2, 3] and versions(st2, "b") == [1]
     assert_policy(st2.load("a", version=2), state_of(4))       # old snapshot, new index
@@ -365,15 +365,72 @@ def test_format1_migration_interrupted_is_finished_by_next_writer(tmp_path):
     with st.writer():
         pass
     assert not (path / "index.json").exists()
-    assert json.loads((path / "policy_store.json").read_text())["format_version"] == 2
+    assert json.loads((path / "policy_store.json").read_text())["format_version"] == 3
     assert_policy(PolicyStore.open(path).load("a"), state_of(1))
+
+
+def _format2_chunk(dest: Path, meta: dict, parts: dict) -> None:
+    """One chunk exactly as rmm-jax format 2 wrote it: arrays.npz, chunk.json, CHECKSUMS.json of both."""
+    dest.mkdir(parents=True)
+    with open(dest / "arrays.npz", "xb") as f:
+        np.savez(f, **{f"{p}.{i:06d}": np.ascontiguousarray(a) for p, ls in parts.items() for i, a in enumerate(ls)})
+    write_json(dest / "chunk.json", {"format": "rmm-jax-policy-chunk", **meta,
+                                     "array_bytes": (dest / "arrays.npz").stat().st_size})
+    checksums.write_checksums(dest)
+
+
+def write_format2_store(path: Path, shared, saves: list[dict[str, int]], *, keep=3):
+    """A store as rmm-jax format 2 wrote it: index.sqlite, arrays.npz chunks (one per save)."""
+    path.mkdir()
+    write_json(path / "policy_store.json", {"format": "rmm-jax-policy-store", "format_version": 2, "meta": META,
+                                            "keep_versions": keep, "chunk_size": None, "chunk_bytes": 8 << 20,
+                                            "created_at": _now()})
+    specs, leaves = zip(*(encode_tree(t) for t in (shared, None)))
+    _format2_chunk(path / "shared" / "v00000001" / "c0000",
+                   {"version": 1, "saved_at": _now(), "spec": dict(zip(("params", "opt_state"), specs)), "info": {}},
+                   dict(zip(("params", "opt_state"), leaves)))
+    with PolicyIndex.create(path / "index.sqlite") as idx:
+        for v, seeds in enumerate(saves, 1):
+            uids = list(seeds)
+            both = stacked([state_of(seeds[u]) for u in uids])
+            enc = {p: encode_tree(getattr(both, p), batch=len(uids)) for p in PARTS}
+            _format2_chunk(path / "gens" / f"v{v:08d}" / "c0000",
+                           {"version": v, "saved_at": _now(), "shared_version": None, "chunk": "c0000",
+                            "users": uids, "info": [info_of(seeds[u]) for u in uids],
+                            "spec": {p: enc[p][0] for p in PARTS}}, {p: enc[p][1] for p in PARTS})
+            idx.commit_version(v, _now(), [(u, 0, r) for r, u in enumerate(uids)], keep=keep)
+
+
+def test_format2_store_loads_and_its_first_writer_writes_rows(tmp_path):
+    path = tmp_path / "v2store"
+    write_format2_store(path, params_of(7), [{"a": 1, "b": 2}, {"a": 3}])
+    before = tree_files(path)
+    st = PolicyStore.open(path)
+    assert_policy(st.load("a"), state_of(3), info_of(3))
+    assert_policy(st.load("b"), state_of(2), info_of(2))
+    back = st.load_batch(["b", "a"])
+    assert back.versions == [1, 2]
+    assert_same(back.state, stacked([state_of(2), state_of(3)]))
+    assert_same(st.shared_state().state.params, params_of(7))
+    assert st.user_bytes("b")["chunk_bytes"] == (path / "gens" / "v00000001" / "c0000" / "arrays.npz").stat().st_size
+    assert tree_files(path) == before                   # reading writes nothing
+    assert save_seeds(st, {"b": 4}) == 3
+    assert json.loads((path / "policy_store.json").read_text())["format_version"] == 3
+    assert (path / "gens" / "v00000003" / "c0000" / "rows.bin").is_file()
+    st2 = PolicyStore.open(path)
+    assert_policy(st2.load("b"), state_of(4))
+    assert_policy(st2.load("b", version=1), state_of(2))  # the old chunk, beside the new rows
+    npz = path / "gens" / "v00000002" / "c0000" / "arrays.npz"
+    npz.write_bytes(npz.read_bytes()[:-8])                # a damaged old chunk is still caught
+    with pytest.warns(PolicyRestoreWarning, match=r"restored v1, v2 is damaged \(arrays.npz: sha256 mismatch\)"):
+        assert_policy(PolicyStore.open(path).load("a"), state_of(1))
 
 
 def test_newer_format_is_refused(tmp_path):
     st = new_store(tmp_path)
     header = json.loads((st.path / "policy_store.json").read_text())
-    (st.path / "policy_store.json").write_text(json.dumps({**header, "format_version": 3}))
-    with pytest.raises(InputError, match="format_version 3 is not supported"):
+    (st.path / "policy_store.json").write_text(json.dumps({**header, "format_version": 4}))
+    with pytest.raises(InputError, match="format_version 4 is not supported"):
         PolicyStore.open(st.path)
 
 
@@ -494,7 +551,7 @@ def test_shared_state_with_adam_state_and_info(tmp_path):
     assert st.user_bytes("a")["array_bytes"] == 16
     sb = st.shared_bytes()
     assert sb["version"] == 2 and sb["array_bytes"] == 3 * 2 * D * D * 4 + 4
-    assert sb["bytes"] == (st.path / "shared" / "v00000002" / "c0000" / "arrays.npz").stat().st_size
+    assert sb["bytes"] == (st.path / "shared" / "v00000002" / "c0000" / "rows.bin").stat().st_size
     st.save_shared(SharedState(params_of(8), None))
     st.save_shared(SharedState(params_of(9), None))  # keep=2: v3, v4 newest; v1 goes, v2 stays (a and b need it)
     assert st.shared_versions() == [2, 3, 4]
@@ -509,7 +566,7 @@ def test_damaged_shared_version_falls_back_with_its_optimiser_state(tmp_path):
     p, o = params_of(1), optax.adam(1e-3).init(params_of(1))
     st.save_shared(SharedState(p, o), {"v": 2})
     st.save_shared(SharedState(params_of(2), None), {"v": 3})
-    victim = st.path / "shared" / "v00000003" / "c0000" / "arrays.npz"
+    victim = st.path / "shared" / "v00000003" / "c0000" / "rows.bin"
     victim.write_bytes(victim.read_bytes()[:-8])
     with pytest.warns(PolicyRestoreWarning, match="restored v2, v3 is damaged"):
         got = st.shared_state()
@@ -542,14 +599,27 @@ def test_user_bytes_is_the_rows_share_of_its_chunk(tmp_path):
     refs = [state_of(i) for i in range(3)]
     st.save(["a", "b", "c"], stacked(refs), chunk_size=2)
     st.save(["c"], stacked(refs[2:]))
-    size = (st.path / "gens" / "v00000001" / "c0000" / "arrays.npz").stat().st_size
+    size = (st.path / "gens" / "v00000001" / "c0000" / "rows.bin").stat().st_size
+    raw = 2 * 64 * 4 * 3 + 4 + 4 + 4 + 8              # params, Adam's mu and nu, count; baseline, step, key
     ub = st.user_bytes("b")
     assert ub == {"version": 1, "chunk": "c0000", "row": 1, "users_in_chunk": 2, "chunk_bytes": size,
-                  "bytes": round(size / 2), "array_bytes": 2 * 64 * 4 * 3 + 4 + 4 + 4 + 8}
+                  "bytes": round(size / 2), "array_bytes": raw}
+    assert size == 2 * (-(-raw // 16) * 16)              # a row is its arrays, rounded up to 16 bytes
     assert st.user_bytes("c")["version"] == 2 and st.user_bytes("c", version=1)["users_in_chunk"] == 1
     assert ub["bytes"] >= ub["array_bytes"]
     with pytest.raises(InputError, match="no saved policy for user 'zed'"):
         st.user_bytes("zed")
+
+
+def test_a_reader_follows_an_index_that_was_rebuilt_under_it(tmp_path):
+    st = new_store(tmp_path)
+    save_seeds(st, {"a": 1})
+    reader = PolicyStore.open(st.path)
+    assert versions(reader, "a") == [1]                  # its connection is open now
+    st._build_index(st.path / "index.sqlite").close()   # a writer's rebuild: a new file in its place
+    save_seeds(st, {"a": 2, "b": 3})
+    assert versions(reader, "a") == [1, 2] and reader.has_user("b")
+    assert_policy(reader.load("b"), state_of(3))
 
 
 def test_readers_need_no_lock_and_see_committed_state(tmp_path):

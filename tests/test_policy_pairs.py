@@ -22,7 +22,7 @@ from rmm_jax.core import reranker
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.online.serve import user_params
-from rmm_jax.persist import policy_restore, policy_store
+from rmm_jax.persist import policy_restore, policy_shared
 from rmm_jax.persist.policy_index import PolicyIndex
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyRestoreWarning, PolicyStore, Skip
 
@@ -52,11 +52,14 @@ def save_factors(st: PolicyStore, seeds: dict[str, int], shared_version: int, **
 
 
 def damage(path: Path) -> None:
-    """Flip bytes in the middle of the biggest file under ``path`` (checksums will not match)."""
-    f = max((p for p in path.rglob("*") if p.is_file() and p.name != "CHECKSUMS.json"), key=lambda p: p.stat().st_size)
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    f.write_bytes(bytes(data))
+    """Flip a byte in the middle of every row of every chunk under ``path`` (every user's
+    checksum, and the shared part's, will not match)."""
+    for rows in path.rglob("rows.bin"):
+        stride = json.loads((rows.parent / "chunk.json").read_text())["row_stride"]
+        data = bytearray(rows.read_bytes())
+        for at in range(stride // 2, len(data), stride):
+            data[at] ^= 0xFF
+        rows.write_bytes(bytes(data))
 
 
 def two_rounds(tmp_path) -> PolicyStore:
@@ -174,13 +177,14 @@ def test_load_batch_reads_each_chunk_once_and_falls_back_per_user(tmp_path, monk
     damage(gens(st, 3) / "c0001")                       # c2, c3 fall back ... to nothing: they are new
     calls = []
     real = policy_restore.read_chunk
-    monkeypatch.setattr(policy_restore, "read_chunk", lambda snap, c: calls.append((snap.name, c)) or real(snap, c))
+    monkeypatch.setattr(policy_restore, "read_chunk",
+                        lambda snap, c, rows: calls.append((snap.name, c)) or real(snap, c, rows))
     with pytest.raises(InputError, match=r"user 'c2': v3 is damaged \(.*\) \(and 1 more users\)"):
         PolicyStore.open(st.path).load_batch(["c0", "c2", "c3"])
     calls.clear()
     checked = []
-    verify = policy_store.verify_snapshot
-    monkeypatch.setattr(policy_store, "verify_snapshot", lambda snap, c: checked.append(snap.name) or verify(snap, c))
+    verify = policy_shared.verify_snapshot
+    monkeypatch.setattr(policy_shared, "verify_snapshot", lambda snap, c: checked.append(snap.name) or verify(snap, c))
     ids = ["c5", "a", "ghost", "c0", "b", "c1", "c4"]
     got = PolicyStore.open(st.path).load_batch(ids)
     assert sorted(calls) == sorted(set(calls)) == [("v00000002", "c0000"), ("v00000003", "c0000"),
@@ -328,12 +332,12 @@ def test_a_rollback_for_many_users_is_one_line(tmp_path, capsys):
     code, out, err = _cli(["policies", "show", st.path, "--users", users, "--json"], capsys)
     assert code == 0 and len(json.loads(out)["users"]) == 40
     warn = [ln for ln in err.splitlines() if ln.startswith("warning:")]
-    assert warn == [f"warning: {st.path}: 40 users restored an older version (v2 is damaged (arrays.npz: sha256 "
+    assert warn == [f"warning: {st.path}: 40 users restored an older version (v2 is damaged (rows.bin: sha256 "
                     "mismatch)); first: 'u0'"]
     _no_python_warning_format(err)
     code, out, err = _cli(["policies", "show", st.path, "--users", "u3,u5"], capsys)   # few: a line each
     assert [ln for ln in err.splitlines() if ln.startswith("warning:")] == [
-        f"warning: {st.path}: user '{u}': restored v1, v2 is damaged (arrays.npz: sha256 mismatch)"
+        f"warning: {st.path}: user '{u}': restored v1, v2 is damaged (rows.bin: sha256 mismatch)"
         for u in ("u3", "u5")]
 
 
@@ -366,4 +370,4 @@ def test_warning_lines_in_a_real_process(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr.splitlines() == [f"loading 12 user(s) from {st.path} ...",
                                      f"warning: {st.path}: 12 users restored an older version (v2 is damaged "
-                                     "(arrays.npz: sha256 mismatch)); first: 'u0'"]
+                                     "(rows.bin: sha256 mismatch)); first: 'u0'"]

@@ -27,6 +27,7 @@ from conftest import REPO, USER_XLA_FLAGS, make_fake_store
 
 from rmm_jax.cli.signals import MESSAGE
 from rmm_jax.errors import InputError
+from rmm_jax.persist import checksums
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState
 
@@ -180,7 +181,7 @@ def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_f
         text
 
     # damage the newest checkpoint: flip bytes in its arrays -> the previous one is used
-    victim = max((f for f in (snaps[-1] / "arrays").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    victim = snaps[-1] / "arrays.npz"
     b = bytearray(victim.read_bytes())
     b[len(b) // 2] ^= 0xFF
     victim.write_bytes(bytes(b))
@@ -232,7 +233,7 @@ def test_damaged_checkpoints_in_process(tmp_path):
         assert rs.restored.trees["x"]["k"].dtype == np.uint32
         assert rs.restored.trees["x"]["count"].shape == () and rs.restored.trees["x"]["count"] == 2
     # truncate a file of the newest: the previous is used, and the user is told which
-    f = next(p for p in (snaps[1] / "arrays").rglob("*") if p.is_file() and p.stat().st_size > 100)
+    f = snaps[1] / "arrays.npz"
     f.write_bytes(f.read_bytes()[:50])
     notes = []
     with RunState.begin(tmp_path / "pol", "simulate", fp, resume=True, notify=notes.append) as rs:
@@ -251,6 +252,26 @@ def test_damaged_checkpoints_in_process(tmp_path):
         RunState.begin(tmp_path / "pol", "simulate", fp, resume=True)
     with pytest.raises(InputError, match="--lr: differs"):
         RunState.begin(tmp_path / "pol", "replay", {"--lr": 0.2}, resume=True)
+
+
+def test_a_checkpoint_of_format_1_still_resumes(tmp_path):
+    """Checkpoints written before arrays.npz held an orbax checkpoint in arrays/."""
+    import orbax.checkpoint as ocp
+
+    fp = {"--lr": 0.1}
+    x = {"a": np.arange(5, dtype=np.float32), "count": np.array(3, np.int32)}
+    with RunState.begin(tmp_path / "pol", "simulate", fp, resume=False) as rs:
+        snap = rs.save({"i": 4}, {"x": x})
+    (snap / "arrays.npz").unlink()
+    (snap / "CHECKSUMS.json").unlink()
+    ocp.PyTreeCheckpointer().save((snap / "arrays").resolve(), {"x": {"l000000": x["a"], "l000001": x["count"]}})
+    doc = json.loads((snap / "meta.json").read_text())
+    (snap / "meta.json").write_text(json.dumps({**doc, "format_version": 1}))
+    checksums.write_checksums(snap)
+    with RunState.begin(tmp_path / "pol", "simulate", fp, resume=True) as rs:
+        got = rs.restored.trees["x"]
+    assert rs.restored.meta == {"i": 4} and got["a"].tolist() == [0, 1, 2, 3, 4]
+    assert got["count"].shape == () and got["count"].dtype == np.int32 and got["count"] == 3
 
 
 def test_checkpoint_interval_does_not_change_results(env, reference):

@@ -166,7 +166,7 @@ def is_writer() -> bool:
 
 def begin_run_state_if_single(target, command: str, options: dict, **kw):
     """:func:`begin_run_state`, or a context yielding None when several processes run: only
-    process 0 writes, and orbax's checkpoint writes would wait for every process."""
+    process 0 writes, and a run over several processes is restarted, not resumed."""
     if jax.process_count() > 1:
         return contextlib.nullcontext()
     return begin_run_state(target, command, options, **kw)

@@ -22,13 +22,18 @@ import jax
 from rmm_jax.cli.signals import Interrupted
 from rmm_jax.cli.warning_lines import reported_warnings
 from rmm_jax.errors import InputError
+from rmm_jax.online.compile_cache import setup as setup_compile_cache
 from rmm_jax.version import __version__
 
 CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
 
 
 @click.group(context_settings=CONTEXT)
-def cli():
+@click.option("--compile-cache/--no-compile-cache", default=True,
+              help="Keep compiled programs on disk so that the next command loads them instead of compiling again "
+                   "(in $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rmm-jax/jax or ~/.cache/rmm-jax/jax; "
+                   "RMM_JAX_COMPILE_CACHE=0 also switches it off).")
+def cli(compile_cache: bool):
     """rmm-jax: train and simulate the citation-driven memory reranker of
     Reflective Memory Management (Tan et al., ACL 2025) on precomputed embeddings.
 
@@ -40,6 +45,7 @@ def cli():
       rmm-jax simulate store --policies policies # online loop, oracle citations
       rmm-jax demo                               # all of the above on built-in data
     """
+    setup_compile_cache(compile_cache)
 
 
 @cli.command()

@@ -134,6 +134,23 @@ class _Cache:
                 f"not {model_id!r} (dim {dim}); use another --cache-dir", where=str(self.path))
         self.dim = dim
 
+    @staticmethod
+    def recorded_dim(directory: Path, model_id: str) -> int | None:
+        """The dimension an existing cache recorded for ``model_id`` (None: no such cache,
+        another model's, or unreadable), read without creating or changing anything."""
+        path = directory / "embeddings.sqlite"
+        if not path.is_file():
+            return None
+        try:
+            conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=60.0)
+            try:
+                meta = dict(conn.execute("SELECT key, value FROM meta"))
+            finally:
+                conn.close()
+            return int(meta["dim"]) if meta.get("model") == model_id else None
+        except (sqlite3.Error, KeyError, ValueError, TypeError):
+            return None
+
     def get(self, keys: list[str]) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for s in range(0, len(keys), 500):
@@ -181,6 +198,9 @@ class Embedder:
       texts_embedded: how many texts were actually run through the model (cache misses).
       model_calls: how many batches were run through the model.
 
+    The model itself (torch and its weights) is loaded on the first cache miss when the
+    cache already records its dimension, else at construction.
+
     Raises:
       InputError: the model cannot be found or loaded (naming the ``--model`` value), or
         the model returns NaN/Inf.
@@ -199,20 +219,37 @@ class Embedder:
         self.device = device
         self.texts_embedded = 0
         self.model_calls = 0
-        load_from, self.model_id = _resolve(model)
-        self._model = self._load(load_from, model)
-        get_dim = getattr(self._model, "get_embedding_dimension", None) or getattr(
-            self._model, "get_sentence_embedding_dimension", None)
-        dim = get_dim() if get_dim is not None else None
-        if not dim:
-            dim = int(np.asarray(self._model.encode(["x"], convert_to_numpy=True)).shape[-1])
-        self.dim = int(dim)
+        self._load_from, self.model_id = _resolve(model)
+        self._loaded = None
         self.cache_dir = None
         self._cache = None
+        dim = None
         if use_cache:
             root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
             self.cache_dir = root / model_slug(self.model_id)
+            dim = _Cache.recorded_dim(self.cache_dir, self.model_id)
+        # A cache that knows this model's dimension lets the model load only on a cache miss:
+        # torch and the weights take seconds, and a command whose texts are all cached needs neither.
+        self.dim = int(dim or self._model_dim(self._model))
+        if use_cache:
             self._cache = _Cache(self.cache_dir, self.model_id, self.dim)
+
+    @property
+    def _model(self):
+        """The sentence-transformers model, loaded on first use."""
+        if self._loaded is None:
+            self._loaded = self._load(self._load_from, self.model_name)
+            if getattr(self, "dim", None) is not None and self._model_dim(self._loaded) != self.dim:
+                raise InputError(f"model {self.model_name!r} has dim {self._model_dim(self._loaded)}, its embedding "
+                                 f"cache says {self.dim}; use another --cache-dir", where=str(self.cache_dir))
+        return self._loaded
+
+    @staticmethod
+    def _model_dim(model) -> int:
+        get_dim = getattr(model, "get_embedding_dimension", None) or getattr(
+            model, "get_sentence_embedding_dimension", None)
+        dim = get_dim() if get_dim is not None else None
+        return int(dim) if dim else int(np.asarray(model.encode(["x"], convert_to_numpy=True)).shape[-1])
 
     def _load(self, load_from: str, given: str):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

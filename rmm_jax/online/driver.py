@@ -19,11 +19,12 @@ one: its results are bit-identical.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -31,7 +32,7 @@ from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
 from rmm_jax.online.sharding import replicate, shard_users
-from rmm_jax.online.streams import Stream, user_key
+from rmm_jax.online.streams import Stream, user_keys
 
 OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob",   # per-query outputs kept per user
                "hit", "hit_base", "n_cited", "n_shown")
@@ -111,10 +112,11 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
     their devices) every process runs this same loop on the same chunks, and each event
     carries the whole chunk's results on every process.
 
-    **Pipelined.** Chunk i+1 is padded on the host while chunk i runs on the device, and
-    the :class:`ChunkDone` of chunk i is yielded only after chunk i+1 has been dispatched,
-    so whatever the caller does with it (writing policies and logs) overlaps chunk i+1's
-    run. Memory holds about two chunks. (Over several processes the chunks run one after
+    **Pipelined.** A background thread reads (iterates ``chunks``) and pads chunk i+1 while
+    chunk i runs on the device, and the :class:`ChunkDone` of chunk i is yielded only after
+    chunk i+1 has been dispatched, so whatever the caller does with it (writing policies
+    and logs) overlaps chunk i+1's run and chunk i+2's padding. Memory holds about three
+    chunks. (Over several processes the chunks run one after
     another: their collectives must not interleave.)
     """
     carried = resume.shared if resume is not None and resume.shared is not None else shared
@@ -123,22 +125,20 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
     pipelined = jax.process_count() == 1
     group = 0 if mesh is not None else None        # cache groups split the users axis that a mesh shards
     pending = None                                 # a chunk whose last segment is dispatched, not yet fetched
-    for ci, chunk in enumerate(c for c in map(_as_chunk, chunks) if c.streams):
+    skip = resume.chunks_done if resume is not None else 0
+    for ci, chunk, padded in _ahead(_padded(chunks, program, users_per_chunk, segment_batches, skip)):
         streams = chunk.streams
-        if len(streams) > users_per_chunk:
-            raise ValueError(f"users_per_chunk: a chunk of {len(streams)} streams, more than {users_per_chunk}")
-        if resume is not None and ci < resume.chunks_done:
+        if padded is None:
             yield ChunkSkipped(ci, streams)
             continue
-        seg, n_seg = segment_plan(program.batches(streams), segment_batches)
+        seg, n_seg, data = padded
         n_batches = seg if segment_batches else None
-        data = program.pad(streams, users_per_chunk, batches_multiple=seg)
         parts, first = [], 0
         if resume is not None and ci == resume.chunks_done and resume.segments_done > 0:
             states, parts, first = resume.states, [resume.outputs], resume.segments_done
         else:
             ids = [s.user_id for s in streams] + [f"<pad{i}>" for i in range(users_per_chunk - len(streams))]
-            keys = jnp.stack([user_key(seed, u) for u in ids])
+            keys = user_keys(seed, ids)
             states = program.init(params, keys, carried, *_padded_start(chunk, program, params, keys, carried))
         if mesh is not None:
             data = shard_users(data, mesh)
@@ -166,6 +166,60 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
 
 def _as_chunk(c) -> Chunk:
     return c if isinstance(c, Chunk) else Chunk(list(c))
+
+
+def _padded(chunks, program: Program, users_per_chunk: int, segment_batches: int | None, skip: int):
+    """``(index, chunk, (batches per segment, segments, padded data))`` of every non-empty
+    chunk; ``None`` in place of the padding for the first ``skip`` (done before a resume)."""
+    for ci, chunk in enumerate(c for c in map(_as_chunk, chunks) if c.streams):
+        if len(chunk.streams) > users_per_chunk:
+            raise ValueError(f"users_per_chunk: a chunk of {len(chunk.streams)} streams, more than {users_per_chunk}")
+        if ci < skip:
+            yield ci, chunk, None
+            continue
+        seg, n_seg = segment_plan(program.batches(chunk.streams), segment_batches)
+        yield ci, chunk, (seg, n_seg, program.pad(chunk.streams, users_per_chunk, batches_multiple=seg))
+
+
+def _ahead(items: Iterator, depth: int = 1) -> Iterator:
+    """``items``, produced by a background thread up to ``depth`` items ahead of the
+    consumer: the next chunk's streams are read and padded while this one runs and the
+    caller saves the last (NumPy and file reads release the GIL). An exception in the
+    thread is raised here, in order; when the consumer stops early, the thread stops at
+    its next item."""
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                box.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def work():
+        try:
+            for x in items:
+                if not put((x, None)):
+                    return
+            put((end, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            put((end, e))
+
+    threading.Thread(target=work, name="rmm-jax-pad-ahead", daemon=True).start()
+    try:
+        while True:
+            x, err = box.get()
+            if x is end:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
 
 
 def _padded_start(chunk: Chunk, program: Program, params, keys, shared) -> tuple:

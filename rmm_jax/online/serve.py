@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULT_CACHE_USERS = 1024
+SHARED_ON_DEVICE = 2        # shared versions a Reranker keeps on the device
 
 
 class Ranking(NamedTuple):
@@ -96,33 +97,49 @@ def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
     return load_policy(store, user_id, fallback_to_shared=fallback_to_shared).params
 
 
-def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = True) -> Policy:
+def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = True,
+                shared_params: Callable[[int | None], tuple[Any, int]] | None = None) -> Policy:
     """The policy ``user_id`` is served, whatever the store's scope
     (:class:`rmm_jax.core.scope.Scope`): its own full params; the newest shared part when users
     have no params of their own; or its own low-rank factors merged with exactly the shared
     version they were trained against (:meth:`PolicyStore.load`; an older store that did not
     record it pairs with the newest). A user the store does not
     hold gets the newest shared part with ``fallback_to_shared`` (what a run would start it
-    from), else an error."""
+    from), else an error. ``shared_params(version)`` gives the shared params of a version
+    (None: the newest) on the device and the version (default: read from ``store``);
+    :class:`Reranker` passes its own, which keeps them there.
+
+    The cold path is one indexed lookup, one chunk's verified ``chunk.json`` and the user's
+    own verified row (:mod:`rmm_jax.persist.policy_rows`), then one transfer of the user's
+    own params: the shared part is not copied per user."""
+    shared_params = shared_params or functools.partial(_shared_on_device, store)
     scope = Scope.from_meta(store.meta)
-    if not store.has_user(user_id):
+    got = store.load_batch([user_id])
+    if got.missing:
         if not fallback_to_shared:
             store.load(user_id)                                          # the one-line error
-        shared = store.shared_state()
-        return Policy(_device(shared.state.params), None, shared.version)
-    saved = store.load(user_id)
+        params, shared_version = shared_params(None)
+        return Policy(params, None, shared_version)
+    version = got.versions[0]
+    own = _device(jax.tree.map(lambda a: a[0], got.state.params))
     if scope.local_is_full:
-        return Policy(_device(saved.state.params), saved.version, None)
+        return Policy(own, version, None)
     if not scope.has_local:                    # one policy for everyone: the newest
-        shared = store.shared_state()
-        return Policy(_device(shared.state.params), saved.version, shared.version)
-    shared = store.shared_state(saved.shared_version) if saved.shared_version is not None else store.shared_state()
-    return Policy(_device(scope.merge(shared.state.params, saved.state.params)), saved.version, shared.version)
+        params, shared_version = shared_params(None)
+        return Policy(params, version, shared_version)
+    params, shared_version = shared_params(got.shared_versions[0])
+    return Policy(scope.merge(params, own), version, shared_version)
+
+
+def _shared_on_device(store: PolicyStore, version: int | None) -> tuple[Any, int]:
+    got = store.shared_state(version)
+    return _device(got.state.params), got.version
 
 
 def _device(params):
     # Device arrays throughout: with numpy inputs some ops would run in numpy instead of XLA.
-    return jax.tree.map(jnp.asarray, params)
+    # One device_put of the tree (no per-leaf dispatch).
+    return jax.device_put(params)
 
 
 @functools.partial(jax.jit, static_argnames=("m",))
@@ -160,6 +177,7 @@ class Reranker:
             raise InputError("the identity reranker (no policy store) needs the embedding dim", where="dim")
         self.store, self.cache_users = store, cache_users
         self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
+        self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
         self.dim = int(store.meta["dim"]) if store is not None else int(dim)
         self.tau = behaviour_tau(store)
         self._identity = None if store is not None else Policy(
@@ -175,12 +193,22 @@ class Reranker:
             return self._identity
         got = self._cache.get(user_id)
         if got is None:
-            got = self._cache[user_id] = load_policy(self.store, user_id)
+            got = self._cache[user_id] = load_policy(self.store, user_id, shared_params=self._shared_params)
             if len(self._cache) > self.cache_users:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(user_id)
         return got
+
+    def _shared_params(self, version: int | None) -> tuple[Any, int]:
+        """Shared ``version`` (None: the newest that loads) on the device, once per version."""
+        got = self.store.shared_state(version)
+        params = self._shared.get(got.version)
+        if params is None:
+            params = self._shared[got.version] = _device(got.state.params)
+            while len(self._shared) > SHARED_ON_DEVICE:
+                self._shared.popitem(last=False)
+        return params, got.version
 
     def _padded(self, query_emb, candidate_embs, m, mask):
         """Inputs checked and padded to buckets: ``(n, K, q, cands, mask)``."""

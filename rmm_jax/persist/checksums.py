@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from rmm_jax.persist.atomic import atomic_file, fsync_dir
 
@@ -32,13 +32,13 @@ def _self_hash(files: dict) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def write_checksums(snap: Path) -> None:
-    """Hash (and fsync) every file of ``snap``; write CHECKSUMS.json last."""
-    files = {}
-    for root, _, names in os.walk(snap):
-        for n in names:
-            p = Path(root) / n
-            files[p.relative_to(snap).as_posix()] = sha256(p, fsync=True)
+def write_checksums(snap: Path, listed: Sequence[str] | None = None) -> None:
+    """Hash (and fsync) every file of ``snap``, or only the ``listed`` ones (relative
+    paths; the caller fsyncs the rest, which it verifies some other way); write
+    CHECKSUMS.json last."""
+    if listed is None:
+        listed = [(Path(root) / n).relative_to(snap).as_posix() for root, _, names in os.walk(snap) for n in names]
+    files = {rel: sha256(snap / rel, fsync=True) for rel in listed}
     for root, _, _ in os.walk(snap):
         fsync_dir(Path(root))
     with atomic_file(snap / CHECKSUM_FILE) as f:

@@ -9,8 +9,8 @@ but only from the packages in :data:`ALLOWED_MODULE_ROOTS`. Typed PRNG keys are 
 as their key data plus the impl name and come back typed. :func:`unflatten_like` puts
 leaves into the structure of a given template instead.
 
-Used by the policy store and the run-state checkpoints (which write the leaves with
-orbax and the spec as JSON), and by :func:`tree_digest` for run fingerprints.
+Used by the policy store and the run-state checkpoints (which write the leaves to an
+``.npz`` and the spec as JSON), and by :func:`tree_digest` for run fingerprints.
 """
 from __future__ import annotations
 

@@ -1,19 +1,21 @@
 """Reading policies back from a store's snapshots: which version loads, and the states
 (stacked over users) it holds.
 
-A user's version loads when its chunk verifies (:func:`rmm_jax.persist.policy_snapshot.read_chunk`)
+A user's version loads when its chunk's metadata and its own row verify
+(:func:`rmm_jax.persist.policy_snapshot.read_chunk`)
 and, where versions are paired with the shared part (scopes ``shared`` and ``hybrid``), the
 shared version it was trained against is available too: the factors of a hybrid user only
 make sense with the shared weights they were fitted to, so a user version is never combined
 with another shared version. Each user gets the newest version that loads; every newer one
-is reported as a :class:`Skip` (``v4 is damaged (arrays.npz: sha256 mismatch)``, ``v5 needs
+is reported as a :class:`Skip` (``v4 is damaged (rows.bin: sha256 mismatch)``, ``v5 needs
 shared v9, which is missing``). A version whose shared version was not recorded (stores
 written before pairing existed) loads with the newest good shared version.
 
 :func:`restore_users` reads many users at once, each needed chunk once: candidates are
-grouped by chunk, each chunk is verified and read, its rows are copied into one array per
-leaf with a leading users axis, and users whose chunk failed move on to their next older
-version in another round (a chunk is read again only if such a fallback needs it).
+grouped by chunk, each chunk's metadata and the rows of its users are verified and read,
+the rows are copied into one array per leaf with a leading users axis, and users whose
+row or chunk failed move on to their next older version in another round (a chunk is
+read again only if such a fallback needs it).
 """
 from __future__ import annotations
 
@@ -154,11 +156,12 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
                     break
         pending = []
         for (v, c), group in sorted(groups.items()):
-            got = read_chunk(gens / vname(v), cname(c))
+            group.sort(key=lambda u: cands[u][0].row)
+            got = read_chunk(gens / vname(v), cname(c), [cands[u][0].row for u in group])
             if not isinstance(got, str):
-                meta, leaves = got
+                meta, leaves, bad = got
                 try:
-                    chunk_specs, leaves = _canonical(meta, leaves, len(meta["users"]))
+                    chunk_specs, leaves = _canonical(meta, leaves, len(group))
                     holds = {u: meta["users"][cands[u][0].row] for u in group}
                 except Exception as ex:  # noqa: BLE001 - a chunk.json that disagrees with the index
                     got = f"bad chunk ({type(ex).__name__}: {ex})"
@@ -168,26 +171,31 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
                     skip(u, bad_chunks[v, c])
                 pending += group
                 continue
-            members = [u for u in group if holds[u] == u]
-            for u in group:
-                if holds[u] != u:          # the index and chunk.json disagree (a hand-edited store)
+            members = []                   # (position in the rows read, user)
+            for i, u in enumerate(group):
+                if i in bad:               # this user's row is damaged; the chunk's others may be fine
+                    skip(u, f"is {problem(bad[i])}")
+                elif holds[u] != u:        # the index and chunk.json disagree (a hand-edited store)
                     skip(u, f"is damaged (row {cands[u][0].row} of c{c:04d} holds {holds[u]!r})")
-                    pending.append(u)
+                else:
+                    members.append((i, u))
+                    continue
+                pending.append(u)
             if not members:
                 continue
             if specs is None:
-                specs, first = chunk_specs, (members[0], v)
+                specs, first = chunk_specs, (members[0][1], v)
                 out = {p: [np.empty((n, *s["shape"]), np.dtype(s["dtype"])) for s in leaf_specs(specs[p])]
                        for p in USER_PARTS}
             elif json.dumps(chunk_specs, sort_keys=True) != json.dumps(specs, sort_keys=True):
-                raise InputError(f"users {first[0]!r} (v{first[1]}) and {members[0]!r} (v{v}) hold policies of "
+                raise InputError(f"users {first[0]!r} (v{first[1]}) and {members[0][1]!r} (v{v}) hold policies of "
                                  "different structures; load them separately", where=str(gens.parent))
-            at = np.array([pos[u] for u in members])
-            take = np.array([cands[u][0].row for u in members])
+            at = np.array([pos[u] for _, u in members])
+            take = np.array([i for i, _ in members])
             for p in USER_PARTS:
                 for dst, src in zip(out[p], leaves[p]):
                     dst[at] = src[take]
-            for u in members:
+            for _, u in members:
                 picked[u] = cands[u][0]
                 infos[pos[u]] = dict(meta["info"][picked[u].row] or {})
     state = None if specs is None else UserState(*(decode_tree(specs[p], out[p]) for p in USER_PARTS))

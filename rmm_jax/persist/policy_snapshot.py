@@ -1,61 +1,53 @@
 """The policy store's snapshots on disk: one directory per saved version, made of chunks
 that are each verified and read on their own.
 
-Layout (store format 2)::
+Layout (store format 3)::
 
     gens/v00000007/              one save call (a "version")
-      c0000/                     one chunk: U users of one tree structure, rows 0..U-1
-        chunk.json               {format, version, chunk, saved_at, shared_version, users: [U ids],
-                                  info: [U dicts], spec: {params|opt_state|learner_state: codec spec},
-                                  row_bytes, array_bytes}
-        arrays.npz               uncompressed; member "<part>.<i:06d>" = leaf i of the part, shape (U, ...)
-        CHECKSUMS.json           sha256 of chunk.json and arrays.npz, written last
+      c0000/                     one chunk: U users of one tree structure, rows 0..U-1, as user rows
+                                 (chunk.json, rows.bin, CHECKSUMS.json: :mod:`rmm_jax.persist.policy_rows`)
       c0001/ ...
-    shared/v00000002/c0000/      the shared state, same files: parts params and opt_state without a
-                                 users axis, chunk.json's info is one dict, users is absent
+    shared/v00000002/c0000/      the shared state: the same files, one row of parts params and
+                                 opt_state, chunk.json's info is one dict, users is absent
 
-Loading a user reads, hashes and parses only its chunk: ``chunk.json`` lists the chunk's
-users and infos, the checksums list the chunk's files. Nothing per snapshot grows with the
-size of a save (format 1 had one ``rows.json`` with every user of the save and one
-``CHECKSUMS.json`` with every file of the snapshot). Completeness: the store writes a
+Loading a user reads, verifies and parses its chunk's ``chunk.json`` and its own row.
+Nothing per snapshot grows with the size of a save. Completeness: the store writes a
 snapshot in a temp dir and renames it into place, and commits it to the index only after
-that (:mod:`rmm_jax.persist.policy_index`).
+that (:mod:`rmm_jax.persist.policy_index`). Chunks are sized by bytes
+(:func:`users_per_chunk`), so the file count is proportional to bytes, not users.
 
-**Why one .npz per chunk, not an orbax checkpoint (format 1).** Measured on the 2-core
-development machine, busy with other jobs (load ~6), for one chunk of 56 hybrid-sized
-users (8.3 MB, 16 leaves) including checksums and fsync: orbax 170-270 ms to save and
-30-60 ms to verify + restore; one ``.npy`` per leaf 80-120 ms / 17-32 ms; one ``.npz``
-50 ms / 26 ms (one file to fsync instead of orbax's 13 or 16 ``.npy``). For 100,000 such
-users (~1,800 chunks) orbax alone would add 4-6 minutes on that machine; with ``.npz`` the
-whole save took 143 s (``benchmarks/results/store_scale.json``). So the arrays are a plain
-uncompressed ``.npz``: self-describing (``numpy.load`` reads it, no pickle), written once,
-covered by the chunk's checksums. Nothing orbax adds is used here (sharded arrays, async
-saves, partial restores); ``bfloat16`` leaves come back through the spec's dtype. Chunks
-are sized by bytes (:func:`users_per_chunk`), so the file count is proportional to bytes,
-not users.
-
-Format 1 (read only): ``gens/vN/rows.json`` (``{chunks: {c0000: {users, spec}}, info:
-{user: {...}}}``), the chunks' orbax checkpoints directly in ``c0000/``
-(:func:`save_chunk`/:func:`load_chunk`; orbax is imported only for these), one
-``CHECKSUMS.json`` per snapshot. :func:`read_chunk` and :func:`read_shared` return the same
-metadata shape for both formats.
+Older formats are read, never written. Format 2: ``chunk.json`` (the same metadata without
+the row layout), ``arrays.npz`` (uncompressed; member ``"<part>.<i:06d>"`` = leaf i of the
+part, shape (U, ...)) and a ``CHECKSUMS.json`` of both, so a load hashed the whole chunk.
+Format 1: ``gens/vN/rows.json`` (``{chunks: {c0000: {users, spec}}, info: {user: {...}}}``),
+the chunks' orbax checkpoints directly in ``c0000/`` (:func:`save_chunk`/:func:`load_chunk`;
+orbax is imported only for these), one ``CHECKSUMS.json`` per snapshot. :func:`read_chunk`
+and :func:`read_shared` read every format and return the same shapes.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from rmm_jax.persist import checksums
-from rmm_jax.persist.atomic import write_json
 from rmm_jax.persist.codec import leaf_specs
+from rmm_jax.persist.policy_rows import (
+    CHUNK_FILE,
+    ROWS_FILE,
+    is_rows,
+    read_meta,
+    read_rows,
+    split_rows,
+    verify_rows,
+    write_rows,
+)
 
-CHUNK_FILE = "chunk.json"
-ARRAYS_FILE = "arrays.npz"
-ROWS_FILE = "rows.json"          # format 1
-CHUNK_FORMAT = "rmm-jax-policy-chunk"
+ARRAYS_FILE = "arrays.npz"       # format 2
+LEGACY_FILE = "rows.json"        # format 1
 USER_PARTS = ("params", "opt_state", "learner_state")
 SHARED_PARTS = ("params", "opt_state")
 
@@ -80,7 +72,7 @@ def snapshot_dirs(root: Path) -> list[tuple[int, Path]]:
 
 def is_legacy(snap: Path) -> bool:
     """A format-1 snapshot (one rows.json and one checksum file for the whole snapshot)."""
-    return (snap / ROWS_FILE).is_file()
+    return (snap / LEGACY_FILE).is_file()
 
 
 def dir_bytes(path: Path) -> int:
@@ -107,24 +99,18 @@ def users_per_chunk(specs: dict, chunk_bytes: int, max_users: int) -> int:
     return int(max(1, min(max_users, chunk_bytes // max(row_bytes(specs), 1))))
 
 
-# --------------------------------------------------------------------------- arrays
-
-
-def save_arrays(dest: Path, parts: dict[str, list[np.ndarray]]) -> None:
-    """Write the leaves of every part into one uncompressed ``.npz`` at ``dest`` (not
-    fsynced: the checksum pass does that)."""
-    with open(dest, "xb") as f:
-        np.savez(f, **{f"{p}.{i:06d}": np.ascontiguousarray(a) for p, ls in parts.items() for i, a in enumerate(ls)})
+# --------------------------------------------------------------------------- older formats' arrays
 
 
 def load_arrays(src: Path, counts: dict[str, int]) -> dict[str, list[np.ndarray]]:
-    """Read ``counts[part]`` leaves per part from a :func:`save_arrays` file."""
+    """Format 2: ``counts[part]`` leaves per part from a chunk's ``arrays.npz``."""
     with np.load(src, allow_pickle=False) as z:
         return {p: [z[f"{p}.{i:06d}"] for i in range(n)] for p, n in counts.items()}
 
 
 def save_chunk(dest: Path, parts: dict[str, list[np.ndarray]]) -> None:
-    """Format 1: write one orbax checkpoint ``{part: {"l000000": leaf, ...}}`` at ``dest``."""
+    """Format 1: write one orbax checkpoint ``{part: {"l000000": leaf, ...}}`` at ``dest``
+    (what format-1 stores hold; tests build such stores with it)."""
     import orbax.checkpoint as ocp
 
     tree = {p: {f"l{i:06d}": np.ascontiguousarray(a) for i, a in enumerate(ls)}
@@ -166,36 +152,34 @@ def _reshaped(leaves: dict[str, list[np.ndarray]], specs: dict, lead: tuple[int,
             for p, ls in leaves.items()}
 
 
+def _whole_chunk(snap: Path, chunk: str, meta: dict, parts) -> dict[str, list[np.ndarray]]:
+    """Every row of a verified format-1 or format-2 chunk, leaves per part."""
+    counts = _counts(meta["spec"], parts)
+    leaves = (load_chunk(snap / chunk, counts) if is_legacy(snap)
+              else load_arrays(snap / chunk / ARRAYS_FILE, counts))
+    n = len(meta["users"]) if "users" in meta else 1          # the shared part: one row without a users axis
+    return _reshaped(leaves, meta["spec"], (n,))
+
+
 # --------------------------------------------------------------------------- chunks
 
 
-def write_chunk(dest: Path, meta: dict, parts: dict[str, list[np.ndarray]]) -> None:
-    """Write chunk dir ``dest``: the arrays, ``chunk.json`` (``meta`` plus array_bytes),
-    then CHECKSUMS.json (sha256 of both, files fsynced) last."""
-    dest.mkdir()
-    save_arrays(dest / ARRAYS_FILE, parts)
-    write_json(dest / CHUNK_FILE, {"format": CHUNK_FORMAT, **meta, "array_bytes": (dest / ARRAYS_FILE).stat().st_size})
-    checksums.write_checksums(dest)
-
-
 def verify_chunk(chunk_dir: Path) -> str | None:
-    """None if every file of the chunk matches its checksum, else a one-line reason."""
-    def select(files):
-        return list(files) if CHUNK_FILE in files else f"checksums list no {CHUNK_FILE}"
-
-    if not chunk_dir.is_dir():
-        return "missing"
-    return checksums.verify(chunk_dir, select, "incomplete (no checksum file)")
+    """None if the whole chunk verifies (every row of a rows chunk), else a one-line reason."""
+    meta = read_meta(chunk_dir)
+    if isinstance(meta, str):
+        return meta
+    return verify_rows(chunk_dir, meta) if is_rows(meta) else None
 
 
 def verify_snapshot(snap: Path, chunk: str | None = None) -> str | None:
-    """Verify chunk ``chunk`` of snapshot ``snap`` (every chunk if None), either format.
+    """Verify chunk ``chunk`` of snapshot ``snap`` (every chunk if None), any format.
     Returns None when good, else a one-line reason."""
     if is_legacy(snap):
         def select(files):
-            wanted = [r for r in files if chunk is None or r == ROWS_FILE or r.startswith(chunk + "/")]
-            if ROWS_FILE not in wanted or (chunk is not None and len(wanted) < 2):
-                return f"checksums list no files for {chunk or ROWS_FILE}"
+            wanted = [r for r in files if chunk is None or r == LEGACY_FILE or r.startswith(chunk + "/")]
+            if LEGACY_FILE not in wanted or (chunk is not None and len(wanted) < 2):
+                return f"checksums list no files for {chunk or LEGACY_FILE}"
             return wanted
 
         return checksums.verify(snap, select, "incomplete (no checksum file)")
@@ -215,7 +199,7 @@ def read_chunk_meta(snap: Path, chunk: str) -> dict:
     """The chunk's metadata, unverified: ``{users, info: [per row], spec, saved_at}``
     (format 1 is converted to this shape). Raises OSError/ValueError/KeyError."""
     if is_legacy(snap):
-        rows = json.loads((snap / ROWS_FILE).read_text())
+        rows = json.loads((snap / LEGACY_FILE).read_text())
         c = rows["chunks"][chunk]
         info = rows.get("info", {})
         return {"version": rows.get("version"), "saved_at": rows.get("saved_at"), "users": c["users"],
@@ -223,17 +207,28 @@ def read_chunk_meta(snap: Path, chunk: str) -> dict:
     return json.loads((snap / chunk / CHUNK_FILE).read_text())
 
 
-def read_chunk(snap: Path, chunk: str) -> tuple[dict, dict[str, list[np.ndarray]]] | str:
-    """``(meta, leaves per part)`` of a verified chunk, or the reason it is unusable."""
-    reason = verify_snapshot(snap, chunk)
-    if reason is not None:
-        return reason
+def read_chunk(snap: Path, chunk: str, rows: Sequence[int],
+               parts=USER_PARTS) -> tuple[dict, dict[str, list[np.ndarray]], dict[int, str]] | str:
+    """Rows ``rows`` of chunk ``chunk`` of snapshot ``snap``, any format: ``(meta, leaves
+    per part with a leading axis of len(rows), {position in rows: reason} for damaged rows)``,
+    or the reason the whole chunk is unusable. A rows chunk reads and verifies only the
+    rows asked for; an older chunk is verified and read whole."""
     try:
-        meta = read_chunk_meta(snap, chunk)
-        counts = _counts(meta["spec"], USER_PARTS)
-        leaves = (load_chunk(snap / chunk, counts) if is_legacy(snap)
-                  else load_arrays(snap / chunk / ARRAYS_FILE, counts))
-        return meta, _reshaped(leaves, meta["spec"], (len(meta["users"]),))
+        if is_legacy(snap):
+            reason = verify_snapshot(snap, chunk)
+            if reason is not None:
+                return reason
+            meta = read_chunk_meta(snap, chunk)
+        else:
+            meta = read_meta(snap / chunk)
+            if isinstance(meta, str):
+                return meta
+        if is_rows(meta):
+            buf, bad = read_rows(snap / chunk, meta, rows)
+            return meta, split_rows(buf, meta), bad
+        whole = _whole_chunk(snap, chunk, meta, parts)
+        take = np.asarray(rows, np.int64)
+        return meta, {p: [a[take] for a in ls] for p, ls in whole.items()}, {}
     except Exception as e:  # noqa: BLE001 - any read failure = bad version
         return f"restore failed ({type(e).__name__}: {e})"
 
@@ -242,10 +237,12 @@ def chunk_array_bytes(snap: Path, chunk: str) -> int:
     """On-disk bytes of the chunk's array files."""
     if is_legacy(snap):
         return dir_bytes(snap / chunk)
-    try:
-        return (snap / chunk / ARRAYS_FILE).stat().st_size
-    except OSError:
-        return 0
+    for name in (ROWS_FILE, ARRAYS_FILE):
+        try:
+            return (snap / chunk / name).stat().st_size
+        except OSError:
+            pass
+    return 0
 
 
 def snapshot_records(gens: Path):
@@ -254,7 +251,7 @@ def snapshot_records(gens: Path):
     for v, snap in snapshot_dirs(gens):
         if is_legacy(snap):
             try:
-                rows = json.loads((snap / ROWS_FILE).read_text())
+                rows = json.loads((snap / LEGACY_FILE).read_text())
                 chunks = [(name, c["users"], rows.get("saved_at"), None) for name, c in rows["chunks"].items()]
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
@@ -276,31 +273,38 @@ def snapshot_records(gens: Path):
 # --------------------------------------------------------------------------- shared
 
 
-def write_shared(snap: Path, meta: dict, parts: dict[str, list[np.ndarray]]) -> None:
-    """Write the shared state's one chunk into (empty) snapshot dir ``snap``."""
-    write_chunk(snap / cname(0), meta, parts)
+def write_shared(snap: Path, meta: dict, specs: dict, leaves: dict[str, list[np.ndarray]]) -> None:
+    """Write the shared state (leaves without a users axis) as the one row of the one
+    chunk of (empty) snapshot dir ``snap``."""
+    write_rows(snap / cname(0), meta, specs, {p: [a[None] for a in ls] for p, ls in leaves.items()}, 1)
 
 
 def read_shared(snap: Path) -> tuple[dict, dict[str, list[np.ndarray]]] | str:
     """``(meta {spec: {params, opt_state}, info}, leaves per part)`` of a verified shared
-    snapshot (either format), or the reason it is unusable."""
-    reason = verify_snapshot(snap, cname(0))
-    if reason is not None:
-        return reason
-    try:
-        meta = shared_meta(snap)
-        counts = _counts(meta["spec"], SHARED_PARTS)
-        leaves = (load_chunk(snap / cname(0), counts) if is_legacy(snap)
-                  else load_arrays(snap / cname(0) / ARRAYS_FILE, counts))
-        return meta, _reshaped(leaves, meta["spec"], ())
-    except Exception as e:  # noqa: BLE001 - any read failure = bad version
-        return f"restore failed ({type(e).__name__}: {e})"
+    snapshot (any format), or the reason it is unusable."""
+    if is_legacy(snap):
+        reason = verify_snapshot(snap, cname(0))
+        if reason is not None:
+            return reason
+        try:
+            meta = shared_meta(snap)
+            leaves = load_chunk(snap / cname(0), _counts(meta["spec"], SHARED_PARTS))
+            return meta, _reshaped(leaves, meta["spec"], ())
+        except Exception as e:  # noqa: BLE001 - any read failure = bad version
+            return f"restore failed ({type(e).__name__}: {e})"
+    got = read_chunk(snap, cname(0), [0], SHARED_PARTS)
+    if isinstance(got, str):
+        return got
+    meta, leaves, bad = got
+    if bad:
+        return bad[0]
+    return meta, {p: [a[0] for a in ls] for p, ls in leaves.items()}
 
 
 def shared_meta(snap: Path) -> dict:
-    """The shared snapshot's metadata, unverified (either format)."""
+    """The shared snapshot's metadata, unverified (any format)."""
     if is_legacy(snap):
-        rows = json.loads((snap / ROWS_FILE).read_text())
+        rows = json.loads((snap / LEGACY_FILE).read_text())
         return {"spec": {"params": rows["chunks"][cname(0)]["spec"]["params"], "opt_state": {"t": "none"}},
                 "info": {}, "saved_at": rows.get("saved_at")}
     return json.loads((snap / cname(0) / CHUNK_FILE).read_text())

@@ -5,11 +5,20 @@ Every user of an agent has a small reranker policy, a :class:`rmm_jax.core.types
 (params, optimiser state, learner state) adapted online. The online learner produces these
 for many users at once, with a leading *users* axis on every leaf (``vmap``), so the store
 saves and loads stacked states: :meth:`PolicyStore.save` cuts one into chunks of users,
-each a self-contained, checksummed directory (:mod:`rmm_jax.persist.policy_snapshot`), and
-a SQLite index maps ``user_id -> versions`` (:mod:`rmm_jax.persist.policy_index`).
+each a self-contained directory in which every user's state is one separately checksummed
+row (:mod:`rmm_jax.persist.policy_snapshot`, :mod:`rmm_jax.persist.policy_rows`), and a
+SQLite index maps ``user_id -> versions`` (:mod:`rmm_jax.persist.policy_index`).
 :meth:`PolicyStore.load_batch` reads many users back stacked, each chunk once;
-:meth:`PolicyStore.load` reads one. Scoring a query with a stored user's policy is
-:class:`rmm_jax.online.serve.Reranker`.
+:meth:`PolicyStore.load` reads one user's row. Scoring a query with a stored user's policy
+is :class:`rmm_jax.online.serve.Reranker`.
+
+This module is the store's face: creating and opening, the writer's lock, saving, and
+loading with fallback. Its parts live beside it: the chunks on disk
+(:mod:`~rmm_jax.persist.policy_snapshot`, :mod:`~rmm_jax.persist.policy_rows`), which version
+loads (:mod:`~rmm_jax.persist.policy_restore`), the index with its rebuild and garbage
+collection (:mod:`~rmm_jax.persist.policy_versions`), the shared part
+(:mod:`~rmm_jax.persist.policy_shared`) and the listings and sizes ``rmm-jax policies``
+prints (:mod:`~rmm_jax.persist.policy_report`).
 
 On-disk layout (``STORE`` is the directory given to :meth:`PolicyStore.create`)::
 
@@ -18,8 +27,8 @@ On-disk layout (``STORE`` is the directory given to :meth:`PolicyStore.create`):
       index.sqlite             user -> versions, version -> shared version (policy_index.py)
       .lock                    flock'ed by the one writer (persist/lock.py; pid/host inside, advisory)
       shared/v00000001/c0000/  the shared part: params, optimiser state, info; one copy per version
-      gens/v00000007/c0000/    one save call = one version; one chunk = chunk.json + arrays.npz +
-                               CHECKSUMS.json for its users only (policy_snapshot.py)
+      gens/v00000007/c0000/    one save call = one version; one chunk = chunk.json + rows.bin +
+                               CHECKSUMS.json for its users only (policy_rows.py)
 
 **Versions.** Each user keeps its newest ``keep`` versions (default :data:`DEFAULT_KEEP`; set
 at :meth:`PolicyStore.create` or :meth:`PolicyStore.open`, stored in the header by the next
@@ -29,13 +38,14 @@ shared version) and per-user learner states only (params/opt_state may be ``{}``
 ``hybrid``, the shared params plus each user's low-rank factors of rank ``meta["rank"]``.
 In ``shared`` and ``hybrid`` every saved user version records the shared version it was
 trained against, and a load pairs them exactly (:mod:`rmm_jax.persist.policy_restore`): the
-user's newest version whose chunk verifies AND whose shared version loads, never factors
+user's newest version whose row verifies AND whose shared version loads, never factors
 with another shared version. So the shared versions a kept user version references are
 never pruned; of the others the newest ``keep`` stay.
 
 **Scale.** Looking up or saving one user touches nothing that grows with the number of
-users: a load is one indexed SQLite query plus one chunk (its ``chunk.json``, checksums and
-arrays), a save of U users writes U users' chunks and one O(U) transaction. Chunks are
+users: a load is one indexed SQLite query, one chunk's ``chunk.json`` (verified against its
+``CHECKSUMS.json``) and the user's own row (verified against its digest), a save of U users
+writes U users' rows and one O(U) transaction. Chunks are
 sized by bytes (``chunk_bytes``, default 8 MiB: 2 users of a full d=384 policy, ~56 hybrid
 low-rank users, up to :data:`MAX_CHUNK_USERS` tiny shared-scope learner states);
 ``chunk_size`` (users per chunk) overrides it.
@@ -48,11 +58,15 @@ the commit that stops referencing them. A kill at any point leaves either no new
 a complete one. Leftovers (temp dirs, a snapshot renamed but never committed, a dropped
 version not yet deleted) are removed by the next writer. A missing or corrupt
 ``index.sqlite`` is rebuilt from the snapshots' ``chunk.json`` files (in memory by a reader,
-on disk by the next writer). Format-1 stores (``index.json``) open as they are and are
-migrated by their first writer (:mod:`rmm_jax.persist.policy_format1`).
+on disk by the next writer). Stores of formats 1 (``index.json``, orbax chunks) and 2
+(``arrays.npz`` chunks) open as they are; their first writer migrates the index
+(:mod:`rmm_jax.persist.policy_format1`) and writes new versions as rows, and their old
+snapshots stay readable until garbage-collected.
 
-**Restores.** A load verifies the checksums of what it reads; a damaged version is skipped
-for the previous one, reported in the result's ``skipped`` and by a
+**Restores.** A load verifies the checksums of what it reads, before it uses it: each user's
+row has its own digest, so a damaged row costs that user its version and no other user
+theirs. A damaged version is skipped for the previous one, reported in the result's
+``skipped`` and by a
 :class:`PolicyRestoreWarning`. Not orbax's CheckpointManager: it verifies no content
 checksums, does not fall back past a damaged step and keeps N steps, not N per user.
 
@@ -62,7 +76,6 @@ by name), so a restored Adam state has the same tree type and optax keeps using 
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime as _dt
 import json
@@ -73,14 +86,13 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import jax
-import numpy as np
 
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
-from rmm_jax.persist import policy_format1
-from rmm_jax.persist.atomic import atomic_dir, leftovers, write_json
+from rmm_jax.persist import policy_format1, policy_report
+from rmm_jax.persist.atomic import atomic_dir, write_json
 from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.lock import WriterLock
 from rmm_jax.persist.policy_index import Entry, IndexUnavailable, PolicyIndex, Save
@@ -90,41 +102,35 @@ from rmm_jax.persist.policy_restore import (
     SavedBatch,
     SavedShared,
     Skip,
-    problem,
-    restore_shared,
     restore_users,
     skips_text,
 )
-from rmm_jax.persist.policy_snapshot import (
-    SHARED_PARTS,
-    USER_PARTS,
-    chunk_array_bytes,
-    cname,
-    read_chunk_meta,
-    row_bytes,
-    shared_meta,
-    snapshot_dirs,
-    snapshot_records,
-    users_per_chunk,
-    verify_snapshot,
-    vname,
-    write_chunk,
-    write_shared,
+from rmm_jax.persist.policy_rows import write_rows
+from rmm_jax.persist.policy_shared import SharedParts
+from rmm_jax.persist.policy_snapshot import USER_PARTS, cname, snapshot_dirs, users_per_chunk, vname
+from rmm_jax.persist.policy_versions import (
+    INDEX_DB,
+    IndexReader,
+    build_index,
+    drop_unindexed,
+    live_versions,
+    next_version,
+    prune_shared,
+    remove_leftovers,
+    writer_index,
 )
 
 __all__ = ["PolicyStore", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save", "PolicyRestoreWarning",
            "DEFAULT_KEEP"]
 
 FORMAT = "rmm-jax-policy-store"
-FORMAT_VERSION = 2
-READS_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3             # 3: user rows (policy_rows.py); 2: arrays.npz chunks; 1: index.json, orbax chunks
+READS_FORMAT_VERSIONS = (1, 2, 3)
 STORE_FILE = "policy_store.json"
-INDEX_DB = "index.sqlite"
 LOCK_FILE = ".lock"
 DEFAULT_KEEP = 3
-DEFAULT_CHUNK_BYTES = 8 << 20  # 4-16 MB per chunk: one load reads and hashes ~8 MB
+DEFAULT_CHUNK_BYTES = 8 << 20  # 4-16 MB per chunk: the file count stays proportional to bytes
 MAX_CHUNK_USERS = 4096         # bounds the chunk.json a load parses when states are tiny
-SHARED_CACHE = 4               # restored shared versions a store object keeps (they never change)
 
 
 def _now() -> str:
@@ -180,15 +186,6 @@ def _check_keep(keep, where: str) -> int:
     return keep
 
 
-def _read_only(tree):
-    """``tree`` with its numpy leaves made read-only (a cached shared state is handed out
-    to every caller; nobody may change it in place)."""
-    def freeze(a):
-        if isinstance(a, np.ndarray):
-            a.flags.writeable = False
-        return a
-    return jax.tree_util.tree_map(freeze, tree)
-
 
 # --------------------------------------------------------------------------- the store
 
@@ -210,9 +207,8 @@ class PolicyStore:
         self.chunk_size: int | None = None if cs is None else int(cs)
         self.chunk_bytes: int = int(self._header.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
         self._lock = WriterLock(self.path / LOCK_FILE, self._locked_error)
-        self._fallback: tuple[object, PolicyIndex] | None = None
-        self._shared: collections.OrderedDict[int, SavedShared] = collections.OrderedDict()
-        self._shared_checked: dict[int, str | None] = {}
+        self._index = IndexReader(self.path)
+        self._shared = SharedParts(self.path / "shared", str(self.path))
 
     @property
     def scope(self) -> Scope:
@@ -250,7 +246,7 @@ class PolicyStore:
                                           "keep_versions": keep, "chunk_size": chunk_size,
                                           "chunk_bytes": chunk_bytes, "created_at": _now()})
             PolicyIndex.create(tmp / INDEX_DB).close()
-            cls._write_shared(tmp / "shared", 1, SharedState(shared_params, shared_opt_state), shared_info)
+            SharedParts.write(tmp / "shared", 1, SharedState(shared_params, shared_opt_state), shared_info, _now())
         return cls(path)
 
     @classmethod
@@ -294,8 +290,8 @@ class PolicyStore:
         PolicyStore object) holds it, after waiting up to ``wait`` seconds. The lock is
         released when the holder exits or dies, so a stale ``.lock`` file is harmless. The
         outermost hold first repairs what a killed writer left (temp dirs, a missing or
-        corrupt index, a format-1 index, unindexed snapshots) and stores this object's
-        ``keep`` in the header.
+        corrupt index, a format-1 index, unindexed snapshots), stores this object's
+        ``keep`` in the header and marks the store as written in the current format.
         """
         with self._lock.hold(wait) as outermost:
             if outermost:
@@ -312,75 +308,28 @@ class PolicyStore:
         """Under the lock: no leftovers of killed writers, a usable index.sqlite (migrated
         or rebuilt), the header current, no snapshot dir the index does not list, no shared
         version left that pruning would remove."""
-        for sub in (self.path, self.path / "gens", self.path / "shared"):
-            for p in leftovers(sub):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-        try:
-            with self._writer_index() as idx:
-                live = set(idx.live_versions())
-        except IndexUnavailable:  # opened, but corrupt further in
-            with self._writer_index(rebuild=True) as idx:
-                live = set(idx.live_versions())
+        remove_leftovers(self.path)
+        live = live_versions(self.path, self._header, self.keep)
         self._header = policy_format1.finish_migration(self.path, self.path / STORE_FILE, self._header,
                                                        format_version=FORMAT_VERSION, chunk_bytes=self.chunk_bytes)
         if self._header.get("keep_versions") != self.keep:
             self._header = {**self._header, "keep_versions": self.keep}
             write_json(self.path / STORE_FILE, self._header)
-        for v, snap in snapshot_dirs(self.path / "gens"):
-            if v not in live:
-                shutil.rmtree(snap, ignore_errors=True)
+        drop_unindexed(self.path / "gens", live)
         self._prune_shared()
+
+    def _prune_shared(self) -> None:
+        prune_shared(self.path / "shared", self._query(lambda idx: idx.shared_refs()), self.keep)
 
     # ---- the index
 
     def _query(self, fn):
-        """``fn(index)`` on index.sqlite (read-only); if it is missing or corrupt, on an
-        index rebuilt in memory (from index.json of a format-1 store, else the snapshots)."""
-        try:
-            with PolicyIndex.open(self.path / INDEX_DB) as idx:
-                return fn(idx)
-        except IndexUnavailable:
-            return fn(self._fallback_index())
-
-    def _fallback_index(self) -> PolicyIndex:
-        """The in-memory index of a store without a usable index.sqlite, cached until the
-        snapshots or index.json change."""
-        gens = self.path / "gens"
-        key = (policy_format1.index_mtime(self.path), tuple(sorted(p.name for p in gens.iterdir()))
-               if gens.is_dir() else ())
-        if self._fallback is None or self._fallback[0] != key:
-            if self._fallback is not None:
-                self._fallback[1].close()
-            self._fallback = (key, self._build_index(None))
-        return self._fallback[1]
+        """``fn(index)`` on index.sqlite (read-only), or on an index rebuilt in memory."""
+        return self._index.query(fn, self._header, self.keep)
 
     def _build_index(self, path: Path | None) -> PolicyIndex:
-        """An index from index.json (format 1) or else from the snapshots, at ``path``
-        (replacing the file) or in memory."""
-        snaps = snapshot_dirs(self.path / "gens")
-        top = (snaps[-1][0] + 1) if snaps else 1
-        legacy = policy_format1.index_records(self.path, self._header)
-        if legacy is not None:
-            return PolicyIndex.build(path, legacy[0], keep=self.keep, next_version=max(legacy[1], top))
-        return PolicyIndex.build(path, snapshot_records(self.path / "gens"), keep=self.keep, next_version=top)
-
-    @contextlib.contextmanager
-    def _writer_index(self, rebuild: bool = False):
-        """The writable index (under the lock), rebuilt first if missing or corrupt (or if
-        ``rebuild``)."""
-        idx = None
-        if not rebuild:
-            with contextlib.suppress(IndexUnavailable):
-                idx = PolicyIndex.open(self.path / INDEX_DB, readonly=False)
-        if idx is None:
-            idx = self._build_index(self.path / INDEX_DB)
-        try:
-            yield idx
-        finally:
-            idx.close()
+        """An index from index.json (format 1) or else from the snapshots, at ``path`` or in memory."""
+        return build_index(self.path, self._header, self.keep, path)
 
     def users(self) -> list[str]:
         """User ids that have at least one saved version, sorted."""
@@ -403,66 +352,25 @@ class PolicyStore:
         """Every kept user version: saved_at, shared version, how many users keep it."""
         return self._query(lambda idx: idx.saves())
 
-    def shared_versions(self) -> list[int]:
-        """Shared versions on disk, ascending (whether they load or not)."""
-        return [v for v, _ in snapshot_dirs(self.path / "shared")]
+    def next_version(self) -> int:
+        """The version number the next :meth:`save` will take (every saved one is below it)."""
+        return next_version(self.path / "gens", self._query(lambda idx: idx.next_version()))
 
     def listing(self, users: Sequence[str] | None = None) -> Iterator[tuple[str, list[Entry], dict]]:
         """``(user, entries, info)`` for every user (sorted) or for the stored ones of
-        ``users`` (in that order); the info is the newest version's (unverified). Each
-        chunk.json is read once."""
-        metas: dict[tuple[int, int], list | None] = {}
-
-        def info_of(e: Entry) -> dict:
-            key = (e.version, e.chunk)
-            if key not in metas:
-                try:
-                    metas[key] = read_chunk_meta(self.path / "gens" / vname(e.version), cname(e.chunk))["info"]
-                except (OSError, ValueError, KeyError, TypeError):
-                    metas[key] = None
-            try:
-                return dict(metas[key][e.row])
-            except (TypeError, IndexError, ValueError):
-                return {}
-
-        def rows(idx):
-            if users is not None:
-                found = idx.entries(users)
-                yield from ((u, found[u], info_of(found[u][-1])) for u in users if found[u])
-                return
-            user, entries = None, []
-            for uid, e in idx.all_entries():
-                if uid != user and entries:
-                    yield user, entries, info_of(entries[-1])
-                    entries = []
-                user = uid
-                entries.append(e)
-            if entries:
-                yield user, entries, info_of(entries[-1])
-
-        yield from self._query(lambda idx: list(rows(idx)))
+        ``users`` (in that order); the info is the newest version's (unverified)."""
+        yield from self._query(lambda idx: list(policy_report.listing(idx, self.path / "gens", users)))
 
     # ---- bytes
 
     def user_bytes(self, user_id: str, version: int | None = None) -> dict:
         """On-disk size of ``user_id``'s newest entry (or ``version``): its row's share of
-        its chunk's array files. Returns ``{version, chunk, row, users_in_chunk,
-        chunk_bytes, bytes, array_bytes}`` (``array_bytes``: the row's raw array bytes)."""
+        its chunk's array file (:func:`rmm_jax.persist.policy_report.user_bytes`)."""
         es = [e for e in self.entries(user_id) if version is None or e.version == version]
         if not es:
             raise InputError(f"no saved policy for user {user_id!r}" + (f" version {version}" if version else ""),
                              where=str(self.path))
-        e = es[-1]
-        snap = self.path / "gens" / vname(e.version)
-        try:
-            meta = read_chunk_meta(snap, cname(e.chunk))
-            n, raw = len(meta["users"]), row_bytes(meta["spec"])
-        except (OSError, ValueError, KeyError, TypeError) as ex:
-            raise InputError(f"cannot read chunk {cname(e.chunk)} of version {e.version} ({type(ex).__name__})",
-                             where=str(snap)) from None
-        total = chunk_array_bytes(snap, cname(e.chunk))
-        return {"version": e.version, "chunk": cname(e.chunk), "row": e.row, "users_in_chunk": n,
-                "chunk_bytes": total, "bytes": round(total / max(n, 1)), "array_bytes": raw}
+        return policy_report.user_bytes(self.path / "gens", es[-1])
 
     def shared_bytes(self, version: int | None = None) -> dict:
         """On-disk size of the newest shared version (or ``version``): ``{version, bytes,
@@ -470,23 +378,13 @@ class PolicyStore:
         vs = [v for v in self.shared_versions() if version is None or v == version]
         if not vs:
             raise InputError(f"no shared version {version or ''}".rstrip(), where=str(self.path))
-        snap = self.path / "shared" / vname(vs[-1])
-        try:
-            raw = row_bytes(shared_meta(snap)["spec"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raw = None
-        return {"version": vs[-1], "bytes": chunk_array_bytes(snap, cname(0)), "array_bytes": raw}
+        return policy_report.shared_bytes(self.path / "shared" / vname(vs[-1]), vs[-1])
 
     # ---- the shared part
 
-    @staticmethod
-    def _write_shared(root: Path, version: int, state: SharedState, info: dict) -> None:
-        specs, parts = {}, {}
-        for p, tree in zip(SHARED_PARTS, jax.device_get(tuple(state))):
-            specs[p], parts[p] = encode_tree(tree, where=f"shared {p}")
-        with atomic_dir(root / vname(version), overwrite=False) as tmp:
-            write_shared(tmp, {"version": version, "saved_at": _now(), "spec": specs, "info": info,
-                               "row_bytes": row_bytes(specs)}, parts)
+    def shared_versions(self) -> list[int]:
+        """Shared versions on disk, ascending (whether they load or not)."""
+        return self._shared.versions()
 
     def save_shared(self, state: SharedState, info: dict | None = None) -> int:
         """Store ``state`` (params and optimiser state; an optax state of NamedTuples is
@@ -501,62 +399,15 @@ class PolicyStore:
         with self.writer():
             refs = self._query(lambda idx: idx.shared_refs())
             version = max([*self.shared_versions(), *refs, 0]) + 1
-            self._write_shared(self.path / "shared", version, state, info)
+            SharedParts.write(self.path / "shared", version, state, info, _now())
             self._prune_shared()
             return version
-
-    def _prune_shared(self) -> None:
-        """Under the lock: delete shared versions that are neither among the newest ``keep``
-        nor referenced by a kept user version (read from the committed index)."""
-        refs = self._query(lambda idx: idx.shared_refs())
-        for v, snap in snapshot_dirs(self.path / "shared")[:-self.keep]:
-            if v not in refs:
-                shutil.rmtree(snap, ignore_errors=True)
-
-    def _shared_version(self, version: int) -> SavedShared | str:
-        """Shared ``version`` restored, or why it does not load. The newest few restored are
-        cached (a version never changes once written)."""
-        if version in self._shared:
-            self._shared.move_to_end(version)
-            return self._shared[version]
-        got = restore_shared(self.path / "shared" / vname(version))
-        if isinstance(got, str):
-            self._shared_checked[version] = problem(got)
-            return got
-        self._shared_checked[version] = None
-        self._shared[version] = SavedShared(_read_only(got[0]), got[1], version)
-        while len(self._shared) > SHARED_CACHE:
-            self._shared.popitem(last=False)
-        return self._shared[version]
-
-    def _shared_problem(self, version: int) -> str | None:
-        """What is wrong with shared ``version`` (``missing``, ``damaged (...)``; None: it
-        verifies). Checked once per store object, by checksums, without decoding it."""
-        if version not in self._shared_checked:
-            reason = verify_snapshot(self.path / "shared" / vname(version), cname(0))
-            self._shared_checked[version] = None if reason is None else problem(reason)
-        return self._shared_checked[version]
 
     def shared_state(self, version: int | None = None) -> SavedShared:
         """Shared ``version``, or the newest shared version that loads (older ones used with
         a :class:`PolicyRestoreWarning`): its state, info, version and the versions skipped.
         The arrays are shared with later calls: read-only."""
-        if version is not None:
-            got = self._shared_version(version)
-            if isinstance(got, str):
-                raise InputError(f"shared version {version} is {problem(got)}", where=str(self.path))
-            return got
-        skipped = []
-        for v in reversed(self.shared_versions()):
-            got = self._shared_version(v)
-            if isinstance(got, str):
-                skipped.append(Skip(v, f"is {problem(got)}"))
-                continue
-            if skipped:
-                warnings.warn(PolicyRestoreWarning(str(self.path), None, v, skipped), stacklevel=2)
-            return got._replace(skipped=tuple(skipped))
-        raise InputError("no shared version loads" + (f": {skips_text(skipped)}" if skipped else ""),
-                         where=str(self.path))
+        return self._shared.state(version)
 
     # ---- users
 
@@ -597,17 +448,15 @@ class PolicyStore:
         specs, stacked = {}, {}
         for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
             specs[p], stacked[p] = encode_tree(t, batch=len(user_ids), where=f"save {p}")
-        with self.writer(), self._writer_index() as idx:
+        with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
             if shared_version is not None and shared_version not in self.shared_versions():
                 raise InputError(f"shared version {shared_version} does not exist (on disk: "
                                  f"{self.shared_versions()})", where=str(self.path))
             gens = self.path / "gens"
-            existing = snapshot_dirs(gens)
-            version = max(idx.next_version(), (existing[-1][0] + 1) if existing else 1)
+            version = next_version(gens, idx.next_version())
             saved_at = _now()
-            head = {"version": version, "saved_at": saved_at, "shared_version": shared_version, "spec": specs,
-                    "row_bytes": row_bytes(specs)}
-            placed = self._write_snapshot(gens / vname(version), head, user_ids, stacked, infos,
+            head = {"version": version, "saved_at": saved_at, "shared_version": shared_version}
+            placed = self._write_snapshot(gens / vname(version), head, user_ids, specs, stacked, infos,
                                           chunk_size or self.chunk_size)
             try:
                 dead = idx.commit_version(version, saved_at, placed, keep=self.keep, shared_version=shared_version)
@@ -621,11 +470,11 @@ class PolicyStore:
             self._prune_shared()
             return version
 
-    def _write_snapshot(self, dest: Path, head: dict, uids: list[str], stacked: dict, infos: list[dict],
-                        size: int | None) -> list[tuple[str, int, int]]:
+    def _write_snapshot(self, dest: Path, head: dict, uids: list[str], specs: dict, stacked: dict,
+                        infos: list[dict], size: int | None) -> list[tuple[str, int, int]]:
         """Write snapshot ``dest`` (atomically): chunks of ``size`` users, else of about
         ``chunk_bytes`` each, in equal chunks. Returns the ``(user, chunk, row)`` placements."""
-        per = size or users_per_chunk(head["spec"], self.chunk_bytes, MAX_CHUNK_USERS)
+        per = size or users_per_chunk(specs, self.chunk_bytes, MAX_CHUNK_USERS)
         if size:
             cuts = list(range(0, len(uids), size)) + [len(uids)]
         else:
@@ -634,8 +483,8 @@ class PolicyStore:
         placed = []
         with atomic_dir(dest, overwrite=False) as tmp:
             for n, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
-                write_chunk(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi]},
-                            {p: [a[lo:hi] for a in stacked[p]] for p in USER_PARTS})
+                write_rows(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi]},
+                           specs, {p: [a[lo:hi] for a in stacked[p]] for p in USER_PARTS}, hi - lo)
                 placed += [(uid, n, row) for row, uid in enumerate(uids[lo:hi])]
         return placed
 
@@ -662,11 +511,6 @@ class PolicyStore:
         starts every user where the interrupted one did, whatever it saved since; a user
         whose every such version was pruned is an error."""
         return self._load(user_ids, None, missing_ok=True, before=before)
-
-    def next_version(self) -> int:
-        """The version number the next :meth:`save` will take (every saved one is below it)."""
-        existing = snapshot_dirs(self.path / "gens")
-        return max(self._query(lambda idx: idx.next_version()), (existing[-1][0] + 1) if existing else 1)
 
     def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool,
               before: int | None = None) -> SavedBatch:
@@ -700,7 +544,7 @@ class PolicyStore:
             raise InputError(f"no saved policy for user {missing[0]!r} (known users: {self.n_users()})",
                              where=str(self.path))
         found = [u for u in ids if entries[u]]
-        shared = self._shared_problem if self.paired else None
+        shared = self._shared.problem if self.paired else None
         got = restore_users(self.path / "gens", found, entries, shared_problem=shared)
         if None in got.picked:  # a writer may have replaced versions meanwhile: re-read once
             fresh = candidates()

@@ -1,0 +1,152 @@
+"""What a user waits for at the command line: each verb of the README walkthrough, run
+twice as separate processes from a cold compilation cache.
+
+    python benchmarks/cli_latency.py --json benchmarks/results/cli_latency.json
+
+The walkthrough (``examples/``, 12 users): ``embed`` the chat histories, ``replay`` day 1
+(scope hybrid) and day 2, ``rerank`` the requests, ``evaluate`` day 3. For every verb, in
+each repeat: a new, empty compilation cache (``JAX_COMPILATION_CACHE_DIR``), then the
+verb's command once (**first**: compiles and fills the cache) and once more (**second**:
+loads what the first compiled), each from the same inputs (the policies are put back as
+the previous step of the walkthrough left them), so the two runs do the same work and
+only the cache differs. The embedding cache is warm for both (an untimed run embeds every
+text first): embedding is the embedding cache's business, not the compiler's.
+``rmm-jax version`` (importing rmm-jax and JAX, compiling nothing) is timed beside them:
+the floor every command pays.
+
+Reported per verb: wall seconds of each run and the per-repeat ratio second / first,
+median [min, max] over ``--repeats`` interleaved repeats, with the 1-minute load average
+(``load.noisy``: some sample above 2.5, so the ratios are contended). Target: every
+second run takes at most 0.5 times the first.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, HelpFormatter, LoadWatch, spread, write_result
+
+TARGET = 0.5
+# (name, arguments, exit codes that mean success, what must be reset before each run)
+WALK = [
+    ("embed", ["embed", "jsonl:examples/chat_history.jsonl", "--out", "stores/timed"], (0,), "timed_store"),
+    ("replay day 1", ["replay", "stores/mine", "--log", "examples/calls_day1.jsonl", "--policies", "policies",
+                      "--scope", "hybrid", "--k", "8", "--m", "3"], (0,), "no_policies"),
+    ("replay day 2", ["replay", "stores/mine", "--log", "examples/calls_day2.jsonl", "--policies", "policies",
+                      "--k", "8", "--m", "3"], (0,), "after_day1"),
+    ("rerank", ["rerank", "stores/mine", "--policies", "policies", "--calls", "examples/requests.jsonl", "--m", "3",
+                "--out", "ranked.jsonl"], (0,), "after_day2"),
+    ("evaluate", ["evaluate", "stores/mine", "--log", "examples/calls_day3.jsonl", "--policies", "policies",
+                  "--k", "8", "--m", "3"], (0, 3), "after_day2"),
+]
+
+
+def rmm_jax_command() -> list[str]:
+    """The console script users run (beside this interpreter), else the module."""
+    script = Path(sys.executable).parent / "rmm-jax"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
+
+
+class Walkthrough:
+    """A scratch copy of the examples with the stores each step starts from."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("*.py"))
+        self.env = {**os.environ, "RMM_JAX_CACHE": str(root / "embeddings"), "XDG_CACHE_HOME": str(root / "xdg"),
+                    "HF_HUB_OFFLINE": "1"}
+        self.env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        self.env.pop("RMM_JAX_COMPILE_CACHE", None)
+
+    def run(self, args: list[str], ok=(0,), cache: Path | None = None) -> float:
+        """Wall seconds of one ``rmm-jax`` process (``cache``: its compilation cache; None: off)."""
+        env = {**self.env, **({"JAX_COMPILATION_CACHE_DIR": str(cache)} if cache else {"RMM_JAX_COMPILE_CACHE": "0"})}
+        t = time.perf_counter()
+        r = subprocess.run(rmm_jax_command() + args, cwd=self.root, env=env, capture_output=True, text=True)
+        took = time.perf_counter() - t
+        if r.returncode not in ok:
+            sys.exit(f"error: rmm-jax {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}")
+        return took
+
+    def prepare(self) -> None:
+        """Untimed, without a compilation cache: the store, every text embedded, the policies
+        after day 1 and after day 2."""
+        self.run(WALK[0][1][:2] + ["--out", "stores/mine"])
+        self.run(WALK[1][1])
+        shutil.copytree(self.root / "policies", self.root / "policies_day1")
+        self.run(WALK[2][1])
+        shutil.copytree(self.root / "policies", self.root / "policies_day2")
+        self.run(WALK[3][1])                                   # embeds the requests' texts
+
+    def reset(self, state: str) -> None:
+        """Put back what the verb starts from."""
+        for p in ("stores/timed", "policies", "ranked.jsonl"):
+            path = self.root / p
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        if state == "after_day1":
+            shutil.copytree(self.root / "policies_day1", self.root / "policies")
+        elif state == "after_day2":
+            shutil.copytree(self.root / "policies_day2", self.root / "policies")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median, min, max)")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="rmm-cli-latency-"))
+    try:
+        walk = Walkthrough(root)
+        print("preparing the walkthrough (untimed) ...", file=sys.stderr, flush=True)
+        walk.prepare()
+        watch = LoadWatch()
+        times = {name: {"first": [], "second": []} for name, *_ in WALK}
+        floor = []
+        for rep in range(args.repeats):
+            order = WALK if rep % 2 == 0 else WALK[::-1]
+            for name, cmd, ok, state in order:
+                cache = root / f"jax-{rep}-{len(times[name]['first'])}-{name.replace(' ', '_')}"
+                for which in ("first", "second"):
+                    walk.reset(state)
+                    times[name][which].append(walk.run(cmd, ok, cache))
+                print(f"repeat {rep} {name}: first {times[name]['first'][-1]:.2f} s, second "
+                      f"{times[name]['second'][-1]:.2f} s (load {watch.sample():.2f})", file=sys.stderr, flush=True)
+            floor.append(walk.run(["version"], cache=root / "jax-version"))
+        load = watch.result()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    verbs = {}
+    for name, cmd, _, _ in WALK:
+        t = times[name]
+        verbs[name] = {"command": "rmm-jax " + " ".join(cmd), "first_s": spread(t["first"]),
+                       "second_s": spread(t["second"]),
+                       "second_over_first": spread([b / a for a, b in zip(t["first"], t["second"])])}
+    targets = [{"name": f"{name}: second run / first run (median)", "value": v["second_over_first"]["median"],
+                "target": f"<= {TARGET}", "pass": v["second_over_first"]["median"] <= TARGET}
+               for name, v in verbs.items()]
+    out = {"verbs": verbs, "version_s": spread(floor), "repeats": args.repeats, "load": load, "targets": targets}
+    print(f"{'verb':<14}{'first s':>10}{'second s':>10}{'second/first':>24}")
+    for name, v in verbs.items():
+        r = v["second_over_first"]
+        print(f"{name:<14}{v['first_s']['median']:>10.2f}{v['second_s']['median']:>10.2f}"
+              f"{r['median']:>10.2f} [{r['min']:.2f}, {r['max']:.2f}]")
+    print(f"rmm-jax version (import floor): {spread(floor)['median']:.2f} s; load {load['max']:.2f}"
+          + (" (noisy)" if load["noisy"] else ""))
+    for t in targets:
+        print(f"  {'PASS' if t['pass'] else 'MISS'}  {t['name']}: {t['value']:.2f} (target {t['target']})")
+    if args.json:
+        write_result(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

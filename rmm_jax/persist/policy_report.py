@@ -1,0 +1,72 @@
+"""What a policy store holds, as a person reads it: users with their versions and newest
+info, and bytes on disk per user and for the shared part (``rmm-jax policies``). Nothing
+here verifies or decodes a policy; loading is :mod:`rmm_jax.persist.policy_restore`'s job.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from rmm_jax.errors import InputError
+from rmm_jax.persist.policy_index import Entry, PolicyIndex
+from rmm_jax.persist.policy_snapshot import chunk_array_bytes, cname, read_chunk_meta, row_bytes, shared_meta, vname
+
+
+def listing(idx: PolicyIndex, gens: Path,
+            users: Sequence[str] | None = None) -> Iterator[tuple[str, list[Entry], dict]]:
+    """``(user, entries, info)`` for every user of index ``idx`` (sorted) or for the stored
+    ones of ``users`` (in that order); the info is the newest version's (unverified). Each
+    chunk.json is read once."""
+    metas: dict[tuple[int, int], list | None] = {}
+
+    def info_of(e: Entry) -> dict:
+        key = (e.version, e.chunk)
+        if key not in metas:
+            try:
+                metas[key] = read_chunk_meta(gens / vname(e.version), cname(e.chunk))["info"]
+            except (OSError, ValueError, KeyError, TypeError):
+                metas[key] = None
+        try:
+            return dict(metas[key][e.row])
+        except (TypeError, IndexError, ValueError):
+            return {}
+
+    if users is not None:
+        found = idx.entries(users)
+        yield from ((u, found[u], info_of(found[u][-1])) for u in users if found[u])
+        return
+    user, entries = None, []
+    for uid, e in idx.all_entries():
+        if uid != user and entries:
+            yield user, entries, info_of(entries[-1])
+            entries = []
+        user = uid
+        entries.append(e)
+    if entries:
+        yield user, entries, info_of(entries[-1])
+
+
+def user_bytes(gens: Path, e: Entry) -> dict:
+    """On-disk size of entry ``e``: its row's share of its chunk's array file. Returns
+    ``{version, chunk, row, users_in_chunk, chunk_bytes, bytes, array_bytes}``
+    (``array_bytes``: the row's raw array bytes)."""
+    snap = gens / vname(e.version)
+    try:
+        meta = read_chunk_meta(snap, cname(e.chunk))
+        n, raw = len(meta["users"]), row_bytes(meta["spec"])
+    except (OSError, ValueError, KeyError, TypeError) as ex:
+        raise InputError(f"cannot read chunk {cname(e.chunk)} of version {e.version} ({type(ex).__name__})",
+                         where=str(snap)) from None
+    total = chunk_array_bytes(snap, cname(e.chunk))
+    return {"version": e.version, "chunk": cname(e.chunk), "row": e.row, "users_in_chunk": n,
+            "chunk_bytes": total, "bytes": round(total / max(n, 1)), "array_bytes": raw}
+
+
+def shared_bytes(snap: Path, version: int) -> dict:
+    """On-disk size of shared snapshot ``snap``: ``{version, bytes, array_bytes}``
+    (``array_bytes``: raw params + optimiser-state bytes)."""
+    try:
+        raw = row_bytes(shared_meta(snap)["spec"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raw = None
+    return {"version": version, "bytes": chunk_array_bytes(snap, cname(0)), "array_bytes": raw}

@@ -1,0 +1,144 @@
+"""Which saved versions a policy store holds, and which go: the index with its fallback
+and rebuild, what a killed writer left, and garbage collection.
+
+The index (:mod:`rmm_jax.persist.policy_index`) is the truth about versions. When
+``index.sqlite`` is missing or corrupt it is rebuilt from the snapshots' ``chunk.json``
+files (or a format-1 store's ``index.json``, :mod:`rmm_jax.persist.policy_format1`): in
+memory by a reader (:class:`IndexReader`, which never writes), on disk by the writer
+(:func:`writer_index`). Directories are deleted only after the commit that stops
+referencing them (:func:`drop_unindexed`, :func:`prune_shared`).
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from pathlib import Path
+
+from rmm_jax.persist import policy_format1
+from rmm_jax.persist.atomic import leftovers
+from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
+from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records
+
+INDEX_DB = "index.sqlite"
+
+
+def build_index(store: Path, header: dict, keep: int, path: Path | None) -> PolicyIndex:
+    """An index of store ``store`` from its format-1 ``index.json`` or else from its
+    snapshots, at ``path`` (replacing the file) or in memory (None)."""
+    snaps = snapshot_dirs(store / "gens")
+    top = (snaps[-1][0] + 1) if snaps else 1
+    legacy = policy_format1.index_records(store, header)
+    if legacy is not None:
+        return PolicyIndex.build(path, legacy[0], keep=keep, next_version=max(legacy[1], top))
+    return PolicyIndex.build(path, snapshot_records(store / "gens"), keep=keep, next_version=top)
+
+
+class IndexReader:
+    """Read-only queries on a store's index; an index rebuilt in memory while the file is
+    missing or corrupt, cached until the snapshots or ``index.json`` change.
+
+    The read-only connection stays open between queries (opening one costs more than an
+    indexed lookup), one per thread, for as long as the file is the same file: a rebuild
+    replaces it under a new inode, and the next query opens that. An open connection
+    sees every commit (SQLite checks at the start of each read)."""
+
+    def __init__(self, store: Path):
+        self.store = store
+        self._fallback: tuple[object, PolicyIndex] | None = None
+        self._open = threading.local()
+
+    def query(self, fn, header: dict, keep: int):
+        """``fn(index)`` on index.sqlite, or on the in-memory rebuild."""
+        try:
+            return fn(self._connection())
+        except IndexUnavailable:
+            self._close()
+            return fn(self._rebuilt(header, keep))
+
+    def _connection(self) -> PolicyIndex:
+        path = self.store / INDEX_DB
+        try:
+            st = path.stat()
+        except OSError:
+            raise IndexUnavailable(f"{path}: missing") from None
+        held = getattr(self._open, "held", None)
+        if held is not None and held[0] == (st.st_dev, st.st_ino):
+            return held[1]
+        self._close()
+        idx = PolicyIndex.open(path)
+        self._open.held = ((st.st_dev, st.st_ino), idx)
+        return idx
+
+    def _close(self) -> None:
+        held = getattr(self._open, "held", None)
+        if held is not None:
+            held[1].close()
+            self._open.held = None
+
+    def _rebuilt(self, header: dict, keep: int) -> PolicyIndex:
+        gens = self.store / "gens"
+        key = (policy_format1.index_mtime(self.store), tuple(sorted(p.name for p in gens.iterdir()))
+               if gens.is_dir() else ())
+        if self._fallback is None or self._fallback[0] != key:
+            if self._fallback is not None:
+                self._fallback[1].close()
+            self._fallback = (key, build_index(self.store, header, keep, None))
+        return self._fallback[1]
+
+
+@contextlib.contextmanager
+def writer_index(store: Path, header: dict, keep: int, rebuild: bool = False):
+    """The writable index (call under the writer's lock), rebuilt first if missing or
+    corrupt (or if ``rebuild``)."""
+    idx = None
+    if not rebuild:
+        with contextlib.suppress(IndexUnavailable):
+            idx = PolicyIndex.open(store / INDEX_DB, readonly=False)
+    if idx is None:
+        idx = build_index(store, header, keep, store / INDEX_DB)
+    try:
+        yield idx
+    finally:
+        idx.close()
+
+
+def live_versions(store: Path, header: dict, keep: int) -> set[int]:
+    """The versions the (writable, repaired if need be) index keeps."""
+    try:
+        with writer_index(store, header, keep) as idx:
+            return set(idx.live_versions())
+    except IndexUnavailable:  # opened, but corrupt further in
+        with writer_index(store, header, keep, rebuild=True) as idx:
+            return set(idx.live_versions())
+
+
+def remove_leftovers(store: Path) -> None:
+    """Temp dirs and files that killed writers left (call under the writer's lock)."""
+    for sub in (store, store / "gens", store / "shared"):
+        for p in leftovers(sub):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def drop_unindexed(gens: Path, live: set[int]) -> None:
+    """Delete the snapshots under ``gens`` that no kept user version is in."""
+    for v, snap in snapshot_dirs(gens):
+        if v not in live:
+            shutil.rmtree(snap, ignore_errors=True)
+
+
+def prune_shared(shared: Path, refs: set[int], keep: int) -> None:
+    """Delete the shared versions under ``shared`` that are neither among the newest
+    ``keep`` nor referenced (``refs``, read from the committed index)."""
+    for v, snap in snapshot_dirs(shared)[:-keep]:
+        if v not in refs:
+            shutil.rmtree(snap, ignore_errors=True)
+
+
+def next_version(gens: Path, indexed_next: int) -> int:
+    """The number the next save takes: above the index's and above every snapshot on disk."""
+    existing = snapshot_dirs(gens)
+    return max(indexed_next, (existing[-1][0] + 1) if existing else 1)

@@ -1,0 +1,56 @@
+"""The persistent compilation cache every verb sets up: where it lives, the switch, and
+that a second process loads what the first compiled."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from rmm_jax.cli import main as cli_main
+from rmm_jax.online import compile_cache
+
+# One small program, compiled in a fresh process after setup(); JAX logs its cache hits.
+PROG = """
+import jax, jax.numpy as jnp
+from rmm_jax.online.compile_cache import setup
+print("dir", setup())
+jax.config.update("jax_log_compiles", True)
+print(jax.jit(lambda x: jnp.tanh(x) @ x.T + 1.0)(jnp.ones((7, 5))).sum())
+"""
+
+
+def run(env_over: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.ENV, "XDG_CACHE_HOME")}
+    return subprocess.run([sys.executable, "-c", PROG], env={**env, **env_over}, capture_output=True, text=True,
+                          check=True, timeout=120)
+
+
+def test_second_process_loads_what_the_first_compiled(tmp_path):
+    xdg = tmp_path / "xdg"
+    first = run({"XDG_CACHE_HOME": str(xdg)})
+    where = xdg / "rmm-jax" / "jax"
+    assert f"dir {where}" in first.stdout
+    assert any(where.iterdir()) and "cache hit" not in first.stderr
+    second = run({"XDG_CACHE_HOME": str(xdg)})
+    assert "Persistent compilation cache hit" in second.stderr
+    # switched off: the user's own JAX directory is left alone, nothing is read or written
+    own = tmp_path / "own"
+    off = run({"XDG_CACHE_HOME": str(xdg), "JAX_COMPILATION_CACHE_DIR": str(own), compile_cache.ENV: "0"})
+    assert "dir None" in off.stdout and not own.exists() and "cache hit" not in off.stderr
+
+
+def test_a_directory_the_user_gave_jax_is_kept():
+    given = os.environ["JAX_COMPILATION_CACHE_DIR"]          # tests/conftest.py sets the suite's
+    assert compile_cache.setup() == Path(given)
+    assert compile_cache.default_dir({}) == Path.home() / ".cache" / "rmm-jax" / "jax"
+
+
+def test_every_verb_sets_it_up_first(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli_main, "setup_compile_cache", calls.append)
+    runner = CliRunner()
+    assert runner.invoke(cli_main.cli, ["version"]).exit_code == 0
+    assert runner.invoke(cli_main.cli, ["--no-compile-cache", "version"]).exit_code == 0
+    assert calls == [True, False]
