@@ -201,6 +201,10 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
                    updated=jnp.any(x.present, axis=-1))
         return LoopState(users, shared), out
 
+    # Traced once: the output shapes and both batch loops below call it with the same shapes
+    # (a command's second run still traces what the compilation cache then loads).
+    step = jax.jit(step)
+
     def run_group(state: LoopState, data: ChunkData, start, n_batches: int | None):
         bank = data.bank                                                 # (U, N, d)
         n_total = data.q.shape[1] // b
