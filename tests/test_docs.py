@@ -137,6 +137,14 @@ class Workspace:
             raise AssertionError(f"{name(block)}: the output lacks, in order, {missing[0]!r}\n{text}\n"
                                  f"--- output (tail) ---\n{out[-TAIL:]}")
 
+    def _python(self, block: Block) -> None:
+        here = os.getcwd()
+        os.chdir(self.root)
+        try:
+            exec(compile(block.text, name(block), "exec"), {"__name__": "__docs__"})
+        finally:
+            os.chdir(here)
+
 
 def expected_output(block_text: str) -> tuple[str, list[str]]:
     """``(script, expected lines)`` of a console block: ``$ `` lines are commands (a command
@@ -172,14 +180,6 @@ def missing_lines(want: list[str], output: str) -> list[str]:
             return want[n:]
         i += 1
     return []
-
-    def _python(self, block: Block) -> None:
-        here = os.getcwd()
-        os.chdir(self.root)
-        try:
-            exec(compile(block.text, name(block), "exec"), {"__name__": "__docs__"})
-        finally:
-            os.chdir(here)
 
 
 def test_console_output_is_checked_in_order_with_ellipses():
