@@ -114,15 +114,18 @@ def f32_error(fn, *args):
     test inputs stay away from ties). A primitive without a rule raises NotImplementedError.
     Matrix products are taken to run in float32 (CPU; on a GPU, TF32 would need its own u).
     """
-    closed = jax.make_jaxpr(fn)(*args)
-    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    key = str(closed.jaxpr)
+    if key not in _BOUND_PROGRAMS:                # one XLA program per computation, not one per operation
+        def bounds(consts, flat, jaxpr=closed.jaxpr):
+            outs = _run(jaxpr, [(c, _zeros_like(c)) for c in consts], [(x, _zeros_like(x)) for x in flat])
+            return [e if e is not None else jax.numpy.zeros(np.shape(v), np.float32) for v, e in outs]
+        _BOUND_PROGRAMS[key] = jax.jit(bounds)
+    errs = _BOUND_PROGRAMS[key](closed.consts, jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), [np.asarray(e, np.float64) for e in errs])
 
-    def bounds(consts, flat):                    # compiled once: one XLA program, not one per operation
-        outs = _run(closed.jaxpr, [(c, _zeros_like(c)) for c in consts], [(x, _zeros_like(x)) for x in flat])
-        return [e if e is not None else jax.numpy.zeros(np.shape(v), np.float32) for v, e in outs]
 
-    errs = jax.jit(bounds)(closed.consts, jax.tree.leaves(args))
-    return jax.tree.unflatten(out_tree, [np.asarray(e, np.float64) for e in errs])
+_BOUND_PROGRAMS: dict = {}
 
 
 def assert_f32_close(got, want, bound, err_msg=""):
