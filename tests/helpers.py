@@ -224,7 +224,8 @@ def _rule(prim, params, vals, errs, outs):
         return [jnp.where(x != 0, jnp.abs(y * v / x), 0.0) * E[0] + jnp.abs(v * log_x) * ey
                 + ELEMENTARY * U32 * av * (1 + jnp.abs(y * log_x))]
     if name in _ELEMENTARY:
-        return [jnp.abs(_ELEMENTARY[name](vals[0], v)) * E[0] + ELEMENTARY * U32 * av]
+        slope = jnp.abs(_ELEMENTARY[name](jnp.asarray(vals[0]), v))
+        return [jnp.where(E[0] > 0, slope * E[0], 0.0) + ELEMENTARY * U32 * av]
     if name == "dot_general":
         (ca, cb), _ = params["dimension_numbers"]
         n = int(np.prod([np.shape(vals[0])[i] for i in ca])) if ca else 1
