@@ -111,21 +111,18 @@ def f32_error(fn, *args):
 
     A float literal carries its own representation error; integers, booleans, PRNG keys and
     comparisons carry none (a comparison is assumed to go the same way as in exact arithmetic, so
-    test inputs stay away from ties). A primitive without a rule raises NotImplementedError.
-    Matrix products are taken to run in float32 (CPU; on a GPU, TF32 would need its own u).
+    test inputs stay away from ties). A primitive without a rule, or control flow (cond, while,
+    scan), raises NotImplementedError. Matrix products are taken to run in float32 (CPU; on a GPU,
+    TF32 would need its own u).
+
+    The jaxpr is evaluated in NumPy (values in float32, as the program computes them; bounds in
+    float64), without compiling anything: JAX itself evaluates only what NumPy lacks (gather,
+    scatter, sort, PRNG), one small cached program per shape.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    key = str(closed.jaxpr)
-    if key not in _BOUND_PROGRAMS:                # one XLA program per computation, not one per operation
-        def bounds(consts, flat, jaxpr=closed.jaxpr):
-            outs = _run(jaxpr, [(c, _zeros_like(c)) for c in consts], [(x, _zeros_like(x)) for x in flat])
-            return [e if e is not None else jax.numpy.zeros(np.shape(v), np.float32) for v, e in outs]
-        _BOUND_PROGRAMS[key] = jax.jit(bounds)
-    errs = _BOUND_PROGRAMS[key](closed.consts, jax.tree.leaves(args))
-    return jax.tree.unflatten(jax.tree.structure(out_shape), [np.asarray(e, np.float64) for e in errs])
-
-
-_BOUND_PROGRAMS: dict = {}
+    outs = _propagate(closed.jaxpr, [_exact(c) for c in closed.consts], [_exact(x) for x in jax.tree.leaves(args)])
+    return jax.tree.unflatten(jax.tree.structure(out_shape),
+                              [e if e is not None else np.zeros(np.shape(v)) for v, e in outs])
 
 
 def assert_f32_close(got, want, bound, err_msg=""):
@@ -151,8 +148,11 @@ def _is_float(x) -> bool:
     return jax.numpy.issubdtype(dtype, jax.numpy.floating)
 
 
-def _zeros_like(x):
-    return jax.numpy.zeros(np.shape(x), np.float32) if _is_float(x) else None
+def _exact(x):
+    """An input's (value, bound): inputs are exactly what they are (PRNG keys stay JAX arrays)."""
+    is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    v = x if is_key else np.asarray(x)
+    return v, (np.zeros(np.shape(v)) if _is_float(v) else None)
 
 
 def _sub_jaxpr(params):
@@ -163,164 +163,302 @@ def _sub_jaxpr(params):
     return None
 
 
-# Primitives that only move, copy or pick values: applied to the bounds as to the values.
-_STRUCTURAL = {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
-               "dynamic_update_slice", "concatenate", "pad", "rev", "gather", "copy", "copy_p", "neg", "abs",
-               "stop_gradient", "scatter", "split", "real", "optimization_barrier"}
+_CONTROL = ("cond", "while", "scan")
+
+
+def _propagate(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` on (value, bound) pairs."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+    def read(var):
+        if isinstance(var, jax.extend.core.Literal):
+            x = np.asarray(var.val, var.aval.dtype)
+            if not _is_float(x):
+                return x, None
+            exact = float(np.asarray(var.val, np.float64))          # a literal's own rounding to float32
+            return x, np.asarray(abs(exact - float(x)) if np.isfinite(exact) else 0.0)
+        return env[var]
+
+    for eqn in jaxpr.eqns:
+        prim, params = eqn.primitive, eqn.params
+        if prim.name in _CONTROL:
+            raise NotImplementedError(f"f32_error does not follow control flow ({prim.name})")
+        pairs = [read(v) for v in eqn.invars]
+        vals = [p[0] for p in pairs]
+        sub = _sub_jaxpr(params)
+        if sub is not None:
+            out = _propagate(sub[0], [_exact(c) for c in sub[1]], pairs)
+        else:
+            res = _evaluate(prim, params, vals)
+            where_from = [_WHERE_FROM[prim.name](prim, params, vals)] if prim.name in _WHERE_FROM else []
+            errs = _rule(prim, params, vals, [p[1] for p in pairs], res + where_from)
+            # an infinite result (a masked score) is infinite in exact arithmetic too: no error
+            out = [(r, e if e is None else np.where(np.isfinite(r), e, 0.0)) for r, e in zip(res, errs)]
+        env.update(zip(eqn.outvars, out))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _evaluate(prim, params, vals):
+    """The primitive's outputs (a list): in NumPy where :data:`_NUMPY` has it, else by JAX."""
+    if prim.name in _NUMPY:
+        with np.errstate(all="ignore"):
+            res = _NUMPY[prim.name](params, *vals)
+        return [np.asarray(r) for r in res] if prim.multiple_results else [np.asarray(res)]
+    res = prim.bind(*vals, **params)
+    res = list(res) if prim.multiple_results else [res]
+    return [r if jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key) else np.asarray(r) for r in res]
+
+
+def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
+    dims = list(broadcast_dimensions)
+    return np.broadcast_to(np.reshape(x, [x.shape[dims.index(i)] if i in dims else 1 for i in range(len(shape))]),
+                           shape)
+
+
+def _slice(x, start_indices, limit_indices, strides, **_):
+    return x[tuple(slice(a, b, c) for a, b, c in zip(start_indices, limit_indices, strides or [1] * x.ndim))]
+
+
+def _pad(x, value, padding_config, **_):
+    if any(lo < 0 or hi < 0 for lo, hi, _i in padding_config):
+        raise NotImplementedError("f32_error: negative padding")
+    shape = [lo + hi + n + max(n - 1, 0) * i for n, (lo, hi, i) in zip(x.shape, padding_config)]
+    out = np.full(shape, value, np.result_type(x, value))
+    out[tuple(slice(lo, lo + n + max(n - 1, 0) * i, i + 1) for n, (lo, _h, i) in zip(x.shape, padding_config))] = x
+    return out
+
+
+def _dot_general(a, b, dimension_numbers, **_):
+    (lc, rc), (lb, rb) = dimension_numbers
+    names = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    sa, sb = [None] * a.ndim, [None] * b.ndim
+    for i, j in [*zip(lb, rb), *zip(lc, rc)]:
+        sa[i] = sb[j] = next(names)
+    sa = [c or next(names) for c in sa]
+    sb = [c or next(names) for c in sb]
+    out = [sa[i] for i in lb] + [sa[i] for i in range(a.ndim) if i not in (*lb, *lc)] \
+        + [sb[j] for j in range(b.ndim) if j not in (*rb, *rc)]
+    return np.einsum(f"{''.join(sa)},{''.join(sb)}->{''.join(out)}", a, b)
+
+
+def _cumulative(op, x, axis, reverse, **_):
+    x = np.flip(x, axis) if reverse else x
+    y = op.accumulate(x, axis=axis)
+    return np.flip(y, axis) if reverse else y
+
+
+# Primitives that only move, copy or pick values: applied to the bounds as to the values (NumPy).
+_MOVES = {
+    "broadcast_in_dim": lambda p, x: _broadcast_in_dim(x[0], **p),
+    "reshape": lambda p, x: np.reshape(x[0], p["new_sizes"]),
+    "transpose": lambda p, x: np.transpose(x[0], p["permutation"]),
+    "squeeze": lambda p, x: np.squeeze(x[0], axis=tuple(p["dimensions"])),
+    "expand_dims": lambda p, x: np.expand_dims(x[0], tuple(p["dimensions"])),
+    "slice": lambda p, x: _slice(x[0], **p),
+    "concatenate": lambda p, x: np.concatenate(x, axis=p["dimension"]),
+    "pad": lambda p, x: _pad(x[0], x[1], **p),
+    "rev": lambda p, x: np.flip(x[0], tuple(p["dimensions"])),
+    "split": lambda p, x: np.split(x[0], np.cumsum(p["sizes"])[:-1], axis=p["axis"]),
+    **{name: (lambda p, x: x[0]) for name in ("copy", "copy_p", "stop_gradient", "optimization_barrier")},
+}
+
+
+def _flat_iota(shape):
+    """Each element's flat index, as float32 (exact below 2^24) so that linear maps can carry it."""
+    return jax.numpy.arange(int(np.prod(shape)), dtype=jax.numpy.float32).reshape(shape)
+
+
+def _gather_sources(prim, params, ins):
+    """For each gathered element, the flat index of the operand element it came from (−1: filled)."""
+    p = {**params, "fill_value": -1} if "fill_value" in params else params
+    return prim.bind(_flat_iota(np.shape(ins[0])), ins[1], **p)
+
+
+def _scatter_add_targets(prim, params, ins):
+    """For each update, the flat index of the operand element it is added to: the transpose of
+    scatter-add (a gather, as in JAX's own transpose rule) applied to the flat indices."""
+    operand, indices, updates = ins
+    add = lambda u: prim.bind(jax.numpy.zeros(np.shape(operand), np.float32), indices, u, **params)
+    return jax.linear_transpose(add, jax.ShapeDtypeStruct(np.shape(updates), np.float32))(
+        _flat_iota(np.shape(operand)))[0]
+
+
+def _sort_permutation(prim, params, ins):
+    """Where each sorted element came from along the sorted dimension."""
+    dim = params["dimension"]
+    iota = jax.lax.broadcasted_iota(np.int32, np.shape(ins[0]), dim)
+    return prim.bind(*ins, iota, **params)[-1]
+
+
+# Moves whose index map is recorded in the compiled pass, then applied to the bounds in NumPy.
+_WHERE_FROM = {"gather": _gather_sources, "scatter-add": _scatter_add_targets, "sort": _sort_permutation}
+
+
+def _dynamic_starts(shape, sizes, starts):
+    """XLA clamps dynamic start indices into range."""
+    return [int(np.clip(int(s), 0, n - k)) for s, n, k in zip(starts, shape, sizes)]
+
+
+def _dynamic_slice(x, *starts, slice_sizes, **_):
+    begin = _dynamic_starts(x.shape, slice_sizes, starts)
+    return x[tuple(slice(b, b + k) for b, k in zip(begin, slice_sizes))]
+
+
+def _dynamic_update_slice(x, update, *starts, **_):
+    begin = _dynamic_starts(x.shape, update.shape, starts)
+    out = np.array(x, np.result_type(x, update))
+    out[tuple(slice(b, b + k) for b, k in zip(begin, update.shape))] = update
+    return out
+
+
+_MOVES["dynamic_slice"] = lambda p, x: _dynamic_slice(*x, **p)
+_MOVES["dynamic_update_slice"] = lambda p, x: _dynamic_update_slice(*x, **p)
+
+
+def _iota(dtype, shape, dimension, **_):
+    return np.broadcast_to(np.arange(shape[dimension], dtype=dtype).reshape(
+        [-1 if i == dimension else 1 for i in range(len(shape))]), shape)
+
+
+def _int_div(a, b):
+    if np.issubdtype(np.result_type(a, b), np.integer):          # XLA rounds toward zero
+        return (np.abs(a) // np.abs(b)) * np.sign(a) * np.sign(b)
+    return a / b
+
+
+def _cumulative_value(op, x, axis, reverse, **_):
+    return _cumulative(op, x, axis, reverse).astype(x.dtype)
+
+
+def _argmax(p, x, pick):
+    return pick(x, axis=p["axes"][0]).astype(p["index_dtype"])
+
+
+# The value of each primitive in NumPy (float32 stays float32). Anything else is run by JAX.
+_NUMPY = {
+    **{name: (lambda move: lambda p, *x: move(p, list(x)))(move) for name, move in _MOVES.items()},
+    "neg": lambda p, x: -x, "abs": lambda p, x: np.abs(x), "sign": lambda p, x: np.sign(x),
+    "add": lambda p, a, b: a + b, "add_any": lambda p, a, b: a + b, "sub": lambda p, a, b: a - b,
+    "mul": lambda p, a, b: a * b, "div": lambda p, a, b: _int_div(a, b), "rem": lambda p, a, b: np.fmod(a, b),
+    "max": lambda p, a, b: np.maximum(a, b), "min": lambda p, a, b: np.minimum(a, b),
+    "exp": lambda p, x: np.exp(x), "exp2": lambda p, x: np.exp2(x), "log": lambda p, x: np.log(x),
+    "log1p": lambda p, x: np.log1p(x), "expm1": lambda p, x: np.expm1(x),
+    "tanh": lambda p, x: np.tanh(x), "logistic": lambda p, x: (1 / (1 + np.exp(-x))).astype(x.dtype),
+    "sqrt": lambda p, x: np.sqrt(x), "rsqrt": lambda p, x: (1 / np.sqrt(x)).astype(x.dtype),
+    "square": lambda p, x: x * x, "integer_pow": lambda p, x: (x ** p["y"]).astype(x.dtype),
+    "pow": lambda p, a, b: np.power(a, b), "floor": lambda p, x: np.floor(x), "ceil": lambda p, x: np.ceil(x),
+    "round": lambda p, x: np.round(x), "is_finite": lambda p, x: np.isfinite(x),
+    "eq": lambda p, a, b: a == b, "ne": lambda p, a, b: a != b, "lt": lambda p, a, b: a < b,
+    "le": lambda p, a, b: a <= b, "gt": lambda p, a, b: a > b, "ge": lambda p, a, b: a >= b,
+    "and": lambda p, a, b: a & b, "or": lambda p, a, b: a | b, "xor": lambda p, a, b: a ^ b,
+    "not": lambda p, x: np.invert(x),
+    "select_n": lambda p, pred, *cases: np.choose(np.asarray(pred, np.int32), cases).astype(cases[0].dtype),
+    "clamp": lambda p, lo, x, hi: np.clip(x, lo, hi), "nextafter": lambda p, a, b: np.nextafter(a, b),
+    "convert_element_type": lambda p, x: x.astype(p["new_dtype"]),
+    "iota": lambda p: _iota(**p),
+    "dot_general": lambda p, a, b: _dot_general(a, b, **p).astype(np.result_type(a, b)),
+    "reduce_sum": lambda p, x: np.sum(x, axis=tuple(p["axes"]), dtype=x.dtype),
+    "reduce_max": lambda p, x: np.max(x, axis=tuple(p["axes"])),
+    "reduce_min": lambda p, x: np.min(x, axis=tuple(p["axes"])),
+    "reduce_and": lambda p, x: np.all(x, axis=tuple(p["axes"])),
+    "reduce_or": lambda p, x: np.any(x, axis=tuple(p["axes"])),
+    "argmax": lambda p, x: _argmax(p, x, np.argmax), "argmin": lambda p, x: _argmax(p, x, np.argmin),
+    "cumsum": lambda p, x: _cumulative_value(np.add, x, **p),
+    "cummax": lambda p, x: _cumulative_value(np.maximum, x, **p),
+    "cummin": lambda p, x: _cumulative_value(np.minimum, x, **p),
+    "cumlogsumexp": lambda p, x: _cumulative_value(np.logaddexp, x, **p),
+}
+
 _ELEMENTARY = {  # f'(a) in terms of (a, v = f(a)), for the |f'(a)| e_a term
     "exp": lambda a, v: v, "exp2": lambda a, v: v * np.log(2.0), "log": lambda a, v: 1 / a,
     "log1p": lambda a, v: 1 / (1 + a), "expm1": lambda a, v: v + 1, "tanh": lambda a, v: 1 - v * v,
-    "logistic": lambda a, v: v * (1 - v), "erf": lambda a, v: 2 / np.sqrt(np.pi) * jax.numpy.exp(-a * a),
-    "erf_inv": lambda a, v: np.sqrt(np.pi) / 2 * jax.numpy.exp(v * v), "rsqrt": lambda a, v: -0.5 * v ** 3,
+    "logistic": lambda a, v: v * (1 - v), "erf": lambda a, v: 2 / np.sqrt(np.pi) * np.exp(-a * a),
+    "erf_inv": lambda a, v: np.sqrt(np.pi) / 2 * np.exp(v * v), "rsqrt": lambda a, v: -0.5 * v ** 3,
 }
 
 
 def _rule(prim, params, vals, errs, outs):
     """The bounds of ``outs`` (a list) from the operands' values and bounds (see f32_error)."""
-    jnp = jax.numpy
     name = prim.name
-    if not any(_is_float(o) for o in outs):
-        return [None] * len(outs)                       # comparisons, integers, booleans, PRNG keys
-    A = [jnp.abs(v) if _is_float(v) else None for v in vals]
-    E = [e if e is not None or not _is_float(v) else jnp.zeros(np.shape(v), np.float32) for v, e in zip(vals, errs)]
-    v = outs[0]
-    av = jnp.abs(v) if _is_float(v) else None
-    if name in _STRUCTURAL:
-        if params.get("fill_value", 0) is None or name == "gather":
-            params = {**params, "fill_value": 0} if "fill_value" in params else params
-        res = prim.bind(*[e if e is not None else x for x, e in zip(vals, E)], **params)
-        res = list(res) if prim.multiple_results else [res]
-        return [jnp.abs(r) if _is_float(r) else None for r in res]
-    if name == "select_n":
-        if not _is_float(v):
-            return [None]
-        return [prim.bind(vals[0], *E[1:], **params)]
-    if name in ("add", "sub", "add_any"):
-        return [E[0] + E[1] + U32 * av]
-    if name == "mul":
-        return [A[0] * E[1] + A[1] * E[0] + U32 * av]
-    if name == "div":
-        return [(E[0] + av * E[1]) / A[1] + 2 * U32 * av]
-    if name in ("max", "min"):          # the operand picked, or either when rounding could swap them
-        sgn = 1 if name == "max" else -1
-        a, b = sgn * vals[0], sgn * vals[1]
-        return [jnp.where(a - E[0] >= b + E[1], E[0], jnp.where(b - E[1] >= a + E[0], E[1], jnp.maximum(E[0], E[1])))]
-    if name == "clamp":
-        return [jnp.maximum(jnp.maximum(E[0], E[1]), E[2])]
-    if name in ("sign", "floor", "ceil", "round", "iota", "bitcast_convert_type"):
-        return [jnp.zeros(np.shape(v), np.float32)]
-    if name == "sqrt":                   # sqrt(a + e) − sqrt(a) ≤ min(e / (2 sqrt a), sqrt e)
-        return [jnp.minimum(jnp.where(av > 0, E[0] / (2 * jnp.where(av > 0, av, 1.0)), jnp.inf), jnp.sqrt(E[0]))
-                + U32 * av]
-    if name == "square":
-        return [2 * A[0] * E[0] + U32 * av]
-    if name == "integer_pow":
-        y = params["y"]
-        return [abs(y) * A[0] ** (y - 1) * E[0] + (abs(y) + 2) * U32 * av]
-    if name == "pow":
-        x, y = vals
-        ey = E[1] if E[1] is not None else 0.0
-        log_x = jnp.where(A[0] > 0, jnp.log(A[0]), 0.0)
-        return [jnp.where(x != 0, jnp.abs(y * v / x), 0.0) * E[0] + jnp.abs(v * log_x) * ey
-                + ELEMENTARY * U32 * av * (1 + jnp.abs(y * log_x))]
-    if name in _ELEMENTARY:
-        slope = jnp.abs(_ELEMENTARY[name](jnp.asarray(vals[0]), v))
-        return [jnp.where(E[0] > 0, slope * E[0], 0.0) + ELEMENTARY * U32 * av]
-    if name == "dot_general":
-        (ca, cb), _ = params["dimension_numbers"]
-        n = int(np.prod([np.shape(vals[0])[i] for i in ca])) if ca else 1
-        p = {**params, "preferred_element_type": np.float32}
-        return [prim.bind(A[0], E[1], **p) + prim.bind(E[0], A[1], **p) + gamma(n) * prim.bind(A[0], A[1], **p)]
-    if name == "reduce_sum":
-        n = int(np.prod([np.shape(vals[0])[i] for i in params["axes"]]))
-        return [prim.bind(E[0], **params) + gamma(max(n - 1, 1)) * prim.bind(A[0], **params)]
-    if name in ("reduce_max", "reduce_min"):  # the largest bound among operands that could be the extreme
-        x = vals[0] if name == "reduce_max" else -vals[0]
-        ax = tuple(params["axes"])
-        low = jnp.max(x - E[0], axis=ax, keepdims=True)
-        return [jnp.max(jnp.where(x + E[0] >= low, E[0], 0.0), axis=ax)]
-    if name == "cumsum":
-        n = np.shape(vals[0])[params["axis"]]
-        return [prim.bind(E[0], **params) + gamma(max(n - 1, 1)) * prim.bind(A[0], **params)]
-    if name in ("cummax", "cummin"):
-        return [jax.lax.cummax_p.bind(E[0], **params)]
-    if name == "cumlogsumexp":
-        n = np.shape(vals[0])[params["axis"]]
-        return [jax.lax.cummax_p.bind(E[0], **params) + gamma(n + ELEMENTARY) + ELEMENTARY * U32 * av]
-    if name == "scatter-add":
-        k = max(int(np.size(vals[2])), 1)
-        res = prim.bind(E[0], vals[1], E[2], **params) + gamma(k) * prim.bind(A[0], vals[1], A[2], **params)
-        return [res]
-    if name == "sort":
-        nk = params["num_keys"]
-        fl = [i for i, x in enumerate(vals) if _is_float(x)]
-        res = prim.bind(*vals, *[E[i] for i in fl], **{**params, "num_keys": nk})
-        return [res[len(vals) + fl.index(i)] if i in fl else None for i in range(len(vals))]
-    if name == "top_k":
-        return [jnp.take_along_axis(E[0], outs[1], axis=-1), None]
-    if name == "convert_element_type":
-        if not _is_float(v):
-            return [None]
-        return [E[0] if _is_float(vals[0]) else U32 * av]
+    results = outs[:-1] if name in _WHERE_FROM else outs          # without the recorded index map
+    if not any(_is_float(o) for o in results):
+        return [None] * len(results)                    # comparisons, integers, booleans, PRNG keys
+    f64 = lambda x: np.asarray(x, np.float64)
+    A = [np.abs(f64(x)) if _is_float(x) else None for x in vals]
+    E = [(e if e is not None else np.zeros(np.shape(x))) if _is_float(x) else None for x, e in zip(vals, errs)]
+    v = f64(outs[0]) if _is_float(outs[0]) else None
+    av = None if v is None else np.abs(v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if name in ("neg", "abs"):
+            return [E[0]]
+        if name in _MOVES:
+            res = _MOVES[name](params, [e if e is not None else x for x, e in zip(vals, E)])
+            return [np.abs(f64(r)) for r in res] if prim.multiple_results else [np.abs(f64(res))]
+        if name == "gather":
+            src = np.asarray(outs[-1]).astype(np.int64)
+            return [np.where(src >= 0, E[0].ravel()[np.maximum(src, 0)], 0.0)]
+        if name == "sort":
+            perm, dim = np.asarray(outs[-1]), params["dimension"]
+            return [np.take_along_axis(e, perm, axis=dim) if e is not None else None for e in E][:len(results)]
+        if name == "top_k":
+            return [np.take_along_axis(E[0], np.asarray(outs[1]), axis=-1), None]
+        if name == "select_n":
+            return [np.choose(np.asarray(vals[0], int), E[1:])]
+        if name in ("add", "sub", "add_any"):
+            return [E[0] + E[1] + U32 * av]
+        if name == "mul":
+            return [A[0] * E[1] + A[1] * E[0] + U32 * av]
+        if name == "div":
+            return [np.where(E[0] + E[1] > 0, (E[0] + av * E[1]) / A[1], 0.0) + 2 * U32 * av]
+        if name in ("max", "min"):       # the operand picked, or either when rounding could swap them
+            a, b = (f64(vals[0]), f64(vals[1])) if name == "max" else (-f64(vals[0]), -f64(vals[1]))
+            return [np.where(a - E[0] >= b + E[1], E[0], np.where(b - E[1] >= a + E[0], E[1], np.maximum(E[0], E[1])))]
+        if name == "clamp":
+            return [np.maximum(np.maximum(E[0], E[1]), E[2])]
+        if name in ("sign", "floor", "ceil", "round", "iota", "bitcast_convert_type"):
+            return [np.zeros(np.shape(v))]
+        if name == "sqrt":               # sqrt(a + e) − sqrt(a) ≤ min(e / (2 sqrt a), sqrt e)
+            return [np.minimum(np.where(av > 0, E[0] / (2 * av), np.inf), np.sqrt(E[0])) + U32 * av]
+        if name == "square":
+            return [2 * A[0] * E[0] + U32 * av]
+        if name == "integer_pow":
+            y = params["y"]
+            return [np.where(E[0] > 0, abs(y) * A[0] ** (y - 1) * E[0], 0.0) + (abs(y) + 2) * U32 * av]
+        if name == "pow":
+            x, y = f64(vals[0]), f64(vals[1])
+            log_x = np.where(A[0] > 0, np.log(A[0]), 0.0)
+            ey = E[1] if E[1] is not None else 0.0
+            return [np.where(x != 0, np.abs(y * v / x), 0.0) * E[0] + np.abs(v * log_x) * ey
+                    + ELEMENTARY * U32 * av * (1 + np.abs(y * log_x))]
+        if name in _ELEMENTARY:
+            slope = np.abs(_ELEMENTARY[name](f64(vals[0]), v))
+            return [np.where(E[0] > 0, slope * E[0], 0.0) + ELEMENTARY * U32 * av]
+        if name == "dot_general":
+            (ca, _), _ = params["dimension_numbers"]
+            n = int(np.prod([np.shape(vals[0])[i] for i in ca])) if ca else 1
+            return [_dot_general(A[0], E[1], **params) + _dot_general(E[0], A[1], **params)
+                    + gamma(n) * _dot_general(A[0], A[1], **params)]
+        if name == "reduce_sum":
+            ax = tuple(params["axes"])
+            n = int(np.prod([np.shape(vals[0])[i] for i in ax]))
+            return [E[0].sum(axis=ax) + gamma(max(n - 1, 1)) * A[0].sum(axis=ax)]
+        if name in ("reduce_max", "reduce_min"):   # the largest bound among operands that could be the extreme
+            x, ax = (f64(vals[0]) if name == "reduce_max" else -f64(vals[0])), tuple(params["axes"])
+            low = np.max(x - E[0], axis=ax, keepdims=True)
+            return [np.max(np.where(x + E[0] >= low, E[0], 0.0), axis=ax)]
+        if name == "cumsum":
+            n = np.shape(vals[0])[params["axis"]]
+            return [_cumulative(np.add, E[0], **params) + gamma(max(n - 1, 1)) * _cumulative(np.add, A[0], **params)]
+        if name in ("cummax", "cummin"):
+            return [_cumulative(np.maximum, E[0], **params)]
+        if name == "cumlogsumexp":
+            n = np.shape(vals[0])[params["axis"]]
+            return [_cumulative(np.maximum, E[0], **params) + gamma(n + ELEMENTARY) + ELEMENTARY * U32 * av]
+        if name == "scatter-add":
+            tgt = np.asarray(outs[-1]).astype(np.int64).ravel()
+            size = int(np.prod(np.shape(vals[0])))
+            spread = lambda u: np.bincount(tgt, weights=u.ravel(), minlength=size).reshape(np.shape(vals[0]))
+            return [E[0] + spread(E[2]) + gamma(max(int(np.size(vals[2])), 1)) * (A[0] + spread(A[2]))]
+        if name == "convert_element_type":
+            return [E[0] if _is_float(vals[0]) else U32 * av]
     raise NotImplementedError(f"f32_error has no rule for the primitive {name!r}")
-
-
-def _run(jaxpr, consts, args):
-    """Evaluate ``jaxpr`` on (value, bound) pairs; returns the outputs' (value, bound) pairs."""
-    env = {}
-
-    def read(var):
-        if isinstance(var, jax.extend.core.Literal):
-            x = var.val
-            if _is_float(x):                     # a literal's own rounding to float32 (0 for ±inf)
-                exact = float(np.asarray(x, np.float64))
-                err = abs(exact - float(np.float32(x))) if np.isfinite(exact) else 0.0
-                return x, jax.numpy.asarray(err, np.float32)
-            return x, None
-        return env[var]
-
-    for var, pair in zip(jaxpr.constvars, consts):
-        env[var] = pair
-    for var, pair in zip(jaxpr.invars, args):
-        env[var] = pair
-    for eqn in jaxpr.eqns:
-        pairs = [read(v) for v in eqn.invars]
-        vals, errs = [p[0] for p in pairs], [p[1] for p in pairs]
-        name, params = eqn.primitive.name, eqn.params
-        if name in ("while", "scan", "cond"):
-            out = _control(name, params, pairs)
-        elif _sub_jaxpr(params) is not None:
-            inner, inner_consts = _sub_jaxpr(params)
-            out = _run(inner, [(c, _zeros_like(c)) for c in inner_consts], pairs)
-        else:
-            res = eqn.primitive.bind(*vals, **params)
-            res = list(res) if eqn.primitive.multiple_results else [res]
-            # an infinite result (a masked score) is infinite in exact arithmetic too: no error
-            out = [(r, e if e is None else jax.numpy.where(jax.numpy.isfinite(r), e, 0.0))
-                   for r, e in zip(res, _rule(eqn.primitive, params, vals, errs, res))]
-        for var, pair in zip(eqn.outvars, out):
-            env[var] = pair
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _control(name, params, pairs):
-    """while, scan and cond on (value, bound) pairs, as the same control flow (traced under jit)."""
-    lax = jax.lax
-    run = lambda closed, ins: _run(closed.jaxpr, [(c, _zeros_like(c)) for c in closed.consts], ins)
-    if name == "cond":
-        branches = [lambda ins, br=br: run(br, ins) for br in params["branches"]]
-        return lax.switch(pairs[0][0], branches, pairs[1:])
-    if name == "while":
-        nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        cconsts, bconsts, carry = pairs[:nc], pairs[nc:nc + nb], pairs[nc + nb:]
-        return lax.while_loop(lambda c: run(params["cond_jaxpr"], cconsts + c)[0][0],
-                              lambda c: run(params["body_jaxpr"], bconsts + c), carry)
-    nc, ncarry = params["num_consts"], params["num_carry"]
-    consts, carry, xs = pairs[:nc], pairs[nc:nc + ncarry], pairs[nc + ncarry:]
-
-    def body(c, x):
-        out = run(params["jaxpr"], consts + c + x)
-        return out[:ncarry], out[ncarry:]
-
-    carry, ys = lax.scan(body, carry, xs, length=params["length"], reverse=params["reverse"])
-    return carry + ys

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
 from rmm_jax.core import optim
@@ -81,10 +82,10 @@ def test_the_logistic_loss_runs_through_the_same_update_and_equals_the_brute_for
                       loss="logistic", offset=0.5, p_useful=0.9, p_other=0.2)
 
 
-def check_brute_force(scope, opt_name, variant, **est_fields):
-    opt = OPTIMIZERS[opt_name]()
-    layout, est, shared, users, batch = setup(scope, opt, **est_fields)
-    new_shared, new_users, metrics = variant(rj.make_update(layout, est, opt))(shared, users, batch)
+def brute_force(layout, est, opt, shared, users, batch):
+    """Per user, autodiff of that user's own loss; the shared part steps on the mean gradient of
+    the users with a query, each own part on its user's gradient (optax). Returns the new shared
+    params (None without a shared part), each user's new own params, and the mean shared gradient."""
     grads_s, grads_l = [], []
     for u in range(U):
         bu = jax.tree.map(lambda x: x[u], batch)
@@ -95,20 +96,40 @@ def check_brute_force(scope, opt_name, variant, **est_fields):
                                                                                                    users.params))
         grads_s.append(gs)
         grads_l.append(gl)
-    close = lambda got, want: [np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-                               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
-    active = [u for u in range(U) if bool(VALID[u].any())]
+    new_shared = mean_g = None
     if layout.scope.has_shared:
+        active = [u for u in range(U) if np.asarray(VALID)[u].any()]
         mean_g = jax.tree.map(lambda *g: sum(g[u] for u in active) / len(active), *grads_s)
-        assert float(optax.tree.norm(mean_g)) > 1e-3                      # the check is not vacuous
         upd, _ = opt.update(mean_g, shared.opt_state, shared.params)
-        close(new_shared.params, optax.apply_updates(shared.params, upd))
+        new_shared = optax.apply_updates(shared.params, upd)
+    new_own = []
+    for u in range(U):
+        own = lambda tree: jax.tree.map(lambda x: x[u], tree)
+        upd, _ = opt.update(grads_l[u], own(users.opt_state), own(users.params))
+        new_own.append(optax.apply_updates(own(users.params), upd))
+    return new_shared, new_own, mean_g
+
+
+def check_brute_force(scope, opt_name, variant, **est_fields):
+    opt = OPTIMIZERS[opt_name]()
+    layout, est, shared, users, batch = setup(scope, opt, **est_fields)
+    update = rj.make_update(layout, est, opt)
+    new_shared, new_users, metrics = variant(update)(shared, users, batch)
+    brute = lambda sh, us, bt: brute_force(layout, est, opt, sh, us, bt)
+    want_shared, want_own, mean_g = brute(shared, users, batch)
+    # both sides float32: the sum of the two computations' bounds
+    e_shared, e_own, _ = f32_error(brute, shared, users, batch)
+    e_update_shared, e_update_users, _ = f32_error(update, shared, users, batch)
+    plus = lambda a, b: jax.tree.map(np.add, a, b)
+    if layout.scope.has_shared:
+        assert float(optax.tree.norm(mean_g)) > 1e-3                      # the check is not vacuous
+        assert_f32_close(new_shared.params, want_shared, plus(e_shared, e_update_shared.params))
     else:
         assert new_shared.params == {}
     for u in range(U):
         own = lambda tree: jax.tree.map(lambda x: x[u], tree)
-        upd, _ = opt.update(grads_l[u], own(users.opt_state), own(users.params))
-        close(own(new_users.params), optax.apply_updates(own(users.params), upd))
+        assert_f32_close(own(new_users.params), want_own[u], plus(e_own[u], own(e_update_users.params)),
+                         err_msg=f"user {u}")
     np.testing.assert_array_equal(new_users.learner_state.step, [1] * U)
     assert metrics["loss"].shape == (U,)
 
