@@ -130,9 +130,11 @@ def assert_f32_close(got, want, bound, err_msg=""):
 
     ``bound`` comes from :func:`f32_error`: of ``got``'s computation when ``want`` is exact
     (float64 from the same float32 inputs), the sum of both sides' when both are float32."""
-    for g, w, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(bound), strict=True):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        b = np.broadcast_to(SAFETY * np.asarray(b, np.float64), np.broadcast_shapes(g.shape, w.shape))
+    numbers = lambda x: isinstance(x, list) and all(isinstance(v, (int, float, np.number)) for v in x)
+    leaves = lambda tree: jax.tree.leaves(tree, is_leaf=numbers)          # a list of numbers is one array
+    for g, w, b in zip(leaves(got), leaves(want), leaves(bound), strict=True):
+        g, w = np.broadcast_arrays(np.asarray(g, np.float64), np.asarray(w, np.float64))
+        b = np.broadcast_to(SAFETY * np.asarray(b, np.float64), g.shape)
         with np.errstate(invalid="ignore"):
             diff = np.abs(g - w)
         ok = (g == w) | (diff <= b)
