@@ -110,17 +110,18 @@ def f32_error(fn, *args):
     ========================  ===============================================================
 
     A float literal carries its own representation error; integers, booleans, PRNG keys and
-    comparisons carry none (a comparison is assumed to go the same way as in exact arithmetic, so
-    test inputs stay away from ties). A primitive without a rule, or control flow (cond, while,
-    scan), raises NotImplementedError. Matrix products are taken to run in float32 (CPU; on a GPU,
-    TF32 would need its own u).
+    comparisons carry none (a comparison, and the branch or trip count of cond, while and scan, is
+    assumed to go the same way as in exact arithmetic, so test inputs stay away from ties). A
+    primitive without a rule raises NotImplementedError. Matrix products are taken to run in
+    float32 (CPU; on a GPU, TF32 would need its own u).
 
     The jaxpr is evaluated in NumPy (values in float32, as the program computes them; bounds in
     float64), without compiling anything: JAX itself evaluates only what NumPy lacks (gather,
     scatter, sort, PRNG), one small cached program per shape.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    outs = _propagate(closed.jaxpr, [_exact(c) for c in closed.consts], [_exact(x) for x in jax.tree.leaves(args)])
+    ins = [_exact(x) for x in jax.tree.leaves(args)]
+    outs = _propagate(closed.jaxpr, [_exact(c) for c in closed.consts], ins)
     return jax.tree.unflatten(jax.tree.structure(out_shape),
                               [e if e is not None else np.zeros(np.shape(v)) for v, e in outs])
 
@@ -168,6 +169,29 @@ def _sub_jaxpr(params):
 _CONTROL = ("cond", "while", "scan")
 
 
+def _control(name, params, pairs):
+    """cond, while and scan, stepped in Python on (value, bound) pairs."""
+    run = lambda closed, ins: _propagate(closed.jaxpr, [_exact(c) for c in closed.consts], ins)
+    if name == "cond":
+        return run(params["branches"][int(pairs[0][0])], pairs[1:])
+    if name == "while":
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cconsts, bconsts, carry = pairs[:nc], pairs[nc:nc + nb], pairs[nc + nb:]
+        while bool(run(params["cond_jaxpr"], cconsts + carry)[0][0]):
+            carry = run(params["body_jaxpr"], bconsts + carry)
+        return carry
+    nc, ncarry, length = params["num_consts"], params["num_carry"], params["length"]
+    consts, carry, xs = pairs[:nc], pairs[nc:nc + ncarry], pairs[nc + ncarry:]
+    steps = range(length - 1, -1, -1) if params["reverse"] else range(length)
+    ys = {}
+    for i in steps:
+        out = run(params["jaxpr"], consts + carry + [(v[i], None if e is None else e[i]) for v, e in xs])
+        carry, ys[i] = out[:ncarry], out[ncarry:]
+    stack = lambda j, k: None if ys[0][j][k] is None else np.stack([ys[i][j][k] for i in range(length)])
+    n_ys = len(ys[0]) if length else 0
+    return carry + [(stack(j, 0), stack(j, 1)) for j in range(n_ys)]
+
+
 def _propagate(jaxpr, consts, args):
     """Evaluate ``jaxpr`` on (value, bound) pairs."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
@@ -183,12 +207,12 @@ def _propagate(jaxpr, consts, args):
 
     for eqn in jaxpr.eqns:
         prim, params = eqn.primitive, eqn.params
-        if prim.name in _CONTROL:
-            raise NotImplementedError(f"f32_error does not follow control flow ({prim.name})")
         pairs = [read(v) for v in eqn.invars]
         vals = [p[0] for p in pairs]
         sub = _sub_jaxpr(params)
-        if sub is not None:
+        if prim.name in _CONTROL:
+            out = _control(prim.name, params, pairs)
+        elif sub is not None:
             out = _propagate(sub[0], [_exact(c) for c in sub[1]], pairs)
         else:
             res = _evaluate(prim, params, vals)
@@ -202,7 +226,8 @@ def _propagate(jaxpr, consts, args):
 
 def _evaluate(prim, params, vals):
     """The primitive's outputs (a list): in NumPy where :data:`_NUMPY` has it, else by JAX."""
-    if prim.name in _NUMPY:
+    is_key = lambda x: isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    if prim.name in _NUMPY and not any(map(is_key, vals)):          # PRNG keys stay with JAX
         with np.errstate(all="ignore"):
             res = _NUMPY[prim.name](params, *vals)
         return [np.asarray(r) for r in res] if prim.multiple_results else [np.asarray(res)]
@@ -276,11 +301,12 @@ def _gather_sources(prim, params, ins):
     return prim.bind(_flat_iota(np.shape(ins[0])), ins[1], **p)
 
 
-def _scatter_add_targets(prim, params, ins):
-    """For each update, the flat index of the operand element it is added to: the transpose of
-    scatter-add (a gather, as in JAX's own transpose rule) applied to the flat indices."""
+def _scatter_targets(prim, params, ins):
+    """For each update, the flat index of the operand element it lands on (scatter or scatter-add):
+    the transpose of scatter-add (a gather, as in JAX's own transpose rule) applied to the flat indices."""
     operand, indices, updates = ins
-    add = lambda u: prim.bind(jax.numpy.zeros(np.shape(operand), np.float32), indices, u, **params)
+    add = lambda u: jax.lax.scatter_add(jax.numpy.zeros(np.shape(operand), np.float32), indices, u,
+                                        params["dimension_numbers"], mode=params["mode"])
     return jax.linear_transpose(add, jax.ShapeDtypeStruct(np.shape(updates), np.float32))(
         _flat_iota(np.shape(operand)))[0]
 
@@ -293,7 +319,8 @@ def _sort_permutation(prim, params, ins):
 
 
 # Moves whose index map is recorded in the compiled pass, then applied to the bounds in NumPy.
-_WHERE_FROM = {"gather": _gather_sources, "scatter-add": _scatter_add_targets, "sort": _sort_permutation}
+_WHERE_FROM = {"gather": _gather_sources, "scatter-add": _scatter_targets, "scatter": _scatter_targets,
+               "sort": _sort_permutation}
 
 
 def _dynamic_starts(shape, sizes, starts):
@@ -456,6 +483,12 @@ def _rule(prim, params, vals, errs, outs):
         if name == "cumlogsumexp":
             n = np.shape(vals[0])[params["axis"]]
             return [_cumulative(np.maximum, E[0], **params) + gamma(n + ELEMENTARY) + ELEMENTARY * U32 * av]
+        if name == "scatter":            # the operand's bounds, overwritten where updates land
+            tgt = np.asarray(outs[-1]).astype(np.int64).ravel()
+            out = E[0].copy().ravel()
+            out[tgt] = 0.0
+            np.maximum.at(out, tgt, E[2].ravel())
+            return [out.reshape(np.shape(vals[0]))]
         if name == "scatter-add":
             tgt = np.asarray(outs[-1]).astype(np.int64).ravel()
             size = int(np.prod(np.shape(vals[0])))

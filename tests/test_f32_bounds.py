@@ -86,6 +86,12 @@ def _adam_after_steps(params, grads):
     return params
 
 
+def _loops_and_scatters(x, i):
+    y = jax.lax.fori_loop(0, 3, lambda _, c: c * x + 0.25, x)                     # a while loop
+    products = jax.lax.scan(lambda c, v: (c + v, c * v), 0.0, x)[1]              # a scan
+    return y.at[i].add(products[:2]).at[1].set(x[3] / 3)                          # scatter-add, scatter
+
+
 CASES = {
     "dot d=384": (jnp.dot, lambda: (_rand(384, 1), _rand(384, 2))),
     "fused linear score": (rj.score, lambda: (_reranker("linear"), _unit(16, 3), _unit((6, 16), 4))),
@@ -95,6 +101,7 @@ CASES = {
                                 lambda: (_rand(6, 5, 2.0),)),
     "reinforce gradient": (lambda p, bt: jax.grad(reranker_reinforce_loss)(p, bt, 0.4, jnp.ones(3), rj.Estimator()),
                            lambda: (_reranker("linear"), _batch())),
+    "loops and scatters": (_loops_and_scatters, lambda: (_unit(6, 7), np.array([4, 2]))),
     "three adam steps": (_adam_after_steps, lambda: (_reranker("linear"), [
         jax.tree.map(lambda a: _rand(a.shape, 100 + i), _reranker("linear")) for i in range(3)])),
 }
