@@ -16,6 +16,7 @@ cases through the real ``rmm-jax`` script in a subprocess. Decisions pinned here
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -511,3 +512,77 @@ def test_random_valid_logs_replay_end_to_end(env, capsys, data):
     doc = json.loads(out)
     assert doc["log"]["records"] == len(recs) and doc["log"]["skipped"] == 0
     shutil.rmtree(d)
+
+
+# --------------------------------------------------------------------------- read-only outputs
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """``path`` and everything under it unwritable for this process while inside: chmod a-w, and
+    as root (which ignores modes) ``chattr +i`` too. Skips where neither makes it read-only."""
+    paths = [path, *path.rglob("*")]
+    modes = {p: p.stat().st_mode & 0o7777 for p in paths}
+    for p in paths:
+        os.chmod(p, modes[p] & ~0o222)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "-R", "+i", str(path)],
+                                                     capture_output=True).returncode == 0
+    try:
+        try:
+            (path / ".probe").touch()
+        except OSError:
+            pass
+        else:
+            (path / ".probe").unlink()
+            pytest.skip(f"cannot make {path} read-only here (root without chattr +i?)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
+        for p in reversed(paths):
+            os.chmod(p, modes[p])
+
+
+def good_log(e) -> Path:
+    return e["logs"] / "good.jsonl"
+
+
+READ_ONLY_CASES = {   # what each verb writes, under ro/ (read-only) or as the read-only policy store ro/pol
+    "simulate-policies": (lambda e, ro, w: ["simulate", e["store"], "--policies", ro / "pol", "--k", K, "--m", M],
+                          lambda ro: [str(ro / "pol")]),
+    "replay-policies": (lambda e, ro, w: ["replay", e["store"], "--log", good_log(e), "--policies", ro / "pol",
+                                          "--k", K, "--m", M], lambda ro: [str(ro / "pol")]),
+    "simulate-new-policies": (lambda e, ro, w: ["simulate", e["store"], "--policies", ro / "new", "--k", K,
+                                                "--m", M], lambda ro: [str(ro / "new"), "--policies"]),
+    "simulate-log-out": (lambda e, ro, w: ["simulate", e["store"], "--policies", w / "p", "--k", K, "--m", M,
+                                           "--log-out", ro / "log.jsonl"], lambda ro: ["--log-out", str(ro)]),
+    "replay-plot": (lambda e, ro, w: ["replay", e["store"], "--log", good_log(e), "--policies", w / "p", "--k", K,
+                                      "--m", M, "--plot", ro / "c.png"], lambda ro: ["--plot", str(ro)]),
+    "pretrain-out": (lambda e, ro, w: ["pretrain", e["store"], "--out", ro / "new"], lambda ro: ["--out", str(ro)]),
+    "embed-out": (lambda e, ro, w: ["embed", "synthetic:users=2", "--out", ro / "store"],
+                  lambda ro: ["--out", str(ro)]),
+    "rerank-out": (lambda e, ro, w: ["rerank", e["store"], "--policies", ro / "pol", "--calls", w / "calls.jsonl",
+                                     "--out", ro / "ranked.jsonl"], lambda ro: ["--out", str(ro)]),
+    "evaluate-plot": (lambda e, ro, w: ["evaluate", e["store"], "--log", good_log(e), "--policies", ro / "pol",
+                                        "--k", K, "--m", M, "--plot", ro / "o.png"], lambda ro: ["--plot", str(ro)]),
+    "export-out": (lambda e, ro, w: ["policies", "export", ro / "pol", "u", "--out", ro / "u.npz"],
+                   lambda ro: ["--out", str(ro)]),
+}
+
+
+@pytest.mark.parametrize("case", list(READ_ONLY_CASES))
+def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, capsys, tmp_path, case):
+    """A policy store, output directory or file that cannot take new files: one line naming it,
+    exit 2, and nothing written anywhere (no run-state claiming an interrupted run, no
+    temporaries, no half-created store)."""
+    argv, names = READ_ONLY_CASES[case]
+    ro, w = tmp_path / "ro", tmp_path / "w"
+    ro.mkdir()
+    w.mkdir()
+    shutil.copytree(env["pol_existing"], ro / "pol")
+    (w / "calls.jsonl").write_text(jl({"user_id": env["user"].user_id, "query_id": env["user"].query_ids[0]}))
+    before = snapshot(tmp_path)
+    with read_only(ro):
+        code, _, err = cli(capsys, *argv(env, ro, w))
+    assert_one_line_error(code, err, names(ro) + ["cannot write"])
+    assert snapshot(tmp_path) == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 import click
 import jax
@@ -17,6 +18,7 @@ from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
+from rmm_jax.persist.atomic import write_problem
 
 DEFAULTS = settings.preset("default")
 PAPER = settings.preset("paper")
@@ -217,6 +219,26 @@ def checkpoint_options(default_every: int, unit: str):
                               "SIGINT/SIGTERM); results do not depend on it.")(f)
         return f
     return deco
+
+
+def check_writable(path, where: str, depth: int = 0) -> None:
+    """Refuse, in one line and before any work, an output location that cannot take new files
+    (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount)."""
+    problem = write_problem(path, depth)
+    if problem:
+        raise InputError(f"cannot write: {problem}", where=where)
+
+
+def check_output_file(path, where: str) -> None:
+    """A file output (written to a temporary sibling, then renamed): its directory must take new files."""
+    if path:
+        check_writable(Path(path).parent, where)
+
+
+def check_store_writable(path, where: str) -> None:
+    """A policy store a run writes (its directories and index), and the run-state kept beside it."""
+    check_writable(path, where, depth=1)
+    check_writable(runstate.RunState.path_for(path), where)
 
 
 def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict):

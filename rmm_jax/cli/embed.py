@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import info
+from rmm_jax.cli.common import check_writable, info
 from rmm_jax.cli.main import cli
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
@@ -84,6 +85,7 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
       rmm-jax embed log:examples/calls_day1.jsonl --out stores/calls
     """
     say = (lambda m: None) if quiet else info
+    check_writable(Path(out).parent, f"--out {out}")      # the store is written beside, then renamed
     t0 = time.perf_counter()
     dataset = load_spec(spec, skip_invalid=skip_invalid)
     if dataset.name == "log" and granularity != "turn":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, info, users_option
+from rmm_jax.cli.common import DEFAULTS, check_output_file, info, users_option
 from rmm_jax.cli.main import cli
 from rmm_jax.core.config import Layout
 from rmm_jax.data.store import open_store
@@ -119,6 +119,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
+    check_output_file(plot_path, f"--plot {plot_path}")
     if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
         raise InputError(f"must name a .png file, got {plot_path!r}", where="--plot")
     try:

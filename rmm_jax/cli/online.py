@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import click
 import jax
 
-from rmm_jax.cli.common import check_rank, config_dict, emit_json, info, progress_bar
+from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, emit_json, info, progress_bar
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
@@ -72,6 +72,8 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
     is not the writer (``jax.process_index() > 0``) opens but never creates (None if absent)."""
     check_rank(layout, st.dim)
     p = Path(path)
+    if writer:
+        check_store_writable(p, f"--policies {path}")
     if not p.exists():
         if init in ("pretrained", "continue"):
             raise InputError(f"does not exist; run `rmm-jax pretrain` first or use --init identity (--init {init})",

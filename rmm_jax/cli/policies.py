@@ -13,7 +13,7 @@ import click
 import jax
 import numpy as np
 
-from rmm_jax.cli.common import users_option
+from rmm_jax.cli.common import check_output_file, users_option
 from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -249,10 +249,11 @@ def export(store, user, out, version):
     """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
     load with numpy.load outside rmm-jax. Both files are written atomically. In scope
     hybrid these are the user's own factors; the .json names the shared version they pair with."""
-    st = PolicyStore.open(store)
-    _require_users(st, [user])
     if not str(out).endswith(".npz"):
         raise InputError("export file must end in .npz", where=f"--out {out}")
+    check_output_file(out, f"--out {out}")
+    st = PolicyStore.open(store)
+    _require_users(st, [user])
     _progress(f"exporting {user!r} from {store} ...")
     doc = export_params(st, user, Path(out), version)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")

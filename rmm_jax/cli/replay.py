@@ -7,6 +7,7 @@ import click
 
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
+    check_output_file,
     checkpoint_options,
     config_dict,
     config_options,
@@ -82,6 +83,7 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
                          "record; replay with --preset default", where="--preset")
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    check_output_file(plot_path, f"--plot {plot_path}")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from rmm_jax.cli.common import DEFAULTS, info, progress_bar
+from rmm_jax.cli.common import DEFAULTS, check_output_file, info, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.data.calls import read_calls
 from rmm_jax.data.embed import Embedder
@@ -80,6 +80,7 @@ def rerank(store, policies, calls_path, m, k, out, cache_users):
       rmm-jax rerank store --policies policies --calls calls.jsonl --out ranked.jsonl
     """
     t0 = time.perf_counter()
+    check_output_file(out, f"--out {out}")
     st = open_store(store)
     rr = Reranker.open(policies, cache_users=cache_users)
     if rr.dim != st.dim:

@@ -8,6 +8,7 @@ import click
 
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
+    check_output_file,
     checkpoint_options,
     config_dict,
     config_options,
@@ -122,6 +123,8 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
                          where="--citations")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
+    check_output_file(log_out, f"--log-out {log_out}")
+    check_output_file(plot_path, f"--plot {plot_path}")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()

@@ -52,6 +52,37 @@ def temp_file(prefix: str, parent: str | os.PathLike) -> tuple[int, str]:
     return fd, path
 
 
+def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
+    """Why new files cannot be written in directory ``path``, or None if they can.
+
+    ``path`` need not exist: then its nearest existing ancestor is what must take the new
+    entries. A probe file is created and removed in the directory and in every directory up to
+    ``depth`` levels below it, and the files directly in it must be writable: permissions,
+    read-only mounts and immutable files answer alike, for root too (which ignores modes).
+    """
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory"
+    level, dirs = [p], []
+    for _ in range(depth + 1):
+        dirs += level
+        level = [c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
+    for d in dirs:
+        try:
+            fd, probe = temp_file(".write-probe-", d)
+        except OSError as e:
+            return f"{d}: {e.strerror or e}"
+        os.close(fd)
+        os.unlink(probe)
+    if p == Path(path):
+        for f in p.iterdir():
+            if f.is_file() and not os.access(f, os.W_OK):
+                return f"{f}: not writable"
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     """fsync directory ``path`` so renames into it are durable (best effort: errors ignored)."""
     try:
