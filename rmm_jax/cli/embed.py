@@ -17,7 +17,7 @@ from rmm_jax.data.granularity import (
     DEFAULT_SEGMENT_THRESHOLD,
     GRANULARITIES,
 )
-from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS
+from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
 from rmm_jax.data.store import write_store
 from rmm_jax.errors import InputError
 
@@ -50,13 +50,17 @@ from rmm_jax.errors import InputError
               help="Also embed each question with its reference answer (answers.npy), for "
                    "`simulate --citations answer`.")
 @click.option("--skip-invalid", is_flag=True,
-              help="jsonl: skip and count messages with empty content or longer than "
-                   f"{MAX_MESSAGE_CHARS} characters instead of failing on the first.")
+              help="jsonl: skip and count invalid messages (content null without tool calls, empty, or longer "
+                   f"than {MAX_MESSAGE_CHARS} characters) instead of failing on the first.")
+@click.option("--keep-roles", default="", metavar="ROLES", callback=lambda ctx, param, v: _roles(v),
+              help="jsonl: also keep these roles' messages as memories, comma-separated "
+                   f"({', '.join(INSTRUCTION_ROLES)}). By default they are left out and counted: a system "
+                   "prompt repeated in every session would fill the memory bank.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the store manifest (plus timings) as one JSON object on stdout.")
 def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cache_dir,
-          batch_size, no_cache, answers, skip_invalid, quiet, as_json):
+          batch_size, no_cache, answers, skip_invalid, keep_roles, quiet, as_json):
     """Embed a dataset's memories and questions into an embedding store.
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
@@ -70,11 +74,12 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
 
     jsonl: messages as OpenAI writes them. A list `content` keeps its text parts,
     joined by a newline; other parts (images, audio, files) are dropped and counted,
-    and a message with no text part is skipped. Tool results (role `tool`) and
-    tool-call-only messages (`content: null` with `tool_calls`) are skipped and
-    counted. Empty content and content over the character limit are errors naming
-    file:line, or skipped and counted with --skip-invalid. The counts are printed
-    on stderr and kept in the manifest (`stats.skipped` in --json).
+    and a message with no text part is skipped. Tool results (role `tool`),
+    tool-call-only messages (`content: null` with `tool_calls`) and instructions (roles
+    `system`, `developer`; keep them with --keep-roles) are skipped and counted.
+    `content: null` without a tool call, empty content and content over the character
+    limit are errors naming file:line, or skipped and counted with --skip-invalid. The
+    counts are printed on stderr and kept in the manifest (`stats.skipped` in --json).
 
     \b
     Examples:
@@ -87,7 +92,7 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     say = (lambda m: None) if quiet else info
     check_writable(Path(out).parent, f"--out {out}")      # the store is written beside, then renamed
     t0 = time.perf_counter()
-    dataset = load_spec(spec, skip_invalid=skip_invalid)
+    dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "log" and granularity != "turn":
         raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
                          f"use --granularity turn, not {granularity!r}", where="--granularity")
@@ -127,10 +132,22 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
 
 
 
+def _roles(value: str) -> tuple[str, ...]:
+    """``--keep-roles system,developer`` -> ``("system", "developer")``, each one of INSTRUCTION_ROLES."""
+    roles = tuple(dict.fromkeys(r.strip() for r in value.split(",") if r.strip()))
+    bad = [r for r in roles if r not in INSTRUCTION_ROLES]
+    if bad:
+        raise InputError(f"unknown role {bad[0]!r}; expected a comma-separated list of {', '.join(INSTRUCTION_ROLES)}",
+                         where="--keep-roles")
+    return roles
+
+
 def _note_skipped(skipped: dict, say) -> None:
     """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
-    labels = {"tool_results": "tool results", "tool_calls": "tool calls only", "no_text": "no text part",
-              "empty": "empty", "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
+    labels = {"tool_results": "tool results", "tool_calls": "tool calls only",
+              "instructions": "system/developer, see --keep-roles", "no_text": "no text part",
+              "null_content": "content null without tool calls", "empty": "empty",
+              "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
     kinds = [f"{label} {skipped[k]}" for k, label in labels.items() if skipped[k]]
     parts = [f"{sum(skipped[k] for k in labels)} messages ({', '.join(kinds)})"] if kinds else []
     if skipped["non_text_parts"]:
