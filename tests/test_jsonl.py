@@ -396,8 +396,7 @@ def test_log_with_a_memories_file(tmp_path):
     assert u.sessions[0].timestamp == "2024-01-01" and u.queries[0].gold_turn_ids == ("m1",)
 
 
-@pytest.mark.parametrize("case", ["no_query", "no_text", "conflict", "unknown_gold", "mem_missing_text",
-                                  "mem_conflict", "bad_json"])
+@pytest.mark.parametrize("case", ["no_query", "no_text", "conflict", "mem_missing_text", "mem_conflict", "bad_json"])
 def test_bad_log_datasets_name_file_line_and_key(tmp_path, case):
     calls, mems = tmp_path / "calls.jsonl", tmp_path / "mems.jsonl"
     second = {**CALL, "query_id": "q2"}
@@ -413,9 +412,6 @@ def test_bad_log_datasets_name_file_line_and_key(tmp_path, case):
         second["candidates"] = [{"id": "m1", "text": "Lena moved to Porto."}]
         second["selected"], second["cited"] = ["m1"], []
         key, fragment = "candidates", f"different text than at {calls}:1"
-    elif case == "unknown_gold":
-        second["gold"] = ["m1", "zz"]
-        key, fragment = "gold[1]", "unknown memory id 'zz'"
     elif case == "mem_missing_text":
         mem_lines.append({"user_id": "u", "id": "m8"})
         where, key, fragment = mems, "text", "missing key"
@@ -433,6 +429,27 @@ def test_bad_log_datasets_name_file_line_and_key(tmp_path, case):
     assert msg.startswith(f"{where}:2") and fragment in msg, msg
     if key:
         assert f"key '{key}'" in msg, msg
+
+
+def test_gold_that_no_record_carries_is_dropped_and_counted(tmp_path, capsys, fake_model):
+    """A gold memory that was never retrieved has no text in the log: the store cannot hold it,
+    so it leaves its question's gold, counted with where it was; a question left with no gold
+    counts as one. With the memory's text in a memories file it stays."""
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(jl({**CALL, "gold": ["m1", "zz"]}, {**CALL, "query_id": "q2", "gold": ["zz", "yy"]}))
+    ds = load_log_dataset(calls)
+    (u,) = ds.users
+    assert [q.gold_turn_ids for q in u.queries] == [("m1",), ()] and "zz" not in [t.id for t in u.turns]
+    assert ds.stats["gold_without_text"] == 3 and ds.stats["no_gold"] == 1
+    assert ds.stats["gold_without_text_first"] == [f"{calls}:1: key 'gold[1]': 'zz'", f"{calls}:2: key 'gold[0]': 'zz'",
+                                                   f"{calls}:2: key 'gold[1]': 'yy'"]
+    mems = tmp_path / "mems.jsonl"
+    mems.write_text(jl({"user_id": "u", "id": "zz", "text": "Lena's flat is in Alfama."}))
+    ds = load_log_dataset(calls, mems)
+    assert ds.stats["gold_without_text"] == 1 and ds.users[0].queries[0].gold_turn_ids == ("m1", "zz")   # yy still
+    code, out, err = run_cli(capsys, "embed", f"log:{calls}", "--out", tmp_path / "store", "--json")
+    assert code == 0 and json.loads(out)["stats"]["gold_without_text"] == 3, err      # in the manifest
+    assert "dropped 3 gold ids naming memories no record carries" in err and "calls.jsonl:1: key 'gold[1]'" in err
 
 
 def test_bad_log_spec():

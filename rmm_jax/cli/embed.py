@@ -68,9 +68,10 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     `jsonl:PATH` (OpenAI chat messages; schema in docs/own-data.md), or a generator-call log
     that carries texts, `log:CALLS.jsonl[,memories=MEMS.jsonl]` (each call becomes a
     question, its candidates the user's memories, ids kept as logged so the log replays
-    on the store). Memories are built at the chosen granularity, embedded with MODEL
-    (cached on disk: re-runs embed nothing twice) and written with the questions and
-    their gold memories to OUT.
+    on the store; a gold id naming a memory no record carries has no text, so it is
+    dropped from its question's gold and counted: `stats.gold_without_text`). Memories
+    are built at the chosen granularity, embedded with MODEL (cached on disk: re-runs
+    embed nothing twice) and written with the questions and their gold memories to OUT.
 
     jsonl: messages as OpenAI writes them. A list `content` keeps its text parts,
     joined by a newline; other parts (images, audio, files) are dropped and counted,
@@ -101,6 +102,11 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
+    dropped = dataset.stats.get("gold_without_text", 0)
+    if dropped:
+        say(f"note: dropped {dropped} gold ids naming memories no record carries (never retrieved, so no text "
+            f"to embed; first: {dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the "
+            "store holds. Give their texts with log:CALLS,memories=MEMS to keep them")
     if dataset.name in ("jsonl", "log") and no_gold:
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
             + (" (no question has gold)" if no_gold == n_q else ""))

@@ -104,8 +104,15 @@ the memories file, then every candidate of the log, in order of first appearance
 logged call becomes one query with the record's ``query_id`` and, when the record has
 ``gold``, those memories as gold. The memory ids are kept as logged, so the same log
 replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
-between two places, a call without ``query`` text, a candidate without text and a gold
-id that is not a memory of the user are errors naming ``file:line`` and the key.
+between two places, a call without ``query`` text and a candidate without text are errors
+naming ``file:line`` and the key.
+
+A gold id that names a memory no record carries (the gold was never retrieved, so the log
+has no text for it) cannot be a memory of the store: it is dropped from its question's gold
+and counted (``Dataset.stats["gold_without_text"]``, with the first few as ``file:line``
+in ``gold_without_text_first``). Recall on the store then counts only the gold it holds, and
+a question left with none is a question without gold (``no_gold``). Give those memories'
+texts in the memories file to keep them.
 """
 from __future__ import annotations
 
@@ -427,7 +434,8 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
 
     Every record is validated as a citation-log record first
     (:func:`rmm_jax.data.citation_log.validate_record`). ``Dataset.stats``: ``records``,
-    ``memories``, ``memories_from_file``, ``questions``, ``no_gold``.
+    ``memories``, ``memories_from_file``, ``questions``, ``no_gold``, ``gold_without_text`` (gold
+    ids dropped: no record carries their memory) and ``gold_without_text_first``.
     """
     path = Path(path)
     banks: dict[str, _Bank] = {}
@@ -450,7 +458,9 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
                                  f'{{"id", "text"}} objects or a memories file: log:PATH,memories=MEMS)',
                                  where=at(path, line, "candidates"))
         calls.setdefault(rec.user_id, []).append((line, rec))
-    users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0)
+    users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0,
+                               gold_without_text=0)
+    dropped_first: list[str] = []
     for uid, bank in banks.items():
         by_session: dict[str, list[Turn]] = {}
         for mid, (text, session, stamp) in bank.rows.items():
@@ -458,14 +468,16 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         sessions = tuple(Session(sid, turns[0].timestamp, tuple(turns)) for sid, turns in by_session.items())
         queries = []
         for line, rec in calls.get(uid, []):
+            gold = tuple(g for g in rec.gold or () if g in bank.rows)
             for j, g in enumerate(rec.gold or ()):
-                if g not in bank.rows:
-                    raise InputError(f"unknown memory id {g!r} for user {uid!r} (not a candidate of any call "
-                                     "and not in the memories file)", where=at(path, line, f"gold[{j}]"))
-            queries.append(Query(rec.query_id, rec.query_text, tuple(rec.gold or ()),
+                if g not in bank.rows:          # no text anywhere: dropped and counted (module docstring)
+                    stats["gold_without_text"] += 1
+                    if len(dropped_first) < MAX_FIRST_ERRORS:
+                        dropped_first.append(f"{at(path, line, f'gold[{j}]')}: {g!r}")
+            queries.append(Query(rec.query_id, rec.query_text, gold,
                                  date=None if rec.timestamp is None else str(rec.timestamp)))
         users.append(User(uid, sessions, tuple(queries)))
         stats["memories"] += len(bank.rows)
         stats["questions"] += len(queries)
         stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids)
-    return Dataset("log", tuple(users), dict(stats))
+    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first})
