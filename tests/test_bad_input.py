@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from rmm_jax import init_reranker
 from rmm_jax.core.config import Layout
 from rmm_jax.data.store import open_store
-from rmm_jax.online.streams import known_ids, scan_log
+from rmm_jax.online.streams import known_ids, log_shape, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 
 K, M = 10, 3
@@ -505,8 +505,10 @@ def test_random_valid_logs_replay_end_to_end(env, capsys, data):
     d = env["root"] / "hyp_ok" / str(_counter[0])
     d.mkdir(parents=True)
     (d / "log.jsonl").write_text(jl(*recs))
+    # the log's own K and M: random records need not agree on them, so they are given
+    k, m = max(len(r["candidates"]) for r in recs), max(len(r["selected"]) for r in recs)
     code, out, err = cli(capsys, "replay", env["store"], "--log", d / "log.jsonl", "--policies", d / "pol",
-                         "--k", K, "--m", M, "--json", "--users-per-chunk", 2)
+                         "--k", k, "--m", m, "--json", "--users-per-chunk", 2)
     assert code == 0, err
     assert "Traceback" not in err
     doc = json.loads(out)
@@ -586,3 +588,40 @@ def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, 
         code, _, err = cli(capsys, *argv(env, ro, w))
     assert_one_line_error(code, err, names(ro) + ["cannot write"])
     assert snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- K and M from the log
+
+
+def test_log_shape_agreement(tmp_path):
+    """K and M are the log's most candidates and selected; a record listing fewer candidates
+    agrees when its user's bank holds no more, one showing fewer memories when it lists no more."""
+    banks = {"a": [f"m{i}" for i in range(10)], "b": [f"m{i}" for i in range(5)], "c": ["m0", "m1"]}
+    known = lambda u: (frozenset(f"q{i}" for i in range(9)), frozenset(banks[u])) if u in banks else None
+    rec = lambda u, q, n, s: {"user_id": u, "query_id": f"q{q}", "candidates": banks[u][:n],
+                              "selected": banks[u][:s], "cited": []}
+    log = tmp_path / "log.jsonl"
+    log.write_text(jl(rec("a", 0, 8, 3), rec("b", 1, 5, 3), rec("c", 2, 2, 2), rec("a", 3, 8, 3)))
+    assert log_shape(log, known) == (8, 3, 1, 1, None, None)        # b, c: their whole banks; c: all it lists
+    log.write_text(jl(rec("a", 0, 8, 3), rec("a", 1, 6, 3), rec("a", 2, 8, 2)))
+    shape = log_shape(log, known)
+    assert shape[:4] == (8, 3, 1, 1)
+    assert shape.k_apart == "line 2 lists 6 candidates of user 'a''s 10 memories"
+    assert shape.m_apart == "line 3 shows 2 memories of its 8 candidates"
+
+
+def test_replay_and_evaluate_take_k_and_m_from_the_log_and_refuse_a_contradiction(env, capsys, tmp_path):
+    """The good log lists 10 candidates and shows 3 on every record: --k 20 or --m 5 contradict it
+    (one line naming the option and the log, nothing written); a log whose records disagree needs
+    the option, and names the record that differs."""
+    log = good_log(env)
+    for verb, more in (("replay", ["--policies", tmp_path / "p"]), ("evaluate", ["--policies", env["pol_existing"]])):
+        for opt, val, says in (("--m", 5, "shows 3 memories per call"), ("--k", 20, "lists 10 candidates per call")):
+            code, _, err = cli(capsys, verb, env["store"], "--log", log, *more, opt, val)
+            assert_one_line_error(code, err, [f"{opt} {val}", "contradicts the log", str(log), says])
+    short = tmp_path / "short.jsonl"
+    g = env["good"]
+    short.write_text(jl(g[0], {**g[1], "selected": g[1]["selected"][:2], "cited": g[1]["cited"][:1]}))
+    code, _, err = cli(capsys, "replay", env["store"], "--log", short, "--policies", tmp_path / "p")
+    assert_one_line_error(code, err, ["--m", "disagree", "line 2 shows 2 memories of its 10 candidates", "pass --m"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.jsonl"]          # nothing written

@@ -514,10 +514,12 @@ def test_walkthrough_log_to_store_replay_evaluate(capsys, tmp_path, cache_dir):
     assert set(st.user("alice").memory_ids) >= {"s1:0", "s3:5"}
     # replay with no dataset: the log's ids are the store's
     pol = tmp_path / "policies"
-    code, out, err = run_cli(capsys, "replay", store, "--log", CALLS, "--policies", pol, "--k", 8, "--m", 3,
-                             "--json")
+    code, out, err = run_cli(capsys, "replay", store, "--log", CALLS, "--policies", pol, "--json")
     assert code == 0, err
     assert json.loads(out)["log"]["records"] == 12
+    # K and M are the log's (8 candidates, 3 shown on every record), so Recall is Recall@3
+    assert {k: json.loads(out)["config"]["layout"][k] for k in "km"} == {"k": 8, "m": 3}
+    assert "recall@3" in json.loads(out)["online"] and f"--k 8 --m 3 from {CALLS}" in err
     # evaluate: the logging policy was the base retriever at tau 0.2, so an identity target at
     # tau 0.2 has weights ~1 and every estimate is the logged value (logits rounded to 1e-4);
     # 12 calls are worth an ESS of 12, below the default --min-ess 30
@@ -534,7 +536,7 @@ def test_walkthrough_log_to_store_replay_evaluate(capsys, tmp_path, cache_dir):
         assert rep["estimates"]["cited"][name]["value"] == pytest.approx(logged, rel=2e-2), name
     assert rep["estimates"]["recall"]["ips"]["n"] == 11  # q8 has no gold
     # the replayed policies evaluate too (own policy per user)
-    code, out, err = run_cli(capsys, "evaluate", store, "--log", CALLS, "--policies", pol, "--k", 8, "--m", 3,
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", CALLS, "--policies", pol,
                              "--json", "--bootstrap", 100, "--allow-unreliable")
     assert code == 0, err
     assert json.loads(out)["users_on_shared_params"] == 0

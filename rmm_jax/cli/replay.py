@@ -14,6 +14,7 @@ from rmm_jax.cli.common import (
     distributed_options,
     info,
     is_writer,
+    k_m_from_log,
     make_setting,
     start_distributed,
     users_option,
@@ -37,7 +38,7 @@ from rmm_jax.cli.online import (
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.streams import known_ids, log_chunks, scan_log
+from rmm_jax.online.streams import known_ids, log_chunks, log_shape, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
 
@@ -51,7 +52,7 @@ from rmm_jax.persist.runstate import file_digest
               show_default="continue if --policies exists, else identity",
               help=INIT_HELP)
 @keep_option
-@config_options
+@config_options(from_log=True)
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @users_option("Only these users' records")
@@ -68,7 +69,9 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     order per user. Where a record carries the behaviour policy's log_prob and the
     replaying policy differs, the update is importance-weighted (ratio clipped at
     --clip). Replaying a `simulate --log-out` log with the same options and seed
-    reproduces its per-user policies bit for bit.
+    reproduces its per-user policies bit for bit. --k and --m default to the log's: every
+    record lists K candidates (or all of its user's memories, when fewer) and shows M
+    memories (or all its candidates, when fewer); given, they must agree with it.
 
     \b
     Example:
@@ -76,6 +79,10 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
       rmm-jax replay store --log day2.jsonl --policies policies2 --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
+    st = open_store(store)
+    known = known_ids(st)
+    opts["k"], opts["m"] = k_m_from_log(opts["k"], opts["m"], log_shape(log_path, known, skip_invalid=skip_invalid),
+                                        log_path)
     setting = make_setting(**opts, clip=clip)
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     if setting.estimator.mode == "rmm":
@@ -87,10 +94,8 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
-    st = open_store(store)
     if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
         check_scope(PolicyStore.open(policies, expect_dim=st.dim), setting.layout, policies)
-    known = known_ids(st)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from rmm_jax.core.config import Layout
-from rmm_jax.data.citation_log import LogRecord, NotGroupedError, iter_user_chunks, read_log
+from rmm_jax.data.citation_log import LogRecord, NotGroupedError, iter_numbered, iter_user_chunks, read_log
 from rmm_jax.data.citations import answer_support
 from rmm_jax.data.retrieval import retrieve_candidates
 from rmm_jax.errors import InputError
@@ -237,6 +237,42 @@ def check_limits(rec: LogRecord, layout: Layout, log_path) -> None:
     if len(rec.selected) > layout.m:
         raise InputError(f"record for user {rec.user_id!r}, query {rec.query_id!r} selected {len(rec.selected)} "
                          f"memories, more than --m {layout.m}", where=str(log_path))
+
+
+class LogShape(NamedTuple):
+    """The K and M of a log: its records' most candidates and most selected memories, each
+    with the first line that has it. ``k_apart``/``m_apart`` name a record that disagrees
+    (None when every record agrees, see :func:`log_shape`)."""
+    k: int
+    m: int
+    k_line: int
+    m_line: int
+    k_apart: str | None
+    m_apart: str | None
+
+
+def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
+    """What a log says of K and M, in one bounded-memory pass (``known``: :func:`known_ids`).
+
+    The records agree on K when each lists K candidates, or every memory of its user when the
+    user's bank holds fewer than K; on M when each shows M memories, or all its candidates when
+    it lists fewer than M. Logged by a retriever of top-K and a policy showing M, every record
+    agrees; a record that lists fewer (a truncated retrieval, a slate cut short) disagrees."""
+    first_k: dict[int, int] = {}          # n candidates -> first line listing that many
+    first_m: dict[int, int] = {}          # n selected -> first line showing that many
+    short_k: dict[int, str] = {}          # n candidates -> a record listing fewer than its user's bank
+    short_m: dict[int, str] = {}          # n selected -> a record showing fewer than its candidates
+    for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid):
+        nk, nm, bank = len(r.candidates), len(r.selected), len(known(r.user_id)[1])
+        first_k.setdefault(nk, line)
+        first_m.setdefault(nm, line)
+        if nk < bank:
+            short_k.setdefault(nk, f"line {line} lists {nk} candidates of user {r.user_id!r}'s {bank} memories")
+        if nm < nk:
+            short_m.setdefault(nm, f"line {line} shows {nm} memories of its {nk} candidates")
+    k, m = max(first_k), max(first_m)
+    apart = lambda short, top: next((why for n, why in sorted(short.items()) if n < top), None)
+    return LogShape(k, m, first_k[k], first_m[m], apart(short_k, k), apart(short_m, m))
 
 
 def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log") -> list[Stream]:
