@@ -84,11 +84,10 @@ def embed(spec, out, granularity, model, segment_threshold, merge_threshold, cac
 
     \b
     Examples:
-      rmm-jax embed locomo:data/locomo --out stores/locomo_turn
-      rmm-jax embed locomo:data/locomo --out stores/locomo_seg --granularity segment
-      rmm-jax embed synthetic:users=4 --out /tmp/store --json
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine
+      rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine_seg --granularity segment
       rmm-jax embed log:examples/calls_day1.jsonl --out stores/calls
+      rmm-jax embed synthetic:users=4 --out stores/synthetic --json
     """
     say = (lambda m: None) if quiet else info
     check_writable(Path(out).parent, f"--out {out}")      # the store is written beside, then renamed

@@ -50,11 +50,11 @@ def policies():
 
     \b
     Examples:
-      rmm-jax policies list policies/                 # users, versions, queries seen
-      rmm-jax policies show policies/                 # what loads: shared version, versions kept
-      rmm-jax policies show policies/ user_7          # the version of user_7 that loads, and why
-      rmm-jax policies show policies/ --users u1,u2 --json
-      rmm-jax policies export policies/ user_7 --out user_7.npz
+      rmm-jax policies list policies                  # users, versions, queries learned from
+      rmm-jax policies show policies                  # what loads: shared version, versions kept
+      rmm-jax policies show policies user7            # the version of user7 that loads, and why
+      rmm-jax policies show policies --users user0,user1 --json
+      rmm-jax policies export policies user7 --out user7.npz
     """
 
 

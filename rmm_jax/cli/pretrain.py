@@ -117,7 +117,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
 
     \b
     Example:
-      rmm-jax pretrain store --out policies --epochs 30
+      rmm-jax pretrain stores/mine --out pretrained --epochs 30
     """
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
                         ("--temperature", temperature, temperature > 0),

@@ -74,9 +74,9 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     memories (or all its candidates, when fewer); given, they must agree with it.
 
     \b
-    Example:
-      rmm-jax replay store --log log.jsonl --policies policies2
-      rmm-jax replay store --log day2.jsonl --policies policies2 --plot day2.png
+    Examples:
+      rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies --scope hybrid
+      rmm-jax replay stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     st = open_store(store)

@@ -77,7 +77,7 @@ def rerank(store, policies, calls_path, m, k, out, cache_users):
 
     \b
     Example:
-      rmm-jax rerank store --policies policies --calls calls.jsonl --out ranked.jsonl
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests.jsonl --m 3 --out ranked.jsonl
     """
     t0 = time.perf_counter()
     check_output_file(out, f"--out {out}")

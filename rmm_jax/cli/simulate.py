@@ -101,9 +101,9 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
     prequential Recall@M.
 
     \b
-    Example:
-      rmm-jax simulate store --policies policies --init pretrained --log-out log.jsonl
-      rmm-jax simulate store --policies policies --plot curve.png
+    Examples:
+      rmm-jax simulate stores/mine --policies pretrained --init pretrained --log-out simulated.jsonl
+      rmm-jax simulate stores/mine --policies simulated --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     setting = make_setting(**opts)
