@@ -97,6 +97,16 @@ def test_simulating_two_query_ranges_equals_one_run(capsys, tmp_path, store):
     assert_same(states(tmp_path / "two"), states(tmp_path / "one"))
     two = PolicyStore.open(tmp_path / "two")
     assert all(len(two.entries(u)) == 2 for u in two.users())          # each user saved once per run
+    # `policies list`: the queries learned from count every run, as the learner step does
+    rows = {}
+    for pol in ("one", "two"):
+        code, out, _ = run_cli(capsys, "policies", "list", tmp_path / pol, "--json")
+        rows[pol] = {r["user"]: r for r in json.loads(out)["users"]}
+    for u, r in rows["two"].items():
+        total = rows["one"][u]["queries_learned"]
+        assert (r["queries_learned"], r["queries_last_run"]) == (total, total - 12) and total > 12, r
+    code, out, _ = run_cli(capsys, "policies", "list", tmp_path / "two")
+    assert "queries learned" in out.splitlines()[1] and "last run" in out.splitlines()[1]
 
 
 def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, tmp_path, store):

@@ -471,7 +471,9 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     doc = json.loads(out)
     assert code == 0 and doc["n_users"] == 2
     assert doc["users"][0]["user"] == "alice" and doc["users"][0]["versions"] == [1, 2]
-    assert doc["users"][0]["queries_seen"] == 5 and doc["users"][0]["last_update"]
+    # info_of() records only queries_seen, as stores did before queries_learned: it counts for both
+    assert doc["users"][0]["queries_learned"] == doc["users"][0]["queries_last_run"] == 5
+    assert doc["users"][0]["last_update"]
     code, out, _ = _cli(["policies", "list", str(st.path)], capsys)
     assert code == 0 and "alice" in out and "1,2" in out
     code, out, _ = _cli(["policies", "list", str(st.path), "--users", "bob", "--json"], capsys)

@@ -160,7 +160,7 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
         chunks = from_store(chunks, ps, before=start.before)
     ps = ps if writer else None
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before}) if rs is not None else None
-    sinks = ([PolicySink(ps, program)] if ps is not None else []) \
+    sinks = ([PolicySink(ps, program, continues=start.before is not None)] if ps is not None else []) \
         + ([LogSink(log)] if log is not None and ps is not None else []) \
         + ([checkpoints] if checkpoints is not None else [])
     recorder = Recorder(program.layout.m, sinks=sinks)
