@@ -24,6 +24,7 @@ from rmm_jax.cli.online import (
     INIT_HELP,
     INITS,
     check_scope,
+    continue_note,
     keep_option,
     online_options,
     open_policies,
@@ -99,7 +100,7 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
-    grouped, n_users = rep.pop("grouped"), rep.pop("users")
+    grouped, n_users, user_ids = rep.pop("grouped"), rep.pop("users"), rep.pop("user_ids")
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
                         skip_invalid=skip_invalid, users=users)
@@ -109,11 +110,14 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
                                    inputs=inputs) as rs:
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+        note = continue_note(ps, start, user_ids) if writer else None
         result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                               users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                               desc="replay", mesh=mesh, writer=writer)
         if rs is not None:
             rs.finish()
+    if note:
+        info(note)
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")

@@ -23,6 +23,7 @@ from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
     INIT_HELP,
     INITS,
+    continue_note,
     keep_option,
     online_options,
     open_policies,
@@ -41,7 +42,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
-from rmm_jax.online.streams import store_chunks
+from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.runstate import file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
@@ -150,11 +151,14 @@ def simulate(store, policies, init, keep, citations, precision, cite_recall, use
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+            note = continue_note(ps, start, check_users(st, users)) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
         if rs is not None:
             rs.finish()
+    if note:
+        info(note)
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
     if plot_path and writer:

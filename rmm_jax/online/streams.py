@@ -337,7 +337,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
 
     Checks every record (schema, ``known`` ids, repeated pairs, the ``--k``/``--m``
     limits) and returns the read report plus ``"users"`` (how many will be replayed:
-    all, or those of ``users``, each of which must have a record) and ``"grouped"``: False
+    all, or those of ``users``, each of which must have a record), ``"user_ids"`` (which)
+    and ``"grouped"``: False
     when a user's records are not on consecutive lines (such a log cannot be streamed by
     user; :func:`log_chunks` reads it whole)."""
     report: dict = {}
@@ -356,7 +357,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     missing = [u for u in users or () if u not in seen]
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
-    return {**report, "users": len(users) if users else len(seen), "grouped": grouped}
+    ids = list(users) if users else sorted(seen)
+    return {**report, "users": len(ids), "user_ids": ids, "grouped": grouped}
 
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
