@@ -130,3 +130,26 @@ def test_the_cache_keeps_the_most_recently_used_users(env):
     p0 = rr.policy("user0").params
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
                                                     jax.tree.leaves(load_policy(rr.store, "user0").params)))
+
+
+def test_non_finite_embeddings_are_refused_naming_the_argument(env):
+    """NaN or inf ranked silently as positions -1; now one InputError naming the argument (and
+    the query and candidate); masked padding may hold anything."""
+    from rmm_jax.errors import InputError
+
+    store, pol = env
+    rr = Reranker.open(pol["user"])
+    u = open_store(store).user("user0")
+    q, c = np.array(u.query_emb[:2]), np.array(u.memory_emb[:5])
+    bad_q = q.copy()
+    bad_q[1, 3] = np.nan
+    with pytest.raises(InputError, match=r"^query_emb: holds NaN or inf \(query 1\)$"):
+        rr.rank("user0", bad_q, c, 2)
+    bad_c = c.copy()
+    bad_c[2, 0] = np.inf
+    with pytest.raises(InputError, match=r"^candidate_embs: holds NaN or inf \(candidate 2\)$"):
+        rr.rank("user0", q[0], bad_c, 2)
+    bad_c[2] = np.nan                                       # masked: padding, not ranked
+    got = rr.rank("user0", q[0], bad_c, 2, mask=np.arange(5) != 2)
+    assert (got.selected >= 0).all() and 2 not in got.selected
+
