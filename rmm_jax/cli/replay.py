@@ -95,7 +95,7 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
-    if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
+    if Path(policies).exists():  # fail fast on a mismatched store, before the validation pass
         check_scope(PolicyStore.open(policies, expect_dim=st.dim), setting.layout, policies)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
