@@ -83,7 +83,8 @@ def no_leftovers(parent: Path, name: str) -> bool:
 def test_help_teaches(capsys):
     code, out, _ = run(capsys, "embed", "--help")
     out = " ".join(out.split())                      # independent of the terminal width
-    assert code == 0 and "Examples:" in out and "rmm-jax embed locomo:" in out
+    assert code == 0 and "Examples:" in out and "rmm-jax embed jsonl:examples/chat_history.jsonl" in out
+    assert "`locomo:PATH`" in out                    # every dataset scheme is named
     assert "[default: turn]" in out and "[default: all-MiniLM-L6-v2]" in out
     code, out, _ = run(capsys, "retrieve", "--help")
     out = " ".join(out.split())
