@@ -2,6 +2,7 @@
 for, and what a killed writer leaves is found by leftovers()."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rmm_jax.persist.atomic import atomic_dir, atomic_file, leftovers, make_dirs
+from rmm_jax.persist.atomic import atomic_dir, atomic_file, leftovers, make_dirs, process_umask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +87,48 @@ def test_a_kill_inside_leaves_no_target_and_a_leftover_to_remove(tmp_path):
     assert r.returncode == -signal.SIGKILL
     assert not target.exists()
     assert [p.name.startswith(".out.tmp-") for p in leftovers(tmp_path)] == [True]
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for a test (``umask(0o022)``), restored afterwards."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield os.umask
+    os.umask(old)
+
+
+def modes(root: Path) -> set[tuple[str, int]]:
+    """('d' or 'f', permission bits) of ``root`` and everything under it."""
+    paths = [root, *root.rglob("*")]
+    return {("d" if p.is_dir() else "f", p.stat().st_mode & 0o777) for p in paths}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_outputs_take_the_users_umask_not_tempfiles_private_modes(tmp_path, umask, mask):
+    umask(mask)
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "x").write_text("1")
+    with atomic_file(tmp_path / "file.json") as f:
+        f.write("{}")
+    assert modes(tmp_path / "out") == {("d", 0o777 & ~mask), ("f", 0o666 & ~mask)}
+    assert modes(tmp_path / "file.json") == {("f", 0o666 & ~mask)}
+    assert process_umask() == mask
+
+
+def test_stores_take_the_users_umask(tmp_path, umask):
+    """An embedding store and a policy store written under umask 002 are group-readable and
+    group-writable throughout, as a serving account in the group needs."""
+    import jax
+    from conftest import make_fake_store
+
+    from rmm_jax.core.reranker import init_reranker
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    umask(0o002)
+    make_fake_store(tmp_path / "store", users=2, dim=8)
+    PolicyStore.create(tmp_path / "pol", {"kind": "linear", "dim": 8, "hidden": None, "config": {}},
+                       init_reranker(jax.random.key(0), 8))
+    for root in (tmp_path / "store", tmp_path / "pol"):
+        assert modes(root) <= {("d", 0o775), ("f", 0o664)}, (root, modes(root))

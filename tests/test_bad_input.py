@@ -16,6 +16,7 @@ cases through the real ``rmm-jax`` script in a subprocess. Decisions pinned here
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ from rmm_jax import init_reranker
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
-from rmm_jax.online.streams import scan_log
+from rmm_jax.online.streams import log_shape, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 
 K, M = 10, 3
@@ -505,10 +506,123 @@ def test_random_valid_logs_replay_end_to_end(env, capsys, data):
     d = env["root"] / "hyp_ok" / str(_counter[0])
     d.mkdir(parents=True)
     (d / "log.jsonl").write_text(jl(*recs))
+    # the log's own K and M: random records need not agree on them, so they are given
+    k, m = max(len(r["candidates"]) for r in recs), max(len(r["selected"]) for r in recs)
     code, out, err = cli(capsys, "replay", env["store"], "--log", d / "log.jsonl", "--policies", d / "pol",
-                         "--k", K, "--m", M, "--json", "--users-per-chunk", 2)
+                         "--k", k, "--m", m, "--json", "--users-per-chunk", 2)
     assert code == 0, err
     assert "Traceback" not in err
     doc = json.loads(out)
     assert doc["log"]["records"] == len(recs) and doc["log"]["skipped"] == 0
     shutil.rmtree(d)
+
+
+# --------------------------------------------------------------------------- read-only outputs
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """``path`` and everything under it unwritable for this process while inside: chmod a-w, and
+    as root (which ignores modes) ``chattr +i`` too. Skips where neither makes it read-only."""
+    paths = [path, *path.rglob("*")]
+    modes = {p: p.stat().st_mode & 0o7777 for p in paths}
+    for p in paths:
+        os.chmod(p, modes[p] & ~0o222)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "-R", "+i", str(path)],
+                                                     capture_output=True).returncode == 0
+    try:
+        try:
+            (path / ".probe").touch()
+        except OSError:
+            pass
+        else:
+            (path / ".probe").unlink()
+            pytest.skip(f"cannot make {path} read-only here (root without chattr +i?)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
+        for p in reversed(paths):
+            os.chmod(p, modes[p])
+
+
+def good_log(e) -> Path:
+    return e["logs"] / "good.jsonl"
+
+
+READ_ONLY_CASES = {   # what each verb writes, under ro/ (read-only) or as the read-only policy store ro/pol
+    "simulate-policies": (lambda e, ro, w: ["simulate", e["store"], "--policies", ro / "pol", "--k", K, "--m", M],
+                          lambda ro: [str(ro / "pol")]),
+    "replay-policies": (lambda e, ro, w: ["replay", e["store"], "--log", good_log(e), "--policies", ro / "pol",
+                                          "--k", K, "--m", M], lambda ro: [str(ro / "pol")]),
+    "simulate-new-policies": (lambda e, ro, w: ["simulate", e["store"], "--policies", ro / "new", "--k", K,
+                                                "--m", M], lambda ro: [str(ro / "new"), "--policies"]),
+    "simulate-log-out": (lambda e, ro, w: ["simulate", e["store"], "--policies", w / "p", "--k", K, "--m", M,
+                                           "--log-out", ro / "log.jsonl"], lambda ro: ["--log-out", str(ro)]),
+    "replay-plot": (lambda e, ro, w: ["replay", e["store"], "--log", good_log(e), "--policies", w / "p", "--k", K,
+                                      "--m", M, "--plot", ro / "c.png"], lambda ro: ["--plot", str(ro)]),
+    "pretrain-out": (lambda e, ro, w: ["pretrain", e["store"], "--out", ro / "new"], lambda ro: ["--out", str(ro)]),
+    "embed-out": (lambda e, ro, w: ["embed", "synthetic:users=2", "--out", ro / "store"],
+                  lambda ro: ["--out", str(ro)]),
+    "rerank-out": (lambda e, ro, w: ["rerank", e["store"], "--policies", ro / "pol", "--calls", w / "calls.jsonl",
+                                     "--out", ro / "ranked.jsonl"], lambda ro: ["--out", str(ro)]),
+    "evaluate-plot": (lambda e, ro, w: ["evaluate", e["store"], "--log", good_log(e), "--policies", ro / "pol",
+                                        "--k", K, "--m", M, "--plot", ro / "o.png"], lambda ro: ["--plot", str(ro)]),
+    "export-out": (lambda e, ro, w: ["policies", "export", ro / "pol", "u", "--out", ro / "u.npz"],
+                   lambda ro: ["--out", str(ro)]),
+}
+
+
+@pytest.mark.parametrize("case", list(READ_ONLY_CASES))
+def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, capsys, tmp_path, case):
+    """A policy store, output directory or file that cannot take new files: one line naming it,
+    exit 2, and nothing written anywhere (no run-state claiming an interrupted run, no
+    temporaries, no half-created store)."""
+    argv, names = READ_ONLY_CASES[case]
+    ro, w = tmp_path / "ro", tmp_path / "w"
+    ro.mkdir()
+    w.mkdir()
+    shutil.copytree(env["pol_existing"], ro / "pol")
+    (w / "calls.jsonl").write_text(jl({"user_id": env["user"].user_id, "query_id": env["user"].query_ids[0]}))
+    before = snapshot(tmp_path)
+    with read_only(ro):
+        code, _, err = cli(capsys, *argv(env, ro, w))
+    assert_one_line_error(code, err, names(ro) + ["cannot write"])
+    assert snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- K and M from the log
+
+
+def test_log_shape_agreement(tmp_path):
+    """K and M are the log's most candidates and selected; a record listing fewer candidates
+    agrees when its user's bank holds no more, one showing fewer memories when it lists no more."""
+    banks = {"a": [f"m{i}" for i in range(10)], "b": [f"m{i}" for i in range(5)], "c": ["m0", "m1"]}
+    known = lambda u: (frozenset(f"q{i}" for i in range(9)), frozenset(banks[u])) if u in banks else None
+    rec = lambda u, q, n, s: {"user_id": u, "query_id": f"q{q}", "candidates": banks[u][:n],
+                              "selected": banks[u][:s], "cited": []}
+    log = tmp_path / "log.jsonl"
+    log.write_text(jl(rec("a", 0, 8, 3), rec("b", 1, 5, 3), rec("c", 2, 2, 2), rec("a", 3, 8, 3)))
+    assert log_shape(log, known) == (8, 3, 1, 1, None, None)        # b, c: their whole banks; c: all it lists
+    log.write_text(jl(rec("a", 0, 8, 3), rec("a", 1, 6, 3), rec("a", 2, 8, 2)))
+    shape = log_shape(log, known)
+    assert shape[:4] == (8, 3, 1, 1)
+    assert shape.k_apart == "line 2 lists 6 candidates of user 'a''s 10 memories"
+    assert shape.m_apart == "line 3 shows 2 memories of its 8 candidates"
+
+
+def test_replay_and_evaluate_take_k_and_m_from_the_log_and_refuse_a_contradiction(env, capsys, tmp_path):
+    """The good log lists 10 candidates and shows 3 on every record: --k 20 or --m 5 contradict it
+    (one line naming the option and the log, nothing written); a log whose records disagree needs
+    the option, and names the record that differs."""
+    log = good_log(env)
+    for verb, more in (("replay", ["--policies", tmp_path / "p"]), ("evaluate", ["--policies", env["pol_existing"]])):
+        for opt, val, says in (("--m", 5, "shows 3 memories per call"), ("--k", 20, "lists 10 candidates per call")):
+            code, _, err = cli(capsys, verb, env["store"], "--log", log, *more, opt, val)
+            assert_one_line_error(code, err, [f"{opt} {val}", "contradicts the log", str(log), says])
+    short = tmp_path / "short.jsonl"
+    g = env["good"]
+    short.write_text(jl(g[0], {**g[1], "selected": g[1]["selected"][:2], "cited": g[1]["cited"][:1]}))
+    code, _, err = cli(capsys, "replay", env["store"], "--log", short, "--policies", tmp_path / "p")
+    assert_one_line_error(code, err, ["--m", "disagree", "line 2 shows 2 memories of its 10 candidates", "pass --m"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.jsonl"]          # nothing written

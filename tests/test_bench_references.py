@@ -3,13 +3,15 @@
 On a fixed small input (d=16, K=8, M=3, B=4) with given selections and citations (no
 sampling randomness), for the linear kind (torch and numpy) and the MLP kind (torch):
 
-* scores equal ``rmm_jax.score`` (fused path) and ``rmm_jax.score_naive`` within 1e-5;
+* scores equal ``rmm_jax.score`` (fused path) and ``rmm_jax.score_naive``;
 * the REINFORCE gradient (binary reward, batch-mean baseline, reward-to-go, exact
-  Plackett–Luce) equals ``jax.grad`` of rmm-jax's loss within float32 tolerance;
+  Plackett–Luce) equals ``jax.grad`` of rmm-jax's loss;
 * params after one Adam step, and after three consecutive steps on different batches,
   equal rmm-jax's ``make_update`` (same lr, selection, citations, baseline).
   (A first Adam step is ≈ −lr·sign(g), so the multi-step check is the stronger one.)
-Both zero-initialised and random non-zero starting parameters are used.
+Both zero-initialised and random non-zero starting parameters are used. "Equal" is within the
+float32 error bound of rmm-jax's computation (tests/helpers.py ``f32_error``), counted twice: the
+references evaluate the same formulas in float32 too, and their rounding obeys the same bound.
 
 Also: the ``torch.compile`` reference (fused scoring) makes the same selections, citations
 and updates as the eager loop, and ``ref_torch.reset`` gives a fresh start; the throughput
@@ -43,6 +45,9 @@ from rmm_jax.core.update import reranker_reinforce_loss  # noqa: E402
 from rmm_jax.data import citations as cm  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, false_cite_prob  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import assert_f32_close, f32_error  # noqa: E402
+
 D, K, M, B = 16, 8, 3, 4
 LR = 1e-2
 
@@ -52,8 +57,8 @@ def cfg_for(kind):
     return setting_for(kind).estimator
 
 
-def setting_for(kind):
-    return rj.preset("default", kind=kind, k=K, m=M, batch=B, lr=LR, tau=0.7, credit="reward_to_go")
+def setting_for(kind, tau=None):
+    return rj.preset("default", kind=kind, k=K, m=M, batch=B, lr=LR, tau=tau or 0.7, credit="reward_to_go")
 
 
 def make_batch(seed):
@@ -91,20 +96,28 @@ def start_params(kind, nonzero):
 
 
 # The MLP memory adapter's output bias adds c·q' to every candidate's score: the softmax
-# is shift-invariant, so its exact gradient is 0 and float32 leaves ~1e-8 of rounding noise,
-# which Adam's g/(|g| + 1e-8) turns into arbitrary ±lr steps. Parameter comparisons after
-# Adam skip it (test_mlp_shift_bias_gradient_is_zero checks the gradient is ~0 instead).
-SHIFT_ONLY = ("m_adapter", "down", "bias")
+# is shift-invariant, so its exact gradient is 0 and float32 leaves rounding noise, which
+# Adam's g/(|g| + 1e-8) turns into arbitrary ±lr steps. The float32 bound of the Adam step
+# says so (its sensitivity to the gradient is 1/|g| there), so no leaf needs skipping;
+# test_mlp_shift_bias_gradient_is_zero checks the gradient is rounding noise instead.
 
 
-def assert_tree_close(a, b, atol, rtol=1e-4, skip=()):
-    fa = jax.tree_util.tree_flatten_with_path(a)[0]
-    fb = jax.tree.leaves(b)
-    assert len(fa) == len(fb)
-    for (path, x), y in zip(fa, fb):
-        if tuple(k.key for k in path) in skip:
-            continue
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+def twice(bound):
+    """The bound of two float32 evaluations of the same formulas (rmm-jax's and a reference's)."""
+    return jax.tree.map(lambda b: 2 * b, bound)
+
+
+@functools.lru_cache(maxsize=None)
+def grads_bound(kind, nonzero, seed):
+    """f32_error of (loss, gradient) of rmm-jax's loss on ``make_batch(seed)``, twice."""
+    bt = make_batch(seed)
+    return twice(f32_error(lambda p: jax_grads(p, cfg_for(kind), bt), start_params(kind, nonzero)))
+
+
+@functools.lru_cache(maxsize=None)
+def steps_bound(kind, nonzero):
+    """f32_error of rmm-jax's three Adam steps (:func:`jax_steps`), twice."""
+    return twice(f32_error(lambda p: jax_steps(kind, p, 3), start_params(kind, nonzero)))
 
 
 def torch_tensors(bt):
@@ -122,10 +135,12 @@ def test_torch_scores_match(kind, nonzero):
     q, m, mask, *_ = torch_tensors(bt)
     with torch.no_grad():
         s_t = model(q, m).numpy()
+    naive = jax.vmap(rj.score_naive, in_axes=(None, 0, 0))
     s_fused = np.asarray(rj.score_batch(params, jnp.asarray(bt["q"]), jnp.asarray(bt["m"])))
-    s_naive = np.asarray(jax.vmap(rj.score_naive, in_axes=(None, 0, 0))(params, bt["q"], bt["m"]))
-    np.testing.assert_allclose(s_t, s_fused, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(s_t, s_naive, atol=1e-5, rtol=0)
+    s_naive = np.asarray(naive(params, bt["q"], bt["m"]))
+    e_naive = f32_error(naive, params, bt["q"], bt["m"])                  # torch builds the adapted memories too
+    assert_f32_close(s_t, s_fused, e_naive + f32_error(rj.score_batch, params, bt["q"], bt["m"]))
+    assert_f32_close(s_t, s_naive, 2 * e_naive)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -135,7 +150,9 @@ def test_numpy_scores_match(nonzero, fused):
     bt = make_batch(0)
     s_np, _ = ref_numpy.forward(ref_numpy.from_flax(params), bt["q"], bt["m"], fused=fused)
     s_jax = np.asarray(rj.score_batch(params, jnp.asarray(bt["q"]), jnp.asarray(bt["m"])))
-    np.testing.assert_allclose(s_np, s_jax, atol=1e-5, rtol=0)
+    e_np = f32_error(rj.score_batch if fused else jax.vmap(rj.score_naive, in_axes=(None, 0, 0)), params, bt["q"],
+                     bt["m"])
+    assert_f32_close(s_np, s_jax, e_np + f32_error(rj.score_batch, params, bt["q"], bt["m"]))
 
 
 def jax_grads(params, cfg, bt):
@@ -163,8 +180,9 @@ def test_torch_gradient_matches(kind, nonzero):
         else:
             g_t[name] = {ly: {"kernel": getattr(mod, ly).weight.grad.numpy().T,
                               "bias": getattr(mod, ly).bias.grad.numpy()} for ly in ("up", "down")}
-    np.testing.assert_allclose(float(loss_t.detach()), float(loss_j), rtol=1e-5, atol=1e-5)
-    assert_tree_close(g_t, g_j, atol=1e-5)
+    e_loss, e_g = grads_bound(kind, nonzero, 1)
+    assert_f32_close(float(loss_t.detach()), loss_j, e_loss)
+    assert_f32_close(g_t, g_j, e_g)
 
 
 @pytest.mark.parametrize("nonzero", [False, True])
@@ -173,25 +191,27 @@ def test_numpy_gradient_matches(nonzero):
     loss_j, g_j = jax_grads(params, cfg, bt)
     loss_n, g_n, _ = ref_numpy.grads(ref_numpy.from_flax(params), bt["q"], bt["m"], bt["mask"],
                                      bt["selected"], bt["cited"], bt["valid"], cfg.tau)
-    np.testing.assert_allclose(loss_n, float(loss_j), rtol=1e-5, atol=1e-5)
-    assert_tree_close(ref_numpy.to_flax(g_n), g_j, atol=1e-5)
+    e_loss, e_g = grads_bound("linear", nonzero, 1)
+    assert_f32_close(loss_n, loss_j, e_loss)
+    assert_f32_close(ref_numpy.to_flax(g_n), g_j, e_g)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_apply(kind):
-    return jax.jit(rj.make_update(*setting_for(kind)))
+def jitted_apply(kind, tau=None):
+    return jax.jit(rj.make_update(*setting_for(kind, tau)))
 
 
-def jax_steps(kind, params, n_steps):
-    """rmm-jax's update on one user (a users axis of 1) for ``n_steps`` batches."""
-    layout, est, opt = setting_for(kind)
-    apply = jitted_apply(kind)
+def jax_steps(kind, params, n_steps, batches=None, tau=None):
+    """rmm-jax's update on one user (a users axis of 1) for ``n_steps`` batches (``make_batch(10 + i)``
+    unless ``batches`` are given); the params after each step."""
+    layout, est, opt = setting_for(kind, tau)
+    apply = jitted_apply(kind, tau)
     one = lambda tree: jax.tree.map(lambda x: x[None], tree)
     shared = rj.init_shared(params, layout, opt)
     users = one(rj.init_user(params, jax.random.key(0), layout, est, opt))
     out = []
     for i in range(n_steps):
-        jb = jax_batch(make_batch(10 + i))
+        jb = jax_batch(make_batch(10 + i) if batches is None else batches[i])
         jb = jb._replace(scores=rj.score_batch(jax.tree.map(lambda x: x[0], users.params), jb.q, jb.m, jb.mask))
         shared, users, _ = apply(shared, users, one(jb))
         out.append(jax.tree.map(lambda x: x[0], users.params))
@@ -202,13 +222,13 @@ def jax_steps(kind, params, n_steps):
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_torch_adam_updates_match(kind, nonzero):
     params = start_params(kind, nonzero)
-    expected = jax_steps(kind, params, 3)
+    expected, bound = jax_steps(kind, params, 3), steps_bound(kind, nonzero)
     model, opt = ref_torch.make(D, kind, lr=LR, params=params)
     for i in range(3):
         q, m, mask, sel, cited, valid = torch_tensors(make_batch(10 + i))
         ref_torch.update(model, opt, q, m, mask, sel, cited, valid, cfg_for(kind).tau)
         # first step: the update asked for by the brief; later steps: Adam moments too
-        assert_tree_close(model.to_flax(), expected[i], atol=2e-6 * (i + 1), rtol=1e-5, skip=(SHIFT_ONLY,))
+        assert_f32_close(model.to_flax(), expected[i], bound[i], err_msg=f"step {i}")
     moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                 for a, b in zip(jax.tree.leaves(expected[-1]), jax.tree.leaves(params)))
     assert moved > 1e-3                                   # the check is not vacuous
@@ -216,7 +236,8 @@ def test_torch_adam_updates_match(kind, nonzero):
 
 def test_mlp_shift_bias_gradient_is_zero():
     _, g = jax_grads(start_params("mlp", True), cfg_for("mlp"), make_batch(1))
-    assert float(jnp.max(jnp.abs(g["m_adapter"]["down"]["bias"]))) < 1e-5
+    _, bound = grads_bound("mlp", True, 1)                  # twice: here half of it is the bound, as 0 is exact
+    assert_f32_close(g["m_adapter"]["down"]["bias"], 0.0, bound["m_adapter"]["down"]["bias"] / 2)
     assert float(jnp.max(jnp.abs(g["m_adapter"]["down"]["kernel"]))) > 1e-3
 
 
@@ -224,14 +245,14 @@ def test_mlp_shift_bias_gradient_is_zero():
 @pytest.mark.parametrize("nonzero", [False, True])
 def test_numpy_adam_updates_match(nonzero, fused):
     params = start_params("linear", nonzero)
-    expected = jax_steps("linear", params, 3)
+    expected, bound = jax_steps("linear", params, 3), steps_bound("linear", nonzero)
     p = ref_numpy.from_flax(params)
     opt = ref_numpy.Adam(p, lr=LR)
     for i in range(3):
         bt = make_batch(10 + i)
         ref_numpy.update(p, opt, bt["q"], bt["m"], bt["mask"], bt["selected"], bt["cited"], bt["valid"],
                          cfg_for("linear").tau, fused=fused)
-        assert_tree_close(ref_numpy.to_flax(p), expected[i], atol=2e-6 * (i + 1), rtol=1e-5)
+        assert_f32_close(ref_numpy.to_flax(p), expected[i], bound[i], err_msg=f"step {i}")
 
 
 def test_reference_loops_run_and_learn_nothing_strange():
@@ -268,7 +289,7 @@ def test_torch_fused_scores_match(nonzero):
     with torch.no_grad():
         s_t = model(q, m, mask).numpy()
     s_jax = np.asarray(rj.score_batch(params, jnp.asarray(bt["q"]), jnp.asarray(bt["m"]), jnp.asarray(bt["mask"])))
-    np.testing.assert_allclose(s_t, s_jax, atol=1e-5, rtol=0)
+    assert_f32_close(s_t, s_jax, twice(f32_error(rj.score_batch, params, bt["q"], bt["m"], bt["mask"])))
     assert np.isneginf(s_t[3, 6:]).all()
 
 
@@ -300,22 +321,42 @@ def test_torch_reset_gives_a_fresh_run():
 
 
 @pytest.mark.slow
-def test_torch_compiled_step_matches_eager():
+def test_torch_compiled_step_matches_eager(monkeypatch):
     """The torch.compile reference (fused scoring, compiled forward/act/loss/Adam) draws the
     same random numbers in the same order as the eager loop, so it makes the same selections
-    and citations and reaches the same parameters (float tolerance)."""
+    and citations and reaches the same parameters: within twice the float32 bound of rmm-jax's
+    updates on the eager run's selections and citations (recorded as it draws them)."""
     ok, why = ref_torch.compile_available()
     if not ok:
         pytest.skip(why)
     data = tiny_stream()
     params = start_params("linear", True)
+    drawn = {"selected": [], "cited": []}
+
+    def recording(fn, key):
+        def wrapped(*a, **kw):
+            out = fn(*a, **kw)
+            drawn[key].append(out.numpy().copy())
+            return out
+        return wrapped
+
+    monkeypatch.setattr(ref_torch, "gumbel_top_m", recording(ref_torch.gumbel_top_m, "selected"))
+    monkeypatch.setattr(ref_torch, "oracle_cite", recording(ref_torch.oracle_cite, "cited"))
     model_e, opt_e = ref_torch.make(D, lr=LR, params=params)
     r_eager = ref_torch.run_stream(model_e, opt_e, data, m=M, batch=B, tau=0.5, seed=3)
+    monkeypatch.undo()
     model_c, opt_c = ref_torch.make(D, lr=LR, params=params, fused=True)
     step = ref_torch.CompiledStep(model_c, opt_c, m=M, tau=0.5)
     r_comp = ref_torch.run_stream_compiled(step, data, batch=B, seed=3)
-    np.testing.assert_allclose(r_comp, r_eager, atol=1e-6)
-    assert_tree_close(model_c.to_flax(), model_e.to_flax(), atol=2e-5, rtol=1e-4)
+    # each batch's Recall is a mean of B ratios in [0, 1]: bound it at magnitude 1
+    ones = np.ones(B, np.float32)
+    assert_f32_close(r_comp, r_eager, twice(f32_error(lambda h, n: jnp.mean(h / n), ones, ones)))
+    batches = [dict(q=data["q"][t:t + B], m=data["bank"][data["cand"][t:t + B]], mask=data["mask"][t:t + B],
+                    selected=sel.astype(np.int32), cited=cited, valid=np.ones(B, bool))
+               for t, sel, cited in zip(range(0, len(data["q"]), B), drawn["selected"], drawn["cited"], strict=True)]
+    n = len(batches)
+    bound = twice(f32_error(lambda p: jax_steps("linear", p, n, batches, tau=0.5)[-1], params))
+    assert_f32_close(model_c.to_flax(), model_e.to_flax(), bound)
     moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                 for a, b in zip(jax.tree.leaves(model_c.to_flax()), jax.tree.leaves(params)))
     assert moved > 1e-3
@@ -329,6 +370,7 @@ def test_floor_is_the_roofline():
     mem = throughput.floor_for(d, k, bandwidth_GBps=10.0, matmul_GFLOPs=1e6, n_params=p)
     assert mem["bound"] == "memory"
     assert mem["bytes_per_update"] == 32 * p + throughput.B * (k + 1) * d * 4
+    # float64 arithmetic on the same Python floats on both sides: the default rtol (1e-7) is ample
     np.testing.assert_allclose(mem["floor_queries_per_s"], throughput.B / (mem["bytes_per_update"] / 10e9))
     comp = throughput.floor_for(d, k, bandwidth_GBps=1e6, matmul_GFLOPs=1.0, n_params=p)
     assert comp["bound"] == "compute"
@@ -363,6 +405,7 @@ def test_numpy_citations_follow_the_library_rule():
         cited = ref_numpy.oracle_cite(g, np.ones_like(g), rng, DEFAULT_PRECISION, DEFAULT_RECALL)
         q = float(false_cite_prob(jnp.asarray(is_gold), jnp.ones(5, bool), DEFAULT_PRECISION, DEFAULT_RECALL))
         rate = cited.mean(0)
+        # Monte Carlo, not rounding: a rate over n = 200,000 draws has sd ≤ 0.0011, so 0.005 is > 4 sd
         for j, gj in enumerate(is_gold):
             np.testing.assert_allclose(rate[j], DEFAULT_RECALL if gj else q, atol=0.005)
         filled = np.array([True, True, True, True, False])                 # the last slot unfilled
@@ -388,9 +431,9 @@ def test_slate_probabilities_are_plackett_luce():
         for a in order:
             exact *= pmf[a] / left
             left -= pmf[a]
-        np.testing.assert_allclose(np.prod(p), exact, rtol=1e-12)
+        np.testing.assert_allclose(np.prod(p), exact, rtol=1e-12)          # float64: a few roundings of 1e-16
         np.testing.assert_allclose(p[0], pmf[order[0]], rtol=1e-12)
-    np.testing.assert_allclose(first / first.sum(), pmf, atol=0.015)
+    np.testing.assert_allclose(first / first.sum(), pmf, atol=0.015)      # Monte Carlo: 20,000 draws, sd ≤ 0.0036
 
 
 def _vw_example(seed, k=8, d=6):
@@ -410,11 +453,12 @@ def test_untrained_vw_ranks_as_the_retriever():
     for seed in range(5):
         q_text, mem_text, s = _vw_example(seed)
         z = peer_vw.vw_logits(ws, s / 0.1, q_text, mem_text)
-        np.testing.assert_array_equal(z, s / 0.1)
+        np.testing.assert_array_equal(z, s / 0.1)                         # exact: base + 0.0 in float64
         assert peer_vw.rank(z, 3).tolist() == np.argsort(-s)[:3].tolist() != [0, 1, 2]
     rng = np.random.default_rng(0)
     first = np.bincount([peer_vw.gumbel_top(z, 3, rng)[0] for _ in range(20_000)], minlength=z.size) / 20_000
-    np.testing.assert_allclose(first, np.exp(z - z.max()) / np.exp(z - z.max()).sum(), atol=0.012)
+    want = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    np.testing.assert_allclose(first, want, atol=0.012)                    # Monte Carlo: 20,000 draws, sd ≤ 0.0036
     ws.finish()
 
 
@@ -428,7 +472,7 @@ def test_vw_learning_sees_the_retriever_logit():
         for i in range(300):
             peer_vw.vw_learn(ws, np.full(3, b), q_text, mem_text, [0, 1], [i % 2 == 0, i % 2 == 1])
         f = peer_vw.vw_logits(ws, np.zeros(3), q_text, mem_text)
-        np.testing.assert_allclose(f[:2], -b, atol=0.3)
+        np.testing.assert_allclose(f[:2], -b, atol=0.3)      # where 300 SGD steps get to, not rounding
         ws.finish()
 
 
@@ -509,7 +553,7 @@ def test_gpu_script_dry_run(tmp_path):
         assert key in tp, key
     for r in tp["configs"].values():
         assert r["rmm_jax_qps"] > 0 and r["torch_qps"] > 0 and r["rmm_jax_compile_s"] > 0
-        np.testing.assert_allclose(r["ratio_vs_torch"], r["rmm_jax_qps"] / r["torch_qps"], rtol=1e-6)
+        assert r["ratio_vs_torch"] == r["rmm_jax_qps"] / r["torch_qps"]       # the same float64 division
     assert tp["configs"]["paper"]["numpy_qps"] > 0
     assert all(r["seconds"] > 0 for r in tp["users_scaling"].values())
     assert tp["machine"]["bandwidth_GBps"] > 0 and tp["machine"]["matmul_GFLOPs"] > 0

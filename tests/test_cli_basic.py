@@ -116,6 +116,18 @@ def test_version_names_jax_and_backend():
     assert r.returncode == 0 and r.stdout.startswith("rmm-jax ") and "jax" in r.stdout
 
 
+def test_version_option(capsys):
+    from rmm_jax.version import __version__
+
+    code, out, err = run_cli(["--version"], capsys)
+    assert (code, out, err) == (0, f"rmm-jax {__version__}\n", "")
+
+
+def test_top_level_help_names_every_step_of_a_teams_day():
+    flow = " ".join(line.split()[1] for line in flow_of(help_of(())[1]))
+    assert flow == "embed retrieve pretrain replay rerank evaluate simulate demo", flow
+
+
 def test_unknown_verb_fails_with_one_line(capsys):
     code, _, err = run_cli(["frobnicate"], capsys)
     assert code != 0 and "No such command" in err and "Traceback" not in err
@@ -129,3 +141,59 @@ def test_loss_option_overrides_the_presets_loss(preset, loss, want):
 
     setting = make_setting(preset, 20, 5, None, None, None, None, None, None, "linear", loss=loss)
     assert setting.estimator.loss == want
+
+
+# --------------------------------------------------------------------------- the examples run as written
+
+# The verbs' examples form one walk from the repository root, in this order; the top-level
+# help's typical flow is another. Each example reads only files of the repository (examples/)
+# or what an example before it wrote.
+WALK = ["embed", "retrieve", "pretrain", "simulate", "replay", "rerank", "evaluate", "policies", "demo", "version"]
+READS = ("store", "log_path", "calls_path")                  # parameters naming an input
+WRITES = ("out", "log_out", "plot_path")                     # parameters naming an output
+
+
+def flow_of(help_text):
+    """The command lines of the top-level help's typical flow (a comment may wrap to its own line)."""
+    m = re.search(r"^  Typical flow.*:\n((?:    .*\n?)+)", help_text, re.M)
+    return [line.split("#")[0].strip() for line in m.group(1).splitlines() if line.strip().startswith("rmm-jax ")]
+
+
+def parse_example(line):
+    """(command path, click params) of ``rmm-jax ...``, parsed as click would run it."""
+    args = line.split("#")[0].split()[1:]
+    cmd, path = cli, []
+    while isinstance(cmd, click.Group):
+        path.append(args[0])
+        cmd, args = cmd.commands[args[0]], args[1:]
+    with cmd.make_context(" ".join(path), args) as ctx:
+        return tuple(path), dict(ctx.params)
+
+
+def check_walk(lines, made):
+    """Each example parses, and every file or store it reads exists or was ``made`` before it."""
+    from rmm_jax.data import load_spec
+
+    for line in lines:
+        path, p = parse_example(line)
+        reads = [p[k] for k in READS if p.get(k)]
+        if path[0] == "policies":
+            reads.append(p["store"])
+        if path[0] in ("rerank", "evaluate") or p.get("init") == "pretrained":
+            reads.append(p["policies"])
+        if path[0] == "embed" and not p["spec"].startswith("synthetic"):
+            load_spec(p["spec"])                      # the loader runs as written (no model needed)
+        missing = [r for r in reads if r not in made and not (REPO / r).exists()]
+        assert not missing, f"{line!r} reads {missing}, which no example before it writes"
+        made |= {p[k] for k in WRITES if p.get(k)} | ({p["policies"]} if path[0] in ("simulate", "replay") else set())
+
+
+def test_help_examples_parse_and_read_only_what_exists_or_an_earlier_example_wrote(monkeypatch):
+    """Every verb's examples and the typical flow, as a user would paste them from the repository
+    root: the options exist and take these values, an embed SPEC loads, and nothing is read
+    that neither examples/ nor an earlier example provides (the `embed log:` example once
+    failed on its own log)."""
+    monkeypatch.chdir(REPO)
+    check_walk(flow_of(help_of(())[1]), set())
+    check_walk([line for verb in WALK for line in examples(help_of((verb,))[1])], set())
+    assert {v for v in cli.commands} == set(WALK)           # a new verb joins the walk

@@ -142,7 +142,7 @@ def test_answer_embeddings_are_question_plus_answer_in_store_order(stores):
     root, ds = stores
     st = open_store(root / "answers")
     want = FakeEmbedder(16).encode(answer_texts(ds))
-    assert np.allclose(np.asarray(st.answer_emb), want)
+    assert np.array_equal(np.asarray(st.answer_emb), want)            # the embedder's float32 rows, stored as they are
     assert open_store(root / "plain").answer_emb is None
     assert any(q.answer for u in ds.users for q in u.queries)       # the answers are really there
 

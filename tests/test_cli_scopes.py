@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_fake_store, run_cli
+from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
 from rmm_jax.data.store import open_store
@@ -79,16 +80,16 @@ def test_rank_out_of_range_is_one_line_and_writes_nothing(capsys, tmp_path, stor
     assert not (tmp_path / "p").exists()
 
 
-def first_batch_log_probs(store, log, params, n: int) -> tuple[np.ndarray, np.ndarray]:
+def first_batch_log_probs(store, log, params, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the first ``n`` records of a simulate log (the first user's first batch, chosen
-    before any update): the logged behaviour log-probability of each selection, and the
-    exact Plackett–Luce log-probability of that selection under ``params`` at the default
-    preset's τ."""
+    before any update): the logged behaviour log-probability of each selection, the exact
+    Plackett–Luce log-probability of that selection under ``params`` at the default preset's
+    τ, and the float32 error bound of the latter (f32_error)."""
     records = [json.loads(line) for line in open(log) if line.strip()][:n]
     st = open_store(store)
     s = stream_from_user(st.user(records[0]["user_id"]), 8)
     tau = rj.preset("default").estimator.sample_tau
-    logged, recomputed = [], []
+    logged, recomputed, bounds = [], [], []
     for r in records:
         assert r["user_id"] == s.user_id
         t = s.query_ids.index(r["query_id"])
@@ -96,10 +97,12 @@ def first_batch_log_probs(store, log, params, n: int) -> tuple[np.ndarray, np.nd
         assert r["candidates"] == cand                      # the log and this stream agree on the candidates
         sel = jnp.asarray([cand.index(x) for x in r["selected"]])
         mask = jnp.asarray(s.cand_mask[t])
-        scores = rj.score(params, jnp.asarray(s.queries[t]), jnp.asarray(s.bank[s.cand[t]]), mask)
-        recomputed.append(float(rj.selection_log_prob(scores, sel, tau, mask=mask)))
+        log_prob = lambda p, q, m: rj.selection_log_prob(rj.score(p, q, m, mask), sel, tau, mask=mask)
+        args = (params, jnp.asarray(s.queries[t]), jnp.asarray(s.bank[s.cand[t]]))
+        recomputed.append(float(log_prob(*args)))
+        bounds.append(float(f32_error(log_prob, *args)))
         logged.append(r["log_prob"])
-    return np.asarray(logged), np.asarray(recomputed)
+    return np.asarray(logged), np.asarray(recomputed), np.asarray(bounds)
 
 
 @pytest.mark.parametrize("scope", ["user", "shared", "hybrid"])
@@ -119,11 +122,11 @@ def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
     # user's hybrid residual is zero), not those of the identity a run that ignored
     # --init pretrained would have started from.
     batch = rj.preset("default").layout.batch
-    logged, under_pre = first_batch_log_probs(store, tmp_path / "log.jsonl", pre, batch)
-    _, under_identity = first_batch_log_probs(store, tmp_path / "log.jsonl",
-                                              rj.init_reranker(jax.random.key(0), 16), batch)
+    logged, under_pre, bound = first_batch_log_probs(store, tmp_path / "log.jsonl", pre, batch)
+    _, under_identity, _ = first_batch_log_probs(store, tmp_path / "log.jsonl",
+                                                 rj.init_reranker(jax.random.key(0), 16), batch)
     assert len(logged) == batch
-    np.testing.assert_allclose(logged, under_pre, atol=1e-4)
+    assert_f32_close(logged, under_pre, 2 * bound)             # the loop's float32 and this one's
     assert np.abs(logged - under_identity).max() > 0.05
     ps = PolicyStore.open(tmp_path / "p")
     assert ps.meta["scope"] == scope

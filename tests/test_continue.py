@@ -80,6 +80,7 @@ def test_replaying_half_then_half_equals_replaying_the_whole_log(capsys, tmp_pat
         code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / f"{log}.jsonl", "--policies",
                                tmp_path / pol, *SIM, *extra)
         assert code == 0, err
+        assert ("continued" in err) == (log == "b"), err        # the second half says it continued
     assert_same(states(tmp_path / "halves"), states(tmp_path / "whole"))
     # the second half did continue: starting over from identity gives other policies
     code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / "b.jsonl", "--policies", tmp_path / "halves",
@@ -94,9 +95,25 @@ def test_simulating_two_query_ranges_equals_one_run(capsys, tmp_path, store):
         code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / pol, *SIM,
                                *(["--queries", rng] if rng else []))
         assert code == 0, err
+        continuing = [ln for ln in err.splitlines() if ln.startswith("continued")]
+        if rng == "12:":     # the second day says it continued, and from what: chunks of 2 saved v1 and v2
+            assert continuing == [f"continued {tmp_path / 'two'}: 4 of 4 users from their saved versions v1-v2, "
+                                  "0 new users from the store's shared version v1"], err
+        else:
+            assert continuing == [], err
     assert_same(states(tmp_path / "two"), states(tmp_path / "one"))
     two = PolicyStore.open(tmp_path / "two")
     assert all(len(two.entries(u)) == 2 for u in two.users())          # each user saved once per run
+    # `policies list`: the queries learned from count every run, as the learner step does
+    rows = {}
+    for pol in ("one", "two"):
+        code, out, _ = run_cli(capsys, "policies", "list", tmp_path / pol, "--json")
+        rows[pol] = {r["user"]: r for r in json.loads(out)["users"]}
+    for u, r in rows["two"].items():
+        total = rows["one"][u]["queries_learned"]
+        assert (r["queries_learned"], r["queries_last_run"]) == (total, total - 12) and total > 12, r
+    code, out, _ = run_cli(capsys, "policies", "list", tmp_path / "two")
+    assert "queries learned" in out.splitlines()[1] and "last run" in out.splitlines()[1]
 
 
 def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, tmp_path, store):
@@ -107,6 +124,8 @@ def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, t
     shared_after_first = states(ps_path)["<shared>"]
     code, out, err = run_cli(capsys, "simulate", store, "--policies", ps_path, "--users", "user2", *SIM, "--json")
     assert code == 0, err
+    assert f"continued {ps_path}: 0 of 1 users from their saved versions, 1 new user from the store's shared " \
+           "version v2" in err, err
     assert json.loads(out)["init"] == "continue" and json.loads(out)["config"]["layout"]["scope"] == "shared"
     # user2 was new: its first queries were scored with the shared part the first run left
     code, out2, _ = run_cli(capsys, "simulate", store, "--policies", tmp_path / "fresh", "--users", "user2", *SIM,

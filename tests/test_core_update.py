@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
 from rmm_jax.core import optim
@@ -81,10 +82,10 @@ def test_the_logistic_loss_runs_through_the_same_update_and_equals_the_brute_for
                       loss="logistic", offset=0.5, p_useful=0.9, p_other=0.2)
 
 
-def check_brute_force(scope, opt_name, variant, **est_fields):
-    opt = OPTIMIZERS[opt_name]()
-    layout, est, shared, users, batch = setup(scope, opt, **est_fields)
-    new_shared, new_users, metrics = variant(rj.make_update(layout, est, opt))(shared, users, batch)
+def brute_force(layout, est, opt, shared, users, batch):
+    """Per user, autodiff of that user's own loss; the shared part steps on the mean gradient of
+    the users with a query, each own part on its user's gradient (optax). Returns the new shared
+    params (None without a shared part), each user's new own params, and the mean shared gradient."""
     grads_s, grads_l = [], []
     for u in range(U):
         bu = jax.tree.map(lambda x: x[u], batch)
@@ -95,20 +96,40 @@ def check_brute_force(scope, opt_name, variant, **est_fields):
                                                                                                    users.params))
         grads_s.append(gs)
         grads_l.append(gl)
-    close = lambda got, want: [np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-                               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
-    active = [u for u in range(U) if bool(VALID[u].any())]
+    new_shared = mean_g = None
     if layout.scope.has_shared:
+        active = [u for u in range(U) if np.asarray(VALID)[u].any()]
         mean_g = jax.tree.map(lambda *g: sum(g[u] for u in active) / len(active), *grads_s)
-        assert float(optax.tree.norm(mean_g)) > 1e-3                      # the check is not vacuous
         upd, _ = opt.update(mean_g, shared.opt_state, shared.params)
-        close(new_shared.params, optax.apply_updates(shared.params, upd))
+        new_shared = optax.apply_updates(shared.params, upd)
+    new_own = []
+    for u in range(U):
+        own = lambda tree: jax.tree.map(lambda x: x[u], tree)
+        upd, _ = opt.update(grads_l[u], own(users.opt_state), own(users.params))
+        new_own.append(optax.apply_updates(own(users.params), upd))
+    return new_shared, new_own, mean_g
+
+
+def check_brute_force(scope, opt_name, variant, **est_fields):
+    opt = OPTIMIZERS[opt_name]()
+    layout, est, shared, users, batch = setup(scope, opt, **est_fields)
+    update = rj.make_update(layout, est, opt)
+    new_shared, new_users, metrics = variant(update)(shared, users, batch)
+    brute = lambda sh, us, bt: brute_force(layout, est, opt, sh, us, bt)
+    want_shared, want_own, mean_g = brute(shared, users, batch)
+    # both sides float32: the sum of the two computations' bounds
+    e_shared, e_own, _ = f32_error(brute, shared, users, batch)
+    e_update_shared, e_update_users, _ = f32_error(update, shared, users, batch)
+    plus = lambda a, b: jax.tree.map(np.add, a, b)
+    if layout.scope.has_shared:
+        assert float(optax.tree.norm(mean_g)) > 1e-3                      # the check is not vacuous
+        assert_f32_close(new_shared.params, want_shared, plus(e_shared, e_update_shared.params))
     else:
         assert new_shared.params == {}
     for u in range(U):
         own = lambda tree: jax.tree.map(lambda x: x[u], tree)
-        upd, _ = opt.update(grads_l[u], own(users.opt_state), own(users.params))
-        close(own(new_users.params), optax.apply_updates(own(users.params), upd))
+        assert_f32_close(own(new_users.params), want_own[u], plus(e_own[u], own(e_update_users.params)),
+                         err_msg=f"user {u}")
     np.testing.assert_array_equal(new_users.learner_state.step, [1] * U)
     assert metrics["loss"].shape == (U,)
 
@@ -138,28 +159,43 @@ def test_closed_form_linear_gradient_equals_autodiff(scope):
     loss = lambda p: scores_loss(est, rj.score_batch(p, bu.q, bu.m, bu.mask), bu, 0.25, importance_weights(
         est, bu.scores, bu))
     want = jax.grad(loss)(params)
-    ds = jax.grad(lambda s: scores_loss(est, s, bu, 0.25, importance_weights(est, bu.scores, bu)))(bu.scores)
-    got = linear_factors(params, bu.q, bu.m, bu.mask, ds)
-    pairs = jax.tree.leaves(got, is_leaf=lambda v: isinstance(v, tuple))
+
+    def factors(p):
+        ds = jax.grad(lambda s: scores_loss(est, s, bu, 0.25, importance_weights(est, bu.scores, bu)))(bu.scores)
+        return linear_factors(p, bu.q, bu.m, bu.mask, ds)
+
+    dense = lambda p: [x.T @ y for x, y in jax.tree.leaves(factors(p), is_leaf=lambda v: isinstance(v, tuple))]
+    pairs = jax.tree.leaves(factors(params), is_leaf=lambda v: isinstance(v, tuple))
     assert len(pairs) == len(jax.tree.leaves(want)) == (6 if scope == "hybrid" else 2)
-    for (x, y), g in zip(pairs, jax.tree.leaves(want), strict=True):
+    bound = [a + b for a, b in zip(f32_error(dense, params), jax.tree.leaves(f32_error(jax.grad(loss), params)))]
+    for (x, y), g, e in zip(pairs, jax.tree.leaves(want), bound, strict=True):
         assert x.shape[0] == y.shape[0] == bu.q.shape[0]                  # rank B
-        np.testing.assert_allclose(x.T @ y, g, rtol=1e-5, atol=1e-6)
+        assert_f32_close(x.T @ y, g, e)
 
 
 @pytest.mark.parametrize("make", [rj.adam, rj.sgd])
 def test_an_optimizer_steps_the_same_on_factors_as_optax_on_the_dense_gradient(make):
     opt = make(1e-2)
     p = {"w": jax.random.normal(jax.random.key(0), (5, 7))}
-    st_f, st_d, pf, pd = opt.init(p), opt.init(p), p, p
-    for i in range(5):
-        x, y = jax.random.normal(jax.random.key(10 + i), (3, 5)), jax.random.normal(jax.random.key(20 + i), (3, 7))
-        pf, st_f = jax.jit(opt.step_factors)(pf, st_f, {"w": (x, y)})
-        upd, st_d = opt.update({"w": x.T @ y}, st_d, pd)
-        pd = optax.apply_updates(pd, upd)
-    np.testing.assert_allclose(pf["w"], pd["w"], rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(st_f), jax.tree.leaves(st_d), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    xys = [(jax.random.normal(jax.random.key(10 + i), (3, 5)), jax.random.normal(jax.random.key(20 + i), (3, 7)))
+           for i in range(5)]
+
+    def on_factors(p, step=opt.step_factors):
+        st = opt.init(p)
+        for x, y in xys:
+            p, st = step(p, st, {"w": (x, y)})
+        return p, st
+
+    def on_dense(p):
+        st = opt.init(p)
+        for x, y in xys:
+            upd, st = opt.update({"w": x.T @ y}, st, p)
+            p = optax.apply_updates(p, upd)
+        return p, st
+
+    (pf, st_f), (pd, st_d) = on_factors(p, jax.jit(opt.step_factors)), on_dense(p)
+    bound = jax.tree.map(np.add, f32_error(on_factors, p), f32_error(on_dense, p))     # both float32
+    assert_f32_close((pf, st_f), (pd, st_d), bound)
     assert jax.tree.structure(st_f) == jax.tree.structure(st_d)              # a stored policy is the same
 
 
@@ -175,11 +211,12 @@ def test_running_mean_baseline_is_an_ema_used_before_its_update():
     est = rj.Estimator(baseline="running_mean", baseline_value=0.5, ema=0.9)
     ls = rj.init_learner_state(jax.random.key(0), est)
     rewards = jnp.array([[1.0, 0.0, 1.0, 1.0]])
-    b, new = baseline_for(est, ls, rewards, jnp.ones((1, 4), bool))
+    filled = jnp.ones((1, 4), bool)
+    b, new = baseline_for(est, ls, rewards, filled)
     assert float(b) == 0.5
-    np.testing.assert_allclose(new, 0.9 * 0.5 + 0.1 * 0.75)
+    assert_f32_close(new, 0.9 * 0.5 + 0.1 * 0.75, f32_error(lambda r: baseline_for(est, ls, r, filled)[1], rewards))
     b, _ = baseline_for(rj.Estimator(baseline="batch_mean"), ls, rewards, jnp.array([[True, True, False, False]]))
-    np.testing.assert_allclose(b, 0.5)
+    assert float(b) == 0.5                                                   # (1 + 0) / 2: exact
 
 
 def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
@@ -190,8 +227,10 @@ def test_importance_weight_is_one_on_policy_and_clipped_off_policy():
     weights = lambda b: importance_weights(est, scores, b)
     on = batch._replace(selected=sel, logged_log_prob=logp, has_logged=jnp.ones((B,), bool))
     np.testing.assert_array_equal(weights(on), np.ones(B))
-    np.testing.assert_allclose(weights(on._replace(logged_log_prob=logp - 5.0)), np.full(B, 2.0), rtol=1e-6)
-    np.testing.assert_allclose(weights(on._replace(logged_log_prob=logp + 1.0)), np.full(B, np.exp(-1.0)), rtol=1e-5)
+    np.testing.assert_array_equal(weights(on._replace(logged_log_prob=logp - 5.0)), np.full(B, 2.0))   # clipped: exact
+    off = on._replace(logged_log_prob=logp + 1.0)            # float32 logp + 1: not exactly 1 apart
+    want = np.exp(np.asarray(logp, np.float64) - np.asarray(off.logged_log_prob, np.float64))
+    assert_f32_close(weights(off), want, f32_error(lambda sc: importance_weights(est, sc, off), scores))
     np.testing.assert_array_equal(weights(on._replace(valid=jnp.array([True, False, True]))), [1, 0, 1])
 
 
@@ -235,6 +274,12 @@ def test_act_samples_plackett_luce_at_the_noise_temperature(noise, temp):
     sel, _, logp = jax.vmap(lambda k: act(est, 1, s, jnp.ones((1, 3), bool), k))(jax.random.split(jax.random.key(0),
                                                                                                  20000))
     freq = np.bincount(np.asarray(sel[:, 0, 0]), minlength=3) / 20000
-    want = np.asarray(jax.nn.softmax(s[0] / temp))
-    assert np.all(np.abs(freq - want) < 4 * np.sqrt(want * (1 - want) / 20000)), (freq, want)
-    np.testing.assert_allclose(np.exp(np.asarray(logp[:, 0])), want[np.asarray(sel[:, 0, 0])], rtol=1e-5)
+    z = np.asarray(s[0], np.float64) / temp
+    want = np.exp(z - z.max()) / np.exp(z - z.max()).sum()                  # float64
+    assert np.all(np.abs(freq - want) < 4 * np.sqrt(want * (1 - want) / 20000)), (freq, want)   # Monte Carlo
+    # the logged log-prob of each candidate drawn: exp in float64 of float32 within e, so within P·e
+    picked = np.asarray(sel[:, 0, 0])
+    for i in range(3):
+        k = jax.random.split(jax.random.key(0), 20000)[int(np.argmax(picked == i))]
+        e = float(f32_error(lambda x: act(est, 1, x, jnp.ones((1, 3), bool), k)[2][0], s))
+        assert_f32_close(np.exp(np.asarray(logp[picked == i, 0], np.float64)), want[i], want[i] * e)

@@ -2,9 +2,13 @@
 collectives, so a sharded run equals a single-device run up to float32 summation order.
 
 Two real processes talk over gloo (``jax.distributed``) on localhost; eight devices are
-forced on the CPU backend. Tolerance: the sum over users is reassociated across devices,
-so leaves may differ by float32 rounding, stated as max |a − b| / max(1, |b|) ≤ 1e-5;
-selections and citations (discrete) must be identical.
+forced on the CPU backend. Selections and citations (discrete) must be identical through the
+whole run. Float leaves: the sum over users is reassociated across devices, and the difference
+then compounds through every later learning step, so max |a − b| / max(1, |b|) ≤ 1e-5 is an
+allowance, not a float32 error bound: the worst-case bound of a whole run (tests/helpers.py
+``f32_error``, chunk by chunk) is vacuous here, above 1e7 on the parameters, as rounding differences are amplified
+by later gradients and Adam's division by √v. Measured: ≤ 1.5e-7 (two processes), ≤ 1.2e-7
+(eight devices), ≤ 3e-8 (the CLI), so the allowance is about 65 times the observed difference.
 """
 from __future__ import annotations
 

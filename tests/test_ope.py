@@ -28,8 +28,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_fake_store, run_cli
+from helpers import assert_f32_close, f32_error
 
-from rmm_jax.core.reranker import init_reranker
+from rmm_jax.core.reranker import init_reranker, score
+from rmm_jax.core.sampling import selection_log_probs
 from rmm_jax.data.citation_log import pl_log_prob
 from rmm_jax.data.store import open_store
 from rmm_jax.online.ope import (
@@ -90,7 +92,7 @@ def random_case(k, seed, masked=0):
 def test_slot_marginals_exact_equal_enumeration(k, m, masked):
     z, mask = random_case(k, 10 * k + m + masked, masked)
     got = slot_marginals_exact(z[None], mask[None], m)[0]
-    np.testing.assert_allclose(got, brute_marginals(z, mask, m), atol=1e-12)
+    np.testing.assert_allclose(got, brute_marginals(z, mask, m), atol=1e-12)       # float64 on both sides
     assert np.all(got[:, ~mask] == 0)
 
 
@@ -98,7 +100,7 @@ def test_slot_marginals_monte_carlo_close_and_labelled():
     z, mask = random_case(7, 3, 1)
     exact = brute_marginals(z, mask, 3)
     mc = slot_marginals_mc(z[None], mask[None], 3, samples=20000, seed=1)[0]
-    assert np.abs(mc - exact).max() < 0.01
+    assert np.abs(mc - exact).max() < 0.01              # Monte Carlo (20,000 samples, Rao-Blackwellised)
     assert np.all(mc[:, mask] > 0)  # Rao-Blackwellised: never 0 for a candidate still available
     _, info = slot_marginals(z[None], mask[None], 3)
     assert info == {"method": "exact", "subsets": subset_count(7, 3)} and subset_count(7, 3) == 1 + 7 + 21
@@ -117,7 +119,7 @@ def test_shown_set_probs_equal_enumeration(k, m):
     got = {frozenset(np.flatnonzero(members[c]).tolist()): probs[0, c] for c in range(len(members))}
     assert set(got) == set(want)
     for s, p in want.items():
-        assert got[s] == pytest.approx(p, abs=1e-12)
+        assert got[s] == pytest.approx(p, abs=1e-12)                        # float64 on both sides
 
 
 @pytest.mark.parametrize("k,m", [(4, 2), (5, 3), (6, 4)])
@@ -128,18 +130,32 @@ def test_prefix_probabilities_equal_enumeration(k, m):
     sels = list(selections(z, mask, m))
     for perm, _ in sels[:: max(1, len(sels) // 12)]:
         got = np.exp(prefix_log_probs(z[None], np.asarray(perm)[None], mask[None])[0])
+        b = log_prefix_bound(z, perm, mask)             # prefix_log_probs runs in float32
         for j in range(len(perm)):
             want = sum(p for other, p in sels if other[:j + 1] == perm[:j + 1])
-            assert got[j] == pytest.approx(want, rel=1e-5)
-        assert math.log(got[-1]) == pytest.approx(pl_log_prob(np.where(mask, z, -np.inf), list(perm)), abs=1e-5)
+            assert_f32_close(got[j], want, want * np.expm1(b[j]))
+        assert_f32_close(math.log(got[-1]), pl_log_prob(np.where(mask, z, -np.inf), list(perm)), b[-1])
 
 
 # --------------------------------------------------------------------------- unbiasedness
 K, M = 4, 2
 
 
+def log_prefix_bound(z, perm, mask) -> np.ndarray:
+    """A bound on |prefix_log_probs(z) − the exact log prefix probabilities of the float64 ``z``|:
+    prefix_log_probs rounds the logits to float32 (a draw's log-probability moves by at most twice
+    the largest logit change) and evaluates in float32 (f32_error); both cumulate over the draws."""
+    z32 = np.asarray(z, np.float32)
+    rounding = 2 * np.abs(z32.astype(np.float64) - np.asarray(z, np.float64)).max()
+    per_draw = f32_error(lambda x: selection_log_probs(x, np.asarray(perm, np.int32), 1.0, mask=np.asarray(mask)),
+                         z32)
+    return np.cumsum(per_draw + rounding)
+
+
 def contributions(zb, zt, perm, rewards):
-    """One logged call's estimate by each estimator (n = 1, no bootstrap)."""
+    """One logged call's estimate by each estimator (n = 1, no bootstrap), and a bound on each
+    estimate's relative error: its weights are exp of differences of float32 log prefix
+    probabilities (IPS the whole selection's, RIPS each prefix's; IIPS's marginals are float64)."""
     sel = np.asarray(perm)[None]
     mask = np.ones((1, K), bool)
     pb, pt = prefix_log_probs(zb[None], sel, mask), prefix_log_probs(zt[None], sel, mask)
@@ -147,14 +163,17 @@ def contributions(zb, zt, perm, rewards):
     ratio = np.array([[mt[0, j, a] / mb[0, j, a] for j, a in enumerate(perm)]])
     kw = {"log_ratio": pt[:, -1] - pb[:, -1], "prefix_log_ratio": pt - pb, "marginal_ratio": ratio}
     r = np.asarray(rewards, np.float64)[None]
-    return {name: estimate(name, estimator_weights(name, **kw), r, bootstrap=0)["value"]
+    drift = log_prefix_bound(zb, perm, mask[0]) + log_prefix_bound(zt, perm, mask[0])
+    rel = {"ips": np.expm1(drift[-1]), "rips": np.expm1(drift.max()), "iips": 1e-12}
+    return {name: (estimate(name, estimator_weights(name, **kw), r, bootstrap=0)["value"], rel[name])
             for name in ("ips", "rips", "iips")}
 
 
 def expectations(reward_fn, seed):
-    """(E_μ[estimate] per estimator, V(π)) over every selection of 3 contexts."""
+    """(E_μ[estimate] per estimator, V(π), a bound on each expectation's float error) over every
+    selection of 3 contexts. Rewards are ≥ 0, so an estimate off by a relative δ is off by δ·v."""
     rng = np.random.default_rng(seed)
-    exp = {"ips": 0.0, "rips": 0.0, "iips": 0.0}
+    exp, bound = {"ips": 0.0, "rips": 0.0, "iips": 0.0}, {"ips": 0.0, "rips": 0.0, "iips": 0.0}
     truth = 0.0
     for c in range(3):
         zb, zt = rng.normal(size=K), rng.normal(size=K) * 2
@@ -163,9 +182,10 @@ def expectations(reward_fn, seed):
         for perm, p in selections(zt, mask, M):
             truth += p * sum(reward_fn(table, perm)) / 3
         for perm, p in selections(zb, mask, M):
-            for name, v in contributions(zb, zt, perm, reward_fn(table, perm)).items():
+            for name, (v, rel) in contributions(zb, zt, perm, reward_fn(table, perm)).items():
                 exp[name] += p * v / 3
-    return exp, truth
+                bound[name] += p * abs(v) * rel / 3
+    return exp, truth, bound
 
 
 SLATE = lambda t, perm: [t[perm[0], perm[1], j] for j in range(M)]           # noqa: E731 any slot depends on all
@@ -175,24 +195,24 @@ ITEM = lambda t, perm: [t[perm[0], K, 0], t[K, perm[1], 1]]                  # n
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ips_unbiased_for_any_reward(seed):
-    exp, truth = expectations(SLATE, seed)
-    assert exp["ips"] == pytest.approx(truth, rel=1e-6)
+    exp, truth, bound = expectations(SLATE, seed)
+    assert_f32_close(exp["ips"], truth, bound["ips"])
     assert abs(exp["rips"] - truth) > 1e-3 and abs(exp["iips"] - truth) > 1e-3  # their assumptions fail
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rips_unbiased_for_cascade_rewards(seed):
-    exp, truth = expectations(CASCADE, seed)
-    assert exp["rips"] == pytest.approx(truth, rel=1e-6)
-    assert exp["ips"] == pytest.approx(truth, rel=1e-6)
+    exp, truth, bound = expectations(CASCADE, seed)
+    assert_f32_close(exp["rips"], truth, bound["rips"])
+    assert_f32_close(exp["ips"], truth, bound["ips"])
     assert abs(exp["iips"] - truth) > 1e-3
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_iips_unbiased_for_item_position_rewards(seed):
-    exp, truth = expectations(ITEM, seed)
+    exp, truth, bound = expectations(ITEM, seed)
     for name in ("ips", "rips", "iips"):
-        assert exp[name] == pytest.approx(truth, rel=1e-6), name
+        assert_f32_close(exp[name], truth, bound[name], err_msg=name)
 
 
 # --------------------------------------------------------------------------- formulas and obp
@@ -216,6 +236,7 @@ def value(name, kw, rewards, **opts):
 
 
 def test_estimators_match_a_numpy_transcription():
+    """float64 on both sides (here and against obp): rel 1e-9 leaves room for summation order."""
     kw, r, (pb, pt), (mb, mt) = logged_data(0)
     w = pt[:, -1] / pb[:, -1]
     R = r.sum(1)
@@ -312,6 +333,24 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+def logit_drift(env) -> float:
+    """A bound δ on |log π(selection)| − the logged one for the identity target at TAU: the log's
+    logits are NumPy's float32 (m·q)/τ, evaluate's are rmm-jax's float32 score/τ (f32_error each,
+    the same bound for both), and a Plackett–Luce log-probability of M draws moves by at most
+    2·M·max|Δz|. Importance weights are then within e^{±δ} of 1."""
+    st = open_store(env["store"])
+    p = init_reranker(jax.random.key(0), 16)
+    worst = 0.0
+    for uid in st.user_ids:
+        u = st.user(uid)
+        s = stream_from_user(u, KK)
+        for t in range(len(u.query_ids)):
+            m = np.asarray(u.memory_emb[[int(j) for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]])
+            e = f32_error(lambda p, q, m: score(p, q, m) / TAU, p, np.asarray(u.query_emb[t]), m)
+            worst = max(worst, 2 * float(e.max()))
+    return 2 * MM * worst
+
+
 def evaluate(capsys, env, *args, log=None):
     return run_cli(capsys, "evaluate", env["store"], "--log", log or env["log"], "--policies", env["pol"],
                    "--k", KK, "--m", MM, "--bootstrap", 200, *args)
@@ -330,12 +369,16 @@ def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     assert set(rep["estimates"]) == {"cited", "cite_rate", "recall"} and rep["unreliable"] == []
     cited = rep["estimates"]["cited"]
     mean_cited = np.mean([len(r["cited"]) for r in ope_env["records"]])
-    assert cited["logged"]["value"] == pytest.approx(mean_cited)
+    assert cited["logged"]["value"] == pytest.approx(mean_cited)            # float64 means of the same counts
+    # weights within e^{±δ} of 1 (logit_drift): a ratio of weighted sums moves by at most e^{2δ} − 1,
+    # the ESS (Σw)²/Σw² by e^{4δ} − 1
+    delta = logit_drift(ope_env)
+    assert delta < 1e-3                                                      # and a bug moves them by far more
     for name in rep["estimators"]:
         assert cited[name]["reliable"] and "reason" not in cited[name]
-        assert cited[name]["value"] == pytest.approx(mean_cited, rel=1e-4), name
-        assert cited[name]["ess"] == pytest.approx(n, rel=1e-3)
-        assert cited[name]["weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert cited[name]["value"] == pytest.approx(mean_cited, rel=np.expm1(2 * delta)), name
+        assert cited[name]["ess"] == pytest.approx(n, rel=np.expm1(4 * delta))
+        assert cited[name]["weight_mean"] == pytest.approx(1.0, abs=np.expm1(delta))
         lo, hi = cited[name]["ci95"]
         assert lo <= cited[name]["value"] <= hi
     assert "direct" in rep["estimates"]["recall"]
@@ -513,8 +556,8 @@ def test_low_ess_one_warning_and_clip_fixes_it(capsys, ope_env, tmp_path):
     assert code == 0, err
     rep = strict_json(out)
     assert rep["unreliable"] == [] and "effective sample size" not in err
-    ips = rep["estimates"]["cited"]["ips"]
-    assert ips["ess"] == pytest.approx(49 ** 2 / 51, rel=1e-3) and ips["clipped"] == 1
+    ips = rep["estimates"]["cited"]["ips"]                   # the 47 other weights within e^{±δ} of 1
+    assert ips["ess"] == pytest.approx(49 ** 2 / 51, rel=np.expm1(4 * logit_drift(ope_env))) and ips["clipped"] == 1
 
 
 def test_ess_threshold_is_the_option(capsys, ope_env):
@@ -610,7 +653,7 @@ def test_kish_ess_exact_and_scale_free():
     w = rng.lognormal(size=(200, 1)) * 3
     r = rng.uniform(size=(200, 1))
     want = w.sum() ** 2 / (w ** 2).sum()
-    assert estimate("ips", w, r, bootstrap=0)["ess"] == pytest.approx(want, rel=1e-12)
+    assert estimate("ips", w, r, bootstrap=0)["ess"] == pytest.approx(want, rel=1e-12)      # float64
     assert estimate("ips", w * 1e300, r, bootstrap=0)["ess"] == pytest.approx(want, rel=1e-12)  # no overflow
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import TESTS_DIR, info_of, params_of, save_seeds, stacked, state_of
+from helpers import TESTS_DIR, assert_f32_close, f32_error, info_of, params_of, save_seeds, stacked, state_of
 
 import rmm_jax as R
 from rmm_jax.cli.main import main
@@ -449,12 +449,12 @@ def test_reranker_ranks_with_the_stored_policy_and_new_users_get_the_shared_part
     got = rr.rank("u", q, m, 2, mask)
     for i in range(3):                                  # the core scorer, and its deterministic top-2
         want = np.asarray(R.score(params, *map(jax.numpy.asarray, (q[i], m[i], mask))))
-        np.testing.assert_allclose(got.scores[i], want, rtol=1e-6)
+        assert_f32_close(got.scores[i], want, 2 * f32_error(R.score, params, q[i], m[i], mask))   # both float32
         assert got.selected[i].tolist() == np.argsort(-np.where(mask, want, -np.inf))[:2].tolist()
     assert rr.policy("u").version == 1
     new = rr.rank("new_user", q[0], m[0], 2)                  # served the shared part (here: params_of(0))
-    np.testing.assert_allclose(new.scores[0], np.asarray(R.score(params_of(0), jax.numpy.asarray(q[0]),
-                                                                 jax.numpy.asarray(m[0]))), rtol=1e-6)
+    assert_f32_close(new.scores[0], R.score(params_of(0), jax.numpy.asarray(q[0]), jax.numpy.asarray(m[0])),
+                     2 * f32_error(R.score, params_of(0), q[0], m[0]))
     assert rr.policy("new_user").version is None and list(rr._cache) == ["new_user"]    # LRU of one
     with pytest.raises(InputError, match="query_emb"):
         rr.rank("u", q[:, :4], m, 2)
@@ -498,7 +498,9 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     doc = json.loads(out)
     assert code == 0 and doc["n_users"] == 2
     assert doc["users"][0]["user"] == "alice" and doc["users"][0]["versions"] == [1, 2]
-    assert doc["users"][0]["queries_seen"] == 5 and doc["users"][0]["last_update"]
+    # info_of() records only queries_seen, as stores did before queries_learned: it counts for both
+    assert doc["users"][0]["queries_learned"] == doc["users"][0]["queries_last_run"] == 5
+    assert doc["users"][0]["last_update"]
     code, out, _ = _cli(["policies", "list", str(st.path)], capsys)
     assert code == 0 and "alice" in out and "1,2" in out
     code, out, _ = _cli(["policies", "list", str(st.path), "--users", "bob", "--json"], capsys)
@@ -510,7 +512,7 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     assert code == 0 and doc["version"] == 1 and doc["shared_version"] is None and doc["info"]["queries_seen"] == 6
     k = np.linalg.norm(state_of(6).params["q_adapter"]["W"]["kernel"].astype(np.float64))
     leaf = {x["path"]: x for x in doc["params"]}["q_adapter/W/kernel"]
-    assert leaf["shape"] == [D, D] and leaf["norm"] == pytest.approx(k)
+    assert leaf["shape"] == [D, D] and leaf["norm"] == pytest.approx(k)      # float64 norms on both sides
     assert "loading" in err
     on_disk = (st.path / "gens" / "v00000001" / "c0000" / "rows.bin").stat().st_size  # alice and bob share it
     assert doc["bytes"]["user"] == {"version": 1, "chunk": "c0000", "row": 1, "users_in_chunk": 2,

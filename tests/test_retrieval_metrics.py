@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_f32_close, f32_error
 
 from rmm_jax.core import metrics as M
 from rmm_jax.data import retrieval as R
@@ -15,6 +16,11 @@ from rmm_jax.errors import InputError
 
 
 # --------------------------------------------------------------------------- references
+def metric_bound(f, rel, num_gold, k):
+    """The float32 error bound of the metric ``f(rel, num_gold, k)``."""
+    return f32_error(lambda r, g: f(r, g, k), rel, num_gold)
+
+
 def brute_top_k(q, bank, k, mask=None):
     """numpy reference: full score matrix, sort by (score desc, index asc)."""
     s = np.asarray(q, np.float64) @ np.asarray(bank, np.float64).T
@@ -39,7 +45,7 @@ def test_top_k_hand_example_and_ties_by_lower_index():
     assert i.dtype == np.int32 and s.shape == (2, 4)
     assert i[0].tolist() == [0, 2, 4, 3]          # three rows tie at 1.0 -> lower index first
     assert i[1].tolist() == [1, 3, 0, 2]          # 0.5, then ties at 0 -> 0 before 2
-    np.testing.assert_allclose(s[0], [1, 1, 1, 0.5])
+    np.testing.assert_array_equal(s[0], [1, 1, 1, 0.5])            # products of 0, 0.5 and 1: exact
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 7, 16, 64, 10_000])
@@ -95,10 +101,13 @@ def test_top_k_large_bank_against_numpy():
     s, i = R.top_k(q, bank, k)                    # chunk_size=65536 -> 4 chunks
     sub = np.arange(0, 24, 3)
     rs, ri = brute_top_k(q[sub], bank, k)
-    np.testing.assert_allclose(s[sub], rs, atol=1e-5)
+    # float32 scores against float64 ones: each within the float32 bound of its dot product, and a
+    # sorted list of values moves by no more than its largest value does
+    bound = np.array([[f32_error(lambda x, b: b @ x, q[j], bank).max()] for j in sub])
+    assert_f32_close(s[sub], rs, bound)
     same = i[sub] == ri
     # any disagreement may only be a float near-tie
-    assert same.mean() > 0.99 and np.all(np.abs(s[sub] - rs)[~same] < 1e-5)
+    assert same.mean() > 0.99 and np.all((np.abs(s[sub] - rs) <= bound)[~same])
     # smaller chunks give the same answer
     s2, i2 = R.top_k(q[sub], bank, k, chunk_size=30_000)
     np.testing.assert_array_equal(i2, i[sub])
@@ -159,7 +168,7 @@ def test_multi_probe_matches_union_definition(chunk_size):
         s, i = R.multi_probe_top_k(probes, bank, k, chunk_size=chunk_size)
         rs, ri = multi_probe_reference(probes, bank, k)
         np.testing.assert_array_equal(i, ri)
-        np.testing.assert_allclose(s, rs)
+        np.testing.assert_array_equal(s, rs)                   # small-integer dot products: exact
 
 
 def test_multi_probe_single_probe_equals_top_k_and_probe_mask():
@@ -218,24 +227,24 @@ def test_metrics_hand_computed():
         [1, 1, 0, 0, 0],   # gold 2, at ranks 1, 2
     ], bool)
     ng = np.array([2, 3, 1, 2])
-    np.testing.assert_allclose(M.recall_at_k(rel, ng, 1), [0.5, 0, 0, 0.5])
-    np.testing.assert_allclose(M.recall_at_k(rel, ng, 3), [1.0, 0, 0, 1.0])
-    np.testing.assert_allclose(M.recall_at_k(rel, ng, 5), [1.0, 1 / 3, 0, 1.0], rtol=1e-6)
-    np.testing.assert_allclose(M.recall_at_k(rel, ng, 50), [1.0, 1 / 3, 0, 1.0], rtol=1e-6)
-    np.testing.assert_allclose(M.recall_any_at_k(rel, ng, 3), [1, 0, 0, 1])
-    np.testing.assert_allclose(M.recall_any_at_k(rel, ng, 4), [1, 1, 0, 1])
-    np.testing.assert_allclose(M.recall_all_at_k(rel, ng, 2), [0, 0, 0, 1])
-    np.testing.assert_allclose(M.recall_all_at_k(rel, ng, 5), [1, 0, 0, 1])
-    np.testing.assert_allclose(M.mrr(rel), [1.0, 0.25, 0.0, 1.0])
-    # NDCG@3, row 0: (1 + 1/log2 4) / (1 + 1/log2 3)
-    nd = np.asarray(M.ndcg_at_k(rel, ng, 3))
-    assert nd[0] == pytest.approx((1 + 0.5) / (1 + 1 / math.log2(3)), rel=1e-6)
-    assert nd[1] == 0.0 and nd[2] == 0.0 and nd[3] == pytest.approx(1.0)
+    # float32 metrics against exact values, within their float32 bounds (exact where representable)
+    check = lambda f, k, want, r=rel, g=ng: assert_f32_close(f(r, g, k), want, metric_bound(f, r, g, k))
+    check(M.recall_at_k, 1, [0.5, 0, 0, 0.5])
+    check(M.recall_at_k, 3, [1.0, 0, 0, 1.0])
+    check(M.recall_at_k, 5, [1.0, 1 / 3, 0, 1.0])
+    check(M.recall_at_k, 50, [1.0, 1 / 3, 0, 1.0])
+    check(M.recall_any_at_k, 3, [1, 0, 0, 1])
+    check(M.recall_any_at_k, 4, [1, 1, 0, 1])
+    check(M.recall_all_at_k, 2, [0, 0, 0, 1])
+    check(M.recall_all_at_k, 5, [1, 0, 0, 1])
+    assert_f32_close(M.mrr(rel), [1.0, 0.25, 0.0, 1.0], f32_error(M.mrr, rel))
+    # NDCG@3, row 0: (1 + 1/log2 4) / (1 + 1/log2 3); row 3: 1
+    check(M.ndcg_at_k, 3, [(1 + 0.5) / (1 + 1 / math.log2(3)), 0.0, 0.0, 1.0])
     # NDCG@5 row 1: 1/log2(5) over ideal of 3 gold = 1 + 1/log2 3 + 1/2
-    nd5 = np.asarray(M.ndcg_at_k(rel, ng, 5))
-    assert nd5[1] == pytest.approx((1 / math.log2(5)) / (1 + 1 / math.log2(3) + 0.5), rel=1e-6)
+    nd5, want = np.asarray(M.ndcg_at_k(rel, ng, 5)), (1 / math.log2(5)) / (1 + 1 / math.log2(3) + 0.5)
+    assert_f32_close(nd5[1], want, metric_bound(M.ndcg_at_k, rel, ng, 5)[1])
     # ideal uses min(num_gold, k): 3 gold, k=1, rank-1 hit -> 1.0
-    assert float(M.ndcg_at_k(np.array([[1, 0]], bool), np.array([3]), 1)[0]) == pytest.approx(1.0)
+    check(M.ndcg_at_k, 1, [1.0], np.array([[1, 0]], bool), np.array([3]))
     # num_gold == 0 gives 0 (callers exclude these)
     z = np.zeros((1, 3), bool)
     for f in (M.recall_at_k, M.recall_all_at_k, M.ndcg_at_k):
@@ -266,13 +275,13 @@ def test_metrics_random_against_python(seed):
     rel = rng.random((q, length)) < rng.uniform(0.05, 0.5)
     ng = rel.sum(1) + rng.integers(0, 3, q)       # gold may lie outside the list
     for k in (1, 3, 5, 10, 30):
-        got = [np.asarray(f) for f in (M.recall_at_k(rel, ng, k), M.recall_any_at_k(rel, ng, k),
-                                       M.recall_all_at_k(rel, ng, k), M.ndcg_at_k(rel, ng, k),
-                                       M.mrr(rel))]
+        fs = (M.recall_at_k, M.recall_any_at_k, M.recall_all_at_k, M.ndcg_at_k, lambda r, g, k: M.mrr(r))
+        got = [np.asarray(f(rel, ng, k)) for f in fs]
+        bounds = [metric_bound(f, rel, ng, k) for f in fs]        # float32 against Python's float64
         for i in range(q):
             ref = py_metrics(rel[i], int(ng[i]), k)
-            for g, r in zip(got, ref):
-                assert g[i] == pytest.approx(r, abs=1e-6)
+            for g, r, b in zip(got, ref, bounds):
+                assert_f32_close(g[i], r, b[i])
 
 
 def test_metrics_are_jittable():
@@ -285,14 +294,14 @@ def test_metrics_are_jittable():
                 + M.recall_any_at_k(r, g, 1) + M.mrr(r))
 
     expected = 0.5 + 1 / (1 + 1 / math.log2(3)) + 1 + 1 + 1
-    assert float(f(rel, ng)[0]) == pytest.approx(expected, rel=1e-6)
+    assert_f32_close(f(rel, ng)[0], expected, f32_error(f, rel, ng)[0])
 
 
 def test_summarize_overall_and_groups():
     per_q = {"r": np.array([1.0, 0.5, 0.0, 0.25]), "m": np.array([1.0, 1.0, 0.0, 0.0])}
     valid = np.array([True, True, False, True])
     groups = {"user": np.array(["a", "a", "b", "b"]), "category": np.array([1, 2, 2, 2])}
-    s = M.summarize(per_q, valid, groups)
+    s = M.summarize(per_q, valid, groups)                   # float64 means: approx's default rel 1e-6 is ample
     assert s["overall"] == {"r": pytest.approx(1.75 / 3), "m": pytest.approx(2 / 3), "n": 3}
     assert s["per_user"]["a"] == {"r": 0.75, "m": 1.0, "n": 2}
     assert s["per_user"]["b"] == {"r": 0.25, "m": 0.0, "n": 1}

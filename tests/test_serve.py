@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FakeEmbedder, make_fake_store, run_cli
+from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
 from rmm_jax.data import embed as embed_mod
@@ -59,7 +60,7 @@ def test_rank_is_the_paired_policys_top_m(env, scope):
     for i in range(5):
         top, s = core_top(want_params, q[i], cands, 3)
         assert got.selected[i].tolist() == top
-        np.testing.assert_allclose(got.scores[i], s, rtol=1e-5, atol=1e-6)
+        assert_f32_close(got.scores[i], s, 2 * f32_error(rj.score, want_params, q[i], cands))   # both float32
     assert load_policy(ps, u).version == saved.version
 
 
@@ -89,7 +90,9 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
     # b: the listed candidates
     top, s = core_top(params, user.query_emb[0], user.memory_emb[:6], 2)
     assert out[1]["selected"] == [user.memory_ids[p] for p in top]
-    np.testing.assert_allclose(out[1]["scores"], s[top], atol=1e-5)
+    # both float32, and the CLI writes scores rounded to 6 decimals
+    bound = 2 * f32_error(rj.score, params, user.query_emb[0], user.memory_emb[:6])[top] + 0.5e-6
+    assert_f32_close(out[1]["scores"], s[top], bound)
     assert out[1]["policy_version"] == PolicyStore.open(pol["user"]).load("user1").version
     # c: a new user, served the shared part, on embedded texts
     fake = FakeEmbedder(16)
@@ -129,3 +132,26 @@ def test_the_cache_keeps_the_most_recently_used_users(env):
     p0 = rr.policy("user0").params
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
                                                     jax.tree.leaves(load_policy(rr.store, "user0").params)))
+
+
+def test_non_finite_embeddings_are_refused_naming_the_argument(env):
+    """NaN or inf ranked silently as positions -1; now one InputError naming the argument (and
+    the query and candidate); masked padding may hold anything."""
+    from rmm_jax.errors import InputError
+
+    store, pol = env
+    rr = Reranker.open(pol["user"])
+    u = open_store(store).user("user0")
+    q, c = np.array(u.query_emb[:2]), np.array(u.memory_emb[:5])
+    bad_q = q.copy()
+    bad_q[1, 3] = np.nan
+    with pytest.raises(InputError, match=r"^query_emb: holds NaN or inf \(query 1\)$"):
+        rr.rank("user0", bad_q, c, 2)
+    bad_c = c.copy()
+    bad_c[2, 0] = np.inf
+    with pytest.raises(InputError, match=r"^candidate_embs: holds NaN or inf \(candidate 2\)$"):
+        rr.rank("user0", q[0], bad_c, 2)
+    bad_c[2] = np.nan                                       # masked: padding, not ranked
+    got = rr.rank("user0", q[0], bad_c, 2, mask=np.arange(5) != 2)
+    assert (got.selected >= 0).all() and 2 not in got.selected
+

@@ -6,11 +6,14 @@ Adam) for 11 users with ``users_per_chunk=8`` (so one full and one padded chunk)
 with the same seed: once with ``mesh=rmm_jax.online.sharding.users_mesh()`` and once without.
 Integer/bool outputs (selections, citations, steps) must be identical, and every float
 leaf (final params, Adam state, baseline, recall/NDCG, log-probs, losses) must agree
-within 1e-5·max(1, |x|) (1e-5 absolute for |x| ≤ 1). The test prints whether the runs
+within 1e-4·max(1, |x|) (1e-4 absolute for |x| ≤ 1). The test prints whether the runs
 were bitwise identical; on the 8-device CPU backend they are not: the per-device program
 works on 1 user instead of 8, XLA picks different matmul/reduction orders, and float
-leaves differ by a few ulp (seen: max scaled diff 2.8e-6 after 64 Adam steps at lr 3e-4),
-while every discrete decision (what was sampled and cited) is identical.
+leaves differ by rounding that compounds over the run (seen: max scaled diff 2.8e-6 and
+3.8e-6 on two x86 machines after 64 Adam steps at lr 3e-4), while every discrete decision
+(what was sampled and cited) is identical. 1e-4 is an allowance, not a float32 error bound:
+the worst-case bound of a whole learning run is vacuous (tests/test_distributed.py), and a
+real sharding bug (a wrong reduction, users mixed up) moves leaves by far more.
 """
 import json
 import os
@@ -90,4 +93,4 @@ def test_sharded_run_equals_unsharded_run():
     assert res["devices"] == 8
     assert res["moved"] > 0                                 # the loop really updated the params
     assert res["discrete_equal"], res                     # same selections, citations, steps
-    assert res["max_scaled_diff"] <= 1e-5, res
+    assert res["max_scaled_diff"] <= 1e-4, res             # an allowance: see the module docstring

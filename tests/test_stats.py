@@ -74,6 +74,7 @@ def test_conversation_level_matches_exact_enumeration_of_the_draws():
         exact.append((c * sizes * values).sum() / (c * sizes).sum())
     r = gain_interval(d, groups=groups, n_boot=40000, seed=3)
     assert r["resamples"] == ["conversation", "seed", "query"] and r["groups"] == 3
+    # float64 throughout, and the replicates take exactly the enumeration's values: approx's default
     assert r["mean"] == pytest.approx((sizes * values).sum() / sizes.sum())
     want_lo, want_hi = np.quantile(exact, [0.025, 0.975], method="inverted_cdf")
     assert r["lo"] == pytest.approx(want_lo) and r["hi"] == pytest.approx(want_hi)

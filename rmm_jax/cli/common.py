@@ -20,6 +20,7 @@ from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
+from rmm_jax.persist.atomic import write_problem
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -65,9 +66,19 @@ def _preset_default(field: str) -> str:
     return f"[default: {_field(DEFAULTS, field)}; paper: {_field(PAPER, field)}]"
 
 
-def config_options(f):
+K_M_FROM_LOG = ("--k and --m default to the log's (every record lists K candidates, or all of its user's "
+                "memories when fewer, and shows M, or all its candidates when fewer); given, they must agree with it.")
+
+
+def config_options(f=None, *, from_log: bool = False):
     """Options that build a program's :class:`~rmm_jax.core.config.Setting`; unset ones come
-    from --preset."""
+    from --preset. ``from_log``: --k and --m default to what the log says (:func:`k_m_from_log`)."""
+    if f is None:
+        return lambda g: config_options(g, from_log=from_log)
+    k_default = dict(default=None, show_default="the log's") if from_log else dict(default=DEFAULTS.layout.k,
+                                                                                   show_default=True)
+    m_default = dict(default=None, show_default="the log's") if from_log else dict(default=DEFAULTS.layout.m,
+                                                                                   show_default=True)
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
                      help="Named setting: 'default' (chosen by measurement, docs/method.md); 'paper' (the RMM "
@@ -75,10 +86,8 @@ def config_options(f):
                           "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
                           "Adam); 'realistic' (default with the citations as labels of the shown memories, "
                           "--loss logistic, lr 1e-4: for noisy citations)."),
-        click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True,
-                     help="Candidates from the base retriever."),
-        click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True,
-                     help="Memories shown to the generator (selected)."),
+        click.option("--k", type=int, **k_default, help="Candidates from the base retriever."),
+        click.option("--m", type=int, **m_default, help="Memories shown to the generator (selected)."),
         click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None, help=f"Sampling temperature > 0 {_preset_default('tau')}."),
         click.option("--lr", type=float, default=None, help=f"Learning rate {_preset_default('lr')}."),
@@ -310,6 +319,44 @@ def checkpoint_options(default_every: int, unit: str):
                               "SIGINT/SIGTERM); results do not depend on it.")(f)
         return f
     return deco
+
+
+def k_m_from_log(k: int | None, m: int | None, shape, log_path) -> tuple[int, int]:
+    """``--k``/``--m`` for a run over a log (:func:`rmm_jax.online.streams.log_shape`): an option
+    left out is the log's, when its records agree; one given must be the log's, when they do."""
+    out = []
+    for name, given, logged, line, apart, what in (("--k", k, shape.k, shape.k_line, shape.k_apart, "list"),
+                                                   ("--m", m, shape.m, shape.m_line, shape.m_apart, "show")):
+        says = f"{log_path} {what}s {logged} {'candidates' if name == '--k' else 'memories'} per call (line {line})"
+        if given is None and apart is not None:
+            raise InputError(f"the records of {log_path} disagree: {says}, but {apart}; pass {name}", where=name)
+        if given is not None and apart is None and given != logged:
+            raise InputError(f"contradicts the log: {says}; leave {name} out to take it from the log",
+                             where=f"{name} {given}")
+        out.append(logged if given is None else given)
+    if k is None or m is None:
+        info(f"--k {out[0]} --m {out[1]} from {log_path}, whose records all agree")
+    return out[0], out[1]
+
+
+def check_writable(path, where: str, depth: int = 0) -> None:
+    """Refuse, in one line and before any work, an output location that cannot take new files
+    (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount)."""
+    problem = write_problem(path, depth)
+    if problem:
+        raise InputError(f"cannot write: {problem}", where=where)
+
+
+def check_output_file(path, where: str) -> None:
+    """A file output (written to a temporary sibling, then renamed): its directory must take new files."""
+    if path:
+        check_writable(Path(path).parent, where)
+
+
+def check_store_writable(path, where: str) -> None:
+    """A policy store a run writes (its directories and index), and the run-state kept beside it."""
+    check_writable(path, where, depth=1)
+    check_writable(runstate.RunState.path_for(path), where)
 
 
 def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import config_dict, config_options, emit_json, info, make_setting
+from rmm_jax.cli.common import check_writable, config_dict, config_options, emit_json, info, make_setting
 from rmm_jax.cli.main import cli
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import Embedder
@@ -56,6 +56,7 @@ def demo(out, users, sessions, turns, as_json, **opts):
     if users < 4:
         raise InputError(f"need at least 4 users, got {users}", where="--users")
     setting = make_setting(**opts)
+    check_writable(out, f"--out {out}", depth=1)
     k, m = setting.layout.k, setting.layout.m
     t0 = time.perf_counter()
     spec = f"synthetic:users={users},sessions={sessions},turns={turns},seed={opts['seed']}"

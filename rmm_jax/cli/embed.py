@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import explicit_options, info
+from rmm_jax.cli.common import check_writable, explicit_options, info
 from rmm_jax.cli.main import cli
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
@@ -16,7 +17,7 @@ from rmm_jax.data.granularity import (
     DEFAULT_SEGMENT_THRESHOLD,
     GRANULARITIES,
 )
-from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS
+from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
 from rmm_jax.data.store import open_store, write_store
 from rmm_jax.data.store_append import append_store
 from rmm_jax.errors import InputError
@@ -54,13 +55,17 @@ from rmm_jax.errors import InputError
               help="Also embed each question with its reference answer (answers.npy), for "
                    "`simulate --citations answer`.")
 @click.option("--skip-invalid", is_flag=True,
-              help="jsonl: skip and count messages with empty content or longer than "
-                   f"{MAX_MESSAGE_CHARS} characters instead of failing on the first.")
+              help="jsonl: skip and count invalid messages (content null without tool calls, empty, or longer "
+                   f"than {MAX_MESSAGE_CHARS} characters) instead of failing on the first.")
+@click.option("--keep-roles", default="", metavar="ROLES", callback=lambda ctx, param, v: _roles(v),
+              help="jsonl: also keep these roles' messages as memories, comma-separated "
+                   f"({', '.join(INSTRUCTION_ROLES)}). By default they are left out and counted: a system "
+                   "prompt repeated in every session would fill the memory bank.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the store manifest (plus timings) as one JSON object on stdout.")
 def embed(spec, out, into, granularity, model, segment_threshold, merge_threshold, cache_dir,
-          batch_size, no_cache, answers, skip_invalid, quiet, as_json):
+          batch_size, no_cache, answers, skip_invalid, keep_roles, quiet, as_json):
     """Embed a dataset's memories and questions into an embedding store.
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
@@ -68,34 +73,37 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     `jsonl:PATH` (OpenAI chat messages; schema in docs/own-data.md), or a generator-call log
     that carries texts, `log:CALLS.jsonl[,memories=MEMS.jsonl]` (each call becomes a
     question, its candidates the user's memories, ids kept as logged so the log replays
-    on the store). Memories are built at the chosen granularity, embedded with MODEL
-    (cached on disk: re-runs embed nothing twice) and written with the questions and
-    their gold memories to OUT.
+    on the store; a gold id naming a memory no record carries has no text, so it is
+    dropped from its question's gold and counted: `stats.gold_without_text`). Memories
+    are built at the chosen granularity, embedded with MODEL (cached on disk: re-runs
+    embed nothing twice) and written with the questions and their gold memories to OUT.
 
     jsonl: messages as OpenAI writes them. A list `content` keeps its text parts,
     joined by a newline; other parts (images, audio, files) are dropped and counted,
-    and a message with no text part is skipped. Tool results (role `tool`) and
-    tool-call-only messages (`content: null` with `tool_calls`) are skipped and
-    counted. Empty content and content over the character limit are errors naming
-    file:line, or skipped and counted with --skip-invalid. The counts are printed
-    on stderr and kept in the manifest (`stats.skipped` in --json).
+    and a message with no text part is skipped. Tool results (role `tool`),
+    tool-call-only messages (`content: null` with `tool_calls`) and instructions (roles
+    `system`, `developer`; keep them with --keep-roles) are skipped and counted.
+    `content: null` without a tool call, empty content and content over the character
+    limit are errors naming file:line, or skipped and counted with --skip-invalid. The
+    counts are printed on stderr and kept in the manifest (`stats.skipped` in --json).
 
     \b
     Examples:
-      rmm-jax embed locomo:data/locomo --out stores/locomo_turn
-      rmm-jax embed locomo:data/locomo --out stores/locomo_seg --granularity segment
-      rmm-jax embed synthetic:users=4 --out /tmp/store --json
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine
+      rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine_seg --granularity segment
       rmm-jax embed log:examples/calls_day1.jsonl --out stores/calls
+      rmm-jax embed synthetic:users=4 --out stores/synthetic --json
       rmm-jax embed jsonl:day2_sessions.jsonl --into stores/mine
     """
     say = (lambda m: None) if quiet else info
     if (out is None) == (into is None):
         raise InputError("give --out (a new store) or --into (append to an existing one)", where="--out")
     if into is not None:
-        return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, say, as_json)
+        return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
+                       say, as_json)
+    check_writable(Path(out).parent, f"--out {out}")      # the store is written beside, then renamed
     t0 = time.perf_counter()
-    dataset = load_spec(spec, skip_invalid=skip_invalid)
+    dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "log" and granularity != "turn":
         raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
                          f"use --granularity turn, not {granularity!r}", where="--granularity")
@@ -104,6 +112,11 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
+    dropped = dataset.stats.get("gold_without_text", 0)
+    if dropped:
+        say(f"note: dropped {dropped} gold ids naming memories no record carries (never retrieved, so no text "
+            f"to embed; first: {dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the "
+            "store holds. Give their texts with log:CALLS,memories=MEMS to keep them")
     if dataset.name in ("jsonl", "log") and no_gold:
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
             + (" (no question has gold)" if no_gold == n_q else ""))
@@ -135,7 +148,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
 
 
 
-def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, say, as_json) -> None:
+def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles, say,
+            as_json) -> None:
     """``embed SPEC --into STORE``: the store's model and granularity unless given (and then
     they must match it)."""
     st = open_store(into)
@@ -143,7 +157,7 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
     if "granularity" in given and granularity != st.granularity:
         raise InputError(f"STORE {into} holds {st.granularity!r} memories, not {granularity!r}", where="--granularity")
     t0 = time.perf_counter()
-    dataset = load_spec(spec, skip_invalid=skip_invalid)
+    dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
     embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
@@ -163,12 +177,22 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         click.echo(f"{into}: +{a['users']} users, +{a['sessions']} sessions ({a['memories']} memories), "
                    f"+{a['queries']} questions; skipped {a['sessions_repeated']} sessions and "
                    f"{a['queries_repeated']} questions already in the store")
+def _roles(value: str) -> tuple[str, ...]:
+    """``--keep-roles system,developer`` -> ``("system", "developer")``, each one of INSTRUCTION_ROLES."""
+    roles = tuple(dict.fromkeys(r.strip() for r in value.split(",") if r.strip()))
+    bad = [r for r in roles if r not in INSTRUCTION_ROLES]
+    if bad:
+        raise InputError(f"unknown role {bad[0]!r}; expected a comma-separated list of {', '.join(INSTRUCTION_ROLES)}",
+                         where="--keep-roles")
+    return roles
 
 
 def _note_skipped(skipped: dict, say) -> None:
     """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
-    labels = {"tool_results": "tool results", "tool_calls": "tool calls only", "no_text": "no text part",
-              "empty": "empty", "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
+    labels = {"tool_results": "tool results", "tool_calls": "tool calls only",
+              "instructions": "system/developer, see --keep-roles", "no_text": "no text part",
+              "null_content": "content null without tool calls", "empty": "empty",
+              "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
     kinds = [f"{label} {skipped[k]}" for k, label in labels.items() if skipped[k]]
     parts = [f"{sum(skipped[k] for k in labels)} messages ({', '.join(kinds)})"] if kinds else []
     if skipped["non_text_parts"]:

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, info, users_option
+from rmm_jax.cli.common import DEFAULTS, check_output_file, info, k_m_from_log, users_option
 from rmm_jax.cli.main import cli
 from rmm_jax.core.config import Layout
+from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.ope import (
@@ -21,6 +22,7 @@ from rmm_jax.online.ope import (
 )
 from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
+from rmm_jax.online.streams import log_shape
 from rmm_jax.persist.policy_store import PolicyStore
 
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
@@ -50,8 +52,8 @@ def _row(name: str, est: dict) -> str:
 @users_option("Only these users' calls")
 @click.option("--tau", type=float, default=None, show_default="the learning setting POLICIES records, else "
               f"{DEFAULTS.estimator.tau}", help="Target policy's sampling temperature.")
-@click.option("--k", type=int, default=DEFAULTS.layout.k, show_default=True, help="Most candidates a record may list.")
-@click.option("--m", type=int, default=DEFAULTS.layout.m, show_default=True, help="Most memories a record may show.")
+@click.option("--k", type=int, default=None, show_default="the log's", help="Candidates per call (K).")
+@click.option("--m", type=int, default=None, show_default="the log's", help="Memories shown per call (M).")
 @click.option("--clip", type=float, default=None, show_default="no clipping",
               help="Cap every importance weight at this (>= 1); reported as a bias warning.")
 @click.option("--min-ess", type=float, default=DEFAULT_MIN_ESS,
@@ -81,7 +83,9 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     Recall@M. Estimators: ips, snips; with per-candidate `logits` in the log also rips
     (reward-interaction), snrips and iips (independent, per-slot marginals). Each comes
     with a bootstrap 95% interval and its effective sample size (ESS); `logged` is the
-    logging policy's own value. Nothing is written but --plot.
+    logging policy's own value. Nothing is written but --plot. --k and --m default to the
+    log's: every record lists K candidates (or all of its user's memories, when fewer) and
+    shows M memories (or all its candidates, when fewer); given, they must agree with it.
 
     An estimate is UNRELIABLE, printed as `unreliable (reason)` with no number
     (`"value": null` and a `"reason"` in --json), when:
@@ -129,17 +133,19 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
 
     \b
     Examples:
-      rmm-jax evaluate stores/locomo --log log.jsonl --policies policies2 --plot ope.png
-      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --k 8 --m 3
+      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --plot day3_ope.png
+      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --json --bootstrap 1000
     """
     if tau is not None and (not tau > 0 or tau == float("inf")):
         raise InputError(f"must be > 0, got {tau}", where="--tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
+    check_output_file(plot_path, f"--plot {plot_path}")
     if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
         raise InputError(f"must name a .png file, got {plot_path!r}", where="--plot")
     st = open_store(store)
+    k, m = k_m_from_log(k, m, log_shape(log_path, known_ids(st), skip_invalid=skip_invalid), log_path)
     ps = PolicyStore.open(policies, expect_dim=st.dim)
     tau = behaviour_tau(ps) if tau is None else tau
     try:

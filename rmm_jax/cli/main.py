@@ -33,17 +33,25 @@ CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_conten
               help="Keep compiled programs on disk so that the next command loads them instead of compiling again "
                    "(in $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rmm-jax/jax or ~/.cache/rmm-jax/jax; "
                    "RMM_JAX_COMPILE_CACHE=0 also switches it off).")
+@click.version_option(__version__, "--version", prog_name="rmm-jax", message="%(prog)s %(version)s",
+                      help="Print the version and exit (the `version` verb adds JAX and the device).")
 def cli(compile_cache: bool):
     """rmm-jax: train and simulate the citation-driven memory reranker of
     Reflective Memory Management (Tan et al., ACL 2025) on precomputed embeddings.
 
     \b
-    Typical flow:
-      rmm-jax embed synthetic --out store        # data -> embedding store
-      rmm-jax retrieve store --k 20              # base retriever quality
-      rmm-jax pretrain store --out policies      # offline supervised reranker
-      rmm-jax simulate store --policies policies # online loop, oracle citations
-      rmm-jax demo                               # all of the above on built-in data
+    Typical flow (from the repository root, on examples/):
+      rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine   # chats -> embedding store
+      rmm-jax retrieve stores/mine --k 20                     # the base retriever's Recall
+      rmm-jax pretrain stores/mine --out policies             # offline reranker (needs gold)
+      rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies
+                                                  # learn from a day's logged citations
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests.jsonl --m 3
+                                                  # serve: rank each request's memories
+      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies
+                                                  # before shipping: estimate on old logs
+      rmm-jax simulate stores/mine --policies simulated       # or learn from simulated citations
+      rmm-jax demo                                # all of it on built-in synthetic users
     """
     setup_compile_cache(compile_cache)
 

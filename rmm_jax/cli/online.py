@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import click
 import jax
 
-from rmm_jax.cli.common import check_rank, config_dict, emit_json, info, progress_bar
+from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, emit_json, info, progress_bar
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
@@ -33,10 +33,12 @@ INIT_HELP = ("Where the run starts. continue (the default when --policies exists
 class Start(NamedTuple):
     """Where a run starts: new users' policy ``params``; the shared part to continue from
     (None: from ``params``); ``before``: users continue from their versions older than this
-    (None: nobody continues)."""
+    (None: nobody continues); ``shared_version``: the store's shared version ``params`` (and
+    ``shared``) come from, when continuing."""
     params: Any
     shared: SharedState | None = None
     before: int | None = None
+    shared_version: int | None = None
 
 
 def stored_scope(path, scope: str | None, rank: int | None) -> tuple[str | None, int | None]:
@@ -72,6 +74,8 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
     is not the writer (``jax.process_index() > 0``) opens but never creates (None if absent)."""
     check_rank(layout, st.dim)
     p = Path(path)
+    if writer:
+        check_store_writable(p, f"--policies {path}")
     if not p.exists():
         if init in ("pretrained", "continue"):
             raise InputError(f"does not exist; run `rmm-jax pretrain` first or use --init identity (--init {init})",
@@ -142,7 +146,27 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
     if init == "pretrained":
         return Start(saved.state.params)
     shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
-    return Start(saved.state.params, shared, ps.next_version())
+    return Start(saved.state.params, shared, ps.next_version(), saved.version)
+
+
+def continue_note(ps, start: Start, user_ids) -> str | None:
+    """The stderr line of a run that continued a policy store: how many of its users continued
+    from their saved versions (which), and where the others started; None when nobody continues.
+    Made before the run saves anything, printed after it (an error stays one line)."""
+    if ps is None or start.before is None:
+        return None
+    user_ids = list(user_ids)
+    held = {}
+    for u, entries, _ in ps.listing(user_ids):
+        older = [e.version for e in entries if e.version < start.before]
+        if older:
+            held[u] = max(older)
+    vs = sorted(set(held.values()))
+    span = "" if not vs else f" v{vs[0]}" if len(vs) == 1 else f" v{vs[0]}-v{vs[-1]}"
+    new = len(user_ids) - len(held)
+    source = "the shared part" if start.shared_version is None else f"shared version v{start.shared_version}"
+    return (f"continued {ps.path}: {len(held)} of {len(user_ids)} users from their saved versions{span}, "
+            f"{new} new user{'s' if new != 1 else ''} from the store's {source}")
 
 
 def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
@@ -158,7 +182,7 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
         chunks = from_store(chunks, ps, before=start.before)
     ps = ps if writer else None
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before}) if rs is not None else None
-    sinks = ([PolicySink(ps, program)] if ps is not None else []) \
+    sinks = ([PolicySink(ps, program, continues=start.before is not None)] if ps is not None else []) \
         + ([LogSink(log)] if log is not None and ps is not None else []) \
         + ([checkpoints] if checkpoints is not None else [])
     recorder = Recorder(program.layout.m, sinks=sinks)

@@ -13,9 +13,10 @@ import click
 import jax
 import numpy as np
 
-from rmm_jax.cli.common import users_option
+from rmm_jax.cli.common import check_output_file, users_option
 from rmm_jax.cli.main import cli
 from rmm_jax.errors import InputError
+from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
 from rmm_jax.persist.policy_store import PolicyStore
@@ -50,18 +51,20 @@ def policies():
 
     \b
     Examples:
-      rmm-jax policies list policies/                 # users, versions, queries seen
-      rmm-jax policies show policies/                 # what loads: shared version, versions kept
-      rmm-jax policies show policies/ user_7          # the version of user_7 that loads, and why
-      rmm-jax policies show policies/ --users u1,u2 --json
-      rmm-jax policies export policies/ user_7 --out user_7.npz
+      rmm-jax policies list policies                  # users, versions, queries learned from
+      rmm-jax policies show policies                  # what loads: shared version, versions kept
+      rmm-jax policies show policies user7            # the version of user7 that loads, and why
+      rmm-jax policies show policies --users user0,user1 --json
+      rmm-jax policies export policies user7 --out user7.npz
     """
 
 
 def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
-    """One summary per user: versions, queries seen (from info) and last update."""
-    return [{"user": u, "versions": [e.version for e in es], "queries_seen": info.get("queries_seen"),
-             "last_update": es[-1].saved_at} for u, es, info in store.listing(users)]
+    """One summary per user: versions, queries learned from (over all runs, and in the last
+    one, from the newest version's info) and last update."""
+    return [{"user": u, "versions": [e.version for e in es], "queries_learned": queries_learned(info),
+             "queries_last_run": info.get("queries_seen"), "last_update": es[-1].saved_at}
+            for u, es, info in store.listing(users)]
 
 
 @policies.command("list")
@@ -69,8 +72,9 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 @users_option("Only these users")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of a table.")
 def list_cmd(store, users, as_json):
-    """List the users of policy store STORE: saved versions (newest last), queries seen
-    (the "queries_seen" entry of the newest info) and time of the last update (UTC)."""
+    """List the users of policy store STORE: saved versions (newest last), the queries the
+    newest version has learned from over all its runs (like its learner step, counted from
+    the policy's start) and in the run that saved it, and the time of that run (UTC)."""
     st = PolicyStore.open(store)
     wanted = _user_list(None, users)
     if wanted:
@@ -84,10 +88,11 @@ def list_cmd(store, users, as_json):
     if not rows:
         return
     w = max(4, *(len(r["user"]) for r in rows))
-    click.echo(f"{'user':<{w}}  {'versions':<20}  {'queries':>8}  last update")
+    click.echo(f"{'user':<{w}}  {'versions':<20}  {'queries learned':>15}  {'last run':>8}  last update")
     for r in rows:
-        q = "-" if r["queries_seen"] is None else str(r["queries_seen"])
-        click.echo(f"{r['user']:<{w}}  {','.join(map(str, r['versions'])):<20}  {q:>8}  {r['last_update']}")
+        total, last = ("-" if r[k] is None else str(r[k]) for k in ("queries_learned", "queries_last_run"))
+        click.echo(f"{r['user']:<{w}}  {','.join(map(str, r['versions'])):<20}  {total:>15}  {last:>8}  "
+                   f"{r['last_update']}")
 
 
 def _leaf_table(tree) -> list[dict]:
@@ -249,10 +254,11 @@ def export(store, user, out, version):
     """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
     load with numpy.load outside rmm-jax. Both files are written atomically. In scope
     hybrid these are the user's own factors; the .json names the shared version they pair with."""
-    st = PolicyStore.open(store)
-    _require_users(st, [user])
     if not str(out).endswith(".npz"):
         raise InputError("export file must end in .npz", where=f"--out {out}")
+    check_output_file(out, f"--out {out}")
+    st = PolicyStore.open(store)
+    _require_users(st, [user])
     _progress(f"exporting {user!r} from {store} ...")
     doc = export_params(st, user, Path(out), version)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")

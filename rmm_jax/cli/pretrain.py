@@ -10,6 +10,7 @@ from rmm_jax.cli.common import (
     DEFAULTS,
     begin_run_state,
     check_rank,
+    check_store_writable,
     checkpoint_options,
     emit_json,
     info,
@@ -116,7 +117,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
 
     \b
     Example:
-      rmm-jax pretrain store --out policies --epochs 30
+      rmm-jax pretrain stores/mine --out pretrained --epochs 30
     """
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
                         ("--temperature", temperature, temperature > 0),
@@ -131,6 +132,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     written = resume and RunState.path_for(o).is_dir()
     if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
+    check_store_writable(o, f"--out {out}")
     st = open_store(store)
     check_rank(layout, st.dim)
     streams = load_streams(st, k, users)

@@ -8,12 +8,14 @@ import click
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
     change_setting_option,
+    check_output_file,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
     info,
     is_writer,
+    k_m_from_log,
     learning_setting,
     note_setting,
     start_distributed,
@@ -24,6 +26,7 @@ from rmm_jax.cli.online import (
     INIT_HELP,
     INITS,
     check_scope,
+    continue_note,
     keep_option,
     online_options,
     open_policies,
@@ -41,7 +44,7 @@ from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.streams import log_chunks, scan_log
+from rmm_jax.online.streams import log_chunks, log_shape, scan_log
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
@@ -56,7 +59,7 @@ from rmm_jax.persist.runstate import file_digest
               show_default="continue if --policies exists, else identity",
               help=INIT_HELP)
 @keep_option
-@config_options
+@config_options(from_log=True)
 @change_setting_option
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
@@ -77,14 +80,20 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
     record carries the behaviour policy's log_prob and the replaying policy differs,
     the update is importance-weighted (ratio clipped at --clip). Replaying a
     `simulate --log-out` log with the same options and seed reproduces its per-user
-    policies bit for bit.
+    policies bit for bit. --k and --m default to the log's: every record lists K
+    candidates (or all of its user's memories, when fewer) and shows M memories (or all
+    its candidates, when fewer); given, they must agree with it.
 
     \b
-    Example:
-      rmm-jax replay store --log log.jsonl --policies policies2
-      rmm-jax replay store --log day2.jsonl --policies policies2 --plot day2.png
+    Examples:
+      rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies --scope hybrid
+      rmm-jax replay stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
+    st = open_store(store)
+    known = known_ids(st)
+    opts["k"], opts["m"] = k_m_from_log(opts["k"], opts["m"], log_shape(log_path, known, skip_invalid=skip_invalid),
+                                        log_path)
     ls = learning_setting(policies, opts, change=change_setting, resume=resume, clip=clip)
     setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
@@ -93,17 +102,17 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
                          "record; replay with --preset default", where="--preset")
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    check_output_file(plot_path, f"--plot {plot_path}")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
-    st = open_store(store)
-    if Path(policies).exists():  # fail fast on a mismatched store, before reading the log
+    if Path(policies).exists():  # fail fast on a mismatched store, before the validation pass
         check_scope(PolicyStore.open(policies, expect_dim=st.dim), setting.layout, policies)
-    known = known_ids(st)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
     grouped, n_users, texts = rep.pop("grouped"), rep.pop("users"), rep.pop("texts")
+    user_ids = rep.pop("user_ids")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
         info(f"embedded {len(texts)} texts the store lacks (queries and memories the log carries as text)")
@@ -117,6 +126,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
                                    inputs=inputs) as rs:
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+        note = continue_note(ps, start, user_ids) if writer else None
         result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                               users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                               desc="replay", mesh=mesh, writer=writer)
@@ -124,6 +134,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
             write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
+    if note:
+        info(note)
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")

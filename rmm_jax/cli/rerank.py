@@ -11,7 +11,7 @@ import click
 import jax.numpy as jnp
 import numpy as np
 
-from rmm_jax.cli.common import DEFAULTS, info, progress_bar
+from rmm_jax.cli.common import DEFAULTS, check_output_file, info, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
@@ -77,11 +77,11 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     error line naming file:line; nothing is written then.
 
     \b
-    Examples:
-      rmm-jax rerank store --policies policies --calls calls.jsonl --out ranked.jsonl
-      rmm-jax rerank store --policies policies --calls calls.jsonl --explore --out served.jsonl
+    Example:
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests.jsonl --m 3 --out ranked.jsonl
     """
     t0 = time.perf_counter()
+    check_output_file(out, f"--out {out}")
     st = open_store(store)
     if policies is not None and Path(policies).exists():
         rr = Reranker(PolicyStore.open(policies, expect_dim=st.dim), cache_users=cache_users)

@@ -9,6 +9,7 @@ import click
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
     change_setting_option,
+    check_output_file,
     checkpoint_options,
     config_dict,
     config_options,
@@ -24,6 +25,7 @@ from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
     INIT_HELP,
     INITS,
+    continue_note,
     keep_option,
     online_options,
     open_policies,
@@ -43,7 +45,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
-from rmm_jax.online.streams import store_chunks
+from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.runstate import file_digest
 
@@ -105,9 +107,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     prequential Recall@M.
 
     \b
-    Example:
-      rmm-jax simulate store --policies policies --init pretrained --log-out log.jsonl
-      rmm-jax simulate store --policies policies --plot curve.png
+    Examples:
+      rmm-jax simulate stores/mine --policies pretrained --init pretrained --log-out simulated.jsonl
+      rmm-jax simulate stores/mine --policies simulated --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     ls = learning_setting(policies, opts, change=change_setting, resume=resume)
@@ -128,6 +130,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                          where="--citations")
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
+    check_output_file(log_out, f"--log-out {log_out}")
+    check_output_file(plot_path, f"--plot {plot_path}")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
@@ -154,6 +158,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+            note = continue_note(ps, start, check_users(st, users)) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
@@ -161,6 +166,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
             write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
+    if note:
+        info(note)
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
     if plot_path and writer:

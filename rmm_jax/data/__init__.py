@@ -54,19 +54,21 @@ __all__ = [
 SCHEMES = ("locomo", "longmemeval", "synthetic", "jsonl", "log")
 
 
-def load_spec(spec: str, *, skip_invalid: bool = False) -> Dataset:
+def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = ()) -> Dataset:
     """Load the dataset a SPEC string names (see the module docstring).
 
     An unknown scheme or a missing path raises InputError naming the SPEC; a missing or
     unreadable file raises InputError naming the file (and line or key).
-    ``skip_invalid``: ``jsonl:`` skips and counts invalid messages
-    (:func:`~rmm_jax.data.jsonl.load_jsonl`); other schemes refuse it.
+    ``skip_invalid``: ``jsonl:`` skips and counts invalid messages; ``keep_roles``: ``jsonl:``
+    keeps these instruction roles' messages (``system``, ``developer``) as memories
+    (:func:`~rmm_jax.data.jsonl.load_jsonl`); other schemes refuse both.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise InputError(f"empty dataset SPEC (expected one of {', '.join(SCHEMES)})", where="SPEC")
     scheme, colon, rest = spec.strip().partition(":")
-    if skip_invalid and scheme in SCHEMES and scheme != "jsonl":
-        raise InputError(f"applies to jsonl: datasets only, not {scheme}:", where="--skip-invalid")
+    for option, given in (("--skip-invalid", skip_invalid), ("--keep-roles", keep_roles)):
+        if given and scheme in SCHEMES and scheme != "jsonl":
+            raise InputError(f"applies to jsonl: datasets only, not {scheme}:", where=option)
     if scheme == "synthetic":
         return make_synthetic(**parse_synthetic_spec(rest))
     if scheme not in SCHEMES:
@@ -77,7 +79,7 @@ def load_spec(spec: str, *, skip_invalid: bool = False) -> Dataset:
     if scheme == "locomo":
         return load_locomo(rest)
     if scheme == "jsonl":
-        return load_jsonl(rest, skip_invalid=skip_invalid)
+        return load_jsonl(rest, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if scheme == "log":
         return load_log_dataset(*parse_log_spec(rest))
     path, level = rest, DEFAULT_GOLD_LEVEL

@@ -47,19 +47,25 @@ skipped):
   embed and is dropped and counted (``non_text_parts``). A message with no text part at
   all (an image alone) is skipped and counted (``no_text``).
 * ``content: null`` with ``tool_calls`` (or the older ``function_call``): an assistant
-  message that only calls a tool. Skipped and counted (``tool_calls``); ``null`` without
-  them is an error.
+  message that only calls a tool. Skipped and counted (``tool_calls``). ``null`` without
+  them is invalid (below).
+* Roles ``system`` and ``developer`` (:data:`INSTRUCTION_ROLES`): instructions to the
+  assistant, usually the same prompt at the head of every session. Left out of the memories
+  and counted (``instructions``) unless ``keep_roles`` names them (``rmm-jax embed
+  --keep-roles system,developer``): kept, a repeated system prompt would fill the memory bank
+  with copies of itself and crowd out what the user said.
 * Role ``tool`` (and the older ``function``): a tool's output, JSON or documents the
   assistant read, not something the user or the assistant said. Skipped and counted
   (``tool_results``), whatever its content: embedding them would fill the memory bank
   with tool dumps.
-* **Invalid** messages: empty content (nothing but whitespace, or no characters in its
-  text parts) and content longer than :data:`MAX_MESSAGE_CHARS` = 16,000 characters
+* **Invalid** messages: ``content: null`` without a tool call, empty content (nothing but
+  whitespace, or no characters in its text parts) and content longer than
+  :data:`MAX_MESSAGE_CHARS` = 16,000 characters
   (about 4,000 tokens, four pages: a pasted document, a log or base64 data, not a chat
   turn; the default embedding model reads only the first ~256 word pieces, about 1,000
   characters, of any text anyway). Each is an error naming ``file:line`` and the key;
   with ``skip_invalid`` (``rmm-jax embed --skip-invalid``) they are skipped and counted
-  (``empty``, ``too_long``) and the first few messages kept (``first_errors``).
+  (``null_content``, ``empty``, ``too_long``) and the first few messages kept (``first_errors``).
 
 The counts are ``Dataset.stats["skipped"]`` (in the store manifest, so in ``embed
 --json``). A gold turn id that names a skipped message is dropped from its question and
@@ -98,8 +104,15 @@ the memories file, then every candidate of the log, in order of first appearance
 logged call becomes one query with the record's ``query_id`` and, when the record has
 ``gold``, those memories as gold. The memory ids are kept as logged, so the same log
 replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
-between two places, a call without ``query`` text, a candidate without text and a gold
-id that is not a memory of the user are errors naming ``file:line`` and the key.
+between two places, a call without ``query`` text and a candidate without text are errors
+naming ``file:line`` and the key.
+
+A gold id that names a memory no record carries (the gold was never retrieved, so the log
+has no text for it) cannot be a memory of the store: it is dropped from its question's gold
+and counted (``Dataset.stats["gold_without_text"]``, with the first few as ``file:line``
+in ``gold_without_text_first``). Recall on the store then counts only the gold it holds, and
+a question left with none is a question without gold (``no_gold``). Give those memories'
+texts in the memories file to keep them.
 """
 from __future__ import annotations
 
@@ -112,13 +125,16 @@ from rmm_jax.data.json_fields import json_type, scalar_text
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
-__all__ = ["MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl", "load_log_dataset", "parse_log_spec"]
+__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl", "load_log_dataset",
+           "parse_log_spec"]
 
 LOG_SESSION = "log"  # the session of log memories that name none
 MAX_MESSAGE_CHARS = 16_000  # longer content is invalid (see the module docstring)
 PART_SEPARATOR = "\n"       # joins the text parts of a list content
 TOOL_ROLES = ("tool", "function")
-SKIP_COUNTS = ("tool_results", "tool_calls", "no_text", "non_text_parts", "empty", "too_long", "gold_on_skipped")
+INSTRUCTION_ROLES = ("system", "developer")  # left out of memories unless kept (see the module docstring)
+SKIP_COUNTS = ("tool_results", "tool_calls", "instructions", "no_text", "non_text_parts", "null_content", "empty",
+               "too_long", "gold_on_skipped")
 MAX_FIRST_ERRORS = 5
 
 
@@ -190,8 +206,9 @@ class _UserDraft:
 class _Skips:
     """What :func:`load_jsonl` skipped: counts per kind and the first invalid messages."""
 
-    def __init__(self, skip_invalid: bool):
+    def __init__(self, skip_invalid: bool, keep_roles: tuple[str, ...] = ()):
         self.skip_invalid = skip_invalid
+        self.keep_roles = keep_roles
         self.counts = dict.fromkeys(SKIP_COUNTS, 0)
         self.first_errors: list[str] = []
 
@@ -213,6 +230,9 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
     if role in TOOL_ROLES:
         skips.counts["tool_results"] += 1
         return None
+    if role in INSTRUCTION_ROLES and role not in skips.keep_roles:
+        skips.counts["instructions"] += 1
+        return None
     if "content" not in msg:
         raise InputError("missing key", where=at(path, line, f"{tloc}.content"))
     content, key = msg["content"], f"{tloc}.content"
@@ -220,7 +240,9 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
         if msg.get("tool_calls") or msg.get("function_call"):
             skips.counts["tool_calls"] += 1
             return None
-        raise InputError("is null and the message has no 'tool_calls'", where=at(path, line, key))
+        skips.invalid("null_content", InputError("is null and the message has no 'tool_calls' (nothing to embed)",
+                                                 where=at(path, line, key)))
+        return None
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -311,17 +333,21 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
                  abstention=abstention, gold_session_ids=gold_sessions)
 
 
-def load_jsonl(path: str | Path, *, skip_invalid: bool = False) -> Dataset:
+def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = ()) -> Dataset:
     """Load a chat-history JSONL file (schema in the module docstring).
 
     ``Dataset.stats``: ``lines``, ``sessions``, ``turns``, ``questions``, ``no_gold``
     (questions without gold, skipped by metrics that need it), ``abstention`` and
     ``skipped`` (messages and parts skipped, per kind, and ``first_errors``).
-    ``skip_invalid``: skip and count invalid messages (empty or too long) instead of
-    raising.
+    ``skip_invalid``: skip and count invalid messages (null, empty or too long) instead of
+    raising. ``keep_roles``: roles of :data:`INSTRUCTION_ROLES` to keep as memories.
     """
     path = Path(path)
-    skips = _Skips(skip_invalid)
+    bad = [r for r in keep_roles if r not in INSTRUCTION_ROLES]
+    if bad:
+        raise InputError(f"unknown role {bad[0]!r}: only {', '.join(INSTRUCTION_ROLES)} are left out by default",
+                         where="keep_roles")
+    skips = _Skips(skip_invalid, tuple(keep_roles))
     drafts: dict[str, _UserDraft] = {}
     lines = 0
     for line, obj in json_lines(path):
@@ -346,7 +372,8 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False) -> Dataset:
     for draft in drafts.values():
         if not draft.turn_where:
             raise InputError(f"user {draft.id!r} has no message with text (every one was skipped: tool results, "
-                             "tool calls, images or invalid)", where=at(path, draft.line, "user_id"))
+                             "tool calls, system or developer messages, images or invalid)",
+                             where=at(path, draft.line, "user_id"))
         sessions = {s.id: s for s in draft.sessions}
         seen: set[str] = set()
         queries = tuple(_question(q, n, draft, sessions, path, line, loc, seen, skips)
@@ -407,7 +434,8 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
 
     Every record is validated as a citation-log record first
     (:func:`rmm_jax.data.citation_log.validate_record`). ``Dataset.stats``: ``records``,
-    ``memories``, ``memories_from_file``, ``questions``, ``no_gold``.
+    ``memories``, ``memories_from_file``, ``questions``, ``no_gold``, ``gold_without_text`` (gold
+    ids dropped: no record carries their memory) and ``gold_without_text_first``.
     """
     path = Path(path)
     banks: dict[str, _Bank] = {}
@@ -430,7 +458,9 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
                                  f'{{"id", "text"}} objects or a memories file: log:PATH,memories=MEMS)',
                                  where=at(path, line, "candidates"))
         calls.setdefault(rec.user_id, []).append((line, rec))
-    users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0)
+    users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0,
+                               gold_without_text=0)
+    dropped_first: list[str] = []
     for uid, bank in banks.items():
         by_session: dict[str, list[Turn]] = {}
         for mid, (text, session, stamp) in bank.rows.items():
@@ -438,14 +468,16 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         sessions = tuple(Session(sid, turns[0].timestamp, tuple(turns)) for sid, turns in by_session.items())
         queries = []
         for line, rec in calls.get(uid, []):
+            gold = tuple(g for g in rec.gold or () if g in bank.rows)
             for j, g in enumerate(rec.gold or ()):
-                if g not in bank.rows:
-                    raise InputError(f"unknown memory id {g!r} for user {uid!r} (not a candidate of any call "
-                                     "and not in the memories file)", where=at(path, line, f"gold[{j}]"))
-            queries.append(Query(rec.query_id, rec.query_text, tuple(rec.gold or ()),
+                if g not in bank.rows:          # no text anywhere: dropped and counted (module docstring)
+                    stats["gold_without_text"] += 1
+                    if len(dropped_first) < MAX_FIRST_ERRORS:
+                        dropped_first.append(f"{at(path, line, f'gold[{j}]')}: {g!r}")
+            queries.append(Query(rec.query_id, rec.query_text, gold,
                                  date=None if rec.timestamp is None else str(rec.timestamp)))
         users.append(User(uid, sessions, tuple(queries)))
         stats["memories"] += len(bank.rows)
         stats["questions"] += len(queries)
         stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids)
-    return Dataset("log", tuple(users), dict(stats))
+    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first})

@@ -213,7 +213,8 @@ class Reranker:
     def _padded(self, query_emb, candidate_embs, m, mask):
         """Inputs checked and padded to buckets: ``(n, K, q, cands, mask)``."""
         q = np.asarray(query_emb, np.float32)
-        q = q[None] if q.ndim == 1 else q
+        one = q.ndim == 1
+        q = q[None] if one else q
         c = np.asarray(candidate_embs, np.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"expected shape (d,) or (n, d) with d={self.dim}, got {np.shape(query_emb)}",
@@ -228,6 +229,12 @@ class Reranker:
         mk = np.ones((n, k), bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), (n, k))
         if not isinstance(m, int) or not 1 <= m <= k:
             raise InputError(f"must be in [1, K={k}], got {m!r}", where="m")
+        # NaN or inf would rank as garbage (positions -1), silently: refused, masked padding aside
+        for name, bad in (("query_emb", ~np.isfinite(q).all(-1)), ("candidate_embs", ~np.isfinite(c).all(-1) & mk)):
+            if bad.any():
+                i, *j = np.argwhere(bad)[0].tolist()
+                place = ([] if one else [f"query {i}"]) + [f"candidate {x}" for x in j]
+                raise InputError("holds NaN or inf" + (f" ({', '.join(place)})" if place else ""), where=name)
         nb, kb = bucket(n, 1), bucket(k, 1)
         qp = np.zeros((nb, self.dim), np.float32)
         qp[:n] = q

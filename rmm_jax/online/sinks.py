@@ -19,26 +19,40 @@ from rmm_jax.online.loop import Program
 from rmm_jax.online.run import chunk_records
 
 
-def user_info(stream, outputs: dict, m: int) -> dict:
-    """The JSON info stored with a user's new policy version."""
+def user_info(stream, outputs: dict, m: int, before: int = 0) -> dict:
+    """The JSON info stored with a user's new policy version: ``queries_seen``, the queries of
+    this run; ``queries_learned``, of every run the policy has learned from (``before`` of the
+    runs it continues; like its learner step, it counts from the policy's start); and this run's
+    prequential Recall@M."""
     out = outputs[stream.user_id]
-    return {"queries_seen": int(stream.queries.shape[0]),
+    n = int(stream.queries.shape[0])
+    return {"queries_seen": n, "queries_learned": before + n,
             f"prequential_recall@{m}": float(out["recall"][stream.valid].mean()) if stream.valid.any() else None}
+
+
+def queries_learned(info: dict) -> int | None:
+    """Queries a saved policy has learned from, over all its runs (a store written before this
+    was recorded keeps only its last run's, ``queries_seen``)."""
+    return info.get("queries_learned", info.get("queries_seen"))
 
 
 class PolicySink:
     """Saves each finished chunk to a :class:`rmm_jax.persist.policy_store.PolicyStore`: in
     scopes with a shared part, that part first (a new shared version), then the chunk's
-    users as one version that records the shared version they were trained against."""
+    users as one version that records the shared version they were trained against.
+    ``continues``: users the store holds continue from their saved policies, so their query
+    counts continue too."""
 
-    def __init__(self, store, program: Program):
-        self.store, self.program = store, program
+    def __init__(self, store, program: Program, continues: bool = False):
+        self.store, self.program, self.continues = store, program, continues
 
     def chunk(self, event: ChunkDone) -> None:
         m = self.program.layout.m
+        uids = [s.user_id for s in event.streams]
+        before = {u: queries_learned(info) or 0 for u, _, info in self.store.listing(uids)} if self.continues else {}
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
-        self.store.save([s.user_id for s in event.streams], event.states,
-                        [user_info(s, event.outputs, m) for s in event.streams], shared_version=shared_version)
+        self.store.save(uids, event.states, [user_info(s, event.outputs, m, before.get(s.user_id, 0))
+                                             for s in event.streams], shared_version=shared_version)
 
     def save_shared(self, event: ChunkDone) -> int:
         return self.store.save_shared(event.shared, {"source": "online"})

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from rmm_jax.core.config import Layout
-from rmm_jax.data.citation_log import LogRecord, NotGroupedError, call_key, iter_user_chunks, read_log
+from rmm_jax.data.citation_log import LogRecord, NotGroupedError, call_key, iter_numbered, iter_user_chunks, read_log
 from rmm_jax.data.citations import answer_support
 from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import retrieve_candidates
@@ -257,6 +257,43 @@ def check_limits(rec: LogRecord, layout: Layout, log_path) -> None:
                          f"memories, more than --m {layout.m}", where=str(log_path))
 
 
+class LogShape(NamedTuple):
+    """The K and M of a log: its records' most candidates and most selected memories, each
+    with the first line that has it. ``k_apart``/``m_apart`` name a record that disagrees
+    (None when every record agrees, see :func:`log_shape`)."""
+    k: int
+    m: int
+    k_line: int
+    m_line: int
+    k_apart: str | None
+    m_apart: str | None
+
+
+def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
+    """What a log says of K and M, in one bounded-memory pass (``known``: :func:`known_ids`).
+
+    The records agree on K when each lists K candidates, or every memory of its user when the
+    user's bank holds fewer than K; on M when each shows M memories, or all its candidates when
+    it lists fewer than M. Logged by a retriever of top-K and a policy showing M, every record
+    agrees; a record that lists fewer (a truncated retrieval, a slate cut short) disagrees."""
+    first_k: dict[int, int] = {}          # n candidates -> first line listing that many
+    first_m: dict[int, int] = {}          # n selected -> first line showing that many
+    short_k: dict[int, str] = {}          # n candidates -> a record listing fewer than its user's bank
+    short_m: dict[int, str] = {}          # n selected -> a record showing fewer than its candidates
+    for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid):
+        ids = known(r.user_id)                  # None: a user the store lacks (the log carries its texts)
+        nk, nm, bank = len(r.candidates), len(r.selected), (len(ids[1]) if ids else None)
+        first_k.setdefault(nk, line)
+        first_m.setdefault(nm, line)
+        if bank is not None and nk < bank:
+            short_k.setdefault(nk, f"line {line} lists {nk} candidates of user {r.user_id!r}'s {bank} memories")
+        if nm < nk:
+            short_m.setdefault(nm, f"line {line} shows {nm} memories of its {nk} candidates")
+    k, m = max(first_k), max(first_m)
+    apart = lambda short, top: next((why for n, why in sorted(short.items()) if n < top), None)
+    return LogShape(k, m, first_k[k], first_m[m], apart(short_k, k), apart(short_m, m))
+
+
 def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log",
                      vectors: Mapping[str, np.ndarray] | None = None) -> list[Stream]:
     """Replay streams: per user, the logged calls in log order with their logged
@@ -284,7 +321,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
 
     Checks every record (schema, ``known`` ids, repeated calls, the ``--k``/``--m``
     limits) and returns the read report plus ``"users"`` (how many will be replayed:
-    all, or those of ``users``, each of which must have a record), ``"grouped"``: False
+    all, or those of ``users``, each of which must have a record), ``"user_ids"`` (which)
+    and ``"grouped"``: False
     when a user's records are not on consecutive lines (such a log cannot be streamed by
     user; :func:`log_chunks` reads it whole), and ``"texts"``: the distinct texts of the
     replayed records that the store lacks (:func:`rmm_jax.data.log_vectors.unseen_texts`),
@@ -314,7 +352,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     missing = [u for u in users or () if u not in seen]
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
-    return {**report, "users": len(users) if users else len(seen), "grouped": grouped, "texts": list(texts)}
+    ids = list(users) if users else sorted(seen)
+    return {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts)}
 
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,

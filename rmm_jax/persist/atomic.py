@@ -5,6 +5,12 @@ Outputs are written into a temporary sibling and moved into place with ``os.repl
 the old output or the complete new one, never a mix. The temporary names are hidden
 siblings (``.NAME.tmp-*``, and ``.NAME.old-*`` while a directory is replaced); what a
 killed process left of them is found by :func:`leftovers`.
+
+Permissions are the user's: ``tempfile`` creates its files 0600 and directories 0700
+whatever the umask, so :func:`temp_file` and :func:`temp_dir` give them the mode a plain
+``open``/``mkdir`` would (0666 and 0777 less the umask), and an output moved into place is
+as readable as any other file the user writes (a serving account in the same group can
+read a store written under umask 002 or 022).
 """
 from __future__ import annotations
 
@@ -16,6 +22,65 @@ import tempfile
 from pathlib import Path
 
 _MARKERS = (".tmp-", ".old-")
+
+
+def process_umask() -> int:
+    """The process's umask, read without changing it where ``/proc`` allows (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)                      # elsewhere: the classic set-and-restore
+    os.umask(mask)
+    return mask
+
+
+def temp_dir(prefix: str, parent: str | os.PathLike) -> Path:
+    """``tempfile.mkdtemp`` in ``parent``, with the mode ``mkdir`` would give (0777 & ~umask)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(path, 0o777 & ~process_umask())
+    return path
+
+
+def temp_file(prefix: str, parent: str | os.PathLike) -> tuple[int, str]:
+    """``tempfile.mkstemp`` in ``parent`` (an open fd and the path), with the mode ``open``
+    would give (0666 & ~umask)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=parent)
+    os.fchmod(fd, 0o666 & ~process_umask())
+    return fd, path
+
+
+def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
+    """Why new files cannot be written in directory ``path``, or None if they can.
+
+    ``path`` need not exist: then its nearest existing ancestor is what must take the new
+    entries. A probe file is created and removed in the directory and in every directory up to
+    ``depth`` levels below it, and the files directly in it must be writable: permissions,
+    read-only mounts and immutable files answer alike, for root too (which ignores modes).
+    """
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory"
+    level, dirs = [p], []
+    for _ in range(depth + 1):
+        dirs += level
+        level = [c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
+    for d in dirs:
+        try:
+            fd, probe = temp_file(".write-probe-", d)
+        except OSError as e:
+            return f"{d}: {e.strerror or e}"
+        os.close(fd)
+        os.unlink(probe)
+    if p == Path(path):
+        for f in p.iterdir():
+            if f.is_file() and not os.access(f, os.W_OK):
+                return f"{f}: not writable"
+    return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -69,7 +134,7 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     make_dirs(target.parent)
     if target.exists() and not overwrite:
         raise FileExistsError(str(target))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = temp_dir(f".{target.name}.tmp-", target.parent)
     try:
         yield tmp
         fsync_dir(tmp)
@@ -93,7 +158,7 @@ def atomic_file(target: str | os.PathLike, mode: str = "w"):
     """Yield a file object whose content replaces ``target`` only on success."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    fd, tmp = temp_file(f".{target.name}.tmp-", target.parent)
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import process_umask
 
 SCHEMA = 2
 READS_SCHEMAS = (1, 2)
@@ -155,6 +156,7 @@ class PolicyIndex:
             if path.exists():
                 raise FileExistsError(str(path))
             conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            os.chmod(path, 0o666 & ~process_umask())          # SQLite creates 0644 whatever the umask
             conn.execute("PRAGMA journal_mode = DELETE")
             conn.execute("PRAGMA synchronous = FULL")
             where = str(path)

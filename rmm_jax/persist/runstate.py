@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,7 +48,7 @@ import numpy as np
 
 from rmm_jax.errors import InputError
 from rmm_jax.persist import checksums
-from rmm_jax.persist.atomic import atomic_file, fsync_dir, write_json
+from rmm_jax.persist.atomic import atomic_file, fsync_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
 from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
 from rmm_jax.persist.lock import WriterLock
@@ -278,7 +277,7 @@ class RunState:
         for name, tree in trees.items():
             specs[name], leaves = encode_tree(tree, where=f"run-state {name}")
             arrays.update({f"{name}.{i:06d}": np.ascontiguousarray(a) for i, a in enumerate(leaves)})
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.path))
+        tmp = temp_dir(".tmp-", self.path)
         try:
             if arrays:                  # one file: an orbax checkpoint took ~0.2 s a save and 0.4 s to import
                 with open(tmp / ARRAYS_FILE, "xb") as f:
