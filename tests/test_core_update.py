@@ -62,7 +62,8 @@ OPTIMIZERS = {"sgd": lambda: rj.sgd(0.1), "adam": lambda: rj.adam(0.05),
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_update_equals_per_user_brute_force_in_every_scope(scope, opt_name):
     """g_shared = mean over users with a query of each user's own autodiff gradient, stepped
-    once by the optimiser; each user's own part steps on that user's gradient only (jitted;
+    once by the optimiser at √U_a times its step (U_a = 3 users with a query here); each user's
+    own part steps on that user's gradient only (jitted;
     the eager run of the same check is the next test)."""
     check_brute_force(scope, opt_name, jax.jit)
 
@@ -102,6 +103,7 @@ def check_brute_force(scope, opt_name, variant, **est_fields):
         mean_g = jax.tree.map(lambda *g: sum(g[u] for u in active) / len(active), *grads_s)
         assert float(optax.tree.norm(mean_g)) > 1e-3                      # the check is not vacuous
         upd, _ = opt.update(mean_g, shared.opt_state, shared.params)
+        upd = jax.tree.map(lambda x: np.sqrt(len(active)) * x, upd)      # the step grows as √U_a
         close(new_shared.params, optax.apply_updates(shared.params, upd))
     else:
         assert new_shared.params == {}
