@@ -36,7 +36,7 @@ from rmm_jax.cli.online import (
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.streams import known_ids, log_chunks, scan_log
+from rmm_jax.online.streams import known_ids, log_chunks, repeat_passes, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
 
@@ -52,6 +52,10 @@ from rmm_jax.persist.runstate import file_digest
 @keep_option
 @config_options
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
+@click.option("--passes", type=int, default=1,
+              help="Passes over each user's records: every pass updates (later ones importance-weighted against "
+                   "the logged policy); the report scores the first, prequentially. Two or three gain +0.02 to +0.03 "
+                   "Recall@5 on LoCoMo (docs/method.md).")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @users_option("Only these users' records")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
@@ -59,8 +63,8 @@ from rmm_jax.persist.runstate import file_digest
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, users_per_chunk, checkpoint_every, resume,
-           plot_path, as_json, **opts):
+def replay(store, log_path, policies, init, keep, clip, passes, skip_invalid, users, users_per_chunk, checkpoint_every,
+           resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log
@@ -82,6 +86,8 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
                          "record; replay with --preset default", where="--preset")
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
+    if passes < 1:
+        raise InputError(f"must be >= 1, got {passes}", where="--passes")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
@@ -94,9 +100,11 @@ def replay(store, log_path, policies, init, keep, clip, skip_invalid, users, use
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
     grouped, n_users = rep.pop("grouped"), rep.pop("users")
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
-    chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
-                        skip_invalid=skip_invalid, users=users)
-    options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid, "--users": users,
+    chunks = ([repeat_passes(s, passes) for s in c] for c in
+              log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
+                         skip_invalid=skip_invalid, users=users))
+    options = online_options(opts, **{"--init": init, "--clip": clip, "--passes": passes,
+                                      "--skip-invalid": skip_invalid, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
