@@ -225,9 +225,15 @@ HEADLINE = {
         "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_held_out", "interval"),
                                  ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")]),
     "Off-policy estimates: coverage of the 95% interval (SNIPS, cited)": (
-        "{} (logging policy fixed), {} (adaptive)", [
+        "logging policy fixed {}, {} seeds of {} withheld, {} counting them as misses; "
+        "adaptive {}, {} withheld, {} counting them as misses", [
             ("ope_validation.json", "scenarios.fixed.summary.cited.snips.coverage", ".2f"),
-            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage", ".2f")]),
+            ("ope_validation.json", "scenarios.fixed.summary.cited.snips.withheld", ""),
+            ("ope_validation.json", "setup.seeds", ""),
+            ("ope_validation.json", "scenarios.fixed.summary.cited.snips.coverage_all", ".2f"),
+            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage", ".2f"),
+            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.withheld", ""),
+            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage_all", ".2f")]),
     "Throughput, one user, paper shapes: rmm-jax / torch.compile": (
         "{}", [("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")]),
     "100,000 users × 100 queries, scope hybrid: wall time; peak memory": (
