@@ -10,6 +10,7 @@ import pytest
 
 import rmm_jax as rj
 from rmm_jax.core import optim
+from rmm_jax.core.config import describe
 from rmm_jax.core.update import (
     act,
     baseline_for,
@@ -222,10 +223,11 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
-    real, default = rj.preset("realistic"), rj.preset("default")   # default with the logistic loss at lr 1e-4
-    assert real.layout == default.layout
-    assert optim.describe(real.optimizer) == {**optim.describe(default.optimizer), "lr": 1e-4}
-    assert real.estimator == dataclasses.replace(default.estimator, loss="logistic") != default.estimator
+    default, old = rj.preset("default"), rj.preset("reinforce")   # the old default with the logistic loss at 1e-4
+    assert default.layout == old.layout and describe(*rj.preset("realistic")) == describe(*default)
+    assert optim.describe(default.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
+    assert default.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
+    assert old.estimator == rj.Estimator() and optim.describe(old.optimizer) == {"name": "adam", "lr": 3e-4}
 
 
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
