@@ -19,7 +19,8 @@ package. No benchmark imports another: what two of them need lives here.
   users, side by side, and which user (conversation) each belongs to, for
   :func:`gain_interval`'s ``groups``.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
-  with the command line, date, commit and machine that produced it.
+  with the command line, date, commit, whether the tree was clean, and machine that produced
+  it; refused from a tree with uncommitted changes (:func:`uncommitted`).
 * :func:`spread`: median, min and max of per-repeat values (timings: medians of
   interleaved repeats). :class:`LoadWatch`: the load average around a timing, and whether
   it was too busy to trust (``noisy``). :func:`gain_interval` / :func:`format_interval`: a gain's 95%
@@ -164,25 +165,58 @@ def query_groups(streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
     return np.concatenate([np.full(int(np.asarray(by_id[u].valid, bool).sum()), i) for i, u in enumerate(users)])
 
 
-def _commit() -> str | None:
+ALLOW_DIRTY_ENV = "RMM_ALLOW_DIRTY"
+
+
+def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip() or None
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
+def uncommitted() -> list[str] | None:
+    """The paths ``git status --porcelain`` lists outside ``benchmarks/results/`` (what a
+    result could depend on that no commit holds; the results folder holds outputs, and a
+    run writes several), or None outside a git checkout."""
+    out = _git("status", "--porcelain", "--untracked-files=all")
+    if out is None:
+        return None
+    results = os.path.relpath(RESULTS, REPO).replace(os.sep, "/") + "/"
+    paths = [line[3:].split(" -> ")[-1].strip('"') for line in out.splitlines() if line.strip()]
+    return [p for p in paths if not p.startswith(results)]
+
+
 def provenance() -> dict:
-    """Who wrote a result: command line, UTC date, commit, machine, load average."""
+    """Who wrote a result: command line, UTC date, commit, whether the tree was clean (no
+    uncommitted change outside ``benchmarks/results/``), machine, load average."""
+    commit, dirty = _git("rev-parse", "--short", "HEAD"), uncommitted()
     return {"command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "commit": commit.strip() if commit else None, "clean": dirty == [],
+            **({"uncommitted": dirty[:20]} if dirty else {}),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "load_average": list(os.getloadavg())}
 
 
 def write_result(path, result: dict) -> None:
-    """Write ``result`` (plus ``provenance``) as JSON, atomically; NumPy scalars become numbers."""
-    out = json.loads(json.dumps({**result, "provenance": provenance()}, default=_plain))
+    """Write ``result`` (plus ``provenance``) as JSON, atomically; NumPy scalars become numbers.
+
+    A result under ``benchmarks/results/`` comes from committed code: from a tree with
+    uncommitted changes (or outside git) it is refused, with the reason, unless
+    ``$RMM_ALLOW_DIRTY=1``, and then it is written marked ``"clean": false`` with a warning.
+    Elsewhere (a scratch path) a dirty tree is recorded and warned about."""
+    prov = provenance()
+    if not prov["clean"]:
+        what = (f"{len(prov['uncommitted'])} uncommitted path(s), e.g. {prov['uncommitted'][0]}"
+                if prov.get("uncommitted") else "no git checkout")
+        inside = Path(path).resolve().is_relative_to(RESULTS.resolve())
+        if inside and os.environ.get(ALLOW_DIRTY_ENV) != "1":
+            sys.exit(f"error: {path}: not written: a result file comes from committed code, and this tree has "
+                     f"{what}; commit first (or set {ALLOW_DIRTY_ENV}=1 to write it marked \"clean\": false)")
+        print(f"WARNING: {path} is written from a tree with {what}: marked \"clean\": false", file=sys.stderr)
+    out = json.loads(json.dumps({**result, "provenance": prov}, default=_plain))
     write_json(Path(path), out)
     print(f"wrote {path}", file=sys.stderr)
 

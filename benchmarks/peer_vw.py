@@ -1,6 +1,7 @@
 """Vowpal Wabbit as a peer: the same citation-driven reranking, learned by VW as its users would.
 
     python benchmarks/peer_vw.py --json benchmarks/results/peer_vw.json --plot benchmarks/results/peer_vw.png
+    python benchmarks/peer_vw.py --ablation ...             # also the cb_explore_adf rows (about 4x VW's time)
     python benchmarks/peer_vw.py --synthetic --quick          # seconds, no LoCoMo data needed
 
 Vowpal Wabbit is what practitioners reach for to learn online from bandit feedback. This
@@ -33,7 +34,7 @@ memory, anchored at the retriever.
   normalised updates stay on) on conversations 26 and 30 only, over
   ``--tune-seeds``, separately for each citation model; 41–43 are the held-out report.
 
-**Ablation** (the ``vw_cb`` rows, exempt from the floor): the setting this benchmark used
+**Ablation** (the ``vw_cb`` rows, with ``--ablation``; exempt from the floor): the setting this benchmark used
 before, ``--cb_explore_adf --softmax --lambda 10 --cb_type dm -l 0.1 -q QM`` (the best of
 its 12-setting grid), one contextual-bandit example per shown slot over the actions not
 yet shown, the retriever's score qᵀm as a feature in namespace ``B``. It ranks by VW's
@@ -43,10 +44,19 @@ Recall@5 in no digit), so it ends below the retriever. It shows what a contextua
 anchor costs here.
 
 **rmm-jax** (the ``rmm_jax`` rows): the library's online loop (``make_run`` + ``drive``,
-:func:`rmm_jax_online`), the ``--preset`` (default ``default``; ``realistic`` takes the
-citations as labels, see ``benchmarks/learn_sweep.py``), every user from the identity reranker (the
+:func:`rmm_jax_online`), the ``--preset`` (default ``default``: the citations as labels,
+chosen by ``benchmarks/defaults_sweep.py``), every user from the identity reranker (the
 ``online`` row of ``quality_locomo.py``; VW has no pretraining either), on the same
-streams and seeds.
+streams and seeds, scope user (each user alone, as each VW workspace). ``rmm_jax_hybrid``:
+a lever VW lacks, the same preset in scope hybrid (a reranker shared by the users plus a
+low-rank one per user), all users side by side.
+
+**Paired comparison.** Every learner runs on the same streams with the same seeds (VW,
+rmm-jax and hybrid back to back per seed), and ``ratios`` holds the per-query differences
+pooled over all five conversations (``*_all``: 26 and 30 are where both were tuned) and over
+the held-out ones, with 95% intervals that resample conversations, seeds and queries
+(:func:`rmm_jax.online.stats.gain_interval` with the conversation as group), as do the
+gains over the retriever.
 
 **Citations.** Both models of the library, each the same for every learner: ``oracle``
 is the class-calibrated :func:`rmm_jax.data.citations.oracle` (``rmm-jax simulate``'s
@@ -102,7 +112,8 @@ except ImportError:  # the tests skip with a reason; main() exits with one line
     pyvw = None
 
 TUNED_ON = ("26", "30")
-LEARNERS = {"vw": "VW logistic, anchored", "rmm_jax": "rmm-jax", "vw_cb": "VW cb_explore_adf (ablation)"}
+LEARNERS = {"vw": "VW logistic, anchored", "rmm_jax": "rmm-jax (default preset)",
+            "rmm_jax_hybrid": "rmm-jax hybrid (a lever VW lacks)", "vw_cb": "VW cb_explore_adf (ablation)"}
 FLOORED = ("vw", "rmm_jax")          # must end above the retriever; the ablation is reported only
 
 
@@ -409,7 +420,7 @@ def main(argv=None):
     _common.add_data_option(ap)
     ap.add_argument("--synthetic", action="store_true", help="planted-bilinear synthetic users instead of LoCoMo")
     ap.add_argument("--quick", action="store_true", help="tiny run (with --synthetic: seconds)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4; quick 0,1)")
     ap.add_argument("--tune-seeds", default=None, help="seeds each tuning setting runs (default 0,1; quick 0)")
     ap.add_argument("--citations", default=",".join(CITATIONS),
                     help=f"comma-separated citation models (default {','.join(CITATIONS)})")
@@ -420,7 +431,8 @@ def main(argv=None):
     ap.add_argument("--power-t", type=float, default=0.5, help="VW --power_t with --lr (default 0.5)")
     ap.add_argument("--tuned", type=Path, default=None,
                     help="take each citation model's VW setting from this earlier result JSON; skips the tuning")
-    ap.add_argument("--no-ablation", action="store_true", help="skip the cb_explore_adf ablation rows")
+    ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=False,
+                    help="also run the cb_explore_adf ablation rows (about 4x VW's time)")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS),
                     help="rmm-jax's preset (default: default; realistic: the logistic loss)")
     ap.add_argument("--jax-timing-runs", type=int, default=5,
@@ -434,13 +446,15 @@ def main(argv=None):
     if any(c not in CITATIONS for c in cms):
         sys.exit(f"error: --citations: unknown model {next(c for c in cms if c not in CITATIONS)!r} "
                  f"(choose from {', '.join(CITATIONS)})")
-    seeds = [int(x) for x in (args.seeds or "0,1,2").split(",")]
+    seeds = [int(x) for x in (args.seeds or ("0,1" if args.quick else "0,1,2,3,4")).split(",")]
     tune_seeds = [int(x) for x in (args.tune_seeds or ("0" if args.quick else "0,1")).split(",")]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     if args.synthetic:
         k, m = (6, 2) if args.quick else (args.k, args.m)
-        streams = synthetic_streams(3 if args.quick else 5, 300 if args.quick else 400, 60 if args.quick else 400,
+        # quick: 1,200 queries a user, since at the default preset's lr 1e-4 a few hundred (75 updates)
+        # move the reranker too little to rank differently, and the floor below would fail
+        streams = synthetic_streams(3 if args.quick else 5, 1200 if args.quick else 400, 60 if args.quick else 400,
                                     8 if args.quick else 32, k)
         tuned_on, dataset = (streams[0].user_id,), "synthetic"
     else:
@@ -473,19 +487,25 @@ def main(argv=None):
         log(f"VW under {cm!r}: {settings[cm].args()}")
 
     base = base_recall(streams, m)
-    runs = {cm: {name: [] for name in LEARNERS if not (name == "vw_cb" and args.no_ablation)} for cm in cms}
+    runs = {cm: {name: [] for name in LEARNERS if not (name == "vw_cb" and not args.ablation)} for cm in cms}
     compile_s = {}
     load = [os.getloadavg()[0]]
+    dim = int(streams[0].bank.shape[1])
+    hybrid_setting = rj.preset(args.preset, k=k, m=m, scope="hybrid",
+                               rank=min(rj.Scope.named("hybrid").rank, dim - 1))   # the default rank, below d
     for cm in cms:
         cit = CITATIONS[cm]
         rmm = rmm_jax_online(streams, setting, cit.library())
+        hybrid = rmm_jax_online(streams, hybrid_setting, cit.library())
         t0 = time.perf_counter()
         rmm(seeds[0])                                                # compile + first pass
         compile_s[cm] = time.perf_counter() - t0
+        hybrid(seeds[0])
         for seed in seeds:                                           # interleaved: VW, rmm-jax, ablation per seed
             got = {"vw": run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau, seed=seed),
                                    streams),
-                   "rmm_jax": timed_rmm_jax(rmm, seed, args.jax_timing_runs)}
+                   "rmm_jax": timed_rmm_jax(rmm, seed, args.jax_timing_runs),
+                   "rmm_jax_hybrid": timed_rmm_jax(hybrid, seed, 1)}
             if "vw_cb" in runs[cm]:
                 got["vw_cb"] = run_users(lambda s: run_cb_user(s, cit.numpy, m=m, seed=seed), streams)
             load.append(os.getloadavg()[0])
@@ -501,6 +521,12 @@ def main(argv=None):
     def per_query(name, cm, us):
         return np.stack([valid_values(r["recall"], streams, us) for r in runs[cm][name]])
 
+    groups_held, groups_all = _common.query_groups(streams, held), _common.query_groups(streams, users)
+
+    def paired(a, b, cm, us, groups):
+        """a − b per query and seed, with an interval that resamples conversations, seeds and queries."""
+        return _common.gain_interval(per_query(a, cm, us) - per_query(b, cm, us), groups=groups)
+
     base_held, base_all = valid_values(base, streams, held), valid_values(base, streams, users)
     results, ratios = {}, {}
     for cm in cms:
@@ -511,14 +537,16 @@ def main(argv=None):
                 "label": LEARNERS[name],
                 "held_out_recall": {"mean": float(ph.mean()), **_common.spread(ph.mean(1))},
                 "all_recall": {"mean": float(pa.mean()), **_common.spread(pa.mean(1))},
-                "gain_held_out": _common.gain_interval(ph - base_held),
-                "gain_all": _common.gain_interval(pa - base_all),
+                "gain_held_out": _common.gain_interval(ph - base_held, groups=groups_held),
+                "gain_all": _common.gain_interval(pa - base_all, groups=groups_all),
                 "per_user": {u: float(per_query(name, cm, [u]).mean()) for u in users},
                 "queries_per_s": _common.spread([r["queries_per_s"] for r in runs[cm][name]]),
                 "runs": [{k_: v for k_, v in r.items() if k_ != "recall"} for r in runs[cm][name]]}
         ratios[cm] = {
-            "rmm_jax_minus_vw_held_out": _common.gain_interval(
-                per_query("rmm_jax", cm, held) - per_query("vw", cm, held)),
+            "rmm_jax_minus_vw_all": paired("rmm_jax", "vw", cm, users, groups_all),
+            "rmm_jax_minus_vw_held_out": paired("rmm_jax", "vw", cm, held, groups_held),
+            "rmm_jax_hybrid_minus_vw_all": paired("rmm_jax_hybrid", "vw", cm, users, groups_all),
+            "rmm_jax_hybrid_minus_rmm_jax_all": paired("rmm_jax_hybrid", "rmm_jax", cm, users, groups_all),
             "rmm_jax_over_vw_queries_per_s": _common.spread(
                 [a["queries_per_s"] / b["queries_per_s"] for a, b in zip(runs[cm]["rmm_jax"], runs[cm]["vw"])])}
     out = {"dataset": dataset, "k": k, "m": m, "d": int(streams[0].bank.shape[1]), "tau": tau, "queries": n_queries,
@@ -531,8 +559,10 @@ def main(argv=None):
                   "tuning": tuning, "tune_seeds": tune_seeds if tuning else None,
                   "version": _vw_version()},
            "vw_cb": {"args": CB_ARGS, "ablation": True},
-           "rmm_jax": {"config": describe(*setting), "init": "identity (the online row of quality_locomo.py)",
-                       "compile_s": compile_s},
+           "rmm_jax": {"preset": args.preset, "config": describe(*setting),
+                       "init": "identity (the online row of quality_locomo.py)", "compile_s": compile_s,
+                       "hybrid_config": describe(*hybrid_setting)},
+           "intervals": "gains and paired differences resample conversations, seeds and queries",
            "results": results, "ratios": ratios,
            "timing": {"vw": "one pass: per user a fresh workspace and its memories as VW text, then per query the "
                             "retriever logits, K predicts, ranking, Gumbel draw, citations and M learns "
@@ -540,8 +570,9 @@ def main(argv=None):
                       "rmm_jax": "drive(): host padding, the compiled run over one chunk of all users, results back; "
                                  "after compile (compile_s: first pass with compile); median of "
                                  f"{args.jax_timing_runs} identical passes per seed",
+                      "rmm_jax_hybrid": "as rmm_jax in scope hybrid, one pass per seed",
                       "vw_cb": "as vw, with CB_ARGS",
-                      "order": "per seed: vw, rmm_jax, vw_cb back to back",
+                      "order": "per seed: vw, rmm_jax, rmm_jax_hybrid, vw_cb back to back",
                       "load_avg_1min": _common.spread(load), "backend": jax.default_backend(), "jax": jax.__version__},
            "seconds": round(time.perf_counter() - t_start, 1)}
     failures = floor_failures(out)
@@ -594,7 +625,11 @@ def report(out: dict) -> str:
             lines.append(f"  {r['label']:<30} {r['held_out_recall']['mean']:>13.4f} "
                          f"{_common.format_interval(r['gain_held_out']):>30} {f(r['queries_per_s'], 1):>30}")
         ra = out["ratios"][cm]
-        lines += [f"  rmm-jax - VW held-out: {_common.format_interval(ra['rmm_jax_minus_vw_held_out'])}; "
+        lines += [f"  rmm-jax - VW, all users: {_common.format_interval(ra['rmm_jax_minus_vw_all'])}; "
+                  f"held-out: {_common.format_interval(ra['rmm_jax_minus_vw_held_out'])}; hybrid - VW: "
+                  f"{_common.format_interval(ra['rmm_jax_hybrid_minus_vw_all'])}; hybrid - rmm-jax: "
+                  f"{_common.format_interval(ra['rmm_jax_hybrid_minus_rmm_jax_all'])}",
+                  f"  "
                   f"rmm-jax / VW queries/s: {f(ra['rmm_jax_over_vw_queries_per_s'], 1)} "
                   f"(rmm-jax compile + first pass {out['rmm_jax']['compile_s'][cm]:.1f} s)",
                   f"  VW: {out['vw']['args'][cm]}"]

@@ -2,9 +2,8 @@
 
     python benchmarks/quality_locomo.py --json benchmarks/results/quality_locomo.json \\
         --plot benchmarks/results/quality_locomo.png
-    python benchmarks/quality_locomo.py --citations precision_recall \\
-        --json benchmarks/results/quality_locomo_precision_recall.json \\
-        --plot benchmarks/results/quality_locomo_precision_recall.png
+    python benchmarks/quality_locomo.py --granularity segment --scope user \\
+        --rows base,pretrain,online:user,pretrain+online:user --json benchmarks/results/quality_locomo_segment.json
 
 Each LoCoMo conversation is one user. Online rows run every conversation together, from
 identity, against simulated citations (``--citations``):
@@ -14,9 +13,7 @@ identity, against simulated citations (``--citations``):
   other with 0.154, and every shown memory with 0.154 when no gold one is shown.
 * ``precision_recall``: the older, more generous simulator at precision/recall
   0.876/0.858 (:func:`rmm_jax.online.run.precision_recall_oracle`): never cites when no
-  gold memory is shown. The results before the class-calibrated default were made with
-  it; its rows are kept as a labelled comparison
-  (``benchmarks/results/quality_locomo_precision_recall.json``).
+  gold memory is shown. The results before the class-calibrated default were made with it.
 * ``answer``: label-free, cites the shown memory that best supports the reference
   answer (:func:`rmm_jax.data.citations.answer_support`); the online loop never reads
   gold (pretraining still does: it is supervised on the other conversations).

@@ -58,7 +58,7 @@ def cfg_for(kind):
 
 
 def setting_for(kind, tau=None):
-    return rj.preset("default", kind=kind, k=K, m=M, batch=B, lr=LR, tau=tau or 0.7, credit="reward_to_go")
+    return rj.preset("reinforce", kind=kind, k=K, m=M, batch=B, lr=LR, tau=tau or 0.7, credit="reward_to_go")
 
 
 def make_batch(seed):
@@ -512,7 +512,7 @@ def test_peer_vw_fails_loudly_below_the_retriever(tmp_path, monkeypatch):
     monkeypatch.setattr(peer_vw, "rmm_jax_online", lambda streams, cfg, cite: lambda seed: {
         s.user_id: np.ones(s.queries.shape[0]) for s in streams})
     with pytest.raises(SystemExit) as exc:
-        peer_vw.main(["--synthetic", "--quick", "--citations", "oracle", "--no-ablation", "--seeds", "0,1", "--lr", "1",
+        peer_vw.main(["--synthetic", "--quick", "--citations", "oracle", "--seeds", "0,1", "--lr", "1",
                       "--json", str(tmp_path / "bad.json")])
     assert "below the retriever" in str(exc.value.code) and "VW logistic" in str(exc.value.code)
     assert "rmm-jax" not in str(exc.value.code)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 SHARED = {p.stem for p in BENCH.glob("_*.py")}
@@ -58,3 +60,57 @@ def test_every_script_imports_on_the_current_api():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_a_result_file_records_its_commit_and_is_refused_from_a_dirty_tree(tmp_path, monkeypatch):
+    """``write_result`` records the commit and ``clean``; into ``benchmarks/results/`` a dirty
+    tree is refused (exit, nothing written) unless $RMM_ALLOW_DIRTY=1, which marks the file
+    ``clean: false``; a scratch path is written, marked."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(BENCH))
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(_common, "RESULTS", results)
+    monkeypatch.delenv(_common.ALLOW_DIRTY_ENV, raising=False)
+    monkeypatch.setattr(_common, "uncommitted", lambda: [])
+    _common.write_result(results / "ok.json", {"x": 1})
+    prov = json.loads((results / "ok.json").read_text())["provenance"]
+    assert prov["clean"] is True and prov["commit"]
+    monkeypatch.setattr(_common, "uncommitted", lambda: ["rmm_jax/core/update.py"])
+    with pytest.raises(SystemExit, match="commit first"):
+        _common.write_result(results / "dirty.json", {"x": 1})
+    assert not (results / "dirty.json").exists()
+    _common.write_result(tmp_path / "scratch.json", {"x": 1})
+    assert json.loads((tmp_path / "scratch.json").read_text())["provenance"]["clean"] is False
+    monkeypatch.setenv(_common.ALLOW_DIRTY_ENV, "1")
+    _common.write_result(results / "dirty.json", {"x": 1})
+    prov = json.loads((results / "dirty.json").read_text())["provenance"]
+    assert prov["clean"] is False and prov["uncommitted"] == ["rmm_jax/core/update.py"]
+
+
+def test_uncommitted_ignores_result_files_only(tmp_path):
+    """A changed result file (a run writes several) leaves the tree clean; any other change does not."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(BENCH))
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init")
+    old = (_common.REPO, _common.RESULTS)
+    _common.REPO, _common.RESULTS = tmp_path, tmp_path / "benchmarks" / "results"
+    try:
+        assert _common.uncommitted() == []
+        (tmp_path / "benchmarks" / "results" / "new.json").write_text("{}")
+        assert _common.uncommitted() == []
+        (tmp_path / "code.py").write_text("x = 2\n")
+        assert _common.uncommitted() == ["code.py"]
+    finally:
+        _common.REPO, _common.RESULTS = old

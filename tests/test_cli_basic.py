@@ -134,8 +134,8 @@ def test_unknown_verb_fails_with_one_line(capsys):
 
 
 @pytest.mark.parametrize("preset, loss, want", [
-    ("default", None, "reinforce"), ("default", "logistic", "logistic"),
-    ("realistic", None, "logistic"), ("realistic", "reinforce", "reinforce")])
+    ("default", None, "logistic"), ("default", "reinforce", "reinforce"),
+    ("reinforce", None, "reinforce"), ("reinforce", "logistic", "logistic")])
 def test_loss_option_overrides_the_presets_loss(preset, loss, want):
     from rmm_jax.cli.common import make_setting
 

@@ -11,6 +11,7 @@ from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
 from rmm_jax.core import optim
+from rmm_jax.core.config import describe
 from rmm_jax.core.update import (
     act,
     baseline_for,
@@ -63,7 +64,8 @@ OPTIMIZERS = {"sgd": lambda: rj.sgd(0.1), "adam": lambda: rj.adam(0.05),
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_update_equals_per_user_brute_force_in_every_scope(scope, opt_name):
     """g_shared = mean over users with a query of each user's own autodiff gradient, stepped
-    once by the optimiser; each user's own part steps on that user's gradient only (jitted;
+    once by the optimiser at √U_a times its step (U_a = 3 users with a query here); each user's
+    own part steps on that user's gradient only (jitted;
     the eager run of the same check is the next test)."""
     check_brute_force(scope, opt_name, jax.jit)
 
@@ -101,6 +103,7 @@ def brute_force(layout, est, opt, shared, users, batch):
         active = [u for u in range(U) if np.asarray(VALID)[u].any()]
         mean_g = jax.tree.map(lambda *g: sum(g[u] for u in active) / len(active), *grads_s)
         upd, _ = opt.update(mean_g, shared.opt_state, shared.params)
+        upd = jax.tree.map(lambda x: np.float32(np.sqrt(len(active))) * x, upd)      # the step grows as √U_a
         new_shared = optax.apply_updates(shared.params, upd)
     new_own = []
     for u in range(U):
@@ -259,10 +262,11 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
-    real, default = rj.preset("realistic"), rj.preset("default")   # default with the logistic loss at lr 1e-4
-    assert real.layout == default.layout
-    assert optim.describe(real.optimizer) == {**optim.describe(default.optimizer), "lr": 1e-4}
-    assert real.estimator == dataclasses.replace(default.estimator, loss="logistic") != default.estimator
+    default, old = rj.preset("default"), rj.preset("reinforce")   # the old default with the logistic loss at 1e-4
+    assert default.layout == old.layout and describe(*rj.preset("realistic")) == describe(*default)
+    assert optim.describe(default.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
+    assert default.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
+    assert old.estimator == rj.Estimator() and optim.describe(old.optimizer) == {"name": "adam", "lr": 3e-4}
 
 
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])

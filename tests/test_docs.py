@@ -267,59 +267,83 @@ def test_hook_formats_and_refuses():
 
 # ------------------------------------------------------------------------- the README's headline table
 
-# README row (its first cell) → (result file, key path, format as the hook formats it), one per
-# number cell of that row, left to right. After a benchmark is re-run, update the README until
-# this passes; the failure prints the expected cell.
+# README row (the cell under "measure") → (the text of its "result" cell with a {} for each
+# number, the numbers: result file, key path, format as the hook formats it). A path segment
+# "name=X" picks the element of a list whose "name" is X. The test renders the cell and
+# compares it whole, so a swapped or stale number fails; after a benchmark is re-run, update
+# the README until this passes (the failure prints the expected cell).
 HEADLINE = {
-    # learn_sweep_heldout.json's rows are a list: 4 is "realistic", 12 "gold pretrain + realistic online"
-    "Recall@5 gain, held-out LoCoMo, online from the retriever, `--preset realistic`": [
-        ("learn_sweep_heldout.json", "rows.4.gain", "interval")],
-    "Recall@5 gain, held-out LoCoMo, gold pretrain + online, `--preset realistic`": [
-        ("learn_sweep_heldout.json", "rows.12.gain", "interval")],
-    "Against Vowpal Wabbit (online, default preset, held-out Recall@5 difference; speed)": [
-        ("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_held_out", "interval"),
-        ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")],
-    "Off-policy estimates: coverage of the 95% interval (SNIPS, cited)": [
-        ("ope_validation.json", "scenarios.fixed.summary.cited.snips.coverage", ".2f"),
-        ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage", ".2f")],
-    "Throughput, one user, paper shapes: rmm-jax / torch.compile": [
-        ("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")],
-    "100,000 users × 100 queries, scope hybrid: wall time; peak memory": [
-        ("scale_100k.json", "rows.0.seconds", ",.0f"),
-        ("scale_100k.json", "peak_rss_mb", ",.0f")],
-    "Serving from a 100,000-user hybrid store: one query, p50 not cached; cached": [
-        ("serve.json", "cold_p50_ms.median", ".1f"),
-        ("serve.json", "warm_p50_ms.median", ".2f")],
+    "Recall@5 gain, held-out LoCoMo, online from the retriever, `--preset realistic`": (
+        "{}", [("learn_sweep_heldout.json", "rows.name=realistic.gain", "interval")]),
+    "Recall@5 gain, held-out LoCoMo, gold pretrain + online, `--preset realistic`": (
+        "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + realistic online.gain", "interval")]),
+    "Against Vowpal Wabbit (online, default preset, held-out Recall@5 difference; speed)": (
+        "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_held_out", "interval"),
+                                 ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")]),
+    "Off-policy estimates: coverage of the 95% interval (SNIPS, cited)": (
+        "logging policy fixed {}, {} seeds of {} withheld, {} counting them as misses; "
+        "adaptive {}, {} withheld, {} counting them as misses", [
+            ("ope_validation.json", "scenarios.fixed.summary.cited.snips.coverage", ".2f"),
+            ("ope_validation.json", "scenarios.fixed.summary.cited.snips.withheld", ""),
+            ("ope_validation.json", "setup.seeds", ""),
+            ("ope_validation.json", "scenarios.fixed.summary.cited.snips.coverage_all", ".2f"),
+            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage", ".2f"),
+            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.withheld", ""),
+            ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage_all", ".2f")]),
+    "Throughput, one user, paper shapes: rmm-jax / torch.compile": (
+        "{}", [("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")]),
+    "100,000 users × 100 queries, scope hybrid: wall time; peak memory": (
+        "{} s; {} MiB", [("scale_100k.json", "rows.0.seconds", ",.0f"), ("scale_100k.json", "peak_rss_mb", ",.0f")]),
+    "Serving from a 100,000-user hybrid store: one query, p50 not cached; cached": (
+        "{} ms; {} ms", [("serve.json", "cold_p50_ms.median", ".1f"), ("serve.json", "warm_p50_ms.median", ".2f")]),
 }
 
 
-def _headline_rows() -> dict[str, list[str]]:
+def _headline_table() -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The README's headline table: its column names, and each row's cells by column name,
+    keyed by the row's first cell."""
     lines = (REPO / "README.md").read_text().splitlines()
     start = next(i for i, x in enumerate(lines) if x.strip() == "<!-- headline: tests/test_docs.py -->")
     first = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("|"))
     end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
-    table = lines[first:end]
+    split = lambda x: [c.strip() for c in x.strip().strip("|").split("|")]  # noqa: E731
+    header = split(lines[first])
     rows = {}
-    for x in table[2:]:  # the header and the --- line aside
-        cells = [c.strip() for c in x.strip().strip("|").split("|")]
-        rows[cells[0]] = cells[1:]
-    return rows
+    for x in lines[first + 2:end]:   # the header and the --- line aside
+        cells = split(x)
+        rows[cells[0]] = dict(zip(header, cells))
+    return header, rows
+
+
+def _pick(data, path: str):
+    """The hook's ``get``, where a segment ``name=X`` selects the list element named X."""
+    node = data
+    for seg in path.split("."):
+        key, eq, want = seg.partition("=")
+        if eq and isinstance(node, list):
+            hits = [x for x in node if isinstance(x, dict) and x.get(key) == want]
+            assert len(hits) == 1, f"{path}: {len(hits)} elements with {key}={want!r}"
+            node = hits[0]
+        else:
+            node = _hooks().get(node, [seg])
+    return node
 
 
 def test_readme_headline_numbers_are_the_files():
-    """Every number in the README's headline table equals its result file's, as the hook
-    formats it; the row's links name those files."""
-    h, rows = _hooks(), _headline_rows()
+    """Every "result" cell of the README's headline table is its template filled with its
+    files' numbers, as the hook formats them, compared whole (so a stale or swapped number
+    fails), and the row's "from" cell links those files."""
+    h, (header, rows) = _hooks(), _headline_table()
+    assert {"measure", "result", "from"} <= set(header), header
     assert set(HEADLINE) <= set(rows), sorted(set(HEADLINE) - set(rows))
     wrong = []   # every stale cell at once, so one run tells what to write
-    for label, sources in HEADLINE.items():
-        text = " ".join(rows[label])
-        for file, path, spec in sources:
-            want = h.fmt(h.get(h.load(file), path, file), spec, file)
-            if want not in text:
-                wrong.append(f"{label!r}: expected {want!r} from {file} {path}, row says {text!r}")
-            if f"benchmarks/results/{file}" not in text:
-                wrong.append(f"{label!r} does not link {file}")
+    for label, (template, sources) in HEADLINE.items():
+        want = template.format(*(h.fmt(_pick(h.load(file), path), spec, file) for file, path, spec in sources))
+        if rows[label]["result"] != want:
+            wrong.append(f"{label!r}: the result cell should read {want!r}, it reads {rows[label]['result']!r}")
+        for file in {f for f, _, _ in sources}:
+            if f"benchmarks/results/{file}" not in rows[label]["from"]:
+                wrong.append(f"{label!r}: the from cell does not link {file}")
     assert not wrong, "README headline:\n" + "\n".join(wrong)
     extra = sorted(set(rows) - set(HEADLINE))
     assert not extra, f"headline rows without a source in HEADLINE: {extra}"

@@ -81,11 +81,12 @@ def config_options(f=None, *, from_log: bool = False):
                                                                                    show_default=True)
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
-                     help="Named setting: 'default' (chosen by measurement, docs/method.md); 'paper' (the RMM "
-                          "update as written: top-M of s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob "
-                          "only, plain SGD lr 1e-3, batch 4); 'tempered_adam' (the same with tau-scaled noise and "
-                          "Adam); 'realistic' (default with the citations as labels of the shown memories, "
-                          "--loss logistic, lr 1e-4: for noisy citations)."),
+                     help="Named setting: 'default' (the citations as labels of the shown memories, --loss "
+                          "logistic, Adam lr 1e-4: the best worst case over citation models and scopes, "
+                          "docs/method.md; 'realistic' is the same); 'reinforce' (REINFORCE on citation rewards, "
+                          "Adam lr 3e-4: the default until issue 26); 'paper' (the RMM update as written: top-M of "
+                          "s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob only, plain SGD lr 1e-3, "
+                          "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
         click.option("--k", type=int, **k_default, help="Candidates from the base retriever."),
         click.option("--m", type=int, **m_default, help="Memories shown to the generator (selected)."),
         click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
@@ -99,7 +100,7 @@ def config_options(f=None, *, from_log: bool = False):
                      help=f"Credit assignment over the selection {_preset_default('credit')}."),
         click.option("--loss", type=click.Choice(LOSSES), default=None,
                      help="reinforce: REINFORCE on the citation rewards; logistic: the citations as labels of "
-                          "the shown memories (no baseline or credit) [default: reinforce; realistic: logistic]."),
+                          "the shown memories (no baseline or credit) [default: logistic; reinforce: reinforce]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(),

@@ -44,7 +44,7 @@ from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.streams import log_chunks, log_shape, scan_log
+from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
@@ -62,6 +62,10 @@ from rmm_jax.persist.runstate import file_digest
 @config_options(from_log=True)
 @change_setting_option
 @click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
+@click.option("--passes", type=int, default=1,
+              help="Passes over each user's records: every pass updates (later ones importance-weighted against "
+                   "the logged policy); the report scores the first, prequentially. Two or three gain +0.02 to +0.03 "
+                   "Recall@5 on LoCoMo (docs/method.md).")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @users_option("Only these users' records")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
@@ -69,7 +73,7 @@ from rmm_jax.persist.runstate import file_digest
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, keep, change_setting, clip, skip_invalid, users, users_per_chunk,
+def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, users, users_per_chunk,
            checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
@@ -103,6 +107,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
     if users_per_chunk < 1:
         raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     check_output_file(plot_path, f"--plot {plot_path}")
+    if passes < 1:
+        raise InputError(f"must be >= 1, got {passes}", where="--passes")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
@@ -118,9 +124,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, skip_inv
         info(f"embedded {len(texts)} texts the store lacks (queries and memories the log carries as text)")
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies, clip=clip)
-    chunks = log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
-                        skip_invalid=skip_invalid, users=users, vectors=vectors)
-    options = online_options(opts, **{"--init": init, "--clip": clip, "--skip-invalid": skip_invalid, "--users": users,
+    chunks = ([repeat_passes(s, passes) for s in c] for c in
+              log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
+                         skip_invalid=skip_invalid, users=users, vectors=vectors))
+    options = online_options(opts, **{"--init": init, "--clip": clip, "--passes": passes,
+                                      "--skip-invalid": skip_invalid, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,

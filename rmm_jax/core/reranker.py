@@ -114,11 +114,16 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
 
 
 def init_lowrank(key, dim: int, rank: int):
-    """A per-user low-rank residual that starts at exactly zero: A ~ N(0, 1/d), B = 0.
+    """A per-user low-rank residual that starts at exactly zero: A ~ N(0, 1/r), B = 0.
 
     A Bᵀ = 0, so a new user scores exactly as the shared reranker. B's gradient is
     not zero (it is linear in A), so the product leaves zero on the first update;
-    A's gradient is zero until B has moved (LoRA's initialisation).
+    A's gradient is zero until B has moved (LoRA's initialisation). A's scale sets how fast
+    the residual learns: Adam moves each entry of B by about ``lr`` a step, so an entry of
+    A Bᵀ, a sum of r such moves weighted by A's entries, moves by about ``lr`` when they
+    have variance 1/r: the user's part learns as fast as a whole kernel of its own (LoRA's
+    α/r scaling). At variance 1/d it learned about √(d/r) times slower, and a hybrid user
+    kept little of its own (docs/scopes.md).
 
     Examples:
       >>> import jax, rmm_jax as rj
@@ -131,7 +136,7 @@ def init_lowrank(key, dim: int, rank: int):
     checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
     checks.require(isinstance(rank, int) and 0 < rank < dim, "rank", f"must be in [1, d={dim}), got {rank!r}")
     kq, km = jax.random.split(key)
-    one = lambda k: {"lora": {"a": jax.random.normal(k, (dim, rank), jnp.float32) / jnp.sqrt(jnp.float32(dim)),
+    one = lambda k: {"lora": {"a": jax.random.normal(k, (dim, rank), jnp.float32) / jnp.sqrt(jnp.float32(rank)),
                               "b": jnp.zeros((dim, rank), jnp.float32)}}
     return {"m_adapter": one(km), "q_adapter": one(kq)}
 

@@ -8,14 +8,23 @@ first), is REINFORCE (Williams, 1992) as in RMM's Retrospective Reflection (Tan 
 
     L_u      = −Σ_b w_ub Σ_j sg[A_ubj] log π_ubj      (:func:`rmm_jax.core.losses.reinforce_loss`)
     g_shared = (1/U_a) Σ_u ∇_shared L_u     over the U_a users with a real query in the batch,
-    g_u      = ∇_{local_u} L_u               each user's own part learns from that user only.
+    g_u      = ∇_{local_u} L_u               each user's own part learns from that user only,
 
-The shared gradient is the mean of the users' batch gradients, so a step has the scale of
-one user's update whatever the number of users run side by side, and ``lr`` means the
-same in every scope. Scope ``user`` has an empty shared part, so g_shared is empty and
-each user's whole reranker is its own part; ``shared`` has empty local parts. A batch
-where no user has a real query leaves the shared state unchanged (an Adam step on a zero
-gradient would still move it).
+    Δ_shared = √U_a · opt(g_shared),        Δ_u = opt(g_u).
+
+**The shared step grows as √U_a.** The shared gradient is the mean over users, a batch U_a
+times as large as one user's, and Adam normalises any gradient to steps of about ``lr``: with
+one step of ``lr`` per batch of users, a shared part that sees U_a users' citations could move
+no further than one user's own part, and on the synthetic populations it learned no more
+than each user alone (docs/scopes.md). The square-root scaling rule for adaptive optimisers
+(Malladi et al., NeurIPS 2022: a κ-fold batch takes a √κ-fold Adam step) gives the mean of
+U_a users' gradients a √U_a-fold step: a direction the users agree on moves √U_a times as far,
+while the noise of the mean, √U_a times smaller, moves as far as one user's. For U_a = 1 the
+update is exactly the user's own. (The scaling multiplies the optimiser's update, which is
+linear in ``lr`` for Adam and SGD; ``lr`` still means one user's step.) Scope ``user`` has an
+empty shared part, so g_shared is empty and each user's whole reranker is its own part;
+``shared`` has empty local parts. A batch where no user has a real query leaves the shared
+state unchanged (an Adam step on a zero gradient would still move it).
 
 **The linear kind never builds a d×d gradient per user.** The loss is differentiated with
 respect to the scores the batch already carries (one forward per step), and the chain rule
@@ -264,6 +273,7 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
         if scope.has_shared:
             upd, opt_state = optimizer.update(g_shared, shared.opt_state, shared.params)
             n_active = jnp.sum(jnp.any(batch.valid, axis=-1))
+            upd = jax.tree.map(lambda u: u * jnp.sqrt(n_active.astype(u.dtype)), upd)   # √U_a (module docstring)
             shared = _where(n_active > 0, SharedState(optax.apply_updates(shared.params, upd), opt_state), shared)
         n_users = users.learner_state.step.shape[0]
         params, opt_state = jax.vmap(step_local, axis_size=n_users)(users.params, users.opt_state, g_local)

@@ -205,6 +205,32 @@ def load_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stre
     return [stream_from_user(store.user(u), k) for u in check_users(store, users)]
 
 
+def repeat_passes(stream: Stream, passes: int) -> Stream:
+    """The stream's queries ``passes`` times over, in order (``replay --passes``): every pass
+    updates; only the first counts in the prequential metrics (later passes have seen the
+    queries' citations), so ``valid`` is False on the copies.
+
+    >>> import numpy as np
+    >>> s = Stream("u", np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.int32),
+    ...            np.ones((2, 1), bool), np.ones((2, 1), bool), np.ones(2, np.int32), np.array([True, False]),
+    ...            query_ids=("a", "b"))
+    >>> r = repeat_passes(s, 3)
+    >>> r.valid.tolist(), r.present.tolist(), r.query_ids
+    ([True, False, False, False, False, False], [True, True, True, True, True, True], ('a', 'b', 'a', 'b', 'a', 'b'))
+    """
+    if passes == 1:
+        return stream
+    t = stream.queries.shape[0]
+    rep = lambda x: None if x is None else np.concatenate([x] * passes)  # noqa: E731
+    return dataclasses.replace(
+        stream, queries=rep(stream.queries), cand=rep(stream.cand), cand_mask=rep(stream.cand_mask),
+        cand_gold=rep(stream.cand_gold), num_gold=rep(stream.num_gold),
+        valid=np.concatenate([stream.valid, np.zeros(t * (passes - 1), bool)]),
+        query_ids=tuple(stream.query_ids) * passes, selected=rep(stream.selected), cited=rep(stream.cited),
+        logged_log_prob=rep(stream.logged_log_prob), has_logged=rep(stream.has_logged),
+        present=rep(np.ones(t, bool) if stream.present is None else stream.present), cite_gold=rep(stream.cite_gold))
+
+
 def with_answer_support(stream: Stream, qa_emb) -> Stream:
     """The stream with ``cite_gold`` = the candidates that support each query's reference
     answer (:func:`rmm_jax.data.citations.answer_support`; never reads gold), for the

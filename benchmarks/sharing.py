@@ -1,0 +1,371 @@
+"""When sharing pays: policy scope × number of users, and users who join later.
+
+    python benchmarks/sharing.py --json benchmarks/results/sharing.json --plot benchmarks/results/sharing.png
+
+Two questions, both online from the retriever (identity) with the default preset and the
+class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 20, M = 5:
+
+* **Scope × users** (``curves``). At U users per group the users learn side by side in groups
+  of U, each group in its own run (one shared part per group), and every U is scored on the
+  same users and queries. Scope ``user`` does not depend on U (each user learns alone). Two
+  populations:
+
+  - ``synthetic``: the built-in generator (``synthetic:users=1000,sessions=6,turns=10,seed=0``,
+    :mod:`rmm_jax.data.synthetic`: personas whose facts and question templates recur across
+    users), 21 queries a user, U in 1, 10, 100, 1,000; the first ``--scored`` (200) users are
+    scored at every U (cut into groups of U, or, for U = 1,000, learning beside 800 others);
+  - ``locomo``: the five LoCoMo conversations (one user each), U in 1..5 over every subset
+    of U conversations (the other conversations left out), each conversation's gain the mean
+    over the subsets that hold it.
+
+* **Late joiners** (``late``). A newcomer's first ``--first`` queries, served online by (a) a
+  fresh per-user policy (scope ``user`` from the retriever), (b) the shared part that learned
+  online from the other users (scope ``shared``, continuing to learn from the newcomer),
+  (c) hybrid: that shared part plus the newcomer's own fresh residual (scope ``hybrid``, both
+  learning); (b) and (c) minus (a), paired per query and seed. LoCoMo: each conversation
+  joins after the other four learned side by side (leave one out); synthetic: users
+  900..999 each join after users 0..U−1 (U = 100 and 900) learned.
+
+* **Why** (``why_locomo``, on the tuning conversations 26 and 30 only): what one
+  conversation's online learning teaches another (a reranker learned on one, frozen on the
+  other; with the class-calibrated and with perfect citations; beside gold pretraining), and
+  which of its own queries gain.
+
+A gain is the mean over ``--seeds`` and queries with a 95% interval: on LoCoMo it resamples
+conversations, seeds and queries (:func:`rmm_jax.online.stats.gain_interval` with the
+conversation as group); on the synthetic population seeds and queries. Nothing here was
+tuned: the preset and its step sizes were chosen on LoCoMo 26 and 30
+(``benchmarks/defaults_sweep.py``), and 41–43 are measured as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import _common  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.config import describe  # noqa: E402
+from rmm_jax.online.streams import Stream, load_streams  # noqa: E402
+from rmm_jax.online.summary import base_values  # noqa: E402
+
+SCOPES = ("user", "shared", "hybrid")
+SYNTHETIC = "synthetic:users={users},sessions=6,turns=10,seed=0"
+
+
+# --------------------------------------------------------------------------- data
+
+def synthetic_streams(users: int, k: int, store: Path | None) -> list[Stream]:
+    """The first ``users`` synthetic users, from ``store`` (made by ``rmm-jax embed SPEC``) when it
+    holds them, else embedded into a temporary store (the embeddings are cached on disk)."""
+    from rmm_jax.data import load_spec
+    from rmm_jax.data.embed import Embedder
+    from rmm_jax.data.store import open_store, write_store
+
+    if store is not None and (store / "manifest.json").exists():
+        st = open_store(store)
+        return load_streams(st, k, sorted(st.user_ids, key=lambda u: int(u.removeprefix("user")))[:users])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = store or Path(tmp) / "store"
+        emb = Embedder(_common.MODEL, progress=True)
+        try:
+            spec = SYNTHETIC.format(users=users)
+            write_store(out, load_spec(spec), "turn", emb, spec=spec)
+        finally:
+            emb.close()
+        return load_streams(open_store(out), k)
+
+
+def head(s: Stream, n: int) -> Stream:
+    """A stream's first ``n`` queries."""
+    cut = lambda x: None if x is None else x[:n]  # noqa: E731
+    return dataclasses.replace(s, queries=s.queries[:n], cand=s.cand[:n], cand_mask=s.cand_mask[:n],
+                               cand_gold=s.cand_gold[:n], num_gold=s.num_gold[:n], valid=s.valid[:n],
+                               query_ids=s.query_ids[:n], cite_gold=cut(s.cite_gold))
+
+
+# --------------------------------------------------------------------------- runs
+
+def run(streams, program, params, seed: int):
+    """Every stream side by side in one chunk from ``params``: (user -> (T,) prequential recall,
+    the shared part's params at the end)."""
+    recall, shared = {}, None
+    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
+        if isinstance(ev, rj.ChunkDone):
+            recall.update({u: np.asarray(o["recall"]) for u, o in ev.outputs.items()})
+            shared = ev.shared.params
+    return recall, shared
+
+
+def base_of(streams, m: int) -> dict:
+    return {s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}
+
+
+def grouped(streams, groups, program, params, seed: int) -> dict:
+    """Each group of streams (lists of indices) in its own run; user -> (T,) recall."""
+    out = {}
+    for g in groups:
+        out.update(run([streams[i] for i in g], program, params, seed)[0])
+    return out
+
+
+def gain(per_seed: list[dict], base: dict, streams, users, by_user: bool) -> dict:
+    vals = np.stack([_common.pooled(r, streams, users) for r in per_seed])
+    b = _common.pooled(base, streams, users)
+    groups = _common.query_groups(streams, users) if by_user else None
+    return {"recall": float(vals.mean()), "base": float(b.mean()),
+            "gain": _common.gain_interval(vals - b[None], groups=groups)}
+
+
+def curve_synthetic(streams, n_eval: int, sizes, programs, params, seeds, m, log) -> dict:
+    """Gain of each scope at each group size U on the first ``n_eval`` of ``streams``: groups of U
+    of them, or (U > n_eval) the first U users side by side, scored on the first ``n_eval``."""
+    scored = streams[:n_eval]
+    users = [s.user_id for s in scored]
+    base = base_of(scored, m)
+    out = {}
+    for scope in SCOPES:
+        for u in ([1] if scope == "user" else sizes):
+            groups = ([list(range(n_eval))] if scope == "user" else
+                      [list(range(lo, min(lo + u, n_eval))) for lo in range(0, n_eval, u)] if u <= n_eval else
+                      [list(range(u))])
+            per_seed = [grouped(streams, groups, programs[scope], params, seed) for seed in seeds]
+            out[f"{scope}/{u}"] = {"scope": scope, "users_per_group": u, **gain(per_seed, base, scored, users, False)}
+            log(f"  synthetic {scope:<7} U={u:<5} {_common.format_interval(out[f'{scope}/{u}']['gain'])}")
+    return out
+
+
+def curve_locomo(streams, programs, params, seeds, m, log) -> dict:
+    """Gain of each scope with U of the five conversations side by side, every subset of U."""
+    users = [s.user_id for s in streams]
+    base = base_of(streams, m)
+    out = {}
+    for scope in SCOPES:
+        for u in ([1] if scope == "user" else range(1, len(streams) + 1)):
+            subsets = [list(range(len(streams)))] if scope == "user" else \
+                list(itertools.combinations(range(len(streams)), u))
+            per_seed = []
+            for seed in seeds:
+                acc = {x: [] for x in users}
+                for sub in subsets:
+                    got = grouped(streams, [list(sub)] if scope != "user" else [sub], programs[scope], params, seed)
+                    for x, r in got.items():
+                        acc[x].append(r)
+                per_seed.append({x: np.mean(v, axis=0) for x, v in acc.items()})
+            out[f"{scope}/{u}"] = {"scope": scope, "users_per_group": u, "subsets": len(subsets),
+                                   **gain(per_seed, base, streams, users, True)}
+            log(f"  locomo    {scope:<7} U={u:<5} {_common.format_interval(out[f'{scope}/{u}']['gain'])}")
+    return out
+
+
+def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int, programs, params, seeds, m,
+                 by_user: bool) -> dict:
+    """Newcomer i joins after the streams ``before[i]`` learned side by side: its first ``first``
+    queries under a fresh user policy, the learned shared part, and hybrid, paired per query."""
+    heads = [head(s, first) for s in newcomers]
+    users = [s.user_id for s in heads]
+    base = base_of(heads, m)
+    rows = {name: [] for name in ("retriever", "fresh user", "shared", "hybrid")}
+    for seed in seeds:
+        got, learned = {name: {} for name in rows}, {}
+        for others, new in zip(before, heads):
+            got["retriever"][new.user_id] = base[new.user_id]
+            got["fresh user"].update(run([new], programs["user"], params, seed)[0])
+            for scope in ("shared", "hybrid"):
+                key = (scope, tuple(o.user_id for o in others))
+                if key not in learned:                      # the same others learn once per seed
+                    learned[key] = run(others, programs[scope], params, seed)[1]
+                got[scope].update(run([new], programs[scope], learned[key], seed)[0])
+        for name in rows:
+            rows[name].append(got[name])
+    vals = {name: np.stack([_common.pooled(r, heads, users) for r in per]) for name, per in rows.items()}
+    groups = _common.query_groups(heads, users) if by_user else None
+    iv = lambda d: _common.gain_interval(d, groups=groups)  # noqa: E731
+    return {"first": first, "newcomers": users, "queries": int(vals["retriever"].shape[1]),
+            "recall": {name: float(v.mean()) for name, v in vals.items()},
+            "over_retriever": {name: iv(v - vals["retriever"]) for name, v in vals.items() if name != "retriever"},
+            "over_fresh_user": {name: iv(vals[name] - vals["fresh user"]) for name in ("shared", "hybrid")}}
+
+
+def why_locomo(loco, params, seeds, m, log) -> dict:
+    """What one LoCoMo conversation's online learning teaches, on the tuning conversations 26
+    and 30 only: each learns alone (scope user) and is scored prequentially on itself and,
+    frozen, on the other; with the class-calibrated citations and with perfect ones (every
+    shown gold memory cited, nothing else), beside gold pretraining on the one conversation
+    (the library's listwise recipe, 10 epochs, no early stopping). And where a conversation's
+    own gain comes from: queries whose gold memory was gold for an earlier query of the same
+    conversation, against the others with a gold memory among the K candidates."""
+    from rmm_jax.data.citations import oracle
+    from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain
+
+    by = {s.user_id: s for s in loco}
+    pairs = [(a, b) for a, b in itertools.permutations(_common.TUNED_ON, 2) if a in by and b in by]
+    base = base_of(loco, m)
+
+    def frozen(p, s):
+        r, _ = eval_per_query(p, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
+                                  "num_gold": s.num_gold}, m)
+        return np.asarray(r)
+
+    valid = lambda s, x: np.asarray(x, np.float64)[np.asarray(s.valid, bool)]  # noqa: E731
+    out = {"pairs": [f"{a} -> {b}" for a, b in pairs]}
+    for name, cite in (("class-calibrated", _common.citation_model("oracle")[0]),
+                       ("perfect", oracle(p_useful=1.0, p_other=0.0, spurious=0.0))):
+        program = rj.make_run(*rj.preset("default", k=20, m=m), cite_fn=cite)
+        own, other = [], []
+        for seed in seeds:
+            o, t = [], []
+            for a, b in pairs:
+                finals = {}
+                for ev in rj.drive([[by[a]]], program, params, seed=seed, users_per_chunk=1):
+                    if isinstance(ev, rj.ChunkDone):
+                        o.append(valid(by[a], ev.outputs[a]["recall"]) - valid(by[a], base[a]))
+                        finals = jax.tree.map(lambda x: x[0], ev.states.params)
+                t.append(valid(by[b], frozen(finals, by[b])) - valid(by[b], base[b]))
+            own.append(np.concatenate(o))
+            other.append(np.concatenate(t))
+        out[f"online, {name} citations"] = {"own": _common.gain_interval(np.stack(own)),
+                                            "transfer": _common.gain_interval(np.stack(other))}
+    gold = [np.concatenate([valid(by[b], frozen(pretrain(params, [by[a]], [], PretrainConfig(m=m, epochs=10,
+                                                                                              patience=100),
+                                                            seed=seed)[0], by[b])) - valid(by[b], base[b])
+                            for a, b in pairs]) for seed in seeds]
+    out["gold pretrain"] = {"transfer": _common.gain_interval(np.stack(gold))}
+    program = rj.make_run(*rj.preset("default", k=20, m=m), cite_fn=_common.citation_model("oracle")[0])
+    users = [u for u in _common.TUNED_ON if u in by]
+    repeat, new = [], []
+    for seed in seeds:
+        got, _ = run([by[u] for u in users], program, params, seed)
+        r, n = [], []
+        for u in users:
+            s, seen, flag = by[u], set(), []
+            for t in range(s.queries.shape[0]):
+                ids = set(s.cand[t][s.cand_gold[t]].tolist())
+                flag.append(bool(ids & seen))
+                seen |= ids
+            flag, ok = np.array(flag), np.asarray(s.valid, bool)
+            d = np.asarray(got[u], np.float64) - base[u]
+            r.append(d[flag & ok])
+            n.append(d[~flag & ok & s.cand_gold.any(1)])
+        repeat.append(np.concatenate(r))
+        new.append(np.concatenate(n))
+    out["own gain by query"] = {"gold memory gold before": _common.gain_interval(np.stack(repeat)),
+                                "new gold memory among the candidates": _common.gain_interval(np.stack(new))}
+    for k, v in out.items():
+        if isinstance(v, dict):
+            log(f"  {k}: " + "; ".join(f"{a} {_common.format_interval(b)}" for a, b in v.items()))
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_common.HelpFormatter)
+    _common.add_data_option(ap)
+    ap.add_argument("--synthetic-store", type=Path, default=None,
+                    help=f"store of `rmm-jax embed {SYNTHETIC.format(users=1000)}` to reuse (built there when "
+                         "absent; default: a temporary one)")
+    ap.add_argument("--users", type=int, default=1000, help="synthetic users in the population")
+    ap.add_argument("--scored", type=int, default=200,
+                    help="synthetic users scored at every U (the first ones; a larger group learns beside them)")
+    ap.add_argument("--sizes", default="1,10,100,1000", help="synthetic users per group")
+    ap.add_argument("--late-sizes", default="100,900", help="synthetic users learned before the newcomers")
+    ap.add_argument("--newcomers", type=int, default=100, help="synthetic late joiners: the population's last ones")
+    ap.add_argument("--first", type=int, default=20, help="a late joiner's queries measured")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--preset", default="default", choices=list(rj.PRESETS))
+    ap.add_argument("--parts", default="curves,late,why", help="comma-separated: curves, late, why")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of gain against users per group")
+    args = ap.parse_args(argv)
+    data = _common.require_data(args.data)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    seeds = [int(x) for x in args.seeds.split(",")]
+    parts = args.parts.split(",")
+    k, m = 20, 5
+    cite, cite_info = _common.citation_model("oracle")
+    settings = {scope: rj.preset(args.preset, k=k, m=m, scope=scope) for scope in SCOPES}
+    programs = {scope: rj.make_run(*s, cite_fn=cite) for scope, s in settings.items()}
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    late_sizes = [int(x) for x in args.late_sizes.split(",")]
+    n_syn = max([args.users, args.scored] + sizes + [u + args.newcomers for u in late_sizes])   # newcomers: the last
+    syn = synthetic_streams(n_syn, k, args.synthetic_store)
+    if len(syn) < n_syn:
+        sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
+    loco = _common.locomo_streams(data, k).streams
+    params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])
+    out = {"preset": args.preset, "setting": describe(*settings["user"]), "citations": cite_info, "k": k, "m": m,
+           "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn), "locomo_users": [s.user_id for s in loco]}
+    if "curves" in parts:
+        log("scope x users")
+        out["curves"] = {"synthetic": curve_synthetic(syn, args.scored, sizes, programs, params, seeds, m, log),
+                         "locomo": curve_locomo(loco, programs, params, seeds, m, log)}
+    if "why" in parts:
+        log("why (26 and 30)")
+        out["why_locomo"] = why_locomo(loco, params, seeds, m, log)
+    if "late" in parts:
+        log("late joiners")
+        late = {"locomo": late_joiners([[o for o in loco if o is not s] for s in loco], loco, args.first, programs,
+                                       params, seeds, m, by_user=True)}
+        newcomers = syn[n_syn - args.newcomers:n_syn]
+        for u in late_sizes:
+            late[f"synthetic/{u}"] = late_joiners([syn[:u]] * len(newcomers), newcomers, args.first, programs,
+                                                  params, seeds, m, by_user=False)
+        for name, r in late.items():
+            log(f"  {name}: " + "; ".join(f"{k_} − fresh user {_common.format_interval(v)}"
+                                          for k_, v in r["over_fresh_user"].items()))
+        out["late"] = late
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        _common.write_result(args.json, out)
+    if args.plot and "curves" in out:
+        plot(out, args.plot)
+    return out
+
+
+def plot(out: dict, path) -> None:
+    """Gain over the retriever against users per group, one line per scope and population."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (pop, rows) in zip(axes, out["curves"].items()):
+        user = next(r for r in rows.values() if r["scope"] == "user")["gain"]
+        xs_all = sorted({r["users_per_group"] for r in rows.values()})
+        ax.axhspan(user["lo"], user["hi"], color="C0", alpha=0.15)
+        ax.plot(xs_all, [user["mean"]] * len(xs_all), "C0--", label="user (each alone)")
+        for c, scope in zip(("C1", "C2"), ("shared", "hybrid")):
+            rs = sorted((r for r in rows.values() if r["scope"] == scope), key=lambda r: r["users_per_group"])
+            xs = [r["users_per_group"] for r in rs]
+            ax.errorbar(xs, [r["gain"]["mean"] for r in rs],
+                        yerr=[[r["gain"]["mean"] - r["gain"]["lo"] for r in rs],
+                              [r["gain"]["hi"] - r["gain"]["mean"] for r in rs]], fmt="o-", color=c, capsize=3,
+                        label=scope)
+        if pop == "synthetic":
+            ax.set_xscale("log")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel("users learning side by side (U)")
+        ax.set_ylabel("Recall@5 gain over the retriever")
+        ax.set_title(f"{pop}: {out['preset']} preset, {len(out['seeds'])} seeds, 95% interval")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
