@@ -524,8 +524,8 @@ class PolicyStore:
         This is how a run continues from a store: ``users`` resume from ``state``, trained
         against ``shared_versions``; ``missing`` users start afresh. ``before``: only
         versions older than it (:meth:`next_version` when the run began), so a resumed run
-        starts every user where the interrupted one did, whatever it saved since; a user
-        whose every such version was pruned is an error."""
+        starts every user where the interrupted one did, whatever it saved since (a user
+        first saved since is missing); a user whose every such version was pruned is an error."""
         return self._load(user_ids, None, missing_ok=True, before=before)
 
     def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool,
@@ -541,7 +541,7 @@ class PolicyStore:
             if before is not None:
                 for u in ids:
                     older = [e for e in entries[u] if e.version < before]
-                    if entries[u] and not older:
+                    if entries[u] and not older and len(entries[u]) >= self.keep:   # fewer: it was new then
                         raise InputError(f"user {u!r} keeps no version older than v{before} (has "
                                          f"{[e.version for e in entries[u]]}; pruned by keep={self.keep})",
                                          where=str(self.path))
