@@ -130,7 +130,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     \b
     Examples:
       rmm-jax evaluate stores/locomo --log log.jsonl --policies policies2 --plot ope.png
-      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --k 8 --m 3
+      rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies
     """
     if tau is not None and (not tau > 0 or tau == float("inf")):
         raise InputError(f"must be > 0, got {tau}", where="--tau")
