@@ -222,6 +222,19 @@ def expected_cite_rate(lines: list[dict], gold: dict, draws: int = 4000, seed: i
 ESTIMATORS = ("ips", "snips", "rips", "snrips", "iips")
 
 
+def direction(days: list[dict], e: str = "snips") -> dict:
+    """Which way the misses go: on how many days estimator ``e``'s estimate lies above the
+    truth on today's calls and above tomorrow's realised rate (of the days it gives one), and
+    on how many days tomorrow's realised rate lies below the truth on today's calls."""
+    given = [d["ope"] for d in days if d["ope"][e]["value"] is not None]
+    paired = [o for o in (d["ope"] for d in days) if o["tomorrow"] is not None]
+    return {"estimator": e, "days_with_estimate": len(given),
+            "above_truth_today": sum(o[e]["value"] > o["truth_today"] for o in given),
+            "above_tomorrow": sum(o[e]["value"] > o["tomorrow"] for o in given if o["tomorrow"] is not None),
+            "days_with_tomorrow": len(paired),
+            "tomorrow_below_truth_today": sum(o["tomorrow"] < o["truth_today"] for o in paired)}
+
+
 def coverage(days: list[dict], truth: str) -> dict:
     """Per estimator: on how many days its reliable interval covers ``truth`` (a key of each
     day's ``ope``), of the days where it gave one, and how many it withheld."""
@@ -376,7 +389,7 @@ def main(argv=None) -> int:
         "final": {"recall@5": final, "recall@5_served": float(np.mean(recall["served"])),
                   "recall@5_retriever": float(np.mean(recall["retriever"])),
                   "simulate": {**sim, "per_seed": per_seed}, "within": bool(sim["lo"] <= final <= sim["hi"])},
-        "ope_coverage": cov,
+        "ope_coverage": cov, "ope_direction": direction(served_days),
         "targets": {"final_recall_within_simulate": bool(sim["lo"] <= final <= sim["hi"]),
                     "snips_covers_tomorrow_on_most_days": bool(snips["covered"] > snips["reliable"] / 2)},
         "seconds": round(time.perf_counter() - t0, 1),

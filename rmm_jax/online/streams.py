@@ -295,7 +295,8 @@ def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_pa
 
 def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False,
              users: Sequence[str] | None = None, calls: bool = False) -> dict:
-    """Validation pass over a whole log before any work, in bounded memory.
+    """Validation pass over a whole log before any work, in bounded memory (with ``calls``,
+    plus a few numbers per record).
 
     Checks every record (schema, ``known`` ids, repeated calls, the ``--k``/``--m``
     limits) and returns the read report plus ``"users"`` (how many will be replayed:
