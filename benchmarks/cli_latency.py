@@ -37,13 +37,13 @@ TARGET = 0.5
 WALK = [
     ("embed", ["embed", "jsonl:examples/chat_history.jsonl", "--out", "stores/timed"], (0,), "timed_store"),
     ("replay day 1", ["replay", "stores/mine", "--log", "examples/calls_day1.jsonl", "--policies", "policies",
-                      "--scope", "hybrid", "--k", "8", "--m", "3"], (0,), "no_policies"),
-    ("replay day 2", ["replay", "stores/mine", "--log", "examples/calls_day2.jsonl", "--policies", "policies",
-                      "--k", "8", "--m", "3"], (0,), "after_day1"),
-    ("rerank", ["rerank", "stores/mine", "--policies", "policies", "--calls", "examples/requests.jsonl", "--m", "3",
-                "--out", "ranked.jsonl"], (0,), "after_day2"),
-    ("evaluate", ["evaluate", "stores/mine", "--log", "examples/calls_day3.jsonl", "--policies", "policies",
-                  "--k", "8", "--m", "3"], (0, 3), "after_day2"),
+                      "--scope", "hybrid"], (0,), "no_policies"),
+    ("replay day 2", ["replay", "stores/mine", "--log", "examples/calls_day2.jsonl", "--policies", "policies"],
+     (0,), "after_day1"),
+    ("rerank", ["rerank", "stores/mine", "--policies", "policies", "--calls", "examples/requests_day2.jsonl",
+                "--explore", "--out", "ranked.jsonl"], (0,), "after_day2"),
+    ("evaluate", ["evaluate", "stores/mine", "--log", "examples/calls_day2.jsonl", "--policies", "policies"],
+     (0, 3), "after_day2"),
 ]
 
 

@@ -132,3 +132,56 @@ def test_stores_take_the_users_umask(tmp_path, umask):
                        init_reranker(jax.random.key(0), 8))
     for root in (tmp_path / "store", tmp_path / "pol"):
         assert modes(root) <= {("d", 0o775), ("f", 0o664)}, (root, modes(root))
+class Crash(BaseException):
+    """A kill at this point (nothing after it runs)."""
+
+
+def test_replacing_a_directory_leaves_it_whole_whenever_a_kill_lands(tmp_path, monkeypatch):
+    """A kill after any file-system step of replacing an existing directory leaves the old
+    copy or the new one at its name, never no directory (two plain renames leave a moment
+    without one); what remains aside is a leftover the next writer removes."""
+    import os
+    import shutil
+
+    from rmm_jax.persist import atomic
+
+    steps = [(os, "replace"), (os, "rename"), (shutil, "rmtree"), (atomic, "exchange")]
+    crashed_at = []
+    for n in range(1, 10):
+        target = tmp_path / f"t{n}"
+        target.mkdir()
+        (target / "f").write_text("old")
+        calls = []
+        with monkeypatch.context() as m:
+            for owner, name in steps:
+                def step(*a, _real=getattr(owner, name), **kw):
+                    out = _real(*a, **kw)
+                    calls.append(1)
+                    if len(calls) == n:
+                        raise Crash
+                    return out
+                m.setattr(owner, name, step)
+            try:
+                with atomic_dir(target) as tmp:
+                    calls.clear()
+                    (tmp / "f").write_text("new")
+            except Crash:
+                crashed_at.append(n)
+        assert (target / "f").read_text() in ("old", "new"), n
+        for p in leftovers(tmp_path):
+            shutil.rmtree(p)
+        if n > len(crashed_at):
+            break
+    assert crashed_at and (target / "f").read_text() == "new"
+
+
+def test_where_the_system_cannot_swap_two_renames_replace_the_directory(tmp_path, monkeypatch):
+    from rmm_jax.persist import atomic
+
+    monkeypatch.setattr(atomic, "_renameat2", lambda: None)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "f").write_text("old")
+    with atomic_dir(tmp_path / "t") as tmp:
+        (tmp / "f").write_text("new")
+    assert (tmp_path / "t" / "f").read_text() == "new" and not leftovers(tmp_path)
+    assert atomic.exchange(tmp_path / "t", tmp_path / "u") is False

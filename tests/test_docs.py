@@ -367,3 +367,40 @@ def test_readme_is_a_quickstart():
     assert [x.split("#")[0].strip() for x in first.text.splitlines() if x.strip()] == ["make demo", "make test"]
     pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
     assert pages and all(f"(docs/{p})" in text for p in pages), "a page of the site the README does not list"
+
+
+# ------------------------------------------------------------------------- the README's production day
+
+def test_running_a_walkthrough_day_twice_changes_nothing(tmp_path, monkeypatch, capsys):
+    """The README's second day (the night's replay of day 1's log, then day 2's serving) run
+    twice: the policy store is bit for bit the same and the served file byte for byte (the
+    replay learns nothing twice, and the same policies serve the same draws). Run in process."""
+    import shlex
+
+    from conftest import run_cli
+
+    days = [b for b in parse(REPO / "README.md") if b.lang == "console" and "--explore" in b.text]
+    assert len(days) == 2 and "requests_day1" in days[0].text and "calls_day1" in days[1].text
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+
+    def run(block):
+        for cmd in expected_output(block.text)[0].splitlines():
+            words = shlex.split(cmd)
+            assert words[0] == "rmm-jax", cmd
+            code, _, err = run_cli(capsys, *words[1:])
+            assert code == 0, f"{cmd}\n{err}"
+
+    def state() -> dict:
+        files = sorted(p for p in (tmp_path / "policies").rglob("*") if p.is_file() and p.name != ".lock")
+        return {**{str(p.relative_to(tmp_path)): p.read_bytes() for p in files},
+                "served": (tmp_path / "served_day2.jsonl").read_bytes()}
+
+    run(days[0])
+    run(days[1])
+    before = state()
+    run(days[1])
+    after = state()
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), \
+        [k for k in before if after.get(k) != before[k]]

@@ -199,6 +199,20 @@ def test_versions_kept_is_n(tmp_path):
         st.load("u", version=1)
 
 
+def test_loading_before_a_version_starts_users_first_saved_since_afresh(tmp_path):
+    """A resumed run loads every user as it was when the run began (versions before v2 here):
+    a user first saved since was new then (missing, not an error); one whose older versions
+    were all pruned since is an error."""
+    st = new_store(tmp_path, keep=2)
+    save_seeds(st, {"u": 1})                   # v1, before the run
+    save_seeds(st, {"u": 2})                   # v2, v3: the run (u saved twice: killed and resumed)
+    save_seeds(st, {"u": 4, "w": 5})
+    got = st.load_batch(["w"], before=2)
+    assert got.users == [] and got.missing == ["w"]
+    with pytest.raises(InputError, match=r"user 'u' keeps no version older than v2 \(has \[2, 3\]; pruned"):
+        st.load_batch(["u"], before=2)
+
+
 def test_index_rebuilt_when_corrupt(tmp_path):
     st = new_store(tmp_path)
     save_seeds(st, {"u": 1})

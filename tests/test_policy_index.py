@@ -420,6 +420,7 @@ def test_format2_store_loads_and_its_first_writer_writes_rows(tmp_path):
     st2 = PolicyStore.open(path)
     assert_policy(st2.load("b"), state_of(4))
     assert_policy(st2.load("b", version=1), state_of(2))  # the old chunk, beside the new rows
+    assert st2.load_batch(["a", "b"]).learned.count.tolist() == [0, 0]   # old rows remember no learned call
     npz = path / "gens" / "v00000002" / "c0000" / "arrays.npz"
     npz.write_bytes(npz.read_bytes()[:-8])                # a damaged old chunk is still caught
     with pytest.warns(PolicyRestoreWarning, match=r"restored v1, v2 is damaged \(arrays.npz: sha256 mismatch\)"):

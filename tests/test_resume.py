@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -45,9 +46,47 @@ def env(tmp_path_factory):
     return {"dir": d, "store": str(store), "env": e}
 
 
-def start(env, args, err: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rmm_jax.cli.main", *args], cwd=REPO, env=env["env"],
-                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+# The child reports where it is: it runs the CLI with ``drive`` and ``RunState.finish``
+# wrapped, appending "TIME start" when the run's loop begins, the kind of each event once
+# the run has handled it (saved, logged, checkpointed), and "TIME finishing" just before the
+# run-state is removed; with PAUSE = finish it then sleeps, so a kill lands between the
+# last save and the run-state's removal.
+CHILD = textwrap.dedent("""
+    import sys, time
+    from rmm_jax.cli import online
+    from rmm_jax.persist import runstate
+
+    where, pause, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+
+    def mark(what):
+        with open(where, "a") as f:
+            f.write(f"{time.monotonic():.6f} {what}\\n")
+
+    drive, finish = online.drive, runstate.RunState.finish
+
+    def marked_drive(*a, **kw):
+        mark("start")
+        for event in drive(*a, **kw):
+            yield event
+            mark(type(event).__name__)
+
+    def marked_finish(self):
+        mark("finishing")
+        if pause == "finish":
+            time.sleep(300)
+        finish(self)
+
+    online.drive, runstate.RunState.finish = marked_drive, marked_finish
+    from rmm_jax.cli.main import main
+    main(args)
+""")
+TRAINING = ("start", "SegmentDone", "ChunkDone", "ChunkSkipped")
+
+
+def start(env, args, err: Path, where: Path | None = None, pause: str = "-") -> subprocess.Popen:
+    cmd = ["-m", "rmm_jax.cli.main", *args] if where is None else ["-c", CHILD, str(where), pause, *args]
+    return subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env["env"], stdout=subprocess.DEVNULL,
+                            stderr=open(err, "w"))
 
 
 def run(env, args, name: str) -> tuple[int, str]:
@@ -55,6 +94,29 @@ def run(env, args, name: str) -> tuple[int, str]:
     p = start(env, args, err)
     rc = p.wait(timeout=120)
     return rc, err.read_text()
+
+
+def marks(where: Path) -> list[tuple[float, str]]:
+    if not where.exists():
+        return []
+    return [(float(t), w) for t, w in (line.split(" ", 1) for line in where.read_text().splitlines())]
+
+
+def loop_profile(env, args, name: str) -> tuple[int, float]:
+    """An uninterrupted run of ``args`` through the child: how many events its loop had, and
+    the median time between two (the first ones include compiling)."""
+    where = env["dir"] / f"{name}.where"
+    p = start(env, args, env["dir"] / f"{name}.err", where)
+    assert p.wait(timeout=120) == 0, (env["dir"] / f"{name}.err").read_text()
+    times = [t for t, w in marks(where) if w in TRAINING[1:]]
+    return len(times), float(np.median(np.diff(times)))
+
+
+def random_kills(rng, profile, n: int) -> list:
+    """``n`` random points of a loop: after a uniformly drawn number of its events (of the
+    first half: a resumed run has fewer left), a uniform fraction of a typical event's time."""
+    events, gap = profile
+    return [("random", (int(rng.integers(0, events // 2 + 1)), float(rng.uniform(0, gap)))) for _ in range(n)]
 
 
 def newest_meta(runstate: Path) -> dict | None:
@@ -78,76 +140,116 @@ def wait_for(p: subprocess.Popen, cond, timeout=60.0) -> bool:
     raise TimeoutError
 
 
+def kill_plan(env, args, plan, name: str, final=("--resume",), until_done: bool = True) -> dict:
+    """Run ``args`` through the child once per step of ``plan`` and SIGKILL it where the step
+    says, then once more (with ``final``) to the end; returns the stderr of each run and where each kill landed
+    (the last thing the child reported: "startup" before its loop began, "training" in it,
+    "finishing" between the last save and the run-state's removal).
+
+    A step is ``(extra args, when)``: ``("random", (k, seconds))``, that long after the child
+    reports the k-th event of its loop (:func:`random_kills`); ``("finishing", None)``, once it
+    reports it is finishing (it then waits there); ``(..., "mid-chunk")``: right after a
+    checkpoint inside users chunk 2.
+    A run that ends before its kill ends the plan when ``until_done`` (simulate: another run
+    would learn again), otherwise the plan goes on (replay: another run learns nothing twice)."""
+    rs_dir = RunState.path_for(Path(args[args.index("--policies") + 1]))
+    landed, messages = [], []
+    for i, (extra, (when, seconds)) in enumerate([*plan, (final, (None, None))]):
+        where, err = env["dir"] / f"{name}{i}.where", env["dir"] / f"{name}{i}.err"
+        p = start(env, [*args, *extra], err, where, pause="finish" if when == "finishing" else "-")
+        if when is None:
+            assert p.wait(timeout=120) == 0, err.read_text()
+            messages.append(err.read_text())
+            break
+        if when == "mid-chunk":
+            ok = wait_for(p, lambda: (m := newest_meta(rs_dir)) is not None and m["chunks_done"] >= 1
+                          and m["segments_done"] >= 1)
+        elif when == "finishing":
+            ok = wait_for(p, lambda: any(w == "finishing" for _, w in marks(where)))
+        else:
+            ok = wait_for(p, lambda: len(marks(where)) > seconds[0])
+            try:
+                p.wait(timeout=seconds[1])
+                ok = False
+            except subprocess.TimeoutExpired:
+                pass
+        assert ok or p.poll() is not None, err.read_text()
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            last = marks(where)[-1][1] if marks(where) else "startup"
+            landed.append((when, "training" if last in TRAINING else last))
+        else:          # it finished before the kill: the plan ends here
+            assert p.returncode == 0, err.read_text()
+        messages.append(err.read_text())
+        if p.returncode == 0 and until_done:
+            break
+    print(f"{name}: kills landed {landed}")
+    return {"landed": landed, "messages": messages}
+
+
 def assert_same_policies(a: Path, b: Path) -> None:
     sa, sb = PolicyStore.open(a), PolicyStore.open(b)
     assert sa.users() == sb.users() and len(sa.users()) == 6
     for u in sa.users():
-        pa, pb = sa.load(u).state, sb.load(u).state
+        pa, pb = sa.load(u), sb.load(u)
         for part in ("params", "opt_state", "learner_state"):
-            ta, tb = getattr(pa, part), getattr(pb, part)
+            ta, tb = getattr(pa.state, part), getattr(pb.state, part)
             assert jax.tree.structure(ta) == jax.tree.structure(tb), (u, part)
             for x, y in zip(jax.tree.leaves(ta), jax.tree.leaves(tb)):
                 x, y = np.asarray(x), np.asarray(y)
                 assert x.dtype == y.dtype and np.array_equal(x, y), (u, part)
+        assert jax.tree.structure(pa.learned) == jax.tree.structure(pb.learned), u
+        for x, y in zip(jax.tree.leaves(pa.learned), jax.tree.leaves(pb.learned)):
+            assert np.array_equal(x, y, equal_nan=True), (u, "learned")
+    if sa.paired:
+        xa = sa.shared_state(sa.learned_shared_version()).state
+        xb = sb.shared_state(sb.learned_shared_version()).state
+        for x, y in zip(jax.tree.leaves(xa), jax.tree.leaves(xb)):
+            assert np.array_equal(x, y), "shared"
 
 
 @pytest.fixture(scope="module")
 def reference(env):
-    """An uninterrupted simulate run: policies, log and its duration."""
+    """An uninterrupted simulate run: policies, log and its loop's profile (:func:`loop_profile`)."""
     d = env["dir"]
-    t0 = time.monotonic()
-    rc, err = run(env, ["simulate", env["store"], "--policies", str(d / "ref"), "--log-out",
-                        str(d / "ref.jsonl"), *SIM], "ref")
-    assert rc == 0, err
+    profile = loop_profile(env, ["simulate", env["store"], "--policies", str(d / "ref"), "--log-out",
+                                 str(d / "ref.jsonl"), *SIM], "ref")
     assert not (d / "ref.runstate").exists()  # removed on success
-    return {"policies": d / "ref", "log": d / "ref.jsonl", "seconds": time.monotonic() - t0}
+    return {"policies": d / "ref", "log": d / "ref.jsonl", "profile": profile}
 
 
 def test_sigkill_at_random_points_then_resume_is_bit_identical(env, reference):
+    """simulate: killed right after a checkpoint inside users chunk 2, at a random point of
+    its loop (:func:`random_kills`), and between its last save and the run-state's removal;
+    resumed after each."""
     d = env["dir"]
     pol, log = d / "killed", d / "killed.jsonl"
     args = ["simulate", env["store"], "--policies", str(pol), "--log-out", str(log), *SIM]
-    rs_dir = RunState.path_for(pol)
-    # 1) a kill right after a checkpoint in the middle of a users chunk (not chunk 0)
-    p = start(env, args, d / "k0.err")
-    mid = lambda: (m := newest_meta(rs_dir)) is not None and m["chunks_done"] >= 1 and m["segments_done"] >= 1
-    assert wait_for(p, mid), (d / "k0.err").read_text()
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    # 2) kills at random times: after start (uniform over the first 60% of an uninterrupted
-    #    run's duration: a resumed run has less left to do), and at random moments within
-    #    0.3 s after a resumed run's next checkpoint (mid-segment, mid-checkpoint or
-    #    mid-policy-save); then a run to the end
-    rng = np.random.default_rng(20250711)
-    plan = [("start", rng.uniform(0.0, 0.6 * reference["seconds"])),
-            ("after-checkpoint", rng.uniform(0.0, 0.3)), ("after-checkpoint", rng.uniform(0.0, 0.3)), None]
-    messages, kills = [], 1
-    for i, step in enumerate(plan):
-        err = d / f"k{i + 1}.err"
-        before = max((q.name for q in rs_dir.glob("s*")), default="")
-        p = start(env, [*args, "--resume"], err)
-        if step is not None:
-            if step[0] == "after-checkpoint":
-                wait_for(p, lambda: max((q.name for q in rs_dir.glob("s*")), default="") > before)
-            try:
-                p.wait(timeout=step[1])
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-                kills += 1
-                messages.append(err.read_text())
-                continue
-        rc = p.wait(timeout=120)
-        messages.append(err.read_text())
-        assert rc == 0, messages[-1]
-        break
-    else:
-        pytest.fail("never completed")
-    assert any("resuming from s" in m and "segment" in m for m in messages), messages
+    kills = random_kills(np.random.default_rng(20250711), reference["profile"], 1)
+    plan = [((), ("mid-chunk", None)), *((("--resume",), k) for k in kills), (("--resume",), ("finishing", None))]
+    got = kill_plan(env, args, plan, "sim")
+    assert any("resuming from s" in m and "segment" in m for m in got["messages"]), got["messages"]
+    assert "training" in [w for k, w in got["landed"] if k == "random"], got["landed"]
+    assert ("finishing", "finishing") in got["landed"], got["landed"]
     assert_same_policies(reference["policies"], pol)
     assert log.read_bytes() == reference["log"].read_bytes()
-    assert not rs_dir.exists()
-    print(f"kills: {kills}; plan {plan[:-1]}; uninterrupted {reference['seconds']:.1f}s")
+    assert not RunState.path_for(pol).exists()
+
+
+def test_the_daily_replay_killed_anywhere_and_run_again_with_or_without_resume_is_bit_identical(env, reference):
+    """replay (the daily job), scope hybrid: killed at random moments of its loop and between its
+    last save and the run-state's removal, each time run again, with or without --resume; it ends
+    with the policies of one uninterrupted replay, bit for bit (the store remembers what each saved
+    policy learned, and the shared part continues from the version its users were trained against)."""
+    d = env["dir"]
+    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
+    kills = random_kills(np.random.default_rng(7), loop_profile(env, [*args, "--policies", str(d / "rref")], "rref"), 2)
+    plan = [((), kills[0]), ((), kills[1]), (("--resume",), ("finishing", None))]
+    got = kill_plan(env, [*args, "--policies", str(d / "rkilled")], plan, "replay", final=(), until_done=False)
+    assert "training" in [w for k, w in got["landed"] if k == "random"], got["landed"]
+    assert_same_policies(d / "rref", d / "rkilled")
+    assert not RunState.path_for(d / "rkilled").exists()
 
 
 def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_falls_back(env, reference):

@@ -360,12 +360,16 @@ def check_store_writable(path, where: str) -> None:
     check_writable(runstate.RunState.path_for(path), where)
 
 
-def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict):
+def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict,
+                    restart_same: tuple[str, ...] = ()):
     """Lock (and with ``resume`` restore) the run-state next to ``target``.
 
     The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
-    input files, initial params) and the library versions; a resumed run must match."""
+    input files, initial params) and the library versions; a resumed run must match.
+    ``restart_same``: without ``resume``, an interrupted run of the same command whose
+    ``inputs`` of these names are the same is started again instead of refused."""
     if checkpoint_every < 0:
         raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")
     fp = {**options, **inputs, **runstate.versions()}
-    return runstate.RunState.begin(target, command, fp, resume=resume, notify=info)
+    same = (lambda old: all(old.get(n) == inputs[n] for n in restart_same)) if restart_same else None
+    return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same)

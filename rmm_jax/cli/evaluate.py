@@ -133,8 +133,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
 
     \b
     Examples:
-      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --plot day3_ope.png
-      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies --json --bootstrap 1000
+      rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2_ope.png
+      rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
     if tau is not None and (not tau > 0 or tau == float("inf")):
         raise InputError(f"must be > 0, got {tau}", where="--tau")

@@ -46,10 +46,10 @@ def cli(compile_cache: bool):
       rmm-jax pretrain stores/mine --out policies             # offline reranker (needs gold)
       rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies
                                                   # learn from a day's logged citations
-      rmm-jax rerank stores/mine --policies policies --calls examples/requests.jsonl --m 3
-                                                  # serve: rank each request's memories
-      rmm-jax evaluate stores/mine --log examples/calls_day3.jsonl --policies policies
-                                                  # before shipping: estimate on old logs
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore
+                                                  # serve: draw each request's memories, logged
+      rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies
+                                                  # before shipping: estimate on a day's log
       rmm-jax simulate stores/mine --policies simulated       # or learn from simulated citations
       rmm-jax demo                                # all of it on built-in synthetic users
     """

@@ -142,9 +142,9 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
         return Start(ck.trees["params"], None, ck.meta.get("before"))
     if init == "identity":
         return Start(identity_params(st, layout, seed))
-    saved = ps.shared_state()
     if init == "pretrained":
-        return Start(saved.state.params)
+        return Start(ps.shared_state().state.params)
+    saved = ps.shared_state(ps.learned_shared_version())   # as the last saved users left it
     shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
     return Start(saved.state.params, shared, ps.next_version(), saved.version)
 
@@ -170,16 +170,17 @@ def continue_note(ps, start: Start, user_ids) -> str | None:
 
 
 def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
-                 checkpoint_every: int, log=None, desc: str, mesh=None, writer: bool = True):
+                 checkpoint_every: int, log=None, desc: str, mesh=None, writer: bool = True, relearn: bool = False):
     """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
     policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
     to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`); a progress bar on stderr. With
-    ``start.before``, users the store holds continue from their saved versions. After a
+    ``start.before``, users the store holds continue from their saved versions, learning
+    only the logged calls their policies have not learned (all with ``relearn``). After a
     checkpoint that follows SIGINT/SIGTERM the run stops. Under ``jax.distributed`` every
     process runs this loop (reading ``ps``) and only the writer, process 0, writes. Returns
     the :class:`rmm_jax.online.run.OnlineResult` (summaries only)."""
     if start.before is not None:
-        chunks = from_store(chunks, ps, before=start.before)
+        chunks = from_store(chunks, ps, before=start.before, relearn=relearn)
     ps = ps if writer else None
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before}) if rs is not None else None
     sinks = ([PolicySink(ps, program, continues=start.before is not None)] if ps is not None else []) \
@@ -220,7 +221,13 @@ def report(result, setting, extra, as_json):
     """Print the run's summary: ``--json``, or a table of prequential Recall@M per user
     (when some call has gold) and one of the gold-free measures (docs/lifecycle.md,
     "Measures without gold"): each measure is left out, never printed as null, when no
-    call supports it."""
+    call supports it. ``result`` None: the run had nothing to learn."""
+    if result is None:          # nothing to learn (every call was learned already)
+        if as_json:
+            emit_json({**extra, "config": config_dict(setting), "base": {}, "online": {"queries": 0, "calls": 0}})
+        else:
+            click.echo("nothing to learn: these policies have learned from every call already")
+        return
     summary, base, m = result.summary, result.base, setting.layout.m
     rec, cr = f"recall@{m}", f"cited_recall@{m}"
     curves = ("curve", "cited_curve")

@@ -44,10 +44,22 @@ from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
+from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
+
+
+def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
+    """Say on stderr which calls the policies learned already; the counts for ``--json``."""
+    before = learned.known + learned.older
+    if before and relearn:
+        info(f"--relearn: learning {before} calls again that these policies have learned from already")
+    elif before:
+        info(f"skipped {before} calls learned already: {learned.known} by these policies, {learned.older} older than "
+             f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn")
+    return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older, "relearn": relearn}
 
 
 @cli.command()
@@ -67,18 +79,27 @@ from rmm_jax.persist.runstate import file_digest
                    "the logged policy); the report scores the first, prequentially. Two or three gain +0.02 to +0.03 "
                    "Recall@5 on LoCoMo (docs/method.md).")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
+@click.option("--relearn", is_flag=True,
+              help="Learn every call of the log, also those the policies have learned from already. Without it "
+                   "each call is learned once: calls learned already are skipped and counted, and one learned "
+                   "with other content is an error (docs/reliability.md, \"Exactly once\").")
 @users_option("Only these users' records")
 @click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, users, users_per_chunk,
+def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, relearn, users,
+           users_per_chunk,
            checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log
-    order per user. A query or memory that STORE lacks is embedded from the text the
+    order per user, once: the policy store remembers the calls each policy has learned
+    from, so replaying a log again learns nothing (the skipped calls are counted), a log
+    that mixes old and new calls learns the new ones, and a run killed anywhere and
+    started again, with or without --resume, ends where one uninterrupted run would.
+    A query or memory that STORE lacks is embedded from the text the
     record carries (`query`, candidates as {"id", "text"}), with STORE's model through
     the embedding cache; so a day's log of new questions replays as it is. Where a
     record carries the behaviour policy's log_prob and the replaying policy differs,
@@ -116,8 +137,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         check_scope(PolicyStore.open(policies, expect_dim=st.dim), setting.layout, policies)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
-    rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users)
-    grouped, n_users, texts = rep.pop("grouped"), rep.pop("users"), rep.pop("texts")
+    continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls
+    rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users, calls=continues)
+    grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
@@ -128,16 +150,21 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
               log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
                          skip_invalid=skip_invalid, users=users, vectors=vectors))
     options = online_options(opts, **{"--init": init, "--clip": clip, "--passes": passes,
-                                      "--skip-invalid": skip_invalid, "--users": users,
+                                      "--skip-invalid": skip_invalid, "--relearn": relearn, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
     with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
-                                   inputs=inputs) as rs:
+                                   inputs=inputs, restart_same=("STORE", "--log")) as rs:
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+        learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
+        if learned is not None:
+            rep["calls"] = note_learned(learned, relearn)
         note = continue_note(ps, start, user_ids) if writer else None
-        result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
-                              users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                              desc="replay", mesh=mesh, writer=writer)
+        result = None
+        if learned is None or learned.learn:
+            result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
+                                  users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
+                                  desc="replay", mesh=mesh, writer=writer, relearn=relearn)
         if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
             write_setting(ps, ls.record)
         if rs is not None:
@@ -147,7 +174,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")
-    if plot_path and writer:
+    if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")
     report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
                              "log": {"path": str(log_path), **rep}}, as_json)

@@ -30,7 +30,7 @@ def _served(p, sel, log_prob=None, logits=None, policy=None) -> dict:
                     candidates=tuple(p.ids), candidate_texts=None if p.texts is None else tuple(p.texts),
                     selected=tuple(p.ids[i] for i in sel), cited=(), log_prob=log_prob,
                     logits=None if logits is None else tuple(round(float(x), 6) for x in logits),
-                    policy_version=policy.version, shared_version=policy.shared_version)
+                    policy_version=policy.version, shared_version=policy.shared_version, timestamp=c.timestamp)
     return record_to_json(rec, served=True)
 
 
@@ -42,7 +42,7 @@ def _served(p, sel, log_prob=None, logits=None, policy=None) -> dict:
                    "exploring before any policy exists.")
 @click.option("--calls", "calls_path", required=True, type=click.Path(),
               help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
-                   "candidate_texts, or neither (the base retriever's top --k); call_id.")
+                   "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp.")
 @click.option("--m", type=click.IntRange(min=1), default=DEFAULTS.layout.m, help="Memories to select per call.")
 @click.option("--k", type=click.IntRange(min=1), default=DEFAULTS.layout.k,
               help="Candidates from the base retriever when a call lists none.")
@@ -63,7 +63,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     """Select each call's memories with the user's stored policy.
 
     For every line of --calls, one JSON line in input order: a citation-log record
-    without `cited` (docs/own-data.md): user_id, call_id, query_id and/or query, the
+    without `cited` (docs/own-data.md): user_id, call_id, query_id and/or query, timestamp, the
     candidates (memory ids; {"id", "text"} objects for candidate_texts, with id
     "t:" + sha256 of the text), the selected memories in display order, and the
     policy_version and shared_version that served it (null for a user the store does not
@@ -77,8 +77,9 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     error line naming file:line; nothing is written then.
 
     \b
-    Example:
-      rmm-jax rerank stores/mine --policies policies --calls examples/requests.jsonl --m 3 --out ranked.jsonl
+    Examples:
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests_day1.jsonl --out ranked.jsonl
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests_day1.jsonl --explore --out served.jsonl
     """
     t0 = time.perf_counter()
     check_output_file(out, f"--out {out}")

@@ -14,6 +14,9 @@ key                  meaning
 ``candidate_texts``  or candidate memory texts (embedded); neither: the base retriever's
                      top-K of the user's memories in STORE (``--k``)
 ``call_id``          (optional) a non-empty string naming the call, echoed in the output
+``timestamp``        (optional) when the call was made (a string or a number, as in a
+                     citation log), echoed in the output: replay orders what a policy has
+                     learned by it (docs/reliability.md, "Exactly once")
 ===================  ========================================================================
 
 A call needs ``query`` or a ``query_id`` that STORE holds. Its identity is its
@@ -56,9 +59,10 @@ class Call(NamedTuple):
     query_id: str | None = None
     candidates: tuple[str, ...] | None = None        # memory ids
     candidate_texts: tuple[str, ...] | None = None
+    timestamp: str | int | float | None = None
 
 
-KEYS = ("user_id", "query", "query_id", "candidates", "candidate_texts", "call_id")
+KEYS = ("user_id", "query", "query_id", "candidates", "candidate_texts", "call_id", "timestamp")
 
 
 def text_id(text: str) -> str:
@@ -90,6 +94,11 @@ def read_calls(path: str | os.PathLike) -> list[Call]:
             if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
                 raise InputError(f"expected a non-empty string, got {json_type(obj.get(key))}",
                                  where=at(path, line, key))
+        stamp = obj.get("timestamp")
+        if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (str, int, float))
+                                  or (isinstance(stamp, float) and not np.isfinite(stamp))):
+            raise InputError(f"expected a string or a finite number, got {json_type(stamp)}",
+                             where=at(path, line, "timestamp"))
         if "query" not in obj and "query_id" not in obj:
             raise InputError("needs 'query' (text) or a 'query_id' of STORE", where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:
@@ -97,7 +106,7 @@ def read_calls(path: str | os.PathLike) -> list[Call]:
         calls.append(Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
                           _strings(obj["candidates"], path, line, "candidates") if "candidates" in obj else None,
                           _strings(obj["candidate_texts"], path, line, "candidate_texts")
-                          if "candidate_texts" in obj else None))
+                          if "candidate_texts" in obj else None, stamp))
     return calls
 
 

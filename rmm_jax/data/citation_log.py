@@ -72,6 +72,7 @@ starts ``path:line`` and names the key, e.g.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import math
 import os
@@ -79,8 +80,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rmm_jax.errors import InputError, at
 from rmm_jax.persist.atomic import atomic_file
+from rmm_jax.persist.learned_calls import Calls, hash64
 
 __all__ = [
     "LogRecord",
@@ -90,9 +94,13 @@ __all__ = [
     "json_lines",
     "pl_log_prob",
     "iter_user_chunks",
+    "call_hash",
+    "call_hashes",
     "call_key",
+    "learned_content",
     "read_log",
     "record_to_json",
+    "timestamp_seconds",
     "validate_record",
     "write_log",
 ]
@@ -387,6 +395,47 @@ def record_to_json(rec: LogRecord, *, served: bool = False) -> dict:
     return out
 
 
+CONTENT_LEFT_OUT = ("gold", "timestamp", "policy_version", "shared_version")
+
+
+def learned_content(rec: LogRecord) -> str:
+    """The canonical JSON of what learning from ``rec`` reads: the record as logged
+    (:func:`record_to_json`, keys sorted, no spaces) without ``gold``, ``timestamp``,
+    ``policy_version`` and ``shared_version``. Its hash is what a policy store remembers of
+    a learned call (:mod:`rmm_jax.persist.learned_calls`): a record replayed with the same
+    content was learned already, one with other content (another citation, another
+    selection or propensity, another text) is a rewritten log. Gold only scores the call
+    and the others say when and by whom it was served, so adding gold to an old log, or
+    re-exporting its timestamps, is not a rewrite.
+
+    >>> learned_content(LogRecord("u1", "q7", ("m1", "m2"), ("m1",), ("m1",), gold=("m1",)))
+    '{"candidates":["m1","m2"],"cited":["m1"],"query_id":"q7","selected":["m1"],"user_id":"u1"}'
+    """
+    obj = {k: v for k, v in record_to_json(rec).items() if k not in CONTENT_LEFT_OUT}
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def timestamp_seconds(value: str | int | float | None) -> float:
+    """A record's ``timestamp`` as seconds that compare in time: a number as it is, an ISO
+    8601 string (``2024-05-01``, ``2024-05-01T09:30:00+02:00``; without a zone, UTC) as
+    seconds since the epoch; NaN when there is none or it is free text.
+
+    >>> timestamp_seconds("1970-01-02"), timestamp_seconds(5), math.isnan(timestamp_seconds("last Tuesday"))
+    (86400.0, 5.0, True)
+    """
+    if value is None:
+        return math.nan
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        t = dt.datetime.fromisoformat(value.strip())
+    except ValueError:
+        return math.nan
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return t.timestamp()
+
+
 # ---------------------------------------------------------------------------
 # Known ids
 # ---------------------------------------------------------------------------
@@ -556,10 +605,26 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
 
 
 def iter_numbered(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
-                  report: dict | None = None) -> Iterator[tuple[int, LogRecord]]:
+                  report: dict | None = None, grouped: bool = False) -> Iterator[tuple[int, LogRecord]]:
     """:func:`iter_log` with each record's line number: yields ``(line, record)``, so a
-    later check (e.g. of a key this module does not interpret) can name ``path:line``."""
-    yield from _iter_numbered(path, known, skip_invalid, report if report is not None else {})
+    later check (e.g. of a key this module does not interpret) can name ``path:line``.
+    ``grouped``: a user's records must be on consecutive lines (:class:`NotGroupedError`
+    otherwise), and memory does not grow with the log."""
+    yield from _iter_numbered(path, known, skip_invalid, report if report is not None else {}, grouped)
+
+
+def call_hash(rec: LogRecord) -> tuple[np.uint64, np.uint64, float]:
+    """What a policy store remembers of a call once learned (:mod:`rmm_jax.persist.learned_calls`):
+    its identity (:func:`call_key`) and content (:func:`learned_content`) hashed, and its
+    timestamp in seconds (:func:`timestamp_seconds`)."""
+    return hash64(call_key(rec)), hash64(learned_content(rec)), timestamp_seconds(rec.timestamp)
+
+
+def call_hashes(hashed: Iterable[tuple]) -> Calls:
+    """:func:`call_hash` of calls (or the tuples it gave), in order, as :class:`Calls`."""
+    rows = [h if isinstance(h, tuple) else call_hash(h) for h in hashed]
+    return Calls(np.array([h[0] for h in rows], np.uint64), np.array([h[1] for h in rows], np.uint64),
+                 np.array([h[2] for h in rows], np.float64))
 
 
 def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

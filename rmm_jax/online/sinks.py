@@ -6,7 +6,8 @@ run-state, so a checkpoint that counts a chunk as done always comes after that c
 policies and log records were written.
 
 * :class:`PolicySink`: every finished chunk's users go to the policy store as one new
-  version (with the shared part, in scopes that have one, saved after them).
+  version, each with the calls its policy has learned from, in the same row; in scopes
+  with a shared part, that part is saved first and the users' version records it.
 * :class:`LogSink`: the simulated citation-log records of every finished (or restored)
   chunk.
 * :class:`RunStateSink`: checkpoints (:mod:`rmm_jax.persist.runstate`) at every segment
@@ -14,9 +15,13 @@ policies and log records were written.
 """
 from __future__ import annotations
 
+import jax
+import numpy as np
+
 from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Resume, SegmentDone
 from rmm_jax.online.loop import Program
 from rmm_jax.online.run import chunk_records
+from rmm_jax.persist.learned_calls import LearnedCalls, add, empty
 
 
 def user_info(stream, outputs: dict, m: int, before: int = 0) -> dict:
@@ -52,10 +57,25 @@ class PolicySink:
         before = {u: queries_learned(info) or 0 for u, _, info in self.store.listing(uids)} if self.continues else {}
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
         self.store.save(uids, event.states, [user_info(s, event.outputs, m, before.get(s.user_id, 0))
-                                             for s in event.streams], shared_version=shared_version)
+                                             for s in event.streams], shared_version=shared_version,
+                        learned=learned_after(event.streams))
 
     def save_shared(self, event: ChunkDone) -> int:
         return self.store.save_shared(event.shared, {"source": "online"})
+
+
+def learned_after(streams) -> LearnedCalls | None:
+    """The calls each stream's policy has learned from once the stream is learned, stacked:
+    what it had learned (``Stream.learned``; none if None) plus the stream's logged calls
+    (``Stream.calls``; a run's generated calls are not remembered). None when no stream's
+    policy has learned from a logged call."""
+    if all(s.learned is None and s.calls is None for s in streams):
+        return None
+    rows = []
+    for s in streams:
+        had = s.learned if s.learned is not None else empty()
+        rows.append(had if s.calls is None else add(had, s.calls))
+    return jax.tree.map(lambda *xs: np.stack(xs), *rows)
 
 
 class LogSink:

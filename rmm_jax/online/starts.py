@@ -10,6 +10,15 @@ count)``, so replaying the first half of a log and then the second gives bit for
 policies of replaying the whole log once (for users independent of each other; with a
 shared part, also when the halves split at a users chunk).
 
+**Exactly once.** A user's saved state also remembers the calls its policy has learned
+from (:mod:`rmm_jax.persist.learned_calls`), so a run that continues it learns each logged
+call once: :func:`check_learned` sorts a log's calls against it before anything is written
+(a call learned with other content is an error naming its line), and :func:`from_store`
+leaves out the calls learned already. Replaying a log twice is then a no-op, a log that
+mixes old and new calls learns the new ones in order, and a run killed after saving some
+chunks and started again skips what those chunks saved, as one uninterrupted run would
+have left it. Calls a run generates (``simulate``) are not remembered: each run draws new ones.
+
 Examples:
   >>> import numpy as np
   >>> from rmm_jax.online.driver import Chunk
@@ -22,26 +31,87 @@ Examples:
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+import dataclasses
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
+from rmm_jax.errors import InputError, at
 from rmm_jax.online.driver import Chunk
-from rmm_jax.online.streams import Stream
+from rmm_jax.online.streams import Stream, take_queries
+from rmm_jax.persist.learned_calls import Calls, classify
+
+CHECK_USERS = 64             # users whose learned calls check_learned reads at a time
 
 
-def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None = None) -> Iterator[Chunk]:
+def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None = None,
+               relearn: bool = False) -> Iterator[Chunk]:
     """Each chunk with the saved states of its users that ``store`` holds (their newest
     versions older than ``before``, see :meth:`PolicyStore.load_batch`); the others start
-    afresh. Each chunk's users are read once, as the chunk is reached."""
+    afresh. Each chunk's users are read once, as the chunk is reached.
+
+    Exactly once: a stream of logged calls (``Stream.calls``) keeps only the calls its
+    user's policy has not learned from (:func:`rmm_jax.persist.learned_calls.classify`;
+    every call with ``relearn``), and a user left with none leaves the chunk. Every stream
+    carries what its policy had learned (``Stream.learned``), so the new version remembers
+    that plus the stream's calls (:class:`rmm_jax.online.sinks.PolicySink`). Which calls go
+    is decided against the versions older than ``before``, so a resumed run makes the same
+    chunks as the run it resumes."""
     for streams in chunks:
         streams = list(streams)
         got = store.load_batch([s.user_id for s in streams], before=before)
-        if not got.users:
-            yield Chunk(streams)
-            continue
         row = {u: i for i, u in enumerate(got.users)}
-        take = np.array([row.get(s.user_id, 0) for s in streams])
+        kept = []
+        for s in streams:
+            prior = jax.tree.map(lambda x: x[row[s.user_id]], got.learned) if s.user_id in row else None
+            if prior is not None and s.calls is not None:
+                sort = classify(prior, s.calls, relearn=relearn)
+                if sort.changed.any() and not relearn:     # check_learned refused this log before the run
+                    raise InputError(f"user {s.user_id!r}: a call learned already has other content (the log "
+                                     "changed during the run?)", where="--log")
+                if not sort.learn.all():
+                    s = take_queries(s, np.flatnonzero(sort.learn))
+                if not s.queries.shape[0]:
+                    continue
+            kept.append(dataclasses.replace(s, learned=prior))
+        if not any(s.user_id in row for s in kept):
+            yield Chunk(kept)
+            continue
+        take = np.array([row.get(s.user_id, 0) for s in kept])
         users = jax.tree.map(lambda x: np.asarray(x)[take], got.state)
-        yield Chunk(streams, users, np.array([s.user_id in row for s in streams]))
+        yield Chunk(kept, users, np.array([s.user_id in row for s in kept]))
+
+
+class LearnedCheck(NamedTuple):
+    """What :func:`check_learned` found: calls to learn, calls skipped because the user's
+    policy learned them already, and calls skipped as older than what it has learned."""
+    learn: int
+    known: int
+    older: int
+
+
+def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *, before: int | None,
+                  relearn: bool = False) -> LearnedCheck:
+    """Sort every logged call (``calls``: per user, its calls and their line numbers, from
+    :func:`rmm_jax.online.streams.scan_log`) against what the user's policy in ``store`` has
+    learned (versions older than ``before``), before the run writes anything. A call
+    learned already with other content is the one-line error ``LOG:LINE`` (the log was
+    rewritten after it was learned), unless ``relearn``. With ``relearn`` every call is
+    learned, and ``known``/``older`` count those learned before."""
+    learn = known = older = 0
+    users = list(calls)
+    for i in range(0, len(users), CHECK_USERS):
+        got = store.load_batch(users[i:i + CHECK_USERS], before=before)
+        for j, u in enumerate(got.users):
+            mine, lines = calls[u]
+            sort = classify(jax.tree.map(lambda x: x[j], got.learned), mine, relearn=relearn)
+            if sort.changed.any() and not relearn:
+                line = int(lines[np.flatnonzero(sort.changed)[0]])
+                raise InputError(f"user {u!r}: this call was learned with other content (the log was rewritten "
+                                 "after it was learned); pass --relearn to learn it again",
+                                 where=at(log_path, line))
+            known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
+            learn += int(sort.learn.sum())
+        learn += sum(len(calls[u][1]) for u in got.missing)
+    return LearnedCheck(learn, known, older)

@@ -15,6 +15,9 @@ read a store written under umask 002 or 022).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import os
 import shutil
@@ -22,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 _MARKERS = (".tmp-", ".old-")
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
 def process_umask() -> int:
@@ -118,6 +122,32 @@ def leftovers(parent: Path) -> list[Path]:
     return [p for p in Path(parent).iterdir() if p.name.startswith(".") and any(m in p.name for m in _MARKERS)]
 
 
+@functools.cache
+def _renameat2():
+    """libc's ``renameat2`` (Linux, glibc 2.28+), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap paths ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False, with nothing changed, where the system or the filesystem
+    cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     """Yield a temporary directory that becomes ``target`` on success.
@@ -125,10 +155,14 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     The caller fsyncs the files it writes; this fsyncs the directory, renames it into place
     and fsyncs the parent, so the new name survives a power cut (missing parents are created
     durably too). On an exception the temporary directory is removed and ``target`` is
-    untouched. With ``overwrite`` an existing ``target`` is replaced (old copy removed after
-    the new one is in place); without it an existing ``target`` raises FileExistsError
-    before any work and again just before the rename (callers that need the check to be
-    race-free hold a lock, as the policy store's writer does).
+    untouched. With ``overwrite`` an existing ``target`` is replaced by swapping the two in
+    one step (:func:`exchange`), so a kill at any moment leaves ``target`` whole, old or new
+    (the old copy is then a leftover ``.NAME.tmp-*``); where the system cannot swap, by two
+    renames, between which ``target`` is missing and the old copy is ``.NAME.old-PID``. The
+    old copy is removed after the new one is in place. Without ``overwrite`` an existing
+    ``target`` raises FileExistsError before any work and again just before the rename
+    (callers that need the check to be race-free hold a lock, as the policy store's writer
+    does).
     """
     target = Path(target)
     make_dirs(target.parent)
@@ -141,10 +175,13 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
         if target.exists():
             if not overwrite:
                 raise FileExistsError(str(target))
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
+            if exchange(tmp, target):      # one atomic step: target is the new copy, tmp the old one
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:                          # two renames: between them target is missing (old copy at .old-)
+                old = target.parent / f".{target.name}.old-{os.getpid()}"
+                os.replace(target, old)
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
         fsync_dir(target.parent)

@@ -313,6 +313,11 @@ class PolicyIndex:
         """The shared versions some live user version was trained against (never pruned)."""
         return {r[0] for r in self._all(f"SELECT DISTINCT {self._sv} FROM versions v") if r[0] is not None}
 
+    def last_shared(self) -> int | None:
+        """The shared version the newest live user version was trained against (None: none
+        recorded, or no user version)."""
+        return self._one(f"SELECT {self._sv} FROM versions v ORDER BY v.version DESC LIMIT 1")
+
     def version_users(self, version: int) -> int:
         """How many users keep ``version`` (an indexed count)."""
         return int(self._one("SELECT COUNT(*) FROM entries WHERE version = ?", (version,)))

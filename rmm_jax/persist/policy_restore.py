@@ -28,8 +28,17 @@ import numpy as np
 from rmm_jax.core.types import LearnerState, SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
+from rmm_jax.persist.learned_calls import LearnedCalls, empty
 from rmm_jax.persist.policy_index import Entry
-from rmm_jax.persist.policy_snapshot import SHARED_PARTS, USER_PARTS, cname, read_chunk, read_shared, vname
+from rmm_jax.persist.policy_snapshot import (
+    LEARNED_PART,
+    SHARED_PARTS,
+    USER_PARTS,
+    cname,
+    read_chunk,
+    read_shared,
+    vname,
+)
 
 
 class Skip(NamedTuple):
@@ -43,13 +52,14 @@ class Skip(NamedTuple):
 class Saved(NamedTuple):
     """One user's policy as restored: its state, the JSON info saved with it, the version
     that loaded, the shared version it was trained against (None: scope ``user`` or not
-    recorded) and the newer versions skipped."""
+    recorded), the newer versions skipped and the calls it learned from."""
 
     state: UserState
     info: dict
     version: int
     shared_version: int | None
     skipped: tuple[Skip, ...] = ()
+    learned: LearnedCalls | None = None
 
 
 class SavedBatch(NamedTuple):
@@ -57,7 +67,8 @@ class SavedBatch(NamedTuple):
     order); ``state`` stacks theirs on a leading users axis (None when ``users`` is empty);
     ``infos``, ``versions`` and ``shared_versions`` align with ``users``; ``missing`` lists
     the requested users the store does not hold; ``skipped`` the newer versions skipped, for
-    the users where any were."""
+    the users where any were; ``learned`` stacks the calls each version learned from
+    (:mod:`rmm_jax.persist.learned_calls`; none for rows saved before the store kept them)."""
 
     users: list[str]
     state: UserState | None
@@ -66,6 +77,7 @@ class SavedBatch(NamedTuple):
     shared_versions: list[int | None]
     missing: list[str]
     skipped: dict[str, tuple[Skip, ...]]
+    learned: LearnedCalls | None = None
 
 
 class SavedShared(NamedTuple):
@@ -101,12 +113,14 @@ def problem(reason: str) -> str:
 
 class Restored(NamedTuple):
     """What :func:`restore_users` found: per requested user (in order) the entry that loads
-    (None: none), the stacked state of the users that load, their infos, and the skips."""
+    (None: none), the stacked state of the users that load, their infos, the skips, and
+    the stacked calls each learned from."""
 
     picked: list[Entry | None]
     state: UserState | None
     infos: list[dict | None]
     skipped: list[list[Skip]]
+    learned: LearnedCalls | None = None
 
 
 def _canonical(meta: dict, leaves: dict, n: int) -> tuple[dict, dict]:
@@ -141,6 +155,8 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
     def skip(u: str, reason: str) -> None:
         skipped[u].append(Skip(cands[u].pop(0).version, reason))
 
+    learned_spec, none = encode_tree(empty(), where=LEARNED_PART)
+    learned = [np.repeat(a[None], n, axis=0) for a in none]
     pending = list(users)
     while pending:
         groups: dict[tuple[int, int], list[str]] = {}
@@ -183,11 +199,12 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
                 pending.append(u)
             if not members:
                 continue
+            state_specs = {p: chunk_specs[p] for p in USER_PARTS}
             if specs is None:
-                specs, first = chunk_specs, (members[0][1], v)
+                specs, first = state_specs, (members[0][1], v)
                 out = {p: [np.empty((n, *s["shape"]), np.dtype(s["dtype"])) for s in leaf_specs(specs[p])]
                        for p in USER_PARTS}
-            elif json.dumps(chunk_specs, sort_keys=True) != json.dumps(specs, sort_keys=True):
+            elif json.dumps(state_specs, sort_keys=True) != json.dumps(specs, sort_keys=True):
                 raise InputError(f"users {first[0]!r} (v{first[1]}) and {members[0][1]!r} (v{v}) hold policies of "
                                  "different structures; load them separately", where=str(gens.parent))
             at = np.array([pos[u] for _, u in members])
@@ -195,11 +212,18 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
             for p in USER_PARTS:
                 for dst, src in zip(out[p], leaves[p]):
                     dst[at] = src[take]
+            if LEARNED_PART in chunk_specs:   # rows saved before the store kept them learned from no call
+                if json.dumps(chunk_specs[LEARNED_PART], sort_keys=True) != json.dumps(learned_spec, sort_keys=True):
+                    raise InputError(f"user {members[0][1]!r} (v{v}) remembers its learned calls in another shape "
+                                     "than this rmm-jax does", where=str(gens.parent))
+                for dst, src in zip(learned, leaves[LEARNED_PART]):
+                    dst[at] = src[take]
             for _, u in members:
                 picked[u] = cands[u][0]
                 infos[pos[u]] = dict(meta["info"][picked[u].row] or {})
     state = None if specs is None else UserState(*(decode_tree(specs[p], out[p]) for p in USER_PARTS))
-    return Restored([picked.get(u) for u in users], state, infos, [skipped[u] for u in users])
+    return Restored([picked.get(u) for u in users], state, infos, [skipped[u] for u in users],
+                    None if specs is None else decode_tree(learned_spec, learned))
 
 
 def restore_shared(snap: Path) -> tuple[SharedState, dict] | str:

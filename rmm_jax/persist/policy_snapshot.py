@@ -49,6 +49,7 @@ from rmm_jax.persist.policy_rows import (
 ARRAYS_FILE = "arrays.npz"       # format 2
 LEGACY_FILE = "rows.json"        # format 1
 USER_PARTS = ("params", "opt_state", "learner_state")
+LEARNED_PART = "learned"         # a user's row also holds the calls its policy learned from (learned_calls.py)
 SHARED_PARTS = ("params", "opt_state")
 
 

@@ -94,6 +94,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1, policy_report
 from rmm_jax.persist.atomic import atomic_dir, write_json
 from rmm_jax.persist.codec import encode_tree
+from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
 from rmm_jax.persist.policy_index import Entry, IndexUnavailable, PolicyIndex, Save
 from rmm_jax.persist.policy_restore import (
@@ -107,7 +108,7 @@ from rmm_jax.persist.policy_restore import (
 )
 from rmm_jax.persist.policy_rows import write_rows
 from rmm_jax.persist.policy_shared import SharedParts
-from rmm_jax.persist.policy_snapshot import USER_PARTS, cname, snapshot_dirs, users_per_chunk, vname
+from rmm_jax.persist.policy_snapshot import LEARNED_PART, USER_PARTS, cname, snapshot_dirs, users_per_chunk, vname
 from rmm_jax.persist.policy_versions import (
     INDEX_DB,
     IndexReader,
@@ -403,6 +404,14 @@ class PolicyStore:
             self._prune_shared()
             return version
 
+    def learned_shared_version(self) -> int | None:
+        """The shared version the newest user version was trained against: the shared part
+        as the last saved users left it (None: no user version records one). A newer shared
+        version is not yet part of what the users learned: a run killed between saving a
+        chunk's shared part and its users leaves one behind, so a run that continues takes
+        the shared part from here (and gives the policies of an uninterrupted run)."""
+        return self._query(lambda idx: idx.last_shared()) if self.paired else None
+
     def shared_state(self, version: int | None = None) -> SavedShared:
         """Shared ``version``, or the newest shared version that loads (older ones used with
         a :class:`PolicyRestoreWarning`): its state, info, version and the versions skipped.
@@ -412,15 +421,19 @@ class PolicyStore:
     # ---- users
 
     def save(self, user_ids: Sequence[str], state: UserState, infos: Sequence[dict] | None = None, *,
-             shared_version: int | None = None, chunk_size: int | None = None) -> int:
+             shared_version: int | None = None, chunk_size: int | None = None,
+             learned: LearnedCalls | None = None) -> int:
         """Save many users from ONE stacked :class:`UserState` (every leaf has a leading
         users axis, as the online loop produces them) as a new version; returns it.
 
         ``infos`` (JSON dicts) align with ``user_ids``. Any part may be an empty tree
         (``{}``/None), e.g. params in ``shared`` scope. ``shared_version``: the shared
         version these states were trained against (:meth:`save_shared`'s result); required
-        in scopes ``shared`` and ``hybrid``, where a load pairs them. Each saved user then
-        keeps its newest ``keep`` versions.
+        in scopes ``shared`` and ``hybrid``, where a load pairs them. ``learned``: the calls
+        each of these policies has learned from, stacked likewise
+        (:mod:`rmm_jax.persist.learned_calls`; None: none, and the rows hold no record), saved
+        in each user's row, so in the same atomic step as the state. Each saved user then keeps its newest ``keep``
+        versions.
         """
         if isinstance(user_ids, str):
             raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="save")
@@ -448,6 +461,9 @@ class PolicyStore:
         specs, stacked = {}, {}
         for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
             specs[p], stacked[p] = encode_tree(t, batch=len(user_ids), where=f"save {p}")
+        if learned is not None:       # rows without it: learned from no call (and no bytes spent on saying so)
+            specs[LEARNED_PART], stacked[LEARNED_PART] = encode_tree(learned, batch=len(user_ids),
+                                                                     where="save learned")
         with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
             if shared_version is not None and shared_version not in self.shared_versions():
                 raise InputError(f"shared version {shared_version} does not exist (on disk: "
@@ -484,7 +500,7 @@ class PolicyStore:
         with atomic_dir(dest, overwrite=False) as tmp:
             for n, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
                 write_rows(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi]},
-                           specs, {p: [a[lo:hi] for a in stacked[p]] for p in USER_PARTS}, hi - lo)
+                           specs, {p: [a[lo:hi] for a in stacked[p]] for p in specs}, hi - lo)
                 placed += [(uid, n, row) for row, uid in enumerate(uids[lo:hi])]
         return placed
 
@@ -498,8 +514,8 @@ class PolicyStore:
         version and why (the shared version it needs, if that is the problem).
         """
         b = self._load([user_id], version, missing_ok=False)
-        one = jax.tree_util.tree_map(lambda a: a[0], b.state)
-        return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()))
+        one, learned = jax.tree_util.tree_map(lambda a: a[0], (b.state, b.learned))
+        return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()), learned)
 
     def load_batch(self, user_ids: Sequence[str], *, before: int | None = None) -> SavedBatch:
         """Restore every stored one of ``user_ids`` (newest version that loads, as
@@ -508,8 +524,8 @@ class PolicyStore:
         This is how a run continues from a store: ``users`` resume from ``state``, trained
         against ``shared_versions``; ``missing`` users start afresh. ``before``: only
         versions older than it (:meth:`next_version` when the run began), so a resumed run
-        starts every user where the interrupted one did, whatever it saved since; a user
-        whose every such version was pruned is an error."""
+        starts every user where the interrupted one did, whatever it saved since (a user
+        first saved since is missing); a user whose every such version was pruned is an error."""
         return self._load(user_ids, None, missing_ok=True, before=before)
 
     def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool,
@@ -525,7 +541,7 @@ class PolicyStore:
             if before is not None:
                 for u in ids:
                     older = [e for e in entries[u] if e.version < before]
-                    if entries[u] and not older:
+                    if entries[u] and not older and len(entries[u]) >= self.keep:   # fewer: it was new then
                         raise InputError(f"user {u!r} keeps no version older than v{before} (has "
                                          f"{[e.version for e in entries[u]]}; pruned by keep={self.keep})",
                                          where=str(self.path))
@@ -560,4 +576,4 @@ class PolicyStore:
                 warnings.warn(PolicyRestoreWarning(str(self.path), u, e.version, sk), stacklevel=3)
         return SavedBatch(found, got.state, got.infos, [e.version for e in got.picked],
                           [e.shared_version for e in got.picked], missing,
-                          {u: tuple(sk) for u, sk in zip(found, got.skipped) if sk})
+                          {u: tuple(sk) for u, sk in zip(found, got.skipped) if sk}, got.learned)

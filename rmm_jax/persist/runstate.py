@@ -166,14 +166,25 @@ class RunState:
 
     @classmethod
     def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
-              notify: Callable[[str], None] | None = None) -> "RunState":
+              notify: Callable[[str], None] | None = None,
+              restart: Callable[[dict], bool] | None = None) -> "RunState":
         """Lock the run-state of ``target``; with ``resume`` restore its newest good
         checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
-        ``resume`` an unfinished run-state is an error."""
+        ``resume`` an unfinished run-state is an error, unless it holds a ``command`` run
+        whose fingerprint ``restart`` accepts: that run's state is then removed (with a
+        note) and this run starts afresh (``replay``: the policy store remembers the calls
+        each saved policy learned, so starting again learns nothing twice)."""
         rs = cls(cls.path_for(target), command, fingerprint, notify)
         rs._lock()
         try:
             snaps = rs._snapshots()
+            if snaps and not resume and restart is not None and rs._command_of(snaps) == command \
+                    and restart(cls.interrupted_fingerprint(target) or {}):
+                rs.notify(f"an interrupted `{command}` run of the same input left {rs.path}; starting it again "
+                          "(what it saved is remembered in the policy store and not learned twice)")
+                for p in [*(q for _, q in snaps), rs.path / DONE_DIR]:
+                    shutil.rmtree(p, ignore_errors=True)
+                snaps = []
             if snaps and not resume:
                 raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here; pass "
                                  f"--resume to continue it, or remove {rs.path} to start over", where=str(rs.path))

@@ -1,0 +1,195 @@
+"""Exactly once: a policy store remembers the calls each policy learned from, in the user's
+row (rmm_jax.persist.learned_calls), so replay learns every logged call once.
+
+Replaying a log again learns nothing and says so; a log that mixes old and new calls learns
+the new ones, in order (bit for bit the policies of replaying only the new ones); a call
+learned with other content is a one-line error naming its line, and --relearn learns it
+again; --resume after a finished run retrains nothing. A run killed anywhere (in process:
+an exception where a SIGKILL would land, test_resume.py kills real processes) and run
+again, with or without --resume, gives bit for bit the policies of one uninterrupted run,
+in every scope: between a chunk's shared part and its users, between a chunk's save and its
+checkpoint, mid-chunk, and between the last save and the run-state's removal.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_fake_store, run_cli
+
+from rmm_jax.cli import replay as replay_cli
+from rmm_jax.cli.main import main
+from rmm_jax.core.config import describe
+from rmm_jax.online import loop, sinks
+from rmm_jax.persist import runstate
+from rmm_jax.persist.policy_store import PolicyStore
+
+RUN = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "2"]
+PROGRAMS: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def one_program_per_setting(monkeypatch):
+    """The CLI builds (and traces) a new program per command; these tests run dozens of
+    replays of a few settings in one process, so they share one program per setting
+    (make_run is pure: the program depends on the setting only)."""
+    def make_run(*setting):
+        key = json.dumps(describe(*setting), sort_keys=True)
+        if key not in PROGRAMS:
+            PROGRAMS[key] = loop.make_run(*setting)
+        return PROGRAMS[key]
+
+    monkeypatch.setattr(replay_cli, "make_run", make_run)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_fake_store(tmp_path_factory.mktemp("once") / "store", users=4, sessions=6, dim=16)
+
+
+@pytest.fixture(scope="module")
+def logged(store, tmp_path_factory):
+    """A simulated log of every user, as records in log order."""
+    tmp = tmp_path_factory.mktemp("log")
+    main(["simulate", str(store), "--policies", str(tmp / "p"), "--log-out", str(tmp / "log.jsonl"), *RUN])
+    return [json.loads(line) for line in (tmp / "log.jsonl").read_text().splitlines()]
+
+
+def write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def states(path) -> dict:
+    """Every user's saved state and learned calls as flat arrays, and the shared part a run continues from."""
+    ps = PolicyStore.open(path)
+    got = ps.load_batch(ps.users())
+    out = {u: [np.asarray(x[i]) for x in jax.tree.leaves((got.state, got.learned))] for i, u in enumerate(got.users)}
+    out["<shared>"] = [np.asarray(x) for x in jax.tree.leaves(ps.shared_state(ps.learned_shared_version()).state)]
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert len(a[k]) == len(b[k]) and all(np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
+                                              for x, y in zip(a[k], b[k])), k
+
+
+def replay(capsys, store, log, pol, *extra):
+    return run_cli(capsys, "replay", store, "--log", log, "--policies", pol, *RUN, *extra)
+
+
+def test_a_log_replayed_again_learns_nothing_and_says_how_many_it_skipped(capsys, tmp_path, store, logged):
+    log = write(tmp_path / "day.jsonl", logged)
+    code, _, err = replay(capsys, store, log, tmp_path / "p", "--scope", "hybrid", "--rank", "2")
+    assert code == 0, err
+    before = states(tmp_path / "p")
+    versions = PolicyStore.open(tmp_path / "p").next_version()
+    code, out, err = replay(capsys, store, log, tmp_path / "p", "--json")
+    assert code == 0, err
+    assert f"skipped {len(logged)} calls learned already: {len(logged)} by these policies" in err, err
+    calls = json.loads(out)["log"]["calls"]
+    assert calls == {"learn": 0, "learned_already": len(logged), "older": 0, "relearn": False}
+    assert PolicyStore.open(tmp_path / "p").next_version() == versions      # nothing saved
+    assert_same(before, states(tmp_path / "p"))
+    # --resume without a checkpoint after a finished run: nothing retrained either
+    code, out, err = replay(capsys, store, log, tmp_path / "p", "--resume")
+    assert code == 0 and "no checkpoint" in err and "nothing to learn" in out, err
+    assert PolicyStore.open(tmp_path / "p").next_version() == versions
+    # --relearn is the explicit opt-in: it learns every call again
+    code, _, err = replay(capsys, store, log, tmp_path / "p", "--relearn")
+    assert code == 0 and f"--relearn: learning {len(logged)} calls again" in err, err
+    with pytest.raises(AssertionError):
+        assert_same(before, states(tmp_path / "p"))
+
+
+def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, tmp_path, store, logged):
+    log = write(tmp_path / "day.jsonl", logged)
+    code, _, err = replay(capsys, store, log, tmp_path / "p")
+    assert code == 0, err
+    edited = [dict(r) for r in logged]
+    edited[5]["cited"] = [] if edited[5]["cited"] else edited[5]["selected"][:1]
+    edited[7]["gold"] = edited[7]["selected"][:1]          # gold is not what learning reads: not a rewrite
+    write(log, edited)
+    before = states(tmp_path / "p")
+    code, _, err = replay(capsys, store, log, tmp_path / "p")
+    assert code == 2, err
+    assert err.strip().splitlines() == [f"error: {log}:6: user {logged[5]['user_id']!r}: this call was learned with "
+                                        "other content (the log was rewritten after it was learned); pass "
+                                        "--relearn to learn it again"], err
+    assert_same(before, states(tmp_path / "p"))
+    code, _, err = replay(capsys, store, log, tmp_path / "p", "--relearn")
+    assert code == 0, err
+
+
+class Killed(BaseException):
+    """Where a SIGKILL would stop the process (not an Exception: nothing handles it)."""
+
+
+def kill(monkeypatch, owner, name, at: int, after: bool = False):
+    """Raise :class:`Killed` at the ``at``-th call of ``owner.name`` (before it runs, or after)."""
+    real, calls = getattr(owner, name), []
+
+    def wrapped(*a, **kw):
+        calls.append(1)
+        if len(calls) == at and not after:
+            raise Killed
+        out = real(*a, **kw)
+        if len(calls) == at and after:
+            raise Killed
+        return out
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+def killed_run(capsys, monkeypatch, store, log, pol, where, *extra):
+    with monkeypatch.context() as m:
+        kill(m, *where)
+        with pytest.raises(Killed):
+            replay(capsys, store, log, pol, *extra)
+    capsys.readouterr()
+
+
+SHARED_THEN_USERS = (PolicyStore, "save", 2)                # chunk 2's shared part saved, its users not
+SAVED_NOT_CHECKPOINTED = (sinks.RunStateSink, "chunk", 1)   # chunk 1 saved, its checkpoint not written
+MID_CHUNK = (sinks.RunStateSink, "segment", 1, True)        # after a checkpoint inside chunk 1
+BEFORE_REMOVAL = (runstate.RunState, "finish", 1)           # every chunk saved, the run-state still there
+
+
+@pytest.mark.parametrize("scope,plan", [
+    ("hybrid", [(MID_CHUNK, ()), (SHARED_THEN_USERS, ("--resume",)), (BEFORE_REMOVAL, ()), (None, ("--resume",))]),
+    ("hybrid", [(SAVED_NOT_CHECKPOINTED, ()), (None, ())]),
+    ("shared", [(SHARED_THEN_USERS, ()), (None, ())]),
+    ("user", [(SAVED_NOT_CHECKPOINTED, ()), (BEFORE_REMOVAL, ("--resume",)), (None, ())]),
+])
+def test_a_mixed_log_killed_anywhere_and_run_again_learns_the_new_calls_once(capsys, monkeypatch, tmp_path, store,
+                                                                              logged, scope, plan):
+    """Day 2's log repeats day 1's calls (each user's first 8) and adds new ones. It learns
+    only the new ones, in order: bit for bit the policies of replaying only those; and so
+    does a day-2 run killed at the plan's points in turn, each time run again with or
+    without --resume."""
+    seen: dict = {}
+    first = []
+    for r in logged:
+        seen[r["user_id"]] = seen.get(r["user_id"], 0) + 1
+        first.append(seen[r["user_id"]] <= 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    new = write(tmp_path / "new.jsonl", [r for r, f in zip(logged, first) if not f])
+    day2 = write(tmp_path / "day2.jsonl", logged)
+    code, _, err = replay(capsys, store, day1, tmp_path / "ref", "--scope", scope, "--rank", "2")
+    assert code == 0, err
+    shutil.copytree(tmp_path / "ref", tmp_path / "killed")
+    code, _, err = replay(capsys, store, new, tmp_path / "ref")
+    assert code == 0, err
+    for where, how in plan:
+        if where is None:
+            code, _, err = replay(capsys, store, day2, tmp_path / "killed", *how)
+            assert code == 0, err
+        else:
+            killed_run(capsys, monkeypatch, store, day2, tmp_path / "killed", where, *how)
+    assert not runstate.RunState.path_for(tmp_path / "killed").exists()
+    assert_same(states(tmp_path / "ref"), states(tmp_path / "killed"))
