@@ -251,6 +251,69 @@ def test_result_markers_render(page):
             assert f"`benchmarks/results/{m.group(1)}` is not in this checkout yet" in out
 
 
+# Cited result files written before write_result recorded whether the tree was clean (their
+# provenance has a commit, or nothing). Re-running one from a clean tree removes it from
+# this set (the test below then insists that it be removed): the set only shrinks.
+BEFORE_CLEAN_FLAG = frozenset({
+    "citation_agreement.json", "citation_noise.json", "learn_sweep_estimator.json",
+    "learn_sweep_heldout_first.json", "quality_locomo.json", "quality_locomo_segment.json",
+    "quality_locomo_session.json", "retrieval_locomo_segment.json", "retrieval_locomo_session.json",
+    "retrieval_locomo_turn.json", "scale_10k.json", "soak.json", "store_scale.json", "demo.json",
+    "deploy.json", "scale_100k.json", "scale_throughput.json", "serve.json", "throughput.json", "cli_latency.json",
+})
+
+
+def cited_results() -> set[str]:
+    """The result files (JSON) that the README and the docs pages cite, by link or marker."""
+    names = set()
+    for page in PAGES:
+        text = page.read_text()
+        names |= set(re.findall(r"results/([A-Za-z0-9_.-]+\.json)", text))
+        names |= set(re.findall(r'result(?:s_table)?\(\s*"([^"]+\.json)"', text))
+    return names
+
+
+def test_cited_results_come_from_a_clean_tree():
+    """A result file the README or a page cites records the commit that wrote it and a clean
+    tree ("clean": true); one from uncommitted code ("clean": false) fails. Files from before
+    the flag existed are named in BEFORE_CLEAN_FLAG, which may only lose names."""
+    import json
+
+    hooks = _hooks()
+    dirty, unflagged, stale = [], [], []
+    for name in sorted(cited_results()):
+        path = hooks.RESULTS / name
+        if not path.is_file():
+            continue                        # test_result_markers_render says how a missing file renders
+        prov = json.loads(path.read_text()).get("provenance") or {}
+        if prov.get("clean") is False:
+            dirty.append(f"{name} (commit {prov.get('commit')}, uncommitted {prov.get('uncommitted', [])[:3]})")
+        elif "clean" not in prov and name not in BEFORE_CLEAN_FLAG:
+            unflagged.append(name)
+        elif "clean" in prov and name in BEFORE_CLEAN_FLAG:
+            stale.append(name)
+    assert not dirty, f"cited result files written from uncommitted code: {dirty}"
+    assert not unflagged, f"cited result files that do not record whether the tree was clean: {unflagged}"
+    assert not stale, f"re-run from a clean tree: remove from BEFORE_CLEAN_FLAG: {stale}"
+
+
+def test_a_dirty_result_file_is_caught(tmp_path, monkeypatch):
+    """The check above on a hand-made results folder: "clean": false fails, true passes."""
+    import json
+
+    hooks = _hooks()
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "_hooks", lambda: hooks)
+    name = next(iter(sorted(cited_results() - BEFORE_CLEAN_FLAG)))
+    for clean, fails in ((True, False), (False, True)):
+        (tmp_path / name).write_text(json.dumps({"provenance": {"commit": "abc1234", "clean": clean}}))
+        if fails:
+            with pytest.raises(AssertionError, match="uncommitted code"):
+                test_cited_results_come_from_a_clean_tree()
+        else:
+            test_cited_results_come_from_a_clean_tree()
+
+
 def test_hook_formats_and_refuses():
     """The hook's cells on hand-made rows, and a missing key fails rather than print."""
     h = _hooks()
