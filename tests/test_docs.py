@@ -336,12 +336,12 @@ def test_hook_formats_and_refuses():
 # compares it whole, so a swapped or stale number fails; after a benchmark is re-run, update
 # the README until this passes (the failure prints the expected cell).
 HEADLINE = {
-    "Recall@5 gain, held-out LoCoMo, online from the retriever, `--preset realistic`": (
-        "{}", [("learn_sweep_heldout.json", "rows.name=realistic.gain", "interval")]),
-    "Recall@5 gain, held-out LoCoMo, gold pretrain + online, `--preset realistic`": (
-        "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + realistic online.gain", "interval")]),
-    "Against Vowpal Wabbit (online, default preset, held-out Recall@5 difference; speed)": (
-        "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_held_out", "interval"),
+    "Recall@5 gain, held-out LoCoMo, online from the retriever, default preset": (
+        "{}", [("learn_sweep_heldout.json", "rows.name=default.gain", "interval")]),
+    "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
+        "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
+    "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
+        "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_all", "interval"),
                                  ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")]),
     "Off-policy estimates: coverage of the 95% interval (SNIPS, cited)": (
         "logging policy fixed {}, {} seeds of {} withheld, {} counting them as misses; "

@@ -145,26 +145,26 @@ def test_gold_free_cited_recall_is_the_brute_force_share_before_each_update(tmp_
 def test_a_continued_run_keeps_the_recorded_setting_and_a_change_is_explicit(capsys, tmp_path, store):
     pol = tmp_path / "p"
     sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
-    code, _, err = run_cli(capsys, *sim, ":4", "--preset", "realistic")
+    code, _, err = run_cli(capsys, *sim, ":4", "--preset", "reinforce")     # not the default preset's learner
     assert code == 0, err
     code, out, err = run_cli(capsys, *sim, "4:8", "--json")            # no --preset: the store's setting
     assert code == 0, err
     cfg = json.loads(out)["config"]
-    assert (cfg["estimator"]["loss"], cfg["optimizer"]["lr"]) == ("logistic", 1e-4)
-    assert "continuing with the learning setting" in err and "lr 0.0001" in err
-    code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "3e-4")
+    assert (cfg["estimator"]["loss"], cfg["optimizer"]["lr"]) == ("reinforce", 3e-4)
+    assert "continuing with the learning setting" in err and "lr 0.0003" in err
+    code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "1e-4")
     assert code == 2 and out == ""
-    assert err.strip().splitlines()[-1] == (f"error: --lr: 0.0003 would change the learning setting policy store "
-                                            f"{pol} records (lr 0.0001); leave the option out to continue with it, "
+    assert err.strip().splitlines()[-1] == (f"error: --lr: 0.0001 would change the learning setting policy store "
+                                            f"{pol} records (lr 0.0003); leave the option out to continue with it, "
                                             "or add --change-setting")
     code, _, err = run_cli(capsys, *sim, "8:12", "--preset", "default")
-    assert code == 2 and "--preset: default would change" in err and "(preset realistic; loss, lr change" in err
-    code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "3e-4", "--change-setting", "--json")
+    assert code == 2 and "--preset: default would change" in err and "(preset reinforce; loss, lr change" in err
+    code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "1e-4", "--change-setting", "--json")
     assert code == 0, err
-    assert "changed (--change-setting): lr 0.0001 -> 0.0003" in err
-    assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 1e-4, "to": 3e-4}]
+    assert "changed (--change-setting): lr 0.0003 -> 0.0001" in err
+    assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 3e-4, "to": 1e-4}]
     header = json.loads((pol / "policy_store.json").read_text())
-    assert header["setting"]["optimizer"]["lr"] == 3e-4 and header["setting"]["estimator"]["loss"] == "logistic"
+    assert header["setting"]["optimizer"]["lr"] == 1e-4 and header["setting"]["estimator"]["loss"] == "reinforce"
 
 
 # --------------------------------------------------------------------------- serving that explores

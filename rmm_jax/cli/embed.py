@@ -91,7 +91,6 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     Examples:
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine_seg --granularity segment
-      rmm-jax embed log:examples/calls_day1.jsonl --out stores/calls
       rmm-jax embed synthetic:users=4 --out stores/synthetic --json
       rmm-jax embed jsonl:examples/chat_history.jsonl --into stores/mine   # appends only what is new
     """

@@ -28,6 +28,7 @@ import functools
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from rmm_jax.core.types import SharedState
 from rmm_jax.core.update import CiteFn
@@ -101,10 +102,12 @@ class Recorder:
 
     def _add(self, streams, outputs) -> None:
         for s in streams:
-            out = outputs[s.user_id]
-            shown = (out["n_cited"], out["n_shown"])
-            self.online.add(s.user_id, out["recall"], out["ndcg"], s.valid, (out["hit"], *shown))
-            self.base.add(s.user_id, *base_values(s, self.m), s.valid, (out["hit_base"], *shown))
+            n = s.queries.shape[0] // s.passes          # replay --passes: the first pass is scored
+            out = {k: np.asarray(v)[:n] for k, v in outputs[s.user_id].items()}
+            valid, shown = s.valid[:n], (out["n_cited"], out["n_shown"])
+            self.online.add(s.user_id, out["recall"], out["ndcg"], valid, (out["hit"], *shown))
+            self.base.add(s.user_id, *(np.asarray(v)[:n] for v in base_values(s, self.m)), valid,
+                          (out["hit_base"], *shown))
             self.recall[s.user_id] = out["recall"]
             self.user_ids.append(s.user_id)
 
