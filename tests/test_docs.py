@@ -258,8 +258,8 @@ BEFORE_CLEAN_FLAG = frozenset({
     "citation_agreement.json", "citation_noise.json", "learn_sweep_estimator.json",
     "learn_sweep_heldout_first.json", "quality_locomo.json", "quality_locomo_segment.json",
     "quality_locomo_session.json", "retrieval_locomo_segment.json", "retrieval_locomo_session.json",
-    "retrieval_locomo_turn.json", "scale_10k.json", "soak.json", "store_scale.json", "demo.json",
-    "deploy.json", "scale_100k.json", "scale_throughput.json", "serve.json", "throughput.json", "cli_latency.json",
+    "retrieval_locomo_turn.json", "scale_10k.json", "soak.json", "store_scale.json",
+    "scale_throughput.json", "throughput.json", "cli_latency.json",
 })
 
 

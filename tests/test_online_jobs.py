@@ -237,9 +237,11 @@ def test_replay_passes_learn_the_log_again_and_score_the_first_pass(tmp_path, ca
                                   users_per_chunk=len(streams)) if isinstance(e, ChunkDone)]
     for i, s in enumerate(second.streams):
         want = jax.tree.map(lambda x: x[i], second.states.params)
-        # float32: the two runs pad to other lengths, so XLA may order their sums differently
+        # an allowance, not a float32 bound: the two runs pad to other lengths, so XLA may order
+        # their sums differently, and a whole run's worst-case bound is vacuous (tests/helpers.py,
+        # f32_error); 1e-4 as in tests/test_sharding.py, far below what a wrong second pass moves
         np.testing.assert_allclose(jax.tree.leaves(got[2][1].load(s.user_id).state.params),
-                                   jax.tree.leaves(want), rtol=1e-5, atol=1e-6)
+                                   jax.tree.leaves(want), rtol=1e-4, atol=1e-5)
         assert not leaves_equal(got[1][1].load(s.user_id).state.params, want)
     code, _, err = run_cli(capsys, "replay", st, "--log", tmp_path / "a.jsonl", "--policies", tmp_path / "bad",
                            "--passes", 0, *km)
