@@ -255,9 +255,7 @@ def test_result_markers_render(page):
 # provenance has a commit, or nothing). Re-running one from a clean tree removes it from
 # this set (the test below then insists that it be removed): the set only shrinks.
 BEFORE_CLEAN_FLAG = frozenset({
-    "citation_agreement.json", "citation_noise.json", "learn_sweep_estimator.json",
-    "learn_sweep_heldout_first.json", "quality_locomo.json", "quality_locomo_segment.json",
-    "quality_locomo_session.json", "retrieval_locomo_segment.json", "retrieval_locomo_session.json",
+    "learn_sweep_heldout_first.json", "retrieval_locomo_segment.json", "retrieval_locomo_session.json",
     "retrieval_locomo_turn.json", "scale_10k.json", "soak.json", "store_scale.json",
     "scale_throughput.json", "throughput.json", "cli_latency.json",
 })
