@@ -604,6 +604,12 @@ def test_log_shape_agreement(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text(jl(rec("a", 0, 8, 3), rec("b", 1, 5, 3), rec("c", 2, 2, 2), rec("a", 3, 8, 3)))
     assert log_shape(log, known) == (8, 3, 1, 1, None, None)        # b, c: their whole banks; c: all it lists
+    # a user the store lacks brings its texts: its bank is unknown, so fewer candidates agree
+    new = {"user_id": "z", "query": "a new question", "candidates": [{"id": f"t{i}", "text": f"memory {i}"}
+                                                                      for i in range(4)],
+           "selected": ["t0", "t1", "t2"], "cited": ["t0"]}
+    log.write_text(jl(rec("a", 0, 8, 3), new))
+    assert log_shape(log, known) == (8, 3, 1, 1, None, None)
     log.write_text(jl(rec("a", 0, 8, 3), rec("a", 1, 6, 3), rec("a", 2, 8, 2)))
     shape = log_shape(log, known)
     assert shape[:4] == (8, 3, 1, 1)
