@@ -66,10 +66,6 @@ def _preset_default(field: str) -> str:
     return f"[default: {_field(DEFAULTS, field)}; paper: {_field(PAPER, field)}]"
 
 
-K_M_FROM_LOG = ("--k and --m default to the log's (every record lists K candidates, or all of its user's "
-                "memories when fewer, and shows M, or all its candidates when fewer); given, they must agree with it.")
-
-
 def config_options(f=None, *, from_log: bool = False):
     """Options that build a program's :class:`~rmm_jax.core.config.Setting`; unset ones come
     from --preset. ``from_log``: --k and --m default to what the log says (:func:`k_m_from_log`)."""

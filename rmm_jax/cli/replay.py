@@ -90,8 +90,7 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
 @plot_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, relearn, users,
-           users_per_chunk,
-           checkpoint_every, resume, plot_path, as_json, **opts):
+           users_per_chunk, checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive a REINFORCE update, in log

@@ -39,7 +39,6 @@ from typing import Mapping
 import jax
 
 ENV = "RMM_JAX_COMPILE_CACHE"
-JAX_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 _OFF = ("0", "off", "false", "no")
 

@@ -102,7 +102,7 @@ class Recorder:
 
     def _add(self, streams, outputs) -> None:
         for s in streams:
-            n = s.queries.shape[0] // s.passes          # replay --passes: the first pass is scored
+            n = s.first_pass                            # replay --passes: the first pass is scored
             out = {k: np.asarray(v)[:n] for k, v in outputs[s.user_id].items()}
             valid, shown = s.valid[:n], (out["n_cited"], out["n_shown"])
             self.online.add(s.user_id, out["recall"], out["ndcg"], valid, (out["hit"], *shown))

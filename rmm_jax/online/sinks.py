@@ -30,7 +30,7 @@ def user_info(stream, outputs: dict, m: int, before: int = 0) -> dict:
     runs it continues; like its learner step, it counts from the policy's start); and this run's
     prequential Recall@M."""
     out = outputs[stream.user_id]
-    n = int(stream.queries.shape[0]) // stream.passes          # replay --passes: the log's queries, once
+    n = stream.first_pass                      # replay --passes: the log's queries, once
     return {"queries_seen": n, "queries_learned": before + n,
             f"prequential_recall@{m}": float(out["recall"][stream.valid].mean()) if stream.valid.any() else None}
 

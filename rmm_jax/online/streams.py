@@ -63,6 +63,11 @@ class Stream:
     passes: int = 1                            # replay --passes: the queries are the first T/passes ones,
                                                # repeated; reports score the first pass only
 
+    @property
+    def first_pass(self) -> int:
+        """How many queries one pass holds: all of them, unless ``replay --passes`` repeated them."""
+        return self.queries.shape[0] // self.passes
+
 
 class ChunkData(NamedTuple):
     """A chunk of streams padded to fixed shapes, users axis first: the compiled loop's input.
