@@ -7,12 +7,14 @@ through the same function (``rmm_jax.data.embed.embed_texts``), patched here.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.driver import ChunkDone, SegmentDone, drive
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.ope import Calls, cited_recall, estimate
-from rmm_jax.online.serve import Reranker, call_key
+from rmm_jax.online.serve import Reranker, call_keys
 from rmm_jax.online.streams import streams_from_log
 
 DIM = 16
@@ -260,10 +262,20 @@ def test_explore_before_any_policy_is_on_policy_for_an_identity_replay(capsys, t
 
 
 def test_sample_keys_derive_from_seed_user_and_call():
-    same = [call_key(0, "u1", "call:c1"), call_key(0, "u1", "call:c1")]
-    assert jax.random.key_data(same[0]).tolist() == jax.random.key_data(same[1]).tolist()
-    others = [call_key(1, "u1", "call:c1"), call_key(0, "u2", "call:c1"), call_key(0, "u1", "call:c2")]
-    assert len({tuple(jax.random.key_data(k).tolist()) for k in [same[0], *others]}) == 4
+    def by_hand(seed, user, call):          # the documented derivation, one fold at a time
+        h = hashlib.sha256(call.encode()).digest()
+        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(user.encode()) & 0x7FFFFFFF)
+        for i in (0, 4):
+            key = jax.random.fold_in(key, int.from_bytes(h[i:i + 4], "little") & 0x7FFFFFFF)
+        return jax.random.key_data(key).tolist()
+
+    cases = [(0, "u1", "call:c1"), (1, "u1", "call:c1"), (0, "u2", "call:c1"), (0, "u1", "call:c2"),
+             (2**40 + 3, "u1", "call:c1")]
+    got = [jax.random.key_data(call_keys(s, u, [c, "call:other"])[0]).tolist() for s, u, c in cases]
+    assert got == [by_hand(*c) for c in cases]
+    assert len({tuple(g) for g in got}) == 5
+    both = call_keys(0, "u1", ["call:c1", "call:c2"])
+    assert jax.random.key_data(both).tolist() == [by_hand(0, "u1", "call:c1"), by_hand(0, "u1", "call:c2")]
 
 
 # --------------------------------------------------------------------------- the verdict

@@ -8,7 +8,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
-import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, check_output_file, info, progress_bar
@@ -17,8 +16,7 @@ from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
-from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker
-from rmm_jax.online.serve import call_key as call_prng_key
+from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_keys
 from rmm_jax.persist.atomic import atomic_file
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -113,7 +111,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
             q, cands = np.stack([prepared[i].query for i in rows]), np.stack([prepared[i].cands for i in rows])
             pol = rr.policy(uid)
             if explore:
-                keys = jnp.stack([call_prng_key(seed, uid, call_key(prepared[i].call)) for i in rows])
+                keys = call_keys(seed, uid, [call_key(prepared[i].call) for i in rows])
                 got = rr.sample(uid, q, cands, m, keys=keys, tau=tau)
                 recs = [_served(prepared[i], [int(x) for x in got.selected[r] if x >= 0], float(got.log_prob[r]),
                                 got.logits[r], pol) for r, i in enumerate(rows)]

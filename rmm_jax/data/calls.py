@@ -143,6 +143,24 @@ class _Users:
         return self.get(call, "query_id")[2].get(call.query_id)
 
 
+def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> dict[int, list[int]]:
+    """The base retriever's top ``k`` memory rows for every call that lists no candidates
+    (keyed by ``id(call)``): one :func:`~rmm_jax.data.retrieval.top_k` per user, over all of
+    that user's queries at once (a call at a time cost one dispatch each)."""
+    by_user: dict[str, list[int]] = {}
+    for i, c in enumerate(calls):
+        if c.candidates is None and c.candidate_texts is None:
+            by_user.setdefault(c.user_id, []).append(i)
+    out = {}
+    for uid, rows in by_user.items():
+        bank = users.get(calls[rows[0]], "the retrieved candidates")[0].memory_emb
+        qs = np.zeros((1 << (len(rows) - 1).bit_length(), bank.shape[1]), np.float32)   # padded: fewer shapes
+        qs[:len(rows)] = [queries[i] for i in rows]
+        idx = top_k(qs, bank, min(k, len(bank)))[1]
+        out.update({id(calls[i]): idx[j].tolist() for j, i in enumerate(rows)})
+    return out
+
+
 def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
@@ -171,19 +189,19 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
         if m > n:
             raise InputError(f"--m {m} is more than this call's {n} candidates", where=at(path, c.line))
     vecs = embed_texts(texts, store.model)
-    out = []
+    queries = []
     for c in calls:
         row = users.held_query(c)
-        q = users.get(c, "query_id")[0].query_emb[row] if row is not None else vecs[c.query_text]
+        queries.append(users.get(c, "query_id")[0].query_emb[row] if row is not None else vecs[c.query_text])
+    retrieved = _retrieve(users, calls, queries, k)
+    out = []
+    for c, q in zip(calls, queries):
         if c.candidate_texts is not None:
             out.append(Prepared(c, np.asarray(q, np.float32), np.stack([vecs[t] for t in c.candidate_texts]),
                                 [text_id(t) for t in c.candidate_texts], list(c.candidate_texts)))
             continue
         u, m_index, _ = users.get(c, "candidates")
-        if c.candidates is not None:
-            idx = [m_index[x] for x in c.candidates]
-        else:
-            idx = top_k(np.asarray(q)[None], u.memory_emb, min(k, len(u.memory_ids)))[1][0].tolist()
+        idx = [m_index[x] for x in c.candidates] if c.candidates is not None else retrieved[id(c)]
         out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(u.memory_emb[idx], np.float32),
                             [u.memory_ids[j] for j in idx], None))
     return out

@@ -96,7 +96,12 @@ def user_key(seed: int, user_id: str):
     Depends on the user, not on its position in a chunk, so chunking, sharding and
     resuming never change a user's random stream.
     """
-    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(user_id.encode()) & 0x7FFFFFFF)
+    return jax.random.fold_in(jax.random.key(seed), user_hash(user_id))
+
+
+def user_hash(user_id: str) -> int:
+    """The 31-bit hash of a user id that :func:`user_key` folds into the seed's key."""
+    return zlib.crc32(user_id.encode()) & 0x7FFFFFFF
 
 
 def user_keys(seed: int, user_ids: Sequence[str]):
@@ -108,7 +113,7 @@ def user_keys(seed: int, user_ids: Sequence[str]):
     >>> bool((jax.random.key_data(k[1]) == jax.random.key_data(user_key(3, "b"))).all())
     True
     """
-    hashes = np.array([zlib.crc32(u.encode()) & 0x7FFFFFFF for u in user_ids], np.uint32)
+    hashes = np.array([user_hash(u) for u in user_ids], np.uint32)
     return _fold_all(jax.random.key(seed), hashes)
 
 

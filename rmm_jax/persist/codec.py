@@ -14,6 +14,7 @@ Used by the policy store and the run-state checkpoints (which write the leaves t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 from typing import Sequence
@@ -78,6 +79,7 @@ def encode_tree(tree, *, batch: int | None = None, where: str = "tree"):
     return enc(tree, []), leaves
 
 
+@functools.lru_cache(maxsize=256)
 def import_namedtuple(name: str):
     """The NamedTuple class ``"module:QualName"`` of a spec, from an allowed package only."""
     module, _, qual = name.partition(":")

@@ -19,6 +19,7 @@ read again only if such a fallback needs it).
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
@@ -134,6 +135,15 @@ def _canonical(meta: dict, leaves: dict, n: int) -> tuple[dict, dict]:
     return {**meta["spec"], "learner_state": new_spec}, {**leaves, "learner_state": new_leaves}
 
 
+@functools.cache
+def _no_calls() -> tuple[dict, list[np.ndarray]]:
+    """The spec and leaves of a user who has learned from no call (read-only: built once)."""
+    spec, leaves = encode_tree(empty(), where=LEARNED_PART)
+    for a in leaves:
+        a.flags.writeable = False
+    return spec, leaves
+
+
 def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entry]], *,
                   shared_problem: Callable[[int], str | None] | None = None) -> Restored:
     """Each of ``users``' newest version that loads, read from snapshot root ``gens``.
@@ -155,7 +165,7 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
     def skip(u: str, reason: str) -> None:
         skipped[u].append(Skip(cands[u].pop(0).version, reason))
 
-    learned_spec, none = encode_tree(empty(), where=LEARNED_PART)
+    learned_spec, none = _no_calls()
     learned = [np.repeat(a[None], n, axis=0) for a in none]
     pending = list(users)
     while pending:
