@@ -15,7 +15,7 @@ the draw (:func:`rmm_jax.core.sampling.selection_log_prob`) and the logits s/τ:
 propensities that let the next day's log be replayed with importance weights and
 evaluated off-policy. τ is the behaviour temperature of the learning setting the store
 records (:attr:`Reranker.tau`). Each call's noise comes from its own key,
-:func:`call_key` (the seed, the user and the call's identity), so serving the same call
+:func:`call_keys` (the seed, the user and the call's identity), so serving the same call
 again draws the same memories, whatever else is served with it.
 
 **No policy yet.** ``Reranker(None, dim=d)`` serves the identity reranker to everyone:
@@ -283,7 +283,7 @@ class Reranker:
         """Gumbel top-``m`` draws of ``user_id``'s policy at temperature ``tau`` (default
         :attr:`tau`, the store's) for one query or a batch, shapes as in :meth:`rank`.
 
-        ``keys``: one PRNG key per query (n,), e.g. :func:`call_key` of each call; a
+        ``keys``: one PRNG key per query (n,), e.g. :func:`call_keys` of the calls; a
         query's draw depends on its key, scores and candidate count only.
 
         >>> rr = Reranker(None, dim=2)                       # no policy yet: the identity reranker
