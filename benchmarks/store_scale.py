@@ -53,7 +53,6 @@ import numpy as np
 import optax
 
 from rmm_jax.core.types import LearnerState, UserState
-from rmm_jax.persist.atomic import write_json
 from rmm_jax.persist.policy_store import PolicyStore
 
 ROOT = _common.REPO
@@ -211,7 +210,7 @@ def main(argv=None) -> int:
     doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "store_scale", "runs": []}
     doc["runs"] = [r for r in doc["runs"] if (r["users"], r["per_save"]) != (res["users"], res["per_save"])] + [res]
     doc["runs"].sort(key=lambda r: (r["users"], r["per_save"]))
-    write_json(out, doc)
+    _common.write_result(out, doc)    # the file's provenance: the newest run's (each run keeps its own)
     if args.json:
         print(json.dumps(res))
     else:
