@@ -356,7 +356,8 @@ HEADLINE = {
     "100,000 users × 100 queries, scope hybrid: wall time; peak memory": (
         "{} s; {} MiB", [("scale_100k.json", "rows.0.seconds", ",.0f"), ("scale_100k.json", "peak_rss_mb", ",.0f")]),
     "Serving from a 100,000-user hybrid store: one query, p50 of a user not cached, its row read from disk; cached": (
-        "{} ms; {} ms", [("serve.json", "cold_disk_p50_ms.median", ".1f"), ("serve.json", "warm_p50_ms.median", ".2f")]),
+        "{} ms; {} ms",
+        [("serve.json", "cold_disk_p50_ms.median", ".1f"), ("serve.json", "warm_p50_ms.median", ".2f")]),
 }
 
 

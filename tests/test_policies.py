@@ -312,6 +312,17 @@ def test_shared_params_versions_and_corruption(tmp_path):
         st.shared_state(2)
 
 
+def test_a_shared_part_of_no_arrays_saves_verifies_and_pairs(tmp_path):
+    """A hybrid store created with empty shared params ({}: rows of 0 bytes) loads its users:
+    verifying the shared version reads no bytes and checks the digest of nothing (it used to
+    fail on a zero-length read buffer)."""
+    st = PolicyStore.create(tmp_path / "store", {**META, "scope": "hybrid", "rank": 2}, {})
+    assert st.shared_state().state.params == {}
+    save_one(st, "u", state_of(3), shared_version=1)
+    assert_policy(PolicyStore.open(st.path).load("u"), state_of(3))
+    assert verify_snapshot(st.path / "shared" / "v00000001", "c0000") is None
+
+
 # ----------------------------------------------------------------------------- open / create errors
 
 def test_open_errors_name_path_and_mismatch(tmp_path):
