@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -240,14 +241,40 @@ class LoadWatch:
 
     def __init__(self):
         self.samples = [os.getloadavg()[0]]
+        self.start = (time.perf_counter(), _busy_cpu_s(), _own_cpu_s())
 
     def sample(self) -> float:
         self.samples.append(os.getloadavg()[0])
         return self.samples[-1]
 
     def result(self) -> dict:
+        """:func:`load_summary` of the samples, plus ``others_cpu``: the share of the
+        machine's CPU time that other processes used meanwhile (busy time in /proc/stat
+        less this process's and its waited children's): a benchmark that runs several
+        threads raises the load average itself, and this says whether anything else ran."""
         self.sample()
-        return load_summary(self.samples)
+        out = load_summary(self.samples)
+        t0, busy0, own0 = self.start
+        busy, wall = _busy_cpu_s(), time.perf_counter() - t0
+        if busy is not None and busy0 is not None and wall > 0:
+            others = (busy - busy0) - (_own_cpu_s() - own0)
+            out["others_cpu"] = round(max(0.0, others) / (wall * (os.cpu_count() or 1)), 3)
+        return out
+
+
+def _busy_cpu_s() -> float | None:
+    """Seconds of CPU time every CPU has spent busy since boot (Linux /proc/stat), else None."""
+    try:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def load_summary(one_minute) -> dict:
