@@ -257,7 +257,6 @@ def test_result_markers_render(page):
 BEFORE_CLEAN_FLAG = frozenset({
     "learn_sweep_heldout_first.json", "retrieval_locomo_segment.json", "retrieval_locomo_session.json",
     "retrieval_locomo_turn.json", "scale_10k.json", "soak.json", "store_scale.json",
-    "scale_throughput.json",
 })
 
 
