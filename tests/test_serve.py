@@ -72,21 +72,32 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
              {"call_id": "b", "user_id": "user1", "query_id": user.query_ids[0],
               "candidates": list(user.memory_ids[:6])},
              {"call_id": "c", "user_id": "someone-new", "query": "where is my passport",
-              "candidate_texts": ["passport in the drawer", "my cat is called Tom", "flight on Monday"]}]
+              "candidate_texts": ["passport in the drawer", "my cat is called Tom", "flight on Monday"]},
+             *({"call_id": f"r{j}", "user_id": "user1", "query_id": user.query_ids[j]} for j in (3, 4, 5))]
     (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
     monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False: FakeEmbedder(16))
     code, _, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
                            "--m", "2", "--k", "8", "--out", tmp_path / "out.jsonl")
     assert code == 0, err
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [o["call_id"] for o in out] == ["a", "b", "c"]
+    assert [o["call_id"] for o in out] == ["a", "b", "c", "r3", "r4", "r5"]
     rr = Reranker.open(pol["user"])
     params = rr.policy("user1").params
-    # a: the base retriever's top-8 of the user's memories, reranked
-    q = user.query_emb[2]
-    top8 = np.argsort(-(user.memory_emb @ q), kind="stable")[:8]
-    top, _ = core_top(params, q, user.memory_emb[top8], 2)
-    assert out[0]["selected"] == [user.memory_ids[top8[p]] for p in top] and out[0]["positions"] == top
+    # a and r3..r5 (one user's queries, retrieved together): the base retriever's top 8 of
+    # the user's memories, best first, against float64 scores within the float32 dot
+    # product's bound (gamma_d * sum |q_i m_i| a side), then reranked
+    mem = np.asarray(user.memory_emb, np.float64)
+    row_of = {m: j for j, m in enumerate(user.memory_ids)}
+    gamma = mem.shape[1] * 2.0**-24 / (1 - mem.shape[1] * 2.0**-24)
+    for o, r in zip([out[0], *out[3:]], (2, 3, 4, 5)):
+        q = np.asarray(user.query_emb[r], np.float64)
+        exact, bound = mem @ q, gamma * (np.abs(mem) @ np.abs(q))
+        got = [row_of[c] for c in o["candidates"]]
+        rest = np.setdiff1d(np.arange(len(mem)), got)
+        assert len(got) == 8 and (exact[got, None] + bound[got, None] + bound[rest] >= exact[rest]).all()
+        assert all(exact[a] + bound[a] + bound[b] >= exact[b] for a, b in zip(got, got[1:]))      # best first
+        top, _ = core_top(params, user.query_emb[r], user.memory_emb[got], 2)
+        assert o["selected"] == [user.memory_ids[got[p]] for p in top] and o["positions"] == top
     # b: the listed candidates
     top, s = core_top(params, user.query_emb[0], user.memory_emb[:6], 2)
     assert out[1]["selected"] == [user.memory_ids[p] for p in top]

@@ -143,21 +143,22 @@ class _Users:
         return self.get(call, "query_id")[2].get(call.query_id)
 
 
-def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> dict[int, list[int]]:
-    """The base retriever's top ``k`` memory rows for every call that lists no candidates
-    (keyed by ``id(call)``): one :func:`~rmm_jax.data.retrieval.top_k` per user, over all of
-    that user's queries at once (a call at a time cost one dispatch each)."""
+def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> list[list[int] | None]:
+    """The base retriever's top ``k`` memory rows for each call that lists no candidates
+    (None for the others): one :func:`~rmm_jax.data.retrieval.top_k` per user over all of
+    that user's queries, padded to a power of two (a call at a time cost a dispatch each)."""
     by_user: dict[str, list[int]] = {}
     for i, c in enumerate(calls):
         if c.candidates is None and c.candidate_texts is None:
             by_user.setdefault(c.user_id, []).append(i)
-    out = {}
-    for uid, rows in by_user.items():
+    out: list[list[int] | None] = [None] * len(calls)
+    for rows in by_user.values():
         bank = users.get(calls[rows[0]], "the retrieved candidates")[0].memory_emb
-        qs = np.zeros((1 << (len(rows) - 1).bit_length(), bank.shape[1]), np.float32)   # padded: fewer shapes
+        qs = np.zeros((1 << (len(rows) - 1).bit_length(), bank.shape[1]), np.float32)
         qs[:len(rows)] = [queries[i] for i in rows]
         idx = top_k(qs, bank, min(k, len(bank)))[1]
-        out.update({id(calls[i]): idx[j].tolist() for j, i in enumerate(rows)})
+        for j, i in enumerate(rows):
+            out[i] = idx[j].tolist()
     return out
 
 
@@ -195,13 +196,13 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
         queries.append(users.get(c, "query_id")[0].query_emb[row] if row is not None else vecs[c.query_text])
     retrieved = _retrieve(users, calls, queries, k)
     out = []
-    for c, q in zip(calls, queries):
+    for c, q, got in zip(calls, queries, retrieved):
         if c.candidate_texts is not None:
             out.append(Prepared(c, np.asarray(q, np.float32), np.stack([vecs[t] for t in c.candidate_texts]),
                                 [text_id(t) for t in c.candidate_texts], list(c.candidate_texts)))
             continue
         u, m_index, _ = users.get(c, "candidates")
-        idx = [m_index[x] for x in c.candidates] if c.candidates is not None else retrieved[id(c)]
+        idx = [m_index[x] for x in c.candidates] if c.candidates is not None else got
         out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(u.memory_emb[idx], np.float32),
                             [u.memory_ids[j] for j in idx], None))
     return out
