@@ -254,10 +254,7 @@ def test_result_markers_render(page):
 # Cited result files written before write_result recorded whether the tree was clean (their
 # provenance has a commit, or nothing). Re-running one from a clean tree removes it from
 # this set (the test below then insists that it be removed): the set only shrinks.
-BEFORE_CLEAN_FLAG = frozenset({
-    "learn_sweep_heldout_first.json", "retrieval_locomo_segment.json", "retrieval_locomo_session.json",
-    "retrieval_locomo_turn.json", "store_scale.json",
-})
+BEFORE_CLEAN_FLAG = frozenset({"learn_sweep_heldout_first.json"})
 
 
 def cited_results() -> set[str]:
