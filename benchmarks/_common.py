@@ -233,6 +233,22 @@ def _plain(x):
 NOISY_LOAD = 2.5   # a 1-minute load average above this on the 2-core machine: timings are contended
 
 
+def drop_page_cache(path: Path) -> int:
+    """Drop every file under ``path`` from the OS page cache (``posix_fadvise(DONTNEED)``,
+    which needs no root; the files must be clean, i.e. fsynced, as a store's are), so the
+    next read comes from the disk; returns how many files."""
+    n = 0
+    for f in Path(path).rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            n += 1
+    return n
+
+
 class LoadWatch:
     """The 1-minute load average around a timed measurement: sampled at the start, at
     :meth:`sample` calls (one per repeat) and at the end. :meth:`result` records every

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import HelpFormatter, LoadWatch, spread, write_result
+from _common import HelpFormatter, LoadWatch, drop_page_cache, spread, write_result
 from tqdm import tqdm
 
 import rmm_jax as rj
@@ -64,21 +63,6 @@ def build(path: Path, users: int, dim: int, rank: int, per_save: int = 2000) -> 
             st = st._replace(params=noise(st.params, keys[0]))
             store.save([f"u{i:07d}" for i in range(lo, lo + n)], jax.device_get(st), shared_version=sv)
             bar.update(n)
-
-
-def evict(root: Path) -> int:
-    """Drop every file of the store ``root`` from the OS page cache (its pages are clean:
-    the build fsynced them); returns how many files."""
-    n = 0
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            n += 1
-    return n
 
 
 def timed(fn) -> float:
@@ -124,7 +108,7 @@ def main(argv=None):
         drawn = [f"u{i:07d}" for i in rng.choice(args.users, 2 * args.samples, replace=False)]
         users, others = drawn[:args.samples], drawn[args.samples:]
         cold = [timed(lambda: rr.rank(u, q[i % 8], cands[i % 8], args.m).scores) for i, u in enumerate(users)]
-        evict(root)
+        drop_page_cache(root)
         disk = [timed(lambda: rr.rank(u, q[i % 8], cands[i % 8], args.m).scores) for i, u in enumerate(others)]
         warm = [timed(lambda: rr.rank(u, q[i % 8], cands[i % 8], args.m).scores) for i, u in enumerate(users)]
         batched = [args.batch / timed(lambda: rr.rank(users[0], q, cands, args.m).scores) for _ in range(5)]

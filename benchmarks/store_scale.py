@@ -88,17 +88,6 @@ def du(path: Path) -> tuple[int, int]:
     return alloc, size
 
 
-def evict(path: Path) -> None:
-    """Drop ``path``'s files from the page cache (they are fsynced, so clean)."""
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def user_scope_bytes(work: Path) -> dict:
     """Bytes per user of a user-scope d=384 policy (2 kernels + Adam), 4 users saved."""
     rng = np.random.default_rng(1)
@@ -154,7 +143,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
         for i in picks:
             e = st.entries(uid(i))[-1]
             if pass_ == "cold":
-                evict(path / "gens" / f"v{e.version:08d}" / f"c{e.chunk:04d}")
+                _common.drop_page_cache(path / "gens" / f"v{e.version:08d}" / f"c{e.chunk:04d}")
             t = time.perf_counter()
             pol = PolicyStore.open(path).load(uid(i))
             out.append(time.perf_counter() - t)
