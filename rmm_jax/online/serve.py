@@ -155,8 +155,8 @@ def _shared_on_device(store: PolicyStore, version: int | None) -> tuple[Any, int
 def _device(params):
     """``params`` where the compiled ranking reads them. On an accelerator: one device_put
     of the tree (no per-leaf dispatch). On the CPU backend host memory is the device's, and
-    a jitted call takes a host array without a copy: a device_put there only adds its
-    Python path (about 0.5 ms a cold user, ``benchmarks/serve.py``), so the leaves stay
+    a jitted call takes host arrays directly: a device_put there only adds its Python
+    path (about 0.5 ms a cold user, ``benchmarks/serve.py``), so the leaves stay
     host arrays, passed to the compiled call as they are (copied first, so that a cached
     policy does not keep alive the whole row read from disk). Everything that computes
     with them is jitted (:func:`_rank`, :func:`_sample`, :mod:`rmm_jax.online.ope`), so

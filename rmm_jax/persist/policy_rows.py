@@ -60,7 +60,6 @@ CHUNK_FILE = "chunk.json"
 ROWS_FILE = "rows.bin"
 ROWS_FORMAT = "rmm-jax-policy-rows"
 STRIDE_ALIGN = 16          # every row starts at a multiple of the largest item size
-BUFFER_ALIGN = 64          # rows are read into buffers aligned as XLA's CPU client wants them
 
 
 class Slot(NamedTuple):
@@ -84,15 +83,6 @@ def row_slots(specs: dict, parts: Sequence[str]) -> tuple[list[Slot], int]:
             slots.append(Slot(p, i, dt, tuple(s["shape"]), at, nbytes))
             at += nbytes
     return slots, -(-at // STRIDE_ALIGN) * STRIDE_ALIGN
-
-
-def _aligned_zeros(n: int, stride: int) -> np.ndarray:
-    """``(n, stride)`` zero bytes starting at a multiple of :data:`BUFFER_ALIGN`: a leaf at
-    an aligned offset of a row is then an aligned view, which XLA takes without a copy
-    (an unaligned one costs a copy on every ``device_put``: +0.5 ms a cold user)."""
-    raw = np.zeros(n * stride + BUFFER_ALIGN, np.uint8)
-    start = -raw.ctypes.data % BUFFER_ALIGN
-    return raw[start:start + n * stride].reshape(n, stride)
 
 
 def _digest(row) -> str:
@@ -146,7 +136,7 @@ def read_rows(chunk_dir: Path, meta: dict, rows: Sequence[int]) -> tuple[np.ndar
     each damaged one is unusable (``{position in rows: reason}``; its bytes are not to be
     used). Consecutive rows are read in one call."""
     stride, digests = int(meta["row_stride"]), meta["row_sha256"]
-    buf = _aligned_zeros(len(rows), stride)
+    buf = np.zeros((len(rows), stride), np.uint8)
     bad: dict[int, str] = {}
     try:
         f = open(chunk_dir / ROWS_FILE, "rb", buffering=0)
