@@ -262,11 +262,23 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
-    default, old = rj.preset("default"), rj.preset("reinforce")   # the old default with the logistic loss at 1e-4
-    assert default.layout == old.layout and describe(*rj.preset("realistic")) == describe(*default)
-    assert optim.describe(default.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
-    assert default.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
+    realistic, old = rj.preset("realistic"), rj.preset("reinforce")  # the old default with the logistic loss at 1e-4
+    assert realistic.layout == old.layout
+    assert optim.describe(realistic.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
+    assert realistic.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
     assert old.estimator == rj.Estimator() and optim.describe(old.optimizer) == {"name": "adam", "lr": 3e-4}
+    # the default, per scope (BY_SCOPE): realistic's loss corrected for the paper's judge rates in user
+    # (at 2e-4) and hybrid; realistic itself in shared; the layout is the scope's in each
+    judge = dict(p_useful=0.911, p_other=0.154, offset=-1.0)
+    for scope, lr, fields in (("user", 2e-4, judge), ("shared", 1e-4, {}), ("hybrid", 1e-4, judge)):
+        default, plain = rj.preset("default", scope=scope), rj.preset("realistic", scope=scope)
+        assert default.layout == plain.layout and default.layout.scope.name == scope
+        assert optim.describe(default.optimizer) == {"name": "adam", "lr": lr}
+        assert default.estimator == dataclasses.replace(plain.estimator, **fields)
+    # an override wins over the scope's default, and a Scope object selects it as its name does
+    assert rj.preset("default", lr=1e-3).optimizer.lr == 1e-3
+    assert describe(*rj.preset("default", scope=rj.Scope.named("hybrid", 4))) == \
+        describe(*rj.preset("default", scope="hybrid", rank=4))
 
 
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
