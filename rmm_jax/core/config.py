@@ -225,8 +225,9 @@ def setting_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(field, old value, new value)`` for every :data:`SETTING_FIELDS` field in which two
     :func:`setting_record` records differ, in :data:`SETTING_FIELDS` order.
 
-    >>> setting_changes(setting_record("reinforce", preset("reinforce")), setting_record("default", preset()))
-    [('preset', 'reinforce', 'default'), ('loss', 'reinforce', 'logistic'), ('lr', 0.0003, 0.0001)]
+    >>> old, new = setting_record("reinforce", preset("reinforce")), setting_record("realistic", preset("realistic"))
+    >>> setting_changes(old, new)
+    [('preset', 'reinforce', 'realistic'), ('loss', 'reinforce', 'logistic'), ('lr', 0.0003, 0.0001)]
     """
     a, b = setting_values(old), setting_values(new)
     return [(f, a.get(f), b.get(f)) for f in SETTING_FIELDS if f in a and f in b and a[f] != b[f]]
