@@ -522,9 +522,12 @@ HELDOUT_ONLINE = [
     {"name": "default", "preset": "default"},
     {"name": "realistic", "preset": "realistic"},
     {"name": "default [precision_recall]", "preset": "default", "citations": "precision_recall"},
+    {"name": "realistic [precision_recall]", "preset": "realistic", "citations": "precision_recall"},
     {"name": "default [answer]", "preset": "default", "citations": "answer"},
+    {"name": "realistic [answer]", "preset": "realistic", "citations": "answer"},
     {"name": "default shared", "preset": "default", "scope": "shared"},
     {"name": "default hybrid", "preset": "default", "scope": "hybrid"},
+    {"name": "realistic hybrid", "preset": "realistic", "scope": "hybrid"},
     {"name": "reinforce", "citations": "oracle"},                                # the default until issue 26
     {"name": "reinforce [precision_recall]", "citations": "precision_recall"},
     {"name": "reinforce [answer]", "citations": "answer"},
@@ -539,7 +542,9 @@ HELDOUT_PRETRAIN = [
     {"name": "replay pretrain 3 ep + default online", "pretrain": "replay", "epochs": 3, "online": True,
      "preset": "default"},
 ]
-PAIRS = [("default", "realistic"), ("gold pretrain + default online", "gold pretrain + realistic online"),
+PAIRS = [("default", "realistic"), ("default [precision_recall]", "realistic [precision_recall]"),
+         ("default [answer]", "realistic [answer]"), ("default hybrid", "realistic hybrid"),
+         ("gold pretrain + default online", "gold pretrain + realistic online"),
          ("default", "reinforce"), ("default [precision_recall]", "reinforce [precision_recall]"),
          ("default [answer]", "reinforce [answer]"),
          ("default hybrid", "default"), ("default shared", "default"),
