@@ -160,7 +160,8 @@ def test_a_continued_run_keeps_the_recorded_setting_and_a_change_is_explicit(cap
                                             f"{pol} records (lr 0.0003); leave the option out to continue with it, "
                                             "or add --change-setting")
     code, _, err = run_cli(capsys, *sim, "8:12", "--preset", "default")
-    assert code == 2 and "--preset: default would change" in err and "(preset reinforce; loss, offset, p_useful, p_other, lr change" in err
+    assert code == 2 and "--preset: default would change" in err
+    assert "(preset reinforce; loss, offset, p_useful, p_other, lr change" in err
     code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "1e-4", "--change-setting", "--json")
     assert code == 0, err
     assert "changed (--change-setting): lr 0.0003 -> 0.0001" in err
