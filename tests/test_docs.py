@@ -332,6 +332,11 @@ def test_hook_formats_and_refuses():
 HEADLINE = {
     "Recall@5 gain, held-out LoCoMo, online from the retriever, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=default.gain", "interval")]),
+    "The same under the other citation models: precision/recall; answer": (
+        "{}; {}", [("learn_sweep_heldout.json", "rows.name=default [precision_recall].gain", "interval"),
+                   ("learn_sweep_heldout.json", "rows.name=default [answer].gain", "interval")]),
+    "Default minus the previous default (`realistic`), held-out, paired: class-calibrated; precision/recall; answer": (
+        "{}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval") for i in range(3)]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
     "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
