@@ -281,6 +281,18 @@ def test_presets_route_each_field_to_its_part():
         describe(*rj.preset("default", scope="hybrid", rank=4))
 
 
+@pytest.mark.parametrize("scope", ["user", "shared", "hybrid"])
+def test_a_store_recorded_under_the_previous_default_keeps_its_learner(scope):
+    """A policy store records its setting as ``preset: default`` plus every field; continuing
+    it (the recorded fields over the preset, as ``cli.common.learning_setting`` does) gives
+    the learner it was trained with, whatever ``default`` now means in its scope."""
+    from rmm_jax.core.config import setting_record, setting_values
+    old = {**setting_record("realistic", rj.preset("realistic", scope=scope)), "preset": "default"}
+    values = {k: v for k, v in setting_values(old).items() if k != "preset"}
+    continued = rj.preset("default", scope=scope, **values)
+    assert describe(*continued) == describe(*rj.preset("realistic", scope=scope))
+
+
 @pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
 def test_act_samples_plackett_luce_at_the_noise_temperature(noise, temp):
     """Unit noise (the paper: top-M of s + g) picks i with softmax(s)_i whatever τ is;
