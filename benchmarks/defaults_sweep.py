@@ -13,9 +13,10 @@ and queries (:func:`rmm_jax.online.stats.gain_interval`).
 
 **The rule**, in each scope: the default is the candidate whose worst cell over the three
 citation models is best (max over candidates of the min over citation models of the mean
-gain; a tie goes to the earlier candidate). A default must hold under a generator whose
-citations we do not know, so it is judged by the model where it does worst; a user picks
-the scope, so each scope has its own (``rmm_jax.core.config.BY_SCOPE``). Each row also
+gain; a tie goes to the better next-worst cell, leximin, then to the earlier candidate).
+A default must hold under a generator whose citations we do not know, so it is judged by
+the model where it does worst; a user picks the scope, so each scope has its own
+(``rmm_jax.core.config.BY_SCOPE``). Each row also
 records its worst of all nine cells (the rule before the defaults were chosen per scope).
 
 The candidates are the settings the earlier sweeps on 26 and 30 left standing
@@ -57,11 +58,11 @@ SCOPES = ("user", "shared", "hybrid")
 
 
 def choose(rows: list[dict], scope: str) -> str:
-    """In ``scope``, the candidate whose worst cell over the citation models is best (ties:
-    the earlier one)."""
-    def worst(row):
-        return min(v["gain"]["mean"] for c, v in row["cells"].items() if c.endswith(f"/{scope}"))
-    return max(enumerate(rows), key=lambda ir: (worst(ir[1]), -ir[0]))[1]["name"]
+    """In ``scope``, the candidate whose worst cell over the citation models is best; a tie
+    goes to the better next-worst cell (leximin), then to the earlier candidate."""
+    def sorted_cells(row):
+        return sorted(v["gain"]["mean"] for c, v in row["cells"].items() if c.endswith(f"/{scope}"))
+    return max(enumerate(rows), key=lambda ir: (sorted_cells(ir[1]), -ir[0]))[1]["name"]
 
 
 def main(argv=None):
@@ -110,7 +111,8 @@ def main(argv=None):
         print(f"{name}: worst {means[worst]:+.4f} ({worst}), mean {rows[-1]['mean_over_cells']:+.4f}", flush=True)
     chosen = {scope: choose(rows, scope) for scope in SCOPES}
     out = {"rows": rows, "chosen": chosen,
-           "rule": "per scope: max over candidates of the min over citation models of the mean gain; ties: earlier",
+           "rule": "per scope: max over candidates of the min over citation models of the mean gain; ties: the "
+                   "next-worst cell (leximin), then the earlier candidate",
            "config": {"k": args.k, "m": args.m, "seeds": seeds, "users": users, "queries": int(base.size),
                       "base_recall": float(base.mean()), "start": "identity", "granularity": "turn",
                       "model": _common.MODEL, "citations": list(_common.CITATIONS), "scopes": list(SCOPES),

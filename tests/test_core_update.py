@@ -267,10 +267,10 @@ def test_presets_route_each_field_to_its_part():
     assert optim.describe(realistic.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
     assert realistic.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
     assert old.estimator == rj.Estimator() and optim.describe(old.optimizer) == {"name": "adam", "lr": 3e-4}
-    # the default, per scope (BY_SCOPE): realistic's loss corrected for the paper's judge rates in user
-    # (at 2e-4) and hybrid; realistic itself in shared; the layout is the scope's in each
+    # the default, per scope (BY_SCOPE): realistic's loss corrected for the paper's judge rates, at 2e-4
+    # in user and 1e-4 in shared and hybrid; the layout is the scope's in each
     judge = dict(p_useful=0.911, p_other=0.154, offset=-1.0)
-    for scope, lr, fields in (("user", 2e-4, judge), ("shared", 1e-4, {}), ("hybrid", 1e-4, judge)):
+    for scope, lr, fields in (("user", 2e-4, judge), ("shared", 1e-4, judge), ("hybrid", 1e-4, judge)):
         default, plain = rj.preset("default", scope=scope), rj.preset("realistic", scope=scope)
         assert default.layout == plain.layout and default.layout.scope.name == scope
         assert optim.describe(default.optimizer) == {"name": "adam", "lr": lr}

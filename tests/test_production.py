@@ -170,6 +170,26 @@ def test_a_continued_run_keeps_the_recorded_setting_and_a_change_is_explicit(cap
     assert header["setting"]["optimizer"]["lr"] == 1e-4 and header["setting"]["estimator"]["loss"] == "reinforce"
 
 
+def test_an_explicit_preset_is_that_preset_as_it_is_now(capsys, tmp_path, store):
+    """A store whose record says ``default`` but holds other values (a change of its own, or the
+    default of an older version): left out, the recorded values go on; ``--preset default``
+    asks for today's default, which is refused as a change unless ``--change-setting``."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    code, _, err = run_cli(capsys, *sim, ":4", "--lr", "1e-3")                 # recorded: default at 1e-3
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *sim, "4:8", "--json")
+    assert code == 0 and json.loads(out)["config"]["optimizer"]["lr"] == 1e-3, err
+    code, out, err = run_cli(capsys, *sim, "8:12", "--preset", "default")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (f"error: --preset: default would change the learning setting policy store "
+                                            f"{pol} records (preset default as it was then: lr 0.001); leave the "
+                                            "option out to continue with it, or add --change-setting")
+    code, out, err = run_cli(capsys, *sim, "8:12", "--preset", "default", "--change-setting", "--json")
+    assert code == 0, err
+    assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 1e-3, "to": 2e-4}]
+
+
 # --------------------------------------------------------------------------- serving that explores
 
 

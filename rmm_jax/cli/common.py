@@ -260,7 +260,9 @@ def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool
     explicit = explicit_options()
     given = {**opts, **more}
     name = given["preset"] if "preset" in explicit else recorded.get("preset", given["preset"])
-    values = setting_values(recorded) if name == recorded.get("preset") else {}
+    # --preset given: that preset as it is now (a store recorded under an older `default` is
+    # moved to today's by `--preset default --change-setting`); left out: the recorded fields
+    values = setting_values(recorded) if name == recorded.get("preset") and "preset" not in explicit else {}
     values.pop("preset", None)
     values.update({f: given[f] for f in SETTING_OPTIONS[1:] if f in explicit and f in given})
     structure = {k: opts[k] for k in ("k", "m", "kind", "scope", "rank")}
@@ -271,13 +273,16 @@ def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool
     changes = setting_changes(recorded, setting_record(name, setting))
     if changes and not change and not (resume and runstate.RunState.interrupted_fingerprint(policies)):
         field, old, new = changes[0]
-        option = "preset" if name != recorded.get("preset") else field
+        option = field if "preset" not in explicit or field in explicit else "preset"
         shown = name if option == "preset" else new
-        was = recorded.get("preset") if option == "preset" else old
-        others = [f for f, _, _ in changes if f != option]
-        more_text = f"; {', '.join(others)} change with it" if others else ""
-        raise InputError(f"{shown} would change the learning setting policy store {policies} records ({option} {was}"
-                         f"{more_text}); leave the option out to continue with it, or add --change-setting",
+        if option == "preset" and name == recorded.get("preset"):   # the same name, defined otherwise now
+            was = f"preset {name} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in changes)
+        else:
+            others = [f for f, _, _ in changes if f != option]
+            was = (f"{option} {recorded.get('preset') if option == 'preset' else old}"
+                   + (f"; {', '.join(others)} change with it" if others else ""))
+        raise InputError(f"{shown} would change the learning setting policy store {policies} records ({was}); "
+                         "leave the option out to continue with it, or add --change-setting",
                          where=f"--{option.replace('_', '-')}")
     return LearningSetting(setting, name, recorded, changes)
 
