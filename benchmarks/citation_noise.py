@@ -9,7 +9,8 @@ Sweeps the two rates of the class-calibrated simulator
 rate (calls that show no useful memory) equal to ``p_other``: a not-useful memory is
 cited at ``p_other`` whatever else is shown. "Useful" is LoCoMo's gold evidence.
 
-Every cell runs the online loop from identity (default preset, turn memories, MiniLM,
+Every cell runs the online loop from identity (``--preset``, default: the default preset;
+``calibrated`` corrects for fixed judge rates, which the sweep moves away from; turn memories, MiniLM,
 K = 20, M = 5) on all five conversations at once: online learning from identity needs
 no pretraining, so there is nothing to leave out. The reported number is the
 prequential Recall@5 gain over the base retriever on the conversations the default
@@ -132,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--m", type=int, default=5)
     ap.add_argument("--seeds", type=int, default=5, help="seeds per cell")
+    ap.add_argument("--preset", default="default", choices=tuple(rj.PRESETS), help="the learner of every cell")
     ap.add_argument("--p-useful", type=floats, default=P_USEFUL_GRID, help="comma-separated P(cite | useful)")
     ap.add_argument("--p-other", type=floats, default=P_OTHER_GRID, help="comma-separated P(cite | not useful)")
     ap.add_argument("--spurious", type=floats, default=SPURIOUS_GRID,
@@ -154,7 +156,7 @@ def main(argv=None):
     users = [s.user_id for s in streams]
     held = ([u for u in args.held_out.split(",") if u in users] if args.held_out
             else [u for u in users if u not in _common.TUNED_ON])
-    setting = rj.preset("default", k=args.k, m=args.m)
+    setting = rj.preset(args.preset, k=args.k, m=args.m)
     seeds = list(range(args.seeds))
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
     base = {s.user_id: np.asarray(base_values(s, args.m)[0]) for s in streams}
@@ -207,7 +209,7 @@ def main(argv=None):
 
     out = {"grid": {"p_useful": list(args.p_useful), "p_other": list(args.p_other)}, "cells": cells,
            "reference": reference, "spurious_sweep": spurious,
-           "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "preset": "default",
+           "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "preset": args.preset,
                       "init": "identity", "conversations": users, "held_out": held, "seeds": seeds,
                       "spurious": "= p_other",
                       "interval": "rmm_jax.online.stats.gain_interval, 95%, 2000 resamples"},

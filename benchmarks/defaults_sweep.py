@@ -11,13 +11,17 @@ rank): nine cells. A cell's number is the gain in prequential Recall@5 over the 
 the queries of 26 and 30 pooled, the mean over ``--seeds`` with its 95% interval over seeds
 and queries (:func:`rmm_jax.online.stats.gain_interval`).
 
-**The rule**, in each scope: the default is the candidate whose worst cell over the three
-citation models is best (max over candidates of the min over citation models of the mean
-gain; a tie goes to the better next-worst cell, leximin, then to the earlier candidate).
-A default must hold under a generator whose citations we do not know, so it is judged by
-the model where it does worst; a user picks the scope, so each scope has its own
-(``rmm_jax.core.config.BY_SCOPE``). Each row also
-records its worst of all nine cells (the rule before the defaults were chosen per scope).
+**The rule**: the default is the candidate whose worst cell is best (max over candidates
+of the min over the nine cells of the mean gain; a tie goes to the earlier candidate). A
+default must hold under a generator whose citations we do not know and in whichever
+scope a user picks, so it is judged by the cell where it does worst.
+
+**Per scope** (``chosen_by_scope``, the ``calibrated`` preset): in each scope, the candidate
+whose worst cell over the three citation models is best (a tie goes to the better
+next-worst cell, leximin, then to the earlier candidate). It chose the loss corrected for
+the paper's judge rates in every scope; it was the default for one held-out look, which
+showed it worse than the default under the other citation models and across the citation
+rates of ``citation_noise.py`` (docs/method.md, "The calibrated preset").
 
 The candidates are the settings the earlier sweeps on 26 and 30 left standing
 (``benchmarks/learn_sweep.py``): REINFORCE on citation rewards (the ``reinforce`` preset,
@@ -57,9 +61,14 @@ CANDIDATES = {        # name -> fields over the `reinforce` preset
 SCOPES = ("user", "shared", "hybrid")
 
 
-def choose(rows: list[dict], scope: str) -> str:
-    """In ``scope``, the candidate whose worst cell over the citation models is best; a tie
-    goes to the better next-worst cell (leximin), then to the earlier candidate."""
+def choose(rows: list[dict]) -> str:
+    """The default: the candidate whose worst of the nine cells is best (ties: the earlier one)."""
+    return max(enumerate(rows), key=lambda ir: (ir[1]["worst"], -ir[0]))[1]["name"]
+
+
+def choose_in_scope(rows: list[dict], scope: str) -> str:
+    """``calibrated`` in ``scope``: the candidate whose worst cell over the citation models is
+    best; a tie goes to the better next-worst cell (leximin), then to the earlier candidate."""
     def sorted_cells(row):
         return sorted(v["gain"]["mean"] for c, v in row["cells"].items() if c.endswith(f"/{scope}"))
     return max(enumerate(rows), key=lambda ir: (sorted_cells(ir[1]), -ir[0]))[1]["name"]
@@ -109,16 +118,18 @@ def main(argv=None):
                      "cells": cells, "worst": means[worst], "worst_cell": worst,
                      "mean_over_cells": float(np.mean(list(means.values())))})
         print(f"{name}: worst {means[worst]:+.4f} ({worst}), mean {rows[-1]['mean_over_cells']:+.4f}", flush=True)
-    chosen = {scope: choose(rows, scope) for scope in SCOPES}
-    out = {"rows": rows, "chosen": chosen,
-           "rule": "per scope: max over candidates of the min over citation models of the mean gain; ties: the "
-                   "next-worst cell (leximin), then the earlier candidate",
+    chosen, by_scope = choose(rows), {scope: choose_in_scope(rows, scope) for scope in SCOPES}
+    out = {"rows": rows, "chosen": chosen, "chosen_by_scope": by_scope,
+           "rule": "max over candidates of the min over (citation model x scope) of the mean gain; ties: earlier",
+           "rule_by_scope": "per scope (the calibrated preset): max over candidates of the min over citation models "
+                            "of the mean gain; ties: the next-worst cell (leximin), then the earlier candidate",
            "config": {"k": args.k, "m": args.m, "seeds": seeds, "users": users, "queries": int(base.size),
                       "base_recall": float(base.mean()), "start": "identity", "granularity": "turn",
                       "model": _common.MODEL, "citations": list(_common.CITATIONS), "scopes": list(SCOPES),
                       "rank": rj.Scope.named("hybrid").rank},
            "seconds": round(time.perf_counter() - t0, 1)}
-    print("chosen by the rule: " + ", ".join(f"{scope} {name}" for scope, name in chosen.items()))
+    print(f"chosen by the rule: {chosen}; in each scope: "
+          + ", ".join(f"{scope} {name}" for scope, name in by_scope.items()))
     if args.json:
         _common.write_result(args.json, out)
     return out

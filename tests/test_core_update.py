@@ -262,34 +262,36 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
-    realistic, old = rj.preset("realistic"), rj.preset("reinforce")  # the old default with the logistic loss at 1e-4
-    assert realistic.layout == old.layout
-    assert optim.describe(realistic.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
-    assert realistic.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
+    default, old = rj.preset("default"), rj.preset("reinforce")   # the old default with the logistic loss at 1e-4
+    assert default.layout == old.layout and describe(*rj.preset("realistic")) == describe(*default)
+    assert optim.describe(default.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
+    assert default.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
     assert old.estimator == rj.Estimator() and optim.describe(old.optimizer) == {"name": "adam", "lr": 3e-4}
-    # the default, per scope (BY_SCOPE): realistic's loss corrected for the paper's judge rates, at 2e-4
-    # in user and 1e-4 in shared and hybrid; the layout is the scope's in each
+    # calibrated, per scope (BY_SCOPE): the default's loss corrected for the paper's judge rates, at 2e-4
+    # in user and 1e-4 in shared and hybrid; the default itself is the same in every scope
     judge = dict(p_useful=0.911, p_other=0.154, offset=-1.0)
-    for scope, lr, fields in (("user", 2e-4, judge), ("shared", 1e-4, judge), ("hybrid", 1e-4, judge)):
-        default, plain = rj.preset("default", scope=scope), rj.preset("realistic", scope=scope)
-        assert default.layout == plain.layout and default.layout.scope.name == scope
-        assert optim.describe(default.optimizer) == {"name": "adam", "lr": lr}
-        assert default.estimator == dataclasses.replace(plain.estimator, **fields)
-    # an override wins over the scope's default, and a Scope object selects it as its name does
-    assert rj.preset("default", lr=1e-3).optimizer.lr == 1e-3
-    assert describe(*rj.preset("default", scope=rj.Scope.named("hybrid", 4))) == \
-        describe(*rj.preset("default", scope="hybrid", rank=4))
+    for scope, lr in (("user", 2e-4), ("shared", 1e-4), ("hybrid", 1e-4)):
+        cal, plain = rj.preset("calibrated", scope=scope), rj.preset("default", scope=scope)
+        assert cal.layout == plain.layout and cal.layout.scope.name == scope
+        assert optim.describe(cal.optimizer) == {"name": "adam", "lr": lr}
+        assert optim.describe(plain.optimizer) == {"name": "adam", "lr": 1e-4}
+        assert cal.estimator == dataclasses.replace(plain.estimator, **judge)
+    # an override wins over the scope's value, and a Scope object selects it as its name does
+    assert rj.preset("calibrated", lr=1e-3).optimizer.lr == 1e-3
+    assert describe(*rj.preset("calibrated", scope=rj.Scope.named("hybrid", 4))) == \
+        describe(*rj.preset("calibrated", scope="hybrid", rank=4))
 
 
 @pytest.mark.parametrize("scope", ["user", "shared", "hybrid"])
-def test_a_store_recorded_under_the_previous_default_keeps_its_learner(scope):
-    """A policy store records its setting as ``preset: default`` plus every field; continuing
+def test_a_store_recorded_under_a_preset_defined_otherwise_keeps_its_learner(scope):
+    """A policy store records its setting as the preset's name plus every field; continuing
     it (the recorded fields over the preset, as ``cli.common.learning_setting`` does) gives
-    the learner it was trained with, whatever ``default`` now means in its scope."""
+    the learner it was trained with, whatever the name means now in its scope (here a record
+    named ``calibrated`` holding the plain loss's values)."""
     from rmm_jax.core.config import setting_record, setting_values
-    old = {**setting_record("realistic", rj.preset("realistic", scope=scope)), "preset": "default"}
+    old = {**setting_record("realistic", rj.preset("realistic", scope=scope)), "preset": "calibrated"}
     values = {k: v for k, v in setting_values(old).items() if k != "preset"}
-    continued = rj.preset("default", scope=scope, **values)
+    continued = rj.preset("calibrated", scope=scope, **values)
     assert describe(*continued) == describe(*rj.preset("realistic", scope=scope))
 
 

@@ -84,11 +84,11 @@ def config_options(f=None, *, from_log: bool = False):
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
                      help="Named setting: 'default' (the citations as labels of the shown memories, --loss "
-                          "logistic, corrected for the paper's judge rates; Adam lr 2e-4 in scope user, 1e-4 in "
-                          "shared and hybrid: in each scope the best worst case over citation models, "
-                          "docs/method.md); 'realistic' (the same loss uncorrected, lr 1e-4 in every scope: the "
-                          "default until the defaults were chosen per scope); 'reinforce' (REINFORCE on citation "
-                          "rewards, "
+                          "logistic, Adam lr 1e-4: the best worst case over citation models and scopes, "
+                          "docs/method.md; 'realistic' is the same); 'calibrated' (the same loss corrected for the "
+                          "paper's judge rates, lr 2e-4 in scope user and 1e-4 in shared and hybrid: better when "
+                          "your citations follow those rates, worse when they do not); 'reinforce' (REINFORCE on "
+                          "citation rewards, "
                           "Adam lr 3e-4: the default until issue 26); 'paper' (the RMM update as written: top-M of "
                           "s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob only, plain SGD lr 1e-3, "
                           "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
