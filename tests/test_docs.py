@@ -335,7 +335,7 @@ HEADLINE = {
     "The same under the other citation models: precision/recall; answer": (
         "{}; {}", [("learn_sweep_heldout.json", "rows.name=default [precision_recall].gain", "interval"),
                    ("learn_sweep_heldout.json", "rows.name=default [answer].gain", "interval")]),
-    "Default minus the previous default (`realistic`), held-out, paired: class-calibrated; precision/recall; answer": (
+    "`--preset calibrated` minus the default, held-out, paired: class-calibrated; precision/recall; answer": (
         "{}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval") for i in range(3)]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
