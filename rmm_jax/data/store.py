@@ -382,6 +382,13 @@ class EmbeddingStore:
                                          ("user", "id", "text", "gold_memory_ids"))
         return self._qry_meta
 
+    def query_count(self, user_id) -> int:
+        """How many questions the store holds for one user (from ``users.json``; nothing read)."""
+        u = self._by_id.get(str(user_id))
+        if u is None:
+            self.user(user_id)                         # the one-line error naming the store
+        return u["query_end"] - u["query_start"]
+
     def user(self, user_id) -> UserData:
         """One user's embeddings, gold matrix and ids."""
         uid = str(user_id)

@@ -277,6 +277,11 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
     ids = check_users(store, users)
     if answers and store.answer_emb is None:
         store.user_answers(ids[0] if ids else "")          # the one-line error naming the store
+    counts = [store.query_count(u) for u in ids]
+    if not any(len(range(n)[slice(*queries)]) for n in counts):     # before anything is written
+        held = "the store holds no questions for " + ("these users" if users else "any user")
+        raise InputError(held if not any(counts) else "no user has a question in that --queries range",
+                         where=str(store.path))
 
     def build(u):
         s = stream_from_user(store.user(u), k)
