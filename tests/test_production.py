@@ -190,6 +190,31 @@ def test_an_explicit_preset_is_that_preset_as_it_is_now(capsys, tmp_path, store)
     assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 1e-3, "to": 1e-4}]
 
 
+def test_judge_rates_are_options_the_store_records(capsys, tmp_path, store):
+    """--p-useful/--p-other reach the logistic loss's correction, are recorded with the
+    setting, and a bad pair is one line naming the option, before anything is written."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    code, out, err = run_cli(capsys, *sim, ":4", "--p-other", "0.95", "--p-useful", "0.9")
+    assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
+    assert err.strip().splitlines()[-1] == "error: --p-other: must be in [0, p_useful=0.9), got 0.95"
+    code, out, err = run_cli(capsys, *sim, ":4", "--p-useful", "0.8", "--p-other", "0.05", "--json")
+    assert code == 0, err
+    assert {k: json.loads(out)["config"]["estimator"][k] for k in ("p_useful", "p_other")} == \
+        {"p_useful": 0.8, "p_other": 0.05}
+    header = json.loads((pol / "policy_store.json").read_text())
+    assert (header["setting"]["estimator"]["p_useful"], header["setting"]["estimator"]["p_other"]) == (0.8, 0.05)
+    code, out, err = run_cli(capsys, *sim, "4:8", "--p-other", "0.1")
+    assert code == 2 and "error: --p-other: 0.1 would change the learning setting" in err
+
+
+def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, store):
+    pol = tmp_path / "p"
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "1000:")
+    assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
+    assert err.strip().splitlines()[-1] == f"error: {store}: no user has a question in that --queries range"
+
+
 # --------------------------------------------------------------------------- serving that explores
 
 

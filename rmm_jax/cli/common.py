@@ -106,6 +106,13 @@ def config_options(f=None, *, from_log: bool = False):
         click.option("--loss", type=click.Choice(LOSSES), default=None,
                      help="reinforce: REINFORCE on the citation rewards; logistic: the citations as labels of "
                           "the shown memories (no baseline or credit) [default: logistic; reinforce: reinforce]."),
+        click.option("--p-useful", type=float, default=None,
+                     help="The logistic loss's correction: your generator's P(cite | a useful memory is shown), "
+                          "as measured against a judge (docs/citations.md) [default: 1 (no correction); "
+                          "calibrated: 0.911, the paper's]."),
+        click.option("--p-other", type=float, default=None,
+                     help="The same for P(cite | a memory that is not useful is shown), below --p-useful "
+                          "[default: 0 (no correction); calibrated: 0.154, the paper's]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(),
@@ -201,7 +208,7 @@ def raise_option_error(e: ValueError):
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 
-ESTIMATOR_OPTIONS = ("clip", "loss")  # Estimator fields passed on by name (not every verb has them)
+ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other")  # Estimator fields passed on by name
 
 
 def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None,
@@ -217,7 +224,8 @@ def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, s
         raise_option_error(e)
 
 
-SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit", "loss", "clip")  # see below
+SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit", "loss", "clip", "p_useful",
+                   "p_other")  # see below
 
 
 def explicit_options() -> set[str]:
