@@ -10,7 +10,8 @@ rate (calls that show no useful memory) equal to ``p_other``: a not-useful memor
 cited at ``p_other`` whatever else is shown. "Useful" is LoCoMo's gold evidence.
 
 Every cell runs the online loop from identity (``--preset``, default: the default preset;
-``calibrated`` corrects for fixed judge rates, which the sweep moves away from; turn memories, MiniLM,
+``calibrated`` corrects for fixed judge rates, which the sweep moves away from; with
+``--matched`` each cell's learner corrects for that cell's own rates; turn memories, MiniLM,
 K = 20, M = 5) on all five conversations at once: online learning from identity needs
 no pretraining, so there is nothing to leave out. The reported number is the
 prequential Recall@5 gain over the base retriever on the conversations the default
@@ -134,6 +135,10 @@ def main(argv=None):
     ap.add_argument("--m", type=int, default=5)
     ap.add_argument("--seeds", type=int, default=5, help="seeds per cell")
     ap.add_argument("--preset", default="default", choices=tuple(rj.PRESETS), help="the learner of every cell")
+    ap.add_argument("--matched", action="store_true",
+                    help="each grid cell's learner corrects for that cell's own rates (p_useful, p_other), "
+                         "as a user who measured their generator's would; a cell with p_other >= p_useful, "
+                         "where no correction exists, runs the preset as it is")
     ap.add_argument("--p-useful", type=floats, default=P_USEFUL_GRID, help="comma-separated P(cite | useful)")
     ap.add_argument("--p-other", type=floats, default=P_OTHER_GRID, help="comma-separated P(cite | not useful)")
     ap.add_argument("--spurious", type=floats, default=SPURIOUS_GRID,
@@ -161,7 +166,7 @@ def main(argv=None):
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
     base = {s.user_id: np.asarray(base_values(s, args.m)[0]) for s in streams}
 
-    def cell(cite_fn, rates):
+    def cell(cite_fn, rates, setting=setting):
         program = rj.make_run(*setting, cite_fn=cite_fn)
         runs = [_common.online_recall(streams, program, params, seed) for seed in seeds]
         out = {"rates": rates}
@@ -202,14 +207,17 @@ def main(argv=None):
     for pu in args.p_useful:
         row = []
         for po in args.p_other:
+            matched = args.matched and po < pu
+            own = rj.preset(args.preset, k=args.k, m=args.m, p_useful=pu, p_other=po) if matched else setting
             row.append(cell(oracle(p_useful=pu, p_other=po, spurious=po),
-                            {"p_useful": pu, "p_other": po, "spurious": po}))
+                            {"p_useful": pu, "p_other": po, "spurious": po, "matched": matched}, own))
             tick(f"p_useful {pu:g}, p_other {po:g}: {row[-1]['held_out']['mean']:+.4f}")
         cells.append(row)
 
     out = {"grid": {"p_useful": list(args.p_useful), "p_other": list(args.p_other)}, "cells": cells,
            "reference": reference, "spurious_sweep": spurious,
            "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "preset": args.preset,
+                      "matched": args.matched,
                       "init": "identity", "conversations": users, "held_out": held, "seeds": seeds,
                       "spurious": "= p_other",
                       "interval": "rmm_jax.online.stats.gain_interval, 95%, 2000 resamples"},
