@@ -337,6 +337,10 @@ HEADLINE = {
                    ("learn_sweep_heldout.json", "rows.name=default [answer].gain", "interval")]),
     "`--preset calibrated` minus the default, held-out, paired: class-calibrated; precision/recall; answer": (
         "{}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval") for i in range(3)]),
+    "A generator that cites 90% of the useful memories shown and 30% of the others: held-out gain corrected for "
+    "those rates (`--preset calibrated --p-useful 0.9 --p-other 0.3`); default preset": (
+        "{}; {}", [("citation_noise_matched.json", "cells.6.3.held_out", "interval"),
+                   ("citation_noise.json", "cells.6.3.held_out", "interval")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
     "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
