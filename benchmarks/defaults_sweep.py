@@ -47,16 +47,15 @@ import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import PAPER_JUDGE, describe  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
-JUDGE = PAPER_JUDGE   # the paper's judge rates, the best candidate's logit at -1
 CANDIDATES = {        # name -> fields over the `reinforce` preset
     "reinforce lr 3e-4": {},
     "reinforce lr 1e-4": {"lr": 1e-4},
     "logistic lr 1e-4": {"loss": "logistic", "lr": 1e-4},
     "logistic lr 2e-4": {"loss": "logistic", "lr": 2e-4},
     "logistic lr 3e-4": {"loss": "logistic", "lr": 3e-4},
-    "logistic calibrated lr 1e-4": {"loss": "logistic", "lr": 1e-4, **JUDGE},
-    "logistic calibrated lr 2e-4": {"loss": "logistic", "lr": 2e-4, **JUDGE},
-    "logistic calibrated lr 3e-4": {"loss": "logistic", "lr": 3e-4, **JUDGE},
+    "logistic calibrated lr 1e-4": {"loss": "logistic", "lr": 1e-4, **PAPER_JUDGE},
+    "logistic calibrated lr 2e-4": {"loss": "logistic", "lr": 2e-4, **PAPER_JUDGE},
+    "logistic calibrated lr 3e-4": {"loss": "logistic", "lr": 3e-4, **PAPER_JUDGE},
 }
 SCOPES = ("user", "shared", "hybrid")
 

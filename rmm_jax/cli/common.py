@@ -13,7 +13,16 @@ from click.core import ParameterSource
 from tqdm import tqdm
 
 from rmm_jax.core import config as settings
-from rmm_jax.core.config import PRESETS, Layout, Setting, describe, setting_changes, setting_record, setting_values
+from rmm_jax.core.config import (
+    PAPER_JUDGE,
+    PRESETS,
+    Layout,
+    Setting,
+    describe,
+    setting_changes,
+    setting_record,
+    setting_values,
+)
 from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REWARDS
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
@@ -62,14 +71,8 @@ def _field(setting: Setting, field: str):
 
 
 def _preset_default(field: str) -> str:
-    """'[default: X; paper: Y]' for a setting field the presets set ('X in scope user, Z in
-    shared and hybrid' where the default differs by scope)."""
-    by_scope = {s: _field(settings.preset("default", scope=s), field) for s in ("user", "shared", "hybrid")}
-    default = by_scope["user"]
-    if len(set(by_scope.values())) > 1:
-        others = {v: [s for s, x in by_scope.items() if x == v] for v in by_scope.values() if v != default}
-        default = f"{default} in scope user, " + ", ".join(f"{v} in {' and '.join(ss)}" for v, ss in others.items())
-    return f"[default: {default}; paper: {_field(PAPER, field)}]"
+    """'[default: X; paper: Y]' for a setting field the presets set."""
+    return f"[default: {_field(DEFAULTS, field)}; paper: {_field(PAPER, field)}]"
 
 
 def config_options(f=None, *, from_log: bool = False):
@@ -109,10 +112,10 @@ def config_options(f=None, *, from_log: bool = False):
         click.option("--p-useful", type=float, default=None,
                      help="The logistic loss's correction: your generator's P(cite | a useful memory is shown), "
                           "as measured against a judge (docs/citations.md) [default: 1 (no correction); "
-                          "calibrated: 0.911, the paper's]."),
+                          f"calibrated: {PAPER_JUDGE['p_useful']}, the paper's]."),
         click.option("--p-other", type=float, default=None,
                      help="The same for P(cite | a memory that is not useful is shown), below --p-useful "
-                          "[default: 0 (no correction); calibrated: 0.154, the paper's]."),
+                          f"[default: 0 (no correction); calibrated: {PAPER_JUDGE['p_other']}, the paper's]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(),
