@@ -90,9 +90,11 @@ def test_failure_between_snapshot_and_commit_leaves_old_index_and_is_cleaned(tmp
     other = PolicyStore.open(st.path)
     assert versions(other, "u") == [1] and not other.has_user("new")   # ... but never committed
     assert_policy(other.load("u"), state_of(1))
-    assert save_seeds(other, {"u": 4}) == 2  # the next writer removed it and reused the number
+    assert other.next_version() == 3                  # what a run notes as its `before`
+    assert save_seeds(other, {"u": 4}) == 3  # the next writer removed it; its number is not reused
     assert_policy(other.load("u"), state_of(4))
-    assert gens_versions(other) == {1, 2} and not other.has_user("new")
+    assert gens_versions(other) == {1, 3} and not other.has_user("new")
+    assert versions(other, "u") == [1, 3]
 
 
 KILL_BEFORE_COMMIT = textwrap.dedent('''
@@ -115,10 +117,15 @@ def test_sigkill_between_snapshot_and_commit(tmp_path):
     assert verify_snapshot(st.path / "gens" / "v00000002") is None
     assert lookups(PolicyStore.open(st.path)) == before
     assert_policy(PolicyStore.open(st.path).load("u"), state_of(1))
+    before = st.next_version()                        # a run notes it, then repairs under the lock
+    assert before == 3
     with st.writer():
         pass
     assert gens_versions(st) == {1}
-    assert save_seeds(st, {"new": 5}) == 2
+    assert st.next_version() == before                # the removed snapshot's number stays taken
+    assert save_seeds(st, {"new": 5}) == before
+    # a resumed run reads versions older than `before`: none of what it saved since
+    assert st.load_batch(["u", "new"], before=before).missing == ["new"]
 
 
 # ----------------------------------------------------------------------------- rebuild

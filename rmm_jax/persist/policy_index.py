@@ -325,6 +325,12 @@ class PolicyIndex:
     def next_version(self) -> int:
         return int(self._one("SELECT value FROM kv WHERE key = 'next_version'"))
 
+    def reserve(self, version: int) -> None:
+        """Raise next_version to at least ``version`` (never lower it): a number once
+        handed out is not handed out again, even when the snapshot that took it is removed."""
+        with self._transaction():
+            self._conn.execute("UPDATE kv SET value = MAX(value, ?) WHERE key = 'next_version'", (int(version),))
+
     # ---- the one write
 
     def commit_version(self, version: int, saved_at: str, placed: Iterable[tuple[str, int, int]], *,

@@ -316,7 +316,7 @@ class PolicyStore:
         if self._header.get("keep_versions") != self.keep:
             self._header = {**self._header, "keep_versions": self.keep}
             write_json(self.path / STORE_FILE, self._header)
-        drop_unindexed(self.path / "gens", live)
+        drop_unindexed(self.path, self._header, self.keep, live)
         self._prune_shared()
 
     def _prune_shared(self) -> None:

@@ -123,8 +123,15 @@ def remove_leftovers(store: Path) -> None:
                 p.unlink(missing_ok=True)
 
 
-def drop_unindexed(gens: Path, live: set[int]) -> None:
-    """Delete the snapshots under ``gens`` that no kept user version is in."""
+def drop_unindexed(store: Path, header: dict, keep: int, live: set[int]) -> None:
+    """Delete the snapshots under ``STORE/gens`` that no kept user version is in, after
+    raising the index's next_version above them all. A number that a killed writer's
+    snapshot took is never reused: a run notes :func:`next_version` before it repairs the
+    store (its ``before``, which a resume keeps), and every version it saves must be at or
+    above it, or the resumed run would count its own saves as learned before it began."""
+    gens = store / "gens"
+    with writer_index(store, header, keep) as idx:
+        idx.reserve(next_version(gens, idx.next_version()))
     for v, snap in snapshot_dirs(gens):
         if v not in live:
             shutil.rmtree(snap, ignore_errors=True)
