@@ -246,3 +246,23 @@ def test_replay_passes_learn_the_log_again_and_score_the_first_pass(tmp_path, ca
     code, _, err = run_cli(capsys, "replay", st, "--log", tmp_path / "a.jsonl", "--policies", tmp_path / "bad",
                            "--passes", 0, *km)
     assert code != 0 and "--passes" in err and not (tmp_path / "bad").exists()
+
+
+def test_a_skipped_chunk_whose_users_differ_from_the_interrupted_runs_is_one_line():
+    """A resumed run's done chunk is restored only if it holds the users whose outputs were
+    saved; otherwise the resume is refused in one line, not a KeyError half-way through."""
+    from rmm_jax.online.driver import ChunkSkipped
+    from rmm_jax.online.run import Recorder
+    from rmm_jax.online.vectors import VectorSpec, vector_users
+    streams = vector_users(VectorSpec(dim=8, memories=12, queries=4, k=4), seed=0, indices=[0, 1])
+
+    class Saved:
+        def __init__(self, users):
+            self.users = users
+
+        def restore(self, event):
+            return {u: {} for u in self.users}
+
+    with pytest.raises(InputError, match="users chunk 1 holds other users") as e:
+        Recorder(2, sinks=[Saved(["u0000000", "u0000009"])]).feed(ChunkSkipped(0, streams))
+    assert e.value.where == "--resume"
