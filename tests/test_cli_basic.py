@@ -148,7 +148,8 @@ def test_loss_option_overrides_the_presets_loss(preset, loss, want):
 # The verbs' examples form one walk from the repository root, in this order; the top-level
 # help's typical flow is another. Each example reads only files of the repository (examples/)
 # or what an example before it wrote.
-WALK = ["embed", "retrieve", "pretrain", "simulate", "replay", "rerank", "evaluate", "policies", "demo", "version"]
+WALK = ["embed", "retrieve", "pretrain", "simulate", "replay", "rerank", "evaluate", "cite-rates", "policies", "demo",
+        "version"]
 READS = ("store", "log_path", "calls_path")                  # parameters naming an input
 WRITES = ("out", "log_out", "plot_path")                     # parameters naming an output
 

@@ -75,7 +75,7 @@ def register_commands() -> None:
 
 
 COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "rerank", "evaluate",
-                              "demo"]
+                              "cite_rates", "demo"]
 
 
 def main(argv=None) -> None:

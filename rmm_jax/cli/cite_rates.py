@@ -1,0 +1,79 @@
+"""``rmm-jax cite-rates``: a generator's citation rates against gold, from its citation log."""
+from __future__ import annotations
+
+import click
+
+from rmm_jax.cli.common import emit_json, info, users_option
+from rmm_jax.cli.main import cli
+from rmm_jax.data.store import open_store
+from rmm_jax.errors import InputError
+from rmm_jax.online.cite_rates import cite_rates as measure
+from rmm_jax.online.cite_rates import count_calls
+
+ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | another memory is shown)"),
+        ("p_other_when_gold_shown", "  in calls that show a gold one"),
+        ("p_cite_when_no_gold_shown", "  in calls that show none"))
+
+
+@cli.command("cite-rates")
+@click.argument("store", type=click.Path())
+@click.option("--log", "log_path", required=True, type=click.Path(),
+              help="Citation log (JSONL) of your generator; calls count where STORE holds their question's gold "
+                   "or the record carries `gold`.")
+@users_option("Only these users' calls")
+@click.option("--bootstrap", type=int, default=2000, help="Bootstrap resamples (users, then calls) for the intervals.")
+@click.option("--seed", type=int, default=0, help="Seed of the bootstrap.")
+@click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rates as one JSON object on stdout.")
+def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
+    """Measure how your generator cites: the --p-useful and --p-other to learn with.
+
+    On the calls of the log that have gold, every shown memory is a trial:
+    P(cite | useful) is the share of the shown gold memories that were cited,
+    P(cite | not useful) the share of the other shown memories. Each comes with a 95%
+    bootstrap interval (users, then calls, resampled). When the two intervals are
+    apart, the last line gives the options that correct the logistic loss for these
+    rates; `--preset calibrated` alone assumes the paper's (0.911, 0.154), and a
+    generator far from them can make that correction hurt (docs/citations.md).
+    Give them to `replay` or `simulate` with `--preset calibrated` (with --json,
+    `.options` holds them, null when no correction is advised). Nothing is written.
+
+    \b
+    Examples:
+      rmm-jax cite-rates stores/mine --log simulated.jsonl
+      rmm-jax cite-rates stores/mine --log simulated.jsonl --users user0,user1 --json
+    """
+    if bootstrap < 1:
+        raise InputError(f"must be >= 1, got {bootstrap}", where="--bootstrap")
+    st = open_store(store)
+    report: dict = {}
+    counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)
+    if counts.users.size == 0:
+        raise InputError(f"none of its {counts.calls} calls has gold (STORE's, for a question it holds, or the "
+                         "record's `gold`): nothing to measure the citations against", where=log_path)
+    rates = measure(counts, n_boot=bootstrap, seed=seed)
+    if report.get("skipped"):
+        info(f"skipped {report['skipped']} invalid records of {report['records'] + report['skipped']}; "
+             f"first: {report['first_errors'][0]}")
+    if as_json:
+        emit_json({"store": str(store), "log": str(log_path), **rates})
+        return
+    click.echo(f"{rates['calls_with_gold']} of {rates['calls']} calls have gold ({rates['users']} users); "
+               f"95% intervals over {', then '.join(f'{level}s' for level in rates['resampled'])}:")
+    click.echo(f"  {'':<36}{'rate':>8}  {'95% interval':>18}  {'cited / shown':>15}")
+    for key, label in ROWS:
+        r = rates[key]
+        if r["value"] is None:
+            click.echo(f"  {label:<36}{'-':>8}  {'':>18}  {'0 / 0':>15}")
+            continue
+        tally = f"{r['cited']} / {r['shown']}"
+        click.echo(f"  {label:<36}{r['value']:>8.4f}  [{r['lo']:.4f}, {r['hi']:.4f}]  {tally:>15}")
+    useful, other = rates["p_useful"]["value"], rates["p_other"]["value"]
+    if rates["options"]:
+        click.echo(f"to correct the logistic loss for them: --preset calibrated {rates['options']}")
+    elif useful is not None and other is not None and useful <= other:
+        click.echo("this generator cites other memories at least as often as gold ones: its citations say nothing "
+                   "about usefulness that a correction could recover")
+    else:
+        click.echo("the two rates' intervals overlap: the citations do not yet tell gold memories from others, so "
+                   "no correction is advised (more calls with gold narrow the intervals)")

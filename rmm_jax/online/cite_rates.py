@@ -1,0 +1,144 @@
+"""A generator's citation rates against gold, measured from its citation log.
+
+The logistic loss corrects its rewards for a generator that cites a shown useful memory
+with P(cite | useful) and any other shown memory with P(cite | not useful)
+(``--p-useful``, ``--p-other``; :func:`rmm_jax.core.losses.citation_logistic_loss`).
+``--preset calibrated`` assumes the paper's judge rates (0.911 and 0.154). Corrected for
+the generator's own rates, the loss gains where the default does not
+(``citation_noise_matched.json``). Corrected for rates the generator does not have, it
+can lose. This module measures the rates on logged calls that have gold:
+
+* gold: the store's, for a question the store holds (an abstention question has none);
+  else the record's ``gold``; a call without gold is not counted;
+* every shown (``selected``) memory of a counted call is one trial, gold or not, cited
+  or not;
+* ``p_useful`` = cited gold / shown gold; ``p_other`` = cited others / shown others,
+  pooled over every counted call, as the loss assumes. Its two parts are reported too:
+  calls that show a gold memory, and calls that show none (a generator that cites
+  something when nothing useful is shown: the simulators' ``spurious`` rate);
+* intervals: a percentile bootstrap of each ratio of summed counts, over users, then
+  calls within them (:func:`rmm_jax.online.stats.resample_counts`). The memories shown in
+  one call, and the calls of one user, are not independent draws.
+
+Gold here stands for "useful": a generator that cites what helped the answer but not
+the labelled evidence has a lower ``p_useful`` against gold than a judge would give it.
+That is the rate the learner meets when it is measured against the same gold.
+
+Examples:
+  >>> import numpy as np
+  >>> c = CallCounts(users=np.array([0, 0, 1]), user_ids=["a", "b"], calls=4,
+  ...                gold_shown=np.array([1, 2, 0]), gold_cited=np.array([1, 1, 0]),
+  ...                other_shown=np.array([2, 1, 0]), other_cited=np.array([0, 1, 0]),
+  ...                none_shown=np.array([0, 0, 3]), none_cited=np.array([0, 0, 0]))
+  >>> r = cite_rates(c, n_boot=200)
+  >>> r["p_useful"]["value"], r["p_other"]["value"], r["p_other"]["shown"], r["calls_with_gold"]
+  (0.6667, 0.1667, 6, 3)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from rmm_jax.data.citation_log import LogRecord, iter_numbered
+from rmm_jax.data.log_vectors import known_ids
+from rmm_jax.errors import InputError
+from rmm_jax.online.stats import resample_counts
+
+DIGITS = 4                    # rates are reported to this many decimals
+
+
+class CallCounts(NamedTuple):
+    """Per counted call (a call with gold), T of them: its user (an index into
+    ``user_ids``) and its shown and cited memories, split into gold memories, other
+    memories of a call that shows gold, and memories of a call that shows none."""
+    users: np.ndarray          # (T,) int
+    user_ids: list[str]
+    calls: int                 # calls read, counted or not
+    gold_shown: np.ndarray     # (T,) int
+    gold_cited: np.ndarray
+    other_shown: np.ndarray
+    other_cited: np.ndarray
+    none_shown: np.ndarray
+    none_cited: np.ndarray
+
+
+def _gold_of(store, rec: LogRecord, cache: dict) -> frozenset | None:
+    """The gold memory ids of one call (None: it has none); see the module docstring."""
+    if store.has_user(rec.user_id) and rec.query_id is not None:
+        if rec.user_id not in cache:
+            u = store.user(rec.user_id)
+            cache[rec.user_id] = (u, {q: i for i, q in enumerate(u.query_ids)})
+        u, rows = cache[rec.user_id]
+        if rec.query_id in rows:
+            row = rows[rec.query_id]
+            if u.abstention[row]:
+                return None
+            gold = frozenset(np.asarray(u.memory_ids)[np.asarray(u.gold[row], bool)].tolist())
+            return gold or None
+    return frozenset(rec.gold) if rec.gold else None
+
+
+def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_invalid: bool = False,
+                report: dict | None = None) -> CallCounts:
+    """Read a citation log against an embedding store (every record validated, as
+    ``replay`` reads it) and count each call's shown and cited memories by gold
+    (:class:`CallCounts`). ``users``: only their calls."""
+    wanted = None if not users else set(users)
+    index: dict[str, int] = {}
+    rows, cache, calls, seen = [], {}, 0, set()
+    for _, rec in iter_numbered(log_path, known=known_ids(store), skip_invalid=skip_invalid, report=report):
+        if wanted is not None and rec.user_id not in wanted:
+            continue
+        calls += 1
+        seen.add(rec.user_id)
+        gold = _gold_of(store, rec, cache)
+        if gold is None:
+            continue
+        cited = set(rec.cited)
+        is_gold = np.array([m in gold for m in rec.selected], bool)
+        is_cited = np.array([m in cited for m in rec.selected], bool)
+        any_gold = bool(is_gold.any())
+        rows.append((index.setdefault(rec.user_id, len(index)),
+                     int(is_gold.sum()), int((is_gold & is_cited).sum()),
+                     int((~is_gold).sum()) if any_gold else 0, int((~is_gold & is_cited).sum()) if any_gold else 0,
+                     0 if any_gold else len(is_gold), 0 if any_gold else int(is_cited.sum())))
+    missing = sorted((wanted or set()) - seen)
+    if missing:
+        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
+    cols = np.array(rows, np.int64).reshape(-1, 7).T
+    return CallCounts(cols[0], list(index), calls, *cols[1:])
+
+
+def _rate(cited: np.ndarray, shown: np.ndarray, counts: np.ndarray, level: float) -> dict:
+    """``{value, lo, hi, shown, cited}`` of sum(cited) / sum(shown), its interval from the
+    bootstrap ``counts`` (n_boot, T); value None when nothing was shown."""
+    n_shown, n_cited = int(shown.sum()), int(cited.sum())
+    if n_shown == 0:
+        return {"value": None, "lo": None, "hi": None, "shown": 0, "cited": 0}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boot = (counts @ cited) / (counts @ shown)
+    lo, hi = np.nanquantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return {"value": round(n_cited / n_shown, DIGITS), "lo": round(float(lo), DIGITS),
+            "hi": round(float(hi), DIGITS), "shown": n_shown, "cited": n_cited}
+
+
+def cite_rates(c: CallCounts, *, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """The rates of :class:`CallCounts` with their intervals (module docstring), and the
+    options that correct the logistic loss for them: ``options`` is None unless the two
+    rates' intervals are apart (P(cite | useful) above P(cite | not useful)); the
+    correction divides by their difference, so rates that may be equal would make it
+    noise."""
+    if c.users.size == 0:
+        raise ValueError("no call has gold")
+    counts = resample_counts(c.users, n_boot, np.random.default_rng(seed)).astype(np.float64)
+    other_shown, other_cited = c.other_shown + c.none_shown, c.other_cited + c.none_cited
+    useful, other = _rate(c.gold_cited, c.gold_shown, counts, level), _rate(other_cited, other_shown, counts, level)
+    apart = useful["value"] is not None and other["value"] is not None and useful["lo"] > other["hi"]
+    options = f"--p-useful {useful['value']} --p-other {other['value']}" if apart else None
+    return {"calls": c.calls, "calls_with_gold": int(c.users.size), "users": len(c.user_ids),
+            "p_useful": useful, "p_other": other,
+            "p_other_when_gold_shown": _rate(c.other_cited, c.other_shown, counts, level),
+            "p_cite_when_no_gold_shown": _rate(c.none_cited, c.none_shown, counts, level),
+            "apart": apart, "options": options, "level": level, "resamples": n_boot,
+            "resampled": ["user", "call"] if len(c.user_ids) > 1 else ["call"]}

@@ -1,0 +1,138 @@
+"""`rmm-jax cite-rates`: a generator's citation rates against gold, from its log.
+
+The counts are checked against a brute-force count over the log's JSON and the store's
+gold (every gold source: the store's questions, a record's own `gold`, calls without
+any); the rates of the class-calibrated simulator are recovered inside their intervals;
+a generator whose citations carry nothing gets no correction; misuse is one line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_fake_store, run_cli
+
+from rmm_jax.cli.main import main
+from rmm_jax.data.citations import P_OTHER, P_USEFUL
+from rmm_jax.data.store import open_store
+
+SIM = ["--k", "10", "--m", "4", "--users-per-chunk", "4", "--checkpoint-every", "0", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """A store of 8 users and a class-calibrated simulated log of every question."""
+    root = tmp_path_factory.mktemp("rates")
+    store = make_fake_store(root / "store", users=8, sessions=6, turns=8)
+    try:
+        main([str(a) for a in ("simulate", store, "--policies", root / "pol", "--log-out", root / "sim.jsonl", *SIM)])
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+    return root, store
+
+
+def rates(capsys, store, log, *extra):
+    code, out, err = run_cli(capsys, "cite-rates", store, "--log", log, "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def brute_force(store_path, records):
+    """(gold cited, gold shown, other cited, other shown) by hand: the store's gold for
+    its questions, else the record's; calls without gold are not counted."""
+    st = open_store(store_path)
+    tally = np.zeros(4, int)
+    counted = 0
+    for r in records:
+        gold = None
+        if st.has_user(r["user_id"]) and r.get("query_id") in st.user(r["user_id"]).query_ids:
+            u = st.user(r["user_id"])
+            row = list(u.query_ids).index(r["query_id"])
+            gold = {m for m, g in zip(u.memory_ids, u.gold[row]) if g} if not u.abstention[row] else None
+        elif r.get("gold"):
+            gold = set(r["gold"])
+        if not gold:
+            continue
+        counted += 1
+        for m in r["selected"]:
+            tally += [m in gold and m in r["cited"], m in gold, m not in gold and m in r["cited"], m not in gold]
+    return counted, tally
+
+
+def test_counts_match_a_brute_force_count_over_every_gold_source(logged, capsys):
+    root, store = logged
+    records = [json.loads(line) for line in open(root / "sim.jsonl")]
+    # calls the store does not hold: two with their own gold among text candidates, one without gold
+    texts = [{"id": f"x{i}", "text": f"a new memory number {i}"} for i in range(6)]
+    extra = [
+        {"user_id": "user0", "query": "what is new?", "candidates": texts, "selected": ["x0", "x1", "x2"],
+         "cited": ["x0", "x2"], "log_prob": -1.0, "gold": ["x0", "x1"]},
+        {"user_id": "newcomer", "query": "and now?", "candidates": texts, "selected": ["x3", "x4"],
+         "cited": ["x4"], "log_prob": -1.0, "gold": ["x5"]},
+        {"user_id": "user1", "query": "no gold here", "candidates": texts, "selected": ["x1", "x2"],
+         "cited": ["x1"], "log_prob": -1.0},
+    ]
+    log = root / "mixed.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records + extra))
+    got = rates(capsys, store, log)
+    counted, (gc, gs, oc, os_) = brute_force(store, [{**r, "candidates": [c["id"] if isinstance(c, dict) else c
+                                                                         for c in r["candidates"]]}
+                                                     for r in records + extra])
+    assert got["calls"] == len(records) + 3 and got["calls_with_gold"] == counted == len(records) + 2
+    assert (got["p_useful"]["cited"], got["p_useful"]["shown"]) == (gc, gs)
+    assert (got["p_other"]["cited"], got["p_other"]["shown"]) == (oc, os_)
+    assert got["p_useful"]["value"] == round(gc / gs, 4) and got["p_other"]["value"] == round(oc / os_, 4)
+    split = got["p_other_when_gold_shown"], got["p_cite_when_no_gold_shown"]
+    assert sum(s["cited"] for s in split) == oc and sum(s["shown"] for s in split) == os_
+    assert got["users"] == 9 and got["resampled"] == ["user", "call"]
+    for key in ("p_useful", "p_other"):
+        assert got[key]["lo"] <= got[key]["value"] <= got[key]["hi"]
+    # --users: only theirs, counted the same way
+    mine = rates(capsys, store, log, "--users", "user0,user3")
+    counted, (gc, gs, _, _) = brute_force(store, [r for r in records + extra[:1] if r["user_id"] in ("user0", "user3")])
+    assert mine["calls_with_gold"] == counted and (mine["p_useful"]["cited"], mine["p_useful"]["shown"]) == (gc, gs)
+
+
+def test_the_class_calibrated_simulators_rates_are_recovered_and_advised(logged, capsys):
+    root, store = logged
+    got = rates(capsys, store, root / "sim.jsonl")
+    assert got["p_useful"]["lo"] <= P_USEFUL <= got["p_useful"]["hi"], got["p_useful"]
+    assert got["p_other"]["lo"] <= P_OTHER <= got["p_other"]["hi"], got["p_other"]
+    useful, other = got["p_useful"]["value"], got["p_other"]["value"]
+    assert got["apart"] and got["options"] == f"--p-useful {useful} --p-other {other}"
+    code, out, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl")
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and last == f"to correct the logistic loss for them: --preset calibrated {got['options']}"
+    # the advised options are accepted by a learning verb as they are printed
+    code, _, err = run_cli(capsys, "replay", store, "--log", root / "sim.jsonl", "--policies", root / "advised",
+                           "--preset", "calibrated", *got["options"].split(), "--k", "10", "--m", "4",
+                           "--checkpoint-every", "0")
+    assert code == 0, err
+
+
+def test_citations_that_ignore_gold_get_no_correction(logged, capsys):
+    """The same log with each shown memory cited at random (rate 0.3), gold or not."""
+    root, store = logged
+    log = root / "blind.jsonl"
+    rng = np.random.default_rng(0)
+    recs = [json.loads(line) for line in open(root / "sim.jsonl")]
+    log.write_text("".join(json.dumps({**r, "cited": [m for m in r["selected"] if rng.random() < 0.3]}) + "\n"
+                           for r in recs))
+    got = rates(capsys, store, log)
+    assert not got["apart"] and got["options"] is None
+    assert got["p_useful"]["lo"] <= 0.3 <= got["p_useful"]["hi"] and got["p_other"]["lo"] <= 0.3 <= got["p_other"]["hi"]
+    code, out, _ = run_cli(capsys, "cite-rates", store, "--log", log)
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and ("no correction" in last or "say nothing" in last), last
+
+
+def test_a_log_without_gold_and_bad_options_are_one_line(logged, capsys):
+    root, store = logged
+    log = root / "nogold.jsonl"
+    log.write_text(json.dumps({"user_id": "user0", "query": "q?", "candidates": [{"id": "x", "text": "t"}],
+                               "selected": ["x"], "cited": ["x"], "log_prob": 0.0}) + "\n")
+    for args, where in (([log], str(log)), ([root / "sim.jsonl", "--users", "zed"], "--users"),
+                        ([root / "sim.jsonl", "--bootstrap", "0"], "--bootstrap")):
+        code, out, err = run_cli(capsys, "cite-rates", store, "--log", *args)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"error: {where}"), err
