@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.extend  # noqa: F401 - jax.extend.core below (once imported through flax, which rmm-jax no longer imports)
 import numpy as np
 import optax
 

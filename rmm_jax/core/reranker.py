@@ -26,48 +26,12 @@ kind.
 """
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from rmm_jax.core import checks
 
 KINDS = ("linear", "mlp")
-
-
-class ResidualLinear(nn.Module):
-    """x ↦ x + W x, W initialised to zero."""
-
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(x.shape[-1], use_bias=False, kernel_init=nn.initializers.zeros, name="W")(x)
-
-
-class ResidualMLP(nn.Module):
-    """x ↦ x + W₂ gelu(W₁ x + b₁) + b₂, output layer initialised to zero."""
-
-    hidden: int
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.gelu(nn.Dense(self.hidden, name="up")(x))
-        return x + nn.Dense(x.shape[-1], kernel_init=nn.initializers.zeros, name="down")(h)
-
-
-class Reranker(nn.Module):
-    """Scores K candidate memories for one query: s = (m + f_m(m)) · (q + f_q(q))."""
-
-    kind: str = "linear"
-    hidden: int | None = None
-
-    def setup(self):
-        if self.kind == "linear":
-            self.q_adapter, self.m_adapter = ResidualLinear(), ResidualLinear()
-        else:
-            self.q_adapter, self.m_adapter = ResidualMLP(self.hidden), ResidualMLP(self.hidden)
-
-    def __call__(self, q, m):
-        return self.m_adapter(m) @ self.q_adapter(q)
 
 
 def kind_of(params) -> str:
@@ -109,6 +73,7 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
     else:
         hidden = dim if hidden is None else hidden
         checks.require(isinstance(hidden, int) and hidden > 0, "hidden", f"must be a positive int, got {hidden!r}")
+    from rmm_jax.core.modules import Reranker  # flax: imported to initialise, not to score a linear reranker
     module = Reranker(kind=kind, hidden=hidden)
     return module.init(key, jnp.zeros((dim,), jnp.float32), jnp.zeros((1, dim), jnp.float32))["params"]
 
@@ -166,6 +131,7 @@ def _lora_delta(p, x):
 def _apply_adapter(p, x):
     if "W" in p:
         return x + x @ p["W"]["kernel"] + _lora_delta(p, x)
+    from rmm_jax.core.modules import ResidualMLP
     return ResidualMLP(p["up"]["kernel"].shape[-1]).apply({"params": p}, x)
 
 
