@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rmm_jax.core.executables import aot
 from rmm_jax.errors import InputError
 
 __all__ = ["top_k", "multi_probe_top_k", "retrieve_candidates"]
@@ -71,7 +72,7 @@ def _chunk_scan(score_chunk, bank, bank_mask, k: int, chunk: int, n_chunks: int,
     return s, i
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk", "n_chunks"))
+@aot(static_argnames=("k", "chunk", "n_chunks"))
 def _top_k_jit(queries, bank, bank_mask, *, k, chunk, n_chunks):
     def score(rows):
         return jnp.matmul(queries, rows.T, precision=jax.lax.Precision.HIGHEST)
@@ -102,14 +103,14 @@ def _check_bank(bank, bank_mask, k, chunk_size, d_query):
         raise InputError(f"chunk_size must be a positive integer, got {chunk_size!r}", where="chunk_size")
     if bank_mask is None:
         n_valid = n
-        mask = jnp.ones((n,), bool)
+        mask = np.ones((n,), bool)
     else:
         m = np.asarray(bank_mask)
         if m.shape != (n,):
             raise InputError(f"bank_mask shape {m.shape} != ({n},)", where="bank_mask")
         m = m.astype(bool)
         n_valid = int(m.sum())
-        mask = jnp.asarray(m)
+        mask = m
     if k > n_valid:
         raise InputError(
             f"k={k} is larger than the number of (valid) bank rows ({n_valid}); use k <= {n_valid}",
@@ -117,7 +118,9 @@ def _check_bank(bank, bank_mask, k, chunk_size, d_query):
         )
     chunk = int(min(chunk_size, n))
     n_chunks = math.ceil(n / chunk)
-    return jnp.asarray(bank, jnp.float32), mask, int(k), chunk, n_chunks
+    # on the device once for every query block; converted on the host (an eager jnp op is a program)
+    bank = bank.astype(jnp.float32) if isinstance(bank, jax.Array) else jnp.asarray(np.asarray(bank, np.float32))
+    return bank, jnp.asarray(mask), int(k), chunk, n_chunks
 
 
 def _blocks(n_q: int, query_block: int):
@@ -171,7 +174,7 @@ def top_k(queries, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
     return _by_blocks(n_q, query_block, lambda s, e, qb: _top_k_jit(
-        jnp.asarray(_pad_rows(q[s:e], qb)), bank, mask, k=k, chunk=chunk, n_chunks=n_chunks))
+        _pad_rows(q[s:e], qb), bank, mask, k=k, chunk=chunk, n_chunks=n_chunks))
 
 
 def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,

@@ -38,6 +38,8 @@ from typing import Mapping
 
 import jax
 
+from rmm_jax.core import executables
+
 ENV = "RMM_JAX_COMPILE_CACHE"
 MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 _OFF = ("0", "off", "false", "no")
@@ -61,6 +63,7 @@ def setup(enabled: bool = True) -> Path | None:
     settles whether a process uses the cache at its first compile: call this before."""
     if not (enabled and wanted()):
         jax.config.update("jax_enable_compilation_cache", False)
+        executables.use(None)
         return None
     given = jax.config.jax_compilation_cache_dir          # JAX_COMPILATION_CACHE_DIR or the user's own setting
     path = Path(given) if given else default_dir()
@@ -68,4 +71,5 @@ def setup(enabled: bool = True) -> Path | None:
         jax.config.update("jax_compilation_cache_dir", str(path))
     if MIN_TIME_ENV not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    executables.use(path.with_name(path.name + executables.SUFFIX))
     return path

@@ -125,6 +125,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.core import reranker
+from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
@@ -289,13 +290,13 @@ def prefix_log_probs(logits, selected, mask=None) -> np.ndarray:
     """log P(a_1..a_j) for every prefix of an ordered selection under PL(softmax(logits)):
     the cumulative sum of :func:`rmm_jax.core.sampling.selection_log_probs` (τ = 1),
     ``(n, M)``; unfilled slots (−1) repeat the last prefix."""
-    logits = jnp.atleast_2d(jnp.asarray(logits, jnp.float32))
-    selected = jnp.atleast_2d(jnp.asarray(selected, jnp.int32))
-    mask = jnp.ones(logits.shape, bool) if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), logits.shape)
+    logits = np.atleast_2d(np.asarray(logits, np.float32))          # NumPy: an eager jnp op is a program to load
+    selected = np.atleast_2d(np.asarray(selected, np.int32))
+    mask = np.ones(logits.shape, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), logits.shape)
     return np.cumsum(np.asarray(_per_draw(logits, selected, mask), np.float64), axis=1)
 
 
-@jax.jit
+@aot
 def _per_draw(logits, selected, mask):
     return jax.vmap(lambda z, s, mk: selection_log_probs(z, s, 1.0, mask=mk))(logits, selected, mask)
 
@@ -524,7 +525,7 @@ class Target(NamedTuple):
     tau: float
 
 
-@jax.jit
+@aot
 def _score_chunk(params, q, m, mask):
     return jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
 
@@ -576,7 +577,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
             mm = _pad_rows(c.bank[c.cand[part]], _CHUNK)
             mk = _pad_rows(c.cand_mask[part], _CHUNK)
             mk[rows_here:, 0] = True  # padded rows: one valid slot keeps the scores finite
-            scores.append(np.asarray(_score_chunk(params, jnp.asarray(q), jnp.asarray(mm), jnp.asarray(mk)))
+            scores.append(np.asarray(_score_chunk(params, q, mm, mk))
                           [:rows_here])
         scores = np.concatenate(scores).astype(np.float32)
         lp = [r.log_prob if r.log_prob is not None else

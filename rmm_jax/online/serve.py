@@ -41,6 +41,7 @@ import numpy as np
 
 from rmm_jax.core import reranker
 from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator
+from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError
@@ -93,7 +94,7 @@ def call_keys(seed: int, user_id: str, calls: Sequence[str]):
     return _fold_twice(jax.random.key(seed), np.uint32(user_hash(user_id)), words)[:n]
 
 
-@jax.jit
+@aot
 def _fold_twice(key, user, words):
     key = jax.random.fold_in(key, user)
     return jax.vmap(lambda w: jax.random.fold_in(jax.random.fold_in(key, w[0]), w[1]))(words)
@@ -166,13 +167,13 @@ def _device(params):
     return jax.device_put(params)
 
 
-@functools.partial(jax.jit, static_argnames=("m",))
+@aot(static_argnames=("m",))
 def _rank(params, q, cands, mask, m: int):
     scores = reranker.score_batch(params, q, cands, mask)
     return jax.vmap(lambda s, mk: top_m(s, m, mk))(scores, mask), scores
 
 
-@functools.partial(jax.jit, static_argnames=("m",))
+@aot(static_argnames=("m",))
 def _sample(params, q, cands, mask, keys, tau, m: int):
     scores = reranker.score_batch(params, q, cands, mask)
     sel = jax.vmap(lambda key, s, mk: gumbel_top_m(key, s, m, tau, mk))(keys, scores, mask)
