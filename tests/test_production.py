@@ -43,7 +43,10 @@ ONLINE = ["--k", "8", "--m", "3", "--users-per-chunk", "2", "--checkpoint-every"
 
 @pytest.fixture(autouse=True)
 def fake_model(monkeypatch):
-    """Texts a store lacks are embedded by FakeEmbedder (the store's model is fake too)."""
+    """Texts a store lacks are embedded by FakeEmbedder (the store's model is fake too).
+    The CLI's embed verb is imported first: imported while the patch is on, it would keep
+    the fake for every later test of its worker (it binds Embedder at import)."""
+    import rmm_jax.cli.embed  # noqa: F401
     monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False: FakeEmbedder(DIM))
 
 

@@ -118,9 +118,10 @@ def _check_bank(bank, bank_mask, k, chunk_size, d_query):
         )
     chunk = int(min(chunk_size, n))
     n_chunks = math.ceil(n / chunk)
-    # on the device once for every query block; converted on the host (an eager jnp op is a program)
-    bank = bank.astype(jnp.float32) if isinstance(bank, jax.Array) else jnp.asarray(np.asarray(bank, np.float32))
-    return bank, jnp.asarray(mask), int(k), chunk, n_chunks
+    # on the device once for every query block; converted on the host and put there (jnp.asarray
+    # and eager casts are programs to trace and load in every process, device_put is not)
+    bank = bank.astype(jnp.float32) if isinstance(bank, jax.Array) else jax.device_put(np.asarray(bank, np.float32))
+    return bank, jax.device_put(mask), int(k), chunk, n_chunks
 
 
 def _blocks(n_q: int, query_block: int):

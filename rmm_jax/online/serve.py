@@ -91,12 +91,13 @@ def call_keys(seed: int, user_id: str, calls: Sequence[str]):
     for j, c in enumerate(calls):
         h = hashlib.sha256(c.encode("utf-8")).digest()
         words[j] = [int.from_bytes(h[i:i + 4], "little") & 0x7FFFFFFF for i in (0, 4)]
-    return _fold_twice(jax.random.key(seed), np.uint32(user_hash(user_id)), words)[:n]
+    data = np.asarray(jax.random.key_data(_fold_twice(np.uint32(user_hash(user_id)), words, seed=seed)))
+    return jax.random.wrap_key_data(data[:n])          # sliced on the host: an eager slice is a program
 
 
-@aot
-def _fold_twice(key, user, words):
-    key = jax.random.fold_in(key, user)
+@aot(static_argnames=("seed",))
+def _fold_twice(user, words, seed: int):
+    key = jax.random.fold_in(jax.random.key(seed), user)
     return jax.vmap(lambda w: jax.random.fold_in(jax.random.fold_in(key, w[0]), w[1]))(words)
 
 
@@ -297,10 +298,12 @@ class Reranker:
         if not 0 < tau < float("inf"):
             raise InputError(f"must be > 0, got {tau}", where="tau")
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
-        keys = jnp.asarray(keys)
+        keys = keys if isinstance(keys, jax.Array) else jnp.asarray(keys)
         if keys.shape != (n,):
             raise InputError(f"expected {n} keys, one per query, got shape {keys.shape}", where="keys")
-        keys = jnp.concatenate([keys, jnp.repeat(keys[:1], qp.shape[0] - n)])
+        data = np.asarray(jax.random.key_data(keys))        # padded on the host: eager pads are programs
+        data = np.concatenate([data, np.repeat(data[:1], qp.shape[0] - n, axis=0)])
+        keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
         sel, lp, scores = jax.device_get(_sample(self.policy(user_id).params, qp, cp, mp, keys, tau, m=m))
         scores = np.asarray(scores[:n, :k])
         logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
