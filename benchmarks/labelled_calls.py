@@ -97,6 +97,7 @@ def plot(out: dict, path: Path) -> None:
         ax.axhspan(g["lo"], g["hi"], color=color, alpha=0.08)
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("labelled calls (N)")
     ax.set_ylabel("held-out ΔRecall@5 over the retriever")
