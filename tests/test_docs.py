@@ -341,6 +341,10 @@ HEADLINE = {
     "those rates (`--preset calibrated --p-useful 0.9 --p-other 0.3`); default preset": (
         "{}; {}", [("citation_noise_matched.json", "cells.6.3.held_out", "interval"),
                    ("citation_noise.json", "cells.6.3.held_out", "interval")]),
+    "The same generator, its rates measured by `rmm-jax cite-rates` on 100 labelled calls and the advice taken: "
+    "held-out gain; minus the default, paired": (
+        "{}; {}", [("labelled_calls.json", "rows.2.gain", "interval"),          # rows: N = 25, 50, 100, ...
+                   ("labelled_calls.json", "rows.2.over_default", "interval")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
     "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
@@ -402,6 +406,7 @@ def test_readme_headline_numbers_are_the_files():
     fails), and the row's "from" cell links those files."""
     h, (header, rows) = _hooks(), _headline_table()
     assert {"measure", "result", "from"} <= set(header), header
+    assert _pick(h.load("labelled_calls.json"), "rows.2.labelled_calls") == 100     # the row its label names
     assert set(HEADLINE) <= set(rows), sorted(set(HEADLINE) - set(rows))
     wrong = []   # every stale cell at once, so one run tells what to write
     for label, (template, sources) in HEADLINE.items():
