@@ -92,12 +92,22 @@ def _environment() -> str:
         "x64": bool(jax.config.jax_enable_x64), "precision": str(jax.config.jax_default_matmul_precision)})
 
 
+@functools.cache
+def _one_device() -> bool:
+    """One process with one device: where a kept executable runs as compiled (settled once
+    JAX's backend is up)."""
+    return jax.process_count() == 1 and jax.device_count() == 1
+
+
 def _leaf(x) -> tuple:
-    """What a compiled program depends on of one argument leaf; TypeError for others."""
-    if isinstance(x, jax.core.Tracer):                # under a transformation: the caller's trace, not ours
+    """What a compiled program depends on of one argument leaf (shape, dtype, weak type);
+    TypeError for a tracer or a value this cache cannot key."""
+    if type(x) is np.ndarray:                           # the usual leaf: checked first, cheaply
+        return x.shape, x.dtype, False
+    if isinstance(x, jax.core.Tracer):                  # under a transformation: the caller's trace, not ours
         raise TypeError("traced")
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return tuple(np.shape(x)), str(x.dtype), bool(getattr(x, "weak_type", False))
+        return tuple(np.shape(x)), x.dtype, bool(getattr(x, "weak_type", False))
     if isinstance(x, (bool, int, float)):
         return ("python", type(x).__name__)
     raise TypeError(type(x).__name__)
@@ -125,14 +135,18 @@ class Aot:
         self._unproven: set = set()    # signatures loaded from disk and not yet run
 
     def __call__(self, *args, **kwargs):
-        if _dir is None or jax.process_count() != 1 or jax.device_count() != 1:
+        if _dir is None or not _one_device():
             return self.jitted(*args, **kwargs)
-        bound = self.signature.bind(*args, **kwargs)
-        statics = {n: bound.arguments.pop(n) for n in self.static if n in bound.arguments}
-        dynamic = (bound.args, bound.kwargs)
+        if kwargs.keys() <= set(self.static):            # the usual call: statics by name, the rest in order
+            statics, dynamic = kwargs, (args, {})
+        else:
+            bound = self.signature.bind(*args, **kwargs)
+            statics = {n: bound.arguments.pop(n) for n in self.static if n in bound.arguments}
+            dynamic = (bound.args, bound.kwargs)
         try:
             leaves, tree = jax.tree.flatten(dynamic)
-            sig = json.dumps([str(tree), [_leaf(x) for x in leaves], repr(sorted(statics.items()))])
+            sig = (tree, tuple(_leaf(x) for x in leaves), tuple(sorted(statics.items())))
+            hash(sig)
         except TypeError:               # traced, or an argument this cache cannot key: plain jit
             return self.jitted(*args, **kwargs)
         exe = self._loaded.get(sig)
@@ -150,11 +164,13 @@ class Aot:
         self._unproven.discard(sig)
         return out
 
-    def path(self, sig: str) -> Path:
-        key = hashlib.sha256(json.dumps([self.name, _environment(), sig]).encode()).hexdigest()
+    def path(self, sig: tuple) -> Path:
+        tree, leaves, statics = sig
+        key = hashlib.sha256(json.dumps([self.name, _environment(), str(tree), [list(map(str, x)) for x in leaves],
+                                         repr(statics)]).encode()).hexdigest()
         return _dir / source_digest()[:16] / f"{self.fn.__name__}-{key[:40]}.exe"
 
-    def _load_or_compile(self, sig: str, dynamic: tuple, statics: dict):
+    def _load_or_compile(self, sig: tuple, dynamic: tuple, statics: dict):
         from jax.experimental.serialize_executable import deserialize_and_load
         path = self.path(sig)
         try:
@@ -173,7 +189,7 @@ class Aot:
                 path.unlink(missing_ok=True)
         return self._compile_and_save(sig, dynamic, statics)
 
-    def _compile_and_save(self, sig: str, dynamic: tuple, statics: dict):
+    def _compile_and_save(self, sig: tuple, dynamic: tuple, statics: dict):
         """Compile, and save unless JAX's persistent cache supplied the executable
         (module docstring)."""
         from jax.experimental.serialize_executable import serialize
