@@ -16,6 +16,10 @@ Where (the first that applies):
    ``jax.config.update("jax_compilation_cache_dir", ...)`` before this runs): that one;
 3. ``$XDG_CACHE_HOME/rmm-jax/jax``, else ``~/.cache/rmm-jax/jax`` (:func:`default_dir`).
 
+Beside it, :mod:`rmm_jax.core.executables` keeps the serving and evaluation programs'
+executables whole (``DIR-executables``), so that a warm ``rerank`` does not even trace
+them; it is on and off with this cache.
+
 Programs that compile in under a second are cached too (JAX's default skips them; here a
 command is made of such programs), unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
 says otherwise. The cache holds executables for this machine's CPU: on a home directory
