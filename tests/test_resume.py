@@ -252,6 +252,60 @@ def test_the_daily_replay_killed_anywhere_and_run_again_with_or_without_resume_i
     assert not RunState.path_for(d / "rkilled").exists()
 
 
+# Runs the CLI and SIGKILLs itself inside the N-th commit of a policy version: the version's
+# snapshot is on disk, complete, and the index does not list it.
+KILL_AT_COMMIT = textwrap.dedent("""
+    import os, signal, sys
+    from rmm_jax.persist.policy_index import PolicyIndex
+    commit, calls = PolicyIndex.commit_version, [0]
+
+    def dying(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == int(sys.argv[1]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(self, *a, **k)
+
+    PolicyIndex.commit_version = dying
+    from rmm_jax.cli.main import main
+    main(sys.argv[2:])
+""")
+
+
+def test_a_replay_killed_before_a_commit_run_again_killed_and_resumed_is_bit_identical(env, reference):
+    """The daily replay killed between a chunk's snapshot and its commit, run again without
+    --resume (which repairs the store and removes that snapshot), killed mid-chunk, and
+    resumed: it ends with the uninterrupted replay's policies. Before the repair kept the
+    removed snapshot's version number taken, the second run saved its first chunk under that
+    number, below the `before` it had noted, and the resumed run then counted those users as
+    learned before it began: other chunks, and a KeyError."""
+    d = env["dir"]
+    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
+    rc, err = run(env, [*args, "--policies", str(d / "cref")], "cref")
+    assert rc == 0, err
+    pol = d / "ckill"
+    err_a = d / "ckill-a.err"
+    a = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, "2", *args, "--policies", str(pol)], cwd=REPO,
+                       env=env["env"], stdout=subprocess.DEVNULL, stderr=open(err_a, "w"), timeout=120)
+    assert a.returncode == -signal.SIGKILL, err_a.read_text()
+    store = PolicyStore.open(pol)
+    on_disk = {int(p.name[1:]) for p in (pol / "gens").iterdir() if p.name.startswith("v")}
+    listed = {e.version for u in store.users() for e in store.entries(u)}
+    assert on_disk - listed, (on_disk, listed)                   # a complete snapshot the index does not list
+    p = start(env, [*args, "--policies", str(pol)], d / "ckill-b.err")
+    rs_dir = RunState.path_for(pol)
+    # the interrupted run's state is removed and this run continues from the store (its own
+    # checkpoints note `before`), killed inside its second users chunk
+    assert wait_for(p, lambda: (m := newest_meta(rs_dir)) is not None and m.get("before") is not None
+                    and m["chunks_done"] >= 1 and m["segments_done"] >= 1), (d / "ckill-b.err").read_text()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    rc, err = run(env, [*args, "--policies", str(pol), "--resume"], "ckill-c")
+
+    assert rc == 0 and "resuming from" in err, err
+    assert_same_policies(d / "cref", pol)
+    assert not rs_dir.exists()
+
+
 def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_falls_back(env, reference):
     d = env["dir"]
     pol, log = d / "term", d / "term.jsonl"
