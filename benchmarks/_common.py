@@ -75,6 +75,54 @@ def add_data_option(ap: argparse.ArgumentParser) -> None:
                     help=f"LoCoMo file or directory (${DATA_ENV}, else ../shared/data/locomo)")
 
 
+def locomo_options(ap: argparse.ArgumentParser) -> None:
+    """The options every LoCoMo run takes: ``--data`` (:func:`add_data_option`), ``--model``,
+    ``--k`` candidates and ``--m`` shown."""
+    add_data_option(ap)
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--m", type=int, default=5)
+
+
+def result_options(ap: argparse.ArgumentParser, plot_help: str) -> None:
+    """``--json`` (the result), ``--plot`` (``plot_help``) and ``--from-json`` (redraw only,
+    :func:`redrawn`)."""
+    ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
+    ap.add_argument("--plot", type=Path, default=None, help=plot_help)
+    ap.add_argument("--from-json", type=Path, default=None, help="redraw --plot from a saved result; run nothing")
+
+
+def redrawn(args, plot) -> bool:
+    """With ``--from-json``: ``plot(result, --plot)`` from the saved result (when ``--plot``
+    is given) and True: the caller runs nothing else."""
+    if not args.from_json:
+        return False
+    if args.plot:
+        plot(json.loads(Path(args.from_json).read_text()), args.plot)
+    return True
+
+
+def save_outputs(args, result: dict, plot) -> None:
+    """What ``--plot`` and ``--json`` ask for: ``plot(result, --plot)`` and the result file
+    (:func:`write_result`)."""
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        write_result(args.json, result)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """Write a matplotlib figure to ``path`` whole (a temporary file renamed into place) and
+    close it."""
+    import matplotlib.pyplot as plt
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def require_data(path: Path) -> Path:
     """``path`` if it holds LoCoMo; otherwise exit 0 with the reason (exit 1 under ``CI=true``)."""
     path = Path(path)

@@ -140,10 +140,7 @@ def learning_gain(streams, program, seeds, users) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    _common.add_data_option(ap)
-    ap.add_argument("--model", default=_common.MODEL)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    _common.locomo_options(ap)
     ap.add_argument("--tune-on", default=",".join(_common.TUNED_ON), help="conversations the rule is tuned on")
     ap.add_argument("--learn-seeds", type=int, default=5, help="seeds of the online runs (0: no learning runs)")
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")

@@ -104,11 +104,7 @@ def plot(out: dict, path: Path) -> None:
                  f"question) excludes 0", fontsize=10)
     fig.colorbar(im, ax=ax, label="ΔRecall@5")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    _common.save_figure(fig, path)
 
 
 def region(out: dict) -> dict:
@@ -129,10 +125,7 @@ def region(out: dict) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    _common.add_data_option(ap)
-    ap.add_argument("--model", default=_common.MODEL)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    _common.locomo_options(ap)
     ap.add_argument("--seeds", type=int, default=5, help="seeds per cell")
     ap.add_argument("--preset", default="default", choices=tuple(rj.PRESETS), help="the learner of every cell")
     ap.add_argument("--matched", action="store_true",
@@ -145,14 +138,9 @@ def main(argv=None):
                     help="comma-separated spurious rates swept at the paper's p_useful / p_other")
     ap.add_argument("--held-out", default=None,
                     help=f"conversations the heat map reports (default: all but {','.join(_common.TUNED_ON)})")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
-    ap.add_argument("--plot", type=Path, default=None, help="heat map PNG")
-    ap.add_argument("--from-json", type=Path, default=None, help="redraw --plot from a saved result; run nothing")
+    _common.result_options(ap, "heat map PNG")
     args = ap.parse_args(argv)
-    if args.from_json:
-        import json
-        if args.plot:
-            plot(json.loads(args.from_json.read_text()), args.plot)
+    if _common.redrawn(args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
@@ -243,10 +231,7 @@ def main(argv=None):
     print("Smallest p_useful from which learning significantly beats the retriever, per p_other: "
           + ", ".join(f"{k}: {v}" for k, v in out["region"].items()))
     print(f"({out['seconds']} s)")
-    if args.plot:
-        plot(out, args.plot)
-    if args.json:
-        _common.write_result(args.json, out)
+    _common.save_outputs(args, out, plot)
 
 
 if __name__ == "__main__":

@@ -107,31 +107,19 @@ def plot(out: dict, path: Path) -> None:
                  "95% interval over conversations, seeds and questions", fontsize=9)
     ax.legend(fontsize=7.5, loc="lower right")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    _common.save_figure(fig, path)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    _common.add_data_option(ap)
-    ap.add_argument("--model", default=_common.MODEL)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    _common.locomo_options(ap)
     ap.add_argument("--seeds", type=int, default=5, help="seeds: each draws its own labelled sample and run")
     ap.add_argument("--p-useful", type=float, default=0.9, help="the generator's P(cite | useful)")
     ap.add_argument("--p-other", type=float, default=0.3, help="the generator's P(cite | not useful)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated numbers of labelled calls")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
-    ap.add_argument("--plot", type=Path, default=None, help="gain against N, PNG")
-    ap.add_argument("--from-json", type=Path, default=None, help="redraw --plot from a saved result; run nothing")
+    _common.result_options(ap, "gain against N, PNG")
     args = ap.parse_args(argv)
-    if args.from_json:
-        import json
-        if args.plot:
-            plot(json.loads(args.from_json.read_text()), args.plot)
+    if _common.redrawn(args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
@@ -202,10 +190,7 @@ def main(argv=None):
         print(f"  rates from {r['labelled_calls']:>4} labelled calls     {_common.format_interval(r['gain'])}  "
               f"(advised {r['advised']}/{args.seeds}; over default {_common.format_interval(r['over_default'])})")
     print(f"({out['seconds']} s)")
-    if args.plot:
-        plot(out, args.plot)
-    if args.json:
-        _common.write_result(args.json, out)
+    _common.save_outputs(args, out, plot)
 
 
 if __name__ == "__main__":
