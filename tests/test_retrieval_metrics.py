@@ -310,3 +310,28 @@ def test_summarize_overall_and_groups():
     assert s2["per_user"]["b"] == {"r": None, "m": None, "n": 0}
     with pytest.raises(InputError, match="per_query"):
         M.summarize({"r": np.zeros(3)}, valid)
+
+
+def test_the_ceiling_is_the_best_order_of_the_candidates_by_brute_force():
+    """online.summary.ceiling_values: the Recall@m and NDCG@m of every gold candidate first
+    equal the best over every order of the K candidates (enumerated), and bound the retriever's."""
+    import itertools
+    from types import SimpleNamespace
+
+    from rmm_jax.online.summary import base_values, ceiling_values
+    rng = np.random.default_rng(3)
+    t, k, m = 40, 5, 2
+    gold = rng.random((t, k)) < 0.3
+    mask = np.ones((t, k), bool)
+    mask[::7, -1] = False                                   # a padded candidate is never counted
+    num_gold = gold.sum(1) + rng.integers(0, 2, t)          # some gold outside the candidates
+    s = SimpleNamespace(cand_gold=gold, cand_mask=mask, num_gold=num_gold)
+    rec, nd = (np.asarray(x, np.float64) for x in ceiling_values(s, m))
+    best_r, best_n = np.zeros(t), np.zeros(t)
+    for order in itertools.permutations(range(k)):
+        rel = (gold & mask)[:, list(order)][:, :m]
+        best_r = np.maximum(best_r, np.asarray(M.recall_at_k(rel, num_gold, m), np.float64))
+        best_n = np.maximum(best_n, np.asarray(M.ndcg_at_k(rel, num_gold, m), np.float64))
+    assert np.array_equal(rec, best_r) and np.array_equal(nd, best_n)
+    base_r, base_n = (np.asarray(x, np.float64) for x in base_values(s, m))
+    assert (rec >= base_r).all() and (nd >= base_n).all() and (rec > base_r).any()

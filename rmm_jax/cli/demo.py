@@ -46,7 +46,9 @@ def demo(out, users, sessions, turns, as_json, **opts):
     supersede earlier facts) spread over sessions; later questions need those facts.
     Half the users pretrain the shared reranker; on the other half the online loop
     runs against simulated citations. Prints base vs pretrain vs online vs both
-    (prequential Recall@M) and writes OUT/learning_curve.png and OUT/summary.json.
+    (prequential Recall@M), and the ceiling: the best order of the retriever's K
+    candidates (every gold one first), which no reranker of them can pass. Writes
+    OUT/learning_curve.png and OUT/summary.json.
     Re-runs reuse the embedding store.
 
     \b
@@ -83,7 +85,7 @@ def demo(out, users, sessions, turns, as_json, **opts):
     info(f"[2/3] pretraining on {len(train)} users; [3/3] online loop on {len(evaluate)} other users")
     rows = compare(train, evaluate, setting, PretrainConfig(m=m), seed=opts["seed"],
                         progress=lambda r: info(f"      row: {r}"))
-    curves = {name: s["curve"] for name, s in rows.items() if not name.startswith("_")}
+    curves = {name: s["curve"] for name, s in rows.items() if not name.startswith("_") and name != "ceiling"}
     base_r = rows["base"][f"recall@{m}"]
     plot_curves(curves, out / "learning_curve.png",
                 title=f"Prequential Recall@{m} on {len(evaluate)} held-out synthetic users (moving average)",

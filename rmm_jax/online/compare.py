@@ -1,6 +1,7 @@
 """The comparison table of the demo and the docs: base retriever, pretrained policy,
 online from identity, online from pretrained, and the paper preset, all evaluated
-prequentially on the same streams."""
+prequentially on the same streams; and the ceiling, the best order of the retriever's K
+candidates (every gold one first), which no reranker of those candidates can pass."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -14,14 +15,14 @@ from rmm_jax.online.loop import make_run
 from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams
 from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.streams import Stream
-from rmm_jax.online.summary import base_summary, static_summary
+from rmm_jax.online.summary import base_summary, ceiling_values, static_summary
 
-ROWS = ("base", "pretrain", "online", "pretrain+online", "paper")
+ROWS = ("base", "pretrain", "online", "pretrain+online", "ceiling", "paper")
 
 
 def compare(train_streams: Sequence[Stream], eval_streams: Sequence[Stream], setting: Setting,
             pcfg: PretrainConfig, *,
-            rows: Sequence[str] = ROWS[:4], seed: int = 0, precision: float = DEFAULT_PRECISION,
+            rows: Sequence[str] = ROWS[:5], seed: int = 0, precision: float = DEFAULT_PRECISION,
             recall: float = DEFAULT_RECALL, users_per_chunk: int = 8,
             progress: Callable[[str], None] | None = None) -> dict:
     """Row name → prequential summary on ``eval_streams`` (plus ``_pretrain`` details).
@@ -55,6 +56,8 @@ def compare(train_streams: Sequence[Stream], eval_streams: Sequence[Stream], set
             out[row] = sim(identity, setting)
         elif row == "pretrain+online":
             out[row] = sim(pretrained, setting)
+        elif row == "ceiling":
+            out[row] = base_summary(eval_streams, layout.m, values=ceiling_values)
         elif row == "paper":
             out[row] = sim(identity, preset("paper", k=layout.k, m=layout.m))
     return out

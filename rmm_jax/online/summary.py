@@ -115,11 +115,20 @@ def base_values(s: Stream, m: int) -> tuple:
     return metrics.recall_at_k(rel, s.num_gold, m), metrics.ndcg_at_k(rel, s.num_gold, m)
 
 
-def base_summary(streams: Sequence[Stream], m: int) -> dict:
-    """The base retriever's order, evaluated like a policy (same metric, same queries)."""
+def ceiling_values(s: Stream, m: int) -> tuple:
+    """(Recall@m, NDCG@m) per query of the best order of the K candidates: every gold
+    candidate first. No reranker of the retriever's candidates does better."""
+    gold = s.cand_gold & s.cand_mask
+    rel = np.take_along_axis(gold, np.argsort(~gold, axis=1, kind="stable"), axis=1)[:, :m]
+    return metrics.recall_at_k(rel, s.num_gold, m), metrics.ndcg_at_k(rel, s.num_gold, m)
+
+
+def base_summary(streams: Sequence[Stream], m: int, values=base_values) -> dict:
+    """The base retriever's order (or the order ``values`` gives, e.g.
+    :func:`ceiling_values`), evaluated like a policy (same metric, same queries)."""
     acc = Summary(m)
     for s in streams:
-        acc.add(s.user_id, *base_values(s, m), s.valid)
+        acc.add(s.user_id, *values(s, m), s.valid)
     return acc.result()
 
 
