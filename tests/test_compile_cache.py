@@ -8,13 +8,16 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from rmm_jax.cli import main as cli_main
+from rmm_jax.core import executables
 from rmm_jax.online import compile_cache
 
 # One small program, compiled in a fresh process after setup(); JAX logs its cache hits.
 PROG = """
 import jax, jax.numpy as jnp
 from rmm_jax.online.compile_cache import setup
+from rmm_jax.core.executables import where
 print("dir", setup())
+print("exe", where())
 jax.config.update("jax_log_compiles", True)
 print(jax.jit(lambda x: jnp.tanh(x) @ x.T + 1.0)(jnp.ones((7, 5))).sum())
 """
@@ -31,19 +34,21 @@ def test_second_process_loads_what_the_first_compiled(tmp_path):
     xdg = tmp_path / "xdg"
     first = run({"XDG_CACHE_HOME": str(xdg)})
     where = xdg / "rmm-jax" / "jax"
-    assert f"dir {where}" in first.stdout
+    assert f"dir {where}" in first.stdout and f"exe {where}-executables" in first.stdout
     assert any(where.iterdir()) and "cache hit" not in first.stderr
     second = run({"XDG_CACHE_HOME": str(xdg)})
     assert "Persistent compilation cache hit" in second.stderr
     # switched off: the user's own JAX directory is left alone, nothing is read or written
     own = tmp_path / "own"
     off = run({"XDG_CACHE_HOME": str(xdg), "JAX_COMPILATION_CACHE_DIR": str(own), compile_cache.ENV: "0"})
-    assert "dir None" in off.stdout and not own.exists() and "cache hit" not in off.stderr
+    assert "dir None" in off.stdout and "exe None" in off.stdout and not own.exists() and "cache hit" not in off.stderr
 
 
 def test_a_directory_the_user_gave_jax_is_kept():
     given = os.environ["JAX_COMPILATION_CACHE_DIR"]          # tests/conftest.py sets the suite's
     assert compile_cache.setup() == Path(given)
+    # the executables kept whole live beside it, and are on and off with it
+    assert executables.where() == Path(given + "-executables")
     assert compile_cache.default_dir({}) == Path.home() / ".cache" / "rmm-jax" / "jax"
 
 

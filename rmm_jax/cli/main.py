@@ -31,7 +31,8 @@ CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_conten
 @click.group(context_settings=CONTEXT)
 @click.option("--compile-cache/--no-compile-cache", default=True,
               help="Keep compiled programs on disk so that the next command loads them instead of compiling again "
-                   "(in $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rmm-jax/jax or ~/.cache/rmm-jax/jax; "
+                   "(in $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rmm-jax/jax or ~/.cache/rmm-jax/jax, and "
+                   "the serving programs whole in the same path followed by -executables; "
                    "RMM_JAX_COMPILE_CACHE=0 also switches it off).")
 @click.version_option(__version__, "--version", prog_name="rmm-jax", message="%(prog)s %(version)s",
                       help="Print the version and exit (the `version` verb adds JAX and the device).")
