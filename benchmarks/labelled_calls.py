@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.data.citations import oracle  # noqa: E402
-from rmm_jax.online.cite_rates import CallCounts, cite_rates  # noqa: E402
+from rmm_jax.online.cite_rates import CallCounts, call_row, cite_rates, counts_of  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
 SIZES = (25, 50, 100, 200, 400, 800)
@@ -61,21 +61,17 @@ def labelled_counts(streams, tuned_on, n: int, m: int, p_useful: float, p_other:
     """N labelled calls of ``tuned_on``'s questions, each showing the retriever's top ``m``,
     cited at the generator's rates (spurious = ``p_other``), counted as ``cite-rates`` counts."""
     pool = [(i, t) for i, s in enumerate(streams) if s.user_id in tuned_on for t in np.flatnonzero(s.valid)]
-    pick = rng.integers(0, len(pool), n)
-    rows = []
-    for j in pick:
+    who, rows = [], []
+    for j in rng.integers(0, len(pool), n):
         i, t = pool[j]
         s = streams[i]
-        gold = np.asarray(s.cand_gold[t, :m] & s.cand_mask[t, :m], bool)
         shown = np.asarray(s.cand_mask[t, :m], bool)
-        cited = shown & (rng.random(m) < np.where(gold, p_useful, p_other))
-        any_gold = bool(gold.any())
-        rows.append((i, int(gold.sum()), int((gold & cited).sum()),
-                     int((~gold & shown).sum()) if any_gold else 0, int((~gold & cited).sum()) if any_gold else 0,
-                     0 if any_gold else int(shown.sum()), 0 if any_gold else int(cited.sum())))
-    cols = np.array(rows, np.int64).T
-    which, users = np.unique(cols[0], return_inverse=True)
-    return CallCounts(users, [streams[i].user_id for i in which], n, *cols[1:])
+        gold = np.asarray(s.cand_gold[t, :m], bool)[shown]
+        cited = rng.random(m)[shown] < np.where(gold, p_useful, p_other)
+        who.append(i)
+        rows.append(call_row(gold, cited))
+    which, users = np.unique(who, return_inverse=True)
+    return counts_of(users, rows, [streams[i].user_id for i in which], n)
 
 
 def plot(out: dict, path: Path) -> None:

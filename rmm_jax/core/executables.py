@@ -122,6 +122,12 @@ def _count_hit(event: str, **_) -> None:
         _hits[0] += 1
 
 
+@functools.cache
+def _listen_for_hits() -> None:
+    """Count JAX's persistent-cache hits from now on (once per process)."""
+    jax.monitoring.register_event_listener(_count_hit)
+
+
 class Aot:
     """A function compiled once per argument signature and machine (module docstring)."""
 
@@ -193,9 +199,7 @@ class Aot:
         """Compile, and save unless JAX's persistent cache supplied the executable
         (module docstring)."""
         from jax.experimental.serialize_executable import serialize
-        if _count_hit not in _listening:
-            jax.monitoring.register_event_listener(_count_hit)
-            _listening.append(_count_hit)
+        _listen_for_hits()
         hits = _hits[0]
         compiled = self._jit_named.lower(*dynamic[0], **dynamic[1], **statics).compile()
         if _hits[0] != hits:
@@ -226,7 +230,6 @@ class Aot:
         return jax.jit(named, static_argnames=self.static)
 
 
-_listening: list = []
 KEEP_VERSIONS = 4
 
 

@@ -36,6 +36,7 @@ Examples:
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -46,6 +47,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.stats import resample_counts
 
 DIGITS = 4                    # rates are reported to this many decimals
+USERS_CACHED = 64              # store users whose questions count_calls keeps at hand
 
 
 class CallCounts(NamedTuple):
@@ -63,13 +65,11 @@ class CallCounts(NamedTuple):
     none_cited: np.ndarray
 
 
-def _gold_of(store, rec: LogRecord, cache: dict) -> frozenset | None:
-    """The gold memory ids of one call (None: it has none); see the module docstring."""
+def _gold_of(store, rec: LogRecord, user_rows) -> frozenset | None:
+    """The gold memory ids of one call (None: it has none); see the module docstring.
+    ``user_rows(user_id)``: the store's user and its question id -> row map."""
     if store.has_user(rec.user_id) and rec.query_id is not None:
-        if rec.user_id not in cache:
-            u = store.user(rec.user_id)
-            cache[rec.user_id] = (u, {q: i for i, q in enumerate(u.query_ids)})
-        u, rows = cache[rec.user_id]
+        u, rows = user_rows(rec.user_id)
         if rec.query_id in rows:
             row = rows[rec.query_id]
             if u.abstention[row]:
@@ -79,35 +79,52 @@ def _gold_of(store, rec: LogRecord, cache: dict) -> frozenset | None:
     return frozenset(rec.gold) if rec.gold else None
 
 
+def call_row(is_gold: np.ndarray, is_cited: np.ndarray) -> tuple[int, ...]:
+    """One call's counts in :class:`CallCounts` order (gold shown, gold cited, other shown,
+    other cited, shown when no gold is, cited when no gold is), from its shown memories'
+    ``is_gold`` and ``is_cited`` (M,) bools."""
+    is_gold, is_cited = np.asarray(is_gold, bool), np.asarray(is_cited, bool)
+    any_gold = bool(is_gold.any())
+    return (int(is_gold.sum()), int((is_gold & is_cited).sum()),
+            int((~is_gold).sum()) if any_gold else 0, int((~is_gold & is_cited).sum()) if any_gold else 0,
+            0 if any_gold else int(is_gold.size), 0 if any_gold else int(is_cited.sum()))
+
+
+def counts_of(users: Sequence[int], rows: Sequence[tuple[int, ...]], user_ids: list[str], calls: int) -> CallCounts:
+    """:class:`CallCounts` from each counted call's user index and :func:`call_row`."""
+    cols = np.array(rows, np.int64).reshape(-1, 6).T
+    return CallCounts(np.asarray(users, np.int64).reshape(-1), user_ids, calls, *cols)
+
+
 def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_invalid: bool = False,
                 report: dict | None = None) -> CallCounts:
     """Read a citation log against an embedding store (every record validated, as
     ``replay`` reads it) and count each call's shown and cited memories by gold
     (:class:`CallCounts`). ``users``: only their calls."""
     wanted = None if not users else set(users)
+
+    @functools.lru_cache(maxsize=USERS_CACHED)
+    def user_rows(user_id: str):
+        u = store.user(user_id)
+        return u, {q: i for i, q in enumerate(u.query_ids)}
+
     index: dict[str, int] = {}
-    rows, cache, calls, seen = [], {}, 0, set()
+    who, rows, calls, seen = [], [], 0, set()
     for _, rec in iter_numbered(log_path, known=known_ids(store), skip_invalid=skip_invalid, report=report):
         if wanted is not None and rec.user_id not in wanted:
             continue
         calls += 1
         seen.add(rec.user_id)
-        gold = _gold_of(store, rec, cache)
+        gold = _gold_of(store, rec, user_rows)
         if gold is None:
             continue
         cited = set(rec.cited)
-        is_gold = np.array([m in gold for m in rec.selected], bool)
-        is_cited = np.array([m in cited for m in rec.selected], bool)
-        any_gold = bool(is_gold.any())
-        rows.append((index.setdefault(rec.user_id, len(index)),
-                     int(is_gold.sum()), int((is_gold & is_cited).sum()),
-                     int((~is_gold).sum()) if any_gold else 0, int((~is_gold & is_cited).sum()) if any_gold else 0,
-                     0 if any_gold else len(is_gold), 0 if any_gold else int(is_cited.sum())))
+        who.append(index.setdefault(rec.user_id, len(index)))
+        rows.append(call_row([m in gold for m in rec.selected], [m in cited for m in rec.selected]))
     missing = sorted((wanted or set()) - seen)
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
-    cols = np.array(rows, np.int64).reshape(-1, 7).T
-    return CallCounts(cols[0], list(index), calls, *cols[1:])
+    return counts_of(who, rows, list(index), calls)
 
 
 def _rate(cited: np.ndarray, shown: np.ndarray, counts: np.ndarray, level: float) -> dict:
