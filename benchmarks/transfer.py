@@ -1,0 +1,224 @@
+"""What a reranker learned from one conversation's citations does for another, on LoCoMo.
+
+    python benchmarks/transfer.py --json benchmarks/results/transfer.json \\
+        --plot benchmarks/results/transfer.png
+
+Issue 26 asks why a shared part that sees every user's citations learns less than each
+user alone on LoCoMo (``learn_sweep_heldout.json``: `shared` and `hybrid` trail `user` by
+0.017), and why a late joiner is served worse by the shared part the others learned than
+by the retriever (``sharing.json``). A shared part can only help a user with what the
+other users' data teaches about *this* user's questions. This script measures that
+directly, on the two conversations the defaults were tuned on (26 and 30; nothing here
+is chosen, and 41–43 are not read):
+
+1. **Learn on A.** A reranker learns from conversation A alone, by one of the learners
+   below, from the retriever (identity adapters).
+2. **Score it on B, frozen.** Recall@M of its top M on every question of the *other*
+   conversation B, paired per question with the retriever's (the *transfer*); and on A's
+   own questions (*in-sample*: the questions it learned from).
+
+Both directions (26 → 30, 30 → 26), ``--seeds`` seeds; a gain's 95% interval resamples
+conversations, seeds and questions (:func:`rmm_jax.online.stats.gain_interval`). The
+learners:
+
+* **online**: the library's online loop (``rmm-jax simulate``), the default preset, one
+  pass over A's questions in order, citations from the class-calibrated simulator
+  (``simulate``'s default: P(cite | useful) 0.911, P(cite | other) 0.154) or a perfect
+  one (exactly the shown gold memories are cited); with the default sampling temperature
+  (τ 0.1) and with τ 1 (more exploration). Its prequential gain on A is reported beside.
+* **gold, listwise**: the library's supervised pretraining recipe
+  (:func:`rmm_jax.online.pretrain.pretrain`: listwise over the K candidates, AdamW lr
+  1e-3) on A's gold labels, for 1, 3 and 30 epochs, no early stopping (there is no other
+  user to stop on).
+* **A's online log as labels**: the calls the online loop logged on A (its shown
+  memories and their citations) taken as listwise labels by the same recipe: the cited
+  memories are the targets, against the shown ones or against all K candidates. This is
+  the same data the online update saw, learned from by another rule.
+
+Gold never reaches the online and log learners except through the simulated citations.
+
+LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
+``../shared/data/locomo``); when absent the script says so and exits 0, or 1 under
+``CI=true``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import _common  # noqa: E402  (benchmarks/_common.py)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.config import setting_record  # noqa: E402
+from rmm_jax.data.citations import oracle  # noqa: E402
+from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain  # noqa: E402
+from rmm_jax.online.streams import Stream  # noqa: E402
+
+CITATIONS = {"class-calibrated": oracle(), "perfect": oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
+
+# (name, kind, options): kind "online" (options: citations, tau), "gold" (epochs) or
+# "log" (citations of the online run whose log is learned from, epochs, negatives).
+ROWS = [
+    ("online, class-calibrated citations", "online", {"citations": "class-calibrated", "tau": None}),
+    ("online, perfect citations", "online", {"citations": "perfect", "tau": None}),
+    ("online, perfect citations, τ 1", "online", {"citations": "perfect", "tau": 1.0}),
+    ("gold, listwise, 1 epoch", "gold", {"epochs": 1}),
+    ("gold, listwise, 3 epochs", "gold", {"epochs": 3}),
+    ("gold, listwise, 30 epochs", "gold", {"epochs": 30}),
+    ("log of perfect citations, against shown, 30 epochs", "log",
+     {"citations": "perfect", "epochs": 30, "negatives": "shown"}),
+    ("log of perfect citations, against all K, 30 epochs", "log",
+     {"citations": "perfect", "epochs": 30, "negatives": "all"}),
+    ("log of class-calibrated citations, against shown, 30 epochs", "log",
+     {"citations": "class-calibrated", "epochs": 30, "negatives": "shown"}),
+    ("log of class-calibrated citations, against all K, 30 epochs", "log",
+     {"citations": "class-calibrated", "epochs": 30, "negatives": "all"}),
+]
+
+
+def frozen_recall(params, s: Stream, m: int) -> np.ndarray:
+    """Recall@M per question of a fixed reranker on ``s`` (valid questions only)."""
+    r, _ = eval_per_query(params, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
+                                   "num_gold": s.num_gold}, m)
+    return np.asarray(r, np.float64)[np.asarray(s.valid, bool)]
+
+
+def log_as_labels(s: Stream, calls: dict, negatives: str) -> Stream:
+    """``s`` with its logged calls as listwise labels and no gold: the cited memories are
+    the targets, against the shown ones (``negatives="shown"``) or all K candidates; a call
+    that cited nothing carries no listwise signal and is dropped."""
+    sel = np.asarray(calls["selected"])
+    ok = sel >= 0
+    rows = np.repeat(np.arange(sel.shape[0])[:, None], sel.shape[1], 1)
+    shown = np.zeros(s.cand_mask.shape, bool)
+    cited = np.zeros(s.cand_mask.shape, bool)
+    shown[rows[ok], sel[ok]] = True
+    cited[rows[ok], sel[ok]] = np.asarray(calls["cited"])[ok]
+    return dataclasses.replace(s, cand_mask=shown if negatives == "shown" else s.cand_mask, cand_gold=cited,
+                               num_gold=cited.sum(1).astype(np.int32), valid=cited.any(1), cite_gold=None)
+
+
+def log_precision(outputs: list[dict], by_id: dict) -> dict:
+    """What the online runs' logs hold, over seeds and users: the share of cited memories
+    that are gold, and the share of calls that showed a gold memory, or cited anything."""
+    cited_gold = cited = calls = gold_shown = citing = 0
+    for out in outputs:
+        for u, o in out.items():
+            sel, c = np.asarray(o["selected"]), np.asarray(o["cited"], bool)
+            valid = np.asarray(by_id[u].valid, bool)
+            gold = np.take_along_axis(np.asarray(by_id[u].cand_gold), np.maximum(sel, 0), 1) & (sel >= 0)
+            c, gold = c[valid], gold[valid]
+            cited_gold, cited = cited_gold + int((c & gold).sum()), cited + int(c.sum())
+            calls, gold_shown = calls + len(c), gold_shown + int(gold.any(1).sum())
+            citing += int(c.any(1).sum())
+    return {"cited_that_are_gold": cited_gold / max(cited, 1), "calls_showing_gold": gold_shown / max(calls, 1),
+            "calls_citing": citing / max(calls, 1), "calls": calls}
+
+
+def online(streams, program, params, seed: int) -> tuple[dict, dict]:
+    """One online run of ``program`` with ``streams`` side by side (scope user: each learns
+    alone): (user id -> the reranker it ended with, user id -> its outputs)."""
+    finals, outputs = {}, {}
+    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
+        if isinstance(ev, rj.ChunkDone):
+            outputs.update(ev.outputs)
+            for i, s in enumerate(ev.streams):
+                local = jax.tree.map(lambda x, i=i: x[i], ev.states.params)
+                finals[s.user_id] = program.layout.scope.merge(ev.shared.params, local)
+    return finals, outputs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+    _common.locomo_options(ap)
+    ap.add_argument("--seeds", type=int, default=5, help="seeds: citation draws, sampling and shuffles")
+    _common.result_options(ap, "transfer and in-sample gain per learner, PNG")
+    args = ap.parse_args(argv)
+    if _common.redrawn(args, plot):
+        return
+    data = _common.require_data(args.data)
+    t0 = time.perf_counter()
+    streams = _common.locomo_streams(data, args.k, model=args.model, users=list(_common.TUNED_ON)).streams
+    by_id = {s.user_id: s for s in streams}
+    pairs = [(a, b) for a in _common.TUNED_ON for b in _common.TUNED_ON if a != b]
+    start = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
+    base = {u: frozen_recall(start, by_id[u], args.m) for u in by_id}
+    seeds = list(range(args.seeds))
+    keys = dict.fromkeys((o["citations"], o.get("tau")) for _, kind, o in ROWS if kind != "gold")
+    tau_of = lambda tau: {} if tau is None else {"tau": tau}  # noqa: E731  (None: the preset's)
+    programs = {(c, tau): rj.make_run(*rj.preset("default", k=args.k, m=args.m, **tau_of(tau)), cite_fn=CITATIONS[c])
+                for c, tau in keys}
+    runs = {(key, seed): online(streams, prog, start, seed) for key, prog in programs.items() for seed in seeds}
+
+    def learned(kind: str, o: dict, a: str, seed: int):
+        if kind == "online":
+            return runs[(o["citations"], o["tau"]), seed][0][a]
+        data_a = by_id[a] if kind == "gold" else log_as_labels(by_id[a], runs[(o["citations"], None), seed][1][a],
+                                                               o["negatives"])
+        return pretrain(start, [data_a], [], PretrainConfig(m=args.m, epochs=o["epochs"]), seed=seed)[0]
+
+    logs = {c: log_precision([runs[(c, None), seed][1] for seed in seeds], by_id) for c, tau in keys if tau is None}
+    rows = []
+    groups = np.concatenate([np.full(base[b].shape[0], i) for i, (_, b) in enumerate(pairs)])
+    own_groups = np.concatenate([np.full(base[a].shape[0], i) for i, (a, _) in enumerate(pairs)])
+    for name, kind, o in ROWS:
+        transfer, own, preq = [], [], []
+        for seed in seeds:
+            params = {a: learned(kind, o, a, seed) for a, _ in pairs}
+            transfer.append(np.concatenate([frozen_recall(params[a], by_id[b], args.m) - base[b] for a, b in pairs]))
+            own.append(np.concatenate([frozen_recall(params[a], by_id[a], args.m) - base[a] for a, _ in pairs]))
+            if kind == "online":
+                out = runs[(o["citations"], o["tau"]), seed][1]
+                preq.append(np.concatenate([_common.pooled({a: out[a]["recall"]}, streams, [a]) - base[a]
+                                            for a, _ in pairs]))
+        row = {"name": name, "learner": kind, **o,
+               "transfer": _common.gain_interval(np.stack(transfer), groups=groups),
+               "in_sample": _common.gain_interval(np.stack(own), groups=own_groups)}
+        if preq:
+            row["prequential"] = _common.gain_interval(np.stack(preq), groups=own_groups)
+        rows.append(row)
+        print(f"  {name:<62} transfer {_common.format_interval(row['transfer'])}  in-sample "
+              f"{_common.format_interval(row['in_sample'])}", file=sys.stderr, flush=True)
+    result = {"dataset": f"locomo:{data}", "conversations": list(_common.TUNED_ON), "directions": pairs,
+              "k": args.k, "m": args.m, "granularity": "turn", "model": args.model, "seeds": seeds,
+              "preset": "default", "setting": setting_record("default", rj.preset("default", k=args.k, m=args.m)),
+              "pretrain": dataclasses.asdict(PretrainConfig(m=args.m)),
+              "base": {u: float(v.mean()) for u, v in base.items()}, "logs": logs,
+              "rows": {r["name"]: r for r in rows}, "seconds": round(time.perf_counter() - t0, 1)}
+    _common.save_outputs(args, result, plot)
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = list(result["rows"].values())
+    colors = {"online": "tab:blue", "gold": "tab:green", "log": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
+    y = np.arange(len(rows))[::-1]
+    for yi, r in zip(y, rows):
+        for key, off, marker in (("transfer", 0.12, "o"), ("in_sample", -0.12, "s")):
+            g = r[key]
+            ax.errorbar(g["mean"], yi + off, xerr=[[g["mean"] - g["lo"]], [g["hi"] - g["mean"]]], fmt=marker,
+                        color=colors[r["learner"]], alpha=1.0 if key == "transfer" else 0.45, capsize=3)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_yticks(y)
+    ax.set_yticklabels([r["name"] for r in rows], fontsize=8)
+    ax.set_xlabel(f"Recall@{result['m']} gain over the retriever, frozen (o: on the other conversation; "
+                  "faint s: on its own)", fontsize=8)
+    ax.set_title("What one LoCoMo conversation teaches another (26 ↔ 30)", fontsize=10)
+    fig.tight_layout()
+    _common.save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()
