@@ -26,10 +26,8 @@ class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 2
   joins after the other four learned side by side (leave one out); synthetic: users
   900..999 each join after users 0..U−1 (U = 100 and 900) learned.
 
-* **Why** (``why_locomo``, on the tuning conversations 26 and 30 only): what one
-  conversation's online learning teaches another (a reranker learned on one, frozen on the
-  other; with the class-calibrated and with perfect citations; beside gold pretraining), and
-  which of its own queries gain.
+What one LoCoMo conversation's learning teaches another (why sharing does not pay there)
+is measured by ``benchmarks/transfer.py``.
 
 A gain is the mean over ``--seeds`` and queries with a 95% interval: on LoCoMo it resamples
 conversations, seeds and queries (:func:`rmm_jax.online.stats.gain_interval` with the
@@ -197,76 +195,6 @@ def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int
             "over_fresh_user": {name: iv(vals[name] - vals["fresh user"]) for name in ("shared", "hybrid")}}
 
 
-def why_locomo(loco, params, seeds, m, log) -> dict:
-    """What one LoCoMo conversation's online learning teaches, on the tuning conversations 26
-    and 30 only: each learns alone (scope user) and is scored prequentially on itself and,
-    frozen, on the other; with the class-calibrated citations and with perfect ones (every
-    shown gold memory cited, nothing else), beside gold pretraining on the one conversation
-    (the library's listwise recipe, 10 epochs, no early stopping). And where a conversation's
-    own gain comes from: queries whose gold memory was gold for an earlier query of the same
-    conversation, against the others with a gold memory among the K candidates."""
-    from rmm_jax.data.citations import oracle
-    from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain
-
-    by = {s.user_id: s for s in loco}
-    pairs = [(a, b) for a, b in itertools.permutations(_common.TUNED_ON, 2) if a in by and b in by]
-    base = base_of(loco, m)
-
-    def frozen(p, s):
-        r, _ = eval_per_query(p, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
-                                  "num_gold": s.num_gold}, m)
-        return np.asarray(r)
-
-    valid = lambda s, x: np.asarray(x, np.float64)[np.asarray(s.valid, bool)]  # noqa: E731
-    out = {"pairs": [f"{a} -> {b}" for a, b in pairs]}
-    for name, cite in (("class-calibrated", _common.citation_model("oracle")[0]),
-                       ("perfect", oracle(p_useful=1.0, p_other=0.0, spurious=0.0))):
-        program = rj.make_run(*rj.preset("default", k=20, m=m), cite_fn=cite)
-        own, other = [], []
-        for seed in seeds:
-            o, t = [], []
-            for a, b in pairs:
-                finals = {}
-                for ev in rj.drive([[by[a]]], program, params, seed=seed, users_per_chunk=1):
-                    if isinstance(ev, rj.ChunkDone):
-                        o.append(valid(by[a], ev.outputs[a]["recall"]) - valid(by[a], base[a]))
-                        finals = jax.tree.map(lambda x: x[0], ev.states.params)
-                t.append(valid(by[b], frozen(finals, by[b])) - valid(by[b], base[b]))
-            own.append(np.concatenate(o))
-            other.append(np.concatenate(t))
-        out[f"online, {name} citations"] = {"own": _common.gain_interval(np.stack(own)),
-                                            "transfer": _common.gain_interval(np.stack(other))}
-    gold = [np.concatenate([valid(by[b], frozen(pretrain(params, [by[a]], [], PretrainConfig(m=m, epochs=10,
-                                                                                              patience=100),
-                                                            seed=seed)[0], by[b])) - valid(by[b], base[b])
-                            for a, b in pairs]) for seed in seeds]
-    out["gold pretrain"] = {"transfer": _common.gain_interval(np.stack(gold))}
-    program = rj.make_run(*rj.preset("default", k=20, m=m), cite_fn=_common.citation_model("oracle")[0])
-    users = [u for u in _common.TUNED_ON if u in by]
-    repeat, new = [], []
-    for seed in seeds:
-        got, _ = run([by[u] for u in users], program, params, seed)
-        r, n = [], []
-        for u in users:
-            s, seen, flag = by[u], set(), []
-            for t in range(s.queries.shape[0]):
-                ids = set(s.cand[t][s.cand_gold[t]].tolist())
-                flag.append(bool(ids & seen))
-                seen |= ids
-            flag, ok = np.array(flag), np.asarray(s.valid, bool)
-            d = np.asarray(got[u], np.float64) - base[u]
-            r.append(d[flag & ok])
-            n.append(d[~flag & ok & s.cand_gold.any(1)])
-        repeat.append(np.concatenate(r))
-        new.append(np.concatenate(n))
-    out["own gain by query"] = {"gold memory gold before": _common.gain_interval(np.stack(repeat)),
-                                "new gold memory among the candidates": _common.gain_interval(np.stack(new))}
-    for k, v in out.items():
-        if isinstance(v, dict):
-            log(f"  {k}: " + "; ".join(f"{a} {_common.format_interval(b)}" for a, b in v.items()))
-    return out
-
-
 # --------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -284,7 +212,7 @@ def main(argv=None):
     ap.add_argument("--first", type=int, default=20, help="a late joiner's queries measured")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS))
-    ap.add_argument("--parts", default="curves,late,why", help="comma-separated: curves, late, why")
+    ap.add_argument("--parts", default="curves,late", help="comma-separated: curves, late")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of gain against users per group")
     args = ap.parse_args(argv)
@@ -312,9 +240,6 @@ def main(argv=None):
         log("scope x users")
         out["curves"] = {"synthetic": curve_synthetic(syn, args.scored, sizes, programs, params, seeds, m, log),
                          "locomo": curve_locomo(loco, programs, params, seeds, m, log)}
-    if "why" in parts:
-        log("why (26 and 30)")
-        out["why_locomo"] = why_locomo(loco, params, seeds, m, log)
     if "late" in parts:
         log("late joiners")
         late = {"locomo": late_joiners([[o for o in loco if o is not s] for s in loco], loco, args.first, programs,

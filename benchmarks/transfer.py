@@ -25,7 +25,9 @@ learners:
   pass over A's questions in order, citations from the class-calibrated simulator
   (``simulate``'s default: P(cite | useful) 0.911, P(cite | other) 0.154) or a perfect
   one (exactly the shown gold memories are cited); with the default sampling temperature
-  (τ 0.1) and with τ 1 (more exploration). Its prequential gain on A is reported beside.
+  (τ 0.1) and with τ 1 (more exploration). Its prequential gain on A is reported beside,
+  split by question: those whose gold memory was already gold for an earlier question of
+  A, and those with a new gold memory among the candidates.
 * **gold, listwise**: the library's supervised pretraining recipe
   (:func:`rmm_jax.online.pretrain.pretrain`: listwise over the K candidates, AdamW lr
   1e-3) on A's gold labels, for 1, 3 and 30 epochs, no early stopping (there is no other
@@ -36,6 +38,8 @@ learners:
   the same data the online update saw, learned from by another rule.
 
 Gold never reaches the online and log learners except through the simulated citations.
+``logs`` records what the online runs' logs hold: the share of cited memories that are
+gold, and the shares of calls that showed a gold memory and that cited anything.
 
 LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
 ``../shared/data/locomo``); when absent the script says so and exits 0, or 1 under
@@ -104,6 +108,17 @@ def log_as_labels(s: Stream, calls: dict, negatives: str) -> Stream:
     cited[rows[ok], sel[ok]] = np.asarray(calls["cited"])[ok]
     return dataclasses.replace(s, cand_mask=shown if negatives == "shown" else s.cand_mask, cand_gold=cited,
                                num_gold=cited.sum(1).astype(np.int32), valid=cited.any(1), cite_gold=None)
+
+
+def seen_gold(s: Stream) -> np.ndarray:
+    """Per valid question: whether one of its gold candidates was gold for an earlier
+    question of the same conversation (None for a question with no gold candidate)."""
+    seen, flag = set(), []
+    for t in range(s.queries.shape[0]):
+        ids = set(s.cand[t][s.cand_gold[t]].tolist())
+        flag.append(bool(ids & seen) if ids else None)
+        seen |= ids
+    return np.array(flag, object)[np.asarray(s.valid, bool)]
 
 
 def log_precision(outputs: list[dict], by_id: dict) -> dict:
@@ -184,6 +199,11 @@ def main(argv=None):
                "in_sample": _common.gain_interval(np.stack(own), groups=own_groups)}
         if preq:
             row["prequential"] = _common.gain_interval(np.stack(preq), groups=own_groups)
+            flag = np.concatenate([seen_gold(by_id[a]) for a, _ in pairs])
+            preq = np.stack(preq)
+            row["prequential_by_question"] = {
+                "gold memory gold before": _common.gain_interval(preq[:, flag == True]),  # noqa: E712
+                "new gold memory among the candidates": _common.gain_interval(preq[:, flag == False])}  # noqa: E712
         rows.append(row)
         print(f"  {name:<62} transfer {_common.format_interval(row['transfer'])}  in-sample "
               f"{_common.format_interval(row['in_sample'])}", file=sys.stderr, flush=True)
