@@ -32,6 +32,9 @@ learners:
   (:func:`rmm_jax.online.pretrain.pretrain`: listwise over the K candidates, AdamW lr
   1e-3) on A's gold labels, for 1, 3 and 30 epochs, no early stopping (there is no other
   user to stop on).
+* **gold among the retriever's top M (or 2M) only**: the same, with the candidates cut
+  to the retriever's first M (2M): what gold labels teach when they cover only the
+  memories a policy near the retriever shows.
 * **A's online log as labels**: the calls the online loop logged on A (its shown
   memories and their citations) taken as listwise labels by the same recipe: the cited
   memories are the targets, against the shown ones or against all K candidates. This is
@@ -77,6 +80,8 @@ ROWS = [
     ("gold, listwise, 1 epoch", "gold", {"epochs": 1}),
     ("gold, listwise, 3 epochs", "gold", {"epochs": 3}),
     ("gold, listwise, 30 epochs", "gold", {"epochs": 30}),
+    ("gold among the retriever's top M only, 30 epochs", "gold", {"epochs": 30, "top": "m"}),
+    ("gold among the retriever's top 2M only, 30 epochs", "gold", {"epochs": 30, "top": "2m"}),
     ("log of perfect citations, against shown, 30 epochs", "log",
      {"citations": "perfect", "epochs": 30, "negatives": "shown"}),
     ("log of perfect citations, against all K, 30 epochs", "log",
@@ -93,6 +98,16 @@ def frozen_recall(params, s: Stream, m: int) -> np.ndarray:
     r, _ = eval_per_query(params, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
                                    "num_gold": s.num_gold}, m)
     return np.asarray(r, np.float64)[np.asarray(s.valid, bool)]
+
+
+def top_only(s: Stream, n: int) -> Stream:
+    """``s`` with its candidates cut to the retriever's first ``n`` (gold among them only;
+    a question without gold there carries no listwise signal)."""
+    mask = s.cand_mask.copy()
+    mask[:, n:] = False
+    gold = s.cand_gold & mask
+    return dataclasses.replace(s, cand_mask=mask, cand_gold=gold, num_gold=gold.sum(1).astype(np.int32),
+                               valid=gold.any(1), cite_gold=None)
 
 
 def log_as_labels(s: Stream, calls: dict, negatives: str) -> Stream:
@@ -176,7 +191,8 @@ def main(argv=None):
     def learned(kind: str, o: dict, a: str, seed: int):
         if kind == "online":
             return runs[(o["citations"], o["tau"]), seed][0][a]
-        data_a = by_id[a] if kind == "gold" else log_as_labels(by_id[a], runs[(o["citations"], None), seed][1][a],
+        data_a = (top_only(by_id[a], {"m": args.m, "2m": 2 * args.m}[o["top"]]) if "top" in o else by_id[a]) \
+            if kind == "gold" else log_as_labels(by_id[a], runs[(o["citations"], None), seed][1][a],
                                                                o["negatives"])
         return pretrain(start, [data_a], [], PretrainConfig(m=args.m, epochs=o["epochs"]), seed=seed)[0]
 
