@@ -85,12 +85,13 @@ class Walkthrough:
     def prepare(self) -> None:
         """Untimed, without a compilation cache: the store, every text embedded, the policies
         after day 1 and after day 2."""
-        self.run(WALK[0][1][:2] + ["--out", "stores/mine"])
-        self.run(WALK[1][1])
+        cmd = {name: args for name, args, *_ in WALK}
+        self.run(cmd["embed"][:2] + ["--out", "stores/mine"])
+        self.run(cmd["replay day 1"])
         shutil.copytree(self.root / "policies", self.root / "policies_day1")
-        self.run(WALK[2][1])
+        self.run(cmd["replay day 2"])
         shutil.copytree(self.root / "policies", self.root / "policies_day2")
-        self.run(WALK[3][1])                                   # embeds the requests' texts
+        self.run(cmd["rerank"])                                # embeds the requests' texts
 
     def reset(self, state: str) -> None:
         """Put back what the verb starts from."""
