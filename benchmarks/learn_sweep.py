@@ -61,7 +61,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   (the loss corrected for the paper's judge rates), and the fourth look reports it beside
   the default (it ran first with ``calibrated`` as the default). The first look held a row
   of the corrected logistic loss at 3e-4 (+0.061), so the rows here are not untouched by
-  the earlier looks.
+  the earlier looks. The sixth look (``labelled_calls.py`` was the fifth) adds one row,
+  fixed before it ran: ``default hybrid, local lr 3e-4``, the scope lever's best hybrid row
+  on 26 and 30 (the per-user factors stepped at 3e-4, the shared part at the default's
+  1e-4), paired with the default; every other row is the fourth look's, recomputed.
 
 The store: ``--store`` (made by ``rmm-jax embed locomo:DATA --answers --out DIR``) is
 reused when it exists and is built there otherwise (a temporary one without it).
@@ -535,6 +538,8 @@ HELDOUT_ONLINE = [
     {"name": "reinforce", "citations": "oracle"},                                # the default until issue 26
     {"name": "reinforce [precision_recall]", "citations": "precision_recall"},
     {"name": "reinforce [answer]", "citations": "answer"},
+    # added at the sixth look: the scope lever's best hybrid row on 26 and 30 (learn_sweep_scope.json)
+    {"name": "default hybrid, local lr 3e-4", "preset": "default", "scope": "hybrid", "rank": 8, "local_lr": 3e-4},
 ]
 HELDOUT_PRETRAIN = [
     {"name": "gold pretrain", "pretrain": "gold"},
@@ -555,7 +560,8 @@ PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [
          ("default hybrid", "default"), ("default shared", "default"),
          ("gold pretrain + default online", "gold pretrain"),
          ("gold pretrain + default online hybrid", "gold pretrain + default online"),
-         ("replay pretrain 3 ep + default online", "default")]
+         ("replay pretrain 3 ep + default online", "default"),
+         ("default hybrid, local lr 3e-4", "default")]
 
 
 def lever_heldout(ctx) -> dict:
