@@ -29,6 +29,7 @@ package. No benchmark imports another: what two of them need lives here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -199,6 +200,40 @@ def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict
     :func:`rmm_jax.make_run`, reused over seeds) with every stream side by side in one
     chunk, each user starting from ``params``."""
     return run_online(streams, program, params, seed=seed, users_per_chunk=len(streams)).recall
+
+
+def run_chunk(streams: Sequence[Stream], program, params, seed: int) -> tuple[dict, dict]:
+    """One run of ``program`` with ``streams`` side by side in one chunk, each user starting
+    from ``params`` (simulated when the program has a citation model, else replayed from the
+    logs the streams carry): (user id -> the reranker it ended with, its own part merged with
+    the shared; user id -> its outputs: recall, ndcg, selected, cited, log_prob per query)."""
+    import jax
+
+    import rmm_jax as rj
+    finals, outputs = {}, {}
+    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
+        if isinstance(ev, rj.ChunkDone):
+            outputs.update(ev.outputs)
+            for i, s in enumerate(ev.streams):
+                local = jax.tree.map(lambda x, i=i: x[i], ev.states.params)
+                finals[s.user_id] = program.layout.scope.merge(ev.shared.params, local)
+    return finals, outputs
+
+
+def log_as_labels(s: Stream, calls: dict, negatives: str = "shown") -> Stream:
+    """``s`` with its logged calls (``selected``, ``cited``) as listwise labels and no gold:
+    the cited memories are the targets, against the shown ones (``negatives="shown"``) or
+    all K candidates (``"all"``); a call that cited nothing carries no listwise signal and
+    is dropped."""
+    sel = np.asarray(calls["selected"])
+    ok = sel >= 0
+    rows = np.repeat(np.arange(sel.shape[0])[:, None], sel.shape[1], 1)
+    shown = np.zeros(s.cand_mask.shape, bool)
+    cited = np.zeros(s.cand_mask.shape, bool)
+    shown[rows[ok], sel[ok]] = True
+    cited[rows[ok], sel[ok]] = np.asarray(calls["cited"])[ok]
+    return dataclasses.replace(s, cand_mask=shown if negatives == "shown" else s.cand_mask, cand_gold=cited,
+                               num_gold=cited.sum(1).astype(np.int32), valid=cited.any(1), cite_gold=None)
 
 
 def pooled(per_user: dict, streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:

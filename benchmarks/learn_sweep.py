@@ -148,20 +148,6 @@ def logged(s: Stream, out: dict, times: int = 1) -> Stream:
         has_logged=np.ones(s.queries.shape[0] * times, bool))
 
 
-def cited_as_gold(s: Stream, out: dict) -> Stream:
-    """A user's simulated calls as labelled data, without gold: the candidates are the shown
-    memories, the "gold" ones those cited; calls citing nothing carry no listwise signal."""
-    sel = np.asarray(out["selected"])
-    ok = sel >= 0
-    rows = np.repeat(np.arange(sel.shape[0])[:, None], sel.shape[1], 1)
-    shown = np.zeros(s.cand_mask.shape, bool)
-    cited = np.zeros(s.cand_mask.shape, bool)
-    shown[rows[ok], sel[ok]] = True
-    cited[rows[ok], sel[ok]] = np.asarray(out["cited"])[ok]
-    return dataclasses.replace(s, cand_mask=shown, cand_gold=cited, num_gold=cited.sum(1).astype(np.int32),
-                               valid=cited.any(1), cite_gold=None)
-
-
 # --------------------------------------------------------------------------- the online loop
 
 class Run(NamedTuple):
@@ -185,13 +171,7 @@ def run_loop(streams, program: rj.Program, params, seed: int) -> Run:
     """The one place this benchmark runs the library's online loop: every stream in one
     chunk from ``params`` (simulated when the program has a citation model, else replayed
     from the logs the streams carry)."""
-    outputs, finals = {}, {}
-    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
-        if isinstance(ev, rj.ChunkDone):
-            outputs.update(ev.outputs)
-            for i, s in enumerate(ev.streams):
-                local = jax.tree.map(lambda x, i=i: x[i], ev.states.params)
-                finals[s.user_id] = program.layout.scope.merge(ev.shared.params, local)
+    finals, outputs = _common.run_chunk(streams, program, params, seed)
     return Run(outputs, finals)
 
 
@@ -426,7 +406,7 @@ def pretrained(row: dict, others: list[Stream], logs: dict, start, seed: int):
         train, val, _ = split_streams(others, PretrainConfig().val_fraction, seed)
         return pretrain(start, train, val, PretrainConfig(m=M), seed=seed)[0]
     if row["pretrain"] == "cited":
-        data = [cited_as_gold(s, logs[s.user_id]) for s in others]
+        data = [_common.log_as_labels(s, logs[s.user_id]) for s in others]
         return pretrain(start, data, [], PretrainConfig(m=M, epochs=row["epochs"]), seed=seed)[0]
     shared = {k: v for k, v in row.items() if k not in ("scope", "rank", "local_lr")} | {"scope": "shared"}
     run = run_loop([logged(s, logs[s.user_id], row["epochs"]) for s in others], program_of(shared, None), start, seed)

@@ -110,21 +110,6 @@ def top_only(s: Stream, n: int) -> Stream:
                                valid=gold.any(1), cite_gold=None)
 
 
-def log_as_labels(s: Stream, calls: dict, negatives: str) -> Stream:
-    """``s`` with its logged calls as listwise labels and no gold: the cited memories are
-    the targets, against the shown ones (``negatives="shown"``) or all K candidates; a call
-    that cited nothing carries no listwise signal and is dropped."""
-    sel = np.asarray(calls["selected"])
-    ok = sel >= 0
-    rows = np.repeat(np.arange(sel.shape[0])[:, None], sel.shape[1], 1)
-    shown = np.zeros(s.cand_mask.shape, bool)
-    cited = np.zeros(s.cand_mask.shape, bool)
-    shown[rows[ok], sel[ok]] = True
-    cited[rows[ok], sel[ok]] = np.asarray(calls["cited"])[ok]
-    return dataclasses.replace(s, cand_mask=shown if negatives == "shown" else s.cand_mask, cand_gold=cited,
-                               num_gold=cited.sum(1).astype(np.int32), valid=cited.any(1), cite_gold=None)
-
-
 def seen_gold(s: Stream) -> np.ndarray:
     """Per valid question: whether one of its gold candidates was gold for an earlier
     question of the same conversation (None for a question with no gold candidate)."""
@@ -153,19 +138,6 @@ def log_precision(outputs: list[dict], by_id: dict) -> dict:
             "calls_citing": citing / max(calls, 1), "calls": calls}
 
 
-def online(streams, program, params, seed: int) -> tuple[dict, dict]:
-    """One online run of ``program`` with ``streams`` side by side (scope user: each learns
-    alone): (user id -> the reranker it ended with, user id -> its outputs)."""
-    finals, outputs = {}, {}
-    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
-        if isinstance(ev, rj.ChunkDone):
-            outputs.update(ev.outputs)
-            for i, s in enumerate(ev.streams):
-                local = jax.tree.map(lambda x, i=i: x[i], ev.states.params)
-                finals[s.user_id] = program.layout.scope.merge(ev.shared.params, local)
-    return finals, outputs
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     _common.locomo_options(ap)
@@ -186,13 +158,14 @@ def main(argv=None):
     tau_of = lambda tau: {} if tau is None else {"tau": tau}  # noqa: E731  (None: the preset's)
     programs = {(c, tau): rj.make_run(*rj.preset("default", k=args.k, m=args.m, **tau_of(tau)), cite_fn=CITATIONS[c])
                 for c, tau in keys}
-    runs = {(key, seed): online(streams, prog, start, seed) for key, prog in programs.items() for seed in seeds}
+    runs = {(key, seed): _common.run_chunk(streams, prog, start, seed)
+            for key, prog in programs.items() for seed in seeds}
 
     def learned(kind: str, o: dict, a: str, seed: int):
         if kind == "online":
             return runs[(o["citations"], o["tau"]), seed][0][a]
         data_a = (top_only(by_id[a], {"m": args.m, "2m": 2 * args.m}[o["top"]]) if "top" in o else by_id[a]) \
-            if kind == "gold" else log_as_labels(by_id[a], runs[(o["citations"], None), seed][1][a],
+            if kind == "gold" else _common.log_as_labels(by_id[a], runs[(o["citations"], None), seed][1][a],
                                                                o["negatives"])
         return pretrain(start, [data_a], [], PretrainConfig(m=args.m, epochs=o["epochs"]), seed=seed)[0]
 
