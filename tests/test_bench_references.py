@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import _common  # noqa: E402
 import _ref_numpy as ref_numpy  # noqa: E402
 import _ref_torch as ref_torch  # noqa: E402
 import peer_vw  # noqa: E402
@@ -568,3 +569,55 @@ def test_gpu_script_dry_run(tmp_path):
     vw = json.loads((tmp_path / "out" / summary["benchmarks"][1]["json"]).read_text())
     for res in vw["results"].values():
         assert res["vw"]["queries_per_s"]["median"] > 0 and res["rmm_jax"]["queries_per_s"]["median"] > 0
+
+
+def _toy_stream(uid: str, t: int, n: int, d: int, k: int, seed: int):
+    from rmm_jax.online.streams import Stream
+    rng = np.random.default_rng(seed)
+    bank = rng.normal(size=(n, d)).astype(np.float32)
+    bank /= np.linalg.norm(bank, axis=1, keepdims=True)
+    q = rng.normal(size=(t, d)).astype(np.float32)
+    cand = np.argsort(-(q @ bank.T), 1)[:, :k].astype(np.int32)
+    gold = rng.random((t, n)) < 0.15
+    return Stream(uid, bank, q, cand, np.ones((t, k), bool), np.take_along_axis(gold, cand, 1),
+                  gold.sum(1).astype(np.int32), gold.sum(1) > 0)
+
+
+@pytest.mark.parametrize("negatives", ["shown", "all"])
+def test_log_as_labels_makes_the_cited_shown_memories_the_gold(negatives):
+    """Each call's cited memories (of the filled shown slots) become its gold, against the
+    shown memories or all K; a call that cited nothing is dropped. Checked call by call
+    against a loop over the slots."""
+    s = _toy_stream("u", 40, 30, 6, 8, seed=1)
+    rng = np.random.default_rng(2)
+    sel = np.stack([rng.permutation(8)[:3] for _ in range(40)]).astype(np.int32)
+    sel[rng.random(sel.shape) < 0.2] = -1                                       # unfilled slots
+    cited = rng.random(sel.shape) < 0.4
+    out = _common.log_as_labels(s, {"selected": sel, "cited": cited}, negatives)
+    for t in range(40):
+        want_gold = {int(j) for j, c in zip(sel[t], cited[t]) if j >= 0 and c}
+        want_mask = {int(j) for j in sel[t] if j >= 0} if negatives == "shown" else set(range(8))
+        assert set(np.flatnonzero(out.cand_gold[t]).tolist()) == want_gold
+        assert set(np.flatnonzero(out.cand_mask[t]).tolist()) == want_mask
+        assert bool(out.valid[t]) == bool(want_gold) and out.num_gold[t] == len(want_gold)
+    np.testing.assert_array_equal(out.cand, s.cand)                             # the candidates stay
+
+
+def test_run_chunk_ends_where_run_online_ends():
+    """The benchmarks' chunk runner gives, per user, the prequential recall and the final
+    reranker (shared part merged with the user's own) that the library's run_online records,
+    in every scope."""
+    streams = [_toy_stream(f"u{i}", 24 + 4 * i, 30, 6, 8, seed=10 + i) for i in range(3)]
+    params = rj.init_reranker(jax.random.key(0), 6)
+    for scope in ("user", "shared", "hybrid"):
+        setting = rj.preset("default", k=8, m=3, lr=1e-2, scope=scope, rank=2 if scope == "hybrid" else None)
+        program = rj.make_run(*setting, cite_fn=cm.oracle())
+        finals, outputs = _common.run_chunk(streams, program, params, seed=4)
+        ref = rj.run_online(streams, program, params, seed=4, users_per_chunk=len(streams))
+        for i, s in enumerate(streams):
+            np.testing.assert_array_equal(np.asarray(outputs[s.user_id]["recall"]), ref.recall[s.user_id])
+            own = jax.tree.map(lambda x, i=i: x[i], ref.states[0].params)
+            want = program.layout.scope.merge(ref.shared.params, own)
+            assert jax.tree.structure(finals[s.user_id]) == jax.tree.structure(want)
+            for a, b in zip(jax.tree.leaves(finals[s.user_id]), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
