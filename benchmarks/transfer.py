@@ -201,7 +201,8 @@ def main(argv=None):
               "preset": "default", "setting": setting_record("default", rj.preset("default", k=args.k, m=args.m)),
               "pretrain": dataclasses.asdict(PretrainConfig(m=args.m)),
               "base": {u: float(v.mean()) for u, v in base.items()}, "logs": logs,
-              "rows": {r["name"]: r for r in rows}, "seconds": round(time.perf_counter() - t0, 1)}
+              "rows": {r["name"]: r for r in rows}, "order": [r["name"] for r in rows],
+              "seconds": round(time.perf_counter() - t0, 1)}
     _common.save_outputs(args, result, plot)
     return result
 
@@ -210,7 +211,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = list(result["rows"].values())
+    rows = [result["rows"][name] for name in result.get("order", result["rows"])]   # the file's keys are sorted
     colors = {"online": "tab:blue", "gold": "tab:green", "log": "tab:orange"}
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
     y = np.arange(len(rows))[::-1]
