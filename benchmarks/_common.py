@@ -41,12 +41,15 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
+import jax
 import numpy as np
 
 from rmm_jax.data import citations as cm
 from rmm_jax.data import load_locomo
 from rmm_jax.data.embed import Embedder
 from rmm_jax.data.store import open_store, write_store
+from rmm_jax.online.driver import ChunkDone, drive
+from rmm_jax.online.pretrain import eval_per_query
 from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
 from rmm_jax.online.streams import Stream, load_streams, with_answer_support
@@ -202,22 +205,33 @@ def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict
     return run_online(streams, program, params, seed=seed, users_per_chunk=len(streams)).recall
 
 
-def run_chunk(streams: Sequence[Stream], program, params, seed: int) -> tuple[dict, dict]:
+class ChunkRun(NamedTuple):
+    """One run of :func:`run_chunk`."""
+    finals: dict         # user id -> the reranker it ended with (its own part merged with the shared)
+    outputs: dict        # user id -> its outputs: recall, ndcg, selected, cited, log_prob per query
+    shared: object       # the shared part's params at the end (empty outside shared and hybrid)
+
+
+def run_chunk(streams: Sequence[Stream], program, params, seed: int) -> ChunkRun:
     """One run of ``program`` with ``streams`` side by side in one chunk, each user starting
     from ``params`` (simulated when the program has a citation model, else replayed from the
-    logs the streams carry): (user id -> the reranker it ended with, its own part merged with
-    the shared; user id -> its outputs: recall, ndcg, selected, cited, log_prob per query)."""
-    import jax
-
-    import rmm_jax as rj
-    finals, outputs = {}, {}
-    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
-        if isinstance(ev, rj.ChunkDone):
+    logs the streams carry)."""
+    finals, outputs, shared = {}, {}, None
+    for ev in drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
+        if isinstance(ev, ChunkDone):
             outputs.update(ev.outputs)
+            shared = ev.shared.params
             for i, s in enumerate(ev.streams):
                 local = jax.tree.map(lambda x, i=i: x[i], ev.states.params)
                 finals[s.user_id] = program.layout.scope.merge(ev.shared.params, local)
-    return finals, outputs
+    return ChunkRun(finals, outputs, shared)
+
+
+def frozen_recall(params, s: Stream, m: int) -> np.ndarray:
+    """Recall@M per query (T,) of a fixed reranker on a stream: no learning, every query."""
+    r, _ = eval_per_query(params, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
+                                   "num_gold": s.num_gold}, m)
+    return np.asarray(r)
 
 
 def log_as_labels(s: Stream, calls: dict, negatives: str = "shown") -> Stream:

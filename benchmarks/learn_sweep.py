@@ -78,7 +78,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -90,7 +89,7 @@ import optax  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.data.citations import P_OTHER, P_USEFUL  # noqa: E402
-from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
+from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
@@ -150,11 +149,6 @@ def logged(s: Stream, out: dict, times: int = 1) -> Stream:
 
 # --------------------------------------------------------------------------- the online loop
 
-class Run(NamedTuple):
-    outputs: dict        # user id -> {recall, ndcg, selected, cited, log_prob} per query
-    params: dict         # user id -> the reranker the user ended with (its own part merged with the shared)
-
-
 _PROGRAMS: dict = {}
 
 
@@ -167,19 +161,11 @@ def program_of(row: dict, citations: str | None) -> rj.Program:
     return _PROGRAMS[key]
 
 
-def run_loop(streams, program: rj.Program, params, seed: int) -> Run:
+def run_loop(streams, program: rj.Program, params, seed: int) -> _common.ChunkRun:
     """The one place this benchmark runs the library's online loop: every stream in one
     chunk from ``params`` (simulated when the program has a citation model, else replayed
     from the logs the streams carry)."""
-    finals, outputs = _common.run_chunk(streams, program, params, seed)
-    return Run(outputs, finals)
-
-
-def frozen_recall(params, s: Stream) -> np.ndarray:
-    """Recall@M per query of a fixed reranker on a stream (no learning)."""
-    r, _ = eval_per_query(params, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
-                                   "num_gold": s.num_gold}, M)
-    return np.asarray(r)
+    return _common.run_chunk(streams, program, params, seed)
 
 
 # --------------------------------------------------------------------------- settings
@@ -331,10 +317,10 @@ def lever_passes(ctx) -> dict:
                 rep = run_loop([logged(s, once.outputs[s.user_id], e) for s in first], program_of(row, None), params,
                                seed)
                 if e == 1:   # on-policy replay of the calls it logged reproduces the online pass
-                    for u in once.params:
-                        for a, b in zip(jax.tree.leaves(rep.params[u]), jax.tree.leaves(once.params[u])):
+                    for u in once.finals:
+                        for a, b in zip(jax.tree.leaves(rep.finals[u]), jax.tree.leaves(once.finals[u])):
                             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-                per_e[e].append({s.user_id: frozen_recall(rep.params[s.user_id], s) for s in second})
+                per_e[e].append({s.user_id: _common.frozen_recall(rep.finals[s.user_id], s, M) for s in second})
         for e in ctx.epochs:
             g = gain(per_e[e], base, second, TUNED_ON)
             if e != 1:
@@ -410,7 +396,7 @@ def pretrained(row: dict, others: list[Stream], logs: dict, start, seed: int):
         return pretrain(start, data, [], PretrainConfig(m=M, epochs=row["epochs"]), seed=seed)[0]
     shared = {k: v for k, v in row.items() if k not in ("scope", "rank", "local_lr")} | {"scope": "shared"}
     run = run_loop([logged(s, logs[s.user_id], row["epochs"]) for s in others], program_of(shared, None), start, seed)
-    return run.params[others[0].user_id]
+    return run.finals[others[0].user_id]
 
 
 def pretrain_rows(ctx, rows: list[dict], users) -> dict:
@@ -434,7 +420,7 @@ def pretrain_rows(ctx, rows: list[dict], users) -> dict:
                 start = cache[key]
                 target = next(s for s in streams if s.user_id == u)
                 if not row.get("online"):
-                    got[u] = frozen_recall(start, target)
+                    got[u] = _common.frozen_recall(start, target, M)
                 else:
                     program = program_of(row, "oracle")
                     # scope user learns from the target alone; shared scopes run the others beside it

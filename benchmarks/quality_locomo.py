@@ -57,7 +57,7 @@ import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.scope import DEFAULT_RANK  # noqa: E402
 from rmm_jax.online.plot import plot_gains  # noqa: E402
-from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
+from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
@@ -88,9 +88,7 @@ def run_seed(streams, programs, pcfg, scopes, rows, seed, log):
         pre, history = pretrain(identity, train, val, pcfg, seed=seed)
         info[s.user_id] = {"best_epoch": history["best_epoch"], "split": split}
         if "pretrain" in rows:
-            r, _ = eval_per_query(pre, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask,
-                                        "gold": s.cand_gold, "num_gold": s.num_gold}, m)
-            out.setdefault("pretrain", {})[s.user_id] = np.asarray(r)
+            out.setdefault("pretrain", {})[s.user_id] = _common.frozen_recall(pre, s, m)
         for scope in scopes:
             if f"pretrain+online:{scope}" not in rows:
                 continue

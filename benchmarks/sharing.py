@@ -97,12 +97,8 @@ def head(s: Stream, n: int) -> Stream:
 def run(streams, program, params, seed: int):
     """Every stream side by side in one chunk from ``params``: (user -> (T,) prequential recall,
     the shared part's params at the end)."""
-    recall, shared = {}, None
-    for ev in rj.drive([list(streams)], program, params, seed=seed, users_per_chunk=len(streams)):
-        if isinstance(ev, rj.ChunkDone):
-            recall.update({u: np.asarray(o["recall"]) for u, o in ev.outputs.items()})
-            shared = ev.shared.params
-    return recall, shared
+    r = _common.run_chunk(streams, program, params, seed)
+    return {u: np.asarray(o["recall"]) for u, o in r.outputs.items()}, r.shared
 
 
 def base_of(streams, m: int) -> dict:

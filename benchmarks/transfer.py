@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import setting_record  # noqa: E402
 from rmm_jax.data.citations import oracle  # noqa: E402
-from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain  # noqa: E402
+from rmm_jax.online.pretrain import PretrainConfig, pretrain  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 
 CITATIONS = {"class-calibrated": oracle(), "perfect": oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
@@ -94,10 +94,8 @@ ROWS = [
 
 
 def frozen_recall(params, s: Stream, m: int) -> np.ndarray:
-    """Recall@M per question of a fixed reranker on ``s`` (valid questions only)."""
-    r, _ = eval_per_query(params, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
-                                   "num_gold": s.num_gold}, m)
-    return np.asarray(r, np.float64)[np.asarray(s.valid, bool)]
+    """Recall@M per valid question of a fixed reranker on ``s`` (float64)."""
+    return np.asarray(_common.frozen_recall(params, s, m), np.float64)[np.asarray(s.valid, bool)]
 
 
 def top_only(s: Stream, n: int) -> Stream:
@@ -163,13 +161,17 @@ def main(argv=None):
 
     def learned(kind: str, o: dict, a: str, seed: int):
         if kind == "online":
-            return runs[(o["citations"], o["tau"]), seed][0][a]
-        data_a = (top_only(by_id[a], {"m": args.m, "2m": 2 * args.m}[o["top"]]) if "top" in o else by_id[a]) \
-            if kind == "gold" else _common.log_as_labels(by_id[a], runs[(o["citations"], None), seed][1][a],
-                                                               o["negatives"])
+            return runs[(o["citations"], o["tau"]), seed].finals[a]
+        if kind == "log":
+            data_a = _common.log_as_labels(by_id[a], runs[(o["citations"], None), seed].outputs[a], o["negatives"])
+        elif "top" in o:
+            data_a = top_only(by_id[a], {"m": args.m, "2m": 2 * args.m}[o["top"]])
+        else:
+            data_a = by_id[a]
         return pretrain(start, [data_a], [], PretrainConfig(m=args.m, epochs=o["epochs"]), seed=seed)[0]
 
-    logs = {c: log_precision([runs[(c, None), seed][1] for seed in seeds], by_id) for c, tau in keys if tau is None}
+    logs = {c: log_precision([runs[(c, None), seed].outputs for seed in seeds], by_id)
+            for c, tau in keys if tau is None}
     rows = []
     groups = np.concatenate([np.full(base[b].shape[0], i) for i, (_, b) in enumerate(pairs)])
     own_groups = np.concatenate([np.full(base[a].shape[0], i) for i, (a, _) in enumerate(pairs)])
@@ -180,7 +182,7 @@ def main(argv=None):
             transfer.append(np.concatenate([frozen_recall(params[a], by_id[b], args.m) - base[b] for a, b in pairs]))
             own.append(np.concatenate([frozen_recall(params[a], by_id[a], args.m) - base[a] for a, _ in pairs]))
             if kind == "online":
-                out = runs[(o["citations"], o["tau"]), seed][1]
+                out = runs[(o["citations"], o["tau"]), seed].outputs
                 preq.append(np.concatenate([_common.pooled({a: out[a]["recall"]}, streams, [a]) - base[a]
                                             for a, _ in pairs]))
         row = {"name": name, "learner": kind, **o,

@@ -612,7 +612,7 @@ def test_run_chunk_ends_where_run_online_ends():
     for scope in ("user", "shared", "hybrid"):
         setting = rj.preset("default", k=8, m=3, lr=1e-2, scope=scope, rank=2 if scope == "hybrid" else None)
         program = rj.make_run(*setting, cite_fn=cm.oracle())
-        finals, outputs = _common.run_chunk(streams, program, params, seed=4)
+        finals, outputs, shared = _common.run_chunk(streams, program, params, seed=4)
         ref = rj.run_online(streams, program, params, seed=4, users_per_chunk=len(streams))
         for i, s in enumerate(streams):
             np.testing.assert_array_equal(np.asarray(outputs[s.user_id]["recall"]), ref.recall[s.user_id])
