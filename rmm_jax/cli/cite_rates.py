@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from rmm_jax.cli.common import emit_json, info, users_option
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import emit_json, info, users_option
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure

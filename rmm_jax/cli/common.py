@@ -1,17 +1,18 @@
-"""Shared CLI pieces: the online-learning options, progress bars and JSON output."""
+"""Shared CLI pieces of the verbs that learn, serve or evaluate: the learning setting's options,
+the distributed options, progress bars and run-state checkpoints (what needs no JAX is in
+:mod:`rmm_jax.cli.shell`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import click
 import jax
-from click.core import ParameterSource
 from tqdm import tqdm
 
+from rmm_jax.cli.shell import check_writable, explicit_options, info
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
     PAPER_JUDGE,
@@ -29,38 +30,11 @@ from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
-from rmm_jax.persist.atomic import write_problem
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULTS = settings.preset("default")
 PAPER = settings.preset("paper")
-
-
-def info(msg: str) -> None:
-    """Progress and notes go to stderr so that ``--json`` stdout stays parseable."""
-    click.echo(msg, err=True)
-
-
-def emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
-
-
-def parse_users(users: str | None) -> list[str] | None:
-    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty item is an error."""
-    if users is None:
-        return None
-    ids = [u.strip() for u in users.split(",")]
-    if not all(ids):
-        raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
-    return ids
-
-
-def users_option(what: str = "Only these users"):
-    """``--users a,b``, the same filter on every verb that takes users; the value arrives
-    parsed (a list of ids, or None for all)."""
-    return click.option("--users", default=None, metavar="A,B", callback=lambda ctx, p, v: parse_users(v),
-                        help=f"{what} (comma-separated ids; default: all).")
 
 
 def _field(setting: Setting, field: str):
@@ -231,14 +205,6 @@ SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit
                    "p_other")  # see below
 
 
-def explicit_options() -> set[str]:
-    """The parameters of the running command that the user gave (on the command line or
-    in the environment), not left at their defaults."""
-    ctx = click.get_current_context()
-    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-    return {n for n in ctx.params if ctx.get_parameter_source(n) in given}
-
-
 def change_setting_option(f):
     """``--change-setting``: let this run change the learning setting the policy store records."""
     return click.option("--change-setting", is_flag=True,
@@ -359,20 +325,6 @@ def k_m_from_log(k: int | None, m: int | None, shape, log_path) -> tuple[int, in
     if k is None or m is None:
         info(f"--k {out[0]} --m {out[1]} from {log_path}, whose records all agree")
     return out[0], out[1]
-
-
-def check_writable(path, where: str, depth: int = 0) -> None:
-    """Refuse, in one line and before any work, an output location that cannot take new files
-    (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount)."""
-    problem = write_problem(path, depth)
-    if problem:
-        raise InputError(f"cannot write: {problem}", where=where)
-
-
-def check_output_file(path, where: str) -> None:
-    """A file output (written to a temporary sibling, then renamed): its directory must take new files."""
-    if path:
-        check_writable(Path(path).parent, where)
 
 
 def check_store_writable(path, where: str) -> None:

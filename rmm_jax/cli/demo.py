@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import check_writable, config_dict, config_options, emit_json, info, make_setting
+from rmm_jax.cli.common import config_dict, config_options, make_setting
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import check_writable, emit_json, info
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import Embedder
 from rmm_jax.data.store import open_store, write_store

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import check_writable, explicit_options, info
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import check_writable, explicit_options, info
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
 from rmm_jax.data.granularity import (

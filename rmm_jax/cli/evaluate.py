@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_output_file, info, k_m_from_log, users_option
+from rmm_jax.cli.common import DEFAULTS, k_m_from_log
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import check_output_file, info, users_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store

@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 import click
 import jax
 
-from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, emit_json, info, progress_bar
+from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, progress_bar
+from rmm_jax.cli.shell import emit_json, info
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope

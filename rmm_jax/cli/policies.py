@@ -13,8 +13,8 @@ import click
 import jax
 import numpy as np
 
-from rmm_jax.cli.common import check_output_file, users_option
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import check_output_file, users_option
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json

@@ -12,13 +12,11 @@ from rmm_jax.cli.common import (
     check_rank,
     check_store_writable,
     checkpoint_options,
-    emit_json,
-    info,
     make_setting,
     scope_options,
-    users_option,
 )
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import emit_json, info, users_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store

@@ -8,18 +8,15 @@ import click
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
     change_setting_option,
-    check_output_file,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
-    info,
     is_writer,
     k_m_from_log,
     learning_setting,
     note_setting,
     start_distributed,
-    users_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
@@ -39,6 +36,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
+from rmm_jax.cli.shell import check_output_file, info, users_option
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store

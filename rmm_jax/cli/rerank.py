@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from rmm_jax.cli.common import DEFAULTS, check_output_file, info, progress_bar
+from rmm_jax.cli.common import DEFAULTS, progress_bar
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import check_output_file, info
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
 from rmm_jax.data.store import open_store

@@ -9,17 +9,14 @@ import click
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
     change_setting_option,
-    check_output_file,
     checkpoint_options,
     config_dict,
     config_options,
     distributed_options,
-    info,
     is_writer,
     learning_setting,
     note_setting,
     start_distributed,
-    users_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
@@ -38,6 +35,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
+from rmm_jax.cli.shell import check_output_file, info, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL

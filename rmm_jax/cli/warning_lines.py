@@ -5,7 +5,7 @@ a command-line user needs neither. :func:`reported_warnings` (wrapped around eve
 by :func:`rmm_jax.cli.main.main`) collects the warnings that pass the active filters and,
 when the command ends (also on an error), prints:
 
-- a policy restore (:class:`rmm_jax.persist.policy_restore.PolicyRestoreWarning`) as
+- a policy restore (:class:`rmm_jax.persist.rollback.PolicyRestoreWarning`) as
   ``warning: STORE: user 'u7': restored v3, v4 is damaged (...)``; when more than
   :data:`SUMMARY_AFTER` users of one store roll back past the same versions for the same
   reasons, ONE line instead: ``warning: STORE: 812 users restored an older version (v4 is
@@ -24,7 +24,7 @@ import warnings
 
 import click
 
-from rmm_jax.persist.policy_restore import PolicyRestoreWarning, skips_text
+from rmm_jax.persist.rollback import PolicyRestoreWarning, skips_text
 
 SUMMARY_AFTER = 3  # up to this many users with the same rollback get a line each
 

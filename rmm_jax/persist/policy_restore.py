@@ -40,14 +40,7 @@ from rmm_jax.persist.policy_snapshot import (
     read_shared,
     vname,
 )
-
-
-class Skip(NamedTuple):
-    """A newer version that did not load, and why: ``f"v{version} {reason}"`` reads as a
-    sentence (``reason`` starts with "is" or "needs")."""
-
-    version: int
-    reason: str
+from rmm_jax.persist.rollback import Skip
 
 
 class Saved(NamedTuple):
@@ -89,22 +82,6 @@ class SavedShared(NamedTuple):
     info: dict
     version: int
     skipped: tuple[Skip, ...] = ()
-
-
-class PolicyRestoreWarning(UserWarning):
-    """A newer version did not load and an older one was restored. The message is one line
-    (``STORE: user 'u7': restored v3, v4 is damaged (...)``); ``store``, ``who`` (a user id,
-    or None for the shared part), ``version`` and ``skipped`` let a CLI summarise many."""
-
-    def __init__(self, store: str, who: str | None, version: int, skipped: Sequence[Skip]):
-        self.store, self.who, self.version, self.skipped = store, who, version, tuple(skipped)
-        name = "shared" if who is None else f"user {who!r}"
-        super().__init__(f"{store}: {name}: restored v{version}, {skips_text(skipped)}")
-
-
-def skips_text(skipped: Sequence[Skip]) -> str:
-    """``v4 is damaged (...); v3 needs shared v2, which is missing``."""
-    return "; ".join(f"v{s.version} {s.reason}" for s in skipped)
 
 
 def problem(reason: str) -> str:

@@ -19,8 +19,9 @@ from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_dir
 from rmm_jax.persist.codec import encode_tree
-from rmm_jax.persist.policy_restore import PolicyRestoreWarning, SavedShared, Skip, problem, restore_shared, skips_text
+from rmm_jax.persist.policy_restore import SavedShared, problem, restore_shared
 from rmm_jax.persist.policy_snapshot import SHARED_PARTS, cname, snapshot_dirs, verify_snapshot, vname, write_shared
+from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip, skips_text
 
 SHARED_CACHE = 4               # restored shared versions an object keeps (they never change)
 

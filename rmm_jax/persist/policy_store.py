@@ -97,15 +97,7 @@ from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
 from rmm_jax.persist.policy_index import Entry, IndexUnavailable, PolicyIndex, Save
-from rmm_jax.persist.policy_restore import (
-    PolicyRestoreWarning,
-    Saved,
-    SavedBatch,
-    SavedShared,
-    Skip,
-    restore_users,
-    skips_text,
-)
+from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, restore_users
 from rmm_jax.persist.policy_rows import write_rows
 from rmm_jax.persist.policy_shared import SharedParts
 from rmm_jax.persist.policy_snapshot import LEARNED_PART, USER_PARTS, cname, snapshot_dirs, users_per_chunk, vname
@@ -120,6 +112,7 @@ from rmm_jax.persist.policy_versions import (
     remove_leftovers,
     writer_index,
 )
+from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip, skips_text
 
 __all__ = ["PolicyStore", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save", "PolicyRestoreWarning",
            "DEFAULT_KEEP"]

@@ -1,0 +1,65 @@
+"""The shell's side of every verb, without JAX: notes on stderr and JSON on stdout, the
+``--users`` filter, which options the user gave, and output paths refused before any work.
+
+Verbs that never touch JAX (``embed``) import only this of the CLI's helpers, so that they
+start in a fraction of a second (:mod:`rmm_jax.cli.main` loads each verb when it is called).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import write_problem
+
+
+def info(msg: str) -> None:
+    """Progress and notes go to stderr so that ``--json`` stdout stays parseable."""
+    click.echo(msg, err=True)
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
+
+
+def parse_users(users: str | None) -> list[str] | None:
+    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty item is an error."""
+    if users is None:
+        return None
+    ids = [u.strip() for u in users.split(",")]
+    if not all(ids):
+        raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
+    return ids
+
+
+def users_option(what: str = "Only these users"):
+    """``--users a,b``, the same filter on every verb that takes users; the value arrives
+    parsed (a list of ids, or None for all)."""
+    return click.option("--users", default=None, metavar="A,B", callback=lambda ctx, p, v: parse_users(v),
+                        help=f"{what} (comma-separated ids; default: all).")
+
+
+def explicit_options() -> set[str]:
+    """The parameters of the running command that the user gave (on the command line or
+    in the environment), not left at their defaults."""
+    ctx = click.get_current_context()
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return {n for n in ctx.params if ctx.get_parameter_source(n) in given}
+
+
+def check_writable(path, where: str, depth: int = 0) -> None:
+    """Refuse, in one line and before any work, an output location that cannot take new files
+    (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount)."""
+    problem = write_problem(path, depth)
+    if problem:
+        raise InputError(f"cannot write: {problem}", where=where)
+
+
+def check_output_file(path, where: str) -> None:
+    """A file output (written to a temporary sibling, then renamed): its directory must take new files."""
+    if path:
+        check_writable(Path(path).parent, where)
+
