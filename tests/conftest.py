@@ -1,9 +1,7 @@
 """Shared test helpers. Keep this small; append helpers below."""
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 from pathlib import Path
 
 # Compiled programs are cached on disk, keyed by their HLO: the CLI builds a new program per
@@ -26,8 +24,8 @@ USER_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if 
 os.environ["XLA_FLAGS"] = " ".join([USER_XLA_FLAGS, *_FAST_COMPILE]).strip()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from fake_embedder import FakeEmbedder  # noqa: E402, F401 - the tests import it from here
 
 from rmm_jax.cli.main import main  # noqa: E402
 from rmm_jax.data import make_synthetic  # noqa: E402
@@ -59,35 +57,6 @@ def locomo_dir() -> Path:
     if os.environ.get("CI") == "true":
         pytest.fail(msg)
     pytest.skip(msg)
-
-
-class FakeEmbedder:
-    """Deterministic bag-of-words embedder, no model: fast store tests.
-
-    A text is the normalised sum of one fixed random vector per lower-cased word, so
-    texts that share words are close (retrieval has signal, as with a real model).
-    """
-
-    def __init__(self, dim: int = 16):
-        self.calls = 0
-        self.dim = dim
-        self.model_id = f"fake/bow-{dim}"
-
-    def _word(self, w):
-        seed = int.from_bytes(hashlib.sha256(w.encode()).digest()[:8], "little")
-        return np.random.default_rng(seed).standard_normal(self.dim)
-
-    def encode(self, texts, desc=""):
-        self.calls += 1
-        out = np.zeros((len(texts), self.dim), np.float32)
-        for i, t in enumerate(texts):
-            words = re.findall(r"[a-z0-9]+", t.lower()) or [t]
-            v = sum(self._word(w) for w in words) + 1e-3 * self._word("\0" + t)
-            out[i] = v / np.linalg.norm(v)
-        return out
-
-    def close(self):
-        pass
 
 
 def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):

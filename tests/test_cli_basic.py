@@ -1,14 +1,17 @@
 """The console script exists, teaches, and reports its version."""
+import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import click
 import pytest
 from click.testing import CliRunner
 
-from rmm_jax.cli.main import cli, main, register_commands
+from rmm_jax.cli.main import WITHOUT_JAX, cli, main, register_commands
+from rmm_jax.data.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,3 +201,31 @@ def test_help_examples_parse_and_read_only_what_exists_or_an_earlier_example_wro
     check_walk(flow_of(help_of(())[1]), set())
     check_walk([line for verb in WALK for line in examples(help_of((verb,))[1])], set())
     assert {v for v in cli.commands} == set(WALK)           # a new verb joins the walk
+
+
+# Each verb's module loads when the verb is called. The child embeds a small chat history with a
+# model-free embedder and reports which of JAX's libraries it imported on the way.
+NO_JAX_CHILD = textwrap.dedent("""
+    import sys
+    from fake_embedder import FakeEmbedder
+    import rmm_jax.cli.embed as verb
+    verb.Embedder = lambda *a, **kw: FakeEmbedder(8)
+    from rmm_jax.cli.main import main
+    for args in (["--version"], ["embed", "--help"], ["embed", sys.argv[1], "--out", sys.argv[2]]):
+        try:
+            main(args)
+        except SystemExit as e:
+            assert not e.code, (args, e.code)
+    print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "chex", "optax")))
+""")
+
+
+def test_the_verbs_without_jax_start_without_it(tmp_path):
+    assert WITHOUT_JAX == {"embed"}  # the child below runs each of them
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    p = subprocess.run([sys.executable, "-c", NO_JAX_CHILD, "jsonl:examples/chat_history.jsonl", str(tmp_path / "s")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "[]", p.stdout
+    store = open_store(tmp_path / "s")
+    assert len(store.user_ids) == 12 and store.model == "fake/bow-8" and store.dim == 8

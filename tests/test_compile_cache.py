@@ -52,10 +52,12 @@ def test_a_directory_the_user_gave_jax_is_kept():
     assert compile_cache.default_dir({}) == Path.home() / ".cache" / "rmm-jax" / "jax"
 
 
-def test_every_verb_sets_it_up_first(monkeypatch):
+def test_every_verb_that_loads_jax_sets_it_up_first(monkeypatch):
     calls = []
-    monkeypatch.setattr(cli_main, "setup_compile_cache", calls.append)
+    monkeypatch.setattr(compile_cache, "setup", calls.append)
     runner = CliRunner()
     assert runner.invoke(cli_main.cli, ["version"]).exit_code == 0
     assert runner.invoke(cli_main.cli, ["--no-compile-cache", "version"]).exit_code == 0
-    assert calls == [True, False]
+    assert runner.invoke(cli_main.cli, ["embed", "--help"]).exit_code == 0     # no JAX, nothing to compile
+    assert runner.invoke(cli_main.cli, ["pretrain", "--help"]).exit_code == 0
+    assert calls == [True, False, True]

@@ -53,3 +53,26 @@ def test_imports_follow_the_layers():
                 bad.append(f"{rel} ({layer}) imports {target}")
     assert checked > 50  # the walk really saw the package's imports
     assert not bad, "\n".join(bad)
+
+
+def test_the_top_level_names_its_exports_once_and_loads_them_lazily():
+    """``rmm_jax/__init__.py`` imports its names on first use (PEP 562): the table it loads
+    them from, the ``TYPE_CHECKING`` imports that readers and the API docs see, and
+    ``__all__`` name the same things, each name is its module's object, and importing the
+    package loads no JAX (a child process: this one has JAX already)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import rmm_jax
+
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.name: node.module for node in guarded.body for a in node.names}
+    assert typed == rmm_jax._WHERE and len(typed) > 40
+    assert set(rmm_jax.__all__) == {*typed, "__version__"}
+    for name, module in typed.items():
+        assert getattr(rmm_jax, name) is getattr(importlib.import_module(module), name), name
+    out = subprocess.run([sys.executable, "-c", "import sys, rmm_jax; print(sorted(m for m in sys.modules"
+                          " if m.split('.')[0] in ('jax', 'chex', 'optax')))"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -17,18 +17,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import click
-import jax
 
 from rmm_jax.cli.signals import Interrupted
 from rmm_jax.cli.warning_lines import reported_warnings
 from rmm_jax.errors import InputError
-from rmm_jax.online.compile_cache import setup as setup_compile_cache
 from rmm_jax.version import __version__
 
 CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
 
+# verb -> the module that defines it (rmm_jax.cli.<module>); a module is imported when its verb
+# is called or listed, so a verb starts with only what it needs.
+VERBS: dict[str, str] = {"embed": "embed", "retrieve": "retrieve", "policies": "policies", "pretrain": "pretrain",
+                         "simulate": "simulate", "replay": "replay", "rerank": "rerank", "evaluate": "evaluate",
+                         "cite-rates": "cite_rates", "demo": "demo"}
+# Verbs that never load JAX (tests/test_cli_basic.py checks it): they start in a fraction of a
+# second, and have no programs to keep in the compilation cache.
+WITHOUT_JAX = frozenset({"embed"})
 
-@click.group(context_settings=CONTEXT)
+
+class Verbs(click.Group):
+    """The group, loading each verb's module on first use (click's lazy group pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *VERBS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in VERBS:
+            importlib.import_module(f"rmm_jax.cli.{VERBS[name]}")  # the module adds its verb to `cli`
+        return self.commands.get(name)
+
+
+@click.group(cls=Verbs, context_settings=CONTEXT)
 @click.option("--compile-cache/--no-compile-cache", default=True,
               help="Keep compiled programs on disk so that the next command loads them instead of compiling again "
                    "(in $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rmm-jax/jax or ~/.cache/rmm-jax/jax, and "
@@ -36,7 +55,8 @@ CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_conten
                    "RMM_JAX_COMPILE_CACHE=0 also switches it off).")
 @click.version_option(__version__, "--version", prog_name="rmm-jax", message="%(prog)s %(version)s",
                       help="Print the version and exit (the `version` verb adds JAX and the device).")
-def cli(compile_cache: bool):
+@click.pass_context
+def cli(ctx: click.Context, compile_cache: bool):
     """rmm-jax: train and simulate the citation-driven memory reranker of
     Reflective Memory Management (Tan et al., ACL 2025) on precomputed embeddings.
 
@@ -54,7 +74,10 @@ def cli(compile_cache: bool):
       rmm-jax simulate stores/mine --policies simulated       # or learn from simulated citations
       rmm-jax demo                                # all of it on built-in synthetic users
     """
-    setup_compile_cache(compile_cache)
+    if ctx.invoked_subcommand not in WITHOUT_JAX:
+        from rmm_jax.online.compile_cache import setup  # imports JAX
+
+        setup(compile_cache)
 
 
 @cli.command()
@@ -65,22 +88,19 @@ def version():
     Example:
       rmm-jax version
     """
+    import jax
+
     click.echo(f"rmm-jax {__version__} (jax {jax.__version__}, backend {jax.default_backend()})")
 
 
 def register_commands() -> None:
-    """Import every verb's module; each adds itself to :data:`cli` (they import ``cli`` from
-    here, so they cannot be imported at the top of this module)."""
-    for name in COMMAND_MODULES:
+    """Import every verb's module now (each adds itself to :data:`cli`), for readers of
+    ``cli.commands`` such as the docs; commands themselves load their verb on first use."""
+    for name in VERBS.values():
         importlib.import_module(f"rmm_jax.cli.{name}")
 
 
-COMMAND_MODULES: list[str] = ["embed", "retrieve", "policies", "pretrain", "simulate", "replay", "rerank", "evaluate",
-                              "cite_rates", "demo"]
-
-
 def main(argv=None) -> None:
-    register_commands()
     try:
         with reported_warnings():  # one formatted line per warning on stderr, at the end
             code = cli.main(args=argv, standalone_mode=False)

@@ -34,6 +34,7 @@ from rmm_jax.core import checks
 from rmm_jax.core.reranker import dim_of, init_lowrank, merge_params
 
 SCOPES = ("user", "shared", "hybrid")
+"""Who learns from whose citations: every user alone, one policy for all, or both (:class:`Scope`)."""
 DEFAULT_RANK = 8
 LOWRANK_KEY = 0x10CA1  # folded into a user's key for its low-rank initialisation
 
