@@ -19,7 +19,9 @@ and the second run reads them back.
 beside them: the floor every command that uses JAX pays. Each verb loads only its own
 modules, so ``embed`` (no JAX) starts below it; ``beyond_version_s`` is what a verb's second
 run takes beyond that floor (median second run minus median ``version``), the part of a warm
-command that rmm-jax itself can still shorten.
+command that rmm-jax itself can still shorten. ``warm_profile``: each verb once more on its
+warm cache with Python's import timer on, its wall seconds split into imports (JAX's
+among them) and the rest (the interpreter's start and the verb's own work).
 
 Reported per verb: wall seconds of each run and the per-repeat ratio second / first,
 median [min, max] over ``--repeats`` interleaved repeats, with the 1-minute load average
@@ -56,6 +58,11 @@ WALK = [
 ]
 
 
+def cache_tag(rep: int, name: str) -> str:
+    """The name of a repeat's compilation cache for a verb (``jax-TAG``)."""
+    return f"{rep}-{name.replace(' ', '_').replace(',', '')}"
+
+
 def rmm_jax_command() -> list[str]:
     """The console script users run (beside this interpreter), else the module."""
     script = Path(sys.executable).parent / "rmm-jax"
@@ -84,6 +91,25 @@ class Walkthrough:
         if r.returncode not in ok:
             sys.exit(f"error: rmm-jax {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}")
         return took
+
+    def profile(self, args: list[str], ok, cache: Path) -> dict:
+        """One more warm run of ``args`` with Python's import timer on
+        (``PYTHONPROFILEIMPORTTIME``): its wall seconds, the seconds its imports took, and of
+        those JAX's (``import jax`` wherever it first happens; 0 when never imported)."""
+        env = {**self.env, "JAX_COMPILATION_CACHE_DIR": str(cache), "PYTHONPROFILEIMPORTTIME": "1"}
+        t = time.perf_counter()
+        r = subprocess.run(rmm_jax_command() + args, cwd=self.root, env=env, capture_output=True, text=True)
+        took = time.perf_counter() - t
+        if r.returncode not in ok:
+            sys.exit(f"error: rmm-jax {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}")
+        imports = jax = 0.0
+        for line in r.stderr.splitlines():  # "import time: self_us | cumulative_us | <2 spaces a level>name"
+            if line.startswith("import time:") and "|" in line and not line.endswith("| imported package"):
+                _, cumulative, name = line.split("|")
+                if cumulative.strip().isdigit():
+                    imports += int(cumulative) / 1e6 if name == f" {name.strip()}" else 0.0  # top level only
+                    jax += int(cumulative) / 1e6 if name.strip() == "jax" else 0.0
+        return {"wall_s": took, "imports_s": imports, "jax_import_s": jax, "rest_s": took - imports}
 
     def prepare(self) -> None:
         """Untimed, without a compilation cache: the store, every text embedded, the policies
@@ -126,7 +152,7 @@ def main(argv=None):
         for rep in range(args.repeats):
             order = WALK if rep % 2 == 0 else WALK[::-1]
             for name, cmd, ok, state in order:
-                tag = f"{rep}-{len(times[name]['first'])}-{name.replace(' ', '_').replace(',', '')}"
+                tag = cache_tag(rep, name)
                 embeddings = root / f"embeddings-{tag}" if state == "cold_embeddings" else None
                 for which in ("first", "second"):
                     walk.reset(state)
@@ -134,6 +160,11 @@ def main(argv=None):
                 print(f"repeat {rep} {name}: first {times[name]['first'][-1]:.2f} s, second "
                       f"{times[name]['second'][-1]:.2f} s (load {watch.sample():.2f})", file=sys.stderr, flush=True)
             floor.append(walk.run(["version"], cache=root / "jax-version"))
+        # Where a warm run's time goes: each verb once more, on the cache its last repeat filled.
+        profiles = {}
+        for name, cmd, ok, state in WALK:
+            walk.reset(state)
+            profiles[name] = walk.profile(cmd, ok, root / f"jax-{cache_tag(args.repeats - 1, name)}")
         load = watch.result()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -143,7 +174,8 @@ def main(argv=None):
         verbs[name] = {"command": "rmm-jax " + " ".join(cmd), "first_s": spread(t["first"]),
                        "second_s": spread(t["second"]),
                        "second_over_first": spread([b / a for a, b in zip(t["first"], t["second"])]),
-                       "beyond_version_s": spread(t["second"])["median"] - spread(floor)["median"]}
+                       "beyond_version_s": spread(t["second"])["median"] - spread(floor)["median"],
+                       "warm_profile": profiles[name]}
     targets = [{"name": f"{name}: second run / first run (median)", "value": v["second_over_first"]["median"],
                 "target": f"<= {TARGET}", "pass": v["second_over_first"]["median"] <= TARGET}
                for name, v in verbs.items()]
@@ -155,6 +187,10 @@ def main(argv=None):
               f"{r['median']:>10.2f} [{r['min']:.2f}, {r['max']:.2f}]{v['beyond_version_s']:>18.2f}")
     print(f"rmm-jax version (the JAX floor): {spread(floor)['median']:.2f} s; load {load['max']:.2f}"
           + (" (noisy)" if load["noisy"] else ""))
+    print(f"{'one more warm run':<24}{'wall s':>10}{'imports s':>10}{'of which JAX':>14}{'the rest s':>12}")
+    for name, v in verbs.items():
+        w = v["warm_profile"]
+        print(f"{name:<24}{w['wall_s']:>10.2f}{w['imports_s']:>10.2f}{w['jax_import_s']:>14.2f}{w['rest_s']:>12.2f}")
     for t in targets:
         print(f"  {'PASS' if t['pass'] else 'MISS'}  {t['name']}: {t['value']:.2f} (target {t['target']})")
     if args.json:
