@@ -1,4 +1,6 @@
-"""The ``rmm-jax`` command line: one click group, one verb per sub-command.
+"""The ``rmm-jax`` command line: one click group, one verb per sub-command, each verb's
+module imported when the verb is called (:class:`Verbs`), so that a verb loads only what it
+needs (``embed`` and ``--version`` start without JAX).
 
 The CLI is a thin shell over :mod:`rmm_jax`. Bad input raises
 :class:`rmm_jax.errors.InputError`; :func:`main` prints its one-line message on stderr
