@@ -7,6 +7,7 @@
     python benchmarks/learn_sweep.py answer    --json benchmarks/results/learn_sweep_answer.json
     python benchmarks/learn_sweep.py heldout   --json benchmarks/results/learn_sweep_heldout.json
     python benchmarks/learn_sweep.py lr        --json benchmarks/results/learn_sweep_lr.json
+    python benchmarks/learn_sweep.py prior     --json benchmarks/results/learn_sweep_prior.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -51,6 +52,14 @@ user (``rmm_jax.core.config.BY_SCOPE``).
 * ``answer``: the label-free ``answer`` citation model (``simulate --citations answer``):
   the shown memories that support the reference answer are cited, nothing else.
 * ``lr``: the default preset's step size under each citation model.
+* ``prior``: a prior per memory. The embeddings gain coordinates of each memory's own
+  (``with_memory_coordinates``: a one-hot per memory, a constant per query, both √scale), so
+  the same residual maps can hold a bias and an embedding offset per memory; scores at the
+  start are unchanged. Every scale under every citation model online from identity, and after
+  gold pretraining (leave-one-out, as ``pretrain``); the scale whose worst citation model
+  gains most is the lever's choice. It measures whether what ``transfer.py`` found the online
+  gain to be (memories that keep being the answer) pays when the reranker can hold it; the
+  library's reranker does not have it.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -97,7 +106,7 @@ TUNED_ON = ("26", "30")
 K, M = 20, 5
 JUDGE = {"p_useful": P_USEFUL, "p_other": P_OTHER}        # the class-calibrated judge's rates
 CITE_FNS = {name: _common.citation_model(name)[0] for name in _common.CITATIONS}
-NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs")   # row keys that are not program settings
+NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior")   # row keys that are not settings
 
 
 # --------------------------------------------------------------------------- data
@@ -283,8 +292,9 @@ def online_rows(ctx, rows: list[dict], users, report) -> dict:
     for row in rows:
         cm = row.get("citations", "oracle")
         run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
+        run_on, start = with_prior(run_on, params, row.get("prior"))
         program = program_of(row, cm)
-        out[row["name"]] = [{u: o["recall"] for u, o in run_loop(run_on, program, params, seed).outputs.items()}
+        out[row["name"]] = [{u: o["recall"] for u, o in run_loop(run_on, program, start, seed).outputs.items()}
                             for seed in ctx.seeds]
         ctx.log(line(row["name"], gain(out[row["name"]], ctx.base, streams, report)))
     return out
@@ -425,7 +435,8 @@ def pretrain_rows(ctx, rows: list[dict], users) -> dict:
                     program = program_of(row, "oracle")
                     # scope user learns from the target alone; shared scopes run the others beside it
                     run_on = [target] if not program.layout.scope.has_shared else streams
-                    got[u] = run_loop(run_on, program, start, seed).outputs[u]["recall"]
+                    run_on, from_ = with_prior(run_on, start, row.get("prior"))
+                    got[u] = run_loop(run_on, program, from_, seed).outputs[u]["recall"]
             per_seed[row["name"]].append(got)
         ctx.log(f"  seed {seed} done")
     for row in rows:
@@ -480,6 +491,68 @@ def lever_lr(ctx) -> dict:
     best_lr = max(worst, key=worst.get)
     ctx.log(f"  worst gain over citation models per lr: {worst}; max-min lr {best_lr:g}")
     return {"rows": rows, "worst_over_models": {f"{k:g}": v for k, v in worst.items()}, "max_min_lr": best_lr}
+
+
+# A prior per memory. transfer.py found the online gain conversation-specific: memories that keep
+# being the answer. The residual maps see a memory only through its embedding, so this lever gives
+# each memory coordinates of its own (the reranker itself unchanged), under every citation model,
+# online from identity and after gold pretraining; the scale whose worst citation model gains most
+# (max-min, as for the step size) is the lever's choice.
+PRIOR_SCALES = (0.0, 1.0, 3.0, 10.0, 20.0, 30.0, 50.0)
+PRIOR_ROWS = [{"name": f"default, memory coordinates x{sc:g} [{cm}]", "preset": "default", "prior": sc,
+               "citations": cm} for cm in LR_MODELS for sc in PRIOR_SCALES]
+PRIOR_PRETRAIN_ROWS = [{"name": f"gold pretrain + default online, memory coordinates x{sc:g}", "pretrain": "gold",
+                        "online": True, "preset": "default", "prior": sc} for sc in PRIOR_SCALES]
+
+
+def with_memory_coordinates(s: Stream, n: int, scale: float) -> Stream:
+    """``s`` with coordinates of each memory's own: the bank gains ``n`` one-hot columns (memory
+    ``i``'s at ``i``, of value √scale) and a zero one, each query ``n`` zeros and a constant √scale.
+    The identity reranker scores it exactly as ``s`` (a query's and a memory's new coordinates
+    never meet). A residual map over it holds, per memory, a bias (the query map's entry from
+    the constant to the memory's coordinate) and an embedding offset (the memory map's row for
+    the memory's own coordinate), and the larger ``scale``, the more one Adam step moves them."""
+    n_mem, d = s.bank.shape
+    r = np.float32(np.sqrt(scale))
+    bank = np.zeros((n_mem, d + n + 1), np.float32)
+    bank[:, :d], bank[np.arange(n_mem), d + np.arange(n_mem)] = s.bank, r
+    queries = np.zeros((s.queries.shape[0], d + n + 1), np.float32)
+    queries[:, :d], queries[:, -1] = s.queries, r
+    return dataclasses.replace(s, bank=bank, queries=queries)
+
+
+def with_prior(streams: list[Stream], params, scale: float | None):
+    """``streams`` and ``params`` for a row's ``prior`` (None or 0: as they are): the streams with
+    memory coordinates for the largest bank among them, the reranker's maps written over the
+    leading block of maps over the wider embedding (zero elsewhere: the same scores)."""
+    if not scale:
+        return streams, params
+    n = max(s.bank.shape[0] for s in streams)
+    wide = [with_memory_coordinates(s, n, scale) for s in streams]
+    return wide, jax.tree.map(_in_corner, rj.init_reranker(jax.random.key(0), wide[0].bank.shape[1]), params)
+
+
+def _in_corner(big, small) -> np.ndarray:
+    """``big`` with ``small`` written over its leading block."""
+    out = np.array(big, copy=True)
+    out[tuple(slice(0, n) for n in np.shape(small))] = small
+    return out
+
+
+def lever_prior(ctx) -> dict:
+    chosen_rows = select(PRIOR_ROWS + PRIOR_PRETRAIN_ROWS, ctx.rows)
+    online, pre = [r for r in chosen_rows if "pretrain" not in r], [r for r in chosen_rows if "pretrain" in r]
+    runs = online_rows(ctx, online, TUNED_ON, TUNED_ON)
+    rows = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in online]
+    worst = {}
+    for r in rows:
+        worst[r["prior"]] = min(worst.get(r["prior"], np.inf), r["gain"]["mean"])
+    chosen = max(worst, key=worst.get) if worst else None
+    ctx.log(f"  worst gain over citation models per scale: {worst}; max-min scale {chosen}")
+    pre_runs = pretrain_rows(ctx, pre, TUNED_ON) if pre else {}
+    rows += [{**record(r), **gain(pre_runs[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in pre]
+    return {"rows": rows, "worst_over_models": {f"{k:g}": v for k, v in worst.items()}, "max_min_scale": chosen,
+            "protocol": PRETRAIN_PROTOCOL}
 
 
 HELD_OUT = ["41", "42", "43"]
@@ -601,7 +674,7 @@ class Context:
 
 
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
-          "answer": lever_answer, "lr": lever_lr, "heldout": lever_heldout}
+          "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout}
 
 
 def main(argv=None):

@@ -621,3 +621,37 @@ def test_run_chunk_ends_where_run_online_ends():
             assert jax.tree.structure(finals[s.user_id]) == jax.tree.structure(want)
             for a, b in zip(jax.tree.leaves(finals[s.user_id]), jax.tree.leaves(want)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_memory_coordinates_score_as_the_narrow_reranker_until_they_learn():
+    """learn_sweep's prior lever widens the embeddings with each memory's own coordinates. A
+    linear reranker put in the corner of the wider maps (``with_prior``) scores every candidate
+    as it scores the narrow stream (float64 reference, float32 bound); a bias written for one
+    memory (the query map's entry from the constant to that memory's coordinate) moves that
+    memory's score, and no other, by the bias times the scale."""
+    import learn_sweep
+    from helpers import params_of
+
+    streams = [_toy_stream("a", 10, 30, 6, 8, seed=3), _toy_stream("b", 12, 25, 6, 8, seed=4)]
+    narrow = jax.tree.map(lambda x: 0.1 * x, params_of(5, "linear", d=6))
+    wide, params = learn_sweep.with_prior(streams, narrow, 20.0)
+    wq, wm = (np.asarray(narrow[a]["W"]["kernel"], np.float64) for a in ("q_adapter", "m_adapter"))
+
+    def reference(s, t, bias=None):  # the maps x' = x + x @ kernel, in float64
+        q, m = s.queries[t].astype(np.float64), s.bank[s.cand[t]].astype(np.float64)
+        out = (m + m @ wm) @ (q + q @ wq)
+        return out if bias is None else out + bias
+
+    for s, w in zip(streams, wide):
+        assert w.bank.shape[1] == 6 + 30 + 1 and np.array_equal(w.cand, s.cand)
+        for t in range(0, s.queries.shape[0], 3):
+            args = (params, w.queries[t], w.bank[w.cand[t]])
+            assert_f32_close(rj.score(*args), reference(s, t), f32_error(rj.score, *args))
+    s, w = streams[1], wide[1]
+    i = int(s.cand[0, 2])                                           # the third candidate of the first query
+    kernel = np.array(params["q_adapter"]["W"]["kernel"])
+    kernel[-1, 6 + i] = 0.25                                        # constant coordinate -> memory i's
+    biased = {**params, "q_adapter": {"W": {"kernel": kernel}}}
+    args = (biased, w.queries[0], w.bank[w.cand[0]])
+    want = reference(s, 0, bias=np.where(np.arange(8) == 2, 0.25 * 20.0, 0.0))
+    assert_f32_close(rj.score(*args), want, f32_error(rj.score, *args))
