@@ -73,7 +73,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   the earlier looks. The sixth look (``labelled_calls.py`` was the fifth) adds one row,
   fixed before it ran: ``default hybrid, local lr 3e-4``, the scope lever's best hybrid row
   on 26 and 30 (the per-user factors stepped at 3e-4, the shared part at the default's
-  1e-4), paired with the default; every other row is the fourth look's, recomputed.
+  1e-4), paired with the default; every other row is the fourth look's, recomputed. The
+  seventh adds the ``prior`` lever's choice (memory coordinates at scale 20, fixed on 26 and
+  30 by the max-min rule before it ran) under each citation model and after gold pretraining,
+  each paired with the same row without them.
 
 The store: ``--store`` (made by ``rmm-jax embed locomo:DATA --answers --out DIR``) is
 reused when it exists and is built there otherwise (a temporary one without it).
@@ -579,6 +582,12 @@ HELDOUT_ONLINE = [
     {"name": "reinforce [answer]", "citations": "answer"},
     # added at the sixth look: the scope lever's best hybrid row on 26 and 30 (learn_sweep_scope.json)
     {"name": "default hybrid, local lr 3e-4", "preset": "default", "scope": "hybrid", "rank": 8, "local_lr": 3e-4},
+    # added at the seventh look: the prior lever's choice on 26 and 30 (learn_sweep_prior.json: the
+    # scale whose worst citation model gains most, 20), under each citation model
+    {"name": "default, memory coordinates x20", "preset": "default", "prior": 20.0},
+    {"name": "default, memory coordinates x20 [precision_recall]", "preset": "default", "prior": 20.0,
+     "citations": "precision_recall"},
+    {"name": "default, memory coordinates x20 [answer]", "preset": "default", "prior": 20.0, "citations": "answer"},
 ]
 HELDOUT_PRETRAIN = [
     {"name": "gold pretrain", "pretrain": "gold"},
@@ -589,6 +598,9 @@ HELDOUT_PRETRAIN = [
     {"name": "gold pretrain + reinforce online", "pretrain": "gold", "online": True},
     {"name": "replay pretrain 3 ep + default online", "pretrain": "replay", "epochs": 3, "online": True,
      "preset": "default"},
+    # added at the seventh look, with the online rows above
+    {"name": "gold pretrain + default online, memory coordinates x20", "pretrain": "gold", "online": True,
+     "preset": "default", "prior": 20.0},
 ]
 PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [precision_recall]"),
          ("calibrated [answer]", "default [answer]"), ("calibrated shared", "default shared"),
@@ -600,7 +612,11 @@ PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [
          ("gold pretrain + default online", "gold pretrain"),
          ("gold pretrain + default online hybrid", "gold pretrain + default online"),
          ("replay pretrain 3 ep + default online", "default"),
-         ("default hybrid, local lr 3e-4", "default")]
+         ("default hybrid, local lr 3e-4", "default"),
+         ("default, memory coordinates x20", "default"),
+         ("default, memory coordinates x20 [precision_recall]", "default [precision_recall]"),
+         ("default, memory coordinates x20 [answer]", "default [answer]"),
+         ("gold pretrain + default online, memory coordinates x20", "gold pretrain + default online")]
 
 
 def lever_heldout(ctx) -> dict:
