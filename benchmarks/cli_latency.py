@@ -104,11 +104,16 @@ class Walkthrough:
             sys.exit(f"error: rmm-jax {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}")
         imports = jax = 0.0
         for line in r.stderr.splitlines():  # "import time: self_us | cumulative_us | <2 spaces a level>name"
-            if line.startswith("import time:") and "|" in line and not line.endswith("| imported package"):
-                _, cumulative, name = line.split("|")
-                if cumulative.strip().isdigit():
-                    imports += int(cumulative) / 1e6 if name == f" {name.strip()}" else 0.0  # top level only
-                    jax += int(cumulative) / 1e6 if name.strip() == "jax" else 0.0
+            if not line.startswith("import time:"):
+                continue
+            _, cumulative, name = line.split("|")
+            if not cumulative.strip().isdigit():     # the header
+                continue
+            seconds = int(cumulative) / 1e6
+            if not name.startswith("  "):            # top level: nested imports are inside its cumulative
+                imports += seconds
+            if name.strip() == "jax":
+                jax += seconds
         return {"wall_s": took, "imports_s": imports, "jax_import_s": jax, "rest_s": took - imports}
 
     def prepare(self) -> None:
