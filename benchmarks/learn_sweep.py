@@ -8,6 +8,7 @@
     python benchmarks/learn_sweep.py heldout   --json benchmarks/results/learn_sweep_heldout.json
     python benchmarks/learn_sweep.py lr        --json benchmarks/results/learn_sweep_lr.json
     python benchmarks/learn_sweep.py prior     --json benchmarks/results/learn_sweep_prior.json
+    python benchmarks/learn_sweep.py bound     --json benchmarks/results/learn_sweep_bound.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -60,6 +61,15 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   gains most is the lever's choice. It measures whether what ``transfer.py`` found the online
   gain to be (memories that keep being the answer) pays when the reranker can hold it; the
   library's reranker does not have it.
+* ``bound``: how far the same reranker gets when what it learns from is better than citations,
+  on every conversation, reported on 26+30 and on 41–43 apart (5 seeds); it chooses nothing.
+  The default under the class-calibrated citations and under perfect ones (exactly the shown
+  gold memories), in each scope; the reranker learning online from complete labels
+  (``full_information``: each batch scored by its greedy top M, then one Adam step on the
+  listwise loss over its K candidates against their gold; deterministic, so its intervals
+  resample queries only) at four step sizes, per user and shared; and the same from
+  leave-one-out gold pretraining. It separates what the targets lose to the judge's noise
+  from what they lose to seeing only the shown memories' labels.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -85,6 +95,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -95,12 +106,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import _common  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
+from rmm_jax.core import metrics as rmetrics  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
-from rmm_jax.data.citations import P_OTHER, P_USEFUL  # noqa: E402
+from rmm_jax.core.losses import listwise_loss  # noqa: E402
+from rmm_jax.core.sampling import top_m  # noqa: E402
+from rmm_jax.data.citations import P_OTHER, P_USEFUL, oracle  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
@@ -108,7 +123,9 @@ from rmm_jax.online.summary import base_values  # noqa: E402
 TUNED_ON = ("26", "30")
 K, M = 20, 5
 JUDGE = {"p_useful": P_USEFUL, "p_other": P_OTHER}        # the class-calibrated judge's rates
-CITE_FNS = {name: _common.citation_model(name)[0] for name in _common.CITATIONS}
+PERFECT = "perfect"          # the bound lever's citations: exactly the shown gold memories, no judge noise
+CITE_FNS = {**{name: _common.citation_model(name)[0] for name in _common.CITATIONS},
+            PERFECT: oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
 NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior")   # row keys that are not settings
 
 
@@ -558,6 +575,118 @@ def lever_prior(ctx) -> dict:
             "protocol": PRETRAIN_PROTOCOL}
 
 
+# How far the same reranker gets with complete labels. Citations label only the M shown memories,
+# and noisily; here every batch's K candidates carry their gold. A bound for the targets, run on
+# every conversation and reported on 26+30 and 41-43 apart; it chooses nothing.
+BOUND_LRS = (1e-4, 3e-4, 1e-3, 3e-3)
+BOUND_TAU = PretrainConfig().tau        # pretraining's listwise temperature
+BOUND_CITED = [{"name": f"default{sc} [{c}]", "preset": "default", "citations": c, **extra}
+               for c in ("oracle", PERFECT)
+               for sc, extra in (("", {}), (" shared", {"scope": "shared"}), (" hybrid", {"scope": "hybrid"}))]
+BOUND_FULL = [{"name": f"full information {scope}, lr {lr:g}", "scope": scope, "lr": lr}
+              for scope in ("user", "shared") for lr in BOUND_LRS]
+BOUND_PRETRAIN = [{"name": "gold pretrain", "pretrain": "gold"}] + [
+    {"name": f"gold pretrain + full information, lr {lr:g}", "pretrain": "gold", "lr": lr} for lr in BOUND_LRS]
+
+
+def full_information(streams: list[Stream], params, lr: float, scope: str = "user") -> dict:
+    """User id -> (T,) prequential Recall@M of the reranker learning online from complete labels:
+    the stream's batches of B queries in order, each scored by its greedy top M (as the library's
+    loop scores) and then one Adam step at ``lr`` on the listwise loss over its K candidates
+    against their gold (:func:`rmm_jax.core.losses.listwise_loss` at pretraining's temperature;
+    valid queries with a gold candidate). ``scope`` ``user``: each stream its own reranker;
+    ``shared``: one reranker, each step on every stream's next batch together."""
+    b = setting_of({"preset": "default"}).layout.batch
+    steps = max(-(-s.queries.shape[0] // b) for s in streams)
+
+    def padded(s):
+        t, pad = s.queries.shape[0], steps * b - s.queries.shape[0]
+        x = {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold & s.valid[:, None],
+             "num_gold": s.num_gold}
+        return {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]).reshape((steps, b) + v.shape[1:])
+                for k, v in x.items()} | {"t": t}
+
+    data = [padded(s) for s in streams]
+    stacked = {k: np.stack([x[k] for x in data]) for k in data[0] if k != "t"}
+    recall = np.asarray(_full_information_program(lr, scope == "shared")(params, stacked))
+    return {s.user_id: recall[i].reshape(-1)[: x["t"]] for i, (s, x) in enumerate(zip(streams, data))}
+
+
+@functools.lru_cache(maxsize=None)
+def _full_information_program(lr: float, shared: bool):
+    """``run(params, data (U, steps, B, ...)) -> (U, steps, B) recall``, jitted."""
+    opt = optax.adam(lr)
+
+    def recall(params, x):
+        scores = rj.score_batch(params, x["q"], x["m"], x["mask"])
+        top = jax.vmap(lambda s, mk: top_m(s, M, mk))(scores, x["mask"])
+        rel = jnp.take_along_axis(x["gold"], jnp.maximum(top, 0), axis=1) & (top >= 0)
+        return rmetrics.recall_at_k(rel, x["num_gold"], M)
+
+    def loss(params, x):
+        return listwise_loss(rj.score_batch(params, x["q"], x["m"], x["mask"]), x["gold"], x["mask"], BOUND_TAU)
+
+    def learn(params, state, x):
+        updates, state = opt.update(jax.grad(loss)(params, x), state, params)
+        return optax.apply_updates(params, updates), state
+
+    def step(carry, x):                     # x: every user's next batch, (U, B, ...)
+        params, state = carry
+        if shared:
+            r = jax.vmap(recall, (None, 0))(params, x)
+            params, state = learn(params, state, jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), x))
+        else:
+            r = jax.vmap(recall)(params, x)
+            params, state = jax.vmap(learn)(params, state, x)
+        return (params, state), r
+
+    @jax.jit
+    def run(params, data):
+        u = data["q"].shape[0]
+        if not shared:
+            params = jax.tree.map(lambda a: jnp.broadcast_to(a, (u,) + a.shape), params)
+        state = opt.init(params) if shared else jax.vmap(opt.init)(params)
+        _, r = jax.lax.scan(step, (params, state), jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), data))
+        return jnp.swapaxes(r, 0, 1)
+
+    return run
+
+
+def lever_bound(ctx) -> dict:
+    """The default under the judge's citations and under perfect ones, and the same reranker
+    learning online from complete labels (from identity, and after gold pretraining), each
+    reported on the tuning and the held-out conversations apart."""
+    everyone = [s.user_id for s in ctx.streams]
+    chosen = {r["name"] for r in select(BOUND_CITED + BOUND_FULL + BOUND_PRETRAIN, ctx.rows)}
+    pick = lambda rows: [r for r in rows if r["name"] in chosen]  # noqa: E731
+    runs = online_rows(ctx, pick(BOUND_CITED), everyone, HELD_OUT)
+    params = identity(ctx.streams)
+    still = full_information(ctx.streams, params, 0.0)
+    assert all(np.array_equal(still[s.user_id], base_values(s, M)[0]) for s in ctx.streams), \
+        "full information at lr 0 must score as the retriever"
+    for row in pick(BOUND_FULL):
+        runs[row["name"]] = [full_information(ctx.streams, params, row["lr"], row["scope"])]   # deterministic
+        ctx.log(line(row["name"], gain(runs[row["name"]], ctx.base, ctx.streams, HELD_OUT)))
+    pre = pick(BOUND_PRETRAIN)
+    if pre:
+        starts = {(u, seed): pretrained({"pretrain": "gold"}, [s for s in ctx.streams if s.user_id != u], {}, params,
+                                        seed) for u in everyone for seed in ctx.seeds}
+        by_id = {s.user_id: s for s in ctx.streams}
+        for row in pre:
+            runs[row["name"]] = [
+                {u: (_common.frozen_recall(starts[u, seed], by_id[u], M) if "lr" not in row else
+                     full_information([by_id[u]], starts[u, seed], row["lr"])[u]) for u in everyone}
+                for seed in ctx.seeds]
+            ctx.log(line(row["name"], gain(runs[row["name"]], ctx.base, ctx.streams, HELD_OUT)))
+    rows = []
+    for r in BOUND_CITED + BOUND_FULL + BOUND_PRETRAIN:
+        if r["name"] in runs:
+            rec = record(r) if "preset" in r else dict(r)
+            rows.append({**rec, "tuned_on": gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON),
+                         "held_out": gain(runs[r["name"]], ctx.base, ctx.streams, HELD_OUT)})
+    return {"rows": rows, "pretrain_protocol": "leave-one-out gold pretraining (the library's recipe), per seed"}
+
+
 HELD_OUT = ["41", "42", "43"]
 
 # The rows of the held-out report, fixed on 26 and 30 before this report ran: the default
@@ -690,7 +819,8 @@ class Context:
 
 
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
-          "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout}
+          "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
+          "bound": lever_bound}
 
 
 def main(argv=None):
@@ -700,7 +830,7 @@ def main(argv=None):
     ap.add_argument("--store", type=Path, default=None,
                     help="embedding store to reuse (made with `rmm-jax embed locomo:DATA --answers`); built there "
                          "when absent (default: a temporary one)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0..7; heldout 0..4)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0..7; heldout and bound 0..4)")
     ap.add_argument("--rows", default=None, help="';'-separated row names of the lever (default: all)")
     ap.add_argument("--passes", default="1,2,3,5", help="passes: numbers of passes over the first half")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -708,13 +838,14 @@ def main(argv=None):
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     streams, qa = locomo(_common.require_data(args.data), args.store)
-    seeds = [int(x) for x in (args.seeds or ("0,1,2,3,4" if args.lever == "heldout" else "0,1,2,3,4,5,6,7")).split(",")]
+    reports_held_out = args.lever in ("heldout", "bound")
+    seeds = [int(x) for x in (args.seeds or ("0,1,2,3,4" if reports_held_out else "0,1,2,3,4,5,6,7")).split(",")]
     ctx = Context(streams, qa, base_per_user(streams), seeds, args.rows, [int(x) for x in args.passes.split(",")], log)
-    log(f"lever {args.lever} on {','.join(TUNED_ON) if args.lever != 'heldout' else 'held-out'}, seeds {seeds}")
+    log(f"lever {args.lever} on {','.join(TUNED_ON) if not reports_held_out else 'held-out'}, seeds {seeds}")
     out = LEVERS[args.lever](ctx)
     result = {"lever": args.lever, "dataset": f"locomo:{args.data}", "k": K, "m": M, "granularity": "turn",
               "model": "all-MiniLM-L6-v2", "seeds": seeds,
-              "users": list(TUNED_ON) if args.lever != "heldout" else HELD_OUT,
+              "users": {"heldout": HELD_OUT, "bound": list(TUNED_ON) + HELD_OUT}.get(args.lever, list(TUNED_ON)),
               "citations": "class-calibrated rmm_jax.data.citations.oracle() unless a row names another",
               **out, "seconds": round(time.perf_counter() - t0, 1)}
     if args.json:

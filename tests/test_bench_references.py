@@ -655,3 +655,68 @@ def test_memory_coordinates_score_as_the_narrow_reranker_until_they_learn():
     args = (biased, w.queries[0], w.bank[w.cand[0]])
     want = reference(s, 0, bias=np.where(np.arange(8) == 2, 0.25 * 20.0, 0.0))
     assert_f32_close(rj.score(*args), want, f32_error(rj.score, *args))
+
+
+@pytest.mark.parametrize("scope", ["user", "shared"])
+def test_full_information_learns_as_a_numpy_loop(scope):
+    """learn_sweep's bound lever: a reranker learning online from every candidate's gold. Against
+    a NumPy loop written here (scores, greedy top M, the listwise gradient by hand, Adam): each
+    batch is scored before the step that learns from it, and the prequential recalls agree query
+    for query. At lr 0 they are the retriever's own; at the test's lr learning changes them. (No
+    top-M boundary in the reference is closer than 1e-4, so float32 rounding cannot flip one.)"""
+    import learn_sweep
+
+    from rmm_jax.online.summary import base_values
+
+    streams = [_toy_stream("a", 42, 30, 6, 8, seed=5), _toy_stream("b", 37, 25, 6, 8, seed=6)]
+    streams[1].valid[3] = False                                      # an invalid query teaches nothing
+    params = rj.init_reranker(jax.random.key(0), 6)
+    m, b, tau, lr = learn_sweep.M, 4, learn_sweep.BOUND_TAU, 3e-2
+
+    def reference(lr):
+        ps = [ref_numpy.init(6) for _ in streams] if scope == "user" else [ref_numpy.init(6)]
+        opts = [ref_numpy.Adam(p, lr) for p in ps]
+        out = {s.user_id: [] for s in streams}
+        for t0 in range(0, max(s.queries.shape[0] for s in streams), b):
+            grads = []
+            for i, s in enumerate(streams):
+                p = ps[i if scope == "user" else 0]
+                q, mm = s.queries[t0:t0 + b], s.bank[s.cand[t0:t0 + b]]
+                gold = s.cand_gold[t0:t0 + b] & s.valid[t0:t0 + b, None]
+                if not len(q):
+                    grads.append(None)
+                    continue
+                scores, qp = ref_numpy.forward(p, q, mm, fused=False)
+                ranked = np.sort(scores, 1)[:, ::-1]
+                assert np.all(ranked[:, m - 1] - ranked[:, m] > 1e-4)
+                top = ref_numpy.top_m(scores, m, np.ones_like(gold))
+                hits = np.take_along_axis(gold, top, 1).sum(1)
+                num = s.num_gold[t0:t0 + b]
+                out[s.user_id] += np.where(num > 0, hits / np.maximum(num, 1), 0.0).tolist()
+                z = scores / np.float32(tau)
+                prob = np.exp(z - z.max(1, keepdims=True))
+                prob /= prob.sum(1, keepdims=True)
+                n = gold.sum(1, keepdims=True)
+                ds = np.where(n > 0, prob - gold / np.maximum(n, 1), 0.0) / np.float32(tau)    # per query, summed
+                grads.append((ds.astype(np.float32), q, mm, qp, int((n > 0).sum())))
+            groups = [[g] for g in grads] if scope == "user" else [grads]
+            for p, opt, group in zip(ps, opts, groups):
+                group = [g for g in group if g is not None]
+                if not group:
+                    continue
+                n_has = max(sum(g[4] for g in group), 1)
+                total = {"A": np.zeros((6, 6), np.float32), "B": np.zeros((6, 6), np.float32)}
+                for ds, q, mm, qp, _ in group:
+                    u = np.einsum("bk,bkd->bd", ds / n_has, mm)
+                    total["A"] += (u + u @ p["B"].T).T @ q
+                    total["B"] += qp.T @ u
+                opt.step(p, total)
+        return out
+
+    still = learn_sweep.full_information(streams, params, 0.0, scope)
+    learned = learn_sweep.full_information(streams, params, lr, scope)
+    want = reference(lr)
+    for s in streams:
+        np.testing.assert_array_equal(still[s.user_id], base_values(s, m)[0])
+        np.testing.assert_allclose(learned[s.user_id], want[s.user_id], rtol=0, atol=1e-6)
+    assert any(not np.array_equal(learned[s.user_id], still[s.user_id]) for s in streams)
