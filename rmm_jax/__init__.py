@@ -25,7 +25,14 @@ from rmm_jax.version import __version__
 
 if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API docs (griffe reads these)
     from rmm_jax.core.config import PRESETS, Estimator, Layout, Setting, preset
-    from rmm_jax.core.losses import advantages, citation_logistic_loss, citation_rewards, listwise_loss, reinforce_loss
+    from rmm_jax.core.losses import (
+        advantages,
+        citation_logistic_loss,
+        citation_pairwise_loss,
+        citation_rewards,
+        listwise_loss,
+        reinforce_loss,
+    )
     from rmm_jax.core.optim import Optimizer, adam, sgd
     from rmm_jax.core.reranker import init_lowrank, init_reranker, merge_params, score, score_batch, score_naive
     from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, selection_log_probs, top_m
@@ -41,7 +48,8 @@ if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API 
 # module (PEP 562). tests/test_layering.py checks that this table, the imports above and __all__ agree.
 _MODULES = {
     "rmm_jax.core.config": "PRESETS Estimator Layout Setting preset",
-    "rmm_jax.core.losses": "advantages citation_logistic_loss citation_rewards listwise_loss reinforce_loss",
+    "rmm_jax.core.losses": "advantages citation_logistic_loss citation_pairwise_loss citation_rewards listwise_loss "
+                           "reinforce_loss",
     "rmm_jax.core.optim": "Optimizer adam sgd",
     "rmm_jax.core.reranker": "init_lowrank init_reranker merge_params score score_batch score_naive",
     "rmm_jax.core.sampling": "gumbel_top_m selection_log_prob selection_log_probs top_m",
@@ -58,11 +66,10 @@ __all__ = [
     "__version__",
     "Batch", "ChunkDone", "ChunkSkipped", "Estimator", "LearnerState", "Layout", "Optimizer", "PRESETS", "Program",
     "QueryBatch", "Recorder", "Resume", "SCOPES", "Scope", "SegmentDone", "Setting", "SharedState", "UserState",
-    "adam", "advantages", "citation_logistic_loss", "citation_rewards", "drive", "gumbel_top_m", "init_learner_state",
-    "init_lowrank", "init_reranker", "init_shared", "init_user", "listwise_loss", "make_run", "make_update",
-    "merge_params",
-    "preset", "reinforce_loss", "run_online", "score", "score_batch", "score_naive", "selection_log_prob",
-    "selection_log_probs", "sgd", "top_m",
+    "adam", "advantages", "citation_logistic_loss", "citation_pairwise_loss", "citation_rewards", "drive",
+    "gumbel_top_m", "init_learner_state", "init_lowrank", "init_reranker", "init_shared", "init_user",
+    "listwise_loss", "make_run", "make_update", "merge_params", "preset", "reinforce_loss", "run_online", "score",
+    "score_batch", "score_naive", "selection_log_prob", "selection_log_probs", "sgd", "top_m",
 ]
 
 

@@ -257,6 +257,41 @@ def test_logistic_gradient_moves_only_the_shown_memories_by_the_closed_form(vari
     assert_f32_close(g, want, f32_error(grad, scores))                 # float32 against the float64 closed form
 
 
+def test_pairwise_loss_and_gradient_equal_a_loop_over_the_pairs(variant):
+    """L = Σ_b w_b mean over (cited i, uncited j) shown pairs of softplus(−(s_i − s_j)/τ), and
+    dL/ds its closed form, against a float64 loop over every pair; a call without a pair adds
+    nothing, and each call's gradient sums to zero (its scores' level never moves)."""
+    tau = 0.3
+    scores, sel, cited, mask = logistic_case(jax.random.key(2), b=4)
+    cited = cited.at[3].set(False)                                 # query 3 cites nothing: no pair
+    w = jnp.array([1.0, 0.5, 2.0, 1.0])
+    loss = lambda x: rj.citation_pairwise_loss(x, sel, cited, tau, mask=mask, weights=w)
+    got, grad = variant(jax.value_and_grad(loss))(scores)
+    s = np.asarray(scores, np.float64)
+    want, want_grad, n_pairs = 0.0, np.zeros(s.shape), 0
+    for b in range(4):
+        pairs = [(i, j) for i, ci in zip(np.asarray(sel[b]), np.asarray(cited[b])) if i >= 0 and ci
+                 for j, cj in zip(np.asarray(sel[b]), np.asarray(cited[b])) if j >= 0 and not cj]
+        n_pairs += len(pairs)
+        for i, j in pairs:
+            margin = (s[b, i] - s[b, j]) / tau
+            want += float(w[b]) * np.logaddexp(0.0, -margin) / len(pairs)
+            pull = float(w[b]) / (1 + np.exp(margin)) / tau / len(pairs)     # σ(−margin)/τ
+            want_grad[b, i] -= pull
+            want_grad[b, j] += pull
+    assert n_pairs >= 3 and not want_grad[3].any()
+    assert_f32_close(got, want, f32_error(loss, scores))
+    assert_f32_close(grad, want_grad, f32_error(jax.grad(loss), scores))
+    np.testing.assert_allclose(np.asarray(grad).sum(axis=1), 0.0, atol=1e-5)   # Σ of ≤ 6 terms of size ≤ 1/τ
+
+
+def test_pairwise_loss_takes_no_judge_rates():
+    for fields in ({"p_useful": 0.9, "p_other": 0.1}, {"offset": -1.0}):
+        with pytest.raises(ValueError, match=r"^loss: the pairwise loss takes no judge rates"):
+            rj.Estimator(loss="pairwise", **fields)
+    assert rj.Estimator(loss="pairwise").loss == "pairwise"
+
+
 @pytest.mark.parametrize("eta", [0.1, 0.4, 0.8])
 def test_judge_corrected_logistic_loss_is_proper_for_usefulness(eta):
     """A memory useful with probability η, cited at the judge's rates: the expected corrected loss

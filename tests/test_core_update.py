@@ -41,7 +41,7 @@ def random_batch(key, valid, u=U):
                     has_logged=jnp.zeros((u, B), bool).at[:, 0].set(True), scores=None)
 
 
-def setup(scope, optimizer, kind="linear", **est):
+def setup(scope, optimizer, kind="linear", batch_key=4, **est):
     layout = rj.Layout(k=K, m=M, batch=B, kind=kind, hidden=8 if kind == "mlp" else None,
                        scope=rj.Scope.named(scope, 2 if scope == "hybrid" else None))
     estimator = rj.Estimator(**{"baseline": "constant", "baseline_value": 0.25, "clip": 3.0, **est})
@@ -50,7 +50,7 @@ def setup(scope, optimizer, kind="linear", **est):
     users = jax.vmap(lambda k: rj.init_user(base, k, layout, estimator, optimizer))(
         jax.random.split(jax.random.key(2), U))
     users = users._replace(params=random_tree(users.params, jax.random.key(3)))      # non-zero own parts
-    batch = random_batch(jax.random.key(4), VALID)
+    batch = random_batch(jax.random.key(batch_key), VALID)
     scores = jax.vmap(lambda lp, q, m, mk: rj.score_batch(rj.merge_params(shared.params, lp), q, m, mk))(
         users.params, batch.q, batch.m, batch.mask)
     return layout, estimator, shared, users, batch._replace(scores=scores)
@@ -82,6 +82,16 @@ def test_the_logistic_loss_runs_through_the_same_update_and_equals_the_brute_for
     closed-form linear gradient and its shared mean equal autodiff of each user's loss."""
     check_brute_force(scope, "adam", jax.jit if variant_name == "jit" else (lambda f: f),
                       loss="logistic", offset=0.5, p_useful=0.9, p_other=0.2)
+
+
+@pytest.mark.parametrize("scope", rj.SCOPES)
+@pytest.mark.parametrize("variant_name", ["jit", "eager"])
+def test_the_pairwise_loss_runs_through_the_same_update_and_equals_the_brute_force(scope, variant_name):
+    """``loss="pairwise"`` goes through the same closed-form linear gradient and shared mean. (Batch
+    key 10: three users have a call that cited one of its two shown memories; under key 4 only a
+    logged call with a negligible importance weight has one.)"""
+    check_brute_force(scope, "adam", jax.jit if variant_name == "jit" else (lambda f: f), batch_key=10,
+                      loss="pairwise")
 
 
 def brute_force(layout, est, opt, shared, users, batch):

@@ -82,7 +82,8 @@ def config_options(f=None, *, from_log: bool = False):
                      help=f"Credit assignment over the selection {_preset_default('credit')}."),
         click.option("--loss", type=click.Choice(LOSSES), default=None,
                      help="reinforce: REINFORCE on the citation rewards; logistic: the citations as labels of "
-                          "the shown memories (no baseline or credit) [default: logistic; reinforce: reinforce]."),
+                          "the shown memories (no baseline or credit); pairwise: each cited shown memory over each "
+                          "uncited one of the same call (no judge rates) [default: logistic; reinforce: reinforce]."),
         click.option("--p-useful", type=float, default=None,
                      help="The logistic loss's correction: your generator's P(cite | a useful memory is shown), "
                           "as measured against a judge (docs/citations.md) [default: 1 (no correction); "

@@ -67,6 +67,7 @@ class Estimator:
     """The estimator: frozen and hashable. Defaults are the ``reinforce`` preset's; the
     ``default`` preset takes the citations as labels (``loss="logistic"``)."""
     loss: str = "reinforce"      # reinforce (REINFORCE on citation rewards) | logistic (citations as labels)
+                                 # | pairwise (the cited over the uncited shown memories of a call)
     offset: float = 0.0          # logistic: the logit of a query's best candidate
     reward: str = "binary"       # binary | pm1
     p_useful: float = 1.0        # the judge's P(cite | useful); rewards are corrected for it and p_other
@@ -87,6 +88,9 @@ class Estimator:
         c(math.isfinite(self.offset), "offset", f"must be finite, got {self.offset}")
         c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
         check_judge_rates(self.p_useful, self.p_other)
+        c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",
+          "the pairwise loss takes no judge rates or offset (--p-useful, --p-other, --offset): drop them, "
+          "or use --loss logistic")
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
         c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
         c(self.mode in MODES, "mode", f"must be one of {MODES}")

@@ -35,7 +35,7 @@ from rmm_jax.core.sampling import NEG, selection_log_probs, valid_mask
 REWARDS = ("pm1", "binary")
 BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")
 CREDITS = ("item", "reward_to_go", "selection")
-LOSSES = ("reinforce", "logistic")
+LOSSES = ("reinforce", "logistic", "pairwise")
 
 
 def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1.0, p_other: float = 0.0):
@@ -233,6 +233,60 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
     log_q = jnp.logaddexp(jnp.log(jnp.float32(1.0 - p_useful)), jnp.log(jnp.float32(gap)) + jax.nn.log_sigmoid(-u))
     per = jnp.where(filled, jnp.where(cited, log_p, log_q), 0.0)
     return -jnp.sum(jax.lax.stop_gradient(weights) * jnp.sum(per, axis=-1))
+
+
+def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=None):
+    """Pairwise logistic loss of each cited shown memory over each uncited one of the same call
+    (the ``pairwise`` estimator): the citations as preferences within a call, not as labels.
+
+        P_b = {(i, j): shown memories of query b, i cited, j not},
+        L = Σ_b w_b · (1/|P_b|) Σ_{(i,j)∈P_b} log(1 + exp(−(s_{b,i} − s_{b,j}) / τ)).
+
+    The clicked-over-skipped preferences of implicit feedback (Joachims, KDD 2002) with
+    Bayesian Personalised Ranking's logistic loss (Rendle et al., UAI 2009). Each call's
+    pairs are averaged, so every call with a pair weighs the same. Adding a constant to a
+    call's scores leaves its loss unchanged, and a call that cites all or none of its shown
+    memories has no pair and no gradient: unlike :func:`citation_logistic_loss`, it never
+    pushes a call's shown memories down together because none was cited. It takes no judge
+    rates: a false citation swaps the pair it is in, which lowers the gradient's size but
+    keeps its sign on average wherever useful memories are cited more often than others.
+
+    Args:
+      scores: (B, K) reranker scores (differentiable). selected: (B, M) int32 positions,
+        −1 unfilled. cited: (B, M) bool. tau: logit scale > 0.
+      mask: (B, K) bool valid candidates. weights: (B,) per-query weights (importance ratios;
+        0 drops a padded query).
+
+    Returns:
+      Scalar loss.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> scores = jnp.array([[0.5, 0.25, 0.0]])
+      >>> selected, cited = jnp.array([[0, 2]]), jnp.array([[False, True]])
+      >>> loss = lambda s: rj.citation_pairwise_loss(s, selected, cited, 0.125)
+      >>> round(float(loss(scores)), 4)                      # log(1 + exp(4)): memory 2 over memory 0
+      4.0181
+      >>> [round(x, 3) for x in jax.grad(loss)(scores)[0].tolist()]   # ±σ(4)/τ on the pair only
+      [7.856, 0.0, -7.856]
+      >>> float(loss(scores + 2.0)) == float(loss(scores))   # a call's level does not matter
+      True
+    """
+    checks.check_rank(scores, 2, "scores")
+    checks.check_rank(selected, 2, "selected")
+    checks.require(cited.shape == selected.shape, "cited",
+                   f"shape {cited.shape} does not match selected {selected.shape}")
+    b = scores.shape[0]
+    weights = jnp.ones((b,), jnp.float32) if weights is None else weights
+    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
+    finite = jnp.where(valid_mask(scores, mask), scores, 0.0)       # masked (−inf) slots out before any arithmetic
+    filled = selected >= 0
+    shown = jnp.take_along_axis(finite, jnp.maximum(selected, 0), axis=-1)    # (B, M)
+    pair = (filled & cited)[:, :, None] & (filled & ~cited)[:, None, :]      # (B, M, M): i cited, j not
+    margin = (shown[:, :, None] - shown[:, None, :]) / tau
+    n = jnp.sum(pair, axis=(1, 2))
+    per = jnp.sum(jnp.where(pair, jax.nn.softplus(-margin), 0.0), axis=(1, 2)) / jnp.maximum(n, 1)
+    return jnp.sum(jax.lax.stop_gradient(weights) * per)
 
 
 def listwise_loss(scores, gold, mask=None, tau=1.0):

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 
 from rmm_jax.core.config import Estimator, Layout
-from rmm_jax.core.losses import citation_logistic_loss, citation_rewards, reinforce_loss
+from rmm_jax.core.losses import citation_logistic_loss, citation_pairwise_loss, citation_rewards, reinforce_loss
 from rmm_jax.core.optim import step_dense_or_factors
 from rmm_jax.core.reranker import score_batch
 from rmm_jax.core.sampling import selection_log_prob, top_m
@@ -147,7 +147,12 @@ def importance_weights(estimator: Estimator, scores, batch: Batch):
 def scores_loss(estimator: Estimator, scores, batch: Batch, baseline, weights):
     """One user's batch loss as a function of its scores (B, K): REINFORCE on the citation
     rewards, or (``loss="logistic"``) the citations as labels of the shown memories
-    (:func:`rmm_jax.core.losses.citation_logistic_loss`; no baseline or credit)."""
+    (:func:`rmm_jax.core.losses.citation_logistic_loss`; no baseline or credit), or
+    (``loss="pairwise"``) as preferences of the cited over the uncited shown memories
+    (:func:`rmm_jax.core.losses.citation_pairwise_loss`; no baseline, credit or judge rates)."""
+    if estimator.loss == "pairwise":
+        return citation_pairwise_loss(scores, batch.selected, batch.cited, estimator.tau, mask=batch.mask,
+                                      weights=weights)
     if estimator.loss == "logistic":
         return citation_logistic_loss(scores, batch.selected, batch.cited, estimator.tau, offset=estimator.offset,
                                       p_useful=estimator.p_useful, p_other=estimator.p_other, mask=batch.mask,
