@@ -9,6 +9,7 @@
     python benchmarks/learn_sweep.py lr        --json benchmarks/results/learn_sweep_lr.json
     python benchmarks/learn_sweep.py prior     --json benchmarks/results/learn_sweep_prior.json
     python benchmarks/learn_sweep.py bound     --json benchmarks/results/learn_sweep_bound.json
+    python benchmarks/learn_sweep.py pairwise  --json benchmarks/results/learn_sweep_pairwise.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -70,6 +71,11 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   resample queries only) at four step sizes, per user and shared; and the same from
   leave-one-out gold pretraining. It separates what the targets lose to the judge's noise
   from what they lose to seeing only the shown memories' labels.
+* ``pairwise``: the citations as preferences of the cited over the uncited shown memories of a
+  call (``Estimator(loss="pairwise")``, :func:`rmm_jax.core.losses.citation_pairwise_loss`) at
+  three step sizes, against the default, in the defaults sweep's nine cells (three citation
+  models by three scopes); the candidate whose worst cell is best is the lever's choice. Two
+  conversations cannot show whether sharing pays; the held-out report can.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -126,7 +132,8 @@ JUDGE = {"p_useful": P_USEFUL, "p_other": P_OTHER}        # the class-calibrated
 PERFECT = "perfect"          # the bound lever's citations: exactly the shown gold memories, no judge noise
 CITE_FNS = {**{name: _common.citation_model(name)[0] for name in _common.CITATIONS},
             PERFECT: oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
-NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior")   # row keys that are not settings
+# row keys that are not settings
+NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior", "candidate")
 
 
 # --------------------------------------------------------------------------- data
@@ -687,6 +694,30 @@ def lever_bound(ctx) -> dict:
     return {"rows": rows, "pretrain_protocol": "leave-one-out gold pretraining (the library's recipe), per seed"}
 
 
+# The citations as preferences within a call (Estimator(loss="pairwise")), against the default
+# (the logistic loss at 1e-4) in the nine cells of the defaults sweep: three citation models by
+# three scopes on 26 and 30. The bound lever read the shared scopes' fall under perfect citations
+# as the logistic loss pushing every uncited shown memory down; this loss never does. The
+# candidate whose worst cell is best (the defaults sweep's rule) is the lever's choice.
+PAIRWISE_SCOPES = (("user", {}), ("shared", {"scope": "shared"}), ("hybrid", {"scope": "hybrid"}))
+PAIRWISE_CANDIDATES = [("default", {"preset": "default"})] + [
+    (f"pairwise lr {lr:g}", {"preset": "default", "loss": "pairwise", "lr": lr}) for lr in (1e-4, 3e-4, 1e-3)]
+PAIRWISE_ROWS = [{"name": f"{cand} {scope} [{c}]", "candidate": cand, **fields, **extra, "citations": c}
+                 for cand, fields in PAIRWISE_CANDIDATES for c in LR_MODELS for scope, extra in PAIRWISE_SCOPES]
+
+
+def lever_pairwise(ctx) -> dict:
+    rows = select(PAIRWISE_ROWS, ctx.rows)
+    runs = online_rows(ctx, rows, TUNED_ON, TUNED_ON)
+    out = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in rows]
+    worst = {}
+    for r in out:
+        worst[r["candidate"]] = min(worst.get(r["candidate"], np.inf), r["gain"]["mean"])
+    chosen = max(worst, key=worst.get)
+    ctx.log(f"  worst cell per candidate: {worst}; max-min {chosen}")
+    return {"rows": out, "worst_cell": worst, "max_min": chosen}
+
+
 HELD_OUT = ["41", "42", "43"]
 
 # The rows of the held-out report, fixed on 26 and 30 before this report ran: the default
@@ -820,7 +851,7 @@ class Context:
 
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
-          "bound": lever_bound}
+          "bound": lever_bound, "pairwise": lever_pairwise}
 
 
 def main(argv=None):
