@@ -211,6 +211,23 @@ def test_judge_rates_are_options_the_store_records(capsys, tmp_path, store):
     assert code == 2 and "error: --p-other: 0.1 would change the learning setting" in err
 
 
+def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tmp_path, store):
+    """--loss pairwise runs and is recorded; with judge rates (given, or from --preset calibrated)
+    it is one line naming --loss, before anything is written."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries", ":4", "--loss", "pairwise"]
+    for extra in (["--p-useful", "0.9", "--p-other", "0.1"], ["--preset", "calibrated"]):
+        code, out, err = run_cli(capsys, *sim, *extra)
+        assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
+        assert err.strip().splitlines()[-1] == (
+            "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
+            "--preset calibrated sets them): drop them, or use --loss logistic")
+    code, out, err = run_cli(capsys, *sim, "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"]["estimator"]["loss"] == "pairwise"
+    assert json.loads((pol / "policy_store.json").read_text())["setting"]["estimator"]["loss"] == "pairwise"
+
+
 def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, store):
     pol = tmp_path / "p"
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "1000:")

@@ -89,8 +89,8 @@ class Estimator:
         c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
         check_judge_rates(self.p_useful, self.p_other)
         c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",
-          "the pairwise loss takes no judge rates or offset (--p-useful, --p-other, --offset): drop them, "
-          "or use --loss logistic")
+          "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; --preset calibrated "
+          "sets them): drop them, or use --loss logistic")
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
         c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
         c(self.mode in MODES, "mode", f"must be one of {MODES}")
