@@ -347,6 +347,14 @@ HEADLINE = {
                    ("labelled_calls.json", "rows.2.over_default", "interval")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
+    "The same reranker learning online from complete labels (every candidate's gold) instead of citations, "
+    "held-out: lr 1e-4; lr 3e-4": (
+        "{}; {}", [("learn_sweep_bound.json", "rows.6.held_out.gain", "interval"),   # full information user 1e-4
+                   ("learn_sweep_bound.json", "rows.7.held_out.gain", "interval")]),      # ... and 3e-4
+    "LoCoMo deployment, nightly learning, Recall@5 of: what `rerank --explore` drew and showed; the policy's own "
+    "top 5; the retriever": (
+        "{}; {}; {}", [("deploy.json", "final.recall@5_served", ".3f"), ("deploy.json", "final.recall@5", ".3f"),
+                       ("deploy.json", "final.recall@5_retriever", ".3f")]),
     "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
         "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_all", "interval"),
                                  ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")]),
