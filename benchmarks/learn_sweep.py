@@ -70,7 +70,8 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   listwise loss over its K candidates against their gold; deterministic, so its intervals
   resample queries only) at four step sizes, per user and shared; and the same from
   leave-one-out gold pretraining. It separates what the targets lose to the judge's noise
-  from what they lose to seeing only the shown memories' labels.
+  from what they lose to seeing only the shown memories' labels. It is the eighth look at 41–43
+  (``labelled_calls.py``'s was the fifth).
 * ``pairwise``: the citations as preferences of the cited over the uncited shown memories of a
   call (``Estimator(loss="pairwise")``, :func:`rmm_jax.core.losses.citation_pairwise_loss`) at
   three step sizes, against the default, in the defaults sweep's nine cells (three citation
