@@ -84,6 +84,19 @@ def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1
     return jnp.where(filled, r, 0.0).astype(jnp.float32)
 
 
+def _call_contract(scores, selected, slots, name: str, weights):
+    """The per-call losses' contract: ``scores`` (B, K), ``selected`` (B, M), ``slots`` (the
+    rewards or citations, named ``name``) shaped as ``selected``, ``weights`` (B,) or None
+    (ones). Returns the weights."""
+    checks.check_rank(scores, 2, "scores")
+    checks.check_rank(selected, 2, "selected")
+    checks.require(slots.shape == selected.shape, name, f"shape {slots.shape} does not match selected {selected.shape}")
+    b = scores.shape[0]
+    weights = jnp.ones((b,), jnp.float32) if weights is None else weights
+    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
+    return weights
+
+
 def check_judge_rates(p_useful: float, p_other: float) -> None:
     """``ValueError`` naming the field unless 0 <= p_other < p_useful <= 1 (a judge that cites
     useful memories more often than others; otherwise no correction exists)."""
@@ -149,13 +162,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
       >>> [round(x, 4) for x in jax.grad(loss)(scores)[0].tolist()]  # descent raises s_0
       [-0.3333, 0.4167, -0.0833]
     """
-    checks.check_rank(scores, 2, "scores")
-    checks.check_rank(selected, 2, "selected")
-    checks.require(rewards.shape == selected.shape, "rewards",
-                    f"shape {rewards.shape} does not match selected {selected.shape}")
-    b = scores.shape[0]
-    weights = jnp.ones((b,), jnp.float32) if weights is None else weights
-    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
+    weights = _call_contract(scores, selected, rewards, "rewards", weights)
     filled = selected >= 0
     adv = jax.lax.stop_gradient(advantages(rewards, baseline, filled, credit))
     w = jax.lax.stop_gradient(weights)
@@ -212,14 +219,8 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
       >>> [round(x, 3) for x in jax.grad(loss)(scores)[0].tolist()]  # (σ(u) − c)/τ on the shown only
       [5.0, 0.0, -9.526]
     """
-    checks.check_rank(scores, 2, "scores")
-    checks.check_rank(selected, 2, "selected")
-    checks.require(cited.shape == selected.shape, "cited",
-                   f"shape {cited.shape} does not match selected {selected.shape}")
+    weights = _call_contract(scores, selected, cited, "cited", weights)
     check_judge_rates(p_useful, p_other)
-    b = scores.shape[0]
-    weights = jnp.ones((b,), jnp.float32) if weights is None else weights
-    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
     valid = valid_mask(scores, mask)
     finite = jnp.where(valid, scores, 0.0)                  # masked (−inf) slots out before any arithmetic
     top = jax.lax.stop_gradient(jnp.max(jnp.where(valid, scores, NEG), axis=-1, keepdims=True))
@@ -272,13 +273,7 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
       >>> float(loss(scores + 2.0)) == float(loss(scores))   # a call's level does not matter
       True
     """
-    checks.check_rank(scores, 2, "scores")
-    checks.check_rank(selected, 2, "selected")
-    checks.require(cited.shape == selected.shape, "cited",
-                   f"shape {cited.shape} does not match selected {selected.shape}")
-    b = scores.shape[0]
-    weights = jnp.ones((b,), jnp.float32) if weights is None else weights
-    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
+    weights = _call_contract(scores, selected, cited, "cited", weights)
     finite = jnp.where(valid_mask(scores, mask), scores, 0.0)       # masked (−inf) slots out before any arithmetic
     filled = selected >= 0
     shown = jnp.take_along_axis(finite, jnp.maximum(selected, 0), axis=-1)    # (B, M)
