@@ -305,11 +305,13 @@ def test_a_store_recorded_under_a_preset_defined_otherwise_keeps_its_learner(sco
     assert describe(*continued) == describe(*rj.preset("realistic", scope=scope))
 
 
-@pytest.mark.parametrize("noise, temp", [("unit", 1.0), ("tempered", 0.5)])
-def test_act_samples_plackett_luce_at_the_noise_temperature(noise, temp):
+@pytest.mark.parametrize("fields, temp", [({"noise": "unit"}, 1.0), ({"noise": "tempered"}, 0.5),
+                                          ({"draw_tau": 0.25}, 0.25)])
+def test_act_samples_plackett_luce_at_the_noise_temperature(fields, temp):
     """Unit noise (the paper: top-M of s + g) picks i with softmax(s)_i whatever τ is;
-    tempered noise with softmax(s/τ)_i. The logged log-prob is the exact one of that sampler."""
-    est = rj.Estimator(tau=0.5, noise=noise)
+    tempered noise with softmax(s/τ)_i, or softmax(s/draw_tau)_i when the draw has its own
+    temperature. The logged log-prob is the exact one of that sampler."""
+    est = rj.Estimator(tau=0.5, **fields)
     s = jnp.array([[1.0, 0.0, -0.5]])
     sel, _, logp = jax.vmap(lambda k: act(est, 1, s, jnp.ones((1, 3), bool), k))(jax.random.split(jax.random.key(0),
                                                                                                  20000))
@@ -323,3 +325,19 @@ def test_act_samples_plackett_luce_at_the_noise_temperature(noise, temp):
         k = jax.random.split(jax.random.key(0), 20000)[int(np.argmax(picked == i))]
         e = float(f32_error(lambda x: act(est, 1, x, jnp.ones((1, 3), bool), k)[2][0], s))
         assert_f32_close(np.exp(np.asarray(logp[picked == i, 0], np.float64)), want[i], want[i] * e)
+
+
+def test_a_draw_temperature_changes_the_draw_and_not_the_logistic_loss():
+    """``draw_tau`` is the sampler's temperature alone: the logistic loss of a given batch is the
+    same with or without it (its logits stay at τ), REINFORCE's exact log-prob takes the
+    sampler's, and a bad value is one error naming the field."""
+    layout, est, shared, users, batch = setup("user", OPTIMIZERS["adam"](), loss="logistic")
+    b = jax.tree.map(lambda x: x[0], batch)
+    w = importance_weights(est, b.scores, b._replace(has_logged=jnp.zeros_like(b.has_logged)))
+    apart = dataclasses.replace(est, draw_tau=0.02)
+    assert apart.sample_tau == 0.02 and apart.tau == est.tau
+    assert float(scores_loss(apart, b.scores, b, 0.25, w)) == float(scores_loss(est, b.scores, b, 0.25, w))
+    assert rj.Estimator(draw_tau=0.02).loss_tau == 0.02            # REINFORCE: the exact log-prob of the draw
+    for fields, message in (({"draw_tau": 0.0}, "must be > 0"), ({"draw_tau": 0.1, "noise": "unit"}, "unit noise")):
+        with pytest.raises(ValueError, match=rf"^draw_tau: .*{message}"):
+            rj.Estimator(**fields)

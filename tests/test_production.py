@@ -228,6 +228,25 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
     assert json.loads((pol / "policy_store.json").read_text())["setting"]["estimator"]["loss"] == "pairwise"
 
 
+def test_a_draw_temperature_is_an_option_the_store_records_and_serving_draws_at(capsys, tmp_path, store):
+    """--draw-tau reaches the estimator, is recorded with the setting, and is the temperature
+    `rerank --explore` draws at by default on that store; a bad value is one line naming it."""
+    from rmm_jax.online.serve import behaviour_tau
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries", ":4"]
+    code, out, err = run_cli(capsys, *sim, "--draw-tau", "0")
+    assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
+    assert err.strip().splitlines()[-1] == "error: --draw-tau: must be > 0, got 0.0"
+    code, out, err = run_cli(capsys, *sim, "--draw-tau", "0.02", "--json")
+    assert code == 0, err
+    est = json.loads(out)["config"]["estimator"]
+    assert (est["draw_tau"], est["tau"]) == (0.02, rj.preset("default").estimator.tau)
+    assert json.loads((pol / "policy_store.json").read_text())["setting"]["estimator"]["draw_tau"] == 0.02
+    assert behaviour_tau(PolicyStore.open(pol)) == 0.02
+
+
 def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, store):
     pol = tmp_path / "p"
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "1000:")

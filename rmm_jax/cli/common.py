@@ -72,7 +72,13 @@ def config_options(f=None, *, from_log: bool = False):
         click.option("--k", type=int, **k_default, help="Candidates from the base retriever."),
         click.option("--m", type=int, **m_default, help="Memories shown to the generator (selected)."),
         click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
-        click.option("--tau", type=float, default=None, help=f"Sampling temperature > 0 {_preset_default('tau')}."),
+        click.option("--tau", type=float, default=None,
+                     help=f"Temperature > 0 of the loss's logits and, unless --draw-tau is given, of the draw of the "
+                          f"shown memories {_preset_default('tau')}."),
+        click.option("--draw-tau", type=float, default=None,
+                     help="Temperature > 0 of the draw of the shown memories alone (Gumbel top-M, a Plackett–Luce "
+                          "sample): lower shows more of the policy's own top M and explores less "
+                          "[default: --tau]."),
         click.option("--lr", type=float, default=None, help=f"Learning rate {_preset_default('lr')}."),
         click.option("--reward", type=click.Choice(REWARDS), default=None,
                      help=f"Citation reward: binary 1/0 or pm1 ±1 {_preset_default('reward')}."),
@@ -186,7 +192,7 @@ def raise_option_error(e: ValueError):
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 
-ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other")  # Estimator fields passed on by name
+ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name
 
 
 def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None,
@@ -203,7 +209,7 @@ def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, s
 
 
 SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit", "loss", "clip", "p_useful",
-                   "p_other")  # see below
+                   "p_other", "draw_tau")  # see below
 
 
 def change_setting_option(f):

@@ -79,6 +79,7 @@ class Estimator:
     credit: str = "item"         # item | reward_to_go | selection
     tau: float = 0.1
     noise: str = "tempered"      # tempered: top-M of s/τ + g (PL at τ) | unit: top-M of s + g, τ only in log P
+    draw_tau: float | None = None  # tempered: the shown draw's temperature, apart from the loss's τ (None: τ)
     clip: float = 5.0            # importance-ratio ceiling for off-policy replay
     on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
 
@@ -97,14 +98,19 @@ class Estimator:
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
         c(self.tau > 0 and self.tau < float("inf"), "tau", f"must be > 0, got {self.tau}")
         c(self.noise in NOISES, "noise", f"must be one of {NOISES}, got {self.noise!r}")
+        c(self.draw_tau is None or 0 < self.draw_tau < float("inf"), "draw_tau", f"must be > 0, got {self.draw_tau}")
+        c(self.draw_tau is None or self.noise == "tempered", "draw_tau",
+          "the unit noise draws at temperature 1; a draw temperature needs noise `tempered`")
         c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
 
     @property
     def sample_tau(self) -> float:
-        """The temperature of the behaviour policy's Plackett–Luce sample: τ for tempered
-        noise (top-M of s/τ + g), 1 for unit noise (top-M of s + g, the paper's literal
-        sampler, where τ enters only the rmm log-prob)."""
-        return self.tau if self.noise == "tempered" else 1.0
+        """The temperature of the behaviour policy's Plackett–Luce sample: ``draw_tau`` if set,
+        else τ, for tempered noise (top-M of s/τ' + g); 1 for unit noise (top-M of s + g, the
+        paper's literal sampler, where τ enters only the rmm log-prob)."""
+        if self.noise != "tempered":
+            return 1.0
+        return self.tau if self.draw_tau is None else self.draw_tau
 
     @property
     def loss_tau(self) -> float:
