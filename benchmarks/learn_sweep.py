@@ -10,6 +10,7 @@
     python benchmarks/learn_sweep.py prior     --json benchmarks/results/learn_sweep_prior.json
     python benchmarks/learn_sweep.py bound     --json benchmarks/results/learn_sweep_bound.json
     python benchmarks/learn_sweep.py pairwise  --json benchmarks/results/learn_sweep_pairwise.json
+    python benchmarks/learn_sweep.py draw      --json benchmarks/results/learn_sweep_draw.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -77,6 +78,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   three step sizes, against the default, in the defaults sweep's nine cells (three citation
   models by three scopes); the candidate whose worst cell is best is the lever's choice. Two
   conversations cannot show whether sharing pays; the held-out report can.
+* ``draw``: the draw of the shown memories at its own temperature (``Estimator(draw_tau=...)``),
+  the loss's logits still at τ = 0.1, at three temperatures, in the same nine cells and by the
+  same rule. Every row also reports the Recall@M of what the calls drew and showed (``shown``):
+  what the generator saw while the policy learned.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -310,10 +315,11 @@ ESTIMATOR_ROWS = [
 ]
 
 
-def online_rows(ctx, rows: list[dict], users, report) -> dict:
+def online_rows(ctx, rows: list[dict], users, report, shown: dict | None = None) -> dict:
     """Each row online from identity on every stream of ``users`` (all in one run) under its
     citation model (default ``oracle``; ``answer`` rows cite the answer support), logging the
-    gain on ``report``: ``{name: [per seed {user: (T,) prequential recall}]}``."""
+    gain on ``report``: ``{name: [per seed {user: (T,) prequential recall}]}``. ``shown``, if
+    given, receives the same for the Recall@M of what each call drew and showed."""
     streams = [s for s in ctx.streams if s.user_id in users]
     params = identity(streams)
     out = {}
@@ -322,10 +328,22 @@ def online_rows(ctx, rows: list[dict], users, report) -> dict:
         run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
         run_on, start = with_prior(run_on, params, row.get("prior"))
         program = program_of(row, cm)
-        out[row["name"]] = [{u: o["recall"] for u, o in run_loop(run_on, program, start, seed).outputs.items()}
-                            for seed in ctx.seeds]
+        runs = [run_loop(run_on, program, start, seed).outputs for seed in ctx.seeds]
+        out[row["name"]] = [{u: o["recall"] for u, o in r.items()} for r in runs]
         ctx.log(line(row["name"], gain(out[row["name"]], ctx.base, streams, report)))
+        if shown is not None:
+            by_id = {s.user_id: s for s in streams}
+            shown[row["name"]] = [{u: shown_recall(by_id[u], o["selected"]) for u, o in r.items()} for r in runs]
+            ctx.log(line("  what it showed", gain(shown[row["name"]], ctx.base, streams, report)))
     return out
+
+
+def shown_recall(s: Stream, selected) -> np.ndarray:
+    """(T,) Recall@M of the memories each call drew and showed (``selected``: (T, M) positions in
+    the candidates, −1 unfilled), against all of the query's gold."""
+    sel = np.asarray(selected)
+    hit = np.take_along_axis(s.cand_gold, np.maximum(sel, 0), axis=1) & (sel >= 0)
+    return np.where(s.num_gold > 0, hit.sum(1) / np.maximum(s.num_gold, 1), 0.0)
 
 
 def tuning_rows(ctx, rows: list[dict]) -> dict:
@@ -695,28 +713,53 @@ def lever_bound(ctx) -> dict:
     return {"rows": rows, "pretrain_protocol": "leave-one-out gold pretraining (the library's recipe), per seed"}
 
 
-# The citations as preferences within a call (Estimator(loss="pairwise")), against the default
-# (the logistic loss at 1e-4) in the nine cells of the defaults sweep: three citation models by
-# three scopes on 26 and 30. The bound lever read the shared scopes' fall under perfect citations
-# as the logistic loss pushing every uncited shown memory down; this loss never does. The
-# candidate whose worst cell is best (the defaults sweep's rule) is the lever's choice.
-PAIRWISE_SCOPES = (("user", {}), ("shared", {"scope": "shared"}), ("hybrid", {"scope": "hybrid"}))
-PAIRWISE_CANDIDATES = [("default", {"preset": "default"})] + [
-    (f"pairwise lr {lr:g}", {"preset": "default", "loss": "pairwise", "lr": lr}) for lr in (1e-4, 3e-4, 1e-3)]
-PAIRWISE_ROWS = [{"name": f"{cand} {scope} [{c}]", "candidate": cand, **fields, **extra, "citations": c}
-                 for cand, fields in PAIRWISE_CANDIDATES for c in LR_MODELS for scope, extra in PAIRWISE_SCOPES]
+# Candidates against the default (the logistic loss at 1e-4) in the nine cells of the defaults
+# sweep: three citation models by three scopes on 26 and 30; the candidate whose worst cell is
+# best (the defaults sweep's rule) is a lever's choice.
+CELL_SCOPES = (("user", {}), ("shared", {"scope": "shared"}), ("hybrid", {"scope": "hybrid"}))
+DEFAULT_CANDIDATE = ("default", {"preset": "default"})
 
 
-def lever_pairwise(ctx) -> dict:
-    rows = select(PAIRWISE_ROWS, ctx.rows)
-    runs = online_rows(ctx, rows, TUNED_ON, TUNED_ON)
-    out = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in rows]
+def cell_rows(candidates) -> list[dict]:
+    """Every candidate ``(name, fields)`` in the nine cells, the default first."""
+    return [{"name": f"{cand} {scope} [{c}]", "candidate": cand, **fields, **extra, "citations": c}
+            for cand, fields in [DEFAULT_CANDIDATE, *candidates] for c in LR_MODELS for scope, extra in CELL_SCOPES]
+
+
+def max_min_over_cells(ctx, rows: list[dict]) -> dict:
+    """The rows on 26 and 30 (each with the Recall@M of what it drew and showed, ``shown``), each
+    candidate's worst cell, and the candidate whose worst cell is best."""
+    shown = {}
+    runs = online_rows(ctx, rows, TUNED_ON, TUNED_ON, shown=shown)
+    out = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON),
+            "shown": gain(shown[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in rows]
     worst = {}
     for r in out:
         worst[r["candidate"]] = min(worst.get(r["candidate"], np.inf), r["gain"]["mean"])
     chosen = max(worst, key=worst.get)
     ctx.log(f"  worst cell per candidate: {worst}; max-min {chosen}")
     return {"rows": out, "worst_cell": worst, "max_min": chosen}
+
+
+# The citations as preferences within a call (Estimator(loss="pairwise")). The bound lever read the
+# shared scopes' fall under perfect citations as the logistic loss pushing every uncited shown
+# memory down; this loss never does.
+PAIRWISE_ROWS = cell_rows([(f"pairwise lr {lr:g}", {"preset": "default", "loss": "pairwise", "lr": lr})
+                           for lr in (1e-4, 3e-4, 1e-3)])
+
+
+def lever_pairwise(ctx) -> dict:
+    return max_min_over_cells(ctx, select(PAIRWISE_ROWS, ctx.rows))
+
+
+# The draw of the shown memories at its own temperature (Estimator(draw_tau=...)), the loss's logits
+# still at τ = 0.1. With one τ for both, the τ rows of the estimator lever changed the loss's scale
+# as well as how far the draw strays from the policy's own top M.
+DRAW_ROWS = cell_rows([(f"draw tau {t:g}", {"preset": "default", "draw_tau": t}) for t in (0.05, 0.02, 0.01)])
+
+
+def lever_draw(ctx) -> dict:
+    return max_min_over_cells(ctx, select(DRAW_ROWS, ctx.rows))
 
 
 HELD_OUT = ["41", "42", "43"]
@@ -852,7 +895,7 @@ class Context:
 
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
-          "bound": lever_bound, "pairwise": lever_pairwise}
+          "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw}
 
 
 def main(argv=None):
