@@ -4,6 +4,8 @@ citations are simulated on what was served, and a nightly replay learns; every s
 the CLI, run as a subprocess, as a team would run it.
 
     python benchmarks/deploy.py --json benchmarks/results/deploy.json --plot benchmarks/results/deploy.png
+    python benchmarks/deploy.py --draw-tau 0.02 --json benchmarks/results/deploy_draw.json \
+        --plot benchmarks/results/deploy_draw.png
 
 **Time.** The five LoCoMo conversations span different years; each is shifted so that its
 first session falls on day 0 (five users who start on the same day), keeping the gaps
@@ -311,6 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--period", type=int, default=14, help="calendar days per deployment day (cycle)")
     ap.add_argument("--seeds", type=int, default=5, help="simulate repeats for the interval")
     ap.add_argument("--work", type=Path, default=None, help="keep the stores, policies and logs here")
+    ap.add_argument("--draw-tau", type=float, default=None,
+                    help="draw the shown memories at this temperature (rerank --explore --tau, replay --draw-tau; "
+                         "the store records it) instead of the default preset's tau")
     ap.add_argument("--json", type=Path, default=_common.RESULTS / "deploy.json")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the days")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from --json")
@@ -326,6 +331,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     store, policies = work / "store", work / "policies"
     rows, logs, recall, n_calls = [], [], {"policy": [], "served": [], "retriever": []}, 0
+    draw = () if args.draw_tau is None else ("--tau", args.draw_tau)          # rerank --explore's temperature
+    learn = () if args.draw_tau is None else ("--draw-tau", args.draw_tau)    # what replay records
     for i, day in enumerate(days):
         d = day["day"]
         chats = write_jsonl(work / f"chats_{d:03d}.jsonl", chat_lines(day["sessions"]))
@@ -339,8 +346,8 @@ def main(argv=None) -> int:
         stamp = (dt.date(2024, 1, 1) + dt.timedelta(days=d * args.period)).isoformat()
         req = write_jsonl(work / f"requests_{d:03d}.jsonl", requests(day["questions"], stamp))
         served_path = work / f"served_{d:03d}.jsonl"
-        cli(["rerank", store, "--policies", policies, "--calls", req.name, "--explore", "--out", served_path.name],
-            work)
+        cli(["rerank", store, "--policies", policies, "--calls", req.name, "--explore", *draw, "--out",
+             served_path.name], work)
         served = [json.loads(line) for line in served_path.read_text().splitlines()]
         log = cite(served, gold, n_calls)
         n_calls += len(log)
@@ -349,10 +356,12 @@ def main(argv=None) -> int:
         rec = served_recall(served, gold)
         for k in recall:
             recall[k] += rec[k]
-        rep = json.loads(cli(["replay", store, "--log", log_path.name, "--policies", policies, "--json"], work))
+        rep = json.loads(cli(["replay", store, "--log", log_path.name, "--policies", policies, *learn, "--json"],
+                             work))
         ope = json.loads(cli(["evaluate", store, "--log", log_path.name, "--policies", policies, "--json"], work))
         again = work / f"tomorrow_on_{d:03d}.jsonl"     # tomorrow's policy on today's calls: its logits
-        cli(["rerank", store, "--policies", policies, "--calls", req.name, "--explore", "--out", again.name], work)
+        cli(["rerank", store, "--policies", policies, "--calls", req.name, "--explore", *draw, "--out", again.name],
+            work)
         est = ope["estimates"]["cite_rate"]
         online, base = rep["online"], rep["base"]
         row.update(calls=len(log), realised_cite_rate=cite_rate(log),
@@ -377,8 +386,9 @@ def main(argv=None) -> int:
     for r in served_days:
         r.pop("config", None)
     lay = config["layout"]
+    drawn = {"draw_tau": config["estimator"]["draw_tau"]} if config["estimator"].get("draw_tau") else {}
     setting = rj.preset(config["preset"], k=lay["k"], m=lay["m"], kind=lay["kind"], scope=lay["scope"],
-                        rank=lay["rank"])
+                        rank=lay["rank"], **drawn)
     sim, per_seed = simulate_interval(store, logs, gold, setting, args.seeds)
     final = float(np.mean(recall["policy"]))
     cov = {"tomorrow": coverage(served_days, "tomorrow"), "truth_today": coverage(served_days, "truth_today")}
