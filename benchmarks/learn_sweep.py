@@ -98,7 +98,12 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   1e-4), paired with the default; every other row is the fourth look's, recomputed. The
   seventh adds the ``prior`` lever's choice (memory coordinates at scale 20, fixed on 26 and
   30 by the max-min rule before it ran) under each citation model and after gold pretraining,
-  each paired with the same row without them.
+  each paired with the same row without them. The ninth (the ``bound`` lever was the eighth)
+  adds the draw lever's middle temperature, 0.02, fixed before it ran: the max-min rule kept
+  the default there (the policy's top-5 gain ties at every temperature), and the look asks
+  whether the tie and what the calls show hold on 41–43. Every online row also reports the
+  Recall@M of what its calls drew and showed (``shown``), and each pair of online rows its
+  difference.
 
 The store: ``--store`` (made by ``rmm-jax embed locomo:DATA --answers --out DIR``) is
 reused when it exists and is built there otherwise (a temporary one without it).
@@ -792,6 +797,14 @@ HELDOUT_ONLINE = [
     {"name": "default, memory coordinates x20 [precision_recall]", "preset": "default", "prior": 20.0,
      "citations": "precision_recall"},
     {"name": "default, memory coordinates x20 [answer]", "preset": "default", "prior": 20.0, "citations": "answer"},
+    # added at the ninth look: the draw lever's middle temperature (learn_sweep_draw.json: the policy's
+    # top-5 gain ties the default's at every temperature, and what is shown rises above the retriever's)
+    {"name": "default, draw tau 0.02", "preset": "default", "draw_tau": 0.02},
+    {"name": "default, draw tau 0.02 [precision_recall]", "preset": "default", "draw_tau": 0.02,
+     "citations": "precision_recall"},
+    {"name": "default, draw tau 0.02 [answer]", "preset": "default", "draw_tau": 0.02, "citations": "answer"},
+    {"name": "default shared, draw tau 0.02", "preset": "default", "draw_tau": 0.02, "scope": "shared"},
+    {"name": "default hybrid, draw tau 0.02", "preset": "default", "draw_tau": 0.02, "scope": "hybrid"},
 ]
 HELDOUT_PRETRAIN = [
     {"name": "gold pretrain", "pretrain": "gold"},
@@ -805,6 +818,9 @@ HELDOUT_PRETRAIN = [
     # added at the seventh look, with the online rows above
     {"name": "gold pretrain + default online, memory coordinates x20", "pretrain": "gold", "online": True,
      "preset": "default", "prior": 20.0},
+    # added at the ninth look, with the online rows above
+    {"name": "gold pretrain + default online, draw tau 0.02", "pretrain": "gold", "online": True,
+     "preset": "default", "draw_tau": 0.02},
 ]
 PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [precision_recall]"),
          ("calibrated [answer]", "default [answer]"), ("calibrated shared", "default shared"),
@@ -820,15 +836,22 @@ PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [
          ("default, memory coordinates x20", "default"),
          ("default, memory coordinates x20 [precision_recall]", "default [precision_recall]"),
          ("default, memory coordinates x20 [answer]", "default [answer]"),
-         ("gold pretrain + default online, memory coordinates x20", "gold pretrain + default online")]
+         ("gold pretrain + default online, memory coordinates x20", "gold pretrain + default online"),
+         ("default, draw tau 0.02", "default"),
+         ("default, draw tau 0.02 [precision_recall]", "default [precision_recall]"),
+         ("default, draw tau 0.02 [answer]", "default [answer]"), ("default shared, draw tau 0.02", "default shared"),
+         ("default hybrid, draw tau 0.02", "default hybrid"),
+         ("gold pretrain + default online, draw tau 0.02", "gold pretrain + default online")]
 
 
 def lever_heldout(ctx) -> dict:
     """The rows chosen on 26 and 30, once, on 41–43 (every conversation in each run), and the
     issue's targets on them."""
-    runs = {**online_rows(ctx, HELDOUT_ONLINE, [s.user_id for s in ctx.streams], HELD_OUT),
+    shown = {}
+    runs = {**online_rows(ctx, HELDOUT_ONLINE, [s.user_id for s in ctx.streams], HELD_OUT, shown=shown),
             **pretrain_rows(ctx, HELDOUT_PRETRAIN, HELD_OUT)}
-    rows = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, HELD_OUT)}
+    rows = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, HELD_OUT),
+             **({"shown": gain(shown[r["name"]], ctx.base, ctx.streams, HELD_OUT)} if r["name"] in shown else {})}
             for r in HELDOUT_ONLINE + HELDOUT_PRETRAIN]
     by = {r["name"]: r for r in rows}
 
@@ -838,6 +861,11 @@ def lever_heldout(ctx) -> dict:
         return _common.gain_interval(va - vb)
 
     pairs = {f"{a} − {b}": {"a": a, "b": b, "a_minus_b": diff(a, b)} for a, b in PAIRS}
+    for a, b in PAIRS:              # what the calls showed, where both rows are online
+        if a in shown and b in shown:
+            va = np.stack([pooled(x, ctx.streams, HELD_OUT) for x in shown[a]])
+            vb = np.stack([pooled(x, ctx.streams, HELD_OUT) for x in shown[b]])
+            pairs[f"{a} − {b}"]["shown_a_minus_b"] = _common.gain_interval(va - vb)
     for name, p in pairs.items():
         ctx.log(f"  {name}: {_common.format_interval(p['a_minus_b'])}")
     g = lambda name: by[name]["gain"]  # noqa: E731
