@@ -230,7 +230,8 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
 
 def test_a_draw_temperature_is_an_option_the_store_records_and_serving_draws_at(capsys, tmp_path, store):
     """--draw-tau reaches the estimator, is recorded with the setting, and is the temperature
-    `rerank --explore` draws at by default on that store; a bad value is one line naming it."""
+    `rerank --explore` draws at by default on that store; a bad value is one line naming it, and
+    another value on that store is a change of setting, refused without --change-setting."""
     from rmm_jax.online.serve import behaviour_tau
     from rmm_jax.persist.policy_store import PolicyStore
 
@@ -245,6 +246,9 @@ def test_a_draw_temperature_is_an_option_the_store_records_and_serving_draws_at(
     assert (est["draw_tau"], est["tau"]) == (0.02, rj.preset("default").estimator.tau)
     assert json.loads((pol / "policy_store.json").read_text())["setting"]["estimator"]["draw_tau"] == 0.02
     assert behaviour_tau(PolicyStore.open(pol)) == 0.02
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "4:8",
+                             "--draw-tau", "0.05")
+    assert code == 2 and "error: --draw-tau: 0.05 would change the learning setting" in err
 
 
 def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, store):
