@@ -128,12 +128,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
-from rmm_jax.core import metrics as rmetrics  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.losses import listwise_loss  # noqa: E402
-from rmm_jax.core.sampling import top_m  # noqa: E402
 from rmm_jax.data.citations import P_OTHER, P_USEFUL, oracle  # noqa: E402
-from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams  # noqa: E402
+from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
@@ -648,11 +646,8 @@ def _full_information_program(lr: float, shared: bool):
     """``run(params, data (U, steps, B, ...)) -> (U, steps, B) recall``, jitted."""
     opt = optax.adam(lr)
 
-    def recall(params, x):
-        scores = rj.score_batch(params, x["q"], x["m"], x["mask"])
-        top = jax.vmap(lambda s, mk: top_m(s, M, mk))(scores, x["mask"])
-        rel = jnp.take_along_axis(x["gold"], jnp.maximum(top, 0), axis=1) & (top >= 0)
-        return rmetrics.recall_at_k(rel, x["num_gold"], M)
+    def recall(params, x):                  # the greedy top M's recall, as pretraining evaluates
+        return eval_per_query(params, x, M)[0]
 
     def loss(params, x):
         return listwise_loss(rj.score_batch(params, x["q"], x["m"], x["mask"]), x["gold"], x["mask"], BOUND_TAU)
