@@ -168,6 +168,29 @@ def test_pruning_never_removes_a_shared_version_a_kept_user_version_needs(tmp_pa
         assert_same(shared.state.params, params_of(100 + shared.info["round"]))
 
 
+@pytest.mark.parametrize("keep", [1, 3])
+def test_a_killed_runs_shared_save_is_not_what_the_next_run_learns_from(tmp_path, keep):
+    """An online run saves a chunk's shared part, then its users. Killed between the two in
+    its first chunk, it leaves a shared version no user version references. The next run
+    must start from the shared part the store was created (or pretrained) with, and pruning
+    must keep that part, even at keep=1. Once users are saved, it is their shared version."""
+    st = PolicyStore.create(tmp_path / "hy", HYBRID, params_of(0), keep=keep)
+    assert st.learned_shared_version() == 1
+    pre = st.save_shared(SharedState(params_of(1), None), {"source": "pretrain"})
+    for seed in (2, 3):                          # two runs killed after their first shared save
+        st.save_shared(SharedState(params_of(seed), None), {"source": "online"})
+        again = PolicyStore.open(st.path)
+        assert again.learned_shared_version() == pre
+        assert_same(again.shared_state(again.learned_shared_version()).state.params, params_of(1))
+    with st.writer():                            # a writer's repair keeps it too
+        pass
+    assert pre in st.shared_versions()
+    sv = st.save_shared(SharedState(params_of(4), None), {"source": "online"})
+    save_factors(st, {"a": 5}, sv)
+    st.save_shared(SharedState(params_of(6), None), {"source": "online"})   # killed again, users exist
+    assert PolicyStore.open(st.path).learned_shared_version() == sv
+
+
 # ----------------------------------------------------------------------------- the batch load
 
 

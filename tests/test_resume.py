@@ -306,6 +306,28 @@ def test_a_replay_killed_before_a_commit_run_again_killed_and_resumed_is_bit_ide
     assert not rs_dir.exists()
 
 
+def test_a_replay_killed_before_its_first_commit_and_run_again_is_bit_identical(env, reference):
+    """The daily replay into a new store, scope hybrid, killed between its first chunk's
+    shared save and that chunk's commit, then run again without --resume: it ends with the
+    uninterrupted replay's policies. Before the store told the created shared part from a
+    killed run's (no user version records either), the second run began from the killed
+    run's trained shared part, and its users differed by about 1e-5."""
+    d = env["dir"]
+    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
+    rc, err = run(env, [*args, "--policies", str(d / "fref")], "fref")
+    assert rc == 0, err
+    pol = d / "fkill"
+    with open(d / "fkill-a.err", "w") as e:
+        a = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, "1", *args, "--policies", str(pol)], cwd=REPO,
+                           env=env["env"], stdout=subprocess.DEVNULL, stderr=e, timeout=120)
+    assert a.returncode == -signal.SIGKILL, (d / "fkill-a.err").read_text()
+    store = PolicyStore.open(pol)
+    assert store.users() == [] and len(store.shared_versions()) == 2      # created, and the killed chunk's
+    rc, err = run(env, [*args, "--policies", str(pol)], "fkill-b")
+    assert rc == 0, err
+    assert_same_policies(d / "fref", pol)
+
+
 def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_falls_back(env, reference):
     d = env["dir"]
     pol, log = d / "term", d / "term.jsonl"

@@ -313,7 +313,9 @@ class PolicyStore:
         self._prune_shared()
 
     def _prune_shared(self) -> None:
-        prune_shared(self.path / "shared", self._query(lambda idx: idx.shared_refs()), self.keep)
+        learned = self.learned_shared_version()
+        refs = self._query(lambda idx: idx.shared_refs())
+        prune_shared(self.path / "shared", refs | ({learned} if learned is not None else set()), self.keep)
 
     # ---- the index
 
@@ -399,11 +401,22 @@ class PolicyStore:
 
     def learned_shared_version(self) -> int | None:
         """The shared version the newest user version was trained against: the shared part
-        as the last saved users left it (None: no user version records one). A newer shared
-        version is not yet part of what the users learned: a run killed between saving a
-        chunk's shared part and its users leaves one behind, so a run that continues takes
-        the shared part from here (and gives the policies of an uninterrupted run)."""
-        return self._query(lambda idx: idx.last_shared()) if self.paired else None
+        as the last saved users left it. A newer shared version is not yet part of what the
+        users learned: a run killed between saving a chunk's shared part and its users
+        leaves one behind, so a run that continues takes the shared part from here (and
+        gives the policies of an uninterrupted run). With no user version yet, it is the
+        newest shared version no online run saved (the one the store was created or
+        pretrained with; never pruned while so). None: not paired, or no such version."""
+        if not self.paired:
+            return None
+        last = self._query(lambda idx: idx.last_shared())
+        if last is not None or self.n_users():
+            return last
+        for v in reversed(self.shared_versions()):
+            got = self._shared.get(v)
+            if not isinstance(got, str) and got.info.get("source") != "online":
+                return v
+        return None
 
     def shared_state(self, version: int | None = None) -> SavedShared:
         """Shared ``version``, or the newest shared version that loads (older ones used with
