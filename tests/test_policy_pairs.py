@@ -173,7 +173,8 @@ def test_a_killed_runs_shared_save_is_not_what_the_next_run_learns_from(tmp_path
     """An online run saves a chunk's shared part, then its users. Killed between the two in
     its first chunk, it leaves a shared version no user version references. The next run
     must start from the shared part the store was created (or pretrained) with, and pruning
-    must keep that part, even at keep=1. Once users are saved, it is their shared version."""
+    must keep that part, even at keep=1, and a new user is served it. Once users are saved,
+    it is their shared version."""
     st = PolicyStore.create(tmp_path / "hy", HYBRID, params_of(0), keep=keep)
     assert st.learned_shared_version() == 1
     pre = st.save_shared(SharedState(params_of(1), None), {"source": "pretrain"})
@@ -182,6 +183,7 @@ def test_a_killed_runs_shared_save_is_not_what_the_next_run_learns_from(tmp_path
         again = PolicyStore.open(st.path)
         assert again.learned_shared_version() == pre
         assert_same(again.shared_state(again.learned_shared_version()).state.params, params_of(1))
+        assert_same(user_params(again, "newcomer", fallback_to_shared=True), params_of(1))   # and serves
     with st.writer():                            # a writer's repair keeps it too
         pass
     assert pre in st.shared_versions()

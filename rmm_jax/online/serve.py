@@ -118,12 +118,13 @@ def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
 def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = True,
                 shared_params: Callable[[int | None], tuple[Any, int]] | None = None) -> Policy:
     """The policy ``user_id`` is served, whatever the store's scope
-    (:class:`rmm_jax.core.scope.Scope`): its own full params; the newest shared part when users
-    have no params of their own; or its own low-rank factors merged with exactly the shared
-    version they were trained against (:meth:`PolicyStore.load`; an older store that did not
-    record it pairs with the newest). A user the store does not
-    hold gets the newest shared part with ``fallback_to_shared`` (what a run would start it
-    from), else an error. ``shared_params(version)`` gives the shared params of a version
+    (:class:`rmm_jax.core.scope.Scope`): its own full params; the shared part as the last
+    saved users left it (:meth:`PolicyStore.learned_shared_version`) when users have no params
+    of their own; or its own low-rank factors merged with exactly the shared version they
+    were trained against (:meth:`PolicyStore.load`; an older store that did not record it
+    pairs with the newest). A user the store does not hold gets that shared part with
+    ``fallback_to_shared`` (what a run would start it from), else
+    an error. ``shared_params(version)`` gives the shared params of a version
     (None: the newest) on the device and the version (default: read from ``store``);
     :class:`Reranker` passes its own, which keeps them there.
 
@@ -136,14 +137,14 @@ def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
     if got.missing:
         if not fallback_to_shared:
             store.load(user_id)                                          # the one-line error
-        params, shared_version = shared_params(None)
+        params, shared_version = shared_params(store.learned_shared_version())
         return Policy(params, None, shared_version)
     version = got.versions[0]
     own = _device(jax.tree.map(lambda a: a[0], got.state.params))
     if scope.local_is_full:
         return Policy(own, version, None)
-    if not scope.has_local:                    # one policy for everyone: the newest
-        params, shared_version = shared_params(None)
+    if not scope.has_local:                    # one policy for everyone: as its users left it
+        params, shared_version = shared_params(store.learned_shared_version())
         return Policy(params, version, shared_version)
     params, shared_version = shared_params(got.shared_versions[0])
     return Policy(scope.merge(params, own), version, shared_version)
