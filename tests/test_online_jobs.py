@@ -266,3 +266,47 @@ def test_a_skipped_chunk_whose_users_differ_from_the_interrupted_runs_is_one_lin
     with pytest.raises(InputError, match="users chunk 1 holds other users") as e:
         Recorder(2, sinks=[Saved(["u0000000", "u0000009"])]).feed(ChunkSkipped(0, streams))
     assert e.value.where == "--resume"
+
+
+def test_shown_recall_is_the_recall_of_what_the_calls_drew_and_replay_reports_the_logged_one(tmp_path, capsys):
+    """``simulate --json``'s ``shown_recall@M`` is the Recall of the memories each call drew,
+    recomputed here from the log's ``selected`` ids and the store's gold ids alone (set
+    arithmetic, float64), per user and overall; the policy's own top-M (``recall@M``) differs
+    from it. Replaying that log reports the same shown recall: what the log records it showed.
+    Each per-query value is one float32 division (relative error at most 2^-24), so their
+    means agree within 2^-23."""
+    from rmm_jax.cli.main import main
+
+    def run(*args):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            assert not e.code, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)
+
+    st = make_fake_store(tmp_path / "st", users=3)
+    km = ("--k", "10", "--m", "3", "--json")
+    sim = run("simulate", str(st), "--policies", str(tmp_path / "a"), *km, "--log-out", str(tmp_path / "log.jsonl"))
+    gold = {}
+    for line in (st / "queries.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        if q["gold_memory_ids"] and not q["abstention"]:
+            gold[q["user"], q["id"]] = set(q["gold_memory_ids"])
+    per_user: dict[str, list[float]] = {}
+    for line in (tmp_path / "log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        g = gold.get((r["user_id"], r["query_id"]))
+        if g is not None:
+            per_user.setdefault(r["user_id"], []).append(len(g & set(r["selected"])) / len(g))
+    tol = 2.0 ** -23
+    for u, values in per_user.items():
+        assert sim["online"]["per_user"][u]["shown_recall@3"] == pytest.approx(np.mean(values), abs=tol)
+    every = [v for vs in per_user.values() for v in vs]
+    assert sim["online"]["shown_recall@3"] == pytest.approx(np.mean(every), abs=tol)
+    assert sim["online"]["queries"] == len(every)
+    assert any(sim["online"]["per_user"][u]["shown_recall@3"] != sim["online"]["per_user"][u]["recall@3"]
+               for u in per_user)
+    rep = run("replay", str(st), "--log", str(tmp_path / "log.jsonl"), "--policies", str(tmp_path / "b"), *km)
+    assert rep["online"]["shown_recall@3"] == sim["online"]["shown_recall@3"]
+    assert {u: r["shown_recall@3"] for u, r in rep["online"]["per_user"].items()} == \
+        {u: r["shown_recall@3"] for u, r in sim["online"]["per_user"].items()}

@@ -240,15 +240,23 @@ def report(result, setting, extra, as_json):
         emit_json(out)
         return
     if rec in summary:
-        click.echo(f"{'user':>12}  {'queries':>7}  {'base R@' + str(m):>9}  {'online R@' + str(m):>10}  {'delta':>7}")
+        sr = f"shown_recall@{m}"
+        shown = f"  {'shown R@' + str(m):>9}" if sr in summary else ""
+        click.echo(f"{'user':>12}  {'queries':>7}  {'base R@' + str(m):>9}  {'online R@' + str(m):>10}  {'delta':>7}"
+                   + shown)
         for uid, row in summary["per_user"].items():
             if rec not in row:
                 continue
             b, o = base["per_user"][uid][rec], row[rec]
-            click.echo(f"{uid:>12}  {row['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}")
+            click.echo(f"{uid:>12}  {row['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}"
+                       + (f"  {row[sr]:>9.4f}" if shown else ""))
         b, o = base[rec], summary[rec]
-        click.echo(f"{'overall':>12}  {summary['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}")
-        click.echo(f"(prequential Recall@{m}: each query scored before any update that uses it)")
+        click.echo(f"{'overall':>12}  {summary['queries']:>7}  {b:>9.4f}  {o:>10.4f}  {o - b:>+7.4f}"
+                   + (f"  {summary[sr]:>9.4f}" if shown else ""))
+        click.echo(f"(prequential Recall@{m}: each query scored before any update that uses it"
+                   + (f"; shown R@{m}: the Recall of the {m} memories each call showed the generator, "
+                      + ("as the log records them" if "log" in extra else "drawn by the exploring policy")
+                      if shown else "") + ")")
     else:
         click.echo(f"(no call has gold memories: Recall@{m} is not measured; the measures below need none)")
     if "cite_rate" not in summary:

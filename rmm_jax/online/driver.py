@@ -35,7 +35,7 @@ from rmm_jax.online.sharding import replicate, shard_users
 from rmm_jax.online.streams import Stream, user_keys
 
 OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob",   # per-query outputs kept per user
-               "hit", "hit_base", "n_cited", "n_shown")
+               "hit", "hit_base", "n_cited", "n_shown", "shown_recall")
 
 
 class Chunk(NamedTuple):

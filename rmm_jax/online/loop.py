@@ -51,7 +51,7 @@ from rmm_jax.core.update import CiteFn, init_shared, init_user, make_update, sim
 from rmm_jax.online.streams import ChunkData, pad_streams, stream_batches
 
 PER_QUERY = ("recall", "ndcg", "eval", "selected", "cited", "log_prob",   # outputs with a (B,) axis per batch
-             "hit", "hit_base", "n_cited", "n_shown")
+             "hit", "hit_base", "n_cited", "n_shown", "shown_recall")
 GROUP_CACHE_BYTES = 24 << 20   # what a group of users' states may take: most of a 32 MiB last-level cache
 
 
@@ -114,6 +114,25 @@ def users_per_group(n_users: int, bytes_per_user: int, cache_bytes: int = GROUP_
     """
     fit = max(1, cache_bytes // max(1, bytes_per_user))
     return max(g for g in range(1, min(fit, n_users) + 1) if n_users % g == 0)
+
+
+def shown_recall(selected, gold, num_gold):
+    """(B,) Recall of what each call showed the generator: the share of the query's gold
+    among its drawn (simulate) or logged (replay) memories. The policy's own top-M is
+    ``recall``; an exploring draw shows other memories, and the generator reads these.
+
+    Args: ``selected`` (B, M) positions in the candidates, −1 unfilled; ``gold`` (B, K) bool;
+    ``num_gold`` (B,) gold memories in the whole bank (0: the recall is 0).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> sel = jnp.array([[2, 0, -1], [1, 3, 0]])
+      >>> gold = jnp.array([[True, False, True, False], [False, False, False, True]])
+      >>> shown_recall(sel, gold, jnp.array([3, 1])).tolist()
+      [0.6666666865348877, 1.0]
+    """
+    rel = jnp.take_along_axis(gold, jnp.maximum(selected, 0), axis=1) & (selected >= 0)
+    return rmetrics.recall_at_k(rel, num_gold, selected.shape[1])
 
 
 def cited_counts(top, selected, cited, present, m: int) -> dict:
@@ -187,6 +206,7 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
             full = simulated_batch(estimator, m_shown, cite_fn, scores, queries, key)
             out.update(selected=full.selected, cited=full.cited, log_prob=full.logged_log_prob)
         out.update(cited_counts(top, full.selected, full.cited, x.present, m_shown))
+        out["shown_recall"] = shown_recall(full.selected, x.gold, x.num_gold)
         return full, out
 
     def step(state: LoopState, x: ChunkData, bank):

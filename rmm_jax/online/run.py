@@ -109,7 +109,8 @@ class Recorder:
             n = s.first_pass                            # replay --passes: the first pass is scored
             out = {k: np.asarray(v)[:n] for k, v in outputs[s.user_id].items()}
             valid, shown = s.valid[:n], (out["n_cited"], out["n_shown"])
-            self.online.add(s.user_id, out["recall"], out["ndcg"], valid, (out["hit"], *shown))
+            self.online.add(s.user_id, out["recall"], out["ndcg"], valid, (out["hit"], *shown),
+                            shown_recall=out.get("shown_recall"))    # absent from an older checkpoint
             self.base.add(s.user_id, *(np.asarray(v)[:n] for v in base_values(s, self.m)), valid,
                           (out["hit_base"], *shown))
             self.recall[s.user_id] = out["recall"]

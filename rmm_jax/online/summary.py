@@ -53,7 +53,9 @@ class Summary:
     Two families of measures (docs/lifecycle.md, "Measures without gold"):
 
     * with gold: Recall@M and NDCG@M of the policy's top-M, over the queries with gold
-      (``queries``); left out of the result when no query has gold;
+      (``queries``), and ``shown_recall@M``, the Recall of what the calls showed (drawn
+      or logged, :func:`rmm_jax.online.loop.shown_recall`) when given; left out of the
+      result when no query has gold;
     * without gold, from the calls' citations (:func:`rmm_jax.online.loop.cited_counts`):
       ``cited_recall@M``, the mean over calls with a citation of the share of its cited
       memories in the top-M (``calls_cited``), and ``cite_rate``, the mean over calls
@@ -63,12 +65,14 @@ class Summary:
     def __init__(self, m: int):
         self.m, self.per_user = m, {}
         self.sum_r = self.sum_n = self.sum_cr = self.sum_rate = 0.0
-        self.count = self.calls = self.calls_cited = 0
+        self.sum_shown = 0.0
+        self.count = self.calls = self.calls_cited = self.count_shown = 0
         self.curve, self.cited_curve = _Curve(), _Curve()
 
-    def add(self, user_id: str, recall, ndcg, valid, cited=None) -> None:
+    def add(self, user_id: str, recall, ndcg, valid, cited=None, shown_recall=None) -> None:
         """Add one user's (T,) prequential values in stream order; only ``valid`` count.
-        ``cited``: the user's gold-free counts ``(hit, n_cited, n_shown)``, each (T,)."""
+        ``cited``: the user's gold-free counts ``(hit, n_cited, n_shown)``, each (T,);
+        ``shown_recall``: (T,) the Recall of what each call showed."""
         v = np.asarray(valid, bool)
         r, n = np.asarray(recall, np.float64)[v], np.asarray(ndcg, np.float64)[v]
         m = self.m
@@ -79,6 +83,11 @@ class Summary:
         self.sum_n += float(n.sum())
         self.count += int(r.size)
         self.curve.add(r, np.ones(r.size))
+        if shown_recall is not None and r.size:
+            sr = np.asarray(shown_recall, np.float64)[v]
+            row[f"shown_recall@{m}"] = float(sr.mean())
+            self.sum_shown += float(sr.sum())
+            self.count_shown += int(sr.size)
         if cited is not None:
             hit, n_cited, n_shown = (np.asarray(x, np.float64) for x in cited)
             share = np.divide(hit, n_cited, out=np.zeros_like(hit), where=n_cited > 0)
@@ -101,6 +110,8 @@ class Summary:
         out = {"queries": c, "per_user": self.per_user, "curve": self.curve.result()}
         if c:
             out.update({f"recall@{m}": self.sum_r / c, f"ndcg@{m}": self.sum_n / c})
+        if self.count_shown:
+            out[f"shown_recall@{m}"] = self.sum_shown / self.count_shown
         if self.calls:
             out.update(calls=self.calls, calls_cited=self.calls_cited, cite_rate=self.sum_rate / self.calls,
                        cited_curve=self.cited_curve.result())
