@@ -83,7 +83,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_run_equals_unsharded_run():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    # the suite's fast-compile flags too (conftest): both runs compared here compile under them
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
