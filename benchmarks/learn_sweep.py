@@ -335,18 +335,9 @@ def online_rows(ctx, rows: list[dict], users, report, shown: dict | None = None)
         out[row["name"]] = [{u: o["recall"] for u, o in r.items()} for r in runs]
         ctx.log(line(row["name"], gain(out[row["name"]], ctx.base, streams, report)))
         if shown is not None:
-            by_id = {s.user_id: s for s in streams}
-            shown[row["name"]] = [{u: shown_recall(by_id[u], o["selected"]) for u, o in r.items()} for r in runs]
+            shown[row["name"]] = [{u: o["shown_recall"] for u, o in r.items()} for r in runs]
             ctx.log(line("  what it showed", gain(shown[row["name"]], ctx.base, streams, report)))
     return out
-
-
-def shown_recall(s: Stream, selected) -> np.ndarray:
-    """(T,) Recall@M of the memories each call drew and showed (``selected``: (T, M) positions in
-    the candidates, −1 unfilled), against all of the query's gold."""
-    sel = np.asarray(selected)
-    hit = np.take_along_axis(s.cand_gold, np.maximum(sel, 0), axis=1) & (sel >= 0)
-    return np.where(s.num_gold > 0, hit.sum(1) / np.maximum(s.num_gold, 1), 0.0)
 
 
 def tuning_rows(ctx, rows: list[dict]) -> dict:
