@@ -719,17 +719,26 @@ def cell_rows(candidates) -> list[dict]:
 
 def max_min_over_cells(ctx, rows: list[dict]) -> dict:
     """The rows on 26 and 30 (each with the Recall@M of what it drew and showed, ``shown``), each
-    candidate's worst cell, and the candidate whose worst cell is best."""
+    candidate's worst cell, and the candidate whose worst cell is best (the defaults' rule).
+
+    Beside it, a rule that also counts what the generator is shown: a user gets the policy's
+    top M (``rerank``) and what its exploring calls show (``rerank --explore``, ``simulate``),
+    so each cell scores the lower of the two gains, and the candidate whose worst such cell is
+    best is ``max_min_served`` (it chooses nothing by itself: see docs/method.md)."""
     shown = {}
     runs = online_rows(ctx, rows, TUNED_ON, TUNED_ON, shown=shown)
     out = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON),
             "shown": gain(shown[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in rows]
-    worst = {}
+    worst, served = {}, {}
     for r in out:
-        worst[r["candidate"]] = min(worst.get(r["candidate"], np.inf), r["gain"]["mean"])
-    chosen = max(worst, key=worst.get)
+        c = r["candidate"]
+        worst[c] = min(worst.get(c, np.inf), r["gain"]["mean"])
+        served[c] = min(served.get(c, np.inf), r["gain"]["mean"], r["shown"]["gain"]["mean"])
+    chosen, chosen_served = max(worst, key=worst.get), max(served, key=served.get)
     ctx.log(f"  worst cell per candidate: {worst}; max-min {chosen}")
-    return {"rows": out, "worst_cell": worst, "max_min": chosen}
+    ctx.log(f"  worst cell of min(top {M}, shown) per candidate: {served}; max-min {chosen_served}")
+    return {"rows": out, "worst_cell": worst, "max_min": chosen, "worst_served": served,
+            "max_min_served": chosen_served}
 
 
 # The citations as preferences within a call (Estimator(loss="pairwise")). The bound lever read the
