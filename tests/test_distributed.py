@@ -102,7 +102,8 @@ def test_two_processes_learn_the_same_shared_policy_as_one(tmp_path):
 def test_eight_devices_learn_the_same_shared_policy_as_one(tmp_path):
     one, eight = tmp_path / "one.npz", tmp_path / "eight.npz"
     launch([(0, 1, 0, one, "shared")])
-    launch([(0, 1, 0, eight, "shared")], {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"})
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"   # and the suite's
+    launch([(0, 1, 0, eight, "shared")], {"XLA_FLAGS": flags})
     worst, moved, d8, d1, _ = compare(eight, one)
     assert (d8, d1) == (8, 1)
     assert moved > 0
