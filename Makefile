@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rmm-jax demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --numprocesses auto --maxprocesses 4 --dist worksteal --durations=25
+	$(PY) -m pytest -q -ra --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

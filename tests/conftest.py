@@ -34,6 +34,21 @@ from rmm_jax.data.store import write_store  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
+# `make test` hands whole files to the xdist workers (--dist loadfile): a file's tests share
+# one process, so its module fixtures are built once and its programs traced once (worksteal
+# built test_resume.py's reference run on both workers). Files go out in this order, the
+# longest first (cold-cache seconds, `make test`'s --durations), then the rest as collected, so
+# a long file does not start last while the other worker sits idle.
+LONGEST_FIRST = ("test_resume.py", "test_bench_references.py", "test_docs.py", "test_core_update.py",
+                 "test_distributed.py", "test_production.py", "test_online_jobs.py", "test_core_losses.py",
+                 "test_continue.py", "test_scopes.py", "test_cli_scopes.py", "test_doctests.py", "test_sharding.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: a file keeps its order
+
+
 @pytest.fixture(params=["jit", "eager"])
 def variant(request):
     """``variant(fn, static_argnames=...)``: ``jax.jit(fn, ...)`` or ``fn`` itself, so a test
