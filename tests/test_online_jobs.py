@@ -310,3 +310,16 @@ def test_shown_recall_is_the_recall_of_what_the_calls_drew_and_replay_reports_th
     assert rep["online"]["shown_recall@3"] == sim["online"]["shown_recall@3"]
     assert {u: r["shown_recall@3"] for u, r in rep["online"]["per_user"].items()} == \
         {u: r["shown_recall@3"] for u, r in sim["online"]["per_user"].items()}
+
+
+def test_an_overall_shown_recall_is_over_every_query_or_absent():
+    """Users restored from a checkpoint written before shown recall was kept have none: their
+    rows go without it and the overall value is left out, never a mean over some users."""
+    from rmm_jax.online.summary import Summary
+    acc = Summary(3)
+    acc.add("a", [1.0, 0.0], [1.0, 0.0], [True, True], shown_recall=[0.5, 0.0])
+    assert acc.result()["shown_recall@3"] == 0.25
+    acc.add("b", [1.0], [1.0], [True])
+    out = acc.result()
+    assert "shown_recall@3" not in out and "shown_recall@3" not in out["per_user"]["b"]
+    assert out["per_user"]["a"]["shown_recall@3"] == 0.25 and out["recall@3"] == 2 / 3

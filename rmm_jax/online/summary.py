@@ -110,7 +110,7 @@ class Summary:
         out = {"queries": c, "per_user": self.per_user, "curve": self.curve.result()}
         if c:
             out.update({f"recall@{m}": self.sum_r / c, f"ndcg@{m}": self.sum_n / c})
-        if self.count_shown:
+        if self.count_shown and self.count_shown == c:     # over every query, or not at all
             out[f"shown_recall@{m}"] = self.sum_shown / self.count_shown
         if self.calls:
             out.update(calls=self.calls, calls_cited=self.calls_cited, cite_rate=self.sum_rate / self.calls,
