@@ -87,6 +87,21 @@ def _mrr(rel):
     return jnp.where(r.any(axis=1), 1.0 / (first.astype(jnp.float32) + 1.0), 0.0)
 
 
+def gold_at(positions, gold):
+    """(B, M) bool: whether the candidate at each of ``positions`` (B, M; −1 unfilled) is
+    gold (``gold``: (B, K) bool); an unfilled slot is never gold. The ``rel`` the metrics
+    below take, for a ranking or a drawn selection given as positions.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from rmm_jax.core import metrics
+      >>> gold = jnp.array([[True, False, True, False]])
+      >>> metrics.gold_at(jnp.array([[2, 1, -1]]), gold).tolist()
+      [[True, False, False]]
+    """
+    return jnp.take_along_axis(gold, jnp.maximum(positions, 0), axis=1) & (positions >= 0)
+
+
 def recall_at_k(rel, num_gold, k: int):
     """Fraction of the query's gold items found in the top ``k`` (0 when num_gold == 0).
 

@@ -131,8 +131,7 @@ def shown_recall(selected, gold, num_gold):
       >>> shown_recall(sel, gold, jnp.array([3, 1])).tolist()
       [0.6666666865348877, 1.0]
     """
-    rel = jnp.take_along_axis(gold, jnp.maximum(selected, 0), axis=1) & (selected >= 0)
-    return rmetrics.recall_at_k(rel, num_gold, selected.shape[1])
+    return rmetrics.recall_at_k(rmetrics.gold_at(selected, gold), num_gold, selected.shape[1])
 
 
 def cited_counts(top, selected, cited, present, m: int) -> dict:
@@ -192,7 +191,7 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
         m = bank[x.cand]                                                 # (B, K, d)
         scores = score_batch(params, x.q, m, x.mask)
         top = jax.vmap(lambda s, mk: top_m(s, m_shown, mk))(scores, x.mask)
-        rel = jnp.take_along_axis(x.gold, jnp.maximum(top, 0), axis=1) & (top >= 0)
+        rel = rmetrics.gold_at(top, x.gold)
         out = {"recall": rmetrics.recall_at_k(rel, x.num_gold, m_shown),
                "ndcg": rmetrics.ndcg_at_k(rel, x.num_gold, m_shown), "eval": x.eval}
         if replay:

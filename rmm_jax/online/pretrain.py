@@ -74,7 +74,7 @@ def eval_per_query(params, data, m: int):
     """Per-query (Recall@m, NDCG@m) of the reranked top-m."""
     scores = score_batch(params, data["q"], data["m"], data["mask"])
     top = jax.vmap(lambda s, mk: top_m(s, m, mk))(scores, data["mask"])
-    rel = jnp.take_along_axis(data["gold"], jnp.maximum(top, 0), axis=1) & (top >= 0)
+    rel = rmetrics.gold_at(top, data["gold"])
     return rmetrics.recall_at_k(rel, data["num_gold"], m), rmetrics.ndcg_at_k(rel, data["num_gold"], m)
 
 
