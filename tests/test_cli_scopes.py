@@ -25,6 +25,7 @@ def store(tmp_path_factory):
     return make_fake_store(tmp_path_factory.mktemp("scopes") / "store", users=3, dim=16)
 
 
+@pytest.mark.user_xla_flags
 @pytest.mark.parametrize("scope", ["shared", "hybrid"])
 def test_simulate_log_then_replay_gives_identical_policies(capsys, tmp_path, store, scope):
     extra = ["--scope", scope, "--rank", "2"]

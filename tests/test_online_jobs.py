@@ -89,6 +89,7 @@ def test_chunks_read_ahead_keep_their_order_errors_and_an_early_stop(store):
     assert len(read) <= 4 and not any(t.name == "rmm-jax-pad-ahead" for t in threading.enumerate())
 
 
+@pytest.mark.user_xla_flags
 def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tmp_path):
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
@@ -170,6 +171,7 @@ def test_pretraining_raises_training_recall_and_keeps_the_best_epoch(store):
     assert best_val == max(hist["val_recall"])
 
 
+@pytest.mark.user_xla_flags
 def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
     # embed-free chain on a fake store: pretrain → simulate (logging) → replay the log.
     # Replaying a simulate log from the same start reproduces its policies bit for bit,
