@@ -101,7 +101,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   each paired with the same row without them. The ninth (the ``bound`` lever was the eighth)
   adds the draw lever's middle temperature, 0.02, fixed before it ran: the max-min rule kept
   the default there (the policy's top-5 gain ties at every temperature), and the look asks
-  whether the tie and what the calls show hold on 41–43. Every online row also reports the
+  whether the tie and what the calls show hold on 41–43. The tenth adds 0.01, the temperature
+  the draw lever's served rule chooses on 26 and 30 (``max_min_served``: the best worst cell of
+  the lower of the top-5 gain and the shown gain), fixed in docs/method.md before it ran, with
+  the same rows and pairs as 0.02. Every online row also reports the
   Recall@M of what its calls drew and showed (``shown``), and each pair of online rows its
   difference.
 
@@ -800,6 +803,15 @@ HELDOUT_ONLINE = [
     {"name": "default, draw tau 0.02 [answer]", "preset": "default", "draw_tau": 0.02, "citations": "answer"},
     {"name": "default shared, draw tau 0.02", "preset": "default", "draw_tau": 0.02, "scope": "shared"},
     {"name": "default hybrid, draw tau 0.02", "preset": "default", "draw_tau": 0.02, "scope": "hybrid"},
+    # added at the tenth look: the temperature the draw lever's served rule chooses on 26 and 30
+    # (learn_sweep_draw.json, max_min_served: the best worst cell of the lower of the top-5 gain and
+    # the shown gain), written down in docs/method.md before this ran
+    {"name": "default, draw tau 0.01", "preset": "default", "draw_tau": 0.01},
+    {"name": "default, draw tau 0.01 [precision_recall]", "preset": "default", "draw_tau": 0.01,
+     "citations": "precision_recall"},
+    {"name": "default, draw tau 0.01 [answer]", "preset": "default", "draw_tau": 0.01, "citations": "answer"},
+    {"name": "default shared, draw tau 0.01", "preset": "default", "draw_tau": 0.01, "scope": "shared"},
+    {"name": "default hybrid, draw tau 0.01", "preset": "default", "draw_tau": 0.01, "scope": "hybrid"},
 ]
 HELDOUT_PRETRAIN = [
     {"name": "gold pretrain", "pretrain": "gold"},
@@ -816,6 +828,9 @@ HELDOUT_PRETRAIN = [
     # added at the ninth look, with the online rows above
     {"name": "gold pretrain + default online, draw tau 0.02", "pretrain": "gold", "online": True,
      "preset": "default", "draw_tau": 0.02},
+    # added at the tenth look, with the online rows above
+    {"name": "gold pretrain + default online, draw tau 0.01", "pretrain": "gold", "online": True,
+     "preset": "default", "draw_tau": 0.01},
 ]
 PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [precision_recall]"),
          ("calibrated [answer]", "default [answer]"), ("calibrated shared", "default shared"),
@@ -836,7 +851,12 @@ PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [
          ("default, draw tau 0.02 [precision_recall]", "default [precision_recall]"),
          ("default, draw tau 0.02 [answer]", "default [answer]"), ("default shared, draw tau 0.02", "default shared"),
          ("default hybrid, draw tau 0.02", "default hybrid"),
-         ("gold pretrain + default online, draw tau 0.02", "gold pretrain + default online")]
+         ("gold pretrain + default online, draw tau 0.02", "gold pretrain + default online"),
+         ("default, draw tau 0.01", "default"),
+         ("default, draw tau 0.01 [precision_recall]", "default [precision_recall]"),
+         ("default, draw tau 0.01 [answer]", "default [answer]"), ("default shared, draw tau 0.01", "default shared"),
+         ("default hybrid, draw tau 0.01", "default hybrid"),
+         ("gold pretrain + default online, draw tau 0.01", "gold pretrain + default online")]
 
 
 def lever_heldout(ctx) -> dict:
