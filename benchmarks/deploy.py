@@ -6,6 +6,8 @@ the CLI, run as a subprocess, as a team would run it.
     python benchmarks/deploy.py --json benchmarks/results/deploy.json --plot benchmarks/results/deploy.png
     python benchmarks/deploy.py --draw-tau 0.02 --json benchmarks/results/deploy_draw.json \
         --plot benchmarks/results/deploy_draw.png
+    python benchmarks/deploy.py --draw-tau 0.01 --json benchmarks/results/deploy_draw_001.json \
+        --plot benchmarks/results/deploy_draw_001.png
 
 **Time.** The five LoCoMo conversations span different years; each is shifted so that its
 first session falls on day 0 (five users who start on the same day), keeping the gaps
