@@ -355,17 +355,22 @@ HEADLINE = {
     "top 5; the retriever": (
         "{}; {}; {}", [("deploy.json", "final.recall@5_served", ".3f"), ("deploy.json", "final.recall@5", ".3f"),
                        ("deploy.json", "final.recall@5_retriever", ".3f")]),
-    "Drawing the shown memories at 0.02 instead of τ (`--draw-tau 0.02`), held-out, paired with the default: the "
+    "Drawing the shown memories at 0.02 or 0.01 instead of τ (`--draw-tau`), held-out, paired with the default: the "
     "policy's top-5 gain; what the generator was shown": (
-        "{}; {}", [("learn_sweep_heldout.json", "pairs.19.a_minus_b", "interval"),       # default, draw tau 0.02
-                   ("learn_sweep_heldout.json", "pairs.19.shown_a_minus_b", "interval")]),
-    "The same deployment drawn at 0.02: what was drawn and shown; the policy's own top 5; days `evaluate` withheld "
-    "SNIPS": (
-        "{}; {}; {} of {} ({} drawn at τ)", [("deploy_draw.json", "final.recall@5_served", ".3f"),
-                                            ("deploy_draw.json", "final.recall@5", ".3f"),
-                                            ("deploy_draw.json", "ope_coverage.tomorrow.snips.withheld", ""),
-                                            ("deploy_draw.json", "ope_coverage.tomorrow.snips.days", ""),
-                                            ("deploy.json", "ope_coverage.tomorrow.snips.withheld", "")]),
+        "0.02: {}; {}. 0.01: {}; {}", [("learn_sweep_heldout.json", "pairs.19.a_minus_b", "interval"),  # draw tau 0.02
+                                       ("learn_sweep_heldout.json", "pairs.19.shown_a_minus_b", "interval"),
+                                       ("learn_sweep_heldout.json", "pairs.25.a_minus_b", "interval"),  # draw tau 0.01
+                                       ("learn_sweep_heldout.json", "pairs.25.shown_a_minus_b", "interval")]),
+    "The same deployment drawn at 0.02 or 0.01: what was drawn and shown; the policy's own top 5; days `evaluate` "
+    "withheld SNIPS": (
+        "0.02: {}; {}; {} of {}. 0.01: {}; {}; {} of {} ({} drawn at τ)", [
+            ("deploy_draw.json", "final.recall@5_served", ".3f"), ("deploy_draw.json", "final.recall@5", ".3f"),
+            ("deploy_draw.json", "ope_coverage.tomorrow.snips.withheld", ""),
+            ("deploy_draw.json", "ope_coverage.tomorrow.snips.days", ""),
+            ("deploy_draw_001.json", "final.recall@5_served", ".3f"), ("deploy_draw_001.json", "final.recall@5", ".3f"),
+            ("deploy_draw_001.json", "ope_coverage.tomorrow.snips.withheld", ""),
+            ("deploy_draw_001.json", "ope_coverage.tomorrow.snips.days", ""),
+            ("deploy.json", "ope_coverage.tomorrow.snips.withheld", "")]),
     "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
         "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_all", "interval"),
                                  ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")]),
