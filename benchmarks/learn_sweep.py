@@ -767,6 +767,18 @@ def lever_draw(ctx) -> dict:
 
 HELD_OUT = ["41", "42", "43"]
 
+
+def draw_look(tau: float) -> list[dict]:
+    """The held-out rows of one draw temperature: the default under each citation model and in
+    each scope, drawn at ``tau``."""
+    models = [("", {}), (" [precision_recall]", {"citations": "precision_recall"}),
+              (" [answer]", {"citations": "answer"})]
+    return ([{"name": f"default, draw tau {tau:g}{tag}", "preset": "default", "draw_tau": tau, **extra}
+             for tag, extra in models]
+            + [{"name": f"default {scope}, draw tau {tau:g}", "preset": "default", "draw_tau": tau, "scope": scope}
+               for scope in ("shared", "hybrid")])
+
+
 # The rows of the held-out report, fixed on 26 and 30 before this report ran: the default
 # (defaults_sweep.json's rule) and `calibrated` (the same sweep's cells, per scope). It is the
 # fourth look at 41-43 (docs/method.md says what the first three changed). It ran first with
@@ -797,21 +809,11 @@ HELDOUT_ONLINE = [
     {"name": "default, memory coordinates x20 [answer]", "preset": "default", "prior": 20.0, "citations": "answer"},
     # added at the ninth look: the draw lever's middle temperature (learn_sweep_draw.json: the policy's
     # top-5 gain ties the default's at every temperature, and what is shown rises above the retriever's)
-    {"name": "default, draw tau 0.02", "preset": "default", "draw_tau": 0.02},
-    {"name": "default, draw tau 0.02 [precision_recall]", "preset": "default", "draw_tau": 0.02,
-     "citations": "precision_recall"},
-    {"name": "default, draw tau 0.02 [answer]", "preset": "default", "draw_tau": 0.02, "citations": "answer"},
-    {"name": "default shared, draw tau 0.02", "preset": "default", "draw_tau": 0.02, "scope": "shared"},
-    {"name": "default hybrid, draw tau 0.02", "preset": "default", "draw_tau": 0.02, "scope": "hybrid"},
+    *draw_look(0.02),
     # added at the tenth look: the temperature the draw lever's served rule chooses on 26 and 30
     # (learn_sweep_draw.json, max_min_served: the best worst cell of the lower of the top-5 gain and
     # the shown gain), written down in docs/method.md before this ran
-    {"name": "default, draw tau 0.01", "preset": "default", "draw_tau": 0.01},
-    {"name": "default, draw tau 0.01 [precision_recall]", "preset": "default", "draw_tau": 0.01,
-     "citations": "precision_recall"},
-    {"name": "default, draw tau 0.01 [answer]", "preset": "default", "draw_tau": 0.01, "citations": "answer"},
-    {"name": "default shared, draw tau 0.01", "preset": "default", "draw_tau": 0.01, "scope": "shared"},
-    {"name": "default hybrid, draw tau 0.01", "preset": "default", "draw_tau": 0.01, "scope": "hybrid"},
+    *draw_look(0.01),
 ]
 HELDOUT_PRETRAIN = [
     {"name": "gold pretrain", "pretrain": "gold"},
