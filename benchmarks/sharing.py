@@ -24,7 +24,10 @@ class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 2
   (c) hybrid: that shared part plus the newcomer's own fresh residual (scope ``hybrid``, both
   learning); (b) and (c) minus (a), paired per query and seed. LoCoMo: each conversation
   joins after the other four learned side by side (leave one out); synthetic: users
-  900..999 each join after users 0..U−1 (U = 100 and 900) learned.
+  900..999 each join after users 0..U−1 (U = 100 and 900) learned. ``--late-others-lr`` sets
+  the step size the earlier users learn with, the newcomer's left as the preset's: whether
+  a shared part that took many users' larger steps (√U_a, :mod:`rmm_jax.core.update`) serves
+  a newcomer worse for the step or for what it learned.
 
 What one LoCoMo conversation's learning teaches another (why sharing does not pay there)
 is measured by ``benchmarks/transfer.py``.
@@ -163,9 +166,11 @@ def curve_locomo(streams, programs, params, seeds, m, log) -> dict:
 
 
 def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int, programs, params, seeds, m,
-                 by_user: bool) -> dict:
+                 by_user: bool, teach=None) -> dict:
     """Newcomer i joins after the streams ``before[i]`` learned side by side: its first ``first``
-    queries under a fresh user policy, the learned shared part, and hybrid, paired per query."""
+    queries under a fresh user policy, the learned shared part, and hybrid, paired per query.
+    ``teach`` (scope -> program, default ``programs``) is what the earlier users learn with."""
+    teach = teach or programs
     heads = [head(s, first) for s in newcomers]
     users = [s.user_id for s in heads]
     base = base_of(heads, m)
@@ -178,7 +183,7 @@ def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int
             for scope in ("shared", "hybrid"):
                 key = (scope, tuple(o.user_id for o in others))
                 if key not in learned:                      # the same others learn once per seed
-                    learned[key] = run(others, programs[scope], params, seed)[1]
+                    learned[key] = run(others, teach[scope], params, seed)[1]
                 got[scope].update(run([new], programs[scope], learned[key], seed)[0])
         for name in rows:
             rows[name].append(got[name])
@@ -206,6 +211,9 @@ def main(argv=None):
     ap.add_argument("--late-sizes", default="100,900", help="synthetic users learned before the newcomers")
     ap.add_argument("--newcomers", type=int, default=100, help="synthetic late joiners: the population's last ones")
     ap.add_argument("--first", type=int, default=20, help="a late joiner's queries measured")
+    ap.add_argument("--late-others-lr", type=float, default=None,
+                    help="the step size the earlier users' shared part learns with before a newcomer joins "
+                         "(the newcomer keeps the preset's; default: the preset's)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS))
     ap.add_argument("--parts", default="curves,late", help="comma-separated: curves, late")
@@ -221,6 +229,9 @@ def main(argv=None):
     cite, cite_info = _common.citation_model("oracle")
     settings = {scope: rj.preset(args.preset, k=k, m=m, scope=scope) for scope in SCOPES}
     programs = {scope: rj.make_run(*s, cite_fn=cite) for scope, s in settings.items()}
+    teach = None if args.late_others_lr is None else {
+        scope: rj.make_run(*rj.preset(args.preset, k=k, m=m, scope=scope, lr=args.late_others_lr), cite_fn=cite)
+        for scope in ("shared", "hybrid")}
 
     sizes = [int(x) for x in args.sizes.split(",")]
     late_sizes = [int(x) for x in args.late_sizes.split(",")]
@@ -231,7 +242,8 @@ def main(argv=None):
     loco = _common.locomo_streams(data, k).streams
     params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])
     out = {"preset": args.preset, "setting": describe(*settings["user"]), "citations": cite_info, "k": k, "m": m,
-           "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn), "locomo_users": [s.user_id for s in loco]}
+           "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn), "locomo_users": [s.user_id for s in loco],
+           "late_others_lr": args.late_others_lr}
     if "curves" in parts:
         log("scope x users")
         out["curves"] = {"synthetic": curve_synthetic(syn, args.scored, sizes, programs, params, seeds, m, log),
@@ -239,11 +251,11 @@ def main(argv=None):
     if "late" in parts:
         log("late joiners")
         late = {"locomo": late_joiners([[o for o in loco if o is not s] for s in loco], loco, args.first, programs,
-                                       params, seeds, m, by_user=True)}
+                                       params, seeds, m, by_user=True, teach=teach)}
         newcomers = syn[n_syn - args.newcomers:n_syn]
         for u in late_sizes:
             late[f"synthetic/{u}"] = late_joiners([syn[:u]] * len(newcomers), newcomers, args.first, programs,
-                                                  params, seeds, m, by_user=False)
+                                                  params, seeds, m, by_user=False, teach=teach)
         for name, r in late.items():
             log(f"  {name}: " + "; ".join(f"{k_} − fresh user {_common.format_interval(v)}"
                                           for k_, v in r["over_fresh_user"].items()))
