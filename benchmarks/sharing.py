@@ -29,6 +29,13 @@ class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 2
   a shared part that took many users' larger steps (√U_a, :mod:`rmm_jax.core.update`) serves
   a newcomer worse for the step or for what it learned.
 
+* **A newcomer against the earlier users' step** (``step``). The same newcomers join after U
+  synthetic users (``--late-sizes``) who learned with a shared step of c times one user's
+  (``--step-multiples``; the default's c is √U). It asks how far a ceiling on the √U_a rule
+  should be. Written down before it ran: a ceiling would be the c whose hybrid newcomer gains
+  most after 900 users of population 0 (``--synthetic-seed 0``); population 1 (other personas
+  and questions) judges it against the default's √900 = 30.
+
 What one LoCoMo conversation's learning teaches another (why sharing does not pay there)
 is measured by ``benchmarks/transfer.py``.
 
@@ -61,26 +68,34 @@ from rmm_jax.online.streams import Stream, load_streams  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
-SYNTHETIC = "synthetic:users={users},sessions=6,turns=10,seed=0"
+SYNTHETIC = "synthetic:users={users},sessions=6,turns=10,seed={seed}"
 
 
 # --------------------------------------------------------------------------- data
 
-def synthetic_streams(users: int, k: int, store: Path | None) -> list[Stream]:
-    """The first ``users`` synthetic users, from ``store`` (made by ``rmm-jax embed SPEC``) when it
-    holds them, else embedded into a temporary store (the embeddings are cached on disk)."""
+def synthetic_streams(users: int, k: int, store: Path | None, seed: int = 0) -> list[Stream]:
+    """The first ``users`` synthetic users of population ``seed``, from ``store`` (made by
+    ``rmm-jax embed SPEC``) when it holds them, else embedded into a temporary store (the
+    embeddings are cached on disk)."""
     from rmm_jax.data import load_spec
     from rmm_jax.data.embed import Embedder
     from rmm_jax.data.store import open_store, write_store
+    from rmm_jax.data.synthetic import parse_synthetic_spec
 
     if store is not None and (store / "manifest.json").exists():
         st = open_store(store)
+        got = parse_synthetic_spec(str(st.manifest.get("spec", "")).removeprefix("synthetic:"))
+        want = parse_synthetic_spec(SYNTHETIC.format(users=users, seed=seed).removeprefix("synthetic:"))
+        if {key: got.get(key) for key in ("sessions", "turns", "seed")} != \
+                {key: want[key] for key in ("sessions", "turns", "seed")}:
+            sys.exit(f"error: --synthetic-store {store}: holds {st.manifest.get('spec')!r}, "
+                     f"not {SYNTHETIC.format(users='N', seed=seed)!r}")
         return load_streams(st, k, sorted(st.user_ids, key=lambda u: int(u.removeprefix("user")))[:users])
     with tempfile.TemporaryDirectory() as tmp:
         out = store or Path(tmp) / "store"
         emb = Embedder(_common.MODEL, progress=True)
         try:
-            spec = SYNTHETIC.format(users=users)
+            spec = SYNTHETIC.format(users=users, seed=seed)
             write_store(out, load_spec(spec), "turn", emb, spec=spec)
         finally:
             emb.close()
@@ -202,8 +217,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_common.HelpFormatter)
     _common.add_data_option(ap)
     ap.add_argument("--synthetic-store", type=Path, default=None,
-                    help=f"store of `rmm-jax embed {SYNTHETIC.format(users=1000)}` to reuse (built there when "
-                         "absent; default: a temporary one)")
+                    help=f"store of `rmm-jax embed {SYNTHETIC.format(users=1000, seed=0)}` to reuse (built there "
+                         "when absent; default: a temporary one)")
+    ap.add_argument("--synthetic-seed", type=int, default=0,
+                    help="the synthetic population's generator seed (another seed: other personas and questions)")
     ap.add_argument("--users", type=int, default=1000, help="synthetic users in the population")
     ap.add_argument("--scored", type=int, default=200,
                     help="synthetic users scored at every U (the first ones; a larger group learns beside them)")
@@ -214,11 +231,16 @@ def main(argv=None):
     ap.add_argument("--late-others-lr", type=float, default=None,
                     help="the step size the earlier users' shared part learns with before a newcomer joins "
                          "(the newcomer keeps the preset's; default: the preset's)")
+    ap.add_argument("--step-multiples", default="5,10,15,20,30",
+                    help="part step: the earlier users' shared step, as multiples of one user's step (the "
+                         "default's is the square root of their number)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS))
-    ap.add_argument("--parts", default="curves,late", help="comma-separated: curves, late")
+    ap.add_argument("--parts", default="curves,late", help="comma-separated: curves, late, step")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
-    ap.add_argument("--plot", type=Path, default=None, help="PNG of gain against users per group")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="PNG of gain against users per group (part curves), else of a newcomer's gain against "
+                         "the earlier users' step (part step)")
     args = ap.parse_args(argv)
     data = _common.require_data(args.data)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -236,13 +258,14 @@ def main(argv=None):
     sizes = [int(x) for x in args.sizes.split(",")]
     late_sizes = [int(x) for x in args.late_sizes.split(",")]
     n_syn = max([args.users, args.scored] + sizes + [u + args.newcomers for u in late_sizes])   # newcomers: the last
-    syn = synthetic_streams(n_syn, k, args.synthetic_store)
+    syn = synthetic_streams(n_syn, k, args.synthetic_store, args.synthetic_seed)
     if len(syn) < n_syn:
         sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
     loco = _common.locomo_streams(data, k).streams
     params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])
     out = {"preset": args.preset, "setting": describe(*settings["user"]), "citations": cite_info, "k": k, "m": m,
-           "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn), "locomo_users": [s.user_id for s in loco],
+           "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn, seed=args.synthetic_seed),
+           "locomo_users": [s.user_id for s in loco],
            "late_others_lr": args.late_others_lr}
     if "curves" in parts:
         log("scope x users")
@@ -260,11 +283,30 @@ def main(argv=None):
             log(f"  {name}: " + "; ".join(f"{k_} − fresh user {_common.format_interval(v)}"
                                           for k_, v in r["over_fresh_user"].items()))
         out["late"] = late
+    if "step" in parts:
+        log("a newcomer against the earlier users' step")
+        newcomers = syn[n_syn - args.newcomers:n_syn]
+        lr = rj.PRESETS[args.preset]["lr"]
+        out["step"] = {}
+        for u in late_sizes:
+            rows = []
+            for c in [float(x) for x in args.step_multiples.split(",")]:
+                others_lr = lr * c / np.sqrt(u)        # the shared step is √U_a · others_lr (rmm_jax.core.update)
+                taught = {scope: rj.make_run(*rj.preset(args.preset, k=k, m=m, scope=scope, lr=others_lr),
+                                             cite_fn=cite) for scope in ("shared", "hybrid")}
+                r = late_joiners([syn[:u]] * len(newcomers), newcomers, args.first, programs, params, seeds, m,
+                                 by_user=False, teach=taught)
+                rows.append({"multiple": c, "others_lr": others_lr, **r})
+                gain = _common.format_interval(r["over_fresh_user"]["hybrid"])
+                log(f"  synthetic/{u} x{c:g}: hybrid − fresh user {gain}")
+            out["step"][f"synthetic/{u}"] = {"default_multiple": float(np.sqrt(u)), "rows": rows}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         _common.write_result(args.json, out)
     if args.plot and "curves" in out:
         plot(out, args.plot)
+    elif args.plot and "step" in out:
+        plot_step(out, args.plot)
     return out
 
 
@@ -294,6 +336,33 @@ def plot(out: dict, path) -> None:
         ax.set_ylabel("Recall@5 gain over the retriever")
         ax.set_title(f"{pop}: {out['preset']} preset, {len(out['seeds'])} seeds, 95% interval")
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def plot_step(out: dict, path) -> None:
+    """A newcomer's gain over a fresh policy against the earlier users' shared step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, block) in enumerate(out["step"].items()):
+        rows = block["rows"]
+        xs = [r["multiple"] for r in rows]
+        g = [r["over_fresh_user"]["hybrid"] for r in rows]   # shared's is in the file (on the synthetic late
+        lo, hi = [x["mean"] - x["lo"] for x in g], [x["hi"] - x["mean"] for x in g]   # runs, within 0.001 of it)
+        ax.errorbar(xs, [x["mean"] for x in g], yerr=[lo, hi],
+                    fmt="o-", color=f"C{i}", capsize=3, label=f"hybrid, after {name.split('/')[-1]} users")
+        ax.axvline(block["default_multiple"], color=f"C{i}", lw=0.8, ls="--",
+                   label=f"the default's step, √{name.split('/')[-1]}")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("earlier users' shared step, in multiples of one user's")
+    ax.set_ylabel("newcomer's first queries: Recall@5 − fresh policy's")
+    ax.set_title(f"{out['synthetic']}: {out['preset']} preset, {len(out['seeds'])} seeds, 95% interval", fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
