@@ -24,17 +24,16 @@ class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 2
   (c) hybrid: that shared part plus the newcomer's own fresh residual (scope ``hybrid``, both
   learning); (b) and (c) minus (a), paired per query and seed. LoCoMo: each conversation
   joins after the other four learned side by side (leave one out); synthetic: users
-  900..999 each join after users 0..U−1 (U = 100 and 900) learned. ``--late-others-lr`` sets
-  the step size the earlier users learn with, the newcomer's left as the preset's: whether
-  a shared part that took many users' larger steps (√U_a, :mod:`rmm_jax.core.update`) serves
-  a newcomer worse for the step or for what it learned.
+  900..999 each join after users 0..U−1 (U = 100 and 900) learned.
 
 * **A newcomer against the earlier users' step** (``step``). The same newcomers join after U
   synthetic users (``--late-sizes``) who learned with a shared step of c times one user's
-  (``--step-multiples``; the default's c is √U). It asks how far a ceiling on the √U_a rule
-  should be. Written down before it ran: a ceiling would be the c whose hybrid newcomer gains
-  most after 900 users of population 0 (``--synthetic-seed 0``); population 1 (other personas
-  and questions) judges it against the default's √900 = 30.
+  (``--step-multiples``). It asked how far a ceiling on the √U_a rule should be, when the
+  default's c was √U. Written down before it ran: a ceiling would be the c whose hybrid
+  newcomer gains most after 900 users of population 0 (``--synthetic-seed 0``); population 1
+  (other personas and questions) judges it against the then default's √900 = 30. It chose 10
+  (:data:`rmm_jax.core.update.SHARED_STEP_MAX_USERS`); the runs mean the same c before and
+  after the ceiling (each c sets the earlier users' step size through the update's multiple).
 
 What one LoCoMo conversation's learning teaches another (why sharing does not pay there)
 is measured by ``benchmarks/transfer.py``.
@@ -64,6 +63,7 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
+from rmm_jax.core.update import shared_step_multiple  # noqa: E402
 from rmm_jax.online.streams import Stream, load_streams  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
@@ -228,12 +228,9 @@ def main(argv=None):
     ap.add_argument("--late-sizes", default="100,900", help="synthetic users learned before the newcomers")
     ap.add_argument("--newcomers", type=int, default=100, help="synthetic late joiners: the population's last ones")
     ap.add_argument("--first", type=int, default=20, help="a late joiner's queries measured")
-    ap.add_argument("--late-others-lr", type=float, default=None,
-                    help="the step size the earlier users' shared part learns with before a newcomer joins "
-                         "(the newcomer keeps the preset's; default: the preset's)")
     ap.add_argument("--step-multiples", default="5,10,15,20,30",
                     help="part step: the earlier users' shared step, as multiples of one user's step (the "
-                         "default's is the square root of their number)")
+                         "update's is the square root of their number, at most 10)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS))
     ap.add_argument("--parts", default="curves,late", help="comma-separated: curves, late, step")
@@ -251,9 +248,6 @@ def main(argv=None):
     cite, cite_info = _common.citation_model("oracle")
     settings = {scope: rj.preset(args.preset, k=k, m=m, scope=scope) for scope in SCOPES}
     programs = {scope: rj.make_run(*s, cite_fn=cite) for scope, s in settings.items()}
-    teach = None if args.late_others_lr is None else {
-        scope: rj.make_run(*rj.preset(args.preset, k=k, m=m, scope=scope, lr=args.late_others_lr), cite_fn=cite)
-        for scope in ("shared", "hybrid")}
 
     sizes = [int(x) for x in args.sizes.split(",")]
     late_sizes = [int(x) for x in args.late_sizes.split(",")]
@@ -265,8 +259,7 @@ def main(argv=None):
     params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])
     out = {"preset": args.preset, "setting": describe(*settings["user"]), "citations": cite_info, "k": k, "m": m,
            "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn, seed=args.synthetic_seed),
-           "locomo_users": [s.user_id for s in loco],
-           "late_others_lr": args.late_others_lr}
+           "locomo_users": [s.user_id for s in loco]}
     if "curves" in parts:
         log("scope x users")
         out["curves"] = {"synthetic": curve_synthetic(syn, args.scored, sizes, programs, params, seeds, m, log),
@@ -274,11 +267,11 @@ def main(argv=None):
     if "late" in parts:
         log("late joiners")
         late = {"locomo": late_joiners([[o for o in loco if o is not s] for s in loco], loco, args.first, programs,
-                                       params, seeds, m, by_user=True, teach=teach)}
+                                       params, seeds, m, by_user=True)}
         newcomers = syn[n_syn - args.newcomers:n_syn]
         for u in late_sizes:
             late[f"synthetic/{u}"] = late_joiners([syn[:u]] * len(newcomers), newcomers, args.first, programs,
-                                                  params, seeds, m, by_user=False, teach=teach)
+                                                  params, seeds, m, by_user=False)
         for name, r in late.items():
             log(f"  {name}: " + "; ".join(f"{k_} − fresh user {_common.format_interval(v)}"
                                           for k_, v in r["over_fresh_user"].items()))
@@ -291,7 +284,7 @@ def main(argv=None):
         for u in late_sizes:
             rows = []
             for c in [float(x) for x in args.step_multiples.split(",")]:
-                others_lr = lr * c / np.sqrt(u)        # the shared step is √U_a · others_lr (rmm_jax.core.update)
+                others_lr = lr * c / float(shared_step_multiple(u))   # the shared step is that · others_lr
                 taught = {scope: rj.make_run(*rj.preset(args.preset, k=k, m=m, scope=scope, lr=others_lr),
                                              cite_fn=cite) for scope in ("shared", "hybrid")}
                 r = late_joiners([syn[:u]] * len(newcomers), newcomers, args.first, programs, params, seeds, m,
@@ -299,7 +292,7 @@ def main(argv=None):
                 rows.append({"multiple": c, "others_lr": others_lr, **r})
                 gain = _common.format_interval(r["over_fresh_user"]["hybrid"])
                 log(f"  synthetic/{u} x{c:g}: hybrid − fresh user {gain}")
-            out["step"][f"synthetic/{u}"] = {"default_multiple": float(np.sqrt(u)), "rows": rows}
+            out["step"][f"synthetic/{u}"] = {"default_multiple": float(shared_step_multiple(u)), "rows": rows}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         _common.write_result(args.json, out)
@@ -357,7 +350,7 @@ def plot_step(out: dict, path) -> None:
         ax.errorbar(xs, [x["mean"] for x in g], yerr=[lo, hi],
                     fmt="o-", color=f"C{i}", capsize=3, label=f"hybrid, after {name.split('/')[-1]} users")
         ax.axvline(block["default_multiple"], color=f"C{i}", lw=0.8, ls="--",
-                   label=f"the default's step, √{name.split('/')[-1]}")
+                   label=f"the update's step at {name.split('/')[-1]} users")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("earlier users' shared step, in multiples of one user's")
     ax.set_ylabel("newcomer's first queries: Recall@5 − fresh policy's")

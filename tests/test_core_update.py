@@ -94,6 +94,39 @@ def test_the_pairwise_loss_runs_through_the_same_update_and_equals_the_brute_for
                       loss="pairwise")
 
 
+@pytest.mark.parametrize("scope", ["shared", "hybrid"])
+def test_the_shared_step_grows_as_the_root_of_the_users_up_to_ten_times_one_users(scope):
+    """U identical users (the same batch, all with a query) have one user's gradient as their
+    mean, so the shared part moves √U_a times as far as one user's would, up to √100 = 10 times:
+    1, 2, 10, 10, 10 times at U = 1, 4, 100, 144, 400 (√U_a alone would give 12 and 20). SGD and
+    Adam alike; both runs' float32 bounds from the jaxpr (helpers.f32_error)."""
+    layout = rj.Layout(k=K, m=M, batch=B, scope=rj.Scope.named(scope, 2 if scope == "hybrid" else None))
+    est = rj.Estimator(baseline="constant", baseline_value=0.25)
+    one = random_batch(jax.random.key(4), jnp.ones((1, B), bool), u=1)
+    base = random_tree(rj.init_reranker(jax.random.key(0), D), jax.random.key(1))
+
+    def shared_after(n, opt):
+        shared = rj.init_shared(base, layout, opt)
+        users = jax.vmap(lambda k: rj.init_user(base, k, layout, est, opt))(jax.random.split(jax.random.key(2), n))
+        users = users._replace(params=jax.tree.map(lambda x: jnp.zeros_like(x) + x[:1], users.params))  # identical
+        batch = jax.tree.map(lambda x: None if x is None else jnp.repeat(x, n, axis=0), one)
+        scores = jax.vmap(lambda lp, q, m, mk: rj.score_batch(rj.merge_params(shared.params, lp), q, m, mk))(
+            users.params, batch.q, batch.m, batch.mask)
+        args = (shared, users, batch._replace(scores=scores))
+        update = rj.make_update(layout, est, opt)
+        step = lambda *a: update(*a)[0].params     # noqa: E731
+        return shared.params, jax.jit(step)(*args), f32_error(step, *args)
+
+    for opt in (rj.sgd(0.1), rj.adam(0.05)):
+        start, after_one, e_one = shared_after(1, opt)
+        for n, times in ((4, 2.0), (100, 10.0), (144, 10.0), (400, 10.0)):
+            _, after_n, e_n = shared_after(n, opt)
+            got = jax.tree.map(lambda a, s: np.float64(a) - np.float64(s), after_n, start)
+            want = jax.tree.map(lambda a, s: times * (np.float64(a) - np.float64(s)), after_one, start)
+            assert_f32_close(got, want, jax.tree.map(lambda en, e1: en + times * e1, e_n, e_one),
+                             f"{scope}, U={n}, {opt.name}")
+
+
 def brute_force(layout, est, opt, shared, users, batch):
     """Per user, autodiff of that user's own loss; the shared part steps on the mean gradient of
     the users with a query, each own part on its user's gradient (optax). Returns the new shared
@@ -113,7 +146,7 @@ def brute_force(layout, est, opt, shared, users, batch):
         active = [u for u in range(U) if np.asarray(VALID)[u].any()]
         mean_g = jax.tree.map(lambda *g: sum(g[u] for u in active) / len(active), *grads_s)
         upd, _ = opt.update(mean_g, shared.opt_state, shared.params)
-        upd = jax.tree.map(lambda x: np.float32(np.sqrt(len(active))) * x, upd)      # the step grows as √U_a
+        upd = jax.tree.map(lambda x: np.float32(np.sqrt(min(len(active), 100))) * x, upd)   # √U_a, at most 10
         new_shared = optax.apply_updates(shared.params, upd)
     new_own = []
     for u in range(U):
