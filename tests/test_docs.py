@@ -386,6 +386,11 @@ HEADLINE = {
             ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage_all", ".2f")]),
     "Throughput, one user, paper shapes: rmm-jax / torch.compile": (
         "{}", [("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")]),
+    "Sharing, synthetic users: Recall@5 gain of 1,000 learning side by side in hybrid; of each alone; a newcomer "
+    "after 900, hybrid minus a fresh policy": (
+        "{}; {}; {}", [("sharing.json", "curves.synthetic.hybrid/1000.gain", "interval"),
+                       ("sharing.json", "curves.synthetic.user/1.gain", "interval"),
+                       ("sharing.json", "late.synthetic/900.over_fresh_user.hybrid", "interval")]),
     "100,000 users × 100 queries, scope hybrid: wall time; peak memory": (
         "{} s; {} MiB", [("scale_100k.json", "rows.0.seconds", ",.0f"), ("scale_100k.json", "peak_rss_mb", ",.0f")]),
     "Serving from a 100,000-user hybrid store: one query, p50 of a user not cached, its row read from disk; cached": (
