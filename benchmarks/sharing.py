@@ -257,6 +257,7 @@ def main(argv=None):
         sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
     loco = _common.locomo_streams(data, k).streams
     params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])
+    newcomers = syn[n_syn - args.newcomers:n_syn]         # the late parts' newcomers: the population's last
     out = {"preset": args.preset, "setting": describe(*settings["user"]), "citations": cite_info, "k": k, "m": m,
            "seeds": seeds, "synthetic": SYNTHETIC.format(users=n_syn, seed=args.synthetic_seed),
            "locomo_users": [s.user_id for s in loco]}
@@ -268,7 +269,6 @@ def main(argv=None):
         log("late joiners")
         late = {"locomo": late_joiners([[o for o in loco if o is not s] for s in loco], loco, args.first, programs,
                                        params, seeds, m, by_user=True)}
-        newcomers = syn[n_syn - args.newcomers:n_syn]
         for u in late_sizes:
             late[f"synthetic/{u}"] = late_joiners([syn[:u]] * len(newcomers), newcomers, args.first, programs,
                                                   params, seeds, m, by_user=False)
@@ -278,7 +278,6 @@ def main(argv=None):
         out["late"] = late
     if "step" in parts:
         log("a newcomer against the earlier users' step")
-        newcomers = syn[n_syn - args.newcomers:n_syn]
         lr = rj.PRESETS[args.preset]["lr"]
         out["step"] = {}
         for u in late_sizes:
@@ -345,8 +344,8 @@ def plot_step(out: dict, path) -> None:
     for i, (name, block) in enumerate(out["step"].items()):
         rows = block["rows"]
         xs = [r["multiple"] for r in rows]
-        g = [r["over_fresh_user"]["hybrid"] for r in rows]   # shared's is in the file (on the synthetic late
-        lo, hi = [x["mean"] - x["lo"] for x in g], [x["hi"] - x["mean"] for x in g]   # runs, within 0.001 of it)
+        g = [r["over_fresh_user"]["hybrid"] for r in rows]    # shared's is in the file, within 0.001 of it
+        lo, hi = [x["mean"] - x["lo"] for x in g], [x["hi"] - x["mean"] for x in g]
         ax.errorbar(xs, [x["mean"] for x in g], yerr=[lo, hi],
                     fmt="o-", color=f"C{i}", capsize=3, label=f"hybrid, after {name.split('/')[-1]} users")
         ax.axvline(block["default_multiple"], color=f"C{i}", lw=0.8, ls="--",

@@ -12,8 +12,9 @@ first), is REINFORCE (Williams, 1992) as in RMM's Retrospective Reflection (Tan 
 
     Δ_shared = √min(U_a, 100) · opt(g_shared),        Δ_u = opt(g_u).
 
-**The shared step grows as √U_a, up to 10 times a user's.** The shared gradient is the mean over users, a batch U_a
-times as large as one user's, and Adam normalises any gradient to steps of about ``lr``: with
+**The shared step grows as √U_a, up to 10 times a user's.** The shared gradient is the mean
+over users, a batch U_a times as large as one user's, and Adam normalises any gradient to
+steps of about ``lr``: with
 one step of ``lr`` per batch of users, a shared part that sees U_a users' citations could move
 no further than one user's own part, and on the synthetic populations it learned no more
 than each user alone (docs/scopes.md). The square-root scaling rule for adaptive optimisers
@@ -26,8 +27,8 @@ linear in ``lr`` for Adam and SGD; ``lr`` still means one user's step.) Past
 step, a shared part learned from 900 synthetic users served a newcomer's first 20 queries
 +0.015 (n.s.) better than a fresh policy, against +0.163 at 10 times; the ceiling was chosen
 on one synthetic population (the best of 5, 10, 15, 20 and 30 times) and held on another
-(+0.156 at 10 times, +0.008 at 30; ``benchmarks/sharing.py`` part ``step``, docs/scopes.md). Scope ``user`` has an
-empty shared part, so g_shared is empty and each user's whole reranker is its own part;
+(+0.156 at 10 times, +0.008 at 30; ``benchmarks/sharing.py`` part ``step``, docs/scopes.md).
+Scope ``user`` has an empty shared part, so g_shared is empty and each user's whole reranker is its own part;
 ``shared`` has empty local parts. A batch where no user has a real query leaves the shared
 state unchanged (an Adam step on a zero gradient would still move it).
 
