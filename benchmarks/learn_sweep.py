@@ -11,6 +11,7 @@
     python benchmarks/learn_sweep.py bound     --json benchmarks/results/learn_sweep_bound.json
     python benchmarks/learn_sweep.py pairwise  --json benchmarks/results/learn_sweep_pairwise.json
     python benchmarks/learn_sweep.py draw      --json benchmarks/results/learn_sweep_draw.json
+    python benchmarks/learn_sweep.py hybrid    --json benchmarks/results/learn_sweep_hybrid.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -82,6 +83,13 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   the loss's logits still at τ = 0.1, at three temperatures, in the same nine cells and by the
   same rule. Every row also reports the Recall@M of what the calls drew and showed (``shown``):
   what the generator saw while the policy learned.
+* ``hybrid``: hybrid's two parts on every conversation (5 seeds, class-calibrated citations),
+  reported on 26+30 and on 41–43 apart like ``bound``, each row paired with scope ``user`` on
+  41–43: the per-user factors at rank 8, 64 and 383 (d − 1), and the shared part stepping at 0,
+  0.5 and 1 times a user's step as well as at the update's own √U_a. It asks whether the
+  held-out report's ``default hybrid`` trails ``user`` for want of a per-user part (its rank)
+  or because of what the shared part learns (its step). It chooses nothing; it is the
+  eleventh look at 41–43.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -133,6 +141,7 @@ import optax  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.losses import listwise_loss  # noqa: E402
+from rmm_jax.core.update import shared_step_multiple  # noqa: E402
 from rmm_jax.data.citations import P_OTHER, P_USEFUL, oracle  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
@@ -222,17 +231,22 @@ def setting_of(row: dict) -> rj.Setting:
     """A row's :class:`rmm_jax.Setting`: ``preset`` (default ``reinforce``, the REINFORCE preset the
     levers started from; the ``default`` preset is now its logistic variant) with the row's fields,
     plus ``shrink`` (AdamW: each step also pulls the residual adapters toward zero, the
-    retriever, by that fraction) or ``local_lr`` (hybrid: the per-user factors step with
-    Adam at that rate, the shared part at ``lr``), as optax transformations."""
+    retriever, by that fraction), ``local_lr`` (hybrid: the per-user factors step with
+    Adam at that rate, the shared part at ``lr``) or ``shared_step`` (hybrid: the shared part
+    steps at that multiple of a user's step while all five conversations have a query, 0: not
+    at all; the update's √U_a rule applies on top, so the Adam rate is ``lr`` times it over
+    √5), as optax transformations."""
     row = {k: v for k, v in row.items() if k not in NOT_SETTINGS}
-    local_lr, shrink = row.pop("local_lr", None), row.pop("shrink", None)
+    local_lr, shrink, shared_step = row.pop("local_lr", None), row.pop("shrink", None), row.pop("shared_step", None)
     setting = rj.preset(row.pop("preset", "reinforce"), k=K, m=M, **row)
     lr = setting.optimizer.lr
     if shrink is not None:
         return setting._replace(optimizer=optax.adamw(lr, weight_decay=shrink / lr))
-    if local_lr is None:
+    if local_lr is None and shared_step is None:
         return setting
-    per_part = optax.multi_transform({"shared": optax.adam(lr), "local": optax.adam(local_lr)},
+    shared = (optax.adam(lr) if shared_step is None else optax.set_to_zero() if shared_step == 0 else
+              optax.adam(lr * shared_step / float(shared_step_multiple(len(TUNED_ON) + len(HELD_OUT)))))
+    per_part = optax.multi_transform({"shared": shared, "local": optax.adam(local_lr or lr)},
                                      lambda tree: jax.tree_util.tree_map_with_path(
                                          lambda path, _: "local" if any(getattr(p, "key", None) == "lora"
                                                                         for p in path) else "shared", tree))
@@ -242,8 +256,8 @@ def setting_of(row: dict) -> rj.Setting:
 def record(row: dict) -> dict:
     setting = setting_of(row)
     rec = describe(*setting)
-    if "local_lr" in row or "shrink" in row:
-        extra = {k: row[k] for k in ("local_lr", "shrink") if k in row}
+    if "local_lr" in row or "shrink" in row or "shared_step" in row:
+        extra = {k: row[k] for k in ("local_lr", "shrink", "shared_step") if k in row}
         rec["optimizer"] = {"name": "adamw" if "shrink" in row else "adam",
                             "lr": setting_of({k: v for k, v in row.items() if k not in extra}).optimizer.lr, **extra}
     return {**{k: v for k, v in row.items()}, "setting": rec}
@@ -707,6 +721,37 @@ def lever_bound(ctx) -> dict:
     return {"rows": rows, "pretrain_protocol": "leave-one-out gold pretraining (the library's recipe), per seed"}
 
 
+# Hybrid's two parts on every conversation (issue 26: "look at the per-user part's rank and step in
+# hybrid"): the per-user factors at rank 8 (the default), 64 and 383 (d - 1: as many directions as a
+# user's own kernel), the shared part stepping at 0, 0.5 and 1 times a user's step and at the
+# update's own √U_a (√5 with every conversation), beside scope user; the default preset and its
+# class-calibrated citations. Reported on 26+30 and on 41-43 apart; it chooses nothing.
+HYBRID_ROWS = ([{"name": "default user", "preset": "default"}]
+               + [{"name": f"default hybrid r{r}" + ("" if c is None else f", shared step {c:g}"), "preset": "default",
+                   "scope": "hybrid", "rank": r, **({} if c is None else {"shared_step": c})}
+                  for r in (8, 383) for c in (0.0, 0.5, 1.0, None)]
+               + [{"name": "default hybrid r64", "preset": "default", "scope": "hybrid", "rank": 64}])
+
+
+def lever_hybrid(ctx) -> dict:
+    """Each row on every conversation, reported on the tuning and the held-out ones apart, with
+    each row's paired difference from scope user on the held-out ones."""
+    everyone = [s.user_id for s in ctx.streams]
+    rows = select(HYBRID_ROWS, ctx.rows)
+    runs = online_rows(ctx, rows, everyone, HELD_OUT)
+    held = lambda name: np.stack([pooled(x, ctx.streams, HELD_OUT) for x in runs[name]])  # noqa: E731
+    user = "default user" if "default user" in runs else None
+    out = []
+    for r in rows:
+        out.append({**record(r), "tuned_on": gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON),
+                    "held_out": gain(runs[r["name"]], ctx.base, ctx.streams, HELD_OUT),
+                    **({"held_out_minus_user": _common.gain_interval(held(r["name"]) - held(user))}
+                       if user and r["name"] != user else {})})
+        if "held_out_minus_user" in out[-1]:
+            ctx.log(f"  {r['name']} − user, held-out: {_common.format_interval(out[-1]['held_out_minus_user'])}")
+    return {"rows": out}
+
+
 # Candidates against the default (the logistic loss at 1e-4) in the nine cells of the defaults
 # sweep: three citation models by three scopes on 26 and 30; the candidate whose worst cell is
 # best (the defaults sweep's rule) is a lever's choice.
@@ -940,7 +985,7 @@ class Context:
 
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
-          "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw}
+          "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid}
 
 
 def main(argv=None):
@@ -950,7 +995,8 @@ def main(argv=None):
     ap.add_argument("--store", type=Path, default=None,
                     help="embedding store to reuse (made with `rmm-jax embed locomo:DATA --answers`); built there "
                          "when absent (default: a temporary one)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0..7; heldout and bound 0..4)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0..7; heldout, bound and hybrid "
+                                                  "0..4)")
     ap.add_argument("--rows", default=None, help="';'-separated row names of the lever (default: all)")
     ap.add_argument("--passes", default="1,2,3,5", help="passes: numbers of passes over the first half")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -958,14 +1004,15 @@ def main(argv=None):
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     streams, qa = locomo(_common.require_data(args.data), args.store)
-    reports_held_out = args.lever in ("heldout", "bound")
+    reports_held_out = args.lever in ("heldout", "bound", "hybrid")
     seeds = [int(x) for x in (args.seeds or ("0,1,2,3,4" if reports_held_out else "0,1,2,3,4,5,6,7")).split(",")]
     ctx = Context(streams, qa, base_per_user(streams), seeds, args.rows, [int(x) for x in args.passes.split(",")], log)
     log(f"lever {args.lever} on {','.join(TUNED_ON) if not reports_held_out else 'held-out'}, seeds {seeds}")
     out = LEVERS[args.lever](ctx)
     result = {"lever": args.lever, "dataset": f"locomo:{args.data}", "k": K, "m": M, "granularity": "turn",
               "model": "all-MiniLM-L6-v2", "seeds": seeds,
-              "users": {"heldout": HELD_OUT, "bound": list(TUNED_ON) + HELD_OUT}.get(args.lever, list(TUNED_ON)),
+              "users": {"heldout": HELD_OUT, "bound": list(TUNED_ON) + HELD_OUT,
+                        "hybrid": list(TUNED_ON) + HELD_OUT}.get(args.lever, list(TUNED_ON)),
               "citations": "class-calibrated rmm_jax.data.citations.oracle() unless a row names another",
               **out, "seconds": round(time.perf_counter() - t0, 1)}
     if args.json:

@@ -657,6 +657,40 @@ def test_memory_coordinates_score_as_the_narrow_reranker_until_they_learn():
     assert_f32_close(rj.score(*args), want, f32_error(rj.score, *args))
 
 
+def test_the_hybrid_lever_steps_the_shared_part_as_its_rows_say():
+    """learn_sweep's hybrid lever sets the shared part's step per row. Five users side by side
+    (every one active, so the update multiplies the shared step by √5): ``shared_step`` 0 leaves
+    the shared part exactly where it started while every user's factors learn; ``shared_step``
+    √5 is the update's own rule, bit for bit the same run as both parts at the preset's rate
+    through the same per-part optimiser; 0.5 moves the shared part less than that."""
+    import learn_sweep
+
+    streams = [_toy_stream(f"u{i}", 24, 40, 6, learn_sweep.K, seed=30 + i) for i in range(5)]
+    params = rj.init_reranker(jax.random.key(0), 6)
+    row = {"preset": "default", "scope": "hybrid", "rank": 2, "lr": 1e-2}
+
+    def run(**extra):
+        program = rj.make_run(*learn_sweep.setting_of({**row, **extra}), cite_fn=cm.oracle())
+        return _common.run_chunk(streams, program, params, seed=2)
+
+    def moved(r):   # how far the shared part went
+        return sum(float(np.abs(np.asarray(a) - np.asarray(b)).sum())
+                   for a, b in zip(jax.tree.leaves(r.shared), jax.tree.leaves(params)))
+
+    frozen, half = run(shared_step=0.0), run(shared_step=0.5)
+    rule = run(shared_step=float(learn_sweep.shared_step_multiple(5)))
+    both = run(local_lr=1e-2)                                       # both parts at lr, one per-part optimiser
+    assert moved(frozen) == 0.0
+    for final in frozen.finals.values():                              # each user's B factors left 0
+        b_factors = [x for path, x in jax.tree_util.tree_leaves_with_path(final) if getattr(path[-1], "key", "") == "b"]
+        assert len(b_factors) == 2 and all(float(np.abs(np.asarray(x)).max()) > 0 for x in b_factors)
+    for a, b in zip(jax.tree.leaves(rule.shared), jax.tree.leaves(both.shared)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for uid in rule.outputs:
+        np.testing.assert_array_equal(np.asarray(rule.outputs[uid]["recall"]), np.asarray(both.outputs[uid]["recall"]))
+    assert 0.0 < moved(half) < moved(rule)
+
+
 @pytest.mark.parametrize("scope", ["user", "shared"])
 def test_full_information_learns_as_a_numpy_loop(scope):
     """learn_sweep's bound lever: a reranker learning online from every candidate's gold. Against
