@@ -345,6 +345,11 @@ HEADLINE = {
     "held-out gain; minus the default, paired": (
         "{}; {}", [("labelled_calls.json", "rows.2.gain", "interval"),          # rows: N = 25, 50, 100, ...
                    ("labelled_calls.json", "rows.2.over_default", "interval")]),
+    "Hybrid minus user, held-out LoCoMo, paired: the default (rank 8, shared step √5 a user's); full-rank per-user "
+    "factors, the shared part frozen; the same, shared step 1": (
+        "{}; {}; {}", [("learn_sweep_hybrid.json", f"rows.name={name}.held_out_minus_user", "interval")
+                       for name in ("default hybrid r8", "default hybrid r383, shared step 0",
+                                    "default hybrid r383, shared step 1")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
     "The same reranker learning online from complete labels (every candidate's gold) instead of citations, "
