@@ -34,6 +34,10 @@ class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 2
   (other personas and questions) judges it against the then default's √900 = 30. It chose 10
   (:data:`rmm_jax.core.update.SHARED_STEP_MAX_USERS`); the runs mean the same c before and
   after the ceiling (each c sets the earlier users' step size through the update's multiple).
+  Between 100 and 900 users, written down before it ran: after 300 and after 600 users of
+  population 0 (``--late-sizes 300,600 --step-multiples 5,10,17.32,24.49``; 17.32 = √300 and
+  24.49 = √600, the rule without a ceiling), the ceiling holds at a size if the hybrid
+  newcomer's gain over a fresh policy at c = 10 lies inside the 95% interval of the best c's.
 
 What one LoCoMo conversation's learning teaches another (why sharing does not pay there)
 is measured by ``benchmarks/transfer.py``.
