@@ -28,6 +28,7 @@ step, a shared part learned from 900 synthetic users served a newcomer's first 2
 +0.015 (n.s.) better than a fresh policy, against +0.163 at 10 times; the ceiling was chosen
 on one synthetic population (the best of 5, 10, 15, 20 and 30 times) and held on another
 (+0.156 at 10 times, +0.008 at 30; ``benchmarks/sharing.py`` part ``step``, docs/scopes.md).
+After 300 and after 600 users 10 times was again the best of 5, 10, √300 and √600 times.
 Scope ``user`` has an empty shared part, so g_shared is empty and each user's whole reranker is its own part;
 ``shared`` has empty local parts. A batch where no user has a real query leaves the shared
 state unchanged (an Adam step on a zero gradient would still move it).
