@@ -12,6 +12,7 @@
     python benchmarks/learn_sweep.py pairwise  --json benchmarks/results/learn_sweep_pairwise.json
     python benchmarks/learn_sweep.py draw      --json benchmarks/results/learn_sweep_draw.json
     python benchmarks/learn_sweep.py hybrid    --json benchmarks/results/learn_sweep_hybrid.json
+    python benchmarks/learn_sweep.py steps     --json benchmarks/results/learn_sweep_steps.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -83,6 +84,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   the loss's logits still at τ = 0.1, at three temperatures, in the same nine cells and by the
   same rule. Every row also reports the Recall@M of what the calls drew and showed (``shown``):
   what the generator saw while the policy learned.
+* ``steps``: the default's step size moved in two ways the ``lr`` lever did not, in the same
+  nine cells and by the same rule: a rate per map (the query map W_q at 3e-4 and the memory
+  map W_m at 1e-4, and the other way round), and a rate that starts high and decays to 1e-4
+  (max(1e-4, lr0/√(1 + t/t0)) at step t: from 3e-4 with t0 = 20, from 1e-3 with t0 = 5).
 * ``hybrid``: hybrid's two parts on every conversation (5 seeds, class-calibrated citations),
   reported on 26+30 and on 41–43 apart like ``bound``, each row paired with scope ``user`` on
   41–43: the per-user factors at rank 8, 64 and 383 (d − 1), and the shared part stepping at 0,
@@ -235,13 +240,23 @@ def setting_of(row: dict) -> rj.Setting:
     Adam at that rate, the shared part at ``lr``) or ``shared_step`` (hybrid: the shared part
     steps at that multiple of a user's step while all five conversations have a query, 0: not
     at all; the update's √U_a rule applies on top, so the Adam rate is ``lr`` times it over
-    √5), as optax transformations."""
+    √5), ``map_lr`` (``(query map's, memory map's)`` Adam rates) or ``decay`` (``(lr0, t0)``:
+    Adam at max(``lr``, lr0/√(1 + t/t0)) at step t of the part), as optax transformations."""
     row = {k: v for k, v in row.items() if k not in NOT_SETTINGS}
     local_lr, shrink, shared_step = row.pop("local_lr", None), row.pop("shrink", None), row.pop("shared_step", None)
+    map_lr, decay = row.pop("map_lr", None), row.pop("decay", None)
     setting = rj.preset(row.pop("preset", "reinforce"), k=K, m=M, **row)
     lr = setting.optimizer.lr
     if shrink is not None:
         return setting._replace(optimizer=optax.adamw(lr, weight_decay=shrink / lr))
+    if map_lr is not None:
+        per_map = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+            lambda path, _: "q" if any(getattr(p, "key", None) == "q_adapter" for p in path) else "m", tree)
+        return setting._replace(optimizer=optax.multi_transform(
+            {"q": optax.adam(map_lr[0]), "m": optax.adam(map_lr[1])}, per_map))
+    if decay is not None:
+        lr0, t0 = decay
+        return setting._replace(optimizer=optax.adam(lambda t: jnp.maximum(lr, lr0 / jnp.sqrt(1.0 + t / t0))))
     if local_lr is None and shared_step is None:
         return setting
     shared = (optax.adam(lr) if shared_step is None else optax.set_to_zero() if shared_step == 0 else
@@ -256,8 +271,9 @@ def setting_of(row: dict) -> rj.Setting:
 def record(row: dict) -> dict:
     setting = setting_of(row)
     rec = describe(*setting)
-    if "local_lr" in row or "shrink" in row or "shared_step" in row:
-        extra = {k: row[k] for k in ("local_lr", "shrink", "shared_step") if k in row}
+    tuned = ("local_lr", "shrink", "shared_step", "map_lr", "decay")
+    if any(k in row for k in tuned):
+        extra = {k: row[k] for k in tuned if k in row}
         rec["optimizer"] = {"name": "adamw" if "shrink" in row else "adam",
                             "lr": setting_of({k: v for k, v in row.items() if k not in extra}).optimizer.lr, **extra}
     return {**{k: v for k, v in row.items()}, "setting": rec}
@@ -810,6 +826,19 @@ def lever_draw(ctx) -> dict:
     return max_min_over_cells(ctx, select(DRAW_ROWS, ctx.rows))
 
 
+# The step size moved in two ways the lr lever did not: a rate per map (the query map and the
+# memory map), and a rate that starts high and decays to the default's 1e-4 (at step t of a part,
+# max(1e-4, lr0/√(1 + t/t0))), in the same nine cells and by the same rule.
+STEPS_ROWS = cell_rows([(f"query map {q:g}, memory map {m:g}", {"preset": "default", "map_lr": (q, m)})
+                        for q, m in ((3e-4, 1e-4), (1e-4, 3e-4))]
+                       + [(f"decay from {lr0:g}, t0 {t0:g}", {"preset": "default", "decay": (lr0, t0)})
+                          for lr0, t0 in ((3e-4, 20.0), (1e-3, 5.0))])
+
+
+def lever_steps(ctx) -> dict:
+    return max_min_over_cells(ctx, select(STEPS_ROWS, ctx.rows))
+
+
 HELD_OUT = ["41", "42", "43"]
 
 
@@ -985,7 +1014,8 @@ class Context:
 
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
-          "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid}
+          "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid,
+          "steps": lever_steps}
 
 
 def main(argv=None):

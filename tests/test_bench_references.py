@@ -691,6 +691,38 @@ def test_the_hybrid_lever_steps_the_shared_part_as_its_rows_say():
     assert 0.0 < moved(half) < moved(rule)
 
 
+def test_the_steps_lever_sets_each_maps_rate_and_the_decay():
+    """learn_sweep's steps lever: ``map_lr`` steps the query and memory maps at their own rates
+    (a rate of 0 leaves that map where it started while the other learns), and ``decay`` at
+    lr0 = the preset's rate is the constant rate, bit for bit the run of both maps at that rate."""
+    import learn_sweep
+
+    streams = [_toy_stream(f"u{i}", 24, 40, 6, learn_sweep.K, seed=40 + i) for i in range(2)]
+    params = rj.init_reranker(jax.random.key(0), 6)
+    row = {"preset": "default", "lr": 1e-2}
+
+    def run(**extra):
+        program = rj.make_run(*learn_sweep.setting_of({**row, **extra}), cite_fn=cm.oracle())
+        return _common.run_chunk(streams, program, params, seed=3)
+
+    def kernel(r, uid, adapter):
+        return np.asarray(r.finals[uid][adapter]["W"]["kernel"])
+
+    start = {a: np.asarray(params[a]["W"]["kernel"]) for a in ("q_adapter", "m_adapter")}
+    only_m, only_q = run(map_lr=(0.0, 1e-2)), run(map_lr=(1e-2, 0.0))
+    for uid in only_m.finals:
+        np.testing.assert_array_equal(kernel(only_m, uid, "q_adapter"), start["q_adapter"])
+        assert not np.array_equal(kernel(only_m, uid, "m_adapter"), start["m_adapter"])
+        np.testing.assert_array_equal(kernel(only_q, uid, "m_adapter"), start["m_adapter"])
+        assert not np.array_equal(kernel(only_q, uid, "q_adapter"), start["q_adapter"])
+    flat, both = run(decay=(1e-2, 5.0)), run(map_lr=(1e-2, 1e-2))
+    faster = run(decay=(1e-1, 5.0))
+    for uid in flat.finals:
+        for a in ("q_adapter", "m_adapter"):
+            np.testing.assert_array_equal(kernel(flat, uid, a), kernel(both, uid, a))
+        assert not np.array_equal(kernel(faster, uid, "m_adapter"), kernel(flat, uid, "m_adapter"))
+
+
 @pytest.mark.parametrize("scope", ["user", "shared"])
 def test_full_information_learns_as_a_numpy_loop(scope):
     """learn_sweep's bound lever: a reranker learning online from every candidate's gold. Against
