@@ -562,6 +562,8 @@ READ_ONLY_CASES = {   # what each verb writes, under ro/ (read-only) or as the r
     "replay-plot": (lambda e, ro, w: ["replay", e["store"], "--log", good_log(e), "--policies", w / "p", "--k", K,
                                       "--m", M, "--plot", ro / "c.png"], lambda ro: ["--plot", str(ro)]),
     "pretrain-out": (lambda e, ro, w: ["pretrain", e["store"], "--out", ro / "new"], lambda ro: ["--out", str(ro)]),
+    "pretrain-plot": (lambda e, ro, w: ["pretrain", e["store"], "--out", w / "new", "--plot", ro / "e.png"],
+                      lambda ro: ["--plot", str(ro)]),
     "embed-out": (lambda e, ro, w: ["embed", "synthetic:users=2", "--out", ro / "store"],
                   lambda ro: ["--out", str(ro)]),
     "rerank-out": (lambda e, ro, w: ["rerank", e["store"], "--policies", ro / "pol", "--calls", w / "calls.jsonl",

@@ -72,3 +72,39 @@ def test_plot_must_be_a_png_before_any_work(capsys, tmp_path, store, verb):
     assert code == 2 and out == ""
     assert err.strip().splitlines() == [f"error: --plot: must name a .png file, got '{tmp_path / 'curve.pdf'}'"]
     assert not (tmp_path / "p").exists() and not (tmp_path / "curve.pdf").exists()
+
+
+def test_pretrain_plots_its_epochs(capsys, tmp_path, store):
+    """``pretrain --plot``: the figure draws exactly the history the run reports (the loss of
+    every trained epoch, train and validation Recall@m from the untrained start) and marks the
+    epoch it kept on both panels; the PNG is written after the policy store."""
+    import json
+
+    from rmm_jax.online.plot import epochs_figure
+
+    png = tmp_path / "figs" / "pretrain.png"
+    code, out, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "pre", "--k", "8", "--m", "3",
+                             "--epochs", "4", "--patience", "4", "--val-fraction", "0.34", "--plot", png, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["plot"] == str(png) and f"wrote {png}" in err
+    assert pixels_of(png, "C1") > 100 and pixels_of(png, "C2") > 100 and pixels_of(png, "0.45") > 50
+    history = {"loss": [None, 2.0, 1.5, 1.4], "train_recall": [0.3, 0.5, 0.6, 0.7],
+               "val_recall": [0.3, 0.4, 0.45, 0.42], "best_epoch": 2}
+    fig = epochs_figure(history, m=3, title="t")
+    loss_ax, rec_ax = fig.axes
+    (loss_line,) = [ln for ln in loss_ax.get_lines() if ln.get_label() == "training loss"]
+    assert list(loss_line.get_xdata()) == [1, 2, 3] and list(loss_line.get_ydata()) == [2.0, 1.5, 1.4]
+    by = {ln.get_label(): ln for ln in rec_ax.get_lines()}
+    assert list(by["train Recall@3"].get_ydata()) == history["train_recall"]
+    assert list(by["validation Recall@3"].get_ydata()) == history["val_recall"]
+    for ax in (loss_ax, rec_ax):
+        (kept,) = [ln for ln in ax.get_lines() if ln.get_label() == "kept: epoch 2"]
+        assert list(kept.get_xdata()) == [2, 2]
+
+
+def test_pretrain_plot_must_be_a_png_before_any_work(capsys, tmp_path, store):
+    code, out, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "pre", "--plot", tmp_path / "e.svg")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"error: --plot: must name a .png file, got '{tmp_path / 'e.svg'}'"]
+    assert not (tmp_path / "pre").exists()

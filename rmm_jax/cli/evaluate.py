@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
 from rmm_jax.cli.common import DEFAULTS, k_m_from_log
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, info, users_option
+from rmm_jax.cli.shell import check_output_file, info, png_option, users_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -68,10 +67,9 @@ def _row(name: str, est: dict) -> str:
 @click.option("--mc-samples", type=int, default=DEFAULT_MC_SAMPLES, help="Samples per call for Monte Carlo marginals.")
 @click.option("--seed", type=int, default=0, help="Seed of the bootstrap and the Monte Carlo marginals.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
-              help="Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a "
-                   "reference line, each unreliable estimate as a hatched column labelled 'unreliable', with no "
-                   "value; below, each estimate's paired gain over the logging policy; the verdict in the title.")
+@png_option("Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a reference "
+            "line, each unreliable estimate as a hatched column labelled 'unreliable', with no value; below, each "
+            "estimate's paired gain over the logging policy; the verdict in the title.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one strict JSON object on stdout.")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
@@ -143,8 +141,6 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
     check_output_file(plot_path, f"--plot {plot_path}")
-    if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
-        raise InputError(f"must name a .png file, got {plot_path!r}", where="--plot")
     st = open_store(store)
     k, m = k_m_from_log(k, m, log_shape(log_path, known_ids(st), skip_invalid=skip_invalid), log_path)
     ps = PolicyStore.open(policies, expect_dim=st.dim)

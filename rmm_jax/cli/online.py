@@ -10,7 +10,7 @@ import click
 import jax
 
 from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, progress_bar
-from rmm_jax.cli.shell import emit_json, info
+from rmm_jax.cli.shell import emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
@@ -108,19 +108,11 @@ def keep_option(f):
                         help="Versions kept per user; a shared version stays while a kept user version needs it.")(f)
 
 
-def _png_path(ctx, param, value):
-    if value is not None and Path(value).suffix.lower() != ".png":
-        raise InputError(f"must name a .png file, got {value!r}", where="--plot")
-    return value
-
-
 def plot_option(f):
     """``--plot FILE.png``: the run's prequential learning curve beside the base retriever's."""
-    return click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
-                        callback=_png_path, expose_value=True,
-                        help="Also write a PNG: the prequential learning curves (moving average of the per-call "
-                             "value over the call's position in its user's stream) beside the base retriever's on the "
-                             "same calls: Recall@M when calls have gold, cited-recall@M when they have citations.")(f)
+    return png_option("Also write a PNG: the prequential learning curves (moving average of the per-call value "
+                      "over the call's position in its user's stream) beside the base retriever's on the same "
+                      "calls: Recall@M when calls have gold, cited-recall@M when they have citations.")(f)
 
 
 def save_plot(result, setting, path, verb: str) -> None:

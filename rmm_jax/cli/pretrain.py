@@ -16,11 +16,12 @@ from rmm_jax.cli.common import (
     scope_options,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import emit_json, info, users_option
+from rmm_jax.cli.shell import check_output_file, emit_json, info, png_option, users_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
+from rmm_jax.online.plot import plot_epochs
 from rmm_jax.online.pretrain import (
     EpochDone,
     PretrainConfig,
@@ -98,9 +99,11 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @click.option("--seed", type=int, default=0, help="Seed for initialisation, split and shuffling.")
 @scope_options_deco
 @checkpoint_options(1, "epochs")
+@png_option("Also write a PNG of the epochs: the training loss, and the train and validation Recall@m from "
+            "the untrained start, with the epoch early stopping kept marked.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
-             hidden, seed, scope, rank, checkpoint_every, resume, as_json):
+             hidden, seed, scope, rank, checkpoint_every, resume, plot_path, as_json):
     """Pretrain the shared reranker on STORE's labelled queries; write a policy store.
 
     Listwise softmax cross-entropy over the base retriever's K candidates against the
@@ -115,7 +118,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
 
     \b
     Example:
-      rmm-jax pretrain stores/mine --out pretrained --epochs 30
+      rmm-jax pretrain stores/mine --out pretrained --epochs 30 --plot pretrain.png
     """
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
                         ("--temperature", temperature, temperature > 0),
@@ -131,6 +134,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     check_store_writable(o, f"--out {out}")
+    check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     check_rank(layout, st.dim)
     streams = load_streams(st, k, users)
@@ -167,7 +171,13 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
                "untrained_start_kept": kept is not None, "untrained_start_kept_reason": kept}
     if kept is not None:
         info(f"note: {kept}")
+    if plot_path is not None:
+        plot_epochs(history, plot_path, m=m, title=f"pretrain on {len(split['train'])} users, validation on "
+                                                   f"{len(split['validation'])}: best epoch {history['best_epoch']}")
+        summary["plot"] = str(plot_path)
     if as_json:
         emit_json(summary)
     else:
         info(f"wrote {out}: best epoch {summary['best_epoch']} of {summary['epochs_run']}")
+    if plot_path is not None:
+        info(f"wrote {plot_path}")

@@ -42,6 +42,19 @@ def users_option(what: str = "Only these users"):
                         help=f"{what} (comma-separated ids; default: all).")
 
 
+def _png_path(ctx, param, value):
+    if value is not None and Path(value).suffix.lower() != ".png":
+        raise InputError(f"must name a .png file, got {value!r}", where="--plot")
+    return value
+
+
+def png_option(help: str):
+    """``--plot FILE.png``, the same on every verb that draws (``help`` says what): a path that
+    does not end in .png is refused in one line when the options are read, before any work."""
+    return click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+                        callback=_png_path, help=help)
+
+
 def explicit_options() -> set[str]:
     """The parameters of the running command that the user gave (on the command line or
     in the environment), not left at their defaults."""

@@ -91,6 +91,38 @@ def plot_learning(summary: dict, base: dict, path, *, m: int, label: str, title:
     _save(fig, path)
 
 
+def epochs_figure(history: dict, *, m: int, title: str):
+    """The figure of a pretraining run's epochs (:func:`rmm_jax.online.pretrain.pretrain`'s
+    ``history``): the training loss per epoch (epoch 0, the untrained start, has none), and
+    the train and validation Recall@``m`` per epoch from the untrained start, with the epoch
+    early stopping kept (``best_epoch``) as a dashed line on both panels."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (loss_ax, rec_ax) = plt.subplots(1, 2, figsize=(10, 4.0), dpi=120, sharex=True)
+    epochs = range(len(history["val_recall"]))
+    trained = [(e, x) for e, x in zip(epochs, history["loss"]) if x is not None]
+    loss_ax.plot([e for e, _ in trained], [x for _, x in trained], marker="o", ms=3, color="C0", label="training loss")
+    loss_ax.set_ylabel("listwise loss (train)")
+    rec_ax.plot(list(epochs), history["train_recall"], marker="o", ms=3, color="C1", label=f"train Recall@{m}")
+    rec_ax.plot(list(epochs), history["val_recall"], marker="o", ms=3, color="C2", label=f"validation Recall@{m}")
+    rec_ax.set_ylabel(f"Recall@{m}")
+    for ax in (loss_ax, rec_ax):
+        ax.axvline(history["best_epoch"], color="0.45", ls="--", lw=1.2, label=f"kept: epoch {history['best_epoch']}")
+        ax.set_xlabel("epoch (0: the untrained start, the base retriever)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_epochs(history: dict, path, *, m: int, title: str) -> None:
+    """Write :func:`epochs_figure` as a PNG, atomically."""
+    _save(epochs_figure(history, m=m, title=title), path)
+
+
 def plot_gains(gains: dict, path, *, title: str) -> None:
     """Write a PNG of named gains as points with their intervals (``gain_interval`` dicts)."""
     plt = _pyplot()
