@@ -250,10 +250,8 @@ def setting_of(row: dict) -> rj.Setting:
     if shrink is not None:
         return setting._replace(optimizer=optax.adamw(lr, weight_decay=shrink / lr))
     if map_lr is not None:
-        per_map = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
-            lambda path, _: "q" if any(getattr(p, "key", None) == "q_adapter" for p in path) else "m", tree)
         return setting._replace(optimizer=optax.multi_transform(
-            {"q": optax.adam(map_lr[0]), "m": optax.adam(map_lr[1])}, per_map))
+            {"q": optax.adam(map_lr[0]), "m": optax.adam(map_lr[1])}, by_path("q_adapter", "q", "m")))
     if decay is not None:
         lr0, t0 = decay
         return setting._replace(optimizer=optax.adam(lambda t: jnp.maximum(lr, lr0 / jnp.sqrt(1.0 + t / t0))))
@@ -262,9 +260,7 @@ def setting_of(row: dict) -> rj.Setting:
     shared = (optax.adam(lr) if shared_step is None else optax.set_to_zero() if shared_step == 0 else
               optax.adam(lr * shared_step / float(shared_step_multiple(len(TUNED_ON) + len(HELD_OUT)))))
     per_part = optax.multi_transform({"shared": shared, "local": optax.adam(local_lr or lr)},
-                                     lambda tree: jax.tree_util.tree_map_with_path(
-                                         lambda path, _: "local" if any(getattr(p, "key", None) == "lora"
-                                                                        for p in path) else "shared", tree))
+                                     by_path("lora", "local", "shared"))
     return setting._replace(optimizer=per_part)
 
 
@@ -295,6 +291,19 @@ def gain(per_seed: list[dict], base: dict, streams, users) -> dict:
     return {"recall": float(vals.mean()), "base": float(b.mean()), "gain": _common.gain_interval(vals - b),
             "per_seed_gain": [float(x) for x in (vals - b).mean(1)],
             "per_user": {u: float(np.stack([pooled(r, streams, [u]) for r in per_seed]).mean()) for u in users}}
+
+
+def paired(a: list[dict], b: list[dict], streams, users) -> dict:
+    """The interval of ``a`` minus ``b`` (per-seed per-user values of two rows on the same seeds
+    and queries), pooled over ``users``."""
+    stack = lambda runs: np.stack([pooled(x, streams, users) for x in runs])  # noqa: E731
+    return _common.gain_interval(stack(a) - stack(b))
+
+
+def by_path(key: str, hit: str, miss: str):
+    """An optax label function: ``hit`` for every leaf under a node named ``key``, else ``miss``."""
+    return lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, _: hit if any(getattr(p, "key", None) == key for p in path) else miss, tree)
 
 
 def line(name: str, g: dict) -> str:
@@ -755,13 +764,12 @@ def lever_hybrid(ctx) -> dict:
     everyone = [s.user_id for s in ctx.streams]
     rows = select(HYBRID_ROWS, ctx.rows)
     runs = online_rows(ctx, rows, everyone, HELD_OUT)
-    held = lambda name: np.stack([pooled(x, ctx.streams, HELD_OUT) for x in runs[name]])  # noqa: E731
     user = "default user" if "default user" in runs else None
     out = []
     for r in rows:
         out.append({**record(r), "tuned_on": gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON),
                     "held_out": gain(runs[r["name"]], ctx.base, ctx.streams, HELD_OUT),
-                    **({"held_out_minus_user": _common.gain_interval(held(r["name"]) - held(user))}
+                    **({"held_out_minus_user": paired(runs[r["name"]], runs[user], ctx.streams, HELD_OUT)}
                        if user and r["name"] != user else {})})
         if "held_out_minus_user" in out[-1]:
             ctx.log(f"  {r['name']} − user, held-out: {_common.format_interval(out[-1]['held_out_minus_user'])}")
@@ -946,17 +954,11 @@ def lever_heldout(ctx) -> dict:
             for r in HELDOUT_ONLINE + HELDOUT_PRETRAIN]
     by = {r["name"]: r for r in rows}
 
-    def diff(a, b):
-        va = np.stack([pooled(x, ctx.streams, HELD_OUT) for x in runs[a]])
-        vb = np.stack([pooled(x, ctx.streams, HELD_OUT) for x in runs[b]])
-        return _common.gain_interval(va - vb)
-
-    pairs = {f"{a} − {b}": {"a": a, "b": b, "a_minus_b": diff(a, b)} for a, b in PAIRS}
+    pairs = {f"{a} − {b}": {"a": a, "b": b, "a_minus_b": paired(runs[a], runs[b], ctx.streams, HELD_OUT)}
+             for a, b in PAIRS}
     for a, b in PAIRS:              # what the calls showed, where both rows are online
         if a in shown and b in shown:
-            va = np.stack([pooled(x, ctx.streams, HELD_OUT) for x in shown[a]])
-            vb = np.stack([pooled(x, ctx.streams, HELD_OUT) for x in shown[b]])
-            pairs[f"{a} − {b}"]["shown_a_minus_b"] = _common.gain_interval(va - vb)
+            pairs[f"{a} − {b}"]["shown_a_minus_b"] = paired(shown[a], shown[b], ctx.streams, HELD_OUT)
     for name, p in pairs.items():
         ctx.log(f"  {name}: {_common.format_interval(p['a_minus_b'])}")
     g = lambda name: by[name]["gain"]  # noqa: E731
