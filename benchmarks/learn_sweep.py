@@ -164,17 +164,19 @@ NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior", "c
 
 # --------------------------------------------------------------------------- data
 
-def locomo(data: Path, store: Path | None) -> tuple[list[Stream], dict]:
-    """All LoCoMo streams (K candidates) and each user's question + answer embeddings."""
+def locomo(data: Path, store: Path | None) -> tuple[list[Stream], dict, dict]:
+    """All LoCoMo streams (K candidates), each user's question + answer embeddings, and each
+    user's dialogue stream (:func:`rmm_jax.online.streams.dialogue_stream`: no gold)."""
     from rmm_jax.data import load_locomo
     from rmm_jax.data.embed import Embedder
     from rmm_jax.data.store import open_store, write_store
-    from rmm_jax.online.streams import load_streams
+    from rmm_jax.online.streams import load_dialogue_streams, load_streams
 
     def load(path):
         st = open_store(path)
         streams = load_streams(st, K)
-        return streams, {s.user_id: np.array(st.user_answers(s.user_id), np.float32) for s in streams}
+        return (streams, {s.user_id: np.array(st.user_answers(s.user_id), np.float32) for s in streams},
+                {s.user_id: s for s in load_dialogue_streams(st, K)})
 
     if store is not None and (store / "manifest.json").exists():
         return load(store)
@@ -984,6 +986,78 @@ def lever_heldout(ctx) -> dict:
 
 # --------------------------------------------------------------------------- main
 
+# Pretraining on the users' own dialogue (rmm_jax.data.dialogue; `rmm-jax pretrain --labels
+# dialogue`): each turn that asks, with the next turn of its session as its answer. No gold, no
+# log, no generator: what a deployment has before its first call. On 26 and 30 it pretrains on
+# their pairs only; the number of epochs whose worst citation model's gain (dialogue start, then
+# the default online, scope user) is best is the lever's choice. The report then runs that choice,
+# fixed by this code before it runs, pretrained on all five conversations' pairs (every user's
+# memories, none of their questions) and scored on 26+30 and on 41–43 apart: the twelfth look.
+DIALOGUE_EPOCHS = (2, 5, 10)
+
+
+def dialogue_start(ctx, users, epochs: int, seed: int):
+    """The identity reranker pretrained on the dialogue pairs of ``users`` for ``epochs`` epochs
+    (the library's listwise recipe at its rate, no validation split: the last epoch is kept)."""
+    return pretrain(identity(ctx.streams), [ctx.dialogue[u] for u in users], [],
+                    PretrainConfig(m=M, epochs=epochs), seed=seed)[0]
+
+
+def dialogue_rows(ctx, users, epochs: int, tag: str) -> dict:
+    """``{name: [per seed {user: (T,) recall}]}`` on the streams of ``users``: the dialogue start
+    frozen, and online from it under each citation model (default preset, scope user)."""
+    streams = [s for s in ctx.streams if s.user_id in users]
+    runs: dict = {f"{tag} frozen": []}
+    for seed in ctx.seeds:
+        start = dialogue_start(ctx, users, epochs, seed)
+        runs[f"{tag} frozen"].append({s.user_id: _common.frozen_recall(start, s, M) for s in streams})
+        for cm in LR_MODELS:
+            run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
+            out = run_loop(run_on, program_of({"preset": "default"}, cm), start, seed).outputs
+            runs.setdefault(f"{tag} + default [{cm}]", []).append({u: o["recall"] for u, o in out.items()})
+    return runs
+
+
+def lever_dialogue(ctx) -> dict:
+    """Choose the epochs on 26 and 30 (max-min over the citation models), then report the choice
+    on every conversation beside the default online from the retriever, paired."""
+    tuned = {}
+    for e in DIALOGUE_EPOCHS:
+        runs = dialogue_rows(ctx, TUNED_ON, e, f"dialogue {e} ep")
+        tuned |= {n: gain(r, ctx.base, ctx.streams, TUNED_ON) for n, r in runs.items()}
+    worst = {e: min(tuned[f"dialogue {e} ep + default [{cm}]"]["gain"]["mean"] for cm in LR_MODELS)
+             for e in DIALOGUE_EPOCHS}
+    chosen = max(DIALOGUE_EPOCHS, key=lambda e: (worst[e], -e))
+    for n, g in tuned.items():
+        ctx.log(line(n, g))
+    ctx.log(f"  chosen on {'+'.join(TUNED_ON)}: {chosen} epochs (worst model {worst[chosen]:+.4f})")
+    everyone = [s.user_id for s in ctx.streams]
+    runs = dialogue_rows(ctx, everyone, chosen, "dialogue start")
+    runs |= online_rows(ctx, [{"name": f"default [{cm}]", "preset": "default", "citations": cm} for cm in LR_MODELS],
+                        everyone, HELD_OUT)
+    report = {n: {"tuned_on": gain(r, ctx.base, ctx.streams, TUNED_ON),
+                  "held_out": gain(r, ctx.base, ctx.streams, HELD_OUT),
+                  "pooled": gain(r, ctx.base, ctx.streams, everyone)} for n, r in runs.items()}
+    pairs = []
+    for cm in LR_MODELS:
+        a, b = f"dialogue start + default [{cm}]", f"default [{cm}]"
+        pairs.append({"a": a, "b": b, **{k: paired(runs[a], runs[b], ctx.streams, us) for k, us in
+                                         (("tuned_on", TUNED_ON), ("held_out", HELD_OUT), ("pooled", everyone))}})
+    a, b = "dialogue start + default [oracle]", "dialogue start frozen"
+    pairs.append({"a": a, "b": b, **{k: paired(runs[a], runs[b], ctx.streams, us) for k, us in
+                                     (("tuned_on", TUNED_ON), ("held_out", HELD_OUT), ("pooled", everyone))}})
+    for n, g in report.items():
+        ctx.log(line(n + ", held-out", g["held_out"]))
+    for p in pairs:
+        ctx.log(f"  {p['a']} − {p['b']}, held-out: {_common.format_interval(p['held_out'])}")
+    return {"tuning": {"rows": [{"name": n, **g} for n, g in tuned.items()], "worst_over_models":
+                       {str(e): w for e, w in worst.items()}, "chosen_epochs": chosen},
+            "rows": [{"name": n, **g} for n, g in report.items()], "pairs": pairs,
+            "protocol": "tuning: pretrained on 26+30's dialogue pairs, scored on 26+30; report: pretrained on all "
+                        "five conversations' dialogue pairs (no gold, no questions), every conversation online "
+                        "in scope user"}
+
+
 def identity(streams):
     return rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
 
@@ -1007,6 +1081,7 @@ def best(rows: list[dict]) -> str:
 class Context:
     streams: list
     qa: dict
+    dialogue: dict
     base: dict
     seeds: list
     rows: str | None
@@ -1017,7 +1092,7 @@ class Context:
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
           "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid,
-          "steps": lever_steps}
+          "steps": lever_steps, "dialogue": lever_dialogue}
 
 
 def main(argv=None):
@@ -1035,16 +1110,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    streams, qa = locomo(_common.require_data(args.data), args.store)
-    reports_held_out = args.lever in ("heldout", "bound", "hybrid")
+    streams, qa, dialogue = locomo(_common.require_data(args.data), args.store)
+    reports_held_out = args.lever in ("heldout", "bound", "hybrid", "dialogue")
     seeds = [int(x) for x in (args.seeds or ("0,1,2,3,4" if reports_held_out else "0,1,2,3,4,5,6,7")).split(",")]
-    ctx = Context(streams, qa, base_per_user(streams), seeds, args.rows, [int(x) for x in args.passes.split(",")], log)
+    ctx = Context(streams, qa, dialogue, base_per_user(streams), seeds, args.rows,
+                  [int(x) for x in args.passes.split(",")], log)
     log(f"lever {args.lever} on {','.join(TUNED_ON) if not reports_held_out else 'held-out'}, seeds {seeds}")
     out = LEVERS[args.lever](ctx)
     result = {"lever": args.lever, "dataset": f"locomo:{args.data}", "k": K, "m": M, "granularity": "turn",
               "model": "all-MiniLM-L6-v2", "seeds": seeds,
               "users": {"heldout": HELD_OUT, "bound": list(TUNED_ON) + HELD_OUT,
-                        "hybrid": list(TUNED_ON) + HELD_OUT}.get(args.lever, list(TUNED_ON)),
+                        "hybrid": list(TUNED_ON) + HELD_OUT, "dialogue": list(TUNED_ON) + HELD_OUT}.get(
+                  args.lever, list(TUNED_ON)),
               "citations": "class-calibrated rmm_jax.data.citations.oracle() unless a row names another",
               **out, "seconds": round(time.perf_counter() - t0, 1)}
     if args.json:

@@ -29,13 +29,15 @@ import jax
 import numpy as np
 import pytest
 from conftest import REPO, make_fake_store, run_cli
+from fake_embedder import FakeEmbedder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rmm_jax import init_reranker
 from rmm_jax.core.config import Layout
+from rmm_jax.data import make_synthetic
 from rmm_jax.data.log_vectors import known_ids
-from rmm_jax.data.store import open_store
+from rmm_jax.data.store import open_store, write_store
 from rmm_jax.online.streams import log_shape, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -87,6 +89,9 @@ def env(tmp_path_factory):
     e = {"root": root}
     e["store"] = make_fake_store(root / "store", users=3, sessions=4, dim=32)
     e["store16"] = make_fake_store(root / "store16", users=2, sessions=2, dim=16)
+    e["segment_store"] = root / "segment_store"     # memories of whole topics: no dialogue pairs
+    write_store(e["segment_store"], make_synthetic(users=2, sessions=2, turns=8, seed=0), "segment", FakeEmbedder(32),
+                spec="synthetic:users=2,sessions=2,turns=8,seed=0")
     # a store whose memories hold NaN (shape and dtype intact)
     e["nan_store"] = root / "nan_store"
     shutil.copytree(e["store"], e["nan_store"])
@@ -248,6 +253,10 @@ def cases():
          lambda e: ["--out", str(e["pol_existing"])]),
         ("pretrain-store-is-file", lambda e: ["pretrain", e["file"], "--out", new_pol(e)],
          lambda e: [str(e["file"])]),
+        ("pretrain-dialogue-segment-store", lambda e: ["pretrain", e["segment_store"], "--labels", "dialogue",
+                                                       "--out", new_pol(e), "--k", K, "--m", M],
+         lambda e: [str(e["segment_store"]), "single turns"]),
+        ("pretrain-labels-unknown", lambda e: pre(e, "--labels", "citations"), lambda e: ["--labels"]),
         ("pretrain-nan-store", lambda e: ["pretrain", e["nan_store"], "--out", new_pol(e)],
          lambda e: ["memories.npy", "NaN"]),
     ]

@@ -31,13 +31,14 @@ from rmm_jax.online.pretrain import (
     split_streams,
     untrained_kept,
 )
-from rmm_jax.online.streams import load_streams
+from rmm_jax.online.streams import load_dialogue_streams, load_streams
 from rmm_jax.persist.codec import tree_digest
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState, file_digest
 
 PRETRAIN = PretrainConfig()
 CHECKPOINTED = ("params", "opt_state", "best_params")  # PretrainState fields saved as arrays
+LABELS = ("gold", "dialogue")
 
 
 def scope_options_deco(f):
@@ -84,6 +85,10 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @click.argument("store", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="New policy store directory to create.")
 @users_option("Train on these users only")
+@click.option("--labels", type=click.Choice(LABELS), default="gold", show_default=True,
+              help="What the reranker learns to find. gold: the memories the store's questions name. dialogue: "
+                   "no gold needed; each turn that asks a question, with the next turn of its session (by the "
+                   "other speaker) as its answer, from the users' own memories (a store of single turns).")
 @click.option("--epochs", type=int, default=PRETRAIN.epochs,
               help="Maximum epochs (early stopping on validation users).")
 @click.option("--lr", type=float, default=PRETRAIN.lr, help="AdamW learning rate.")
@@ -102,12 +107,14 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @png_option("Also write a PNG of the epochs: the training loss, and the train and validation Recall@m from "
             "the untrained start, with the epoch early stopping kept marked.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
+def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
              hidden, seed, scope, rank, checkpoint_every, resume, plot_path, as_json):
     """Pretrain the shared reranker on STORE's labelled queries; write a policy store.
 
     Listwise softmax cross-entropy over the base retriever's K candidates against the
-    gold memories, with a validation split by user and early stopping. The result is
+    gold memories, with a validation split by user and early stopping. With `--labels
+    dialogue` the queries are the users' own turns that ask, and the target is the turn that
+    answers (no gold; docs/method.md measures what it gains). The result is
     every user's starting policy for `simulate --init pretrained`; in scopes shared and
     hybrid it is the shared part that online runs go on training.
 
@@ -117,8 +124,9 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     `untrained_start_kept: true` with the reason.
 
     \b
-    Example:
+    Examples:
       rmm-jax pretrain stores/mine --out pretrained --epochs 30 --plot pretrain.png
+      rmm-jax pretrain stores/mine --labels dialogue --out warm
     """
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
                         ("--temperature", temperature, temperature > 0),
@@ -137,11 +145,11 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     check_rank(layout, st.dim)
-    streams = load_streams(st, k, users)
+    streams = (load_dialogue_streams if labels == "dialogue" else load_streams)(st, k, users)
     pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
                           patience=patience, val_fraction=val_fraction, m=m)
     params = init_reranker(jax.random.key(seed), st.dim, kind, hidden)
-    options = {"--users": users, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
+    options = {"--users": users, "--labels": labels, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
                "--temperature": temperature, "--val-fraction": val_fraction, "--patience": patience, "--k": k,
                "--m": m, "--kind": kind, "--hidden": hidden, "--seed": seed, "--scope": scope, "--rank": rank}
     rs = begin_run_state(out, "pretrain", options, resume=resume, checkpoint_every=checkpoint_every,
@@ -154,7 +162,7 @@ def pretrain(store, out, users, epochs, lr, weight_decay, temperature, val_fract
             raise InputError(str(e), where=str(store)) from None
         meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **layout.scope.meta(),
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
-                           "pretrain": {**pcfg.__dict__, "seed": seed, "split": split}}}
+                           "pretrain": {**pcfg.__dict__, "seed": seed, "split": split, "labels": labels}}}
         if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?
             if tree_digest(PolicyStore.open(out).shared_state().state.params) != tree_digest(best):
                 raise InputError("already exists and is not empty; choose a new policy store path",

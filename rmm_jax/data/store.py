@@ -389,6 +389,19 @@ class EmbeddingStore:
             self.user(user_id)                         # the one-line error naming the store
         return u["query_end"] - u["query_start"]
 
+    def _memory_slice(self, start: int, end: int) -> list[dict]:
+        if self._mem_meta is not None:
+            return self._mem_meta[start:end]
+        return self._row_slice("memories.jsonl", self.manifest["counts"]["memories"], ("user", "id", "text"),
+                               start, end)
+
+    def memory_rows(self, user_id) -> list[dict]:
+        """One user's rows of ``memories.jsonl`` (id, session, text, ...), in bank order."""
+        if str(user_id) not in self._by_id:
+            self.user(user_id)                         # the one-line error naming the store
+        u = self._by_id[str(user_id)]
+        return self._memory_slice(u["mem_start"], u["mem_end"])
+
     def user(self, user_id) -> UserData:
         """One user's embeddings, gold matrix and ids."""
         uid = str(user_id)
@@ -400,8 +413,7 @@ class EmbeddingStore:
         ms, me, qs, qe = u["mem_start"], u["mem_end"], u["query_start"], u["query_end"]
         c = self.manifest["counts"]
         # Only this user's rows are read (unless the whole lists were loaded already).
-        mems = self._mem_meta[ms:me] if self._mem_meta is not None else \
-            self._row_slice("memories.jsonl", c["memories"], ("user", "id", "text"), ms, me)
+        mems = self._memory_slice(ms, me)
         qrys = self._qry_meta[qs:qe] if self._qry_meta is not None else \
             self._row_slice("queries.jsonl", c["queries"], ("user", "id", "text", "gold_memory_ids"), qs, qe)
         qpath = self.path / "queries.jsonl"

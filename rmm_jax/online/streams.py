@@ -28,8 +28,9 @@ from rmm_jax.data.citation_log import (
     read_log,
 )
 from rmm_jax.data.citations import answer_support
+from rmm_jax.data.dialogue import dialogue_pairs
 from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
-from rmm_jax.data.retrieval import retrieve_candidates
+from rmm_jax.data.retrieval import retrieve_candidates, top_k
 from rmm_jax.errors import InputError
 from rmm_jax.persist.learned_calls import Calls, LearnedCalls
 
@@ -230,6 +231,55 @@ def check_users(store, users: Sequence[str] | None) -> list[str]:
 def load_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stream]:
     """One :class:`Stream` per user of an embedding store (all users by default)."""
     return [stream_from_user(store.user(u), k) for u in check_users(store, users)]
+
+
+def dialogue_stream(user, pairs: np.ndarray, k: int) -> Stream:
+    """A user's dialogue pairs (:func:`rmm_jax.data.dialogue.dialogue_pairs`) as a labelled
+    stream for pretraining, without gold: each asking turn's embedding is a query, its
+    candidates are the base retriever's top ``k`` of the user's *other* memories (the asking
+    turn itself is left out: no real question is in the bank), and the answering turn is its
+    one gold memory. ``user``: a :class:`rmm_jax.data.store.UserData`.
+
+    >>> import numpy as np
+    >>> from rmm_jax.data.store import UserData
+    >>> bank = np.eye(4, dtype=np.float32); bank[1, 0] = bank[2, 3] = 0.5    # 0 and 1 near, 2 and 3 near
+    >>> u = UserData("u", bank, np.zeros((0, 4), np.float32), np.zeros((0, 4), bool), ("a", "b", "c", "d"),
+    ...              (), (), np.zeros(0, bool))
+    >>> s = dialogue_stream(u, np.array([[0, 1], [3, 2]]), k=1)           # each turn is its own nearest
+    >>> s.cand.tolist(), s.cand_gold.tolist(), s.query_ids
+    ([[1], [2]], [[True], [True]], ('a', 'd'))
+    """
+    bank = np.asarray(user.memory_emb, np.float32)
+    ask, ans = pairs[:, 0], pairs[:, 1]
+    n, kk = len(pairs), min(k + 1, bank.shape[0])
+    cand, mask = np.zeros((n, k), np.int32), np.zeros((n, k), bool)
+    if n:
+        _, top = top_k(bank[ask], bank, kk)
+        for r, row in enumerate(np.asarray(top)):
+            keep = row[row != ask[r]][:k]
+            cand[r, :len(keep)], mask[r, :len(keep)] = keep, True
+    return Stream(user_id=user.user_id, bank=bank, queries=bank[ask], cand=cand, cand_mask=mask,
+                  cand_gold=(cand == ans[:, None]) & mask, num_gold=np.ones(n, np.int32), valid=np.ones(n, bool),
+                  memory_ids=tuple(user.memory_ids), query_ids=tuple(user.memory_ids[i] for i in ask))
+
+
+def load_dialogue_streams(store, k: int, users: Sequence[str] | None = None) -> list[Stream]:
+    """:func:`dialogue_stream` of every user of an embedding store (all by default) whose
+    memories hold a dialogue pair; a store that is not of single turns, or holds no pair, is
+    refused in one line."""
+    if store.granularity not in (None, "turn"):
+        raise InputError(f"dialogue labels need a store of single turns, not {store.granularity!r} memories: "
+                         "a segment or session holds the question with its answer (embed again with "
+                         "--granularity turn)", where=str(store.path))
+    out = []
+    for u in check_users(store, users):
+        pairs = dialogue_pairs(store.memory_rows(u))
+        if len(pairs):
+            out.append(dialogue_stream(store.user(u), pairs, k))
+    if not out:
+        raise InputError("no memory asks a question that the next turn of its session answers, so there is "
+                         "nothing to pretrain on", where=str(store.path))
+    return out
 
 
 def repeat_passes(stream: Stream, passes: int) -> Stream:
