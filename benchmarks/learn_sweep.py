@@ -12,6 +12,7 @@
     python benchmarks/learn_sweep.py pairwise  --json benchmarks/results/learn_sweep_pairwise.json
     python benchmarks/learn_sweep.py draw      --json benchmarks/results/learn_sweep_draw.json
     python benchmarks/learn_sweep.py hybrid    --json benchmarks/results/learn_sweep_hybrid.json
+    python benchmarks/learn_sweep.py dialogue  --json benchmarks/results/learn_sweep_dialogue.json
     python benchmarks/learn_sweep.py steps     --json benchmarks/results/learn_sweep_steps.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
@@ -95,6 +96,15 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   held-out report's ``default hybrid`` trails ``user`` for want of a per-user part (its rank)
   or because of what the shared part learns (its step). It chooses nothing; it is the
   eleventh look at 41–43.
+* ``dialogue``: pretraining on the users' own dialogue (``rmm-jax pretrain --labels dialogue``:
+  each turn that asks, with the next turn of its session as its answer; no gold, no log). On 26
+  and 30 it pretrains on their pairs for 2, 5 or 10 epochs and runs the default online from that
+  start under each citation model (5 seeds); the epochs whose worst model's gain is best is the
+  choice. The report then pretrains on all five conversations' pairs at the chosen epochs (what
+  a deployment holds: every user's memories, none of their questions) and reports the start
+  frozen and with the default online, in scope user under each citation model and in shared and
+  hybrid, on 26+30 and 41–43 apart, each paired with the default online from the retriever. The
+  twelfth look at 41–43; the choice is made by the code before the report runs.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -992,7 +1002,8 @@ def lever_heldout(ctx) -> dict:
 # their pairs only; the number of epochs whose worst citation model's gain (dialogue start, then
 # the default online, scope user) is best is the lever's choice. The report then runs that choice,
 # fixed by this code before it runs, pretrained on all five conversations' pairs (every user's
-# memories, none of their questions) and scored on 26+30 and on 41–43 apart: the twelfth look.
+# memories, none of their questions) and scored on 26+30 and on 41–43 apart, in scope user under
+# each citation model and in shared and hybrid (the start as the shared part): the twelfth look.
 DIALOGUE_EPOCHS = (2, 5, 10)
 
 
@@ -1003,18 +1014,22 @@ def dialogue_start(ctx, users, epochs: int, seed: int):
                     PretrainConfig(m=M, epochs=epochs), seed=seed)[0]
 
 
-def dialogue_rows(ctx, users, epochs: int, tag: str) -> dict:
+def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = ()) -> dict:
     """``{name: [per seed {user: (T,) recall}]}`` on the streams of ``users``: the dialogue start
-    frozen, and online from it under each citation model (default preset, scope user)."""
+    frozen, and online from it under each citation model (default preset, scope user), and in
+    each of ``scopes`` under the class-calibrated citations (the start is the shared part)."""
     streams = [s for s in ctx.streams if s.user_id in users]
     runs: dict = {f"{tag} frozen": []}
     for seed in ctx.seeds:
         start = dialogue_start(ctx, users, epochs, seed)
         runs[f"{tag} frozen"].append({s.user_id: _common.frozen_recall(start, s, M) for s in streams})
-        for cm in LR_MODELS:
+        cells = [(cm, "user", f"{tag} + default [{cm}]") for cm in LR_MODELS]
+        cells += [("oracle", sc, f"{tag} + default {sc} [oracle]") for sc in scopes]
+        for cm, scope, name in cells:
             run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
-            out = run_loop(run_on, program_of({"preset": "default"}, cm), start, seed).outputs
-            runs.setdefault(f"{tag} + default [{cm}]", []).append({u: o["recall"] for u, o in out.items()})
+            row = {"preset": "default", **({} if scope == "user" else {"scope": scope})}
+            out = run_loop(run_on, program_of(row, cm), start, seed).outputs
+            runs.setdefault(name, []).append({u: o["recall"] for u, o in out.items()})
     return runs
 
 
@@ -1032,7 +1047,7 @@ def lever_dialogue(ctx) -> dict:
         ctx.log(line(n, g))
     ctx.log(f"  chosen on {'+'.join(TUNED_ON)}: {chosen} epochs (worst model {worst[chosen]:+.4f})")
     everyone = [s.user_id for s in ctx.streams]
-    runs = dialogue_rows(ctx, everyone, chosen, "dialogue start")
+    runs = dialogue_rows(ctx, everyone, chosen, "dialogue start", scopes=("shared", "hybrid"))
     runs |= online_rows(ctx, [{"name": f"default [{cm}]", "preset": "default", "citations": cm} for cm in LR_MODELS],
                         everyone, HELD_OUT)
     report = {n: {"tuned_on": gain(r, ctx.base, ctx.streams, TUNED_ON),
@@ -1043,9 +1058,11 @@ def lever_dialogue(ctx) -> dict:
         a, b = f"dialogue start + default [{cm}]", f"default [{cm}]"
         pairs.append({"a": a, "b": b, **{k: paired(runs[a], runs[b], ctx.streams, us) for k, us in
                                          (("tuned_on", TUNED_ON), ("held_out", HELD_OUT), ("pooled", everyone))}})
-    a, b = "dialogue start + default [oracle]", "dialogue start frozen"
-    pairs.append({"a": a, "b": b, **{k: paired(runs[a], runs[b], ctx.streams, us) for k, us in
-                                     (("tuned_on", TUNED_ON), ("held_out", HELD_OUT), ("pooled", everyone))}})
+    user = "dialogue start + default [oracle]"
+    for a, b in ((user, "dialogue start frozen"), ("dialogue start + default shared [oracle]", user),
+                 ("dialogue start + default hybrid [oracle]", user)):
+        pairs.append({"a": a, "b": b, **{k: paired(runs[a], runs[b], ctx.streams, us) for k, us in
+                                         (("tuned_on", TUNED_ON), ("held_out", HELD_OUT), ("pooled", everyone))}})
     for n, g in report.items():
         ctx.log(line(n + ", held-out", g["held_out"]))
     for p in pairs:
