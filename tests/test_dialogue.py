@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import make_fake_store, run_cli
+from conftest import REPO, make_fake_store, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,15 +100,28 @@ def test_the_pairs_are_learnable(store):
     assert history["train_recall"][-1] > history["train_recall"][0] + 0.05, history["train_recall"]
 
 
-def test_pretrain_labels_dialogue_writes_a_store_that_records_them(store, tmp_path, capsys):
+def test_pretrain_labels_dialogue_runs_the_measured_recipe_and_records_it(store, tmp_path, capsys):
+    """With no --epochs or --val-fraction, `pretrain --labels dialogue` trains exactly what
+    learn_sweep.py's dialogue lever chose and measured: its epochs, no validation split."""
+    chosen = json.loads((REPO / "benchmarks/results/learn_sweep_dialogue.json").read_text())["tuning"]["chosen_epochs"]
     out = tmp_path / "warm"
     code, stdout, err = run_cli(capsys, "pretrain", store, "--labels", "dialogue", "--out", out, "--k", 10, "--m", 3,
-                                "--epochs", 4, "--val-fraction", 0, "--json")
+                                "--json")
     assert code == 0, err
-    assert json.loads(stdout)["epochs_run"] == 4
+    summary = json.loads(stdout)
+    assert summary["epochs_run"] == chosen and summary["split"]["validation"] == []
     pol = PolicyStore.open(out)
     assert pol.meta["config"]["pretrain"]["labels"] == "dialogue"
     streams = load_dialogue_streams(open_store(store), 10)
-    expect, _ = pretrain(init_reranker(jax.random.key(0), 32), streams, [], PretrainConfig(m=3, epochs=4), seed=0)
+    expect, _ = pretrain(init_reranker(jax.random.key(0), 32), streams, [], PretrainConfig(m=3, epochs=chosen),
+                         seed=0)
     for a, b in zip(jax.tree.leaves(pol.shared_state().state.params), jax.tree.leaves(expect)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))      # the CLI trains what the library does
+
+
+def test_gold_labels_keep_the_gold_recipe(store, tmp_path, capsys):
+    code, stdout, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "gold", "--k", 10, "--m", 3,
+                                "--epochs", 1, "--json")
+    assert code == 0, err
+    assert len(json.loads(stdout)["split"]["validation"]) == 1       # 0.2 of 3 users, at least one
+    assert PolicyStore.open(tmp_path / "gold").meta["config"]["pretrain"]["labels"] == "gold"

@@ -37,6 +37,9 @@ from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState, file_digest
 
 PRETRAIN = PretrainConfig()
+# On dialogue labels: 2 epochs, the last kept, chosen on LoCoMo 26 and 30 by the max-min rule
+# (benchmarks/results/learn_sweep_dialogue.json; docs/method.md).
+DIALOGUE = PretrainConfig(epochs=2, val_fraction=0.0)
 CHECKPOINTED = ("params", "opt_state", "best_params")  # PretrainState fields saved as arrays
 LABELS = ("gold", "dialogue")
 
@@ -89,13 +92,15 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
               help="What the reranker learns to find. gold: the memories the store's questions name. dialogue: "
                    "no gold needed; each turn that asks a question, with the next turn of its session (by the "
                    "other speaker) as its answer, from the users' own memories (a store of single turns).")
-@click.option("--epochs", type=int, default=PRETRAIN.epochs,
-              help="Maximum epochs (early stopping on validation users).")
+@click.option("--epochs", type=int, default=None, show_default=False,
+              help=f"Maximum epochs (early stopping on validation users). [default: {PRETRAIN.epochs}; "
+                   f"{DIALOGUE.epochs} with --labels dialogue]")
 @click.option("--lr", type=float, default=PRETRAIN.lr, help="AdamW learning rate.")
 @click.option("--weight-decay", type=float, default=PRETRAIN.weight_decay, help="AdamW weight decay.")
 @click.option("--temperature", type=float, default=PRETRAIN.tau, help="Listwise softmax temperature.")
-@click.option("--val-fraction", type=float, default=PRETRAIN.val_fraction,
-              help="Fraction of users held out for early stopping.")
+@click.option("--val-fraction", type=float, default=None, show_default=False,
+              help=f"Fraction of users held out for early stopping. [default: {PRETRAIN.val_fraction}; "
+                   f"{DIALOGUE.val_fraction:g} with --labels dialogue]")
 @click.option("--patience", type=int, default=PRETRAIN.patience, help="Epochs without validation gain before stopping.")
 @click.option("--k", type=int, default=DEFAULTS.layout.k, help="Candidates from the base retriever.")
 @click.option("--m", type=int, default=PRETRAIN.m, help="Validation metric is Recall@m of the reranked top-m.")
@@ -128,6 +133,9 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
       rmm-jax pretrain stores/mine --out pretrained --epochs 30 --plot pretrain.png
       rmm-jax pretrain stores/mine --labels dialogue --out warm
     """
+    recipe = DIALOGUE if labels == "dialogue" else PRETRAIN
+    epochs = recipe.epochs if epochs is None else epochs
+    val_fraction = recipe.val_fraction if val_fraction is None else val_fraction
     for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
                         ("--temperature", temperature, temperature > 0),
                         ("--val-fraction", val_fraction, 0 <= val_fraction < 1),
