@@ -103,6 +103,7 @@ import numpy as np  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, P_OTHER, P_USEFUL, SPURIOUS, oracle  # noqa: E402
+from rmm_jax.online.pretrain import DIALOGUE_RECIPE, pretrain  # noqa: E402
 from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 
@@ -113,8 +114,11 @@ except ImportError:  # the tests skip with a reason; main() exits with one line
 
 TUNED_ON = ("26", "30")
 LEARNERS = {"vw": "VW logistic, anchored", "rmm_jax": "rmm-jax (default preset)",
-            "rmm_jax_hybrid": "rmm-jax hybrid (a lever VW lacks)", "vw_cb": "VW cb_explore_adf (ablation)"}
-FLOORED = ("vw", "rmm_jax")          # must end above the retriever; the ablation is reported only
+            "rmm_jax_hybrid": "rmm-jax hybrid (a lever VW lacks)",
+            "rmm_jax_dialogue": "rmm-jax from a dialogue start", "vw_dialogue": "VW from a dialogue start",
+            "vw_cb": "VW cb_explore_adf (ablation)"}
+DIALOGUE_LEARNERS = ("rmm_jax_dialogue", "vw_dialogue")     # LoCoMo only: they need the memories' text
+FLOORED = ("vw", "rmm_jax", *DIALOGUE_LEARNERS)  # must end above the retriever; the ablation is reported only
 
 
 # --------------------------------------------------------------------------- citation models
@@ -190,15 +194,17 @@ def user_rng(seed: int, user_id: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(user_id.encode())])
 
 
-def run_vw_user(stream: Stream, vw: VWSetting, cite, *, m: int, tau: float, seed: int) -> dict:
-    """One user's online pass with anchored VW: per query score prequentially, draw, cite, learn.
+def run_vw_user(stream: Stream, vw: VWSetting, cite, *, m: int, tau: float, seed: int,
+                init: Path | None = None) -> dict:
+    """One user's online pass with anchored VW: per query score prequentially, draw, cite, learn;
+    from the model saved at ``init`` (:func:`vw_dialogue_start`), or from zero weights.
 
     Returns per-query ``recall`` (T,), ``cite_rate`` and the seconds spent (``seconds``:
     all of it; ``vw_seconds``: inside VW's predict and learn calls).
     """
     t_start = time.perf_counter()
     rng = user_rng(seed, stream.user_id)
-    ws = pyvw.Workspace(vw.args(seed))
+    ws = pyvw.Workspace(vw.args(seed) + ("" if init is None else f" -i {init}"))
     mem_text = [f"|M {features(v)}" for v in stream.bank]               # each memory formatted once
     t_vw, n_cited, n_shown = 0.0, 0, 0
     recalls = np.zeros(stream.queries.shape[0])
@@ -224,6 +230,29 @@ def run_vw_user(stream: Stream, vw: VWSetting, cite, *, m: int, tau: float, seed
         ws.finish()
     return {"recall": recalls, "cite_rate": n_cited / max(n_shown, 1), "seconds": time.perf_counter() - t_start,
             "vw_seconds": t_vw}
+
+
+def vw_dialogue_start(dialogue: list[Stream], vw: VWSetting, *, tau: float, epochs: int, path: Path) -> Path:
+    """VW's workspace trained on the dialogue pairs (:func:`rmm_jax.online.streams.dialogue_stream`)
+    as VW learns: each candidate of a pair one logistic example, +1 the answering turn, −1 the
+    others, anchored at the retriever's s/τ like every online example; ``epochs`` passes over all
+    users' pairs in a shuffled order (seed 0). Saved at ``path`` for :func:`run_vw_user`'s
+    ``init``: the same data, passes and start for every user as rmm-jax's dialogue start."""
+    ws = pyvw.Workspace(vw.args(0))
+    order = [(s, t) for s in dialogue for t in range(s.queries.shape[0])]
+    rng = np.random.default_rng(0)
+    try:
+        for _ in range(epochs):
+            for i in rng.permutation(len(order)):
+                s, t = order[i]
+                cand = s.cand[t][s.cand_mask[t]]
+                base, q_text = retriever_logits(s, t, cand, tau), f"|Q {features(s.queries[t])} "
+                for j, c in enumerate(cand):
+                    ws.learn(f"{1 if s.cand_gold[t][j] else -1} 1 {base[j]:.9g} {q_text}|M {features(s.bank[c])}")
+        ws.save(str(path))
+    finally:
+        ws.finish()
+    return path
 
 
 def recall_at(rel: np.ndarray, num_gold: int) -> float:
@@ -303,14 +332,15 @@ def run_users(run_user, streams) -> dict:
 
 # --------------------------------------------------------------------------- rmm-jax, same streams
 
-def rmm_jax_online(streams, setting: rj.Setting, cite_fn):
+def rmm_jax_online(streams, setting: rj.Setting, cite_fn, params=None):
     """rmm-jax's online loop, built once: ``run(seed) -> {user: (T,) prequential Recall@M}``.
 
-    Every user starts from the identity reranker; all users run in one chunk. The only
-    place this benchmark calls the library's online loop.
+    Every user starts from ``params`` (default: the identity reranker); all users run in one
+    chunk. The only place this benchmark calls the library's online loop.
     """
     layout = setting.layout
-    params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], layout.kind, layout.hidden)
+    if params is None:
+        params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1], layout.kind, layout.hidden)
     program = rj.make_run(*setting, cite_fn=cite_fn)
 
     def run(seed: int) -> dict:
@@ -332,12 +362,13 @@ def timed_rmm_jax(run, seed: int, repeats: int) -> dict:
 
 # --------------------------------------------------------------------------- data
 
-def locomo_streams(path: Path, k: int) -> list[Stream]:
-    """The LoCoMo streams of ``quality_locomo.py``: turn memories, all-MiniLM-L6-v2, K candidates."""
+def locomo_streams(path: Path, k: int) -> tuple[list[Stream], list[Stream]]:
+    """The LoCoMo streams of ``quality_locomo.py`` (turn memories, all-MiniLM-L6-v2, K
+    candidates) and every conversation's dialogue stream (``pretrain --labels dialogue``)."""
     from rmm_jax.data import load_locomo
     from rmm_jax.data.embed import Embedder
     from rmm_jax.data.store import open_store, write_store
-    from rmm_jax.online.streams import load_streams
+    from rmm_jax.online.streams import load_dialogue_streams, load_streams
 
     with tempfile.TemporaryDirectory() as tmp:
         emb = Embedder("all-MiniLM-L6-v2", progress=False)
@@ -345,7 +376,8 @@ def locomo_streams(path: Path, k: int) -> list[Stream]:
             write_store(Path(tmp) / "store", load_locomo(path), "turn", emb, spec=f"locomo:{path}")
         finally:
             emb.close()
-        return load_streams(open_store(Path(tmp) / "store"), k)
+        st = open_store(Path(tmp) / "store")
+        return load_streams(st, k), load_dialogue_streams(st, k)
 
 
 def synthetic_streams(n_users: int, t: int, n: int, d: int, k: int, seed: int = 0, rank_: int = 2,
@@ -392,7 +424,7 @@ def floor_failures(out: dict) -> list[str]:
     """One line per floored learner and citation model whose held-out gain over the retriever is not positive."""
     bad = []
     for cm, res in out["results"].items():
-        for name in FLOORED:
+        for name in (n for n in FLOORED if n in res):
             g = res[name]["gain_held_out"]
             if not g["mean"] > 0:
                 bad.append(f"{LEARNERS[name]} under citations {cm!r}: held-out Recall@{out['m']} "
@@ -456,10 +488,10 @@ def main(argv=None):
         # move the reranker too little to rank differently, and the floor below would fail
         streams = synthetic_streams(3 if args.quick else 5, 1200 if args.quick else 400, 60 if args.quick else 400,
                                     8 if args.quick else 32, k)
-        tuned_on, dataset = (streams[0].user_id,), "synthetic"
+        tuned_on, dataset, dialogue = (streams[0].user_id,), "synthetic", None
     else:
         k, m = args.k, args.m
-        streams = locomo_streams(_common.require_data(args.data), k)
+        streams, dialogue = locomo_streams(_common.require_data(args.data), k)
         tuned_on, dataset = TUNED_ON, f"locomo:{args.data}"
     users = [s.user_id for s in streams]
     held = [u for u in users if u not in tuned_on]
@@ -487,12 +519,17 @@ def main(argv=None):
         log(f"VW under {cm!r}: {settings[cm].args()}")
 
     base = base_recall(streams, m)
-    runs = {cm: {name: [] for name in LEARNERS if not (name == "vw_cb" and not args.ablation)} for cm in cms}
+    runs = {cm: {name: [] for name in LEARNERS if not (name == "vw_cb" and not args.ablation)
+                 and not (name in DIALOGUE_LEARNERS and dialogue is None)} for cm in cms}
     compile_s = {}
     load = [os.getloadavg()[0]]
     dim = int(streams[0].bank.shape[1])
     hybrid_setting = rj.preset(args.preset, k=k, m=m, scope="hybrid",
                                rank=min(rj.Scope.named("hybrid").rank, dim - 1))   # the default rank, below d
+    if dialogue is not None:     # one start for every seed and citation model, both learners on the same pairs
+        warm = rj.init_reranker(jax.random.key(0), dim, setting.layout.kind, setting.layout.hidden)
+        warm = pretrain(warm, dialogue, [], dataclasses.replace(DIALOGUE_RECIPE, m=m), seed=0)[0]
+        vw_warm_dir = tempfile.TemporaryDirectory()
     for cm in cms:
         cit = CITATIONS[cm]
         rmm = rmm_jax_online(streams, setting, cit.library())
@@ -501,11 +538,21 @@ def main(argv=None):
         rmm(seeds[0])                                                # compile + first pass
         compile_s[cm] = time.perf_counter() - t0
         hybrid(seeds[0])
+        if dialogue is not None:
+            rmm_warm = rmm_jax_online(streams, setting, cit.library(), warm)
+            t0 = time.perf_counter()
+            vw_init = vw_dialogue_start(dialogue, settings[cm], tau=tau, epochs=DIALOGUE_RECIPE.epochs,
+                                        path=Path(vw_warm_dir.name) / f"{cm}.vw")
+            log(f"  VW's dialogue start under {cm!r}: {time.perf_counter() - t0:.0f} s")
         for seed in seeds:                                           # interleaved: VW, rmm-jax, ablation per seed
             got = {"vw": run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau, seed=seed),
                                    streams),
                    "rmm_jax": timed_rmm_jax(rmm, seed, args.jax_timing_runs),
                    "rmm_jax_hybrid": timed_rmm_jax(hybrid, seed, 1)}
+            if dialogue is not None:
+                got["rmm_jax_dialogue"] = timed_rmm_jax(rmm_warm, seed, 1)
+                got["vw_dialogue"] = run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau,
+                                                                     seed=seed, init=vw_init), streams)
             if "vw_cb" in runs[cm]:
                 got["vw_cb"] = run_users(lambda s: run_cb_user(s, cit.numpy, m=m, seed=seed), streams)
             load.append(os.getloadavg()[0])
@@ -547,6 +594,13 @@ def main(argv=None):
             "rmm_jax_minus_vw_held_out": paired("rmm_jax", "vw", cm, held, groups_held),
             "rmm_jax_hybrid_minus_vw_all": paired("rmm_jax_hybrid", "vw", cm, users, groups_all),
             "rmm_jax_hybrid_minus_rmm_jax_all": paired("rmm_jax_hybrid", "rmm_jax", cm, users, groups_all),
+            **({"rmm_jax_dialogue_minus_vw_all": paired("rmm_jax_dialogue", "vw", cm, users, groups_all),
+                "rmm_jax_dialogue_minus_vw_held_out": paired("rmm_jax_dialogue", "vw", cm, held, groups_held),
+                "rmm_jax_dialogue_minus_vw_dialogue_all": paired("rmm_jax_dialogue", "vw_dialogue", cm, users,
+                                                                 groups_all),
+                "rmm_jax_dialogue_minus_rmm_jax_all": paired("rmm_jax_dialogue", "rmm_jax", cm, users, groups_all),
+                "vw_dialogue_minus_vw_all": paired("vw_dialogue", "vw", cm, users, groups_all)}
+               if dialogue is not None else {}),
             "rmm_jax_over_vw_queries_per_s": _common.spread(
                 [a["queries_per_s"] / b["queries_per_s"] for a, b in zip(runs[cm]["rmm_jax"], runs[cm]["vw"])])}
     out = {"dataset": dataset, "k": k, "m": m, "d": int(streams[0].bank.shape[1]), "tau": tau, "queries": n_queries,
@@ -561,7 +615,14 @@ def main(argv=None):
            "vw_cb": {"args": CB_ARGS, "ablation": True},
            "rmm_jax": {"preset": args.preset, "config": describe(*setting),
                        "init": "identity (the online row of quality_locomo.py)", "compile_s": compile_s,
-                       "hybrid_config": describe(*hybrid_setting)},
+                       "hybrid_config": describe(*hybrid_setting),
+                       **({"dialogue_start": {
+                           "recipe": {**dataclasses.asdict(DIALOGUE_RECIPE), "m": m, "seed": 0},
+                           "pairs": int(sum(s.queries.shape[0] for s in dialogue)),
+                           "what": "rmm-jax pretrain --labels dialogue on all five conversations' memories (no gold, "
+                                   "no questions); one start for every seed and citation model; VW's workspace "
+                                   "learns the same pairs for the same epochs (vw_dialogue_start)"}}
+                          if dialogue is not None else {})},
            "intervals": "gains and paired differences resample conversations, seeds and queries",
            "results": results, "ratios": ratios,
            "timing": {"vw": "one pass: per user a fresh workspace and its memories as VW text, then per query the "
@@ -571,14 +632,21 @@ def main(argv=None):
                                  "after compile (compile_s: first pass with compile); median of "
                                  f"{args.jax_timing_runs} identical passes per seed",
                       "rmm_jax_hybrid": "as rmm_jax in scope hybrid, one pass per seed",
+                      "rmm_jax_dialogue": "as rmm_jax from the dialogue start, one pass per seed (pretraining "
+                                          "not timed)",
+                      "vw_dialogue": "as vw from the dialogue start's saved model (its training not timed)",
                       "vw_cb": "as vw, with CB_ARGS",
-                      "order": "per seed: vw, rmm_jax, rmm_jax_hybrid, vw_cb back to back",
+                      "order": "per seed: vw, rmm_jax, rmm_jax_hybrid, rmm_jax_dialogue, vw_dialogue, vw_cb back "
+                               "to back",
                       "load_avg_1min": _common.spread(load), "backend": jax.default_backend(), "jax": jax.__version__},
            "seconds": round(time.perf_counter() - t_start, 1)}
+    if dialogue is not None:
+        vw_warm_dir.cleanup()
     failures = floor_failures(out)
     out["targets"] = [{"name": f"{LEARNERS[n]} above the retriever on held-out Recall@{m}, citations {cm}",
                        "value": results[cm][n]["gain_held_out"]["mean"], "target": "> 0",
-                       "pass": results[cm][n]["gain_held_out"]["mean"] > 0} for cm in cms for n in FLOORED]
+                       "pass": results[cm][n]["gain_held_out"]["mean"] > 0} for cm in cms for n in FLOORED
+                      if n in results[cm]]
     print(report(out))
     if args.json:
         _common.write_result(args.json, out)
@@ -629,6 +697,12 @@ def report(out: dict) -> str:
                   f"held-out: {_common.format_interval(ra['rmm_jax_minus_vw_held_out'])}; hybrid - VW: "
                   f"{_common.format_interval(ra['rmm_jax_hybrid_minus_vw_all'])}; hybrid - rmm-jax: "
                   f"{_common.format_interval(ra['rmm_jax_hybrid_minus_rmm_jax_all'])}",
+                  *([f"  from a dialogue start: rmm-jax - VW, all users: "
+                     f"{_common.format_interval(ra['rmm_jax_dialogue_minus_vw_all'])}; held-out: "
+                     f"{_common.format_interval(ra['rmm_jax_dialogue_minus_vw_held_out'])}; rmm-jax - VW, both from "
+                     f"it: {_common.format_interval(ra['rmm_jax_dialogue_minus_vw_dialogue_all'])}; VW from it - VW: "
+                     f"{_common.format_interval(ra['vw_dialogue_minus_vw_all'])}"]
+                    if "rmm_jax_dialogue_minus_vw_all" in ra else []),
                   f"  "
                   f"rmm-jax / VW queries/s: {f(ra['rmm_jax_over_vw_queries_per_s'], 1)} "
                   f"(rmm-jax compile + first pass {out['rmm_jax']['compile_s'][cm]:.1f} s)",

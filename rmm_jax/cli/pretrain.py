@@ -23,6 +23,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.plot import plot_epochs
 from rmm_jax.online.pretrain import (
+    DIALOGUE_RECIPE,
     EpochDone,
     PretrainConfig,
     PretrainDone,
@@ -37,9 +38,7 @@ from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState, file_digest
 
 PRETRAIN = PretrainConfig()
-# On dialogue labels: 2 epochs, the last kept, chosen on LoCoMo 26 and 30 by the max-min rule
-# (benchmarks/results/learn_sweep_dialogue.json; docs/method.md).
-DIALOGUE = PretrainConfig(epochs=2, val_fraction=0.0)
+DIALOGUE = DIALOGUE_RECIPE
 CHECKPOINTED = ("params", "opt_state", "best_params")  # PretrainState fields saved as arrays
 LABELS = ("gold", "dialogue")
 

@@ -37,6 +37,14 @@ class PretrainConfig:
     m: int = 5                  # validation metric: Recall@m of the reranked top-m
 
 
+# The recipe for dialogue labels (``rmm-jax pretrain --labels dialogue``,
+# :func:`rmm_jax.online.streams.load_dialogue_streams`): 2 epochs at the gold recipe's rate, no
+# validation split (the last epoch is kept). Chosen on LoCoMo 26 and 30 among 2, 5 and 10 epochs
+# by the worst citation model's gain with the default online after it
+# (benchmarks/results/learn_sweep_dialogue.json; docs/method.md).
+DIALOGUE_RECIPE = PretrainConfig(epochs=2, val_fraction=0.0)
+
+
 def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> tuple[list, list]:
     """Deterministic train/validation split of users (no user in both)."""
     ids = sorted(user_ids)
