@@ -352,6 +352,13 @@ HEADLINE = {
                                     "default hybrid r383, shared step 1")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
+    "Recall@5 gain, held-out LoCoMo, a start pretrained on the users' own dialogue (`pretrain --labels dialogue`, "
+    "no gold) + online, default preset: class-calibrated; precision/recall; answer": (
+        "{}; {}; {}", [("learn_sweep_dialogue.json", f"rows.name=dialogue start + default [{cm}].held_out.gain",
+                        "interval") for cm in ("oracle", "precision_recall", "answer")]),
+    "The same minus the default online from the retriever, held-out, paired: class-calibrated; precision/recall; "
+    "answer": (
+        "{}; {}; {}", [("learn_sweep_dialogue.json", f"pairs.{i}.held_out", "interval") for i in range(3)]),
     "The same reranker learning online from complete labels (every candidate's gold) instead of citations, "
     "held-out: lr 1e-4; lr 3e-4": (
         "{}; {}", [("learn_sweep_bound.json", "rows.6.held_out.gain", "interval"),   # full information user 1e-4
