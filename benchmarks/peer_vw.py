@@ -232,27 +232,79 @@ def run_vw_user(stream: Stream, vw: VWSetting, cite, *, m: int, tau: float, seed
             "vw_seconds": t_vw}
 
 
-def vw_dialogue_start(dialogue: list[Stream], vw: VWSetting, *, tau: float, epochs: int, path: Path) -> Path:
+@dataclasses.dataclass(frozen=True)
+class VWStart:
+    """How VW's workspace learns the dialogue pairs: ``-l`` and passes, and whether each list's
+    answering turn is weighted as all its other candidates together (importance K − 1)."""
+    lr: float
+    passes: int
+    balanced: bool
+
+    @property
+    def name(self) -> str:
+        return f"-l {self.lr:g}, {self.passes} pass{'es' if self.passes > 1 else ''}" + (
+            ", balanced" if self.balanced else "")
+
+
+# VW's dialogue start is tuned like VW's online knobs: on 26 and 30 only, every setting learning
+# their pairs and scored frozen on their questions (Recall@M, the retriever's s/τ as anchor).
+VW_START_GRID = [VWStart(lr, passes, balanced) for balanced in (False, True) for lr in (0.3, 1.0, 3.0)
+                 for passes in (1, 2)]
+
+
+def vw_dialogue_start(dialogue: list[Stream], start: VWStart, *, bits: int, tau: float, path: Path) -> Path:
     """VW's workspace trained on the dialogue pairs (:func:`rmm_jax.online.streams.dialogue_stream`)
     as VW learns: each candidate of a pair one logistic example, +1 the answering turn, −1 the
-    others, anchored at the retriever's s/τ like every online example; ``epochs`` passes over all
-    users' pairs in a shuffled order (seed 0). Saved at ``path`` for :func:`run_vw_user`'s
-    ``init``: the same data, passes and start for every user as rmm-jax's dialogue start."""
-    ws = pyvw.Workspace(vw.args(0))
+    others (the answer at importance K − 1 when ``start.balanced``), anchored at the retriever's
+    s/τ like every online example; ``start.passes`` passes over all users' pairs in a shuffled
+    order (seed 0). Saved at ``path`` for :func:`run_vw_user`'s ``init``, which goes on with the
+    online setting's own ``-l`` and ``--power_t``."""
+    ws = pyvw.Workspace(VWSetting(start.lr, 0.0, 0.0, bits).args(0))
     order = [(s, t) for s in dialogue for t in range(s.queries.shape[0])]
     rng = np.random.default_rng(0)
     try:
-        for _ in range(epochs):
+        for _ in range(start.passes):
             for i in rng.permutation(len(order)):
                 s, t = order[i]
                 cand = s.cand[t][s.cand_mask[t]]
                 base, q_text = retriever_logits(s, t, cand, tau), f"|Q {features(s.queries[t])} "
                 for j, c in enumerate(cand):
-                    ws.learn(f"{1 if s.cand_gold[t][j] else -1} 1 {base[j]:.9g} {q_text}|M {features(s.bank[c])}")
+                    gold = bool(s.cand_gold[t][j])
+                    weight = cand.size - 1 if gold and start.balanced else 1
+                    ws.learn(f"{1 if gold else -1} {weight} {base[j]:.9g} {q_text}|M {features(s.bank[c])}")
         ws.save(str(path))
     finally:
         ws.finish()
     return path
+
+
+def vw_frozen_recall(init: Path, streams: list[Stream], *, bits: int, tau: float, m: int) -> float:
+    """Recall@m of a saved VW model ranking ``streams``' valid questions, learning nothing."""
+    ws = pyvw.Workspace(VWSetting(bits=bits).args(0) + f" -i {init}")
+    out = []
+    try:
+        for s in streams:
+            mem_text = [f"|M {features(v)}" for v in s.bank]
+            for t in np.flatnonzero(s.valid):
+                cand = s.cand[t][s.cand_mask[t]]
+                z = vw_logits(ws, retriever_logits(s, t, cand, tau), f"|Q {features(s.queries[t])} ",
+                              [mem_text[j] for j in cand])
+                out.append(recall_at(s.cand_gold[t][s.cand_mask[t]][rank(z, min(m, cand.size))], int(s.num_gold[t])))
+    finally:
+        ws.finish()
+    return float(np.mean(out))
+
+
+def tune_vw_start(dialogue, streams, *, bits: int, tau: float, m: int, folder: Path, log):
+    """Each of ``VW_START_GRID`` learning ``dialogue`` and scored frozen on ``streams``; returns
+    (the best, rows)."""
+    rows = []
+    for st in VW_START_GRID:
+        path = vw_dialogue_start(dialogue, st, bits=bits, tau=tau, path=folder / "tune.vw")
+        rows.append({**dataclasses.asdict(st), "name": st.name,
+                     "recall": vw_frozen_recall(path, streams, bits=bits, tau=tau, m=m)})
+        log(f"  VW's dialogue start {st.name}: frozen Recall@{m} {rows[-1]['recall']:.4f}")
+    return VW_START_GRID[int(np.argmax([r["recall"] for r in rows]))], rows
 
 
 def recall_at(rel: np.ndarray, num_gold: int) -> float:
@@ -526,10 +578,18 @@ def main(argv=None):
     dim = int(streams[0].bank.shape[1])
     hybrid_setting = rj.preset(args.preset, k=k, m=m, scope="hybrid",
                                rank=min(rj.Scope.named("hybrid").rank, dim - 1))   # the default rank, below d
+    vw_start = vw_start_rows = None
     if dialogue is not None:     # one start for every seed and citation model, both learners on the same pairs
         warm = rj.init_reranker(jax.random.key(0), dim, setting.layout.kind, setting.layout.hidden)
         warm = pretrain(warm, dialogue, [], dataclasses.replace(DIALOGUE_RECIPE, m=m), seed=0)[0]
         vw_warm_dir = tempfile.TemporaryDirectory()
+        log(f"tuning VW's dialogue start on {','.join(tuned_on)} ...")
+        vw_start, vw_start_rows = tune_vw_start([d for d in dialogue if d.user_id in tuned_on], tune_streams,
+                                                bits=args.bits, tau=tau, m=m, folder=Path(vw_warm_dir.name), log=log)
+        t0 = time.perf_counter()
+        vw_init = vw_dialogue_start(dialogue, vw_start, bits=args.bits, tau=tau,
+                                    path=Path(vw_warm_dir.name) / "start.vw")
+        log(f"VW's dialogue start: {vw_start.name} ({time.perf_counter() - t0:.0f} s on every conversation's pairs)")
     for cm in cms:
         cit = CITATIONS[cm]
         rmm = rmm_jax_online(streams, setting, cit.library())
@@ -540,10 +600,6 @@ def main(argv=None):
         hybrid(seeds[0])
         if dialogue is not None:
             rmm_warm = rmm_jax_online(streams, setting, cit.library(), warm)
-            t0 = time.perf_counter()
-            vw_init = vw_dialogue_start(dialogue, settings[cm], tau=tau, epochs=DIALOGUE_RECIPE.epochs,
-                                        path=Path(vw_warm_dir.name) / f"{cm}.vw")
-            log(f"  VW's dialogue start under {cm!r}: {time.perf_counter() - t0:.0f} s")
         for seed in seeds:                                           # interleaved: VW, rmm-jax, ablation per seed
             got = {"vw": run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau, seed=seed),
                                    streams),
@@ -611,6 +667,11 @@ def main(argv=None):
            "vw": {"args": {cm: settings[cm].args().replace(" --random_seed 0", "") for cm in cms},
                   "setting": {cm: dataclasses.asdict(settings[cm]) for cm in cms},
                   "tuning": tuning, "tune_seeds": tune_seeds if tuning else None,
+                  **({"dialogue_start": {"chosen": dataclasses.asdict(vw_start), "name": vw_start.name,
+                                         "tuning": vw_start_rows,
+                                         "rule": "the best frozen Recall@M on the tuning conversations' questions, "
+                                                 "each setting learning their pairs only"}}
+                     if vw_start is not None else {}),
                   "version": _vw_version()},
            "vw_cb": {"args": CB_ARGS, "ablation": True},
            "rmm_jax": {"preset": args.preset, "config": describe(*setting),
@@ -621,7 +682,8 @@ def main(argv=None):
                            "pairs": int(sum(s.queries.shape[0] for s in dialogue)),
                            "what": "rmm-jax pretrain --labels dialogue on all five conversations' memories (no gold, "
                                    "no questions); one start for every seed and citation model; VW's workspace "
-                                   "learns the same pairs for the same epochs (vw_dialogue_start)"}}
+                                   "learns the same pairs (vw_dialogue_start), its -l, passes and weighting tuned "
+                                   "on 26 and 30 (vw.dialogue_start)"}}
                           if dialogue is not None else {})},
            "intervals": "gains and paired differences resample conversations, seeds and queries",
            "results": results, "ratios": ratios,

@@ -482,7 +482,7 @@ def test_vw_dialogue_start_learns_the_pairs_and_is_loaded_by_the_online_pass(tmp
                     tuple(map(str, range(2 * n))), (), (), np.zeros(0, bool))
     s = dialogue_stream(user, np.array([[2 * i, 2 * i + 1] for i in range(n)]), k=2 * n - 1)
     setting = peer_vw.VWSetting(0.3, 0.0, 0.0, 18)
-    path = peer_vw.vw_dialogue_start([s], setting, tau=0.1, epochs=20, path=tmp_path / "start.vw")
+    path = peer_vw.vw_dialogue_start([s], peer_vw.VWStart(0.3, 20, True), bits=18, tau=0.1, path=tmp_path / "s.vw")
     ws = peer_vw.pyvw.Workspace(setting.args(0) + f" -i {path}")
     before, after = [], []
     for t in np.flatnonzero(s.cand_gold.any(1)):
@@ -495,6 +495,17 @@ def test_vw_dialogue_start_learns_the_pairs_and_is_loaded_by_the_online_pass(tmp
         after.append(int((z > z[gold]).sum()))
     ws.finish()
     assert len(before) == n and np.mean(after) < np.mean(before) / 2, (before, after)
+
+
+def test_vw_frozen_recall_of_an_untrained_start_is_the_retrievers(tmp_path):
+    """The score VW's dialogue start is tuned by: a model that learned nothing (no pairs) ranks
+    every question as the retriever, so its frozen Recall@M is the retriever's, query for query."""
+    require_vw()
+    streams = peer_vw.synthetic_streams(2, 30, 40, 6, 8, seed=3)
+    path = peer_vw.vw_dialogue_start([], peer_vw.VWStart(0.3, 1, True), bits=18, tau=0.1, path=tmp_path / "0.vw")
+    base = peer_vw.base_recall(streams, 3)
+    want = np.concatenate([base[s.user_id][s.valid] for s in streams]).mean()
+    assert abs(peer_vw.vw_frozen_recall(path, streams, bits=18, tau=0.1, m=3) - want) < 1e-12
 
 
 def test_vw_learning_sees_the_retriever_logit():
