@@ -51,6 +51,17 @@ streams and seeds, scope user (each user alone, as each VW workspace). ``rmm_jax
 a lever VW lacks, the same preset in scope hybrid (a reranker shared by the users plus a
 low-rank one per user), all users side by side.
 
+**A dialogue start** (the ``*_dialogue`` rows; LoCoMo only, since it needs the memories'
+text): both learners start from the users' own dialogue pairs (``rmm-jax pretrain --labels
+dialogue``: each turn that asks, with the next turn as its answer; no gold). rmm-jax pretrains
+with the library's recipe (``DIALOGUE_RECIPE``, chosen by ``learn_sweep.py dialogue``) on every
+conversation's pairs and runs the default preset from there. VW's workspace learns the same
+pairs as logistic examples (:func:`vw_dialogue_start`); how (``-l``, passes, the answer weighted
+as its K − 1 negatives) is tuned on 26 and 30 by the frozen Recall@5 of their questions, and
+VW's online ``-l`` × ``--power_t`` is tuned again from that start, on 26 and 30, since a start
+may want a smaller step. ``rmm_jax_dialogue - vw`` is the lever VW lacks as shipped;
+``rmm_jax_dialogue - vw_dialogue`` is the two learners given the same start.
+
 **Paired comparison.** Every learner runs on the same streams with the same seeds (VW,
 rmm-jax and hybrid back to back per seed), and ``ratios`` holds the per-query differences
 pooled over all five conversations (``*_all``: 26 and 30 are where both were tuned) and over
@@ -487,13 +498,14 @@ def floor_failures(out: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- main
 
-def tune_vw(streams, grid, cite, *, m, tau, seeds, log):
-    """Each setting on ``streams`` over ``seeds``; returns (best setting, rows)."""
+def tune_vw(streams, grid, cite, *, m, tau, seeds, log, init: Path | None = None):
+    """Each setting on ``streams`` over ``seeds``, from the model saved at ``init`` (default: zero
+    weights); returns (best setting, rows)."""
     rows = []
     ids = [s.user_id for s in streams]
     for st in grid:
-        r = [valid_values(run_users(lambda s: run_vw_user(s, st, cite, m=m, tau=tau, seed=seed), streams)["recall"],
-                          streams, ids).mean() for seed in seeds]
+        r = [valid_values(run_users(lambda s: run_vw_user(s, st, cite, m=m, tau=tau, seed=seed, init=init), streams)
+                          ["recall"], streams, ids).mean() for seed in seeds]
         rows.append({**dataclasses.asdict(st), "recall": float(np.mean(r)), "per_seed": [float(x) for x in r]})
         log(f"  {st.args()}: Recall@{m} {rows[-1]['recall']:.4f}")
     return grid[int(np.argmax([r["recall"] for r in rows]))], rows
@@ -553,6 +565,7 @@ def main(argv=None):
     n_queries = sum(s.queries.shape[0] for s in streams)
 
     settings, tuning = {}, {}
+    grid = None
     for cm in cms:
         if args.tuned is not None:
             try:
@@ -579,6 +592,7 @@ def main(argv=None):
     hybrid_setting = rj.preset(args.preset, k=k, m=m, scope="hybrid",
                                rank=min(rj.Scope.named("hybrid").rank, dim - 1))   # the default rank, below d
     vw_start = vw_start_rows = None
+    settings_warm, tuning_warm = {}, {}
     if dialogue is not None:     # one start for every seed and citation model, both learners on the same pairs
         warm = rj.init_reranker(jax.random.key(0), dim, setting.layout.kind, setting.layout.hidden)
         warm = pretrain(warm, dialogue, [], dataclasses.replace(DIALOGUE_RECIPE, m=m), seed=0)[0]
@@ -590,6 +604,17 @@ def main(argv=None):
         vw_init = vw_dialogue_start(dialogue, vw_start, bits=args.bits, tau=tau,
                                     path=Path(vw_warm_dir.name) / "start.vw")
         log(f"VW's dialogue start: {vw_start.name} ({time.perf_counter() - t0:.0f} s on every conversation's pairs)")
+        # VW's online knobs again, now from its start (learned on the tuning conversations' pairs)
+        tune_init = vw_dialogue_start([d for d in dialogue if d.user_id in tuned_on], vw_start, bits=args.bits,
+                                      tau=tau, path=Path(vw_warm_dir.name) / "tune_start.vw")
+        for cm in cms:
+            if grid is None:                     # --lr or --tuned: no tuning, the same setting as from zero
+                settings_warm[cm] = settings[cm]
+                continue
+            log(f"tuning VW from its dialogue start on {','.join(tuned_on)} under citations {cm!r} ...")
+            settings_warm[cm], tuning_warm[cm] = tune_vw(tune_streams, grid, CITATIONS[cm].numpy, m=m, tau=tau,
+                                                         seeds=tune_seeds, log=log, init=tune_init)
+            log(f"VW from its dialogue start under {cm!r}: {settings_warm[cm].args()}")
     for cm in cms:
         cit = CITATIONS[cm]
         rmm = rmm_jax_online(streams, setting, cit.library())
@@ -600,6 +625,7 @@ def main(argv=None):
         hybrid(seeds[0])
         if dialogue is not None:
             rmm_warm = rmm_jax_online(streams, setting, cit.library(), warm)
+            rmm_warm(seeds[0])                                       # its compile, not timed
         for seed in seeds:                                           # interleaved: VW, rmm-jax, ablation per seed
             got = {"vw": run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau, seed=seed),
                                    streams),
@@ -607,7 +633,7 @@ def main(argv=None):
                    "rmm_jax_hybrid": timed_rmm_jax(hybrid, seed, 1)}
             if dialogue is not None:
                 got["rmm_jax_dialogue"] = timed_rmm_jax(rmm_warm, seed, 1)
-                got["vw_dialogue"] = run_users(lambda s: run_vw_user(s, settings[cm], cit.numpy, m=m, tau=tau,
+                got["vw_dialogue"] = run_users(lambda s: run_vw_user(s, settings_warm[cm], cit.numpy, m=m, tau=tau,
                                                                      seed=seed, init=vw_init), streams)
             if "vw_cb" in runs[cm]:
                 got["vw_cb"] = run_users(lambda s: run_cb_user(s, cit.numpy, m=m, seed=seed), streams)
@@ -669,6 +695,9 @@ def main(argv=None):
                   "tuning": tuning, "tune_seeds": tune_seeds if tuning else None,
                   **({"dialogue_start": {"chosen": dataclasses.asdict(vw_start), "name": vw_start.name,
                                          "tuning": vw_start_rows,
+                                         "online_args": {cm: settings_warm[cm].args().replace(" --random_seed 0", "")
+                                                         for cm in cms},
+                                         "online_tuning": tuning_warm,
                                          "rule": "the best frozen Recall@M on the tuning conversations' questions, "
                                                  "each setting learning their pairs only"}}
                      if vw_start is not None else {}),
