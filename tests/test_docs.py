@@ -386,6 +386,10 @@ HEADLINE = {
     "Against Vowpal Wabbit (online, default preset, Recall@5 difference, all five conversations; speed)": (
         "{}; {} the queries/s", [("peer_vw.json", "ratios.oracle.rmm_jax_minus_vw_all", "interval"),
                                  ("peer_vw.json", "ratios.oracle.rmm_jax_over_vw_queries_per_s", "ratio:.0f")]),
+    "Against VW with a dialogue start (both from the same pairs, class-calibrated, all five conversations): "
+    "rmm-jax from its start minus VW from zero; minus VW from the same start": (
+        "{}; {}", [("peer_vw.json", "ratios.oracle.rmm_jax_dialogue_minus_vw_all", "interval"),
+                   ("peer_vw.json", "ratios.oracle.rmm_jax_dialogue_minus_vw_dialogue_all", "interval")]),
     "Off-policy estimates: coverage of the 95% interval (SNIPS, cited)": (
         "logging policy fixed {}, {} seeds of {} withheld, {} counting them as misses; "
         "adaptive {}, {} withheld, {} counting them as misses", [
