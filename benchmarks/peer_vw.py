@@ -60,7 +60,9 @@ pairs as logistic examples (:func:`vw_dialogue_start`); how (``-l``, passes, the
 as its K − 1 negatives) is tuned on 26 and 30 by the frozen Recall@5 of their questions, and
 VW's online ``-l`` × ``--power_t`` is tuned again from that start, on 26 and 30, since a start
 may want a smaller step. ``rmm_jax_dialogue - vw`` is the lever VW lacks as shipped;
-``rmm_jax_dialogue - vw_dialogue`` is the two learners given the same start.
+``rmm_jax_dialogue - vw_dialogue`` is the two learners given the same start. Each start is
+also scored frozen on the held-out questions (``*.dialogue_start.frozen_held_out``), so that
+what online learning adds to it, or takes away, can be read beside the rows.
 
 **Paired comparison.** Every learner runs on the same streams with the same seeds (VW,
 rmm-jax and hybrid back to back per seed), and ``ratios`` holds the per-query differences
@@ -260,7 +262,7 @@ class VWStart:
 # VW's dialogue start is tuned like VW's online knobs: on 26 and 30 only, every setting learning
 # their pairs and scored frozen on their questions (Recall@M, the retriever's s/τ as anchor).
 VW_START_GRID = [VWStart(lr, passes, balanced) for balanced in (False, True) for lr in (0.3, 1.0, 3.0)
-                 for passes in (1, 2)]
+                 for passes in (1, 2, 4)]
 
 
 def vw_dialogue_start(dialogue: list[Stream], start: VWStart, *, bits: int, tau: float, path: Path) -> Path:
@@ -604,6 +606,12 @@ def main(argv=None):
         vw_init = vw_dialogue_start(dialogue, vw_start, bits=args.bits, tau=tau,
                                     path=Path(vw_warm_dir.name) / "start.vw")
         log(f"VW's dialogue start: {vw_start.name} ({time.perf_counter() - t0:.0f} s on every conversation's pairs)")
+        held_streams = [s for s in streams if s.user_id in held]     # both starts ranking alone, learning nothing
+        start_frozen = {"rmm_jax": float(np.concatenate([_common.frozen_recall(warm, s, m)[s.valid]
+                                                         for s in held_streams]).mean()),
+                        "vw": vw_frozen_recall(vw_init, held_streams, bits=args.bits, tau=tau, m=m)}
+        log(f"the starts frozen, held-out Recall@{m}: rmm-jax {start_frozen['rmm_jax']:.4f}, "
+            f"VW {start_frozen['vw']:.4f}")
         # VW's online knobs again, now from its start (learned on the tuning conversations' pairs)
         tune_init = vw_dialogue_start([d for d in dialogue if d.user_id in tuned_on], vw_start, bits=args.bits,
                                       tau=tau, path=Path(vw_warm_dir.name) / "tune_start.vw")
@@ -698,6 +706,7 @@ def main(argv=None):
                                          "online_args": {cm: settings_warm[cm].args().replace(" --random_seed 0", "")
                                                          for cm in cms},
                                          "online_tuning": tuning_warm,
+                                         "frozen_held_out": start_frozen["vw"],
                                          "rule": "the best frozen Recall@M on the tuning conversations' questions, "
                                                  "each setting learning their pairs only"}}
                      if vw_start is not None else {}),
@@ -709,6 +718,7 @@ def main(argv=None):
                        **({"dialogue_start": {
                            "recipe": {**dataclasses.asdict(DIALOGUE_RECIPE), "m": m, "seed": 0},
                            "pairs": int(sum(s.queries.shape[0] for s in dialogue)),
+                           "frozen_held_out": start_frozen["rmm_jax"],
                            "what": "rmm-jax pretrain --labels dialogue on all five conversations' memories (no gold, "
                                    "no questions); one start for every seed and citation model; VW's workspace "
                                    "learns the same pairs (vw_dialogue_start), its -l, passes and weighting tuned "
