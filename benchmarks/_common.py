@@ -52,7 +52,7 @@ from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.pretrain import eval_per_query
 from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
-from rmm_jax.online.streams import Stream, load_streams, with_answer_support
+from rmm_jax.online.streams import Stream, load_dialogue_streams, load_streams, with_answer_support
 from rmm_jax.persist.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
@@ -142,9 +142,11 @@ def require_data(path: Path) -> Path:
 class LoCoMo(NamedTuple):
     """LoCoMo as the benchmarks use it: one stream per conversation (gold labels from the
     dataset's evidence), and, when built with ``answers=True``, each conversation's
-    question + answer embeddings (T, d), in stream order."""
+    question + answer embeddings (T, d), in stream order; with ``dialogue=True``, each
+    conversation's dialogue pairs (``rmm-jax pretrain --labels dialogue``; one with none is left out)."""
     streams: list[Stream]
     answers: dict[str, np.ndarray] | None
+    dialogue: list[Stream] | None = None
 
     def answer_streams(self) -> list[Stream]:
         """The streams with ``cite_gold`` = answer support at the library's rule
@@ -155,7 +157,7 @@ class LoCoMo(NamedTuple):
 
 
 def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn", answers: bool = False,
-                   users: Sequence[str] | None = None) -> LoCoMo:
+                   dialogue: bool = False, users: Sequence[str] | None = None) -> LoCoMo:
     """Embed LoCoMo (``data``: file or directory) into a temporary store, as ``rmm-jax embed
     locomo:DATA --granularity G [--answers]`` would, and load ``users``' streams (all by
     default) with ``k`` candidates each. Embeddings come from the embedder's disk cache
@@ -170,7 +172,8 @@ def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn
         store = open_store(Path(tmp) / "store")
         streams = load_streams(store, k, users)
         qa = {s.user_id: np.array(store.user_answers(s.user_id), np.float32) for s in streams} if answers else None
-    return LoCoMo(streams, qa)
+        pairs = load_dialogue_streams(store, k, [s.user_id for s in streams]) if dialogue else None
+    return LoCoMo(streams, qa, pairs)
 
 
 def citation_model(name: str):

@@ -427,24 +427,6 @@ def timed_rmm_jax(run, seed: int, repeats: int) -> dict:
 
 # --------------------------------------------------------------------------- data
 
-def locomo_streams(path: Path, k: int) -> tuple[list[Stream], list[Stream]]:
-    """The LoCoMo streams of ``quality_locomo.py`` (turn memories, all-MiniLM-L6-v2, K
-    candidates) and every conversation's dialogue stream (``pretrain --labels dialogue``)."""
-    from rmm_jax.data import load_locomo
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.data.store import open_store, write_store
-    from rmm_jax.online.streams import load_dialogue_streams, load_streams
-
-    with tempfile.TemporaryDirectory() as tmp:
-        emb = Embedder("all-MiniLM-L6-v2", progress=False)
-        try:
-            write_store(Path(tmp) / "store", load_locomo(path), "turn", emb, spec=f"locomo:{path}")
-        finally:
-            emb.close()
-        st = open_store(Path(tmp) / "store")
-        return load_streams(st, k), load_dialogue_streams(st, k)
-
-
 def synthetic_streams(n_users: int, t: int, n: int, d: int, k: int, seed: int = 0, rank_: int = 2,
                       planted: float = 3.0) -> list[Stream]:
     """Users whose one gold memory per query is the candidate with the highest
@@ -557,7 +539,8 @@ def main(argv=None):
         tuned_on, dataset, dialogue = (streams[0].user_id,), "synthetic", None
     else:
         k, m = args.k, args.m
-        streams, dialogue = locomo_streams(_common.require_data(args.data), k)
+        loco = _common.locomo_streams(_common.require_data(args.data), k, dialogue=True)
+        streams, dialogue = loco.streams, loco.dialogue
         tuned_on, dataset = TUNED_ON, f"locomo:{args.data}"
     users = [s.user_id for s in streams]
     held = [u for u in users if u not in tuned_on]
