@@ -35,12 +35,16 @@ learners:
 * **gold among the retriever's top M (or 2M) only**: the same, with the candidates cut
   to the retriever's first M (2M): what gold labels teach when they cover only the
   memories a policy near the retriever shows.
+* **A's dialogue pairs** (``rmm-jax pretrain --labels dialogue``): each turn of A that asks,
+  with the next turn as its answer, learned by the library's dialogue recipe
+  (:data:`rmm_jax.online.pretrain.DIALOGUE_RECIPE`, 2 epochs); no gold and no question of A.
+  Its transfer is what a start pretrained on the other users' dialogue gives a newcomer.
 * **A's online log as labels**: the calls the online loop logged on A (its shown
   memories and their citations) taken as listwise labels by the same recipe: the cited
   memories are the targets, against the shown ones or against all K candidates. This is
   the same data the online update saw, learned from by another rule.
 
-Gold never reaches the online and log learners except through the simulated citations.
+Gold never reaches the online, dialogue and log learners except through the simulated citations.
 ``logs`` records what the online runs' logs hold: the share of cited memories that are
 gold, and the shares of calls that showed a gold memory and that cited anything.
 
@@ -66,7 +70,7 @@ import numpy as np  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import setting_record  # noqa: E402
 from rmm_jax.data.citations import oracle  # noqa: E402
-from rmm_jax.online.pretrain import PretrainConfig, pretrain  # noqa: E402
+from rmm_jax.online.pretrain import DIALOGUE_RECIPE, PretrainConfig, pretrain  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 
 CITATIONS = {"class-calibrated": oracle(), "perfect": oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
@@ -82,6 +86,7 @@ ROWS = [
     ("gold, listwise, 30 epochs", "gold", {"epochs": 30}),
     ("gold among the retriever's top M only, 30 epochs", "gold", {"epochs": 30, "top": "m"}),
     ("gold among the retriever's top 2M only, 30 epochs", "gold", {"epochs": 30, "top": "2m"}),
+    ("dialogue pairs, the dialogue recipe", "dialogue", {"epochs": DIALOGUE_RECIPE.epochs}),
     ("log of perfect citations, against shown, 30 epochs", "log",
      {"citations": "perfect", "epochs": 30, "negatives": "shown"}),
     ("log of perfect citations, against all K, 30 epochs", "log",
@@ -146,13 +151,14 @@ def main(argv=None):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
-    streams = _common.locomo_streams(data, args.k, model=args.model, users=list(_common.TUNED_ON)).streams
-    by_id = {s.user_id: s for s in streams}
+    loco = _common.locomo_streams(data, args.k, model=args.model, dialogue=True, users=list(_common.TUNED_ON))
+    streams = loco.streams
+    by_id, pairs_of = {s.user_id: s for s in streams}, {s.user_id: s for s in loco.dialogue}
     pairs = [(a, b) for a in _common.TUNED_ON for b in _common.TUNED_ON if a != b]
     start = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
     base = {u: frozen_recall(start, by_id[u], args.m) for u in by_id}
     seeds = list(range(args.seeds))
-    keys = dict.fromkeys((o["citations"], o.get("tau")) for _, kind, o in ROWS if kind != "gold")
+    keys = dict.fromkeys((o["citations"], o.get("tau")) for _, kind, o in ROWS if kind in ("online", "log"))
     tau_of = lambda tau: {} if tau is None else {"tau": tau}  # noqa: E731  (None: the preset's)
     programs = {(c, tau): rj.make_run(*rj.preset("default", k=args.k, m=args.m, **tau_of(tau)), cite_fn=CITATIONS[c])
                 for c, tau in keys}
@@ -162,6 +168,8 @@ def main(argv=None):
     def learned(kind: str, o: dict, a: str, seed: int):
         if kind == "online":
             return runs[(o["citations"], o["tau"]), seed].finals[a]
+        if kind == "dialogue":
+            return pretrain(start, [pairs_of[a]], [], dataclasses.replace(DIALOGUE_RECIPE, m=args.m), seed=seed)[0]
         if kind == "log":
             data_a = _common.log_as_labels(by_id[a], runs[(o["citations"], None), seed].outputs[a], o["negatives"])
         elif "top" in o:
@@ -214,7 +222,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [result["rows"][name] for name in result.get("order", result["rows"])]   # the file's keys are sorted
-    colors = {"online": "tab:blue", "gold": "tab:green", "log": "tab:orange"}
+    colors = {"online": "tab:blue", "gold": "tab:green", "dialogue": "tab:purple", "log": "tab:orange"}
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
     y = np.arange(len(rows))[::-1]
     for yi, r in zip(y, rows):
