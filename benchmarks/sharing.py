@@ -24,7 +24,11 @@ class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 2
   (c) hybrid: that shared part plus the newcomer's own fresh residual (scope ``hybrid``, both
   learning); (b) and (c) minus (a), paired per query and seed. LoCoMo: each conversation
   joins after the other four learned side by side (leave one out); synthetic: users
-  900..999 each join after users 0..U−1 (U = 100 and 900) learned.
+  900..999 each join after users 0..U−1 (U = 100 and 900) learned. ``late_dialogue``: the
+  same LoCoMo newcomers when starts are pretrained on dialogue pairs (``pretrain --labels
+  dialogue``, the library's recipe): the newcomer alone from a start on its own pairs (its
+  history is in the store when it joins; nothing shared), and hybrid whose shared part started
+  from the other four's pairs, or all five's, and learned online from the other four.
 
 * **A newcomer against the earlier users' step** (``step``). The same newcomers join after U
   synthetic users (``--late-sizes``) who learned with a shared step of c times one user's
@@ -68,6 +72,7 @@ import numpy as np  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.update import shared_step_multiple  # noqa: E402
+from rmm_jax.online.pretrain import DIALOGUE_RECIPE, pretrain  # noqa: E402
 from rmm_jax.online.streams import Stream, load_streams  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
@@ -191,7 +196,6 @@ def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int
     ``teach`` (scope -> program, default ``programs``) is what the earlier users learn with."""
     teach = teach or programs
     heads = [head(s, first) for s in newcomers]
-    users = [s.user_id for s in heads]
     base = base_of(heads, m)
     rows = {name: [] for name in ("retriever", "fresh user", "shared", "hybrid")}
     for seed in seeds:
@@ -206,13 +210,52 @@ def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int
                 got[scope].update(run([new], programs[scope], learned[key], seed)[0])
         for name in rows:
             rows[name].append(got[name])
+    return summary(rows, heads, first, by_user)
+
+
+def summary(rows: dict, heads: list[Stream], first: int, by_user: bool) -> dict:
+    """Per-seed newcomer recalls (name -> [user -> (first,)]) as recall, gain over the retriever
+    and over the fresh user policy, paired per query and seed."""
+    users = [s.user_id for s in heads]
     vals = {name: np.stack([_common.pooled(r, heads, users) for r in per]) for name, per in rows.items()}
     groups = _common.query_groups(heads, users) if by_user else None
     iv = lambda d: _common.gain_interval(d, groups=groups)  # noqa: E731
     return {"first": first, "newcomers": users, "queries": int(vals["retriever"].shape[1]),
             "recall": {name: float(v.mean()) for name, v in vals.items()},
             "over_retriever": {name: iv(v - vals["retriever"]) for name, v in vals.items() if name != "retriever"},
-            "over_fresh_user": {name: iv(vals[name] - vals["fresh user"]) for name in ("shared", "hybrid")}}
+            "over_fresh_user": {name: iv(vals[name] - vals["fresh user"]) for name in rows
+                                if name not in ("retriever", "fresh user")}}
+
+
+def late_joiners_dialogue(loco: list[Stream], pairs: dict[str, Stream], first: int, programs, params, seeds,
+                          m) -> dict:
+    """LoCoMo newcomers (each after the other four) when starts are pretrained on dialogue pairs
+    (``pretrain --labels dialogue``, the library's recipe, per seed): the newcomer alone from a
+    start on its own pairs (its history is in the store when it joins; no sharing), and hybrid
+    whose shared part started from the other four's pairs, or from all five's, and then learned
+    online from the other four; beside the retriever and a fresh user policy."""
+    def start(users, seed):
+        return pretrain(params, [pairs[u] for u in users], [], dataclasses.replace(DIALOGUE_RECIPE, m=m), seed=seed)[0]
+
+    heads = [head(s, first) for s in loco]
+    base = base_of(heads, m)
+    everyone = [s.user_id for s in loco]
+    rows = {name: [] for name in ("retriever", "fresh user", "own dialogue start", "hybrid from the others' dialogue",
+                                  "hybrid from everyone's dialogue")}
+    for seed in seeds:
+        got = {name: {} for name in rows}
+        for new in heads:
+            others = [s for s in loco if s.user_id != new.user_id]
+            got["retriever"][new.user_id] = base[new.user_id]
+            got["fresh user"].update(run([new], programs["user"], params, seed)[0])
+            got["own dialogue start"].update(run([new], programs["user"], start([new.user_id], seed), seed)[0])
+            for name, users in (("hybrid from the others' dialogue", [o.user_id for o in others]),
+                                ("hybrid from everyone's dialogue", everyone)):
+                learned = run(others, programs["hybrid"], start(users, seed), seed)[1]
+                got[name].update(run([new], programs["hybrid"], learned, seed)[0])
+        for name in rows:
+            rows[name].append(got[name])
+    return summary(rows, heads, first, by_user=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -259,7 +302,8 @@ def main(argv=None):
     syn = synthetic_streams(n_syn, k, args.synthetic_store, args.synthetic_seed)
     if len(syn) < n_syn:
         sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
-    loco = _common.locomo_streams(data, k).streams
+    loco_all = _common.locomo_streams(data, k, dialogue=True)
+    loco, loco_pairs = loco_all.streams, {s.user_id: s for s in loco_all.dialogue}
     params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])
     newcomers = syn[n_syn - args.newcomers:n_syn]         # the late parts' newcomers: the population's last
     out = {"preset": args.preset, "setting": describe(*settings["user"]), "citations": cite_info, "k": k, "m": m,
@@ -280,6 +324,11 @@ def main(argv=None):
             log(f"  {name}: " + "; ".join(f"{k_} − fresh user {_common.format_interval(v)}"
                                           for k_, v in r["over_fresh_user"].items()))
         out["late"] = late
+        log("late joiners from dialogue starts (LoCoMo)")
+        dia = late_joiners_dialogue(loco, loco_pairs, args.first, programs, params, seeds, m)
+        log("  " + "; ".join(f"{k_} − fresh user {_common.format_interval(v)}"
+                             for k_, v in dia["over_fresh_user"].items()))
+        out["late_dialogue"] = {"locomo": dia}
     if "step" in parts:
         log("a newcomer against the earlier users' step")
         lr = rj.PRESETS[args.preset]["lr"]
