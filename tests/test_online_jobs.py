@@ -171,6 +171,26 @@ def test_pretraining_raises_training_recall_and_keeps_the_best_epoch(store):
     assert best_val == max(hist["val_recall"])
 
 
+def test_pretraining_scores_each_stream_on_its_own_memories(store):
+    """Pretraining keeps every stream's memories in one bank and gathers each minibatch's
+    candidates from it: its training Recall@M equals the one scored on each stream's own
+    candidate embeddings, row by row (float32 sums of N recalls: within N·2⁻²⁴), so no row
+    reads another stream's memories."""
+    streams = load_streams(store, CFG.k)
+    assert not np.array_equal(streams[0].bank, streams[1].bank)  # another stream's memories would score otherwise
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+    params, hist = pretrain(p0, streams, [], PretrainConfig(epochs=2, m=3, batch_size=8, val_fraction=0.0), seed=0)
+    per = []
+    for s in streams:
+        keep = s.valid & (s.num_gold > 0)
+        r, _ = eval_per_query(params, {"q": s.queries[keep], "m": s.bank[s.cand[keep]], "mask": s.cand_mask[keep],
+                                       "gold": s.cand_gold[keep], "num_gold": s.num_gold[keep]}, 3)
+        per.append(np.asarray(r, np.float64))
+    want = np.concatenate(per)
+    assert want.size > 8 and 0 < want.mean() < 1
+    assert abs(hist["train_recall"][-1] - want.mean()) <= want.size * 2 ** -24
+
+
 @pytest.mark.user_xla_flags
 def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
     # embed-free chain on a fake store: pretrain → simulate (logging) → replay the log.

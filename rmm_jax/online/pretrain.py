@@ -5,7 +5,8 @@ Listwise softmax cross-entropy (:func:`rmm_jax.core.losses.listwise_loss`) of th
 scores over the base retriever's K candidates against the normalised multi-hot gold
 vector; Adam; a validation split by user; early stopping on validation Recall@M of the
 reranked top-M. The best parameters become every user's initial online policy.
-One epoch is one jitted ``lax.scan`` over shuffled minibatches.
+One epoch is one jitted ``lax.scan`` over shuffled minibatches, each gathering its candidates'
+embeddings from one bank of every user's memories (:func:`labelled_queries`).
 """
 from __future__ import annotations
 
@@ -57,24 +58,58 @@ def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> 
 
 
 def labelled_queries(streams) -> dict:
-    """Flatten streams into (N, K, d) candidate embeddings with gold, keeping queries that
-    have at least one gold memory (others carry no listwise signal)."""
-    q, m, mask, gold, num_gold = [], [], [], [], []
+    """The streams' queries that have at least one gold memory (others carry no listwise
+    signal) as rows over one memory bank: ``bank`` (B, d) every stream's memories once, and
+    per row ``q`` (N, d), ``cand`` (N, K) indices into ``bank``, ``mask``, ``gold``,
+    ``num_gold``. Candidates are gathered per minibatch, so memory grows with B·d + N·K,
+    not with the N·K·d of every row's candidate embeddings.
+
+    Examples:
+        >>> import numpy as np
+        >>> from rmm_jax.online.streams import Stream
+        >>> def stream(u, bank, cand, gold):
+        ...     n = len(cand)
+        ...     return Stream(u, bank=np.asarray(bank, np.float32), queries=np.ones((n, 2), np.float32),
+        ...                   cand=np.asarray(cand), cand_mask=np.ones((n, 2), bool), cand_gold=np.asarray(gold),
+        ...                   num_gold=np.asarray(gold).sum(1).astype(np.int32), valid=np.ones(n, bool))
+        >>> d = labelled_queries([stream("a", [[1, 0], [0, 1]], [[1, 0]], [[True, False]]),
+        ...                       stream("b", [[2, 0], [0, 2], [1, 1]], [[2, 1], [0, 1]],
+        ...                              [[False, False], [False, True]])])
+        >>> d["bank"].shape, d["cand"].tolist()     # b's memories follow a's; b's first query has no gold
+        ((5, 2), [[1, 0], [2, 3]])
+    """
+    bank, q, cand, mask, gold, num_gold = [], [], [], [], [], []
+    offset = 0
     for s in streams:
         keep = s.valid & (s.num_gold > 0)
+        bank.append(s.bank)
         q.append(s.queries[keep])
-        m.append(s.bank[s.cand[keep]])
+        cand.append(np.asarray(s.cand[keep], np.int32) + offset)
         mask.append(s.cand_mask[keep])
         gold.append(s.cand_gold[keep])
         num_gold.append(s.num_gold[keep])
+        offset += s.bank.shape[0]
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0,))
-    return {"q": cat(q), "m": cat(m), "mask": cat(mask), "gold": cat(gold), "num_gold": cat(num_gold)}
+    return {"bank": cat(bank), "q": cat(q), "cand": cat(cand), "mask": cat(mask), "gold": cat(gold),
+            "num_gold": cat(num_gold)}
+
+
+def _rows(data: dict) -> dict:
+    return {k: v for k, v in data.items() if k != "bank"}
 
 
 def _pad_rows(data: dict, multiple: int) -> dict:
+    """The per-row arrays padded with empty rows (no candidate, no gold) to a multiple of
+    ``multiple``; the bank as it is."""
     n = data["q"].shape[0]
     extra = (-n) % multiple
-    return {k: np.concatenate([v, np.zeros((extra,) + v.shape[1:], v.dtype)]) for k, v in data.items()}
+    return {k: (v if k == "bank" else np.concatenate([v, np.zeros((extra,) + v.shape[1:], v.dtype)]))
+            for k, v in data.items()}
+
+
+def _batches(rows: dict, size: int) -> dict:
+    n = rows["q"].shape[0]
+    return jax.tree.map(lambda x: x.reshape((n // size, size) + x.shape[1:]), rows)
 
 
 @functools.partial(jax.jit, static_argnames=("m",))
@@ -86,30 +121,39 @@ def eval_per_query(params, data, m: int):
     return rmetrics.recall_at_k(rel, data["num_gold"], m), rmetrics.ndcg_at_k(rel, data["num_gold"], m)
 
 
-@functools.partial(jax.jit, static_argnames=("m",))
-def eval_recall(params, data, m: int):
-    """Mean Recall@m of the reranked top-m over the rows with gold."""
-    r, _ = eval_per_query(params, data, m)
-    has = data["num_gold"] > 0
+@functools.partial(jax.jit, static_argnames=("m", "chunk", "n"))
+def eval_recall(params, data, m: int, chunk: int, n: int):
+    """Mean Recall@m of the reranked top-m over the rows with gold among the first ``n``,
+    scored ``chunk`` rows at a time (``data`` as :func:`labelled_queries` gives it, its rows
+    padded to a multiple of ``chunk``; the mean is reduced over ``n`` rows, so that padding
+    for the chunks does not change its float32 rounding)."""
+    bank, rows = data["bank"], _rows(data)
+
+    def recall(b):
+        return eval_per_query(params, {**_rows(b), "m": bank[b["cand"]]}, m)[0]
+
+    r = jax.lax.map(recall, _batches(rows, chunk)).reshape(-1)[:n]
+    has = rows["num_gold"][:n] > 0
     return jnp.sum(jnp.where(has, r, 0.0)) / jnp.maximum(jnp.sum(has), 1)
 
 
 def make_epoch(cfg: PretrainConfig, optimizer):
-    """``epoch(params, opt_state, data, key) -> (params, opt_state, mean loss)``, jitted."""
+    """``epoch(params, opt_state, data, key) -> (params, opt_state, mean loss)``, jitted;
+    ``data`` as :func:`labelled_queries` gives it, its rows a multiple of the batch size."""
 
-    def loss_fn(params, batch):
-        scores = score_batch(params, batch["q"], batch["m"], batch["mask"])
+    def loss_fn(params, bank, batch):
+        scores = score_batch(params, batch["q"], bank[batch["cand"]], batch["mask"])
         return listwise_loss(scores, batch["gold"], batch["mask"], cfg.tau)
 
     @jax.jit
     def epoch(params, opt_state, data, key):
-        n = data["q"].shape[0]
-        perm = jax.random.permutation(key, n)
-        batches = jax.tree.map(lambda x: x[perm].reshape((n // cfg.batch_size, cfg.batch_size) + x.shape[1:]), data)
+        bank, rows = data["bank"], _rows(data)
+        perm = jax.random.permutation(key, rows["q"].shape[0])
+        batches = _batches(jax.tree.map(lambda x: x[perm], rows), cfg.batch_size)
 
         def body(carry, batch):
             params, opt_state = carry
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            loss, grads = jax.value_and_grad(loss_fn)(params, bank, batch)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -160,12 +204,13 @@ def pretrain_epochs(params, train_streams, val_streams, cfg: PretrainConfig = Pr
         val = None
     optimizer = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
     data = jax.device_put(_pad_rows(train, cfg.batch_size))
-    val_dev = jax.device_put(val) if val is not None else None
+    val_dev = jax.device_put(_pad_rows(val, cfg.batch_size)) if val is not None else None
     epoch_fn = make_epoch(cfg, optimizer)
 
-    def evaluate(params, loss, history):
-        tr = float(eval_recall(params, data, cfg.m))
-        vr = float(eval_recall(params, val_dev, cfg.m)) if val_dev is not None else None
+    def evaluate(params, loss, history):   # training rows as the epochs see them, validation rows as they are
+        tr = float(eval_recall(params, data, cfg.m, cfg.batch_size, data["q"].shape[0]))
+        vr = (float(eval_recall(params, val_dev, cfg.m, cfg.batch_size, val["q"].shape[0]))
+              if val_dev is not None else None)
         history["loss"].append(loss)
         history["train_recall"].append(tr)
         history["val_recall"].append(vr)
