@@ -105,6 +105,9 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   frozen and with the default online, in scope user under each citation model and in shared and
   hybrid, on 26+30 and 41–43 apart, each paired with the default online from the retriever. The
   twelfth look at 41–43; the choice is made by the code before the report runs.
+* ``dialogue_lr``: why online learning adds little after the dialogue start. On 26 and 30 only,
+  the start (the recipe's epochs, on their pairs) frozen and with the default online after it at
+  Adam rates ``DIALOGUE_LRS``, under each citation model. It chooses nothing; 41–43 are not read.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -158,7 +161,7 @@ from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.losses import listwise_loss  # noqa: E402
 from rmm_jax.core.update import shared_step_multiple  # noqa: E402
 from rmm_jax.data.citations import P_OTHER, P_USEFUL, oracle  # noqa: E402
-from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
+from rmm_jax.online.pretrain import DIALOGUE_RECIPE, PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
 
@@ -1014,10 +1017,11 @@ def dialogue_start(ctx, users, epochs: int, seed: int):
                     PretrainConfig(m=M, epochs=epochs), seed=seed)[0]
 
 
-def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = ()) -> dict:
+def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = (), lr: float | None = None) -> dict:
     """``{name: [per seed {user: (T,) recall}]}`` on the streams of ``users``: the dialogue start
-    frozen, and online from it under each citation model (default preset, scope user), and in
-    each of ``scopes`` under the class-calibrated citations (the start is the shared part)."""
+    frozen, and online from it under each citation model (default preset, at Adam rate ``lr``
+    when given, scope user), and in each of ``scopes`` under the class-calibrated citations (the
+    start is the shared part)."""
     streams = [s for s in ctx.streams if s.user_id in users]
     runs: dict = {f"{tag} frozen": []}
     for seed in ctx.seeds:
@@ -1027,7 +1031,8 @@ def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = (
         cells += [("oracle", sc, f"{tag} + default {sc} [oracle]") for sc in scopes]
         for cm, scope, name in cells:
             run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
-            row = {"preset": "default", **({} if scope == "user" else {"scope": scope})}
+            row = {"preset": "default", **({} if scope == "user" else {"scope": scope}),
+                   **({} if lr is None else {"lr": lr})}
             out = run_loop(run_on, program_of(row, cm), start, seed).outputs
             runs.setdefault(name, []).append({u: o["recall"] for u, o in out.items()})
     return runs
@@ -1075,6 +1080,31 @@ def lever_dialogue(ctx) -> dict:
                         "in scope user"}
 
 
+# The online rate after the dialogue start, on 26 and 30 only: does a larger step let online
+# learning add more to the start? It chooses nothing and reads nothing of 41–43.
+DIALOGUE_LRS = (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
+
+
+def lever_dialogue_lr(ctx) -> dict:
+    """The dialogue start (the recipe's epochs, on 26+30's pairs) frozen, and the default online
+    from it at each of ``DIALOGUE_LRS`` under each citation model, scored on 26+30."""
+    rows = {}
+    for lr in DIALOGUE_LRS:
+        runs = dialogue_rows(ctx, TUNED_ON, DIALOGUE_RECIPE.epochs, f"dialogue start, online lr {lr:g}", lr=lr)
+        frozen = runs.pop(f"dialogue start, online lr {lr:g} frozen")
+        rows.setdefault("dialogue start frozen", frozen)        # the same start at every rate
+        rows |= runs
+    frozen = rows["dialogue start frozen"]
+    out = [{"name": n, **gain(r, ctx.base, ctx.streams, TUNED_ON),
+            **({} if r is frozen else {"minus_frozen": paired(r, frozen, ctx.streams, TUNED_ON)})}
+           for n, r in rows.items()]
+    for r in out:
+        ctx.log(line(r["name"], r) + ("" if "minus_frozen" not in r else
+                                      f"  minus the start {_common.format_interval(r['minus_frozen'])}"))
+    return {"rows": out, "chooses": "nothing: 26+30 only, 41-43 not read",
+            "protocol": "pretrained on 26+30's dialogue pairs (DIALOGUE_RECIPE's epochs), scored on 26+30, scope user"}
+
+
 def identity(streams):
     return rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
 
@@ -1109,7 +1139,7 @@ class Context:
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
           "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid,
-          "steps": lever_steps, "dialogue": lever_dialogue}
+          "steps": lever_steps, "dialogue": lever_dialogue, "dialogue_lr": lever_dialogue_lr}
 
 
 def main(argv=None):
