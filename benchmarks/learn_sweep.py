@@ -1010,11 +1010,18 @@ def lever_heldout(ctx) -> dict:
 DIALOGUE_EPOCHS = (2, 5, 10)
 
 
+_STARTS: dict = {}
+
+
 def dialogue_start(ctx, users, epochs: int, seed: int):
     """The identity reranker pretrained on the dialogue pairs of ``users`` for ``epochs`` epochs
-    (the library's listwise recipe at its rate, no validation split: the last epoch is kept)."""
-    return pretrain(identity(ctx.streams), [ctx.dialogue[u] for u in users], [],
-                    PretrainConfig(m=M, epochs=epochs), seed=seed)[0]
+    (the library's listwise recipe at its rate, no validation split: the last epoch is kept);
+    pretrained once per users, epochs and seed (pretraining is deterministic in its seed)."""
+    key = (tuple(users), epochs, seed)
+    if key not in _STARTS:
+        _STARTS[key] = pretrain(identity(ctx.streams), [ctx.dialogue[u] for u in users], [],
+                                PretrainConfig(m=M, epochs=epochs), seed=seed)[0]
+    return _STARTS[key]
 
 
 def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = (), lr: float | None = None) -> dict:

@@ -244,14 +244,15 @@ def late_joiners_dialogue(loco: list[Stream], pairs: dict[str, Stream], first: i
                                   "hybrid from everyone's dialogue")}
     for seed in seeds:
         got = {name: {} for name in rows}
+        everyones = start(everyone, seed)                  # the same for every newcomer of this seed
         for new in heads:
             others = [s for s in loco if s.user_id != new.user_id]
             got["retriever"][new.user_id] = base[new.user_id]
             got["fresh user"].update(run([new], programs["user"], params, seed)[0])
             got["own dialogue start"].update(run([new], programs["user"], start([new.user_id], seed), seed)[0])
-            for name, users in (("hybrid from the others' dialogue", [o.user_id for o in others]),
-                                ("hybrid from everyone's dialogue", everyone)):
-                learned = run(others, programs["hybrid"], start(users, seed), seed)[1]
+            for name, shared_start in (("hybrid from the others' dialogue", start([o.user_id for o in others], seed)),
+                                       ("hybrid from everyone's dialogue", everyones)):
+                learned = run(others, programs["hybrid"], shared_start, seed)[1]
                 got[name].update(run([new], programs["hybrid"], learned, seed)[0])
         for name in rows:
             rows[name].append(got[name])

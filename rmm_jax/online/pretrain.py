@@ -130,7 +130,7 @@ def eval_recall(params, data, m: int, chunk: int, n: int):
     bank, rows = data["bank"], _rows(data)
 
     def recall(b):
-        return eval_per_query(params, {**_rows(b), "m": bank[b["cand"]]}, m)[0]
+        return eval_per_query(params, {**b, "m": bank[b["cand"]]}, m)[0]
 
     r = jax.lax.map(recall, _batches(rows, chunk)).reshape(-1)[:n]
     has = rows["num_gold"][:n] > 0
