@@ -14,6 +14,7 @@
     python benchmarks/learn_sweep.py hybrid    --json benchmarks/results/learn_sweep_hybrid.json
     python benchmarks/learn_sweep.py dialogue  --json benchmarks/results/learn_sweep_dialogue.json
     python benchmarks/learn_sweep.py steps     --json benchmarks/results/learn_sweep_steps.json
+    python benchmarks/learn_sweep.py start_loss --json benchmarks/results/learn_sweep_start_loss.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -108,6 +109,11 @@ user (``rmm_jax.core.config.BY_SCOPE``).
 * ``dialogue_lr``: why online learning adds little after the dialogue start. On 26 and 30 only,
   the start (the recipe's epochs, on their pairs) frozen and with the default online after it at
   Adam rates ``DIALOGUE_LRS``, under each citation model. It chooses nothing; 41–43 are not read.
+* ``start_loss``: why the dialogue start generalises. On 26 and 30 only, the start pretrained on
+  their pairs with the listwise recipe and with the pointwise logistic loss
+  (``PretrainConfig(loss="logistic")``, what VW's start fits, and its balanced form) at two logit
+  scales and 2, 5 and 10 epochs, each frozen on their questions and paired with the listwise start. It chooses nothing;
+  41–43 are not read.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -1013,14 +1019,15 @@ DIALOGUE_EPOCHS = (2, 5, 10)
 _STARTS: dict = {}
 
 
-def dialogue_start(ctx, users, epochs: int, seed: int):
+def dialogue_start(ctx, users, epochs: int, seed: int, **config):
     """The identity reranker pretrained on the dialogue pairs of ``users`` for ``epochs`` epochs
-    (the library's listwise recipe at its rate, no validation split: the last epoch is kept);
-    pretrained once per users, epochs and seed (pretraining is deterministic in its seed)."""
-    key = (tuple(users), epochs, seed)
+    (the library's listwise recipe at its rate unless ``config`` changes a field of
+    :class:`PretrainConfig`; no validation split: the last epoch is kept); pretrained once per
+    users, epochs, config and seed (pretraining is deterministic in its seed)."""
+    key = (tuple(users), epochs, seed, tuple(sorted(config.items())))
     if key not in _STARTS:
         _STARTS[key] = pretrain(identity(ctx.streams), [ctx.dialogue[u] for u in users], [],
-                                PretrainConfig(m=M, epochs=epochs), seed=seed)[0]
+                                PretrainConfig(m=M, epochs=epochs, **config), seed=seed)[0]
     return _STARTS[key]
 
 
@@ -1112,6 +1119,41 @@ def lever_dialogue_lr(ctx) -> dict:
             "protocol": "pretrained on 26+30's dialogue pairs (DIALOGUE_RECIPE's epochs), scored on 26+30, scope user"}
 
 
+# Why the dialogue start generalises: the loss. peer_vw.py found rmm-jax's start (listwise, over
+# the K candidates) ahead of VW's (a logistic example per candidate) on the same pairs. This lever
+# pretrains rmm-jax's reranker on 26+30's pairs with each loss, with the same optimiser, rate and
+# batches, and scores each start frozen on 26+30's questions (VW's start was tuned the same way:
+# peer_vw.json's vw.dialogue_start). The logistic rows get the epochs, logit scales and weighting
+# (each gold candidate alike, or as its row's others together: VW's chosen start) a pointwise
+# learner would tune. It chooses nothing and reads nothing of 41–43.
+START_LOSS_ROWS = [("listwise (the recipe)", {"epochs": DIALOGUE_RECIPE.epochs})] + [
+    (f"{loss.replace('_', ' ')}, tau {t:g}, {e} epochs", {"epochs": e, "loss": loss, "tau": t})
+    for loss in ("logistic", "balanced_logistic") for t in (0.05, 0.1) for e in (2, 5, 10)]
+
+
+def lever_start_loss(ctx) -> dict:
+    """Each row's dialogue start (26+30's pairs), frozen, on 26+30's questions; each paired with
+    the listwise recipe's start on the same seeds."""
+    streams = [s for s in ctx.streams if s.user_id in TUNED_ON]
+    runs = {}
+    for name, cfg in START_LOSS_ROWS:
+        cfg = dict(cfg)
+        epochs = cfg.pop("epochs")
+        runs[name] = [{s.user_id: _common.frozen_recall(dialogue_start(ctx, TUNED_ON, epochs, seed, **cfg), s, M)
+                       for s in streams} for seed in ctx.seeds]
+    ref = START_LOSS_ROWS[0][0]
+    rows = [{"name": n, **gain(r, ctx.base, ctx.streams, TUNED_ON),
+             **({} if n == ref else {"minus_listwise": paired(r, runs[ref], ctx.streams, TUNED_ON)})}
+            for n, r in runs.items()]
+    for r in rows:
+        ctx.log(line(r["name"], r) + ("" if "minus_listwise" not in r else
+                                      f"  minus listwise {_common.format_interval(r['minus_listwise'])}"))
+    logistic = [r for r in rows if r["name"] != ref]
+    return {"rows": rows, "best_logistic": best(logistic), "chooses": "nothing: 26+30 only, 41-43 not read",
+            "protocol": "pretrained on 26+30's dialogue pairs (AdamW at the recipe's rate, batch 32, no validation "
+                        "split), each start frozen, scored on 26+30's questions"}
+
+
 def identity(streams):
     return rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
 
@@ -1146,7 +1188,8 @@ class Context:
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
           "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid,
-          "steps": lever_steps, "dialogue": lever_dialogue, "dialogue_lr": lever_dialogue_lr}
+          "steps": lever_steps, "dialogue": lever_dialogue, "dialogue_lr": lever_dialogue_lr,
+          "start_loss": lever_start_loss}
 
 
 def main(argv=None):

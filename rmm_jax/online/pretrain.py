@@ -5,6 +5,12 @@ Listwise softmax cross-entropy (:func:`rmm_jax.core.losses.listwise_loss`) of th
 scores over the base retriever's K candidates against the normalised multi-hot gold
 vector; Adam; a validation split by user; early stopping on validation Recall@M of the
 reranked top-M. The best parameters become every user's initial online policy.
+``PretrainConfig(loss="logistic")`` fits each candidate on its own instead, gold or not, with
+the online default's loss (:func:`rmm_jax.core.losses.citation_logistic_loss`, every candidate
+shown and the gold ones cited), the per-example loss a pointwise learner such as Vowpal
+Wabbit's ``--loss_function logistic`` fits; ``"balanced_logistic"`` weighs a row's gold
+candidates as much as its others (:func:`pointwise_loss`; ``benchmarks/learn_sweep.py
+start_loss`` measures both against the listwise loss).
 One epoch is one jitted ``lax.scan`` over shuffled minibatches, each gathering its candidates'
 embeddings from one bank of every user's memories (:func:`labelled_queries`).
 """
@@ -15,13 +21,14 @@ import dataclasses
 import functools
 from typing import Any, Iterator, NamedTuple, Sequence
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from rmm_jax.core import metrics as rmetrics
-from rmm_jax.core.losses import listwise_loss
+from rmm_jax.core.losses import citation_logistic_loss, listwise_loss
 from rmm_jax.core.reranker import score_batch
 from rmm_jax.core.sampling import top_m
 
@@ -36,6 +43,10 @@ class PretrainConfig:
     patience: int = 4           # epochs without validation improvement before stopping
     val_fraction: float = 0.2   # of users (at least one when there are two or more)
     m: int = 5                  # validation metric: Recall@m of the reranked top-m
+    loss: str = "listwise"      # or "logistic", "balanced_logistic": each candidate alone (pointwise_loss)
+
+
+LOSSES = ("listwise", "logistic", "balanced_logistic")
 
 
 # The recipe for dialogue labels (``rmm-jax pretrain --labels dialogue``,
@@ -137,13 +148,49 @@ def eval_recall(params, data, m: int, chunk: int, n: int):
     return jnp.sum(jnp.where(has, r, 0.0)) / jnp.maximum(jnp.sum(has), 1)
 
 
+def pointwise_loss(scores, gold, mask, tau, *, balanced: bool = False):
+    """Every valid candidate one logistic example, gold or not, averaged over the rows that
+    have gold (as :func:`rmm_jax.core.losses.listwise_loss` averages): the online default's
+    :func:`rmm_jax.core.losses.citation_logistic_loss` with all K candidates shown and the
+    gold ones cited, its logits anchored at the row's best candidate. ``balanced`` weighs a
+    row's gold examples as much as its others together (each gold one by n_other / n_gold).
+
+    Examples:
+      >>> import jax.numpy as jnp, rmm_jax as rj
+      >>> s, g, mk = jnp.array([[0.3, 0.2, 0.0]]), jnp.array([[False, False, True]]), jnp.ones((1, 3), bool)
+      >>> float(pointwise_loss(s, g, mk, 0.1)) == float(rj.citation_logistic_loss(s, jnp.array([[0, 1, 2]]), g, 0.1))
+      True
+      >>> plain = lambda sel, c: float(rj.citation_logistic_loss(s, jnp.array([sel]), jnp.array([c]), 0.1))
+      >>> bool(jnp.isclose(pointwise_loss(s, g, mk, 0.1, balanced=True),
+      ...                  2 * plain([2], [True]) + plain([0, 1], [False, False])))
+      True
+    """
+    chex.assert_rank([scores, gold, mask], [2, 2, 2])
+    k = scores.shape[1]
+    pos, neg = gold & mask, ~gold & mask
+    has = jnp.any(pos, axis=1)
+    per_row = has / jnp.maximum(jnp.sum(has), 1)
+    slots = jnp.arange(k, dtype=jnp.int32)[None, :]
+    if not balanced:
+        return citation_logistic_loss(scores, jnp.where(mask, slots, -1), pos, tau, mask=mask, weights=per_row)
+    n_pos, n_neg = jnp.sum(pos, axis=1), jnp.sum(neg, axis=1)
+    up = citation_logistic_loss(scores, jnp.where(pos, slots, -1), pos, tau, mask=mask,
+                                weights=per_row * n_neg / jnp.maximum(n_pos, 1))
+    return up + citation_logistic_loss(scores, jnp.where(neg, slots, -1), pos, tau, mask=mask, weights=per_row)
+
+
 def make_epoch(cfg: PretrainConfig, optimizer):
     """``epoch(params, opt_state, data, key) -> (params, opt_state, mean loss)``, jitted;
     ``data`` as :func:`labelled_queries` gives it, its rows a multiple of the batch size."""
 
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"PretrainConfig.loss must be one of {LOSSES}, got {cfg.loss!r}")
+
     def loss_fn(params, bank, batch):
         scores = score_batch(params, batch["q"], bank[batch["cand"]], batch["mask"])
-        return listwise_loss(scores, batch["gold"], batch["mask"], cfg.tau)
+        if cfg.loss == "listwise":
+            return listwise_loss(scores, batch["gold"], batch["mask"], cfg.tau)
+        return pointwise_loss(scores, batch["gold"], batch["mask"], cfg.tau, balanced=cfg.loss == "balanced_logistic")
 
     @jax.jit
     def epoch(params, opt_state, data, key):
