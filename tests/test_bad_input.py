@@ -17,6 +17,7 @@ cases through the real ``rmm-jax`` script in a subprocess. Decisions pinned here
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,6 +93,10 @@ def env(tmp_path_factory):
     e["segment_store"] = root / "segment_store"     # memories of whole topics: no dialogue pairs
     write_store(e["segment_store"], make_synthetic(users=2, sessions=2, turns=8, seed=0), "segment", FakeEmbedder(32),
                 spec="synthetic:users=2,sessions=2,turns=8,seed=0")
+    e["chats_store"] = root / "chats_store"         # chat histories only: no questions, so no gold
+    chats = make_synthetic(users=2, sessions=2, turns=8, seed=0)
+    chats = dataclasses.replace(chats, users=tuple(dataclasses.replace(u, queries=()) for u in chats.users))
+    write_store(e["chats_store"], chats, "turn", FakeEmbedder(32), spec="chats")
     # a store whose memories hold NaN (shape and dtype intact)
     e["nan_store"] = root / "nan_store"
     shutil.copytree(e["store"], e["nan_store"])
@@ -257,6 +262,9 @@ def cases():
                                                        "--out", new_pol(e), "--k", K, "--m", M],
          lambda e: [str(e["segment_store"]), "single turns"]),
         ("pretrain-labels-unknown", lambda e: pre(e, "--labels", "citations"), lambda e: ["--labels"]),
+        ("pretrain-gold-without-gold", lambda e: ["pretrain", e["chats_store"], "--out", new_pol(e), "--k", K,
+                                                  "--m", M],
+         lambda e: [str(e["chats_store"]), "no training query has a gold memory", "--labels dialogue"]),
         ("pretrain-nan-store", lambda e: ["pretrain", e["nan_store"], "--out", new_pol(e)],
          lambda e: ["memories.npy", "NaN"]),
     ]

@@ -166,7 +166,8 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
             best, history, split = train_and_checkpoint(rs, streams, params, pcfg, every=checkpoint_every,
                                                         seed=seed)
         except ValueError as e:
-            raise InputError(str(e), where=str(store)) from None
+            hint = "; without gold, --labels dialogue pretrains on the users' own chats" if labels == "gold" else ""
+            raise InputError(f"{e}{hint}", where=str(store)) from None
         meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **layout.scope.meta(),
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
                            "pretrain": {**pcfg.__dict__, "seed": seed, "split": split, "labels": labels}}}
