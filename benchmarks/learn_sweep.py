@@ -15,6 +15,7 @@
     python benchmarks/learn_sweep.py dialogue  --json benchmarks/results/learn_sweep_dialogue.json
     python benchmarks/learn_sweep.py steps     --json benchmarks/results/learn_sweep_steps.json
     python benchmarks/learn_sweep.py start_loss --json benchmarks/results/learn_sweep_start_loss.json
+    python benchmarks/learn_sweep.py anchor    --json benchmarks/results/learn_sweep_anchor.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -114,6 +115,11 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   (``PretrainConfig(loss="logistic")``, what VW's start fits, and its balanced form) at two logit
   scales and 2, 5 and 10 epochs, each frozen on their questions and paired with the listwise start. It chooses nothing;
   41–43 are not read.
+* ``anchor``: online after a start, pulled back to it. After the gold start (leave-one-out) and
+  the dialogue start (26+30's pairs), the default online at lr 3e-4 and 1e-3 with each step
+  pulling the parameters 1 to 10% of the way back to the start (:func:`pull_to_start`, L2-SP),
+  under each citation model, on 26 and 30 only; the max-min row over the models and both starts
+  (online minus its start frozen) is the choice. 41–43's scores are not read.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -153,6 +159,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -253,6 +260,25 @@ def run_loop(streams, program: rj.Program, params, seed: int) -> _common.ChunkRu
 
 # --------------------------------------------------------------------------- settings
 
+class StartState(NamedTuple):
+    """:func:`pull_to_start`'s state: the parameters the optimiser was initialised with."""
+    start: Any
+
+
+def pull_to_start(fraction: float) -> optax.GradientTransformation:
+    """Each update also moves the parameters ``fraction`` of the way back to the ones the
+    optimiser state was initialised with, a user's start (L2-SP, Li et al., ICML 2018, in its
+    decoupled form): θ ← θ + u − fraction·(θ − θ₀). With ``fraction`` 0 the updates pass
+    unchanged."""
+    def init(params):
+        return StartState(jax.tree.map(jnp.asarray, params))
+
+    def update(updates, state, params):
+        return jax.tree.map(lambda u, p, p0: u - fraction * (p - p0), updates, params, state.start), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def setting_of(row: dict) -> rj.Setting:
     """A row's :class:`rmm_jax.Setting`: ``preset`` (default ``reinforce``, the REINFORCE preset the
     levers started from; the ``default`` preset is now its logistic variant) with the row's fields,
@@ -261,13 +287,17 @@ def setting_of(row: dict) -> rj.Setting:
     Adam at that rate, the shared part at ``lr``) or ``shared_step`` (hybrid: the shared part
     steps at that multiple of a user's step while all five conversations have a query, 0: not
     at all; the update's √U_a rule applies on top, so the Adam rate is ``lr`` times it over
-    √5), ``map_lr`` (``(query map's, memory map's)`` Adam rates) or ``decay`` (``(lr0, t0)``:
-    Adam at max(``lr``, lr0/√(1 + t/t0)) at step t of the part), as optax transformations."""
+    √5), ``map_lr`` (``(query map's, memory map's)`` Adam rates), ``decay`` (``(lr0, t0)``:
+    Adam at max(``lr``, lr0/√(1 + t/t0)) at step t of the part) or ``anchor`` (Adam, and each
+    step pulls the parameters that fraction of the way back to where the user started:
+    :func:`pull_to_start`), as optax transformations."""
     row = {k: v for k, v in row.items() if k not in NOT_SETTINGS}
     local_lr, shrink, shared_step = row.pop("local_lr", None), row.pop("shrink", None), row.pop("shared_step", None)
-    map_lr, decay = row.pop("map_lr", None), row.pop("decay", None)
+    map_lr, decay, anchor = row.pop("map_lr", None), row.pop("decay", None), row.pop("anchor", None)
     setting = rj.preset(row.pop("preset", "reinforce"), k=K, m=M, **row)
     lr = setting.optimizer.lr
+    if anchor is not None:
+        return setting._replace(optimizer=optax.chain(optax.adam(lr), pull_to_start(anchor)))
     if shrink is not None:
         return setting._replace(optimizer=optax.adamw(lr, weight_decay=shrink / lr))
     if map_lr is not None:
@@ -288,7 +318,7 @@ def setting_of(row: dict) -> rj.Setting:
 def record(row: dict) -> dict:
     setting = setting_of(row)
     rec = describe(*setting)
-    tuned = ("local_lr", "shrink", "shared_step", "map_lr", "decay")
+    tuned = ("local_lr", "shrink", "shared_step", "map_lr", "decay", "anchor")
     if any(k in row for k in tuned):
         extra = {k: row[k] for k in tuned if k in row}
         rec["optimizer"] = {"name": "adamw" if "shrink" in row else "adam",
@@ -1154,6 +1184,65 @@ def lever_start_loss(ctx) -> dict:
                         "split), each start frozen, scored on 26+30's questions"}
 
 
+# Online after a start, anchored to it. dialogue_lr found that after the dialogue start online
+# learning adds at most about 0.01 at any Adam rate, and that from 3e-4 up it erases the start.
+# Fine-tuning from a pretrained start often keeps it with a pull back to it (L2-SP); this lever
+# runs the default online after each start, gold (leave-one-out: the other four conversations'
+# gold, the library's recipe) and dialogue (26+30's pairs, the recipe), at larger rates with
+# such a pull, under each citation model, on 26 and 30 only (8 seeds). The row whose worst
+# difference from its start frozen, over the citation models and both starts, is best is the
+# lever's choice (max-min, as for the defaults).
+ANCHOR_ROWS = [("default", {}),
+               ("lr 3e-4, anchor 0.01", {"lr": 3e-4, "anchor": 0.01}),
+               ("lr 3e-4, anchor 0.03", {"lr": 3e-4, "anchor": 0.03}),
+               ("lr 1e-3, anchor 0.03", {"lr": 1e-3, "anchor": 0.03}),
+               ("lr 1e-3, anchor 0.1", {"lr": 1e-3, "anchor": 0.1})]
+
+
+def lever_anchor(ctx) -> dict:
+    """Each start frozen, and the default online from it with each of ``ANCHOR_ROWS`` under
+    each citation model, scope user, on 26+30; each online row paired with its start frozen."""
+    streams = {s.user_id: s for s in ctx.streams}
+    runs: dict = {}
+    for seed in ctx.seeds:
+        starts = {"gold": {u: pretrained({"pretrain": "gold"}, [s for s in ctx.streams if s.user_id != u], {},
+                                         identity(ctx.streams), seed) for u in TUNED_ON},
+                  "dialogue": dict.fromkeys(TUNED_ON, dialogue_start(ctx, TUNED_ON, DIALOGUE_RECIPE.epochs, seed))}
+        for kind, by_user in starts.items():
+            runs.setdefault(f"{kind} start frozen", []).append(
+                {u: _common.frozen_recall(by_user[u], streams[u], M) for u in TUNED_ON})
+            for name, extra in ANCHOR_ROWS:
+                for cm in LR_MODELS:
+                    row = {"preset": "default", **extra}
+                    got = {}
+                    for u in TUNED_ON:
+                        target = with_answer_support(streams[u], ctx.qa[u]) if cm == "answer" else streams[u]
+                        got[u] = run_loop([target], program_of(row, cm), by_user[u], seed).outputs[u]["recall"]
+                    runs.setdefault(f"{kind} start + {name} [{cm}]", []).append(got)
+        ctx.log(f"  seed {seed} done")
+    rows = []
+    for n, r in runs.items():
+        kind = n.split(" start")[0]
+        frozen = runs[f"{kind} start frozen"]
+        rows.append({"name": n, **gain(r, ctx.base, ctx.streams, TUNED_ON),
+                     **({} if r is frozen else {"minus_frozen": paired(r, frozen, ctx.streams, TUNED_ON)})})
+    by_name = {r["name"]: r for r in rows}
+    worst = {name: min(by_name[f"{kind} start + {name} [{cm}]"]["minus_frozen"]["mean"]
+                       for kind in ("gold", "dialogue") for cm in LR_MODELS) for name, _ in ANCHOR_ROWS}
+    chosen = max(worst, key=worst.get)
+    for r in rows:
+        ctx.log(line(r["name"], r) + ("" if "minus_frozen" not in r else
+                                      f"  minus frozen {_common.format_interval(r['minus_frozen'])}"))
+    ctx.log(f"  worst over models and starts: {', '.join(f'{n} {w:+.4f}' for n, w in worst.items())}; "
+            f"chosen: {chosen}")
+    return {"rows": rows, "worst_minus_frozen": worst, "chosen": chosen,
+            "settings": {name: record({"preset": "default", **extra}) for name, extra in ANCHOR_ROWS},
+            "protocol": "26+30 only (no score of 41-43 is read; their gold is pretraining data, as in the pretrain "
+                        "lever); gold start: leave-one-out gold pretraining on the other four "
+                        "conversations (the library's recipe); dialogue start: 26+30's pairs (DIALOGUE_RECIPE); "
+                        "online scope user from each start"}
+
+
 def identity(streams):
     return rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
 
@@ -1189,7 +1278,7 @@ LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_s
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
           "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid,
           "steps": lever_steps, "dialogue": lever_dialogue, "dialogue_lr": lever_dialogue_lr,
-          "start_loss": lever_start_loss}
+          "start_loss": lever_start_loss, "anchor": lever_anchor}
 
 
 def main(argv=None):
