@@ -831,3 +831,38 @@ def test_full_information_learns_as_a_numpy_loop(scope):
         np.testing.assert_array_equal(still[s.user_id], base_values(s, m)[0])
         np.testing.assert_allclose(learned[s.user_id], want[s.user_id], rtol=0, atol=1e-6)
     assert any(not np.array_equal(learned[s.user_id], still[s.user_id]) for s in streams)
+
+
+def test_the_anchor_lever_pulls_each_user_back_to_its_start():
+    """learn_sweep's anchor lever: ``pull_to_start`` at fraction 0 is plain Adam, bit for bit;
+    at fraction 1 with no gradient an update lands back on the parameters the optimiser was
+    initialised with (to float32 rounding); and in a run from a nonzero start, a pull keeps every user's final
+    parameters nearer that start than Adam alone leaves them."""
+    import learn_sweep
+    import optax
+
+    start = jax.tree.map(lambda x: x + 0.05, rj.init_reranker(jax.random.key(1), 6))
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.3), start)
+    tx, adam = optax.chain(optax.adam(1e-2), learn_sweep.pull_to_start(0.0)), optax.adam(1e-2)
+    got, _ = tx.update(grads, tx.init(start), start)
+    ref, _ = adam.update(grads, adam.init(start), start)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    pull = learn_sweep.pull_to_start(1.0)
+    moved = jax.tree.map(lambda x: x + 1.0, start)
+    upd, _ = pull.update(jax.tree.map(jnp.zeros_like, start), pull.init(start), moved)
+    for a, b in zip(jax.tree.leaves(optax.apply_updates(moved, upd)), jax.tree.leaves(start)):
+        # three float32 roundings of values below 2 (p − p0, the scaled step, the sum): ≤ 3 · 2⁻²³
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=3 * 2.0 ** -23)
+
+    streams = [_toy_stream(f"u{i}", 24, 40, 6, learn_sweep.K, seed=50 + i) for i in range(2)]
+    row = {"preset": "default", "lr": 1e-2}
+
+    def distance(**extra):
+        program = rj.make_run(*learn_sweep.setting_of({**row, **extra}), cite_fn=cm.oracle())
+        finals = _common.run_chunk(streams, program, start, seed=4).finals
+        return [sum(float(np.abs(np.asarray(a) - np.asarray(b)).sum())
+                    for a, b in zip(jax.tree.leaves(f), jax.tree.leaves(start))) for f in finals.values()]
+
+    free, pulled = distance(), distance(anchor=0.2)
+    assert all(0 < p < f for p, f in zip(pulled, free)), (pulled, free)
