@@ -5,7 +5,7 @@ The core (:mod:`rmm_jax.core`) is a handful of pure functions over embedding arr
 * :func:`init_reranker`, :func:`score` — residual reranker (linear or MLP adapters).
 * :func:`gumbel_top_m` — ordered Plackett–Luce sample of M memories.
 * :func:`selection_log_prob` — exact (or the paper's surrogate) log-probability.
-* :func:`reinforce_loss`, :func:`listwise_loss` — online and offline losses.
+* :func:`reinforce_loss`, :func:`listwise_loss`, :func:`pointwise_loss` — online and offline losses.
 * :class:`Layout`, :class:`Estimator`, an optax optimiser (:func:`adam`, :func:`sgd`) and
   :func:`preset` — the three parts of a program, and the named settings.
 * :class:`Scope` — who learns from whose citations (``user``, ``shared``, ``hybrid``).
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API 
         citation_pairwise_loss,
         citation_rewards,
         listwise_loss,
+        pointwise_loss,
         reinforce_loss,
     )
     from rmm_jax.core.optim import Optimizer, adam, sgd
@@ -49,7 +50,7 @@ if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API 
 _MODULES = {
     "rmm_jax.core.config": "PRESETS Estimator Layout Setting preset",
     "rmm_jax.core.losses": "advantages citation_logistic_loss citation_pairwise_loss citation_rewards listwise_loss "
-                           "reinforce_loss",
+                           "pointwise_loss reinforce_loss",
     "rmm_jax.core.optim": "Optimizer adam sgd",
     "rmm_jax.core.reranker": "init_lowrank init_reranker merge_params score score_batch score_naive",
     "rmm_jax.core.sampling": "gumbel_top_m selection_log_prob selection_log_probs top_m",
@@ -68,8 +69,8 @@ __all__ = [
     "QueryBatch", "Recorder", "Resume", "SCOPES", "Scope", "SegmentDone", "Setting", "SharedState", "UserState",
     "adam", "advantages", "citation_logistic_loss", "citation_pairwise_loss", "citation_rewards", "drive",
     "gumbel_top_m", "init_learner_state", "init_lowrank", "init_reranker", "init_shared", "init_user",
-    "listwise_loss", "make_run", "make_update", "merge_params", "preset", "reinforce_loss", "run_online", "score",
-    "score_batch", "score_naive", "selection_log_prob", "selection_log_probs", "sgd", "top_m",
+    "listwise_loss", "make_run", "make_update", "merge_params", "pointwise_loss", "preset", "reinforce_loss",
+    "run_online", "score", "score_batch", "score_naive", "selection_log_prob", "selection_log_probs", "sgd", "top_m",
 ]
 
 

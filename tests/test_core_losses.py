@@ -135,6 +135,44 @@ def test_listwise_loss_is_cross_entropy_against_normalised_gold(variant):
     assert g[2, 3] == 0.0 and np.all(np.asarray(g[1]) == 0.0)
 
 
+def _pointwise_reference(scores, gold, mask, tau, balanced):
+    """NumPy, float64: each valid candidate a logistic example, u = (s − max valid s) / τ,
+    summed per row (gold ones weighted n_other / n_gold when ``balanced``) and averaged over
+    the rows with a valid gold candidate."""
+    total, rows = 0.0, 0
+    for s, g, mk in zip(scores.astype(np.float64), gold, mask):
+        y = g[mk]
+        if not y.any():
+            continue
+        u = (s[mk] - s[mk].max()) / tau
+        w_pos = (~y).sum() / y.sum() if balanced else 1.0
+        total += -np.sum(np.where(y, w_pos * -np.logaddexp(0, -u), -np.logaddexp(0, u)))
+        rows += 1
+    return total / max(rows, 1)
+
+
+def test_pointwise_loss_is_a_logistic_example_per_candidate(variant):
+    """Every valid candidate is one logistic example (gold: 1; balanced: gold weighted as the
+    others together), the rows without gold count for nothing, and masked candidates neither
+    count nor get a gradient. Float32 against float64: each term is within a few ulp of a
+    value of order |u| ≤ (max s − min s)/τ times its weight (≤ K), so the sum of K terms per
+    row is within K²·(|u|max + 1)·2⁻²⁰."""
+    loss = variant(rj.pointwise_loss, static_argnames=("balanced",))
+    rng = np.random.default_rng(0)
+    for trial in range(16):
+        b, k, tau = 5, 8, float(rng.choice([0.05, 0.1, 1.0]))    # one shape: one compile
+        balanced = bool(trial % 2)
+        scores = rng.normal(0, 0.3, (b, k)).astype(np.float32)
+        gold = rng.random((b, k)) < 0.3
+        mask = rng.random((b, k)) < 0.8
+        got = float(loss(scores, gold, mask, tau, balanced=balanced))
+        want = _pointwise_reference(scores, gold, mask, tau, balanced)
+        bound = k * k * (np.ptp(scores) / tau + 1) * 2 ** -20
+        assert abs(got - want) <= bound, (trial, got, want)
+        grad = jax.grad(lambda s: loss(s, gold, mask, tau, balanced=balanced))(scores)
+        assert np.all(np.asarray(grad)[~mask] == 0)
+
+
 JUDGES = [(0.911, 0.154), (0.9, 0.2), (0.6, 0.0), (1.0, 0.0)]
 
 

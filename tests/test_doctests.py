@@ -19,7 +19,7 @@ DOCUMENTED = {
     "rmm_jax.core.reranker": ["init_reranker", "score", "score_batch"],
     "rmm_jax.core.sampling": ["gumbel_top_m", "selection_log_prob", "selection_log_probs", "top_m"],
     "rmm_jax.core.losses": ["citation_rewards", "advantages", "reinforce_loss", "citation_logistic_loss",
-                             "listwise_loss"],
+                             "listwise_loss", "pointwise_loss"],
     "rmm_jax.core.metrics": ["recall_at_k", "recall_any_at_k", "recall_all_at_k", "ndcg_at_k", "mrr",
                              "summarize"],
     "rmm_jax.core.update": [],  # one example today; owned elsewhere, must run when present

@@ -191,44 +191,6 @@ def test_pretraining_scores_each_stream_on_its_own_memories(store):
     assert abs(hist["train_recall"][-1] - want.mean()) <= want.size * 2 ** -24
 
 
-def _pointwise_reference(scores, gold, mask, tau, balanced):
-    """NumPy, float64: each valid candidate a logistic example, u = (s − max valid s) / τ,
-    summed per row (gold ones weighted n_other / n_gold when ``balanced``) and averaged over
-    the rows with a valid gold candidate."""
-    total, rows = 0.0, 0
-    for s, g, mk in zip(scores.astype(np.float64), gold, mask):
-        y = g[mk]
-        if not y.any():
-            continue
-        u = (s[mk] - s[mk].max()) / tau
-        w_pos = (~y).sum() / y.sum() if balanced else 1.0
-        total += -np.sum(np.where(y, w_pos * -np.logaddexp(0, -u), -np.logaddexp(0, u)))
-        rows += 1
-    return total / max(rows, 1)
-
-
-def test_the_pointwise_pretraining_loss_is_a_logistic_example_per_candidate():
-    """Every valid candidate is one logistic example (gold: 1; balanced: gold weighted as the
-    others together), the rows without gold count for nothing, and masked candidates neither
-    count nor get a gradient. Float32 against float64: each term is within a few ulp of a
-    value of order |u| ≤ (max s − min s)/τ times its weight (≤ K), so the sum of K terms per
-    row is within K²·(|u|max + 1)·2⁻²⁰."""
-    from rmm_jax.online.pretrain import pointwise_loss
-    rng = np.random.default_rng(0)
-    for trial in range(16):
-        b, k, tau = 5, 8, float(rng.choice([0.05, 0.1, 1.0]))    # one shape: one compile
-        balanced = bool(trial % 2)
-        scores = rng.normal(0, 0.3, (b, k)).astype(np.float32)
-        gold = rng.random((b, k)) < 0.3
-        mask = rng.random((b, k)) < 0.8
-        got = float(pointwise_loss(scores, gold, mask, tau, balanced=balanced))
-        want = _pointwise_reference(scores, gold, mask, tau, balanced)
-        bound = k * k * (np.ptp(scores) / tau + 1) * 2 ** -20
-        assert abs(got - want) <= bound, (trial, got, want)
-        grad = jax.grad(lambda s: pointwise_loss(s, gold, mask, tau, balanced=balanced))(scores)
-        assert np.all(np.asarray(grad)[~mask] == 0)
-
-
 def test_pretraining_with_the_pointwise_loss_learns_and_an_unknown_loss_is_refused(store):
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)

@@ -1,4 +1,4 @@
-"""Losses: REINFORCE from citations (online) and listwise cross-entropy (offline).
+"""Losses: REINFORCE from citations (online) and listwise or pointwise cross-entropy (offline).
 
 REINFORCE (Williams, 1992) as used by RMM's Retrospective Reflection (Tan et al., ACL 2025,
 §4.2): the generator cites some of the M memories it was shown; each shown memory gets a
@@ -316,3 +316,43 @@ def listwise_loss(scores, gold, mask=None, tau=1.0):
     per_query = -jnp.sum(jnp.where(valid, y * logp, 0.0), axis=-1)
     has = n > 0
     return jnp.sum(jnp.where(has, per_query, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+def pointwise_loss(scores, gold, mask=None, tau=1.0, *, balanced: bool = False):
+    """Supervised pointwise loss for offline pretraining: every valid candidate one logistic
+    example, gold or not (what a pointwise learner such as Vowpal Wabbit's ``--loss_function
+    logistic`` fits), averaged over the queries with a valid gold candidate as
+    :func:`listwise_loss` averages.
+
+    It is :func:`citation_logistic_loss` with all K candidates shown and the gold ones cited,
+    so its logits are anchored at the query's best candidate: u_bi = (s_bi − max_k s_bk)/τ.
+    ``balanced`` weighs a query's gold examples as much as its others together (each gold one
+    by n_other / n_gold).
+
+    Args:
+      scores: (B, K). gold: (B, K) bool. mask: (B, K) bool valid candidates. tau: logit scale > 0.
+
+    Examples:
+      >>> import jax.numpy as jnp, rmm_jax as rj
+      >>> s, g = jnp.array([[0.3, 0.2, 0.0]]), jnp.array([[False, False, True]])
+      >>> shown = rj.citation_logistic_loss(s, jnp.array([[0, 1, 2]]), g, 0.1)
+      >>> float(rj.pointwise_loss(s, g, tau=0.1)) == float(shown)
+      True
+      >>> one = lambda sel, c: float(rj.citation_logistic_loss(s, jnp.array([sel]), jnp.array([c]), 0.1))
+      >>> bool(jnp.isclose(rj.pointwise_loss(s, g, tau=0.1, balanced=True),   # the gold one counts twice
+      ...                  2 * one([2], [True]) + one([0, 1], [False, False])))
+      True
+    """
+    checks.check_rank(scores, 2, "scores")
+    checks.require(gold.shape == scores.shape, "gold", f"shape {gold.shape} does not match scores {scores.shape}")
+    valid = valid_mask(scores, mask)
+    pos, neg = gold & valid, ~gold & valid
+    has = jnp.any(pos, axis=-1)
+    per_query = has / jnp.maximum(jnp.sum(has), 1)
+    slots = jnp.arange(scores.shape[-1], dtype=jnp.int32)[None, :]
+    if not balanced:
+        return citation_logistic_loss(scores, jnp.where(valid, slots, -1), pos, tau, mask=valid, weights=per_query)
+    n_pos, n_neg = jnp.sum(pos, axis=-1), jnp.sum(neg, axis=-1)
+    up = citation_logistic_loss(scores, jnp.where(pos, slots, -1), pos, tau, mask=valid,
+                                weights=per_query * n_neg / jnp.maximum(n_pos, 1))
+    return up + citation_logistic_loss(scores, jnp.where(neg, slots, -1), pos, tau, mask=valid, weights=per_query)

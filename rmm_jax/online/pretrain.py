@@ -9,8 +9,8 @@ reranked top-M. The best parameters become every user's initial online policy.
 the online default's loss (:func:`rmm_jax.core.losses.citation_logistic_loss`, every candidate
 shown and the gold ones cited), the per-example loss a pointwise learner such as Vowpal
 Wabbit's ``--loss_function logistic`` fits; ``"balanced_logistic"`` weighs a row's gold
-candidates as much as its others (:func:`pointwise_loss`; ``benchmarks/learn_sweep.py
-start_loss`` measures both against the listwise loss).
+candidates as much as its others (:func:`rmm_jax.core.losses.pointwise_loss`;
+``benchmarks/learn_sweep.py start_loss`` measures both against the listwise loss).
 One epoch is one jitted ``lax.scan`` over shuffled minibatches, each gathering its candidates'
 embeddings from one bank of every user's memories (:func:`labelled_queries`).
 """
@@ -21,14 +21,13 @@ import dataclasses
 import functools
 from typing import Any, Iterator, NamedTuple, Sequence
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from rmm_jax.core import metrics as rmetrics
-from rmm_jax.core.losses import citation_logistic_loss, listwise_loss
+from rmm_jax.core.losses import listwise_loss, pointwise_loss
 from rmm_jax.core.reranker import score_batch
 from rmm_jax.core.sampling import top_m
 
@@ -146,37 +145,6 @@ def eval_recall(params, data, m: int, chunk: int, n: int):
     r = jax.lax.map(recall, _batches(rows, chunk)).reshape(-1)[:n]
     has = rows["num_gold"][:n] > 0
     return jnp.sum(jnp.where(has, r, 0.0)) / jnp.maximum(jnp.sum(has), 1)
-
-
-def pointwise_loss(scores, gold, mask, tau, *, balanced: bool = False):
-    """Every valid candidate one logistic example, gold or not, averaged over the rows that
-    have gold (as :func:`rmm_jax.core.losses.listwise_loss` averages): the online default's
-    :func:`rmm_jax.core.losses.citation_logistic_loss` with all K candidates shown and the
-    gold ones cited, its logits anchored at the row's best candidate. ``balanced`` weighs a
-    row's gold examples as much as its others together (each gold one by n_other / n_gold).
-
-    Examples:
-      >>> import jax.numpy as jnp, rmm_jax as rj
-      >>> s, g, mk = jnp.array([[0.3, 0.2, 0.0]]), jnp.array([[False, False, True]]), jnp.ones((1, 3), bool)
-      >>> float(pointwise_loss(s, g, mk, 0.1)) == float(rj.citation_logistic_loss(s, jnp.array([[0, 1, 2]]), g, 0.1))
-      True
-      >>> plain = lambda sel, c: float(rj.citation_logistic_loss(s, jnp.array([sel]), jnp.array([c]), 0.1))
-      >>> bool(jnp.isclose(pointwise_loss(s, g, mk, 0.1, balanced=True),
-      ...                  2 * plain([2], [True]) + plain([0, 1], [False, False])))
-      True
-    """
-    chex.assert_rank([scores, gold, mask], [2, 2, 2])
-    k = scores.shape[1]
-    pos, neg = gold & mask, ~gold & mask
-    has = jnp.any(pos, axis=1)
-    per_row = has / jnp.maximum(jnp.sum(has), 1)
-    slots = jnp.arange(k, dtype=jnp.int32)[None, :]
-    if not balanced:
-        return citation_logistic_loss(scores, jnp.where(mask, slots, -1), pos, tau, mask=mask, weights=per_row)
-    n_pos, n_neg = jnp.sum(pos, axis=1), jnp.sum(neg, axis=1)
-    up = citation_logistic_loss(scores, jnp.where(pos, slots, -1), pos, tau, mask=mask,
-                                weights=per_row * n_neg / jnp.maximum(n_pos, 1))
-    return up + citation_logistic_loss(scores, jnp.where(neg, slots, -1), pos, tau, mask=mask, weights=per_row)
 
 
 def make_epoch(cfg: PretrainConfig, optimizer):
