@@ -120,6 +120,21 @@ def random_kills(rng, profile, n: int) -> list:
     return [("random", (int(rng.integers(0, events // 2 + 1)), float(rng.uniform(0, gap)))) for _ in range(n)]
 
 
+def until_a_random_kill_lands_in_training(attempt, tries: int = 3) -> None:
+    """Run ``attempt(i)`` (a kill plan on fresh outputs, which checks the outcome) until one of
+    its random kills lands inside the loop. A replay's loop lasts a few hundred milliseconds
+    after its first events, and a killer that the machine does not schedule in time (the suite
+    runs several workers per core) kills it only once it is finishing: that run still checks
+    the outcome, but not a kill inside the loop, so a new plan is drawn."""
+    landed = []
+    for i in range(tries):
+        got = attempt(i)
+        landed.append(got["landed"])
+        if "training" in [w for k, w in got["landed"] if k == "random"]:
+            return
+    raise AssertionError(f"no random kill landed inside the loop in {tries} plans: {landed}")
+
+
 def newest_meta(runstate: Path) -> dict | None:
     """meta.json of the newest complete checkpoint (renamed into place = complete)."""
     try:
@@ -224,18 +239,22 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(env, reference):
     """simulate: killed right after a checkpoint inside users chunk 2, at a random point of
     its loop (:func:`random_kills`), and between its last save and the run-state's removal;
     resumed after each."""
-    d = env["dir"]
-    pol, log = d / "killed", d / "killed.jsonl"
-    args = ["simulate", env["store"], "--policies", str(pol), "--log-out", str(log), *SIM]
-    kills = random_kills(np.random.default_rng(20250711), reference["profile"], 1)
-    plan = [((), ("mid-chunk", None)), *((("--resume",), k) for k in kills), (("--resume",), ("finishing", None))]
-    got = kill_plan(env, args, plan, "sim")
-    assert any("resuming from s" in m and "segment" in m for m in got["messages"]), got["messages"]
-    assert "training" in [w for k, w in got["landed"] if k == "random"], got["landed"]
-    assert ("finishing", "finishing") in got["landed"], got["landed"]
-    assert_same_policies(reference["policies"], pol)
-    assert log.read_bytes() == reference["log"].read_bytes()
-    assert not RunState.path_for(pol).exists()
+    d, rng = env["dir"], np.random.default_rng(20250711)
+
+    def attempt(i):
+        pol, log = d / f"killed{i}", d / f"killed{i}.jsonl"
+        args = ["simulate", env["store"], "--policies", str(pol), "--log-out", str(log), *SIM]
+        kills = random_kills(rng, reference["profile"], 1)
+        plan = [((), ("mid-chunk", None)), *((("--resume",), k) for k in kills), (("--resume",), ("finishing", None))]
+        got = kill_plan(env, args, plan, f"sim{i}")
+        assert any("resuming from s" in m and "segment" in m for m in got["messages"]), got["messages"]
+        assert ("finishing", "finishing") in got["landed"], got["landed"]
+        assert_same_policies(reference["policies"], pol)
+        assert log.read_bytes() == reference["log"].read_bytes()
+        assert not RunState.path_for(pol).exists()
+        return got
+
+    until_a_random_kill_lands_in_training(attempt)
 
 
 def test_the_daily_replay_killed_anywhere_and_run_again_with_or_without_resume_is_bit_identical(env, reference):
@@ -243,14 +262,20 @@ def test_the_daily_replay_killed_anywhere_and_run_again_with_or_without_resume_i
     last save and the run-state's removal, each time run again, with or without --resume; it ends
     with the policies of one uninterrupted replay, bit for bit (the store remembers what each saved
     policy learned, and the shared part continues from the version its users were trained against)."""
-    d = env["dir"]
+    d, rng = env["dir"], np.random.default_rng(7)
     args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
-    kills = random_kills(np.random.default_rng(7), loop_profile(env, [*args, "--policies", str(d / "rref")], "rref"), 2)
-    plan = [((), kills[0]), ((), kills[1]), (("--resume",), ("finishing", None))]
-    got = kill_plan(env, [*args, "--policies", str(d / "rkilled")], plan, "replay", final=(), until_done=False)
-    assert "training" in [w for k, w in got["landed"] if k == "random"], got["landed"]
-    assert_same_policies(d / "rref", d / "rkilled")
-    assert not RunState.path_for(d / "rkilled").exists()
+    profile = loop_profile(env, [*args, "--policies", str(d / "rref")], "rref")
+
+    def attempt(i):
+        kills = random_kills(rng, profile, 2)
+        plan = [((), kills[0]), ((), kills[1]), (("--resume",), ("finishing", None))]
+        got = kill_plan(env, [*args, "--policies", str(d / f"rkilled{i}")], plan, f"replay{i}", final=(),
+                        until_done=False)
+        assert_same_policies(d / "rref", d / f"rkilled{i}")
+        assert not RunState.path_for(d / f"rkilled{i}").exists()
+        return got
+
+    until_a_random_kill_lands_in_training(attempt)
 
 
 # Runs the CLI and SIGKILLs itself inside the N-th commit of a policy version: the version's
