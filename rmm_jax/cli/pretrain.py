@@ -120,9 +120,9 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     dialogue` the queries are the users' own turns that ask, and the target is the turn that
     answers (no gold; docs/method.md measures what it gains). It pays where a turn that asks
     is answered with a fact (LoCoMo), not where the asking turns are greetings: `evaluate` it
-    on a day's log before it serves (docs/own-data.md). The result is every user's starting policy for `simulate` or
-    `replay --init pretrained`; in scopes shared and hybrid it is the shared part that
-    online runs go on training.
+    on a day's log before it serves (docs/own-data.md). The result is every user's starting
+    policy for `simulate` or `replay --init pretrained`; in scopes shared and hybrid it is
+    the shared part that online runs go on training.
 
     Epoch 0 is the untrained start (the base retriever's ranking): it has no training
     loss (printed `-`, null in JSON). Early stopping may keep it: when no trained epoch
