@@ -3,6 +3,8 @@
     python benchmarks/peer_vw.py --json benchmarks/results/peer_vw.json --plot benchmarks/results/peer_vw.png
     python benchmarks/peer_vw.py --ablation ...             # also the cb_explore_adf rows (about 4x VW's time)
     python benchmarks/peer_vw.py --synthetic --quick          # seconds, no LoCoMo data needed
+    python benchmarks/peer_vw.py --start-check --tuned benchmarks/results/peer_vw.json \
+        --json benchmarks/results/peer_vw_start_check.json    # the dialogue starts, read on 26+30
 
 Vowpal Wabbit is what practitioners reach for to learn online from bandit feedback. This
 script runs it on the LoCoMo streams of ``benchmarks/quality_locomo.py`` (turn memories,
@@ -320,6 +322,34 @@ def tune_vw_start(dialogue, streams, *, bits: int, tau: float, m: int, folder: P
     return VW_START_GRID[int(np.argmax([r["recall"] for r in rows]))], rows
 
 
+def start_check(streams, dialogue, start: VWStart, *, bits: int, tau: float, m: int, seeds, folder: Path,
+                log) -> dict:
+    """Why VW's start does less on 41–43 than on the conversations it was tuned on, read on 26 and
+    30 only: each learner's start learned from 26+30's pairs (as VW's was tuned) and from every
+    conversation's (as both starts are for the report), each scored frozen on 26+30's questions.
+    VW's start (``start``: its chosen setting) is deterministic; rmm-jax's recipe runs at each
+    of ``seeds``."""
+    tune = [s for s in streams if s.user_id in TUNED_ON]
+    dim, recipe = int(streams[0].bank.shape[1]), dataclasses.replace(DIALOGUE_RECIPE, m=m)
+    rows = []
+    for name, pairs in (("26+30's pairs", [d for d in dialogue if d.user_id in TUNED_ON]),
+                        ("every conversation's pairs", list(dialogue))):
+        vw = vw_frozen_recall(vw_dialogue_start(pairs, start, bits=bits, tau=tau, path=folder / "check.vw"), tune,
+                              bits=bits, tau=tau, m=m)
+        ours = []
+        for seed in seeds:
+            warm = pretrain(rj.init_reranker(jax.random.key(0), dim), pairs, [], recipe, seed=seed)[0]
+            ours.append(float(np.concatenate([_common.frozen_recall(warm, s, m)[s.valid] for s in tune]).mean()))
+        rows.append({"learned_from": name, "pairs": int(sum(d.queries.shape[0] for d in pairs)), "vw": vw,
+                     "rmm_jax": {"values": ours, "mean": float(np.mean(ours)), "min": min(ours), "max": max(ours)}})
+        log(f"  starts learned from {name}: frozen Recall@{m} on {'+'.join(TUNED_ON)}: VW {vw:.4f}, "
+            f"rmm-jax {np.mean(ours):.4f} [{min(ours):.4f}, {max(ours):.4f}]")
+    return {"vw_start": {**dataclasses.asdict(start), "name": start.name}, "scored_on": list(TUNED_ON),
+            "base": float(np.concatenate([_common.frozen_recall(rj.init_reranker(jax.random.key(0), dim), s, m)[s.valid]
+                                          for s in tune]).mean()),
+            "rows": rows, "seeds": list(seeds), "reads": "nothing of 41-43 but their pairs (no gold, no questions)"}
+
+
 def recall_at(rel: np.ndarray, num_gold: int) -> float:
     return float(rel.sum()) / num_gold if num_gold > 0 else 0.0
 
@@ -517,11 +547,16 @@ def main(argv=None):
                     help="rmm-jax's preset (default: default; realistic: the logistic loss)")
     ap.add_argument("--jax-timing-runs", type=int, default=5,
                     help="rmm-jax passes per seed, timed (median; a pass takes well under a second)")
+    ap.add_argument("--start-check", action="store_true",
+                    help="only the dialogue starts learned from 26+30's pairs and from every conversation's, scored "
+                         "frozen on 26+30 (VW's start as --tuned chose it); see start_check")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the held-out gains with their 95%% intervals")
     args = ap.parse_args(argv)
     if pyvw is None:
         sys.exit("error: vowpalwabbit is not installed (pip install vowpalwabbit, or the `bench` extra)")
+    if args.start_check:
+        return main_start_check(args)
     cms = args.citations.split(",")
     if any(c not in CITATIONS for c in cms):
         sys.exit(f"error: --citations: unknown model {next(c for c in cms if c not in CITATIONS)!r} "
@@ -739,6 +774,30 @@ def main(argv=None):
     if failures:
         sys.exit("error: a learner ends below the retriever (a bug in the benchmark, not a result):\n  "
                  + "\n  ".join(failures))
+    return out
+
+
+def main_start_check(args) -> dict:
+    """``--start-check``: :func:`start_check` with VW's start as ``--tuned`` recorded it."""
+    if args.tuned is None:
+        sys.exit("error: --start-check needs --tuned FILE (a peer_vw.json that chose VW's dialogue start)")
+    try:
+        chosen = json.loads(args.tuned.read_text())["vw"]["dialogue_start"]["chosen"]
+        start = VWStart(float(chosen["lr"]), int(chosen["passes"]), bool(chosen["balanced"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: --tuned {args.tuned}: no VW dialogue start ({type(e).__name__}: {e})")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    loco = _common.locomo_streams(_common.require_data(args.data), args.k, dialogue=True)
+    seeds = [int(x) for x in (args.seeds or "0,1,2,3,4").split(",")]
+    tau = rj.preset(args.preset, k=args.k, m=args.m).estimator.tau
+    with tempfile.TemporaryDirectory() as folder:
+        out = start_check(loco.streams, loco.dialogue, start, bits=args.bits, tau=tau, m=args.m, seeds=seeds,
+                          folder=Path(folder), log=log)
+    out = {"dataset": f"locomo:{args.data}", "k": args.k, "m": args.m, "tau": tau, "tuned": str(args.tuned), **out,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    if args.json:
+        _common.write_result(args.json, out)
     return out
 
 
