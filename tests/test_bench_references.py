@@ -866,3 +866,32 @@ def test_the_anchor_lever_pulls_each_user_back_to_its_start():
 
     free, pulled = distance(), distance(anchor=0.2)
     assert all(0 < p < f for p, f in zip(pulled, free)), (pulled, free)
+
+
+def test_the_start_check_learns_from_the_pairs_it_names_and_scores_26_and_30_only(tmp_path):
+    """peer_vw's start check: the first row's starts learn from 26 and 30's pairs, the second's
+    from every conversation's; both are scored on 26 and 30's questions only. Its retriever
+    baseline is checked against a NumPy top-M over the candidates' dot products, and its VW
+    values against VW's start trained and scored on exactly those pairs and questions."""
+    require_vw()
+    k, m = 8, 3
+    streams = [_toy_stream(u, 20, 30, 6, k, seed=60 + i) for i, u in enumerate(("26", "30", "41"))]
+    dialogue = [_toy_stream(u, 12, 30, 6, k, seed=70 + i) for i, u in enumerate(("26", "30", "41"))]
+    start = peer_vw.VWStart(0.3, 1, False)
+    out = peer_vw.start_check(streams, dialogue, start, bits=18, tau=0.1, m=m, seeds=[0], folder=tmp_path,
+                              log=lambda _: None)
+    assert [r["pairs"] for r in out["rows"]] == [24, 36]
+
+    def numpy_base(ss):
+        got = []
+        for s in ss:
+            for t in np.flatnonzero(s.valid):
+                scores = s.bank[s.cand[t]] @ s.queries[t]
+                top = np.argsort(-scores, kind="stable")[:m]
+                got.append(s.cand_gold[t][top].sum() / s.num_gold[t])
+        return float(np.mean(got))
+
+    assert abs(out["base"] - numpy_base(streams[:2])) < 1e-6
+    for row, pairs in zip(out["rows"], (dialogue[:2], dialogue)):
+        path = peer_vw.vw_dialogue_start(pairs, start, bits=18, tau=0.1, path=tmp_path / "again.vw")
+        assert row["vw"] == peer_vw.vw_frozen_recall(path, streams[:2], bits=18, tau=0.1, m=m)
