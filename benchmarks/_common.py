@@ -156,13 +156,37 @@ class LoCoMo(NamedTuple):
         return [with_answer_support(s, self.answers[s.user_id]) for s in self.streams]
 
 
+def without_speakers(dataset):
+    """``dataset`` with each turn's text stripped of its leading ``"speaker: "``, the name
+    every LoCoMo memory begins with (:func:`rmm_jax.data.locomo.turn_text`); questions as
+    they are.
+
+    >>> from rmm_jax.data.types import Dataset, Session, Turn, User
+    >>> t = Turn("D1:1", "s1", "Ann", "Ann: Where did you go?")
+    >>> d = without_speakers(Dataset("locomo", (User("u", (Session("s1", None, (t,)),), ()),)))
+    >>> d.users[0].sessions[0].turns[0].text
+    'Where did you go?'
+    """
+    def turn(t):
+        head = f"{t.speaker}: "
+        return dataclasses.replace(t, text=t.text[len(head):] if t.text.startswith(head) else t.text)
+
+    return dataclasses.replace(dataset, users=tuple(
+        dataclasses.replace(u, sessions=tuple(dataclasses.replace(s, turns=tuple(map(turn, s.turns)))
+                                              for s in u.sessions)) for u in dataset.users))
+
+
 def locomo_streams(data, k: int, *, model: str = MODEL, granularity: str = "turn", answers: bool = False,
-                   dialogue: bool = False, users: Sequence[str] | None = None) -> LoCoMo:
+                   dialogue: bool = False, users: Sequence[str] | None = None, speakers: bool = True) -> LoCoMo:
     """Embed LoCoMo (``data``: file or directory) into a temporary store, as ``rmm-jax embed
     locomo:DATA --granularity G [--answers]`` would, and load ``users``' streams (all by
-    default) with ``k`` candidates each. Embeddings come from the embedder's disk cache
-    after the first build. The store is deleted; the streams hold their arrays."""
-    dataset = load_locomo(data)
+    default) with ``k`` candidates each; ``speakers=False`` embeds the memories without the
+    speaker's name (:func:`without_speakers`; no dialogue pairs then, which need the names).
+    Embeddings come from the embedder's disk cache after the first build. The store is
+    deleted; the streams hold their arrays."""
+    if dialogue and not speakers:
+        raise ValueError("locomo_streams: dialogue pairs need the speakers' names")
+    dataset = load_locomo(data) if speakers else without_speakers(load_locomo(data))
     with tempfile.TemporaryDirectory() as tmp:
         emb = Embedder(model, progress=False)
         try:

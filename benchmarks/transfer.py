@@ -2,6 +2,8 @@
 
     python benchmarks/transfer.py --json benchmarks/results/transfer.json \\
         --plot benchmarks/results/transfer.png
+    python benchmarks/transfer.py --no-speakers --json benchmarks/results/transfer_no_speakers.json \\
+        --plot benchmarks/results/transfer_no_speakers.png
 
 Issue 26 asks why a shared part that sees every user's citations learns less than each
 user alone on LoCoMo (``learn_sweep_heldout.json``: `shared` and `hybrid` trail `user` by
@@ -43,6 +45,12 @@ learners:
   memories and their citations) taken as listwise labels by the same recipe: the cited
   memories are the targets, against the shown ones or against all K candidates. This is
   the same data the online update saw, learned from by another rule.
+
+**Speakers** (``--no-speakers``). Every LoCoMo memory begins with its speaker's name
+(``"Caroline: …"``), and each conversation has its own two speakers. The names are what is
+most plainly user-specific in the memories, and a reranker learned on A's could spend itself on
+them. With ``--no-speakers`` every memory is embedded without its name (the questions as they
+are), and the same learners run, but for the dialogue pairs, which need the names.
 
 Gold never reaches the online, dialogue and log learners except through the simulated citations.
 ``logs`` records what the online runs' logs hold: the share of cited memories that are
@@ -145,20 +153,24 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     _common.locomo_options(ap)
     ap.add_argument("--seeds", type=int, default=5, help="seeds: citation draws, sampling and shuffles")
+    ap.add_argument("--no-speakers", dest="speakers", action="store_false",
+                    help="embed every memory without its speaker's name (the dialogue row is left out)")
     _common.result_options(ap, "transfer and in-sample gain per learner, PNG")
     args = ap.parse_args(argv)
     if _common.redrawn(args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
-    loco = _common.locomo_streams(data, args.k, model=args.model, dialogue=True, users=list(_common.TUNED_ON))
+    loco = _common.locomo_streams(data, args.k, model=args.model, dialogue=args.speakers,
+                                  users=list(_common.TUNED_ON), speakers=args.speakers)
     streams = loco.streams
-    by_id, pairs_of = {s.user_id: s for s in streams}, {s.user_id: s for s in loco.dialogue}
+    by_id, pairs_of = {s.user_id: s for s in streams}, {s.user_id: s for s in loco.dialogue or ()}
+    rows_run = [r for r in ROWS if args.speakers or r[1] != "dialogue"]
     pairs = [(a, b) for a in _common.TUNED_ON for b in _common.TUNED_ON if a != b]
     start = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
     base = {u: frozen_recall(start, by_id[u], args.m) for u in by_id}
     seeds = list(range(args.seeds))
-    keys = dict.fromkeys((o["citations"], o.get("tau")) for _, kind, o in ROWS if kind in ("online", "log"))
+    keys = dict.fromkeys((o["citations"], o.get("tau")) for _, kind, o in rows_run if kind in ("online", "log"))
     tau_of = lambda tau: {} if tau is None else {"tau": tau}  # noqa: E731  (None: the preset's)
     programs = {(c, tau): rj.make_run(*rj.preset("default", k=args.k, m=args.m, **tau_of(tau)), cite_fn=CITATIONS[c])
                 for c, tau in keys}
@@ -183,7 +195,7 @@ def main(argv=None):
     rows = []
     groups = np.concatenate([np.full(base[b].shape[0], i) for i, (_, b) in enumerate(pairs)])
     own_groups = np.concatenate([np.full(base[a].shape[0], i) for i, (a, _) in enumerate(pairs)])
-    for name, kind, o in ROWS:
+    for name, kind, o in rows_run:
         transfer, own, preq = [], [], []
         for seed in seeds:
             params = {a: learned(kind, o, a, seed) for a, _ in pairs}
@@ -206,7 +218,8 @@ def main(argv=None):
         rows.append(row)
         print(f"  {name:<62} transfer {_common.format_interval(row['transfer'])}  in-sample "
               f"{_common.format_interval(row['in_sample'])}", file=sys.stderr, flush=True)
-    result = {"dataset": f"locomo:{data}", "conversations": list(_common.TUNED_ON), "directions": pairs,
+    result = {"dataset": f"locomo:{data}", "speakers": args.speakers, "conversations": list(_common.TUNED_ON),
+              "directions": pairs,
               "k": args.k, "m": args.m, "granularity": "turn", "model": args.model, "seeds": seeds,
               "preset": "default", "setting": setting_record("default", rj.preset("default", k=args.k, m=args.m)),
               "pretrain": dataclasses.asdict(PretrainConfig(m=args.m)),
@@ -235,7 +248,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yticklabels([r["name"] for r in rows], fontsize=8)
     ax.set_xlabel(f"Recall@{result['m']} gain over the retriever, frozen (o: on the other conversation; "
                   "faint s: on its own)", fontsize=8)
-    ax.set_title("What one LoCoMo conversation teaches another (26 ↔ 30)", fontsize=10)
+    names = "" if result.get("speakers", True) else ", memories without their speakers' names"
+    ax.set_title(f"What one LoCoMo conversation teaches another (26 ↔ 30{names})", fontsize=10)
     fig.tight_layout()
     _common.save_figure(fig, path)
 
