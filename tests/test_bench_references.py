@@ -895,3 +895,22 @@ def test_the_start_check_learns_from_the_pairs_it_names_and_scores_26_and_30_onl
     for row, pairs in zip(out["rows"], (dialogue[:2], dialogue)):
         path = peer_vw.vw_dialogue_start(pairs, start, bits=18, tau=0.1, path=tmp_path / "again.vw")
         assert row["vw"] == peer_vw.vw_frozen_recall(path, streams[:2], bits=18, tau=0.1, m=m)
+
+
+def test_without_speakers_strips_each_turns_own_name_and_nothing_else():
+    """transfer.py --no-speakers: each turn loses exactly its own ``"speaker: "`` prefix (a
+    caption after the text stays; a name inside the text stays; a turn that does not begin
+    with its name is unchanged), and questions are untouched."""
+    from rmm_jax.data.locomo import turn_text
+    from rmm_jax.data.types import Dataset, Query, Session, Turn, User
+
+    turns = (Turn("D1:1", "s1", "Ann", turn_text("Ann", "Bob: did you see Bob?", None)),
+             Turn("D1:2", "s1", "Bob", turn_text("Bob", "Here it is.", "a photo of a dog")),
+             Turn("D1:3", "s1", "Bob", "Ann: not Bob's name first"))
+    q = Query("q1", "What did Ann ask Bob?", ("D1:1",))
+    out = _common.without_speakers(Dataset("locomo", (User("u", (Session("s1", None, turns),), (q,)),)))
+    got = [t.text for t in out.users[0].sessions[0].turns]
+    assert got[0] == "Bob: did you see Bob?"
+    assert got[1] == turn_text("Bob", "Here it is.", "a photo of a dog")[len("Bob: "):] and "dog" in got[1]
+    assert got[2] == "Ann: not Bob's name first"
+    assert out.users[0].queries == (q,)
