@@ -322,6 +322,12 @@ def tune_vw_start(dialogue, streams, *, bits: int, tau: float, m: int, folder: P
     return VW_START_GRID[int(np.argmax([r["recall"] for r in rows]))], rows
 
 
+def frozen_mean(params, streams, m: int) -> float:
+    """Recall@m of rmm-jax's reranker ``params`` ranking ``streams``' valid questions, learning
+    nothing (the mean over the questions, as :func:`vw_frozen_recall` takes VW's)."""
+    return float(np.concatenate([_common.frozen_recall(params, s, m)[s.valid] for s in streams]).mean())
+
+
 def start_check(streams, dialogue, start: VWStart, *, bits: int, tau: float, m: int, seeds, folder: Path,
                 log) -> dict:
     """Why VW's start does less on 41–43 than on the conversations it was tuned on, read on 26 and
@@ -339,14 +345,13 @@ def start_check(streams, dialogue, start: VWStart, *, bits: int, tau: float, m: 
         ours = []
         for seed in seeds:
             warm = pretrain(rj.init_reranker(jax.random.key(0), dim), pairs, [], recipe, seed=seed)[0]
-            ours.append(float(np.concatenate([_common.frozen_recall(warm, s, m)[s.valid] for s in tune]).mean()))
+            ours.append(frozen_mean(warm, tune, m))
         rows.append({"learned_from": name, "pairs": int(sum(d.queries.shape[0] for d in pairs)), "vw": vw,
                      "rmm_jax": {"values": ours, "mean": float(np.mean(ours)), "min": min(ours), "max": max(ours)}})
         log(f"  starts learned from {name}: frozen Recall@{m} on {'+'.join(TUNED_ON)}: VW {vw:.4f}, "
             f"rmm-jax {np.mean(ours):.4f} [{min(ours):.4f}, {max(ours):.4f}]")
     return {"vw_start": {**dataclasses.asdict(start), "name": start.name}, "scored_on": list(TUNED_ON),
-            "base": float(np.concatenate([_common.frozen_recall(rj.init_reranker(jax.random.key(0), dim), s, m)[s.valid]
-                                          for s in tune]).mean()),
+            "base": float(np.concatenate([v[s.valid] for s, v in zip(tune, base_recall(tune, m).values())]).mean()),
             "rows": rows, "seeds": list(seeds), "reads": "nothing of 41-43 but their pairs (no gold, no questions)"}
 
 
@@ -625,8 +630,7 @@ def main(argv=None):
                                     path=Path(vw_warm_dir.name) / "start.vw")
         log(f"VW's dialogue start: {vw_start.name} ({time.perf_counter() - t0:.0f} s on every conversation's pairs)")
         held_streams = [s for s in streams if s.user_id in held]     # both starts ranking alone, learning nothing
-        start_frozen = {"rmm_jax": float(np.concatenate([_common.frozen_recall(warm, s, m)[s.valid]
-                                                         for s in held_streams]).mean()),
+        start_frozen = {"rmm_jax": frozen_mean(warm, held_streams, m),
                         "vw": vw_frozen_recall(vw_init, held_streams, bits=args.bits, tau=tau, m=m)}
         log(f"the starts frozen, held-out Recall@{m}: rmm-jax {start_frozen['rmm_jax']:.4f}, "
             f"VW {start_frozen['vw']:.4f}")

@@ -45,7 +45,8 @@ class PretrainConfig:
     loss: str = "listwise"      # or "logistic", "balanced_logistic": each candidate alone (pointwise_loss)
 
 
-LOSSES = ("listwise", "logistic", "balanced_logistic")
+LOSSES = {"listwise": listwise_loss, "logistic": pointwise_loss,
+          "balanced_logistic": functools.partial(pointwise_loss, balanced=True)}
 
 
 # The recipe for dialogue labels (``rmm-jax pretrain --labels dialogue``,
@@ -152,13 +153,12 @@ def make_epoch(cfg: PretrainConfig, optimizer):
     ``data`` as :func:`labelled_queries` gives it, its rows a multiple of the batch size."""
 
     if cfg.loss not in LOSSES:
-        raise ValueError(f"PretrainConfig.loss must be one of {LOSSES}, got {cfg.loss!r}")
+        raise ValueError(f"PretrainConfig.loss must be one of {tuple(LOSSES)}, got {cfg.loss!r}")
+    loss = LOSSES[cfg.loss]
 
     def loss_fn(params, bank, batch):
         scores = score_batch(params, batch["q"], bank[batch["cand"]], batch["mask"])
-        if cfg.loss == "listwise":
-            return listwise_loss(scores, batch["gold"], batch["mask"], cfg.tau)
-        return pointwise_loss(scores, batch["gold"], batch["mask"], cfg.tau, balanced=cfg.loss == "balanced_logistic")
+        return loss(scores, batch["gold"], batch["mask"], cfg.tau)
 
     @jax.jit
     def epoch(params, opt_state, data, key):
