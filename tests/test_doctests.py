@@ -1,7 +1,8 @@
-"""Every example in the docstrings of rmm_jax.core runs and prints what it claims.
+"""Every example in the docstrings of rmm_jax runs and prints what it claims.
 
-One test per module of rmm_jax/core (found on disk, so a new module is covered without
-editing this file). The exported functions below must each carry a runnable example.
+One test per module of the package (found on disk, so a new module is covered without
+editing this file). The exported functions of rmm_jax.core below must each carry a
+runnable example.
 """
 import doctest
 import importlib
@@ -9,10 +10,9 @@ import pkgutil
 
 import pytest
 
-import rmm_jax.core
+import rmm_jax
 
-MODULES = ["rmm_jax.core"] + sorted(
-    f"rmm_jax.core.{m.name}" for m in pkgutil.iter_modules(rmm_jax.core.__path__))
+MODULES = ["rmm_jax"] + sorted(m.name for m in pkgutil.walk_packages(rmm_jax.__path__, "rmm_jax."))
 
 # Functions whose docstrings must hold an example (doctest finds them by qualified name).
 DOCUMENTED = {
