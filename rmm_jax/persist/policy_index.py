@@ -331,6 +331,13 @@ class PolicyIndex:
         with self._transaction():
             self._conn.execute("UPDATE kv SET value = MAX(value, ?) WHERE key = 'next_version'", (int(version),))
 
+    def users_above(self, version: int) -> list[tuple[str, int | None]]:
+        """``(user, its newest version at or below version)`` (None: it has none) for every
+        user with a version above ``version``, sorted by user: who a rollback to ``version``
+        moves (:mod:`rmm_jax.persist.policy_rollback`)."""
+        return self._all("SELECT user, MAX(CASE WHEN version <= :v THEN version END) FROM entries "
+                         "GROUP BY user HAVING MAX(version) > :v ORDER BY user", {"v": int(version)})
+
     # ---- the one write
 
     def commit_version(self, version: int, saved_at: str, placed: Iterable[tuple[str, int, int]], *,
@@ -356,3 +363,15 @@ class PolicyIndex:
             c.execute("DELETE FROM temp.touched")
             c.execute("UPDATE kv SET value = ? WHERE key = 'next_version'", (version + 1,))
         return sorted(dead)
+
+    def drop_above(self, version: int) -> list[int]:
+        """Forget every user version above ``version`` in one transaction (a rollback):
+        their entries and their rows in ``versions``. next_version is kept, so no number is
+        handed out twice. Returns the versions forgotten, ascending."""
+        c = self._conn
+        with self._transaction():
+            gone = [v for (v,) in c.execute("SELECT version FROM versions WHERE version > ? ORDER BY version",
+                                            (int(version),))]
+            c.execute("DELETE FROM entries WHERE version > ?", (int(version),))
+            c.execute("DELETE FROM versions WHERE version > ?", (int(version),))
+        return gone

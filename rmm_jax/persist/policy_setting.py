@@ -10,9 +10,6 @@ atomically under the store's writer lock; the rest of the header is kept as it i
 """
 from __future__ import annotations
 
-from rmm_jax.persist.atomic import write_json
-from rmm_jax.persist.policy_store import STORE_FILE
-
 __all__ = ["SETTING_KEY", "read_setting", "write_setting"]
 
 SETTING_KEY = "setting"
@@ -27,6 +24,4 @@ def read_setting(store) -> dict | None:
 def write_setting(store, setting: dict) -> None:
     """Record ``setting`` in ``store``'s header (atomically, under its writer lock)."""
     with store.writer():
-        header = {**store._header, SETTING_KEY: setting}
-        write_json(store.path / STORE_FILE, header)
-        store._header = header
+        store._write_header({**store._header, SETTING_KEY: setting})

@@ -91,7 +91,7 @@ from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
-from rmm_jax.persist import policy_format1, policy_report
+from rmm_jax.persist import policy_format1, policy_report, policy_rollback
 from rmm_jax.persist.atomic import atomic_dir, write_json
 from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.learned_calls import LearnedCalls
@@ -311,6 +311,16 @@ class PolicyStore:
             write_json(self.path / STORE_FILE, self._header)
         drop_unindexed(self.path, self._header, self.keep, live)
         self._prune_shared()
+        policy_rollback.finish(self)            # a rollback a kill interrupted
+
+    def _write_header(self, header: dict) -> None:
+        """Replace ``policy_store.json`` with ``header`` (atomically; under the writer's lock)."""
+        write_json(self.path / STORE_FILE, header)
+        self._header = header
+
+    def _forget_shared_cache(self) -> None:
+        """Forget what this object read of the shared versions (after some were deleted)."""
+        self._shared = SharedParts(self.path / "shared", str(self.path))
 
     def _prune_shared(self) -> None:
         learned = self.learned_shared_version()
@@ -428,7 +438,7 @@ class PolicyStore:
 
     def save(self, user_ids: Sequence[str], state: UserState, infos: Sequence[dict] | None = None, *,
              shared_version: int | None = None, chunk_size: int | None = None,
-             learned: LearnedCalls | None = None) -> int:
+             learned: LearnedCalls | None = None, run: dict | None = None) -> int:
         """Save many users from ONE stacked :class:`UserState` (every leaf has a leading
         users axis, as the online loop produces them) as a new version; returns it.
 
@@ -438,8 +448,10 @@ class PolicyStore:
         in scopes ``shared`` and ``hybrid``, where a load pairs them. ``learned``: the calls
         each of these policies has learned from, stacked likewise
         (:mod:`rmm_jax.persist.learned_calls`; None: none, and the rows hold no record), saved
-        in each user's row, so in the same atomic step as the state. Each saved user then keeps its newest ``keep``
-        versions.
+        in each user's row, so in the same atomic step as the state. ``run``: a JSON dict the
+        run that saves records in the version (the CLI's runs: where the run began, what it
+        found, :mod:`rmm_jax.persist.policy_rollback`). Each saved user then keeps its newest
+        ``keep`` versions; the version records, per user, the one it had before (None: none).
         """
         if isinstance(user_ids, str):
             raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="save")
@@ -477,9 +489,15 @@ class PolicyStore:
             gens = self.path / "gens"
             version = next_version(gens, idx.next_version())
             saved_at = _now()
-            head = {"version": version, "saved_at": saved_at, "shared_version": shared_version}
+            head = {"version": version, "saved_at": saved_at, "shared_version": shared_version,
+                    **({"run": _json_dict(run, "run", "save: run")} if run is not None else {})}
+            try:
+                had = {u: es[-1].version for u, es in idx.entries(user_ids).items() if es}
+                previous = [had.get(u) for u in user_ids]
+            except IndexUnavailable:    # corrupt further in: not recorded (a rollback then refuses to drop them)
+                previous = None
             placed = self._write_snapshot(gens / vname(version), head, user_ids, specs, stacked, infos,
-                                          chunk_size or self.chunk_size)
+                                          previous, chunk_size or self.chunk_size)
             try:
                 dead = idx.commit_version(version, saved_at, placed, keep=self.keep, shared_version=shared_version)
             except IndexUnavailable:  # corrupt under us: rebuild from the snapshots, the new one included
@@ -493,9 +511,11 @@ class PolicyStore:
             return version
 
     def _write_snapshot(self, dest: Path, head: dict, uids: list[str], specs: dict, stacked: dict,
-                        infos: list[dict], size: int | None) -> list[tuple[str, int, int]]:
+                        infos: list[dict], previous: list[int | None] | None,
+                        size: int | None) -> list[tuple[str, int, int]]:
         """Write snapshot ``dest`` (atomically): chunks of ``size`` users, else of about
-        ``chunk_bytes`` each, in equal chunks. Returns the ``(user, chunk, row)`` placements."""
+        ``chunk_bytes`` each, in equal chunks; each chunk lists its users' ``previous``
+        versions (None: not known, not listed). Returns the ``(user, chunk, row)`` placements."""
         per = size or users_per_chunk(specs, self.chunk_bytes, MAX_CHUNK_USERS)
         if size:
             cuts = list(range(0, len(uids), size)) + [len(uids)]
@@ -505,7 +525,8 @@ class PolicyStore:
         placed = []
         with atomic_dir(dest, overwrite=False) as tmp:
             for n, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
-                write_rows(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi]},
+                write_rows(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi],
+                                            **({} if previous is None else {"previous": previous[lo:hi]})},
                            specs, {p: [a[lo:hi] for a in stacked[p]] for p in specs}, hi - lo)
                 placed += [(uid, n, row) for row, uid in enumerate(uids[lo:hi])]
         return placed

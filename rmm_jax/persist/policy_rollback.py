@@ -1,0 +1,233 @@
+"""Rolling a policy store back: the store as it was when user version V was its newest.
+
+``evaluate`` may say not to ship what a night's ``replay`` learned. Those policies are
+already the newest versions in the store, so ``rerank`` would serve them and the next
+``replay`` would continue from them. :func:`rollback` takes the store back to what it held
+before, without a copy of the store: each user keeps its newest ``keep`` versions (the
+store's ``--keep``), and going back means forgetting the newer ones.
+
+After ``rollback(store, to=V)``:
+
+* every user version above V is forgotten (the index, in one transaction), and its
+  snapshot is deleted;
+* each user that had a version at or below V loads its newest such version again. That
+  version includes the calls it had learned from (:mod:`rmm_jax.persist.learned_calls`),
+  so the calls that the forgotten versions learned are learnable again, once;
+* a user with no version at or below V leaves the store. It was new since V, and the next
+  run starts it from the shared part, as it would have before;
+* in scopes with a shared part, the shared versions that online runs saved after the
+  newest kept user version's shared version are deleted. Serving and continuing use that
+  shared version again (:meth:`PolicyStore.learned_shared_version`);
+* the store records the learning setting it recorded before the oldest forgotten version
+  was saved. Each run's saves record what it found (``run``, below). Versions saved by an
+  rmm-jax that did not record it leave the setting as it is, and the result says so.
+
+Without ``to``, the store goes back to before the newest run: each version saved by an
+online run of the CLI (:func:`rmm_jax.cli.online.run_and_save`) records
+``run = {"first_version": F, "setting_before": S}``, where F is the number its first save
+took (a resumed run keeps F) and S is the setting the store recorded when the run began.
+
+**Refused** (an :class:`~rmm_jax.errors.InputError`, nothing changed): V at or above the
+newest version; and a user whose state at V is gone. That is a user whose kept versions
+are all above V while its oldest kept version replaced an earlier one, which ``keep`` then
+pruned. Every saved version lists, per user, the version that user had before
+(``previous`` in each chunk; None: none). A version saved before that was recorded counts
+as having replaced one.
+
+**Crash safety.** The header first records the rollback as pending
+(``"rollback": {"to": V, ...}``), atomically. Then the index forgets the versions, the
+snapshots and shared versions are deleted, and the header drops the mark and records the
+setting. Each step can be done again. A writer that finds the mark, including the next
+``rollback`` and the next run (:meth:`PolicyStore.writer`), finishes the rollback first.
+A kill therefore leaves the store where it was, or rolled back. Between the mark and the
+index commit, readers still load the newer versions.
+
+This is not the restore fallback of :mod:`rmm_jax.persist.rollback`, which loads an older
+version when a newer one is damaged and changes nothing on disk.
+
+Examples:
+  >>> import jax, jax.numpy as jnp, tempfile, rmm_jax as rj
+  >>> from rmm_jax.persist.policy_store import PolicyStore
+  >>> from rmm_jax.persist.policy_rollback import rollback
+  >>> lay, est, opt = rj.preset("default", k=3, m=2)
+  >>> p = rj.init_reranker(jax.random.key(0), 4)
+  >>> ps = PolicyStore.create(tempfile.mkdtemp() + "/policies", {"kind": "linear", "dim": 4, "hidden": None}, p)
+  >>> users = lambda n: jax.vmap(lambda k: rj.init_user(p, k, lay, est, opt))(jax.random.split(jax.random.key(1), n))
+  >>> v1 = ps.save(["ann"], users(1), run={"first_version": 1})
+  >>> v2 = ps.save(["ann", "bob"], users(2), run={"first_version": 2})
+  >>> r = rollback(ps)                       # undo the newest run: v2
+  >>> r.to, r.versions, r.users, r.removed
+  (1, (2,), ('ann',), ('bob',))
+  >>> ps.users(), ps.load("ann").version
+  (['ann'], 1)
+"""
+from __future__ import annotations
+
+import shutil
+from typing import NamedTuple
+
+from rmm_jax.errors import InputError
+from rmm_jax.persist.policy_setting import SETTING_KEY
+from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, shared_meta, snapshot_dirs, vname
+from rmm_jax.persist.policy_versions import drop_unindexed, writer_index
+
+PENDING = "rollback"         # the header's mark while a rollback is under way
+MARKED = ("to", "versions", "shared", "setting", "setting_known")   # what the mark holds
+
+
+class Rollback(NamedTuple):
+    """What a rollback to ``to`` does (:func:`plan`) or did (:func:`rollback`)."""
+    to: int                          # user versions above this are forgotten
+    versions: tuple[int, ...]        # the versions forgotten, ascending
+    users: tuple[str, ...]           # users who load an older version afterwards
+    removed: tuple[str, ...]         # users new since ``to``: the store no longer holds them
+    shared: tuple[int, ...]          # the shared versions deleted
+    setting: dict | None             # the setting the store records afterwards (None: none)
+    setting_known: bool              # False: the forgotten versions do not say what it was; it stays
+    interrupted: bool = False        # this finished a rollback a kill had stopped (users: not recorded)
+
+
+def newest_run(store) -> int:
+    """The first version of the newest run that saved users (what ``rollback(store)`` goes
+    back to before). Raises InputError when the store holds no user version or its newest
+    version records no run."""
+    saves = store.saves()
+    if not saves:
+        raise InputError("holds no user version: nothing to roll back", where=str(store.path))
+    newest = saves[-1].version
+    run = _head(store, newest).get("run") or {}
+    first = run.get("first_version")
+    if not isinstance(first, int) or not 1 <= first <= newest:
+        raise InputError(f"its newest version v{newest} does not record the run that saved it (saved by an older "
+                         "rmm-jax, or not by a run of the CLI): give --to VERSION", where=str(store.path))
+    return first
+
+
+def plan(store, to: int | None = None) -> Rollback:
+    """What :func:`rollback` would do, changing nothing; raises InputError where it would
+    refuse (module docstring)."""
+    mark = store._header.get(PENDING)
+    if mark:
+        raise InputError(f"a rollback to v{mark['to']} was interrupted: `rmm-jax policies rollback {store.path}` "
+                         "finishes it (so does the next run that writes the store)", where=str(store.path))
+    if to is None:
+        to = newest_run(store) - 1
+    if not isinstance(to, int) or isinstance(to, bool) or to < 0:
+        raise InputError(f"must be a version >= 0, got {to!r}", where="--to")
+    saves = store.saves()
+    newest = saves[-1].version if saves else 0
+    if to >= newest:
+        raise InputError(f"nothing to roll back: v{to} is not below the newest user version "
+                         f"({'v' + str(newest) if newest else 'none'})", where=str(store.path))
+    moved = store._query(lambda idx: idx.users_above(to))
+    removed = [u for u, kept in moved if kept is None]
+    _check_removable(store, removed, to)
+    kept = [s for s in saves if s.version <= to]
+    versions = tuple(s.version for s in saves if s.version > to)
+    setting, known = _setting_before(store, versions[0])
+    return Rollback(to, versions, tuple(u for u, k in moved if k is not None), tuple(removed),
+                    tuple(_shared_after(store, kept[-1].shared_version if kept else None)), setting, known)
+
+
+def rollback(store, to: int | None = None) -> Rollback:
+    """Take ``store`` back to what it held when user version ``to`` was its newest (None:
+    to before its newest run), under its writer's lock; returns what it did (module
+    docstring). On a store whose last rollback was interrupted, it finishes that one, and
+    then goes on to ``to`` only if ``to`` is another version."""
+    mark = store._header.get(PENDING)
+    if mark:
+        with store.writer():        # the writer finishes it first (PolicyStore.writer)
+            pass
+        if to is None or to == mark["to"]:
+            return Rollback(mark["to"], tuple(mark["versions"]), (), (), tuple(mark["shared"]), mark["setting"],
+                            mark["setting_known"], interrupted=True)
+    plan(store, to)                  # a refusal, before the lock: it creates nothing
+    with store.writer():
+        done = plan(store, to)
+        store._write_header({**store._header, PENDING: {k: getattr(done, k) for k in MARKED}})
+        finish(store)
+    return done
+
+
+def finish(store) -> None:
+    """Finish the rollback the header marks as pending, if any (under the writer's lock;
+    every step can be done again after a kill)."""
+    mark = store._header.get(PENDING)
+    if not mark:
+        return
+    with writer_index(store.path, store._header, store.keep) as idx:
+        idx.drop_above(int(mark["to"]))
+        live, last = set(idx.live_versions()), idx.last_shared()
+    drop_unindexed(store.path, store._header, store.keep, live)
+    for v in _shared_after(store, last):
+        shutil.rmtree(store.path / "shared" / vname(v), ignore_errors=True)
+    store._forget_shared_cache()
+    header = {k: v for k, v in store._header.items() if k != PENDING}
+    if mark.get("setting_known"):
+        header.pop(SETTING_KEY, None)
+        if mark.get("setting") is not None:
+            header[SETTING_KEY] = mark["setting"]
+    store._write_header(header)
+
+
+def _head(store, version: int) -> dict:
+    """Version ``version``'s first chunk's metadata ({} when it cannot be read)."""
+    try:
+        return read_chunk_meta(store.path / "gens" / vname(version), cname(0))
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _check_removable(store, users: list[str], to: int) -> None:
+    """Refuse when a user without a version at or below ``to`` had one that ``keep`` pruned."""
+    if not users:
+        return
+    entries = store._query(lambda idx: idx.entries(users))
+    metas: dict[tuple[int, int], dict] = {}
+    lost = []
+    for u in users:
+        oldest = entries[u][0]
+        key = (oldest.version, oldest.chunk)
+        if key not in metas:
+            try:
+                metas[key] = read_chunk_meta(store.path / "gens" / vname(oldest.version), cname(oldest.chunk))
+            except (OSError, ValueError, KeyError):
+                metas[key] = {}
+        previous = metas[key].get("previous")
+        if previous is None:
+            lost.append((u, f"its oldest kept version, v{oldest.version}, does not record whether it replaced one "
+                            "(saved by an older rmm-jax)"))
+        elif previous[oldest.row] is not None:
+            lost.append((u, f"its versions before v{oldest.version} are no longer kept (--keep {store.keep})"))
+    if lost:
+        u, why = lost[0]
+        more = f" (and {len(lost) - 1} more users)" if len(lost) > 1 else ""
+        raise InputError(f"cannot roll back to v{to}: user {u!r} keeps no version at or below it, and {why}{more}",
+                         where=str(store.path))
+
+
+def _setting_before(store, version: int) -> tuple[dict | None, bool]:
+    """The setting the store recorded before the run that saved ``version`` began, and
+    whether that version says (False: it does not; the setting stays as it is)."""
+    run = _head(store, version).get("run")
+    if not isinstance(run, dict) or "setting_before" not in run:
+        return store._header.get(SETTING_KEY), False
+    return run["setting_before"], True
+
+
+def _shared_after(store, last: int | None) -> list[int]:
+    """The shared versions an online run saved after shared version ``last`` (all an online
+    run saved, when None): nothing uses them once no kept user version is newer."""
+    if not store.paired:
+        return []
+    out = []
+    for v, snap in snapshot_dirs(store.path / "shared"):
+        if last is not None and v <= last:
+            continue
+        try:
+            online = (shared_meta(snap).get("info") or {}).get("source") == "online"
+        except (OSError, ValueError, KeyError):
+            online = False
+        if online:
+            out.append(v)
+    return out

@@ -1,0 +1,174 @@
+"""Rolling a policy store back (rmm_jax.persist.policy_rollback): in every scope the store
+loads exactly what it loaded before the runs it forgets; a refusal changes no byte; a
+rollback killed at any step is finished by the next writer."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import info_of, params_of, stacked, state_of
+
+from rmm_jax.core.types import SharedState
+from rmm_jax.errors import InputError
+from rmm_jax.persist import policy_rollback, policy_store
+from rmm_jax.persist.policy_rollback import PENDING, plan, rollback
+from rmm_jax.persist.policy_setting import read_setting, write_setting
+from rmm_jax.persist.policy_store import PolicyStore
+
+D = 8
+META = {"kind": "linear", "dim": D, "hidden": None}
+SCOPES = {"user": META, "shared": {**META, "scope": "shared"}, "hybrid": {**META, "scope": "hybrid", "rank": 2}}
+S1, S2 = {"preset": "default", "lr": 1e-4}, {"preset": "default", "lr": 3e-4}
+
+
+def run(st: PolicyStore, chunks: list[dict], shared_seed: int, setting_before=S1, record_run=True) -> list[int]:
+    """One online run as the CLI saves it: per chunk of users ``{user: seed}``, a shared
+    version first (scopes with one), then the chunk's users, each version recording the run."""
+    first = st.next_version()
+    versions = []
+    for i, seeds in enumerate(chunks):
+        sv = st.save_shared(SharedState(params_of(shared_seed + i), None), {"source": "online"}) if st.paired \
+            else None
+        run_rec = {"first_version": first, "setting_before": setting_before} if record_run else None
+        versions.append(st.save(list(seeds), stacked([state_of(s) for s in seeds.values()]),
+                                [info_of(s) for s in seeds.values()], shared_version=sv, run=run_rec))
+    return versions
+
+
+def loads(path: Path) -> dict:
+    """Everything a reader gets from the store: each user's loaded version, state and info
+    (bytes), the shared part serving and continuing use, the header's setting."""
+    st = PolicyStore.open(path)
+    out = {"users": {}, "setting": read_setting(st), "header_mark": st._header.get(PENDING)}
+    for u in st.users():
+        got = st.load(u)
+        leaves = jax.tree_util.tree_leaves(got.state)
+        out["users"][u] = (got.version, got.shared_version, got.info, [np.asarray(x).tobytes() for x in leaves])
+    lv = st.learned_shared_version()
+    out["shared"] = None if lv is None else [np.asarray(x).tobytes()
+                                             for x in jax.tree_util.tree_leaves(st.shared_state(lv).state)]
+    return out
+
+
+def tree_digest(path: Path) -> dict:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def two_runs(tmp_path, scope, keep=3):
+    st = PolicyStore.create(tmp_path / "store", SCOPES[scope], params_of(0), keep=keep)
+    run(st, [{"a": 1}, {"b": 2}], shared_seed=100)
+    write_setting(st, S1)
+    before = loads(st.path)
+    second = run(st, [{"a": 11, "c": 13}, {"b": 12}], shared_seed=200)
+    write_setting(st, S2)
+    return st, before, second
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_undoing_the_newest_run_loads_exactly_what_loaded_before_it(tmp_path, scope):
+    st, before, second = two_runs(tmp_path, scope)
+    shared_before = set(st.shared_versions())
+    assert loads(st.path) != before
+    dry = plan(st)
+    assert dry.versions == tuple(second) and loads(st.path)["setting"] == S2   # a plan changes nothing
+    r = rollback(st)
+    assert r == dry and r.to == second[0] - 1 and r.removed == ("c",) and r.users == ("a", "b")
+    assert loads(st.path) == before                   # states, infos, versions, shared part, setting
+    assert r.setting == S1 and r.setting_known
+    if scope == "user":
+        assert r.shared == ()
+    else:                                             # the run's shared versions went with it
+        assert set(r.shared) and set(r.shared).isdisjoint(st.shared_versions())
+        assert set(st.shared_versions()) <= shared_before
+    assert not (st.path / "gens" / f"v{second[0]:08d}").exists()
+    assert st.save(["a"], stacked([state_of(5)]), [info_of(5)],
+                   shared_version=st.learned_shared_version()) > second[-1]   # no number handed out twice
+
+
+def test_each_rollback_undoes_one_more_run_and_to_goes_back_to_any_version(tmp_path):
+    st, before, second = two_runs(tmp_path, "hybrid")
+    third = run(st, [{"a": 21}], shared_seed=300, setting_before=S2)
+    rollback(st)
+    assert [e.version for e in st.entries("a")] == [1, second[0]]
+    rollback(st)
+    assert loads(st.path) == before
+    st2, _, second2 = two_runs(tmp_path / "again", "user")
+    r = rollback(st2, to=second2[0])                 # mid-run: only its second save goes
+    assert r.versions == (second2[1],) and r.users == ("b",) and r.removed == ()
+    assert third[0] > second[-1]
+
+
+def test_a_user_whose_state_at_that_point_is_no_longer_kept_is_refused_and_nothing_changes(tmp_path):
+    st, _, _ = two_runs(tmp_path, "hybrid", keep=1)   # keep 1: a's and b's first versions are gone
+    digest = tree_digest(st.path)
+    with pytest.raises(InputError, match=r"cannot roll back to v2: user 'a' keeps no version at or below it, and "
+                                         r"its versions before v3 are no longer kept \(--keep 1\) \(and 1 more"):
+        rollback(st)
+    assert tree_digest(st.path) == digest
+
+
+def test_versions_that_do_not_say_what_they_replaced_or_which_run_saved_them_are_refused(tmp_path, monkeypatch):
+    st = PolicyStore.create(tmp_path / "store", META, params_of(0))
+    run(st, [{"a": 1}], shared_seed=0)
+    real = policy_store.write_rows
+    monkeypatch.setattr(policy_store, "write_rows",    # what an rmm-jax before the record wrote
+                        lambda dest, meta, *a: real(dest, {k: v for k, v in meta.items() if k != "previous"}, *a))
+    run(st, [{"b": 2}], shared_seed=0, record_run=False)
+    with pytest.raises(InputError, match=r"its newest version v2 does not record the run that saved it .*--to"):
+        rollback(st)
+    with pytest.raises(InputError, match=r"user 'b' keeps no version at or below it, and its oldest kept version, "
+                                         r"v2, does not record whether it replaced one"):
+        rollback(st, to=1)
+    with pytest.raises(InputError, match=r"nothing to roll back: v2 is not below the newest user version \(v2\)"):
+        rollback(st, to=2)
+
+
+def test_a_run_that_does_not_say_which_setting_it_found_leaves_the_setting(tmp_path):
+    st = PolicyStore.create(tmp_path / "store", META, params_of(0))
+    run(st, [{"a": 1}], shared_seed=0)
+    write_setting(st, S1)
+    st.save(["a"], stacked([state_of(2)]), [info_of(2)], run={"first_version": 2})
+    write_setting(st, S2)
+    r = rollback(st)
+    assert not r.setting_known and read_setting(PolicyStore.open(st.path)) == S2
+
+
+@pytest.mark.parametrize("finisher", ["a writer", "rollback again"])
+@pytest.mark.parametrize("step", ["after the mark", "after the index", "after the shared versions"])
+def test_a_rollback_killed_at_any_step_is_finished_by_the_next_writer(tmp_path, monkeypatch, step, finisher):
+    """Each step of finish() fails in turn (as a kill there would stop it): readers still load
+    a whole store, and the next writer ends where an uninterrupted rollback ends. Running the
+    rollback again finishes it and undoes nothing more."""
+    want_st, want_before, _ = two_runs(tmp_path / "want", "hybrid")
+    rollback(want_st)
+    want = loads(want_st.path)
+    st, before, _ = two_runs(tmp_path / "got", "hybrid")
+    after_run = loads(st.path)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt("killed")
+    target = {"after the mark": (policy_rollback, "writer_index"),
+              "after the index": (policy_rollback, "drop_unindexed"),
+              "after the shared versions": (PolicyStore, "_forget_shared_cache")}[step]
+    with monkeypatch.context() as m:
+        m.setattr(*target, boom)
+        with pytest.raises(KeyboardInterrupt):
+            rollback(st)
+    seen = loads(st.path)                             # a reader, before any writer repairs
+    assert seen["header_mark"] is not None
+    assert {k: v for k, v in seen.items() if k != "header_mark"} in (
+        {k: v for k, v in after_run.items() if k != "header_mark"},
+        {k: v for k, v in before.items() if k != "header_mark"} | {"setting": S2})
+    with pytest.raises(InputError, match=r"a rollback to v2 was interrupted: `rmm-jax policies rollback .*` finishes"):
+        plan(PolicyStore.open(st.path))
+    if finisher == "a writer":
+        with PolicyStore.open(st.path).writer():      # the next writer, whatever it came to do
+            pass
+    else:
+        again = rollback(PolicyStore.open(st.path))
+        assert again.interrupted and again.to == 2 and again.versions == (3, 4)
+    assert loads(st.path) == want == before
