@@ -310,6 +310,11 @@ def cases():
                                                     e["root"] / "x.npz"], lambda e: ["nobody"]),
         ("policies-export-missing-out", lambda e: ["policies", "export", e["pol_existing"], "u"],
          lambda e: ["--out"]),
+        ("policies-rollback-missing", lambda e: ["policies", "rollback", e["root"] / "nopol"], lambda e: ["nopol"]),
+        ("policies-rollback-nothing-saved", lambda e: ["policies", "rollback", e["pol_existing"]],
+         lambda e: [str(e["pol_existing"]), "nothing to roll back"]),
+        ("policies-rollback-negative-to", lambda e: ["policies", "rollback", e["pol_existing"], "--to", -1],
+         lambda e: ["--to", ">= 0"]),
     ]
     # ---- demo
     c += [

@@ -36,6 +36,7 @@ from rmm_jax.online.loop import make_run
 from rmm_jax.online.ope import Calls, cited_recall, estimate
 from rmm_jax.online.serve import Reranker, call_keys
 from rmm_jax.online.streams import streams_from_log
+from rmm_jax.persist.policy_store import PolicyStore
 
 DIM = 16
 ONLINE = ["--k", "8", "--m", "3", "--users-per-chunk", "2", "--checkpoint-every", "0"]
@@ -381,6 +382,54 @@ def test_the_gain_interval_is_a_paired_bootstrap_of_the_per_call_difference(name
     diffs = np.array([value(i) - r[i].mean() for i in draws])
     np.testing.assert_allclose(est["gain"]["ci95"], np.quantile(diffs, [0.025, 0.975]), rtol=1e-12)
     np.testing.assert_allclose(est["gain"]["value"], value(np.arange(n)) - r.mean(), rtol=1e-12)
+
+
+def store_loads(path) -> dict:
+    """What a reader of policy store ``path`` loads: per user its state and learned calls
+    (bytes), the shared part that serves, and the learning setting."""
+    ps = PolicyStore.open(path)
+    out = {u: [np.asarray(x).tobytes() for x in jax.tree.leaves((got.state, got.learned))]
+           for u in ps.users() for got in [ps.load(u)]}
+    out["shared"] = [np.asarray(x).tobytes() for x in jax.tree.leaves(ps.shared_state(ps.learned_shared_version()))]
+    out["setting"] = json.loads((path / "policy_store.json").read_text()).get("setting")
+    return out
+
+
+def test_not_shipping_a_night_rolls_it_back_and_the_next_replay_ends_as_if_it_never_ran(capsys, tmp_path, store):
+    """evaluate says no: `policies rollback` undoes the night's replay (its step size changed
+    with --change-setting), so the store loads what it did before, bit for bit, setting
+    included; replaying the day again learns each of its calls once more, and ends with the
+    policies of a store that never ran the rolled-back night."""
+    pol, ref = tmp_path / "p", tmp_path / "ref"
+    day1 = production_log(store, tmp_path, seed=1)
+    day2 = write_jsonl(tmp_path / "day2.jsonl", [{**r, "call_id": r["call_id"] + "-day2"} for r in map(
+        json.loads, production_log(store, tmp_path, seed=2).read_text().splitlines())])
+    replay = ["replay", store, *ONLINE, "--scope", "hybrid", "--rank", "2", "--log"]
+    for p in (pol, ref):
+        assert run_cli(capsys, *replay, day1, "--policies", p)[0] == 0
+    before = store_loads(pol)
+    code, _, err = run_cli(capsys, *replay, day2, "--policies", pol, "--lr", "0.05", "--change-setting")
+    assert code == 0, err
+    assert store_loads(pol) != before
+    files = sorted(str(f) for f in pol.rglob("*"))
+    code, out, err = run_cli(capsys, "policies", "rollback", pol, "--dry-run", "--json")
+    assert code == 0 and sorted(str(f) for f in pol.rglob("*")) == files, err
+    dry = json.loads(out)
+    assert not dry["done"] and dry["users"] == ["user0", "user1", "user2"] and dry["removed"] == []
+    code, out, err = run_cli(capsys, "policies", "rollback", pol)
+    assert code == 0, err
+    assert out.splitlines()[0] == (f"rolled back {pol} to v{dry['to']}: forgot v{dry['versions'][0]}-"
+                                   f"v{dry['versions'][-1]}; 3 users back at an earlier version, 0 new since "
+                                   f"v{dry['to']} removed")
+    assert store_loads(pol) == before
+    for p in (pol, ref):
+        code, out, err = run_cli(capsys, *replay, day2, "--policies", p, "--json")
+        assert code == 0, err
+        assert json.loads(out)["log"]["calls"]["learn"] == 27
+    assert store_loads(pol) == store_loads(ref)
+    code, out, err = run_cli(capsys, "policies", "rollback", pol, "--to", "999")
+    assert code == 2 and out == "" and err.strip().splitlines() == [
+        f"error: {pol}: nothing to roll back: v999 is not below the newest user version (v{dry['versions'][-1] + 2})"]
 
 
 # --------------------------------------------------------------------------- memory banks grow

@@ -30,6 +30,7 @@ from conftest import REPO, USER_XLA_FLAGS, make_fake_store
 from rmm_jax.cli.signals import MESSAGE
 from rmm_jax.errors import InputError
 from rmm_jax.persist import checksums
+from rmm_jax.persist.policy_rollback import rollback
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState
 
@@ -400,12 +401,15 @@ def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_f
 def test_a_continued_run_killed_mid_way_resumes_where_it_started(env):
     """The second of two runs over a store (--queries 0:12, then 12:, continuing) is killed
     after it has saved a users chunk; --resume starts every user from the version it had
-    before that run, so the result equals the uninterrupted pair of runs."""
+    before that run, so the result equals the uninterrupted pair of runs. Rolling the newest
+    run back then undoes it whole, the versions saved before the kill too: both stores load
+    what the first run left."""
     d = env["dir"]
     rc, err = run(env, ["simulate", env["store"], "--policies", str(d / "cont-ref"), *SIM, "--queries", "0:12"],
                   "cont-1")
     assert rc == 0, err
     shutil.copytree(d / "cont-ref", d / "cont-kill")                 # the same first run, once
+    shutil.copytree(d / "cont-ref", d / "cont-first")
     for pol, kill in ((d / "cont-ref", False), (d / "cont-kill", True)):
         second = ["simulate", env["store"], "--policies", str(pol), *SIM, "--queries", "12:"]
         if not kill:
@@ -422,6 +426,10 @@ def test_a_continued_run_killed_mid_way_resumes_where_it_started(env):
         rc, err = run(env, [*second, "--resume"], "ck-resume")
         assert rc == 0 and "resuming from" in err, err
     assert_same_policies(d / "cont-ref", d / "cont-kill")
+    for pol in ("cont-ref", "cont-kill"):
+        undone = rollback(PolicyStore.open(d / pol))
+        assert len(undone.versions) >= 2 and not undone.removed, undone     # every chunk of the second run
+        assert_same_policies(d / "cont-first", d / pol)
 
 
 def test_damaged_checkpoints_in_process(tmp_path):

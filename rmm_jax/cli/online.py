@@ -21,6 +21,7 @@ from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
+from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
 from rmm_jax.persist.runstate import RunState
 
@@ -175,8 +176,10 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
     if start.before is not None:
         chunks = from_store(chunks, ps, before=start.before, relearn=relearn)
     ps = ps if writer else None
-    checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before}) if rs is not None else None
-    sinks = ([PolicySink(ps, program, continues=start.before is not None)] if ps is not None else []) \
+    run = run_record(ps, rs)
+    checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \
+        if rs is not None else None
+    sinks = ([PolicySink(ps, program, continues=start.before is not None, run=run)] if ps is not None else []) \
         + ([LogSink(log)] if log is not None and ps is not None else []) \
         + ([checkpoints] if checkpoints is not None else [])
     recorder = Recorder(program.layout.m, sinks=sinks)
@@ -192,6 +195,16 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
             bar.update(recorder.feed(event))
             stop.check()
     return recorder.result()
+
+
+def run_record(ps, rs) -> dict | None:
+    """What each version a run saves records of the run, for ``policies rollback``
+    (:mod:`rmm_jax.persist.policy_rollback`): the number its first save takes and the
+    setting the store recorded when it began. A resumed run keeps the interrupted one's."""
+    ck = rs.restored if rs is not None else None
+    if ck is not None and ck.meta.get("run"):
+        return ck.meta["run"]
+    return None if ps is None else {"first_version": ps.next_version(), "setting_before": read_setting(ps)}
 
 
 def online_options(opts: dict, **more) -> dict:

@@ -1,8 +1,9 @@
-"""``rmm-jax policies``: inspect and export a per-user policy store.
+"""``rmm-jax policies``: inspect, export and roll back a per-user policy store.
 
-A policy store (see :mod:`rmm_jax.persist.policy_store`) is written by ``pretrain``/``simulate``;
-these commands only read it, so they need no lock and are safe while a writer runs. ``show``
-reports what a load would actually get: it loads, with the store's own rules.
+A policy store (see :mod:`rmm_jax.persist.policy_store`) is written by ``pretrain``/``simulate``/
+``replay``; ``list``, ``show`` and ``export`` only read it, so they need no lock and are safe
+while a writer runs. ``show`` reports what a load would actually get: it loads, with the
+store's own rules. ``rollback`` is the one writer here (:mod:`rmm_jax.persist.policy_rollback`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
+from rmm_jax.persist.policy_rollback import Rollback, plan, rollback
 from rmm_jax.persist.policy_store import PolicyStore
 
 SHOW_VERSIONS = 10  # kept versions listed in text (all of them with --json)
@@ -47,7 +49,7 @@ def _entry(e) -> dict:
 
 @cli.group()
 def policies():
-    """Inspect per-user reranker policies saved by the online learner.
+    """Inspect, export and roll back the per-user reranker policies saved by the online learner.
 
     \b
     Examples:
@@ -56,6 +58,7 @@ def policies():
       rmm-jax policies show policies user7            # the version of user7 that loads, and why
       rmm-jax policies show policies --users user0,user1 --json
       rmm-jax policies export policies user7 --out user7.npz
+      rmm-jax policies rollback policies              # evaluate said not to ship: undo the last run
     """
 
 
@@ -262,3 +265,62 @@ def export(store, user, out, version):
     _progress(f"exporting {user!r} from {store} ...")
     doc = export_params(st, user, Path(out), version)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
+
+
+def _span(versions) -> str:
+    return f"v{versions[0]}" if len(versions) == 1 else f"v{versions[0]}-v{versions[-1]}"
+
+
+def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
+    """What a rollback did (or, not ``done``, would do), a line each."""
+    if r.interrupted:
+        lines = [f"finished the interrupted rollback of {store} to v{r.to}: forgot {_span(r.versions)}"]
+    else:
+        verb = "rolled back" if done else "would roll back"
+        lines = [f"{verb} {store} to v{r.to}: {'forgot' if done else 'forgets'} {_span(r.versions)}; "
+                 f"{len(r.users)} user{'s' if len(r.users) != 1 else ''} back at an earlier version, "
+                 f"{len(r.removed)} new since v{r.to} removed"]
+    if r.shared:
+        lines.append(f"shared versions {', '.join(f'v{v}' for v in r.shared)} deleted (online runs saved them "
+                     "after the shared version the kept users were trained against)")
+    if not r.setting_known:
+        lines.append("the learning setting stays as recorded: the versions forgotten do not say what it was before")
+    if done and (r.users or r.interrupted):
+        lines.append("the calls the forgotten versions learned from can be learned again: replay their log")
+    return lines
+
+
+@policies.command("rollback")
+@click.argument("store", type=click.Path())
+@click.option("--to", "to", type=int, default=None,
+              help="Go back to the store as it was when user version TO was its newest: every user version "
+                   "above TO is forgotten.  [default: (the version before the newest run of simulate or "
+                   "replay, which that run's versions record)]")
+@click.option("--dry-run", is_flag=True, help="Say what would be rolled back and change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of text.")
+def rollback_cmd(store, to, dry_run, as_json):
+    """Undo the newest run on policy store STORE (or every version above --to), when
+    `evaluate` says not to ship what it learned.
+
+    Each user loads its newest version at or below the point again, with the calls that
+    version had learned from: so the next replay learns the rolled-back calls again, once.
+    A user new since then leaves the store. In scopes shared and hybrid, the shared
+    versions saved since go too. The learning setting is what it was before (a run that
+    used --change-setting is undone with it). The store keeps --keep versions per user
+    (3 unless set): a user whose state at that point is no longer kept is refused, and
+    nothing changes. A kill during a rollback leaves the store as before or as after; the
+    next writer finishes it.
+
+    \b
+    Examples:
+      rmm-jax policies rollback policies --dry-run    # what the last run would take back
+      rmm-jax policies rollback policies              # undo it
+      rmm-jax policies rollback policies --to 12      # everything saved after v12
+    """
+    st = PolicyStore.open(store)
+    r = plan(st, to) if dry_run else rollback(st, to)
+    if as_json:
+        click.echo(json.dumps({"store": store, "done": not dry_run, **r._asdict()}))
+        return
+    for line in rollback_text(r, store, done=not dry_run):
+        click.echo(line)

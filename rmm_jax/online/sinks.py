@@ -46,10 +46,11 @@ class PolicySink:
     scopes with a shared part, that part first (a new shared version), then the chunk's
     users as one version that records the shared version they were trained against.
     ``continues``: users the store holds continue from their saved policies, so their query
-    counts continue too."""
+    counts continue too. ``run``: what every version saved records of the run
+    (:mod:`rmm_jax.persist.policy_rollback`; None: nothing)."""
 
-    def __init__(self, store, program: Program, continues: bool = False):
-        self.store, self.program, self.continues = store, program, continues
+    def __init__(self, store, program: Program, continues: bool = False, run: dict | None = None):
+        self.store, self.program, self.continues, self.run = store, program, continues, run
 
     def chunk(self, event: ChunkDone) -> None:
         m = self.program.layout.m
@@ -58,7 +59,7 @@ class PolicySink:
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
         self.store.save(uids, event.states, [user_info(s, event.outputs, m, before.get(s.user_id, 0))
                                              for s in event.streams], shared_version=shared_version,
-                        learned=learned_after(event.streams))
+                        learned=learned_after(event.streams), run=self.run)
 
     def save_shared(self, event: ChunkDone) -> int:
         return self.store.save_shared(event.shared, {"source": "online"})
