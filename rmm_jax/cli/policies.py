@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, users_option
+from rmm_jax.cli.shell import check_output_file, check_writable, users_option
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -318,6 +318,8 @@ def rollback_cmd(store, to, dry_run, as_json):
       rmm-jax policies rollback policies --to 12      # everything saved after v12
     """
     st = PolicyStore.open(store)
+    if not dry_run:
+        check_writable(store, f"STORE {store}", depth=1)
     r = plan(st, to) if dry_run else rollback(st, to)
     if as_json:
         click.echo(json.dumps({"store": store, "done": not dry_run, **r._asdict()}))
