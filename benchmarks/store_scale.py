@@ -18,7 +18,12 @@ a learner state ``{baseline f32, step i32, key (2,) u32}``: 147,472 array bytes.
    the index and the Python process are warm. Median and max are reported, and the same
    20 loads again with the chunk cached. One load in a fresh Python process (imports
    included) is timed too.
-4. Peak RSS of this process (``ru_maxrss``).
+4. A night rolled back (``--rollback``, the default): every user saved once more, in the same
+   calls, as a second night's run, then :func:`rmm_jax.persist.policy_rollback.rollback`
+   undoes that run (``rmm-jax policies rollback``). Reported: its seconds, the versions it
+   forgot and the bytes freed; 20 random users are checked to load their first night's
+   state again. The store holds both nights meanwhile (twice the disk).
+5. Peak RSS of this process (``ru_maxrss``).
 
 Targets: loading one user from a 100,000-user store in <= 1 s; saving 100,000 users in
 1,000-user calls in a few minutes.
@@ -26,7 +31,7 @@ Targets: loading one user from a 100,000-user store in <= 1 s; saving 100,000 us
 Usage::
 
     .venv/bin/python benchmarks/store_scale.py [--users 10000] [--per-save 1000] [--json]
-        [--workdir DIR] [--keep] [--out benchmarks/results/store_scale.json]
+        [--workdir DIR] [--keep] [--no-rollback] [--out benchmarks/results/store_scale.json]
 
 The result is merged into ``--out`` (one entry per (users, per_save), replacing an older
 one, each entry with the ``provenance`` of the run that wrote it); ``--json`` also prints it
@@ -53,6 +58,7 @@ import numpy as np
 import optax
 
 from rmm_jax.core.types import LearnerState, UserState
+from rmm_jax.persist.policy_rollback import rollback
 from rmm_jax.persist.policy_store import PolicyStore
 
 ROOT = _common.REPO
@@ -116,23 +122,50 @@ def load_in_fresh_process(path: Path, user: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> dict:
+def save_night(st: PolicyStore, n: int, per_save: int, block: UserState, night: int) -> list[float]:
+    """Every user saved once, ``per_save`` at a time, as one run (each version records it);
+    each user's baseline is its global index plus ``night``, so a load can be checked.
+    Returns the seconds of each save call."""
+    run_rec, save_s, t_all = {"first_version": st.next_version(), "setting_before": None}, [], time.perf_counter()
+    for lo in range(0, n, per_save):
+        hi = min(n, lo + per_save)
+        part = jax.tree_util.tree_map(lambda a: a[:hi - lo], block)
+        part = part._replace(learner_state=part.learner_state._replace(
+            baseline=np.arange(lo, hi, dtype=np.float32) + night))
+        t = time.perf_counter()
+        st.save([uid(i) for i in range(lo, hi)], part, [{"i": i} for i in range(lo, hi)], shared_version=1,
+                run=run_rec)
+        save_s.append(time.perf_counter() - t)
+        if len(save_s) % 10 == 0 or hi == n:
+            print(f"  night {night}: saved {hi:,}/{n:,} users  ({time.perf_counter() - t_all:.1f} s)",
+                  file=sys.stderr, flush=True)
+    return save_s
+
+
+def night_rolled_back(st: PolicyStore, n: int, per_save: int, block: UserState, picks: list[int]) -> dict:
+    """A second night saved and rolled back (step 4): the rollback's seconds, what it forgot,
+    the bytes it freed; the picked users load their first night again."""
+    save_night(st, n, per_save, block, night=1)
+    before = du(st.path)[0]
+    t = time.perf_counter()
+    undone = rollback(PolicyStore.open(st.path))
+    seconds = time.perf_counter() - t
+    after = du(st.path)[0]
+    reader = PolicyStore.open(st.path)
+    for i in picks:
+        assert float(reader.load(uid(i)).state.learner_state.baseline) == i
+    assert len(undone.users) == n and not undone.removed
+    return {"rollback_s": round(seconds, 2), "versions_forgotten": len(undone.versions),
+            "bytes_freed": before - after, "users_back": len(undone.users)}
+
+
+def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0, night: bool = True) -> dict:
     rng = np.random.default_rng(seed)
     path = work / "store"
     st = PolicyStore.create(path, META, {})
     block = hybrid_block(min(per_save, n), rng)
-    save_s = []
     t_all = time.perf_counter()
-    for lo in range(0, n, per_save):
-        hi = min(n, lo + per_save)
-        part = jax.tree_util.tree_map(lambda a: a[:hi - lo], block)
-        # each user's baseline is its global index, so a load can be checked
-        part = part._replace(learner_state=part.learner_state._replace(baseline=np.arange(lo, hi, dtype=np.float32)))
-        t = time.perf_counter()
-        st.save([uid(i) for i in range(lo, hi)], part, [{"i": i} for i in range(lo, hi)], shared_version=1)
-        save_s.append(time.perf_counter() - t)
-        if len(save_s) % 10 == 0 or hi == n:
-            print(f"  saved {hi:,}/{n:,} users  ({time.perf_counter() - t_all:.1f} s)", file=sys.stderr, flush=True)
+    save_s = save_night(st, n, per_save, block, night=0)
     total_save = time.perf_counter() - t_all
     alloc, apparent = du(path)
     ub = st.user_bytes(uid(0))
@@ -155,6 +188,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
     n_users = PolicyStore.open(path).n_users()
     n_users_s = time.perf_counter() - t
     assert n_users == n
+    rolled = night_rolled_back(st, n, per_save, block, picks) if night else None
     return {
         "users": n, "per_save": per_save, "saves": len(save_s),
         "provenance": _common.provenance(),
@@ -170,7 +204,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0) -> di
         "load_one_user_s_median": round(float(np.median(cold)), 4), "load_one_user_s_max": round(max(cold), 4),
         "load_one_user_cached_s_median": round(float(np.median(warm)), 4),
         "load_fresh_process": {k: round(v, 3) for k, v in fresh.items()},
-        "n_users_s": round(n_users_s, 4),
+        "n_users_s": round(n_users_s, 4), "night_rolled_back": rolled,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "target_load_le_1s": bool(max(cold) <= 1.0),
     }
@@ -187,11 +221,13 @@ def main(argv=None) -> int:
                     help="Results file; this run's entry is merged in.")
     ap.add_argument("--workdir", default=None, help="Where the store goes (default: a temp dir).")
     ap.add_argument("--keep", action="store_true", help="Keep the store.")
+    ap.add_argument("--rollback", action=argparse.BooleanOptionalAction, default=True,
+                    help="Step 4: save every user once more and time rolling that night back (twice the disk).")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="store_scale-", dir=args.workdir))
     watch = _common.LoadWatch()
     try:
-        res = {**run(args.users, args.per_save, work, args.loads), "load": watch.result()}
+        res = {**run(args.users, args.per_save, work, args.loads, night=args.rollback), "load": watch.result()}
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
