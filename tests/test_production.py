@@ -23,6 +23,7 @@ import pytest
 from conftest import REPO, FakeEmbedder, make_fake_store, run_cli
 
 import rmm_jax as rj
+from rmm_jax.cli.evaluate import rollback_hint
 from rmm_jax.core.types import Batch
 from rmm_jax.core.update import importance_weights
 from rmm_jax.data import embed as embed_mod
@@ -411,6 +412,10 @@ def test_not_shipping_a_night_rolls_it_back_and_the_next_replay_ends_as_if_it_ne
     code, _, err = run_cli(capsys, *replay, day2, "--policies", pol, "--lr", "0.05", "--change-setting")
     assert code == 0, err
     assert store_loads(pol) != before
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", day2, "--policies", pol, "--json",
+                             "--allow-unreliable", "--bootstrap", "50")
+    assert code == 0 and not json.loads(out)["verdict"]["ship"], err
+    assert f"not shipping: `rmm-jax policies rollback {pol}` undoes the run that saved v" in err
     files = sorted(str(f) for f in pol.rglob("*"))
     code, out, err = run_cli(capsys, "policies", "rollback", pol, "--dry-run", "--json")
     assert code == 0 and sorted(str(f) for f in pol.rglob("*")) == files, err
@@ -427,6 +432,8 @@ def test_not_shipping_a_night_rolls_it_back_and_the_next_replay_ends_as_if_it_ne
         assert code == 0, err
         assert json.loads(out)["log"]["calls"]["learn"] == 27
     assert store_loads(pol) == store_loads(ref)
+    assert rollback_hint(PolicyStore.create(tmp_path / "empty", {"kind": "linear", "dim": DIM, "hidden": None}, {}),
+                         "empty") is None                          # no run saved it: no hint
     code, out, err = run_cli(capsys, "policies", "rollback", pol, "--to", "999")
     assert code == 2 and out == "" and err.strip().splitlines() == [
         f"error: {pol}: nothing to roll back: v999 is not below the newest user version (v{dry['versions'][-1] + 2})"]

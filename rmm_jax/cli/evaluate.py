@@ -23,6 +23,7 @@ from rmm_jax.online.ope import (
 from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
 from rmm_jax.online.streams import log_shape
+from rmm_jax.persist.policy_rollback import newest_run
 from rmm_jax.persist.policy_store import PolicyStore
 
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
@@ -171,12 +172,25 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         click.echo(json.dumps(rep, indent=2, sort_keys=True, allow_nan=False))
     else:
         _print_table(rep, policies, tau)
+    hint = None if rep["verdict"]["ship"] else rollback_hint(ps, policies)
+    if hint:
+        info(hint)
     if rep["unreliable"]:
         n_est = sum(len(per) for per in rep["estimates"].values())
         info(f"{len(rep['unreliable'])} of {n_est} estimates are unreliable"
              + ("" if allow_unreliable else f"; exit status {EXIT_UNRELIABLE} (--allow-unreliable: 0)"))
         if not allow_unreliable:
             click.get_current_context().exit(EXIT_UNRELIABLE)
+
+
+def rollback_hint(ps, policies) -> str | None:
+    """How not to ship these policies when a run saved them (None: no run did)."""
+    try:
+        first = newest_run(ps)
+    except InputError:
+        return None
+    return (f"not shipping: `rmm-jax policies rollback {policies}` undoes the run that saved v{first} onwards "
+            "(docs/lifecycle.md, \"When it says no: roll back\")")
 
 
 def _print_table(rep: dict, policies, tau: float) -> None:
