@@ -4,11 +4,17 @@ rollback killed at any step is finished by the next writer."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import TESTS_DIR as TESTS
 from helpers import info_of, params_of, stacked, state_of
 
 from rmm_jax.core.types import SharedState
@@ -172,3 +178,47 @@ def test_a_rollback_killed_at_any_step_is_finished_by_the_next_writer(tmp_path, 
         again = rollback(PolicyStore.open(st.path))
         assert again.interrupted and again.to == 2 and again.versions == (3, 4)
     assert loads(st.path) == want == before
+
+
+# SIGKILLs itself at the N-th directory the rollback deletes (N > 0), or as it writes the
+# header that ends it (N = 0): no finally block runs, the lock dies with the process.
+KILL_IN_ROLLBACK = textwrap.dedent("""
+    import os, shutil, signal, sys
+    from rmm_jax.persist.policy_store import PolicyStore
+    from rmm_jax.persist.policy_rollback import rollback
+    n, calls = int(sys.argv[2]), [0]
+    rmtree, write_header = shutil.rmtree, PolicyStore._write_header
+
+    def dying_rmtree(*a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rmtree(*a, **k)
+
+    def dying_header(self, header):
+        if n == 0 and "rollback" not in header:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_header(self, header)
+
+    shutil.rmtree, PolicyStore._write_header = dying_rmtree, dying_header
+    rollback(PolicyStore.open(sys.argv[1]))
+""")
+
+
+@pytest.mark.parametrize("kill_at", [0, 1, 2, 3, 4])
+def test_a_rollback_sigkilled_anywhere_is_finished_by_the_next_writer(tmp_path, kill_at):
+    """A real SIGKILL (no cleanup, the lock released by the kernel) at each deletion of a
+    rollback, and at its last header write: a reader loads a whole store, old or new, and
+    the next writer ends where an uninterrupted rollback ends."""
+    st, before, _ = two_runs(tmp_path, "hybrid")
+    after_run = loads(st.path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", KILL_IN_ROLLBACK, str(st.path), str(kill_at)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    seen = loads(st.path)
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("header_mark", "setting")}  # noqa: E731
+    assert seen["header_mark"] is not None and strip(seen) in (strip(after_run), strip(before))
+    with PolicyStore.open(st.path).writer():
+        pass
+    assert loads(st.path) == before
