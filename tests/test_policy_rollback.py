@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from helpers import TESTS_DIR as TESTS
 from helpers import info_of, params_of, stacked, state_of
 
+from rmm_jax.core.config import preset
 from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_rollback, policy_store
@@ -222,3 +224,39 @@ def test_a_rollback_sigkilled_anywhere_is_finished_by_the_next_writer(tmp_path, 
     with PolicyStore.open(st.path).writer():
         pass
     assert loads(st.path) == before
+
+
+def test_the_start_is_never_pruned_and_is_where_a_rollback_past_every_user_and_init_pretrained_go(tmp_path):
+    """The shared version a store starts from (created or pretrained with) outlives any number
+    of online shared versions, even at keep 1: `--init pretrained` starts there, not from what
+    online runs trained, and rolling back every user version serves it again. A store whose
+    start older code pruned refuses both in one line."""
+    from rmm_jax.cli.online import plan_start
+    st = PolicyStore.create(tmp_path / "store", SCOPES["hybrid"], params_of(0), keep=1)
+    for night in range(4):
+        run(st, [{"a": 10 * night + 1}], shared_seed=100 * night)
+    assert st.start_shared_version() == 1 and st.shared_versions() == [1, 5]   # online v2-v4 pruned, not v1
+    lay = preset("default", scope="hybrid", rank=2).layout
+    start = plan_start(st, None, lay, "pretrained", 0).params
+    assert tree_bytes(start) == tree_bytes(params_of(0))
+    assert tree_bytes(start) != tree_bytes(st.shared_state().state.params)     # the newest is an online one
+    with pytest.raises(InputError, match=r"keeps no version at or below it, and its versions before v4"):
+        rollback(st, to=0)                            # keep 1: a's first nights are gone
+    st2 = PolicyStore.create(tmp_path / "store2", SCOPES["hybrid"], params_of(0))
+    run(st2, [{"a": 1}, {"b": 2}], shared_seed=100)
+    r = rollback(st2, to=0)
+    assert r.removed == ("a", "b") and st2.users() == [] and set(r.shared) == {2, 3}
+    assert st2.shared_versions() == [1] and st2.learned_shared_version() == 1
+    st3 = PolicyStore.create(tmp_path / "store3", SCOPES["hybrid"], params_of(0))
+    run(st3, [{"a": 1}], shared_seed=100)
+    shutil.rmtree(st3.path / "shared" / "v00000001")   # what an rmm-jax that pruned the start left
+    st3 = PolicyStore.open(st3.path)
+    with pytest.raises(InputError, match=r"no user version would remain, and the shared version the store started "
+                                         r"from is no longer kept"):
+        rollback(st3)
+    with pytest.raises(InputError, match=r"its pretrained parameters are no longer kept"):
+        plan_start(st3, None, lay, "pretrained", 0)
+
+
+def tree_bytes(tree) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]

@@ -136,8 +136,13 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
         return Start(ck.trees["params"], None, ck.meta.get("before"))
     if init == "identity":
         return Start(identity_params(st, layout, seed))
-    if init == "pretrained":
-        return Start(ps.shared_state().state.params)
+    if init == "pretrained":                # what pretrain wrote, not a shared part online runs went on training
+        start = ps.start_shared_version()
+        if start is None:
+            raise InputError("its pretrained parameters are no longer kept (online runs' shared versions pruned "
+                             "them, before rmm-jax kept them); pretrain again into a new store",
+                             where=f"--policies {ps.path}")
+        return Start(ps.shared_state(start).state.params)
     saved = ps.shared_state(ps.learned_shared_version())   # as the last saved users left it
     shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
     return Start(saved.state.params, shared, ps.next_version(), saved.version)

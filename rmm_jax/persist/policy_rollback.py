@@ -17,7 +17,8 @@ After ``rollback(store, to=V)``:
   run starts it from the shared part, as it would have before;
 * in scopes with a shared part, the shared versions that online runs saved after the
   newest kept user version's shared version are deleted. Serving and continuing use that
-  shared version again (:meth:`PolicyStore.learned_shared_version`);
+  shared version again (:meth:`PolicyStore.learned_shared_version`), or, when no user
+  version remains, the store's start (:meth:`PolicyStore.start_shared_version`);
 * the store records the learning setting it recorded before the oldest forgotten version
   was saved. Each run's saves record what it found (``run``, below). Versions saved by an
   rmm-jax that did not record it leave the setting as it is, and the result says so.
@@ -123,6 +124,10 @@ def plan(store, to: int | None = None) -> Rollback:
     removed = [u for u, kept in moved if kept is None]
     _check_removable(store, removed, to)
     kept = [s for s in saves if s.version <= to]
+    if store.paired and not kept and store.start_shared_version() is None:
+        raise InputError(f"cannot roll back to v{to}: no user version would remain, and the shared version the store "
+                         "started from is no longer kept (online runs pruned it, before rmm-jax kept it)",
+                         where=str(store.path))
     versions = tuple(s.version for s in saves if s.version > to)
     setting, known = _setting_before(store, versions[0])
     return Rollback(to, versions, tuple(u for u, k in moved if k is not None), tuple(removed),

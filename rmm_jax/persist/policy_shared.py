@@ -20,7 +20,15 @@ from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_dir
 from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.policy_restore import SavedShared, problem, restore_shared
-from rmm_jax.persist.policy_snapshot import SHARED_PARTS, cname, snapshot_dirs, verify_snapshot, vname, write_shared
+from rmm_jax.persist.policy_snapshot import (
+    SHARED_PARTS,
+    cname,
+    shared_meta,
+    snapshot_dirs,
+    verify_snapshot,
+    vname,
+    write_shared,
+)
 from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip, skips_text
 
 SHARED_CACHE = 4               # restored shared versions an object keeps (they never change)
@@ -43,6 +51,7 @@ class SharedParts:
         self.root, self.where = root, where
         self._restored: collections.OrderedDict[int, SavedShared] = collections.OrderedDict()
         self._checked: dict[int, str | None] = {}
+        self._online: dict[int, bool] = {}
 
     def versions(self) -> list[int]:
         """Shared versions on disk, ascending (whether they load or not)."""
@@ -71,6 +80,17 @@ class SharedParts:
         while len(self._restored) > SHARED_CACHE:
             self._restored.popitem(last=False)
         return self._restored[version]
+
+    def online(self, version: int) -> bool:
+        """Whether an online run saved shared ``version`` (its info says ``source: online``);
+        read from its metadata, unverified (False when that cannot be read)."""
+        if version not in self._online:
+            try:
+                info = shared_meta(self.root / vname(version)).get("info") or {}
+            except (OSError, ValueError, KeyError):
+                info = {}
+            self._online[version] = info.get("source") == "online"
+        return self._online[version]
 
     def problem(self, version: int) -> str | None:
         """What is wrong with ``version`` (``missing``, ``damaged (...)``; None: it

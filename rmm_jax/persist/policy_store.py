@@ -40,7 +40,8 @@ In ``shared`` and ``hybrid`` every saved user version records the shared version
 trained against, and a load pairs them exactly (:mod:`rmm_jax.persist.policy_restore`): the
 user's newest version whose row verifies AND whose shared version loads, never factors
 with another shared version. So the shared versions a kept user version references are
-never pruned; of the others the newest ``keep`` stay.
+never pruned, nor is the store's start (:meth:`PolicyStore.start_shared_version`, the
+version it was created or pretrained with); of the others the newest ``keep`` stay.
 
 **Scale.** Looking up or saving one user touches nothing that grows with the number of
 users: a load is one indexed SQLite query, one chunk's ``chunk.json`` (verified against its
@@ -323,9 +324,9 @@ class PolicyStore:
         self._shared = SharedParts(self.path / "shared", str(self.path))
 
     def _prune_shared(self) -> None:
-        learned = self.learned_shared_version()
+        keep = {self.learned_shared_version(), self.start_shared_version()} - {None}
         refs = self._query(lambda idx: idx.shared_refs())
-        prune_shared(self.path / "shared", refs | ({learned} if learned is not None else set()), self.keep)
+        prune_shared(self.path / "shared", refs | keep, self.keep)
 
     # ---- the index
 
@@ -397,7 +398,9 @@ class PolicyStore:
         fine, None if there is none) as a new shared version with a JSON ``info`` dict;
         returns the version. Pass it as ``shared_version`` when saving the users trained
         against it. Shared versions beyond the newest ``keep`` that no kept user version
-        references are pruned."""
+        references are pruned, except the store's start. ``info`` ``{"source": "online"}``
+        marks a version an online run saved (:class:`rmm_jax.online.sinks.PolicySink`):
+        the start is the newest version without it."""
         if not isinstance(state, SharedState):
             raise InputError(f"expected a SharedState(params, opt_state), got {type(state).__name__}",
                              where="save_shared")
@@ -408,6 +411,13 @@ class PolicyStore:
             SharedParts.write(self.path / "shared", version, state, info, _now())
             self._prune_shared()
             return version
+
+    def start_shared_version(self) -> int | None:
+        """The newest shared version that no online run saved: the one the store was created
+        or pretrained with, where ``--init pretrained`` starts and a rollback past every user
+        version returns to. Never pruned. None: none on disk (a store whose online runs
+        pruned it, before this was kept)."""
+        return next((v for v in reversed(self.shared_versions()) if not self._shared.online(v)), None)
 
     def learned_shared_version(self) -> int | None:
         """The shared version the newest user version was trained against: the shared part
