@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_setting import SETTING_KEY
-from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, shared_meta, snapshot_dirs, vname
+from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, vname
 from rmm_jax.persist.policy_versions import drop_unindexed, writer_index
 
 PENDING = "rollback"         # the header's mark while a rollback is under way
@@ -225,14 +225,4 @@ def _shared_after(store, last: int | None) -> list[int]:
     run saved, when None): nothing uses them once no kept user version is newer."""
     if not store.paired:
         return []
-    out = []
-    for v, snap in snapshot_dirs(store.path / "shared"):
-        if last is not None and v <= last:
-            continue
-        try:
-            online = (shared_meta(snap).get("info") or {}).get("source") == "online"
-        except (OSError, ValueError, KeyError):
-            online = False
-        if online:
-            out.append(v)
-    return out
+    return [v for v in store.shared_versions() if (last is None or v > last) and store._shared.online(v)]
