@@ -3,6 +3,7 @@ for, and what a killed writer leaves is found by leftovers()."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rmm_jax.persist.atomic import atomic_dir, atomic_file, leftovers, make_dirs, process_umask
+from rmm_jax.persist.atomic import atomic_dir, atomic_file, leftovers, make_dirs, process_umask, remove_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,3 +186,22 @@ def test_where_the_system_cannot_swap_two_renames_replace_the_directory(tmp_path
         (tmp / "f").write_text("new")
     assert (tmp_path / "t" / "f").read_text() == "new" and not leftovers(tmp_path)
     assert atomic.exchange(tmp_path / "t", tmp_path / "u") is False
+
+
+def test_remove_dir_is_whole_or_not_at_all_and_a_killed_one_is_a_leftover(tmp_path):
+    """remove_dir renames the directory aside before deleting it: a missing path is fine, and
+    a deletion stopped after the rename leaves no half directory under the old name, only a
+    leftover the next writer removes."""
+    d = tmp_path / "v00000002"
+    (d / "c0000").mkdir(parents=True)
+    (d / "c0000" / "chunk.json").write_text("{}")
+    remove_dir(d)
+    assert not d.exists() and leftovers(tmp_path) == []
+    remove_dir(d)                                    # already gone
+    (d / "c0000").mkdir(parents=True)
+    real, shutil.rmtree = shutil.rmtree, lambda *a, **k: None   # "killed" between the rename and the delete
+    try:
+        remove_dir(d)
+    finally:
+        shutil.rmtree = real
+    assert not d.exists() and [p.name for p in leftovers(tmp_path)] == [f".v00000002.old-{os.getpid()}"]

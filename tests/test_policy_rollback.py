@@ -244,6 +244,11 @@ def test_the_start_is_never_pruned_and_is_where_a_rollback_past_every_user_and_i
         rollback(st, to=0)                            # keep 1: a's first nights are gone
     st2 = PolicyStore.create(tmp_path / "store2", SCOPES["hybrid"], params_of(0))
     run(st2, [{"a": 1}, {"b": 2}], shared_seed=100)
+    meta = st2.path / "shared" / "v00000003" / "c0000" / "chunk.json"
+    good = meta.read_bytes()
+    meta.write_text("{half")                           # an online version whose metadata cannot be read
+    assert PolicyStore.open(st2.path).start_shared_version() == 1             # is not taken for the start
+    meta.write_bytes(good)
     r = rollback(st2, to=0)
     assert r.removed == ("a", "b") and st2.users() == [] and set(r.shared) == {2, 3}
     assert st2.shared_versions() == [1] and st2.learned_shared_version() == 1

@@ -114,6 +114,20 @@ def make_dirs(path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def remove_dir(path: Path) -> None:
+    """Delete directory ``path`` whole or not at all, as readers see it: it is first renamed
+    to a leftover sibling (``.NAME.old-PID``, which the next writer removes if a kill stops
+    the deletion), so no half-deleted ``path`` is ever listed. A missing ``path`` is fine."""
+    path = Path(path)
+    aside = path.parent / f".{path.name}.old-{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def leftovers(parent: Path) -> list[Path]:
     """Temporary siblings under ``parent`` that :func:`atomic_dir`/:func:`atomic_file` left
     behind when their process was killed (remove them only while no writer can be running)."""

@@ -64,10 +64,10 @@ Examples:
 """
 from __future__ import annotations
 
-import shutil
 from typing import NamedTuple
 
 from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import SETTING_KEY
 from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, vname
 from rmm_jax.persist.policy_versions import drop_unindexed, writer_index
@@ -165,7 +165,7 @@ def finish(store) -> None:
         live, last = set(idx.live_versions()), idx.last_shared()
     drop_unindexed(store.path, store._header, store.keep, live)
     for v in _shared_after(store, last):
-        shutil.rmtree(store.path / "shared" / vname(v), ignore_errors=True)
+        remove_dir(store.path / "shared" / vname(v))
     store._forget_shared_cache()
     header = {k: v for k, v in store._header.items() if k != PENDING}
     if mark.get("setting_known"):

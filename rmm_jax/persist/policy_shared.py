@@ -81,15 +81,16 @@ class SharedParts:
             self._restored.popitem(last=False)
         return self._restored[version]
 
-    def online(self, version: int) -> bool:
-        """Whether an online run saved shared ``version`` (its info says ``source: online``);
-        read from its metadata, unverified (False when that cannot be read)."""
+    def online(self, version: int) -> bool | None:
+        """Whether an online run saved shared ``version`` (its info says ``source: online``),
+        from its metadata, unverified; None when that cannot be read (a damaged version is
+        neither)."""
         if version not in self._online:
             try:
                 info = shared_meta(self.root / vname(version)).get("info") or {}
-            except (OSError, ValueError, KeyError):
-                info = {}
-            self._online[version] = info.get("source") == "online"
+                self._online[version] = info.get("source") == "online"
+            except (OSError, ValueError, KeyError, AttributeError):
+                return None
         return self._online[version]
 
     def problem(self, version: int) -> str | None:

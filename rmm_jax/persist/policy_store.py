@@ -417,7 +417,7 @@ class PolicyStore:
         or pretrained with, where ``--init pretrained`` starts and a rollback past every user
         version returns to. Never pruned. None: none on disk (a store whose online runs
         pruned it, before this was kept)."""
-        return next((v for v in reversed(self.shared_versions()) if not self._shared.online(v)), None)
+        return next((v for v in reversed(self.shared_versions()) if self._shared.online(v) is False), None)
 
     def learned_shared_version(self) -> int | None:
         """The shared version the newest user version was trained against: the shared part

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from rmm_jax.persist import policy_format1
-from rmm_jax.persist.atomic import leftovers
+from rmm_jax.persist.atomic import leftovers, remove_dir
 from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
 from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records
 
@@ -142,7 +142,7 @@ def prune_shared(shared: Path, refs: set[int], keep: int) -> None:
     ``keep`` nor referenced (``refs``, read from the committed index)."""
     for v, snap in snapshot_dirs(shared)[:-keep]:
         if v not in refs:
-            shutil.rmtree(snap, ignore_errors=True)
+            remove_dir(snap)          # whole: a half-deleted version would read as one that is not online
 
 
 def next_version(gens: Path, indexed_next: int) -> int:
