@@ -265,3 +265,22 @@ def test_the_start_is_never_pruned_and_is_where_a_rollback_past_every_user_and_i
 
 def tree_bytes(tree) -> list[bytes]:
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_a_long_lived_reranker_serves_what_the_store_holds_after_refresh(tmp_path):
+    """A Reranker caches the policies it loaded: refresh() after a night's run or a rollback
+    drops them when the store changed, and only then; each user is then served the version
+    the store holds now, and the τ of the setting it records."""
+    from rmm_jax.online.serve import Reranker
+    st = PolicyStore.create(tmp_path / "store", META, params_of(0))
+    run(st, [{"a": 1}], shared_seed=0)
+    write_setting(st, {"estimator": {"tau": 0.1, "noise": "tempered"}})
+    rr = Reranker.open(st.path)
+    assert rr.policy("a").version == 1 and not rr.refresh()          # nothing changed: kept
+    run(st, [{"a": 2}], shared_seed=0, setting_before={"estimator": {"tau": 0.1, "noise": "tempered"}})
+    write_setting(st, {"estimator": {"tau": 0.3, "noise": "tempered"}})
+    assert rr.policy("a").version == 1                               # the cached policy, until told
+    assert rr.refresh() and rr.policy("a").version == 2 and rr.tau == 0.3
+    assert tree_bytes(rr.policy("a").params) == tree_bytes(state_of(2).params)
+    rollback(PolicyStore.open(st.path))
+    assert rr.refresh() and rr.policy("a").version == 1 and rr.tau == 0.1 and not rr.refresh()

@@ -183,6 +183,11 @@ def _sample(params, q, cands, mask, keys, tau, m: int):
     return sel, lp, scores
 
 
+def _generation(store: PolicyStore | None) -> tuple:
+    """What a :class:`Reranker` serves from ``store``: its newest user version and setting."""
+    return () if store is None else (store.newest_version(), read_setting(store))
+
+
 def behaviour_tau(store: PolicyStore | None) -> float:
     """The temperature the policies of ``store`` sample at: the behaviour τ
     (:attr:`rmm_jax.core.config.Estimator.sample_tau`) of the learning setting the store
@@ -207,6 +212,7 @@ class Reranker:
         self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
         self.dim = int(store.meta["dim"]) if store is not None else int(dim)
         self.tau = behaviour_tau(store)
+        self._seen = _generation(store)
         self._identity = None if store is not None else Policy(
             _device(reranker.init_reranker(jax.random.key(0), self.dim)), None, None)
 
@@ -214,8 +220,27 @@ class Reranker:
     def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS) -> "Reranker":
         return cls(PolicyStore.open(path), cache_users=cache_users)
 
+    def refresh(self) -> bool:
+        """Serve what the store holds now. A Reranker keeps the policies it has loaded, so
+        after a night's run saved new versions, or a rollback forgot some, a long-lived one
+        would serve its cached users yesterday's policies and the others today's. Call this
+        when such a job ends: if the store changed (its newest user version or its learning
+        setting), the store is reopened and every cached policy dropped, so each user's next
+        call loads what the store serves now, at the setting's τ. Returns whether it
+        changed; when it did not, it cost one indexed query and one small file read."""
+        if self.store is None:
+            return False
+        store = PolicyStore.open(self.store.path)
+        if _generation(store) == self._seen:
+            return False
+        self.store, self.tau, self._seen = store, behaviour_tau(store), _generation(store)
+        self._cache.clear()
+        self._shared.clear()
+        return True
+
     def policy(self, user_id: str) -> Policy:
-        """The policy ``user_id`` is served (cached)."""
+        """The policy ``user_id`` is served (cached; :meth:`refresh` drops the cache when the
+        store changes)."""
         if self._identity is not None:
             return self._identity
         got = self._cache.get(user_id)

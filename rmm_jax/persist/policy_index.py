@@ -318,6 +318,11 @@ class PolicyIndex:
         recorded, or no user version)."""
         return self._one(f"SELECT {self._sv} FROM versions v ORDER BY v.version DESC LIMIT 1")
 
+    def newest_version(self) -> int | None:
+        """The newest live user version (None: none): it changes with every save and every
+        rollback, since no number is handed out twice."""
+        return self._one("SELECT MAX(version) FROM versions")
+
     def version_users(self, version: int) -> int:
         """How many users keep ``version`` (an indexed count)."""
         return int(self._one("SELECT COUNT(*) FROM entries WHERE version = ?", (version,)))

@@ -359,6 +359,11 @@ class PolicyStore:
         """Every kept user version: saved_at, shared version, how many users keep it."""
         return self._query(lambda idx: idx.saves())
 
+    def newest_version(self) -> int | None:
+        """The newest user version any user keeps (None: none); one indexed query. It differs
+        after every save and every rollback (numbers are never reused)."""
+        return self._query(lambda idx: idx.newest_version())
+
     def next_version(self) -> int:
         """The version number the next :meth:`save` will take (every saved one is below it)."""
         return next_version(self.path / "gens", self._query(lambda idx: idx.next_version()))
