@@ -8,6 +8,8 @@ the CLI, run as a subprocess, as a team would run it.
         --plot benchmarks/results/deploy_draw.png
     python benchmarks/deploy.py --draw-tau 0.01 --json benchmarks/results/deploy_draw_001.json \
         --plot benchmarks/results/deploy_draw_001.png
+    python benchmarks/deploy.py --gate --paired-with benchmarks/results/deploy.json \
+        --json benchmarks/results/deploy_gate.json --plot benchmarks/results/deploy_gate.png
 
 **Time.** The five LoCoMo conversations span different years; each is shifted so that its
 first session falls on day 0 (five users who start on the same day), keeping the gaps
@@ -28,6 +30,11 @@ LoCoMo's gold marks it useful; gold is used here, offline, and never enters the 
 (4) ``rmm-jax replay STORE --log LOG --policies P --json`` learns overnight (the CLI's
 default preset and scope; the first night creates P). (5) ``rmm-jax evaluate STORE --log
 LOG --policies P --json``: tomorrow's policy estimated on today's log, with the verdict.
+With ``--gate`` a night the verdict does not ship is undone (6): ``rmm-jax policies
+rollback P``, so tomorrow is served by today's policies and the day's calls are never
+learned; ``--paired-with FILE`` (a run without it) then reports the final Recall@5
+difference, paired per question (``paired``: :func:`rmm_jax.online.stats.gain_interval`
+over conversations and questions; one deployment, so no seed level).
 
 **Reported per day.** Recall@5 against gold, measured offline from the served lines: the
 serving policy's own top 5 (the deterministic top 5 of the logged logits, what ``rerank``
@@ -309,6 +316,18 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def paired(result: dict, other_path: Path) -> dict:
+    """This deployment's final Recall@5 minus another's (same calls, same order), paired
+    per question, with its interval over conversations and questions."""
+    other = json.loads(other_path.read_text())
+    mine, theirs = result["per_question"], other.get("per_question")
+    if theirs is None or theirs["user"] != mine["user"]:
+        raise SystemExit(f"--paired-with {other_path}: not the same deployment's calls (re-run it with this script)")
+    diff = np.asarray(mine["recall@5"]) - np.asarray(theirs["recall@5"])
+    return {"with": other_path.name, "with_commit": other["provenance"].get("commit"),
+            "gain": gain_interval(diff, groups=np.asarray(mine["user"]))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_common.HelpFormatter)
     _common.add_data_option(ap)
@@ -318,6 +337,11 @@ def main(argv=None) -> int:
     ap.add_argument("--draw-tau", type=float, default=None,
                     help="draw the shown memories at this temperature (rerank --explore --tau, replay --draw-tau; "
                          "the store records it) instead of the default preset's tau")
+    ap.add_argument("--gate", action="store_true",
+                    help="roll back each night whose evaluate verdict is not to ship (rmm-jax policies rollback)")
+    ap.add_argument("--paired-with", type=Path, default=None,
+                    help="a result file of the same deployment without --gate: the final Recall@5 difference, "
+                         "paired per question")
     ap.add_argument("--json", type=Path, default=_common.RESULTS / "deploy.json")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the days")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from --json")
@@ -333,6 +357,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     store, policies = work / "store", work / "policies"
     rows, logs, recall, n_calls = [], [], {"policy": [], "served": [], "retriever": []}, 0
+    asked_by = []                                                               # each call's user, in order
     draw = () if args.draw_tau is None else ("--tau", args.draw_tau)          # rerank --explore's temperature
     learn = () if args.draw_tau is None else ("--draw-tau", args.draw_tau)    # what replay records
     for i, day in enumerate(days):
@@ -358,9 +383,13 @@ def main(argv=None) -> int:
         rec = served_recall(served, gold)
         for k in recall:
             recall[k] += rec[k]
+        asked_by += [r["user_id"] for r in served]
         rep = json.loads(cli(["replay", store, "--log", log_path.name, "--policies", policies, *learn, "--json"],
                              work))
         ope = json.loads(cli(["evaluate", store, "--log", log_path.name, "--policies", policies, "--json"], work))
+        shipped = bool(ope["verdict"]["ship"])
+        if args.gate and not shipped:          # not shipped: tomorrow is served by today's policies
+            cli(["policies", "rollback", policies, "--json"], work)
         again = work / f"tomorrow_on_{d:03d}.jsonl"     # tomorrow's policy on today's calls: its logits
         cli(["rerank", store, "--policies", policies, "--calls", req.name, "--explore", *draw, "--out", again.name],
             work)
@@ -376,6 +405,7 @@ def main(argv=None) -> int:
                         "truth_today": expected_cite_rate([json.loads(x) for x in again.read_text().splitlines()],
                                                           gold),
                         "tomorrow": None},
+                   rolled_back=bool(args.gate and not shipped),
                    config={**rep["config"], "preset": rep["setting"]["preset"]} if i == 0 else None)
         print(f"day {d}: {len(log)} calls, Recall@5 policy {row['recall@5']['policy']:.3f} "
               f"(retriever {row['recall@5']['retriever']:.3f}), cite rate {row['realised_cite_rate']:.3f}; "
@@ -401,11 +431,15 @@ def main(argv=None) -> int:
         "final": {"recall@5": final, "recall@5_served": float(np.mean(recall["served"])),
                   "recall@5_retriever": float(np.mean(recall["retriever"])),
                   "simulate": {**sim, "per_seed": per_seed}, "within": bool(sim["lo"] <= final <= sim["hi"])},
+        "per_question": {"recall@5": recall["policy"], "user": asked_by}, "gate": args.gate,
+        "nights_rolled_back": sum(bool(r.get("rolled_back")) for r in served_days),
         "ope_coverage": cov, "ope_direction": direction(served_days),
         "targets": {"final_recall_within_simulate": bool(sim["lo"] <= final <= sim["hi"]),
                     "snips_covers_tomorrow_on_most_days": bool(snips["covered"] > snips["reliable"] / 2)},
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    if args.paired_with is not None:
+        result["paired"] = paired(result, args.paired_with)
     _common.write_result(args.json, result)
     if args.plot:
         plot(result, args.plot)
