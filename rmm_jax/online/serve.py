@@ -231,9 +231,10 @@ class Reranker:
         if self.store is None:
             return False
         store = PolicyStore.open(self.store.path)
-        if _generation(store) == self._seen:
+        now = _generation(store)
+        if now == self._seen:
             return False
-        self.store, self.tau, self._seen = store, behaviour_tau(store), _generation(store)
+        self.store, self.tau, self._seen = store, behaviour_tau(store), now
         self._cache.clear()
         self._shared.clear()
         return True

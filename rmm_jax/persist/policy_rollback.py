@@ -92,10 +92,9 @@ def newest_run(store) -> int:
     """The first version of the newest run that saved users (what ``rollback(store)`` goes
     back to before). Raises InputError when the store holds no user version or its newest
     version records no run."""
-    saves = store.saves()
-    if not saves:
+    newest = store.newest_version()
+    if newest is None:
         raise InputError("holds no user version: nothing to roll back", where=str(store.path))
-    newest = saves[-1].version
     run = _head(store, newest).get("run") or {}
     first = run.get("first_version")
     if not isinstance(first, int) or not 1 <= first <= newest:
