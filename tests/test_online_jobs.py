@@ -284,6 +284,38 @@ def test_replay_passes_learn_the_log_again_and_score_the_first_pass(tmp_path, ca
     assert code != 0 and "--passes" in err and not (tmp_path / "bad").exists()
 
 
+def test_replay_passes_over_a_log_that_mixes_learned_and_new_calls_learns_the_new_ones_every_pass(tmp_path, capsys):
+    """``--passes 2`` over a log whose first calls the policy learned already repeats only the
+    new calls, twice each: bit for bit the run over a log of only the new calls. (It used to
+    keep the new calls of the first pass only.)"""
+    from conftest import run_cli
+
+    km = ("--k", "8", "--m", "3", "--users-per-chunk", "2", "--checkpoint-every", "0")
+    st = make_fake_store(tmp_path / "st", users=3, sessions=6)
+    code, _, err = run_cli(capsys, "simulate", st, "--policies", tmp_path / "sim", *km,
+                           "--log-out", tmp_path / "all.jsonl")
+    assert code == 0, err
+    records = (tmp_path / "all.jsonl").read_text().splitlines()
+    seen: dict = {}
+    early = [seen.setdefault(json.loads(r)["user_id"], []).append(r) or len(seen[json.loads(r)["user_id"]]) <= 5
+             for r in records]
+    (tmp_path / "day1.jsonl").write_text("".join(r + "\n" for r, e in zip(records, early) if e))
+    (tmp_path / "new.jsonl").write_text("".join(r + "\n" for r, e in zip(records, early) if not e))
+    stores = {}
+    for name, day2 in (("mixed", "all.jsonl"), ("new", "new.jsonl")):
+        pol = tmp_path / name
+        for log, more in (("day1.jsonl", ()), (day2, ("--passes", "2", "--json"))):
+            code, out, err = run_cli(capsys, "replay", st, "--log", tmp_path / log, "--policies", pol, *km, *more)
+            assert code == 0, err
+        stores[name] = (json.loads(out)["online"]["queries"], PolicyStore.open(pol))
+    (n_mixed, mixed), (n_new, new) = stores["mixed"], stores["new"]
+    assert n_mixed == n_new == sum(not e for e in early) > 0
+    for u in new.users():
+        a, b = mixed.load(u), new.load(u)
+        assert leaves_equal(a.state, b.state), u
+        assert a.info["queries_seen"] == b.info["queries_seen"]
+
+
 def test_a_skipped_chunk_whose_users_differ_from_the_interrupted_runs_is_one_line():
     """A resumed run's done chunk is restored only if it holds the users whose outputs were
     saved; otherwise the resume is refused in one line, not a KeyError half-way through."""

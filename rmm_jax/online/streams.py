@@ -203,18 +203,30 @@ def stream_from_user(user, k: int) -> Stream:
 
 
 def take_queries(stream: Stream, which) -> Stream:
-    """The stream's queries at ``which`` (a slice or indices, in stream order; memories
-    unchanged): ``simulate --queries`` continues a user's stream where an earlier run
-    stopped, and a replay leaves out the calls a policy has learned already."""
-    opt = lambda x: None if x is None else x[which]
-    ids = np.arange(len(stream.query_ids))[which] if stream.query_ids else ()
+    """The stream's queries at ``which`` (a slice or indices into one pass, in stream
+    order; memories unchanged), in every pass of a stream that ``replay --passes``
+    repeated: ``simulate --queries`` continues a user's stream where an earlier run
+    stopped, and a replay leaves out the calls a policy has learned already.
+
+    >>> import numpy as np
+    >>> s = Stream("u", np.zeros((3, 1), np.float32), np.zeros((3, 1), np.float32), np.zeros((3, 1), np.int32),
+    ...            np.ones((3, 1), bool), np.ones((3, 1), bool), np.ones(3, np.int32), np.ones(3, bool),
+    ...            query_ids=("a", "b", "c"))
+    >>> r = take_queries(repeat_passes(s, 2), [0, 2])
+    >>> r.query_ids, r.valid.tolist(), r.passes
+    (('a', 'c', 'a', 'c'), [True, True, False, False], 2)
+    """
+    t = stream.first_pass
+    one = np.arange(t)[which]
+    rows = (one[None, :] + t * np.arange(stream.passes)[:, None]).ravel()
+    opt = lambda x: None if x is None else x[rows]  # noqa: E731
     return dataclasses.replace(
-        stream, queries=stream.queries[which], cand=stream.cand[which], cand_mask=stream.cand_mask[which],
-        cand_gold=stream.cand_gold[which], num_gold=stream.num_gold[which], valid=stream.valid[which],
-        query_ids=tuple(stream.query_ids[i] for i in ids), selected=opt(stream.selected),
-        cited=opt(stream.cited), logged_log_prob=opt(stream.logged_log_prob), has_logged=opt(stream.has_logged),
-        present=opt(stream.present), cite_gold=opt(stream.cite_gold),
-        calls=None if stream.calls is None else stream.calls.take(which))
+        stream, queries=stream.queries[rows], cand=stream.cand[rows], cand_mask=stream.cand_mask[rows],
+        cand_gold=stream.cand_gold[rows], num_gold=stream.num_gold[rows], valid=stream.valid[rows],
+        query_ids=tuple(stream.query_ids[i] for i in rows) if stream.query_ids else (),
+        selected=opt(stream.selected), cited=opt(stream.cited), logged_log_prob=opt(stream.logged_log_prob),
+        has_logged=opt(stream.has_logged), present=opt(stream.present), cite_gold=opt(stream.cite_gold),
+        calls=None if stream.calls is None else stream.calls.take(one))
 
 
 def check_users(store, users: Sequence[str] | None) -> list[str]:
