@@ -432,6 +432,62 @@ def test_a_continued_run_killed_mid_way_resumes_where_it_started(env):
         assert_same_policies(d / "cont-first", d / pol)
 
 
+def test_a_continued_replay_killed_and_run_again_is_one_run_and_a_relearn_is_resumed_not_repeated(env, reference):
+    """Day 2's replay, continuing day 1's store, killed after it saved a users chunk:
+    - `policies rollback` is refused while the run-state holds the interrupted run (a resume
+      would go on from the versions it forgets), and nothing changes;
+    - run again without --resume, it is one run with the killed one: rolling it back takes
+      every user back to day 1. (The second start took a run record of its own, so the
+      rollback undid only its versions, and the killed chunk's users kept day 2.)
+    - with --relearn, running it again is refused in one line (started again, the killed
+      chunk's users would learn day 2 twice); resumed, it ends as one uninterrupted run."""
+    d = env["dir"]
+    records = reference["log"].read_text().splitlines(keepends=True)
+    counts: dict = {}
+    day1 = []                                        # each user's first 6 calls; day 2 is the whole log
+    for r in records:
+        u = json.loads(r)["user_id"]
+        counts[u] = counts.get(u, 0) + 1
+        if counts[u] <= 6:
+            day1.append(r)
+    (d / "rb-day1.jsonl").write_text("".join(day1))
+    replay = lambda pol, *more: ["replay", env["store"], "--log", str(more[0]), "--policies", str(d / pol),  # noqa: E731
+                                 *SIM, *more[1:]]
+    rc, err = run(env, replay("rb-day1", d / "rb-day1.jsonl"), "rb-day1")
+    assert rc == 0, err
+    for name in ("rb-kill", "rl-ref", "rl-kill"):
+        shutil.copytree(d / "rb-day1", d / name)
+    rc, err = run(env, replay("rl-ref", reference["log"], "--relearn"), "rl-ref")
+    assert rc == 0, err
+
+    def kill_in_second_chunk(pol, *more):
+        p = start(env, replay(pol, reference["log"], *more), d / f"{pol}-k.err")
+        rs_dir = RunState.path_for(d / pol)
+        assert wait_for(p, lambda: (m := newest_meta(rs_dir)) is not None and m["chunks_done"] >= 1
+                        and m["segments_done"] >= 1), (d / f"{pol}-k.err").read_text()
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    kill_in_second_chunk("rb-kill")
+    before = sorted((q.relative_to(d / "rb-kill"), q.read_bytes()) for q in (d / "rb-kill").rglob("*") if q.is_file())
+    with pytest.raises(InputError, match="interrupted `replay` run .* --resume"):
+        rollback(PolicyStore.open(d / "rb-kill"))
+    assert sorted((q.relative_to(d / "rb-kill"), q.read_bytes())
+                  for q in (d / "rb-kill").rglob("*") if q.is_file()) == before
+    rc, err = run(env, replay("rb-kill", reference["log"]), "rb-again")
+    assert rc == 0 and "starting it again" in err, err
+    undone = rollback(PolicyStore.open(d / "rb-kill"))
+    assert len(undone.versions) == 3 and len(undone.users) == 6, undone     # the killed chunk's version too
+    assert_same_policies(d / "rb-day1", d / "rb-kill")
+
+    kill_in_second_chunk("rl-kill", "--relearn")
+    rc, err = run(env, replay("rl-kill", reference["log"], "--relearn"), "rl-again")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error:") and "--resume" in err, err
+    rc, err = run(env, replay("rl-kill", reference["log"], "--relearn", "--resume"), "rl-resume")
+    assert rc == 0 and "resuming from" in err, err
+    assert_same_policies(d / "rl-ref", d / "rl-kill")
+
+
 def test_damaged_checkpoints_in_process(tmp_path):
     fp = {"--lr": 0.1}
     rs = RunState.begin(tmp_path / "pol", "simulate", fp, resume=False)

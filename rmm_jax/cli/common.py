@@ -347,9 +347,13 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
     input files, initial params) and the library versions; a resumed run must match.
     ``restart_same``: without ``resume``, an interrupted run of the same command whose
-    ``inputs`` of these names are the same is started again instead of refused."""
+    ``inputs`` of these names are the same is started again instead of refused; not a
+    ``--relearn`` run (this one or the interrupted one): started again, it would learn what
+    the interrupted run saved once more, so it is resumed."""
     if checkpoint_every < 0:
         raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")
     fp = {**options, **inputs, **runstate.versions()}
-    same = (lambda old: all(old.get(n) == inputs[n] for n in restart_same)) if restart_same else None
+    same = None
+    if restart_same and not options.get("--relearn"):
+        same = lambda old: not old.get("--relearn") and all(old.get(n) == inputs[n] for n in restart_same)  # noqa: E731
     return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same)

@@ -205,10 +205,11 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
 def run_record(ps, rs) -> dict | None:
     """What each version a run saves records of the run, for ``policies rollback``
     (:mod:`rmm_jax.persist.policy_rollback`): the number its first save takes and the
-    setting the store recorded when it began. A resumed run keeps the interrupted one's."""
-    ck = rs.restored if rs is not None else None
-    if ck is not None and ck.meta.get("run"):
-        return ck.meta["run"]
+    setting the store recorded when it began. A resumed run, and one started again after a
+    kill (:meth:`RunState.begin`), keep the interrupted one's: a rollback undoes both."""
+    for meta in ((rs.restored.meta if rs.restored is not None else None), rs.interrupted) if rs is not None else ():
+        if meta and meta.get("run"):
+            return meta["run"]
     return None if ps is None else {"first_version": ps.next_version(), "setting_before": read_setting(ps)}
 
 

@@ -29,7 +29,9 @@ online run of the CLI (:func:`rmm_jax.cli.online.run_and_save`) records
 took (a resumed run keeps F) and S is the setting the store recorded when the run began.
 
 **Refused** (an :class:`~rmm_jax.errors.InputError`, nothing changed): V at or above the
-newest version; and a user whose state at V is gone. That is a user whose kept versions
+newest version; a store whose run-state holds an interrupted run (``--resume`` would go on
+from the versions it forgets, and take the calls they learned as learned); and a user
+whose state at V is gone. That is a user whose kept versions
 are all above V while its oldest kept version replaced an earlier one, which ``keep`` then
 pruned. Every saved version lists, per user, the version that user had before
 (``previous`` in each chunk; None: none). A version saved before that was recorded counts
@@ -71,6 +73,7 @@ from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import SETTING_KEY
 from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, vname
 from rmm_jax.persist.policy_versions import drop_unindexed, writer_index
+from rmm_jax.persist.runstate import RunState
 
 PENDING = "rollback"         # the header's mark while a rollback is under way
 MARKED = ("to", "versions", "shared", "setting", "setting_known")   # what the mark holds
@@ -110,6 +113,11 @@ def plan(store, to: int | None = None) -> Rollback:
     if mark:
         raise InputError(f"a rollback to v{mark['to']} was interrupted: `rmm-jax policies rollback {store.path}` "
                          "finishes it (so does the next run that writes the store)", where=str(store.path))
+    interrupted = RunState.interrupted_command(store.path)
+    if interrupted:
+        raise InputError(f"an interrupted `{interrupted}` run left its state in {RunState.path_for(store.path)}: "
+                         "finish it with --resume (or remove that directory) before rolling back",
+                         where=str(store.path))
     if to is None:
         to = newest_run(store) - 1
     if not isinstance(to, int) or isinstance(to, bool) or to < 0:

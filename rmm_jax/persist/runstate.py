@@ -143,6 +143,7 @@ class RunState:
         self.fingerprint = json.loads(json.dumps(fingerprint))
         self.notify = notify or (lambda msg: None)
         self.restored: Checkpoint | None = None
+        self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
         self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error)
 
@@ -156,11 +157,25 @@ class RunState:
         """The fingerprint of the newest checkpoint an interrupted run of ``target`` left
         (unverified; None if there is none), e.g. to resolve an option's default as that run
         did before the checkpoint is restored and checked."""
+        doc = cls._interrupted(cls.path_for(target))
+        return None if doc is None else doc["fingerprint"]
+
+    @classmethod
+    def interrupted_command(cls, target) -> str | None:
+        """The command of the run whose checkpoints ``target``'s run-state holds (None: no
+        interrupted run), e.g. for ``policies rollback`` to refuse until it is resumed."""
         rs = cls(cls.path_for(target), "", {}, None)
-        for _, snap in reversed(rs._snapshots()):
+        return rs._command_of(rs._snapshots()) if rs._snapshots() else None
+
+    @classmethod
+    def _interrupted(cls, path: Path) -> dict | None:
+        """The ``meta.json`` of the newest checkpoint under ``path`` that parses (unverified)."""
+        for _, snap in reversed(cls(path, "", {}, None)._snapshots()):
             try:
-                return json.loads((snap / META_FILE).read_text())["fingerprint"]
-            except (OSError, ValueError, KeyError, TypeError):
+                doc = json.loads((snap / META_FILE).read_text())
+                if isinstance(doc.get("fingerprint"), dict) and isinstance(doc.get("meta"), dict):
+                    return doc
+            except (OSError, ValueError, AttributeError):
                 continue
         return None
 
@@ -173,15 +188,17 @@ class RunState:
         ``resume`` an unfinished run-state is an error, unless it holds a ``command`` run
         whose fingerprint ``restart`` accepts: that run's state is then removed (with a
         note) and this run starts afresh (``replay``: the policy store remembers the calls
-        each saved policy learned, so starting again learns nothing twice)."""
+        each saved policy learned, so starting again learns nothing twice), keeping the
+        interrupted run's progress meta in :attr:`interrupted` (what it began from)."""
         rs = cls(cls.path_for(target), command, fingerprint, notify)
         rs._lock()
         try:
             snaps = rs._snapshots()
-            if snaps and not resume and restart is not None and rs._command_of(snaps) == command \
-                    and restart(cls.interrupted_fingerprint(target) or {}):
+            old = cls._interrupted(rs.path) if snaps and not resume and restart is not None else None
+            if old is not None and rs._command_of(snaps) == command and restart(old["fingerprint"]):
                 rs.notify(f"an interrupted `{command}` run of the same input left {rs.path}; starting it again "
                           "(what it saved is remembered in the policy store and not learned twice)")
+                rs.interrupted = old["meta"]
                 for p in [*(q for _, q in snaps), rs.path / DONE_DIR]:
                     shutil.rmtree(p, ignore_errors=True)
                 snaps = []
