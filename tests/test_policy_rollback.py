@@ -284,3 +284,11 @@ def test_a_long_lived_reranker_serves_what_the_store_holds_after_refresh(tmp_pat
     assert tree_bytes(rr.policy("a").params) == tree_bytes(state_of(2).params)
     rollback(PolicyStore.open(st.path))
     assert rr.refresh() and rr.policy("a").version == 1 and rr.tau == 0.1 and not rr.refresh()
+    # a Reranker that served a night's policy without a refresh, then the night is undone under
+    # the same setting: the newest version is what the Reranker first saw, and still it reloads
+    run(st, [{"a": 3}], shared_seed=0, setting_before={"estimator": {"tau": 0.1, "noise": "tempered"}})
+    assert rr.policy("a").version == 1
+    rr._cache.clear()                                               # as a server that evicted "a"
+    assert rr.policy("a").version == 3
+    rollback(PolicyStore.open(st.path))
+    assert rr.refresh() and rr.policy("a").version == 1 and not rr.refresh()

@@ -46,6 +46,7 @@ from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError
 from rmm_jax.online.streams import bucket, user_hash
+from rmm_jax.persist.policy_rollback import rollbacks
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -184,8 +185,10 @@ def _sample(params, q, cands, mask, keys, tau, m: int):
 
 
 def _generation(store: PolicyStore | None) -> tuple:
-    """What a :class:`Reranker` serves from ``store``: its newest user version and setting."""
-    return () if store is None else (store.newest_version(), read_setting(store))
+    """What a :class:`Reranker` serves from ``store``: its newest user version, its setting,
+    and how many rollbacks it has finished (undoing the newest run brings the newest version
+    back to what it was before the run)."""
+    return () if store is None else (store.newest_version(), read_setting(store), rollbacks(store))
 
 
 def behaviour_tau(store: PolicyStore | None) -> float:
@@ -224,8 +227,8 @@ class Reranker:
         """Serve what the store holds now. A Reranker keeps the policies it has loaded, so
         after a night's run saved new versions, or a rollback forgot some, a long-lived one
         would serve its cached users yesterday's policies and the others today's. Call this
-        when such a job ends: if the store changed (its newest user version or its learning
-        setting), the store is reopened and every cached policy dropped, so each user's next
+        when such a job ends: if the store changed (its newest user version, its learning
+        setting, or a rollback finished), the store is reopened and every cached policy dropped, so each user's next
         call loads what the store serves now, at the setting's τ. Returns whether it
         changed; when it did not, it cost one indexed query and one small file read."""
         if self.store is None:

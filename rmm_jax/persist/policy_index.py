@@ -319,8 +319,9 @@ class PolicyIndex:
         return self._one(f"SELECT {self._sv} FROM versions v ORDER BY v.version DESC LIMIT 1")
 
     def newest_version(self) -> int | None:
-        """The newest live user version (None: none): it changes with every save and every
-        rollback, since no number is handed out twice."""
+        """The newest live user version (None: none). It changes with every save (no number
+        is handed out twice), not always with a rollback: undoing the newest run brings it
+        back to what it was before that run."""
         return self._one("SELECT MAX(version) FROM versions")
 
     def version_users(self, version: int) -> int:

@@ -76,6 +76,7 @@ from rmm_jax.persist.policy_versions import drop_unindexed, writer_index
 from rmm_jax.persist.runstate import RunState
 
 PENDING = "rollback"         # the header's mark while a rollback is under way
+DONE = "rollbacks"           # the header's count of finished rollbacks
 MARKED = ("to", "versions", "shared", "setting", "setting_known")   # what the mark holds
 
 
@@ -175,11 +176,19 @@ def finish(store) -> None:
         remove_dir(store.path / "shared" / vname(v))
     store._forget_shared_cache()
     header = {k: v for k, v in store._header.items() if k != PENDING}
+    header[DONE] = rollbacks(store) + 1
     if mark.get("setting_known"):
         header.pop(SETTING_KEY, None)
         if mark.get("setting") is not None:
             header[SETTING_KEY] = mark["setting"]
     store._write_header(header)
+
+
+def rollbacks(store) -> int:
+    """How many rollbacks ``store`` has finished. With its newest user version, this tells a
+    reader that the store changed: after undoing the newest run, the newest version is the
+    one it was before that run."""
+    return int(store._header.get(DONE, 0))
 
 
 def _head(store, version: int) -> dict:

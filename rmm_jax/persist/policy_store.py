@@ -361,7 +361,9 @@ class PolicyStore:
 
     def newest_version(self) -> int | None:
         """The newest user version any user keeps (None: none); one indexed query. It differs
-        after every save and every rollback (numbers are never reused)."""
+        after every save (numbers are never reused); a rollback of the newest run brings it
+        back to its value before that run (:func:`rmm_jax.persist.policy_rollback.rollbacks`
+        counts rollbacks)."""
         return self._query(lambda idx: idx.newest_version())
 
     def next_version(self) -> int:
