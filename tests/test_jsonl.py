@@ -16,7 +16,7 @@ from conftest import REPO, run_cli
 
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.data import load_spec
-from rmm_jax.data.citation_log import LogRecord, pl_log_prob, read_log, record_to_json, validate_record
+from rmm_jax.data.citation_log import LogRecord, pl_log_prob, pl_tolerance, read_log, record_to_json, validate_record
 from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS, PART_SEPARATOR, load_jsonl, load_log_dataset
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
@@ -369,6 +369,37 @@ def test_logits_and_log_prob_agree():
     logits = [2.0, -1.0]
     rec = validate_record({**CALL, "logits": logits, "log_prob": pl_log_prob(logits, [0]) + 5e-4})
     assert rec.logits == (2.0, -1.0)
+
+
+def test_a_float32_producers_log_prob_is_accepted_at_any_temperature_and_a_wrong_order_is_not():
+    """The log_prob a producer computes in float32 (rmm-jax's own sampler: ``rerank --explore``)
+    agrees with the float64 check within pl_tolerance's float32 bound, also at the logits of
+    τ = 1e-5, where it errs by more than the 1e-3 floor (rerank refused its own output there);
+    the same draws in another order are still refused."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rmm_jax.core.sampling import selection_log_prob
+    rng = np.random.default_rng(0)
+    k, m, worst, refused = 20, 5, 0.0, 0
+    for scale in (1.0, 1e2, 1e4, 1e5, 1e6):
+        for _ in range(10):
+            z = (rng.standard_normal(k) * scale).astype(np.float32)
+            order = np.argsort(-(z.astype(np.float64) / scale + rng.gumbel(size=k)))[:m]    # a Gumbel top-M draw
+            lp32 = float(selection_log_prob(jnp.asarray(z), jnp.asarray(order, jnp.int32), 1.0))
+            worst = max(worst, abs(lp32 - pl_log_prob(z, order)))
+            ids = [f"m{i}" for i in range(k)]
+            rec = {"user_id": "u", "query_id": "q", "candidates": ids, "selected": [ids[i] for i in order],
+                   "cited": [], "logits": [float(x) for x in z], "log_prob": lp32}
+            assert validate_record(rec, "log.jsonl:1").log_prob == lp32
+            other = (order[1], order[0], *order[2:])
+            if abs(pl_log_prob(z, other) - lp32) > 2 * pl_tolerance(z, m, lp32):   # a detectable mistake
+                refused += 1
+                with pytest.raises(InputError, match="not the Plackett–Luce"):
+                    validate_record({**rec, "selected": [ids[i] for i in other]}, "log.jsonl:1")
+    assert worst > 1e-3, worst             # the case the 1e-3 floor alone refused
+    assert refused >= 20, refused          # a swap of two draws that both trail the largest logit
+                                           # barely moves log P: only the others are checked
 
 
 def test_example_log_dataset():

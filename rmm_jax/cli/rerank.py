@@ -12,7 +12,7 @@ import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, progress_bar
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, info
+from rmm_jax.cli.shell import SEED, check_output_file, info
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
 from rmm_jax.data.store import open_store
@@ -51,7 +51,7 @@ def _served(p, sel, log_prob=None, logits=None, policy=None) -> dict:
                    "tomorrow's replay and evaluate use today's log.")
 @click.option("--tau", type=float, default=None, show_default="the learning setting the policy store records",
               help="--explore: the sampling temperature.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=SEED, default=0, show_default=True,
               help="--explore: each call's noise derives from the seed, the user and the call's identity "
                    "(call_id, else query_id, else the query text): serving the same call again draws the same.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
@@ -83,12 +83,13 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     t0 = time.perf_counter()
     check_output_file(out, f"--out {out}")
     st = open_store(store)
+    note = None
     if policies is not None and Path(policies).exists():
         rr = Reranker(PolicyStore.open(policies, expect_dim=st.dim), cache_users=cache_users)
     else:
         rr = Reranker(None, dim=st.dim)
-        info(("no policy yet" if policies is None else f"no policy store at {policies}")
-             + ": serving the identity reranker (the base retriever's scores)")
+        note = (("no policy yet" if policies is None else f"no policy store at {policies}")
+                + ": serving the identity reranker (the base retriever's scores)")
     if tau is not None and not 0 < tau < float("inf"):
         raise InputError(f"must be > 0, got {tau}", where="--tau")
     if tau is not None and not explore:
@@ -103,6 +104,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
                                  "names each call once)", where=at(calls_path, c.line))
             first[key] = c.line
     prepared = prepare_calls(st, calls, calls_path, k, m)
+    if note:                                      # after the calls are checked: an error stays one line
+        info(note)
     groups = defaultdict(list)                    # one batched call per user and candidate count
     for i, p in enumerate(prepared):
         groups[(p.call.user_id, p.cands.shape[0])].append(i)

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import json_lines
+from rmm_jax.data.citation_log import check_timestamp, json_lines
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.retrieval import top_k
@@ -94,11 +94,7 @@ def read_calls(path: str | os.PathLike) -> list[Call]:
             if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
                 raise InputError(f"expected a non-empty string, got {json_type(obj.get(key))}",
                                  where=at(path, line, key))
-        stamp = obj.get("timestamp")
-        if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (str, int, float))
-                                  or (isinstance(stamp, float) and not np.isfinite(stamp))):
-            raise InputError(f"expected a string or a finite number, got {json_type(stamp)}",
-                             where=at(path, line, "timestamp"))
+        stamp = check_timestamp(obj.get("timestamp"), at(path, line))
         if "query" not in obj and "query_id" not in obj:
             raise InputError("needs 'query' (text) or a 'query_id' of STORE", where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:

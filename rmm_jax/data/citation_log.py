@@ -224,14 +224,21 @@ def _log_prob(value: Any, where: str) -> float | None:
     return out
 
 
-def _timestamp(value: Any, where: str) -> str | int | float | None:
+def check_timestamp(value: Any, where: str) -> str | int | float | None:
+    """A record's ``timestamp`` (``where``: its ``FILE:LINE``): None, a string, or a number
+    that is finite as a float (:func:`timestamp_seconds` reads it as one)."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"must be a string or a number, got {_type_name(value)}",
                          where=_key_where(where, "timestamp"))
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InputError(f"must be finite, got {value!r}", where=_key_where(where, "timestamp"))
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:        # an int beyond float's range
+        finite = False
+    if not finite:
+        shown = repr(value) if len(repr(value)) <= 24 else repr(value)[:20] + "…"
+        raise InputError(f"must be a finite number of seconds, got {shown}", where=_key_where(where, "timestamp"))
     return value
 
 
@@ -284,6 +291,23 @@ def _logits(value: Any, where: str, n: int) -> tuple[float, ...] | None:
             raise InputError(f"item {i} must be finite, got {v!r}", where=_key_where(where, "logits"))
         out.append(f)
     return tuple(out)
+
+
+def pl_tolerance(logits, m: int, log_prob: float) -> float:
+    """How far a producer's float32 Plackett–Luce log-probability of ``m`` draws may lie from
+    :func:`pl_log_prob` of the same ``logits``. Each of the m terms z_i − logsumexp rounds
+    the logits and the running maximum (|z| ≤ Z, error ≤ Z·2⁻²⁴ each) and sums at most K
+    exponentials (≤ K·2⁻²⁴ in the log), so the sum errs by at most m·(2Z + K + 2)·2⁻²⁴; the
+    bound takes 4 times that, for other orders of the same sums. Where that is small (the
+    logits of a policy at τ ≳ 1e-3), the floor max(1e-3, 1e-4·|log P|) decides, as always.
+
+    >>> pl_tolerance([0.5, -1.0, 2.0], 2, -1.2)
+    0.001
+    >>> round(pl_tolerance([1.4e5, 1.3e5, 0.0], 2, -3.0), 3)       # rerank --explore --tau 1e-5
+    0.134
+    """
+    z = max((abs(float(x)) for x in logits), default=0.0)
+    return max(1e-3, 1e-4 * abs(log_prob), 4 * m * (2 * z + len(logits) + 2) * 2.0**-24)
 
 
 def pl_log_prob(logits, order) -> float:
@@ -340,7 +364,7 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     selected = _id_list(obj["selected"], where, "selected", allow_empty=False)
     cited = _id_list(obj.get("cited", []), where, "cited", allow_empty=True)
     log_prob = _log_prob(obj.get("log_prob"), where)
-    timestamp = _timestamp(obj.get("timestamp"), where)
+    timestamp = check_timestamp(obj.get("timestamp"), where)
     query = obj.get("query")
     if query is not None and not isinstance(query, str):
         raise InputError(f"must be a string, got {_type_name(query)}", where=_key_where(where, "query"))
@@ -364,7 +388,7 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     if logits is not None and log_prob is not None:
         pos = {c: p for p, c in enumerate(candidates)}
         implied = pl_log_prob(logits, [pos[x] for x in selected])
-        if abs(implied - log_prob) > max(1e-3, 1e-4 * abs(log_prob)):
+        if abs(implied - log_prob) > pl_tolerance(logits, len(selected), log_prob):
             raise InputError(f"{log_prob!r} is not the Plackett–Luce log-probability of 'selected' under "
                              f"'logits' ({implied:.6g})", where=_key_where(where, "log_prob"))
     return LogRecord(user_id=user_id, query_id=query_id, candidates=candidates,
