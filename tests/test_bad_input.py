@@ -144,6 +144,8 @@ def env(tmp_path_factory):
         "nan_log_prob": jl(g0) + json.dumps({**g1, "log_prob": float("nan")}) + "\n",
         "too_many_candidates": jl({**g0, "candidates": list(u.memory_ids[:K + 1])}),
         "too_many_selected": jl({**g0, "selected": list(u.memory_ids[:M + 1])}),
+        "huge_timestamp": jl(g0, {**g1, "timestamp": 10**400}),
+        "calls_huge_timestamp": jl({"user_id": u.user_id, "query_id": u.query_ids[0], "timestamp": -10**400}),
     }
     ld = root / "logs"
     ld.mkdir()
@@ -191,6 +193,12 @@ def cases():
          lambda e: [":1", "'selected'"]),
         ("log-positive-log-prob", lambda e: rp(e, "positive_log_prob"), lambda e: [":1", "'log_prob'"]),
         ("log-nan-log-prob", lambda e: rp(e, "nan_log_prob"), lambda e: [":2", "'log_prob'"]),
+        ("log-huge-timestamp", lambda e: rp(e, "huge_timestamp"), lambda e: [":2", "'timestamp'", "finite"]),
+        ("rerank-huge-timestamp", lambda e: ["rerank", S(e), "--calls", L(e, "calls_huge_timestamp"), "--out",
+                                             e["root"] / "new_served.jsonl"],
+         lambda e: [f"{L(e, 'calls_huge_timestamp')}:1", "'timestamp'"]),
+        ("evaluate-negative-seed", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies", e["pol_existing"],
+                                              "--seed", -1], lambda e: ["--seed"]),
         ("log-more-candidates-than-k", lambda e: rp(e, "too_many_candidates"), lambda e: ["--k", "too_many"]),
         ("log-more-selected-than-m", lambda e: rp(e, "too_many_selected"), lambda e: ["--m", "too_many"]),
         ("log-is-directory", lambda e: ["replay", S(e), "--log", e["logs"], "--policies", new_pol(e)],
@@ -225,6 +233,7 @@ def cases():
         ("simulate-recall", lambda e: sim(e, "--recall", -0.1), lambda e: ["--recall"]),
         ("simulate-unknown-user", lambda e: sim(e, "--users", "nobody"), lambda e: ["--users", "nobody"]),
         ("simulate-users-per-chunk", lambda e: sim(e, "--users-per-chunk", 0), lambda e: ["--users-per-chunk"]),
+        ("simulate-seed-beyond-a-key", lambda e: sim(e, "--seed", 2**63), lambda e: ["--seed"]),
         ("simulate-log-out-dir", lambda e: sim(e)[:-2] + ["--log-out", e["logs"]], lambda e: ["--log-out"]),
         ("simulate-store-missing", lambda e: ["simulate", e["root"] / "nostore", "--policies", new_pol(e)],
          lambda e: ["nostore"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import emit_json, info, users_option
+from rmm_jax.cli.shell import SEED, emit_json, info, users_option
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
@@ -22,7 +22,7 @@ ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | 
                    "or the record carries `gold`.")
 @users_option("Only these users' calls")
 @click.option("--bootstrap", type=int, default=2000, help="Bootstrap resamples (users, then calls) for the intervals.")
-@click.option("--seed", type=int, default=0, help="Seed of the bootstrap.")
+@click.option("--seed", type=SEED, default=0, help="Seed of the bootstrap.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rates as one JSON object on stdout.")
 def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):

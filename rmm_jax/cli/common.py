@@ -12,7 +12,7 @@ import click
 import jax
 from tqdm import tqdm
 
-from rmm_jax.cli.shell import check_writable, explicit_options, info
+from rmm_jax.cli.shell import SEED, check_writable, explicit_options, info
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
     PAPER_JUDGE,
@@ -100,7 +100,8 @@ def config_options(f=None, *, from_log: bool = False):
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(),
-        click.option("--seed", type=int, default=0, show_default=True, help="Run seed (per-user keys derive from it)."),
+        click.option("--seed", type=SEED, default=0, show_default=True,
+                     help="Run seed (per-user keys derive from it)."),
     ]
     for o in reversed(opts):
         f = o(f)

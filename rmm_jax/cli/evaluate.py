@@ -7,7 +7,7 @@ import click
 
 from rmm_jax.cli.common import DEFAULTS, k_m_from_log
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, info, png_option, users_option
+from rmm_jax.cli.shell import SEED, check_output_file, info, png_option, users_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -66,7 +66,7 @@ def _row(name: str, est: dict) -> str:
               help="Per-slot marginals (iips, recall direct) are exact when they need at most this many "
                    "candidate sets, Monte Carlo otherwise.")
 @click.option("--mc-samples", type=int, default=DEFAULT_MC_SAMPLES, help="Samples per call for Monte Carlo marginals.")
-@click.option("--seed", type=int, default=0, help="Seed of the bootstrap and the Monte Carlo marginals.")
+@click.option("--seed", type=SEED, default=0, help="Seed of the bootstrap and the Monte Carlo marginals.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @png_option("Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a reference "
             "line, each unreliable estimate as a hatched column labelled 'unreliable', with no value; below, each "

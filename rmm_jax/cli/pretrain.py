@@ -16,7 +16,7 @@ from rmm_jax.cli.common import (
     scope_options,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, emit_json, info, png_option, users_option
+from rmm_jax.cli.shell import SEED, check_output_file, emit_json, info, png_option, users_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
@@ -105,7 +105,7 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @click.option("--m", type=int, default=PRETRAIN.m, help="Validation metric is Recall@m of the reranked top-m.")
 @click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, help="Reranker adapters.")
 @click.option("--hidden", type=int, default=None, help="MLP hidden width (default: the embedding dim).")
-@click.option("--seed", type=int, default=0, help="Seed for initialisation, split and shuffling.")
+@click.option("--seed", type=SEED, default=0, help="Seed for initialisation, split and shuffling.")
 @scope_options_deco
 @checkpoint_options(1, "epochs")
 @png_option("Also write a PNG of the epochs: the training loss, and the train and validation Recall@m from "

@@ -15,6 +15,8 @@ from click.core import ParameterSource
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import write_problem
 
+SEED = click.IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, JAX's keys >= 2**63
+
 
 def info(msg: str) -> None:
     """Progress and notes go to stderr so that ``--json`` stdout stays parseable."""
