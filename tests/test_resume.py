@@ -523,6 +523,35 @@ def test_damaged_checkpoints_in_process(tmp_path):
         RunState.begin(tmp_path / "pol", "replay", {"--lr": 0.2}, resume=True)
 
 
+def test_a_run_state_killed_while_it_is_removed_is_gone_not_half_deleted(tmp_path, monkeypatch):
+    """A finished run removes its run-state whole: a kill inside the deletion leaves no
+    ``POLICIES.runstate`` with some checkpoints half gone (which ``--resume`` would read as
+    damaged, and ``policies rollback`` as an interrupted run), only a hidden leftover that
+    the next run-state of the same policies deletes."""
+    import rmm_jax.persist.atomic as atomic
+
+    class Killed(BaseException):
+        pass
+
+    def killed(path, ignore_errors=False):
+        next(Path(path).rglob("arrays.npz")).unlink()      # part of the deletion done, then the kill
+        raise Killed
+
+    rs = RunState.begin(tmp_path / "pol", "replay", {}, resume=False)
+    for i in range(2):
+        rs.save({"i": i}, {"x": np.arange(3) + i})
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed)
+    with pytest.raises(Killed):
+        rs.finish()
+    monkeypatch.undo()
+    rs.close()
+    assert not RunState.path_for(tmp_path / "pol").exists()
+    assert RunState.interrupted_command(tmp_path / "pol") is None
+    (left,) = tmp_path.glob(".pol.runstate.old-*")
+    with RunState.begin(tmp_path / "pol", "replay", {}, resume=False):
+        assert not left.exists()
+
+
 def test_a_checkpoint_of_format_1_still_resumes(tmp_path):
     """Checkpoints written before arrays.npz held an orbax checkpoint in arrays/."""
     import orbax.checkpoint as ocp

@@ -48,7 +48,7 @@ import numpy as np
 
 from rmm_jax.errors import InputError
 from rmm_jax.persist import checksums
-from rmm_jax.persist.atomic import atomic_file, fsync_dir, temp_dir, write_json
+from rmm_jax.persist.atomic import atomic_file, fsync_dir, remove_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
 from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
 from rmm_jax.persist.lock import WriterLock
@@ -225,6 +225,8 @@ class RunState:
     # ---- locking
 
     def _lock(self) -> None:
+        for p in self.path.parent.glob(f".{self.path.name}.old-*"):   # what a kill left of a finish()
+            shutil.rmtree(p, ignore_errors=True)
         self.path.mkdir(parents=True, exist_ok=True)
         self._writer.acquire()
         for p in self.path.iterdir():  # leftovers of a killed writer
@@ -244,8 +246,10 @@ class RunState:
         self._writer.release()
 
     def finish(self) -> None:
-        """The run completed: remove the run-state directory and release the lock."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """The run completed: remove the run-state directory whole (renamed aside first, so a
+        kill part-way leaves no half-deleted run-state for ``--resume`` or ``policies
+        rollback`` to find) and release the lock."""
+        remove_dir(self.path)
         self.close()
 
     # ---- completed chunks' outputs (written once each, not in every checkpoint)
