@@ -228,7 +228,9 @@ def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
     summary = json.loads(out.out)
     assert summary["online"]["queries"] == summary["base"]["queries"] > 0
     simulated = {u: PolicyStore.open(pol).load(u).state.params for u in PolicyStore.open(pol).users()}
-    run("replay", str(st), "--log", str(tmp_path / "log.jsonl"), "--policies", pol, "--init", "pretrained", *km)
+    err = run("replay", str(st), "--log", str(tmp_path / "log.jsonl"), "--policies", pol, "--init", "pretrained",
+              *km).err
+    assert "started 3 of 3 users afresh although" in err and "leave out --init" in err   # not continued: said
     replayed = PolicyStore.open(pol)
     assert set(simulated) == set(replayed.users()) and simulated
     for u in simulated:

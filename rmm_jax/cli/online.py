@@ -151,10 +151,18 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
 def continue_note(ps, start: Start, user_ids) -> str | None:
     """The stderr line of a run that continued a policy store: how many of its users continued
     from their saved versions (which), and where the others started; None when nobody continues.
-    Made before the run saves anything, printed after it (an error stays one line)."""
-    if ps is None or start.before is None:
+    Made before the run saves anything, printed after it (an error stays one line). A run
+    that starts afresh (``--init identity`` or ``pretrained``) on a store that holds some of
+    its users says so instead: their new versions forget what the saved ones learned, which
+    a nightly job that keeps the first night's ``--init`` would do every night."""
+    if ps is None:
         return None
     user_ids = list(user_ids)
+    if start.before is None:
+        held = sum(bool(entries) for _, entries, _ in ps.listing(user_ids))
+        return None if not held else (
+            f"started {held} of {len(user_ids)} users afresh although {ps.path} holds their saved policies "
+            "(--init): their new versions do not continue what those learned; leave out --init to continue them")
     held = {}
     for u, entries, _ in ps.listing(user_ids):
         older = [e.version for e in entries if e.version < start.before]
