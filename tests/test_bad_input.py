@@ -217,6 +217,8 @@ def cases():
         ("replay-clip", lambda e: rp(e, "good", "--clip", "0.5"), lambda e: ["--clip"]),
         ("replay-paper-preset", lambda e: rp(e, "good", "--preset", "paper"), lambda e: ["--preset"]),
         ("replay-users-per-chunk", lambda e: rp(e, "good", "--users-per-chunk", 0), lambda e: ["--users-per-chunk"]),
+        ("replay-checkpoint-every", lambda e: rp(e, "good", "--scope", "hybrid", "--checkpoint-every", -1),
+         lambda e: ["--checkpoint-every"]),      # it created the policy store, pinned to hybrid, before refusing
     ]
     # ---- K, M, tau, lr out of range: every online command
     for opt, val, name in [("--k", 0, "--k"), ("--m", 0, "--m"), ("--m", K + 1, "--m"), ("--tau", 0, "--tau"),
@@ -233,6 +235,7 @@ def cases():
         ("simulate-recall", lambda e: sim(e, "--recall", -0.1), lambda e: ["--recall"]),
         ("simulate-unknown-user", lambda e: sim(e, "--users", "nobody"), lambda e: ["--users", "nobody"]),
         ("simulate-users-per-chunk", lambda e: sim(e, "--users-per-chunk", 0), lambda e: ["--users-per-chunk"]),
+        ("simulate-checkpoint-every", lambda e: sim(e, "--checkpoint-every", -1), lambda e: ["--checkpoint-every"]),
         ("simulate-seed-beyond-a-key", lambda e: sim(e, "--seed", 2**63), lambda e: ["--seed"]),
         ("simulate-log-out-dir", lambda e: sim(e)[:-2] + ["--log-out", e["logs"]], lambda e: ["--log-out"]),
         ("simulate-store-missing", lambda e: ["simulate", e["root"] / "nostore", "--policies", new_pol(e)],

@@ -310,7 +310,7 @@ def checkpoint_options(default_every: int, unit: str):
         f = click.option("--resume", is_flag=True,
                          help="Continue the interrupted run of the same command, inputs and options "
                               "from its last complete checkpoint.")(f)
-        f = click.option("--checkpoint-every", type=int, default=default_every,
+        f = click.option("--checkpoint-every", type=click.IntRange(min=0), default=default_every, show_default=True,
                          help=f"Checkpoint the run every N {unit} (0: only when interrupted by "
                               "SIGINT/SIGTERM); results do not depend on it.")(f)
         return f

@@ -130,6 +130,9 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except MemoryError as e:    # e.g. numpy's, for a --users-per-chunk far beyond the store's users
+        click.echo(f"error: out of memory ({e}); a smaller --users-per-chunk or --batch needs less", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
                    "each call is learned once: calls learned already are skipped and counted, and one learned "
                    "with other content is an error (docs/reliability.md, \"Exactly once\").")
 @users_option("Only these users' records")
-@click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
+@click.option("--users-per-chunk", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Users run side by side per compiled call.")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
@@ -122,8 +123,6 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     if setting.estimator.mode == "rmm":
         raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
                          "record; replay with --preset default", where="--preset")
-    if users_per_chunk < 1:
-        raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     check_output_file(plot_path, f"--plot {plot_path}")
     if passes < 1:
         raise InputError(f"must be >= 1, got {passes}", where="--passes")

@@ -88,7 +88,8 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @click.option("--queries", "query_range", default=None, metavar="START:END",
               help="Only each user's queries START..END-1 in stream order (either end may be left out): a "
                    "later run over the next range continues where this one stopped.")
-@click.option("--users-per-chunk", type=int, default=8, help="Users run side by side per compiled call.")
+@click.option("--users-per-chunk", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
@@ -113,8 +114,6 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     ls = learning_setting(policies, opts, change=change_setting, resume=resume)
     setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
-    if users_per_chunk < 1:
-        raise InputError(f"must be >= 1, got {users_per_chunk}", where="--users-per-chunk")
     # Rates are checked here, before any work (and progress output), not inside the run.
     overridden = precision is not None or cite_recall is not None
     precision = DEFAULT_PRECISION if precision is None else precision
