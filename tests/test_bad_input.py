@@ -146,6 +146,7 @@ def env(tmp_path_factory):
         "too_many_selected": jl({**g0, "selected": list(u.memory_ids[:M + 1])}),
         "huge_timestamp": jl(g0, {**g1, "timestamp": 10**400}),
         "calls_huge_timestamp": jl({"user_id": u.user_id, "query_id": u.query_ids[0], "timestamp": -10**400}),
+        "calls_good": jl({"user_id": u.user_id, "query_id": u.query_ids[0]}),
     }
     ld = root / "logs"
     ld.mkdir()
@@ -197,6 +198,9 @@ def cases():
         ("rerank-huge-timestamp", lambda e: ["rerank", S(e), "--calls", L(e, "calls_huge_timestamp"), "--out",
                                              e["root"] / "new_served.jsonl"],
          lambda e: [f"{L(e, 'calls_huge_timestamp')}:1", "'timestamp'"]),
+        ("rerank-policy-other-model", lambda e: ["rerank", S(e), "--policies", e["pol_model"], "--calls",
+                                                 L(e, "calls_good"), "--out", e["root"] / "new_served.jsonl"],
+         lambda e: ["--policies", "other/model-32"]),
         ("evaluate-negative-seed", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies", e["pol_existing"],
                                               "--seed", -1], lambda e: ["--seed"]),
         ("log-more-candidates-than-k", lambda e: rp(e, "too_many_candidates"), lambda e: ["--k", "too_many"]),

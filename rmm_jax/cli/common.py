@@ -166,6 +166,18 @@ def start_distributed(opts: dict, *, users_per_chunk: int, resume: bool):
     return mesh
 
 
+def open_policies_for(path, st, *, keep: int | None = None) -> PolicyStore:
+    """The existing policy store at ``path`` (``--policies``), checked against embedding store
+    ``st``: the same dimension, and the same embedding model when the policy store records
+    one (two models of one dimension embed into different spaces)."""
+    ps = PolicyStore.open(path, expect_dim=st.dim, keep=keep)
+    made_for = (ps.meta.get("config") or {}).get("model")
+    if made_for and made_for != st.model:
+        raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
+                         where=f"--policies {path}")
+    return ps
+
+
 def is_writer() -> bool:
     """Only process 0 of a multi-process run writes policies, logs and run-state."""
     return jax.process_index() == 0

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, k_m_from_log
+from rmm_jax.cli.common import DEFAULTS, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, info, png_option, users_option
 from rmm_jax.core.config import Layout
@@ -24,7 +24,6 @@ from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
 from rmm_jax.online.streams import log_shape
 from rmm_jax.persist.policy_rollback import newest_run
-from rmm_jax.persist.policy_store import PolicyStore
 
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
           "recall": "Recall@M of the shown memories (calls with gold)"}
@@ -144,7 +143,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     k, m = k_m_from_log(k, m, log_shape(log_path, known_ids(st), skip_invalid=skip_invalid), log_path)
-    ps = PolicyStore.open(policies, expect_dim=st.dim)
+    ps = open_policies_for(policies, st)
     tau = behaviour_tau(ps) if tau is None else tau
     try:
         Layout(k=k, m=m)
@@ -152,10 +151,6 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None
-    made_for = (ps.meta.get("config") or {}).get("model")
-    if made_for and made_for != st.model:
-        raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
-                         where=f"--policies {policies}")
     rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                        exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid, min_ess=min_ess)
     rep = {"store": str(store), "policies": str(policies), **rep}

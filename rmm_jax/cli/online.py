@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import click
 import jax
 
-from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, progress_bar
+from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, open_policies_for, progress_bar
 from rmm_jax.cli.shell import emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
@@ -88,11 +88,7 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
                 "config": {"pretrained": False, "model": st.model}}
         return PolicyStore.create(p, meta, identity_params(st, layout, seed),
                                   **({"keep": keep} if keep is not None else {}))
-    ps = PolicyStore.open(p, expect_dim=st.dim, keep=keep)
-    made_for = (ps.meta.get("config") or {}).get("model")
-    if made_for and made_for != st.model:  # same dim, another embedding space
-        raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
-                         where=f"--policies {path}")
+    ps = open_policies_for(p, st, keep=keep)
     check_scope(ps, layout, path)
     if ps.meta.get("kind") != layout.kind:
         raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{layout.kind}'", where="--kind")

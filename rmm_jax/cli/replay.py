@@ -16,6 +16,7 @@ from rmm_jax.cli.common import (
     k_m_from_log,
     learning_setting,
     note_setting,
+    open_policies_for,
     start_distributed,
 )
 from rmm_jax.cli.main import cli
@@ -45,7 +46,6 @@ from rmm_jax.online.loop import make_run
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.policy_setting import write_setting
-from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import file_digest
 
 
@@ -130,7 +130,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     if Path(policies).exists():  # fail fast on a mismatched store, before the validation pass
-        check_scope(PolicyStore.open(policies, expect_dim=st.dim), setting.layout, policies)
+        check_scope(open_policies_for(policies, st), setting.layout, policies)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls

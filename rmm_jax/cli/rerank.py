@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from rmm_jax.cli.common import DEFAULTS, progress_bar
+from rmm_jax.cli.common import DEFAULTS, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, info
 from rmm_jax.data.calls import prepare_calls, read_calls
@@ -19,7 +19,6 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_keys
 from rmm_jax.persist.atomic import atomic_file
-from rmm_jax.persist.policy_store import PolicyStore
 
 
 def _served(p, sel, log_prob=None, logits=None, policy=None) -> dict:
@@ -85,7 +84,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     st = open_store(store)
     note = None
     if policies is not None and Path(policies).exists():
-        rr = Reranker(PolicyStore.open(policies, expect_dim=st.dim), cache_users=cache_users)
+        rr = Reranker(open_policies_for(policies, st), cache_users=cache_users)
     else:
         rr = Reranker(None, dim=st.dim)
         note = (("no policy yet" if policies is None else f"no policy store at {policies}")
