@@ -205,3 +205,26 @@ def test_remove_dir_is_whole_or_not_at_all_and_a_killed_one_is_a_leftover(tmp_pa
     finally:
         shutil.rmtree = real
     assert not d.exists() and [p.name for p in leftovers(tmp_path)] == [f".v00000002.old-{os.getpid()}"]
+
+
+def test_write_problem_probes_the_output_and_below_it_never_its_siblings(tmp_path, monkeypatch):
+    """A new --policies DIR is checked in its nearest existing ancestor only: probing that
+    ancestor's other directories (depth 1) wrote probe files into unrelated siblings and
+    refused a run beside a read-only one. An existing DIR is probed with what lies below it.
+    A directory that cannot be listed is one reason, not a traceback."""
+    import rmm_jax.persist.atomic as atomic
+    (tmp_path / "sibling" / "deep").mkdir(parents=True)
+    (tmp_path / "out" / "sub").mkdir(parents=True)
+    probed = []
+    real = atomic.temp_file
+    monkeypatch.setattr(atomic, "temp_file", lambda prefix, d: probed.append(Path(d)) or real(prefix, d))
+    assert atomic.write_problem(tmp_path / "new" / "store", depth=1) is None
+    assert probed == [tmp_path]
+    probed.clear()
+    assert atomic.write_problem(tmp_path / "out", depth=1) is None
+    assert sorted(probed) == [tmp_path / "out", tmp_path / "out" / "sub"]
+
+    def unlistable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(atomic.Path, "iterdir", unlistable)
+    assert atomic.write_problem(tmp_path / "out", depth=1) == f"{tmp_path / 'out'}: Permission denied"

@@ -60,7 +60,8 @@ def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
     """Why new files cannot be written in directory ``path``, or None if they can.
 
     ``path`` need not exist: then its nearest existing ancestor is what must take the new
-    entries. A probe file is created and removed in the directory and in every directory up to
+    entries (and nothing below that ancestor is probed: its other directories are not the
+    output's). A probe file is created and removed in the directory and in every directory up to
     ``depth`` levels below it, and the files directly in it must be writable: permissions,
     read-only mounts and immutable files answer alike, for root too (which ignores modes).
     """
@@ -70,9 +71,12 @@ def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
     if not p.is_dir():
         return f"{p} is not a directory"
     level, dirs = [p], []
-    for _ in range(depth + 1):
+    for _ in range(depth + 1 if p == Path(path) else 1):
         dirs += level
-        level = [c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
+        try:
+            level = [c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
+        except OSError as e:
+            return f"{e.filename or p}: {e.strerror or e}"
     for d in dirs:
         try:
             fd, probe = temp_file(".write-probe-", d)
