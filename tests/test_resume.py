@@ -552,6 +552,20 @@ def test_a_run_state_killed_while_it_is_removed_is_gone_not_half_deleted(tmp_pat
         assert not left.exists()
 
 
+def test_an_interrupted_run_is_told_from_a_running_one(tmp_path):
+    """``policies rollback`` asks whether a run left its state: while that run still holds
+    the run-state's lock the answer is the one-line "in use by pid" (not the advice to
+    resume a run that is alive); once it is gone, the interrupted command."""
+    rs = RunState.begin(tmp_path / "pol", "replay", {}, resume=False)
+    rs.save({}, {"x": np.arange(2)})
+    with pytest.raises(InputError, match=f"in use by pid {os.getpid()}"):
+        RunState.interrupted_command(tmp_path / "pol")
+    rs.close()
+    assert RunState.interrupted_command(tmp_path / "pol") == "replay"
+    shutil.rmtree(RunState.path_for(tmp_path / "pol"))
+    assert RunState.interrupted_command(tmp_path / "pol") is None
+
+
 def test_a_checkpoint_of_format_1_still_resumes(tmp_path):
     """Checkpoints written before arrays.npz held an orbax checkpoint in arrays/."""
     import orbax.checkpoint as ocp

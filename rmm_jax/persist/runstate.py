@@ -163,9 +163,16 @@ class RunState:
     @classmethod
     def interrupted_command(cls, target) -> str | None:
         """The command of the run whose checkpoints ``target``'s run-state holds (None: no
-        interrupted run), e.g. for ``policies rollback`` to refuse until it is resumed."""
+        interrupted run), e.g. for ``policies rollback`` to refuse until it is resumed.
+        Raises the one-line "in use by pid N" InputError while that run is still running."""
         rs = cls(cls.path_for(target), "", {}, None)
-        return rs._command_of(rs._snapshots()) if rs._snapshots() else None
+        if not rs._snapshots():
+            return None
+        try:
+            with rs._writer.hold():
+                return rs._command_of(rs._snapshots()) if rs._snapshots() else None
+        except FileNotFoundError:       # the run finished meanwhile and removed it
+            return None
 
     @classmethod
     def _interrupted(cls, path: Path) -> dict | None:
