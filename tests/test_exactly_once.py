@@ -119,8 +119,9 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
     code, _, err = replay(capsys, store, log, tmp_path / "p")
     assert code == 2, err
     assert err.strip().splitlines() == [f"error: {log}:6: user {logged[5]['user_id']!r}: this call was learned with "
-                                        "other content (the log was rewritten after it was learned); pass "
-                                        "--relearn to learn it again"], err
+                                        "other content: the log was rewritten after it was learned, or it is "
+                                        "another call under the same name (give each call its own call_id); "
+                                        "--relearn learns the log's calls again"], err
     assert_same(before, states(tmp_path / "p"))
     code, _, err = replay(capsys, store, log, tmp_path / "p", "--relearn")
     assert code == 0, err

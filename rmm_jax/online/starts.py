@@ -108,8 +108,9 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
             sort = classify(jax.tree.map(lambda x: x[j], got.learned), mine, relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
-                raise InputError(f"user {u!r}: this call was learned with other content (the log was rewritten "
-                                 "after it was learned); pass --relearn to learn it again",
+                raise InputError(f"user {u!r}: this call was learned with other content: the log was rewritten "
+                                 "after it was learned, or it is another call under the same name (give each "
+                                 "call its own call_id); --relearn learns the log's calls again",
                                  where=at(log_path, line))
             known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
             learn += int(sort.learn.sum())
