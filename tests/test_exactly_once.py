@@ -85,8 +85,10 @@ def replay(capsys, store, log, pol, *extra):
 
 def test_a_log_replayed_again_learns_nothing_and_says_how_many_it_skipped(capsys, tmp_path, store, logged):
     log = write(tmp_path / "day.jsonl", logged)
-    code, _, err = replay(capsys, store, log, tmp_path / "p", "--scope", "hybrid", "--rank", "2")
+    code, out, err = replay(capsys, store, log, tmp_path / "p", "--scope", "hybrid", "--rank", "2", "--json")
     assert code == 0, err
+    first = json.loads(out)["log"]["calls"]              # the first night into a new store says so too
+    assert first == {"learn": len(logged), "learned_already": 0, "older": 0, "relearn": False}, first
     before = states(tmp_path / "p")
     versions = PolicyStore.open(tmp_path / "p").next_version()
     code, out, err = replay(capsys, store, log, tmp_path / "p", "--json")

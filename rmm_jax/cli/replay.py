@@ -153,8 +153,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                    inputs=inputs, restart_same=("STORE", "--log")) as rs:
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
         learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
-        if learned is not None:
-            rep["calls"] = note_learned(learned, relearn)
+        # every night's --json has log.calls: a run that starts afresh learns every valid record
+        rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(rep["records"], 0, 0), relearn)
         note = continue_note(ps, start, user_ids) if writer else None
         result = None
         if learned is None or learned.learn:
