@@ -196,3 +196,24 @@ def test_a_mixed_log_killed_anywhere_and_run_again_learns_the_new_calls_once(cap
             killed_run(capsys, monkeypatch, store, day2, tmp_path / "killed", where, *how)
     assert not runstate.RunState.path_for(tmp_path / "killed").exists()
     assert_same(states(tmp_path / "ref"), states(tmp_path / "killed"))
+
+
+def test_a_log_with_more_untimed_calls_than_a_policy_remembers_says_so(capsys, tmp_path, store, logged):
+    """A policy remembers its last WINDOW calls and recognises older ones by timestamp, so a
+    user's calls beyond WINDOW without timestamps would be learned again if the log were
+    replayed again. The run says so (which user, what to do); with timestamps it does not,
+    and replaying that log again learns nothing."""
+    from rmm_jax.persist.learned_calls import WINDOW
+    mine = [r for r in logged if r["user_id"] == logged[0]["user_id"]]
+    many = [{**mine[i % len(mine)], "call_id": f"c{i}"} for i in range(WINDOW + 8)]
+    stamped = [{**r, "timestamp": 1_700_000_000 + i} for i, r in enumerate(many)]
+    for records, name, warned in ((many, "untimed", True), (stamped, "stamped", False)):
+        log = write(tmp_path / f"{name}.jsonl", records)
+        code, _, err = replay(capsys, store, log, tmp_path / name)
+        assert code == 0, err
+        assert (f"user {logged[0]['user_id']!r} has more than {WINDOW} calls without a timestamp"
+                in err) is warned, err
+    code, out, err = replay(capsys, store, tmp_path / "stamped.jsonl", tmp_path / "stamped", "--json")
+    assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 0, err
+    code, out, err = replay(capsys, store, tmp_path / "untimed.jsonl", tmp_path / "untimed", "--json")
+    assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 8, err    # what the note warned of

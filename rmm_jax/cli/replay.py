@@ -45,6 +45,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
+from rmm_jax.persist.learned_calls import WINDOW
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.runstate import file_digest
 
@@ -137,6 +138,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users, calls=continues)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
+    untimed = rep.pop("untimed_over_window")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
         info(f"embedded {len(texts)} texts the store lacks (queries and memories the log carries as text)")
@@ -167,6 +169,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
             rs.finish()
     if note:
         info(note)
+    if untimed:
+        who = f"user {untimed[0]!r} has" if len(untimed) == 1 else f"{len(untimed)} users (first: {untimed[0]!r}) have"
+        info(f"{who} more than {WINDOW} calls without a timestamp in this log: a policy remembers its last "
+             f"{WINDOW} calls and recognises older ones by their timestamps, so replaying this log again would "
+             "learn their earlier calls again; give each call a timestamp")
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")

@@ -32,7 +32,7 @@ from rmm_jax.data.dialogue import dialogue_pairs
 from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import retrieve_candidates, top_k
 from rmm_jax.errors import InputError
-from rmm_jax.persist.learned_calls import Calls, LearnedCalls
+from rmm_jax.persist.learned_calls import WINDOW, Calls, LearnedCalls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,23 +451,30 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     to embed before the run. ``calls``: also ``"calls"``, per replayed user the
     ``(Calls, lines)`` of its records in log order (:func:`rmm_jax.data.citation_log.call_hashes`
     and their line numbers), to check against what the user's policy has learned
-    (:func:`rmm_jax.online.starts.check_learned`)."""
+    (:func:`rmm_jax.online.starts.check_learned`). Always ``"untimed_over_window"``: the
+    users with more calls without a timestamp than a policy remembers
+    (:data:`rmm_jax.persist.learned_calls.WINDOW`), whose earlier calls a later replay of
+    the same log cannot recognise."""
     report: dict = {}
     seen: set[str] = set()
     texts: dict[str, None] = {}
     hashes: dict[str, list] = {}
+    untimed: dict[str, int] = {}
     keep = (lambda u: True) if not users else frozenset(users).__contains__
 
     def scan(grouped: bool) -> None:
-        seen.clear(), texts.clear(), hashes.clear()
+        seen.clear(), texts.clear(), hashes.clear(), untimed.clear()
         for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report,
                                      grouped=grouped):
             check_limits(r, layout, log_path)
             seen.add(r.user_id)
             if keep(r.user_id):
                 texts.update(dict.fromkeys(unseen_texts(r, known(r.user_id) if known is not None else None)))
+                hashed = call_hash(r)
+                if np.isnan(hashed[2]):
+                    untimed[r.user_id] = untimed.get(r.user_id, 0) + 1
                 if calls:
-                    hashes.setdefault(r.user_id, []).append((*call_hash(r), line))
+                    hashes.setdefault(r.user_id, []).append((*hashed, line))
 
     try:
         scan(True)
@@ -479,7 +486,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
     ids = list(users) if users else sorted(seen)
-    out = {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts)}
+    out = {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts),
+           "untimed_over_window": sorted(u for u, n in untimed.items() if n > WINDOW)}
     if calls:
         out["calls"] = {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
     return out
