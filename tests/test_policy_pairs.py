@@ -313,8 +313,8 @@ def test_policies_show_reports_what_loads(tmp_path, capsys):
     store = doc["store"]
     assert store["keep"] == 3 and store["scope"] == "hybrid" and store["n_users"] == 3
     assert store["shared"]["loads"] == 2 and [s["version"] for s in store["shared"]["skipped"]] == [3]
-    assert [(r["version"], r["newest"], r["used_by"]) for r in store["shared"]["versions"]] == \
-        [(1, True, []), (2, True, [1]), (3, True, [2, 3])]
+    assert [(r["version"], r["newest"], r["start"], r["used_by"]) for r in store["shared"]["versions"]] == \
+        [(1, True, False, []), (2, True, False, [1]), (3, True, True, [2, 3])]    # v3: the newest no online run saved
     assert [(v["version"], v["shared_version"], v["users"]) for v in store["versions"]] == [(1, 2, 2), (2, 3, 2),
                                                                                           (3, 3, 1)]
     code, out, err = _cli(["policies", "show", st.path, "a"], capsys)
@@ -322,7 +322,8 @@ def test_policies_show_reports_what_loads(tmp_path, capsys):
     lines = out.splitlines()
     assert "user a: v1 loads, with shared v2" in lines
     assert any(ln.startswith("  skipped v2: needs shared v3, which is damaged") for ln in lines)
-    assert any(ln.startswith("shared: v2 loads; on disk: v1 (newest), v2 (newest, used by user versions 1)")
+    assert any(ln.startswith("shared: v2 loads; on disk: v1 (one of the newest 3), "
+                             "v2 (one of the newest 3, used by user versions 1), v3 (the store's start, one of")
                for ln in lines)
     code, out, err = _cli(["policies", "show", st.path], capsys)       # the store alone: nothing to refuse
     assert code == 0 and "user versions kept: v1 (2 users, shared v2)" in out

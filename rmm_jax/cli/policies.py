@@ -119,14 +119,14 @@ def store_doc(st: PolicyStore) -> dict:
         loads, skipped, error = None, (), str(e)
     saves = st.saves()
     on_disk = st.shared_versions()
-    newest = set(on_disk[-st.keep:])
+    newest, start = set(on_disk[-st.keep:]), st.start_shared_version()     # why each is kept
     used_by: dict[int, list[int]] = {}
     for s in saves:
         used_by.setdefault(s.shared_version, []).append(s.version)
     return {"path": str(st.path), "meta": st.meta, "scope": st.scope.name, "keep": st.keep, "n_users": st.n_users(),
             "shared": {"loads": loads, "error": error, "skipped": [s._asdict() for s in skipped],
-                       "versions": [{"version": v, "newest": v in newest, "used_by": used_by.get(v, [])}
-                                    for v in on_disk]},
+                       "versions": [{"version": v, "newest": v in newest, "start": v == start,
+                                     "used_by": used_by.get(v, [])} for v in on_disk]},
             "versions": [s._asdict() for s in saves]}
 
 
@@ -171,7 +171,8 @@ def _echo_store(doc: dict) -> None:
     click.echo(f"store {doc['path']}: kind={m['kind']} dim={m['dim']} hidden={m['hidden']} scope={doc['scope']} "
                f"keep={doc['keep']} users={doc['n_users']}")
     loads = f"v{sh['loads']} loads" if sh["loads"] is not None else f"none loads ({sh['error']})"
-    kept = [f"v{r['version']} (" + ", ".join((["newest"] if r["newest"] else [])
+    kept = [f"v{r['version']} (" + ", ".join((["the store's start"] if r.get("start") else [])
+                                            + ([f"one of the newest {doc['keep']}"] if r["newest"] else [])
                                             + ([f"used by user versions {','.join(map(str, r['used_by']))}"]
                                                if r["used_by"] else [])) + ")" for r in sh["versions"]]
     click.echo(f"shared: {loads}; on disk: {_listed(kept)}")
