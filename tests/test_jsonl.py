@@ -356,6 +356,7 @@ def test_text_records_round_trip_and_old_records_unchanged():
     ({"logits": [1.0]}, "logits", "one logit per candidate"),
     ({"logits": [1.0, "a"]}, "logits", "item 1 must be a number"),
     ({"logits": [1.0, 1e400]}, "logits", "finite"),
+    ({"logits": [1.0, 1e39]}, "logits", "finite in float32"),      # a float64, inf once read as float32
     ({"logits": [0.0, 0.0], "log_prob": -0.1}, "log_prob", "not the Plackett–Luce log-probability"),
 ])
 def test_bad_text_records(change, key, fragment):

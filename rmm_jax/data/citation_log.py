@@ -271,6 +271,9 @@ def _candidates(value: Any, where: str) -> tuple[tuple[str, ...], tuple[str | No
     return tuple(ids), (tuple(texts) if any(t is not None for t in texts) else None)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _logits(value: Any, where: str, n: int) -> tuple[float, ...] | None:
     if value is None:
         return None
@@ -287,8 +290,9 @@ def _logits(value: Any, where: str, n: int) -> tuple[float, ...] | None:
             f = float(v)
         except OverflowError:
             f = math.inf
-        if not math.isfinite(f):
-            raise InputError(f"item {i} must be finite, got {v!r}", where=_key_where(where, "logits"))
+        if not abs(f) <= FLOAT32_MAX:          # read as float32 (log_vectors): beyond it, inf
+            raise InputError(f"item {i} must be finite in float32 (|x| <= 3.4e38), got {str(v)[:24]}",
+                             where=_key_where(where, "logits"))
         out.append(f)
     return tuple(out)
 
