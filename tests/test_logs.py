@@ -339,6 +339,7 @@ _DROP = object()
     (_with(timestamp=False), "timestamp", "string or a number"),
     (_with(timestamp=[1]), "timestamp", "string or a number"),
     (_with(timestamp=math.inf), "timestamp", "must be finite"),
+    (_with(timestamp=10 ** 400), "timestamp", "must be finite"),     # an int float() cannot hold
 ])
 def test_error_messages_name_file_line_and_key(tmp_path, obj, key, fragment):
     path = tmp_path / "calls.jsonl"

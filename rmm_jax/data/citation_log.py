@@ -238,7 +238,7 @@ def check_timestamp(value: Any, where: str) -> str | int | float | None:
         finite = False
     if not finite:
         shown = repr(value) if len(repr(value)) <= 24 else repr(value)[:20] + "…"
-        raise InputError(f"must be a finite number of seconds, got {shown}", where=_key_where(where, "timestamp"))
+        raise InputError(f"must be finite (seconds), got {shown}", where=_key_where(where, "timestamp"))
     return value
 
 
