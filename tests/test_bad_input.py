@@ -314,6 +314,11 @@ def cases():
          lambda e: ["--out"]),
         ("embed-bad-granularity", lambda e: ["embed", "synthetic:users=1", "--out", out(e), "--granularity", "x"],
          lambda e: ["--granularity"]),
+        # --out replaces an embedding store, never another directory (before the model loads)
+        ("embed-out-policy-store", lambda e: ["embed", "synthetic:users=1", "--out", e["pol_existing"]],
+         lambda e: [f"--out {e['pol_existing']}", "not an embedding store"]),
+        ("embed-out-other-files", lambda e: ["embed", "synthetic:users=1", "--out", e["logs"]],
+         lambda e: [f"--out {e['logs']}", "not empty"]),
     ]
     # ---- policies
     c += [

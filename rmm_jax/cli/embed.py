@@ -18,7 +18,7 @@ from rmm_jax.data.granularity import (
     GRANULARITIES,
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
-from rmm_jax.data.store import open_store, write_store
+from rmm_jax.data.store import is_store, open_store, write_store
 from rmm_jax.data.store_append import append_store
 from rmm_jax.errors import InputError
 
@@ -26,7 +26,8 @@ from rmm_jax.errors import InputError
 @cli.command()
 @click.argument("spec", metavar="SPEC")
 @click.option("--out", "out", default=None, type=click.Path(file_okay=False),
-              help="Store directory to write (replaced atomically; nothing is left on failure).")
+              help="Store directory to write: a new path, an empty directory or an embedding store, which is "
+                   "replaced atomically (nothing is left on failure); any other directory is refused.")
 @click.option("--into", "into", default=None, type=click.Path(file_okay=False),
               help="Instead: append SPEC's new users, sessions and questions to this existing store, embedding "
                    "only their texts; repeated sessions are skipped and counted; ids and every user's rows stay "
@@ -100,6 +101,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     if into is not None:
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
                        say, as_json)
+    _check_out(out)
     check_writable(Path(out).parent, f"--out {out}")      # the store is written beside, then renamed
     t0 = time.perf_counter()
     dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
@@ -176,6 +178,22 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         click.echo(f"{into}: +{a['users']} users, +{a['sessions']} sessions ({a['memories']} memories), "
                    f"+{a['queries']} questions; skipped {a['sessions_repeated']} sessions and "
                    f"{a['queries_repeated']} questions already in the store")
+
+
+def _check_out(out) -> None:
+    """``--out`` is replaced whole, its old content deleted: refuse, before any work, a non-empty
+    directory that is not an embedding store (a policy store, someone's files), as ``pretrain
+    --out`` does. Re-embedding into a store replaces it, as before."""
+    o = Path(out)
+    try:
+        occupied = o.is_dir() and any(o.iterdir())
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror or e}", where=f"--out {out}") from None
+    if occupied and not is_store(o):
+        raise InputError("already exists and is not empty, and is not an embedding store; choose a new store path",
+                         where=f"--out {out}")
+
+
 def _roles(value: str) -> tuple[str, ...]:
     """``--keep-roles system,developer`` -> ``("system", "developer")``, each one of INSTRUCTION_ROLES."""
     roles = tuple(dict.fromkeys(r.strip() for r in value.split(",") if r.strip()))

@@ -505,6 +505,17 @@ def _nonneg_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def is_store(path) -> bool:
+    """Whether directory ``path`` holds an embedding store: a ``manifest.json`` of this format
+    (any version, valid or not). ``embed --out`` replaces only such a directory (or an empty
+    one): anything else there, a policy store or someone's files, is not its to delete."""
+    try:
+        manifest = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
 def open_store(path, expect_model: str | None = None, expect_dim: int | None = None) -> EmbeddingStore:
     """Open and validate an embedding store.
 
