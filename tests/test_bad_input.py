@@ -589,9 +589,22 @@ def read_only(path: Path):
             os.chmod(p, modes[p])
 
 
+@pytest.fixture
+def model_starts(monkeypatch):
+    """``embed`` with a model-free embedder of the test stores' model (so a check it skips fails
+    as the real work would); the list records each start, and stays empty when ``embed``
+    refuses before any work."""
+    import rmm_jax.cli.embed as embed_cli
+    starts = []
+    monkeypatch.setattr(embed_cli, "Embedder", lambda *a, **k: starts.append(a) or FakeEmbedder(32))
+    return starts
+
+
 def good_log(e) -> Path:
     return e["logs"] / "good.jsonl"
 
+
+GROWN = "synthetic:users=4,sessions=4,turns=8,seed=0"   # env["store"] and one more user: something to append
 
 READ_ONLY_CASES = {   # what each verb writes, under ro/ (read-only) or as the read-only policy store ro/pol
     "simulate-policies": (lambda e, ro, w: ["simulate", e["store"], "--policies", ro / "pol", "--k", K, "--m", M],
@@ -609,6 +622,8 @@ READ_ONLY_CASES = {   # what each verb writes, under ro/ (read-only) or as the r
                       lambda ro: ["--plot", str(ro)]),
     "embed-out": (lambda e, ro, w: ["embed", "synthetic:users=2", "--out", ro / "store"],
                   lambda ro: ["--out", str(ro)]),
+    "embed-into": (lambda e, ro, w: ["embed", GROWN, "--into", ro / "emb"],
+                   lambda ro: ["--into", str(ro)]),
     "rerank-out": (lambda e, ro, w: ["rerank", e["store"], "--policies", ro / "pol", "--calls", w / "calls.jsonl",
                                      "--out", ro / "ranked.jsonl"], lambda ro: ["--out", str(ro)]),
     "evaluate-plot": (lambda e, ro, w: ["evaluate", e["store"], "--log", good_log(e), "--policies", ro / "pol",
@@ -619,7 +634,7 @@ READ_ONLY_CASES = {   # what each verb writes, under ro/ (read-only) or as the r
 
 
 @pytest.mark.parametrize("case", list(READ_ONLY_CASES))
-def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, capsys, tmp_path, case):
+def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, capsys, tmp_path, case, model_starts):
     """A policy store, output directory or file that cannot take new files: one line naming it,
     exit 2, and nothing written anywhere (no run-state claiming an interrupted run, no
     temporaries, no half-created store)."""
@@ -628,12 +643,44 @@ def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, 
     ro.mkdir()
     w.mkdir()
     shutil.copytree(env["pol_existing"], ro / "pol")
+    shutil.copytree(env["store"], ro / "emb")
     (w / "calls.jsonl").write_text(jl({"user_id": env["user"].user_id, "query_id": env["user"].query_ids[0]}))
     before = snapshot(tmp_path)
     with read_only(ro):
         code, _, err = cli(capsys, *argv(env, ro, w))
     assert_one_line_error(code, err, names(ro) + ["cannot write"])
-    assert snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before and model_starts == []
+
+
+@pytest.mark.parametrize("opt", ["--into", "--out"])
+def test_embed_refuses_a_store_it_cannot_replace_before_any_work(env, capsys, tmp_path, opt, model_starts):
+    """The store is swapped for a new one and deleted: one that cannot be (immutable, read-only),
+    in a directory that can take new files, is one line naming the option before the model
+    loads, not a traceback from the swap after the embedding work."""
+    store = tmp_path / "w" / "store"
+    shutil.copytree(env["store"], store)
+    before = snapshot(tmp_path)
+    with read_only(store):
+        code, _, err = cli(capsys, "embed", GROWN, opt, store)
+    assert_one_line_error(code, err, [f"{opt} {store}", "cannot write"])
+    assert snapshot(tmp_path) == before and model_starts == []
+
+
+@pytest.mark.parametrize("opt,where", [("--out", "empty"), ("--out", "store"), ("--into", "store"),
+                                       ("--out", "store/sub")])
+def test_embed_refuses_the_current_directory(env, capsys, tmp_path, monkeypatch, opt, where, model_starts):
+    """A rename cannot move '.' (EBUSY), and replacing a directory that holds the shell's would
+    leave it in the deleted old store: `--out .` (an empty directory or a store) and `--into .`
+    are one line naming the option, with nothing written."""
+    shutil.copytree(env["store"], tmp_path / "store")
+    (tmp_path / "store" / "sub").mkdir()
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / where)
+    target = "." if where != "store/sub" else ".."
+    before = snapshot(tmp_path)
+    code, _, err = cli(capsys, "embed", GROWN, opt, target)
+    assert_one_line_error(code, err, [f"{opt} {target}", "current directory"])
+    assert snapshot(tmp_path) == before and model_starts == []
 
 
 # --------------------------------------------------------------------------- K and M from the log

@@ -27,7 +27,8 @@ from rmm_jax.errors import InputError
 @click.argument("spec", metavar="SPEC")
 @click.option("--out", "out", default=None, type=click.Path(file_okay=False),
               help="Store directory to write: a new path, an empty directory or an embedding store, which is "
-                   "replaced atomically (nothing is left on failure); any other directory is refused.")
+                   "replaced atomically (nothing is left on failure); any other directory, or the current one, is "
+                   "refused.")
 @click.option("--into", "into", default=None, type=click.Path(file_okay=False),
               help="Instead: append SPEC's new users, sessions and questions to this existing store, embedding "
                    "only their texts; repeated sessions are skipped and counted; ids and every user's rows stay "
@@ -102,7 +103,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
                        say, as_json)
     _check_out(out)
-    check_writable(Path(out).parent, f"--out {out}")      # the store is written beside, then renamed
+    _check_replaceable(out, f"--out {out}")
     t0 = time.perf_counter()
     dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "log" and granularity != "turn":
@@ -154,6 +155,7 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
     """``embed SPEC --into STORE``: the store's model and granularity unless given (and then
     they must match it)."""
     st = open_store(into)
+    _check_replaceable(into, f"--into {into}")
     given = explicit_options()
     if "granularity" in given and granularity != st.granularity:
         raise InputError(f"STORE {into} holds {st.granularity!r} memories, not {granularity!r}", where="--granularity")
@@ -192,6 +194,22 @@ def _check_out(out) -> None:
     if occupied and not is_store(o):
         raise InputError("already exists and is not empty, and is not an embedding store; choose a new store path",
                          where=f"--out {out}")
+
+
+def _check_replaceable(path, where: str) -> None:
+    """The store is written beside ``path`` and swapped into its place, and the old one deleted:
+    refuse, before any work, what would fail only then. The current directory, or one holding
+    it (a rename cannot move '.', and the shell would be left in the deleted old store); a
+    parent that cannot take the new store; an old store that cannot be moved or deleted
+    (read-only, immutable)."""
+    p = Path(path)
+    full, here = p.resolve(), Path.cwd().resolve()
+    if full == here or full in here.parents:
+        raise InputError("is the current directory or holds it, which cannot be replaced; write the store elsewhere",
+                         where=where)
+    check_writable(p.parent, where)
+    if p.exists():
+        check_writable(p, where)
 
 
 def _roles(value: str) -> tuple[str, ...]:
