@@ -484,6 +484,34 @@ def test_gold_that_no_record_carries_is_dropped_and_counted(tmp_path, capsys, fa
     assert "dropped 3 gold ids naming memories no record carries" in err and "calls.jsonl:1: key 'gold[1]'" in err
 
 
+def test_rerank_logs_name_each_question_by_its_call(tmp_path, capsys, fake_model):
+    """`rmm-jax rerank` writes calls with a call_id and the query text but no query_id: each is a
+    question named by its call_id (a query_id still names it first, the text when it has
+    neither), with texts in the log or in a memories file. Two calls that name one question
+    are one line naming the second's file:line, before the model."""
+    texts = {"m1": "Lena moved to Lisbon.", "m2": "I like tea."}
+    served = lambda cid, q, **more: {"user_id": "olga", "call_id": cid, "query": q, "candidates": ["m1", "m2"],
+                                     "selected": ["m1"], "cited": ["m1"], **more}
+    recs = [served("c1", "where is Lena?"), served("c2", "what do I drink?", gold=["m2"]),
+            served("c3", "where is Lena now?", query_id="q7"), served(None, "tea or coffee?")]
+    mems, ids_log, text_log = tmp_path / "mems.jsonl", tmp_path / "ids.jsonl", tmp_path / "texts.jsonl"
+    mems.write_text(jl(*({"user_id": "olga", "id": m, "text": t} for m, t in texts.items())))
+    ids_log.write_text(jl(*recs))
+    text_log.write_text(jl(*({**r, "candidates": [{"id": m, "text": t} for m, t in texts.items()]} for r in recs)))
+    for spec in (f"log:{text_log}", f"log:{ids_log},memories={mems}"):
+        (u,) = load_spec(spec).users
+        assert [q.id for q in u.queries] == ["c1", "c2", "q7", "tea or coffee?"]
+        assert [q.text for q in u.queries] == [r["query"] for r in recs] and u.queries[1].gold_turn_ids == ("m2",)
+        code, out, err = run_cli(capsys, "embed", spec, "--out", tmp_path / "store", "--json")
+        assert code == 0, err
+        assert json.loads(out)["counts"] == {"users": 1, "memories": 2, "queries": 4}
+        assert list(open_store(tmp_path / "store").user("olga").query_ids) == [q.id for q in u.queries]
+    ids_log.write_text(jl(recs[2], served("c4", "where is Lena today?", query_id="q7")))
+    code, out, err = run_cli(capsys, "embed", f"log:{ids_log},memories={mems}", "--out", tmp_path / "dup")
+    one_line_error(code, out, err, f"{ids_log}:2: key 'query_id'", "duplicate question 'q7'", "first logged at line 1")
+    assert not (tmp_path / "dup").exists()
+
+
 def test_bad_log_spec():
     with pytest.raises(InputError, match="expected log:CALLS"):
         load_spec("log:calls.jsonl,memories=")

@@ -101,9 +101,11 @@ objects), or texts from a separate memories file ``MEMS``, one JSON object per l
 
 (``session_id`` and ``timestamp`` optional). Each user's memory bank is the memories of
 the memories file, then every candidate of the log, in order of first appearance; each
-logged call becomes one query with the record's ``query_id`` and, when the record has
-``gold``, those memories as gold. The memory ids are kept as logged, so the same log
-replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
+logged call becomes one query and, when the record has ``gold``, those memories as gold.
+The query is named by the record's ``query_id``, else its ``call_id`` (what ``rmm-jax
+rerank`` writes), else its ``query`` text; two calls of a user that name the same query are
+an error naming the second's ``file:line``. The memory ids are kept as logged, so the same
+log replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
 between two places, a call without ``query`` text and a candidate without text are errors
 naming ``file:line`` and the key.
 
@@ -429,6 +431,28 @@ def _read_memories(path: Path, banks: dict[str, _Bank]) -> int:
     return n
 
 
+def _question_name(rec) -> tuple[str, str]:
+    """``(id, key)`` of the store question a logged call becomes: its ``query_id`` (so that the
+    replay finds the question and its gold in the store), else its ``call_id`` (``rerank``'s
+    logs have no query id), else its query text, the names the replay gives calls
+    (:func:`rmm_jax.data.citation_log.call_key`)."""
+    if rec.query_id is not None:
+        return rec.query_id, "query_id"
+    if rec.call_id is not None:
+        return rec.call_id, "call_id"
+    return rec.query_text, "query"
+
+
+def _check_new_question(seen: dict, rec, path: Path, line: int) -> str:
+    """The question id of the call at ``line``, refused when an earlier call of its user named it."""
+    qid, key = _question_name(rec)
+    first = seen.setdefault((rec.user_id, qid), line)
+    if first != line:
+        raise InputError(f"duplicate question {qid!r} of user {rec.user_id!r}, first logged at line {first}",
+                         where=at(path, line, key))
+    return qid
+
+
 def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Dataset:
     """A dataset from a generator-call log that carries text (see the module docstring).
 
@@ -440,7 +464,8 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
     path = Path(path)
     banks: dict[str, _Bank] = {}
     n_file = _read_memories(Path(memories), banks) if memories is not None else 0
-    calls: dict[str, list[tuple[int, Any]]] = {}
+    calls: dict[str, list[tuple[int, Any, str]]] = {}
+    seen: dict[tuple[str, str], int] = {}
     records = 0
     for line, rec in iter_numbered(path):
         records += 1
@@ -448,6 +473,7 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         if rec.query_text is None:
             raise InputError("missing: building a store from a log needs each call's query text",
                              where=at(path, line, "query"))
+        qid = _check_new_question(seen, rec, path, line)
         bank = banks.setdefault(rec.user_id, _Bank())
         texts = rec.candidate_texts or (None,) * len(rec.candidates)
         for mid, text in zip(rec.candidates, texts):
@@ -457,7 +483,7 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
                 raise InputError(f"no text for memory {mid!r} of user {rec.user_id!r} (give candidates as "
                                  f'{{"id", "text"}} objects or a memories file: log:PATH,memories=MEMS)',
                                  where=at(path, line, "candidates"))
-        calls.setdefault(rec.user_id, []).append((line, rec))
+        calls.setdefault(rec.user_id, []).append((line, rec, qid))
     users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0,
                                gold_without_text=0)
     dropped_first: list[str] = []
@@ -467,14 +493,14 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
             by_session.setdefault(session, []).append(Turn(mid, session, "", text, stamp))
         sessions = tuple(Session(sid, turns[0].timestamp, tuple(turns)) for sid, turns in by_session.items())
         queries = []
-        for line, rec in calls.get(uid, []):
+        for line, rec, qid in calls.get(uid, []):
             gold = tuple(g for g in rec.gold or () if g in bank.rows)
             for j, g in enumerate(rec.gold or ()):
                 if g not in bank.rows:          # no text anywhere: dropped and counted (module docstring)
                     stats["gold_without_text"] += 1
                     if len(dropped_first) < MAX_FIRST_ERRORS:
                         dropped_first.append(f"{at(path, line, f'gold[{j}]')}: {g!r}")
-            queries.append(Query(rec.query_id, rec.query_text, gold,
+            queries.append(Query(qid, rec.query_text, gold,
                                  date=None if rec.timestamp is None else str(rec.timestamp)))
         users.append(User(uid, sessions, tuple(queries)))
         stats["memories"] += len(bank.rows)
