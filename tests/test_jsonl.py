@@ -103,6 +103,10 @@ BAD_LINES = [
      "questions[1].id", "duplicate question id"),
     ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "abstention": "no"}]},
      "questions[0].abstention", "expected a boolean"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?"}, {"question": ""}]},
+     "questions[1].question", "empty question"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": " \n\t"}]},
+     "questions[0].question", "empty question"),
 ]
 
 
@@ -428,7 +432,8 @@ def test_log_with_a_memories_file(tmp_path):
     assert u.sessions[0].timestamp == "2024-01-01" and u.queries[0].gold_turn_ids == ("m1",)
 
 
-@pytest.mark.parametrize("case", ["no_query", "no_text", "conflict", "mem_missing_text", "mem_conflict", "bad_json"])
+@pytest.mark.parametrize("case", ["no_query", "blank_query", "no_text", "conflict", "mem_missing_text", "mem_conflict",
+                                  "bad_json"])
 def test_bad_log_datasets_name_file_line_and_key(tmp_path, case):
     calls, mems = tmp_path / "calls.jsonl", tmp_path / "mems.jsonl"
     second = {**CALL, "query_id": "q2"}
@@ -437,6 +442,9 @@ def test_bad_log_datasets_name_file_line_and_key(tmp_path, case):
     if case == "no_query":
         del second["query"]
         key, fragment = "query", "query text"
+    elif case == "blank_query":        # its query_id names the call, so the log itself accepts it
+        second["query"] = " \n"
+        key, fragment = "query", "empty query text"
     elif case == "no_text":
         second["candidates"] = ["m1", "m5"]
         key, fragment = "candidates", "no text for memory 'm5'"

@@ -75,7 +75,7 @@ left with none is an error.
 
 | key (question)      | type            | required | meaning |
 |---------------------|-----------------|----------|---------|
-| `question`          | string          | yes      | the question text |
+| `question`          | string          | yes      | the question text, not empty or only whitespace |
 | `id`                | string          | no       | default `q<n>` (n: the user's questions from 0); unique |
 | `gold_turn_ids`     | list of string  | no       | turns that hold the answer |
 | `gold_session_ids`  | list of string  | no       | sessions that hold the answer: all their turns count as gold |
@@ -106,8 +106,8 @@ The query is named by the record's ``query_id``, else its ``call_id`` (what ``rm
 rerank`` writes), else its ``query`` text; two calls of a user that name the same query are
 an error naming the second's ``file:line``. The memory ids are kept as logged, so the same
 log replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
-between two places, a call without ``query`` text and a candidate without text are errors
-naming ``file:line`` and the key.
+between two places, a call without ``query`` text (or with only whitespace) and a
+candidate without text are errors naming ``file:line`` and the key.
 
 A gold id that names a memory no record carries (the gold was never retrieved, so the log
 has no text for it) cannot be a memory of the store: it is dropped from its question's gold
@@ -308,6 +308,8 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Sk
 def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], path, line: int, loc: str,
               seen: set[str], skips: _Skips) -> Query:
     text = _get(q, "question", str, path, line, loc)
+    if not text.strip():
+        raise InputError("empty question (no text to embed)", where=at(path, line, f"{loc}.question"))
     qid = _get(q, "id", (str, int), path, line, loc, required=False)
     qid = f"q{n}" if qid is None else (str(qid) if not isinstance(qid, str) else _id_str(qid, path, line, f"{loc}.id"))
     if qid in seen:
@@ -473,6 +475,8 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         if rec.query_text is None:
             raise InputError("missing: building a store from a log needs each call's query text",
                              where=at(path, line, "query"))
+        if not rec.query_text.strip():
+            raise InputError("empty query text (nothing to embed)", where=at(path, line, "query"))
         qid = _check_new_question(seen, rec, path, line)
         bank = banks.setdefault(rec.user_id, _Bank())
         texts = rec.candidate_texts or (None,) * len(rec.candidates)
