@@ -324,6 +324,18 @@ def test_embed_keep_roles(capsys, tmp_path, fake_model):
     assert not (tmp_path / "c").exists()
 
 
+def test_embed_counts_one_text_in_the_singular(capsys, tmp_path, fake_model):
+    """The stderr notes of `embed --out` and `embed --into` read "1 text embedded", not "1 texts"."""
+    day1, day2 = tmp_path / "day1.jsonl", tmp_path / "day2.jsonl"
+    day1.write_text(jl({**GOOD, "session_id": "s1"}))
+    day2.write_text(jl({**GOOD, "session_id": "s2", "messages": [{"role": "user", "content": "bye"}]}))
+    for args in (["--out", tmp_path / "store"], ["--into", tmp_path / "store"]):
+        code, _, err = run_cli(capsys, "embed", f"jsonl:{day1 if args[0] == '--out' else day2}", *args)
+        assert code == 0, err
+        (note,) = [ln for ln in err.splitlines() if "embedded" in ln]
+        assert "(1 text embedded" in note, note
+
+
 def test_empty_and_missing_chat_files(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n\n")
     with pytest.raises(InputError, match="no records"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_writable, explicit_options, info
+from rmm_jax.cli.shell import check_writable, count, explicit_options, info
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
 from rmm_jax.data.granularity import (
@@ -136,7 +136,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     total = time.perf_counter() - t0
     c = manifest["counts"]
     say(f"wrote {out}: {c['users']} users, {c['memories']} memories, {c['queries']} queries "
-        f"({embedder.texts_embedded} texts embedded, the rest cached; {total:.1f}s total)")
+        f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached; {total:.1f}s total)")
     if as_json:
         report = dict(manifest)
         report["store"] = str(out)
@@ -171,8 +171,8 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         embedder.close()
     c, a = res["manifest"]["counts"], res["added"]
     say(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
-        f"now {c['users']} users, {c['memories']} memories, {c['queries']} queries ({embedder.texts_embedded} texts "
-        f"embedded; {time.perf_counter() - t0:.1f}s)")
+        f"now {c['users']} users, {c['memories']} memories, {c['queries']} queries "
+        f"({count(embedder.texts_embedded, 'text')} embedded; {time.perf_counter() - t0:.1f}s)")
     if as_json:
         click.echo(json.dumps({**res["manifest"], "store": str(into), "added": a,
                                "texts_embedded": embedder.texts_embedded}, sort_keys=True))

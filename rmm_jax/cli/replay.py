@@ -37,7 +37,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import check_output_file, info, users_option
+from rmm_jax.cli.shell import check_output_file, count, info, users_option
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -141,7 +141,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     untimed = rep.pop("untimed_over_window")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
-        info(f"embedded {len(texts)} texts the store lacks (queries and memories the log carries as text)")
+        info(f"embedded {count(len(texts), 'text')} the store lacks (queries and memories the log carries as text)")
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies, clip=clip)
     chunks = ([repeat_passes(s, passes) for s in c] for c in

@@ -23,6 +23,16 @@ def info(msg: str) -> None:
     click.echo(msg, err=True)
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1 (nouns whose plural adds an s), so that a
+    note reads "1 text embedded", not "1 texts".
+
+    >>> count(1, "text"), count(0, "text"), count(54, "text")
+    ('1 text', '0 texts', '54 texts')
+    """
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
 
