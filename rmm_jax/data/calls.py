@@ -10,7 +10,9 @@ key                  meaning
 ``query``            the query text (embedded with STORE's model, through its disk cache),
 ``query_id``         and/or a query id: STORE's question when STORE holds it (then the text
                      is not needed), else the application's own id for the call's question
-``candidates``       memory ids of that user in STORE, in any order,
+``candidates``       memory ids of that user in STORE, in your retriever's order, best first
+                     (echoed: ``replay`` and ``evaluate`` read the first M as what the
+                     retriever alone would have shown),
 ``candidate_texts``  or candidate memory texts (embedded); neither: the base retriever's
                      top-K of the user's memories in STORE (``--k``)
 ``call_id``          (optional) a non-empty string naming the call, echoed in the output
