@@ -470,7 +470,7 @@ def run_users(args, machine):
         compiled = compiled_by_chunk[chunk][0]
         streams = all_streams[:n_users]
         chunks = [streams[i:i + chunk] for i in range(0, n_users, chunk)]
-        precompiled = program._replace(run=lambda s, dt, st, n_batches=None, group=None: compiled(s, dt, st))
+        precompiled = program._replace(run=lambda s, dt, st, stop=None, group=None: compiled(s, dt, st))
         t0 = time.perf_counter()
         n_done = 0
         for event in drive(chunks, precompiled, params, users_per_chunk=chunk):

@@ -1,7 +1,7 @@
 """The host driver: chunks of users through the compiled loop, as a stream of events.
 
 :func:`drive` takes an iterable of stream chunks and runs each through the program that
-:func:`rmm_jax.online.loop.make_run` built, in segments of a fixed number of batches.
+:func:`rmm_jax.online.loop.make_run` built, in segments of at most a given number of batches.
 It saves nothing and calls nothing back: it *yields* what happened, and the caller
 decides what to keep::
 
@@ -13,9 +13,10 @@ decides what to keep::
             case ChunkDone():     policies.save(...); log.write(...)
 
 Determinism: every user's PRNG key derives from the seed and its id, batch i samples
-with ``fold_in(key, i)``, and segments are fixed-size compiled calls, so a run resumed
-from a :class:`SegmentDone` makes the same calls on the same inputs as an uninterrupted
-one: its results are bit-identical.
+with ``fold_in(key, i)``, and every segment of a chunk is a call of one compiled program
+(the batch range is an argument, not a shape), so a run resumed from a :class:`SegmentDone`,
+or cut into segments of another length, runs the same machine code on the same inputs as
+an uninterrupted one: its results are bit-identical.
 """
 from __future__ import annotations
 
@@ -103,9 +104,10 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
     :class:`Chunk` carries saved states for, which continue from them. The shared part (scopes
     ``shared``/``hybrid``) starts from ``params``, or from ``shared`` when given, and is
     carried from chunk to chunk in order: with ``users_per_chunk=1`` each user sees only
-    the updates of the users before it. Each chunk runs as equal segments of at most
+    the updates of the users before it. Each chunk runs as segments of at most
     ``segment_batches`` batches (:func:`rmm_jax.online.loop.segment_plan`; None: one
-    segment), one compiled call each, with the states brought to the host in between.
+    segment), each a call of the chunk's one compiled program, with the states brought to
+    the host in between.
     ``resume`` skips the chunks it counts as done and continues the next one from its
     segment. ``mesh`` (a 1-D ``users`` mesh, :mod:`rmm_jax.online.sharding`) shards each
     chunk over devices. Under ``jax.distributed`` (several processes, ``mesh`` over all
@@ -131,8 +133,7 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
         if padded is None:
             yield ChunkSkipped(ci, streams)
             continue
-        seg, n_seg, data = padded
-        n_batches = seg if segment_batches else None
+        n_total, seg, n_seg, data = padded
         parts, first = [], 0
         if resume is not None and ci == resume.chunks_done and resume.segments_done > 0:
             states, parts, first = resume.states, [resume.outputs], resume.segments_done
@@ -145,18 +146,17 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
         for s in range(first, n_seg):
             if mesh is not None:
                 states = LoopState(shard_users(states.users, mesh), replicate(states.shared, mesh))
-            states, out = program.run(states, data, s * seg, n_batches=n_batches, group=group)
+            lo, hi = s * seg, min((s + 1) * seg, n_total)
+            states, out = program.run(states, data, lo, hi, group=group)
             if pending is not None:                # chunk i-1 finished first; the caller's work overlaps this run
                 yield _chunk_done(*pending)
                 pending = None
             if s + 1 < n_seg:
                 states, out = _fetch((states, out))
-                parts.append(out)
+                parts.append(_batches(out, lo, hi))
                 yield SegmentDone(ci, s + 1, states, _concat(parts))
-            else:
-                parts.append(out)
         carried = states.shared
-        pending = (ci, streams, states, parts)
+        pending = (ci, streams, states, parts, (out, lo, hi))
         if not pipelined:
             yield _chunk_done(*pending)
             pending = None
@@ -169,16 +169,18 @@ def _as_chunk(c) -> Chunk:
 
 
 def _padded(chunks, program: Program, users_per_chunk: int, segment_batches: int | None, skip: int):
-    """``(index, chunk, (batches per segment, segments, padded data))`` of every non-empty
-    chunk; ``None`` in place of the padding for the first ``skip`` (done before a resume)."""
+    """``(index, chunk, (batches, batches per segment, segments, padded data))`` of every
+    non-empty chunk; ``None`` in place of the padding for the first ``skip`` (done before a
+    resume). The padding does not depend on the segments: all run one compiled program."""
     for ci, chunk in enumerate(c for c in map(_as_chunk, chunks) if c.streams):
         if len(chunk.streams) > users_per_chunk:
             raise ValueError(f"users_per_chunk: a chunk of {len(chunk.streams)} streams, more than {users_per_chunk}")
         if ci < skip:
             yield ci, chunk, None
             continue
-        seg, n_seg = segment_plan(program.batches(chunk.streams), segment_batches)
-        yield ci, chunk, (seg, n_seg, program.pad(chunk.streams, users_per_chunk, batches_multiple=seg))
+        n_batches = program.batches(chunk.streams)
+        yield ci, chunk, (n_batches, *segment_plan(n_batches, segment_batches), program.pad(chunk.streams,
+                                                                                            users_per_chunk))
 
 
 def _ahead(items: Iterator, depth: int = 1) -> Iterator:
@@ -238,14 +240,20 @@ def _padded_start(chunk: Chunk, program: Program, params, keys, shared) -> tuple
     return users, np.concatenate([np.asarray(chunk.known, bool)[:n], np.zeros(pad, bool)])
 
 
-def _chunk_done(ci: int, streams: list, states: LoopState, parts: list) -> ChunkDone:
-    """Bring a finished chunk to the host: its users' states (padding removed), per-user outputs."""
-    states, parts = _fetch((states, parts))
+def _chunk_done(ci: int, streams: list, states: LoopState, parts: list, last: tuple) -> ChunkDone:
+    """Bring a finished chunk to the host: its users' states (padding removed), per-user
+    outputs (``parts``, then the ``(outputs, start, stop)`` of its last segment)."""
+    states, out = _fetch((states, last[0]))
     n = len(streams)
-    flat = per_query(_concat(parts))
+    flat = per_query(_concat([*parts, _batches(out, *last[1:])]))
     outputs = {st.user_id: {k: np.array(flat[k][i, :st.queries.shape[0]]) for k in OUTPUT_KEYS if k in flat}
                for i, st in enumerate(streams)}
     return ChunkDone(ci, streams, jax.tree.map(lambda x: x[:n], states.users), outputs, states.shared)
+
+
+def _batches(out: dict, lo: int, hi: int) -> dict:
+    """A segment's own batches ``lo:hi`` of the chunk-long outputs that ``program.run`` returns."""
+    return {k: v[:, lo:hi] for k, v in out.items()}
 
 
 def _concat(parts: list) -> dict:

@@ -73,10 +73,13 @@ class Program(NamedTuple):
     * ``init_shared(params) -> SharedState``: the shared part of a starting policy.
     * ``pad(streams, users_per_chunk, batches_multiple=1) -> ChunkData``: fixed shapes.
     * ``batches(streams) -> int``: padded batches of a chunk of streams.
-    * ``run(state, data, start=0, n_batches=None, group=None) -> (state, outputs)``, jitted
-      (``state`` donated): ``n_batches`` batches from batch ``start`` (all when None);
-      ``group`` users per cache group (None: :func:`users_per_group` on CPU, none on other
-      backends; 0: no grouping). ``outputs`` (users axis first, then batches) hold
+    * ``run(state, data, start=0, stop=None, group=None) -> (state, outputs)``, jitted
+      (``state`` donated): batches ``start`` to ``stop`` (None: to the end). The range is an
+      argument, not a shape, so every segment of a chunk runs the same compiled program
+      and a segmentation cannot change the results (XLA may round two programs of the
+      same function differently). ``group`` users per cache group (None:
+      :func:`users_per_group` on CPU, none on other backends; 0: no grouping). ``outputs``
+      (users axis first, then all the chunk's batches; zeros outside the range) hold
       per-query ``recall``, ``ndcg`` (prequential, at M), ``eval``, the gold-free counts
       ``hit``, ``hit_base``, ``n_cited``, ``n_shown`` (:func:`cited_counts`), and when
       simulating ``selected`` (positions in ``cand``), ``cited``, ``log_prob``; and per-batch
@@ -96,8 +99,11 @@ class Program(NamedTuple):
 def segment_plan(n_batches: int, segment_batches: int | None) -> tuple[int, int]:
     """``(batches per segment, segments)`` for a padded stream of ``n_batches`` batches.
 
-    Segments hold at most ``segment_batches`` batches and are equal, so the stream is
-    padded by fewer than one batch per segment (None/0: one segment of the whole stream).
+    Segments hold at most ``segment_batches`` batches and are equal but for a shorter last
+    one (None/0: one segment of the whole stream).
+
+    >>> segment_plan(10, 4), segment_plan(10, 16)    # segments of 4, 4 and 2 batches; one of 10
+    ((4, 3), (10, 1))
     """
     if not segment_batches or segment_batches >= n_batches:
         return n_batches, 1
@@ -170,8 +176,7 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
 
     ``cite_fn`` given: simulate (act + simulated citations, e.g.
     :func:`rmm_jax.data.citations.oracle` with its rates bound); ``cite_fn=None``: replay the
-    logged selections and citations the chunks carry. It compiles once per padded shape
-    and segment length.
+    logged selections and citations the chunks carry. It compiles once per padded shape.
 
     Examples:
       >>> import jax, rmm_jax as rj
@@ -224,19 +229,16 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
     # (a command's second run still traces what the compilation cache then loads).
     step = jax.jit(step)
 
-    def run_group(state: LoopState, data: ChunkData, start, n_batches: int | None):
+    def run_group(state: LoopState, data: ChunkData, start, stop):
         bank = data.bank                                                 # (U, N, d)
         n_total = data.q.shape[1] // b
-        seg = n_total if n_batches is None else n_batches
-
-        def batched(x):  # (U, T, ...) -> (n_batches, U, B, ...), loop axis first
-            x = jnp.moveaxis(x.reshape((x.shape[0], n_total, b) + x.shape[2:]), 1, 0)
-            return x if n_batches is None else jax.lax.dynamic_slice_in_dim(x, start, seg, axis=0)
-
-        xs = jax.tree.map(batched, data._replace(bank=None))
-        at = lambda i: jax.tree.map(lambda v: v[i], xs)
+        # Batch i of every user is read where it lies, (U, n_total, B, ...) indexed at i, and the
+        # outputs fill a buffer of the whole chunk's batches: no shape depends on the batch range,
+        # so every segment of a chunk, of whatever length, runs the same compiled program.
+        xs = jax.tree.map(lambda x: x.reshape((x.shape[0], n_total, b) + x.shape[2:]), data._replace(bank=None))
+        at = lambda i: jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=1, keepdims=False), xs)
         out_shapes = jax.eval_shape(step, state, at(0), bank)[1]
-        outs = jax.tree.map(lambda o: jnp.zeros((seg,) + o.shape, o.dtype), out_shapes)
+        outs = jax.tree.map(lambda o: jnp.zeros((n_total,) + o.shape, o.dtype), out_shapes)
 
         def body(i, carry, masked: bool):
             state, outs = carry
@@ -252,30 +254,34 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
             return new_state, jax.tree.map(lambda o, v: o.at[i].set(v), outs, out)
 
         # Batches where every user has a real query run without the select; batches where
-        # none has one (the padding of the length bucket) are not run.
-        present = jnp.any(xs.present, axis=-1)                              # (seg, U)
-        full, live = jnp.all(present, axis=-1), jnp.any(present, axis=-1)   # (seg,)
-        n_full = jnp.where(jnp.all(full), seg, jnp.argmin(full))
-        n_live = jnp.where(jnp.any(live), seg - jnp.argmax(live[::-1]), 0)
-        carry = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), (state, outs))
-        state, outs = jax.lax.fori_loop(n_full, jnp.maximum(n_full, n_live), functools.partial(body, masked=True),
+        # none has one (the padding of the length bucket) are not run. Both are decided over
+        # the whole chunk, so a batch runs the same way in every segmentation of it.
+        present = jnp.any(xs.present, axis=-1).T                            # (n_total, U)
+        full, live = jnp.all(present, axis=-1), jnp.any(present, axis=-1)   # (n_total,)
+        n_full = jnp.where(jnp.all(full), n_total, jnp.argmin(full))
+        n_live = jnp.where(jnp.any(live), n_total - jnp.argmax(live[::-1]), 0)
+        mid = jnp.clip(n_full, start, stop)
+        carry = jax.lax.fori_loop(start, mid, functools.partial(body, masked=False), (state, outs))
+        state, outs = jax.lax.fori_loop(mid, jnp.clip(n_live, mid, stop), functools.partial(body, masked=True),
                                         carry)
         return state, jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)
 
-    def run(state: LoopState, data: ChunkData, start=0, n_batches: int | None = None, group: int | None = None):
+    def run(state: LoopState, data: ChunkData, start=0, stop=None, group: int | None = None):
         n_users = data.q.shape[0]
+        if stop is None:
+            stop = data.q.shape[1] // b
         if group is None:
             per_user = sum(x.nbytes for x in jax.tree.leaves((state.users.params, state.users.params,
                                                                state.users.opt_state))) // n_users
             group = users_per_group(n_users, per_user) if jax.default_backend() == "cpu" else 0
         if not scope.local_is_full or not group or group >= n_users or n_users % group:
-            return run_group(state, data, start, n_batches)
+            return run_group(state, data, start, stop)
         split = lambda x: x.reshape((n_users // group, group) + x.shape[1:])
         merge = lambda x: x.reshape((n_users,) + x.shape[2:])
 
         def one_group(args):
             users, chunk = args
-            new, outs = run_group(LoopState(users, state.shared), chunk, start, n_batches)
+            new, outs = run_group(LoopState(users, state.shared), chunk, start, stop)
             return new.users, outs
 
         users, outs = jax.lax.map(one_group, (jax.tree.map(split, state.users), jax.tree.map(split, data)))
@@ -297,7 +303,7 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
         pad=lambda streams, users_per_chunk, batches_multiple=1: pad_streams(
             streams, layout, users_per_chunk, batches_multiple=batches_multiple),
         batches=lambda streams: stream_batches(streams, layout),
-        run=jax.jit(run, donate_argnums=(0,), static_argnames=("n_batches", "group")))
+        run=jax.jit(run, donate_argnums=(0,), static_argnames=("group",)))
 
 
 def per_query(outputs: dict) -> dict:
