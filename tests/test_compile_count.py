@@ -5,7 +5,9 @@ chunk through it. Compilations are counted with JAX's public monitoring events (
 ``backend_compile`` event per XLA compilation, the loop's and any other). After a warm-up
 chunk, running more users (chunks of 4, the last padded) and streams of 57 vs 64 queries
 with batch 4 (15 vs 16 batches → both the 16-batch bucket; banks of 50 vs 56 memories →
-both the 56 bucket) must compile nothing. A stream of 100 queries (25 batches → the
+both the 56 bucket) must compile nothing, nor must cutting a chunk into segments of 1, 3
+or 7 batches (checkpoints: the batch range is an argument of the one program, so every
+segmentation runs the same machine code). A stream of 100 queries (25 batches → the
 28-batch bucket) is the positive control: it compiles the loop again.
 """
 import jax
@@ -46,9 +48,10 @@ def test_compilations_do_not_grow_with_users_or_lengths_within_a_bucket(compiles
     params = rj.init_reranker(jax.random.key(0), D)
     program = make_run(*rj.preset("default", k=K, m=2, batch=4), cite_fn=oracle_cite)
 
-    def drain(streams):
+    def drain(streams, segment_batches=None):
         chunks = [streams[i:i + 4] for i in range(0, len(streams), 4)]
-        done = [e for e in drive(chunks, program, params, users_per_chunk=4) if isinstance(e, ChunkDone)]
+        done = [e for e in drive(chunks, program, params, users_per_chunk=4, segment_batches=segment_batches)
+                if isinstance(e, ChunkDone)]
         for e in done:
             assert np.all(np.isfinite(np.asarray(e.states.params["q_adapter"]["W"]["kernel"])))
         return sum(len(e.streams) for e in done)
@@ -60,5 +63,8 @@ def test_compilations_do_not_grow_with_users_or_lengths_within_a_bucket(compiles
     assert len(compiles) == warm                                # more users, padded chunks: no compile
     assert drain([mk(rng, f"c{i}", 64, 56) for i in range(5)]) == 5
     assert len(compiles) == warm                                # 57 vs 64 queries: same bucket
+    for every in (1, 3, 7):
+        assert drain([mk(rng, f"s{every}", 57, 50)], segment_batches=every) == 1
+    assert len(compiles) == warm                                # segments of any length: the same program
     assert drain([mk(rng, "d0", 100, 60)]) == 1
     assert len(compiles) > warm                                 # control: a new bucket compiles
