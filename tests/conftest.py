@@ -18,8 +18,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # 6.4 s -> 6.8 s, so users keep XLA's defaults). Every comparison in a test runs both sides under the same
 # flags; a test that sets XLA_FLAGS itself (forced device counts) replaces these. The resume
 # tests run their subprocesses under the user's own flags (USER_XLA_FLAGS): bit-identical resume
-# after a kill holds for XLA's default optimisation (a resumed segment is a program of another
-# length, which at level 0 can round differently), and that is the guarantee users get.
+# after a kill is the guarantee users get under their flags (every segment of a chunk runs one
+# compiled program, whatever its length; test_resume.py checks --checkpoint-every at ours too).
 # (pytest-xdist's workers inherit the controller's environment, where this already ran: the
 # user's flags are what remains without ours.)
 #
