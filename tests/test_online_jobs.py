@@ -393,3 +393,17 @@ def test_an_overall_shown_recall_is_over_every_query_or_absent():
     out = acc.result()
     assert "shown_recall@3" not in out and "shown_recall@3" not in out["per_user"]["b"]
     assert out["per_user"]["a"]["shown_recall@3"] == 0.25 and out["recall@3"] == 2 / 3
+
+
+def test_the_cited_curve_is_over_calls_with_a_citation_as_cited_recall_is():
+    """cited_recall@M is a mean over the calls with a citation; its learning curve is too. A
+    call without one has no share to count: the curve counted it as 0, so a run whose every
+    cited call had its citations in the top M drew a curve far below the 1.0 it reported."""
+    from rmm_jax.online.summary import CURVE_WINDOW, Summary
+    acc = Summary(3)
+    t = 2 * CURVE_WINDOW
+    hit = np.tile([1.0, 0.0], t // 2)                 # every other call cites one memory, in the top 3
+    acc.add("a", np.zeros(t), np.zeros(t), np.zeros(t, bool), cited=(hit, hit, np.full(t, 3.0)))
+    out = acc.result()
+    assert out["cited_recall@3"] == 1.0 and out["calls_cited"] == t // 2
+    assert out["cited_curve"] == [1.0] * (t // 2)

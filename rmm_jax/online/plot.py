@@ -70,20 +70,22 @@ def plot_learning(summary: dict, base: dict, path, *, m: int, label: str, title:
     calls (``base``), one panel per measure the run has: Recall@``m`` when some query has
     gold, and cited-recall@``m`` when some call has a citation (docs/lifecycle.md,
     "Measures without gold"). Each curve is the moving average of the per-call value over
-    the call's position in its user's stream, averaged over the users that reach it."""
+    the call's position in its user's stream, among the calls the measure counts (with
+    gold; with a citation), averaged over the users that reach it."""
     panels = []
     for key, curve, what in ((f"recall@{m}", "curve", f"Recall@{m}"),
                              (f"cited_recall@{m}", "cited_curve", f"cited-recall@{m} (no gold)")):
         if summary.get(key) is not None and base.get(key) is not None:
-            panels.append((what, summary[curve], base[curve],
+            panels.append((what, curve, summary[curve], base[curve],
                            f"{what} {summary[key]:.3f}, {summary[key] - base[key]:+.3f} vs base"))
     if not panels:
         raise ValueError("nothing to plot: no call has gold or a citation")
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.2), dpi=120, squeeze=False)
-    for i, (ax, (what, ys, ref, note)) in enumerate(zip(axes[0], panels)):
+    for i, (ax, (what, curve, ys, ref, note)) in enumerate(zip(axes[0], panels)):
         _beside(ax, "base retriever", ref, label, ys, f"C{i}", note)
-        ax.set_xlabel("call in stream (per user)")
+        ax.set_xlabel("call with gold, in stream (per user)" if curve == "curve"
+                      else "call with a citation, in stream (per user)")
         ax.set_ylabel(f"{what} (moving average)")
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)

@@ -102,7 +102,7 @@ class Summary:
             self.sum_rate += float(rate[shows].sum())
             self.calls += int(shows.sum())
             self.calls_cited += int(has.sum())
-            self.cited_curve.add(share, has)
+            self.cited_curve.add(share[has], np.ones(int(has.sum())))   # over calls with a citation, as the value
         self.per_user[user_id] = row
 
     def result(self) -> dict:
