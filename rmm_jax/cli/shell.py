@@ -38,12 +38,20 @@ def emit_json(obj) -> None:
 
 
 def parse_users(users: str | None) -> list[str] | None:
-    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty item is an error."""
+    """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty or repeated item is an
+    error (a user run twice in one run is saved twice in one version; pretrain trained on it twice).
+
+    >>> parse_users("a, b")
+    ['a', 'b']
+    """
     if users is None:
         return None
     ids = [u.strip() for u in users.split(",")]
     if not all(ids):
         raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
+    twice = next((u for i, u in enumerate(ids) if u in ids[:i]), None)
+    if twice is not None:
+        raise InputError(f"user id {twice!r} is given twice", where="--users")
     return ids
 
 
