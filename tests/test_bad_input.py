@@ -238,6 +238,8 @@ def cases():
         ("simulate-precision-0", lambda e: sim(e, "--precision", 0), lambda e: ["--precision"]),
         ("simulate-recall", lambda e: sim(e, "--recall", -0.1), lambda e: ["--recall"]),
         ("simulate-unknown-user", lambda e: sim(e, "--users", "nobody"), lambda e: ["--users", "nobody"]),
+        ("simulate-resume-finished", lambda e: ["simulate", e["store"], "--policies", e["pol_existing"], "--resume"],
+         lambda e: ["--resume", "no checkpoint"]),     # it used to simulate the whole run again, learning twice
         ("simulate-user-twice", lambda e: sim(e, "--users", f"{e['user'].user_id},{e['user'].user_id}"),
          lambda e: ["--users", "twice"]),
         ("pretrain-user-twice", lambda e: pre(e, "--users", f"{e['user'].user_id},{e['user'].user_id}"),

@@ -45,7 +45,7 @@ from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
 from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_setting import write_setting
-from rmm_jax.persist.runstate import file_digest
+from rmm_jax.persist.runstate import RunState, file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
 
@@ -129,6 +129,10 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
     check_output_file(log_out, f"--log-out {log_out}")
     check_output_file(plot_path, f"--plot {plot_path}")
+    if resume and Path(policies).exists() and RunState.interrupted_command(policies) is None:
+        raise InputError("no checkpoint of these policies to resume (the last run finished, or stopped before its "
+                         "first checkpoint); without --resume, simulate continues them with new simulated calls",
+                         where="--resume")
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
