@@ -393,6 +393,7 @@ def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_f
     rc, text = run(env, [*args, "--resume"], "t4")
     assert rc == 0, text
     assert f"checkpoint {snaps[-1].name} is damaged" in text and f"previous good one, {snaps[0].name}" in text, text
+    assert "afresh" not in text, text        # the users it holds are this run's own: nothing was dropped
     assert_same_policies(reference["policies"], pol)
     assert log.read_bytes() == reference["log"].read_bytes()
     assert not rs_dir.exists()

@@ -144,17 +144,25 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
     return Start(saved.state.params, shared, ps.next_version(), saved.version)
 
 
-def continue_note(ps, start: Start, user_ids) -> str | None:
+def rs_fresh(rs) -> bool:
+    """Whether a run begins here: not resumed, nor started again after a kill (whose saved
+    users are then the interrupted run's own)."""
+    return rs is None or (rs.restored is None and rs.interrupted is None)
+
+
+def continue_note(ps, start: Start, user_ids, *, afresh: bool = False) -> str | None:
     """The stderr line of a run that continued a policy store: how many of its users continued
     from their saved versions (which), and where the others started; None when nobody continues.
-    Made before the run saves anything, printed after it (an error stays one line). A run
-    that starts afresh (``--init identity`` or ``pretrained``) on a store that holds some of
-    its users says so instead: their new versions forget what the saved ones learned, which
-    a nightly job that keeps the first night's ``--init`` would do every night."""
+    Made before the run saves anything, printed after it (an error stays one line). With
+    ``afresh`` (a fresh run given ``--init identity`` or ``pretrained``), a store that holds
+    some of its users says so instead: their new versions forget what the saved ones
+    learned, which a nightly job that keeps the first night's ``--init`` would do every night."""
     if ps is None:
         return None
     user_ids = list(user_ids)
     if start.before is None:
+        if not afresh:
+            return None
         held = sum(bool(entries) for _, entries, _ in ps.listing(user_ids))
         return None if not held else (
             f"started {held} of {len(user_ids)} users afresh although {ps.path} holds their saved policies "

@@ -32,6 +32,7 @@ from rmm_jax.cli.online import (
     plot_option,
     report,
     resolve_init,
+    rs_fresh,
     run_and_save,
     save_plot,
     setting_report,
@@ -127,6 +128,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     check_output_file(plot_path, f"--plot {plot_path}")
     if passes < 1:
         raise InputError(f"must be >= 1, got {passes}", where="--passes")
+    afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
@@ -157,7 +159,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
         # every night's --json has log.calls: a run that starts afresh learns every valid record
         rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(rep["records"], 0, 0), relearn)
-        note = continue_note(ps, start, user_ids) if writer else None
+        note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs)) if writer else None
         result = None
         if learned is None or learned.learn:
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],

@@ -30,6 +30,7 @@ from rmm_jax.cli.online import (
     plot_option,
     report,
     resolve_init,
+    rs_fresh,
     run_and_save,
     save_plot,
     setting_report,
@@ -133,6 +134,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         raise InputError("no checkpoint of these policies to resume (the last run finished, or stopped before its "
                          "first checkpoint); without --resume, simulate continues them with new simulated calls",
                          where="--resume")
+    afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
@@ -159,7 +161,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
-            note = continue_note(ps, start, check_users(st, users)) if writer else None
+            note = continue_note(ps, start, check_users(st, users), afresh=afresh and rs_fresh(rs)) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
