@@ -347,6 +347,9 @@ def cases():
     c += [
         ("demo-users", lambda e: ["demo", "--out", e["root"] / "demo", "--users", 2], lambda e: ["--users"]),
         ("demo-out-is-file", lambda e: ["demo", "--out", e["file"]], lambda e: ["--out"]),
+        ("demo-rank-beyond-dim", lambda e: ["demo", "--out", e["root"] / "demo", "--users", 4, "--sessions", 2,
+                                            "--turns", 4, "--scope", "hybrid", "--rank", 400],
+         lambda e: ["--rank"]),
     ]
     # ---- the CLI itself
     c += [

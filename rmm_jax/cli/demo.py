@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import config_dict, config_options, make_setting
+from rmm_jax.cli.common import check_rank, config_dict, config_options, make_setting
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import check_writable, emit_json, info
 from rmm_jax.data import load_spec
@@ -71,14 +71,16 @@ def demo(out, users, sessions, turns, as_json, **opts):
     except InputError:
         reuse = False
     if not reuse:
-        info(f"[1/3] embedding {spec}")
         emb = Embedder()
         try:
+            check_rank(setting.layout, emb.dim)   # a --rank the embedding cannot hold: one line, before any work
+            info(f"[1/3] embedding {spec}")
             write_store(store_path, load_spec(spec), "turn", emb, spec=spec)
         finally:
             emb.close()
         st = open_store(store_path)
     else:
+        check_rank(setting.layout, st.dim)
         info(f"[1/3] reusing embedding store {store_path}")
     streams = load_streams(st, k)
     half = len(streams) // 2
