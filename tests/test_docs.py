@@ -521,3 +521,21 @@ def test_running_a_walkthrough_day_twice_changes_nothing(tmp_path, monkeypatch, 
     after = state()
     assert after.keys() == before.keys() and all(after[k] == before[k] for k in before), \
         [k for k in before if after.get(k) != before[k]]
+
+
+def test_the_verbs_table_names_every_verb():
+    """docs/index.md's table of verbs lists every command the CLI has (it had left out
+    cite-rates, policies rollback and version)."""
+    import click
+
+    from rmm_jax.cli.main import cli, register_commands
+    register_commands()
+    verbs = []
+    for name, cmd in cli.commands.items():
+        subs = cmd.commands if isinstance(cmd, click.Group) else {}
+        verbs += [f"{name} {sub}" for sub in subs] or [name]
+    rows = [line for line in (REPO / "docs" / "index.md").read_text().splitlines() if line.startswith("| `")]
+    named = " ".join(row.split("|")[1] for row in rows)
+    missing = [v for v in verbs if not re.search(rf"`{v.split()[0]}[ `]", named)
+               or (" " in v and v.split()[1] not in named)]
+    assert not missing, missing

@@ -34,7 +34,8 @@ def print_table(rows: dict, m: int, title: str) -> None:
 
 @cli.command()
 @click.option("--out", default="runs/demo", type=click.Path(file_okay=False),
-              help="Working directory for the store, policies, table and plot.")
+              help="Working directory: the embedding store (store/, reused by a re-run), summary.json and "
+                   "learning_curve.png.")
 @click.option("--users", type=int, default=16, help="Synthetic users (half pretrain, half online).")
 @click.option("--sessions", type=int, default=16, help="Sessions per user.")
 @click.option("--turns", type=int, default=10, help="Turns per session.")

@@ -206,13 +206,13 @@ def _echo_user(d: dict) -> None:
 @policies.command()
 @click.argument("store", type=click.Path())
 @click.argument("user", required=False)
-@users_option("These users, with or instead of USER")
+@users_option("These users, with or instead of USER", default="none: the store alone")
 @click.option("--json", "as_json", is_flag=True,
               help='Print one JSON object {"store": {...}, "users": [...]} on stdout instead of text.')
 def show(store, user, users, as_json):
     """Show what loads from STORE. The store: its meta, the shared version that loads
-    (newer damaged ones skipped), the shared versions on disk and why each is kept (among
-    the store's newest `keep`, or used by a kept user version), the user versions kept. For USER
+    (newer damaged ones skipped), the shared versions on disk and why each is kept (the
+    store's start, among its newest `keep`, or used by a kept user version), the user versions kept. For USER
     (or --users): the version that loads, the shared version it pairs with (scopes shared
     and hybrid), any newer version skipped and why, bytes on disk, shapes and L2 norms of
     the params, optimiser and learner state, and the saved info."""

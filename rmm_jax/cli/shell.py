@@ -55,11 +55,11 @@ def parse_users(users: str | None) -> list[str] | None:
     return ids
 
 
-def users_option(what: str = "Only these users"):
+def users_option(what: str = "Only these users", default: str = "all"):
     """``--users a,b``, the same filter on every verb that takes users; the value arrives
-    parsed (a list of ids, or None for all)."""
+    parsed (a list of ids, or None: ``default``, which the help shows)."""
     return click.option("--users", default=None, metavar="A,B", callback=lambda ctx, p, v: parse_users(v),
-                        help=f"{what} (comma-separated ids; default: all).")
+                        help=f"{what} (comma-separated ids; default: {default}).")
 
 
 def _png_path(ctx, param, value):
