@@ -87,7 +87,8 @@ def list_cmd(store, users, as_json):
         click.echo(json.dumps({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}))
         return
     m = st.meta
-    click.echo(f"{store}: kind={m['kind']} dim={m['dim']} hidden={m['hidden']} users={len(rows)}")
+    shown = f" (listed: {len(rows)})" if wanted else ""
+    click.echo(f"{store}: kind={m['kind']} dim={m['dim']} hidden={m['hidden']} users={st.n_users()}{shown}")
     if not rows:
         return
     w = max(4, *(len(r["user"]) for r in rows))
