@@ -226,7 +226,8 @@ def cases():
     ]
     # ---- K, M, tau, lr out of range: every online command
     for opt, val, name in [("--k", 0, "--k"), ("--m", 0, "--m"), ("--m", K + 1, "--m"), ("--tau", 0, "--tau"),
-                           ("--tau", -1, "--tau"), ("--tau", "nan", "--tau"), ("--lr", 0, "--lr"),
+                           ("--tau", -1, "--tau"), ("--tau", "nan", "--tau"), ("--tau", "1e-45", "--tau"),
+                           ("--lr", 0, "--lr"),
                            ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k")]:
         c.append((f"replay{opt}={val}", lambda e, o=opt, v=val: rp(e, "good", o, v), lambda e, n=name: [n]))
         c.append((f"simulate{opt}={val}", lambda e, o=opt, v=val: sim(e, o, v), lambda e, n=name: [n]))

@@ -351,3 +351,39 @@ def test_judge_corrected_logistic_loss_is_proper_for_usefulness(eta):
     # 0.02: four steps of the grid of x (0.005), which limits where the minimum can be found
     assert abs(best((p_u, p_o)) - logit(eta)) < 0.02
     assert abs(best((1.0, 0.0)) - logit(p_cite)) < 0.02
+
+
+# ---- contracts: values (τ, indices, NaN) are checked when concrete, i.e. eager (rmm_jax.core.checks)
+
+S2 = jnp.array([[1.0, 0.0, 0.5, -0.5], [0.2, 0.4, 0.0, 0.0]])
+SEL2 = jnp.array([[0, 2], [1, -1]], jnp.int32)
+CITED2 = jnp.array([[True, False], [True, False]])
+GOLD2 = jnp.array([[True, False, False, False], [False, True, False, False]])
+LOSSES = {
+    "reinforce": lambda s, sel, tau: rj.reinforce_loss(s, sel, CITED2.astype(jnp.float32), 0.5, tau),
+    "logistic": lambda s, sel, tau: rj.citation_logistic_loss(s, sel, CITED2, tau),
+    "pairwise": lambda s, sel, tau: rj.citation_pairwise_loss(s, sel, CITED2, tau),
+    "listwise": lambda s, sel, tau: rj.listwise_loss(s, GOLD2, tau=tau),
+    "pointwise": lambda s, sel, tau: rj.pointwise_loss(s, GOLD2, tau=tau),
+}
+
+
+@pytest.mark.parametrize("tau", [0.0, -1.0, float("nan"), float("inf"), 1e-45, 5e-7])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_refuses_a_temperature_that_is_not_positive_finite_and_above_the_floor(name, tau):
+    # τ = 0 gave NaN, τ < 0 a finite loss of the wrong sign, τ = 1e-45 an s/τ of inf
+    with pytest.raises(ValueError, match=r"^tau: must be"):
+        LOSSES[name](S2, SEL2, tau)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_is_finite_at_the_smallest_temperature(name):
+    from rmm_jax.core.checks import TAU_MIN
+
+    assert np.isfinite(float(LOSSES[name](S2 * 100.0, SEL2, TAU_MIN)))
+
+
+def test_the_estimator_refuses_a_temperature_below_the_floor():
+    for field in ("tau", "draw_tau"):
+        with pytest.raises(ValueError, match=rf"^{field}: must be >= 1e-06"):
+            rj.Estimator(**{field: 1e-45})

@@ -158,6 +158,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument(call, arg, variant)
 @pytest.mark.parametrize("call, arg", [
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, 0.0), "tau"),
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, -1.0), "tau"),
+    (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.ones(4), 2, 1e-45), "tau"),     # s/τ: inf
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.array([0., jnp.nan]), 1, 1.0), "scores"),
 ])
 def test_bad_values_raise_value_error_naming_the_argument(call, arg):

@@ -42,10 +42,24 @@ def check_int(x, name: str) -> None:
     _chex(lambda: chex.assert_type(x, int), name, f"expected an integer dtype, got {jnp.result_type(x)}")
 
 
-def check_tau(tau) -> None:
+# The smallest temperature: s/τ must stay finite in float32 (max 3.4e38), and above the
+# masked-logit stand-in −1e30 (rmm_jax.core.sampling.NEG), for every score a reranker of
+# (near) unit-norm embeddings gives; at τ = 1e-6 both hold for |s| < 1e24. Below it nothing
+# changes that float32 can show (a score gap of 1e-4 is already 100 nats: the draw is the
+# top-M), while τ = 1e-45 turned s/τ into inf and the saved policy into NaN.
+TAU_MIN = 1e-6
+
+
+def check_tau(tau, name: str = "tau") -> None:
+    """``ValueError`` naming ``name`` unless τ (a number or array of them) is finite and
+    >= :data:`TAU_MIN` (checked when concrete)."""
     if is_concrete(tau):
         t = np.asarray(tau)
-        require(bool(np.all(np.isfinite(t)) and np.all(t > 0)), "tau", f"must be > 0 and finite, got {tau}")
+        require(t.dtype.kind in "iuf", name, f"must be a number, got {tau!r}")
+        require(bool(np.all(t > 0)), name, f"must be > 0, got {tau}")
+        require(bool(np.all(np.isfinite(t))), name, f"must be finite, got {tau}")
+        require(bool(np.all(t >= TAU_MIN)), name,
+                f"must be >= {TAU_MIN:g} (below it s/τ overflows float32), got {tau}")
 
 
 def check_finite(x, name: str) -> None:

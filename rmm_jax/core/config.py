@@ -96,9 +96,10 @@ class Estimator:
         c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
         c(self.mode in MODES, "mode", f"must be one of {MODES}")
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
-        c(self.tau > 0 and self.tau < float("inf"), "tau", f"must be > 0, got {self.tau}")
+        checks.check_tau(self.tau)
         c(self.noise in NOISES, "noise", f"must be one of {NOISES}, got {self.noise!r}")
-        c(self.draw_tau is None or 0 < self.draw_tau < float("inf"), "draw_tau", f"must be > 0, got {self.draw_tau}")
+        if self.draw_tau is not None:
+            checks.check_tau(self.draw_tau, "draw_tau")
         c(self.draw_tau is None or self.noise == "tempered", "draw_tau",
           "the unit noise draws at temperature 1; a draw temperature needs noise `tempered`")
         c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")

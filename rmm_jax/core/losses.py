@@ -141,7 +141,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
       selected: (B, M) int32 ordered selections, −1 for unfilled slots.
       rewards: (B, M) per-shown-memory rewards (:func:`citation_rewards`).
       baseline: scalar or broadcastable to (B, M); treated as a constant.
-      tau: temperature > 0.
+      tau: temperature, >= :data:`rmm_jax.core.checks.TAU_MIN` (1e-6) and finite.
       mode: ``plackett_luce`` (exact log-prob) or ``rmm`` (paper; needs ``gumbel``).
       credit: ``item`` | ``reward_to_go`` | ``selection``.
       gumbel: (B, K) sampled noise on the score scale, for ``rmm``.
@@ -163,6 +163,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
       [-0.3333, 0.4167, -0.0833]
     """
     weights = _call_contract(scores, selected, rewards, "rewards", weights)
+    checks.check_tau(tau)
     filled = selected >= 0
     adv = jax.lax.stop_gradient(advantages(rewards, baseline, filled, credit))
     w = jax.lax.stop_gradient(weights)
@@ -220,6 +221,7 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
       [5.0, 0.0, -9.526]
     """
     weights = _call_contract(scores, selected, cited, "cited", weights)
+    checks.check_tau(tau)
     check_judge_rates(p_useful, p_other)
     valid = valid_mask(scores, mask)
     finite = jnp.where(valid, scores, 0.0)                  # masked (−inf) slots out before any arithmetic
@@ -274,6 +276,7 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
       True
     """
     weights = _call_contract(scores, selected, cited, "cited", weights)
+    checks.check_tau(tau)
     finite = jnp.where(valid_mask(scores, mask), scores, 0.0)       # masked (−inf) slots out before any arithmetic
     filled = selected >= 0
     shown = jnp.take_along_axis(finite, jnp.maximum(selected, 0), axis=-1)    # (B, M)
@@ -293,7 +296,7 @@ def listwise_loss(scores, gold, mask=None, tau=1.0):
     no signal and are excluded).
 
     Args:
-      scores: (B, K). gold: (B, K) bool. mask: (B, K) bool valid candidates.
+      scores: (B, K). gold: (B, K) bool. mask: (B, K) bool valid candidates. tau: temperature > 0.
 
     Examples:
       >>> import jax.numpy as jnp, rmm_jax as rj
@@ -308,6 +311,7 @@ def listwise_loss(scores, gold, mask=None, tau=1.0):
     """
     checks.check_rank(scores, 2, "scores")
     checks.require(gold.shape == scores.shape, "gold", f"shape {gold.shape} does not match scores {scores.shape}")
+    checks.check_tau(tau)
     valid = valid_mask(scores, mask)
     g = (gold & valid).astype(jnp.float32)
     n = jnp.sum(g, axis=-1)
@@ -345,6 +349,7 @@ def pointwise_loss(scores, gold, mask=None, tau=1.0, *, balanced: bool = False):
     """
     checks.check_rank(scores, 2, "scores")
     checks.require(gold.shape == scores.shape, "gold", f"shape {gold.shape} does not match scores {scores.shape}")
+    checks.check_tau(tau)
     valid = valid_mask(scores, mask)
     pos, neg = gold & valid, ~gold & valid
     has = jnp.any(pos, axis=-1)

@@ -77,7 +77,7 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
       key: PRNG key (ignored when ``gumbel`` is given).
       scores: (K,) float scores.
       m: number of memories to select, 1 ≤ m ≤ K.
-      tau: temperature > 0.
+      tau: temperature, >= :data:`rmm_jax.core.checks.TAU_MIN` (1e-6) and finite.
       mask: optional (K,) bool of valid candidates.
       gumbel: optional (K,) precomputed Gumbel noise (to reuse it in the `rmm` log-prob).
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rmm_jax.core import reranker
+from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
@@ -324,9 +324,12 @@ class Reranker:
         >>> got.selected.shape, bool(np.allclose(got.logits, [[1.0, 0.0, 0.6]]))
         ((1, 2), True)
         """
-        tau = self.tau if tau is None else float(tau)
-        if not 0 < tau < float("inf"):
-            raise InputError(f"must be > 0, got {tau}", where="tau")
+        tau = self.tau if tau is None else tau
+        try:
+            checks.check_tau(tau)
+        except ValueError as e:
+            raise InputError(str(e).partition(": ")[2], where="tau") from None
+        tau = float(tau)
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
         keys = keys if isinstance(keys, jax.Array) else jnp.asarray(keys)
         if keys.shape != (n,):
