@@ -227,7 +227,7 @@ def cases():
     # ---- K, M, tau, lr out of range: every online command
     for opt, val, name in [("--k", 0, "--k"), ("--m", 0, "--m"), ("--m", K + 1, "--m"), ("--tau", 0, "--tau"),
                            ("--tau", -1, "--tau"), ("--tau", "nan", "--tau"), ("--tau", "1e-45", "--tau"),
-                           ("--lr", 0, "--lr"),
+                           ("--lr", 0, "--lr"), ("--lr", "inf", "--lr"),
                            ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k")]:
         c.append((f"replay{opt}={val}", lambda e, o=opt, v=val: rp(e, "good", o, v), lambda e, n=name: [n]))
         c.append((f"simulate{opt}={val}", lambda e, o=opt, v=val: sim(e, o, v), lambda e, n=name: [n]))
@@ -272,6 +272,12 @@ def cases():
         ("pretrain-lr-0", lambda e: pre(e, "--lr", 0), lambda e: ["--lr"]),
         ("pretrain-lr-neg", lambda e: pre(e, "--lr", -1), lambda e: ["--lr"]),
         ("pretrain-temperature", lambda e: pre(e, "--temperature", 0), lambda e: ["--temperature"]),
+        ("pretrain-temperature-tiny", lambda e: pre(e, "--temperature", "1e-45"), lambda e: ["--temperature"]),
+        ("pretrain-lr-inf", lambda e: pre(e, "--lr", "inf"), lambda e: ["--lr"]),
+        ("pretrain-weight-decay-nan", lambda e: pre(e, "--weight-decay", "nan"), lambda e: ["--weight-decay"]),
+        ("pretrain-weight-decay-neg", lambda e: pre(e, "--weight-decay", -1), lambda e: ["--weight-decay"]),
+        ("pretrain-hidden-linear", lambda e: pre(e, "--hidden", 8), lambda e: ["--hidden", "mlp"]),
+        ("pretrain-mlp-hidden-0", lambda e: pre(e, "--kind", "mlp", "--hidden", 0), lambda e: ["--hidden"]),
         ("pretrain-k-0", lambda e: pre(e, "--k", 0), lambda e: ["--k"]),
         ("pretrain-m-gt-k", lambda e: pre(e, "--m", K + 1), lambda e: ["--m"]),
         ("pretrain-epochs", lambda e: pre(e, "--epochs", 0), lambda e: ["--epochs"]),

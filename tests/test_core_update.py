@@ -290,6 +290,23 @@ def test_settings_reject_out_of_range_values_naming_the_field(field, value):
         rj.preset("default", **{field: value}, **extra)
 
 
+@pytest.mark.parametrize("overrides, field", [
+    ({"lr": float("nan")}, "lr"), ({"lr": float("inf")}, "lr"), ({"lr": -1.0}, "lr"), ({"lr": "1e-3"}, "lr"),
+    ({"batch": True}, "batch"), ({"k": True, "m": 1}, "k"), ({"kind": "mlp", "hidden": 0}, "hidden"),
+    ({"baseline_value": float("nan")}, "baseline_value"), ({"on_policy_tol": -1.0}, "on_policy_tol")])
+def test_settings_reject_non_finite_values_and_bools_naming_the_field(overrides, field):
+    # each was taken: a NaN or infinite step size, a bool as a count, a hidden width of 0
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        rj.preset("default", **overrides)
+
+
+@pytest.mark.parametrize("make", [rj.adam, rj.sgd])
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0, 0.0, True])
+def test_optimizers_refuse_a_step_size_that_is_not_positive_and_finite(make, lr):
+    with pytest.raises(ValueError, match=r"^lr: must be > 0 and finite"):
+        make(lr)
+
+
 def test_hybrid_needs_the_linear_kind_and_a_rank_below_d():
     with pytest.raises(ValueError, match="^scope:"):
         rj.preset("default", scope="hybrid", kind="mlp", hidden=4)

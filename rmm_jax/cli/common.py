@@ -208,15 +208,17 @@ def raise_option_error(e: ValueError):
 ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name
 
 
-def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None,
+def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None, hidden=None,
                  **more) -> Setting:
-    """The program's parts from the options (``scope`` None: user). ``more`` may set other
-    :class:`Estimator` fields (e.g. ``clip``); other keys are ignored."""
+    """The program's parts from the options (``scope`` None: user; ``hidden``: the `mlp` kind's
+    width, None its default). ``more`` may set other :class:`Estimator` fields (e.g. ``clip``);
+    other keys are ignored."""
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
     overrides.update({n: v for n, v in more.items() if n in ESTIMATOR_OPTIONS and v is not None})
     try:
-        return settings.preset(preset, k=k, m=m, kind=kind, scope=scope or "user", rank=rank, **overrides)
+        return settings.preset(preset, k=k, m=m, kind=kind, hidden=hidden, scope=scope or "user", rank=rank,
+                               **overrides)
     except ValueError as e:
         raise_option_error(e)
 

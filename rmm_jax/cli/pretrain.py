@@ -13,6 +13,7 @@ from rmm_jax.cli.common import (
     check_store_writable,
     checkpoint_options,
     make_setting,
+    raise_option_error,
     scope_options,
 )
 from rmm_jax.cli.main import cli
@@ -137,14 +138,19 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     recipe = DIALOGUE if labels == "dialogue" else PRETRAIN
     epochs = recipe.epochs if epochs is None else epochs
     val_fraction = recipe.val_fraction if val_fraction is None else val_fraction
-    for name, v, ok in [("--epochs", epochs, epochs >= 1), ("--lr", lr, lr > 0),
-                        ("--temperature", temperature, temperature > 0),
+    for name, v, ok in [("--epochs", epochs, epochs >= 1),
                         ("--val-fraction", val_fraction, 0 <= val_fraction < 1),
                         ("--patience", patience, patience >= 1),
                         ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
         if not ok:
             raise InputError(f"out of range: {v}", where=name)
-    layout = make_setting("default", k, m, None, None, None, None, None, None, kind, scope=scope, rank=rank).layout
+    try:
+        pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
+                              patience=patience, val_fraction=val_fraction, m=m)
+    except ValueError as e:      # a field's check, as its option's one line (τ is --temperature)
+        raise_option_error(ValueError(str(e).replace("tau: ", "temperature: ", 1)))
+    layout = make_setting("default", k, m, None, None, None, None, None, None, kind, scope=scope, rank=rank,
+                          hidden=hidden).layout
     o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
     # (with --resume, an --out written just before a kill is checked against the result below)
     written = resume and RunState.path_for(o).is_dir()
@@ -155,8 +161,6 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     st = open_store(store)
     check_rank(layout, st.dim)
     streams = (load_dialogue_streams if labels == "dialogue" else load_streams)(st, k, users)
-    pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
-                          patience=patience, val_fraction=val_fraction, m=m)
     params = init_reranker(jax.random.key(seed), st.dim, kind, hidden)
     options = {"--users": users, "--labels": labels, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
                "--temperature": temperature, "--val-fraction": val_fraction, "--patience": patience, "--k": k,

@@ -7,6 +7,9 @@ round trip, so inside a jitted loop the caller's outer check is what guards it.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,26 @@ def is_concrete(x) -> bool:
 def require(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {message}")
+
+
+def is_int(x) -> bool:
+    """A Python or NumPy integer (``numbers.Integral``), not a bool: what a count or size takes."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+
+
+def check_positive(x, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``x`` is a real number (not a bool), finite and > 0:
+    a step size, which optax would take as NaN, negative or inf without a word."""
+    require(_is_real(x) and x > 0, name, f"must be > 0 and finite, got {x!r}")
+
+
+def check_nonnegative(x, name: str) -> None:
+    """As :func:`check_positive`, with 0 allowed (a weight decay)."""
+    require(_is_real(x) and x >= 0, name, f"must be >= 0 and finite, got {x!r}")
 
 
 def _chex(assertion, name: str, message: str) -> None:

@@ -52,13 +52,18 @@ class Layout:
     scope: Scope = Scope()       # who learns from whose citations
 
     def __post_init__(self):
-        c = checks.require
+        c, is_int = checks.require, checks.is_int
         c(self.kind in KINDS, "kind", f"must be one of {KINDS}")
         c(self.kind == "mlp" or self.hidden is None, "hidden", "only the `mlp` kind has a hidden width")
-        c(isinstance(self.k, int) and self.k >= 1, "k", f"must be >= 1, got {self.k}")
-        c(isinstance(self.m, int) and 1 <= self.m <= self.k, "m", f"must be in [1, k={self.k}], got {self.m}")
-        c(isinstance(self.batch, int) and self.batch >= 1, "batch", f"must be >= 1, got {self.batch}")
+        c(self.hidden is None or (is_int(self.hidden) and self.hidden >= 1), "hidden",
+          f"must be an int >= 1, got {self.hidden!r}")
+        c(is_int(self.k) and self.k >= 1, "k", f"must be an int >= 1, got {self.k!r}")
+        c(is_int(self.m) and 1 <= self.m <= self.k, "m", f"must be an int in [1, k={self.k}], got {self.m!r}")
+        c(is_int(self.batch) and self.batch >= 1, "batch", f"must be an int >= 1, got {self.batch!r}")
         c(isinstance(self.scope, Scope), "scope", f"must be a Scope, got {self.scope!r}")
+        for f in ("hidden", "k", "m", "batch"):     # a NumPy integer as the int it is (hashed, written to JSON)
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, int(getattr(self, f)))
         self.scope.validate(self.kind)
 
 
@@ -93,6 +98,7 @@ class Estimator:
           "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; --preset calibrated "
           "sets them): drop them, or use --loss logistic")
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
+        c(math.isfinite(self.baseline_value), "baseline_value", f"must be finite, got {self.baseline_value}")
         c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
         c(self.mode in MODES, "mode", f"must be one of {MODES}")
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
@@ -103,6 +109,7 @@ class Estimator:
         c(self.draw_tau is None or self.noise == "tempered", "draw_tau",
           "the unit noise draws at temperature 1; a draw temperature needs noise `tempered`")
         c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
+        c(self.on_policy_tol >= 0, "on_policy_tol", f"must be >= 0, got {self.on_policy_tol}")
 
     @property
     def sample_tau(self) -> float:

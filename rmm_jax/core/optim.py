@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rmm_jax.core import checks
+
 OPTIMIZERS = ("adam", "sgd")
 ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-8  # optax.adam's defaults
 
@@ -53,6 +55,7 @@ def outer_sum(x, y):
 
 def adam(lr: float) -> Optimizer:
     """``optax.adam(lr)`` that can also step on rank-B factors (same formula, same state)."""
+    checks.check_positive(lr, "lr")
     base = optax.adam(lr)
 
     def step_factors(params, state, factors):
@@ -76,6 +79,7 @@ def adam(lr: float) -> Optimizer:
 
 def sgd(lr: float) -> Optimizer:
     """``optax.sgd(lr)`` that can also step on rank-B factors: p ← p − lr Σ_b x_b ⊗ y_b."""
+    checks.check_positive(lr, "lr")
     base = optax.sgd(lr)
 
     def step_factors(params, state, factors):
@@ -90,8 +94,6 @@ def make(name: str, lr: float) -> Optimizer:
     """The optimiser ``name`` (:data:`OPTIMIZERS`) at learning rate ``lr``."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: must be one of {OPTIMIZERS}, got {name!r}")
-    if not lr > 0:
-        raise ValueError(f"lr: must be > 0, got {lr}")
     return adam(lr) if name == "adam" else sgd(lr)
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rmm_jax.core import checks
 from rmm_jax.core import metrics as rmetrics
 from rmm_jax.core.losses import listwise_loss, pointwise_loss
 from rmm_jax.core.reranker import score_batch
@@ -43,6 +44,11 @@ class PretrainConfig:
     val_fraction: float = 0.2   # of users (at least one when there are two or more)
     m: int = 5                  # validation metric: Recall@m of the reranked top-m
     loss: str = "listwise"      # or "logistic", "balanced_logistic": each candidate alone (pointwise_loss)
+
+    def __post_init__(self):
+        checks.check_positive(self.lr, "lr")          # optax takes NaN, negative or inf without a word
+        checks.check_nonnegative(self.weight_decay, "weight_decay")
+        checks.check_tau(self.tau)
 
 
 LOSSES = {"listwise": listwise_loss, "logistic": pointwise_loss,
