@@ -108,3 +108,17 @@ def test_init_rejects_bad_arguments(variant):
         init(jax.random.key(0), 0)
     with pytest.raises(ValueError, match="^hidden:"):
         init(jax.random.key(0), 8, "linear", hidden=4)
+
+
+def test_numpy_integers_are_taken_as_the_ints_they_are(variant):
+    # init_reranker(key, np.int64(4)) was refused as "dim: must be a positive int, got np.int64(4)"
+    init = variant(rj.init_reranker, static_argnames=("dim", "kind", "hidden"))
+    for kind, hidden in (("linear", None), ("mlp", 3)):
+        want = init(jax.random.key(0), 4, kind, hidden)
+        got = init(jax.random.key(0), np.int64(4), kind, None if hidden is None else np.int32(hidden))
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+    lowrank = rj.init_lowrank(jax.random.key(0), np.int64(6), np.int64(2))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), lowrank,
+                                     rj.init_lowrank(jax.random.key(0), 6, 2)))
+    with pytest.raises(ValueError, match="^dim:"):
+        init(jax.random.key(0), True)

@@ -164,3 +164,14 @@ def test_bad_arguments_raise_value_error_naming_the_argument(call, arg, variant)
 def test_bad_values_raise_value_error_naming_the_argument(call, arg):
     with pytest.raises(ValueError, match=rf"^{arg}:"):
         call()
+
+
+def test_a_numpy_integer_m_draws_as_the_int(variant):
+    # m=np.int64(3) was refused as "m: must be an int in [1, K=6], got np.int64(3)"
+    top = gumbel_top_m_of(variant)
+    s = jnp.array([0.3, -1.0, 2.0, 0.5, 1.0, 0.0])
+    for m in (np.int64(3), np.int32(3)):
+        got = top(jax.random.key(0), s, m, 0.5)
+        assert got.dtype == jnp.int32 and got.tolist() == top(jax.random.key(0), s, 3, 0.5).tolist()
+    with pytest.raises(ValueError, match="^m:"):
+        top(jax.random.key(0), s, True, 0.5)

@@ -300,6 +300,15 @@ def test_settings_reject_non_finite_values_and_bools_naming_the_field(overrides,
         rj.preset("default", **overrides)
 
 
+def test_settings_take_numpy_integers_as_the_ints_they_are():
+    # preset(k=np.int64(20)) was refused as "k: must be >= 1, got 20"
+    got = rj.preset("default", k=np.int64(20), m=np.int32(3), batch=np.int64(2), scope="hybrid", rank=np.int64(4))
+    lay = got.layout
+    assert lay == rj.preset("default", k=20, m=3, batch=2, scope="hybrid", rank=4).layout
+    assert all(type(v) is int for v in (lay.k, lay.m, lay.batch, lay.scope.rank))    # JSON-ready
+    assert rj.preset("default", kind="mlp", hidden=np.int64(8)).layout.hidden == 8
+
+
 @pytest.mark.parametrize("make", [rj.adam, rj.sgd])
 @pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0, 0.0, True])
 def test_optimizers_refuse_a_step_size_that_is_not_positive_and_finite(make, lr):

@@ -166,3 +166,20 @@ def test_non_finite_embeddings_are_refused_naming_the_argument(env):
     got = rr.rank("user0", q[0], bad_c, 2, mask=np.arange(5) != 2)
     assert (got.selected >= 0).all() and 2 not in got.selected
 
+
+
+def test_a_numpy_integer_m_serves_as_the_int_and_a_bool_is_refused():
+    """m=np.int64(3) was refused as "must be in [1, K=6], got np.int64(3)"."""
+    from rmm_jax.errors import InputError
+
+    rr = Reranker(None, dim=4)
+    q, c = np.ones(4), np.eye(6, 4) * np.arange(1, 7)[:, None]
+    want = rr.rank("u", q, c, 3)
+    for m in (np.int64(3), np.int32(3)):
+        got = rr.rank("u", q, c, m)
+        assert got.selected.tolist() == want.selected.tolist() == [[3, 2, 1]]
+        keys = jax.random.split(jax.random.key(0), 1)
+        assert rr.sample("u", q, c, m, keys=keys, tau=1.0).selected.tolist() == \
+            rr.sample("u", q, c, 3, keys=keys, tau=1.0).selected.tolist()
+    with pytest.raises(InputError, match=r"^m:"):
+        rr.rank("u", q, c, True)

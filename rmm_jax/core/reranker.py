@@ -67,12 +67,14 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
       ((4, 8), (8, 4))
     """
     checks.require(kind in KINDS, "kind", f"must be one of {KINDS}, got {kind!r}")
-    checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    checks.require(checks.is_int(dim) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    dim = int(dim)
     if kind == "linear":
         checks.require(hidden is None, "hidden", "only the `mlp` kind has a hidden width")
     else:
         hidden = dim if hidden is None else hidden
-        checks.require(isinstance(hidden, int) and hidden > 0, "hidden", f"must be a positive int, got {hidden!r}")
+        checks.require(checks.is_int(hidden) and hidden > 0, "hidden", f"must be a positive int, got {hidden!r}")
+        hidden = int(hidden)
     from rmm_jax.core.modules import Reranker  # flax: imported to initialise, not to score a linear reranker
     module = Reranker(kind=kind, hidden=hidden)
     return module.init(key, jnp.zeros((dim,), jnp.float32), jnp.zeros((1, dim), jnp.float32))["params"]
@@ -98,8 +100,9 @@ def init_lowrank(key, dim: int, rank: int):
       >>> float(abs(lr["m_adapter"]["lora"]["b"]).max())
       0.0
     """
-    checks.require(isinstance(dim, int) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
-    checks.require(isinstance(rank, int) and 0 < rank < dim, "rank", f"must be in [1, d={dim}), got {rank!r}")
+    checks.require(checks.is_int(dim) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    checks.require(checks.is_int(rank) and 0 < rank < dim, "rank", f"must be in [1, d={dim}), got {rank!r}")
+    dim, rank = int(dim), int(rank)
     kq, km = jax.random.split(key)
     one = lambda k: {"lora": {"a": jax.random.normal(k, (dim, rank), jnp.float32) / jnp.sqrt(jnp.float32(rank)),
                               "b": jnp.zeros((dim, rank), jnp.float32)}}

@@ -39,7 +39,7 @@ def _check_scores(scores, mask, m=None, selected=None):
     checks.check_mask(mask, scores.shape)
     k = scores.shape[0]
     if m is not None:
-        checks.require(isinstance(m, int) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
+        checks.require(checks.is_int(m) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
     if selected is not None:
         checks.check_rank(selected, 1, "selected")
         checks.check_int(selected, "selected")
@@ -98,6 +98,7 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
     """
     _check_scores(scores, mask, m=m)
     checks.check_tau(tau)
+    m = int(m)
     if gumbel is None:
         gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
     return top_m(scores / tau + gumbel, m, valid_mask(scores, mask))

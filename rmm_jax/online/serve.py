@@ -283,7 +283,7 @@ class Reranker:
                              where="candidate_embs")
         k = c.shape[1]
         mk = np.ones((n, k), bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), (n, k))
-        if not isinstance(m, int) or not 1 <= m <= k:
+        if not checks.is_int(m) or not 1 <= m <= k:
             raise InputError(f"must be in [1, K={k}], got {m!r}", where="m")
         # NaN or inf would rank as garbage (positions -1), silently: refused, masked padding aside
         for name, bad in (("query_emb", ~np.isfinite(q).all(-1)), ("candidate_embs", ~np.isfinite(c).all(-1) & mk)):
@@ -307,7 +307,7 @@ class Reranker:
         (n, K, d); ``mask`` (K,) or (n, K) bool, False at padding. Shapes are padded to
         buckets, so batches of nearby sizes share one compiled program."""
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
-        sel, scores = jax.device_get(_rank(self.policy(user_id).params, qp, cp, mp, m=m))
+        sel, scores = jax.device_get(_rank(self.policy(user_id).params, qp, cp, mp, m=int(m)))
         return Ranking(np.asarray(sel[:n]), np.asarray(scores[:n, :k]))
 
     def sample(self, user_id: str, query_emb, candidate_embs, m: int, *, keys, tau: float | None = None,
@@ -337,7 +337,7 @@ class Reranker:
         data = np.asarray(jax.random.key_data(keys))        # padded on the host: eager pads are programs
         data = np.concatenate([data, np.repeat(data[:1], qp.shape[0] - n, axis=0)])
         keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
-        sel, lp, scores = jax.device_get(_sample(self.policy(user_id).params, qp, cp, mp, keys, tau, m=m))
+        sel, lp, scores = jax.device_get(_sample(self.policy(user_id).params, qp, cp, mp, keys, tau, m=int(m)))
         scores = np.asarray(scores[:n, :k])
         logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
         return Sample(np.asarray(sel[:n]), np.asarray(lp[:n], np.float64), logits, scores)
