@@ -387,3 +387,14 @@ def test_the_estimator_refuses_a_temperature_below_the_floor():
     for field in ("tau", "draw_tau"):
         with pytest.raises(ValueError, match=rf"^{field}: must be >= 1e-06"):
             rj.Estimator(**{field: 1e-45})
+
+
+@pytest.mark.parametrize("selected, what", [([[0, 9], [1, -1]], "in \\[0, K=4\\)"),
+                                            ([[2, 2], [1, -1]], "candidate 2 is selected twice")])
+@pytest.mark.parametrize("name", ["reinforce", "logistic", "pairwise"])
+def test_the_per_call_losses_refuse_an_index_beyond_k_or_twice_in_a_selection(name, selected, what):
+    # an index >= K was clamped by the gather (a finite, wrong loss, or NaN); a duplicate counted twice
+    with pytest.raises(ValueError, match=rf"^selected: .*{what}"):
+        LOSSES[name](S2, jnp.array(selected, jnp.int32), 0.5)
+    # -1 marks an unfilled slot, and two of them are no duplicate
+    assert np.isfinite(float(LOSSES[name](S2, jnp.array([[0, -1], [-1, -1]], jnp.int32), 0.5)))

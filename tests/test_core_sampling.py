@@ -160,6 +160,9 @@ def test_bad_arguments_raise_value_error_naming_the_argument(call, arg, variant)
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.zeros(4), 2, -1.0), "tau"),
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.ones(4), 2, 1e-45), "tau"),     # s/τ: inf
     (lambda: rj.gumbel_top_m(jax.random.key(0), jnp.array([0., jnp.nan]), 1, 1.0), "scores"),
+    (lambda: rj.selection_log_prob(jnp.zeros(6), jnp.array([9, 4, 3]), 1.0), "selected"),   # was finite
+    (lambda: rj.selection_log_prob(jnp.zeros(6), jnp.array([5, 5, 3]), 1.0), "selected"),   # was finite
+    (lambda: rj.selection_log_prob(jnp.zeros(6), jnp.array([5, -2]), 1.0), "selected"),
 ])
 def test_bad_values_raise_value_error_naming_the_argument(call, arg):
     with pytest.raises(ValueError, match=rf"^{arg}:"):

@@ -33,10 +33,11 @@ def random_tree(tree, key, scale=0.3):
 
 def random_batch(key, valid, u=U):
     kq, km, ks, kc, kl = jax.random.split(key, 5)
-    sel = jax.vmap(jax.vmap(lambda k: jax.random.permutation(k, K)[:M]))(jax.random.split(ks, u * B).reshape(u, B))
+    # M distinct candidates of the K - 1 unmasked ones (the last is masked)
+    sel = jax.vmap(jax.vmap(lambda k: jax.random.permutation(k, K - 1)[:M]))(jax.random.split(ks, u * B).reshape(u, B))
     return rj.Batch(q=jax.random.normal(kq, (u, B, D)), m=jax.random.normal(km, (u, B, K, D)),
                     mask=jnp.ones((u, B, K), bool).at[:, :, -1].set(False), valid=valid,
-                    selected=sel.astype(jnp.int32).clip(0, K - 2), cited=jax.random.bernoulli(kc, 0.5, (u, B, M)),
+                    selected=sel.astype(jnp.int32), cited=jax.random.bernoulli(kc, 0.5, (u, B, M)),
                     gumbel=jnp.zeros((u, B, K)), logged_log_prob=jax.random.normal(kl, (u, B)) - 3.0,
                     has_logged=jnp.zeros((u, B), bool).at[:, 0].set(True), scores=None)
 

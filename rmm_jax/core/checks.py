@@ -1,8 +1,8 @@
 """Argument checks that run before tracing where the values are concrete.
 
 Shapes and dtypes are static under ``jit`` and are always checked (with chex; a failed
-assertion becomes a ``ValueError`` that names the argument). Values (τ, NaN scores)
-are checked only when concrete: a traced value cannot be inspected without a host
+assertion becomes a ``ValueError`` that names the argument). Values (τ, NaN scores,
+selected indices) are checked only when concrete: a traced value cannot be inspected without a host
 round trip, so inside a jitted loop the caller's outer check is what guards it.
 """
 from __future__ import annotations
@@ -93,6 +93,21 @@ def check_finite(x, name: str) -> None:
 def check_no_nan(x, name: str) -> None:
     if is_concrete(x):
         require(not bool(np.any(np.isnan(np.asarray(x)))), name, "contains NaN")
+
+
+def check_selected(selected, k: int, name: str = "selected") -> None:
+    """Each filled entry (>= 0) of a selection (..., M) names one of K candidates, once per
+    selection; −1 is an unfilled slot. Checked when concrete: under ``jit`` or ``vmap`` the
+    indices are traced, and a gather clamps an index out of range (a finite, wrong value), so
+    there the caller's outer check is what guards it."""
+    if not is_concrete(selected):
+        return
+    s = np.asarray(selected)
+    bad = s[(s < -1) | (s >= k)].tolist()
+    require(not bad, name, f"indices must be in [0, K={k}), or -1 for an unfilled slot, got {bad[:1] and bad[0]}")
+    srt = np.sort(s, axis=-1)
+    twice = srt[..., 1:][(srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)].tolist()
+    require(not twice, name, f"candidate {twice[:1] and twice[0]} is selected twice in one selection")
 
 
 def check_mask(mask, shape, name: str = "mask") -> None:

@@ -90,7 +90,9 @@ def _call_contract(scores, selected, slots, name: str, weights):
     (ones). Returns the weights."""
     checks.check_rank(scores, 2, "scores")
     checks.check_rank(selected, 2, "selected")
+    checks.check_int(selected, "selected")
     checks.require(slots.shape == selected.shape, name, f"shape {slots.shape} does not match selected {selected.shape}")
+    checks.check_selected(selected, scores.shape[1])
     b = scores.shape[0]
     weights = jnp.ones((b,), jnp.float32) if weights is None else weights
     checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")

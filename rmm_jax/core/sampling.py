@@ -12,7 +12,9 @@ That is a surrogate, not the probability of the sample; mode ``plackett_luce`` i
 
 Conventions: a selection is an (M,) int32 vector of candidate indices in draw order;
 slots that could not be filled (fewer than M valid candidates) hold −1 and contribute
-nothing. Masked candidates are never drawn and receive zero gradient.
+nothing; any other index must be in [0, K) and appear once (checked on concrete arrays
+only: under ``jit`` or ``vmap`` it is traced, and the gather clamps it). Masked candidates
+are never drawn and receive zero gradient.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def _check_scores(scores, mask, m=None, selected=None):
         checks.check_rank(selected, 1, "selected")
         checks.check_int(selected, "selected")
         checks.require(selected.shape[0] <= k, "selected", f"length {selected.shape[0]} exceeds K={k}")
+        checks.check_selected(selected, k)
 
 
 def top_m(logits, m: int, mask=None):
@@ -121,13 +124,13 @@ def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumb
       [0.5, 0.5, 1.0]
     """
     checks.require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    checks.require(mode != "rmm" or gumbel is not None, "gumbel", "mode 'rmm' needs the sampled Gumbel noise")
     _check_scores(scores, mask, selected=selected)
     checks.check_tau(tau)
     valid = valid_mask(scores, mask)
     filled = selected >= 0
     idx = jnp.where(filled, selected, 0)
     if mode == "rmm":
-        checks.require(gumbel is not None, "gumbel", "mode 'rmm' needs the sampled Gumbel noise")
         checks.require(jnp.shape(gumbel) == scores.shape, "gumbel", f"expected shape {scores.shape}")
         z = jnp.where(valid, (scores + jax.lax.stop_gradient(gumbel)) / tau, NEG)
         lp = jax.nn.log_softmax(z)[idx]
