@@ -398,3 +398,35 @@ def test_the_per_call_losses_refuse_an_index_beyond_k_or_twice_in_a_selection(na
         LOSSES[name](S2, jnp.array(selected, jnp.int32), 0.5)
     # -1 marks an unfilled slot, and two of them are no duplicate
     assert np.isfinite(float(LOSSES[name](S2, jnp.array([[0, -1], [-1, -1]], jnp.int32), 0.5)))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_refuses_nan_scores(name):
+    # the per-call losses vmap over the queries, where the scores are traced: a NaN passed
+    # unchecked and reinforce_loss returned a finite loss
+    with pytest.raises(ValueError, match=r"^scores: contains NaN"):
+        LOSSES[name](S2.at[0, 3].set(jnp.nan), SEL2, 0.5)
+
+
+F32 = jnp.float32
+
+
+# Shapes and dtypes are static: these raise under jit too, naming the argument (they were
+# broadcasting errors, or a loss over the wrong rows)
+@pytest.mark.parametrize("fn, args, arg", [
+    (lambda s, sel, c: rj.citation_logistic_loss(s, sel, c, 0.5), (S2[:1], SEL2, CITED2), "selected"),  # was finite
+    (lambda s, sel, r: rj.reinforce_loss(s, sel, r, 0.5, 0.5), (S2, SEL2, jnp.ones((2, 3))), "rewards"),
+    (lambda s, sel, g: rj.reinforce_loss(s, sel, jnp.ones((2, 2)), 0.5, 0.5, gumbel=g), (S2, SEL2, jnp.zeros((2, 3))),
+     "gumbel"),
+    (lambda s, sel, mk: rj.citation_pairwise_loss(s, sel, CITED2, 0.5, mask=mk), (S2, SEL2, jnp.ones((2, 3), bool)),
+     "mask"),
+    (lambda s, sel, c: rj.citation_pairwise_loss(s, sel, c, 0.5), (S2, SEL2.astype(F32), CITED2), "selected"),
+    (lambda s, g: rj.listwise_loss(s, g), (S2, GOLD2.astype(F32)), "gold"),
+    (lambda s, g: rj.pointwise_loss(s, g), (S2, GOLD2[:, :3]), "gold"),
+    (lambda s, g, mk: rj.listwise_loss(s, g, mask=mk), (S2, GOLD2, jnp.ones(4, bool)), "mask"),
+    (lambda c, f: rj.citation_rewards(c, f), (CITED2, CITED2[:, :1]), "filled"),
+    (lambda r, f: rj.advantages(r, 0.5, f), (jnp.ones((2, 2)), CITED2[:, :1]), "filled"),
+])
+def test_bad_shapes_and_dtypes_raise_value_error_naming_the_argument(fn, args, arg, variant):
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        variant(fn)(*args)

@@ -79,20 +79,31 @@ def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1
     """
     checks.require(mapping in REWARDS, "reward", f"must be one of {REWARDS}, got {mapping!r}")
     check_judge_rates(p_useful, p_other)
+    checks.require(jnp.shape(filled) == jnp.shape(cited), "filled",
+                   f"shape {jnp.shape(filled)} does not match cited {jnp.shape(cited)}")
     y = (jnp.where(cited, 1.0, 0.0) - p_other) / (p_useful - p_other)     # unbiased for usefulness
     r = 2.0 * y - 1.0 if mapping == "pm1" else y
     return jnp.where(filled, r, 0.0).astype(jnp.float32)
 
 
-def _call_contract(scores, selected, slots, name: str, weights):
-    """The per-call losses' contract: ``scores`` (B, K), ``selected`` (B, M), ``slots`` (the
-    rewards or citations, named ``name``) shaped as ``selected``, ``weights`` (B,) or None
-    (ones). Returns the weights."""
+def _call_contract(scores, selected, slots, name: str, weights, mask=None):
+    """The per-call losses' contract: ``scores`` (B, K) float without NaN, ``selected`` (B, M)
+    int, ``slots`` (the rewards or citations, named ``name``) shaped as ``selected``, ``mask``
+    (B, K) bool or None, ``weights`` (B,) or None (ones). Returns the weights.
+
+    NaN in the scores and the selected indices are checked here, on the whole batch, where
+    they are concrete: the losses vmap over the queries, where they are traced."""
     checks.check_rank(scores, 2, "scores")
+    checks.check_float(scores, "scores")
+    checks.check_no_nan(scores, "scores")
     checks.check_rank(selected, 2, "selected")
     checks.check_int(selected, "selected")
-    checks.require(slots.shape == selected.shape, name, f"shape {slots.shape} does not match selected {selected.shape}")
+    checks.require(selected.shape[0] == scores.shape[0], "selected",
+                   f"shape {selected.shape} does not match scores {scores.shape} in B")
+    checks.require(jnp.shape(slots) == selected.shape, name,
+                   f"shape {jnp.shape(slots)} does not match selected {selected.shape}")
     checks.check_selected(selected, scores.shape[1])
+    checks.check_mask(mask, scores.shape)
     b = scores.shape[0]
     weights = jnp.ones((b,), jnp.float32) if weights is None else weights
     checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
@@ -124,6 +135,8 @@ def advantages(rewards, baseline, filled, credit: str = "item"):
       [0.5, 0.5, 0.5, 0.0]
     """
     checks.require(credit in CREDITS, "credit", f"must be one of {CREDITS}, got {credit!r}")
+    checks.require(jnp.shape(rewards) == jnp.shape(filled), "filled",
+                   f"shape {jnp.shape(filled)} does not match rewards {jnp.shape(rewards)}")
     a = jnp.where(filled, rewards - baseline, 0.0)
     if credit == "reward_to_go":
         a = jnp.flip(jnp.cumsum(jnp.flip(a, -1), axis=-1), -1)
@@ -164,8 +177,11 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
       >>> [round(x, 4) for x in jax.grad(loss)(scores)[0].tolist()]  # descent raises s_0
       [-0.3333, 0.4167, -0.0833]
     """
-    weights = _call_contract(scores, selected, rewards, "rewards", weights)
+    weights = _call_contract(scores, selected, rewards, "rewards", weights, mask)
     checks.check_tau(tau)
+    if gumbel is not None:
+        checks.require(jnp.shape(gumbel) == scores.shape, "gumbel",
+                       f"expected shape {scores.shape}, got {jnp.shape(gumbel)}")
     filled = selected >= 0
     adv = jax.lax.stop_gradient(advantages(rewards, baseline, filled, credit))
     w = jax.lax.stop_gradient(weights)
@@ -222,7 +238,7 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
       >>> [round(x, 3) for x in jax.grad(loss)(scores)[0].tolist()]  # (σ(u) − c)/τ on the shown only
       [5.0, 0.0, -9.526]
     """
-    weights = _call_contract(scores, selected, cited, "cited", weights)
+    weights = _call_contract(scores, selected, cited, "cited", weights, mask)
     checks.check_tau(tau)
     check_judge_rates(p_useful, p_other)
     valid = valid_mask(scores, mask)
@@ -277,7 +293,7 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
       >>> float(loss(scores + 2.0)) == float(loss(scores))   # a call's level does not matter
       True
     """
-    weights = _call_contract(scores, selected, cited, "cited", weights)
+    weights = _call_contract(scores, selected, cited, "cited", weights, mask)
     checks.check_tau(tau)
     finite = jnp.where(valid_mask(scores, mask), scores, 0.0)       # masked (−inf) slots out before any arithmetic
     filled = selected >= 0
@@ -287,6 +303,16 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
     n = jnp.sum(pair, axis=(1, 2))
     per = jnp.sum(jnp.where(pair, jax.nn.softplus(-margin), 0.0), axis=(1, 2)) / jnp.maximum(n, 1)
     return jnp.sum(jax.lax.stop_gradient(weights) * per)
+
+
+def _gold_contract(scores, gold, mask):
+    """The offline losses' contract: ``scores`` (B, K) float without NaN (checked when
+    concrete), ``gold`` and ``mask`` (B, K) bool."""
+    checks.check_rank(scores, 2, "scores")
+    checks.check_float(scores, "scores")
+    checks.check_no_nan(scores, "scores")
+    checks.check_mask(gold, scores.shape, "gold")
+    checks.check_mask(mask, scores.shape)
 
 
 def listwise_loss(scores, gold, mask=None, tau=1.0):
@@ -311,8 +337,7 @@ def listwise_loss(scores, gold, mask=None, tau=1.0):
       >>> round(float(rj.listwise_loss(jnp.array([[2.0, 0.0]]), jnp.array([[True, False]]))), 4)
       0.1269
     """
-    checks.check_rank(scores, 2, "scores")
-    checks.require(gold.shape == scores.shape, "gold", f"shape {gold.shape} does not match scores {scores.shape}")
+    _gold_contract(scores, gold, mask)
     checks.check_tau(tau)
     valid = valid_mask(scores, mask)
     g = (gold & valid).astype(jnp.float32)
@@ -349,8 +374,7 @@ def pointwise_loss(scores, gold, mask=None, tau=1.0, *, balanced: bool = False):
       ...                  2 * one([2], [True]) + one([0, 1], [False, False])))
       True
     """
-    checks.check_rank(scores, 2, "scores")
-    checks.require(gold.shape == scores.shape, "gold", f"shape {gold.shape} does not match scores {scores.shape}")
+    _gold_contract(scores, gold, mask)
     checks.check_tau(tau)
     valid = valid_mask(scores, mask)
     pos, neg = gold & valid, ~gold & valid
