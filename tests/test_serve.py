@@ -183,3 +183,17 @@ def test_a_numpy_integer_m_serves_as_the_int_and_a_bool_is_refused():
             rr.sample("u", q, c, 3, keys=keys, tau=1.0).selected.tolist()
     with pytest.raises(InputError, match=r"^m:"):
         rr.rank("u", q, c, True)
+
+
+def test_a_mask_of_another_shape_or_dtype_is_refused_naming_it():
+    """A (7,) mask for 6 candidates was a NumPy broadcasting error; a float mask was cast to
+    bool, so 0.3 counted as a real candidate."""
+    from rmm_jax.errors import InputError
+
+    rr = Reranker(None, dim=4)
+    q, c = np.ones(4), np.eye(6, 4)
+    for mask in (np.ones(7, bool), np.full(6, 0.3), np.ones((2, 6), bool), np.ones(6, np.int64)):
+        with pytest.raises(InputError, match=r"^mask: expected a bool array of shape \(6,\) or \(1, 6\)"):
+            rr.rank("u", q, c, 3, mask=mask)
+    assert rr.rank("u", q, c, 3, mask=[True] * 5 + [False]).selected.tolist() == [[0, 1, 2]]
+    assert rr.rank("u", np.ones((2, 4)), c, 3, mask=np.ones((2, 6), bool)).selected.shape == (2, 3)

@@ -282,7 +282,11 @@ class Reranker:
             raise InputError(f"expected shape (K, {self.dim}) or ({n}, K, {self.dim}), got {np.shape(candidate_embs)}",
                              where="candidate_embs")
         k = c.shape[1]
-        mk = np.ones((n, k), bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), (n, k))
+        mk = np.ones((n, k), bool) if mask is None else np.asarray(mask)
+        if mk.dtype != bool or mk.shape not in ((k,), (n, k)):      # a float mask was cast: 0.3 counted as True
+            raise InputError(f"expected a bool array of shape ({k},) or ({n}, {k}), got {mk.dtype} {mk.shape}",
+                             where="mask")
+        mk = np.broadcast_to(mk, (n, k))
         if not checks.is_int(m) or not 1 <= m <= k:
             raise InputError(f"must be in [1, K={k}], got {m!r}", where="m")
         # NaN or inf would rank as garbage (positions -1), silently: refused, masked padding aside
