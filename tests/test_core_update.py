@@ -401,3 +401,32 @@ def test_a_draw_temperature_changes_the_draw_and_not_the_logistic_loss():
     for fields, message in (({"draw_tau": 0.0}, "must be > 0"), ({"draw_tau": 0.1, "noise": "unit"}, "unit noise")):
         with pytest.raises(ValueError, match=rf"^draw_tau: .*{message}"):
             rj.Estimator(**fields)
+
+
+# A wrong shape or dtype was a chex AssertionError or a broadcasting error inside the step:
+# static, so checked under jit too
+@pytest.mark.parametrize("change, field", [
+    (lambda b: b._replace(q=b.q[:, 0]), "q"),                                   # rank 2
+    (lambda b: b._replace(q=jnp.concatenate([b.q, b.q[:1]])), "q"),              # U + 1 users
+    (lambda b: b._replace(cited=jnp.zeros((U, B, M + 1), bool)), "cited"),
+    (lambda b: b._replace(valid=b.valid[:, 0]), "valid"),
+    (lambda b: b._replace(scores=b.scores[:, :, :-1]), "scores"),
+    (lambda b: b._replace(mask=b.mask.astype(jnp.float32)), "mask"),
+    (lambda b: b._replace(selected=b.selected.astype(jnp.float32)), "selected"),
+])
+def test_a_batch_of_the_wrong_shape_or_dtype_is_refused_naming_the_field(change, field, variant):
+    layout, est, shared, users, batch = setup("shared", rj.adam(0.05))
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        variant(rj.make_update(layout, est, rj.adam(0.05)))(shared, users, change(batch))
+
+
+# Values are checked when the update runs eagerly (under jit they are traced: the losses vmap over users)
+@pytest.mark.parametrize("change, field", [
+    (lambda b: b._replace(q=b.q.at[0, 0, 0].set(jnp.nan)), "q"),        # was NaN params with a finite loss
+    (lambda b: b._replace(scores=b.scores.at[0, 0, 1].set(jnp.nan)), "scores"),
+    (lambda b: b._replace(selected=b.selected.at[0, 0, 1].set(K + 2)), "selected"),   # was a NaN loss
+])
+def test_a_batch_with_nan_or_an_index_beyond_k_is_refused_eagerly(change, field):
+    layout, est, shared, users, batch = setup("user", rj.adam(0.05))
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        rj.make_update(layout, est, rj.adam(0.05))(shared, users, change(batch))

@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rmm_jax.core import checks
 from rmm_jax.core.config import Estimator, Layout
 from rmm_jax.core.losses import citation_logistic_loss, citation_pairwise_loss, citation_rewards, reinforce_loss
 from rmm_jax.core.optim import step_dense_or_factors
@@ -223,6 +224,34 @@ def _where(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+def check_batch(batch: Batch, n_users: int) -> None:
+    """The update's contract, with a leading users axis U = ``n_users`` on every leaf: ``q``
+    (U, B, d), ``m`` (U, B, K, d), ``mask``, ``gumbel``, ``scores`` (U, B, K), ``valid``,
+    ``logged_log_prob``, ``has_logged`` (U, B), ``selected`` int and ``cited`` bool (U, B, M).
+    Shapes and dtypes are static, so this holds under jit too; a wrong one was a chex
+    AssertionError or a broadcasting error deep inside the step. Values (NaN in ``q`` or
+    ``scores``, ``selected`` beyond K or twice) are checked when concrete, i.e. when the update
+    is called outside jit: the losses see them per user, under vmap, where they are traced."""
+    checks.check_rank(batch.q, 3, "q")
+    checks.check_rank(batch.m, 4, "m")
+    checks.check_rank(batch.selected, 3, "selected")
+    u, b, d = batch.q.shape
+    k, m = batch.m.shape[2], batch.selected.shape[2]
+    checks.require(u == n_users, "q", f"{u} users in the batch, {n_users} in the users' state")
+    want = {"m": (u, b, k, d), "mask": (u, b, k), "valid": (u, b), "selected": (u, b, m), "cited": (u, b, m),
+            "gumbel": (u, b, k), "logged_log_prob": (u, b), "has_logged": (u, b), "scores": (u, b, k)}
+    for name, shape in want.items():
+        got = jnp.shape(getattr(batch, name))
+        checks.require(got == shape, name, f"expected shape {shape} (U, B, K={k}, M={m}, d={d}), got {got}")
+    checks.check_int(batch.selected, "selected")
+    for name in ("mask", "valid", "cited", "has_logged"):
+        got = jnp.result_type(getattr(batch, name))
+        checks.require(got == jnp.bool_, name, f"expected dtype bool, got {got}")
+    checks.check_no_nan(batch.q, "q")
+    checks.check_no_nan(batch.scores, "scores")
+    checks.check_selected(batch.selected, k)
+
+
 def make_update(layout: Layout, estimator: Estimator, optimizer):
     """Build ``apply(shared, users, batch) -> (shared, users, metrics)``: one step of U users.
 
@@ -291,9 +320,9 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
         return optax.apply_updates(params, updates), opt_state
 
     def apply(shared: SharedState, users: UserState, batch: Batch):
-        chex.assert_rank([batch.q, batch.m], [3, 4])
         if batch.scores is None:
             raise ValueError("scores: the update needs the batch's current scores")
+        check_batch(batch, users.learner_state.step.shape[0])
         b, new_baseline, weights, stats = jax.vmap(prepare)(users.learner_state, batch)
         grads = linear_grads if linear else autodiff_grads
         losses, g_shared, g_local = grads(shared.params, users.params, batch, b, weights)
