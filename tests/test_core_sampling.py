@@ -178,3 +178,11 @@ def test_a_numpy_integer_m_draws_as_the_int(variant):
         assert got.dtype == jnp.int32 and got.tolist() == top(jax.random.key(0), s, 3, 0.5).tolist()
     with pytest.raises(ValueError, match="^m:"):
         top(jax.random.key(0), s, True, 0.5)
+
+
+@pytest.mark.parametrize("m", [0, 7, True])
+def test_top_m_refuses_an_m_outside_one_to_k(m, variant):
+    # m = 0 returned an empty selection, m = 7 of 6 an XLA error that named no argument
+    top = variant(rj.top_m, static_argnames=("m",))
+    with pytest.raises(ValueError, match=r"^m: must be an int in \[1, K=6\]"):
+        top(jnp.arange(6.0), m)

@@ -66,8 +66,12 @@ def top_m(logits, m: int, mask=None):
       >>> rj.top_m(logits, 3, mask=jnp.array([True, False, False, True])).tolist()  # 2 valid
       [3, 0, -1]
     """
+    checks.check_rank(logits, 1, "logits")
+    k = logits.shape[0]
+    checks.require(checks.is_int(m) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
+    checks.check_mask(mask, logits.shape)
     valid = valid_mask(logits, mask)
-    _, idx = jax.lax.top_k(jnp.where(valid, logits, -jnp.inf), m)
+    _, idx = jax.lax.top_k(jnp.where(valid, logits, -jnp.inf), int(m))
     return jnp.where(valid[idx], idx, -1).astype(jnp.int32)
 
 
