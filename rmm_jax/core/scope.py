@@ -52,7 +52,7 @@ class Scope(NamedTuple):
         if name != "hybrid":
             return Scope(name, None)
         rank = DEFAULT_RANK if rank is None else rank
-        checks.require(checks.is_int(rank) and rank >= 1, "rank", f"must be an int >= 1, got {rank!r}")
+        checks.require(checks.is_int(rank) and rank >= 1, "rank", f"must be >= 1, got {rank!r}")
         return Scope(name, int(rank))
 
     # ---- what each scope shares
