@@ -105,8 +105,8 @@ def test_each_rollback_undoes_one_more_run_and_to_goes_back_to_any_version(tmp_p
     rollback(st)
     assert loads(st.path) == before
     st2, _, second2 = two_runs(tmp_path / "again", "user")
-    r = rollback(st2, to=second2[0])                 # mid-run: only its second save goes
-    assert r.versions == (second2[1],) and r.users == ("b",) and r.removed == ()
+    r = rollback(st2, to=np.int64(second2[0]))       # mid-run: only its second save goes (a NumPy int too)
+    assert r.versions == (second2[1],) and r.users == ("b",) and r.removed == () and type(r.to) is int
     assert third[0] > second[-1]
 
 

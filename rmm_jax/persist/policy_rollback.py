@@ -66,7 +66,10 @@ Examples:
 """
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
+
+import numpy as np
 
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import remove_dir
@@ -121,8 +124,9 @@ def plan(store, to: int | None = None) -> Rollback:
                          where=str(store.path))
     if to is None:
         to = newest_run(store) - 1
-    if not isinstance(to, int) or isinstance(to, bool) or to < 0:
+    if not isinstance(to, numbers.Integral) or isinstance(to, (bool, np.bool_)) or to < 0:
         raise InputError(f"must be a version >= 0, got {to!r}", where="--to")
+    to = int(to)                     # a NumPy integer too: the mark in the header is JSON
     saves = store.saves()
     newest = saves[-1].version if saves else 0
     if to >= newest:
