@@ -252,8 +252,10 @@ def _chunk_done(ci: int, streams: list, states: LoopState, parts: list, last: tu
 
 
 def _batches(out: dict, lo: int, hi: int) -> dict:
-    """A segment's own batches ``lo:hi`` of the chunk-long outputs that ``program.run`` returns."""
-    return {k: v[:, lo:hi] for k, v in out.items()}
+    """A segment's own batches ``lo:hi`` of the chunk-long outputs that ``program.run`` returns
+    (on the host), copied: a view would keep each segment's chunk-long array alive until the
+    chunk ends, memory that grows with the square of the stream's length."""
+    return {k: np.array(v[:, lo:hi]) for k, v in out.items()}
 
 
 def _concat(parts: list) -> dict:
