@@ -31,18 +31,25 @@ def is_int(x) -> bool:
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+    """A finite real number: a Python or NumPy scalar, or a concrete 0-d float array (not a bool)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if not isinstance(x, numbers.Real):
+        if not (is_concrete(x) and np.ndim(x) == 0 and np.asarray(x).dtype.kind in "iuf"):
+            return False
+        x = float(np.asarray(x))
+    return math.isfinite(x)
 
 
 def check_positive(x, name: str) -> None:
     """``ValueError`` naming ``name`` unless ``x`` is a real number (not a bool), finite and > 0:
     a step size, which optax would take as NaN, negative or inf without a word."""
-    require(_is_real(x) and x > 0, name, f"must be > 0 and finite, got {x!r}")
+    require(_is_real(x) and float(np.asarray(x)) > 0, name, f"must be > 0 and finite, got {x!r}")
 
 
 def check_nonnegative(x, name: str) -> None:
     """As :func:`check_positive`, with 0 allowed (a weight decay)."""
-    require(_is_real(x) and x >= 0, name, f"must be >= 0 and finite, got {x!r}")
+    require(_is_real(x) and float(np.asarray(x)) >= 0, name, f"must be >= 0 and finite, got {x!r}")
 
 
 def _chex(assertion, name: str, message: str) -> None:
