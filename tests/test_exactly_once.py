@@ -89,6 +89,9 @@ def test_a_log_replayed_again_learns_nothing_and_says_how_many_it_skipped(capsys
     assert code == 0, err
     first = json.loads(out)["log"]["calls"]              # the first night into a new store says so too
     assert first == {"learn": len(logged), "learned_already": 0, "older": 0, "relearn": False}, first
+    one = logged[0]["user_id"]                           # and counts only the users it replays
+    code, out, err = replay(capsys, store, log, tmp_path / "one", "--users", one, "--json")
+    assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == sum(r["user_id"] == one for r in logged), err
     before = states(tmp_path / "p")
     versions = PolicyStore.open(tmp_path / "p").next_version()
     code, out, err = replay(capsys, store, log, tmp_path / "p", "--json")

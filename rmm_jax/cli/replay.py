@@ -140,7 +140,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users, calls=continues)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
-    untimed = rep.pop("untimed_over_window")
+    untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
         info(f"embedded {count(len(texts), 'text')} the store lacks (queries and memories the log carries as text)")
@@ -158,7 +158,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
         learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
         # every night's --json has log.calls: a run that starts afresh learns every valid record
-        rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(rep["records"], 0, 0), relearn)
+        rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(replayed, 0, 0), relearn)
         note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs)) if writer else None
         result = None
         if learned is None or learned.learn:

@@ -49,7 +49,8 @@ def parse_users(users: str | None) -> list[str] | None:
     ids = [u.strip() for u in users.split(",")]
     if not all(ids):
         raise InputError(f"empty user id in {users!r} (expected comma-separated ids, e.g. a,b)", where="--users")
-    twice = next((u for i, u in enumerate(ids) if u in ids[:i]), None)
+    seen: set[str] = set()
+    twice = next((u for u in ids if u in seen or seen.add(u)), None)
     if twice is not None:
         raise InputError(f"user id {twice!r} is given twice", where="--users")
     return ids

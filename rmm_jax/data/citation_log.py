@@ -55,8 +55,8 @@ Decisions:
 * Memory, user and query ids must be non-empty strings.
 * `logits` and `log_prob` together must agree: the exact Plackett–Luce log-probability
   of `selected` under `logits`, Σ_j [z_{i_j} − logsumexp of the candidates not drawn
-  yet], may differ from `log_prob` by at most max(1e-3, 1e-4·|log_prob|) (float32
-  rounding of the logger). Off-policy evaluation needs `logits` for the slate
+  yet], may differ from `log_prob` by at most :func:`pl_tolerance` (a float32 logger's
+  rounding: max(1e-3, 1e-4·|log_prob|), or the float32 bound for large logits). Off-policy evaluation needs `logits` for the slate
   estimators (RIPS, IIPS); IPS and SNIPS need only `log_prob`.
 * A memory's text may appear in several records of a user; it must be the same in all
   of them (the reader checks it). A memory id the store holds keeps the store's

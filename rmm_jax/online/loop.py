@@ -77,7 +77,8 @@ class Program(NamedTuple):
       (``state`` donated): batches ``start`` to ``stop`` (None: to the end). The range is an
       argument, not a shape, so every segment of a chunk runs the same compiled program
       and a segmentation cannot change the results (XLA may round two programs of the
-      same function differently). ``group`` users per cache group (None:
+      same function differently). ``stop=None`` traces a program of its own (the end is
+      then a constant): the driver always passes both ends. ``group`` users per cache group (None:
       :func:`users_per_group` on CPU, none on other backends; 0: no grouping). ``outputs``
       (users axis first, then all the chunk's batches; zeros outside the range) hold
       per-query ``recall``, ``ndcg`` (prequential, at M), ``eval``, the gold-free counts

@@ -26,6 +26,7 @@ from rmm_jax.data.citation_log import (
     iter_numbered,
     iter_user_chunks,
     read_log,
+    timestamp_seconds,
 )
 from rmm_jax.data.citations import answer_support
 from rmm_jax.data.dialogue import dialogue_pairs
@@ -454,27 +455,29 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     (:func:`rmm_jax.online.starts.check_learned`). Always ``"untimed_over_window"``: the
     users with more calls without a timestamp than a policy remembers
     (:data:`rmm_jax.persist.learned_calls.WINDOW`), whose earlier calls a later replay of
-    the same log cannot recognise."""
+    the same log cannot recognise; and ``"replayed"``, how many valid records the replayed
+    users have."""
     report: dict = {}
     seen: set[str] = set()
     texts: dict[str, None] = {}
     hashes: dict[str, list] = {}
     untimed: dict[str, int] = {}
+    kept: dict[str, int] = {}
     keep = (lambda u: True) if not users else frozenset(users).__contains__
 
     def scan(grouped: bool) -> None:
-        seen.clear(), texts.clear(), hashes.clear(), untimed.clear()
+        seen.clear(), texts.clear(), hashes.clear(), untimed.clear(), kept.clear()
         for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report,
                                      grouped=grouped):
             check_limits(r, layout, log_path)
             seen.add(r.user_id)
             if keep(r.user_id):
                 texts.update(dict.fromkeys(unseen_texts(r, known(r.user_id) if known is not None else None)))
-                hashed = call_hash(r)
-                if np.isnan(hashed[2]):
+                kept[r.user_id] = kept.get(r.user_id, 0) + 1
+                if r.timestamp is None or np.isnan(timestamp_seconds(r.timestamp)):
                     untimed[r.user_id] = untimed.get(r.user_id, 0) + 1
                 if calls:
-                    hashes.setdefault(r.user_id, []).append((*hashed, line))
+                    hashes.setdefault(r.user_id, []).append((*call_hash(r), line))
 
     try:
         scan(True)
@@ -487,7 +490,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
     ids = list(users) if users else sorted(seen)
     out = {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts),
-           "untimed_over_window": sorted(u for u, n in untimed.items() if n > WINDOW)}
+           "untimed_over_window": sorted(u for u, n in untimed.items() if n > WINDOW),
+           "replayed": sum(kept.values())}
     if calls:
         out["calls"] = {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
     return out

@@ -25,7 +25,7 @@ many users chunks are complete (their policies are in the policy store, their
 per-query outputs in ``done/cNNNNNN.npz``, written once when the chunk completes, for
 the summary and, for simulate, the log records), and for the chunk in progress the
 stacked per-user ``(params, opt_state, learner_state)``, the segment reached and its
-outputs so far. Segments are compiled calls of a fixed number of batches (see
+outputs so far. Segments are calls of one compiled program over a range of batches (see
 :func:`rmm_jax.online.driver.drive`), so a resumed run makes the same calls on the same
 inputs as an uninterrupted one. For pretrain: the epoch, params, optimiser state, best
 params and the early-stopping history.
