@@ -13,6 +13,7 @@ import jax
 from tqdm import tqdm
 
 from rmm_jax.cli.shell import SEED, check_writable, explicit_options, info
+from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
     PAPER_JUDGE,
@@ -197,6 +198,15 @@ def check_rank(layout: Layout, dim: int) -> None:
         layout.scope.validate(layout.kind, dim)
     except ValueError as e:
         raise_option_error(e)
+
+
+def check_tau_option(tau: float | None) -> None:
+    """``--tau`` (None: not given) as the core checks a temperature, as the option's one line."""
+    if tau is not None:
+        try:
+            checks.check_tau(tau)
+        except ValueError as e:
+            raise_option_error(e)
 
 
 def raise_option_error(e: ValueError):

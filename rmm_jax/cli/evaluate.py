@@ -5,10 +5,9 @@ import json
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, k_m_from_log, open_policies_for, raise_option_error
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, info, png_option, users_option
-from rmm_jax.core import checks
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -136,11 +135,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2_ope.png
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
-    if tau is not None:
-        try:
-            checks.check_tau(tau)
-        except ValueError as e:
-            raise_option_error(e)
+    check_tau_option(tau)
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)

@@ -10,10 +10,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from rmm_jax.cli.common import DEFAULTS, open_policies_for, progress_bar, raise_option_error
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, info
-from rmm_jax.core import checks
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
 from rmm_jax.data.store import open_store
@@ -90,11 +89,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         rr = Reranker(None, dim=st.dim)
         note = (("no policy yet" if policies is None else f"no policy store at {policies}")
                 + ": serving the identity reranker (the base retriever's scores)")
-    if tau is not None:
-        try:
-            checks.check_tau(tau)
-        except ValueError as e:
-            raise_option_error(e)
+    check_tau_option(tau)
     if tau is not None and not explore:
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
     calls = read_calls(calls_path)

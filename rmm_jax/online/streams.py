@@ -462,18 +462,19 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     texts: dict[str, None] = {}
     hashes: dict[str, list] = {}
     untimed: dict[str, int] = {}
-    kept: dict[str, int] = {}
+    replayed = [0]                   # valid records of the replayed users
     keep = (lambda u: True) if not users else frozenset(users).__contains__
 
     def scan(grouped: bool) -> None:
-        seen.clear(), texts.clear(), hashes.clear(), untimed.clear(), kept.clear()
+        seen.clear(), texts.clear(), hashes.clear(), untimed.clear()
+        replayed[0] = 0
         for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report,
                                      grouped=grouped):
             check_limits(r, layout, log_path)
             seen.add(r.user_id)
             if keep(r.user_id):
                 texts.update(dict.fromkeys(unseen_texts(r, known(r.user_id) if known is not None else None)))
-                kept[r.user_id] = kept.get(r.user_id, 0) + 1
+                replayed[0] += 1
                 if r.timestamp is None or np.isnan(timestamp_seconds(r.timestamp)):
                     untimed[r.user_id] = untimed.get(r.user_id, 0) + 1
                 if calls:
@@ -491,7 +492,7 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     ids = list(users) if users else sorted(seen)
     out = {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts),
            "untimed_over_window": sorted(u for u, n in untimed.items() if n > WINDOW),
-           "replayed": sum(kept.values())}
+           "replayed": replayed[0]}
     if calls:
         out["calls"] = {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
     return out
