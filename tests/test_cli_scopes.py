@@ -28,7 +28,7 @@ def store(tmp_path_factory):
 @pytest.mark.user_xla_flags
 @pytest.mark.parametrize("scope", ["shared", "hybrid"])
 def test_simulate_log_then_replay_gives_identical_policies(capsys, tmp_path, store, scope):
-    extra = ["--scope", scope, "--rank", "2"]
+    extra = ["--scope", scope, *(["--rank", "2"] if scope == "hybrid" else [])]
     code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "a", "--log-out",
                              tmp_path / "log.jsonl", *SIM, *extra, "--json")
     assert code == 0, err
@@ -50,6 +50,11 @@ def test_simulate_log_then_replay_gives_identical_policies(capsys, tmp_path, sto
         if scope == "hybrid":
             lora = a.load(u).state.params["q_adapter"]["lora"]
             assert np.abs(np.asarray(lora["b"])).max() > 0           # each user's factors learned
+
+
+def rank_of(scope: str) -> list[str]:
+    """``--rank 2`` for hybrid, nothing for the scopes without a per-user rank."""
+    return ["--rank", "2"] if scope == "hybrid" else []
 
 
 def make_identity_check(params) -> bool:
@@ -79,6 +84,29 @@ def test_rank_out_of_range_is_one_line_and_writes_nothing(capsys, tmp_path, stor
                              "--rank", rank)
     assert code == 2 and out == "" and "--rank" in err and err.strip().count("\n") == 0, err
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("verb", ["simulate", "pretrain", "replay"])
+@pytest.mark.parametrize("scope", [None, "user", "shared"])
+def test_rank_without_hybrid_is_one_line_and_writes_nothing(capsys, tmp_path, store, verb, scope):
+    # --rank sizes hybrid's per-user part; with any other scope it would be silently ignored.
+    given = ["--scope", scope] if scope else []
+    more = {"simulate": ["--policies", tmp_path / "p"], "pretrain": ["--out", tmp_path / "p"],
+            "replay": ["--policies", tmp_path / "p", "--log", tmp_path / "missing.jsonl"]}[verb]
+    code, out, err = run_cli(capsys, verb, store, *more, "--k", "8", "--m", "3", *given, "--rank", "2")
+    assert code == 2 and out == "" and err.strip().count("\n") == 0, err
+    assert "--rank 2" in err and "hybrid" in err and (scope or "user") in err, err
+    assert not (tmp_path / "p").exists()
+
+
+def test_rank_without_scope_on_a_user_store_is_refused(capsys, tmp_path, store):
+    # Left out, --scope is the store's: a user store with --rank is refused as --scope user is.
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM)
+    assert code == 0, err
+    before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "p").rglob("*"))
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--rank", "2")
+    assert code == 2 and out == "" and "--rank" in err and "scope is user" in err and err.count("\n") == 1, err
+    assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "p").rglob("*")) == before
 
 
 def first_batch_log_probs(store, log, params, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -111,12 +139,12 @@ def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
     # No validation users: the last trained epoch is kept (early stopping could keep the
     # untrained start, which is identity, and then nothing here could tell the two apart).
     code, _, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "p", "--epochs", "2", "--k", "8", "--m",
-                           "3", "--scope", scope, "--rank", "2", "--checkpoint-every", "0", "--val-fraction", "0")
+                           "3", "--scope", scope, *rank_of(scope), "--checkpoint-every", "0", "--val-fraction", "0")
     assert code == 0, err
     pre = PolicyStore.open(tmp_path / "p").shared_state().state.params
     assert not make_identity_check(pre)
     code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", "--init", "pretrained", *SIM,
-                             "--scope", scope, "--rank", "2", "--log-out", tmp_path / "log.jsonl", "--json")
+                             "--scope", scope, *rank_of(scope), "--log-out", tmp_path / "log.jsonl", "--json")
     assert code == 0, err
     # The first batch of the first user was drawn before any update, by the starting policy:
     # its logged behaviour log-probabilities are those of the pretrained reranker (a new

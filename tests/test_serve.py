@@ -35,7 +35,8 @@ def env(tmp_path_factory):
     for scope in ("user", "hybrid"):
         pol[scope] = tmp / f"pol-{scope}"
         for _ in range(2):
-            main(["simulate", str(store), "--policies", str(pol[scope]), *SIM, "--scope", scope, "--rank", "2"])
+            main(["simulate", str(store), "--policies", str(pol[scope]), *SIM, "--scope", scope,
+                  *(["--rank", "2"] if scope == "hybrid" else [])])
     return store, pol
 
 

@@ -116,7 +116,8 @@ def scope_options() -> list:
                      help="user: a private reranker per user; shared: one reranker learns from every user; "
                           "hybrid: shared + a per-user low-rank residual. Stored in the policy store."),
         click.option("--rank", type=int, default=None, show_default=f"{DEFAULT_RANK}, or the store's",
-                     help="Rank r of the per-user residual A Bᵀ (--scope hybrid), 1 <= r < d."),
+                     help="Rank r of the per-user residual A Bᵀ, 1 <= r < d: only with --scope hybrid (refused with "
+                          "another scope, where nothing would use it)."),
     ]
 
 
@@ -209,6 +210,14 @@ def check_tau_option(tau: float | None) -> None:
             raise_option_error(e)
 
 
+def check_rank_scope(scope: str | None, rank: int | None) -> None:
+    """``--rank`` sizes hybrid's per-user part: with another scope (None: user) it would be
+    ignored, so it is refused in one line."""
+    if rank is not None and (scope or "user") != "hybrid":
+        raise InputError(f"only scope hybrid has a per-user rank; this run's scope is {scope or 'user'} "
+                         "(give --scope hybrid, or leave --rank out)", where=f"--rank {rank}")
+
+
 def raise_option_error(e: ValueError):
     """A core ``ValueError("field: message")`` as the one-line error of option ``--field``."""
     name, _, msg = str(e).partition(": ")
@@ -226,6 +235,7 @@ def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, s
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
     overrides.update({n: v for n, v in more.items() if n in ESTIMATOR_OPTIONS and v is not None})
+    check_rank_scope(scope, rank)
     try:
         return settings.preset(preset, k=k, m=m, kind=kind, hidden=hidden, scope=scope or "user", rank=rank,
                                **overrides)
@@ -284,6 +294,7 @@ def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool
     values.pop("preset", None)
     values.update({f: given[f] for f in SETTING_OPTIONS[1:] if f in explicit and f in given})
     structure = {k: opts[k] for k in ("k", "m", "kind", "scope", "rank")}
+    check_rank_scope(opts["scope"], opts["rank"])
     try:
         setting = settings.preset(name, **{**structure, "scope": opts["scope"] or "user"}, **values)
     except ValueError as e:

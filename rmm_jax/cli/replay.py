@@ -8,6 +8,7 @@ import click
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
     change_setting_option,
+    check_rank_scope,
     checkpoint_options,
     config_dict,
     config_options,
@@ -115,6 +116,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
       rmm-jax replay stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
+    check_rank_scope(opts["scope"], opts["rank"])
     st = open_store(store)
     known = known_ids(st)
     opts["k"], opts["m"] = k_m_from_log(opts["k"], opts["m"], log_shape(log_path, known, skip_invalid=skip_invalid),

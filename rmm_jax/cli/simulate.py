@@ -9,6 +9,7 @@ import click
 from rmm_jax.cli.common import (
     begin_run_state_if_single,
     change_setting_option,
+    check_rank_scope,
     checkpoint_options,
     config_dict,
     config_options,
@@ -112,6 +113,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
       rmm-jax simulate stores/mine --policies simulated --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
+    check_rank_scope(opts["scope"], opts["rank"])
     ls = learning_setting(policies, opts, change=change_setting, resume=resume)
     setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
