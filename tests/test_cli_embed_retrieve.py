@@ -118,6 +118,8 @@ def test_embed_session_granularity(capsys, tmp_path):
     code, stdout, _ = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s",
                           "--granularity", "session", "--quiet")
     assert code == 0 and "2 session memories" in stdout
+    # one conversation: its summary counts "1 user", not "1 users" (the counts are the store's)
+    assert stdout.startswith(f"{tmp_path / 's'}: 1 user, 2 session memories, 4 queries, model"), stdout
 
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "unknown-spec", "bad-model",

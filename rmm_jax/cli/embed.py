@@ -110,7 +110,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
                          f"use --granularity turn, not {granularity!r}", where="--granularity")
     t_load = time.perf_counter() - t0
-    say(f"loaded {spec}: {len(dataset.users)} users ({t_load:.1f}s)")
+    say(f"loaded {spec}: {count(len(dataset.users), 'user')} ({t_load:.1f}s)")
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
@@ -135,7 +135,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         embedder.close()
     total = time.perf_counter() - t0
     c = manifest["counts"]
-    say(f"wrote {out}: {c['users']} users, {c['memories']} memories, {c['queries']} queries "
+    say(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
         f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached; {total:.1f}s total)")
     if as_json:
         report = dict(manifest)
@@ -145,8 +145,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         report["texts_embedded"] = embedder.texts_embedded
         click.echo(json.dumps(report, sort_keys=True))
     else:
-        click.echo(f"{out}: {c['users']} users, {c['memories']} {granularity} memories, "
-                   f"{c['queries']} queries, model {manifest['model']} (dim {manifest['dim']})")
+        click.echo(f"{out}: {count(c['users'], 'user')}, {count(c['memories'], granularity + ' memory')}, "
+                   f"{count(c['queries'], 'query')}, model {manifest['model']} (dim {manifest['dim']})")
 
 
 
@@ -171,15 +171,16 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         embedder.close()
     c, a = res["manifest"]["counts"], res["added"]
     say(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
-        f"now {c['users']} users, {c['memories']} memories, {c['queries']} queries "
+        f"now {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
         f"({count(embedder.texts_embedded, 'text')} embedded; {time.perf_counter() - t0:.1f}s)")
     if as_json:
         click.echo(json.dumps({**res["manifest"], "store": str(into), "added": a,
                                "texts_embedded": embedder.texts_embedded}, sort_keys=True))
     else:
-        click.echo(f"{into}: +{a['users']} users, +{a['sessions']} sessions ({a['memories']} memories), "
-                   f"+{a['queries']} questions; skipped {a['sessions_repeated']} sessions and "
-                   f"{a['queries_repeated']} questions already in the store")
+        click.echo(f"{into}: +{count(a['users'], 'user')}, +{count(a['sessions'], 'session')} "
+                   f"({count(a['memories'], 'memory')}), +{count(a['queries'], 'question')}; skipped "
+                   f"{count(a['sessions_repeated'], 'session')} and {count(a['queries_repeated'], 'question')} "
+                   "already in the store")
 
 
 def _check_out(out) -> None:

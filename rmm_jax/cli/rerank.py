@@ -12,7 +12,7 @@ import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, check_output_file, info
+from rmm_jax.cli.shell import SEED, check_output_file, count, info
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
 from rmm_jax.data.store import open_store
@@ -132,7 +132,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if out:
         with atomic_file(Path(out)) as f:
             f.write(text)
-        info(f"{'served' if explore else 'ranked'} {len(lines)} calls of {len({c.user_id for c in calls})} users "
+        info(f"{'served' if explore else 'ranked'} {count(len(lines), 'call')} of "
+             f"{count(len({c.user_id for c in calls}), 'user')} "
              f"in {time.perf_counter() - t0:.1f} s; wrote {out}")
     else:
         sys.stdout.write(text)

@@ -24,13 +24,15 @@ def info(msg: str) -> None:
 
 
 def count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1 (nouns whose plural adds an s), so that a
-    note reads "1 text embedded", not "1 texts".
+    """``n`` and ``noun``, plural unless ``n`` is 1 (an s added; a final consonant + y
+    becomes ies), so that a note reads "1 text embedded", not "1 texts".
 
-    >>> count(1, "text"), count(0, "text"), count(54, "text")
-    ('1 text', '0 texts', '54 texts')
+    >>> count(1, "text"), count(0, "text"), count(54, "text"), count(1, "query"), count(3, "turn memory")
+    ('1 text', '0 texts', '54 texts', '1 query', '3 turn memories')
     """
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
 
 
 def emit_json(obj) -> None:
