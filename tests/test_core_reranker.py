@@ -108,6 +108,13 @@ def test_init_rejects_bad_arguments(variant):
         init(jax.random.key(0), 0)
     with pytest.raises(ValueError, match="^hidden:"):
         init(jax.random.key(0), 8, "linear", hidden=4)
+    # a seed where a key belongs, or a batch of keys: one line naming the key, not flax's error
+    for key in (5, np.int64(5), jax.random.split(jax.random.key(0), 2), np.zeros(2, np.float32)):
+        with pytest.raises(ValueError, match="^key: must be one PRNG key"):
+            init(key, 8)
+    raw = init(jax.random.PRNGKey(3), 8, "mlp", 4)           # a raw uint32[2] key is one key too
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), raw,
+                                     init(jax.random.wrap_key_data(jax.random.PRNGKey(3)), 8, "mlp", 4)))
 
 
 def test_numpy_integers_are_taken_as_the_ints_they_are(variant):

@@ -430,3 +430,15 @@ def test_a_batch_with_nan_or_an_index_beyond_k_is_refused_eagerly(change, field)
     layout, est, shared, users, batch = setup("user", rj.adam(0.05))
     with pytest.raises(ValueError, match=rf"^{field}:"):
         rj.make_update(layout, est, rj.adam(0.05))(shared, users, change(batch))
+
+
+def test_init_user_takes_one_prng_key_and_refuses_a_seed():
+    # An int seed was an AttributeError ('int' object has no attribute 'dtype').
+    lay, est, opt = rj.preset("default", k=3, m=2)
+    params = rj.init_reranker(jax.random.key(0), 4)
+    for key in (3, np.int64(3), jax.random.split(jax.random.key(0), 2)):
+        with pytest.raises(ValueError, match="^key: must be one PRNG key"):
+            rj.init_user(params, key, lay, est, opt)
+    typed = rj.init_user(params, jax.random.key(1), lay, est, opt)
+    raw = rj.init_user(params, jax.random.PRNGKey(1), lay, est, opt)
+    assert np.array_equal(typed.learner_state.key, raw.learner_state.key)

@@ -80,6 +80,23 @@ def check_int(x, name: str) -> None:
 TAU_MIN = 1e-6
 
 
+def check_key(key, name: str = "key") -> None:
+    """``ValueError`` naming ``name`` unless ``key`` is one PRNG key: a typed key
+    (``jax.random.key(seed)``, shape ()) or a raw ``uint32[2]`` (``jax.random.PRNGKey``). An
+    int seed would fail deep inside flax or at ``key.dtype``."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and np.shape(key) == ()
+    raw = dtype == np.uint32 and np.shape(key) == (2,)
+    require(typed or raw, name, f"must be one PRNG key, e.g. jax.random.key(0), got {_short(key)}")
+
+
+def _short(x) -> str:
+    """What ``x`` is, in a few words, for an error message."""
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"{x.dtype}{list(x.shape)}"
+    return f"{type(x).__name__} {x!r}"[:60]
+
+
 def check_tau(tau, name: str = "tau") -> None:
     """``ValueError`` naming ``name`` unless τ (a number or array of them) is finite and
     >= :data:`TAU_MIN` (checked when concrete)."""

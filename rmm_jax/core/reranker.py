@@ -66,6 +66,7 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
       >>> mlp["q_adapter"]["up"]["kernel"].shape, mlp["q_adapter"]["down"]["kernel"].shape
       ((4, 8), (8, 4))
     """
+    checks.check_key(key)
     checks.require(kind in KINDS, "kind", f"must be one of {KINDS}, got {kind!r}")
     checks.require(checks.is_int(dim) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
     dim = int(dim)

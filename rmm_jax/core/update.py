@@ -114,6 +114,7 @@ def init_user(params, key, layout: Layout, estimator: Estimator, optimizer) -> U
       >>> int(st.learner_state.step), st.params["q_adapter"]["W"]["kernel"].shape
       (0, (4, 4))
     """
+    checks.check_key(key)
     _, local = layout.scope.split(params, key)
     return UserState(local, optimizer.init(local), init_learner_state(key, estimator))
 
