@@ -3,6 +3,7 @@ one-line refusals (bad --rank, a store of another scope)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.online.serve import user_params
 from rmm_jax.online.streams import stream_from_user
 from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.runstate import RunState
 
 SIM = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "0"]
 
@@ -166,3 +168,86 @@ def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
     else:                    # the shared part started from the pretrained one and moved
         assert not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                        zip(jax.tree.leaves(ps.shared_state().state.params), jax.tree.leaves(pre)))
+
+
+def failing_drive(after: int, error=MemoryError):
+    """``drive`` that raises ``error`` once ``after`` events have passed (the run fails at run time)."""
+    from rmm_jax.cli import online
+
+    real = online.drive
+
+    def drive(*a, **k):
+        for i, event in enumerate(real(*a, **k)):
+            if i >= after:
+                raise error("out of memory (simulated)")
+            yield event
+    return drive
+
+
+@pytest.mark.parametrize("verb", ["simulate", "replay"])
+def test_a_run_that_fails_before_saving_leaves_no_new_policy_store(capsys, tmp_path, store, monkeypatch, verb):
+    # The store the run created held only its scope, kind and identity shared part; left
+    # behind, it refused the next run's --scope and read as a store to continue.
+    from rmm_jax.cli import online
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "ref", *SIM, "--log-out",
+                           tmp_path / "log.jsonl")
+    assert code == 0, err
+    args = {"simulate": ["simulate", store], "replay": ["replay", store, "--log", tmp_path / "log.jsonl"]}[verb]
+    monkeypatch.setattr(online, "drive", failing_drive(0))
+    code, out, err = run_cli(capsys, *args, "--policies", tmp_path / "p", *SIM, "--scope", "shared")
+    assert code != 0 and "out of memory" in err and out == "", err
+    assert not (tmp_path / "p").exists() and not list(tmp_path.glob(".p*"))     # nothing, no leftover
+    monkeypatch.undo()
+    code, _, err = run_cli(capsys, *args, "--policies", tmp_path / "p", *SIM, "--scope", "user")
+    assert code == 0, err
+
+
+def test_a_failed_run_keeps_a_store_it_saved_in_or_did_not_create(capsys, tmp_path, store, monkeypatch):
+    from rmm_jax.cli import online
+    # users chunks of 2 over 3 users: the first chunk is saved before the failure
+    monkeypatch.setattr(online, "drive", failing_drive(10 ** 9))
+    events = sum(1 for _ in run_events(store, tmp_path))
+    monkeypatch.setattr(online, "drive", failing_drive(events - 1))
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM)
+    assert code != 0 and "out of memory" in err
+    assert PolicyStore.open(tmp_path / "p").users()            # what it saved stays
+    monkeypatch.setattr(online, "drive", failing_drive(0))
+    def files():                         # the store's data (a lock file's time changes as it is taken)
+        return sorted((p.relative_to(tmp_path), p.read_bytes()) for p in (tmp_path / "p").rglob("*")
+                      if p.is_file() and p.name != ".lock")
+    before = files()
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--resume")
+    assert code != 0 and "out of memory" in err          # a store the run did not create is never removed
+    assert files() == before
+    # A new store whose run failed after a checkpoint inside its first users chunk: nothing
+    # saved in the store yet, but the run-state holds work that --resume continues.
+    more = ["--checkpoint-every", "1", "--users-per-chunk", "3"]
+    monkeypatch.undo()
+    first = next(i for i, e in enumerate(run_events(store, tmp_path, *more)) if type(e).__name__ == "SegmentDone")
+    monkeypatch.setattr(online, "drive", failing_drive(first + 1))
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM, *more)
+    assert code != 0 and "out of memory" in err
+    assert (tmp_path / "q").is_dir() and RunState.interrupted_meta(tmp_path / "q")["segments_done"] >= 1
+    monkeypatch.undo()
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM, *more, "--resume")
+    assert code == 0, err
+
+
+def run_events(store, tmp_path, *more):
+    """The events of a whole simulate run of ``store`` with SIM and ``more`` (seen by a drive that passes them on)."""
+    from rmm_jax.cli import online
+    seen = []
+    real = online.drive
+
+    def drive(*a, **k):
+        for event in real(*a, **k):
+            seen.append(event)
+            yield event
+    online.drive, keep = drive, online.drive
+    try:
+        from conftest import main
+        main(["simulate", str(store), "--policies", str(tmp_path / "count"), *SIM, *map(str, more)])
+        shutil.rmtree(tmp_path / "count")
+    finally:
+        online.drive = keep
+    return seen

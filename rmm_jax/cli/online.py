@@ -21,6 +21,7 @@ from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
+from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
 from rmm_jax.persist.runstate import RunState
@@ -96,6 +97,31 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
         raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
                          where=f"--policies {path}")
     return ps
+
+
+@contextlib.contextmanager
+def removed_if_unused(path, created: bool):
+    """A policy store that the run ``created`` (``open_policies`` found none) is removed
+    whole if the run fails (an error, out of memory, Ctrl-C) before saving
+    anything in it: no user version, no shared version past the first, and a run-state
+    whose checkpoints hold only the start (nothing to resume), which goes first. Left, the
+    store would fix the failed run's scope and kind for every later run, and ``--init``
+    would read it as a store to continue."""
+    try:
+        yield
+    except BaseException:
+        p = Path(path)
+        if created and p.is_dir():
+            progress = RunState.interrupted_meta(p) or {}
+            try:
+                ps = PolicyStore.open(p)
+                unused = not ps.users() and len(ps.shared_versions()) <= 1
+            except Exception:  # noqa: BLE001 - an unreadable new store is not the user's data either
+                unused = True
+            if unused and not progress.get("chunks_done") and not progress.get("segments_done"):
+                remove_dir(RunState.path_for(p))        # first: a kill between leaves the store as before
+                remove_dir(p)
+        raise
 
 
 def keep_option(f):

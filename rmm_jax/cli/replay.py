@@ -31,6 +31,7 @@ from rmm_jax.cli.online import (
     open_policies,
     plan_start,
     plot_option,
+    removed_if_unused,
     report,
     resolve_init,
     rs_fresh,
@@ -146,6 +147,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
         info(f"embedded {count(len(texts), 'text')} the store lacks (queries and memories the log carries as text)")
+    created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies, clip=clip)
     chunks = ([repeat_passes(s, passes) for s in c] for c in
@@ -155,8 +157,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                       "--skip-invalid": skip_invalid, "--relearn": relearn, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
-    with begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
-                                   inputs=inputs, restart_same=("STORE", "--log")) as rs:
+    with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
+          begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
+                                    inputs=inputs, restart_same=("STORE", "--log")) as rs):
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
         learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
         # every night's --json has log.calls: a run that starts afresh learns every valid record

@@ -29,6 +29,7 @@ from rmm_jax.cli.online import (
     open_policies,
     plan_start,
     plot_option,
+    removed_if_unused,
     report,
     resolve_init,
     rs_fresh,
@@ -149,6 +150,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     st = open_store(store)
     n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk, answers=citations == "answer",
                                    queries=parse_range(query_range))
+    created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)
     options = online_options(opts, **{"--init": init, "--citations": citations,
@@ -158,8 +160,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                                       "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "config": config_dict(setting)}
-    with begin_run_state_if_single(policies, "simulate", options, resume=resume, checkpoint_every=checkpoint_every,
-                                   inputs=inputs) as rs:
+    with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
+          begin_run_state_if_single(policies, "simulate", options, resume=resume,
+                                    checkpoint_every=checkpoint_every, inputs=inputs) as rs):
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)

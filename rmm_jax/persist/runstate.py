@@ -161,6 +161,13 @@ class RunState:
         return None if doc is None else doc["fingerprint"]
 
     @classmethod
+    def interrupted_meta(cls, target) -> dict | None:
+        """The progress meta of the newest checkpoint an interrupted run of ``target`` left
+        (what :meth:`save` was given; unverified; None if there is none)."""
+        doc = cls._interrupted(cls.path_for(target))
+        return None if doc is None else doc["meta"]
+
+    @classmethod
     def interrupted_command(cls, target) -> str | None:
         """The command of the run whose checkpoints ``target``'s run-state holds (None: no
         interrupted run), e.g. for ``policies rollback`` to refuse until it is resumed.
