@@ -136,6 +136,22 @@ def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, t
     assert all(len(ps.entries(u)) == 1 for u in ps.users())          # --keep 1
 
 
+def test_lowering_keep_says_what_it_deletes_and_that_rollback_cannot_undo_at_one(capsys, tmp_path, store):
+    ps_path = tmp_path / "p"
+    for _ in range(2):
+        code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM)   # kept at the default 3
+        assert code == 0 and "--keep" not in err, err
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "3")
+    assert code == 0 and "--keep" not in err, err                 # not lowered: nothing to say
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "2")
+    assert code == 0 and "note: --keep 2 lowers the 3 versions per user" in err and "rollback" not in err, err
+    assert all(len(PolicyStore.open(ps_path).entries(u)) == 2 for u in PolicyStore.open(ps_path).users())
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "1")
+    assert code == 0 and "--keep 1 lowers the 2" in err and "`policies rollback` cannot undo this run" in err, err
+    code, _, err = run_cli(capsys, "policies", "rollback", ps_path)
+    assert code != 0 and err.strip().count("\n") == 0, err       # as the note said
+
+
 def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, tmp_path, store):
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM)
     assert code == 0, err

@@ -89,8 +89,13 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
                 "config": {"pretrained": False, "model": st.model}}
         return PolicyStore.create(p, meta, identity_params(st, layout, seed),
                                   **({"keep": keep} if keep is not None else {}))
+    stored_keep = PolicyStore.open(p).keep if writer and keep is not None else None
     ps = open_policies_for(p, st, keep=keep)
     check_scope(ps, layout, path)
+    if stored_keep is not None and keep < stored_keep:
+        info(f"note: --keep {keep} lowers the {stored_keep} versions per user {path} kept: each user's older "
+             "versions are deleted as this run saves"
+             + ("; `policies rollback` cannot undo this run" if keep == 1 else ""))
     if ps.meta.get("kind") != layout.kind:
         raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{layout.kind}'", where="--kind")
     if init == "pretrained" and not ps.meta.get("config", {}).get("pretrained"):
@@ -128,7 +133,9 @@ def keep_option(f):
     """``--keep N``: versions kept per user (and the shared versions those need)."""
     return click.option("--keep", type=click.IntRange(min=1), default=None,
                         show_default=f"the store's; {DEFAULT_KEEP} for a new store",
-                        help="Versions kept per user; a shared version stays while a kept user version needs it.")(f)
+                        help="Versions kept per user (what `policies rollback` can return to; lowering it deletes "
+                             "older ones as the run saves); a shared version stays while a kept user version needs "
+                             "it.")(f)
 
 
 def plot_option(f):
