@@ -221,3 +221,24 @@ def test_a_log_with_more_untimed_calls_than_a_policy_remembers_says_so(capsys, t
     assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 0, err
     code, out, err = replay(capsys, store, tmp_path / "untimed.jsonl", tmp_path / "untimed", "--json")
     assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 8, err    # what the note warned of
+
+
+def test_rerank_stamps_what_it_serves_so_a_log_of_many_untimed_requests_is_learned_once(capsys, tmp_path, store):
+    """A log built from rerank's served lines is recognised by timestamp past the window: the
+    requests carry no timestamp, rerank stamps each with the time it served it, so replay
+    does not warn of untimed calls and replaying the log again learns none of them."""
+    from rmm_jax.data.store import open_store
+    from rmm_jax.persist.learned_calls import WINDOW
+    user = open_store(store).user("user0")
+    calls = [{"call_id": f"c{i}", "user_id": "user0", "query_id": user.query_ids[i % len(user.query_ids)]}
+             for i in range(WINDOW + 8)]
+    code, _, err = run_cli(capsys, "rerank", store, "--calls", write(tmp_path / "requests.jsonl", calls), "--explore",
+                           "--k", "8", "--m", "3", "--out", tmp_path / "served.jsonl")
+    assert code == 0, err
+    served = [json.loads(line) for line in (tmp_path / "served.jsonl").read_text().splitlines()]
+    log = write(tmp_path / "day.jsonl", [{**s, "cited": s["selected"][:1]} for s in served])
+    code, _, err = replay(capsys, store, log, tmp_path / "p")
+    assert code == 0 and "without a timestamp" not in err, err
+    code, out, err = replay(capsys, store, log, tmp_path / "p", "--json")
+    calls = json.loads(out)["log"]["calls"]
+    assert code == 0 and calls["learn"] == 0 and calls["learned_already"] + calls["older"] == WINDOW + 8, (calls, err)

@@ -28,7 +28,7 @@ from rmm_jax.core.types import Batch
 from rmm_jax.core.update import importance_weights
 from rmm_jax.data import embed as embed_mod
 from rmm_jax.data import load_spec
-from rmm_jax.data.citation_log import pl_log_prob, read_log, validate_record
+from rmm_jax.data.citation_log import pl_log_prob, read_log, timestamp_seconds, validate_record
 from rmm_jax.data.store import open_store, write_store
 from rmm_jax.data.store_append import append_store
 from rmm_jax.errors import InputError
@@ -303,7 +303,11 @@ def test_explore_reproduces_with_its_seed_and_differs_with_another(capsys, tmp_p
     a, _ = served(capsys, tmp_path, store, name="a.jsonl")
     b, _ = served(capsys, tmp_path, store, name="b.jsonl")
     c, _ = served(capsys, tmp_path, store, "--seed", "1", name="c.jsonl")
-    assert a == b
+    unstamped = lambda lines: [{k: v for k, v in x.items() if k != "timestamp"} for x in lines]
+    assert unstamped(a) == unstamped(b)           # the draw depends on the seed and the call, not on the time
+    # the requests have no timestamp: each line has the time it was served, b's after a's
+    ta, tb = ([timestamp_seconds(x["timestamp"]) for x in lines] for lines in (a, b))
+    assert np.isfinite(ta + tb).all() and ta == sorted(set(ta)) and max(ta) < min(tb), (ta, tb)
     assert [x["selected"] for x in a] != [x["selected"] for x in c]
     assert [x["logits"] for x in a] == [x["logits"] for x in c]
 

@@ -115,6 +115,36 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
     assert out[2]["selected"] == [out[2]["candidates"][p]["id"] for p in top]
 
 
+@pytest.mark.parametrize("explore", [False, True])
+def test_rerank_stamps_a_call_without_a_timestamp_with_the_time_it_served_it(capsys, tmp_path, env, monkeypatch,
+                                                                            explore):
+    """A policy recognises a call it learned before by its timestamp once the call has left
+    its window, so every served line needs one: a request's own is kept, and one without
+    gets the serve time, ISO 8601 UTC that timestamp_seconds reads, the run's start plus one
+    microsecond per line before it (a run's calls keep their order, whatever the users)."""
+    from rmm_jax.cli import rerank as rerank_cli
+    from rmm_jax.data.citation_log import timestamp_seconds, validate_record
+    store, pol = env
+    start = 1_714_555_800_000_000                                  # 2024-05-01T09:30:00Z
+    monkeypatch.setattr(rerank_cli, "serve_clock", lambda: start)
+    calls = [{"call_id": "a", "user_id": "user1", "query_id": "q0"},
+             {"call_id": "b", "user_id": "user0", "query_id": "q1", "timestamp": "2023-07-10T09:00:00"},
+             {"call_id": "c", "user_id": "user1", "query_id": "q1", "timestamp": None},
+             {"call_id": "d", "user_id": "user0", "query_id": "q0", "timestamp": 17},
+             {"call_id": "e", "user_id": "user0", "query_id": "q2"}]
+    (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    code, _, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
+                           "--m", "2", "--k", "8", "--out", tmp_path / "out.jsonl", *(["--explore"] if explore else []))
+    assert code == 0, err
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["timestamp"] for o in out] == ["2024-05-01T09:30:00.000000Z", "2023-07-10T09:00:00",
+                                             "2024-05-01T09:30:00.000002Z", 17, "2024-05-01T09:30:00.000004Z"]
+    served = [timestamp_seconds(out[i]["timestamp"]) for i in (0, 2, 4)]
+    assert served == [1_714_555_800.0, 1_714_555_800.000002, 1_714_555_800.000004]
+    for o in out:
+        validate_record(o, served=True)
+
+
 @pytest.mark.parametrize("line, where", [
     ({"user_id": "user0", "query_id": "q0", "candidates": ["nope"]}, "key 'candidates'"),
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),

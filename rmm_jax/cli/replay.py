@@ -180,7 +180,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         who = f"user {untimed[0]!r} has" if len(untimed) == 1 else f"{len(untimed)} users (first: {untimed[0]!r}) have"
         info(f"{who} more than {WINDOW} calls without a timestamp in this log: a policy remembers its last "
              f"{WINDOW} calls and recognises older ones by their timestamps, so replaying this log again would "
-             "learn their earlier calls again; give each call a timestamp")
+             "learn their earlier calls again; give each call a timestamp (`rmm-jax rerank` writes one on every "
+             "call it serves)")
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")

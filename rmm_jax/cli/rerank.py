@@ -14,21 +14,28 @@ from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, pr
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, count, info
 from rmm_jax.data.calls import prepare_calls, read_calls
-from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, validate_record
+from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, utc_timestamp, validate_record
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_keys
 from rmm_jax.persist.atomic import atomic_file
 
 
-def _served(p, sel, log_prob=None, logits=None, policy=None) -> dict:
-    """The served line of prepared call ``p``: a citation-log record without ``cited``."""
+def serve_clock() -> int:
+    """Now, in microseconds since the epoch: read once per run (a test replaces it)."""
+    return time.time_ns() // 1000
+
+
+def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> dict:
+    """The served line of prepared call ``p``: a citation-log record without ``cited``,
+    with the request's timestamp, else ``stamp`` (the time it was served)."""
     c = p.call
     rec = LogRecord(user_id=c.user_id, query_id=c.query_id, call_id=c.call_id, query_text=c.query_text,
                     candidates=tuple(p.ids), candidate_texts=None if p.texts is None else tuple(p.texts),
                     selected=tuple(p.ids[i] for i in sel), cited=(), log_prob=log_prob,
                     logits=None if logits is None else tuple(round(float(x), 6) for x in logits),
-                    policy_version=policy.version, shared_version=policy.shared_version, timestamp=c.timestamp)
+                    policy_version=policy.version, shared_version=policy.shared_version,
+                    timestamp=stamp if c.timestamp is None else c.timestamp)
     return record_to_json(rec, served=True)
 
 
@@ -40,7 +47,8 @@ def _served(p, sel, log_prob=None, logits=None, policy=None) -> dict:
                    "exploring before any policy exists.")
 @click.option("--calls", "calls_path", required=True, type=click.Path(),
               help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
-                   "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp.")
+                   "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp (without one, the "
+                   "served line gets the time it was served).")
 @click.option("--m", type=click.IntRange(min=1), default=DEFAULTS.layout.m, help="Memories to select per call.")
 @click.option("--k", type=click.IntRange(min=1), default=DEFAULTS.layout.k,
               help="Candidates from the base retriever when a call lists none.")
@@ -61,7 +69,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     """Select each call's memories with the user's stored policy.
 
     For every line of --calls, one JSON line in input order: a citation-log record
-    without `cited` (docs/own-data.md): user_id, call_id, query_id and/or query, timestamp, the
+    without `cited` (docs/own-data.md): user_id, call_id, query_id and/or query, the
+    timestamp (the call's own, else the time it was served, see below), the
     candidates (memory ids; {"id", "text"} objects for candidate_texts, with id
     "t:" + sha256 of the text), the selected memories in display order, and the
     policy_version and shared_version that served it (null for a user the store does not
@@ -71,6 +80,12 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     and logits. Add the memories the generator cited as `cited`, and the file is the
     next day's `replay` and `evaluate` log, unchanged.
 
+    A call without a timestamp is stamped with the time it was served, as ISO 8601 UTC to
+    the microsecond (2025-05-01T09:30:00.000042Z): the run's start plus one microsecond per
+    line before it, so a run's calls keep their order and the next run's come after them.
+    Replay recognises a call learned before by its timestamp once the call has left the
+    last 512 a policy remembers (docs/reliability.md, "Exactly once").
+
     Texts are embedded with STORE's model through the embedding cache. A bad call is one
     error line naming file:line; nothing is written then.
 
@@ -79,7 +94,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
       rmm-jax rerank stores/mine --policies policies --calls examples/requests_day1.jsonl --out ranked.jsonl
       rmm-jax rerank stores/mine --policies policies --calls examples/requests_day1.jsonl --explore --out served.jsonl
     """
-    t0 = time.perf_counter()
+    t0, now = time.perf_counter(), serve_clock()
     check_output_file(out, f"--out {out}")
     st = open_store(store)
     note = None
@@ -116,14 +131,14 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
                 keys = call_keys(seed, uid, [call_key(prepared[i].call) for i in rows])
                 got = rr.sample(uid, q, cands, m, keys=keys, tau=tau)
                 recs = [_served(prepared[i], [int(x) for x in got.selected[r] if x >= 0], float(got.log_prob[r]),
-                                got.logits[r], pol) for r, i in enumerate(rows)]
+                                got.logits[r], pol, stamp=utc_timestamp(now + i)) for r, i in enumerate(rows)]
             else:
                 got = rr.rank(uid, q, cands, m)
                 recs = []
                 for r, i in enumerate(rows):
                     pos = [int(x) for x in got.selected[r] if x >= 0]
-                    recs.append({**_served(prepared[i], pos, policy=pol), "positions": pos,
-                                 "scores": [round(float(got.scores[r, x]), 6) for x in pos]})
+                    recs.append({**_served(prepared[i], pos, policy=pol, stamp=utc_timestamp(now + i)),
+                                 "positions": pos, "scores": [round(float(got.scores[r, x]), 6) for x in pos]})
             for r, i in enumerate(rows):
                 validate_record(recs[r], at(calls_path, prepared[i].call.line), served=True)
                 lines[i] = json.dumps(recs[r])

@@ -18,7 +18,8 @@ key                  meaning
 ``call_id``          (optional) a non-empty string naming the call, echoed in the output
 ``timestamp``        (optional) when the call was made (a string or a number, as in a
                      citation log), echoed in the output: replay orders what a policy has
-                     learned by it (docs/reliability.md, "Exactly once")
+                     learned by it (docs/reliability.md, "Exactly once"). Without one,
+                     ``rerank`` writes the time it served the call
 ===================  ========================================================================
 
 A call needs ``query`` or a ``query_id`` that STORE holds. Its identity is its

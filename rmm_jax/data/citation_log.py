@@ -36,7 +36,8 @@ comes from the store for a question it holds, from the record's ``gold`` otherwi
 
 A **served record** (what ``rmm-jax rerank --explore`` writes, :func:`validate_record`
 with ``served=True``) is a record without ``cited``: the application adds the memories
-the generator cited, and the line becomes a log record.
+the generator cited, and the line becomes a log record. Its ``timestamp`` is the
+request's, or the time ``rerank`` served the call (:func:`utc_timestamp`).
 
 Example lines::
 
@@ -101,6 +102,7 @@ __all__ = [
     "read_log",
     "record_to_json",
     "timestamp_seconds",
+    "utc_timestamp",
     "validate_record",
     "write_log",
 ]
@@ -462,6 +464,22 @@ def timestamp_seconds(value: str | int | float | None) -> float:
     if t.tzinfo is None:
         t = t.replace(tzinfo=dt.timezone.utc)
     return t.timestamp()
+
+
+def utc_timestamp(microseconds: int) -> str:
+    """A time in whole microseconds since the epoch as the ISO 8601 UTC string a log's
+    ``timestamp`` holds (``rmm-jax rerank`` stamps a call that came without one with it).
+    :func:`timestamp_seconds` reads it back to the microsecond, and two such strings of one
+    length compare as their times do.
+
+    >>> utc_timestamp(1_714_555_800_000_001)
+    '2024-05-01T09:30:00.000001Z'
+    >>> timestamp_seconds(utc_timestamp(86_400_000_000))
+    86400.0
+    """
+    seconds, micro = divmod(int(microseconds), 1_000_000)
+    t = dt.datetime.fromtimestamp(seconds, dt.timezone.utc).replace(microsecond=micro)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # ---------------------------------------------------------------------------
