@@ -137,6 +137,9 @@ def env(tmp_path_factory):
         "unknown_user": jl(g0, {**g1, "user_id": "nobody"}),
         "unknown_query": jl({**g0, "query_id": "no-such-query"}),
         "unknown_memory": jl({**g0, "candidates": g0["candidates"][:-1] + ["no-such-memory"]}),
+        # a stored memory with another text: the store's memory would be used, the text ignored
+        "store_text_differs": jl({**g0, "log_prob": -2.0}, {**g1, "log_prob": -2.0, "candidates": [
+            {"id": g1["candidates"][0], "text": "not the store's text"}, *g1["candidates"][1:]]}),
         "duplicate_query": jl(g0, g1, g0),
         "cited_outside_selected": jl({**g0, "cited": [g0["candidates"][-1]]}),
         "selected_outside_candidates": jl({**g0, "selected": g0["selected"] + ["zz"]}),
@@ -187,6 +190,13 @@ def cases():
                                                                           "nobody"]),
         ("log-unknown-query", lambda e: rp(e, "unknown_query"), lambda e: [":1", "'query_id'", "no-such-query"]),
         ("log-unknown-memory", lambda e: rp(e, "unknown_memory"), lambda e: [":1", "'candidates'", "no-such-memory"]),
+        ("log-store-text-differs", lambda e: rp(e, "store_text_differs"),
+         lambda e: [f"{L(e, 'store_text_differs')}:2", "'candidates'", repr(e["user"].memory_ids[0]),
+                    "differs from the store's memory"]),
+        ("evaluate-store-text-differs", lambda e: ["evaluate", S(e), "--log", L(e, "store_text_differs"),
+                                                   "--policies", e["pol_existing"]],
+         lambda e: [f"{L(e, 'store_text_differs')}:2", "'candidates'", repr(e["user"].memory_ids[0]),
+                    "differs from the store's memory"]),
         ("log-duplicate-query", lambda e: rp(e, "duplicate_query"), lambda e: [f"{L(e, 'duplicate_query')}:3",
                                                                                 "'query_id'", "line 1"]),
         ("log-cited-outside-selected", lambda e: rp(e, "cited_outside_selected"), lambda e: [":1", "'cited'"]),

@@ -485,6 +485,40 @@ def test_known_ids(tmp_path, known):
         read_log(path, known=known)
 
 
+def test_a_text_for_a_stored_memory_must_be_the_stores(tmp_path):
+    """A memory the store holds is read from the store, so a record that carries another text
+    for its id would have that text silently ignored: with the store's texts known
+    (memory ids mapped to texts, as known_ids gives them) it is an error naming the line and
+    the id; the store's own text is accepted."""
+    known = {"u1": ({"q1"}, {"m1": "my dog is Max", "m2": "I live in Lisbon", "m3": "peanuts"})}
+    path = tmp_path / "calls.jsonl"
+    same = _with(candidates=[{"id": "m1", "text": "my dog is Max"}, "m2", "m3"])
+    other = _with(query_id="q2", query="new", candidates=[{"id": "m1", "text": "my cat is Tom"}, "m2", "m3"])
+    path.write_text(json.dumps(same) + "\n")
+    assert read_log(path, known=known)[0][0].candidate_texts == ("my dog is Max", None, None)
+    path.write_text(json.dumps(BASE) + "\n" + json.dumps(other) + "\n")
+    with pytest.raises(InputError) as info:
+        read_log(path, known=known)
+    assert str(info.value) == (f"{path}:2: key 'candidates': memory 'm1' of user 'u1': the record's text differs "
+                               "from the store's memory of that id (give the store's text, or the id alone)")
+    assert len(read_log(path, known={"u1": ({"q1"}, {"m1", "m2", "m3"})})[0]) == 2     # ids only: no texts to check
+
+
+def test_known_ids_of_a_store_give_its_memory_texts(tmp_path):
+    from conftest import make_fake_store
+
+    from rmm_jax.data.log_vectors import known_ids
+    from rmm_jax.data.store import open_store
+    st = open_store(make_fake_store(tmp_path / "store", users=2, sessions=2, dim=8))
+    uid = st.user_ids[0]
+    query_ids, texts = known_ids(st)(uid)
+    assert query_ids == frozenset(st.user(uid).query_ids)
+    assert set(texts) == set(st.user(uid).memory_ids) and "nope" not in texts
+    assert texts._texts is None                                        # ids alone read no text
+    assert dict(texts) == {r["id"]: r["text"] for r in st.memory_rows(uid)}
+    assert known_ids(st)("nobody") is None
+
+
 def test_bad_known_argument(tmp_path):
     path = tmp_path / "calls.jsonl"
     path.write_text(json.dumps(BASE) + "\n")

@@ -60,8 +60,10 @@ Decisions:
   rounding: max(1e-3, 1e-4·|log_prob|), or the float32 bound for large logits). Off-policy evaluation needs `logits` for the slate
   estimators (RIPS, IIPS); IPS and SNIPS need only `log_prob`.
 * A memory's text may appear in several records of a user; it must be the same in all
-  of them (the reader checks it). A memory id the store holds keeps the store's
-  embedding, whatever text a record carries for it.
+  of them (the reader checks it). A record may carry the text of a memory the store
+  holds, and it must be the store's text of that id (checked when ``known`` maps memory
+  ids to texts, as :func:`rmm_jax.data.log_vectors.known_ids` does): the store's
+  embedding is used, so another text under that id would be silently ignored.
 * Unknown extra keys are **allowed and ignored** (forward compatibility: a logger may
   add e.g. ``"answer"``); they are not kept in :class:`LogRecord`. A key repeated
   inside any JSON object on a line is an error (JSON parsers silently keep the last).
@@ -495,7 +497,8 @@ def _known_lookup(known: Known) -> Callable[[str], Any]:
     Accepted: an object with a ``users`` mapping ``user_id -> (query_ids, memory_ids)``,
     such a mapping itself, or a callable taking a user id and returning the pair or
     ``None`` for an unknown user (an embedding store has no ``users`` mapping: wrap it
-    in a callable that reads one user's ids at a time).
+    in a callable that reads one user's ids at a time). ``memory_ids`` may be a mapping
+    ``id -> text``: a record's text for such a memory must then be that text.
     """
     users = getattr(known, "users", None)
     if isinstance(users, Mapping):
@@ -511,7 +514,9 @@ def _known_lookup(known: Known) -> Callable[[str], Any]:
 def _check_known(rec: LogRecord, lookup: Callable[[str], Any], where: str) -> None:
     """What the store lacks the record must carry as text: a query id the store does not
     hold needs the ``query`` text, a memory id it does not hold needs the candidate's
-    text, and a user it does not hold needs both for everything."""
+    text, and a user it does not hold needs both for everything. When the lookup's memory
+    ids are a mapping ``id -> text`` (:func:`rmm_jax.data.log_vectors.known_ids`), a text
+    the record carries for a memory the store holds must be the store's."""
     entry = lookup(rec.user_id)
     query_ids, memory_ids = entry if entry is not None else ((), ())
     texts = rec.candidate_texts or (None,) * len(rec.candidates)
@@ -526,6 +531,10 @@ def _check_known(rec: LogRecord, lookup: Callable[[str], Any], where: str) -> No
         if text is None and mid not in memory_ids:
             raise InputError(f"unknown memory id {mid!r} for user {rec.user_id!r} (give candidates the store "
                              'lacks as {"id", "text"} objects, or append them with `rmm-jax embed --into`)',
+                             where=_key_where(where, "candidates"))
+        if text is not None and isinstance(memory_ids, Mapping) and mid in memory_ids and memory_ids[mid] != text:
+            raise InputError(f"memory {mid!r} of user {rec.user_id!r}: the record's text differs from the store's "
+                             "memory of that id (give the store's text, or the id alone)",
                              where=_key_where(where, "candidates"))
     for mid in rec.gold or ():
         if mid not in memory_ids and mid not in rec.candidates:

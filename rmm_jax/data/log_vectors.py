@@ -34,19 +34,46 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from rmm_jax.data.citation_log import LogRecord, call_key
 
-__all__ = ["UserCalls", "known_ids", "resolve_calls", "unseen_texts"]
+__all__ = ["StoreMemories", "UserCalls", "known_ids", "resolve_calls", "unseen_texts"]
+
+
+class StoreMemories(Mapping):
+    """One user's memory ids in a store, each mapped to the store's text of it. The texts
+    are read the first time one is asked for (a record that carries a text for a memory the
+    store holds), so checking ids costs what a set of them does."""
+
+    def __init__(self, store, user_id: str, ids: Sequence[str]):
+        self._store, self._user, self._ids, self._texts = store, user_id, frozenset(ids), None
+
+    def __contains__(self, mid) -> bool:
+        return mid in self._ids
+
+    def __getitem__(self, mid) -> str:
+        if mid not in self._ids:
+            raise KeyError(mid)
+        if self._texts is None:
+            self._texts = {str(r["id"]): r["text"] for r in self._store.memory_rows(self._user)}
+        return self._texts[mid]
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def known_ids(store, cache_users: int = 4) -> Callable:
     """A ``known=`` lookup for :mod:`rmm_jax.data.citation_log` that reads one user's ids
-    at a time: ``user_id -> (query_ids, memory_ids) | None``. A streamed log holds each
-    user's records on consecutive lines, so a small cache suffices."""
+    at a time: ``user_id -> (query_ids, memory_ids) | None``, ``memory_ids`` a
+    :class:`StoreMemories` (a mapping of each id to the store's text of it, so a record that
+    carries another text for a memory the store holds is an error). A streamed log holds
+    each user's records on consecutive lines, so a small cache suffices."""
     users = frozenset(store.user_ids)
 
     @functools.lru_cache(maxsize=cache_users)
@@ -54,7 +81,7 @@ def known_ids(store, cache_users: int = 4) -> Callable:
         if uid not in users:
             return None
         u = store.user(uid)
-        return frozenset(u.query_ids), frozenset(u.memory_ids)
+        return frozenset(u.query_ids), StoreMemories(store, uid, u.memory_ids)
 
     return lookup
 
