@@ -504,6 +504,18 @@ def test_gold_that_no_record_carries_is_dropped_and_counted(tmp_path, capsys, fa
     assert "dropped 3 gold ids naming memories no record carries" in err and "calls.jsonl:1: key 'gold[1]'" in err
 
 
+def test_embed_log_notes_each_misspelt_key_once(tmp_path, capsys, fake_model):
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(jl({**CALL, "answer": "Lisbon"}, {**CALL, "query_id": "q2", "gold_ids": ["m1"], "golds": ["m1"]},
+                        {**CALL, "query_id": "q3", "golds": ["m2"]}))
+    assert load_log_dataset(calls).stats["notes"] == [
+        f"{calls}:2: key 'golds' is not a log key and was ignored (did you mean 'gold'?)"]
+    code, out, err = run_cli(capsys, "embed", f"log:{calls}", "--out", tmp_path / "store")
+    assert code == 0, err
+    assert [x for x in err.splitlines() if "is not a log key" in x] == [
+        f"note: {calls}:2: key 'golds' is not a log key and was ignored (did you mean 'gold'?)"], err
+
+
 def test_rerank_logs_name_each_question_by_its_call(tmp_path, capsys, fake_model):
     """`rmm-jax rerank` writes calls with a call_id and the query text but no query_id: each is a
     question named by its call_id (a query_id still names it first, the text when it has

@@ -221,7 +221,7 @@ def test_valid_records_round_trip(objs):
         got, report = read_log(path)
         assert got == recs
         assert list(iter_log(path)) == recs
-        assert report == {"records": len(recs), "skipped": 0, "first_errors": []}
+        assert report == {"records": len(recs), "skipped": 0, "first_errors": [], "notes": []}
         # The hand-written form (extra keys, nulls, int log_prob) reads the same too.
         raw = Path(d) / "raw.jsonl"
         _write_lines(raw, [json.dumps(o) for o in objs], [i % 3 for i in range(len(objs))])
@@ -448,6 +448,31 @@ def test_skip_invalid_counts_and_caps_first_errors(tmp_path):
     path.write_text("{\n[]\n")
     with pytest.raises(InputError, match=r"no records \(2 invalid lines skipped; first: "):
         read_log(path, skip_invalid=True)
+
+
+def test_an_unknown_key_that_looks_misspelt_is_noted_once_naming_its_first_line(tmp_path):
+    """Unknown keys are ignored (forward compatibility), so a misspelt optional key used to
+    vanish silently. One close to a log key is noted, once per key, at the first line of a
+    valid record that has it; other extra keys (a logger's own, rerank's scores) are not."""
+    path = tmp_path / "log.jsonl"
+    extra = {"answer": "Lisbon", "model": "gpt", "latency_ms": 120, "scores": [0.5], "positions": [1, 0]}
+    lines = [_with(**extra),
+             {**_with(query_id="q2"), "timestmap": "2023-05-02"},
+             {**_with(query_id="q3", log_prob=_DROP), "timestmap": "2023-05-03", "log_porb": -0.5},
+             {**_with(query_id="q4"), "Cited": ["m2"], "log_porb": -0.5, "timestmap": 1}]
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    records, report = read_log(path)
+    assert len(records) == 4 and records[1].timestamp == "2023-05-01" and records[2].log_prob is None   # ignored
+    assert report["notes"] == [
+        f"{path}:2: key 'timestmap' is not a log key and was ignored (did you mean 'timestamp'?)",
+        f"{path}:3: key 'log_porb' is not a log key and was ignored (did you mean 'log_prob'?)",
+        f"{path}:4: key 'Cited' is not a log key and was ignored (did you mean 'cited'?)"]
+    # a skipped record's keys are not noted: the first valid record that has the key is
+    path.write_text(json.dumps({**_with(cited=["zz"]), "timestmap": 0}) + "\n"
+                    + json.dumps({**_with(query_id="q2"), "timestmap": 0}) + "\n")
+    _, report = read_log(path, skip_invalid=True)
+    assert report["skipped"] == 1 and report["notes"] == [
+        f"{path}:2: key 'timestmap' is not a log key and was ignored (did you mean 'timestamp'?)"]
 
 
 class _Store:

@@ -299,6 +299,26 @@ def test_served_lines_are_log_records_that_replay_and_evaluate_read_once_cited_i
     assert gain["ci95"][0] <= gain["value"] <= gain["ci95"][1]
 
 
+def test_replay_and_evaluate_note_each_misspelt_key_once_on_stderr(capsys, tmp_path, store):
+    """A log's unknown keys are ignored; one that looks like a misspelt log key gets ONE note
+    line per key (not per line) from replay and evaluate, naming the first line that has
+    it; a logger's own keys get none."""
+    lines, _ = served(capsys, tmp_path, store)
+    extra = {"answer": "...", "model": "gpt-x", "latency_ms": 812}
+    log = write_jsonl(tmp_path / "day.jsonl", [
+        {**x, "cited": x["selected"][:1], **extra, **({"timestmap": "2024-05-01", "log_porb": -1.0} if i >= 2 else {})}
+        for i, x in enumerate(lines)])
+    want = [f"note: {log}:3: key 'timestmap' is not a log key and was ignored (did you mean 'timestamp'?)",
+            f"note: {log}:3: key 'log_porb' is not a log key and was ignored (did you mean 'log_prob'?)"]
+    for argv in (["replay", store, "--log", log, "--policies", tmp_path / "p", *ONLINE],
+                 ["evaluate", store, "--log", log, "--policies", tmp_path / "p", "--k", "8", "--m", "3",
+                  "--min-ess", "0", "--allow-unreliable"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        noted = [x for x in err.splitlines() if x.startswith("note: ") and "is not a log key" in x]
+        assert noted == want, err
+
+
 def test_explore_reproduces_with_its_seed_and_differs_with_another(capsys, tmp_path, store):
     a, _ = served(capsys, tmp_path, store, name="a.jsonl")
     b, _ = served(capsys, tmp_path, store, name="b.jsonl")

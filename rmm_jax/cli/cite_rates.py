@@ -55,6 +55,8 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     if report.get("skipped"):
         info(f"skipped {report['skipped']} invalid records of {report['records'] + report['skipped']}; "
              f"first: {report['first_errors'][0]}")
+    for note in report["notes"]:                 # unknown keys that look misspelt
+        info(f"note: {note}")
     if as_json:
         emit_json({"store": str(store), "log": str(log_path), **rates})
         return

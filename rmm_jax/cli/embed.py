@@ -113,6 +113,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     say(f"loaded {spec}: {count(len(dataset.users), 'user')} ({t_load:.1f}s)")
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
+    for note in dataset.stats.get("notes", ()):      # log: unknown keys that look misspelt
+        say(f"note: {note}")
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
     dropped = dataset.stats.get("gold_without_text", 0)
     if dropped:

@@ -157,6 +157,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     if log.get("skipped"):
         info(f"skipped {log['skipped']} invalid records of {log['records'] + log['skipped']}; "
              f"first: {log['first_errors'][0]}")
+    for note in log["notes"]:                    # unknown keys that look misspelt
+        info(f"note: {note}")
     for w in rep["warnings"]:
         info(f"warning: {w}")
     if plot_path is not None:

@@ -185,6 +185,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     if rep.get("skipped"):
         info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
              f"first: {rep['first_errors'][0]}")
+    for line in rep["notes"]:                    # unknown keys that look misspelt
+        info(f"note: {line}")
     if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")
     report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),

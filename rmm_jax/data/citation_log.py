@@ -67,6 +67,17 @@ Decisions:
 * Unknown extra keys are **allowed and ignored** (forward compatibility: a logger may
   add e.g. ``"answer"``); they are not kept in :class:`LogRecord`. A key repeated
   inside any JSON object on a line is an error (JSON parsers silently keep the last).
+* An unknown key that is probably a misspelt log key (``timestmap``, ``log_porb``,
+  ``Cited``: :func:`misspelt_key`, a difflib ratio of at least 0.8 to a log key, in
+  lower case) is still ignored, but the reader notes it (the report's ``notes``), once
+  per key and log, naming the first line that has it:
+  ``log.jsonl:3: key 'timestmap' is not a log key and was ignored (did you mean
+  'timestamp'?)``; ``replay``, ``evaluate``, ``cite-rates`` and ``embed log:`` print
+  each as a ``note:`` line on stderr. Keys of other names (``answer``, ``model``,
+  ``latency_ms``, the ``scores`` and ``positions`` ``rerank`` writes) are not noted,
+  nor are names a ratio cannot tell from a different key (``gold_ids``, ``query_text``).
+  Only a key not seen on an earlier line is compared, so reading stays one subset test
+  a record.
 
 Every problem raises :class:`~rmm_jax.errors.InputError` with a one-line message that
 starts ``path:line`` and names the key, e.g.
@@ -76,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import difflib
 import json
 import math
 import os
@@ -112,7 +124,10 @@ __all__ = [
 REQUIRED_KEYS = ("user_id", "candidates", "selected", "cited")
 OPTIONAL_KEYS = ("call_id", "query_id", "log_prob", "timestamp", "query", "gold", "logits", "policy_version",
                  "shared_version")
+LOG_KEYS = REQUIRED_KEYS + OPTIONAL_KEYS
 MAX_FIRST_ERRORS = 5
+#: An unknown key this close to a log key (difflib's ratio, lower case) is noted as a likely misspelling.
+CLOSE_KEY = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,7 +610,33 @@ def _open_log(path: str | os.PathLike):
 
 
 def _new_report() -> dict:
-    return {"records": 0, "skipped": 0, "first_errors": []}
+    return {"records": 0, "skipped": 0, "first_errors": [], "notes": []}
+
+
+def misspelt_key(key: str) -> str | None:
+    """The log key an unknown ``key`` is likely a misspelling of, else None: the closest
+    with a difflib ratio of at least :data:`CLOSE_KEY` to ``key`` in lower case (a key
+    that differs by case, one swapped, missing or extra letter, or ``-`` for ``_``).
+
+    >>> misspelt_key("timestmap"), misspelt_key("log_porb"), misspelt_key("Cited"), misspelt_key("answer")
+    ('timestamp', 'log_prob', 'cited', None)
+    """
+    near = difflib.get_close_matches(key.lower(), LOG_KEYS, n=1, cutoff=CLOSE_KEY)
+    return near[0] if near else None
+
+
+def _note_keys(obj: Mapping, seen: set, path, lineno: int, notes: list) -> None:
+    """Note each key of ``obj`` not seen before in this log that looks like a misspelt log
+    key (:func:`misspelt_key`). ``seen`` starts as the log keys, so a record with only
+    those, or with extra keys seen on earlier lines, costs one subset test."""
+    if obj.keys() <= seen:
+        return
+    for key in obj:
+        if key not in seen:
+            seen.add(key)
+            near = misspelt_key(key)
+            if near is not None:
+                notes.append(f"{at(path, lineno, key)} is not a log key and was ignored (did you mean {near!r}?)")
 
 
 def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
@@ -610,6 +651,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     """
     lookup = _known_lookup(known) if known is not None else None
     report.update(_new_report())
+    keys_seen = set(LOG_KEYS)
     seen: dict[tuple[str, str], int] = {}
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
@@ -617,7 +659,8 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     for lineno, raw in _nonblank_lines(path):
         where = at(path, lineno)
         try:
-            rec = validate_record(_decode_line(raw, path, lineno), where)
+            obj = _decode_line(raw, path, lineno)
+            rec = validate_record(obj, where)
             if lookup is not None:
                 _check_known(rec, lookup, where)
             pair = (rec.user_id, call_key(rec))
@@ -652,6 +695,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         seen[pair] = lineno
         for mem, text in carried:
             texts.setdefault(mem, (text, lineno))
+        _note_keys(obj, keys_seen, path, lineno, report["notes"])
         report["records"] += 1
         yield lineno, rec
     if report["records"] == 0:
@@ -723,7 +767,9 @@ def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool
     :func:`_check_known`).
 
     ``report``, when given, is reset and updated in place with ``records`` (yielded so
-    far), ``skipped`` and ``first_errors`` (up to 5 messages). A file without a
+    far), ``skipped``, ``first_errors`` (up to 5 messages) and ``notes``: one line per
+    unknown key of the valid records that looks like a misspelt log key (module
+    docstring, "Decisions"), naming the first line that has it. A file without a
     non-blank line, or whose lines were all skipped, raises ``InputError`` "no records"
     when the stream ends. Memory use: one line plus the seen calls.
     """
@@ -736,7 +782,7 @@ def read_log(path: str | os.PathLike, *, known: Known = None,
              skip_invalid: bool = False) -> tuple[list[LogRecord], dict]:
     """Read a whole citation log: ``(records, report)``.
 
-    ``report`` is ``{"records": n, "skipped": n, "first_errors": [<= 5 messages]}``.
+    ``report`` is ``{"records": n, "skipped": n, "first_errors": [<= 5 messages], "notes": [...]}``.
     See :func:`iter_log` for the checks and ``known``. A log with no valid record
     raises ``InputError`` "no records" even with ``skip_invalid``.
     """

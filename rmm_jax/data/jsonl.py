@@ -461,15 +461,16 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
     Every record is validated as a citation-log record first
     (:func:`rmm_jax.data.citation_log.validate_record`). ``Dataset.stats``: ``records``,
     ``memories``, ``memories_from_file``, ``questions``, ``no_gold``, ``gold_without_text`` (gold
-    ids dropped: no record carries their memory) and ``gold_without_text_first``.
+    ids dropped: no record carries their memory), ``gold_without_text_first`` and ``notes`` (the
+    unknown keys that look like misspelt log keys, :func:`rmm_jax.data.citation_log.iter_log`).
     """
     path = Path(path)
     banks: dict[str, _Bank] = {}
     n_file = _read_memories(Path(memories), banks) if memories is not None else 0
     calls: dict[str, list[tuple[int, Any, str]]] = {}
     seen: dict[tuple[str, str], int] = {}
-    records = 0
-    for line, rec in iter_numbered(path):
+    records, report = 0, {}
+    for line, rec in iter_numbered(path, report=report):
         records += 1
         where = at(path, line)
         if rec.query_text is None:
@@ -510,4 +511,4 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         stats["memories"] += len(bank.rows)
         stats["questions"] += len(queries)
         stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids)
-    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first})
+    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first, "notes": report["notes"]})
