@@ -622,3 +622,18 @@ def test_log_writer_leaves_nothing_on_failure(tmp_path):
             log.write([_with(query_id="q2"), _with(query_id="q3", cited=["m9"])])
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl"]
+
+
+@pytest.mark.parametrize("typo,key", [("cites", "cited"), ("Cited", "cited"), ("canidates", "candidates"),
+                                      ("user-id", "user_id"), ("selectd", "selected")])
+def test_a_misspelt_required_key_names_what_the_record_has(typo, key):
+    rec = {"user_id": "u", "candidates": ["a", "b"], "selected": ["a"], "cited": []}
+    rec[typo] = rec.pop(key)
+    with pytest.raises(InputError) as e:
+        validate_record(rec, "log.jsonl:3")
+    assert str(e.value) == f"log.jsonl:3: key '{key}': missing required key (the record has '{typo}')"
+    rec.pop(typo)                          # nothing close: the plain message
+    rec["latency_ms"] = 3
+    with pytest.raises(InputError) as e:
+        validate_record(rec, "log.jsonl:3")
+    assert str(e.value) == f"log.jsonl:3: key '{key}': missing required key"

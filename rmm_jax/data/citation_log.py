@@ -379,7 +379,9 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
         raise InputError(f"expected a JSON object, got {_type_name(obj)}", where=where)
     for key in REQUIRED_KEYS:
         if key not in obj and not (served and key == "cited"):
-            raise InputError("missing required key", where=_key_where(where, key))
+            near = [k for k in obj if isinstance(k, str) and k not in LOG_KEYS and misspelt_key(k) == key]
+            raise InputError("missing required key" + (f" (the record has {near[0]!r})" if near else ""),
+                             where=_key_where(where, key))
     user_id = _id(obj["user_id"], where, "user_id", "user_id")
     call_id = None if obj.get("call_id") is None else _id(obj["call_id"], where, "call_id", "call_id")
     query_id = None if obj.get("query_id") is None else _id(obj["query_id"], where, "query_id", "query_id")
