@@ -213,6 +213,18 @@ def cases():
          lambda e: ["--policies", "other/model-32"]),
         ("evaluate-negative-seed", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies", e["pol_existing"],
                                               "--seed", -1], lambda e: ["--seed"]),
+        # the "--k --m from LOG" note waits for the log to be read: before, each of these printed it first
+        ("evaluate-log-without-log-prob", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies",
+                                                     e["pol_existing"]], lambda e: [f"{L(e, 'good')}:1", "'log_prob'"]),
+        ("evaluate-policies-missing", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies",
+                                                 e["root"] / "nopol"], lambda e: ["nopol"]),
+        ("evaluate-clip-below-1", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies", e["pol_existing"],
+                                             "--clip", 0.5], lambda e: ["--clip"]),
+        # too few resamples for a 95% interval: 0 gave point "intervals" that the verdict read as a gain above 0
+        ("evaluate-bootstrap-0", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies", e["pol_existing"],
+                                            "--bootstrap", 0], lambda e: ["--bootstrap", ">= 40"]),
+        ("cite-rates-bootstrap-1", lambda e: ["cite-rates", S(e), "--log", L(e, "good"), "--bootstrap", 1],
+         lambda e: ["--bootstrap", ">= 40"]),
         ("log-more-candidates-than-k", lambda e: rp(e, "too_many_candidates"), lambda e: ["--k", "too_many"]),
         ("log-more-selected-than-m", lambda e: rp(e, "too_many_selected"), lambda e: ["--m", "too_many"]),
         ("log-is-directory", lambda e: ["replay", S(e), "--log", e["logs"], "--policies", new_pol(e)],

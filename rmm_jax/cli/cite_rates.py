@@ -9,6 +9,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
 from rmm_jax.online.cite_rates import count_calls
+from rmm_jax.online.stats import MIN_RESAMPLES, check_resamples
 
 ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | another memory is shown)"),
         ("p_other_when_gold_shown", "  in calls that show a gold one"),
@@ -21,7 +22,8 @@ ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | 
               help="Citation log (JSONL) of your generator; calls count where STORE holds their question's gold "
                    "or the record carries `gold`.")
 @users_option("Only these users' calls")
-@click.option("--bootstrap", type=int, default=2000, help="Bootstrap resamples (users, then calls) for the intervals.")
+@click.option("--bootstrap", type=int, default=2000,
+              help=f"Bootstrap resamples (users, then calls) for the intervals (at least {MIN_RESAMPLES}).")
 @click.option("--seed", type=SEED, default=0, help="Seed of the bootstrap.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rates as one JSON object on stdout.")
@@ -43,8 +45,7 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
       rmm-jax cite-rates stores/mine --log simulated.jsonl
       rmm-jax cite-rates stores/mine --log simulated.jsonl --users user0,user1 --json
     """
-    if bootstrap < 1:
-        raise InputError(f"must be >= 1, got {bootstrap}", where="--bootstrap")
+    check_resamples(bootstrap)
     st = open_store(store)
     report: dict = {}
     counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)

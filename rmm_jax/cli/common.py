@@ -352,9 +352,10 @@ def checkpoint_options(default_every: int, unit: str):
     return deco
 
 
-def k_m_from_log(k: int | None, m: int | None, shape, log_path) -> tuple[int, int]:
+def k_m_from_log(k: int | None, m: int | None, shape, log_path, *, notes: list[str] | None = None) -> tuple[int, int]:
     """``--k``/``--m`` for a run over a log (:func:`rmm_jax.online.streams.log_shape`): an option
-    left out is the log's, when its records agree; one given must be the log's, when they do."""
+    left out is the log's, when its records agree; one given must be the log's, when they do.
+    The note saying so goes on stderr, or into ``notes`` for a verb that prints it later."""
     out = []
     for name, given, logged, line, apart, what in (("--k", k, shape.k, shape.k_line, shape.k_apart, "list"),
                                                    ("--m", m, shape.m, shape.m_line, shape.m_apart, "show")):
@@ -366,7 +367,11 @@ def k_m_from_log(k: int | None, m: int | None, shape, log_path) -> tuple[int, in
                              where=f"{name} {given}")
         out.append(logged if given is None else given)
     if k is None or m is None:
-        info(f"--k {out[0]} --m {out[1]} from {log_path}, whose records all agree")
+        note = f"--k {out[0]} --m {out[1]} from {log_path}, whose records all agree"
+        if notes is None:
+            info(note)
+        else:
+            notes.append(note)
     return out[0], out[1]
 
 

@@ -18,10 +18,12 @@ from rmm_jax.online.ope import (
     DEFAULT_MC_SAMPLES,
     DEFAULT_MIN_ESS,
     Target,
+    check_report_options,
     evaluate_log,
 )
 from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
+from rmm_jax.online.stats import MIN_RESAMPLES
 from rmm_jax.online.streams import log_shape
 from rmm_jax.persist.policy_rollback import newest_run
 
@@ -60,7 +62,8 @@ def _row(name: str, est: dict) -> str:
               help="An estimate whose weights have a smaller effective sample size is unreliable (0: no check).")
 @click.option("--allow-unreliable", is_flag=True,
               help=f"Exit 0 even when an estimate is unreliable (otherwise exit {EXIT_UNRELIABLE}).")
-@click.option("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP, help="Bootstrap resamples for the 95% intervals.")
+@click.option("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
+              help=f"Bootstrap resamples for the 95% intervals (at least {MIN_RESAMPLES}).")
 @click.option("--exact-limit", type=int, default=DEFAULT_EXACT_LIMIT,
               help="Per-slot marginals (iips, recall direct) are exact when they need at most this many "
                    "candidate sets, Monte Carlo otherwise.")
@@ -139,9 +142,12 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
+    check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
-    k, m = k_m_from_log(k, m, log_shape(log_path, known_ids(st), skip_invalid=skip_invalid), log_path)
+    k_m_note: list[str] = []         # printed once the log has been read: bad input is one line
+    k, m = k_m_from_log(k, m, log_shape(log_path, known_ids(st), skip_invalid=skip_invalid), log_path,
+                        notes=k_m_note)
     ps = open_policies_for(policies, st)
     tau = behaviour_tau(ps) if tau is None else tau
     try:
@@ -154,6 +160,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
                        exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid, min_ess=min_ess)
     rep = {"store": str(store), "policies": str(policies), **rep}
     log = rep["log"]
+    for note in k_m_note:
+        info(note)
     if log.get("skipped"):
         info(f"skipped {log['skipped']} invalid records of {log['records'] + log['skipped']}; "
              f"first: {log['first_errors'][0]}")

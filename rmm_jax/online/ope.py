@@ -133,6 +133,7 @@ from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import user_params
+from rmm_jax.online.stats import check_resamples
 from rmm_jax.online.streams import check_limits
 
 __all__ = [
@@ -802,6 +803,16 @@ def unreliable(report: dict) -> list[tuple[str, str, str]]:
             for name, est in per.items() if not est["reliable"]]
 
 
+def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) -> None:
+    """The options of :func:`evaluate_log`'s report, each refused as its option's one line:
+    ``rmm-jax evaluate`` checks them before it reads the log."""
+    if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
+        raise InputError(f"must be a finite number >= 1, got {clip}", where="--clip")
+    check_resamples(bootstrap)
+    if not (min_ess >= 0 and math.isfinite(min_ess)):
+        raise InputError(f"must be a finite number >= 0, got {min_ess}", where="--min-ess")
+
+
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
@@ -813,12 +824,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
     estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
     one about clipping."""
-    if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
-        raise InputError(f"must be a finite number >= 1, got {clip}", where="--clip")
-    if bootstrap < 0:
-        raise InputError(f"must be >= 0, got {bootstrap}", where="--bootstrap")
-    if not (min_ess >= 0 and math.isfinite(min_ess)):
-        raise InputError(f"must be a finite number >= 0, got {min_ess}", where="--min-ess")
+    check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     read: dict = {}
     calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,

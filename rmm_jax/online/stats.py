@@ -58,6 +58,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from rmm_jax.errors import InputError
+
+# A 95% percentile interval puts 2.5% of the resamples beyond each end: with fewer than
+# 1 / 0.025 = 40 a tail holds none, and the interval is a range of a handful of resamples (at 1
+# or 0, a point that a verdict or an advice would read as a gain "above 0").
+MIN_RESAMPLES = 40
+
+
+def check_resamples(n: int, where: str = "--bootstrap") -> None:
+    """Refuse, as the option's one line, too few bootstrap resamples for a 95% interval."""
+    if n < MIN_RESAMPLES:
+        raise InputError(f"must be >= {MIN_RESAMPLES} for a 95% interval (2.5% of the resamples beyond each "
+                         f"end), got {n}", where=where)
+
 
 def resample_counts(groups, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """How often each of Q queries is drawn in each of ``n_boot`` replicates, (n_boot, Q)
