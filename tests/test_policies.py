@@ -561,3 +561,20 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
         assert [ln for ln in err.splitlines() if ln.startswith("error")] == [last]
     code, out, _ = _cli(["policies", "--help"], capsys)
     assert code == 0 and "export" in out and "Examples" in out
+
+
+def test_cli_export_refuses_a_path_in_the_store_and_a_missing_version_in_one_line(tmp_path, capsys):
+    """--out inside STORE wrote its .json over policy_store.json (P/policy_store.npz), and the
+    store no longer opened; an unknown --version printed a progress line before its error."""
+    st = new_store(tmp_path)
+    save_seeds(st, {"alice": 4})
+    meta = (st.path / "policy_store.json").read_bytes()
+    for out, version, needles in [(st.path / "policy_store.npz", [], ["--out", "inside policy store"]),
+                                  (st.path / "gens" / ".." / "a.npz", [], ["--out", "inside policy store"]),
+                                  (tmp_path / "a.npz", ["--version", "7"], ["alice", "no version 7"])]:
+        code, out_text, err = _cli(["policies", "export", str(st.path), "alice", "--out", str(out), *version], capsys)
+        assert code == 2 and out_text == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err
+        assert all(n in err for n in needles), err
+        assert not out.exists()
+    assert (st.path / "policy_store.json").read_bytes() == meta
+    assert PolicyStore.open(st.path).load("alice").version == 1

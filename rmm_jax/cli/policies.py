@@ -261,11 +261,13 @@ def export(store, user, out, version):
     hybrid these are the user's own factors; the .json names the shared version they pair with."""
     if not str(out).endswith(".npz"):
         raise InputError("export file must end in .npz", where=f"--out {out}")
+    if Path(out).resolve().is_relative_to(Path(store).resolve()):   # its .json could replace policy_store.json
+        raise InputError(f"is inside policy store {store}, whose files it could replace; choose a path outside it",
+                         where=f"--out {out}")
     check_output_file(out, f"--out {out}")
     st = PolicyStore.open(store)
     _require_users(st, [user])
-    _progress(f"exporting {user!r} from {store} ...")
-    doc = export_params(st, user, Path(out), version)
+    doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
 
 
