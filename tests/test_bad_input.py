@@ -304,6 +304,9 @@ def cases():
         ("pretrain-m-gt-k", lambda e: pre(e, "--m", K + 1), lambda e: ["--m"]),
         ("pretrain-epochs", lambda e: pre(e, "--epochs", 0), lambda e: ["--epochs"]),
         ("pretrain-val-fraction", lambda e: pre(e, "--val-fraction", 1.0), lambda e: ["--val-fraction"]),
+        # 0.9 of 3 users holds out all 3: it was "no training query has a gold memory ... --labels dialogue"
+        ("pretrain-val-fraction-holds-out-everyone", lambda e: pre(e, "--val-fraction", 0.9),
+         lambda e: ["--val-fraction", "none to train on"]),
         ("pretrain-unknown-user", lambda e: pre(e, "--users", "nobody"), lambda e: ["--users"]),
         ("pretrain-out-exists", lambda e: ["pretrain", e["store"], "--out", e["pol_existing"], "--epochs", 1],
          lambda e: ["--out", str(e["pol_existing"])]),

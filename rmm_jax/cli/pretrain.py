@@ -171,6 +171,8 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
         try:
             best, history, split = train_and_checkpoint(rs, streams, params, pcfg, every=checkpoint_every,
                                                         seed=seed)
+        except InputError:       # an option's own error, as it is
+            raise
         except ValueError as e:
             hint = "; without gold, --labels dialogue pretrains on the users' own chats" if labels == "gold" else ""
             raise InputError(f"{e}{hint}", where=str(store)) from None

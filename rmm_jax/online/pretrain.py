@@ -31,6 +31,7 @@ from rmm_jax.core import metrics as rmetrics
 from rmm_jax.core.losses import listwise_loss, pointwise_loss
 from rmm_jax.core.reranker import score_batch
 from rmm_jax.core.sampling import top_m
+from rmm_jax.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +65,17 @@ DIALOGUE_RECIPE = PretrainConfig(epochs=2, val_fraction=0.0)
 
 
 def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> tuple[list, list]:
-    """Deterministic train/validation split of users (no user in both)."""
+    """Deterministic train/validation split of users (no user in both); a ``val_fraction``
+    that would hold out every user is refused (``--val-fraction``)."""
     ids = sorted(user_ids)
     if len(ids) < 2 or val_fraction <= 0:
         return ids, []
     rng = np.random.default_rng(seed)
     n_val = max(1, int(round(val_fraction * len(ids))))
+    if n_val >= len(ids):
+        raise InputError(f"{val_fraction:g} of {len(ids)} users holds out all {len(ids)} for validation, leaving "
+                         f"none to train on; give less than {(len(ids) - 0.5) / len(ids):g}",
+                         where="--val-fraction")
     val = set(rng.permutation(ids)[:n_val].tolist())
     return [u for u in ids if u not in val], [u for u in ids if u in val]
 
