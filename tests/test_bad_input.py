@@ -379,6 +379,9 @@ def cases():
     c += [
         ("demo-users", lambda e: ["demo", "--out", e["root"] / "demo", "--users", 2], lambda e: ["--users"]),
         ("demo-out-is-file", lambda e: ["demo", "--out", e["file"]], lambda e: ["--out"]),
+        # were "[1/3] embedding ..." and then an error naming the synthetic spec
+        ("demo-sessions-0", lambda e: ["demo", "--out", e["root"] / "demo", "--sessions", 0], lambda e: ["--sessions"]),
+        ("demo-turns-negative", lambda e: ["demo", "--out", e["root"] / "demo", "--turns", -1], lambda e: ["--turns"]),
         ("demo-rank-beyond-dim", lambda e: ["demo", "--out", e["root"] / "demo", "--users", 4, "--sessions", 2,
                                             "--turns", 4, "--scope", "hybrid", "--rank", 400],
          lambda e: ["--rank"]),

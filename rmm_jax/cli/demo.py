@@ -37,8 +37,8 @@ def print_table(rows: dict, m: int, title: str) -> None:
               help="Working directory: the embedding store (store/, reused by a re-run), summary.json and "
                    "learning_curve.png.")
 @click.option("--users", type=int, default=16, help="Synthetic users (half pretrain, half online).")
-@click.option("--sessions", type=int, default=16, help="Sessions per user.")
-@click.option("--turns", type=int, default=10, help="Turns per session.")
+@click.option("--sessions", type=click.IntRange(min=1), default=16, help="Sessions per user.")
+@click.option("--turns", type=click.IntRange(min=1), default=10, help="Turns per session.")
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def demo(out, users, sessions, turns, as_json, **opts):
