@@ -103,6 +103,28 @@ def test_pretrain_plots_its_epochs(capsys, tmp_path, store):
         assert list(kept.get_xdata()) == [2, 2]
 
 
+def test_pretrain_plot_without_validation_draws_no_validation_line(capsys, tmp_path, store, monkeypatch):
+    """With no validation (``--labels dialogue``, ``--val-fraction 0``) every validation
+    Recall is None: the legend listed a validation line that had no point, and the title said
+    "validation on 0: best epoch 2" of an epoch that nothing selected (the last is kept)."""
+    import rmm_jax.cli.pretrain as cli_pretrain
+    from rmm_jax.online.plot import epochs_figure
+
+    history = {"loss": [None, 2.0, 1.5], "train_recall": [0.3, 0.5, 0.6], "val_recall": [None, None, None],
+               "best_epoch": 2}
+    fig = epochs_figure(history, m=3, title="t")
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert not any("validation Recall" in x for x in labels), labels
+        assert "kept: epoch 2 (the last: no validation)" in labels, labels
+    titles = []
+    monkeypatch.setattr(cli_pretrain, "plot_epochs", lambda h, path, *, m, title: titles.append(title))
+    code, _, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "pre", "--k", "8", "--m", "3",
+                           "--epochs", "2", "--val-fraction", "0", "--plot", tmp_path / "e.png")
+    assert code == 0, err
+    assert titles and "validation on" not in titles[0] and "no validation: the last epoch kept" in titles[0], titles
+
+
 def test_pretrain_plot_must_be_a_png_before_any_work(capsys, tmp_path, store):
     code, out, err = run_cli(capsys, "pretrain", store, "--out", tmp_path / "pre", "--plot", tmp_path / "e.svg")
     assert code == 2 and out == ""

@@ -196,8 +196,9 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     if kept is not None:
         info(f"note: {kept}")
     if plot_path is not None:
-        plot_epochs(history, plot_path, m=m, title=f"pretrain on {len(split['train'])} users, validation on "
-                                                   f"{len(split['validation'])}: best epoch {history['best_epoch']}")
+        checked = (f"validation on {len(split['validation'])}: best epoch {history['best_epoch']}"
+                   if history["val_recall"][0] is not None else "no validation: the last epoch kept")
+        plot_epochs(history, plot_path, m=m, title=f"pretrain on {len(split['train'])} users, {checked}")
         summary["plot"] = str(plot_path)
     if as_json:
         emit_json(summary)

@@ -97,7 +97,8 @@ def epochs_figure(history: dict, *, m: int, title: str):
     """The figure of a pretraining run's epochs (:func:`rmm_jax.online.pretrain.pretrain`'s
     ``history``): the training loss per epoch (epoch 0, the untrained start, has none), and
     the train and validation Recall@``m`` per epoch from the untrained start, with the epoch
-    early stopping kept (``best_epoch``) as a dashed line on both panels."""
+    early stopping kept (``best_epoch``) as a dashed line on both panels. Without validation
+    (every ``val_recall`` None) there is no validation line, and the kept epoch is the last."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -107,10 +108,13 @@ def epochs_figure(history: dict, *, m: int, title: str):
     loss_ax.plot([e for e, _ in trained], [x for _, x in trained], marker="o", ms=3, color="C0", label="training loss")
     loss_ax.set_ylabel("listwise loss (train)")
     rec_ax.plot(list(epochs), history["train_recall"], marker="o", ms=3, color="C1", label=f"train Recall@{m}")
-    rec_ax.plot(list(epochs), history["val_recall"], marker="o", ms=3, color="C2", label=f"validation Recall@{m}")
+    validated = any(v is not None for v in history["val_recall"])
+    if validated:
+        rec_ax.plot(list(epochs), history["val_recall"], marker="o", ms=3, color="C2", label=f"validation Recall@{m}")
     rec_ax.set_ylabel(f"Recall@{m}")
+    kept = f"kept: epoch {history['best_epoch']}" + ("" if validated else " (the last: no validation)")
     for ax in (loss_ax, rec_ax):
-        ax.axvline(history["best_epoch"], color="0.45", ls="--", lw=1.2, label=f"kept: epoch {history['best_epoch']}")
+        ax.axvline(history["best_epoch"], color="0.45", ls="--", lw=1.2, label=kept)
         ax.set_xlabel("epoch (0: the untrained start, the base retriever)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
