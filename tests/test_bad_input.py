@@ -242,6 +242,11 @@ def cases():
                                                                                            "other/model-32"]),
         ("replay-clip", lambda e: rp(e, "good", "--clip", "0.5"), lambda e: ["--clip"]),
         ("replay-paper-preset", lambda e: rp(e, "good", "--preset", "paper"), lambda e: ["--preset"]),
+        # --k and --m left out: the "--k --m from LOG" note waits until the log has been read
+        ("replay-clip-k-m-from-log", lambda e: rp(e, "good")[:-4] + ["--clip", "0.5"],
+         lambda e: ["--clip"]),
+        ("replay-paper-preset-k-m-from-log", lambda e: rp(e, "good")[:-4] + ["--preset", "paper"],
+         lambda e: ["--preset"]),
         ("replay-users-per-chunk", lambda e: rp(e, "good", "--users-per-chunk", 0), lambda e: ["--users-per-chunk"]),
         ("replay-checkpoint-every", lambda e: rp(e, "good", "--scope", "hybrid", "--checkpoint-every", -1),
          lambda e: ["--checkpoint-every"]),      # it created the policy store, pinned to hybrid, before refusing

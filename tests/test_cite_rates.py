@@ -101,6 +101,9 @@ def test_the_class_calibrated_simulators_rates_are_recovered_and_advised(logged,
     useful, other = got["p_useful"]["value"], got["p_other"]["value"]
     assert got["apart"] and got["options"] == f"--p-useful {useful} --p-other {other}"
     code, out, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl")
+    assert out.startswith(f"{got['calls_with_gold']} of {got['calls']} calls have gold (8 users); "), out
+    code, one, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl", "--users", "user0")
+    assert code == 0 and " gold (1 user); " in one.splitlines()[0], one     # not "(1 users)"
     last = out.strip().splitlines()[-1]
     assert code == 0 and last == f"to correct the logistic loss for them: --preset calibrated {got['options']}"
     # the advised options are accepted by a learning verb as they are printed

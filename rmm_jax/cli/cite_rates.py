@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, emit_json, info, users_option
+from rmm_jax.cli.shell import SEED, count, emit_json, info, users_option
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
@@ -61,7 +61,9 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     if as_json:
         emit_json({"store": str(store), "log": str(log_path), **rates})
         return
-    click.echo(f"{rates['calls_with_gold']} of {rates['calls']} calls have gold ({rates['users']} users); "
+    verb = "has" if rates["calls_with_gold"] == 1 else "have"
+    click.echo(f"{rates['calls_with_gold']} of {count(rates['calls'], 'call')} {verb} gold "
+               f"({count(rates['users'], 'user')}); "
                f"95% intervals over {', then '.join(f'{level}s' for level in rates['resampled'])}:")
     click.echo(f"  {'':<36}{'rate':>8}  {'95% interval':>18}  {'cited / shown':>15}")
     for key, label in ROWS:

@@ -109,13 +109,16 @@ def config_options(f=None, *, from_log: bool = False):
     return f
 
 
-def scope_options() -> list:
-    """``--scope`` and ``--rank``: who learns from whose citations (docs/scopes.md)."""
+def scope_options(new_store: bool = False) -> list:
+    """``--scope`` and ``--rank``: who learns from whose citations (docs/scopes.md).
+    ``new_store``: the verb always writes a new policy store (``pretrain``), so no default
+    comes from an existing one."""
+    store = "" if new_store else ", or the store's"
     return [
-        click.option("--scope", type=click.Choice(SCOPES), default=None, show_default="user, or the store's",
+        click.option("--scope", type=click.Choice(SCOPES), default=None, show_default=f"user{store}",
                      help="user: a private reranker per user; shared: one reranker learns from every user; "
                           "hybrid: shared + a per-user low-rank residual. Stored in the policy store."),
-        click.option("--rank", type=int, default=None, show_default=f"{DEFAULT_RANK}, or the store's",
+        click.option("--rank", type=int, default=None, show_default=f"{DEFAULT_RANK}{store}",
                      help="Rank r of the per-user residual A Bᵀ, 1 <= r < d: only with --scope hybrid (refused with "
                           "another scope, where nothing would use it)."),
     ]

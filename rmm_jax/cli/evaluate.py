@@ -7,7 +7,7 @@ import click
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, check_output_file, info, png_option, users_option
+from rmm_jax.cli.shell import SEED, check_output_file, count, info, png_option, users_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -201,7 +201,8 @@ def _print_table(rep: dict, policies, tau: float) -> None:
     marg = rep["marginals"]
     how = (f"exact, {marg['subsets']} sets" if marg["method"] == "exact"
            else f"Monte Carlo, {marg['samples']} samples per call")
-    click.echo(f"Off-policy estimates for {policies} from {rep['calls']} calls of {rep['users']} users "
+    click.echo(f"Off-policy estimates for {policies} from {count(rep['calls'], 'call')} of "
+               f"{count(rep['users'], 'user')} "
                f"(target tau {tau:g}; slot marginals {how}):")
     cut = False
     for metric, per in rep["estimates"].items():

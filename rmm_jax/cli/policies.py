@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, check_writable, users_option
+from rmm_jax.cli.shell import check_output_file, check_writable, count, users_option
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -179,7 +179,7 @@ def _echo_store(doc: dict) -> None:
     click.echo(f"shared: {loads}; on disk: {_listed(kept)}")
     for s in sh["skipped"]:
         click.echo(f"  skipped shared v{s['version']}: {s['reason']}")
-    vs = [f"v{s['version']} ({s['users']} users" + (f", shared v{s['shared_version']}"
+    vs = [f"v{s['version']} ({count(s['users'], 'user')}" + (f", shared v{s['shared_version']}"
                                                      if s["shared_version"] is not None else "") + ")"
           for s in doc["versions"]]
     click.echo(f"user versions kept: {_listed(vs) or 'none'}")

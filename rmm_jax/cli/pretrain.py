@@ -45,7 +45,7 @@ LABELS = ("gold", "dialogue")
 
 
 def scope_options_deco(f):
-    for o in reversed(scope_options()):
+    for o in reversed(scope_options(new_store=True)):
         f = o(f)
     return f
 

@@ -120,8 +120,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     check_rank_scope(opts["scope"], opts["rank"])
     st = open_store(store)
     known = known_ids(st)
+    k_m_note: list[str] = []         # printed once the log has been read: bad input is one line
     opts["k"], opts["m"] = k_m_from_log(opts["k"], opts["m"], log_shape(log_path, known, skip_invalid=skip_invalid),
-                                        log_path)
+                                        log_path, notes=k_m_note)
     ls = learning_setting(policies, opts, change=change_setting, resume=resume, clip=clip)
     setting = ls.setting
     opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
@@ -143,6 +144,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users, calls=continues)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
+    for note in k_m_note:
+        info(note)
     untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
