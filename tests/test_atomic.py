@@ -230,37 +230,53 @@ def test_write_problem_probes_the_output_and_below_it_never_its_siblings(tmp_pat
     assert atomic.write_problem(tmp_path / "out", depth=1) == f"{tmp_path / 'out'}: Permission denied"
 
 
-def test_every_file_a_run_moves_into_place_was_fsynced_first(capsys, tmp_path, monkeypatch):
-    # A rename is durable only for data already on disk: after a power cut, a checkpoint or a
-    # policy version whose name survived but whose bytes did not would fail its checksums and
-    # send a resume (or a load) back a version. At every rename or replace, each file being
-    # moved (a file, or every file under a directory) must have been fsynced since its last
-    # change; files are matched by inode and size, since their paths change as they move.
-    from conftest import make_fake_store, run_cli
-    store = make_fake_store(tmp_path / "store", users=3, dim=16)
+def _fsync_probe(monkeypatch, root: Path) -> tuple[set, list]:
+    """Watch every rename, replace and atomic exchange: each file being moved (a file, or every
+    file under a directory) must have been fsynced since its last change; files are matched by
+    inode and size, since their paths change as they move. Returns (synced, unsynced paths)."""
+    from rmm_jax.persist import atomic
     synced, unsynced = set(), []
     real = {name: getattr(os, name) for name in ("fsync", "rename", "replace")}
+    real_exchange = atomic.exchange
 
     def fsync(fd):
         st = os.fstat(fd)
         synced.add((st.st_dev, st.st_ino, st.st_size))
         return real["fsync"](fd)
 
+    def check(src):
+        files = [src] if os.path.isfile(src) else [os.path.join(r, n) for r, _, ns in os.walk(src) for n in ns]
+        for f in files:
+            st = os.stat(f)
+            # SQLite fsyncs the index itself (synchronous = FULL, policy_index.py), out of
+            # sight of os.fsync; a lock file holds nothing to keep.
+            if (st.st_dev, st.st_ino, st.st_size) not in synced and Path(f).name not in ("index.sqlite", ".lock"):
+                unsynced.append(os.path.relpath(f, root))
+
     def moving(name):
         def move(src, dst, *a, **k):
-            files = [src] if os.path.isfile(src) else [os.path.join(r, n) for r, _, ns in os.walk(src) for n in ns]
-            for f in files:
-                st = os.stat(f)
-                # SQLite fsyncs the index itself (synchronous = FULL, policy_index.py), out of
-                # sight of os.fsync; a lock file holds nothing to keep.
-                if (st.st_dev, st.st_ino, st.st_size) not in synced and Path(f).name not in ("index.sqlite", ".lock"):
-                    unsynced.append(os.path.relpath(f, tmp_path))
+            check(src)
             return real[name](src, dst, *a, **k)
         return move
+
+    def exchange(a, b):                  # atomic_dir swaps the new directory (a) with the old one
+        check(a)
+        return real_exchange(a, b)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", moving("rename"))
     monkeypatch.setattr(os, "replace", moving("replace"))
+    monkeypatch.setattr(atomic, "exchange", exchange)
+    return synced, unsynced
+
+
+def test_every_file_a_run_moves_into_place_was_fsynced_first(capsys, tmp_path, monkeypatch):
+    # A rename is durable only for data already on disk: after a power cut, a checkpoint or a
+    # policy version whose name survived but whose bytes did not would fail its checksums and
+    # send a resume (or a load) back a version.
+    from conftest import make_fake_store, run_cli
+    store = make_fake_store(tmp_path / "store", users=3, dim=16)
+    synced, unsynced = _fsync_probe(monkeypatch, tmp_path)
     small = ["--k", "8", "--m", "3", "--checkpoint-every", "1"]
     for _ in range(2):           # a new policy store, then new versions in it
         code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *small, "--users-per-chunk",
@@ -272,3 +288,21 @@ def test_every_file_a_run_moves_into_place_was_fsynced_first(capsys, tmp_path, m
     assert code == 0, err
     assert not unsynced, sorted(set(unsynced))
     assert len(synced) > 10              # the probe saw the writers' fsyncs
+
+
+def test_every_file_of_an_embedding_store_was_fsynced_before_its_rename(tmp_path, monkeypatch):
+    # embed --out (new, and replacing a store) and embed --into: a power cut after the rename
+    # must not leave a store whose manifest names arrays that never reached the disk.
+    from conftest import FakeEmbedder
+
+    from rmm_jax.data import load_spec
+    from rmm_jax.data.store import write_store
+    from rmm_jax.data.store_append import append_store
+    synced, unsynced = _fsync_probe(monkeypatch, tmp_path)
+    store = tmp_path / "store"
+    write_store(store, load_spec("synthetic:users=2,sessions=2"), "turn", FakeEmbedder(8), answers=True)
+    write_store(store, load_spec("synthetic:users=2,sessions=2"), "turn", FakeEmbedder(8), answers=True)
+    res = append_store(store, load_spec("synthetic:users=3,sessions=2"), FakeEmbedder(8))
+    assert res["added"]["users"] == 1
+    assert not unsynced, sorted(set(unsynced))
+    assert len(synced) >= 3 * 7          # the seven files of each of the three stores

@@ -40,7 +40,7 @@ import numpy as np
 from rmm_jax.data.granularity import GRANULARITIES, build_memories
 from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.errors import InputError, at
-from rmm_jax.persist.atomic import atomic_dir
+from rmm_jax.persist.atomic import atomic_dir, fsync_files
 
 __all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "EmbeddingStore",
            "UserData"]
@@ -188,6 +188,7 @@ def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
         _write_jsonl(tmp / "queries.jsonl", rows.queries)
         # manifest last: a directory with a manifest is complete
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        fsync_files(tmp)
 
 
 def answer_texts(dataset: Dataset) -> list[str]:

@@ -49,7 +49,7 @@ from rmm_jax.data.store import (
 )
 from rmm_jax.data.types import Dataset, MemoryUnit, User
 from rmm_jax.errors import InputError
-from rmm_jax.persist.atomic import atomic_dir
+from rmm_jax.persist.atomic import atomic_dir, fsync_files
 
 __all__ = ["APPENDABLE", "append_store"]
 
@@ -235,4 +235,5 @@ def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order:
                     "stats": _jsonable(stats)}
         # manifest last: a directory with a manifest is complete
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        fsync_files(tmp)
     return manifest
