@@ -355,3 +355,20 @@ def test_open_store_rejects_bad_users_and_jsonl(store):
     st = open_store(store)                   # metadata is parsed lazily ...
     with pytest.raises(InputError, match=r"queries\.jsonl:3: invalid JSON"):
         st.user("alice")                     # ... and fails naming file:line
+
+
+def test_a_store_file_that_is_not_utf8_is_one_line_naming_it(store):
+    """users.json, or a row of memories.jsonl, with bytes that are not UTF-8 (a disk error, an
+    editor's Latin-1 save) is an InputError naming the file (and line), not a UnicodeDecodeError."""
+    users = (store / "users.json").read_bytes()
+    (store / "users.json").write_bytes(b"\xff\xfe" + users)
+    with pytest.raises(InputError, match=r"users\.json: cannot read \(.*utf-8"):
+        open_store(store)
+    (store / "users.json").write_bytes(users)
+    lines = (store / "memories.jsonl").read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"text": "', b'"text": "\xe9', 1)
+    (store / "memories.jsonl").write_bytes(b"".join(lines))
+    with pytest.raises(InputError, match=r"memories\.jsonl:2: not UTF-8 text \(byte \d+\)$"):
+        open_store(store).user("alice")          # one user's rows
+    with pytest.raises(InputError, match=r"memories\.jsonl:2: not UTF-8 text \(byte \d+\)$"):
+        open_store(store).memories               # every row

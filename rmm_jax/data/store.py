@@ -256,8 +256,10 @@ def _parse_row(line, path, ln: int, keys) -> dict:
     """One JSONL row (str or bytes) that must be an object holding ``keys``."""
     try:
         r = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"invalid JSON: {getattr(e, 'msg', e.__class__.__name__)}", where=at(path, ln)) from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON: {e.msg}", where=at(path, ln)) from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text (byte {e.start})", where=at(path, ln)) from None
     if not isinstance(r, dict):
         raise InputError("expected a JSON object", where=at(path, ln))
     for k in keys:
@@ -330,7 +332,7 @@ class EmbeddingStore:
         if not p.is_file():
             raise InputError("missing file of the embedding store", where=at(p))
         rows = []
-        with open(p, encoding="utf-8") as f:
+        with open(p, "rb") as f:          # bytes: a line that is not UTF-8 is _parse_row's one-line error
             for ln, line in enumerate(f, 1):
                 rows.append(_parse_row(line, p, ln, keys))
         if len(rows) != n:
@@ -574,6 +576,8 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
         users = json.loads(upath.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise InputError(f"invalid JSON: {e.msg}", where=at(upath, e.lineno)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read ({e})", where=at(upath)) from None
     if not isinstance(users, list) or len(users) != counts["users"]:
         raise InputError(f"expected a list of {counts['users']} users", where=at(upath))
     m_end = q_end = 0
