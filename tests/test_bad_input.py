@@ -150,6 +150,9 @@ def env(tmp_path_factory):
         "huge_timestamp": jl(g0, {**g1, "timestamp": 10**400}),
         "calls_huge_timestamp": jl({"user_id": u.user_id, "query_id": u.query_ids[0], "timestamp": -10**400}),
         "calls_good": jl({"user_id": u.user_id, "query_id": u.query_ids[0]}),
+        # a lone UTF-16 surrogate escape (an emoji cut in half): Python's json reads it, UTF-8 cannot hold it
+        "lone_surrogate": jl(g0) + json.dumps({**g1, "query": "my dog \ud83d"}) + "\n",
+        "chats_lone_surrogate": jl({"user_id": "a", "messages": [{"role": "user", "content": "hi \ud83d"}]}),
     }
     ld = root / "logs"
     ld.mkdir()
@@ -158,6 +161,8 @@ def env(tmp_path_factory):
     (ld / "good.jsonl").write_text(jl(*good))
     (ld / "mixed.jsonl").write_text(jl(g0, {**g1, "cited": ["zz"]}, good[2], "{oops", good[3]))
     e["logs"] = ld
+    (root / "surrogate_locomo.json").write_text(json.dumps({"qa": [], "session_1": [
+        {"speaker": "A", "dia_id": "D1:1", "text": "cut \udc00 here"}]}))
     (root / "a_file.txt").write_text("not a directory\n")
     e["file"] = root / "a_file.txt"
     return e
@@ -204,6 +209,8 @@ def cases():
          lambda e: [":1", "'selected'"]),
         ("log-positive-log-prob", lambda e: rp(e, "positive_log_prob"), lambda e: [":1", "'log_prob'"]),
         ("log-nan-log-prob", lambda e: rp(e, "nan_log_prob"), lambda e: [":2", "'log_prob'"]),
+        ("log-lone-surrogate", lambda e: rp(e, "lone_surrogate"),
+         lambda e: [f"{L(e, 'lone_surrogate')}:2", "lone surrogate \\ud83d"]),
         ("log-huge-timestamp", lambda e: rp(e, "huge_timestamp"), lambda e: [":2", "'timestamp'", "finite"]),
         ("rerank-huge-timestamp", lambda e: ["rerank", S(e), "--calls", L(e, "calls_huge_timestamp"), "--out",
                                              e["root"] / "new_served.jsonl"],
@@ -352,6 +359,11 @@ def cases():
          lambda e: ["synthetic spec"]),
         ("embed-locomo-missing", lambda e: ["embed", f"locomo:{e['root'] / 'nope'}", "--out", out(e)],
          lambda e: ["nope"]),
+        ("embed-jsonl-lone-surrogate", lambda e: ["embed", f"jsonl:{L(e, 'chats_lone_surrogate')}", "--out", out(e)],
+         lambda e: [f"{L(e, 'chats_lone_surrogate')}:1", "lone surrogate \\ud83d"]),
+        ("embed-locomo-lone-surrogate",
+         lambda e: ["embed", f"locomo:{e['root'] / 'surrogate_locomo.json'}", "--out", out(e)],
+         lambda e: ["surrogate_locomo.json", "lone surrogate \\udc00"]),
         ("embed-locomo-path-missing", lambda e: ["embed", "locomo:", "--out", out(e)], lambda e: ["SPEC"]),
         ("embed-out-is-file", lambda e: ["embed", "synthetic:users=1", "--out", e["file"]],
          lambda e: ["--out"]),

@@ -97,6 +97,7 @@ from typing import Any
 
 import numpy as np
 
+from rmm_jax.data.json_fields import check_surrogates
 from rmm_jax.errors import InputError, at
 from rmm_jax.persist.atomic import atomic_file
 from rmm_jax.persist.learned_calls import Calls, hash64
@@ -589,7 +590,7 @@ def _decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
     except UnicodeDecodeError as exc:
         raise InputError(f"invalid UTF-8 ({exc.reason} at byte {exc.start})", where=where) from None
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        value = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except _DuplicateKey as exc:
         raise InputError("key repeated within one JSON object",
                          where=_key_where(where, exc.key)) from None
@@ -598,6 +599,8 @@ def _decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
     except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InputError(f"invalid JSON ({msg})", where=where) from None
+    check_surrogates(text, value, where)
+    return value
 
 
 def _open_log(path: str | os.PathLike):

@@ -7,13 +7,15 @@ expected a list, got a string``).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from rmm_jax.errors import InputError, at
 
-__all__ = ["expect", "field", "json_type", "read_json", "scalar_text"]
+__all__ = ["check_surrogates", "expect", "field", "json_type", "read_json", "scalar_text"]
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "a boolean"}
 
 
@@ -35,11 +37,28 @@ def read_json(path: str | Path) -> Any:
     except UnicodeDecodeError as e:
         raise InputError(f"not UTF-8 text (byte {e.start})", where=at(path)) from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(f"invalid JSON: {e.msg} (column {e.colno})", where=at(path, e.lineno)) from None
     except RecursionError:
         raise InputError("invalid JSON: nested too deeply", where=at(path)) from None
+    check_surrogates(text, value, at(path))
+    return value
+
+
+def check_surrogates(text: str, value: Any, where: str) -> None:
+    """Refuse a lone UTF-16 surrogate escape (``"\\ud83d"`` without its pair, e.g. a string cut
+    inside an emoji) in JSON ``text`` decoded as ``value``: Python's ``json`` accepts it, but the
+    string is not text (it cannot be encoded as UTF-8, so hashing, embedding or writing it
+    fails later). A pair (``"\\ud83d\\ude00"``) decodes to one character and passes. Only
+    text holding such an escape is walked, so the check costs a regular-expression scan."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"invalid JSON: a lone surrogate \\u{ord(e.object[e.start]):04x} is not text "
+                         "(a string cut inside an emoji or another character?)", where=where) from None
 
 
 def json_type(value: Any) -> str:
