@@ -744,6 +744,18 @@ def test_embed_refuses_the_current_directory(env, capsys, tmp_path, monkeypatch,
     assert snapshot(tmp_path) == before and model_starts == []
 
 
+def test_embed_into_a_store_without_answers_refuses_answers(env, capsys, tmp_path, model_starts):
+    """`embed --into STORE --answers` on a store embedded without --answers cannot give its old
+    questions answer embeddings (their answers are not in the store): one line naming --answers,
+    not an append that exits 0 and leaves the store without the answers.npy the user asked for."""
+    store = tmp_path / "store"
+    shutil.copytree(env["store"], store)
+    before = snapshot(tmp_path)
+    code, _, err = cli(capsys, "embed", GROWN, "--into", store, "--answers")
+    assert_one_line_error(code, err, ["--answers", str(store), "--out STORE --answers"])
+    assert snapshot(tmp_path) == before and model_starts == []
+
+
 # --------------------------------------------------------------------------- K and M from the log
 
 

@@ -55,7 +55,8 @@ from rmm_jax.errors import InputError
 @click.option("--no-cache", is_flag=True, help="Do not read or write the embedding cache.")
 @click.option("--answers", is_flag=True,
               help="Also embed each question with its reference answer (answers.npy), for "
-                   "`simulate --citations answer`.")
+                   "`simulate --citations answer`. With --into, a store that has them gets them for its new "
+                   "questions whether given or not; one that has none is refused.")
 @click.option("--skip-invalid", is_flag=True,
               help="jsonl: skip and count invalid messages (content null without tool calls, empty, or longer "
                    f"than {MAX_MESSAGE_CHARS} characters) instead of failing on the first.")
@@ -101,7 +102,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         raise InputError("give --out (a new store) or --into (append to an existing one)", where="--out")
     if into is not None:
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
-                       say, as_json)
+                       answers, say, as_json)
     _check_out(out)
     _check_replaceable(out, f"--out {out}")
     t0 = time.perf_counter()
@@ -152,15 +153,19 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
 
 
 
-def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles, say,
-            as_json) -> None:
+def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles, answers,
+            say, as_json) -> None:
     """``embed SPEC --into STORE``: the store's model and granularity unless given (and then
-    they must match it)."""
+    they must match it). New questions get answer embeddings when the store has them; a store
+    without them cannot take ``--answers`` (its old questions' answers are not in it)."""
     st = open_store(into)
     _check_replaceable(into, f"--into {into}")
     given = explicit_options()
     if "granularity" in given and granularity != st.granularity:
         raise InputError(f"STORE {into} holds {st.granularity!r} memories, not {granularity!r}", where="--granularity")
+    if answers and st.answer_emb is None:
+        raise InputError(f"STORE {into} holds no answer embeddings, and its questions' answers are not stored to "
+                         "add them; re-embed the whole dataset with --out STORE --answers", where="--answers")
     t0 = time.perf_counter()
     dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "jsonl":
