@@ -107,6 +107,11 @@ BAD_LINES = [
      "questions[1].question", "empty question"),
     ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": " \n\t"}]},
      "questions[0].question", "empty question"),
+    # an id or category may be an integer, not 1.5 (which was "expected a string or a number, got a number")
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "id": 1.5}]},
+     "questions[0].id", "expected a string or an integer, got a number"),
+    ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "category": 2.5}]},
+     "questions[0].category", "expected a string or an integer, got a number"),
 ]
 
 

@@ -151,14 +151,14 @@ def _get(obj: dict, key: str, kinds, path, line: int, loc: str, *, required: boo
     return _expect(obj[key], kinds, path, line, full)
 
 
-_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
 
 
 def _expect(value: Any, kinds, path, line: int, key: str):
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if not ok:
-        want = " or ".join(dict.fromkeys(_NAMES.get(k, k.__name__) for k in kinds))
+    if not ok:     # int alone is "an integer" (a 1.5 is "a number" it is not); int with float is "a number"
+        want = " or ".join(_NAMES.get(k, k.__name__) for k in kinds if not (k is int and float in kinds))
         raise InputError(f"expected {want}, got {json_type(value)}", where=at(path, line, key))
     return value
 
