@@ -409,6 +409,14 @@ def test_load_spec_bad(spec, needle):
         load_spec(spec)
 
 
+def test_load_spec_mistyped_gold_level_says_so():
+    """`longmemeval:FILE@sessions` (a typo of @session) said "FILE@sessions: no such file" of a file
+    that exists; it names the level and the ones there are."""
+    with pytest.raises(InputError, match=re.escape("unknown gold level 'sessions' after '@' (expected turn or "
+                                                   "session)")):
+        load_spec(f"longmemeval:{FIXTURE}@sessions")
+
+
 def test_load_spec_missing_path_names_path(tmp_path):
     missing = tmp_path / "nope.json"
     for spec in (f"locomo:{missing}", f"longmemeval:{missing}@session"):

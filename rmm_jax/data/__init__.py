@@ -29,6 +29,8 @@ by a SPEC string (:func:`load_spec`)::
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from rmm_jax.data.granularity import (
     DEFAULT_GRANULARITY,
     DEFAULT_MERGE_THRESHOLD,
@@ -86,6 +88,9 @@ def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, .
     head, at_sign, tail = rest.rpartition("@")
     if at_sign and tail in GOLD_LEVELS:
         path, level = head, tail
+    elif at_sign and head and Path(head).is_file() and not Path(rest).exists():   # a mistyped level
+        raise InputError(f"unknown gold level {tail!r} after '@' (expected {' or '.join(GOLD_LEVELS)})",
+                         where=f"SPEC {spec!r}")
     if not path:
         raise InputError(f"missing path, expected {scheme}:PATH", where=f"SPEC {spec!r}")
     return load_longmemeval(path, gold_level=level)
