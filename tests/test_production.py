@@ -518,6 +518,16 @@ def test_append_embeds_only_new_texts_and_keeps_every_existing_row(days):
     assert emb.texts == [] and again["added"]["sessions_repeated"] == 3 and again["added"]["queries_repeated"] == 1
 
 
+def test_append_counts_only_the_users_it_adds(days):
+    # A new user with no memory and no question adds nothing to the store: it was counted as
+    # added (added.users 1, "+1 user") while the store stayed as it was.
+    from rmm_jax.data.types import Dataset, User
+    store, _, _ = days
+    res = append_store(store, Dataset("jsonl", (User("empty", (), ()),)), FakeEmbedder(DIM), spec="test")
+    assert res["added"]["users"] == 0 and res["added"]["sessions"] == 0
+    assert open_store(store).user_ids == ("a", "b")
+
+
 def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):
     store, _, d2 = days
     d2[0]["sessions"][0]["messages"][0]["content"] = "I adopted a kitten"

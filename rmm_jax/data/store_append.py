@@ -140,9 +140,10 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, l
                                   r["query_start"], r["query_end"])
             g = _grow_user(u, mems, old_m, old_q, where, counts)
         else:
-            counts["users"] += 1
-            counts["sessions"] += len({m.session_id for m in mems})
             g = _Growth(u, mems, mems)
+            if g.memories or g.user.queries:        # a user with neither is not added, so not counted
+                counts["users"] += 1
+                counts["sessions"] += len({m.session_id for m in mems})
         if g.memories or g.user.queries:
             growth[u.id] = g
     rows = _Rows()                       # the new rows only, users in store order, then new users
