@@ -123,11 +123,13 @@ def test_embed_session_granularity(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "unknown-spec", "bad-model",
-                                  "bad-granularity", "bad-threshold"])
+                                  "bad-granularity", "bad-threshold", "no-conversation", "no-session"])
 def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
     data = write_locomo(tmp_path / "7.json")
     bad = tmp_path / "bad.json"
     bad.write_text('{"speaker_a": "A",\n "qa": [}')
+    (tmp_path / "none.json").write_text("[]")            # these two made a store of no users, or of a user
+    (tmp_path / "bare.json").write_text(json.dumps({"speaker_a": "A", "speaker_b": "B", "qa": []}))  # with no memory
     args = {
         "missing": [f"locomo:{tmp_path / 'nope.json'}"],
         "malformed": [f"locomo:{bad}"],
@@ -135,6 +137,8 @@ def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
         "bad-model": [f"locomo:{data}", "--model", "no-such-model-xyz"],
         "bad-granularity": [f"locomo:{data}", "--granularity", "paragraph"],
         "bad-threshold": [f"locomo:{data}", "--granularity", "segment", "--merge-threshold", "3"],
+        "no-conversation": [f"locomo:{tmp_path / 'none.json'}"],
+        "no-session": [f"locomo:{tmp_path / 'bare.json'}"],
     }[case]
     out_dir = tmp_path / "out" / "store"
     code, stdout, stderr = run(capsys, "embed", *args, "--out", out_dir, "--quiet")
@@ -151,6 +155,10 @@ def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
         assert "--model" in stderr and "no-such-model-xyz" in stderr
     if case == "bad-granularity":
         assert "paragraph" in stderr
+    if case == "no-conversation":
+        assert "none.json: holds no users" in stderr
+    if case == "no-session":
+        assert "bare.json: user" in stderr and "no turn to embed" in stderr
     assert not out_dir.exists()
     assert not (tmp_path / "out").exists() or no_leftovers(tmp_path / "out", "store")
 

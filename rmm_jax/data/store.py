@@ -119,6 +119,18 @@ def _add_user_rows(rows: _Rows, user: User, mems: list[MemoryUnit], bank: list[M
     rows.memories_per_user.append(len(mems))
 
 
+def _check_not_empty(dataset: Dataset, where: str) -> None:
+    """A store needs users, and each user memories to retrieve from: an empty dataset, or a
+    user without a turn (a conversation with no session), is refused in one line instead of
+    a store that every later verb finds empty."""
+    if not dataset.users:
+        raise InputError("holds no users: nothing to embed", where=where)
+    bare = next((u.id for u in dataset.users if not any(s.turns for s in u.sessions)), None)
+    if bare is not None:
+        raise InputError(f"user {bare!r} has no turn to embed (no session with a message): a user needs "
+                         "memories to retrieve from", where=where)
+
+
 def _build_rows(dataset: Dataset, granularity: str, embed_fn, where: str,
                 granularity_kwargs: dict) -> _Rows:
     """Build every user's memories and the rows describing them."""
@@ -223,6 +235,7 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     where = spec or "dataset"
     t0 = time.perf_counter()
     _check_user_ids(dataset, where)
+    _check_not_empty(dataset, where)
     embed_fn = embedder.encode if granularity == "segment" else None
     rows = _build_rows(dataset, granularity, embed_fn, where, granularity_kwargs)
     t_build = time.perf_counter() - t0
