@@ -113,6 +113,17 @@ def test_embed_json_and_cache(capsys, tmp_path, cache_dir):
     assert code == 0 and json.loads(stdout)["texts_embedded"] == 0
 
 
+def test_embed_into_refuses_a_segment_threshold_it_would_ignore(capsys, tmp_path):
+    data = write_locomo(tmp_path / "7.json")
+    code, _, err = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s", "--quiet")
+    assert code == 0, err
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "s").iterdir())
+    code, out, err = run(capsys, "embed", f"locomo:{data}", "--into", tmp_path / "s", "--segment-threshold", "0.4")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--segment-threshold: only --granularity segment reads it; an append keeps" in err
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "s").iterdir()) == before
+
+
 def test_embed_session_granularity(capsys, tmp_path):
     data = write_locomo(tmp_path / "7.json")
     code, stdout, _ = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s",
@@ -123,7 +134,8 @@ def test_embed_session_granularity(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "unknown-spec", "bad-model",
-                                  "bad-granularity", "bad-threshold", "no-conversation", "no-session"])
+                                  "bad-granularity", "bad-threshold", "no-conversation", "no-session",
+                                  "threshold-without-segment"])
 def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
     data = write_locomo(tmp_path / "7.json")
     bad = tmp_path / "bad.json"
@@ -139,6 +151,7 @@ def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
         "bad-threshold": [f"locomo:{data}", "--granularity", "segment", "--merge-threshold", "3"],
         "no-conversation": [f"locomo:{tmp_path / 'none.json'}"],
         "no-session": [f"locomo:{tmp_path / 'bare.json'}"],
+        "threshold-without-segment": [f"locomo:{data}", "--merge-threshold", "0.5"],     # nothing would read it
     }[case]
     out_dir = tmp_path / "out" / "store"
     code, stdout, stderr = run(capsys, "embed", *args, "--out", out_dir, "--quiet")
@@ -155,6 +168,8 @@ def test_embed_bad_input_one_line_no_store(capsys, tmp_path, case):
         assert "--model" in stderr and "no-such-model-xyz" in stderr
     if case == "bad-granularity":
         assert "paragraph" in stderr
+    if case == "threshold-without-segment":
+        assert "--merge-threshold: only --granularity segment reads it; this run builds turn memories" in stderr
     if case == "no-conversation":
         assert "none.json: holds no users" in stderr
     if case == "no-session":

@@ -100,6 +100,12 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     say = (lambda m: None) if quiet else info
     if (out is None) == (into is None):
         raise InputError("give --out (a new store) or --into (append to an existing one)", where="--out")
+    for name in ("segment_threshold", "merge_threshold"):     # given where nothing reads it: refused
+        option = f"--{name.replace('_', '-')}"
+        if name in explicit_options() and (into is not None or granularity != "segment"):
+            why = ("an append keeps the store's turn or session memories" if into is not None
+                   else f"this run builds {granularity} memories")
+            raise InputError(f"only --granularity segment reads it; {why}", where=option)
     if into is not None:
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
                        answers, say, as_json)
