@@ -16,7 +16,8 @@ from rmm_jax.errors import InputError, at
 __all__ = ["check_surrogates", "expect", "field", "json_type", "read_json", "scalar_text"]
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "a boolean"}
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "a boolean",
+               float: "a number"}
 
 
 def read_json(path: str | Path) -> Any:
@@ -72,13 +73,15 @@ def json_type(value: Any) -> str:
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
-def expect(value: Any, kind: type | tuple[type, ...], path: Path, key: str) -> Any:
-    """Return ``value`` if it has JSON type ``kind``; else InputError naming file and key."""
+def expect(value: Any, kind: type | tuple[type, ...], path: Path, key: str, line: int | None = None) -> Any:
+    """Return ``value`` if it has JSON type ``kind``; else InputError naming file (and
+    ``line``, for a JSONL file) and key. ``int`` alone is "an integer" (1.5 is a number it is
+    not); ``int`` with ``float`` is "a number"."""
     kinds = kind if isinstance(kind, tuple) else (kind,)
     ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
     if not ok:
-        want = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
-        raise InputError(f"expected {want}, got {json_type(value)}", where=at(path, key=key))
+        want = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds if not (k is int and float in kinds))
+        raise InputError(f"expected {want}, got {json_type(value)}", where=at(path, line, key))
     return value
 
 

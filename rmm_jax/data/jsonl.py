@@ -123,7 +123,7 @@ from pathlib import Path
 from typing import Any
 
 from rmm_jax.data.citation_log import iter_numbered, json_lines
-from rmm_jax.data.json_fields import json_type, scalar_text
+from rmm_jax.data.json_fields import expect, json_type, scalar_text
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
@@ -148,19 +148,7 @@ def _get(obj: dict, key: str, kinds, path, line: int, loc: str, *, required: boo
         if required:
             raise InputError("missing key", where=at(path, line, full))
         return default
-    return _expect(obj[key], kinds, path, line, full)
-
-
-_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
-
-
-def _expect(value: Any, kinds, path, line: int, key: str):
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if not ok:     # int alone is "an integer" (a 1.5 is "a number" it is not); int with float is "a number"
-        want = " or ".join(_NAMES.get(k, k.__name__) for k in kinds if not (k is int and float in kinds))
-        raise InputError(f"expected {want}, got {json_type(value)}", where=at(path, line, key))
-    return value
+    return expect(obj[key], kinds, path, full, line)
 
 
 def _line_object(obj: Any, path, line: int) -> dict:
@@ -170,7 +158,7 @@ def _line_object(obj: Any, path, line: int) -> dict:
 
 
 def _id_str(value: Any, path, line: int, key: str) -> str:
-    value = _expect(value, str, path, line, key)
+    value = expect(value, str, path, key, line)
     if not value:
         raise InputError("must be a non-empty string", where=at(path, line, key))
     return value
@@ -249,7 +237,7 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
         texts = []
         for j, part in enumerate(content):
             ploc = f"{key}[{j}]"
-            _expect(part, dict, path, line, ploc)
+            expect(part, dict, path, ploc, line)
             kind = _id_str(_get(part, "type", str, path, line, ploc), path, line, f"{ploc}.type")
             if kind == "text":
                 texts.append(_get(part, "text", str, path, line, ploc))
@@ -260,7 +248,7 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
             return None
         text = PART_SEPARATOR.join(texts)
     else:
-        text = _expect(content, (str, list), path, line, key)
+        text = expect(content, (str, list), path, key, line)
     if not text.strip():
         skips.invalid("empty", InputError("empty content (no text to embed)", where=at(path, line, key)))
         return None
@@ -286,7 +274,7 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Sk
     turns = []
     for i, msg in enumerate(messages):
         tloc = f"{mloc}[{i}]"
-        _expect(msg, dict, path, line, tloc)
+        expect(msg, dict, path, tloc, line)
         content = _message_text(msg, path, line, tloc, skips)
         role = msg["role"]
         name = _get(msg, "name", str, path, line, tloc, required=False)
@@ -366,12 +354,12 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
         draft = drafts.setdefault(uid, _UserDraft(uid, line))
         if has_sessions:
             for j, s in enumerate(_get(obj, "sessions", list, path, line, "")):
-                draft.sessions.append(_session(_expect(s, dict, path, line, f"sessions[{j}]"), draft, path, line,
+                draft.sessions.append(_session(expect(s, dict, path, f"sessions[{j}]", line), draft, path, line,
                                                f"sessions[{j}]", skips))
         else:
             draft.sessions.append(_session(obj, draft, path, line, "", skips))
         for j, q in enumerate(_get(obj, "questions", list, path, line, "", required=False, default=[])):
-            draft.questions.append((_expect(q, dict, path, line, f"questions[{j}]"), line, f"questions[{j}]"))
+            draft.questions.append((expect(q, dict, path, f"questions[{j}]", line), line, f"questions[{j}]"))
     users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
     for draft in drafts.values():
         if not draft.turn_where:
