@@ -49,15 +49,15 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     st = open_store(store)
     report: dict = {}
     counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)
-    if counts.users.size == 0:
-        raise InputError(f"none of its {counts.calls} calls has gold (STORE's, for a question it holds, or the "
-                         "record's `gold`): nothing to measure the citations against", where=log_path)
-    rates = measure(counts, n_boot=bootstrap, seed=seed)
     if report.get("skipped"):
         info(f"skipped {report['skipped']} invalid records of {report['records'] + report['skipped']}; "
              f"first: {report['first_errors'][0]}")
-    for note in report["notes"]:                 # unknown keys that look misspelt
+    for note in report["notes"]:     # unknown keys that look misspelt: before the error a misspelt `gold` causes
         info(f"note: {note}")
+    if counts.users.size == 0:
+        raise InputError(f"none of its {count(counts.calls, 'call')} has gold (STORE's, for a question it holds, "
+                         "or the record's `gold`): nothing to measure the citations against", where=log_path)
+    rates = measure(counts, n_boot=bootstrap, seed=seed)
     if as_json:
         emit_json({"store": str(store), "log": str(log_path), **rates})
         return

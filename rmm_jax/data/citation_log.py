@@ -623,11 +623,25 @@ def misspelt_key(key: str) -> str | None:
     with a difflib ratio of at least :data:`CLOSE_KEY` to ``key`` in lower case (a key
     that differs by case, one swapped, missing or extra letter, or ``-`` for ``_``).
 
+    A swap of two adjacent letters counts whatever the ratio, which is below the cutoff for
+    a short key (``glod`` to ``gold``: 0.75).
+
     >>> misspelt_key("timestmap"), misspelt_key("log_porb"), misspelt_key("Cited"), misspelt_key("answer")
     ('timestamp', 'log_prob', 'cited', None)
+    >>> misspelt_key("glod"), misspelt_key("Gold"), misspelt_key("lgoits")
+    ('gold', 'gold', 'logits')
     """
-    near = difflib.get_close_matches(key.lower(), LOG_KEYS, n=1, cutoff=CLOSE_KEY)
-    return near[0] if near else None
+    low = key.lower()
+    near = difflib.get_close_matches(low, LOG_KEYS, n=1, cutoff=CLOSE_KEY)
+    if near:
+        return near[0]
+    return next((k for k in LOG_KEYS if len(k) == len(low) and _one_swap(low, k)), None)
+
+
+def _one_swap(a: str, b: str) -> bool:
+    """``a`` is ``b`` with two adjacent characters swapped (equal lengths)."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
 
 
 def _note_keys(obj: Mapping, seen: set, path, lineno: int, notes: list) -> None:
