@@ -96,8 +96,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
            users_per_chunk, checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
-    Every record's logged selection and citations drive a REINFORCE update, in log
-    order per user, once: the policy store remembers the calls each policy has learned
+    Every record's logged selection and citations drive an update (--preset's loss), in
+    log order per user, once: the policy store remembers the calls each policy has learned
     from, so replaying a log again learns nothing (the skipped calls are counted), a log
     that mixes old and new calls learns the new ones, and a run killed anywhere and
     started again, with or without --resume, ends where one uninterrupted run would.
