@@ -319,6 +319,23 @@ def test_replay_and_evaluate_note_each_misspelt_key_once_on_stderr(capsys, tmp_p
         assert noted == want, err
 
 
+def test_evaluate_missing_log_prob_names_the_misspelt_key_it_has(capsys, tmp_path, store):
+    """evaluate stops at the first record without log_prob or logits, before the notes are
+    printed: when the log holds a misspelt log_prob, the one error line names it."""
+    lines, _ = served(capsys, tmp_path, store)
+    good = write_jsonl(tmp_path / "good.jsonl", [{**x, "cited": x["selected"][:1]} for x in lines])
+    code, _, err = run_cli(capsys, "replay", store, "--log", good, "--policies", tmp_path / "p", *ONLINE)
+    assert code == 0, err
+    log = write_jsonl(tmp_path / "day.jsonl", [
+        {**{k: v for k, v in x.items() if k not in ("log_prob", "logits")}, "log_porb": x["log_prob"],
+         "cited": x["selected"][:1]} for x in lines])
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", log, "--policies", tmp_path / "p",
+                             "--k", "8", "--m", "3")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: {log}:1: key 'log_prob': missing: "), err
+    assert err.rstrip().endswith("key 'log_porb' is not a log key and was ignored (did you mean 'log_prob'?)"), err
+
+
 def test_explore_reproduces_with_its_seed_and_differs_with_another(capsys, tmp_path, store):
     a, _ = served(capsys, tmp_path, store, name="a.jsonl")
     b, _ = served(capsys, tmp_path, store, name="b.jsonl")

@@ -556,8 +556,10 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
         check_limits(rec, cfg, log_path)
         if rec.log_prob is None and rec.logits is None:
+            near = [n for n in report.get("notes", ()) if n.endswith(("'log_prob'?)", "'logits'?)"))]
             raise InputError("missing: off-policy evaluation needs the logging policy's log_prob (or logits) "
-                             "on every record", where=at(log_path, line, "log_prob"))
+                             "on every record" + (f"; note: {near[0]}" if near else ""),
+                             where=at(log_path, line, "log_prob"))
         if wanted is None or rec.user_id in wanted:
             by_user.setdefault(rec.user_id, []).append(rec)
             texts.update(dict.fromkeys(unseen_texts(rec, known(rec.user_id))))
