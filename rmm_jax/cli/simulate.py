@@ -105,9 +105,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
     memories (Gumbel top-M), the simulated generator (--citations) cites some of them, and
     the policy is updated from the citations every --batch queries (--preset: by default
-    they are labels of the shown memories; reinforce and paper take a REINFORCE step). Policies are saved to
-    --policies (per user, and the shared part in scopes shared/hybrid). Reported:
-    prequential Recall@M.
+    they are labels of the shown memories; reinforce and paper take a REINFORCE step).
+    Policies are saved to --policies (per user, and the shared part in scopes
+    shared/hybrid). Reported: prequential Recall@M, shown recall and the gold-free measures.
 
     \b
     Examples:
