@@ -129,3 +129,18 @@ def test_numpy_integers_are_taken_as_the_ints_they_are(variant):
                                      rj.init_lowrank(jax.random.key(0), 6, 2)))
     with pytest.raises(ValueError, match="^dim:"):
         init(jax.random.key(0), True)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda p: rj.score(p, [1.0, 0.0, 2.0], jnp.eye(3)), "q"),
+    (lambda p: rj.score(p, jnp.ones(3), jnp.eye(3), [True, False, True]), "mask"),
+    (lambda p: rj.top_m([0.1, 3.0, -2.0], 2), "logits"),
+    (lambda p: rj.top_m(jnp.ones(3), 2, mask=[True, False, True]), "mask"),
+    (lambda p: rj.listwise_loss(jnp.zeros((1, 3)), [[True, False, False]]), "gold"),
+])
+def test_a_python_list_where_an_array_belongs_is_named_as_a_list(call, arg):
+    # A list q was "q: expected a rank-1 array, got shape (3,)" (chex read it as three rank-0
+    # arrays), and a list mask or gold a TypeError from jnp.result_type ("Cannot determine dtype").
+    p = rj.init_reranker(jax.random.key(0), 3)
+    with pytest.raises(ValueError, match=rf"^{arg}: expected .* array.*, got list \["):
+        call(p)
