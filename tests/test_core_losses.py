@@ -420,6 +420,8 @@ F32 = jnp.float32
      "gumbel"),
     (lambda s, sel, mk: rj.citation_pairwise_loss(s, sel, CITED2, 0.5, mask=mk), (S2, SEL2, jnp.ones((2, 3), bool)),
      "mask"),
+    (lambda s, sel: rj.reinforce_loss(s, sel, jnp.ones((2, 2)), 0.5, 0.5, gumbel=[[0.0] * 4] * 2), (S2, SEL2),
+     "gumbel"),
     (lambda s, sel, c: rj.citation_pairwise_loss(s, sel, c, 0.5), (S2, SEL2.astype(F32), CITED2), "selected"),
     (lambda s, g: rj.listwise_loss(s, g), (S2, GOLD2.astype(F32)), "gold"),
     (lambda s, g: rj.pointwise_loss(s, g), (S2, GOLD2[:, :3]), "gold"),

@@ -148,6 +148,13 @@ def test_rmm_mode_is_the_sum_of_per_item_log_softmax_of_perturbed_scores(variant
     (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(5, jnp.int32), 1.0), "selected"),
     (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="bogus"), "mode"),
     (lambda top, lp: lp(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0, mode="rmm"), "gumbel"),
+    # a seed or no key where a key draws the noise: a TypeError from jax.random ("invalid PRNG key data")
+    (lambda top, lp: top(0, jnp.zeros(4), 2, 1.0), "key"),
+    (lambda top, lp: top(None, jnp.zeros(4), 2, 1.0), "key"),
+    # noise of another shape: (1,) broadcast silently to a wrong draw, (5,) a broadcasting TypeError
+    (lambda top, lp: top(None, jnp.zeros(4), 2, 1.0, gumbel=jnp.zeros(1)), "gumbel"),
+    (lambda top, lp: top(None, jnp.zeros(4), 2, 1.0, gumbel=jnp.zeros(5)), "gumbel"),
+    (lambda top, lp: lp(jnp.zeros(3), jnp.array([0, 1]), 1.0, mode="rmm", gumbel=[0.0, 0.0, 0.0]), "gumbel"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_argument(call, arg, variant):
     with pytest.raises(ValueError, match=rf"^{arg}:"):

@@ -180,8 +180,8 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
     weights = _call_contract(scores, selected, rewards, "rewards", weights, mask)
     checks.check_tau(tau)
     if gumbel is not None:
-        checks.require(jnp.shape(gumbel) == scores.shape, "gumbel",
-                       f"expected shape {scores.shape}, got {jnp.shape(gumbel)}")
+        checks.check_rank(gumbel, 2, "gumbel")
+        checks.require(gumbel.shape == scores.shape, "gumbel", f"expected shape {scores.shape}, got {gumbel.shape}")
     filled = selected >= 0
     adv = jax.lax.stop_gradient(advantages(rewards, baseline, filled, credit))
     w = jax.lax.stop_gradient(weights)

@@ -49,6 +49,13 @@ def _check_scores(scores, mask, m=None, selected=None):
         checks.check_selected(selected, k)
 
 
+def _check_gumbel(gumbel, scores):
+    """Noise of the scores' shape: a (1,) or (K, 1) one broadcast silently to a wrong draw."""
+    checks.check_rank(gumbel, scores.ndim, "gumbel")
+    checks.require(gumbel.shape == scores.shape, "gumbel", f"expected shape {scores.shape}, got {gumbel.shape}")
+    checks.check_float(gumbel, "gumbel")
+
+
 def top_m(logits, m: int, mask=None):
     """Deterministic ordered top-M of the valid logits; unfilled slots are −1.
 
@@ -105,6 +112,10 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
     """
     _check_scores(scores, mask, m=m)
     checks.check_tau(tau)
+    if gumbel is None:
+        checks.check_key(key)
+    else:
+        _check_gumbel(gumbel, scores)
     m = int(m)
     if gumbel is None:
         gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
@@ -135,7 +146,7 @@ def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumb
     filled = selected >= 0
     idx = jnp.where(filled, selected, 0)
     if mode == "rmm":
-        checks.require(jnp.shape(gumbel) == scores.shape, "gumbel", f"expected shape {scores.shape}")
+        _check_gumbel(gumbel, scores)
         z = jnp.where(valid, (scores + jax.lax.stop_gradient(gumbel)) / tau, NEG)
         lp = jax.nn.log_softmax(z)[idx]
     else:
