@@ -442,3 +442,15 @@ def test_init_user_takes_one_prng_key_and_refuses_a_seed():
     typed = rj.init_user(params, jax.random.key(1), lay, est, opt)
     raw = rj.init_user(params, jax.random.PRNGKey(1), lay, est, opt)
     assert np.array_equal(typed.learner_state.key, raw.learner_state.key)
+
+
+@pytest.mark.parametrize("call", [
+    lambda key: rj.init_learner_state(key, rj.Estimator()),      # was AttributeError: 'int' has no 'dtype'
+    lambda key: rj.init_lowrank(key, 6, 2),                       # was TypeError: invalid PRNG key data
+])
+def test_the_other_initialisers_take_one_prng_key_and_refuse_a_seed(call):
+    for key in (3, np.int64(3), jax.random.split(jax.random.key(0), 2)):
+        with pytest.raises(ValueError, match="^key: must be one PRNG key"):
+            call(key)
+    typed, raw = call(jax.random.key(1)), call(jax.random.PRNGKey(1))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), typed, raw))

@@ -101,6 +101,7 @@ def init_lowrank(key, dim: int, rank: int):
       >>> float(abs(lr["m_adapter"]["lora"]["b"]).max())
       0.0
     """
+    checks.check_key(key)
     checks.require(checks.is_int(dim) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
     checks.require(checks.is_int(rank) and 0 < rank < dim, "rank", f"must be in [1, d={dim}), got {rank!r}")
     dim, rank = int(dim), int(rank)

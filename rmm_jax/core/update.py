@@ -89,7 +89,15 @@ CiteFn = Callable  # (key, is_gold (M,) bool, filled (M,) bool) -> cited (M,) bo
 
 
 def init_learner_state(key, estimator: Estimator) -> LearnerState:
-    """The learner state of a new user: b₀, step 0 and the user's PRNG key data."""
+    """The learner state of a new user: b₀, step 0 and the user's PRNG key data.
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> ls = rj.init_learner_state(jax.random.key(1), rj.preset("paper").estimator)
+      >>> float(ls.baseline), int(ls.step), ls.key.shape, ls.key.dtype      # paper: constant b = 0.5
+      (0.5, 0, (2,), dtype('uint32'))
+    """
+    checks.check_key(key)
     return LearnerState(
         baseline=jnp.asarray(estimator.baseline_value if estimator.baseline != "batch_mean" else 0.0, jnp.float32),
         step=jnp.asarray(0, jnp.int32),
@@ -98,7 +106,17 @@ def init_learner_state(key, estimator: Estimator) -> LearnerState:
 
 def init_shared(params, layout: Layout, optimizer) -> SharedState:
     """The shared part of a starting policy ``params`` with a fresh optimiser state
-    (empty trees in scope ``user``)."""
+    (empty trees in scope ``user``).
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> lay, est, opt = rj.preset("default", scope="shared")
+      >>> st = rj.init_shared(rj.init_reranker(jax.random.key(0), 4), lay, opt)
+      >>> st.params["q_adapter"]["W"]["kernel"].shape, int(st.opt_state[0].count)
+      ((4, 4), 0)
+      >>> rj.init_shared(rj.init_reranker(jax.random.key(0), 4), rj.preset().layout, opt).params   # scope user
+      {}
+    """
     shared = layout.scope.shared_part(params)
     return SharedState(shared, optimizer.init(shared))
 
@@ -110,7 +128,7 @@ def init_user(params, key, layout: Layout, estimator: Estimator, optimizer) -> U
     Examples:
       >>> import jax, rmm_jax as rj
       >>> lay, est, opt = rj.preset("default", k=3, m=2)
-      >>> st = init_user(rj.init_reranker(jax.random.key(0), 4), jax.random.key(1), lay, est, opt)
+      >>> st = rj.init_user(rj.init_reranker(jax.random.key(0), 4), jax.random.key(1), lay, est, opt)
       >>> int(st.learner_state.step), st.params["q_adapter"]["W"]["kernel"].shape
       (0, (4, 4))
     """
