@@ -432,3 +432,32 @@ F32 = jnp.float32
 def test_bad_shapes_and_dtypes_raise_value_error_naming_the_argument(fn, args, arg, variant):
     with pytest.raises(ValueError, match=rf"^{arg}:"):
         variant(fn)(*args)
+
+
+# Each was taken or failed deep: a float `cited` counted every non-zero entry as a citation (0.3 was
+# cited) and was a TypeError in the pairwise loss; a list was a TypeError from jnp.where or the
+# vmap; a baseline that does not broadcast a TypeError from jnp.subtract; mode 'rmm' without its
+# noise took zeros (selection_log_probs refuses it).
+@pytest.mark.parametrize("fn, args, arg", [
+    (lambda c, f: rj.citation_rewards(c, f), (jnp.array([0.3, 0.0]), jnp.array([True, True])), "cited"),
+    (lambda c, f: rj.citation_rewards(c, f), (jnp.array([True, False]), jnp.array([1, 1])), "filled"),
+    (lambda f: rj.citation_rewards([True, False], f), (jnp.array([True, True]),), "cited"),
+    (lambda f: rj.advantages([1.0, 0.0], 0.5, f), (jnp.array([True, True]),), "rewards"),
+    (lambda r, f: rj.advantages(r, jnp.zeros(3), f), (jnp.ones(2), jnp.array([True, True])), "baseline"),
+    (lambda s, sel: rj.citation_pairwise_loss(s, sel, CITED2.astype(F32), 0.5), (S2, SEL2), "cited"),
+    (lambda s, sel: rj.citation_logistic_loss(s, sel, CITED2.astype(jnp.int32), 0.5), (S2, SEL2), "cited"),
+    (lambda s, sel: rj.reinforce_loss(s, sel, jnp.ones((2, 2)), 0.5, 0.5, weights=[1.0, 1.0]), (S2, SEL2), "weights"),
+    (lambda s, sel: rj.reinforce_loss(s, sel, jnp.ones((2, 2)), 0.5, 0.5, mode="rmm"), (S2, SEL2), "gumbel"),
+])
+def test_wrong_kinds_of_argument_raise_value_error_naming_the_argument(fn, args, arg, variant):
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        variant(fn)(*args)
+
+
+@pytest.mark.parametrize("field", ["rewards", "weights"])
+def test_nan_rewards_or_weights_are_refused_eagerly(field):
+    # each gave a NaN loss, and an update on it NaN params; checked when concrete, as NaN scores are
+    bad = {"rewards": jnp.array([[jnp.nan, 0.0], [1.0, 0.0]]), "weights": jnp.array([1.0, jnp.nan])}
+    args = {"rewards": jnp.ones((2, 2)), "weights": None, **{field: bad[field]}}
+    with pytest.raises(ValueError, match=rf"^{field}: contains NaN"):
+        rj.reinforce_loss(S2, SEL2, args["rewards"], 0.5, 0.5, weights=args["weights"])

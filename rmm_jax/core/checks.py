@@ -68,7 +68,7 @@ def is_array(x) -> bool:
 
 
 def check_rank(x, rank: int, name: str) -> None:
-    require(is_array(x), name, f"expected a rank-{rank} array, got {_short(x)}")
+    require(is_array(x), name, f"expected a rank-{rank} array, got {short(x)}")
     _chex(lambda: chex.assert_rank(x, rank), name, f"expected a rank-{rank} array, got shape {jnp.shape(x)}")
 
 
@@ -95,10 +95,10 @@ def check_key(key, name: str = "key") -> None:
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and np.shape(key) == ()
     raw = dtype == np.uint32 and np.shape(key) == (2,)
-    require(typed or raw, name, f"must be one PRNG key, e.g. jax.random.key(0), got {_short(key)}")
+    require(typed or raw, name, f"must be one PRNG key, e.g. jax.random.key(0), got {short(key)}")
 
 
-def _short(x) -> str:
+def short(x) -> str:
     """What ``x`` is, in a few words, for an error message."""
     if hasattr(x, "dtype") and hasattr(x, "shape"):
         return f"{x.dtype}{list(x.shape)}"
@@ -145,6 +145,6 @@ def check_selected(selected, k: int, name: str = "selected") -> None:
 def check_mask(mask, shape, name: str = "mask") -> None:
     if mask is None:
         return
-    require(is_array(mask), name, f"expected a bool array of shape {tuple(shape)}, got {_short(mask)}")
+    require(is_array(mask), name, f"expected a bool array of shape {tuple(shape)}, got {short(mask)}")
     require(jnp.shape(mask) == tuple(shape), name, f"expected shape {tuple(shape)}, got {jnp.shape(mask)}")
     require(jnp.result_type(mask) == jnp.bool_, name, f"expected dtype bool, got {jnp.result_type(mask)}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rmm_jax.core import checks
 from rmm_jax.core.sampling import NEG, selection_log_probs, valid_mask
@@ -79,8 +80,8 @@ def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1
     """
     checks.require(mapping in REWARDS, "reward", f"must be one of {REWARDS}, got {mapping!r}")
     check_judge_rates(p_useful, p_other)
-    checks.require(jnp.shape(filled) == jnp.shape(cited), "filled",
-                   f"shape {jnp.shape(filled)} does not match cited {jnp.shape(cited)}")
+    checks.check_mask(cited, np.shape(cited), "cited")      # a float cited was a citation wherever it was not 0
+    checks.check_mask(filled, cited.shape, "filled")
     y = (jnp.where(cited, 1.0, 0.0) - p_other) / (p_useful - p_other)     # unbiased for usefulness
     r = 2.0 * y - 1.0 if mapping == "pm1" else y
     return jnp.where(filled, r, 0.0).astype(jnp.float32)
@@ -100,13 +101,19 @@ def _call_contract(scores, selected, slots, name: str, weights, mask=None):
     checks.check_int(selected, "selected")
     checks.require(selected.shape[0] == scores.shape[0], "selected",
                    f"shape {selected.shape} does not match scores {scores.shape} in B")
-    checks.require(jnp.shape(slots) == selected.shape, name,
-                   f"shape {jnp.shape(slots)} does not match selected {selected.shape}")
+    if name == "cited":
+        checks.check_mask(slots, selected.shape, name)
+    else:
+        checks.require(checks.is_array(slots) and slots.shape == selected.shape, name,
+                       f"expected an array of shape {selected.shape} (as selected), got {checks.short(slots)}")
+        checks.check_no_nan(slots, name)
     checks.check_selected(selected, scores.shape[1])
     checks.check_mask(mask, scores.shape)
     b = scores.shape[0]
     weights = jnp.ones((b,), jnp.float32) if weights is None else weights
-    checks.require(jnp.shape(weights) == (b,), "weights", f"expected shape ({b},), got {jnp.shape(weights)}")
+    checks.require(checks.is_array(weights) and weights.shape == (b,), "weights",
+                   f"expected an array of shape ({b},), got {checks.short(weights)}")
+    checks.check_no_nan(weights, "weights")
     return weights
 
 
@@ -135,8 +142,11 @@ def advantages(rewards, baseline, filled, credit: str = "item"):
       [0.5, 0.5, 0.5, 0.0]
     """
     checks.require(credit in CREDITS, "credit", f"must be one of {CREDITS}, got {credit!r}")
-    checks.require(jnp.shape(rewards) == jnp.shape(filled), "filled",
-                   f"shape {jnp.shape(filled)} does not match rewards {jnp.shape(rewards)}")
+    checks.require(checks.is_array(rewards), "rewards", f"expected an array, got {checks.short(rewards)}")
+    checks.check_mask(filled, rewards.shape, "filled")
+    bs = np.shape(baseline)
+    checks.require(len(bs) <= rewards.ndim and all(x in (1, y) for x, y in zip(bs[::-1], rewards.shape[::-1])),
+                   "baseline", f"shape {bs} does not broadcast to the rewards' {rewards.shape}")
     a = jnp.where(filled, rewards - baseline, 0.0)
     if credit == "reward_to_go":
         a = jnp.flip(jnp.cumsum(jnp.flip(a, -1), axis=-1), -1)
@@ -179,6 +189,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
     """
     weights = _call_contract(scores, selected, rewards, "rewards", weights, mask)
     checks.check_tau(tau)
+    checks.require(mode != "rmm" or gumbel is not None, "gumbel", "mode 'rmm' needs the sampled Gumbel noise")
     if gumbel is not None:
         checks.check_rank(gumbel, 2, "gumbel")
         checks.require(gumbel.shape == scores.shape, "gumbel", f"expected shape {scores.shape}, got {gumbel.shape}")
