@@ -144,3 +144,17 @@ def test_a_python_list_where_an_array_belongs_is_named_as_a_list(call, arg):
     p = rj.init_reranker(jax.random.key(0), 3)
     with pytest.raises(ValueError, match=rf"^{arg}: expected .* array.*, got list \["):
         call(p)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda sb, p: sb(p, jnp.ones(3), jnp.ones((1, 2, 3))), "q"),                        # (d,) for (B, d)
+    (lambda sb, p: sb(p, jnp.ones((2, 3)), jnp.ones((1, 4, 3))), "m"),                   # B = 2 and 1
+    (lambda sb, p: sb(p, jnp.ones((2, 3)), jnp.ones((4, 3))), "m"),                      # (K, d) for (B, K, d)
+    (lambda sb, p: sb(p, jnp.ones((2, 3)), jnp.ones((2, 4, 3)), jnp.ones((4,), bool)), "mask"),
+])
+def test_score_batch_names_the_argument_of_a_wrong_shape(call, arg, variant):
+    # each was JAX's "vmap got inconsistent sizes for array axes to be mapped" or "vmap was
+    # requested to map its argument along axis 0", naming no argument of score_batch
+    p = rj.init_reranker(jax.random.key(0), 3)
+    with pytest.raises(ValueError, match=rf"^{arg}: "):
+        call(variant(rj.score_batch), p)

@@ -211,6 +211,11 @@ def score_batch(params, q, m, mask=None):
       >>> rj.score_batch(params, q, m, jnp.array([[True, True, False]] * 2)).shape
       (2, 3)
     """
+    checks.check_rank(q, 2, "q")
+    checks.check_rank(m, 3, "m")
+    checks.require(m.shape[0] == q.shape[0], "m", f"candidates of {m.shape[0]} queries for {q.shape[0]} queries "
+                                                  f"(q {q.shape}, m {m.shape})")
+    checks.check_mask(mask, m.shape[:2])
     if mask is None:
         return jax.vmap(score, in_axes=(None, 0, 0))(params, q, m)
     return jax.vmap(score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
