@@ -335,3 +335,19 @@ def test_the_ceiling_is_the_best_order_of_the_candidates_by_brute_force():
     assert np.array_equal(rec, best_r) and np.array_equal(nd, best_n)
     base_r, base_n = (np.asarray(x, np.float64) for x in base_values(s, m))
     assert (rec >= base_r).all() and (nd >= base_n).all() and (rec > base_r).any()
+
+
+@pytest.mark.parametrize("fn", ["recall_at_k", "recall_any_at_k", "recall_all_at_k", "ndcg_at_k", "mrr"])
+@pytest.mark.parametrize("rel, num_gold, where", [
+    (np.array([[0.3, 0.0, 0.0]]), np.array([1]), "rel"),        # was Recall@2 0.3: 0.3 of a hit
+    (np.array([[2, 0, 0]]), np.array([2]), "rel"),              # was Recall@2 1.0: one gold counted twice
+    (np.array([True, False, True]), np.array([1]), "rel"),      # was an IndexError
+    (np.array([[True, False, True]]), np.array([1, 2]), "num_gold"),   # was a (2,) result for one query
+])
+def test_metrics_refuse_a_rel_or_num_gold_of_the_wrong_kind(fn, rel, num_gold, where, variant):
+    if where == "num_gold" and fn in ("recall_any_at_k", "mrr"):
+        pytest.skip("reads no num_gold")
+    f = getattr(M, fn)
+    call = variant(lambda r, g: f(r) if fn == "mrr" else f(r, g, 2))
+    with pytest.raises(InputError, match=rf"^{where}: expected"):
+        call(jnp.asarray(rel), jnp.asarray(num_gold))

@@ -40,6 +40,22 @@ def _check_k(k) -> int:
     return int(k)
 
 
+def _check_rel(rel, num_gold=None) -> None:
+    """``rel`` (Q, L) bool and ``num_gold`` (Q,), checked on shapes and dtypes only (static
+    under jit): a float ``rel`` counted 0.3 as 0.3 of a hit, an int one 2 as two hits, a
+    ``num_gold`` of another length broadcast to a (Q',) result, and a 1-D ``rel`` was an
+    IndexError."""
+    shape = np.shape(rel)
+    dtype = rel.dtype if hasattr(rel, "dtype") else np.asarray(rel).dtype
+    if len(shape) != 2:
+        raise InputError(f"expected a (Q, L) array, one ranked list per query, got shape {shape}", where="rel")
+    if dtype != np.bool_:
+        raise InputError(f"expected dtype bool (whether each ranked item is gold), got {dtype}", where="rel")
+    if num_gold is not None and np.shape(num_gold) != shape[:1]:
+        raise InputError(f"expected shape ({shape[0]},), one count per query of rel {shape}, "
+                         f"got {np.shape(num_gold)}", where="num_gold")
+
+
 def _hits(rel, k):
     rel = jnp.asarray(rel).astype(jnp.float32)
     return rel[:, :k]
@@ -117,6 +133,7 @@ def recall_at_k(rel, num_gold, k: int):
       >>> metrics.recall_at_k(rel, np.array([4, 0]), 4).tolist()  # 2 of 4 gold were retrieved
       [0.5, 0.0]
     """
+    _check_rel(rel, num_gold)
     return _recall(rel, num_gold, k=_check_k(k))
 
 
@@ -134,6 +151,7 @@ def recall_any_at_k(rel, num_gold, k: int):
       >>> metrics.recall_any_at_k(rel, np.array([2, 1]), 4).tolist()
       [1.0, 1.0]
     """
+    _check_rel(rel)
     del num_gold
     return _recall_any(rel, k=_check_k(k))
 
@@ -151,6 +169,7 @@ def recall_all_at_k(rel, num_gold, k: int):
       >>> metrics.recall_all_at_k(rel, np.array([2, 1]), 4).tolist()
       [1.0, 1.0]
     """
+    _check_rel(rel, num_gold)
     return _recall_all(rel, num_gold, k=_check_k(k))
 
 
@@ -171,6 +190,7 @@ def ndcg_at_k(rel, num_gold, k: int):
       >>> [round(x, 4) for x in metrics.ndcg_at_k(rel, np.array([2, 1]), 4).tolist()]
       [0.9197, 0.4307]
     """
+    _check_rel(rel, num_gold)
     return _ndcg(rel, num_gold, k=_check_k(k))
 
 
@@ -187,6 +207,7 @@ def mrr(rel):
       >>> metrics.mrr(np.zeros((1, 3), bool)).tolist()
       [0.0]
     """
+    _check_rel(rel)
     return _mrr(rel)
 
 
