@@ -228,3 +228,17 @@ def test_a_mask_of_another_shape_or_dtype_is_refused_naming_it():
             rr.rank("u", q, c, 3, mask=mask)
     assert rr.rank("u", q, c, 3, mask=[True] * 5 + [False]).selected.tolist() == [[0, 1, 2]]
     assert rr.rank("u", np.ones((2, 4)), c, 3, mask=np.ones((2, 6), bool)).selected.shape == (2, 3)
+
+
+def test_the_reranker_names_a_key_a_dim_or_a_cache_size_of_the_wrong_kind():
+    from rmm_jax.errors import InputError
+    rr = Reranker(None, dim=2)
+    q, c = np.array([1.0, 0.0]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+    # seeds, or raw uint32 key data, where typed keys belong: a TypeError from jax.random, or "expected 1 keys"
+    for keys in (np.arange(1), jax.random.PRNGKey(0)[None]):
+        with pytest.raises(InputError, match=r"^keys: expected 1 typed PRNG keys"):
+            rr.sample("u1", q, c, 2, keys=keys, tau=1.0)
+    for kw, where in (({"dim": 2.5}, "dim"), ({"dim": 2, "cache_users": "3"}, "cache_users"),
+                      ({"dim": 2, "cache_users": 2.5}, "cache_users")):
+        with pytest.raises(InputError, match=rf"^{where}: must be an int >= 1"):   # 2.5 was taken as d = 2
+            Reranker(None, **kw)

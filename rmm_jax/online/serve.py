@@ -206,10 +206,12 @@ class Reranker:
     identity reranker for everyone (``dim`` needed), before any policy exists."""
 
     def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None):
-        if cache_users < 1:
-            raise InputError(f"must be >= 1, got {cache_users}", where="cache_users")
+        if not checks.is_int(cache_users) or cache_users < 1:      # "3" was a TypeError, 2.5 taken
+            raise InputError(f"must be an int >= 1, got {cache_users!r}", where="cache_users")
         if store is None and dim is None:
             raise InputError("the identity reranker (no policy store) needs the embedding dim", where="dim")
+        if store is None and not (checks.is_int(dim) and dim >= 1):   # 2.5 was served as d = 2
+            raise InputError(f"must be an int >= 1, got {dim!r}", where="dim")
         self.store, self.cache_users = store, cache_users
         self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
         self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
@@ -336,6 +338,9 @@ class Reranker:
         tau = float(tau)
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
         keys = keys if isinstance(keys, jax.Array) else jnp.asarray(keys)
+        if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):      # seeds were a TypeError from jax.random
+            raise InputError(f"expected {n} typed PRNG keys, e.g. jax.random.split(jax.random.key(0), {n}) or "
+                             f"call_keys(seed, user, calls), got {keys.dtype}{list(keys.shape)}", where="keys")
         if keys.shape != (n,):
             raise InputError(f"expected {n} keys, one per query, got shape {keys.shape}", where="keys")
         data = np.asarray(jax.random.key_data(keys))        # padded on the host: eager pads are programs
