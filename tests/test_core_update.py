@@ -454,3 +454,15 @@ def test_the_other_initialisers_take_one_prng_key_and_refuse_a_seed(call):
             call(key)
     typed, raw = call(jax.random.key(1)), call(jax.random.PRNGKey(1))
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), typed, raw))
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda lay, est, opt: rj.make_run("default", est, opt), "layout"),        # was AttributeError: no 'scope'
+    (lambda lay, est, opt: rj.make_update(lay, "default", opt), "estimator"),  # was taken: failed at the first step
+    (lambda lay, est, opt: rj.make_run(lay, est, "adam"), "optimizer"),        # was taken: failed at program.init
+    (lambda lay, est, opt: rj.make_update(lay, est, 1e-4), "optimizer"),
+])
+def test_a_program_refuses_parts_of_the_wrong_kind_when_it_is_built(build, field):
+    lay, est, opt = rj.preset("default", k=3, m=2)
+    with pytest.raises(ValueError, match=rf"^{field}: must be"):
+        build(lay, est, opt)

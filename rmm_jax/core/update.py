@@ -293,6 +293,13 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
       >>> new_users.learner_state.step.tolist(), metrics["cite_rate"].tolist()   # user 1 had no real query
       ([1, 1], [0.5, 0.0])
     """
+    checks.require(isinstance(layout, Layout), "layout",
+                   f"must be a Layout (rj.preset().layout), got {checks.short(layout)}")
+    checks.require(isinstance(estimator, Estimator), "estimator",
+                   f"must be an Estimator (rj.preset().estimator), got {checks.short(estimator)}")
+    checks.require(callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)),
+                   "optimizer",
+                   f"must be an optax GradientTransformation (rj.adam(1e-4)), got {checks.short(optimizer)}")
     scope = layout.scope
     linear = layout.kind == "linear"
 
