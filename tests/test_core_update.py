@@ -466,3 +466,21 @@ def test_a_program_refuses_parts_of_the_wrong_kind_when_it_is_built(build, field
     lay, est, opt = rj.preset("default", k=3, m=2)
     with pytest.raises(ValueError, match=rf"^{field}: must be"):
         build(lay, est, opt)
+
+
+@pytest.mark.parametrize("field", ["p_useful", "p_other", "offset", "clip", "baseline_value", "ema", "tau",
+                                   "draw_tau", "on_policy_tol"])
+@pytest.mark.parametrize("value", ["x", [1.0], None])
+def test_settings_refuse_a_number_of_the_wrong_type_naming_the_field(field, value):
+    # a string or a list was a bare TypeError from a comparison in Estimator.__post_init__
+    # ("'<' not supported between 'float' and 'str'"), which the CLI cannot name as an option
+    if value is None and field == "draw_tau":
+        pytest.skip("draw_tau None: the loss's τ")
+    with pytest.raises(ValueError, match=rf"^{field}: must be"):
+        rj.preset("default", **{field: value})
+
+
+def test_settings_keep_an_infinite_clip_and_tolerance():
+    # the type checks above take +inf where a comparison took it (clip inf: no clipping)
+    est = rj.preset("default", clip=float("inf"), on_policy_tol=float("inf")).estimator
+    assert est.clip == float("inf") and est.on_policy_tol == float("inf")

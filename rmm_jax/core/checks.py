@@ -30,26 +30,29 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
-def _is_real(x) -> bool:
-    """A finite real number: a Python or NumPy scalar, or a concrete 0-d float array (not a bool)."""
+def is_real(x, finite: bool = True) -> bool:
+    """A real number: a Python or NumPy scalar, or a concrete 0-d int or float array (not a
+    bool, a string or a list), and finite unless ``finite=False`` (then ±inf and NaN too).
+    What a setting or a temperature takes, checked before it is compared with anything (a
+    string was a TypeError from ``<``, a list one from ``float()``)."""
     if isinstance(x, (bool, np.bool_)):
         return False
     if not isinstance(x, numbers.Real):
-        if not (is_concrete(x) and np.ndim(x) == 0 and np.asarray(x).dtype.kind in "iuf"):
+        if not (is_array(x) and is_concrete(x) and np.ndim(x) == 0 and np.dtype(x.dtype).kind in "iuf"):
             return False
         x = float(np.asarray(x))
-    return math.isfinite(x)
+    return math.isfinite(x) or not finite
 
 
 def check_positive(x, name: str) -> None:
     """``ValueError`` naming ``name`` unless ``x`` is a real number (not a bool), finite and > 0:
     a step size, which optax would take as NaN, negative or inf without a word."""
-    require(_is_real(x) and float(np.asarray(x)) > 0, name, f"must be > 0 and finite, got {x!r}")
+    require(is_real(x) and float(np.asarray(x)) > 0, name, f"must be > 0 and finite, got {x!r}")
 
 
 def check_nonnegative(x, name: str) -> None:
     """As :func:`check_positive`, with 0 allowed (a weight decay)."""
-    require(_is_real(x) and float(np.asarray(x)) >= 0, name, f"must be >= 0 and finite, got {x!r}")
+    require(is_real(x) and float(np.asarray(x)) >= 0, name, f"must be >= 0 and finite, got {x!r}")
 
 
 def _chex(assertion, name: str, message: str) -> None:

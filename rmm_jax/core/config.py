@@ -29,7 +29,6 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 from rmm_jax.core import checks, optim
@@ -89,17 +88,19 @@ class Estimator:
     on_policy_tol: float = 1e-5  # |log π − log μ| below this counts as on-policy (ratio 1)
 
     def __post_init__(self):
-        c = checks.require
+        # Every number is checked to be one before it is compared: a string or a list was a
+        # TypeError from `<` (not the "field: ..." ValueError the CLI turns into an option error).
+        c, real = checks.require, checks.is_real
         c(self.loss in LOSSES, "loss", f"must be one of {LOSSES}, got {self.loss!r}")
-        c(math.isfinite(self.offset), "offset", f"must be finite, got {self.offset}")
+        c(real(self.offset), "offset", f"must be a finite number, got {self.offset!r}")
         c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
         check_judge_rates(self.p_useful, self.p_other)
         c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",
           "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; --preset calibrated "
           "sets them): drop them, or use --loss logistic")
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
-        c(math.isfinite(self.baseline_value), "baseline_value", f"must be finite, got {self.baseline_value}")
-        c(0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema}")
+        c(real(self.baseline_value), "baseline_value", f"must be a finite number, got {self.baseline_value!r}")
+        c(real(self.ema) and 0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema!r}")
         c(self.mode in MODES, "mode", f"must be one of {MODES}")
         c(self.credit in CREDITS, "credit", f"must be one of {CREDITS}")
         checks.check_tau(self.tau)
@@ -108,8 +109,9 @@ class Estimator:
             checks.check_tau(self.draw_tau, "draw_tau")
         c(self.draw_tau is None or self.noise == "tempered", "draw_tau",
           "the unit noise draws at temperature 1; a draw temperature needs noise `tempered`")
-        c(self.clip >= 1, "clip", f"must be >= 1, got {self.clip}")
-        c(self.on_policy_tol >= 0, "on_policy_tol", f"must be >= 0, got {self.on_policy_tol}")
+        c(real(self.clip, finite=False) and self.clip >= 1, "clip", f"must be >= 1, got {self.clip!r}")  # inf: no clip
+        c(real(self.on_policy_tol, finite=False) and self.on_policy_tol >= 0, "on_policy_tol",
+          f"must be >= 0, got {self.on_policy_tol!r}")
 
     @property
     def sample_tau(self) -> float:

@@ -120,8 +120,10 @@ def _call_contract(scores, selected, slots, name: str, weights, mask=None):
 def check_judge_rates(p_useful: float, p_other: float) -> None:
     """``ValueError`` naming the field unless 0 <= p_other < p_useful <= 1 (a judge that cites
     useful memories more often than others; otherwise no correction exists)."""
-    checks.require(0.0 < p_useful <= 1.0, "p_useful", f"must be in (0, 1], got {p_useful}")
-    checks.require(0.0 <= p_other < p_useful, "p_other", f"must be in [0, p_useful={p_useful}), got {p_other}")
+    real = checks.is_real                      # before the comparisons: a string was a TypeError from `<`
+    checks.require(real(p_useful) and 0.0 < p_useful <= 1.0, "p_useful", f"must be in (0, 1], got {p_useful!r}")
+    checks.require(real(p_other) and 0.0 <= p_other < p_useful, "p_other",
+                   f"must be in [0, p_useful={p_useful}), got {p_other!r}")
 
 
 def advantages(rewards, baseline, filled, credit: str = "item"):
