@@ -193,3 +193,24 @@ def test_top_m_refuses_an_m_outside_one_to_k(m, variant):
     top = variant(rj.top_m, static_argnames=("m",))
     with pytest.raises(ValueError, match=r"^m: must be an int in \[1, K=6\]"):
         top(jnp.arange(6.0), m)
+
+
+@pytest.mark.parametrize("tau", [[1.0], (0.5,), None, True, np.ones(2), jnp.ones((1,))])   # a str: jit refuses it
+def test_a_tau_that_is_not_one_number_is_refused_jitted_and_eager(tau, variant):
+    # tau=[1.0] passed check_tau (np.asarray made it an array of numbers) and was a TypeError
+    # from the division, eager, or a TracerArrayConversionError, jitted
+    top, lp = gumbel_top_m_of(variant), log_prob_of(variant)
+    with pytest.raises(ValueError, match="^tau: must be one number"):
+        top(jax.random.key(0), jnp.zeros(4), 2, tau)
+    with pytest.raises(ValueError, match="^tau: must be one number"):
+        lp(jnp.zeros(4), jnp.array([1, 0]), tau)
+
+
+def test_a_traced_or_0d_tau_still_draws_as_the_number(variant):
+    s = jnp.array([0.3, -1.0, 2.0, 0.5, 1.0, 0.0])
+    top, lp = gumbel_top_m_of(variant), log_prob_of(variant)
+    want = rj.gumbel_top_m(jax.random.key(3), s, 3, 0.5).tolist()
+    for tau in (np.float32(0.5), jnp.float32(0.5), np.array(0.5)):
+        assert top(jax.random.key(3), s, 3, tau).tolist() == want
+        assert float(lp(s, jnp.array(want), tau)) == float(rj.selection_log_prob(s, jnp.array(want), 0.5))
+

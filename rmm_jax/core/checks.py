@@ -109,15 +109,19 @@ def short(x) -> str:
 
 
 def check_tau(tau, name: str = "tau") -> None:
-    """``ValueError`` naming ``name`` unless τ (a number or array of them) is finite and
-    >= :data:`TAU_MIN` (checked when concrete)."""
-    if is_concrete(tau):
-        t = np.asarray(tau)
-        require(t.dtype.kind in "iuf", name, f"must be a number, got {tau!r}")
-        require(bool(np.all(t > 0)), name, f"must be > 0, got {tau}")
-        require(bool(np.all(np.isfinite(t))), name, f"must be finite, got {tau}")
-        require(bool(np.all(t >= TAU_MIN)), name,
-                f"must be >= {TAU_MIN:g} (below it s/τ overflows float32), got {tau}")
+    """``ValueError`` naming ``name`` unless τ is one real number (a Python or NumPy scalar,
+    or a 0-d int or float array), finite and >= :data:`TAU_MIN`. A traced τ (under ``jit``)
+    is checked for its shape and dtype only, which are static; its value when concrete. A
+    list (``[1.0]``) passed here and was a TypeError further on."""
+    if not is_concrete(tau):
+        require(np.ndim(tau) == 0 and np.dtype(tau.dtype).kind in "iuf", name,
+                f"must be one number (a 0-d int or float array), got {short(tau)}")
+        return
+    require(is_real(tau, finite=False), name, f"must be one number, got {short(tau)}")
+    t = float(np.asarray(tau))
+    require(t > 0, name, f"must be > 0, got {tau}")
+    require(math.isfinite(t), name, f"must be finite, got {tau}")
+    require(t >= TAU_MIN, name, f"must be >= {TAU_MIN:g} (below it s/τ overflows float32), got {tau}")
 
 
 def check_finite(x, name: str) -> None:
