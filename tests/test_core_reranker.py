@@ -158,3 +158,15 @@ def test_score_batch_names_the_argument_of_a_wrong_shape(call, arg, variant):
     p = rj.init_reranker(jax.random.key(0), 3)
     with pytest.raises(ValueError, match=rf"^{arg}: "):
         call(variant(rj.score_batch), p)
+
+
+@pytest.mark.parametrize("params", [{}, {"q_adapter": {}}, {"W": {"kernel": jnp.eye(3)}}, [1.0], None,
+                                    "lowrank"])
+@pytest.mark.parametrize("fn", ["score", "score_naive", "score_batch"])
+def test_params_that_are_not_a_rerankers_are_one_value_error(params, fn, variant):
+    # rj.score({}, q, m) was KeyError 'q_adapter'; a per-user low-rank tree alone KeyError 'down'
+    if params == "lowrank":
+        params = rj.init_lowrank(jax.random.key(0), 3, 1)
+    q, m = (jnp.ones((2, 3)), jnp.ones((2, 4, 3))) if fn == "score_batch" else (jnp.ones(3), jnp.ones((4, 3)))
+    with pytest.raises(ValueError, match=r"^params: expected a reranker's params \(init_reranker"):
+        variant(getattr(rj, fn))(params, q, m)

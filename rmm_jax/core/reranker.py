@@ -26,6 +26,8 @@ kind.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
@@ -35,12 +37,19 @@ KINDS = ("linear", "mlp")
 
 
 def kind_of(params) -> str:
-    """`linear` or `mlp`, read from the parameter tree's structure."""
-    return "linear" if "W" in params["q_adapter"] else "mlp"
+    """`linear` or `mlp`, read from the parameter tree's structure. ``ValueError`` naming
+    ``params`` unless it is a reranker's tree (:func:`init_reranker`, or one merged with a
+    low-rank residual): other params were a KeyError ``'q_adapter'`` or ``'down'``."""
+    q, m = (params.get("q_adapter"), params.get("m_adapter")) if isinstance(params, Mapping) else (None, None)
+    ok = isinstance(q, Mapping) and isinstance(m, Mapping) and ("W" in q or "down" in q)
+    got = f"keys {sorted(params)}" if isinstance(params, Mapping) else checks.short(params)
+    checks.require(ok, "params", f"expected a reranker's params (init_reranker: q_adapter and m_adapter), got {got}")
+    return "linear" if "W" in q else "mlp"
 
 
 def dim_of(params) -> int:
-    leaf = params["q_adapter"]["W" if kind_of(params) == "linear" else "down"]["kernel"]
+    kind = kind_of(params)                                  # checks the tree before it is indexed
+    leaf = params["q_adapter"]["W" if kind == "linear" else "down"]["kernel"]
     return int(leaf.shape[-1])
 
 
@@ -142,6 +151,7 @@ def _apply_adapter(p, x):
 
 def score_naive(params, q, m):
     """Reference path: build every adapted memory, s_i = (m_i + W_m m_i)ᵀ(q + W_q q). O(K·d²)."""
+    kind_of(params)                                         # a tree of another kind: one ValueError
     return _apply_adapter(params["m_adapter"], m) @ _apply_adapter(params["q_adapter"], q)
 
 
