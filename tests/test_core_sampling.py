@@ -214,3 +214,16 @@ def test_a_traced_or_0d_tau_still_draws_as_the_number(variant):
         assert top(jax.random.key(3), s, 3, tau).tolist() == want
         assert float(lp(s, jnp.array(want), tau)) == float(rj.selection_log_prob(s, jnp.array(want), 0.5))
 
+
+@pytest.mark.parametrize("logits", [jnp.array([1, 3, 2]), jnp.array([True, False, True])])
+def test_top_m_refuses_logits_that_are_not_float(logits, variant):
+    # int logits were ranked as they were, where every other scores input is float
+    with pytest.raises(ValueError, match="^logits: expected a floating dtype"):
+        variant(rj.top_m, static_argnames=("m",))(logits, 2)
+
+
+def test_top_m_refuses_nan_logits_and_keeps_minus_inf_as_never_chosen():
+    # NaN was taken as a masked candidate: [1, nan, 2] gave [2, 0]
+    with pytest.raises(ValueError, match="^logits: contains NaN"):
+        rj.top_m(jnp.array([1.0, jnp.nan, 2.0]), 2)
+    assert rj.top_m(jnp.array([1.0, -jnp.inf, 2.0]), 3).tolist() == [2, 0, -1]

@@ -60,7 +60,8 @@ def top_m(logits, m: int, mask=None):
     """Deterministic ordered top-M of the valid logits; unfilled slots are −1.
 
     Args:
-      logits: (K,) float. m: static int, 1 ≤ m ≤ K. mask: optional (K,) bool.
+      logits: (K,) float, no NaN (checked when concrete); −inf or masked: never selected.
+      m: static int, 1 ≤ m ≤ K. mask: optional (K,) bool.
 
     Returns:
       (M,) int32 indices of the M largest valid logits, largest first.
@@ -74,11 +75,17 @@ def top_m(logits, m: int, mask=None):
       [3, 0, -1]
     """
     checks.check_rank(logits, 1, "logits")
+    checks.check_float(logits, "logits")       # ints were ranked as they were, unlike every other scores input
+    checks.check_no_nan(logits, "logits")      # NaN was taken as masked; a NaN score is a bug upstream
     k = logits.shape[0]
     checks.require(checks.is_int(m) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
     checks.check_mask(mask, logits.shape)
-    valid = valid_mask(logits, mask)
-    _, idx = jax.lax.top_k(jnp.where(valid, logits, -jnp.inf), int(m))
+    return _top_m(logits, int(m), valid_mask(logits, mask))
+
+
+def _top_m(logits, m: int, valid):
+    """:func:`top_m` of checked logits among ``valid``."""
+    _, idx = jax.lax.top_k(jnp.where(valid, logits, -jnp.inf), m)
     return jnp.where(valid[idx], idx, -1).astype(jnp.int32)
 
 
@@ -119,7 +126,7 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
     m = int(m)
     if gumbel is None:
         gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
-    return top_m(scores / tau + gumbel, m, valid_mask(scores, mask))
+    return _top_m(scores / tau + gumbel, m, valid_mask(scores, mask))     # scores checked above
 
 
 def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumbel=None, mask=None):
