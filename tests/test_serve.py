@@ -19,7 +19,9 @@ from helpers import assert_f32_close, f32_error
 import rmm_jax as rj
 from rmm_jax.data import embed as embed_mod
 from rmm_jax.data.store import open_store
-from rmm_jax.online.serve import Reranker, load_policy
+from rmm_jax.errors import InputError
+from rmm_jax.online.serve import Reranker, call_keys, load_policy
+from rmm_jax.online.streams import user_key, user_keys
 from rmm_jax.persist.policy_store import PolicyStore
 
 SIM = ["--k", "8", "--m", "3", "--lr", "0.05", "--users-per-chunk", "2", "--checkpoint-every", "0"]
@@ -242,3 +244,17 @@ def test_the_reranker_names_a_key_a_dim_or_a_cache_size_of_the_wrong_kind():
                       ({"dim": 2, "cache_users": 2.5}, "cache_users")):
         with pytest.raises(InputError, match=rf"^{where}: must be an int >= 1"):   # 2.5 was taken as d = 2
             Reranker(None, **kw)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: call_keys(0, 7, ["call:c1"]), "user_id"),
+    (lambda: call_keys(0, None, ["call:c1"]), "user_id"),
+    (lambda: call_keys(0, "u1", [3]), "calls"),
+    (lambda: call_keys(0, "u1", "call:c1"), "calls"),         # a str: one key per letter
+    (lambda: user_key(0, 7), "user_id"),
+    (lambda: user_keys(0, ["a", b"b"]), "user_id"),
+])
+def test_a_user_or_call_id_that_is_not_a_str_is_one_input_error(call, arg):
+    # an int user id was AttributeError 'int' object has no attribute 'encode'
+    with pytest.raises(InputError, match=rf"^{arg}: must be"):
+        call()

@@ -87,12 +87,16 @@ def call_keys(seed: int, user_id: str, calls: Sequence[str]):
     >>> k.shape, bool((jax.random.key_data(k[0]) == jax.random.key_data(call_keys(0, "u1", ["call:c1"])[0])).all())
     ((2,), True)
     """
+    # a str was one key per letter, an int call id an AttributeError
+    if isinstance(calls, str) or not all(isinstance(c, str) for c in calls):
+        raise InputError(f"must be a sequence of call ids (str), got {checks.short(calls)}", where="calls")
+    user = np.uint32(user_hash(user_id))
     n = len(calls)
     words = np.zeros((1 << max(n - 1, 0).bit_length(), 2), np.uint32)      # padded: one program per octave
     for j, c in enumerate(calls):
         h = hashlib.sha256(c.encode("utf-8")).digest()
         words[j] = [int.from_bytes(h[i:i + 4], "little") & 0x7FFFFFFF for i in (0, 4)]
-    data = np.asarray(jax.random.key_data(_fold_twice(np.uint32(user_hash(user_id)), words, seed=seed)))
+    data = np.asarray(jax.random.key_data(_fold_twice(user, words, seed=seed)))
     return jax.random.wrap_key_data(data[:n])          # sliced on the host: an eager slice is a program
 
 

@@ -102,7 +102,10 @@ def user_key(seed: int, user_id: str):
 
 
 def user_hash(user_id: str) -> int:
-    """The 31-bit hash of a user id that :func:`user_key` folds into the seed's key."""
+    """The 31-bit hash of a user id that :func:`user_key` folds into the seed's key.
+    ``InputError`` naming ``user_id`` unless it is a str (an int id was an AttributeError)."""
+    if not isinstance(user_id, str):
+        raise InputError(f"must be a str, got {type(user_id).__name__} {user_id!r}"[:80], where="user_id")
     return zlib.crc32(user_id.encode()) & 0x7FFFFFFF
 
 
