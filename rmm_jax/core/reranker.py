@@ -126,6 +126,13 @@ def merge_params(shared, local):
     Scope ``user``: shared ``{}``; ``shared``: local ``{}``; ``hybrid``: the shared
     ``W`` kernels and the user's ``lora`` factors side by side in each adapter.
     Gradients through the merge split back into the two parts.
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> lowrank = rj.init_lowrank(jax.random.key(1), 4, 2)
+      >>> p = rj.merge_params(rj.init_reranker(jax.random.key(0), 4), lowrank)           # hybrid
+      >>> sorted(p["q_adapter"]), sorted(rj.merge_params({}, lowrank)["q_adapter"])      # and an empty shared part
+      (['W', 'lora'], ['lora'])
     """
     if not isinstance(shared, dict) or not isinstance(local, dict):
         return local if isinstance(shared, dict) and not shared else shared
@@ -150,7 +157,15 @@ def _apply_adapter(p, x):
 
 
 def score_naive(params, q, m):
-    """Reference path: build every adapted memory, s_i = (m_i + W_m m_i)ᵀ(q + W_q q). O(K·d²)."""
+    """Reference path: build every adapted memory, s_i = (m_i + W_m m_i)ᵀ(q + W_q q). O(K·d²).
+    The same scores as :func:`score` (without a mask), for testing its fused path.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rmm_jax as rj
+      >>> params = rj.init_reranker(jax.random.key(0), 3)
+      >>> rj.score_naive(params, jnp.array([1.0, 0.0, 2.0]), jnp.eye(3)).tolist()   # at init: m @ q
+      [1.0, 0.0, 2.0]
+    """
     kind_of(params)                                         # a tree of another kind: one ValueError
     return _apply_adapter(params["m_adapter"], m) @ _apply_adapter(params["q_adapter"], q)
 
