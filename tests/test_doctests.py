@@ -16,6 +16,9 @@ MODULES = ["rmm_jax"] + sorted(m.name for m in pkgutil.walk_packages(rmm_jax.__p
 
 # Functions whose docstrings must hold an example (doctest finds them by qualified name).
 DOCUMENTED = {
+    "rmm_jax.core.config": ["preset", "Layout", "Estimator"],
+    "rmm_jax.core.optim": ["adam", "sgd"],
+    "rmm_jax.core.scope": ["Scope"],
     "rmm_jax.core.reranker": ["init_reranker", "init_lowrank", "merge_params", "score", "score_batch", "score_naive"],
     "rmm_jax.core.sampling": ["gumbel_top_m", "selection_log_prob", "selection_log_probs", "top_m"],
     "rmm_jax.core.losses": ["citation_rewards", "advantages", "reinforce_loss", "citation_logistic_loss",

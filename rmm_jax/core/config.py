@@ -42,7 +42,13 @@ NOISES = ("tempered", "unit")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The shapes of a program: frozen and hashable (its fields are static under jit)."""
+    """The shapes of a program: frozen and hashable (its fields are static under jit).
+
+    Examples:
+      >>> import rmm_jax as rj
+      >>> rj.Layout(k=10, m=3)
+      Layout(kind='linear', hidden=None, k=10, m=3, batch=4, scope=Scope(name='user', rank=None))
+    """
     kind: str = "linear"
     hidden: int | None = None
     k: int = 20                  # candidates from the base retriever
@@ -69,7 +75,14 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Estimator:
     """The estimator: frozen and hashable. Defaults are the ``reinforce`` preset's; the
-    ``default`` preset takes the citations as labels (``loss="logistic"``)."""
+    ``default`` preset takes the citations as labels (``loss="logistic"``).
+
+    Examples:
+      >>> import rmm_jax as rj
+      >>> est = rj.Estimator(tau=0.5, noise="unit")
+      >>> est.loss, est.sample_tau, est.loss_tau              # unit noise draws at temperature 1
+      ('reinforce', 1.0, 1.0)
+    """
     loss: str = "reinforce"      # reinforce (REINFORCE on citation rewards) | logistic (citations as labels)
                                  # | pairwise (the cited over the uncited shown memories of a call)
     offset: float = 0.0          # logistic: the logit of a query's best candidate
@@ -193,7 +206,14 @@ def preset(name: str = "default", *, rank: int | None = None, **overrides) -> Se
     :data:`PRESETS`) with ``overrides`` (fields of :class:`Layout`, :class:`Estimator`,
     ``optimizer`` (a name in :data:`rmm_jax.core.optim.OPTIMIZERS`) and ``lr``). ``scope``
     may be a name, with ``rank`` for hybrid. A bad value raises
-    ``ValueError("field: message")``."""
+    ``ValueError("field: message")``.
+
+    Examples:
+      >>> import rmm_jax as rj
+      >>> layout, estimator, optimizer = rj.preset("paper", k=10, m=3)
+      >>> layout.k, layout.m, estimator.tau, optimizer.name, rj.preset(scope="hybrid", rank=4).layout.scope.rank
+      (10, 3, 0.5, 'sgd', 4)
+    """
     checks.require(name in PRESETS, "preset", f"must be one of {tuple(PRESETS)}, got {name!r}")
     scope_name = getattr(overrides.get("scope"), "name", overrides.get("scope")) or Scope().name
     values = {**PRESETS[name], **BY_SCOPE.get(name, {}).get(scope_name, {}), **overrides}

@@ -54,7 +54,14 @@ def outer_sum(x, y):
 
 
 def adam(lr: float) -> Optimizer:
-    """``optax.adam(lr)`` that can also step on rank-B factors (same formula, same state)."""
+    """``optax.adam(lr)`` that can also step on rank-B factors (same formula, same state).
+
+    Examples:
+      >>> import rmm_jax as rj
+      >>> opt = rj.adam(1e-4)
+      >>> opt.name, opt.lr, rj.preset("default", lr=1e-4).optimizer.name
+      ('adam', 0.0001, 'adam')
+    """
     checks.check_positive(lr, "lr")
     base = optax.adam(lr)
 
@@ -78,7 +85,15 @@ def adam(lr: float) -> Optimizer:
 
 
 def sgd(lr: float) -> Optimizer:
-    """``optax.sgd(lr)`` that can also step on rank-B factors: p ← p − lr Σ_b x_b ⊗ y_b."""
+    """``optax.sgd(lr)`` that can also step on rank-B factors: p ← p − lr Σ_b x_b ⊗ y_b.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, rmm_jax as rj
+      >>> opt, p = rj.sgd(0.5), {"w": jnp.array([1.0, 2.0])}
+      >>> step, _ = opt.update({"w": jnp.array([1.0, -1.0])}, opt.init(p))
+      >>> optax.apply_updates(p, step)["w"].tolist()            # p − 0.5 g
+      [0.5, 2.5]
+    """
     checks.check_positive(lr, "lr")
     base = optax.sgd(lr)
 

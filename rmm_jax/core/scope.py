@@ -40,7 +40,13 @@ LOWRANK_KEY = 0x10CA1  # folded into a user's key for its low-rank initialisatio
 
 
 class Scope(NamedTuple):
-    """A policy scope: ``name`` in :data:`SCOPES` and, for ``hybrid``, the residual's rank."""
+    """A policy scope: ``name`` in :data:`SCOPES` and, for ``hybrid``, the residual's rank.
+
+    Examples:
+      >>> import rmm_jax as rj
+      >>> rj.Scope(), rj.Scope.named("hybrid", 4), rj.Scope.named("shared", 4)   # rank: hybrid only
+      (Scope(name='user', rank=None), Scope(name='hybrid', rank=4), Scope(name='shared', rank=None))
+    """
     name: str = "user"
     rank: int | None = None
 
