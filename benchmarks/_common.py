@@ -68,6 +68,60 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """``--help`` keeps the module docstring's layout and shows every option's default."""
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a count, a size), else a one-line usage error."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return n
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated ints >= 0 (seeds), at least one."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = None
+    if not out or any(x < 0 for x in out):
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 0, got {text!r}")
+    return out
+
+
+def positive_int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated ints >= 1 (user counts, sizes), at least one."""
+    try:
+        out = int_list(text)
+    except argparse.ArgumentTypeError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
+    return out
+
+
+def choice_list(*choices: str):
+    """An argparse ``type``: comma-separated names, each one of ``choices``."""
+    def parse(text: str) -> list[str]:
+        out = [x for x in text.split(",") if x]
+        bad = [x for x in out if x not in choices]
+        if not out or bad:
+            raise argparse.ArgumentTypeError(f"must be comma-separated names of {', '.join(choices)}, got {text!r}")
+        return out
+    parse.__name__ = "names"
+    return parse
+
+
+def existing_path(text: str) -> Path:
+    """An argparse ``type``: a path that exists (an input read only at the end of a long run
+    is checked before it starts)."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or directory")
+    return path
+
+
 def locomo_dir() -> Path:
     """The LoCoMo directory: ``$RMM_LOCOMO_DIR``, else ``<repo>/../shared/data/locomo``."""
     return Path(os.environ.get(DATA_ENV) or REPO.parent / "shared" / "data" / "locomo")
@@ -84,8 +138,8 @@ def locomo_options(ap: argparse.ArgumentParser) -> None:
     ``--k`` candidates and ``--m`` shown."""
     add_data_option(ap)
     ap.add_argument("--model", default=MODEL)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    ap.add_argument("--k", type=positive_int, default=20, help="candidates retrieved per question")
+    ap.add_argument("--m", type=positive_int, default=5, help="memories shown per question")
 
 
 def result_options(ap: argparse.ArgumentParser, plot_help: str) -> None:

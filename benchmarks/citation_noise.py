@@ -126,7 +126,7 @@ def region(out: dict) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     _common.locomo_options(ap)
-    ap.add_argument("--seeds", type=int, default=5, help="seeds per cell")
+    ap.add_argument("--seeds", type=_common.positive_int, default=5, help="seeds per cell")
     ap.add_argument("--preset", default="default", choices=tuple(rj.PRESETS), help="the learner of every cell")
     ap.add_argument("--matched", action="store_true",
                     help="each grid cell's learner corrects for that cell's own rates (p_useful, p_other), "

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, HelpFormatter, LoadWatch, spread, write_result
+from _common import REPO, HelpFormatter, LoadWatch, positive_int, spread, write_result
 
 TARGET = 0.5
 # (name, arguments, exit codes that mean success, what must be reset before each run)
@@ -143,7 +143,7 @@ class Walkthrough:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median, min, max)")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (median, min, max)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="rmm-cli-latency-"))

@@ -76,15 +76,15 @@ def choose_in_scope(rows: list[dict], scope: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_common.HelpFormatter)
     _common.add_data_option(ap)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
-    ap.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="comma-separated seeds")
+    ap.add_argument("--k", type=_common.positive_int, default=20, help="candidates per question")
+    ap.add_argument("--m", type=_common.positive_int, default=5, help="memories shown per question")
+    ap.add_argument("--seeds", type=_common.int_list, default="0,1,2,3,4,5,6,7", help="comma-separated seeds")
     ap.add_argument("--candidates", default=None, help="';'-separated candidate names (default: all)")
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
     args = ap.parse_args(argv)
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = args.seeds
     names = list(CANDIDATES) if not args.candidates else [n.strip() for n in args.candidates.split(";")]
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:

@@ -331,15 +331,15 @@ def paired(result: dict, other_path: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_common.HelpFormatter)
     _common.add_data_option(ap)
-    ap.add_argument("--period", type=int, default=14, help="calendar days per deployment day (cycle)")
-    ap.add_argument("--seeds", type=int, default=5, help="simulate repeats for the interval")
+    ap.add_argument("--period", type=_common.positive_int, default=14, help="calendar days per deployment day (cycle)")
+    ap.add_argument("--seeds", type=_common.positive_int, default=5, help="simulate repeats for the interval")
     ap.add_argument("--work", type=Path, default=None, help="keep the stores, policies and logs here")
     ap.add_argument("--draw-tau", type=float, default=None,
                     help="draw the shown memories at this temperature (rerank --explore --tau, replay --draw-tau; "
                          "the store records it) instead of the default preset's tau")
     ap.add_argument("--gate", action="store_true",
                     help="roll back each night whose evaluate verdict is not to ship (rmm-jax policies rollback)")
-    ap.add_argument("--paired-with", type=Path, default=None,
+    ap.add_argument("--paired-with", type=_common.existing_path, default=None,
                     help="a result file of the same deployment without --gate: the final Recall@5 difference, "
                          "paired per question")
     ap.add_argument("--json", type=Path, default=_common.RESULTS / "deploy.json")

@@ -109,7 +109,8 @@ def plot(out: dict, path: Path) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     _common.locomo_options(ap)
-    ap.add_argument("--seeds", type=int, default=5, help="seeds: each draws its own labelled sample and run")
+    ap.add_argument("--seeds", type=_common.positive_int, default=5,
+                    help="seeds: each draws its own labelled sample and run")
     ap.add_argument("--p-useful", type=float, default=0.9, help="the generator's P(cite | useful)")
     ap.add_argument("--p-other", type=float, default=0.3, help="the generator's P(cite | not useful)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated numbers of labelled calls")

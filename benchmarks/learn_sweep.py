@@ -1288,7 +1288,8 @@ def main(argv=None):
     ap.add_argument("--store", type=Path, default=None,
                     help="embedding store to reuse (made with `rmm-jax embed locomo:DATA --answers`); built there "
                          "when absent (default: a temporary one)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0..7; heldout, bound and hybrid "
+    ap.add_argument("--seeds", type=_common.int_list, default=None,
+                    help="comma-separated seeds (default 0..7; heldout, bound and hybrid "
                                                   "0..4)")
     ap.add_argument("--rows", default=None, help="';'-separated row names of the lever (default: all)")
     ap.add_argument("--passes", default="1,2,3,5", help="passes: numbers of passes over the first half")
@@ -1298,7 +1299,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     streams, qa, dialogue = locomo(_common.require_data(args.data), args.store)
     reports_held_out = args.lever in ("heldout", "bound", "hybrid", "dialogue")
-    seeds = [int(x) for x in (args.seeds or ("0,1,2,3,4" if reports_held_out else "0,1,2,3,4,5,6,7")).split(",")]
+    seeds = args.seeds or list(range(5 if reports_held_out else 8))
     ctx = Context(streams, qa, dialogue, base_per_user(streams), seeds, args.rows,
                   [int(x) for x in args.passes.split(",")], log)
     log(f"lever {args.lever} on {','.join(TUNED_ON) if not reports_held_out else 'held-out'}, seeds {seeds}")

@@ -40,15 +40,16 @@ SCOPES = ("user", "shared", "hybrid")
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-    ap.add_argument("--users", type=int, default=600)
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--store", type=Path, default=None, help="an embedding store to use instead of synthetic users")
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--scopes", default=",".join(SCOPES))
+    ap.add_argument("--users", type=_common.positive_int, default=600, help="synthetic users")
+    ap.add_argument("--dim", type=_common.positive_int, default=384, help="embedding dimension of synthetic users")
+    ap.add_argument("--store", type=_common.existing_path, default=None,
+                    help="an embedding store to use instead of synthetic users")
+    ap.add_argument("--k", type=_common.positive_int, default=20, help="candidates per question")
+    ap.add_argument("--scopes", type=_common.choice_list(*SCOPES), default=",".join(SCOPES), help="comma-separated")
     ap.add_argument("--citations", default="oracle", choices=_common.CITATIONS[:2], help="simulated generator")
-    ap.add_argument("--users-per-chunk", type=int, default=8)
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--users-per-chunk", type=_common.positive_int, default=8, help="users run side by side")
+    ap.add_argument("--seeds", type=_common.int_list, default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.store:
@@ -65,8 +66,8 @@ def main(argv=None):
            "queries_per_user": {"min": min(q_per_user), "max": max(q_per_user)},
            "config": {"preset": "default", "citations": cite_info, "users_per_chunk": args.users_per_chunk},
            "rows": {}}
-    seeds = [int(x) for x in args.seeds.split(",")]
-    for scope in args.scopes.split(","):
+    seeds = args.seeds
+    for scope in args.scopes:
         setting = rj.preset("default", k=args.k, scope=scope)
         program = rj.make_run(*setting, cite_fn=cite)
         m = setting.layout.m

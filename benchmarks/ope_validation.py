@@ -346,7 +346,7 @@ def plot(scenarios: dict, truth: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=100, help="logs per scenario")
+    ap.add_argument("--seeds", type=_common.positive_int, default=100, help="logs per scenario")
     ap.add_argument("--json", type=Path, default=_common.RESULTS / "ope_validation.json")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of every seed's interval of the cited count")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --json")
@@ -354,8 +354,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train", default="26,30")
     ap.add_argument("--eval", default="41,42,43")
     ap.add_argument("--tau", type=float, default=0.1)
-    ap.add_argument("--bootstrap", type=int, default=1000)
-    ap.add_argument("--replicates", type=int, default=2000, help="on-policy Monte Carlo replicates (the check)")
+    ap.add_argument("--bootstrap", type=_common.positive_int, default=1000)
+    ap.add_argument("--replicates", type=_common.positive_int, default=2000,
+                    help="on-policy Monte Carlo replicates (the check)")
     ap.add_argument("--scenarios", default="fixed,adaptive")
     args = ap.parse_args(argv)
     if args.replot:

@@ -539,12 +539,12 @@ def main(argv=None):
     ap.add_argument("--tune-seeds", default=None, help="seeds each tuning setting runs (default 0,1; quick 0)")
     ap.add_argument("--citations", default=",".join(CITATIONS),
                     help=f"comma-separated citation models (default {','.join(CITATIONS)})")
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    ap.add_argument("--k", type=_common.positive_int, default=20)
+    ap.add_argument("--m", type=_common.positive_int, default=5)
     ap.add_argument("--bits", type=int, default=22, help="VW hash bits (-b)")
     ap.add_argument("--lr", type=float, default=None, help="VW -l for every citation model; skips the tuning")
     ap.add_argument("--power-t", type=float, default=0.5, help="VW --power_t with --lr (default 0.5)")
-    ap.add_argument("--tuned", type=Path, default=None,
+    ap.add_argument("--tuned", type=_common.existing_path, default=None,
                     help="take each citation model's VW setting from this earlier result JSON; skips the tuning")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=False,
                     help="also run the cb_explore_adf ablation rows (about 4x VW's time)")

@@ -104,15 +104,15 @@ def main(argv=None):
     _common.add_data_option(ap)
     ap.add_argument("--model", default=_common.MODEL)
     ap.add_argument("--granularity", default="turn", choices=["turn", "session", "segment"])
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
+    ap.add_argument("--k", type=_common.positive_int, default=20, help="candidates per question")
+    ap.add_argument("--m", type=_common.positive_int, default=5, help="memories shown per question")
     ap.add_argument("--citations", default="oracle", choices=_common.CITATIONS,
                     help="simulated generator of the online rows (oracle: the class-calibrated one rmm-jax simulate "
                          "uses)")
     ap.add_argument("--scope", default=",".join(SCOPES), help="comma-separated policy scopes")
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK, help="rank of the hybrid residual")
     ap.add_argument("--lr", type=float, default=None, help="online learning rate (default: the preset's)")
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--seeds", type=_common.int_list, default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--rows", default=None, help="comma-separated rows (default: all for the scopes)")
     ap.add_argument("--tuned-on", default=",".join(_common.TUNED_ON), help="conversations the defaults were tuned on")
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
@@ -131,7 +131,7 @@ def main(argv=None):
     bad = [r for r in rows if r not in all_rows]
     if bad:
         sys.exit(f"error: --rows: unknown row {bad[0]!r} (choose from {', '.join(all_rows)})")
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = args.seeds
     m = args.m
     preset_kw = dict(k=args.k, m=m, rank=args.rank, **({"lr": args.lr} if args.lr else {}))
     setting = rj.preset("default", **preset_kw)
@@ -179,7 +179,7 @@ def main(argv=None):
 
     head = "".join(f"{u:>8}" for u in users)
     print(f"Prequential Recall@{m} on LoCoMo ({args.granularity}, K={args.k}, M={m}; {args.citations} citations; "
-          f"seeds {args.seeds}; tuned on {','.join(tuned) or '-'}):")
+          f"seeds {','.join(map(str, seeds))}; tuned on {','.join(tuned) or '-'}):")
     print(f"{'row':<24}{head}{'overall':>9}{'held-out':>10}  held-out gain [95%: conversation+seed+query] "
           f"[seed+query]")
     for row, r in out["rows"].items():

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import HelpFormatter, add_data_option, require_data, write_result
+from _common import HelpFormatter, add_data_option, choice_list, positive_int, require_data, write_result
 
 GRANULARITIES = ("turn", "segment", "session")
 
@@ -34,12 +34,13 @@ def rmm_jax(*args: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_data_option(ap)
-    ap.add_argument("--granularities", default=",".join(GRANULARITIES), help="comma-separated")
-    ap.add_argument("--k", type=int, default=20, help="candidates retrieved per question")
+    ap.add_argument("--granularities", type=choice_list(*GRANULARITIES), default=",".join(GRANULARITIES),
+                    help="comma-separated")
+    ap.add_argument("--k", type=positive_int, default=20, help="candidates retrieved per question")
     ap.add_argument("--out-dir", type=Path, required=True, help="writes retrieval_locomo_G.json here")
     args = ap.parse_args(argv)
     data = require_data(args.data)
-    for g in args.granularities.split(","):
+    for g in args.granularities:
         with tempfile.TemporaryDirectory() as tmp:
             store = str(Path(tmp) / "store")
             embed = ["embed", f"locomo:{data}", "--out", store, "--granularity", g]

@@ -46,7 +46,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import HelpFormatter, LoadWatch, spread, write_result  # noqa: E402
+from _common import HelpFormatter, LoadWatch, positive_int, spread, write_result  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
@@ -211,12 +211,12 @@ def throughput(args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--users", type=int, default=10_000)
-    ap.add_argument("--queries", type=int, default=100)
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--rank", type=int, default=DEFAULT_RANK)
+    ap.add_argument("--users", type=positive_int, default=10_000)
+    ap.add_argument("--queries", type=positive_int, default=100)
+    ap.add_argument("--dim", type=positive_int, default=384)
+    ap.add_argument("--rank", type=positive_int, default=DEFAULT_RANK)
     ap.add_argument("--scopes", default="hybrid", help="comma-separated scopes to run one after another")
-    ap.add_argument("--chunk", type=int, default=250, help="users per compiled call")
+    ap.add_argument("--chunk", type=positive_int, default=250, help="users per compiled call")
     ap.add_argument("--user-save-limit", type=int, default=200, help="users of scope `user` written to disk")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", type=Path, default=None, help="where the policy stores go (default: a temp dir)")
@@ -224,8 +224,8 @@ def main(argv=None):
     ap.add_argument("--streams", type=Path, default=None, help="the synthetic streams' file, written before the "
                     "timed run if it does not hold this population (default: in --root; reused while it matches)")
     ap.add_argument("--throughput", action="store_true", help="only the hybrid-vs-user throughput comparison")
-    ap.add_argument("--tp-users", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tp-users", type=positive_int, default=1000)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     out = {"machine": {"cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}}

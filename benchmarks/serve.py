@@ -38,7 +38,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import HelpFormatter, LoadWatch, drop_page_cache, spread, write_result
+from _common import HelpFormatter, LoadWatch, drop_page_cache, positive_int, spread, write_result
 from tqdm import tqdm
 
 import rmm_jax as rj
@@ -73,14 +73,14 @@ def timed(fn) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--users", type=int, default=100_000, help="hybrid users in the store")
-    ap.add_argument("--dim", type=int, default=384, help="embedding dimension")
+    ap.add_argument("--users", type=positive_int, default=100_000, help="hybrid users in the store")
+    ap.add_argument("--dim", type=positive_int, default=384, help="embedding dimension")
     ap.add_argument("--rank", type=int, default=8, help="hybrid rank of each user's factors")
-    ap.add_argument("--k", type=int, default=20, help="candidates per query")
-    ap.add_argument("--m", type=int, default=5, help="memories returned per query")
-    ap.add_argument("--samples", type=int, default=200, help="users timed per repeat (cold, then warm)")
-    ap.add_argument("--batch", type=int, default=256, help="queries per batched call")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median, min, max)")
+    ap.add_argument("--k", type=positive_int, default=20, help="candidates per query")
+    ap.add_argument("--m", type=positive_int, default=5, help="memories returned per query")
+    ap.add_argument("--samples", type=positive_int, default=200, help="users timed per repeat (cold, then warm)")
+    ap.add_argument("--batch", type=positive_int, default=256, help="queries per batched call")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (median, min, max)")
     ap.add_argument("--store", type=Path, default=None, help="where the store is built (reused if present)")
     ap.add_argument("--keep", action="store_true", help="keep the store")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")

@@ -279,7 +279,7 @@ def main(argv=None):
     ap.add_argument("--step-multiples", default="5,10,15,20,30",
                     help="part step: the earlier users' shared step, as multiples of one user's step (the "
                          "update's is the square root of their number, at most 10)")
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--seeds", type=_common.int_list, default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS))
     ap.add_argument("--parts", default="curves,late", help="comma-separated: curves, late, step")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -290,7 +290,7 @@ def main(argv=None):
     data = _common.require_data(args.data)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = args.seeds
     parts = args.parts.split(",")
     k, m = 20, 5
     cite, cite_info = _common.citation_model("oracle")

@@ -140,13 +140,14 @@ def soak(users: int, args, work: Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--users", default="1000,10000", help="Comma-separated user counts (one soak each).")
-    ap.add_argument("--queries", type=int, default=100, help="Queries per user.")
-    ap.add_argument("--memories", type=int, default=64, help="Memories per user.")
-    ap.add_argument("--dim", type=int, default=32, help="Embedding dimension.")
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--m", type=int, default=5)
-    ap.add_argument("--users-per-chunk", type=int, default=256)
+    ap.add_argument("--users", type=_common.positive_int_list, default="1000,10000",
+                    help="Comma-separated user counts (one soak each).")
+    ap.add_argument("--queries", type=_common.positive_int, default=100, help="Queries per user.")
+    ap.add_argument("--memories", type=_common.positive_int, default=64, help="Memories per user.")
+    ap.add_argument("--dim", type=_common.positive_int, default=32, help="Embedding dimension.")
+    ap.add_argument("--k", type=_common.positive_int, default=20)
+    ap.add_argument("--m", type=_common.positive_int, default=5)
+    ap.add_argument("--users-per-chunk", type=_common.positive_int, default=256)
     ap.add_argument("--rss-bound-mib", type=float, default=1500.0, help="Peak RSS bound for every run.")
     ap.add_argument("--growth-mib", type=float, default=150.0,
                     help="Allowed peak-RSS growth from the smallest to the largest user count.")
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="Keep each run's files.")
     ap.add_argument("--json", dest="json_out", default=None, help="Write the results as JSON here.")
     args = ap.parse_args(argv)
-    counts = [int(x) for x in args.users.split(",") if x.strip()]
+    counts = args.users
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rmm-soak-"))
     watch = _common.LoadWatch()
     results = []

@@ -213,9 +213,9 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0, night
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--users", type=int, default=10_000, help="Users to save.")
-    ap.add_argument("--per-save", type=int, default=1000, help="Users per save call.")
-    ap.add_argument("--loads", type=int, default=20, help="Random users to load.")
+    ap.add_argument("--users", type=_common.positive_int, default=10_000, help="Users to save.")
+    ap.add_argument("--per-save", type=_common.positive_int, default=1000, help="Users per save call.")
+    ap.add_argument("--loads", type=_common.positive_int, default=20, help="Random users to load.")
     ap.add_argument("--json", action="store_true", help="Also print the result as JSON on stdout.")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_scale.json"),
                     help="Results file; this run's entry is merged in.")

@@ -84,7 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
-from _common import HelpFormatter, load_summary, write_result
+from _common import HelpFormatter, load_summary, positive_int, write_result
 from _common import spread as interval
 
 try:
@@ -629,12 +629,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--json", help="write results as JSON here")
     ap.add_argument("--plot", help="write a PNG of queries/s vs users here")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved timing repeats (median); default 3, quick 1")
+    ap.add_argument("--repeats", type=positive_int, default=None,
+                    help="interleaved timing repeats (median); default 3, quick 1")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, seconds-long smoke run")
-    ap.add_argument("--queries", type=int, default=None, help="stream length of the one-user configs (512)")
-    ap.add_argument("--user-queries", type=int, default=None, help="queries per user in users scaling (200)")
-    ap.add_argument("--bank", type=int, default=None, help="memories per user (256)")
-    ap.add_argument("--chunk", type=int, default=100, help="max users per chunk in users scaling")
+    ap.add_argument("--queries", type=positive_int, default=None, help="stream length of the one-user configs (512)")
+    ap.add_argument("--user-queries", type=positive_int, default=None, help="queries per user in users scaling (200)")
+    ap.add_argument("--bank", type=positive_int, default=None, help="memories per user (256)")
+    ap.add_argument("--chunk", type=positive_int, default=100, help="max users per chunk in users scaling")
     ap.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                     help="time the torch.compile reference (default: on, off with --quick)")
     ap.add_argument("--compile-configs", default=None, help="comma-separated configs to time torch.compile on "

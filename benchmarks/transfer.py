@@ -152,7 +152,8 @@ def log_precision(outputs: list[dict], by_id: dict) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
     _common.locomo_options(ap)
-    ap.add_argument("--seeds", type=int, default=5, help="seeds: citation draws, sampling and shuffles")
+    ap.add_argument("--seeds", type=_common.positive_int, default=5,
+                    help="seeds: citation draws, sampling and shuffles")
     ap.add_argument("--no-speakers", dest="speakers", action="store_false",
                     help="embed every memory without its speaker's name (the dialogue row is left out)")
     _common.result_options(ap, "transfer and in-sample gain per learner, PNG")

@@ -145,3 +145,64 @@ def test_the_default_and_calibrated_are_what_the_sweep_chooses():
             assert sweep["chosen_by_scope"][scope] == pick["name"]
         want = describe(*rj.preset("reinforce", scope=scope, **pick["fields"]))
         assert describe(*rj.preset("calibrated", scope=scope)) == want, (scope, pick["name"])
+
+
+class _Parsed(Exception):
+    """Raised in place of running a script once its arguments parsed (:func:`parsed`)."""
+
+
+def parsed(script: str, argv: list[str], monkeypatch):
+    """What ``python benchmarks/SCRIPT.py ARGV`` parses to, without running the benchmark:
+    ``main(argv)`` is called with ``parse_args`` stopping right after parsing (the namespace
+    is returned); a usage error is the script's ``SystemExit``."""
+    import argparse
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = importlib.import_module(script)
+    real = argparse.ArgumentParser.parse_args
+
+    def stop(self, args=None, namespace=None):
+        raise _Parsed(real(self, args, namespace), self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    try:
+        module.main(argv)
+    except _Parsed as p:
+        return p.args[0]
+    raise AssertionError(f"{script}.main({argv}) returned without parsing its arguments")
+
+
+BAD_ARGUMENTS = [
+    ("one_question", ["--store", "/no/such/store"]),
+    ("one_question", ["--users", "-1"]),
+    ("one_question", ["--seeds", "x"]),
+    ("one_question", ["--scopes", "bogus"]),
+    ("learn_sweep", ["scope", "--seeds", "abc"]),
+    ("defaults_sweep", ["--seeds", "1,x"]),
+    ("quality_locomo", ["--k", "0"]),
+    ("citation_agreement", ["--k", "-3"]),
+    ("citation_noise", ["--seeds", "0"]),
+    ("retrieval_locomo", ["--out-dir", "/tmp", "--granularities", "turn,foo"]),
+    ("soak", ["--users", "-1"]),
+    ("store_scale", ["--users", "-1"]),
+    ("scale", ["--users", "-5"]),
+    ("serve", ["--repeats", "-1"]),
+    ("cli_latency", ["--repeats", "0"]),
+    ("throughput", ["--repeats", "0"]),
+    ("ope_validation", ["--seeds", "-1"]),
+    ("deploy", ["--gate", "--paired-with", "/no/such/result.json"]),
+    ("peer_vw", ["--tuned", "/no/such/result.json"]),
+]
+
+
+@pytest.mark.parametrize("script,argv", BAD_ARGUMENTS, ids=[f"{s} {' '.join(a)}" for s, a in BAD_ARGUMENTS])
+def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, argv, monkeypatch, capsys):
+    """A negative count, a seed that is no int, an unknown name or a missing input path is
+    argparse's one-line error (exit 2) at parse time: not a traceback minutes into the run,
+    nor a run that starts (or an input read only at its end)."""
+    with pytest.raises(SystemExit) as e:
+        parsed(script, argv, monkeypatch)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f": error: argument {argv[-2]}: " in err[-1], err
