@@ -29,6 +29,7 @@ package. No benchmark imports another: what two of them need lives here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -169,16 +170,29 @@ def save_outputs(args, result: dict, plot) -> None:
         write_result(args.json, result)
 
 
-def save_figure(fig, path: Path, dpi: int = 120) -> None:
-    """Write a matplotlib figure to ``path`` whole (a temporary file renamed into place) and
-    close it."""
-    import matplotlib.pyplot as plt
+@contextlib.contextmanager
+def atomic_output(path):
+    """``with atomic_output(path) as tmp``: write ``tmp`` (a sibling with the same suffix,
+    so writers that go by it still do); it replaces ``path`` whole when the block ends, and
+    is removed when the block fails: a killed or failed run leaves ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """Write a matplotlib figure to ``path`` whole (:func:`atomic_output`) and close it."""
+    import matplotlib.pyplot as plt
+    try:
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=dpi)
+    finally:
+        plt.close(fig)
 
 
 def require_data(path: Path) -> Path:

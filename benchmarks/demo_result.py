@@ -14,7 +14,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,7 +39,8 @@ def main(argv=None):
                     raise
         summary = json.loads(out.getvalue())
         if args.plot:
-            shutil.copyfile(summary["plot"], args.plot)
+            with _common.atomic_output(args.plot) as tmp:
+                tmp.write_bytes(Path(summary["plot"]).read_bytes())
     summary.pop("plot", None)                      # a temporary path
     summary["demo_args"] = demo_args
     for name, row in summary["rows"].items():

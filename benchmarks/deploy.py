@@ -312,8 +312,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"deployment on LoCoMo ({len(result['users'])} users, {result['calls']} calls): "
                  f"serve --explore, cite, replay nightly", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.save_figure(fig, path, dpi=110)
 
 
 def paired(result: dict, other_path: Path) -> dict:

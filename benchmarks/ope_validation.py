@@ -337,8 +337,7 @@ def plot(scenarios: dict, truth: dict, path: Path) -> None:
             ax.tick_params(labelsize=7)
         ax_row[0].set_ylabel("cited per call: estimate, 95% interval\n(axis cut at 0.5%/99.5% of ends)", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _common.save_figure(fig, path)
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -383,8 +383,7 @@ def plot(out: dict, path) -> None:
         ax.set_title(f"{pop}: {out['preset']} preset, {len(out['seeds'])} seeds, 95% interval")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _common.save_figure(fig, path)
     print(f"wrote {path}", file=sys.stderr)
 
 
@@ -410,8 +409,7 @@ def plot_step(out: dict, path) -> None:
     ax.set_title(f"{out['synthetic']}: {out['preset']} preset, {len(out['seeds'])} seeds, 95% interval", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _common.save_figure(fig, path)
     print(f"wrote {path}", file=sys.stderr)
 
 

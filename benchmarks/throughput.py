@@ -84,7 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
-from _common import HelpFormatter, load_summary, positive_int, write_result
+from _common import HelpFormatter, load_summary, positive_int, save_figure, write_result
 from _common import spread as interval
 
 try:
@@ -704,7 +704,7 @@ def main(argv=None):
         ax.set_title(f"d={d_users}, {args.user_queries} queries/user, {machine['backend']}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        save_figure(fig, args.plot)
     return res
 
 

@@ -206,3 +206,39 @@ def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, argv, monk
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert f": error: argument {argv[-2]}: " in err[-1], err
+
+
+def test_every_plot_and_copy_is_written_whole():
+    """A script's ``--plot`` goes through ``_common.save_figure`` (or ``atomic_output``): a
+    direct ``fig.savefig(path)`` or ``shutil.copyfile(src, path)`` leaves a half-written PNG
+    under the result's name when the run is killed mid-write."""
+    for p in SCRIPTS:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                shutil_copy = (getattr(node.func.value, "id", None) == "shutil"
+                               and node.func.attr in ("copy", "copy2", "copyfile"))
+                assert node.func.attr != "savefig" and not shutil_copy, \
+                    f"{p.name}:{node.lineno}: {node.func.attr} writes an output in place"
+
+
+def test_a_figure_that_fails_mid_write_leaves_nothing(tmp_path, monkeypatch):
+    """``save_figure`` whose ``savefig`` dies after writing half: neither the target nor a
+    temporary file is left, and an existing target keeps its old bytes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"old")
+
+    def dies(self, fname, **kw):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", dies)
+    with pytest.raises(KeyboardInterrupt):
+        _common.save_figure(plt.figure(), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+    assert target.read_bytes() == b"old"
