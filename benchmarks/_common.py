@@ -381,14 +381,25 @@ def uncommitted() -> list[str] | None:
     return [p for p in paths if not p.startswith(results)]
 
 
+def code_elsewhere() -> str | None:
+    """The folder ``rmm_jax`` was imported from when it is not this checkout's (an editable
+    install of another checkout or worktree, site-packages), else None: then this checkout's
+    commit does not name the code that ran."""
+    import rmm_jax
+    root = Path(rmm_jax.__file__).resolve().parent.parent
+    return None if root == Path(REPO).resolve() else str(root)
+
+
 def provenance() -> dict:
     """Who wrote a result: command line, UTC date, commit, whether the tree was clean (no
-    uncommitted change outside ``benchmarks/results/``), machine, load average."""
-    commit, dirty = _git("rev-parse", "--short", "HEAD"), uncommitted()
+    uncommitted change outside ``benchmarks/results/``, and ``rmm_jax`` imported from this
+    checkout: else ``rmm_jax_from``), machine, load average."""
+    commit, dirty, elsewhere = _git("rev-parse", "--short", "HEAD"), uncommitted(), code_elsewhere()
     return {"command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit.strip() if commit else None, "clean": dirty == [],
+            "commit": commit.strip() if commit else None, "clean": dirty == [] and elsewhere is None,
             **({"uncommitted": dirty[:20]} if dirty else {}),
+            **({"rmm_jax_from": elsewhere} if elsewhere else {}),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "load_average": list(os.getloadavg())}
 
@@ -403,7 +414,9 @@ def write_result(path, result: dict) -> None:
     prov = provenance()
     if not prov["clean"]:
         what = (f"{len(prov['uncommitted'])} uncommitted path(s), e.g. {prov['uncommitted'][0]}"
-                if prov.get("uncommitted") else "no git checkout")
+                if prov.get("uncommitted") else
+                f"rmm_jax imported from {prov['rmm_jax_from']}, not from {REPO} (set PYTHONPATH)"
+                if prov.get("rmm_jax_from") else "no git checkout")
         inside = Path(path).resolve().is_relative_to(RESULTS.resolve())
         if inside and os.environ.get(ALLOW_DIRTY_ENV) != "1":
             sys.exit(f"error: {path}: not written: a result file comes from committed code, and this tree has "

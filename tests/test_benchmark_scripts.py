@@ -242,3 +242,27 @@ def test_a_figure_that_fails_mid_write_leaves_nothing(tmp_path, monkeypatch):
         _common.save_figure(plt.figure(), target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
     assert target.read_bytes() == b"old"
+
+
+def test_a_result_is_not_clean_when_rmm_jax_comes_from_another_checkout(tmp_path, monkeypatch):
+    """A script of one checkout (a worktree) run without PYTHONPATH imports ``rmm_jax`` from
+    wherever the package is installed (editable: another checkout): its clean tree and
+    commit say nothing of the code that ran, so the result is not ``clean``, says where the
+    code came from, and is refused under ``benchmarks/results/``."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init")
+    monkeypatch.setattr(_common, "REPO", tmp_path)
+    monkeypatch.setattr(_common, "RESULTS", tmp_path / "benchmarks" / "results")
+    monkeypatch.delenv(_common.ALLOW_DIRTY_ENV, raising=False)
+    assert _common.uncommitted() == []                    # the checkout itself is clean
+    prov = _common.provenance()
+    assert prov["clean"] is False and prov["rmm_jax_from"] == str(BENCH.parent.resolve())
+    with pytest.raises(SystemExit, match="rmm_jax imported from"):
+        _common.write_result(tmp_path / "benchmarks" / "results" / "r.json", {"x": 1})
