@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import datetime
 import json
@@ -66,7 +67,20 @@ TUNED_ON = ("26", "30")          # the LoCoMo conversations the defaults were ch
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` keeps the module docstring's layout and shows every option's default."""
+    """``--help`` keeps the module docstring's layout and shows every option's default: also
+    of an option without a help text (argparse's formatter shows none there), and once (not
+    again after a help text that states it)."""
+
+    def _format_action(self, action):
+        if not action.help and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
 
 
 def positive_int(text: str) -> int:

@@ -344,7 +344,7 @@ def plot(scenarios: dict, truth: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_common.HelpFormatter)
     ap.add_argument("--seeds", type=_common.positive_int, default=100, help="logs per scenario")
     ap.add_argument("--json", type=Path, default=_common.RESULTS / "ope_validation.json")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of every seed's interval of the cited count")

@@ -139,7 +139,7 @@ def soak(users: int, args, work: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_common.HelpFormatter)
     ap.add_argument("--users", type=_common.positive_int_list, default="1000,10000",
                     help="Comma-separated user counts (one soak each).")
     ap.add_argument("--queries", type=_common.positive_int, default=100, help="Queries per user.")

@@ -212,7 +212,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0, night
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_common.HelpFormatter)
     ap.add_argument("--users", type=_common.positive_int, default=10_000, help="Users to save.")
     ap.add_argument("--per-save", type=_common.positive_int, default=1000, help="Users per save call.")
     ap.add_argument("--loads", type=_common.positive_int, default=20, help="Random users to load.")

@@ -153,23 +153,33 @@ class _Parsed(Exception):
 
 def parsed(script: str, argv: list[str], monkeypatch):
     """What ``python benchmarks/SCRIPT.py ARGV`` parses to, without running the benchmark:
-    ``main(argv)`` is called with ``parse_args`` stopping right after parsing (the namespace
-    is returned); a usage error is the script's ``SystemExit``."""
+    ``main(argv)`` is called with ``parse_args`` (or ``parse_known_args``, which
+    demo_result uses) stopping right after parsing: ``(namespace, parser)``; a usage error
+    is the script's ``SystemExit``."""
     import argparse
     import importlib
 
     monkeypatch.syspath_prepend(str(BENCH))
     module = importlib.import_module(script)
-    real = argparse.ArgumentParser.parse_args
+    real, real_known = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    inside = []
 
     def stop(self, args=None, namespace=None):
+        inside.append(1)
         raise _Parsed(real(self, args, namespace), self)
 
+    def stop_known(self, args=None, namespace=None):
+        got = real_known(self, args, namespace)
+        if inside:                                  # parse_args' own call: let it check the rest
+            return got
+        raise _Parsed(got, self)
+
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", stop_known)
     try:
         module.main(argv)
     except _Parsed as p:
-        return p.args[0]
+        return p.args
     raise AssertionError(f"{script}.main({argv}) returned without parsing its arguments")
 
 
@@ -266,3 +276,30 @@ def test_a_result_is_not_clean_when_rmm_jax_comes_from_another_checkout(tmp_path
     assert prov["clean"] is False and prov["rmm_jax_from"] == str(BENCH.parent.resolve())
     with pytest.raises(SystemExit, match="rmm_jax imported from"):
         _common.write_result(tmp_path / "benchmarks" / "results" / "r.json", {"x": 1})
+
+
+def committed_commands() -> list[tuple[str, str, list[str]]]:
+    """(result file, script, argv) of every committed result's ``provenance.command``."""
+    import shlex
+    out = []
+    for f in sorted((BENCH / "results").glob("*.json")):
+        words = shlex.split(json.loads(f.read_text())["provenance"]["command"])
+        out.append((f.name, Path(words[1]).stem, words[2:]))
+    return out
+
+
+@pytest.mark.parametrize("name,script,argv", committed_commands(), ids=[c[0] for c in committed_commands()])
+def test_a_committed_result_is_reproducible_with_todays_options(name, script, argv, monkeypatch):
+    """The command in each result file's provenance still parses with its script's options
+    (a renamed or dropped option means the result can no longer be reproduced as recorded),
+    and that script's ``--help`` shows the default of every option that has one."""
+    import argparse
+    monkeypatch.setenv("COLUMNS", "10000")                # one line per option: no path wrapped at a '-'
+    ns, parser = parsed(script, argv, monkeypatch)
+    assert ns is not None
+    text = " ".join(parser.format_help().split())
+    for a in parser._actions:
+        if a.option_strings and a.default not in (None, False, argparse.SUPPRESS) and a.help != argparse.SUPPRESS:
+            assert f"default: {a.default}" in text or "default" in (a.help or "").lower(), \
+                f"{script} --help: {a.option_strings[0]} shows no default"
+        assert text.count(f"(default: {a.default}) (default:") == 0
