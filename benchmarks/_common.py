@@ -137,6 +137,21 @@ def existing_path(text: str) -> Path:
     return path
 
 
+def rmm_jax_command() -> list[str]:
+    """The console script users run (beside this interpreter), else the module: how a
+    benchmark that times or drives the CLI runs ``rmm-jax``."""
+    script = Path(sys.executable).parent / "rmm-jax"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
+
+
+def du(path: Path) -> int:
+    """Bytes of the file ``path``, or of every file under the directory ``path`` (apparent size)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 def locomo_dir() -> Path:
     """The LoCoMo directory: ``$RMM_LOCOMO_DIR``, else ``<repo>/../shared/data/locomo``."""
     return Path(os.environ.get(DATA_ENV) or REPO.parent / "shared" / "data" / "locomo")

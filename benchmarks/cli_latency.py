@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, HelpFormatter, LoadWatch, positive_int, spread, write_result
+from _common import REPO, HelpFormatter, LoadWatch, positive_int, rmm_jax_command, spread, write_result
 
 TARGET = 0.5
 # (name, arguments, exit codes that mean success, what must be reset before each run)
@@ -61,12 +61,6 @@ WALK = [
 def cache_tag(rep: int, name: str) -> str:
     """The name of a repeat's compilation cache for a verb (``jax-TAG``)."""
     return f"{rep}-{name.replace(' ', '_').replace(',', '')}"
-
-
-def rmm_jax_command() -> list[str]:
-    """The console script users run (beside this interpreter), else the module."""
-    script = Path(sys.executable).parent / "rmm-jax"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
 
 
 class Walkthrough:

@@ -89,15 +89,9 @@ M = 5
 CITE_SEED = 20250712
 
 
-def rmm_jax_command() -> list[str]:
-    """The console script beside this interpreter, else the module."""
-    script = Path(sys.executable).parent / "rmm-jax"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
-
-
 def cli(args: list, work: Path) -> str:
     """Run one ``rmm-jax`` command in ``work``; its stdout (a failure ends the benchmark)."""
-    r = subprocess.run(rmm_jax_command() + [str(a) for a in args], cwd=work, capture_output=True, text=True,
+    r = subprocess.run(_common.rmm_jax_command() + [str(a) for a in args], cwd=work, capture_output=True, text=True,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"})
     if r.returncode not in (0, 3):           # evaluate exits 3 when it withholds an estimate
         sys.exit(f"error: rmm-jax {' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr[-3000:]}")

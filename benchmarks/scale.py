@@ -46,7 +46,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import HelpFormatter, LoadWatch, positive_int, spread, write_result  # noqa: E402
+from _common import HelpFormatter, LoadWatch, du, positive_int, spread, write_result  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
@@ -64,10 +64,6 @@ from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 class StreamFile:

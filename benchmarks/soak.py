@@ -87,12 +87,6 @@ def write_synthetic_store(path: Path, users: int, memories: int, queries: int, d
     return manifest
 
 
-def du(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def run_measured(argv: list[str], out_path: Path) -> dict:
     """Run a child; return wall seconds, exit code and its peak RSS (from wait4)."""
     t0 = time.perf_counter()
@@ -124,10 +118,10 @@ def soak(users: int, args, work: Path) -> dict:
     s_sum, r_sum = json.loads((d / "simulate.json").read_text()), json.loads((d / "replay.json").read_text())
     nq = users * args.queries
     out = {"users": users, "queries": nq, "store_seconds": round(t_store, 2),
-           "store_bytes": du(d / "store"), "log_bytes": du(d / "log.jsonl")}
+           "store_bytes": _common.du(d / "store"), "log_bytes": _common.du(d / "log.jsonl")}
     for name, m, summ, pol in (("simulate", sim, s_sum, "pol_sim"), ("replay", rep, r_sum, "pol_replay")):
         out[name] = {**m, "users_per_s": round(users / m["seconds"], 1), "queries_per_s": round(nq / m["seconds"], 1),
-                     "policy_store_bytes": du(d / pol), "online_queries": summ["online"]["queries"],
+                     "policy_store_bytes": _common.du(d / pol), "online_queries": summ["online"]["queries"],
                      f"recall@{args.m}": summ["online"][f"recall@{args.m}"],
                      f"base_recall@{args.m}": summ["base"][f"recall@{args.m}"]}
     out["replay"]["log_records"] = r_sum["log"]["records"]
