@@ -82,6 +82,31 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
             return action.help
         return super()._get_help_string(action)
 
+    def format_help(self) -> str:
+        """The help, then the command that wrote each committed result of this script (the
+        parser's ``prog`` is the script's file name): the README and docs cite those files."""
+        runs = committed_runs(self._prog)
+        text = super().format_help()
+        if runs:
+            text += ("\ncommitted results (benchmarks/results/) and the commands that wrote them:\n"
+                     + "".join(f"  {name}: {command}\n" for name, command in runs))
+        return text
+
+
+def committed_runs(script: str) -> list[tuple[str, str]]:
+    """``(result file, command)`` of each committed result whose provenance command runs
+    benchmarks/``script`` (a file name such as ``throughput.py``)."""
+    out = []
+    for f in sorted(RESULTS.glob("*.json")):
+        try:
+            command = json.loads(f.read_text())["provenance"]["command"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        words = command.split()
+        if len(words) > 1 and Path(words[1]).name == script:
+            out.append((f.name, command))
+    return out
+
 
 def positive_int(text: str) -> int:
     """An argparse ``type``: an int >= 1 (a count, a size), else a one-line usage error."""

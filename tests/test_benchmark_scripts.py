@@ -295,9 +295,13 @@ def test_a_committed_result_is_reproducible_with_todays_options(name, script, ar
     and that script's ``--help`` shows the default of every option that has one."""
     import argparse
     monkeypatch.setenv("COLUMNS", "10000")                # one line per option: no path wrapped at a '-'
+    monkeypatch.setattr(sys, "argv", [str(BENCH / f"{script}.py")])   # prog, as `python benchmarks/X.py`
     ns, parser = parsed(script, argv, monkeypatch)
     assert ns is not None
-    text = " ".join(parser.format_help().split())
+    help_text = parser.format_help()
+    command = json.loads((BENCH / "results" / name).read_text())["provenance"]["command"]
+    assert f"  {name}: {command}\n" in help_text, f"{script} --help does not name the command that wrote {name}"
+    text = " ".join(help_text.split())
     for a in parser._actions:
         if a.option_strings and a.default not in (None, False, argparse.SUPPRESS) and a.help != argparse.SUPPRESS:
             assert f"default: {a.default}" in text or "default" in (a.help or "").lower(), \
