@@ -543,6 +543,12 @@ def test_append_counts_only_the_users_it_adds(days):
     res = append_store(store, Dataset("jsonl", (User("empty", (), ()),)), FakeEmbedder(DIM), spec="test")
     assert res["added"]["users"] == 0 and res["added"]["sessions"] == 0
     assert open_store(store).user_ids == ("a", "b")
+    # a new user with a question but no memory is refused, as write_store refuses it
+    from rmm_jax.data.types import Query
+    asks = User("asker", (), (Query("q1", "where?", ()),))
+    with pytest.raises(InputError, match="user 'asker' has no turn to embed"):
+        append_store(store, Dataset("jsonl", (asks,)), FakeEmbedder(DIM), spec="test")
+    assert open_store(store).user_ids == ("a", "b")
 
 
 def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):

@@ -141,6 +141,9 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, l
             g = _grow_user(u, mems, old_m, old_q, where, counts)
         else:
             g = _Growth(u, mems, mems)
+            if g.user.queries and not g.memories:   # as write_store refuses it: nothing to retrieve from
+                raise InputError(f"user {u.id!r} has no turn to embed (no session with a message): a user needs "
+                                 "memories to retrieve from", where=where)
             if g.memories or g.user.queries:        # a user with neither is not added, so not counted
                 counts["users"] += 1
                 counts["sessions"] += len({m.session_id for m in mems})
