@@ -551,6 +551,25 @@ def test_append_counts_only_the_users_it_adds(days):
     assert open_store(store).user_ids == ("a", "b")
 
 
+def test_one_embed_writes_a_store_at_a_time_and_clears_what_a_killed_one_left(days):
+    # Two appends at once each grew the old store, and the second rename dropped the
+    # first's additions without a word; a killed append's copy beside the store stayed.
+    from rmm_jax.data.store import store_writer
+    store, spec, _ = days
+    left = store.parent / f".{store.name}.tmp-killed"
+    with store_writer(store):                              # another writer holds the store, then is killed
+        left.mkdir()
+        (left / "memories.npy").write_bytes(b"half")
+        with pytest.raises(InputError, match=rf"^{store}: in use by pid {os.getpid()} \(another embed"):
+            append_store(store, load_spec(spec), FakeEmbedder(DIM), spec=spec)
+        with pytest.raises(InputError, match="in use by pid"):
+            write_store(store, load_spec(spec), "turn", FakeEmbedder(DIM))
+    assert open_store(store).user_ids == ("a", "b") and left.exists()      # nothing written meanwhile
+    res = append_store(store, load_spec(spec), FakeEmbedder(DIM), spec=spec)
+    assert res["added"]["users"] == 1 and not left.exists()
+    assert not [p.name for p in store.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
 def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):
     store, _, d2 = days
     d2[0]["sessions"][0]["messages"][0]["content"] = "I adopted a kitten"

@@ -1,7 +1,8 @@
 """The embedding store: a dataset's memories and queries, embedded once, on disk.
 
 Layout of a store directory (written whole by :func:`write_store` through
-:func:`rmm_jax.persist.atomic.atomic_dir`, so a failure leaves no partial store)::
+:func:`rmm_jax.persist.atomic.atomic_dir`, so a failure leaves no partial store; one
+writer at a time, holding the lock file ``.NAME.lock`` beside it, :func:`store_writer`)::
 
     manifest.json    {"format": "rmm-jax-embedding-store", "version": 1, "model", "dim",
                       "granularity", "dataset", "spec",
@@ -29,9 +30,11 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -40,7 +43,8 @@ import numpy as np
 from rmm_jax.data.granularity import GRANULARITIES, build_memories
 from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.errors import InputError, at
-from rmm_jax.persist.atomic import atomic_dir, fsync_files
+from rmm_jax.persist.atomic import atomic_dir, fsync_files, leftovers, make_dirs
+from rmm_jax.persist.lock import WriterLock
 
 __all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "EmbeddingStore",
            "UserData"]
@@ -187,10 +191,29 @@ def _write_jsonl(path: Path, rows) -> None:
             f.write("\n")
 
 
+@contextlib.contextmanager
+def store_writer(path):
+    """``with store_writer(path):`` the one writer of the embedding store at ``path``: a lock
+    file beside it (``.NAME.lock``: the store directory itself is swapped whole), so two
+    ``embed --into`` runs cannot both grow the old store and the second's rename lose the
+    first's additions. Taking it removes what a killed writer left beside the store
+    (``.NAME.tmp-*``, ``.NAME.old-*``); a second writer gets one line naming the first's pid."""
+    p = Path(path)
+    make_dirs(p.parent)
+    lock = WriterLock(p.parent / f".{p.name}.lock", lambda holder: InputError(
+        f"in use by pid {holder.get('pid', '?')} (another embed is writing this store; retry when it ends)",
+        where=str(p)))
+    with lock.hold():
+        for q in leftovers(p.parent):
+            if q.name.startswith((f".{p.name}.tmp-", f".{p.name}.old-")):
+                shutil.rmtree(q, ignore_errors=True) if q.is_dir() else q.unlink(missing_ok=True)
+        yield
+
+
 def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
                  manifest: dict, ans_emb: np.ndarray | None = None) -> None:
     """Write the store directory at ``path`` whole, or nothing (see the module docstring)."""
-    with atomic_dir(path) as tmp:
+    with store_writer(path), atomic_dir(path) as tmp:
         np.save(tmp / "memories.npy", mem_emb)
         np.save(tmp / "queries.npy", qry_emb)
         if ans_emb is not None:

@@ -46,6 +46,7 @@ from rmm_jax.data.store import (
     answer_texts,
     open_store,
     read_rows,
+    store_writer,
 )
 from rmm_jax.data.types import Dataset, MemoryUnit, User
 from rmm_jax.errors import InputError
@@ -112,7 +113,15 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, l
     (module docstring), embedding only their texts with ``embedder`` (its ``model_id``
     must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
     was added or skipped (``users``, ``sessions``, ``sessions_repeated``, ``memories``,
-    ``queries``, ``queries_repeated``)."""
+    ``queries``, ``queries_repeated``). The store's writer lock (:func:`store_writer`) is
+    held from reading the store to renaming the grown one into place."""
+    if not Path(path).is_dir():
+        return _append(path, dataset, embedder, spec, log)       # open_store's one-line error
+    with store_writer(path):
+        return _append(path, dataset, embedder, spec, log)
+
+
+def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
     say = log or (lambda msg: None)
     where = spec or "dataset"
     t0 = time.perf_counter()
