@@ -475,6 +475,24 @@ def test_an_unknown_key_that_looks_misspelt_is_noted_once_naming_its_first_line(
         f"{path}:2: key 'timestmap' is not a log key and was ignored (did you mean 'timestamp'?)"]
 
 
+
+def test_a_log_key_with_an_id_or_text_suffix_is_noted_unless_the_record_has_the_key(tmp_path):
+    """A logger's own name for a log key (gold_ids, query_text, cited_ids) is too far from it
+    for a ratio (gold_ids to gold: 0.67), so such keys vanished silently; a record that has the
+    key too is not noted (a logger may keep both)."""
+    path = tmp_path / "log.jsonl"
+    lines = [{**_with(), "gold_ids": ["m1"], "query_text": "where?", "candidate_ids": ["m1"]},
+             {**_with(query_id="q2", gold=["m1"]), "gold_id": "m1", "cited_ids": ["m1"]}]
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    _, report = read_log(path)
+    assert report["notes"] == [
+        f"{path}:1: key 'gold_ids' is not a log key and was ignored (did you mean 'gold'?)",
+        f"{path}:1: key 'query_text' is not a log key and was ignored (did you mean 'query'?)"]   # not candidate_ids
+    rec = {k: v for k, v in _with().items() if k != "cited"}
+    path.write_text(json.dumps({**rec, "cited_ids": ["m1"]}) + "\n")
+    with pytest.raises(InputError, match=r"key 'cited': missing required key \(the record has 'cited_ids'\)"):
+        read_log(path)
+
 class _Store:
     def __init__(self):
         self.users = {"u1": ({"q1", "q2"}, {"m1", "m2", "m3"}), "u2": ({"q1"}, {"m1"})}

@@ -74,8 +74,9 @@ Decisions:
   ``log.jsonl:3: key 'timestmap' is not a log key and was ignored (did you mean
   'timestamp'?)``; ``replay``, ``evaluate``, ``cite-rates`` and ``embed log:`` print
   each as a ``note:`` line on stderr. Keys of other names (``answer``, ``model``,
-  ``latency_ms``, the ``scores`` and ``positions`` ``rerank`` writes) are not noted,
-  nor are names a ratio cannot tell from a different key (``gold_ids``, ``query_text``).
+  ``latency_ms``, the ``scores`` and ``positions`` ``rerank`` writes) are not noted.
+  A log key with ``_ids``, ``_id``, ``_texts`` or ``_text`` appended (``gold_ids``,
+  ``cited_ids``, ``query_text``) is noted too, unless the record also has the log key.
   Only a key not seen on an earlier line is compared, so reading stays one subset test
   a record.
 
@@ -129,6 +130,8 @@ LOG_KEYS = REQUIRED_KEYS + OPTIONAL_KEYS
 MAX_FIRST_ERRORS = 5
 #: An unknown key this close to a log key (difflib's ratio, lower case) is noted as a likely misspelling.
 CLOSE_KEY = 0.8
+#: A log key with one of these appended (``gold_ids``, ``query_text``) is noted as the log key.
+KEY_SUFFIXES = ("_ids", "_id", "_texts", "_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,18 +627,35 @@ def misspelt_key(key: str) -> str | None:
     that differs by case, one swapped, missing or extra letter, or ``-`` for ``_``).
 
     A swap of two adjacent letters counts whatever the ratio, which is below the cutoff for
-    a short key (``glod`` to ``gold``: 0.75).
+    a short key (``glod`` to ``gold``: 0.75). So does a log key, or a misspelling of one, with
+    a suffix of :data:`KEY_SUFFIXES` appended (``gold_ids`` to ``gold``: 0.67).
 
     >>> misspelt_key("timestmap"), misspelt_key("log_porb"), misspelt_key("Cited"), misspelt_key("answer")
     ('timestamp', 'log_prob', 'cited', None)
     >>> misspelt_key("glod"), misspelt_key("Gold"), misspelt_key("lgoits")
     ('gold', 'gold', 'logits')
+    >>> misspelt_key("gold_ids"), misspelt_key("query_text"), misspelt_key("candidate_ids"), misspelt_key("user")
+    ('gold', 'query', 'candidates', None)
     """
     low = key.lower()
+    return _close_key(low) or _suffixed_key(low)
+
+
+def _close_key(low: str) -> str | None:
+    """The log key within a difflib ratio of :data:`CLOSE_KEY`, or one swap, of ``low``."""
     near = difflib.get_close_matches(low, LOG_KEYS, n=1, cutoff=CLOSE_KEY)
     if near:
         return near[0]
     return next((k for k in LOG_KEYS if len(k) == len(low) and _one_swap(low, k)), None)
+
+
+def _suffixed_key(low: str) -> str | None:
+    """The log key ``low`` is (up to a misspelling) with a suffix of :data:`KEY_SUFFIXES` appended."""
+    for suffix in KEY_SUFFIXES:
+        stem = low.removesuffix(suffix)
+        if stem != low and stem:
+            return stem if stem in LOG_KEYS else _close_key(stem)
+    return None
 
 
 def _one_swap(a: str, b: str) -> bool:
@@ -654,7 +674,7 @@ def _note_keys(obj: Mapping, seen: set, path, lineno: int, notes: list) -> None:
         if key not in seen:
             seen.add(key)
             near = misspelt_key(key)
-            if near is not None:
+            if near is not None and not (near in obj and _suffixed_key(key.lower()) == near):  # gold_ids beside gold
                 notes.append(f"{at(path, lineno, key)} is not a log key and was ignored (did you mean {near!r}?)")
 
 
