@@ -120,6 +120,24 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
     and logs) overlaps chunk i+1's run and chunk i+2's padding. Memory holds about three
     chunks. (Over several processes the chunks run one after
     another: their collectives must not interleave.)
+
+    Examples:
+      Three users in chunks of two; with ``segment_batches=2`` each chunk runs as two
+      segments (two batches of queries, padded to four), and stops once in between (a point
+      to checkpoint):
+
+      >>> import jax, rmm_jax as rj
+      >>> from rmm_jax.data.citations import oracle
+      >>> from rmm_jax.online.vectors import VectorSpec, vector_users
+      >>> streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=[0, 1, 2])
+      >>> program = rj.make_run(*rj.preset("default", k=6, m=2), cite_fn=oracle())
+      >>> params = rj.init_reranker(jax.random.key(0), 16)
+      >>> [(type(e).__name__, e.chunk) for e in drive([streams[:2], streams[2:]], program, params,
+      ...                                            users_per_chunk=2, segment_batches=2)]
+      [('SegmentDone', 0), ('ChunkDone', 0), ('SegmentDone', 1), ('ChunkDone', 1)]
+      >>> done = [e for e in drive([streams], program, params, users_per_chunk=3) if isinstance(e, ChunkDone)]
+      >>> sorted(done[0].outputs), done[0].outputs["u0000000"]["recall"].shape
+      (['u0000000', 'u0000001', 'u0000002'], (8,))
     """
     carried = resume.shared if resume is not None and resume.shared is not None else shared
     if carried is None:

@@ -59,6 +59,24 @@ class Recorder:
     before a resume, ``restore(ChunkSkipped) -> outputs`` (the first sink that has it).
     ``keep_states``: keep every chunk's final states in the result; ``keep_records``: keep
     the simulated citation-log records.
+
+    Examples:
+      ``feed`` counts the users each event finished (0 for a segment):
+
+      >>> import jax, rmm_jax as rj
+      >>> from rmm_jax.data.citations import oracle
+      >>> from rmm_jax.online.driver import drive
+      >>> from rmm_jax.online.vectors import VectorSpec, vector_users
+      >>> streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=[0, 1, 2])
+      >>> program = rj.make_run(*rj.preset("default", k=6, m=2), cite_fn=oracle())
+      >>> recorder = Recorder(program.layout.m)
+      >>> events = drive([streams[:2], streams[2:]], program, rj.init_reranker(jax.random.key(0), 16),
+      ...                users_per_chunk=2, segment_batches=2)
+      >>> [recorder.feed(e) for e in events]
+      [0, 2, 0, 1]
+      >>> result = recorder.result()
+      >>> result.summary["queries"], result.user_ids
+      (24, ['u0000000', 'u0000001', 'u0000002'])
     """
 
     def __init__(self, m: int, *, sinks: Sequence = (), keep_states: bool = False, keep_records: bool = False):
