@@ -258,3 +258,21 @@ def test_a_user_or_call_id_that_is_not_a_str_is_one_input_error(call, arg):
     # an int user id was AttributeError 'int' object has no attribute 'encode'
     with pytest.raises(InputError, match=rf"^{arg}: must be"):
         call()
+
+
+def test_a_store_that_is_not_a_policy_store_or_a_user_id_that_is_not_a_str_is_refused_by_name(env, tmp_path):
+    """Reranker(path) was an AttributeError ('str' object has no attribute 'meta'), and so
+    was an embedding store; rank(7, ...) looked the int up as given and never found user
+    "7"'s policy."""
+    store, pol = env
+    for wrong in (str(pol["user"]), pol["user"], open_store(store)):
+        with pytest.raises(InputError, match=r"^store: expected a PolicyStore or None, got .*Reranker\.open\(path\)"):
+            Reranker(wrong)
+    q, c = np.ones(16), np.eye(4, 16)
+    for rr in (Reranker.open(pol["user"]), Reranker(None, dim=16)):
+        for user in (7, None, ["user0"]):
+            with pytest.raises(InputError, match=r"^user_id: must be a str, got "):
+                rr.rank(user, q, c, 2)
+        with pytest.raises(InputError, match=r"^user_id: must be a str, got int 7$"):
+            rr.sample(7, q, c, 2, keys=call_keys(0, "7", ["c"]))
+    assert Reranker.open(pol["user"]).rank("user0", q, c, 2).selected.shape == (1, 2)

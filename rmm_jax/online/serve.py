@@ -210,6 +210,9 @@ class Reranker:
     identity reranker for everyone (``dim`` needed), before any policy exists."""
 
     def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None):
+        if store is not None and not isinstance(store, PolicyStore):    # a path was an AttributeError ('meta')
+            raise InputError(f"expected a PolicyStore or None, got {checks.short(store)}; "
+                             "Reranker.open(path) opens a policy store by its path", where="store")
         if not checks.is_int(cache_users) or cache_users < 1:      # "3" was a TypeError, 2.5 taken
             raise InputError(f"must be an int >= 1, got {cache_users!r}", where="cache_users")
         if store is None and dim is None:
@@ -250,7 +253,10 @@ class Reranker:
 
     def policy(self, user_id: str) -> Policy:
         """The policy ``user_id`` is served (cached; :meth:`refresh` drops the cache when the
-        store changes)."""
+        store changes). ``user_id`` is a str, as the store and :func:`call_keys` hold it: an int
+        id was looked up as given and never found the user's policy (``7`` is not ``"7"``)."""
+        if not isinstance(user_id, str):
+            raise InputError(f"must be a str, got {checks.short(user_id)}", where="user_id")
         if self._identity is not None:
             return self._identity
         got = self._cache.get(user_id)
