@@ -276,3 +276,27 @@ def test_a_store_that_is_not_a_policy_store_or_a_user_id_that_is_not_a_str_is_re
         with pytest.raises(InputError, match=r"^user_id: must be a str, got int 7$"):
             rr.sample(7, q, c, 2, keys=call_keys(0, "7", ["c"]))
     assert Reranker.open(pol["user"]).rank("user0", q, c, 2).selected.shape == (1, 2)
+
+
+def test_embeddings_keys_or_a_seed_that_are_not_numbers_are_one_input_error():
+    """A str query was NumPy's ValueError ("could not convert string to float"), a ragged
+    candidate list its "inhomogeneous shape" one, a complex query lost its imaginary part with
+    only a ComplexWarning; keys="x" and call_keys(seed="0") were TypeErrors from JAX, a seed
+    past 64 bits an OverflowError."""
+    rr = Reranker(None, dim=2)
+    q, c = np.array([1.0, 0.0]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+    for args, where in (((("hello"), c), "query_emb"), ((q.astype(complex), c), "query_emb"),
+                        ((np.array(["a", "b"]), c), "query_emb"), ((None, c), "query_emb"),
+                        ((q, [[1.0, 0.0], [0.0]]), "candidate_embs"), ((q, c.astype(complex)), "candidate_embs")):
+        with pytest.raises(InputError, match=rf"^{where}: expected an array of real numbers, got "):
+            rr.rank("u1", *args, 2)
+    with pytest.raises(InputError, match=r"^keys: expected 1 typed PRNG keys"):
+        rr.sample("u1", q, c, 2, keys="x", tau=1.0)
+    for seed in ("0", 2 ** 70, 1.5, None):
+        with pytest.raises(InputError, match=r"^seed: must be an int in \[-2\*\*63, 2\*\*63\), got "):
+            call_keys(seed, "u1", ["c1"])
+    # what worked still does: lists, float64, ints and bools, NumPy integer seeds
+    assert rr.rank("u1", q.tolist(), c.tolist(), 2).selected.tolist() == [[0, 2]]
+    assert rr.rank("u1", np.array([1, 0]), c, 2).selected.tolist() == [[0, 2]]
+    assert (jax.random.key_data(call_keys(np.int64(3), "u1", ["c1"])) ==
+            jax.random.key_data(call_keys(3, "u1", ["c1"]))).all()

@@ -90,6 +90,10 @@ def call_keys(seed: int, user_id: str, calls: Sequence[str]):
     # a str was one key per letter, an int call id an AttributeError
     if isinstance(calls, str) or not all(isinstance(c, str) for c in calls):
         raise InputError(f"must be a sequence of call ids (str), got {checks.short(calls)}", where="calls")
+    # a str seed was a TypeError from jax.random, one past 64 bits an OverflowError; the range jax.random.key takes
+    if not checks.is_int(seed) or not -2 ** 63 <= seed < 2 ** 63:
+        raise InputError(f"must be an int in [-2**63, 2**63), got {checks.short(seed)}", where="seed")
+    seed = int(seed)
     user = np.uint32(user_hash(user_id))
     n = len(calls)
     words = np.zeros((1 << max(n - 1, 0).bit_length(), 2), np.uint32)      # padded: one program per octave
@@ -188,6 +192,20 @@ def _sample(params, q, cands, mask, keys, tau, m: int):
     return sel, lp, scores
 
 
+def _real_array(x, name: str) -> np.ndarray:
+    """``x`` as a float32 array, ``InputError`` naming ``name`` unless it holds real numbers
+    (float, int or bool): a string was NumPy's ValueError ("could not convert string to
+    float"), a ragged list its "inhomogeneous shape" one, and a complex array lost its
+    imaginary part with only a ComplexWarning."""
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError):
+        a = None
+    if a is None or a.dtype.kind not in "biuf":
+        raise InputError(f"expected an array of real numbers, got {checks.short(x)}", where=name)
+    return a.astype(np.float32)
+
+
 def _generation(store: PolicyStore | None) -> tuple:
     """What a :class:`Reranker` serves from ``store``: its newest user version, its setting,
     and how many rollbacks it has finished (undoing the newest run brings the newest version
@@ -280,10 +298,10 @@ class Reranker:
 
     def _padded(self, query_emb, candidate_embs, m, mask):
         """Inputs checked and padded to buckets: ``(n, K, q, cands, mask)``."""
-        q = np.asarray(query_emb, np.float32)
+        q = _real_array(query_emb, "query_emb")
         one = q.ndim == 1
         q = q[None] if one else q
-        c = np.asarray(candidate_embs, np.float32)
+        c = _real_array(candidate_embs, "candidate_embs")
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"expected shape (d,) or (n, d) with d={self.dim}, got {np.shape(query_emb)}",
                              where="query_emb")
@@ -347,7 +365,10 @@ class Reranker:
             raise InputError(str(e).partition(": ")[2], where="tau") from None
         tau = float(tau)
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
-        keys = keys if isinstance(keys, jax.Array) else jnp.asarray(keys)
+        try:
+            keys = keys if isinstance(keys, jax.Array) else jnp.asarray(keys)
+        except (TypeError, ValueError):          # a str or None: a TypeError from jnp.asarray
+            keys = np.asarray(keys, object)
         if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):      # seeds were a TypeError from jax.random
             raise InputError(f"expected {n} typed PRNG keys, e.g. jax.random.split(jax.random.key(0), {n}) or "
                              f"call_keys(seed, user, calls), got {keys.dtype}{list(keys.shape)}", where="keys")
