@@ -55,6 +55,20 @@ def test_rank_is_checked():
         rj.init_lowrank(jax.random.key(0), 4, 4)
 
 
+def test_a_scope_built_directly_is_checked_by_the_layout_that_takes_it():
+    """rj.Scope(...) is a NamedTuple: Scope("xx") and Scope("hybrid") passed Layout and failed
+    only at the first split ("rank: must be in [1, d), got None"), and Scope("shared", 3)
+    recorded itself as {"scope": "shared", "rank": 3}, which Scope.from_meta refuses."""
+    for scope, where in ((rj.Scope("xx"), "scope"), (rj.Scope("hybrid"), "rank"), (rj.Scope("hybrid", 0), "rank"),
+                         (rj.Scope("shared", 3), "rank"), (rj.Scope("user", 2), "rank")):
+        with pytest.raises(ValueError, match=rf"^{where}: "):
+            rj.Layout(scope=scope)
+        with pytest.raises(ValueError, match=rf"^{where}: "):
+            rj.preset("default", scope=scope)
+    for scope in (rj.Scope(), rj.Scope("shared"), rj.Scope("hybrid", 3), rj.Scope.named("hybrid")):
+        assert rj.Scope.from_meta(rj.Layout(scope=scope).scope.meta()) == scope
+
+
 SPEC = VectorSpec(dim=16, memories=24, queries=12, k=8)
 
 

@@ -79,9 +79,19 @@ class Scope(NamedTuple):
         return self.name == "user"
 
     def validate(self, kind: str, dim: int | None = None) -> None:
-        """``hybrid`` adapts the linear reranker's W with a residual of rank below d."""
+        """A name of :data:`SCOPES` with a rank for ``hybrid`` alone (what :meth:`named` makes;
+        ``Scope(...)`` built directly checks nothing: ``Scope("xx")`` and ``Scope("hybrid")``
+        passed a :class:`~rmm_jax.core.config.Layout` and failed only at the first split, as
+        "rank: ... got None", and ``Scope("shared", 3)`` recorded a rank (:meth:`meta`) that
+        :meth:`from_meta` refuses), and ``hybrid`` adapts the linear reranker's W with a
+        residual of rank below d."""
+        checks.require(self.name in SCOPES, "scope", f"must be one of {SCOPES}, got {self.name!r}")
+        checks.require(self.name == "hybrid" or self.rank is None, "rank",
+                       f"is only for scope 'hybrid', not {self.name!r} (Scope.named drops it)")
         if self.name != "hybrid":
             return
+        checks.require(checks.is_int(self.rank) and self.rank >= 1, "rank",
+                       f"scope 'hybrid' needs an int rank >= 1, got {self.rank!r} (Scope.named gives the default)")
         checks.require(kind == "linear", "scope", "hybrid needs the linear reranker (the low-rank residual "
                                                   "adapts its W)")
         if dim is not None:
