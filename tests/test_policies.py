@@ -199,6 +199,25 @@ def test_versions_kept_is_n(tmp_path):
         st.load("u", version=1)
 
 
+def test_a_version_or_user_id_of_the_wrong_type_is_refused_by_name(tmp_path):
+    """load("u", version="3") said "user 'u' has no version 3 (has [3])", version=True loaded
+    v1, shared_state("1") was a ValueError from a format code, before="2" a TypeError from <,
+    and load_batch([7]) a KeyError '7' where the store held user "7"."""
+    st = new_store(tmp_path)
+    save_seeds(st, {"u": 1, "7": 2})
+    for call, where in ((lambda v: st.load("u", version=v), "version"), (lambda v: st.shared_state(v), "version"),
+                        (lambda v: st.user_bytes("u", v), "version"), (lambda v: st.shared_bytes(v), "version"),
+                        (lambda v: st.load_batch(["u"], before=v), "before")):
+        for v in ("1", 1.0, True, 0, -1):
+            with pytest.raises(InputError, match=rf"^{where}: must be a positive int \(a version number\), got "):
+                call(v)
+    assert st.load("u", version=np.int64(1)).version == 1 and st.shared_state(np.int32(1)).version == 1
+    for ids in ([7], ["u", None], [["u"]]):
+        with pytest.raises(InputError, match=r"^users: user ids are str, got "):
+            st.load_batch(ids)
+    assert st.load_batch(["7", "v"]).missing == ["v"]
+
+
 def test_loading_before_a_version_starts_users_first_saved_since_afresh(tmp_path):
     """A resumed run loads every user as it was when the run began (versions before v2 here):
     a user first saved since was new then (missing, not an error); one whose older versions

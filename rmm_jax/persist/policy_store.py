@@ -80,6 +80,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import numbers
 import os
 import shutil
 import warnings
@@ -87,6 +88,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import jax
+import numpy as np
 
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
@@ -146,6 +148,33 @@ def _json_dict(obj, what: str, where: str) -> dict:
 
 def _is_pos_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _check_version(version, name: str = "version") -> int | None:
+    """``version`` (None, or a positive int as the store numbers them; a NumPy integer as
+    the int it is), else an InputError naming ``name``: ``shared_state("1")`` was a
+    ValueError from a format code, ``load(user, version="1")`` said the user "has no
+    version 1 (has [1])", ``version=True`` loaded version 1, and ``before="2"`` was a
+    TypeError from ``<``."""
+    if version is None:
+        return None
+    if not (isinstance(version, numbers.Integral) and not isinstance(version, (bool, np.bool_)) and version > 0):
+        raise InputError(f"must be a positive int (a version number), got {type(version).__name__} {version!r}"[:100],
+                         where=name)
+    return int(version)
+
+
+def _check_user_ids(user_ids) -> list[str]:
+    """``user_ids`` as a list of str, else an InputError naming ``users``: a list id was a
+    TypeError (unhashable), an int one was looked up as given: ``load_batch([7])`` was a
+    KeyError '7' where the store held user "7", and listed 7 as missing where it did not."""
+    if isinstance(user_ids, str):
+        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="users")
+    ids = list(user_ids)
+    for bad in ids:
+        if not isinstance(bad, str):
+            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], where="users")
+    return ids
 
 
 def _check_meta(meta: dict, where: str) -> dict:
@@ -380,6 +409,7 @@ class PolicyStore:
     def user_bytes(self, user_id: str, version: int | None = None) -> dict:
         """On-disk size of ``user_id``'s newest entry (or ``version``): its row's share of
         its chunk's array file (:func:`rmm_jax.persist.policy_report.user_bytes`)."""
+        version = _check_version(version)
         es = [e for e in self.entries(user_id) if version is None or e.version == version]
         if not es:
             raise InputError(f"no saved policy for user {user_id!r}" + (f" version {version}" if version else ""),
@@ -389,6 +419,7 @@ class PolicyStore:
     def shared_bytes(self, version: int | None = None) -> dict:
         """On-disk size of the newest shared version (or ``version``): ``{version, bytes,
         array_bytes}`` (``array_bytes``: raw params + optimiser-state bytes)."""
+        version = _check_version(version)
         vs = [v for v in self.shared_versions() if version is None or v == version]
         if not vs:
             raise InputError(f"no shared version {version or ''}".rstrip(), where=str(self.path))
@@ -449,7 +480,7 @@ class PolicyStore:
         """Shared ``version``, or the newest shared version that loads (older ones used with
         a :class:`PolicyRestoreWarning`): its state, info, version and the versions skipped.
         The arrays are shared with later calls: read-only."""
-        return self._shared.state(version)
+        return self._shared.state(_check_version(version))
 
     # ---- users
 
@@ -574,9 +605,8 @@ class PolicyStore:
 
     def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool,
               before: int | None = None) -> SavedBatch:
-        if isinstance(user_ids, str):
-            raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="users")
-        ids = list(user_ids)
+        ids = _check_user_ids(user_ids)
+        version, before = _check_version(version), _check_version(before, "before")
         if len(set(ids)) != len(ids):
             raise InputError(f"user {next(u for u in ids if ids.count(u) > 1)!r} is requested twice", where="users")
 
