@@ -728,3 +728,29 @@ def test_evaluate_plot_writes_png(capsys, ope_env, tmp_path):
     import matplotlib.image
     img = matplotlib.image.imread(png)
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 300
+
+
+def test_a_bad_target_or_an_argument_of_the_wrong_type_is_refused_by_name(ope_env):
+    """From Python, Target(k, m, tau=0) (or -1, or NaN) gave a whole report of estimates from
+    s/0 with only a RuntimeWarning; m > k was a ValueError from the selection check, a tuple
+    for cfg or a path for the store or the policies an AttributeError, and users="user0" was
+    read letter by letter ("unknown user id 'u'")."""
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.ope import evaluate_log
+
+    st, ps = open_store(ope_env["store"]), PolicyStore.open(ope_env["pol"])
+    for cfg, where in ((Target(KK, MM, 0.0), "cfg.tau"), (Target(KK, MM, -1.0), "cfg.tau"),
+                       (Target(KK, MM, float("nan")), "cfg.tau"), (Target(KK, KK + 1, TAU), "cfg.m"),
+                       (Target(2.5, 1, TAU), "cfg.k"), ((KK, MM, TAU), "cfg")):
+        with pytest.raises(InputError, match=rf"^{where}: "):
+            evaluate_log(st, ope_env["log"], ps, cfg, bootstrap=40)
+    calls = load_calls(st, ope_env["log"], ps, Target(KK, MM, TAU))
+    with pytest.raises(InputError, match=r"^cfg.tau: "):
+        evaluate_calls(calls, Target(KK, MM, 0.0), bootstrap=40)
+    for args, where in (((str(ope_env["store"]), ope_env["log"], ps), "store"),
+                        ((st, ope_env["log"], str(ope_env["pol"])), "policies")):
+        with pytest.raises(InputError, match=rf"^{where}: expected an? .* store, .*\(path\), got str "):
+            evaluate_log(*args, Target(KK, MM, TAU), bootstrap=40)
+    with pytest.raises(InputError, match=r"^users: expected a list of user ids \(str\), got str 'user0'$"):
+        evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), users="user0", bootstrap=40)
+    assert evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), users=["user0"], bootstrap=40)["users"] == 1

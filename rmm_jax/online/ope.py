@@ -124,17 +124,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rmm_jax.core import reranker
+from rmm_jax.core import checks, reranker
+from rmm_jax.core.config import Layout
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
+from rmm_jax.data.store import EmbeddingStore
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import user_params
 from rmm_jax.online.stats import check_resamples
 from rmm_jax.online.streams import check_limits
+from rmm_jax.persist.policy_store import PolicyStore
 
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
@@ -531,6 +534,34 @@ class Target(NamedTuple):
     tau: float
 
 
+def check_target(cfg) -> None:
+    """``InputError`` naming the field unless ``cfg`` is a :class:`Target` the CLI would take
+    (``--k``, ``--m``, ``--tau``): called from Python, ``Target(k, m, tau=0)`` (or -1, or NaN)
+    gave a whole report of estimates from s/0 with only a RuntimeWarning, ``m > k`` was a
+    ValueError from the selection check, a tuple an AttributeError."""
+    if not isinstance(cfg, Target):
+        raise InputError(f"expected a Target(k, m, tau), got {checks.short(cfg)}", where="cfg")
+    try:
+        Layout(k=cfg.k, m=cfg.m)
+        checks.check_tau(cfg.tau)
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise InputError(msg, where=f"cfg.{name}") from None
+
+
+def check_inputs(store, policies, users) -> None:
+    """The arguments :func:`load_calls` takes by type, each refused by name: a path for
+    ``store`` or ``policies`` was an AttributeError ('str' object has no attribute
+    'user_ids'), and a str ``users`` was read letter by letter (\"unknown user id 'a'\")."""
+    if not isinstance(store, EmbeddingStore):
+        raise InputError(f"expected an embedding store, open_store(path), got {checks.short(store)}", where="store")
+    if not isinstance(policies, PolicyStore):
+        raise InputError(f"expected a policy store, PolicyStore.open(path), got {checks.short(policies)}",
+                         where="policies")
+    if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
+        raise InputError(f"expected a list of user ids (str), got {checks.short(users)}", where="users")
+
+
 @aot
 def _score_chunk(params, q, m, mask):
     return jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
@@ -548,6 +579,8 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     shared params for users without their own), scored with
     :func:`rmm_jax.core.reranker.score`.
     """
+    check_target(cfg)
+    check_inputs(store, policies, users)
     known = known_ids(store)
     wanted = None if not users else set(users)
     by_user: dict[str, list] = {}
@@ -695,6 +728,7 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
     module docstring), the logging policy's own logged value and, for Recall@M, the
     exact expected value of the target (``direct``), each judged (:func:`verdict`) and
     reported (:func:`report_entry`); ``ranges``: each metric's range."""
+    check_target(cfg)
     m = calls.selected.shape[1]
     with np.errstate(all="ignore"):
         target_prefix = prefix_log_probs(calls.target_logits, calls.selected, calls.mask)      # (n, M)
