@@ -155,3 +155,21 @@ def test_a_log_without_gold_and_bad_options_are_one_line(logged, capsys):
         code, out, err = run_cli(capsys, "cite-rates", store, "--log", *args)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"error: {where}"), err
+
+
+def test_count_calls_refuses_a_store_path_or_a_str_of_users_by_name(logged):
+    """count_calls("stores/mine", log), as docs/api.md's count_calls(store, log) reads, was an
+    AttributeError ('str' object has no attribute 'user_ids'), and users="user0" was read
+    letter by letter ("user 'u' has no record")."""
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.cite_rates import count_calls
+
+    root, store = logged
+    log = root / "sim.jsonl"
+    with pytest.raises(InputError, match=r"^store: expected an embedding store, open_store\(path\), got str "):
+        count_calls(str(store), log)
+    st = open_store(store)
+    for users in ("user0", ["user0", 3]):
+        with pytest.raises(InputError, match=r"^users: expected a list of user ids \(str\), got "):
+            count_calls(st, log, users=users)
+    assert count_calls(st, log, users=["user0"]).user_ids == ["user0"]

@@ -41,8 +41,10 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from rmm_jax.core.checks import short
 from rmm_jax.data.citation_log import LogRecord, iter_numbered
 from rmm_jax.data.log_vectors import known_ids
+from rmm_jax.data.store import EmbeddingStore
 from rmm_jax.errors import InputError
 from rmm_jax.online.stats import resample_counts
 
@@ -100,7 +102,15 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
                 report: dict | None = None) -> CallCounts:
     """Read a citation log against an embedding store (every record validated, as
     ``replay`` reads it) and count each call's shown and cited memories by gold
-    (:class:`CallCounts`). ``users``: only their calls."""
+    (:class:`CallCounts`). ``users``: only their calls.
+
+    A path for ``store`` was an AttributeError ('str' object has no attribute 'user_ids'),
+    and a str ``users`` was read letter by letter ("user 'a' has no record"): both are
+    refused by name."""
+    if not isinstance(store, EmbeddingStore):
+        raise InputError(f"expected an embedding store, open_store(path), got {short(store)}", where="store")
+    if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
+        raise InputError(f"expected a list of user ids (str), got {short(users)}", where="users")
     wanted = None if not users else set(users)
 
     @functools.lru_cache(maxsize=USERS_CACHED)
