@@ -312,10 +312,12 @@ def cases():
         ("pretrain-weight-decay-neg", lambda e: pre(e, "--weight-decay", -1), lambda e: ["--weight-decay"]),
         ("pretrain-hidden-linear", lambda e: pre(e, "--hidden", 8), lambda e: ["--hidden", "mlp"]),
         ("pretrain-mlp-hidden-0", lambda e: pre(e, "--kind", "mlp", "--hidden", 0), lambda e: ["--hidden"]),
-        ("pretrain-k-0", lambda e: pre(e, "--k", 0), lambda e: ["--k"]),
-        ("pretrain-m-gt-k", lambda e: pre(e, "--m", K + 1), lambda e: ["--m"]),
-        ("pretrain-epochs", lambda e: pre(e, "--epochs", 0), lambda e: ["--epochs"]),
-        ("pretrain-val-fraction", lambda e: pre(e, "--val-fraction", 1.0), lambda e: ["--val-fraction"]),
+        ("pretrain-k-0", lambda e: pre(e, "--k", 0), lambda e: ["--k: must be >= 1, got 0"]),
+        # each says its range: it was "--m: out of range: 9", not that --m may not pass --k
+        ("pretrain-m-gt-k", lambda e: pre(e, "--m", K + 1), lambda e: [f"--m: must be in [1, --k={K}], got {K + 1}"]),
+        ("pretrain-epochs", lambda e: pre(e, "--epochs", 0), lambda e: ["--epochs: must be >= 1, got 0"]),
+        ("pretrain-val-fraction", lambda e: pre(e, "--val-fraction", 1.0),
+         lambda e: ["--val-fraction: must be in [0, 1), got 1.0"]),
         # 0.9 of 3 users holds out all 3: it was "no training query has a gold memory ... --labels dialogue"
         ("pretrain-val-fraction-holds-out-everyone", lambda e: pre(e, "--val-fraction", 0.9),
          lambda e: ["--val-fraction", "none to train on"]),

@@ -138,12 +138,13 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     recipe = DIALOGUE if labels == "dialogue" else PRETRAIN
     epochs = recipe.epochs if epochs is None else epochs
     val_fraction = recipe.val_fraction if val_fraction is None else val_fraction
-    for name, v, ok in [("--epochs", epochs, epochs >= 1),
-                        ("--val-fraction", val_fraction, 0 <= val_fraction < 1),
-                        ("--patience", patience, patience >= 1),
-                        ("--k", k, k >= 1), ("--m", m, 1 <= m <= k)]:
+    # each says its range: "--m: out of range: 30" did not say that --m may not pass --k
+    for name, v, ok, rng in [("--epochs", epochs, epochs >= 1, ">= 1"),
+                             ("--val-fraction", val_fraction, 0 <= val_fraction < 1, "in [0, 1)"),
+                             ("--patience", patience, patience >= 1, ">= 1"),
+                             ("--k", k, k >= 1, ">= 1"), ("--m", m, 1 <= m <= k, f"in [1, --k={k}]")]:
         if not ok:
-            raise InputError(f"out of range: {v}", where=name)
+            raise InputError(f"must be {rng}, got {v}", where=name)
     try:
         pcfg = PretrainConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, tau=temperature,
                               patience=patience, val_fraction=val_fraction, m=m)
