@@ -110,6 +110,18 @@ def test_each_rollback_undoes_one_more_run_and_to_goes_back_to_any_version(tmp_p
     assert third[0] > second[-1]
 
 
+def test_a_path_for_the_store_is_refused_by_name_and_nothing_changes(tmp_path):
+    """rollback("policies"), as `rmm-jax policies rollback P` takes the store, was an
+    AttributeError ('str' object has no attribute '_header'); so were plan and newest_run."""
+    st, _, _ = two_runs(tmp_path, "user")
+    before = loads(st.path)
+    for call in (rollback, plan, policy_rollback.newest_run):
+        for wrong in (str(st.path), st.path):
+            with pytest.raises(InputError, match=r"^store: expected a policy store, PolicyStore\.open\(path\), got "):
+                call(wrong)
+    assert loads(st.path) == before
+
+
 def test_a_user_whose_state_at_that_point_is_no_longer_kept_is_refused_and_nothing_changes(tmp_path):
     st, _, _ = two_runs(tmp_path, "hybrid", keep=1)   # keep 1: a's and b's first versions are gone
     digest = tree_digest(st.path)
