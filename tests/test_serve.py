@@ -300,3 +300,18 @@ def test_embeddings_keys_or_a_seed_that_are_not_numbers_are_one_input_error():
     assert rr.rank("u1", np.array([1, 0]), c, 2).selected.tolist() == [[0, 2]]
     assert (jax.random.key_data(call_keys(np.int64(3), "u1", ["c1"])) ==
             jax.random.key_data(call_keys(3, "u1", ["c1"]))).all()
+
+
+def test_finite_embeddings_whose_scores_overflow_are_refused_not_ranked_as_minus_one():
+    """Entries of 1e20 are finite, so the NaN check let them through, but q·m = 4e40 is inf in
+    float32: rank returned [[-1, -1]] without a word, and sample scores of inf."""
+    rr = Reranker(None, dim=4)
+    q, c = np.full(4, 1e20), np.full((5, 4), 1e20)
+    with pytest.raises(InputError, match=r"^query_emb, candidate_embs: the score of query 0, candidate 0 overflows"):
+        rr.rank("u1", q, c, 2)
+    with pytest.raises(InputError, match=r"^query_emb, candidate_embs: the score of query 0, candidate 0 overflows"):
+        rr.sample("u1", q, c, 2, keys=call_keys(0, "u1", ["c1"]), tau=1.0)
+    mask = np.array([True, False, False, False, False])              # masked candidates may hold anything
+    c[1:] = 1e20
+    c[0] = 1.0
+    assert rr.rank("u1", np.ones(4), c, 1, mask=mask).selected.tolist() == [[0]]

@@ -206,6 +206,17 @@ def _real_array(x, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
+def _check_scores(scores: np.ndarray, mask: np.ndarray) -> None:
+    """``InputError`` when a valid candidate's score is not finite: finite embeddings whose
+    product overflows float32 (entries of 1e20) scored inf, and :meth:`Reranker.rank`
+    returned positions -1 without a word, the garbage the NaN check on the inputs refuses."""
+    bad = ~np.isfinite(scores) & mask
+    if bad.any():
+        i, j = np.argwhere(bad)[0].tolist()
+        raise InputError(f"the score of query {i}, candidate {j} overflows float32 ({scores[i, j]}): scale the "
+                         "embeddings to unit norm, as the retriever's are", where="query_emb, candidate_embs")
+
+
 def _generation(store: PolicyStore | None) -> tuple:
     """What a :class:`Reranker` serves from ``store``: its newest user version, its setting,
     and how many rollbacks it has finished (undoing the newest run brings the newest version
@@ -342,6 +353,7 @@ class Reranker:
         buckets, so batches of nearby sizes share one compiled program."""
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
         sel, scores = jax.device_get(_rank(self.policy(user_id).params, qp, cp, mp, m=int(m)))
+        _check_scores(scores[:n, :k], mp[:n, :k])
         return Ranking(np.asarray(sel[:n]), np.asarray(scores[:n, :k]))
 
     def sample(self, user_id: str, query_emb, candidate_embs, m: int, *, keys, tau: float | None = None,
@@ -379,5 +391,6 @@ class Reranker:
         keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
         sel, lp, scores = jax.device_get(_sample(self.policy(user_id).params, qp, cp, mp, keys, tau, m=int(m)))
         scores = np.asarray(scores[:n, :k])
+        _check_scores(scores, mp[:n, :k])
         logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
         return Sample(np.asarray(sel[:n]), np.asarray(lp[:n], np.float64), logits, scores)
