@@ -152,6 +152,18 @@ def test_answer_embeddings_are_question_plus_answer_in_store_order(stores):
     assert any(q.answer for u in ds.users for q in u.queries)       # the answers are really there
 
 
+def test_answers_of_an_unknown_user_are_the_one_line_error_naming_the_store(stores):
+    """st.user_answers("nobody") was a KeyError; user(), memory_rows() and query_count() say
+    "unknown user id" naming the store."""
+    from rmm_jax.errors import InputError
+
+    root, _ = stores
+    st = open_store(root / "answers")
+    with pytest.raises(InputError, match=r"answers: unknown user id 'nobody' \(store has 2 users"):
+        st.user_answers("nobody")
+    assert st.user_answers(st.user_ids[0]).shape[0] == st.query_count(st.user_ids[0])
+
+
 def test_answer_support_never_reads_gold(stores):
     root, _ = stores
     st = open_store(root / "answers")

@@ -487,10 +487,13 @@ class EmbeddingStore:
         )
 
     def user_answers(self, user_id) -> np.ndarray:
-        """One user's question + answer embeddings (n_q, d), for the ``answer`` citation model."""
+        """One user's question + answer embeddings (n_q, d), for the ``answer`` citation model.
+        An unknown user is the one-line error of :meth:`user` (it was a KeyError)."""
         if self.answer_emb is None:
             raise InputError("store holds no answer embeddings; rebuild it with `rmm-jax embed ... --answers`",
                              where=str(self.path))
+        if str(user_id) not in self._by_id:
+            self.user(user_id)                         # the one-line error naming the store
         u = self._by_id[str(user_id)]
         return read_rows(self.answer_emb, u["query_start"], u["query_end"])
 
