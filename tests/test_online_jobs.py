@@ -107,6 +107,29 @@ def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tm
     assert not leaves_equal(a[store.user_ids[0]].params, p0)
 
 
+def test_a_program_that_does_not_fit_its_streams_or_a_flat_list_of_streams_is_refused_by_name(store, tmp_path):
+    """A replay program (make_run without cite_fn) on streams without a log was a TypeError
+    from the compiled loop ('>=' between None and int); a simulating one on logged streams
+    ran without a word, learning from its own draws instead of the log; drive(streams, ...)
+    was "'Stream' object is not iterable"."""
+    streams = load_streams(store, CFG.k)
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+    sim = run_online(streams, SIM, p0, seed=3, users_per_chunk=2, want_log=True)
+    log = tmp_path / "log.jsonl"
+    write_log(log, [validate_record(r) for r in sim.records])
+    logged = streams_from_log(store, read_log(log)[0], CFG)
+    run = lambda chunks, program: list(drive(chunks, program, p0, users_per_chunk=len(streams)))
+    with pytest.raises(ValueError, match=r"^program: replays logged selections .* the streams carry none"):
+        run([streams], REPLAY)
+    with pytest.raises(ValueError, match=r"^program: simulates citations .* the streams carry logged selections"):
+        run([logged], SIM)
+    with pytest.raises(ValueError, match=r"^chunks: chunk 0 mixes streams"):
+        run([[logged[0], streams[1]]], REPLAY)
+    with pytest.raises(ValueError, match=r"^chunks: expected chunks .* got a Stream: drive\(\[streams\], \.\.\.\)"):
+        run(streams, SIM)
+    assert [type(e).__name__ for e in run([logged], REPLAY)][-1] == "ChunkDone"
+
+
 def test_off_policy_log_probs_change_the_replayed_policy(store, tmp_path):
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)

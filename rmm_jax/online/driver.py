@@ -183,7 +183,27 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
 
 
 def _as_chunk(c) -> Chunk:
+    if isinstance(c, Stream):       # drive(streams, ...) for drive([streams], ...): "'Stream' object is not iterable"
+        raise ValueError("chunks: expected chunks (each a list of streams, or a Chunk), got a Stream: "
+                         "drive([streams], ...) runs a list of streams as one chunk")
     return c if isinstance(c, Chunk) else Chunk(list(c))
+
+
+def _check_logged(ci: int, streams: Sequence[Stream], program: Program) -> None:
+    """A chunk's streams all carry logged selections (a replay: ``make_run`` without a
+    citation function) or none do (a simulation: with one). A replay program on streams
+    without a log was a TypeError from the compiled loop ('>=' between None and int), a
+    simulation on logged streams ran without a word and learned from its own draws instead of
+    the log, and a mixed chunk was a TypeError from the padding (int() of None)."""
+    logged = {s.selected is not None for s in streams}
+    if len(logged) > 1:
+        raise ValueError(f"chunks: chunk {ci} mixes streams that carry logged selections with streams that do not")
+    if logged == {True} and program.simulates:
+        raise ValueError("program: simulates citations (make_run with a cite_fn), but the streams carry logged "
+                         "selections: replay them with make_run(..., cite_fn=None)")
+    if logged == {False} and not program.simulates:
+        raise ValueError("program: replays logged selections (make_run with cite_fn=None), but the streams carry "
+                         "none: give make_run a citation function, e.g. rmm_jax.data.citations.oracle()")
 
 
 def _padded(chunks, program: Program, users_per_chunk: int, segment_batches: int | None, skip: int):
@@ -193,6 +213,7 @@ def _padded(chunks, program: Program, users_per_chunk: int, segment_batches: int
     for ci, chunk in enumerate(c for c in map(_as_chunk, chunks) if c.streams):
         if len(chunk.streams) > users_per_chunk:
             raise ValueError(f"users_per_chunk: a chunk of {len(chunk.streams)} streams, more than {users_per_chunk}")
+        _check_logged(ci, chunk.streams, program)
         if ci < skip:
             yield ci, chunk, None
             continue
