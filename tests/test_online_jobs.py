@@ -450,3 +450,12 @@ def test_a_segmented_chunk_keeps_only_its_own_outputs(monkeypatch):
     assert len(held) == 40                                  # one per segment of one batch
     owned = sum((v.base if v.base is not None else v).nbytes for part in held for v in part.values())
     assert owned <= 2 * sum(v.nbytes for o in real.values() for v in o.values()), owned
+
+
+def test_make_run_refuses_a_cite_fn_that_is_not_a_function():
+    """make_run(..., cite_fn="oracle") was taken, and the first chunk failed in the trace with
+    "Expected a callable value, got oracle"."""
+    for wrong in ("oracle", 0.9):
+        with pytest.raises(ValueError, match=r"^cite_fn: expected a citation function, .* got "):
+            make_run(*SETTING, cite_fn=wrong)
+    assert make_run(*SETTING, cite_fn=oracle_cite).simulates and not make_run(*SETTING).simulates

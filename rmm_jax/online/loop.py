@@ -186,6 +186,11 @@ def make_run(layout: Layout, estimator: Estimator, optimizer=None, cite_fn: Cite
       >>> program.layout.m, program.optimizer.name, program.simulates
       (2, 'adam', True)
     """
+    # a name (cite_fn="oracle") was taken, and the first chunk failed in the trace with
+    # "Expected a callable value, got oracle"
+    if cite_fn is not None and not callable(cite_fn):
+        raise ValueError(f"cite_fn: expected a citation function, e.g. rmm_jax.data.citations.oracle(), or None "
+                         f"to replay, got {type(cite_fn).__name__} {cite_fn!r}"[:160])
     optimizer = optim.adam(3e-4) if optimizer is None else optimizer
     apply = make_update(layout, estimator, optimizer)
     replay = cite_fn is None
