@@ -98,3 +98,17 @@ def test_queries_are_resampled_inside_each_drawn_conversation_only():
 def test_groups_must_label_every_query():
     with pytest.raises(ValueError, match="groups"):
         gain_interval(np.zeros((2, 5)), groups=[0, 1])
+
+
+def test_a_level_a_resample_count_or_diffs_that_do_not_fit_are_refused_by_name():
+    """level=95 (for 0.95) was NumPy's "Quantiles must be in the range [0, 1]", n_boot=0
+    "zero-size array to reduction operation maximum", a str diff "could not convert string
+    to float": none named the argument."""
+    d = np.full((2, 5), 0.1)
+    for kw, where in (({"level": 95}, "level"), ({"level": 0}, "level"), ({"level": "0.95"}, "level"),
+                      ({"n_boot": 0}, "n_boot"), ({"n_boot": 2.5}, "n_boot")):
+        with pytest.raises(ValueError, match=rf"^{where}: must be "):
+            gain_interval(d, **kw)
+    with pytest.raises(ValueError, match=r"^diffs: expected a \(seeds, queries\) array of numbers, got "):
+        gain_interval(["a", "b"])
+    assert gain_interval(d, n_boot=np.int64(50), level=np.float32(0.9))["resamples"] == ["seed", "query"]
