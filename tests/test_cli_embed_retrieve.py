@@ -214,6 +214,24 @@ def test_retrieve_k_larger_than_bank(capsys, tiny_store):
     assert code == 0 and json.loads(stdout)["overall"]["recall@20"] == 1.0          # exact, as above
 
 
+def test_retrieve_k_passes_the_bank_of_a_user_without_questions(capsys, tmp_path, tiny_store):
+    """A user without questions retrieves nothing, so its bank may be shorter than --k: such
+    a user made retrieve refuse --k for everyone (or need --pad-short-banks)."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"user_id": "alice", "sessions": [{"session_id": "s1", "messages": [
+        {"role": "user", "content": "I adopted a puppy named Max."}]}]}) + "\n")
+    both = tmp_path / "both"
+    shutil.copytree(tiny_store, both)
+    code, _, err = run(capsys, "embed", f"jsonl:{chats}", "--into", both)
+    assert code == 0, err
+    code, stdout, err = run(capsys, "retrieve", both, "--k", 8, "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["overall"]["recall@8"] == 1.0 and res["per_user"]["alice"]["n"] == 0
+    code, stdout, err = run(capsys, "retrieve", both, "--k", 9)        # the user with questions still counts
+    assert code == 2 and stdout == "" and "k=9" in err and "8 memories" in err and "alice" not in err
+
+
 def test_retrieve_bad_stores(capsys, tmp_path, tiny_store):
     code, _, err = run(capsys, "retrieve", tmp_path / "nope")
     assert code == 2 and "no such embedding store" in err and err.count("\n") == 1

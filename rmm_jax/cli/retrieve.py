@@ -29,9 +29,9 @@ def evaluate_store(store, k: int, *, pad_short_banks: bool = False) -> dict:
     maps metric names (see :func:`metric_names`) to means over the valid questions
     (>= 1 gold memory and not an abstention question) plus ``"n"``.
     """
-    if not pad_short_banks:
+    if not pad_short_banks:               # a user without questions retrieves nothing: its bank may be short
         for uid, n_m in store.bank_sizes.items():
-            if k > n_m:
+            if k > n_m and store.query_count(uid):
                 raise InputError(f"k={k} is larger than the memory bank of user {uid!r} "
                                  f"({n_m} memories); use a smaller --k or --pad-short-banks",
                                  where="--k")
