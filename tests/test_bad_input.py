@@ -97,6 +97,12 @@ def env(tmp_path_factory):
     chats = make_synthetic(users=2, sessions=2, turns=8, seed=0)
     chats = dataclasses.replace(chats, users=tuple(dataclasses.replace(u, queries=()) for u in chats.users))
     write_store(e["chats_store"], chats, "turn", FakeEmbedder(32), spec="chats")
+    e["nogold_store"] = root / "nogold_store"       # questions, none with gold
+    nogold = make_synthetic(users=2, sessions=2, turns=8, seed=0)
+    nogold = dataclasses.replace(nogold, users=tuple(
+        dataclasses.replace(u, queries=tuple(dataclasses.replace(q, gold_turn_ids=()) for q in u.queries))
+        for u in nogold.users))
+    write_store(e["nogold_store"], nogold, "turn", FakeEmbedder(32), spec="nogold")
     # a store whose memories hold NaN (shape and dtype intact)
     e["nan_store"] = root / "nan_store"
     shutil.copytree(e["store"], e["nan_store"])
@@ -330,9 +336,13 @@ def cases():
                                                        "--out", new_pol(e), "--k", K, "--m", M],
          lambda e: [str(e["segment_store"]), "single turns"]),
         ("pretrain-labels-unknown", lambda e: pre(e, "--labels", "citations"), lambda e: ["--labels"]),
-        ("pretrain-gold-without-gold", lambda e: ["pretrain", e["chats_store"], "--out", new_pol(e), "--k", K,
+        ("pretrain-gold-without-gold", lambda e: ["pretrain", e["nogold_store"], "--out", new_pol(e), "--k", K,
                                                   "--m", M],
-         lambda e: [str(e["chats_store"]), "no training query has a gold memory", "--labels dialogue"]),
+         lambda e: [str(e["nogold_store"]), "no training query has a gold memory", "--labels dialogue"]),
+        # a store of chats without questions said "no training query has a gold memory", as if gold were missing
+        ("pretrain-gold-without-questions", lambda e: ["pretrain", e["chats_store"], "--out", new_pol(e), "--k", K,
+                                                       "--m", M],
+         lambda e: [str(e["chats_store"]), "the training users (", ") have no questions", "--labels dialogue"]),
         ("pretrain-nan-store", lambda e: ["pretrain", e["nan_store"], "--out", new_pol(e)],
          lambda e: ["memories.npy", "NaN"]),
     ]

@@ -225,6 +225,9 @@ def pretrain_epochs(params, train_streams, val_streams, cfg: PretrainConfig = Pr
     """
     train = labelled_queries(train_streams)
     if train["q"].shape[0] == 0:
+        if not any(s.queries.shape[0] for s in train_streams):    # not a matter of gold: say so
+            names = ", ".join(sorted(s.user_id for s in train_streams))
+            raise ValueError(f"pretrain: the training users ({names[:120]}) have no questions")
         raise ValueError("pretrain: no training query has a gold memory among its candidates")
     val = labelled_queries(val_streams) if val_streams else None
     if val is not None and val["q"].shape[0] == 0:
