@@ -159,6 +159,15 @@ def env(tmp_path_factory):
         # a lone UTF-16 surrogate escape (an emoji cut in half): Python's json reads it, UTF-8 cannot hold it
         "lone_surrogate": jl(g0) + json.dumps({**g1, "query": "my dog \ud83d"}) + "\n",
         "chats_lone_surrogate": jl({"user_id": "a", "messages": [{"role": "user", "content": "hi \ud83d"}]}),
+        # texts with nothing in them were embedded as a question or a memory that matches nothing
+        "blank_query": jl(g0, {**g1, "query": "  "}),
+        "blank_candidate_text": jl(g0, {**g1, "candidates": [{"id": "new-mem", "text": " "}, *g1["candidates"][1:]]}),
+        "text_log": jl({"user_id": "a", "query": "tea?", "candidates": ["m1"], "selected": ["m1"], "cited": []}),
+        "text_log_blank_candidate": jl({"user_id": "a", "query": "tea?", "candidates": [{"id": "m1", "text": "tea"}],
+                                        "selected": ["m1"], "cited": []},
+                                       {"user_id": "a", "query": "coffee?", "candidates": [{"id": "m2", "text": ""}],
+                                        "selected": ["m2"], "cited": []}),
+        "memories_blank_text": jl({"user_id": "a", "id": "m1", "text": "\t"}),
     }
     ld = root / "logs"
     ld.mkdir()
@@ -217,6 +226,13 @@ def cases():
         ("log-nan-log-prob", lambda e: rp(e, "nan_log_prob"), lambda e: [":2", "'log_prob'"]),
         ("log-lone-surrogate", lambda e: rp(e, "lone_surrogate"),
          lambda e: [f"{L(e, 'lone_surrogate')}:2", "lone surrogate \\ud83d"]),
+        ("log-blank-query", lambda e: rp(e, "blank_query"), lambda e: [f"{L(e, 'blank_query')}:2", "'query'",
+                                                                        "empty"]),
+        ("log-blank-candidate-text", lambda e: rp(e, "blank_candidate_text"),
+         lambda e: [f"{L(e, 'blank_candidate_text')}:2", "'candidates'", "item 0 'text' is empty"]),
+        ("evaluate-blank-candidate-text", lambda e: ["evaluate", S(e), "--log", L(e, "blank_candidate_text"),
+                                                     "--policies", e["pol_existing"]],
+         lambda e: [f"{L(e, 'blank_candidate_text')}:2", "'candidates'", "empty"]),
         ("log-huge-timestamp", lambda e: rp(e, "huge_timestamp"), lambda e: [":2", "'timestamp'", "finite"]),
         ("rerank-huge-timestamp", lambda e: ["rerank", S(e), "--calls", L(e, "calls_huge_timestamp"), "--out",
                                              e["root"] / "new_served.jsonl"],
@@ -373,6 +389,12 @@ def cases():
          lambda e: ["nope"]),
         ("embed-jsonl-lone-surrogate", lambda e: ["embed", f"jsonl:{L(e, 'chats_lone_surrogate')}", "--out", out(e)],
          lambda e: [f"{L(e, 'chats_lone_surrogate')}:1", "lone surrogate \\ud83d"]),
+        ("embed-log-blank-candidate-text", lambda e: ["embed", f"log:{L(e, 'text_log_blank_candidate')}", "--out",
+                                                      out(e)],
+         lambda e: [f"{L(e, 'text_log_blank_candidate')}:2", "'candidates'", "empty"]),
+        ("embed-log-memories-blank-text",
+         lambda e: ["embed", f"log:{L(e, 'text_log')},memories={L(e, 'memories_blank_text')}", "--out", out(e)],
+         lambda e: [f"{L(e, 'memories_blank_text')}:1", "'text'", "empty"]),
         ("embed-locomo-lone-surrogate",
          lambda e: ["embed", f"locomo:{e['root'] / 'surrogate_locomo.json'}", "--out", out(e)],
          lambda e: ["surrogate_locomo.json", "lone surrogate \\udc00"]),

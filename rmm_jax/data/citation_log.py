@@ -28,6 +28,7 @@ question twice gives each call its own ``call_id``.
 
 Each item of `candidates` is either a memory id (a string) or an object
 ``{"id": "m3", "text": "..."}`` carrying the memory's text; the two forms may be mixed.
+A text, like a ``query``, may not be empty or only whitespace.
 Texts, `query` and `gold` are what ``rmm-jax embed log:calls.jsonl --out STORE`` needs
 to build an embedding store straight from a production log (:mod:`rmm_jax.data.jsonl`).
 ``replay`` and ``evaluate`` take a query or a memory from the store when the store holds
@@ -282,6 +283,9 @@ def _candidates(value: Any, where: str) -> tuple[tuple[str, ...], tuple[str | No
             if not isinstance(text, str):
                 raise InputError(f"item {i} 'text' must be a string, got {_type_name(text)}",
                                  where=_key_where(where, "candidates"))
+            if not text.strip():    # embedded, it would be a memory with nothing to match
+                raise InputError(f"item {i} 'text' is empty (or only whitespace)",
+                                 where=_key_where(where, "candidates"))
             texts.append(text)
         else:
             ids.append(_id(item, where, "candidates", f"item {i}"))
@@ -374,7 +378,8 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     ``where`` locates the record in messages, usually ``at(path, line)``; errors read
     ``{where}: key 'k': ...``. Raises :class:`InputError` for: not an object, a missing
     required key, no identity (none of ``call_id``, ``query_id``, ``query``), a wrong
-    type, an empty ``candidates``/``selected``, duplicate ids, ``selected`` outside
+    type, an empty ``candidates``/``selected``, a ``query`` or candidate text that is
+    empty or only whitespace (embedded, it would match nothing), duplicate ids, ``selected`` outside
     ``candidates``, ``cited`` outside ``selected``, and a non-finite or positive
     ``log_prob``. Unknown keys are ignored. ``served``: a served record, which has no
     ``cited`` yet (``cited`` is then ``()``).
@@ -397,6 +402,8 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     query = obj.get("query")
     if query is not None and not isinstance(query, str):
         raise InputError(f"must be a string, got {_type_name(query)}", where=_key_where(where, "query"))
+    if query is not None and not query.strip():   # embedded for a question the store lacks: nothing to match
+        raise InputError("empty query text (or only whitespace)", where=_key_where(where, "query"))
     if call_id is None and query_id is None and not (query or "").strip():
         raise InputError("missing: a record names its call by 'call_id', 'query_id' or the 'query' text",
                          where=_key_where(where, "query_id"))

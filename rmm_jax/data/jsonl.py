@@ -107,7 +107,8 @@ rerank`` writes), else its ``query`` text; two calls of a user that name the sam
 an error naming the second's ``file:line``. The memory ids are kept as logged, so the same
 log replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
 between two places, a call without ``query`` text (or with only whitespace) and a
-candidate without text are errors naming ``file:line`` and the key.
+candidate or a memories-file line without text (or with only whitespace) are errors
+naming ``file:line`` and the key.
 
 A gold id that names a memory no record carries (the gold was never retrieved, so the log
 has no text for it) cannot be a memory of the store: it is dropped from its question's gold
@@ -414,6 +415,8 @@ def _read_memories(path: Path, banks: dict[str, _Bank]) -> int:
         uid = _id_str(_get(obj, "user_id", str, path, line, ""), path, line, "user_id")
         mid = _id_str(_get(obj, "id", str, path, line, ""), path, line, "id")
         text = _get(obj, "text", str, path, line, "")
+        if not text.strip():     # as a chat message's: a memory with nothing to match
+            raise InputError("empty memory text (or only whitespace)", where=at(path, line, "text"))
         session = _get(obj, "session_id", str, path, line, "", required=False) or LOG_SESSION
         banks.setdefault(uid, _Bank()).add(mid, text, session, _stamp(obj, "timestamp", path, line, ""),
                                            at(path, line), uid, "text")
@@ -464,8 +467,6 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         if rec.query_text is None:
             raise InputError("missing: building a store from a log needs each call's query text",
                              where=at(path, line, "query"))
-        if not rec.query_text.strip():
-            raise InputError("empty query text (nothing to embed)", where=at(path, line, "query"))
         qid = _check_new_question(seen, rec, path, line)
         bank = banks.setdefault(rec.user_id, _Bank())
         texts = rec.candidate_texts or (None,) * len(rec.candidates)
