@@ -152,7 +152,8 @@ def test_rerank_stamps_a_call_without_a_timestamp_with_the_time_it_served_it(cap
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),
     ({"user_id": "user0"}, "needs 'query'"),
     ({"user_id": "nobody", "query_id": "q0"}, "key 'user_id'"),
-    ({"user_id": "user0", "query_id": "q999"}, "key 'query_id'"),
+    # the id itself, as replay and evaluate name it: the line said only "unknown query id for user 'user0'"
+    ({"user_id": "user0", "query_id": "q999"}, "key 'query_id': unknown query id 'q999' for user 'user0'"),
     ({"user_id": "user0", "query_id": "q0", "extra": 1}, "key 'extra'"),
     ({"user_id": "user0", "query_id": "q0", "candidates": ["D1:1", "D1:1"]}, "twice"),
 ])

@@ -173,7 +173,8 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
         held = users.held_query(c)
         if held is None and c.query_text is None:
             users.get(c, "query_id")               # an unknown user: the one-line error
-            raise InputError(f"unknown query id for user {c.user_id!r} (give the call's text in 'query')",
+            raise InputError(f"unknown query id {c.query_id!r} for user {c.user_id!r} (give the call's text in "
+                             "'query')",
                              where=at(path, c.line, "query_id"))
         texts += [c.query_text] if held is None else []
         if c.candidate_texts is not None:
