@@ -148,7 +148,7 @@ def test_rerank_stamps_a_call_without_a_timestamp_with_the_time_it_served_it(cap
 
 
 @pytest.mark.parametrize("line, where", [
-    ({"user_id": "user0", "query_id": "q0", "candidates": ["nope"]}, "key 'candidates'"),
+    ({"user_id": "user0", "query_id": "q1", "candidates": ["nope"]}, "key 'candidates'"),
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),
     ({"user_id": "user0"}, "needs 'query'"),
     ({"user_id": "nobody", "query_id": "q0"}, "key 'user_id'"),
@@ -156,6 +156,8 @@ def test_rerank_stamps_a_call_without_a_timestamp_with_the_time_it_served_it(cap
     ({"user_id": "user0", "query_id": "q999"}, "key 'query_id': unknown query id 'q999' for user 'user0'"),
     ({"user_id": "user0", "query_id": "q0", "extra": 1}, "key 'extra'"),
     ({"user_id": "user0", "query_id": "q0", "candidates": ["D1:1", "D1:1"]}, "twice"),
+    # the call of line 1 again: only --explore refused it, and the ranked file was a log replay refuses
+    ({"user_id": "user0", "query_id": "q0"}, "key 'query_id': the same call as line 1"),
 ])
 def test_a_bad_call_is_one_line_naming_the_line_and_nothing_is_written(capsys, tmp_path, env, line, where):
     store, pol = env

@@ -108,14 +108,6 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if tau is not None and not explore:
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
     calls = read_calls(calls_path)
-    if explore:
-        first: dict = {}
-        for c in calls:
-            key = (c.user_id, call_key(c))
-            if key in first:
-                raise InputError(f"the same call as line {first[key]} (give each call its own call_id: a log "
-                                 "names each call once)", where=at(calls_path, c.line))
-            first[key] = c.line
     prepared = prepare_calls(st, calls, calls_path, k, m)
     if note:                                      # after the calls are checked: an error stays one line
         info(note)

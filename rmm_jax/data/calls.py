@@ -24,7 +24,8 @@ key                  meaning
 
 A call needs ``query`` or a ``query_id`` that STORE holds. Its identity is its
 ``call_id``, else its ``query_id``, else its ``query`` text, as in a citation log
-(:func:`rmm_jax.data.citation_log.call_key`). A candidate given as text gets the id
+(:func:`rmm_jax.data.citation_log.call_key`), and two calls of a user may not share it
+(the served file is a log, which names each call once). A candidate given as text gets the id
 ``t:`` + the first 16 hex digits of the text's sha256 (:func:`text_id`), so the same text
 has the same id in every call and the served line replays as a log record. Every
 problem is one :class:`~rmm_jax.errors.InputError` naming ``file:line`` and the key,
@@ -47,7 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import check_timestamp, json_lines
+from rmm_jax.data.citation_log import call_key, check_timestamp, json_lines
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.retrieval import top_k
@@ -85,8 +86,11 @@ def _strings(value, path, line, key) -> tuple[str, ...]:
 
 
 def read_calls(path: str | os.PathLike) -> list[Call]:
-    """Every call of a calls file, checked (module docstring)."""
+    """Every call of a calls file, checked (module docstring). Two calls of a user with the
+    same identity are refused, with or without ``--explore``: each served line is a log
+    record, and a log that names a call twice is refused by ``replay`` and ``evaluate``."""
     calls = []
+    first: dict[tuple[str, str], int] = {}
     for line, obj in json_lines(path):
         if not isinstance(obj, dict):
             raise InputError(f"expected an object, got {json_type(obj)}", where=at(path, line))
@@ -102,10 +106,17 @@ def read_calls(path: str | os.PathLike) -> list[Call]:
             raise InputError("needs 'query' (text) or a 'query_id' of STORE", where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:
             raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
-        calls.append(Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
-                          _strings(obj["candidates"], path, line, "candidates") if "candidates" in obj else None,
-                          _strings(obj["candidate_texts"], path, line, "candidate_texts")
-                          if "candidate_texts" in obj else None, stamp))
+        call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
+                    _strings(obj["candidates"], path, line, "candidates") if "candidates" in obj else None,
+                    _strings(obj["candidate_texts"], path, line, "candidate_texts")
+                    if "candidate_texts" in obj else None, stamp)
+        key = (call.user_id, call_key(call))
+        if key in first:
+            name = "call_id" if call.call_id is not None else "query_id" if call.query_id is not None else "query"
+            raise InputError(f"the same call as line {first[key]} (give each call its own call_id: a log "
+                             "names each call once)", where=at(path, line, name))
+        first[key] = line
+        calls.append(call)
     return calls
 
 
