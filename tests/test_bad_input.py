@@ -790,6 +790,18 @@ def test_embed_into_a_store_without_answers_refuses_answers(env, capsys, tmp_pat
     assert snapshot(tmp_path) == before and model_starts == []
 
 
+def test_embed_into_with_another_model_is_refused_before_it_loads(env, capsys, tmp_path, model_starts):
+    """`embed --into STORE --model OTHER` loaded OTHER (seconds; offline, a 'cannot load' error
+    that sent the user to fetch a model the store then refused) before the store's model was
+    compared: now one line naming --model and both models, before any work."""
+    store = tmp_path / "store"
+    shutil.copytree(env["store"], store)
+    before = snapshot(tmp_path)
+    code, _, err = cli(capsys, "embed", GROWN, "--into", store, "--model", "other/model")
+    assert_one_line_error(code, err, ["--model", str(store), "'fake/bow-32'", "'other/model'"])
+    assert snapshot(tmp_path) == before and model_starts == []
+
+
 # --------------------------------------------------------------------------- K and M from the log
 
 

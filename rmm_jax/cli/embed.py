@@ -10,7 +10,7 @@ import click
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import check_writable, count, explicit_options, info
 from rmm_jax.data import load_spec
-from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder
+from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder, model_id
 from rmm_jax.data.granularity import (
     DEFAULT_GRANULARITY,
     DEFAULT_MERGE_THRESHOLD,
@@ -19,7 +19,7 @@ from rmm_jax.data.granularity import (
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
 from rmm_jax.data.store import is_store, open_store, write_store
-from rmm_jax.data.store_append import append_store
+from rmm_jax.data.store_append import append_store, check_model
 from rmm_jax.errors import InputError
 
 
@@ -167,6 +167,8 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
     st = open_store(into)
     _check_replaceable(into, f"--into {into}")
     given = explicit_options()
+    if "model" in given:        # before the model loads: it would load, then be refused
+        check_model(st, into, model_id(model))
     if "granularity" in given and granularity != st.granularity:
         raise InputError(f"STORE {into} holds {st.granularity!r} memories, not {granularity!r}", where="--granularity")
     if answers and st.answer_emb is None:

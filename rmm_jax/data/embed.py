@@ -70,6 +70,13 @@ def _text_key(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def model_id(model: str) -> str:
+    """The id a ``--model`` value is stored under (``local:`` + the absolute path for a
+    directory), without loading the model: a command can refuse a store of another model
+    before the seconds a load takes (or a failed load's message about the wrong thing)."""
+    return _resolve(model)[1]
+
+
 def _resolve(model: str) -> tuple[str, str]:
     """(what to pass to SentenceTransformer, model id for the cache and the store)."""
     if model in _PACKAGED_ALIASES:

@@ -108,6 +108,13 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
     return _Growth(dataclasses.replace(user, queries=tuple(queries)), new, _stored_units(old_mems) + new)
 
 
+def check_model(st, path, model_id: str) -> None:
+    """Refuse to append with another model than the store's (``st``, open at ``path``)."""
+    if model_id != st.model:
+        raise InputError(f"STORE {path} was embedded with model {st.model!r}, not {model_id!r}: a store "
+                         "holds one embedding space", where="--model")
+
+
 def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None) -> dict:
     """Append ``dataset``'s new users, sessions and questions to the store at ``path``
     (module docstring), embedding only their texts with ``embedder`` (its ``model_id``
@@ -126,9 +133,7 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
     where = spec or "dataset"
     t0 = time.perf_counter()
     st = open_store(path)
-    if embedder.model_id != st.model:
-        raise InputError(f"STORE {path} was embedded with model {st.model!r}, not {embedder.model_id!r}: a store "
-                         "holds one embedding space", where="--model")
+    check_model(st, path, embedder.model_id)
     if st.granularity not in APPENDABLE:
         raise InputError(f"STORE {path} has {st.granularity!r} memories; appending keeps old memories as they are, "
                          f"which only {' and '.join(APPENDABLE)} granularity do", where="--into")
