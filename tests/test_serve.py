@@ -147,6 +147,18 @@ def test_rerank_stamps_a_call_without_a_timestamp_with_the_time_it_served_it(cap
         validate_record(o, served=True)
 
 
+def test_m_above_k_names_k_for_a_call_the_retriever_fills(capsys, tmp_path, env):
+    """A call without candidates gets the retriever's top --k: --m above it said only "this
+    call's 3 candidates", which sent the user to look at a call that lists none."""
+    store, pol = env
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"user_id": "user0", "query_id": "q0"}) + "\n")
+    code, out, err = run_cli(capsys, "rerank", store, "--calls", tmp_path / "calls.jsonl", "--k", 3, "--m", 5,
+                             "--out", tmp_path / "out.jsonl")
+    assert code == 2 and out == "" and not (tmp_path / "out.jsonl").exists(), err
+    assert err.strip().splitlines()[-1].endswith("calls.jsonl:1: --m 5 is more than this call's 3 candidates "
+                                                 "(the retriever's top --k 3)"), err
+
+
 @pytest.mark.parametrize("line, where", [
     ({"user_id": "user0", "query_id": "q1", "candidates": ["nope"]}, "key 'candidates'"),
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),

@@ -198,8 +198,10 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
                 raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r}",
                                  where=at(path, c.line, "candidates"))
             n = len(c.candidates) if c.candidates is not None else min(k, len(u.memory_ids))
-        if m > n:
-            raise InputError(f"--m {m} is more than this call's {n} candidates", where=at(path, c.line))
+        if m > n:    # a call that lists none has the retriever's top --k: say so, or --k goes unnamed
+            source = "" if c.candidates is not None or c.candidate_texts is not None else (
+                f" (the retriever's top --k {k})" if n == k else f" (user {c.user_id!r} holds {n} memories)")
+            raise InputError(f"--m {m} is more than this call's {n} candidates{source}", where=at(path, c.line))
     vecs = embed_texts(texts, store.model)
     queries = []
     for c in calls:
