@@ -129,10 +129,12 @@ def test_citations_that_ignore_gold_get_no_correction(logged, capsys):
     assert code == 0 and ("no correction" in last or "say nothing" in last), last
 
 
-def test_a_misspelt_gold_key_is_noted_before_the_no_gold_error(logged, capsys):
+def test_a_misspelt_gold_key_is_noted_on_the_no_gold_error_line(logged, capsys):
     """A log whose gold sits under a misspelt key (`glod`, a swap difflib's ratio misses in a
-    4-letter key) has no call with gold: the note naming the key comes before that error,
-    which is the one run where the user needs it (it was printed only after a measurement)."""
+    4-letter key) has no call with gold: the note naming the key is on that error's line,
+    which is the one run where the user needs it (it was printed only after a measurement),
+    and bad input stays one line, as evaluate's missing log_prob with its note is (it was a
+    note line, then the error line)."""
     root, store = logged
     log = root / "glod.jsonl"
     log.write_text(json.dumps({"user_id": "user0", "query": "q?", "candidates": [{"id": "x", "text": "t"}],
@@ -140,9 +142,9 @@ def test_a_misspelt_gold_key_is_noted_before_the_no_gold_error(logged, capsys):
     code, out, err = run_cli(capsys, "cite-rates", store, "--log", log)
     assert code == 2 and out == "", err
     assert err.splitlines() == [
-        f"note: {log}:1: key 'glod' is not a log key and was ignored (did you mean 'gold'?)",
         f"error: {log}: none of its 1 call has gold (STORE's, for a question it holds, or the record's `gold`): "
-        "nothing to measure the citations against"], err
+        f"nothing to measure the citations against; note: {log}:1: key 'glod' is not a log key and was ignored "
+        "(did you mean 'gold'?)"], err
 
 
 def test_a_log_without_gold_and_bad_options_are_one_line(logged, capsys):

@@ -52,11 +52,13 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     if report.get("skipped"):
         info(f"skipped {report['skipped']} invalid records of {report['records'] + report['skipped']}; "
              f"first: {report['first_errors'][0]}")
-    for note in report["notes"]:     # unknown keys that look misspelt: before the error a misspelt `gold` causes
-        info(f"note: {note}")
-    if counts.users.size == 0:
+    if counts.users.size == 0:      # a misspelt `gold` is the likely cause: its note goes on the error's line
+        near = [n for n in report["notes"] if n.endswith("'gold'?)")]
         raise InputError(f"none of its {count(counts.calls, 'call')} has gold (STORE's, for a question it holds, "
-                         "or the record's `gold`): nothing to measure the citations against", where=log_path)
+                         "or the record's `gold`): nothing to measure the citations against"
+                         + (f"; note: {near[0]}" if near else ""), where=log_path)
+    for note in report["notes"]:     # unknown keys that look misspelt
+        info(f"note: {note}")
     rates = measure(counts, n_boot=bootstrap, seed=seed)
     if as_json:
         emit_json({"store": str(store), "log": str(log_path), **rates})
