@@ -132,6 +132,24 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
     assert code == 0, err
 
 
+def test_a_call_learned_with_other_content_is_one_line_with_k_and_m_from_the_log(capsys, tmp_path, store,
+                                                                                  logged):
+    """Left to the log (the docs' way), --k and --m came with a note (as a new question's text
+    came with an 'embedded' line) printed before the exactly-once check refused the rewritten
+    call: two lines on stderr for one bad input."""
+    log = write(tmp_path / "day.jsonl", logged)
+    assert replay(capsys, store, log, tmp_path / "p")[0] == 0
+    edited = [dict(r) for r in logged]
+    edited[5]["cited"] = [] if edited[5]["cited"] else edited[5]["selected"][:1]
+    write(log, edited)
+    before = states(tmp_path / "p")
+    run = [a for i, a in enumerate(RUN) if RUN[i] not in ("--k", "--m") and RUN[i - 1] not in ("--k", "--m")]
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p", *run)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: {log}:6: user {logged[5]['user_id']!r}: this call was learned with other content")
+    assert_same(before, states(tmp_path / "p"))
+
+
 class Killed(BaseException):
     """Where a SIGKILL would stop the process (not an Exception: nothing handles it)."""
 

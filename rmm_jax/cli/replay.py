@@ -120,7 +120,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     check_rank_scope(opts["scope"], opts["rank"])
     st = open_store(store)
     known = known_ids(st)
-    k_m_note: list[str] = []         # printed once the log has been read: bad input is one line
+    k_m_note: list[str] = []         # printed once the log's calls are checked: bad input is one line
     opts["k"], opts["m"] = k_m_from_log(opts["k"], opts["m"], log_shape(log_path, known, skip_invalid=skip_invalid),
                                         log_path, notes=k_m_note)
     ls = learning_setting(policies, opts, change=change_setting, resume=resume, clip=clip)
@@ -144,15 +144,13 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users, calls=continues)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
-    for note in k_m_note:
-        info(note)
     untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if texts:
-        info(f"embedded {count(len(texts), 'text')} the store lacks (queries and memories the log carries as text)")
+        k_m_note.append(f"embedded {count(len(texts), 'text')} the store lacks (queries and memories the log "
+                        "carries as text)")
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
-    note_setting(ls, opts, policies, clip=clip)
     chunks = ([repeat_passes(s, passes) for s in c] for c in
               log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
                          skip_invalid=skip_invalid, users=users, vectors=vectors))
@@ -165,6 +163,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                     inputs=inputs, restart_same=("STORE", "--log")) as rs):
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
         learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
+        for line in k_m_note:      # after the last check of the log's calls: bad input is one line
+            info(line)
+        note_setting(ls, opts, policies, clip=clip)
         # every night's --json has log.calls: a run that starts afresh learns every valid record
         rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(replayed, 0, 0), relearn)
         note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs)) if writer else None
