@@ -582,6 +582,21 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     assert code == 0 and "export" in out and "Examples" in out
 
 
+def test_cli_export_to_a_directory_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """--out naming a directory, or FILE.npz whose FILE.json beside it is one: the .npz was
+    written, then a rename failed with an IsADirectoryError traceback, leaving half the export."""
+    st = new_store(tmp_path)
+    save_seeds(st, {"alice": 4})
+    (tmp_path / "dir.npz").mkdir()
+    (tmp_path / "side.json").mkdir()
+    for out, named in [(tmp_path / "dir.npz", tmp_path / "dir.npz"), (tmp_path / "side.npz", tmp_path / "side.json")]:
+        code, out_text, err = _cli(["policies", "export", str(st.path), "alice", "--out", str(out)], capsys)
+        assert code == 2 and out_text == "" and len(err.splitlines()) == 1, err
+        assert err.startswith(f"error: --out {out}: ") and f"({named}) is a directory" in err, err
+    assert not (tmp_path / "side.npz").exists() and not list(tmp_path.glob(".*.tmp-*"))
+    assert not any((tmp_path / "dir.npz").iterdir()) and not any((tmp_path / "side.json").iterdir())
+
+
 def test_cli_export_refuses_a_path_in_the_store_and_a_missing_version_in_one_line(tmp_path, capsys):
     """--out inside STORE wrote its .json over policy_store.json (P/policy_store.npz), and the
     store no longer opened; an unknown --version printed a progress line before its error."""

@@ -265,6 +265,9 @@ def export(store, user, out, version):
         raise InputError(f"is inside policy store {store}, whose files it could replace; choose a path outside it",
                          where=f"--out {out}")
     check_output_file(out, f"--out {out}")
+    for path, what in ((Path(out), "it"), (Path(out).with_suffix(".json"), "the .json written next to it")):
+        if path.is_dir():    # the rename into place failed after the .npz was written, with a traceback
+            raise InputError(f"{what} ({path}) is a directory, not a file path", where=f"--out {out}")
     st = PolicyStore.open(store)
     _require_users(st, [user])
     doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
