@@ -371,6 +371,11 @@ def cases():
         ("retrieve-nan-store", lambda e: ["retrieve", e["nan_store"]], lambda e: ["memories.npy", "NaN"]),
         ("retrieve-store-missing", lambda e: ["retrieve", e["root"] / "nostore"], lambda e: ["nostore"]),
         ("retrieve-store-is-file", lambda e: ["retrieve", e["file"]], lambda e: [str(e["file"])]),
+        # a store with nothing to measure printed a table of dashes and exited 0
+        ("retrieve-no-questions", lambda e: ["retrieve", e["chats_store"], "--k", K],
+         lambda e: [str(e["chats_store"]), "holds no questions: nothing to measure"]),
+        ("retrieve-no-gold", lambda e: ["retrieve", e["nogold_store"], "--k", K],
+         lambda e: [str(e["nogold_store"]), "has no question with a gold memory", "without one)"]),
     ]
     # ---- embed
     out = lambda e: e["root"] / "new_store"

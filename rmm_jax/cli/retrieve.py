@@ -8,6 +8,7 @@ import click
 import numpy as np
 
 from rmm_jax.cli.main import cli
+from rmm_jax.cli.shell import count
 from rmm_jax.core import metrics as M
 from rmm_jax.core.config import Layout
 from rmm_jax.data.retrieval import retrieve_candidates
@@ -130,12 +131,18 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
     t0 = time.perf_counter()
     st = open_store(store, expect_model=expect_model)
     res = evaluate_store(st, k, pad_short_banks=pad_short_banks)
+    c = res["counts"]
+    if c["valid_queries"] == 0:          # a table of dashes measured nothing: say why, in one line
+        why = ("holds no questions" if c["queries"] == 0 else
+               f"has no question with a gold memory (of its {count(c['queries'], 'question')}, "
+               f"{c['abstention_queries']} abstention, {c['queries_without_gold_memory']} without one)")
+        raise InputError(f"{why}: nothing to measure the retriever against (a chat history's questions name "
+                         "their gold_turn_ids, docs/own-data.md)", where=store)
     res["seconds"] = round(time.perf_counter() - t0, 3)
     if as_json:
         click.echo(json.dumps(res, sort_keys=False))
         return
     names = res["metrics"]
-    c = res["counts"]
     click.echo(f"store {res['store']}: model {res['model']}, granularity {res['granularity']}, "
                f"k={k}")
     click.echo(f"{c['valid_queries']} valid questions of {c['queries']} ({c['abstention_queries']} "
