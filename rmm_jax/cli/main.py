@@ -63,17 +63,20 @@ def cli(ctx: click.Context, compile_cache: bool):
     Reflective Memory Management (Tan et al., ACL 2025) on precomputed embeddings.
 
     \b
-    Typical flow (from the repository root, on examples/):
+    Typical flow (from the repository root, on examples/: chats and logged calls, no questions):
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine   # chats -> embedding store
-      rmm-jax retrieve stores/mine --k 20                     # the base retriever's Recall
-      rmm-jax pretrain stores/mine --out policies             # offline reranker (needs gold)
+      rmm-jax pretrain stores/mine --labels dialogue --out policies      # offline, on the users' chats
       rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies
                                                   # learn from a day's logged citations
       rmm-jax rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore
                                                   # serve: draw each request's memories, logged
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies
                                                   # before shipping: estimate on a day's log
-      rmm-jax simulate stores/mine --policies simulated       # or learn from simulated citations
+    With questions and gold (locomo:, longmemeval:, your chats' questions, or synthetic users):
+      rmm-jax embed synthetic:users=8 --out stores/synth
+      rmm-jax retrieve stores/synth --k 20                    # the base retriever's Recall
+      rmm-jax pretrain stores/synth --out pretrained          # offline reranker on the gold
+      rmm-jax simulate stores/synth --policies simulated      # learn from simulated citations
       rmm-jax demo                                # all of it on built-in synthetic users
     """
     if ctx.invoked_subcommand not in WITHOUT_JAX:
