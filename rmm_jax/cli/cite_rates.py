@@ -42,8 +42,8 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
 
     \b
     Examples:
-      rmm-jax cite-rates stores/mine --log simulated.jsonl
-      rmm-jax cite-rates stores/mine --log simulated.jsonl --users user0,user1 --json
+      rmm-jax cite-rates stores/synthetic --log simulated.jsonl
+      rmm-jax cite-rates stores/synthetic --log simulated.jsonl --users user0,user1 --json
     """
     check_resamples(bootstrap)
     st = open_store(store)

@@ -132,7 +132,7 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
 
     \b
     Examples:
-      rmm-jax pretrain stores/mine --out pretrained --epochs 30 --plot pretrain.png
+      rmm-jax pretrain stores/synthetic --out pretrained --epochs 30 --plot pretrain.png
       rmm-jax pretrain stores/mine --labels dialogue --out warm
     """
     recipe = DIALOGUE if labels == "dialogue" else PRETRAIN

@@ -125,8 +125,8 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
 
     \b
     Examples:
-      rmm-jax retrieve stores/mine --k 20
-      rmm-jax retrieve stores/mine --k 20 --json
+      rmm-jax retrieve stores/synthetic --k 20
+      rmm-jax retrieve stores/synthetic --k 20 --json
     """
     t0 = time.perf_counter()
     st = open_store(store, expect_model=expect_model)

@@ -111,8 +111,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
 
     \b
     Examples:
-      rmm-jax simulate stores/mine --policies pretrained --init pretrained --log-out simulated.jsonl
-      rmm-jax simulate stores/mine --policies simulated --plot curve.png
+      rmm-jax simulate stores/synthetic --policies pretrained --init pretrained --log-out simulated.jsonl
+      rmm-jax simulate stores/synthetic --policies simulated --plot curve.png
     """
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     check_rank_scope(opts["scope"], opts["rank"])
