@@ -254,6 +254,12 @@ def cases():
                                             "--bootstrap", 0], lambda e: ["--bootstrap", ">= 40"]),
         ("cite-rates-bootstrap-1", lambda e: ["cite-rates", S(e), "--log", L(e, "good"), "--bootstrap", 1],
          lambda e: ["--bootstrap", ">= 40"]),
+        # 1e11 resamples ran for minutes into gigabytes: a typo, refused before the log is read
+        ("evaluate-bootstrap-huge", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies",
+                                               e["pol_existing"], "--bootstrap", 10**11],
+         lambda e: ["--bootstrap", "<= 100000"]),
+        ("cite-rates-bootstrap-huge", lambda e: ["cite-rates", S(e), "--log", L(e, "good"), "--bootstrap", 10**11],
+         lambda e: ["--bootstrap", "<= 100000"]),
         ("log-more-candidates-than-k", lambda e: rp(e, "too_many_candidates"), lambda e: ["--k", "too_many"]),
         ("log-more-selected-than-m", lambda e: rp(e, "too_many_selected"), lambda e: ["--m", "too_many"]),
         ("log-is-directory", lambda e: ["replay", S(e), "--log", e["logs"], "--policies", new_pol(e)],

@@ -9,7 +9,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
 from rmm_jax.online.cite_rates import count_calls
-from rmm_jax.online.stats import MIN_RESAMPLES, check_resamples
+from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES, check_resamples
 
 ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | another memory is shown)"),
         ("p_other_when_gold_shown", "  in calls that show a gold one"),
@@ -23,7 +23,8 @@ ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | 
                    "or the record carries `gold`.")
 @users_option("Only these users' calls")
 @click.option("--bootstrap", type=int, default=2000,
-              help=f"Bootstrap resamples (users, then calls) for the intervals (at least {MIN_RESAMPLES}).")
+              help=f"Bootstrap resamples (users, then calls) for the intervals (at least {MIN_RESAMPLES}, "
+                   f"at most {MAX_RESAMPLES:,}).")
 @click.option("--seed", type=SEED, default=0, help="Seed of the bootstrap.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rates as one JSON object on stdout.")

@@ -23,7 +23,7 @@ from rmm_jax.online.ope import (
 )
 from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
-from rmm_jax.online.stats import MIN_RESAMPLES
+from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES
 from rmm_jax.online.streams import log_shape
 from rmm_jax.persist.policy_rollback import newest_run
 
@@ -63,7 +63,7 @@ def _row(name: str, est: dict) -> str:
 @click.option("--allow-unreliable", is_flag=True,
               help=f"Exit 0 even when an estimate is unreliable (otherwise exit {EXIT_UNRELIABLE}).")
 @click.option("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
-              help=f"Bootstrap resamples for the 95% intervals (at least {MIN_RESAMPLES}).")
+              help=f"Bootstrap resamples for the 95% intervals (at least {MIN_RESAMPLES}, at most {MAX_RESAMPLES:,}).")
 @click.option("--exact-limit", type=int, default=DEFAULT_EXACT_LIMIT,
               help="Per-slot marginals (iips, recall direct) are exact when they need at most this many "
                    "candidate sets, Monte Carlo otherwise.")
