@@ -360,11 +360,15 @@ def cases():
         ("pretrain-labels-unknown", lambda e: pre(e, "--labels", "citations"), lambda e: ["--labels"]),
         ("pretrain-gold-without-gold", lambda e: ["pretrain", e["nogold_store"], "--out", new_pol(e), "--k", K,
                                                   "--m", M],
-         lambda e: [str(e["nogold_store"]), "no training query has a gold memory", "--labels dialogue"]),
+         lambda e: [str(e["nogold_store"]), "no query of the store's users has a gold memory", "--labels dialogue"]),
+        # with --resume the run-state's "no checkpoint; starting from the beginning" came first: two lines
+        ("pretrain-gold-without-gold-resume", lambda e: ["pretrain", e["nogold_store"], "--out", new_pol(e), "--k", K,
+                                                         "--m", M, "--resume"],
+         lambda e: [str(e["nogold_store"]), "no query of the store's users has a gold memory"]),
         # a store of chats without questions said "no training query has a gold memory", as if gold were missing
         ("pretrain-gold-without-questions", lambda e: ["pretrain", e["chats_store"], "--out", new_pol(e), "--k", K,
                                                        "--m", M],
-         lambda e: [str(e["chats_store"]), "the training users (", ") have no questions", "--labels dialogue"]),
+         lambda e: [str(e["chats_store"]), "the store's users (", ") have no questions", "--labels dialogue"]),
         ("pretrain-nan-store", lambda e: ["pretrain", e["nan_store"], "--out", new_pol(e)],
          lambda e: ["memories.npy", "NaN"]),
     ]

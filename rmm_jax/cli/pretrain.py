@@ -29,6 +29,7 @@ from rmm_jax.online.pretrain import (
     PretrainConfig,
     PretrainDone,
     PretrainState,
+    check_labelled,
     pretrain_epochs,
     split_streams,
     untrained_kept,
@@ -162,6 +163,11 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     st = open_store(store)
     check_rank(layout, st.dim)
     streams = (load_dialogue_streams if labels == "dialogue" else load_streams)(st, k, users)
+    hint = "; without gold, --labels dialogue pretrains on the users' own chats" if labels == "gold" else ""
+    try:
+        check_labelled(streams, "selected" if users else "store's")   # before the run-state's notes: one line
+    except ValueError as e:
+        raise InputError(f"{e}{hint}", where=str(store)) from None
     params = init_reranker(jax.random.key(seed), st.dim, kind, hidden)
     options = {"--users": users, "--labels": labels, "--epochs": epochs, "--lr": lr, "--weight-decay": weight_decay,
                "--temperature": temperature, "--val-fraction": val_fraction, "--patience": patience, "--k": k,
@@ -175,7 +181,6 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
         except InputError:       # an option's own error, as it is
             raise
         except ValueError as e:
-            hint = "; without gold, --labels dialogue pretrains on the users' own chats" if labels == "gold" else ""
             raise InputError(f"{e}{hint}", where=str(store)) from None
         meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **layout.scope.meta(),
                 "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),

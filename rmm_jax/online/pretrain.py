@@ -80,6 +80,19 @@ def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> 
     return [u for u in ids if u not in val], [u for u in ids if u in val]
 
 
+def check_labelled(streams, who: str = "training") -> None:
+    """``ValueError`` unless some query of ``streams`` is labelled (valid, with a gold memory
+    among its candidates: a row of :func:`labelled_queries`), saying which is missing: the
+    questions themselves, or their gold. The CLI checks every stream before it starts a
+    run-state, so the error is its only line."""
+    if any((s.valid & (s.num_gold > 0)).any() for s in streams):
+        return
+    if not any(s.queries.shape[0] for s in streams):             # not a matter of gold: say so
+        names = ", ".join(sorted(s.user_id for s in streams))
+        raise ValueError(f"pretrain: the {who} users ({names[:120]}) have no questions")
+    raise ValueError(f"pretrain: no query of the {who} users has a gold memory among its candidates")
+
+
 def labelled_queries(streams) -> dict:
     """The streams' queries that have at least one gold memory (others carry no listwise
     signal) as rows over one memory bank: ``bank`` (B, d) every stream's memories once, and
@@ -223,12 +236,8 @@ def pretrain_epochs(params, train_streams, val_streams, cfg: PretrainConfig = Pr
     The last event is a :class:`PretrainDone`; without validation users it holds the
     last epoch's parameters (nothing to select on).
     """
+    check_labelled(train_streams)
     train = labelled_queries(train_streams)
-    if train["q"].shape[0] == 0:
-        if not any(s.queries.shape[0] for s in train_streams):    # not a matter of gold: say so
-            names = ", ".join(sorted(s.user_id for s in train_streams))
-            raise ValueError(f"pretrain: the training users ({names[:120]}) have no questions")
-        raise ValueError("pretrain: no training query has a gold memory among its candidates")
     val = labelled_queries(val_streams) if val_streams else None
     if val is not None and val["q"].shape[0] == 0:
         val = None
