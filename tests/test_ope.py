@@ -754,3 +754,22 @@ def test_a_bad_target_or_an_argument_of_the_wrong_type_is_refused_by_name(ope_en
     with pytest.raises(InputError, match=r"^users: expected a list of user ids \(str\), got str 'user0'$"):
         evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), users="user0", bootstrap=40)
     assert evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), users=["user0"], bootstrap=40)["users"] == 1
+
+
+def test_from_python_an_error_names_the_argument_and_the_cli_its_option(capsys, ope_env):
+    """evaluate_log(..., bootstrap=10) said "--bootstrap: must be >= 40", users=["nobody"]
+    "--users: unknown user id": the CLI's option names, for a call that has none. From
+    Python the error names the argument; `rmm-jax evaluate` still names its option."""
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.ope import evaluate_log
+
+    st, ps, cfg = open_store(ope_env["store"]), PolicyStore.open(ope_env["pol"]), Target(KK, MM, TAU)
+    for kw, where in (({"bootstrap": 10}, "bootstrap"), ({"clip": 0.5}, "clip"), ({"min_ess": -1.0}, "min_ess"),
+                      ({"users": ["nobody"]}, "users")):
+        with pytest.raises(InputError, match=rf"^{where}: "):
+            evaluate_log(st, ope_env["log"], ps, cfg, **{"bootstrap": 40, **kw})
+    for args, option in ((("--bootstrap", 10), "--bootstrap"), (("--clip", 0.5), "--clip"),
+                         (("--min-ess", -1), "--min-ess"), (("--users", "nobody"), "--users")):
+        code, out, err = run_cli(capsys, "evaluate", ope_env["store"], "--log", ope_env["log"], "--policies",
+                                 ope_env["pol"], "--k", KK, "--m", MM, *args)
+        assert code == 2 and out == "" and err.startswith(f"error: {option}: ") and len(err.splitlines()) == 1, err

@@ -122,6 +122,18 @@ def test_a_path_for_the_store_is_refused_by_name_and_nothing_changes(tmp_path):
     assert loads(st.path) == before
 
 
+def test_a_bad_to_is_refused_naming_the_argument(tmp_path):
+    """plan(store, to="1") said "--to: must be a version >= 0", the CLI's option, from Python;
+    the CLI's own error (tests/test_bad_input.py) still says --to."""
+    st, _, _ = two_runs(tmp_path, "user")
+    before = loads(st.path)
+    for call in (rollback, plan):
+        for wrong in ("1", -1, 1.0, True):
+            with pytest.raises(InputError, match=r"^to: must be a version >= 0, got "):
+                call(st, to=wrong)
+    assert loads(st.path) == before
+
+
 def test_a_user_whose_state_at_that_point_is_no_longer_kept_is_refused_and_nothing_changes(tmp_path):
     st, _, _ = two_runs(tmp_path, "hybrid", keep=1)   # keep 1: a's and b's first versions are gone
     digest = tree_digest(st.path)

@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from rmm_jax.online.stats import format_interval, gain_interval
+from rmm_jax.errors import InputError
+from rmm_jax.online.stats import check_resamples, format_interval, gain_interval
 
 
 def test_interval_covers_the_true_gain_at_least_nominally():
@@ -112,3 +113,12 @@ def test_a_level_a_resample_count_or_diffs_that_do_not_fit_are_refused_by_name()
     with pytest.raises(ValueError, match=r"^diffs: expected a \(seeds, queries\) array of numbers, got "):
         gain_interval(["a", "b"])
     assert gain_interval(d, n_boot=np.int64(50), level=np.float32(0.9))["resamples"] == ["seed", "query"]
+
+
+def test_check_resamples_names_the_argument_unless_told_the_option():
+    """check_resamples(10) said "--bootstrap:", the CLI's option, to a Python caller."""
+    for n, why in ((10, ">= 40"), (10**11, "<= 100000")):
+        with pytest.raises(InputError, match=rf"^bootstrap: must be {why}"):
+            check_resamples(n)
+        with pytest.raises(InputError, match=rf"^--bootstrap: must be {why}"):
+            check_resamples(n, where="--bootstrap")

@@ -46,7 +46,7 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
       rmm-jax cite-rates stores/synthetic --log simulated.jsonl
       rmm-jax cite-rates stores/synthetic --log simulated.jsonl --users user0,user1 --json
     """
-    check_resamples(bootstrap)
+    check_resamples(bootstrap, where="--bootstrap")
     st = open_store(store)
     report: dict = {}
     counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)

@@ -227,6 +227,19 @@ def raise_option_error(e: ValueError):
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 
+@contextlib.contextmanager
+def as_options(*args: str):
+    """The API's errors that name one of its arguments ``args`` (``min_ess: ...``), as the
+    one-line error of the option that gives it (``--min-ess: ...``): called from Python they
+    name the argument, and one check serves both."""
+    try:
+        yield
+    except InputError as e:
+        if e.where not in args:
+            raise
+        raise_option_error(e)
+
+
 ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name
 
 

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
+from rmm_jax.cli.common import DEFAULTS, as_options, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, count, info, png_option, users_option
 from rmm_jax.core.config import Layout
@@ -27,6 +27,8 @@ from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES
 from rmm_jax.online.streams import log_shape
 from rmm_jax.persist.policy_rollback import newest_run
 
+# evaluate_log's arguments that are this command's options: their errors name the option
+OPTIONS = ("clip", "bootstrap", "min_ess", "users")
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
           "recall": "Recall@M of the shown memories (calls with gold)"}
 EXIT_UNRELIABLE = 3
@@ -142,7 +144,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
-    check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
+    with as_options(*OPTIONS):
+        check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     k_m_note: list[str] = []         # printed once the log has been read: bad input is one line
@@ -156,8 +159,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None
-    rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
-                       exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid, min_ess=min_ess)
+    with as_options(*OPTIONS):
+        rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
+                           exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
+                           min_ess=min_ess)
     rep = {"store": str(store), "policies": str(policies), **rep}
     log = rep["log"]
     for note in k_m_note:

@@ -14,6 +14,7 @@ import click
 import jax
 import numpy as np
 
+from rmm_jax.cli.common import as_options
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import check_output_file, check_writable, count, users_option
 from rmm_jax.errors import InputError
@@ -327,7 +328,8 @@ def rollback_cmd(store, to, dry_run, as_json):
     st = PolicyStore.open(store)
     if not dry_run:
         check_writable(store, f"STORE {store}", depth=1)
-    r = plan(st, to) if dry_run else rollback(st, to)
+    with as_options("to"):
+        r = plan(st, to) if dry_run else rollback(st, to)
     if as_json:
         click.echo(json.dumps({"store": store, "done": not dry_run, **r._asdict()}))
         return

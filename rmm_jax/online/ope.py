@@ -600,7 +600,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     if missing:
         u = missing[0]
         raise InputError(f"user {u!r} has no record in {log_path}" if store.has_user(u) else
-                         f"unknown user id {u!r} (not in STORE, no record in {log_path})", where="--users")
+                         f"unknown user id {u!r} (not in STORE, no record in {log_path})", where="users")
     vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
@@ -840,13 +840,14 @@ def unreliable(report: dict) -> list[tuple[str, str, str]]:
 
 
 def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) -> None:
-    """The options of :func:`evaluate_log`'s report, each refused as its option's one line:
-    ``rmm-jax evaluate`` checks them before it reads the log."""
+    """The options of :func:`evaluate_log`'s report, each refused as one line naming the
+    argument: ``rmm-jax evaluate`` checks them before it reads the log, and names its
+    option (``--min-ess``) instead (:func:`rmm_jax.cli.common.as_options`)."""
     if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
-        raise InputError(f"must be a finite number >= 1, got {clip}", where="--clip")
+        raise InputError(f"must be a finite number >= 1, got {clip}", where="clip")
     check_resamples(bootstrap)
     if not (min_ess >= 0 and math.isfinite(min_ess)):
-        raise InputError(f"must be a finite number >= 0, got {min_ess}", where="--min-ess")
+        raise InputError(f"must be a finite number >= 0, got {min_ess}", where="min_ess")
 
 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,

@@ -73,15 +73,16 @@ MIN_RESAMPLES = 40
 MAX_RESAMPLES = 100_000
 
 
-def check_resamples(n: int, where: str = "--bootstrap") -> None:
-    """Refuse, as the option's one line, too few bootstrap resamples for a 95% interval, or
-    more than :data:`MAX_RESAMPLES`.
+def check_resamples(n: int, where: str = "bootstrap") -> None:
+    """Refuse, as one line naming ``where`` (the argument; the CLI passes its option
+    ``--bootstrap``), too few bootstrap resamples for a 95% interval, or more than
+    :data:`MAX_RESAMPLES`.
 
     >>> check_resamples(2000)
     >>> check_resamples(10**11)
     Traceback (most recent call last):
     ...
-    rmm_jax.errors.InputError: --bootstrap: must be <= 100000 (more adds no precision ...), got 100000000000
+    rmm_jax.errors.InputError: bootstrap: must be <= 100000 (more adds no precision ...), got 100000000000
     """
     if n < MIN_RESAMPLES:
         raise InputError(f"must be >= {MIN_RESAMPLES} for a 95% interval (2.5% of the resamples beyond each "
