@@ -293,6 +293,20 @@ def test_a_store_that_is_not_a_policy_store_or_a_user_id_that_is_not_a_str_is_re
     assert Reranker.open(pol["user"]).rank("user0", q, c, 2).selected.shape == (1, 2)
 
 
+def test_behaviour_tau_refuses_a_path_by_name(tmp_path):
+    """behaviour_tau("policies"), a path where it takes a PolicyStore, was an AttributeError
+    ('str' object has no attribute '_header'); None is the default estimator's tau."""
+    from rmm_jax.core.config import Estimator
+    from rmm_jax.online.serve import behaviour_tau
+
+    ps = PolicyStore.create(tmp_path / "pol", {"kind": "linear", "dim": 4, "hidden": None},
+                            rj.init_reranker(jax.random.key(0), 4))
+    for wrong in (str(ps.path), ps.path, 0.5):
+        with pytest.raises(InputError, match=r"^store: expected a policy store, PolicyStore\.open\(path\), got "):
+            behaviour_tau(wrong)
+    assert behaviour_tau(ps) == behaviour_tau(None) == Estimator().sample_tau
+
+
 def test_embeddings_keys_or_a_seed_that_are_not_numbers_are_one_input_error():
     """A str query was NumPy's ValueError ("could not convert string to float"), a ragged
     candidate list its "inhomogeneous shape" one, a complex query lost its imaginary part with

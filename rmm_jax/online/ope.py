@@ -137,7 +137,7 @@ from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import user_params
 from rmm_jax.online.stats import check_resamples
 from rmm_jax.online.streams import check_limits
-from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.policy_rollback import check_store
 
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
@@ -555,9 +555,7 @@ def check_inputs(store, policies, users) -> None:
     'user_ids'), and a str ``users`` was read letter by letter (\"unknown user id 'a'\")."""
     if not isinstance(store, EmbeddingStore):
         raise InputError(f"expected an embedding store, open_store(path), got {checks.short(store)}", where="store")
-    if not isinstance(policies, PolicyStore):
-        raise InputError(f"expected a policy store, PolicyStore.open(path), got {checks.short(policies)}",
-                         where="policies")
+    check_store(policies, where="policies")
     if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
         raise InputError(f"expected a list of user ids (str), got {checks.short(users)}", where="users")
 

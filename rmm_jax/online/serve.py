@@ -46,7 +46,7 @@ from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError
 from rmm_jax.online.streams import bucket, user_hash
-from rmm_jax.persist.policy_rollback import rollbacks
+from rmm_jax.persist.policy_rollback import check_store, rollbacks
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -228,6 +228,8 @@ def behaviour_tau(store: PolicyStore | None) -> float:
     """The temperature the policies of ``store`` sample at: the behaviour τ
     (:attr:`rmm_jax.core.config.Estimator.sample_tau`) of the learning setting the store
     records, else of the default estimator (no store, or no setting recorded yet)."""
+    if store is not None:
+        check_store(store)           # a path was an AttributeError ('_header')
     rec = read_setting(store) if store is not None else None
     est = (rec or {}).get("estimator") or {}
     return Estimator(**{k: v for k, v in est.items() if k in ESTIMATOR_FIELDS}).sample_tau

@@ -95,22 +95,22 @@ class Rollback(NamedTuple):
     interrupted: bool = False        # this finished a rollback a kill had stopped (users: not recorded)
 
 
-def _check_store(store) -> None:
-    """``InputError`` naming ``store`` unless it is a :class:`PolicyStore`: a path, as
+def check_store(store, where: str = "store") -> None:
+    """``InputError`` naming ``where`` unless ``store`` is a :class:`PolicyStore`: a path, as
     ``rmm-jax policies rollback P`` takes it, was an AttributeError ('str' object has no
-    attribute '_header')."""
+    attribute '_header'), here and in every reader of a store's header."""
     from rmm_jax.persist.policy_store import PolicyStore  # which imports this module
 
     if not isinstance(store, PolicyStore):
         raise InputError(f"expected a policy store, PolicyStore.open(path), got {type(store).__name__} {store!r}"[:120],
-                         where="store")
+                         where=where)
 
 
 def newest_run(store) -> int:
     """The first version of the newest run that saved users (what ``rollback(store)`` goes
     back to before). Raises InputError when the store holds no user version or its newest
     version records no run."""
-    _check_store(store)
+    check_store(store)
     newest = store.newest_version()
     if newest is None:
         raise InputError("holds no user version: nothing to roll back", where=str(store.path))
@@ -125,7 +125,7 @@ def newest_run(store) -> int:
 def plan(store, to: int | None = None) -> Rollback:
     """What :func:`rollback` would do, changing nothing; raises InputError where it would
     refuse (module docstring)."""
-    _check_store(store)
+    check_store(store)
     mark = store._header.get(PENDING)
     if mark:
         raise InputError(f"a rollback to v{mark['to']} was interrupted: `rmm-jax policies rollback {store.path}` "
@@ -164,7 +164,7 @@ def rollback(store, to: int | None = None) -> Rollback:
     to before its newest run), under its writer's lock; returns what it did (module
     docstring). On a store whose last rollback was interrupted, it finishes that one, and
     then goes on to ``to`` only if ``to`` is another version."""
-    _check_store(store)
+    check_store(store)
     mark = store._header.get(PENDING)
     if mark:
         with store.writer():        # the writer finishes it first (PolicyStore.writer)
