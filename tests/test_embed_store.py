@@ -319,6 +319,19 @@ def test_open_store_rejects_format_version_and_mismatch(tmp_path):
         open_store(s)
 
 
+def test_open_store_names_a_path_or_expect_dim_of_the_wrong_kind(tmp_path):
+    """open_store(None) was Path's TypeError, open_store(p, expect_dim="abc") int()'s raw
+    ValueError ("invalid literal for int() with base 10")."""
+    s = _w(tmp_path / "a", tiny_dataset(), "turn")
+    for wrong in (None, 3, [str(s)]):
+        with pytest.raises(InputError, match=r"^path: expected the store's directory \(a str or Path\), got "):
+            open_store(wrong)
+    for dim in ("abc", "16", 16.0, 0, True):
+        with pytest.raises(InputError, match=r"^expect_dim: must be an int >= 1 or None, got "):
+            open_store(s, expect_dim=dim)
+    assert open_store(s, expect_dim=np.int64(16)).dim == 16
+
+
 def test_open_store_rejects_bad_arrays(store):
     np.save(store / "memories.npy", np.zeros((5, 16), np.float32))
     with pytest.raises(InputError, match=r"memories\.npy: shape"):

@@ -363,6 +363,16 @@ def test_open_errors_name_path_and_mismatch(tmp_path):
         PolicyStore.open(st.path, keep=0)
 
 
+def test_a_path_that_is_not_a_path_is_refused_naming_it(tmp_path):
+    """PolicyStore.open(None) (and PolicyStore(None), PolicyStore.create(None, ...)) was
+    Path's TypeError ("expected str, bytes or os.PathLike object, not NoneType")."""
+    for call in (PolicyStore.open, PolicyStore, lambda p: PolicyStore.create(p, META, params_of(0))):
+        for wrong in (None, 3, [str(tmp_path)]):
+            with pytest.raises(InputError, match=r"^path: expected the store's directory \(a str or Path\), got "):
+                call(wrong)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- lock
 
 WRITER_SRC = textwrap.dedent('''

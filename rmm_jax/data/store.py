@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import numbers
 import os
 import shutil
 import time
@@ -566,6 +567,15 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
     tiles the rows, and optionally the model and dim the caller expects. Every failure
     is an :class:`InputError` naming the file (or the store and the mismatch).
     """
+    # by name: None was Path's TypeError, expect_dim="abc" int()'s ValueError (after the manifest);
+    # written out, not core.checks: `embed` reads stores without importing JAX
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
+                         where="path")
+    if expect_dim is not None and not (isinstance(expect_dim, numbers.Integral)
+                                       and not isinstance(expect_dim, (bool, np.bool_)) and expect_dim >= 1):
+        raise InputError(f"must be an int >= 1 or None, got {type(expect_dim).__name__} {expect_dim!r}"[:80],
+                         where="expect_dim")
     root = Path(path)
     if not root.exists():
         raise InputError("no such embedding store (create one with `rmm-jax embed`)", where=at(root))

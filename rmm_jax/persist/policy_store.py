@@ -177,6 +177,14 @@ def _check_user_ids(user_ids) -> list[str]:
     return ids
 
 
+def _as_path(path) -> Path:
+    """``path`` as a Path; anything else (None was Path's TypeError) refused naming ``path``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
+                         where="path")
+    return Path(path)
+
+
 def _check_meta(meta: dict, where: str) -> dict:
     """``meta`` checked (one-line InputErrors naming the key) and with a ``config`` dict."""
     if not isinstance(meta, dict):
@@ -222,7 +230,7 @@ class PolicyStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, keep: int | None = None):
-        self.path = Path(path)
+        self.path = _as_path(path)
         self._header = self._read_header()
         self.meta: dict = self._header["meta"]
         stored = int(self._header.get("keep_versions", DEFAULT_KEEP))
@@ -255,7 +263,7 @@ class PolicyStore:
         shared state (params, optionally its optimiser state and info) as shared version 1.
         Each user keeps ``keep`` versions. Chunks hold about ``chunk_bytes`` of arrays, or
         exactly ``chunk_size`` users if given. The whole directory appears atomically."""
-        path = Path(path)
+        path = _as_path(path)
         meta = _check_meta(meta, str(path))
         shared_info = _json_dict(shared_info, "shared info", str(path))
         _check_keep(keep, str(path))
