@@ -276,3 +276,26 @@ def test_the_verbs_without_jax_start_without_it(tmp_path):
     assert p.stdout.splitlines()[-1] == "[]", p.stdout
     store = open_store(tmp_path / "s")
     assert len(store.user_ids) == 12 and store.model == "fake/bow-8" and store.dim == 8
+
+
+def test_as_options_names_the_option_that_gives_an_argument():
+    """cli.shell.as_options: an API error naming one of the listed arguments becomes its
+    option's (underscores as dashes, or the option a rename gives), keeping what follows the
+    name in ``where``; any other error passes as it is."""
+    import pytest
+
+    from rmm_jax.cli.shell import as_options
+    from rmm_jax.errors import InputError
+
+    for where, args, renamed, want in (("val_fraction", ("val_fraction",), {}, "--val-fraction: bad"),
+                                       ("users user9", ("users",), {}, "--users user9: bad"),
+                                       ("path", (), {"path": "into"}, "--into: bad"),
+                                       ("model_id", ("model",), {"model_id": "model"}, "--model: bad"),
+                                       ("store", ("users",), {}, "store: bad"),
+                                       ("users9", ("users",), {}, "users9: bad"),
+                                       (None, ("users",), {}, "bad")):
+        with pytest.raises(InputError) as e, as_options(*args, **renamed):
+            raise InputError("bad", where=where)
+        assert str(e.value) == want, (where, str(e.value))
+    with pytest.raises(ValueError, match="^users: plain$"), as_options("users"):
+        raise ValueError("users: plain")                  # not an InputError: not the API's one line

@@ -12,7 +12,7 @@ import click
 import jax
 from tqdm import tqdm
 
-from rmm_jax.cli.shell import SEED, check_writable, explicit_options, info
+from rmm_jax.cli.shell import SEED, as_options, check_writable, explicit_options, info  # noqa: F401 - as_options: used from here
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
@@ -225,19 +225,6 @@ def raise_option_error(e: ValueError):
     """A core ``ValueError("field: message")`` as the one-line error of option ``--field``."""
     name, _, msg = str(e).partition(": ")
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
-
-
-@contextlib.contextmanager
-def as_options(*args: str):
-    """The API's errors that name one of its arguments ``args`` (``min_ess: ...``), as the
-    one-line error of the option that gives it (``--min-ess: ...``): called from Python they
-    name the argument, and one check serves both."""
-    try:
-        yield
-    except InputError as e:
-        if e.where not in args:
-            raise
-        raise_option_error(e)
 
 
 ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name

@@ -6,6 +6,7 @@ start in a fraction of a second (:mod:`rmm_jax.cli.main` loads each verb when it
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -99,3 +100,21 @@ def check_output_file(path, where: str) -> None:
     if path:
         check_writable(Path(path).parent, where)
 
+
+@contextlib.contextmanager
+def as_options(*args: str, **renamed: str):
+    """The API's errors that name one of its arguments ``args`` (``min_ess: ...``), as the
+    one-line error of the option that gives it (``--min-ess: ...``, underscores as dashes):
+    called from Python they name the argument, and one check serves both. ``renamed`` maps
+    an argument to the option that gives it under another name (``path="into"``: ``--into``).
+    A ``where`` that goes on after the name (``users user9``) keeps the rest
+    (``--users user9``); any other error passes unchanged."""
+    try:
+        yield
+    except InputError as e:
+        name, sep, rest = (e.where or "").partition(" ")
+        if name not in args and name not in renamed:
+            raise
+        msg = str(e)[len(e.where) + 2:]
+        option = renamed.get(name, name).replace("_", "-")
+        raise InputError(msg, where=f"--{option}{sep}{rest}") from None
