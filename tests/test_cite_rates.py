@@ -175,3 +175,21 @@ def test_count_calls_refuses_a_store_path_or_a_str_of_users_by_name(logged):
         with pytest.raises(InputError, match=r"^users: expected a list of user ids \(str\), got "):
             count_calls(st, log, users=users)
     assert count_calls(st, log, users=["user0"]).user_ids == ["user0"]
+
+
+def test_from_python_a_user_with_no_record_names_the_argument(logged):
+    """count_calls(st, log, users=["zed"]) and scan_log(log, layout, users=["zed"]) said
+    "--users: user 'zed' has no record": the CLI's option, to a Python caller. They name the
+    argument; `cite-rates` and `replay` still say --users (above, tests/test_bad_input.py)."""
+    from rmm_jax.core.config import Layout
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.cite_rates import count_calls
+    from rmm_jax.online.streams import scan_log
+
+    root, store = logged
+    log = root / "sim.jsonl"
+    with pytest.raises(InputError, match=r"^users: user 'zed' has no record in "):
+        count_calls(open_store(store), log, users=["user0", "zed"])
+    with pytest.raises(InputError, match=r"^users: user 'zed' has no record in "):
+        scan_log(log, Layout(k=10, m=4), users=["user0", "zed"])
+    assert scan_log(log, Layout(k=10, m=4), users=["user0"])["user_ids"] == ["user0"]

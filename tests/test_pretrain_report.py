@@ -62,3 +62,23 @@ def test_unknown_user_one_line_nothing_written(capsys, store, tmp_path, users, f
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: --users: "), err
     assert fragment in lines[0] and not (tmp_path / "p").exists()
+
+
+def test_from_python_an_unknown_user_or_a_val_fraction_names_the_argument(store):
+    """load_streams(st, k, ["nobody"]) (and check_users, store_chunks, load_dialogue_streams)
+    said "--users: unknown user id", split_users(ids, 0.9) "--val-fraction: ...": the CLI's
+    options, to a Python caller who gave neither. They name the argument; `rmm-jax pretrain`
+    and `simulate` still name the option (above, and tests/test_bad_input.py)."""
+    from rmm_jax.data.store import open_store
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.pretrain import split_streams, split_users
+    from rmm_jax.online.streams import check_users, load_dialogue_streams, load_streams, store_chunks
+
+    st = open_store(store)
+    for call in (lambda: check_users(st, ["nobody"]), lambda: load_streams(st, 4, ["user0", "nobody"]),
+                 lambda: load_dialogue_streams(st, 4, ["nobody"]), lambda: store_chunks(st, 4, ["nobody"], 2)):
+        with pytest.raises(InputError, match=r"^users: unknown user id 'nobody' \(the store has 4 users\)$"):
+            call()
+    for call in (lambda: split_users(list(st.user_ids), 0.9), lambda: split_streams(load_streams(st, 4), 0.9)):
+        with pytest.raises(InputError, match=r"^val_fraction: 0\.9 of 4 users holds out all 4 for validation"):
+            call()

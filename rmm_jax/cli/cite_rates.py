@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, count, emit_json, info, users_option
+from rmm_jax.cli.shell import SEED, as_options, count, emit_json, info, users_option
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
@@ -49,7 +49,8 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     check_resamples(bootstrap, where="--bootstrap")
     st = open_store(store)
     report: dict = {}
-    counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)
+    with as_options("users"):        # the API names its argument, the CLI its option
+        counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)
     if report.get("skipped"):
         info(f"skipped {report['skipped']} invalid records of {report['records'] + report['skipped']}; "
              f"first: {report['first_errors'][0]}")

@@ -17,7 +17,7 @@ from rmm_jax.cli.common import (
     scope_options,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, check_output_file, emit_json, info, png_option, users_option
+from rmm_jax.cli.shell import SEED, as_options, check_output_file, emit_json, info, png_option, users_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
@@ -162,7 +162,8 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     check_rank(layout, st.dim)
-    streams = (load_dialogue_streams if labels == "dialogue" else load_streams)(st, k, users)
+    with as_options("users"):        # the API names its argument, the CLI its option
+        streams = (load_dialogue_streams if labels == "dialogue" else load_streams)(st, k, users)
     hint = "; without gold, --labels dialogue pretrains on the users' own chats" if labels == "gold" else ""
     try:
         check_labelled(streams, "selected" if users else "store's")   # before the run-state's notes: one line
@@ -176,8 +177,9 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
                          inputs={"STORE": file_digest(store)})
     with rs:
         try:
-            best, history, split = train_and_checkpoint(rs, streams, params, pcfg, every=checkpoint_every,
-                                                        seed=seed)
+            with as_options("val_fraction"):
+                best, history, split = train_and_checkpoint(rs, streams, params, pcfg, every=checkpoint_every,
+                                                            seed=seed)
         except InputError:       # an option's own error, as it is
             raise
         except ValueError as e:

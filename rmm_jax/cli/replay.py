@@ -40,7 +40,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import check_output_file, count, info, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, count, info, users_option
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -141,7 +141,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls
-    rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users, calls=continues)
+    with as_options("users"):        # the API names its argument, the CLI its option
+        rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users,
+                       calls=continues)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
     untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")

@@ -38,7 +38,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import check_output_file, info, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, info, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
@@ -149,8 +149,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     else:
         cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
-    n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk, answers=citations == "answer",
-                                   queries=parse_range(query_range))
+    with as_options("users"):        # the API names its argument, the CLI its option
+        n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
+                                       answers=citations == "answer", queries=parse_range(query_range))
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)

@@ -133,7 +133,7 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
         rows.append(call_row([m in gold for m in rec.selected], [m in cited for m in rec.selected]))
     missing = sorted((wanted or set()) - seen)
     if missing:
-        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="--users")
+        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="users")
     return counts_of(who, rows, list(index), calls)
 
 

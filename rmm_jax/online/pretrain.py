@@ -66,7 +66,7 @@ DIALOGUE_RECIPE = PretrainConfig(epochs=2, val_fraction=0.0)
 
 def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> tuple[list, list]:
     """Deterministic train/validation split of users (no user in both); a ``val_fraction``
-    that would hold out every user is refused (``--val-fraction``)."""
+    that would hold out every user is refused, naming ``val_fraction``."""
     ids = sorted(user_ids)
     if len(ids) < 2 or val_fraction <= 0:
         return ids, []
@@ -75,7 +75,7 @@ def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> 
     if n_val >= len(ids):
         raise InputError(f"{val_fraction:g} of {len(ids)} users holds out all {len(ids)} for validation, leaving "
                          f"none to train on; give less than {(len(ids) - 0.5) / len(ids):g}",
-                         where="--val-fraction")
+                         where="val_fraction")
     val = set(rng.permutation(ids)[:n_val].tolist())
     return [u for u in ids if u not in val], [u for u in ids if u in val]
 
