@@ -358,7 +358,7 @@ def test_a_skipped_chunk_whose_users_differ_from_the_interrupted_runs_is_one_lin
 
     with pytest.raises(InputError, match="users chunk 1 holds other users") as e:
         Recorder(2, sinks=[Saved(["u0000000", "u0000009"])]).feed(ChunkSkipped(0, streams))
-    assert e.value.where == "--resume"
+    assert e.value.where == "resume"       # drive's argument; the CLI says --resume (cli.online.run_and_save)
 
 
 def test_shown_recall_is_the_recall_of_what_the_calls_drew_and_replay_reports_the_logged_one(tmp_path, capsys):
@@ -459,3 +459,34 @@ def test_make_run_refuses_a_cite_fn_that_is_not_a_function():
         with pytest.raises(ValueError, match=r"^cite_fn: expected a citation function, .* got "):
             make_run(*SETTING, cite_fn=wrong)
     assert make_run(*SETTING, cite_fn=oracle_cite).simulates and not make_run(*SETTING).simulates
+
+
+def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chunks(store, monkeypatch):
+    """drive() given a Chunk whose saved states do not fit the program said "--policies:",
+    from_store() given a stream whose learned call changed "--log:": the options of the
+    CLI, to a Python caller who gave chunks. They name the argument; the CLI's run loop
+    (cli.online.run_and_save) names its options as before."""
+    from types import SimpleNamespace
+
+    from rmm_jax.cli.online import _as_options
+    from rmm_jax.online import starts
+    from rmm_jax.online.driver import Chunk
+
+    streams = load_streams(store, CFG.k)[:2]
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+    wrong = {"params": np.zeros((2, 3), np.float32)}
+    with pytest.raises(InputError, match=r"^chunks: the saved policies do not fit this run \(another "):
+        list(drive([Chunk(streams, wrong, np.ones(2, bool))], SIM, p0, users_per_chunk=2))
+
+    class Saved:         # a policy store that holds user "u" (what from_store reads of it)
+        def load_batch(self, ids, before=None):
+            return SimpleNamespace(users=["u"], learned={"calls": np.zeros((1, 2))})
+
+    monkeypatch.setattr(starts, "classify", lambda prior, calls, relearn: SimpleNamespace(
+        changed=np.array([True]), learn=np.array([False])))
+    chunks = starts.from_store([[SimpleNamespace(user_id="u", calls=object())]], Saved())
+    with pytest.raises(InputError, match=r"^chunks: user 'u': a call learned already has other content"):
+        list(chunks)
+    chunks = starts.from_store([[SimpleNamespace(user_id="u", calls=object())]], Saved())
+    with pytest.raises(InputError, match=r"^--log: user 'u': a call learned already has other content"):
+        list(_as_options(chunks, chunks="log"))

@@ -10,7 +10,7 @@ import click
 import jax
 
 from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, open_policies_for, progress_bar
-from rmm_jax.cli.shell import emit_json, info, png_option
+from rmm_jax.cli.shell import as_options, emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
@@ -223,8 +223,8 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
     checkpoint that follows SIGINT/SIGTERM the run stops. Under ``jax.distributed`` every
     process runs this loop (reading ``ps``) and only the writer, process 0, writes. Returns
     the :class:`rmm_jax.online.run.OnlineResult` (summaries only)."""
-    if start.before is not None:
-        chunks = from_store(chunks, ps, before=start.before, relearn=relearn)
+    if start.before is not None:     # its calls come from the log (replay), its saved states from the store
+        chunks = _as_options(from_store(chunks, ps, before=start.before, relearn=relearn), chunks="log")
     ps = ps if writer else None
     run = run_record(ps, rs)
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \
@@ -239,12 +239,22 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
         resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
     events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
                    segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
+    events = _as_options(events, chunks="policies")      # the chunks' saved states are --policies'
     with ps.writer() if ps is not None else contextlib.nullcontext(), StopSignals() as stop, \
-            progress_bar(n_users, desc) as bar:
+            progress_bar(n_users, desc) as bar, as_options("resume"):     # a resumed run's chunks (Recorder)
         for event in events:
             bar.update(recorder.feed(event))
             stop.check()
     return recorder.result()
+
+
+def _as_options(items, *args: str, **renamed: str):
+    """``items`` as they come, the errors of the generator that makes them as
+    :func:`rmm_jax.cli.shell.as_options` gives them: a generator raises as it is iterated,
+    so a ``with`` around its call would miss them. Only its own errors: an error of the
+    loop that takes the items is raised in the loop, not here."""
+    with as_options(*args, **renamed):
+        yield from items
 
 
 def run_record(ps, rs) -> dict | None:
