@@ -265,3 +265,15 @@ def test_locomo_conversation_26_baseline(capsys, tmp_path):
     assert u["recall@5"] == pytest.approx(0.34, abs=0.02)
     assert u["recall@20"] == pytest.approx(0.57, abs=0.02)
     assert res["counts"]["valid_queries"] == u["n"] >= 190
+
+
+@pytest.mark.parametrize("option,given", [("--skip-invalid", ()), ("--keep-roles", ("system",))])
+def test_embed_names_its_option_where_load_spec_names_the_argument(capsys, tmp_path, option, given):
+    """load_spec names its argument (skip_invalid, keep_roles); embed, --out or --into, still
+    says the option it was given as (cli.shell.as_options)."""
+    for target in ("--out", "--into"):
+        if target == "--into":
+            assert run(capsys, "embed", "synthetic:users=1", "--out", tmp_path / "s", "--quiet")[0] == 0
+        code, out, err = run(capsys, "embed", "synthetic:users=1", target, tmp_path / "s", option, *given)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"error: {option}: applies to jsonl: datasets only, not synthetic:"), err

@@ -433,3 +433,15 @@ def test_gold_matrix_session_level_on_tiny_locomo(tmp_path):
     expected = [[any(t in m.turn_ids for t in q.gold_turn_ids) for m in mems] for q in user.queries]
     assert g.tolist() == expected
     assert Counter(map(tuple, g.tolist()))[(True, True)] >= 1
+
+
+def test_from_python_a_jsonl_only_argument_names_the_argument():
+    """load_spec("synthetic:...", skip_invalid=True) said "--skip-invalid:", the option of
+    `rmm-jax embed`, to a Python caller; it names the argument (embed still says
+    --skip-invalid, --keep-roles)."""
+    from rmm_jax.data import load_spec
+    from rmm_jax.errors import InputError
+
+    for kw, name in (({"skip_invalid": True}, "skip_invalid"), ({"keep_roles": ("system",)}, "keep_roles")):
+        with pytest.raises(InputError, match=rf"^{name}: applies to jsonl: datasets only, not synthetic:$"):
+            load_spec("synthetic:users=1", **kw)

@@ -143,7 +143,7 @@ def test_unknown_model_is_input_error_naming_it(name, tmp_path):
     with pytest.raises(InputError) as ei:
         E.Embedder(name, cache_dir=tmp_path, progress=False)
     msg = str(ei.value)
-    assert msg.startswith("--model:") and repr(name) in msg and "\n" not in msg
+    assert msg.startswith("model:") and repr(name) in msg and "\n" not in msg   # the argument (embed: --model)
 
 
 def test_nan_output_is_input_error_and_not_cached(embedder, monkeypatch):
@@ -271,7 +271,7 @@ def test_failed_write_leaves_nothing(tmp_path):
         write_store(out, tiny_dataset(), "session", Boom())
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [".store.lock", "store"]   # and the writers' lock file
-    with pytest.raises(InputError, match="^--granularity:"):
+    with pytest.raises(InputError, match="^granularity: unknown granularity"):
         write_store(tmp_path / "x", tiny_dataset(), "paragraph", FakeEmbedder())
     assert not (tmp_path / "x").exists()
 
@@ -385,3 +385,31 @@ def test_a_store_file_that_is_not_utf8_is_one_line_naming_it(store):
         open_store(store).user("alice")          # one user's rows
     with pytest.raises(InputError, match=r"memories\.jsonl:2: not UTF-8 text \(byte \d+\)$"):
         open_store(store).memories               # every row
+
+
+def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
+    """Embedder(""), write_store(..., "paragraph", ...), an embedder giving NaN, check_model
+    and append_store to a segment store said "--model:", "--granularity:", "--into:": the
+    options of `rmm-jax embed`, to a Python caller who gave none. They name the argument
+    (model, granularity, embedder, model_id, path); `embed` still names its option
+    (tests/test_cli_embed_retrieve.py, tests/test_bad_input.py)."""
+    from rmm_jax.data.store_append import append_store, check_model
+
+    class NaNs(FakeEmbedder):
+        def encode(self, texts, desc=""):
+            return np.full((len(texts), self.dim), np.nan, np.float32)
+
+    with pytest.raises(InputError, match=r"^model: model must be a name or a path, got ''$"):
+        E.Embedder("", progress=False)
+    with pytest.raises(InputError, match=r"^granularity: unknown granularity 'paragraph'; choose one of "):
+        write_store(tmp_path / "x", tiny_dataset(), "paragraph", FakeEmbedder())
+    with pytest.raises(InputError, match=r"^embedder: NaN/Inf in memories embeddings from model 'fake/bow-16'$"):
+        write_store(tmp_path / "x", tiny_dataset(), "turn", NaNs())
+    s = _w(tmp_path / "seg", tiny_dataset(), "segment")
+    st = open_store(s)
+    with pytest.raises(InputError, match=r"^model_id: STORE .* was embedded with model 'fake/bow-16', not 'other'"):
+        check_model(st, s, "other")
+    with pytest.raises(InputError, match=r"^path: STORE .* has 'segment' memories; appending keeps "):
+        append_store(s, tiny_dataset(), FakeEmbedder())
+    with pytest.raises(InputError, match=r"^embedder: STORE .* was embedded with model 'fake/bow-16', not "):
+        append_store(s, tiny_dataset(), FakeEmbedder(8))

@@ -576,7 +576,7 @@ def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):
     spec = f"jsonl:{write_jsonl(tmp_path / 'bad.jsonl', d2)}"
     with pytest.raises(InputError, match="session 's1' of user 'a' is already in the store with other content"):
         append_store(store, load_spec(spec), FakeEmbedder(DIM), spec=spec)
-    with pytest.raises(InputError, match="^--model: STORE .* was embedded with model 'fake/bow-16', not 'fake/bow-8'"):
+    with pytest.raises(InputError, match="^embedder: STORE .* was embedded with model 'fake/bow-16', not 'fake/bow-8'"):
         append_store(store, load_spec(spec), FakeEmbedder(8), spec=spec)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_writable, count, explicit_options, info
+from rmm_jax.cli.shell import as_options, check_writable, count, explicit_options, info
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder, model_id
 from rmm_jax.data.granularity import (
@@ -21,6 +21,9 @@ from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
 from rmm_jax.data.store import is_store, open_store, write_store
 from rmm_jax.data.store_append import append_store, check_model
 from rmm_jax.errors import InputError
+
+# the API names its arguments; the errors of those this command's options give name the option
+MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embedder (or its id) is of
 
 
 @cli.command()
@@ -112,7 +115,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     _check_out(out)
     _check_replaceable(out, f"--out {out}")
     t0 = time.perf_counter()
-    dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
+    with as_options("skip_invalid", "keep_roles"):
+        dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "log" and granularity != "turn":
         raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
                          f"use --granularity turn, not {granularity!r}", where="--granularity")
@@ -132,16 +136,17 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
             + (" (no question has gold)" if no_gold == n_q else ""))
     t1 = time.perf_counter()
-    embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
-                        use_cache=not no_cache)
-    say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
-        f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
-    try:
-        manifest = write_store(out, dataset, granularity, embedder, spec=spec, log=say, answers=answers,
-                               segment_threshold=segment_threshold,
-                               merge_threshold=merge_threshold)
-    finally:
-        embedder.close()
+    with as_options("model", "granularity", "segment_threshold", "merge_threshold", **MODEL):
+        embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
+                            use_cache=not no_cache)
+        say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
+            f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
+        try:
+            manifest = write_store(out, dataset, granularity, embedder, spec=spec, log=say, answers=answers,
+                                   segment_threshold=segment_threshold,
+                                   merge_threshold=merge_threshold)
+        finally:
+            embedder.close()
     total = time.perf_counter() - t0
     c = manifest["counts"]
     say(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
@@ -168,22 +173,25 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
     _check_replaceable(into, f"--into {into}")
     given = explicit_options()
     if "model" in given:        # before the model loads: it would load, then be refused
-        check_model(st, into, model_id(model))
+        with as_options("model", **MODEL):
+            check_model(st, into, model_id(model))
     if "granularity" in given and granularity != st.granularity:
         raise InputError(f"STORE {into} holds {st.granularity!r} memories, not {granularity!r}", where="--granularity")
     if answers and st.answer_emb is None:
         raise InputError(f"STORE {into} holds no answer embeddings, and its questions' answers are not stored to "
                          "add them; re-embed the whole dataset with --out STORE --answers", where="--answers")
     t0 = time.perf_counter()
-    dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
+    with as_options("skip_invalid", "keep_roles"):
+        dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
-    embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
-                        batch_size=batch_size, progress=say is info, use_cache=not no_cache)
-    try:
-        res = append_store(into, dataset, embedder, spec=spec, log=say)
-    finally:
-        embedder.close()
+    with as_options("model", path="into", **MODEL):
+        embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
+                            batch_size=batch_size, progress=say is info, use_cache=not no_cache)
+        try:
+            res = append_store(into, dataset, embedder, spec=spec, log=say)
+        finally:
+            embedder.close()
     c, a = res["manifest"]["counts"], res["added"]
     say(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
         f"now {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "

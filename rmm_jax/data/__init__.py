@@ -68,9 +68,9 @@ def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, .
     if not isinstance(spec, str) or not spec.strip():
         raise InputError(f"empty dataset SPEC (expected one of {', '.join(SCHEMES)})", where="SPEC")
     scheme, colon, rest = spec.strip().partition(":")
-    for option, given in (("--skip-invalid", skip_invalid), ("--keep-roles", keep_roles)):
+    for name, given in (("skip_invalid", skip_invalid), ("keep_roles", keep_roles)):
         if given and scheme in SCHEMES and scheme != "jsonl":
-            raise InputError(f"applies to jsonl: datasets only, not {scheme}:", where=option)
+            raise InputError(f"applies to jsonl: datasets only, not {scheme}:", where=name)
     if scheme == "synthetic":
         return make_synthetic(**parse_synthetic_spec(rest))
     if scheme not in SCHEMES:

@@ -71,7 +71,7 @@ class _Rows:
 def _check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise InputError(f"unknown granularity {granularity!r}; choose one of "
-                         f"{', '.join(GRANULARITIES)}", where="--granularity")
+                         f"{', '.join(GRANULARITIES)}", where="granularity")
 
 
 def _check_user_ids(dataset: Dataset, where: str) -> None:
@@ -156,7 +156,7 @@ def _assemble_arrays(mem_emb, qry_emb, rows: _Rows, model_id: str, dim: int) -> 
     """Check the embeddings are finite and shape them ``(n, dim)`` float32."""
     for name, arr in (("memories", mem_emb), ("queries", qry_emb)):
         if not np.isfinite(np.asarray(arr)).all():
-            raise InputError(f"NaN/Inf in {name} embeddings from model {model_id!r}", where="--model")
+            raise InputError(f"NaN/Inf in {name} embeddings from model {model_id!r}", where="embedder")
     return (np.asarray(mem_emb, np.float32).reshape(len(rows.memories), dim),
             np.asarray(qry_emb, np.float32).reshape(len(rows.queries), dim))
 

@@ -108,11 +108,12 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
     return _Growth(dataclasses.replace(user, queries=tuple(queries)), new, _stored_units(old_mems) + new)
 
 
-def check_model(st, path, model_id: str) -> None:
-    """Refuse to append with another model than the store's (``st``, open at ``path``)."""
+def check_model(st, path, model_id: str, where: str = "model_id") -> None:
+    """Refuse to append with another model than the store's (``st``, open at ``path``), as one
+    line naming ``where``: the argument that gave the model (``rmm-jax embed``: ``--model``)."""
     if model_id != st.model:
         raise InputError(f"STORE {path} was embedded with model {st.model!r}, not {model_id!r}: a store "
-                         "holds one embedding space", where="--model")
+                         "holds one embedding space", where=where)
 
 
 def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None) -> dict:
@@ -133,10 +134,10 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
     where = spec or "dataset"
     t0 = time.perf_counter()
     st = open_store(path)
-    check_model(st, path, embedder.model_id)
+    check_model(st, path, embedder.model_id, where="embedder")
     if st.granularity not in APPENDABLE:
         raise InputError(f"STORE {path} has {st.granularity!r} memories; appending keeps old memories as they are, "
-                         f"which only {' and '.join(APPENDABLE)} granularity do", where="--into")
+                         f"which only {' and '.join(APPENDABLE)} granularity do", where="path")
     if dataset.name == "log":
         raise InputError("a log's memories need no store append: replay and evaluate embed what the store lacks "
                          "from the records' texts", where=where)
