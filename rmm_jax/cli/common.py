@@ -12,7 +12,7 @@ import click
 import jax
 from tqdm import tqdm
 
-from rmm_jax.cli.shell import SEED, as_options, check_writable, explicit_options, info  # noqa: F401 - as_options: used from here
+from rmm_jax.cli.shell import SEED, check_writable, explicit_options, info
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (

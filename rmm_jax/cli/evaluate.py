@@ -5,9 +5,9 @@ import json
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, as_options, check_tau_option, k_m_from_log, open_policies_for
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, check_output_file, count, info, png_option, users_option
+from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, info, png_option, users_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store

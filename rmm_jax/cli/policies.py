@@ -14,9 +14,8 @@ import click
 import jax
 import numpy as np
 
-from rmm_jax.cli.common import as_options
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_output_file, check_writable, count, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, check_writable, count, users_option
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
