@@ -418,6 +418,13 @@ def cases():
          lambda e: ["--out"]),
         ("embed-bad-granularity", lambda e: ["embed", "synthetic:users=1", "--out", out(e), "--granularity", "x"],
          lambda e: ["--granularity"]),
+        # NaN passes click's range: it was refused once the data and the model had loaded, after their lines
+        ("embed-segment-threshold-nan", lambda e: ["embed", "synthetic:users=1", "--out", out(e), "--granularity",
+                                                   "segment", "--segment-threshold", "nan"],
+         lambda e: ["--segment-threshold", "[-1, 1]"]),
+        ("embed-merge-threshold-nan", lambda e: ["embed", "synthetic:users=1", "--out", out(e), "--granularity",
+                                                 "segment", "--merge-threshold", "nan"],
+         lambda e: ["--merge-threshold", "[-1, 1]"]),
         # --out replaces an embedding store, never another directory (before the model loads)
         ("embed-out-policy-store", lambda e: ["embed", "synthetic:users=1", "--out", e["pol_existing"]],
          lambda e: [f"--out {e['pol_existing']}", "not an embedding store"]),

@@ -16,6 +16,7 @@ from rmm_jax.data.granularity import (
     DEFAULT_MERGE_THRESHOLD,
     DEFAULT_SEGMENT_THRESHOLD,
     GRANULARITIES,
+    check_threshold,
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
 from rmm_jax.data.store import is_store, open_store, write_store
@@ -109,6 +110,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
             why = ("an append keeps the store's turn or session memories" if into is not None
                    else f"this run builds {granularity} memories")
             raise InputError(f"only --granularity segment reads it; {why}", where=option)
+        with as_options(name):                  # before the data and the model load: one line
+            check_threshold(name, segment_threshold if name == "segment_threshold" else merge_threshold)
     if into is not None:
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
                        answers, say, as_json)

@@ -67,7 +67,7 @@ class Segment:
     turn_ids: list[str]
 
 
-def _check_threshold(name: str, value) -> float:
+def check_threshold(name: str, value) -> float:
     """A cosine threshold must be a finite number in [-1, 1]."""
     try:
         v = float(value)
@@ -199,8 +199,8 @@ def build_memories(user: User, granularity: str, embed_fn: EmbedFn | None = None
     """
     if granularity not in GRANULARITIES:
         raise InputError(f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r}", where="granularity")
-    segment_threshold = _check_threshold("segment_threshold", segment_threshold)
-    merge_threshold = _check_threshold("merge_threshold", merge_threshold)
+    segment_threshold = check_threshold("segment_threshold", segment_threshold)
+    merge_threshold = check_threshold("merge_threshold", merge_threshold)
     if granularity == "turn":
         return [MemoryUnit(t.id, t.text, t.session_id, t.timestamp, (t.id,)) for t in user.turns]
     if granularity == "session":
