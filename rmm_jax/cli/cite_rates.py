@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, count, emit_json, info, users_option
+from rmm_jax.cli.shell import SEED, as_options, count, emit_json, info, json_option, users_option
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
@@ -27,7 +27,9 @@ ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | 
                    f"at most {MAX_RESAMPLES:,}).")
 @click.option("--seed", type=SEED, default=0, help="Seed of the bootstrap.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the rates as one JSON object on stdout.")
+@json_option("the rates", "store, log, users, calls, calls_with_gold, p_useful, p_other, "
+             "p_other_when_gold_shown, p_cite_when_no_gold_shown (each {value, lo, hi, shown, cited}), apart, "
+             "options, level, resamples, resampled")
 def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     """Measure how your generator cites: the --p-useful and --p-other to learn with.
 

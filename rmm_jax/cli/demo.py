@@ -8,7 +8,7 @@ import click
 
 from rmm_jax.cli.common import check_rank, config_dict, config_options, make_setting
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import check_writable, emit_json, info
+from rmm_jax.cli.shell import check_writable, emit_json, info, json_option
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import Embedder
 from rmm_jax.data.store import open_store, write_store
@@ -40,7 +40,8 @@ def print_table(rows: dict, m: int, title: str) -> None:
 @click.option("--sessions", type=click.IntRange(min=1), default=16, help="Sessions per user.")
 @click.option("--turns", type=click.IntRange(min=1), default=10, help="Turns per session.")
 @config_options
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option("the summary (as OUT/summary.json)", "rows (base, pretrain, online, pretrain+online, ceiling, "
+             "_pretrain), config, spec, seconds, plot")
 def demo(out, users, sessions, turns, as_json, **opts):
     """Run the whole method on built-in synthetic users: embed → pretrain → simulate.
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import as_options, check_writable, count, explicit_options, info
+from rmm_jax.cli.shell import as_options, check_writable, count, explicit_options, info, json_option
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder, model_id
 from rmm_jax.data.granularity import (
@@ -69,8 +69,8 @@ MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embed
                    f"({', '.join(INSTRUCTION_ROLES)}). By default they are left out and counted: a system "
                    "prompt repeated in every session would fill the memory bank.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the store manifest (plus timings) as one JSON object on stdout.")
+@json_option("the store's manifest", "store, spec, dataset, format, version, model, dim, granularity, counts, "
+             "stats, texts_embedded, and seconds (--out) or added (--into: what this run appended)")
 def embed(spec, out, into, granularity, model, segment_threshold, merge_threshold, cache_dir,
           batch_size, no_cache, answers, skip_invalid, keep_roles, quiet, as_json):
     """Embed a dataset's memories and questions into an embedding store.

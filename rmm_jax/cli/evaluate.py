@@ -7,7 +7,7 @@ import click
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, info, png_option, users_option
+from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, info, json_option, png_option, users_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -75,7 +75,9 @@ def _row(name: str, est: dict) -> str:
 @png_option("Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a reference "
             "line, each unreliable estimate as a hatched column labelled 'unreliable', with no value; below, each "
             "estimate's paired gain over the logging policy; the verdict in the title.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one strict JSON object on stdout.")
+@json_option("the report", "store, policies, log, users, calls, k, m, tau, clip, min_ess, bootstrap, seed, "
+             "estimators, estimates (per metric, per estimator), ranges, marginals, cited_recall, unreliable, "
+             "users_on_shared_params, notes, warnings, verdict")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import as_options, check_output_file, check_writable, count, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, check_writable, count, json_option, users_option
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -73,7 +73,7 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 @policies.command("list")
 @click.argument("store", type=click.Path())
 @users_option("Only these users")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of a table.")
+@json_option("the table", "store, meta, n_users, users (one object per user)")
 def list_cmd(store, users, as_json):
     """List the users of policy store STORE: saved versions (newest last), the queries the
     newest version has learned from over all its runs (like its learner step, counted from
@@ -208,8 +208,7 @@ def _echo_user(d: dict) -> None:
 @click.argument("store", type=click.Path())
 @click.argument("user", required=False)
 @users_option("These users, with or instead of USER", default="none: the store alone")
-@click.option("--json", "as_json", is_flag=True,
-              help='Print one JSON object {"store": {...}, "users": [...]} on stdout instead of text.')
+@json_option("what loads", "store (an object), users (one object per user asked for)")
 def show(store, user, users, as_json):
     """Show what loads from STORE. The store: its meta, the shared version that loads
     (newer damaged ones skipped), the shared versions on disk and why each is kept (the
@@ -304,7 +303,8 @@ def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
                    "above TO is forgotten.  [default: (the version before the newest run of simulate or "
                    "replay, which that run's versions record)]")
 @click.option("--dry-run", is_flag=True, help="Say what would be rolled back and change nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of text.")
+@json_option("the rollback", "store, done (false with --dry-run), to, users, versions, removed, shared, setting, "
+             "setting_known, interrupted")
 def rollback_cmd(store, to, dry_run, as_json):
     """Undo the newest run on policy store STORE (or every version above --to), when
     `evaluate` says not to ship what it learned.

@@ -17,7 +17,16 @@ from rmm_jax.cli.common import (
     scope_options,
 )
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, check_output_file, emit_json, info, png_option, users_option
+from rmm_jax.cli.shell import (
+    SEED,
+    as_options,
+    check_output_file,
+    emit_json,
+    info,
+    json_option,
+    png_option,
+    users_option,
+)
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import KINDS, init_reranker
 from rmm_jax.data.store import open_store
@@ -112,7 +121,9 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @checkpoint_options(1, "epochs")
 @png_option("Also write a PNG of the epochs: the training loss, and the train and validation Recall@m from "
             "the untrained start, with the epoch early stopping kept marked.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option("the run's summary", "policies, split, best_epoch, epochs_run, train_recall@M, val_recall@M and "
+             "initial_val_recall@M (null without validation users), untrained_start_kept, "
+             "untrained_start_kept_reason, plot (with --plot)")
 def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
              hidden, seed, scope, rank, checkpoint_every, resume, plot_path, as_json):
     """Pretrain the shared reranker on STORE's labelled queries; write a policy store.

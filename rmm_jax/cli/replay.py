@@ -40,7 +40,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import as_options, check_output_file, count, info, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, count, info, json_option, users_option
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -91,7 +91,9 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option("the run's summary", "policies, init, setting, config, log (the log read: path, calls, skipped, "
+             "...), base (the base retriever on the same calls), online (the run's prequential measures, "
+             "per_user among them), curve and cited_curve (learning curves, when measured)")
 def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, relearn, users,
            users_per_chunk, checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.

@@ -8,7 +8,7 @@ import click
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import count
+from rmm_jax.cli.shell import count, json_option
 from rmm_jax.core import metrics as M
 from rmm_jax.core.config import Layout
 from rmm_jax.data.retrieval import retrieve_candidates
@@ -113,8 +113,8 @@ def _table(title: str, rows: dict, names: list[str]) -> list[str]:
                    "instead of failing.")
 @click.option("--expect-model", default=None,
               help="Fail unless the store was embedded with this model id.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (overall, per_user, per_category, counts) on stdout.")
+@json_option("the metrics", "store, model, granularity, k, metrics (their names), overall, per_user, "
+             "per_category, counts, seconds")
 def retrieve(store, k, pad_short_banks, expect_model, as_json):
     """Evaluate the base dense retriever on an embedding STORE.
 

@@ -40,6 +40,15 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
 
 
+def json_option(what: str, keys: str):
+    """``--json``, the same on every verb: ``what`` the object is and ``keys`` its top-level
+    keys, named in the help so that a script knows what to read (tests/test_cli_json.py checks
+    that every key a verb prints is named). Notes, warnings and progress stay on stderr."""
+    return click.option("--json", "as_json", is_flag=True,
+                        help=f"Print {what} as one JSON object on stdout, keys: {keys}. "
+                             "Notes and progress stay on stderr.")
+
+
 def parse_users(users: str | None) -> list[str] | None:
     """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty or repeated item is an
     error (a user run twice in one run is saved twice in one version; pretrain trained on it twice).

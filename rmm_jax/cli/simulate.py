@@ -38,7 +38,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import as_options, check_output_file, info, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, info, json_option, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
@@ -97,7 +97,9 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option("the run's summary", "policies, init, setting, config, citations, base (the base retriever on the "
+             "same queries), online (the run's prequential measures, per_user among them), curve and "
+             "cited_curve (learning curves, when measured)")
 def simulate(store, policies, init, keep, change_setting, citations, precision, cite_recall, users, query_range,
              users_per_chunk, log_out, checkpoint_every, resume, plot_path, as_json, **opts):
     """Run the online loop on STORE against simulated citations.

@@ -1,0 +1,162 @@
+"""The `--json` contract of every verb and sub-command that has it, run on a copy of examples/
+with a model-free embedder: stdout is exactly one strict JSON document (no NaN or Infinity,
+which json.loads accepts and jq refuses) whatever notes, warnings and progress the command
+prints (misspelt log keys, --users, an unreliable evaluate, a replay with nothing to learn, a
+tiny demo); the exit status is the one without --json; the --json help names every top-level
+key printed; on bad input nothing reaches stdout."""
+import contextlib
+import io
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import click
+import pytest
+
+from rmm_jax.cli.main import cli, main, register_commands
+
+REPO = Path(__file__).resolve().parents[1]
+register_commands()
+
+# (label, command line, expected exit status), run in this order from a copy of examples/
+WALK = [
+    ("embed --out", "embed jsonl:examples/chat_history.jsonl --out stores/mine --json", 0),
+    ("embed --into", "embed jsonl:examples/chat_history.jsonl --into stores/mine --json", 0),
+    ("embed synthetic", "embed synthetic:users=4,sessions=3,turns=6 --out stores/synth --json", 0),
+    ("retrieve", "retrieve stores/synth --k 10 --json", 0),
+    ("pretrain dialogue", "pretrain stores/mine --labels dialogue --epochs 1 --out policies --json", 0),
+    ("pretrain gold --plot", "pretrain stores/synth --k 10 --epochs 1 --out pretrained --plot pt.png --json", 0),
+    ("replay", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
+    ("replay nothing to learn", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
+    ("replay misspelt keys", "replay stores/mine --log typo1.jsonl --policies typo --users user0 --json", 0),
+    ("evaluate unreliable", "evaluate stores/mine --log examples/calls_day2.jsonl --policies policies "
+                            "--bootstrap 40 --json", 3),
+    ("evaluate misspelt keys", "evaluate stores/mine --log typo2.jsonl --policies policies --users user0,user1 "
+                               "--bootstrap 40 --allow-unreliable --json", 0),
+    ("evaluate one call", "evaluate stores/mine --log examples/calls_day2.jsonl --policies policies "
+                          "--users newcomer --bootstrap 40 --json", 3),
+    ("simulate", "simulate stores/synth --policies simulated --k 10 --users user1 --log-out sim.jsonl --json", 0),
+    ("cite-rates", "cite-rates stores/synth --log sim.jsonl --bootstrap 40 --json", 0),
+    ("cite-rates misspelt keys", "cite-rates stores/synth --log sim_typo.jsonl --users user1 --bootstrap 40 --json", 0),
+    ("policies list", "policies list policies --json", 0),
+    ("policies show", "policies show policies --json", 0),
+    ("policies show users", "policies show policies user0 --users user1 --json", 0),
+    ("policies rollback --dry-run", "policies rollback policies --dry-run --json", 0),
+    ("policies rollback", "policies rollback simulated --json", 0),
+    ("demo tiny", "demo --out runs/demo --users 4 --sessions 1 --turns 2 --k 10 --json", 0),
+]
+# bad input: exit 2, one line on stderr, nothing on stdout
+BAD = [
+    "retrieve stores/mine --json",                                              # no questions
+    "pretrain stores/mine --out p2 --json",                                     # no gold
+    "replay stores/mine --log nocited.jsonl --policies p3 --json",              # a required key misspelt
+    "evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --users nobody --json",
+    "cite-rates stores/synth --log sim.jsonl --users user3 --json",             # a user with no call
+    "policies show policies nobody --json",
+    "policies rollback pretrained --json",                                      # nothing to roll back
+    "demo --out runs/demo2 --users 2 --json",
+]
+
+
+def _strict(text):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _run(line):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(shlex.split(line))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def _edit_log(src, dst, change):
+    with open(src) as f, open(dst, "w") as o:
+        for line in f:
+            rec = json.loads(line)
+            change(rec)
+            o.write(json.dumps(rec) + "\n")
+
+
+@pytest.fixture(scope="module")
+def walk(tmp_path_factory):
+    """{label or bad line: (exit status, stdout, stderr)}; runs once for the module."""
+    from fake_embedder import FakeEmbedder
+
+    import rmm_jax.cli.demo as demo_verb
+    import rmm_jax.cli.embed as embed_verb
+    from rmm_jax.data import embed as embed_mod
+
+    root = tmp_path_factory.mktemp("json")
+    shutil.copytree(REPO / "examples", root / "examples")
+    _edit_log(root / "examples/calls_day1.jsonl", root / "typo1.jsonl",
+              lambda r: r.update(timestmap=r.pop("timestamp")))
+    _edit_log(root / "examples/calls_day2.jsonl", root / "typo2.jsonl",
+              lambda r: r.update(timestmap=r.pop("timestamp"), log_porb=0))
+    _edit_log(root / "examples/calls_day1.jsonl", root / "nocited.jsonl", lambda r: r.update(citd=r.pop("cited")))
+    results = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (embed_verb, embed_mod, demo_verb):
+            mp.setattr(module, "Embedder", lambda *a, **kw: FakeEmbedder(16))
+        mp.chdir(root)
+        for label, line, _ in WALK:
+            results[label] = _run(line)
+            if label == "simulate":
+                _edit_log(root / "sim.jsonl", root / "sim_typo.jsonl", lambda r: r.update(Gold=[], timestmap=1))
+        for line in BAD:
+            results[line] = _run(line)
+        # the exit status without --json: evaluate's 3 (unreliable), replay's 0 (nothing to learn)
+        for label in ("evaluate unreliable", "replay nothing to learn"):
+            line = dict((lab, li) for lab, li, _ in WALK)[label]
+            results[label + " (text)"] = _run(line.replace(" --json", ""))
+    return results
+
+
+@pytest.mark.parametrize("label,line,code", WALK, ids=[w[0] for w in WALK])
+def test_stdout_is_one_strict_json_object(walk, label, line, code):
+    got, out, err = walk[label]
+    assert got == code, (line, err)
+    doc = _strict(out)
+    assert isinstance(doc, dict) and doc, out
+
+
+def _json_help(path):
+    cmd = cli
+    for name in path:
+        cmd = cmd.commands[name]
+    (opt,) = [p for p in cmd.params if isinstance(p, click.Option) and "--json" in p.opts]
+    return opt.help
+
+
+@pytest.mark.parametrize("label,line,code", WALK, ids=[w[0] for w in WALK])
+def test_the_json_help_names_every_key_printed(walk, label, line, code):
+    """A script reads keys the help promises: every top-level key printed is named there
+    (a metric at M, `val_recall@5`, as `val_recall@M`)."""
+    words = shlex.split(line)
+    path = words[:2] if words[0] == "policies" else words[:1]
+    named = set(re.findall(r"[\w@+]+", _json_help(path)))
+    keys = {re.sub(r"@\d+$", "@M", k) for k in _strict(walk[label][1])}
+    assert keys <= named, (path, sorted(keys - named))
+
+
+def test_notes_go_to_stderr_and_the_exit_status_is_the_one_without_json(walk):
+    assert "did you mean 'timestamp'" in walk["replay misspelt keys"][2]
+    assert "did you mean 'log_prob'" in walk["evaluate misspelt keys"][2]
+    assert "did you mean 'gold'" in walk["cite-rates misspelt keys"][2]
+    assert "unreliable" in walk["evaluate unreliable"][2]
+    for label in ("evaluate unreliable", "replay nothing to learn"):
+        assert walk[label + " (text)"][0] == walk[label][0], label
+
+
+@pytest.mark.parametrize("line", BAD)
+def test_bad_input_writes_nothing_to_stdout(walk, line):
+    code, out, err = walk[line]
+    assert (code, out) == (2, ""), (out, err)
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
