@@ -116,6 +116,13 @@ def walk(tmp_path_factory):
         for label in ("evaluate unreliable", "replay nothing to learn"):
             line = dict((lab, li) for lab, li, _ in WALK)[label]
             results[label + " (text)"] = _run(line.replace(" --json", ""))
+        # a policy store whose file holds NaN (hand-edited, or written by another tool): json.loads reads it
+        shutil.copytree(root / "policies", root / "nan_meta")
+        meta = json.loads((root / "nan_meta/policy_store.json").read_text())
+        meta["meta"]["config"]["pretrain"]["lr"] = float("nan")
+        (root / "nan_meta/policy_store.json").write_text(json.dumps(meta))
+        for line in ("policies list nan_meta --json", "policies show nan_meta user0 --json"):
+            results[line] = _run(line)
     return results
 
 
@@ -160,3 +167,25 @@ def test_bad_input_writes_nothing_to_stdout(walk, line):
     code, out, err = walk[line]
     assert (code, out) == (2, ""), (out, err)
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("line", ["policies list nan_meta --json", "policies show nan_meta user0 --json"])
+def test_a_nan_the_command_reads_is_printed_as_null(walk, line):
+    """`policies list/show --json` printed a store's meta as json.dumps wrote it: NaN read from
+    policy_store.json came out as NaN, which jq refuses. Every verb prints through emit_json."""
+    code, out, err = walk[line]
+    assert code == 0, err
+    doc = _strict(out)
+    meta = doc["meta"] if "meta" in doc else doc["store"]["meta"]
+    assert meta["config"]["pretrain"]["lr"] is None
+
+
+def test_emit_json_writes_strict_json(capsys):
+    import numpy as np
+
+    from rmm_jax.cli.shell import emit_json
+
+    emit_json({"nan": float("nan"), "inf": [float("inf"), -float("inf")], "f32": np.float32(1.5),
+               "i64": np.int64(3), "arr": np.array([1.0, np.nan]), "t": (1, 2)})
+    assert _strict(capsys.readouterr().out) == {"nan": None, "inf": [None, None], "f32": 1.5, "i64": 3,
+                                                "arr": [1.0, None], "t": [1, 2]}

@@ -1,14 +1,13 @@
 """``rmm-jax embed``: dataset -> embedding store."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import as_options, check_writable, count, explicit_options, info, json_option
+from rmm_jax.cli.shell import as_options, check_writable, count, emit_json, explicit_options, info, json_option
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder, model_id
 from rmm_jax.data.granularity import (
@@ -160,7 +159,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         report["seconds"] = {"load": round(t_load, 3), "model_and_store": round(time.perf_counter() - t1, 3),
                              "total": round(total, 3)}
         report["texts_embedded"] = embedder.texts_embedded
-        click.echo(json.dumps(report, sort_keys=True))
+        emit_json(report, indent=None)
     else:
         click.echo(f"{out}: {count(c['users'], 'user')}, {count(c['memories'], granularity + ' memory')}, "
                    f"{count(c['queries'], 'query')}, model {manifest['model']} (dim {manifest['dim']})")
@@ -200,8 +199,8 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         f"now {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
         f"({count(embedder.texts_embedded, 'text')} embedded; {time.perf_counter() - t0:.1f}s)")
     if as_json:
-        click.echo(json.dumps({**res["manifest"], "store": str(into), "added": a,
-                               "texts_embedded": embedder.texts_embedded}, sort_keys=True))
+        emit_json({**res["manifest"], "store": str(into), "added": a, "texts_embedded": embedder.texts_embedded},
+                  indent=None)
     else:
         click.echo(f"{into}: +{count(a['users'], 'user')}, +{count(a['sessions'], 'session')} "
                    f"({count(a['memories'], 'memory')}), +{count(a['queries'], 'question')}; skipped "

@@ -1,13 +1,21 @@
 """``rmm-jax evaluate``: off-policy estimates of a policy store's value from a citation log."""
 from __future__ import annotations
 
-import json
-
 import click
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, info, json_option, png_option, users_option
+from rmm_jax.cli.shell import (
+    SEED,
+    as_options,
+    check_output_file,
+    count,
+    emit_json,
+    info,
+    json_option,
+    png_option,
+    users_option,
+)
 from rmm_jax.core.config import Layout
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -180,7 +188,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         plot_estimates(rep["estimates"], rep["ranges"], plot_path, labels=LABELS, verdict=rep["verdict"],
                        title=f"off-policy estimates for {policies} ({rep['calls']} calls, target tau {tau:g})")
     if as_json:
-        click.echo(json.dumps(rep, indent=2, sort_keys=True, allow_nan=False))
+        emit_json(rep)
     else:
         _print_table(rep, policies, tau)
     hint = None if rep["verdict"]["ship"] else rollback_hint(ps, policies)

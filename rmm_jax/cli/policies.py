@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import as_options, check_output_file, check_writable, count, json_option, users_option
+from rmm_jax.cli.shell import as_options, check_output_file, check_writable, count, emit_json, json_option, users_option
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -84,7 +84,7 @@ def list_cmd(store, users, as_json):
         _require_users(st, wanted)
     rows = list_rows(st, wanted)
     if as_json:
-        click.echo(json.dumps({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}))
+        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}, indent=None, sort_keys=False)
         return
     m = st.meta
     shown = f" (listed: {len(rows)})" if wanted else ""
@@ -223,7 +223,7 @@ def show(store, user, users, as_json):
         _progress(f"loading {len(wanted)} user(s) from {store} ...")
     doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else []}
     if as_json:
-        click.echo(json.dumps(doc))
+        emit_json(doc, indent=None, sort_keys=False)
         return
     _echo_store(doc["store"])
     for d in doc["users"]:
@@ -330,7 +330,7 @@ def rollback_cmd(store, to, dry_run, as_json):
     with as_options("to"):
         r = plan(st, to) if dry_run else rollback(st, to)
     if as_json:
-        click.echo(json.dumps({"store": store, "done": not dry_run, **r._asdict()}))
+        emit_json({"store": store, "done": not dry_run, **r._asdict()}, indent=None, sort_keys=False)
         return
     for line in rollback_text(r, store, done=not dry_run):
         click.echo(line)

@@ -1,14 +1,13 @@
 """``rmm-jax retrieve``: quality of the fixed dense retriever on an embedding store."""
 from __future__ import annotations
 
-import json
 import time
 
 import click
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import count, json_option
+from rmm_jax.cli.shell import count, emit_json, json_option
 from rmm_jax.core import metrics as M
 from rmm_jax.core.config import Layout
 from rmm_jax.data.retrieval import retrieve_candidates
@@ -140,7 +139,7 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
                          "their gold_turn_ids, docs/own-data.md)", where=store)
     res["seconds"] = round(time.perf_counter() - t0, 3)
     if as_json:
-        click.echo(json.dumps(res, sort_keys=False))
+        emit_json(res, indent=None, sort_keys=False)
         return
     names = res["metrics"]
     click.echo(f"store {res['store']}: model {res['model']}, granularity {res['granularity']}, "

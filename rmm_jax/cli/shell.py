@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import click
@@ -36,8 +37,31 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
 
 
-def emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=float))
+def _plain(x):
+    """``x`` with NumPy scalars and arrays as Python numbers and lists, tuples as lists, and
+    every non-finite float as None."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):    # NumPy (and JAX) scalars and arrays
+        return _plain(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def json_text(obj, *, indent: int | None = 2, sort_keys: bool = True) -> str:
+    """``obj`` as strict JSON: a non-finite float is written as null, like every value these
+    objects cannot give (json.dumps writes NaN or Infinity, which json.loads accepts and jq and
+    other strict parsers refuse), NumPy numbers as numbers (an integer stays one)."""
+    return json.dumps(_plain(obj), indent=indent, sort_keys=sort_keys, allow_nan=False)
+
+
+def emit_json(obj, *, indent: int | None = 2, sort_keys: bool = True) -> None:
+    """Print ``obj`` on stdout as one strict JSON document (:func:`json_text`): what every
+    verb's ``--json`` prints, alone on stdout."""
+    click.echo(json_text(obj, indent=indent, sort_keys=sort_keys))
 
 
 def json_option(what: str, keys: str):
