@@ -98,6 +98,17 @@ def counts_of(users: Sequence[int], rows: Sequence[tuple[int, ...]], user_ids: l
     return CallCounts(np.asarray(users, np.int64).reshape(-1), user_ids, calls, *cols)
 
 
+def check_log_inputs(store, users) -> None:
+    """What a reader of a citation log against ``store`` takes (:func:`count_calls`,
+    :func:`rmm_jax.online.ope.load_calls`), refused by name: an embedding store (a path was an
+    AttributeError, 'str' object has no attribute 'user_ids') and ``users`` None or a list of
+    str (a str was read letter by letter)."""
+    if not isinstance(store, EmbeddingStore):
+        raise InputError(f"expected an embedding store, open_store(path), got {short(store)}", where="store")
+    if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
+        raise InputError(f"expected a list of user ids (str), got {short(users)}", where="users")
+
+
 def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_invalid: bool = False,
                 report: dict | None = None) -> CallCounts:
     """Read a citation log against an embedding store (every record validated, as
@@ -107,10 +118,7 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
     A path for ``store`` was an AttributeError ('str' object has no attribute 'user_ids'),
     and a str ``users`` was read letter by letter ("user 'a' has no record"): both are
     refused by name."""
-    if not isinstance(store, EmbeddingStore):
-        raise InputError(f"expected an embedding store, open_store(path), got {short(store)}", where="store")
-    if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
-        raise InputError(f"expected a list of user ids (str), got {short(users)}", where="users")
+    check_log_inputs(store, users)
     wanted = None if not users else set(users)
 
     @functools.lru_cache(maxsize=USERS_CACHED)

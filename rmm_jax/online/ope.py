@@ -132,8 +132,8 @@ from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
-from rmm_jax.data.store import EmbeddingStore
 from rmm_jax.errors import InputError, at
+from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.serve import user_params
 from rmm_jax.online.stats import check_resamples
 from rmm_jax.online.streams import check_limits
@@ -553,11 +553,8 @@ def check_inputs(store, policies, users) -> None:
     """The arguments :func:`load_calls` takes by type, each refused by name: a path for
     ``store`` or ``policies`` was an AttributeError ('str' object has no attribute
     'user_ids'), and a str ``users`` was read letter by letter (\"unknown user id 'a'\")."""
-    if not isinstance(store, EmbeddingStore):
-        raise InputError(f"expected an embedding store, open_store(path), got {checks.short(store)}", where="store")
+    check_log_inputs(store, users)
     check_store(policies, where="policies")
-    if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
-        raise InputError(f"expected a list of user ids (str), got {checks.short(users)}", where="users")
 
 
 @aot

@@ -56,10 +56,9 @@ Examples:
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
+from rmm_jax.core import checks
 from rmm_jax.errors import InputError
 
 # A 95% percentile interval puts 2.5% of the resamples beyond each end: with fewer than
@@ -120,9 +119,9 @@ def gain_interval(diffs, *, groups=None, n_boot: int = 2000, level: float = 0.95
     # each refused by name: a level of 95 (for 0.95) was NumPy's "Quantiles must be in the range
     # [0, 1]", n_boot=0 "zero-size array to reduction operation maximum", a str diff "could not
     # convert string to float"
-    if not (isinstance(level, numbers.Real) and not isinstance(level, (bool, np.bool_)) and 0 < level < 1):
+    if not (checks.is_real(level) and 0 < level < 1):
         raise InputError(f"must be a number in (0, 1), e.g. 0.95, got {level!r}"[:80], where="level")
-    if not (isinstance(n_boot, numbers.Integral) and not isinstance(n_boot, (bool, np.bool_)) and n_boot >= 1):
+    if not (checks.is_int(n_boot) and n_boot >= 1):
         raise InputError(f"must be an int >= 1, got {n_boot!r}"[:80], where="n_boot")
     try:
         d = np.asarray(diffs, np.float64)
