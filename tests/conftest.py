@@ -115,6 +115,18 @@ def make_fake_store(path, users=4, sessions=4, turns=8, seed=0, dim=32):
     return path
 
 
+def use_fake_embedder(mp, dim: int = 16) -> None:
+    """Every verb that embeds (embed, demo, and the data layer the others call) gets
+    FakeEmbedder(dim) instead of the model, through ``mp`` (a pytest MonkeyPatch): the verbs
+    bind Embedder at import, so each module is patched."""
+    import rmm_jax.cli.demo as demo_verb
+    import rmm_jax.cli.embed as embed_verb
+    from rmm_jax.data import embed as embed_mod
+
+    for module in (embed_verb, embed_mod, demo_verb):
+        mp.setattr(module, "Embedder", lambda *a, **kw: FakeEmbedder(dim))
+
+
 def run_cli(capsys, *args):
     """Run the CLI in-process; return (exit code, stdout, stderr)."""
     try:

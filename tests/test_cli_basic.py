@@ -210,14 +210,10 @@ def run_walk(lines, tmp_path, monkeypatch, capsys):
     """Run ``lines`` (``rmm-jax ...``) in order from a copy of the repository root's examples/,
     with a model-free embedder; returns {line: stdout}. Every line exits 0, but evaluate may
     exit 3 (some estimates unreliable: the fake embedder's logits, not the example)."""
-    from conftest import FakeEmbedder
     from conftest import run_cli as run  # (capsys, *args), not this file's run_cli
+    from conftest import use_fake_embedder
 
-    import rmm_jax.cli.embed as embed_verb
-    from rmm_jax.data import embed as embed_mod
-
-    for module in (embed_verb, embed_mod):
-        monkeypatch.setattr(module, "Embedder", lambda *a, **kw: FakeEmbedder(16))
+    use_fake_embedder(monkeypatch)
     shutil.copytree(REPO / "examples", tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
     outs = {}

@@ -88,11 +88,7 @@ def _edit_log(src, dst, change):
 @pytest.fixture(scope="module")
 def walk(tmp_path_factory):
     """{label or bad line: (exit status, stdout, stderr)}; runs once for the module."""
-    from fake_embedder import FakeEmbedder
-
-    import rmm_jax.cli.demo as demo_verb
-    import rmm_jax.cli.embed as embed_verb
-    from rmm_jax.data import embed as embed_mod
+    from conftest import use_fake_embedder
 
     root = tmp_path_factory.mktemp("json")
     shutil.copytree(REPO / "examples", root / "examples")
@@ -103,8 +99,7 @@ def walk(tmp_path_factory):
     _edit_log(root / "examples/calls_day1.jsonl", root / "nocited.jsonl", lambda r: r.update(citd=r.pop("cited")))
     results = {}
     with pytest.MonkeyPatch.context() as mp:
-        for module in (embed_verb, embed_mod, demo_verb):
-            mp.setattr(module, "Embedder", lambda *a, **kw: FakeEmbedder(16))
+        use_fake_embedder(mp)
         mp.chdir(root)
         for label, line, _ in WALK:
             results[label] = _run(line)
