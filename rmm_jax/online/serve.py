@@ -203,7 +203,7 @@ def _real_array(x, name: str) -> np.ndarray:
         a = None
     if a is None or a.dtype.kind not in "biuf":
         raise InputError(f"expected an array of real numbers, got {checks.short(x)}", where=name)
-    return a.astype(np.float32)
+    return a.astype(np.float32, copy=False)        # no copy of what is float32 already (the serving path)
 
 
 def _check_scores(scores: np.ndarray, mask: np.ndarray) -> None:
