@@ -29,8 +29,9 @@ from rmm_jax.persist.runstate import RunState
 INITS = ("continue", "identity", "pretrained")
 INIT_HELP = ("Where the run starts. continue (the default when --policies exists): every user the store holds "
              "resumes from its latest good version (params, optimiser state, baseline, step, key), the shared "
-             "part from its latest, and new users start from the store's shared part. identity: everyone "
-             "starts from the base retriever; pretrained: from the store's pretrained shared params.")
+             "part from the version the last saved users were trained against, and new users start from that "
+             "shared part. identity: everyone starts from the base retriever; pretrained: from the store's "
+             "pretrained shared params.")
 
 
 class Start(NamedTuple):
