@@ -50,11 +50,12 @@ def _preset_default(field: str) -> str:
     return f"[default: {_field(DEFAULTS, field)}; paper: {_field(PAPER, field)}]"
 
 
-def config_options(f=None, *, from_log: bool = False):
+def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
     """Options that build a program's :class:`~rmm_jax.core.config.Setting`; unset ones come
-    from --preset. ``from_log``: --k and --m default to what the log says (:func:`k_m_from_log`)."""
+    from --preset. ``from_log``: --k and --m default to what the log says (:func:`k_m_from_log`);
+    ``new_store``: no policy store gives --scope or --rank a default (:func:`scope_options`)."""
     if f is None:
-        return lambda g: config_options(g, from_log=from_log)
+        return lambda g: config_options(g, from_log=from_log, new_store=new_store)
     k_default = dict(default=None, show_default="the log's") if from_log else dict(default=DEFAULTS.layout.k,
                                                                                    show_default=True)
     m_default = dict(default=None, show_default="the log's") if from_log else dict(default=DEFAULTS.layout.m,
@@ -100,7 +101,7 @@ def config_options(f=None, *, from_log: bool = False):
                           f"[default: 0 (no correction); calibrated: {PAPER_JUDGE['p_other']}, the paper's]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
-        *scope_options(),
+        *scope_options(new_store),
         click.option("--seed", type=SEED, default=0, show_default=True,
                      help="Run seed (per-user keys derive from it)."),
     ]
@@ -111,8 +112,8 @@ def config_options(f=None, *, from_log: bool = False):
 
 def scope_options(new_store: bool = False) -> list:
     """``--scope`` and ``--rank``: who learns from whose citations (docs/scopes.md).
-    ``new_store``: the verb always writes a new policy store (``pretrain``), so no default
-    comes from an existing one."""
+    ``new_store``: the verb always writes a new policy store (``pretrain``) or none (``demo``),
+    so no default comes from an existing one."""
     store = "" if new_store else ", or the store's"
     return [
         click.option("--scope", type=click.Choice(SCOPES), default=None, show_default=f"user{store}",

@@ -39,7 +39,7 @@ def print_table(rows: dict, m: int, title: str) -> None:
 @click.option("--users", type=int, default=16, help="Synthetic users (half pretrain, half online).")
 @click.option("--sessions", type=click.IntRange(min=1), default=16, help="Sessions per user.")
 @click.option("--turns", type=click.IntRange(min=1), default=10, help="Turns per session.")
-@config_options
+@config_options(new_store=True)
 @json_option("the summary (as OUT/summary.json)", "rows (base, pretrain, online, pretrain+online, ceiling, "
              "_pretrain), config, spec, seconds, plot")
 def demo(out, users, sessions, turns, as_json, **opts):
