@@ -1,7 +1,7 @@
 """The package has no upward import: cli → online → data → {core, persist} → errors.
 
 Every ``import`` of an ``rmm_jax`` module, at any depth of any module, is read with
-``ast`` and checked against the layer order in the README's Layout section.
+``ast`` and checked against the layer order in docs/index.md's "Layout of the code".
 """
 import ast
 from pathlib import Path
