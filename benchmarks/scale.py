@@ -24,7 +24,7 @@ the process, bytes per user on disk, and the median time to open the store and l
 one user's policy (20 random users, a new store object each time), and the 1-minute load
 average around the run (``load``; ``noisy`` above 2.5). Scope ``user`` at d=384
 holds 3.5 MB per user: with ``--user-save-limit`` (default 200) only that many of its
-users are written (bytes per user are the same for every user), the rest only run.
+users are written, rounded up to whole chunks (bytes per user are the same for every user), the rest only run.
 Targets (100,000 hybrid users × 100 queries): ≤ 600 s, saving included, and peak RSS ≤ 2 GB.
 
 ``--throughput``: queries/s of 1,000 users × 200 queries, ``hybrid`` against ``user``,
