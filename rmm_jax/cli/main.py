@@ -65,13 +65,16 @@ def cli(ctx: click.Context, compile_cache: bool):
     \b
     Typical flow (from the repository root, on examples/: chats and logged calls, no questions):
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine   # chats -> embedding store
-      rmm-jax pretrain stores/mine --labels dialogue --out policies      # offline, on the users' chats
-      rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies
-                                                  # learn from a day's logged citations
+      rmm-jax rerank stores/mine --calls examples/requests_day1.jsonl --explore
+                                                  # serve day 1: no policy yet, the retriever's
+      rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies --scope hybrid
+                                                  # at night: learn from the day's logged citations
       rmm-jax rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore
-                                                  # serve: draw each request's memories, logged
+                                                  # serve day 2 from what it learned
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies
-                                                  # before shipping: estimate on a day's log
+                                                  # before shipping a night: estimate on a day's log
+    (A start from the chats themselves, `pretrain --labels dialogue`, suits some chats and not
+    these: `evaluate` it on a day's log first, docs/own-data.md.)
     With questions and gold (locomo:, longmemeval:, your chats' questions, or synthetic users):
       rmm-jax embed synthetic:users=8 --out stores/synth
       rmm-jax retrieve stores/synth --k 20                    # the base retriever's Recall
