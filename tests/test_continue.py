@@ -152,6 +152,21 @@ def test_lowering_keep_says_what_it_deletes_and_that_rollback_cannot_undo_at_one
     assert code != 0 and err.strip().count("\n") == 0, err       # as the note said
 
 
+def test_a_store_created_at_keep_one_says_each_later_run_cannot_be_rolled_back(capsys, tmp_path, store):
+    """Only a lowering of --keep said so: a store created at --keep 1 replaced every user's
+    version on each later run without a word, and the rollback that undid it then refused."""
+    ps_path = tmp_path / "p"
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "1")
+    assert code == 0 and "rollback" not in err, err                # a new store: its users can be rolled back
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM)
+    assert code == 0 and f"note: {ps_path} keeps 1 version per user" in err and "cannot undo it" in err, err
+    code, _, err = run_cli(capsys, "policies", "rollback", ps_path)
+    assert code != 0 and err.strip().count("\n") == 0, err       # as the note said
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM, "--keep", "2")
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM)
+    assert code == 0 and "keeps 1" not in err and "rollback" not in err, err
+
+
 def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, tmp_path, store):
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM)
     assert code == 0, err

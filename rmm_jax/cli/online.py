@@ -97,6 +97,9 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
         info(f"note: --keep {keep} lowers the {stored_keep} versions per user {path} kept: each user's older "
              "versions are deleted as this run saves"
              + ("; `policies rollback` cannot undo this run" if keep == 1 else ""))
+    elif writer and ps.keep == 1 and ps.n_users():
+        info(f"note: {path} keeps 1 version per user, so this run deletes each saved user's previous one: "
+             "`policies rollback` cannot undo it")
     if ps.meta.get("kind") != layout.kind:
         raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{layout.kind}'", where="--kind")
     if init == "pretrained" and not ps.meta.get("config", {}).get("pretrained"):
