@@ -8,11 +8,28 @@ from __future__ import annotations
 
 
 class InputError(ValueError):
-    """Bad user input: a file, a record, an option or an array argument."""
+    """Bad user input: a file, a record, an option or an array argument.
 
-    def __init__(self, message: str, *, where: str | None = None):
-        self.where = where
-        super().__init__(f"{where}: {message}" if where else message)
+    ``where`` is a location as it is shown (``file:line``, a key, an option, a path);
+    ``arg`` names an argument of the Python API (``min_ess``, or ``users user9``: its name,
+    a space, and which part of it): it is shown as ``where`` is, and marks the error as one
+    of that argument (``self.arg``, the name alone), which the CLI shows as the option that
+    gives it (:func:`rmm_jax.cli.shell.as_options`). A path that happens to be spelt like an
+    argument (a store directory named ``users``) stays a location.
+
+    >>> e = InputError("bad", arg="users user9")
+    >>> str(e), e.where, e.arg
+    ('users user9: bad', 'users user9', 'users')
+    >>> InputError("bad", where="users").arg is None
+    True
+    """
+
+    def __init__(self, message: str, *, where: str | None = None, arg: str | None = None):
+        if where is not None and arg is not None:
+            raise TypeError("InputError takes where= (a location) or arg= (an argument), not both")
+        self.arg = arg.partition(" ")[0] if arg else None
+        self.where = arg if arg else where
+        super().__init__(f"{self.where}: {message}" if self.where else message)
 
 
 def at(path, line: int | None = None, key: str | None = None) -> str:

@@ -824,6 +824,29 @@ def test_embed_into_with_another_model_is_refused_before_it_loads(env, capsys, t
     assert snapshot(tmp_path) == before and model_starts == []
 
 
+@pytest.mark.parametrize("verb", ["pretrain", "rollback"])
+def test_a_path_spelt_like_an_argument_is_not_reported_as_its_option(env, capsys, tmp_path, monkeypatch, verb):
+    """cli.shell.as_options rewrote every error whose location was the name of an argument it
+    maps: a store at the relative path `users` (pretrain maps its `users` argument) said
+    "--users: dialogue labels need ...", a policy store at `to` (policies rollback maps `to`)
+    "--to: holds no user version", sending the user to an option they never gave. Only the
+    API's argument errors (InputError(arg=...)) become options; a path stays the path."""
+    monkeypatch.chdir(tmp_path)
+    if verb == "pretrain":
+        shutil.copytree(env["segment_store"], tmp_path / "users")
+        argv = ["pretrain", "users", "--out", "new_pol", "--k", K, "--m", M, "--labels", "dialogue"]
+        want = "error: users: dialogue labels need a store of single turns"
+    else:
+        shutil.copytree(env["pol_existing"], tmp_path / "to")
+        argv = ["policies", "rollback", "to", "--dry-run"]
+        want = "error: to: holds no user version"
+    before = snapshot(tmp_path)
+    code, _, err = cli(capsys, *argv)
+    assert_one_line_error(code, err, [])
+    assert err.startswith(want), err
+    assert snapshot(tmp_path) == before
+
+
 # --------------------------------------------------------------------------- K and M from the log
 
 

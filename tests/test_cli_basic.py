@@ -275,23 +275,29 @@ def test_the_verbs_without_jax_start_without_it(tmp_path):
 
 
 def test_as_options_names_the_option_that_gives_an_argument():
-    """cli.shell.as_options: an API error naming one of the listed arguments becomes its
-    option's (underscores as dashes, or the option a rename gives), keeping what follows the
-    name in ``where``; any other error passes as it is."""
+    """cli.shell.as_options: an API error about one of the listed arguments (InputError's
+    ``arg=``) becomes its option's (underscores as dashes, or the option a rename gives),
+    keeping what follows the name; any other error passes as it is, a location (``where=``)
+    spelt like an argument among them: a store directory named ``users`` is not ``--users``."""
     import pytest
 
     from rmm_jax.cli.shell import as_options
     from rmm_jax.errors import InputError
 
-    for where, args, renamed, want in (("val_fraction", ("val_fraction",), {}, "--val-fraction: bad"),
-                                       ("users user9", ("users",), {}, "--users user9: bad"),
-                                       ("path", (), {"path": "into"}, "--into: bad"),
-                                       ("model_id", ("model",), {"model_id": "model"}, "--model: bad"),
-                                       ("store", ("users",), {}, "store: bad"),
-                                       ("users9", ("users",), {}, "users9: bad"),
-                                       (None, ("users",), {}, "bad")):
+    for given, args, renamed, want in (({"arg": "val_fraction"}, ("val_fraction",), {}, "--val-fraction: bad"),
+                                       ({"arg": "users user9"}, ("users",), {}, "--users user9: bad"),
+                                       ({"arg": "path"}, (), {"path": "into"}, "--into: bad"),
+                                       ({"arg": "model_id"}, ("model",), {"model_id": "model"}, "--model: bad"),
+                                       ({"arg": "store"}, ("users",), {}, "store: bad"),
+                                       ({"arg": "users9"}, ("users",), {}, "users9: bad"),
+                                       ({"where": "users"}, ("users",), {}, "users: bad"),
+                                       ({"where": "users user9"}, ("users",), {}, "users user9: bad"),
+                                       ({"where": "path"}, (), {"path": "into"}, "path: bad"),
+                                       ({}, ("users",), {}, "bad")):
         with pytest.raises(InputError) as e, as_options(*args, **renamed):
-            raise InputError("bad", where=where)
-        assert str(e.value) == want, (where, str(e.value))
+            raise InputError("bad", **given)
+        assert str(e.value) == want, (given, str(e.value))
+        if want.startswith("--"):            # an option is a location: another as_options leaves it
+            assert e.value.arg is None and e.value.where == want.partition(":")[0]
     with pytest.raises(ValueError, match="^users: plain$"), as_options("users"):
         raise ValueError("users: plain")                  # not an InputError: not the API's one line

@@ -136,18 +136,18 @@ def check_output_file(path, where: str) -> None:
 
 @contextlib.contextmanager
 def as_options(*args: str, **renamed: str):
-    """The API's errors that name one of its arguments ``args`` (``min_ess: ...``), as the
-    one-line error of the option that gives it (``--min-ess: ...``, underscores as dashes):
-    called from Python they name the argument, and one check serves both. ``renamed`` maps
-    an argument to the option that gives it under another name (``path="into"``: ``--into``).
-    A ``where`` that goes on after the name (``users user9``) keeps the rest
-    (``--users user9``); any other error passes unchanged."""
+    """The API's errors about one of its arguments ``args`` (``InputError(..., arg="min_ess")``:
+    ``min_ess: ...``), as the one-line error of the option that gives it (``--min-ess: ...``,
+    underscores as dashes): called from Python they name the argument, and one check serves
+    both. ``renamed`` maps an argument to the option that gives it under another name
+    (``path="into"``: ``--into``). An argument error that goes on after the name
+    (``arg="users user9"``) keeps the rest (``--users user9``). Any other error passes
+    unchanged, a location among them: a store directory named ``users`` is not ``--users``."""
     try:
         yield
     except InputError as e:
-        name, sep, rest = (e.where or "").partition(" ")
-        if name not in args and name not in renamed:
+        if e.arg is None or (e.arg not in args and e.arg not in renamed):
             raise
         msg = str(e)[len(e.where) + 2:]
-        option = renamed.get(name, name).replace("_", "-")
-        raise InputError(msg, where=f"--{option}{sep}{rest}") from None
+        option = renamed.get(e.arg, e.arg).replace("_", "-")
+        raise InputError(msg, where=f"--{option}{e.where[len(e.arg):]}") from None

@@ -70,7 +70,7 @@ def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, .
     scheme, colon, rest = spec.strip().partition(":")
     for name, given in (("skip_invalid", skip_invalid), ("keep_roles", keep_roles)):
         if given and scheme in SCHEMES and scheme != "jsonl":
-            raise InputError(f"applies to jsonl: datasets only, not {scheme}:", where=name)
+            raise InputError(f"applies to jsonl: datasets only, not {scheme}:", arg=name)
     if scheme == "synthetic":
         return make_synthetic(**parse_synthetic_spec(rest))
     if scheme not in SCHEMES:

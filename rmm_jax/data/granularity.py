@@ -72,9 +72,9 @@ def check_threshold(name: str, value) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise InputError(f"must be a number in [-1, 1], got {value!r}", where=name) from None
+        raise InputError(f"must be a number in [-1, 1], got {value!r}", arg=name) from None
     if not (math.isfinite(v) and -1.0 <= v <= 1.0):
-        raise InputError(f"must be a number in [-1, 1], got {value!r}", where=name)
+        raise InputError(f"must be a number in [-1, 1], got {value!r}", arg=name)
     return v
 
 
@@ -198,7 +198,7 @@ def build_memories(user: User, granularity: str, embed_fn: EmbedFn | None = None
     ids, so :func:`~rmm_jax.data.types.gold_matrix` maps turn gold onto any granularity.
     """
     if granularity not in GRANULARITIES:
-        raise InputError(f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r}", where="granularity")
+        raise InputError(f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r}", arg="granularity")
     segment_threshold = check_threshold("segment_threshold", segment_threshold)
     merge_threshold = check_threshold("merge_threshold", merge_threshold)
     if granularity == "turn":

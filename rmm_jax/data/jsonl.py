@@ -339,7 +339,7 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     bad = [r for r in keep_roles if r not in INSTRUCTION_ROLES]
     if bad:
         raise InputError(f"unknown role {bad[0]!r}: only {', '.join(INSTRUCTION_ROLES)} are left out by default",
-                         where="keep_roles")
+                         arg="keep_roles")
     skips = _Skips(skip_invalid, tuple(keep_roles))
     drafts: dict[str, _UserDraft] = {}
     lines = 0

@@ -71,7 +71,7 @@ class _Rows:
 def _check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise InputError(f"unknown granularity {granularity!r}; choose one of "
-                         f"{', '.join(GRANULARITIES)}", where="granularity")
+                         f"{', '.join(GRANULARITIES)}", arg="granularity")
 
 
 def _check_user_ids(dataset: Dataset, where: str) -> None:
@@ -156,7 +156,7 @@ def _assemble_arrays(mem_emb, qry_emb, rows: _Rows, model_id: str, dim: int) -> 
     """Check the embeddings are finite and shape them ``(n, dim)`` float32."""
     for name, arr in (("memories", mem_emb), ("queries", qry_emb)):
         if not np.isfinite(np.asarray(arr)).all():
-            raise InputError(f"NaN/Inf in {name} embeddings from model {model_id!r}", where="embedder")
+            raise InputError(f"NaN/Inf in {name} embeddings from model {model_id!r}", arg="embedder")
     return (np.asarray(mem_emb, np.float32).reshape(len(rows.memories), dim),
             np.asarray(qry_emb, np.float32).reshape(len(rows.queries), dim))
 
@@ -571,7 +571,7 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
     # written out, not core.checks: `embed` reads stores without importing JAX
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
-                         where="path")
+                         arg="path")
     if expect_dim is not None and not (isinstance(expect_dim, numbers.Integral)
                                        and not isinstance(expect_dim, (bool, np.bool_)) and expect_dim >= 1):
         raise InputError(f"must be an int >= 1 or None, got {type(expect_dim).__name__} {expect_dim!r}"[:80],

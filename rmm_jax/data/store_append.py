@@ -113,7 +113,7 @@ def check_model(st, path, model_id: str, where: str = "model_id") -> None:
     line naming ``where``: the argument that gave the model (``rmm-jax embed``: ``--model``)."""
     if model_id != st.model:
         raise InputError(f"STORE {path} was embedded with model {st.model!r}, not {model_id!r}: a store "
-                         "holds one embedding space", where=where)
+                         "holds one embedding space", arg=where)
 
 
 def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None) -> dict:
@@ -137,7 +137,7 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
     check_model(st, path, embedder.model_id, where="embedder")
     if st.granularity not in APPENDABLE:
         raise InputError(f"STORE {path} has {st.granularity!r} memories; appending keeps old memories as they are, "
-                         f"which only {' and '.join(APPENDABLE)} granularity do", where="path")
+                         f"which only {' and '.join(APPENDABLE)} granularity do", arg="path")
     if dataset.name == "log":
         raise InputError("a log's memories need no store append: replay and evaluate embed what the store lacks "
                          "from the records' texts", where=where)

@@ -106,7 +106,7 @@ def check_log_inputs(store, users) -> None:
     if not isinstance(store, EmbeddingStore):
         raise InputError(f"expected an embedding store, open_store(path), got {short(store)}", where="store")
     if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
-        raise InputError(f"expected a list of user ids (str), got {short(users)}", where="users")
+        raise InputError(f"expected a list of user ids (str), got {short(users)}", arg="users")
 
 
 def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_invalid: bool = False,
@@ -141,7 +141,7 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
         rows.append(call_row([m in gold for m in rec.selected], [m in cited for m in rec.selected]))
     missing = sorted((wanted or set()) - seen)
     if missing:
-        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="users")
+        raise InputError(f"user {missing[0]!r} has no record in {log_path}", arg="users")
     return counts_of(who, rows, list(index), calls)
 
 

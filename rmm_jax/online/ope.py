@@ -595,7 +595,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     if missing:
         u = missing[0]
         raise InputError(f"user {u!r} has no record in {log_path}" if store.has_user(u) else
-                         f"unknown user id {u!r} (not in STORE, no record in {log_path})", where="users")
+                         f"unknown user id {u!r} (not in STORE, no record in {log_path})", arg="users")
     vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
@@ -839,10 +839,10 @@ def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) 
     argument: ``rmm-jax evaluate`` checks them before it reads the log, and names its
     option (``--min-ess``) instead (:func:`rmm_jax.cli.common.as_options`)."""
     if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
-        raise InputError(f"must be a finite number >= 1, got {clip}", where="clip")
+        raise InputError(f"must be a finite number >= 1, got {clip}", arg="clip")
     check_resamples(bootstrap)
     if not (min_ess >= 0 and math.isfinite(min_ess)):
-        raise InputError(f"must be a finite number >= 0, got {min_ess}", where="min_ess")
+        raise InputError(f"must be a finite number >= 0, got {min_ess}", arg="min_ess")
 
 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,

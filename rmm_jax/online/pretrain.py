@@ -75,7 +75,7 @@ def split_users(user_ids: Sequence[str], val_fraction: float, seed: int = 0) -> 
     if n_val >= len(ids):
         raise InputError(f"{val_fraction:g} of {len(ids)} users holds out all {len(ids)} for validation, leaving "
                          f"none to train on; give less than {(len(ids) - 0.5) / len(ids):g}",
-                         where="val_fraction")
+                         arg="val_fraction")
     val = set(rng.permutation(ids)[:n_val].tolist())
     return [u for u in ids if u not in val], [u for u in ids if u in val]
 

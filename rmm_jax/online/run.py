@@ -102,7 +102,7 @@ class Recorder:
                 if set(outputs) != {s.user_id for s in streams}:     # the resumed run made other chunks
                     raise InputError(f"users chunk {event.chunk + 1} holds other users than it did in the "
                                      f"interrupted run ({len(streams)} here, {len(outputs)} there), so that run "
-                                     "cannot be resumed", where="resume")
+                                     "cannot be resumed", arg="resume")
                 for s in self.sinks:
                     if hasattr(s, "replayed"):
                         s.replayed(event, outputs)
@@ -136,7 +136,7 @@ class Recorder:
 
     def result(self) -> OnlineResult:
         if not self.online.per_user:
-            raise InputError("no users to run", where="users")
+            raise InputError("no users to run", arg="users")
         return OnlineResult(self.online.result(), self.base.result(), self.user_ids, self.states, self.chunk_users,
                             self.records, self.recall, self.shared)
 

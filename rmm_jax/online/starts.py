@@ -69,7 +69,7 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
                 sort = classify(prior, s.calls, relearn=relearn)
                 if sort.changed.any() and not relearn:     # check_learned refused this log before the run
                     raise InputError(f"user {s.user_id!r}: a call learned already has other content (the log "
-                                     "changed during the run?)", where="chunks")
+                                     "changed during the run?)", arg="chunks")
                 if not sort.learn.all():
                     s = take_queries(s, np.flatnonzero(sort.learn))
                 if not s.queries.shape[0]:

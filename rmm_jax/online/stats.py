@@ -83,12 +83,13 @@ def check_resamples(n: int, where: str = "bootstrap") -> None:
     ...
     rmm_jax.errors.InputError: bootstrap: must be <= 100000 (more adds no precision ...), got 100000000000
     """
+    named = {"where": where} if where.startswith("--") else {"arg": where}    # an option as given, or the argument
     if n < MIN_RESAMPLES:
         raise InputError(f"must be >= {MIN_RESAMPLES} for a 95% interval (2.5% of the resamples beyond each "
-                         f"end), got {n}", where=where)
+                         f"end), got {n}", **named)
     if n > MAX_RESAMPLES:
         raise InputError(f"must be <= {MAX_RESAMPLES} (more adds no precision to a 95% interval), got {n}",
-                         where=where)
+                         **named)
 
 
 def resample_counts(groups, n_boot: int, rng: np.random.Generator) -> np.ndarray:

@@ -240,7 +240,7 @@ def check_users(store, users: Sequence[str] | None) -> list[str]:
     unknown = [u for u in ids if u not in known]
     if unknown:
         raise InputError(f"unknown user id {unknown[0]!r} (the store has {len(store.user_ids)} users)",
-                         where="users")
+                         arg="users")
     return ids
 
 
@@ -491,7 +491,7 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
         grouped = False
     missing = [u for u in users or () if u not in seen]
     if missing:
-        raise InputError(f"user {missing[0]!r} has no record in {log_path}", where="users")
+        raise InputError(f"user {missing[0]!r} has no record in {log_path}", arg="users")
     ids = list(users) if users else sorted(seen)
     out = {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts),
            "untimed_over_window": sorted(u for u, n in untimed.items() if n > WINDOW),

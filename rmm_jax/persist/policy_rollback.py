@@ -138,7 +138,7 @@ def plan(store, to: int | None = None) -> Rollback:
     if to is None:
         to = newest_run(store) - 1
     if not isinstance(to, numbers.Integral) or isinstance(to, (bool, np.bool_)) or to < 0:
-        raise InputError(f"must be a version >= 0, got {to!r}", where="to")
+        raise InputError(f"must be a version >= 0, got {to!r}", arg="to")
     to = int(to)                     # a NumPy integer too: the mark in the header is JSON
     saves = store.saves()
     newest = saves[-1].version if saves else 0

@@ -169,11 +169,11 @@ def _check_user_ids(user_ids) -> list[str]:
     TypeError (unhashable), an int one was looked up as given: ``load_batch([7])`` was a
     KeyError '7' where the store held user "7", and listed 7 as missing where it did not."""
     if isinstance(user_ids, str):
-        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="users")
+        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", arg="users")
     ids = list(user_ids)
     for bad in ids:
         if not isinstance(bad, str):
-            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], where="users")
+            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], arg="users")
     return ids
 
 
@@ -181,7 +181,7 @@ def _as_path(path) -> Path:
     """``path`` as a Path; anything else (None was Path's TypeError) refused naming ``path``."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
-                         where="path")
+                         arg="path")
     return Path(path)
 
 
@@ -616,7 +616,7 @@ class PolicyStore:
         ids = _check_user_ids(user_ids)
         version, before = _check_version(version), _check_version(before, "before")
         if len(set(ids)) != len(ids):
-            raise InputError(f"user {next(u for u in ids if ids.count(u) > 1)!r} is requested twice", where="users")
+            raise InputError(f"user {next(u for u in ids if ids.count(u) > 1)!r} is requested twice", arg="users")
 
         def candidates():
             entries = self._query(lambda idx: idx.entries(ids))
