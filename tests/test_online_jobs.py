@@ -475,8 +475,9 @@ def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chun
     streams = load_streams(store, CFG.k)[:2]
     p0 = rj.init_reranker(jax.random.key(0), store.dim)
     wrong = {"params": np.zeros((2, 3), np.float32)}
-    with pytest.raises(InputError, match=r"^chunks: the saved policies do not fit this run \(another "):
+    with pytest.raises(InputError, match=r"^chunks: the saved policies do not fit this run \(another ") as e:
         list(drive([Chunk(streams, wrong, np.ones(2, bool))], SIM, p0, users_per_chunk=2))
+    assert "--" not in str(e.value), str(e.value)     # said "another --kind, --rank": the CLI's options
 
     class Saved:         # a policy store that holds user "u" (what from_store reads of it)
         def load_batch(self, ids, before=None):

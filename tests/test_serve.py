@@ -159,6 +159,20 @@ def test_m_above_k_names_k_for_a_call_the_retriever_fills(capsys, tmp_path, env)
                                                  "(the retriever's top --k 3)"), err
 
 
+def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
+    """prepare_calls(..., k=3, m=5) said "--m 5 ... (the retriever's top --k 3)", the options of
+    rmm-jax rerank, to a Python caller who passed k and m: it names them as arguments (the CLI
+    passes its options, the test above)."""
+    from rmm_jax.data.calls import prepare_calls, read_calls
+
+    store, _ = env
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps({"user_id": "user0", "query_id": "q0"}) + "\n")
+    with pytest.raises(InputError) as e:
+        prepare_calls(open_store(store), read_calls(path), path, 3, 5)
+    assert str(e.value) == f"{path}:1: m=5 is more than this call's 3 candidates (the retriever's top k=3)"
+
+
 @pytest.mark.parametrize("line, where", [
     ({"user_id": "user0", "query_id": "q1", "candidates": ["nope"]}, "key 'candidates'"),
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),

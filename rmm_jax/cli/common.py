@@ -401,4 +401,5 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     same = None
     if restart_same and not options.get("--relearn"):
         same = lambda old: not old.get("--relearn") and all(old.get(n) == inputs[n] for n in restart_same)  # noqa: E731
-    return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same)
+    return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same,
+                                   resume_as="--resume")

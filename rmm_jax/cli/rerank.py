@@ -108,7 +108,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if tau is not None and not explore:
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
     calls = read_calls(calls_path)
-    prepared = prepare_calls(st, calls, calls_path, k, m)
+    prepared = prepare_calls(st, calls, calls_path, k, m, options={"k": "--k", "m": "--m"})
     if note:                                      # after the calls are checked: an error stays one line
         info(note)
     groups = defaultdict(list)                    # one batched call per user and candidate count

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -172,12 +173,16 @@ def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> list[l
     return out
 
 
-def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepared]:
+def prepare_calls(store, calls: list[Call], path, k: int, m: int, *,
+                  options: Mapping[str, str] | None = None) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
     the base retriever's top ``k``. Every call is checked first (users, ids, at least ``m``
     candidates); then the texts are embedded with the store's model through the embedding
-    cache (:func:`rmm_jax.data.embed.embed_texts`), all at once."""
+    cache (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
+    ``m`` as arguments (``m=5``), or as the ``options`` that gave them (``{"m": "--m"}``:
+    ``--m 5``, what ``rmm-jax rerank`` passes)."""
+    named = lambda name, v: f"{options[name]} {v}" if options and name in options else f"{name}={v}"  # noqa: E731
     users = _Users(store, path)
     texts = []
     for c in calls:
@@ -198,10 +203,11 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
                 raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r}",
                                  where=at(path, c.line, "candidates"))
             n = len(c.candidates) if c.candidates is not None else min(k, len(u.memory_ids))
-        if m > n:    # a call that lists none has the retriever's top --k: say so, or --k goes unnamed
+        if m > n:    # a call that lists none has the retriever's top k: say so, or k goes unnamed
             source = "" if c.candidates is not None or c.candidate_texts is not None else (
-                f" (the retriever's top --k {k})" if n == k else f" (user {c.user_id!r} holds {n} memories)")
-            raise InputError(f"--m {m} is more than this call's {n} candidates{source}", where=at(path, c.line))
+                f" (the retriever's top {named('k', k)})" if n == k else f" (user {c.user_id!r} holds {n} memories)")
+            raise InputError(f"{named('m', m)} is more than this call's {n} candidates{source}",
+                             where=at(path, c.line))
     vecs = embed_texts(texts, store.model)
     queries = []
     for c in calls:

@@ -272,7 +272,7 @@ def _padded_start(chunk: Chunk, program: Program, params, keys, shared) -> tuple
     want = jax.eval_shape(program.init, params, keys, shared).users
     shape = lambda t: jax.tree.map(lambda x: x.shape[1:], t)
     if jax.tree.structure(chunk.users) != jax.tree.structure(want) or shape(chunk.users) != shape(want):
-        raise InputError("the saved policies do not fit this run (another --kind, --rank, optimiser or "
+        raise InputError("the saved policies do not fit this run (another reranker kind, rank, optimiser or "
                          "embedding size than the one they were trained with?)", arg="chunks")
     n, pad = len(chunk.streams), keys.shape[0] - len(chunk.streams)
     users = jax.tree.map(lambda x: np.concatenate([x, np.repeat(x[:1], pad, axis=0)]), chunk.users)

@@ -145,6 +145,7 @@ class RunState:
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
+        self.resume_as = "resume=True"           # begin(): how messages name `resume`
         self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error)
 
     @staticmethod
@@ -196,15 +197,17 @@ class RunState:
     @classmethod
     def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
               notify: Callable[[str], None] | None = None,
-              restart: Callable[[dict], bool] | None = None) -> "RunState":
+              restart: Callable[[dict], bool] | None = None, resume_as: str = "resume=True") -> "RunState":
         """Lock the run-state of ``target``; with ``resume`` restore its newest good
         checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
         ``resume`` an unfinished run-state is an error, unless it holds a ``command`` run
         whose fingerprint ``restart`` accepts: that run's state is then removed (with a
         note) and this run starts afresh (``replay``: the policy store remembers the calls
         each saved policy learned, so starting again learns nothing twice), keeping the
-        interrupted run's progress meta in :attr:`interrupted` (what it began from)."""
+        interrupted run's progress meta in :attr:`interrupted` (what it began from).
+        ``resume_as``: how the errors and notes name ``resume`` (the CLI: ``--resume``)."""
         rs = cls(cls.path_for(target), command, fingerprint, notify)
+        rs.resume_as = resume_as
         rs._lock()
         try:
             snaps = rs._snapshots()
@@ -218,12 +221,12 @@ class RunState:
                 snaps = []
             if snaps and not resume:
                 raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here; pass "
-                                 f"--resume to continue it, or remove {rs.path} to start over", where=str(rs.path))
+                                 f"{resume_as} to continue it, or remove {rs.path} to start over", where=str(rs.path))
             if resume:
                 if snaps:
                     rs.restored = rs._load(snaps)
                 else:
-                    rs.notify(f"--resume: no checkpoint in {rs.path}; starting from the beginning")
+                    rs.notify(f"{resume_as}: no checkpoint in {rs.path}; starting from the beginning")
         except BaseException:
             rs.close()
             raise
@@ -369,8 +372,10 @@ class RunState:
         if doc.get("format") != FORMAT or doc.get("format_version") not in READS_FORMAT_VERSIONS:
             raise ValueError(f"not a {FORMAT} checkpoint of format {READS_FORMAT_VERSIONS}")
         if doc["command"] != self.command:
+            how = (f"`{doc['command']} {self.resume_as}`" if self.resume_as.startswith("--")
+                   else f"a `{doc['command']}` run with {self.resume_as}")
             raise InputError(f"holds an interrupted `{doc['command']}` run, not `{self.command}`; finish it "
-                             f"with `{doc['command']} --resume`, or remove {self.path}", where=str(self.path))
+                             f"with {how}, or remove {self.path}", where=str(self.path))
         check_fingerprint(doc["fingerprint"], self.fingerprint, self.path)
         counts = {name: len(leaf_specs(spec)) for name, spec in doc["specs"].items()}
         arrays = _read_arrays(snap, counts, doc["format_version"]) if any(counts.values()) else {}
