@@ -847,6 +847,19 @@ def test_a_path_spelt_like_an_argument_is_not_reported_as_its_option(env, capsys
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("json_flag", [(), ("--json",)])
+def test_simulate_refuses_log_out_dash(env, capsys, tmp_path, monkeypatch, json_flag):
+    """`simulate --log-out -` ran the whole simulation and wrote the log to a file named `-`
+    where the user meant stdout, which carries the run's summary (or --json): one line naming
+    --log-out, before any work, nothing written (rerank --out -, whose default is stdout, writes
+    there: tests/test_serve.py)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "simulate", env["store"], "--policies", "pol", "--k", K, "--m", M,
+                         "--log-out", "-", *json_flag)
+    assert_one_line_error(code, err, ["--log-out -", "stdout"])
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- K and M from the log
 
 

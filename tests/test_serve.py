@@ -159,6 +159,24 @@ def test_m_above_k_names_k_for_a_call_the_retriever_fills(capsys, tmp_path, env)
                                                  "(the retriever's top --k 3)"), err
 
 
+def test_rerank_out_dash_is_stdout(capsys, tmp_path, env, monkeypatch):
+    """`rerank --out -` wrote a file named `-`; a user means stdout, rerank's output without
+    --out: the same lines, and no file."""
+    store, pol = env
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(json.dumps({"user_id": "user0", "query_id": "q0"}) + "\n")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    outs = []
+    for more in ((), ("--out", "-")):
+        code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", calls, "--k", 5,
+                                 "--m", 3, *more)
+        assert code == 0, err
+        outs.append([{k: v for k, v in json.loads(line).items() if k != "timestamp"} for line in out.splitlines()])
+    assert len(outs[1]) == 1 and outs[1] == outs[0]
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     """prepare_calls(..., k=3, m=5) said "--m 5 ... (the retriever's top --k 3)", the options of
     rmm-jax rerank, to a Python caller who passed k and m: it names them as arguments (the CLI

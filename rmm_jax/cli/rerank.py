@@ -62,7 +62,7 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
               help="--explore: each call's noise derives from the seed, the user and the call's identity "
                    "(call_id, else query_id, else the query text): serving the same call again draws the same.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Write the JSONL here (atomically) instead of stdout.")
+              help="Write the JSONL here (atomically) instead of stdout (-: stdout, as without --out).")
 @click.option("--cache-users", type=click.IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
 def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users):
@@ -95,6 +95,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
       rmm-jax rerank stores/mine --policies policies --calls examples/requests_day1.jsonl --explore --out served.jsonl
     """
     t0, now = time.perf_counter(), serve_clock()
+    out = None if out == "-" else out            # `-` is stdout, as without --out (it wrote a file named -)
     check_output_file(out, f"--out {out}")
     st = open_store(store)
     note = None

@@ -129,7 +129,13 @@ def check_writable(path, where: str, depth: int = 0) -> None:
 
 
 def check_output_file(path, where: str) -> None:
-    """A file output (written to a temporary sibling, then renamed): its directory must take new files."""
+    """A file output (written to a temporary sibling, then renamed): its directory must take new
+    files. ``-``, which a user means as stdout, was written as a file named ``-``: an option
+    that takes it as stdout (``rerank --out -``) turns it into None first; here it is refused
+    in one line, since stdout carries the verb's own output."""
+    if str(path) == "-":
+        raise InputError("writes a file, not stdout (stdout carries this command's own output, its summary or "
+                         "--json); give a file path", where=where)
     if path:
         check_writable(Path(path).parent, where)
 

@@ -93,7 +93,8 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
                    "later run over the next range continues where this one stopped.")
 @click.option("--users-per-chunk", type=click.IntRange(min=1), default=8, show_default=True,
               help="Users run side by side per compiled call.")
-@click.option("--log-out", type=click.Path(), default=None, help="Write the generated citation log (JSONL).")
+@click.option("--log-out", type=click.Path(), default=None,
+              help="Write the generated citation log (JSONL) to this file; not - (stdout carries the summary).")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
