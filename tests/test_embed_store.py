@@ -413,3 +413,21 @@ def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
         append_store(s, tiny_dataset(), FakeEmbedder())
     with pytest.raises(InputError, match=r"^embedder: STORE .* was embedded with model 'fake/bow-16', not "):
         append_store(s, tiny_dataset(), FakeEmbedder(8))
+
+
+def test_the_progress_lines_say_1_user_not_1_users(tmp_path):
+    """write_store's line said "1 users, ..." and append_store's "new: 1 users, 1 sessions
+    (...)": the data layer cannot import the CLI's count, so it spelt every plural out.
+    They share rmm_jax.data.words.count with the CLI now."""
+    from rmm_jax.data.store_append import append_store
+
+    data = tiny_dataset()
+    alice, bob = data.users
+    lines = []
+    write_store(tmp_path / "s", Dataset("one", (alice,)), "turn", FakeEmbedder(), log=lines.append)
+    assert lines[0].startswith("1 user, 8 turn memories, 4 queries ("), lines
+    one = Session("session_9", "day 9", (Turn("D9:1", "session_9", "Ann", "one more thing", "day 9"),))
+    lines.clear()
+    append_store(tmp_path / "s", Dataset("more", (User("carol", (one,), ()),)), FakeEmbedder(), log=lines.append)
+    assert lines[0] == ("new: 1 user, 1 session (1 memory), 0 questions; already in the store: 0 sessions, "
+                        "0 questions"), lines

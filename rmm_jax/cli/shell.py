@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import write_problem
 
@@ -23,18 +24,6 @@ SEED = click.IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse 
 def info(msg: str) -> None:
     """Progress and notes go to stderr so that ``--json`` stdout stays parseable."""
     click.echo(msg, err=True)
-
-
-def count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1 (an s added; a final consonant + y
-    becomes ies), so that a note reads "1 text embedded", not "1 texts".
-
-    >>> count(1, "text"), count(0, "text"), count(54, "text"), count(1, "query"), count(3, "turn memory")
-    ('1 text', '0 texts', '54 texts', '1 query', '3 turn memories')
-    """
-    if n == 1:
-        return f"{n} {noun}"
-    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
 
 
 def _plain(x):

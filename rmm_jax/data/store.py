@@ -43,6 +43,7 @@ import numpy as np
 
 from rmm_jax.data.granularity import GRANULARITIES, build_memories
 from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
+from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, at
 from rmm_jax.persist.atomic import atomic_dir, fsync_files, leftovers, make_dirs
 from rmm_jax.persist.lock import WriterLock
@@ -263,8 +264,8 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     embed_fn = embedder.encode if granularity == "segment" else None
     rows = _build_rows(dataset, granularity, embed_fn, where, granularity_kwargs)
     t_build = time.perf_counter() - t0
-    say(f"{len(dataset.users)} users, {len(rows.memories)} {granularity} memories, "
-        f"{len(rows.queries)} queries ({t_build:.1f}s to build)")
+    say(f"{count(len(dataset.users), 'user')}, {count(len(rows.memories), granularity + ' memory')}, "
+        f"{count(len(rows.queries), 'query')} ({t_build:.1f}s to build)")
 
     t1 = time.perf_counter()
     mem_emb, qry_emb = _embed_rows(embedder, rows)

@@ -49,6 +49,7 @@ from rmm_jax.data.store import (
     store_writer,
 )
 from rmm_jax.data.types import Dataset, MemoryUnit, User
+from rmm_jax.data.words import count
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_dir, fsync_files
 
@@ -174,9 +175,9 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
         _add_user_rows(rows, g.user, g.memories, bank=g.bank)
         spans[uid] = (m0, len(rows.memories), q0, len(rows.queries))
     counts["memories"], counts["queries"] = len(rows.memories), len(rows.queries)
-    say(f"new: {counts['users']} users, {counts['sessions']} sessions ({counts['memories']} memories), "
-        f"{counts['queries']} questions; already in the store: {counts['sessions_repeated']} sessions, "
-        f"{counts['queries_repeated']} questions")
+    say(f"new: {count(counts['users'], 'user')}, {count(counts['sessions'], 'session')} "
+        f"({count(counts['memories'], 'memory')}), {count(counts['queries'], 'question')}; already in the store: "
+        f"{count(counts['sessions_repeated'], 'session')}, {count(counts['queries_repeated'], 'question')}")
     if not order:
         return {"manifest": st.manifest, "added": counts}
     mem_emb, qry_emb = _assemble_arrays(embedder.encode([r["text"] for r in rows.memories], desc="new memories"),
