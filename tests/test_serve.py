@@ -177,6 +177,30 @@ def test_rerank_out_dash_is_stdout(capsys, tmp_path, env, monkeypatch):
     assert list((tmp_path / "cwd").iterdir()) == []
 
 
+def test_rerank_calls_dash_reads_standard_input(capsys, tmp_path, env, monkeypatch):
+    """`rerank --calls -` was "-: file not found": a pipeline that hands rerank its requests
+    on stdin gets the lines it gets from the same file, and a bad line is named <stdin>:line."""
+    import io
+
+    store, pol = env
+    recs = [{"user_id": "user0", "query_id": "q0", "timestamp": "2024-01-01T00:00:00"},
+            {"user_id": "user1", "query_id": "q1", "call_id": "c1", "timestamp": "2024-01-01T00:00:01"}]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(text)
+    outs = []
+    for path in (calls, "-"):
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+        code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", path, "--k", 5,
+                                 "--m", 3, "--explore")
+        assert code == 0, err
+        outs.append(out)
+    assert outs[1] == outs[0] and len(outs[0].splitlines()) == 2
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((text + '{"user_id": "user0"}\n').encode())))
+    code, out, err = run_cli(capsys, "rerank", store, "--calls", "-")
+    assert (code, out) == (2, "") and err.strip().count("\n") == 0 and "<stdin>:3: needs 'query'" in err, err
+
+
 def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     """prepare_calls(..., k=3, m=5) said "--m 5 ... (the retriever's top --k 3)", the options of
     rmm-jax rerank, to a Python caller who passed k and m: it names them as arguments (the CLI

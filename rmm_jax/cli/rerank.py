@@ -14,7 +14,14 @@ from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, pr
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, check_output_file, count, info
 from rmm_jax.data.calls import prepare_calls, read_calls
-from rmm_jax.data.citation_log import LogRecord, call_key, record_to_json, utc_timestamp, validate_record
+from rmm_jax.data.citation_log import (
+    LogRecord,
+    call_key,
+    record_to_json,
+    source_name,
+    utc_timestamp,
+    validate_record,
+)
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_keys
@@ -48,7 +55,7 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
 @click.option("--calls", "calls_path", required=True, type=click.Path(),
               help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
                    "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp (without one, the "
-                   "served line gets the time it was served).")
+                   "served line gets the time it was served). -: standard input.")
 @click.option("--m", type=click.IntRange(min=1), default=DEFAULTS.layout.m, help="Memories to select per call.")
 @click.option("--k", type=click.IntRange(min=1), default=DEFAULTS.layout.k,
               help="Candidates from the base retriever when a call lists none.")
@@ -109,6 +116,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if tau is not None and not explore:
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
     calls = read_calls(calls_path)
+    calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
     prepared = prepare_calls(st, calls, calls_path, k, m, options={"k": "--k", "m": "--m"})
     if note:                                      # after the calls are checked: an error stays one line
         info(note)

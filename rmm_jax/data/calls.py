@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key, check_timestamp, json_lines
+from rmm_jax.data.citation_log import call_key, check_timestamp, json_lines, source_name
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.retrieval import top_k
@@ -87,12 +87,15 @@ def _strings(value, path, line, key) -> tuple[str, ...]:
 
 
 def read_calls(path: str | os.PathLike) -> list[Call]:
-    """Every call of a calls file, checked (module docstring). Two calls of a user with the
+    """Every call of a calls file (``"-"``: standard input, named ``<stdin>`` in errors),
+    checked (module docstring). Two calls of a user with the
     same identity are refused, with or without ``--explore``: each served line is a log
     record, and a log that names a call twice is refused by ``replay`` and ``evaluate``."""
     calls = []
     first: dict[tuple[str, str], int] = {}
-    for line, obj in json_lines(path):
+    lines = json_lines(path, stdin=True)
+    path = source_name(path)                      # "-" is standard input: <stdin>:line
+    for line, obj in lines:
         if not isinstance(obj, dict):
             raise InputError(f"expected an object, got {json_type(obj)}", where=at(path, line))
         unknown = sorted(set(obj) - set(KEYS))

@@ -87,12 +87,14 @@ starts ``path:line`` and names the key, e.g.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import difflib
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -772,27 +774,41 @@ def call_hashes(hashed: Iterable[tuple]) -> Calls:
                  np.array([h[2] for h in rows], np.float64))
 
 
-def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """``(line number, decoded JSON value)`` for every non-blank line of a JSONL file.
+STDIN = "-"
+"""The path :func:`json_lines` reads as standard input (shown as ``<stdin>``)."""
+
+
+def source_name(path: str | os.PathLike) -> str:
+    """How errors name ``path``: ``<stdin>`` for :data:`STDIN`, else the path as given."""
+    return "<stdin>" if str(path) == STDIN else str(path)
+
+
+def json_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded JSON value)`` for every non-blank line of a JSONL file; with
+    ``stdin``, of standard input when ``path`` is ``"-"`` (:data:`STDIN`: it can be read
+    only once, so only a reader that goes through its input once takes it, as
+    :func:`rmm_jax.data.calls.read_calls` does).
 
     The same decoding as the log reader: UTF-8 (a BOM on line 1 is allowed), a key
     repeated within an object is an error, and every problem raises
-    :class:`InputError` naming ``path:line``. An empty file raises "no records".
+    :class:`InputError` naming ``path:line`` (``<stdin>:line``). An empty file raises "no records".
     """
-    for lineno, raw in _nonblank_lines(path):
-        yield lineno, _decode_line(raw, path, lineno)
+    name = source_name(path) if stdin else str(path)
+    for lineno, raw in _nonblank_lines(path, stdin=stdin and str(path) == STDIN):
+        yield lineno, _decode_line(raw, name, lineno)
 
 
-def _nonblank_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
-    """``(line number, raw line)`` of every non-blank line; an empty file is an error."""
+def _nonblank_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of every non-blank line (of standard input if ``stdin``);
+    an empty file is an error."""
     nonblank = 0
-    with _open_log(path) as f:
+    with contextlib.nullcontext(sys.stdin.buffer) if stdin else _open_log(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if raw.strip():
                 nonblank += 1
                 yield lineno, raw
     if nonblank == 0:
-        raise InputError("no records (the file is empty)", where=str(path))
+        raise InputError("no records (the file is empty)", where=source_name(path) if stdin else str(path))
 
 
 def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
