@@ -376,11 +376,14 @@ def run_chunk(streams: Sequence[Stream], program, params, seed: int) -> ChunkRun
     return ChunkRun(finals, outputs, shared)
 
 
-def frozen_recall(params, s: Stream, m: int) -> np.ndarray:
-    """Recall@M per query (T,) of a fixed reranker on a stream: no learning, every query."""
+def frozen_recall(params, s: Stream, m: int, *, valid_only: bool = False) -> np.ndarray:
+    """Recall@M per query (T,) of a fixed reranker on a stream: no learning, every query, or
+    with ``valid_only`` the valid queries only (those with a gold candidate), in stream
+    order. The reranker's float32, as computed: a caller that wants float64 casts (exactly)."""
     r, _ = eval_per_query(params, {"q": s.queries, "m": s.bank[s.cand], "mask": s.cand_mask, "gold": s.cand_gold,
                                    "num_gold": s.num_gold}, m)
-    return np.asarray(r)
+    r = np.asarray(r)
+    return r[np.asarray(s.valid, bool)] if valid_only else r
 
 
 def log_as_labels(s: Stream, calls: dict, negatives: str = "shown") -> Stream:

@@ -325,7 +325,7 @@ def tune_vw_start(dialogue, streams, *, bits: int, tau: float, m: int, folder: P
 def frozen_mean(params, streams, m: int) -> float:
     """Recall@m of rmm-jax's reranker ``params`` ranking ``streams``' valid questions, learning
     nothing (the mean over the questions, as :func:`vw_frozen_recall` takes VW's)."""
-    return float(np.concatenate([_common.frozen_recall(params, s, m)[s.valid] for s in streams]).mean())
+    return float(np.concatenate([_common.frozen_recall(params, s, m, valid_only=True) for s in streams]).mean())
 
 
 def start_check(streams, dialogue, start: VWStart, *, bits: int, tau: float, m: int, seeds, folder: Path,

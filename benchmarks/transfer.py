@@ -106,11 +106,6 @@ ROWS = [
 ]
 
 
-def frozen_recall(params, s: Stream, m: int) -> np.ndarray:
-    """Recall@M per valid question of a fixed reranker on ``s`` (float64)."""
-    return np.asarray(_common.frozen_recall(params, s, m), np.float64)[np.asarray(s.valid, bool)]
-
-
 def top_only(s: Stream, n: int) -> Stream:
     """``s`` with its candidates cut to the retriever's first ``n`` (gold among them only;
     a question without gold there carries no listwise signal)."""
@@ -169,7 +164,9 @@ def main(argv=None):
     rows_run = [r for r in ROWS if args.speakers or r[1] != "dialogue"]
     pairs = [(a, b) for a in _common.TUNED_ON for b in _common.TUNED_ON if a != b]
     start = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
-    base = {u: frozen_recall(start, by_id[u], args.m) for u in by_id}
+    frozen = lambda params, u: _common.frozen_recall(params, by_id[u], args.m, valid_only=True)  # noqa: E731
+    # the retriever's (the start's) recall in float64: a float32 recall less it is computed in float64
+    base = {u: np.asarray(frozen(start, u), np.float64) for u in by_id}
     seeds = list(range(args.seeds))
     keys = dict.fromkeys((o["citations"], o.get("tau")) for _, kind, o in rows_run if kind in ("online", "log"))
     tau_of = lambda tau: {} if tau is None else {"tau": tau}  # noqa: E731  (None: the preset's)
@@ -200,8 +197,8 @@ def main(argv=None):
         transfer, own, preq = [], [], []
         for seed in seeds:
             params = {a: learned(kind, o, a, seed) for a, _ in pairs}
-            transfer.append(np.concatenate([frozen_recall(params[a], by_id[b], args.m) - base[b] for a, b in pairs]))
-            own.append(np.concatenate([frozen_recall(params[a], by_id[a], args.m) - base[a] for a, _ in pairs]))
+            transfer.append(np.concatenate([frozen(params[a], b) - base[b] for a, b in pairs]))
+            own.append(np.concatenate([frozen(params[a], a) - base[a] for a, _ in pairs]))
             if kind == "online":
                 out = runs[(o["citations"], o["tau"]), seed].outputs
                 preq.append(np.concatenate([_common.pooled({a: out[a]["recall"]}, streams, [a]) - base[a]
