@@ -15,6 +15,8 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`citation_model`: the ``--citations`` choices (:data:`CITATIONS`), as cite functions.
 * :func:`online_recall`: the one call of the online loop the LoCoMo benchmarks make (every
   stream side by side in one chunk, per-query prequential Recall@M back).
+* :func:`frozen_recall` / :func:`retriever_recall`: per-query Recall@M of a fixed reranker,
+  and of the retriever's own order (the baseline of every gain).
 * :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
   users, side by side, and which user (conversation) each belongs to, for
   :func:`gain_interval`'s ``groups``.
@@ -55,6 +57,7 @@ from rmm_jax.online.pretrain import eval_per_query
 from rmm_jax.online.run import precision_recall_oracle, run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
 from rmm_jax.online.streams import Stream, load_dialogue_streams, load_streams, with_answer_support
+from rmm_jax.online.summary import base_values
 from rmm_jax.persist.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
@@ -384,6 +387,13 @@ def frozen_recall(params, s: Stream, m: int, *, valid_only: bool = False) -> np.
                                    "num_gold": s.num_gold}, m)
     r = np.asarray(r)
     return r[np.asarray(s.valid, bool)] if valid_only else r
+
+
+def retriever_recall(streams: Sequence[Stream], m: int) -> dict[str, np.ndarray]:
+    """User id -> (T,) Recall@M per query of the retriever's own order (its first ``m``
+    candidates; :func:`rmm_jax.online.summary.base_values`), every query: the baseline
+    every gain is measured against."""
+    return {s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}
 
 
 def log_as_labels(s: Stream, calls: dict, negatives: str = "shown") -> Stream:

@@ -58,7 +58,6 @@ from rmm_jax.data.citations import (  # noqa: E402
     oracle,
 )
 from rmm_jax.online.stats import resample_counts  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
 
 TOP_CS = (1, 2, 3)
 THRESHOLDS = (None, 0.40, 0.45, 0.50, 0.55, 0.60, 0.65, 0.70)
@@ -130,7 +129,7 @@ def learning_gain(streams, program, seeds, users) -> dict:
     seed+question) and the per-seed means."""
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
     m = program.layout.m
-    base = _common.pooled({s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}, streams, users)
+    base = _common.pooled(_common.retriever_recall(streams, m), streams, users)
     diffs = np.stack([_common.pooled(_common.online_recall(streams, program, params, seed), streams, users) - base
                       for seed in seeds])
     return {**_common.gain_interval(diffs, groups=_common.query_groups(streams, users)),

@@ -56,7 +56,6 @@ from rmm_jax.data.citations import (  # noqa: E402
     position_oracle,
 )
 from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
 
 P_USEFUL_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 P_OTHER_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
@@ -152,7 +151,7 @@ def main(argv=None):
     setting = rj.preset(args.preset, k=args.k, m=args.m)
     seeds = list(range(args.seeds))
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
-    base = {s.user_id: np.asarray(base_values(s, args.m)[0]) for s in streams}
+    base = _common.retriever_recall(streams, args.m)
 
     def cell(cite_fn, rates, setting=setting):
         program = rj.make_run(*setting, cite_fn=cite_fn)

@@ -45,7 +45,6 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import PAPER_JUDGE, describe  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
 
 CANDIDATES = {        # name -> fields over the `reinforce` preset
     "reinforce lr 3e-4": {},
@@ -92,8 +91,7 @@ def main(argv=None):
     locomo = _common.locomo_streams(data, args.k, answers=True, users=list(_common.TUNED_ON))
     streams = {"oracle": locomo.streams, "precision_recall": locomo.streams, "answer": locomo.answer_streams()}
     users = list(_common.TUNED_ON)
-    base = _common.pooled({s.user_id: np.asarray(base_values(s, args.m)[0]) for s in locomo.streams},
-                          locomo.streams, users)
+    base = _common.pooled(_common.retriever_recall(locomo.streams, args.m), locomo.streams, users)
     identity = rj.init_reranker(jax.random.key(0), locomo.streams[0].bank.shape[1])
 
     rows = []

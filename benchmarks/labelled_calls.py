@@ -51,7 +51,6 @@ import numpy as np  # noqa: E402
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.data.citations import oracle  # noqa: E402
 from rmm_jax.online.cite_rates import CallCounts, call_row, cite_rates, counts_of  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
 
 SIZES = (25, 50, 100, 200, 400, 800)
 
@@ -126,7 +125,7 @@ def main(argv=None):
     held = [u for u in users if u not in _common.TUNED_ON]
     seeds = list(range(args.seeds))
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
-    base = _common.pooled({s.user_id: np.asarray(base_values(s, args.m)[0]) for s in streams}, streams, held)
+    base = _common.pooled(_common.retriever_recall(streams, args.m), streams, held)
     groups = _common.query_groups(streams, held)
     cite = oracle(p_useful=args.p_useful, p_other=args.p_other, spurious=args.p_other)
     programs: dict = {}

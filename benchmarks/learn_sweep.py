@@ -331,10 +331,6 @@ def record(row: dict) -> dict:
 pooled = _common.pooled
 
 
-def base_per_user(streams) -> dict:
-    return {s.user_id: np.asarray(base_values(s, M)[0]) for s in streams}
-
-
 def gain(per_seed: list[dict], base: dict, streams, users) -> dict:
     """Recall and gain over ``base`` of per-seed per-user recalls, pooled over ``users``."""
     b = pooled(base, streams, users)
@@ -450,7 +446,7 @@ def lever_passes(ctx) -> dict:
     streams = [s for s in ctx.streams if s.user_id in TUNED_ON]
     first, second = [half(s, True) for s in streams], [half(s, False) for s in streams]
     params = identity(streams)
-    base = base_per_user(second)
+    base = _common.retriever_recall(second, M)
     rows = []
     for row in select(PASSES_ROWS, ctx.rows):
         per_e = {e: [] for e in ctx.epochs}
@@ -1300,7 +1296,7 @@ def main(argv=None):
     streams, qa, dialogue = locomo(_common.require_data(args.data), args.store)
     reports_held_out = args.lever in ("heldout", "bound", "hybrid", "dialogue")
     seeds = args.seeds or list(range(5 if reports_held_out else 8))
-    ctx = Context(streams, qa, dialogue, base_per_user(streams), seeds, args.rows,
+    ctx = Context(streams, qa, dialogue, _common.retriever_recall(streams, M), seeds, args.rows,
                   [int(x) for x in args.passes.split(",")], log)
     log(f"lever {args.lever} on {','.join(TUNED_ON) if not reports_held_out else 'held-out'}, seeds {seeds}")
     out = LEVERS[args.lever](ctx)

@@ -32,7 +32,6 @@ import rmm_jax as rj
 from rmm_jax.core.config import describe
 from rmm_jax.data.store import open_store
 from rmm_jax.online.streams import load_streams
-from rmm_jax.online.summary import base_values
 from rmm_jax.online.vectors import VectorSpec, vector_chunks
 
 SCOPES = ("user", "shared", "hybrid")
@@ -71,7 +70,8 @@ def main(argv=None):
         setting = rj.preset("default", k=args.k, scope=scope)
         program = rj.make_run(*setting, cite_fn=cite)
         m = setting.layout.m
-        ref = np.concatenate([np.asarray(base_values(s, m)[0])[s.valid] for s in streams])
+        base = _common.retriever_recall(streams, m)
+        ref = np.concatenate([base[s.user_id][s.valid] for s in streams])
         diffs, online = [], []
         for seed in seeds:
             r = rj.run_online(streams, program, params, seed=seed, users_per_chunk=args.users_per_chunk)

@@ -58,7 +58,6 @@ from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.scope import DEFAULT_RANK  # noqa: E402
 from rmm_jax.online.plot import plot_gains  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
 
@@ -70,7 +69,7 @@ def run_seed(streams, programs, pcfg, scopes, rows, seed, log):
     and pretraining use the gold labels."""
     m = programs["scope:user"].layout.m
     identity = rj.init_reranker(jax.random.key(seed), streams[0].bank.shape[1])
-    out = {"base": {s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}}
+    out = {"base": _common.retriever_recall(streams, m)}
     for scope in scopes:
         if f"online:{scope}" in rows:
             log(f"seed {seed}: online, scope {scope}")

@@ -74,7 +74,6 @@ from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.update import shared_step_multiple  # noqa: E402
 from rmm_jax.online.pretrain import DIALOGUE_RECIPE, pretrain  # noqa: E402
 from rmm_jax.online.streams import Stream, load_streams  # noqa: E402
-from rmm_jax.online.summary import base_values  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
 SYNTHETIC = "synthetic:users={users},sessions=6,turns=10,seed={seed}"
@@ -128,10 +127,6 @@ def run(streams, program, params, seed: int):
     return {u: np.asarray(o["recall"]) for u, o in r.outputs.items()}, r.shared
 
 
-def base_of(streams, m: int) -> dict:
-    return {s.user_id: np.asarray(base_values(s, m)[0]) for s in streams}
-
-
 def grouped(streams, groups, program, params, seed: int) -> dict:
     """Each group of streams (lists of indices) in its own run; user -> (T,) recall."""
     out = {}
@@ -153,7 +148,7 @@ def curve_synthetic(streams, n_eval: int, sizes, programs, params, seeds, m, log
     of them, or (U > n_eval) the first U users side by side, scored on the first ``n_eval``."""
     scored = streams[:n_eval]
     users = [s.user_id for s in scored]
-    base = base_of(scored, m)
+    base = _common.retriever_recall(scored, m)
     out = {}
     for scope in SCOPES:
         for u in ([1] if scope == "user" else sizes):
@@ -169,7 +164,7 @@ def curve_synthetic(streams, n_eval: int, sizes, programs, params, seeds, m, log
 def curve_locomo(streams, programs, params, seeds, m, log) -> dict:
     """Gain of each scope with U of the five conversations side by side, every subset of U."""
     users = [s.user_id for s in streams]
-    base = base_of(streams, m)
+    base = _common.retriever_recall(streams, m)
     out = {}
     for scope in SCOPES:
         for u in ([1] if scope == "user" else range(1, len(streams) + 1)):
@@ -196,7 +191,7 @@ def late_joiners(before: list[list[Stream]], newcomers: list[Stream], first: int
     ``teach`` (scope -> program, default ``programs``) is what the earlier users learn with."""
     teach = teach or programs
     heads = [head(s, first) for s in newcomers]
-    base = base_of(heads, m)
+    base = _common.retriever_recall(heads, m)
     rows = {name: [] for name in ("retriever", "fresh user", "shared", "hybrid")}
     for seed in seeds:
         got, learned = {name: {} for name in rows}, {}
@@ -238,7 +233,7 @@ def late_joiners_dialogue(loco: list[Stream], pairs: dict[str, Stream], first: i
         return pretrain(params, [pairs[u] for u in users], [], dataclasses.replace(DIALOGUE_RECIPE, m=m), seed=seed)[0]
 
     heads = [head(s, first) for s in loco]
-    base = base_of(heads, m)
+    base = _common.retriever_recall(heads, m)
     everyone = [s.user_id for s in loco]
     rows = {name: [] for name in ("retriever", "fresh user", "own dialogue start", "hybrid from the others' dialogue",
                                   "hybrid from everyone's dialogue")}
