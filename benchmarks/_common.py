@@ -144,6 +144,17 @@ def positive_int_list(text: str) -> list[int]:
     return out
 
 
+def float_list(text: str) -> list[float]:
+    """An argparse ``type``: comma-separated floats (rates, multiples), at least one."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = None
+    if not out:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}")
+    return out
+
+
 def choice_list(*choices: str):
     """An argparse ``type``: comma-separated names, each one of ``choices``."""
     def parse(text: str) -> list[str]:

@@ -62,10 +62,6 @@ P_OTHER_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 SPURIOUS_GRID = (0.0, 0.05, 0.1, 0.154, 0.2, 0.3)
 
 
-def floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
 def plot(out: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -131,9 +127,11 @@ def main(argv=None):
                     help="each grid cell's learner corrects for that cell's own rates (p_useful, p_other), "
                          "as a user who measured their generator's would; a cell with p_other >= p_useful, "
                          "where no correction exists, runs the preset as it is")
-    ap.add_argument("--p-useful", type=floats, default=P_USEFUL_GRID, help="comma-separated P(cite | useful)")
-    ap.add_argument("--p-other", type=floats, default=P_OTHER_GRID, help="comma-separated P(cite | not useful)")
-    ap.add_argument("--spurious", type=floats, default=SPURIOUS_GRID,
+    ap.add_argument("--p-useful", type=_common.float_list, default=P_USEFUL_GRID,
+                    help="comma-separated P(cite | useful)")
+    ap.add_argument("--p-other", type=_common.float_list, default=P_OTHER_GRID,
+                    help="comma-separated P(cite | not useful)")
+    ap.add_argument("--spurious", type=_common.float_list, default=SPURIOUS_GRID,
                     help="comma-separated spurious rates swept at the paper's p_useful / p_other")
     ap.add_argument("--held-out", default=None,
                     help=f"conversations the heat map reports (default: all but {','.join(_common.TUNED_ON)})")

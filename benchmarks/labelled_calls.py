@@ -112,14 +112,15 @@ def main(argv=None):
                     help="seeds: each draws its own labelled sample and run")
     ap.add_argument("--p-useful", type=float, default=0.9, help="the generator's P(cite | useful)")
     ap.add_argument("--p-other", type=float, default=0.3, help="the generator's P(cite | not useful)")
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated numbers of labelled calls")
+    ap.add_argument("--sizes", type=_common.positive_int_list, default=",".join(map(str, SIZES)),
+                    help="comma-separated numbers of labelled calls")
     _common.result_options(ap, "gain against N, PNG")
     args = ap.parse_args(argv)
     if _common.redrawn(args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
-    sizes = [int(x) for x in args.sizes.split(",")]
+    sizes = args.sizes
     streams = _common.locomo_streams(data, args.k, model=args.model).streams
     users = [s.user_id for s in streams]
     held = [u for u in users if u not in _common.TUNED_ON]

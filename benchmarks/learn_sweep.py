@@ -1288,7 +1288,8 @@ def main(argv=None):
                     help="comma-separated seeds (default 0..7; heldout, bound and hybrid "
                                                   "0..4)")
     ap.add_argument("--rows", default=None, help="';'-separated row names of the lever (default: all)")
-    ap.add_argument("--passes", default="1,2,3,5", help="passes: numbers of passes over the first half")
+    ap.add_argument("--passes", type=_common.positive_int_list, default="1,2,3,5",
+                    help="passes: numbers of passes over the first half")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -1297,7 +1298,7 @@ def main(argv=None):
     reports_held_out = args.lever in ("heldout", "bound", "hybrid", "dialogue")
     seeds = args.seeds or list(range(5 if reports_held_out else 8))
     ctx = Context(streams, qa, dialogue, _common.retriever_recall(streams, M), seeds, args.rows,
-                  [int(x) for x in args.passes.split(",")], log)
+                  args.passes, log)
     log(f"lever {args.lever} on {','.join(TUNED_ON) if not reports_held_out else 'held-out'}, seeds {seeds}")
     out = LEVERS[args.lever](ctx)
     result = {"lever": args.lever, "dataset": f"locomo:{args.data}", "k": K, "m": M, "granularity": "turn",

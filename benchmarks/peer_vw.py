@@ -535,9 +535,11 @@ def main(argv=None):
     _common.add_data_option(ap)
     ap.add_argument("--synthetic", action="store_true", help="planted-bilinear synthetic users instead of LoCoMo")
     ap.add_argument("--quick", action="store_true", help="tiny run (with --synthetic: seconds)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2,3,4; quick 0,1)")
-    ap.add_argument("--tune-seeds", default=None, help="seeds each tuning setting runs (default 0,1; quick 0)")
-    ap.add_argument("--citations", default=",".join(CITATIONS),
+    ap.add_argument("--seeds", type=_common.int_list, default=None,
+                    help="comma-separated seeds (default 0,1,2,3,4; quick 0,1)")
+    ap.add_argument("--tune-seeds", type=_common.int_list, default=None,
+                    help="seeds each tuning setting runs (default 0,1; quick 0)")
+    ap.add_argument("--citations", type=_common.choice_list(*CITATIONS), default=",".join(CITATIONS),
                     help=f"comma-separated citation models (default {','.join(CITATIONS)})")
     ap.add_argument("--k", type=_common.positive_int, default=20)
     ap.add_argument("--m", type=_common.positive_int, default=5)
@@ -562,12 +564,9 @@ def main(argv=None):
         sys.exit("error: vowpalwabbit is not installed (pip install vowpalwabbit, or the `bench` extra)")
     if args.start_check:
         return main_start_check(args)
-    cms = args.citations.split(",")
-    if any(c not in CITATIONS for c in cms):
-        sys.exit(f"error: --citations: unknown model {next(c for c in cms if c not in CITATIONS)!r} "
-                 f"(choose from {', '.join(CITATIONS)})")
-    seeds = [int(x) for x in (args.seeds or ("0,1" if args.quick else "0,1,2,3,4")).split(",")]
-    tune_seeds = [int(x) for x in (args.tune_seeds or ("0" if args.quick else "0,1")).split(",")]
+    cms = args.citations
+    seeds = args.seeds or ([0, 1] if args.quick else [0, 1, 2, 3, 4])
+    tune_seeds = args.tune_seeds or ([0] if args.quick else [0, 1])
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     if args.synthetic:
@@ -793,7 +792,7 @@ def main_start_check(args) -> dict:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     loco = _common.locomo_streams(_common.require_data(args.data), args.k, dialogue=True)
-    seeds = [int(x) for x in (args.seeds or "0,1,2,3,4").split(",")]
+    seeds = args.seeds or [0, 1, 2, 3, 4]
     tau = rj.preset(args.preset, k=args.k, m=args.m).estimator.tau
     with tempfile.TemporaryDirectory() as folder:
         out = start_check(loco.streams, loco.dialogue, start, bits=args.bits, tau=tau, m=args.m, seeds=seeds,

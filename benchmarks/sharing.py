@@ -267,11 +267,13 @@ def main(argv=None):
     ap.add_argument("--users", type=int, default=1000, help="synthetic users in the population")
     ap.add_argument("--scored", type=int, default=200,
                     help="synthetic users scored at every U (the first ones; a larger group learns beside them)")
-    ap.add_argument("--sizes", default="1,10,100,1000", help="synthetic users per group")
-    ap.add_argument("--late-sizes", default="100,900", help="synthetic users learned before the newcomers")
+    ap.add_argument("--sizes", type=_common.positive_int_list, default="1,10,100,1000",
+                    help="synthetic users per group")
+    ap.add_argument("--late-sizes", type=_common.positive_int_list, default="100,900",
+                    help="synthetic users learned before the newcomers")
     ap.add_argument("--newcomers", type=int, default=100, help="synthetic late joiners: the population's last ones")
     ap.add_argument("--first", type=int, default=20, help="a late joiner's queries measured")
-    ap.add_argument("--step-multiples", default="5,10,15,20,30",
+    ap.add_argument("--step-multiples", type=_common.float_list, default="5,10,15,20,30",
                     help="part step: the earlier users' shared step, as multiples of one user's step (the "
                          "update's is the square root of their number, at most 10)")
     ap.add_argument("--seeds", type=_common.int_list, default="0,1,2", help="comma-separated seeds")
@@ -292,8 +294,7 @@ def main(argv=None):
     settings = {scope: rj.preset(args.preset, k=k, m=m, scope=scope) for scope in SCOPES}
     programs = {scope: rj.make_run(*s, cite_fn=cite) for scope, s in settings.items()}
 
-    sizes = [int(x) for x in args.sizes.split(",")]
-    late_sizes = [int(x) for x in args.late_sizes.split(",")]
+    sizes, late_sizes = args.sizes, args.late_sizes
     n_syn = max([args.users, args.scored] + sizes + [u + args.newcomers for u in late_sizes])   # newcomers: the last
     syn = synthetic_streams(n_syn, k, args.synthetic_store, args.synthetic_seed)
     if len(syn) < n_syn:
@@ -331,7 +332,7 @@ def main(argv=None):
         out["step"] = {}
         for u in late_sizes:
             rows = []
-            for c in [float(x) for x in args.step_multiples.split(",")]:
+            for c in args.step_multiples:
                 others_lr = lr * c / float(shared_step_multiple(u))   # the shared step is that · others_lr
                 taught = {scope: rj.make_run(*rj.preset(args.preset, k=k, m=m, scope=scope, lr=others_lr),
                                              cite_fn=cite) for scope in ("shared", "hybrid")}
