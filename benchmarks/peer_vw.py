@@ -487,12 +487,6 @@ def synthetic_streams(n_users: int, t: int, n: int, d: int, k: int, seed: int = 
 
 # --------------------------------------------------------------------------- summaries
 
-def valid_values(per_user: dict, streams, users) -> np.ndarray:
-    """Per-query values of ``users``' valid queries, concatenated in user order."""
-    by_id = {s.user_id: s for s in streams}
-    return np.concatenate([np.asarray(per_user[u], np.float64)[np.asarray(by_id[u].valid, bool)] for u in users])
-
-
 def base_recall(streams, m: int) -> dict:
     """The retriever's Recall@m per query (its first m candidates)."""
     out = {}
@@ -523,7 +517,7 @@ def tune_vw(streams, grid, cite, *, m, tau, seeds, log, init: Path | None = None
     rows = []
     ids = [s.user_id for s in streams]
     for st in grid:
-        r = [valid_values(run_users(lambda s: run_vw_user(s, st, cite, m=m, tau=tau, seed=seed, init=init), streams)
+        r = [_common.pooled(run_users(lambda s: run_vw_user(s, st, cite, m=m, tau=tau, seed=seed, init=init), streams)
                           ["recall"], streams, ids).mean() for seed in seeds]
         rows.append({**dataclasses.asdict(st), "recall": float(np.mean(r)), "per_seed": [float(x) for x in r]})
         log(f"  {st.args()}: Recall@{m} {rows[-1]['recall']:.4f}")
@@ -673,11 +667,11 @@ def main(argv=None):
                     "queries_per_s": n_queries / r["seconds"],
                     **{x: r[x] for x in ("vw_core_seconds", "timing_runs_s") if x in r}})
             log(f"  {cm} seed {seed}: held-out Recall@{m} " + ", ".join(
-                f"{name} {valid_values(runs[cm][name][-1]['recall'], streams, held).mean():.4f} "
+                f"{name} {_common.pooled(runs[cm][name][-1]['recall'], streams, held).mean():.4f} "
                 f"({runs[cm][name][-1]['queries_per_s']:.0f} q/s)" for name in runs[cm]))
 
     def per_query(name, cm, us):
-        return np.stack([valid_values(r["recall"], streams, us) for r in runs[cm][name]])
+        return np.stack([_common.pooled(r["recall"], streams, us) for r in runs[cm][name]])
 
     groups_held, groups_all = _common.query_groups(streams, held), _common.query_groups(streams, users)
 
@@ -685,7 +679,7 @@ def main(argv=None):
         """a − b per query and seed, with an interval that resamples conversations, seeds and queries."""
         return _common.gain_interval(per_query(a, cm, us) - per_query(b, cm, us), groups=groups)
 
-    base_held, base_all = valid_values(base, streams, held), valid_values(base, streams, users)
+    base_held, base_all = _common.pooled(base, streams, held), _common.pooled(base, streams, users)
     results, ratios = {}, {}
     for cm in cms:
         results[cm] = {}
@@ -718,7 +712,7 @@ def main(argv=None):
            "users": users, "held_out": held, "tuned_on": list(tuned_on), "seeds": seeds,
            "citations": {cm: CITATIONS[cm].what for cm in cms},
            "base": {"held_out": float(base_held.mean()), "all": float(base_all.mean()),
-                    "tuning_users": float(valid_values(base, streams, list(tuned_on)).mean())},
+                    "tuning_users": float(_common.pooled(base, streams, list(tuned_on)).mean())},
            "vw": {"args": {cm: settings[cm].args().replace(" --random_seed 0", "") for cm in cms},
                   "setting": {cm: dataclasses.asdict(settings[cm]) for cm in cms},
                   "tuning": tuning, "tune_seeds": tune_seeds if tuning else None,
