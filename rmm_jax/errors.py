@@ -6,6 +6,8 @@ prints the message on stderr and exits with status 2, with no traceback.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class InputError(ValueError):
     """Bad user input: a file, a record, an option or an array argument.
@@ -40,3 +42,16 @@ def at(path, line: int | None = None, key: str | None = None) -> str:
     if key is not None:
         loc += f": key '{key}'"
     return loc
+
+
+def named(name: str, value=None, options: Mapping[str, str] | None = None) -> str:
+    """How a message names argument ``name`` (given ``value``): ``name=value`` for a Python
+    caller, or the option that gave it where the caller says so (``options``: the CLI's
+    ``{"k": "--k"}``: ``--k 3``), so that the API's messages name what its caller can change.
+
+    >>> named("k", 3), named("k", 3, {"k": "--k"}), named("clip"), named("clip", options={"clip": "--clip"})
+    ('k=3', '--k 3', 'clip', '--clip')
+    """
+    if options and name in options:
+        return options[name] if value is None else f"{options[name]} {value}"
+    return name if value is None else f"{name}={value}"

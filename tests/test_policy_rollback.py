@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import run_cli
 from helpers import TESTS_DIR as TESTS
 from helpers import info_of, params_of, stacked, state_of
 
@@ -134,24 +135,34 @@ def test_a_bad_to_is_refused_naming_the_argument(tmp_path):
     assert loads(st.path) == before
 
 
-def test_a_user_whose_state_at_that_point_is_no_longer_kept_is_refused_and_nothing_changes(tmp_path):
+def test_a_user_whose_state_at_that_point_is_no_longer_kept_is_refused_and_nothing_changes(tmp_path, capsys):
+    """From Python the store's setting is ``keep=1`` (the CLI's ``--keep 1`` is no argument of
+    the API); the CLI names its option."""
     st, _, _ = two_runs(tmp_path, "hybrid", keep=1)   # keep 1: a's and b's first versions are gone
     digest = tree_digest(st.path)
     with pytest.raises(InputError, match=r"cannot roll back to v2: user 'a' keeps no version at or below it, and "
-                                         r"its versions before v3 are no longer kept \(--keep 1\) \(and 1 more"):
+                                         r"its versions before v3 are no longer kept \(keep=1\) \(and 1 more"):
         rollback(st)
+    code, _, err = run_cli(capsys, "policies", "rollback", st.path)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: {st.path}: cannot roll back to v2: user 'a' keeps no version at or below it, and its versions "
+        "before v3 are no longer kept (--keep 1) (and 1 more users)"], err
     assert tree_digest(st.path) == digest
 
 
-def test_versions_that_do_not_say_what_they_replaced_or_which_run_saved_them_are_refused(tmp_path, monkeypatch):
+def test_versions_that_do_not_say_what_they_replaced_or_which_run_saved_them_are_refused(tmp_path, monkeypatch,
+                                                                                          capsys):
     st = PolicyStore.create(tmp_path / "store", META, params_of(0))
     run(st, [{"a": 1}], shared_seed=0)
     real = policy_store.write_rows
     monkeypatch.setattr(policy_store, "write_rows",    # what an rmm-jax before the record wrote
                         lambda dest, meta, *a: real(dest, {k: v for k, v in meta.items() if k != "previous"}, *a))
     run(st, [{"b": 2}], shared_seed=0, record_run=False)
-    with pytest.raises(InputError, match=r"its newest version v2 does not record the run that saved it .*--to"):
+    with pytest.raises(InputError, match=r"its newest version v2 does not record the run that saved it .*: "
+                                         r"give to=VERSION$"):      # the API's argument, not the CLI's --to
         rollback(st)
+    code, _, err = run_cli(capsys, "policies", "rollback", st.path, "--dry-run")
+    assert code == 2 and err.strip().splitlines()[-1].endswith("not by a run of the CLI): give --to VERSION"), err
     with pytest.raises(InputError, match=r"user 'b' keeps no version at or below it, and its oldest kept version, "
                                          r"v2, does not record whether it replaced one"):
         rollback(st, to=1)
