@@ -22,8 +22,13 @@ from conftest import make_fake_store, run_cli
 
 from rmm_jax.cli import replay as replay_cli
 from rmm_jax.cli.main import main
-from rmm_jax.core.config import describe
+from rmm_jax.core.config import Layout, describe
+from rmm_jax.data.log_vectors import known_ids
+from rmm_jax.data.store import open_store
+from rmm_jax.errors import InputError
 from rmm_jax.online import loop, sinks
+from rmm_jax.online.starts import check_learned
+from rmm_jax.online.streams import scan_log
 from rmm_jax.persist import runstate
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -128,6 +133,12 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
                                         "another call under the same name (give each call its own call_id); "
                                         "--relearn learns the log's calls again"], err
     assert_same(before, states(tmp_path / "p"))
+    # the API names its argument: a Python caller has no --relearn
+    st = open_store(str(store))
+    calls = scan_log(log, Layout(k=8, m=3), known=known_ids(st), calls=True)["calls"]
+    with pytest.raises(InputError, match=r"^[^\n]*:6: user .*its own call_id\); relearn=True learns the log's calls "
+                                         r"again$"):
+        check_learned(calls, PolicyStore.open(tmp_path / "p"), log, before=None)
     code, _, err = replay(capsys, store, log, tmp_path / "p", "--relearn")
     assert code == 0, err
 

@@ -166,7 +166,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
           begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
                                     inputs=inputs, restart_same=("STORE", "--log")) as rs):
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
-        learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
+        learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn,
+                                relearn_as="--relearn") if calls else None
         for line in k_m_note:      # after the last check of the log's calls: bad input is one line
             info(line)
         note_setting(ls, opts, policies, clip=clip)
