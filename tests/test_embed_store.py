@@ -431,3 +431,20 @@ def test_the_progress_lines_say_1_user_not_1_users(tmp_path):
     append_store(tmp_path / "s", Dataset("more", (User("carol", (one,), ()),)), FakeEmbedder(), log=lines.append)
     assert lines[0] == ("new: 1 user, 1 session (1 memory), 0 questions; already in the store: 0 sessions, "
                         "0 questions"), lines
+
+
+def test_a_cache_of_another_dimension_names_what_the_caller_can_change(tmp_path, monkeypatch):
+    """A cache that records another dimension for the model: the Embedder's error named the
+    CLI's --cache-dir to a Python caller, and to rerank, replay and evaluate, which have no
+    such option (their cache root is $RMM_JAX_CACHE). Each now names what its caller gives."""
+    model_id = E._resolve("all-MiniLM-L6-v2")[1]
+    E._Cache(tmp_path / E.model_slug(model_id), model_id, 8).close()        # recorded: dim 8, not 384
+    for options, fix in ((None, "use another cache_dir"), ({"cache_dir": "--cache-dir"}, "use another --cache-dir")):
+        e = E.Embedder(cache_dir=tmp_path, progress=False, options=options)
+        with pytest.raises(InputError, match=rf"^[^\n]*: model 'all-MiniLM-L6-v2' has dim 384, its embedding cache "
+                                             rf"says 8; {fix}$"):
+            e.encode(["a text no cache holds"])
+        e.close()
+    monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path))
+    with pytest.raises(InputError, match=r"says 8; use another \$RMM_JAX_CACHE$"):
+        E.embed_texts(["a text no cache holds"], "all-MiniLM-L6-v2")

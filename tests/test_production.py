@@ -49,7 +49,7 @@ def fake_model(monkeypatch):
     The CLI's embed verb is imported first: imported while the patch is on, it would keep
     the fake for every later test of its worker (it binds Embedder at import)."""
     import rmm_jax.cli.embed  # noqa: F401
-    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False: FakeEmbedder(DIM))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(DIM))
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,7 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
               "candidate_texts": ["passport in the drawer", "my cat is called Tom", "flight on Monday"]},
              *({"call_id": f"r{j}", "user_id": "user1", "query_id": user.query_ids[j]} for j in (3, 4, 5))]
     (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
-    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False: FakeEmbedder(16))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
     code, _, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
                            "--m", "2", "--k", "8", "--out", tmp_path / "out.jsonl")
     assert code == 0, err

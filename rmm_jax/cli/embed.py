@@ -24,6 +24,7 @@ from rmm_jax.errors import InputError
 
 # the API names its arguments; the errors of those this command's options give name the option
 MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embedder (or its id) is of
+CACHE_DIR = {"cache_dir": "--cache-dir"}                    # how the Embedder's errors name its cache root
 
 
 @cli.command()
@@ -140,7 +141,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     t1 = time.perf_counter()
     with as_options("model", "granularity", "segment_threshold", "merge_threshold", **MODEL):
         embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
-                            use_cache=not no_cache)
+                            use_cache=not no_cache, options=CACHE_DIR)
         say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
             f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
         try:
@@ -189,7 +190,7 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         _note_skipped(dataset.stats["skipped"], say)
     with as_options("model", path="into", **MODEL):
         embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
-                            batch_size=batch_size, progress=say is info, use_cache=not no_cache)
+                            batch_size=batch_size, progress=say is info, use_cache=not no_cache, options=CACHE_DIR)
         try:
             res = append_store(into, dataset, embedder, spec=spec, log=say)
         finally:

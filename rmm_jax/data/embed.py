@@ -31,12 +31,13 @@ import sqlite3
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, named
 
 __all__ = ["Embedder", "embed_texts", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL",
            "default_cache_root", "model_slug"]
@@ -119,7 +120,7 @@ def _set_wal(conn, attempts: int = 100) -> None:
 class _Cache:
     """sha256(text) -> float32 vector, one SQLite file per model."""
 
-    def __init__(self, directory: Path, model_id: str, dim: int):
+    def __init__(self, directory: Path, model_id: str, dim: int, fix: str = "use another cache_dir"):
         self.path = directory / "embeddings.sqlite"
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,7 @@ class _Cache:
         if meta.get("model") != model_id or meta.get("dim") != str(dim):
             raise InputError(
                 f"embedding cache belongs to model {meta.get('model')!r} (dim {meta.get('dim')}), "
-                f"not {model_id!r} (dim {dim}); use another --cache-dir", where=str(self.path))
+                f"not {model_id!r} (dim {dim}); {fix}", where=str(self.path))
         self.dim = dim
 
     @staticmethod
@@ -198,6 +199,8 @@ class Embedder:
       progress: show a tqdm bar on stderr.
       device: torch device, ``"cpu"`` unless told otherwise.
       use_cache: set False to bypass the disk cache.
+      options: how errors name ``cache_dir`` (``rmm-jax embed``: ``{"cache_dir": "--cache-dir"}``);
+        by default as the argument: a cache of another model says "use another cache_dir".
 
     Attributes:
       model_id: stable id of the model (stored in embedding stores and cache keys).
@@ -214,7 +217,8 @@ class Embedder:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 progress: bool = True, *, device: str = "cpu", use_cache: bool = True):
+                 progress: bool = True, *, device: str = "cpu", use_cache: bool = True,
+                 options: Mapping[str, str] | None = None):
         if not isinstance(model, str) or not model.strip():
             raise InputError(f"model must be a name or a path, got {model!r}", arg="model")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -226,6 +230,7 @@ class Embedder:
         self.device = device
         self.texts_embedded = 0
         self.model_calls = 0
+        self._fix = f"use another {named('cache_dir', options=options)}"    # a cache of another model or dim
         self._load_from, self.model_id = _resolve(model)
         self._loaded = None
         self.cache_dir = None
@@ -239,7 +244,7 @@ class Embedder:
         # torch and the weights take seconds, and a command whose texts are all cached needs neither.
         self.dim = int(dim or self._model_dim(self._model))
         if use_cache:
-            self._cache = _Cache(self.cache_dir, self.model_id, self.dim)
+            self._cache = _Cache(self.cache_dir, self.model_id, self.dim, self._fix)
 
     @property
     def _model(self):
@@ -248,7 +253,7 @@ class Embedder:
             self._loaded = self._load(self._load_from, self.model_name)
             if getattr(self, "dim", None) is not None and self._model_dim(self._loaded) != self.dim:
                 raise InputError(f"model {self.model_name!r} has dim {self._model_dim(self._loaded)}, its embedding "
-                                 f"cache says {self.dim}; use another --cache-dir", where=str(self.cache_dir))
+                                 f"cache says {self.dim}; {self._fix}", where=str(self.cache_dir))
         return self._loaded
 
     @staticmethod
@@ -361,7 +366,8 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
     distinct = list(dict.fromkeys(texts))
     if not distinct:
         return {}
-    emb = Embedder(model.removeprefix("local:"), progress=progress)   # a store records a local model as local:PATH
+    emb = Embedder(model.removeprefix("local:"), progress=progress,   # a store records a local model as local:PATH
+                   options={"cache_dir": "$RMM_JAX_CACHE"})         # no cache_dir here: the root is the variable's
     try:
         vecs = emb.encode(distinct, desc=desc)
     finally:
