@@ -133,6 +133,11 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
                                         "another call under the same name (give each call its own call_id); "
                                         "--relearn learns the log's calls again"], err
     assert_same(before, states(tmp_path / "p"))
+    # a layout whose K or M the log's records exceed: from Python, the layout's k= and m=
+    with pytest.raises(InputError, match=r"^[^\n]*: record for user .* candidates, more than k=4$"):
+        scan_log(log, Layout(k=4, m=3), known=known_ids(open_store(str(store))))
+    with pytest.raises(InputError, match=r"^[^\n]*: record for user .* memories, more than --m 2$"):
+        scan_log(log, Layout(k=8, m=2), known=known_ids(open_store(str(store))), options={"k": "--k", "m": "--m"})
     # the API names its argument: a Python caller has no --relearn
     st = open_store(str(store))
     calls = scan_log(log, Layout(k=8, m=3), known=known_ids(st), calls=True)["calls"]

@@ -258,6 +258,13 @@ def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, s
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "1000:")
     assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
     assert err.strip().splitlines()[-1] == f"error: {store}: no user has a question in that --queries range"
+    # the API names its argument: a Python caller passes queries=, it has no --queries
+    from rmm_jax.data.store import open_store
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.streams import store_chunks
+
+    with pytest.raises(InputError, match=r"^[^\n]*: no user has a question in queries=\(1000, None\)$"):
+        store_chunks(open_store(store), 8, None, 2, queries=(1000, None))
 
 
 # --------------------------------------------------------------------------- serving that explores

@@ -228,6 +228,8 @@ def raise_option_error(e: ValueError):
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 
+K_M = {"k": "--k", "m": "--m"}   # how the API's checks of a log (check_limits) name the layout's K and M
+
 ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name
 
 

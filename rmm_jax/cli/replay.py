@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.common import (
+    K_M,
     begin_run_state_if_single,
     change_setting_option,
     check_rank_scope,
@@ -145,7 +146,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls
     with as_options("users"):        # the API names its argument, the CLI its option
         rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users,
-                       calls=continues)
+                       calls=continues, options=K_M)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
     untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
@@ -157,7 +158,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     chunks = ([repeat_passes(s, passes) for s in c] for c in
               log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
-                         skip_invalid=skip_invalid, users=users, vectors=vectors))
+                         skip_invalid=skip_invalid, users=users, vectors=vectors, options=K_M))
     options = online_options(opts, **{"--init": init, "--clip": clip, "--passes": passes,
                                       "--skip-invalid": skip_invalid, "--relearn": relearn, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})

@@ -154,7 +154,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     st = open_store(store)
     with as_options("users"):        # the API names its argument, the CLI its option
         n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
-                                       answers=citations == "answer", queries=parse_range(query_range))
+                                       answers=citations == "answer", queries=parse_range(query_range),
+                                       options={"queries": "--queries"})
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)
