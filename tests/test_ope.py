@@ -40,6 +40,7 @@ from rmm_jax.online.ope import (
     estimate,
     estimator_weights,
     evaluate_calls,
+    evaluate_log,
     load_calls,
     prefix_log_probs,
     report_entry,
@@ -559,7 +560,12 @@ def test_low_ess_one_warning_and_clip_fixes_it(capsys, ope_env, tmp_path):
     code, out, err = run_strict(capsys, ope_env, "--tau", TAU, log=log)
     assert code == 3
     warn = [line for line in err.splitlines() if "effective sample size" in line]
-    assert len(warn) == 1 and warn[0].startswith("warning: ") and "--clip" in warn[0] and "log more calls" in warn[0]
+    assert len(warn) == 1 and warn[0].startswith("warning: ") and "log more calls" in warn[0]
+    assert "try --clip (e.g. --clip 10: biased, lower variance) or" in warn[0], warn
+    # from Python the advice names the argument: evaluate_log has clip=, no --clip
+    got = evaluate_log(open_store(ope_env["store"]), log, PolicyStore.open(ope_env["pol"]), Target(KK, MM, TAU),
+                       bootstrap=40)["warnings"]
+    assert len(got) == 1 and "try clip (e.g. clip=10: biased, lower variance) or" in got[0] and "--" not in got[0]
     ess = (47 + math.exp(6)) ** 2 / (47 + math.exp(12))
     assert out.count(f"unreliable (ESS {ess:.1f} of 48 calls < 30)") == 6     # ips, snips on the three metrics
     code, out, err = run_strict(capsys, ope_env, "--tau", TAU, "--json", "--clip", 2, log=log)
@@ -579,6 +585,10 @@ def test_ess_threshold_is_the_option(capsys, ope_env):
     assert all("ESS 48.0 of 48 calls < 48.5" in u["reason"] for u in rep["unreliable"])
     assert {u["metric"] for u in rep["unreliable"]} == {"cited", "cite_rate", "recall"}
     assert "too few calls" in err and len([ln for ln in err.splitlines() if ln.startswith("warning:")]) == 1
+    assert "log more calls (or lower --min-ess)" in err, err
+    got = evaluate_log(open_store(ope_env["store"]), ope_env["log"], PolicyStore.open(ope_env["pol"]),
+                       Target(KK, MM, TAU), bootstrap=40, min_ess=48.5)["warnings"]
+    assert len(got) == 1 and got[0].endswith("log more calls (or lower min_ess)"), got
     code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--min-ess", 47.5, "--json")
     assert code == 0 and strict_json(out)["unreliable"] == [] and err == ""
 

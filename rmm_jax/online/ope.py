@@ -118,7 +118,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +132,7 @@ from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
-from rmm_jax.errors import InputError, at
+from rmm_jax.errors import InputError, at, named
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.serve import user_params
 from rmm_jax.online.stats import check_resamples
@@ -563,11 +563,13 @@ def _score_chunk(params, q, m, mask):
 
 
 def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
-               skip_invalid: bool = False, report: dict | None = None) -> Calls:
+               skip_invalid: bool = False, report: dict | None = None,
+               options: Mapping[str, str] | None = None) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
 
     Each record is validated (schema, ids known to ``store`` or carried as text, the
-    ``--k``/``--m`` limits) and must carry the behaviour's ``log_prob`` or ``logits``.
+    ``cfg.k``/``cfg.m`` limits, named as ``options`` says: :func:`rmm_jax.online.streams.check_limits`)
+    and must carry the behaviour's ``log_prob`` or ``logits``.
     Queries and memories the store lacks are embedded from the records' texts
     (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache).
     Every user's target params come from :func:`rmm_jax.online.serve.user_params` (the
@@ -582,7 +584,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     texts: dict[str, None] = {}
     report = {} if report is None else report
     for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
-        check_limits(rec, cfg, log_path)
+        check_limits(rec, cfg, log_path, options)
         if rec.log_prob is None and rec.logits is None:
             near = [n for n in report.get("notes", ()) if n.endswith(("'log_prob'?)", "'logits'?)"))]
             raise InputError("missing: off-policy evaluation needs the logging policy's log_prob (or logits) "
@@ -848,17 +850,21 @@ def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
-                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS) -> dict:
+                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS,
+                 options: Mapping[str, str] | None = None) -> dict:
     """Off-policy estimates of the policies in ``policies`` (a
     :class:`~rmm_jax.persist.policy_store.PolicyStore`) from the calls logged in
     ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints.
 
     ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
     estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
-    one about clipping."""
+    one about clipping. The warnings and errors name ``clip``, ``min_ess`` and the layout's
+    ``k``/``m`` as arguments (``clip=10``), or as the options ``options`` says gave them
+    (``rmm-jax evaluate``: ``{"clip": "--clip", "min_ess": "--min-ess", ...}``: ``--clip 10``)."""
     check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     read: dict = {}
-    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
+    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read,
+                       options=options)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples, min_ess=min_ess)
     scope = Scope.from_meta(getattr(policies, "meta", None) or {})
@@ -871,8 +877,10 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
            for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
     if low:
         ess, n, metric, name = min(low)
-        fix = "a lower --clip" if clip is not None else "--clip (e.g. --clip 10: biased, lower variance)"
-        advice = ("the log has too few calls: log more calls (or lower --min-ess)" if ess > 0.9 * n else
+        opt = lambda arg, v=None: named(arg, v, options)  # noqa: E731 - clip=10, or the CLI's --clip 10
+        fix = (f"a lower {opt('clip')}" if clip is not None else
+               f"{opt('clip')} (e.g. {opt('clip', 10)}: biased, lower variance)")
+        advice = (f"the log has too few calls: log more calls (or lower {opt('min_ess')})" if ess > 0.9 * n else
                   f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} "
                   "or log more calls")
         warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
