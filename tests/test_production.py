@@ -224,6 +224,14 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
         assert err.strip().splitlines()[-1] == (
             "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
             "--preset calibrated sets them): drop them, or use --loss logistic")
+    # from Python the same check names the fields a caller passes, not the CLI's options
+    from rmm_jax.core.config import preset
+
+    for kw in (dict(p_useful=0.9, p_other=0.1), dict(offset=-1.0)):
+        with pytest.raises(ValueError, match=r"^loss: the pairwise loss takes no judge rates or offset \(p_useful, "
+                                             r"p_other, offset; preset 'calibrated' sets them\): drop them, or use "
+                                             r"loss='logistic'$"):
+            preset("default", loss="pairwise", **kw)
     code, out, err = run_cli(capsys, *sim, "--json")
     assert code == 0, err
     assert json.loads(out)["config"]["estimator"]["loss"] == "pairwise"

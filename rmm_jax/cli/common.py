@@ -222,9 +222,16 @@ def check_rank_scope(scope: str | None, rank: int | None) -> None:
                          "(give --scope hybrid, or leave --rank out)", where=f"--rank {rank}")
 
 
+# core messages that name other fields than their own, as the options that give them
+OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
+                                         "--preset calibrated sets them): drop them, or use --loss logistic"}
+
+
 def raise_option_error(e: ValueError):
-    """A core ``ValueError("field: message")`` as the one-line error of option ``--field``."""
+    """A core ``ValueError("field: message")`` as the one-line error of option ``--field``
+    (a message that names other fields in :data:`OPTION_WORDS`' wording)."""
     name, _, msg = str(e).partition(": ")
+    msg = OPTION_WORDS.get(msg, msg)
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 

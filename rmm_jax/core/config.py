@@ -38,6 +38,10 @@ from rmm_jax.core.sampling import MODES
 from rmm_jax.core.scope import Scope
 
 NOISES = ("tempered", "unit")
+# Estimator's error for the pairwise loss with judge rates, naming its fields (the CLI's
+# cli.common.raise_option_error shows it with its options: --p-useful, --loss logistic)
+PAIRWISE_RATES = ("the pairwise loss takes no judge rates or offset (p_useful, p_other, offset; preset 'calibrated' "
+                  "sets them): drop them, or use loss='logistic'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +113,7 @@ class Estimator:
         c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
         check_judge_rates(self.p_useful, self.p_other)
         c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",
-          "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; --preset calibrated "
-          "sets them): drop them, or use --loss logistic")
+          PAIRWISE_RATES)
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
         c(real(self.baseline_value), "baseline_value", f"must be a finite number, got {self.baseline_value!r}")
         c(real(self.ema) and 0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema!r}")
