@@ -860,6 +860,19 @@ def test_simulate_refuses_log_out_dash(env, capsys, tmp_path, monkeypatch, json_
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("verb", ["embed", "pretrain"])
+def test_a_store_directory_out_refuses_dash(env, capsys, tmp_path, monkeypatch, verb):
+    """`embed --out -` and `pretrain --out -` made a directory named `-` where a user means
+    stdout: one line naming --out, before any work (the model, the data, the training),
+    nothing written."""
+    monkeypatch.chdir(tmp_path)
+    argv = (["embed", "synthetic:users=2", "--out", "-"] if verb == "embed" else
+            ["pretrain", env["store"], "--out", "-", "--k", K, "--m", M])
+    code, out, err = cli(capsys, *argv)
+    assert_one_line_error(code, err, ["--out -", "not stdout"])
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- K and M from the log
 
 

@@ -7,7 +7,16 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import as_options, check_writable, count, emit_json, explicit_options, info, json_option
+from rmm_jax.cli.shell import (
+    as_options,
+    check_output_dir,
+    check_writable,
+    count,
+    emit_json,
+    explicit_options,
+    info,
+    json_option,
+)
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder, model_id
 from rmm_jax.data.granularity import (
@@ -104,6 +113,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     say = (lambda m: None) if quiet else info
     if (out is None) == (into is None):
         raise InputError("give --out (a new store) or --into (append to an existing one)", where="--out")
+    if out is not None:
+        check_output_dir(out, f"--out {out}")
     for name in ("segment_threshold", "merge_threshold"):     # given where nothing reads it: refused
         option = f"--{name.replace('_', '-')}"
         if name in explicit_options() and (into is not None or granularity != "segment"):

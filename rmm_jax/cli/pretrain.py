@@ -20,6 +20,7 @@ from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
     as_options,
+    check_output_dir,
     check_output_file,
     emit_json,
     info,
@@ -147,6 +148,7 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
       rmm-jax pretrain stores/synthetic --out pretrained --epochs 30 --plot pretrain.png
       rmm-jax pretrain stores/mine --labels dialogue --out warm
     """
+    check_output_dir(out, f"--out {out}")
     recipe = DIALOGUE if labels == "dialogue" else PRETRAIN
     epochs = recipe.epochs if epochs is None else epochs
     val_fraction = recipe.val_fraction if val_fraction is None else val_fraction

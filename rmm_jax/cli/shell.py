@@ -129,6 +129,13 @@ def check_output_file(path, where: str) -> None:
         check_writable(Path(path).parent, where)
 
 
+def check_output_dir(path, where: str) -> None:
+    """A directory output (``embed --out``, ``pretrain --out``): ``-``, which a user means as
+    stdout, made a directory named ``-``; it is refused in one line, before any work."""
+    if str(path) == "-":
+        raise InputError("writes a directory, not stdout; give a directory path", where=where)
+
+
 @contextlib.contextmanager
 def as_options(*args: str, **renamed: str):
     """The API's errors about one of its arguments ``args`` (``InputError(..., arg="min_ess")``:
