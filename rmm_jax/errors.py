@@ -6,7 +6,9 @@ prints the message on stderr and exits with status 2, with no traceback.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 
 
 class InputError(ValueError):
@@ -44,14 +46,35 @@ def at(path, line: int | None = None, key: str | None = None) -> str:
     return loc
 
 
-def named(name: str, value=None, options: Mapping[str, str] | None = None) -> str:
-    """How a message names argument ``name`` (given ``value``): ``name=value`` for a Python
-    caller, or the option that gave it where the caller says so (``options``: the CLI's
-    ``{"k": "--k"}``: ``--k 3``), so that the API's messages name what its caller can change.
+_WORDING: ContextVar[Mapping[str, str]] = ContextVar("rmm_jax_wording", default={})
 
-    >>> named("k", 3), named("k", 3, {"k": "--k"}), named("clip"), named("clip", options={"clip": "--clip"})
-    ('k=3', '--k 3', 'clip', '--clip')
+
+def named(name: str, value=None) -> str:
+    """How a message names argument ``name`` (given ``value``): ``name=value`` (or ``name``)
+    for a Python caller; inside :func:`worded` that maps ``name``, what the caller gave it as
+    (the CLI's ``--k 3``, or ``--relearn`` for a flag's True), so that every message names
+    what its reader can change without the API taking the CLI's words as arguments.
+
+    >>> named("k", 3), named("clip"), named("relearn", True)
+    ('k=3', 'clip', 'relearn=True')
+    >>> with worded({"k": "--k", "relearn": "--relearn"}):
+    ...     named("k", 3), named("clip"), named("relearn", True)
+    ('--k 3', 'clip', '--relearn')
     """
-    if options and name in options:
-        return options[name] if value is None else f"{options[name]} {value}"
-    return name if value is None else f"{name}={value}"
+    given = _WORDING.get().get(name)
+    if given is None:
+        return name if value is None else f"{name}={value}"
+    return given if value is None or value is True else f"{given} {value}"
+
+
+@contextlib.contextmanager
+def worded(names: Mapping[str, str]) -> Iterator[None]:
+    """Within it, :func:`named` words the arguments ``names`` maps as it says: the CLI's
+    :func:`rmm_jax.cli.shell.as_options` maps each argument to its option, and
+    :func:`rmm_jax.data.embed.embed_texts` its caches' root to the variable that sets it.
+    Inner mappings add to outer ones."""
+    token = _WORDING.set({**_WORDING.get(), **names})
+    try:
+        yield
+    finally:
+        _WORDING.reset(token)

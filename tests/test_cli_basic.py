@@ -301,3 +301,12 @@ def test_as_options_names_the_option_that_gives_an_argument():
             assert e.value.arg is None and e.value.where == want.partition(":")[0]
     with pytest.raises(ValueError, match="^users: plain$"), as_options("users"):
         raise ValueError("users: plain")                  # not an InputError: not the API's one line
+    # within it, an API message that mentions a listed argument in its text names the option
+    from rmm_jax.errors import named
+
+    with as_options("min_ess", "relearn", path="into"):
+        assert (named("min_ess", 3), named("relearn", True), named("path"), named("clip", 10)) == \
+            ("--min-ess 3", "--relearn", "--into", "clip=10")
+        with as_options("clip"):                                           # inner adds to outer
+            assert (named("clip", 10), named("min_ess")) == ("--clip 10", "--min-ess")
+    assert (named("min_ess", 3), named("relearn", True)) == ("min_ess=3", "relearn=True")    # and is gone after

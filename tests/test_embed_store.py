@@ -15,7 +15,7 @@ from helpers import assert_f32_close, f32_error
 from rmm_jax.data import embed as E
 from rmm_jax.data.store import FORMAT, UserData, open_store, write_store
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User, gold_matrix
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, worded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -439,8 +439,9 @@ def test_a_cache_of_another_dimension_names_what_the_caller_can_change(tmp_path,
     such option (their cache root is $RMM_JAX_CACHE). Each now names what its caller gives."""
     model_id = E._resolve("all-MiniLM-L6-v2")[1]
     E._Cache(tmp_path / E.model_slug(model_id), model_id, 8).close()        # recorded: dim 8, not 384
-    for options, fix in ((None, "use another cache_dir"), ({"cache_dir": "--cache-dir"}, "use another --cache-dir")):
-        e = E.Embedder(cache_dir=tmp_path, progress=False, options=options)
+    for words, fix in (({}, "use another cache_dir"), ({"cache_dir": "--cache-dir"}, "use another --cache-dir")):
+        with worded(words):                       # as the CLI's embed (as_options) words it
+            e = E.Embedder(cache_dir=tmp_path, progress=False)
         with pytest.raises(InputError, match=rf"^[^\n]*: model 'all-MiniLM-L6-v2' has dim 384, its embedding cache "
                                              rf"says 8; {fix}$"):
             e.encode(["a text no cache holds"])

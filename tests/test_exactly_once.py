@@ -25,7 +25,7 @@ from rmm_jax.cli.main import main
 from rmm_jax.core.config import Layout, describe
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, worded
 from rmm_jax.online import loop, sinks
 from rmm_jax.online.starts import check_learned
 from rmm_jax.online.streams import scan_log
@@ -137,7 +137,8 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
     with pytest.raises(InputError, match=r"^[^\n]*: record for user .* candidates, more than k=4$"):
         scan_log(log, Layout(k=4, m=3), known=known_ids(open_store(str(store))))
     with pytest.raises(InputError, match=r"^[^\n]*: record for user .* memories, more than --m 2$"):
-        scan_log(log, Layout(k=8, m=2), known=known_ids(open_store(str(store))), options={"k": "--k", "m": "--m"})
+        with worded({"k": "--k", "m": "--m"}):   # as the CLI's replay (as_options) words them
+            scan_log(log, Layout(k=8, m=2), known=known_ids(open_store(str(store))))
     # the API names its argument: a Python caller has no --relearn
     st = open_store(str(store))
     calls = scan_log(log, Layout(k=8, m=3), known=known_ids(st), calls=True)["calls"]

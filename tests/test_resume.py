@@ -28,7 +28,7 @@ import pytest
 from conftest import REPO, USER_XLA_FLAGS, make_fake_store, run_cli
 
 from rmm_jax.cli.signals import MESSAGE
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, worded
 from rmm_jax.persist import checksums
 from rmm_jax.persist.policy_rollback import rollback
 from rmm_jax.persist.policy_store import PolicyStore
@@ -527,22 +527,22 @@ def test_damaged_checkpoints_in_process(tmp_path):
 def test_run_state_names_resume_as_its_caller_gives_it(tmp_path):
     """RunState.begin's errors and notes said "pass --resume", "--resume: no checkpoint" and
     "finish it with `replay --resume`", the CLI's option, to a Python caller of
-    begin(resume=...): they name the argument, and the CLI's option where it passes
-    resume_as="--resume" (cli.common.begin_run_state; the CLI tests pin its wording)."""
+    begin(resume=...): they name the argument, and the CLI's option within worded({"resume":
+    "--resume"}) (cli.common.begin_run_state's as_options; the CLI tests pin its wording)."""
     notes = []
     with RunState.begin(tmp_path / "pol", "simulate", {}, resume=True, notify=notes.append):
         pass
     assert notes == [f"resume=True: no checkpoint in {tmp_path / 'pol.runstate'}; starting from the beginning"]
     with RunState.begin(tmp_path / "pol", "replay", {}, resume=False) as rs:
         rs.save({}, {})
-    for resume_as, want in (("resume=True", "pass resume=True to continue it"),
-                            ("--resume", "pass --resume to continue it")):
-        with pytest.raises(InputError, match=want):
-            RunState.begin(tmp_path / "pol", "replay", {}, resume=False, resume_as=resume_as)
-    for resume_as, want in (("resume=True", "finish it with a `replay` run with resume=True,"),
-                            ("--resume", "finish it with `replay --resume`,")):
-        with pytest.raises(InputError, match=want):
-            RunState.begin(tmp_path / "pol", "simulate", {}, resume=True, resume_as=resume_as)
+    for words, want in (({}, "pass resume=True to continue it"),
+                        ({"resume": "--resume"}, "pass --resume to continue it")):
+        with pytest.raises(InputError, match=want), worded(words):
+            RunState.begin(tmp_path / "pol", "replay", {}, resume=False)
+    for words, want in (({}, "finish it with a `replay` run with resume=True,"),
+                        ({"resume": "--resume"}, "finish it with `replay --resume`,")):
+        with pytest.raises(InputError, match=want), worded(words):
+            RunState.begin(tmp_path / "pol", "simulate", {}, resume=True)
 
 
 def test_a_run_state_killed_while_it_is_removed_is_gone_not_half_deleted(tmp_path, monkeypatch):

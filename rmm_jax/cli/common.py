@@ -12,7 +12,7 @@ import click
 import jax
 from tqdm import tqdm
 
-from rmm_jax.cli.shell import SEED, check_writable, explicit_options, info
+from rmm_jax.cli.shell import SEED, as_options, check_writable, explicit_options, info
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
@@ -235,7 +235,6 @@ def raise_option_error(e: ValueError):
     raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
 
 
-K_M = {"k": "--k", "m": "--m"}   # how the API's checks of a log (check_limits) name the layout's K and M
 
 ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name
 
@@ -410,5 +409,5 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     same = None
     if restart_same and not options.get("--relearn"):
         same = lambda old: not old.get("--relearn") and all(old.get(n) == inputs[n] for n in restart_same)  # noqa: E731
-    return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same,
-                                   resume_as="--resume")
+    with as_options("resume"):                    # its messages say --resume
+        return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same)

@@ -12,7 +12,7 @@ from rmm_jax.cli.shell import check_writable, emit_json, info, json_option
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import Embedder
 from rmm_jax.data.store import open_store, write_store
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, worded
 from rmm_jax.online.compare import compare
 from rmm_jax.online.plot import plot_curves
 from rmm_jax.online.pretrain import PretrainConfig
@@ -73,7 +73,8 @@ def demo(out, users, sessions, turns, as_json, **opts):
     except InputError:
         reuse = False
     if not reuse:
-        emb = Embedder()
+        with worded({"cache_dir": "$RMM_JAX_CACHE"}):   # demo has no --cache-dir: the variable sets its root
+            emb = Embedder()
         try:
             check_rank(setting.layout, emb.dim)   # a --rank the embedding cannot hold: one line, before any work
             info(f"[1/3] embedding {spec}")

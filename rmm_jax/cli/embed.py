@@ -33,7 +33,6 @@ from rmm_jax.errors import InputError
 
 # the API names its arguments; the errors of those this command's options give name the option
 MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embedder (or its id) is of
-CACHE_DIR = {"cache_dir": "--cache-dir"}                    # how the Embedder's errors name its cache root
 
 
 @cli.command()
@@ -150,9 +149,9 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
             + (" (no question has gold)" if no_gold == n_q else ""))
     t1 = time.perf_counter()
-    with as_options("model", "granularity", "segment_threshold", "merge_threshold", **MODEL):
+    with as_options("model", "granularity", "segment_threshold", "merge_threshold", "cache_dir", **MODEL):
         embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
-                            use_cache=not no_cache, options=CACHE_DIR)
+                            use_cache=not no_cache)
         say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
             f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
         try:
@@ -199,9 +198,9 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
-    with as_options("model", path="into", **MODEL):
+    with as_options("model", "cache_dir", path="into", **MODEL):
         embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
-                            batch_size=batch_size, progress=say is info, use_cache=not no_cache, options=CACHE_DIR)
+                            batch_size=batch_size, progress=say is info, use_cache=not no_cache)
         try:
             res = append_store(into, dataset, embedder, spec=spec, log=say)
         finally:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, K_M, check_tau_option, k_m_from_log, open_policies_for
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -169,10 +169,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
         raise InputError(msg or str(e), where=f"--{name}") from None
-    with as_options(*OPTIONS):
+    with as_options(*OPTIONS, "k", "m"):          # its warnings name --k, --m, --clip, --min-ess
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
-                           min_ess=min_ess, options={"clip": "--clip", "min_ess": "--min-ess", **K_M})
+                           min_ess=min_ess)
     rep = {"store": str(store), "policies": str(policies), **rep}
     log = rep["log"]
     for note in k_m_note:

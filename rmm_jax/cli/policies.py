@@ -327,9 +327,8 @@ def rollback_cmd(store, to, dry_run, as_json):
     st = PolicyStore.open(store)
     if not dry_run:
         check_writable(store, f"STORE {store}", depth=1)
-    with as_options("to"):
-        options = {"to": "--to", "keep": "--keep"}     # how the errors name them
-        r = plan(st, to, options=options) if dry_run else rollback(st, to, options=options)
+    with as_options("to", "keep"):
+        r = plan(st, to) if dry_run else rollback(st, to)
     if as_json:
         emit_json({"store": store, "done": not dry_run, **r._asdict()}, indent=None, sort_keys=False)
         return

@@ -6,7 +6,6 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.common import (
-    K_M,
     begin_run_state_if_single,
     change_setting_option,
     check_rank_scope,
@@ -144,9 +143,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls
-    with as_options("users"):        # the API names its argument, the CLI its option
+    with as_options("users", "k", "m"):      # the API names its arguments, the CLI its options
         rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users,
-                       calls=continues, options=K_M)
+                       calls=continues)
     grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
     user_ids = rep.pop("user_ids")
     untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
@@ -158,7 +157,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     chunks = ([repeat_passes(s, passes) for s in c] for c in
               log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
-                         skip_invalid=skip_invalid, users=users, vectors=vectors, options=K_M))
+                         skip_invalid=skip_invalid, users=users, vectors=vectors))   # checked by scan_log
     options = online_options(opts, **{"--init": init, "--clip": clip, "--passes": passes,
                                       "--skip-invalid": skip_invalid, "--relearn": relearn, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
@@ -167,8 +166,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
           begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
                                     inputs=inputs, restart_same=("STORE", "--log")) as rs):
         start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
-        learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn,
-                                relearn_as="--relearn") if calls else None
+        with as_options("relearn"):
+            learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
         for line in k_m_note:      # after the last check of the log's calls: bad input is one line
             info(line)
         note_setting(ls, opts, policies, clip=clip)

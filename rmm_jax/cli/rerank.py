@@ -12,7 +12,7 @@ import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, check_output_file, count, info
+from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, info
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import (
     LogRecord,
@@ -117,7 +117,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
     calls = read_calls(calls_path)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
-    prepared = prepare_calls(st, calls, calls_path, k, m, options={"k": "--k", "m": "--m"})
+    with as_options("k", "m"):                    # the API names its arguments, the CLI its options
+        prepared = prepare_calls(st, calls, calls_path, k, m)
     if note:                                      # after the calls are checked: an error stays one line
         info(note)
     groups = defaultdict(list)                    # one batched call per user and candidate count

@@ -15,7 +15,7 @@ import click
 from click.core import ParameterSource
 
 from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, worded
 from rmm_jax.persist.atomic import write_problem
 
 SEED = click.IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, JAX's keys >= 2**63
@@ -144,9 +144,12 @@ def as_options(*args: str, **renamed: str):
     both. ``renamed`` maps an argument to the option that gives it under another name
     (``path="into"``: ``--into``). An argument error that goes on after the name
     (``arg="users user9"``) keeps the rest (``--users user9``). Any other error passes
-    unchanged, a location among them: a store directory named ``users`` is not ``--users``."""
+    unchanged, a location among them: a store directory named ``users`` is not ``--users``.
+    Within it, the API's messages that mention one of these arguments (:func:`rmm_jax.errors.named`:
+    ``more than k=4``) name its option (``more than --k 4``)."""
     try:
-        yield
+        with worded({a: "--" + renamed.get(a, a).replace("_", "-") for a in (*args, *renamed)}):
+            yield
     except InputError as e:
         if e.arg is None or (e.arg not in args and e.arg not in renamed):
             raise

@@ -152,10 +152,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     else:
         cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
-    with as_options("users"):        # the API names its argument, the CLI its option
+    with as_options("users", "queries"):     # the API names its arguments, the CLI its options
         n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
-                                       answers=citations == "answer", queries=parse_range(query_range),
-                                       options={"queries": "--queries"})
+                                       answers=citations == "answer", queries=parse_range(query_range))
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)

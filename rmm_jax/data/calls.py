@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -53,7 +52,7 @@ from rmm_jax.data.citation_log import call_key, check_timestamp, json_lines, sou
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.retrieval import top_k
-from rmm_jax.errors import InputError, at
+from rmm_jax.errors import InputError, at, named
 
 
 class Call(NamedTuple):
@@ -176,16 +175,13 @@ def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> list[l
     return out
 
 
-def prepare_calls(store, calls: list[Call], path, k: int, m: int, *,
-                  options: Mapping[str, str] | None = None) -> list[Prepared]:
+def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
     the base retriever's top ``k``. Every call is checked first (users, ids, at least ``m``
     candidates); then the texts are embedded with the store's model through the embedding
     cache (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
-    ``m`` as arguments (``m=5``), or as the ``options`` that gave them (``{"m": "--m"}``:
-    ``--m 5``, what ``rmm-jax rerank`` passes)."""
-    named = lambda name, v: f"{options[name]} {v}" if options and name in options else f"{name}={v}"  # noqa: E731
+    ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`)."""
     users = _Users(store, path)
     texts = []
     for c in calls:

@@ -31,13 +31,12 @@ import sqlite3
 import sys
 import time
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from rmm_jax.errors import InputError, named
+from rmm_jax.errors import InputError, named, worded
 
 __all__ = ["Embedder", "embed_texts", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL",
            "default_cache_root", "model_slug"]
@@ -199,8 +198,6 @@ class Embedder:
       progress: show a tqdm bar on stderr.
       device: torch device, ``"cpu"`` unless told otherwise.
       use_cache: set False to bypass the disk cache.
-      options: how errors name ``cache_dir`` (``rmm-jax embed``: ``{"cache_dir": "--cache-dir"}``);
-        by default as the argument: a cache of another model says "use another cache_dir".
 
     Attributes:
       model_id: stable id of the model (stored in embedding stores and cache keys).
@@ -217,8 +214,7 @@ class Embedder:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 progress: bool = True, *, device: str = "cpu", use_cache: bool = True,
-                 options: Mapping[str, str] | None = None):
+                 progress: bool = True, *, device: str = "cpu", use_cache: bool = True):
         if not isinstance(model, str) or not model.strip():
             raise InputError(f"model must be a name or a path, got {model!r}", arg="model")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -230,7 +226,7 @@ class Embedder:
         self.device = device
         self.texts_embedded = 0
         self.model_calls = 0
-        self._fix = f"use another {named('cache_dir', options=options)}"    # a cache of another model or dim
+        self._fix = f"use another {named('cache_dir')}"   # a cache of another model or dim (the CLI's --cache-dir)
         self._load_from, self.model_id = _resolve(model)
         self._loaded = None
         self.cache_dir = None
@@ -366,8 +362,8 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
     distinct = list(dict.fromkeys(texts))
     if not distinct:
         return {}
-    emb = Embedder(model.removeprefix("local:"), progress=progress,   # a store records a local model as local:PATH
-                   options={"cache_dir": "$RMM_JAX_CACHE"})         # no cache_dir here: the root is the variable's
+    with worded({"cache_dir": "$RMM_JAX_CACHE"}):   # no cache_dir here: the root is the variable's
+        emb = Embedder(model.removeprefix("local:"), progress=progress)   # a store records a local model as local:PATH
     try:
         vecs = emb.encode(distinct, desc=desc)
     finally:

@@ -118,7 +118,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -563,12 +563,11 @@ def _score_chunk(params, q, m, mask):
 
 
 def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
-               skip_invalid: bool = False, report: dict | None = None,
-               options: Mapping[str, str] | None = None) -> Calls:
+               skip_invalid: bool = False, report: dict | None = None) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
 
     Each record is validated (schema, ids known to ``store`` or carried as text, the
-    ``cfg.k``/``cfg.m`` limits, named as ``options`` says: :func:`rmm_jax.online.streams.check_limits`)
+    ``cfg.k``/``cfg.m`` limits: :func:`rmm_jax.online.streams.check_limits`)
     and must carry the behaviour's ``log_prob`` or ``logits``.
     Queries and memories the store lacks are embedded from the records' texts
     (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache).
@@ -584,7 +583,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     texts: dict[str, None] = {}
     report = {} if report is None else report
     for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
-        check_limits(rec, cfg, log_path, options)
+        check_limits(rec, cfg, log_path)
         if rec.log_prob is None and rec.logits is None:
             near = [n for n in report.get("notes", ()) if n.endswith(("'log_prob'?)", "'logits'?)"))]
             raise InputError("missing: off-policy evaluation needs the logging policy's log_prob (or logits) "
@@ -850,8 +849,7 @@ def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
-                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS,
-                 options: Mapping[str, str] | None = None) -> dict:
+                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS) -> dict:
     """Off-policy estimates of the policies in ``policies`` (a
     :class:`~rmm_jax.persist.policy_store.PolicyStore`) from the calls logged in
     ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints.
@@ -859,12 +857,11 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
     estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
     one about clipping. The warnings and errors name ``clip``, ``min_ess`` and the layout's
-    ``k``/``m`` as arguments (``clip=10``), or as the options ``options`` says gave them
-    (``rmm-jax evaluate``: ``{"clip": "--clip", "min_ess": "--min-ess", ...}``: ``--clip 10``)."""
+    ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
+    :func:`rmm_jax.errors.named`)."""
     check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     read: dict = {}
-    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read,
-                       options=options)
+    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples, min_ess=min_ess)
     scope = Scope.from_meta(getattr(policies, "meta", None) or {})
@@ -877,7 +874,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
            for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
     if low:
         ess, n, metric, name = min(low)
-        opt = lambda arg, v=None: named(arg, v, options)  # noqa: E731 - clip=10, or the CLI's --clip 10
+        opt = named                                   # clip=10, or the CLI's --clip 10
         fix = (f"a lower {opt('clip')}" if clip is not None else
                f"{opt('clip')} (e.g. {opt('clip', 10)}: biased, lower variance)")
         advice = (f"the log has too few calls: log more calls (or lower {opt('min_ess')})" if ess > 0.9 * n else

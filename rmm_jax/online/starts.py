@@ -37,7 +37,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from rmm_jax.errors import InputError, at
+from rmm_jax.errors import InputError, at, named
 from rmm_jax.online.driver import Chunk
 from rmm_jax.online.streams import Stream, take_queries
 from rmm_jax.persist.learned_calls import Calls, classify
@@ -92,14 +92,14 @@ class LearnedCheck(NamedTuple):
 
 
 def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *, before: int | None,
-                  relearn: bool = False, relearn_as: str = "relearn=True") -> LearnedCheck:
+                  relearn: bool = False) -> LearnedCheck:
     """Sort every logged call (``calls``: per user, its calls and their line numbers, from
     :func:`rmm_jax.online.streams.scan_log`) against what the user's policy in ``store`` has
     learned (versions older than ``before``), before the run writes anything. A call
     learned already with other content is the one-line error ``LOG:LINE`` (the log was
     rewritten after it was learned), unless ``relearn``. With ``relearn`` every call is
-    learned, and ``known``/``older`` count those learned before. ``relearn_as``: how that
-    error names ``relearn`` (the CLI: ``--relearn``)."""
+    learned, and ``known``/``older`` count those learned before. That error names ``relearn``
+    (:func:`rmm_jax.errors.named`: ``relearn=True``, the CLI's ``--relearn``)."""
     learn = known = older = 0
     users = list(calls)
     for i in range(0, len(users), CHECK_USERS):
@@ -111,7 +111,7 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
                 raise InputError(f"user {u!r}: this call was learned with other content: the log was rewritten "
                                  "after it was learned, or it is another call under the same name (give each "
-                                 f"call its own call_id); {relearn_as} learns the log's calls again",
+                                 f"call its own call_id); {named('relearn', True)} learns the log's calls again",
                                  where=at(log_path, line))
             known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
             learn += int(sort.learn.sum())

@@ -334,23 +334,22 @@ def with_answer_support(stream: Stream, qa_emb) -> Stream:
 
 
 def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int, *,
-                 answers: bool = False, queries: tuple[int, int | None] = (0, None),
-                 options: Mapping[str, str] | None = None) -> tuple[int, Iterator]:
+                 answers: bool = False, queries: tuple[int, int | None] = (0, None)) -> tuple[int, Iterator]:
     """``(number of users, chunks)``: streams of a store's users (all by default), built
     ``users_per_chunk`` at a time, so memory holds one chunk. ``answers``: each stream
     carries answer support as ``cite_gold`` (:func:`with_answer_support`). ``queries``:
     only each user's queries in that ``(start, stop)`` range (:func:`take_queries`); users
     with none are left out; a range that holds no user's question is refused, naming it as
-    the argument (``queries=(1000, None)``) or as the option ``options`` says gave it (the
-    CLI's ``{"queries": "--queries"}``: "that --queries range")."""
+    the argument (``queries=(1000, None)``) or as the option that gave it ("that --queries
+    range": :func:`rmm_jax.errors.named`)."""
     ids = check_users(store, users)
     if answers and store.answer_emb is None:
         store.user_answers(ids[0] if ids else "")          # the one-line error naming the store
     counts = [store.query_count(u) for u in ids]
     if not any(len(range(n)[slice(*queries)]) for n in counts):     # before anything is written
         held = "the store holds no questions for " + ("these users" if users else "any user")
-        given = (f"that {options['queries']} range" if options and "queries" in options
-                 else named("queries", tuple(queries)))
+        option = named("queries")
+        given = f"that {option} range" if option.startswith("--") else named("queries", tuple(queries))
         raise InputError(held if not any(counts) else f"no user has a question in {given}", where=str(store.path))
 
     def build(u):
@@ -376,16 +375,15 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
 # --------------------------------------------------------------------------- from a citation log
 
 
-def check_limits(rec: LogRecord, layout: Layout, log_path, options: Mapping[str, str] | None = None) -> None:
+def check_limits(rec: LogRecord, layout: Layout, log_path) -> None:
     """A record may list at most ``layout.k`` candidates and select at most ``layout.m``; the
-    error names them as ``k=8``, or as the options that gave them (``options``: the CLI's
-    ``{"k": "--k", "m": "--m"}``: ``--k 8``)."""
+    error names them as ``k=8`` (from the CLI ``--k 8``: :func:`rmm_jax.errors.named`)."""
     if len(rec.candidates) > layout.k:
         raise InputError(f"record for user {rec.user_id!r}, {call_key(rec)} has {len(rec.candidates)} "
-                         f"candidates, more than {named('k', layout.k, options)}", where=str(log_path))
+                         f"candidates, more than {named('k', layout.k)}", where=str(log_path))
     if len(rec.selected) > layout.m:
         raise InputError(f"record for user {rec.user_id!r}, {call_key(rec)} selected {len(rec.selected)} "
-                         f"memories, more than {named('m', layout.m, options)}", where=str(log_path))
+                         f"memories, more than {named('m', layout.m)}", where=str(log_path))
 
 
 class LogShape(NamedTuple):
@@ -426,16 +424,15 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
 
 
 def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log",
-                     vectors: Mapping[str, np.ndarray] | None = None, *,
-                     options: Mapping[str, str] | None = None) -> list[Stream]:
+                     vectors: Mapping[str, np.ndarray] | None = None) -> list[Stream]:
     """Replay streams: per user, the logged calls in log order with their logged
     candidates, selections and citations, resolved against the store
     (:func:`rmm_jax.data.log_vectors.resolve_calls`: what the store lacks comes from
-    ``vectors``, the embeddings of the log's unseen texts, :func:`scan_log`). ``options``: as
-    :func:`check_limits`."""
+    ``vectors``, the embeddings of the log's unseen texts, :func:`scan_log`); each record
+    within :func:`check_limits`."""
     by_user: dict[str, list] = {}
     for rec in records:
-        check_limits(rec, layout, log_path, options)
+        check_limits(rec, layout, log_path)
         by_user.setdefault(rec.user_id, []).append(rec)
     streams = []
     for uid, recs in by_user.items():
@@ -449,13 +446,12 @@ def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_pa
 
 
 def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False,
-             users: Sequence[str] | None = None, calls: bool = False,
-             options: Mapping[str, str] | None = None) -> dict:
+             users: Sequence[str] | None = None, calls: bool = False) -> dict:
     """Validation pass over a whole log before any work, in bounded memory (with ``calls``,
     plus a few numbers per record).
 
     Checks every record (schema, ``known`` ids, repeated calls, the ``layout.k``/``layout.m``
-    limits, named as ``options`` says: :func:`check_limits`) and returns the read report plus
+    limits: :func:`check_limits`) and returns the read report plus
     ``"users"`` (how many will be replayed:
     all, or those of ``users``, each of which must have a record), ``"user_ids"`` (which)
     and ``"grouped"``: False
@@ -483,7 +479,7 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
         replayed[0] = 0
         for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report,
                                      grouped=grouped):
-            check_limits(r, layout, log_path, options)
+            check_limits(r, layout, log_path)
             seen.add(r.user_id)
             if keep(r.user_id):
                 texts.update(dict.fromkeys(unseen_texts(r, known(r.user_id) if known is not None else None)))
@@ -513,20 +509,18 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
                skip_invalid: bool = False, users: Sequence[str] | None = None,
-               vectors: Mapping[str, np.ndarray] | None = None,
-               options: Mapping[str, str] | None = None) -> Iterator[list[Stream]]:
+               vectors: Mapping[str, np.ndarray] | None = None) -> Iterator[list[Stream]]:
     """Replay streams from a log, ``users_per_chunk`` users at a time (only ``users``' when given).
 
     ``grouped`` (see :func:`scan_log`): each user's records are on consecutive lines, so
     the log is streamed and memory holds one chunk; otherwise it is read whole (sort it
-    by user_id to stream it). ``vectors``: the embeddings of the texts the store lacks.
-    ``options``: as :func:`check_limits`."""
+    by user_id to stream it). ``vectors``: the embeddings of the texts the store lacks."""
     keep = (lambda u: True) if not users else frozenset(users).__contains__
     if grouped:
         chunk: list[Stream] = []
         for recs in iter_user_chunks(log_path, 1, known=known, skip_invalid=skip_invalid):
             if keep(recs[0].user_id):
-                chunk += streams_from_log(store, recs, layout, str(log_path), vectors, options=options)
+                chunk += streams_from_log(store, recs, layout, str(log_path), vectors)
             if len(chunk) == users_per_chunk:
                 yield chunk
                 chunk = []
@@ -534,8 +528,7 @@ def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped
             yield chunk
         return
     records, _ = read_log(log_path, known=known, skip_invalid=skip_invalid)
-    streams = streams_from_log(store, [r for r in records if keep(r.user_id)], layout, str(log_path), vectors,
-                               options=options)
+    streams = streams_from_log(store, [r for r in records if keep(r.user_id)], layout, str(log_path), vectors)
     for i in range(0, len(streams), users_per_chunk):
         yield streams[i:i + users_per_chunk]
 

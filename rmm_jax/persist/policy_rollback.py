@@ -67,7 +67,6 @@ Examples:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -107,11 +106,11 @@ def check_store(store, where: str = "store") -> None:
                          where=where)
 
 
-def newest_run(store, *, options: Mapping[str, str] | None = None) -> int:
+def newest_run(store) -> int:
     """The first version of the newest run that saved users (what ``rollback(store)`` goes
     back to before). Raises InputError when the store holds no user version or its newest
-    version records no run; that error names ``to`` as an argument (``to=VERSION``), or as
-    the option ``options`` says gave it (``{"to": "--to"}``: ``--to VERSION``)."""
+    version records no run; that error names ``to`` (:func:`rmm_jax.errors.named`: ``to=VERSION``,
+    or ``--to VERSION`` from the CLI)."""
     check_store(store)
     newest = store.newest_version()
     if newest is None:
@@ -120,16 +119,15 @@ def newest_run(store, *, options: Mapping[str, str] | None = None) -> int:
     first = run.get("first_version")
     if not isinstance(first, int) or not 1 <= first <= newest:
         raise InputError(f"its newest version v{newest} does not record the run that saved it (saved by an older "
-                         f"rmm-jax, or not by a run of the CLI): give {named('to', 'VERSION', options)}",
+                         f"rmm-jax, or not by a run of the CLI): give {named('to', 'VERSION')}",
                          where=str(store.path))
     return first
 
 
-def plan(store, to: int | None = None, *, options: Mapping[str, str] | None = None) -> Rollback:
+def plan(store, to: int | None = None) -> Rollback:
     """What :func:`rollback` would do, changing nothing; raises InputError where it would
     refuse (module docstring). Its errors name ``to`` and the store's ``keep`` as arguments
-    (``to=VERSION``, ``keep=1``), or as the options that give them (``options``: the CLI's
-    ``{"to": "--to", "keep": "--keep"}``: ``--to VERSION``, ``--keep 1``)."""
+    (``to=VERSION``, ``keep=1``; from the CLI ``--to VERSION``, ``--keep 1``: :func:`rmm_jax.errors.named`)."""
     check_store(store)
     mark = store._header.get(PENDING)
     if mark:
@@ -141,7 +139,7 @@ def plan(store, to: int | None = None, *, options: Mapping[str, str] | None = No
                          "finish it with --resume (or remove that directory) before rolling back",
                          where=str(store.path))
     if to is None:
-        to = newest_run(store, options=options) - 1
+        to = newest_run(store) - 1
     if not isinstance(to, numbers.Integral) or isinstance(to, (bool, np.bool_)) or to < 0:
         raise InputError(f"must be a version >= 0, got {to!r}", arg="to")
     to = int(to)                     # a NumPy integer too: the mark in the header is JSON
@@ -152,7 +150,7 @@ def plan(store, to: int | None = None, *, options: Mapping[str, str] | None = No
                          f"({'v' + str(newest) if newest else 'none'})", where=str(store.path))
     moved = store._query(lambda idx: idx.users_above(to))
     removed = [u for u, kept in moved if kept is None]
-    _check_removable(store, removed, to, options)
+    _check_removable(store, removed, to)
     kept = [s for s in saves if s.version <= to]
     if store.paired and not kept and store.start_shared_version() is None:
         raise InputError(f"cannot roll back to v{to}: no user version would remain, and the shared version the store "
@@ -164,11 +162,11 @@ def plan(store, to: int | None = None, *, options: Mapping[str, str] | None = No
                     tuple(_shared_after(store, kept[-1].shared_version if kept else None)), setting, known)
 
 
-def rollback(store, to: int | None = None, *, options: Mapping[str, str] | None = None) -> Rollback:
+def rollback(store, to: int | None = None) -> Rollback:
     """Take ``store`` back to what it held when user version ``to`` was its newest (None:
     to before its newest run), under its writer's lock; returns what it did (module
     docstring). On a store whose last rollback was interrupted, it finishes that one, and
-    then goes on to ``to`` only if ``to`` is another version. ``options``: as :func:`plan`."""
+    then goes on to ``to`` only if ``to`` is another version. Errors as :func:`plan`'s."""
     check_store(store)
     mark = store._header.get(PENDING)
     if mark:
@@ -177,9 +175,9 @@ def rollback(store, to: int | None = None, *, options: Mapping[str, str] | None 
         if to is None or to == mark["to"]:
             return Rollback(mark["to"], tuple(mark["versions"]), (), (), tuple(mark["shared"]), mark["setting"],
                             mark["setting_known"], interrupted=True)
-    plan(store, to, options=options)  # a refusal, before the lock: it creates nothing
+    plan(store, to)  # a refusal, before the lock: it creates nothing
     with store.writer():
-        done = plan(store, to, options=options)
+        done = plan(store, to)
         store._write_header({**store._header, PENDING: {k: getattr(done, k) for k in MARKED}})
         finish(store)
     return done
@@ -222,7 +220,7 @@ def _head(store, version: int) -> dict:
         return {}
 
 
-def _check_removable(store, users: list[str], to: int, options: Mapping[str, str] | None) -> None:
+def _check_removable(store, users: list[str], to: int) -> None:
     """Refuse when a user without a version at or below ``to`` had one that ``keep`` pruned."""
     if not users:
         return
@@ -243,7 +241,7 @@ def _check_removable(store, users: list[str], to: int, options: Mapping[str, str
                             "(saved by an older rmm-jax)"))
         elif previous[oldest.row] is not None:
             lost.append((u, f"its versions before v{oldest.version} are no longer kept "
-                            f"({named('keep', store.keep, options)})"))
+                            f"({named('keep', store.keep)})"))
     if lost:
         u, why = lost[0]
         more = f" (and {len(lost) - 1} more users)" if len(lost) > 1 else ""

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, named
 from rmm_jax.persist import checksums
 from rmm_jax.persist.atomic import atomic_file, fsync_dir, remove_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
@@ -145,7 +145,7 @@ class RunState:
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
-        self.resume_as = "resume=True"           # begin(): how messages name `resume`
+        self.resume_as = named("resume", True)   # how messages name `resume` (the CLI's --resume)
         self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error)
 
     @staticmethod
@@ -197,7 +197,7 @@ class RunState:
     @classmethod
     def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
               notify: Callable[[str], None] | None = None,
-              restart: Callable[[dict], bool] | None = None, resume_as: str = "resume=True") -> "RunState":
+              restart: Callable[[dict], bool] | None = None) -> "RunState":
         """Lock the run-state of ``target``; with ``resume`` restore its newest good
         checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
         ``resume`` an unfinished run-state is an error, unless it holds a ``command`` run
@@ -205,9 +205,10 @@ class RunState:
         note) and this run starts afresh (``replay``: the policy store remembers the calls
         each saved policy learned, so starting again learns nothing twice), keeping the
         interrupted run's progress meta in :attr:`interrupted` (what it began from).
-        ``resume_as``: how the errors and notes name ``resume`` (the CLI: ``--resume``)."""
+        The errors and notes name ``resume`` as :func:`rmm_jax.errors.named` does (``resume=True``;
+        the CLI's ``--resume``)."""
         rs = cls(cls.path_for(target), command, fingerprint, notify)
-        rs.resume_as = resume_as
+        resume_as = rs.resume_as
         rs._lock()
         try:
             snaps = rs._snapshots()
