@@ -873,6 +873,18 @@ def test_a_store_directory_out_refuses_dash(env, capsys, tmp_path, monkeypatch, 
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("verb", ["replay", "evaluate", "cite-rates"])
+def test_a_log_given_as_dash_is_one_line_saying_it_needs_a_file(env, capsys, tmp_path, monkeypatch, verb):
+    """`--log -` was "-: file not found", as if the user had a file named `-`: replay and
+    evaluate read a log more than once (checked whole first), so standard input cannot serve;
+    they say so, naming --log, before any work, nothing written (rerank --calls - reads stdin)."""
+    monkeypatch.chdir(tmp_path)
+    more = {"replay": ["--policies", "pol"], "evaluate": ["--policies", "pol"], "cite-rates": []}[verb]
+    code, out, err = cli(capsys, verb, env["store"], "--log", "-", *more)
+    assert_one_line_error(code, err, ["--log -", "not standard input"] + (["more than once"] if more else []))
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- K and M from the log
 
 
@@ -914,3 +926,4 @@ def test_replay_and_evaluate_take_k_and_m_from_the_log_and_refuse_a_contradictio
     code, _, err = cli(capsys, "replay", env["store"], "--log", short, "--policies", tmp_path / "p")
     assert_one_line_error(code, err, ["--m", "disagree", "line 2 shows 2 memories of its 10 candidates", "pass --m"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.jsonl"]          # nothing written
+

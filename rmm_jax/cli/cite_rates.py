@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, count, emit_json, info, json_option, users_option
+from rmm_jax.cli.shell import SEED, as_options, check_input_file, count, emit_json, info, json_option, users_option
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
@@ -48,6 +48,7 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
       rmm-jax cite-rates stores/synthetic --log simulated.jsonl
       rmm-jax cite-rates stores/synthetic --log simulated.jsonl --users user0,user1 --json
     """
+    check_input_file(log_path, f"--log {log_path}")
     check_resamples(bootstrap, where="--bootstrap")
     st = open_store(store)
     report: dict = {}

@@ -7,7 +7,9 @@ from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_po
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
+    TWICE,
     as_options,
+    check_input_file,
     check_output_file,
     count,
     emit_json,
@@ -150,6 +152,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2_ope.png
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
+    check_input_file(log_path, f"--log {log_path}", TWICE)
     check_tau_option(tau)
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:

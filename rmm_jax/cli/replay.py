@@ -40,7 +40,16 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import as_options, check_output_file, count, info, json_option, users_option
+from rmm_jax.cli.shell import (
+    TWICE,
+    as_options,
+    check_input_file,
+    check_output_file,
+    count,
+    info,
+    json_option,
+    users_option,
+)
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -118,6 +127,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
       rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies --scope hybrid
       rmm-jax replay stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2.png
     """
+    check_input_file(log_path, f"--log {log_path}", TWICE)
     opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
     check_rank_scope(opts["scope"], opts["rank"])
     st = open_store(store)

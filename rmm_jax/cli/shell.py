@@ -136,6 +136,16 @@ def check_output_dir(path, where: str) -> None:
         raise InputError("writes a directory, not stdout; give a directory path", where=where)
 
 
+TWICE = " (the log is read more than once: checked whole before anything is written or estimated, then used)"
+
+
+def check_input_file(path, where: str, why: str = "") -> None:
+    """An input file that cannot be standard input (``-``, which was "file not found"): refused
+    in one line saying ``why``, before any work. ``rerank --calls -`` reads stdin instead."""
+    if str(path) == "-":
+        raise InputError(f"reads a file, not standard input{why}; give a file path", where=where)
+
+
 @contextlib.contextmanager
 def as_options(*args: str, **renamed: str):
     """The API's errors about one of its arguments ``args`` (``InputError(..., arg="min_ess")``:
