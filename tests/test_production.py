@@ -589,7 +589,16 @@ def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):
     store, _, d2 = days
     d2[0]["sessions"][0]["messages"][0]["content"] = "I adopted a kitten"
     spec = f"jsonl:{write_jsonl(tmp_path / 'bad.jsonl', d2)}"
-    with pytest.raises(InputError, match="session 's1' of user 'a' is already in the store with other content"):
+    bad = tmp_path / "bad.jsonl"
+    with pytest.raises(InputError, match=rf"^{bad}:1: key 'sessions\[0\]': session 's1' of user 'a' is already in "
+                                         "the store with other content"):   # the file:line of that session
+        append_store(store, load_spec(spec), FakeEmbedder(DIM), spec=spec)
+    d2[0]["sessions"][0]["messages"][0]["content"] = "I adopted a puppy named Max"    # as stored; line 3 asks
+    d2.append({"user_id": "a", "session_id": "s9", "messages": [{"role": "user", "content": "hello again"}],
+               "questions": [{"id": "q1", "question": "another text for q1", "gold_turn_ids": ["s9:0"]}]})
+    spec = f"jsonl:{write_jsonl(bad, d2)}"
+    with pytest.raises(InputError, match=rf"^{bad}:3: key 'questions\[0\]': question 'q1' of user 'a' is already in "
+                                         "the store with another text"):
         append_store(store, load_spec(spec), FakeEmbedder(DIM), spec=spec)
     with pytest.raises(InputError, match="^embedder: STORE .* was embedded with model 'fake/bow-16', not 'fake/bow-8'"):
         append_store(store, load_spec(spec), FakeEmbedder(8), spec=spec)

@@ -342,6 +342,7 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
                          arg="keep_roles")
     skips = _Skips(skip_invalid, tuple(keep_roles))
     drafts: dict[str, _UserDraft] = {}
+    where: dict[tuple[str, str, str], str] = {}
     lines = 0
     for line, obj in json_lines(path):
         lines += 1
@@ -357,8 +358,10 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
             for j, s in enumerate(_get(obj, "sessions", list, path, line, "")):
                 draft.sessions.append(_session(expect(s, dict, path, f"sessions[{j}]", line), draft, path, line,
                                                f"sessions[{j}]", skips))
+                where[(uid, "session", draft.sessions[-1].id)] = at(path, line, f"sessions[{j}]")
         else:
             draft.sessions.append(_session(obj, draft, path, line, "", skips))
+            where[(uid, "session", draft.sessions[-1].id)] = at(path, line)
         for j, q in enumerate(_get(obj, "questions", list, path, line, "", required=False, default=[])):
             draft.questions.append((expect(q, dict, path, f"questions[{j}]", line), line, f"questions[{j}]"))
     users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
@@ -371,13 +374,15 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
         seen: set[str] = set()
         queries = tuple(_question(q, n, draft, sessions, path, line, loc, seen, skips)
                         for n, (q, line, loc) in enumerate(draft.questions))
+        where.update(((draft.id, "question", q.id), at(path, line, loc))
+                     for q, (_, line, loc) in zip(queries, draft.questions))
         users.append(User(draft.id, tuple(s for s in draft.sessions if s.turns), queries))
         stats["sessions"] += sum(1 for s in draft.sessions if s.turns)
         stats["turns"] += sum(len(s.turns) for s in draft.sessions)
         stats["questions"] += len(queries)
         stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids and not q.abstention)
         stats["abstention"] += sum(1 for q in queries if q.abstention)
-    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()})
+    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where)
 
 
 # --------------------------------------------------------------------------- generator-call logs

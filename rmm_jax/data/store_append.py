@@ -73,8 +73,13 @@ def _stored_units(rows: list[dict]) -> list[MemoryUnit]:
 
 
 def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_queries: list[dict], where: str,
-               counts: dict) -> _Growth:
-    """The new memories and questions of ``user`` against what the store holds of it."""
+               counts: dict, located: dict) -> _Growth:
+    """The new memories and questions of ``user`` against what the store holds of it. An
+    error names the file:line of the session or question (``located``: ``Dataset.where``),
+    else ``where`` (the spec)."""
+    def loc(kind: str, name: str) -> str:
+        return located.get((user.id, kind, name), where)
+
     stored: dict[str, list] = {}
     for r in old_mems:
         stored.setdefault(str(r.get("session_id")), []).append((str(r["id"]), r["text"]))
@@ -87,13 +92,13 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
         if sid in stored:
             if [(u.id, u.text) for u in units] != stored[sid]:
                 raise InputError(f"session {sid!r} of user {user.id!r} is already in the store with other content "
-                                 "(give every new session its own session_id)", where=where)
+                                 "(give every new session its own session_id)", where=loc("session", sid))
             counts["sessions_repeated"] += 1
             continue
         clash = [u.id for u in units if u.id in held_ids]
         if clash:
             raise InputError(f"memory id {clash[0]!r} of user {user.id!r} (session {sid!r}) is already in the "
-                             "store, in another session", where=where)
+                             "store, in another session", where=loc("session", sid))
         counts["sessions"] += 1
         new += units
     held_q = {str(r["id"]): r["text"] for r in old_queries}
@@ -102,7 +107,7 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
         if q.id in held_q:
             if held_q[q.id] != q.text:
                 raise InputError(f"question {q.id!r} of user {user.id!r} is already in the store with another "
-                                 "text", where=where)
+                                 "text", where=loc("question", q.id))
             counts["queries_repeated"] += 1
         else:
             queries.append(q)
@@ -154,7 +159,7 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
                                   r["mem_end"])
             old_q = st._row_slice("queries.jsonl", c["queries"], ("user", "id", "text", "gold_memory_ids"),
                                   r["query_start"], r["query_end"])
-            g = _grow_user(u, mems, old_m, old_q, where, counts)
+            g = _grow_user(u, mems, old_m, old_q, where, counts, dataset.where)
         else:
             g = _Growth(u, mems, mems)
             if g.user.queries and not g.memories:   # as write_store refuses it: nothing to retrieve from

@@ -56,6 +56,10 @@ class Dataset:
     name: str                       # "locomo", "longmemeval", "synthetic"
     users: tuple[User, ...]
     stats: dict = dataclasses.field(default_factory=dict)  # e.g. skipped questions
+    # where each session and question came from, for errors found after loading (`embed --into`):
+    # {(user id, "session", id) or (user id, "question", id): "file:line: key 'k'"}; loaders
+    # without line numbers leave it empty
+    where: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
