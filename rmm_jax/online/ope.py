@@ -874,10 +874,9 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
            for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
     if low:
         ess, n, metric, name = min(low)
-        opt = named                                   # clip=10, or the CLI's --clip 10
-        fix = (f"a lower {opt('clip')}" if clip is not None else
-               f"{opt('clip')} (e.g. {opt('clip', 10)}: biased, lower variance)")
-        advice = (f"the log has too few calls: log more calls (or lower {opt('min_ess')})" if ess > 0.9 * n else
+        fix = (f"a lower {named('clip')}" if clip is not None else      # clip=10, or the CLI's --clip 10
+               f"{named('clip')} (e.g. {named('clip', 10)}: biased, lower variance)")
+        advice = (f"the log has too few calls: log more calls (or lower {named('min_ess')})" if ess > 0.9 * n else
                   f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} "
                   "or log more calls")
         warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
