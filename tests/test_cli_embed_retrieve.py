@@ -277,3 +277,47 @@ def test_embed_names_its_option_where_load_spec_names_the_argument(capsys, tmp_p
         code, out, err = run(capsys, "embed", "synthetic:users=1", target, tmp_path / "s", option, *given)
         assert code == 2 and out == "" and err.count("\n") == 1, err
         assert err.startswith(f"error: {option}: applies to jsonl: datasets only, not synthetic:"), err
+
+
+def test_embed_into_takes_gold_on_an_earlier_days_turns_and_embed_out_does_not(capsys, tmp_path, monkeypatch):
+    """A day file's question about an earlier day's memories: `embed --into` looks its gold up in
+    the store (it was refused as "unknown turn id", so the question went without gold); an id
+    the store lacks too is one line naming file:line and key, nothing written; `embed --out` has
+    no store, so the file's own turns are all its gold may name."""
+    from conftest import use_fake_embedder
+    use_fake_embedder(monkeypatch)
+
+    def day(name, sessions, questions=()):
+        path = tmp_path / name
+        path.write_text(json.dumps({"user_id": "alice", "sessions": [
+            {"session_id": sid, "messages": [{"role": "user", "content": text}]} for sid, text in sessions],
+            "questions": list(questions)}) + "\n")
+        return f"jsonl:{path}"
+
+    store = tmp_path / "store"
+    code, _, err = run(capsys, "embed", day("day1.jsonl", [("s1", "I adopted a puppy named Max.")]), "--out", store)
+    assert code == 0, err
+    day2 = day("day2.jsonl", [("s2", "I started piano lessons.")],
+               [{"id": "q1", "question": "What is my dog called?", "gold_turn_ids": ["s1:0"]},
+                {"id": "q2", "question": "What happened on day one?", "gold_session_ids": ["s1"]}])
+    code, out, err = run(capsys, "embed", day2, "--into", store, "--json")
+    assert code == 0, err
+    assert json.loads(out)["added"]["queries"] == 2
+    rows = [json.loads(ln) for ln in (store / "queries.jsonl").read_text().splitlines()]
+    assert [r["gold_memory_ids"] for r in rows] == [["s1:0"], ["s1:0"]]
+    code, out, err = run(capsys, "retrieve", store, "--k", 2, "--json")
+    assert code == 0, err
+    assert json.loads(out)["per_user"]["alice"]["n"] == 2 and json.loads(out)["per_user"]["alice"]["recall@2"] == 1.0
+
+    bad = day("day3.jsonl", [("s3", "Max learned to sit.")],
+              [{"id": "q3", "question": "And the cat?", "gold_turn_ids": ["s3:0", "s1:7"]}])
+    files = {p.name: p.read_bytes() for p in store.iterdir()}
+    code, out, err = run(capsys, "embed", bad, "--into", store)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err == (f"error: {tmp_path / 'day3.jsonl'}:1: key 'questions[0].gold_turn_ids[1]': unknown turn id 's1:7' "
+                   f"for user 'alice' (neither this file nor STORE {store} holds it)\n")
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == files
+    code, out, err = run(capsys, "embed", day2, "--out", tmp_path / "fresh")
+    assert code == 2 and out == "" and not (tmp_path / "fresh").exists()
+    assert err == (f"error: {tmp_path / 'day2.jsonl'}:1: key 'questions[0].gold_turn_ids[0]': unknown turn id 's1:0' "
+                   "for user 'alice'\n")

@@ -550,6 +550,97 @@ def test_append_embeds_only_new_texts_and_keeps_every_existing_row(days):
     assert emb.texts == [] and again["added"]["sessions_repeated"] == 3 and again["added"]["queries_repeated"] == 1
 
 
+def earlier_day(tmp_path, name, questions, user="a"):
+    """A day-2 file with a new session s2 for ``user`` whose ``questions`` may name day 1's turns."""
+    rows = [{"user_id": user, "sessions": [session("s2", ["I started piano lessons"], "2024-05-02")],
+             "questions": questions}]
+    return f"jsonl:{write_jsonl(tmp_path / name, rows)}"
+
+
+def test_a_question_about_an_earlier_day_gets_its_gold_from_the_store(tmp_path, days):
+    # A day file's question could name only its own file's turns: gold on day 1's memories,
+    # already in the store, was refused as "unknown turn id", so the question went without it.
+    from rmm_jax.cli.retrieve import evaluate_store
+    store, _, _ = days
+    spec = earlier_day(tmp_path, "day2.jsonl", [
+        {"id": "q2", "question": "my dog and my lessons?", "gold_turn_ids": ["s1:0", "s2:0"]},
+        {"id": "q3", "question": "what did we say on day one?", "gold_session_ids": ["s1"]}])
+    before = open_store(store).user("a")
+    ds = load_spec(spec, gold_elsewhere=True)
+    assert ds.stats["no_gold"] == 0
+    res = append_store(store, ds, FakeEmbedder(DIM), spec=spec)
+    assert res["added"]["queries"] == 2 and res["added"]["memories"] == 1
+    st = open_store(store)
+    a = st.user("a")
+    assert a.memory_ids == ("s1:0", "s1:1", "s2:0") and a.query_ids == ("q1", "q2", "q3")
+    assert a.gold.tolist() == [[True, False, False], [True, False, True], [True, True, False]]
+    assert a.memory_emb[:2].tobytes() == before.memory_emb.tobytes()
+    rows = {r["id"]: r for r in st.queries}
+    assert rows["q2"]["gold_memory_ids"] == ["s1:0", "s2:0"] and rows["q3"]["gold_memory_ids"] == ["s1:0", "s1:1"]
+    assert evaluate_store(st, 3)["per_user"]["a"] == {**evaluate_store(st, 3)["per_user"]["a"], "n": 3,
+                                                      "recall@3": 1.0}
+    files = {p.name: p.read_bytes() for p in store.iterdir()}
+    again = append_store(store, load_spec(spec, gold_elsewhere=True), FakeEmbedder(DIM), spec=spec)
+    assert again["added"]["queries_repeated"] == 2 and again["added"]["sessions_repeated"] == 1
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == files          # the same day twice: nothing
+
+
+def test_an_earlier_days_gold_at_session_granularity_is_its_session_memory(tmp_path):
+    d1 = [{"user_id": "a", "sessions": [session("s1", ["I adopted a puppy named Max", "hello"], "2024-05-01")]}]
+    store = tmp_path / "store"
+    write_store(store, load_spec(f"jsonl:{write_jsonl(tmp_path / 'd1.jsonl', d1)}"), "session", FakeEmbedder(DIM))
+    spec = earlier_day(tmp_path, "day2.jsonl", [{"id": "q1", "question": "hello?", "gold_turn_ids": ["s1:1"]},
+                                                {"id": "q2", "question": "all?", "gold_session_ids": ["s1", "s2"]}])
+    append_store(store, load_spec(spec, gold_elsewhere=True), FakeEmbedder(DIM), spec=spec)
+    a = open_store(store).user("a")
+    assert a.memory_ids == ("s1", "s2") and a.gold.tolist() == [[True, False], [True, True]]
+
+
+@pytest.mark.parametrize("gold,key,msg,strict", [
+    ({"gold_turn_ids": ["s1:0", "s1:7"]}, "gold_turn_ids[1]", "unknown turn id 's1:7'",
+     "gold_turn_ids[0]': unknown turn id 's1:0'"),
+    ({"gold_session_ids": ["s2", "s9"]}, "gold_session_ids[1]", "unknown session id 's9'",
+     "gold_session_ids[1]': unknown session id 's9'")])
+def test_gold_neither_the_file_nor_the_store_holds_is_one_line_and_nothing_is_written(tmp_path, days, gold, key,
+                                                                                      msg, strict):
+    store, _, _ = days
+    path = tmp_path / "day2.jsonl"
+    spec = earlier_day(tmp_path, path.name, [{"id": "q2", "question": "which lessons?", "gold_turn_ids": ["s2:0"]},
+                                             {"id": "q3", "question": "and what else?", **gold}])
+    files = {p.name: p.read_bytes() for p in store.iterdir()}
+    beside = sorted(p.name for p in store.parent.iterdir())
+    with pytest.raises(InputError) as e:
+        append_store(store, load_spec(spec, gold_elsewhere=True), FakeEmbedder(DIM), spec=spec)
+    assert str(e.value) == (f"{path}:1: key 'questions[1].{key}': {msg} for user 'a' (neither this file nor STORE "
+                            f"{store} holds it)")
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == files
+    assert sorted(p.name for p in store.parent.iterdir()) == beside            # no temporary left either
+    with pytest.raises(InputError) as e:          # a new store (embed --out) holds nothing else: the file's rule
+        load_spec(spec)
+    assert str(e.value) == f"{path}:1: key 'questions[1].{strict} for user 'a'"
+
+
+def test_a_new_users_gold_and_a_new_store_keep_the_files_rule(tmp_path, days):
+    store, _, _ = days
+    path = tmp_path / "day2.jsonl"
+    spec = earlier_day(tmp_path, path.name, [{"id": "q1", "question": "my dog?", "gold_turn_ids": ["s1:0"]}],
+                       user="newcomer")
+    files = {p.name: p.read_bytes() for p in store.iterdir()}
+    ds = load_spec(spec, gold_elsewhere=True)
+    with pytest.raises(InputError) as e:
+        append_store(store, ds, FakeEmbedder(DIM), spec=spec)
+    assert str(e.value) == (f"{path}:1: key 'questions[0].gold_turn_ids[0]': unknown turn id 's1:0' for user "
+                            f"'newcomer' (this file holds no such turn, and STORE {store} holds no user 'newcomer')")
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == files
+    with pytest.raises(InputError, match=rf"^{path}:1: key 'questions\[0\].gold_turn_ids\[0\]': unknown turn id "
+                                         r"'s1:0' for user 'newcomer'$"):
+        load_spec(spec)                                    # the default: the file's own turns
+    with pytest.raises(InputError, match=rf"^{path}:1: key 'questions\[0\].gold_turn_ids\[0\]': unknown turn id "
+                                         r"'s1:0' for user 'newcomer'$"):
+        write_store(tmp_path / "new", ds, "turn", FakeEmbedder(DIM))   # gold kept aside has no store to be in
+    assert not (tmp_path / "new").exists()
+
+
 def test_append_counts_only_the_users_it_adds(days):
     # A new user with no memory and no question adds nothing to the store: it was counted as
     # added (added.users 1, "+1 user") while the store stayed as it was.

@@ -44,7 +44,8 @@ MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embed
 @click.option("--into", "into", default=None, type=click.Path(file_okay=False),
               help="Instead: append SPEC's new users, sessions and questions to this existing store, embedding "
                    "only their texts; repeated sessions are skipped and counted; ids and every user's rows stay "
-                   "(docs/own-data.md, 'Memory banks grow'). Same model and granularity as the store.")
+                   "(docs/own-data.md, 'Memory banks grow'); a question's gold may name its user's turns and "
+                   "sessions in the store. Same model and granularity as the store.")
 @click.option("--granularity", type=click.Choice(GRANULARITIES), default=DEFAULT_GRANULARITY,
               help="Memory unit: one dialogue turn, one whole session, or a topic segment "
                    "(embedding-similarity segmentation plus add/merge).")
@@ -194,8 +195,8 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         raise InputError(f"STORE {into} holds no answer embeddings, and its questions' answers are not stored to "
                          "add them; re-embed the whole dataset with --out STORE --answers", where="--answers")
     t0 = time.perf_counter()
-    with as_options("skip_invalid", "keep_roles"):
-        dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
+    with as_options("skip_invalid", "keep_roles"):     # gold of earlier days: the store holds it (append_store)
+        dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles, gold_elsewhere=True)
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"], say)
     with as_options("model", "cache_dir", path="into", **MODEL):

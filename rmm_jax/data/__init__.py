@@ -56,14 +56,17 @@ __all__ = [
 SCHEMES = ("locomo", "longmemeval", "synthetic", "jsonl", "log")
 
 
-def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = ()) -> Dataset:
+def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = (),
+              gold_elsewhere: bool = False) -> Dataset:
     """Load the dataset a SPEC string names (see the module docstring).
 
     An unknown scheme or a missing path raises InputError naming the SPEC; a missing or
     unreadable file raises InputError naming the file (and line or key).
     ``skip_invalid``: ``jsonl:`` skips and counts invalid messages; ``keep_roles``: ``jsonl:``
     keeps these instruction roles' messages (``system``, ``developer``) as memories
-    (:func:`~rmm_jax.data.jsonl.load_jsonl`); other schemes refuse both.
+    (:func:`~rmm_jax.data.jsonl.load_jsonl`); other schemes refuse both. ``gold_elsewhere``:
+    ``jsonl:`` keeps gold ids its file does not hold aside, for a store append to look up
+    (``rmm-jax embed --into``); the other schemes check their gold as they always do.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise InputError(f"empty dataset SPEC (expected one of {', '.join(SCHEMES)})", where="SPEC")
@@ -81,7 +84,7 @@ def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, .
     if scheme == "locomo":
         return load_locomo(rest)
     if scheme == "jsonl":
-        return load_jsonl(rest, skip_invalid=skip_invalid, keep_roles=keep_roles)
+        return load_jsonl(rest, skip_invalid=skip_invalid, keep_roles=keep_roles, gold_elsewhere=gold_elsewhere)
     if scheme == "log":
         return load_log_dataset(*parse_log_spec(rest))
     path, level = rest, DEFAULT_GOLD_LEVEL

@@ -83,7 +83,9 @@ left with none is an error.
 | `abstention`        | boolean         | no       | excluded from retrieval metrics |
 
 Gold is the union of ``gold_turn_ids`` and the turns of ``gold_session_ids``; ids must
-name turns or sessions of the same user (on any line). A question without gold is
+name turns or sessions of the same user (on any line), unless ``gold_elsewhere`` (``rmm-jax
+embed --into``) keeps the others aside for the store to resolve: an earlier day's turns and
+sessions (:func:`~rmm_jax.data.store_append.append_store`). A question without gold is
 kept (it can be embedded, retrieved and logged) but metrics that need gold skip it;
 ``Dataset.stats["no_gold"]`` counts them and ``rmm-jax embed`` prints a note. Unknown
 keys are ignored. Every problem is one :class:`~rmm_jax.errors.InputError` line naming
@@ -295,7 +297,14 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Sk
 
 
 def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], path, line: int, loc: str,
-              seen: set[str], skips: _Skips) -> Query:
+              seen: set[str], skips: _Skips, elsewhere: list | None = None) -> Query:
+    """One question. A gold id the file does not hold is an error, or, given ``elsewhere``
+    (``gold_elsewhere``), appended to it as ``(kind, id, file:line: key)``."""
+    def unknown(kind: str, name: str, key: str) -> None:
+        if elsewhere is None:
+            raise InputError(f"unknown {kind} id {name!r} for user {draft.id!r}", where=at(path, line, key))
+        elsewhere.append((kind, name, at(path, line, key)))
+
     text = _get(q, "question", str, path, line, loc)
     if not text.strip():
         raise InputError("empty question (no text to embed)", where=at(path, line, f"{loc}.question"))
@@ -309,16 +318,15 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
         if t in draft.skipped_turns:
             skips.counts["gold_on_skipped"] += 1
         elif t not in draft.turn_where:
-            raise InputError(f"unknown turn id {t!r} for user {draft.id!r}",
-                             where=at(path, line, f"{loc}.gold_turn_ids[{j}]"))
+            unknown("turn", t, f"{loc}.gold_turn_ids[{j}]")
         else:
             gold_turns.append(t)
     gold_sessions = _id_list(q, "gold_session_ids", path, line, loc)
     for j, s in enumerate(gold_sessions):
         if s not in sessions:
-            raise InputError(f"unknown session id {s!r} for user {draft.id!r}",
-                             where=at(path, line, f"{loc}.gold_session_ids[{j}]"))
-        gold_turns.extend(t.id for t in sessions[s].turns)
+            unknown("session", s, f"{loc}.gold_session_ids[{j}]")
+        else:
+            gold_turns.extend(t.id for t in sessions[s].turns)
     abstention = _get(q, "abstention", bool, path, line, loc, required=False, default=False)
     return Query(qid, text, tuple(dict.fromkeys(gold_turns)),
                  category=str(_get(q, "category", (str, int), path, line, loc, required=False, default="")),
@@ -326,7 +334,8 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
                  abstention=abstention, gold_session_ids=gold_sessions)
 
 
-def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = ()) -> Dataset:
+def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = (),
+               gold_elsewhere: bool = False) -> Dataset:
     """Load a chat-history JSONL file (schema in the module docstring).
 
     ``Dataset.stats``: ``lines``, ``sessions``, ``turns``, ``questions``, ``no_gold``
@@ -334,6 +343,12 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     ``skipped`` (messages and parts skipped, per kind, and ``first_errors``).
     ``skip_invalid``: skip and count invalid messages (null, empty or too long) instead of
     raising. ``keep_roles``: roles of :data:`INSTRUCTION_ROLES` to keep as memories.
+    ``gold_elsewhere``: a gold turn or session id that no line of the file holds for the
+    question's user is kept aside in ``Dataset.gold_elsewhere`` with its ``file:line`` and key,
+    not refused: a day file appended to a store (``rmm-jax embed --into``) may name an earlier
+    day's turns, and :func:`~rmm_jax.data.store_append.append_store` looks them up in the store
+    (a question with only such gold does not count in ``no_gold``). Without it (the default,
+    and ``embed --out``), such an id is an error.
     """
     path = Path(path)
     bad = [r for r in keep_roles if r not in INSTRUCTION_ROLES]
@@ -343,6 +358,7 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     skips = _Skips(skip_invalid, tuple(keep_roles))
     drafts: dict[str, _UserDraft] = {}
     where: dict[tuple[str, str, str], str] = {}
+    elsewhere: dict[tuple[str, str], tuple] = {}
     lines = 0
     for line, obj in json_lines(path):
         lines += 1
@@ -372,17 +388,21 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
                              where=at(path, draft.line, "user_id"))
         sessions = {s.id: s for s in draft.sessions}
         seen: set[str] = set()
-        queries = tuple(_question(q, n, draft, sessions, path, line, loc, seen, skips)
-                        for n, (q, line, loc) in enumerate(draft.questions))
+        queries, aside = [], []
+        for n, (q, line, loc) in enumerate(draft.questions):
+            aside.append([] if gold_elsewhere else None)
+            queries.append(_question(q, n, draft, sessions, path, line, loc, seen, skips, aside[-1]))
+        elsewhere.update(((draft.id, q.id), tuple(a)) for q, a in zip(queries, aside) if a)
         where.update(((draft.id, "question", q.id), at(path, line, loc))
                      for q, (_, line, loc) in zip(queries, draft.questions))
-        users.append(User(draft.id, tuple(s for s in draft.sessions if s.turns), queries))
+        users.append(User(draft.id, tuple(s for s in draft.sessions if s.turns), tuple(queries)))
         stats["sessions"] += sum(1 for s in draft.sessions if s.turns)
         stats["turns"] += sum(len(s.turns) for s in draft.sessions)
         stats["questions"] += len(queries)
-        stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids and not q.abstention)
+        stats["no_gold"] += sum(1 for q in queries
+                                if not q.gold_turn_ids and not q.abstention and (draft.id, q.id) not in elsewhere)
         stats["abstention"] += sum(1 for q in queries if q.abstention)
-    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where)
+    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where, gold_elsewhere=elsewhere)
 
 
 # --------------------------------------------------------------------------- generator-call logs

@@ -125,6 +125,21 @@ def _add_user_rows(rows: _Rows, user: User, mems: list[MemoryUnit], bank: list[M
     rows.memories_per_user.append(len(mems))
 
 
+def _unknown_gold(user_id: str, entry: tuple[str, str, str], why: str = "") -> InputError:
+    """The error of one gold id a question names outside its file (an entry of
+    :attr:`~rmm_jax.data.types.Dataset.gold_elsewhere`: kind, id, file:line and key) that
+    nothing resolves: the ``jsonl:`` loader's own line, plus ``why`` in parentheses."""
+    kind, name, where = entry
+    return InputError(f"unknown {kind} id {name!r} for user {user_id!r}" + (f" ({why})" if why else ""), where=where)
+
+
+def _check_gold_in_file(dataset: Dataset) -> None:
+    """A new store has nothing but ``dataset`` to resolve gold in: gold a loader kept aside
+    (``gold_elsewhere``, for ``embed --into``) is the loader's own error."""
+    for (uid, _), entries in dataset.gold_elsewhere.items():
+        raise _unknown_gold(uid, entries[0])
+
+
 def _check_not_empty(dataset: Dataset, where: str) -> None:
     """A store needs users, and each user memories to retrieve from: an empty dataset, or a
     user without a turn (a conversation with no session), is refused in one line instead of
@@ -260,6 +275,7 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     where = spec or "dataset"
     t0 = time.perf_counter()
     _check_user_ids(dataset, where)
+    _check_gold_in_file(dataset)
     _check_not_empty(dataset, where)
     embed_fn = embedder.encode if granularity == "segment" else None
     rows = _build_rows(dataset, granularity, embed_fn, where, granularity_kwargs)

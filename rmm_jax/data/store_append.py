@@ -15,7 +15,12 @@ texts. What is **new**, for any dataset the loaders read (``jsonl:``, ``locomo:`
   give every session of a day file its own ``session_id`` (``jsonl:`` numbers sessions
   without one from 1 in each file, so two day files without ids collide);
 * a **question**, by its id within its user, likewise: new ones are appended with gold
-  over the user's whole bank, repeats skipped, a changed text is an error.
+  over the user's whole bank, repeats skipped, a changed text is an error. Its gold may
+  name turns and sessions of an earlier day: the ids its file does not hold
+  (``Dataset.gold_elsewhere``, kept by ``load_jsonl(..., gold_elsewhere=True)``) are looked
+  up in the store's memories of its user (their ``turn_ids`` and ``session_id``), and an id
+  neither holds is an error naming its file:line and key. A user the store does not hold
+  has only its file to name gold in.
 
 What stays: every existing user, memory and question keeps its id, its position in its
 user's bank (the rows of :meth:`rmm_jax.data.store.EmbeddingStore.user`) and its
@@ -43,6 +48,7 @@ from rmm_jax.data.store import (
     _check_user_ids,
     _jsonable,
     _Rows,
+    _unknown_gold,
     answer_texts,
     open_store,
     read_rows,
@@ -72,11 +78,37 @@ def _stored_units(rows: list[dict]) -> list[MemoryUnit]:
                        tuple(r.get("turn_ids") or ())) for r in rows]
 
 
+def _gold_in_store(user: User, old_mems: list[dict], aside: dict, store) -> User:
+    """``user`` with each question's gold ids that its file does not hold (``aside``:
+    ``Dataset.gold_elsewhere``) resolved in the store's memories of the user (``old_mems``) and
+    added after the file's gold: a turn id is gold when a memory lists it in ``turn_ids``, a
+    session id names every turn of its memories. An id the store does not hold either is one
+    line naming its file:line (``store``: the store's path, named in it)."""
+    if not any((user.id, q.id) in aside for q in user.queries):
+        return user
+    turns: set[str] = set()
+    sessions: dict[str, list[str]] = {}
+    for r in old_mems:
+        ids = [str(t) for t in r.get("turn_ids") or ()]
+        turns.update(ids)
+        sessions.setdefault(str(r.get("session_id")), []).extend(ids)
+    queries = []
+    for q in user.queries:
+        extra = []
+        for kind, name, where in aside.get((user.id, q.id), ()):
+            if name not in (turns if kind == "turn" else sessions):
+                raise _unknown_gold(user.id, (kind, name, where), f"neither this file nor STORE {store} holds it")
+            extra += [name] if kind == "turn" else sessions[name]
+        queries.append(dataclasses.replace(q, gold_turn_ids=tuple(dict.fromkeys(q.gold_turn_ids + tuple(extra))))
+                       if extra else q)
+    return dataclasses.replace(user, queries=tuple(queries))
+
+
 def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_queries: list[dict], where: str,
                counts: dict, located: dict) -> _Growth:
     """The new memories and questions of ``user`` against what the store holds of it. An
     error names the file:line of the session or question (``located``: ``Dataset.where``),
-    else ``where`` (the spec)."""
+    else ``where`` (the spec). Gold from the store is resolved already (:func:`_gold_in_store`)."""
     def loc(kind: str, name: str) -> str:
         return located.get((user.id, kind, name), where)
 
@@ -128,7 +160,13 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, l
     must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
     was added or skipped (``users``, ``sessions``, ``sessions_repeated``, ``memories``,
     ``queries``, ``queries_repeated``). The store's writer lock (:func:`store_writer`) is
-    held from reading the store to renaming the grown one into place."""
+    held from reading the store to renaming the grown one into place.
+
+    A question's gold may name turns and sessions of its user that the store holds and
+    ``dataset`` does not (``dataset.gold_elsewhere``, from ``load_jsonl(...,
+    gold_elsewhere=True)``): they become its ``gold_memory_ids`` as the dataset's own do. An id
+    the store does not hold for that user, or any such id of a user the store does not hold,
+    is an error naming its file:line and key, before anything is embedded or written."""
     if not Path(path).is_dir():
         return _append(path, dataset, embedder, spec, log)       # open_store's one-line error
     with store_writer(path):
@@ -148,6 +186,7 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
         raise InputError("a log's memories need no store append: replay and evaluate embed what the store lacks "
                          "from the records' texts", where=where)
     _check_user_ids(dataset, where)
+    aside = dataset.gold_elsewhere
     counts = dict.fromkeys(("users", "sessions", "sessions_repeated", "memories", "queries", "queries_repeated"), 0)
     c = st.manifest["counts"]
     growth: dict[str, _Growth] = {}
@@ -159,8 +198,13 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
                                   r["mem_end"])
             old_q = st._row_slice("queries.jsonl", c["queries"], ("user", "id", "text", "gold_memory_ids"),
                                   r["query_start"], r["query_end"])
-            g = _grow_user(u, mems, old_m, old_q, where, counts, dataset.where)
+            g = _grow_user(_gold_in_store(u, old_m, aside, path), mems, old_m, old_q, where, counts,
+                           dataset.where)
         else:
+            for q in u.queries:                     # a new user's gold is in its file (load_jsonl's rule)
+                for entry in aside.get((u.id, q.id), ())[:1]:
+                    raise _unknown_gold(u.id, entry, f"this file holds no such {entry[0]}, and STORE {path} holds "
+                                                     f"no user {u.id!r}")
             g = _Growth(u, mems, mems)
             if g.user.queries and not g.memories:   # as write_store refuses it: nothing to retrieve from
                 raise InputError(f"user {u.id!r} has no turn to embed (no session with a message): a user needs "

@@ -60,6 +60,11 @@ class Dataset:
     # {(user id, "session", id) or (user id, "question", id): "file:line: key 'k'"}; loaders
     # without line numbers leave it empty
     where: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # gold a question names outside its own file, kept aside by a loader asked to
+    # (`load_jsonl(..., gold_elsewhere=True)`, for `embed --into`, which looks the ids up in the
+    # store): {(user id, question id): (("turn" or "session", id, "file:line: key 'k'"), ...)};
+    # empty otherwise, and a store is written only from a dataset where it is empty
+    gold_elsewhere: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
