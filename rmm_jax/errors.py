@@ -61,10 +61,23 @@ def named(name: str, value=None) -> str:
     ...     named("k", 3), named("clip"), named("relearn", True)
     ('--k 3', 'clip', '--relearn')
     """
-    given = _WORDING.get().get(name)
+    given = option_of(name)
     if given is None:
         return name if value is None else f"{name}={value}"
     return given if value is None or value is True else f"{given} {value}"
+
+
+def option_of(name: str) -> str | None:
+    """What argument ``name`` was given as, inside a :func:`worded` that maps it (the CLI's
+    ``--queries``), else None: for a message whose wording differs beyond :func:`named`'s.
+
+    >>> with worded({"queries": "--queries"}):
+    ...     option_of("queries")
+    '--queries'
+    >>> option_of("queries") is None
+    True
+    """
+    return _WORDING.get().get(name)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from rmm_jax.data.citations import answer_support
 from rmm_jax.data.dialogue import dialogue_pairs
 from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import retrieve_candidates, top_k
-from rmm_jax.errors import InputError, named
+from rmm_jax.errors import InputError, named, option_of
 from rmm_jax.persist.learned_calls import WINDOW, Calls, LearnedCalls
 
 
@@ -348,8 +348,8 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
     counts = [store.query_count(u) for u in ids]
     if not any(len(range(n)[slice(*queries)]) for n in counts):     # before anything is written
         held = "the store holds no questions for " + ("these users" if users else "any user")
-        option = named("queries")
-        given = f"that {option} range" if option.startswith("--") else named("queries", tuple(queries))
+        option = option_of("queries")
+        given = f"that {option} range" if option else named("queries", tuple(queries))
         raise InputError(held if not any(counts) else f"no user has a question in {given}", where=str(store.path))
 
     def build(u):

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from rmm_jax.errors import InputError, named
+from rmm_jax.errors import InputError, named, option_of
 from rmm_jax.persist import checksums
 from rmm_jax.persist.atomic import atomic_file, fsync_dir, remove_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
@@ -145,7 +145,6 @@ class RunState:
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
-        self.resume_as = named("resume", True)   # how messages name `resume` (the CLI's --resume)
         self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error)
 
     @staticmethod
@@ -208,7 +207,7 @@ class RunState:
         The errors and notes name ``resume`` as :func:`rmm_jax.errors.named` does (``resume=True``;
         the CLI's ``--resume``)."""
         rs = cls(cls.path_for(target), command, fingerprint, notify)
-        resume_as = rs.resume_as
+        resume_as = named("resume", True)           # resume=True, or the CLI's --resume
         rs._lock()
         try:
             snaps = rs._snapshots()
@@ -373,8 +372,9 @@ class RunState:
         if doc.get("format") != FORMAT or doc.get("format_version") not in READS_FORMAT_VERSIONS:
             raise ValueError(f"not a {FORMAT} checkpoint of format {READS_FORMAT_VERSIONS}")
         if doc["command"] != self.command:
-            how = (f"`{doc['command']} {self.resume_as}`" if self.resume_as.startswith("--")
-                   else f"a `{doc['command']}` run with {self.resume_as}")
+            option = option_of("resume")             # read within begin(), under its caller's wording
+            how = (f"`{doc['command']} {option}`" if option
+                   else f"a `{doc['command']}` run with {named('resume', True)}")
             raise InputError(f"holds an interrupted `{doc['command']}` run, not `{self.command}`; finish it "
                              f"with {how}, or remove {self.path}", where=str(self.path))
         check_fingerprint(doc["fingerprint"], self.fingerprint, self.path)
