@@ -300,8 +300,7 @@ def test_every_file_of_an_embedding_store_was_fsynced_before_its_rename(tmp_path
     from conftest import FakeEmbedder
 
     from rmm_jax.data import load_spec
-    from rmm_jax.data.store import write_store
-    from rmm_jax.data.store_append import append_store
+    from rmm_jax.data.store import append_store, write_store
     synced, unsynced = _fsync_probe(monkeypatch, tmp_path)
     store = tmp_path / "store"
     write_store(store, load_spec("synthetic:users=2,sessions=2"), "turn", FakeEmbedder(8), answers=True)

@@ -393,7 +393,7 @@ def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
     options of `rmm-jax embed`, to a Python caller who gave none. They name the argument
     (model, granularity, embedder, model_id, path); `embed` still names its option
     (tests/test_cli_embed_retrieve.py, tests/test_bad_input.py)."""
-    from rmm_jax.data.store_append import append_store, check_model
+    from rmm_jax.data.store import append_store, check_model
 
     class NaNs(FakeEmbedder):
         def encode(self, texts, desc=""):
@@ -419,7 +419,7 @@ def test_the_progress_lines_say_1_user_not_1_users(tmp_path):
     """write_store's line said "1 users, ..." and append_store's "new: 1 users, 1 sessions
     (...)": the data layer cannot import the CLI's count, so it spelt every plural out.
     They share rmm_jax.data.words.count with the CLI now."""
-    from rmm_jax.data.store_append import append_store
+    from rmm_jax.data.store import append_store
 
     data = tiny_dataset()
     alice, bob = data.users

@@ -29,8 +29,7 @@ from rmm_jax.core.update import importance_weights
 from rmm_jax.data import embed as embed_mod
 from rmm_jax.data import load_spec
 from rmm_jax.data.citation_log import pl_log_prob, read_log, timestamp_seconds, validate_record
-from rmm_jax.data.store import open_store, write_store
-from rmm_jax.data.store_append import append_store
+from rmm_jax.data.store import append_store, open_store, write_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.driver import ChunkDone, SegmentDone, drive
 from rmm_jax.online.loop import make_run
@@ -702,7 +701,7 @@ def test_a_kill_mid_append_leaves_the_old_store(tmp_path, days):
         import sys, time
         sys.path.insert(0, {str(REPO / 'tests')!r})
         from conftest import FakeEmbedder
-        import rmm_jax.data.store_append as sa
+        import rmm_jax.data.store._append as sa
         from rmm_jax.data import load_spec
         real = sa._put
         def slow(*a):

@@ -27,8 +27,7 @@ from rmm_jax.data.granularity import (
     check_threshold,
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
-from rmm_jax.data.store import is_store, open_store, write_store
-from rmm_jax.data.store_append import append_store, check_model
+from rmm_jax.data.store import append_store, check_model, is_store, open_store, write_store
 from rmm_jax.errors import InputError
 
 # the API names its arguments; the errors of those this command's options give name the option

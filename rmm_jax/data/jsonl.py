@@ -85,7 +85,7 @@ left with none is an error.
 Gold is the union of ``gold_turn_ids`` and the turns of ``gold_session_ids``; ids must
 name turns or sessions of the same user (on any line), unless ``gold_elsewhere`` (``rmm-jax
 embed --into``) keeps the others aside for the store to resolve: an earlier day's turns and
-sessions (:func:`~rmm_jax.data.store_append.append_store`). A question without gold is
+sessions (:func:`~rmm_jax.data.store.append_store`). A question without gold is
 kept (it can be embedded, retrieved and logged) but metrics that need gold skip it;
 ``Dataset.stats["no_gold"]`` counts them and ``rmm-jax embed`` prints a note. Unknown
 keys are ignored. Every problem is one :class:`~rmm_jax.errors.InputError` line naming
@@ -346,7 +346,7 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     ``gold_elsewhere``: a gold turn or session id that no line of the file holds for the
     question's user is kept aside in ``Dataset.gold_elsewhere`` with its ``file:line`` and key,
     not refused: a day file appended to a store (``rmm-jax embed --into``) may name an earlier
-    day's turns, and :func:`~rmm_jax.data.store_append.append_store` looks them up in the store
+    day's turns, and :func:`~rmm_jax.data.store.append_store` looks them up in the store
     (a question with only such gold does not count in ``no_gold``). Without it (the default,
     and ``embed --out``), such an id is an error.
     """

@@ -42,7 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from rmm_jax.data.granularity import build_memories
-from rmm_jax.data.store import (
+from rmm_jax.data.store._read import open_store, read_rows
+from rmm_jax.data.store._write import (
     _add_user_rows,
     _assemble_arrays,
     _check_user_ids,
@@ -50,8 +51,6 @@ from rmm_jax.data.store import (
     _Rows,
     _unknown_gold,
     answer_texts,
-    open_store,
-    read_rows,
     store_writer,
 )
 from rmm_jax.data.types import Dataset, MemoryUnit, User
