@@ -23,17 +23,15 @@ from rmm_jax.data.citations import (
     P_OTHER,
     P_USEFUL,
     POSITION_DECAY,
-    RMM_PROMPT_TEMPLATE,
     SPURIOUS,
     answer_support,
     class_cite,
     false_cite_prob,
-    format_prompt,
     oracle,
     oracle_cite,
-    parse_citations,
     position_oracle,
 )
+from rmm_jax.data.prompt import RMM_PROMPT_TEMPLATE, format_prompt, parse_citations
 from rmm_jax.errors import InputError
 
 M = 8

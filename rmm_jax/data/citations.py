@@ -1,4 +1,4 @@
-"""Citations: simulating them, parsing them, and asking for them.
+"""Simulated citations: what a generator would cite, without an LLM.
 
 In RMM (Tan et al., ACL 2025) the generator LLM sees the ``M`` memories the reranker
 selected, answers the user and, in the same call, cites the memories it used. A cited
@@ -13,11 +13,10 @@ update). This module provides the pieces around that signal, without an LLM:
   slot;
 * :func:`answer_support` - a label-free notion of "useful": the candidates that support
   the dataset's reference answer, by embedding similarity (host side, precomputed);
-* :func:`oracle_cite` - the precision/recall simulator (``--precision/--recall``);
-* :func:`parse_citations` - turns a generator's inline citations (``[1, 3]``,
-  ``[Memory 2]``, ``[M1][M3]``, ``[NO_CITE]``) into 0-based positions;
-* :data:`RMM_PROMPT_TEMPLATE` / :func:`format_prompt` - the one-call
-  "answer, then cite" prompt.
+* :func:`oracle_cite` - the precision/recall simulator (``--precision/--recall``).
+
+A real generator's side, the prompt that asks for citations and the parser that reads
+them back, is :mod:`rmm_jax.data.prompt`.
 
 Every simulator is a ``cite_fn(key, is_gold (M,) bool, filled (M,) bool) -> cited (M,)
 bool`` with its rates bound (the :data:`rmm_jax.core.update.CiteFn` contract): slots
@@ -159,8 +158,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import re
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -175,20 +172,16 @@ __all__ = [
     "DEFAULT_RECALL",
     "JUDGE_TABLE",
     "JUDGE_USEFUL_SHARE",
-    "NO_CITE",
     "P_OTHER",
     "P_USEFUL",
     "POSITION_DECAY",
-    "RMM_PROMPT_TEMPLATE",
     "SPURIOUS",
     "answer_support",
     "check_rate",
     "class_cite",
     "false_cite_prob",
-    "format_prompt",
     "oracle",
     "oracle_cite",
-    "parse_citations",
     "position_oracle",
 ]
 
@@ -196,8 +189,6 @@ __all__ = [
 DEFAULT_PRECISION = 0.876
 #: Citation recall against an LLM judge measured in the RMM paper.
 DEFAULT_RECALL = 0.858
-#: The token a generator emits when no memory was useful.
-NO_CITE = "[NO_CITE]"
 
 #: The paper's citation/judge agreement table, per class: (precision, recall).
 JUDGE_TABLE = {"useful": (0.894, 0.911), "not_useful": (0.872, 0.846), "overall": (0.876, 0.858)}
@@ -447,101 +438,3 @@ def answer_support(qa_emb, bank, cand, cand_mask, *, top_c: int | None = ANSWER_
         np.put_along_axis(rank, order, np.arange(sim.shape[1])[None, :], axis=1)
         out &= rank < top_c
     return out
-
-
-# ---------------------------------------------------------------------------
-# Parsing inline citations
-# ---------------------------------------------------------------------------
-
-_GROUP = re.compile(r"\[([^\[\]]*)\]")
-_ITEM = re.compile(r"\s*(?:memory\s*|m\s*)?([0-9]+)\s*", re.IGNORECASE | re.ASCII)
-_NO_CITE = re.compile(r"\s*no[_ ]?cite\s*", re.IGNORECASE)
-_SEP = re.compile(r"[,;]")
-
-
-def parse_citations(text: str, num_shown: int) -> tuple[int, ...]:
-    """0-based positions of the memories cited in ``text``, first appearance first.
-
-    A citation is a bracket group whose comma- (or semicolon-) separated items are all
-    citation tokens: ``N``, ``Memory N``, ``MemoryN``, ``M N`` or ``MN`` (case-insensitive,
-    ``N`` 1-based). Accepted examples: ``[1]``, ``[2, 3]``, ``[1,2]``, ``[Memory 3]``,
-    ``[memory 3]``, ``[M2]``, ``[m2]``, ``[Memory 1, Memory 4]``, ``[M1][M3]``. A group
-    with any other item (``[see above]``, ``[1, foo]``) is not a citation and is ignored
-    whole. ``[NO_CITE]`` contributes nothing, so a reply citing nothing returns ``()``.
-
-    Numbers outside ``1..num_shown`` are ignored (so years such as ``[2023]`` do not
-    count); repeated citations are kept once, at their first position.
-    """
-    if not isinstance(text, str):
-        raise InputError(f"must be a str, got {type(text).__name__}", where="argument 'text'")
-    if isinstance(num_shown, bool) or not isinstance(num_shown, numbers.Integral) or num_shown < 0:
-        raise InputError(f"must be a non-negative int, got {num_shown!r}",
-                         where="argument 'num_shown'")
-    num_shown = int(num_shown)
-    seen: dict[int, None] = {}
-    for group in _GROUP.finditer(text):
-        body = group.group(1)
-        if _NO_CITE.fullmatch(body):
-            continue
-        numbers_in_group = []
-        for item in _SEP.split(body):
-            m = _ITEM.fullmatch(item)
-            if m is None:
-                numbers_in_group = None
-                break
-            numbers_in_group.append(int(m.group(1)))
-        if not numbers_in_group:
-            continue
-        for n in numbers_in_group:
-            if 1 <= n <= num_shown:
-                seen.setdefault(n - 1, None)
-    return tuple(seen)
-
-
-# ---------------------------------------------------------------------------
-# Prompt
-# ---------------------------------------------------------------------------
-
-RMM_PROMPT_TEMPLATE = """\
-You are a helpful assistant with a long-term memory of your past conversations with \
-this user. Below are memories retrieved for the user's current message, each numbered.
-
-{memories}
-
-User: {query}
-
-Instructions:
-1. Answer the user's message. Use the memories only where they are relevant; if none \
-is, answer from the conversation alone.
-2. After your answer, on a final line of its own, cite the memories you actually used \
-by their numbers, e.g. "Citations: [1, 3]". Cite only memories that contributed to the \
-answer. If no memory was useful, write "Citations: [NO_CITE]".
-
-Response:"""
-"""Prompt for RMM's one-call "answer, then cite" generator.
-
-Placeholders: ``{memories}`` - the selected memories, one per line, numbered from 1 in
-the order the reranker chose (``Memory [1]: ...``); ``{query}`` - the user's message.
-The reply ends with a line ``Citations: [i, j]`` or ``Citations: [NO_CITE]``, which
-:func:`parse_citations` turns into 0-based positions among the shown memories. Fill it
-with :func:`format_prompt`.
-"""
-
-
-def format_prompt(query: str, memories: Sequence[str]) -> str:
-    """Fill :data:`RMM_PROMPT_TEMPLATE`: memories numbered ``Memory [1]: ...`` in order.
-
-    With no memories the block reads ``(no memories)`` and the generator is expected
-    to answer ``[NO_CITE]``.
-    """
-    if not isinstance(query, str):
-        raise InputError(f"must be a str, got {type(query).__name__}", where="argument 'query'")
-    if isinstance(memories, str) or not isinstance(memories, Sequence):
-        raise InputError(f"must be a list of str, got {type(memories).__name__}",
-                         where="argument 'memories'")
-    for i, mem in enumerate(memories):
-        if not isinstance(mem, str):
-            raise InputError(f"item {i} is {type(mem).__name__}, expected str",
-                             where="argument 'memories'")
-    block = "\n".join(f"Memory [{i}]: {mem}" for i, mem in enumerate(memories, start=1))
-    return RMM_PROMPT_TEMPLATE.format(memories=block or "(no memories)", query=query)
