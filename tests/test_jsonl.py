@@ -17,7 +17,8 @@ from conftest import REPO, run_cli
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.data import load_spec
 from rmm_jax.data.citation_log import LogRecord, pl_log_prob, pl_tolerance, read_log, record_to_json, validate_record
-from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS, PART_SEPARATOR, load_jsonl, load_log_dataset
+from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS, PART_SEPARATOR, load_jsonl
+from rmm_jax.data.log_dataset import load_log_dataset
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_store import PolicyStore

@@ -7,12 +7,13 @@ Modules (each imports only :mod:`rmm_jax.core`, :mod:`rmm_jax.persist`,
   :mod:`~rmm_jax.data.locomo`, :mod:`~rmm_jax.data.longmemeval`,
   :mod:`~rmm_jax.data.synthetic` - the loaders, over the checked JSON reads of
   :mod:`~rmm_jax.data.json_fields`; :mod:`~rmm_jax.data.jsonl` - your own chat
-  histories and generator-call logs;
+  histories; :mod:`~rmm_jax.data.log_dataset` - your generator-call logs;
 * :mod:`~rmm_jax.data.granularity` - memory units per turn, session or topic segment;
 * :mod:`~rmm_jax.data.embed` - sentence embeddings with a disk cache;
 * :mod:`~rmm_jax.data.store` - the embedding store on disk;
 * :mod:`~rmm_jax.data.retrieval` - exact dense top-k in JAX;
-* :mod:`~rmm_jax.data.citations` - the oracle citation simulator, citation parser, prompt;
+* :mod:`~rmm_jax.data.citations` - the citation simulators;
+  :mod:`~rmm_jax.data.prompt` - a real generator's prompt and its citations read back;
 * :mod:`~rmm_jax.data.citation_log` - the citation log (JSONL): schema, reader, writer.
 
 This package itself exports the dataset side. A dataset is named on the command line
@@ -39,8 +40,9 @@ from rmm_jax.data.granularity import (
     Topic,
     build_memories,
 )
-from rmm_jax.data.jsonl import load_jsonl, load_log_dataset, parse_log_spec
+from rmm_jax.data.jsonl import load_jsonl
 from rmm_jax.data.locomo import load_locomo
+from rmm_jax.data.log_dataset import load_log_dataset, parse_log_spec
 from rmm_jax.data.longmemeval import DEFAULT_GOLD_LEVEL, GOLD_LEVELS, load_longmemeval
 from rmm_jax.data.synthetic import make_synthetic, parse_synthetic_spec
 from rmm_jax.data.types import Dataset, MemoryUnit, Query, Session, Turn, User, gold_matrix

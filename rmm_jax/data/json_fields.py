@@ -13,7 +13,8 @@ from typing import Any
 
 from rmm_jax.errors import InputError, at
 
-__all__ = ["check_surrogates", "expect", "field", "json_type", "read_json", "scalar_text"]
+__all__ = ["check_surrogates", "expect", "field", "json_type", "line_id", "line_ids", "line_key", "line_object",
+           "line_stamp", "read_json", "scalar_text"]
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "a boolean",
@@ -98,3 +99,47 @@ def scalar_text(value: Any) -> str | None:
     if value is None:
         return None
     return value if isinstance(value, str) else json.dumps(value)
+
+
+# --------------------------------------------------------------------------- one JSONL line's object
+def line_key(obj: dict, key: str, kinds, path, line: int, loc: str, *, required: bool = True, default=None):
+    """``obj[key]`` of the object at ``path:line`` (``loc``: where ``obj`` sits in it) checked
+    for type (``null`` counts as absent for optional keys)."""
+    full = f"{loc}.{key}" if loc else key
+    if key not in obj or (obj[key] is None and not required):
+        if required:
+            raise InputError("missing key", where=at(path, line, full))
+        return default
+    return expect(obj[key], kinds, path, full, line)
+
+
+def line_object(obj: Any, path, line: int) -> dict:
+    """A JSONL line's value, which must be an object."""
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {json_type(obj)}", where=at(path, line))
+    return obj
+
+
+def line_id(value: Any, path, line: int, key: str) -> str:
+    """An id: a non-empty string."""
+    value = expect(value, str, path, key, line)
+    if not value:
+        raise InputError("must be a non-empty string", where=at(path, line, key))
+    return value
+
+
+def line_ids(obj: dict, key: str, path, line: int, loc: str) -> tuple[str, ...]:
+    """An optional list of distinct ids (empty when absent)."""
+    full = f"{loc}.{key}"
+    items = line_key(obj, key, list, path, line, loc, required=False, default=[])
+    out = tuple(line_id(v, path, line, f"{full}[{i}]") for i, v in enumerate(items))
+    if len(set(out)) != len(out):
+        dup = next(v for v in out if out.count(v) > 1)
+        raise InputError(f"duplicate id {dup!r}", where=at(path, line, full))
+    return out
+
+
+def line_stamp(obj: dict, key: str, path, line: int, loc: str) -> str | None:
+    """An optional timestamp (string or number), kept as text."""
+    value = line_key(obj, key, (str, int, float), path, line, loc, required=False)
+    return None if value is None else str(value)

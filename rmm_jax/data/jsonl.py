@@ -1,7 +1,6 @@
-"""Bring your own data: chat histories (``jsonl:PATH``) and generator-call logs (``log:PATH``).
-
-Two loaders that turn a team's own files into a :class:`~rmm_jax.data.types.Dataset`,
-so that ``rmm-jax embed`` can build an embedding store from them.
+"""Bring your own chats: chat histories (``jsonl:PATH``) as a :class:`~rmm_jax.data.types.Dataset`,
+so that ``rmm-jax embed`` can build an embedding store from them. A team's generator-call
+logs (``log:PATH``) are :mod:`rmm_jax.data.log_dataset`.
 
 Chat histories: ``jsonl:PATH``
 ------------------------------
@@ -91,49 +90,19 @@ kept (it can be embedded, retrieved and logged) but metrics that need gold skip 
 keys are ignored. Every problem is one :class:`~rmm_jax.errors.InputError` line naming
 ``file:line`` and the key, e.g. ``chats.jsonl:3: key 'sessions[0].messages[2].content':
 expected a string, got a number``.
-
-Generator-call logs: ``log:PATH[,memories=MEMS]``
--------------------------------------------------
-A citation log (:mod:`rmm_jax.data.citation_log`) whose records carry text: the query
-text (key ``query``) and the candidates' texts (``candidates`` as ``{"id", "text"}``
-objects), or texts from a separate memories file ``MEMS``, one JSON object per line::
-
-    {"user_id": "alice", "id": "s1:0", "text": "user: I adopted a puppy named Max.",
-     "session_id": "s1", "timestamp": "2024-05-01"}
-
-(``session_id`` and ``timestamp`` optional). Each user's memory bank is the memories of
-the memories file, then every candidate of the log, in order of first appearance; each
-logged call becomes one query and, when the record has ``gold``, those memories as gold.
-The query is named by the record's ``query_id``, else its ``call_id`` (what ``rmm-jax
-rerank`` writes), else its ``query`` text; two calls of a user that name the same query are
-an error naming the second's ``file:line``. The memory ids are kept as logged, so the same
-log replays on the store (``rmm-jax replay STORE --log PATH``). A memory whose text differs
-between two places, a call without ``query`` text (or with only whitespace) and a
-candidate or a memories-file line without text (or with only whitespace) are errors
-naming ``file:line`` and the key.
-
-A gold id that names a memory no record carries (the gold was never retrieved, so the log
-has no text for it) cannot be a memory of the store: it is dropped from its question's gold
-and counted (``Dataset.stats["gold_without_text"]``, with the first few as ``file:line``
-in ``gold_without_text_first``). Recall on the store then counts only the gold it holds, and
-a question left with none is a question without gold (``no_gold``). Give those memories'
-texts in the memories file to keep them.
 """
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
-from rmm_jax.data.citation_log import iter_numbered, json_lines
-from rmm_jax.data.json_fields import expect, json_type, scalar_text
+from rmm_jax.data.citation_log import json_lines
+from rmm_jax.data.json_fields import expect, line_id, line_ids, line_key, line_object, line_stamp, scalar_text
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
-__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl", "load_log_dataset",
-           "parse_log_spec"]
+__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl"]
 
-LOG_SESSION = "log"  # the session of log memories that name none
 MAX_MESSAGE_CHARS = 16_000  # longer content is invalid (see the module docstring)
 PART_SEPARATOR = "\n"       # joins the text parts of a list content
 TOOL_ROLES = ("tool", "function")
@@ -141,45 +110,6 @@ INSTRUCTION_ROLES = ("system", "developer")  # left out of memories unless kept 
 SKIP_COUNTS = ("tool_results", "tool_calls", "instructions", "no_text", "non_text_parts", "null_content", "empty",
                "too_long", "gold_on_skipped")
 MAX_FIRST_ERRORS = 5
-
-
-# --------------------------------------------------------------------------- checked reads
-def _get(obj: dict, key: str, kinds, path, line: int, loc: str, *, required: bool = True, default=None):
-    """``obj[key]`` checked for type (``null`` counts as absent for optional keys)."""
-    full = f"{loc}.{key}" if loc else key
-    if key not in obj or (obj[key] is None and not required):
-        if required:
-            raise InputError("missing key", where=at(path, line, full))
-        return default
-    return expect(obj[key], kinds, path, full, line)
-
-
-def _line_object(obj: Any, path, line: int) -> dict:
-    if not isinstance(obj, dict):
-        raise InputError(f"expected a JSON object, got {json_type(obj)}", where=at(path, line))
-    return obj
-
-
-def _id_str(value: Any, path, line: int, key: str) -> str:
-    value = expect(value, str, path, key, line)
-    if not value:
-        raise InputError("must be a non-empty string", where=at(path, line, key))
-    return value
-
-
-def _id_list(obj: dict, key: str, path, line: int, loc: str) -> tuple[str, ...]:
-    full = f"{loc}.{key}"
-    items = _get(obj, key, list, path, line, loc, required=False, default=[])
-    out = tuple(_id_str(v, path, line, f"{full}[{i}]") for i, v in enumerate(items))
-    if len(set(out)) != len(out):
-        dup = next(v for v in out if out.count(v) > 1)
-        raise InputError(f"duplicate id {dup!r}", where=at(path, line, full))
-    return out
-
-
-def _stamp(obj: dict, key: str, path, line: int, loc: str) -> str | None:
-    value = _get(obj, key, (str, int, float), path, line, loc, required=False)
-    return None if value is None else str(value)
 
 
 # --------------------------------------------------------------------------- chat histories
@@ -219,7 +149,7 @@ class _Skips:
 
 def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str | None:
     """The text of one message, or None when it is skipped (counted in ``skips``)."""
-    role = _id_str(_get(msg, "role", str, path, line, tloc), path, line, f"{tloc}.role")
+    role = line_id(line_key(msg, "role", str, path, line, tloc), path, line, f"{tloc}.role")
     if role in TOOL_ROLES:
         skips.counts["tool_results"] += 1
         return None
@@ -241,9 +171,9 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
         for j, part in enumerate(content):
             ploc = f"{key}[{j}]"
             expect(part, dict, path, ploc, line)
-            kind = _id_str(_get(part, "type", str, path, line, ploc), path, line, f"{ploc}.type")
+            kind = line_id(line_key(part, "type", str, path, line, ploc), path, line, f"{ploc}.type")
             if kind == "text":
-                texts.append(_get(part, "text", str, path, line, ploc))
+                texts.append(line_key(part, "text", str, path, line, ploc))
             else:
                 skips.counts["non_text_parts"] += 1
         if content and not texts:
@@ -264,14 +194,14 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
 
 def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Skips) -> Session:
     n = len(draft.sessions) + 1
-    sid = _get(obj, "session_id", str, path, line, loc, required=False)
-    sid = f"session_{n}" if sid is None else _id_str(sid, path, line, f"{loc}.session_id" if loc else "session_id")
+    sid = line_key(obj, "session_id", str, path, line, loc, required=False)
+    sid = f"session_{n}" if sid is None else line_id(sid, path, line, f"{loc}.session_id" if loc else "session_id")
     if sid in draft.session_ids:
         raise InputError(f"duplicate session id {sid!r} for user {draft.id!r}",
                          where=at(path, line, f"{loc}.session_id" if loc else "session_id"))
-    stamp = _stamp(obj, "timestamp", path, line, loc)
+    stamp = line_stamp(obj, "timestamp", path, line, loc)
     mloc = f"{loc}.messages" if loc else "messages"
-    messages = _get(obj, "messages", list, path, line, loc)
+    messages = line_key(obj, "messages", list, path, line, loc)
     if not messages:
         raise InputError("must be a non-empty list", where=at(path, line, mloc))
     turns = []
@@ -280,9 +210,9 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Sk
         expect(msg, dict, path, tloc, line)
         content = _message_text(msg, path, line, tloc, skips)
         role = msg["role"]
-        name = _get(msg, "name", str, path, line, tloc, required=False)
-        tid = _get(msg, "id", str, path, line, tloc, required=False)
-        tid = f"{sid}:{i}" if tid is None else _id_str(tid, path, line, f"{tloc}.id")
+        name = line_key(msg, "name", str, path, line, tloc, required=False)
+        tid = line_key(msg, "id", str, path, line, tloc, required=False)
+        tid = f"{sid}:{i}" if tid is None else line_id(tid, path, line, f"{tloc}.id")
         if tid in draft.turn_where or tid in draft.skipped_turns:
             first = f" (first at {draft.turn_where[tid]})" if tid in draft.turn_where else ""
             raise InputError(f"duplicate turn id {tid!r} for user {draft.id!r}{first}",
@@ -305,32 +235,32 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
             raise InputError(f"unknown {kind} id {name!r} for user {draft.id!r}", where=at(path, line, key))
         elsewhere.append((kind, name, at(path, line, key)))
 
-    text = _get(q, "question", str, path, line, loc)
+    text = line_key(q, "question", str, path, line, loc)
     if not text.strip():
         raise InputError("empty question (no text to embed)", where=at(path, line, f"{loc}.question"))
-    qid = _get(q, "id", (str, int), path, line, loc, required=False)
-    qid = f"q{n}" if qid is None else (str(qid) if not isinstance(qid, str) else _id_str(qid, path, line, f"{loc}.id"))
+    qid = line_key(q, "id", (str, int), path, line, loc, required=False)
+    qid = f"q{n}" if qid is None else (str(qid) if not isinstance(qid, str) else line_id(qid, path, line, f"{loc}.id"))
     if qid in seen:
         raise InputError(f"duplicate question id {qid!r} for user {draft.id!r}", where=at(path, line, f"{loc}.id"))
     seen.add(qid)
     gold_turns = []
-    for j, t in enumerate(_id_list(q, "gold_turn_ids", path, line, loc)):
+    for j, t in enumerate(line_ids(q, "gold_turn_ids", path, line, loc)):
         if t in draft.skipped_turns:
             skips.counts["gold_on_skipped"] += 1
         elif t not in draft.turn_where:
             unknown("turn", t, f"{loc}.gold_turn_ids[{j}]")
         else:
             gold_turns.append(t)
-    gold_sessions = _id_list(q, "gold_session_ids", path, line, loc)
+    gold_sessions = line_ids(q, "gold_session_ids", path, line, loc)
     for j, s in enumerate(gold_sessions):
         if s not in sessions:
             unknown("session", s, f"{loc}.gold_session_ids[{j}]")
         else:
             gold_turns.extend(t.id for t in sessions[s].turns)
-    abstention = _get(q, "abstention", bool, path, line, loc, required=False, default=False)
+    abstention = line_key(q, "abstention", bool, path, line, loc, required=False, default=False)
     return Query(qid, text, tuple(dict.fromkeys(gold_turns)),
-                 category=str(_get(q, "category", (str, int), path, line, loc, required=False, default="")),
-                 date=_stamp(q, "date", path, line, loc), answer=scalar_text(q.get("answer")),
+                 category=str(line_key(q, "category", (str, int), path, line, loc, required=False, default="")),
+                 date=line_stamp(q, "date", path, line, loc), answer=scalar_text(q.get("answer")),
                  abstention=abstention, gold_session_ids=gold_sessions)
 
 
@@ -362,8 +292,8 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     lines = 0
     for line, obj in json_lines(path):
         lines += 1
-        _line_object(obj, path, line)
-        uid = _id_str(_get(obj, "user_id", str, path, line, ""), path, line, "user_id")
+        line_object(obj, path, line)
+        uid = line_id(line_key(obj, "user_id", str, path, line, ""), path, line, "user_id")
         has_sessions, has_messages = "sessions" in obj, "messages" in obj
         if has_sessions == has_messages:
             raise InputError("a line holds either a user ('sessions') or one session ('messages')"
@@ -371,14 +301,14 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
                              where=at(path, line, "sessions" if has_sessions else "messages"))
         draft = drafts.setdefault(uid, _UserDraft(uid, line))
         if has_sessions:
-            for j, s in enumerate(_get(obj, "sessions", list, path, line, "")):
+            for j, s in enumerate(line_key(obj, "sessions", list, path, line, "")):
                 draft.sessions.append(_session(expect(s, dict, path, f"sessions[{j}]", line), draft, path, line,
                                                f"sessions[{j}]", skips))
                 where[(uid, "session", draft.sessions[-1].id)] = at(path, line, f"sessions[{j}]")
         else:
             draft.sessions.append(_session(obj, draft, path, line, "", skips))
             where[(uid, "session", draft.sessions[-1].id)] = at(path, line)
-        for j, q in enumerate(_get(obj, "questions", list, path, line, "", required=False, default=[])):
+        for j, q in enumerate(line_key(obj, "questions", list, path, line, "", required=False, default=[])):
             draft.questions.append((expect(q, dict, path, f"questions[{j}]", line), line, f"questions[{j}]"))
     users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
     for draft in drafts.values():
@@ -403,126 +333,3 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
                                 if not q.gold_turn_ids and not q.abstention and (draft.id, q.id) not in elsewhere)
         stats["abstention"] += sum(1 for q in queries if q.abstention)
     return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where, gold_elsewhere=elsewhere)
-
-
-# --------------------------------------------------------------------------- generator-call logs
-def parse_log_spec(rest: str) -> tuple[str, str | None]:
-    """``CALLS[,memories=MEMS]`` -> ``(calls path, memories path or None)``."""
-    head, sep, tail = rest.rpartition(",memories=")
-    if not sep:
-        return rest, None
-    if not head or not tail:
-        raise InputError("expected log:CALLS.jsonl[,memories=MEMORIES.jsonl]", where=f"SPEC 'log:{rest}'")
-    return head, tail
-
-
-class _Bank:
-    """One user's memories: id -> (text, session, timestamp), with where each text came from."""
-
-    def __init__(self):
-        self.rows: dict[str, tuple[str, str, str | None]] = {}
-        self.where: dict[str, str] = {}
-
-    def add(self, mid: str, text: str, session: str, stamp: str | None, where: str, user: str, key: str) -> None:
-        if mid in self.rows:
-            if self.rows[mid][0] != text:
-                raise InputError(f"memory {mid!r} of user {user!r} has a different text than at "
-                                 f"{self.where[mid]}", where=f"{where}: key '{key}'")
-            return
-        self.rows[mid] = (text, session, stamp)
-        self.where[mid] = where
-
-
-def _read_memories(path: Path, banks: dict[str, _Bank]) -> int:
-    n = 0
-    for line, obj in json_lines(path):
-        _line_object(obj, path, line)
-        uid = _id_str(_get(obj, "user_id", str, path, line, ""), path, line, "user_id")
-        mid = _id_str(_get(obj, "id", str, path, line, ""), path, line, "id")
-        text = _get(obj, "text", str, path, line, "")
-        if not text.strip():     # as a chat message's: a memory with nothing to match
-            raise InputError("empty memory text (or only whitespace)", where=at(path, line, "text"))
-        session = _get(obj, "session_id", str, path, line, "", required=False) or LOG_SESSION
-        banks.setdefault(uid, _Bank()).add(mid, text, session, _stamp(obj, "timestamp", path, line, ""),
-                                           at(path, line), uid, "text")
-        n += 1
-    return n
-
-
-def _question_name(rec) -> tuple[str, str]:
-    """``(id, key)`` of the store question a logged call becomes: its ``query_id`` (so that the
-    replay finds the question and its gold in the store), else its ``call_id`` (``rerank``'s
-    logs have no query id), else its query text, the names the replay gives calls
-    (:func:`rmm_jax.data.citation_log.call_key`)."""
-    if rec.query_id is not None:
-        return rec.query_id, "query_id"
-    if rec.call_id is not None:
-        return rec.call_id, "call_id"
-    return rec.query_text, "query"
-
-
-def _check_new_question(seen: dict, rec, path: Path, line: int) -> str:
-    """The question id of the call at ``line``, refused when an earlier call of its user named it."""
-    qid, key = _question_name(rec)
-    first = seen.setdefault((rec.user_id, qid), line)
-    if first != line:
-        raise InputError(f"duplicate question {qid!r} of user {rec.user_id!r}, first logged at line {first}",
-                         where=at(path, line, key))
-    return qid
-
-
-def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Dataset:
-    """A dataset from a generator-call log that carries text (see the module docstring).
-
-    Every record is validated as a citation-log record first
-    (:func:`rmm_jax.data.citation_log.validate_record`). ``Dataset.stats``: ``records``,
-    ``memories``, ``memories_from_file``, ``questions``, ``no_gold``, ``gold_without_text`` (gold
-    ids dropped: no record carries their memory), ``gold_without_text_first`` and ``notes`` (the
-    unknown keys that look like misspelt log keys, :func:`rmm_jax.data.citation_log.iter_log`).
-    """
-    path = Path(path)
-    banks: dict[str, _Bank] = {}
-    n_file = _read_memories(Path(memories), banks) if memories is not None else 0
-    calls: dict[str, list[tuple[int, Any, str]]] = {}
-    seen: dict[tuple[str, str], int] = {}
-    records, report = 0, {}
-    for line, rec in iter_numbered(path, report=report):
-        records += 1
-        where = at(path, line)
-        if rec.query_text is None:
-            raise InputError("missing: building a store from a log needs each call's query text",
-                             where=at(path, line, "query"))
-        qid = _check_new_question(seen, rec, path, line)
-        bank = banks.setdefault(rec.user_id, _Bank())
-        texts = rec.candidate_texts or (None,) * len(rec.candidates)
-        for mid, text in zip(rec.candidates, texts):
-            if text is not None:
-                bank.add(mid, text, LOG_SESSION, None, where, rec.user_id, "candidates")
-            elif mid not in bank.rows:
-                raise InputError(f"no text for memory {mid!r} of user {rec.user_id!r} (give candidates as "
-                                 f'{{"id", "text"}} objects or a memories file: log:PATH,memories=MEMS)',
-                                 where=at(path, line, "candidates"))
-        calls.setdefault(rec.user_id, []).append((line, rec, qid))
-    users, stats = [], Counter(records=records, memories=0, memories_from_file=n_file, questions=0, no_gold=0,
-                               gold_without_text=0)
-    dropped_first: list[str] = []
-    for uid, bank in banks.items():
-        by_session: dict[str, list[Turn]] = {}
-        for mid, (text, session, stamp) in bank.rows.items():
-            by_session.setdefault(session, []).append(Turn(mid, session, "", text, stamp))
-        sessions = tuple(Session(sid, turns[0].timestamp, tuple(turns)) for sid, turns in by_session.items())
-        queries = []
-        for line, rec, qid in calls.get(uid, []):
-            gold = tuple(g for g in rec.gold or () if g in bank.rows)
-            for j, g in enumerate(rec.gold or ()):
-                if g not in bank.rows:          # no text anywhere: dropped and counted (module docstring)
-                    stats["gold_without_text"] += 1
-                    if len(dropped_first) < MAX_FIRST_ERRORS:
-                        dropped_first.append(f"{at(path, line, f'gold[{j}]')}: {g!r}")
-            queries.append(Query(qid, rec.query_text, gold,
-                                 date=None if rec.timestamp is None else str(rec.timestamp)))
-        users.append(User(uid, sessions, tuple(queries)))
-        stats["memories"] += len(bank.rows)
-        stats["questions"] += len(queries)
-        stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids)
-    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first, "notes": report["notes"]})
