@@ -274,6 +274,17 @@ def _nonneg_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _json_file(path: Path, cannot: str):
+    """A store's JSON file parsed; an error names it (and the line), ``cannot`` worded for an
+    unreadable one."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON: {e.msg}", where=at(path, e.lineno)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{cannot} ({e})", where=at(path)) from None
+
+
 def is_store(path) -> bool:
     """Whether directory ``path`` holds an embedding store: a ``manifest.json`` of this format
     (any version, valid or not). ``embed --out`` replaces only such a directory (or an empty
@@ -311,12 +322,7 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
     if not mpath.is_file():
         raise InputError("missing manifest.json: not an embedding store (or an incomplete one)",
                          where=at(root))
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise InputError(f"invalid JSON: {e.msg}", where=at(mpath, e.lineno)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read manifest ({e})", where=at(mpath)) from None
+    manifest = _json_file(mpath, "cannot read manifest")
     if not isinstance(manifest, dict):
         raise InputError("expected a JSON object", where=at(mpath))
     if manifest.get("format") != FORMAT:
@@ -347,12 +353,7 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
     upath = root / "users.json"
     if not upath.is_file():
         raise InputError("missing file of the embedding store", where=at(upath))
-    try:
-        users = json.loads(upath.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise InputError(f"invalid JSON: {e.msg}", where=at(upath, e.lineno)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read ({e})", where=at(upath)) from None
+    users = _json_file(upath, "cannot read")
     if not isinstance(users, list) or len(users) != counts["users"]:
         raise InputError(f"expected a list of {counts['users']} users", where=at(upath))
     m_end = q_end = 0
