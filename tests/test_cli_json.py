@@ -46,6 +46,7 @@ WALK = [
     ("policies rollback --dry-run", "policies rollback policies --dry-run --json", 0),
     ("policies rollback", "policies rollback simulated --json", 0),
     ("demo tiny", "demo --out runs/demo --users 4 --sessions 1 --turns 2 --k 10 --json", 0),
+    ("version", "version --json", 0),
 ]
 # bad input: exit 2, one line on stderr, nothing on stdout
 BAD = [
@@ -184,3 +185,19 @@ def test_emit_json_writes_strict_json(capsys):
                "i64": np.int64(3), "arr": np.array([1.0, np.nan]), "t": (1, 2)})
     assert _strict(capsys.readouterr().out) == {"nan": None, "inf": [None, None], "f32": 1.5, "i64": 3,
                                                 "arr": [1.0, None], "t": [1, 2]}
+
+
+def test_version_json_says_what_this_process_runs(walk):
+    """`version --json` gives a script the versions and devices the CLI itself runs with."""
+    import platform
+
+    import jax
+    import jaxlib
+
+    import rmm_jax
+
+    doc = _strict(walk["version"][1])
+    assert (doc["rmm_jax"], doc["jax"], doc["jaxlib"], doc["python"], doc["backend"]) == (
+        rmm_jax.__version__, jax.__version__, jaxlib.__version__, platform.python_version(), jax.default_backend())
+    assert doc["devices"] == [str(d) for d in jax.devices()] and doc["devices"]
+

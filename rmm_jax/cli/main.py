@@ -89,15 +89,29 @@ def cli(ctx: click.Context, compile_cache: bool):
 
 
 @cli.command()
-def version():
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the versions as one JSON object on stdout, keys: rmm_jax, jax, jaxlib, python, backend, "
+                   "devices (one string per device JAX sees).")
+def version(as_json):
     """Print the rmm-jax, JAX and device versions.
 
     \b
     Example:
       rmm-jax version
+      rmm-jax version --json
     """
-    import jax
+    import platform
 
+    import jax
+    import jaxlib
+
+    if as_json:
+        from rmm_jax.cli.shell import emit_json
+
+        emit_json({"rmm_jax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                   "python": platform.python_version(), "backend": jax.default_backend(),
+                   "devices": [str(d) for d in jax.devices()]})
+        return
     click.echo(f"rmm-jax {__version__} (jax {jax.__version__}, backend {jax.default_backend()})")
 
 
