@@ -1,0 +1,242 @@
+"""Logged calls: read a log against an embedding store and score every call with the target
+policy (:func:`load_calls`), each metric's slot rewards and range on them
+(:func:`slot_rewards`), and the problems in the calls themselves that void an estimator's
+weights (:func:`call_problems`)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from rmm_jax.core import checks, reranker
+from rmm_jax.core.config import Layout
+from rmm_jax.core.executables import aot
+from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
+from rmm_jax.data.embed import embed_texts
+from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
+from rmm_jax.errors import InputError, at
+from rmm_jax.online.cite_rates import check_log_inputs
+from rmm_jax.online.ope._chunks import CHUNK, pad_rows
+from rmm_jax.online.serve import user_params
+from rmm_jax.online.streams import check_limits
+from rmm_jax.persist.policy_rollback import check_store
+
+METRICS = ("cited", "cite_rate", "recall")
+LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
+
+
+@dataclasses.dataclass
+class Calls:
+    """Logged calls as padded arrays: n calls, K candidate slots, M selection slots."""
+    user_ids: list[str]
+    query_ids: list[str]               # call_key of each call
+    target_logits: np.ndarray          # (n, K) float32: target scores / τ (0 where masked)
+    behaviour_logits: np.ndarray | None  # (n, K) float32 from the log's 'logits'; None: not on every record
+    mask: np.ndarray                   # (n, K) bool
+    selected: np.ndarray               # (n, M) int32 positions in the candidates, −1 unfilled
+    cited: np.ndarray                  # (n, M) bool
+    log_prob: np.ndarray               # (n,) float64: the behaviour's log P(selected)
+    cand_gold: np.ndarray              # (n, K) bool
+    num_gold: np.ndarray               # (n,) int32 gold memories in the user's whole bank
+    valid: np.ndarray                  # (n,) bool: has gold, not an abstention question
+    own_policy: dict                   # user id -> True when the policy store holds the user's own params
+
+    @property
+    def filled(self) -> np.ndarray:
+        return self.selected >= 0
+
+    @property
+    def shown(self) -> np.ndarray:
+        return self.filled.sum(1)
+
+
+class Target(NamedTuple):
+    """The target policy's sampling: at most ``k`` candidates and ``m`` shown, temperature ``tau``."""
+    k: int
+    m: int
+    tau: float
+
+
+def check_target(cfg) -> None:
+    """``InputError`` naming the field unless ``cfg`` is a :class:`Target` the CLI would take
+    (``--k``, ``--m``, ``--tau``): called from Python, ``Target(k, m, tau=0)`` (or -1, or NaN)
+    gave a whole report of estimates from s/0 with only a RuntimeWarning, ``m > k`` was a
+    ValueError from the selection check, a tuple an AttributeError."""
+    if not isinstance(cfg, Target):
+        raise InputError(f"expected a Target(k, m, tau), got {checks.short(cfg)}", where="cfg")
+    try:
+        Layout(k=cfg.k, m=cfg.m)
+        checks.check_tau(cfg.tau)
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise InputError(msg, where=f"cfg.{name}") from None
+
+
+def check_inputs(store, policies, users) -> None:
+    """The arguments :func:`load_calls` takes by type, each refused by name: a path for
+    ``store`` or ``policies`` was an AttributeError ('str' object has no attribute
+    'user_ids'), and a str ``users`` was read letter by letter (\"unknown user id 'a'\")."""
+    check_log_inputs(store, users)
+    check_store(policies, where="policies")
+
+
+@aot
+def _score_chunk(params, q, m, mask):
+    return jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
+
+
+def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
+               skip_invalid: bool = False, report: dict | None = None) -> Calls:
+    """Read a log against an embedding store and score every call with the target policy.
+
+    Each record is validated (schema, ids known to ``store`` or carried as text, the
+    ``cfg.k``/``cfg.m`` limits: :func:`rmm_jax.online.streams.check_limits`)
+    and must carry the behaviour's ``log_prob`` or ``logits``.
+    Queries and memories the store lacks are embedded from the records' texts
+    (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache).
+    Every user's target params come from :func:`rmm_jax.online.serve.user_params` (the
+    shared params for users without their own), scored with
+    :func:`rmm_jax.core.reranker.score`.
+    """
+    check_target(cfg)
+    check_inputs(store, policies, users)
+    known = known_ids(store)
+    wanted = None if not users else set(users)
+    by_user: dict[str, list] = {}
+    texts: dict[str, None] = {}
+    report = {} if report is None else report
+    for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
+        check_limits(rec, cfg, log_path)
+        if rec.log_prob is None and rec.logits is None:
+            near = [n for n in report.get("notes", ()) if n.endswith(("'log_prob'?)", "'logits'?)"))]
+            raise InputError("missing: off-policy evaluation needs the logging policy's log_prob (or logits) "
+                             "on every record" + (f"; note: {near[0]}" if near else ""),
+                             where=at(log_path, line, "log_prob"))
+        if wanted is None or rec.user_id in wanted:
+            by_user.setdefault(rec.user_id, []).append(rec)
+            texts.update(dict.fromkeys(unseen_texts(rec, known(rec.user_id))))
+    missing = sorted((wanted or set()) - set(by_user))
+    if missing:
+        u = missing[0]
+        raise InputError(f"user {u!r} has no record in {log_path}" if store.has_user(u) else
+                         f"unknown user id {u!r} (not in STORE, no record in {log_path})", arg="users")
+    vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
+    has_policy = set(policies.users())
+    rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
+                                                 "valid")}
+    all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
+    for uid, recs in by_user.items():
+        c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
+        params = user_params(policies, uid, fallback_to_shared=uid not in has_policy)
+        n = len(recs)
+        scores = []
+        for s in range(0, n, CHUNK):
+            part = slice(s, s + CHUNK)
+            rows_here = c.queries[part].shape[0]
+            q = pad_rows(c.queries[part], CHUNK)
+            mm = pad_rows(c.bank[c.cand[part]], CHUNK)
+            mk = pad_rows(c.cand_mask[part], CHUNK)
+            mk[rows_here:, 0] = True  # padded rows: one valid slot keeps the scores finite
+            scores.append(np.asarray(_score_chunk(params, q, mm, mk))
+                          [:rows_here])
+        scores = np.concatenate(scores).astype(np.float32)
+        lp = [r.log_prob if r.log_prob is not None else
+              pl_log_prob(r.logits, [p for p in c.selected[i] if p >= 0]) for i, r in enumerate(recs)]
+        rows["uid"] += [uid] * n
+        rows["qid"] += list(c.call_keys)
+        rows["t"].append(np.where(c.cand_mask, scores / cfg.tau, 0.0).astype(np.float32))
+        rows["b"].append(c.logits)
+        rows["mask"].append(c.cand_mask)
+        rows["sel"].append(c.selected)
+        rows["cited"].append(c.cited)
+        rows["lp"].append(np.asarray(lp, np.float64))
+        rows["cg"].append(c.cand_gold)
+        rows["ng"].append(c.num_gold)
+        rows["valid"].append(c.valid)
+    cat = lambda key: np.concatenate(rows[key])
+    return Calls(user_ids=rows["uid"], query_ids=rows["qid"], target_logits=cat("t"),
+                 behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
+                 cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
+                 valid=cat("valid"), own_policy={u: u in has_policy for u in by_user})
+
+
+class MetricRewards(NamedTuple):
+    """One metric's slot rewards on the calls it is defined for, with the exact range of
+    each call's expected reward over every policy that shows as many memories."""
+    rewards: np.ndarray                # (n', M) slot rewards
+    rows: np.ndarray                   # (n',) the calls used (recall: calls with gold)
+    low: np.ndarray                    # (n',) the least expected reward any policy can get on each call
+    high: np.ndarray                   # (n',) the most
+
+    @property
+    def value_range(self) -> tuple[float, float]:
+        """The estimand's range: the mean over the calls of each call's range."""
+        return float(self.low.mean()), float(self.high.mean())
+
+
+def slot_rewards(calls: Calls) -> dict[str, MetricRewards]:
+    """Per metric, its :class:`MetricRewards`; recall only on valid calls.
+
+    Ranges (M_i shown, K_i candidates, G_i of them gold, N_i gold in the bank): cited
+    [0, M_i] (the generator may cite none or all); cite rate [0, 1]; Recall@M
+    [max(0, M_i − (K_i − G_i)) / N_i, min(M_i, G_i) / N_i], which any selection of M_i
+    of the candidates attains (recall does not depend on the generator).
+    """
+    filled = calls.filled
+    cited = (calls.cited & filled).astype(np.float64)
+    shown = np.maximum(calls.shown, 1)
+    everyone = np.arange(len(cited))
+    zero = np.zeros(len(cited))
+    out = {"cited": MetricRewards(cited, everyone, zero, shown.astype(np.float64)),
+           "cite_rate": MetricRewards(cited / shown[:, None], everyone, zero, np.ones(len(cited)))}
+    rows = np.flatnonzero(calls.valid)
+    if rows.size:
+        gold = np.take_along_axis(calls.cand_gold, np.maximum(calls.selected, 0), 1) & filled
+        n_gold = np.maximum(calls.num_gold, 1).astype(np.float64)
+        g, k = calls.cand_gold.sum(1), calls.mask.sum(1)
+        low, high = np.maximum(0, calls.shown - (k - g)) / n_gold, np.minimum(calls.shown, g) / n_gold
+        out["recall"] = MetricRewards((gold / n_gold[:, None])[rows], rows, low[rows], high[rows])
+    return out
+
+
+def call_problems(calls: Calls, rows, *, log_ratio, prefix_log_ratio=None, marginals=None) -> dict[str, list[str]]:
+    """Per estimator (and ``direct``), the reasons found in the calls ``rows`` themselves
+    that make its weights meaningless: the target's scores not finite, a selection no
+    Plackett–Luce policy can draw, a ``log_prob`` that is not a log-probability, and
+    log-ratios beyond float64 (``exp`` overflows above :data:`LOG_FLOAT_MAX`).
+    ``marginals``: ``(target, behaviour)`` per-slot marginals of the shown memories (n, M)."""
+    rows = np.asarray(rows)
+    n = rows.size
+
+    def on(flags, text: str) -> list[str]:
+        k = int(np.asarray(flags)[rows].sum())
+        return [f"{text} on {k} of {n} calls"] if k else []
+
+    def overflow(lr, text: str) -> list[str]:
+        over = (np.asarray(lr) > LOG_FLOAT_MAX).reshape(len(lr), -1).any(1)
+        top = float(np.max(np.asarray(lr)[rows])) if over[rows].any() else 0.0
+        return on(over, f"weights overflow: {text} up to {top:.4g}, beyond float64's {LOG_FLOAT_MAX:.1f},")
+
+    mask, sel = calls.mask, calls.selected
+    filled = sel >= 0
+    target_bad = ~np.where(mask, np.isfinite(calls.target_logits), True).all(1)
+    ordered = np.sort(sel, axis=1)
+    impossible = ((filled & ~np.take_along_axis(mask, np.maximum(sel, 0), 1)).any(1)
+                  | ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1))
+    common = (on(target_bad, "the target policy's scores are not finite")
+              + on(impossible, "the logged selection is impossible under any Plackett–Luce policy over its "
+                               "candidates (a shown memory that is not a candidate, or shown twice)"))
+    lp = np.asarray(calls.log_prob, np.float64)
+    slate = (common + on(~(np.isfinite(lp) & (lp <= 0)), "log_prob is not a log-probability (> 0 or not finite)")
+             + overflow(log_ratio, "log(π/μ)"))
+    out = {"direct": on(target_bad, "the target policy's scores are not finite"), "ips": slate, "snips": slate}
+    if prefix_log_ratio is not None:
+        out["rips"] = out["snrips"] = common + overflow(prefix_log_ratio, "prefix log(π/μ)")
+    if marginals is not None:
+        pt, pb = marginals
+        out["iips"] = common + on((filled & (pb <= 0) & (pt > 0)).any(1),
+                                  "weights overflow: the logging policy's per-slot marginal of a shown memory "
+                                  "underflows to 0")
+    return out

@@ -1,0 +1,204 @@
+"""The report ``rmm-jax evaluate`` prints: every metric by every estimator the log supports,
+each judged and reported (:func:`evaluate_calls`, :func:`evaluate_log`), the gold-free
+cited-recall, and the ship verdict (:mod:`rmm_jax.online.ope`'s docstring, "The verdict")."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from rmm_jax.core.scope import Scope
+from rmm_jax.errors import InputError, named
+from rmm_jax.online.ope._calls import Calls, Target, call_problems, check_target, load_calls, slot_rewards
+from rmm_jax.online.ope._estimators import (
+    DEFAULT_BOOTSTRAP,
+    SLATE_ONLY,
+    estimate,
+    estimator_weights,
+    report_entry,
+    verdict,
+)
+from rmm_jax.online.ope._marginals import DEFAULT_EXACT_LIMIT, DEFAULT_MC_SAMPLES, prefix_log_probs, slot_marginals
+from rmm_jax.online.stats import check_resamples
+
+DEFAULT_MIN_ESS = 30.0               # see "Reliability" in the package docstring
+SHIP_METRIC, SHIP_ESTIMATOR = "cite_rate", "snips"   # see "The verdict" in the package docstring
+
+
+def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
+                   seed: int = 0, exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
+                   min_ess: float = DEFAULT_MIN_ESS) -> dict:
+    """The estimates of every metric by every estimator that the log supports (see the
+    package docstring), the logging policy's own logged value and, for Recall@M, the
+    exact expected value of the target (``direct``), each judged (:func:`verdict`) and
+    reported (:func:`report_entry`); ``ranges``: each metric's range."""
+    check_target(cfg)
+    m = calls.selected.shape[1]
+    with np.errstate(all="ignore"):
+        target_prefix = prefix_log_probs(calls.target_logits, calls.selected, calls.mask)      # (n, M)
+        log_ratio = target_prefix[:, -1] - calls.log_prob
+        notes, names = [], list(SLATE_ONLY)
+        t_marg, info = slot_marginals(calls.target_logits, calls.mask, m, exact_limit=exact_limit,
+                                      samples=mc_samples, seed=seed)
+        kw = {"log_ratio": log_ratio}
+        problem_kw: dict = {"log_ratio": log_ratio}
+        if calls.behaviour_logits is not None:
+            b_prefix = prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
+            b_marg, _ = slot_marginals(calls.behaviour_logits, calls.mask, m, exact_limit=exact_limit,
+                                       samples=mc_samples, seed=seed + 1)
+            idx = np.maximum(calls.selected, 0)[:, :, None]
+            pt = np.take_along_axis(t_marg, idx, 2)[:, :, 0]
+            pb = np.take_along_axis(b_marg, idx, 2)[:, :, 0]
+            kw["prefix_log_ratio"] = target_prefix - b_prefix
+            kw["marginal_ratio"] = np.where(calls.filled, pt / pb, 1.0)    # pb = 0: inf or nan, reported
+            problem_kw.update(prefix_log_ratio=kw["prefix_log_ratio"], marginals=(pt, pb))
+            names += ["rips", "snrips", "iips"]
+        else:
+            kw["prefix_log_ratio"] = np.zeros_like(target_prefix)
+            notes.append("rips, snrips and iips skipped: they need the logging policy's per-candidate 'logits' on "
+                         "every record (ips and snips need only 'log_prob')")
+        weights = {name: estimator_weights(name, **kw) for name in names}
+        out: dict = {}
+        ranges: dict = {}
+        for metric, mr in slot_rewards(calls).items():
+            span = mr.value_range
+            problems = call_problems(calls, mr.rows, **problem_kw)
+            logged = mr.rewards.sum(1)
+            per = {"logged": _plain_mean(mr.rewards, bootstrap, seed, span)}
+            for name in names:
+                est = estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed,
+                               logged=logged)
+                per[name] = report_entry(est, verdict(est, value_range=span, min_ess=min_ess,
+                                                      problems=problems[name]), span)
+            if metric == "recall":
+                incl = (t_marg * (np.arange(m)[None, :, None] < calls.shown[:, None, None])).sum(1)   # (n, K)
+                direct = (incl * calls.cand_gold).sum(1) / np.maximum(calls.num_gold, 1)
+                per["direct"] = _plain_mean(direct[mr.rows][:, None], bootstrap, seed, span, problems["direct"],
+                                            logged=logged)
+            out[metric] = per
+            ranges[metric] = list(span)
+    if "recall" not in out:
+        notes.append("recall skipped: no logged call has gold memories in STORE")
+    return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes,
+            **cited_recall(calls, bootstrap=bootstrap, seed=seed)}
+
+
+def cited_recall(calls: Calls, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> dict:
+    """The gold-free cited-recall of the logged calls (docs/lifecycle.md, "Measures without
+    gold"): over the calls with a citation, the share of the cited memories that the
+    target's deterministic top-M (M: the call's shown count) holds, and that the
+    retriever's first M candidates hold, with the target's paired gain over the retriever.
+    ``{"cited_recall": {"calls", "target", "retriever"}}`` (each a value with its bootstrap
+    interval; ``target`` with its ``gain``), or ``{}`` when no call has a citation."""
+    cited = calls.cited & calls.filled
+    n_cited = cited.sum(1)
+    rows = np.flatnonzero(n_cited > 0)
+    if not rows.size:
+        return {}
+    pos = np.where(cited, calls.selected, -1)[rows]                             # cited positions
+    order = np.argsort(-np.where(calls.mask, calls.target_logits, -np.inf)[rows], axis=1, kind="stable")
+    rank = np.argsort(order, axis=1)                                              # each candidate's rank
+    shown = calls.shown[rows][:, None]
+    in_top = (pos >= 0) & (np.take_along_axis(rank, np.maximum(pos, 0), 1) < shown)
+    in_base = (pos >= 0) & (pos < shown)
+    share = lambda hit: hit.sum(1) / n_cited[rows]                                # noqa: E731
+    span = (0.0, 1.0)
+    retriever = _plain_mean(share(in_base)[:, None], bootstrap, seed, span)
+    target = _plain_mean(share(in_top)[:, None], bootstrap, seed, span, logged=share(in_base))
+    return {"cited_recall": {"calls": int(rows.size), "target": target, "retriever": retriever}}
+
+
+def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Sequence[str] = (), logged=None) -> dict:
+    """The plain mean of per-call values (summed over slots) with its bootstrap interval:
+    the logging policy's own value (``logged``) or the target's exact one (``direct``,
+    with its paired gain over the ``logged`` per-call values)."""
+    est = estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
+                   seed=seed, logged=logged)
+    res = report_entry(est, verdict(est, value_range=value_range, problems=problems), value_range)
+    for key in ("ess", "weight_mean", "weight_mean_se"):
+        res.pop(key)
+    return res
+
+
+def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SHIP_ESTIMATOR) -> dict:
+    """Whether to ship the target policy, from an :func:`evaluate_calls` report's
+    ``estimates`` (package docstring, "The verdict"): ship when the ``estimator``'s estimate
+    of ``metric`` is reliable and the 95% interval of its paired gain over the logging
+    policy lies above 0. Returns ``{"ship", "metric", "estimator", "gain", "reason"}``."""
+    est = estimates[metric][estimator]
+    out = {"metric": metric, "estimator": estimator, "gain": est.get("gain")}
+    if not est["reliable"]:
+        return {**out, "ship": False, "reason": f"no reliable estimate: {est['reason']}"}
+    g = est["gain"]
+    lo, hi = g["ci95"]
+    where = "lies above 0" if lo > 0 else ("lies below 0" if hi < 0 else "contains 0")
+    return {**out, "ship": bool(lo > 0),
+            "reason": f"gain {g['value']:+.4f} in {metric}, 95% interval [{lo:+.4f}, {hi:+.4f}] {where}"}
+
+
+def unreliable(report: dict) -> list[tuple[str, str, str]]:
+    """``(metric, estimator, reason)`` of every unreliable estimate in an
+    :func:`evaluate_log` report."""
+    return [(metric, name, est["reason"]) for metric, per in report["estimates"].items()
+            for name, est in per.items() if not est["reliable"]]
+
+
+def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) -> None:
+    """The options of :func:`evaluate_log`'s report, each refused as one line naming the
+    argument: ``rmm-jax evaluate`` checks them before it reads the log, and names its
+    option (``--min-ess``) instead (:func:`rmm_jax.cli.common.as_options`)."""
+    if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
+        raise InputError(f"must be a finite number >= 1, got {clip}", arg="clip")
+    check_resamples(bootstrap)
+    if not (min_ess >= 0 and math.isfinite(min_ess)):
+        raise InputError(f"must be a finite number >= 0, got {min_ess}", arg="min_ess")
+
+
+def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
+                 clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+                 exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
+                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS) -> dict:
+    """Off-policy estimates of the policies in ``policies`` (a
+    :class:`~rmm_jax.persist.policy_store.PolicyStore`) from the calls logged in
+    ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints.
+
+    ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
+    estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
+    one about clipping. The warnings and errors name ``clip``, ``min_ess`` and the layout's
+    ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
+    :func:`rmm_jax.errors.named`)."""
+    check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
+    read: dict = {}
+    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
+    res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
+                         mc_samples=mc_samples, min_ess=min_ess)
+    scope = Scope.from_meta(getattr(policies, "meta", None) or {})
+    shared = [] if not scope.has_local else sorted(u for u, own in calls.own_policy.items() if not own)
+    if shared:
+        res["notes"].append(f"{len(shared)} of {len(calls.own_policy)} users have no policy of their own in "
+                            f"POLICIES: scored with its shared params")
+    warnings = []
+    low = [(est["ess"], est["n"], metric, name) for metric, per in res["estimates"].items()
+           for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
+    if low:
+        ess, n, metric, name = min(low)
+        fix = (f"a lower {named('clip')}" if clip is not None else      # clip=10, or the CLI's --clip 10
+               f"{named('clip')} (e.g. {named('clip', 10)}: biased, lower variance)")
+        advice = (f"the log has too few calls: log more calls (or lower {named('min_ess')})" if ess > 0.9 * n else
+                  f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} "
+                  "or log more calls")
+        warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
+                        f"{n} calls, {name} on {metric}); {advice}")
+    if clip is not None:
+        n_clipped = {name: est.get("clipped", 0) for name, est in next(iter(res["estimates"].values())).items()
+                     if name not in ("logged", "direct")}
+        counts = ", ".join(f"{k}: {v}" for k, v in n_clipped.items())
+        warnings.append(f"importance weights clipped at {clip:g} (weights capped, cited metric: {counts}): "
+                        "clipped estimates are biased, towards the logging policy's value for ips")
+    bad = [{"metric": metric, "estimator": name, "reason": reason} for metric, name, reason in unreliable(res)]
+    res["verdict"] = ship_verdict(res["estimates"])
+    return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
+            "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
+            "seed": seed, "log": {"path": str(log_path), **{k: v for k, v in read.items()}}, "warnings": warnings,
+            "unreliable": bad, **res}
