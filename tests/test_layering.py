@@ -76,3 +76,31 @@ def test_the_top_level_names_its_exports_once_and_loads_them_lazily():
     out = subprocess.run([sys.executable, "-c", "import sys, rmm_jax; print(sorted(m for m in sys.modules"
                           " if m.split('.')[0] in ('jax', 'chex', 'optax')))"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_package_of_private_modules_exports_each_public_name_once():
+    """``rmm_jax.online.ope`` is one private module per concern, curated in its
+    ``__init__``: every public name a private module defines (not one it imports) is in
+    ``__all__``, is the package's attribute, and is defined in exactly one of them; the
+    chunk helper (``_chunks``) is shared plumbing and exports nothing."""
+    import importlib
+
+    pkg = importlib.import_module("rmm_jax.online.ope")
+    defined: dict[str, str] = {}
+    for path in sorted((PKG / "online" / "ope").glob("_[a-z]*.py")):
+        if path.stem == "_chunks":
+            continue
+        tree = ast.parse(path.read_text())
+        names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        names += [t.id for n in tree.body if isinstance(n, ast.Assign) for t in ast.walk(n.targets[0])
+                  if isinstance(t, ast.Name)]
+        module = importlib.import_module(f"rmm_jax.online.ope.{path.stem}")
+        for name in names:
+            if name.startswith("_"):
+                continue
+            assert name not in defined, f"{name} in {defined[name]} and {path.stem}"
+            defined[name] = path.stem
+            assert getattr(pkg, name) is getattr(module, name), name
+    assert len(defined) > 30
+    assert set(pkg.__all__) == set(defined), set(pkg.__all__) ^ set(defined)
+    assert len(pkg.__all__) == len(set(pkg.__all__))
