@@ -1,0 +1,97 @@
+"""JSONL lines as the log reader decodes them: UTF-8, no key repeated within an object,
+every problem an :class:`~rmm_jax.errors.InputError` naming ``path:line``; standard input too."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from rmm_jax.data.citation_log._schema import _key_where
+from rmm_jax.data.json_fields import check_surrogates
+from rmm_jax.errors import InputError, at
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
+    where = at(path, lineno)
+    try:
+        text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"invalid UTF-8 ({exc.reason} at byte {exc.start})", where=where) from None
+    try:
+        value = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except _DuplicateKey as exc:
+        raise InputError("key repeated within one JSON object",
+                         where=_key_where(where, exc.key)) from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
+    except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"invalid JSON ({msg})", where=where) from None
+    check_surrogates(text, value, where)
+    return value
+
+
+def _open_log(path: str | os.PathLike):
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise InputError("file not found", where=str(path)) from None
+    except IsADirectoryError:
+        raise InputError("is a directory, expected a JSONL file", where=str(path)) from None
+    except OSError as exc:
+        raise InputError(f"cannot open ({exc.strerror})", where=str(path)) from None
+
+
+STDIN = "-"
+"""The path :func:`json_lines` reads as standard input (shown as ``<stdin>``)."""
+
+
+def source_name(path: str | os.PathLike) -> str:
+    """How errors name ``path``: ``<stdin>`` for :data:`STDIN`, else the path as given."""
+    return "<stdin>" if str(path) == STDIN else str(path)
+
+
+def json_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded JSON value)`` for every non-blank line of a JSONL file; with
+    ``stdin``, of standard input when ``path`` is ``"-"`` (:data:`STDIN`: it can be read
+    only once, so only a reader that goes through its input once takes it, as
+    :func:`rmm_jax.data.calls.read_calls` does).
+
+    The same decoding as the log reader: UTF-8 (a BOM on line 1 is allowed), a key
+    repeated within an object is an error, and every problem raises
+    :class:`InputError` naming ``path:line`` (``<stdin>:line``). An empty file raises "no records".
+    """
+    name = source_name(path) if stdin else str(path)
+    for lineno, raw in _nonblank_lines(path, stdin=stdin and str(path) == STDIN):
+        yield lineno, _decode_line(raw, name, lineno)
+
+
+def _nonblank_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of every non-blank line (of standard input if ``stdin``);
+    an empty file is an error."""
+    nonblank = 0
+    with contextlib.nullcontext(sys.stdin.buffer) if stdin else _open_log(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if raw.strip():
+                nonblank += 1
+                yield lineno, raw
+    if nonblank == 0:
+        raise InputError("no records (the file is empty)", where=source_name(path) if stdin else str(path))

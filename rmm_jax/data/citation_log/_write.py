@@ -1,0 +1,97 @@
+"""Writing a citation log atomically: whole (:func:`write_log`) or chunk by chunk
+(:class:`LogWriter`), every record re-validated first."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from rmm_jax.data.citation_log._identity import _call_name, call_key
+from rmm_jax.data.citation_log._record import record_to_json, validate_record
+from rmm_jax.data.citation_log._schema import LogRecord, _key_where
+from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import atomic_file
+
+
+def _json_line(rec: LogRecord | Mapping, where: str) -> tuple[LogRecord, str]:
+    """Validate one record to write (a :class:`LogRecord` or its JSON object) and
+    return it with its JSONL line."""
+    if isinstance(rec, LogRecord):
+        obj = record_to_json(rec)
+    elif isinstance(rec, Mapping):
+        obj = rec
+    else:
+        raise InputError(f"expected a LogRecord, got {type(rec).__name__}", where=where)
+    rec = validate_record(obj, where)
+    return rec, json.dumps(record_to_json(rec), allow_nan=False) + "\n"
+
+
+def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
+    """Atomically write ``records`` as JSONL; return the number written.
+
+    Every record is re-validated first (``InputError`` naming ``record i`` - 0-based -
+    and the key), including calls logged twice, so a written log
+    always reads back. Nothing is written when a record is invalid.
+    """
+    lines: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for i, rec in enumerate(records):
+        where = f"record {i}"
+        rec, line = _json_line(rec, where)
+        pair = (rec.user_id, call_key(rec))
+        if pair in seen:
+            key, what = _call_name(rec)
+            raise InputError(f"duplicate {what}", where=_key_where(where, key))
+        seen.add(pair)
+        lines.append(line)
+    with atomic_file(Path(path)) as f:
+        f.writelines(lines)
+    return len(lines)
+
+
+class LogWriter:
+    """Write a citation log chunk by chunk, atomically.
+
+    Inside the ``with`` block, :meth:`write` validates each record (a :class:`LogRecord`
+    or its JSON object, checked by :func:`validate_record`; an error names
+    ``generated record i``, 0-based over the whole log) and appends its line to a
+    temporary file next to ``path``. When the block ends without an exception the
+    temporary file replaces ``path`` atomically; on an exception it is removed and
+    ``path`` is untouched. ``count`` is the number of records written so far.
+
+    Unlike :func:`write_log`, calls logged twice are not checked (that would keep every
+    call's identity in memory); the caller writes each call once.
+
+    Example::
+
+        >>> with LogWriter("log.jsonl") as log:          # doctest: +SKIP
+        ...     for chunk in chunks:
+        ...         log.write(chunk)
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self.count = 0
+        self._cm = None
+        self._f = None
+
+    def __enter__(self) -> "LogWriter":
+        self._cm = atomic_file(Path(self.path))
+        self._f = self._cm.__enter__()
+        return self
+
+    def write(self, records: Iterable[LogRecord | Mapping]) -> None:
+        """Validate and append ``records`` (in order)."""
+        if self._f is None:
+            raise RuntimeError("LogWriter.write called outside its with-block")
+        for r in records:
+            _, line = _json_line(r, f"generated record {self.count}")
+            self._f.write(line)
+            self.count += 1
+
+    __call__ = write
+
+    def __exit__(self, *exc) -> bool | None:
+        cm, self._cm, self._f = self._cm, None, None
+        return cm.__exit__(*exc)
