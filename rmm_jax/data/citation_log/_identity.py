@@ -14,7 +14,7 @@ from rmm_jax.persist.learned_calls import Calls, hash64
 
 
 def call_key(rec: LogRecord) -> str:
-    """The identity of a call within its user's log (module docstring, "Identity"):
+    """The identity of a call within its user's log (the package docstring, "Identity"):
     ``call:<call_id>``, else ``query:<query_id>``, else ``text:<query>``. ``rec`` may be
     anything with ``call_id``, ``query_id`` and ``query_text`` (a ``rerank`` request too).
 

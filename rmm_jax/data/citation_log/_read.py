@@ -91,7 +91,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
 def iter_numbered(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
                   report: dict | None = None, grouped: bool = False) -> Iterator[tuple[int, LogRecord]]:
     """:func:`iter_log` with each record's line number: yields ``(line, record)``, so a
-    later check (e.g. of a key this module does not interpret) can name ``path:line``.
+    later check (e.g. of a key this package does not interpret) can name ``path:line``.
     ``grouped``: a user's records must be on consecutive lines (:class:`NotGroupedError`
     otherwise), and memory does not grow with the log."""
     yield from _iter_numbered(path, known, skip_invalid, report if report is not None else {}, grouped)
@@ -116,7 +116,7 @@ def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool
 
     ``report``, when given, is reset and updated in place with ``records`` (yielded so
     far), ``skipped``, ``first_errors`` (up to 5 messages) and ``notes``: one line per
-    unknown key of the valid records that looks like a misspelt log key (module
+    unknown key of the valid records that looks like a misspelt log key (package
     docstring, "Decisions"), naming the first line that has it. A file without a
     non-blank line, or whose lines were all skipped, raises ``InputError`` "no records"
     when the stream ends. Memory use: one line plus the seen calls.
