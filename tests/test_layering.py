@@ -6,6 +6,8 @@ Every ``import`` of an ``rmm_jax`` module, at any depth of any module, is read w
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "rmm_jax"
 # layer -> the layers it may import (itself included); version/errors are the floor.
 ALLOWED = {
@@ -78,29 +80,43 @@ def test_the_top_level_names_its_exports_once_and_loads_them_lazily():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_a_package_of_private_modules_exports_each_public_name_once():
-    """``rmm_jax.online.ope`` is one private module per concern, curated in its
-    ``__init__``: every public name a private module defines (not one it imports) is in
-    ``__all__``, is the package's attribute, and is defined in exactly one of them; the
-    chunk helper (``_chunks``) is shared plumbing and exports nothing."""
+# packages of one private module per concern, curated in their __init__ (optax style)
+CURATED = sorted(str(d.relative_to(PKG.parent)).replace("/", ".") for d in PKG.glob("*/*")
+                 if d.is_dir() and any(d.glob("_[a-z]*.py")))
+PLUMBING = {"rmm_jax.online.ope": {"_chunks"}}   # shared helpers that export nothing
+
+
+def test_the_curated_packages_are_found():
+    assert {"rmm_jax.online.ope", "rmm_jax.online.streams", "rmm_jax.data.store",
+            "rmm_jax.data.citation_log"} <= set(CURATED), CURATED
+
+
+@pytest.mark.parametrize("name", CURATED)
+def test_a_package_of_private_modules_exports_each_public_name_once(name):
+    """A package of one private module per concern, curated in its ``__init__``: every
+    public name a private module defines (not one it imports) is in ``__all__``, is the
+    package's attribute, and is defined in exactly one of them; a name of ``__all__``
+    defined nowhere in the package (re-exported from a sibling) still resolves."""
     import importlib
 
-    pkg = importlib.import_module("rmm_jax.online.ope")
+    pkg = importlib.import_module(name)
     defined: dict[str, str] = {}
-    for path in sorted((PKG / "online" / "ope").glob("_[a-z]*.py")):
-        if path.stem == "_chunks":
+    for path in sorted((PKG.parent / name.replace(".", "/")).glob("_[a-z]*.py")):
+        if path.stem in PLUMBING.get(name, ()):
             continue
         tree = ast.parse(path.read_text())
         names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-        names += [t.id for n in tree.body if isinstance(n, ast.Assign) for t in ast.walk(n.targets[0])
+        names += [t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                  for t in ast.walk(n.targets[0] if isinstance(n, ast.Assign) else n.target)
                   if isinstance(t, ast.Name)]
-        module = importlib.import_module(f"rmm_jax.online.ope.{path.stem}")
-        for name in names:
-            if name.startswith("_"):
+        module = importlib.import_module(f"{name}.{path.stem}")
+        for public in names:
+            if public.startswith("_"):
                 continue
-            assert name not in defined, f"{name} in {defined[name]} and {path.stem}"
-            defined[name] = path.stem
-            assert getattr(pkg, name) is getattr(module, name), name
-    assert len(defined) > 30
-    assert set(pkg.__all__) == set(defined), set(pkg.__all__) ^ set(defined)
+            assert public not in defined, f"{public} in {defined[public]} and {path.stem}"
+            defined[public] = path.stem
+            assert getattr(pkg, public) is getattr(module, public), public
+    assert defined
+    assert set(defined) <= set(pkg.__all__), sorted(set(defined) - set(pkg.__all__))
+    assert all(hasattr(pkg, n) for n in pkg.__all__), [n for n in pkg.__all__ if not hasattr(pkg, n)]
     assert len(pkg.__all__) == len(set(pkg.__all__))

@@ -30,7 +30,7 @@ Each item of `candidates` is either a memory id (a string) or an object
 ``{"id": "m3", "text": "..."}`` carrying the memory's text; the two forms may be mixed.
 A text, like a ``query``, may not be empty or only whitespace.
 Texts, `query` and `gold` are what ``rmm-jax embed log:calls.jsonl --out STORE`` needs
-to build an embedding store straight from a production log (:mod:`rmm_jax.data.jsonl`).
+to build an embedding store straight from a production log (:mod:`rmm_jax.data.log_dataset`).
 ``replay`` and ``evaluate`` take a query or a memory from the store when the store holds
 its id, and embed the record's text otherwise (:mod:`rmm_jax.data.log_vectors`); gold
 comes from the store for a question it holds, from the record's ``gold`` otherwise.
@@ -92,37 +92,28 @@ JSON), ``_plackett_luce`` (``logits`` against ``log_prob``), ``_time`` (``timest
 of a call), ``_known`` (a record against a store's ids), ``_lines`` (decoding JSONL lines),
 ``_read`` and ``_write``.
 """
-# ``name as name``: public outside ``__all__``, as before the split (imported by name elsewhere, or named above).
-from rmm_jax.data.citation_log._identity import call_hash, call_hashes, call_key, learned_content
-from rmm_jax.data.citation_log._keys import misspelt_key as misspelt_key
-from rmm_jax.data.citation_log._lines import json_lines
-from rmm_jax.data.citation_log._lines import source_name as source_name
-from rmm_jax.data.citation_log._plackett_luce import pl_log_prob
-from rmm_jax.data.citation_log._plackett_luce import pl_tolerance as pl_tolerance
-from rmm_jax.data.citation_log._read import NotGroupedError as NotGroupedError
-from rmm_jax.data.citation_log._read import iter_log, iter_numbered, iter_user_chunks, read_log
-from rmm_jax.data.citation_log._record import record_to_json, validate_record
-from rmm_jax.data.citation_log._schema import LogRecord
-from rmm_jax.data.citation_log._time import check_timestamp as check_timestamp
-from rmm_jax.data.citation_log._time import timestamp_seconds, utc_timestamp
+from rmm_jax.data.citation_log._identity import CONTENT_LEFT_OUT, call_hash, call_hashes, call_key, learned_content
+from rmm_jax.data.citation_log._keys import CLOSE_KEY, KEY_SUFFIXES, misspelt_key
+from rmm_jax.data.citation_log._known import Known
+from rmm_jax.data.citation_log._lines import STDIN, json_lines, source_name
+from rmm_jax.data.citation_log._plackett_luce import pl_log_prob, pl_tolerance
+from rmm_jax.data.citation_log._read import (
+    MAX_FIRST_ERRORS,
+    NotGroupedError,
+    iter_log,
+    iter_numbered,
+    iter_user_chunks,
+    read_log,
+)
+from rmm_jax.data.citation_log._record import FLOAT32_MAX, record_to_json, validate_record
+from rmm_jax.data.citation_log._schema import LOG_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, LogRecord
+from rmm_jax.data.citation_log._time import check_timestamp, timestamp_seconds, utc_timestamp
 from rmm_jax.data.citation_log._write import LogWriter, write_log
 
 __all__ = [
-    "LogRecord",
-    "LogWriter",
-    "iter_log",
-    "iter_numbered",
-    "json_lines",
-    "pl_log_prob",
-    "iter_user_chunks",
-    "call_hash",
-    "call_hashes",
-    "call_key",
-    "learned_content",
-    "read_log",
-    "record_to_json",
-    "timestamp_seconds",
-    "utc_timestamp",
-    "validate_record",
-    "write_log",
+    "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS", "OPTIONAL_KEYS",
+    "REQUIRED_KEYS", "STDIN", "Known", "LogRecord", "LogWriter", "NotGroupedError", "call_hash", "call_hashes",
+    "call_key", "check_timestamp", "iter_log", "iter_numbered", "iter_user_chunks", "json_lines", "learned_content",
+    "misspelt_key", "pl_log_prob", "pl_tolerance", "read_log", "record_to_json", "source_name", "timestamp_seconds",
+    "utc_timestamp", "validate_record", "write_log",
 ]
