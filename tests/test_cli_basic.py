@@ -138,6 +138,18 @@ def test_unknown_verb_fails_with_one_line(capsys):
     assert code != 0 and "No such command" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("words", [[], ["policies"]])
+def test_a_group_called_alone_prints_its_help_not_an_error(capsys, words):
+    """`rmm-jax` (or `rmm-jax policies`) alone asks for the help: it prints the group's help as
+    click does (on stderr, exit 2), not "error: Usage: ..." with a hint to run --help."""
+    code, out, err = run_cli(words, capsys)
+    assert (code, out) == (2, "")
+    first = err.splitlines()[0]       # the program's name is sys.argv[0]'s (pytest's, in-process)
+    assert first.startswith("Usage: ") and first.endswith(" ".join([*words, "[OPTIONS] COMMAND [ARGS]..."])), first
+    assert "error" not in err.splitlines()[0] and "--help')" not in err
+    assert "Commands:" in err
+
+
 @pytest.mark.parametrize("preset, loss, want", [
     ("default", None, "logistic"), ("default", "reinforce", "reinforce"),
     ("reinforce", None, "reinforce"), ("reinforce", "logistic", "logistic")])

@@ -137,6 +137,10 @@ def main(argv=None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as e:
+        # `rmm-jax` or `rmm-jax policies` alone: the help is what was asked for, not an error line
+        click.echo(e.format_message(), err=True)
+        sys.exit(e.exit_code)
     except click.UsageError as e:
         # One line, like InputError (click's own format adds usage and hint lines).
         hint = f" (try '{e.ctx.command_path} --help')" if e.ctx is not None else ""
