@@ -194,7 +194,8 @@ def store_writer(path):
 
 def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
                  manifest: dict, ans_emb: np.ndarray | None = None) -> None:
-    """Write the store directory at ``path`` whole, or nothing (see the module docstring)."""
+    """Write the store directory at ``path`` whole, or nothing (the layout is in the package
+    docstring, :mod:`rmm_jax.data.store`)."""
     with store_writer(path), atomic_dir(path) as tmp:
         np.save(tmp / "memories.npy", mem_emb)
         np.save(tmp / "queries.npy", qry_emb)
