@@ -45,7 +45,7 @@ sys.path.insert(0, str(BENCH))
 import ope_validation  # noqa: E402
 
 
-# --------------------------------------------------------------------------- references (no ope.py)
+# --------------------------------------------------------------------------- references (no rmm_jax.online.ope)
 def pl_selections(z, mask, m):
     """Every ordered selection of ``m`` valid candidates with its PL(softmax(z)) probability."""
     valid = [i for i in range(len(z)) if mask[i]]
