@@ -18,10 +18,10 @@ from rmm_jax.data.citation_log import (
     LogRecord,
     call_key,
     record_to_json,
-    source_name,
     utc_timestamp,
     validate_record,
 )
+from rmm_jax.data.json_lines import source_name
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_keys

@@ -48,9 +48,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key, check_timestamp, json_lines, source_name
+from rmm_jax.data.citation_log import call_key, check_timestamp
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
+from rmm_jax.data.json_lines import json_lines, source_name
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.errors import InputError, at, named
 

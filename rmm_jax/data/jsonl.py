@@ -96,8 +96,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from rmm_jax.data.citation_log import json_lines
 from rmm_jax.data.json_fields import expect, line_id, line_ids, line_key, line_object, line_stamp, scalar_text
+from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, json_lines
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
@@ -109,7 +109,6 @@ TOOL_ROLES = ("tool", "function")
 INSTRUCTION_ROLES = ("system", "developer")  # left out of memories unless kept (see the module docstring)
 SKIP_COUNTS = ("tool_results", "tool_calls", "instructions", "no_text", "non_text_parts", "null_content", "empty",
                "too_long", "gold_on_skipped")
-MAX_FIRST_ERRORS = 5
 
 
 # --------------------------------------------------------------------------- chat histories

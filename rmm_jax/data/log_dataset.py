@@ -33,15 +33,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rmm_jax.data.citation_log import iter_numbered, json_lines
+from rmm_jax.data.citation_log import iter_numbered
 from rmm_jax.data.json_fields import line_id, line_key, line_object, line_stamp
+from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, json_lines
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
 
 __all__ = ["load_log_dataset", "parse_log_spec"]
 
 LOG_SESSION = "log"  # the session of log memories that name none
-MAX_FIRST_ERRORS = 5  # gold ids dropped for want of text, listed by file:line
 
 
 def parse_log_spec(rest: str) -> tuple[str, str | None]:

@@ -31,7 +31,7 @@ import numpy as np
 from rmm_jax.core.executables import aot
 from rmm_jax.errors import InputError
 
-__all__ = ["top_k", "multi_probe_top_k", "retrieve_candidates"]
+__all__ = ["top_k", "multi_probe_top_k", "retrieve_candidates", "pad_rows"]
 
 _NEG_INF = -jnp.inf
 
@@ -141,7 +141,13 @@ def _by_blocks(n_q: int, query_block: int, call):
     return np.concatenate(out_s), np.concatenate(out_i).astype(np.int32)
 
 
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` with zero rows appended up to ``rows`` (a chunk of fixed shape, so that a
+    compiled program runs on every chunk without compiling again).
+
+    >>> pad_rows(np.ones((2, 3), np.float32), 4).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
     if x.shape[0] == rows:
         return x
     pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
@@ -175,7 +181,7 @@ def top_k(queries, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
     return _by_blocks(n_q, query_block, lambda s, e, qb: _top_k_jit(
-        _pad_rows(q[s:e], qb), bank, mask, k=k, chunk=chunk, n_chunks=n_chunks))
+        pad_rows(q[s:e], qb), bank, mask, k=k, chunk=chunk, n_chunks=n_chunks))
 
 
 def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
@@ -212,9 +218,9 @@ def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mas
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
     def block(s, e, qb):
-        ms = _pad_rows(pm[s:e], qb)
+        ms = pad_rows(pm[s:e], qb)
         ms[e - s:] = True
-        return _multi_probe_jit(jnp.asarray(_pad_rows(p[s:e], qb)), jnp.asarray(ms), bank, mask, k=k,
+        return _multi_probe_jit(jnp.asarray(pad_rows(p[s:e], qb)), jnp.asarray(ms), bank, mask, k=k,
                                 chunk=chunk, n_chunks=n_chunks)
 
     return _by_blocks(n_q, query_block, block)

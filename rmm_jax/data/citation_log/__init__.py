@@ -89,16 +89,14 @@ The package holds one concern a module, and names here what the rest of rmm_jax 
 ``_schema`` (the keys, :class:`LogRecord`), ``_record`` (one record checked, and back to
 JSON), ``_plackett_luce`` (``logits`` against ``log_prob``), ``_time`` (``timestamp``),
 ``_keys`` (misspelt keys), ``_identity`` (:func:`call_key` and what a policy store remembers
-of a call), ``_known`` (a record against a store's ids), ``_lines`` (decoding JSONL lines),
-``_read`` and ``_write``.
+of a call), ``_known`` (a record against a store's ids), ``_read`` and ``_write``; the lines
+themselves are decoded as every JSONL file is (:mod:`rmm_jax.data.json_lines`).
 """
 from rmm_jax.data.citation_log._identity import CONTENT_LEFT_OUT, call_hash, call_hashes, call_key, learned_content
 from rmm_jax.data.citation_log._keys import CLOSE_KEY, KEY_SUFFIXES, misspelt_key
 from rmm_jax.data.citation_log._known import Known
-from rmm_jax.data.citation_log._lines import STDIN, json_lines, source_name
 from rmm_jax.data.citation_log._plackett_luce import pl_log_prob, pl_tolerance
 from rmm_jax.data.citation_log._read import (
-    MAX_FIRST_ERRORS,
     NotGroupedError,
     iter_log,
     iter_numbered,
@@ -109,6 +107,7 @@ from rmm_jax.data.citation_log._record import FLOAT32_MAX, record_to_json, valid
 from rmm_jax.data.citation_log._schema import LOG_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, LogRecord
 from rmm_jax.data.citation_log._time import check_timestamp, timestamp_seconds, utc_timestamp
 from rmm_jax.data.citation_log._write import LogWriter, write_log
+from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, STDIN, json_lines, source_name
 
 __all__ = [
     "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS", "OPTIONAL_KEYS",

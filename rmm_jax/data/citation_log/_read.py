@@ -8,12 +8,10 @@ from collections.abc import Iterator
 from rmm_jax.data.citation_log._identity import _call_name, call_key
 from rmm_jax.data.citation_log._keys import _note_keys
 from rmm_jax.data.citation_log._known import Known, _check_known, _known_lookup
-from rmm_jax.data.citation_log._lines import _decode_line, _nonblank_lines
 from rmm_jax.data.citation_log._record import validate_record
 from rmm_jax.data.citation_log._schema import LOG_KEYS, LogRecord, _key_where
+from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, decode_line, nonblank_lines
 from rmm_jax.errors import InputError, at
-
-MAX_FIRST_ERRORS = 5
 
 
 class NotGroupedError(InputError):
@@ -41,10 +39,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
-    for lineno, raw in _nonblank_lines(path):
+    for lineno, raw in nonblank_lines(path):
         where = at(path, lineno)
         try:
-            obj = _decode_line(raw, path, lineno)
+            obj = decode_line(raw, path, lineno)
             rec = validate_record(obj, where)
             if lookup is not None:
                 _check_known(rec, lookup, where)

@@ -28,8 +28,39 @@ Example::
     >>> u.memory_emb.shape, u.gold.shape                       # doctest: +SKIP
     ((419, 384), (199, 419))
 
-Growing a store by a day's sessions and users, keeping every old row bit for bit, is
-:func:`append_store`.
+Growing a store
+---------------
+Memory banks grow: :func:`append_store` (``rmm-jax embed SPEC --into STORE``) reads a
+dataset as ``embed`` does and adds to an existing store what it does not hold yet (a day's
+new sessions, new users), embedding only the new texts. What is **new**, for any dataset
+the loaders read (``jsonl:``, ``locomo:``, ``longmemeval:``, ``synthetic``):
+
+* a **user** the store does not hold: all of it (sessions and questions), after the
+  store's users;
+* a **session**, by its ``session_id`` within its user: a session id the store does not
+  hold for that user is new, and its memories go after the user's existing ones. A
+  session the store holds with the same memories (ids and texts) is a **repeat**:
+  skipped and counted, so appending the same day twice changes nothing. The same
+  session id with other content is an error (one line naming the user and the session):
+  give every session of a day file its own ``session_id`` (``jsonl:`` numbers sessions
+  without one from 1 in each file, so two day files without ids collide);
+* a **question**, by its id within its user, likewise: new ones are appended with gold
+  over the user's whole bank, repeats skipped, a changed text is an error. Its gold may
+  name turns and sessions of an earlier day: the ids its file does not hold
+  (``Dataset.gold_elsewhere``, kept by ``load_jsonl(..., gold_elsewhere=True)``) are looked
+  up in the store's memories of its user (their ``turn_ids`` and ``session_id``), and an id
+  neither holds is an error naming its file:line and key. A user the store does not hold
+  has only its file to name gold in.
+
+What stays: every existing user, memory and question keeps its id, its position in its
+user's bank (the rows of :meth:`rmm_jax.data.store.EmbeddingStore.user`) and its
+embedding, bit for bit, so policies trained on the store keep working (a policy is a
+function of embeddings, and logs name memories by id). Only the global row offsets of
+the users after a grown one move. The store must have been embedded with the same model
+and at ``turn`` or ``session`` granularity (``segment`` merges new topics into old
+memories, which would change them). The new store is written whole, next to the old one,
+and renamed into place (:func:`rmm_jax.persist.atomic.atomic_dir`): a crash leaves the
+old store.
 
 One concern per private module: ``_format`` (the marker and version), ``_write`` (a new
 store, whole), ``_read`` (opening and reading), ``_append`` (growing one).

@@ -1,37 +1,5 @@
-"""Memory banks grow: append a day's new sessions (and new users) to an embedding store.
-
-``rmm-jax embed SPEC --into STORE`` (:func:`append_store`) reads a dataset as ``embed``
-does and adds to an existing store what it does not hold yet, embedding only the new
-texts. What is **new**, for any dataset the loaders read (``jsonl:``, ``locomo:``,
-``longmemeval:``, ``synthetic``):
-
-* a **user** the store does not hold: all of it (sessions and questions), after the
-  store's users;
-* a **session**, by its ``session_id`` within its user: a session id the store does not
-  hold for that user is new, and its memories go after the user's existing ones. A
-  session the store holds with the same memories (ids and texts) is a **repeat**:
-  skipped and counted, so appending the same day twice changes nothing. The same
-  session id with other content is an error (one line naming the user and the session):
-  give every session of a day file its own ``session_id`` (``jsonl:`` numbers sessions
-  without one from 1 in each file, so two day files without ids collide);
-* a **question**, by its id within its user, likewise: new ones are appended with gold
-  over the user's whole bank, repeats skipped, a changed text is an error. Its gold may
-  name turns and sessions of an earlier day: the ids its file does not hold
-  (``Dataset.gold_elsewhere``, kept by ``load_jsonl(..., gold_elsewhere=True)``) are looked
-  up in the store's memories of its user (their ``turn_ids`` and ``session_id``), and an id
-  neither holds is an error naming its file:line and key. A user the store does not hold
-  has only its file to name gold in.
-
-What stays: every existing user, memory and question keeps its id, its position in its
-user's bank (the rows of :meth:`rmm_jax.data.store.EmbeddingStore.user`) and its
-embedding, bit for bit, so policies trained on the store keep working (a policy is a
-function of embeddings, and logs name memories by id). Only the global row offsets of
-the users after a grown one move. The store must have been embedded with the same model
-and at ``turn`` or ``session`` granularity (``segment`` merges new topics into old
-memories, which would change them). The new store is written whole, next to the old one,
-and renamed into place (:func:`rmm_jax.persist.atomic.atomic_dir`): a crash leaves the
-old store.
-"""
+"""Growing an embedding store by a day's sessions and users (:func:`append_store`); what is
+new and what stays is the package docstring's "Growing a store" (:mod:`rmm_jax.data.store`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -154,9 +122,9 @@ def check_model(st, path, model_id: str, where: str = "model_id") -> None:
 
 
 def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None) -> dict:
-    """Append ``dataset``'s new users, sessions and questions to the store at ``path``
-    (module docstring), embedding only their texts with ``embedder`` (its ``model_id``
-    must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
+    """Append ``dataset``'s new users, sessions and questions to the store at ``path`` (the
+    package docstring's "Growing a store"), embedding only their texts with ``embedder`` (its
+    ``model_id`` must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
     was added or skipped (``users``, ``sessions``, ``sessions_repeated``, ``memories``,
     ``queries``, ``queries_repeated``). The store's writer lock (:func:`store_writer`) is
     held from reading the store to renaming the grown one into place.

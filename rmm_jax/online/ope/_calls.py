@@ -16,9 +16,10 @@ from rmm_jax.core.executables import aot
 from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
+from rmm_jax.data.retrieval import pad_rows
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
-from rmm_jax.online.ope._chunks import CHUNK, pad_rows
+from rmm_jax.online.ope._chunks import _CHUNK
 from rmm_jax.online.serve import user_params
 from rmm_jax.online.streams import check_limits
 from rmm_jax.persist.policy_rollback import check_store
@@ -132,12 +133,12 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         params = user_params(policies, uid, fallback_to_shared=uid not in has_policy)
         n = len(recs)
         scores = []
-        for s in range(0, n, CHUNK):
-            part = slice(s, s + CHUNK)
+        for s in range(0, n, _CHUNK):
+            part = slice(s, s + _CHUNK)
             rows_here = c.queries[part].shape[0]
-            q = pad_rows(c.queries[part], CHUNK)
-            mm = pad_rows(c.bank[c.cand[part]], CHUNK)
-            mk = pad_rows(c.cand_mask[part], CHUNK)
+            q = pad_rows(c.queries[part], _CHUNK)
+            mm = pad_rows(c.bank[c.cand[part]], _CHUNK)
+            mk = pad_rows(c.cand_mask[part], _CHUNK)
             mk[rows_here:, 0] = True  # padded rows: one valid slot keeps the scores finite
             scores.append(np.asarray(_score_chunk(params, q, mm, mk))
                           [:rows_here])

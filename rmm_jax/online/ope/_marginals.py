@@ -13,7 +13,8 @@ import numpy as np
 
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import selection_log_probs, top_m
-from rmm_jax.online.ope._chunks import CHUNK, pad_rows
+from rmm_jax.data.retrieval import pad_rows
+from rmm_jax.online.ope._chunks import _CHUNK
 
 DEFAULT_EXACT_LIMIT = 100_000
 DEFAULT_MC_SAMPLES = 4096
@@ -132,9 +133,9 @@ def slot_marginals_mc(logits, mask, m: int, *, samples: int = DEFAULT_MC_SAMPLES
     mask = np.broadcast_to(np.asarray(mask, bool), logits.shape)
     out = []
     key = jax.random.key(seed)
-    for s in range(0, logits.shape[0], CHUNK):
-        part = slice(s, s + CHUNK)
-        z, mk = pad_rows(logits[part], CHUNK), pad_rows(mask[part], CHUNK)
+    for s in range(0, logits.shape[0], _CHUNK):
+        part = slice(s, s + _CHUNK)
+        z, mk = pad_rows(logits[part], _CHUNK), pad_rows(mask[part], _CHUNK)
         res = _mc_marginals(jnp.asarray(z), jnp.asarray(mk), jax.random.fold_in(key, s), m=m, samples=samples)
         out.append(np.asarray(res, np.float64)[:logits[part].shape[0]])
     return np.concatenate(out) if out else np.zeros((0, m, logits.shape[1]))

@@ -1,5 +1,7 @@
-"""JSONL lines as the log reader decodes them: UTF-8, no key repeated within an object,
-every problem an :class:`~rmm_jax.errors.InputError` naming ``path:line``; standard input too."""
+"""JSONL files read line by line, as every reader of them decodes them (citation logs, chat
+histories, ``rerank``'s requests, a log's memories file): UTF-8, no key repeated within an
+object, every problem an :class:`~rmm_jax.errors.InputError` naming ``path:line``; standard
+input too."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +11,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from rmm_jax.data.citation_log._schema import _key_where
 from rmm_jax.data.json_fields import check_surrogates
 from rmm_jax.errors import InputError, at
 
@@ -29,7 +30,9 @@ class _DuplicateKey(Exception):
         self.key = key
 
 
-def _decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
+def decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
+    """One raw line's JSON value (UTF-8, a BOM allowed on line 1, no key repeated within an
+    object); a problem is an :class:`InputError` naming ``path:lineno``."""
     where = at(path, lineno)
     try:
         text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -39,7 +42,7 @@ def _decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
         value = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except _DuplicateKey as exc:
         raise InputError("key repeated within one JSON object",
-                         where=_key_where(where, exc.key)) from None
+                         where=at(path, lineno, exc.key)) from None
     except json.JSONDecodeError as exc:
         raise InputError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
     except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits
@@ -59,6 +62,9 @@ def _open_log(path: str | os.PathLike):
     except OSError as exc:
         raise InputError(f"cannot open ({exc.strerror})", where=str(path)) from None
 
+
+MAX_FIRST_ERRORS = 5
+"""How many problems a reader that skips invalid lines lists by ``file:line`` (the rest it counts)."""
 
 STDIN = "-"
 """The path :func:`json_lines` reads as standard input (shown as ``<stdin>``)."""
@@ -80,11 +86,11 @@ def json_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tupl
     :class:`InputError` naming ``path:line`` (``<stdin>:line``). An empty file raises "no records".
     """
     name = source_name(path) if stdin else str(path)
-    for lineno, raw in _nonblank_lines(path, stdin=stdin and str(path) == STDIN):
-        yield lineno, _decode_line(raw, name, lineno)
+    for lineno, raw in nonblank_lines(path, stdin=stdin and str(path) == STDIN):
+        yield lineno, decode_line(raw, name, lineno)
 
 
-def _nonblank_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, bytes]]:
+def nonblank_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, bytes]]:
     """``(line number, raw line)`` of every non-blank line (of standard input if ``stdin``);
     an empty file is an error."""
     nonblank = 0
