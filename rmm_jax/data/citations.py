@@ -163,6 +163,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rmm_jax.deprecated import moved
 from rmm_jax.errors import InputError
 
 __all__ = [
@@ -438,3 +439,8 @@ def answer_support(qa_emb, bank, cand, cand_mask, *, top_c: int | None = ANSWER_
         np.put_along_axis(rank, order, np.arange(sim.shape[1])[None, :], axis=1)
         out &= rank < top_c
     return out
+
+
+# moved to rmm_jax.data.prompt (the real generator's side); the old path warns
+__getattr__ = moved(__name__, dict.fromkeys(("NO_CITE", "RMM_PROMPT_TEMPLATE", "format_prompt", "parse_citations"),
+                                            "rmm_jax.data.prompt"))

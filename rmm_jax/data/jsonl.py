@@ -99,6 +99,7 @@ from pathlib import Path
 from rmm_jax.data.json_fields import expect, line_id, line_ids, line_key, line_object, line_stamp, scalar_text
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, json_lines
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
+from rmm_jax.deprecated import moved
 from rmm_jax.errors import InputError, at
 
 __all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl"]
@@ -332,3 +333,7 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
                                 if not q.gold_turn_ids and not q.abstention and (draft.id, q.id) not in elsewhere)
         stats["abstention"] += sum(1 for q in queries if q.abstention)
     return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where, gold_elsewhere=elsewhere)
+
+
+# moved to rmm_jax.data.log_dataset (the log: loader); the old path warns
+__getattr__ = moved(__name__, dict.fromkeys(("load_log_dataset", "parse_log_spec"), "rmm_jax.data.log_dataset"))

@@ -1,0 +1,39 @@
+"""Names that moved: the old import path still works for a while, with a warning that says
+where the name lives now.
+
+A module whose names moved ends with ``__getattr__ = moved(__name__, {"old": "new.module"})``
+(PEP 562): ``from old.module import name`` and ``old.module.name`` then return the object of
+``new.module``, after a :class:`DeprecationWarning` naming both paths, and nothing is imported
+until a moved name is asked for.
+
+>>> import warnings
+>>> getattr_ = moved("pkg.old", {"dumps": "json"})
+>>> with warnings.catch_warnings(record=True) as w:
+...     warnings.simplefilter("always")
+...     import json
+...     getattr_("dumps") is json.dumps, str(w[0].message)
+(True, 'pkg.old.dumps moved to json.dumps: import it from there (the old path goes in a later release)')
+>>> getattr_("loads")
+Traceback (most recent call last):
+...
+AttributeError: module 'pkg.old' has no attribute 'loads'
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def moved(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that serves ``names`` (name → the module it moved to) from
+    their new modules, each access warning with :class:`DeprecationWarning`."""
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        target = names[name]
+        warnings.warn(f"{module}.{name} moved to {target}.{name}: import it from there (the old path goes in a "
+                      "later release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(target), name)
+    return __getattr__

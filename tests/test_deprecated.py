@@ -1,0 +1,38 @@
+"""Names that moved keep their old import path for a while: each old path gives the new
+module's very object, after a DeprecationWarning that names where it lives now."""
+import importlib
+
+import pytest
+
+MOVED = [
+    ("rmm_jax.data.citations", "parse_citations", "rmm_jax.data.prompt"),
+    ("rmm_jax.data.citations", "format_prompt", "rmm_jax.data.prompt"),
+    ("rmm_jax.data.citations", "RMM_PROMPT_TEMPLATE", "rmm_jax.data.prompt"),
+    ("rmm_jax.data.citations", "NO_CITE", "rmm_jax.data.prompt"),
+    ("rmm_jax.data.jsonl", "load_log_dataset", "rmm_jax.data.log_dataset"),
+    ("rmm_jax.data.jsonl", "parse_log_spec", "rmm_jax.data.log_dataset"),
+    ("rmm_jax.data.store_append", "append_store", "rmm_jax.data.store"),
+    ("rmm_jax.data.store_append", "check_model", "rmm_jax.data.store"),
+    ("rmm_jax.data.store_append", "APPENDABLE", "rmm_jax.data.store"),
+]
+
+
+@pytest.mark.parametrize("old, name, new", MOVED)
+def test_an_old_path_warns_and_gives_the_new_object(old, name, new):
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=rf"^{old}\.{name} moved to {new}\.{name}: import it from there"):
+        got = getattr(module, name)
+    assert got is getattr(importlib.import_module(new), name)
+
+
+def test_from_import_of_a_moved_name_works_and_warns():
+    with pytest.warns(DeprecationWarning, match="rmm_jax.data.store.append_store"):
+        from rmm_jax.data.store_append import append_store
+    from rmm_jax.data.store import append_store as new
+    assert append_store is new
+
+
+@pytest.mark.parametrize("old", sorted({m[0] for m in MOVED}))
+def test_a_name_that_never_was_there_is_still_an_attribute_error(old):
+    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nothing_here'"):
+        getattr(importlib.import_module(old), "nothing_here")
