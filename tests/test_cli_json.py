@@ -30,6 +30,9 @@ WALK = [
     ("pretrain gold --plot", "pretrain stores/synth --k 10 --epochs 1 --out pretrained --plot pt.png --json", 0),
     ("replay", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
     ("replay nothing to learn", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
+    ("rerank", "rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore "
+               "--out served.jsonl --json", 0),
+    ("rerank no store", "rerank stores/mine --calls examples/requests_day1.jsonl --out ranked.jsonl --json", 0),
     ("replay misspelt keys", "replay stores/mine --log typo1.jsonl --policies typo --users user0 --json", 0),
     ("evaluate unreliable", "evaluate stores/mine --log examples/calls_day2.jsonl --policies policies "
                             "--bootstrap 40 --json", 3),
@@ -43,6 +46,7 @@ WALK = [
     ("policies list", "policies list policies --json", 0),
     ("policies show", "policies show policies --json", 0),
     ("policies show users", "policies show policies user0 --users user1 --json", 0),
+    ("policies export", "policies export policies user0 --out user0.npz --json", 0),
     ("policies rollback --dry-run", "policies rollback policies --dry-run --json", 0),
     ("policies rollback", "policies rollback simulated --json", 0),
     ("demo tiny", "demo --out runs/demo --users 4 --sessions 1 --turns 2 --k 10 --json", 0),
@@ -57,6 +61,8 @@ BAD = [
     "cite-rates stores/synth --log sim.jsonl --users user3 --json",             # a user with no call
     "policies show policies nobody --json",
     "policies rollback pretrained --json",                                      # nothing to roll back
+    "rerank stores/mine --calls examples/requests_day1.jsonl --json",           # stdout carries the records
+    "rerank stores/mine --calls examples/requests_day1.jsonl --out - --json",
     "demo --out runs/demo2 --users 2 --json",
 ]
 
@@ -119,6 +125,7 @@ def walk(tmp_path_factory):
         (root / "nan_meta/policy_store.json").write_text(json.dumps(meta))
         for line in ("policies list nan_meta --json", "policies show nan_meta user0 --json"):
             results[line] = _run(line)
+    results["_root"] = root                     # where the walk ran: the files it wrote
     return results
 
 
@@ -200,4 +207,25 @@ def test_version_json_says_what_this_process_runs(walk):
     assert (doc["rmm_jax"], doc["jax"], doc["jaxlib"], doc["python"], doc["backend"]) == (
         rmm_jax.__version__, jax.__version__, jaxlib.__version__, platform.python_version(), jax.default_backend())
     assert doc["devices"] == [str(d) for d in jax.devices()] and doc["devices"]
+
+
+def test_rerank_json_counts_who_served_each_call(walk):
+    """rerank --json says how many calls each kind of policy served; the served lines say it
+    too (policy_version null: a user the store does not hold), and the counts must agree."""
+    served = _strict(walk["rerank"][1])
+    lines = [json.loads(x) for x in (walk["_root"] / served["out"]).read_text().splitlines()]
+    own = sum(rec["policy_version"] is not None for rec in lines)
+    assert served["served_by"] == {"own_policy": own, "shared": len(lines) - own, "identity": 0}
+    assert 0 < own < len(lines) == served["calls"]          # day 2 has a user day 1 never saw
+    assert served["users"] == len({rec["user_id"] for rec in lines}) and served["explore"] is True
+    alone = _strict(walk["rerank no store"][1])
+    assert alone["served_by"] == {"own_policy": 0, "shared": 0, "identity": alone["calls"]} and alone["calls"] > 0
+
+
+def test_policies_export_json_is_the_json_written_beside_the_npz(walk):
+    """`policies export --json` prints what it wrote next to the .npz, and both paths."""
+    doc = _strict(walk["policies export"][1])
+    beside = json.loads((walk["_root"] / doc["json"]).read_text())
+    assert {k: v for k, v in doc.items() if k not in ("out", "json")} == beside
+    assert (doc["user"], doc["out"]) == ("user0", "user0.npz") and (walk["_root"] / doc["out"]).is_file()
 

@@ -254,7 +254,9 @@ def export_params(st: PolicyStore, user: str, out: Path, version: int | None = N
                    "with meta, version and info is written next to it.")
 @click.option("--version", "version", type=int, default=None,
               help="Export this saved version instead of the newest good one.")
-def export(store, user, out, version):
+@json_option("what was exported (the .json written next to the .npz, with both paths)",
+             "store, user, version, shared_version, meta, info, shapes, dtypes, out, json")
+def export(store, user, out, version, as_json):
     """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
     load with numpy.load outside rmm-jax. Both files are written atomically. In scope
     hybrid these are the user's own factors; the .json names the shared version they pair with."""
@@ -271,6 +273,8 @@ def export(store, user, out, version):
     _require_users(st, [user])
     doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
+    if as_json:
+        emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)
 
 
 def _span(versions) -> str:

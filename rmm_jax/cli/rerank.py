@@ -12,7 +12,7 @@ import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, info
+from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, emit_json, info, json_option
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import (
     LogRecord,
@@ -72,7 +72,11 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
               help="Write the JSONL here (atomically) instead of stdout (-: stdout, as without --out).")
 @click.option("--cache-users", type=click.IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
-def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users):
+@json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
+             "calls, users, served_by (own_policy: calls served by their user's saved policy; shared: by the "
+             "shared part, for a user the store does not hold; identity: by the retriever's scores, without a "
+             "policy store), explore, out, seconds")
+def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users, as_json):
     """Select each call's memories with the user's stored policy.
 
     For every line of --calls, one JSON line in input order: a citation-log record
@@ -104,6 +108,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     t0, now = time.perf_counter(), serve_clock()
     out = None if out == "-" else out            # `-` is stdout, as without --out (it wrote a file named -)
     check_output_file(out, f"--out {out}")
+    if as_json and not out:
+        raise InputError("needs --out FILE: without it stdout carries the served lines", where="--json")
     st = open_store(store)
     note = None
     if policies is not None and Path(policies).exists():
@@ -125,10 +131,13 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     for i, p in enumerate(prepared):
         groups[(p.call.user_id, p.cands.shape[0])].append(i)
     lines: list[str | None] = [None] * len(prepared)
+    served_by = dict.fromkeys(("own_policy", "shared", "identity"), 0)
     with progress_bar(len(groups), "rerank", unit="batch") as bar:
         for (uid, _), rows in groups.items():
             q, cands = np.stack([prepared[i].query for i in rows]), np.stack([prepared[i].cands for i in rows])
             pol = rr.policy(uid)
+            who = "identity" if rr.store is None else "shared" if pol.version is None else "own_policy"
+            served_by[who] += len(rows)
             if explore:
                 keys = call_keys(seed, uid, [call_key(prepared[i].call) for i in rows])
                 got = rr.sample(uid, q, cands, m, keys=keys, tau=tau)
@@ -149,8 +158,12 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if out:
         with atomic_file(Path(out)) as f:
             f.write(text)
-        info(f"{'served' if explore else 'ranked'} {count(len(lines), 'call')} of "
-             f"{count(len({c.user_id for c in calls}), 'user')} "
-             f"in {time.perf_counter() - t0:.1f} s; wrote {out}")
+        seconds = time.perf_counter() - t0
+        users = len({c.user_id for c in calls})
+        info(f"{'served' if explore else 'ranked'} {count(len(lines), 'call')} of {count(users, 'user')} "
+             f"in {seconds:.1f} s; wrote {out}")
+        if as_json:
+            emit_json({"calls": len(lines), "users": users, "served_by": served_by, "explore": explore, "out": out,
+                       "seconds": round(seconds, 3)})
     else:
         sys.stdout.write(text)
