@@ -111,6 +111,11 @@ interval lies above 0. The cite rate needs no gold; SNIPS needs only ``log_prob`
 less variance than IPS, and is the estimator ``benchmarks/ope_validation.py`` validates
 under both fixed and adaptive logging (95% coverage 0.93 and 1.0 on cited memories); the
 slate estimators are narrower but assume how citations depend on the slots.
+
+One concern per private module: ``_marginals`` (Plackett–Luce slot marginals and prefix
+probabilities), ``_estimators`` (the estimators and the checks on one estimate), ``_calls``
+(logged calls against a store and the target's policies), ``_report`` (the report and its
+verdict); ``_chunks`` fixes the calls per compiled program.
 """
 from __future__ import annotations
 
