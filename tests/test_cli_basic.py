@@ -138,6 +138,28 @@ def test_unknown_verb_fails_with_one_line(capsys):
     assert code != 0 and "No such command" in err and "Traceback" not in err
 
 
+def _commands(group=None, path=()):
+    for name, cmd in sorted((group or cli).commands.items()):
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+def test_a_number_option_is_named_as_int_and_float_options_are(capsys):
+    """A bounded number option said "INTEGER RANGE" in --help and "'abc' is not a valid integer
+    range" for a non-number, where int options say INTEGER and "not a valid integer"."""
+    ranged = [(path, p.name) for path, cmd in _commands() for p in cmd.params
+              if isinstance(p.type, (click.IntRange, click.FloatRange))]
+    assert len(ranged) > 10
+    for path, cmd in _commands():
+        for p in cmd.params:
+            if isinstance(p.type, (click.IntRange, click.FloatRange)):
+                assert p.type.name == ("integer" if isinstance(p.type, click.IntRange) else "float"), (path, p.name)
+    code, _, err = run_cli(["retrieve", "nowhere", "--k", "abc"], capsys)
+    assert code == 2 and "'abc' is not a valid integer. " in err, err
+
+
 @pytest.mark.parametrize("words", [[], ["policies"]])
 def test_a_group_called_alone_prints_its_help_not_an_error(capsys, words):
     """`rmm-jax` (or `rmm-jax policies`) alone asks for the help: it prints the group's help as

@@ -12,7 +12,7 @@ import click
 import jax
 from tqdm import tqdm
 
-from rmm_jax.cli.shell import SEED, as_options, check_writable, explicit_options, info
+from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, explicit_options, info
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
@@ -357,7 +357,7 @@ def checkpoint_options(default_every: int, unit: str):
         f = click.option("--resume", is_flag=True,
                          help="Continue the interrupted run of the same command, inputs and options "
                               "from its last complete checkpoint.")(f)
-        f = click.option("--checkpoint-every", type=click.IntRange(min=0), default=default_every, show_default=True,
+        f = click.option("--checkpoint-every", type=IntRange(min=0), default=default_every, show_default=True,
                          help=f"Checkpoint the run every N {unit} (0: only when interrupted by "
                               "SIGINT/SIGTERM); results do not depend on it.")(f)
         return f

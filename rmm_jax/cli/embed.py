@@ -8,6 +8,8 @@ import click
 
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
+    FloatRange,
+    IntRange,
     as_options,
     check_output_dir,
     check_writable,
@@ -51,18 +53,18 @@ MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embed
 @click.option("--model", default=DEFAULT_MODEL,
               help="sentence-transformers model name or local directory; the default is the "
                    f"packaged offline copy of {DEFAULT_MODEL}.")
-@click.option("--segment-threshold", type=click.FloatRange(-1.0, 1.0),
+@click.option("--segment-threshold", type=FloatRange(-1.0, 1.0),
               default=DEFAULT_SEGMENT_THRESHOLD,
               help="segment: a turn joins the current segment while its cosine to the "
                    "segment mean is at least this.")
-@click.option("--merge-threshold", type=click.FloatRange(-1.0, 1.0),
+@click.option("--merge-threshold", type=FloatRange(-1.0, 1.0),
               default=DEFAULT_MERGE_THRESHOLD,
               help="segment: a segment merges into the most similar existing memory when "
                    "their cosine exceeds this.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               show_default=f"${CACHE_ENV} or {DEFAULT_CACHE_ROOT}",
               help="Embedding cache root; one sub-directory per model.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE,
+@click.option("--batch-size", type=IntRange(min=1), default=DEFAULT_BATCH_SIZE,
               help="Texts per model call.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the embedding cache.")
 @click.option("--answers", is_flag=True,

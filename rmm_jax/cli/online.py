@@ -10,7 +10,7 @@ import click
 import jax
 
 from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, open_policies_for, progress_bar
-from rmm_jax.cli.shell import as_options, emit_json, info, png_option
+from rmm_jax.cli.shell import IntRange, as_options, emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
@@ -135,7 +135,7 @@ def removed_if_unused(path, created: bool):
 
 def keep_option(f):
     """``--keep N``: versions kept per user (and the shared versions those need)."""
-    return click.option("--keep", type=click.IntRange(min=1), default=None,
+    return click.option("--keep", type=IntRange(min=1), default=None,
                         show_default=f"the store's; {DEFAULT_KEEP} for a new store",
                         help="Versions kept per user (what `policies rollback` can return to; lowering it deletes "
                              "older ones as the run saves); a shared version stays while a kept user version needs "

@@ -42,6 +42,7 @@ from rmm_jax.cli.online import (
 )
 from rmm_jax.cli.shell import (
     TWICE,
+    IntRange,
     as_options,
     check_input_file,
     check_output_file,
@@ -95,7 +96,7 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
                    "each call is learned once: calls learned already are skipped and counted, and one learned "
                    "with other content is an error (docs/reliability.md, \"Exactly once\").")
 @users_option("Only these users' records")
-@click.option("--users-per-chunk", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--users-per-chunk", type=IntRange(min=1), default=8, show_default=True,
               help="Users run side by side per compiled call.")
 @distributed_options
 @checkpoint_options(16, "updates (batches)")

@@ -12,7 +12,7 @@ import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, check_output_file, count, emit_json, info, json_option
+from rmm_jax.cli.shell import SEED, IntRange, as_options, check_output_file, count, emit_json, info, json_option
 from rmm_jax.data.calls import prepare_calls, read_calls
 from rmm_jax.data.citation_log import (
     LogRecord,
@@ -56,8 +56,8 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
               help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
                    "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp (without one, the "
                    "served line gets the time it was served). -: standard input.")
-@click.option("--m", type=click.IntRange(min=1), default=DEFAULTS.layout.m, help="Memories to select per call.")
-@click.option("--k", type=click.IntRange(min=1), default=DEFAULTS.layout.k,
+@click.option("--m", type=IntRange(min=1), default=DEFAULTS.layout.m, help="Memories to select per call.")
+@click.option("--k", type=IntRange(min=1), default=DEFAULTS.layout.k,
               help="Candidates from the base retriever when a call lists none.")
 @click.option("--explore", is_flag=True,
               help="Draw the shown memories (Gumbel top-M at --tau, a Plackett–Luce sample) instead of the "
@@ -70,7 +70,7 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
                    "(call_id, else query_id, else the query text): serving the same call again draws the same.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write the JSONL here (atomically) instead of stdout (-: stdout, as without --out).")
-@click.option("--cache-users", type=click.IntRange(min=1), default=DEFAULT_CACHE_USERS,
+@click.option("--cache-users", type=IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
 @json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
              "calls, users, served_by (own_policy: calls served by their user's saved policy; shared: by the "

@@ -7,7 +7,7 @@ import click
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import count, emit_json, json_option
+from rmm_jax.cli.shell import IntRange, count, emit_json, json_option
 from rmm_jax.core import metrics as M
 from rmm_jax.core.config import Layout
 from rmm_jax.data.retrieval import retrieve_candidates
@@ -105,7 +105,7 @@ def _table(title: str, rows: dict, names: list[str]) -> list[str]:
 
 @cli.command()
 @click.argument("store", type=click.Path())
-@click.option("--k", "k", type=click.IntRange(min=1), default=Layout().k,
+@click.option("--k", "k", type=IntRange(min=1), default=Layout().k,
               help="Memories retrieved per question (the list every metric is cut at).")
 @click.option("--pad-short-banks", is_flag=True,
               help="Allow users with fewer than k memories (their lists are shorter) "

@@ -18,7 +18,19 @@ from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared wi
 from rmm_jax.errors import InputError, worded
 from rmm_jax.persist.atomic import write_problem
 
-SEED = click.IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, JAX's keys >= 2**63
+
+class IntRange(click.IntRange):
+    """click's ``IntRange`` named as ``int`` options are, in help and errors (``--k INTEGER``,
+    "'abc' is not a valid integer"), not "integer range"; the bounds still show in the help."""
+    name = "integer"
+
+
+class FloatRange(click.FloatRange):
+    """click's ``FloatRange`` named as ``float`` options are ("'abc' is not a valid float")."""
+    name = "float"
+
+
+SEED = IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, JAX's keys >= 2**63
 
 
 def info(msg: str) -> None:

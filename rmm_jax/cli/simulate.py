@@ -38,7 +38,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import as_options, check_output_file, info, json_option, users_option
+from rmm_jax.cli.shell import IntRange, as_options, check_output_file, info, json_option, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
@@ -91,7 +91,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @click.option("--queries", "query_range", default=None, metavar="START:END",
               help="Only each user's queries START..END-1 in stream order (either end may be left out): a "
                    "later run over the next range continues where this one stopped.")
-@click.option("--users-per-chunk", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--users-per-chunk", type=IntRange(min=1), default=8, show_default=True,
               help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None,
               help="Write the generated citation log (JSONL) to this file; not - (stdout carries the summary).")
