@@ -36,4 +36,5 @@ def moved(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
         warnings.warn(f"{module}.{name} moved to {target}.{name}: import it from there (the old path goes in a "
                       "later release)", DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(target), name)
+    __getattr__.moved = dict(names)     # what it serves, for a reader (and tests/test_deprecated.py)
     return __getattr__

@@ -36,3 +36,19 @@ def test_from_import_of_a_moved_name_works_and_warns():
 def test_a_name_that_never_was_there_is_still_an_attribute_error(old):
     with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nothing_here'"):
         getattr(importlib.import_module(old), "nothing_here")
+
+
+def test_the_table_covers_every_moved_name():
+    """Every module of rmm_jax that serves moved names (a ``deprecated.moved`` ``__getattr__``)
+    serves exactly the names MOVED lists for it, so each old path above is tested."""
+    import pkgutil
+
+    import rmm_jax
+
+    served = set()
+    for info in pkgutil.walk_packages(rmm_jax.__path__, "rmm_jax."):
+        hook = getattr(importlib.import_module(info.name), "__getattr__", None)
+        for name, new in getattr(hook, "moved", {}).items():
+            served.add((info.name, name, new))
+    assert served == set(MOVED)
+
