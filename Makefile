@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint setup bench clean
+.PHONY: demo test lint setup bench clean floors
 
 setup: $(STAMP)
 
@@ -38,8 +38,20 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# The lowest versions pyproject.toml allows (uv's lowest-direct resolution; the constraints'
+# pins kept) in an environment of their own, and the suite and ruff run there: a floor that no
+# longer holds fails here. Not part of CI: it installs a second environment (~15 min).
+FLOORS ?= .venv-floors
+floors:
+	test -x $(FLOORS)/bin/python || $(PYTHON) -m venv $(FLOORS)
+	$(FLOORS)/bin/python -m pip install -q uv
+	$(FLOORS)/bin/uv pip install -q --python $(FLOORS)/bin/python --resolution lowest-direct -c constraints.txt \
+		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e '.[test]'
+	$(FLOORS)/bin/python -m pytest -q -ra --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(FLOORS)/bin/ruff check .
+
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(FLOORS) .pytest_cache build *.egg-info
