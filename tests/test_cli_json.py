@@ -229,3 +229,26 @@ def test_policies_export_json_is_the_json_written_beside_the_npz(walk):
     assert {k: v for k, v in doc.items() if k not in ("out", "json")} == beside
     assert (doc["user"], doc["out"]) == ("user0", "user0.npz") and (walk["_root"] / doc["out"]).is_file()
 
+
+def test_every_verb_has_json_and_the_walk_runs_it():
+    """Every command, sub-commands included, takes --json, and the walk above runs each one
+    with it: a new verb without --json, or with one that no test runs, fails here."""
+    def leaves(group, path=()):
+        for name, cmd in sorted(group.commands.items()):
+            yield from leaves(cmd, (*path, name)) if isinstance(cmd, click.Group) else [(*path, name)]
+
+    verbs = set(leaves(cli))
+    assert len(verbs) > 10
+    without = [v for v in verbs if not any(isinstance(p, click.Option) and "--json" in p.opts
+                                           for p in _command(v).params)]
+    assert not without, without
+    walked = {tuple(w[:2]) if w[0] == "policies" else (w[0],) for w in (shlex.split(line) for _, line, _ in WALK)}
+    assert verbs <= walked, sorted(verbs - walked)
+
+
+def _command(path):
+    cmd = cli
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
