@@ -13,8 +13,8 @@ from typing import Any
 
 from rmm_jax.errors import InputError, at
 
-__all__ = ["check_surrogates", "expect", "field", "json_type", "line_id", "line_ids", "line_key", "line_object",
-           "line_stamp", "read_json", "scalar_text"]
+__all__ = ["check_surrogates", "expect", "field", "json_type", "line_id", "line_ids", "line_object", "line_stamp",
+           "read_json", "scalar_text"]
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "a boolean",
@@ -86,12 +86,16 @@ def expect(value: Any, kind: type | tuple[type, ...], path: Path, key: str, line
     return value
 
 
-def field(obj: dict, name: str, kind: type | tuple[type, ...], path: Path, prefix: str = "") -> Any:
-    """``obj[name]`` checked for presence and type; ``prefix`` locates ``obj`` in the file."""
+def field(obj: dict, name: str, kind: type | tuple[type, ...], path: Path, prefix: str = "", *,
+          line: int | None = None, required: bool = True, default=None) -> Any:
+    """``obj[name]`` checked for presence and type; ``prefix`` locates ``obj`` in the file,
+    ``line`` in a JSONL file. Not ``required``: absent or ``null``, it is ``default``."""
     key = f"{prefix}.{name}" if prefix else name
-    if name not in obj:
-        raise InputError("missing key", where=at(path, key=key))
-    return expect(obj[name], kind, path, key)
+    if name not in obj or (obj[name] is None and not required):
+        if required:
+            raise InputError("missing key", where=at(path, line, key))
+        return default
+    return expect(obj[name], kind, path, key, line)
 
 
 def scalar_text(value: Any) -> str | None:
@@ -102,17 +106,6 @@ def scalar_text(value: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------- one JSONL line's object
-def line_key(obj: dict, key: str, kinds, path, line: int, loc: str, *, required: bool = True, default=None):
-    """``obj[key]`` of the object at ``path:line`` (``loc``: where ``obj`` sits in it) checked
-    for type (``null`` counts as absent for optional keys)."""
-    full = f"{loc}.{key}" if loc else key
-    if key not in obj or (obj[key] is None and not required):
-        if required:
-            raise InputError("missing key", where=at(path, line, full))
-        return default
-    return expect(obj[key], kinds, path, full, line)
-
-
 def line_object(obj: Any, path, line: int) -> dict:
     """A JSONL line's value, which must be an object."""
     if not isinstance(obj, dict):
@@ -131,7 +124,7 @@ def line_id(value: Any, path, line: int, key: str) -> str:
 def line_ids(obj: dict, key: str, path, line: int, loc: str) -> tuple[str, ...]:
     """An optional list of distinct ids (empty when absent)."""
     full = f"{loc}.{key}"
-    items = line_key(obj, key, list, path, line, loc, required=False, default=[])
+    items = field(obj, key, list, path, loc, line=line, required=False, default=[])
     out = tuple(line_id(v, path, line, f"{full}[{i}]") for i, v in enumerate(items))
     if len(set(out)) != len(out):
         dup = next(v for v in out if out.count(v) > 1)
@@ -141,5 +134,5 @@ def line_ids(obj: dict, key: str, path, line: int, loc: str) -> tuple[str, ...]:
 
 def line_stamp(obj: dict, key: str, path, line: int, loc: str) -> str | None:
     """An optional timestamp (string or number), kept as text."""
-    value = line_key(obj, key, (str, int, float), path, line, loc, required=False)
+    value = field(obj, key, (str, int, float), path, loc, line=line, required=False)
     return None if value is None else str(value)

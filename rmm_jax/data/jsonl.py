@@ -96,7 +96,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from rmm_jax.data.json_fields import expect, line_id, line_ids, line_key, line_object, line_stamp, scalar_text
+from rmm_jax.data.json_fields import expect, field, line_id, line_ids, line_object, line_stamp, scalar_text
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, json_lines
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.deprecated import moved
@@ -149,7 +149,7 @@ class _Skips:
 
 def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str | None:
     """The text of one message, or None when it is skipped (counted in ``skips``)."""
-    role = line_id(line_key(msg, "role", str, path, line, tloc), path, line, f"{tloc}.role")
+    role = line_id(field(msg, "role", str, path, tloc, line=line), path, line, f"{tloc}.role")
     if role in TOOL_ROLES:
         skips.counts["tool_results"] += 1
         return None
@@ -171,9 +171,9 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
         for j, part in enumerate(content):
             ploc = f"{key}[{j}]"
             expect(part, dict, path, ploc, line)
-            kind = line_id(line_key(part, "type", str, path, line, ploc), path, line, f"{ploc}.type")
+            kind = line_id(field(part, "type", str, path, ploc, line=line), path, line, f"{ploc}.type")
             if kind == "text":
-                texts.append(line_key(part, "text", str, path, line, ploc))
+                texts.append(field(part, "text", str, path, ploc, line=line))
             else:
                 skips.counts["non_text_parts"] += 1
         if content and not texts:
@@ -194,14 +194,14 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
 
 def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Skips) -> Session:
     n = len(draft.sessions) + 1
-    sid = line_key(obj, "session_id", str, path, line, loc, required=False)
+    sid = field(obj, "session_id", str, path, loc, line=line, required=False)
     sid = f"session_{n}" if sid is None else line_id(sid, path, line, f"{loc}.session_id" if loc else "session_id")
     if sid in draft.session_ids:
         raise InputError(f"duplicate session id {sid!r} for user {draft.id!r}",
                          where=at(path, line, f"{loc}.session_id" if loc else "session_id"))
     stamp = line_stamp(obj, "timestamp", path, line, loc)
     mloc = f"{loc}.messages" if loc else "messages"
-    messages = line_key(obj, "messages", list, path, line, loc)
+    messages = field(obj, "messages", list, path, loc, line=line)
     if not messages:
         raise InputError("must be a non-empty list", where=at(path, line, mloc))
     turns = []
@@ -210,8 +210,8 @@ def _session(obj: dict, draft: _UserDraft, path, line: int, loc: str, skips: _Sk
         expect(msg, dict, path, tloc, line)
         content = _message_text(msg, path, line, tloc, skips)
         role = msg["role"]
-        name = line_key(msg, "name", str, path, line, tloc, required=False)
-        tid = line_key(msg, "id", str, path, line, tloc, required=False)
+        name = field(msg, "name", str, path, tloc, line=line, required=False)
+        tid = field(msg, "id", str, path, tloc, line=line, required=False)
         tid = f"{sid}:{i}" if tid is None else line_id(tid, path, line, f"{tloc}.id")
         if tid in draft.turn_where or tid in draft.skipped_turns:
             first = f" (first at {draft.turn_where[tid]})" if tid in draft.turn_where else ""
@@ -235,10 +235,10 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
             raise InputError(f"unknown {kind} id {name!r} for user {draft.id!r}", where=at(path, line, key))
         elsewhere.append((kind, name, at(path, line, key)))
 
-    text = line_key(q, "question", str, path, line, loc)
+    text = field(q, "question", str, path, loc, line=line)
     if not text.strip():
         raise InputError("empty question (no text to embed)", where=at(path, line, f"{loc}.question"))
-    qid = line_key(q, "id", (str, int), path, line, loc, required=False)
+    qid = field(q, "id", (str, int), path, loc, line=line, required=False)
     qid = f"q{n}" if qid is None else (str(qid) if not isinstance(qid, str) else line_id(qid, path, line, f"{loc}.id"))
     if qid in seen:
         raise InputError(f"duplicate question id {qid!r} for user {draft.id!r}", where=at(path, line, f"{loc}.id"))
@@ -257,9 +257,9 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
             unknown("session", s, f"{loc}.gold_session_ids[{j}]")
         else:
             gold_turns.extend(t.id for t in sessions[s].turns)
-    abstention = line_key(q, "abstention", bool, path, line, loc, required=False, default=False)
+    abstention = field(q, "abstention", bool, path, loc, line=line, required=False, default=False)
     return Query(qid, text, tuple(dict.fromkeys(gold_turns)),
-                 category=str(line_key(q, "category", (str, int), path, line, loc, required=False, default="")),
+                 category=str(field(q, "category", (str, int), path, loc, line=line, required=False, default="")),
                  date=line_stamp(q, "date", path, line, loc), answer=scalar_text(q.get("answer")),
                  abstention=abstention, gold_session_ids=gold_sessions)
 
@@ -293,7 +293,7 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     for line, obj in json_lines(path):
         lines += 1
         line_object(obj, path, line)
-        uid = line_id(line_key(obj, "user_id", str, path, line, ""), path, line, "user_id")
+        uid = line_id(field(obj, "user_id", str, path, "", line=line), path, line, "user_id")
         has_sessions, has_messages = "sessions" in obj, "messages" in obj
         if has_sessions == has_messages:
             raise InputError("a line holds either a user ('sessions') or one session ('messages')"
@@ -301,14 +301,14 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
                              where=at(path, line, "sessions" if has_sessions else "messages"))
         draft = drafts.setdefault(uid, _UserDraft(uid, line))
         if has_sessions:
-            for j, s in enumerate(line_key(obj, "sessions", list, path, line, "")):
+            for j, s in enumerate(field(obj, "sessions", list, path, "", line=line)):
                 draft.sessions.append(_session(expect(s, dict, path, f"sessions[{j}]", line), draft, path, line,
                                                f"sessions[{j}]", skips))
                 where[(uid, "session", draft.sessions[-1].id)] = at(path, line, f"sessions[{j}]")
         else:
             draft.sessions.append(_session(obj, draft, path, line, "", skips))
             where[(uid, "session", draft.sessions[-1].id)] = at(path, line)
-        for j, q in enumerate(line_key(obj, "questions", list, path, line, "", required=False, default=[])):
+        for j, q in enumerate(field(obj, "questions", list, path, "", line=line, required=False, default=[])):
             draft.questions.append((expect(q, dict, path, f"questions[{j}]", line), line, f"questions[{j}]"))
     users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
     for draft in drafts.values():

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rmm_jax.data.citation_log import iter_numbered
-from rmm_jax.data.json_fields import line_id, line_key, line_object, line_stamp
+from rmm_jax.data.json_fields import field, line_id, line_object, line_stamp
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, json_lines
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.errors import InputError, at
@@ -75,12 +75,12 @@ def _read_memories(path: Path, banks: dict[str, _Bank]) -> int:
     n = 0
     for line, obj in json_lines(path):
         line_object(obj, path, line)
-        uid = line_id(line_key(obj, "user_id", str, path, line, ""), path, line, "user_id")
-        mid = line_id(line_key(obj, "id", str, path, line, ""), path, line, "id")
-        text = line_key(obj, "text", str, path, line, "")
+        uid = line_id(field(obj, "user_id", str, path, "", line=line), path, line, "user_id")
+        mid = line_id(field(obj, "id", str, path, "", line=line), path, line, "id")
+        text = field(obj, "text", str, path, "", line=line)
         if not text.strip():     # as a chat message's: a memory with nothing to match
             raise InputError("empty memory text (or only whitespace)", where=at(path, line, "text"))
-        session = line_key(obj, "session_id", str, path, line, "", required=False) or LOG_SESSION
+        session = field(obj, "session_id", str, path, "", line=line, required=False) or LOG_SESSION
         banks.setdefault(uid, _Bank()).add(mid, text, session, line_stamp(obj, "timestamp", path, line, ""),
                                            at(path, line), uid, "text")
         n += 1
