@@ -22,7 +22,7 @@ from rmm_jax.data import (
     load_longmemeval,
     make_synthetic,
 )
-from rmm_jax.data.granularity import split_session
+from rmm_jax.data.granularity import Segment, add_or_merge, split_session
 from rmm_jax.errors import InputError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "longmemeval_tiny.json"
@@ -180,6 +180,45 @@ def test_merge_updates_memory_embedding_to_mean_of_its_turns():
     assert [m.turn_ids for m in mems] == [("s0:1", "s1:1", "s2:1")]
     assert mems[0].session_id == "s2" and mems[0].timestamp == "day 2"
     assert len(build_memories(user, "segment", embed, merge_threshold=0.83)) == 3
+
+
+def _naive_add_or_merge(segments, emb_of, threshold):
+    """The definition, step by step: every memory's embedding re-averaged from all its turns."""
+    bank: list[list] = []     # [turn ids, session id] per memory
+    for turns, session in segments:
+        e = np.mean([emb_of[t] for t in turns], axis=0)
+        e = e / np.linalg.norm(e)
+        means = [np.mean([emb_of[t] for t in m[0]], axis=0) for m in bank]
+        sims = [float(v @ e / np.linalg.norm(v)) for v in means]
+        if sims and max(sims) > threshold:
+            j = int(np.argmax(sims))
+            bank[j][0] = bank[j][0] + [t for t in turns if t not in bank[j][0]]
+            bank[j][1] = session
+        else:
+            bank.append([list(turns), session])
+    return [(tuple(m[0]), m[1]) for m in bank]
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.6, 0.7])
+def test_add_or_merge_matches_the_definition_on_random_banks(threshold):
+    """400 random segments of 1-4 turns around 40 topics in 16 dims (many merges, a bank
+    that outgrows its first buffer), against the definition: same memories, turns, order."""
+    rng = np.random.default_rng(int(threshold * 10))
+    topics = rng.normal(size=(40, 16))
+    emb_of, segments, sessions = {}, [], {}
+    for k in range(400):
+        sid = f"s{k // 5}"
+        sessions.setdefault(sid, Session(sid, f"day {k // 5}", ()))
+        turns = [f"t{k}.{i}" for i in range(int(rng.integers(1, 5)))]
+        for t in turns:
+            v = rng.normal(size=16) + 2.0 * topics[int(rng.integers(40))]
+            emb_of[t] = (v / np.linalg.norm(v)).astype(np.float32)
+        segments.append((turns, sid))
+    got = add_or_merge([Segment(" ".join(t), sessions[s], t) for t, s in segments], emb_of, threshold)
+    want = _naive_add_or_merge(segments, emb_of, threshold)
+    assert 12 < len(want) < 300, len(want)          # the case merges often and adds often
+    assert [(m.turn_ids, m.session_id) for m in got] == want
+    assert [m.id for m in got] == [f"seg{n}" for n in range(len(want))]
 
 
 # --------------------------------------------------------------------------- topic extractor

@@ -163,27 +163,46 @@ def _segments(user: User, emb_of: dict[str, np.ndarray], threshold: float,
 
 def add_or_merge(segments: Sequence[Segment], emb_of: dict[str, np.ndarray],
                  merge_threshold: float) -> list[MemoryUnit]:
-    """Step (ii): fold segments, in order, into a memory bank by add / merge."""
+    """Step (ii): fold segments, in order, into a memory bank by add / merge.
+
+    Linear in the number of segments for a bank of fixed size: the bank grows by doubling
+    and each memory keeps the float64 sum of its turn embeddings, so a merge renormalises
+    that sum (the mean's direction) instead of re-averaging every turn it holds.
+    """
     texts: list[str] = []
     turn_ids: list[list[str]] = []
+    held: list[set[str]] = []
     latest: list[Session] = []
-    bank = np.zeros((0, next(iter(emb_of.values())).shape[0] if emb_of else 0), np.float32)
+    dim = next(iter(emb_of.values())).shape[0] if emb_of else 0
+    bank = np.zeros((8, dim), np.float32)     # rows [0, n) are the memories' unit embeddings
+    sums = np.zeros((8, dim), np.float64)     # and their turns' embedding sums
+    n = 0
     for seg in segments:
-        e = _normalize(np.mean([emb_of[t] for t in seg.turn_ids], axis=0))
-        sims = np.clip(bank @ e, -1.0, 1.0) if len(texts) else np.zeros(0)
-        if len(sims) and float(sims.max()) > merge_threshold:
+        total = np.sum([emb_of[t] for t in seg.turn_ids], axis=0, dtype=np.float64)
+        e = _normalize(total)
+        sims = np.clip(bank[:n] @ e, -1.0, 1.0)
+        if n and float(sims.max()) > merge_threshold:
             j = int(sims.argmax())
             texts[j] += "\n" + seg.text
-            turn_ids[j].extend(t for t in seg.turn_ids if t not in turn_ids[j])
+            for t in seg.turn_ids:
+                if t not in held[j]:
+                    held[j].add(t)
+                    turn_ids[j].append(t)
+                    sums[j] += emb_of[t]
             latest[j] = seg.session
-            bank[j] = _normalize(np.mean([emb_of[t] for t in turn_ids[j]], axis=0))
-        else:
-            texts.append(seg.text)
-            turn_ids.append(list(seg.turn_ids))
-            latest.append(seg.session)
-            bank = np.vstack([bank, e[None]])
-    return [MemoryUnit(f"seg{n}", texts[n], latest[n].id, latest[n].timestamp, tuple(turn_ids[n]))
-            for n in range(len(texts))]
+            bank[j] = _normalize(sums[j])
+            continue
+        if n == len(bank):
+            bank = np.concatenate([bank, np.zeros_like(bank)])
+            sums = np.concatenate([sums, np.zeros_like(sums)])
+        bank[n], sums[n] = e, total
+        texts.append(seg.text)
+        turn_ids.append(list(dict.fromkeys(seg.turn_ids)))
+        held.append(set(seg.turn_ids))
+        latest.append(seg.session)
+        n += 1
+    return [MemoryUnit(f"seg{k}", texts[k], latest[k].id, latest[k].timestamp, tuple(turn_ids[k]))
+            for k in range(n)]
 
 
 def build_memories(user: User, granularity: str, embed_fn: EmbedFn | None = None, *,
