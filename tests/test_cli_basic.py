@@ -105,14 +105,17 @@ def test_every_verb_help_exits_0_and_shows_the_defaults(path):
         assert "[default:" in entries[opt.opts[0]], entries[opt.opts[0]]
 
 
-@pytest.mark.parametrize("path", TOP_LEVEL, ids=" ".join)
+@pytest.mark.parametrize("path", ALL_PATHS, ids=" ".join)
 def test_every_verb_help_has_an_example_of_that_verb(path):
+    """Sub-commands included (`policies list --help` once showed none), and each parses."""
     _, out = help_of(path)
     shown = examples(out)
-    assert shown and all(line.startswith(f"rmm-jax {path[0]}") for line in shown), shown
+    assert shown and all(f"{line} ".startswith(f"rmm-jax {' '.join(path)} ") for line in shown), shown
     if isinstance(command_at(path), click.Group):  # a group's examples cover each sub-command
         for sub in command_at(path).commands:
-            assert any(line.startswith(f"rmm-jax {path[0]} {sub} ") for line in shown), (sub, shown)
+            assert any(line.startswith(f"rmm-jax {' '.join(path)} {sub} ") for line in shown), (sub, shown)
+    for line in shown:
+        assert parse_example(line)[0] == path or isinstance(command_at(path), click.Group), line
 
 
 def test_version_names_jax_and_backend():

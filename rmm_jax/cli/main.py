@@ -65,11 +65,11 @@ def cli(ctx: click.Context, compile_cache: bool):
     \b
     Typical flow (from the repository root, on examples/: chats and logged calls, no questions):
       rmm-jax embed jsonl:examples/chat_history.jsonl --out stores/mine   # chats -> embedding store
-      rmm-jax rerank stores/mine --calls examples/requests_day1.jsonl --explore
+      rmm-jax rerank stores/mine --calls examples/requests_day1.jsonl --explore --out served1.jsonl
                                                   # serve day 1: no policy yet, the retriever's
       rmm-jax replay stores/mine --log examples/calls_day1.jsonl --policies policies --scope hybrid
                                                   # at night: learn from the day's logged citations
-      rmm-jax rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore
+      rmm-jax rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore --out served2.jsonl
                                                   # serve day 2 from what it learned
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies
                                                   # before shipping a night: estimate on a day's log

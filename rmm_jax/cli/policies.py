@@ -15,7 +15,16 @@ import jax
 import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import as_options, check_output_file, check_writable, count, emit_json, json_option, users_option
+from rmm_jax.cli.shell import (
+    IntRange,
+    as_options,
+    check_output_file,
+    check_writable,
+    count,
+    emit_json,
+    json_option,
+    users_option,
+)
 from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
@@ -77,7 +86,13 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 def list_cmd(store, users, as_json):
     """List the users of policy store STORE: saved versions (newest last), the queries the
     newest version has learned from over all its runs (like its learner step, counted from
-    the policy's start) and in the run that saved it, and the time of that run (UTC)."""
+    the policy's start) and in the run that saved it, and the time of that run (UTC).
+
+    \b
+    Examples:
+      rmm-jax policies list policies
+      rmm-jax policies list policies --users user0,user1 --json
+    """
     st = PolicyStore.open(store)
     wanted = _user_list(None, users)
     if wanted:
@@ -215,7 +230,13 @@ def show(store, user, users, as_json):
     store's start, among its newest `keep`, or used by a kept user version), the user versions kept. For USER
     (or --users): the version that loads, the shared version it pairs with (scopes shared
     and hybrid), any newer version skipped and why, bytes on disk, shapes and L2 norms of
-    the params, optimiser and learner state, and the saved info."""
+    the params, optimiser and learner state, and the saved info.
+
+    \b
+    Examples:
+      rmm-jax policies show policies                  # the store: shared version, versions kept
+      rmm-jax policies show policies user7            # the version of user7 that loads, and why
+    """
     st = PolicyStore.open(store)
     wanted = _user_list(user, users) or []
     _require_users(st, wanted)
@@ -252,14 +273,20 @@ def export_params(st: PolicyStore, user: str, out: Path, version: int | None = N
 @click.option("--out", "out", required=True, type=click.Path(),
               help="Output .npz; keys are leaf paths such as q_adapter/W/kernel. A FILE.json "
                    "with meta, version and info is written next to it.")
-@click.option("--version", "version", type=int, default=None,
+@click.option("--version", "version", type=IntRange(min=1), default=None,
               help="Export this saved version instead of the newest good one.")
 @json_option("what was exported (the .json written next to the .npz, with both paths)",
              "store, user, version, shared_version, meta, info, shapes, dtypes, out, json")
 def export(store, user, out, version, as_json):
     """Export USER's params from STORE as one .npz (plus a .json with meta), e.g. to
     load with numpy.load outside rmm-jax. Both files are written atomically. In scope
-    hybrid these are the user's own factors; the .json names the shared version they pair with."""
+    hybrid these are the user's own factors; the .json names the shared version they pair with.
+
+    \b
+    Examples:
+      rmm-jax policies export policies user7 --out user7.npz
+      rmm-jax policies export policies user7 --version 2 --out user7_v2.npz
+    """
     if not str(out).endswith(".npz"):
         raise InputError("export file must end in .npz", where=f"--out {out}")
     if Path(out).resolve().is_relative_to(Path(store).resolve()):   # its .json could replace policy_store.json
