@@ -1,4 +1,5 @@
 """The console script exists, teaches, and reports its version."""
+import io
 import os
 import re
 import shlex
@@ -347,3 +348,21 @@ def test_as_options_names_the_option_that_gives_an_argument():
         with as_options("clip"):                                           # inner adds to outer
             assert (named("clip", 10), named("min_ess")) == ("--clip 10", "--min-ess")
     assert (named("min_ess", 3), named("relearn", True)) == ("min_ess=3", "relearn=True")    # and is gone after
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stream, drawn", [(_Terminal, True), (io.StringIO, False)], ids=["terminal", "log file"])
+def test_progress_bars_draw_on_a_terminal_only(monkeypatch, stream, drawn):
+    """A nightly job's stderr, sent to a file, once filled with the bars' carriage returns."""
+    from rmm_jax.cli.common import progress_bar
+
+    err = stream()
+    monkeypatch.setattr(sys, "stderr", err)
+    with progress_bar(3, "rerank", unit="batch") as bar:
+        for _ in range(3):
+            bar.update(1)
+    assert ("\r" in err.getvalue() and "rerank" in err.getvalue()) == drawn, repr(err.getvalue())

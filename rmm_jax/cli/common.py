@@ -348,7 +348,10 @@ def config_dict(setting: Setting) -> dict:
 
 
 def progress_bar(total: int, desc: str, unit: str = "user"):
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=total <= 0, leave=False)
+    """A bar on stderr while it is a terminal; none in a log file or a pipe (tqdm's ``disable=None``),
+    where its carriage returns would only clutter a nightly job's log."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=True if total <= 0 else None,
+                leave=False)
 
 
 def checkpoint_options(default_every: int, unit: str):
