@@ -81,6 +81,7 @@ def test_replaying_half_then_half_equals_replaying_the_whole_log(capsys, tmp_pat
                                tmp_path / pol, *SIM, *extra)
         assert code == 0, err
         assert ("continued" in err) == (log == "b"), err        # the second half says it continued
+        assert (f"created {tmp_path / pol}: a new policy store (scope {scope}" in err) == (log != "b"), err
     assert_same(states(tmp_path / "halves"), states(tmp_path / "whole"))
     # the second half did continue: starting over from identity gives other policies
     code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / "b.jsonl", "--policies", tmp_path / "halves",
@@ -96,6 +97,10 @@ def test_simulating_two_query_ranges_equals_one_run(capsys, tmp_path, store):
                                *(["--queries", rng] if rng else []))
         assert code == 0, err
         continuing = [ln for ln in err.splitlines() if ln.startswith("continued")]
+        created = [ln for ln in err.splitlines() if ln.startswith("created")]   # a mistyped --policies shows
+        assert created == ([] if rng == "12:" else [
+            f"created {tmp_path / pol}: a new policy store (scope user, linear reranker); its 4 users started "
+            "from the identity reranker (the retriever's order)"]), err
         if rng == "12:":     # the second day says it continued, and from what: chunks of 2 saved v1 and v2
             assert continuing == [f"continued {tmp_path / 'two'}: 4 of 4 users from their saved versions v1-v2, "
                                   "0 new users from the store's shared version v1"], err

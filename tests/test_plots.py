@@ -62,6 +62,12 @@ def test_simulate_and_replay_plot_the_learning_curve(capsys, tmp_path, store):
                            "--plot", png2)
     assert code == 0, err
     assert matplotlib.image.imread(png2).shape[0] > 100
+    # the same log again: nothing to learn, so no figure, and the run says so
+    png3 = tmp_path / "again.png"
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p2", *SIM,
+                           "--plot", png3)
+    assert code == 0 and not png3.exists(), err
+    assert f"no plot: nothing was learned, so --plot {png3} was not written" in err.splitlines(), err
 
 
 @pytest.mark.parametrize("verb", ["simulate", "replay"])

@@ -10,7 +10,7 @@ import click
 import jax
 
 from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, open_policies_for, progress_bar
-from rmm_jax.cli.shell import IntRange, as_options, emit_json, info, png_option
+from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
@@ -187,16 +187,22 @@ def rs_fresh(rs) -> bool:
     return rs is None or (rs.restored is None and rs.interrupted is None)
 
 
-def continue_note(ps, start: Start, user_ids, *, afresh: bool = False) -> str | None:
+def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> str | None:
     """The stderr line of a run that continued a policy store: how many of its users continued
     from their saved versions (which), and where the others started; None when nobody continues.
     Made before the run saves anything, printed after it (an error stays one line). With
     ``afresh`` (a fresh run given ``--init identity`` or ``pretrained``), a store that holds
     some of its users says so instead: their new versions forget what the saved ones
-    learned, which a nightly job that keeps the first night's ``--init`` would do every night."""
+    learned, which a nightly job that keeps the first night's ``--init`` would do every night.
+    A store the run ``created`` says so: a mistyped ``--policies`` otherwise starts every user
+    afresh without a word."""
     if ps is None:
         return None
     user_ids = list(user_ids)
+    if created:
+        scope = ps.meta.get("scope", "user")
+        return (f"created {ps.path}: a new policy store (scope {scope}, {ps.meta['kind']} reranker); its "
+                f"{count(len(user_ids), 'user')} started from the identity reranker (the retriever's order)")
     if start.before is None:
         if not afresh:
             return None

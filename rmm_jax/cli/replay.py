@@ -184,7 +184,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         note_setting(ls, opts, policies, clip=clip)
         # every night's --json has log.calls: a run that starts afresh learns every valid record
         rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(replayed, 0, 0), relearn)
-        note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs)) if writer else None
+        note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs), created=created) if writer else None
         result = None
         if learned is None or learned.learn:
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
@@ -209,5 +209,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         info(f"note: {line}")
     if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")
+    elif plot_path and writer:
+        info(f"no plot: nothing was learned, so --plot {plot_path} was not written")
     report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
                              "log": {"path": str(log_path), **rep}}, as_json)

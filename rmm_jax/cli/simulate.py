@@ -171,7 +171,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
-            note = continue_note(ps, start, check_users(st, users), afresh=afresh and rs_fresh(rs)) if writer else None
+            note = continue_note(ps, start, check_users(st, users), afresh=afresh and rs_fresh(rs),
+                                 created=created) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
