@@ -907,7 +907,7 @@ def test_log_shape_agreement(tmp_path):
     log.write_text(jl(rec("a", 0, 8, 3), rec("a", 1, 6, 3), rec("a", 2, 8, 2)))
     shape = log_shape(log, known)
     assert shape[:4] == (8, 3, 1, 1)
-    assert shape.k_apart == "line 2 lists 6 candidates of user 'a''s 10 memories"
+    assert shape.k_apart == "line 2 lists 6 candidates of the 10 memories of user 'a'"
     assert shape.m_apart == "line 3 shows 2 memories of its 8 candidates"
 
 

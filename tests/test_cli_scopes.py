@@ -65,7 +65,7 @@ def make_identity_check(params) -> bool:
 
 def test_a_store_of_another_scope_is_refused_and_nothing_is_written(capsys, tmp_path, store):
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--scope", "hybrid",
-                           "--rank", "2")
+                           "--rank", "2", "--log-out", tmp_path / "day.jsonl")
     assert code == 0, err
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "p").rglob("*"))
     code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--scope", "user")
@@ -77,6 +77,10 @@ def test_a_store_of_another_scope_is_refused_and_nothing_is_written(capsys, tmp_
     code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / "missing.jsonl", "--policies",
                            tmp_path / "p", *SIM, "--scope", "shared")
     assert code == 2 and err.strip().count("\n") == 0, err
+    for verb in ("simulate", "replay"):     # the option given is named, not the store's scope (once --scope)
+        more = ["--log", tmp_path / "day.jsonl"] if verb == "replay" else []
+        code, _, err = run_cli(capsys, verb, store, *more, "--policies", tmp_path / "p", *SIM, "--kind", "mlp")
+        assert code == 2 and err.startswith("error: --kind mlp: ") and err.strip().count("\n") == 0, err
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "p").rglob("*")) == before
 
 

@@ -214,6 +214,14 @@ def check_tau_option(tau: float | None) -> None:
             raise_option_error(e)
 
 
+def check_kind_scope(kind: str, scope: str | None) -> None:
+    """Hybrid's low-rank residual adapts the linear reranker's W: another ``--kind`` is refused
+    as ``--kind``'s line (the core names the scope, which may be the policy store's, not given)."""
+    if scope == "hybrid" and kind != "linear":
+        raise InputError("scope hybrid needs the linear reranker (its low-rank residual adapts W); give --kind "
+                         "linear, or scope user or shared", where=f"--kind {kind}")
+
+
 def check_rank_scope(scope: str | None, rank: int | None) -> None:
     """``--rank`` sizes hybrid's per-user part: with another scope (None: user) it would be
     ignored, so it is refused in one line."""
@@ -248,6 +256,7 @@ def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, s
                                        credit=credit).items() if v is not None}
     overrides.update({n: v for n, v in more.items() if n in ESTIMATOR_OPTIONS and v is not None})
     check_rank_scope(scope, rank)
+    check_kind_scope(kind, scope)
     try:
         return settings.preset(preset, k=k, m=m, kind=kind, hidden=hidden, scope=scope or "user", rank=rank,
                                **overrides)
@@ -307,6 +316,7 @@ def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool
     values.update({f: given[f] for f in SETTING_OPTIONS[1:] if f in explicit and f in given})
     structure = {k: opts[k] for k in ("k", "m", "kind", "scope", "rank")}
     check_rank_scope(opts["scope"], opts["rank"])
+    check_kind_scope(opts["kind"], opts["scope"])
     try:
         setting = settings.preset(name, **{**structure, "scope": opts["scope"] or "user"}, **values)
     except ValueError as e:

@@ -66,7 +66,7 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
         first_k.setdefault(nk, line)
         first_m.setdefault(nm, line)
         if bank is not None and nk < bank:
-            short_k.setdefault(nk, f"line {line} lists {nk} candidates of user {r.user_id!r}'s {bank} memories")
+            short_k.setdefault(nk, f"line {line} lists {nk} candidates of the {bank} memories of user {r.user_id!r}")
         if nm < nk:
             short_m.setdefault(nm, f"line {line} shows {nm} memories of its {nk} candidates")
     k, m = max(first_k), max(first_m)
