@@ -400,3 +400,70 @@ def test_finite_embeddings_whose_scores_overflow_are_refused_not_ranked_as_minus
     c[1:] = 1e20
     c[0] = 1.0
     assert rr.rank("u1", np.ones(4), c, 1, mask=mask).selected.tolist() == [[0]]
+
+
+@pytest.mark.parametrize("explore", [False, True])
+def test_a_call_with_fewer_candidates_than_m_is_served_all_of_them_and_its_log_reads_back(capsys, tmp_path, env,
+                                                                                           monkeypatch, explore):
+    """A call listing 2 candidates (ids or texts) under --m 3 refused the whole batch ("--m 3 is
+    more than this call's 2 candidates"), nothing served for anyone, while the log reader takes
+    a record showing all of its candidates when it lists fewer than M. Such a call selects all
+    of them in the policy's order (with --explore a draw of all of them, whose log_prob is the
+    Plackett-Luce probability of the full order: the last draw has probability 1), one note
+    counts them, and the served file with `cited` added reads back as a log of M = 3."""
+    from rmm_jax.data.citation_log import pl_log_prob, read_log
+    from rmm_jax.data.log_vectors import known_ids
+    from rmm_jax.online.streams import log_shape
+
+    store, pol = env
+    user = open_store(store).user("user0")
+    calls = [{"call_id": "ids", "user_id": "user0", "query_id": user.query_ids[0],
+              "candidates": list(user.memory_ids[3:5])},
+             {"call_id": "texts", "user_id": "someone-new", "query": "where is my passport",
+              "candidate_texts": ["passport in the drawer", "my cat is called Tom"]},
+             {"call_id": "full", "user_id": "user0", "query_id": user.query_ids[1]}]
+    (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
+    code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", tmp_path / "calls.jsonl",
+                             "--m", "3", "--k", "8", "--out", tmp_path / "out.jsonl",
+                             *(["--explore"] if explore else []))
+    assert code == 0 and out == "", err
+    assert "2 calls with fewer than --m 3 candidates: served with all of them selected" in err, err
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    ids = [[c if isinstance(c, str) else c["id"] for c in o["candidates"]] for o in got]
+    assert [len(o["selected"]) for o in got] == [2, 2, 3]
+    assert sorted(got[0]["selected"]) == sorted(ids[0]) and sorted(got[1]["selected"]) == sorted(ids[1])
+    if explore:
+        for o, c in zip(got[:2], ids[:2]):
+            order = [c.index(x) for x in o["selected"]]
+            assert o["log_prob"] == pytest.approx(pl_log_prob(o["logits"], order), abs=1e-4)
+            assert o["log_prob"] == pytest.approx(pl_log_prob(o["logits"], order[:1]), abs=1e-4)   # last draw: P = 1
+    else:
+        params = Reranker.open(pol["user"]).policy("user0").params
+        top, _ = core_top(params, user.query_emb[0], user.memory_emb[3:5], 2)
+        assert got[0]["positions"] == top and got[0]["selected"] == [ids[0][p] for p in top]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({**o, "cited": o["selected"][:1]}) + "\n" for o in got))
+    st = open_store(store)
+    records, report = read_log(log, known=known_ids(st))
+    assert [r.call_id for r in records] == ["ids", "texts", "full"] and report["skipped"] == 0
+    assert [len(r.selected) for r in records] == [2, 2, 3]
+    shape = log_shape(log, known_ids(st))
+    assert (shape.m, shape.m_apart) == (3, None)
+
+
+def test_a_user_holding_fewer_memories_than_m_is_served_all_of_them(capsys, tmp_path, monkeypatch):
+    """A user whose bank holds 2 memories, under the default --m 5 and --k: the whole batch was
+    refused ("--m 5 is more than this call's 2 candidates (user 'user0' holds 2 memories)");
+    --k above the bank was cut to it without a word. The call is served its user's memories."""
+    store = make_fake_store(tmp_path / "small", users=1, sessions=1, turns=2, dim=16)
+    user = open_store(store).user("user0")
+    assert len(user.memory_ids) < 5
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"call_id": "c1", "user_id": "user0",
+                                                      "query": "what is my dog called?"}) + "\n")
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
+    code, out, err = run_cli(capsys, "rerank", store, "--calls", tmp_path / "calls.jsonl", "--explore")
+    assert code == 0, err
+    (o,) = [json.loads(line) for line in out.splitlines()]
+    assert sorted(o["selected"]) == sorted(o["candidates"]) == sorted(user.memory_ids)
+    assert "1 call with fewer than --m 5 candidates" in err, err

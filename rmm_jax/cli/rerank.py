@@ -56,7 +56,8 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
               help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
                    "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp (without one, the "
                    "served line gets the time it was served). -: standard input.")
-@click.option("--m", type=IntRange(min=1), default=DEFAULTS.layout.m, help="Memories to select per call.")
+@click.option("--m", type=IntRange(min=1), default=DEFAULTS.layout.m,
+              help="Memories to select per call (a call with fewer candidates selects all of them).")
 @click.option("--k", type=IntRange(min=1), default=DEFAULTS.layout.k,
               help="Candidates from the base retriever when a call lists none.")
 @click.option("--explore", is_flag=True,
@@ -127,24 +128,28 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         prepared = prepare_calls(st, calls, calls_path, k, m)
     if note:                                      # after the calls are checked: an error stays one line
         info(note)
+    short = sum(p.cands.shape[0] < m for p in prepared)
+    if short:
+        info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected")
     groups = defaultdict(list)                    # one batched call per user and candidate count
     for i, p in enumerate(prepared):
         groups[(p.call.user_id, p.cands.shape[0])].append(i)
     lines: list[str | None] = [None] * len(prepared)
     served_by = dict.fromkeys(("own_policy", "shared", "identity"), 0)
     with progress_bar(len(groups), "rerank", unit="batch") as bar:
-        for (uid, _), rows in groups.items():
+        for (uid, n), rows in groups.items():
+            mm = min(m, n)              # a call with fewer candidates than --m shows all of them
             q, cands = np.stack([prepared[i].query for i in rows]), np.stack([prepared[i].cands for i in rows])
             pol = rr.policy(uid)
             who = "identity" if rr.store is None else "shared" if pol.version is None else "own_policy"
             served_by[who] += len(rows)
             if explore:
                 keys = call_keys(seed, uid, [call_key(prepared[i].call) for i in rows])
-                got = rr.sample(uid, q, cands, m, keys=keys, tau=tau)
+                got = rr.sample(uid, q, cands, mm, keys=keys, tau=tau)
                 recs = [_served(prepared[i], [int(x) for x in got.selected[r] if x >= 0], float(got.log_prob[r]),
                                 got.logits[r], pol, stamp=utc_timestamp(now + i)) for r, i in enumerate(rows)]
             else:
-                got = rr.rank(uid, q, cands, m)
+                got = rr.rank(uid, q, cands, mm)
                 recs = []
                 for r, i in enumerate(rows):
                     pos = [int(x) for x in got.selected[r] if x >= 0]

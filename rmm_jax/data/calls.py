@@ -179,9 +179,11 @@ def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> list[l
 def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
-    the base retriever's top ``k``. Every call is checked first (users, ids, at least ``m``
-    candidates); then the texts are embedded with the store's model through the embedding
-    cache (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
+    the base retriever's top ``k``. Every call is checked first (users, ids, ``k`` >= ``m``
+    for a call the retriever fills); a call with fewer than ``m`` candidates (listed, or
+    a user holding fewer) is prepared as it is, to be served with all of them. Then the
+    texts are embedded with the store's model through the embedding cache
+    (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
     ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`)."""
     users = _Users(store, path)
     texts = []
@@ -203,11 +205,11 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
                 raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r}",
                                  where=at(path, c.line, "candidates"))
             n = len(c.candidates) if c.candidates is not None else min(k, len(u.memory_ids))
-        if m > n:    # a call that lists none has the retriever's top k: say so, or k goes unnamed
-            source = "" if c.candidates is not None or c.candidate_texts is not None else (
-                f" (the retriever's top {named('k', k)})" if n == k else f" (user {c.user_id!r} holds {n} memories)")
-            raise InputError(f"{named('m', m)} is more than this call's {n} candidates{source}",
-                             where=at(path, c.line))
+        if m > n == k and c.candidates is None and c.candidate_texts is None:
+            # k < m makes every retrieved call short: the arguments disagree, named as such. A call
+            # that lists fewer than m, or whose user holds fewer, is served with all its candidates
+            raise InputError(f"{named('m', m)} is more than this call's {n} candidates "
+                             f"(the retriever's top {named('k', k)})", where=at(path, c.line))
     vecs = embed_texts(texts, store.model)
     queries = []
     for c in calls:
