@@ -222,7 +222,6 @@ def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     ({"user_id": "nobody", "query_id": "q0"}, "key 'user_id'"),
     # the id itself, as replay and evaluate name it: the line said only "unknown query id for user 'user0'"
     ({"user_id": "user0", "query_id": "q999"}, "key 'query_id': unknown query id 'q999' for user 'user0'"),
-    ({"user_id": "user0", "query_id": "q0", "extra": 1}, "key 'extra'"),
     ({"user_id": "user0", "query_id": "q0", "candidates": ["D1:1", "D1:1"]}, "twice"),
     # the call of line 1 again: only --explore refused it, and the ranked file was a log replay refuses
     ({"user_id": "user0", "query_id": "q0"}, "key 'query_id': the same call as line 1"),
@@ -467,3 +466,28 @@ def test_a_user_holding_fewer_memories_than_m_is_served_all_of_them(capsys, tmp_
     (o,) = [json.loads(line) for line in out.splitlines()]
     assert sorted(o["selected"]) == sorted(o["candidates"]) == sorted(user.memory_ids)
     assert "1 call with fewer than --m 5 candidates" in err, err
+
+
+def test_a_request_s_unknown_keys_are_ignored_and_a_misspelt_one_is_noted_once(capsys, tmp_path, env):
+    """`rerank --calls` refused any extra key ("key 'latency_ms': unknown key"), while a log's
+    other keys are ignored and a misspelt log key is noted: a request's are ignored the same
+    way (the served lines are those of the requests without them), and a key that looks like
+    a misspelt request key gets one note naming its first line and the key it is likely."""
+    store, pol = env
+    calls = tmp_path / "calls.jsonl"
+    plain = [{"call_id": "a", "user_id": "user0", "query_id": "q0", "timestamp": 1},
+             {"call_id": "b", "user_id": "user1", "query_id": "q1", "timestamp": 2},
+             {"call_id": "c", "user_id": "user0", "query_id": "q2", "timestamp": 3}]
+    extra = [{**plain[0], "latency_ms": 5}, {**plain[1], "candidate_ids": ["x"], "model": "m"},
+             {**plain[2], "candidate_ids": ["y"], "latency_ms": 7}]
+    outs = []
+    for recs in (plain, extra):
+        calls.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", calls,
+                                 "--k", 5, "--m", 3)
+        assert code == 0, err
+        outs.append((out, [line for line in err.splitlines() if line.startswith("note:")]))
+    assert outs[1][0] == outs[0][0] and len(outs[0][0].splitlines()) == 3
+    assert outs[0][1] == []
+    assert outs[1][1] == [f"note: {calls}:2: key 'candidate_ids' is not a request key and was ignored "
+                          "(did you mean 'candidates'?)"]

@@ -55,7 +55,8 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
 @click.option("--calls", "calls_path", required=True, type=click.Path(),
               help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
                    "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp (without one, the "
-                   "served line gets the time it was served). -: standard input.")
+                   "served line gets the time it was served). Other keys are ignored (one that looks like a misspelt "
+                   "key is noted). -: standard input.")
 @click.option("--m", type=IntRange(min=1), default=DEFAULTS.layout.m,
               help="Memories to select per call (a call with fewer candidates selects all of them).")
 @click.option("--k", type=IntRange(min=1), default=DEFAULTS.layout.k,
@@ -122,12 +123,15 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     check_tau_option(tau)
     if tau is not None and not explore:
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
-    calls = read_calls(calls_path)
+    key_notes: list[str] = []
+    calls = read_calls(calls_path, key_notes)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
     with as_options("k", "m"):                    # the API names its arguments, the CLI its options
         prepared = prepare_calls(st, calls, calls_path, k, m)
     if note:                                      # after the calls are checked: an error stays one line
         info(note)
+    for line in key_notes:                        # unknown keys that look misspelt
+        info(f"note: {line}")
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:
         info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected")

@@ -22,6 +22,11 @@ key                  meaning
                      ``rerank`` writes the time it served the call
 ===================  ========================================================================
 
+Other keys are ignored (an application may add its own, ``latency_ms``), as in a
+citation log; one that looks like a misspelt request key (``qurey``, ``candidate_ids``)
+is noted once per file, naming the first line that has it
+(:func:`rmm_jax.data.citation_log.note_misspelt_keys`).
+
 A call needs ``query`` or a ``query_id`` that STORE holds. Its identity is its
 ``call_id``, else its ``query_id``, else its ``query`` text, as in a citation log
 (:func:`rmm_jax.data.citation_log.call_key`), and two calls of a user may not share it
@@ -48,7 +53,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key, check_timestamp
+from rmm_jax.data.citation_log import call_key, check_timestamp, note_misspelt_keys
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.json_lines import json_lines, source_name
@@ -86,21 +91,21 @@ def _strings(value, path, line, key) -> tuple[str, ...]:
     return tuple(value)
 
 
-def read_calls(path: str | os.PathLike) -> list[Call]:
+def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]:
     """Every call of a calls file (``"-"``: standard input, named ``<stdin>`` in errors),
-    checked (module docstring). Two calls of a user with the
+    checked (module docstring). ``notes``, when given, gets one line per unknown key that
+    looks like a misspelt request key (the others are ignored without a word). Two calls of a user with the
     same identity are refused, with or without ``--explore``: each served line is a log
     record, and a log that names a call twice is refused by ``replay`` and ``evaluate``."""
     calls = []
     first: dict[tuple[str, str], int] = {}
+    seen, notes = set(KEYS), [] if notes is None else notes
     lines = json_lines(path, stdin=True)
     path = source_name(path)                      # "-" is standard input: <stdin>:line
     for line, obj in lines:
         if not isinstance(obj, dict):
             raise InputError(f"expected an object, got {json_type(obj)}", where=at(path, line))
-        unknown = sorted(set(obj) - set(KEYS))
-        if unknown:
-            raise InputError(f"unknown key (expected some of {', '.join(KEYS)})", where=at(path, line, unknown[0]))
+        note_misspelt_keys(obj, seen, path, line, notes, keys=KEYS, kind="request")
         for key in ("user_id", "query", "query_id", "call_id"):
             if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
                 raise InputError(f"expected a non-empty string, got {json_type(obj.get(key))}",

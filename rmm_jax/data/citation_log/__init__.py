@@ -93,7 +93,7 @@ of a call), ``_known`` (a record against a store's ids), ``_read`` and ``_write`
 themselves are decoded as every JSONL file is (:mod:`rmm_jax.data.json_lines`).
 """
 from rmm_jax.data.citation_log._identity import CONTENT_LEFT_OUT, call_hash, call_hashes, call_key, learned_content
-from rmm_jax.data.citation_log._keys import CLOSE_KEY, KEY_SUFFIXES, misspelt_key
+from rmm_jax.data.citation_log._keys import CLOSE_KEY, KEY_SUFFIXES, misspelt_key, note_misspelt_keys
 from rmm_jax.data.citation_log._known import Known
 from rmm_jax.data.citation_log._plackett_luce import pl_log_prob, pl_tolerance
 from rmm_jax.data.citation_log._read import (
@@ -113,6 +113,6 @@ __all__ = [
     "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS", "OPTIONAL_KEYS",
     "REQUIRED_KEYS", "STDIN", "Known", "LogRecord", "LogWriter", "NotGroupedError", "call_hash", "call_hashes",
     "call_key", "check_timestamp", "iter_log", "iter_numbered", "iter_user_chunks", "json_lines", "learned_content",
-    "misspelt_key", "pl_log_prob", "pl_tolerance", "read_log", "record_to_json", "source_name", "timestamp_seconds",
-    "utc_timestamp", "validate_record", "write_log",
+    "misspelt_key", "note_misspelt_keys", "pl_log_prob", "pl_tolerance", "read_log", "record_to_json", "source_name",
+    "timestamp_seconds", "utc_timestamp", "validate_record", "write_log",
 ]

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 
 from rmm_jax.data.citation_log._identity import _call_name, call_key
-from rmm_jax.data.citation_log._keys import _note_keys
+from rmm_jax.data.citation_log._keys import note_misspelt_keys
 from rmm_jax.data.citation_log._known import Known, _check_known, _known_lookup
 from rmm_jax.data.citation_log._record import validate_record
 from rmm_jax.data.citation_log._schema import LOG_KEYS, LogRecord, _key_where
@@ -78,7 +78,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         seen[pair] = lineno
         for mem, text in carried:
             texts.setdefault(mem, (text, lineno))
-        _note_keys(obj, keys_seen, path, lineno, report["notes"])
+        note_misspelt_keys(obj, keys_seen, path, lineno, report["notes"])
         report["records"] += 1
         yield lineno, rec
     if report["records"] == 0:
