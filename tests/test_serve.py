@@ -491,3 +491,32 @@ def test_a_request_s_unknown_keys_are_ignored_and_a_misspelt_one_is_noted_once(c
     assert outs[0][1] == []
     assert outs[1][1] == [f"note: {calls}:2: key 'candidate_ids' is not a request key and was ignored "
                           "(did you mean 'candidates'?)"]
+
+
+@pytest.mark.parametrize("case", ["calls", "calls-spelt-otherwise", "calls-link", "in-store"])
+def test_rerank_refuses_an_out_that_is_its_calls_or_inside_its_store(capsys, tmp_path, monkeypatch, case):
+    """`rerank --calls F --out F` served the calls and wrote the served lines over F, exit 0:
+    the requests were gone. --out naming the requests file (by another spelling of the path,
+    or a link to it), or a path inside STORE, is one line naming --out, before any work:
+    nothing written, the requests and the store as they were."""
+    import os
+
+    store = make_fake_store(tmp_path / "st", users=1, sessions=1, turns=2, dim=16)
+    calls = tmp_path / "calls.jsonl"
+    text = json.dumps({"call_id": "c1", "user_id": "user0", "query_id": "q0"}) + "\n"
+    calls.write_text(text)
+    (tmp_path / "sub").mkdir()
+    if case == "calls-link":
+        os.symlink(calls, tmp_path / "sub" / "link.jsonl")
+    out = {"calls": calls, "calls-spelt-otherwise": tmp_path / "sub" / ".." / "calls.jsonl",
+           "calls-link": tmp_path / "sub" / "link.jsonl", "in-store": store / "served.jsonl"}[case]
+    files = lambda: sorted((p.relative_to(tmp_path), p.lstat().st_mtime_ns) for p in tmp_path.rglob("*")
+                           if not p.is_dir())
+    before = files()
+    code, stdout, err = run_cli(capsys, "rerank", store, "--calls", calls, "--out", out)
+    assert (code, stdout) == (2, "") and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    want = "lies in STORE" if case == "in-store" else f"is the requests file --calls {calls}"
+    assert line.startswith(f"error: --out {out}: {want}"), line
+    assert calls.read_text() == text
+    assert files() == before

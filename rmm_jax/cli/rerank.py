@@ -13,7 +13,7 @@ import numpy as np
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, IntRange, as_options, check_output_file, count, emit_json, info, json_option
-from rmm_jax.data.calls import prepare_calls, read_calls
+from rmm_jax.data.calls import check_out_apart, prepare_calls, read_calls
 from rmm_jax.data.citation_log import (
     LogRecord,
     call_key,
@@ -71,7 +71,8 @@ def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> d
               help="--explore: each call's noise derives from the seed, the user and the call's identity "
                    "(call_id, else query_id, else the query text): serving the same call again draws the same.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Write the JSONL here (atomically) instead of stdout (-: stdout, as without --out).")
+              help="Write the JSONL here (atomically) instead of stdout (-: stdout, as without --out); not the --calls "
+                   "file, nor a path inside STORE or --policies.")
 @click.option("--cache-users", type=IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
 @json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
@@ -109,6 +110,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     """
     t0, now = time.perf_counter(), serve_clock()
     out = None if out == "-" else out            # `-` is stdout, as without --out (it wrote a file named -)
+    check_out_apart(out, f"--out {out}", calls_path, [("STORE", store), ("--policies", policies)])
     check_output_file(out, f"--out {out}")
     if as_json and not out:
         raise InputError("needs --out FILE: without it stdout carries the served lines", where="--json")

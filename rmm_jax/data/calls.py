@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -127,6 +128,26 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
         first[key] = line
         calls.append(call)
     return calls
+
+
+def check_out_apart(out, where: str, calls, dirs=()) -> None:
+    """Refuse (one :class:`~rmm_jax.errors.InputError` at ``where``) an output file ``out``
+    that is the requests file ``calls`` (the same file by :func:`os.path.samefile`: another
+    spelling of the path or a link to it counts), which writing would replace, or that lies
+    in a directory of ``dirs`` (``(name, path)`` pairs: the embedding store, the policy
+    store), whose files it would overwrite. ``out`` None or ``calls`` ``"-"``: nothing to
+    compare. Cheap: a stat or two, so it runs before any work."""
+    if out is None:
+        return
+    o = Path(out)
+    if str(calls) != "-" and o.exists() and Path(calls).exists() and os.path.samefile(o, calls):
+        raise InputError(f"is the requests file --calls {calls}: writing it would replace the calls it serves; "
+                         "give another path", where=where)
+    real = o.resolve()
+    for name, d in dirs:
+        if d is not None and Path(d).is_dir() and (real == Path(d).resolve() or Path(d).resolve() in real.parents):
+            raise InputError(f"lies in {name} {d}: writing it would overwrite that store's files; give a path "
+                             "outside it", where=where)
 
 
 class Prepared(NamedTuple):
