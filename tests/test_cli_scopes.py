@@ -255,3 +255,24 @@ def run_events(store, tmp_path, *more):
     finally:
         online.drive = keep
     return seen
+
+
+@pytest.mark.parametrize("verb", ["simulate", "pretrain"])
+def test_a_k_beyond_some_banks_is_noted_with_how_many(capsys, tmp_path, store, verb):
+    """retrieve refuses a --k above a bank; the learners ran it without a word, and recorded k
+    as given. The note counts the short banks among the users run, from the store's sizes."""
+    sizes = open_store(store).bank_sizes
+    k = sorted(sizes.values())[1] + 1                 # more than the two smallest banks hold
+    short = sorted(n for n in sizes.values() if n < k)
+    more = [*SIM, "--policies", tmp_path / "p"] if verb == "simulate" else ["--m", "3", "--out", tmp_path / "p",
+                                                                            "--epochs", "1"]
+    for given, want in ((k, short), (min(sizes.values()), [])):
+        code, _, err = run_cli(capsys, verb, store, *more, "--k", str(given))
+        assert code == 0, err
+        notes = [ln for ln in err.splitlines() if "is more than the memory bank" in ln]
+        assert notes == ([f"note: --k {given} is more than the memory bank of {len(want)} of {len(sizes)} users "
+                          f"(the largest of those holds {max(want)}): their queries rank every memory they hold"]
+                         if want else []), err
+        shutil.rmtree(tmp_path / "p")
+    code, _, err = run_cli(capsys, verb, store, *more, "--k", str(k), "--users", "user0,user1")   # those run
+    assert f"is more than the memory bank of 2 of 2 users (the largest of those holds {sizes['user0']})" in err, err

@@ -12,7 +12,7 @@ import click
 import jax
 from tqdm import tqdm
 
-from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, explicit_options, info
+from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, count, explicit_options, info
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
@@ -212,6 +212,19 @@ def check_tau_option(tau: float | None) -> None:
             checks.check_tau(tau)
         except ValueError as e:
             raise_option_error(e)
+
+
+def short_bank_note(st, k: int, users=None) -> str | None:
+    """The stderr note of a run whose ``--k`` exceeds some users' memory banks (``users``:
+    the ids it runs, None all): their calls rank every memory they hold. ``retrieve``
+    refuses such a K (its Recall@K would count every memory); a learner just ranks fewer."""
+    sizes = st.bank_sizes
+    short = [sizes[u] for u in (users if users is not None else sizes) if sizes[u] < k]
+    if not short:
+        return None
+    of = len(sizes) if users is None else len(users)
+    return (f"note: --k {k} is more than the memory bank of {len(short)} of {count(of, 'user')} (the largest of "
+            f"those holds {max(short)}): their queries rank every memory they hold")
 
 
 def check_kind_scope(kind: str, scope: str | None) -> None:

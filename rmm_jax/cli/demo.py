@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import check_rank, config_dict, config_options, make_setting
+from rmm_jax.cli.common import check_rank, config_dict, config_options, make_setting, short_bank_note
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import IntRange, check_writable, emit_json, info, json_option
 from rmm_jax.data import load_spec
@@ -36,7 +36,7 @@ def print_table(rows: dict, m: int, title: str) -> None:
 @click.option("--out", default="runs/demo", type=click.Path(file_okay=False),
               help="Working directory: the embedding store (store/, reused by a re-run), summary.json and "
                    "learning_curve.png.")
-@click.option("--users", type=int, default=16, help="Synthetic users (half pretrain, half online).")
+@click.option("--users", type=IntRange(min=4), default=16, help="Synthetic users (half pretrain, half online).")
 @click.option("--sessions", type=IntRange(min=1), default=16, help="Sessions per user.")
 @click.option("--turns", type=IntRange(min=1), default=10, help="Turns per session.")
 @config_options(new_store=True)
@@ -58,8 +58,6 @@ def demo(out, users, sessions, turns, as_json, **opts):
     Example:
       rmm-jax demo --out runs/demo
     """
-    if users < 4:
-        raise InputError(f"need at least 4 users, got {users}", where="--users")
     setting = make_setting(**opts)
     check_writable(out, f"--out {out}", depth=1)
     k, m = setting.layout.k, setting.layout.m
@@ -86,6 +84,9 @@ def demo(out, users, sessions, turns, as_json, **opts):
         check_rank(setting.layout, st.dim)
         info(f"[1/3] reusing embedding store {store_path}")
     streams = load_streams(st, k)
+    short = short_bank_note(st, k)
+    if short:
+        info(short)
     half = len(streams) // 2
     train, evaluate = streams[:half], streams[half:]
     info(f"[2/3] pretraining on {len(train)} users; [3/3] online loop on {len(evaluate)} other users")

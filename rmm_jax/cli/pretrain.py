@@ -15,6 +15,7 @@ from rmm_jax.cli.common import (
     make_setting,
     raise_option_error,
     scope_options,
+    short_bank_note,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
@@ -216,6 +217,9 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
                "untrained_start_kept": kept is not None, "untrained_start_kept_reason": kept}
     if kept is not None:
         info(f"note: {kept}")
+    short = short_bank_note(st, k, [s.user_id for s in streams] if users else None)
+    if short:
+        info(short)
     if plot_path is not None:
         checked = (f"validation on {len(split['validation'])}: best epoch {history['best_epoch']}"
                    if history["val_recall"][0] is not None else "no validation: the last epoch kept")

@@ -17,6 +17,7 @@ from rmm_jax.cli.common import (
     is_writer,
     learning_setting,
     note_setting,
+    short_bank_note,
     start_distributed,
 )
 from rmm_jax.cli.main import cli
@@ -182,6 +183,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
             rs.finish()
     if note:
         info(note)
+    short = short_bank_note(st, setting.layout.k, check_users(st, users) if users else None)
+    if short and writer:
+        info(short)
     if log_out and writer:
         info(f"wrote {log.count} log records to {log_out}")
     if plot_path and writer:
