@@ -321,3 +321,26 @@ def test_embed_into_takes_gold_on_an_earlier_days_turns_and_embed_out_does_not(c
     assert code == 2 and out == "" and not (tmp_path / "fresh").exists()
     assert err == (f"error: {tmp_path / 'day2.jsonl'}:1: key 'questions[0].gold_turn_ids[0]': unknown turn id 's1:0' "
                    "for user 'alice'\n")
+
+
+def test_a_cache_root_that_cannot_be_made_is_one_line_naming_what_set_it(capsys, tmp_path, monkeypatch):
+    """A cache root under a regular file (or in /sys) cannot be made: one line naming --cache-dir, or
+    $RMM_JAX_CACHE when the variable set it (what replay and rerank embed through), exit 2, no store;
+    it was a PermissionError or NotADirectoryError traceback from Embedder."""
+    from rmm_jax.data.embed import embed_texts
+    from rmm_jax.errors import InputError
+
+    (tmp_path / "afile").write_text("x")
+    root = tmp_path / "afile" / "cache"
+    data = write_locomo(tmp_path / "7.json")
+    code, stdout, stderr = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s", "--cache-dir", root, "-q")
+    assert (code, stdout) == (2, "")
+    assert stderr.startswith(f"error: --cache-dir {root}: cannot write: {root}/") and stderr.endswith(
+        ": Not a directory\n") and stderr.count("\n") == 1, stderr
+    monkeypatch.setenv("RMM_JAX_CACHE", str(root))
+    code, stdout, stderr = run(capsys, "embed", f"locomo:{data}", "--out", tmp_path / "s", "-q")
+    assert (code, stdout) == (2, "") and stderr.startswith(f"error: $RMM_JAX_CACHE={root}: cannot write: "), stderr
+    assert stderr.count("\n") == 1
+    with pytest.raises(InputError, match=rf"^\$RMM_JAX_CACHE={root}: cannot write: .*: Not a directory$"):
+        embed_texts(["a text the store lacks"], MODEL_ID)
+    assert not (tmp_path / "s").exists()

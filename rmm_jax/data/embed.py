@@ -102,6 +102,17 @@ def _resolve(model: str) -> tuple[str, str]:
     return model, model
 
 
+def _unwritable_root(cache_dir, root: Path, e: OSError) -> InputError:
+    """The one-line error of a cache root whose directories cannot be made, naming what gave
+    the root: the argument ``cache_dir`` (the CLI's ``--cache-dir``), else ``$RMM_JAX_CACHE``,
+    else the default root's path."""
+    msg = f"cannot write: {e.filename or root}: {e.strerror or e}"
+    if cache_dir is not None:
+        return InputError(msg, arg=f"cache_dir {cache_dir}")
+    env = os.environ.get(CACHE_ENV)
+    return InputError(msg, where=f"${CACHE_ENV}={env}" if env else str(root))
+
+
 def _set_wal(conn, attempts: int = 100) -> None:
     """Switch to WAL journaling. SQLite does not call its busy handler for this switch,
     so two processes creating the same cache at once can see "database is locked";
@@ -210,7 +221,9 @@ class Embedder:
 
     Raises:
       InputError: the model cannot be found or loaded, or the model returns NaN/Inf: one
-        line naming the argument ``model`` (``rmm-jax embed`` names its option ``--model``).
+        line naming the argument ``model`` (``rmm-jax embed`` names its option ``--model``);
+        or the cache root cannot be created: one line naming ``cache_dir`` (``--cache-dir``),
+        or ``$RMM_JAX_CACHE`` when the variable set it.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = DEFAULT_BATCH_SIZE,
@@ -235,6 +248,10 @@ class Embedder:
         if use_cache:
             root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
             self.cache_dir = root / model_slug(self.model_id)
+            try:        # before the model loads: a root that cannot be made is one line, not seconds later
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise _unwritable_root(cache_dir, root, e) from None
             dim = _Cache.recorded_dim(self.cache_dir, self.model_id)
         # A cache that knows this model's dimension lets the model load only on a cache miss:
         # torch and the weights take seconds, and a command whose texts are all cached needs neither.
