@@ -8,6 +8,7 @@ to end through the CLI: ``embed log:`` (through the embedding cache) → ``repla
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -553,6 +554,21 @@ def test_rerank_logs_name_each_question_by_its_call(tmp_path, capsys, fake_model
 def test_bad_log_spec():
     with pytest.raises(InputError, match="expected log:CALLS"):
         load_spec("log:calls.jsonl,memories=")
+
+
+def test_an_unknown_log_option_is_named_as_one_and_a_file_named_with_a_comma_still_loads(tmp_path, capsys):
+    """``log:CALLS,foo=bar`` was reported as a missing file ``CALLS,foo=bar``."""
+    for spec in (f"log:{CALLS},foo=bar", f"log:{CALLS},foo=bar,memories={CALLS}", f"log:{CALLS},memories={CALLS},x=1"):
+        key = spec.rpartition(",")[2].partition("=")[0] if spec.endswith("x=1") else "foo"
+        with pytest.raises(InputError, match=rf"^SPEC '{re.escape(spec)}': unknown option '{key}' "
+                                             r"\(expected memories=MEMS.jsonl\)$"):
+            load_spec(spec)
+    code, out, err = run_cli(capsys, "embed", f"log:{CALLS},foo=bar", "--out", tmp_path / "s")
+    assert (code, out, err) == (2, "", f"error: SPEC 'log:{CALLS},foo=bar': unknown option 'foo' "
+                                       "(expected memories=MEMS.jsonl)\n")
+    odd = tmp_path / "calls,day=1.jsonl"          # a file whose name looks like an option: read, as before
+    odd.write_bytes(CALLS.read_bytes())
+    assert [u.id for u in load_spec(f"log:{odd}").users] == ["alice", "bob"]
 
 
 # --------------------------------------------------------------------------- through the CLI

@@ -29,6 +29,7 @@ texts in the memories file to keep them.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,28 @@ LOG_SESSION = "log"  # the session of log memories that name none
 
 
 def parse_log_spec(rest: str) -> tuple[str, str | None]:
-    """``CALLS[,memories=MEMS]`` -> ``(calls path, memories path or None)``."""
+    """``CALLS[,memories=MEMS]`` -> ``(calls path, memories path or None)``. A path that does not
+    exist and ends in ``,KEY=VALUE`` is a mistyped option, refused as one (not as a missing file);
+    a file whose name holds such a comma is still read when it exists.
+
+    >>> parse_log_spec("calls.jsonl,memories=mems.jsonl")
+    ('calls.jsonl', 'mems.jsonl')
+    >>> parse_log_spec("calls.jsonl,foo=bar")
+    Traceback (most recent call last):
+    rmm_jax.errors.InputError: SPEC 'log:calls.jsonl,foo=bar': unknown option 'foo' (expected memories=MEMS.jsonl)
+    """
     head, sep, tail = rest.rpartition(",memories=")
-    if not sep:
-        return rest, None
-    if not head or not tail:
+    if sep and (not head or not tail):
         raise InputError("expected log:CALLS.jsonl[,memories=MEMORIES.jsonl]", where=f"SPEC 'log:{rest}'")
-    return head, tail
+    paths = (head, tail) if sep else (rest, None)
+    for path in paths:
+        option = re.search(r",([A-Za-z_][\w-]*)=", path or "")
+        if option and not Path(path).exists():
+            key = option.group(1)
+            why = "memories= is given twice" if key == "memories" else \
+                f"unknown option {key!r} (expected memories=MEMS.jsonl)"
+            raise InputError(why, where=f"SPEC 'log:{rest}'")
+    return paths
 
 
 class _Bank:
