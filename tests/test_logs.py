@@ -370,6 +370,22 @@ def test_line_level_errors(tmp_path, line, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("end", ["\n", "\r\n", ""])
+def test_an_invalid_json_line_is_located_by_its_own_column_in_plain_words(tmp_path, end):
+    """The column is on the bad line (the line was parsed with its newline, so an object
+    missing its '}' was placed at column 1 of the next), and an unterminated string reads
+    "starting at column N" (was "starting at at column N")."""
+    path = tmp_path / "calls.jsonl"
+    line = json.dumps(BASE)
+    for bad, msg in ((line[:-1], f"Expecting ',' delimiter at column {len(line)}"),
+                     (line[:20], "Unterminated string starting at column 19")):
+        assert line[18] == "\"" and "\"" not in line[19:20]     # the string the cut leaves open
+        path.write_text(line + "\n" + bad + end)
+        with pytest.raises(InputError) as info:
+            read_log(path)
+        assert str(info.value) == f"{path}:2: invalid JSON ({msg})"
+
+
 def test_invalid_utf8_and_bom_and_crlf(tmp_path):
     path = tmp_path / "calls.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(BASE).encode() + b"\r\n"

@@ -38,13 +38,15 @@ def decode_line(raw: bytes, path: str | os.PathLike, lineno: int) -> Any:
         text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"invalid UTF-8 ({exc.reason} at byte {exc.start})", where=where) from None
+    text = text.removesuffix("\n").removesuffix("\r")   # the terminator: an error at the end is on this line
     try:
         value = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except _DuplicateKey as exc:
         raise InputError("key repeated within one JSON object",
                          where=at(path, lineno, exc.key)) from None
     except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
+        what = exc.msg.removesuffix(" at")      # "Unterminated string starting at": the column follows
+        raise InputError(f"invalid JSON ({what} at column {exc.colno})", where=where) from None
     except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InputError(f"invalid JSON ({msg})", where=where) from None
