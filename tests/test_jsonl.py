@@ -281,6 +281,26 @@ def fake_model(monkeypatch):
     monkeypatch.setattr(embed_cli, "Embedder", Fake)
 
 
+def test_embed_answers_notes_how_many_questions_have_no_answer(capsys, tmp_path, fake_model):
+    """``--answers`` embeds a question without an answer as the question alone: said on stderr
+    with the count (it was silent), once, and not on stdout (--json stays one object)."""
+    questions = [q for u in load_jsonl(CHATS).users for q in u.queries]
+    n = sum(not q.answer for q in questions)
+    assert 1 < n < len(questions)
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", tmp_path / "a", "--answers", "--json")
+    assert code == 0 and json.loads(out)["answers"] is True, err
+    notes = [ln for ln in err.splitlines() if "--answers" in ln]
+    assert notes == [f"note: --answers: {n} of {len(questions)} questions have no answer; their answer "
+                     "embeddings are of the questions alone"], err
+    one = tmp_path / "one.jsonl"
+    one.write_text(jl(user_line({"role": "user", "content": "I like tea."}, questions=[{"question": "drink?"}])))
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{one}", "--out", tmp_path / "b", "--answers")
+    assert code == 0 and "note: --answers: 1 of 1 question has no answer; its answer embedding is of the " \
+                         "question alone\n" in err, err
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", tmp_path / "c")
+    assert code == 0 and "--answers" not in err     # no answers asked for: nothing to say
+
+
 def test_embed_skip_invalid_counts_on_stderr_and_json(capsys, tmp_path, fake_model):
     """Through the CLI: without --skip-invalid the first invalid message is the one-line error
     and nothing is written; with it the counts are on stderr and in the manifest."""

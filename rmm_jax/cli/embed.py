@@ -29,7 +29,7 @@ from rmm_jax.data.granularity import (
     check_threshold,
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
-from rmm_jax.data.store import append_store, check_model, is_store, open_store, write_store
+from rmm_jax.data.store import append_store, check_model, is_store, open_store, unanswered, write_store
 from rmm_jax.errors import InputError
 
 # the API names its arguments; the errors of those this command's options give name the option
@@ -150,6 +150,11 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     if dataset.name in ("jsonl", "log") and no_gold:
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
             + (" (no question has gold)" if no_gold == n_q else ""))
+    n = unanswered(dataset) if answers else 0
+    if n:
+        say(f"note: --answers: {n} of {count(n_q, 'question')} {'has' if n == 1 else 'have'} no answer; "
+            + ("its answer embedding is of the question alone" if n == 1 else
+               "their answer embeddings are of the questions alone"))
     t1 = time.perf_counter()
     with as_options("model", "granularity", "segment_threshold", "merge_threshold", "cache_dir", **MODEL):
         embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,

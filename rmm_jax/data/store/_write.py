@@ -216,6 +216,12 @@ def answer_texts(dataset: Dataset) -> list[str]:
     return [f"{q.text} {q.answer or ''}".strip() for u in dataset.users for q in u.queries]
 
 
+def unanswered(dataset: Dataset) -> int:
+    """How many of ``dataset``'s questions give no answer (none, or only whitespace): their
+    :func:`answer_texts` entry is the question alone."""
+    return sum(not (q.answer or "").strip() for u in dataset.users for q in u.queries)
+
+
 def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str | None = None,
                 log=None, answers: bool = False, **granularity_kwargs) -> dict:
     """Build memories at ``granularity``, embed memories and queries, write the store.
