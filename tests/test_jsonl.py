@@ -301,6 +301,23 @@ def test_embed_answers_notes_how_many_questions_have_no_answer(capsys, tmp_path,
     assert code == 0 and "--answers" not in err     # no answers asked for: nothing to say
 
 
+def test_embed_out_over_a_store_says_what_it_replaced(capsys, tmp_path, fake_model):
+    """``--out`` over an existing store replaces it: said on stderr with the old store's counts
+    (it was silent); --json's stdout stays one object; a new path replaces nothing."""
+    out = tmp_path / "store"
+    code, _, err = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", out)
+    assert code == 0 and "replaced" not in err, err
+    old = open_store(out).manifest["counts"]
+    one = tmp_path / "one.jsonl"
+    one.write_text(jl(user_line({"role": "user", "content": "I like tea."})))
+    code, stdout, err = run_cli(capsys, "embed", f"jsonl:{one}", "--out", out, "--json")
+    assert code == 0 and json.loads(stdout)["counts"]["users"] == 1, err
+    assert [ln for ln in err.splitlines() if "replaced" in ln] == [
+        f"replaced {out} (was {old['users']} users, {old['memories']} memories)"], err
+    code, stdout, err = run_cli(capsys, "embed", f"jsonl:{one}", "--out", out)
+    assert code == 0 and f"replaced {out} (was 1 user, 1 memory)\n" in err, err
+
+
 def test_embed_skip_invalid_counts_on_stderr_and_json(capsys, tmp_path, fake_model):
     """Through the CLI: without --skip-invalid the first invalid message is the one-line error
     and nothing is written; with it the counts are on stderr and in the manifest."""

@@ -29,7 +29,15 @@ from rmm_jax.data.granularity import (
     check_threshold,
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
-from rmm_jax.data.store import append_store, check_model, is_store, open_store, unanswered, write_store
+from rmm_jax.data.store import (
+    append_store,
+    check_model,
+    is_store,
+    open_store,
+    store_counts,
+    unanswered,
+    write_store,
+)
 from rmm_jax.errors import InputError
 
 # the API names its arguments; the errors of those this command's options give name the option
@@ -129,6 +137,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
                        answers, say, as_json)
     _check_out(out)
     _check_replaceable(out, f"--out {out}")
+    was = store_counts(out) if is_store(out) else None      # said once the new store is in its place
     t0 = time.perf_counter()
     with as_options("skip_invalid", "keep_roles"):
         dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles)
@@ -171,6 +180,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     c = manifest["counts"]
     say(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
         f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached; {total:.1f}s total)")
+    if was is not None:
+        say(f"replaced {out} (was {count(was['users'], 'user')}, {count(was['memories'], 'memory')})")
     if as_json:
         report = dict(manifest)
         report["store"] = str(out)

@@ -68,9 +68,9 @@ store, whole), ``_read`` (opening and reading), ``_append`` (growing one).
 from rmm_jax.data.granularity import GRANULARITIES
 from rmm_jax.data.store._append import APPENDABLE, append_store, check_model
 from rmm_jax.data.store._format import FORMAT, VERSION
-from rmm_jax.data.store._read import EmbeddingStore, UserData, is_store, open_store, read_rows
+from rmm_jax.data.store._read import EmbeddingStore, UserData, is_store, open_store, read_rows, store_counts
 from rmm_jax.data.store._write import answer_texts, store_writer, unanswered, write_store
 
 __all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "EmbeddingStore", "UserData",
            "append_store", "APPENDABLE", "check_model", "is_store", "read_rows", "store_writer", "answer_texts",
-           "unanswered"]
+           "unanswered", "store_counts"]

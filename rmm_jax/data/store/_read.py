@@ -296,6 +296,20 @@ def is_store(path) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
+def store_counts(path) -> dict | None:
+    """The ``counts`` the manifest of the store at ``path`` records (``users``, ``memories``,
+    ``queries``), read without opening the store: what ``embed --out`` says it replaced. None
+    when there is no readable manifest or it records no counts."""
+    try:
+        manifest = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    counts = manifest.get("counts") if isinstance(manifest, dict) else None
+    if not isinstance(counts, dict) or not all(_nonneg_int(counts.get(k)) for k in ("users", "memories")):
+        return None
+    return counts
+
+
 def open_store(path, expect_model: str | None = None, expect_dim: int | None = None) -> EmbeddingStore:
     """Open and validate an embedding store.
 
