@@ -130,6 +130,16 @@ def test_alias_names_map_to_packaged_model(cache_root):
     e.close()
 
 
+def test_embed_texts_says_how_many_the_model_ran_on(monkeypatch, tmp_path):
+    """What replay tells apart: texts the model embedded and texts the cache held."""
+    monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path))
+    first = E.embed_texts(["a cached text", "another", "a cached text"], "all-MiniLM-L6-v2")
+    assert len(first) == 2 and first.embedded == 2
+    again = E.embed_texts(["another", "a cached text", "one more"], "all-MiniLM-L6-v2")
+    assert again.embedded == 1 and np.array_equal(again["another"], first["another"])
+    assert E.embed_texts([], "all-MiniLM-L6-v2").embedded == 0
+
+
 def test_default_cache_dir_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path / "c"))
     assert E.default_cache_root() == tmp_path / "c"

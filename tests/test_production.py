@@ -104,6 +104,26 @@ def test_replay_learns_from_new_question_texts_without_gold_and_reports_measures
     assert "Recall@3 is not measured" in out and "overall" in out
 
 
+def test_replay_says_which_of_the_texts_the_store_lacks_came_from_the_cache(capsys, tmp_path, store, monkeypatch):
+    """A rerun finds every text the store lacks in the embedding cache: it said "embedded 54
+    texts" all the same. An embedder that caches as Embedder does (a text embedded once is
+    not embedded again) stands in for the model."""
+    seen: set[str] = set()
+
+    class Caching(FakeEmbedder):
+        def encode(self, texts, desc=""):
+            self.texts_embedded += len(set(texts) - seen)
+            seen.update(texts)
+            return FakeEmbedder(self.dim).encode(texts)
+
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: Caching(DIM))
+    log = production_log(store, tmp_path)
+    lacks = "54 texts the store lacks (queries and memories the log carries as text)"
+    for run, said in ((1, f"embedded {lacks}\n"), (2, f"{lacks}: 54 from the embedding cache, 0 embedded\n")):
+        code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / f"p{run}", *ONLINE)
+        assert code == 0 and said in err and err.count("texts the store lacks") == 1, err
+
+
 def test_a_record_the_store_cannot_resolve_says_what_to_add(capsys, tmp_path, store):
     rec = {"user_id": "user0", "query_id": "prod-0", "candidates": ["D1:1", "D1:2"], "selected": ["D1:1"],
            "cited": []}

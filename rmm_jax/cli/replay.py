@@ -161,9 +161,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     user_ids = rep.pop("user_ids")
     untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
-    if texts:
-        k_m_note.append(f"embedded {count(len(texts), 'text')} the store lacks (queries and memories the log "
-                        "carries as text)")
+    if vectors:
+        lacks = f"{count(len(vectors), 'text')} the store lacks (queries and memories the log carries as text)"
+        cached = len(vectors) - vectors.embedded
+        k_m_note.append(f"embedded {lacks}" if not cached else
+                        f"{lacks}: {cached} from the embedding cache, {vectors.embedded} embedded")
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     chunks = ([repeat_passes(s, passes) for s in c] for c in

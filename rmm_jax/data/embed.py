@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 
 from rmm_jax.errors import InputError, named, worded
 
-__all__ = ["Embedder", "embed_texts", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL",
-           "default_cache_root", "model_slug"]
+__all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT",
+           "DEFAULT_MODEL", "default_cache_root", "model_slug"]
 
 #: The packaged offline model, by its short name.
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -367,7 +367,14 @@ class Embedder:
         return f"Embedder(model_id={self.model_id!r}, dim={self.dim}, cache_dir={self.cache_dir})"
 
 
-def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embedding") -> dict[str, np.ndarray]:
+class EmbeddedTexts(dict):
+    """What :func:`embed_texts` returns: text -> embedding, and ``embedded``, how many of
+    them the model ran on (the rest came from the disk cache), for a note that says which."""
+
+    embedded: int = 0
+
+
+def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embedding") -> EmbeddedTexts:
     """Every distinct text of ``texts`` -> its embedding with ``model`` (an embedding
     store's ``model``), through the disk cache: how ``replay``, ``evaluate`` and ``rerank``
     embed the query and memory texts a store lacks. The model is loaded only when there
@@ -378,11 +385,13 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
     """
     distinct = list(dict.fromkeys(texts))
     if not distinct:
-        return {}
+        return EmbeddedTexts()
     with worded({"cache_dir": "$RMM_JAX_CACHE"}):   # no cache_dir here: the root is the variable's
         emb = Embedder(model.removeprefix("local:"), progress=progress)   # a store records a local model as local:PATH
     try:
         vecs = emb.encode(distinct, desc=desc)
     finally:
         emb.close()
-    return dict(zip(distinct, vecs))
+    out = EmbeddedTexts(zip(distinct, vecs))
+    out.embedded = emb.texts_embedded
+    return out
