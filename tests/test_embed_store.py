@@ -1,6 +1,7 @@
 """Embedder (packaged MiniLM, disk cache) and the embedding store (write/open/validate)."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -108,6 +109,21 @@ def test_cache_rerun_embeds_nothing_twice(embedder, cache_root, monkeypatch):
     db = cache_root / E.model_slug(other.model_id) / "embeddings.sqlite"
     assert db.is_file()
     other.close()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stream, drawn", [(_Terminal, True), (io.StringIO, False)], ids=["terminal", "log file"])
+def test_the_embedding_bar_draws_on_a_terminal_only(embedder, monkeypatch, stream, drawn):
+    """A nightly replay's log once filled with the bar's carriage returns."""
+    err = stream()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(embedder, "progress", True)
+    embedder.encode([f"bar probe {drawn} {i}" for i in range(3)], desc="probe")
+    assert ("\r" in err.getvalue() and "probe" in err.getvalue()) == drawn, repr(err.getvalue())
 
 
 def test_model_loads_only_on_a_cache_miss(embedder, cache_root):

@@ -206,7 +206,7 @@ class Embedder:
       cache_dir: cache root (a ``<model-slug>/`` directory is made inside it); default
         ``$RMM_JAX_CACHE`` or ``~/.cache/rmm-jax/embeddings``.
       batch_size: texts per model call.
-      progress: show a tqdm bar on stderr.
+      progress: show a tqdm bar on stderr while it is a terminal.
       device: torch device, ``"cpu"`` unless told otherwise.
       use_cache: set False to bypass the disk cache.
 
@@ -335,7 +335,7 @@ class Embedder:
         missing.sort(key=lambda k: -len(uniq[k]))
         if missing:
             with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr,
-                      disable=not self.progress, leave=False) as bar:
+                      disable=None if self.progress else True, leave=False) as bar:   # None: a terminal only
                 for s in range(0, len(missing), self.batch_size):
                     part = missing[s:s + self.batch_size]
                     vecs = self._run_model([uniq[k] for k in part])
