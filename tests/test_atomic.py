@@ -282,9 +282,9 @@ def test_every_file_a_run_moves_into_place_was_fsynced_first(capsys, tmp_path, m
     store = make_fake_store(tmp_path / "store", users=3, dim=16)
     synced, unsynced = _fsync_probe(monkeypatch, tmp_path)
     small = ["--k", "8", "--m", "3", "--checkpoint-every", "1"]
-    for _ in range(2):           # a new policy store, then new versions in it
+    for again in ([], ["--relearn"]):           # a new policy store, then new versions in it
         code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *small, "--users-per-chunk",
-                               "1", "--log-out", tmp_path / "log.jsonl", "--json")
+                               "1", "--log-out", tmp_path / "log.jsonl", "--json", *again)
         assert code == 0, err
     code, _, err = run_cli(capsys, "replay", store, "--policies", tmp_path / "r", "--log", tmp_path / "log.jsonl")
     assert code == 0, err

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import make_fake_store, run_cli
 
+from rmm_jax.data.store import open_store
 from rmm_jax.persist.policy_store import PolicyStore
 
 SIM = ["--k", "8", "--m", "3", "--lr", "0.01", "--users-per-chunk", "2", "--checkpoint-every", "0"]
@@ -121,6 +122,38 @@ def test_simulating_two_query_ranges_equals_one_run(capsys, tmp_path, store):
     assert "queries learned" in out.splitlines()[1] and "last run" in out.splitlines()[1]
 
 
+def test_simulating_questions_learned_already_is_refused_unless_relearn(capsys, tmp_path, store):
+    """Nothing learned twice: a second simulate over questions the policies learned (here 8:12
+    of 0:12) once ran, learning them again. Each version records the ranges its simulate runs
+    learned; an overlapping run is one line naming --queries, and writes nothing."""
+    pol = tmp_path / "p"
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", ":12")
+    assert code == 0, err
+    info = {u: PolicyStore.open(pol).load(u).info for u in PolicyStore.open(pol).users()}
+    assert all(i["simulated_queries"] == [[0, 12]] for i in info.values()), info
+    files = sorted((p.relative_to(pol), p.stat().st_mtime_ns) for p in pol.rglob("*") if p.is_file())
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", "8:")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --queries: the policy of user 'user0' has learned 4 of its questions 8:") \
+        and "(it learned 0:12)" in err and "--relearn" in err, err
+    assert sorted((p.relative_to(pol), p.stat().st_mtime_ns) for p in pol.rglob("*") if p.is_file()) == files
+    # the rest of the questions is new: learned, and the record grows to cover every question
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", "12:")
+    assert code == 0, err
+    ps = PolicyStore.open(pol)
+    n = {u: open_store(store).query_count(u) for u in ps.users()}
+    assert all(ps.load(u).info["simulated_queries"] == [[0, n[u]]] for u in ps.users())
+    # --relearn learns them again and says how many; starting afresh (--init identity) is not learning twice
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", "8:", "--relearn")
+    again = sum(n[u] - 8 for u in n)
+    assert code == 0 and f"--relearn: learned {again} questions again that these policies had learned" in err, err
+    assert all(PolicyStore.open(pol).load(u).info["queries_learned"] == n[u] + n[u] - 8 for u in n)
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", "8:", "--init",
+                           "identity")
+    assert code == 0, err
+    assert all(PolicyStore.open(pol).load(u).info["simulated_queries"] == [[8, n[u]]] for u in n)
+
+
 def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, tmp_path, store):
     ps_path = tmp_path / "p"
     code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, "--users", "user0,user1", *SIM,
@@ -143,15 +176,15 @@ def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, t
 
 def test_lowering_keep_says_what_it_deletes_and_that_rollback_cannot_undo_at_one(capsys, tmp_path, store):
     ps_path = tmp_path / "p"
-    for _ in range(2):
-        code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM)   # kept at the default 3
+    for relearn in ([], ["--relearn"]):            # each run after the first learns the same questions again
+        code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, *relearn)   # kept at 3
         assert code == 0 and "--keep" not in err, err
-    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "3")
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "3", "--relearn")
     assert code == 0 and "--keep" not in err, err                 # not lowered: nothing to say
-    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "2")
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "2", "--relearn")
     assert code == 0 and "note: --keep 2 lowers the 3 versions per user" in err and "rollback" not in err, err
     assert all(len(PolicyStore.open(ps_path).entries(u)) == 2 for u in PolicyStore.open(ps_path).users())
-    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "1")
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "1", "--relearn")
     assert code == 0 and "--keep 1 lowers the 2" in err and "`policies rollback` cannot undo this run" in err, err
     code, _, err = run_cli(capsys, "policies", "rollback", ps_path)
     assert code != 0 and err.strip().count("\n") == 0, err       # as the note said
@@ -163,12 +196,12 @@ def test_a_store_created_at_keep_one_says_each_later_run_cannot_be_rolled_back(c
     ps_path = tmp_path / "p"
     code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--keep", "1")
     assert code == 0 and "rollback" not in err, err                # a new store: its users can be rolled back
-    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM)
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, *SIM, "--relearn")
     assert code == 0 and f"note: {ps_path} keeps 1 version per user" in err and "cannot undo it" in err, err
     code, _, err = run_cli(capsys, "policies", "rollback", ps_path)
     assert code != 0 and err.strip().count("\n") == 0, err       # as the note said
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM, "--keep", "2")
-    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM)
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *SIM, "--relearn")
     assert code == 0 and "keeps 1" not in err and "rollback" not in err, err
 
 
@@ -178,7 +211,7 @@ def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, t
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper")
     assert code == 2 and err.strip().count("\n") == 0 and "--preset: paper would change" in err, err
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper",
-                           "--change-setting")     # asked for: the saved Adam states still cannot continue with SGD
+                           "--change-setting", "--relearn")     # asked for: the saved Adam states still cannot continue with SGD
     assert code == 2 and err.strip().count("\n") == 1 and "--policies" in err and "optimiser" in err, err
 
 

@@ -36,9 +36,9 @@ def env(tmp_path_factory):
     pol = {}
     for scope in ("user", "hybrid"):
         pol[scope] = tmp / f"pol-{scope}"
-        for _ in range(2):
+        for again in ([], ["--relearn"]):        # the second run learns the same questions again
             main(["simulate", str(store), "--policies", str(pol[scope]), *SIM, "--scope", scope,
-                  *(["--rank", "2"] if scope == "hybrid" else [])])
+                  *(["--rank", "2"] if scope == "hybrid" else []), *again])
     return store, pol
 
 

@@ -224,7 +224,8 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
 
 
 def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
-                 checkpoint_every: int, log=None, desc: str, mesh=None, writer: bool = True, relearn: bool = False):
+                 checkpoint_every: int, log=None, desc: str, mesh=None, writer: bool = True, relearn: bool = False,
+                 first_query: int | None = None):
     """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
     policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
     to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`); a progress bar on stderr. With
@@ -232,14 +233,17 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: i
     only the logged calls their policies have not learned (all with ``relearn``). After a
     checkpoint that follows SIGINT/SIGTERM the run stops. Under ``jax.distributed`` every
     process runs this loop (reading ``ps``) and only the writer, process 0, writes. Returns
-    the :class:`rmm_jax.online.run.OnlineResult` (summaries only)."""
+    the :class:`rmm_jax.online.run.OnlineResult` (summaries only). ``first_query``: the chunks
+    are the users' store questions from that position (simulate), which each saved version
+    records (:func:`rmm_jax.online.sinks.simulated_queries`)."""
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _as_options(from_store(chunks, ps, before=start.before, relearn=relearn), chunks="log")
     ps = ps if writer else None
     run = run_record(ps, rs)
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \
         if rs is not None else None
-    sinks = ([PolicySink(ps, program, continues=start.before is not None, run=run)] if ps is not None else []) \
+    sinks = ([PolicySink(ps, program, continues=start.before is not None, run=run, first_query=first_query)]
+             if ps is not None else []) \
         + ([LogSink(log)] if log is not None and ps is not None else []) \
         + ([checkpoints] if checkpoints is not None else [])
     recorder = Recorder(program.layout.m, sinks=sinks)

@@ -39,7 +39,7 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import IntRange, as_options, check_output_file, info, json_option, users_option
+from rmm_jax.cli.shell import IntRange, as_options, check_output_file, count, info, json_option, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
@@ -47,6 +47,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.run import precision_recall_oracle
+from rmm_jax.online.starts import check_simulated
 from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.runstate import RunState, file_digest
@@ -92,6 +93,10 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @click.option("--queries", "query_range", default=None, metavar="START:END",
               help="Only each user's queries START..END-1 in stream order (either end may be left out): a "
                    "later run over the next range continues where this one stopped.")
+@click.option("--relearn", is_flag=True,
+              help="Learn the --queries range also where the policies learned those questions in an earlier "
+                   "simulate run. Without it such a run is refused: each version records the questions its "
+                   "simulate runs learned from.")
 @click.option("--users-per-chunk", type=IntRange(min=1), default=8, show_default=True,
               help="Users run side by side per compiled call.")
 @click.option("--log-out", type=click.Path(), default=None,
@@ -103,7 +108,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
              "same queries), online (the run's prequential measures, per_user among them), curve and "
              "cited_curve (learning curves, when measured)")
 def simulate(store, policies, init, keep, change_setting, citations, precision, cite_recall, users, query_range,
-             users_per_chunk, log_out, checkpoint_every, resume, plot_path, as_json, **opts):
+             relearn, users_per_chunk, log_out, checkpoint_every, resume, plot_path, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
 
     Each user's query stream runs in order: the reranker picks M of the K retrieved
@@ -154,15 +159,17 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
     st = open_store(store)
     with as_options("users", "queries"):     # the API names its arguments, the CLI its options
+        queries = parse_range(query_range)
         n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
-                                       answers=citations == "answer", queries=parse_range(query_range))
+                                       answers=citations == "answer", queries=queries)
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)
     options = online_options(opts, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
-                                      "--users": users, "--queries": query_range, "--log-out": log_out,
+                                      "--users": users, "--queries": query_range, "--relearn": relearn,
+                                      "--log-out": log_out,
                                       "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "config": config_dict(setting)}
@@ -172,17 +179,26 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+            again = 0
+            if start.before is not None and rs_fresh(rs):    # a resumed run's own versions are not earlier runs
+                with as_options("queries", "relearn"):
+                    again = check_simulated(ps, {u: st.query_count(u) for u in check_users(st, users)}, queries,
+                                            relearn=relearn)
             note = continue_note(ps, start, check_users(st, users), afresh=afresh and rs_fresh(rs),
                                  created=created) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
-                                  checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh)
+                                  checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh,
+                                  first_query=queries[0])
         if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
             write_setting(ps, ls.record)
         if rs is not None:
             rs.finish()
     if note:
         info(note)
+    if again:
+        info(f"--relearn: learned {count(again, 'question')} again that these policies had learned in an earlier "
+             "simulate run")
     short = short_bank_note(st, setting.layout.k, check_users(st, users) if users else None)
     if short and writer:
         info(short)

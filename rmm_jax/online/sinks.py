@@ -24,21 +24,61 @@ from rmm_jax.online.run import chunk_records
 from rmm_jax.persist.learned_calls import LearnedCalls, add, empty
 
 
-def user_info(stream, outputs: dict, m: int, before: int = 0) -> dict:
+def user_info(stream, outputs: dict, m: int, before: int = 0, simulated: list | None = None,
+              start: int | None = None) -> dict:
     """The JSON info stored with a user's new policy version: ``queries_seen``, the queries of
     this run; ``queries_learned``, of every run the policy has learned from (``before`` of the
-    runs it continues; like its learner step, it counts from the policy's start); and this run's
-    prequential Recall@M."""
+    runs it continues; like its learner step, it counts from the policy's start); this run's
+    prequential Recall@M; and ``simulated_queries``, the store questions its simulate runs
+    learned from (``simulated``, the runs it continues, plus this run's when it simulated the
+    user's questions from position ``start``; see :func:`add_range`)."""
     out = outputs[stream.user_id]
     n = stream.first_pass                      # replay --passes: the log's queries, once
-    return {"queries_seen": n, "queries_learned": before + n,
+    info = {"queries_seen": n, "queries_learned": before + n,
             f"prequential_recall@{m}": float(out["recall"][stream.valid].mean()) if stream.valid.any() else None}
+    ranges = add_range(simulated or [], (start, start + n)) if start is not None else (simulated or [])
+    return {**info, "simulated_queries": ranges} if ranges else info
 
 
 def queries_learned(info: dict) -> int | None:
     """Queries a saved policy has learned from, over all its runs (a store written before this
     was recorded keeps only its last run's, ``queries_seen``)."""
     return info.get("queries_learned", info.get("queries_seen"))
+
+
+def simulated_queries(info: dict) -> list[list[int]]:
+    """The store questions a saved policy learned from in ``simulate`` runs, as sorted,
+    disjoint ``[start, end)`` ranges of positions in its user's questions (none recorded:
+    ``[]``; replay's logged calls are remembered apart, :mod:`rmm_jax.persist.learned_calls`)."""
+    return [list(r) for r in info.get("simulated_queries", [])]
+
+
+def add_range(ranges: list, new: tuple[int, int]) -> list[list[int]]:
+    """``ranges`` (sorted, disjoint ``[start, end)``) with ``new`` added, touching ones merged.
+
+    Examples:
+      >>> add_range([[0, 12]], (12, 21))
+      [[0, 21]]
+      >>> add_range([[0, 4], [10, 12]], (6, 8))
+      [[0, 4], [6, 8], [10, 12]]
+    """
+    out: list[list[int]] = []
+    for a, b in sorted([*map(tuple, ranges), tuple(new)]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def overlap(ranges: list, new: tuple[int, int]) -> int:
+    """How many positions of ``new`` (``[start, end)``) lie in ``ranges``.
+
+    Examples:
+      >>> overlap([[0, 12]], (8, 20)), overlap([[0, 12]], (12, 20))
+      (4, 0)
+    """
+    return sum(max(0, min(b, new[1]) - max(a, new[0])) for a, b in ranges)
 
 
 class PolicySink:
@@ -49,16 +89,20 @@ class PolicySink:
     counts continue too. ``run``: what every version saved records of the run
     (:mod:`rmm_jax.persist.policy_rollback`; None: nothing)."""
 
-    def __init__(self, store, program: Program, continues: bool = False, run: dict | None = None):
+    def __init__(self, store, program: Program, continues: bool = False, run: dict | None = None,
+                 first_query: int | None = None):
         self.store, self.program, self.continues, self.run = store, program, continues, run
+        self.first_query = first_query      # simulate: its streams are the users' questions from this position
 
     def chunk(self, event: ChunkDone) -> None:
         m = self.program.layout.m
         uids = [s.user_id for s in event.streams]
-        before = {u: queries_learned(info) or 0 for u, _, info in self.store.listing(uids)} if self.continues else {}
+        infos = {u: info for u, _, info in self.store.listing(uids)} if self.continues else {}
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
-        self.store.save(uids, event.states, [user_info(s, event.outputs, m, before.get(s.user_id, 0))
-                                             for s in event.streams], shared_version=shared_version,
+        self.store.save(uids, event.states,
+                        [user_info(s, event.outputs, m, queries_learned(infos.get(s.user_id, {})) or 0,
+                                   simulated_queries(infos.get(s.user_id, {})), self.first_query)
+                         for s in event.streams], shared_version=shared_version,
                         learned=learned_after(event.streams), run=self.run)
 
     def save_shared(self, event: ChunkDone) -> int:

@@ -18,6 +18,9 @@ leaves out the calls learned already. Replaying a log twice is then a no-op, a l
 mixes old and new calls learns the new ones in order, and a run killed after saving some
 chunks and started again skips what those chunks saved, as one uninterrupted run would
 have left it. Calls a run generates (``simulate``) are not remembered: each run draws new ones.
+The store questions a ``simulate`` run learns from are: each saved version records their
+positions (:func:`rmm_jax.online.sinks.simulated_queries`), and :func:`check_simulated`
+refuses a run that would learn one of them again.
 
 Examples:
   >>> import numpy as np
@@ -39,6 +42,7 @@ import numpy as np
 
 from rmm_jax.errors import InputError, at, named
 from rmm_jax.online.driver import Chunk
+from rmm_jax.online.sinks import overlap, simulated_queries
 from rmm_jax.online.streams import Stream, take_queries
 from rmm_jax.persist.learned_calls import Calls, classify
 
@@ -117,3 +121,35 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
             learn += int(sort.learn.sum())
         learn += sum(len(calls[u][1]) for u in got.missing)
     return LearnedCheck(learn, known, older)
+
+
+def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | None], *,
+                    relearn: bool = False) -> int:
+    """Refuse a ``simulate`` run that continues ``store`` over questions a user's policy has
+    learned from in an earlier simulate run: ``counts``, the questions each user run holds;
+    ``queries``, the run's ``(start, stop)`` of each user's questions (``stop`` None: all).
+    The one-line error names the first such user, how many of its questions and
+    ``queries`` (the CLI's ``--queries``), and that ``relearn`` (``--relearn``) learns them
+    again. Returns how many questions the run learns again (0 unless ``relearn``).
+
+    Examples:
+      >>> class Store:                                # user a learned its questions 0-11 before
+      ...     def listing(self, ids):
+      ...         return [("a", [], {"simulated_queries": [[0, 12]]})]
+      >>> check_simulated(Store(), {"a": 21}, (12, None))
+      0
+      >>> check_simulated(Store(), {"a": 21}, (8, None), relearn=True)
+      4
+    """
+    again = 0
+    for u, _, info in store.listing(list(counts)):
+        n = counts[u]
+        span = (min(queries[0], n), n if queries[1] is None else min(queries[1], n))
+        mine = overlap(simulated_queries(info), span)
+        if mine and not relearn:
+            learned = ", ".join(f"{a}:{b}" for a, b in simulated_queries(info))
+            raise InputError(f"the policy of user {u!r} has learned {mine} of its questions {span[0]}:{span[1]} in "
+                             f"an earlier simulate run (it learned {learned}): give a range it has not learned, or "
+                             f"{named('relearn', True)} to learn them again", arg="queries")
+        again += mine
+    return again
