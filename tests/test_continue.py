@@ -211,7 +211,7 @@ def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, t
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper")
     assert code == 2 and err.strip().count("\n") == 0 and "--preset: paper would change" in err, err
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "p", *SIM, "--preset", "paper",
-                           "--change-setting", "--relearn")     # asked for: the saved Adam states still cannot continue with SGD
+                           "--change-setting", "--relearn")     # asked for: saved Adam states cannot go on with SGD
     assert code == 2 and err.strip().count("\n") == 1 and "--policies" in err and "optimiser" in err, err
 
 
