@@ -366,3 +366,15 @@ def test_progress_bars_draw_on_a_terminal_only(monkeypatch, stream, drawn):
         for _ in range(3):
             bar.update(1)
     assert ("\r" in err.getvalue() and "rerank" in err.getvalue()) == drawn, repr(err.getvalue())
+
+
+@pytest.mark.parametrize("path, options", [(("simulate",), ["--k", "--m", "--batch"]),
+                                           (("replay",), ["--k", "--m", "--batch", "--passes", "--clip"])],
+                         ids=lambda x: " ".join(x) if isinstance(x, tuple) else None)
+def test_options_with_a_floor_show_it_in_help_and_refuse_below_it_by_name(path, options, capsys):
+    """--batch, --passes and --clip showed no valid range, unlike the options that show x>=1."""
+    entries = option_entries(help_of(path)[1])
+    for opt in options:
+        assert "x>=1" in entries[opt], entries[opt]
+        code, _, err = run_cli([*path, "STORE", opt, "0"], capsys)
+        assert code == 2 and re.search(rf"Invalid value for '{opt}': 0(\.0)? is not in the range x>=1", err), err

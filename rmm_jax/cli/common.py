@@ -71,9 +71,10 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           "Adam lr 3e-4: the default until issue 26); 'paper' (the RMM update as written: top-M of "
                           "s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob only, plain SGD lr 1e-3, "
                           "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
-        click.option("--k", type=int, **k_default, help="Candidates from the base retriever."),
-        click.option("--m", type=int, **m_default, help="Memories shown to the generator (selected)."),
-        click.option("--batch", type=int, default=None, help=f"Queries per update {_preset_default('batch')}."),
+        click.option("--k", type=IntRange(min=1), **k_default, help="Candidates from the base retriever."),
+        click.option("--m", type=IntRange(min=1), **m_default, help="Memories shown to the generator (selected)."),
+        click.option("--batch", type=IntRange(min=1), default=None,
+                     help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None,
                      help=f"Temperature > 0 of the loss's logits and, unless --draw-tau is given, of the draw of the "
                           f"shown memories {_preset_default('tau')}."),

@@ -42,6 +42,7 @@ from rmm_jax.cli.online import (
 )
 from rmm_jax.cli.shell import (
     TWICE,
+    FloatRange,
     IntRange,
     as_options,
     check_input_file,
@@ -85,8 +86,9 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
 @keep_option
 @config_options(from_log=True)
 @change_setting_option
-@click.option("--clip", type=float, default=5.0, help="Importance-ratio ceiling for off-policy records.")
-@click.option("--passes", type=int, default=1,
+@click.option("--clip", type=FloatRange(min=1), default=5.0, help="Importance-ratio ceiling for off-policy records "
+              "(inf: none).")
+@click.option("--passes", type=IntRange(min=1), default=1,
               help="Passes over each user's records: every pass updates (later ones importance-weighted against "
                    "the logged policy); the report scores the first, prequentially. Two or three gain +0.02 to +0.03 "
                    "Recall@5 on LoCoMo (docs/method.md).")
@@ -143,8 +145,6 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
                          "record; replay with --preset default", where="--preset")
     check_output_file(plot_path, f"--plot {plot_path}")
-    if passes < 1:
-        raise InputError(f"must be >= 1, got {passes}", where="--passes")
     afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
