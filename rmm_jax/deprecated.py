@@ -7,6 +7,7 @@ A module whose names moved ends with ``__getattr__ = moved(__name__, {"old": "ne
 until a moved name is asked for.
 
 >>> import warnings
+>>> from rmm_jax.deprecated import moved
 >>> getattr_ = moved("pkg.old", {"dumps": "json"})
 >>> with warnings.catch_warnings(record=True) as w:
 ...     warnings.simplefilter("always")

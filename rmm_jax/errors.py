@@ -21,6 +21,7 @@ class InputError(ValueError):
     gives it (:func:`rmm_jax.cli.shell.as_options`). A path that happens to be spelt like an
     argument (a store directory named ``users``) stays a location.
 
+    >>> from rmm_jax.errors import InputError
     >>> e = InputError("bad", arg="users user9")
     >>> str(e), e.where, e.arg
     ('users user9: bad', 'users user9', 'users')
@@ -55,6 +56,7 @@ def named(name: str, value=None) -> str:
     (the CLI's ``--k 3``, or ``--relearn`` for a flag's True), so that every message names
     what its reader can change without the API taking the CLI's words as arguments.
 
+    >>> from rmm_jax.errors import named, worded
     >>> named("k", 3), named("clip"), named("relearn", True)
     ('k=3', 'clip', 'relearn=True')
     >>> with worded({"k": "--k", "relearn": "--relearn"}):
@@ -71,6 +73,7 @@ def option_of(name: str) -> str | None:
     """What argument ``name`` was given as, inside a :func:`worded` that maps it (the CLI's
     ``--queries``), else None: for a message whose wording differs beyond :func:`named`'s.
 
+    >>> from rmm_jax.errors import option_of, worded
     >>> with worded({"queries": "--queries"}):
     ...     option_of("queries")
     '--queries'

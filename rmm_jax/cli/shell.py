@@ -78,6 +78,7 @@ def parse_users(users: str | None) -> list[str] | None:
     """``--users a,b`` -> ``["a", "b"]`` (None: all users); an empty or repeated item is an
     error (a user run twice in one run is saved twice in one version; pretrain trained on it twice).
 
+    >>> from rmm_jax.cli.shell import parse_users
     >>> parse_users("a, b")
     ['a', 'b']
     """

@@ -12,6 +12,7 @@ them again. :func:`preset` builds all three from a name and overrides (each over
 to the part that owns the field).
 
 Examples:
+  >>> from rmm_jax import Estimator, preset
   >>> s = preset("paper", k=10)
   >>> s.layout.k, s.estimator.noise, s.optimizer.name, s.optimizer.lr
   (10, 'unit', 'sgd', 0.001)
@@ -250,6 +251,8 @@ def setting_record(name: str, setting: Setting) -> dict:
     """What a policy store records of the setting that trains it: the preset ``name`` and
     :func:`describe` of its parts (JSON-ready).
 
+    >>> from rmm_jax import preset
+    >>> from rmm_jax.core.config import setting_record
     >>> r = setting_record("realistic", preset("realistic"))
     >>> r["preset"], r["estimator"]["loss"], r["optimizer"]
     ('realistic', 'logistic', {'name': 'adam', 'lr': 0.0001})
@@ -273,6 +276,8 @@ def setting_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(field, old value, new value)`` for every :data:`SETTING_FIELDS` field in which two
     :func:`setting_record` records differ, in :data:`SETTING_FIELDS` order.
 
+    >>> from rmm_jax import preset
+    >>> from rmm_jax.core.config import setting_changes, setting_record
     >>> old, new = setting_record("reinforce", preset("reinforce")), setting_record("realistic", preset("realistic"))
     >>> setting_changes(old, new)
     [('preset', 'reinforce', 'realistic'), ('loss', 'reinforce', 'logistic'), ('lr', 0.0003, 0.0001)]

@@ -34,6 +34,7 @@ cache it holds code to run: keep it where only you can write.
 
 Examples:
   >>> import jax.numpy as jnp
+  >>> from rmm_jax.core.executables import aot
   >>> @aot
   ... def double(x):
   ...     return 2 * x

@@ -12,6 +12,7 @@ must be excluded by the caller; :func:`summarize` does that with its ``valid`` m
 Example::
 
     >>> import numpy as np
+    >>> from rmm_jax.core.metrics import mrr, recall_at_k
     >>> rel = np.array([[False, True, False, True]])
     >>> float(recall_at_k(rel, np.array([3]), 2)[0])   # 1 of 3 gold in the top 2
     0.3333333432674408
@@ -236,6 +237,8 @@ def summarize(per_query: dict, valid, groups: dict | None = None) -> dict:
 
     Example::
 
+        >>> import numpy as np
+        >>> from rmm_jax.core.metrics import summarize
         >>> summarize({"mrr": np.array([1.0, 0.5, 0.0])}, np.array([True, True, False]),
         ...           {"user": np.array(["a", "b", "b"])})["per_user"]["b"]
         {'mrr': 0.5, 'n': 1}

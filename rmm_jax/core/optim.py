@@ -14,6 +14,7 @@ materialises the gradient from the factors and calls its ``update``.
 
 Examples:
   >>> import jax.numpy as jnp
+  >>> from rmm_jax import adam
   >>> opt = adam(1e-3)
   >>> p = {"w": jnp.zeros((3, 3))}
   >>> x, y = jnp.ones((2, 3)), jnp.arange(6.0).reshape(2, 3)     # ∂L/∂w = Σ_b x_b ⊗ y_b

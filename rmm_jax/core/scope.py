@@ -15,6 +15,7 @@ how to split, merge, start and record a policy, and never tests the scope's name
 
 Examples:
   >>> import jax, rmm_jax as rj
+  >>> from rmm_jax import Scope
   >>> p = rj.init_reranker(jax.random.key(0), 4)
   >>> shared, local = Scope.named("hybrid", rank=2).split(p, jax.random.key(1))
   >>> sorted(shared["q_adapter"]), sorted(local["q_adapter"]), local["q_adapter"]["lora"]["a"].shape

@@ -77,6 +77,7 @@ def shared_step_multiple(n_active):
     in the batch: √min(U_a, 100).
 
     Examples:
+        >>> from rmm_jax.core.update import shared_step_multiple
         >>> [float(shared_step_multiple(u)) for u in (1, 4, 100, 900)]
         [1.0, 2.0, 10.0, 10.0]
     """
