@@ -38,6 +38,7 @@ raised before anything is embedded, ranked or written.
 
 Examples:
   >>> import json, tempfile, pathlib
+  >>> from rmm_jax.data.calls import read_calls, text_id
   >>> p = pathlib.Path(tempfile.mkdtemp()) / "calls.jsonl"
   >>> _ = p.write_text(json.dumps({"user_id": "u1", "query": "where do I live?"}) + "\\n")
   >>> [c.query_text for c in read_calls(p)]

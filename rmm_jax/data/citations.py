@@ -356,6 +356,7 @@ def oracle(*, p_useful: float = P_USEFUL, p_other: float = P_OTHER, spurious: fl
 
     Examples:
       >>> import jax, jax.numpy as jnp
+      >>> from rmm_jax.data.citations import oracle
       >>> cite = oracle(p_useful=1.0, p_other=0.0, spurious=0.0)
       >>> cite(jax.random.key(0), jnp.array([False, True, False]), jnp.array([True, True, False])).tolist()
       [False, True, False]

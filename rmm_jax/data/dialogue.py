@@ -19,6 +19,7 @@ Only a store of single turns has them (``embed --granularity turn``, the default
 segment or a session merges the question with its answer.
 
 Examples:
+  >>> from rmm_jax.data.dialogue import dialogue_pairs
   >>> rows = [{"session_id": "s1", "text": "Ann: Where did you go?"},
   ...         {"session_id": "s1", "text": "Bob: To Lisbon, with my sister."},
   ...         {"session_id": "s1", "text": "Bob: Have you been?"},
@@ -40,6 +41,7 @@ SEP = ": "
 def speaker(text: str) -> str | None:
     """The speaker a turn's text names (before the first ``": "``), or None.
 
+    >>> from rmm_jax.data.dialogue import speaker
     >>> speaker("Ann: Is it far?"), speaker("no speaker here")
     ('Ann', None)
     """

@@ -17,6 +17,7 @@ timeout). A re-run embeds nothing twice.
 
 Example::
 
+    >>> from rmm_jax.data.embed import Embedder                # doctest: +SKIP
     >>> emb = Embedder(progress=False)                         # doctest: +SKIP
     >>> emb.encode(["I adopted a cat", "my new kitten"]).shape  # doctest: +SKIP
     (2, 384)
@@ -380,6 +381,7 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
     embed the query and memory texts a store lacks. The model is loaded only when there
     is text to embed (and the cache is the default one, ``$RMM_JAX_CACHE``).
 
+    >>> from rmm_jax.data.embed import embed_texts
     >>> embed_texts([], "all-MiniLM-L6-v2")       # nothing to embed: no model loaded
     {}
     """

@@ -50,6 +50,7 @@ def parse_log_spec(rest: str) -> tuple[str, str | None]:
     exist and ends in ``,KEY=VALUE`` is a mistyped option, refused as one (not as a missing file);
     a file whose name holds such a comma is still read when it exists.
 
+    >>> from rmm_jax.data.log_dataset import parse_log_spec
     >>> parse_log_spec("calls.jsonl,memories=mems.jsonl")
     ('calls.jsonl', 'mems.jsonl')
     >>> parse_log_spec("calls.jsonl,foo=bar")

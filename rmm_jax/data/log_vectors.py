@@ -24,6 +24,7 @@ The online loop and the estimators see only these arrays.
 Examples:
   >>> import numpy as np
   >>> from rmm_jax.data.citation_log import validate_record
+  >>> from rmm_jax.data.log_vectors import unseen_texts
   >>> rec = validate_record({"user_id": "u1", "call_id": "c1", "query": "where is my passport?",
   ...                        "candidates": [{"id": "m1", "text": "passport in the drawer"}],
   ...                        "selected": ["m1"], "cited": ["m1"]})

@@ -13,6 +13,7 @@ chunks, i.e. lower indices) is placed before the new chunk in every merge.
 Example::
 
     >>> import numpy as np
+    >>> from rmm_jax.data.retrieval import top_k
     >>> bank = np.eye(4, dtype=np.float32)
     >>> q = np.array([[0.1, 0.9, 0.0, 0.5]], np.float32)
     >>> scores, idx = top_k(q, bank, 2)
@@ -145,6 +146,8 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     """``x`` with zero rows appended up to ``rows`` (a chunk of fixed shape, so that a
     compiled program runs on every chunk without compiling again).
 
+    >>> import numpy as np
+    >>> from rmm_jax.data.retrieval import pad_rows
     >>> pad_rows(np.ones((2, 3), np.float32), 4).tolist()
     [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     """

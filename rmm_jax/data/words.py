@@ -11,6 +11,7 @@ def count(n: int, noun: str) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1 (an s added; a final consonant + y
     becomes ies), so that a note reads "1 text embedded", not "1 texts".
 
+    >>> from rmm_jax.data.words import count
     >>> count(1, "text"), count(0, "text"), count(54, "text"), count(1, "query"), count(3, "turn memory")
     ('1 text', '0 texts', '54 texts', '1 query', '3 turn memories')
     """

@@ -18,6 +18,7 @@ def call_key(rec: LogRecord) -> str:
     ``call:<call_id>``, else ``query:<query_id>``, else ``text:<query>``. ``rec`` may be
     anything with ``call_id``, ``query_id`` and ``query_text`` (a ``rerank`` request too).
 
+    >>> from rmm_jax.data.citation_log import LogRecord, call_key
     >>> call_key(LogRecord("u1", "q7", ("m1",), ("m1",), ()))
     'query:q7'
     >>> call_key(LogRecord("u1", "q7", ("m1",), ("m1",), (), call_id="c9"))
@@ -52,6 +53,7 @@ def learned_content(rec: LogRecord) -> str:
     and the others say when and by whom it was served, so adding gold to an old log, or
     re-exporting its timestamps, is not a rewrite.
 
+    >>> from rmm_jax.data.citation_log import LogRecord, learned_content
     >>> learned_content(LogRecord("u1", "q7", ("m1", "m2"), ("m1",), ("m1",), gold=("m1",)))
     '{"candidates":["m1","m2"],"cited":["m1"],"query_id":"q7","selected":["m1"],"user_id":"u1"}'
     """

@@ -23,6 +23,7 @@ def misspelt_key(key: str, keys: Sequence[str] = LOG_KEYS) -> str | None:
     a short key (``glod`` to ``gold``: 0.75). So does a log key, or a misspelling of one, with
     a suffix of :data:`KEY_SUFFIXES` appended (``gold_ids`` to ``gold``: 0.67).
 
+    >>> from rmm_jax.data.citation_log import misspelt_key
     >>> misspelt_key("timestmap"), misspelt_key("log_porb"), misspelt_key("Cited"), misspelt_key("answer")
     ('timestamp', 'log_prob', 'cited', None)
     >>> misspelt_key("glod"), misspelt_key("Gold"), misspelt_key("lgoits")

@@ -13,6 +13,7 @@ def pl_tolerance(logits, m: int, log_prob: float) -> float:
     bound takes 4 times that, for other orders of the same sums. Where that is small (the
     logits of a policy at τ ≳ 1e-3), the floor max(1e-3, 1e-4·|log P|) decides, as always.
 
+    >>> from rmm_jax.data.citation_log import pl_tolerance
     >>> pl_tolerance([0.5, -1.0, 2.0], 2, -1.2)
     0.001
     >>> round(pl_tolerance([1.4e5, 1.3e5, 0.0], 2, -3.0), 3)       # rerank --explore --tau 1e-5
@@ -32,6 +33,8 @@ def pl_log_prob(logits, order) -> float:
     :func:`rmm_jax.core.sampling.selection_log_prob` with τ = 1, for validating records
     without tracing a JAX function per record shape.
 
+    >>> import math
+    >>> from rmm_jax.data.citation_log import pl_log_prob
     >>> round(pl_log_prob([0.0, math.log(2.0), 0.0], [1, 0]), 6) == round(math.log(0.25), 6)
     True
     """

@@ -32,6 +32,8 @@ def timestamp_seconds(value: str | int | float | None) -> float:
     8601 string (``2024-05-01``, ``2024-05-01T09:30:00+02:00``; without a zone, UTC) as
     seconds since the epoch; NaN when there is none or it is free text.
 
+    >>> import math
+    >>> from rmm_jax.data.citation_log import timestamp_seconds
     >>> timestamp_seconds("1970-01-02"), timestamp_seconds(5), math.isnan(timestamp_seconds("last Tuesday"))
     (86400.0, 5.0, True)
     """
@@ -54,6 +56,7 @@ def utc_timestamp(microseconds: int) -> str:
     :func:`timestamp_seconds` reads it back to the microsecond, and two such strings of one
     length compare as their times do.
 
+    >>> from rmm_jax.data.citation_log import timestamp_seconds, utc_timestamp
     >>> utc_timestamp(1_714_555_800_000_001)
     '2024-05-01T09:30:00.000001Z'
     >>> timestamp_seconds(utc_timestamp(86_400_000_000))

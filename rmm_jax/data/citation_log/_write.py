@@ -65,6 +65,7 @@ class LogWriter:
 
     Example::
 
+        >>> from rmm_jax.data.citation_log import LogWriter  # doctest: +SKIP
         >>> with LogWriter("log.jsonl") as log:          # doctest: +SKIP
         ...     for chunk in chunks:
         ...         log.write(chunk)

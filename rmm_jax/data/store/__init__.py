@@ -23,6 +23,7 @@ reranking and the metrics work on.
 
 Example::
 
+    >>> from rmm_jax.data.store import open_store                                           # doctest: +SKIP
     >>> store = open_store("store", expect_model="sentence-transformers/all-MiniLM-L6-v2")  # doctest: +SKIP
     >>> u = store.user(store.user_ids[0])                      # doctest: +SKIP
     >>> u.memory_emb.shape, u.gold.shape                       # doctest: +SKIP
