@@ -26,6 +26,7 @@ That is the rate the learner meets when it is measured against the same gold.
 
 Examples:
   >>> import numpy as np
+  >>> from rmm_jax.online.cite_rates import CallCounts, cite_rates
   >>> c = CallCounts(users=np.array([0, 0, 1]), user_ids=["a", "b"], calls=4,
   ...                gold_shown=np.array([1, 2, 0]), gold_cited=np.array([1, 1, 0]),
   ...                other_shown=np.array([2, 1, 0]), other_cited=np.array([0, 1, 0]),

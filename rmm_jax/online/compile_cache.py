@@ -28,6 +28,7 @@ Like any JAX compilation cache it is trusted code: do not point it at a director
 can write. Deleting it is always safe (the next run compiles again).
 
 Examples:
+  >>> from rmm_jax.online.compile_cache import default_dir, wanted
   >>> env = {"XDG_CACHE_HOME": "/tmp/xdg"}
   >>> str(default_dir(env))
   '/tmp/xdg/rmm-jax/jax'

@@ -127,6 +127,7 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
       to checkpoint):
 
       >>> import jax, rmm_jax as rj
+      >>> from rmm_jax import ChunkDone, drive
       >>> from rmm_jax.data.citations import oracle
       >>> from rmm_jax.online.vectors import VectorSpec, vector_users
       >>> streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=[0, 1, 2])

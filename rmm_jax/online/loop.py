@@ -103,6 +103,7 @@ def segment_plan(n_batches: int, segment_batches: int | None) -> tuple[int, int]
     Segments hold at most ``segment_batches`` batches and are equal but for a shorter last
     one (None/0: one segment of the whole stream).
 
+    >>> from rmm_jax.online.loop import segment_plan
     >>> segment_plan(10, 4), segment_plan(10, 16)    # segments of 4, 4 and 2 batches; one of 10
     ((4, 3), (10, 1))
     """
@@ -116,6 +117,7 @@ def users_per_group(n_users: int, bytes_per_user: int, cache_bytes: int = GROUP_
     """The largest divisor G of ``n_users`` whose G users' states (and a gradient's worth
     more) fit in ``cache_bytes``; at least 1.
 
+    >>> from rmm_jax.online.loop import users_per_group
     >>> users_per_group(100, 4_718_592)     # d = 384, Adam: params, μ, ν and a gradient, 4.7 MB a user
     5
     """
@@ -133,6 +135,7 @@ def shown_recall(selected, gold, num_gold):
 
     Examples:
       >>> import jax.numpy as jnp
+      >>> from rmm_jax.online.loop import shown_recall
       >>> sel = jnp.array([[2, 0, -1], [1, 3, 0]])
       >>> gold = jnp.array([[True, False, True, False], [False, False, False, True]])
       >>> [round(r, 6) for r in shown_recall(sel, gold, jnp.array([3, 1])).tolist()]   # 2 of 3 gold; 1 of 1
@@ -153,6 +156,7 @@ def cited_counts(top, selected, cited, present, m: int) -> dict:
     positions shown, −1 unfilled; ``cited`` (B, M') bool per shown slot; ``present`` (B,).
 
     >>> import jax.numpy as jnp
+    >>> from rmm_jax.online.loop import cited_counts
     >>> c = cited_counts(jnp.array([[3, 0]]), jnp.array([[0, 2, 3]]), jnp.array([[True, False, True]]),
     ...                  jnp.array([True]), m=2)
     >>> {k: int(v[0]) for k, v in sorted(c.items())}    # cited: positions 0 and 3; top-2 {3, 0}; retriever {0, 1}

@@ -103,6 +103,7 @@ def labelled_queries(streams) -> dict:
     Examples:
         >>> import numpy as np
         >>> from rmm_jax.online.streams import Stream
+        >>> from rmm_jax.online.pretrain import labelled_queries
         >>> def stream(u, bank, cand, gold):
         ...     n = len(cand)
         ...     return Stream(u, bank=np.asarray(bank, np.float32), queries=np.ones((n, 2), np.float32),

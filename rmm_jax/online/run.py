@@ -64,6 +64,7 @@ class Recorder:
       ``feed`` counts the users each event finished (0 for a segment):
 
       >>> import jax, rmm_jax as rj
+      >>> from rmm_jax import Recorder
       >>> from rmm_jax.data.citations import oracle
       >>> from rmm_jax.online.driver import drive
       >>> from rmm_jax.online.vectors import VectorSpec, vector_users

@@ -24,6 +24,7 @@ propensities) from day one, and replaying that log from the identity policy is o
 
 Examples:
   >>> import numpy as np, jax, rmm_jax as rj                                       # doctest: +SKIP
+  >>> from rmm_jax.online.serve import Reranker                                    # doctest: +SKIP
   >>> rr = Reranker.open("policies")                                               # doctest: +SKIP
   >>> got = rr.rank("user7", q, cands, m=5)         # q (d,) or (n, d); cands (K, d) or (n, K, d)   # doctest: +SKIP
   >>> got.selected, got.scores                       # (n, 5) positions in cands, best first; (n, K)  # doctest: +SKIP
@@ -83,6 +84,7 @@ def call_keys(seed: int, user_id: str, calls: Sequence[str]):
     ``rerank`` per 200 calls).
 
     >>> import jax
+    >>> from rmm_jax.online.serve import call_keys
     >>> k = call_keys(0, "u1", ["call:c1", "call:c2"])
     >>> k.shape, bool((jax.random.key_data(k[0]) == jax.random.key_data(call_keys(0, "u1", ["call:c1"])[0])).all())
     ((2,), True)
@@ -366,6 +368,8 @@ class Reranker:
         ``keys``: one PRNG key per query (n,), e.g. :func:`call_keys` of the calls; a
         query's draw depends on its key, scores and candidate count only.
 
+        >>> import jax, numpy as np
+        >>> from rmm_jax.online.serve import Reranker
         >>> rr = Reranker(None, dim=2)                       # no policy yet: the identity reranker
         >>> q, c = np.array([1.0, 0.0]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
         >>> got = rr.sample("u1", q, c, 2, keys=jax.random.split(jax.random.key(0), 1), tau=1.0)

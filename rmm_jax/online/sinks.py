@@ -57,6 +57,7 @@ def add_range(ranges: list, new: tuple[int, int]) -> list[list[int]]:
     """``ranges`` (sorted, disjoint ``[start, end)``) with ``new`` added, touching ones merged.
 
     Examples:
+      >>> from rmm_jax.online.sinks import add_range
       >>> add_range([[0, 12]], (12, 21))
       [[0, 21]]
       >>> add_range([[0, 4], [10, 12]], (6, 8))
@@ -75,6 +76,7 @@ def overlap(ranges: list, new: tuple[int, int]) -> int:
     """How many positions of ``new`` (``[start, end)``) lie in ``ranges``.
 
     Examples:
+      >>> from rmm_jax.online.sinks import overlap
       >>> overlap([[0, 12]], (8, 20)), overlap([[0, 12]], (12, 20))
       (4, 0)
     """

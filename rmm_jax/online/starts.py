@@ -25,6 +25,7 @@ refuses a run that would learn one of them again.
 Examples:
   >>> import numpy as np
   >>> from rmm_jax.online.driver import Chunk
+  >>> from rmm_jax.online.starts import from_store
   >>> class Empty:                                  # a store that holds nobody
   ...     def load_batch(self, ids, before=None):
   ...         from rmm_jax.persist.policy_store import SavedBatch
@@ -133,6 +134,7 @@ def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | Non
     again. Returns how many questions the run learns again (0 unless ``relearn``).
 
     Examples:
+      >>> from rmm_jax.online.starts import check_simulated
       >>> class Store:                                # user a learned its questions 0-11 before
       ...     def listing(self, ids):
       ...         return [("a", [], {"simulated_queries": [[0, 12]]})]

@@ -77,6 +77,7 @@ def check_resamples(n: int, where: str = "bootstrap") -> None:
     ``--bootstrap``), too few bootstrap resamples for a 95% interval, or more than
     :data:`MAX_RESAMPLES`.
 
+    >>> from rmm_jax.online.stats import check_resamples
     >>> check_resamples(2000)
     >>> check_resamples(10**11)
     Traceback (most recent call last):

@@ -38,6 +38,7 @@ silent skip). When several window slots hold one identity (``--relearn``), the n
 
 Examples:
   >>> import numpy as np
+  >>> from rmm_jax.persist.learned_calls import Calls, add, classify, empty, hash64
   >>> calls = Calls(np.array([hash64("call:a"), hash64("call:b")]), np.array([hash64("x"), hash64("y")]),
   ...               np.array([1.0, 2.0]))
   >>> seen = add(empty(window=4), calls)

@@ -34,6 +34,7 @@ Examples:
   >>> import tempfile, numpy as np
   >>> from pathlib import Path
   >>> from rmm_jax.persist.codec import encode_tree
+  >>> from rmm_jax.persist.policy_rows import read_meta, read_rows, split_rows, write_rows
   >>> spec, leaves = encode_tree({"w": np.arange(6.0).reshape(3, 2), "n": np.arange(3)}, batch=3)
   >>> d = Path(tempfile.mkdtemp()) / "c0000"
   >>> write_rows(d, {"users": ["a", "b", "c"]}, {"params": spec}, {"params": leaves}, 3)

@@ -52,6 +52,7 @@ def dialogue_stream(user, pairs: np.ndarray, k: int) -> Stream:
 
     >>> import numpy as np
     >>> from rmm_jax.data.store import UserData
+    >>> from rmm_jax.online.streams import dialogue_stream
     >>> bank = np.eye(4, dtype=np.float32); bank[1, 0] = bank[2, 3] = 0.5    # 0 and 1 near, 2 and 3 near
     >>> u = UserData("u", bank, np.zeros((0, 4), np.float32), np.zeros((0, 4), bool), ("a", "b", "c", "d"),
     ...              (), (), np.zeros(0, bool))

@@ -94,6 +94,7 @@ def user_keys(seed: int, user_ids: Sequence[str]):
     chunk's keys would otherwise cost two dispatches per user).
 
     >>> import jax
+    >>> from rmm_jax.online.streams import user_key, user_keys
     >>> k = user_keys(3, ["a", "b"])
     >>> bool((jax.random.key_data(k[1]) == jax.random.key_data(user_key(3, "b"))).all())
     True
@@ -179,6 +180,7 @@ def take_queries(stream: Stream, which) -> Stream:
     stopped, and a replay leaves out the calls a policy has learned already.
 
     >>> import numpy as np
+    >>> from rmm_jax.online.streams import Stream, repeat_passes, take_queries
     >>> s = Stream("u", np.zeros((3, 1), np.float32), np.zeros((3, 1), np.float32), np.zeros((3, 1), np.int32),
     ...            np.ones((3, 1), bool), np.ones((3, 1), bool), np.ones(3, np.int32), np.ones(3, bool),
     ...            query_ids=("a", "b", "c"))
@@ -205,6 +207,7 @@ def repeat_passes(stream: Stream, passes: int) -> Stream:
     queries' citations), so ``valid`` is False on the copies.
 
     >>> import numpy as np
+    >>> from rmm_jax.online.streams import Stream, repeat_passes
     >>> s = Stream("u", np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.int32),
     ...            np.ones((2, 1), bool), np.ones((2, 1), bool), np.ones(2, np.int32), np.array([True, False]),
     ...            query_ids=("a", "b"))
