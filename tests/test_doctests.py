@@ -1,4 +1,8 @@
-"""Every example in the docstrings of rmm_jax runs and prints what it claims.
+"""Every example in the docstrings of rmm_jax runs and prints what it claims, as a reader copies it.
+
+Each docstring's examples run with clean globals (builtins and what the example itself
+imports), as in a script: an example that uses a name of its own module without importing
+it fails here, as it would for a user (doctest's default runs them in the module's namespace).
 
 One test per module of the package (found on disk, so a new module is covered without
 editing this file). The exported functions of rmm_jax.core, and the loop's entry points,
@@ -33,6 +37,14 @@ DOCUMENTED = {
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
+def run_examples(module):
+    """Run every docstring example of `module` as a script would: no names but its own imports."""
+    runner = doctest.DocTestRunner(optionflags=FLAGS, verbose=False)
+    for test in doctest.DocTestFinder().find(module, globs={"__name__": "__main__"}):  # each gets a copy
+        runner.run(test)
+    return runner.summarize(verbose=False)
+
+
 def test_every_documented_module_is_collected():
     assert set(DOCUMENTED) <= set(MODULES), sorted(set(DOCUMENTED) - set(MODULES))
 
@@ -40,7 +52,7 @@ def test_every_documented_module_is_collected():
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
-    result = doctest.testmod(module, optionflags=FLAGS, verbose=False, report=True)
+    result = run_examples(module)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name} (output above)"
     if name in DOCUMENTED:
         assert result.attempted > 0, f"{name} has no runnable example"
