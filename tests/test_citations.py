@@ -684,11 +684,3 @@ def test_format_prompt_validation():
         format_prompt("q", "abc")
     with pytest.raises(InputError, match="argument 'memories'"):
         format_prompt("q", ["a", None])
-
-
-def test_docstring_examples_run():
-    import doctest
-
-    import rmm_jax.data.citations as mod
-    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
