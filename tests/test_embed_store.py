@@ -475,3 +475,55 @@ def test_a_cache_of_another_dimension_names_what_the_caller_can_change(tmp_path,
     monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path))
     with pytest.raises(InputError, match=r"says 8; use another \$RMM_JAX_CACHE$"):
         E.embed_texts(["a text no cache holds"], "all-MiniLM-L6-v2")
+
+
+def test_write_store_refuses_a_directory_that_is_not_an_embedding_store(tmp_path):
+    """write_store(path, ...) replaced whatever directory was at ``path``: someone's files, or
+    a policy store, were deleted without a word (only `embed --out` refused them). It refuses
+    them itself now, naming ``path``, and leaves them as they were; an embedding store is
+    still replaced, and an empty directory filled."""
+    import jax
+    from conftest import make_fake_store
+
+    from rmm_jax.core.reranker import init_reranker
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("keep me")
+    pol = tmp_path / "pol"
+    PolicyStore.create(pol, {"kind": "linear", "dim": 8, "hidden": None, "config": {}},
+                       init_reranker(jax.random.key(0), 8))
+    make_fake_store(tmp_path / "st", users=2, sessions=2)
+    pol_before = sorted((p.relative_to(pol), p.read_bytes()) for p in pol.rglob("*") if p.is_file())
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me too")
+    for path in (notes, pol, a_file):
+        with pytest.raises(InputError, match=rf"^path {path}: .*(not an embedding store|not a directory); "
+                                             "choose a new store path$"):
+            write_store(path, tiny_dataset(), "turn", FakeEmbedder())
+    assert [p.name for p in notes.iterdir()] == ["notes.txt"] and (notes / "notes.txt").read_text() == "keep me"
+    assert sorted((p.relative_to(pol), p.read_bytes()) for p in pol.rglob("*") if p.is_file()) == pol_before
+    assert a_file.read_text() == "keep me too"
+    st = tmp_path / "st"
+    write_store(st, Dataset("one", tiny_dataset().users[:1]), "session", FakeEmbedder())   # a store: replaced
+    assert list(open_store(st).user_ids) == ["alice"] and open_store(st).granularity == "session"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_store(empty, tiny_dataset(), "turn", FakeEmbedder())
+    assert list(open_store(empty).user_ids) == ["alice", "bob"]
+
+
+def test_write_store_refuses_thresholds_at_a_granularity_that_ignores_them(tmp_path):
+    """write_store(..., "turn", segment_threshold=0.5) built turn memories and ignored the
+    threshold (`embed` refused --segment-threshold without --granularity segment): refused by
+    name now, before any work."""
+    for gran in ("turn", "session"):
+        for name in ("segment_threshold", "merge_threshold"):
+            with pytest.raises(InputError, match=rf"^{name}: only granularity=segment reads it; this store "
+                                                 rf"builds {gran} memories$"):
+                write_store(tmp_path / "x", tiny_dataset(), gran, FakeEmbedder(), **{name: 0.5})
+    assert not (tmp_path / "x").exists()
+    with worded({"granularity": "--granularity"}):
+        with pytest.raises(InputError, match="only --granularity segment reads it"):
+            write_store(tmp_path / "x", tiny_dataset(), "turn", FakeEmbedder(), segment_threshold=0.5)

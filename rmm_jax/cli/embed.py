@@ -32,6 +32,7 @@ from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
 from rmm_jax.data.store import (
     append_store,
     check_model,
+    check_store_path,
     is_store,
     open_store,
     store_counts,
@@ -135,7 +136,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     if into is not None:
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
                        answers, say, as_json)
-    _check_out(out)
+    with as_options(path="out"):        # before any work; write_store checks it again
+        check_store_path(out)
     _check_replaceable(out, f"--out {out}")
     was = store_counts(out) if is_store(out) else None      # said once the new store is in its place
     t0 = time.perf_counter()
@@ -165,15 +167,16 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
             + ("its answer embedding is of the question alone" if n == 1 else
                "their answer embeddings are of the questions alone"))
     t1 = time.perf_counter()
-    with as_options("model", "granularity", "segment_threshold", "merge_threshold", "cache_dir", **MODEL):
+    with as_options("model", "granularity", "segment_threshold", "merge_threshold", "cache_dir", path="out", **MODEL):
         embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
                             use_cache=not no_cache)
         say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
             f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
         try:
+            thresholds = ({"segment_threshold": segment_threshold, "merge_threshold": merge_threshold}
+                          if granularity == "segment" else {})     # only segment reads them (else refused)
             manifest = write_store(out, dataset, granularity, embedder, spec=spec, log=say, answers=answers,
-                                   segment_threshold=segment_threshold,
-                                   merge_threshold=merge_threshold)
+                                   **thresholds)
         finally:
             embedder.close()
     total = time.perf_counter() - t0
@@ -235,20 +238,6 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
                    f"({count(a['memories'], 'memory')}), +{count(a['queries'], 'question')}; skipped "
                    f"{count(a['sessions_repeated'], 'session')} and {count(a['queries_repeated'], 'question')} "
                    "already in the store")
-
-
-def _check_out(out) -> None:
-    """``--out`` is replaced whole, its old content deleted: refuse, before any work, a non-empty
-    directory that is not an embedding store (a policy store, someone's files), as ``pretrain
-    --out`` does. Re-embedding into a store replaces it, as before."""
-    o = Path(out)
-    try:
-        occupied = o.is_dir() and any(o.iterdir())
-    except OSError as e:
-        raise InputError(f"cannot read: {e.strerror or e}", where=f"--out {out}") from None
-    if occupied and not is_store(o):
-        raise InputError("already exists and is not empty, and is not an embedding store; choose a new store path",
-                         where=f"--out {out}")
 
 
 def _check_replaceable(path, where: str) -> None:

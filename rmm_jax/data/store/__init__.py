@@ -70,8 +70,8 @@ from rmm_jax.data.granularity import GRANULARITIES
 from rmm_jax.data.store._append import APPENDABLE, append_store, check_model
 from rmm_jax.data.store._format import FORMAT, VERSION
 from rmm_jax.data.store._read import EmbeddingStore, UserData, is_store, open_store, read_rows, store_counts
-from rmm_jax.data.store._write import answer_texts, store_writer, unanswered, write_store
+from rmm_jax.data.store._write import answer_texts, check_store_path, store_writer, unanswered, write_store
 
 __all__ = ["FORMAT", "VERSION", "GRANULARITIES", "write_store", "open_store", "EmbeddingStore", "UserData",
            "append_store", "APPENDABLE", "check_model", "is_store", "read_rows", "store_writer", "answer_texts",
-           "unanswered", "store_counts"]
+           "unanswered", "store_counts", "check_store_path"]

@@ -14,9 +14,10 @@ import numpy as np
 
 from rmm_jax.data.granularity import GRANULARITIES, build_memories
 from rmm_jax.data.store._format import FORMAT, VERSION
+from rmm_jax.data.store._read import is_store
 from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.data.words import count
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, named
 from rmm_jax.persist.atomic import atomic_dir, fsync_files, leftovers, make_dirs
 from rmm_jax.persist.lock import WriterLock
 
@@ -38,6 +39,33 @@ def _check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise InputError(f"unknown granularity {granularity!r}; choose one of "
                          f"{', '.join(GRANULARITIES)}", arg="granularity")
+
+
+def check_store_path(path) -> None:
+    """``path`` is replaced whole by :func:`write_store`, its old content deleted: refuse, before
+    any work, anything there but an embedding store or an empty directory (a policy store,
+    someone's files, a file), naming ``path`` (the CLI's ``--out``: :func:`rmm_jax.cli.shell.as_options`).
+    Re-embedding into a store replaces it."""
+    p = Path(path)
+    try:
+        if p.exists() and not p.is_dir():
+            raise InputError("exists and is not a directory; choose a new store path", arg=f"path {path}")
+        occupied = p.is_dir() and any(p.iterdir())
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror or e}", arg=f"path {path}") from None
+    if occupied and not is_store(p):
+        raise InputError("already exists and is not empty, and is not an embedding store; choose a new store path",
+                         arg=f"path {path}")
+
+
+def _check_granularity_kwargs(granularity: str, granularity_kwargs: dict) -> None:
+    """The thresholds (and any other option of :func:`~rmm_jax.data.granularity.build_memories`)
+    shape segments only: given at another granularity, where nothing reads them, they are
+    refused by name instead of ignored."""
+    if granularity != "segment" and granularity_kwargs:
+        name = next(iter(granularity_kwargs))
+        raise InputError(f"only {named('granularity', 'segment')} reads it; this store builds {granularity} memories",
+                         arg=name)
 
 
 def _check_user_ids(dataset: Dataset, where: str) -> None:
@@ -227,7 +255,8 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     """Build memories at ``granularity``, embed memories and queries, write the store.
 
     Args:
-      path: output directory (replaced atomically if it exists).
+      path: output directory (replaced atomically if it exists): a new path, an empty
+        directory or an embedding store; anything else there is refused (:func:`check_store_path`).
       dataset: a :class:`~rmm_jax.data.types.Dataset`.
       granularity: one of :data:`~rmm_jax.data.granularity.GRANULARITIES`.
       embedder: an :class:`rmm_jax.data.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
@@ -237,12 +266,14 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
         into ``answers.npy``, for the ``answer`` citation model.
       granularity_kwargs: passed to
         :func:`~rmm_jax.data.granularity.build_memories` (``segment_threshold``,
-        ``merge_threshold``).
+        ``merge_threshold``); only granularity ``segment`` takes them.
 
     Returns:
       The manifest written.
     """
     _check_granularity(granularity)
+    _check_granularity_kwargs(granularity, granularity_kwargs)
+    check_store_path(path)
     say = log or (lambda msg: None)
     where = spec or "dataset"
     t0 = time.perf_counter()
