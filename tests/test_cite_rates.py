@@ -193,3 +193,25 @@ def test_from_python_a_user_with_no_record_names_the_argument(logged):
     with pytest.raises(InputError, match=r"^users: user 'zed' has no record in "):
         scan_log(log, Layout(k=10, m=4), users=["user0", "zed"])
     assert scan_log(log, Layout(k=10, m=4), users=["user0"])["user_ids"] == ["user0"]
+
+
+def test_users_empty_or_repeated_is_refused_by_name(logged):
+    """count_calls(st, log, users=[]) counted every user's calls and scan_log(..., users=[])
+    replayed every user, while a repeated id (users=["user0", "user0"]) was taken silently;
+    load_streams counted such a user twice. Both are refused by name, as every reader of users
+    refuses them (check_user_list)."""
+    from rmm_jax.core.config import Layout
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.cite_rates import count_calls
+    from rmm_jax.online.streams import scan_log
+
+    root, store = logged
+    log = root / "sim.jsonl"
+    st = open_store(store)
+    for users, msg in (([], "is empty; give None for every user"),
+                       (["user0", "user0"], "user id 'user0' is given twice"),
+                       ("user0", r"expected a list of user ids \(str\), got str 'user0'")):
+        with pytest.raises(InputError, match=rf"^users: {msg}"):
+            count_calls(st, log, users=users)
+        with pytest.raises(InputError, match=rf"^users: {msg}"):
+            scan_log(log, Layout(k=10, m=4), users=users)

@@ -82,3 +82,29 @@ def test_from_python_an_unknown_user_or_a_val_fraction_names_the_argument(store)
     for call in (lambda: split_users(list(st.user_ids), 0.9), lambda: split_streams(load_streams(st, 4), 0.9)):
         with pytest.raises(InputError, match=r"^val_fraction: 0\.9 of 4 users holds out all 4 for validation"):
             call()
+
+
+def test_from_python_users_must_be_a_list_of_distinct_ids_and_store_an_opened_store(store):
+    """load_streams(st, k, users="user0") read the str letter by letter ("unknown user id 'u'"),
+    users=[] gave every user, users=["user0", "user0"] ran user0 twice (its questions counted
+    twice), and load_streams("st", k) was an AttributeError. Each is refused by name, as
+    evaluate_log and count_calls refuse them (check_log_inputs), by every reader of a store's
+    streams (check_users)."""
+    from rmm_jax.data.store import open_store
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.streams import check_users, load_dialogue_streams, load_streams, store_chunks
+
+    st = open_store(store)
+    readers = (lambda s, u: check_users(s, u), lambda s, u: load_streams(s, 4, u),
+               lambda s, u: load_dialogue_streams(s, 4, u), lambda s, u: store_chunks(s, 4, u, 2))
+    for read in readers:
+        with pytest.raises(InputError, match=r"^users: expected a list of user ids \(str\), got str 'user0'$"):
+            read(st, "user0")
+        with pytest.raises(InputError, match=r"^users: is empty; give None for every user, or at least one user id$"):
+            read(st, [])
+        with pytest.raises(InputError, match=r"^users: user id 'user0' is given twice$"):
+            read(st, ["user0", "user1", "user0"])
+        with pytest.raises(InputError, match=r"^store: expected an embedding store, open_store\(path\), got str "):
+            read(str(store), None)
+    assert [s.user_id for s in load_streams(st, 4, ("user1", "user0"))] == ["user1", "user0"]
+    assert len(load_streams(st, 4)) == 4

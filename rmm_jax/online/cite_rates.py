@@ -99,15 +99,30 @@ def counts_of(users: Sequence[int], rows: Sequence[tuple[int, ...]], user_ids: l
     return CallCounts(np.asarray(users, np.int64).reshape(-1), user_ids, calls, *cols)
 
 
+def check_user_list(users) -> None:
+    """``users`` is None (every user) or a list of distinct str ids, refused by name otherwise:
+    a str was read letter by letter, an empty list meant every user, and a repeated id ran
+    (and counted) its user twice."""
+    if users is None:
+        return
+    if isinstance(users, str) or not all(isinstance(u, str) for u in users):
+        raise InputError(f"expected a list of user ids (str), got {short(users)}", arg="users")
+    if not len(users):
+        raise InputError("is empty; give None for every user, or at least one user id", arg="users")
+    seen: set[str] = set()
+    twice = next((u for u in users if u in seen or seen.add(u)), None)
+    if twice is not None:
+        raise InputError(f"user id {twice!r} is given twice", arg="users")
+
+
 def check_log_inputs(store, users) -> None:
     """What a reader of a citation log against ``store`` takes (:func:`count_calls`,
-    :func:`rmm_jax.online.ope.load_calls`), refused by name: an embedding store (a path was an
-    AttributeError, 'str' object has no attribute 'user_ids') and ``users`` None or a list of
-    str (a str was read letter by letter)."""
+    :func:`rmm_jax.online.ope.load_calls`), and the streams of a store
+    (:func:`rmm_jax.online.streams.check_users`), refused by name: an embedding store (a path was an
+    AttributeError, 'str' object has no attribute 'user_ids') and ``users`` (:func:`check_user_list`)."""
     if not isinstance(store, EmbeddingStore):
         raise InputError(f"expected an embedding store, open_store(path), got {short(store)}", where="store")
-    if users is not None and (isinstance(users, str) or not all(isinstance(u, str) for u in users)):
-        raise InputError(f"expected a list of user ids (str), got {short(users)}", arg="users")
+    check_user_list(users)
 
 
 def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_invalid: bool = False,

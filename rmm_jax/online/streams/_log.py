@@ -22,6 +22,7 @@ from rmm_jax.data.citation_log import (
 )
 from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
 from rmm_jax.errors import InputError, named
+from rmm_jax.online.cite_rates import check_user_list
 from rmm_jax.online.streams._stream import Stream
 from rmm_jax.persist.learned_calls import WINDOW
 
@@ -117,6 +118,7 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     (:data:`rmm_jax.persist.learned_calls.WINDOW`), whose earlier calls a later replay of
     the same log cannot recognise; and ``"replayed"``, how many valid records the replayed
     users have."""
+    check_user_list(users)
     report: dict = {}
     seen: set[str] = set()
     texts: dict[str, None] = {}
@@ -166,6 +168,7 @@ def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped
     ``grouped`` (see :func:`scan_log`): each user's records are on consecutive lines, so
     the log is streamed and memory holds one chunk; otherwise it is read whole (sort it
     by user_id to stream it). ``vectors``: the embeddings of the texts the store lacks."""
+    check_user_list(users)
     keep = (lambda u: True) if not users else frozenset(users).__contains__
     if grouped:
         chunk: list[Stream] = []

@@ -13,6 +13,7 @@ from rmm_jax.data.citations import answer_support
 from rmm_jax.data.dialogue import dialogue_pairs
 from rmm_jax.data.retrieval import retrieve_candidates, top_k
 from rmm_jax.errors import InputError, named, option_of
+from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.streams._stream import Stream, take_queries
 
 
@@ -28,8 +29,11 @@ def stream_from_user(user, k: int) -> Stream:
 
 
 def check_users(store, users: Sequence[str] | None) -> list[str]:
-    """The requested user ids (all of the store's by default); an unknown one is an error."""
-    ids = list(store.user_ids) if not users else list(users)
+    """The requested user ids (all of the store's when None); an unknown one is an error, and
+    so are a path for ``store``, a str, an empty list and a repeated id for ``users``
+    (:func:`rmm_jax.online.cite_rates.check_log_inputs`)."""
+    check_log_inputs(store, users)
+    ids = list(store.user_ids) if users is None else list(users)
     known = set(store.user_ids)
     unknown = [u for u in ids if u not in known]
     if unknown:
@@ -78,12 +82,13 @@ def load_dialogue_streams(store, k: int, users: Sequence[str] | None = None) -> 
     """:func:`dialogue_stream` of every user of an embedding store (all by default) whose
     memories hold a dialogue pair; a store that is not of single turns, or holds no pair, is
     refused in one line."""
+    ids = check_users(store, users)
     if store.granularity not in (None, "turn"):
         raise InputError(f"dialogue labels need a store of single turns, not {store.granularity!r} memories: "
                          "a segment or session holds the question with its answer (embed again with "
                          "--granularity turn)", where=str(store.path))
     out = []
-    for u in check_users(store, users):
+    for u in ids:
         pairs = dialogue_pairs(store.memory_rows(u))
         if len(pairs):
             out.append(dialogue_stream(store.user(u), pairs, k))
