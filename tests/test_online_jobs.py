@@ -491,3 +491,22 @@ def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chun
     chunks = starts.from_store([[SimpleNamespace(user_id="u", calls=object())]], Saved())
     with pytest.raises(InputError, match=r"^--log: user 'u': a call learned already has other content"):
         list(_as_options(chunks, chunks="log"))
+
+
+def test_streams_from_log_names_what_the_store_lacks_in_one_line(store):
+    """streams_from_log(store, records, layout) over records of users the store lacks (read
+    without it: read_log(path)) raised a bare KeyError: 'None', where evaluate_log says
+    "log.jsonl:1: key 'user_id': unknown user id 'user0' (...)". It words it so too, at the
+    record; a text that ``vectors`` holds no embedding of is named likewise."""
+    bare = validate_record({"user_id": "zed", "query_id": "q1", "candidates": ["m1", "m2"], "selected": ["m1"],
+                            "cited": []})
+    texts = validate_record({"user_id": "zed", "query": "where?", "candidates": [{"id": "m1", "text": "here"}],
+                             "selected": ["m1"], "cited": []})
+    with pytest.raises(InputError, match=r"^calls\.jsonl: record 2: key 'user_id': unknown user id 'zed' \(a user "
+                                         r"the store lacks needs the 'query' text and every candidate's text\)$"):
+        streams_from_log(store, [texts, bare], CFG, "calls.jsonl")
+    with pytest.raises(InputError, match=r"^vectors: holds no embedding of the text 'here' \(embed "):
+        streams_from_log(store, [texts], CFG)
+    vec = np.ones(store.dim, np.float32) / np.sqrt(store.dim)
+    (s,) = streams_from_log(store, [texts], CFG, vectors={"where?": vec, "here": vec})
+    assert s.user_id == "zed" and s.memory_ids == ("m1",)

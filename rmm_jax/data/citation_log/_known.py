@@ -60,3 +60,10 @@ def _check_known(rec: LogRecord, lookup: Callable[[str], Any], where: str) -> No
         if mid not in memory_ids and mid not in rec.candidates:
             raise InputError(f"unknown memory id {mid!r} for user {rec.user_id!r} (neither in the store nor a "
                              "candidate of the record)", where=_key_where(where, "gold"))
+
+
+def check_known(rec: LogRecord, known: Known, where: str) -> None:
+    """One record against ``known`` (as :func:`rmm_jax.data.citation_log.iter_log` takes it),
+    for records that were read without it: what the store lacks the record must carry as
+    text (:func:`_check_known`), an ``InputError`` at ``where`` naming the key and the id."""
+    _check_known(rec, _known_lookup(known), where)

@@ -15,12 +15,13 @@ from rmm_jax.data.citation_log import (
     call_hash,
     call_hashes,
     call_key,
+    check_known,
     iter_numbered,
     iter_user_chunks,
     read_log,
     timestamp_seconds,
 )
-from rmm_jax.data.log_vectors import resolve_calls, unseen_texts
+from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.errors import InputError, named
 from rmm_jax.online.cite_rates import check_user_list
 from rmm_jax.online.streams._stream import Stream
@@ -81,20 +82,41 @@ def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_pa
     candidates, selections and citations, resolved against the store
     (:func:`rmm_jax.data.log_vectors.resolve_calls`: what the store lacks comes from
     ``vectors``, the embeddings of the log's unseen texts, :func:`scan_log`); each record
-    within :func:`check_limits`."""
+    within :func:`check_limits`. Records read without the store (``read_log(path)``, no
+    ``known=``) that name what the store lacks without carrying its text, or texts that
+    ``vectors`` lacks, are refused in one line (:func:`_unresolved`)."""
     by_user: dict[str, list] = {}
     for rec in records:
         check_limits(rec, layout, log_path)
         by_user.setdefault(rec.user_id, []).append(rec)
     streams = []
     for uid, recs in by_user.items():
-        c = resolve_calls(store, uid, recs, vectors or {}, layout.k, layout.m)
+        try:
+            c = resolve_calls(store, uid, recs, vectors or {}, layout.k, layout.m)
+        except KeyError as e:           # an id the store lacks, or a text without a vector: say which
+            raise _unresolved(store, records, log_path, e) from None
         streams.append(Stream(
             user_id=uid, bank=c.bank, queries=c.queries, cand=c.cand, cand_mask=c.cand_mask, cand_gold=c.cand_gold,
             num_gold=c.num_gold, valid=c.valid, memory_ids=c.memory_ids, query_ids=c.call_keys,
             selected=c.selected, cited=c.cited, logged_log_prob=c.log_prob.astype(np.float32),
             has_logged=c.has_log_prob, calls=call_hashes(recs)))
     return streams
+
+
+def _unresolved(store, records: Sequence[LogRecord], log_path, e: KeyError) -> Exception:
+    """What :func:`streams_from_log` could not resolve (``e``, from
+    :func:`~rmm_jax.data.log_vectors.resolve_calls`), as one line: the first record naming a
+    user, query or memory the store lacks without its text, as a log read against the store
+    words it (:func:`~rmm_jax.data.citation_log.check_known`, at ``log_path: record N``),
+    else the text that ``vectors`` holds no embedding of; else ``e`` itself."""
+    known = known_ids(store)
+    for i, rec in enumerate(records):
+        check_known(rec, known, f"{log_path}: record {i + 1}")
+    text = e.args[0] if e.args else None
+    if isinstance(text, str):
+        return InputError(f"holds no embedding of the text {text[:60]!r} (embed the texts the store lacks, "
+                          "scan_log(...)['texts'])", arg="vectors")
+    return e
 
 
 def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False,
