@@ -624,6 +624,37 @@ def test_write_log_validates_and_is_atomic(tmp_path):
     assert read_log(path)[0] == [good[0]]
 
 
+def test_write_log_refuses_no_records_one_record_or_a_directory_and_writes_nothing(tmp_path):
+    """write_log("w.jsonl", []) wrote an empty file that read_log refuses ("no records"),
+    though a written log reads back; write_log(path, record) with one LogRecord was
+    "'LogRecord' object is not iterable", with one dict "record 0: expected a LogRecord, got
+    str"; a directory for path was an IsADirectoryError from the rename; LogWriter.write(dict)
+    read its keys. Each is one line naming the argument, and nothing is written."""
+    path = tmp_path / "w.jsonl"
+    with pytest.raises(InputError, match=r"^records: holds no record; a log needs at least one"):
+        write_log(path, [])
+    with pytest.raises(InputError, match=r"^records: holds no record"):
+        write_log(path, iter(()))
+    for one, kind in ((validate_record(BASE), "LogRecord"), (dict(BASE), "dict")):
+        with pytest.raises(InputError, match=rf"^records: expected a list of records, got one {kind}; pass a list "
+                                             r"of records \(\[record\] for one\)$"):
+            write_log(path, one)
+    assert list(tmp_path.iterdir()) == []
+    a_dir = tmp_path / "st"
+    a_dir.mkdir()
+    (a_dir / "keep.txt").write_text("kept")
+    with pytest.raises(InputError, match=rf"^path {a_dir}: is a directory; give the log's file path$"):
+        write_log(a_dir, [BASE])
+    with pytest.raises(InputError, match=rf"^path {a_dir}: is a directory"):
+        with LogWriter(a_dir):
+            pass
+    assert [p.name for p in a_dir.iterdir()] == ["keep.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["st"]
+    with pytest.raises(InputError, match=r"^records: expected a list of records, got one dict"):
+        with LogWriter(path) as log:
+            log.write(dict(BASE))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
+
+
 def test_log_writer_round_trip_chunk_by_chunk(tmp_path):
     path = tmp_path / "gen.jsonl"
     recs = [validate_record(_with(user_id=f"u{i // 3}", query_id=f"q{i}",

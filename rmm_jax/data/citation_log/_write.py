@@ -27,13 +27,33 @@ def _json_line(rec: LogRecord | Mapping, where: str) -> tuple[LogRecord, str]:
     return rec, json.dumps(record_to_json(rec), allow_nan=False) + "\n"
 
 
+def _check_many(records, arg: str) -> None:
+    """``records`` is a list (an iterable) of records, not one: a single :class:`LogRecord`
+    was "'LogRecord' object is not iterable", a single dict (or a str) was read key by key
+    ("record 0: expected a LogRecord, got str")."""
+    if isinstance(records, (LogRecord, Mapping, str, bytes)):
+        raise InputError(f"expected a list of records, got one {type(records).__name__}; pass a list of "
+                         "records ([record] for one)", arg=arg)
+
+
+def _check_file_path(path) -> None:
+    """A log is written beside ``path`` and renamed onto it: a directory there was an
+    IsADirectoryError from the rename, after the work."""
+    if Path(path).is_dir():
+        raise InputError("is a directory; give the log's file path", arg=f"path {path}")
+
+
 def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
     """Atomically write ``records`` as JSONL; return the number written.
 
     Every record is re-validated first (``InputError`` naming ``record i`` - 0-based -
     and the key), including calls logged twice, so a written log
-    always reads back. Nothing is written when a record is invalid.
+    always reads back. Nothing is written when a record is invalid, when ``records`` is
+    empty (a log without a record does not read back) or a single record rather than a
+    list of them, or when ``path`` is a directory.
     """
+    _check_many(records, "records")
+    _check_file_path(path)
     lines: list[str] = []
     seen: set[tuple[str, str]] = set()
     for i, rec in enumerate(records):
@@ -45,6 +65,9 @@ def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
             raise InputError(f"duplicate {what}", where=_key_where(where, key))
         seen.add(pair)
         lines.append(line)
+    if not lines:
+        raise InputError("holds no record; a log needs at least one (read_log refuses an empty file)",
+                         arg="records")
     with atomic_file(Path(path)) as f:
         f.writelines(lines)
     return len(lines)
@@ -78,6 +101,7 @@ class LogWriter:
         self._f = None
 
     def __enter__(self) -> "LogWriter":
+        _check_file_path(self.path)
         self._cm = atomic_file(Path(self.path))
         self._f = self._cm.__enter__()
         return self
@@ -86,6 +110,7 @@ class LogWriter:
         """Validate and append ``records`` (in order)."""
         if self._f is None:
             raise RuntimeError("LogWriter.write called outside its with-block")
+        _check_many(records, "records")
         for r in records:
             _, line = _json_line(r, f"generated record {self.count}")
             self._f.write(line)
