@@ -373,6 +373,39 @@ def test_a_path_that_is_not_a_path_is_refused_naming_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_params_of_another_embedding_size_are_refused_before_anything_is_written(tmp_path):
+    """create, save and save_shared took params of another dim than the store's meta dim
+    (a dim-16 policy in a dim-384 store), found only when serving ("q: dimension 384 does
+    not match the reranker's 16"); create took shared params None, and serving failed
+    deep inside. Each is now one line naming the argument, and nothing is written."""
+    for kind in ("linear", "mlp"):
+        meta = {**META, "kind": kind, "dim": 16, "hidden": 16}
+        with pytest.raises(InputError, match=r"^shared_params: params are for embedding size 8 \(.*\), "
+                                             r"the store's meta dim is 16$"):
+            PolicyStore.create(tmp_path / "x", meta, params_of(0, kind))
+    for wrong in (None, np.zeros(8), [params_of(0)]):
+        with pytest.raises(InputError, match=r"^shared_params: expected a reranker's params \(init_reranker\), got "):
+            PolicyStore.create(tmp_path / "x", META, wrong)
+    assert list(tmp_path.iterdir()) == []
+    st = new_store(tmp_path)
+    save_seeds(st, {"u": 1})
+    before = sorted(p.relative_to(st.path) for p in st.path.rglob("*"))
+    small = stacked([state_of(2, d=4)])
+    lowrank = UserState({"q_adapter": {"lora": {"a": np.zeros((1, 4, 2)), "b": np.zeros((1, 4, 2))}}}, {}, {})
+    for state in (small, lowrank):
+        with pytest.raises(InputError, match=r"^state: params are for embedding size 4 \(._adapter/.* has shape "
+                                             r"\(1, 4, .\)\), the store's meta dim is 8$"):
+            st.save(["x"], state)
+    with pytest.raises(InputError, match=r"^state: params are for embedding size 4 .* meta dim is 8$"):
+        st.save_shared(SharedState(params_of(0, d=4), None))
+    assert sorted(p.relative_to(st.path) for p in st.path.rglob("*") if p.name != ".lock") == \
+        [p for p in before if p.name != ".lock"]
+    assert st.users() == ["u"] and st.shared_versions() == [1]
+    ok = UserState({"q_adapter": {"lora": {"a": np.zeros((1, D, 2)), "b": np.zeros((1, D, 2))}}}, {}, {})
+    st.save(["lr"], ok)                               # what is there is checked: factors of size d, no W
+    st.save(["empty"], UserState({}, {}, {}))         # shared-scope users: no params of their own
+
+
 # ----------------------------------------------------------------------------- lock
 
 WRITER_SRC = textwrap.dedent('''

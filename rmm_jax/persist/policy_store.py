@@ -84,12 +84,14 @@ import numbers
 import os
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import jax
 import numpy as np
 
+from rmm_jax.core import checks
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
@@ -212,6 +214,28 @@ def _check_meta(meta: dict, where: str) -> dict:
     return meta
 
 
+# Where a reranker's params hold the embedding size d (flax kernels, x -> x K): the axes of
+# each named leaf, counted from the end, so a users axis in front changes nothing.
+_DIM_AXES = {("W", "kernel"): (-2, -1),              # linear: (d, d)
+             ("down", "kernel"): (-1,), ("down", "bias"): (-1,), ("up", "kernel"): (-2,),   # mlp: (h, d), (d,), (d, h)
+             ("lora", "a"): (-2,), ("lora", "b"): (-2,)}                                    # hybrid users: (d, r)
+
+
+def _check_dim(params, dim: int, arg: str) -> None:
+    """Refuse ``params`` (a reranker's, a users axis in front or not; ``{}`` or only some
+    adapters: what is there is checked) whose embedding size is not the store's ``dim``,
+    naming ``arg``: a dim-16 policy saved in a dim-384 store was found only when serving
+    (``q: dimension 384 does not match the reranker's 16``)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        shape = np.shape(leaf)
+        for ax in _DIM_AXES.get(keys[-2:], ()):
+            if len(shape) >= -ax and shape[ax] != dim:
+                name = "/".join(map(str, keys))
+                raise InputError(f"params are for embedding size {shape[ax]} ({name} has shape {tuple(shape)}), "
+                                 f"the store's meta dim is {dim}", arg=arg)
+
+
 def _check_keep(keep, where: str) -> int:
     if not _is_pos_int(keep):
         raise InputError(f"keep must be a positive int (versions kept per user), got {keep!r}", where=where)
@@ -267,6 +291,10 @@ class PolicyStore:
         meta = _check_meta(meta, str(path))
         shared_info = _json_dict(shared_info, "shared info", str(path))
         _check_keep(keep, str(path))
+        if not isinstance(shared_params, Mapping):      # None was stored, and serving failed 10 calls deep
+            raise InputError(f"expected a reranker's params (init_reranker), got {checks.short(shared_params)}",
+                             arg="shared_params")
+        _check_dim(shared_params, meta["dim"], "shared_params")
         if (chunk_size is not None and chunk_size < 1) or chunk_bytes < 1:
             raise InputError("chunk_size and chunk_bytes must be >= 1", where=str(path))
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -451,6 +479,7 @@ class PolicyStore:
             raise InputError(f"expected a SharedState(params, opt_state), got {type(state).__name__}",
                              where="save_shared")
         info = _json_dict(info, "shared info", "save_shared: info")
+        _check_dim(state.params, self.meta["dim"], "state")
         with self.writer():
             refs = self._query(lambda idx: idx.shared_refs())
             version = max([*self.shared_versions(), *refs, 0]) + 1
@@ -532,6 +561,7 @@ class PolicyStore:
         if self.paired and shared_version is None:
             raise InputError(f"a save in scope {self.scope.name!r} needs shared_version (the shared version these "
                              "users were trained against)", where="save")
+        _check_dim(state.params, self.meta["dim"], "state")
         specs, stacked = {}, {}
         for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
             specs[p], stacked[p] = encode_tree(t, batch=len(user_ids), where=f"save {p}")
