@@ -130,6 +130,62 @@ def test_a_program_that_does_not_fit_its_streams_or_a_flat_list_of_streams_is_re
     assert [type(e).__name__ for e in run([logged], REPLAY)][-1] == "ChunkDone"
 
 
+def test_run_online_and_drive_refuse_a_bad_seed_chunk_size_stream_or_m_by_name_before_any_work(store, tmp_path):
+    """seed="1" was a JAX TypeError 14 calls deep; users_per_chunk=0 range()'s "arg 3 must
+    not be zero"; run_online(stream) "'Stream' has no len()"; replaying streams logged with
+    m=3 by an m=2 program numpy's "could not broadcast ... into shape (.., 2)"; drive checked
+    nothing until its first event was asked for."""
+    streams = load_streams(store, CFG.k)[:2]
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+    never = lambda *a, **k: pytest.fail("ran")              # nothing is compiled or run
+    program = SIM._replace(init_shared=never, init=never, pad=never, batches=never, run=never)
+    for kw, arg in (({"seed": "1"}, "seed"), ({"seed": 1.0}, "seed"), ({"users_per_chunk": 0}, "users_per_chunk"),
+                    ({"users_per_chunk": "2"}, "users_per_chunk")):
+        for call in (lambda: run_online(streams, program, p0, **kw), lambda: drive([streams], program, p0, **kw)):
+            with pytest.raises(InputError, match=rf"^{arg}: must be an int"):
+                call()
+    with pytest.raises(InputError, match=r"^streams: expected a list of streams, got a Stream: run_online\(\[stream\]"):
+        run_online(streams[0], program, p0)
+    sim = run_online(streams, SIM, p0, seed=3, want_log=True)
+    write_log(tmp_path / "log.jsonl", [validate_record(r) for r in sim.records])
+    logged = streams_from_log(store, read_log(tmp_path / "log.jsonl")[0], CFG)
+    m2 = make_run(*rj.preset("default", k=10, m=2, batch=4))
+    with pytest.raises(InputError, match=r"^program: shows m=2, but the streams log 3 selections a query "
+                                         r"\(user '.*'\): replay them with a program of m=3$"):
+        run_online(logged, m2, p0)
+
+
+def test_a_recorder_of_another_m_than_its_programs_is_refused(store, tmp_path):
+    """Recorder(0) and Recorder("5") were taken, and Recorder(2) on an m=3 program reported
+    recall@2 with recall@3's numbers; now the first event that shows the program's m
+    (the selections a simulation made, or those a replay's streams logged) is refused,
+    before any sink sees it."""
+    from rmm_jax.online.run import Recorder
+    for wrong in (0, "5", 2.0, True):
+        with pytest.raises(InputError, match=r"^m: must be an int >= 1"):
+            Recorder(wrong)
+    streams = load_streams(store, CFG.k)[:2]
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+
+    class Sink:
+        def chunk(self, event):
+            pytest.fail("a sink saw a mislabelled chunk")
+
+    sim = run_online(streams, SIM, p0, seed=3, want_log=True)
+    write_log(tmp_path / "log.jsonl", [validate_record(r) for r in sim.records])
+    logged = streams_from_log(store, read_log(tmp_path / "log.jsonl")[0], CFG)
+    for program, chunk in ((SIM, streams), (REPLAY, logged)):
+        rec = Recorder(2, sinks=[Sink()])
+        with pytest.raises(InputError, match=r"^m: is 2, but the program's events show 3 selections a query: "
+                                             r"build the Recorder with program.layout.m$"):
+            for e in drive([chunk], program, p0):
+                rec.feed(e)
+        ok = Recorder(CFG.m)
+        for e in drive([chunk], program, p0):
+            ok.feed(e)
+        assert sorted(ok.result().recall) == sorted(s.user_id for s in chunk)
+
+
 def test_off_policy_log_probs_change_the_replayed_policy(store, tmp_path):
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim)

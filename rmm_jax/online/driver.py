@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rmm_jax.core import checks
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
@@ -140,6 +141,30 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
       >>> sorted(done[0].outputs), done[0].outputs["u0000000"]["recall"].shape
       (['u0000000', 'u0000001', 'u0000002'], (8,))
     """
+    check_seed_and_chunk(seed, users_per_chunk)            # a generator's checks ran only at the first next()
+    return _drive(chunks, program, params, seed=seed, users_per_chunk=users_per_chunk,
+                  segment_batches=segment_batches, resume=resume, mesh=mesh, shared=shared)
+
+
+def check_seed_and_chunk(seed, users_per_chunk) -> None:
+    """``seed`` an int and ``users_per_chunk`` an int >= 1, else an InputError naming it:
+    ``seed="1"`` was a TypeError from JAX's key 14 calls deep, ``users_per_chunk=0``
+    range()'s "arg 3 must not be zero"."""
+    if not checks.is_int(seed):
+        raise InputError(f"must be an int, got {checks.short(seed)}", arg="seed")
+    if not (checks.is_int(users_per_chunk) and users_per_chunk >= 1):
+        raise InputError(f"must be an int >= 1, got {checks.short(users_per_chunk)}", arg="users_per_chunk")
+
+
+def refuse_stream(x, arg: str, expected: str, fix: str) -> None:
+    """A single :class:`Stream` where ``expected`` (a list of them) belongs, refused naming
+    ``arg`` and how to pass it (``fix``): it was "'Stream' object is not iterable" or "has no len()"."""
+    if isinstance(x, Stream):
+        raise InputError(f"expected {expected}, got a Stream: {fix}", arg=arg)
+
+
+def _drive(chunks, program: Program, params, *, seed: int, users_per_chunk: int, segment_batches: int | None,
+           resume: Resume | None, mesh, shared: SharedState | None) -> Iterator[Event]:
     carried = resume.shared if resume is not None and resume.shared is not None else shared
     if carried is None:
         carried = program.init_shared(params)
@@ -184,9 +209,8 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
 
 
 def _as_chunk(c) -> Chunk:
-    if isinstance(c, Stream):       # drive(streams, ...) for drive([streams], ...): "'Stream' object is not iterable"
-        raise ValueError("chunks: expected chunks (each a list of streams, or a Chunk), got a Stream: "
-                         "drive([streams], ...) runs a list of streams as one chunk")
+    refuse_stream(c, "chunks", "chunks (each a list of streams, or a Chunk)",             # drive(streams, ...)
+                  "drive([streams], ...) runs a list of streams as one chunk")
     return c if isinstance(c, Chunk) else Chunk(list(c))
 
 
@@ -205,6 +229,12 @@ def _check_logged(ci: int, streams: Sequence[Stream], program: Program) -> None:
     if logged == {False} and not program.simulates:
         raise ValueError("program: replays logged selections (make_run with cite_fn=None), but the streams carry "
                          "none: give make_run a citation function, e.g. rmm_jax.data.citations.oracle()")
+    m = program.layout.m
+    wrong = next((s for s in streams if s.selected is not None and np.shape(s.selected)[-1] != m), None)
+    if wrong is not None:             # was numpy's "could not broadcast ... (12,5) into ... (12,3)" from the padding
+        k = np.shape(wrong.selected)[-1]
+        raise InputError(f"shows m={m}, but the streams log {k} selections a query (user {wrong.user_id!r}): "
+                         f"replay them with a program of m={k}", arg="program")
 
 
 def _padded(chunks, program: Program, users_per_chunk: int, segment_batches: int | None, skip: int):

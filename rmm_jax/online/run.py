@@ -30,11 +30,20 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from rmm_jax.core import checks
 from rmm_jax.core.types import SharedState
 from rmm_jax.core.update import CiteFn
 from rmm_jax.data.citations import check_rate, oracle_cite
 from rmm_jax.errors import InputError
-from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Event, SegmentDone, drive
+from rmm_jax.online.driver import (
+    ChunkDone,
+    ChunkSkipped,
+    Event,
+    SegmentDone,
+    check_seed_and_chunk,
+    drive,
+    refuse_stream,
+)
 from rmm_jax.online.loop import Program
 from rmm_jax.online.streams import Stream, log_records
 from rmm_jax.online.summary import Summary, base_values
@@ -81,7 +90,10 @@ class Recorder:
     """
 
     def __init__(self, m: int, *, sinks: Sequence = (), keep_states: bool = False, keep_records: bool = False):
-        self.m, self.sinks = m, list(sinks)
+        if not (checks.is_int(m) and m >= 1):         # 0 and "5" were taken
+            raise InputError(f"must be an int >= 1 (the program's layout.m), got {checks.short(m)}", arg="m")
+        self.m, self.sinks = int(m), list(sinks)
+        self._m_checked = False
         self.keep_states, self.keep_records = keep_states, keep_records
         self.online, self.base = Summary(m), Summary(m)
         self.states, self.chunk_users, self.records, self.recall, self.user_ids = [], [], [], {}, []
@@ -104,12 +116,14 @@ class Recorder:
                     raise InputError(f"users chunk {event.chunk + 1} holds other users than it did in the "
                                      f"interrupted run ({len(streams)} here, {len(outputs)} there), so that run "
                                      "cannot be resumed", arg="resume")
+                self._check_m(streams, outputs)
                 for s in self.sinks:
                     if hasattr(s, "replayed"):
                         s.replayed(event, outputs)
                 self._add(streams, outputs)
                 return len(streams)
             case ChunkDone(streams=streams, outputs=outputs):
+                self._check_m(streams, outputs)         # before a sink saves what it would mislabel
                 for s in self.sinks:
                     if hasattr(s, "chunk"):
                         s.chunk(event)
@@ -122,6 +136,21 @@ class Recorder:
                     self.records.extend(r for s in streams for r in chunk_records(s, outputs))
                 return len(streams)
         raise TypeError(f"not a driver event: {event!r}")
+
+    def _check_m(self, streams, outputs) -> None:
+        """Refuse events of a program of another m than ours, once, from what shows it: the
+        selections a simulation made, or those a replay's streams logged (which its program
+        shows, :func:`rmm_jax.online.driver.drive`). ``Recorder(3)`` on an m=5 program
+        reported recall@3 with recall@5's numbers."""
+        if self._m_checked or not streams:
+            return
+        s = streams[0]
+        sel = outputs[s.user_id].get("selected", s.selected)
+        if sel is not None:
+            if np.shape(sel)[-1] != self.m:
+                raise InputError(f"is {self.m}, but the program's events show {np.shape(sel)[-1]} selections a query: "
+                                 "build the Recorder with program.layout.m", arg="m")
+            self._m_checked = True
 
     def _add(self, streams, outputs) -> None:
         for s in streams:
@@ -166,6 +195,8 @@ def run_online(streams: Sequence[Stream], program: Program, params, *, seed: int
     states and, with ``want_log``, the simulated log records. Every user starts from
     ``params``; the shared part from ``shared`` when given (see
     :func:`rmm_jax.online.driver.drive`)."""
+    refuse_stream(streams, "streams", "a list of streams", "run_online([stream], ...) runs one user")
+    check_seed_and_chunk(seed, users_per_chunk)
     chunks = [streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk)]
     recorder = Recorder(program.layout.m, keep_states=True, keep_records=want_log)
     for event in drive(chunks, program, params, seed=seed, users_per_chunk=users_per_chunk, mesh=mesh,
