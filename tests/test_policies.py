@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,6 +405,28 @@ def test_params_of_another_embedding_size_are_refused_before_anything_is_written
     ok = UserState({"q_adapter": {"lora": {"a": np.zeros((1, D, 2)), "b": np.zeros((1, D, 2))}}}, {}, {})
     st.save(["lr"], ok)                               # what is there is checked: factors of size d, no W
     st.save(["empty"], UserState({}, {}, {}))         # shared-scope users: no params of their own
+
+
+def test_load_wait_and_a_deleted_directory_are_named(tmp_path):
+    """load(0) said "users: user ids are str" (load_batch's argument); writer(wait="1") was a
+    TypeError from a comparison and wait=-1 was taken; a store whose directory was deleted
+    after opening answered "no saved policy for user 'u' (known users: 0)" and users() == []."""
+    st = new_store(tmp_path)
+    save_seeds(st, {"u": 1})
+    with pytest.raises(InputError, match=r"^user_id: user ids are str, got int 0$"):
+        st.load(0)
+    for wrong in ("1", -1, None, float("nan")):
+        with pytest.raises(InputError, match=r"^wait: must be a number of seconds >= 0, got "):
+            with st.writer(wait=wrong):
+                pass
+    with st.writer(wait=0.5):
+        pass
+    gone = PolicyStore.open(st.path)
+    shutil.rmtree(st.path)
+    for call in (lambda: gone.load("u"), gone.users, lambda: gone.load_batch(["u"]), st.users):
+        with pytest.raises(InputError, match=r"store: the policy store's directory is gone \(deleted or moved since "
+                                             r"it was opened\)$"):
+            call()
 
 
 # ----------------------------------------------------------------------------- lock

@@ -348,6 +348,17 @@ def test_a_store_that_is_not_a_policy_store_or_a_user_id_that_is_not_a_str_is_re
     assert Reranker.open(pol["user"]).rank("user0", q, c, 2).selected.shape == (1, 2)
 
 
+def test_load_policy_refuses_a_path_with_reranker_s_message(env):
+    """load_policy("policies", "user0"), a path where it takes an opened PolicyStore, was an
+    AttributeError ('str' object has no attribute 'meta')."""
+    _, pol = env
+    for wrong in (str(pol["user"]), pol["user"], None):
+        with pytest.raises(InputError, match=r"^store: expected a PolicyStore, got .*; PolicyStore\.open\(path\) opens "
+                                             r"a policy store by its path$"):
+            load_policy(wrong, "user0")
+    assert load_policy(PolicyStore.open(pol["user"]), "user0").version is not None
+
+
 def test_behaviour_tau_refuses_a_path_by_name(tmp_path):
     """behaviour_tau("policies"), a path where it takes a PolicyStore, was an AttributeError
     ('str' object has no attribute '_header'); None is the default estimator's tau."""

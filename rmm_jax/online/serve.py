@@ -142,6 +142,7 @@ def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
     The cold path is one indexed lookup, one chunk's verified ``chunk.json`` and the user's
     own verified row (:mod:`rmm_jax.persist.policy_rows`), then one transfer of the user's
     own params: the shared part is not copied per user."""
+    _check_store(store, "PolicyStore", "PolicyStore.open(path)")
     shared_params = shared_params or functools.partial(_shared_on_device, store)
     scope = Scope.from_meta(store.meta)
     got = store.load_batch([user_id])
@@ -159,6 +160,14 @@ def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
         return Policy(params, version, shared_version)
     params, shared_version = shared_params(got.shared_versions[0])
     return Policy(scope.merge(params, own), version, shared_version)
+
+
+def _check_store(store, expected: str, opener: str) -> None:
+    """``store`` an opened PolicyStore, else the InputError naming ``store``: a path was an
+    AttributeError ('meta')."""
+    if not isinstance(store, PolicyStore):
+        raise InputError(f"expected a {expected}, got {checks.short(store)}; {opener} opens a policy store by its "
+                         "path", where="store")
 
 
 def _shared_on_device(store: PolicyStore, version: int | None) -> tuple[Any, int]:
@@ -243,9 +252,8 @@ class Reranker:
     identity reranker for everyone (``dim`` needed), before any policy exists."""
 
     def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None):
-        if store is not None and not isinstance(store, PolicyStore):    # a path was an AttributeError ('meta')
-            raise InputError(f"expected a PolicyStore or None, got {checks.short(store)}; "
-                             "Reranker.open(path) opens a policy store by its path", where="store")
+        if store is not None:
+            _check_store(store, "PolicyStore or None", "Reranker.open(path)")
         if not checks.is_int(cache_users) or cache_users < 1:      # "3" was a TypeError, 2.5 taken
             raise InputError(f"must be an int >= 1, got {cache_users!r}", where="cache_users")
         if store is None and dim is None:

@@ -353,6 +353,8 @@ class PolicyStore:
         corrupt index, a format-1 index, unindexed snapshots), stores this object's
         ``keep`` in the header and marks the store as written in the current format.
         """
+        if not (checks.is_real(wait) and wait >= 0):     # "1" was a TypeError from a comparison, -1 taken
+            raise InputError(f"must be a number of seconds >= 0, got {checks.short(wait)}", arg="wait")
         with self._lock.hold(wait) as outermost:
             if outermost:
                 self._repair()
@@ -626,6 +628,8 @@ class PolicyStore:
         :class:`PolicyRestoreWarning`; if none loads, an InputError names the user, each
         version and why (the shared version it needs, if that is the problem).
         """
+        if not isinstance(user_id, str):      # was named "users", load_batch's argument
+            raise InputError(f"user ids are str, got {type(user_id).__name__} {user_id!r}"[:100], arg="user_id")
         b = self._load([user_id], version, missing_ok=False)
         one, learned = jax.tree_util.tree_map(lambda a: a[0], (b.state, b.learned))
         return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()), learned)

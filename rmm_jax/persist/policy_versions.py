@@ -15,6 +15,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1
 from rmm_jax.persist.atomic import leftovers, remove_dir
 from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
@@ -54,6 +55,9 @@ class IndexReader:
             return fn(self._connection())
         except IndexUnavailable:
             self._close()
+            if not self.store.is_dir():     # was answered from no snapshots: "no saved policy ... (known users: 0)"
+                raise InputError("the policy store's directory is gone (deleted or moved since it was opened)",
+                                 where=str(self.store)) from None
             return fn(self._rebuilt(header, keep))
 
     def _connection(self) -> PolicyIndex:
