@@ -347,7 +347,7 @@ class PolicyStore:
         """Hold the store's write lock (re-entrant in this object).
 
         Raises InputError naming the holder's pid and host if another process (or another
-        PolicyStore object) holds it, after waiting up to ``wait`` seconds. The lock is
+        PolicyStore object) holds it, after waiting up to ``wait`` seconds (a number >= 0). The lock is
         released when the holder exits or dies, so a stale ``.lock`` file is harmless. The
         outermost hold first repairs what a killed writer left (temp dirs, a missing or
         corrupt index, a format-1 index, unindexed snapshots), stores this object's
