@@ -775,7 +775,8 @@ def test_from_python_an_error_names_the_argument_and_the_cli_its_option(capsys, 
 
     st, ps, cfg = open_store(ope_env["store"]), PolicyStore.open(ope_env["pol"]), Target(KK, MM, TAU)
     for kw, where in (({"bootstrap": 10}, "bootstrap"), ({"clip": 0.5}, "clip"), ({"min_ess": -1.0}, "min_ess"),
-                      ({"users": ["nobody"]}, "users")):
+                      ({"users": ["nobody"]}, "users"), ({"seed": "0"}, "seed"), ({"seed": -1}, "seed"),
+                      ({"mc_samples": 0}, "mc_samples"), ({"exact_limit": 0}, "exact_limit")):
         with pytest.raises(InputError, match=rf"^{where}: "):
             evaluate_log(st, ope_env["log"], ps, cfg, **{"bootstrap": 40, **kw})
     for args, option in ((("--bootstrap", 10), "--bootstrap"), (("--clip", 0.5), "--clip"),
@@ -783,3 +784,84 @@ def test_from_python_an_error_names_the_argument_and_the_cli_its_option(capsys, 
         code, out, err = run_cli(capsys, "evaluate", ope_env["store"], "--log", ope_env["log"], "--policies",
                                  ope_env["pol"], "--k", KK, "--m", MM, *args)
         assert code == 2 and out == "" and err.startswith(f"error: {option}: ") and len(err.splitlines()) == 1, err
+
+
+def test_estimate_refuses_bad_arrays_and_names_by_argument():
+    """estimate("ips", np.ones(3), np.ones(3)) (1-D, as lists too, or of unequal lengths) was
+    "IndexError: too many indices for array", an unknown estimator "IndexError: invalid index
+    to scalar variable". Each is one InputError naming the argument; NaN weights are still
+    reported (nonfinite), not refused: an overflow gives them."""
+    from rmm_jax.errors import InputError
+
+    ok = np.ones((3, 1))
+    cases = [
+        (("ips", np.ones(3), np.ones(3)), {}, r"^weights: expected a 2-D array \(n calls, M slots\), "
+                                              r"got shape \(3,\)$"),
+        (("ips", [1, 1, 1], [0, 1, 0]), {}, r"^weights: expected a 2-D array"),
+        (("ipss", ok, ok), {}, r"^name: unknown estimator 'ipss'; one of ips, snips, rips, snrips, iips$"),
+        (("ips", ok, np.ones((4, 1))), {}, r"^rewards: expected shape \(n calls, M slots\) with weights of shape "
+                                           r"\(n, M\) or \(n, 1\), got \(4, 1\) with weights \(3, 1\)$"),
+        (("snips", np.array([[1.0], [-1.0], [1.0]]), ok), {}, r"^weights: importance weights must be >= 0"),
+        (("ips", ok, np.array([[1.0], [np.nan], [1.0]])), {}, r"^rewards: contains NaN or Inf$"),
+        (("ips", ok, ok), {"logged": np.ones(4)}, r"^logged: expected shape \(3,\)"),
+        (("ips", ok, ok), {"seed": "0"}, r"^seed: must be an int"),
+        (("ips", ok, ok), {"bootstrap": -1}, r"^bootstrap: must be an int >= 0"),
+    ]
+    for args, kw, match in cases:
+        with pytest.raises(InputError, match=match):
+            estimate(*args, **kw)
+    assert estimate("ips", [[1], [1], [1]], [[0], [1], [0]], bootstrap=0)["value"] == pytest.approx(1 / 3)
+    assert math.isnan(estimate("ips", np.array([[1.0], [np.nan], [1.0]]), ok, bootstrap=0)["value"])
+
+
+def test_ship_verdict_names_its_argument():
+    """ship_verdict(report) (the whole report) was KeyError "'cite_rate'", metric="foo" or
+    estimator="ipss" a bare KeyError: one InputError naming the argument and what is valid."""
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.ope import ship_verdict
+
+    entry = {"n": 40, "reliable": True, "value": 0.5, "ci95": [0.4, 0.6], "se": 0.05,
+             "gain": {"value": 0.1, "ci95": [0.05, 0.15], "se": 0.02}}
+    estimates = {"cited": {"logged": {"n": 40, "reliable": True}, "snips": entry},
+                 "cite_rate": {"logged": {"n": 40, "reliable": True}, "ips": entry, "snips": entry}}
+    assert ship_verdict(estimates)["ship"] is True
+    for args, kw, match in (
+            (({"estimates": estimates, "calls": 40},), {}, r"^estimates: got the whole report: pass "
+                                                           r"report\['estimates'\]$"),
+            (([],), {}, r"^estimates: expected the 'estimates' of an evaluate_log report"),
+            ((estimates,), {"metric": "foo"}, r"^metric: unknown metric 'foo'; estimates holds 'cited', 'cite_rate'$"),
+            ((estimates,), {"metric": "recall"}, r"^metric: no estimates of 'recall'"),
+            ((estimates,), {"estimator": "ipss"}, r"^estimator: unknown estimator 'ipss'; one of ips, snips$"),
+            ((estimates,), {"metric": "cited", "estimator": "ips"}, r"^estimator: no gain of cited by 'ips'; "
+                                                                    r"one of snips$")):
+        with pytest.raises(InputError, match=match):
+            ship_verdict(*args, **kw)
+
+
+def test_slot_marginals_and_prefix_log_probs_refuse_bad_input_by_name():
+    """A mask of another shape was a NumPy broadcast error; samples=0 returned all NaN,
+    samples=-1 a JAX error; m > K and NaN logits returned padded or NaN marginals without a
+    word, prefix_log_probs numbers for a candidate that does not exist. Each is one
+    InputError naming the argument."""
+    from rmm_jax.errors import InputError
+
+    z, mk = np.zeros((1, 4)), np.ones((1, 4), bool)
+    for args, kw, match in (
+            ((z, np.ones((1, 3), bool), 2), {}, r"^mask: expected shape \(1, 4\) .* got \(1, 3\)$"),
+            ((z, mk, 2), {"exact_limit": 1, "samples": 0}, r"^samples: must be an int >= 1, got int 0$"),
+            ((z, mk, 2), {"exact_limit": 1, "samples": -1}, r"^samples: must be an int >= 1"),
+            ((z, mk, 2), {"seed": "0"}, r"^seed: must be an int in \[0, 2\*\*63\), got str '0'$"),
+            ((z, mk, 5), {}, r"^m: must be an int in \[1, K=4\], got int 5$"),
+            ((np.array([[np.nan, 0, 0, 0]]), mk, 2), {}, r"^logits: contains NaN or Inf where mask is True$"),
+            ((np.zeros((1, 2, 4)), mk, 2), {}, r"^logits: expected a real array \(n calls, K candidates\)")):
+        with pytest.raises(InputError, match=match):
+            slot_marginals(*args, **kw)
+    masked_nan = np.array([[np.nan, 0, 0, 0]])          # a masked candidate's logit is never read
+    got, _ = slot_marginals(masked_nan, np.array([[False, True, True, True]]), 2)
+    np.testing.assert_allclose(got[0, :, 1:], 1 / 3)
+    for args, match in (((z, np.array([[0, 9]])), r"^selected: indices must be in \[0, K=4\), .* got 9$"),
+                        ((z, np.array([[1, 1]])), r"^selected: candidate 1 is selected twice"),
+                        ((z, np.array([[0.0, 1.0]])), r"^selected: expected an int array"),
+                        ((np.zeros((2, 4)), np.array([[0, 1]])), r"^selected: expected 2 rows")):
+        with pytest.raises(InputError, match=match):
+            prefix_log_probs(*args)

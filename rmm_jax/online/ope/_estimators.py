@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rmm_jax.core import checks
 from rmm_jax.errors import InputError
 
 ESTIMATORS = ("ips", "snips", "rips", "snrips", "iips")
@@ -75,6 +76,50 @@ def _weight_mean_allowance(se):
     return np.maximum(WEIGHT_MEAN_TOL, WEIGHT_MEAN_Z * se)
 
 
+def _check_estimator(name, arg: str = "name") -> None:
+    """``InputError`` naming ``arg`` unless ``name`` is one of :data:`ESTIMATORS`."""
+    if name not in ESTIMATORS:
+        raise InputError(f"unknown estimator {name!r}; one of {', '.join(ESTIMATORS)}", arg=arg)
+
+
+def _real_array(x, arg: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype.kind not in "biuf":
+        raise InputError(f"expected a real array, got {checks.short(x)}", arg=arg)
+    return a.astype(np.float64)
+
+
+def _check_estimate_args(name, weights, rewards, *, clip, bootstrap, seed, level, logged) -> None:
+    """``InputError`` naming the argument of :func:`estimate` that is wrong
+    (a 1-D ``weights`` was an IndexError deep inside, an unknown ``name`` another)."""
+    _check_estimator(name)
+    w = _real_array(weights, "weights")
+    if w.ndim != 2:
+        raise InputError(f"expected a 2-D array (n calls, M slots), got shape {w.shape}", arg="weights")
+    r = _real_array(rewards, "rewards")
+    if r.ndim != 2 or r.shape[0] != w.shape[0] or w.shape[1] not in (1, r.shape[1]):
+        raise InputError(f"expected shape (n calls, M slots) with weights of shape (n, M) or (n, 1), got {r.shape} "
+                         f"with weights {w.shape}", arg="rewards")
+    if (w < 0).any():       # NaN and inf pass: an overflow is reported (nonfinite), not refused
+        raise InputError(f"importance weights must be >= 0, got {w[w < 0][0]:g}", arg="weights")
+    if not np.isfinite(r).all():
+        raise InputError("contains NaN or Inf", arg="rewards")
+    if clip is not None and not (checks.is_real(clip) and clip > 0):
+        raise InputError(f"must be a finite number > 0, got {checks.short(clip)}", arg="clip")
+    if not (checks.is_int(bootstrap) and bootstrap >= 0):
+        raise InputError(f"must be an int >= 0, got {checks.short(bootstrap)}", arg="bootstrap")
+    if not (checks.is_int(seed) and 0 <= seed < 2**63):
+        raise InputError(f"must be an int in [0, 2**63), got {checks.short(seed)}", arg="seed")
+    if not (checks.is_real(level) and 0 < level < 1):
+        raise InputError(f"must be a number in (0, 1), got {checks.short(level)}", arg="level")
+    if logged is not None:
+        lg = _real_array(logged, "logged")
+        if lg.shape != r.shape[:1]:
+            raise InputError(f"expected shape ({r.shape[0]},) (one value per call), got {lg.shape}", arg="logged")
+        if not np.isfinite(lg).all():
+            raise InputError("contains NaN or Inf", arg="logged")
+
+
 def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
              seed: int = 0, level: float = 0.95, logged=None) -> dict:
     """One estimate from per-slot ``weights`` and ``rewards`` (n, M): the raw numbers that
@@ -95,7 +140,20 @@ def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstra
     estimate minus the logging policy's value on the same calls, with a **paired**
     bootstrap interval: every resample of calls gives both values, and the interval is
     that of their difference (``value``, ``ci95``, ``se``).
+
+    Raises ``InputError`` naming the argument: an unknown ``name`` (with the valid ones),
+    ``rewards`` not 2-D or not finite, ``weights`` not (n, M) or (n, 1), or negative (NaN and
+    inf weights are reported, as above, not refused), ``logged`` not (n,).
     """
+    _check_estimate_args(name, weights, rewards, clip=clip, bootstrap=bootstrap, seed=seed, level=level,
+                         logged=logged)
+    return _estimate(name, weights, rewards, clip=clip, bootstrap=bootstrap, seed=seed, level=level, logged=logged)
+
+
+def _estimate(name: str, weights, rewards, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
+              seed: int = 0, level: float = 0.95, logged=None) -> dict:
+    """:func:`estimate` without its checks: the report's own weights and rewards, whose
+    rewards are NaN where the target's scores are (``direct``; reported as unreliable)."""
     w = np.asarray(weights, np.float64)
     r = np.asarray(rewards, np.float64)
     n = r.shape[0]

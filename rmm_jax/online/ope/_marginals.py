@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rmm_jax.core import checks
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.data.retrieval import pad_rows
+from rmm_jax.errors import InputError
 from rmm_jax.online.ope._chunks import _CHUNK
 
 DEFAULT_EXACT_LIMIT = 100_000
@@ -141,10 +143,63 @@ def slot_marginals_mc(logits, mask, m: int, *, samples: int = DEFAULT_MC_SAMPLES
     return np.concatenate(out) if out else np.zeros((0, m, logits.shape[1]))
 
 
+def check_int_option(x, name: str, low: int, high: int | None = None) -> None:
+    """``InputError`` naming ``name`` unless ``x`` is an int (not a bool) >= ``low`` (and <
+    ``high``): the counts and the seed of :func:`slot_marginals` and
+    :func:`~rmm_jax.online.ope.evaluate_log`, as ``rmm-jax evaluate`` bounds its options."""
+    span = f">= {low}" if high is None else f"in [{low}, {'2**63' if high == 2**63 else high})"
+    if not (checks.is_int(x) and x >= low and (high is None or x < high)):
+        raise InputError(f"must be an int {span}, got {checks.short(x)}", arg=name)
+
+
+def check_marginal_options(*, exact_limit, samples, seed, samples_arg: str = "samples") -> None:
+    """The options of :func:`slot_marginals`, each refused by name: ``exact_limit`` and
+    ``samples`` >= 1 (``samples=0`` gave NaN marginals, -1 a JAX error), ``seed`` an int in
+    [0, 2**63) (what NumPy's generators and JAX's keys both take; ``"0"`` was a TypeError)."""
+    check_int_option(exact_limit, "exact_limit", 1)
+    check_int_option(samples, samples_arg, 1)
+    check_int_option(seed, "seed", 0, 2**63)
+
+
+def _check_logits(logits, mask, *, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``(logits (n, K) float64, mask (n, K) bool)`` of a public function's arguments, or
+    ``InputError`` naming the argument: logits of rank 1 (one call) or 2, K >= 1, finite
+    where the mask holds; a mask that broadcasts to them."""
+    z = np.asarray(logits)
+    if z.ndim not in (1, 2) or z.shape[-1] == 0 or z.dtype.kind not in "iuf":
+        raise InputError(f"expected a real array (n calls, K candidates), got {checks.short(z)}", arg="logits")
+    z = np.atleast_2d(z.astype(np.float64))
+    mk = np.ones(z.shape, bool) if mask is None else np.asarray(mask)
+    try:
+        if np.broadcast_shapes(mk.shape, z.shape) != z.shape:
+            raise ValueError
+    except ValueError:
+        raise InputError(f"expected shape {z.shape} (n, K) as logits, or one that broadcasts to it, got "
+                         f"{mk.shape}", arg="mask") from None
+    mk = np.broadcast_to(mk.astype(bool), z.shape)
+    if finite and not np.isfinite(z[mk]).all():
+        raise InputError("contains NaN or Inf where mask is True", arg="logits")
+    return z, mk
+
+
 def slot_marginals(logits, mask, m: int, *, exact_limit: int = DEFAULT_EXACT_LIMIT,
                    samples: int = DEFAULT_MC_SAMPLES, seed: int = 0) -> tuple[np.ndarray, dict]:
     """Per-slot PL marginals, exact when ``subset_count(K, m) <= exact_limit``, else Monte
-    Carlo: ``(marginals (n, m, K), {"method", "subsets" or "samples"})``."""
+    Carlo: ``(marginals (n, m, K), {"method", "subsets" or "samples"})``.
+
+    ``logits`` (n, K) (or (K,), one call), finite where ``mask`` (broadcast to (n, K)) holds;
+    ``1 <= m <= K``. Raises ``InputError`` naming the argument otherwise."""
+    z, mk = _check_logits(logits, mask)
+    k = z.shape[1]
+    if not (checks.is_int(m) and 1 <= m <= k):
+        raise InputError(f"must be an int in [1, K={k}], got {checks.short(m)}", arg="m")
+    check_marginal_options(exact_limit=exact_limit, samples=samples, seed=seed)
+    return _slot_marginals(z, mk, m, exact_limit=exact_limit, samples=samples, seed=seed)
+
+
+def _slot_marginals(logits, mask, m: int, *, exact_limit: int, samples: int, seed: int) -> tuple[np.ndarray, dict]:
+    """:func:`slot_marginals` without its checks: the report's calls, whose target logits may
+    be non-finite (reported as unreliable, not refused)."""
     k = np.shape(logits)[-1]
     count = subset_count(k, m)
     if count <= exact_limit:
@@ -156,7 +211,28 @@ def slot_marginals(logits, mask, m: int, *, exact_limit: int = DEFAULT_EXACT_LIM
 def prefix_log_probs(logits, selected, mask=None) -> np.ndarray:
     """log P(a_1..a_j) for every prefix of an ordered selection under PL(softmax(logits)):
     the cumulative sum of :func:`rmm_jax.core.sampling.selection_log_probs` (τ = 1),
-    ``(n, M)``; unfilled slots (−1) repeat the last prefix."""
+    ``(n, M)``; unfilled slots (−1) repeat the last prefix.
+
+    ``logits`` (n, K) (or (K,)), finite where ``mask`` holds; ``selected`` (n, M) (or (M,))
+    ints, each a candidate in [0, K) at most once per row, or -1. Raises ``InputError``
+    naming the argument otherwise."""
+    z, mk = _check_logits(logits, mask)
+    sel = np.asarray(selected)
+    if sel.ndim not in (1, 2) or sel.dtype.kind not in "iu":
+        raise InputError(f"expected an int array (n calls, M slots), got {checks.short(sel)}", arg="selected")
+    sel = np.atleast_2d(sel)
+    if sel.shape[0] != z.shape[0]:
+        raise InputError(f"expected {z.shape[0]} rows (one per row of logits), got shape {sel.shape}",
+                         arg="selected")
+    try:
+        checks.check_selected(sel, z.shape[1])
+    except ValueError as e:
+        raise InputError(str(e).partition(": ")[2], arg="selected") from None
+    return _prefix_log_probs(z, sel, mk)
+
+
+def _prefix_log_probs(logits, selected, mask=None) -> np.ndarray:
+    """:func:`prefix_log_probs` without its checks (the report's calls, see :func:`_slot_marginals`)."""
     logits = np.atleast_2d(np.asarray(logits, np.float32))          # NumPy: an eager jnp op is a program to load
     selected = np.atleast_2d(np.asarray(selected, np.int32))
     mask = np.ones(logits.shape, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), logits.shape)

@@ -8,18 +8,34 @@ from typing import Sequence
 
 import numpy as np
 
+from rmm_jax.core import checks
 from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError, named
-from rmm_jax.online.ope._calls import Calls, Target, call_problems, check_target, load_calls, slot_rewards
+from rmm_jax.online.ope._calls import (
+    METRICS,
+    Calls,
+    Target,
+    call_problems,
+    check_target,
+    load_calls,
+    slot_rewards,
+)
 from rmm_jax.online.ope._estimators import (
     DEFAULT_BOOTSTRAP,
+    ESTIMATORS,
     SLATE_ONLY,
-    estimate,
+    _estimate,
     estimator_weights,
     report_entry,
     verdict,
 )
-from rmm_jax.online.ope._marginals import DEFAULT_EXACT_LIMIT, DEFAULT_MC_SAMPLES, prefix_log_probs, slot_marginals
+from rmm_jax.online.ope._marginals import (
+    DEFAULT_EXACT_LIMIT,
+    DEFAULT_MC_SAMPLES,
+    _prefix_log_probs,
+    _slot_marginals,
+    check_marginal_options,
+)
 from rmm_jax.online.stats import check_resamples
 
 DEFAULT_MIN_ESS = 30.0               # see "Reliability" in the package docstring
@@ -34,18 +50,19 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
     exact expected value of the target (``direct``), each judged (:func:`verdict`) and
     reported (:func:`report_entry`); ``ranges``: each metric's range."""
     check_target(cfg)
+    check_marginal_options(exact_limit=exact_limit, samples=mc_samples, seed=seed, samples_arg="mc_samples")
     m = calls.selected.shape[1]
     with np.errstate(all="ignore"):
-        target_prefix = prefix_log_probs(calls.target_logits, calls.selected, calls.mask)      # (n, M)
+        target_prefix = _prefix_log_probs(calls.target_logits, calls.selected, calls.mask)      # (n, M)
         log_ratio = target_prefix[:, -1] - calls.log_prob
         notes, names = [], list(SLATE_ONLY)
-        t_marg, info = slot_marginals(calls.target_logits, calls.mask, m, exact_limit=exact_limit,
+        t_marg, info = _slot_marginals(calls.target_logits, calls.mask, m, exact_limit=exact_limit,
                                       samples=mc_samples, seed=seed)
         kw = {"log_ratio": log_ratio}
         problem_kw: dict = {"log_ratio": log_ratio}
         if calls.behaviour_logits is not None:
-            b_prefix = prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
-            b_marg, _ = slot_marginals(calls.behaviour_logits, calls.mask, m, exact_limit=exact_limit,
+            b_prefix = _prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
+            b_marg, _ = _slot_marginals(calls.behaviour_logits, calls.mask, m, exact_limit=exact_limit,
                                        samples=mc_samples, seed=seed + 1)
             idx = np.maximum(calls.selected, 0)[:, :, None]
             pt = np.take_along_axis(t_marg, idx, 2)[:, :, 0]
@@ -67,7 +84,7 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
             logged = mr.rewards.sum(1)
             per = {"logged": _plain_mean(mr.rewards, bootstrap, seed, span)}
             for name in names:
-                est = estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed,
+                est = _estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed,
                                logged=logged)
                 per[name] = report_entry(est, verdict(est, value_range=span, min_ess=min_ess,
                                                       problems=problems[name]), span)
@@ -113,7 +130,7 @@ def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Seque
     """The plain mean of per-call values (summed over slots) with its bootstrap interval:
     the logging policy's own value (``logged``) or the target's exact one (``direct``,
     with its paired gain over the ``logged`` per-call values)."""
-    est = estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
+    est = _estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
                    seed=seed, logged=logged)
     res = report_entry(est, verdict(est, value_range=value_range, problems=problems), value_range)
     for key in ("ess", "weight_mean", "weight_mean_se"):
@@ -125,7 +142,12 @@ def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SH
     """Whether to ship the target policy, from an :func:`evaluate_calls` report's
     ``estimates`` (package docstring, "The verdict"): ship when the ``estimator``'s estimate
     of ``metric`` is reliable and the 95% interval of its paired gain over the logging
-    policy lies above 0. Returns ``{"ship", "metric", "estimator", "gain", "reason"}``."""
+    policy lies above 0. Returns ``{"ship", "metric", "estimator", "gain", "reason"}``.
+
+    Raises ``InputError`` naming ``estimates`` when it is not a report's ``estimates`` (the
+    whole report: pass ``report["estimates"]``), ``metric`` or ``estimator`` when the
+    estimates hold no such entry (with the ones they hold)."""
+    _check_verdict_args(estimates, metric, estimator)
     est = estimates[metric][estimator]
     out = {"metric": metric, "estimator": estimator, "gain": est.get("gain")}
     if not est["reliable"]:
@@ -137,6 +159,23 @@ def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SH
             "reason": f"gain {g['value']:+.4f} in {metric}, 95% interval [{lo:+.4f}, {hi:+.4f}] {where}"}
 
 
+def _check_verdict_args(estimates, metric, estimator) -> None:
+    if not isinstance(estimates, dict):
+        raise InputError(f"expected the 'estimates' of an evaluate_log report (a dict), got "
+                         f"{checks.short(estimates)}", arg="estimates")
+    if "estimates" in estimates:
+        raise InputError("got the whole report: pass report['estimates']", arg="estimates")
+    if metric not in estimates:
+        held = ", ".join(map(repr, estimates)) or "none"
+        what = "unknown metric" if metric not in METRICS else "no estimates of"
+        raise InputError(f"{what} {metric!r}; estimates holds {held}", arg="metric")
+    per = estimates[metric]
+    judged = [name for name, est in per.items() if isinstance(est, dict) and "gain" in est and "reliable" in est]
+    if estimator not in judged:
+        what = "unknown estimator" if estimator not in ESTIMATORS + ("direct",) else f"no gain of {metric} by"
+        raise InputError(f"{what} {estimator!r}; one of {', '.join(judged) or 'none'}", arg="estimator")
+
+
 def unreliable(report: dict) -> list[tuple[str, str, str]]:
     """``(metric, estimator, reason)`` of every unreliable estimate in an
     :func:`evaluate_log` report."""
@@ -144,15 +183,19 @@ def unreliable(report: dict) -> list[tuple[str, str, str]]:
             for name, est in per.items() if not est["reliable"]]
 
 
-def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float) -> None:
+def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float, seed: int = 0,
+                         exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES) -> None:
     """The options of :func:`evaluate_log`'s report, each refused as one line naming the
     argument: ``rmm-jax evaluate`` checks them before it reads the log, and names its
-    option (``--min-ess``) instead (:func:`rmm_jax.cli.common.as_options`)."""
+    option (``--min-ess``) instead (:func:`rmm_jax.cli.common.as_options`). ``seed``,
+    ``exact_limit`` and ``mc_samples`` as :func:`slot_marginals` takes them (ints; the
+    counts >= 1, as the CLI's ``--exact-limit`` and ``--mc-samples``)."""
     if clip is not None and not (clip >= 1.0 and math.isfinite(clip)):
         raise InputError(f"must be a finite number >= 1, got {clip}", arg="clip")
     check_resamples(bootstrap)
     if not (min_ess >= 0 and math.isfinite(min_ess)):
         raise InputError(f"must be a finite number >= 0, got {min_ess}", arg="min_ess")
+    check_marginal_options(exact_limit=exact_limit, samples=mc_samples, seed=seed, samples_arg="mc_samples")
 
 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
@@ -168,7 +211,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     one about clipping. The warnings and errors name ``clip``, ``min_ess`` and the layout's
     ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
     :func:`rmm_jax.errors.named`)."""
-    check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
+    check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess, seed=seed, exact_limit=exact_limit,
+                         mc_samples=mc_samples)
     read: dict = {}
     calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
