@@ -133,7 +133,7 @@ class TimedSaves(PolicySink):
 
 
 def program_for(scope: str, args, spec: VectorSpec):
-    setting = rj.preset("default", k=spec.k, m=5, scope=scope, rank=args.rank)
+    setting = rj.preset("default", k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None)
     return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
 
 

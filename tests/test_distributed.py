@@ -38,7 +38,8 @@ SCRIPT = textwrap.dedent("""
     from rmm_jax.online.vectors import VectorSpec, vector_chunks
 
     spec = VectorSpec(dim=16, memories=30, queries=24, k=8)
-    program = make_run(*rj.preset("default", k=8, m=3, lr=1e-2, scope=scope, rank=2), cite_fn=oracle_cite)
+    program = make_run(*rj.preset("default", k=8, m=3, lr=1e-2, scope=scope, rank=2 if scope == "hybrid" else None),
+                       cite_fn=oracle_cite)
     params = rj.init_reranker(jax.random.key(0), 16)
     mesh = users_mesh() if len(jax.devices()) > 1 else None
     out_arrays = {}

@@ -69,11 +69,28 @@ def test_a_scope_built_directly_is_checked_by_the_layout_that_takes_it():
         assert rj.Scope.from_meta(rj.Layout(scope=scope).scope.meta()) == scope
 
 
+
+def test_a_rank_with_a_scope_other_than_hybrid_is_refused_naming_rank():
+    """rj.preset("default", rank=4) gave Scope(name='user', rank=None) and
+    rj.Scope.named("user", rank=4) the same: the rank was dropped without a word, while
+    the CLI refuses --rank without --scope hybrid. Now a ValueError naming rank."""
+    for make in (lambda: rj.Scope.named("user", rank=4), lambda: rj.Scope.named("shared", 4),
+                 lambda: rj.preset("default", rank=4), lambda: rj.preset("default", scope="shared", rank=4),
+                 lambda: rj.preset("default", scope=rj.Scope(), rank=4)):
+        with pytest.raises(ValueError, match=r"^rank: only scope 'hybrid' has a per-user rank, not '(user|shared)' "
+                                             r"\(give scope='hybrid', or leave rank out\)$"):
+            make()
+    assert rj.preset("default", scope="hybrid", rank=4).layout.scope == rj.Scope("hybrid", 4)
+    assert rj.preset("default", scope=rj.Scope("hybrid", 3), rank=4).layout.scope == rj.Scope("hybrid", 4)
+    assert rj.Scope.named("shared", None) == rj.Scope("shared")
+
+
 SPEC = VectorSpec(dim=16, memories=24, queries=12, k=8)
 
 
 def program_for(scope):
-    return make_run(*rj.preset("default", k=8, m=3, lr=1e-2, scope=scope, rank=2), cite_fn=oracle_cite)
+    return make_run(*rj.preset("default", k=8, m=3, lr=1e-2, scope=scope,
+                                 rank=2 if scope == "hybrid" else None), cite_fn=oracle_cite)
 
 
 def run_chunks(chunks, program, shared=None, upc=4):

@@ -209,8 +209,8 @@ def preset(name: str = "default", *, rank: int | None = None, **overrides) -> Se
     """The :class:`Setting` of preset ``name`` in its scope (:data:`BY_SCOPE` over
     :data:`PRESETS`) with ``overrides`` (fields of :class:`Layout`, :class:`Estimator`,
     ``optimizer`` (a name in :data:`rmm_jax.core.optim.OPTIMIZERS`) and ``lr``). ``scope``
-    may be a name, with ``rank`` for hybrid. A bad value raises
-    ``ValueError("field: message")``.
+    may be a name, with ``rank`` for hybrid (a rank with another scope is refused). A bad
+    value raises ``ValueError("field: message")``.
 
     Examples:
       >>> import rmm_jax as rj

@@ -45,7 +45,7 @@ class Scope(NamedTuple):
 
     Examples:
       >>> import rmm_jax as rj
-      >>> rj.Scope(), rj.Scope.named("hybrid", 4), rj.Scope.named("shared", 4)   # rank: hybrid only
+      >>> rj.Scope(), rj.Scope.named("hybrid", 4), rj.Scope.named("shared")   # rank: hybrid only
       (Scope(name='user', rank=None), Scope(name='hybrid', rank=4), Scope(name='shared', rank=None))
     """
     name: str = "user"
@@ -53,10 +53,14 @@ class Scope(NamedTuple):
 
     @staticmethod
     def named(name: str, rank: int | None = None) -> "Scope":
-        """The scope ``name``; ``rank`` is kept for ``hybrid`` only (default :data:`DEFAULT_RANK`).
-        Raises ``ValueError("scope: ...")``/``("rank: ...")`` for a bad value."""
+        """The scope ``name``; ``rank`` is for ``hybrid`` only (default :data:`DEFAULT_RANK`).
+        Raises ``ValueError("scope: ...")``/``("rank: ...")`` for a bad value, and a rank with
+        another scope (it was dropped without a word), as ``rmm-jax``'s ``--rank`` without
+        ``--scope hybrid``."""
         checks.require(name in SCOPES, "scope", f"must be one of {SCOPES}, got {name!r}")
         if name != "hybrid":
+            checks.require(rank is None, "rank", f"only scope 'hybrid' has a per-user rank, not {name!r} "
+                                                 "(give scope='hybrid', or leave rank out)")
             return Scope(name, None)
         rank = DEFAULT_RANK if rank is None else rank
         checks.require(checks.is_int(rank) and rank >= 1, "rank", f"must be >= 1, got {rank!r}")
@@ -88,7 +92,7 @@ class Scope(NamedTuple):
         residual of rank below d."""
         checks.require(self.name in SCOPES, "scope", f"must be one of {SCOPES}, got {self.name!r}")
         checks.require(self.name == "hybrid" or self.rank is None, "rank",
-                       f"is only for scope 'hybrid', not {self.name!r} (Scope.named drops it)")
+                       f"is only for scope 'hybrid', not {self.name!r}")
         if self.name != "hybrid":
             return
         checks.require(checks.is_int(self.rank) and self.rank >= 1, "rank",
