@@ -137,12 +137,16 @@ def test_numpy_integers_are_taken_as_the_ints_they_are(variant):
     (lambda p: rj.top_m([0.1, 3.0, -2.0], 2), "logits"),
     (lambda p: rj.top_m(jnp.ones(3), 2, mask=[True, False, True]), "mask"),
     (lambda p: rj.listwise_loss(jnp.zeros((1, 3)), [[True, False, False]]), "gold"),
+    (lambda p: rj.score_batch(p, [[1.0, 0.0, 2.0]], jnp.ones((1, 3, 3))), "q"),
 ])
 def test_a_python_list_where_an_array_belongs_is_named_as_a_list(call, arg):
     # A list q was "q: expected a rank-1 array, got shape (3,)" (chex read it as three rank-0
     # arrays), and a list mask or gold a TypeError from jnp.result_type ("Cannot determine dtype").
+    # Then "q: expected a rank-1 array, got list [1.0, 0.0, 2.0]", which a list seems to be: the
+    # message says the array is a NumPy or JAX one (these functions are traced: no conversion).
     p = rj.init_reranker(jax.random.key(0), 3)
-    with pytest.raises(ValueError, match=rf"^{arg}: expected .* array.*, got list \["):
+    pattern = rf"^{arg}: expected an? (rank-\d |bool )?array \(numpy or jax\).*, got list \["
+    with pytest.raises(ValueError, match=pattern):
         call(p)
 
 

@@ -66,12 +66,14 @@ def _chex(assertion, name: str, message: str) -> None:
 def is_array(x) -> bool:
     """An array (NumPy, JAX, or a tracer): what has a ``shape`` and a ``dtype``. A Python list
     has neither: chex reads a list as a sequence of arrays (``[1.0, 2.0]`` as two rank-0 ones)
-    and ``jnp.result_type`` cannot type a nested one, so it is refused by name first."""
+    and ``jnp.result_type`` cannot type a nested one, so it is refused by name first, as
+    "expected a ... array (numpy or jax), got list [...]": the functions that take it are
+    traced, where a list cannot be converted (and would be a new static argument)."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def check_rank(x, rank: int, name: str) -> None:
-    require(is_array(x), name, f"expected a rank-{rank} array, got {short(x)}")
+    require(is_array(x), name, f"expected a rank-{rank} array (numpy or jax), got {short(x)}")
     _chex(lambda: chex.assert_rank(x, rank), name, f"expected a rank-{rank} array, got shape {jnp.shape(x)}")
 
 
@@ -152,6 +154,6 @@ def check_selected(selected, k: int, name: str = "selected") -> None:
 def check_mask(mask, shape, name: str = "mask") -> None:
     if mask is None:
         return
-    require(is_array(mask), name, f"expected a bool array of shape {tuple(shape)}, got {short(mask)}")
+    require(is_array(mask), name, f"expected a bool array (numpy or jax) of shape {tuple(shape)}, got {short(mask)}")
     require(jnp.shape(mask) == tuple(shape), name, f"expected shape {tuple(shape)}, got {jnp.shape(mask)}")
     require(jnp.result_type(mask) == jnp.bool_, name, f"expected dtype bool, got {jnp.result_type(mask)}")

@@ -105,14 +105,15 @@ def _call_contract(scores, selected, slots, name: str, weights, mask=None):
         checks.check_mask(slots, selected.shape, name)
     else:
         checks.require(checks.is_array(slots) and slots.shape == selected.shape, name,
-                       f"expected an array of shape {selected.shape} (as selected), got {checks.short(slots)}")
+                       f"expected an array (numpy or jax) of shape {selected.shape} (as selected), "
+                       f"got {checks.short(slots)}")
         checks.check_no_nan(slots, name)
     checks.check_selected(selected, scores.shape[1])
     checks.check_mask(mask, scores.shape)
     b = scores.shape[0]
     weights = jnp.ones((b,), jnp.float32) if weights is None else weights
     checks.require(checks.is_array(weights) and weights.shape == (b,), "weights",
-                   f"expected an array of shape ({b},), got {checks.short(weights)}")
+                   f"expected an array (numpy or jax) of shape ({b},), got {checks.short(weights)}")
     checks.check_no_nan(weights, "weights")
     return weights
 
@@ -144,7 +145,8 @@ def advantages(rewards, baseline, filled, credit: str = "item"):
       [0.5, 0.5, 0.5, 0.0]
     """
     checks.require(credit in CREDITS, "credit", f"must be one of {CREDITS}, got {credit!r}")
-    checks.require(checks.is_array(rewards), "rewards", f"expected an array, got {checks.short(rewards)}")
+    checks.require(checks.is_array(rewards), "rewards",
+                   f"expected an array (numpy or jax), got {checks.short(rewards)}")
     checks.check_mask(filled, rewards.shape, "filled")
     bs = np.shape(baseline)
     checks.require(len(bs) <= rewards.ndim and all(x in (1, y) for x, y in zip(bs[::-1], rewards.shape[::-1])),
