@@ -146,6 +146,7 @@ from rmm_jax.online.ope._estimators import (
 from rmm_jax.online.ope._marginals import (
     DEFAULT_EXACT_LIMIT,
     DEFAULT_MC_SAMPLES,
+    check_marginal_options,
     prefix_log_probs,
     shown_set_probs,
     slot_marginals,
@@ -172,6 +173,6 @@ __all__ = [
     "slot_rewards", "subset_count", "unreliable", "verdict",
     # constants and checks the CLI and the docstrings name
     "DEFAULT_BOOTSTRAP", "DEFAULT_EXACT_LIMIT", "DEFAULT_MC_SAMPLES", "LOG_FLOAT_MAX", "RANGE_TOL", "SHIP_ESTIMATOR",
-    "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "check_inputs", "check_report_options",
-    "check_target",
+    "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "check_inputs", "check_marginal_options",
+    "check_report_options", "check_target",
 ]

@@ -143,7 +143,7 @@ def slot_marginals_mc(logits, mask, m: int, *, samples: int = DEFAULT_MC_SAMPLES
     return np.concatenate(out) if out else np.zeros((0, m, logits.shape[1]))
 
 
-def check_int_option(x, name: str, low: int, high: int | None = None) -> None:
+def _check_int_option(x, name: str, low: int, high: int | None = None) -> None:
     """``InputError`` naming ``name`` unless ``x`` is an int (not a bool) >= ``low`` (and <
     ``high``): the counts and the seed of :func:`slot_marginals` and
     :func:`~rmm_jax.online.ope.evaluate_log`, as ``rmm-jax evaluate`` bounds its options."""
@@ -156,9 +156,9 @@ def check_marginal_options(*, exact_limit, samples, seed, samples_arg: str = "sa
     """The options of :func:`slot_marginals`, each refused by name: ``exact_limit`` and
     ``samples`` >= 1 (``samples=0`` gave NaN marginals, -1 a JAX error), ``seed`` an int in
     [0, 2**63) (what NumPy's generators and JAX's keys both take; ``"0"`` was a TypeError)."""
-    check_int_option(exact_limit, "exact_limit", 1)
-    check_int_option(samples, samples_arg, 1)
-    check_int_option(seed, "seed", 0, 2**63)
+    _check_int_option(exact_limit, "exact_limit", 1)
+    _check_int_option(samples, samples_arg, 1)
+    _check_int_option(seed, "seed", 0, 2**63)
 
 
 def _check_logits(logits, mask, *, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
