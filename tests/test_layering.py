@@ -15,7 +15,7 @@ ALLOWED = {
     "online": {"online", "data", "core", "persist"},
     "data": {"data", "core", "persist"},
     "core": {"core"},
-    "persist": {"persist", "core.types", "core.scope", "core.reranker", "core.checks"},   # checks: core's input contracts
+    "persist": {"persist", "core.types", "core.scope", "core.reranker", "core.checks"},   # checks: input contracts
 }
 FLOOR = {"errors", "version", "deprecated"}
 

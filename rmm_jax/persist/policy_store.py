@@ -91,7 +91,7 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
-from rmm_jax.core import checks
+from rmm_jax.core.checks import is_real, short
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
@@ -292,7 +292,7 @@ class PolicyStore:
         shared_info = _json_dict(shared_info, "shared info", str(path))
         _check_keep(keep, str(path))
         if not isinstance(shared_params, Mapping):      # None was stored, and serving failed 10 calls deep
-            raise InputError(f"expected a reranker's params (init_reranker), got {checks.short(shared_params)}",
+            raise InputError(f"expected a reranker's params (init_reranker), got {short(shared_params)}",
                              arg="shared_params")
         _check_dim(shared_params, meta["dim"], "shared_params")
         if (chunk_size is not None and chunk_size < 1) or chunk_bytes < 1:
@@ -353,8 +353,8 @@ class PolicyStore:
         corrupt index, a format-1 index, unindexed snapshots), stores this object's
         ``keep`` in the header and marks the store as written in the current format.
         """
-        if not (checks.is_real(wait) and wait >= 0):     # "1" was a TypeError from a comparison, -1 taken
-            raise InputError(f"must be a number of seconds >= 0, got {checks.short(wait)}", arg="wait")
+        if not (is_real(wait) and wait >= 0):     # "1" was a TypeError from a comparison, -1 taken
+            raise InputError(f"must be a number of seconds >= 0, got {short(wait)}", arg="wait")
         with self._lock.hold(wait) as outermost:
             if outermost:
                 self._repair()
