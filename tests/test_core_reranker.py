@@ -174,3 +174,26 @@ def test_params_that_are_not_a_rerankers_are_one_value_error(params, fn, variant
     q, m = (jnp.ones((2, 3)), jnp.ones((2, 4, 3))) if fn == "score_batch" else (jnp.ones(3), jnp.ones((4, 3)))
     with pytest.raises(ValueError, match=r"^params: expected a reranker's params \(init_reranker"):
         variant(getattr(rj, fn))(params, q, m)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["score", "score_batch"])
+def test_a_nan_embedding_is_refused_eagerly_unless_its_slot_is_masked(batched):
+    """rj.score returned NaN scores for a NaN query or candidate, while the samplers, losses
+    and Reranker refuse NaN. Eager calls now refuse it by name; a padded (masked) slot may hold
+    anything; under jit (traced) nothing is checked, as for the other core functions."""
+    p = rj.init_reranker(jax.random.key(0), 3)
+    q, m = np.ones(3, np.float32), np.ones((4, 3), np.float32)
+    bad_q, bad_m = q.copy(), m.copy()
+    bad_q[1], bad_m[2, 0] = np.nan, np.inf
+    mask = np.array([True, True, False, True])
+    fn = (lambda p, q, m, mask=None: rj.score_batch(p, q[None], m[None], None if mask is None else mask[None])) \
+        if batched else rj.score
+    with pytest.raises(ValueError, match=r"^q: contains NaN or Inf$"):
+        fn(p, bad_q, m)
+    with pytest.raises(ValueError, match=r"^m: contains NaN or Inf$"):
+        fn(p, q, bad_m)
+    with pytest.raises(ValueError, match=r"^m: contains NaN or Inf in a slot the mask keeps$"):
+        fn(p, q, bad_m, mask=np.array([True, True, True, True]))
+    out = np.asarray(fn(p, q, bad_m, mask=mask)).ravel()          # the bad row is padding: scored -inf
+    assert np.isneginf(out[2]) and np.isfinite(out[[0, 1, 3]]).all()
+    assert np.isnan(np.asarray(jax.jit(fn)(p, bad_q, m))).all()   # traced: unchecked (core.checks says so)

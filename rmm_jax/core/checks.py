@@ -131,6 +131,15 @@ def check_finite(x, name: str) -> None:
         require(bool(np.all(np.isfinite(np.asarray(x)))), name, "contains NaN or Inf")
 
 
+def check_finite_where(x, mask, name: str) -> None:
+    """:func:`check_finite` on the rows of ``x`` (..., K, d) that ``mask`` (..., K; None: all)
+    keeps: a padded slot may hold anything, since its score is masked."""
+    if is_concrete(x) and (mask is None or is_concrete(mask)):
+        rows = np.asarray(x) if mask is None else np.asarray(x)[np.asarray(mask, bool)]
+        require(bool(np.all(np.isfinite(rows))), name, "contains NaN or Inf" + ("" if mask is None else
+                                                                               " in a slot the mask keeps"))
+
+
 def check_no_nan(x, name: str) -> None:
     if is_concrete(x):
         require(not bool(np.any(np.isnan(np.asarray(x)))), name, "contains NaN")

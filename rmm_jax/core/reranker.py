@@ -216,6 +216,8 @@ def score(params, q, m, mask=None):
     checks.require(q.shape[0] == d, "q", f"dimension {q.shape[0]} does not match the reranker's {d}")
     checks.require(m.shape[1] == d, "m", f"dimension {m.shape[1]} does not match the reranker's {d}")
     checks.check_mask(mask, (m.shape[0],))
+    checks.check_finite(q, "q")                  # eager calls: NaN scored silently, while sampling refused it
+    checks.check_finite_where(m, mask, "m")
     s = _score_unmasked(params, q, m)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
@@ -241,6 +243,8 @@ def score_batch(params, q, m, mask=None):
     checks.require(m.shape[0] == q.shape[0], "m", f"candidates of {m.shape[0]} queries for {q.shape[0]} queries "
                                                   f"(q {q.shape}, m {m.shape})")
     checks.check_mask(mask, m.shape[:2])
+    checks.check_finite(q, "q")                  # (score's own checks see tracers under vmap)
+    checks.check_finite_where(m, mask, "m")
     if mask is None:
         return jax.vmap(score, in_axes=(None, 0, 0))(params, q, m)
     return jax.vmap(score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
