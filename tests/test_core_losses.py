@@ -461,3 +461,14 @@ def test_nan_rewards_or_weights_are_refused_eagerly(field):
     args = {"rewards": jnp.ones((2, 2)), "weights": None, **{field: bad[field]}}
     with pytest.raises(ValueError, match=rf"^{field}: contains NaN"):
         rj.reinforce_loss(S2, SEL2, args["rewards"], 0.5, 0.5, weights=args["weights"])
+
+
+def test_a_nan_baseline_is_refused_eagerly_as_nan_rewards_are():
+    # it gave a NaN loss (and NaN advantages) without a word, while NaN rewards were refused
+    with pytest.raises(ValueError, match=r"^baseline: contains NaN"):
+        rj.reinforce_loss(S2, SEL2, jnp.ones((2, 2)), float("nan"), 0.5)
+    with pytest.raises(ValueError, match=r"^baseline: contains NaN"):
+        rj.advantages(jnp.ones(3), jnp.array([0.5, jnp.nan, 0.5]), jnp.ones(3, bool))
+    # under jit a traced baseline is not inspected (no host sync), as the other value checks
+    adv = jax.jit(lambda b: rj.advantages(jnp.ones(3), b, jnp.ones(3, bool)))(0.5)
+    assert adv.tolist() == [0.5, 0.5, 0.5]

@@ -151,6 +151,7 @@ def advantages(rewards, baseline, filled, credit: str = "item"):
     bs = np.shape(baseline)
     checks.require(len(bs) <= rewards.ndim and all(x in (1, y) for x, y in zip(bs[::-1], rewards.shape[::-1])),
                    "baseline", f"shape {bs} does not broadcast to the rewards' {rewards.shape}")
+    checks.check_no_nan(baseline, "baseline")      # as the rewards: a NaN b made every advantage NaN
     a = jnp.where(filled, rewards - baseline, 0.0)
     if credit == "reward_to_go":
         a = jnp.flip(jnp.cumsum(jnp.flip(a, -1), axis=-1), -1)
