@@ -484,3 +484,30 @@ def test_settings_keep_an_infinite_clip_and_tolerance():
     # the type checks above take +inf where a comparison took it (clip inf: no clipping)
     est = rj.preset("default", clip=float("inf"), on_policy_tol=float("inf")).estimator
     assert est.clip == float("inf") and est.on_policy_tol == float("inf")
+
+
+# Swapped or missing arguments were "'SharedState' object has no attribute 'learner_state'";
+# checked on the Python side (at trace time under jit), so both ways name the argument
+@pytest.mark.parametrize("args, field, want", [
+    (lambda s, u, b: (u, s, b), "shared", "SharedState"),
+    (lambda s, u, b: (s, s, b), "users", "UserState"),
+    (lambda s, u, b: (s, u, None), "batch", "Batch"),
+    (lambda s, u, b: (s, u, b._asdict()), "batch", "Batch"),
+])
+def test_the_update_refuses_an_argument_of_the_wrong_type_naming_it(args, field, want, variant):
+    layout, est, shared, users, batch = setup("shared", rj.adam(0.05))
+    with pytest.raises(ValueError, match=rf"^{field}: expected a {want} .*got "):
+        variant(rj.make_update(layout, est, rj.adam(0.05)))(*args(shared, users, batch))
+
+
+@pytest.mark.parametrize("scope, kind", [("user", "linear"), ("shared", "linear"), ("hybrid", "linear"),
+                                         ("shared", "mlp")])
+def test_a_query_of_the_wrong_size_is_blamed_on_q_not_m(scope, kind, variant):
+    # a q of d + 1 said "m: expected shape (U, B, K, d + 1)"; m of the wrong size still names m
+    layout, est, shared, users, batch = setup(scope, rj.adam(0.05), kind)
+    update = variant(rj.make_update(layout, est, rj.adam(0.05)))
+    wide = lambda x: jnp.concatenate([x, x[..., :1]], -1)          # noqa: E731
+    with pytest.raises(ValueError, match=r"^q: embedding size \d+, the policy's is \d+"):
+        update(shared, users, batch._replace(q=wide(batch.q)))
+    with pytest.raises(ValueError, match=r"^m: expected shape"):
+        update(shared, users, batch._replace(m=wide(batch.m)))

@@ -52,6 +52,7 @@ Everything is a pure function of arrays, built once by :func:`make_update`; it r
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import chex
@@ -244,9 +245,21 @@ def _where(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def check_batch(batch: Batch, n_users: int) -> None:
+def _policy_dim(shared_params, user_params) -> int | None:
+    """The policy's embedding size d, read from the shape of the query adapter's kernel (the
+    shared part's, or the users' own in scope ``user``); static, so free under jit."""
+    for tree in (shared_params, user_params):
+        adapter = tree.get("q_adapter") if isinstance(tree, Mapping) else None
+        for name in ("W", "down"):
+            if isinstance(adapter, Mapping) and name in adapter:
+                return int(jnp.shape(adapter[name]["kernel"])[-1])
+    return None
+
+
+def check_batch(batch: Batch, n_users: int, dim: int | None = None) -> None:
     """The update's contract, with a leading users axis U = ``n_users`` on every leaf: ``q``
-    (U, B, d), ``m`` (U, B, K, d), ``mask``, ``gumbel``, ``scores`` (U, B, K), ``valid``,
+    (U, B, d) with d = ``dim`` (the policy's; None: not checked), ``m`` (U, B, K, d), ``mask``,
+    ``gumbel``, ``scores`` (U, B, K), ``valid``,
     ``logged_log_prob``, ``has_logged`` (U, B), ``selected`` int and ``cited`` bool (U, B, M).
     Shapes and dtypes are static, so this holds under jit too; a wrong one was a chex
     AssertionError or a broadcasting error deep inside the step. Values (NaN in ``q`` or
@@ -258,6 +271,8 @@ def check_batch(batch: Batch, n_users: int) -> None:
     u, b, d = batch.q.shape
     k, m = batch.m.shape[2], batch.selected.shape[2]
     checks.require(u == n_users, "q", f"{u} users in the batch, {n_users} in the users' state")
+    # before m's shape, which is read against q's d: a q of the wrong size blamed m
+    checks.require(dim is None or d == dim, "q", f"embedding size {d}, the policy's is {dim} (shape {(u, b, d)})")
     want = {"m": (u, b, k, d), "mask": (u, b, k), "valid": (u, b), "selected": (u, b, m), "cited": (u, b, m),
             "gumbel": (u, b, k), "logged_log_prob": (u, b), "has_logged": (u, b), "scores": (u, b, k)}
     for name, shape in want.items():
@@ -278,6 +293,8 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
     ``shared`` is a :class:`SharedState`; ``users`` a :class:`UserState` and ``batch`` a
     :class:`Batch` with ``scores`` (the users' current scores), both with a leading users
     axis U. ``metrics`` holds per-user (U,) loss, reward, baseline, cite_rate and weight.
+    An argument of another type, or a batch that breaks :func:`check_batch`, is a
+    ``ValueError`` naming it (checked when the update is called or traced, not in the step).
 
     Examples:
       >>> import jax, jax.numpy as jnp, rmm_jax as rj
@@ -347,9 +364,16 @@ def make_update(layout: Layout, estimator: Estimator, optimizer):
         return optax.apply_updates(params, updates), opt_state
 
     def apply(shared: SharedState, users: UserState, batch: Batch):
+        # the types first (on the Python side: static under jit, nothing is added to the step):
+        # swapped arguments were "'SharedState' object has no attribute 'learner_state'"
+        for name, value, want, made_by in (("shared", shared, SharedState, "rj.init_shared"),
+                                           ("users", users, UserState, "rj.init_user, vmapped over users"),
+                                           ("batch", batch, Batch, "rj.Batch")):
+            checks.require(isinstance(value, want), name, f"expected a {want.__name__} ({made_by}), "
+                           f"got {type(value).__name__} (the update takes (shared, users, batch))")
         if batch.scores is None:
             raise ValueError("scores: the update needs the batch's current scores")
-        check_batch(batch, users.learner_state.step.shape[0])
+        check_batch(batch, users.learner_state.step.shape[0], _policy_dim(shared.params, users.params))
         b, new_baseline, weights, stats = jax.vmap(prepare)(users.learner_state, batch)
         grads = linear_grads if linear else autodiff_grads
         losses, g_shared, g_local = grads(shared.params, users.params, batch, b, weights)
