@@ -215,3 +215,13 @@ def test_users_empty_or_repeated_is_refused_by_name(logged):
             count_calls(st, log, users=users)
         with pytest.raises(InputError, match=rf"^users: {msg}"):
             scan_log(log, Layout(k=10, m=4), users=users)
+
+
+@pytest.mark.parametrize("counts", [{}, None, [1, 2]])
+def test_cite_rates_refuses_what_is_not_call_counts_by_name(counts):
+    """cite_rates({}) was an AttributeError ('dict' object has no attribute 'users')."""
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.cite_rates import cite_rates
+
+    with pytest.raises(InputError, match=r"^c: expected CallCounts, count_calls\(store, log_path\), got "):
+        cite_rates(counts)

@@ -179,7 +179,14 @@ def cite_rates(c: CallCounts, *, n_boot: int = 2000, seed: int = 0, level: float
     options that correct the logistic loss for them: ``options`` is None unless the two
     rates' intervals are apart (P(cite | useful) above P(cite | not useful)); the
     correction divides by their difference, so rates that may be equal would make it
-    noise."""
+    noise.
+
+    Raises:
+      InputError: naming ``c`` unless it is a :class:`CallCounts` (:func:`count_calls`).
+      ValueError: when no call has gold.
+    """
+    if not isinstance(c, CallCounts):      # a dict was an AttributeError ('dict' object has no attribute 'users')
+        raise InputError(f"expected CallCounts, count_calls(store, log_path), got {short(c)}", arg="c")
     if c.users.size == 0:
         raise ValueError("no call has gold")
     counts = resample_counts(c.users, n_boot, np.random.default_rng(seed)).astype(np.float64)
