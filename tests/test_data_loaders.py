@@ -409,6 +409,14 @@ def test_load_spec_bad(spec, needle):
         load_spec(spec)
 
 
+@pytest.mark.parametrize("spec", [Path("synthetic"), Path("jsonl:/x.jsonl"), None, 3])
+def test_load_spec_says_spec_is_a_str_naming_the_argument(spec):
+    """load_spec(Path("synthetic")) said "empty dataset SPEC" of a non-empty spec: a SPEC is a
+    str, scheme first (a path has none), and the error names the argument and what it got."""
+    with pytest.raises(InputError, match=r"^spec: expected a SPEC str, scheme first .*, got " + type(spec).__name__):
+        load_spec(spec)
+
+
 def test_load_spec_mistyped_gold_level_says_so():
     """`longmemeval:FILE@sessions` (a typo of @session) said "FILE@sessions: no such file" of a file
     that exists; it names the level and the ones there are."""

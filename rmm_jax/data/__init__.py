@@ -69,8 +69,13 @@ def load_spec(spec: str, *, skip_invalid: bool = False, keep_roles: tuple[str, .
     (:func:`~rmm_jax.data.jsonl.load_jsonl`); other schemes refuse both. ``gold_elsewhere``:
     ``jsonl:`` keeps gold ids its file does not hold aside, for a store append to look up
     (``rmm-jax embed --into``); the other schemes check their gold as they always do.
+    ``spec`` is the str itself, scheme first: a path (``pathlib.Path``) or another type is an
+    InputError naming ``spec`` (a path has no scheme: give ``f"jsonl:{path}"``).
     """
-    if not isinstance(spec, str) or not spec.strip():
+    if not isinstance(spec, str):         # Path("synthetic") said "empty dataset SPEC"
+        raise InputError(f"expected a SPEC str, scheme first (\"synthetic\", \"jsonl:PATH\"; one of "
+                         f"{', '.join(SCHEMES)}), got {type(spec).__name__} {str(spec)!r}"[:200], arg="spec")
+    if not spec.strip():
         raise InputError(f"empty dataset SPEC (expected one of {', '.join(SCHEMES)})", where="SPEC")
     scheme, colon, rest = spec.strip().partition(":")
     for name, given in (("skip_invalid", skip_invalid), ("keep_roles", keep_roles)):
