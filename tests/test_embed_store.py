@@ -441,6 +441,40 @@ def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
         append_store(s, tiny_dataset(), FakeEmbedder(8))
 
 
+def test_a_store_write_names_an_embedder_or_dataset_of_the_wrong_kind_and_writes_nothing(tmp_path):
+    """An embedder giving another size than its .dim was "cannot reshape array of size 144 into
+    shape (16,8)"; embedder=None and a SPEC str for the dataset were AttributeErrors. Each is one
+    InputError naming the argument, and nothing is written."""
+    from rmm_jax.data.store import append_store
+
+    class Wider(FakeEmbedder):
+        def encode(self, texts, desc=""):
+            return np.ones((len(texts), self.dim + 1), np.float32)
+
+    out = tmp_path / "x"
+    with pytest.raises(InputError, match=r"^embedder: memories embeddings from model 'fake/bow-16' have shape "
+                                         r"\(\d+, 17\), expected \(\d+, 16\) \(\d+ texts, embedder\.dim 16\)$"):
+        write_store(out, tiny_dataset(), "turn", Wider())
+    for embedder in (None, "fake/bow-16"):
+        with pytest.raises(InputError, match=r"^embedder: expected an Embedder \(\.encode, \.model_id, \.dim\), "):
+            write_store(out, tiny_dataset(), "turn", embedder)
+    with pytest.raises(InputError, match=r"^dataset: expected a Dataset, e\.g\. rmm_jax\.data\.load_spec\(SPEC\), "
+                                         r"got str 'synthetic'"):
+        write_store(out, "synthetic", "turn", FakeEmbedder())
+    assert not out.exists()
+    s = _w(tmp_path / "s", tiny_dataset(), "turn")
+    before = sorted(p.name for p in s.iterdir())
+    more = Dataset("more", (User("carol", tiny_dataset().users[0].sessions, ()),))
+    with pytest.raises(InputError, match=r"^embedder: memories embeddings .* expected \(\d+, 16\) "
+                                         r"\(\d+ texts, the store's dim 16\)$"):
+        append_store(s, more, Wider())
+    with pytest.raises(InputError, match=r"^dataset: expected a Dataset"):
+        append_store(s, "synthetic", FakeEmbedder())
+    with pytest.raises(InputError, match=r"^embedder: expected an Embedder"):
+        append_store(s, more, None)
+    assert sorted(p.name for p in s.iterdir()) == before and "carol" not in open_store(s).user_ids
+
+
 def test_the_progress_lines_say_1_user_not_1_users(tmp_path):
     """write_store's line said "1 users, ..." and append_store's "new: 1 users, 1 sessions
     (...)": the data layer cannot import the CLI's count, so it spelt every plural out.

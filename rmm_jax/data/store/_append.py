@@ -14,6 +14,8 @@ from rmm_jax.data.store._read import open_store, read_rows
 from rmm_jax.data.store._write import (
     _add_user_rows,
     _assemble_arrays,
+    _check_dataset,
+    _check_embedder,
     _check_user_ids,
     _jsonable,
     _Rows,
@@ -134,6 +136,8 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, l
     gold_elsewhere=True)``): they become its ``gold_memory_ids`` as the dataset's own do. An id
     the store does not hold for that user, or any such id of a user the store does not hold,
     is an error naming its file:line and key, before anything is embedded or written."""
+    _check_dataset(dataset)
+    _check_embedder(embedder)
     if not Path(path).is_dir():
         return _append(path, dataset, embedder, spec, log)       # open_store's one-line error
     with store_writer(path):
@@ -198,11 +202,12 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
         return {"manifest": st.manifest, "added": counts}
     mem_emb, qry_emb = _assemble_arrays(embedder.encode([r["text"] for r in rows.memories], desc="new memories"),
                                         embedder.encode([r["text"] for r in rows.queries], desc="new questions"),
-                                        rows, st.model, st.dim)
+                                        rows, st.model, st.dim, "the store's dim")
     ans_emb = None
     if st.answer_emb is not None:
         texts = answer_texts(Dataset(dataset.name, tuple(growth[uid].user for uid in order)))
-        _, ans_emb = _assemble_arrays(mem_emb, embedder.encode(texts, desc="new answers"), rows, st.model, st.dim)
+        _, ans_emb = _assemble_arrays(mem_emb, embedder.encode(texts, desc="new answers"), rows, st.model, st.dim,
+                                      "the store's dim")
     manifest = _write_grown(st, rows, spans, mem_emb, qry_emb, ans_emb, order, spec, counts,
                             round(time.perf_counter() - t0, 3))
     return {"manifest": manifest, "added": counts}

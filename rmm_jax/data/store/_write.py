@@ -161,9 +161,31 @@ def _embed_rows(embedder, rows: _Rows) -> tuple:
     return mem_emb, qry_emb
 
 
-def _assemble_arrays(mem_emb, qry_emb, rows: _Rows, model_id: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check the embeddings are finite and shape them ``(n, dim)`` float32."""
-    for name, arr in (("memories", mem_emb), ("queries", qry_emb)):
+def _check_embedder(embedder) -> None:
+    """``embedder`` has what a store write reads (``.encode``, ``.model_id``, ``.dim``): None or
+    a model name was an AttributeError after the memories were built."""
+    if not (callable(getattr(embedder, "encode", None)) and hasattr(embedder, "model_id")
+            and hasattr(embedder, "dim")):
+        raise InputError(f"expected an Embedder (.encode, .model_id, .dim), e.g. rmm_jax.data.embed.Embedder(model), "
+                         f"got {type(embedder).__name__} {embedder!r}"[:200], arg="embedder")
+
+
+def _check_dataset(dataset) -> None:
+    """``dataset`` is a :class:`~rmm_jax.data.types.Dataset` (a SPEC str was an AttributeError)."""
+    if not isinstance(dataset, Dataset):
+        raise InputError(f"expected a Dataset, e.g. rmm_jax.data.load_spec(SPEC), got "
+                         f"{type(dataset).__name__} {dataset!r}"[:200], arg="dataset")
+
+
+def _assemble_arrays(mem_emb, qry_emb, rows: _Rows, model_id: str, dim: int,
+                     dim_is: str = "embedder.dim") -> tuple[np.ndarray, np.ndarray]:
+    """Check the embeddings are finite and ``(n, dim)`` (``dim_is``: where ``dim`` comes from,
+    for the error), and return them float32."""
+    for name, arr, n in (("memories", mem_emb, len(rows.memories)), ("queries", qry_emb, len(rows.queries))):
+        shape = np.shape(arr)
+        if n and shape != (n, dim):      # one of another size was "cannot reshape array of size 144 into (16, 8)"
+            raise InputError(f"{name} embeddings from model {model_id!r} have shape {shape}, expected ({n}, {dim}) "
+                             f"({n} texts, {dim_is} {dim})", arg="embedder")
         if not np.isfinite(np.asarray(arr)).all():
             raise InputError(f"NaN/Inf in {name} embeddings from model {model_id!r}", arg="embedder")
     return (np.asarray(mem_emb, np.float32).reshape(len(rows.memories), dim),
@@ -270,7 +292,14 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
 
     Returns:
       The manifest written.
+
+    Raises:
+      InputError: naming the argument (``dataset`` not a Dataset, ``embedder`` without
+        ``.encode``/``.model_id``/``.dim`` or giving embeddings of another shape than
+        (texts, ``embedder.dim``), ``granularity``, ``path``), or the dataset's place.
     """
+    _check_dataset(dataset)
+    _check_embedder(embedder)
     _check_granularity(granularity)
     _check_granularity_kwargs(granularity, granularity_kwargs)
     check_store_path(path)
