@@ -442,6 +442,15 @@ def test_empty_missing_and_directory(tmp_path):
         read_log(tmp_path)
 
 
+@pytest.mark.parametrize("path", [None, 2.5, ["calls.jsonl"]])   # an int was read as a file descriptor
+def test_a_path_that_is_not_a_str_or_pathlike_names_path(path):
+    """read_log(None) was a TypeError from open() ("expected str, bytes or os.PathLike object")."""
+    for read in (read_log, lambda p: list(iter_log(p)), lambda p: list(iter_user_chunks(p, 1))):
+        with pytest.raises(InputError, match=r"^path: expected the log's path \(a str or os\.PathLike\), got "
+                                             + type(path).__name__):
+            read(path)
+
+
 def test_skip_invalid_counts_and_caps_first_errors(tmp_path):
     path = tmp_path / "calls.jsonl"
     lines = [json.dumps(_with(query_id=f"q{i}")) for i in range(3)]

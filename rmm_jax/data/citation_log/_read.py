@@ -32,6 +32,9 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     the number of records (only a set of finished user ids is kept). A memory whose
     text two records of a user give differently is an error (so is a call logged twice).
     """
+    if not isinstance(path, (str, bytes, os.PathLike)):   # None was a TypeError from open(), an int read as an fd
+        raise InputError(f"expected the log's path (a str or os.PathLike), got {type(path).__name__} {path!r}"[:160],
+                         arg="path")
     lookup = _known_lookup(known) if known is not None else None
     report.update(_new_report())
     keys_seen = set(LOG_KEYS)
@@ -130,7 +133,8 @@ def read_log(path: str | os.PathLike, *, known: Known = None,
 
     ``report`` is ``{"records": n, "skipped": n, "first_errors": [<= 5 messages], "notes": [...]}``.
     See :func:`iter_log` for the checks and ``known``. A log with no valid record
-    raises ``InputError`` "no records" even with ``skip_invalid``.
+    raises ``InputError`` "no records" even with ``skip_invalid``; a ``path`` that is not a
+    str or ``os.PathLike`` (None) raises one naming ``path``.
     """
     report = _new_report()
     records = list(iter_log(path, known=known, skip_invalid=skip_invalid, report=report))
