@@ -373,6 +373,22 @@ def test_behaviour_tau_refuses_a_path_by_name(tmp_path):
     assert behaviour_tau(ps) == behaviour_tau(None) == Estimator().sample_tau
 
 
+def test_an_int_or_bool_embedding_is_refused_naming_it_as_the_core_refuses_it():
+    """q.astype(np.int32) (all zeros) or a bool candidate bank was ranked and sampled without
+    a word; the core's check_float refuses them ("expected a floating dtype, got int32")."""
+    rr = Reranker(None, dim=2)
+    q, c = np.array([0.6, 0.8]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+    keys = jax.random.split(jax.random.key(0), 1)
+    for args, where, got in (((q.astype(np.int32), c), "query_emb", "int32"),
+                             ((q, c.astype(bool)), "candidate_embs", "bool"),
+                             (([1, 0], c), "query_emb", r"int64 \(from a list of ints\)")):
+        with pytest.raises(InputError, match=rf"^{where}: expected a floating dtype, got {got}$"):
+            rr.rank("u1", *args, 2)
+        with pytest.raises(InputError, match=rf"^{where}: expected a floating dtype, got {got}$"):
+            rr.sample("u1", *args, 2, keys=keys, tau=1.0)
+    assert rr.rank("u1", q.astype(np.float64), c.astype(np.float16), 2).selected.tolist() == [[2, 1]]
+
+
 def test_embeddings_keys_or_a_seed_that_are_not_numbers_are_one_input_error():
     """A str query was NumPy's ValueError ("could not convert string to float"), a ragged
     candidate list its "inhomogeneous shape" one, a complex query lost its imaginary part with
@@ -390,9 +406,10 @@ def test_embeddings_keys_or_a_seed_that_are_not_numbers_are_one_input_error():
     for seed in ("0", 2 ** 70, 1.5, None):
         with pytest.raises(InputError, match=r"^seed: must be an int in \[-2\*\*63, 2\*\*63\), got "):
             call_keys(seed, "u1", ["c1"])
-    # what worked still does: lists, float64, ints and bools, NumPy integer seeds
+    # what worked still does: lists, float64, NumPy integer seeds (int and bool embeddings are
+    # refused: test_an_int_or_bool_embedding_is_refused_naming_it_as_the_core_refuses_it)
     assert rr.rank("u1", q.tolist(), c.tolist(), 2).selected.tolist() == [[0, 2]]
-    assert rr.rank("u1", np.array([1, 0]), c, 2).selected.tolist() == [[0, 2]]
+    assert rr.rank("u1", np.array([1, 0], np.float64), c, 2).selected.tolist() == [[0, 2]]
     assert (jax.random.key_data(call_keys(np.int64(3), "u1", ["c1"])) ==
             jax.random.key_data(call_keys(3, "u1", ["c1"]))).all()
 

@@ -204,16 +204,21 @@ def _sample(params, q, cands, mask, keys, tau, m: int):
 
 
 def _real_array(x, name: str) -> np.ndarray:
-    """``x`` as a float32 array, ``InputError`` naming ``name`` unless it holds real numbers
-    (float, int or bool): a string was NumPy's ValueError ("could not convert string to
-    float"), a ragged list its "inhomogeneous shape" one, and a complex array lost its
-    imaginary part with only a ComplexWarning."""
+    """``x`` as a float32 array, ``InputError`` naming ``name`` unless it holds floating-point
+    numbers: a string was NumPy's ValueError ("could not convert string to float"), a ragged
+    list its "inhomogeneous shape" one, and a complex array lost its imaginary part with only
+    a ComplexWarning. An int or bool embedding (``q.astype(np.int32)``, truncated to zeros)
+    was ranked without a word: refused as the core's ``check_float`` refuses it."""
     try:
         a = np.asarray(x)
     except (TypeError, ValueError):
         a = None
     if a is None or a.dtype.kind not in "biuf":
         raise InputError(f"expected an array of real numbers, got {checks.short(x)}", where=name)
+    if a.dtype.kind != "f":
+        raise InputError(f"expected a floating dtype, got {a.dtype}" + ("" if hasattr(x, "dtype") else
+                                                                      f" (from a {type(x).__name__} of ints)"),
+                         where=name)
     return a.astype(np.float32, copy=False)        # no copy of what is float32 already (the serving path)
 
 
@@ -361,8 +366,9 @@ class Reranker:
         """Deterministic top-``m`` of ``user_id``'s policy for one query or a batch.
 
         ``query_emb`` (d,) or (n, d); ``candidate_embs`` (K, d), shared by every query, or
-        (n, K, d); ``mask`` (K,) or (n, K) bool, False at padding. Shapes are padded to
-        buckets, so batches of nearby sizes share one compiled program."""
+        (n, K, d), both floating-point (an int or bool embedding is refused); ``mask`` (K,)
+        or (n, K) bool, False at padding. Shapes are padded to buckets, so batches of nearby
+        sizes share one compiled program."""
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
         sel, scores = jax.device_get(_rank(self.policy(user_id).params, qp, cp, mp, m=int(m)))
         _check_scores(scores[:n, :k], mp[:n, :k])
