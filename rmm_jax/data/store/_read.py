@@ -161,21 +161,28 @@ class EmbeddingStore:
         return self._row_slice("memories.jsonl", self.manifest["counts"]["memories"], ("user", "id", "text"),
                                start, end)
 
-    def memory_rows(self, user_id) -> list[dict]:
+    def _user_entry(self, user_id) -> dict:
+        """``user_id``'s row of users.json; ``InputError`` naming ``user_id`` unless it is a str
+        (``user(0)`` said "unknown user id '0'" of a store whose ids are 'user0', ...), and one
+        naming the store unless the store holds it."""
+        if not isinstance(user_id, str):
+            raise InputError(f"user ids are str, got {type(user_id).__name__} {user_id!r}"[:100], arg="user_id")
+        if user_id not in self._by_id:
+            shown = ", ".join(self.user_ids[:5]) + (" ..." if len(self.user_ids) > 5 else "")
+            raise InputError(f"unknown user id {user_id!r} (store has {len(self.user_ids)} users: "
+                             f"{shown})", where=str(self.path))
+        return self._by_id[user_id]
+
+    def memory_rows(self, user_id: str) -> list[dict]:
         """One user's rows of ``memories.jsonl`` (id, session, text, ...), in bank order."""
-        if str(user_id) not in self._by_id:
-            self.user(user_id)                         # the one-line error naming the store
-        u = self._by_id[str(user_id)]
+        u = self._user_entry(user_id)
         return self._memory_slice(u["mem_start"], u["mem_end"])
 
-    def user(self, user_id) -> UserData:
-        """One user's embeddings, gold matrix and ids."""
-        uid = str(user_id)
-        if uid not in self._by_id:
-            shown = ", ".join(self.user_ids[:5]) + (" ..." if len(self.user_ids) > 5 else "")
-            raise InputError(f"unknown user id {uid!r} (store has {len(self.user_ids)} users: "
-                             f"{shown})", where=str(self.path))
-        u = self._by_id[uid]
+    def user(self, user_id: str) -> UserData:
+        """One user's embeddings, gold matrix and ids. ``user_id`` is a str (an int is an
+        ``InputError`` naming ``user_id``); one the store does not hold is one naming the store."""
+        u = self._user_entry(user_id)
+        uid = str(user_id)                             # a str subclass (np.str_) as the str it is
         ms, me, qs, qe = u["mem_start"], u["mem_end"], u["query_start"], u["query_end"]
         c = self.manifest["counts"]
         # Only this user's rows are read (unless the whole lists were loaded already).
@@ -219,9 +226,7 @@ class EmbeddingStore:
         if self.answer_emb is None:
             raise InputError("store holds no answer embeddings; rebuild it with `rmm-jax embed ... --answers`",
                              where=str(self.path))
-        if str(user_id) not in self._by_id:
-            self.user(user_id)                         # the one-line error naming the store
-        u = self._by_id[str(user_id)]
+        u = self._user_entry(user_id)                  # the one-line error naming the store
         return read_rows(self.answer_emb, u["query_start"], u["query_end"])
 
     def iter_users(self):
