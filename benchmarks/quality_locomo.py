@@ -132,7 +132,7 @@ def main(argv=None):
         sys.exit(f"error: --rows: unknown row {bad[0]!r} (choose from {', '.join(all_rows)})")
     seeds = args.seeds
     m = args.m
-    preset_kw = dict(k=args.k, m=m, rank=args.rank, **({"lr": args.lr} if args.lr else {}))
+    preset_kw = dict(k=args.k, m=m, **({"lr": args.lr} if args.lr else {}))
     setting = rj.preset("default", **preset_kw)
     pcfg = PretrainConfig(m=m)
     cite, cite_info = _common.citation_model(args.citations)
@@ -140,7 +140,8 @@ def main(argv=None):
     locomo = _common.locomo_streams(data, args.k, model=args.model, granularity=args.granularity,
                                     answers=args.citations == "answer")
     streams = locomo.answer_streams() if args.citations == "answer" else locomo.streams
-    programs = {f"scope:{sc}": rj.make_run(*rj.preset("default", scope=sc, **preset_kw), cite_fn=cite)
+    programs = {f"scope:{sc}": rj.make_run(*rj.preset("default", scope=sc, **preset_kw,      # --rank: hybrid's
+                                                      **({"rank": args.rank} if sc == "hybrid" else {})), cite_fn=cite)
                 for sc in SCOPES}
     programs.update({name: rj.make_run(*rj.preset(name, k=args.k, m=m), cite_fn=cite)
                      for name in ("paper", "tempered_adam")})
