@@ -135,7 +135,12 @@ def test_simulating_questions_learned_already_is_refused_unless_relearn(capsys, 
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", "8:")
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("error: --queries: the policy of user 'user0' has learned 4 of its questions 8:") \
-        and "(it learned 0:12)" in err and "--relearn" in err, err
+        and "(it learned 0:12); from question 12 on every user's are new: give --queries from 12 on; or " \
+            "--relearn learns these again" in err, err
+    # --queries left out: the whole stream; the line names the store, and still where the new questions start
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM)
+    assert code == 2 and err.startswith(f"error: --policies {pol}: the policy of user 'user0' has learned 12 of "
+                                        "its questions 0:") and "give --queries from 12 on" in err, err
     assert sorted((p.relative_to(pol), p.stat().st_mtime_ns) for p in pol.rglob("*") if p.is_file()) == files
     # the rest of the questions is new: learned, and the record grows to cover every question
     code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, *SIM, "--queries", "12:")
@@ -218,3 +223,25 @@ def test_a_store_trained_with_another_optimiser_is_refused_in_one_line(capsys, t
 def test_continue_needs_a_store(capsys, tmp_path, store):
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "none", *SIM, "--init", "continue")
     assert code == 2 and "does not exist" in err and not (tmp_path / "none").exists(), err
+
+
+def test_the_refusal_says_where_new_questions_start_and_when_users_stopped_apart():
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.starts import check_simulated
+
+    class Store:                        # a learned 0:8, b 0:6 and 10:12, c nothing
+        def listing(self, ids):
+            infos = {"a": [[0, 8]], "b": [[0, 6], [10, 12]], "c": []}
+            return [(u, [], {"simulated_queries": infos[u]}) for u in ids]
+
+    counts = {"a": 20, "b": 20, "c": 20}
+    with pytest.raises(InputError) as e:
+        check_simulated(Store(), counts, (4, None))
+    assert "from question 12 on every user's are new" in str(e.value)             # past b's 10:12, not 8
+    assert "users stopped at different questions (a at 8, b at 12): run them apart with users" in str(e.value)
+    with pytest.raises(InputError) as e:
+        check_simulated(Store(), {"a": 20}, (2, 6))
+    assert "every question of this user in that range is learned" in str(e.value)
+    assert "apart" not in str(e.value) and "from question" not in str(e.value)
+    assert check_simulated(Store(), counts, (12, None)) == 0 and check_simulated(Store(), counts, (8, 10)) == 0
+    assert check_simulated(Store(), counts, (0, None), relearn=True) == 8 + 8

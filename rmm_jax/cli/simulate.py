@@ -145,7 +145,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     check_output_file(plot_path, f"--plot {plot_path}")
     if resume and Path(policies).exists() and RunState.interrupted_command(policies) is None:
         raise InputError("no checkpoint of these policies to resume (the last run finished, or stopped before its "
-                         "first checkpoint); without --resume, simulate continues them with new simulated calls",
+                         "first checkpoint); without --resume, simulate continues them on questions they have not "
+                         "learned (--queries), or on the same ones with --relearn",
                          where="--resume")
     afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
@@ -181,9 +182,14 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
             start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
             again = 0
             if start.before is not None and rs_fresh(rs):    # a resumed run's own versions are not earlier runs
-                with as_options("queries", "relearn"):
-                    again = check_simulated(ps, {u: st.query_count(u) for u in check_users(st, users)}, queries,
-                                            relearn=relearn)
+                try:
+                    with as_options("queries", "relearn", "users"):
+                        again = check_simulated(ps, {u: st.query_count(u) for u in check_users(st, users)},
+                                                queries, relearn=relearn)
+                except InputError as e:         # --queries left out: the whole stream, which --policies learned
+                    if query_range or e.where != "--queries":
+                        raise
+                    raise InputError(str(e)[len(e.where) + 2:], where=f"--policies {policies}") from None
             note = continue_note(ps, start, check_users(st, users), afresh=afresh and rs_fresh(rs),
                                  created=created) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,

@@ -129,9 +129,11 @@ def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | Non
     """Refuse a ``simulate`` run that continues ``store`` over questions a user's policy has
     learned from in an earlier simulate run: ``counts``, the questions each user run holds;
     ``queries``, the run's ``(start, stop)`` of each user's questions (``stop`` None: all).
-    The one-line error names the first such user, how many of its questions and
-    ``queries`` (the CLI's ``--queries``), and that ``relearn`` (``--relearn``) learns them
-    again. Returns how many questions the run learns again (0 unless ``relearn``).
+    The one-line error, naming ``queries`` (the CLI's ``--queries``), names the first such
+    user and how many of its questions, the range from which every user run has only new
+    questions (none: say so), that users who stopped at different questions run apart, and
+    that ``relearn`` (``--relearn``) learns them again. Returns how many questions the run
+    learns again (0 unless ``relearn``).
 
     Examples:
       >>> from rmm_jax.online.starts import check_simulated
@@ -142,16 +144,33 @@ def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | Non
       0
       >>> check_simulated(Store(), {"a": 21}, (8, None), relearn=True)
       4
+      >>> check_simulated(Store(), {"a": 21}, (8, None))
+      Traceback (most recent call last):
+      ...
+      rmm_jax.errors.InputError: queries: the policy of user 'a' has learned 4 of its questions 8:21 in an \
+earlier simulate run (it learned 0:12); from question 12 on every user's are new: give queries from 12 on; \
+or relearn=True learns these again
     """
-    again = 0
+    again, first, ends, most = 0, None, {}, 0
     for u, _, info in store.listing(list(counts)):
-        n = counts[u]
+        n, ranges = counts[u], simulated_queries(info)
         span = (min(queries[0], n), n if queries[1] is None else min(queries[1], n))
-        mine = overlap(simulated_queries(info), span)
-        if mine and not relearn:
-            learned = ", ".join(f"{a}:{b}" for a, b in simulated_queries(info))
-            raise InputError(f"the policy of user {u!r} has learned {mine} of its questions {span[0]}:{span[1]} in "
-                             f"an earlier simulate run (it learned {learned}): give a range it has not learned, or "
-                             f"{named('relearn', True)} to learn them again", arg="queries")
-        again += mine
-    return again
+        mine = overlap(ranges, span)
+        if mine:
+            ends[u] = max(b for a, b in ranges if b > span[0])
+            first = first or (u, mine, span, ", ".join(f"{a}:{b}" for a, b in ranges))
+        most, again = max(most, span[1]), again + mine
+    if first is None or relearn:
+        return again
+    u, mine, span, learned = first
+    free = max(ends.values())       # at and after it no user run has learned a question
+    stop = queries[1]
+    nothing_new = free >= (most if stop is None else min(stop, most))
+    new = (f"every question of {'this user' if len(counts) == 1 else 'these users'} in that range is learned"
+           if nothing_new else f"from question {free} on every user's are new: give {named('queries')} from {free} "
+                               "on")
+    apart = ("; users stopped at different questions (" + ", ".join(f"{v} at {e}" for v, e in list(ends.items())[:3])
+             + "): run them apart with " + named("users")) if len(set(ends.values())) > 1 else ""
+    raise InputError(f"the policy of user {u!r} has learned {mine} of its questions {span[0]}:{span[1]} in an "
+                     f"earlier simulate run (it learned {learned}); {new}{apart}; or {named('relearn', True)} learns "
+                     "these again", arg="queries")
