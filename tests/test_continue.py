@@ -245,3 +245,31 @@ def test_the_refusal_says_where_new_questions_start_and_when_users_stopped_apart
     assert "apart" not in str(e.value) and "from question" not in str(e.value)
     assert check_simulated(Store(), counts, (12, None)) == 0 and check_simulated(Store(), counts, (8, 10)) == 0
     assert check_simulated(Store(), counts, (0, None), relearn=True) == 8 + 8
+
+
+def test_a_queries_range_only_some_users_reach_is_noted_and_counts_them(capsys, tmp_path):
+    """--queries 200:260 on five LoCoMo users ran the two with that many questions and said
+    'its 5 users started from the identity reranker'; an empty range named no bound."""
+    import dataclasses
+
+    from conftest import FakeEmbedder
+
+    from rmm_jax.data import make_synthetic
+    from rmm_jax.data.store import write_store
+
+    ds = make_synthetic(users=3, sessions=6, turns=8, seed=0)
+    short = dataclasses.replace(ds.users[2], queries=ds.users[2].queries[:3])      # user2 holds 3 questions
+    ds = dataclasses.replace(ds, users=(*ds.users[:2], short))
+    write_store(tmp_path / "st", ds, "turn", FakeEmbedder(16))
+    n = min(len(u.queries) for u in ds.users[:2])
+    code, _, err = run_cli(capsys, "simulate", tmp_path / "st", "--policies", tmp_path / "p", *SIM, "--queries", "3:")
+    assert code == 0, err
+    assert "note: 1 of 3 users hold no question in --queries 3: and were not run" in err.splitlines(), err
+    assert "its 2 users started from the identity reranker" in err, err
+    assert sorted(PolicyStore.open(tmp_path / "p").users()) == ["user0", "user1"]
+    code, _, err = run_cli(capsys, "simulate", tmp_path / "st", "--policies", tmp_path / "q", *SIM, "--queries",
+                           f"{max(len(u.queries) for u in ds.users)}:")
+    most = max(len(u.queries) for u in ds.users)
+    assert code == 2 and f"no user has a question in that --queries range (the users hold at most {most} " \
+                         "questions, from 0)" in err, err
+    assert n > 3

@@ -163,6 +163,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         queries = parse_range(query_range)
         n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
                                        answers=citations == "answer", queries=queries)
+    asked = check_users(st, users)
+    run_ids = [u for u in asked if len(range(st.query_count(u))[slice(*queries)])]   # store_chunks leaves the rest
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)
@@ -184,13 +186,13 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
             if start.before is not None and rs_fresh(rs):    # a resumed run's own versions are not earlier runs
                 try:
                     with as_options("queries", "relearn", "users"):
-                        again = check_simulated(ps, {u: st.query_count(u) for u in check_users(st, users)},
+                        again = check_simulated(ps, {u: st.query_count(u) for u in run_ids},
                                                 queries, relearn=relearn)
                 except InputError as e:         # --queries left out: the whole stream, which --policies learned
                     if query_range or e.where != "--queries":
                         raise
                     raise InputError(str(e)[len(e.where) + 2:], where=f"--policies {policies}") from None
-            note = continue_note(ps, start, check_users(st, users), afresh=afresh and rs_fresh(rs),
+            note = continue_note(ps, start, run_ids, afresh=afresh and rs_fresh(rs),
                                  created=created) if writer else None
             result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
@@ -205,7 +207,10 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     if again:
         info(f"--relearn: learned {count(again, 'question')} again that these policies had learned in an earlier "
              "simulate run")
-    short = short_bank_note(st, setting.layout.k, check_users(st, users) if users else None)
+    if len(run_ids) < len(asked) and writer:
+        info(f"note: {len(asked) - len(run_ids)} of {count(len(asked), 'user')} hold no question in --queries "
+             f"{query_range} and were not run")
+    short = short_bank_note(st, setting.layout.k, run_ids if len(run_ids) < len(st.user_ids) else None)
     if short and writer:
         info(short)
     if log_out and writer:

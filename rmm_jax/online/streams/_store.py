@@ -123,7 +123,9 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
         held = "the store holds no questions for " + ("these users" if users else "any user")
         option = option_of("queries")
         given = f"that {option} range" if option else named("queries", tuple(queries))
-        raise InputError(held if not any(counts) else f"no user has a question in {given}", where=str(store.path))
+        most = f" (the users hold at most {max(counts)} questions, from 0)" if any(counts) else ""
+        raise InputError(held if not any(counts) else f"no user has a question in {given}{most}",
+                         where=str(store.path))
 
     def build(u):
         s = stream_from_user(store.user(u), k)
