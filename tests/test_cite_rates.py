@@ -225,3 +225,89 @@ def test_cite_rates_refuses_what_is_not_call_counts_by_name(counts):
 
     with pytest.raises(InputError, match=r"^c: expected CallCounts, count_calls\(store, log_path\), got "):
         cite_rates(counts)
+
+
+def _calls(gold: list[tuple[int, int]], other: list[tuple[int, int]]):
+    """CallCounts of one user's calls: each call's (gold cited, gold shown) and (other cited,
+    other shown)."""
+    from rmm_jax.online.cite_rates import call_row, counts_of
+
+    rows = [call_row([True] * gs + [False] * os, [True] * gc + [False] * (gs - gc) + [True] * oc + [False] * (os - oc))
+            for (gc, gs), (oc, os) in zip(gold, other)]
+    return counts_of([0] * len(rows), rows, ["user0"], len(rows))
+
+
+def _binomial_tail_bound(cited: int, shown: int, tail: float, upper: bool) -> float:
+    """The Clopper-Pearson bound by brute force, independent of the module: bisection on a
+    sum of binomial terms (P(X >= cited) = tail for the lower bound, P(X <= cited) = tail for
+    the upper)."""
+    from math import comb
+
+    def cdf(k, p):
+        return sum(comb(shown, i) * p ** i * (1 - p) ** (shown - i) for i in range(k + 1))
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        f = cdf(cited, p) if upper else 1 - cdf(cited - 1, p)   # upper: falls with p; lower: rises
+        if (f > tail) == upper:
+            lo = p
+        else:
+            hi = p
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize("level", [0.9, 0.95, 0.99])
+@pytest.mark.parametrize("cited,shown", [(7, 7), (0, 7), (1, 1), (0, 1), (3, 10), (10, 53), (45, 45), (1, 60)])
+def test_exact_interval_matches_an_independent_binomial_computation(cited, shown, level):
+    from rmm_jax.online.cite_rates import exact_interval
+
+    lo, hi = exact_interval(cited, shown, level)
+    tail = (1 - level) / 2
+    want_lo = 0.0 if cited == 0 else _binomial_tail_bound(cited, shown, tail, upper=False)
+    want_hi = 1.0 if cited == shown else _binomial_tail_bound(cited, shown, tail, upper=True)
+    assert lo == pytest.approx(want_lo, abs=1e-9) and hi == pytest.approx(want_hi, abs=1e-9)
+    try:
+        from scipy.stats import beta
+    except ImportError:   # jax requires scipy, but the brute force above suffices
+        return
+    assert lo == pytest.approx(0.0 if cited == 0 else beta.ppf(tail, cited, shown - cited + 1), abs=1e-9)
+    assert hi == pytest.approx(1.0 if cited == shown else beta.ppf(1 - tail, cited + 1, shown - cited), abs=1e-9)
+
+
+def test_all_cited_or_none_cited_is_not_a_zero_width_interval():
+    """7 of 7 gold memories cited over 7 calls read [1.0000, 1.0000]: every bootstrap resample
+    of calls gives 1 when every trial agrees, and 0 of n gave [0, 0]. Each bound is now at
+    least the exact binomial one: 7 of 7 at 95% is [0.5904, 1]."""
+    from rmm_jax.online.cite_rates import cite_rates
+
+    r = cite_rates(_calls([(1, 1)] * 7, [(0, 4)] * 7), n_boot=200)
+    assert (r["p_useful"]["value"], r["p_useful"]["lo"], r["p_useful"]["hi"]) == (1.0, 0.5904, 1.0)
+    other = r["p_other"]                     # 0 of 28: upper bound 1 - 0.025 ** (1 / 28)
+    assert (other["value"], other["lo"]) == (0.0, 0.0) and other["hi"] == round(1 - 0.025 ** (1 / 28), 4) > 0.1
+    r99 = cite_rates(_calls([(1, 1)] * 7, [(0, 4)] * 7), n_boot=200, level=0.99)
+    assert r99["p_useful"]["lo"] == round(0.005 ** (1 / 7), 4) < 0.5904
+
+
+def test_a_correction_is_not_advised_from_a_zero_width_interval():
+    """2 of 2 gold memories cited and 0 of 20 others: the bootstrap's [1, 1] and [0, 0] were
+    'apart', and a correction --p-useful 1.0 --p-other 0.0 was advised from two gold memories.
+    The exact bounds (2 of 2: lo 0.158; 0 of 20: hi 0.168) overlap: no correction."""
+    from rmm_jax.online.cite_rates import cite_rates
+
+    r = cite_rates(_calls([(1, 1), (1, 1)] + [(0, 0)] * 2, [(0, 5)] * 4), n_boot=200)
+    assert r["p_useful"]["lo"] < r["p_other"]["hi"]
+    assert (r["apart"], r["options"]) == (False, None)
+
+
+def test_a_wider_bootstrap_interval_is_kept_over_the_exact_one():
+    """Trials clustered in calls (each call cites all of its 10 gold memories or none, 20
+    calls): the bootstrap over calls is wider than the binomial interval of 100 of 200
+    trials taken as independent, and it is kept."""
+    from rmm_jax.online.cite_rates import cite_rates, exact_interval
+
+    c = _calls([(10, 10)] * 10 + [(0, 10)] * 10, [(1, 5)] * 20)
+    r = cite_rates(c, n_boot=2000)["p_useful"]
+    exact_lo, exact_hi = exact_interval(100, 200)
+    assert (r["cited"], r["shown"], r["value"]) == (100, 200, 0.5)
+    assert r["lo"] < exact_lo - 0.05 and r["hi"] > exact_hi + 0.05      # about [0.28, 0.72] against [0.43, 0.57]

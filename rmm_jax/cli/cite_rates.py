@@ -36,7 +36,9 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     On the calls of the log that have gold, every shown memory is a trial:
     P(cite | useful) is the share of the shown gold memories that were cited,
     P(cite | not useful) the share of the other shown memories. Each comes with a 95%
-    bootstrap interval (users, then calls, resampled). When the two intervals are
+    bootstrap interval (users, then calls, resampled), each bound at least as wide as
+    the exact binomial (Clopper-Pearson) one, so 7 of 7 cited reads [0.5904, 1], not
+    [1, 1]. When the two intervals are
     apart, the last line gives the options that correct the logistic loss for these
     rates; `--preset calibrated` alone assumes the paper's (0.911, 0.154), and a
     generator far from them can make that correction hurt (docs/citations.md).
