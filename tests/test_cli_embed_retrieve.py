@@ -344,3 +344,13 @@ def test_a_cache_root_that_cannot_be_made_is_one_line_naming_what_set_it(capsys,
     with pytest.raises(InputError, match=rf"^\$RMM_JAX_CACHE={root}: cannot write: .*: Not a directory$"):
         embed_texts(["a text the store lacks"], MODEL_ID)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["neither", "both"])
+def test_embed_wants_out_or_into_and_says_not_both(capsys, tmp_path, both):
+    data = write_locomo(tmp_path / "7.json")
+    more = ["--out", tmp_path / "a", "--into", tmp_path / "b"] if both else []
+    code, _, err = run(capsys, "embed", f"locomo:{data}", *more, "--quiet")
+    want = "error: --out: give --out (a new store) or --into (append to an existing one)" + (", not both" * both)
+    assert code == 2 and err.strip() == want, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

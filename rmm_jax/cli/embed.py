@@ -122,7 +122,8 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     """
     say = (lambda m: None) if quiet else info
     if (out is None) == (into is None):
-        raise InputError("give --out (a new store) or --into (append to an existing one)", where="--out")
+        raise InputError("give --out (a new store) or --into (append to an existing one)"
+                         + (", not both" if out is not None else ""), where="--out")
     if out is not None:
         check_output_dir(out, f"--out {out}")
     for name in ("segment_threshold", "merge_threshold"):     # given where nothing reads it: refused
