@@ -610,6 +610,60 @@ def test_deterministic_logger_log_prob_zero_is_flagged(capsys, ope_env, tmp_path
             assert est["weight_mean"] < 0.9
 
 
+
+def test_wrong_log_prob_blames_the_log_not_clip_nor_the_policies(capsys, ope_env, tmp_path):
+    """Every log_prob 0 (the log's propensities are wrong): the verdict's reason is the log,
+    so stderr says the log cannot judge the policies and why, and suggests neither --clip
+    (no clip makes the weights average 1) nor a rollback. Before: 'try --clip (e.g. --clip
+    10 ...)', and the verdict line read as if the policies had failed."""
+    def change(recs):
+        for r in recs:
+            r["log_prob"] = 0.0
+    log = crafted_log(ope_env, tmp_path, change)
+    for extra in ([], ["--clip", "2"]):
+        code, out, err = run_strict(capsys, ope_env, "--tau", TAU, *extra, log=log)
+        assert code == 3
+        warn = [ln for ln in err.splitlines() if ln.startswith("warning: ") and "clipped at" not in ln]
+        assert len(warn) == 1 and warn[0].startswith("warning: the log cannot judge these policies"), err
+        assert "log_prob is not the logging policy's probability" in warn[0]
+        assert "Neither --clip nor a rollback helps" in warn[0] and "try" not in err and "a lower --clip" not in err
+        assert "verdict: do not ship: the log cannot judge these policies" in out
+    code, out, err = run_strict(capsys, ope_env, "--tau", TAU, "--json", log=log)
+    v = strict_json(out)["verdict"]
+    assert not v["ship"] and "log_prob is not the logging policy's probability" in v["log_problem"]
+
+
+@pytest.mark.parametrize("args", [["--users", "user0"], ["--users", "user0", "--clip", "2"], ["--min-ess", "47"]])
+def test_too_few_calls_for_min_ess_says_so_and_never_suggests_clip(capsys, ope_env, args):
+    """ESS <= n, and clipping lower never lowers it, so ``ess_max`` (the ESS at --clip 1) is
+    the most any clip gives. 12 calls of user0 (a target at tau 0.3: ESS about 7) cannot
+    reach --min-ess 30, nor 48 calls --min-ess 47 (ESS at most 42 at any clip). Before: 'try
+    --clip (e.g. --clip 10 ...)' and, with --clip 2, 'try a lower --clip'."""
+    code, out, err = evaluate(capsys, ope_env, "--tau", 0.3, *args, "--json")
+    assert code == 3
+    warn = [ln for ln in err.splitlines() if ln.startswith("warning: ") and "clipped at" not in ln]
+    assert "try --clip" not in err and "a lower --clip" not in err, err
+    assert len(warn) == 1 and warn[0].startswith("warning: the log cannot judge these policies"), err
+    assert "too few calls" in warn[0] and warn[0].endswith("log more calls (or lower --min-ess)")
+    rep = strict_json(out)
+    est = rep["estimates"]["cite_rate"]["snips"]
+    assert est["ess"] <= est["ess_max"] <= est["n"] == rep["calls"] and est["ess_max"] < rep["min_ess"]
+    assert "too few calls" in rep["verdict"]["log_problem"]
+
+
+def test_zero_prints_without_a_sign(capsys, ope_env):
+    """On policy every gain is 0 up to float rounding: printed '0.0000', never '-0.0000' nor
+    '+0.0000' (the table, the cited-recall line and the verdict's gain)."""
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU)
+    assert code == 0, err
+    assert "-0.0000" not in out and "+0.0000" not in out, out
+    assert "0.0000 [  0.0000,   0.0000]" in out and "gain 0.0000 [0.0000, 0.0000]" in out
+    from rmm_jax.online.ope import signed
+    assert (signed(-0.0), signed(-1e-7, 8), signed(1e-7), signed(0.25), signed(-0.25, 8)) == (
+        "0.0000", "  0.0000", "0.0000", "+0.2500", " -0.2500")
+    assert signed(2e-9, tiny=True) == "+2.0e-09" and signed(0.0, tiny=True) == "0.0000"
+
+
 def test_intervals_within_range_and_marked_when_cut(capsys, ope_env):
     """Every reported value and interval lies in its metric's range; '*' marks exactly the
     intervals the range cut."""

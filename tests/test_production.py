@@ -514,6 +514,42 @@ def test_not_shipping_a_night_rolls_it_back_and_the_next_replay_ends_as_if_it_ne
         f"error: {pol}: nothing to roll back: v999 is not below the newest user version (v{dry['versions'][-1] + 2})"]
 
 
+
+def test_evaluate_notes_the_calls_the_policies_learned_and_blames_a_broken_log_without_a_rollback(
+        capsys, tmp_path, store):
+    """Evaluating on the very log the policies just learned from: one stderr note (and
+    ``learned_calls`` in --json) counts the calls they learned from, as the policy store
+    remembers them; a later day's log has none. A log whose log_prob are all 0 (its
+    propensities are wrong) is not the policies' fault: no `policies rollback` hint, no
+    --clip, a warning that the log cannot judge them."""
+    pol = tmp_path / "p"
+    day1, day2 = production_log(store, tmp_path, seed=1), production_log(store, tmp_path, seed=2)
+    day2 = write_jsonl(tmp_path / "day2b.jsonl", [{**r, "call_id": r["call_id"] + "-day2"} for r in map(
+        json.loads, day2.read_text().splitlines())])
+    code, _, err = run_cli(capsys, "replay", store, *ONLINE, "--log", day1, "--policies", pol)
+    assert code == 0, err
+    ev = ["evaluate", store, "--policies", pol, "--k", "8", "--m", "3", "--bootstrap", "50", "--allow-unreliable"]
+    n = len(day1.read_text().splitlines())
+    code, out, err = run_cli(capsys, *ev, "--log", day1, "--json")
+    assert code == 0, err
+    assert (f"note: the policies learned from {n} of these {n} calls: an estimate on the calls they learned from "
+            "can be optimistic; evaluate on a later day's log") in err.splitlines()
+    learned = json.loads(out)["learned_calls"]
+    assert (learned["calls"], learned["learned"], learned["older"]) == (n, n, 0)
+    code, out, err = run_cli(capsys, *ev, "--log", day2, "--json")
+    assert code == 0 and "learned from" not in err, err
+    assert json.loads(out)["learned_calls"] == {"calls": n, "learned": 0, "older": 0, "note": None}
+    code, out, err = run_cli(capsys, *ev, "--log", day1, "--users", "user0", "--json")
+    assert json.loads(out)["learned_calls"]["learned"] == n // 3
+    broken = write_jsonl(tmp_path / "lp0.jsonl", [{**{k: v for k, v in r.items() if k != "logits"}, "log_prob": 0.0}
+                                                  for r in map(json.loads, day2.read_text().splitlines())])
+    code, out, err = run_cli(capsys, *ev, "--log", broken)
+    assert code == 0 and "verdict: do not ship: the log cannot judge these policies" in out, out
+    assert "log_prob is not the logging policy's probability" in err and "try --clip" not in err
+    assert "rollback" not in err.replace("Neither --clip nor a rollback helps", ""), err
+    assert rollback_hint(PolicyStore.open(pol), pol) is not None       # a run saved these: the hint was withheld
+
+
 # --------------------------------------------------------------------------- memory banks grow
 
 

@@ -30,6 +30,7 @@ from rmm_jax.online.ope import (
     Target,
     check_report_options,
     evaluate_log,
+    signed,
 )
 from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
@@ -53,7 +54,7 @@ def _row(name: str, est: dict) -> str:
     gain = ""
     if est.get("gain") is not None:
         g = est["gain"]
-        gain = f"  {g['value']:+8.4f} [{g['ci95'][0]:+8.4f}, {g['ci95'][1]:+8.4f}]"
+        gain = f"  {signed(g['value'], 8)} [{signed(g['ci95'][0], 8)}, {signed(g['ci95'][1], 8)}]"
     return f"  {name:<10} {est['value']:8.4f}  [{lo:8.4f}, {hi:8.4f}]{cut} {ess}{gain}"
 
 
@@ -87,7 +88,8 @@ def _row(name: str, est: dict) -> str:
             "estimate's paired gain over the logging policy; the verdict in the title.")
 @json_option("the report", "store, policies, log, users, calls, k, m, tau, clip, min_ess, bootstrap, seed, "
              "estimators, estimates (per metric, per estimator), ranges, marginals, cited_recall, unreliable, "
-             "users_on_shared_params, notes, warnings, verdict")
+             "users_on_shared_params, learned_calls (how many of the calls the policies learned from), notes, "
+             "warnings, verdict (with log_problem: why the log cannot judge the policies, or null)")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
@@ -132,7 +134,13 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     \b
     Exit status: 0; 2 bad input; 3 some estimate is unreliable (the report is
     printed in full first; --allow-unreliable exits 0). A low ESS also prints one
-    warning line on stderr suggesting --clip or more logged calls.
+    warning line on stderr suggesting --clip where a clip can lift it (an ESS is at
+    most the number of calls, and at --clip 1 at its largest). Where the log itself
+    is why the verdict's estimate is unreliable (its log_prob is not the logging
+    policy's probability, or no clip reaches --min-ess), the warning says the log
+    cannot judge the policies and what to fix in it, and no rollback is suggested.
+    Evaluating on calls the policies learned from prints a note that counts them
+    ("learned_calls" in --json): such an estimate can be optimistic.
 
     Without gold, beside the estimates: the target's cited-recall@M on the logged calls
     (the share of each call's cited memories in its deterministic top-M) against the
@@ -185,6 +193,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
              f"first: {log['first_errors'][0]}")
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
+    if rep["learned_calls"]["note"]:
+        info(f"note: {rep['learned_calls']['note']}")
     for w in rep["warnings"]:
         info(f"warning: {w}")
     if plot_path is not None:
@@ -194,7 +204,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         emit_json(rep)
     else:
         _print_table(rep, policies, tau)
-    hint = None if rep["verdict"]["ship"] else rollback_hint(ps, policies)
+    # the log, not the policies, failed: no rollback (the warning says what to fix)
+    hint = None if rep["verdict"]["ship"] or rep["verdict"]["log_problem"] else rollback_hint(ps, policies)
     if hint:
         info(hint)
     if rep["unreliable"]:
@@ -243,7 +254,8 @@ def _print_table(rep: dict, policies, tau: float) -> None:
         t, r, g = cr["target"], cr["retriever"], cr["target"]["gain"]
         click.echo(f"cited-recall@M on the {cr['calls']} calls with a citation (no gold needed): target "
                    f"{t['value']:.4f} [{t['ci95'][0]:.4f}, {t['ci95'][1]:.4f}], retriever {r['value']:.4f}; "
-                   f"gain {g['value']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]")
+                   f"gain {signed(g['value'])} [{signed(g['ci95'][0])}, {signed(g['ci95'][1])}]")
     v = rep["verdict"]
-    decision = "ship" if v["ship"] else "do not ship"
+    decision = ("ship" if v["ship"] else "do not ship" if not v["log_problem"] else
+                "do not ship: the log cannot judge these policies")
     click.echo(f"\nverdict: {decision} ({v['estimator']} on {v['metric']}: {v['reason']})")

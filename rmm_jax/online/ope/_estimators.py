@@ -133,7 +133,9 @@ def estimate(name: str, weights, rewards, *, clip: float | None = None, bootstra
     of the (clipped) weights, the smallest over slots; ``n``; ``nonfinite``, the calls
     with a weight that is not finite; ``weight_mean`` and ``weight_mean_se`` of the
     unclipped weights (the slot furthest from 1); and with ``clip`` how many weights it
-    capped. Everything is computed under ``np.errstate``: an overflow makes a number
+    capped. ``ess_max``: the ESS the weights clipped at 1 have, the largest any ``clip`` >= 1
+    gives (clipping lower never lowers Kish's ESS), at most n: below the ESS the report
+    demands, no clip helps. Everything is computed under ``np.errstate``: an overflow makes a number
     non-finite (``value`` is ``nan`` when a weight is not finite), never a warning.
 
     ``logged`` (n,): the logging policy's value on each call; then ``gain`` is the
@@ -165,7 +167,7 @@ def _estimate(name: str, weights, rewards, *, clip: float | None = None, bootstr
         cols = w[:, :1] if slate else w
         mean, mean_se = _weight_mean(cols)
         out = {"n": n, "nonfinite": int((~np.isfinite(cols)).any(1).sum()), "weight_mean": mean,
-               "weight_mean_se": mean_se}
+               "weight_mean_se": mean_se, "ess_max": _kish(np.minimum(cols, 1.0))}
         if clip is not None:
             out["clipped"] = int((cols > clip).sum())
             w = np.minimum(w, clip)
@@ -232,13 +234,14 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
 def report_entry(est: dict, reasons: Sequence[str], value_range: tuple[float, float] | None = None) -> dict:
     """The report's row for one estimate: strict-JSON numbers only (``None`` for what is
     not finite). Unreliable (``reasons``): ``value``, ``ci95`` and ``se`` are ``None``,
-    ``reason`` says why; ``ess`` and ``weight_mean`` stay, as diagnostics of the weights.
+    ``reason`` says why; ``ess``, ``ess_max`` (:func:`estimate`'s) and ``weight_mean`` stay,
+    as diagnostics of the weights.
     Reliable: ``value`` is within ``value_range`` (rounding beyond it, at most
     :data:`RANGE_TOL` of the range, is clamped) and ``ci95`` is the bootstrap interval
     intersected with the range, ``ci95_clipped`` saying whether that cut it."""
     fin = lambda x: float(x) if x is not None and math.isfinite(x) else None  # noqa: E731
     out = {"n": int(est["n"]), "reliable": not reasons}
-    for key in ("se", "ess", "weight_mean", "weight_mean_se"):
+    for key in ("se", "ess", "ess_max", "weight_mean", "weight_mean_se"):
         if key in est:
             out[key] = fin(est[key])
     if "clipped" in est:

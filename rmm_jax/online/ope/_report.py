@@ -4,12 +4,13 @@ cited-recall, and the ship verdict (:mod:`rmm_jax.online.ope`'s docstring, "The 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from rmm_jax.core import checks
 from rmm_jax.core.scope import Scope
+from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.errors import InputError, named
 from rmm_jax.online.ope._calls import (
     METRICS,
@@ -25,6 +26,7 @@ from rmm_jax.online.ope._estimators import (
     ESTIMATORS,
     SLATE_ONLY,
     _estimate,
+    _weight_mean_allowance,
     estimator_weights,
     report_entry,
     verdict,
@@ -36,7 +38,9 @@ from rmm_jax.online.ope._marginals import (
     _slot_marginals,
     check_marginal_options,
 )
+from rmm_jax.online.starts import check_learned
 from rmm_jax.online.stats import check_resamples
+from rmm_jax.online.streams import scan_log
 
 DEFAULT_MIN_ESS = 30.0               # see "Reliability" in the package docstring
 SHIP_METRIC, SHIP_ESTIMATOR = "cite_rate", "snips"   # see "The verdict" in the package docstring
@@ -133,9 +137,19 @@ def _plain_mean(rewards, bootstrap: int, seed: int, value_range, problems: Seque
     est = _estimate("ips", np.ones((rewards.shape[0], 1)), rewards.sum(1, keepdims=True), bootstrap=bootstrap,
                    seed=seed, logged=logged)
     res = report_entry(est, verdict(est, value_range=value_range, problems=problems), value_range)
-    for key in ("ess", "weight_mean", "weight_mean_se"):
+    for key in ("ess", "ess_max", "weight_mean", "weight_mean_se"):
         res.pop(key)
     return res
+
+
+def signed(x: float, width: int = 0, digits: int = 4, *, tiny: bool = False) -> str:
+    """``x`` with its sign (``+0.0123``, ``-0.0123``), right-aligned in ``width``; a number
+    that rounds to zero prints with none (``0.0000``, never ``-0.0000`` nor ``+0.0000``),
+    or with ``tiny`` (where its sign decides, as the verdict's interval), as ``+2.1e-09``."""
+    text = f"{x:+.{digits}f}"
+    if float(text) == 0:
+        text = f"{x:+.1e}" if tiny and x != 0 else f"{0.0:.{digits}f}"
+    return text.rjust(width)
 
 
 def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SHIP_ESTIMATOR) -> dict:
@@ -156,7 +170,8 @@ def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SH
     lo, hi = g["ci95"]
     where = "lies above 0" if lo > 0 else ("lies below 0" if hi < 0 else "contains 0")
     return {**out, "ship": bool(lo > 0),
-            "reason": f"gain {g['value']:+.4f} in {metric}, 95% interval [{lo:+.4f}, {hi:+.4f}] {where}"}
+            "reason": f"gain {signed(g['value'])} in {metric}, 95% interval [{signed(lo, tiny=True)}, "
+                      f"{signed(hi, tiny=True)}] {where}"}
 
 
 def _check_verdict_args(estimates, metric, estimator) -> None:
@@ -174,6 +189,52 @@ def _check_verdict_args(estimates, metric, estimator) -> None:
     if estimator not in judged:
         what = "unknown estimator" if estimator not in ESTIMATORS + ("direct",) else f"no gain of {metric} by"
         raise InputError(f"{what} {estimator!r}; one of {', '.join(judged) or 'none'}", arg="estimator")
+
+
+class LogCause(NamedTuple):
+    """Why the log itself keeps an estimate from judging the target (:func:`log_cause`):
+    ``why``, and what to do about the log (``fix``)."""
+    why: str
+    fix: str
+
+
+def log_cause(est: dict, min_ess: float) -> LogCause | None:
+    """Why the log, not the target policy, makes the report entry ``est`` unreliable (None:
+    it is reliable, or the log is not why): its weights do not average 1 (the log's
+    ``log_prob`` is not the logging policy's probability, or it misses selections the target
+    makes), or no clip can lift its ESS to ``min_ess`` (``ess_max``: the ESS at a clip of 1,
+    at most the number of calls). Neither a clip nor another policy changes either."""
+    if est.get("reliable", True):
+        return None
+    mean, se = est.get("weight_mean"), est.get("weight_mean_se")
+    if mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
+        return LogCause(f"the importance weights average {mean:.3g}, not 1: the log's log_prob is not the logging "
+                        "policy's probability, or the log misses selections the target makes",
+                        "log each call's log_prob as the probability the logging policy drew its selection with")
+    best, n = est.get("ess_max"), est["n"]
+    if best is not None and best < min_ess:
+        why = (f"the log has too few calls: {n} of them, and the ESS (at most the number of calls) cannot reach "
+               f"{named('min_ess')} {min_ess:g}" if n < min_ess else
+               f"the log has too few calls where the target's selections go: at any {named('clip')} the ESS is at "
+               f"most {best:.1f} of {n} calls, below {named('min_ess')} {min_ess:g}")
+        return LogCause(why, f"log more calls (or lower {named('min_ess')})")
+    return None
+
+
+def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
+                  skip_invalid: bool = False) -> dict:
+    """How many of the log's calls (those of ``users``) the policies in ``policies`` have
+    learned from, as the policy store remembers them (:func:`rmm_jax.online.starts.check_learned`):
+    ``{"calls", "learned", "older", "note"}``; ``older``: calls older than what a user's policy
+    remembers (learned and forgotten, or never learned: it cannot tell); ``note``: the line
+    that says an estimate on learned calls can be optimistic (None: none was learned)."""
+    scan = scan_log(log_path, cfg, known=known_ids(store), skip_invalid=skip_invalid, users=users, calls=True)
+    calls = scan.get("calls") or {}
+    got = check_learned(calls, policies, log_path, before=None, relearn=True) if calls else None   # count, never refuse
+    total, learned, older = (int(got.learn), int(got.known), int(got.older)) if got else (0, 0, 0)
+    note = None if not learned else (f"the policies learned from {learned} of these {total} calls: an estimate on the "
+                                     "calls they learned from can be optimistic; evaluate on a later day's log")
+    return {"calls": total, "learned": learned, "older": older, "note": note}
 
 
 def unreliable(report: dict) -> list[tuple[str, str, str]]:
@@ -208,7 +269,12 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
 
     ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
     estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
-    one about clipping. The warnings and errors name ``clip``, ``min_ess`` and the layout's
+    one about clipping. When the log itself keeps the verdict's estimate unreliable
+    (:func:`log_cause`: its log_prob is not the logging policy's, or it has too few calls
+    for ``min_ess`` at any clip), ``verdict["log_problem"]`` says why and, instead of the
+    ESS line, a warning says the log cannot judge the policies and what to fix in it (no
+    clip, no rollback). ``learned_calls``: how many of the calls the policies learned from
+    (:func:`learned_calls`). The warnings and errors name ``clip``, ``min_ess`` and the layout's
     ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
     :func:`rmm_jax.errors.named`)."""
     check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess, seed=seed, exact_limit=exact_limit,
@@ -223,13 +289,20 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         res["notes"].append(f"{len(shared)} of {len(calls.own_policy)} users have no policy of their own in "
                             f"POLICIES: scored with its shared params")
     warnings = []
+    res["verdict"] = ship_verdict(res["estimates"])
+    cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess)
+    res["verdict"]["log_problem"] = cause.why if cause else None
     low = [(est["ess"], est["n"], metric, name) for metric, per in res["estimates"].items()
            for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
-    if low:
+    if cause:           # no clip, and no rollback: the log is what fails, the policies are not judged
+        warnings.append(f"the log cannot judge these policies ({SHIP_ESTIMATOR} on {SHIP_METRIC}): {cause.why}. "
+                        f"Neither {named('clip')} nor a rollback helps: {cause.fix}")
+    elif low:
         ess, n, metric, name = min(low)
+        low_cause = log_cause(res["estimates"][metric][name], min_ess)
         fix = (f"a lower {named('clip')}" if clip is not None else      # clip=10, or the CLI's --clip 10
                f"{named('clip')} (e.g. {named('clip', 10)}: biased, lower variance)")
-        advice = (f"the log has too few calls: log more calls (or lower {named('min_ess')})" if ess > 0.9 * n else
+        advice = (f"{low_cause.why}: {low_cause.fix}" if low_cause else
                   f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} "
                   "or log more calls")
         warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
@@ -241,8 +314,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         warnings.append(f"importance weights clipped at {clip:g} (weights capped, cited metric: {counts}): "
                         "clipped estimates are biased, towards the logging policy's value for ips")
     bad = [{"metric": metric, "estimator": name, "reason": reason} for metric, name, reason in unreliable(res)]
-    res["verdict"] = ship_verdict(res["estimates"])
+    learned = learned_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid)
     return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
             "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
             "seed": seed, "log": {"path": str(log_path), **{k: v for k, v in read.items()}}, "warnings": warnings,
-            "unreliable": bad, **res}
+            "unreliable": bad, "learned_calls": learned, **res}
