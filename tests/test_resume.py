@@ -657,3 +657,16 @@ def test_pretrain_killed_and_resumed_equals_uninterrupted(env):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
     assert not rs_dir.exists()
+
+
+def test_a_resume_mismatch_words_a_missing_value_as_not_given(tmp_path):
+    """The options mismatch said `(null there, "x.jsonl" now)` of an option the interrupted
+    run left out: a missing value (None, or a key one side lacks) reads "not given"."""
+    with RunState.begin(tmp_path / "pol", "simulate", {"--log-out": None}, resume=False) as rs:
+        rs.save({}, {})
+    with pytest.raises(InputError, match=r'--log-out: differs from the interrupted run \(not given there, '
+                                         r'"x.jsonl" now\)'):
+        RunState.begin(tmp_path / "pol", "simulate", {"--log-out": "x.jsonl"}, resume=True)
+    with pytest.raises(InputError, match=r'--plot: differs from the interrupted run \(not given there, '
+                                         r'"p.png" now\)'):
+        RunState.begin(tmp_path / "pol", "simulate", {"--log-out": None, "--plot": "p.png"}, resume=True)

@@ -86,7 +86,12 @@ def versions() -> dict:
     return {"rmm-jax version": __version__, "jax version": jax.__version__, "backend": jax.default_backend()}
 
 
+_ABSENT = object()
+
+
 def _show(v) -> str:
+    if v is None or v is _ABSENT:       # an option left out (None) or unknown to the other run
+        return "not given"
     if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
         return f"sha256 {v[:12]}…"
     return json.dumps(v)
@@ -95,7 +100,7 @@ def _show(v) -> str:
 def check_fingerprint(saved: dict, now: dict, where: Path) -> None:
     """InputError naming the first key (option) whose value differs."""
     for key in list(now) + [k for k in saved if k not in now]:
-        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        a, b = saved.get(key, _ABSENT), now.get(key, _ABSENT)
         if a != b:
             raise InputError(f"differs from the interrupted run ({_show(a)} there, {_show(b)} now); "
                              f"resume with the same value, or remove {where} to start over", where=key)
