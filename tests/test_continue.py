@@ -273,3 +273,30 @@ def test_a_queries_range_only_some_users_reach_is_noted_and_counts_them(capsys, 
     assert code == 2 and f"no user has a question in that --queries range (the users hold at most {most} " \
                          "questions, from 0)" in err, err
     assert n > 3
+
+
+def test_a_second_run_creating_the_same_store_is_told_it_is_in_use(tmp_path, store):
+    """Two runs on one new --policies: the second, which saw no store, got "already exists and
+    is not empty; choose a new policy store path" when the first created it meanwhile (simulate
+    continues an existing store: wrong advice). The store is created under the run-state lock:
+    while another run holds it, or when the store appeared since, the lock's "in use by pid N"."""
+    import os
+
+    from rmm_jax.cli.common import make_setting
+    from rmm_jax.cli.online import open_policies
+    from rmm_jax.errors import InputError
+    from rmm_jax.persist.runstate import RunState
+
+    st = open_store(store)
+    layout = make_setting("default", 8, 3, None, None, None, None, None, None, "linear").layout
+    p = tmp_path / "p"
+    with RunState.begin(p, "simulate", {}, resume=False):      # the other run, before its store is written
+        with pytest.raises(InputError, match=rf"p\.runstate: in use by pid {os.getpid()} \(another run"):
+            open_policies(p, st, layout, "identity", 0, keep=None)
+    assert not p.exists()
+    assert open_policies(p, st, layout, "identity", 0, keep=None).n_users() == 0    # free: created
+    made = []
+    # the store appeared after this run looked (its creator has released the lock, not yet retaken it)
+    with pytest.raises(InputError, match=rf"p\.runstate: in use by pid {os.getpid()} \(another run"):
+        RunState.create_locked(p, lambda: made.append("again"))
+    assert made == []

@@ -88,8 +88,9 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
             return None
         meta = {"kind": layout.kind, "dim": st.dim, "hidden": layout.hidden, **layout.scope.meta(),
                 "config": {"pretrained": False, "model": st.model}}
-        return PolicyStore.create(p, meta, identity_params(st, layout, seed),
-                                  **({"keep": keep} if keep is not None else {}))
+        # under the run-state lock: a run that created it meanwhile is named ("in use by pid N")
+        return RunState.create_locked(p, lambda: PolicyStore.create(p, meta, identity_params(st, layout, seed),
+                                                                     **({"keep": keep} if keep is not None else {})))
     stored_keep = PolicyStore.open(p).keep if writer and keep is not None else None
     ps = open_policies_for(p, st, keep=keep)
     check_scope(ps, layout, path)

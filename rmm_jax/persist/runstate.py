@@ -187,6 +187,26 @@ class RunState:
             return None
 
     @classmethod
+    def create_locked(cls, target, create: Callable[[], Any]):
+        """``create()`` the new store ``target`` holding its run-state's lock, the lock every
+        run on ``target`` takes: while another run holds it, or when ``target`` appeared since
+        the caller saw it absent (another run created it and has not yet begun its run-state),
+        the one-line "in use by pid N" InputError, naming that run, and nothing is created
+        (not "already exists; choose a new path": such runs continue an existing store). The
+        lock is released after ``create``, its file kept; the caller's :meth:`begin` takes it
+        again (and :meth:`finish` or :meth:`close` remove the run-state directory)."""
+        rs = cls(cls.path_for(target), "", {}, None)
+        rs.path.mkdir(parents=True, exist_ok=True)
+        last = rs._writer.holder()          # read before taking the lock, which records this process
+        rs._writer.acquire()
+        try:
+            if Path(target).exists():       # created meanwhile, by the run that last held the lock
+                raise rs._in_use_error(last)
+            return create()
+        finally:       # the lock file stays (its record names this run to one that comes in the gap)
+            rs._writer.release()
+
+    @classmethod
     def _interrupted(cls, path: Path) -> dict | None:
         """The ``meta.json`` of the newest checkpoint under ``path`` that parses (unverified)."""
         for _, snap in reversed(cls(path, "", {}, None)._snapshots()):
