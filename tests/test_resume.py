@@ -670,3 +670,19 @@ def test_a_resume_mismatch_words_a_missing_value_as_not_given(tmp_path):
     with pytest.raises(InputError, match=r'--plot: differs from the interrupted run \(not given there, '
                                          r'"p.png" now\)'):
         RunState.begin(tmp_path / "pol", "simulate", {"--log-out": None, "--plot": "p.png"}, resume=True)
+
+
+def test_pretrain_resume_of_a_finished_run_says_there_is_nothing_to_resume(capsys, tmp_path):
+    """`pretrain --resume` after the run finished said "--out pre1: already exists and is not
+    empty; choose a new policy store path": one line now says there is nothing to resume
+    (as simulate and replay say), and the store is left as it was."""
+    store = make_fake_store(tmp_path / "store", users=4, sessions=4, turns=6, dim=16)
+    args = ["pretrain", str(store), "--out", str(tmp_path / "pre1"), "--k", "8", "--m", "3", "--epochs", "2"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 0, err
+    before = sorted(p.name for p in (tmp_path / "pre1").rglob("*"))
+    code, _, err = run_cli(capsys, *args, "--resume")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --resume: no checkpoint of {tmp_path / 'pre1'} to resume (the run that wrote it finished); "
+        "to pretrain again, leave out --resume and choose a new --out"], err
+    assert sorted(p.name for p in (tmp_path / "pre1").rglob("*")) == before

@@ -170,6 +170,9 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     o = Path(out)  # checked before training (PolicyStore.create checks again when writing)
     # (with --resume, an --out written just before a kill is checked against the result below)
     written = resume and RunState.path_for(o).is_dir()
+    if resume and not written and o.is_dir() and any(o.iterdir()):    # as simulate and replay say of theirs
+        raise InputError(f"no checkpoint of {out} to resume (the run that wrote it finished); to pretrain again, "
+                         "leave out --resume and choose a new --out", where="--resume")
     if o.exists() and (not o.is_dir() or any(o.iterdir())) and not written:
         raise InputError("already exists and is not empty; choose a new policy store path", where=f"--out {out}")
     check_store_writable(o, f"--out {out}")
