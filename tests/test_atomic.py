@@ -309,3 +309,39 @@ def test_every_file_of_an_embedding_store_was_fsynced_before_its_rename(tmp_path
     assert res["added"]["users"] == 1
     assert not unsynced, sorted(set(unsynced))
     assert len(synced) >= 3 * 7          # the seven files of each of the three stores
+
+
+KILLED_FILE = textwrap.dedent('''
+    import importlib.util, os, signal, sys
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("atomic", sys.argv[2])
+    atomic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(atomic)
+    with atomic.atomic_file(Path(sys.argv[1])) as f:
+        os.kill(os.getpid(), signal.SIGKILL)
+''')
+
+
+def test_writing_an_output_again_removes_the_temps_its_killed_writers_left_and_nothing_else(tmp_path):
+    """A run killed while writing `--log-out pk.jsonl` left `.pk.jsonl.tmp-XXXX` (0 bytes),
+    which the resumed run that wrote pk.jsonl kept beside it. The temp names its writer; the
+    next write of that output removes its temps whose writer is gone, and only those: not
+    another output's, a live writer's, nor a file of another naming."""
+    from rmm_jax.persist.atomic import _owner_prefix
+
+    target = tmp_path / "pk.jsonl"
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", KILLED_FILE, str(target),
+                            str(ROOT / "rmm_jax" / "persist" / "atomic.py")], capture_output=True, timeout=120)
+        assert r.returncode == -signal.SIGKILL
+    killed = sorted(p.name for p in tmp_path.glob(".pk.jsonl.tmp-*"))
+    assert len(killed) == 1         # the second killed writer removed the first's
+    dead = int(killed[0][len(".pk.jsonl.tmp-"):].split("@")[0])
+    keep = [".pk.jsonl.tmp-abc", _owner_prefix(tmp_path / "other.jsonl", dead) + "x",
+            _owner_prefix(target) + "live", ".pk.jsonl.tmp-" + f"{dead}@00000000-x", "pk.jsonl.tmp-1@x-y"]
+    for name in keep:
+        (tmp_path / name).write_text("")
+    with atomic_file(target) as f:
+        f.write("done\n")
+    assert target.read_text() == "done\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "pk.jsonl") == sorted(keep)

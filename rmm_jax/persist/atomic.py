@@ -4,7 +4,9 @@ Outputs are written into a temporary sibling and moved into place with ``os.repl
 (atomic on POSIX within one filesystem). A crash, a kill or an exception leaves either
 the old output or the complete new one, never a mix. The temporary names are hidden
 siblings (``.NAME.tmp-*``, and ``.NAME.old-*`` while a directory is replaced); what a
-killed process left of them is found by :func:`leftovers`.
+killed process left of them is found by :func:`leftovers`. A file's temp names its writer
+(``.NAME.tmp-PID@HOST-*``): the next write of the same output removes those whose writer
+is gone (:func:`remove_stale_temps`).
 
 Permissions are the user's: ``tempfile`` creates its files 0600 and directories 0700
 whatever the umask, so :func:`temp_file` and :func:`temp_dir` give them the mode a plain
@@ -18,9 +20,11 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -221,12 +225,68 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
         raise
 
 
+@functools.cache
+def _host_tag() -> str:
+    """A short tag of this host, so that a temp's owner is a pid on this host."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _owner_prefix(target: Path, pid: int | None = None) -> str:
+    """The temp-name prefix of :func:`atomic_file`: ``.NAME.tmp-PID@HOST-`` (its writer)."""
+    return f".{target.name}.tmp-{os.getpid() if pid is None else pid}@{_host_tag()}-"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host: a zombie (killed, not yet reaped, as under
+    an init that reaps nothing) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:             # another user's process: alive
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:             # no /proc (or it just ended): as kill said
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
+    """Remove the temps of ``target`` that an :func:`atomic_file` writer left when it was
+    killed (SIGKILL, a second Ctrl-C during its cleanup): only files named as that writer
+    names them, ``.NAME.tmp-PID@HOST-*`` for this exact ``NAME``, this host and a pid that
+    no longer runs; never another output's, another host's, a live writer's, nor a temp of
+    another naming. Returns what was removed. :func:`atomic_file` calls it first, so a run
+    that writes an output again (resumed, or started over) leaves no 0-byte leftover beside it."""
+    target = Path(target)
+    head = f".{target.name}.tmp-"
+    tail = f"@{_host_tag()}-"
+    removed = []
+    try:
+        names = [p for p in target.parent.iterdir() if p.name.startswith(head)]
+    except OSError:
+        return removed
+    for p in names:
+        pid, sep, rest = p.name[len(head):].partition(tail)
+        if not sep or not rest or not pid.isdigit() or int(pid) <= 0 or _alive(int(pid)):
+            continue
+        if p.is_file() and not p.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_file(target: str | os.PathLike, mode: str = "w"):
-    """Yield a file object whose content replaces ``target`` only on success."""
+    """Yield a file object whose content replaces ``target`` only on success. The temp is
+    ``.NAME.tmp-PID@HOST-*`` (its writer); the stale temps of ``target`` whose writer is gone
+    are removed first (:func:`remove_stale_temps`)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_file(f".{target.name}.tmp-", target.parent)
+    remove_stale_temps(target)
+    fd, tmp = temp_file(_owner_prefix(target), target.parent)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
