@@ -327,3 +327,39 @@ def test_a_long_lived_reranker_serves_what_the_store_holds_after_refresh(tmp_pat
     assert rr.policy("a").version == 3
     rollback(PolicyStore.open(st.path))
     assert rr.refresh() and rr.policy("a").version == 1 and not rr.refresh()
+
+
+def test_the_cli_words_a_gone_to_an_interrupted_run_and_what_to_learn_again_truthfully(tmp_path, capsys):
+    """`--to 2 --dry-run` when v2 had been rolled back itself said "would roll back to v2:
+    forgets v4-v5" of a store that then holds v1 as its newest: it says so. A dry run was
+    refused while an interrupted run's state exists: it reports, with a note that the
+    rollback itself is refused. After a rollback, "replay their log" fits a replay but not a
+    simulate run: both are named."""
+    from rmm_jax.persist.runstate import RunState
+
+    st = PolicyStore.create(tmp_path / "pq", META, params_of(0))
+    run(st, [{"a": 1}], shared_seed=100)                       # v1
+    run(st, [{"a": 2}], shared_seed=200)                       # v2
+    rollback(st)                                               # back to v1: v2 forgotten
+    later = run(st, [{"a": 3}], shared_seed=300) + run(st, [{"a": 4}], shared_seed=400)
+    assert later == [3, 4]
+    rs = RunState.begin(st.path, "simulate", {}, resume=False)
+    rs.save({}, {"x": np.arange(2)})
+    rs.close()                                                 # an interrupted simulate run
+    before = tree_digest(st.path)
+    code, out, err = run_cli(capsys, "policies", "rollback", st.path, "--to", "2", "--dry-run")
+    assert code == 0, err
+    assert out.splitlines()[0] == (f"would roll back {st.path} to v2 (it keeps no v2: the newest version at or below "
+                                   "it, v1, is the newest then): forgets v3-v4; 1 user back at an earlier version, "
+                                   "0 new since v2 removed")
+    assert "rollback itself is refused while an interrupted `simulate` run's state is in" in err
+    assert "--resume" in err and tree_digest(st.path) == before
+    code, _, err = run_cli(capsys, "policies", "rollback", st.path, "--to", "2")
+    assert code == 2 and "interrupted `simulate` run" in err and tree_digest(st.path) == before
+    shutil.rmtree(RunState.path_for(st.path))
+    code, out, err = run_cli(capsys, "policies", "rollback", st.path, "--to", "2")
+    assert code == 0, err
+    assert "the newest version at or below it, v1, is the newest now): forgot v3-v4" in out.splitlines()[0]
+    assert out.splitlines()[-1] == ("the calls the forgotten versions learned from can be learned again: replay their "
+                                    "log, or simulate their questions again")
+    assert [e.version for e in PolicyStore.open(st.path).entries("a")] == [1]

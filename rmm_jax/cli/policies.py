@@ -22,6 +22,7 @@ from rmm_jax.cli.shell import (
     check_writable,
     count,
     emit_json,
+    info,
     json_option,
     users_option,
 )
@@ -31,6 +32,7 @@ from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
 from rmm_jax.persist.policy_rollback import Rollback, plan, rollback
 from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.runstate import RunState
 
 SHOW_VERSIONS = 10  # kept versions listed in text (all of them with --json)
 
@@ -314,7 +316,11 @@ def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
         lines = [f"finished the interrupted rollback of {store} to v{r.to}: forgot {_span(r.versions)}"]
     else:
         verb = "rolled back" if done else "would roll back"
-        lines = [f"{verb} {store} to v{r.to}: {'forgot' if done else 'forgets'} {_span(r.versions)}; "
+        gone = "" if r.newest == r.to else (         # v{to} itself was forgotten (an earlier rollback) or pruned
+            f" (it keeps no v{r.to}: the newest version at or below it, v{r.newest}, is the newest "
+            f"{'now' if done else 'then'})" if r.newest is not None
+            else f" (it keeps no version at or below v{r.to}: no user version {'remains' if done else 'would remain'})")
+        lines = [f"{verb} {store} to v{r.to}{gone}: {'forgot' if done else 'forgets'} {_span(r.versions)}; "
                  f"{len(r.users)} user{'s' if len(r.users) != 1 else ''} back at an earlier version, "
                  f"{len(r.removed)} new since v{r.to} removed"]
     if r.shared:
@@ -323,7 +329,8 @@ def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
     if not r.setting_known:
         lines.append("the learning setting stays as recorded: the versions forgotten do not say what it was before")
     if done and (r.users or r.interrupted):
-        lines.append("the calls the forgotten versions learned from can be learned again: replay their log")
+        lines.append("the calls the forgotten versions learned from can be learned again: replay their log, or "
+                     "simulate their questions again")
     return lines
 
 
@@ -335,7 +342,7 @@ def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
                    "replay, which that run's versions record)]")
 @click.option("--dry-run", is_flag=True, help="Say what would be rolled back and change nothing.")
 @json_option("the rollback", "store, done (false with --dry-run), to, users, versions, removed, shared, setting, "
-             "setting_known, interrupted")
+             "setting_known, interrupted, newest (the newest user version kept afterwards)")
 def rollback_cmd(store, to, dry_run, as_json):
     """Undo the newest run on policy store STORE (or every version above --to), when
     `evaluate` says not to ship what it learned.
@@ -359,7 +366,11 @@ def rollback_cmd(store, to, dry_run, as_json):
     if not dry_run:
         check_writable(store, f"STORE {store}", depth=1)
     with as_options("to", "keep"):
-        r = plan(st, to) if dry_run else rollback(st, to)
+        r = plan(st, to, interrupted_run_ok=True) if dry_run else rollback(st, to)
+    interrupted = RunState.interrupted_command(st.path) if dry_run else None
+    if interrupted:      # a dry run changes nothing: it reports, and says what the rollback itself needs
+        info(f"note: the rollback itself is refused while an interrupted `{interrupted}` run's state is in "
+             f"{RunState.path_for(st.path)}: finish that run with --resume (or remove that directory) first")
     if as_json:
         emit_json({"store": store, "done": not dry_run, **r._asdict()}, indent=None, sort_keys=False)
         return

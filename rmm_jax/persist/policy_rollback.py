@@ -93,6 +93,8 @@ class Rollback(NamedTuple):
     setting: dict | None             # the setting the store records afterwards (None: none)
     setting_known: bool              # False: the forgotten versions do not say what it was; it stays
     interrupted: bool = False        # this finished a rollback a kill had stopped (users: not recorded)
+    newest: int | None = None        # the newest user version the store keeps afterwards (None: none);
+                                     # below ``to`` when no version ``to`` is kept (an earlier rollback forgot it)
 
 
 def check_store(store, where: str = "store") -> None:
@@ -124,17 +126,20 @@ def newest_run(store) -> int:
     return first
 
 
-def plan(store, to: int | None = None) -> Rollback:
+def plan(store, to: int | None = None, *, interrupted_run_ok: bool = False) -> Rollback:
     """What :func:`rollback` would do, changing nothing; raises InputError where it would
-    refuse (module docstring). Its errors name ``to`` and the store's ``keep`` as arguments
-    (``to=VERSION``, ``keep=1``; from the CLI ``--to VERSION``, ``--keep 1``: :func:`rmm_jax.errors.named`)."""
+    refuse (module docstring). With ``interrupted_run_ok`` (a dry run) a store whose
+    run-state holds an interrupted run is planned for too, though :func:`rollback` refuses it
+    until that run is resumed or its state removed. Its errors name ``to`` and the store's
+    ``keep`` as arguments (``to=VERSION``, ``keep=1``; from the CLI ``--to VERSION``, ``--keep 1``:
+    :func:`rmm_jax.errors.named`)."""
     check_store(store)
     mark = store._header.get(PENDING)
     if mark:
         raise InputError(f"a rollback to v{mark['to']} was interrupted: `rmm-jax policies rollback {store.path}` "
                          "finishes it (so does the next run that writes the store)", where=str(store.path))
     interrupted = RunState.interrupted_command(store.path)
-    if interrupted:
+    if interrupted and not interrupted_run_ok:
         raise InputError(f"an interrupted `{interrupted}` run left its state in {RunState.path_for(store.path)}: "
                          "finish it with --resume (or remove that directory) before rolling back",
                          where=str(store.path))
@@ -159,7 +164,8 @@ def plan(store, to: int | None = None) -> Rollback:
     versions = tuple(s.version for s in saves if s.version > to)
     setting, known = _setting_before(store, versions[0])
     return Rollback(to, versions, tuple(u for u, k in moved if k is not None), tuple(removed),
-                    tuple(_shared_after(store, kept[-1].shared_version if kept else None)), setting, known)
+                    tuple(_shared_after(store, kept[-1].shared_version if kept else None)), setting, known,
+                    newest=kept[-1].version if kept else None)
 
 
 def rollback(store, to: int | None = None) -> Rollback:
@@ -174,7 +180,7 @@ def rollback(store, to: int | None = None) -> Rollback:
             pass
         if to is None or to == mark["to"]:
             return Rollback(mark["to"], tuple(mark["versions"]), (), (), tuple(mark["shared"]), mark["setting"],
-                            mark["setting_known"], interrupted=True)
+                            mark["setting_known"], interrupted=True, newest=store.newest_version())
     plan(store, to)  # a refusal, before the lock: it creates nothing
     with store.writer():
         done = plan(store, to)
