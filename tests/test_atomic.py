@@ -322,11 +322,13 @@ KILLED_FILE = textwrap.dedent('''
 ''')
 
 
-def test_writing_an_output_again_removes_the_temps_its_killed_writers_left_and_nothing_else(tmp_path):
+def test_writing_in_a_directory_again_removes_the_temps_killed_writers_left_and_nothing_else(tmp_path, monkeypatch):
     """A run killed while writing `--log-out pk.jsonl` left `.pk.jsonl.tmp-XXXX` (0 bytes),
-    which the resumed run that wrote pk.jsonl kept beside it. The temp names its writer; the
-    next write of that output removes its temps whose writer is gone, and only those: not
-    another output's, a live writer's, nor a file of another naming."""
+    which the resumed run that wrote pk.jsonl kept beside it. The temp names its writer; a
+    process's first write in a directory removes the temps there whose writer is gone (of
+    any output), and only those: not a live writer's, another host's, nor another naming.
+    Later writes in that directory list it no more (a run-state's chunks: once, not per write)."""
+    import rmm_jax.persist.atomic as atomic
     from rmm_jax.persist.atomic import _owner_prefix
 
     target = tmp_path / "pk.jsonl"
@@ -337,11 +339,18 @@ def test_writing_an_output_again_removes_the_temps_its_killed_writers_left_and_n
     killed = sorted(p.name for p in tmp_path.glob(".pk.jsonl.tmp-*"))
     assert len(killed) == 1         # the second killed writer removed the first's
     dead = int(killed[0][len(".pk.jsonl.tmp-"):].split("@")[0])
-    keep = [".pk.jsonl.tmp-abc", _owner_prefix(tmp_path / "other.jsonl", dead) + "x",
-            _owner_prefix(target) + "live", ".pk.jsonl.tmp-" + f"{dead}@00000000-x", "pk.jsonl.tmp-1@x-y"]
-    for name in keep:
+    gone = _owner_prefix(tmp_path / "other.jsonl", dead) + "x"                 # another output's dead writer
+    keep = [".pk.jsonl.tmp-abc", _owner_prefix(target) + "live", ".pk.jsonl.tmp-" + f"{dead}@00000000-x",
+            "pk.jsonl.tmp-1@x-y"]
+    for name in [*keep, gone]:
         (tmp_path / name).write_text("")
     with atomic_file(target) as f:
         f.write("done\n")
     assert target.read_text() == "done\n"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "pk.jsonl") == sorted(keep)
+    listed = []
+    monkeypatch.setattr(atomic, "remove_stale_temps", lambda d: listed.append(d))
+    for i in range(3):
+        with atomic_file(tmp_path / f"c{i}.npz", "wb") as f:
+            f.write(b"x")
+    assert listed == []                                   # this process swept tmp_path already

@@ -5,8 +5,8 @@ Outputs are written into a temporary sibling and moved into place with ``os.repl
 the old output or the complete new one, never a mix. The temporary names are hidden
 siblings (``.NAME.tmp-*``, and ``.NAME.old-*`` while a directory is replaced); what a
 killed process left of them is found by :func:`leftovers`. A file's temp names its writer
-(``.NAME.tmp-PID@HOST-*``): the next write of the same output removes those whose writer
-is gone (:func:`remove_stale_temps`).
+(``.NAME.tmp-PID@HOST-*``): a process's first write in a directory removes those there whose
+writer is gone (:func:`remove_stale_temps`).
 
 Permissions are the user's: ``tempfile`` creates its files 0600 and directories 0700
 whatever the umask, so :func:`temp_file` and :func:`temp_dir` give them the mode a plain
@@ -252,23 +252,23 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
-    """Remove the temps of ``target`` that an :func:`atomic_file` writer left when it was
-    killed (SIGKILL, a second Ctrl-C during its cleanup): only files named as that writer
-    names them, ``.NAME.tmp-PID@HOST-*`` for this exact ``NAME``, this host and a pid that
-    no longer runs; never another output's, another host's, a live writer's, nor a temp of
-    another naming. Returns what was removed. :func:`atomic_file` calls it first, so a run
-    that writes an output again (resumed, or started over) leaves no 0-byte leftover beside it."""
-    target = Path(target)
-    head = f".{target.name}.tmp-"
+def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temps that :func:`atomic_file` writers left in ``directory`` when they were
+    killed (SIGKILL, a second Ctrl-C during their cleanup): only files named as such a writer
+    names them, ``.NAME.tmp-PID@HOST-*``, of this host and a pid that no longer runs; never
+    another host's, a live writer's, nor a temp of another naming. Returns what was removed.
+    :func:`atomic_file` calls it once per process and directory (:func:`_swept`), so a run
+    that writes an output again (resumed, or started over) leaves no 0-byte leftover beside
+    it, and a directory of many outputs (a run-state's chunks) is listed once, not per write."""
+    directory = Path(directory)
     tail = f"@{_host_tag()}-"
     removed = []
     try:
-        names = [p for p in target.parent.iterdir() if p.name.startswith(head)]
+        names = [p for p in directory.iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
     except OSError:
         return removed
     for p in names:
-        pid, sep, rest = p.name[len(head):].partition(tail)
+        pid, sep, rest = p.name.partition(".tmp-")[2].partition(tail)
         if not sep or not rest or not pid.isdigit() or int(pid) <= 0 or _alive(int(pid)):
             continue
         if p.is_file() and not p.is_symlink():
@@ -278,14 +278,24 @@ def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
     return removed
 
 
+_SWEPT: set[Path] = set()
+
+
+def _swept(directory: Path) -> None:
+    """:func:`remove_stale_temps` of ``directory``, the first time this process writes in it."""
+    if directory not in _SWEPT:
+        remove_stale_temps(directory)
+        _SWEPT.add(directory)
+
+
 @contextlib.contextmanager
 def atomic_file(target: str | os.PathLike, mode: str = "w"):
     """Yield a file object whose content replaces ``target`` only on success. The temp is
-    ``.NAME.tmp-PID@HOST-*`` (its writer); the stale temps of ``target`` whose writer is gone
-    are removed first (:func:`remove_stale_temps`)."""
+    ``.NAME.tmp-PID@HOST-*`` (its writer); the first write of this process in a directory
+    removes the temps there whose writer is gone (:func:`remove_stale_temps`)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)
+    _swept(target.parent.absolute())
     fd, tmp = temp_file(_owner_prefix(target), target.parent)
     try:
         with os.fdopen(fd, mode) as f:
