@@ -135,9 +135,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     Exit status: 0; 2 bad input; 3 some estimate is unreliable (the report is
     printed in full first; --allow-unreliable exits 0). A low ESS also prints one
     warning line on stderr suggesting --clip where a clip can lift it (an ESS is at
-    most the number of calls, and at --clip 1 at its largest). Where the log itself
-    is why the verdict's estimate is unreliable (its log_prob is not the logging
-    policy's probability, or no clip reaches --min-ess), the warning says the log
+    most the number of calls, and at --clip 1 at its largest), else saying the
+    target's selections are rare in the log. Where the log itself is why the
+    verdict's estimate is unreliable (its log_prob is not the logging policy's
+    probability, or it holds fewer calls than --min-ess), the warning says the log
     cannot judge the policies and what to fix in it, and no rollback is suggested.
     Evaluating on calls the policies learned from prints a note that counts them
     ("learned_calls" in --json): such an estimate can be optimistic.

@@ -158,12 +158,14 @@ from rmm_jax.online.ope._report import (
     DEFAULT_MIN_ESS,
     SHIP_ESTIMATOR,
     SHIP_METRIC,
+    LogCause,
     check_report_options,
     cited_recall,
     evaluate_calls,
     evaluate_log,
     learned_calls,
     log_cause,
+    low_ess_advice,
     ship_verdict,
     signed,
     unreliable,
@@ -177,5 +179,5 @@ __all__ = [
     # constants and checks the CLI and the docstrings name
     "DEFAULT_BOOTSTRAP", "DEFAULT_EXACT_LIMIT", "DEFAULT_MC_SAMPLES", "LOG_FLOAT_MAX", "RANGE_TOL", "SHIP_ESTIMATOR",
     "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "check_inputs", "check_marginal_options",
-    "check_report_options", "check_target", "learned_calls", "log_cause", "signed",
+    "check_report_options", "check_target", "learned_calls", "log_cause", "low_ess_advice", "LogCause", "signed",
 ]

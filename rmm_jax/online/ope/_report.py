@@ -202,8 +202,10 @@ def log_cause(est: dict, min_ess: float) -> LogCause | None:
     """Why the log, not the target policy, makes the report entry ``est`` unreliable (None:
     it is reliable, or the log is not why): its weights do not average 1 (the log's
     ``log_prob`` is not the logging policy's probability, or it misses selections the target
-    makes), or no clip can lift its ESS to ``min_ess`` (``ess_max``: the ESS at a clip of 1,
-    at most the number of calls). Neither a clip nor another policy changes either."""
+    makes), or it holds fewer calls than ``min_ess`` (an ESS is at most the number of calls).
+    Neither a clip nor another policy changes either. A target whose selections the log
+    rarely shows (``ess_max``, the ESS at a clip of 1, below ``min_ess`` on enough calls) is
+    the target's divergence, not the log's fault: not a cause here (see :func:`low_ess_advice`)."""
     if est.get("reliable", True):
         return None
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
@@ -211,14 +213,25 @@ def log_cause(est: dict, min_ess: float) -> LogCause | None:
         return LogCause(f"the importance weights average {mean:.3g}, not 1: the log's log_prob is not the logging "
                         "policy's probability, or the log misses selections the target makes",
                         "log each call's log_prob as the probability the logging policy drew its selection with")
+    n = est["n"]
+    if n < min_ess:
+        return LogCause(f"the log has too few calls: {n} of them, and the ESS (at most the number of calls) cannot "
+                        f"reach {named('min_ess')} {min_ess:g}", f"log more calls (or lower {named('min_ess')})")
+    return None
+
+
+def low_ess_advice(est: dict, min_ess: float, clip: float | None) -> str:
+    """What to do about an estimate whose ESS is below ``min_ess`` on enough calls: a lower
+    (or any) clip when one can lift it (``ess_max``, the ESS at a clip of 1, reaches
+    ``min_ess``), else say no clip can: the target's selections are rare in the log."""
     best, n = est.get("ess_max"), est["n"]
     if best is not None and best < min_ess:
-        why = (f"the log has too few calls: {n} of them, and the ESS (at most the number of calls) cannot reach "
-               f"{named('min_ess')} {min_ess:g}" if n < min_ess else
-               f"the log has too few calls where the target's selections go: at any {named('clip')} the ESS is at "
-               f"most {best:.1f} of {n} calls, below {named('min_ess')} {min_ess:g}")
-        return LogCause(why, f"log more calls (or lower {named('min_ess')})")
-    return None
+        return (f"the target's selections are rare in this log: at any {named('clip')} the ESS is at most {best:.1f} "
+                f"of {n} calls; log more calls (rerank --explore), or do not ship")
+    fix = (f"a lower {named('clip')}" if clip is not None else      # clip=10, or the CLI's --clip 10
+           f"{named('clip')} (e.g. {named('clip', 10)}: biased, lower variance)")
+    return f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} or log " \
+           "more calls"
 
 
 def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
@@ -270,8 +283,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     ``unreliable`` lists ``{"metric", "estimator", "reason"}`` of every unreliable
     estimate; ``warnings`` holds at most one line about low ESS (with what to do) and
     one about clipping. When the log itself keeps the verdict's estimate unreliable
-    (:func:`log_cause`: its log_prob is not the logging policy's, or it has too few calls
-    for ``min_ess`` at any clip), ``verdict["log_problem"]`` says why and, instead of the
+    (:func:`log_cause`: its log_prob is not the logging policy's, or it holds fewer calls
+    than ``min_ess``), ``verdict["log_problem"]`` says why and, instead of the
     ESS line, a warning says the log cannot judge the policies and what to fix in it (no
     clip, no rollback). ``learned_calls``: how many of the calls the policies learned from
     (:func:`learned_calls`). The warnings and errors name ``clip``, ``min_ess`` and the layout's
@@ -300,11 +313,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     elif low:
         ess, n, metric, name = min(low)
         low_cause = log_cause(res["estimates"][metric][name], min_ess)
-        fix = (f"a lower {named('clip')}" if clip is not None else      # clip=10, or the CLI's --clip 10
-               f"{named('clip')} (e.g. {named('clip', 10)}: biased, lower variance)")
         advice = (f"{low_cause.why}: {low_cause.fix}" if low_cause else
-                  f"the target differs from the logging policy, so a few calls carry most of the weight: try {fix} "
-                  "or log more calls")
+                  low_ess_advice(res["estimates"][metric][name], min_ess, clip))
         warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
                         f"{n} calls, {name} on {metric}); {advice}")
     if clip is not None:
