@@ -42,7 +42,6 @@ Examples:
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -166,46 +165,6 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
     return counts_of(who, rows, list(index), calls)
 
 
-def _beta_cf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta function (modified Lentz;
-    Press et al., Numerical Recipes, 3rd ed., §6.4); it converges in O(sqrt(max(a, b)))
-    terms for x < (a + 1) / (a + b + 2)."""
-    tiny, eps = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000 + 10 * int(math.sqrt(max(a, b)))):
-        for aa in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d, c = 1.0 + aa * d, 1.0 + aa / c
-            d, c = 1.0 / (d if abs(d) > tiny else tiny), (c if abs(c) > tiny else tiny)
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def _beta_cdf(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b): the Beta(a, b) CDF at ``x``."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _beta_cf(a, b, x) / a
-    return 1.0 - front * _beta_cf(b, a, 1.0 - x) / b
-
-
-def _beta_ppf(a: float, b: float, q: float) -> float:
-    """The ``q`` quantile of Beta(a, b), by bisection on :func:`_beta_cdf` (to 1e-12)."""
-    lo, hi = 0.0, 1.0
-    while hi - lo > 1e-12:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _beta_cdf(a, b, mid) < q else (lo, mid)
-    return (lo + hi) / 2
-
-
 def exact_interval(cited: int, shown: int, level: float = 0.95) -> tuple[float, float]:
     """The exact binomial (Clopper-Pearson) interval of ``cited`` successes in ``shown``
     independent trials at ``level``: Beta quantiles, (1 - level) / 2 beyond each end, and
@@ -215,9 +174,11 @@ def exact_interval(cited: int, shown: int, level: float = 0.95) -> tuple[float, 
     >>> [round(b, 4) for b in exact_interval(7, 7)], [round(b, 4) for b in exact_interval(0, 7)]
     ([0.5904, 1.0], [0.0, 0.4096])
     """
+    from scipy.special import betaincinv  # the Beta quantile (scipy comes with JAX; imported here, when used)
+
     tail = (1 - level) / 2
-    lo = 0.0 if cited == 0 else _beta_ppf(cited, shown - cited + 1, tail)
-    hi = 1.0 if cited == shown else _beta_ppf(cited + 1, shown - cited, 1 - tail)
+    lo = 0.0 if cited == 0 else float(betaincinv(cited, shown - cited + 1, tail))
+    hi = 1.0 if cited == shown else float(betaincinv(cited + 1, shown - cited, 1 - tail))
     return lo, hi
 
 
