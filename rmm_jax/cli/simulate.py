@@ -161,10 +161,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     st = open_store(store)
     with as_options("users", "queries"):     # the API names its arguments, the CLI its options
         queries = parse_range(query_range)
-        n_users, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
-                                       answers=citations == "answer", queries=queries)
+        run_ids, chunks = store_chunks(st, setting.layout.k, users, users_per_chunk,
+                                       answers=citations == "answer", queries=queries)   # those with a question
     asked = check_users(st, users)
-    run_ids = [u for u in asked if len(range(st.query_count(u))[slice(*queries)])]   # store_chunks leaves the rest
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     note_setting(ls, opts, policies)
@@ -194,7 +193,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                     raise InputError(str(e)[len(e.where) + 2:], where=f"--policies {policies}") from None
             note = continue_note(ps, start, run_ids, afresh=afresh and rs_fresh(rs),
                                  created=created) if writer else None
-            result = run_and_save(chunks, n_users, make_run(*setting, cite_fn=cite), start, ps, rs,
+            result = run_and_save(chunks, len(run_ids), make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh,
                                   first_query=queries[0])

@@ -107,9 +107,9 @@ def with_answer_support(stream: Stream, qa_emb) -> Stream:
 
 
 def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: int, *,
-                 answers: bool = False, queries: tuple[int, int | None] = (0, None)) -> tuple[int, Iterator]:
-    """``(number of users, chunks)``: streams of a store's users (all by default), built
-    ``users_per_chunk`` at a time, so memory holds one chunk. ``answers``: each stream
+                 answers: bool = False, queries: tuple[int, int | None] = (0, None)) -> tuple[list[str], Iterator]:
+    """``(user ids, chunks)``: streams of a store's users (all by default; the ids are those
+    the chunks hold), built ``users_per_chunk`` at a time, so memory holds one chunk. ``answers``: each stream
     carries answer support as ``cite_gold`` (:func:`with_answer_support`). ``queries``:
     only each user's queries in that ``(start, stop)`` range (:func:`take_queries`); users
     with none are left out; a range that holds no user's question is refused, naming it as
@@ -132,16 +132,16 @@ def store_chunks(store, k: int, users: Sequence[str] | None, users_per_chunk: in
         s = with_answer_support(s, store.user_answers(u)) if answers else s
         return s if queries == (0, None) else take_queries(s, slice(*queries))
 
+    held = [u for u, n in zip(ids, counts) if len(range(n)[slice(*queries)])]   # users with a question in range
+
     def gen():
         chunk = []
-        for u in ids:
-            s = build(u)
-            if s.queries.shape[0]:
-                chunk.append(s)
+        for u in held:
+            chunk.append(build(u))
             if len(chunk) == users_per_chunk:
                 yield chunk
                 chunk = []
         if chunk:
             yield chunk
 
-    return len(ids), gen()
+    return held, gen()
