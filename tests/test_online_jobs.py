@@ -89,6 +89,24 @@ def test_chunks_read_ahead_keep_their_order_errors_and_an_early_stop(store):
     assert len(read) <= 4 and not any(t.name == "rmm-jax-pad-ahead" for t in threading.enumerate())
 
 
+def test_leaving_the_loop_waits_for_the_reading_thread(store):
+    """Closing drive's loop (an exception, a signal's Interrupted) returns only once the
+    read-ahead thread is done with the chunk it was reading: a daemon thread still inside
+    XLA when the interpreter exits aborted the process (exit 134 on Ctrl-C)."""
+    streams = load_streams(store, CFG.k)
+    params = rj.init_reranker(jax.random.key(0), store.dim)
+
+    def source():
+        for i in range(6):
+            if i >= 2:
+                time.sleep(1.0)             # a slow chunk in the thread while the loop is left
+            yield [streams[i % len(streams)]]
+
+    for _ in drive(source(), SIM, params, users_per_chunk=1):
+        break
+    assert not any(t.name == "rmm-jax-pad-ahead" for t in threading.enumerate())
+
+
 @pytest.mark.user_xla_flags
 def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tmp_path):
     streams = load_streams(store, CFG.k)

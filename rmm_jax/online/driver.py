@@ -258,7 +258,8 @@ def _ahead(items: Iterator, depth: int = 1) -> Iterator:
     consumer: the next chunk's streams are read and padded while this one runs and the
     caller saves the last (NumPy and file reads release the GIL). An exception in the
     thread is raised here, in order; when the consumer stops early, the thread stops at
-    its next item."""
+    its next item, and closing waits for it to finish the item it is on (a daemon thread
+    still inside XLA when the interpreter exits aborts the process)."""
     box: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     end = object()
@@ -281,7 +282,8 @@ def _ahead(items: Iterator, depth: int = 1) -> Iterator:
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
             put((end, e))
 
-    threading.Thread(target=work, name="rmm-jax-pad-ahead", daemon=True).start()
+    worker = threading.Thread(target=work, name="rmm-jax-pad-ahead", daemon=True)
+    worker.start()
     try:
         while True:
             x, err = box.get()
@@ -292,6 +294,7 @@ def _ahead(items: Iterator, depth: int = 1) -> Iterator:
             yield x
     finally:
         stop.set()
+        worker.join()   # done with its item: a daemon thread still in XLA at exit aborts the process
 
 
 def _padded_start(chunk: Chunk, program: Program, params, keys, shared) -> tuple:
