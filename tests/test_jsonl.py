@@ -339,7 +339,7 @@ def test_embed_skip_invalid_counts_on_stderr_and_json(capsys, tmp_path, fake_mod
         "tool_results": 1, "tool_calls": 1, "non_text_parts": 1, "empty": 1, "too_long": 1}
     assert len(sk["first_errors"]) == 2 and json.loads(out)["counts"]["memories"] == 2
     (line,) = [ln for ln in err.splitlines() if ln.startswith("skipped ")]
-    assert line.startswith("skipped 4 messages (tool results 1, tool calls only 1, empty 1, over 16000 characters 1)")
+    assert line.startswith("skipped 4 messages (1 tool results, 1 tool-call-only, 1 empty, 1 over 16000 characters)")
     assert "1 non-text content parts" in line
     assert "first invalid: " in line and "messages[3].content" in line
     code, out, err = run_cli(capsys, "embed", "synthetic:users=2", "--out", tmp_path / "b", "--skip-invalid")
@@ -356,7 +356,8 @@ def test_embed_keep_roles(capsys, tmp_path, fake_model):
     assert code == 0, err
     rep = json.loads(out)
     assert rep["counts"]["memories"] == 3 and rep["stats"]["skipped"]["instructions"] == 3
-    assert "skipped 3 messages (system/developer, see --keep-roles 3)" in err
+    assert "skipped 3 messages (3 system/developer); --keep-roles system,developer keeps system/developer messages" \
+        in err
     code, out, err = run_cli(capsys, "embed", f"jsonl:{path}", "--out", tmp_path / "b", "--json",
                              "--keep-roles", "system,developer")
     assert code == 0, err

@@ -269,11 +269,11 @@ def _roles(value: str) -> tuple[str, ...]:
 
 def _note_skipped(skipped: dict, say) -> None:
     """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
-    labels = {"tool_results": "tool results", "tool_calls": "tool calls only",
-              "instructions": "system/developer, see --keep-roles", "no_text": "no text part",
+    labels = {"tool_results": "tool results", "tool_calls": "tool-call-only",
+              "instructions": "system/developer", "no_text": "no text part",
               "null_content": "content null without tool calls", "empty": "empty",
               "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
-    kinds = [f"{label} {skipped[k]}" for k, label in labels.items() if skipped[k]]
+    kinds = [f"{skipped[k]} {label}" for k, label in labels.items() if skipped[k]]
     parts = [f"{sum(skipped[k] for k in labels)} messages ({', '.join(kinds)})"] if kinds else []
     if skipped["non_text_parts"]:
         parts.append(f"{skipped['non_text_parts']} non-text content parts (images, audio, files)")
@@ -281,4 +281,5 @@ def _note_skipped(skipped: dict, say) -> None:
         parts.append(f"{skipped['gold_on_skipped']} gold turn ids naming skipped messages")
     if parts:
         first = f"; first invalid: {skipped['first_errors'][0]}" if skipped["first_errors"] else ""
-        say(f"skipped {'; '.join(parts)}{first}")
+        keep = "; --keep-roles system,developer keeps system/developer messages" if skipped["instructions"] else ""
+        say(f"skipped {'; '.join(parts)}{first}{keep}")
