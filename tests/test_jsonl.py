@@ -49,7 +49,8 @@ def test_example_chat_history():
     assert q["q8"].gold_turn_ids == ()
     assert [q.id for q in bob.queries] == ["q1", "q2", "q3", "q4"]
     skipped = {"tool_results": 0, "tool_calls": 0, "instructions": 0, "no_text": 0, "non_text_parts": 0,
-               "null_content": 0, "empty": 0, "too_long": 0, "gold_on_skipped": 0, "first_errors": []}
+               "null_content": 0, "empty": 0, "too_long": 0, "gold_on_skipped": 0, "sessions_without_text": 0,
+               "first_errors": []}
     assert ds.stats == {"lines": 3, "sessions": 5, "turns": 26, "questions": 12, "no_gold": 1, "abstention": 0,
                         "skipped": skipped}
 

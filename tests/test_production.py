@@ -593,7 +593,7 @@ def test_append_embeds_only_new_texts_and_keeps_every_existing_row(days):
     res = append_store(store, load_spec(spec), emb, spec=spec)
     assert sorted(emb.texts) == sorted(["user: I started piano lessons", "user: a new user arrives", "which lessons?"])
     assert res["added"] == {"users": 1, "sessions": 2, "sessions_repeated": 1, "memories": 2, "queries": 1,
-                            "queries_repeated": 0}
+                            "queries_repeated": 0, "users_without_text": 0}
     st = open_store(store)
     assert st.user_ids == ("a", "b", "c")
     for uid, u in old.items():
@@ -714,6 +714,40 @@ def test_append_counts_only_the_users_it_adds(days):
     with pytest.raises(InputError, match="user 'asker' has no turn to embed"):
         append_store(store, Dataset("jsonl", (asks,)), FakeEmbedder(DIM), spec="test")
     assert open_store(store).user_ids == ("a", "b")
+
+
+def test_append_a_day_whose_sessions_have_no_text(days, tmp_path):
+    # A day in which user a opened a chat and left it (only a system prompt) was refused whole,
+    # "user 'a' has no message with text", though the store holds a's memories; --skip-invalid
+    # did not help. Such a session adds nothing; a user the store holds is fine (its question
+    # about an earlier day is appended); a NEW user with no text is one line naming its
+    # file:line, or skipped and counted with skip_invalid.
+    store, _, _ = days
+    prompt, image = ({"role": "system", "content": "You are helpful."},
+                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]})
+    day = write_jsonl(tmp_path / "d3.jsonl", [
+        {"user_id": "a", "session_id": "s9", "messages": [prompt],
+         "questions": [{"id": "q9", "question": "dog?", "gold_turn_ids": ["s1:0"]}]},
+        {"user_id": "b", "session_id": "s9", "messages": [image]},
+        {"user_id": "c", "session_id": "s1", "messages": [prompt, image]},
+        {"user_id": "d", "session_id": "s1", "messages": [{"role": "user", "content": "I moved to Porto."}]}])
+    ds = load_spec(f"jsonl:{day}", gold_elsewhere=True)
+    assert ds.stats["skipped"]["sessions_without_text"] == 3 and set(ds.no_text) == {"a", "b", "c"}
+    before = open_store(store).manifest
+    with pytest.raises(InputError) as e:
+        append_store(store, ds, FakeEmbedder(DIM), spec="day")
+    assert str(e.value).startswith(f"{day}:3: key 'user_id': user 'c' has no message with text")
+    assert f"STORE {store} holds no user 'c'" in str(e.value) and "--skip-invalid" in str(e.value)
+    assert open_store(store).manifest == before
+    res = append_store(store, ds, FakeEmbedder(DIM), spec="day", skip_invalid=True)
+    assert {k: res["added"][k] for k in ("users", "sessions", "memories", "queries", "users_without_text")} == \
+        {"users": 1, "sessions": 1, "memories": 1, "queries": 1, "users_without_text": 1}
+    st = open_store(store)
+    assert st.user_ids == ("a", "b", "d")
+    q9 = next(r for r in map(json.loads, open(store / "queries.jsonl")) if r["id"] == "q9")
+    assert q9["gold_memory_ids"] == ["s1:0"]
+    with pytest.raises(InputError, match=r"d3\.jsonl:1: key 'user_id': user 'a' has no message with text"):
+        write_store(tmp_path / "new", ds, "turn", FakeEmbedder(DIM))        # a new store: only the file counts
 
 
 def test_one_embed_writes_a_store_at_a_time_and_clears_what_a_killed_one_left(days):

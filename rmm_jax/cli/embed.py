@@ -224,7 +224,7 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
                             batch_size=batch_size, progress=say is info, use_cache=not no_cache)
         try:
-            res = append_store(into, dataset, embedder, spec=spec, log=say)
+            res = append_store(into, dataset, embedder, spec=spec, log=say, skip_invalid=skip_invalid)
         finally:
             embedder.close()
     c, a = res["manifest"]["counts"], res["added"]
@@ -238,7 +238,8 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         click.echo(f"{into}: +{count(a['users'], 'user')}, +{count(a['sessions'], 'session')} "
                    f"({count(a['memories'], 'memory')}), +{count(a['queries'], 'question')}; skipped "
                    f"{count(a['sessions_repeated'], 'session')} and {count(a['queries_repeated'], 'question')} "
-                   "already in the store")
+                   "already in the store" + (f", and {count(a['users_without_text'], 'new user')} with no message "
+                                             "with text" if a["users_without_text"] else ""))
 
 
 def _check_replaceable(path, where: str) -> None:
@@ -277,6 +278,9 @@ def _note_skipped(skipped: dict, say) -> None:
     parts = [f"{sum(skipped[k] for k in labels)} messages ({', '.join(kinds)})"] if kinds else []
     if skipped["non_text_parts"]:
         parts.append(f"{skipped['non_text_parts']} non-text content parts (images, audio, files)")
+    if skipped.get("sessions_without_text"):
+        parts.append(f"{count(skipped['sessions_without_text'], 'session')} with no message with text (nothing "
+                     "to add)")
     if skipped["gold_on_skipped"]:
         parts.append(f"{skipped['gold_on_skipped']} gold turn ids naming skipped messages")
     if parts:

@@ -69,8 +69,11 @@ skipped):
 The counts are ``Dataset.stats["skipped"]`` (in the store manifest, so in ``embed
 --json``). A gold turn id that names a skipped message is dropped from its question and
 counted (``gold_on_skipped``): it holds no text to retrieve. A session left with no
-message is not a memory source (its id still counts for ``gold_session_ids``); a user
-left with none is an error.
+message is not a memory source (its id still counts for ``gold_session_ids``) and is
+counted (``sessions_without_text``); a user left with none is an error, unless
+``gold_elsewhere`` (``rmm-jax embed --into``): then the user is kept with no session, its
+``file:line`` in ``Dataset.no_text``, for :func:`~rmm_jax.data.store.append_store` to judge
+against the store (a user the store holds needs no new text; a new one does).
 
 | key (question)      | type            | required | meaning |
 |---------------------|-----------------|----------|---------|
@@ -102,14 +105,14 @@ from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.deprecated import moved
 from rmm_jax.errors import InputError, at
 
-__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl"]
+__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl", "no_text_error"]
 
 MAX_MESSAGE_CHARS = 16_000  # longer content is invalid (see the module docstring)
 PART_SEPARATOR = "\n"       # joins the text parts of a list content
 TOOL_ROLES = ("tool", "function")
 INSTRUCTION_ROLES = ("system", "developer")  # left out of memories unless kept (see the module docstring)
 SKIP_COUNTS = ("tool_results", "tool_calls", "instructions", "no_text", "non_text_parts", "null_content", "empty",
-               "too_long", "gold_on_skipped")
+               "too_long", "gold_on_skipped", "sessions_without_text")
 
 
 # --------------------------------------------------------------------------- chat histories
@@ -264,6 +267,13 @@ def _question(q: dict, n: int, draft: _UserDraft, sessions: dict[str, Session], 
                  abstention=abstention, gold_session_ids=gold_sessions)
 
 
+def no_text_error(user_id: str, where: str, why: str = "") -> InputError:
+    """The error of a user none of whose messages has text (``where``: its first line's
+    ``file:line: key 'user_id'``), plus ``why``."""
+    return InputError(f"user {user_id!r} has no message with text (every one was skipped: tool results, tool calls, "
+                      f"system or developer messages, images or invalid){why}", where=where)
+
+
 def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tuple[str, ...] = (),
                gold_elsewhere: bool = False) -> Dataset:
     """Load a chat-history JSONL file (schema in the module docstring).
@@ -275,10 +285,12 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
     raising. ``keep_roles``: roles of :data:`INSTRUCTION_ROLES` to keep as memories.
     ``gold_elsewhere``: a gold turn or session id that no line of the file holds for the
     question's user is kept aside in ``Dataset.gold_elsewhere`` with its ``file:line`` and key,
+    and a user with no message with text is kept (no session) and named in ``Dataset.no_text``,
     not refused: a day file appended to a store (``rmm-jax embed --into``) may name an earlier
     day's turns, and :func:`~rmm_jax.data.store.append_store` looks them up in the store
-    (a question with only such gold does not count in ``no_gold``). Without it (the default,
-    and ``embed --out``), such an id is an error.
+    (a question with only such gold does not count in ``no_gold``), and a user the store holds
+    may open a session today and say nothing in it. Without it (the default, and ``embed
+    --out``), such an id, or such a user, is an error.
     """
     path = Path(path)
     bad = [r for r in keep_roles if r not in INSTRUCTION_ROLES]
@@ -311,11 +323,13 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
         for j, q in enumerate(field(obj, "questions", list, path, "", line=line, required=False, default=[])):
             draft.questions.append((expect(q, dict, path, f"questions[{j}]", line), line, f"questions[{j}]"))
     users, stats = [], Counter(lines=lines, sessions=0, turns=0, questions=0, no_gold=0, abstention=0)
+    no_text: dict[str, str] = {}
     for draft in drafts.values():
         if not draft.turn_where:
-            raise InputError(f"user {draft.id!r} has no message with text (every one was skipped: tool results, "
-                             "tool calls, system or developer messages, images or invalid)",
-                             where=at(path, draft.line, "user_id"))
+            if not gold_elsewhere:
+                raise no_text_error(draft.id, at(path, draft.line, "user_id"))
+            no_text[draft.id] = at(path, draft.line, "user_id")      # the store judges it (append_store)
+        skips.counts["sessions_without_text"] += sum(1 for s in draft.sessions if not s.turns)
         sessions = {s.id: s for s in draft.sessions}
         seen: set[str] = set()
         queries, aside = [], []
@@ -332,7 +346,8 @@ def load_jsonl(path: str | Path, *, skip_invalid: bool = False, keep_roles: tupl
         stats["no_gold"] += sum(1 for q in queries
                                 if not q.gold_turn_ids and not q.abstention and (draft.id, q.id) not in elsewhere)
         stats["abstention"] += sum(1 for q in queries if q.abstention)
-    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where, gold_elsewhere=elsewhere)
+    return Dataset("jsonl", tuple(users), {**stats, "skipped": skips.report()}, where, gold_elsewhere=elsewhere,
+                   no_text=no_text)
 
 
 # moved to rmm_jax.data.log_dataset (the log: loader); the old path warns

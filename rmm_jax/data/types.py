@@ -65,6 +65,10 @@ class Dataset:
     # store): {(user id, question id): (("turn" or "session", id, "file:line: key 'k'"), ...)};
     # empty otherwise, and a store is written only from a dataset where it is empty
     gold_elsewhere: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # users with no message with text in the file, kept (with no session) by a loader asked to
+    # (`load_jsonl(..., gold_elsewhere=True)`, for `embed --into`: a user the store holds needs
+    # none today, a new one is refused or skipped there): {user id: "file:line: key 'user_id'"}
+    no_text: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from rmm_jax.data.granularity import build_memories
+from rmm_jax.data.jsonl import no_text_error
 from rmm_jax.data.store._read import open_store, read_rows
 from rmm_jax.data.store._write import (
     _add_user_rows,
@@ -123,28 +124,35 @@ def check_model(st, path, model_id: str, where: str = "model_id") -> None:
                          "holds one embedding space", arg=where)
 
 
-def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None) -> dict:
+def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None,
+                 skip_invalid: bool = False) -> dict:
     """Append ``dataset``'s new users, sessions and questions to the store at ``path`` (the
     package docstring's "Growing a store"), embedding only their texts with ``embedder`` (its
     ``model_id`` must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
     was added or skipped (``users``, ``sessions``, ``sessions_repeated``, ``memories``,
-    ``queries``, ``queries_repeated``). The store's writer lock (:func:`store_writer`) is
+    ``queries``, ``queries_repeated``, ``users_without_text``). The store's writer lock (:func:`store_writer`) is
     held from reading the store to renaming the grown one into place.
 
     A question's gold may name turns and sessions of its user that the store holds and
     ``dataset`` does not (``dataset.gold_elsewhere``, from ``load_jsonl(...,
     gold_elsewhere=True)``): they become its ``gold_memory_ids`` as the dataset's own do. An id
     the store does not hold for that user, or any such id of a user the store does not hold,
-    is an error naming its file:line and key, before anything is embedded or written."""
+    is an error naming its file:line and key, before anything is embedded or written.
+
+    A user with no message with text in the file (``dataset.no_text``, from ``load_jsonl(...,
+    gold_elsewhere=True)``: a chat opened and abandoned, only a system prompt or an image) adds
+    no memory; one the store holds is appended its questions as any other. A new one has
+    nothing to retrieve from: an error naming its file:line, or, with ``skip_invalid``, left
+    out with its questions and counted (``users_without_text``)."""
     _check_dataset(dataset)
     _check_embedder(embedder)
     if not Path(path).is_dir():
-        return _append(path, dataset, embedder, spec, log)       # open_store's one-line error
+        return _append(path, dataset, embedder, spec, log, skip_invalid)       # open_store's one-line error
     with store_writer(path):
-        return _append(path, dataset, embedder, spec, log)
+        return _append(path, dataset, embedder, spec, log, skip_invalid)
 
 
-def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
+def _append(path, dataset: Dataset, embedder, spec: str | None, log, skip_invalid: bool) -> dict:
     say = log or (lambda msg: None)
     where = spec or "dataset"
     t0 = time.perf_counter()
@@ -158,9 +166,11 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
                          "from the records' texts", where=where)
     _check_user_ids(dataset, where)
     aside = dataset.gold_elsewhere
-    counts = dict.fromkeys(("users", "sessions", "sessions_repeated", "memories", "queries", "queries_repeated"), 0)
+    counts = dict.fromkeys(("users", "sessions", "sessions_repeated", "memories", "queries", "queries_repeated",
+                            "users_without_text"), 0)
     c = st.manifest["counts"]
     growth: dict[str, _Growth] = {}
+    first_no_text = ""
     for u in dataset.users:
         mems = build_memories(u, st.granularity)
         if st.has_user(u.id):
@@ -171,6 +181,13 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
                                   r["query_start"], r["query_end"])
             g = _grow_user(_gold_in_store(u, old_m, aside, path), mems, old_m, old_q, where, counts,
                            dataset.where)
+        elif u.id in dataset.no_text:               # new, and nothing of it to retrieve from
+            if not skip_invalid:
+                raise no_text_error(u.id, dataset.no_text[u.id], f", and STORE {path} holds no user {u.id!r}: a new "
+                                    "user needs memories to retrieve from (--skip-invalid skips it)")
+            first_no_text = first_no_text or dataset.no_text[u.id]
+            counts["users_without_text"] += 1
+            continue
         else:
             for q in u.queries:                     # a new user's gold is in its file (load_jsonl's rule)
                 for entry in aside.get((u.id, q.id), ())[:1]:
@@ -197,7 +214,9 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, log) -> dict:
     counts["memories"], counts["queries"] = len(rows.memories), len(rows.queries)
     say(f"new: {count(counts['users'], 'user')}, {count(counts['sessions'], 'session')} "
         f"({count(counts['memories'], 'memory')}), {count(counts['queries'], 'question')}; already in the store: "
-        f"{count(counts['sessions_repeated'], 'session')}, {count(counts['queries_repeated'], 'question')}")
+        f"{count(counts['sessions_repeated'], 'session')}, {count(counts['queries_repeated'], 'question')}"
+        + (f"; skipped {count(counts['users_without_text'], 'new user')} with no message with text (first: "
+           f"{first_no_text})" if counts["users_without_text"] else ""))
     if not order:
         return {"manifest": st.manifest, "added": counts}
     mem_emb, qry_emb = _assemble_arrays(embedder.encode([r["text"] for r in rows.memories], desc="new memories"),

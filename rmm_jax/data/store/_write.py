@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from rmm_jax.data.granularity import GRANULARITIES, build_memories
+from rmm_jax.data.jsonl import no_text_error
 from rmm_jax.data.store._format import FORMAT, VERSION
 from rmm_jax.data.store._read import is_store
 from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
@@ -128,7 +129,10 @@ def _unknown_gold(user_id: str, entry: tuple[str, str, str], why: str = "") -> I
 
 def _check_gold_in_file(dataset: Dataset) -> None:
     """A new store has nothing but ``dataset`` to resolve gold in: gold a loader kept aside
-    (``gold_elsewhere``, for ``embed --into``) is the loader's own error."""
+    (``gold_elsewhere``, for ``embed --into``) is the loader's own error, and so is a user it
+    kept with no message with text (``no_text``)."""
+    for uid, where in dataset.no_text.items():      # first, as load_jsonl without gold_elsewhere
+        raise no_text_error(uid, where)
     for (uid, _), entries in dataset.gold_elsewhere.items():
         raise _unknown_gold(uid, entries[0])
 
