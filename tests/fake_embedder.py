@@ -15,9 +15,11 @@ class FakeEmbedder:
     texts that share words are close (retrieval has signal, as with a real model).
     """
 
-    def __init__(self, dim: int = 16):
+    def __init__(self, dim: int = 16, max_tokens: int | None = None):
         self.calls = 0
         self.texts_embedded = 0  # as Embedder counts them (none cached here)
+        self.max_tokens = max_tokens  # as Embedder's: a text of more words counts in texts_truncated
+        self.texts_truncated = 0
         self.dim = dim
         self.model_id = f"fake/bow-{dim}"
         self.cache_dir = None  # as Embedder(use_cache=False)
@@ -32,6 +34,7 @@ class FakeEmbedder:
         out = np.zeros((len(texts), self.dim), np.float32)
         for i, t in enumerate(texts):
             words = re.findall(r"[a-z0-9]+", t.lower()) or [t]
+            self.texts_truncated += self.max_tokens is not None and len(words) > self.max_tokens
             v = sum(self._word(w) for w in words) + 1e-3 * self._word("\0" + t)
             out[i] = v / np.linalg.norm(v)
         return out

@@ -139,6 +139,20 @@ def test_model_loads_only_on_a_cache_miss(embedder, cache_root):
     warm.close()
 
 
+def test_embedder_counts_the_texts_it_cuts(embedder):
+    # A 12,929-character message was embedded from its first 256 word pieces, silently: a fact
+    # at its end was not retrievable. The embedder counts the texts its model cut, by the
+    # model's own tokenizer; a cached text is not counted again.
+    assert embedder.max_tokens == 256
+    before = embedder.texts_truncated
+    fits, cut = "word " * 250 + "short tail", "word " * 300 + "the fact at the end"
+    vecs = embedder.encode(["short", fits, cut, "word " * 300 + "another fact"])
+    assert embedder.texts_truncated - before == 2
+    np.testing.assert_array_equal(vecs[2], vecs[3])      # what follows the cut changes nothing
+    embedder.encode([cut])
+    assert embedder.texts_truncated - before == 2
+
+
 def test_alias_names_map_to_packaged_model(cache_root):
     e = E.Embedder("sentence-transformers/all-MiniLM-L6-v2", cache_dir=cache_root, progress=False)
     assert e.model_id == "sentence-transformers/all-MiniLM-L6-v2"

@@ -347,6 +347,29 @@ def test_embed_skip_invalid_counts_on_stderr_and_json(capsys, tmp_path, fake_mod
     one_line_error(code, out, err, "--skip-invalid", "jsonl")
 
 
+def test_embed_notes_the_texts_the_model_cut(capsys, tmp_path, monkeypatch):
+    """A message longer than the model reads was embedded from its beginning, silently: the
+    note counts the texts cut, on stderr (--out and --into), and says nothing when none was."""
+    from conftest import FakeEmbedder
+
+    import rmm_jax.cli.embed as embed_cli
+    monkeypatch.setattr(embed_cli, "Embedder", lambda *a, **k: FakeEmbedder(16, max_tokens=5))
+    path = tmp_path / "chats.jsonl"
+    path.write_text(jl(user_line({"role": "user", "content": "one two three"},
+                                 {"role": "user", "content": "one two three four five six seven"})))
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{path}", "--out", tmp_path / "a")
+    assert code == 0, err
+    assert ("note: 1 of 2 texts embedded was longer than model fake/bow-16 reads (5 word pieces, about 20 "
+            "characters) and embedded from the beginning only") in err and "'Long messages'" in err
+    day = tmp_path / "day.jsonl"
+    day.write_text(jl({**user_line({"role": "user", "content": "a b c d e f"}), "session_id": "s2"}))
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{day}", "--into", tmp_path / "a")
+    assert code == 0 and "note: 1 of 1 text embedded was longer than model" in err, err
+    day.write_text(jl({**user_line({"role": "user", "content": "short"}), "session_id": "s3"}))
+    code, out, err = run_cli(capsys, "embed", f"jsonl:{day}", "--into", tmp_path / "a")
+    assert code == 0 and "longer than model" not in err, err
+
+
 def test_embed_keep_roles(capsys, tmp_path, fake_model):
     """System prompts are left out and counted (stderr and manifest) unless --keep-roles names them."""
     path = tmp_path / "chats.jsonl"

@@ -180,6 +180,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
                                    **thresholds)
         finally:
             embedder.close()
+    _note_truncated(embedder, say)
     total = time.perf_counter() - t0
     c = manifest["counts"]
     say(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
@@ -227,6 +228,7 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
             res = append_store(into, dataset, embedder, spec=spec, log=say, skip_invalid=skip_invalid)
         finally:
             embedder.close()
+    _note_truncated(embedder, say)
     c, a = res["manifest"]["counts"], res["added"]
     say(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
         f"now {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
@@ -266,6 +268,17 @@ def _roles(value: str) -> tuple[str, ...]:
         raise InputError(f"unknown role {bad[0]!r}; expected a comma-separated list of {', '.join(INSTRUCTION_ROLES)}",
                          where="--keep-roles")
     return roles
+
+
+def _note_truncated(embedder, say) -> None:
+    """One stderr line when the model read only the beginning of some texts (its
+    ``max_tokens``; an embedder that does not count them says nothing)."""
+    n = getattr(embedder, "texts_truncated", 0)
+    if n:
+        say(f"note: {n} of {count(embedder.texts_embedded, 'text')} embedded {'was' if n == 1 else 'were'} longer "
+            f"than model {embedder.model_id} reads ({embedder.max_tokens} word pieces, about "
+            f"{4 * embedder.max_tokens} characters) and embedded from the beginning only: the rest is not "
+            "retrievable. Split long messages into several (docs/own-data.md, 'Long messages')")
 
 
 def _note_skipped(skipped: dict, say) -> None:

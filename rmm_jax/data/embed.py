@@ -216,6 +216,12 @@ class Embedder:
       dim: embedding dimension.
       texts_embedded: how many texts were actually run through the model (cache misses).
       model_calls: how many batches were run through the model.
+      texts_truncated: how many of the texts embedded were longer than the model reads
+        (``max_tokens`` word pieces, its ``max_seq_length``) and so embedded from their
+        beginning only: what follows the cut is not retrievable. Counted with the model's own
+        tokenizer, on the texts the model ran on (cached texts are not counted again); 0 for
+        a model without a tokenizer or a length limit.
+      max_tokens: that limit, once the model is loaded (None before, or without one).
 
     The model itself (torch and its weights) is loaded on the first cache miss when the
     cache already records its dimension, else at construction.
@@ -240,6 +246,7 @@ class Embedder:
         self.device = device
         self.texts_embedded = 0
         self.model_calls = 0
+        self.texts_truncated = 0
         self._fix = f"use another {named('cache_dir')}"   # a cache of another model or dim (the CLI's --cache-dir)
         self._load_from, self.model_id = _resolve(model)
         self._loaded = None
@@ -307,11 +314,32 @@ class Embedder:
                              f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}): {msg[:200]}",
                              arg="model") from e
 
+    @property
+    def max_tokens(self) -> int | None:
+        """The word pieces the loaded model reads of a text (its ``max_seq_length``), else None."""
+        limit = getattr(self._loaded, "max_seq_length", None) if self._loaded is not None else None
+        return int(limit) if limit else None
+
+    def _count_truncated(self, texts: list[str]) -> int:
+        """How many of ``texts`` the model cuts at :attr:`max_tokens`, by its own tokenizer (0
+        without one). A word piece covers at least one character, so a text no longer than
+        the limit less the special tokens cannot be cut and is not tokenized."""
+        limit, tok = self.max_tokens, getattr(self._loaded, "tokenizer", None)
+        if limit is None or tok is None:
+            return 0
+        special = tok.num_special_tokens_to_add() if hasattr(tok, "num_special_tokens_to_add") else 0
+        long = [t for t in texts if len(t) + special > limit]
+        if not long:
+            return 0
+        ids = tok(long, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        return sum(len(i) > limit for i in ids)
+
     def _run_model(self, texts: list[str]) -> np.ndarray:
         out = self._model.encode(texts, batch_size=len(texts), show_progress_bar=False,
                                  convert_to_numpy=True, normalize_embeddings=False)
         self.model_calls += 1
         self.texts_embedded += len(texts)
+        self.texts_truncated += self._count_truncated(texts)
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
 
     def encode(self, texts, *, desc: str = "embedding") -> np.ndarray:
