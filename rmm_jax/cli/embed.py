@@ -82,7 +82,8 @@ MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embed
                    "questions whether given or not; one that has none is refused.")
 @click.option("--skip-invalid", is_flag=True,
               help="jsonl: skip and count invalid messages (content null without tool calls, empty, or longer "
-                   f"than {MAX_MESSAGE_CHARS} characters) instead of failing on the first.")
+                   f"than {MAX_MESSAGE_CHARS} characters) instead of failing on the first; with --into, also a "
+                   "new user with no message with text (a user the store holds needs none).")
 @click.option("--keep-roles", default="", metavar="ROLES", callback=lambda ctx, param, v: _roles(v),
               help="jsonl: also keep these roles' messages as memories, comma-separated "
                    f"({', '.join(INSTRUCTION_ROLES)}). By default they are left out and counted: a system "
