@@ -68,3 +68,23 @@ def test_compilations_do_not_grow_with_users_or_lengths_within_a_bucket(compiles
     assert len(compiles) == warm                                # segments of any length: the same program
     assert drain([mk(rng, "d0", 100, 60)]) == 1
     assert len(compiles) > warm                                 # control: a new bucket compiles
+
+
+def test_compare_builds_one_program_per_setting(compiles, monkeypatch):
+    """``compare`` (``rmm-jax demo``'s table) builds each setting's program once and runs it
+    from each start: the "pretrain+online" row re-uses the "online" row's program, so it makes
+    no second ``make_run`` and compiles nothing (it built and compiled its own before)."""
+    from rmm_jax.online import compare as compare_module
+    from rmm_jax.online.pretrain import PretrainConfig
+    from rmm_jax.online.vectors import VectorSpec, vector_users
+
+    built = []
+    monkeypatch.setattr(compare_module, "make_run", lambda *a, **kw: built.append(a) or make_run(*a, **kw))
+    streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=[0, 1, 2, 3])
+    at_start = {}
+    rows = compare_module.compare(streams, streams[:2], rj.preset("default", k=6, m=2),
+                                  PretrainConfig(epochs=2, m=2, batch_size=8), rows=("online", "pretrain+online"),
+                                  progress=lambda row: at_start.setdefault(row, len(compiles)))
+    assert set(rows) == {"_pretrain", "online", "pretrain+online"}
+    assert len(built) == 1, built
+    assert len(compiles) == at_start["pretrain+online"] > at_start["online"]    # the online row compiled it
