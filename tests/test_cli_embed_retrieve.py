@@ -210,6 +210,9 @@ def test_retrieve_k_larger_than_bank(capsys, tiny_store):
     code, stdout, stderr = run(capsys, "retrieve", tiny_store, "--k", 20)
     assert code == 2 and stdout == ""
     assert stderr.count("\n") == 1 and "--k" in stderr and "k=20" in stderr and "8 memories" in stderr
+    # evaluate_store (rmm_jax.data.retrieval) names its argument k; the CLI words it as its options
+    assert stderr.endswith("--k: k=20 is larger than the memory bank of user '7' (8 memories); use a smaller --k or "
+                           "--pad-short-banks\n"), stderr
     code, stdout, _ = run(capsys, "retrieve", tiny_store, "--k", 20, "--pad-short-banks", "--json")
     assert code == 0 and json.loads(stdout)["overall"]["recall@20"] == 1.0          # exact, as above
 

@@ -619,7 +619,7 @@ def earlier_day(tmp_path, name, questions, user="a"):
 def test_a_question_about_an_earlier_day_gets_its_gold_from_the_store(tmp_path, days):
     # A day file's question could name only its own file's turns: gold on day 1's memories,
     # already in the store, was refused as "unknown turn id", so the question went without it.
-    from rmm_jax.cli.retrieve import evaluate_store
+    from rmm_jax.data.retrieval import evaluate_store
     store, _, _ = days
     spec = earlier_day(tmp_path, "day2.jsonl", [
         {"id": "q2", "question": "my dog and my lessons?", "gold_turn_ids": ["s1:0", "s2:0"]},

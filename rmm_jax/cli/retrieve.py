@@ -4,89 +4,13 @@ from __future__ import annotations
 import time
 
 import click
-import numpy as np
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import IntRange, count, emit_json, json_option
-from rmm_jax.core import metrics as M
+from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, json_option
 from rmm_jax.core.config import Layout
-from rmm_jax.data.retrieval import retrieve_candidates
+from rmm_jax.data.retrieval import evaluate_store
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
-
-
-def metric_names(k: int) -> list[str]:
-    """Columns reported for a cut-off ``k``: Recall@{5,10,20} up to k (and @k), all@k,
-    NDCG@min(10,k), MRR."""
-    cuts = sorted({c for c in (5, 10, 20) if c <= k} | {k})
-    return ([f"recall@{c}" for c in cuts] + [f"recall_all@{k}", f"ndcg@{min(10, k)}", "mrr"])
-
-
-def evaluate_store(store, k: int, *, pad_short_banks: bool = False) -> dict:
-    """Dense retrieval of the top ``k`` memories for every question of every user.
-
-    Returns ``{"overall", "per_user", "per_category", "counts", "k", ...}`` where each block
-    maps metric names (see :func:`metric_names`) to means over the valid questions
-    (>= 1 gold memory and not an abstention question) plus ``"n"``.
-    """
-    if not pad_short_banks:               # a user without questions retrieves nothing: its bank may be short
-        for uid, n_m in store.bank_sizes.items():
-            if k > n_m and store.query_count(uid):
-                raise InputError(f"k={k} is larger than the memory bank of user {uid!r} "
-                                 f"({n_m} memories); use a smaller --k or --pad-short-banks",
-                                 where="--k")
-    rels, golds, valid, users, cats = [], [], [], [], []
-    n_abst = n_nogold = 0
-    for u in store.iter_users():
-        n_q = u.query_emb.shape[0]
-        if n_q == 0:
-            continue
-        idx, mask = retrieve_candidates(u, k)
-        rel = np.zeros((n_q, k), bool) if u.gold.shape[1] == 0 else \
-            np.take_along_axis(u.gold, idx, axis=1) & mask
-        rels.append(rel)
-        golds.append(u.num_gold)
-        valid.append(u.valid)
-        users.extend([u.user_id] * n_q)
-        cats.extend(c or "(none)" for c in u.categories)
-        n_abst += int(u.abstention.sum())
-        n_nogold += int(((u.num_gold == 0) & ~u.abstention).sum())
-    names = metric_names(k)
-    if rels:
-        rel = np.concatenate(rels)
-        ng = np.concatenate(golds)
-        ok = np.concatenate(valid)
-    else:
-        rel, ng, ok = np.zeros((0, k), bool), np.zeros((0,), np.int32), np.zeros((0,), bool)
-    per_q = {}
-    for name in names:
-        if name.startswith("recall_all@"):
-            per_q[name] = M.recall_all_at_k(rel, ng, k)
-        elif name.startswith("recall@"):
-            per_q[name] = M.recall_at_k(rel, ng, int(name.split("@")[1]))
-        elif name.startswith("ndcg@"):
-            per_q[name] = M.ndcg_at_k(rel, ng, int(name.split("@")[1]))
-        else:
-            per_q[name] = M.mrr(rel)
-    per_q = {n: np.asarray(v) for n, v in per_q.items()}
-    s = M.summarize(per_q, ok, {"user": np.array(users, dtype=object).astype(str),
-                                "category": np.array(cats, dtype=object).astype(str)})
-    for uid in store.user_ids:  # users without questions still get a row
-        s["per_user"].setdefault(uid, {**{n: None for n in names}, "n": 0})
-    c = store.manifest["counts"]
-    return {
-        "store": str(store.path), "model": store.model, "granularity": store.granularity, "k": k,
-        "metrics": names,
-        "overall": s["overall"], "per_user": s["per_user"],
-        "per_category": dict(sorted(s["per_category"].items(), key=lambda kv: _cat_key(kv[0]))),
-        "counts": {"users": c["users"], "memories": c["memories"], "queries": c["queries"],
-                   "valid_queries": int(ok.sum()), "abstention_queries": n_abst,
-                   "queries_without_gold_memory": n_nogold},
-    }
-
-
-def _cat_key(c: str):
-    return (0, int(c), "") if c.isdigit() else (1, 0, c)
 
 
 def _fmt(v) -> str:
@@ -129,7 +53,8 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
     """
     t0 = time.perf_counter()
     st = open_store(store, expect_model=expect_model)
-    res = evaluate_store(st, k, pad_short_banks=pad_short_banks)
+    with as_options("k", "pad_short_banks"):      # the API names its arguments, the CLI its options
+        res = evaluate_store(st, k, pad_short_banks=pad_short_banks)
     c = res["counts"]
     if c["valid_queries"] == 0:          # a table of dashes measured nothing: say why, in one line
         why = ("holds no questions" if c["queries"] == 0 else

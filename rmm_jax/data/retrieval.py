@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rmm_jax.core import metrics as M
 from rmm_jax.core.executables import aot
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, named
 
-__all__ = ["top_k", "multi_probe_top_k", "retrieve_candidates", "pad_rows"]
+__all__ = ["top_k", "multi_probe_top_k", "retrieve_candidates", "pad_rows", "metric_names", "evaluate_store"]
 
 _NEG_INF = -jnp.inf
 
@@ -256,3 +257,107 @@ def retrieve_candidates(store_user, k: int, *, chunk_size: int = 65536):
     idx[:, :kk] = top
     msk[:, :kk] = True
     return idx, msk
+
+
+def metric_names(k: int) -> list[str]:
+    """Columns reported for a cut-off ``k``: Recall@{5,10,20} up to k (and @k), all@k,
+    NDCG@min(10,k), MRR.
+
+    Examples:
+      >>> from rmm_jax.data.retrieval import metric_names
+      >>> metric_names(12)
+      ['recall@5', 'recall@10', 'recall@12', 'recall_all@12', 'ndcg@10', 'mrr']
+    """
+    cuts = sorted({c for c in (5, 10, 20) if c <= k} | {k})
+    return ([f"recall@{c}" for c in cuts] + [f"recall_all@{k}", f"ndcg@{min(10, k)}", "mrr"])
+
+
+def evaluate_store(store, k: int, *, pad_short_banks: bool = False) -> dict:
+    """Dense retrieval of the top ``k`` memories for every question of every user
+    (``rmm-jax retrieve``).
+
+    Returns ``{"overall", "per_user", "per_category", "counts", "k", ...}`` where each block
+    maps metric names (see :func:`metric_names`) to means over the valid questions
+    (>= 1 gold memory and not an abstention question) plus ``"n"``. A ``k`` larger than the
+    bank of a user with questions raises :class:`~rmm_jax.errors.InputError` naming ``k``
+    unless ``pad_short_banks``.
+
+    Examples:
+      >>> import tempfile, zlib
+      >>> import numpy as np
+      >>> from rmm_jax.data.retrieval import evaluate_store
+      >>> from rmm_jax.data.store import open_store, write_store
+      >>> from rmm_jax.data.synthetic import make_synthetic
+      >>> class Hashed:       # any .encode/.model_id/.dim: one random unit vector a text
+      ...     model_id, dim = "hashed-8", 8
+      ...     def encode(self, texts, desc=""):
+      ...         v = np.stack([np.random.default_rng(zlib.crc32(t.encode())).normal(size=8) for t in texts])
+      ...         return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+      >>> path = tempfile.mkdtemp() + "/store"
+      >>> _ = write_store(path, make_synthetic(users=2, sessions=2, turns=4), "session", Hashed())
+      >>> res = evaluate_store(open_store(path), 2)
+      >>> res["metrics"], sorted(res["per_user"]), res["counts"]["users"]
+      (['recall@2', 'recall_all@2', 'ndcg@2', 'mrr'], ['user0', 'user1'], 2)
+      >>> evaluate_store(open_store(path), 5)
+      Traceback (most recent call last):
+      ...
+      rmm_jax.errors.InputError: k: k=5 is larger than the memory bank of user ... or pad_short_banks=True
+    """
+    if not pad_short_banks:               # a user without questions retrieves nothing: its bank may be short
+        for uid, n_m in store.bank_sizes.items():
+            if k > n_m and store.query_count(uid):
+                raise InputError(f"k={k} is larger than the memory bank of user {uid!r} "
+                                 f"({n_m} memories); use a smaller {named('k')} or {named('pad_short_banks', True)}",
+                                 arg="k")
+    rels, golds, valid, users, cats = [], [], [], [], []
+    n_abst = n_nogold = 0
+    for u in store.iter_users():
+        n_q = u.query_emb.shape[0]
+        if n_q == 0:
+            continue
+        idx, mask = retrieve_candidates(u, k)
+        rel = np.zeros((n_q, k), bool) if u.gold.shape[1] == 0 else \
+            np.take_along_axis(u.gold, idx, axis=1) & mask
+        rels.append(rel)
+        golds.append(u.num_gold)
+        valid.append(u.valid)
+        users.extend([u.user_id] * n_q)
+        cats.extend(c or "(none)" for c in u.categories)
+        n_abst += int(u.abstention.sum())
+        n_nogold += int(((u.num_gold == 0) & ~u.abstention).sum())
+    names = metric_names(k)
+    if rels:
+        rel = np.concatenate(rels)
+        ng = np.concatenate(golds)
+        ok = np.concatenate(valid)
+    else:
+        rel, ng, ok = np.zeros((0, k), bool), np.zeros((0,), np.int32), np.zeros((0,), bool)
+    per_q = {}
+    for name in names:
+        if name.startswith("recall_all@"):
+            per_q[name] = M.recall_all_at_k(rel, ng, k)
+        elif name.startswith("recall@"):
+            per_q[name] = M.recall_at_k(rel, ng, int(name.split("@")[1]))
+        elif name.startswith("ndcg@"):
+            per_q[name] = M.ndcg_at_k(rel, ng, int(name.split("@")[1]))
+        else:
+            per_q[name] = M.mrr(rel)
+    per_q = {n: np.asarray(v) for n, v in per_q.items()}
+    s = M.summarize(per_q, ok, {"user": np.array(users, dtype=object).astype(str),
+                                "category": np.array(cats, dtype=object).astype(str)})
+    for uid in store.user_ids:  # users without questions still get a row
+        s["per_user"].setdefault(uid, {**{n: None for n in names}, "n": 0})
+    c = store.manifest["counts"]
+    return {
+        "store": str(store.path), "model": store.model, "granularity": store.granularity, "k": k,
+        "metrics": names,
+        "overall": s["overall"], "per_user": s["per_user"],
+        "per_category": dict(sorted(s["per_category"].items(), key=lambda kv: _cat_key(kv[0]))),
+        "counts": {"users": c["users"], "memories": c["memories"], "queries": c["queries"],
+                   "valid_queries": int(ok.sum()), "abstention_queries": n_abst,
+                   "queries_without_gold_memory": n_nogold},
+    }
+
+
+def _cat_key(c: str):
+    return (0, int(c), "") if c.isdigit() else (1, 0, c)
