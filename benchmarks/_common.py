@@ -54,7 +54,7 @@ from rmm_jax.data.embed import Embedder
 from rmm_jax.data.store import open_store, write_store
 from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.pretrain import eval_per_query
-from rmm_jax.online.run import precision_recall_oracle, run_online
+from rmm_jax.online.run import run_online
 from rmm_jax.online.stats import format_interval, gain_interval  # noqa: F401  (re-exported)
 from rmm_jax.online.streams import Stream, load_dialogue_streams, load_streams, with_answer_support
 from rmm_jax.online.summary import base_values
@@ -343,22 +343,21 @@ def citation_model(name: str):
       (:func:`rmm_jax.data.citations.oracle`): a shown gold memory is cited with P 0.911,
       any other with 0.154, every shown memory with 0.154 when no gold one is shown.
     * ``precision_recall``: the older, more generous simulator at precision/recall
-      0.876/0.858 (:func:`rmm_jax.online.run.precision_recall_oracle`); it never cites
+      0.876/0.858 (:func:`rmm_jax.data.citations.precision_recall_oracle`); it never cites
       when no gold memory is shown.
     * ``answer``: cites exactly the shown memories that support the reference answer;
       the streams must carry answer support (:meth:`LoCoMo.answer_streams`).
     """
+    if name not in CITATIONS:
+        raise ValueError(f"citations: must be one of {CITATIONS}, got {name!r}")
+    cite = cm.citation_model(name)
     if name == "oracle":
-        return cm.oracle(), {"model": "oracle (class-calibrated)", "p_useful": cm.P_USEFUL, "p_other": cm.P_OTHER,
-                             "spurious": cm.SPURIOUS}
+        return cite, {"model": "oracle (class-calibrated)", "p_useful": cm.P_USEFUL, "p_other": cm.P_OTHER,
+                      "spurious": cm.SPURIOUS}
     if name == "precision_recall":
-        return (precision_recall_oracle(cm.DEFAULT_PRECISION, cm.DEFAULT_RECALL),
-                {"model": "precision/recall", "precision": cm.DEFAULT_PRECISION, "recall": cm.DEFAULT_RECALL})
-    if name == "answer":
-        return (cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0),
-                {"model": "answer (cites exactly the shown memories that support the reference answer)",
-                 "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD})
-    raise ValueError(f"citations: must be one of {CITATIONS}, got {name!r}")
+        return cite, {"model": "precision/recall", "precision": cm.DEFAULT_PRECISION, "recall": cm.DEFAULT_RECALL}
+    return cite, {"model": "answer (cites exactly the shown memories that support the reference answer)",
+                  "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD}
 
 
 def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict:

@@ -54,6 +54,7 @@ from rmm_jax.data.citations import (  # noqa: E402
     P_OTHER,
     P_USEFUL,
     SPURIOUS,
+    answer_oracle,
     answer_support,
     oracle,
 )
@@ -181,7 +182,7 @@ def main(argv=None):
                                                                 top_c=top_c, threshold=threshold)) for s in streams]
         models = {"oracle (gold, class-calibrated)": (streams, oracle()),
                   "answer (cites exactly the supported shown memories)":
-                      (ans, oracle(p_useful=1.0, p_other=0.0, spurious=0.0)),
+                      (ans, answer_oracle()),
                   "answer + judge noise (class-calibrated on support)": (ans, oracle())}
         seeds = list(range(args.learn_seeds))
         learning = {}

@@ -54,8 +54,8 @@ from rmm_jax.data.citations import (  # noqa: E402
     POSITION_DECAY,
     oracle,
     position_oracle,
+    precision_recall_oracle,
 )
-from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 
 P_USEFUL_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 P_OTHER_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)

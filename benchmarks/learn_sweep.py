@@ -173,7 +173,7 @@ import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.losses import listwise_loss  # noqa: E402
 from rmm_jax.core.update import shared_step_multiple  # noqa: E402
-from rmm_jax.data.citations import P_OTHER, P_USEFUL, oracle  # noqa: E402
+from rmm_jax.data.citations import P_OTHER, P_USEFUL, answer_oracle  # noqa: E402
 from rmm_jax.online.pretrain import DIALOGUE_RECIPE, PretrainConfig, eval_per_query, pretrain, split_streams  # noqa: E402
 from rmm_jax.online.streams import Stream, with_answer_support  # noqa: E402
 from rmm_jax.online.summary import base_values  # noqa: E402
@@ -183,7 +183,7 @@ K, M = 20, 5
 JUDGE = {"p_useful": P_USEFUL, "p_other": P_OTHER}        # the class-calibrated judge's rates
 PERFECT = "perfect"          # the bound lever's citations: exactly the shown gold memories, no judge noise
 CITE_FNS = {**{name: _common.citation_model(name)[0] for name in _common.CITATIONS},
-            PERFECT: oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
+            PERFECT: answer_oracle()}
 # row keys that are not settings
 NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior", "candidate")
 

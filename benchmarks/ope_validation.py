@@ -177,8 +177,9 @@ def online_loop(k: int, m: int, tau: float, precision: float, recall: float) -> 
     at K, M and τ, citations from the precision/recall oracle."""
     from rmm_jax.core.config import preset
     from rmm_jax.core.update import simulated_batch
+    from rmm_jax.data.citations import precision_recall_oracle
     from rmm_jax.online.loop import make_run
-    from rmm_jax.online.run import precision_recall_oracle, run_online
+    from rmm_jax.online.run import run_online
 
     setting = preset("default", k=k, m=m, tau=tau)
     cite = precision_recall_oracle(precision, recall)

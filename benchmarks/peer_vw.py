@@ -77,7 +77,7 @@ gains over the retriever.
 is the class-calibrated :func:`rmm_jax.data.citations.oracle` (``rmm-jax simulate``'s
 default: a useful memory cited at 0.911, another at 0.154, each memory of a call that
 shows nothing useful at 0.154); ``precision_recall`` is
-:func:`rmm_jax.online.run.precision_recall_oracle` at (0.876, 0.858). VW's slates are cited
+:func:`rmm_jax.data.citations.precision_recall_oracle` at (0.876, 0.858). VW's slates are cited
 by the NumPy transcriptions in ``ref_numpy`` (``class_cite``, ``oracle_cite``), checked
 against the library's by ``tests/test_bench_references.py``. Recall@5 is prequential:
 |gold ∩ top-5| / gold in the bank, each query scored before the update that uses it,
@@ -117,9 +117,16 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, P_OTHER, P_USEFUL, SPURIOUS, oracle  # noqa: E402
+from rmm_jax.data.citations import (  # noqa: E402
+    DEFAULT_PRECISION,
+    DEFAULT_RECALL,
+    P_OTHER,
+    P_USEFUL,
+    SPURIOUS,
+    oracle,
+    precision_recall_oracle,
+)
 from rmm_jax.online.pretrain import DIALOGUE_RECIPE, pretrain  # noqa: E402
-from rmm_jax.online.run import precision_recall_oracle  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 
 try:

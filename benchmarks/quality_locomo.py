@@ -12,7 +12,7 @@ identity, against simulated citations (``--citations``):
   (:func:`rmm_jax.data.citations.oracle`): a shown gold memory is cited with P 0.911, any
   other with 0.154, and every shown memory with 0.154 when no gold one is shown.
 * ``precision_recall``: the older, more generous simulator at precision/recall
-  0.876/0.858 (:func:`rmm_jax.online.run.precision_recall_oracle`): never cites when no
+  0.876/0.858 (:func:`rmm_jax.data.citations.precision_recall_oracle`): never cites when no
   gold memory is shown. The results before the class-calibrated default were made with it.
 * ``answer``: label-free, cites the shown memory that best supports the reference
   answer (:func:`rmm_jax.data.citations.answer_support`); the online loop never reads

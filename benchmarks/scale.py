@@ -51,10 +51,14 @@ from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.scope import DEFAULT_RANK  # noqa: E402
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL  # noqa: E402
+from rmm_jax.data.citations import (  # noqa: E402
+    DEFAULT_PRECISION,
+    DEFAULT_RECALL,
+    precision_recall_oracle,
+)
 from rmm_jax.online.driver import drive  # noqa: E402
 from rmm_jax.online.loop import make_run  # noqa: E402
-from rmm_jax.online.run import Recorder, precision_recall_oracle  # noqa: E402
+from rmm_jax.online.run import Recorder  # noqa: E402
 from rmm_jax.online.serve import user_params  # noqa: E402
 from rmm_jax.online.sinks import PolicySink  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402

@@ -77,11 +77,11 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import setting_record  # noqa: E402
-from rmm_jax.data.citations import oracle  # noqa: E402
+from rmm_jax.data.citations import answer_oracle, oracle  # noqa: E402
 from rmm_jax.online.pretrain import DIALOGUE_RECIPE, PretrainConfig, pretrain  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 
-CITATIONS = {"class-calibrated": oracle(), "perfect": oracle(p_useful=1.0, p_other=0.0, spurious=0.0)}
+CITATIONS = {"class-calibrated": oracle(), "perfect": answer_oracle()}
 
 # (name, kind, options): kind "online" (options: citations, tau), "gold" (epochs) or
 # "log" (citations of the online run whose log is learned from, epochs, negatives).

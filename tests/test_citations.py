@@ -684,3 +684,24 @@ def test_format_prompt_validation():
         format_prompt("q", "abc")
     with pytest.raises(InputError, match="argument 'memories'"):
         format_prompt("q", ["a", None])
+
+
+def test_citation_model_chooses_by_name_and_its_error_words_as_simulate_did():
+    """``citation_model`` is the one chooser of a citation model by name (simulate's
+    ``--citations``, the benchmarks' ``_common.citation_model``); precision/recall replace the
+    oracle only, and under the CLI's option names the error is simulate's line."""
+    from rmm_jax.cli.shell import as_options
+    from rmm_jax.data import citations as cm
+    from rmm_jax.errors import InputError
+    assert cm.citation_model("oracle").keywords == cm.oracle().keywords
+    assert cm.citation_model("position").keywords == cm.position_oracle().keywords
+    assert cm.citation_model("answer").keywords == cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0).keywords
+    assert cm.citation_model("precision_recall").keywords == {"precision": cm.DEFAULT_PRECISION,
+                                                              "recall": cm.DEFAULT_RECALL}
+    assert cm.citation_model("oracle", precision=0.5).keywords == {"precision": 0.5, "recall": cm.DEFAULT_RECALL}
+    with pytest.raises(InputError, match=r"^--citations: --precision/--recall replace the oracle; they do not apply "
+                                         r"to 'position'$"):
+        with as_options("precision", "recall", name="citations"):
+            cm.citation_model("position", recall=0.5)
+    with pytest.raises(InputError, match="^name: must be one of oracle, position, answer, precision_recall"):
+        cm.citation_model("gold")

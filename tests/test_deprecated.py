@@ -14,6 +14,7 @@ MOVED = [
     ("rmm_jax.data.store_append", "append_store", "rmm_jax.data.store"),
     ("rmm_jax.data.store_append", "check_model", "rmm_jax.data.store"),
     ("rmm_jax.data.store_append", "APPENDABLE", "rmm_jax.data.store"),
+    ("rmm_jax.online.run", "precision_recall_oracle", "rmm_jax.data.citations"),
 ]
 
 

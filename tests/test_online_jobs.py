@@ -12,13 +12,13 @@ from conftest import make_fake_store
 
 import rmm_jax as rj
 from rmm_jax.data.citation_log import read_log, validate_record, write_log
-from rmm_jax.data.citations import oracle_cite
+from rmm_jax.data.citations import oracle_cite, precision_recall_oracle
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.pretrain import PretrainConfig, eval_per_query, pretrain, split_streams
-from rmm_jax.online.run import precision_recall_oracle, run_online
+from rmm_jax.online.run import run_online
 from rmm_jax.online.streams import load_streams, streams_from_log, user_key, user_keys
 from rmm_jax.persist.policy_store import PolicyStore
 

@@ -10,10 +10,10 @@ import pytest
 from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
-from rmm_jax.data.citations import oracle_cite
+from rmm_jax.data.citations import oracle_cite, precision_recall_oracle
 from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.run import precision_recall_oracle, run_online
+from rmm_jax.online.run import run_online
 from rmm_jax.online.vectors import VectorSpec, shared_distortion, vector_chunks, vector_stream
 
 D, K = 6, 5

@@ -42,11 +42,10 @@ from rmm_jax.cli.online import (
 from rmm_jax.cli.shell import IntRange, as_options, check_output_file, count, info, json_option, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
+from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, precision_recall_oracle
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.run import precision_recall_oracle
 from rmm_jax.online.starts import check_simulated
 from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_setting import write_setting

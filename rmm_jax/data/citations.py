@@ -164,7 +164,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.deprecated import moved
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, named
 
 __all__ = [
     "ANSWER_THRESHOLD",
@@ -177,13 +177,17 @@ __all__ = [
     "P_USEFUL",
     "POSITION_DECAY",
     "SPURIOUS",
+    "CITATION_MODELS",
+    "answer_oracle",
     "answer_support",
     "check_rate",
+    "citation_model",
     "class_cite",
     "false_cite_prob",
     "oracle",
     "oracle_cite",
     "position_oracle",
+    "precision_recall_oracle",
 ]
 
 #: Citation precision against an LLM judge measured in the RMM paper.
@@ -373,6 +377,84 @@ def position_oracle(*, p_useful: float = P_USEFUL, p_other: float = P_OTHER, spu
              "spurious": check_rate(spurious, "spurious", low_open=False),
              "decay": check_rate(decay, "decay", low_open=True)}
     return functools.partial(class_cite, **rates)
+
+
+def answer_oracle():
+    """The cite function of the ``answer`` citation model: it cites exactly the shown useful
+    memories and nothing else (:func:`oracle` at rates 1, 0, 0). With a stream's ``cite_gold``
+    set by :func:`answer_support` it cites the shown memories that support the reference
+    answer; on gold labels it is the perfect citer (no judge noise).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from rmm_jax.data.citations import answer_oracle
+      >>> answer_oracle()(jax.random.key(0), jnp.array([False, True, True]), jnp.array([True, True, False])).tolist()
+      [False, True, False]
+    """
+    return oracle(p_useful=1.0, p_other=0.0, spurious=0.0)
+
+
+def precision_recall_oracle(precision: float = DEFAULT_PRECISION, recall: float = DEFAULT_RECALL):
+    """The precision/recall oracle (:func:`oracle_cite`) with its rates bound, checked here
+    before any tracing. Not the class-calibrated :func:`oracle` of ``simulate --citations
+    oracle``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from rmm_jax.data.citations import precision_recall_oracle
+      >>> cite = precision_recall_oracle(1.0, 1.0)
+      >>> cite(jax.random.key(0), jnp.array([False, True, False]), jnp.array([True, True, True])).tolist()
+      [False, True, False]
+    """
+    check_rate(precision, "precision", low_open=True)
+    check_rate(recall, "recall", low_open=False)
+    return functools.partial(oracle_cite, precision=precision, recall=recall)
+
+
+#: The citation models :func:`citation_model` chooses among by name.
+CITATION_MODELS = ("oracle", "position", "answer", "precision_recall")
+
+
+def citation_model(name: str, *, precision: float | None = None, recall: float | None = None):
+    """The cite function of a citation model by name (:data:`CITATION_MODELS`):
+
+    * ``oracle``: the class-calibrated :func:`oracle` at the paper's per-class rates; given
+      ``precision`` or ``recall``, the precision/recall :func:`precision_recall_oracle`
+      instead (the other rate at its default), as ``simulate --precision/--recall`` do;
+    * ``position``: :func:`position_oracle` (the class rates with a decay per display slot);
+    * ``answer``: :func:`answer_oracle` (exactly the shown useful memories; the streams
+      carry answer support as their ``cite_gold``);
+    * ``precision_recall``: :func:`precision_recall_oracle`, at 0.876/0.858 unless given.
+
+    ``precision``/``recall`` apply to ``oracle`` and ``precision_recall`` only: for another
+    model they raise :class:`~rmm_jax.errors.InputError` naming ``name``.
+
+    Examples:
+      >>> from rmm_jax.data.citations import citation_model
+      >>> citation_model("oracle").keywords
+      {'p_useful': 0.911, 'p_other': 0.154, 'spurious': 0.154, 'decay': 1.0}
+      >>> citation_model("oracle", recall=0.5).keywords
+      {'precision': 0.876, 'recall': 0.5}
+      >>> citation_model("answer").keywords["p_other"], citation_model("position").keywords["decay"]
+      (0.0, 0.9)
+      >>> citation_model("answer", precision=0.9)
+      Traceback (most recent call last):
+      ...
+      rmm_jax.errors.InputError: name: precision/recall replace the oracle; they do not apply to 'answer'
+    """
+    overridden = precision is not None or recall is not None
+    precision = DEFAULT_PRECISION if precision is None else precision
+    recall = DEFAULT_RECALL if recall is None else recall
+    if name == "precision_recall" or (name == "oracle" and overridden):
+        return precision_recall_oracle(precision, recall)
+    if name not in CITATION_MODELS:
+        raise InputError(f"must be one of {', '.join(CITATION_MODELS)}, got {name!r}", arg="name")
+    if overridden:
+        raise InputError(f"{named('precision')}/{named('recall')} replace the oracle; they do not apply to {name!r}",
+                         arg="name")
+    if name == "oracle":
+        return oracle()
+    return position_oracle() if name == "position" else answer_oracle()
 
 
 # ---------------------------------------------------------------------------

@@ -10,10 +10,10 @@ import jax
 
 from rmm_jax.core.config import Setting, preset
 from rmm_jax.core.reranker import init_reranker
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
+from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, precision_recall_oracle
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.pretrain import PretrainConfig, pretrain, split_streams
-from rmm_jax.online.run import precision_recall_oracle, run_online
+from rmm_jax.online.run import run_online
 from rmm_jax.online.streams import Stream
 from rmm_jax.online.summary import base_summary, ceiling_values, static_summary
 

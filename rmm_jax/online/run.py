@@ -24,7 +24,6 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -32,8 +31,7 @@ import numpy as np
 
 from rmm_jax.core import checks
 from rmm_jax.core.types import SharedState
-from rmm_jax.core.update import CiteFn
-from rmm_jax.data.citations import check_rate, oracle_cite
+from rmm_jax.deprecated import moved
 from rmm_jax.errors import InputError
 from rmm_jax.online.driver import (
     ChunkDone,
@@ -179,15 +177,6 @@ def chunk_records(stream: Stream, outputs: dict) -> list[dict]:
     return log_records(stream, out["selected"], out["cited"], out["log_prob"])
 
 
-def precision_recall_oracle(precision: float, recall: float) -> CiteFn:
-    """The precision/recall oracle (:func:`rmm_jax.data.citations.oracle_cite`) with its
-    rates bound, checked here before any tracing. Not the class-calibrated
-    :func:`rmm_jax.data.citations.oracle` of ``simulate --citations oracle``."""
-    check_rate(precision, "precision", low_open=True)
-    check_rate(recall, "recall", low_open=False)
-    return functools.partial(oracle_cite, precision=precision, recall=recall)
-
-
 def run_online(streams: Sequence[Stream], program: Program, params, *, seed: int = 0, users_per_chunk: int = 8,
                want_log: bool = False, mesh=None, shared: SharedState | None = None) -> OnlineResult:
     """Simulate (``program`` built with a citation function) or replay (the streams carry
@@ -213,3 +202,7 @@ def final_params(result: OnlineResult, program: Program, user_id: str):
             local = jax.tree.map(lambda x: x[ids.index(user_id)], users.params)
             return program.layout.scope.merge(result.shared.params if result.shared is not None else {}, local)
     raise KeyError(user_id)
+
+
+# moved to rmm_jax.data.citations (the data layer owns the citation models); the old path warns
+__getattr__ = moved(__name__, {"precision_recall_oracle": "rmm_jax.data.citations"})
