@@ -183,6 +183,17 @@ def rmm_jax_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
 
 
+def run_cli(args: Sequence, *, cwd: Path | None = None, env: dict | None = None, ok: Sequence[int] = (0,)) -> str:
+    """Run one ``rmm-jax`` command (:func:`rmm_jax_command`) in ``cwd`` with ``env`` added to this
+    process's environment; its stdout. An exit status not in ``ok`` ends the benchmark with the
+    command and the tail of its stderr."""
+    r = subprocess.run(rmm_jax_command() + [str(a) for a in args], cwd=cwd, capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
+    if r.returncode not in ok:
+        sys.exit(f"error: rmm-jax {' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
 def du(path: Path) -> int:
     """Bytes of the file ``path``, or of every file under the directory ``path`` (apparent size)."""
     path = Path(path)
@@ -433,6 +444,23 @@ def query_groups(streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
     """Which of ``users`` each value of :func:`pooled` belongs to (its index in ``users``)."""
     by_id = {s.user_id: s for s in streams}
     return np.concatenate([np.full(int(np.asarray(by_id[u].valid, bool).sum()), i) for i, u in enumerate(users)])
+
+
+def pooled_gain(per_seed: Sequence[dict], base: dict, streams: Sequence[Stream], users: Sequence[str], *,
+                by_user: bool = False, detail: bool = False) -> dict:
+    """Recall and gain over ``base`` of per-seed per-user recalls (user id -> (T,)), pooled
+    over ``users``: ``{"recall", "base", "gain"}``, the gain a :func:`gain_interval` of the
+    paired per-query differences (``by_user``: resampling the users too, :func:`query_groups`).
+    ``detail`` adds ``per_seed_gain`` (each seed's mean gain) and ``per_user`` (each user's
+    recall, over seeds)."""
+    vals = np.stack([pooled(r, streams, users) for r in per_seed])
+    b = pooled(base, streams, users)
+    groups = query_groups(streams, users) if by_user else None
+    out = {"recall": float(vals.mean()), "base": float(b.mean()), "gain": gain_interval(vals - b[None], groups=groups)}
+    if detail:
+        out["per_seed_gain"] = [float(x) for x in (vals - b).mean(1)]
+        out["per_user"] = {u: float(np.stack([pooled(r, streams, [u]) for r in per_seed]).mean()) for u in users}
+    return out
 
 
 ALLOW_DIRTY_ENV = "RMM_ALLOW_DIRTY"

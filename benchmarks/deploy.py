@@ -64,8 +64,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -91,11 +89,8 @@ CITE_SEED = 20250712
 
 def cli(args: list, work: Path) -> str:
     """Run one ``rmm-jax`` command in ``work``; its stdout (a failure ends the benchmark)."""
-    r = subprocess.run(_common.rmm_jax_command() + [str(a) for a in args], cwd=work, capture_output=True, text=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"})
-    if r.returncode not in (0, 3):           # evaluate exits 3 when it withholds an estimate
-        sys.exit(f"error: rmm-jax {' '.join(map(str, args))} exited {r.returncode}:\n{r.stderr[-3000:]}")
-    return r.stdout
+    return _common.run_cli(args, cwd=work, env={"HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"},
+                           ok=(0, 3))           # evaluate exits 3 when it withholds an estimate
 
 
 def session_date(stamp: str) -> dt.date:

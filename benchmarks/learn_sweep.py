@@ -331,13 +331,9 @@ def record(row: dict) -> dict:
 pooled = _common.pooled
 
 
-def gain(per_seed: list[dict], base: dict, streams, users) -> dict:
-    """Recall and gain over ``base`` of per-seed per-user recalls, pooled over ``users``."""
-    b = pooled(base, streams, users)
-    vals = np.stack([pooled(r, streams, users) for r in per_seed])
-    return {"recall": float(vals.mean()), "base": float(b.mean()), "gain": _common.gain_interval(vals - b),
-            "per_seed_gain": [float(x) for x in (vals - b).mean(1)],
-            "per_user": {u: float(np.stack([pooled(r, streams, [u]) for r in per_seed]).mean()) for u in users}}
+# recall and gain over the base of per-seed per-user recalls, pooled over users, with each seed's gain and
+# each user's recall
+gain = functools.partial(_common.pooled_gain, detail=True)
 
 
 def paired(a: list[dict], b: list[dict], streams, users) -> dict:

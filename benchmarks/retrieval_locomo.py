@@ -13,22 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from _common import HelpFormatter, add_data_option, choice_list, positive_int, require_data, write_result
+from _common import HelpFormatter, add_data_option, choice_list, positive_int, require_data, run_cli, write_result
 
 GRANULARITIES = ("turn", "segment", "session")
-
-
-def rmm_jax(*args: str) -> str:
-    """Run one ``rmm-jax`` command (this interpreter's), its stdout; a failure stops the run."""
-    r = subprocess.run([sys.executable, "-m", "rmm_jax.cli.main", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"error: rmm-jax {' '.join(args)} exited {r.returncode}:\n{r.stderr[-2000:]}")
-    return r.stdout
 
 
 def main(argv=None):
@@ -45,8 +35,8 @@ def main(argv=None):
             store = str(Path(tmp) / "store")
             embed = ["embed", f"locomo:{data}", "--out", store, "--granularity", g]
             retrieve = ["retrieve", store, "--k", str(args.k), "--pad-short-banks", "--json"]
-            rmm_jax(*embed)
-            got = json.loads(rmm_jax(*retrieve))
+            run_cli(embed)
+            got = json.loads(run_cli(retrieve))
         got["command"] = (f"rmm-jax embed locomo:{args.data} --out S --granularity {g} && "
                           f"rmm-jax retrieve S --k {args.k} --pad-short-banks --json")
         write_result(args.out_dir / f"retrieval_locomo_{g}.json", got)

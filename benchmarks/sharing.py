@@ -135,14 +135,6 @@ def grouped(streams, groups, program, params, seed: int) -> dict:
     return out
 
 
-def gain(per_seed: list[dict], base: dict, streams, users, by_user: bool) -> dict:
-    vals = np.stack([_common.pooled(r, streams, users) for r in per_seed])
-    b = _common.pooled(base, streams, users)
-    groups = _common.query_groups(streams, users) if by_user else None
-    return {"recall": float(vals.mean()), "base": float(b.mean()),
-            "gain": _common.gain_interval(vals - b[None], groups=groups)}
-
-
 def curve_synthetic(streams, n_eval: int, sizes, programs, params, seeds, m, log) -> dict:
     """Gain of each scope at each group size U on the first ``n_eval`` of ``streams``: groups of U
     of them, or (U > n_eval) the first U users side by side, scored on the first ``n_eval``."""
@@ -156,7 +148,8 @@ def curve_synthetic(streams, n_eval: int, sizes, programs, params, seeds, m, log
                       [list(range(lo, min(lo + u, n_eval))) for lo in range(0, n_eval, u)] if u <= n_eval else
                       [list(range(u))])
             per_seed = [grouped(streams, groups, programs[scope], params, seed) for seed in seeds]
-            out[f"{scope}/{u}"] = {"scope": scope, "users_per_group": u, **gain(per_seed, base, scored, users, False)}
+            out[f"{scope}/{u}"] = {"scope": scope, "users_per_group": u,
+                                   **_common.pooled_gain(per_seed, base, scored, users)}
             log(f"  synthetic {scope:<7} U={u:<5} {_common.format_interval(out[f'{scope}/{u}']['gain'])}")
     return out
 
@@ -179,7 +172,7 @@ def curve_locomo(streams, programs, params, seeds, m, log) -> dict:
                         acc[x].append(r)
                 per_seed.append({x: np.mean(v, axis=0) for x, v in acc.items()})
             out[f"{scope}/{u}"] = {"scope": scope, "users_per_group": u, "subsets": len(subsets),
-                                   **gain(per_seed, base, streams, users, True)}
+                                   **_common.pooled_gain(per_seed, base, streams, users, by_user=True)}
             log(f"  locomo    {scope:<7} U={u:<5} {_common.format_interval(out[f'{scope}/{u}']['gain'])}")
     return out
 
