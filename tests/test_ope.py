@@ -397,6 +397,78 @@ def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     assert code == 0 and err == "" and "unreliable" not in out and "nan" not in out.lower()
 
 
+def test_a_log_the_target_served_itself_gets_no_verdict_and_no_rollback(capsys, ope_env, tmp_path, monkeypatch):
+    """Every call logged with the versions the target loads (rerank writes policy_version and
+    shared_version; null for a user without its own policy): every weight is 1 and every gain
+    0 by construction, so no ship and no 'do not ship' with its rollback hint (before: 'do not
+    ship (... [-5.1e-08, +4.4e-08] contains 0)' and a hint whose rollback removes every user's
+    policy). Some calls so served: a note counts them and the estimate stands. A record
+    without the keys, or with other versions, never counts."""
+    import rmm_jax.cli.evaluate as cli_evaluate
+    monkeypatch.setattr(cli_evaluate, "rollback_hint", lambda ps, policies: "HINT: roll back")
+    from rmm_jax.online.serve import load_policy
+    got = load_policy(PolicyStore.open(ope_env["pol"]), ope_env["users"][0])   # no policy of its own: shared v1
+    assert (got.version, got.shared_version) == (None, 1)
+    recs = ope_env["records"]
+    served = {"policy_version": None, "shared_version": 1}
+    for name, rows, n_served in [("all", [{**r, **served} for r in recs], len(recs)),
+                                 ("some", [{**r, **served} if i % 4 == 0 else r for i, r in enumerate(recs)],
+                                  len(recs[::4])),
+                                 ("other", [{**r, "policy_version": None, "shared_version": 2}
+                                            for r in recs], 0),
+                                 ("none", recs, 0)]:
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--json", log=log)
+        assert code == 0, err
+        rep = strict_json(out)
+        v = rep["verdict"]
+        assert v["served_by_target"] == n_served and v["self_served"] == (n_served == len(recs)), name
+        assert "HINT" not in err
+        note = [x for x in rep["notes"] if "POLICIES served" in x]
+        assert note == ([] if n_served in (0, len(recs)) else
+                        [f"POLICIES served {n_served} of these {len(recs)} calls itself (their logged policy_version "
+                         "and shared_version are the ones it loads): on those the estimate compares it with itself"])
+        code, out, err = evaluate(capsys, ope_env, "--tau", TAU, log=log)
+        line = out.splitlines()[-1]
+        if n_served == len(recs):
+            assert not v["ship"] and not v["worse"]
+            assert line.startswith("verdict: none (snips on cite_rate: POLICIES served all 48 of these calls"), line
+            assert line.endswith("evaluate a newer version on this log, or this version on a log it did not serve)")
+        else:
+            assert "POLICIES served all" not in out and not line.startswith("verdict: none"), line
+
+
+def test_rollback_hint_only_for_a_reliable_estimate_below_the_logged_value(capsys, ope_env, tmp_path, monkeypatch):
+    """docs/lifecycle.md: a rollback is for 'an evaluate whose estimate is reliable and below
+    the logged value'. The hint printed on every verdict that did not ship: a gain whose
+    interval contains 0, and an unreliable estimate (low ESS) too. Now: contains 0 says 'not
+    shown better, nor worse' with no hint; unreliable: no hint; lies below 0: the hint."""
+    import rmm_jax.cli.evaluate as cli_evaluate
+    monkeypatch.setattr(cli_evaluate, "rollback_hint", lambda ps, policies: "HINT: roll back")
+    code, out, err = evaluate(capsys, ope_env, "--tau", 0.08)                    # near the logging policy
+    assert code == 0 and "HINT" not in err, err
+    assert "verdict: do not ship: not shown better, nor worse; serving them on is the team's call (snips" in out
+    code, out, err = evaluate(capsys, ope_env, "--tau", 0.08, "--json")
+    v = strict_json(out)["verdict"]
+    assert code == 0 and v["reliable"] and v["gain"]["ci95"][0] < 0 < v["gain"]["ci95"][1] and not v["worse"], v
+    code, out, err = evaluate(capsys, ope_env, "--tau", 0.3, "--min-ess", 47)    # unreliable: low ESS
+    assert code == 3 and "HINT" not in err and "\nverdict: do not ship (snips on cite_rate: no reliable" in out, err
+    # cited only where the target (identity at TAU, from the log's logits) ranks the memory low: it loses
+    worse = []
+    for r in ope_env["records"]:
+        z = dict(zip(r["candidates"], r["logits"]))
+        worse.append({**r, "cited": [m for m in r["selected"] if z[m] < np.median(r["logits"])]})
+    log = tmp_path / "worse.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in worse))
+    code, out, err = evaluate(capsys, ope_env, "--tau", 0.05, "--json", "--allow-unreliable", log=log)
+    v = strict_json(out)["verdict"]
+    assert v["reliable"] and v["worse"] and v["gain"]["ci95"][1] < 0, v
+    assert "HINT: roll back" in err.splitlines()
+    code, out, err = evaluate(capsys, ope_env, "--tau", 0.05, "--allow-unreliable", log=log)
+    assert "\nverdict: do not ship (snips on cite_rate: gain -" in out and "lies below 0)" in out
+
+
 def test_evaluate_other_target_table_users_and_clip(capsys, ope_env):
     code, out, err = evaluate(capsys, ope_env, "--tau", 0.3, "--json", "--clip", 1.5)
     assert code == 0, err

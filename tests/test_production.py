@@ -493,8 +493,11 @@ def test_not_shipping_a_night_rolls_it_back_and_the_next_replay_ends_as_if_it_ne
     assert store_loads(pol) != before
     code, out, err = run_cli(capsys, "evaluate", store, "--log", day2, "--policies", pol, "--json",
                              "--allow-unreliable", "--bootstrap", "50", "--min-ess", "5")   # 27 calls: below 30
-    assert code == 0 and not json.loads(out)["verdict"]["ship"], err
-    assert f"not shipping: `rmm-jax policies rollback {pol}` undoes the run that saved v" in err
+    v = json.loads(out)["verdict"]
+    assert code == 0 and not v["ship"], err
+    # the verdict's estimate is not reliable and below the logged value: no rollback hint (docs/lifecycle.md);
+    # rolling back is the team's call here (the changed setting), and rollback_hint is tested below
+    assert not v["worse"] and "policies rollback" not in err, err
     files = sorted(str(f) for f in pol.rglob("*"))
     code, out, err = run_cli(capsys, "policies", "rollback", pol, "--dry-run", "--json")
     assert code == 0 and sorted(str(f) for f in pol.rglob("*")) == files, err

@@ -29,6 +29,7 @@ from rmm_jax.online.ope import (
     DEFAULT_MIN_ESS,
     Target,
     check_report_options,
+    decision,
     evaluate_log,
     signed,
 )
@@ -205,8 +206,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         emit_json(rep)
     else:
         _print_table(rep, policies, tau)
-    # the log, not the policies, failed: no rollback (the warning says what to fix)
-    hint = None if rep["verdict"]["ship"] or rep["verdict"]["log_problem"] else rollback_hint(ps, policies)
+    v = rep["verdict"]
+    # a rollback only for a reliable estimate below the logged value (docs/lifecycle.md); not when the log
+    # failed (the warning says what to fix), nor when it served these policies (the verdict says so)
+    hint = rollback_hint(ps, policies) if v["worse"] else None
     if hint:
         info(hint)
     if rep["unreliable"]:
@@ -218,7 +221,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
 
 
 def rollback_hint(ps, policies) -> str | None:
-    """How not to ship these policies when a run saved them (None: no run did)."""
+    """How to undo these policies when a run saved them (None: no run did): for a verdict
+    whose estimate is reliable and below the logged value."""
     try:
         first = newest_run(ps)
     except InputError:
@@ -257,6 +261,4 @@ def _print_table(rep: dict, policies, tau: float) -> None:
                    f"{t['value']:.4f} [{t['ci95'][0]:.4f}, {t['ci95'][1]:.4f}], retriever {r['value']:.4f}; "
                    f"gain {signed(g['value'])} [{signed(g['ci95'][0])}, {signed(g['ci95'][1])}]")
     v = rep["verdict"]
-    decision = ("ship" if v["ship"] else "do not ship" if not v["log_problem"] else
-                "do not ship: the log cannot judge these policies")
-    click.echo(f"\nverdict: {decision} ({v['estimator']} on {v['metric']}: {v['reason']})")
+    click.echo(f"\nverdict: {decision(v)} ({v['estimator']} on {v['metric']}: {v['reason']})")

@@ -226,7 +226,8 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 3), fontsize=8,
                frameon=False)
     if verdict is not None:
-        title += f"\nverdict: {'ship' if verdict['ship'] else 'do not ship'} ({verdict['reason']})"
+        from rmm_jax.online.ope import decision
+        title += f"\nverdict: {decision(verdict)} ({verdict['reason']})"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.07 / rows, 1, 1))
     _save(fig, path)

@@ -181,12 +181,13 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     return LogRecord(user_id=user_id, query_id=query_id, candidates=candidates,
                      selected=selected, cited=cited, log_prob=log_prob, timestamp=timestamp,
                      query_text=query, candidate_texts=texts, gold=gold, logits=logits, call_id=call_id,
-                     **versions)
+                     versions_logged=all(k in obj for k in versions), **versions)
 
 
 def record_to_json(rec: LogRecord, *, served: bool = False) -> dict:
     """The JSON object for ``rec`` (absent optional keys are omitted; ``served``: without
-    ``cited``, and with ``policy_version``/``shared_version`` even when null)."""
+    ``cited``, and with ``policy_version``/``shared_version`` even when null, as they are
+    when the record carried them)."""
     cands: list[Any] = list(rec.candidates)
     if rec.candidate_texts is not None:
         cands = [c if t is None else {"id": c, "text": t} for c, t in zip(rec.candidates, rec.candidate_texts)]
@@ -201,6 +202,6 @@ def record_to_json(rec: LogRecord, *, served: bool = False) -> dict:
                 ("timestamp", rec.timestamp), ("gold", None if rec.gold is None else list(rec.gold)))
     out.update({k: v for k, v in optional if v is not None})
     for key, value in (("policy_version", rec.policy_version), ("shared_version", rec.shared_version)):
-        if value is not None or served:
+        if value is not None or served or rec.versions_logged:
             out[key] = value
     return out

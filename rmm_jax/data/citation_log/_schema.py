@@ -31,6 +31,7 @@ class LogRecord:
     call_id: str | None = None
     policy_version: int | None = None
     shared_version: int | None = None
+    versions_logged: bool = False     # the record carries both version keys (null included): who served it
 
 
 def _type_name(value: Any) -> str:

@@ -107,7 +107,9 @@ resample, and the logged mean on the same resample), and the interval is the per
 interval of their difference (:func:`estimate` with ``logged``). ``direct`` (Recall@M)
 has one too. :func:`ship_verdict` turns it into a decision: ship when the SNIPS estimate
 of the cite rate (:data:`SHIP_ESTIMATOR`, :data:`SHIP_METRIC`) is reliable and its gain's
-interval lies above 0. The cite rate needs no gold; SNIPS needs only ``log_prob``, has far
+interval lies above 0 (``worse`` when it is reliable and lies below 0, the one verdict that
+shows the target worse; none when the target's own versions served every logged call, so
+the log compares it with itself). The cite rate needs no gold; SNIPS needs only ``log_prob``, has far
 less variance than IPS, and is the estimator ``benchmarks/ope_validation.py`` validates
 under both fixed and adaptive logging (95% coverage 0.93 and 1.0 on cited memories); the
 slate estimators are narrower but assume how citations depend on the slots.
@@ -161,6 +163,7 @@ from rmm_jax.online.ope._report import (
     LogCause,
     check_report_options,
     cited_recall,
+    decision,
     evaluate_calls,
     evaluate_log,
     learned_calls,
@@ -173,7 +176,7 @@ from rmm_jax.online.ope._report import (
 
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
-    "cited_recall", "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs",
+    "cited_recall", "decision", "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs",
     "report_entry", "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
     "slot_rewards", "subset_count", "unreliable", "verdict",
     # constants and checks the CLI and the docstrings name

@@ -20,7 +20,7 @@ from rmm_jax.data.retrieval import pad_rows
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
-from rmm_jax.online.serve import user_params
+from rmm_jax.online.serve import load_policy
 from rmm_jax.online.streams import check_limits
 from rmm_jax.persist.policy_rollback import check_store
 
@@ -43,6 +43,7 @@ class Calls:
     num_gold: np.ndarray               # (n,) int32 gold memories in the user's whole bank
     valid: np.ndarray                  # (n,) bool: has gold, not an abstention question
     own_policy: dict                   # user id -> True when the policy store holds the user's own params
+    served_by_target: np.ndarray | None = None   # (n,) bool: the call's logged versions are those the target loads
 
     @property
     def filled(self) -> np.ndarray:
@@ -97,9 +98,13 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     and must carry the behaviour's ``log_prob`` or ``logits``.
     Queries and memories the store lacks are embedded from the records' texts
     (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache).
-    Every user's target params come from :func:`rmm_jax.online.serve.user_params` (the
+    Every user's target params come from :func:`rmm_jax.online.serve.load_policy` (the
     shared params for users without their own), scored with
-    :func:`rmm_jax.core.reranker.score`.
+    :func:`rmm_jax.core.reranker.score`. ``served_by_target`` marks the calls whose logged
+    ``policy_version`` and ``shared_version`` (``rmm-jax rerank`` writes both, null
+    included) are exactly the versions the target loads for their user: the target served
+    them itself. A record without the two keys is never marked. The check is by version
+    number: the log does not name the policy store that served it.
     """
     check_target(cfg)
     check_inputs(store, policies, users)
@@ -126,11 +131,12 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
-                                                 "valid")}
+                                                 "valid", "served")}
     all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
     for uid, recs in by_user.items():
         c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
-        params = user_params(policies, uid, fallback_to_shared=uid not in has_policy)
+        policy = load_policy(policies, uid, fallback_to_shared=uid not in has_policy)
+        params, loads = policy.params, (policy.version, policy.shared_version)
         n = len(recs)
         scores = []
         for s in range(0, n, _CHUNK):
@@ -156,11 +162,14 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         rows["cg"].append(c.cand_gold)
         rows["ng"].append(c.num_gold)
         rows["valid"].append(c.valid)
+        rows["served"].append(np.array([r.versions_logged and (r.policy_version, r.shared_version) == loads
+                                        for r in recs], bool))
     cat = lambda key: np.concatenate(rows[key])
     return Calls(user_ids=rows["uid"], query_ids=rows["qid"], target_logits=cat("t"),
                  behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
-                 valid=cat("valid"), own_policy={u: u in has_policy for u in by_user})
+                 valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
+                 served_by_target=cat("served"))
 
 
 class MetricRewards(NamedTuple):

@@ -156,7 +156,11 @@ def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SH
     """Whether to ship the target policy, from an :func:`evaluate_calls` report's
     ``estimates`` (package docstring, "The verdict"): ship when the ``estimator``'s estimate
     of ``metric`` is reliable and the 95% interval of its paired gain over the logging
-    policy lies above 0. Returns ``{"ship", "metric", "estimator", "gain", "reason"}``.
+    policy lies above 0. Returns ``{"ship", "reliable", "worse", "metric", "estimator", "gain",
+    "reason"}``;
+    ``worse``: the estimate is reliable and the interval lies below 0, the one verdict that
+    shows the target worse than the logging policy (docs/lifecycle.md, "When it says no:
+    roll back"); an interval that contains 0 shows it neither better nor worse.
 
     Raises ``InputError`` naming ``estimates`` when it is not a report's ``estimates`` (the
     whole report: pass ``report["estimates"]``), ``metric`` or ``estimator`` when the
@@ -165,13 +169,36 @@ def ship_verdict(estimates: dict, metric: str = SHIP_METRIC, estimator: str = SH
     est = estimates[metric][estimator]
     out = {"metric": metric, "estimator": estimator, "gain": est.get("gain")}
     if not est["reliable"]:
-        return {**out, "ship": False, "reason": f"no reliable estimate: {est['reason']}"}
+        return {**out, "ship": False, "reliable": False, "worse": False,
+                "reason": f"no reliable estimate: {est['reason']}"}
     g = est["gain"]
     lo, hi = g["ci95"]
     where = "lies above 0" if lo > 0 else ("lies below 0" if hi < 0 else "contains 0")
-    return {**out, "ship": bool(lo > 0),
+    return {**out, "ship": bool(lo > 0), "reliable": True, "worse": bool(hi < 0),
             "reason": f"gain {signed(g['value'])} in {metric}, 95% interval [{signed(lo, tiny=True)}, "
                       f"{signed(hi, tiny=True)}] {where}"}
+
+
+def decision(v: dict) -> str:
+    """The verdict's decision in words, as ``rmm-jax evaluate`` and its plot print it."""
+    if v.get("self_served"):
+        return "none"
+    if v["ship"]:
+        return "ship"
+    if v.get("log_problem"):
+        return "do not ship: the log cannot judge these policies"
+    if v["reliable"] and not v["worse"]:        # the interval contains 0: no rollback proposed
+        return "do not ship: not shown better, nor worse; serving them on is the team's call"
+    return "do not ship"
+
+
+def _self_served(v: dict, n: int) -> dict:
+    """The verdict on a log whose every call the target's own versions served: every weight
+    is 1 and every gain 0 by construction, so no decision."""
+    return {**v, "ship": False, "worse": False, "self_served": True,
+            "reason": f"POLICIES served all {n} of these calls (each logged policy_version and shared_version is "
+                      "the one it loads), so the log cannot compare it with itself: evaluate a newer version on "
+                      "this log, or this version on a log it did not serve"}
 
 
 def _check_verdict_args(estimates, metric, estimator) -> None:
@@ -286,7 +313,10 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     (:func:`log_cause`: its log_prob is not the logging policy's, or it holds fewer calls
     than ``min_ess``), ``verdict["log_problem"]`` says why and, instead of the
     ESS line, a warning says the log cannot judge the policies and what to fix in it (no
-    clip, no rollback). ``learned_calls``: how many of the calls the policies learned from
+    clip, no rollback). ``verdict["served_by_target"]``: how many calls the target's own
+    versions served (:func:`load_calls`); when it served them all, ``verdict["self_served"]``
+    is true and the verdict neither ships nor turns the target down (``worse`` false): the log
+    cannot compare it with itself. ``learned_calls``: how many of the calls the policies learned from
     (:func:`learned_calls`). The warnings and errors name ``clip``, ``min_ess`` and the layout's
     ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
     :func:`rmm_jax.errors.named`)."""
@@ -305,6 +335,14 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     res["verdict"] = ship_verdict(res["estimates"])
     cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess)
     res["verdict"]["log_problem"] = cause.why if cause else None
+    n_calls, served = len(calls.user_ids), int(calls.served_by_target.sum())
+    res["verdict"].update(served_by_target=served, self_served=False)
+    if n_calls and served == n_calls:
+        res["verdict"] = _self_served(res["verdict"], n_calls)
+    elif served:
+        res["notes"].append(f"POLICIES served {served} of these {n_calls} calls itself (their logged "
+                            "policy_version and shared_version are the ones it loads): on those the estimate "
+                            "compares it with itself")
     low = [(est["ess"], est["n"], metric, name) for metric, per in res["estimates"].items()
            for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
     if cause:           # no clip, and no rollback: the log is what fails, the policies are not judged
