@@ -90,7 +90,8 @@ def _row(name: str, est: dict) -> str:
 @json_option("the report", "store, policies, log, users, calls, k, m, tau, clip, min_ess, bootstrap, seed, "
              "estimators, estimates (per metric, per estimator), ranges, marginals, cited_recall, unreliable, "
              "users_on_shared_params, learned_calls (how many of the calls the policies learned from), notes, "
-             "warnings, verdict (with log_problem: why the log cannot judge the policies, or null)")
+             "warnings, verdict (with log_problem: why the log cannot judge the policies, or null; worse; "
+             "self_served and served_by_target: the calls POLICIES served itself)")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
@@ -141,6 +142,9 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     verdict's estimate is unreliable (its log_prob is not the logging policy's
     probability, or it holds fewer calls than --min-ess), the warning says the log
     cannot judge the policies and what to fix in it, and no rollback is suggested.
+    A rollback is suggested only when the verdict's estimate is reliable and its gain's
+    interval lies below 0 ("worse" in --json): one that contains 0 shows the policies
+    neither better nor worse, and keeping them is the team's call.
     Evaluating on calls the policies learned from prints a note that counts them
     ("learned_calls" in --json): such an estimate can be optimistic.
 
@@ -155,7 +159,12 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     when the SNIPS estimate of the cite rate is reliable and its gain's 95% interval
     lies above 0. A nightly job that ships on it reads `.verdict.ship` from --json;
     one with another rule reads `.estimates.METRIC.ESTIMATOR.gain` (value, ci95) and
-    `.reliable`.
+    `.reliable`. When every logged call was served by the very versions POLICIES
+    loads (each record's policy_version and shared_version, as `rerank` logs them),
+    the log compares the policies with themselves: the verdict is "none"
+    ("self_served" in --json, "served_by_target" counts such calls; when only some
+    are, a note counts them). The check is by version number: the log does not name
+    the policy store that served it.
 
     \b
     Examples:
@@ -227,7 +236,7 @@ def rollback_hint(ps, policies) -> str | None:
         first = newest_run(ps)
     except InputError:
         return None
-    return (f"not shipping: `rmm-jax policies rollback {policies}` undoes the run that saved v{first} onwards "
+    return (f"shown worse: `rmm-jax policies rollback {policies}` undoes the run that saved v{first} onwards "
             "(docs/lifecycle.md, \"When it says no: roll back\")")
 
 

@@ -69,7 +69,7 @@ def policies():
       rmm-jax policies show policies user7            # the version of user7 that loads, and why
       rmm-jax policies show policies --users user0,user1 --json
       rmm-jax policies export policies user7 --out user7.npz
-      rmm-jax policies rollback policies              # evaluate said not to ship: undo the last run
+      rmm-jax policies rollback policies              # evaluate showed it worse: undo the last run
     """
 
 
@@ -345,7 +345,8 @@ def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
              "setting_known, interrupted, newest (the newest user version kept afterwards)")
 def rollback_cmd(store, to, dry_run, as_json):
     """Undo the newest run on policy store STORE (or every version above --to), when
-    `evaluate` says not to ship what it learned.
+    `evaluate` shows what it learned worse than what logged the calls (a reliable
+    estimate below the logged value), or the team distrusts the night.
 
     Each user loads its newest version at or below the point again, with the calls that
     version had learned from: so the next replay learns the rolled-back calls again, once.

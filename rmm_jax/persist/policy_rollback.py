@@ -1,6 +1,6 @@
 """Rolling a policy store back: the store as it was when user version V was its newest.
 
-``evaluate`` may say not to ship what a night's ``replay`` learned. Those policies are
+``evaluate`` may show what a night's ``replay`` learned worse than what served the day. Those policies are
 already the newest versions in the store, so ``rerank`` would serve them and the next
 ``replay`` would continue from them. :func:`rollback` takes the store back to what it held
 before, without a copy of the store: each user keeps its newest ``keep`` versions (the
