@@ -337,6 +337,38 @@ def test_served_lines_are_log_records_that_replay_and_evaluate_read_once_cited_i
     assert gain["ci95"][0] <= gain["value"] <= gain["ci95"][1]
 
 
+def test_evaluate_on_the_log_its_own_versions_served_gives_no_verdict_and_no_rollback(capsys, tmp_path, store):
+    """The day rerank served with POLICIES' own versions (policy_version and shared_version on
+    every line), evaluated with the same POLICIES: every weight is 1 and the gain 0 by
+    construction. Before: 'do not ship (... [-5.1e-08, +4.4e-08] contains 0)' and a rollback
+    hint whose dry run removes every user's policy. Now: no verdict, saying so, and no hint.
+    Once the night's replay has saved newer versions, the same log judges them."""
+    pol = tmp_path / "p"
+    code, _, err = run_cli(capsys, "replay", store, *ONLINE, "--scope", "hybrid", "--rank", "2", "--log",
+                           production_log(store, tmp_path, seed=1), "--policies", pol)
+    assert code == 0, err
+    lines, _ = served(capsys, tmp_path, store, "--policies", pol)
+    assert all(x["policy_version"] is not None and x["shared_version"] is not None for x in lines)
+    rng = np.random.default_rng(0)
+    log = write_jsonl(tmp_path / "day2.jsonl", [{**x, "cited": [s for s in x["selected"] if rng.random() < 0.5]}
+                                                for x in lines])
+    ev = ["evaluate", store, "--log", log, "--policies", pol, "--k", "8", "--m", "3", "--min-ess", "0",
+          "--bootstrap", "50"]
+    code, out, err = run_cli(capsys, *ev, "--json")
+    assert code == 0, err
+    v = json.loads(out)["verdict"]
+    assert v["self_served"] and v["served_by_target"] == len(lines) and not v["ship"] and not v["worse"], v
+    code, out, err = run_cli(capsys, *ev)
+    assert code == 0 and "rollback" not in err, err
+    assert out.splitlines()[-1].startswith(f"verdict: none (snips on cite_rate: POLICIES served all {len(lines)} "
+                                           "of these calls"), out
+    code, _, err = run_cli(capsys, "replay", store, *ONLINE, "--log", log, "--policies", pol)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *ev, "--json")
+    v = json.loads(out)["verdict"]
+    assert not v["self_served"] and v["served_by_target"] < len(lines), v
+
+
 def test_replay_and_evaluate_note_each_misspelt_key_once_on_stderr(capsys, tmp_path, store):
     """A log's unknown keys are ignored; one that looks like a misspelt log key gets ONE note
     line per key (not per line) from replay and evaluate, naming the first line that has
