@@ -81,6 +81,29 @@ KILLED = textwrap.dedent('''
 ''')
 
 
+def test_a_named_pipe_or_device_is_written_into_and_a_link_stays_a_link(tmp_path):
+    # `--out /dev/null` replaced /dev/null with a plain file for the whole machine: a FIFO
+    # stands in for it here (replacing the real one in a test run on old code would do the same)
+    import stat
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with atomic_file(fifo) as f:
+            f.write("served\n")
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+        assert os.read(reader, 100) == b"served\n"
+    finally:
+        os.close(reader)
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    link.symlink_to(real)
+    with atomic_file(link) as f:
+        f.write("new")
+    assert link.is_symlink() and real.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "out.fifo", "real.json"]
+
+
 def test_a_kill_inside_leaves_no_target_and_a_leftover_to_remove(tmp_path):
     target = tmp_path / "out"
     r = subprocess.run([sys.executable, "-c", KILLED, str(target), str(ROOT / "rmm_jax" / "persist" / "atomic.py")],

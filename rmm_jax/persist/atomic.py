@@ -292,8 +292,19 @@ def _swept(directory: Path) -> None:
 def atomic_file(target: str | os.PathLike, mode: str = "w"):
     """Yield a file object whose content replaces ``target`` only on success. The temp is
     ``.NAME.tmp-PID@HOST-*`` (its writer); the first write of this process in a directory
-    removes the temps there whose writer is gone (:func:`remove_stale_temps`)."""
+    removes the temps there whose writer is gone (:func:`remove_stale_temps`).
+
+    A symbolic link stays a link: the file it points to is replaced. A target that exists
+    and is neither a file nor a directory (``/dev/null``, a named pipe) is written into as
+    it is, since replacing it would turn it into a plain file (``--out /dev/null`` made
+    ``/dev/null`` one for every program on the machine)."""
     target = Path(target)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    if target.exists() and not target.is_file() and not target.is_dir():
+        with open(target, mode) as f:
+            yield f
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     _swept(target.parent.absolute())
     fd, tmp = temp_file(_owner_prefix(target), target.parent)
