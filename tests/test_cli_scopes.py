@@ -176,7 +176,7 @@ def test_pretrained_start_works_for_every_scope(capsys, tmp_path, store, scope):
 
 def failing_drive(after: int, error=MemoryError):
     """``drive`` that raises ``error`` once ``after`` events have passed (the run fails at run time)."""
-    from rmm_jax.cli import online
+    from rmm_jax.online import session as online  # where the run calls drive
 
     real = online.drive
 
@@ -192,7 +192,7 @@ def failing_drive(after: int, error=MemoryError):
 def test_a_run_that_fails_before_saving_leaves_no_new_policy_store(capsys, tmp_path, store, monkeypatch, verb):
     # The store the run created held only its scope, kind and identity shared part; left
     # behind, it refused the next run's --scope and read as a store to continue.
-    from rmm_jax.cli import online
+    from rmm_jax.online import session as online  # where the run calls drive
     code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "ref", *SIM, "--log-out",
                            tmp_path / "log.jsonl")
     assert code == 0, err
@@ -207,7 +207,7 @@ def test_a_run_that_fails_before_saving_leaves_no_new_policy_store(capsys, tmp_p
 
 
 def test_a_failed_run_keeps_a_store_it_saved_in_or_did_not_create(capsys, tmp_path, store, monkeypatch):
-    from rmm_jax.cli import online
+    from rmm_jax.online import session as online  # where the run calls drive
     # users chunks of 2 over 3 users: the first chunk is saved before the failure
     monkeypatch.setattr(online, "drive", failing_drive(10 ** 9))
     events = sum(1 for _ in run_events(store, tmp_path))
@@ -239,7 +239,7 @@ def test_a_failed_run_keeps_a_store_it_saved_in_or_did_not_create(capsys, tmp_pa
 
 def run_events(store, tmp_path, *more):
     """The events of a whole simulate run of ``store`` with SIM and ``more`` (seen by a drive that passes them on)."""
-    from rmm_jax.cli import online
+    from rmm_jax.online import session as online  # where the run calls drive
     seen = []
     real = online.drive
 

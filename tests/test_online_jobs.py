@@ -539,10 +539,11 @@ def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chun
     """drive() given a Chunk whose saved states do not fit the program said "--policies:",
     from_store() given a stream whose learned call changed "--log:": the options of the
     CLI, to a Python caller who gave chunks. They name the argument; the CLI's run loop
-    (cli.online.run_and_save) names its options as before."""
+    (cli.online.run_and_save, around rmm_jax.online.session.run_and_save) names its
+    options as before."""
     from types import SimpleNamespace
 
-    from rmm_jax.cli.online import _as_options
+    from rmm_jax.cli.shell import as_options
     from rmm_jax.online import starts
     from rmm_jax.online.driver import Chunk
 
@@ -563,8 +564,9 @@ def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chun
     with pytest.raises(InputError, match=r"^chunks: user 'u': a call learned already has other content"):
         list(chunks)
     chunks = starts.from_store([[SimpleNamespace(user_id="u", calls=object())]], Saved())
-    with pytest.raises(InputError, match=r"^--log: user 'u': a call learned already has other content"):
-        list(_as_options(chunks, chunks="log"))
+    with pytest.raises(InputError, match=r"^--log: user 'u': a call learned already has other content"), \
+            as_options("resume", "policies", chunks="log"):        # as cli.online.run_and_save words it
+        list(chunks)
 
 
 def test_streams_from_log_names_what_the_store_lacks_in_one_line(store):

@@ -266,7 +266,7 @@ def test_the_start_is_never_pruned_and_is_where_a_rollback_past_every_user_and_i
     of online shared versions, even at keep 1: `--init pretrained` starts there, not from what
     online runs trained, and rolling back every user version serves it again. A store whose
     start older code pruned refuses both in one line."""
-    from rmm_jax.cli.online import plan_start
+    from rmm_jax.online.session import plan_start
     st = PolicyStore.create(tmp_path / "store", SCOPES["hybrid"], params_of(0), keep=1)
     for night in range(4):
         run(st, [{"a": 10 * night + 1}], shared_seed=100 * night)

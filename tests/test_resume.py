@@ -55,7 +55,7 @@ def env(tmp_path_factory):
 # last save and the run-state's removal.
 CHILD = textwrap.dedent("""
     import sys, time
-    from rmm_jax.cli import online
+    from rmm_jax.online import session as online   # where the run calls drive
     from rmm_jax.persist import runstate
 
     where, pause, args = sys.argv[1], sys.argv[2], sys.argv[3:]

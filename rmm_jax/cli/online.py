@@ -1,28 +1,22 @@
-"""What ``simulate`` and ``replay`` share: the policy store they write, the event loop
-that saves, logs and checkpoints, and the report."""
+"""What ``simulate`` and ``replay`` share: their options (``--init``, ``--keep``, ``--plot``),
+opening the policy store they write with its checks and notes, the run of
+:mod:`rmm_jax.online.session` with a progress bar and SIGINT/SIGTERM, and the report."""
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import click
-import jax
 
 from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, open_policies_for, progress_bar
 from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
-from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.scope import Scope
-from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError
-from rmm_jax.online.driver import drive
+from rmm_jax.online import session
 from rmm_jax.online.plot import plot_learning
-from rmm_jax.online.run import Recorder
-from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
-from rmm_jax.online.starts import from_store
+from rmm_jax.online.session import Start, create_policies, identity_params
 from rmm_jax.persist.atomic import remove_dir
-from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
 from rmm_jax.persist.runstate import RunState
 
@@ -32,17 +26,6 @@ INIT_HELP = ("Where the run starts. continue (the default when --policies exists
              "part from the version the last saved users were trained against, and new users start from that "
              "shared part. identity: everyone starts from the base retriever; pretrained: from the store's "
              "pretrained shared params.")
-
-
-class Start(NamedTuple):
-    """Where a run starts: new users' policy ``params``; the shared part to continue from
-    (None: from ``params``); ``before``: users continue from their versions older than this
-    (None: nobody continues); ``shared_version``: the store's shared version ``params`` (and
-    ``shared``) come from, when continuing."""
-    params: Any
-    shared: SharedState | None = None
-    before: int | None = None
-    shared_version: int | None = None
 
 
 def stored_scope(path, scope: str | None, rank: int | None) -> tuple[str | None, int | None]:
@@ -86,11 +69,10 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
                              where=f"--policies {path}")
         if not writer:
             return None
-        meta = {"kind": layout.kind, "dim": st.dim, "hidden": layout.hidden, **layout.scope.meta(),
-                "config": {"pretrained": False, "model": st.model}}
         # under the run-state lock: a run that created it meanwhile is named ("in use by pid N")
-        return RunState.create_locked(p, lambda: PolicyStore.create(p, meta, identity_params(st, layout, seed),
-                                                                     **({"keep": keep} if keep is not None else {})))
+        return RunState.create_locked(p, lambda: create_policies(
+            p, layout, st.dim, identity_params(st.dim, layout, seed), config={"pretrained": False, "model": st.model},
+            keep=keep))
     stored_keep = PolicyStore.open(p).keep if writer and keep is not None else None
     ps = open_policies_for(p, st, keep=keep)
     check_scope(ps, layout, path)
@@ -158,34 +140,10 @@ def save_plot(result, setting, path, verb: str) -> None:
     info(f"wrote {path}")
 
 
-def identity_params(st, layout, seed: int):
-    return init_reranker(jax.random.key(seed), st.dim, layout.kind, layout.hidden)
-
-
 def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
-    """The run's :class:`Start`. A resumed run starts where the interrupted one did (the
-    run-state's checkpoint holds it), whatever the store has gained since."""
-    ck = rs.restored if rs is not None else None
-    if ck is not None:
-        return Start(ck.trees["params"], None, ck.meta.get("before"))
-    if init == "identity":
-        return Start(identity_params(st, layout, seed))
-    if init == "pretrained":                # what pretrain wrote, not a shared part online runs went on training
-        start = ps.start_shared_version()
-        if start is None:
-            raise InputError("its pretrained parameters are no longer kept (online runs' shared versions pruned "
-                             "them, before rmm-jax kept them); pretrain again into a new store",
-                             where=f"--policies {ps.path}")
-        return Start(ps.shared_state(start).state.params)
-    saved = ps.shared_state(ps.learned_shared_version())   # as the last saved users left it
-    shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
-    return Start(saved.state.params, shared, ps.next_version(), saved.version)
-
-
-def rs_fresh(rs) -> bool:
-    """Whether a run begins here: not resumed, nor started again after a kill (whose saved
-    users are then the interrupted run's own)."""
-    return rs is None or (rs.restored is None and rs.interrupted is None)
+    """:func:`rmm_jax.online.session.plan_start`, its errors naming ``--policies``."""
+    with as_options("policies"):
+        return session.plan_start(ps, st, layout, init, seed, rs)
 
 
 def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> str | None:
@@ -224,63 +182,14 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
             f"{new} new user{'s' if new != 1 else ''} from the store's {source}")
 
 
-def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
-                 checkpoint_every: int, log=None, desc: str, mesh=None, writer: bool = True, relearn: bool = False,
-                 first_query: int | None = None):
-    """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
-    policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
-    to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`); a progress bar on stderr. With
-    ``start.before``, users the store holds continue from their saved versions, learning
-    only the logged calls their policies have not learned (all with ``relearn``). After a
-    checkpoint that follows SIGINT/SIGTERM the run stops. Under ``jax.distributed`` every
-    process runs this loop (reading ``ps``) and only the writer, process 0, writes. Returns
-    the :class:`rmm_jax.online.run.OnlineResult` (summaries only). ``first_query``: the chunks
-    are the users' store questions from that position (simulate), which each saved version
-    records (:func:`rmm_jax.online.sinks.simulated_queries`)."""
-    if start.before is not None:     # its calls come from the log (replay), its saved states from the store
-        chunks = _as_options(from_store(chunks, ps, before=start.before, relearn=relearn), chunks="log")
-    ps = ps if writer else None
-    run = run_record(ps, rs)
-    checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \
-        if rs is not None else None
-    sinks = ([PolicySink(ps, program, continues=start.before is not None, run=run, first_query=first_query)]
-             if ps is not None else []) \
-        + ([LogSink(log)] if log is not None and ps is not None else []) \
-        + ([checkpoints] if checkpoints is not None else [])
-    recorder = Recorder(program.layout.m, sinks=sinks)
-    resume = resume_point(rs)
-    shared = start.shared
-    if checkpoints is not None and resume is None:   # the start, before anything is written to the store
-        resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
-    events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
-                   segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
-    events = _as_options(events, chunks="policies")      # the chunks' saved states are --policies'
-    with ps.writer() if ps is not None else contextlib.nullcontext(), StopSignals() as stop, \
-            progress_bar(n_users, desc) as bar, as_options("resume"):     # a resumed run's chunks (Recorder)
-        for event in events:
-            bar.update(recorder.feed(event))
-            stop.check()
-    return recorder.result()
-
-
-def _as_options(items, *args: str, **renamed: str):
-    """``items`` as they come, the errors of the generator that makes them as
-    :func:`rmm_jax.cli.shell.as_options` gives them: a generator raises as it is iterated,
-    so a ``with`` around its call would miss them. Only its own errors: an error of the
-    loop that takes the items is raised in the loop, not here."""
-    with as_options(*args, **renamed):
-        yield from items
-
-
-def run_record(ps, rs) -> dict | None:
-    """What each version a run saves records of the run, for ``policies rollback``
-    (:mod:`rmm_jax.persist.policy_rollback`): the number its first save takes and the
-    setting the store recorded when it began. A resumed run, and one started again after a
-    kill (:meth:`RunState.begin`), keep the interrupted one's: a rollback undoes both."""
-    for meta in ((rs.restored.meta if rs.restored is not None else None), rs.interrupted) if rs is not None else ():
-        if meta and meta.get("run"):
-            return meta["run"]
-    return None if ps is None else {"first_version": ps.next_version(), "setting_before": read_setting(ps)}
+def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, desc: str, **kw):
+    """:func:`rmm_jax.online.session.run_and_save` with a progress bar of ``n_users`` on stderr
+    (``desc``), stopped after a checkpoint that follows SIGINT/SIGTERM, its errors as the
+    options that give what they are about: ``--policies`` (saved states that do not fit),
+    ``--log`` (a call that changed since it was learned), ``--resume``."""
+    with StopSignals() as stop, progress_bar(n_users, desc) as bar, \
+            as_options("resume", "policies", chunks="log"):
+        return session.run_and_save(chunks, program, start, ps, rs, progress=bar, stop=stop, **kw)
 
 
 def online_options(opts: dict, **more) -> dict:

@@ -34,7 +34,6 @@ from rmm_jax.cli.online import (
     removed_if_unused,
     report,
     resolve_init,
-    rs_fresh,
     run_and_save,
     save_plot,
     setting_report,
@@ -57,6 +56,7 @@ from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
+from rmm_jax.online.session import rs_fresh
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.learned_calls import WINDOW

@@ -33,7 +33,6 @@ from rmm_jax.cli.online import (
     removed_if_unused,
     report,
     resolve_init,
-    rs_fresh,
     run_and_save,
     save_plot,
     setting_report,
@@ -46,6 +45,7 @@ from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, precision_
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
+from rmm_jax.online.session import rs_fresh
 from rmm_jax.online.starts import check_simulated
 from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_setting import write_setting

@@ -1,0 +1,192 @@
+"""Running a program over chunks of users into a policy store, a citation log and a run-state.
+
+An online run (``simulate``, ``replay``, the scale benchmark) makes a new policy store
+(:func:`create_policies`) or continues one, picks where its users start (:func:`plan_start`),
+then drives its chunks through the program and keeps what each event carries
+(:func:`run_and_save`): policies to the store, log records to the log, checkpoints to the
+run-state (:mod:`rmm_jax.online.sinks`). What the caller shows while it runs (a progress bar)
+and how it is told to stop (SIGINT/SIGTERM) are objects it passes in.
+
+Errors name the arguments of these functions as :func:`rmm_jax.errors.named` does
+(``policies=PATH``); the CLI words them as its options (``--policies PATH``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NamedTuple
+
+import jax
+
+from rmm_jax.core.reranker import init_reranker
+from rmm_jax.core.types import SharedState
+from rmm_jax.errors import InputError, named
+from rmm_jax.online.driver import drive
+from rmm_jax.online.run import Recorder
+from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
+from rmm_jax.online.starts import from_store
+from rmm_jax.persist.policy_setting import read_setting
+from rmm_jax.persist.policy_store import PolicyStore
+
+
+class Start(NamedTuple):
+    """Where a run starts: new users' policy ``params``; the shared part to continue from
+    (None: from ``params``); ``before``: users continue from their versions older than this
+    (None: nobody continues); ``shared_version``: the store's shared version ``params`` (and
+    ``shared``) come from, when continuing.
+
+    Examples:
+        >>> from rmm_jax.online.session import Start
+        >>> Start({"w": 0}).before is None
+        True
+    """
+    params: Any
+    shared: SharedState | None = None
+    before: int | None = None
+    shared_version: int | None = None
+
+
+def identity_params(dim: int, layout, seed: int):
+    """The identity reranker of ``layout``'s kind on embeddings of size ``dim`` (the base
+    retriever's order): where a new store, and ``init="identity"``, start."""
+    return init_reranker(jax.random.key(seed), dim, layout.kind, layout.hidden)
+
+
+def create_policies(path, layout, dim: int, params, *, config: dict, keep: int | None = None) -> PolicyStore:
+    """A new policy store at ``path`` for runs of ``layout`` (its kind, hidden width, scope and
+    rank) on embeddings of size ``dim``, holding ``params`` as its shared part and ``config``
+    (what made it) in its metadata; ``keep`` versions per user (None: the default).
+
+    Examples:
+        >>> import tempfile, jax
+        >>> from rmm_jax import preset
+        >>> from rmm_jax.online.session import create_policies, identity_params
+        >>> layout = preset("default", k=8, m=2).layout
+        >>> path = tempfile.mkdtemp() + "/policies"
+        >>> ps = create_policies(path, layout, 4, identity_params(4, layout, 0), config={"model": None})
+        >>> ps.meta["kind"], ps.meta["dim"], ps.n_users()
+        ('linear', 4, 0)
+    """
+    meta = {"kind": layout.kind, "dim": dim, "hidden": layout.hidden, **layout.scope.meta(), "config": config}
+    return PolicyStore.create(path, meta, params, **({"keep": keep} if keep is not None else {}))
+
+
+def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
+    """The run's :class:`Start` from policy store ``ps`` (embedding store ``st``: its size):
+    ``init`` ``identity``, ``pretrained`` (the store's pretrained shared part) or ``continue``
+    (every user from its latest version, the shared part as the last saved users left it).
+    A resumed run (run-state ``rs``) starts where the interrupted one did (the run-state's
+    checkpoint holds it), whatever the store has gained since.
+
+    Examples:
+        >>> from rmm_jax import preset
+        >>> from rmm_jax.online.session import plan_start
+        >>> from types import SimpleNamespace
+        >>> start = plan_start(None, SimpleNamespace(dim=4), preset("default").layout, "identity", 0)
+        >>> start.params["q_adapter"]["W"]["kernel"].shape, start.before
+        ((4, 4), None)
+    """
+    ck = rs.restored if rs is not None else None
+    if ck is not None:
+        return Start(ck.trees["params"], None, ck.meta.get("before"))
+    if init == "identity":
+        return Start(identity_params(st.dim, layout, seed))
+    if init == "pretrained":                # what pretrain wrote, not a shared part online runs went on training
+        start = ps.start_shared_version()
+        if start is None:
+            raise InputError("its pretrained parameters are no longer kept (online runs' shared versions pruned "
+                             "them, before rmm-jax kept them); pretrain again into a new store",
+                             where=named("policies", ps.path))
+        return Start(ps.shared_state(start).state.params)
+    saved = ps.shared_state(ps.learned_shared_version())   # as the last saved users left it
+    shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
+    return Start(saved.state.params, shared, ps.next_version(), saved.version)
+
+
+def rs_fresh(rs) -> bool:
+    """Whether a run begins here: not resumed, nor started again after a kill (whose saved
+    users are then the interrupted run's own)."""
+    return rs is None or (rs.restored is None and rs.interrupted is None)
+
+
+def run_and_save(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
+                 checkpoint_every: int, log=None, mesh=None, writer: bool = True, relearn: bool = False,
+                 first_query: int | None = None, progress=None, stop=None, saves=None):
+    """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
+    policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
+    to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`). With ``start.before``, users the
+    store holds continue from their saved versions, learning only the logged calls their
+    policies have not learned (all with ``relearn``). Under ``jax.distributed`` every
+    process runs this loop (reading ``ps``) and only the ``writer``, process 0, writes.
+    Returns the :class:`rmm_jax.online.run.OnlineResult` (summaries only). ``first_query``:
+    the chunks are the users' store questions from that position (simulate), which each
+    saved version records (:func:`rmm_jax.online.sinks.simulated_queries`).
+
+    ``progress`` (None: none): its ``update(n)`` is called with the users each event
+    finishes (a tqdm bar). ``stop`` (None: none): its ``check()`` is called after each event,
+    once the event is saved and checkpointed, and raises to stop the run there
+    (:class:`rmm_jax.cli.signals.StopSignals`). ``saves``: the sink that saves policies to
+    ``ps`` (None: a :class:`rmm_jax.online.sinks.PolicySink`; a benchmark passes one that times
+    its saves). An error of the saved states that do not fit ``program`` names ``policies``;
+    one of a call that changed since it was learned, ``chunks``; one of a resume, ``resume``."""
+    own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
+    if start.before is not None:     # its calls come from the log (replay), its saved states from the store
+        chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn), own)
+    ps = ps if writer else None
+    run = run_record(ps, rs)
+    checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \
+        if rs is not None else None
+    if saves is None and ps is not None:
+        saves = PolicySink(ps, program, continues=start.before is not None, run=run, first_query=first_query)
+    sinks = ([saves] if ps is not None else []) \
+        + ([LogSink(log)] if log is not None and ps is not None else []) \
+        + ([checkpoints] if checkpoints is not None else [])
+    recorder = Recorder(program.layout.m, sinks=sinks)
+    resume = resume_point(rs)
+    shared = start.shared
+    if checkpoints is not None and resume is None:   # the start, before anything is written to the store
+        resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
+    events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
+                   segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
+    events = _saved_states_as_policies(events, own)
+    with ps.writer() if ps is not None else contextlib.nullcontext():
+        for event in events:
+            n = recorder.feed(event)
+            if progress is not None:
+                progress.update(n)
+            if stop is not None:
+                stop.check()
+    return recorder.result()
+
+
+def _noted(items, own: list):
+    """``items`` as they come, each error of the generator that makes them noted in ``own``."""
+    try:
+        yield from items
+    except InputError as e:
+        own.append(e)
+        raise
+
+
+def _saved_states_as_policies(events, own: list):
+    """``drive``'s events, its errors of the saved states in its chunks (``chunks``: drive's
+    argument) as errors of the policy store they came from (``policies``); an error of
+    ``own`` (the chunks' calls, :func:`_noted`) passes unchanged. A generator raises as it is
+    iterated, so a ``try`` around its call would miss them."""
+    try:
+        yield from events
+    except InputError as e:
+        if e.arg != "chunks" or any(e is o for o in own):
+            raise
+        raise InputError(str(e)[len(e.where) + 2:], arg="policies" + e.where[len(e.arg):]) from None
+
+
+def run_record(ps, rs) -> dict | None:
+    """What each version a run saves records of the run, for ``policies rollback``
+    (:mod:`rmm_jax.persist.policy_rollback`): the number its first save takes and the
+    setting the store recorded when it began. A resumed run, and one started again after a
+    kill (:meth:`rmm_jax.persist.runstate.RunState.begin`), keep the interrupted one's: a
+    rollback undoes both."""
+    for meta in ((rs.restored.meta if rs.restored is not None else None), rs.interrupted) if rs is not None else ():
+        if meta and meta.get("run"):
+            return meta["run"]
+    return None if ps is None else {"first_version": ps.next_version(), "setting_before": read_setting(ps)}
