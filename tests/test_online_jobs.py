@@ -586,3 +586,31 @@ def test_streams_from_log_names_what_the_store_lacks_in_one_line(store):
     vec = np.ones(store.dim, np.float32) / np.sqrt(store.dim)
     (s,) = streams_from_log(store, [texts], CFG, vectors={"where?": vec, "here": vec})
     assert s.user_id == "zed" and s.memory_ids == ("m1",)
+
+
+def test_the_run_names_saved_states_that_do_not_fit_policies_and_changed_calls_chunks():
+    """rmm_jax.online.session.run_and_save tells drive's error of the saved states in its
+    chunks (drive's ``chunks``) from from_store's error of a changed call (the run's
+    ``chunks``): the first names ``policies``, the second ``chunks``; the CLI's run loop
+    words them ``--policies`` and ``--log``, as it did when it held the loop."""
+    from rmm_jax.cli.shell import as_options
+    from rmm_jax.online.session import _noted, _saved_states_as_policies
+
+    def raising(message):
+        raise InputError(message, arg="chunks")
+        yield
+
+    own = []
+    cases = [(_saved_states_as_policies(raising("the saved policies do not fit"), own), "policies"),
+             (_saved_states_as_policies(_noted(raising("user 'u': a call changed"), own), own), "chunks")]
+    for events, arg in cases:
+        with pytest.raises(InputError) as e:
+            list(events)
+        assert e.value.arg == arg, str(e.value)
+    own = []
+    with pytest.raises(InputError, match=r"^--policies: the saved policies do not fit$"), \
+            as_options("resume", "policies", chunks="log"):
+        list(_saved_states_as_policies(raising("the saved policies do not fit"), own))
+    with pytest.raises(InputError, match=r"^--log: user 'u': a call changed$"), \
+            as_options("resume", "policies", chunks="log"):
+        list(_saved_states_as_policies(_noted(raising("user 'u': a call changed"), own), own))
