@@ -16,8 +16,9 @@ is the tool's, not the generator's (which on two cores competed with XLA for the
 chunk of users runs through the compiled loop (:func:`rmm_jax.online.driver.drive`);
 after each chunk, in the shared scopes, the shared part is saved to the store
 (:meth:`PolicyStore.save_shared`) and then its users' policies (:meth:`PolicyStore.save`),
-as ``rmm-jax simulate`` does, through the CLI's own sink
-(:class:`rmm_jax.online.sinks.PolicySink`).
+as ``rmm-jax simulate`` does, through the run that it runs
+(:func:`rmm_jax.online.session.run_and_save`) with its policy sink
+(:class:`rmm_jax.online.sinks.PolicySink`), timed.
 
 Reported per scope: wall time (total, and the part spent saving), queries/s, peak RSS of
 the process, bytes per user on disk, and the median time to open the store and load
@@ -58,8 +59,8 @@ from rmm_jax.data.citations import (  # noqa: E402
 )
 from rmm_jax.online.driver import drive  # noqa: E402
 from rmm_jax.online.loop import make_run  # noqa: E402
-from rmm_jax.online.run import Recorder  # noqa: E402
 from rmm_jax.online.serve import user_params  # noqa: E402
+from rmm_jax.online.session import Start, create_policies, run_and_save  # noqa: E402
 from rmm_jax.online.sinks import PolicySink  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
@@ -136,6 +137,18 @@ class TimedSaves(PolicySink):
         self.seconds += time.perf_counter() - t
 
 
+class Sampled:
+    """The progress bar, sampling the load average each time ``every`` more users are done."""
+
+    def __init__(self, bar, every: int, watch: LoadWatch):
+        self.bar, self.every, self.watch = bar, every, watch
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        if self.bar.n % self.every == 0:
+            self.watch.sample()
+
+
 def program_for(scope: str, args, spec: VectorSpec):
     setting = rj.preset("default", k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None)
     return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
@@ -144,22 +157,18 @@ def program_for(scope: str, args, spec: VectorSpec):
 def run_scope(scope: str, args, spec: VectorSpec, root: Path, streams: StreamFile) -> dict:
     program = program_for(scope, args, spec)
     params = rj.init_reranker(jax.random.key(0), spec.dim)
-    meta = {"kind": "linear", "dim": spec.dim, "hidden": None, **program.layout.scope.meta(),
-            "config": {"benchmark": "scale"}}
     path = root / f"policies-{scope}"
-    ps = PolicyStore.create(path, meta, params)
+    ps = create_policies(path, program.layout, spec.dim, params, config={"benchmark": "scale"})
     saves = TimedSaves(ps, program, args.user_save_limit if scope == "user" else args.users)
-    recorder = Recorder(program.layout.m, sinks=[saves])
     watch = LoadWatch()
     t0 = time.perf_counter()
-    with ps.writer(), tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar:
-        for e in drive(streams.chunks(args.chunk), program, params, seed=args.seed, users_per_chunk=args.chunk):
-            bar.update(recorder.feed(e))
-            if bar.n % (20 * args.chunk) == 0:
-                watch.sample()
+    with tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar:
+        result = run_and_save(streams.chunks(args.chunk), program, Start(params), ps, None, seed=args.seed,
+                              users_per_chunk=args.chunk, checkpoint_every=0, saves=saves,
+                              progress=Sampled(bar, 20 * args.chunk, watch))
     total_s = time.perf_counter() - t0
     load = watch.result()
-    summary = recorder.result().summary
+    summary = result.summary
     saved, save_s, n_q = saves.saved, saves.seconds, summary["queries"]
     # Loading one user: open the store afresh, then the user's usable params.
     rng = np.random.default_rng(0)
