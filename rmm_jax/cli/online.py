@@ -8,7 +8,14 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import check_rank, check_store_writable, config_dict, open_policies_for, progress_bar
+from rmm_jax.cli.common import (
+    begin_run_state_if_single,
+    check_rank,
+    check_store_writable,
+    config_dict,
+    open_policies_for,
+    progress_bar,
+)
 from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.scope import Scope
@@ -17,6 +24,7 @@ from rmm_jax.online import session
 from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.session import Start, create_policies, identity_params
 from rmm_jax.persist.atomic import remove_dir
+from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
 from rmm_jax.persist.runstate import RunState
 
@@ -114,6 +122,25 @@ def removed_if_unused(path, created: bool):
                 remove_dir(RunState.path_for(p))        # first: a kill between leaves the store as before
                 remove_dir(p)
         raise
+
+
+@contextlib.contextmanager
+def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, created: bool, writer: bool,
+               options: dict, inputs: dict, resume: bool, checkpoint_every: int, restart_same: tuple[str, ...] = ()):
+    """What ``simulate`` and ``replay`` do around their run, in this order: a store the run
+    ``created`` removed if it fails before saving (:func:`removed_if_unused`), the run-state
+    locked (restored with ``--resume``; :func:`rmm_jax.cli.common.begin_run_state_if_single`),
+    the run's :class:`rmm_jax.online.session.Start` planned and yielded with the run-state;
+    after the body, only when it succeeds, the learning setting ``ls`` recorded in the store
+    (when it is to be and this process writes) and the run-state finished."""
+    with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
+          begin_run_state_if_single(policies, command, options, resume=resume, checkpoint_every=checkpoint_every,
+                                    inputs=inputs, restart_same=restart_same) as rs):
+        yield rs, plan_start(ps, st, ls.setting.layout, init, seed, rs)
+        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
+            write_setting(ps, ls.record)
+        if rs is not None:
+            rs.finish()
 
 
 def keep_option(f):

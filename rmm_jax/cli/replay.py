@@ -6,7 +6,6 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.common import (
-    begin_run_state_if_single,
     change_setting_option,
     check_rank_scope,
     checkpoint_options,
@@ -29,13 +28,12 @@ from rmm_jax.cli.online import (
     keep_option,
     online_options,
     open_policies,
-    plan_start,
     plot_option,
-    removed_if_unused,
     report,
     resolve_init,
     run_and_save,
     save_plot,
+    saving_run,
     setting_report,
     stored_scope,
 )
@@ -60,7 +58,6 @@ from rmm_jax.online.session import rs_fresh
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.learned_calls import WINDOW
-from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.runstate import file_digest
 
 
@@ -175,10 +172,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                       "--skip-invalid": skip_invalid, "--relearn": relearn, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
-    with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
-          begin_run_state_if_single(policies, "replay", options, resume=resume, checkpoint_every=checkpoint_every,
-                                    inputs=inputs, restart_same=("STORE", "--log")) as rs):
-        start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
+    with saving_run("replay", policies, ps, st, ls, init, opts["seed"], created=created, writer=writer,
+                    options=options, inputs=inputs, resume=resume, checkpoint_every=checkpoint_every,
+                    restart_same=("STORE", "--log")) as (rs, start):
         with as_options("relearn"):
             learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
         for line in k_m_note:      # after the last check of the log's calls: bad input is one line
@@ -192,10 +188,6 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                                   users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                                   desc="replay", mesh=mesh, writer=writer, relearn=relearn)
-        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
-            write_setting(ps, ls.record)
-        if rs is not None:
-            rs.finish()
     if note:
         info(note)
     if untimed:

@@ -7,7 +7,6 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.common import (
-    begin_run_state_if_single,
     change_setting_option,
     check_rank_scope,
     checkpoint_options,
@@ -28,13 +27,12 @@ from rmm_jax.cli.online import (
     keep_option,
     online_options,
     open_policies,
-    plan_start,
     plot_option,
-    removed_if_unused,
     report,
     resolve_init,
     run_and_save,
     save_plot,
+    saving_run,
     setting_report,
     stored_scope,
 )
@@ -48,7 +46,6 @@ from rmm_jax.online.loop import make_run
 from rmm_jax.online.session import rs_fresh
 from rmm_jax.online.starts import check_simulated
 from rmm_jax.online.streams import check_users, store_chunks
-from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.runstate import RunState, file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
@@ -174,12 +171,10 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                                       "--users-per-chunk": users_per_chunk,
                                       "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "config": config_dict(setting)}
-    with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
-          begin_run_state_if_single(policies, "simulate", options, resume=resume,
-                                    checkpoint_every=checkpoint_every, inputs=inputs) as rs):
+    with saving_run("simulate", policies, ps, st, ls, init, opts["seed"], created=created, writer=writer,
+                    options=options, inputs=inputs, resume=resume, checkpoint_every=checkpoint_every) as (rs, start):
         # The log is appended chunk by chunk to a temp file, renamed into place at the end.
         with (LogWriter(log_out) if log_out and writer else contextlib.nullcontext()) as log:
-            start = plan_start(ps, st, setting.layout, init, opts["seed"], rs)
             again = 0
             if start.before is not None and rs_fresh(rs):    # a resumed run's own versions are not earlier runs
                 try:
@@ -196,10 +191,6 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh,
                                   first_query=queries[0])
-        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
-            write_setting(ps, ls.record)
-        if rs is not None:
-            rs.finish()
     if note:
         info(note)
     if again:
