@@ -911,6 +911,27 @@ def test_log_shape_agreement(tmp_path):
     assert shape.m_apart == "line 3 shows 2 memories of its 8 candidates"
 
 
+def test_log_shape_takes_a_record_listing_the_whole_bank_its_user_had_when_served(tmp_path):
+    """Serve (user 'c' holds 2 memories: its calls list both), grow c's bank (embed --into
+    appends after its old memories), replay: the day's log was refused ("line 2 lists 2
+    candidates of the 4 memories of user 'c'; pass --k"). A record listing the user's first
+    memories in store order listed its whole bank then; one listing fewer than an earlier record
+    of its user did, or other memories than the first, is still cut short."""
+    from rmm_jax.data.log_vectors import StoreMemories
+
+    banks = {"a": [f"a{i}" for i in range(10)], "c": ["c0", "c1", "c2", "c3"]}     # c: 2 memories at serve time
+    known = lambda u: (frozenset(f"q{i}" for i in range(9)), StoreMemories(None, u, banks[u]))
+    rec = lambda u, q, cands: {"user_id": u, "query_id": f"q{q}", "candidates": cands, "selected": cands[:2],
+                               "cited": []}
+    log = tmp_path / "log.jsonl"
+    log.write_text(jl(rec("a", 0, banks["a"][:8]), rec("c", 1, ["c1", "c0"]), rec("c", 2, ["c0", "c1"])))
+    assert log_shape(log, known) == (8, 2, 1, 1, None, None)
+    log.write_text(jl(rec("a", 0, banks["a"][:8]), rec("c", 1, ["c0", "c2"])))           # not its first memories
+    assert log_shape(log, known).k_apart == "line 2 lists 2 candidates of the 4 memories of user 'c'"
+    log.write_text(jl(rec("a", 0, banks["a"][:8]), rec("c", 1, banks["c"][:3]), rec("c", 2, ["c0", "c1"])))
+    assert log_shape(log, known).k_apart == "line 3 lists 2 candidates of the 4 memories of user 'c'"
+
+
 def test_replay_and_evaluate_take_k_and_m_from_the_log_and_refuse_a_contradiction(env, capsys, tmp_path):
     """The good log lists 10 candidates and shows 3 on every record: --k 20 or --m 5 contradict it
     (one line naming the option and the log, nothing written); a log whose records disagree needs

@@ -51,6 +51,12 @@ class StoreMemories(Mapping):
 
     def __init__(self, store, user_id: str, ids: Sequence[str]):
         self._store, self._user, self._ids, self._texts = store, user_id, frozenset(ids), None
+        self._order = tuple(ids)
+
+    def first(self, n: int) -> frozenset:
+        """The ids of the user's first ``n`` memories in store order: its whole bank when it
+        held ``n`` (a grown store keeps a user's old memories first and appends the new ones)."""
+        return frozenset(self._order[:n])
 
     def __contains__(self, mid) -> bool:
         return mid in self._ids

@@ -57,23 +57,42 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
     The records agree on K when each lists K candidates, or every memory of its user when the
     user's bank holds fewer than K; on M when each shows M memories, or all its candidates when
     it lists fewer than M. Logged by a retriever of top-K and a policy showing M, every record
-    agrees; a record that lists fewer (a truncated retrieval, a slate cut short) disagrees."""
+    agrees; a record that lists fewer (a truncated retrieval, a slate cut short) disagrees.
+
+    A store grown after the log was served (``embed --into``) keeps each user's old memories
+    first: a record listing fewer candidates than its user's bank holds now agrees when they are
+    exactly the user's first memories in store order (its whole bank when it was served), and no
+    earlier record of the user listed more (the bank only grows). Needs ``known``'s memory ids
+    in store order (:class:`~rmm_jax.data.log_vectors.StoreMemories`, as
+    :func:`~rmm_jax.data.log_vectors.known_ids` gives them)."""
     first_k: dict[int, int] = {}          # n candidates -> first line listing that many
     first_m: dict[int, int] = {}          # n selected -> first line showing that many
     short_k: dict[int, str] = {}          # n candidates -> a record listing fewer than its user's bank
     short_m: dict[int, str] = {}          # n selected -> a record showing fewer than its candidates
+    most: dict[str, int] = {}             # user -> most candidates a record of it listed so far
     for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid):
         ids = known(r.user_id)                  # None: a user the store lacks (the log carries its texts)
         nk, nm, bank = len(r.candidates), len(r.selected), (len(ids[1]) if ids else None)
         first_k.setdefault(nk, line)
         first_m.setdefault(nm, line)
-        if bank is not None and nk < bank:
+        if bank is not None and nk < bank and not _bank_then(r, ids[1], most.get(r.user_id, 0)):
             short_k.setdefault(nk, f"line {line} lists {nk} candidates of the {bank} memories of user {r.user_id!r}")
+        if bank is not None:
+            most[r.user_id] = max(most.get(r.user_id, 0), nk)
         if nm < nk:
             short_m.setdefault(nm, f"line {line} shows {nm} memories of its {nk} candidates")
     k, m = max(first_k), max(first_m)
     apart = lambda short, top: next((why for n, why in sorted(short.items()) if n < top), None)
     return LogShape(k, m, first_k[k], first_m[m], apart(short_k, k), apart(short_m, m))
+
+
+def _bank_then(rec: LogRecord, memories, most: int) -> bool:
+    """Whether ``rec``, listing fewer candidates than its user's bank holds now (``memories``),
+    listed the user's whole bank when it was served: its candidates are the first memories in
+    store order (``StoreMemories.first``) and no earlier record of the user listed more (``most``)."""
+    first = getattr(memories, "first", None)
+    n = len(rec.candidates)
+    return first is not None and most <= n and frozenset(rec.candidates) == first(n)
 
 
 def streams_from_log(store, records: Sequence[LogRecord], layout: Layout, log_path: str = "log",
