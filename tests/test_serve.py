@@ -479,6 +479,40 @@ def test_a_call_with_fewer_candidates_than_m_is_served_all_of_them_and_its_log_r
     assert (shape.m, shape.m_apart) == (3, None)
 
 
+def test_a_call_whose_candidate_texts_repeat_a_text_is_served_with_each_text_once(capsys, tmp_path, env,
+                                                                                   monkeypatch):
+    """An app's retriever returned the same text twice (the user said it twice): the whole batch
+    was refused ("key 'candidate_texts': lists a candidate twice"), nothing served. The call is
+    served with each text once, where it first comes, a note counts such calls, and the served
+    line reads back as a log record and replays. A memory id listed twice is still refused
+    (test_a_bad_call_is_one_line_naming_the_line_and_nothing_is_written)."""
+    from rmm_jax.data.calls import text_id
+    from rmm_jax.data.citation_log import read_log
+    from rmm_jax.data.log_vectors import known_ids
+
+    store, _ = env
+    texts = ["user: I live in Rome.", "user: I like jazz.", "user: I live in Rome.", "user: My car is old."]
+    calls = [{"call_id": "dup", "user_id": "someone-new", "query": "where do I live?", "candidate_texts": texts},
+             {"call_id": "ok", "user_id": "user0", "query_id": open_store(store).user("user0").query_ids[0]}]
+    (tmp_path / "calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
+    code, out, err = run_cli(capsys, "rerank", store, "--calls", tmp_path / "calls.jsonl", "--m", "2", "--k", "4",
+                             "--explore", "--out", tmp_path / "out.jsonl")
+    assert code == 0 and out == "", err
+    assert "1 call of" in err and "lists a candidate text more than once: served with each text once" in err, err
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    once = list(dict.fromkeys(texts))
+    assert got[0]["candidates"] == [{"id": text_id(t), "text": t} for t in once]
+    assert len(got[0]["logits"]) == 3 and len(got[0]["selected"]) == 2
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({**o, "cited": o["selected"][:1]}) + "\n" for o in got))
+    records, report = read_log(log, known=known_ids(open_store(store)))
+    assert [r.call_id for r in records] == ["dup", "ok"] and report["skipped"] == 0
+    assert list(records[0].candidates) == [text_id(t) for t in once]
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p")
+    assert code == 0, err
+
+
 def test_a_user_holding_fewer_memories_than_m_is_served_all_of_them(capsys, tmp_path, monkeypatch):
     """A user whose bank holds 2 memories, under the default --m 5 and --k: the whole batch was
     refused ("--m 5 is more than this call's 2 candidates (user 'user0' holds 2 memories)");

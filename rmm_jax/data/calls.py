@@ -13,8 +13,10 @@ key                  meaning
 ``candidates``       memory ids of that user in STORE, in your retriever's order, best first
                      (echoed: ``replay`` and ``evaluate`` read the first M as what the
                      retriever alone would have shown),
-``candidate_texts``  or candidate memory texts (embedded); neither: the base retriever's
-                     top-K of the user's memories in STORE (``--k``)
+``candidate_texts``  or candidate memory texts (embedded; a text given twice, as a retriever
+                     returns a thing the user said twice, is taken once, where it first
+                     comes); neither: the base retriever's top-K of the user's memories in
+                     STORE (``--k``)
 ``call_id``          (optional) a non-empty string naming the call, echoed in the output
 ``timestamp``        (optional) when the call was made (a string or a number, as in a
                      citation log), echoed in the output: replay orders what a policy has
@@ -60,6 +62,7 @@ from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.json_lines import json_lines, source_name
 from rmm_jax.data.retrieval import top_k
+from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, at, named
 
 
@@ -82,26 +85,32 @@ def text_id(text: str) -> str:
     return "t:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _strings(value, path, line, key) -> tuple[str, ...]:
+def _strings(value, path, line, key, *, once: bool = False) -> tuple[str, ...]:
+    """A request's non-empty list of non-empty strings. A repeated one is refused, or with
+    ``once`` (candidate texts: a user may say the same thing twice) taken where it first comes."""
     if not isinstance(value, list) or not value:
         raise InputError(f"expected a non-empty list of strings, got {json_type(value)}", where=at(path, line, key))
     for v in value:
         if not isinstance(v, str) or not v.strip():
             raise InputError(f"expected non-empty strings, got {json_type(v)}", where=at(path, line, key))
     if len(set(value)) != len(value):
-        raise InputError("lists a candidate twice", where=at(path, line, key))
+        if not once:
+            raise InputError("lists a candidate twice", where=at(path, line, key))
+        value = list(dict.fromkeys(value))
     return tuple(value)
 
 
 def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]:
     """Every call of a calls file (``"-"``: standard input, named ``<stdin>`` in errors),
     checked (module docstring). ``notes``, when given, gets one line per unknown key that
-    looks like a misspelt request key (the others are ignored without a word). Two calls of a user with the
+    looks like a misspelt request key (the others are ignored without a word), and one
+    counting the calls whose ``candidate_texts`` repeat a text (each taken once). Two calls of a user with the
     same identity are refused, with or without ``--explore``: each served line is a log
     record, and a log that names a call twice is refused by ``replay`` and ``evaluate``."""
     calls = []
     first: dict[tuple[str, str], int] = {}
     seen, notes = set(KEYS), [] if notes is None else notes
+    repeats = 0                                   # calls whose candidate_texts repeat a text
     lines = json_lines(path, stdin=True)
     path = source_name(path)                      # "-" is standard input: <stdin>:line
     for line, obj in lines:
@@ -119,8 +128,9 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
             raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
         call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
                     _strings(obj["candidates"], path, line, "candidates") if "candidates" in obj else None,
-                    _strings(obj["candidate_texts"], path, line, "candidate_texts")
+                    _strings(obj["candidate_texts"], path, line, "candidate_texts", once=True)
                     if "candidate_texts" in obj else None, stamp)
+        repeats += call.candidate_texts is not None and len(call.candidate_texts) < len(obj["candidate_texts"])
         key = (call.user_id, call_key(call))
         if key in first:
             name = "call_id" if call.call_id is not None else "query_id" if call.query_id is not None else "query"
@@ -128,6 +138,9 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
                              "names each call once)", where=at(path, line, name))
         first[key] = line
         calls.append(call)
+    if repeats:
+        notes.append(f"{count(repeats, 'call')} of {path} {'lists' if repeats == 1 else 'list'} a candidate text "
+                     "more than once: served with each text once, where it first comes")
     return calls
 
 
