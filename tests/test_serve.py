@@ -220,6 +220,15 @@ def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),
     ({"user_id": "user0"}, "needs 'query'"),
     ({"user_id": "nobody", "query_id": "q0"}, "key 'user_id'"),
+    # a user neither STORE nor the call covers: the line did not say a call can bring its candidates
+    ({"user_id": "nobody", "query": "what is my name?"}, "key 'user_id': user 'nobody' is not in STORE"),
+    ({"user_id": "nobody", "query": "what is my name?"}, "(needed for 'the retrieved candidates'); a call for a "
+                                                         "user STORE lacks gives its candidates as texts in "
+                                                         "'candidate_texts'"),
+    ({"user_id": "nobody", "query": "what is my name?", "candidates": ["m1"]}, "(needed for 'candidates'); a call "
+                                                                               "for a user STORE lacks gives its "
+                                                                               "candidates as texts in "
+                                                                               "'candidate_texts'"),
     # the id itself, as replay and evaluate name it: the line said only "unknown query id for user 'user0'"
     ({"user_id": "user0", "query_id": "q999"}, "key 'query_id': unknown query id 'q999' for user 'user0'"),
     ({"user_id": "user0", "query_id": "q0", "candidates": ["D1:1", "D1:1"]}, "twice"),

@@ -183,7 +183,9 @@ class _Users:
     def get(self, call, key):
         if call.user_id not in self.cache:
             if not self.st.has_user(call.user_id):
-                raise InputError(f"user {call.user_id!r} is not in STORE {self.st.path} (needed for '{key}')",
+                hint = ("; a call for a user STORE lacks gives its candidates as texts in 'candidate_texts'"
+                        if key in ("candidates", "the retrieved candidates") else "")
+                raise InputError(f"user {call.user_id!r} is not in STORE {self.st.path} (needed for '{key}'){hint}",
                                  where=at(self.path, call.line, "user_id"))
             u = self.st.user(call.user_id)
             self.cache[call.user_id] = (u, {m: j for j, m in enumerate(u.memory_ids)},
