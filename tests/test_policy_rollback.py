@@ -98,6 +98,29 @@ def test_undoing_the_newest_run_loads_exactly_what_loaded_before_it(tmp_path, sc
                    shared_version=st.learned_shared_version()) > second[-1]   # no number handed out twice
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+@pytest.mark.parametrize("scope", ["shared", "hybrid"])
+def test_a_shared_version_number_is_never_handed_out_again_after_a_rollback(tmp_path, scope, recorded):
+    """After a rollback deleted the run's shared versions, the next save_shared took the number
+    of a deleted one again: two served lines saying shared_version 3 were drawn by different
+    shared parts. The next shared version is above every number issued before, as user
+    versions are, also in a store whose index recorded none (an older rmm-jax wrote it): the
+    rollback reserves the numbers it deletes."""
+    import sqlite3
+
+    st, _, second = two_runs(tmp_path, scope)
+    issued = set(st.shared_versions())
+    if not recorded:
+        with sqlite3.connect(st.path / "index.sqlite") as db:
+            db.execute("DELETE FROM kv WHERE key = 'next_shared'")
+    r = rollback(st)
+    assert r.shared and set(r.shared) <= issued
+    nxt = st.save_shared(SharedState(params_of(300), None), {"source": "online"})
+    assert nxt > max(issued)
+    rollback(st, to=st.save(["a"], stacked([state_of(7)]), [info_of(7)], shared_version=nxt) - 1)
+    assert st.save_shared(SharedState(params_of(301), None), {"source": "online"}) > nxt
+
+
 def test_each_rollback_undoes_one_more_run_and_to_goes_back_to_any_version(tmp_path):
     st, before, second = two_runs(tmp_path, "hybrid")
     third = run(st, [{"a": 21}], shared_seed=300, setting_before=S2)

@@ -498,11 +498,13 @@ def test_the_gain_interval_is_a_paired_bootstrap_of_the_per_call_difference(name
 
 def store_loads(path) -> dict:
     """What a reader of policy store ``path`` loads: per user its state and learned calls
-    (bytes), the shared part that serves, and the learning setting."""
+    (bytes), the shared part that serves (its state and info: not its number, which a store
+    that rolled a run back has handed out and does not reuse), and the learning setting."""
     ps = PolicyStore.open(path)
     out = {u: [np.asarray(x).tobytes() for x in jax.tree.leaves((got.state, got.learned))]
            for u in ps.users() for got in [ps.load(u)]}
-    out["shared"] = [np.asarray(x).tobytes() for x in jax.tree.leaves(ps.shared_state(ps.learned_shared_version()))]
+    shared = ps.shared_state(ps.learned_shared_version())
+    out["shared"] = [np.asarray(x).tobytes() for x in jax.tree.leaves((shared.state, shared.info))]
     out["setting"] = json.loads((path / "policy_store.json").read_text()).get("setting")
     return out
 
@@ -546,6 +548,8 @@ def test_not_shipping_a_night_rolls_it_back_and_the_next_replay_ends_as_if_it_ne
         assert code == 0, err
         assert json.loads(out)["log"]["calls"]["learn"] == 27
     assert store_loads(pol) == store_loads(ref)
+    learned = [PolicyStore.open(p).learned_shared_version() for p in (pol, ref)]
+    assert learned[0] > learned[1]          # the rolled-back night's shared number is not handed out again
     assert rollback_hint(PolicyStore.create(tmp_path / "empty", {"kind": "linear", "dim": DIM, "hidden": None}, {}),
                          "empty") is None                          # no run saved it: no hint
     code, out, err = run_cli(capsys, "policies", "rollback", pol, "--to", "999")

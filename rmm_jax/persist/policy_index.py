@@ -9,7 +9,8 @@ transactional engine: no server, one file, crash-safe commits, many concurrent r
 
 Schema (``kv['schema'] == 2``)::
 
-    kv(key TEXT PRIMARY KEY, value)                 'schema' -> 2, 'next_version' -> int
+    kv(key TEXT PRIMARY KEY, value)                 'schema' -> 2, 'next_version' -> int,
+                                                     'next_shared' -> int (absent: none recorded)
     versions(version INTEGER PRIMARY KEY, saved_at, shared_version)
                                                      every snapshot some user still keeps
     entries(user, version, chunk, row)               PRIMARY KEY (user, version), WITHOUT ROWID
@@ -336,6 +337,21 @@ class PolicyIndex:
         handed out is not handed out again, even when the snapshot that took it is removed."""
         with self._transaction():
             self._conn.execute("UPDATE kv SET value = MAX(value, ?) WHERE key = 'next_version'", (int(version),))
+
+    def next_shared(self) -> int:
+        """The lowest number the next shared version may take: above every shared version
+        saved since this was recorded, rolled back or not (1: none recorded, as in an index
+        an older rmm-jax wrote, or one rebuilt from the snapshots)."""
+        return int(self._one("SELECT COALESCE((SELECT value FROM kv WHERE key = 'next_shared'), 1)"))
+
+    def reserve_shared(self, version: int) -> None:
+        """Raise next_shared to at least ``version`` (never lower it), as :meth:`reserve` does
+        for user versions: a shared version number once handed out is not handed out again
+        after a rollback deletes its snapshot, so a served line's ``shared_version`` names one
+        shared part."""
+        with self._transaction():
+            self._conn.execute("INSERT INTO kv VALUES ('next_shared', ?) ON CONFLICT(key) DO UPDATE "
+                               "SET value = MAX(value, excluded.value)", (int(version),))
 
     def users_above(self, version: int) -> list[tuple[str, int | None]]:
         """``(user, its newest version at or below version)`` (None: it has none) for every

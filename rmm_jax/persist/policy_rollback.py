@@ -18,7 +18,9 @@ After ``rollback(store, to=V)``:
 * in scopes with a shared part, the shared versions that online runs saved after the
   newest kept user version's shared version are deleted. Serving and continuing use that
   shared version again (:meth:`PolicyStore.learned_shared_version`), or, when no user
-  version remains, the store's start (:meth:`PolicyStore.start_shared_version`);
+  version remains, the store's start (:meth:`PolicyStore.start_shared_version`). Their
+  numbers are not handed out again (the index's ``next_shared``, as ``next_version`` for
+  user versions): a served line's ``shared_version`` names one shared part;
 * the store records the learning setting it recorded before the oldest forgotten version
   was saved. Each run's saves record what it found (``run``, below). Versions saved by an
   rmm-jax that did not record it leave the setting as it is, and the result says so.
@@ -196,6 +198,7 @@ def finish(store) -> None:
     if not mark:
         return
     with writer_index(store.path, store._header, store.keep) as idx:
+        idx.reserve_shared(max(store.shared_versions(), default=0) + 1)   # the deleted ones' numbers stay taken
         idx.drop_above(int(mark["to"]))
         live, last = set(idx.live_versions()), idx.last_shared()
     drop_unindexed(store.path, store._header, store.keep, live)

@@ -482,9 +482,10 @@ class PolicyStore:
                              where="save_shared")
         info = _json_dict(info, "shared info", "save_shared: info")
         _check_dim(state.params, self.meta["dim"], "state")
-        with self.writer():
-            refs = self._query(lambda idx: idx.shared_refs())
-            version = max([*self.shared_versions(), *refs, 0]) + 1
+        with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
+            # above every number handed out, those a rollback deleted included (next_shared)
+            version = max([*self.shared_versions(), *idx.shared_refs(), idx.next_shared() - 1, 0]) + 1
+            idx.reserve_shared(version + 1)     # first: a kill after it skips a number, never reuses one
             SharedParts.write(self.path / "shared", version, state, info, _now())
             self._prune_shared()
             return version
