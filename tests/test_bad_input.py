@@ -909,6 +909,11 @@ def test_log_shape_agreement(tmp_path):
     assert shape[:4] == (8, 3, 1, 1)
     assert shape.k_apart == "line 2 lists 6 candidates of the 10 memories of user 'a'"
     assert shape.m_apart == "line 3 shows 2 memories of its 8 candidates"
+    # several records disagree: the error names the first (line 2), not the one listing fewest (line 3)
+    log.write_text(jl(rec("a", 0, 10, 3), rec("a", 1, 6, 2), rec("a", 2, 3, 1)))
+    shape = log_shape(log, known)
+    assert shape.k_apart == "line 2 lists 6 candidates of the 10 memories of user 'a'"
+    assert shape.m_apart == "line 2 shows 2 memories of its 6 candidates"
 
 
 def test_log_shape_takes_a_record_listing_the_whole_bank_its_user_had_when_served(tmp_path):

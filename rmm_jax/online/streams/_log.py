@@ -67,8 +67,8 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
     :func:`~rmm_jax.data.log_vectors.known_ids` gives them)."""
     first_k: dict[int, int] = {}          # n candidates -> first line listing that many
     first_m: dict[int, int] = {}          # n selected -> first line showing that many
-    short_k: dict[int, str] = {}          # n candidates -> a record listing fewer than its user's bank
-    short_m: dict[int, str] = {}          # n selected -> a record showing fewer than its candidates
+    short_k: dict[int, tuple[int, str]] = {}  # n candidates -> (line, why) of a record listing fewer than its bank
+    short_m: dict[int, tuple[int, str]] = {}  # n selected -> (line, why) of a record showing fewer than its candidates
     most: dict[str, int] = {}             # user -> most candidates a record of it listed so far
     for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid):
         ids = known(r.user_id)                  # None: a user the store lacks (the log carries its texts)
@@ -76,13 +76,15 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
         first_k.setdefault(nk, line)
         first_m.setdefault(nm, line)
         if bank is not None and nk < bank and not _bank_then(r, ids[1], most.get(r.user_id, 0)):
-            short_k.setdefault(nk, f"line {line} lists {nk} candidates of the {bank} memories of user {r.user_id!r}")
+            short_k.setdefault(nk, (line, f"line {line} lists {nk} candidates of the {bank} memories "
+                                          f"of user {r.user_id!r}"))
         if bank is not None:
             most[r.user_id] = max(most.get(r.user_id, 0), nk)
         if nm < nk:
-            short_m.setdefault(nm, f"line {line} shows {nm} memories of its {nk} candidates")
+            short_m.setdefault(nm, (line, f"line {line} shows {nm} memories of its {nk} candidates"))
     k, m = max(first_k), max(first_m)
-    apart = lambda short, top: next((why for n, why in sorted(short.items()) if n < top), None)
+    # the earliest record that disagrees (the error names it), not the one listing fewest
+    apart = lambda short, top: min((at for n, at in short.items() if n < top), default=(0, None))[1]
     return LogShape(k, m, first_k[k], first_m[m], apart(short_k, k), apart(short_m, m))
 
 
