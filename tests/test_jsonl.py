@@ -571,6 +571,11 @@ def test_gold_that_no_record_carries_is_dropped_and_counted(tmp_path, capsys, fa
     code, out, err = run_cli(capsys, "embed", f"log:{calls}", "--out", tmp_path / "store", "--json")
     assert code == 0 and json.loads(out)["stats"]["gold_without_text"] == 3, err      # in the manifest
     assert "dropped 3 gold ids naming memories no record carries" in err and "calls.jsonl:1: key 'gold[1]'" in err
+    assert "Give their texts with log:CALLS,memories=MEMS" in err
+    # memories=MEMS given: the hint says to add the missing texts to that file, not to give one
+    code, out, err = run_cli(capsys, "embed", f"log:{calls},memories={mems}", "--out", tmp_path / "store2")
+    assert code == 0 and "dropped 1 gold ids" in err and f"Add their texts to {mems} to keep them" in err, err
+    assert "Give their texts with" not in err
 
 
 def test_embed_log_notes_each_misspelt_key_once(tmp_path, capsys, fake_model):

@@ -29,6 +29,7 @@ from rmm_jax.data.granularity import (
     check_threshold,
 )
 from rmm_jax.data.jsonl import INSTRUCTION_ROLES, MAX_MESSAGE_CHARS
+from rmm_jax.data.log_dataset import parse_log_spec
 from rmm_jax.data.store import (
     append_store,
     check_model,
@@ -157,9 +158,11 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
     dropped = dataset.stats.get("gold_without_text", 0)
     if dropped:
+        mems = parse_log_spec(spec.partition(":")[2])[1]          # given: the texts go there, not a new option
         say(f"note: dropped {dropped} gold ids naming memories no record carries (never retrieved, so no text "
             f"to embed; first: {dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the "
-            "store holds. Give their texts with log:CALLS,memories=MEMS to keep them")
+            "store holds. " + (f"Add their texts to {mems} to keep them" if mems
+                               else "Give their texts with log:CALLS,memories=MEMS to keep them"))
     if dataset.name in ("jsonl", "log") and no_gold:
         say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
             + (" (no question has gold)" if no_gold == n_q else ""))
