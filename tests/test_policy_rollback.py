@@ -307,7 +307,11 @@ def test_the_start_is_never_pruned_and_is_where_a_rollback_past_every_user_and_i
     meta.write_text("{half")                           # an online version whose metadata cannot be read
     assert PolicyStore.open(st2.path).start_shared_version() == 1             # is not taken for the start
     meta.write_bytes(good)
-    r = rollback(st2, to=0)
+    with pytest.raises(InputError, match=r"^to: no user version would remain: v0 is below the oldest version the "
+                                         r"store keeps, v1, the oldest it can go back to \(to undo every run, roll "
+                                         r"back without to, run by run; to start afresh, delete "):
+        rollback(st2, to=0)                            # named: below every listed version, refused
+    r = rollback(st2)                                  # undoing its one run goes past every user version
     assert r.removed == ("a", "b") and st2.users() == [] and set(r.shared) == {2, 3}
     assert st2.shared_versions() == [1] and st2.learned_shared_version() == 1
     st3 = PolicyStore.create(tmp_path / "store3", SCOPES["hybrid"], params_of(0))
@@ -386,3 +390,12 @@ def test_the_cli_words_a_gone_to_an_interrupted_run_and_what_to_learn_again_trut
     assert out.splitlines()[-1] == ("the calls the forgotten versions learned from can be learned again: replay their "
                                     "log, or simulate their questions again")
     assert [e.version for e in PolicyStore.open(st.path).entries("a")] == [1]
+    # --to 0 emptied the store (every user version forgotten) and exited 0; v0 is no version
+    # `policies show` lists: refused in one line naming --to and the oldest version it can go to
+    before = tree_digest(st.path)
+    for dry in ((), ("--dry-run",)):
+        code, out, err = run_cli(capsys, "policies", "rollback", st.path, "--to", "0", *dry)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert "--to: no user version would remain: v0 is below the oldest version the store keeps, v1" in err, err
+        assert f"delete {st.path} to start afresh" not in err and f"delete {st.path})" in err, err
+    assert tree_digest(st.path) == before

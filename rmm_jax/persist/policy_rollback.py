@@ -31,7 +31,9 @@ online run (:func:`rmm_jax.online.session.run_and_save`) records
 took (a resumed run keeps F) and S is the setting the store recorded when the run began.
 
 **Refused** (an :class:`~rmm_jax.errors.InputError`, nothing changed): V at or above the
-newest version; a store whose run-state holds an interrupted run (``--resume`` would go on
+newest version; a V given below the oldest version the store keeps, which would leave no
+user version (undoing the runs one by one, without ``to``, does: the store then serves its
+start); a store whose run-state holds an interrupted run (``--resume`` would go on
 from the versions it forgets, and take the calls they learned as learned); and a user
 whose state at V is gone. That is a user whose kept versions
 are all above V while its oldest kept version replaced an earlier one, which ``keep`` then
@@ -145,6 +147,7 @@ def plan(store, to: int | None = None, *, interrupted_run_ok: bool = False) -> R
         raise InputError(f"an interrupted `{interrupted}` run left its state in {RunState.path_for(store.path)}: "
                          "finish it with --resume (or remove that directory) before rolling back",
                          where=str(store.path))
+    explicit = to is not None        # a version the caller named (None: before the newest run)
     if to is None:
         to = newest_run(store) - 1
     if not isinstance(to, numbers.Integral) or isinstance(to, (bool, np.bool_)) or to < 0:
@@ -159,6 +162,10 @@ def plan(store, to: int | None = None, *, interrupted_run_ok: bool = False) -> R
     removed = [u for u, kept in moved if kept is None]
     _check_removable(store, removed, to)
     kept = [s for s in saves if s.version <= to]
+    if explicit and not kept:        # below every version `policies show` lists: the store would hold no user
+        raise InputError(f"no user version would remain: v{to} is below the oldest version the store keeps, "
+                         f"v{saves[0].version}, the oldest it can go back to (to undo every run, roll back "
+                         f"without {named('to')}, run by run; to start afresh, delete {store.path})", arg="to")
     if store.paired and not kept and store.start_shared_version() is None:
         raise InputError(f"cannot roll back to v{to}: no user version would remain, and the shared version the store "
                          "started from is no longer kept (online runs pruned it, before rmm-jax kept it)",
