@@ -479,6 +479,38 @@ def test_shown_recall_is_the_recall_of_what_the_calls_drew_and_replay_reports_th
         {u: r["shown_recall@3"] for u, r in sim["online"]["per_user"].items()}
 
 
+def test_replay_json_gives_the_per_user_base_values_the_table_prints(tmp_path, capsys):
+    """replay printed each user's base Recall@M and base cited-recall@M in its tables, but
+    --json gave the base's overall values only: a nightly job could not compute per-user
+    deltas. The JSON's base.per_user holds each user's values the tables print."""
+    from rmm_jax.cli.main import main
+
+    def run(*args):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            assert not e.code, capsys.readouterr().err
+        return capsys.readouterr().out
+
+    st = make_fake_store(tmp_path / "st", users=3)
+    km = ("--k", "10", "--m", "3")
+    run("simulate", str(st), "--policies", str(tmp_path / "a"), *km, "--log-out", str(tmp_path / "log.jsonl"))
+    log = ("--log", str(tmp_path / "log.jsonl"))
+    doc = json.loads(run("replay", str(st), *log, "--policies", str(tmp_path / "b"), *km, "--json"))
+    table = run("replay", str(st), *log, "--policies", str(tmp_path / "c"), *km)
+    base = doc["base"]["per_user"]
+    assert set(base) == set(doc["online"]["per_user"]) and len(base) == 3
+    recall, cited = table.split("\n\n")[:2]            # the Recall@M table, then the cited-recall@M table
+    rows = [r.split() for r in recall.splitlines()[1:] if r.split()[0] in base]
+    rows_c = [r.split() for r in cited.splitlines()[1:] if r.split()[0] in base]
+    assert len(rows) == len(rows_c) == 3
+    for uid, queries, b, *_ in rows:
+        assert (int(queries), f"{base[uid]['recall@3']:.4f}") == (base[uid]["queries"], b)
+        assert 0 <= base[uid]["ndcg@3"] <= 1
+    for uid, _, _, b, *_ in rows_c:
+        assert f"{base[uid]['cited_recall@3']:.4f}" == b
+
+
 def test_an_overall_shown_recall_is_over_every_query_or_absent():
     """Users restored from a checkpoint written before shown recall was kept have none: their
     rows go without it and the overall value is left out, never a mean over some users."""

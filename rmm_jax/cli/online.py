@@ -249,8 +249,10 @@ def report(result, setting, extra, as_json):
     summary, base, m = result.summary, result.base, setting.layout.m
     rec, cr = f"recall@{m}", f"cited_recall@{m}"
     curves = ("curve", "cited_curve")
+    keys = (rec, f"ndcg@{m}", "queries", cr)      # the base's measures, overall and per user (the table's base)
     out = {**extra, "config": config_dict(setting),
-           "base": {k: base[k] for k in (rec, f"ndcg@{m}", "queries", cr) if k in base},
+           "base": {**{k: base[k] for k in keys if k in base},
+                    "per_user": {u: {k: row[k] for k in keys if k in row} for u, row in base["per_user"].items()}},
            "online": {k: v for k, v in summary.items() if k not in curves},
            **{k: summary[k] for k in curves if k in summary}}
     if as_json:

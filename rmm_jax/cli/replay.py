@@ -101,8 +101,8 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @json_option("the run's summary", "policies, init, setting, config, log (the log read: path, calls, skipped, "
-             "...), base (the base retriever on the same calls), online (the run's prequential measures, "
-             "per_user among them), curve and cited_curve (learning curves, when measured)")
+             "...), base (the base retriever on the same calls, per_user among them), online (the run's "
+             "prequential measures, per_user among them), curve and cited_curve (learning curves, when measured)")
 def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, relearn, users,
            users_per_chunk, checkpoint_every, resume, plot_path, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.

@@ -101,8 +101,8 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @checkpoint_options(16, "updates (batches)")
 @plot_option
 @json_option("the run's summary", "policies, init, setting, config, citations, base (the base retriever on the "
-             "same queries), online (the run's prequential measures, per_user among them), curve and "
-             "cited_curve (learning curves, when measured)")
+             "same queries, per_user among them), online (the run's prequential measures, per_user among them), "
+             "curve and cited_curve (learning curves, when measured)")
 def simulate(store, policies, init, keep, change_setting, citations, precision, cite_recall, users, query_range,
              relearn, users_per_chunk, log_out, checkpoint_every, resume, plot_path, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
