@@ -32,7 +32,7 @@ DOCUMENTED = {
     "rmm_jax.core.update": ["shared_step_multiple", "init_learner_state", "init_shared", "init_user", "make_update"],
     "rmm_jax.online.loop": ["make_run"],
     "rmm_jax.online.driver": ["drive"],
-    "rmm_jax.online.run": ["Recorder"],
+    "rmm_jax.online.run": ["Recorder", "run_online"],
 }
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

@@ -183,7 +183,23 @@ def run_online(streams: Sequence[Stream], program: Program, params, *, seed: int
     logged selections) over streams in memory, keeping the summaries, every chunk's final
     states and, with ``want_log``, the simulated log records. Every user starts from
     ``params``; the shared part from ``shared`` when given (see
-    :func:`rmm_jax.online.driver.drive`)."""
+    :func:`rmm_jax.online.driver.drive`).
+
+    Examples:
+      >>> import jax, rmm_jax as rj
+      >>> from rmm_jax.data.citations import oracle
+      >>> from rmm_jax.online.vectors import VectorSpec, vector_users
+      >>> streams = vector_users(VectorSpec(dim=8, memories=12, queries=4, k=4), seed=0, indices=[0, 1, 2])
+      >>> program = rj.make_run(*rj.preset("default", k=4, m=2), cite_fn=oracle())
+      >>> result = rj.run_online(streams, program, rj.init_reranker(jax.random.key(0), 8), users_per_chunk=2,
+      ...                        want_log=True)
+      >>> result.user_ids, result.chunk_users, result.summary["queries"]
+      (['u0000000', 'u0000001', 'u0000002'], [['u0000000', 'u0000001'], ['u0000002']], 12)
+      >>> len(result.records), sorted(result.records[0])[:4]
+      (12, ['candidates', 'cited', 'log_prob', 'query_id'])
+      >>> 0 <= result.summary["recall@2"] <= 1 and set(result.base["per_user"]) == set(result.user_ids)
+      True
+    """
     refuse_stream(streams, "streams", "a list of streams", "run_online([stream], ...) runs one user")
     check_seed_and_chunk(seed, users_per_chunk)
     chunks = [streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk)]
