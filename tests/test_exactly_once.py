@@ -277,3 +277,44 @@ def test_rerank_stamps_what_it_serves_so_a_log_of_many_untimed_requests_is_learn
     code, out, err = replay(capsys, store, log, tmp_path / "p", "--json")
     calls = json.loads(out)["log"]["calls"]
     assert code == 0 and calls["learn"] == 0 and calls["learned_already"] + calls["older"] == WINDOW + 8, (calls, err)
+
+
+def test_a_day_replayed_after_a_killed_rollback_of_it_is_learned_once(capsys, monkeypatch, tmp_path, store, logged):
+    """`policies rollback` killed right after it marked itself in the header, then the user
+    replays the rolled-back day to learn it again: the replay read the un-rolled-back index,
+    skipped every call as learned already and wrote nothing (so nothing finished the
+    rollback); the next day's run then finished it and said it continued from the forgotten
+    versions: that day was learned by no policy. The run finishes the rollback before it
+    decides what is learned, and ends bit for bit where day 1 then day 2 end."""
+    from rmm_jax.persist import policy_rollback
+
+    seen: dict = {}
+    first = []
+    for r in logged:
+        seen[r["user_id"]] = seen.get(r["user_id"], 0) + 1
+        first.append(seen[r["user_id"]] <= 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
+    for pol, days in (("ref", (day1, day2)), ("p", (day1, day2))):
+        for day in days:
+            code, _, err = replay(capsys, store, day, tmp_path / pol)
+            assert code == 0, err
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed after the mark")
+    with monkeypatch.context() as m:
+        m.setattr(policy_rollback, "writer_index", killed)
+        with pytest.raises(KeyboardInterrupt):
+            policy_rollback.rollback(PolicyStore.open(tmp_path / "p"))
+    assert PolicyStore.open(tmp_path / "p")._header.get(policy_rollback.PENDING)["versions"] == [3, 4]
+    code, _, err = run_cli(capsys, "policies", "list", tmp_path / "p")     # a reader: it says what it shows
+    assert code == 0 and f"note: a rollback of {tmp_path / 'p'} to v2 was interrupted: this shows the store as it " \
+                         "was before it (v3-v4 and the calls they learned still count)" in err, err
+    code, out, err = replay(capsys, store, day2, tmp_path / "p", "--json")
+    assert code == 0, err
+    assert f"finished the interrupted rollback of {tmp_path / 'p'} to v2 first: v3-v4 forgotten" in err, err
+    assert f"continued {tmp_path / 'p'}: 4 of 4 users from their saved versions v1-v2," in err, err
+    assert json.loads(out)["log"]["calls"] == {"learn": len(day2.read_text().splitlines()), "learned_already": 0,
+                                               "older": 0, "relearn": False}
+    assert policy_rollback.PENDING not in PolicyStore.open(tmp_path / "p")._header
+    assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))

@@ -37,7 +37,7 @@ from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
 from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES
 from rmm_jax.online.streams import log_shape
-from rmm_jax.persist.policy_rollback import newest_run
+from rmm_jax.persist.policy_rollback import newest_run, pending_note
 
 # evaluate_log's arguments that are this command's options: their errors name the option
 OPTIONS = ("clip", "bootstrap", "min_ess", "users")
@@ -204,8 +204,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
              f"first: {log['first_errors'][0]}")
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
-    if rep["learned_calls"]["note"]:
-        info(f"note: {rep['learned_calls']['note']}")
+    for note in filter(None, (rep["learned_calls"]["note"], pending_note(ps))):    # pending: before a rollback
+        info(f"note: {note}")
     for w in rep["warnings"]:
         info(f"warning: {w}")
     if plot_path is not None:

@@ -136,7 +136,10 @@ def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, crea
     with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
           begin_run_state_if_single(policies, command, options, resume=resume, checkpoint_every=checkpoint_every,
                                     inputs=inputs, restart_same=restart_same) as rs):
-        yield rs, plan_start(ps, st, ls.setting.layout, init, seed, rs)
+        start = plan_start(ps, st, ls.setting.layout, init, seed, rs, writer=writer)
+        if start.rolled_back is not None:
+            info(rolled_back_note(policies, start.rolled_back))
+        yield rs, start
         if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
             write_setting(ps, ls.record)
         if rs is not None:
@@ -167,10 +170,18 @@ def save_plot(result, setting, path, verb: str) -> None:
     info(f"wrote {path}")
 
 
-def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
+def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = True) -> Start:
     """:func:`rmm_jax.online.session.plan_start`, its errors naming ``--policies``."""
     with as_options("policies"):
-        return session.plan_start(ps, st, layout, init, seed, rs)
+        return session.plan_start(ps, st, layout, init, seed, rs, writer=writer)
+
+
+def rolled_back_note(policies, r) -> str:
+    """The stderr line of a run that first finished the rollback ``r`` a kill had interrupted."""
+    vs = r.versions
+    span = f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}"
+    return (f"finished the interrupted rollback of {policies} to v{r.to} first: {span} forgotten, so this run "
+            "continues from the versions it kept and learns the calls those forgotten ones had learned")
 
 
 def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> str | None:

@@ -30,7 +30,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
-from rmm_jax.persist.policy_rollback import Rollback, plan, rollback
+from rmm_jax.persist.policy_rollback import Rollback, pending_note, plan, rollback
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState
 
@@ -100,6 +100,8 @@ def list_cmd(store, users, as_json):
     if wanted:
         _require_users(st, wanted)
     rows = list_rows(st, wanted)
+    if pending_note(st):            # a reader writes nothing: it lists the versions the rollback forgets
+        info(f"note: {pending_note(st)}")
     if as_json:
         emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}, indent=None, sort_keys=False)
         return

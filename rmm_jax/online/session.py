@@ -24,6 +24,7 @@ from rmm_jax.online.driver import drive
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
+from rmm_jax.persist.policy_rollback import finish_pending
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -32,7 +33,9 @@ class Start(NamedTuple):
     """Where a run starts: new users' policy ``params``; the shared part to continue from
     (None: from ``params``); ``before``: users continue from their versions older than this
     (None: nobody continues); ``shared_version``: the store's shared version ``params`` (and
-    ``shared``) come from, when continuing.
+    ``shared``) come from, when continuing; ``rolled_back``: the rollback a kill had
+    interrupted, which :func:`plan_start` finished before planning
+    (:func:`rmm_jax.persist.policy_rollback.finish_pending`; None: none).
 
     Examples:
         >>> from rmm_jax.online.session import Start
@@ -43,6 +46,7 @@ class Start(NamedTuple):
     shared: SharedState | None = None
     before: int | None = None
     shared_version: int | None = None
+    rolled_back: Any = None      # the interrupted rollback plan_start finished first (a Rollback; None: none)
 
 
 def identity_params(dim: int, layout, seed: int):
@@ -70,12 +74,15 @@ def create_policies(path, layout, dim: int, params, *, config: dict, keep: int |
     return PolicyStore.create(path, meta, params, **({"keep": keep} if keep is not None else {}))
 
 
-def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
+def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = True) -> Start:
     """The run's :class:`Start` from policy store ``ps`` (embedding store ``st``: its size):
     ``init`` ``identity``, ``pretrained`` (the store's pretrained shared part) or ``continue``
     (every user from its latest version, the shared part as the last saved users left it).
     A resumed run (run-state ``rs``) starts where the interrupted one did (the run-state's
-    checkpoint holds it), whatever the store has gained since.
+    checkpoint holds it), whatever the store has gained since. A ``writer`` (the process that
+    writes ``ps``) first finishes a rollback of ``ps`` a kill interrupted, so the run continues
+    from the versions the rollback keeps and learns again the calls of those it forgets
+    (:attr:`Start.rolled_back` says so; a reader plans from the store as it stands).
 
     Examples:
         >>> from rmm_jax import preset
@@ -85,21 +92,22 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None) -> Start:
         >>> start.params["q_adapter"]["W"]["kernel"].shape, start.before
         ((4, 4), None)
     """
+    done = finish_pending(ps) if writer and ps is not None else None
     ck = rs.restored if rs is not None else None
     if ck is not None:
-        return Start(ck.trees["params"], None, ck.meta.get("before"))
+        return Start(ck.trees["params"], None, ck.meta.get("before"), rolled_back=done)
     if init == "identity":
-        return Start(identity_params(st.dim, layout, seed))
+        return Start(identity_params(st.dim, layout, seed), rolled_back=done)
     if init == "pretrained":                # what pretrain wrote, not a shared part online runs went on training
         start = ps.start_shared_version()
         if start is None:
             raise InputError("its pretrained parameters are no longer kept (online runs' shared versions pruned "
                              "them, before rmm-jax kept them); pretrain again into a new store",
                              where=named("policies", ps.path))
-        return Start(ps.shared_state(start).state.params)
+        return Start(ps.shared_state(start).state.params, rolled_back=done)
     saved = ps.shared_state(ps.learned_shared_version())   # as the last saved users left it
     shared = saved.state if layout.scope.has_shared and saved.state.opt_state is not None else None
-    return Start(saved.state.params, shared, ps.next_version(), saved.version)
+    return Start(saved.state.params, shared, ps.next_version(), saved.version, done)
 
 
 def rs_fresh(rs) -> bool:

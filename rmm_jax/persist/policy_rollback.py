@@ -45,9 +45,11 @@ as having replaced one.
 (``"rollback": {"to": V, ...}``), atomically. Then the index forgets the versions, the
 snapshots and shared versions are deleted, and the header drops the mark and records the
 setting. Each step can be done again. A writer that finds the mark, including the next
-``rollback`` and the next run (:meth:`PolicyStore.writer`), finishes the rollback first.
-A kill therefore leaves the store where it was, or rolled back. Between the mark and the
-index commit, readers still load the newer versions.
+``rollback`` (:meth:`PolicyStore.writer`), finishes the rollback first; the next run
+finishes it before it plans where its users start and which calls they have learned
+(:func:`finish_pending`), also a replay that then finds nothing to learn. A kill therefore
+leaves the store where it was, or rolled back. Until a writer finishes it, readers still
+load the newer versions (:func:`pending_note` says so).
 
 This is not the restore fallback of :mod:`rmm_jax.persist.rollback`, which loads an older
 version when a newer one is damaged and changes nothing on disk.
@@ -184,18 +186,46 @@ def rollback(store, to: int | None = None) -> Rollback:
     then goes on to ``to`` only if ``to`` is another version. Errors as :func:`plan`'s."""
     check_store(store)
     mark = store._header.get(PENDING)
-    if mark:
-        with store.writer():        # the writer finishes it first (PolicyStore.writer)
-            pass
-        if to is None or to == mark["to"]:
-            return Rollback(mark["to"], tuple(mark["versions"]), (), (), tuple(mark["shared"]), mark["setting"],
-                            mark["setting_known"], interrupted=True, newest=store.newest_version())
+    done = finish_pending(store)
+    if done is not None and (to is None or to == mark["to"]):
+        return done
     plan(store, to)  # a refusal, before the lock: it creates nothing
     with store.writer():
         done = plan(store, to)
         store._write_header({**store._header, PENDING: {k: getattr(done, k) for k in MARKED}})
         finish(store)
     return done
+
+
+def finish_pending(store) -> Rollback | None:
+    """Finish the rollback a kill interrupted, if ``store``'s header marks one, taking its
+    writer's lock (:meth:`PolicyStore.writer` finishes it first); returns what it did
+    (``interrupted=True``; None: none was pending). A run that will write the store calls
+    this before it reads which versions its users continue from and which calls they have
+    learned (:func:`rmm_jax.online.session.plan_start`): before, the index still lists the
+    versions the rollback forgets."""
+    check_store(store)
+    mark = store._header.get(PENDING)
+    if not mark:
+        return None
+    with store.writer():
+        pass
+    return Rollback(mark["to"], tuple(mark["versions"]), (), (), tuple(mark["shared"]), mark["setting"],
+                    mark["setting_known"], interrupted=True, newest=store.newest_version())
+
+
+def pending_note(store) -> str | None:
+    """For a reader (``policies list``, ``evaluate``, ``rerank``), which writes nothing: the
+    line saying that ``store`` is read as it was before an interrupted rollback (None: none
+    pending). Until the next writer finishes it, the index still lists the versions it forgets."""
+    mark = store._header.get(PENDING)
+    if not mark:
+        return None
+    vs = list(mark.get("versions") or [])
+    span = f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}" if vs else "its newer versions"
+    return (f"a rollback of {store.path} to v{mark['to']} was interrupted: this shows the store as it was before it "
+            f"({span} and the calls they learned still count); `rmm-jax policies rollback {store.path}` finishes it "
+            "(so does the next run that writes the store)")
 
 
 def finish(store) -> None:
