@@ -81,7 +81,9 @@ def test_replaying_half_then_half_equals_replaying_the_whole_log(capsys, tmp_pat
         code, _, err = run_cli(capsys, "replay", store, "--log", tmp_path / f"{log}.jsonl", "--policies",
                                tmp_path / pol, *SIM, *extra)
         assert code == 0, err
-        assert ("continued" in err) == (log == "b"), err        # the second half says it continued
+        # the second half says it continued the store: its users (user scope), or its shared part (new users)
+        assert ("continued" in err or f"new users in {tmp_path / pol} from the store's shared version" in err) \
+            == (log == "b"), err
         assert (f"created {tmp_path / pol}: a new policy store (scope {scope}" in err) == (log != "b"), err
     assert_same(states(tmp_path / "halves"), states(tmp_path / "whole"))
     # the second half did continue: starting over from identity gives other policies
@@ -167,8 +169,8 @@ def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, t
     shared_after_first = states(ps_path)["<shared>"]
     code, out, err = run_cli(capsys, "simulate", store, "--policies", ps_path, "--users", "user2", *SIM, "--json")
     assert code == 0, err
-    assert f"continued {ps_path}: 0 of 1 users from their saved versions, 1 new user from the store's shared " \
-           "version v2" in err, err
+    assert f"started 1 new user in {ps_path} from the store's shared version v2: it holds no saved policy of " \
+           "this run's users" in err, err
     assert json.loads(out)["init"] == "continue" and json.loads(out)["config"]["layout"]["scope"] == "shared"
     # user2 was new: its first queries were scored with the shared part the first run left
     code, out2, _ = run_cli(capsys, "simulate", store, "--policies", tmp_path / "fresh", "--users", "user2", *SIM,
@@ -300,3 +302,40 @@ def test_a_second_run_creating_the_same_store_is_told_it_is_in_use(tmp_path, sto
     with pytest.raises(InputError, match=rf"p\.runstate: in use by pid {os.getpid()} \(another run"):
         RunState.create_locked(p, lambda: made.append("again"))
     assert made == []
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+def test_a_store_left_by_a_run_killed_before_its_first_checkpoint_is_resumed_from_the_beginning(capsys, tmp_path,
+                                                                                                store, command):
+    """A run SIGKILLed after it created its policy store and before its first checkpoint
+    leaves an empty store beside a run-state holding only its lock. `simulate --resume` was
+    refused ("no checkpoint of these policies to resume ... continues them on questions they
+    have not learned"), and a plain run said "continued P: 0 of 4 users from their saved
+    versions". Such a store learned nothing: --resume starts from the beginning, as with no
+    store, the note says the users started new, and both end as one uninterrupted run."""
+    from rmm_jax.core.config import preset
+    from rmm_jax.online.session import create_policies, identity_params
+    from rmm_jax.persist.runstate import RunState
+
+    st = open_store(store)
+    layout = preset("default", k=8, m=3).layout
+    extra = []
+    if command == "replay":
+        code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "src", *SIM,
+                               "--log-out", tmp_path / "log.jsonl")
+        assert code == 0, err
+        extra = ["--log", tmp_path / "log.jsonl"]
+    code, _, err = run_cli(capsys, command, store, *extra, "--policies", tmp_path / "fresh", *SIM)
+    assert code == 0, err
+    for how in (["--resume"], []):
+        pol = tmp_path / f"killed{len(how)}"
+        create_policies(pol, layout, st.dim, identity_params(st.dim, layout, 0),
+                        config={"pretrained": False, "model": st.model})
+        RunState.path_for(pol).mkdir()
+        (RunState.path_for(pol) / ".lock").touch()
+        code, _, err = run_cli(capsys, command, store, *extra, "--policies", pol, *SIM, *how)
+        assert code == 0, err
+        assert ("--resume: no checkpoint in" in err) == bool(how), err
+        assert f"started 4 new users in {pol} from the store's shared version v1: it holds no saved user yet" in err
+        assert "continued" not in err, err
+        assert_same(states(tmp_path / "fresh"), states(pol))

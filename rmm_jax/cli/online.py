@@ -22,7 +22,7 @@ from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError
 from rmm_jax.online import session
 from rmm_jax.online.plot import plot_learning
-from rmm_jax.online.session import Start, create_policies, identity_params
+from rmm_jax.online.session import Start, create_policies, identity_params, learned_nothing
 from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
@@ -114,8 +114,7 @@ def removed_if_unused(path, created: bool):
         if created and p.is_dir():
             progress = RunState.interrupted_meta(p) or {}
             try:
-                ps = PolicyStore.open(p)
-                unused = not ps.users() and len(ps.shared_versions()) <= 1
+                unused = learned_nothing(PolicyStore.open(p))
             except Exception:  # noqa: BLE001 - an unreadable new store is not the user's data either
                 unused = True
             if unused and not progress.get("chunks_done") and not progress.get("segments_done"):
@@ -212,10 +211,13 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
         older = [e.version for e in entries if e.version < start.before]
         if older:
             held[u] = max(older)
+    source = "the shared part" if start.shared_version is None else f"shared version v{start.shared_version}"
+    if not held:        # nobody continued: a store that holds other users, or none (a run killed before it saved)
+        return (f"started {count(len(user_ids), 'new user')} in {ps.path} from the store's {source}: it holds "
+                + ("no saved user yet" if not ps.n_users() else "no saved policy of this run's users"))
     vs = sorted(set(held.values()))
     span = "" if not vs else f" v{vs[0]}" if len(vs) == 1 else f" v{vs[0]}-v{vs[-1]}"
     new = len(user_ids) - len(held)
-    source = "the shared part" if start.shared_version is None else f"shared version v{start.shared_version}"
     return (f"continued {ps.path}: {len(held)} of {len(user_ids)} users from their saved versions{span}, "
             f"{new} new user{'s' if new != 1 else ''} from the store's {source}")
 

@@ -43,9 +43,10 @@ from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, precision_
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
-from rmm_jax.online.session import rs_fresh
+from rmm_jax.online.session import learned_nothing, rs_fresh
 from rmm_jax.online.starts import check_simulated
 from rmm_jax.online.streams import check_users, store_chunks
+from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState, file_digest
 
 CITATION_MODELS = ("oracle", "position", "answer")
@@ -139,7 +140,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
     check_output_file(log_out, f"--log-out {log_out}")
     check_output_file(plot_path, f"--plot {plot_path}")
-    if resume and Path(policies).exists() and RunState.interrupted_command(policies) is None:
+    if resume and Path(policies).exists() and RunState.interrupted_command(policies) is None \
+            and not learned_nothing(PolicyStore.open(policies)):    # else: from the beginning, as with no store
         raise InputError("no checkpoint of these policies to resume (the last run finished, or stopped before its "
                          "first checkpoint); without --resume, simulate continues them on questions they have not "
                          "learned (--queries), or on the same ones with --relearn",

@@ -110,6 +110,23 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = 
     return Start(saved.state.params, shared, ps.next_version(), saved.version, done)
 
 
+def learned_nothing(ps) -> bool:
+    """Whether policy store ``ps`` holds nothing a run learned: no user, and no shared version
+    past the one it was made with. A run that created it and stopped before its first save
+    leaves such a store; continuing it is starting from the beginning.
+
+    Examples:
+        >>> import tempfile
+        >>> from rmm_jax import preset
+        >>> from rmm_jax.online.session import create_policies, identity_params, learned_nothing
+        >>> layout = preset("default", k=8, m=2).layout
+        >>> ps = create_policies(tempfile.mkdtemp() + "/p", layout, 4, identity_params(4, layout, 0), config={})
+        >>> learned_nothing(ps)
+        True
+    """
+    return not ps.n_users() and len(ps.shared_versions()) <= 1
+
+
 def rs_fresh(rs) -> bool:
     """Whether a run begins here: not resumed, nor started again after a kill (whose saved
     users are then the interrupted run's own)."""
