@@ -318,3 +318,37 @@ def test_a_day_replayed_after_a_killed_rollback_of_it_is_learned_once(capsys, mo
                                                "older": 0, "relearn": False}
     assert policy_rollback.PENDING not in PolicyStore.open(tmp_path / "p")._header
     assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))
+
+
+def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(capsys, tmp_path, store, logged):
+    """`simulate --queries :8 --log-out s.jsonl` then `replay --log s.jsonl` into the same
+    policies learned every call a second time (learn 32, learned_already 0; `policies list`
+    went from 8 learned to 16) and evaluate said nothing of it. The questions a user's simulate
+    runs learned (each version's simulated_queries) count as learned calls: skipped and
+    counted, relearned only with --relearn; a log with newer calls learns just those, bit for
+    bit as a log of only those; evaluate's note counts them."""
+    pol = tmp_path / "p"
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, "--queries", ":8", "--log-out",
+                           tmp_path / "s.jsonl", *RUN)
+    assert code == 0, err
+    sim = tmp_path / "s.jsonl"
+    n = len(sim.read_text().splitlines())
+    assert n == 32
+    code, out, err = replay(capsys, store, sim, pol, "--json")
+    assert code == 0, err
+    assert json.loads(out)["log"]["calls"] == {"learn": 0, "learned_already": n, "older": 0, "relearn": False}, err
+    assert f"skipped {n} calls learned already: {n} by these policies" in err, err
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", sim, "--policies", pol, "--allow-unreliable")
+    assert code == 0 and f"note: the policies learned from {n} of these {n} calls" in err, err
+    shutil.copytree(pol, tmp_path / "only_new")
+    newer = set(map(json.dumps, logged)) - set(sim.read_text().splitlines())
+    only_new = write(tmp_path / "new.jsonl", [r for r in logged if json.dumps(r) in newer])
+    code, out, err = replay(capsys, store, write(tmp_path / "all.jsonl", logged), pol, "--json")
+    assert code == 0, err
+    calls = json.loads(out)["log"]["calls"]
+    assert (calls["learn"], calls["learned_already"]) == (len(logged) - n, n), (calls, err)
+    code, _, err = replay(capsys, store, only_new, tmp_path / "only_new")
+    assert code == 0, err
+    assert_same(states(tmp_path / "only_new"), states(pol))
+    code, _, err = replay(capsys, store, sim, pol, "--relearn")
+    assert code == 0 and f"--relearn: learning {n} calls again" in err, err

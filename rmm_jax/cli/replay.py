@@ -176,7 +176,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                     options=options, inputs=inputs, resume=resume, checkpoint_every=checkpoint_every,
                     restart_same=("STORE", "--log")) as (rs, start):
         with as_options("relearn"):
-            learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn) if calls else None
+            learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn,
+                                    questions=st) if calls else None
         for line in k_m_note:      # after the last check of the log's calls: bad input is one line
             info(line)
         note_setting(ls, opts, policies, clip=clip)
@@ -187,7 +188,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         if learned is None or learned.learn:
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                                   users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                                  desc="replay", mesh=mesh, writer=writer, relearn=relearn)
+                                  desc="replay", mesh=mesh, writer=writer, relearn=relearn, questions=st)
     if note:
         info(note)
     if untimed:

@@ -135,12 +135,14 @@ def rs_fresh(rs) -> bool:
 
 def run_and_save(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
                  checkpoint_every: int, log=None, mesh=None, writer: bool = True, relearn: bool = False,
-                 first_query: int | None = None, progress=None, stop=None, saves=None):
+                 first_query: int | None = None, progress=None, stop=None, saves=None, questions=None):
     """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
     policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
     to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`). With ``start.before``, users the
     store holds continue from their saved versions, learning only the logged calls their
-    policies have not learned (all with ``relearn``). Under ``jax.distributed`` every
+    policies have not learned (all with ``relearn``; ``questions``, the embedding store: also
+    leaving out the calls of questions their simulate runs learned,
+    :func:`rmm_jax.online.starts.sort_calls`). Under ``jax.distributed`` every
     process runs this loop (reading ``ps``) and only the ``writer``, process 0, writes.
     Returns the :class:`rmm_jax.online.run.OnlineResult` (summaries only). ``first_query``:
     the chunks are the users' store questions from that position (simulate), which each
@@ -155,7 +157,7 @@ def run_and_save(chunks, program, start: Start, ps, rs, *, seed: int, users_per_
     one of a call that changed since it was learned, ``chunks``; one of a resume, ``resume``."""
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
-        chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn), own)
+        chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions), own)
     ps = ps if writer else None
     run = run_record(ps, rs)
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \

@@ -20,7 +20,9 @@ chunks and started again skips what those chunks saved, as one uninterrupted run
 have left it. Calls a run generates (``simulate``) are not remembered: each run draws new ones.
 The store questions a ``simulate`` run learns from are: each saved version records their
 positions (:func:`rmm_jax.online.sinks.simulated_queries`), and :func:`check_simulated`
-refuses a run that would learn one of them again.
+refuses a run that would learn one of them again; a replay counts a logged call of such a
+question (a simulate ``--log-out`` record: its ``query_id``, no ``call_id``) as learned
+already (:func:`sort_calls`).
 
 Examples:
   >>> import numpy as np
@@ -41,17 +43,18 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from rmm_jax.data.citation_log import call_key
 from rmm_jax.errors import InputError, at, named
 from rmm_jax.online.driver import Chunk
 from rmm_jax.online.sinks import overlap, simulated_queries
 from rmm_jax.online.streams import Stream, take_queries
-from rmm_jax.persist.learned_calls import Calls, classify
+from rmm_jax.persist.learned_calls import Calls, Sorted, classify, hash64
 
 CHECK_USERS = 64             # users whose learned calls check_learned reads at a time
 
 
 def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None = None,
-               relearn: bool = False) -> Iterator[Chunk]:
+               relearn: bool = False, questions=None) -> Iterator[Chunk]:
     """Each chunk with the saved states of its users that ``store`` holds (their newest
     versions older than ``before``, see :meth:`PolicyStore.load_batch`); the others start
     afresh. Each chunk's users are read once, as the chunk is reached.
@@ -62,7 +65,9 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
     carries what its policy had learned (``Stream.learned``), so the new version remembers
     that plus the stream's calls (:class:`rmm_jax.online.sinks.PolicySink`). Which calls go
     is decided against the versions older than ``before``, so a resumed run makes the same
-    chunks as the run it resumes."""
+    chunks as the run it resumes. ``questions``: the embedding store the users' questions come
+    from (None: none), whose questions a user's ``simulate`` runs learned count as learned
+    calls (:func:`sort_calls`)."""
     for streams in chunks:
         streams = list(streams)
         got = store.load_batch([s.user_id for s in streams], before=before)
@@ -71,7 +76,8 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
         for s in streams:
             prior = jax.tree.map(lambda x: x[row[s.user_id]], got.learned) if s.user_id in row else None
             if prior is not None and s.calls is not None:
-                sort = classify(prior, s.calls, relearn=relearn)
+                sort = sort_calls(prior, s.calls, simulated_keys(questions, s.user_id, got.infos[row[s.user_id]]),
+                                  relearn=relearn)
                 if sort.changed.any() and not relearn:     # check_learned refused this log before the run
                     raise InputError(f"user {s.user_id!r}: a call learned already has other content (the log "
                                      "changed during the run?)", arg="chunks")
@@ -88,6 +94,40 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
         yield Chunk(kept, users, np.array([s.user_id in row for s in kept]))
 
 
+def simulated_keys(questions, user_id: str, info: dict) -> np.ndarray:
+    """The identities (:func:`rmm_jax.data.citation_log.call_key`, hashed) of the store
+    questions that ``user_id``'s saved policy (its version's ``info``) learned from in
+    ``simulate`` runs (:func:`rmm_jax.online.sinks.simulated_queries`), as a simulate log names
+    them (``query_id``, no ``call_id``). ``questions``: the embedding store they are positions
+    in (None, or one without the user: none)."""
+    ranges = simulated_queries(info)
+    if not ranges or questions is None or not questions.has_user(user_id):
+        return np.zeros(0, np.uint64)
+    ids = questions.user(user_id).query_ids
+    return np.array([hash64(call_key(_Question(ids[p]))) for a, b in ranges for p in range(a, min(b, len(ids)))],
+                    np.uint64)
+
+
+class _Question(NamedTuple):
+    """A store question as a simulate log record names it (what :func:`call_key` reads)."""
+    query_id: str
+    call_id: None = None
+    query_text: None = None
+
+
+def sort_calls(learned, calls: Calls, simulated: np.ndarray, *, relearn: bool = False) -> Sorted:
+    """:func:`rmm_jax.persist.learned_calls.classify`, with a call named as a store question
+    the user's policy learned in a ``simulate`` run (``simulated``: :func:`simulated_keys`)
+    counted as learned already (``known``; learned only with ``relearn``): a simulate run draws
+    its calls anew and remembers its questions, not the calls (a replay of its ``--log-out``
+    learned them a second time)."""
+    sort = classify(learned, calls, relearn=relearn)
+    if not len(simulated):
+        return sort
+    sim = np.isin(calls.keys, simulated) & ~sort.known & ~sort.changed & ~sort.older
+    return sort._replace(known=sort.known | sim, learn=sort.learn if relearn else sort.learn & ~sim)
+
+
 class LearnedCheck(NamedTuple):
     """What :func:`check_learned` found: calls to learn, calls skipped because the user's
     policy learned them already, and calls skipped as older than what it has learned."""
@@ -97,21 +137,24 @@ class LearnedCheck(NamedTuple):
 
 
 def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *, before: int | None,
-                  relearn: bool = False) -> LearnedCheck:
+                  relearn: bool = False, questions=None) -> LearnedCheck:
     """Sort every logged call (``calls``: per user, its calls and their line numbers, from
     :func:`rmm_jax.online.streams.scan_log`) against what the user's policy in ``store`` has
     learned (versions older than ``before``), before the run writes anything. A call
     learned already with other content is the one-line error ``LOG:LINE`` (the log was
     rewritten after it was learned), unless ``relearn``. With ``relearn`` every call is
     learned, and ``known``/``older`` count those learned before. That error names ``relearn``
-    (:func:`rmm_jax.errors.named`: ``relearn=True``, the CLI's ``--relearn``)."""
+    (:func:`rmm_jax.errors.named`: ``relearn=True``, the CLI's ``--relearn``). ``questions``:
+    the embedding store, whose questions a user's ``simulate`` runs learned count as learned
+    (``known``; :func:`sort_calls`), as :func:`from_store` counts them."""
     learn = known = older = 0
     users = list(calls)
     for i in range(0, len(users), CHECK_USERS):
         got = store.load_batch(users[i:i + CHECK_USERS], before=before)
         for j, u in enumerate(got.users):
             mine, lines = calls[u]
-            sort = classify(jax.tree.map(lambda x: x[j], got.learned), mine, relearn=relearn)
+            sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine,
+                              simulated_keys(questions, u, got.infos[j]), relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
                 raise InputError(f"user {u!r}: this call was learned with other content: the log was rewritten "

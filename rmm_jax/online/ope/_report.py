@@ -270,7 +270,7 @@ def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str
     that says an estimate on learned calls can be optimistic (None: none was learned)."""
     scan = scan_log(log_path, cfg, known=known_ids(store), skip_invalid=skip_invalid, users=users, calls=True)
     calls = scan.get("calls") or {}
-    got = check_learned(calls, policies, log_path, before=None, relearn=True) if calls else None   # count, never refuse
+    got = check_learned(calls, policies, log_path, before=None, relearn=True, questions=store) if calls else None
     total, learned, older = (int(got.learn), int(got.known), int(got.older)) if got else (0, 0, 0)
     note = None if not learned else (f"the policies learned from {learned} of these {total} calls: an estimate on the "
                                      "calls they learned from can be optimistic; evaluate on a later day's log")
