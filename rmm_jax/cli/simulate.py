@@ -140,8 +140,9 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
     check_output_file(log_out, f"--log-out {log_out}")
     check_output_file(plot_path, f"--plot {plot_path}")
+    left = RunState.path_for(policies).is_dir()   # a run-state without a checkpoint: a run killed before the first
     if resume and Path(policies).exists() and RunState.interrupted_command(policies) is None \
-            and not learned_nothing(PolicyStore.open(policies)):    # else: from the beginning, as with no store
+            and not (left and learned_nothing(PolicyStore.open(policies))):   # that: from the beginning, as no store
         raise InputError("no checkpoint of these policies to resume (the last run finished, or stopped before its "
                          "first checkpoint); without --resume, simulate continues them on questions they have not "
                          "learned (--queries), or on the same ones with --relearn",
