@@ -78,7 +78,7 @@ from rmm_jax.data.embed import Embedder  # noqa: E402
 from rmm_jax.data.store import open_store, write_store  # noqa: E402
 from rmm_jax.online.pretrain import PretrainConfig, pretrain  # noqa: E402
 from rmm_jax.online.streams import load_streams  # noqa: E402
-from rmm_jax.persist.policy_store import PolicyStore  # noqa: E402
+from rmm_jax.persist.policy_store import PolicyMeta, PolicyStore  # noqa: E402
 
 METRICS = ("cited", "cite_rate", "recall")
 COVERAGE_TARGET = 0.9
@@ -383,8 +383,8 @@ def main(argv=None) -> int:
         train, ev = args.train.split(","), args.eval.split(",")
         p0 = init_reranker(jax.random.key(0), st.dim)
         target, hist = pretrain(p0, [streams[u] for u in train], [], PretrainConfig(epochs=10))
-        ps = PolicyStore.create(tmp / "target", {"kind": "linear", "dim": st.dim, "hidden": None,
-                                                 "config": {"pretrained": True, "model": st.model}}, target)
+        ps = PolicyStore.create(tmp / "target", PolicyMeta("linear", st.dim, config={"pretrained": True,
+                                                                                  "model": st.model}), target)
         ev_streams = [streams[u] for u in ev]
         assert all(s.cite_gold is None for s in ev_streams), "the truth assumes citations see the gold labels"
         memory_ids = {s.user_id: s.memory_ids for s in ev_streams}

@@ -43,15 +43,14 @@ from tqdm import tqdm
 
 import rmm_jax as rj
 from rmm_jax.online.serve import Reranker
-from rmm_jax.persist.policy_store import FORMAT_VERSION, STORE_FILE, PolicyStore
+from rmm_jax.persist.policy_store import FORMAT_VERSION, STORE_FILE, PolicyMeta, PolicyStore
 
 
 def build(path: Path, users: int, dim: int, rank: int, per_save: int = 2000) -> None:
     """A hybrid store of ``users`` random users, saved ``per_save`` at a time."""
     layout, est, opt = rj.preset("default", scope="hybrid", rank=rank)
     params = rj.init_reranker(jax.random.key(0), dim)
-    meta = {"kind": "linear", "dim": dim, "hidden": None, **layout.scope.meta(), "config": {"benchmark": "serve"}}
-    store = PolicyStore.create(path, meta, params)
+    store = PolicyStore.create(path, PolicyMeta.of(layout, dim, benchmark="serve"), params)
     sv = store.save_shared(rj.init_shared(params, layout, opt))
     one = jax.jit(jax.vmap(lambda k: rj.init_user(params, k, layout, est, opt)))
     noise = jax.jit(lambda t, k: jax.tree.map(lambda x: x + 0.01 * jax.random.normal(k, x.shape), t))

@@ -59,13 +59,12 @@ import optax
 
 from rmm_jax.core.types import LearnerState, UserState
 from rmm_jax.persist.policy_rollback import rollback
-from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.policy_store import PolicyMeta, PolicyStore
 
 ROOT = _common.REPO
 
 D, RANK = 384, 8
-META = {"kind": "linear", "dim": D, "hidden": None, "scope": "hybrid", "rank": RANK,
-        "config": {"benchmark": "store_scale"}}
+META = PolicyMeta("linear", D, scope="hybrid", rank=RANK, config={"benchmark": "store_scale"})
 
 
 def hybrid_block(n: int, rng: np.random.Generator) -> UserState:
@@ -102,8 +101,7 @@ def user_scope_bytes(work: Path) -> dict:
                  for s in ("q_adapter", "m_adapter")}
     state = UserState(k(), (optax.ScaleByAdamState(np.ones(n, np.int32), k(), k()), optax.EmptyState()),
                       LearnerState(np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros((n, 2), np.uint32)))
-    meta = {**{key: v for key, v in META.items() if key != "rank"}, "scope": "user"}
-    st = PolicyStore.create(work / "user_scope", meta, {})
+    st = PolicyStore.create(work / "user_scope", META._replace(scope="user", rank=None), {})
     st.save([uid(i) for i in range(n)], state)
     ub = st.user_bytes(uid(0))
     return {"array_bytes": ub["array_bytes"], "bytes_on_disk": ub["bytes"], "users_per_chunk": ub["users_in_chunk"]}

@@ -179,7 +179,7 @@ def open_policies_for(path, st, *, keep: int | None = None) -> PolicyStore:
     ``st``: the same dimension, and the same embedding model when the policy store records
     one (two models of one dimension embed into different spaces)."""
     ps = PolicyStore.open(path, expect_dim=st.dim, keep=keep)
-    made_for = (ps.meta.get("config") or {}).get("model")
+    made_for = ps.meta_info().model
     if made_for and made_for != st.model:
         raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
                          where=f"--policies {path}")

@@ -91,9 +91,9 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
     elif writer and ps.keep == 1 and ps.n_users():
         info(f"note: {path} keeps 1 version per user, so this run deletes each saved user's previous one: "
              "`policies rollback` cannot undo it")
-    if ps.meta.get("kind") != layout.kind:
-        raise InputError(f"policy store holds '{ps.meta.get('kind')}' rerankers, not '{layout.kind}'", where="--kind")
-    if init == "pretrained" and not ps.meta.get("config", {}).get("pretrained"):
+    if ps.meta_info().kind != layout.kind:
+        raise InputError(f"policy store holds '{ps.meta_info().kind}' rerankers, not '{layout.kind}'", where="--kind")
+    if init == "pretrained" and not ps.meta_info().pretrained:
         raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
                          where=f"--policies {path}")
     return ps

@@ -105,9 +105,9 @@ def list_cmd(store, users, as_json):
     if as_json:
         emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}, indent=None, sort_keys=False)
         return
-    m = st.meta
+    m = st.meta_info()
     shown = f" (listed: {len(rows)})" if wanted else ""
-    click.echo(f"{store}: kind={m['kind']} dim={m['dim']} hidden={m['hidden']} users={st.n_users()}{shown}")
+    click.echo(f"{store}: kind={m.kind} dim={m.dim} hidden={m.hidden} users={st.n_users()}{shown}")
     if not rows:
         return
     w = max(4, *(len(r["user"]) for r in rows))

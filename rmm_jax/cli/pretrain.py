@@ -47,7 +47,7 @@ from rmm_jax.online.pretrain import (
 )
 from rmm_jax.online.streams import load_dialogue_streams, load_streams
 from rmm_jax.persist.codec import tree_digest
-from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.policy_store import PolicyMeta, PolicyStore
 from rmm_jax.persist.runstate import RunState, file_digest
 
 PRETRAIN = PretrainConfig()
@@ -201,9 +201,8 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
             raise
         except ValueError as e:
             raise InputError(f"{e}{hint}", where=str(store)) from None
-        meta = {"kind": kind, "dim": st.dim, "hidden": hidden if kind == "mlp" else None, **layout.scope.meta(),
-                "config": {"pretrained": True, "model": st.model, "embedding_store": str(store),
-                           "pretrain": {**pcfg.__dict__, "seed": seed, "split": split, "labels": labels}}}
+        meta = PolicyMeta.of(layout, st.dim, pretrained=True, model=st.model, embedding_store=str(store),
+                             pretrain={**pcfg.__dict__, "seed": seed, "split": split, "labels": labels})
         if o.exists() and (not o.is_dir() or any(o.iterdir())):  # resumed after the final write?
             if tree_digest(PolicyStore.open(out).shared_state().state.params) != tree_digest(best):
                 raise InputError("already exists and is not empty; choose a new policy store path",

@@ -44,7 +44,6 @@ from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
-from rmm_jax.core.scope import Scope
 from rmm_jax.errors import InputError
 from rmm_jax.online.streams import bucket, user_hash
 from rmm_jax.persist.policy_rollback import check_store, rollbacks
@@ -144,7 +143,7 @@ def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
     own params: the shared part is not copied per user."""
     _check_store(store, "PolicyStore", "PolicyStore.open(path)")
     shared_params = shared_params or functools.partial(_shared_on_device, store)
-    scope = Scope.from_meta(store.meta)
+    scope = store.scope
     got = store.load_batch([user_id])
     if got.missing:
         if not fallback_to_shared:
@@ -268,7 +267,7 @@ class Reranker:
         self.store, self.cache_users = store, cache_users
         self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
         self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
-        self.dim = int(store.meta["dim"]) if store is not None else int(dim)
+        self.dim = int(store.meta_info().dim) if store is not None else int(dim)
         self.tau = behaviour_tau(store)
         self._seen = _generation(store)
         self._identity = None if store is not None else Policy(

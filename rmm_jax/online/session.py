@@ -26,7 +26,7 @@ from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
 from rmm_jax.persist.policy_rollback import finish_pending
 from rmm_jax.persist.policy_setting import read_setting
-from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.policy_store import PolicyMeta, PolicyStore
 
 
 class Start(NamedTuple):
@@ -67,11 +67,11 @@ def create_policies(path, layout, dim: int, params, *, config: dict, keep: int |
         >>> layout = preset("default", k=8, m=2).layout
         >>> path = tempfile.mkdtemp() + "/policies"
         >>> ps = create_policies(path, layout, 4, identity_params(4, layout, 0), config={"model": None})
-        >>> ps.meta["kind"], ps.meta["dim"], ps.n_users()
+        >>> ps.meta_info().kind, ps.meta_info().dim, ps.n_users()
         ('linear', 4, 0)
     """
-    meta = {"kind": layout.kind, "dim": dim, "hidden": layout.hidden, **layout.scope.meta(), "config": config}
-    return PolicyStore.create(path, meta, params, **({"keep": keep} if keep is not None else {}))
+    return PolicyStore.create(path, PolicyMeta.of(layout, dim, **config), params,
+                              **({"keep": keep} if keep is not None else {}))
 
 
 def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = True) -> Start:

@@ -102,6 +102,7 @@ from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
 from rmm_jax.persist.policy_index import Entry, IndexUnavailable, PolicyIndex, Save
+from rmm_jax.persist.policy_meta import PolicyMeta
 from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, restore_users
 from rmm_jax.persist.policy_rows import write_rows
 from rmm_jax.persist.policy_shared import SharedParts
@@ -119,8 +120,8 @@ from rmm_jax.persist.policy_versions import (
 )
 from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip, skips_text
 
-__all__ = ["PolicyStore", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save", "PolicyRestoreWarning",
-           "DEFAULT_KEEP"]
+__all__ = ["PolicyStore", "PolicyMeta", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save",
+           "PolicyRestoreWarning", "DEFAULT_KEEP"]
 
 FORMAT = "rmm-jax-policy-store"
 FORMAT_VERSION = 3             # 3: user rows (policy_rows.py); 2: arrays.npz chunks; 1: index.json, orbax chunks
@@ -187,8 +188,11 @@ def _as_path(path) -> Path:
     return Path(path)
 
 
-def _check_meta(meta: dict, where: str) -> dict:
-    """``meta`` checked (one-line InputErrors naming the key) and with a ``config`` dict."""
+def _check_meta(meta: PolicyMeta | dict, where: str) -> dict:
+    """``meta`` (a :class:`PolicyMeta` or its dict) checked (one-line InputErrors naming the
+    key), as the dict written, with a ``config`` dict."""
+    if isinstance(meta, PolicyMeta):
+        meta = meta.to_dict()
     if not isinstance(meta, dict):
         raise InputError("meta must be a dict with kind, dim, hidden, config", where=where)
     for key in ("kind", "dim", "hidden"):
@@ -271,6 +275,10 @@ class PolicyStore:
         """The :class:`rmm_jax.core.scope.Scope` the store's metadata records."""
         return Scope.from_meta(self.meta)
 
+    def meta_info(self) -> PolicyMeta:
+        """The store's metadata, typed (:attr:`meta` is the dict on disk)."""
+        return PolicyMeta.from_dict(self.meta)
+
     @property
     def paired(self) -> bool:
         """Whether user versions are paired with the shared version they were trained
@@ -280,10 +288,11 @@ class PolicyStore:
     # ---- create / open
 
     @classmethod
-    def create(cls, path, meta: dict, shared_params, *, keep: int = DEFAULT_KEEP, chunk_size: int | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, shared_opt_state=None,
+    def create(cls, path, meta: PolicyMeta | dict, shared_params, *, keep: int = DEFAULT_KEEP,
+               chunk_size: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, shared_opt_state=None,
                shared_info: dict | None = None) -> "PolicyStore":
-        """Make a new store at ``path`` (must not exist or be empty) holding ``meta`` and the
+        """Make a new store at ``path`` (must not exist or be empty) holding ``meta`` (a
+        :class:`PolicyMeta`, or its dict as :meth:`PolicyMeta.to_dict` writes it) and the
         shared state (params, optionally its optimiser state and info) as shared version 1.
         Each user keeps ``keep`` versions. Chunks hold about ``chunk_bytes`` of arrays, or
         exactly ``chunk_size`` users if given. The whole directory appears atomically."""
