@@ -505,9 +505,9 @@ def test_damaged_checkpoints_in_process(tmp_path):
     # truncate a file of the newest: the previous is used, and the user is told which
     f = snaps[1] / "arrays.npz"
     f.write_bytes(f.read_bytes()[:50])
-    notes = []
-    with RunState.begin(tmp_path / "pol", "simulate", fp, resume=True, notify=notes.append) as rs:
+    with RunState.begin(tmp_path / "pol", "simulate", fp, resume=True) as rs:
         assert rs.restored.meta == {"i": 1}
+    notes = rs.notes
     assert "s00000003 is damaged" in notes[0] and "sha256 mismatch" in notes[0] and "s00000002" in notes[0]
     # damage the other one too (its meta.json): none left -> a clear error
     m = snaps[0] / "meta.json"
@@ -529,10 +529,9 @@ def test_run_state_names_resume_as_its_caller_gives_it(tmp_path):
     "finish it with `replay --resume`", the CLI's option, to a Python caller of
     begin(resume=...): they name the argument, and the CLI's option within worded({"resume":
     "--resume"}) (cli.common.begin_run_state's as_options; the CLI tests pin its wording)."""
-    notes = []
-    with RunState.begin(tmp_path / "pol", "simulate", {}, resume=True, notify=notes.append):
+    with RunState.begin(tmp_path / "pol", "simulate", {}, resume=True) as rs:
         pass
-    assert notes == [f"resume=True: no checkpoint in {tmp_path / 'pol.runstate'}; starting from the beginning"]
+    assert rs.notes == [f"resume=True: no checkpoint in {tmp_path / 'pol.runstate'}; starting from the beginning"]
     with RunState.begin(tmp_path / "pol", "replay", {}, resume=False) as rs:
         rs.save({}, {})
     for words, want in (({}, "pass resume=True to continue it"),

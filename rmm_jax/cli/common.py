@@ -438,4 +438,7 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     if restart_same and not options.get("--relearn"):
         same = lambda old: not old.get("--relearn") and all(old.get(n) == inputs[n] for n in restart_same)  # noqa: E731
     with as_options("resume"):                    # its messages say --resume
-        return runstate.RunState.begin(target, command, fp, resume=resume, notify=info, restart=same)
+        rs = runstate.RunState.begin(target, command, fp, resume=resume, restart=same)
+    for note in rs.notes:
+        info(note)
+    return rs

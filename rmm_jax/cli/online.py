@@ -23,6 +23,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online import session
 from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.session import Start, create_policies, identity_params, learned_nothing
+from rmm_jax.online.sinks import resume_note
 from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
@@ -229,6 +230,8 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, desc: s
     ``--log`` (a call that changed since it was learned), ``--resume``."""
     with StopSignals() as stop, progress_bar(n_users, desc) as bar, \
             as_options("resume", "policies", chunks="log"):
+        if (note := resume_note(rs)) is not None:      # where a resumed run starts, as it starts
+            info(note)
         return session.run_and_save(chunks, program, start, ps, rs, progress=bar, stop=stop, **kw)
 
 

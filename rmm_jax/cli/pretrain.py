@@ -79,7 +79,7 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
         m, t = rs.restored.meta, rs.restored.trees
         resume = PretrainState(m["epoch"], t["params"], t["opt_state"], t["best_params"], m["best"], m["since"],
                                m["history"])
-        rs.notify(f"resuming from {rs.restored.path.name}: epoch {m['epoch']}")
+        info(f"resuming from {rs.restored.path.name}: epoch {m['epoch']}")
     with StopSignals() as stop:
         for event in pretrain_epochs(params, train, val, pcfg, seed=seed, resume=resume):
             match event:

@@ -171,13 +171,21 @@ class RunStateSink:
 
 
 def resume_point(runstate) -> Resume | None:
-    """The :class:`Resume` of a run-state's restored checkpoint (None: start afresh)."""
+    """The :class:`Resume` of a run-state's restored checkpoint (None: start afresh); what to
+    tell the user about it is :func:`resume_note`."""
     ck = runstate.restored if runstate is not None else None
     if ck is None:
         return None
     m, t = ck.meta, ck.trees
-    resume = Resume(m["chunks_done"], m["segments_done"], t["states"], t["outputs"], t["shared"])
-    runstate.notify(f"resuming from {ck.path.name}: {resume.chunks_done} users chunks done"
-                    + (f", users chunk {resume.chunks_done + 1} at segment {resume.segments_done}"
-                       if resume.segments_done else ""))
-    return resume
+    return Resume(m["chunks_done"], m["segments_done"], t["states"], t["outputs"], t["shared"])
+
+
+def resume_note(runstate) -> str | None:
+    """The line that tells the user where a run resumes from the run-state's restored
+    checkpoint (None: it starts afresh), shown as the run starts."""
+    ck = runstate.restored if runstate is not None else None
+    if ck is None:
+        return None
+    done, segments = ck.meta["chunks_done"], ck.meta["segments_done"]
+    return (f"resuming from {ck.path.name}: {done} users chunks done"
+            + (f", users chunk {done + 1} at segment {segments}" if segments else ""))

@@ -142,11 +142,11 @@ class RunState:
     """The run-state directory of one policy store (or pretrain output); see the module
     docstring. Make with :meth:`begin`; use as a context manager (releases the lock)."""
 
-    def __init__(self, path: Path, command: str, fingerprint: dict, notify: Callable[[str], None] | None):
+    def __init__(self, path: Path, command: str, fingerprint: dict):
         self.path = Path(path)
         self.command = command
         self.fingerprint = json.loads(json.dumps(fingerprint))
-        self.notify = notify or (lambda msg: None)
+        self.notes: list[str] = []               # begin(): what the caller tells the user, in order
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
@@ -177,7 +177,7 @@ class RunState:
         """The command of the run whose checkpoints ``target``'s run-state holds (None: no
         interrupted run), e.g. for ``policies rollback`` to refuse until it is resumed.
         Raises the one-line "in use by pid N" InputError while that run is still running."""
-        rs = cls(cls.path_for(target), "", {}, None)
+        rs = cls(cls.path_for(target), "", {})
         if not rs._snapshots():
             return None
         try:
@@ -195,7 +195,7 @@ class RunState:
         (not "already exists; choose a new path": such runs continue an existing store). The
         lock is released after ``create``, its file kept; the caller's :meth:`begin` takes it
         again (and :meth:`finish` or :meth:`close` remove the run-state directory)."""
-        rs = cls(cls.path_for(target), "", {}, None)
+        rs = cls(cls.path_for(target), "", {})
         rs.path.mkdir(parents=True, exist_ok=True)
         last = rs._writer.holder()          # read before taking the lock, which records this process
         rs._writer.acquire()
@@ -209,7 +209,7 @@ class RunState:
     @classmethod
     def _interrupted(cls, path: Path) -> dict | None:
         """The ``meta.json`` of the newest checkpoint under ``path`` that parses (unverified)."""
-        for _, snap in reversed(cls(path, "", {}, None)._snapshots()):
+        for _, snap in reversed(cls(path, "", {})._snapshots()):
             try:
                 doc = json.loads((snap / META_FILE).read_text())
                 if isinstance(doc.get("fingerprint"), dict) and isinstance(doc.get("meta"), dict):
@@ -220,7 +220,6 @@ class RunState:
 
     @classmethod
     def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
-              notify: Callable[[str], None] | None = None,
               restart: Callable[[dict], bool] | None = None) -> "RunState":
         """Lock the run-state of ``target``; with ``resume`` restore its newest good
         checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
@@ -229,17 +228,18 @@ class RunState:
         note) and this run starts afresh (``replay``: the policy store remembers the calls
         each saved policy learned, so starting again learns nothing twice), keeping the
         interrupted run's progress meta in :attr:`interrupted` (what it began from).
-        The errors and notes name ``resume`` as :func:`rmm_jax.errors.named` does (``resume=True``;
-        the CLI's ``--resume``)."""
-        rs = cls(cls.path_for(target), command, fingerprint, notify)
+        The notes (a damaged checkpoint skipped, a run started again, nothing to resume) are in
+        :attr:`notes`, for the caller to show. The errors and notes name ``resume`` as
+        :func:`rmm_jax.errors.named` does (``resume=True``; the CLI's ``--resume``)."""
+        rs = cls(cls.path_for(target), command, fingerprint)
         resume_as = named("resume", True)           # resume=True, or the CLI's --resume
         rs._lock()
         try:
             snaps = rs._snapshots()
             old = cls._interrupted(rs.path) if snaps and not resume and restart is not None else None
             if old is not None and rs._command_of(snaps) == command and restart(old["fingerprint"]):
-                rs.notify(f"an interrupted `{command}` run of the same input left {rs.path}; starting it again "
-                          "(what it saved is remembered in the policy store and not learned twice)")
+                rs.notes.append(f"an interrupted `{command}` run of the same input left {rs.path}; starting it again "
+                                "(what it saved is remembered in the policy store and not learned twice)")
                 rs.interrupted = old["meta"]
                 for p in [*(q for _, q in snaps), rs.path / DONE_DIR]:
                     shutil.rmtree(p, ignore_errors=True)
@@ -251,7 +251,7 @@ class RunState:
                 if snaps:
                     rs.restored = rs._load(snaps)
                 else:
-                    rs.notify(f"{resume_as}: no checkpoint in {rs.path}; starting from the beginning")
+                    rs.notes.append(f"{resume_as}: no checkpoint in {rs.path}; starting from the beginning")
         except BaseException:
             rs.close()
             raise
@@ -384,9 +384,9 @@ class RunState:
                     reason = f"unreadable ({type(e).__name__}: {e})"
                 else:
                     if skipped:
-                        self.notify(f"{self.path}: checkpoint {skipped[-1][0]} is damaged ("
-                                    + "; ".join(f"{s}: {r}" for s, r in skipped)
-                                    + f"); resuming from the previous good one, {snap.name}")
+                        self.notes.append(f"{self.path}: checkpoint {skipped[-1][0]} is damaged ("
+                                          + "; ".join(f"{s}: {r}" for s, r in skipped)
+                                          + f"); resuming from the previous good one, {snap.name}")
                     return ck
             skipped.append((snap.name, reason))
         raise InputError("no usable checkpoint (" + "; ".join(f"{s}: {r}" for s, r in skipped)
