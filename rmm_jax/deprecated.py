@@ -39,3 +39,16 @@ def moved(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(target), name)
     __getattr__.moved = dict(names)     # what it serves, for a reader (and tests/test_deprecated.py)
     return __getattr__
+
+
+def renamed_argument(function: str, old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    """The value of ``function``'s argument ``new``, given by a caller under its old name
+    ``old`` (``old_value``, not None) with a :class:`DeprecationWarning` that names both, or
+    as ``new_value``; both given is a TypeError, as Python's for one argument given twice."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"{function}() got {new}= and its old name {old}=: pass {new} only")
+    warnings.warn(f"{function}({old}=...) is now {function}({new}=...): pass it as {new} (the old name goes in a "
+                  "later release)", DeprecationWarning, stacklevel=3)
+    return old_value

@@ -53,3 +53,21 @@ def test_the_table_covers_every_moved_name():
             served.add((info.name, name, new))
     assert served == set(MOVED)
 
+
+
+def test_write_store_and_append_store_take_log_as_the_old_name_of_progress(tmp_path):
+    """write_store's and append_store's progress line came through ``log=``, now ``progress=``
+    (a progress line as the write goes, not a log): ``log=`` still works, warning."""
+    from conftest import FakeEmbedder
+
+    from rmm_jax.data import make_synthetic
+    from rmm_jax.data.store import append_store, write_store
+
+    data, lines = make_synthetic(users=2, sessions=2, turns=4, seed=0), []
+    with pytest.warns(DeprecationWarning, match=r"^write_store\(log=\.\.\.\) is now write_store\(progress=\.\.\.\)"):
+        write_store(tmp_path / "s", data, "turn", FakeEmbedder(8), log=lines.append)
+    with pytest.warns(DeprecationWarning, match=r"^append_store\(log=\.\.\.\) is now append_store\(progress="):
+        append_store(tmp_path / "s", data, FakeEmbedder(8), log=lines.append)
+    assert lines[0].startswith("2 users, ") and lines[1].startswith("new: 0 users"), lines
+    with pytest.raises(TypeError, match="got progress= and its old name log="):
+        write_store(tmp_path / "t", data, "turn", FakeEmbedder(8), log=print, progress=print)

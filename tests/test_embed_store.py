@@ -503,11 +503,11 @@ def test_the_progress_lines_say_1_user_not_1_users(tmp_path):
     data = tiny_dataset()
     alice, bob = data.users
     lines = []
-    write_store(tmp_path / "s", Dataset("one", (alice,)), "turn", FakeEmbedder(), log=lines.append)
+    write_store(tmp_path / "s", Dataset("one", (alice,)), "turn", FakeEmbedder(), progress=lines.append)
     assert lines[0].startswith("1 user, 8 turn memories, 4 queries ("), lines
     one = Session("session_9", "day 9", (Turn("D9:1", "session_9", "Ann", "one more thing", "day 9"),))
     lines.clear()
-    append_store(tmp_path / "s", Dataset("more", (User("carol", (one,), ()),)), FakeEmbedder(), log=lines.append)
+    append_store(tmp_path / "s", Dataset("more", (User("carol", (one,), ()),)), FakeEmbedder(), progress=lines.append)
     assert lines[0] == ("new: 1 user, 1 session (1 memory), 0 questions; already in the store: 0 sessions, "
                         "0 questions"), lines
 

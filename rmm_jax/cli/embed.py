@@ -180,7 +180,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         try:
             thresholds = ({"segment_threshold": segment_threshold, "merge_threshold": merge_threshold}
                           if granularity == "segment" else {})     # only segment reads them (else refused)
-            manifest = write_store(out, dataset, granularity, embedder, spec=spec, log=say, answers=answers,
+            manifest = write_store(out, dataset, granularity, embedder, spec=spec, progress=say, answers=answers,
                                    **thresholds)
         finally:
             embedder.close()
@@ -229,7 +229,7 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
         embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
                             batch_size=batch_size, progress=say is info, use_cache=not no_cache)
         try:
-            res = append_store(into, dataset, embedder, spec=spec, log=say, skip_invalid=skip_invalid)
+            res = append_store(into, dataset, embedder, spec=spec, progress=say, skip_invalid=skip_invalid)
         finally:
             embedder.close()
     _note_truncated(embedder, say)

@@ -26,6 +26,7 @@ from rmm_jax.data.store._write import (
 )
 from rmm_jax.data.types import Dataset, MemoryUnit, User
 from rmm_jax.data.words import count
+from rmm_jax.deprecated import renamed_argument
 from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_dir, fsync_files
 
@@ -124,8 +125,8 @@ def check_model(st, path, model_id: str, where: str = "model_id") -> None:
                          "holds one embedding space", arg=where)
 
 
-def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, log=None,
-                 skip_invalid: bool = False) -> dict:
+def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, progress=None,
+                 skip_invalid: bool = False, log=None) -> dict:
     """Append ``dataset``'s new users, sessions and questions to the store at ``path`` (the
     package docstring's "Growing a store"), embedding only their texts with ``embedder`` (its
     ``model_id`` must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
@@ -143,17 +144,22 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, l
     gold_elsewhere=True)``: a chat opened and abandoned, only a system prompt or an image) adds
     no memory; one the store holds is appended its questions as any other. A new one has
     nothing to retrieve from: an error naming its file:line, or, with ``skip_invalid``, left
-    out with its questions and counted (``users_without_text``)."""
+    out with its questions and counted (``users_without_text``).
+
+    ``progress`` (optional ``callable(str)``, e.g. to print to stderr) is called as the append
+    goes with one progress line: what is new and what the store already holds, before the new
+    texts are embedded (the result is what it returns). ``log`` is its old name (deprecated)."""
+    progress = renamed_argument("append_store", "log", "progress", log, progress)
     _check_dataset(dataset)
     _check_embedder(embedder)
     if not Path(path).is_dir():
-        return _append(path, dataset, embedder, spec, log, skip_invalid)       # open_store's one-line error
+        return _append(path, dataset, embedder, spec, progress, skip_invalid)       # open_store's one-line error
     with store_writer(path):
-        return _append(path, dataset, embedder, spec, log, skip_invalid)
+        return _append(path, dataset, embedder, spec, progress, skip_invalid)
 
 
-def _append(path, dataset: Dataset, embedder, spec: str | None, log, skip_invalid: bool) -> dict:
-    say = log or (lambda msg: None)
+def _append(path, dataset: Dataset, embedder, spec: str | None, progress, skip_invalid: bool) -> dict:
+    say = progress or (lambda msg: None)
     where = spec or "dataset"
     t0 = time.perf_counter()
     st = open_store(path)

@@ -18,6 +18,7 @@ from rmm_jax.data.store._format import FORMAT, VERSION
 from rmm_jax.data.store._read import is_store
 from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.data.words import count
+from rmm_jax.deprecated import renamed_argument
 from rmm_jax.errors import InputError, named
 from rmm_jax.persist.atomic import atomic_dir, fsync_files, leftovers, make_dirs
 from rmm_jax.persist.lock import WriterLock
@@ -277,7 +278,7 @@ def unanswered(dataset: Dataset) -> int:
 
 
 def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str | None = None,
-                log=None, answers: bool = False, **granularity_kwargs) -> dict:
+                progress=None, answers: bool = False, log=None, **granularity_kwargs) -> dict:
     """Build memories at ``granularity``, embed memories and queries, write the store.
 
     Args:
@@ -287,7 +288,10 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
       granularity: one of :data:`~rmm_jax.data.granularity.GRANULARITIES`.
       embedder: an :class:`rmm_jax.data.embed.Embedder` (``.encode``, ``.model_id``, ``.dim``).
       spec: the dataset spec, recorded in the manifest.
-      log: optional ``callable(str)`` for progress lines (e.g. to stderr).
+      progress: optional ``callable(str)``, called as the write goes with a progress line (e.g.
+        to print to stderr): what is to be embedded (users, memories, queries) once the memories
+        are built, before the embedding, which may take minutes. The result is the manifest
+        returned. ``log`` is its old name (deprecated).
       answers: also embed each question with its reference answer (:func:`answer_texts`)
         into ``answers.npy``, for the ``answer`` citation model.
       granularity_kwargs: passed to
@@ -307,7 +311,7 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     _check_granularity(granularity)
     _check_granularity_kwargs(granularity, granularity_kwargs)
     check_store_path(path)
-    say = log or (lambda msg: None)
+    say = renamed_argument("write_store", "log", "progress", log, progress) or (lambda msg: None)
     where = spec or "dataset"
     t0 = time.perf_counter()
     _check_user_ids(dataset, where)
