@@ -52,3 +52,11 @@ def renamed_argument(function: str, old: str, new: str, old_value: Any, new_valu
     warnings.warn(f"{function}({old}=...) is now {function}({new}=...): pass it as {new} (the old name goes in a "
                   "later release)", DeprecationWarning, stacklevel=3)
     return old_value
+
+
+def parameter(function: str, name: str, instead: str, *, stacklevel: int = 3) -> None:
+    """Warn (:class:`DeprecationWarning`) that ``function``'s parameter ``name`` is
+    deprecated, saying what to do ``instead``; ``stacklevel`` 3 names the caller of the
+    function that calls this."""
+    warnings.warn(f"{function}({name}=...) is deprecated: {instead} (the parameter goes in a later release)",
+                  DeprecationWarning, stacklevel=stacklevel)

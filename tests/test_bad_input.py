@@ -639,7 +639,7 @@ def test_random_records_through_replay(env, capsys, data):
     if kind is None:
         log.write_text(json.dumps(rec) + "\n")
         rep = scan_log(log, Layout(k=K, m=M), known=known_ids(env["open_store"]))
-        assert rep["records"] == 1 and rep["users"] == 1 and rep["skipped"] == 0
+        assert rep.read.records == 1 and rep.users == 1 and rep.read.skipped == 0
     else:
         lines, bad = mutate(data.draw, rec, env, kind)
         log.write_text("\n".join(lines) + "\n")

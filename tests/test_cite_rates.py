@@ -192,7 +192,7 @@ def test_from_python_a_user_with_no_record_names_the_argument(logged):
         count_calls(open_store(store), log, users=["user0", "zed"])
     with pytest.raises(InputError, match=r"^users: user 'zed' has no record in "):
         scan_log(log, Layout(k=10, m=4), users=["user0", "zed"])
-    assert scan_log(log, Layout(k=10, m=4), users=["user0"])["user_ids"] == ["user0"]
+    assert scan_log(log, Layout(k=10, m=4), users=["user0"]).user_ids == ["user0"]
 
 
 def test_users_empty_or_repeated_is_refused_by_name(logged):

@@ -71,3 +71,47 @@ def test_write_store_and_append_store_take_log_as_the_old_name_of_progress(tmp_p
     assert lines[0].startswith("2 users, ") and lines[1].startswith("new: 0 users"), lines
     with pytest.raises(TypeError, match="got progress= and its old name log="):
         write_store(tmp_path / "t", data, "turn", FakeEmbedder(8), log=print, progress=print)
+
+
+def test_a_read_reports_old_dict_ways_work_and_warn(tmp_path):
+    """A log's read report was a dict, filled in place through a ``report=`` parameter: the
+    parameter still fills a dict and indexing the ReadReport by key still works, each with a
+    DeprecationWarning that says what to use instead."""
+    import json
+
+    from rmm_jax.data.citation_log import iter_log, iter_numbered, iter_user_chunks, read_log
+
+    path = tmp_path / "calls.jsonl"
+    rec = {"user_id": "u", "query_id": "q", "candidates": ["a", "b"], "selected": ["a"], "cited": ["a"]}
+    path.write_text(json.dumps(rec) + "\n{\n")
+    for fn in (iter_log, iter_numbered, lambda p, **kw: iter_user_chunks(p, 1, **kw)):
+        rep = {"stale": 1}
+        with pytest.warns(DeprecationWarning, match=r"\(report=\.\.\.\) is deprecated: read the returned iterator's"):
+            reading = fn(path, skip_invalid=True, report=rep)
+        assert len(list(reading)) == 1
+        assert rep["records"] == 1 and rep["skipped"] == 1 and rep["first_errors"][0].startswith(f"{path}:2")
+    _, report = read_log(path, skip_invalid=True)
+    with pytest.warns(DeprecationWarning, match=r"report\['skipped'\] is deprecated: .* use report\.skipped"):
+        assert report["skipped"] == 1
+    assert report[1] == 1 and report.skipped_line().startswith("skipped 1 invalid records of 2; first: ")
+
+
+def test_a_log_scans_old_dict_keys_work_and_warn(tmp_path):
+    """scan_log returned a dict (the read report's keys flat among its own): indexing its
+    LogScan by those keys still works, with a DeprecationWarning naming the attribute."""
+    import json
+
+    from rmm_jax.core.config import Layout
+    from rmm_jax.online.streams import scan_log
+
+    path = tmp_path / "calls.jsonl"
+    rec = {"user_id": "u", "query_id": "q", "candidates": ["a", "b"], "selected": ["a"], "cited": ["a"]}
+    path.write_text(json.dumps(rec) + "\n{\n")
+    scan = scan_log(path, Layout(k=4, m=2), skip_invalid=True)
+    assert scan.read.records == 1 and scan.read.skipped == 1 and scan.user_ids == ["u"] and scan.calls is None
+    with pytest.warns(DeprecationWarning, match=r"\[.skipped.\] is deprecated: .* scan\.read\.skipped"):
+        assert scan["skipped"] == 1
+    with pytest.warns(DeprecationWarning, match=r"use scan\.user_ids"):
+        assert scan["user_ids"] == ["u"]
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        scan["calls"]

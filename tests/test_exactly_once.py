@@ -141,7 +141,7 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
             scan_log(log, Layout(k=8, m=2), known=known_ids(open_store(str(store))))
     # the API names its argument: a Python caller has no --relearn
     st = open_store(str(store))
-    calls = scan_log(log, Layout(k=8, m=3), known=known_ids(st), calls=True)["calls"]
+    calls = scan_log(log, Layout(k=8, m=3), known=known_ids(st), calls=True).calls
     with pytest.raises(InputError, match=r"^[^\n]*:6: user .*its own call_id\); relearn=True learns the log's calls "
                                          r"again$"):
         check_learned(calls, PolicyStore.open(tmp_path / "p"), log, before=None)

@@ -221,7 +221,7 @@ def test_valid_records_round_trip(objs):
         got, report = read_log(path)
         assert got == recs
         assert list(iter_log(path)) == recs
-        assert report == {"records": len(recs), "skipped": 0, "first_errors": [], "notes": []}
+        assert report._asdict() == {"records": len(recs), "skipped": 0, "first_errors": [], "notes": []}
         # The hand-written form (extra keys, nulls, int log_prob) reads the same too.
         raw = Path(d) / "raw.jsonl"
         _write_lines(raw, [json.dumps(o) for o in objs], [i % 3 for i in range(len(objs))])
@@ -257,8 +257,8 @@ def test_malformed_records_rejected_with_file_and_line(tmp_path_factory, kind, d
     # skip_invalid: the bad line is counted and the good ones are kept.
     if good:
         recs, report = read_log(path, skip_invalid=True)
-        assert report["skipped"] == 1 and report["records"] == len(good) == len(recs)
-        assert report["first_errors"] == [msg]
+        assert report.skipped == 1 and report.records == len(good) == len(recs)
+        assert report.first_errors == [msg]
     else:
         with pytest.raises(InputError, match="no records"):
             read_log(path, skip_invalid=True)
@@ -460,15 +460,16 @@ def test_skip_invalid_counts_and_caps_first_errors(tmp_path):
     path.write_text("\n".join(lines[:1] + bad + lines[1:]) + "\n")
     recs, report = read_log(path, skip_invalid=True)
     assert [r.query_id for r in recs] == ["q0", "q1", "q2"]
-    assert report["records"] == 3 and report["skipped"] == 7
-    assert len(report["first_errors"]) == 5
-    assert report["first_errors"][0].startswith(f"{path}:2: invalid JSON")
-    assert report["first_errors"][2].startswith(f"{path}:4: key 'cited'")
-    assert report["first_errors"][4].startswith(f"{path}:6: key 'query_id': duplicate")
-    # iter_log fills a caller's report in place.
-    rep = {"stale": 1}
-    assert len(list(iter_log(path, skip_invalid=True, report=rep))) == 3
-    assert rep["skipped"] == 7 and rep["records"] == 3
+    assert report.records == 3 and report.skipped == 7
+    assert len(report.first_errors) == 5
+    assert report.first_errors[0].startswith(f"{path}:2: invalid JSON")
+    assert report.first_errors[2].startswith(f"{path}:4: key 'cited'")
+    assert report.first_errors[4].startswith(f"{path}:6: key 'query_id': duplicate")
+    # iter_log's iterator carries the report of what it has read.
+    reading = iter_log(path, skip_invalid=True)
+    assert len(list(reading)) == 3
+    assert reading.report.skipped == 7 and reading.report.records == 3
+    assert reading.report.skipped_line() == f"skipped 7 invalid records of 10; first: {report.first_errors[0]}"
     # All invalid -> no records.
     path.write_text("{\n[]\n")
     with pytest.raises(InputError, match=r"no records \(2 invalid lines skipped; first: "):
@@ -488,7 +489,7 @@ def test_an_unknown_key_that_looks_misspelt_is_noted_once_naming_its_first_line(
     path.write_text("".join(json.dumps(o) + "\n" for o in lines))
     records, report = read_log(path)
     assert len(records) == 4 and records[1].timestamp == "2023-05-01" and records[2].log_prob is None   # ignored
-    assert report["notes"] == [
+    assert report.notes == [
         f"{path}:2: key 'timestmap' is not a log key and was ignored (did you mean 'timestamp'?)",
         f"{path}:3: key 'log_porb' is not a log key and was ignored (did you mean 'log_prob'?)",
         f"{path}:4: key 'Cited' is not a log key and was ignored (did you mean 'cited'?)"]
@@ -496,7 +497,7 @@ def test_an_unknown_key_that_looks_misspelt_is_noted_once_naming_its_first_line(
     path.write_text(json.dumps({**_with(cited=["zz"]), "timestmap": 0}) + "\n"
                     + json.dumps({**_with(query_id="q2"), "timestmap": 0}) + "\n")
     _, report = read_log(path, skip_invalid=True)
-    assert report["skipped"] == 1 and report["notes"] == [
+    assert report.skipped == 1 and report.notes == [
         f"{path}:2: key 'timestmap' is not a log key and was ignored (did you mean 'timestamp'?)"]
 
 
@@ -510,7 +511,7 @@ def test_a_log_key_with_an_id_or_text_suffix_is_noted_unless_the_record_has_the_
              {**_with(query_id="q2", gold=["m1"]), "gold_id": "m1", "cited_ids": ["m1"]}]
     path.write_text("".join(json.dumps(o) + "\n" for o in lines))
     _, report = read_log(path)
-    assert report["notes"] == [
+    assert report.notes == [
         f"{path}:1: key 'gold_ids' is not a log key and was ignored (did you mean 'gold'?)",
         f"{path}:1: key 'query_text' is not a log key and was ignored (did you mean 'query'?)"]   # not candidate_ids
     rec = {k: v for k, v in _with().items() if k != "cited"}
@@ -541,7 +542,7 @@ def test_known_ids(tmp_path, known):
             read_log(path, known=known)
         assert str(info.value).startswith(f"{path}:2: key '{key}': {fragment} ("), str(info.value)
         recs, report = read_log(path, known=known, skip_invalid=True)
-        assert len(recs) == 1 and report["skipped"] == 1
+        assert len(recs) == 1 and report.skipped == 1
     # What the store lacks, the record may carry as text: a new question, a new memory, a new user.
     texts = [{"id": m, "text": f"text of {m}"} for m in ("m1", "m2", "m4")]
     carried = [_with(query_id="q7", query="a new question"), _with(candidates=texts),
@@ -677,7 +678,7 @@ def test_log_writer_round_trip_chunk_by_chunk(tmp_path):
         assert not path.exists()                              # nothing in place before the end
     assert log.count == 7
     got, report = read_log(path)
-    assert got == recs and report["records"] == 7
+    assert got == recs and report.records == 7
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl"]
 
 

@@ -482,7 +482,7 @@ def test_a_call_with_fewer_candidates_than_m_is_served_all_of_them_and_its_log_r
     log.write_text("".join(json.dumps({**o, "cited": o["selected"][:1]}) + "\n" for o in got))
     st = open_store(store)
     records, report = read_log(log, known=known_ids(st))
-    assert [r.call_id for r in records] == ["ids", "texts", "full"] and report["skipped"] == 0
+    assert [r.call_id for r in records] == ["ids", "texts", "full"] and report.skipped == 0
     assert [len(r.selected) for r in records] == [2, 2, 3]
     shape = log_shape(log, known_ids(st))
     assert (shape.m, shape.m_apart) == (3, None)
@@ -516,7 +516,7 @@ def test_a_call_whose_candidate_texts_repeat_a_text_is_served_with_each_text_onc
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({**o, "cited": o["selected"][:1]}) + "\n" for o in got))
     records, report = read_log(log, known=known_ids(open_store(store)))
-    assert [r.call_id for r in records] == ["dup", "ok"] and report["skipped"] == 0
+    assert [r.call_id for r in records] == ["dup", "ok"] and report.skipped == 0
     assert list(records[0].candidates) == [text_id(t) for t in once]
     code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p")
     assert code == 0, err

@@ -53,18 +53,17 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     check_input_file(log_path, f"--log {log_path}")
     check_resamples(bootstrap, where="--bootstrap")
     st = open_store(store)
-    report: dict = {}
     with as_options("users"):        # the API names its argument, the CLI its option
-        counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid, report=report)
-    if report.get("skipped"):
-        info(f"skipped {report['skipped']} invalid records of {report['records'] + report['skipped']}; "
-             f"first: {report['first_errors'][0]}")
+        counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid)
+    read = counts.read
+    if read.skipped:
+        info(read.skipped_line())
     if counts.users.size == 0:      # a misspelt `gold` is the likely cause: its note goes on the error's line
-        near = [n for n in report["notes"] if n.endswith("'gold'?)")]
+        near = [n for n in read.notes if n.endswith("'gold'?)")]
         raise InputError(f"none of its {count(counts.calls, 'call')} has gold (STORE's, for a question it holds, "
                          "or the record's `gold`): nothing to measure the citations against"
                          + (f"; note: {near[0]}" if near else ""), where=log_path)
-    for note in report["notes"]:     # unknown keys that look misspelt
+    for note in read.notes:          # unknown keys that look misspelt
         info(f"note: {note}")
     rates = measure(counts, n_boot=bootstrap, seed=seed)
     if as_json:

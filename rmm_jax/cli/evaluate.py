@@ -19,6 +19,7 @@ from rmm_jax.cli.shell import (
     users_option,
 )
 from rmm_jax.core.config import Layout
+from rmm_jax.data.citation_log import ReadReport
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
@@ -199,9 +200,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     log = rep["log"]
     for note in k_m_note:
         info(note)
-    if log.get("skipped"):
-        info(f"skipped {log['skipped']} invalid records of {log['records'] + log['skipped']}; "
-             f"first: {log['first_errors'][0]}")
+    if log["skipped"]:
+        info(ReadReport._make(log[key] for key in ReadReport._fields).skipped_line())
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
     for note in filter(None, (rep["learned_calls"]["note"], pending_note(ps))):    # pending: before a rollback

@@ -152,11 +152,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     # bad one; pass 2 streams it users_per_chunk users at a time.
     continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls
     with as_options("users", "k", "m"):      # the API names its arguments, the CLI its options
-        rep = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users,
-                       calls=continues)
-    grouped, n_users, texts, calls = rep.pop("grouped"), rep.pop("users"), rep.pop("texts"), rep.pop("calls", None)
-    user_ids = rep.pop("user_ids")
-    untimed, replayed = rep.pop("untimed_over_window"), rep.pop("replayed")
+        scan = scan_log(log_path, setting.layout, known=known, skip_invalid=skip_invalid, users=users,
+                        calls=continues)
+    grouped, n_users, texts, calls = scan.grouped, scan.users, scan.texts, scan.calls
+    user_ids, untimed, replayed = scan.user_ids, scan.untimed_over_window, scan.replayed
+    rep = scan.read._asdict()       # the --json `log`: the read report, and the calls learned
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if vectors:
         lacks = f"{count(len(vectors), 'text')} the store lacks (queries and memories the log carries as text)"
@@ -197,10 +197,9 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
              f"{WINDOW} calls and recognises older ones by their timestamps, so replaying this log again would "
              "learn their earlier calls again; give each call a timestamp (`rmm-jax rerank` writes one on every "
              "call it serves)")
-    if rep.get("skipped"):
-        info(f"skipped {rep['skipped']} invalid records of {rep['records'] + rep['skipped']}; "
-             f"first: {rep['first_errors'][0]}")
-    for line in rep["notes"]:                    # unknown keys that look misspelt
+    if scan.read.skipped:
+        info(scan.read.skipped_line())
+    for line in scan.read.notes:                 # unknown keys that look misspelt
         info(f"note: {line}")
     if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")

@@ -140,8 +140,8 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
     n_file = _read_memories(Path(memories), banks) if memories is not None else 0
     calls: dict[str, list[tuple[int, Any, str]]] = {}
     seen: dict[tuple[str, str], int] = {}
-    records, report = 0, {}
-    for line, rec in iter_numbered(path, report=report):
+    records, reading = 0, iter_numbered(path)
+    for line, rec in reading:
         records += 1
         where = at(path, line)
         if rec.query_text is None:
@@ -180,4 +180,5 @@ def load_log_dataset(path: str | Path, memories: str | Path | None = None) -> Da
         stats["memories"] += len(bank.rows)
         stats["questions"] += len(queries)
         stats["no_gold"] += sum(1 for q in queries if not q.gold_turn_ids)
-    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first, "notes": report["notes"]})
+    return Dataset("log", tuple(users), {**stats, "gold_without_text_first": dropped_first,
+                                         "notes": reading.report.notes})

@@ -47,9 +47,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from rmm_jax.core.checks import short
-from rmm_jax.data.citation_log import LogRecord, iter_numbered
+from rmm_jax.data.citation_log import LogRecord, ReadReport, iter_numbered
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import EmbeddingStore
+from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError
 from rmm_jax.online.stats import resample_counts
 
@@ -70,6 +71,7 @@ class CallCounts(NamedTuple):
     other_cited: np.ndarray
     none_shown: np.ndarray
     none_cited: np.ndarray
+    read: ReadReport | None = None     # what reading the log found (count_calls)
 
 
 def _gold_of(store, rec: LogRecord, user_rows) -> frozenset | None:
@@ -137,7 +139,10 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
 
     A path for ``store`` was an AttributeError ('str' object has no attribute 'user_ids'),
     and a str ``users`` was read letter by letter ("user 'a' has no record"): both are
-    refused by name."""
+    refused by name. ``read``: the log's :class:`~rmm_jax.data.citation_log.ReadReport`
+    (``report``, a dict filled with it, is deprecated)."""
+    if report is not None:
+        deprecated_parameter("count_calls", "report", "read the returned CallCounts' .read, a ReadReport")
     check_log_inputs(store, users)
     wanted = None if not users else set(users)
 
@@ -148,7 +153,8 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
 
     index: dict[str, int] = {}
     who, rows, calls, seen = [], [], 0, set()
-    for _, rec in iter_numbered(log_path, known=known_ids(store), skip_invalid=skip_invalid, report=report):
+    reading = iter_numbered(log_path, known=known_ids(store), skip_invalid=skip_invalid)
+    for _, rec in reading:
         if wanted is not None and rec.user_id not in wanted:
             continue
         calls += 1
@@ -159,10 +165,13 @@ def count_calls(store, log_path, *, users: Sequence[str] | None = None, skip_inv
         cited = set(rec.cited)
         who.append(index.setdefault(rec.user_id, len(index)))
         rows.append(call_row([m in gold for m in rec.selected], [m in cited for m in rec.selected]))
+    read = reading.report
+    if report is not None:
+        report.update(read._asdict())
     missing = sorted((wanted or set()) - seen)
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", arg="users")
-    return counts_of(who, rows, list(index), calls)
+    return counts_of(who, rows, list(index), calls)._replace(read=read)
 
 
 def exact_interval(cited: int, shown: int, level: float = 0.95) -> tuple[float, float]:

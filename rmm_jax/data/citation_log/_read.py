@@ -3,7 +3,9 @@ validated, checked against the store's ids, and checked for a call logged twice.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from rmm_jax.data.citation_log._identity import _call_name, call_key
 from rmm_jax.data.citation_log._keys import note_misspelt_keys
@@ -11,6 +13,7 @@ from rmm_jax.data.citation_log._known import Known, _check_known, _known_lookup
 from rmm_jax.data.citation_log._record import validate_record
 from rmm_jax.data.citation_log._schema import LOG_KEYS, LogRecord, _key_where
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, decode_line, nonblank_lines
+from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError, at
 
 
@@ -18,8 +21,71 @@ class NotGroupedError(InputError):
     """A streamed (grouped) log holds a user's records on non-consecutive lines."""
 
 
+class ReadReport(NamedTuple):
+    """What reading a log found: ``records`` (valid records read), ``skipped`` (invalid
+    lines skipped with ``skip_invalid``), ``first_errors`` (the messages of the first
+    :data:`~rmm_jax.data.json_lines.MAX_FIRST_ERRORS` skipped lines) and ``notes`` (one line
+    per unknown key that looks like a misspelt log key). ``_asdict()`` is the dict that
+    ``--json`` outputs write.
+
+    >>> from rmm_jax.data.citation_log import ReadReport
+    >>> ReadReport(3, 1, ["log.jsonl:2: invalid JSON"], []).skipped_line()
+    'skipped 1 invalid records of 4; first: log.jsonl:2: invalid JSON'
+    >>> ReadReport(3, 0, [], []).skipped_line() is None
+    True
+    """
+    records: int
+    skipped: int
+    first_errors: list[str]
+    notes: list[str]
+
+    def skipped_line(self) -> str | None:
+        """The line ``replay``, ``evaluate`` and ``cite-rates`` print when invalid records
+        were skipped (None when none was)."""
+        if not self.skipped:
+            return None
+        return (f"skipped {self.skipped} invalid records of {self.records + self.skipped}; "
+                f"first: {self.first_errors[0]}")
+
+    def __getitem__(self, key):
+        if isinstance(key, str):            # the report was a dict: report["skipped"]
+            warnings.warn(f"report[{key!r}] is deprecated: a log's read report is a ReadReport, use "
+                          f"report.{key} (the old way goes in a later release)", DeprecationWarning, stacklevel=2)
+            return getattr(self, key)
+        return tuple.__getitem__(self, key)
+
+
 def _new_report() -> dict:
     return {"records": 0, "skipped": 0, "first_errors": [], "notes": []}
+
+
+class LogReading(Iterator):
+    """An iterator over a log's records (what :func:`iter_log`, :func:`iter_numbered` and
+    :func:`iter_user_chunks` return) whose :attr:`report` is the :class:`ReadReport` of the
+    lines read so far: complete once the iterator is exhausted."""
+
+    def __init__(self, items: Iterator, counts: dict):
+        self._items, self._counts = items, counts
+
+    def __iter__(self) -> LogReading:
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    @property
+    def report(self) -> ReadReport:
+        c = {**_new_report(), **self._counts}
+        return ReadReport(c["records"], c["skipped"], list(c["first_errors"]), list(c["notes"]))
+
+
+def _counts(report: dict | None, name: str) -> dict:
+    """The dict a reading counts in: a new one, or the caller's ``report`` (deprecated: the
+    report was an out-parameter, filled in place; it still is, with a warning)."""
+    if report is None:
+        return _new_report()
+    deprecated_parameter(name, "report", "read the returned iterator's .report, a ReadReport", stacklevel=4)
+    return report
 
 
 def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
@@ -90,16 +156,17 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
 
 
 def iter_numbered(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
-                  report: dict | None = None, grouped: bool = False) -> Iterator[tuple[int, LogRecord]]:
+                  report: dict | None = None, grouped: bool = False) -> LogReading:
     """:func:`iter_log` with each record's line number: yields ``(line, record)``, so a
     later check (e.g. of a key this package does not interpret) can name ``path:line``.
     ``grouped``: a user's records must be on consecutive lines (:class:`NotGroupedError`
-    otherwise), and memory does not grow with the log."""
-    yield from _iter_numbered(path, known, skip_invalid, report if report is not None else {}, grouped)
+    otherwise), and memory does not grow with the log. Its ``.report``: as :func:`iter_log`'s."""
+    counts = _counts(report, "iter_numbered")
+    return LogReading(_iter_numbered(path, known, skip_invalid, counts, grouped), counts)
 
 
 def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
-             report: dict | None = None) -> Iterator[LogRecord]:
+             report: dict | None = None) -> LogReading:
     """Stream the valid records of a citation log, one line at a time.
 
     Each line is decoded, validated (:func:`validate_record`), checked against
@@ -115,41 +182,48 @@ def iter_log(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool
     the line, the key and the id, unless the record carries its text (see
     :func:`_check_known`).
 
-    ``report``, when given, is reset and updated in place with ``records`` (yielded so
-    far), ``skipped``, ``first_errors`` (up to 5 messages) and ``notes``: one line per
-    unknown key of the valid records that looks like a misspelt log key (package
-    docstring, "Decisions"), naming the first line that has it. A file without a
+    The returned iterator's ``.report`` is a :class:`ReadReport` of the lines read so far:
+    ``records`` (yielded so far), ``skipped``, ``first_errors`` (up to 5 messages) and
+    ``notes``: one line per unknown key of the valid records that looks like a misspelt log
+    key (package docstring, "Decisions"), naming the first line that has it. (``report``, a
+    dict filled in place with the same keys, is deprecated.) A file without a
     non-blank line, or whose lines were all skipped, raises ``InputError`` "no records"
     when the stream ends. Memory use: one line plus the seen calls.
     """
-    for _, rec in _iter_numbered(path, known, skip_invalid,
-                                 report if report is not None else {}):
-        yield rec
+    counts = _counts(report, "iter_log")
+    return LogReading((rec for _, rec in _iter_numbered(path, known, skip_invalid, counts)), counts)
 
 
 def read_log(path: str | os.PathLike, *, known: Known = None,
-             skip_invalid: bool = False) -> tuple[list[LogRecord], dict]:
-    """Read a whole citation log: ``(records, report)``.
+             skip_invalid: bool = False) -> tuple[list[LogRecord], ReadReport]:
+    """Read a whole citation log: ``(records, report)``, ``report`` a :class:`ReadReport`.
 
-    ``report`` is ``{"records": n, "skipped": n, "first_errors": [<= 5 messages], "notes": [...]}``.
     See :func:`iter_log` for the checks and ``known``. A log with no valid record
     raises ``InputError`` "no records" even with ``skip_invalid``; a ``path`` that is not a
     str or ``os.PathLike`` (None) raises one naming ``path``.
     """
-    report = _new_report()
-    records = list(iter_log(path, known=known, skip_invalid=skip_invalid, report=report))
-    return records, report
+    reading = iter_log(path, known=known, skip_invalid=skip_invalid)
+    records = list(reading)
+    return records, reading.report
 
 
 def iter_user_chunks(path: str | os.PathLike, users_per_chunk: int, *, known: Known = None,
                      skip_invalid: bool = False,
-                     report: dict | None = None) -> Iterator[list[LogRecord]]:
+                     report: dict | None = None) -> LogReading:
     """Stream a log as lists of records covering up to ``users_per_chunk`` users each.
 
     The log must hold each user's records on consecutive lines (sort it by
     ``user_id`` first otherwise); a user reappearing after another user's records
-    raises :class:`InputError` naming the line. Records keep file order.
+    raises :class:`InputError` naming the line. Records keep file order. Its ``.report``:
+    as :func:`iter_log`'s.
     """
+    counts = _counts(report, "iter_user_chunks")
+    return LogReading(_user_chunks(path, users_per_chunk, known, skip_invalid, counts), counts)
+
+
+def _user_chunks(path, users_per_chunk: int, known: Known, skip_invalid: bool,
+                 counts: dict) -> Iterator[list[LogRecord]]:
+    """The engine of :func:`iter_user_chunks`."""
     if isinstance(users_per_chunk, bool) or not isinstance(users_per_chunk, int) \
             or users_per_chunk < 1:
         raise InputError(f"must be a positive int, got {users_per_chunk!r}",
@@ -158,8 +232,7 @@ def iter_user_chunks(path: str | os.PathLike, users_per_chunk: int, *, known: Kn
     users_in_chunk = 0
     current: str | None = None
     finished: set[str] = set()
-    for lineno, rec in _iter_numbered(path, known, skip_invalid,
-                                      report if report is not None else {}, grouped=True):
+    for lineno, rec in _iter_numbered(path, known, skip_invalid, counts, grouped=True):
         if rec.user_id != current:
             if rec.user_id in finished:
                 raise InputError(

@@ -13,10 +13,11 @@ import numpy as np
 from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import Layout
 from rmm_jax.core.executables import aot
-from rmm_jax.data.citation_log import iter_numbered, pl_log_prob
+from rmm_jax.data.citation_log import ReadReport, iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import pad_rows
+from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
@@ -44,6 +45,7 @@ class Calls:
     valid: np.ndarray                  # (n,) bool: has gold, not an abstention question
     own_policy: dict                   # user id -> True when the policy store holds the user's own params
     served_by_target: np.ndarray | None = None   # (n,) bool: the call's logged versions are those the target loads
+    read: ReadReport | None = None     # what reading the log found (load_calls)
 
     @property
     def filled(self) -> np.ndarray:
@@ -104,25 +106,31 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     ``policy_version`` and ``shared_version`` (``rmm-jax rerank`` writes both, null
     included) are exactly the versions the target loads for their user: the target served
     them itself. A record without the two keys is never marked. The check is by version
-    number: the log does not name the policy store that served it.
+    number: the log does not name the policy store that served it. ``read``: the log's
+    :class:`~rmm_jax.data.citation_log.ReadReport` (``report``, a dict filled with it, is deprecated).
     """
+    if report is not None:
+        deprecated_parameter("load_calls", "report", "read the returned Calls' .read, a ReadReport")
     check_target(cfg)
     check_inputs(store, policies, users)
     known = known_ids(store)
     wanted = None if not users else set(users)
     by_user: dict[str, list] = {}
     texts: dict[str, None] = {}
-    report = {} if report is None else report
-    for line, rec in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report):
+    reading = iter_numbered(log_path, known=known, skip_invalid=skip_invalid)
+    for line, rec in reading:
         check_limits(rec, cfg, log_path)
         if rec.log_prob is None and rec.logits is None:
-            near = [n for n in report.get("notes", ()) if n.endswith(("'log_prob'?)", "'logits'?)"))]
+            near = [n for n in reading.report.notes if n.endswith(("'log_prob'?)", "'logits'?)"))]
             raise InputError("missing: off-policy evaluation needs the logging policy's log_prob (or logits) "
                              "on every record" + (f"; note: {near[0]}" if near else ""),
                              where=at(log_path, line, "log_prob"))
         if wanted is None or rec.user_id in wanted:
             by_user.setdefault(rec.user_id, []).append(rec)
             texts.update(dict.fromkeys(unseen_texts(rec, known(rec.user_id))))
+    read = reading.report
+    if report is not None:
+        report.update(read._asdict())
     missing = sorted((wanted or set()) - set(by_user))
     if missing:
         u = missing[0]
@@ -169,7 +177,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
-                 served_by_target=cat("served"))
+                 served_by_target=cat("served"), read=read)
 
 
 class MetricRewards(NamedTuple):

@@ -269,8 +269,9 @@ def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str
     remembers (learned and forgotten, or never learned: it cannot tell); ``note``: the line
     that says an estimate on learned calls can be optimistic (None: none was learned)."""
     scan = scan_log(log_path, cfg, known=known_ids(store), skip_invalid=skip_invalid, users=users, calls=True)
-    calls = scan.get("calls") or {}
-    got = check_learned(calls, policies, log_path, before=None, relearn=True, questions=store) if calls else None
+    calls = scan.calls or {}
+    got = (check_learned(calls, policies, log_path, before=None, relearn=True, questions=store)   # count, never refuse
+           if calls else None)
     total, learned, older = (int(got.learn), int(got.known), int(got.older)) if got else (0, 0, 0)
     note = None if not learned else (f"the policies learned from {learned} of these {total} calls: an estimate on the "
                                      "calls they learned from can be optimistic; evaluate on a later day's log")
@@ -322,8 +323,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     :func:`rmm_jax.errors.named`)."""
     check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples)
-    read: dict = {}
-    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, report=read)
+    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples, min_ess=min_ess)
     scope = Scope.from_meta(getattr(policies, "meta", None) or {})
@@ -365,5 +365,5 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     learned = learned_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid)
     return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
             "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
-            "seed": seed, "log": {"path": str(log_path), **{k: v for k, v in read.items()}}, "warnings": warnings,
+            "seed": seed, "log": {"path": str(log_path), **calls.read._asdict()}, "warnings": warnings,
             "unreliable": bad, "learned_calls": learned, **res}

@@ -11,6 +11,7 @@ One concern per private module: ``_stream`` (the stream, its seeds and its padde
 ``_store`` (from an embedding store), ``_log`` (from a citation log, and back).
 """
 from rmm_jax.online.streams._log import (
+    LogScan,
     LogShape,
     check_limits,
     log_chunks,
@@ -41,7 +42,7 @@ from rmm_jax.online.streams._stream import (
     user_keys,
 )
 
-__all__ = ["ChunkData", "LogShape", "Stream", "bucket", "check_limits", "check_users", "dialogue_stream",
+__all__ = ["ChunkData", "LogScan", "LogShape", "Stream", "bucket", "check_limits", "check_users", "dialogue_stream",
            "load_dialogue_streams", "load_streams", "log_chunks", "log_records", "log_shape", "pad_streams",
            "repeat_passes", "scan_log", "store_chunks", "stream_batches", "stream_from_user", "streams_from_log",
            "take_queries", "user_hash", "user_key", "user_keys", "with_answer_support"]

@@ -4,6 +4,7 @@ that come first (:func:`scan_log`, :func:`check_limits`, :func:`log_shape`), and
 per-query outputs back to log records (:func:`log_records`)."""
 from __future__ import annotations
 
+import warnings
 from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -12,6 +13,7 @@ from rmm_jax.core.config import Layout
 from rmm_jax.data.citation_log import (
     LogRecord,
     NotGroupedError,
+    ReadReport,
     call_hash,
     call_hashes,
     call_key,
@@ -136,33 +138,61 @@ def _unresolved(store, records: Sequence[LogRecord], log_path, e: KeyError) -> E
     text = e.args[0] if e.args else None
     if isinstance(text, str):
         return InputError(f"holds no embedding of the text {text[:60]!r} (embed the texts the store lacks, "
-                          "scan_log(...)['texts'])", arg="vectors")
+                          "scan_log(...).texts)", arg="vectors")
     return e
 
 
+class LogScan(NamedTuple):
+    """What :func:`scan_log` found in a log: ``read``, the
+    :class:`~rmm_jax.data.citation_log.ReadReport`; ``users`` (how many will be replayed)
+    and ``user_ids`` (which); ``grouped``; ``texts``; ``untimed_over_window``; ``replayed``;
+    ``calls`` (None unless asked for). See :func:`scan_log`."""
+    read: ReadReport
+    users: int
+    user_ids: list[str]
+    grouped: bool
+    texts: list[str]
+    untimed_over_window: list[str]
+    replayed: int
+    calls: dict | None = None
+
+    def __getitem__(self, key):
+        if isinstance(key, str):            # the scan was a dict: scan["user_ids"], scan["skipped"]
+            warnings.warn(f"scan_log(...)[{key!r}] is deprecated: it returns a LogScan, use "
+                          f"scan.{'read.' if key in ReadReport._fields else ''}{key} (the old way goes in a later "
+                          "release)", DeprecationWarning, stacklevel=2)
+            if key in ReadReport._fields:
+                return getattr(self.read, key)
+            if key not in self._fields or (key == "calls" and self.calls is None):
+                raise KeyError(key)
+            return getattr(self, key)
+        return tuple.__getitem__(self, key)
+
+
 def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False,
-             users: Sequence[str] | None = None, calls: bool = False) -> dict:
+             users: Sequence[str] | None = None, calls: bool = False) -> LogScan:
     """Validation pass over a whole log before any work, in bounded memory (with ``calls``,
     plus a few numbers per record).
 
     Checks every record (schema, ``known`` ids, repeated calls, the ``layout.k``/``layout.m``
-    limits: :func:`check_limits`) and returns the read report plus
-    ``"users"`` (how many will be replayed:
-    all, or those of ``users``, each of which must have a record), ``"user_ids"`` (which)
-    and ``"grouped"``: False
+    limits: :func:`check_limits`) and returns a :class:`LogScan`: the read report
+    (``read``, a :class:`~rmm_jax.data.citation_log.ReadReport`) plus
+    ``users`` (how many will be replayed:
+    all, or those of ``users``, each of which must have a record), ``user_ids`` (which)
+    and ``grouped``: False
     when a user's records are not on consecutive lines (such a log cannot be streamed by
-    user; :func:`log_chunks` reads it whole), and ``"texts"``: the distinct texts of the
+    user; :func:`log_chunks` reads it whole), and ``texts``: the distinct texts of the
     replayed records that the store lacks (:func:`rmm_jax.data.log_vectors.unseen_texts`),
-    to embed before the run. ``calls``: also ``"calls"``, per replayed user the
+    to embed before the run. ``calls``: also ``calls`` (else None), per replayed user the
     ``(Calls, lines)`` of its records in log order (:func:`rmm_jax.data.citation_log.call_hashes`
     and their line numbers), to check against what the user's policy has learned
-    (:func:`rmm_jax.online.starts.check_learned`). Always ``"untimed_over_window"``: the
+    (:func:`rmm_jax.online.starts.check_learned`). Always ``untimed_over_window``: the
     users with more calls without a timestamp than a policy remembers
     (:data:`rmm_jax.persist.learned_calls.WINDOW`), whose earlier calls a later replay of
-    the same log cannot recognise; and ``"replayed"``, how many valid records the replayed
+    the same log cannot recognise; and ``replayed``, how many valid records the replayed
     users have."""
     check_user_list(users)
-    report: dict = {}
+    read: list[ReadReport] = []
     seen: set[str] = set()
     texts: dict[str, None] = {}
     hashes: dict[str, list] = {}
@@ -173,8 +203,8 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     def scan(grouped: bool) -> None:
         seen.clear(), texts.clear(), hashes.clear(), untimed.clear()
         replayed[0] = 0
-        for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid, report=report,
-                                     grouped=grouped):
+        reading = iter_numbered(log_path, known=known, skip_invalid=skip_invalid, grouped=grouped)
+        for line, r in reading:
             check_limits(r, layout, log_path)
             seen.add(r.user_id)
             if keep(r.user_id):
@@ -184,6 +214,7 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
                     untimed[r.user_id] = untimed.get(r.user_id, 0) + 1
                 if calls:
                     hashes.setdefault(r.user_id, []).append((*call_hash(r), line))
+        read.append(reading.report)
 
     try:
         scan(True)
@@ -195,12 +226,10 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     if missing:
         raise InputError(f"user {missing[0]!r} has no record in {log_path}", arg="users")
     ids = list(users) if users else sorted(seen)
-    out = {**report, "users": len(ids), "user_ids": ids, "grouped": grouped, "texts": list(texts),
-           "untimed_over_window": sorted(u for u, n in untimed.items() if n > WINDOW),
-           "replayed": replayed[0]}
-    if calls:
-        out["calls"] = {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
-    return out
+    return LogScan(read[-1], len(ids), ids, grouped, list(texts),
+                   sorted(u for u, n in untimed.items() if n > WINDOW), replayed[0],
+                   {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
+                   if calls else None)
 
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
