@@ -177,6 +177,22 @@ def test_count_calls_refuses_a_store_path_or_a_str_of_users_by_name(logged):
     assert count_calls(st, log, users=["user0"]).user_ids == ["user0"]
 
 
+def test_count_calls_returns_its_read_report_and_its_old_report_parameter_warns(logged):
+    """count_calls filled a ``report=`` dict in place; the read report is now its
+    CallCounts' ``read`` (a ReadReport), and the parameter still fills the dict, with a
+    DeprecationWarning."""
+    from rmm_jax.online.cite_rates import count_calls
+
+    root, store = logged
+    st = open_store(store)
+    counts = count_calls(st, root / "sim.jsonl")
+    assert counts.read.records == counts.calls and counts.read.skipped == 0 and counts.read.skipped_line() is None
+    report = {}
+    with pytest.warns(DeprecationWarning, match=r"^count_calls\(report=\.\.\.\) is deprecated: read the returned "):
+        count_calls(st, root / "sim.jsonl", report=report)
+    assert report == counts.read._asdict()
+
+
 def test_from_python_a_user_with_no_record_names_the_argument(logged):
     """count_calls(st, log, users=["zed"]) and scan_log(log, layout, users=["zed"]) said
     "--users: user 'zed' has no record": the CLI's option, to a Python caller. They name the
