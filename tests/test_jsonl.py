@@ -737,7 +737,7 @@ def test_chat_history_store_replays_the_same_log(capsys, tmp_path):
 def test_fixtures_are_current():
     """tests/fixtures/calls.jsonl reads back, and its records agree with the chat history."""
     records, report = read_log(CALLS)
-    assert report["records"] == 12 and report["skipped"] == 0
+    assert report.records == 12 and report.skipped == 0
     users = {u.id: u for u in load_jsonl(CHATS).users}
     for r in records:
         turns = {t.id: t.text for t in users[r.user_id].turns}
@@ -763,7 +763,7 @@ def test_examples_are_current():
         got = [json.loads(x) for x in (EXAMPLES / f"requests_day{day}.jsonl").read_text().splitlines()]
         assert got == reqs
         records, report = read_log(EXAMPLES / f"calls_day{day}.jsonl")
-        assert report["skipped"] == 0 and len(records) == len(reqs)
+        assert report.skipped == 0 and len(records) == len(reqs)
         for r, q in zip(records, reqs):
             assert (r.call_id, r.user_id, r.query_text, r.timestamp) == (q["call_id"], q["user_id"], q["query"],
                                                                         q["timestamp"])
