@@ -352,3 +352,7 @@ def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(cap
     assert_same(states(tmp_path / "only_new"), states(pol))
     code, _, err = replay(capsys, store, sim, pol, "--relearn")
     assert code == 0 and f"--relearn: learning {n} calls again" in err, err
+    # served calls (rerank stamps each with its time) of the same questions are new citations: learned
+    served = [{**json.loads(line), "timestamp": 1.7e9 + i} for i, line in enumerate(sim.read_text().splitlines())]
+    code, out, err = replay(capsys, store, write(tmp_path / "served.jsonl", served), tmp_path / "only_new", "--json")
+    assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == n, err

@@ -120,11 +120,13 @@ def sort_calls(learned, calls: Calls, simulated: np.ndarray, *, relearn: bool = 
     the user's policy learned in a ``simulate`` run (``simulated``: :func:`simulated_keys`)
     counted as learned already (``known``; learned only with ``relearn``): a simulate run draws
     its calls anew and remembers its questions, not the calls (a replay of its ``--log-out``
-    learned them a second time)."""
+    learned them a second time). Only an untimed call is taken for a simulated one, as
+    ``--log-out`` writes them: a served call (``rerank`` stamps its time) of the same question
+    carries the application's citations, which no policy has learned."""
     sort = classify(learned, calls, relearn=relearn)
     if not len(simulated):
         return sort
-    sim = np.isin(calls.keys, simulated) & ~sort.known & ~sort.changed & ~sort.older
+    sim = np.isin(calls.keys, simulated) & np.isnan(calls.times) & ~sort.known & ~sort.changed & ~sort.older
     return sort._replace(known=sort.known | sim, learn=sort.learn if relearn else sort.learn & ~sim)
 
 
