@@ -201,7 +201,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for note in k_m_note:
         info(note)
     if log["skipped"]:
-        info(ReadReport._make(log[key] for key in ReadReport._fields).skipped_line())
+        info(ReadReport(**log).skipped_line())
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
     for note in filter(None, (rep["learned_calls"]["note"], pending_note(ps))):    # pending: before a rollback

@@ -27,6 +27,7 @@ from rmm_jax.online.sinks import resume_note
 from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import write_setting
 from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
+from rmm_jax.persist.policy_versions import version_span
 from rmm_jax.persist.runstate import RunState
 
 INITS = ("continue", "identity", "pretrained")
@@ -178,10 +179,8 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = 
 
 def rolled_back_note(policies, r) -> str:
     """The stderr line of a run that first finished the rollback ``r`` a kill had interrupted."""
-    vs = r.versions
-    span = f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}"
-    return (f"finished the interrupted rollback of {policies} to v{r.to} first: {span} forgotten, so this run "
-            "continues from the versions it kept and learns the calls those forgotten ones had learned")
+    return (f"finished the interrupted rollback of {policies} to v{r.to} first: {version_span(r.versions)} forgotten, "
+            "so this run continues from the versions it kept and learns the calls those forgotten ones had learned")
 
 
 def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> str | None:
@@ -217,7 +216,7 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
         return (f"started {count(len(user_ids), 'new user')} in {ps.path} from the store's {source}: it holds "
                 + ("no saved user yet" if not ps.n_users() else "no saved policy of this run's users"))
     vs = sorted(set(held.values()))
-    span = "" if not vs else f" v{vs[0]}" if len(vs) == 1 else f" v{vs[0]}-v{vs[-1]}"
+    span = f" {version_span(vs)}" if vs else ""
     new = len(user_ids) - len(held)
     return (f"continued {ps.path}: {len(held)} of {len(user_ids)} users from their saved versions{span}, "
             f"{new} new user{'s' if new != 1 else ''} from the store's {source}")

@@ -32,6 +32,7 @@ from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
 from rmm_jax.persist.policy_rollback import Rollback, pending_note, plan, rollback
 from rmm_jax.persist.policy_store import PolicyStore
+from rmm_jax.persist.policy_versions import version_span
 from rmm_jax.persist.runstate import RunState
 
 SHOW_VERSIONS = 10  # kept versions listed in text (all of them with --json)
@@ -100,8 +101,8 @@ def list_cmd(store, users, as_json):
     if wanted:
         _require_users(st, wanted)
     rows = list_rows(st, wanted)
-    if pending_note(st):            # a reader writes nothing: it lists the versions the rollback forgets
-        info(f"note: {pending_note(st)}")
+    if pending := pending_note(st):     # a reader writes nothing: it lists the versions the rollback forgets
+        info(f"note: {pending}")
     if as_json:
         emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}, indent=None, sort_keys=False)
         return
@@ -308,21 +309,17 @@ def export(store, user, out, version, as_json):
         emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)
 
 
-def _span(versions) -> str:
-    return f"v{versions[0]}" if len(versions) == 1 else f"v{versions[0]}-v{versions[-1]}"
-
-
 def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
     """What a rollback did (or, not ``done``, would do), a line each."""
     if r.interrupted:
-        lines = [f"finished the interrupted rollback of {store} to v{r.to}: forgot {_span(r.versions)}"]
+        lines = [f"finished the interrupted rollback of {store} to v{r.to}: forgot {version_span(r.versions)}"]
     else:
         verb = "rolled back" if done else "would roll back"
         gone = "" if r.newest == r.to else (         # v{to} itself was forgotten (an earlier rollback) or pruned
             f" (it keeps no v{r.to}: the newest version at or below it, v{r.newest}, is the newest "
             f"{'now' if done else 'then'})" if r.newest is not None
             else f" (it keeps no version at or below v{r.to}: no user version {'remains' if done else 'would remain'})")
-        lines = [f"{verb} {store} to v{r.to}{gone}: {'forgot' if done else 'forgets'} {_span(r.versions)}; "
+        lines = [f"{verb} {store} to v{r.to}{gone}: {'forgot' if done else 'forgets'} {version_span(r.versions)}; "
                  f"{len(r.users)} user{'s' if len(r.users) != 1 else ''} back at an earlier version, "
                  f"{len(r.removed)} new since v{r.to} removed"]
     if r.shared:

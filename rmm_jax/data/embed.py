@@ -322,13 +322,14 @@ class Embedder:
 
     def _count_truncated(self, texts: list[str]) -> int:
         """How many of ``texts`` the model cuts at :attr:`max_tokens`, by its own tokenizer (0
-        without one). A word piece covers at least one character, so a text no longer than
-        the limit less the special tokens cannot be cut and is not tokenized."""
+        without one). A token covers at least one byte of the text's UTF-8 (a word piece at least
+        a character; a byte-level BPE's at least a byte), so a text of no more bytes than the
+        limit less the special tokens cannot be cut and is not tokenized."""
         limit, tok = self.max_tokens, getattr(self._loaded, "tokenizer", None)
         if limit is None or tok is None:
             return 0
         special = tok.num_special_tokens_to_add() if hasattr(tok, "num_special_tokens_to_add") else 0
-        long = [t for t in texts if len(t) + special > limit]
+        long = [t for t in texts if len(t.encode("utf-8", "surrogatepass")) + special > limit]
         if not long:
             return 0
         ids = tok(long, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from rmm_jax.core.scope import Scope
-
 __all__ = ["PolicyMeta"]
 
 
@@ -60,11 +58,6 @@ class PolicyMeta(NamedTuple):
                 **({"scope": self.scope} if self.scope is not None else {}),
                 **({"rank": self.rank} if self.rank is not None else {}),
                 "config": dict(self.config or {})}
-
-    @property
-    def store_scope(self) -> Scope:
-        """The :class:`rmm_jax.core.scope.Scope` recorded (``ValueError`` if inconsistent)."""
-        return Scope.from_meta(self.to_dict())
 
     @property
     def model(self) -> str | None:

@@ -81,7 +81,7 @@ from rmm_jax.errors import InputError, named
 from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import SETTING_KEY
 from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, vname
-from rmm_jax.persist.policy_versions import drop_unindexed, writer_index
+from rmm_jax.persist.policy_versions import drop_unindexed, version_span, writer_index
 from rmm_jax.persist.runstate import RunState
 
 PENDING = "rollback"         # the header's mark while a rollback is under way
@@ -222,7 +222,7 @@ def pending_note(store) -> str | None:
     if not mark:
         return None
     vs = list(mark.get("versions") or [])
-    span = f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}-v{vs[-1]}" if vs else "its newer versions"
+    span = version_span(vs) if vs else "its newer versions"
     return (f"a rollback of {store.path} to v{mark['to']} was interrupted: this shows the store as it was before it "
             f"({span} and the calls they learned still count); `rmm-jax policies rollback {store.path}` finishes it "
             "(so does the next run that writes the store)")

@@ -24,6 +24,17 @@ from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records
 INDEX_DB = "index.sqlite"
 
 
+def version_span(versions) -> str:
+    """Sorted version numbers as messages name them: ``v3``, or ``v3-v7`` for several.
+
+    Examples:
+      >>> from rmm_jax.persist.policy_versions import version_span
+      >>> version_span([3]), version_span([3, 5, 7])
+      ('v3', 'v3-v7')
+    """
+    return f"v{versions[0]}" if len(versions) == 1 else f"v{versions[0]}-v{versions[-1]}"
+
+
 def build_index(store: Path, header: dict, keep: int, path: Path | None) -> PolicyIndex:
     """An index of store ``store`` from its format-1 ``index.json`` or else from its
     snapshots, at ``path`` (replacing the file) or in memory (None)."""
