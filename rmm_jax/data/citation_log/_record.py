@@ -1,9 +1,10 @@
 """One record: a decoded JSON value checked against the schema into a :class:`LogRecord`
-(:func:`validate_record`), and a :class:`LogRecord` back to its JSON object (:func:`record_to_json`)."""
+(:func:`validate_record`), a :class:`LogRecord` back to its JSON object (:func:`record_to_json`), and
+the one builder of the records a run or a server writes (:func:`call_record`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -182,6 +183,32 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
                      selected=selected, cited=cited, log_prob=log_prob, timestamp=timestamp,
                      query_text=query, candidate_texts=texts, gold=gold, logits=logits, call_id=call_id,
                      versions_logged=all(k in obj for k in versions), **versions)
+
+
+def call_record(user_id: str, candidates: Sequence[str], selected: Sequence[str], *, cited: Sequence[str] = (),
+                query_id: str | None = None, call_id: str | None = None, query_text: str | None = None,
+                candidate_texts: Sequence[str | None] | None = None, log_prob=None, logits=None,
+                timestamp: str | int | float | None = None, policy_version: int | None = None,
+                shared_version: int | None = None) -> LogRecord:
+    """The :class:`LogRecord` of one generator call as a run or a server chose it: what
+    ``simulate --log-out`` (:func:`rmm_jax.online.streams.log_records`) and ``rerank``
+    (:func:`rmm_jax.online.serve.serve_calls`) write, built one way. Id lists become tuples,
+    ``log_prob`` a float and ``logits`` floats rounded to 6 decimals (None: absent). Not
+    validated: :func:`validate_record` of its :func:`record_to_json` checks it.
+
+    >>> from rmm_jax.data.citation_log import call_record, record_to_json
+    >>> rec = call_record("u1", ["m3", "m1", "m9"], ["m1", "m3"], cited=["m1"], query_id="q7", log_prob=-1.2)
+    >>> list(record_to_json(rec))
+    ['user_id', 'query_id', 'candidates', 'selected', 'cited', 'log_prob']
+    >>> rec.selected, rec.log_prob
+    (('m1', 'm3'), -1.2)
+    """
+    return LogRecord(user_id=user_id, query_id=query_id, call_id=call_id, query_text=query_text,
+                     candidates=tuple(candidates), selected=tuple(selected), cited=tuple(cited),
+                     candidate_texts=None if candidate_texts is None else tuple(candidate_texts),
+                     log_prob=None if log_prob is None else float(log_prob),
+                     logits=None if logits is None else tuple(round(float(x), 6) for x in logits),
+                     timestamp=timestamp, policy_version=policy_version, shared_version=shared_version)
 
 
 def record_to_json(rec: LogRecord, *, served: bool = False) -> dict:

@@ -17,10 +17,12 @@ from rmm_jax.data.citation_log import (
     call_hash,
     call_hashes,
     call_key,
+    call_record,
     check_known,
     iter_numbered,
     iter_user_chunks,
     read_log,
+    record_to_json,
     timestamp_seconds,
 )
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
@@ -261,13 +263,15 @@ def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped
 
 def log_records(s: Stream, selected, cited, log_prob) -> list[dict]:
     """Citation-log records of one simulated stream: the run's selections (positions in
-    ``s.cand``), citations and behaviour log-probs mapped back to memory ids."""
+    ``s.cand``), citations and behaviour log-probs mapped back to memory ids, each built by
+    :func:`rmm_jax.data.citation_log.call_record` (as ``rerank`` builds its served lines)
+    and given as its JSON object (:func:`rmm_jax.data.citation_log.record_to_json`)."""
     out = []
     for t, qid in enumerate(s.query_ids):
         cand_ids = [s.memory_ids[j] for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
         sel = [int(p) for p in selected[t] if p >= 0]
-        out.append({"user_id": s.user_id, "query_id": qid, "candidates": cand_ids,
-                    "selected": [s.memory_ids[s.cand[t][p]] for p in sel],
-                    "cited": [s.memory_ids[s.cand[t][p]] for p, c in zip(sel, cited[t]) if c],
-                    "log_prob": float(log_prob[t])})
+        rec = call_record(s.user_id, cand_ids, [s.memory_ids[s.cand[t][p]] for p in sel],
+                          cited=[s.memory_ids[s.cand[t][p]] for p, c in zip(sel, cited[t]) if c],
+                          query_id=qid, log_prob=log_prob[t])
+        out.append(record_to_json(rec))
     return out
