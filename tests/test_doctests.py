@@ -33,6 +33,7 @@ DOCUMENTED = {
     "rmm_jax.online.loop": ["make_run"],
     "rmm_jax.online.driver": ["drive"],
     "rmm_jax.online.run": ["Recorder", "run_online"],
+    "rmm_jax.online.serve": ["call_keys", "call_batches", "serve_calls"],
 }
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

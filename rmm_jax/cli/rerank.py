@@ -4,46 +4,25 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import click
-import numpy as np
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import SEED, IntRange, as_options, check_output_file, count, emit_json, info, json_option
 from rmm_jax.data.calls import check_out_apart, prepare_calls, read_calls
-from rmm_jax.data.citation_log import (
-    LogRecord,
-    call_key,
-    record_to_json,
-    utc_timestamp,
-    validate_record,
-)
+from rmm_jax.data.citation_log import record_to_json, validate_record
 from rmm_jax.data.json_lines import source_name
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
-from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_keys
+from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_batches, serve_calls
 from rmm_jax.persist.atomic import atomic_file
 
 
 def serve_clock() -> int:
     """Now, in microseconds since the epoch: read once per run (a test replaces it)."""
     return time.time_ns() // 1000
-
-
-def _served(p, sel, log_prob=None, logits=None, policy=None, *, stamp: str) -> dict:
-    """The served line of prepared call ``p``: a citation-log record without ``cited``,
-    with the request's timestamp, else ``stamp`` (the time it was served)."""
-    c = p.call
-    rec = LogRecord(user_id=c.user_id, query_id=c.query_id, call_id=c.call_id, query_text=c.query_text,
-                    candidates=tuple(p.ids), candidate_texts=None if p.texts is None else tuple(p.texts),
-                    selected=tuple(p.ids[i] for i in sel), cited=(), log_prob=log_prob,
-                    logits=None if logits is None else tuple(round(float(x), 6) for x in logits),
-                    policy_version=policy.version, shared_version=policy.shared_version,
-                    timestamp=stamp if c.timestamp is None else c.timestamp)
-    return record_to_json(rec, served=True)
 
 
 @cli.command()
@@ -137,33 +116,17 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:
         info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected")
-    groups = defaultdict(list)                    # one batched call per user and candidate count
-    for i, p in enumerate(prepared):
-        groups[(p.call.user_id, p.cands.shape[0])].append(i)
     lines: list[str | None] = [None] * len(prepared)
     served_by = dict.fromkeys(("own_policy", "shared", "identity"), 0)
-    with progress_bar(len(groups), "rerank", unit="batch") as bar:
-        for (uid, n), rows in groups.items():
-            mm = min(m, n)              # a call with fewer candidates than --m shows all of them
-            q, cands = np.stack([prepared[i].query for i in rows]), np.stack([prepared[i].cands for i in rows])
-            pol = rr.policy(uid)
-            who = "identity" if rr.store is None else "shared" if pol.version is None else "own_policy"
-            served_by[who] += len(rows)
-            if explore:
-                keys = call_keys(seed, uid, [call_key(prepared[i].call) for i in rows])
-                got = rr.sample(uid, q, cands, mm, keys=keys, tau=tau)
-                recs = [_served(prepared[i], [int(x) for x in got.selected[r] if x >= 0], float(got.log_prob[r]),
-                                got.logits[r], pol, stamp=utc_timestamp(now + i)) for r, i in enumerate(rows)]
-            else:
-                got = rr.rank(uid, q, cands, mm)
-                recs = []
-                for r, i in enumerate(rows):
-                    pos = [int(x) for x in got.selected[r] if x >= 0]
-                    recs.append({**_served(prepared[i], pos, policy=pol, stamp=utc_timestamp(now + i)),
-                                 "positions": pos, "scores": [round(float(got.scores[r, x]), 6) for x in pos]})
-            for r, i in enumerate(rows):
-                validate_record(recs[r], at(calls_path, prepared[i].call.line), served=True)
-                lines[i] = json.dumps(recs[r])
+    with progress_bar(len(call_batches(prepared)), "rerank", unit="batch") as bar:
+        for batch in serve_calls(rr, prepared, m, explore=explore, seed=seed, tau=tau, now=now):
+            for s in batch:
+                obj = record_to_json(s.record, served=True)
+                if s.positions is not None:           # the deterministic top-M: what it selected, and the scores
+                    obj.update(positions=s.positions, scores=s.scores)
+                validate_record(obj, at(calls_path, prepared[s.index].call.line), served=True)
+                lines[s.index] = json.dumps(obj)
+                served_by[s.served_by] += 1
             bar.update(1)
     text = "".join(line + "\n" for line in lines)
     if out:

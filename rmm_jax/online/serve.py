@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,8 @@ from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
+from rmm_jax.data.calls import Prepared
+from rmm_jax.data.citation_log import LogRecord, call_key, call_record, utc_timestamp
 from rmm_jax.errors import InputError
 from rmm_jax.online.streams import bucket, user_hash
 from rmm_jax.persist.policy_rollback import check_store, rollbacks
@@ -413,3 +415,100 @@ class Reranker:
         _check_scores(scores, mp[:n, :k])
         logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
         return Sample(np.asarray(sel[:n]), np.asarray(lp[:n], np.float64), logits, scores)
+
+
+class Served(NamedTuple):
+    """One served call: ``index``, its place in the prepared calls; ``record``, its
+    citation-log record without ``cited`` (:func:`rmm_jax.data.citation_log.call_record`;
+    written with ``record_to_json(record, served=True)``); ``served_by``: ``own_policy``
+    (its user's saved policy), ``shared`` (the shared part, for a user the store does not
+    hold) or ``identity`` (no policy store); for the deterministic top-M (else None),
+    ``positions``, the selected candidates' places in the call's candidate list, and
+    ``scores``, their scores rounded to 6 decimals."""
+    index: int
+    record: LogRecord
+    served_by: str
+    positions: list[int] | None = None
+    scores: list[float] | None = None
+
+
+def call_batches(prepared_calls: Sequence[Prepared]) -> dict[tuple[str, int], list[int]]:
+    """The batches :func:`serve_calls` serves ``prepared_calls`` in: the indices of the
+    calls of each user and candidate count, one batched call each, in order of first call.
+
+    >>> import numpy as np
+    >>> from rmm_jax.data.calls import Call, Prepared
+    >>> from rmm_jax.online.serve import call_batches
+    >>> p = [Prepared(Call(i + 1, u, call_id=f"c{i}"), np.zeros(2), np.zeros((n, 2)), [], None)
+    ...      for i, (u, n) in enumerate([("u1", 3), ("u2", 3), ("u1", 3), ("u1", 2)])]
+    >>> call_batches(p)
+    {('u1', 3): [0, 2], ('u2', 3): [1], ('u1', 2): [3]}
+    """
+    groups: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+    for i, p in enumerate(prepared_calls):
+        groups[(p.call.user_id, p.cands.shape[0])].append(i)
+    return dict(groups)
+
+
+def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, *, explore: bool = False,
+                seed: int = 0, tau: float | None = None, now: int) -> Iterator[list[Served]]:
+    """Serve ``prepared_calls`` (:func:`rmm_jax.data.calls.prepare_calls`) with
+    ``reranker``, one batch at a time (:func:`call_batches`), yielding each batch's
+    :class:`Served` calls: what ``rmm-jax rerank`` writes, in the order the batches run
+    (``index`` puts each back in input order).
+
+    A call selects ``m`` memories (all of them when it has fewer candidates): the
+    deterministic top-M (:meth:`Reranker.rank`, with the selected ``positions`` and
+    ``scores``) or, with ``explore``, a Gumbel top-M draw at ``tau`` (None: the store's,
+    :attr:`Reranker.tau`) whose noise comes from :func:`call_keys` of ``seed``, the user and
+    the call's identity, logged with its ``log_prob`` and ``logits``. A call without a
+    timestamp is stamped ``now`` (microseconds since the epoch, read once per run) plus
+    its index, as ISO 8601 UTC (:func:`rmm_jax.data.citation_log.utc_timestamp`).
+
+    Examples:
+      >>> import numpy as np
+      >>> from rmm_jax.data.calls import Call, Prepared
+      >>> from rmm_jax.data.citation_log import record_to_json
+      >>> from rmm_jax.online.serve import Reranker, serve_calls
+      >>> rr = Reranker(None, dim=2)                       # no policy yet: the identity reranker
+      >>> c = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32)
+      >>> calls = [Prepared(Call(1, "u1", call_id="c1"), np.array([1.0, 0.0], np.float32), c, ["m1", "m2", "m3"],
+      ...                   None)]
+      >>> [got] = serve_calls(rr, calls, 2, now=1_714_555_800_000_000)
+      >>> got[0].served_by, got[0].positions, got[0].scores
+      ('identity', [0, 2], [1.0, 0.6])
+      >>> record_to_json(got[0].record, served=True)["selected"], got[0].record.timestamp
+      (['m1', 'm3'], '2024-05-01T09:30:00.000000Z')
+      >>> [got] = serve_calls(rr, calls, 2, explore=True, seed=0, tau=1.0, now=0)
+      >>> got[0].record.log_prob < 0, got[0].record.logits
+      (True, (1.0, 0.0, 0.6))
+    """
+    for (uid, n), rows in call_batches(prepared_calls).items():
+        mm = min(m, n)                    # a call with fewer candidates than m shows all of them
+        q = np.stack([prepared_calls[i].query for i in rows])
+        cands = np.stack([prepared_calls[i].cands for i in rows])
+        pol = reranker.policy(uid)
+        who = "identity" if reranker.store is None else "shared" if pol.version is None else "own_policy"
+        if explore:
+            keys = call_keys(seed, uid, [call_key(prepared_calls[i].call) for i in rows])
+            got = reranker.sample(uid, q, cands, mm, keys=keys, tau=tau)
+        else:
+            got = reranker.rank(uid, q, cands, mm)
+        batch = []
+        for r, i in enumerate(rows):
+            pos = [int(x) for x in got.selected[r] if x >= 0]
+            rec = _served_record(prepared_calls[i], pos, pol, utc_timestamp(now + i),
+                                 *((got.log_prob[r], got.logits[r]) if explore else (None, None)))
+            batch.append(Served(i, rec, who) if explore else
+                         Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
+        yield batch
+
+
+def _served_record(p: Prepared, sel: list[int], policy: Policy, stamp: str, log_prob=None, logits=None) -> LogRecord:
+    """The record of prepared call ``p`` served with candidates ``sel`` (positions) by
+    ``policy``: the request's timestamp, else ``stamp`` (the time it was served)."""
+    c = p.call
+    return call_record(c.user_id, p.ids, [p.ids[i] for i in sel], query_id=c.query_id, call_id=c.call_id,
+                       query_text=c.query_text, candidate_texts=p.texts, log_prob=log_prob, logits=logits,
+                       timestamp=stamp if c.timestamp is None else c.timestamp, policy_version=policy.version,
+                       shared_version=policy.shared_version)
