@@ -588,7 +588,7 @@ def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chun
 
     class Saved:         # a policy store that holds user "u" (what from_store reads of it)
         def load_batch(self, ids, before=None):
-            return SimpleNamespace(users=["u"], learned={"calls": np.zeros((1, 2))})
+            return SimpleNamespace(users=["u"], learned={"calls": np.zeros((1, 2))}, infos=[{}])
 
     monkeypatch.setattr(starts, "classify", lambda prior, calls, relearn: SimpleNamespace(
         changed=np.array([True]), learn=np.array([False])))
