@@ -355,7 +355,7 @@ def test_presets_route_each_field_to_its_part():
 @pytest.mark.parametrize("scope", ["user", "shared", "hybrid"])
 def test_a_store_recorded_under_a_preset_defined_otherwise_keeps_its_learner(scope):
     """A policy store records its setting as the preset's name plus every field; continuing
-    it (the recorded fields over the preset, as ``cli.common.learning_setting`` does) gives
+    it (the recorded fields over the preset, as ``online.setting.resolve_setting`` does) gives
     the learner it was trained with, whatever the name means now in its scope (here a record
     named ``calibrated`` holding the plain loss's values)."""
     from rmm_jax.core.config import setting_record, setting_values

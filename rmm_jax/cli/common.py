@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import click
 import jax
@@ -23,12 +22,12 @@ from rmm_jax.core.config import (
     describe,
     setting_changes,
     setting_record,
-    setting_values,
 )
 from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REWARDS
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.errors import InputError
+from rmm_jax.online.setting import LearningSetting, SettingOptions, blamed_change, resolve_setting
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
 from rmm_jax.persist.policy_setting import read_setting
@@ -146,10 +145,10 @@ DISTRIBUTED_OPTIONS = ("coordinator", "num_processes", "process_id", "shard")
 
 
 def start_distributed(opts: dict, *, users_per_chunk: int, resume: bool):
-    """Take the :func:`distributed_options` out of ``opts``, join the run's processes
+    """Read the :func:`distributed_options` from ``opts`` (left as they are), join the run's processes
     (``jax.distributed``, gloo collectives on CPU) and return the users mesh, or None for
     a single-device run. Must run before any JAX computation."""
-    coordinator, num_processes, process_id, shard = (opts.pop(k) for k in DISTRIBUTED_OPTIONS)
+    coordinator, num_processes, process_id, shard = (opts[k] for k in DISTRIBUTED_OPTIONS)
     if num_processes < 1:
         raise InputError(f"must be >= 1, got {num_processes}", where="--num-processes")
     if not 0 <= process_id < num_processes:
@@ -259,17 +258,15 @@ def raise_option_error(e: ValueError):
 
 
 
-ESTIMATOR_OPTIONS = ("clip", "loss", "p_useful", "p_other", "draw_tau")  # Estimator fields passed on by name
-
-
 def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None, hidden=None,
-                 **more) -> Setting:
+                 *, clip=None, loss=None, p_useful=None, p_other=None, draw_tau=None) -> Setting:
     """The program's parts from the options (``scope`` None: user; ``hidden``: the `mlp` kind's
-    width, None its default). ``more`` may set other :class:`Estimator` fields (e.g. ``clip``);
-    other keys are ignored."""
+    width, None its default; the keyword ones: :class:`Estimator` fields, None the preset's).
+    A verb's :class:`SettingOptions` ``o`` gives them all: ``make_setting(**o._asdict())``."""
     overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
                                        credit=credit).items() if v is not None}
-    overrides.update({n: v for n, v in more.items() if n in ESTIMATOR_OPTIONS and v is not None})
+    overrides.update({n: v for n, v in dict(clip=clip, loss=loss, p_useful=p_useful, p_other=p_other,
+                                            draw_tau=draw_tau).items() if v is not None})
     check_rank_scope(scope, rank)
     check_kind_scope(kind, scope)
     try:
@@ -277,10 +274,6 @@ def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, s
                                **overrides)
     except ValueError as e:
         raise_option_error(e)
-
-
-SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit", "loss", "clip", "p_useful",
-                   "p_other", "draw_tau")  # see below
 
 
 def change_setting_option(f):
@@ -291,76 +284,40 @@ def change_setting_option(f):
                              "new setting. Without it such an option is refused.")(f)
 
 
-class LearningSetting(NamedTuple):
-    """A run's :class:`Setting`, its preset's name, what the policy store records (None: no
-    record yet) and the ``(field, recorded, new)`` changes this run makes to the record."""
-    setting: Setting
-    preset: str
-    recorded: dict | None
-    changes: list
-
-    @property
-    def record(self) -> dict:
-        return setting_record(self.preset, self.setting)
-
-    @property
-    def to_record(self) -> bool:
-        """Whether the run records its setting: a store without one, or a change."""
-        return self.recorded is None or bool(self.changes)
-
-
-def learning_setting(policies, opts: dict, *, change: bool = False, resume: bool = False,
-                     **more) -> LearningSetting:
-    """The run's setting: the options (:func:`make_setting`) on a policy store that records
+def learning_setting(policies, given: SettingOptions, *, change: bool = False,
+                     resume: bool = False) -> LearningSetting:
+    """The run's setting: ``given`` (:func:`make_setting`) on a policy store that records
     none; on one that does, the recorded setting with the options the user gave on top
-    (docs/lifecycle.md, "Continue means the same learner"). An option that changes the
+    (:func:`rmm_jax.online.setting.resolve_setting`). An option that changes the
     recorded setting is refused in one line naming it and both values, unless ``change``
     (``--change-setting``), or unless ``resume`` finds an interrupted run, whose own check
-    refuses any option that differs from it. ``more``: other setting options of the verb
-    (``clip``)."""
+    refuses any option that differs from it."""
     recorded = read_setting(PolicyStore.open(policies)) if Path(policies).exists() else None
     if recorded is None:
-        return LearningSetting(make_setting(**opts, **more), opts["preset"], None, [])
+        return LearningSetting(make_setting(**given._asdict()), given.preset, None, [])
     explicit = explicit_options()
-    given = {**opts, **more}
-    name = given["preset"] if "preset" in explicit else recorded.get("preset", given["preset"])
-    # --preset given: that preset as it is now (a store recorded under an older `default` is
-    # moved to today's by `--preset default --change-setting`); left out: the recorded fields
-    values = setting_values(recorded) if name == recorded.get("preset") and "preset" not in explicit else {}
-    values.pop("preset", None)
-    values.update({f: given[f] for f in SETTING_OPTIONS[1:] if f in explicit and f in given})
-    structure = {k: opts[k] for k in ("k", "m", "kind", "scope", "rank")}
-    check_rank_scope(opts["scope"], opts["rank"])
-    check_kind_scope(opts["kind"], opts["scope"])
+    check_rank_scope(given.scope, given.rank)
+    check_kind_scope(given.kind, given.scope)
     try:
-        setting = settings.preset(name, **{**structure, "scope": opts["scope"] or "user"}, **values)
+        ls = resolve_setting(recorded, given, explicit)
     except ValueError as e:
         raise_option_error(e)
-    changes = setting_changes(recorded, setting_record(name, setting))
-    if changes and not change and not (resume and runstate.RunState.interrupted_fingerprint(policies)):
-        field, old, new = changes[0]
-        option = field if "preset" not in explicit or field in explicit else "preset"
-        shown = name if option == "preset" else new
-        if option == "preset" and name == recorded.get("preset"):   # the same name, defined otherwise now
-            was = f"preset {name} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in changes)
-        else:
-            others = [f for f, _, _ in changes if f != option]
-            was = (f"{option} {recorded.get('preset') if option == 'preset' else old}"
-                   + (f"; {', '.join(others)} change with it" if others else ""))
+    if ls.changes and not change and not (resume and runstate.RunState.interrupted_fingerprint(policies)):
+        option, shown, was = blamed_change(ls, explicit)
         raise InputError(f"{shown} would change the learning setting policy store {policies} records ({was}); "
                          "leave the option out to continue with it, or add --change-setting",
                          where=f"--{option.replace('_', '-')}")
-    return LearningSetting(setting, name, recorded, changes)
+    return ls
 
 
-def note_setting(ls: LearningSetting, opts: dict, policies, **more) -> None:
-    """One stderr line when the run's setting is not what its options alone give: the
-    recorded setting continued, or the changes ``--change-setting`` made."""
+def note_setting(ls: LearningSetting, given: SettingOptions, policies) -> None:
+    """One stderr line when the run's setting is not what its options ``given`` alone give:
+    the recorded setting continued, or the changes ``--change-setting`` made."""
     if ls.changes:
         info(f"learning setting of {policies} changed (--change-setting): "
              + ", ".join(f"{f} {a} -> {b}" for f, a, b in ls.changes))
     elif ls.recorded is not None:
-        plain = setting_record(opts["preset"], make_setting(**opts, **more))
+        plain = setting_record(given.preset, make_setting(**given._asdict()))
         differ = setting_changes(plain, ls.record)
         if differ:
             info(f"continuing with the learning setting {policies} records: "

@@ -16,6 +16,7 @@ from rmm_jax.errors import InputError, worded
 from rmm_jax.online.compare import compare
 from rmm_jax.online.plot import plot_curves
 from rmm_jax.online.pretrain import PretrainConfig
+from rmm_jax.online.setting import SettingOptions
 from rmm_jax.online.streams import load_streams
 from rmm_jax.persist.atomic import write_json
 
@@ -58,7 +59,7 @@ def demo(out, users, sessions, turns, as_json, **opts):
     Example:
       rmm-jax demo --out runs/demo
     """
-    setting = make_setting(**opts)
+    setting = make_setting(**SettingOptions.of(opts)._asdict())
     check_writable(out, f"--out {out}", depth=1)
     k, m = setting.layout.k, setting.layout.m
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.common import (
+    DISTRIBUTED_OPTIONS,
     begin_run_state_if_single,
     check_rank,
     check_store_writable,
@@ -23,6 +24,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online import session
 from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.session import Start, create_policies, identity_params, learned_nothing
+from rmm_jax.online.setting import SettingOptions
 from rmm_jax.online.sinks import resume_note
 from rmm_jax.persist.atomic import remove_dir
 from rmm_jax.persist.policy_setting import write_setting
@@ -234,9 +236,13 @@ def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, desc: s
         return session.run_and_save(chunks, program, start, ps, rs, progress=bar, stop=stop, **kw)
 
 
-def online_options(opts: dict, **more) -> dict:
-    """The options of an online run, by option name, for the run-state fingerprint."""
-    return {**{f"--{k.replace('_', '-')}": v for k, v in opts.items()}, **more}
+def online_options(opts: dict, given: SettingOptions, **more) -> dict:
+    """The options of an online run, by option name, for the run-state fingerprint: those
+    of click's ``opts`` in its order (the first that differs is the one named), the setting
+    options' values as the run resolved them (``given``), the :data:`DISTRIBUTED_OPTIONS`
+    left out (a run over several processes is not resumed), then ``more``."""
+    return {**{f"--{k.replace('_', '-')}": getattr(given, k) if k in SettingOptions._fields else v
+               for k, v in opts.items() if k not in DISTRIBUTED_OPTIONS}, **more}
 
 
 def setting_report(ls) -> dict:

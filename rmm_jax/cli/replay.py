@@ -55,6 +55,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.session import rs_fresh
+from rmm_jax.online.setting import SettingOptions
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.learned_calls import WINDOW
@@ -128,16 +129,19 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
       rmm-jax replay stores/mine --log examples/calls_day2.jsonl --policies policies --plot day2.png
     """
     check_input_file(log_path, f"--log {log_path}", TWICE)
-    opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
-    check_rank_scope(opts["scope"], opts["rank"])
+    given = SettingOptions.of({**opts, "clip": clip})
+    scope, rank = stored_scope(policies, given.scope, given.rank)
+    check_rank_scope(scope, rank)
     st = open_store(store)
     known = known_ids(st)
     k_m_note: list[str] = []         # printed once the log's calls are checked: bad input is one line
-    opts["k"], opts["m"] = k_m_from_log(opts["k"], opts["m"], log_shape(log_path, known, skip_invalid=skip_invalid),
-                                        log_path, notes=k_m_note)
-    ls = learning_setting(policies, opts, change=change_setting, resume=resume, clip=clip)
+    k, m = k_m_from_log(given.k, given.m, log_shape(log_path, known, skip_invalid=skip_invalid), log_path,
+                        notes=k_m_note)
+    ls = learning_setting(policies, given._replace(k=k, m=m, scope=scope, rank=rank), change=change_setting,
+                          resume=resume)
     setting = ls.setting
-    opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
+    scope, rank = setting.layout.scope   # as resolved: the run-state fingerprint compares them
+    given = given._replace(k=k, m=m, scope=scope, rank=rank)
     if setting.estimator.mode == "rmm":
         raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
                          "record; replay with --preset default", where="--preset")
@@ -168,7 +172,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     chunks = ([repeat_passes(s, passes) for s in c] for c in
               log_chunks(st, log_path, setting.layout, users_per_chunk, grouped=grouped, known=known,
                          skip_invalid=skip_invalid, users=users, vectors=vectors))   # checked by scan_log
-    options = online_options(opts, **{"--init": init, "--clip": clip, "--passes": passes,
+    options = online_options(opts, given, **{"--init": init, "--clip": clip, "--passes": passes,
                                       "--skip-invalid": skip_invalid, "--relearn": relearn, "--users": users,
                                       "--users-per-chunk": users_per_chunk, "--checkpoint-every": checkpoint_every})
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
@@ -180,7 +184,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                     questions=st) if calls else None
         for line in k_m_note:      # after the last check of the log's calls: bad input is one line
             info(line)
-        note_setting(ls, opts, policies, clip=clip)
+        note_setting(ls, given, policies)
         # every night's --json has log.calls: a run that starts afresh learns every valid record
         rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(replayed, 0, 0), relearn)
         note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs), created=created) if writer else None

@@ -44,6 +44,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
 from rmm_jax.online.session import learned_nothing, rs_fresh
+from rmm_jax.online.setting import SettingOptions
 from rmm_jax.online.starts import check_simulated
 from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_store import PolicyStore
@@ -120,11 +121,13 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
       rmm-jax simulate stores/synthetic --policies pretrained --init pretrained --log-out simulated.jsonl
       rmm-jax simulate stores/synthetic --policies simulated --plot curve.png
     """
-    opts["scope"], opts["rank"] = stored_scope(policies, opts["scope"], opts["rank"])
-    check_rank_scope(opts["scope"], opts["rank"])
-    ls = learning_setting(policies, opts, change=change_setting, resume=resume)
+    given = SettingOptions.of(opts)
+    scope, rank = stored_scope(policies, given.scope, given.rank)
+    check_rank_scope(scope, rank)
+    ls = learning_setting(policies, given._replace(scope=scope, rank=rank), change=change_setting, resume=resume)
     setting = ls.setting
-    opts["scope"], opts["rank"] = setting.layout.scope   # as resolved: the run-state fingerprint compares them
+    scope, rank = setting.layout.scope   # as resolved: the run-state fingerprint compares them
+    given = given._replace(scope=scope, rank=rank)
     # Rates are checked here, before any work (and progress output), not inside the run.
     overridden = precision is not None or cite_recall is not None
     precision = DEFAULT_PRECISION if precision is None else precision
@@ -165,8 +168,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     asked = check_users(st, users)
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
-    note_setting(ls, opts, policies)
-    options = online_options(opts, **{"--init": init, "--citations": citations,
+    note_setting(ls, given, policies)
+    options = online_options(opts, given, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
                                       "--users": users, "--queries": query_range, "--relearn": relearn,
