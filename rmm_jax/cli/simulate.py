@@ -39,7 +39,7 @@ from rmm_jax.cli.online import (
 from rmm_jax.cli.shell import IntRange, as_options, check_output_file, count, info, json_option, users_option
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
-from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL, precision_recall_oracle
+from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.loop import make_run
@@ -50,7 +50,7 @@ from rmm_jax.online.streams import check_users, store_chunks
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.runstate import RunState, file_digest
 
-CITATION_MODELS = ("oracle", "position", "answer")
+CITATION_MODELS = tuple(m for m in cm.CITATION_MODELS if m != "precision_recall")   # that one: --precision/--recall
 
 
 def parse_range(text: str | None) -> tuple[int, int | None]:
@@ -154,12 +154,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
-    if overridden:
-        cite = precision_recall_oracle(precision, cite_recall)
-    elif citations == "answer":      # cites exactly the shown memories that support the answer
-        cite = cm.oracle(p_useful=1.0, p_other=0.0, spurious=0.0)
-    else:
-        cite = cm.oracle() if citations == "oracle" else cm.position_oracle()
+    cite = cm.citation_model(citations, **({"precision": precision, "recall": cite_recall} if overridden else {}))
     st = open_store(store)
     with as_options("users", "queries"):     # the API names its arguments, the CLI its options
         queries = parse_range(query_range)
