@@ -17,7 +17,7 @@ chunk of users runs through the compiled loop (:func:`rmm_jax.online.driver.driv
 after each chunk, in the shared scopes, the shared part is saved to the store
 (:meth:`PolicyStore.save_shared`) and then its users' policies (:meth:`PolicyStore.save`),
 as ``rmm-jax simulate`` does, through the run that it runs
-(:func:`rmm_jax.online.session.run_and_save`) with its policy sink
+(:func:`rmm_jax.online.session.open_run`) with its policy sink
 (:class:`rmm_jax.online.sinks.PolicySink`), timed.
 
 Reported per scope: wall time (total, and the part spent saving), queries/s, peak RSS of
@@ -60,7 +60,7 @@ from rmm_jax.data.citations import (  # noqa: E402
 from rmm_jax.online.driver import drive  # noqa: E402
 from rmm_jax.online.loop import make_run  # noqa: E402
 from rmm_jax.online.serve import user_params  # noqa: E402
-from rmm_jax.online.session import Start, create_policies, run_and_save  # noqa: E402
+from rmm_jax.online.session import Start, create_policies, open_run  # noqa: E402
 from rmm_jax.online.sinks import PolicySink  # noqa: E402
 from rmm_jax.online.streams import Stream  # noqa: E402
 from rmm_jax.online.vectors import VectorSpec, vector_chunks  # noqa: E402
@@ -137,18 +137,6 @@ class TimedSaves(PolicySink):
         self.seconds += time.perf_counter() - t
 
 
-class Sampled:
-    """The progress bar, sampling the load average each time ``every`` more users are done."""
-
-    def __init__(self, bar, every: int, watch: LoadWatch):
-        self.bar, self.every, self.watch = bar, every, watch
-
-    def update(self, n: int) -> None:
-        self.bar.update(n)
-        if self.bar.n % self.every == 0:
-            self.watch.sample()
-
-
 def program_for(scope: str, args, spec: VectorSpec):
     setting = rj.preset("default", k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None)
     return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
@@ -162,10 +150,14 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path, streams: StreamFil
     saves = TimedSaves(ps, program, args.user_save_limit if scope == "user" else args.users)
     watch = LoadWatch()
     t0 = time.perf_counter()
-    with tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar:
-        result = run_and_save(streams.chunks(args.chunk), program, Start(params), ps, None, seed=args.seed,
-                              users_per_chunk=args.chunk, checkpoint_every=0, saves=saves,
-                              progress=Sampled(bar, 20 * args.chunk, watch))
+    with tqdm(total=args.users, desc=scope, unit="user", file=sys.stderr) as bar, \
+            open_run(streams.chunks(args.chunk), program, Start(params), ps, None, seed=args.seed,
+                     users_per_chunk=args.chunk, checkpoint_every=0, saves=saves) as run:
+        for done in run:
+            bar.update(done)
+            if bar.n % (20 * args.chunk) == 0:     # the load average each time 20 more chunks of users are done
+                watch.sample()
+    result = run.result()
     total_s = time.perf_counter() - t0
     load = watch.result()
     summary = result.summary

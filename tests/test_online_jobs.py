@@ -571,7 +571,7 @@ def test_from_python_saved_states_or_learned_calls_that_do_not_fit_name_the_chun
     """drive() given a Chunk whose saved states do not fit the program said "--policies:",
     from_store() given a stream whose learned call changed "--log:": the options of the
     CLI, to a Python caller who gave chunks. They name the argument; the CLI's run loop
-    (cli.online.run_and_save, around rmm_jax.online.session.run_and_save) names its
+    (cli.online.run_and_save, looping over rmm_jax.online.session.open_run) names its
     options as before."""
     from types import SimpleNamespace
 
@@ -621,7 +621,7 @@ def test_streams_from_log_names_what_the_store_lacks_in_one_line(store):
 
 
 def test_the_run_names_saved_states_that_do_not_fit_policies_and_changed_calls_chunks():
-    """rmm_jax.online.session.run_and_save tells drive's error of the saved states in its
+    """rmm_jax.online.session.open_run tells drive's error of the saved states in its
     chunks (drive's ``chunks``) from from_store's error of a changed call (the run's
     ``chunks``): the first names ``policies``, the second ``chunks``; the CLI's run loop
     words them ``--policies`` and ``--log``, as it did when it held the loop."""

@@ -225,15 +225,20 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
 
 
 def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, desc: str, **kw):
-    """:func:`rmm_jax.online.session.run_and_save` with a progress bar of ``n_users`` on stderr
-    (``desc``), stopped after a checkpoint that follows SIGINT/SIGTERM, its errors as the
-    options that give what they are about: ``--policies`` (saved states that do not fit),
-    ``--log`` (a call that changed since it was learned), ``--resume``."""
+    """The run of :func:`rmm_jax.online.session.open_run`, this function owning its loop: a
+    progress bar of ``n_users`` on stderr (``desc``), stopped after a checkpoint that follows
+    SIGINT/SIGTERM, its errors as the options that give what they are about: ``--policies``
+    (saved states that do not fit), ``--log`` (a call that changed since it was learned),
+    ``--resume``."""
     with StopSignals() as stop, progress_bar(n_users, desc) as bar, \
             as_options("resume", "policies", chunks="log"):
         if (note := resume_note(rs)) is not None:      # where a resumed run starts, as it starts
             info(note)
-        return session.run_and_save(chunks, program, start, ps, rs, progress=bar, stop=stop, **kw)
+        with session.open_run(chunks, program, start, ps, rs, **kw) as run:
+            for done in run:
+                bar.update(done)
+                stop.check()         # after the event: its policies saved, its checkpoint taken
+        return run.result()
 
 
 def online_options(opts: dict, given: SettingOptions, **more) -> dict:

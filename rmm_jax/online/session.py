@@ -2,10 +2,11 @@
 
 An online run (``simulate``, ``replay``, the scale benchmark) makes a new policy store
 (:func:`create_policies`) or continues one, picks where its users start (:func:`plan_start`),
-then drives its chunks through the program and keeps what each event carries
-(:func:`run_and_save`): policies to the store, log records to the log, checkpoints to the
-run-state (:mod:`rmm_jax.online.sinks`). What the caller shows while it runs (a progress bar)
-and how it is told to stop (SIGINT/SIGTERM) are objects it passes in.
+then opens the run (:func:`open_run`), which drives its chunks through the program and keeps
+what each event carries: policies to the store, log records to the log, checkpoints to the
+run-state (:mod:`rmm_jax.online.sinks`). The caller owns the loop over the events: what it
+shows while it runs (a progress bar) and how it stops (SIGINT/SIGTERM, checked after each
+event) are its own, never passed in.
 
 Errors name the arguments of these functions as :func:`rmm_jax.errors.named` does
 (``policies=PATH``); the CLI words them as its options (``--policies PATH``).
@@ -133,28 +134,64 @@ def rs_fresh(rs) -> bool:
     return rs is None or (rs.restored is None and rs.interrupted is None)
 
 
-def run_and_save(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int,
-                 checkpoint_every: int, log=None, mesh=None, writer: bool = True, relearn: bool = False,
-                 first_query: int | None = None, progress=None, stop=None, saves=None, questions=None):
-    """Drive ``chunks`` through ``program`` from ``start`` and keep what each event carries:
-    policies to ``ps``, log records to ``log`` (simulate), checkpoints and finished outputs
-    to the run-state ``rs`` (:mod:`rmm_jax.online.sinks`). With ``start.before``, users the
-    store holds continue from their saved versions, learning only the logged calls their
-    policies have not learned (all with ``relearn``; ``questions``, the embedding store: also
-    leaving out the calls of questions their simulate runs learned,
-    :func:`rmm_jax.online.starts.sort_calls`). Under ``jax.distributed`` every
-    process runs this loop (reading ``ps``) and only the ``writer``, process 0, writes.
-    Returns the :class:`rmm_jax.online.run.OnlineResult` (summaries only). ``first_query``:
+class SavingRun:
+    """A run :func:`open_run` opened: iterating it handles the next of ``drive``'s events
+    (its policies saved, its log records written, its checkpoint taken) and yields how many
+    users the event finished (0 for a segment); :meth:`result` is the run's
+    :class:`rmm_jax.online.run.OnlineResult` once the loop is done. The caller owns the loop:
+    what it shows between events (a progress bar) and how it stops (raising after an event:
+    the event is saved and checkpointed by then) are its own."""
+
+    def __init__(self, events, recorder: Recorder):
+        self._events, self._recorder = events, recorder
+
+    def __iter__(self):
+        for event in self._events:
+            yield self._recorder.feed(event)
+
+    def result(self):
+        """The run's :class:`rmm_jax.online.run.OnlineResult` (summaries only); an
+        :class:`rmm_jax.errors.InputError` naming ``users`` when it ran none."""
+        return self._recorder.result()
+
+
+@contextlib.contextmanager
+def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int, checkpoint_every: int,
+             log=None, mesh=None, writer: bool = True, relearn: bool = False, first_query: int | None = None,
+             saves=None, questions=None):
+    """Within ``with``: a :class:`SavingRun` that drives ``chunks`` through ``program`` from
+    ``start`` and keeps what each event carries: policies to ``ps``, log records to ``log``
+    (simulate), checkpoints and finished outputs to the run-state ``rs``
+    (:mod:`rmm_jax.online.sinks`). The ``with`` holds ``ps``'s writer, released on any exit
+    (an error of the caller's between events too). With ``start.before``, users the store
+    holds continue from their saved versions, learning only the logged calls their policies
+    have not learned (all with ``relearn``; ``questions``, the embedding store: also leaving
+    out the calls of questions their simulate runs learned,
+    :func:`rmm_jax.online.starts.sort_calls`). Under ``jax.distributed`` every process runs
+    this loop (reading ``ps``) and only the ``writer``, process 0, writes. ``first_query``:
     the chunks are the users' store questions from that position (simulate), which each
     saved version records (:func:`rmm_jax.online.sinks.simulated_queries`).
 
-    ``progress`` (None: none): its ``update(n)`` is called with the users each event
-    finishes (a tqdm bar). ``stop`` (None: none): its ``check()`` is called after each event,
-    once the event is saved and checkpointed, and raises to stop the run there
-    (:class:`rmm_jax.cli.signals.StopSignals`). ``saves``: the sink that saves policies to
-    ``ps`` (None: a :class:`rmm_jax.online.sinks.PolicySink`; a benchmark passes one that times
-    its saves). An error of the saved states that do not fit ``program`` names ``policies``;
-    one of a call that changed since it was learned, ``chunks``; one of a resume, ``resume``."""
+    ``saves``: the sink that saves policies to ``ps`` (None: a
+    :class:`rmm_jax.online.sinks.PolicySink`; a benchmark passes one that times its saves).
+    An error of the saved states that do not fit ``program`` names ``policies``; one of a
+    call that changed since it was learned, ``chunks``; one of a resume, ``resume``.
+
+    Examples:
+        >>> import tempfile, jax, rmm_jax as rj
+        >>> from rmm_jax.data.citations import oracle
+        >>> from rmm_jax.online.session import Start, create_policies, open_run
+        >>> from rmm_jax.online.vectors import VectorSpec, vector_users
+        >>> streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=[0, 1, 2])
+        >>> program = rj.make_run(*rj.preset("default", k=6, m=2), cite_fn=oracle())
+        >>> params = rj.init_reranker(jax.random.key(0), 16)
+        >>> ps = create_policies(tempfile.mkdtemp() + "/p", program.layout, 16, params, config={})
+        >>> with open_run([streams[:2], streams[2:]], program, Start(params), ps, None, seed=0,
+        ...               users_per_chunk=2, checkpoint_every=0) as run:
+        ...     done = [n for n in run]       # the caller's loop: a progress bar, a stop check
+        >>> done, run.result().summary["queries"], ps.n_users()
+        ([2, 1], 24, 3)
+    """
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions), own)
@@ -174,15 +211,8 @@ def run_and_save(chunks, program, start: Start, ps, rs, *, seed: int, users_per_
         resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
     events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
                    segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
-    events = _saved_states_as_policies(events, own)
     with ps.writer() if ps is not None else contextlib.nullcontext():
-        for event in events:
-            n = recorder.feed(event)
-            if progress is not None:
-                progress.update(n)
-            if stop is not None:
-                stop.check()
-    return recorder.result()
+        yield SavingRun(_saved_states_as_policies(events, own), recorder)
 
 
 def _noted(items, own: list):

@@ -26,7 +26,7 @@ After ``rollback(store, to=V)``:
   rmm-jax that did not record it leave the setting as it is, and the result says so.
 
 Without ``to``, the store goes back to before the newest run: each version saved by an
-online run (:func:`rmm_jax.online.session.run_and_save`) records
+online run (:func:`rmm_jax.online.session.open_run`) records
 ``run = {"first_version": F, "setting_before": S}``, where F is the number its first save
 took (a resumed run keeps F) and S is the setting the store recorded when the run began.
 
