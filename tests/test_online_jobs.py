@@ -646,3 +646,28 @@ def test_the_run_names_saved_states_that_do_not_fit_policies_and_changed_calls_c
     with pytest.raises(InputError, match=r"^--log: user 'u': a call changed$"), \
             as_options("resume", "policies", chunks="log"):
         list(_saved_states_as_policies(_noted(raising("user 'u': a call changed"), own), own))
+
+
+def test_the_caller_owns_the_run_loop_and_an_error_of_its_between_events_releases_the_writer(tmp_path):
+    """session.open_run hands the loop to its caller (the CLI's progress bar and stop check,
+    the scale benchmark's load sampling): each item comes once its event is saved, so a
+    caller that raises after the first chunk (StopSignals.check) leaves that chunk's users
+    saved, and the ``with`` releases the store's writer on the way out."""
+    from rmm_jax.online.session import Start, create_policies, open_run
+    from rmm_jax.online.vectors import VectorSpec, vector_users
+
+    class Stop(Exception):
+        pass
+
+    streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=10), seed=0, indices=[0, 1, 2])
+    p0 = rj.init_reranker(jax.random.key(0), 16)
+    ps = create_policies(tmp_path / "p", CFG, 16, p0, config={})
+    done = []
+    with pytest.raises(Stop), open_run([streams[:2], streams[2:]], SIM, Start(p0), ps, None, seed=0,
+                                       users_per_chunk=2, checkpoint_every=0) as run:
+        for n in run:
+            done.append(n)
+            raise Stop
+    assert done == [2] and ps.n_users() == 2
+    with PolicyStore.open(tmp_path / "p").writer():     # another writer: the run's is released
+        pass
