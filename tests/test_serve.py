@@ -522,6 +522,19 @@ def test_a_call_whose_candidate_texts_repeat_a_text_is_served_with_each_text_onc
     assert code == 0, err
 
 
+def test_rerank_notes_the_candidate_texts_the_model_cut(capsys, tmp_path, env, monkeypatch):
+    """embed notes the texts its model read only the beginning of; rerank embedded a long
+    candidate text the same way without a word (its fact past the cut is never retrieved)."""
+    store, _ = env
+    texts = ["user: I like jazz.", "user: " + "and then " * 20 + "I moved to Rome."]
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"call_id": "c", "user_id": "someone-new",
+                                                      "query": "where do I live?", "candidate_texts": texts}) + "\n")
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16, max_tokens=8))
+    code, out, err = run_cli(capsys, "rerank", store, "--calls", tmp_path / "calls.jsonl", "--m", "1")
+    assert code == 0, err
+    assert "note: 1 of 3 texts embedded was longer than model fake/bow-16 reads (8 word pieces" in err, err
+
+
 def test_a_user_holding_fewer_memories_than_m_is_served_all_of_them(capsys, tmp_path, monkeypatch):
     """A user whose bank holds 2 memories, under the default --m 5 and --k: the whole batch was
     refused ("--m 5 is more than this call's 2 candidates (user 'user0' holds 2 memories)");

@@ -20,7 +20,15 @@ from rmm_jax.cli.shell import (
     json_option,
 )
 from rmm_jax.data import load_spec
-from rmm_jax.data.embed import CACHE_ENV, DEFAULT_BATCH_SIZE, DEFAULT_CACHE_ROOT, DEFAULT_MODEL, Embedder, model_id
+from rmm_jax.data.embed import (
+    CACHE_ENV,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_CACHE_ROOT,
+    DEFAULT_MODEL,
+    Embedder,
+    model_id,
+    truncation_note,
+)
 from rmm_jax.data.granularity import (
     DEFAULT_GRANULARITY,
     DEFAULT_MERGE_THRESHOLD,
@@ -275,14 +283,11 @@ def _roles(value: str) -> tuple[str, ...]:
 
 
 def _note_truncated(embedder, say) -> None:
-    """One stderr line when the model read only the beginning of some texts (its
-    ``max_tokens``; an embedder that does not count them says nothing)."""
-    n = getattr(embedder, "texts_truncated", 0)
-    if n:
-        say(f"note: {n} of {count(embedder.texts_embedded, 'text')} embedded {'was' if n == 1 else 'were'} longer "
-            f"than model {embedder.model_id} reads ({embedder.max_tokens} word pieces, about "
-            f"{4 * embedder.max_tokens} characters) and embedded from the beginning only: the rest is not "
-            "retrievable. Split long messages into several (docs/own-data.md, 'Long messages')")
+    """One stderr line when the model read only the beginning of some texts
+    (:func:`rmm_jax.data.embed.truncation_note`)."""
+    note = truncation_note(embedder)
+    if note:
+        say(f"note: {note}")
 
 
 def _note_skipped(skipped: dict, say) -> None:

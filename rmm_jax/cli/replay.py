@@ -167,6 +167,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         cached = len(vectors) - vectors.embedded
         k_m_note.append(f"embedded {lacks}" if not cached else
                         f"{lacks}: {cached} from the embedding cache, {vectors.embedded} embedded")
+    if vectors.truncated:
+        k_m_note.append(f"note: {vectors.truncated}")
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
     chunks = ([repeat_passes(s, passes) for s in c] for c in

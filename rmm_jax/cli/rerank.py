@@ -108,10 +108,10 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     calls = read_calls(calls_path, key_notes)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
     with as_options("k", "m"):                    # the API names its arguments, the CLI its options
-        prepared = prepare_calls(st, calls, calls_path, k, m)
+        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes)
     if note:                                      # after the calls are checked: an error stays one line
         info(note)
-    for line in key_notes:                        # unknown keys that look misspelt
+    for line in key_notes:                        # unknown keys that look misspelt; texts the model cut
         info(f"note: {line}")
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:

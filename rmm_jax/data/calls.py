@@ -218,7 +218,7 @@ def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> list[l
     return out
 
 
-def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepared]:
+def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
     the base retriever's top ``k``. Every call is checked first (users, ids, ``k`` >= ``m``
@@ -226,7 +226,9 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
     a user holding fewer) is prepared as it is, to be served with all of them. Then the
     texts are embedded with the store's model through the embedding cache
     (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
-    ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`)."""
+    ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`).
+    ``notes``, when given, gets the line saying how many texts the model cut
+    (:func:`rmm_jax.data.embed.truncation_note`)."""
     users = _Users(store, path)
     texts = []
     for c in calls:
@@ -253,6 +255,8 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int) -> list[Prepar
             raise InputError(f"{named('m', m)} is more than this call's {n} candidates "
                              f"(the retriever's top {named('k', k)})", where=at(path, c.line))
     vecs = embed_texts(texts, store.model)
+    if vecs.truncated and notes is not None:
+        notes.append(vecs.truncated)
     queries = []
     for c in calls:
         row = users.held_query(c)

@@ -397,11 +397,35 @@ class Embedder:
         return f"Embedder(model_id={self.model_id!r}, dim={self.dim}, cache_dir={self.cache_dir})"
 
 
+def truncation_note(embedder) -> str | None:
+    """The note (without ``note:``) saying how many of the texts ``embedder`` (an
+    :class:`Embedder`, or one that counts ``texts_truncated``) ran its model on were longer
+    than the model reads, so only their beginning is retrievable; None when none was.
+
+    Examples:
+      >>> from types import SimpleNamespace
+      >>> from rmm_jax.data.embed import truncation_note
+      >>> truncation_note(SimpleNamespace(texts_truncated=0))
+      >>> truncation_note(SimpleNamespace(texts_truncated=1, texts_embedded=28, model_id="m", max_tokens=256))[:60]
+      '1 of 28 texts embedded was longer than model m reads (256 wo'
+    """
+    n = getattr(embedder, "texts_truncated", 0)
+    if not n:
+        return None
+    total, limit = embedder.texts_embedded, embedder.max_tokens
+    return (f"{n} of {total} text{'' if total == 1 else 's'} embedded {'was' if n == 1 else 'were'} longer than "
+            f"model {embedder.model_id} reads ({limit} word pieces, about {4 * limit} characters) and embedded from "
+            "the beginning only: the rest is not retrievable. Split long messages into several (docs/own-data.md, "
+            "'Long messages')")
+
+
 class EmbeddedTexts(dict):
     """What :func:`embed_texts` returns: text -> embedding, and ``embedded``, how many of
-    them the model ran on (the rest came from the disk cache), for a note that says which."""
+    them the model ran on (the rest came from the disk cache), for a note that says which;
+    ``truncated``: :func:`truncation_note` of that run (None: no text was cut)."""
 
     embedded: int = 0
+    truncated: str | None = None
 
 
 def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embedding") -> EmbeddedTexts:
@@ -425,4 +449,5 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
         emb.close()
     out = EmbeddedTexts(zip(distinct, vecs))
     out.embedded = emb.texts_embedded
+    out.truncated = truncation_note(emb)
     return out
