@@ -310,6 +310,24 @@ def test_a_day_replayed_after_a_killed_rollback_of_it_is_learned_once(capsys, mo
     code, _, err = run_cli(capsys, "policies", "list", tmp_path / "p")     # a reader: it says what it shows
     assert code == 0 and f"note: a rollback of {tmp_path / 'p'} to v2 was interrupted: this shows the store as it " \
                          "was before it (v3-v4 and the calls they learned still count)" in err, err
+    # every reader says so, and its --json carries it: show, export, rerank (it serves v3-v4), evaluate
+    pending = f"a rollback of {tmp_path / 'p'} to v2 was interrupted"
+    code, out, _ = run_cli(capsys, "policies", "list", tmp_path / "p", "--json")
+    assert code == 0 and json.loads(out)["pending_rollback"].startswith(pending)
+    code, out, err = run_cli(capsys, "policies", "show", tmp_path / "p", "--json")
+    assert code == 0 and json.loads(out)["pending_rollback"].startswith(pending) and f"note: {pending}" in err, err
+    code, _, err = run_cli(capsys, "policies", "export", tmp_path / "p", logged[0]["user_id"], "--out",
+                           tmp_path / "u.npz")
+    assert code == 0 and f"note: {pending}" in err, err
+    req = write(tmp_path / "req.jsonl", [{"call_id": "r0", "user_id": logged[0]["user_id"],
+                                           "query_id": logged[0]["query_id"]}])
+    code, out, err = run_cli(capsys, "rerank", store, "--policies", tmp_path / "p", "--calls", req, "--k", "8",
+                             "--m", "3", "--out", tmp_path / "served.jsonl", "--json")
+    assert code == 0 and json.loads(out)["pending_rollback"].startswith(pending) and f"note: {pending}" in err, err
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", day2, "--policies", tmp_path / "p", "--json",
+                             "--allow-unreliable")
+    assert code in (0, 3) and json.loads(out)["pending_rollback"].startswith(pending), err
+    assert policy_rollback.PENDING in PolicyStore.open(tmp_path / "p")._header     # readers wrote nothing
     code, out, err = replay(capsys, store, day2, tmp_path / "p", "--json")
     assert code == 0, err
     assert f"finished the interrupted rollback of {tmp_path / 'p'} to v2 first: v3-v4 forgotten" in err, err

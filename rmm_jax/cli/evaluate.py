@@ -92,7 +92,8 @@ def _row(name: str, est: dict) -> str:
              "estimators, estimates (per metric, per estimator), ranges, marginals, cited_recall, unreliable, "
              "users_on_shared_params, learned_calls (how many of the calls the policies learned from), notes, "
              "warnings, verdict (with log_problem: why the log cannot judge the policies, or null; worse; "
-             "self_served and served_by_target: the calls POLICIES served itself)")
+             "self_served and served_by_target: the calls POLICIES served itself), pending_rollback (null, or the "
+             "note that an interrupted rollback of POLICIES is pending: the versions it forgets were evaluated)")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
@@ -196,7 +197,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
                            min_ess=min_ess)
-    rep = {"store": str(store), "policies": str(policies), **rep}
+    rep = {"store": str(store), "policies": str(policies), **rep, "pending_rollback": pending_note(ps)}
     log = rep["log"]
     for note in k_m_note:
         info(note)
@@ -204,7 +205,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         info(ReadReport(**log).skipped_line())
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
-    for note in filter(None, (rep["learned_calls"]["note"], pending_note(ps))):    # pending: before a rollback
+    for note in filter(None, (rep["learned_calls"]["note"], rep["pending_rollback"])):    # pending: before a rollback
         info(f"note: {note}")
     for w in rep["warnings"]:
         info(f"warning: {w}")

@@ -85,7 +85,8 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 @policies.command("list")
 @click.argument("store", type=click.Path())
 @users_option("Only these users")
-@json_option("the table", "store, meta, n_users, users (one object per user)")
+@json_option("the table", "store, meta, n_users, users (one object per user), pending_rollback (null, or the note "
+             "that an interrupted rollback is pending: the table shows the store as it was before it)")
 def list_cmd(store, users, as_json):
     """List the users of policy store STORE: saved versions (newest last), the queries the
     newest version has learned from over all its runs (like its learner step, counted from
@@ -104,7 +105,8 @@ def list_cmd(store, users, as_json):
     if pending := pending_note(st):     # a reader writes nothing: it lists the versions the rollback forgets
         info(f"note: {pending}")
     if as_json:
-        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows}, indent=None, sort_keys=False)
+        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows, "pending_rollback": pending},
+                  indent=None, sort_keys=False)
         return
     m = st.meta_info()
     shown = f" (listed: {len(rows)})" if wanted else ""
@@ -228,7 +230,8 @@ def _echo_user(d: dict) -> None:
 @click.argument("store", type=click.Path())
 @click.argument("user", required=False)
 @users_option("These users, with or instead of USER", default="none: the store alone")
-@json_option("what loads", "store (an object), users (one object per user asked for)")
+@json_option("what loads", "store (an object), users (one object per user asked for), pending_rollback (null, or "
+             "the note that an interrupted rollback is pending: what loads is the store as it was before it)")
 def show(store, user, users, as_json):
     """Show what loads from STORE. The store: its meta, the shared version that loads
     (newer damaged ones skipped), the shared versions on disk and why each is kept (the
@@ -247,7 +250,10 @@ def show(store, user, users, as_json):
     _require_users(st, wanted)
     if wanted:
         _progress(f"loading {len(wanted)} user(s) from {store} ...")
-    doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else []}
+    doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else [],
+           "pending_rollback": pending_note(st)}
+    if doc["pending_rollback"]:       # a reader writes nothing: it shows the versions the rollback forgets
+        info(f"note: {doc['pending_rollback']}")
     if as_json:
         emit_json(doc, indent=None, sort_keys=False)
         return
@@ -304,6 +310,8 @@ def export(store, user, out, version, as_json):
     st = PolicyStore.open(store)
     _require_users(st, [user])
     doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
+    if pending := pending_note(st):     # a reader writes nothing: it may export a version the rollback forgets
+        info(f"note: {pending}")
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
     if as_json:
         emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)
