@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_dir, atomic_file, leftovers, make_dirs, process_umask, remove_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +96,15 @@ def test_a_named_pipe_or_device_is_written_into_and_a_link_stays_a_link(tmp_path
         assert os.read(reader, 100) == b"served\n"
     finally:
         os.close(reader)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)      # a reader that goes away (`| head -c 100`)
+    with pytest.raises(InputError, match=r"out\.fifo: its reader closed the pipe before everything was written"):
+        with atomic_file(fifo) as f:
+            f.write("x" * 100)
+            f.flush()
+            os.read(reader, 10)
+            os.close(reader)
+            f.write("x" * 1_000_000)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     real, link = tmp_path / "real.json", tmp_path / "link.json"
     real.write_text("old")
     link.symlink_to(real)

@@ -28,6 +28,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from rmm_jax.errors import InputError
+
 _MARKERS = (".tmp-", ".old-")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -297,13 +299,17 @@ def atomic_file(target: str | os.PathLike, mode: str = "w"):
     A symbolic link stays a link: the file it points to is replaced. A target that exists
     and is neither a file nor a directory (``/dev/null``, a named pipe) is written into as
     it is, since replacing it would turn it into a plain file (``--out /dev/null`` made
-    ``/dev/null`` one for every program on the machine)."""
+    ``/dev/null`` one for every program on the machine); a pipe whose reader goes away is an
+    ``InputError`` naming it."""
     target = Path(target)
     if target.is_symlink():
         target = Path(os.path.realpath(target))
     if target.exists() and not target.is_file() and not target.is_dir():
-        with open(target, mode) as f:
-            yield f
+        try:
+            with open(target, mode) as f:
+                yield f
+        except BrokenPipeError as e:
+            raise InputError("its reader closed the pipe before everything was written", where=str(target)) from e
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     _swept(target.parent.absolute())
