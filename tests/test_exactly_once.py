@@ -201,6 +201,16 @@ MID_CHUNK = (sinks.RunStateSink, "segment", 1, True)        # after a checkpoint
 BEFORE_REMOVAL = (runstate.RunState, "finish", 1)           # every chunk saved, the run-state still there
 
 
+def each_users_first(records, n: int) -> list[bool]:
+    """Per record: whether it is among its user's first ``n`` (a day 1 of the log)."""
+    seen: dict = {}
+    first = []
+    for r in records:
+        seen[r["user_id"]] = seen.get(r["user_id"], 0) + 1
+        first.append(seen[r["user_id"]] <= n)
+    return first
+
+
 @pytest.mark.parametrize("scope,plan", [
     ("hybrid", [(MID_CHUNK, ()), (SHARED_THEN_USERS, ("--resume",)), (BEFORE_REMOVAL, ()), (None, ("--resume",))]),
     ("hybrid", [(SAVED_NOT_CHECKPOINTED, ()), (None, ())]),
@@ -213,11 +223,7 @@ def test_a_mixed_log_killed_anywhere_and_run_again_learns_the_new_calls_once(cap
     only the new ones, in order: bit for bit the policies of replaying only those; and so
     does a day-2 run killed at the plan's points in turn, each time run again with or
     without --resume."""
-    seen: dict = {}
-    first = []
-    for r in logged:
-        seen[r["user_id"]] = seen.get(r["user_id"], 0) + 1
-        first.append(seen[r["user_id"]] <= 8)
+    first = each_users_first(logged, 8)
     day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
     new = write(tmp_path / "new.jsonl", [r for r, f in zip(logged, first) if not f])
     day2 = write(tmp_path / "day2.jsonl", logged)
@@ -288,11 +294,7 @@ def test_a_day_replayed_after_a_killed_rollback_of_it_is_learned_once(capsys, mo
     decides what is learned, and ends bit for bit where day 1 then day 2 end."""
     from rmm_jax.persist import policy_rollback
 
-    seen: dict = {}
-    first = []
-    for r in logged:
-        seen[r["user_id"]] = seen.get(r["user_id"], 0) + 1
-        first.append(seen[r["user_id"]] <= 8)
+    first = each_users_first(logged, 8)
     day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
     day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
     for pol, days in (("ref", (day1, day2)), ("p", (day1, day2))):
