@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 from rmm_jax.errors import InputError, named, worded
 
-__all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "CACHE_ENV", "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT",
-           "DEFAULT_MODEL", "default_cache_root", "model_slug"]
+__all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
+           "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug"]
 
 #: The packaged offline model, by its short name.
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
