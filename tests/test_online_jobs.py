@@ -671,3 +671,62 @@ def test_the_caller_owns_the_run_loop_and_an_error_of_its_between_events_release
     assert done == [2] and ps.n_users() == 2
     with PolicyStore.open(tmp_path / "p").writer():     # another writer: the run's is released
         pass
+
+
+def test_leaving_the_run_early_closes_its_events_and_joins_the_read_ahead_thread(tmp_path):
+    """A caller that broke out of open_run's loop after the first event left drive's
+    read-ahead thread running: at interpreter exit two "Exception ignored" tracebacks
+    printed (threading.join, and session's generator). Leaving the ``with`` now closes the
+    events, joining the thread, before the writer is released; the run is then closed:
+    iterating it again is one InputError naming ``run`` (it would save without the writer),
+    and result() is the partial result of the users finished."""
+    import subprocess
+    import sys
+    script = f"""
+import threading, jax, rmm_jax as rj
+from rmm_jax.data.citations import oracle
+from rmm_jax.online.session import Start, create_policies, open_run
+from rmm_jax.online.vectors import VectorSpec, vector_users
+streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=6), seed=0, indices=list(range(8)))
+program = rj.make_run(*rj.preset("default", k=6, m=2), cite_fn=oracle())
+params = rj.init_reranker(jax.random.key(0), 16)
+ps = create_policies({str(tmp_path / "p")!r}, program.layout, 16, params, config={{}})
+with open_run([streams[i:i + 2] for i in range(0, 8, 2)], program, Start(params), ps, None, seed=0,
+              users_per_chunk=2, checkpoint_every=0) as run:
+    for n in run:
+        break
+alive = [t.name for t in threading.enumerate() if t.name == "rmm-jax-pad-ahead"]
+print("alive", alive, "queries", run.result().summary["queries"])
+try:
+    list(run)
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "alive [] queries 16", out.stdout
+    assert lines[1].startswith("InputError run: is closed: its `with open_run(...)` has exited"), out.stdout
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_run_iterated_after_its_with_exited_is_refused_and_result_before_the_loop_says_so(tmp_path):
+    """A SavingRun iterated after its ``with`` exited saved policies without the store's
+    writer (another writer held it meanwhile); result() before the loop said "users: no
+    users to run", as if the input were empty. Both are one InputError naming ``run``."""
+    from rmm_jax.online.session import Start, create_policies, open_run
+    from rmm_jax.online.vectors import VectorSpec, vector_users
+
+    streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=10), seed=0, indices=[0, 1, 2])
+    p0 = rj.init_reranker(jax.random.key(0), 16)
+    ps = create_policies(tmp_path / "p", CFG, 16, p0, config={})
+    with open_run([streams[:2], streams[2:]], SIM, Start(p0), ps, None, seed=0, users_per_chunk=2,
+                  checkpoint_every=0) as run:
+        with pytest.raises(InputError, match=r"^run: its loop has not run: iterate it"):
+            run.result()
+        it = iter(run)
+    with pytest.raises(InputError, match=r"^run: is closed: its `with open_run\(\.\.\.\)` has exited"):
+        next(it)
+    with pytest.raises(InputError, match=r"^run: is closed"):
+        iter(run)
+    assert ps.n_users() == 0

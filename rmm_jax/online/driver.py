@@ -168,11 +168,20 @@ def _drive(chunks, program: Program, params, *, seed: int, users_per_chunk: int,
     carried = resume.shared if resume is not None and resume.shared is not None else shared
     if carried is None:
         carried = program.init_shared(params)
+    skip = resume.chunks_done if resume is not None else 0
+    ahead = _ahead(_padded(chunks, program, users_per_chunk, segment_batches, skip))
+    try:
+        yield from _run_chunks(ahead, program, params, seed, users_per_chunk, resume, mesh, carried)
+    finally:          # closed early (the caller stopped): join the read-ahead thread now, not at garbage collection
+        ahead.close()
+
+
+def _run_chunks(ahead, program: Program, params, seed: int, users_per_chunk: int, resume: Resume | None, mesh,
+                carried) -> Iterator[Event]:
     pipelined = jax.process_count() == 1
     group = 0 if mesh is not None else None        # cache groups split the users axis that a mesh shards
     pending = None                                 # a chunk whose last segment is dispatched, not yet fetched
-    skip = resume.chunks_done if resume is not None else 0
-    for ci, chunk, padded in _ahead(_padded(chunks, program, users_per_chunk, segment_batches, skip)):
+    for ci, chunk, padded in ahead:
         streams = chunk.streams
         if padded is None:
             yield ChunkSkipped(ci, streams)

@@ -140,18 +140,44 @@ class SavingRun:
     users the event finished (0 for a segment); :meth:`result` is the run's
     :class:`rmm_jax.online.run.OnlineResult` once the loop is done. The caller owns the loop:
     what it shows between events (a progress bar) and how it stops (raising after an event:
-    the event is saved and checkpointed by then) are its own."""
+    the event is saved and checkpointed by then) are its own. Leaving the ``with`` closes the
+    run: its events stop (the read-ahead thread is joined) before the store's writer is
+    released, and iterating it afterwards is an :class:`rmm_jax.errors.InputError` (it would
+    save without the writer)."""
 
     def __init__(self, events, recorder: Recorder):
         self._events, self._recorder = events, recorder
+        self._closed = self._started = False
 
     def __iter__(self):
+        self._check_open()
+        return self._feed()
+
+    def _feed(self):
+        self._check_open()        # its first next() may come after the with
+        self._started = True
         for event in self._events:
             yield self._recorder.feed(event)
+            self._check_open()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError("is closed: its `with open_run(...)` has exited (and released the policy store's "
+                             "writer); iterate it inside the with", arg="run")
+
+    def close(self) -> None:
+        """Stop the run's events (``drive`` joins its read-ahead thread); what open_run's
+        ``with`` does on leaving, before it releases the writer."""
+        self._closed = True
+        self._events.close()
 
     def result(self):
-        """The run's :class:`rmm_jax.online.run.OnlineResult` (summaries only); an
-        :class:`rmm_jax.errors.InputError` naming ``users`` when it ran none."""
+        """The run's :class:`rmm_jax.online.run.OnlineResult` (summaries only) of the events
+        the loop handled: after a loop left early (``break``, an error), those of the users it
+        finished so far, a partial result. An :class:`rmm_jax.errors.InputError` naming
+        ``run`` before the loop has run, and naming ``users`` when it ran none."""
+        if not self._started:
+            raise InputError("its loop has not run: iterate it (for done in run: ...) before result()", arg="run")
         return self._recorder.result()
 
 
@@ -212,7 +238,11 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
     events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
                    segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
     with ps.writer() if ps is not None else contextlib.nullcontext():
-        yield SavingRun(_saved_states_as_policies(events, own), recorder)
+        run = SavingRun(_saved_states_as_policies(events, own), recorder)
+        try:
+            yield run
+        finally:       # however the with is left (a break, the caller's error): before the writer is released
+            run.close()
 
 
 def _noted(items, own: list):
