@@ -730,3 +730,19 @@ def test_a_run_iterated_after_its_with_exited_is_refused_and_result_before_the_l
     with pytest.raises(InputError, match=r"^run: is closed"):
         iter(run)
     assert ps.n_users() == 0
+
+
+def test_open_run_names_chunks_for_a_mistake_in_the_chunks(tmp_path):
+    """open_run given a flat list of streams (not chunks of them) said "policies: expected
+    chunks ...": it renamed every error drive raised of ``chunks`` as one of the store. Only
+    the saved states that do not fit are the store's; the rest names ``chunks``, as drive does."""
+    from rmm_jax.online.session import Start, create_policies, open_run
+    from rmm_jax.online.vectors import VectorSpec, vector_users
+
+    streams = vector_users(VectorSpec(dim=16, memories=30, queries=8, k=10), seed=0, indices=[0, 1])
+    p0 = rj.init_reranker(jax.random.key(0), 16)
+    ps = create_policies(tmp_path / "p", CFG, 16, p0, config={})
+    with pytest.raises(InputError, match=r"^chunks: expected chunks \(each a list of streams, or a Chunk\), got a "
+                                         r"Stream"):
+        with open_run(streams, SIM, Start(p0), ps, None, seed=0, users_per_chunk=2, checkpoint_every=0) as run:
+            list(run)

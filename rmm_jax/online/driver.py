@@ -92,6 +92,8 @@ class ChunkSkipped(NamedTuple):
 
 Event = SegmentDone | ChunkDone | ChunkSkipped
 
+UNFIT = "the saved policies do not fit"     # how drive's error of saved states that do not fit the program begins
+
 
 def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, *, seed: int = 0,
           users_per_chunk: int = 8, segment_batches: int | None = None, resume: Resume | None = None,
@@ -315,8 +317,8 @@ def _padded_start(chunk: Chunk, program: Program, params, keys, shared) -> tuple
     want = jax.eval_shape(program.init, params, keys, shared).users
     shape = lambda t: jax.tree.map(lambda x: x.shape[1:], t)
     if jax.tree.structure(chunk.users) != jax.tree.structure(want) or shape(chunk.users) != shape(want):
-        raise InputError("the saved policies do not fit this run (another reranker kind, rank, optimiser or "
-                         "embedding size than the one they were trained with?)", arg="chunks")
+        raise InputError(f"{UNFIT} this run (another reranker kind, rank, optimiser or embedding size than the one "
+                         "they were trained with?)", arg="chunks")
     n, pad = len(chunk.streams), keys.shape[0] - len(chunk.streams)
     users = jax.tree.map(lambda x: np.concatenate([x, np.repeat(x[:1], pad, axis=0)]), chunk.users)
     return users, np.concatenate([np.asarray(chunk.known, bool)[:n], np.zeros(pad, bool)])

@@ -21,7 +21,7 @@ import jax
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError, named
-from rmm_jax.online.driver import drive
+from rmm_jax.online.driver import UNFIT, drive
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
@@ -256,15 +256,17 @@ def _noted(items, own: list):
 
 def _saved_states_as_policies(events, own: list):
     """``drive``'s events, its errors of the saved states in its chunks (``chunks``: drive's
-    argument) as errors of the policy store they came from (``policies``); an error of
-    ``own`` (the chunks' calls, :func:`_noted`) passes unchanged. A generator raises as it is
-    iterated, so a ``try`` around its call would miss them."""
+    argument, :data:`rmm_jax.online.driver.UNFIT`) as errors of the policy store they came
+    from (``policies``); its other errors of ``chunks`` (a flat list of streams: the caller's
+    ``chunks``) and those of ``own`` (the chunks' calls, :func:`_noted`) pass unchanged. A
+    generator raises as it is iterated, so a ``try`` around its call would miss them."""
     try:
         yield from events
     except InputError as e:
-        if e.arg != "chunks" or any(e is o for o in own):
+        message = str(e)[len(e.where) + 2:]
+        if e.arg != "chunks" or not message.startswith(UNFIT) or any(e is o for o in own):
             raise
-        raise InputError(str(e)[len(e.where) + 2:], arg="policies" + e.where[len(e.arg):]) from None
+        raise InputError(message, arg="policies" + e.where[len(e.arg):]) from None
 
 
 def run_record(ps, rs) -> dict | None:
