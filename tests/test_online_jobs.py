@@ -746,3 +746,49 @@ def test_open_run_names_chunks_for_a_mistake_in_the_chunks(tmp_path):
                                          r"Stream"):
         with open_run(streams, SIM, Start(p0), ps, None, seed=0, users_per_chunk=2, checkpoint_every=0) as run:
             list(run)
+
+
+def test_plan_start_refuses_an_init_it_does_not_know_and_what_the_init_needs():
+    """plan_start took any ``init`` ('identiy', 'latest', None, 0) as ``continue``: the run
+    continued from the store without a word. It is one of identity, pretrained, continue,
+    else one InputError naming ``init``; identity without an embedding store (st=None) was
+    an AttributeError ('dim'), continue without a store one too: each names its argument."""
+    from types import SimpleNamespace
+
+    from rmm_jax.online.session import create_policies, identity_params, plan_start
+
+    lay = rj.preset("default").layout
+    ps = create_policies(str(__import__("tempfile").mkdtemp()) + "/p", lay, 8, identity_params(8, lay, 0), config={})
+    for init in ["identiy", "latest", None, 0]:
+        with pytest.raises(InputError, match=r"^init: must be one of identity, pretrained, continue, got "):
+            plan_start(ps, SimpleNamespace(dim=8), lay, init, 0)
+    with pytest.raises(InputError, match=r"^st: init='identity' needs the embedding store \(its dim\), got "):
+        plan_start(ps, None, lay, "identity", 0)
+    with pytest.raises(InputError, match=r"^ps: init='continue' needs the policy store to start from, got None$"):
+        plan_start(None, SimpleNamespace(dim=8), lay, "continue", 0)
+    assert plan_start(ps, SimpleNamespace(dim=8), lay, "continue", 0).before == ps.next_version()
+
+
+def test_open_run_and_create_policies_name_the_argument_given_wrong(tmp_path):
+    """open_run("abc", ...) was an AttributeError from drive's padding, a dict or bare params
+    for ``start`` one ('before'), create_policies(config=None) a TypeError: each is one
+    InputError naming the argument."""
+    from rmm_jax.online.session import Start, create_policies, open_run
+
+    p0 = rj.init_reranker(jax.random.key(0), 16)
+    ps = create_policies(tmp_path / "p", CFG, 16, p0, config={})
+    kw = dict(seed=0, users_per_chunk=2, checkpoint_every=0)
+    with pytest.raises(InputError, match=r"^chunks: expected chunks \(each a list of streams, or a Chunk\), got str"):
+        with open_run("abc", SIM, Start(p0), ps, None, **kw) as run:
+            list(run)
+    with pytest.raises(InputError, match=r"^chunks: expected chunks .*, got a chunk str 'abc'$"):
+        list(drive(["abc"], SIM, p0, users_per_chunk=2))
+    for start in ({"params": p0}, p0):
+        with pytest.raises(InputError, match=r"^start: expected a Start \(rmm_jax\.online\.session\.Start\(params\)\), "
+                                             r"got a dict$"):
+            with open_run([], SIM, start, ps, None, **kw) as run:
+                list(run)
+    with pytest.raises(InputError, match=r"^config: must be a dict of what made the store \(e\.g\. \{\}\), got "
+                                         r"NoneType None$"):
+        create_policies(tmp_path / "q", CFG, 16, p0, config=None)
+    assert not (tmp_path / "q").exists()

@@ -144,6 +144,7 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
       (['u0000000', 'u0000001', 'u0000002'], (8,))
     """
     check_seed_and_chunk(seed, users_per_chunk)            # a generator's checks ran only at the first next()
+    check_chunks(chunks)
     return _drive(chunks, program, params, seed=seed, users_per_chunk=users_per_chunk,
                   segment_batches=segment_batches, resume=resume, mesh=mesh, shared=shared)
 
@@ -156,6 +157,15 @@ def check_seed_and_chunk(seed, users_per_chunk) -> None:
         raise InputError(f"must be an int, got {checks.short(seed)}", arg="seed")
     if not (checks.is_int(users_per_chunk) and users_per_chunk >= 1):
         raise InputError(f"must be an int >= 1, got {checks.short(users_per_chunk)}", arg="users_per_chunk")
+
+
+def check_chunks(chunks) -> None:
+    """``chunks`` an iterable of chunks, not a string, else an InputError naming it: ``"abc"``
+    (a path given for the chunks) was an AttributeError ('str' object has no attribute
+    'selected') from the padding."""
+    if isinstance(chunks, (str, bytes)) or not hasattr(chunks, "__iter__"):
+        raise InputError(f"expected chunks (each a list of streams, or a Chunk), got {checks.short(chunks)}",
+                         arg="chunks")
 
 
 def refuse_stream(x, arg: str, expected: str, fix: str) -> None:
@@ -222,6 +232,9 @@ def _run_chunks(ahead, program: Program, params, seed: int, users_per_chunk: int
 def _as_chunk(c) -> Chunk:
     refuse_stream(c, "chunks", "chunks (each a list of streams, or a Chunk)",             # drive(streams, ...)
                   "drive([streams], ...) runs a list of streams as one chunk")
+    if isinstance(c, (str, bytes)) or not (isinstance(c, Chunk) or hasattr(c, "__iter__")):
+        raise InputError(f"expected chunks (each a list of streams, or a Chunk), got a chunk {checks.short(c)}",
+                         arg="chunks")
     return c if isinstance(c, Chunk) else Chunk(list(c))
 
 

@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 
 import jax
 
+from rmm_jax.core.checks import short
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError, named
-from rmm_jax.online.driver import UNFIT, drive
+from rmm_jax.online.driver import UNFIT, check_chunks, drive
 from rmm_jax.online.run import Recorder
 from rmm_jax.online.sinks import LogSink, PolicySink, RunStateSink, resume_point
 from rmm_jax.online.starts import from_store
@@ -50,6 +51,9 @@ class Start(NamedTuple):
     rolled_back: Any = None      # the interrupted rollback plan_start finished first (a Rollback; None: none)
 
 
+INITS = ("identity", "pretrained", "continue")      # where plan_start's users start
+
+
 def identity_params(dim: int, layout, seed: int):
     """The identity reranker of ``layout``'s kind on embeddings of size ``dim`` (the base
     retriever's order): where a new store, and ``init="identity"``, start."""
@@ -71,6 +75,8 @@ def create_policies(path, layout, dim: int, params, *, config: dict, keep: int |
         >>> ps.meta_info().kind, ps.meta_info().dim, ps.n_users()
         ('linear', 4, 0)
     """
+    if not isinstance(config, dict):           # None was a TypeError from PolicyMeta.of(**config)
+        raise InputError(f"must be a dict of what made the store (e.g. {{}}), got {short(config)}", arg="config")
     return PolicyStore.create(path, PolicyMeta.of(layout, dim, **config), params,
                               **({"keep": keep} if keep is not None else {}))
 
@@ -93,6 +99,12 @@ def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = 
         >>> start.params["q_adapter"]["W"]["kernel"].shape, start.before
         ((4, 4), None)
     """
+    if init not in INITS:           # 'identiy', 'latest' or None continued from the store without a word
+        raise InputError(f"must be one of {', '.join(INITS)}, got {short(init)}", arg="init")
+    if init == "identity" and not hasattr(st, "dim"):
+        raise InputError(f"init='identity' needs the embedding store (its dim), got {short(st)}", arg="st")
+    if init != "identity" and ps is None:
+        raise InputError(f"init={init!r} needs the policy store to start from, got None", arg="ps")
     done = finish_pending(ps) if writer and ps is not None else None
     ck = rs.restored if rs is not None else None
     if ck is not None:
@@ -218,6 +230,10 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
         >>> done, run.result().summary["queries"], ps.n_users()
         ([2, 1], 24, 3)
     """
+    if not isinstance(start, Start):      # a dict or bare params was an AttributeError ('before')
+        raise InputError(f"expected a Start (rmm_jax.online.session.Start(params)), got a {type(start).__name__}",
+                         arg="start")
+    check_chunks(chunks)
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions), own)
