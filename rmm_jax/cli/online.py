@@ -32,7 +32,7 @@ from rmm_jax.persist.policy_store import DEFAULT_KEEP, PolicyStore
 from rmm_jax.persist.policy_versions import version_span
 from rmm_jax.persist.runstate import RunState
 
-INITS = ("continue", "identity", "pretrained")
+INITS = tuple(sorted(session.INITS))     # continue, identity, pretrained: the choices, as --help lists them
 INIT_HELP = ("Where the run starts. continue (the default when --policies exists): every user the store holds "
              "resumes from its latest good version (params, optimiser state, baseline, step, key), the shared "
              "part from the version the last saved users were trained against, and new users start from that "
