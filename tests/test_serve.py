@@ -604,3 +604,28 @@ def test_rerank_refuses_an_out_that_is_its_calls_or_inside_its_store(capsys, tmp
     assert line.startswith(f"error: --out {out}: {want}"), line
     assert calls.read_text() == text
     assert files() == before
+
+
+def _one_call(**kw):
+    from rmm_jax.data.calls import Call, Prepared
+    c = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32)
+    p = Prepared(Call(1, "u1", call_id="c1"), np.array([1.0, 0.0], np.float32), c, ["m1", "m2", "m3"], None)
+    return p._replace(**kw)
+
+
+@pytest.mark.parametrize("calls, m, now, where", [
+    (None, 2, 1_714_555_800.5, "now: must be an int of microseconds"),   # time.time() stamped 1970 silently
+    (None, 2, 1_714_555_800, "now: must be an int of microseconds"),     # seconds, not microseconds
+    (None, 2, None, "now: must be an int of microseconds"),
+    (None, "2", 0, "m: must be an int >= 1"),
+    (None, None, 0, "m: must be an int >= 1"),
+    ("one", 2, 0, "prepared_calls: must be a list of Prepared"),
+    ([_one_call(ids=["m1"])], 2, 0, "prepared_calls 0: call c1 has 1 ids for 3 candidates"),
+    ([_one_call(cands=np.zeros((0, 2), np.float32), ids=[])], 2, 0, "prepared_calls 0: call c1 has no candidates"),
+])
+def test_serve_calls_names_a_bad_now_m_or_call(calls, m, now, where):
+    from rmm_jax.online.serve import serve_calls
+    calls = [_one_call()] if calls is None else _one_call() if calls == "one" else calls
+    with pytest.raises(InputError) as e:
+        list(serve_calls(Reranker(None, dim=2), calls, m, now=now))
+    assert str(e.value).startswith(where), str(e.value)

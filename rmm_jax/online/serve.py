@@ -463,7 +463,9 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
     :attr:`Reranker.tau`) whose noise comes from :func:`call_keys` of ``seed``, the user and
     the call's identity, logged with its ``log_prob`` and ``logits``. A call without a
     timestamp is stamped ``now`` (microseconds since the epoch, read once per run) plus
-    its index, as ISO 8601 UTC (:func:`rmm_jax.data.citation_log.utc_timestamp`).
+    its index, as ISO 8601 UTC (:func:`rmm_jax.data.citation_log.utc_timestamp`); an
+    ``InputError`` names ``now`` if it is not such an int (a float, or seconds), ``m`` if
+    it is not an int >= 1, and a call without candidates or with fewer ids than candidates.
 
     Examples:
       >>> import numpy as np
@@ -483,6 +485,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
       >>> got[0].record.log_prob < 0, got[0].record.logits
       (True, (1.0, 0.0, 0.6))
     """
+    prepared_calls = _check_serve_args(prepared_calls, m, now)
     for (uid, n), rows in call_batches(prepared_calls).items():
         mm = min(m, n)                    # a call with fewer candidates than m shows all of them
         q = np.stack([prepared_calls[i].query for i in rows])
@@ -502,6 +505,33 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
             batch.append(Served(i, rec, who) if explore else
                          Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
         yield batch
+
+
+_MIN_NOW_US = 10**14   # microseconds since the epoch below this (1973) are seconds or milliseconds
+
+
+def _check_serve_args(prepared_calls, m, now) -> list:
+    """:func:`serve_calls`'s arguments, each refused by name before any call is served:
+    ``prepared_calls`` a list of :class:`~rmm_jax.data.calls.Prepared` (not one), each with
+    candidates and one id per candidate; ``m`` an int >= 1; ``now`` an int of microseconds
+    since the epoch (``time.time()`` seconds stamped 1970 silently)."""
+    if isinstance(prepared_calls, Prepared) or not isinstance(prepared_calls, Sequence) or any(
+            not isinstance(p, Prepared) for p in prepared_calls):
+        raise InputError("must be a list of Prepared calls (rmm_jax.data.calls.prepare_calls), got "
+                         f"{checks.short(prepared_calls)}", arg="prepared_calls")
+    if not (checks.is_int(m) and m >= 1):
+        raise InputError(f"must be an int >= 1, got {checks.short(m)}", arg="m")
+    if not checks.is_int(now) or 0 < now < _MIN_NOW_US:
+        raise InputError(f"must be an int of microseconds since the epoch (int(time.time() * 1e6)), got "
+                         f"{checks.short(now)}", arg="now")
+    for i, p in enumerate(prepared_calls):
+        n = np.shape(p.cands)[0] if np.ndim(p.cands) else 0
+        if n == 0:
+            raise InputError(f"call {p.call.call_id or i} has no candidates", arg=f"prepared_calls {i}")
+        if len(p.ids) != n:
+            raise InputError(f"call {p.call.call_id or i} has {len(p.ids)} ids for {n} candidates",
+                             arg=f"prepared_calls {i}")
+    return prepared_calls
 
 
 def _served_record(p: Prepared, sel: list[int], policy: Policy, stamp: str, log_prob=None, logits=None) -> LogRecord:
