@@ -712,3 +712,13 @@ def test_a_misspelt_required_key_names_what_the_record_has(typo, key):
     with pytest.raises(InputError) as e:
         validate_record(rec, "log.jsonl:3")
     assert str(e.value) == f"log.jsonl:3: key '{key}': missing required key"
+@pytest.mark.parametrize("kw, where", [
+    (dict(candidates="m1", selected=["m1"]), "candidates: must be a list of ids"),   # became ('m', '1')
+    (dict(candidates=["a", "b", "c"], selected=["a"], candidate_texts=["x"]),
+     "candidate_texts: has 1 texts for 3 candidates"),                               # record_to_json dropped b, c
+])
+def test_call_record_refuses_a_str_for_ids_or_texts_of_another_length(kw, where):
+    from rmm_jax.data.citation_log import call_record
+    with pytest.raises(InputError) as e:
+        call_record("u1", **kw)
+    assert str(e.value).startswith(where), str(e.value)

@@ -193,8 +193,11 @@ def call_record(user_id: str, candidates: Sequence[str], selected: Sequence[str]
     """The :class:`LogRecord` of one generator call as a run or a server chose it: what
     ``simulate --log-out`` (:func:`rmm_jax.online.streams.log_records`) and ``rerank``
     (:func:`rmm_jax.online.serve.serve_calls`) write, built one way. Id lists become tuples,
-    ``log_prob`` a float and ``logits`` floats rounded to 6 decimals (None: absent). Not
-    validated: :func:`validate_record` of its :func:`record_to_json` checks it.
+    ``log_prob`` a float and ``logits`` floats rounded to 6 decimals (None: absent). Only
+    its shape is checked here (an ``InputError`` names ``candidates``, ``selected`` or
+    ``cited`` given as one str, and ``candidate_texts`` of another length than
+    ``candidates``, which :func:`record_to_json` would cut short); the rest is
+    :func:`validate_record`'s, of its :func:`record_to_json`.
 
     >>> from rmm_jax.data.citation_log import call_record, record_to_json
     >>> rec = call_record("u1", ["m3", "m1", "m9"], ["m1", "m3"], cited=["m1"], query_id="q7", log_prob=-1.2)
@@ -203,8 +206,16 @@ def call_record(user_id: str, candidates: Sequence[str], selected: Sequence[str]
     >>> rec.selected, rec.log_prob
     (('m1', 'm3'), -1.2)
     """
+    for name, ids in (("candidates", candidates), ("selected", selected), ("cited", cited),
+                      ("candidate_texts", candidate_texts)):
+        if isinstance(ids, (str, bytes)):
+            raise InputError(f"must be a list of ids (or texts), not one str, got {ids!r:.60}", arg=name)
+    candidates = tuple(candidates)
+    if candidate_texts is not None and len(candidate_texts) != len(candidates):
+        raise InputError(f"has {len(candidate_texts)} texts for {len(candidates)} candidates: one per candidate "
+                         "(None for one without a text)", arg="candidate_texts")
     return LogRecord(user_id=user_id, query_id=query_id, call_id=call_id, query_text=query_text,
-                     candidates=tuple(candidates), selected=tuple(selected), cited=tuple(cited),
+                     candidates=candidates, selected=tuple(selected), cited=tuple(cited),
                      candidate_texts=None if candidate_texts is None else tuple(candidate_texts),
                      log_prob=None if log_prob is None else float(log_prob),
                      logits=None if logits is None else tuple(round(float(x), 6) for x in logits),
