@@ -339,3 +339,29 @@ def test_a_store_left_by_a_run_killed_before_its_first_checkpoint_is_resumed_fro
         assert f"started 4 new users in {pol} from the store's shared version v1: it holds no saved user yet" in err
         assert "continued" not in err, err
         assert_same(states(tmp_path / "fresh"), states(pol))
+
+
+def test_resolve_setting_takes_no_record_yet_and_a_kind_left_to_the_preset():
+    from rmm_jax import preset
+    from rmm_jax.core.config import setting_record
+    from rmm_jax.online.setting import SettingOptions, resolve_setting
+    ls = resolve_setting(None, SettingOptions("reinforce", 8, 3, lr=2e-4), set())   # AttributeError before
+    assert (ls.preset, ls.recorded, ls.changes, ls.to_record) == ("reinforce", None, [], True)
+    assert ls.record == setting_record("reinforce", preset("reinforce", k=8, m=3, lr=2e-4))
+    assert resolve_setting(None, SettingOptions("default", 8, 3), set()).setting.layout.kind == \
+        preset("default", k=8, m=3).layout.kind                                     # kind None: ValueError before
+
+
+@pytest.mark.parametrize("given, explicit, where", [
+    (None, "draw_tau", "explicit: must be a set of field names"),      # marked tau explicit by substring
+    ({"preset": "default", "k": 8, "m": 3}, {"lr"}, "given: must be a SettingOptions"),   # AttributeError
+])
+def test_resolve_setting_refuses_a_str_explicit_or_a_dict_given_naming_it(given, explicit, where):
+    from rmm_jax import preset
+    from rmm_jax.core.config import setting_record
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.setting import SettingOptions, resolve_setting
+    given = SettingOptions("default", 8, 3, kind="linear", draw_tau=0.5) if given is None else given
+    with pytest.raises(InputError) as e:
+        resolve_setting(setting_record("reinforce", preset("reinforce")), given, explicit)
+    assert str(e.value).startswith(where), str(e.value)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import Setting, setting_changes, setting_record, setting_values
+from rmm_jax.errors import InputError
 
 __all__ = ["SETTING_OPTIONS", "LearningSetting", "SettingOptions", "blamed_change", "resolve_setting"]
 
@@ -79,8 +81,11 @@ def resolve_setting(recorded: dict, given: SettingOptions, explicit) -> Learning
     the options in ``explicit`` (names of the fields the user gave) from ``given`` on top.
     An explicit ``preset`` is taken as it is now (a store recorded under an older `default`
     moves to today's); left out, the recorded preset's name and fields are kept. The
-    layout's shape (k, m, kind, scope, rank) is ``given``'s. A bad value raises the core's
-    ``ValueError("field: message")``.
+    layout's shape (k, m, kind, scope, rank) is ``given``'s; ``kind`` or ``hidden`` None:
+    the preset's. ``recorded`` None (a store that records no setting yet): the preset
+    ``given.preset`` with every field ``given`` sets. A bad value raises the core's
+    ``ValueError("field: message")``; ``given`` other than a :class:`SettingOptions` (the old
+    dict) or ``explicit`` a str rather than a set of names, an ``InputError`` naming it.
 
     Examples:
         >>> from rmm_jax import preset
@@ -92,14 +97,24 @@ def resolve_setting(recorded: dict, given: SettingOptions, explicit) -> Learning
         >>> ls.preset, ls.setting.estimator.loss, ls.changes
         ('reinforce', 'reinforce', [('lr', 0.0003, 0.0002)])
     """
+    if not isinstance(given, SettingOptions):
+        raise InputError(f"must be a SettingOptions (SettingOptions.of(options) for a dict), got {checks.short(given)}",
+                         arg="given")
+    if isinstance(explicit, (str, bytes)):
+        raise InputError(f"must be a set of field names ({{{explicit!r}}} for one), got {explicit!r}", arg="explicit")
+    explicit = set(explicit)
+    if recorded is None:   # no record yet: the preset with every option given
+        explicit |= {"preset"} | {f for f in SETTING_OPTIONS if getattr(given, f) is not None}
     name = given.preset if "preset" in explicit else recorded.get("preset", given.preset)
     # --preset given: that preset as it is now; left out: the recorded fields
-    values = setting_values(recorded) if name == recorded.get("preset") and "preset" not in explicit else {}
+    values = setting_values(recorded) if "preset" not in explicit and name == recorded.get("preset") else {}
     values.pop("preset", None)
     values.update({f: getattr(given, f) for f in SETTING_OPTIONS[1:] if f in explicit})
-    shape = {"hidden": given.hidden} if given.hidden is not None else {}
-    setting = settings.preset(name, k=given.k, m=given.m, kind=given.kind, scope=given.scope or "user",
-                              rank=given.rank, **shape, **values)
+    shape = {f: getattr(given, f) for f in ("kind", "hidden") if getattr(given, f) is not None}
+    setting = settings.preset(name, k=given.k, m=given.m, scope=given.scope or "user", rank=given.rank, **shape,
+                              **values)
+    if recorded is None:
+        return LearningSetting(setting, name, None, [])
     return LearningSetting(setting, name, recorded, setting_changes(recorded, setting_record(name, setting)))
 
 
