@@ -953,3 +953,15 @@ def test_replay_and_evaluate_take_k_and_m_from_the_log_and_refuse_a_contradictio
     assert_one_line_error(code, err, ["--m", "disagree", "line 2 shows 2 memories of its 10 candidates", "pass --m"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.jsonl"]          # nothing written
 
+
+
+@pytest.mark.parametrize("layout, hint", [(None, ""), ("setting", " (a Setting: pass its .layout)")])
+def test_scan_log_names_a_layout_that_is_not_one(tmp_path, layout, hint):
+    from rmm_jax import preset
+    from rmm_jax.errors import InputError
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"user_id": "u1", "query_id": "q", "candidates": ["a", "b"], "selected": ["a"],
+                               "cited": []}) + "\n")
+    with pytest.raises(InputError) as e:     # AttributeError 'k' before
+        scan_log(log, preset("default", k=8, m=3) if layout == "setting" else layout)
+    assert str(e.value).startswith(f"layout: must be a Layout{hint}, got "), str(e.value)

@@ -357,3 +357,17 @@ def test_embed_wants_out_or_into_and_says_not_both(capsys, tmp_path, both):
     want = "error: --out: give --out (a new store) or --into (append to an existing one)" + (", not both" * both)
     assert code == 2 and err.strip() == want, err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("store, k, where", [
+    (None, "5", "k: k must be a positive integer"),        # TypeError comparing with the bank sizes
+    (None, None, "k: k must be a positive integer"),
+    ("path", 5, "store: expected an opened store (open_store(path))"),   # AttributeError bank_sizes
+])
+def test_evaluate_store_names_a_bad_k_or_an_unopened_store(tiny_store, store, k, where):
+    from rmm_jax.data.retrieval import evaluate_store
+    from rmm_jax.data.store import open_store
+    from rmm_jax.errors import InputError
+    with pytest.raises(InputError) as e:
+        evaluate_store(str(tiny_store) if store == "path" else open_store(tiny_store), k)
+    assert str(e.value).startswith(where), str(e.value)

@@ -303,6 +303,10 @@ def evaluate_store(store, k: int, *, pad_short_banks: bool = False) -> dict:
       ...
       rmm_jax.errors.InputError: k: k=5 is larger than the memory bank of user ... or pad_short_banks=True
     """
+    if not hasattr(store, "bank_sizes"):
+        raise InputError(f"expected an opened store (open_store(path)), got {type(store).__name__} {store!r:.60}",
+                         arg="store")
+    M._check_k(k)                         # before the bank sizes are compared with it
     if not pad_short_banks:               # a user without questions retrieves nothing: its bank may be short
         for uid, n_m in store.bank_sizes.items():
             if k > n_m and store.query_count(uid):

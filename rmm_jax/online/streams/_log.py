@@ -193,6 +193,9 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     (:data:`rmm_jax.persist.learned_calls.WINDOW`), whose earlier calls a later replay of
     the same log cannot recognise; and ``replayed``, how many valid records the replayed
     users have."""
+    if not (hasattr(layout, "k") and hasattr(layout, "m")):   # a Layout, or anything with its k and m
+        hint = " (a Setting: pass its .layout)" if hasattr(layout, "layout") else ""
+        raise InputError(f"must be a Layout{hint}, got {type(layout).__name__}", arg="layout")
     check_user_list(users)
     read: list[ReadReport] = []
     seen: set[str] = set()
