@@ -107,6 +107,18 @@ def test_leaving_the_loop_waits_for_the_reading_thread(store):
     assert not any(t.name == "rmm-jax-pad-ahead" for t in threading.enumerate())
 
 
+def test_run_online_names_chunks_or_a_str_for_streams_and_takes_a_generator(store):
+    """run_online([streams[:2], streams[2:]]) (chunks) and run_online("abc") were
+    AttributeErrors in the driver; a generator a TypeError (no len())."""
+    streams = load_streams(store, CFG.k)[:2]
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+    with pytest.raises(InputError, match=r"^streams 0: expected a Stream, got list: run_online takes the streams "):
+        run_online([streams[:1], streams[1:]], SIM, p0)
+    with pytest.raises(InputError, match=r"^streams: expected a list of streams, got str 'abc'"):
+        run_online("abc", SIM, p0)
+    assert run_online((s for s in streams), SIM, p0).user_ids == [s.user_id for s in streams]
+
+
 @pytest.mark.user_xla_flags
 def test_replaying_a_simulated_log_reproduces_every_policy_bit_for_bit(store, tmp_path):
     streams = load_streams(store, CFG.k)

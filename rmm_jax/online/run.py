@@ -180,7 +180,8 @@ def chunk_records(stream: Stream, outputs: dict) -> list[dict]:
 def run_online(streams: Sequence[Stream], program: Program, params, *, seed: int = 0, users_per_chunk: int = 8,
                want_log: bool = False, mesh=None, shared: SharedState | None = None) -> OnlineResult:
     """Simulate (``program`` built with a citation function) or replay (the streams carry
-    logged selections) over streams in memory, keeping the summaries, every chunk's final
+    logged selections) over ``streams`` in memory (any iterable of :class:`Stream`, not
+    chunks of them), keeping the summaries, every chunk's final
     states and, with ``want_log``, the simulated log records. Every user starts from
     ``params``; the shared part from ``shared`` when given (see
     :func:`rmm_jax.online.driver.drive`).
@@ -201,6 +202,13 @@ def run_online(streams: Sequence[Stream], program: Program, params, *, seed: int
       True
     """
     refuse_stream(streams, "streams", "a list of streams", "run_online([stream], ...) runs one user")
+    if isinstance(streams, (str, bytes)) or not hasattr(streams, "__iter__"):
+        raise InputError(f"expected a list of streams, got {checks.short(streams)}", arg="streams")
+    streams = list(streams)                 # any iterable of streams (a generator had no len())
+    for i, s in enumerate(streams):
+        if not isinstance(s, Stream):
+            raise InputError(f"expected a Stream, got {type(s).__name__}: run_online takes the streams themselves "
+                             "(it chunks them by users_per_chunk), not chunks of them", arg=f"streams {i}")
     check_seed_and_chunk(seed, users_per_chunk)
     chunks = [streams[i:i + users_per_chunk] for i in range(0, len(streams), users_per_chunk)]
     recorder = Recorder(program.layout.m, keep_states=True, keep_records=want_log)
