@@ -580,3 +580,15 @@ def test_write_store_refuses_thresholds_at_a_granularity_that_ignores_them(tmp_p
     with worded({"granularity": "--granularity"}):
         with pytest.raises(InputError, match="only --granularity segment reads it"):
             write_store(tmp_path / "x", tiny_dataset(), "turn", FakeEmbedder(), segment_threshold=0.5)
+
+
+@pytest.mark.parametrize("texts, model, where", [
+    ("hello", "all-MiniLM-L6-v2", "texts: expected a list of texts, got one str"),   # embedded h, e, l, o
+    (["ok"], None, "model: expected an embedding model's name"),                      # AttributeError
+])
+def test_embed_texts_names_a_str_for_texts_or_a_model_that_is_not_a_name(texts, model, where):
+    from rmm_jax.data.embed import embed_texts
+    from rmm_jax.errors import InputError
+    with pytest.raises(InputError) as e:
+        embed_texts(texts, model)
+    assert str(e.value).startswith(where), str(e.value)

@@ -437,7 +437,16 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
     >>> from rmm_jax.data.embed import embed_texts
     >>> embed_texts([], "all-MiniLM-L6-v2")       # nothing to embed: no model loaded
     {}
+    >>> embed_texts("hello", "all-MiniLM-L6-v2")
+    Traceback (most recent call last):
+    ...
+    rmm_jax.errors.InputError: texts: expected a list of texts, got one str: ['hello'] embeds it
     """
+    if isinstance(texts, (str, bytes)):   # it embedded the characters
+        raise InputError(f"expected a list of texts, got one str: [{texts!r:.40}] embeds it", arg="texts")
+    if not isinstance(model, str):
+        raise InputError(f"expected an embedding model's name (a store's model), got {type(model).__name__}",
+                         arg="model")
     distinct = list(dict.fromkeys(texts))
     if not distinct:
         return EmbeddedTexts()
