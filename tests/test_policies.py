@@ -374,6 +374,25 @@ def test_a_path_that_is_not_a_path_is_refused_naming_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_params_of_another_kind_or_hidden_width_than_the_meta_are_refused_before_anything_is_written(tmp_path):
+    """PolicyStore.create took linear params in an `mlp` store (and the reverse), found
+    only when serving; an `mlp` store of hidden 16 took params of hidden 4."""
+    import jax
+
+    import rmm_jax as rj
+    from rmm_jax.persist.policy_meta import PolicyMeta
+    linear, mlp4 = rj.init_reranker(jax.random.key(0), 8), rj.init_reranker(jax.random.key(0), 8, "mlp", 4)
+    for meta, params, msg in ((PolicyMeta("mlp", 8, hidden=16), linear, "are of the linear kind .*meta kind is mlp"),
+                              (PolicyMeta("linear", 8), mlp4, "are of the mlp kind .*meta kind is linear"),
+                              (PolicyMeta("mlp", 8, hidden=16), mlp4, r"have hidden width 4 .*meta hidden is 16")):
+        with pytest.raises(InputError, match=rf"^shared_params: params {msg}$"):
+            PolicyStore.create(tmp_path / "x", meta, params)
+    assert list(tmp_path.iterdir()) == []
+    st = PolicyStore.create(tmp_path / "ok", PolicyMeta("mlp", 8, hidden=4), mlp4)
+    with pytest.raises(InputError, match=r"^state: params are of the linear kind"):
+        st.save_shared(SharedState(linear, None))
+
+
 def test_params_of_another_embedding_size_are_refused_before_anything_is_written(tmp_path):
     """create, save and save_shared took params of another dim than the store's meta dim
     (a dim-16 policy in a dim-384 store), found only when serving ("q: dimension 384 does

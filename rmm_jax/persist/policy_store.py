@@ -225,19 +225,39 @@ _DIM_AXES = {("W", "kernel"): (-2, -1),              # linear: (d, d)
              ("lora", "a"): (-2,), ("lora", "b"): (-2,)}                                    # hybrid users: (d, r)
 
 
-def _check_dim(params, dim: int, arg: str) -> None:
+# the leaves only one kind of reranker has (by their last two keys), and those that hold the
+# `mlp` kind's hidden width h: the axes counted from the end
+_KIND_OF = {("W", "kernel"): "linear", ("down", "kernel"): "mlp", ("down", "bias"): "mlp", ("up", "kernel"): "mlp",
+            ("up", "bias"): "mlp"}
+_HIDDEN_AXES = {("down", "kernel"): (-2,), ("up", "kernel"): (-1,), ("up", "bias"): (-1,)}
+
+
+def _check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
     """Refuse ``params`` (a reranker's, a users axis in front or not; ``{}`` or only some
-    adapters: what is there is checked) whose embedding size is not the store's ``dim``,
-    naming ``arg``: a dim-16 policy saved in a dim-384 store was found only when serving
-    (``q: dimension 384 does not match the reranker's 16``)."""
+    adapters: what is there is checked) that are not of the store's meta: an embedding size
+    other than ``dim`` (a dim-16 policy saved in a dim-384 store was found only when serving:
+    ``q: dimension 384 does not match the reranker's 16``), another ``kind`` (linear params
+    in an `mlp` store, or the reverse, were stored and failed at serving) or, for `mlp`, a
+    hidden width other than ``hidden`` (when the meta records one); naming ``arg``. Without
+    ``of_kind`` only the dim (users' params: a store may hold users of another structure,
+    which :meth:`PolicyStore.load_batch` refuses to stack)."""
+    dim, kind, hidden = meta["dim"], meta["kind"], meta.get("hidden") if of_kind else None
+    kind = kind if of_kind else None
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
         shape = np.shape(leaf)
+        name = "/".join(map(str, keys))
+        if kind is not None and _KIND_OF.get(keys[-2:], kind) != kind:
+            raise InputError(f"params are of the {_KIND_OF[keys[-2:]]} kind ({name}), the store's meta kind is "
+                             f"{kind}", arg=arg)
         for ax in _DIM_AXES.get(keys[-2:], ()):
             if len(shape) >= -ax and shape[ax] != dim:
-                name = "/".join(map(str, keys))
                 raise InputError(f"params are for embedding size {shape[ax]} ({name} has shape {tuple(shape)}), "
                                  f"the store's meta dim is {dim}", arg=arg)
+        for ax in _HIDDEN_AXES.get(keys[-2:], ()) if kind == "mlp" and hidden is not None else ():
+            if len(shape) >= -ax and shape[ax] != hidden:
+                raise InputError(f"params have hidden width {shape[ax]} ({name} has shape {tuple(shape)}), "
+                                 f"the store's meta hidden is {hidden}", arg=arg)
 
 
 def _check_keep(keep, where: str) -> int:
@@ -303,7 +323,7 @@ class PolicyStore:
         if not isinstance(shared_params, Mapping):      # None was stored, and serving failed 10 calls deep
             raise InputError(f"expected a reranker's params (init_reranker), got {short(shared_params)}",
                              arg="shared_params")
-        _check_dim(shared_params, meta["dim"], "shared_params")
+        _check_params(shared_params, meta, "shared_params")
         if (chunk_size is not None and chunk_size < 1) or chunk_bytes < 1:
             raise InputError("chunk_size and chunk_bytes must be >= 1", where=str(path))
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -490,7 +510,7 @@ class PolicyStore:
             raise InputError(f"expected a SharedState(params, opt_state), got {type(state).__name__}",
                              where="save_shared")
         info = _json_dict(info, "shared info", "save_shared: info")
-        _check_dim(state.params, self.meta["dim"], "state")
+        _check_params(state.params, self.meta, "state")
         with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
             # above every number handed out, those a rollback deleted included (next_shared)
             version = max([*self.shared_versions(), *idx.shared_refs(), idx.next_shared() - 1, 0]) + 1
@@ -573,7 +593,7 @@ class PolicyStore:
         if self.paired and shared_version is None:
             raise InputError(f"a save in scope {self.scope.name!r} needs shared_version (the shared version these "
                              "users were trained against)", where="save")
-        _check_dim(state.params, self.meta["dim"], "state")
+        _check_params(state.params, self.meta, "state", of_kind=False)
         specs, stacked = {}, {}
         for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
             specs[p], stacked[p] = encode_tree(t, batch=len(user_ids), where=f"save {p}")
