@@ -501,6 +501,12 @@ def test_skip_invalid_counts_and_succeeds(env, capsys, tmp_path):
     info = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "%|" not in ln]
     assert info and info[-1].startswith("skipped 2 invalid records of 5"), err
     assert "Traceback" not in err
+    # evaluate skips and counts them the same way
+    logged = tmp_path / "logged.jsonl"
+    logged.write_text("".join(json.dumps({**r, "log_prob": -2.0}) + "\n" for r in env["good"][:3]) + "{\n")
+    code, _, err = cli(capsys, "evaluate", env["store"], "--log", logged, "--policies", tmp_path / "pol", "--k", K,
+                       "--m", M, "--skip-invalid", "--allow-unreliable")
+    assert code == 0 and "skipped 1 invalid records of 4; first: " in err and "Traceback" not in err, err
     # without --skip-invalid the same log fails on line 2 and writes nothing
     code, _, err = cli(capsys, "replay", env["store"], "--log", log, "--policies", tmp_path / "pol2",
                        "--k", K, "--m", M)

@@ -202,7 +202,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for note in k_m_note:
         info(note)
     if log["skipped"]:
-        info(ReadReport(**log).skipped_line())
+        info(ReadReport(*(log[f] for f in ReadReport._fields)).skipped_line())   # log also holds its path
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
     for note in filter(None, (rep["learned_calls"]["note"], rep["pending_rollback"])):    # pending: before a rollback
