@@ -23,8 +23,8 @@ class InputError(ValueError):
 
     >>> from rmm_jax.errors import InputError
     >>> e = InputError("bad", arg="users user9")
-    >>> str(e), e.where, e.arg
-    ('users user9: bad', 'users user9', 'users')
+    >>> str(e), e.where, e.arg, e.message
+    ('users user9: bad', 'users user9', 'users', 'bad')
     >>> InputError("bad", where="users").arg is None
     True
     """
@@ -34,6 +34,7 @@ class InputError(ValueError):
             raise TypeError("InputError takes where= (a location) or arg= (an argument), not both")
         self.arg = arg.partition(" ")[0] if arg else None
         self.where = arg if arg else where
+        self.message = message      # without the location: what a re-worded error keeps
         super().__init__(f"{self.where}: {message}" if self.where else message)
 
 

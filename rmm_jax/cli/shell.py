@@ -176,6 +176,6 @@ def as_options(*args: str, **renamed: str):
     except InputError as e:
         if e.arg is None or (e.arg not in args and e.arg not in renamed):
             raise
-        msg = str(e)[len(e.where) + 2:]
+        msg = e.message
         option = renamed.get(e.arg, e.arg).replace("_", "-")
         raise InputError(msg, where=f"--{option}{e.where[len(e.arg):]}") from None

@@ -185,7 +185,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                 except InputError as e:         # --queries left out: the whole stream, which --policies learned
                     if query_range or e.where != "--queries":
                         raise
-                    raise InputError(str(e)[len(e.where) + 2:], where=f"--policies {policies}") from None
+                    raise InputError(e.message, where=f"--policies {policies}") from None
             note = continue_note(ps, start, run_ids, afresh=afresh and rs_fresh(rs),
                                  created=created) if writer else None
             result = run_and_save(chunks, len(run_ids), make_run(*setting, cite_fn=cite), start, ps, rs,

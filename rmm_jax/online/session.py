@@ -279,7 +279,7 @@ def _saved_states_as_policies(events, own: list):
     try:
         yield from events
     except InputError as e:
-        message = str(e)[len(e.where) + 2:]
+        message = e.message
         if e.arg != "chunks" or not message.startswith(UNFIT) or any(e is o for o in own):
             raise
         raise InputError(message, arg="policies" + e.where[len(e.arg):]) from None
