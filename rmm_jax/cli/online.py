@@ -139,7 +139,8 @@ def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, crea
     with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
           begin_run_state_if_single(policies, command, options, resume=resume, checkpoint_every=checkpoint_every,
                                     inputs=inputs, restart_same=restart_same) as rs):
-        start = plan_start(ps, st, ls.setting.layout, init, seed, rs, writer=writer)
+        with as_options("policies"):                    # its errors name --policies
+            start = session.plan_start(ps, st, ls.setting.layout, init, seed, rs, writer=writer)
         if start.rolled_back is not None:
             info(rolled_back_note(policies, start.rolled_back))
         yield rs, start
@@ -171,12 +172,6 @@ def save_plot(result, setting, path, verb: str) -> None:
     plot_learning(result.summary, result.base, path, m=m, label=f"{verb}, scope {scope.name}",
                   title=f"{verb}: prequential measures of {len(result.summary['per_user'])} users")
     info(f"wrote {path}")
-
-
-def plan_start(ps, st, layout, init: str, seed: int, rs=None, *, writer: bool = True) -> Start:
-    """:func:`rmm_jax.online.session.plan_start`, its errors naming ``--policies``."""
-    with as_options("policies"):
-        return session.plan_start(ps, st, layout, init, seed, rs, writer=writer)
 
 
 def rolled_back_note(policies, r) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, named, worded
 
 __all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
@@ -413,7 +414,7 @@ def truncation_note(embedder) -> str | None:
     if not n:
         return None
     total, limit = embedder.texts_embedded, embedder.max_tokens
-    return (f"{n} of {total} text{'' if total == 1 else 's'} embedded {'was' if n == 1 else 'were'} longer than "
+    return (f"{n} of {count(total, 'text')} embedded {'was' if n == 1 else 'were'} longer than "
             f"model {embedder.model_id} reads ({limit} word pieces, about {4 * limit} characters) and embedded from "
             "the beginning only: the rest is not retrievable. Split long messages into several (docs/own-data.md, "
             "'Long messages')")
