@@ -167,16 +167,16 @@ def _check_version(version, name: str = "version") -> int | None:
     return int(version)
 
 
-def _check_user_ids(user_ids) -> list[str]:
-    """``user_ids`` as a list of str, else an InputError naming ``users``: a list id was a
+def _check_user_ids(user_ids, arg: str = "users") -> list[str]:
+    """``user_ids`` as a list of str, else an InputError naming ``arg``: a list id was a
     TypeError (unhashable), an int one was looked up as given: ``load_batch([7])`` was a
     KeyError '7' where the store held user "7", and listed 7 as missing where it did not."""
     if isinstance(user_ids, str):
-        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", arg="users")
+        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", arg=arg)
     ids = list(user_ids)
     for bad in ids:
         if not isinstance(bad, str):
-            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], arg="users")
+            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], arg=arg)
     return ids
 
 
@@ -658,8 +658,7 @@ class PolicyStore:
         :class:`PolicyRestoreWarning`; if none loads, an InputError names the user, each
         version and why (the shared version it needs, if that is the problem).
         """
-        if not isinstance(user_id, str):      # was named "users", load_batch's argument
-            raise InputError(f"user ids are str, got {type(user_id).__name__} {user_id!r}"[:100], arg="user_id")
+        _check_user_ids([user_id], arg="user_id")     # was named "users", load_batch's argument
         b = self._load([user_id], version, missing_ok=False)
         one, learned = jax.tree_util.tree_map(lambda a: a[0], (b.state, b.learned))
         return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()), learned)
