@@ -403,7 +403,9 @@ def test_a_log_the_target_served_itself_gets_no_verdict_and_no_rollback(capsys, 
     0 by construction, so no ship and no 'do not ship' with its rollback hint (before: 'do not
     ship (... [-5.1e-08, +4.4e-08] contains 0)' and a hint whose rollback removes every user's
     policy). Some calls so served: a note counts them and the estimate stands. A record
-    without the keys, or with other versions, never counts."""
+    without the keys, or with other versions, never counts by version: the target here is at
+    another temperature than the log's, so its probabilities do not agree with the logged ones
+    either (the float32 check: test_an_own_log_without_versions_agrees_to_float32_rounding)."""
     import rmm_jax.cli.evaluate as cli_evaluate
     monkeypatch.setattr(cli_evaluate, "rollback_hint", lambda ps, policies: "HINT: roll back")
     from rmm_jax.online.serve import load_policy
@@ -419,7 +421,7 @@ def test_a_log_the_target_served_itself_gets_no_verdict_and_no_rollback(capsys, 
                                  ("none", recs, 0)]:
         log = tmp_path / f"{name}.jsonl"
         log.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--json", log=log)
+        code, out, err = evaluate(capsys, ope_env, "--tau", 0.08, "--json", log=log)
         assert code == 0, err
         rep = strict_json(out)
         v = rep["verdict"]
@@ -428,8 +430,9 @@ def test_a_log_the_target_served_itself_gets_no_verdict_and_no_rollback(capsys, 
         note = [x for x in rep["notes"] if "POLICIES served" in x]
         assert note == ([] if n_served in (0, len(recs)) else
                         [f"POLICIES served {n_served} of these {len(recs)} calls itself (their logged policy_version "
-                         "and shared_version are the ones it loads): on those the estimate compares it with itself"])
-        code, out, err = evaluate(capsys, ope_env, "--tau", TAU, log=log)
+                         "and shared_version are the ones it loads, or it gives them the logged probabilities to "
+                         "float32 rounding): on those the estimate compares it with itself"])
+        code, out, err = evaluate(capsys, ope_env, "--tau", 0.08, log=log)
         line = out.splitlines()[-1]
         if n_served == len(recs):
             assert not v["ship"] and not v["worse"]
@@ -437,6 +440,64 @@ def test_a_log_the_target_served_itself_gets_no_verdict_and_no_rollback(capsys, 
             assert line.endswith("evaluate a newer version on this log, or this version on a log it did not serve)")
         else:
             assert "POLICIES served all" not in out and not line.startswith("verdict: none"), line
+
+
+def test_an_own_log_without_versions_agrees_to_float32_rounding(capsys, ope_env, tmp_path, monkeypatch):
+    """An application's own log, without policy_version/shared_version, whose log_prob and
+    logits the evaluated policy computed itself (the identity reranker at TAU): every weight is
+    1 up to float32 rounding, and that rounding alone decided the verdict (before: 'ship (...
+    [+5.9e-09, +5.0e-08] lies above 0)', or 'do not ship' with a rollback hint, by the CPU).
+    Now every call agrees within the float32 bound (rounding_bound) and the verdict is none,
+    saying so. The bound is a worst case, far above the rounding seen and far below a real
+    policy change: a target at another temperature differs from the log by orders of magnitude
+    more, and its decisions (ship, worse) stand, with gains far above what rounding can move."""
+    import rmm_jax.cli.evaluate as cli_evaluate
+    monkeypatch.setattr(cli_evaluate, "rollback_hint", lambda ps, policies: "HINT: roll back")
+    assert not any("policy_version" in r or "shared_version" in r for r in ope_env["records"])
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--json")
+    assert code == 0 and err == "", err
+    rep = strict_json(out)
+    v, n = rep["verdict"], len(ope_env["records"])
+    assert v["self_served"] and v["served_by_target"] == n and not v["ship"] and not v["worse"], v
+    assert v["reliable"] and abs(v["gain"]["value"]) < 1e-6                     # the estimate itself stands
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU)
+    line = out.splitlines()[-1]
+    assert code == 0 and "HINT" not in err, err
+    assert line.startswith(f"verdict: none (snips on cite_rate: the target and the logging policy agree to float32 "
+                           f"rounding on all {n} of these calls (every importance weight is 1 within float32's error "
+                           "bound, so any gain lies within ±"), line
+    assert line.endswith("POLICIES served them, so the log cannot compare it with itself: evaluate a newer version "
+                         "on this log, or this version on a log it did not serve)"), line
+
+    from rmm_jax.online.ope import Target, agrees_to_rounding, load_calls, rounding_bound, rounding_gain
+    from rmm_jax.online.ope._marginals import _prefix_log_probs
+    st, ps = open_store(ope_env["store"]), PolicyStore.open(ope_env["pol"])
+
+    def log_ratios(tau, log):
+        calls = load_calls(st, log, ps, Target(KK, MM, tau))
+        lr = _prefix_log_probs(calls.target_logits, calls.selected, calls.mask)[:, -1] - calls.log_prob
+        return calls, np.abs(lr), rounding_bound(calls)
+
+    calls, lr, bound = log_ratios(TAU, ope_env["log"])
+    assert agrees_to_rounding(calls).all() and (bound > 0).all() and np.isfinite(bound).all()
+    assert lr.max() < 0.05 * bound.min(), (lr.max(), bound.min())           # a bound, not what this CPU gives
+    # a real change of policy: the identity at another temperature, shipping and shown worse as before
+    better = [{**r, "cited": [m for m in r["selected"] if z[m] >= np.median(r["logits"])]}
+              for r in ope_env["records"] for z in [dict(zip(r["candidates"], r["logits"]))]]
+    worse = [{**r, "cited": [m for m in r["selected"] if z[m] < np.median(r["logits"])]}
+             for r in ope_env["records"] for z in [dict(zip(r["candidates"], r["logits"]))]]
+    for name, rows, ship in [("better", better, True), ("worse", worse, False)]:
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        code, out, err = evaluate(capsys, ope_env, "--tau", 0.05, "--json", "--allow-unreliable", log=log)
+        rep = strict_json(out)
+        v = rep["verdict"]
+        assert v["reliable"] and not v["self_served"] and v["served_by_target"] == 0, (name, v)
+        assert v["ship"] == ship and v["worse"] == (not ship), (name, v)
+        calls, lr, bound = log_ratios(0.05, log)
+        assert not agrees_to_rounding(calls).any() and (lr / bound).min() > 10 and np.median(lr / bound) > 1000
+        tol = rounding_gain(calls, rep["ranges"]["cite_rate"])
+        assert min(abs(x) for x in v["gain"]["ci95"]) > 100 * tol, (v, tol)     # the whole interval, 160x
 
 
 def test_rollback_hint_only_for_a_reliable_estimate_below_the_logged_value(capsys, ope_env, tmp_path, monkeypatch):

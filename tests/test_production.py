@@ -342,7 +342,9 @@ def test_evaluate_on_the_log_its_own_versions_served_gives_no_verdict_and_no_rol
     every line), evaluated with the same POLICIES: every weight is 1 and the gain 0 by
     construction. Before: 'do not ship (... [-5.1e-08, +4.4e-08] contains 0)' and a rollback
     hint whose dry run removes every user's policy. Now: no verdict, saying so, and no hint.
-    Once the night's replay has saved newer versions, the same log judges them."""
+    The same log without its version keys: the policies' probabilities agree with the logged
+    ones to float32 rounding, no verdict either. Once the night's replay has saved newer
+    versions, the same log judges them."""
     pol = tmp_path / "p"
     code, _, err = run_cli(capsys, "replay", store, *ONLINE, "--scope", "hybrid", "--rank", "2", "--log",
                            production_log(store, tmp_path, seed=1), "--policies", pol)
@@ -362,6 +364,18 @@ def test_evaluate_on_the_log_its_own_versions_served_gives_no_verdict_and_no_rol
     assert code == 0 and "rollback" not in err, err
     assert out.splitlines()[-1].startswith(f"verdict: none (snips on cite_rate: POLICIES served all {len(lines)} "
                                            "of these calls"), out
+    # the same day without the version keys (an application's own log): float32 rounding alone decided
+    # (before: 'ship (... [+2.2e-09, +3.1e-08] lies above 0)' or 'do not ship (... [-3.1e-08, -1.2e-09] lies
+    # below 0)' and a rollback hint, by the seed of the citations); now the probabilities agree to float32
+    unversioned = write_jsonl(tmp_path / "own.jsonl", [{k: x[k] for k in x if not k.endswith("_version")}
+                                                       for x in map(json.loads, log.read_text().splitlines())])
+    code, out, err = run_cli(capsys, *ev, "--json", "--log", unversioned)
+    v = json.loads(out)["verdict"]
+    assert code == 0 and v["self_served"] and v["served_by_target"] == len(lines) and not v["ship"], v
+    code, out, err = run_cli(capsys, *ev, "--log", unversioned)
+    assert code == 0 and "rollback" not in err, err
+    assert out.splitlines()[-1].startswith("verdict: none (snips on cite_rate: the target and the logging policy "
+                                           f"agree to float32 rounding on all {len(lines)} of these calls"), out
     code, _, err = run_cli(capsys, "replay", store, *ONLINE, "--log", log, "--policies", pol)
     assert code == 0, err
     code, out, err = run_cli(capsys, *ev, "--json")

@@ -166,7 +166,9 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     the log compares the policies with themselves: the verdict is "none"
     ("self_served" in --json, "served_by_target" counts such calls; when only some
     are, a note counts them). The check is by version number: the log does not name
-    the policy store that served it.
+    the policy store that served it. A call without the keys counts when POLICIES gives
+    it the logged probabilities to float32 rounding (every weight 1 within float32's
+    error bound; docs/ope.md).
 
     \b
     Examples:

@@ -109,10 +109,12 @@ has one too. :func:`ship_verdict` turns it into a decision: ship when the SNIPS 
 of the cite rate (:data:`SHIP_ESTIMATOR`, :data:`SHIP_METRIC`) is reliable and its gain's
 interval lies above 0 (``worse`` when it is reliable and lies below 0, the one verdict that
 shows the target worse; none when the target's own versions served every logged call, so
-the log compares it with itself). The cite rate needs no gold; SNIPS needs only ``log_prob``, has far
-less variance than IPS, and is the estimator ``benchmarks/ope_validation.py`` validates
-under both fixed and adaptive logging (95% coverage 0.93 and 1.0 on cited memories); the
-slate estimators are narrower but assume how citations depend on the slots.
+the log compares it with itself, or when it gives every call the logged probabilities to
+float32 rounding: :func:`rounding_bound`, :func:`agrees_to_rounding`). The cite rate needs no
+gold; SNIPS needs only ``log_prob``, has far less variance than IPS, and is the estimator
+``benchmarks/ope_validation.py`` validates under both fixed and adaptive logging (95% coverage
+0.93 and 1.0 on cited memories); the slate estimators are narrower but assume how citations
+depend on the slots.
 
 One concern per private module: ``_marginals`` (Plackett–Luce slot marginals and prefix
 probabilities), ``_estimators`` (the estimators and the checks on one estimate), ``_calls``
@@ -122,6 +124,7 @@ verdict); ``_chunks`` fixes the calls per compiled program.
 from __future__ import annotations
 
 from rmm_jax.online.ope._calls import (
+    F32_UNIT,
     LOG_FLOAT_MAX,
     METRICS,
     Calls,
@@ -131,6 +134,7 @@ from rmm_jax.online.ope._calls import (
     check_inputs,
     check_target,
     load_calls,
+    rounding_bound,
     slot_rewards,
 )
 from rmm_jax.online.ope._estimators import (
@@ -161,6 +165,7 @@ from rmm_jax.online.ope._report import (
     SHIP_ESTIMATOR,
     SHIP_METRIC,
     LogCause,
+    agrees_to_rounding,
     check_report_options,
     cited_recall,
     decision,
@@ -169,6 +174,7 @@ from rmm_jax.online.ope._report import (
     learned_calls,
     log_cause,
     low_ess_advice,
+    rounding_gain,
     ship_verdict,
     signed,
     unreliable,
@@ -178,7 +184,8 @@ __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
     "cited_recall", "decision", "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs",
     "report_entry", "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
-    "slot_rewards", "subset_count", "unreliable", "verdict",
+    "slot_rewards", "subset_count", "unreliable", "verdict", "agrees_to_rounding", "rounding_bound",
+    "rounding_gain", "F32_UNIT",
     # constants and checks the CLI and the docstrings name
     "DEFAULT_BOOTSTRAP", "DEFAULT_EXACT_LIMIT", "DEFAULT_MC_SAMPLES", "LOG_FLOAT_MAX", "RANGE_TOL", "SHIP_ESTIMATOR",
     "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "check_inputs", "check_marginal_options",

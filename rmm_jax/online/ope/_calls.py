@@ -8,6 +8,7 @@ import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.core import checks, reranker
@@ -27,6 +28,8 @@ from rmm_jax.persist.policy_rollback import check_store
 
 METRICS = ("cited", "cite_rate", "recall")
 LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
+F32_UNIT = 2.0 ** -24               # float32's unit roundoff u (Higham, Accuracy and Stability, §2.1)
+_GELU_SLOPE = 1.13                  # max |gelu'(t)| ≈ 1.129 (t ≈ 2.4), and |gelu(t)| <= |t|
 
 
 @dataclasses.dataclass
@@ -45,6 +48,7 @@ class Calls:
     valid: np.ndarray                  # (n,) bool: has gold, not an abstention question
     own_policy: dict                   # user id -> True when the policy store holds the user's own params
     served_by_target: np.ndarray | None = None   # (n,) bool: the call's logged versions are those the target loads
+    logit_error: np.ndarray | None = None  # (n,) float64: float32 error bound of the target's logits (rounding_bound)
     read: ReadReport | None = None     # what reading the log found (load_calls)
 
     @property
@@ -91,6 +95,80 @@ def _score_chunk(params, q, m, mask):
     return jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
 
 
+def _abs_adapter(p, x):
+    """An adapter (:func:`rmm_jax.core.reranker._apply_adapter`) evaluated on absolute values
+    (``x`` >= 0): an upper bound on |every term| its float32 evaluation sums. A gelu layer
+    passes its input's bound times :data:`_GELU_SLOPE`."""
+    a = jax.tree.map(jnp.abs, p)
+    if "W" in p or "lora" in p:
+        out = x + (x @ a["W"]["kernel"] if "W" in p else 0.0)
+        return out + ((x @ a["lora"]["a"]) @ a["lora"]["b"].T if "lora" in p else 0.0)
+    h = _GELU_SLOPE * (x @ a["up"]["kernel"] + a["up"]["bias"])
+    return x + h @ a["down"]["kernel"] + a["down"]["bias"]
+
+
+@aot
+def _abs_score_chunk(params, q, m):
+    """Per candidate, the score's terms in absolute value (m'ᵀq' on |m|, |q| and |params|)."""
+    one = lambda q, m: _abs_adapter(params["m_adapter"], jnp.abs(m)) @ _abs_adapter(params["q_adapter"], jnp.abs(q))
+    return jax.vmap(one)(q, m)
+
+
+def _score_depth(params) -> int:
+    """N of :func:`rounding_bound`: the longest chain of float32 roundings in a score, 3d + 2w + 8
+    (d the embedding dimension, w the widest inner layer: the low-rank r or the mlp's hidden)."""
+    d = reranker.dim_of(params)
+    widths = [leaf.shape[-1] for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+              if any(getattr(k, "key", None) in ("lora", "up") for k in path) and leaf.ndim == 2]
+    return 3 * d + 2 * max(widths, default=0) + 8
+
+
+def _gamma(n) -> np.ndarray:
+    """Higham's γ_n = nu/(1 − nu) (Accuracy and Stability, Lemma 3.1), u = :data:`F32_UNIT`."""
+    nu = np.asarray(n, np.float64) * F32_UNIT
+    return nu / (1 - nu)
+
+
+def rounding_bound(calls: Calls) -> np.ndarray:
+    """Per call, a bound δ on |log π(a) − log μ(a)| when the target π and the logging policy
+    μ are the same policy, each evaluated in float32 (in any order, on any CPU): a call whose
+    log-ratios all lie within ±δ gives the target the logging policy's probabilities to
+    float32 rounding. ``inf`` where :func:`load_calls` did not bound the target's logits.
+
+    Derivation (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., ch. 3;
+    u = 2⁻²⁴, γ_n = nu/(1 − nu), first order in u):
+
+    * **Logits.** A score s = m'ᵀq' is computed by sums and products only (the ``linear``
+      adapters; ``mlp`` adds a gelu, whose slope is at most 1.13). Every such value computed
+      along a chain of at most N roundings has |ŝ − s| <= γ_N · S with S the same computation
+      on absolute values (Higham §3.1 and §3.5: an inner product of length d has
+      |fl(xᵀy) − xᵀy| <= γ_d |x|ᵀ|y|, and the bounds compose along the chain):
+      N = 3d + 2w + 8 (:func:`_score_depth`). z = s/τ rounds once more, so each logit is within
+      e_z = γ_{N+2} · max_k S_k / τ of its exact value (``Calls.logit_error``).
+    * **Plackett–Luce.** log P(a) = Σ_{j<M} (z_{a_j} − log Σ_{k not drawn} e^{z_k}); each term
+      moves by at most twice the largest logit change (log-sum-exp is 1-Lipschitz in the max
+      norm), so log P moves by <= 2M·e_z from exact logits. Evaluating it from given logits
+      rounds too: a sum of at most K exponentials is within γ_K (relative, so absolute in
+      its log), exp, log and the subtractions add a few u, and each term's rounding is
+      relative to its size, at most 2Z + log K (Z = max|z|), cumulated over M draws:
+      ε <= M·(γ_{K+4} + γ_{M+3}·(2Z + log K)).
+    * **Two evaluations.** π and μ each lie within 2M·e_z + ε of the exact log P, so
+      δ = 4M·e_z + 2ε. Prefix log-ratios (fewer draws) lie within the same δ.
+
+    For unit-norm embeddings at the identity reranker, d = 384, τ = 0.1, K = 20, M = 5:
+    δ ≈ 4·5·γ_1162·1/0.1 + 2ε ≈ 0.014 (weights within 1.4% of 1), a worst case (the errors seen are
+    about 1e-7); a different policy's log-ratios are of order 0.1 and beyond."""
+    n = len(calls.user_ids)
+    if calls.logit_error is None:
+        return np.full(n, np.inf)
+    m = calls.shown.astype(np.float64)
+    k = np.maximum(calls.mask.sum(1), 1).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        z = np.where(calls.mask, np.abs(calls.target_logits.astype(np.float64)), 0.0).max(1, initial=0.0)
+    eps = m * (_gamma(k + 4) + _gamma(m + 3) * (2 * z + np.log(k)))
+    return np.where(np.isfinite(z), 4 * m * calls.logit_error + 2 * eps, np.inf)
+
+
 def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                skip_invalid: bool = False, report: dict | None = None) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
@@ -106,7 +184,8 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     ``policy_version`` and ``shared_version`` (``rmm-jax rerank`` writes both, null
     included) are exactly the versions the target loads for their user: the target served
     them itself. A record without the two keys is never marked. The check is by version
-    number: the log does not name the policy store that served it. ``read``: the log's
+    number: the log does not name the policy store that served it. ``logit_error``: per call,
+    how far float32 rounding can move the target's logits (:func:`rounding_bound`). ``read``: the log's
     :class:`~rmm_jax.data.citation_log.ReadReport` (``report``, a dict filled with it, is deprecated).
     """
     if report is not None:
@@ -139,14 +218,14 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
-                                                 "valid", "served")}
+                                                 "valid", "served", "err")}
     all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
     for uid, recs in by_user.items():
         c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
         policy = load_policy(policies, uid, fallback_to_shared=uid not in has_policy)
         params, loads = policy.params, (policy.version, policy.shared_version)
         n = len(recs)
-        scores = []
+        scores, sizes = [], []
         for s in range(0, n, _CHUNK):
             part = slice(s, s + _CHUNK)
             rows_here = c.queries[part].shape[0]
@@ -156,7 +235,9 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
             mk[rows_here:, 0] = True  # padded rows: one valid slot keeps the scores finite
             scores.append(np.asarray(_score_chunk(params, q, mm, mk))
                           [:rows_here])
+            sizes.append(np.asarray(_abs_score_chunk(params, q, mm))[:rows_here])
         scores = np.concatenate(scores).astype(np.float32)
+        size = np.where(c.cand_mask, np.concatenate(sizes).astype(np.float64), 0.0).max(1, initial=0.0)
         lp = [r.log_prob if r.log_prob is not None else
               pl_log_prob(r.logits, [p for p in c.selected[i] if p >= 0]) for i, r in enumerate(recs)]
         rows["uid"] += [uid] * n
@@ -170,6 +251,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         rows["cg"].append(c.cand_gold)
         rows["ng"].append(c.num_gold)
         rows["valid"].append(c.valid)
+        rows["err"].append(_gamma(_score_depth(params) + 2) * size / cfg.tau)
         rows["served"].append(np.array([r.versions_logged and (r.policy_version, r.shared_version) == loads
                                         for r in recs], bool))
     cat = lambda key: np.concatenate(rows[key])
@@ -177,7 +259,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
-                 served_by_target=cat("served"), read=read)
+                 served_by_target=cat("served"), logit_error=cat("err"), read=read)
 
 
 class MetricRewards(NamedTuple):

@@ -19,6 +19,7 @@ from rmm_jax.online.ope._calls import (
     call_problems,
     check_target,
     load_calls,
+    rounding_bound,
     slot_rewards,
 )
 from rmm_jax.online.ope._estimators import (
@@ -192,12 +193,40 @@ def decision(v: dict) -> str:
     return "do not ship"
 
 
-def _self_served(v: dict, n: int) -> dict:
-    """The verdict on a log whose every call the target's own versions served: every weight
-    is 1 and every gain 0 by construction, so no decision."""
+def agrees_to_rounding(calls: Calls) -> np.ndarray:
+    """(n,) bool: the calls on which the target gives the logged selection the logging
+    policy's probability to float32 rounding, every prefix too when the log has ``logits``
+    (:func:`rmm_jax.online.ope._calls.rounding_bound`): served by the target, whatever the
+    log says of versions. Not finite: never."""
+    bound = rounding_bound(calls)
+    with np.errstate(all="ignore"):
+        target = _prefix_log_probs(calls.target_logits, calls.selected, calls.mask)
+        ok = np.abs(target[:, -1] - calls.log_prob) <= bound
+        if calls.behaviour_logits is not None:
+            behaviour = _prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
+            ok &= (np.abs(target - behaviour) <= bound[:, None]).all(1)
+    return ok
+
+
+def rounding_gain(calls: Calls, value_range) -> float:
+    """The most float32 rounding can move a self-normalised estimate, and so its gain, on
+    ``calls``: with every log-ratio off by at most δ (:func:`~rmm_jax.online.ope._calls.rounding_bound`),
+    each normalised weight p_i = w_i/Σw moves by a factor within e^{±2δ}, so Σ p_i R_i moves by
+    |Σ (p'_i − p_i)(R_i − c)| <= (e^{2δ} − 1)·(b − a)/2 with c the middle of the rewards'
+    range [a, b] (Σ p'_i = Σ p_i = 1); the same on every bootstrap resample."""
+    lo, hi = value_range
+    return float(np.expm1(2 * np.max(rounding_bound(calls), initial=0.0)) * (hi - lo) / 2)
+
+
+def _self_served(v: dict, n: int, why: str = "versions") -> dict:
+    """The verdict on a log whose every call the target served: every weight is 1 and every
+    gain 0 by construction, so no decision. ``why``: ``versions`` (each call's logged versions
+    are the ones the target loads), else the line that says the target and the logging policy
+    agree to float32 rounding."""
+    said = (f"POLICIES served all {n} of these calls (each logged policy_version and shared_version is the one it "
+            "loads)" if why == "versions" else why)
     return {**v, "ship": False, "worse": False, "self_served": True,
-            "reason": f"POLICIES served all {n} of these calls (each logged policy_version and shared_version is "
-                      "the one it loads), so the log cannot compare it with itself: evaluate a newer version on "
+            "reason": f"{said}, so the log cannot compare it with itself: evaluate a newer version on "
                       "this log, or this version on a log it did not serve"}
 
 
@@ -315,9 +344,11 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     than ``min_ess``), ``verdict["log_problem"]`` says why and, instead of the
     ESS line, a warning says the log cannot judge the policies and what to fix in it (no
     clip, no rollback). ``verdict["served_by_target"]``: how many calls the target's own
-    versions served (:func:`load_calls`); when it served them all, ``verdict["self_served"]``
-    is true and the verdict neither ships nor turns the target down (``worse`` false): the log
-    cannot compare it with itself. ``learned_calls``: how many of the calls the policies learned from
+    versions served (:func:`load_calls`), or the target gives the logged probabilities to
+    float32 rounding (:func:`agrees_to_rounding`; a call with one candidate does not count);
+    when it served them all, ``verdict["self_served"]`` is true and the verdict neither ships
+    nor turns the target down (``worse`` false): the log cannot compare it with itself.
+    ``learned_calls``: how many of the calls the policies learned from
     (:func:`learned_calls`). The warnings and errors name ``clip``, ``min_ess`` and the layout's
     ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
     :func:`rmm_jax.errors.named`)."""
@@ -335,14 +366,26 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     res["verdict"] = ship_verdict(res["estimates"])
     cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess)
     res["verdict"]["log_problem"] = cause.why if cause else None
-    n_calls, served = len(calls.user_ids), int(calls.served_by_target.sum())
+    agree = agrees_to_rounding(calls)
+    certain = calls.mask.sum(1) < 2           # one candidate: any policy shows it, with weight 1
+    by_versions = int(calls.served_by_target.sum())
+    n_calls, served = len(calls.user_ids), int((calls.served_by_target | (agree & ~certain)).sum())
     res["verdict"].update(served_by_target=served, self_served=False)
-    if n_calls and served == n_calls:
+    if n_calls and by_versions == n_calls:
         res["verdict"] = _self_served(res["verdict"], n_calls)
-    elif served:
+    elif n_calls and agree.all() and not certain.all():
+        tol = rounding_gain(calls, res["ranges"][SHIP_METRIC])
+        res["verdict"] = _self_served(res["verdict"], n_calls, f"the target and the logging policy agree to float32 "
+                                      f"rounding on all {n_calls} of these calls (every importance weight is 1 within "
+                                      f"float32's error bound, so any gain lies within ±{tol:.1g}): POLICIES served "
+                                      "them")
+    elif n_calls and served == n_calls:
+        res["verdict"] = _self_served(res["verdict"], n_calls, f"POLICIES served all {n_calls} of these calls (by "
+                                      "their logged versions, or to float32 rounding of the logged probabilities)")
+    if served and served < n_calls:
         res["notes"].append(f"POLICIES served {served} of these {n_calls} calls itself (their logged "
-                            "policy_version and shared_version are the ones it loads): on those the estimate "
-                            "compares it with itself")
+                            "policy_version and shared_version are the ones it loads, or it gives them the logged "
+                            "probabilities to float32 rounding): on those the estimate compares it with itself")
     low = [(est["ess"], est["n"], metric, name) for metric, per in res["estimates"].items()
            for name, est in per.items() if est.get("ess") is not None and est["ess"] < min_ess]
     if cause:           # no clip, and no rollback: the log is what fails, the policies are not judged
