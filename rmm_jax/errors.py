@@ -7,7 +7,8 @@ prints the message on stderr and exits with status 2, with no traceback.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import numbers
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 
 
@@ -36,6 +37,49 @@ class InputError(ValueError):
         self.where = arg if arg else where
         self.message = message      # without the location: what a re-worded error keeps
         super().__init__(f"{self.where}: {message}" if self.where else message)
+
+
+def is_int(x) -> bool:
+    """A Python or NumPy integer (``numbers.Integral``), not a bool: what a count or size takes.
+    (NumPy's ``bool_`` is not an ``Integral``.)"""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def short(x) -> str:
+    """What ``x`` is, in a few words, for an error message."""
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"{x.dtype}{list(x.shape)}"
+    return f"{type(x).__name__} {x!r}"[:60]
+
+
+def _bound(v: int) -> str:
+    return {2**63: "2**63", -2**63: "-2**63"}.get(v, str(v))
+
+
+def check_int(x, name: str, low: int | None = None, high: int | None = None, *, note: str = "",
+              shown: Callable[[object], str] = short, cut: int | None = None, where: bool = False) -> None:
+    """:class:`InputError` unless ``x`` is an int (:func:`is_int`, not a bool) >= ``low`` (and
+    < ``high``): "must be an int >= {low}{note}, got {shown(x)}" (or "in [low, high)", or no
+    bound without ``low``), cut to ``cut`` characters, naming ``name`` as an argument (``arg=``)
+    or, with ``where=True``, as a location. Here, not in :mod:`rmm_jax.core.checks`: the
+    store's reader (``rmm-jax embed``) checks without importing JAX.
+
+    >>> from rmm_jax.errors import check_int
+    >>> check_int(3, "samples", 1)
+    >>> check_int(0, "samples", 1)
+    Traceback (most recent call last):
+    ...
+    rmm_jax.errors.InputError: samples: must be an int >= 1, got int 0
+    >>> check_int(-1, "seed", 0, 2**63, shown=repr)
+    Traceback (most recent call last):
+    ...
+    rmm_jax.errors.InputError: seed: must be an int in [0, 2**63), got -1
+    """
+    if is_int(x) and (low is None or x >= low) and (high is None or x < high):
+        return
+    span = "" if low is None else f" >= {low}" if high is None else f" in [{_bound(low)}, {_bound(high)})"
+    message = f"must be an int{span}{note}, got {shown(x)}"[:cut]
+    raise InputError(message, where=name) if where else InputError(message, arg=name)
 
 
 def at(path, line: int | None = None, key: str | None = None) -> str:

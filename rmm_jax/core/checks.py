@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rmm_jax.errors import is_int, short  # noqa: F401  (checks.is_int, checks.short: defined with check_int)
+
 
 def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
@@ -23,11 +25,6 @@ def is_concrete(x) -> bool:
 def require(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {message}")
-
-
-def is_int(x) -> bool:
-    """A Python or NumPy integer (``numbers.Integral``), not a bool: what a count or size takes."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def is_real(x, finite: bool = True) -> bool:
@@ -101,13 +98,6 @@ def check_key(key, name: str = "key") -> None:
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and np.shape(key) == ()
     raw = dtype == np.uint32 and np.shape(key) == (2,)
     require(typed or raw, name, f"must be one PRNG key, e.g. jax.random.key(0), got {short(key)}")
-
-
-def short(x) -> str:
-    """What ``x`` is, in a few words, for an error message."""
-    if hasattr(x, "dtype") and hasattr(x, "shape"):
-        return f"{x.dtype}{list(x.shape)}"
-    return f"{type(x).__name__} {x!r}"[:60]
 
 
 def check_tau(tau, name: str = "tau") -> None:

@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from rmm_jax.core import checks
 from rmm_jax.core.types import SharedState, UserState
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, check_int
 from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
 from rmm_jax.online.sharding import replicate, shard_users
 from rmm_jax.online.streams import Stream, user_keys
@@ -153,10 +153,8 @@ def check_seed_and_chunk(seed, users_per_chunk) -> None:
     """``seed`` an int and ``users_per_chunk`` an int >= 1, else an InputError naming it:
     ``seed="1"`` was a TypeError from JAX's key 14 calls deep, ``users_per_chunk=0``
     range()'s "arg 3 must not be zero"."""
-    if not checks.is_int(seed):
-        raise InputError(f"must be an int, got {checks.short(seed)}", arg="seed")
-    if not (checks.is_int(users_per_chunk) and users_per_chunk >= 1):
-        raise InputError(f"must be an int >= 1, got {checks.short(users_per_chunk)}", arg="users_per_chunk")
+    check_int(seed, "seed")
+    check_int(users_per_chunk, "users_per_chunk", 1)
 
 
 def check_chunks(chunks) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 from rmm_jax.core import checks
 from rmm_jax.core.types import SharedState
 from rmm_jax.deprecated import moved
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, check_int
 from rmm_jax.online.driver import (
     ChunkDone,
     ChunkSkipped,
@@ -88,8 +88,7 @@ class Recorder:
     """
 
     def __init__(self, m: int, *, sinks: Sequence = (), keep_states: bool = False, keep_records: bool = False):
-        if not (checks.is_int(m) and m >= 1):         # 0 and "5" were taken
-            raise InputError(f"must be an int >= 1 (the program's layout.m), got {checks.short(m)}", arg="m")
+        check_int(m, "m", 1, note=" (the program's layout.m)")         # 0 and "5" were taken
         self.m, self.sinks = int(m), list(sinks)
         self._m_checked = False
         self.keep_states, self.keep_records = keep_states, keep_records

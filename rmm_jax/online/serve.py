@@ -46,7 +46,7 @@ from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.data.calls import Prepared
 from rmm_jax.data.citation_log import LogRecord, call_key, call_record, utc_timestamp
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, check_int
 from rmm_jax.online.streams import bucket, user_hash
 from rmm_jax.persist.policy_rollback import check_store, rollbacks
 from rmm_jax.persist.policy_setting import read_setting
@@ -94,8 +94,7 @@ def call_keys(seed: int, user_id: str, calls: Sequence[str]):
     if isinstance(calls, str) or not all(isinstance(c, str) for c in calls):
         raise InputError(f"must be a sequence of call ids (str), got {checks.short(calls)}", where="calls")
     # a str seed was a TypeError from jax.random, one past 64 bits an OverflowError; the range jax.random.key takes
-    if not checks.is_int(seed) or not -2 ** 63 <= seed < 2 ** 63:
-        raise InputError(f"must be an int in [-2**63, 2**63), got {checks.short(seed)}", where="seed")
+    check_int(seed, "seed", -2**63, 2**63, where=True)
     seed = int(seed)
     user = np.uint32(user_hash(user_id))
     n = len(calls)
@@ -260,12 +259,11 @@ class Reranker:
     def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None):
         if store is not None:
             _check_store(store, "PolicyStore or None", "Reranker.open(path)")
-        if not checks.is_int(cache_users) or cache_users < 1:      # "3" was a TypeError, 2.5 taken
-            raise InputError(f"must be an int >= 1, got {cache_users!r}", where="cache_users")
+        check_int(cache_users, "cache_users", 1, shown=repr, where=True)      # "3" was a TypeError, 2.5 taken
         if store is None and dim is None:
             raise InputError("the identity reranker (no policy store) needs the embedding dim", where="dim")
-        if store is None and not (checks.is_int(dim) and dim >= 1):   # 2.5 was served as d = 2
-            raise InputError(f"must be an int >= 1, got {dim!r}", where="dim")
+        if store is None:   # 2.5 was served as d = 2
+            check_int(dim, "dim", 1, shown=repr, where=True)
         self.store, self.cache_users = store, cache_users
         self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
         self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
@@ -519,8 +517,7 @@ def _check_serve_args(prepared_calls, m, now) -> list:
             not isinstance(p, Prepared) for p in prepared_calls):
         raise InputError("must be a list of Prepared calls (rmm_jax.data.calls.prepare_calls), got "
                          f"{checks.short(prepared_calls)}", arg="prepared_calls")
-    if not (checks.is_int(m) and m >= 1):
-        raise InputError(f"must be an int >= 1, got {checks.short(m)}", arg="m")
+    check_int(m, "m", 1)
     if not checks.is_int(now) or 0 < now < _MIN_NOW_US:
         raise InputError(f"must be an int of microseconds since the epoch (int(time.time() * 1e6)), got "
                          f"{checks.short(now)}", arg="now")

@@ -59,7 +59,7 @@ from __future__ import annotations
 import numpy as np
 
 from rmm_jax.core import checks
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, check_int
 
 # A 95% percentile interval puts 2.5% of the resamples beyond each end: with fewer than
 # 1 / 0.025 = 40 a tail holds none, and the interval is a range of a handful of resamples (at 1
@@ -123,8 +123,7 @@ def gain_interval(diffs, *, groups=None, n_boot: int = 2000, level: float = 0.95
     # convert string to float"
     if not (checks.is_real(level) and 0 < level < 1):
         raise InputError(f"must be a number in (0, 1), e.g. 0.95, got {level!r}"[:80], where="level")
-    if not (checks.is_int(n_boot) and n_boot >= 1):
-        raise InputError(f"must be an int >= 1, got {n_boot!r}"[:80], where="n_boot")
+    check_int(n_boot, "n_boot", 1, shown=repr, cut=80, where=True)
     try:
         d = np.asarray(diffs, np.float64)
     except (TypeError, ValueError):

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
 import os
 from pathlib import Path
 
 import numpy as np
 
 from rmm_jax.data.store._format import FORMAT, VERSION
-from rmm_jax.errors import InputError, at
+from rmm_jax.errors import InputError, at, check_int
 
 
 def _parse_row(line, path, ln: int, keys) -> dict:
@@ -323,15 +322,13 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
     tiles the rows, and optionally the model and dim the caller expects. Every failure
     is an :class:`InputError` naming the file (or the store and the mismatch).
     """
-    # by name: None was Path's TypeError, expect_dim="abc" int()'s ValueError (after the manifest);
-    # written out, not core.checks: `embed` reads stores without importing JAX
+    # by name: None was Path's TypeError, expect_dim="abc" int()'s ValueError (after the manifest)
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
                          arg="path")
-    if expect_dim is not None and not (isinstance(expect_dim, numbers.Integral)
-                                       and not isinstance(expect_dim, (bool, np.bool_)) and expect_dim >= 1):
-        raise InputError(f"must be an int >= 1 or None, got {type(expect_dim).__name__} {expect_dim!r}"[:80],
-                         where="expect_dim")
+    if expect_dim is not None:
+        check_int(expect_dim, "expect_dim", 1, note=" or None", shown=lambda x: f"{type(x).__name__} {x!r}", cut=80,
+                  where=True)
     root = Path(path)
     if not root.exists():
         raise InputError("no such embedding store (create one with `rmm-jax embed`)", where=at(root))

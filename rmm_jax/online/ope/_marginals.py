@@ -15,7 +15,7 @@ from rmm_jax.core import checks
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import selection_log_probs, top_m
 from rmm_jax.data.retrieval import pad_rows
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, check_int
 from rmm_jax.online.ope._chunks import _CHUNK
 
 DEFAULT_EXACT_LIMIT = 100_000
@@ -143,22 +143,13 @@ def slot_marginals_mc(logits, mask, m: int, *, samples: int = DEFAULT_MC_SAMPLES
     return np.concatenate(out) if out else np.zeros((0, m, logits.shape[1]))
 
 
-def _check_int_option(x, name: str, low: int, high: int | None = None) -> None:
-    """``InputError`` naming ``name`` unless ``x`` is an int (not a bool) >= ``low`` (and <
-    ``high``): the counts and the seed of :func:`slot_marginals` and
-    :func:`~rmm_jax.online.ope.evaluate_log`, as ``rmm-jax evaluate`` bounds its options."""
-    span = f">= {low}" if high is None else f"in [{low}, {'2**63' if high == 2**63 else high})"
-    if not (checks.is_int(x) and x >= low and (high is None or x < high)):
-        raise InputError(f"must be an int {span}, got {checks.short(x)}", arg=name)
-
-
 def check_marginal_options(*, exact_limit, samples, seed, samples_arg: str = "samples") -> None:
     """The options of :func:`slot_marginals`, each refused by name: ``exact_limit`` and
     ``samples`` >= 1 (``samples=0`` gave NaN marginals, -1 a JAX error), ``seed`` an int in
     [0, 2**63) (what NumPy's generators and JAX's keys both take; ``"0"`` was a TypeError)."""
-    _check_int_option(exact_limit, "exact_limit", 1)
-    _check_int_option(samples, samples_arg, 1)
-    _check_int_option(seed, "seed", 0, 2**63)
+    check_int(exact_limit, "exact_limit", 1)
+    check_int(samples, samples_arg, 1)
+    check_int(seed, "seed", 0, 2**63)
 
 
 def _check_logits(logits, mask, *, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
