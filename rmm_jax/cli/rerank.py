@@ -121,8 +121,9 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected")
     lines: list[str | None] = [None] * len(prepared)
     served_by = dict.fromkeys(("own_policy", "shared", "identity"), 0)
-    with progress_bar(len(call_batches(prepared)), "rerank", unit="batch") as bar:
-        for batch in serve_calls(rr, prepared, m, explore=explore, seed=seed, tau=tau, now=now):
+    batches = call_batches(prepared)
+    with progress_bar(len(batches), "rerank", unit="batch") as bar:
+        for batch in serve_calls(rr, prepared, m, explore=explore, seed=seed, tau=tau, now=now, batches=batches):
             for s in batch:
                 obj = record_to_json(s.record, served=True)
                 if s.positions is not None:           # the deterministic top-M: what it selected, and the scores

@@ -449,7 +449,8 @@ def call_batches(prepared_calls: Sequence[Prepared]) -> dict[tuple[str, int], li
 
 
 def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, *, explore: bool = False,
-                seed: int = 0, tau: float | None = None, now: int) -> Iterator[list[Served]]:
+                seed: int = 0, tau: float | None = None, now: int,
+                batches: dict[tuple[str, int], list[int]] | None = None) -> Iterator[list[Served]]:
     """Serve ``prepared_calls`` (:func:`rmm_jax.data.calls.prepare_calls`) with
     ``reranker``, one batch at a time (:func:`call_batches`), yielding each batch's
     :class:`Served` calls: what ``rmm-jax rerank`` writes, in the order the batches run
@@ -464,6 +465,8 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
     its index, as ISO 8601 UTC (:func:`rmm_jax.data.citation_log.utc_timestamp`); an
     ``InputError`` names ``now`` if it is not such an int (a float, or seconds), ``m`` if
     it is not an int >= 1, and a call without candidates or with fewer ids than candidates.
+    ``batches``: :func:`call_batches` of ``prepared_calls``, when the caller has grouped them
+    already (``rmm-jax rerank``, for its progress bar's total); None: grouped here.
 
     Examples:
       >>> import numpy as np
@@ -484,7 +487,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
       (True, (1.0, 0.0, 0.6))
     """
     prepared_calls = _check_serve_args(prepared_calls, m, now)
-    for (uid, n), rows in call_batches(prepared_calls).items():
+    for (uid, n), rows in (call_batches(prepared_calls) if batches is None else batches).items():
         mm = min(m, n)                    # a call with fewer candidates than m shows all of them
         q = np.stack([prepared_calls[i].query for i in rows])
         cands = np.stack([prepared_calls[i].cands for i in rows])
