@@ -136,9 +136,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
         raise InputError(f"must be in (0, 1], got {precision}", where="--precision")
     if not 0.0 <= cite_recall <= 1.0:
         raise InputError(f"must be in [0, 1], got {cite_recall}", where="--recall")
-    if overridden and citations != "oracle":
-        raise InputError(f"--precision/--recall replace the oracle; they do not apply to {citations!r}",
-                         where="--citations")
+    with as_options("precision", "recall", name="citations"):   # the rates apply to the oracle only: --citations
+        cite = cm.citation_model(citations, **({"precision": precision, "recall": cite_recall} if overridden else {}))
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
     check_output_file(log_out, f"--log-out {log_out}")
@@ -154,7 +153,6 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
-    cite = cm.citation_model(citations, **({"precision": precision, "recall": cite_recall} if overridden else {}))
     st = open_store(store)
     with as_options("users", "queries"):     # the API names its arguments, the CLI its options
         queries = parse_range(query_range)
