@@ -264,10 +264,11 @@ def test_write_and_open_store_roundtrip(tmp_path):
     with pytest.raises(InputError, match="unknown user id 'carol'"):
         st.user("carol")
     # an int said "unknown user id '0'" of a store whose ids are str: it says so, naming the argument
-    for read in (st.user, st.memory_rows):
+    for read in (st.user, st.memory_rows, st.query_rows):
         with pytest.raises(InputError, match=r"^user_id: user ids are str, got int 0$"):
             read(0)
     assert st.user(np.str_("bob")).user_id == "bob" and st.memory_rows("bob") == st.memory_rows(np.str_("bob"))
+    assert st.query_rows("bob") == rows[4:8] and tuple(r["id"] for r in st.query_rows("bob")) == u.query_ids
 
 
 def test_session_and_segment_granularity(tmp_path):

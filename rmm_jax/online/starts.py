@@ -103,7 +103,7 @@ def simulated_keys(questions, user_id: str, info: dict) -> np.ndarray:
     ranges = simulated_queries(info)
     if not ranges or questions is None or not questions.has_user(user_id):
         return np.zeros(0, np.uint64)
-    ids = questions.user(user_id).query_ids
+    ids = [str(r["id"]) for r in questions.query_rows(user_id)]   # its question ids only, not its embeddings
     return np.array([hash64(call_key(_Question(ids[p]))) for a, b in ranges for p in range(a, min(b, len(ids)))],
                     np.uint64)
 

@@ -160,6 +160,12 @@ class EmbeddingStore:
         return self._row_slice("memories.jsonl", self.manifest["counts"]["memories"], ("user", "id", "text"),
                                start, end)
 
+    def _query_slice(self, start: int, end: int) -> list[dict]:
+        if self._qry_meta is not None:
+            return self._qry_meta[start:end]
+        return self._row_slice("queries.jsonl", self.manifest["counts"]["queries"],
+                               ("user", "id", "text", "gold_memory_ids"), start, end)
+
     def _user_entry(self, user_id) -> dict:
         """``user_id``'s row of users.json; ``InputError`` naming ``user_id`` unless it is a str
         (``user(0)`` said "unknown user id '0'" of a store whose ids are 'user0', ...), and one
@@ -177,17 +183,21 @@ class EmbeddingStore:
         u = self._user_entry(user_id)
         return self._memory_slice(u["mem_start"], u["mem_end"])
 
+    def query_rows(self, user_id: str) -> list[dict]:
+        """One user's rows of ``queries.jsonl`` (id, text, gold_memory_ids, ...), in store order:
+        its questions without their embeddings or its memories (:meth:`user` reads them all)."""
+        u = self._user_entry(user_id)
+        return self._query_slice(u["query_start"], u["query_end"])
+
     def user(self, user_id: str) -> UserData:
         """One user's embeddings, gold matrix and ids. ``user_id`` is a str (an int is an
         ``InputError`` naming ``user_id``); one the store does not hold is one naming the store."""
         u = self._user_entry(user_id)
         uid = str(user_id)                             # a str subclass (np.str_) as the str it is
         ms, me, qs, qe = u["mem_start"], u["mem_end"], u["query_start"], u["query_end"]
-        c = self.manifest["counts"]
         # Only this user's rows are read (unless the whole lists were loaded already).
         mems = self._memory_slice(ms, me)
-        qrys = self._qry_meta[qs:qe] if self._qry_meta is not None else \
-            self._row_slice("queries.jsonl", c["queries"], ("user", "id", "text", "gold_memory_ids"), qs, qe)
+        qrys = self._query_slice(qs, qe)
         qpath = self.path / "queries.jsonl"
         for off, r in enumerate(mems):
             if str(r["user"]) != uid:
