@@ -80,7 +80,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
-import numbers
 import os
 import shutil
 import warnings
@@ -89,10 +88,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import jax
-import numpy as np
 
 from rmm_jax.core.checks import is_real, short
-from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
@@ -101,6 +98,16 @@ from rmm_jax.persist.atomic import atomic_dir, write_json
 from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
+from rmm_jax.persist.policy_checks import (
+    as_path,
+    check_keep,
+    check_meta,
+    check_params,
+    check_save,
+    check_user_ids,
+    check_version,
+    json_dict,
+)
 from rmm_jax.persist.policy_index import Entry, IndexUnavailable, PolicyIndex, Save
 from rmm_jax.persist.policy_meta import PolicyMeta
 from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, restore_users
@@ -137,136 +144,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _json_dict(obj, what: str, where: str) -> dict:
-    if obj is None:
-        return {}
-    if not isinstance(obj, dict):
-        raise InputError(f"{what} must be a dict, got {type(obj).__name__}", where=where)
-    try:
-        json.dumps(obj)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{what} is not JSON-serialisable ({e})", where=where) from None
-    return obj
-
-
-def _is_pos_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def _check_version(version, name: str = "version") -> int | None:
-    """``version`` (None, or a positive int as the store numbers them; a NumPy integer as
-    the int it is), else an InputError naming ``name``: ``shared_state("1")`` was a
-    ValueError from a format code, ``load(user, version="1")`` said the user "has no
-    version 1 (has [1])", ``version=True`` loaded version 1, and ``before="2"`` was a
-    TypeError from ``<``."""
-    if version is None:
-        return None
-    if not (isinstance(version, numbers.Integral) and not isinstance(version, (bool, np.bool_)) and version > 0):
-        raise InputError(f"must be a positive int (a version number), got {type(version).__name__} {version!r}"[:100],
-                         where=name)
-    return int(version)
-
-
-def _check_user_ids(user_ids, arg: str = "users") -> list[str]:
-    """``user_ids`` as a list of str, else an InputError naming ``arg``: a list id was a
-    TypeError (unhashable), an int one was looked up as given: ``load_batch([7])`` was a
-    KeyError '7' where the store held user "7", and listed 7 as missing where it did not."""
-    if isinstance(user_ids, str):
-        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", arg=arg)
-    ids = list(user_ids)
-    for bad in ids:
-        if not isinstance(bad, str):
-            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], arg=arg)
-    return ids
-
-
-def _as_path(path) -> Path:
-    """``path`` as a Path; anything else (None was Path's TypeError) refused naming ``path``."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
-                         arg="path")
-    return Path(path)
-
-
-def _check_meta(meta: PolicyMeta | dict, where: str) -> dict:
-    """``meta`` (a :class:`PolicyMeta` or its dict) checked (one-line InputErrors naming the
-    key), as the dict written, with a ``config`` dict."""
-    if isinstance(meta, PolicyMeta):
-        meta = meta.to_dict()
-    if not isinstance(meta, dict):
-        raise InputError("meta must be a dict with kind, dim, hidden, config", where=where)
-    for key in ("kind", "dim", "hidden"):
-        if key not in meta:
-            raise InputError(f"meta is missing key '{key}'", where=where)
-    if meta["kind"] not in KINDS:
-        raise InputError(f"meta kind {meta['kind']!r} is not one of {KINDS}", where=f"{where}: key 'kind'")
-    if not _is_pos_int(meta["dim"]):
-        raise InputError(f"meta dim must be a positive int, got {meta['dim']!r}", where=f"{where}: key 'dim'")
-    h = meta["hidden"]
-    if h is not None and not _is_pos_int(h):
-        raise InputError(f"meta hidden must be a positive int or None, got {h!r}", where=f"{where}: key 'hidden'")
-    try:
-        Scope.from_meta(meta)
-    except ValueError as e:
-        key, _, msg = str(e).partition(": ")
-        raise InputError(f"meta {key} {msg}", where=f"{where}: key '{key}'") from None
-    meta = {**meta, "config": dict(meta.get("config") or {})}
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"meta is not JSON-serialisable ({e})", where=where) from None
-    return meta
-
-
-# Where a reranker's params hold the embedding size d (flax kernels, x -> x K): the axes of
-# each named leaf, counted from the end, so a users axis in front changes nothing.
-_DIM_AXES = {("W", "kernel"): (-2, -1),              # linear: (d, d)
-             ("down", "kernel"): (-1,), ("down", "bias"): (-1,), ("up", "kernel"): (-2,),   # mlp: (h, d), (d,), (d, h)
-             ("lora", "a"): (-2,), ("lora", "b"): (-2,)}                                    # hybrid users: (d, r)
-
-
-# the leaves only one kind of reranker has (by their last two keys), and those that hold the
-# `mlp` kind's hidden width h: the axes counted from the end
-_KIND_OF = {("W", "kernel"): "linear", ("down", "kernel"): "mlp", ("down", "bias"): "mlp", ("up", "kernel"): "mlp",
-            ("up", "bias"): "mlp"}
-_HIDDEN_AXES = {("down", "kernel"): (-2,), ("up", "kernel"): (-1,), ("up", "bias"): (-1,)}
-
-
-def _check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
-    """Refuse ``params`` (a reranker's, a users axis in front or not; ``{}`` or only some
-    adapters: what is there is checked) that are not of the store's meta: an embedding size
-    other than ``dim`` (a dim-16 policy saved in a dim-384 store was found only when serving:
-    ``q: dimension 384 does not match the reranker's 16``), another ``kind`` (linear params
-    in an `mlp` store, or the reverse, were stored and failed at serving) or, for `mlp`, a
-    hidden width other than ``hidden`` (when the meta records one); naming ``arg``. Without
-    ``of_kind`` only the dim (users' params: a store may hold users of another structure,
-    which :meth:`PolicyStore.load_batch` refuses to stack)."""
-    dim, kind, hidden = meta["dim"], meta["kind"], meta.get("hidden") if of_kind else None
-    kind = kind if of_kind else None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
-        shape = np.shape(leaf)
-        name = "/".join(map(str, keys))
-        if kind is not None and _KIND_OF.get(keys[-2:], kind) != kind:
-            raise InputError(f"params are of the {_KIND_OF[keys[-2:]]} kind ({name}), the store's meta kind is "
-                             f"{kind}", arg=arg)
-        for ax in _DIM_AXES.get(keys[-2:], ()):
-            if len(shape) >= -ax and shape[ax] != dim:
-                raise InputError(f"params are for embedding size {shape[ax]} ({name} has shape {tuple(shape)}), "
-                                 f"the store's meta dim is {dim}", arg=arg)
-        for ax in _HIDDEN_AXES.get(keys[-2:], ()) if kind == "mlp" and hidden is not None else ():
-            if len(shape) >= -ax and shape[ax] != hidden:
-                raise InputError(f"params have hidden width {shape[ax]} ({name} has shape {tuple(shape)}), "
-                                 f"the store's meta hidden is {hidden}", arg=arg)
-
-
-def _check_keep(keep, where: str) -> int:
-    if not _is_pos_int(keep):
-        raise InputError(f"keep must be a positive int (versions kept per user), got {keep!r}", where=where)
-    return keep
-
-
-
 # --------------------------------------------------------------------------- the store
 
 
@@ -278,11 +155,11 @@ class PolicyStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, keep: int | None = None):
-        self.path = _as_path(path)
+        self.path = as_path(path)
         self._header = self._read_header()
         self.meta: dict = self._header["meta"]
         stored = int(self._header.get("keep_versions", DEFAULT_KEEP))
-        self.keep: int = stored if keep is None else _check_keep(keep, str(self.path))
+        self.keep: int = stored if keep is None else check_keep(keep, str(self.path))
         cs = self._header.get("chunk_size")
         self.chunk_size: int | None = None if cs is None else int(cs)
         self.chunk_bytes: int = int(self._header.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
@@ -316,14 +193,14 @@ class PolicyStore:
         shared state (params, optionally its optimiser state and info) as shared version 1.
         Each user keeps ``keep`` versions. Chunks hold about ``chunk_bytes`` of arrays, or
         exactly ``chunk_size`` users if given. The whole directory appears atomically."""
-        path = _as_path(path)
-        meta = _check_meta(meta, str(path))
-        shared_info = _json_dict(shared_info, "shared info", str(path))
-        _check_keep(keep, str(path))
+        path = as_path(path)
+        meta = check_meta(meta, str(path))
+        shared_info = json_dict(shared_info, "shared info", str(path))
+        check_keep(keep, str(path))
         if not isinstance(shared_params, Mapping):      # None was stored, and serving failed 10 calls deep
             raise InputError(f"expected a reranker's params (init_reranker), got {short(shared_params)}",
                              arg="shared_params")
-        _check_params(shared_params, meta, "shared_params")
+        check_params(shared_params, meta, "shared_params")
         if (chunk_size is not None and chunk_size < 1) or chunk_bytes < 1:
             raise InputError("chunk_size and chunk_bytes must be >= 1", where=str(path))
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -476,7 +353,7 @@ class PolicyStore:
     def user_bytes(self, user_id: str, version: int | None = None) -> dict:
         """On-disk size of ``user_id``'s newest entry (or ``version``): its row's share of
         its chunk's array file (:func:`rmm_jax.persist.policy_report.user_bytes`)."""
-        version = _check_version(version)
+        version = check_version(version)
         es = [e for e in self.entries(user_id) if version is None or e.version == version]
         if not es:
             raise InputError(f"no saved policy for user {user_id!r}" + (f" version {version}" if version else ""),
@@ -486,7 +363,7 @@ class PolicyStore:
     def shared_bytes(self, version: int | None = None) -> dict:
         """On-disk size of the newest shared version (or ``version``): ``{version, bytes,
         array_bytes}`` (``array_bytes``: raw params + optimiser-state bytes)."""
-        version = _check_version(version)
+        version = check_version(version)
         vs = [v for v in self.shared_versions() if version is None or v == version]
         if not vs:
             raise InputError(f"no shared version {version or ''}".rstrip(), where=str(self.path))
@@ -509,8 +386,8 @@ class PolicyStore:
         if not isinstance(state, SharedState):
             raise InputError(f"expected a SharedState(params, opt_state), got {type(state).__name__}",
                              where="save_shared")
-        info = _json_dict(info, "shared info", "save_shared: info")
-        _check_params(state.params, self.meta, "state")
+        info = json_dict(info, "shared info", "save_shared: info")
+        check_params(state.params, self.meta, "state")
         with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
             # above every number handed out, those a rollback deleted included (next_shared)
             version = max([*self.shared_versions(), *idx.shared_refs(), idx.next_shared() - 1, 0]) + 1
@@ -549,7 +426,7 @@ class PolicyStore:
         """Shared ``version``, or the newest shared version that loads (older ones used with
         a :class:`PolicyRestoreWarning`): its state, info, version and the versions skipped.
         The arrays are shared with later calls: read-only."""
-        return self._shared.state(_check_version(version))
+        return self._shared.state(check_version(version))
 
     # ---- users
 
@@ -570,30 +447,8 @@ class PolicyStore:
         found, :mod:`rmm_jax.persist.policy_rollback`). Each saved user then keeps its newest
         ``keep`` versions; the version records, per user, the one it had before (None: none).
         """
-        if isinstance(user_ids, str):
-            raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="save")
-        user_ids = list(user_ids)
-        if not isinstance(state, UserState):
-            raise InputError(f"state must be a UserState(params, opt_state, learner_state), got "
-                             f"{type(state).__name__}", where="save")
-        infos = [{} for _ in user_ids] if infos is None else list(infos)
-        if len(infos) != len(user_ids):
-            raise InputError(f"{len(infos)} infos for {len(user_ids)} users", where="save: infos")
-        if not user_ids:
-            raise InputError("nothing to save (no users)", where="save")
-        if len(set(user_ids)) != len(user_ids):
-            dup = next(u for u in user_ids if user_ids.count(u) > 1)
-            raise InputError(f"user {dup!r} appears twice in one save", where="user_ids")
-        for uid, info in zip(user_ids, infos):
-            if not isinstance(uid, str) or not uid:
-                raise InputError(f"user id must be a non-empty string, got {uid!r}", where="user_ids")
-            _json_dict(info, "info", f"user {uid!r} info")
-        if chunk_size is not None and chunk_size < 1:
-            raise InputError(f"chunk_size must be >= 1, got {chunk_size}", where="save")
-        if self.paired and shared_version is None:
-            raise InputError(f"a save in scope {self.scope.name!r} needs shared_version (the shared version these "
-                             "users were trained against)", where="save")
-        _check_params(state.params, self.meta, "state", of_kind=False)
+        user_ids, infos = check_save(user_ids, state, infos, chunk_size, scope=self.scope,
+                                     shared_version=shared_version, meta=self.meta)
         specs, stacked = {}, {}
         for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
             specs[p], stacked[p] = encode_tree(t, batch=len(user_ids), where=f"save {p}")
@@ -608,7 +463,7 @@ class PolicyStore:
             version = next_version(gens, idx.next_version())
             saved_at = _now()
             head = {"version": version, "saved_at": saved_at, "shared_version": shared_version,
-                    **({"run": _json_dict(run, "run", "save: run")} if run is not None else {})}
+                    **({"run": json_dict(run, "run", "save: run")} if run is not None else {})}
             try:
                 had = {u: es[-1].version for u, es in idx.entries(user_ids).items() if es}
                 previous = [had.get(u) for u in user_ids]
@@ -658,7 +513,7 @@ class PolicyStore:
         :class:`PolicyRestoreWarning`; if none loads, an InputError names the user, each
         version and why (the shared version it needs, if that is the problem).
         """
-        _check_user_ids([user_id], arg="user_id")     # was named "users", load_batch's argument
+        check_user_ids([user_id], arg="user_id")     # was named "users", load_batch's argument
         b = self._load([user_id], version, missing_ok=False)
         one, learned = jax.tree_util.tree_map(lambda a: a[0], (b.state, b.learned))
         return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()), learned)
@@ -676,8 +531,8 @@ class PolicyStore:
 
     def _load(self, user_ids: Sequence[str], version: int | None, *, missing_ok: bool,
               before: int | None = None) -> SavedBatch:
-        ids = _check_user_ids(user_ids)
-        version, before = _check_version(version), _check_version(before, "before")
+        ids = check_user_ids(user_ids)
+        version, before = check_version(version), check_version(before, "before")
         if len(set(ids)) != len(ids):
             raise InputError(f"user {next(u for u in ids if ids.count(u) > 1)!r} is requested twice", arg="users")
 

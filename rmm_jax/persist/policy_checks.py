@@ -1,0 +1,193 @@
+"""What a policy store accepts: the checks of :class:`~rmm_jax.persist.policy_store.PolicyStore`'s
+arguments, each a one-line :class:`~rmm_jax.errors.InputError` naming the argument (or the
+key) before anything is read or written.
+
+Examples:
+  >>> from rmm_jax.persist.policy_checks import check_user_ids, check_version
+  >>> check_user_ids(("a", "b")), check_version(None), check_version(3)
+  (['a', 'b'], None, 3)
+  >>> check_version("1")
+  Traceback (most recent call last):
+  ...
+  rmm_jax.errors.InputError: version: must be a positive int (a version number), got str '1'
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from rmm_jax.core.checks import is_int
+from rmm_jax.core.reranker import KINDS
+from rmm_jax.core.scope import Scope
+from rmm_jax.core.types import UserState
+from rmm_jax.errors import InputError
+from rmm_jax.persist.policy_meta import PolicyMeta
+
+
+def json_dict(obj, what: str, where: str) -> dict:
+    """``obj`` (None: ``{}``) if it is a JSON-serialisable dict, else an InputError at ``where``."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise InputError(f"{what} must be a dict, got {type(obj).__name__}", where=where)
+    try:
+        json.dumps(obj)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{what} is not JSON-serialisable ({e})", where=where) from None
+    return obj
+
+
+def is_pos_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def check_version(version, name: str = "version") -> int | None:
+    """``version`` (None, or a positive int as the store numbers them; a NumPy integer as
+    the int it is), else an InputError naming ``name``: ``shared_state("1")`` was a
+    ValueError from a format code, ``load(user, version="1")`` said the user "has no
+    version 1 (has [1])", ``version=True`` loaded version 1, and ``before="2"`` was a
+    TypeError from ``<``."""
+    if version is None:
+        return None
+    if not (is_int(version) and version > 0):
+        raise InputError(f"must be a positive int (a version number), got {type(version).__name__} {version!r}"[:100],
+                         where=name)
+    return int(version)
+
+
+def check_user_ids(user_ids, arg: str = "users") -> list[str]:
+    """``user_ids`` as a list of str, else an InputError naming ``arg``: a list id was a
+    TypeError (unhashable), an int one was looked up as given: ``load_batch([7])`` was a
+    KeyError '7' where the store held user "7", and listed 7 as missing where it did not."""
+    if isinstance(user_ids, str):
+        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", arg=arg)
+    ids = list(user_ids)
+    for bad in ids:
+        if not isinstance(bad, str):
+            raise InputError(f"user ids are str, got {type(bad).__name__} {bad!r}"[:100], arg=arg)
+    return ids
+
+
+def as_path(path) -> Path:
+    """``path`` as a Path; anything else (None was Path's TypeError) refused naming ``path``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"expected the store's directory (a str or Path), got {type(path).__name__} {path!r}"[:100],
+                         arg="path")
+    return Path(path)
+
+
+def check_keep(keep, where: str) -> int:
+    """``keep`` (versions kept per user) if a positive int, else an InputError at ``where``."""
+    if not is_pos_int(keep):
+        raise InputError(f"keep must be a positive int (versions kept per user), got {keep!r}", where=where)
+    return keep
+
+
+def check_meta(meta: PolicyMeta | dict, where: str) -> dict:
+    """``meta`` (a :class:`PolicyMeta` or its dict) checked (one-line InputErrors naming the
+    key), as the dict written, with a ``config`` dict."""
+    if isinstance(meta, PolicyMeta):
+        meta = meta.to_dict()
+    if not isinstance(meta, dict):
+        raise InputError("meta must be a dict with kind, dim, hidden, config", where=where)
+    for key in ("kind", "dim", "hidden"):
+        if key not in meta:
+            raise InputError(f"meta is missing key '{key}'", where=where)
+    if meta["kind"] not in KINDS:
+        raise InputError(f"meta kind {meta['kind']!r} is not one of {KINDS}", where=f"{where}: key 'kind'")
+    if not is_pos_int(meta["dim"]):
+        raise InputError(f"meta dim must be a positive int, got {meta['dim']!r}", where=f"{where}: key 'dim'")
+    h = meta["hidden"]
+    if h is not None and not is_pos_int(h):
+        raise InputError(f"meta hidden must be a positive int or None, got {h!r}", where=f"{where}: key 'hidden'")
+    try:
+        Scope.from_meta(meta)
+    except ValueError as e:
+        key, _, msg = str(e).partition(": ")
+        raise InputError(f"meta {key} {msg}", where=f"{where}: key '{key}'") from None
+    meta = {**meta, "config": dict(meta.get("config") or {})}
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"meta is not JSON-serialisable ({e})", where=where) from None
+    return meta
+
+
+# Where a reranker's params hold the embedding size d (flax kernels, x -> x K): the axes of
+# each named leaf, counted from the end, so a users axis in front changes nothing.
+_DIM_AXES = {("W", "kernel"): (-2, -1),              # linear: (d, d)
+             ("down", "kernel"): (-1,), ("down", "bias"): (-1,), ("up", "kernel"): (-2,),   # mlp: (h, d), (d,), (d, h)
+             ("lora", "a"): (-2,), ("lora", "b"): (-2,)}                                    # hybrid users: (d, r)
+
+
+# the leaves only one kind of reranker has (by their last two keys), and those that hold the
+# `mlp` kind's hidden width h: the axes counted from the end
+_KIND_OF = {("W", "kernel"): "linear", ("down", "kernel"): "mlp", ("down", "bias"): "mlp", ("up", "kernel"): "mlp",
+            ("up", "bias"): "mlp"}
+_HIDDEN_AXES = {("down", "kernel"): (-2,), ("up", "kernel"): (-1,), ("up", "bias"): (-1,)}
+
+
+def check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
+    """Refuse ``params`` (a reranker's, a users axis in front or not; ``{}`` or only some
+    adapters: what is there is checked) that are not of the store's meta: an embedding size
+    other than ``dim`` (a dim-16 policy saved in a dim-384 store was found only when serving:
+    ``q: dimension 384 does not match the reranker's 16``), another ``kind`` (linear params
+    in an `mlp` store, or the reverse, were stored and failed at serving) or, for `mlp`, a
+    hidden width other than ``hidden`` (when the meta records one); naming ``arg``. Without
+    ``of_kind`` only the dim (users' params: a store may hold users of another structure,
+    which :meth:`PolicyStore.load_batch` refuses to stack)."""
+    dim, kind, hidden = meta["dim"], meta["kind"], meta.get("hidden") if of_kind else None
+    kind = kind if of_kind else None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        shape = np.shape(leaf)
+        name = "/".join(map(str, keys))
+        if kind is not None and _KIND_OF.get(keys[-2:], kind) != kind:
+            raise InputError(f"params are of the {_KIND_OF[keys[-2:]]} kind ({name}), the store's meta kind is "
+                             f"{kind}", arg=arg)
+        for ax in _DIM_AXES.get(keys[-2:], ()):
+            if len(shape) >= -ax and shape[ax] != dim:
+                raise InputError(f"params are for embedding size {shape[ax]} ({name} has shape {tuple(shape)}), "
+                                 f"the store's meta dim is {dim}", arg=arg)
+        for ax in _HIDDEN_AXES.get(keys[-2:], ()) if kind == "mlp" and hidden is not None else ():
+            if len(shape) >= -ax and shape[ax] != hidden:
+                raise InputError(f"params have hidden width {shape[ax]} ({name} has shape {tuple(shape)}), "
+                                 f"the store's meta hidden is {hidden}", arg=arg)
+
+
+def check_save(user_ids, state, infos, chunk_size, *, scope: Scope, shared_version, meta: dict
+               ) -> tuple[list[str], list[dict]]:
+    """A :meth:`~rmm_jax.persist.policy_store.PolicyStore.save`'s arguments checked: the
+    users (distinct non-empty str), one JSON info each (None: ``{}`` each), a
+    :class:`UserState` whose params are of the store's ``meta`` dim, ``chunk_size`` >= 1 if
+    given and, where ``scope`` pairs users with the shared part, a ``shared_version``.
+    Returns the users and their infos as lists."""
+    if isinstance(user_ids, str):
+        raise InputError(f"expected a list of user ids, got the string {user_ids!r}", where="save")
+    user_ids = list(user_ids)
+    if not isinstance(state, UserState):
+        raise InputError(f"state must be a UserState(params, opt_state, learner_state), got "
+                         f"{type(state).__name__}", where="save")
+    infos = [{} for _ in user_ids] if infos is None else list(infos)
+    if len(infos) != len(user_ids):
+        raise InputError(f"{len(infos)} infos for {len(user_ids)} users", where="save: infos")
+    if not user_ids:
+        raise InputError("nothing to save (no users)", where="save")
+    if len(set(user_ids)) != len(user_ids):
+        dup = next(u for u in user_ids if user_ids.count(u) > 1)
+        raise InputError(f"user {dup!r} appears twice in one save", where="user_ids")
+    for uid, info in zip(user_ids, infos):
+        if not isinstance(uid, str) or not uid:
+            raise InputError(f"user id must be a non-empty string, got {uid!r}", where="user_ids")
+        json_dict(info, "info", f"user {uid!r} info")
+    if chunk_size is not None and chunk_size < 1:
+        raise InputError(f"chunk_size must be >= 1, got {chunk_size}", where="save")
+    if scope.has_shared and shared_version is None:
+        raise InputError(f"a save in scope {scope.name!r} needs shared_version (the shared version these "
+                         "users were trained against)", where="save")
+    check_params(state.params, meta, "state", of_kind=False)
+    return user_ids, infos
