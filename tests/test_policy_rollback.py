@@ -22,7 +22,7 @@ from helpers import info_of, params_of, stacked, state_of
 from rmm_jax.core.config import preset
 from rmm_jax.core.types import SharedState
 from rmm_jax.errors import InputError
-from rmm_jax.persist import policy_rollback, policy_store
+from rmm_jax.persist import policy_rollback, policy_snapshot
 from rmm_jax.persist.policy_rollback import PENDING, plan, rollback
 from rmm_jax.persist.policy_setting import read_setting, write_setting
 from rmm_jax.persist.policy_store import PolicyStore
@@ -177,8 +177,8 @@ def test_versions_that_do_not_say_what_they_replaced_or_which_run_saved_them_are
                                                                                           capsys):
     st = PolicyStore.create(tmp_path / "store", META, params_of(0))
     run(st, [{"a": 1}], shared_seed=0)
-    real = policy_store.write_rows
-    monkeypatch.setattr(policy_store, "write_rows",    # what an rmm-jax before the record wrote
+    real = policy_snapshot.write_rows
+    monkeypatch.setattr(policy_snapshot, "write_rows",  # what an rmm-jax before the record wrote
                         lambda dest, meta, *a: real(dest, {k: v for k, v in meta.items() if k != "previous"}, *a))
     run(st, [{"b": 2}], shared_seed=0, record_run=False)
     with pytest.raises(InputError, match=r"its newest version v2 does not record the run that saved it .*: "

@@ -66,6 +66,15 @@ class SharedParts:
         with atomic_dir(root / vname(version), overwrite=False) as tmp:
             write_shared(tmp, {"version": version, "saved_at": saved_at, "info": info}, specs, leaves)
 
+    def add(self, idx, state: SharedState, info: dict, saved_at: str) -> int:
+        """Write ``state`` as a new shared version (call under the writer's lock, ``idx`` the
+        writer's index); returns its number: above every number handed out, those a
+        rollback deleted included (the index's ``next_shared``)."""
+        version = max([*self.versions(), *idx.shared_refs(), idx.next_shared() - 1, 0]) + 1
+        idx.reserve_shared(version + 1)     # first: a kill after it skips a number, never reuses one
+        self.write(self.root, version, state, info, saved_at)
+        return version
+
     def get(self, version: int) -> SavedShared | str:
         """Shared ``version`` restored, or why it does not load (cached)."""
         if version in self._restored:

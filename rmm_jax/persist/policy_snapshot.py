@@ -31,10 +31,12 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from rmm_jax.persist import checksums
-from rmm_jax.persist.codec import leaf_specs
+from rmm_jax.persist.atomic import atomic_dir
+from rmm_jax.persist.codec import encode_tree, leaf_specs
 from rmm_jax.persist.policy_rows import (
     CHUNK_FILE,
     ROWS_FILE,
@@ -98,6 +100,41 @@ def users_per_chunk(specs: dict, chunk_bytes: int, max_users: int) -> int:
     """Users per chunk so that a chunk holds about ``chunk_bytes`` of arrays (at least 1,
     at most ``max_users``, which bounds the chunk.json a load parses)."""
     return int(max(1, min(max_users, chunk_bytes // max(row_bytes(specs), 1))))
+
+
+def encode_users(state, learned, n: int) -> tuple[dict, dict]:
+    """The specs and leaves (each with a leading axis of ``n`` users) of a stacked
+    :class:`~rmm_jax.core.types.UserState`'s parts and, unless ``learned`` is None, of the
+    stacked calls the users learned from (:data:`LEARNED_PART`)."""
+    specs, stacked = {}, {}
+    for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
+        specs[p], stacked[p] = encode_tree(t, batch=n, where=f"save {p}")
+    if learned is not None:       # rows without it: learned from no call (and no bytes spent on saying so)
+        specs[LEARNED_PART], stacked[LEARNED_PART] = encode_tree(learned, batch=n, where="save learned")
+    return specs, stacked
+
+
+def write_snapshot(dest: Path, head: dict, uids: list[str], specs: dict, stacked: dict, infos: list[dict],
+                   previous: list[int | None] | None, size: int | None, chunk_bytes: int,
+                   max_users: int) -> list[tuple[str, int, int]]:
+    """Write snapshot ``dest`` (atomically): chunks of ``size`` users, else of about
+    ``chunk_bytes`` each (at most ``max_users``), in equal chunks; each chunk's
+    ``chunk.json`` holds ``head``, its users, their ``infos`` and their ``previous``
+    versions (None: not known, not listed). Returns the ``(user, chunk, row)`` placements."""
+    per = size or users_per_chunk(specs, chunk_bytes, max_users)
+    if size:
+        cuts = list(range(0, len(uids), size)) + [len(uids)]
+    else:
+        k = -(-len(uids) // per)
+        cuts = [round(i * len(uids) / k) for i in range(k + 1)]
+    placed = []
+    with atomic_dir(dest, overwrite=False) as tmp:
+        for n, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
+            write_rows(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi],
+                                        **({} if previous is None else {"previous": previous[lo:hi]})},
+                       specs, {p: [a[lo:hi] for a in stacked[p]] for p in specs}, hi - lo)
+            placed += [(uid, n, row) for row, uid in enumerate(uids[lo:hi])]
+    return placed
 
 
 # --------------------------------------------------------------------------- older formats' arrays

@@ -81,7 +81,6 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -95,7 +94,6 @@ from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1, policy_report, policy_rollback
 from rmm_jax.persist.atomic import atomic_dir, write_json
-from rmm_jax.persist.codec import encode_tree
 from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
 from rmm_jax.persist.policy_checks import (
@@ -108,19 +106,20 @@ from rmm_jax.persist.policy_checks import (
     check_version,
     json_dict,
 )
-from rmm_jax.persist.policy_index import Entry, IndexUnavailable, PolicyIndex, Save
+from rmm_jax.persist.policy_index import Entry, PolicyIndex, Save
 from rmm_jax.persist.policy_meta import PolicyMeta
 from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, restore_users
-from rmm_jax.persist.policy_rows import write_rows
 from rmm_jax.persist.policy_shared import SharedParts
-from rmm_jax.persist.policy_snapshot import LEARNED_PART, USER_PARTS, cname, snapshot_dirs, users_per_chunk, vname
+from rmm_jax.persist.policy_snapshot import encode_users, vname, write_snapshot
 from rmm_jax.persist.policy_versions import (
     INDEX_DB,
     IndexReader,
     build_index,
+    commit_save,
     drop_unindexed,
     live_versions,
     next_version,
+    previous_versions,
     prune_shared,
     remove_leftovers,
     writer_index,
@@ -389,10 +388,7 @@ class PolicyStore:
         info = json_dict(info, "shared info", "save_shared: info")
         check_params(state.params, self.meta, "state")
         with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
-            # above every number handed out, those a rollback deleted included (next_shared)
-            version = max([*self.shared_versions(), *idx.shared_refs(), idx.next_shared() - 1, 0]) + 1
-            idx.reserve_shared(version + 1)     # first: a kill after it skips a number, never reuses one
-            SharedParts.write(self.path / "shared", version, state, info, _now())
+            version = self._shared.add(idx, state, info, _now())
             self._prune_shared()
             return version
 
@@ -449,12 +445,7 @@ class PolicyStore:
         """
         user_ids, infos = check_save(user_ids, state, infos, chunk_size, scope=self.scope,
                                      shared_version=shared_version, meta=self.meta)
-        specs, stacked = {}, {}
-        for p, t in zip(USER_PARTS, jax.device_get(tuple(state))):
-            specs[p], stacked[p] = encode_tree(t, batch=len(user_ids), where=f"save {p}")
-        if learned is not None:       # rows without it: learned from no call (and no bytes spent on saying so)
-            specs[LEARNED_PART], stacked[LEARNED_PART] = encode_tree(learned, batch=len(user_ids),
-                                                                     where="save learned")
+        specs, stacked = encode_users(state, learned, len(user_ids))
         with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
             if shared_version is not None and shared_version not in self.shared_versions():
                 raise InputError(f"shared version {shared_version} does not exist (on disk: "
@@ -464,45 +455,12 @@ class PolicyStore:
             saved_at = _now()
             head = {"version": version, "saved_at": saved_at, "shared_version": shared_version,
                     **({"run": json_dict(run, "run", "save: run")} if run is not None else {})}
-            try:
-                had = {u: es[-1].version for u, es in idx.entries(user_ids).items() if es}
-                previous = [had.get(u) for u in user_ids]
-            except IndexUnavailable:    # corrupt further in: not recorded (a rollback then refuses to drop them)
-                previous = None
-            placed = self._write_snapshot(gens / vname(version), head, user_ids, specs, stacked, infos,
-                                          previous, chunk_size or self.chunk_size)
-            try:
-                dead = idx.commit_version(version, saved_at, placed, keep=self.keep, shared_version=shared_version)
-            except IndexUnavailable:  # corrupt under us: rebuild from the snapshots, the new one included
-                idx.close()
-                with contextlib.closing(self._build_index(self.path / INDEX_DB)) as rebuilt:
-                    live = set(rebuilt.live_versions())
-                dead = [v for v, _ in snapshot_dirs(gens) if v not in live]
-            for v in dead:
-                shutil.rmtree(gens / vname(v), ignore_errors=True)
+            placed = write_snapshot(gens / vname(version), head, user_ids, specs, stacked, infos,
+                                    previous_versions(idx, user_ids), chunk_size or self.chunk_size,
+                                    self.chunk_bytes, MAX_CHUNK_USERS)
+            commit_save(self.path, self._header, self.keep, idx, version, saved_at, placed, shared_version)
             self._prune_shared()
             return version
-
-    def _write_snapshot(self, dest: Path, head: dict, uids: list[str], specs: dict, stacked: dict,
-                        infos: list[dict], previous: list[int | None] | None,
-                        size: int | None) -> list[tuple[str, int, int]]:
-        """Write snapshot ``dest`` (atomically): chunks of ``size`` users, else of about
-        ``chunk_bytes`` each, in equal chunks; each chunk lists its users' ``previous``
-        versions (None: not known, not listed). Returns the ``(user, chunk, row)`` placements."""
-        per = size or users_per_chunk(specs, self.chunk_bytes, MAX_CHUNK_USERS)
-        if size:
-            cuts = list(range(0, len(uids), size)) + [len(uids)]
-        else:
-            k = -(-len(uids) // per)
-            cuts = [round(i * len(uids) / k) for i in range(k + 1)]
-        placed = []
-        with atomic_dir(dest, overwrite=False) as tmp:
-            for n, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
-                write_rows(tmp / cname(n), {**head, "chunk": cname(n), "users": uids[lo:hi], "info": infos[lo:hi],
-                                            **({} if previous is None else {"previous": previous[lo:hi]})},
-                           specs, {p: [a[lo:hi] for a in stacked[p]] for p in specs}, hi - lo)
-                placed += [(uid, n, row) for row, uid in enumerate(uids[lo:hi])]
-        return placed
 
     def load(self, user_id: str, *, version: int | None = None) -> Saved:
         """Restore ``user_id``'s newest version that loads (or exactly ``version``).

@@ -19,7 +19,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1
 from rmm_jax.persist.atomic import leftovers, remove_dir
 from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
-from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records
+from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records, vname
 
 INDEX_DB = "index.sqlite"
 
@@ -150,6 +150,34 @@ def drop_unindexed(store: Path, header: dict, keep: int, live: set[int]) -> None
     for v, snap in snapshot_dirs(gens):
         if v not in live:
             shutil.rmtree(snap, ignore_errors=True)
+
+
+def previous_versions(idx: PolicyIndex, user_ids: list[str]) -> list[int | None] | None:
+    """Each user's newest kept version before a save (None: none), or None when the index
+    is corrupt further in (not recorded then: a rollback refuses to drop such users)."""
+    try:
+        had = {u: es[-1].version for u, es in idx.entries(user_ids).items() if es}
+    except IndexUnavailable:
+        return None
+    return [had.get(u) for u in user_ids]
+
+
+def commit_save(store: Path, header: dict, keep: int, idx: PolicyIndex, version: int, saved_at: str,
+                placed: list[tuple[str, int, int]], shared_version: int | None) -> None:
+    """Commit the written snapshot ``version`` (its users' ``placed`` rows) to the writer's
+    index ``idx``, trimming each of its users to ``keep`` versions, then delete the
+    snapshots nobody keeps. An index found corrupt under the commit is rebuilt from the
+    snapshots, the new one included."""
+    gens = store / "gens"
+    try:
+        dead = idx.commit_version(version, saved_at, placed, keep=keep, shared_version=shared_version)
+    except IndexUnavailable:
+        idx.close()
+        with contextlib.closing(build_index(store, header, keep, store / INDEX_DB)) as rebuilt:
+            live = set(rebuilt.live_versions())
+        dead = [v for v, _ in snapshot_dirs(gens) if v not in live]
+    for v in dead:
+        shutil.rmtree(gens / vname(v), ignore_errors=True)
 
 
 def prune_shared(shared: Path, refs: set[int], keep: int) -> None:
