@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
+import jax
 import numpy as np
 
 from rmm_jax.core.types import LearnerState, SharedState, UserState
@@ -40,7 +42,7 @@ from rmm_jax.persist.policy_snapshot import (
     read_shared,
     vname,
 )
-from rmm_jax.persist.rollback import Skip
+from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip, skips_text
 
 
 class Saved(NamedTuple):
@@ -211,6 +213,63 @@ def restore_users(gens: Path, users: Sequence[str], entries: dict[str, list[Entr
     state = None if specs is None else UserState(*(decode_tree(specs[p], out[p]) for p in USER_PARTS))
     return Restored([picked.get(u) for u in users], state, infos, [skipped[u] for u in users],
                     None if specs is None else decode_tree(learned_spec, learned))
+
+
+def candidates(entries: dict[str, list[Entry]], ids: Sequence[str], *, version: int | None, before: int | None,
+               keep: int, where: str) -> dict[str, list[Entry]]:
+    """Each of ``ids``' kept ``entries`` that a load may take: with ``before`` only those
+    older than it (a user whose every such version was pruned by ``keep`` is an InputError;
+    one with fewer than ``keep`` versions was new then), with ``version`` only that one (a
+    user who does not keep it is an InputError). Changes and returns ``entries``."""
+    if before is not None:
+        for u in ids:
+            older = [e for e in entries[u] if e.version < before]
+            if entries[u] and not older and len(entries[u]) >= keep:   # fewer: it was new then
+                raise InputError(f"user {u!r} keeps no version older than v{before} (has "
+                                 f"{[e.version for e in entries[u]]}; pruned by keep={keep})", where=where)
+            entries[u] = older
+    if version is not None:
+        for u in ids:
+            if entries[u] and not any(e.version == version for e in entries[u]):
+                raise InputError(f"user {u!r} has no version {version} (has "
+                                 f"{[e.version for e in entries[u]]})", where=where)
+            entries[u] = [e for e in entries[u] if e.version == version]
+    return entries
+
+
+def restore_batch(gens: Path, found: list[str], entries: dict[str, list[Entry]], missing: list[str],
+                  again: Callable[[], dict[str, list[Entry]]], *,
+                  shared_problem: Callable[[int], str | None] | None, stacklevel: int) -> SavedBatch:
+    """:func:`restore_users` of the ``found`` users as a :class:`SavedBatch` (``missing``:
+    the requested users the store does not hold). Users none of whose candidates loads are
+    read once more from the candidates ``again()`` gives, when those changed (a writer may
+    have replaced versions meanwhile), then an InputError; each user that loads an older
+    version warns a :class:`PolicyRestoreWarning` (``stacklevel`` counted from the caller, as its own
+    ``warnings.warn`` would count it)."""
+    got = restore_users(gens, found, entries, shared_problem=shared_problem)
+    if None in got.picked:  # a writer may have replaced versions meanwhile: re-read once
+        fresh = again()
+        if any(fresh[u] != entries[u] for u, e in zip(found, got.picked) if e is None):
+            got = restore_users(gens, found, fresh, shared_problem=shared_problem)
+    where = str(gens.parent)
+    if None in got.picked:
+        i = got.picked.index(None)
+        more = sum(e is None for e in got.picked) - 1
+        raise InputError(f"no good saved version for user {found[i]!r}: {skips_text(got.skipped[i])}"
+                         + (f" (and {more} more users)" if more else ""), where=where)
+    for u, e, sk in zip(found, got.picked, got.skipped):
+        if sk:
+            warnings.warn(PolicyRestoreWarning(where, u, e.version, sk), stacklevel=stacklevel + 1)
+    return SavedBatch(found, got.state, got.infos, [e.version for e in got.picked],
+                      [e.shared_version for e in got.picked], missing,
+                      {u: tuple(sk) for u, sk in zip(found, got.skipped) if sk}, got.learned)
+
+
+def one_user(batch: SavedBatch) -> Saved:
+    """The one user of ``batch`` as a :class:`Saved` (its state without the users axis)."""
+    state, learned = jax.tree_util.tree_map(lambda a: a[0], (batch.state, batch.learned))
+    return Saved(state, batch.infos[0], batch.versions[0], batch.shared_versions[0],
+                 batch.skipped.get(batch.users[0], ()), learned)
 
 
 def restore_shared(snap: Path) -> tuple[SharedState, dict] | str:

@@ -81,12 +81,9 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
-
-import jax
 
 from rmm_jax.core.checks import is_real, short
 from rmm_jax.core.scope import Scope
@@ -108,7 +105,7 @@ from rmm_jax.persist.policy_checks import (
 )
 from rmm_jax.persist.policy_index import Entry, PolicyIndex, Save
 from rmm_jax.persist.policy_meta import PolicyMeta
-from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, restore_users
+from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, candidates, one_user, restore_batch
 from rmm_jax.persist.policy_shared import SharedParts
 from rmm_jax.persist.policy_snapshot import encode_users, vname, write_snapshot
 from rmm_jax.persist.policy_versions import (
@@ -124,7 +121,7 @@ from rmm_jax.persist.policy_versions import (
     remove_leftovers,
     writer_index,
 )
-from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip, skips_text
+from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip
 
 __all__ = ["PolicyStore", "PolicyMeta", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save",
            "PolicyRestoreWarning", "DEFAULT_KEEP"]
@@ -472,9 +469,7 @@ class PolicyStore:
         version and why (the shared version it needs, if that is the problem).
         """
         check_user_ids([user_id], arg="user_id")     # was named "users", load_batch's argument
-        b = self._load([user_id], version, missing_ok=False)
-        one, learned = jax.tree_util.tree_map(lambda a: a[0], (b.state, b.learned))
-        return Saved(one, b.infos[0], b.versions[0], b.shared_versions[0], b.skipped.get(user_id, ()), learned)
+        return one_user(self._load([user_id], version, missing_ok=False))
 
     def load_batch(self, user_ids: Sequence[str], *, before: int | None = None) -> SavedBatch:
         """Restore every stored one of ``user_ids`` (newest version that loads, as
@@ -494,44 +489,14 @@ class PolicyStore:
         if len(set(ids)) != len(ids):
             raise InputError(f"user {next(u for u in ids if ids.count(u) > 1)!r} is requested twice", arg="users")
 
-        def candidates():
-            entries = self._query(lambda idx: idx.entries(ids))
-            if before is not None:
-                for u in ids:
-                    older = [e for e in entries[u] if e.version < before]
-                    if entries[u] and not older and len(entries[u]) >= self.keep:   # fewer: it was new then
-                        raise InputError(f"user {u!r} keeps no version older than v{before} (has "
-                                         f"{[e.version for e in entries[u]]}; pruned by keep={self.keep})",
-                                         where=str(self.path))
-                    entries[u] = older
-            if version is not None:
-                for u in ids:
-                    if entries[u] and not any(e.version == version for e in entries[u]):
-                        raise InputError(f"user {u!r} has no version {version} (has "
-                                         f"{[e.version for e in entries[u]]})", where=str(self.path))
-                    entries[u] = [e for e in entries[u] if e.version == version]
-            return entries
+        def entries():
+            return candidates(self._query(lambda idx: idx.entries(ids)), ids, version=version, before=before,
+                              keep=self.keep, where=str(self.path))
 
-        entries = candidates()
-        missing = [u for u in ids if not entries[u]]
+        found = entries()
+        missing = [u for u in ids if not found[u]]
         if missing and not missing_ok:
             raise InputError(f"no saved policy for user {missing[0]!r} (known users: {self.n_users()})",
                              where=str(self.path))
-        found = [u for u in ids if entries[u]]
-        shared = self._shared.problem if self.paired else None
-        got = restore_users(self.path / "gens", found, entries, shared_problem=shared)
-        if None in got.picked:  # a writer may have replaced versions meanwhile: re-read once
-            fresh = candidates()
-            if any(fresh[u] != entries[u] for u, e in zip(found, got.picked) if e is None):
-                got = restore_users(self.path / "gens", found, fresh, shared_problem=shared)
-        if None in got.picked:
-            i = got.picked.index(None)
-            more = sum(e is None for e in got.picked) - 1
-            raise InputError(f"no good saved version for user {found[i]!r}: {skips_text(got.skipped[i])}"
-                             + (f" (and {more} more users)" if more else ""), where=str(self.path))
-        for u, e, sk in zip(found, got.picked, got.skipped):
-            if sk:
-                warnings.warn(PolicyRestoreWarning(str(self.path), u, e.version, sk), stacklevel=3)
-        return SavedBatch(found, got.state, got.infos, [e.version for e in got.picked],
-                          [e.shared_version for e in got.picked], missing,
-                          {u: tuple(sk) for u, sk in zip(found, got.skipped) if sk}, got.learned)
+        return restore_batch(self.path / "gens", [u for u in ids if found[u]], found, missing, entries,
+                             shared_problem=self._shared.problem if self.paired else None, stacklevel=3)
