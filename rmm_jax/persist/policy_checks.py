@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from rmm_jax.core.checks import is_int
+from rmm_jax.core.checks import is_int, short
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import UserState
@@ -157,6 +158,26 @@ def check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
             if len(shape) >= -ax and shape[ax] != hidden:
                 raise InputError(f"params have hidden width {shape[ax]} ({name} has shape {tuple(shape)}), "
                                  f"the store's meta hidden is {hidden}", arg=arg)
+
+
+def check_create(path: Path, meta: PolicyMeta | dict, shared_params, keep, chunk_size, chunk_bytes,
+                 shared_info) -> tuple[dict, dict]:
+    """A :meth:`~rmm_jax.persist.policy_store.PolicyStore.create`'s arguments checked: the
+    ``meta`` (:func:`check_meta`), a JSON ``shared_info``, ``keep``, a reranker's
+    ``shared_params`` of that meta, chunk sizes >= 1 and a ``path`` that does not exist or
+    is an empty directory. Returns the meta and the shared info as written."""
+    meta = check_meta(meta, str(path))
+    shared_info = json_dict(shared_info, "shared info", str(path))
+    check_keep(keep, str(path))
+    if not isinstance(shared_params, Mapping):      # None was stored, and serving failed 10 calls deep
+        raise InputError(f"expected a reranker's params (init_reranker), got {short(shared_params)}",
+                         arg="shared_params")
+    check_params(shared_params, meta, "shared_params")
+    if (chunk_size is not None and chunk_size < 1) or chunk_bytes < 1:
+        raise InputError("chunk_size and chunk_bytes must be >= 1", where=str(path))
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise InputError("already exists and is not empty; choose a new policy store path", where=str(path))
+    return meta, shared_info
 
 
 def check_save(user_ids, state, infos, chunk_size, *, scope: Scope, shared_version, meta: dict

@@ -79,9 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -90,19 +88,20 @@ from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1, policy_report, policy_rollback
-from rmm_jax.persist.atomic import atomic_dir, write_json
+from rmm_jax.persist.atomic import atomic_dir
 from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
 from rmm_jax.persist.policy_checks import (
     as_path,
+    check_create,
     check_keep,
-    check_meta,
     check_params,
     check_save,
     check_user_ids,
     check_version,
     json_dict,
 )
+from rmm_jax.persist.policy_header import FORMAT_VERSION, STORE_FILE, new_header, read_header, write_header
 from rmm_jax.persist.policy_index import Entry, PolicyIndex, Save
 from rmm_jax.persist.policy_meta import PolicyMeta
 from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, candidates, one_user, restore_batch
@@ -126,10 +125,6 @@ from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip
 __all__ = ["PolicyStore", "PolicyMeta", "Saved", "SavedBatch", "SavedShared", "Skip", "Entry", "Save",
            "PolicyRestoreWarning", "DEFAULT_KEEP"]
 
-FORMAT = "rmm-jax-policy-store"
-FORMAT_VERSION = 3             # 3: user rows (policy_rows.py); 2: arrays.npz chunks; 1: index.json, orbax chunks
-READS_FORMAT_VERSIONS = (1, 2, 3)
-STORE_FILE = "policy_store.json"
 LOCK_FILE = ".lock"
 DEFAULT_KEEP = 3
 DEFAULT_CHUNK_BYTES = 8 << 20  # 4-16 MB per chunk: the file count stays proportional to bytes
@@ -152,7 +147,7 @@ class PolicyStore:
 
     def __init__(self, path: str | os.PathLike, *, keep: int | None = None):
         self.path = as_path(path)
-        self._header = self._read_header()
+        self._header = read_header(self.path)
         self.meta: dict = self._header["meta"]
         stored = int(self._header.get("keep_versions", DEFAULT_KEEP))
         self.keep: int = stored if keep is None else check_keep(keep, str(self.path))
@@ -190,23 +185,11 @@ class PolicyStore:
         Each user keeps ``keep`` versions. Chunks hold about ``chunk_bytes`` of arrays, or
         exactly ``chunk_size`` users if given. The whole directory appears atomically."""
         path = as_path(path)
-        meta = check_meta(meta, str(path))
-        shared_info = json_dict(shared_info, "shared info", str(path))
-        check_keep(keep, str(path))
-        if not isinstance(shared_params, Mapping):      # None was stored, and serving failed 10 calls deep
-            raise InputError(f"expected a reranker's params (init_reranker), got {short(shared_params)}",
-                             arg="shared_params")
-        check_params(shared_params, meta, "shared_params")
-        if (chunk_size is not None and chunk_size < 1) or chunk_bytes < 1:
-            raise InputError("chunk_size and chunk_bytes must be >= 1", where=str(path))
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise InputError("already exists and is not empty; choose a new policy store path", where=str(path))
+        meta, shared_info = check_create(path, meta, shared_params, keep, chunk_size, chunk_bytes, shared_info)
         if path.exists():
             path.rmdir()
         with atomic_dir(path, overwrite=False) as tmp:
-            write_json(tmp / STORE_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, "meta": meta,
-                                          "keep_versions": keep, "chunk_size": chunk_size,
-                                          "chunk_bytes": chunk_bytes, "created_at": _now()})
+            write_header(tmp, new_header(meta, keep, chunk_size, chunk_bytes, _now()))
             PolicyIndex.create(tmp / INDEX_DB).close()
             SharedParts.write(tmp / "shared", 1, SharedState(shared_params, shared_opt_state), shared_info, _now())
         return cls(path)
@@ -221,26 +204,6 @@ class PolicyStore:
             raise InputError(f"policy store has dim {store.meta['dim']}, expected {expect_dim} "
                              "(made for another embedding model?)", where=str(path))
         return store
-
-    def _read_header(self) -> dict:
-        where = str(self.path)
-        if not self.path.exists():
-            raise InputError("no such policy store", where=where)
-        if not self.path.is_dir():
-            raise InputError("not a policy store (not a directory)", where=where)
-        f = self.path / STORE_FILE
-        try:
-            header = json.loads(f.read_text())
-        except FileNotFoundError:
-            raise InputError(f"not a policy store (no {STORE_FILE})", where=where) from None
-        except (OSError, ValueError) as e:
-            raise InputError(f"unreadable {STORE_FILE} ({e})", where=str(f)) from None
-        if not isinstance(header, dict) or header.get("format") != FORMAT or "meta" not in header:
-            raise InputError(f"not a policy store ({STORE_FILE} has no format {FORMAT!r})", where=str(f))
-        if header.get("format_version") not in READS_FORMAT_VERSIONS:
-            raise InputError(f"format_version {header.get('format_version')} is not supported "
-                             f"(this rmm-jax reads {', '.join(map(str, READS_FORMAT_VERSIONS))})", where=str(f))
-        return header
 
     # ---- the writer
 
@@ -278,14 +241,14 @@ class PolicyStore:
                                                        format_version=FORMAT_VERSION, chunk_bytes=self.chunk_bytes)
         if self._header.get("keep_versions") != self.keep:
             self._header = {**self._header, "keep_versions": self.keep}
-            write_json(self.path / STORE_FILE, self._header)
+            write_header(self.path, self._header)
         drop_unindexed(self.path, self._header, self.keep, live)
         self._prune_shared()
         policy_rollback.finish(self)            # a rollback a kill interrupted
 
     def _write_header(self, header: dict) -> None:
         """Replace ``policy_store.json`` with ``header`` (atomically; under the writer's lock)."""
-        write_json(self.path / STORE_FILE, header)
+        write_header(self.path, header)
         self._header = header
 
     def _forget_shared_cache(self) -> None:
