@@ -24,7 +24,7 @@ import numpy as np
 from rmm_jax.core.checks import is_int, short
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import Scope
-from rmm_jax.core.types import UserState
+from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_meta import PolicyMeta
 
@@ -212,3 +212,15 @@ def check_save(user_ids, state, infos, chunk_size, *, scope: Scope, shared_versi
                          "users were trained against)", where="save")
     check_params(state.params, meta, "state", of_kind=False)
     return user_ids, infos
+
+
+def check_save_shared(state, info, meta: dict) -> dict:
+    """A :meth:`~rmm_jax.persist.policy_store.PolicyStore.save_shared`'s arguments checked:
+    a :class:`SharedState` whose params are of the store's ``meta``, a JSON ``info`` dict
+    (None: ``{}``, returned)."""
+    if not isinstance(state, SharedState):
+        raise InputError(f"expected a SharedState(params, opt_state), got {type(state).__name__}",
+                         where="save_shared")
+    info = json_dict(info, "shared info", "save_shared: info")
+    check_params(state.params, meta, "state")
+    return info

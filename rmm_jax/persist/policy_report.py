@@ -46,10 +46,15 @@ def listing(idx: PolicyIndex, gens: Path,
         yield user, entries, info_of(entries[-1])
 
 
-def user_bytes(gens: Path, e: Entry) -> dict:
-    """On-disk size of entry ``e``: its row's share of its chunk's array file. Returns
-    ``{version, chunk, row, users_in_chunk, chunk_bytes, bytes, array_bytes}``
-    (``array_bytes``: the row's raw array bytes)."""
+def user_bytes(gens: Path, user_id: str, entries: list[Entry], version: int | None = None) -> dict:
+    """On-disk size of ``user_id``'s newest of its ``entries`` (or its ``version``): its
+    row's share of its chunk's array file. Returns ``{version, chunk, row, users_in_chunk,
+    chunk_bytes, bytes, array_bytes}`` (``array_bytes``: the row's raw array bytes)."""
+    es = [e for e in entries if version is None or e.version == version]
+    if not es:
+        raise InputError(f"no saved policy for user {user_id!r}" + (f" version {version}" if version else ""),
+                         where=str(gens.parent))
+    e = es[-1]
     snap = gens / vname(e.version)
     try:
         meta = read_chunk_meta(snap, cname(e.chunk))
@@ -62,9 +67,14 @@ def user_bytes(gens: Path, e: Entry) -> dict:
             "chunk_bytes": total, "bytes": round(total / max(n, 1)), "array_bytes": raw}
 
 
-def shared_bytes(snap: Path, version: int) -> dict:
-    """On-disk size of shared snapshot ``snap``: ``{version, bytes, array_bytes}``
-    (``array_bytes``: raw params + optimiser-state bytes)."""
+def shared_bytes(root: Path, versions: list[int], version: int | None = None) -> dict:
+    """On-disk size of the newest of shared ``versions`` under ``root`` (or ``version``):
+    ``{version, bytes, array_bytes}`` (``array_bytes``: raw params + optimiser-state bytes)."""
+    vs = [v for v in versions if version is None or v == version]
+    if not vs:
+        raise InputError(f"no shared version {version or ''}".rstrip(), where=str(root.parent))
+    version = vs[-1]
+    snap = root / vname(version)
     try:
         raw = row_bytes(shared_meta(snap)["spec"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -102,6 +102,15 @@ class SharedParts:
                 return None
         return self._online[version]
 
+    def newest_not_online(self) -> int | None:
+        """The newest version that loads and that no online run saved (its info's ``source``
+        is not ``online``); None: no such version."""
+        for v in reversed(self.versions()):
+            got = self.get(v)
+            if not isinstance(got, str) and got.info.get("source") != "online":
+                return v
+        return None
+
     def problem(self, version: int) -> str | None:
         """What is wrong with ``version`` (``missing``, ``damaged (...)``; None: it
         verifies). Checked once per object, by checksums, without decoding it."""

@@ -95,8 +95,8 @@ from rmm_jax.persist.policy_checks import (
     as_path,
     check_create,
     check_keep,
-    check_params,
     check_save,
+    check_save_shared,
     check_user_ids,
     check_version,
     json_dict,
@@ -313,20 +313,13 @@ class PolicyStore:
         """On-disk size of ``user_id``'s newest entry (or ``version``): its row's share of
         its chunk's array file (:func:`rmm_jax.persist.policy_report.user_bytes`)."""
         version = check_version(version)
-        es = [e for e in self.entries(user_id) if version is None or e.version == version]
-        if not es:
-            raise InputError(f"no saved policy for user {user_id!r}" + (f" version {version}" if version else ""),
-                             where=str(self.path))
-        return policy_report.user_bytes(self.path / "gens", es[-1])
+        return policy_report.user_bytes(self.path / "gens", user_id, self.entries(user_id), version)
 
     def shared_bytes(self, version: int | None = None) -> dict:
         """On-disk size of the newest shared version (or ``version``): ``{version, bytes,
         array_bytes}`` (``array_bytes``: raw params + optimiser-state bytes)."""
         version = check_version(version)
-        vs = [v for v in self.shared_versions() if version is None or v == version]
-        if not vs:
-            raise InputError(f"no shared version {version or ''}".rstrip(), where=str(self.path))
-        return policy_report.shared_bytes(self.path / "shared" / vname(vs[-1]), vs[-1])
+        return policy_report.shared_bytes(self.path / "shared", self.shared_versions(), version)
 
     # ---- the shared part
 
@@ -342,11 +335,7 @@ class PolicyStore:
         references are pruned, except the store's start. ``info`` ``{"source": "online"}``
         marks a version an online run saved (:class:`rmm_jax.online.sinks.PolicySink`):
         the start is the newest version without it."""
-        if not isinstance(state, SharedState):
-            raise InputError(f"expected a SharedState(params, opt_state), got {type(state).__name__}",
-                             where="save_shared")
-        info = json_dict(info, "shared info", "save_shared: info")
-        check_params(state.params, self.meta, "state")
+        info = check_save_shared(state, info, self.meta)
         with self.writer(), writer_index(self.path, self._header, self.keep) as idx:
             version = self._shared.add(idx, state, info, _now())
             self._prune_shared()
@@ -372,11 +361,7 @@ class PolicyStore:
         last = self._query(lambda idx: idx.last_shared())
         if last is not None or self.n_users():
             return last
-        for v in reversed(self.shared_versions()):
-            got = self._shared.get(v)
-            if not isinstance(got, str) and got.info.get("source") != "online":
-                return v
-        return None
+        return self._shared.newest_not_online()
 
     def shared_state(self, version: int | None = None) -> SavedShared:
         """Shared ``version``, or the newest shared version that loads (older ones used with
