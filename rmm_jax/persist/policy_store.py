@@ -87,7 +87,7 @@ from rmm_jax.core.checks import is_real, short
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
-from rmm_jax.persist import policy_format1, policy_report, policy_rollback
+from rmm_jax.persist import policy_report, policy_rollback
 from rmm_jax.persist.atomic import atomic_dir
 from rmm_jax.persist.learned_calls import LearnedCalls
 from rmm_jax.persist.lock import WriterLock
@@ -101,7 +101,15 @@ from rmm_jax.persist.policy_checks import (
     check_version,
     json_dict,
 )
-from rmm_jax.persist.policy_header import FORMAT_VERSION, STORE_FILE, new_header, read_header, write_header
+from rmm_jax.persist.policy_header import (  # noqa: F401 - the format constants, re-exported (were defined here)
+    FORMAT,
+    FORMAT_VERSION,
+    READS_FORMAT_VERSIONS,
+    STORE_FILE,
+    new_header,
+    read_header,
+    write_header,
+)
 from rmm_jax.persist.policy_index import Entry, PolicyIndex, Save
 from rmm_jax.persist.policy_meta import PolicyMeta
 from rmm_jax.persist.policy_restore import Saved, SavedBatch, SavedShared, candidates, one_user, restore_batch
@@ -112,12 +120,10 @@ from rmm_jax.persist.policy_versions import (
     IndexReader,
     build_index,
     commit_save,
-    drop_unindexed,
-    live_versions,
     next_version,
     previous_versions,
     prune_shared,
-    remove_leftovers,
+    repair,
     writer_index,
 )
 from rmm_jax.persist.rollback import PolicyRestoreWarning, Skip
@@ -235,14 +241,7 @@ class PolicyStore:
         """Under the lock: no leftovers of killed writers, a usable index.sqlite (migrated
         or rebuilt), the header current, no snapshot dir the index does not list, no shared
         version left that pruning would remove."""
-        remove_leftovers(self.path)
-        live = live_versions(self.path, self._header, self.keep)
-        self._header = policy_format1.finish_migration(self.path, self.path / STORE_FILE, self._header,
-                                                       format_version=FORMAT_VERSION, chunk_bytes=self.chunk_bytes)
-        if self._header.get("keep_versions") != self.keep:
-            self._header = {**self._header, "keep_versions": self.keep}
-            write_header(self.path, self._header)
-        drop_unindexed(self.path, self._header, self.keep, live)
+        self._header = repair(self.path, self._header, self.keep, self.chunk_bytes)
         self._prune_shared()
         policy_rollback.finish(self)            # a rollback a kill interrupted
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1
 from rmm_jax.persist.atomic import leftovers, remove_dir
+from rmm_jax.persist.policy_header import FORMAT_VERSION, STORE_FILE, write_header
 from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
 from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records, vname
 
@@ -136,6 +137,21 @@ def remove_leftovers(store: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
+
+
+def repair(store: Path, header: dict, keep: int, chunk_bytes: int) -> dict:
+    """What a killed writer left, repaired (call under the writer's lock): no leftovers, a
+    usable index.sqlite (migrated or rebuilt), the header current (format, ``keep``), no
+    snapshot dir the index does not list. Returns the header now on disk."""
+    remove_leftovers(store)
+    live = live_versions(store, header, keep)
+    header = policy_format1.finish_migration(store, store / STORE_FILE, header,
+                                             format_version=FORMAT_VERSION, chunk_bytes=chunk_bytes)
+    if header.get("keep_versions") != keep:
+        header = {**header, "keep_versions": keep}
+        write_header(store, header)
+    drop_unindexed(store, header, keep, live)
+    return header
 
 
 def drop_unindexed(store: Path, header: dict, keep: int, live: set[int]) -> None:
