@@ -12,11 +12,12 @@ SQLite index maps ``user_id -> versions`` (:mod:`rmm_jax.persist.policy_index`).
 :meth:`PolicyStore.load` reads one user's row. Scoring a query with a stored user's policy
 is :class:`rmm_jax.online.serve.Reranker`.
 
-This module is the store's face: creating and opening, the writer's lock, saving, and
-loading with fallback. Its parts live beside it: the chunks on disk
-(:mod:`~rmm_jax.persist.policy_snapshot`, :mod:`~rmm_jax.persist.policy_rows`), which version
-loads (:mod:`~rmm_jax.persist.policy_restore`), the index with its rebuild and garbage
-collection (:mod:`~rmm_jax.persist.policy_versions`), the shared part
+This module is the store's face: creating and opening, the writer's lock, and the methods
+users call, each handing its work to the part that owns it: the checks of their arguments
+(:mod:`~rmm_jax.persist.policy_checks`), the header (:mod:`~rmm_jax.persist.policy_header`),
+the chunks on disk (:mod:`~rmm_jax.persist.policy_snapshot`, :mod:`~rmm_jax.persist.policy_rows`),
+which version loads (:mod:`~rmm_jax.persist.policy_restore`), the index with its repair,
+commits and garbage collection (:mod:`~rmm_jax.persist.policy_versions`), the shared part
 (:mod:`~rmm_jax.persist.policy_shared`) and the listings and sizes ``rmm-jax policies``
 prints (:mod:`~rmm_jax.persist.policy_report`).
 
