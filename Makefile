@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint setup bench clean floors
+.PHONY: demo test lint setup bench clean floors test-other-cpu
 
 setup: $(STAMP)
 
@@ -49,6 +49,15 @@ floors:
 		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e '.[test]'
 	$(FLOORS)/bin/python -m pytest -q -ra --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 	$(FLOORS)/bin/ruff check .
+
+# The suite as another CPU computes it: XLA limited to SSE4.2 (no AVX/FMA: other vector widths,
+# other summation orders), NumPy without its AVX2/AVX-512 kernels, OpenBLAS's Nehalem kernels.
+# Every float tolerance in tests/ is an error bound, so it must hold here as on the machine that
+# wrote it. Not part of CI (it runs the whole suite again).
+test-other-cpu: $(STAMP)
+	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 OPENBLAS_CORETYPE=Nehalem \
+	NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR AVX512_SKX AVX512_CLX AVX512_CNL" \
+	$(PY) -m pytest -q -ra --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
