@@ -11,6 +11,9 @@ import numbers
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 
+PIPE_CLOSED = "its reader closed the pipe before everything was written"
+"""The error when a pipe written into (a FIFO given as ``--out``, or stdout into ``| head``) loses its reader."""
+
 
 class InputError(ValueError):
     """Bad user input: a file, a record, an option or an array argument.

@@ -542,6 +542,50 @@ def test_console_script_behaves_the_same(env, argv, names):
     assert snapshot(env["root"]) == before
 
 
+PIPE_CLOSED_LINE = "error: stdout: its reader closed the pipe before everything was written\n"
+
+
+def rmm_jax_cmd() -> list[str]:
+    exe = REPO / ".venv" / "bin" / "rmm-jax"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "rmm_jax.cli.main"]
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("argv", [
+    pytest.param(lambda e: ["--help"], id="help"),
+    pytest.param(lambda e: ["policies", "list", e["pol16"]], id="policies-list"),
+])
+def test_stdout_whose_reader_left_is_one_error_line(env, argv, unbuffered):
+    """`rmm-jax ... | head` with the reader gone: click exited 1 (or 0) without a word; it is the
+    line a FIFO --out gives, status 2, and nothing else (no "Exception ignored" at the exit)."""
+    r, w = os.pipe()
+    os.close(r)                       # the reader is gone before the first write: deterministic
+    try:
+        p = subprocess.run(rmm_jax_cmd() + [str(a) for a in argv(env)], stdout=w, stderr=subprocess.PIPE,
+                           text=True, cwd=REPO, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (2, PIPE_CLOSED_LINE)
+
+
+def test_served_lines_cut_by_their_reader_are_an_error_line(env, tmp_path):
+    """rerank's served lines into a reader that stops after the first (`| head -1`): with
+    PYTHONUNBUFFERED the write the pipe took only part of lost the rest and exited 0."""
+    u = env["open_store"].user(env["open_store"].user_ids[0])
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(jl(*[{"user_id": u.user_id, "query_id": u.query_ids[i % len(u.query_ids)], "call_id": f"c{i}"}
+                          for i in range(600)]))
+    p = subprocess.Popen(rmm_jax_cmd() + ["rerank", str(env["store"]), "--calls", str(calls), "--explore"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 2, err
+    assert first and json.loads(first)["user_id"] == u.user_id, err
+    assert err.splitlines()[-1] + "\n" == PIPE_CLOSED_LINE and "Exception ignored" not in err
+
+
 # --------------------------------------------------------------------------- property-based
 
 

@@ -7,11 +7,16 @@ The CLI is a thin shell over :mod:`rmm_jax`. Bad input raises
 and exits with status 2, with no traceback. Click's usage errors (a bad option value, a
 missing argument) are printed the same way: one ``error: ...`` line, status 2. Warnings
 raised during a command print as ``warning: ...`` lines without source lines, repeated
-policy restores summarised (:mod:`rmm_jax.cli.warning_lines`).
+policy restores summarised (:mod:`rmm_jax.cli.warning_lines`). A reader of stdout that
+leaves before everything is written (``| head -1``) is the same line as a FIFO's
+(:func:`rmm_jax.persist.atomic.atomic_file`): ``error: stdout: its reader closed the pipe
+before everything was written``, status 2.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import sys
 
@@ -22,7 +27,7 @@ import click
 
 from rmm_jax.cli.signals import Interrupted
 from rmm_jax.cli.warning_lines import reported_warnings
-from rmm_jax.errors import InputError
+from rmm_jax.errors import PIPE_CLOSED, InputError
 from rmm_jax.version import __version__
 
 CONTEXT = dict(help_option_names=["-h", "--help"], show_default=True, max_content_width=100)
@@ -37,8 +42,24 @@ VERBS: dict[str, str] = {"embed": "embed", "retrieve": "retrieve", "policies": "
 WITHOUT_JAX = frozenset({"embed"})
 
 
+class _StdoutClosed(Exception):
+    """stdout's reader left: raised past click, whose ``main`` would exit 1 without a word."""
+
+
 class Verbs(click.Group):
     """The group, loading each verb's module on first use (click's lazy group pattern)."""
+
+    def make_context(self, *args, **kwargs) -> click.Context:   # --help and --version print here
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError as e:
+            raise _StdoutClosed from e
+
+    def invoke(self, ctx: click.Context):                         # every verb, its --help included
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as e:
+            raise _StdoutClosed from e
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *VERBS})
@@ -122,15 +143,31 @@ def register_commands() -> None:
         importlib.import_module(f"rmm_jax.cli.{name}")
 
 
+def _whole_writes() -> None:
+    """Under PYTHONUNBUFFERED (or ``python -u``) stdout writes straight into its file, and a
+    write that a pipe takes only part of (its reader gone) lost the rest without an error
+    (TextIOWrapper ignores the short count): a buffered writer writes everything or raises.
+    Each line still goes out as it is written (line buffering; ``click.echo`` flushes)."""
+    out = sys.stdout
+    if isinstance(getattr(out, "buffer", None), io.RawIOBase):
+        raw = io.FileIO(out.fileno(), "w", closefd=False)
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding=out.encoding, errors=out.errors,
+                                      line_buffering=True)
+
+
 def main(argv=None) -> None:
+    _whole_writes()
     try:
         with reported_warnings():  # one formatted line per warning on stderr, at the end
             code = cli.main(args=argv, standalone_mode=False)
+            sys.stdout.flush()      # what is still buffered: a reader gone fails here, not at the exit
         if isinstance(code, int) and code:  # ctx.exit(n) returns n when click is not standalone
             sys.exit(code)
     except InputError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except (_StdoutClosed, BrokenPipeError):   # `rmm-jax ... | head -1`: as a FIFO's reader leaving (--out)
+        _stdout_closed()
     except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.cli.signals)
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
@@ -157,6 +194,19 @@ def main(argv=None) -> None:
     except MemoryError as e:    # e.g. numpy's, for a --users-per-chunk far beyond the store's users
         click.echo(f"error: out of memory ({e}); a smaller --users-per-chunk or --batch needs less", err=True)
         sys.exit(1)
+
+
+def _stdout_closed() -> None:
+    """One error line and status 2 (as for a FIFO's reader leaving), then nothing more: stdout
+    becomes /dev/null, so that Python's flush at the exit of what is left does not print
+    "Exception ignored ... BrokenPipeError" (Python's docs, "Note on SIGPIPE")."""
+    with contextlib.suppress(OSError):      # stderr may be gone too (`2>&1 | head`)
+        click.echo(f"error: {InputError(PIPE_CLOSED, where='stdout')}", err=True)
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from rmm_jax.errors import InputError
+from rmm_jax.errors import PIPE_CLOSED, InputError
 
 _MARKERS = (".tmp-", ".old-")
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
@@ -309,7 +309,7 @@ def atomic_file(target: str | os.PathLike, mode: str = "w"):
             with open(target, mode) as f:
                 yield f
         except BrokenPipeError as e:
-            raise InputError("its reader closed the pipe before everything was written", where=str(target)) from e
+            raise InputError(PIPE_CLOSED, where=str(target)) from e
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     _swept(target.parent.absolute())
