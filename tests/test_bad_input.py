@@ -199,8 +199,7 @@ def cases():
     c = []
     # ---- citation logs through replay
     c += [
-        ("log-empty", lambda e: rp(e, "empty"), lambda e: [str(L(e, "empty")), "empty"]),
-        ("log-blank-only", lambda e: rp(e, "blank_only"), lambda e: [str(L(e, "blank_only"))]),
+        # (an empty log is a day without calls, not bad input: tests/test_exactly_once.py, test_ope.py)
         ("log-invalid-json", lambda e: rp(e, "invalid_json"), lambda e: [f"{L(e, 'invalid_json')}:1", "invalid JSON"]),
         ("log-not-object", lambda e: rp(e, "not_object"), lambda e: [f"{L(e, 'not_object')}:1"]),
         ("log-wrong-type", lambda e: rp(e, "wrong_type"), lambda e: [f"{L(e, 'wrong_type')}:1", "'user_id'"]),
@@ -402,6 +401,11 @@ def cases():
          lambda e: ["synthetic spec"]),
         ("embed-locomo-missing", lambda e: ["embed", f"locomo:{e['root'] / 'nope'}", "--out", out(e)],
          lambda e: ["nope"]),
+        # an empty file stays an error where emptiness is one: chats to embed, a log to embed memories from
+        ("embed-jsonl-empty", lambda e: ["embed", f"jsonl:{L(e, 'empty')}", "--out", out(e)],
+         lambda e: [str(L(e, "empty")), "no records (the file is empty)"]),
+        ("embed-log-blank-only", lambda e: ["embed", f"log:{L(e, 'blank_only')}", "--out", out(e)],
+         lambda e: [str(L(e, "blank_only")), "no records (the file is empty)"]),
         ("embed-jsonl-lone-surrogate", lambda e: ["embed", f"jsonl:{L(e, 'chats_lone_surrogate')}", "--out", out(e)],
          lambda e: [f"{L(e, 'chats_lone_surrogate')}:1", "lone surrogate \\ud83d"]),
         ("embed-log-blank-candidate-text", lambda e: ["embed", f"log:{L(e, 'text_log_blank_candidate')}", "--out",

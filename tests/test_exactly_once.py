@@ -117,6 +117,35 @@ def test_a_log_replayed_again_learns_nothing_and_says_how_many_it_skipped(capsys
         assert_same(before, states(tmp_path / "p"))
 
 
+def tree(path) -> dict:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("text", ["", "\n \t\n"], ids=["0 bytes", "blank lines"])
+def test_an_empty_log_is_a_quiet_day_with_nothing_to_learn(capsys, tmp_path, store, logged, text):
+    """A day without calls was "no records (the file is empty)", exit 2, failing the nightly
+    job as bad input. It has nothing to learn, as a log learned already: exit 0, the policy
+    store unchanged (no new version), no run-state left beside it, none created."""
+    pol = tmp_path / "policies" / "p"         # its directory holds the store and what a run leaves beside it
+    code, _, err = replay(capsys, store, write(tmp_path / "day1.jsonl", logged), pol)
+    assert code == 0, err
+    before, versions = tree(pol.parent), PolicyStore.open(pol).next_version()
+    empty = tmp_path / "quiet.jsonl"
+    empty.write_text(text)
+    code, out, err = replay(capsys, store, empty, pol, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["log"]["calls"] == {"learn": 0, "learned_already": 0, "older": 0, "relearn": False}
+    assert doc["log"]["records"] == 0 and doc["online"] == {"queries": 0, "calls": 0}
+    code, out, err = replay(capsys, store, empty, pol)
+    assert code == 0 and out.startswith("nothing to learn: ") and "has no calls (the file is empty)" in out, err
+    assert PolicyStore.open(pol).next_version() == versions and tree(pol.parent) == before
+    assert not runstate.RunState.path_for(pol).exists()
+    code, out, err = replay(capsys, store, empty, pol.parent / "new")     # a first night without calls
+    assert code == 0 and "was not created" in out, err
+    assert tree(pol.parent) == before
+
+
 def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, tmp_path, store, logged):
     log = write(tmp_path / "day.jsonl", logged)
     code, _, err = replay(capsys, store, log, tmp_path / "p")

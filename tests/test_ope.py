@@ -367,6 +367,25 @@ def evaluate(capsys, env, *args, log=None):
                    "--k", KK, "--m", MM, "--bootstrap", 200, *args)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n"], ids=["0 bytes", "blank lines"])
+def test_evaluate_on_an_empty_log_has_no_calls_to_judge(capsys, ope_env, tmp_path, text):
+    """A day without calls was "no records (the file is empty)", exit 2: no calls to judge,
+    verdict none, exit 0; --json has the report's keys, 0 calls, no estimate, no ship."""
+    empty = tmp_path / "quiet.jsonl"
+    empty.write_text(text)
+    code, out, err = evaluate(capsys, ope_env, "--json", log=empty)
+    assert code == 0, err
+    doc = strict_json(out)
+    full = strict_json(evaluate(capsys, ope_env, "--json", "--allow-unreliable")[1])
+    assert doc.keys() == full.keys() and doc["verdict"].keys() == full["verdict"].keys()
+    assert (doc["calls"], doc["estimates"], doc["unreliable"]) == (0, {}, [])
+    assert doc["verdict"]["ship"] is False and doc["verdict"]["self_served"] is False
+    assert "has no calls to judge" in doc["verdict"]["reason"]
+    code, out, err = evaluate(capsys, ope_env, log=empty)
+    assert code == 0, err
+    assert out.strip() == f"verdict: none ({empty} has no calls to judge: the file is empty)"
+
+
 def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     """Target = the logging policy (identity reranker, same τ): every importance weight is 1,
     so every estimator returns the logged mean and the ESS is the number of calls. No false

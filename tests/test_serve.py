@@ -177,6 +177,27 @@ def test_rerank_out_dash_is_stdout(capsys, tmp_path, env, monkeypatch):
     assert list((tmp_path / "cwd").iterdir()) == []
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n"], ids=["0 bytes", "blank lines"])
+def test_a_day_without_requests_serves_nothing_and_exits_0(capsys, tmp_path, env, text):
+    """An empty requests file (a day without traffic, normal for a scheduled job) was
+    "no records (the file is empty)", exit 2: it serves 0 calls, writes an empty --out
+    (replacing the last day's, atomically) or nothing on stdout, and says why."""
+    store, pol = env
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(text)
+    out_file = tmp_path / "served.jsonl"
+    out_file.write_text("yesterday\n")
+    code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", calls, "--explore",
+                             "--out", out_file, "--json")
+    assert code == 0, err
+    assert out_file.read_bytes() == b"" and sorted(p.name for p in tmp_path.iterdir()) == ["calls.jsonl",
+                                                                                           "served.jsonl"]
+    assert json.loads(out)["calls"] == 0 and "served 0 calls (the requests file is empty)" in err
+    code, out, err = run_cli(capsys, "rerank", store, "--calls", calls)
+    assert (code, out) == (0, ""), err
+    assert err.strip().splitlines()[-1] == "ranked 0 calls (the requests file is empty)"
+
+
 def test_rerank_calls_dash_reads_standard_input(capsys, tmp_path, env, monkeypatch):
     """`rerank --calls -` was "-: file not found": a pipeline that hands rerank its requests
     on stdin gets the lines it gets from the same file, and a bad line is named <stdin>:line."""

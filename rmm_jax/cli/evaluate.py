@@ -19,7 +19,7 @@ from rmm_jax.cli.shell import (
     users_option,
 )
 from rmm_jax.core.config import Layout
-from rmm_jax.data.citation_log import ReadReport
+from rmm_jax.data.citation_log import ReadReport, is_empty_log
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
@@ -28,6 +28,8 @@ from rmm_jax.online.ope import (
     DEFAULT_EXACT_LIMIT,
     DEFAULT_MC_SAMPLES,
     DEFAULT_MIN_ESS,
+    SHIP_ESTIMATOR,
+    SHIP_METRIC,
     Target,
     check_report_options,
     decision,
@@ -184,6 +186,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
+    if is_empty_log(log_path):       # a day without calls: nothing to judge (not bad input)
+        return quiet_day(store, log_path, policies, open_policies_for(policies, st),
+                         dict(tau=tau, k=k, m=m, clip=clip, min_ess=min_ess, bootstrap=bootstrap, seed=seed,
+                              plot_path=plot_path), as_json)
     k_m_note: list[str] = []         # printed once the log has been read: bad input is one line
     k, m = k_m_from_log(k, m, log_shape(log_path, known_ids(st), skip_invalid=skip_invalid), log_path,
                         notes=k_m_note)
@@ -230,6 +236,31 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
              + ("" if allow_unreliable else f"; exit status {EXIT_UNRELIABLE} (--allow-unreliable: 0)"))
         if not allow_unreliable:
             click.get_current_context().exit(EXIT_UNRELIABLE)
+
+
+def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
+    """An empty log (docs/lifecycle.md, "A quiet day"): no calls to judge, verdict none, exit
+    0; --json has the report's usual keys with 0 calls and no estimates. ``opts``: the verb's
+    options (tau, k, m, clip, min_ess, bootstrap, seed, plot_path)."""
+    why = f"{log_path} has no calls to judge: the file is empty"
+    tau = behaviour_tau(ps) if opts["tau"] is None else opts["tau"]
+    rep = {"store": str(store), "policies": str(policies), "calls": 0, "users": 0, "users_on_shared_params": 0,
+           "tau": tau, **{k: opts[k] for k in ("k", "m", "clip", "min_ess", "bootstrap", "seed")},
+           "log": {"path": str(log_path), **ReadReport(0, 0, [], [])._asdict()}, "warnings": [], "unreliable": [],
+           "learned_calls": {"calls": 0, "learned": 0, "older": 0, "note": None}, "estimates": {}, "estimators": [],
+           "ranges": {}, "marginals": {}, "notes": [], "cited_recall": None,
+           "verdict": {"ship": False, "reliable": False, "worse": False, "metric": SHIP_METRIC,
+                       "estimator": SHIP_ESTIMATOR, "gain": None, "reason": why, "log_problem": None,
+                       "served_by_target": 0, "self_served": False},
+           "pending_rollback": pending_note(ps)}
+    if rep["pending_rollback"]:
+        info(f"note: {rep['pending_rollback']}")
+    if opts["plot_path"] is not None:
+        info(f"no plot: {why}, so --plot {opts['plot_path']} was not written")
+    if as_json:
+        emit_json(rep)
+    else:
+        click.echo(f"verdict: none ({why})")
 
 
 def rollback_hint(ps, policies) -> str | None:

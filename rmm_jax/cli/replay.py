@@ -45,10 +45,12 @@ from rmm_jax.cli.shell import (
     check_input_file,
     check_output_file,
     count,
+    emit_json,
     info,
     json_option,
     users_option,
 )
+from rmm_jax.data.citation_log import ReadReport, is_empty_log
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -71,6 +73,22 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
         info(f"skipped {before} calls learned already: {learned.known} by these policies, {learned.older} older than "
              f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn")
     return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older, "relearn": relearn}
+
+
+def quiet_day(log_path, policies, init: str, relearn: bool, plot_path, as_json: bool) -> None:
+    """An empty log (docs/lifecycle.md, "A quiet day"): nothing to learn, as for a log learned
+    already; POLICIES is neither created nor changed, and no run-state is written. --json:
+    the usual keys, with no setting (the log gives no --k, --m) and 0 calls."""
+    if plot_path:
+        info(f"no plot: nothing was learned, so --plot {plot_path} was not written")
+    calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}
+    if as_json:
+        emit_json({"policies": str(policies), "init": init, "setting": None, "config": None,
+                   "log": {"path": str(log_path), **ReadReport(0, 0, [], [])._asdict(), "calls": calls},
+                   "base": {}, "online": {"queries": 0, "calls": 0}})
+    else:
+        what = "is unchanged" if Path(policies).exists() else "was not created"
+        click.echo(f"nothing to learn: {log_path} has no calls (the file is empty); {policies} {what}")
 
 
 @cli.command()
@@ -121,7 +139,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     `simulate --log-out` log with the same options and seed reproduces its per-user
     policies bit for bit. --k and --m default to the log's: every record lists K
     candidates (or all of its user's memories, when fewer) and shows M memories (or all
-    its candidates, when fewer); given, they must agree with it.
+    its candidates, when fewer); given, they must agree with it. An empty log (a day
+    without calls) has nothing to learn: exit 0, POLICIES unchanged.
 
     \b
     Examples:
@@ -133,6 +152,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     scope, rank = stored_scope(policies, given.scope, given.rank)
     check_rank_scope(scope, rank)
     st = open_store(store)
+    if is_empty_log(log_path):      # a day without calls: nothing to learn, nothing written (not bad input)
+        return quiet_day(log_path, policies, resolve_init(policies, init, resume), relearn, plot_path, as_json)
     known = known_ids(st)
     k_m_note: list[str] = []         # printed once the log's calls are checked: bad input is one line
     k, m = k_m_from_log(given.k, given.m, log_shape(log_path, known, skip_invalid=skip_invalid), log_path,

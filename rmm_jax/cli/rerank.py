@@ -138,10 +138,14 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
             f.write(text)
         seconds = time.perf_counter() - t0
         users = len({c.user_id for c in calls})
-        info(f"{'served' if explore else 'ranked'} {count(len(lines), 'call')} of {count(users, 'user')} "
-             f"in {seconds:.1f} s; wrote {out}")
+        if calls:
+            info(f"{'served' if explore else 'ranked'} {count(len(lines), 'call')} of {count(users, 'user')} "
+                 f"in {seconds:.1f} s; wrote {out}")
         if as_json:
             emit_json({"calls": len(lines), "users": users, "served_by": served_by, "explore": explore, "out": out,
                        "seconds": round(seconds, 3), "pending_rollback": pending})
     else:
         sys.stdout.write(text)
+    if not calls:       # a day without traffic: an empty output, not an error (docs/lifecycle.md, "A quiet day")
+        info(f"{'served' if explore else 'ranked'} 0 calls (the requests file is empty)"
+             + (f"; wrote an empty {out}" if out else ""))

@@ -106,12 +106,13 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
     looks like a misspelt request key (the others are ignored without a word), and one
     counting the calls whose ``candidate_texts`` repeat a text (each taken once). Two calls of a user with the
     same identity are refused, with or without ``--explore``: each served line is a log
-    record, and a log that names a call twice is refused by ``replay`` and ``evaluate``."""
+    record, and a log that names a call twice is refused by ``replay`` and ``evaluate``. An empty
+    file (0 bytes, or blank lines only) holds no calls: a day without traffic, not an error."""
     calls = []
     first: dict[tuple[str, str], int] = {}
     seen, notes = set(KEYS), [] if notes is None else notes
     repeats = 0                                   # calls whose candidate_texts repeat a text
-    lines = json_lines(path, stdin=True)
+    lines = json_lines(path, stdin=True, allow_empty=True)    # a day without calls: none (docs/lifecycle.md)
     path = source_name(path)                      # "-" is standard input: <stdin>:line
     for line, obj in lines:
         if not isinstance(obj, dict):

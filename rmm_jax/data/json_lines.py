@@ -77,7 +77,8 @@ def source_name(path: str | os.PathLike) -> str:
     return "<stdin>" if str(path) == STDIN else str(path)
 
 
-def json_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, Any]]:
+def json_lines(path: str | os.PathLike, *, stdin: bool = False,
+               allow_empty: bool = False) -> Iterator[tuple[int, Any]]:
     """``(line number, decoded JSON value)`` for every non-blank line of a JSONL file; with
     ``stdin``, of standard input when ``path`` is ``"-"`` (:data:`STDIN`: it can be read
     only once, so only a reader that goes through its input once takes it, as
@@ -85,21 +86,26 @@ def json_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tupl
 
     The same decoding as the log reader: UTF-8 (a BOM on line 1 is allowed), a key
     repeated within an object is an error, and every problem raises
-    :class:`InputError` naming ``path:line`` (``<stdin>:line``). An empty file raises "no records".
+    :class:`InputError` naming ``path:line`` (``<stdin>:line``). An empty file (0 bytes, or
+    blank lines only) raises "no records", unless ``allow_empty`` (:func:`nonblank_lines`).
     """
     name = source_name(path) if stdin else str(path)
-    for lineno, raw in nonblank_lines(path, stdin=stdin and str(path) == STDIN):
+    for lineno, raw in nonblank_lines(path, stdin=stdin and str(path) == STDIN, allow_empty=allow_empty):
         yield lineno, decode_line(raw, name, lineno)
 
 
-def nonblank_lines(path: str | os.PathLike, *, stdin: bool = False) -> Iterator[tuple[int, bytes]]:
-    """``(line number, raw line)`` of every non-blank line (of standard input if ``stdin``);
-    an empty file is an error."""
+def nonblank_lines(path: str | os.PathLike, *, stdin: bool = False,
+                   allow_empty: bool = False) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of every non-blank line (of standard input if ``stdin``).
+    An empty file (0 bytes, or blank lines only) is an error, "no records", where emptiness
+    is one (an embedding store's chats, a dataset, pretrain data); with ``allow_empty`` it
+    yields nothing: a day's calls or citation log, where a day without traffic is normal
+    (docs/lifecycle.md, "A quiet day")."""
     nonblank = 0
     with contextlib.nullcontext(sys.stdin.buffer) if stdin else _open_log(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if raw.strip():
                 nonblank += 1
                 yield lineno, raw
-    if nonblank == 0:
+    if nonblank == 0 and not allow_empty:
         raise InputError("no records (the file is empty)", where=source_name(path) if stdin else str(path))

@@ -100,6 +100,7 @@ from rmm_jax.data.citation_log._read import (
     LogReading,
     NotGroupedError,
     ReadReport,
+    is_empty_log,
     iter_log,
     iter_numbered,
     iter_user_chunks,
@@ -114,7 +115,7 @@ from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, STDIN, json_lines, source_
 __all__ = [
     "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS", "OPTIONAL_KEYS",
     "REQUIRED_KEYS", "STDIN", "Known", "LogReading", "LogRecord", "LogWriter", "NotGroupedError", "ReadReport",
-    "call_hash", "call_hashes", "call_record", "call_key", "check_known", "check_timestamp", "iter_log", "iter_numbered",
+    "call_hash", "call_hashes", "call_record", "call_key", "check_known", "check_timestamp", "is_empty_log", "iter_log", "iter_numbered",
     "iter_user_chunks", "json_lines", "learned_content", "misspelt_key", "note_misspelt_keys", "pl_log_prob",
     "pl_tolerance", "read_log", "record_to_json", "source_name", "timestamp_seconds", "utc_timestamp",
     "validate_record", "write_log",

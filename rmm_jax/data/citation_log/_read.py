@@ -2,6 +2,7 @@
 validated, checked against the store's ids, and checked for a call logged twice."""
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -153,6 +154,15 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
                          f"{report['first_errors'][0]})", where=str(path))
+
+
+def is_empty_log(path: str | os.PathLike) -> bool:
+    """Whether the log at ``path`` has no non-blank line (0 bytes, or blank lines only): a day
+    without calls, which ``replay`` and ``evaluate`` take as nothing to learn or judge
+    (docs/lifecycle.md, "A quiet day") where the readers above raise "no records". Reads
+    up to the first non-blank line; a missing or unreadable file raises as they do."""
+    with contextlib.closing(nonblank_lines(path, allow_empty=True)) as lines:
+        return next(lines, None) is None
 
 
 def iter_numbered(path: str | os.PathLike, *, known: Known = None, skip_invalid: bool = False,
