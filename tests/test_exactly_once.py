@@ -405,3 +405,46 @@ def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(cap
     served = [{**json.loads(line), "timestamp": 1.7e9 + i} for i, line in enumerate(sim.read_text().splitlines())]
     code, out, err = replay(capsys, store, write(tmp_path / "served.jsonl", served), tmp_path / "only_new", "--json")
     assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == n, err
+
+
+def listed(path) -> dict:
+    """Every user's kept versions and queries learned (newest), as `policies list` shows them."""
+    return {u: ([e.version for e in entries], sinks.queries_learned(info))
+            for u, entries, info in PolicyStore.open(path).listing()}
+
+
+@pytest.mark.parametrize("failure", [Killed, OSError])
+def test_a_resumed_run_interrupted_between_a_chunks_save_and_its_checkpoint_saves_it_once(
+        capsys, monkeypatch, tmp_path, store, logged, failure):
+    """A day-2 replay whose checkpoint after chunk 1's save failed (a full disk: OSError; a
+    SIGKILL at that point), then `replay --resume`: the resumed run did chunk 1 again and
+    saved its users a second time (versions 1,3,4 where one run keeps 1,3; the newest
+    version's queries_learned counted day 2 twice, from the row this run had saved). It ends
+    with the versions, counts and params of one uninterrupted run."""
+    first = each_users_first(logged, 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
+    code, _, err = replay(capsys, store, day1, tmp_path / "ref", "--scope", "hybrid", "--rank", "2")
+    assert code == 0, err
+    shutil.copytree(tmp_path / "ref", tmp_path / "p")
+    code, _, err = replay(capsys, store, day2, tmp_path / "ref")
+    assert code == 0, err
+    real, calls = sinks.RunStateSink.chunk, []
+
+    def full(self, event):
+        calls.append(1)
+        if len(calls) == 1:
+            raise failure(28, "No space left on device") if failure is OSError else failure()
+        return real(self, event)
+    with monkeypatch.context() as m:
+        m.setattr(sinks.RunStateSink, "chunk", full)
+        try:
+            replay(capsys, store, day2, tmp_path / "p")
+        except (Killed, OSError):
+            pass
+    capsys.readouterr()
+    assert runstate.RunState.path_for(tmp_path / "p").exists()
+    code, _, err = replay(capsys, store, day2, tmp_path / "p", "--resume")
+    assert code == 0 and "resuming from" in err, err
+    assert listed(tmp_path / "p") == listed(tmp_path / "ref")
+    assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))

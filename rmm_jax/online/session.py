@@ -242,7 +242,9 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \
         if rs is not None else None
     if saves is None and ps is not None:
-        saves = PolicySink(ps, program, continues=start.before is not None, run=run, first_query=first_query)
+        saves = PolicySink(ps, program, continues=start.before is not None, run=run, first_query=first_query,
+                           before=start.before, resumed=(run or {}).get("first_version")
+                           if rs is not None and rs.restored is not None else None)
     sinks = ([saves] if ps is not None else []) \
         + ([LogSink(log)] if log is not None and ps is not None else []) \
         + ([checkpoints] if checkpoints is not None else [])

@@ -22,6 +22,7 @@ from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Resume, SegmentDone
 from rmm_jax.online.loop import Program
 from rmm_jax.online.run import chunk_records
 from rmm_jax.persist.learned_calls import LearnedCalls, add, empty
+from rmm_jax.persist.run_saves import chunk_saves
 
 
 def user_info(stream, outputs: dict, m: int, before: int = 0, simulated: list | None = None,
@@ -87,19 +88,30 @@ class PolicySink:
     """Saves each finished chunk to a :class:`rmm_jax.persist.policy_store.PolicyStore`: in
     scopes with a shared part, that part first (a new shared version), then the chunk's
     users as one version that records the shared version they were trained against.
-    ``continues``: users the store holds continue from their saved policies, so their query
-    counts continue too. ``run``: what every version saved records of the run
-    (:mod:`rmm_jax.persist.policy_rollback`; None: nothing)."""
+    ``continues``: users the store holds continue from their saved policies (their versions
+    older than ``before``; None: their newest), so their query counts continue from those.
+    ``run``: what every version saved records of the run
+    (:mod:`rmm_jax.persist.policy_rollback`; None: nothing). ``resumed``: the run resumes an
+    interrupted one whose saves are the store's versions from this number on (its
+    ``first_version``; None: not resumed), so a chunk it does again, whose users the
+    interrupted run saved before its checkpoint, is not saved a second time
+    (:func:`rmm_jax.persist.run_saves.chunk_saves`): exactly once."""
 
     def __init__(self, store, program: Program, continues: bool = False, run: dict | None = None,
-                 first_query: int | None = None):
+                 first_query: int | None = None, before: int | None = None, resumed: int | None = None):
         self.store, self.program, self.continues, self.run = store, program, continues, run
         self.first_query = first_query      # simulate: its streams are the users' questions from this position
+        self.before, self.resumed = before, resumed
 
     def chunk(self, event: ChunkDone) -> None:
         m = self.program.layout.m
         uids = [s.user_id for s in event.streams]
-        infos = {u: info for u, _, info in self.store.listing(uids)} if self.continues else {}
+        infos = {}
+        if self.continues or self.resumed is not None:
+            had = chunk_saves(self.store, uids, before=self.before, first_version=self.resumed)
+            if had.saved:           # the interrupted run saved this chunk: these states, bit for bit
+                return
+            infos = had.infos if self.continues else {}
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
         self.store.save(uids, event.states,
                         [user_info(s, event.outputs, m, queries_learned(infos.get(s.user_id, {})) or 0,

@@ -20,16 +20,7 @@ def listing(idx: PolicyIndex, gens: Path,
     metas: dict[tuple[int, int], list | None] = {}
 
     def info_of(e: Entry) -> dict:
-        key = (e.version, e.chunk)
-        if key not in metas:
-            try:
-                metas[key] = read_chunk_meta(gens / vname(e.version), cname(e.chunk))["info"]
-            except (OSError, ValueError, KeyError, TypeError):
-                metas[key] = None
-        try:
-            return dict(metas[key][e.row])
-        except (TypeError, IndexError, ValueError):
-            return {}
+        return entry_info(gens, e, metas)
 
     if users is not None:
         found = idx.entries(users)
@@ -44,6 +35,22 @@ def listing(idx: PolicyIndex, gens: Path,
         entries.append(e)
     if entries:
         yield user, entries, info_of(entries[-1])
+
+
+def entry_info(gens: Path, e: Entry, metas: dict | None = None) -> dict:
+    """The info saved with entry ``e`` (unverified; {} when unreadable). ``metas``: the chunks'
+    info lists read so far, by (version, chunk), so each chunk.json is read once."""
+    metas = {} if metas is None else metas
+    key = (e.version, e.chunk)
+    if key not in metas:
+        try:
+            metas[key] = read_chunk_meta(gens / vname(e.version), cname(e.chunk))["info"]
+        except (OSError, ValueError, KeyError, TypeError):
+            metas[key] = None
+    try:
+        return dict(metas[key][e.row])
+    except (TypeError, IndexError, ValueError):
+        return {}
 
 
 def user_bytes(gens: Path, user_id: str, entries: list[Entry], version: int | None = None) -> dict:
