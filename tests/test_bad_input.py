@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -937,6 +938,74 @@ def test_a_log_given_as_dash_is_one_line_saying_it_needs_a_file(env, capsys, tmp
     code, out, err = cli(capsys, verb, env["store"], "--log", "-", *more)
     assert_one_line_error(code, err, ["--log -", "not standard input"] + (["more than once"] if more else []))
     assert out == "" and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- a full disk, a file-size limit
+
+
+def size_limited(kib: int, *argv) -> list[str]:
+    """``argv`` run under ``ulimit -f`` (files it writes may not grow past ``kib`` KiB), a write
+    past it failing with EFBIG (SIGXFSZ ignored) instead of killing it. A shell sets both
+    (a preexec_fn would fork this multithreaded process)."""
+    return ["bash", "-c", f'trap "" XFSZ; ulimit -f {kib}; exec "$@"', "size-limited", *map(str, argv)]
+
+
+def test_a_full_disk_in_a_run_is_one_line_naming_the_policies_and_the_resume(env, capsys, tmp_path, monkeypatch):
+    """No space left while a run saves its second users chunk (the first saved and
+    checkpointed): was an OSError traceback. One line naming --policies and the cause, exit 1,
+    and the resume hint a stop by SIGTERM prints; --resume then finishes the run."""
+    real, saves = PolicyStore._write_snapshot, []
+
+    def full(self, *a, **k):
+        saves.append(1)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+    pol = tmp_path / "p"
+    run = ["simulate", env["store"], "--policies", pol, "--k", K, "--m", M, "--users-per-chunk", "1"]
+    with monkeypatch.context() as m:
+        m.setattr(PolicyStore, "_write_snapshot", full)
+        code, _, err = cli(capsys, *run)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"error: --policies {pol}: no space left on device; interrupted; resume with " \
+                                   "--resume", err
+    code, _, err = cli(capsys, *run, "--resume")
+    assert code == 0 and "resuming from" in err, err
+
+
+def test_a_file_size_limit_is_one_line_naming_the_output(env, capsys, tmp_path):
+    """`policies export --out` past the process's file-size limit (ulimit -f): was
+    `OSError: [Errno 27] File too large` and a traceback; one line naming --out and the
+    limit, exit 1."""
+    pol = tmp_path / "p"
+    code, _, err = cli(capsys, "simulate", env["store"], "--policies", pol, "--k", K, "--m", M)
+    assert code == 0, err
+    out = tmp_path / "u.npz"
+    r = subprocess.run(size_limited(1, sys.executable, "-m", "rmm_jax.cli.main", "policies", "export", pol,
+                                    env["user"].user_id, "--out", out), capture_output=True, text=True, cwd=REPO,
+                       timeout=300)
+    assert_one_line_error(r.returncode, r.stderr, [f"error: --out {out}: file too large for this process's limit "
+                                                   "(ulimit -f)"], expect_code=1)
+    assert not out.exists()
+
+
+def test_a_full_embedding_cache_says_so_not_that_no_transaction_is_active(tmp_path):
+    """A put into the embedding cache past the file-size limit: SQLite rolled the write back
+    itself and put()'s own ROLLBACK then raised `cannot rollback - no transaction is active`,
+    hiding why. Now one InputError naming the cache and the limit."""
+    script = ("import numpy as np, pathlib, sys\n"
+              "from rmm_jax.data.embed import _Cache\n"
+              "from rmm_jax.errors import InputError\n"
+              "c = _Cache(pathlib.Path(sys.argv[1]), 'fake/m', 64)\n"
+              "try:\n"
+              "    c.put([str(i) for i in range(2000)], np.ones((2000, 64), np.float32))\n"
+              "except InputError as e:\n"
+              "    print(e)\n")
+    r = subprocess.run(size_limited(64, sys.executable, "-c", script, tmp_path / "cache"), capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{tmp_path / 'cache' / 'embeddings.sqlite'}: cannot write the embedding cache: file " \
+                               "too large for this process's limit (ulimit -f)", r.stdout
 
 
 # --------------------------------------------------------------------------- K and M from the log

@@ -11,6 +11,7 @@ import click
 import jax
 from tqdm import tqdm
 
+from rmm_jax.cli import disk_errors
 from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, count, explicit_options, info
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
@@ -398,4 +399,5 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
         rs = runstate.RunState.begin(target, command, fp, resume=resume, restart=same)
     for note in rs.notes:
         info(note)
+    disk_errors.running(target)      # a full disk later says the run resumes
     return rs

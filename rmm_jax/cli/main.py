@@ -25,6 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import click
 
+from rmm_jax.cli import disk_errors
 from rmm_jax.cli.signals import Interrupted
 from rmm_jax.cli.warning_lines import reported_warnings
 from rmm_jax.errors import PIPE_CLOSED, InputError
@@ -157,6 +158,7 @@ def _whole_writes() -> None:
 
 def main(argv=None) -> None:
     _whole_writes()
+    disk_errors.forget()
     try:
         with reported_warnings():  # one formatted line per warning on stderr, at the end
             code = cli.main(args=argv, standalone_mode=False)
@@ -193,6 +195,12 @@ def main(argv=None) -> None:
         sys.exit(130)
     except MemoryError as e:    # e.g. numpy's, for a --users-per-chunk far beyond the store's users
         click.echo(f"error: out of memory ({e}); a smaller --users-per-chunk or --batch needs less", err=True)
+        sys.exit(1)
+    except Exception as e:      # a full disk or a size limit (ulimit -f) while writing: one line, not a traceback
+        line = disk_errors.error_line(e)
+        if line is None:
+            raise
+        click.echo(line, err=True)
         sys.exit(1)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from rmm_jax.cli import disk_errors
 from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
 from rmm_jax.errors import InputError, worded
 from rmm_jax.persist.atomic import write_problem
@@ -125,6 +126,7 @@ def explicit_options() -> set[str]:
 def check_writable(path, where: str, depth: int = 0) -> None:
     """Refuse, in one line and before any work, an output location that cannot take new files
     (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount)."""
+    disk_errors.writing(where, path)      # named by the line of a full disk or a size limit later
     problem = write_problem(path, depth)
     if problem:
         raise InputError(f"cannot write: {problem}", where=where)
@@ -139,6 +141,7 @@ def check_output_file(path, where: str) -> None:
         raise InputError("writes a file, not stdout (stdout carries this command's own output, its summary or "
                          "--json); give a file path", where=where)
     if path:
+        disk_errors.writing(where, path)
         check_writable(Path(path).parent, where)
 
 
@@ -147,6 +150,7 @@ def check_output_dir(path, where: str) -> None:
     stdout, made a directory named ``-``; it is refused in one line, before any work."""
     if str(path) == "-":
         raise InputError("writes a directory, not stdout; give a directory path", where=where)
+    disk_errors.writing(where, path)
 
 
 TWICE = " (the log is read more than once: checked whole before anything is written or estimated, then used)"

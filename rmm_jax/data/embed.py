@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, named, worded
+from rmm_jax.persist.atomic import disk_problem
 
 __all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
            "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug"]
@@ -147,7 +148,9 @@ class _Cache:
             self.conn.execute("COMMIT")
             meta = dict(self.conn.execute("SELECT key, value FROM meta"))
         except sqlite3.Error as e:
-            raise InputError(f"embedding cache unusable: {e}", where=str(self.path)) from e
+            problem = disk_problem(e, self.path)     # not damage: the disk, or a limit of this process
+            raise InputError(f"cannot write the embedding cache: {problem}" if problem else
+                             f"embedding cache unusable: {e}", where=str(self.path)) from e
         if meta.get("model") != model_id or meta.get("dim") != str(dim):
             raise InputError(
                 f"embedding cache belongs to model {meta.get('model')!r} (dim {meta.get('dim')}), "
@@ -184,13 +187,20 @@ class _Cache:
 
     def put(self, keys: list[str], vecs: np.ndarray) -> None:
         rows = [(k, np.ascontiguousarray(v, np.float32).tobytes()) for k, v in zip(keys, vecs)]
-        self.conn.execute("BEGIN IMMEDIATE")
         try:
-            self.conn.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?)", rows)
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?)", rows)
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:    # SQLite rolls back itself on a full disk: a second one hid why
+                    self.conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            problem = disk_problem(e, self.path)
+            if problem is None:
+                raise
+            raise InputError(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
 
     def __len__(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM emb").fetchone()[0]

@@ -97,6 +97,80 @@ def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
     return None
 
 
+NO_SPACE = "no space left on device"
+TOO_LARGE = "file too large for this process's limit (ulimit -f)"
+
+
+def disk_problem(e: BaseException | None, path: str | os.PathLike | None = None) -> str | None:
+    """What a write that raised ``e`` ran out of, in words (None: not the disk's or a process
+    limit's doing): a full disk or quota, the file-size limit (``ulimit -f``: EFBIG), a
+    read-only file system, an I/O error, as an OSError or as SQLite words them ("database or
+    disk is full", "disk I/O error"), also where ``e`` is the cause or context of another
+    error (an index that became unavailable). SQLite's "disk I/O error" says neither: where
+    ``path``'s file system has next to no space left it is that, where this process has a
+    file-size limit it is that likely, else it stays an I/O error.
+
+    Examples:
+        >>> import errno
+        >>> from rmm_jax.persist.atomic import disk_problem
+        >>> disk_problem(OSError(errno.ENOSPC, "No space left on device"))
+        'no space left on device'
+        >>> disk_problem(ValueError("bad")) is None
+        True
+    """
+    import sqlite3
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return NO_SPACE if e.errno == errno.ENOSPC else "disk quota exceeded"
+            if e.errno == errno.EFBIG:
+                return TOO_LARGE if _size_limit() is not None else "file too large for the file system"
+            if e.errno == errno.EROFS:
+                return "read-only file system"
+            if e.errno == errno.EIO:
+                return _io_cause(path or e.filename)
+        if isinstance(e, sqlite3.Error):
+            text = str(e)
+            if "disk is full" in text:
+                return NO_SPACE
+            if "disk I/O error" in text:
+                return _io_cause(path)
+            if "readonly database" in text:
+                return "read-only (a read-only file system, or a file this process may not write)"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``; None: unlimited)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _io_cause(path) -> str:
+    """An I/O error's likely cause (:func:`disk_problem`): a full file system at ``path``, a
+    file-size limit, or the device."""
+    p = Path(path) if path else None
+    while p is not None and not p.exists() and p.parent != p:
+        p = p.parent
+    try:
+        full = p is not None and shutil.disk_usage(p).free < 1 << 20
+    except OSError:
+        full = False
+    if full:
+        return NO_SPACE
+    if _size_limit() is not None:
+        return TOO_LARGE
+    return "disk I/O error (a failing device?)"
+
+
 def fsync_dir(path: Path) -> None:
     """fsync directory ``path`` so renames into it are durable (best effort: errors ignored)."""
     try:
