@@ -448,3 +448,24 @@ def test_a_resumed_run_interrupted_between_a_chunks_save_and_its_checkpoint_save
     assert code == 0 and "resuming from" in err, err
     assert listed(tmp_path / "p") == listed(tmp_path / "ref")
     assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))
+
+
+def test_calls_skipped_only_as_older_than_the_horizon_are_not_called_learned(capsys, tmp_path, store, logged):
+    """Calls a policy has not learned, skipped because their time is at or before its horizon
+    (the newest call it learned and forgot): replay said `nothing to learn: these policies
+    have learned from every call already`, exit 0. It says they are older than what their
+    users have learned, the horizon, and that --relearn learns them."""
+    from rmm_jax.persist.learned_calls import WINDOW
+    mine = [r for r in logged if r["user_id"] == logged[0]["user_id"]]
+    day1 = write(tmp_path / "day1.jsonl", [{**mine[i % len(mine)], "call_id": f"c{i}",
+                                            "timestamp": 1_700_000_000 + 60 * i} for i in range(WINDOW + 8)])
+    late = write(tmp_path / "late.jsonl", [{**mine[i], "call_id": f"late{i}", "timestamp": 1_600_000_000 + i}
+                                           for i in range(5)])
+    code, _, err = replay(capsys, store, day1, tmp_path / "p")
+    assert code == 0, err
+    code, out, err = replay(capsys, store, late, tmp_path / "p")
+    assert code == 0, err
+    assert "skipped 5 calls: 0 learned already by these policies, 5 older than what their users have learned (at " \
+           "or before their horizon, 2023-11-14T22:20:20Z; --relearn learns them); 0 calls to learn" in err, err
+    assert out.strip() == "nothing to learn: 5 calls of the log older than what their users have learned " \
+                          "(--relearn learns them)", out

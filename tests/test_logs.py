@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,8 @@ finite_nonpos = st.one_of(
     st.floats(max_value=0.0, allow_nan=False, allow_infinity=False),
     st.integers(max_value=0, min_value=-(10 ** 6)),
 )
-timestamps = st.one_of(st.none(), st.text(max_size=10), st.integers(-(10 ** 12), 10 ** 12),
-                       st.floats(allow_nan=False, allow_infinity=False))
+timestamps = st.one_of(st.none(), st.text(max_size=10), st.integers(-(10 ** 12), 1_700_000_000),   # not after now
+                       st.floats(max_value=1.7e9, allow_nan=False, allow_infinity=False))
 
 
 # Cheap ids for the many-example malformed-line tests (the round trip uses ``ids``).
@@ -474,6 +475,26 @@ def test_skip_invalid_counts_and_caps_first_errors(tmp_path):
     path.write_text("{\n[]\n")
     with pytest.raises(InputError, match=r"no records \(2 invalid lines skipped; first: "):
         read_log(path, skip_invalid=True)
+
+
+@pytest.mark.parametrize("stamp,hint", [(1735689600000, "(did you write milliseconds?)"),
+                                        ("2099-01-01T00:00:00Z", "(a clock set ahead, or a wrong year?)")])
+def test_a_call_from_the_future_is_refused_naming_its_line(tmp_path, stamp, hint):
+    """A timestamp after now (epoch milliseconds read as seconds, a year 2099) was taken as it
+    was: its user's horizon moved past every later call, which replay then skipped as older
+    than what the user had learned, never to be learned. It is one line naming FILE:LINE, or
+    skipped and counted with skip_invalid; an hour ahead (clocks disagree) is read."""
+    path = tmp_path / "calls.jsonl"
+    now = time.time()
+    recs = [_with(query_id="q0", timestamp=now + 3600), _with(query_id="q1", timestamp=stamp),
+            _with(query_id="q2", timestamp=now - 60)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(InputError) as e:
+        read_log(path)
+    assert str(e.value).startswith(f"{path}:2: key 'timestamp': its time ") and " is after now (" in str(e.value)
+    assert str(e.value).endswith(f"; times are seconds since the epoch or ISO 8601 dates {hint}"), str(e.value)
+    got, report = read_log(path, skip_invalid=True)
+    assert [r.query_id for r in got] == ["q0", "q2"] and report.skipped == 1
 
 
 def test_an_unknown_key_that_looks_misspelt_is_noted_once_naming_its_first_line(tmp_path):

@@ -261,9 +261,14 @@ def report(result, setting, extra, as_json):
     (when some call has gold) and one of the gold-free measures (docs/lifecycle.md,
     "Measures without gold"): each measure is left out, never printed as null, when no
     call supports it. ``result`` None: the run had nothing to learn."""
-    if result is None:          # nothing to learn (every call was learned already)
+    if result is None:          # nothing to learn (every call was learned already, or is older than that)
+        older = ((extra.get("log") or {}).get("calls") or {}).get("older")
         if as_json:
             emit_json({**extra, "config": config_dict(setting), "base": {}, "online": {"queries": 0, "calls": 0}})
+        elif older:                 # not learned: behind the time up to which their users have learned
+            rest = ", the others learned already" if (extra["log"]["calls"].get("learned_already")) else ""
+            click.echo(f"nothing to learn: {count(older, 'call')} of the log older than what their users have "
+                       f"learned{rest} (--relearn learns them)")
         else:
             click.echo("nothing to learn: these policies have learned from every call already")
         return

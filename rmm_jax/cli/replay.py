@@ -50,7 +50,7 @@ from rmm_jax.cli.shell import (
     json_option,
     users_option,
 )
-from rmm_jax.data.citation_log import ReadReport, is_empty_log
+from rmm_jax.data.citation_log import ReadReport, is_empty_log, time_text
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -69,6 +69,10 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
     before = learned.known + learned.older
     if before and relearn:
         info(f"--relearn: learning {before} calls again that these policies have learned from already")
+    elif before and learned.older:      # not learned: behind the time up to which their users have learned
+        info(f"skipped {before} calls: {learned.known} learned already by these policies, {learned.older} older than "
+             f"what their users have learned (at or before their horizon, {time_text(learned.horizon)}; --relearn "
+             f"learns them); {learned.learn} calls to learn")
     elif before:
         info(f"skipped {before} calls learned already: {learned.known} by these policies, {learned.older} older than "
              f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn")

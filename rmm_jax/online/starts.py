@@ -132,10 +132,13 @@ def sort_calls(learned, calls: Calls, simulated: np.ndarray, *, relearn: bool = 
 
 class LearnedCheck(NamedTuple):
     """What :func:`check_learned` found: calls to learn, calls skipped because the user's
-    policy learned them already, and calls skipped as older than what it has learned."""
+    policy learned them already, and calls skipped as older than what it has learned;
+    ``horizon``: the newest horizon (:mod:`rmm_jax.persist.learned_calls`, seconds) of the
+    users with such calls (None: none)."""
     learn: int
     known: int
     older: int
+    horizon: float | None = None
 
 
 def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *, before: int | None,
@@ -150,6 +153,7 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
     the embedding store, whose questions a user's ``simulate`` runs learned count as learned
     (``known``; :func:`sort_calls`), as :func:`from_store` counts them."""
     learn = known = older = 0
+    horizon = None
     users = list(calls)
     for i in range(0, len(users), CHECK_USERS):
         got = store.load_batch(users[i:i + CHECK_USERS], before=before)
@@ -165,8 +169,11 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
                                  where=at(log_path, line))
             known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
             learn += int(sort.learn.sum())
+            if sort.older.any():
+                h = float(got.learned.horizon[j])
+                horizon = h if horizon is None else max(horizon, h)
         learn += sum(len(calls[u][1]) for u in got.missing)
-    return LearnedCheck(learn, known, older)
+    return LearnedCheck(learn, known, older, horizon)
 
 
 def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | None], *,

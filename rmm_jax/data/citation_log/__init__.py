@@ -108,15 +108,15 @@ from rmm_jax.data.citation_log._read import (
 )
 from rmm_jax.data.citation_log._record import FLOAT32_MAX, call_record, record_to_json, validate_record
 from rmm_jax.data.citation_log._schema import LOG_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, LogRecord
-from rmm_jax.data.citation_log._time import check_timestamp, timestamp_seconds, utc_timestamp
+from rmm_jax.data.citation_log._time import FUTURE_SKEW, check_timestamp, time_text, timestamp_seconds, utc_timestamp
 from rmm_jax.data.citation_log._write import LogWriter, write_log
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, STDIN, json_lines, source_name
 
 __all__ = [
-    "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS", "OPTIONAL_KEYS",
-    "REQUIRED_KEYS", "STDIN", "Known", "LogReading", "LogRecord", "LogWriter", "NotGroupedError", "ReadReport",
-    "call_hash", "call_hashes", "call_record", "call_key", "check_known", "check_timestamp", "is_empty_log", "iter_log", "iter_numbered",
-    "iter_user_chunks", "json_lines", "learned_content", "misspelt_key", "note_misspelt_keys", "pl_log_prob",
-    "pl_tolerance", "read_log", "record_to_json", "source_name", "timestamp_seconds", "utc_timestamp",
-    "validate_record", "write_log",
+    "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "FUTURE_SKEW", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS",
+    "OPTIONAL_KEYS", "REQUIRED_KEYS", "STDIN", "Known", "LogReading", "LogRecord", "LogWriter", "NotGroupedError",
+    "ReadReport", "call_hash", "call_hashes", "call_record", "call_key", "check_known", "check_timestamp",
+    "is_empty_log", "iter_log", "iter_numbered", "iter_user_chunks", "json_lines", "learned_content", "misspelt_key",
+    "note_misspelt_keys", "pl_log_prob", "pl_tolerance", "read_log", "record_to_json", "source_name", "time_text",
+    "timestamp_seconds", "utc_timestamp", "validate_record", "write_log",
 ]

@@ -3,16 +3,31 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import time
 from typing import Any
 
 from rmm_jax.data.citation_log._schema import _key_where, _type_name
 from rmm_jax.errors import InputError
 
+FUTURE_SKEW = 86_400.0      # seconds a timestamp may lie after now: clocks of the machines that log disagree
 
-def check_timestamp(value: Any, where: str) -> str | int | float | None:
+
+def check_timestamp(value: Any, where: str, now: float | None = None) -> str | int | float | None:
     """A record's ``timestamp`` (``where``: its ``FILE:LINE``): None, a string, or a number
-    that is finite as a float (:func:`timestamp_seconds` reads it as one)."""
+    that is finite as a float (:func:`timestamp_seconds` reads it as one), at most a day
+    (:data:`FUTURE_SKEW`) after ``now`` (None: the clock's): a call from the future, such as epoch
+    milliseconds read as seconds, would leave every later call of its user older than what
+    its policy has learned, never learned.
+
+    >>> from rmm_jax.data.citation_log import check_timestamp
+    >>> check_timestamp(1735689600000, "log.jsonl:1", now=1735689600.0)
+    Traceback (most recent call last):
+    ...
+    rmm_jax.errors.InputError: log.jsonl:1: key 'timestamp': its time 1735689600000 (year 56971) is after now \
+(2025-01-01T00:00:00Z); times are seconds since the epoch or ISO 8601 dates (did you write milliseconds?)
+    """
     if value is None or isinstance(value, str):
+        _check_not_future(value, where, now)
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"must be a string or a number, got {_type_name(value)}",
@@ -24,7 +39,34 @@ def check_timestamp(value: Any, where: str) -> str | int | float | None:
     if not finite:
         shown = repr(value) if len(repr(value)) <= 24 else repr(value)[:20] + "…"
         raise InputError(f"must be finite (seconds), got {shown}", where=_key_where(where, "timestamp"))
+    _check_not_future(value, where, now)
     return value
+
+
+def _check_not_future(value, where: str, now: float | None) -> None:
+    """:func:`check_timestamp`'s refusal of a time after ``now`` (and its allowance for skew)."""
+    t = timestamp_seconds(value)
+    now = time.time() if now is None else now
+    if not t > now + FUTURE_SKEW:        # NaN (none, free text) passes
+        return
+    shown = repr(value) if isinstance(value, str) else f"{value} (year {int(1970 + t / 31_556_952)})"
+    hint = "did you write milliseconds?" if not isinstance(value, str) else "a clock set ahead, or a wrong year?"
+    raise InputError(f"its time {shown} is after now ({time_text(now)}); times are seconds since the epoch or "
+                     f"ISO 8601 dates ({hint})", where=_key_where(where, "timestamp"))
+
+
+def time_text(seconds: float) -> str:
+    """A time in seconds since the epoch as a person reads it: ISO 8601 UTC to the second, or
+    the seconds where no calendar date holds them.
+
+    >>> from rmm_jax.data.citation_log import time_text
+    >>> time_text(1735689600.0), time_text(1.7e12)
+    ('2025-01-01T00:00:00Z', '1.7e+12 seconds since the epoch')
+    """
+    try:
+        return dt.datetime.fromtimestamp(int(seconds), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, ValueError, OSError):
+        return f"{seconds:g} seconds since the epoch"
 
 
 def timestamp_seconds(value: str | int | float | None) -> float:
