@@ -954,17 +954,18 @@ def test_a_full_disk_in_a_run_is_one_line_naming_the_policies_and_the_resume(env
     """No space left while a run saves its second users chunk (the first saved and
     checkpointed): was an OSError traceback. One line naming --policies and the cause, exit 1,
     and the resume hint a stop by SIGTERM prints; --resume then finishes the run."""
-    real, saves = PolicyStore._write_snapshot, []
+    from rmm_jax.persist import policy_store
+    real, saves = policy_store.write_snapshot, []
 
-    def full(self, *a, **k):
+    def full(*a, **k):
         saves.append(1)
         if len(saves) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *a, **k)
+        return real(*a, **k)
     pol = tmp_path / "p"
     run = ["simulate", env["store"], "--policies", pol, "--k", K, "--m", M, "--users-per-chunk", "1"]
     with monkeypatch.context() as m:
-        m.setattr(PolicyStore, "_write_snapshot", full)
+        m.setattr(policy_store, "write_snapshot", full)
         code, _, err = cli(capsys, *run)
     assert code == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1] == f"error: --policies {pol}: no space left on device; interrupted; resume with " \
@@ -987,6 +988,25 @@ def test_a_file_size_limit_is_one_line_naming_the_output(env, capsys, tmp_path):
     assert_one_line_error(r.returncode, r.stderr, [f"error: --out {out}: file too large for this process's limit "
                                                    "(ulimit -f)"], expect_code=1)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_served_lines_into_a_full_file_name_stdout(env, tmp_path, unbuffered):
+    """rerank's served lines redirected into a file past the file-size limit (`> served.jsonl`
+    on a full disk): exited 0 with the log cut mid-record (no flush, no check), later one line
+    naming no output ("error: writing: ..."). One line naming stdout, exit 1."""
+    u = env["open_store"].user(env["open_store"].user_ids[0])
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(jl(*[{"user_id": u.user_id, "query_id": u.query_ids[i % len(u.query_ids)], "call_id": f"c{i}"}
+                          for i in range(600)]))
+    served = tmp_path / "served.jsonl"
+    with open(served, "wb") as out:
+        r = subprocess.run(size_limited(16, *rmm_jax_cmd(), "rerank", env["store"], "--calls", calls, "--explore"),
+                           stdout=out, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300,
+                           env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == "error: stdout: file too large for this process's limit (ulimit -f)", r.stderr
+    assert 0 < served.stat().st_size <= 16 * 1024
 
 
 def test_a_full_embedding_cache_says_so_not_that_no_transaction_is_active(tmp_path):

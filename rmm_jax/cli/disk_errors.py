@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+STDOUT = "stdout"     # the file name of stdout's write errors (rmm_jax.cli.main._Stdout)
 _OUTPUTS: list[tuple[str, Path | None]] = []     # (how the command names it, its path) of what it writes
 _RUNS: list = []                                  # the targets of runs that keep a run-state
 
@@ -39,6 +40,9 @@ def error_line(e: BaseException) -> str | None:
     from rmm_jax.persist.atomic import disk_problem
 
     filename = next((x.filename for x in _chain(e) if isinstance(x, OSError) and x.filename), None)
+    if filename == STDOUT:
+        cause = disk_problem(e)
+        return None if cause is None else f"error: {STDOUT}: {cause}"
     named = _named(filename)
     cause = disk_problem(e, named[1] if named else filename)
     if cause is None:

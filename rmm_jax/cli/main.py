@@ -144,16 +144,46 @@ def register_commands() -> None:
         importlib.import_module(f"rmm_jax.cli.{name}")
 
 
+class _Stdout(io.RawIOBase):
+    """stdout's file descriptor, whose write errors name ``stdout`` (a full disk under
+    ``> served.jsonl`` is ``error: stdout: no space left on device``, not an unnamed write):
+    :func:`rmm_jax.cli.disk_errors.error_line` reads the name. Never closes the descriptor."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, b) -> int:
+        try:
+            return os.write(self._fd, b)
+        except OSError as e:        # EPIPE stays a BrokenPipeError (OSError picks the subclass by errno)
+            raise OSError(e.errno, e.strerror, disk_errors.STDOUT) from None
+
+
 def _whole_writes() -> None:
-    """Under PYTHONUNBUFFERED (or ``python -u``) stdout writes straight into its file, and a
-    write that a pipe takes only part of (its reader gone) lost the rest without an error
-    (TextIOWrapper ignores the short count): a buffered writer writes everything or raises.
-    Each line still goes out as it is written (line buffering; ``click.echo`` flushes)."""
+    """stdout through :class:`_Stdout` and a buffered writer. Under PYTHONUNBUFFERED (or
+    ``python -u``) stdout wrote straight into its file, and a write that a pipe took only part
+    of (its reader gone) lost the rest without an error (TextIOWrapper ignores the short
+    count): a buffered writer writes everything or raises, and its errors name stdout. Lines
+    go out as before: line by line where stdout was unbuffered or line-buffered (a terminal;
+    ``click.echo`` flushes), in blocks into a file or a pipe. A stdout without a descriptor
+    (a test's capture) stays as it is."""
     out = sys.stdout
-    if isinstance(getattr(out, "buffer", None), io.RawIOBase):
-        raw = io.FileIO(out.fileno(), "w", closefd=False)
-        sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding=out.encoding, errors=out.errors,
-                                      line_buffering=True)
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    lines = bool(out.line_buffering) or isinstance(getattr(out, "buffer", None), io.RawIOBase)
+    with contextlib.suppress(OSError, ValueError):
+        out.flush()
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_Stdout(fd)), encoding=out.encoding, errors=out.errors,
+                                  line_buffering=lines)
 
 
 def main(argv=None) -> None:
