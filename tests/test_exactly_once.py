@@ -469,3 +469,39 @@ def test_calls_skipped_only_as_older_than_the_horizon_are_not_called_learned(cap
            "or before their horizon, 2023-11-14T22:20:20Z; --relearn learns them); 0 calls to learn" in err, err
     assert out.strip() == "nothing to learn: 5 calls of the log older than what their users have learned " \
                           "(--relearn learns them)", out
+
+
+def test_every_reader_says_a_killed_replay_left_the_store_half_learned(capsys, monkeypatch, tmp_path, store, logged):
+    """The night's replay killed after its first chunk of users was saved (policies.runstate
+    left behind): the morning's rerank served a mix of those users' new versions and the
+    others' old ones, and evaluate judged that mix, without a word. Every reader that notes a
+    pending rollback now also says which run is unfinished, how many users hold versions it
+    wrote and how to finish it, and its --json carries it as unfinished_run (null when none)."""
+    first = each_users_first(logged, 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
+    pol = tmp_path / "p"
+    assert replay(capsys, store, day1, pol)[0] == 0
+    code, out, _ = run_cli(capsys, "policies", "list", pol, "--json")
+    assert code == 0 and json.loads(out)["unfinished_run"] is None
+    killed_run(capsys, monkeypatch, store, day2, pol, SAVED_NOT_CHECKPOINTED)   # chunk 1 (2 users) saved
+    rs = runstate.RunState.path_for(pol)
+    note = (f"note: an interrupted `replay` left {rs}: 2 users hold versions it wrote (v3 on), the others those "
+            f"before it; resume it with `rmm-jax replay ... --policies {pol} --resume` (its options), or remove "
+            f"{rs} and undo what it saved with `rmm-jax policies rollback {pol}`\n")
+    req = write(tmp_path / "req.jsonl", [{"call_id": "r0", "user_id": logged[0]["user_id"],
+                                           "query_id": logged[0]["query_id"]}])
+    for args in (("policies", "list", pol, "--json"), ("policies", "show", pol, "--json"),
+                 ("rerank", store, "--policies", pol, "--calls", req, "--k", "8", "--m", "3", "--out",
+                  tmp_path / "served.jsonl", "--json"),
+                 ("evaluate", store, "--log", day2, "--policies", pol, "--json", "--allow-unreliable")):
+        code, out, err = run_cli(capsys, *args)
+        assert code == 0 and err.count(note) == 1, (args, err)
+        got = json.loads(out)["unfinished_run"]
+        assert (got["command"], got["state"], got["users"], got["first_version"]) == ("replay", "interrupted", 2, 3)
+    code, _, err = run_cli(capsys, "policies", "export", pol, logged[0]["user_id"], "--out", tmp_path / "u.npz")
+    assert code == 0 and note in err, err
+    assert rs.is_dir()                                                         # readers wrote nothing
+    assert replay(capsys, store, day2, pol, "--resume")[0] == 0
+    code, out, err = run_cli(capsys, "policies", "list", pol, "--json")
+    assert code == 0 and json.loads(out)["unfinished_run"] is None and "interrupted" not in err, err

@@ -40,7 +40,7 @@ from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
 from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES
 from rmm_jax.online.streams import log_shape
-from rmm_jax.persist.policy_rollback import newest_run, pending_note
+from rmm_jax.persist.policy_rollback import newest_run, pending_note, unfinished_run
 
 # evaluate_log's arguments that are this command's options: their errors name the option
 OPTIONS = ("clip", "bootstrap", "min_ess", "users")
@@ -205,7 +205,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
                            min_ess=min_ess)
-    rep = {"store": str(store), "policies": str(policies), **rep, "pending_rollback": pending_note(ps)}
+    rep = {"store": str(store), "policies": str(policies), **rep, "pending_rollback": pending_note(ps),
+           "unfinished_run": unfinished_run(ps)}
     log = rep["log"]
     for note in k_m_note:
         info(note)
@@ -213,7 +214,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         info(ReadReport(*(log[f] for f in ReadReport._fields)).skipped_line())   # log also holds its path
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
-    for note in filter(None, (rep["learned_calls"]["note"], rep["pending_rollback"])):    # pending: before a rollback
+    for note in filter(None, (rep["learned_calls"]["note"], rep["pending_rollback"],
+                              (rep["unfinished_run"] or {}).get("note"))):    # pending: before a rollback
         info(f"note: {note}")
     for w in rep["warnings"]:
         info(f"warning: {w}")

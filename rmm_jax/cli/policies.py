@@ -30,7 +30,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
-from rmm_jax.persist.policy_rollback import Rollback, pending_note, plan, rollback
+from rmm_jax.persist.policy_rollback import Rollback, pending_note, plan, rollback, unfinished_run
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.policy_versions import version_span
 from rmm_jax.persist.runstate import RunState
@@ -85,7 +85,8 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 @policies.command("list")
 @click.argument("store", type=click.Path())
 @users_option("Only these users")
-@json_option("the table", "store, meta, n_users, users (one object per user), pending_rollback (null, or the note "
+@json_option("the table", "store, meta, n_users, users (one object per user), unfinished_run (null, or the run "
+             "that has not finished writing the store: command, state, note), pending_rollback (null, or the note "
              "that an interrupted rollback is pending: the table shows the store as it was before it)")
 def list_cmd(store, users, as_json):
     """List the users of policy store STORE: saved versions (newest last), the queries the
@@ -104,9 +105,11 @@ def list_cmd(store, users, as_json):
     rows = list_rows(st, wanted)
     if pending := pending_note(st):     # a reader writes nothing: it lists the versions the rollback forgets
         info(f"note: {pending}")
+    if unfinished := unfinished_run(st):
+        info(f"note: {unfinished['note']}")
     if as_json:
-        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows, "pending_rollback": pending},
-                  indent=None, sort_keys=False)
+        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows,
+                   "unfinished_run": unfinished, "pending_rollback": pending}, indent=None, sort_keys=False)
         return
     m = st.meta_info()
     shown = f" (listed: {len(rows)})" if wanted else ""
@@ -230,7 +233,8 @@ def _echo_user(d: dict) -> None:
 @click.argument("store", type=click.Path())
 @click.argument("user", required=False)
 @users_option("These users, with or instead of USER", default="none: the store alone")
-@json_option("what loads", "store (an object), users (one object per user asked for), pending_rollback (null, or "
+@json_option("what loads", "store (an object), users (one object per user asked for), unfinished_run (null, or "
+             "the run that has not finished writing the store: command, state, note), pending_rollback (null, or "
              "the note that an interrupted rollback is pending: what loads is the store as it was before it)")
 def show(store, user, users, as_json):
     """Show what loads from STORE. The store: its meta, the shared version that loads
@@ -251,9 +255,11 @@ def show(store, user, users, as_json):
     if wanted:
         _progress(f"loading {len(wanted)} user(s) from {store} ...")
     doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else [],
-           "pending_rollback": pending_note(st)}
+           "unfinished_run": unfinished_run(st), "pending_rollback": pending_note(st)}
     if doc["pending_rollback"]:       # a reader writes nothing: it shows the versions the rollback forgets
         info(f"note: {doc['pending_rollback']}")
+    if doc["unfinished_run"]:
+        info(f"note: {doc['unfinished_run']['note']}")
     if as_json:
         emit_json(doc, indent=None, sort_keys=False)
         return
@@ -312,6 +318,8 @@ def export(store, user, out, version, as_json):
     doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
     if pending := pending_note(st):     # a reader writes nothing: it may export a version the rollback forgets
         info(f"note: {pending}")
+    if unfinished := unfinished_run(st):
+        info(f"note: {unfinished['note']}")
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
     if as_json:
         emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)

@@ -18,7 +18,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_batches, serve_calls
 from rmm_jax.persist.atomic import atomic_file
-from rmm_jax.persist.policy_rollback import pending_note
+from rmm_jax.persist.policy_rollback import pending_note, unfinished_run
 
 
 def serve_clock() -> int:
@@ -58,7 +58,8 @@ def serve_clock() -> int:
 @json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
              "calls, users, served_by (own_policy: calls served by their user's saved policy; shared: by the "
              "shared part, for a user the store does not hold; identity: by the retriever's scores, without a "
-             "policy store), explore, out, seconds, pending_rollback (null, or the note that an interrupted "
+             "policy store), explore, out, seconds, unfinished_run (null, or the run that has not finished writing the "
+             "policies: command, state, note), pending_rollback (null, or the note that an interrupted "
              "rollback of --policies is pending: the calls were served by the versions it forgets)")
 def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users, as_json):
     """Select each call's memories with the user's stored policy.
@@ -96,10 +97,11 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if as_json and not out:
         raise InputError("needs --out FILE: without it stdout carries the served lines", where="--json")
     st = open_store(store)
-    note = pending = None
+    note = pending = unfinished = None
     if policies is not None and Path(policies).exists():
         rr = Reranker(open_policies_for(policies, st), cache_users=cache_users)
         pending = pending_note(rr.store)      # a reader writes nothing: it serves the versions the rollback forgets
+        unfinished = unfinished_run(rr.store)     # and those a run not finished has written so far
     else:
         rr = Reranker(None, dim=st.dim)
         note = (("no policy yet" if policies is None else f"no policy store at {policies}")
@@ -114,7 +116,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         prepared = prepare_calls(st, calls, calls_path, k, m, key_notes)
     if note:                                      # after the calls are checked: an error stays one line
         info(note)
-    for line in key_notes + [pending] * bool(pending):    # unknown keys that look misspelt; texts the model cut
+    # unknown keys that look misspelt; texts the model cut; a pending rollback; a run not finished
+    for line in key_notes + [pending] * bool(pending) + ([unfinished['note']] if unfinished else []):
         info(f"note: {line}")
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:
@@ -143,7 +146,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
                  f"in {seconds:.1f} s; wrote {out}")
         if as_json:
             emit_json({"calls": len(lines), "users": users, "served_by": served_by, "explore": explore, "out": out,
-                       "seconds": round(seconds, 3), "pending_rollback": pending})
+                       "seconds": round(seconds, 3), "unfinished_run": unfinished, "pending_rollback": pending})
     else:
         sys.stdout.write(text)
     if not calls:       # a day without traffic: an empty output, not an error (docs/lifecycle.md, "A quiet day")

@@ -228,6 +228,31 @@ def pending_note(store) -> str | None:
             "(so does the next run that writes the store)")
 
 
+def unfinished_run(store) -> dict | None:
+    """For a reader (which writes nothing and takes no lock), beside :func:`pending_note`: the
+    run that left its run-state beside ``store`` (``POLICIES.runstate``, an interrupted
+    ``replay`` or ``simulate``), whose users hold a mix of the versions it wrote and those
+    before it. None if there is none; else ``command``, ``state`` (``interrupted``),
+    ``runstate`` (its path), ``first_version`` (the first version it wrote; None: not
+    recorded), ``users`` (how many users hold a version it wrote) and ``note`` (the line
+    saying so, and how to finish it)."""
+    check_store(store)
+    doc = RunState.interrupted_run(store.path)
+    if doc is None:
+        return None
+    path, command = RunState.path_for(store.path), doc.get("command") or "run"
+    first = ((doc.get("meta") or {}).get("run") or {}).get("first_version")
+    first = first if isinstance(first, int) else None
+    users = sum(s.users for s in store.saves() if first is not None and s.version >= first)
+    wrote = (f"{users} user{'s' * (users != 1)} hold versions it wrote (v{first} on), the others those before it"
+             if first is not None else "its users' versions are a mix of what it wrote and what was there")
+    note = (f"an interrupted `{command}` left {path}: {wrote}; resume it with `rmm-jax {command} ... "
+            f"--policies {store.path} --resume` (its options), or remove {path} and undo what it saved with "
+            f"`rmm-jax policies rollback {store.path}`")
+    return {"command": command, "state": "interrupted", "runstate": str(path), "first_version": first,
+            "users": users, "note": note}
+
+
 def finish(store) -> None:
     """Finish the rollback the header marks as pending, if any (under the writer's lock;
     every step can be done again after a kill)."""

@@ -166,6 +166,13 @@ class RunState:
         return None if doc is None else doc["fingerprint"]
 
     @classmethod
+    def interrupted_run(cls, target) -> dict | None:
+        """The ``meta.json`` of the newest checkpoint a run of ``target`` left (its ``command``,
+        ``fingerprint`` and progress ``meta``; unverified; None if there is none), read without
+        the lock: for a reader to say what an unfinished run wrote."""
+        return cls._interrupted(cls.path_for(target))
+
+    @classmethod
     def interrupted_meta(cls, target) -> dict | None:
         """The progress meta of the newest checkpoint an interrupted run of ``target`` left
         (what :meth:`save` was given; unverified; None if there is none)."""
