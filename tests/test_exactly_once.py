@@ -13,6 +13,7 @@ checkpoint, mid-chunk, and between the last save and the run-state's removal.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
@@ -505,3 +506,46 @@ def test_every_reader_says_a_killed_replay_left_the_store_half_learned(capsys, m
     assert replay(capsys, store, day2, pol, "--resume")[0] == 0
     code, out, err = run_cli(capsys, "policies", "list", pol, "--json")
     assert code == 0 and json.loads(out)["unfinished_run"] is None and "interrupted" not in err, err
+
+
+def test_a_reader_overlapping_a_running_replay_says_what_it_reads(capsys, monkeypatch, tmp_path, store, logged):
+    """The next day's rerank overlapped the night's replay (a slow cron job between two chunk
+    commits) and served a mix of yesterday's and tonight's partial versions without a word.
+    While a writer holds the run-state's lock (its record names pid and command; the reader
+    takes no lock), every reader says so and its --json says running; once the lock is
+    released, or its holder was killed (its record left, the pid gone), it is the
+    interrupted run again."""
+    import subprocess
+    import sys
+
+    from rmm_jax.persist.lock import WriterLock
+
+    first = each_users_first(logged, 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
+    pol = tmp_path / "p"
+    assert replay(capsys, store, day1, pol)[0] == 0
+    killed_run(capsys, monkeypatch, store, day2, pol, SAVED_NOT_CHECKPOINTED)   # chunk 1 (2 users) saved
+    lock = runstate.RunState.path_for(pol) / runstate.LOCK_FILE
+    writer = WriterLock(lock, lambda holder: InputError("busy"), "replay")     # the night's run, still writing
+    req = write(tmp_path / "req.jsonl", [{"call_id": "r0", "user_id": logged[0]["user_id"],
+                                           "query_id": logged[0]["query_id"]}])
+    rerank = ("rerank", store, "--policies", pol, "--calls", req, "--k", "8", "--m", "3", "--out",
+              tmp_path / "served.jsonl", "--json")
+    with writer.hold():
+        note = (f"note: a `replay` (pid {os.getpid()}) is writing {pol}: what this reads is the versions it has "
+                "written so far (2 users hold versions it wrote, v3 on) and the others' older ones; run it again "
+                "after that run ends for one consistent set\n")
+        for args in (rerank, ("policies", "list", pol, "--json"), ("policies", "show", pol, "--json"),
+                     ("evaluate", store, "--log", day2, "--policies", pol, "--json", "--allow-unreliable")):
+            code, out, err = run_cli(capsys, *args)
+            got = json.loads(out)["unfinished_run"]
+            assert code == 0 and err.count(note) == 1 and "interrupted `replay`" not in err, (args, err)
+            assert (got["state"], got["command"], got["pid"]) == ("running", "replay", os.getpid())
+    code, out, err = run_cli(capsys, *rerank)
+    assert code == 0 and json.loads(out)["unfinished_run"]["state"] == "interrupted" and "is writing" not in err
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    rec = json.loads(lock.read_text())
+    lock.write_text(json.dumps({**{k: v for k, v in rec.items() if k != "released"}, "pid": int(dead.stdout)}))
+    code, out, err = run_cli(capsys, *rerank)                                # a SIGKILL left its record
+    assert code == 0 and json.loads(out)["unfinished_run"]["state"] == "interrupted" and "is writing" not in err

@@ -4,10 +4,12 @@ The policy store (``STORE/.lock``) and the run-state (``X.runstate/.lock``) each
 one writing process. :class:`WriterLock` wraps :class:`filelock.FileLock`, which is
 ``flock`` on POSIX: the kernel drops the lock when the holder exits or is killed, so a
 stale lock file is harmless and never needs breaking. While the lock is held the file
-records the holder's ``{"pid", "host", "since"}`` (advisory: read only for the error
-message). A second writer, in another process or through another ``WriterLock`` in the
-same process, fails at once (or after ``wait`` seconds) with the InputError its owner
-builds from that record; acquiring again through the same object nests.
+records the holder's ``{"pid", "host", "since"}`` and the ``command`` its owner names
+(advisory: read for the error message, and by readers, :func:`live_holder`, to say that a
+writer is running); the outermost release marks it ``"released"`` before unlocking. A
+second writer, in another process or through another ``WriterLock`` in the same process,
+fails at once (or after ``wait`` seconds) with the InputError its owner builds from that
+record; acquiring again through the same object nests.
 """
 from __future__ import annotations
 
@@ -24,11 +26,47 @@ import filelock
 from rmm_jax.errors import InputError
 
 
-def _record_holder(fd: int) -> None:
-    """Write this process's pid/host into the lock file just taken (filelock's hook)."""
+def _record_holder(fd: int, command: str | None = None) -> None:
+    """Write this process's pid/host (and ``command``) into the lock file just taken (filelock's hook)."""
     os.ftruncate(fd, 0)
     since = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}).encode(), 0)
+    rec = {"pid": os.getpid(), "host": socket.gethostname(), "since": since}
+    if command:
+        rec["command"] = command
+    os.pwrite(fd, json.dumps(rec).encode(), 0)
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        rec = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:         # another user's process
+        return True
+    return True
+
+
+def live_holder(path: str | os.PathLike) -> dict | None:
+    """The record of the process holding the lock file ``path`` now, read without taking the
+    lock (a reader must not make a writer fail "in use"): None when there is no record, its
+    holder released it, or the holder (on this host) is gone, as after a SIGKILL. A holder on
+    another host is taken as alive: its pid cannot be checked from here."""
+    rec = _read_record(Path(path))
+    if not rec.get("pid") or rec.get("released"):
+        return None
+    if rec.get("host") == socket.gethostname() and not _alive(rec["pid"]):
+        return None
+    return rec
 
 
 class WriterLock:
@@ -36,11 +74,13 @@ class WriterLock:
 
     ``busy(holder)`` makes the InputError raised when another writer holds the lock;
     ``holder`` is the record it wrote (``{}`` if unreadable), so use ``holder.get``.
+    ``command`` (e.g. ``replay``) is recorded with the pid, for readers to name the writer.
     """
 
-    def __init__(self, path: str | os.PathLike, busy: Callable[[dict], InputError]):
+    def __init__(self, path: str | os.PathLike, busy: Callable[[dict], InputError], command: str | None = None):
         self.path = Path(path)
         self._busy = busy
+        self.command = command
         self._lock: filelock.BaseFileLock | None = None
 
     @property
@@ -58,7 +98,8 @@ class WriterLock:
         # thread_local=False: nesting is per object, as for the callers' own re-entrancy.
         # No soft fallback: the file must stay the flock'ed one holding our record.
         self._lock = filelock.FileLock(self.path, thread_local=False, fallback_to_soft=False,
-                                       preserve_lock_file=True, on_acquired=_record_holder)
+                                       preserve_lock_file=True,
+                                       on_acquired=lambda fd: _record_holder(fd, self.command))
         try:
             self._lock.acquire(timeout=wait, blocking=wait > 0)
         except filelock.Timeout:
@@ -67,17 +108,29 @@ class WriterLock:
         return True
 
     def release(self) -> None:
-        """Undo one :meth:`acquire`; the outermost releases the file lock."""
+        """Undo one :meth:`acquire`; the outermost marks the record released (still holding
+        the lock, so no next holder's record is overwritten) and releases the file lock."""
         if self.held:
+            if self._lock.lock_counter == 1:
+                self._mark_released()
             self._lock.release()
 
+    def _mark_released(self) -> None:
+        rec = self.holder()
+        if rec.get("pid") != os.getpid():
+            return
+        data = json.dumps({**rec, "released": True}).encode()
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, data, 0)          # longer than the record: then cut, never empty
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+
     def holder(self) -> dict:
-        """The record the current holder wrote, or ``{}``."""
-        try:
-            rec = json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
-            return {}
-        return rec if isinstance(rec, dict) else {}
+        """The record the current (or last) holder wrote, or ``{}``."""
+        return _read_record(self.path)
 
     @contextlib.contextmanager
     def hold(self, wait: float = 0.0):

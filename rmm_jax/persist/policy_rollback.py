@@ -73,12 +73,14 @@ Examples:
 from __future__ import annotations
 
 import numbers
+import socket
 from typing import NamedTuple
 
 import numpy as np
 
 from rmm_jax.errors import InputError, named
 from rmm_jax.persist.atomic import remove_dir
+from rmm_jax.persist.lock import live_holder
 from rmm_jax.persist.policy_setting import SETTING_KEY
 from rmm_jax.persist.policy_snapshot import cname, read_chunk_meta, vname
 from rmm_jax.persist.policy_versions import drop_unindexed, version_span, writer_index
@@ -230,26 +232,40 @@ def pending_note(store) -> str | None:
 
 def unfinished_run(store) -> dict | None:
     """For a reader (which writes nothing and takes no lock), beside :func:`pending_note`: the
-    run that left its run-state beside ``store`` (``POLICIES.runstate``, an interrupted
-    ``replay`` or ``simulate``), whose users hold a mix of the versions it wrote and those
-    before it. None if there is none; else ``command``, ``state`` (``interrupted``),
-    ``runstate`` (its path), ``first_version`` (the first version it wrote; None: not
-    recorded), ``users`` (how many users hold a version it wrote) and ``note`` (the line
-    saying so, and how to finish it)."""
+    run that has not finished writing ``store``, whose users hold a mix of the versions it
+    wrote and those before it: one ``running`` now (it holds the run-state's or the store's
+    lock: :func:`rmm_jax.persist.lock.live_holder`), or one ``interrupted`` (killed) that
+    left its run-state (``POLICIES.runstate``). None if there is none; else ``command``,
+    ``state``, ``pid`` (running; else None), ``runstate`` (its path), ``first_version`` (the
+    first version it wrote; None: not known), ``users`` (how many users hold a version it
+    wrote) and ``note`` (the line saying so, and what to do)."""
+    from rmm_jax.persist.policy_store import LOCK_FILE  # which imports this module
+
     check_store(store)
     doc = RunState.interrupted_run(store.path)
-    if doc is None:
+    holder = RunState.running(store.path) or live_holder(store.path / LOCK_FILE)
+    if doc is None and holder is None:
         return None
-    path, command = RunState.path_for(store.path), doc.get("command") or "run"
-    first = ((doc.get("meta") or {}).get("run") or {}).get("first_version")
+    path, command = RunState.path_for(store.path), (holder or {}).get("command") or (doc or {}).get("command")
+    first = (((doc or {}).get("meta") or {}).get("run") or {}).get("first_version")
     first = first if isinstance(first, int) else None
     users = sum(s.users for s in store.saves() if first is not None and s.version >= first)
+    if holder is not None:
+        who = f"a `{command}`" if command else "a writer"
+        so_far = f" ({users} user{'s' * (users != 1)} hold versions it wrote, v{first} on)" if first else ""
+        pid = f"pid {holder['pid']}" + ("" if holder.get("host") in (None, socket.gethostname())
+                                        else f" on host {holder['host']}")
+        note = (f"{who} ({pid}) is writing {store.path}: what this reads is the versions it has written so far"
+                f"{so_far} and the others' older ones; run it again after that run ends for one consistent set")
+        return {"command": command, "state": "running", "pid": holder["pid"], "runstate": str(path),
+                "first_version": first, "users": users, "note": note}
+    command = command or "run"
     wrote = (f"{users} user{'s' * (users != 1)} hold versions it wrote (v{first} on), the others those before it"
              if first is not None else "its users' versions are a mix of what it wrote and what was there")
     note = (f"an interrupted `{command}` left {path}: {wrote}; resume it with `rmm-jax {command} ... "
             f"--policies {store.path} --resume` (its options), or remove {path} and undo what it saved with "
             f"`rmm-jax policies rollback {store.path}`")
-    return {"command": command, "state": "interrupted", "runstate": str(path), "first_version": first,
+    return {"command": command, "state": "interrupted", "pid": None, "runstate": str(path), "first_version": first,
             "users": users, "note": note}
 
 

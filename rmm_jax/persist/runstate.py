@@ -51,7 +51,7 @@ from rmm_jax.persist import checksums
 from rmm_jax.persist.atomic import atomic_file, fsync_dir, remove_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
 from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
-from rmm_jax.persist.lock import WriterLock
+from rmm_jax.persist.lock import WriterLock, live_holder
 from rmm_jax.version import __version__
 
 FORMAT = "rmm-jax-run-state"
@@ -150,7 +150,7 @@ class RunState:
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
-        self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error)
+        self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error, command or None)   # named to readers
 
     @staticmethod
     def path_for(target) -> Path:
@@ -171,6 +171,13 @@ class RunState:
         ``fingerprint`` and progress ``meta``; unverified; None if there is none), read without
         the lock: for a reader to say what an unfinished run wrote."""
         return cls._interrupted(cls.path_for(target))
+
+    @classmethod
+    def running(cls, target) -> dict | None:
+        """The lock record (``pid``, ``host``, ``since``, ``command``) of the run that holds
+        ``target``'s run-state now (None: none), read without taking the lock
+        (:func:`rmm_jax.persist.lock.live_holder`)."""
+        return live_holder(cls.path_for(target) / LOCK_FILE)
 
     @classmethod
     def interrupted_meta(cls, target) -> dict | None:
