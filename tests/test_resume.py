@@ -671,6 +671,44 @@ def test_a_resume_mismatch_words_a_missing_value_as_not_given(tmp_path):
         RunState.begin(tmp_path / "pol", "simulate", {"--log-out": None, "--plot": "p.png"}, resume=True)
 
 
+def test_a_refused_run_names_the_interrupted_runs_log_and_every_differing_option(tmp_path):
+    """After a killed night the next night's replay was refused with "an interrupted `replay`
+    run left its state here; pass --resume ..." naming neither the interrupted run's log nor
+    its options, and --resume then named one differing option at a time, the log as a bare
+    sha256. The refusal names the log it read (its path; an older checkpoint's: its digest and
+    that the path is not recorded) and every option that differs; --resume lists them all in
+    one line."""
+    d2, d3 = "a" * 64, "b" * 64
+    day2, day3 = os.path.abspath("day2.jsonl"), os.path.abspath("day3.jsonl")
+    with RunState.begin(tmp_path / "pol", "replay", {"--log": d2, "--users-per-chunk": 2, "--k": 8},
+                        resume=False, paths={"--log": "day2.jsonl"}) as rs:
+        rs.save({}, {})
+    rs_dir = tmp_path / "pol.runstate"
+    with pytest.raises(InputError) as e:            # the next night: another log, another chunk size
+        RunState.begin(tmp_path / "pol", "replay", {"--log": d3, "--users-per-chunk": 8, "--k": 8}, resume=False,
+                       paths={"--log": "day3.jsonl"})
+    assert str(e.value) == (f"{rs_dir}: an interrupted `replay` run left its state here; options that differ from "
+                            f"this command: --log ({day2} [sha256 aaaaaaaaaaaa…] there, {day3} [sha256 bbbbbbbbbbbb…] "
+                            "now), --users-per-chunk (2 there, 8 now); pass resume=True to continue it, or remove "
+                            f"{rs_dir} to start over")
+    with pytest.raises(InputError) as e:            # its log, another chunk size: the log it read is named
+        RunState.begin(tmp_path / "pol", "replay", {"--log": d2, "--users-per-chunk": 8, "--k": 8}, resume=False,
+                       paths={"--log": "day2.jsonl"})
+    assert str(e.value).startswith(f"{rs_dir}: an interrupted `replay` run left its state here: it read --log {day2} "
+                                   "[sha256 aaaaaaaaaaaa…]; options that differ from this command: --users-per-chunk "
+                                   "(2 there, 8 now); pass resume=True"), e.value
+    with pytest.raises(InputError) as e:
+        RunState.begin(tmp_path / "pol", "replay", {"--log": d3, "--users-per-chunk": 8, "--k": 8}, resume=True,
+                       paths={"--log": "day3.jsonl"})
+    assert str(e.value) == (f"{rs_dir}: 2 options differ from the interrupted run: --log ({day2} [sha256 "
+                            f"aaaaaaaaaaaa…] there, {day3} [sha256 bbbbbbbbbbbb…] now), --users-per-chunk (2 there, 8 "
+                            f"now); resume with the same values, or remove {rs_dir} to start over")
+    for meta in rs_dir.glob("s*/meta.json"):        # a checkpoint of an older rmm-jax recorded no path
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "paths"}))
+    with pytest.raises(InputError, match=r"it read --log sha256 aaaaaaaaaaaa… \[path not recorded\]; options"):
+        RunState.begin(tmp_path / "pol", "replay", {"--log": d2, "--users-per-chunk": 8, "--k": 8}, resume=False)
+
+
 def test_pretrain_resume_of_a_finished_run_says_there_is_nothing_to_resume(capsys, tmp_path):
     """`pretrain --resume` after the run finished said "--out pre1: already exists and is not
     empty; choose a new policy store path": one line now says there is nothing to resume

@@ -380,7 +380,7 @@ def check_store_writable(path, where: str) -> None:
 
 
 def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict,
-                    restart_same: tuple[str, ...] = ()):
+                    restart_same: tuple[str, ...] = (), paths: dict | None = None):
     """Lock (and with ``resume`` restore) the run-state next to ``target``.
 
     The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
@@ -388,7 +388,8 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     ``restart_same``: without ``resume``, an interrupted run of the same command whose
     ``inputs`` of these names are the same is started again instead of refused; not a
     ``--relearn`` run (this one or the interrupted one): started again, it would learn what
-    the interrupted run saved once more, so it is resumed."""
+    the interrupted run saved once more, so it is resumed. ``paths``: the files of ``inputs``
+    (name -> path), for its messages to name them."""
     if checkpoint_every < 0:
         raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")
     fp = {**options, **inputs, **runstate.versions()}
@@ -396,7 +397,7 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     if restart_same and not options.get("--relearn"):
         same = lambda old: not old.get("--relearn") and all(old.get(n) == inputs[n] for n in restart_same)  # noqa: E731
     with as_options("resume"):                    # its messages say --resume
-        rs = runstate.RunState.begin(target, command, fp, resume=resume, restart=same)
+        rs = runstate.RunState.begin(target, command, fp, resume=resume, restart=same, paths=paths)
     for note in rs.notes:
         info(note)
     disk_errors.running(target)      # a full disk later says the run resumes

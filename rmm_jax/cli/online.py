@@ -129,7 +129,8 @@ def removed_if_unused(path, created: bool):
 
 @contextlib.contextmanager
 def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, created: bool, writer: bool,
-               options: dict, inputs: dict, resume: bool, checkpoint_every: int, restart_same: tuple[str, ...] = ()):
+               options: dict, inputs: dict, resume: bool, checkpoint_every: int, restart_same: tuple[str, ...] = (),
+               paths: dict | None = None):
     """What ``simulate`` and ``replay`` do around their run, in this order: a store the run
     ``created`` removed if it fails before saving (:func:`removed_if_unused`), the run-state
     locked (restored with ``--resume``; :func:`rmm_jax.cli.common.begin_run_state_if_single`),
@@ -138,7 +139,7 @@ def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, crea
     (when it is to be and this process writes) and the run-state finished."""
     with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
           begin_run_state_if_single(policies, command, options, resume=resume, checkpoint_every=checkpoint_every,
-                                    inputs=inputs, restart_same=restart_same) as rs):
+                                    inputs=inputs, restart_same=restart_same, paths=paths) as rs):
         with as_options("policies"):                    # its errors name --policies
             start = session.plan_start(ps, st, ls.setting.layout, init, seed, rs, writer=writer)
         if start.rolled_back is not None:

@@ -17,8 +17,9 @@ A checkpoint is written into ``.tmp-*`` and renamed into place after its checksu
 it is complete or absent. Loading verifies the checksums; a damaged newest checkpoint
 is skipped (and reported) for the previous one. ``--resume`` refuses a checkpoint whose
 fingerprint (command, input digests, options, initial params, versions) differs from
-the current invocation, naming the first differing option. On success the directory
-is removed.
+the current invocation, naming every differing option (an input file by the path it was
+read from, recorded beside the fingerprint, and its digest); so does the refusal of a run
+without ``--resume``. On success the directory is removed.
 
 What a checkpoint holds is enough to continue bit-identically: for an online run, how
 many users chunks are complete (their policies are in the policy store, their
@@ -89,21 +90,43 @@ def versions() -> dict:
 _ABSENT = object()
 
 
-def _show(v) -> str:
+def _is_digest(v) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _show(v, path: str | None = None) -> str:
+    """A fingerprint value as a message shows it; a file's digest with the ``path`` it was
+    read from (when the run recorded it)."""
     if v is None or v is _ABSENT:       # an option left out (None) or unknown to the other run
         return "not given"
-    if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
-        return f"sha256 {v[:12]}…"
+    if _is_digest(v):
+        return f"{path} [sha256 {v[:12]}…]" if path else f"sha256 {v[:12]}… [path not recorded]"
     return json.dumps(v)
 
 
-def check_fingerprint(saved: dict, now: dict, where: Path) -> None:
-    """InputError naming the first key (option) whose value differs."""
-    for key in list(now) + [k for k in saved if k not in now]:
-        a, b = saved.get(key, _ABSENT), now.get(key, _ABSENT)
-        if a != b:
-            raise InputError(f"differs from the interrupted run ({_show(a)} there, {_show(b)} now); "
-                             f"resume with the same value, or remove {where} to start over", where=key)
+def fingerprint_diffs(saved: dict, now: dict, saved_paths: dict | None = None,
+                      now_paths: dict | None = None) -> list[str]:
+    """Every key (option) whose value differs, as ``KEY (VALUE there, VALUE now)``; the
+    ``*_paths`` name the files whose digests the fingerprints hold (option -> path)."""
+    saved_paths, now_paths = saved_paths or {}, now_paths or {}
+    return [f"{key} ({_show(saved.get(key, _ABSENT), saved_paths.get(key))} there, "
+            f"{_show(now.get(key, _ABSENT), now_paths.get(key))} now)"
+            for key in list(now) + [k for k in saved if k not in now]
+            if saved.get(key, _ABSENT) != now.get(key, _ABSENT)]
+
+
+def check_fingerprint(saved: dict, now: dict, where: Path, saved_paths: dict | None = None,
+                      now_paths: dict | None = None) -> None:
+    """InputError naming every key (option) whose value differs, in one line (one: named as
+    its location)."""
+    diffs = fingerprint_diffs(saved, now, saved_paths, now_paths)
+    if len(diffs) == 1:
+        key, _, shown = diffs[0].partition(" ")
+        raise InputError(f"differs from the interrupted run {shown}; resume with the same value, or remove {where} "
+                         "to start over", where=key)
+    if diffs:
+        raise InputError(f"{len(diffs)} options differ from the interrupted run: {', '.join(diffs)}; resume with "
+                         f"the same values, or remove {where} to start over", where=str(where))
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -142,10 +165,11 @@ class RunState:
     """The run-state directory of one policy store (or pretrain output); see the module
     docstring. Make with :meth:`begin`; use as a context manager (releases the lock)."""
 
-    def __init__(self, path: Path, command: str, fingerprint: dict):
+    def __init__(self, path: Path, command: str, fingerprint: dict, paths: dict | None = None):
         self.path = Path(path)
         self.command = command
         self.fingerprint = json.loads(json.dumps(fingerprint))
+        self.paths = {k: os.path.abspath(v) for k, v in (paths or {}).items()}   # the files its digests are of
         self.notes: list[str] = []               # begin(): what the caller tells the user, in order
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
@@ -234,7 +258,7 @@ class RunState:
 
     @classmethod
     def begin(cls, target, command: str, fingerprint: dict, *, resume: bool,
-              restart: Callable[[dict], bool] | None = None) -> "RunState":
+              restart: Callable[[dict], bool] | None = None, paths: dict | None = None) -> "RunState":
         """Lock the run-state of ``target``; with ``resume`` restore its newest good
         checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
         ``resume`` an unfinished run-state is an error, unless it holds a ``command`` run
@@ -244,8 +268,10 @@ class RunState:
         interrupted run's progress meta in :attr:`interrupted` (what it began from).
         The notes (a damaged checkpoint skipped, a run started again, nothing to resume) are in
         :attr:`notes`, for the caller to show. The errors and notes name ``resume`` as
-        :func:`rmm_jax.errors.named` does (``resume=True``; the CLI's ``--resume``)."""
-        rs = cls(cls.path_for(target), command, fingerprint)
+        :func:`rmm_jax.errors.named` does (``resume=True``; the CLI's ``--resume``).
+        ``paths`` (option -> path) names the input files whose digests ``fingerprint``
+        holds: recorded with each checkpoint, for the messages to name the files."""
+        rs = cls(cls.path_for(target), command, fingerprint, paths)
         resume_as = named("resume", True)           # resume=True, or the CLI's --resume
         rs._lock()
         try:
@@ -259,8 +285,9 @@ class RunState:
                     shutil.rmtree(p, ignore_errors=True)
                 snaps = []
             if snaps and not resume:
-                raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here; pass "
-                                 f"{resume_as} to continue it, or remove {rs.path} to start over", where=str(rs.path))
+                raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here"
+                                 f"{rs._differences(old)}; pass {resume_as} to continue it, or remove {rs.path} "
+                                 "to start over", where=str(rs.path))
             if resume:
                 if snaps:
                     rs.restored = rs._load(snaps)
@@ -270,6 +297,20 @@ class RunState:
             rs.close()
             raise
         return rs
+
+    def _differences(self, old: dict | None) -> str:
+        """For the refusal of a run-state left by ``old`` (its newest checkpoint's meta.json;
+        None: read it): the files it read and how its options differ from this run's."""
+        old = self._interrupted(self.path) if old is None else old
+        if old is None:
+            return ""
+        fp, paths, same = old["fingerprint"], old.get("paths") or {}, old.get("command") == self.command
+        diffs = fingerprint_diffs(fp, self.fingerprint, paths, self.paths) if same else []
+        read = [f"{k} {_show(v, paths.get(k))}" for k, v in fp.items()      # the files it read, unless a diff names it
+                if k.startswith("--") and _is_digest(v) and not any(d.startswith(f"{k} (") for d in diffs)]
+        return ((f": it read {', '.join(read)}" if read else "")
+                + ("" if not same else f"; options that differ from this command: {', '.join(diffs)}" if diffs
+                   else "; its options are this command's"))
 
     def __enter__(self):
         return self
@@ -372,6 +413,7 @@ class RunState:
                     np.savez(f, **arrays)
             write_json(tmp / META_FILE, {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
                                          "command": self.command, "fingerprint": self.fingerprint,
+                                         "paths": self.paths,
                                          "meta": meta, "specs": specs})
             checksums.write_checksums(tmp)
             dest = self.path / f"s{step:08d}"
@@ -416,7 +458,7 @@ class RunState:
                    else f"a `{doc['command']}` run with {named('resume', True)}")
             raise InputError(f"holds an interrupted `{doc['command']}` run, not `{self.command}`; finish it "
                              f"with {how}, or remove {self.path}", where=str(self.path))
-        check_fingerprint(doc["fingerprint"], self.fingerprint, self.path)
+        check_fingerprint(doc["fingerprint"], self.fingerprint, self.path, doc.get("paths"), self.paths)
         counts = {name: len(leaf_specs(spec)) for name, spec in doc["specs"].items()}
         arrays = _read_arrays(snap, counts, doc["format_version"]) if any(counts.values()) else {}
         trees = {}
