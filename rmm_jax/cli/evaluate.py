@@ -95,7 +95,9 @@ def _row(name: str, est: dict) -> str:
              "users_on_shared_params, learned_calls (how many of the calls the policies learned from), notes, "
              "warnings, verdict (with log_problem: why the log cannot judge the policies, or null; worse; "
              "self_served and served_by_target: the calls POLICIES served itself), pending_rollback (null, or the "
-             "note that an interrupted rollback of POLICIES is pending: the versions it forgets were evaluated)")
+             "note that an interrupted rollback of POLICIES is pending: the versions it forgets were evaluated), "
+             "unfinished_run (null, or the run that has not finished writing POLICIES, whose mix of versions was "
+             "evaluated: command, state, note)")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
