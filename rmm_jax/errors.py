@@ -2,7 +2,9 @@
 
 Every error a user can cause is an :class:`InputError` whose message is one line that
 names what is wrong and where: ``file:line``, a JSON key, or a CLI option. The CLI
-prints the message on stderr and exits with status 2, with no traceback.
+prints the message on stderr and exits with its :attr:`~InputError.exit_code`, with no
+traceback: 2, or :data:`EXIT_BUSY` (75) for a :class:`Busy` one (another process is writing
+what this one must write: retry when it ends).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from contextvars import ContextVar
 
 PIPE_CLOSED = "its reader closed the pipe before everything was written"
 """The error when a pipe written into (a FIFO given as ``--out``, or stdout into ``| head``) loses its reader."""
+EXIT_BUSY = 75          # EX_TEMPFAIL (sysexits.h): a temporary failure, try again later
 
 
 class InputError(ValueError):
@@ -40,6 +43,32 @@ class InputError(ValueError):
         self.where = arg if arg else where
         self.message = message      # without the location: what a re-worded error keeps
         super().__init__(f"{self.where}: {message}" if self.where else message)
+
+    exit_code = 2                   # the CLI's exit status for it: bad input
+
+
+class Busy(InputError):
+    """Another process holds the lock on what this one must write (a store, a run-state):
+    nothing is wrong with the input, retry when that process ends. The CLI exits with
+    :data:`EXIT_BUSY` (75, ``EX_TEMPFAIL``), so a wrapper can tell "busy, retry" from bad input
+    (2).
+
+    >>> from rmm_jax.errors import Busy, InputError
+    >>> e = Busy.of(InputError("in use by pid 7", where="p.runstate"))
+    >>> isinstance(e, InputError), str(e), e.exit_code
+    (True, 'p.runstate: in use by pid 7', 75)
+    """
+
+    exit_code = EXIT_BUSY
+
+    @classmethod
+    def of(cls, e: InputError) -> "Busy":
+        """``e`` as a :class:`Busy` error: the same message, location and argument."""
+        if isinstance(e, cls):
+            return e
+        busy = cls(e.message)
+        busy.where, busy.arg, busy.args = e.where, e.arg, e.args
+        return busy
 
 
 def is_int(x) -> bool:

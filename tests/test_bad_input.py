@@ -1108,3 +1108,32 @@ def test_scan_log_names_a_layout_that_is_not_one(tmp_path, layout, hint):
     with pytest.raises(InputError) as e:     # AttributeError 'k' before
         scan_log(log, preset("default", k=8, m=3) if layout == "setting" else layout)
     assert str(e.value).startswith(f"layout: must be a Layout{hint}, got "), str(e.value)
+
+
+def test_a_second_writer_exits_75_busy_not_2_bad_input(env, capsys, tmp_path):
+    """A second writer of a policy store (its lock, or its run-state's, held by a running
+    replay) or of an embedding store got its one line "in use by pid N ... retry when it ends"
+    with exit 2, the status of bad input, so a cron wrapper could not tell "busy, retry" from
+    bad input. Lock conflicts are :class:`rmm_jax.errors.Busy` and exit 75 (EX_TEMPFAIL);
+    bad input still exits 2."""
+    from rmm_jax.data.store._write import store_writer
+    from rmm_jax.errors import EXIT_BUSY, Busy
+    from rmm_jax.persist.runstate import RunState
+
+    assert EXIT_BUSY == 75
+    pol, pol2 = tmp_path / "pol", tmp_path / "pol2"
+    shutil.copytree(env["pol_existing"], pol)
+    shutil.copytree(env["pol_existing"], pol2)
+    args = ("replay", env["store"], "--log", env["logs"] / "good.jsonl", "--policies", pol, "--k", K, "--m", M)
+    with RunState.begin(pol, "replay", {}, resume=False):   # another run on the same policies
+        code, out, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, [f"{RunState.path_for(pol)}: in use by pid {os.getpid()}"], expect_code=75)
+    with PolicyStore.open(pol2).writer():                   # another process writing the store
+        code, out, err = run_cli(capsys, *args[:5], pol2, *args[6:])
+    assert_one_line_error(code, err, [f"policy store {pol2} is locked by pid {os.getpid()}", "retry when it ends"],
+                          expect_code=75)
+    code, out, err = run_cli(capsys, *args[:3], env["logs"] / "missing_key.jsonl", *args[4:])
+    assert_one_line_error(code, err, ["missing_key.jsonl:1"], expect_code=2)      # bad input: 2, as before
+    with store_writer(tmp_path / "emb"):                    # another embed writing the embedding store
+        with pytest.raises(Busy, match=r"in use by pid \d+ \(another embed"), store_writer(tmp_path / "emb"):
+            pass

@@ -4,8 +4,9 @@ needs (``embed`` and ``--version`` start without JAX).
 
 The CLI is a thin shell over :mod:`rmm_jax`. Bad input raises
 :class:`rmm_jax.errors.InputError`; :func:`main` prints its one-line message on stderr
-and exits with status 2, with no traceback. Click's usage errors (a bad option value, a
-missing argument) are printed the same way: one ``error: ...`` line, status 2. Warnings
+and exits with status 2 (75 for a :class:`rmm_jax.errors.Busy` one: another process holds
+the lock on what this command writes; retry when it ends), with no traceback. Click's usage
+errors (a bad option value, a missing argument) are printed the same way: one ``error: ...`` line, status 2. Warnings
 raised during a command print as ``warning: ...`` lines without source lines, repeated
 policy restores summarised (:mod:`rmm_jax.cli.warning_lines`). A reader of stdout that
 leaves before everything is written (``| head -1``) is the same line as a FIFO's
@@ -195,9 +196,9 @@ def main(argv=None) -> None:
             sys.stdout.flush()      # what is still buffered: a reader gone fails here, not at the exit
         if isinstance(code, int) and code:  # ctx.exit(n) returns n when click is not standalone
             sys.exit(code)
-    except InputError as e:
+    except InputError as e:            # 2: bad input; 75 (Busy): another writer holds the lock, retry later
         click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        sys.exit(e.exit_code)
     except (_StdoutClosed, BrokenPipeError):   # `rmm-jax ... | head -1`: as a FIFO's reader leaving (--out)
         _stdout_closed()
     except Interrupted as e:  # SIGINT/SIGTERM: progress was checkpointed (rmm_jax.cli.signals)

@@ -9,7 +9,8 @@ records the holder's ``{"pid", "host", "since"}`` and the ``command`` its owner 
 writer is running); the outermost release marks it ``"released"`` before unlocking. A
 second writer, in another process or through another ``WriterLock`` in the same process,
 fails at once (or after ``wait`` seconds) with the InputError its owner builds from that
-record; acquiring again through the same object nests.
+record, as a :class:`rmm_jax.errors.Busy` (the CLI's exit status 75: retry when the holder
+ends); acquiring again through the same object nests.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable
 
 import filelock
 
-from rmm_jax.errors import InputError
+from rmm_jax.errors import Busy, InputError
 
 
 def _record_holder(fd: int, command: str | None = None) -> None:
@@ -104,7 +105,7 @@ class WriterLock:
             self._lock.acquire(timeout=wait, blocking=wait > 0)
         except filelock.Timeout:
             self._lock = None
-            raise self._busy(self.holder()) from None
+            raise Busy.of(self._busy(self.holder())) from None
         return True
 
     def release(self) -> None:

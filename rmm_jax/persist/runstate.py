@@ -47,7 +47,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from rmm_jax.errors import InputError, named, option_of
+from rmm_jax.errors import Busy, InputError, named, option_of
 from rmm_jax.persist import checksums
 from rmm_jax.persist.atomic import atomic_file, fsync_dir, remove_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
@@ -330,8 +330,8 @@ class RunState:
             if p.name.startswith(".tmp-"):
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _in_use_error(self, holder: dict) -> InputError:
-        return InputError(f"in use by pid {holder.get('pid', '?')} (another run on the same policies is "
+    def _in_use_error(self, holder: dict) -> Busy:
+        return Busy(f"in use by pid {holder.get('pid', '?')} (another run on the same policies is "
                           "running; retry when it ends)", where=str(self.path))
 
     def close(self) -> None:
