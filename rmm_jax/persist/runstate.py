@@ -105,14 +105,23 @@ def _show(v, path: str | None = None) -> str:
 
 
 def fingerprint_diffs(saved: dict, now: dict, saved_paths: dict | None = None,
-                      now_paths: dict | None = None) -> list[str]:
+                      now_paths: dict | None = None, prefix: str = "") -> list[str]:
     """Every key (option) whose value differs, as ``KEY (VALUE there, VALUE now)``; the
-    ``*_paths`` name the files whose digests the fingerprints hold (option -> path)."""
+    ``*_paths`` name the files whose digests the fingerprints hold (option -> path). A
+    setting derived from the options (a dict: ``config``) is left out when an option differs,
+    else named by its differing leaves (``config.optimizer.lr``)."""
     saved_paths, now_paths = saved_paths or {}, now_paths or {}
-    return [f"{key} ({_show(saved.get(key, _ABSENT), saved_paths.get(key))} there, "
-            f"{_show(now.get(key, _ABSENT), now_paths.get(key))} now)"
-            for key in list(now) + [k for k in saved if k not in now]
-            if saved.get(key, _ABSENT) != now.get(key, _ABSENT)]
+    keys = [k for k in list(now) + [k for k in saved if k not in now] if saved.get(k, _ABSENT) != now.get(k, _ABSENT)]
+    options = any(k.startswith("--") for k in keys)
+    diffs = []
+    for key in keys:
+        a, b = saved.get(key, _ABSENT), now.get(key, _ABSENT)
+        if isinstance(a, dict) and isinstance(b, dict):     # a setting derived from the options (config)
+            if not options:                                # which differ: they are named; else its leaves
+                diffs += fingerprint_diffs(a, b, prefix=f"{prefix}{key}.")
+            continue
+        diffs.append(f"{prefix}{key} ({_show(a, saved_paths.get(key))} there, {_show(b, now_paths.get(key))} now)")
+    return diffs
 
 
 def check_fingerprint(saved: dict, now: dict, where: Path, saved_paths: dict | None = None,
