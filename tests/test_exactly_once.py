@@ -487,9 +487,9 @@ def test_every_reader_says_a_killed_replay_left_the_store_half_learned(capsys, m
     assert code == 0 and json.loads(out)["unfinished_run"] is None
     killed_run(capsys, monkeypatch, store, day2, pol, SAVED_NOT_CHECKPOINTED)   # chunk 1 (2 users) saved
     rs = runstate.RunState.path_for(pol)
-    note = (f"note: an interrupted `replay` left {rs}: 2 users hold versions it wrote (v3 on), the others those "
-            f"before it; resume it with `rmm-jax replay ... --policies {pol} --resume` (its options), or remove "
-            f"{rs} and undo what it saved with `rmm-jax policies rollback {pol}`\n")
+    note = (f"note: an interrupted `replay` left {rs}: 2 users hold versions it wrote, v3 and later; the "
+            f"others those before it; resume it with `rmm-jax replay ... --policies {pol} --resume` (its options), "
+            f"or remove {rs} and undo what it saved with `rmm-jax policies rollback {pol}`\n")
     req = write(tmp_path / "req.jsonl", [{"call_id": "r0", "user_id": logged[0]["user_id"],
                                            "query_id": logged[0]["query_id"]}])
     for args in (("policies", "list", pol, "--json"), ("policies", "show", pol, "--json"),
@@ -534,8 +534,8 @@ def test_a_reader_overlapping_a_running_replay_says_what_it_reads(capsys, monkey
               tmp_path / "served.jsonl", "--json")
     with writer.hold():
         note = (f"note: a `replay` (pid {os.getpid()}) is writing {pol}: what this reads is the versions it has "
-                "written so far (2 users hold versions it wrote, v3 on) and the others' older ones; run it again "
-                "after that run ends for one consistent set\n")
+                "written so far (2 users hold versions it wrote, v3 and later) and the others' older ones; run it "
+                "again after that run ends for one consistent set\n")
         for args in (rerank, ("policies", "list", pol, "--json"), ("policies", "show", pol, "--json"),
                      ("evaluate", store, "--log", day2, "--policies", pol, "--json", "--allow-unreliable")):
             code, out, err = run_cli(capsys, *args)

@@ -250,9 +250,11 @@ def unfinished_run(store) -> dict | None:
     first = (((doc or {}).get("meta") or {}).get("run") or {}).get("first_version")
     first = first if isinstance(first, int) else None
     users = sum(s.users for s in store.saves() if first is not None and s.version >= first)
+    holders = "no user holds a version it wrote yet" if not users else (
+        (f"{users} users hold versions" if users != 1 else "1 user holds a version") + f" it wrote, v{first} and later")
     if holder is not None:
         who = f"a `{command}`" if command else "a writer"
-        so_far = f" ({users} user{'s' * (users != 1)} hold versions it wrote, v{first} on)" if first else ""
+        so_far = f" ({holders})" if first is not None else ""
         pid = f"pid {holder['pid']}" + ("" if holder.get("host") in (None, socket.gethostname())
                                         else f" on host {holder['host']}")
         note = (f"{who} ({pid}) is writing {store.path}: what this reads is the versions it has written so far"
@@ -260,8 +262,8 @@ def unfinished_run(store) -> dict | None:
         return {"command": command, "state": "running", "pid": holder["pid"], "runstate": str(path),
                 "first_version": first, "users": users, "note": note}
     command = command or "run"
-    wrote = (f"{users} user{'s' * (users != 1)} hold versions it wrote (v{first} on), the others those before it"
-             if first is not None else "its users' versions are a mix of what it wrote and what was there")
+    wrote = (f"{holders}; the others those before it" if users else holders) if first is not None \
+        else "its users' versions are a mix of what it wrote and what was there"
     note = (f"an interrupted `{command}` left {path}: {wrote}; resume it with `rmm-jax {command} ... "
             f"--policies {store.path} --resume` (its options), or remove {path} and undo what it saved with "
             f"`rmm-jax policies rollback {store.path}`")
