@@ -205,7 +205,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     inputs = {"STORE": file_digest(store), "--log": file_digest(log_path), "config": config_dict(setting)}
     with saving_run("replay", policies, ps, st, ls, init, opts["seed"], created=created, writer=writer,
                     options=options, inputs=inputs, resume=resume, checkpoint_every=checkpoint_every,
-                    restart_same=("STORE", "--log"), paths={"STORE": store, "--log": log_path}) as (rs, start):
+                    restart_same=("--log",), paths={"STORE": store, "--log": log_path}) as (rs, start):
         with as_options("relearn"):
             learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn,
                                     questions=st) if calls else None
