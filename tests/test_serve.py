@@ -556,6 +556,30 @@ def test_rerank_notes_the_candidate_texts_the_model_cut(capsys, tmp_path, env, m
     assert "note: 1 of 3 texts embedded was longer than model fake/bow-16 reads (8 word pieces" in err, err
 
 
+def test_rerank_shows_the_new_texts_bar_and_says_how_many_texts_the_store_lacks(capsys, tmp_path, env, monkeypatch):
+    """rerank embedded the day's new request texts (7-10 s every day) with no bar and no line,
+    where replay and evaluate show a ``new texts`` bar and say how many texts the store lacks."""
+    store, _ = env
+    made = []
+
+    class Seen(FakeEmbedder):
+        def encode(self, texts, desc=""):
+            made[-1]["desc"] = desc
+            return super().encode(texts, desc)
+
+    def embedder(model, progress=False, **kw):
+        made.append({"progress": progress})
+        return Seen(16)
+
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"call_id": "c", "user_id": "someone-new", "query": "where?",
+                                                      "candidate_texts": ["user: jazz", "user: Rome"]}) + "\n")
+    monkeypatch.setattr(embed_mod, "Embedder", embedder)
+    code, _, err = run_cli(capsys, "rerank", store, "--calls", tmp_path / "calls.jsonl", "--m", "1")
+    assert code == 0, err
+    assert made == [{"progress": True, "desc": "new texts"}]          # the bar replay and evaluate show
+    assert "embedded 3 texts the store lacks (queries and candidates the calls carry as text)" in err, err
+
+
 def test_a_user_holding_fewer_memories_than_m_is_served_all_of_them(capsys, tmp_path, monkeypatch):
     """A user whose bank holds 2 memories, under the default --m 5 and --k: the whole batch was
     refused ("--m 5 is more than this call's 2 candidates (user 'user0' holds 2 memories)");

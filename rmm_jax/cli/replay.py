@@ -44,7 +44,6 @@ from rmm_jax.cli.shell import (
     as_options,
     check_input_file,
     check_output_file,
-    count,
     emit_json,
     info,
     json_option,
@@ -188,10 +187,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     rep = scan.read._asdict()       # the --json `log`: the read report, and the calls learned
     vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
     if vectors:
-        lacks = f"{count(len(vectors), 'text')} the store lacks (queries and memories the log carries as text)"
-        cached = len(vectors) - vectors.embedded
-        k_m_note.append(f"embedded {lacks}" if not cached else
-                        f"{lacks}: {cached} from the embedding cache, {vectors.embedded} embedded")
+        k_m_note.append(vectors.lacks_note("queries and memories the log carries as text"))
     if vectors.truncated:
         k_m_note.append(f"note: {vectors.truncated}")
     created = writer and not Path(policies).exists()

@@ -228,7 +228,9 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     texts are embedded with the store's model through the embedding cache
     (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
     ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`).
-    ``notes``, when given, gets the line saying how many texts the model cut
+    ``notes``, when given, gets the line saying how many texts the store lacked
+    (:meth:`rmm_jax.data.embed.EmbeddedTexts.lacks_note`, as ``replay`` says it; a ``new texts``
+    bar shows while they embed) and the one saying how many the model cut
     (:func:`rmm_jax.data.embed.truncation_note`)."""
     users = _Users(store, path)
     texts = []
@@ -255,9 +257,9 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
             # that lists fewer than m, or whose user holds fewer, is served with all its candidates
             raise InputError(f"{named('m', m)} is more than this call's {n} candidates "
                              f"(the retriever's top {named('k', k)})", where=at(path, c.line))
-    vecs = embed_texts(texts, store.model)
-    if vecs.truncated and notes is not None:
-        notes.append(vecs.truncated)
+    vecs = embed_texts(texts, store.model, progress=True, desc="new texts")   # as replay and evaluate: a bar
+    if notes is not None:
+        notes += [n for n in (vecs.lacks_note("queries and candidates the calls carry as text"), vecs.truncated) if n]
     queries = []
     for c in calls:
         row = users.held_query(c)

@@ -438,6 +438,24 @@ class EmbeddedTexts(dict):
     embedded: int = 0
     truncated: str | None = None
 
+    def lacks_note(self, carried: str) -> str | None:
+        """The line saying how many texts the store lacked and which of them the cache held
+        (``replay``, ``rerank``); ``carried`` says what they were. None: no text.
+
+        >>> from rmm_jax.data.embed import EmbeddedTexts
+        >>> got = EmbeddedTexts(a=1, b=2); got.embedded = 2
+        >>> got.lacks_note("queries the calls carry as text")
+        'embedded 2 texts the store lacks (queries the calls carry as text)'
+        >>> got.embedded = 0; got.lacks_note("queries")
+        '2 texts the store lacks (queries): 2 from the embedding cache, 0 embedded'
+        """
+        if not self:
+            return None
+        lacks = f"{count(len(self), 'text')} the store lacks ({carried})"
+        cached = len(self) - self.embedded
+        return (f"embedded {lacks}" if not cached else
+                f"{lacks}: {cached} from the embedding cache, {self.embedded} embedded")
+
 
 def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embedding") -> EmbeddedTexts:
     """Every distinct text of ``texts`` -> its embedding with ``model`` (an embedding
