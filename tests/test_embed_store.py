@@ -126,6 +126,27 @@ def test_the_embedding_bar_draws_on_a_terminal_only(embedder, monkeypatch, strea
     assert ("\r" in err.getvalue() and "probe" in err.getvalue()) == drawn, repr(err.getvalue())
 
 
+@pytest.mark.parametrize("stream, drawn", [(_Terminal, True), (io.StringIO, False)], ids=["terminal", "log file"])
+@pytest.mark.parametrize("progress", [True, False], ids=["progress", "quiet"])
+def test_loading_the_model_shows_one_line_where_the_bars_show(tmp_path, monkeypatch, stream, drawn, progress):
+    """A first command loaded torch and the model's weights for 5-9 s with nothing on the
+    screen, before any bar. The line shows where the bars do: a terminal, progress on (-q off)."""
+    class Model:
+        def get_embedding_dimension(self):
+            return 8
+
+    err, while_loading = stream(), []
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(E.Embedder, "_load", lambda self, load_from, given: while_loading.append(err.getvalue())
+                        or Model())
+    e = E.Embedder(cache_dir=tmp_path, progress=progress)    # an empty cache: the model loads now
+    assert e.dim == 8 and len(while_loading) == 1
+    e.close()
+    line = "loading the embedding model all-MiniLM-L6-v2 ..."
+    assert (line in while_loading[0]) == (drawn and progress), repr(while_loading[0])
+    assert err.getvalue().count(line) <= 1
+
+
 def test_model_loads_only_on_a_cache_miss(embedder, cache_root):
     texts = ["a sentence the first embedder cached", "and a second one"]
     a = embedder.encode(texts)

@@ -235,7 +235,9 @@ class Embedder:
       max_tokens: that limit, once the model is loaded (None before, or without one).
 
     The model itself (torch and its weights) is loaded on the first cache miss when the
-    cache already records its dimension, else at construction.
+    cache already records its dimension, else at construction; with ``progress``, a line
+    ("loading the embedding model NAME ...") shows while it loads, on a terminal only, as
+    the bars do.
 
     Raises:
       InputError: the model cannot be found or loaded, or the model returns NaN/Inf: one
@@ -282,7 +284,11 @@ class Embedder:
     def _model(self):
         """The sentence-transformers model, loaded on first use."""
         if self._loaded is None:
-            self._loaded = self._load(self._load_from, self.model_name)
+            # torch and the weights take seconds: one line says so, where the bars show (a terminal,
+            # progress on), cleared once loaded; none in a log file or a pipe, as for the bars
+            with tqdm(total=0, desc=f"loading the embedding model {self.model_name} ...", bar_format="{desc}",
+                      file=sys.stderr, disable=None if self.progress else True, leave=False):
+                self._loaded = self._load(self._load_from, self.model_name)
             if getattr(self, "dim", None) is not None and self._model_dim(self._loaded) != self.dim:
                 raise InputError(f"model {self.model_name!r} has dim {self._model_dim(self._loaded)}, its embedding "
                                  f"cache says {self.dim}; {self._fix}", where=str(self.cache_dir))
@@ -375,6 +381,7 @@ class Embedder:
         # Longest first: batches of similar length pad less, and the ETA is pessimistic.
         missing.sort(key=lambda k: -len(uniq[k]))
         if missing:
+            self._model                 # loaded (with its line) before the bar opens
             with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr,
                       disable=None if self.progress else True, leave=False) as bar:   # None: a terminal only
                 for s in range(0, len(missing), self.batch_size):
