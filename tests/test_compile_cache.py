@@ -61,3 +61,39 @@ def test_every_verb_that_loads_jax_sets_it_up_first(monkeypatch):
     assert runner.invoke(cli_main.cli, ["embed", "--help"]).exit_code == 0     # no JAX, nothing to compile
     assert runner.invoke(cli_main.cli, ["pretrain", "--help"]).exit_code == 0
     assert calls == [True, False, True]
+
+
+# A Python service that builds a Reranker: the CLI sets the cache up, the API did not, and
+# its first rank compiled every program (376-588 ms against 41-54 ms with setup()).
+SERVE = """
+import sys, jax
+from rmm_jax.online.serve import Reranker
+from rmm_jax.core.executables import where
+from rmm_jax.online.compile_cache import setup
+if sys.argv[1] == "cli-off":    # rmm-jax --no-compile-cache, then the verb builds its Reranker
+    setup(False)
+Reranker(None, dim=4, **({"compile_cache": False} if sys.argv[1] == "off" else {}))
+print("dir", jax.config.jax_compilation_cache_dir)
+print("exe", where())
+"""
+
+
+def serve(how: str, env_over: dict) -> str:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.ENV, "XDG_CACHE_HOME")}
+    return subprocess.run([sys.executable, "-c", SERVE, how], env={**env, **env_over}, capture_output=True,
+                          text=True, check=True, timeout=120).stdout
+
+
+def test_a_reranker_built_in_a_fresh_process_uses_the_cache_as_the_cli_does(tmp_path):
+    xdg = tmp_path / "xdg"
+    where = xdg / "rmm-jax" / "jax"
+    assert serve("on", {"XDG_CACHE_HOME": str(xdg)}).split("\n")[:2] == [f"dir {where}", f"exe {where}-executables"]
+    # compile_cache=False, RMM_JAX_COMPILE_CACHE=0, or the CLI's --no-compile-cache: left as it was
+    for how, env in (("off", {}), ("on", {compile_cache.ENV: "0"}), ("cli-off", {})):
+        assert serve(how, {"XDG_CACHE_HOME": str(xdg), **env}).split("\n")[:2] == ["dir None", "exe None"]
+    # a directory the application gave JAX is its own: kept, and nothing else set up
+    own = tmp_path / "own"
+    assert serve("on", {"XDG_CACHE_HOME": str(xdg), "JAX_COMPILATION_CACHE_DIR": str(own)}).split("\n")[:2] == \
+        [f"dir {own}", "exe None"]
+

@@ -16,6 +16,10 @@ Where (the first that applies):
    ``jax.config.update("jax_compilation_cache_dir", ...)`` before this runs): that one;
 3. ``$XDG_CACHE_HOME/rmm-jax/jax``, else ``~/.cache/rmm-jax/jax`` (:func:`default_dir`).
 
+The serving API sets it up too, when a :class:`~rmm_jax.online.serve.Reranker` is built
+(:func:`ensure`: not when the application configured JAX's cache itself; the
+Reranker's ``compile_cache=False`` leaves it off).
+
 Beside it, :mod:`rmm_jax.core.executables` keeps the serving and evaluation programs'
 executables whole (``DIR-executables``), so that a warm ``rerank`` does not even trace
 them; it is on and off with this cache.
@@ -61,11 +65,16 @@ def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(root).expanduser() / "rmm-jax" / "jax"
 
 
+_set_up = False      # setup() ran in this process (the CLI's, or the serving API's through ensure())
+
+
 def setup(enabled: bool = True) -> Path | None:
     """Use the persistent compilation cache (see the module docstring) from the next
     compile on; returns its directory, or None when it is off. ``enabled=False`` (the
     CLI's ``--no-compile-cache``) and ``RMM_JAX_COMPILE_CACHE=0`` switch it off. JAX
     settles whether a process uses the cache at its first compile: call this before."""
+    global _set_up
+    _set_up = True
     if not (enabled and wanted()):
         jax.config.update("jax_enable_compilation_cache", False)
         executables.use(None)
@@ -78,3 +87,15 @@ def setup(enabled: bool = True) -> Path | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     executables.use(path.with_name(path.name + executables.SUFFIX))
     return path
+
+
+def ensure() -> Path | None:
+    """:func:`setup` for the Python API (:class:`rmm_jax.online.serve.Reranker`), as the CLI
+    sets it up for every verb: once per process, and only where nothing configured it
+    before: not after :func:`setup` (the CLI's, ``--no-compile-cache`` included), not under
+    ``RMM_JAX_COMPILE_CACHE=0``, and not when the application gave JAX a cache directory of
+    its own (``JAX_COMPILATION_CACHE_DIR``, or ``jax_compilation_cache_dir``), whose settings
+    are left as they are. Returns the directory it set up, else None."""
+    if _set_up or not wanted() or jax.config.jax_compilation_cache_dir:
+        return None
+    return setup()

@@ -47,6 +47,7 @@ from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.data.calls import Prepared
 from rmm_jax.data.citation_log import LogRecord, call_key, call_record, utc_timestamp
 from rmm_jax.errors import InputError, check_int
+from rmm_jax.online import compile_cache as persistent_cache
 from rmm_jax.online.streams import bucket, user_hash
 from rmm_jax.persist.policy_rollback import check_store, rollbacks
 from rmm_jax.persist.policy_setting import read_setting
@@ -254,9 +255,14 @@ def behaviour_tau(store: PolicyStore | None) -> float:
 class Reranker:
     """Serve a policy store's policies (module docstring). ``cache_users``: how many users'
     policies stay on the device (least recently used dropped first). ``store`` None: the
-    identity reranker for everyone (``dim`` needed), before any policy exists."""
+    identity reranker for everyone (``dim`` needed), before any policy exists.
+    ``compile_cache``: use the persistent compilation cache as the CLI does
+    (:func:`rmm_jax.online.compile_cache.ensure`: a new process's first call loads its
+    programs instead of compiling them, unless ``RMM_JAX_COMPILE_CACHE=0`` or the
+    application configured JAX's cache directory itself); False leaves JAX's settings alone."""
 
-    def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None):
+    def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None,
+                 compile_cache: bool = True):
         if store is not None:
             _check_store(store, "PolicyStore or None", "Reranker.open(path)")
         check_int(cache_users, "cache_users", 1, shown=repr, where=True)      # "3" was a TypeError, 2.5 taken
@@ -264,6 +270,8 @@ class Reranker:
             raise InputError("the identity reranker (no policy store) needs the embedding dim", where="dim")
         if store is None:   # 2.5 was served as d = 2
             check_int(dim, "dim", 1, shown=repr, where=True)
+        if compile_cache:       # before anything compiles: JAX settles the cache at its first compile
+            persistent_cache.ensure()
         self.store, self.cache_users = store, cache_users
         self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
         self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
@@ -274,8 +282,8 @@ class Reranker:
             _device(reranker.init_reranker(jax.random.key(0), self.dim)), None, None)
 
     @classmethod
-    def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS) -> "Reranker":
-        return cls(PolicyStore.open(path), cache_users=cache_users)
+    def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS, compile_cache: bool = True) -> "Reranker":
+        return cls(PolicyStore.open(path), cache_users=cache_users, compile_cache=compile_cache)
 
     def refresh(self) -> bool:
         """Serve what the store holds now. A Reranker keeps the policies it has loaded, so
