@@ -197,3 +197,16 @@ def test_a_nan_embedding_is_refused_eagerly_unless_its_slot_is_masked(batched):
     out = np.asarray(fn(p, q, bad_m, mask=mask)).ravel()          # the bad row is padding: scored -inf
     assert np.isneginf(out[2]) and np.isfinite(out[[0, 1, 3]]).all()
     assert np.isnan(np.asarray(jax.jit(fn)(p, bad_q, m))).all()   # traced: unchecked (core.checks says so)
+
+
+@pytest.mark.parametrize("dim", [1, 8, 384])
+def test_the_identity_reranker_is_init_reranker_bit_for_bit_without_tracing(dim):
+    """Serving the identity built it with init_reranker: a dozen small programs traced in every
+    `rerank` process before any policy exists. identity_reranker is the same tree of zeros."""
+    from rmm_jax.core.reranker import identity_reranker
+
+    got, want = identity_reranker(dim), rj.init_reranker(jax.random.key(0), dim)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == np.asarray(b).tobytes()

@@ -149,3 +149,20 @@ def test_off_or_traced_it_is_its_jit(tmp_path):
         assert entries(tmp_path) == []
     finally:
         executables.use(None)
+
+
+def test_a_second_rerank_with_no_policy_yet_traces_nothing(tmp_path):
+    """Day 1, no policy store yet: every rerank built the identity reranker with init_reranker,
+    13 small programs traced in each new process, though a second rerank should trace none."""
+    from conftest import make_fake_store
+
+    store = make_fake_store(tmp_path / "store", users=2, dim=8)
+    (tmp_path / "calls.jsonl").write_text('{"user_id": "user0", "query_id": "q0"}\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "RMM_JAX_COMPILE_CACHE")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1")
+    cmd = [sys.executable, "-c", "from rmm_jax.cli.main import main; main()", "rerank", str(store),
+           "--calls", str(tmp_path / "calls.jsonl"), "--k", "4", "--m", "2"]
+    runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
+    assert "Finished tracing" in runs[0].stderr                # the log is on: the first run traced
+    assert re.findall(r"Finished tracing \S+", runs[1].stderr) == [], runs[1].stderr[-3000:]

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rmm_jax.core import checks
 
@@ -88,6 +89,25 @@ def init_reranker(key, dim: int, kind: str = "linear", hidden: int | None = None
     from rmm_jax.core.modules import Reranker  # flax: imported to initialise, not to score a linear reranker
     module = Reranker(kind=kind, hidden=hidden)
     return module.init(key, jnp.zeros((dim,), jnp.float32), jnp.zeros((1, dim), jnp.float32))["params"]
+
+
+def identity_reranker(dim: int) -> dict:
+    """The `linear` reranker :func:`init_reranker` gives (both kernels zero: it scores as the
+    base dot product), as NumPy float32 zeros of the same tree, built without running JAX:
+    ``init_reranker`` traces a dozen small programs (the key, flax's init), in every process
+    that serves the identity (``rmm-jax rerank`` before any policy exists).
+
+    Examples:
+      >>> import jax, numpy as np, rmm_jax as rj
+      >>> from rmm_jax.core.reranker import identity_reranker
+      >>> same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b),
+      ...                     identity_reranker(4), rj.init_reranker(jax.random.key(0), 4))
+      >>> all(jax.tree.leaves(same))
+      True
+    """
+    checks.require(checks.is_int(dim) and dim > 0, "dim", f"must be a positive int, got {dim!r}")
+    zero = lambda: {"W": {"kernel": np.zeros((int(dim), int(dim)), np.float32)}}
+    return {"m_adapter": zero(), "q_adapter": zero()}
 
 
 def init_lowrank(key, dim: int, rank: int):

@@ -279,7 +279,7 @@ class Reranker:
         self.tau = behaviour_tau(store)
         self._seen = _generation(store)
         self._identity = None if store is not None else Policy(
-            _device(reranker.init_reranker(jax.random.key(0), self.dim)), None, None)
+            _device(reranker.identity_reranker(self.dim)), None, None)       # traces nothing (init_reranker did)
 
     @classmethod
     def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS, compile_cache: bool = True) -> "Reranker":
