@@ -203,6 +203,23 @@ def test_a_run_that_does_not_say_which_setting_it_found_leaves_the_setting(tmp_p
     assert not r.setting_known and read_setting(PolicyStore.open(st.path)) == S2
 
 
+def test_the_cli_says_it_is_rolling_back_before_the_work_and_nothing_before_a_refusal(tmp_path, capsys, monkeypatch):
+    """On a large store `policies rollback` printed nothing for 4-6 s, where the other
+    policies subcommands say what they load; a refusal stays one line."""
+    from rmm_jax.persist import policy_rollback
+
+    st, _, _ = two_runs(tmp_path, "user")
+    said_before_work = []
+    real = policy_rollback.finish
+    monkeypatch.setattr(policy_rollback, "finish", lambda store: said_before_work.append(
+        capsys.readouterr().err) or real(store))
+    code, out, err = run_cli(capsys, "policies", "rollback", st.path, "--to", "0")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and said_before_work == [], err
+    code, out, err = run_cli(capsys, "policies", "rollback", st.path)
+    assert code == 0 and said_before_work[0] == f"rolling back {st.path} to v2 ...\n", (said_before_work, err)
+    assert out.startswith(f"rolled back {st.path} to v2")
+
+
 @pytest.mark.parametrize("finisher", ["a writer", "rollback again"])
 @pytest.mark.parametrize("step", ["after the mark", "after the index", "after the shared versions"])
 def test_a_rollback_killed_at_any_step_is_finished_by_the_next_writer(tmp_path, monkeypatch, step, finisher):

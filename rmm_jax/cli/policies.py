@@ -382,7 +382,8 @@ def rollback_cmd(store, to, dry_run, as_json):
     if not dry_run:
         check_writable(store, f"STORE {store}", depth=1)
     with as_options("to", "keep"):
-        r = plan(st, to, interrupted_run_ok=True) if dry_run else rollback(st, to)
+        r = plan(st, to, interrupted_run_ok=True) if dry_run else rollback(
+            st, to, starting=lambda p: _progress(f"rolling back {store} to v{p.to} ..."))
     interrupted = RunState.interrupted_command(st.path) if dry_run else None
     if interrupted:      # a dry run changes nothing: it reports, and says what the rollback itself needs
         info(f"note: the rollback itself is refused while an interrupted `{interrupted}` run's state is in "

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import numbers
 import socket
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -181,17 +181,21 @@ def plan(store, to: int | None = None, *, interrupted_run_ok: bool = False) -> R
                     newest=kept[-1].version if kept else None)
 
 
-def rollback(store, to: int | None = None) -> Rollback:
+def rollback(store, to: int | None = None, *, starting: Callable[[Rollback], None] | None = None) -> Rollback:
     """Take ``store`` back to what it held when user version ``to`` was its newest (None:
     to before its newest run), under its writer's lock; returns what it did (module
     docstring). On a store whose last rollback was interrupted, it finishes that one, and
-    then goes on to ``to`` only if ``to`` is another version. Errors as :func:`plan`'s."""
+    then goes on to ``to`` only if ``to`` is another version. Errors as :func:`plan`'s.
+    ``starting``, when given, is called with the plan once nothing refuses it, before the
+    work (seconds on a large store): ``rmm-jax policies rollback`` says so there."""
     check_store(store)
     mark = store._header.get(PENDING)
     done = finish_pending(store)
     if done is not None and (to is None or to == mark["to"]):
         return done
-    plan(store, to)  # a refusal, before the lock: it creates nothing
+    planned = plan(store, to)  # a refusal, before the lock: it creates nothing
+    if starting is not None:
+        starting(planned)
     with store.writer():
         done = plan(store, to)
         store._write_header({**store._header, PENDING: {k: getattr(done, k) for k in MARKED}})
