@@ -4,7 +4,8 @@ Every error a user can cause is an :class:`InputError` whose message is one line
 names what is wrong and where: ``file:line``, a JSON key, or a CLI option. The CLI
 prints the message on stderr and exits with its :attr:`~InputError.exit_code`, with no
 traceback: 2, or :data:`EXIT_BUSY` (75) for a :class:`Busy` one (another process is writing
-what this one must write: retry when it ends).
+what this one must write: retry when it ends), or 1 for a :class:`WriteFailed` one (the disk
+or a limit of this process stopped a write).
 """
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ class InputError(ValueError):
         super().__init__(f"{self.where}: {message}" if self.where else message)
 
     exit_code = 2                   # the CLI's exit status for it: bad input
+
+
+class WriteFailed(InputError):
+    """The disk or a limit of this process stopped a write (a full disk, a quota, ``ulimit
+    -f``): nothing is wrong with the input, and nothing was half-written. The CLI exits 1, as
+    for the same failure raised as an OSError (docs/reliability.md, Exit status).
+
+    >>> from rmm_jax.errors import WriteFailed
+    >>> e = WriteFailed("cannot write the embedding cache: no space left on device", where="c.sqlite")
+    >>> str(e), e.exit_code
+    ('c.sqlite: cannot write the embedding cache: no space left on device', 1)
+    """
+
+    exit_code = 1
 
 
 class Busy(InputError):

@@ -855,6 +855,48 @@ def test_embed_refuses_the_current_directory(env, capsys, tmp_path, monkeypatch,
     assert snapshot(tmp_path) == before and model_starts == []
 
 
+def test_embed_into_on_a_full_disk_is_one_line_exit_1_and_the_store_as_it_was(env, capsys, tmp_path, monkeypatch,
+                                                                              model_starts):
+    """`embed --into` grows the store through mapped files; on a full tmpfs a sparse mapped file
+    died of SIGBUS ("Bus error", exit 135, its temporary directory left behind). The files'
+    blocks are reserved first: the reservation's ENOSPC is one line naming --into, exit 1
+    (the machine's failure, not bad input), nothing left beside the store, the store as it was."""
+    from rmm_jax.data.store import _append
+    store = tmp_path / "w" / "store"
+    shutil.copytree(env["store"], store)
+    before = snapshot(tmp_path)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(_append.os, "posix_fallocate", full, raising=False)
+    code, _, err = cli(capsys, "embed", GROWN, "--into", store)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"error: --into {store}: no space left on device", err
+    after = {k: v for k, v in snapshot(tmp_path).items() if not k.endswith(".store.lock")}   # the writers' lock file
+    assert model_starts and after == before
+
+
+def test_a_short_write_of_numpy_is_a_full_disk(env, capsys, tmp_path, monkeypatch):
+    """numpy's np.save reports a full disk as `OSError: N requested and M written` with no errno:
+    it was a traceback from `embed --out`; now one line naming --out, exit 1, and no store."""
+    import numpy as np
+
+    from rmm_jax.data.store import _write
+    real = np.save
+
+    def short(path, arr, *a, **k):
+        if str(path).endswith("queries.npy"):
+            raise OSError(f"{arr.nbytes} requested and {arr.nbytes // 3} written")
+        return real(path, arr, *a, **k)
+    monkeypatch.setattr(_write.np, "save", short)
+    out = tmp_path / "new"
+    code, _, err = cli(capsys, "embed", "synthetic:users=2", "--out", out)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"error: --out {out}: the file system took only part of a write (no space left " \
+                                   "on device?)", err
+    assert not out.exists() and not list(tmp_path.glob(".new.tmp-*"))
+
+
 def test_embed_into_a_store_without_answers_refuses_answers(env, capsys, tmp_path, model_starts):
     """`embed --into STORE --answers` on a store embedded without --answers cannot give its old
     questions answer embeddings (their answers are not in the store): one line naming --answers,

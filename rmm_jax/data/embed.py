@@ -38,7 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rmm_jax.data.words import count
-from rmm_jax.errors import InputError, named, worded
+from rmm_jax.errors import InputError, WriteFailed, named, worded
 from rmm_jax.persist.atomic import disk_problem
 
 __all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
@@ -149,8 +149,9 @@ class _Cache:
             meta = dict(self.conn.execute("SELECT key, value FROM meta"))
         except sqlite3.Error as e:
             problem = disk_problem(e, self.path)     # not damage: the disk, or a limit of this process
-            raise InputError(f"cannot write the embedding cache: {problem}" if problem else
-                             f"embedding cache unusable: {e}", where=str(self.path)) from e
+            if problem:
+                raise WriteFailed(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
+            raise InputError(f"embedding cache unusable: {e}", where=str(self.path)) from e
         if meta.get("model") != model_id or meta.get("dim") != str(dim):
             raise InputError(
                 f"embedding cache belongs to model {meta.get('model')!r} (dim {meta.get('dim')}), "
@@ -200,7 +201,7 @@ class _Cache:
             problem = disk_problem(e, self.path)
             if problem is None:
                 raise
-            raise InputError(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
+            raise WriteFailed(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
 
     def __len__(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM emb").fetchone()[0]

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -99,14 +100,17 @@ def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
 
 NO_SPACE = "no space left on device"
 TOO_LARGE = "file too large for this process's limit (ulimit -f)"
+SHORT_WRITE = "the file system took only part of a write (no space left on device?)"
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")   # numpy's tofile/np.save: a short fwrite, no errno
 
 
 def disk_problem(e: BaseException | None, path: str | os.PathLike | None = None) -> str | None:
     """What a write that raised ``e`` ran out of, in words (None: not the disk's or a process
     limit's doing): a full disk or quota, the file-size limit (``ulimit -f``: EFBIG), a
-    read-only file system, an I/O error, as an OSError or as SQLite words them ("database or
-    disk is full", "disk I/O error"), also where ``e`` is the cause or context of another
-    error (an index that became unavailable). SQLite's "disk I/O error" says neither: where
+    read-only file system, an I/O error, as an OSError (numpy's short write too: "N requested
+    and M written", no errno) or as SQLite words them ("database or disk is full", "disk I/O
+    error"), also where ``e`` is the cause or context of another error (an index that became
+    unavailable). SQLite's "disk I/O error" says neither: where
     ``path``'s file system has next to no space left it is that, where this process has a
     file-size limit it is that likely, else it stays an I/O error.
 
@@ -132,6 +136,8 @@ def disk_problem(e: BaseException | None, path: str | os.PathLike | None = None)
                 return "read-only file system"
             if e.errno == errno.EIO:
                 return _io_cause(path or e.filename)
+        if isinstance(e, OSError) and e.errno is None and _SHORT_WRITE.search(str(e)):
+            return TOO_LARGE if _size_limit() is not None else SHORT_WRITE
         if isinstance(e, sqlite3.Error):
             text = str(e)
             if "disk is full" in text:

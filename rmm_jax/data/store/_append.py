@@ -3,7 +3,9 @@ new and what stays is the package docstring's "Growing a store" (:mod:`rmm_jax.d
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import time
 from pathlib import Path
 
@@ -253,6 +255,26 @@ def _put(out, at: int, old, o0: int, o1: int, new, n0: int, n1: int) -> int:
     return at + n1 - n0
 
 
+def _reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
+    """A new float32 ``.npy`` file of ``shape``, mapped for writing, its blocks reserved on
+    disk first: a sparse mapped file on a full disk dies of SIGBUS at the first page written
+    (``Bus error``, no message, the temporary directory left behind), where a reservation
+    raises ENOSPC, which the caller's ``atomic_dir`` cleans up and the CLI words in one line.
+    A system or file system that cannot reserve (macOS; EOPNOTSUPP, EINVAL) is written as before."""
+    out = np.lib.format.open_memmap(path, "w+", np.float32, shape)
+    if not hasattr(os, "posix_fallocate"):      # macOS: no reservation
+        return out
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
+    return out
+
+
 def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order: list, spec, counts: dict,
                  seconds: float) -> dict:
     """Write the grown store next to ``st`` and rename it into place: per user, its old rows
@@ -265,10 +287,9 @@ def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order:
     moffs, qoffs = st._line_offsets("memories.jsonl", c["memories"]), st._line_offsets("queries.jsonl", c["queries"])
     users_out, m_at, q_at = [], 0, 0
     with atomic_dir(st.path) as tmp:
-        out_m = np.lib.format.open_memmap(tmp / "memories.npy", "w+", np.float32, (n_mem, st.dim))
-        out_q = np.lib.format.open_memmap(tmp / "queries.npy", "w+", np.float32, (n_q, st.dim))
-        out_a = None if ans_emb is None else np.lib.format.open_memmap(tmp / "answers.npy", "w+", np.float32,
-                                                                       (n_q, st.dim))
+        out_m = _reserved_memmap(tmp / "memories.npy", (n_mem, st.dim))
+        out_q = _reserved_memmap(tmp / "queries.npy", (n_q, st.dim))
+        out_a = None if ans_emb is None else _reserved_memmap(tmp / "answers.npy", (n_q, st.dim))
         with open(tmp / "memories.jsonl", "wb") as fm, open(tmp / "queries.jsonl", "wb") as fq:
             for uid in all_ids:
                 old = old_users.get(uid, none)
