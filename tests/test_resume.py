@@ -692,14 +692,14 @@ def test_a_refused_run_names_the_interrupted_runs_log_and_every_differing_option
                        paths={"--log": "day3.jsonl"})
     assert str(e.value) == (f"{rs_dir}: an interrupted `replay` run left its state here; options that differ from "
                             f"this command: --log ({day2} [sha256 aaaaaaaaaaaa…] there, {day3} [sha256 bbbbbbbbbbbb…] "
-                            "now), --users-per-chunk (2 there, 8 now); pass resume=True to continue it, or remove "
-                            f"{rs_dir} to start over")
+                            "now), --users-per-chunk (2 there, 8 now); pass resume=True with its values of those "
+                            f"options to continue it, or remove {rs_dir} to start over")
     with pytest.raises(InputError) as e:            # its log, another chunk size: the log it read is named
         RunState.begin(tmp_path / "pol", "replay", {"--log": d2, "--users-per-chunk": 8, "--k": 8}, resume=False,
                        paths={"--log": "day2.jsonl"})
     assert str(e.value).startswith(f"{rs_dir}: an interrupted `replay` run left its state here: it read --log {day2} "
                                    "[sha256 aaaaaaaaaaaa…]; options that differ from this command: --users-per-chunk "
-                                   "(2 there, 8 now); pass resume=True"), e.value
+                                   "(2 there, 8 now); pass resume=True with its values of those options"), e.value
     with pytest.raises(InputError) as e:
         RunState.begin(tmp_path / "pol", "replay", {"--log": d3, "--users-per-chunk": 8, "--k": 8}, resume=True,
                        paths={"--log": "day3.jsonl"})

@@ -294,8 +294,10 @@ class RunState:
                     shutil.rmtree(p, ignore_errors=True)
                 snaps = []
             if snaps and not resume:
+                differs = rs._differences(old)
+                how = f"{resume_as} with its values of those options" if "options that differ" in differs else resume_as
                 raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here"
-                                 f"{rs._differences(old)}; pass {resume_as} to continue it, or remove {rs.path} "
+                                 f"{differs}; pass {how} to continue it, or remove {rs.path} "
                                  "to start over", where=str(rs.path))
             if resume:
                 if snaps:
