@@ -490,16 +490,21 @@ def test_every_reader_says_a_killed_replay_left_the_store_half_learned(capsys, m
     note = (f"note: an interrupted `replay` left {rs}: 2 users hold versions it wrote, v3 and later; the "
             f"others those before it; resume it with `rmm-jax replay ... --policies {pol} --resume` (its options), "
             f"or remove {rs} and undo what it saved with `rmm-jax policies rollback {pol}`\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     req = write(tmp_path / "req.jsonl", [{"call_id": "r0", "user_id": logged[0]["user_id"],
                                            "query_id": logged[0]["query_id"]}])
     for args in (("policies", "list", pol, "--json"), ("policies", "show", pol, "--json"),
                  ("rerank", store, "--policies", pol, "--calls", req, "--k", "8", "--m", "3", "--out",
                   tmp_path / "served.jsonl", "--json"),
-                 ("evaluate", store, "--log", day2, "--policies", pol, "--json", "--allow-unreliable")):
+                 ("evaluate", store, "--log", day2, "--policies", pol, "--json", "--allow-unreliable"),
+                 ("evaluate", store, "--log", empty, "--policies", pol, "--json")):      # a quiet day too
         code, out, err = run_cli(capsys, *args)
         assert code == 0 and err.count(note) == 1, (args, err)
         got = json.loads(out)["unfinished_run"]
         assert (got["command"], got["state"], got["users"], got["first_version"]) == ("replay", "interrupted", 2, 3)
+    code, _, err = replay(capsys, store, empty, pol)          # a quiet night finishes nothing: it says so
+    assert code == 0 and err.count(note) == 1, err
     code, _, err = run_cli(capsys, "policies", "export", pol, logged[0]["user_id"], "--out", tmp_path / "u.npz")
     assert code == 0 and note in err, err
     assert rs.is_dir()                                                         # readers wrote nothing

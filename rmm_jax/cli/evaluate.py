@@ -256,9 +256,9 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
            "verdict": {"ship": False, "reliable": False, "worse": False, "metric": SHIP_METRIC,
                        "estimator": SHIP_ESTIMATOR, "gain": None, "reason": why, "log_problem": None,
                        "served_by_target": 0, "self_served": False},
-           "pending_rollback": pending_note(ps)}
-    if rep["pending_rollback"]:
-        info(f"note: {rep['pending_rollback']}")
+           "pending_rollback": pending_note(ps), "unfinished_run": unfinished_run(ps)}
+    for note in filter(None, (rep["pending_rollback"], (rep["unfinished_run"] or {}).get("note"))):
+        info(f"note: {note}")
     if opts["plot_path"] is not None:
         info(f"no plot: {why}, so --plot {opts['plot_path']} was not written")
     if as_json:

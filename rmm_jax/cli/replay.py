@@ -60,6 +60,7 @@ from rmm_jax.online.setting import SettingOptions
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.learned_calls import WINDOW
+from rmm_jax.persist.policy_rollback import unfinished_run
 from rmm_jax.persist.runstate import file_digest
 
 
@@ -78,10 +79,14 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
     return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older, "relearn": relearn}
 
 
-def quiet_day(log_path, policies, init: str, relearn: bool, plot_path, as_json: bool) -> None:
+def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_json: bool) -> None:
     """An empty log (docs/lifecycle.md, "A quiet day"): nothing to learn, as for a log learned
     already; POLICIES is neither created nor changed, and no run-state is written. --json:
-    the usual keys, with no setting (the log gives no --k, --m) and 0 calls."""
+    the usual keys, with no setting (the log gives no --k, --m) and 0 calls. A run that an
+    earlier night left unfinished is not finished by it: the note says so, as readers say."""
+    unfinished = unfinished_run(open_policies_for(policies, st)) if Path(policies).exists() else None
+    if unfinished:
+        info(f"note: {unfinished['note']}")
     if plot_path:
         info(f"no plot: nothing was learned, so --plot {plot_path} was not written")
     calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}
@@ -156,7 +161,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     check_rank_scope(scope, rank)
     st = open_store(store)
     if is_empty_log(log_path):      # a day without calls: nothing to learn, nothing written (not bad input)
-        return quiet_day(log_path, policies, resolve_init(policies, init, resume), relearn, plot_path, as_json)
+        return quiet_day(st, log_path, policies, resolve_init(policies, init, resume), relearn, plot_path, as_json)
     known = known_ids(st)
     k_m_note: list[str] = []         # printed once the log's calls are checked: bad input is one line
     k, m = k_m_from_log(given.k, given.m, log_shape(log_path, known, skip_invalid=skip_invalid), log_path,
