@@ -573,6 +573,14 @@ def test_stdout_whose_reader_left_is_one_error_line(env, argv, unbuffered):
     assert (p.returncode, p.stderr) == (2, PIPE_CLOSED_LINE)
 
 
+def test_a_closed_stdout_is_no_traceback():
+    """Run with stdout closed (`>&-`: Python's sys.stdout is None), a verb that prints nothing
+    there finished its work and then raised AttributeError on the final flush; exit 0 as before."""
+    r = subprocess.run(["bash", "-c", 'exec "$@" >&-', "closed", *rmm_jax_cmd(), "--version"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_served_lines_cut_by_their_reader_are_an_error_line(env, tmp_path):
     """rerank's served lines into a reader that stops after the first (`| head -1`): with
     PYTHONUNBUFFERED the write the pipe took only part of lost the rest and exited 0."""
@@ -1005,7 +1013,8 @@ def test_a_full_disk_in_a_run_is_one_line_naming_the_policies_and_the_resume(env
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*a, **k)
     pol = tmp_path / "p"
-    run = ["simulate", env["store"], "--policies", pol, "--k", K, "--m", M, "--users-per-chunk", "1"]
+    run = ["simulate", env["store"], "--policies", pol, "--k", K, "--m", M, "--users-per-chunk", "1",
+           "--plot", tmp_path / "c.png"]           # a second output, written only at the end: not named
     with monkeypatch.context() as m:
         m.setattr(policy_store, "write_snapshot", full)
         code, _, err = cli(capsys, *run)

@@ -61,7 +61,8 @@ def _chain(e):
 
 def _named(filename) -> tuple[str, Path | None] | None:
     """The registered output ``filename`` lies in (or is), else the only one registered, else
-    all of them in one name; None: none registered."""
+    the target of the run that keeps a run-state (what it writes until the end), else all of
+    them in one name; None: none registered."""
     if not _OUTPUTS:
         return None
     if filename:
@@ -71,6 +72,9 @@ def _named(filename) -> tuple[str, Path | None] | None:
                 return where, p
     if len(_OUTPUTS) == 1:
         return _OUTPUTS[0]
+    for where, p in _OUTPUTS:        # a run writes its target (--policies) all along; a plot or a log at the end
+        if p is not None and any(Path(t).absolute() == p.absolute() for t in _RUNS):
+            return where, p
     return " or ".join(w for w, _ in _OUTPUTS), _OUTPUTS[0][1]
 
 

@@ -193,7 +193,8 @@ def main(argv=None) -> None:
     try:
         with reported_warnings():  # one formatted line per warning on stderr, at the end
             code = cli.main(args=argv, standalone_mode=False)
-            sys.stdout.flush()      # what is still buffered: a reader gone fails here, not at the exit
+            if sys.stdout is not None:      # what is still buffered: a reader gone fails here, not at the exit
+                sys.stdout.flush()
         if isinstance(code, int) and code:  # ctx.exit(n) returns n when click is not standalone
             sys.exit(code)
     except InputError as e:            # 2: bad input; 75 (Busy): another writer holds the lock, retry later
