@@ -639,3 +639,26 @@ def test_readers_need_no_lock_and_see_committed_state(tmp_path):
         save_seeds(st, {"a": 2})
         assert versions(reader, "a") == [1, 2]
         assert_policy(reader.load("a"), state_of(2))
+
+
+def test_an_index_busy_past_the_timeout_is_busy_exit_75(tmp_path, monkeypatch):
+    """Another process holding the index's write transaction past the timeout: was a plain
+    InputError (the CLI's 2, bad input); it is Busy (75: retry), naming the index."""
+    import sqlite3
+
+    from rmm_jax.errors import Busy
+    from rmm_jax.persist import policy_index
+    st = new_store(tmp_path)
+    st.save(["u"], stacked([state_of(1)]))
+    monkeypatch.setattr(policy_index, "BUSY_TIMEOUT_S", 0.2)
+    other = sqlite3.connect(str(st.path / "index.sqlite"), isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(Busy, match="policy index is busy for more than 0 s") as e:
+            st.save(["u"], stacked([state_of(2)]))
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert e.value.exit_code == 75 and "index.sqlite" in str(e.value)
+    st.save(["u"], stacked([state_of(2)]))                   # the writer gone, the retry saves
+    assert versions(st, "u") == [1, 2]

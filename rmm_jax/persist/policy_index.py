@@ -44,7 +44,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-from rmm_jax.errors import InputError
+from rmm_jax.errors import Busy
 from rmm_jax.persist.atomic import process_umask
 
 SCHEMA = 2
@@ -240,10 +240,11 @@ class PolicyIndex:
         return rows[0][0] if rows else None
 
     def _error(self, e: sqlite3.Error) -> Exception:
-        """Busy after the timeout: a one-line InputError. Anything else: the file is not a
-        usable index (corrupt, truncated, other schema)."""
+        """Busy after the timeout: a one-line :class:`~rmm_jax.errors.Busy` (the CLI exits 75:
+        retry). Anything else: the file is not a usable index (corrupt, truncated, other schema)."""
         if getattr(e, "sqlite_errorname", "") in _BUSY:
-            return InputError(f"policy index is busy for more than {BUSY_TIMEOUT_S:.0f} s ({e})", where=self.where)
+            return Busy(f"policy index is busy for more than {BUSY_TIMEOUT_S:.0f} s ({e}); retry when its "
+                        "writer ends", where=self.where)
         return IndexUnavailable(f"{self.where}: {type(e).__name__}: {e}")
 
     @contextlib.contextmanager
