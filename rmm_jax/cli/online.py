@@ -209,7 +209,7 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
         older = [e.version for e in entries if e.version < start.before]
         if older:
             held[u] = max(older)
-    source = "the shared part" if start.shared_version is None else f"shared version v{start.shared_version}"
+    source = "shared part" if start.shared_version is None else f"shared version v{start.shared_version}"
     if not held:        # nobody continued: a store that holds other users, or none (a run killed before it saved)
         return (f"started {count(len(user_ids), 'new user')} in {ps.path} from the store's {source}: it holds "
                 + ("no saved user yet" if not ps.n_users() else "no saved policy of this run's users"))
