@@ -1183,6 +1183,7 @@ def test_a_second_writer_exits_75_busy_not_2_bad_input(env, capsys, tmp_path):
         code, out, err = run_cli(capsys, *args[:5], pol2, *args[6:])
     assert_one_line_error(code, err, [f"policy store {pol2} is locked by pid {os.getpid()}", "retry when it ends"],
                           expect_code=75)
+    assert not RunState.path_for(pol2).exists()         # refused as busy, it left no run-state (75: nothing written)
     code, out, err = run_cli(capsys, *args[:3], env["logs"] / "missing_key.jsonl", *args[4:])
     assert_one_line_error(code, err, ["missing_key.jsonl:1"], expect_code=2)      # bad input: 2, as before
     with store_writer(tmp_path / "emb"):                    # another embed writing the embedding store

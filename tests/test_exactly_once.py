@@ -513,6 +513,40 @@ def test_every_reader_says_a_killed_replay_left_the_store_half_learned(capsys, m
     assert code == 0 and json.loads(out)["unfinished_run"] is None and "interrupted" not in err, err
 
 
+def test_a_replay_refused_as_busy_leaves_no_run_state_and_keeps_an_interrupted_ones(capsys, monkeypatch, tmp_path,
+                                                                                   store, logged):
+    """A replay refused as busy (another writer holds the store: exit 75, "retry when it
+    ends") had begun its run-state and written its first checkpoint before it tried the
+    store's lock: POLICIES.runstate stayed, readers called it an interrupted replay and
+    `policies rollback` refused the store; and one that started an earlier killed run again
+    (the same log) had removed that run's checkpoints. The store's lock is now taken before the
+    first checkpoint, and a run started again removes the killed run's checkpoints only at its
+    own first: a busy refusal leaves no run-state, and one a killed run left as it was, with or
+    without --resume."""
+    first = each_users_first(logged, 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
+    pol = tmp_path / "p"
+    rs = runstate.RunState.path_for(pol)
+    assert replay(capsys, store, day1, pol)[0] == 0
+    with PolicyStore.open(pol).writer():                 # another writer of the store
+        code, _, err = replay(capsys, store, day2, pol)
+    assert code == 75 and "retry when it ends" in err and not rs.exists(), err
+    code, out, err = run_cli(capsys, "policies", "list", pol, "--json")
+    assert code == 0 and json.loads(out)["unfinished_run"] is None, err
+    killed_run(capsys, monkeypatch, store, day2, pol, SAVED_NOT_CHECKPOINTED)   # chunk 1 saved, its run-state left
+    left = sorted((p.relative_to(rs), p.read_bytes() if p.is_file() else None) for p in rs.rglob("*"))
+    for extra in ((), ("--resume",)):
+        with PolicyStore.open(pol).writer():
+            code, _, err = replay(capsys, store, day2, pol, *extra)
+        assert code == 75 and "retry when it ends" in err, (extra, err)
+        assert sorted((p.relative_to(rs), p.read_bytes() if p.is_file() else None) for p in rs.rglob("*")
+                      if p.name != runstate.LOCK_FILE) == [x for x in left if x[0].name != runstate.LOCK_FILE], extra
+    code, out, err = run_cli(capsys, "policies", "list", pol, "--json")
+    assert code == 0 and json.loads(out)["unfinished_run"]["state"] == "interrupted", err
+    assert replay(capsys, store, day2, pol, "--resume")[0] == 0 and not rs.exists()
+
+
 def test_a_reader_overlapping_a_running_replay_says_what_it_reads(capsys, monkeypatch, tmp_path, store, logged):
     """The next day's rerank overlapped the night's replay (a slow cron job between two chunk
     commits) and served a mix of yesterday's and tonight's partial versions without a word.

@@ -251,11 +251,13 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
     recorder = Recorder(program.layout.m, sinks=sinks)
     resume = resume_point(rs)
     shared = start.shared
-    if checkpoints is not None and resume is None:   # the start, before anything is written to the store
-        resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
-    events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
-                   segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
+    # The store's lock first: a run refused as busy (another writer: exit 75) has checkpointed
+    # nothing, so its run-state is removed as empty (or one an interrupted run left kept).
     with ps.writer() if ps is not None else contextlib.nullcontext():
+        if checkpoints is not None and resume is None:   # the start, before anything is written to the store
+            resume = checkpoints.begin(program.init_shared(start.params) if shared is None else shared)
+        events = drive(chunks, program, start.params, seed=seed, users_per_chunk=users_per_chunk,
+                       segment_batches=checkpoint_every or None, resume=resume, mesh=mesh, shared=shared)
         run = SavingRun(_saved_states_as_policies(events, own), recorder)
         try:
             yield run

@@ -183,6 +183,7 @@ class RunState:
         self.restored: Checkpoint | None = None
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
+        self._superseded: list[Path] = []        # an interrupted run's checkpoints this one started again
         self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error, command or None)   # named to readers
 
     @staticmethod
@@ -271,8 +272,9 @@ class RunState:
         """Lock the run-state of ``target``; with ``resume`` restore its newest good
         checkpoint (checked against ``fingerprint``) into :attr:`restored`. Without
         ``resume`` an unfinished run-state is an error, unless it holds a ``command`` run
-        whose fingerprint ``restart`` accepts: that run's state is then removed (with a
-        note) and this run starts afresh (``replay``: the policy store remembers the calls
+        whose fingerprint ``restart`` accepts: that run's state is then removed at this run's
+        first :meth:`save` (a run that fails before, e.g. refused as busy, leaves it as it was;
+        with a note) and this run starts afresh (``replay``: the policy store remembers the calls
         each saved policy learned, so starting again learns nothing twice), keeping the
         interrupted run's progress meta in :attr:`interrupted` (what it began from).
         The notes (a damaged checkpoint skipped, a run started again, nothing to resume) are in
@@ -290,8 +292,7 @@ class RunState:
                 rs.notes.append(f"an interrupted `{command}` run of the same input left {rs.path}; starting it again "
                                 "(what it saved is remembered in the policy store and not learned twice)")
                 rs.interrupted = old["meta"]
-                for p in [*(q for _, q in snaps), rs.path / DONE_DIR]:
-                    shutil.rmtree(p, ignore_errors=True)
+                rs._superseded = [*(q for _, q in snaps), rs.path / DONE_DIR]     # removed at this run's first save
                 snaps = []
             if snaps and not resume:
                 differs = rs._differences(old)
@@ -345,8 +346,16 @@ class RunState:
         return Busy(f"in use by pid {holder.get('pid', '?')} (another run on the same policies is "
                           "running; retry when it ends)", where=str(self.path))
 
+    def _drop_superseded(self) -> None:
+        """Remove what the interrupted run this one started again left (:meth:`begin`), before
+        this run's first checkpoint or completed chunk's outputs are written."""
+        for p in self._superseded:
+            shutil.rmtree(p, ignore_errors=True)
+        self._superseded = []
+
     def close(self) -> None:
-        """Release the lock; an empty run-state directory (nothing saved) is removed."""
+        """Release the lock; an empty run-state directory (nothing saved) is removed, and one
+        holding only the checkpoints of an interrupted run this one started again is kept."""
         if not self._writer.held:
             return
         if self.path.is_dir() and not self._snapshots():
@@ -367,6 +376,7 @@ class RunState:
 
     def save_done(self, chunk: int, outputs: dict) -> None:
         """Store completed chunk ``chunk``'s per-user outputs ``{user: {key: (T, ...)}}``."""
+        self._drop_superseded()
         users = list(outputs)
         keys = sorted(outputs[users[0]]) if users else []
         arrays = {f"k_{k}": np.concatenate([outputs[u][k] for u in users]) for k in keys}
@@ -411,6 +421,7 @@ class RunState:
     def save(self, meta: dict, trees: dict[str, Any]) -> Path:
         """Write a checkpoint of ``meta`` (JSON) and ``trees`` (pytrees); atomic; keeps the
         newest :data:`KEEP`."""
+        self._drop_superseded()
         snaps = self._snapshots()
         step = (snaps[-1][0] + 1) if snaps else 1
         specs, arrays = {}, {}
