@@ -488,6 +488,66 @@ def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
     assert sub.state.opt_state is None and sub.info == {"n": 5}
 
 
+HOLD_SRC = textwrap.dedent('''
+    import sys, time
+    from rmm_jax.persist.policy_store import PolicyStore
+    with PolicyStore.open(sys.argv[1]).writer():
+        print("held", flush=True)
+        time.sleep(120)
+''')
+
+
+def test_a_lock_record_whose_pid_is_another_process_now_is_no_running_writer(tmp_path):
+    """A lock record without "released" (a SIGKILLed writer's; every store last written before
+    that mark) whose pid the system has given to an unrelated live process made every reader
+    say "a writer (pid N) is writing" and unfinished_run "running": live_holder trusted the
+    pid. Whether the lock is held now decides: a live unrelated pid holding no lock is no
+    writer; a live process holding the lock is. A reader's probe (flock has no query: a
+    shared lock dropped at once) never makes a writer fail: writers retry for GRACE seconds."""
+    import threading
+
+    from rmm_jax.persist import lock as lock_mod
+    from rmm_jax.persist.policy_rollback import unfinished_run
+
+    st = new_store(tmp_path)
+    lock = st.path / ".lock"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])     # got the old writer's pid
+    try:
+        lock.write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename,
+                                    "since": "2026-12-01T02:00:00+00:00"}))
+        assert lock_mod.live_holder(lock) is None
+        assert unfinished_run(PolicyStore.open(st.path)) is None
+    finally:
+        other.kill()
+        other.wait()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SRC, str(st.path)], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=SUBPROCESS_ENV)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock_mod.held(lock) is True and lock_mod.live_holder(lock)["pid"] == holder.pid
+        got = unfinished_run(PolicyStore.open(st.path))
+        assert (got["state"], got["pid"]) == ("running", holder.pid), got
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "released" not in json.loads(lock.read_text())          # SIGKILLed: its record stays, its lock is gone
+    assert lock_mod.held(lock) is False and lock_mod.live_holder(lock) is None
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            lock_mod.held(lock)
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        for _ in range(300):                                           # a writer beside a reader probing: never busy
+            with PolicyStore.open(st.path).writer():
+                pass
+    finally:
+        stop.set()
+        t.join()
+
+
 # ----------------------------------------------------------------------------- killed writers
 
 KILL_SRC = textwrap.dedent('''

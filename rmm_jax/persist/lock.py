@@ -5,17 +5,27 @@ one writing process. :class:`WriterLock` wraps :class:`filelock.FileLock`, which
 ``flock`` on POSIX: the kernel drops the lock when the holder exits or is killed, so a
 stale lock file is harmless and never needs breaking. While the lock is held the file
 records the holder's ``{"pid", "host", "since"}`` and the ``command`` its owner names
-(advisory: read for the error message, and by readers, :func:`live_holder`, to say that a
-writer is running); the outermost release marks it ``"released"`` before unlocking. A
+(advisory: read for the error message, and by readers, :func:`live_holder`, to name the
+writer that is running); the outermost release marks it ``"released"`` before unlocking. A
 second writer, in another process or through another ``WriterLock`` in the same process,
-fails at once (or after ``wait`` seconds) with the InputError its owner builds from that
+fails within :data:`GRACE` seconds (or after ``wait`` seconds) with the InputError its owner builds from that
 record, as a :class:`rmm_jax.errors.Busy` (the CLI's exit status 75: retry when the holder
 ends); acquiring again through the same object nests.
+
+Whether a writer is running is whether the lock is held now (:func:`held`), never whether
+the record's pid is alive: a record a SIGKILLed writer left (or one written before the
+``"released"`` mark existed) may name a pid the system has since given to an unrelated
+process. ``flock`` has no query, so :func:`held` tries a non-blocking *shared* lock on its
+own descriptor and drops it at once (or learns that the exclusive holder refuses it). That
+probe lasts microseconds, but a writer trying then would see the lock taken: so a writer
+retries for :data:`GRACE` seconds before it calls the lock busy, and a probe never makes a
+writer fail.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import json
 import os
 import socket
@@ -25,6 +35,14 @@ from typing import Callable
 import filelock
 
 from rmm_jax.errors import Busy, InputError
+
+try:
+    import fcntl
+except ImportError:                 # not POSIX: held() cannot tell, live_holder() reads the pid
+    fcntl = None
+
+GRACE = 0.2             # seconds a writer retries a lock it finds taken: longer than a reader's probe (held())
+_POLL = 0.01
 
 
 def _record_holder(fd: int, command: str | None = None) -> None:
@@ -57,14 +75,43 @@ def _alive(pid) -> bool:
     return True
 
 
+def held(path: str | os.PathLike) -> bool | None:
+    """Whether some process (this one included, through another :class:`WriterLock`) holds
+    the lock file ``path`` now; None when this cannot be told (no ``flock`` here, the file
+    unreadable). Takes nothing a writer waits on: a shared ``flock`` on a descriptor of its
+    own, dropped at once (a writer retries for :data:`GRACE` seconds, so it never fails on
+    this probe); a missing file is not held."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return True if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def live_holder(path: str | os.PathLike) -> dict | None:
     """The record of the process holding the lock file ``path`` now, read without taking the
     lock (a reader must not make a writer fail "in use"): None when there is no record, its
-    holder released it, or the holder (on this host) is gone, as after a SIGKILL. A holder on
-    another host is taken as alive: its pid cannot be checked from here."""
+    holder released it, or the lock is not held now (:func:`held`), as after a SIGKILL, whatever
+    process now has the pid the record names. Only where the lock cannot be queried is the
+    record's pid checked instead (a holder on another host then taken as alive)."""
     rec = _read_record(Path(path))
     if not rec.get("pid") or rec.get("released"):
         return None
+    now = held(path)
+    if now is not None:
+        return rec if now else None
     if rec.get("host") == socket.gethostname() and not _alive(rec["pid"]):
         return None
     return rec
@@ -90,8 +137,9 @@ class WriterLock:
         return self._lock is not None and self._lock.is_locked
 
     def acquire(self, wait: float = 0.0) -> bool:
-        """Take the lock, waiting up to ``wait`` seconds (0: one try). Returns True if
-        this call took it, False if this object already held it (nested)."""
+        """Take the lock, waiting up to ``wait`` seconds (0: at most :data:`GRACE`, the time a
+        reader's probe of it may take, :func:`held`). Returns True if this call took it, False
+        if this object already held it (nested)."""
         if self.held:
             self._lock.acquire()
             return False
@@ -102,7 +150,7 @@ class WriterLock:
                                        preserve_lock_file=True,
                                        on_acquired=lambda fd: _record_holder(fd, self.command))
         try:
-            self._lock.acquire(timeout=wait, blocking=wait > 0)
+            self._lock.acquire(timeout=max(wait, GRACE), poll_interval=_POLL, blocking=True)
         except filelock.Timeout:
             self._lock = None
             raise Busy.of(self._busy(self.holder())) from None
