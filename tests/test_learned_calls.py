@@ -86,3 +86,19 @@ def test_the_record_is_saved_in_the_users_row_and_read_back_with_the_state(tmp_p
 def test_hash64_is_sha256s_first_eight_bytes(text):
     import hashlib
     assert int(lc.hash64(text)) == int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def test_a_time_in_the_future_never_becomes_the_horizon():
+    """A call learned with epoch milliseconds as its seconds (before logs refused times after
+    now) left the window and became the horizon: every later call of the user was 'older
+    than what it has learned' and skipped, every night. Such a time never becomes the
+    horizon, and a horizon saved from one is not used; a true horizon still works."""
+    ms = 1_688_976_000_000.0                          # 2023-07-10 in milliseconds: year ~55,000 as seconds
+    learned = lc.add(lc.empty(window=2), as_calls([(1, 1, ms), (2, 1, 20.0), (3, 1, 30.0)]))
+    assert float(learned.horizon) == -math.inf        # the call from the future left the window: no horizon
+    saved = learned._replace(horizon=np.array(ms))    # a store an older rmm-jax wrote
+    day2 = as_calls([(8, 1, 1.7e9), (9, 1, 1.7e9 + 60)])
+    assert lc.classify(saved, day2).learn.tolist() == [True, True]
+    assert float(lc.add(saved, day2).horizon) == 30.0  # the saved one dropped; 3 left the window, then 8
+    true = lc.add(lc.empty(window=2), as_calls([(1, 1, 10.0), (2, 1, 20.0), (3, 1, 30.0)]))
+    assert lc.classify(true, as_calls([(4, 1, 5.0), (5, 1, 15.0)])).older.tolist() == [True, False]   # horizon 10

@@ -17,7 +17,10 @@ whose policy never learned from a logged call, e.g. one only simulated, has none
   seconds (NaN: none), in a ring (slot ``i % WINDOW`` holds the ``i``-th call learned);
 * ``count``: how many calls the policy has learned, ever;
 * ``horizon``: the newest timestamp among the calls that have left the window (−inf: none
-  has, or none that left had a timestamp).
+  has, or none that left had a timestamp). A time more than :data:`FUTURE_SKEW` after now
+  (epoch milliseconds learned as seconds, before logs refused them) never becomes the
+  horizon, and a horizon saved from one is not used: it would leave every later call of the
+  user "older than what it has learned", never learned.
 
 **How a call is sorted** (:func:`classify`), against what the user had learned before the run:
 
@@ -51,13 +54,23 @@ Examples:
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["WINDOW", "LearnedCalls", "Calls", "Sorted", "hash64", "empty", "classify", "add"]
+__all__ = ["WINDOW", "FUTURE_SKEW", "LearnedCalls", "Calls", "Sorted", "hash64", "empty", "classify", "add"]
 
 WINDOW = 512
+FUTURE_SKEW = 86_400.0      # seconds a timestamp may lie after now: clocks of the machines that log disagree
+
+
+def _trusted(times, now: float | None = None):
+    """``times`` (seconds) with those more than :data:`FUTURE_SKEW` after ``now`` (None: the
+    clock's) as NaN: no horizon comes from a time in the future."""
+    limit = (time.time() if now is None else now) + FUTURE_SKEW
+    t = np.asarray(times, np.float64)
+    return np.where(t > limit, np.nan, t)
 
 
 class LearnedCalls(NamedTuple):
@@ -118,7 +131,10 @@ def classify(learned: LearnedCalls, calls: Calls, *, relearn: bool = False) -> S
     found = (uniq[pos] == calls.keys) if len(uniq) else np.zeros(len(calls.keys), bool)
     same = found & (newest_first_digests[first][pos] == calls.digests) if len(uniq) else found
     evicted = int(learned.count) > learned.keys.shape[0]
-    older = ~found & evicted & (calls.times <= float(learned.horizon))
+    horizon = float(learned.horizon)
+    if np.isnan(_trusted(horizon)):                  # saved from a time in the future: not used
+        horizon = -np.inf
+    older = ~found & evicted & (calls.times <= horizon)
     learn = np.ones(len(calls.keys), bool) if relearn else ~found & ~older
     return Sorted(learn, same, found & ~same, older)
 
@@ -131,8 +147,10 @@ def add(learned: LearnedCalls, calls: Calls) -> LearnedCalls:
     seq = [np.concatenate([a, b]) for a, b in zip(old, (calls.keys, calls.digests, calls.times))]
     total = count + t
     stay = min(total, w)
-    gone = seq[2][:len(seq[2]) - stay]
+    gone = _trusted(seq[2][:len(seq[2]) - stay])
     horizon = float(learned.horizon)
+    if np.isnan(_trusted(horizon)):
+        horizon = -np.inf
     if gone.size and not np.all(np.isnan(gone)):
         horizon = max(horizon, float(np.nanmax(gone)))
     slots = np.arange(total - stay, total) % w

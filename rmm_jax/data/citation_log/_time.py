@@ -8,8 +8,7 @@ from typing import Any
 
 from rmm_jax.data.citation_log._schema import _key_where, _type_name
 from rmm_jax.errors import InputError
-
-FUTURE_SKEW = 86_400.0      # seconds a timestamp may lie after now: clocks of the machines that log disagree
+from rmm_jax.persist.learned_calls import FUTURE_SKEW
 
 
 def check_timestamp(value: Any, where: str, now: float | None = None) -> str | int | float | None:
