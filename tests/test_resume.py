@@ -478,6 +478,10 @@ def test_a_continued_replay_killed_and_run_again_is_one_run_and_a_relearn_is_res
     grown = d / "rb-store"                      # the store changed meanwhile (an embed --into): its digest differs
     shutil.copytree(env["store"], grown)
     (grown / "added-by-the-night.txt").write_text("x")
+    rc, err = run(env, ["replay", str(grown), *replay("rb-kill", reference["log"], "--resume")[2:]], "rb-resume")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: STORE: differs from the interrupted run") \
+        and err.strip().endswith("or run it again without --resume: it starts again, and what it saved is "
+                                 "remembered (not learned twice)"), err
     rc, err = run(env, ["replay", str(grown), *replay("rb-kill", reference["log"])[2:]], "rb-again")
     assert rc == 0 and "starting it again" in err, err
     undone = rollback(PolicyStore.open(d / "rb-kill"))

@@ -184,6 +184,7 @@ class RunState:
         self.interrupted: dict | None = None     # begin(): the progress meta of a run started again
         self.saved = 0
         self._superseded: list[Path] = []        # an interrupted run's checkpoints this one started again
+        self._restart: Callable[[dict], bool] | None = None     # begin()'s: which interrupted runs start again
         self._writer = WriterLock(self.path / LOCK_FILE, self._in_use_error, command or None)   # named to readers
 
     @staticmethod
@@ -283,6 +284,7 @@ class RunState:
         ``paths`` (option -> path) names the input files whose digests ``fingerprint``
         holds: recorded with each checkpoint, for the messages to name the files."""
         rs = cls(cls.path_for(target), command, fingerprint, paths)
+        rs._restart = restart
         resume_as = named("resume", True)           # resume=True, or the CLI's --resume
         rs._lock()
         try:
@@ -480,7 +482,13 @@ class RunState:
                    else f"a `{doc['command']}` run with {named('resume', True)}")
             raise InputError(f"holds an interrupted `{doc['command']}` run, not `{self.command}`; finish it "
                              f"with {how}, or remove {self.path}", where=str(self.path))
-        check_fingerprint(doc["fingerprint"], self.fingerprint, self.path, doc.get("paths"), self.paths)
+        try:
+            check_fingerprint(doc["fingerprint"], self.fingerprint, self.path, doc.get("paths"), self.paths)
+        except InputError as e:      # a run begin() would start again: say so (its store grew since, say)
+            if self._restart is None or not self._restart(doc["fingerprint"]):
+                raise
+            raise InputError(f"{e.message}; or run it again without {named('resume', True)}: it starts again, and "
+                             "what it saved is remembered (not learned twice)", where=e.where) from None
         counts = {name: len(leaf_specs(spec)) for name, spec in doc["specs"].items()}
         arrays = _read_arrays(snap, counts, doc["format_version"]) if any(counts.values()) else {}
         trees = {}
