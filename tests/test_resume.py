@@ -730,3 +730,32 @@ def test_pretrain_resume_of_a_finished_run_says_there_is_nothing_to_resume(capsy
         f"error: --resume: no checkpoint of {tmp_path / 'pre1'} to resume (the run that wrote it finished); "
         "to pretrain again, leave out --resume and choose a new --out"], err
     assert sorted(p.name for p in (tmp_path / "pre1").rglob("*")) == before
+
+
+def test_a_run_waiting_for_the_lock_as_the_holder_finishes_is_busy_not_a_traceback(tmp_path):
+    """A second run's brief wait for the run-state's lock (lock.GRACE) overlapped the first
+    run's finish(), which removes the run-state with its lock file: FileNotFoundError, a
+    traceback and exit 1. It is Busy (exit 75: retry), or the lock when the first had ended."""
+    import threading
+    import time
+
+    from rmm_jax.errors import Busy
+    target, got = tmp_path / "pol", []
+    for trial in range(10):
+        first = RunState.begin(target, "replay", {"x": 1}, resume=False)
+
+        def second():
+            try:
+                RunState.begin(target, "replay", {"x": 1}, resume=False).close()
+                got.append("ran")
+            except Busy:
+                got.append("busy")
+            except BaseException as e:    # noqa: BLE001 - what the test looks for
+                got.append(repr(e))
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.03 + 0.01 * (trial % 5))
+        first.save({}, {})
+        first.finish()
+        t.join()
+    assert set(got) <= {"busy", "ran"} and "busy" in got, got

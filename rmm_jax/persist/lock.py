@@ -154,6 +154,9 @@ class WriterLock:
         except filelock.Timeout:
             self._lock = None
             raise Busy.of(self._busy(self.holder())) from None
+        except FileNotFoundError:   # the holder ended as we waited and removed the lock's directory (a run-state)
+            self._lock = None
+            raise Busy.of(self._busy({})) from None
         return True
 
     def release(self) -> None:
