@@ -72,6 +72,8 @@ from rmm_jax.core.executables import where
 from rmm_jax.online.compile_cache import setup
 if sys.argv[1] == "cli-off":    # rmm-jax --no-compile-cache, then the verb builds its Reranker
     setup(False)
+if sys.argv[1] == "app-off":    # the application switched JAX's cache off itself
+    jax.config.update("jax_enable_compilation_cache", False)
 Reranker(None, dim=4, **({"compile_cache": False} if sys.argv[1] == "off" else {}))
 print("dir", jax.config.jax_compilation_cache_dir)
 print("exe", where())
@@ -90,7 +92,7 @@ def test_a_reranker_built_in_a_fresh_process_uses_the_cache_as_the_cli_does(tmp_
     where = xdg / "rmm-jax" / "jax"
     assert serve("on", {"XDG_CACHE_HOME": str(xdg)}).split("\n")[:2] == [f"dir {where}", f"exe {where}-executables"]
     # compile_cache=False, RMM_JAX_COMPILE_CACHE=0, or the CLI's --no-compile-cache: left as it was
-    for how, env in (("off", {}), ("on", {compile_cache.ENV: "0"}), ("cli-off", {})):
+    for how, env in (("off", {}), ("on", {compile_cache.ENV: "0"}), ("cli-off", {}), ("app-off", {})):
         assert serve(how, {"XDG_CACHE_HOME": str(xdg), **env}).split("\n")[:2] == ["dir None", "exe None"]
     # a directory the application gave JAX is its own: kept, and nothing else set up
     own = tmp_path / "own"

@@ -93,9 +93,13 @@ def ensure() -> Path | None:
     """:func:`setup` for the Python API (:class:`rmm_jax.online.serve.Reranker`), as the CLI
     sets it up for every verb: once per process, and only where nothing configured it
     before: not after :func:`setup` (the CLI's, ``--no-compile-cache`` included), not under
-    ``RMM_JAX_COMPILE_CACHE=0``, and not when the application gave JAX a cache directory of
-    its own (``JAX_COMPILATION_CACHE_DIR``, or ``jax_compilation_cache_dir``), whose settings
-    are left as they are. Returns the directory it set up, else None."""
-    if _set_up or not wanted() or jax.config.jax_compilation_cache_dir:
+    ``RMM_JAX_COMPILE_CACHE=0``, not when the application gave JAX a cache directory of
+    its own (``JAX_COMPILATION_CACHE_DIR``, or ``jax_compilation_cache_dir``) or switched
+    JAX's cache off (``jax_enable_compilation_cache``), whose settings are left as they are.
+    What it sets is the process's, as JAX's settings are: the cache directory, a minimum
+    compile time of 0 (every program the process compiles is kept, the application's too)
+    and rmm-jax's executables beside it. Returns the directory it set up, else None."""
+    if (_set_up or not wanted() or jax.config.jax_compilation_cache_dir
+            or not jax.config.jax_enable_compilation_cache):
         return None
     return setup()
