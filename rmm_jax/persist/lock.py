@@ -149,6 +149,7 @@ class WriterLock:
         self._lock = filelock.FileLock(self.path, thread_local=False, fallback_to_soft=False,
                                        preserve_lock_file=True,
                                        on_acquired=lambda fd: _record_holder(fd, self.command))
+        was = self.holder()         # who holds it now, for the error should its directory go as we wait
         try:
             self._lock.acquire(timeout=max(wait, GRACE), poll_interval=_POLL, blocking=True)
         except filelock.Timeout:
@@ -156,7 +157,7 @@ class WriterLock:
             raise Busy.of(self._busy(self.holder())) from None
         except FileNotFoundError:   # the holder ended as we waited and removed the lock's directory (a run-state)
             self._lock = None
-            raise Busy.of(self._busy({})) from None
+            raise Busy.of(self._busy(was)) from None
         return True
 
     def release(self) -> None:
