@@ -374,7 +374,7 @@ def test_evaluate_on_an_empty_log_has_no_calls_to_judge(capsys, ope_env, tmp_pat
     empty = tmp_path / "quiet.jsonl"
     empty.write_text(text)
     code, out, err = evaluate(capsys, ope_env, "--json", log=empty)
-    assert code == 0, err
+    assert code == 0 and "verdict: none (" in err and "has no calls to judge: the file is empty" in err, err
     doc = strict_json(out)
     full = strict_json(evaluate(capsys, ope_env, "--json", "--allow-unreliable")[1])
     assert doc.keys() == full.keys() and doc["verdict"].keys() == full["verdict"].keys()

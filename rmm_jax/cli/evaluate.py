@@ -261,7 +261,8 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
         info(f"note: {note}")
     if opts["plot_path"] is not None:
         info(f"no plot: {why}, so --plot {opts['plot_path']} was not written")
-    if as_json:
+    if as_json:         # the line on stderr, as rerank --json says it served 0 calls
+        info(f"verdict: none ({why})")
         emit_json(rep)
     else:
         click.echo(f"verdict: none ({why})")

@@ -90,13 +90,15 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
     if plot_path:
         info(f"no plot: nothing was learned, so --plot {plot_path} was not written")
     calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}
-    if as_json:
+    what = "is unchanged" if Path(policies).exists() else "was not created"
+    line = f"nothing to learn: {log_path} has no calls (the file is empty); {policies} {what}"
+    if as_json:         # the line on stderr, as rerank --json says it served 0 calls
+        info(line)
         emit_json({"policies": str(policies), "init": init, "setting": None, "config": None,
                    "log": {"path": str(log_path), **ReadReport(0, 0, [], [])._asdict(), "calls": calls},
                    "base": {}, "online": {"queries": 0, "calls": 0}})
     else:
-        what = "is unchanged" if Path(policies).exists() else "was not created"
-        click.echo(f"nothing to learn: {log_path} has no calls (the file is empty); {policies} {what}")
+        click.echo(line)
 
 
 @cli.command()
