@@ -188,10 +188,8 @@ def rollback(store, to: int | None = None, *, starting: Callable[[Rollback], Non
     then goes on to ``to`` only if ``to`` is another version. Errors as :func:`plan`'s.
     ``starting``, when given, is called with the plan once nothing refuses it, before the
     work (seconds on a large store): ``rmm-jax policies rollback`` says so there."""
-    check_store(store)
-    mark = store._header.get(PENDING)
-    done = finish_pending(store)
-    if done is not None and (to is None or to == mark["to"]):
+    done = finish_pending(store)             # checks the store
+    if done is not None and (to is None or to == done.to):
         return done
     planned = plan(store, to)  # a refusal, before the lock: it creates nothing
     if starting is not None:
