@@ -65,12 +65,17 @@ WINDOW = 512
 FUTURE_SKEW = 86_400.0      # seconds a timestamp may lie after now: clocks of the machines that log disagree
 
 
-def _trusted(times, now: float | None = None):
-    """``times`` (seconds) with those more than :data:`FUTURE_SKEW` after ``now`` (None: the
-    clock's) as NaN: no horizon comes from a time in the future."""
-    limit = (time.time() if now is None else now) + FUTURE_SKEW
+def _trusted(times):
+    """``times`` (seconds) with those more than :data:`FUTURE_SKEW` after now as NaN: no
+    horizon comes from a time in the future."""
     t = np.asarray(times, np.float64)
-    return np.where(t > limit, np.nan, t)
+    return np.where(t > time.time() + FUTURE_SKEW, np.nan, t)
+
+
+def _horizon(learned: "LearnedCalls") -> float:
+    """``learned``'s horizon, −inf where it was saved from a time in the future: not used."""
+    h = float(learned.horizon)
+    return -np.inf if np.isnan(_trusted(h)) else h
 
 
 class LearnedCalls(NamedTuple):
@@ -131,10 +136,7 @@ def classify(learned: LearnedCalls, calls: Calls, *, relearn: bool = False) -> S
     found = (uniq[pos] == calls.keys) if len(uniq) else np.zeros(len(calls.keys), bool)
     same = found & (newest_first_digests[first][pos] == calls.digests) if len(uniq) else found
     evicted = int(learned.count) > learned.keys.shape[0]
-    horizon = float(learned.horizon)
-    if np.isnan(_trusted(horizon)):                  # saved from a time in the future: not used
-        horizon = -np.inf
-    older = ~found & evicted & (calls.times <= horizon)
+    older = ~found & evicted & (calls.times <= _horizon(learned))
     learn = np.ones(len(calls.keys), bool) if relearn else ~found & ~older
     return Sorted(learn, same, found & ~same, older)
 
@@ -148,9 +150,7 @@ def add(learned: LearnedCalls, calls: Calls) -> LearnedCalls:
     total = count + t
     stay = min(total, w)
     gone = _trusted(seq[2][:len(seq[2]) - stay])
-    horizon = float(learned.horizon)
-    if np.isnan(_trusted(horizon)):
-        horizon = -np.inf
+    horizon = _horizon(learned)
     if gone.size and not np.all(np.isnan(gone)):
         horizon = max(horizon, float(np.nanmax(gone)))
     slots = np.arange(total - stay, total) % w
