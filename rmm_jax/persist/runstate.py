@@ -197,7 +197,7 @@ class RunState:
         """The fingerprint of the newest checkpoint an interrupted run of ``target`` left
         (unverified; None if there is none), e.g. to resolve an option's default as that run
         did before the checkpoint is restored and checked."""
-        doc = cls._interrupted(cls.path_for(target))
+        doc = cls.interrupted_run(target)
         return None if doc is None else doc["fingerprint"]
 
     @classmethod
@@ -218,7 +218,7 @@ class RunState:
     def interrupted_meta(cls, target) -> dict | None:
         """The progress meta of the newest checkpoint an interrupted run of ``target`` left
         (what :meth:`save` was given; unverified; None if there is none)."""
-        doc = cls._interrupted(cls.path_for(target))
+        doc = cls.interrupted_run(target)
         return None if doc is None else doc["meta"]
 
     @classmethod
@@ -289,17 +289,18 @@ class RunState:
         rs._lock()
         try:
             snaps = rs._snapshots()
-            old = cls._interrupted(rs.path) if snaps and not resume and restart is not None else None
-            if old is not None and rs._command_of(snaps) == command and restart(old["fingerprint"]):
+            old = cls._interrupted(rs.path) if snaps and not resume else None
+            left_by = rs._command_of(snaps) if old is not None else None
+            if old is not None and restart is not None and left_by == command and restart(old["fingerprint"]):
                 rs.notes.append(f"an interrupted `{command}` run of the same input left {rs.path}; starting it again "
                                 "(what it saved is remembered in the policy store and not learned twice)")
                 rs.interrupted = old["meta"]
                 rs._superseded = [*(q for _, q in snaps), rs.path / DONE_DIR]     # removed at this run's first save
                 snaps = []
             if snaps and not resume:
-                differs = rs._differences(old)
-                how = f"{resume_as} with its values of those options" if "options that differ" in differs else resume_as
-                raise InputError(f"an interrupted `{rs._command_of(snaps)}` run left its state here"
+                differs, options_differ = rs._differences(old)
+                how = f"{resume_as} with its values of those options" if options_differ else resume_as
+                raise InputError(f"an interrupted `{left_by or rs._command_of(snaps)}` run left its state here"
                                  f"{differs}; pass {how} to continue it, or remove {rs.path} "
                                  "to start over", where=str(rs.path))
             if resume:
@@ -312,19 +313,19 @@ class RunState:
             raise
         return rs
 
-    def _differences(self, old: dict | None) -> str:
+    def _differences(self, old: dict | None) -> tuple[str, bool]:
         """For the refusal of a run-state left by ``old`` (its newest checkpoint's meta.json;
-        None: read it): the files it read and how its options differ from this run's."""
-        old = self._interrupted(self.path) if old is None else old
+        None: none readable): the files it read and how its options differ from this run's,
+        and whether any option differs."""
         if old is None:
-            return ""
+            return "", False
         fp, paths, same = old["fingerprint"], old.get("paths") or {}, old.get("command") == self.command
         diffs = fingerprint_diffs(fp, self.fingerprint, paths, self.paths) if same else []
         read = [f"{k} {_show(v, paths.get(k))}" for k, v in fp.items()      # the files it read, unless a diff names it
                 if k.startswith("--") and _is_digest(v) and not any(d.startswith(f"{k} (") for d in diffs)]
         return ((f": it read {', '.join(read)}" if read else "")
                 + ("" if not same else f"; options that differ from this command: {', '.join(diffs)}" if diffs
-                   else "; its options are this command's"))
+                   else "; its options are this command's")), bool(diffs)
 
     def __enter__(self):
         return self
