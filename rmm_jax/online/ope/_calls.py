@@ -92,7 +92,11 @@ def check_inputs(store, policies, users) -> None:
 
 @aot
 def _score_chunk(params, q, m, mask):
-    return jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
+    """The target's scores of a chunk of calls, and per call the largest of its candidates'
+    scores on absolute values (:func:`_abs_score`, what float32 rounding is bounded by), in
+    one program."""
+    scores = jax.vmap(reranker.score, in_axes=(None, 0, 0, 0))(params, q, m, mask)
+    return scores, jnp.where(mask, jax.vmap(_abs_score, in_axes=(None, 0, 0))(params, q, m), 0.0).max(1)
 
 
 def _abs_adapter(p, x):
@@ -107,11 +111,9 @@ def _abs_adapter(p, x):
     return x + h @ a["down"]["kernel"] + a["down"]["bias"]
 
 
-@aot
-def _abs_score_chunk(params, q, m):
+def _abs_score(params, q, m):
     """Per candidate, the score's terms in absolute value (m'ᵀq' on |m|, |q| and |params|)."""
-    one = lambda q, m: _abs_adapter(params["m_adapter"], jnp.abs(m)) @ _abs_adapter(params["q_adapter"], jnp.abs(q))
-    return jax.vmap(one)(q, m)
+    return _abs_adapter(params["m_adapter"], jnp.abs(m)) @ _abs_adapter(params["q_adapter"], jnp.abs(q))
 
 
 def _score_depth(params) -> int:
@@ -233,11 +235,11 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
             mm = pad_rows(c.bank[c.cand[part]], _CHUNK)
             mk = pad_rows(c.cand_mask[part], _CHUNK)
             mk[rows_here:, 0] = True  # padded rows: one valid slot keeps the scores finite
-            scores.append(np.asarray(_score_chunk(params, q, mm, mk))
-                          [:rows_here])
-            sizes.append(np.asarray(_abs_score_chunk(params, q, mm))[:rows_here])
+            got, largest = jax.device_get(_score_chunk(params, q, mm, mk))
+            scores.append(got[:rows_here])
+            sizes.append(largest[:rows_here])
         scores = np.concatenate(scores).astype(np.float32)
-        size = np.where(c.cand_mask, np.concatenate(sizes).astype(np.float64), 0.0).max(1, initial=0.0)
+        size = np.concatenate(sizes).astype(np.float64)
         lp = [r.log_prob if r.log_prob is not None else
               pl_log_prob(r.logits, [p for p in c.selected[i] if p >= 0]) for i, r in enumerate(recs)]
         rows["uid"] += [uid] * n

@@ -193,12 +193,13 @@ def decision(v: dict) -> str:
     return "do not ship"
 
 
-def agrees_to_rounding(calls: Calls) -> np.ndarray:
+def agrees_to_rounding(calls: Calls, bound: np.ndarray | None = None) -> np.ndarray:
     """(n,) bool: the calls on which the target gives the logged selection the logging
     policy's probability to float32 rounding, every prefix too when the log has ``logits``
     (:func:`rmm_jax.online.ope._calls.rounding_bound`): served by the target, whatever the
-    log says of versions. Not finite: never."""
-    bound = rounding_bound(calls)
+    log says of versions. Not finite: never. ``bound``: :func:`rounding_bound`'s, when the
+    caller has it."""
+    bound = rounding_bound(calls) if bound is None else bound
     with np.errstate(all="ignore"):
         target = _prefix_log_probs(calls.target_logits, calls.selected, calls.mask)
         ok = np.abs(target[:, -1] - calls.log_prob) <= bound
@@ -208,14 +209,16 @@ def agrees_to_rounding(calls: Calls) -> np.ndarray:
     return ok
 
 
-def rounding_gain(calls: Calls, value_range) -> float:
+def rounding_gain(calls: Calls, value_range, bound: np.ndarray | None = None) -> float:
     """The most float32 rounding can move a self-normalised estimate, and so its gain, on
     ``calls``: with every log-ratio off by at most δ (:func:`~rmm_jax.online.ope._calls.rounding_bound`),
     each normalised weight p_i = w_i/Σw moves by a factor within e^{±2δ}, so Σ p_i R_i moves by
     |Σ (p'_i − p_i)(R_i − c)| <= (e^{2δ} − 1)·(b − a)/2 with c the middle of the rewards'
-    range [a, b] (Σ p'_i = Σ p_i = 1); the same on every bootstrap resample."""
+    range [a, b] (Σ p'_i = Σ p_i = 1); the same on every bootstrap resample. ``bound``:
+    :func:`rounding_bound`'s, when the caller has it."""
     lo, hi = value_range
-    return float(np.expm1(2 * np.max(rounding_bound(calls), initial=0.0)) * (hi - lo) / 2)
+    bound = rounding_bound(calls) if bound is None else bound
+    return float(np.expm1(2 * np.max(bound, initial=0.0)) * (hi - lo) / 2)
 
 
 def _self_served(v: dict, n: int, why: str = "versions") -> dict:
@@ -366,7 +369,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     res["verdict"] = ship_verdict(res["estimates"])
     cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess)
     res["verdict"]["log_problem"] = cause.why if cause else None
-    agree = agrees_to_rounding(calls)
+    bound = rounding_bound(calls)
+    agree = agrees_to_rounding(calls, bound)
     certain = calls.mask.sum(1) < 2           # one candidate: any policy shows it, with weight 1
     by_versions = int(calls.served_by_target.sum())
     n_calls, served = len(calls.user_ids), int((calls.served_by_target | (agree & ~certain)).sum())
@@ -374,7 +378,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     if n_calls and by_versions == n_calls:
         res["verdict"] = _self_served(res["verdict"], n_calls)
     elif n_calls and agree.all() and not certain.all():
-        tol = rounding_gain(calls, res["ranges"][SHIP_METRIC])
+        tol = rounding_gain(calls, res["ranges"][SHIP_METRIC], bound)
         res["verdict"] = _self_served(res["verdict"], n_calls, f"the target and the logging policy agree to float32 "
                                       f"rounding on all {n_calls} of these calls (every importance weight is 1 within "
                                       f"float32's error bound, so any gain lies within ±{tol:.1g}): POLICIES served "
