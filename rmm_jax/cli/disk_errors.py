@@ -37,9 +37,9 @@ def running(target) -> None:
 def error_line(e: BaseException) -> str | None:
     """The ``error: WHAT: CAUSE`` line of ``e`` when the disk or a process limit caused it
     (None: something else, left to propagate)."""
-    from rmm_jax.persist.atomic import disk_problem
+    from rmm_jax.persist.atomic import disk_problem, exception_chain
 
-    filename = next((x.filename for x in _chain(e) if isinstance(x, OSError) and x.filename), None)
+    filename = next((x.filename for x in exception_chain(e) if isinstance(x, OSError) and x.filename), None)
     if filename == STDOUT:
         cause = disk_problem(e)
         return None if cause is None else f"error: {STDOUT}: {cause}"
@@ -49,14 +49,6 @@ def error_line(e: BaseException) -> str | None:
         return None
     what = named[0] if named else (str(filename) if filename else "writing")
     return f"error: {what}: {cause}" + _resume_hint()
-
-
-def _chain(e):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 def _named(filename) -> tuple[str, Path | None] | None:

@@ -124,9 +124,7 @@ def disk_problem(e: BaseException | None, path: str | os.PathLike | None = None)
     """
     import sqlite3
 
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in exception_chain(e):
         if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 return NO_SPACE if e.errno == errno.ENOSPC else "disk quota exceeded"
@@ -146,8 +144,17 @@ def disk_problem(e: BaseException | None, path: str | os.PathLike | None = None)
                 return _io_cause(path)
             if "readonly database" in text:
                 return "read-only (a read-only file system, or a file this process may not write)"
-        e = e.__cause__ or e.__context__
     return None
+
+
+def exception_chain(e: BaseException | None):
+    """``e``, then the error it was raised from or during (its cause, else its context), and
+    so on, each once."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def _size_limit() -> int | None:
