@@ -4,7 +4,17 @@ from __future__ import annotations
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, as_options, check_input_file, count, emit_json, info, json_option, users_option
+from rmm_jax.cli.shell import (
+    SEED,
+    as_options,
+    check_input_file,
+    count,
+    emit_json,
+    info,
+    json_option,
+    quiet_option,
+    users_option,
+)
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.cite_rates import cite_rates as measure
@@ -27,6 +37,7 @@ ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | 
                    f"at most {MAX_RESAMPLES:,}).")
 @click.option("--seed", type=SEED, default=0, help="Seed of the bootstrap.")
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
+@quiet_option
 @json_option("the rates", "store, log, users, calls, calls_with_gold, p_useful, p_other, "
              "p_other_when_gold_shown, p_cite_when_no_gold_shown (each {value, lo, hi, shown, cited}), apart, "
              "options, level, resamples, resampled")
@@ -57,7 +68,7 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
         counts = count_calls(st, log_path, users=users, skip_invalid=skip_invalid)
     read = counts.read
     if read.skipped:
-        info(read.skipped_line())
+        info(read.skipped_line(), must_read=True)
     if counts.users.size == 0:      # a misspelt `gold` is the likely cause: its note goes on the error's line
         near = [n for n in read.notes if n.endswith("'gold'?)")]
         raise InputError(f"none of its {count(counts.calls, 'call')} has gold (STORE's, for a question it holds, "

@@ -12,7 +12,7 @@ import jax
 from tqdm import tqdm
 
 from rmm_jax.cli import disk_errors
-from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, count, explicit_options, info
+from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, count, explicit_options, info, quiet
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
@@ -316,13 +316,13 @@ def note_setting(ls: LearningSetting, given: SettingOptions, policies) -> None:
     the recorded setting continued, or the changes ``--change-setting`` made."""
     if ls.changes:
         info(f"learning setting of {policies} changed (--change-setting): "
-             + ", ".join(f"{f} {a} -> {b}" for f, a, b in ls.changes))
+             + ", ".join(f"{f} {a} -> {b}" for f, a, b in ls.changes), must_read=True)
     elif ls.recorded is not None:
         plain = setting_record(given.preset, make_setting(**given._asdict()))
         differ = setting_changes(plain, ls.record)
         if differ:
             info(f"continuing with the learning setting {policies} records: "
-                 + ", ".join(f"{f} {b}" for f, _, b in differ) + " (not the options' defaults)")
+                 + ", ".join(f"{f} {b}" for f, _, b in differ) + " (not the options' defaults)", must_read=True)
 
 
 def config_dict(setting: Setting) -> dict:
@@ -332,8 +332,8 @@ def config_dict(setting: Setting) -> dict:
 
 def progress_bar(total: int, desc: str, unit: str = "user"):
     """A bar on stderr while it is a terminal; none in a log file or a pipe (tqdm's ``disable=None``),
-    where its carriage returns would only clutter a nightly job's log."""
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=True if total <= 0 else None,
+    where its carriage returns would only clutter a nightly job's log, nor under ``--quiet``."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=True if total <= 0 or quiet() else None,
                 leave=False)
 
 
@@ -399,6 +399,6 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     with as_options("resume"):                    # its messages say --resume
         rs = runstate.RunState.begin(target, command, fp, resume=resume, restart=same, paths=paths)
     for note in rs.notes:
-        info(note)
+        info(note, must_read=True)      # the state an interrupted run left
     disk_errors.running(target)      # a full disk later says the run resumes
     return rs

@@ -8,7 +8,7 @@ import click
 
 from rmm_jax.cli.common import check_rank, config_dict, config_options, make_setting, short_bank_note
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import IntRange, check_writable, emit_json, info, json_option
+from rmm_jax.cli.shell import IntRange, check_writable, emit_json, info, json_option, quiet_option
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import Embedder
 from rmm_jax.data.store import open_store, write_store
@@ -41,6 +41,7 @@ def print_table(rows: dict, m: int, title: str) -> None:
 @click.option("--sessions", type=IntRange(min=1), default=16, help="Sessions per user.")
 @click.option("--turns", type=IntRange(min=1), default=10, help="Turns per session.")
 @config_options(new_store=True)
+@quiet_option
 @json_option("the summary (as OUT/summary.json)", "rows (base, pretrain, online, pretrain+online, ceiling, "
              "_pretrain), config, spec, seconds, plot")
 def demo(out, users, sessions, turns, as_json, **opts):

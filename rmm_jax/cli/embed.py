@@ -18,6 +18,7 @@ from rmm_jax.cli.shell import (
     explicit_options,
     info,
     json_option,
+    quiet_option,
 )
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import (
@@ -97,11 +98,11 @@ MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embed
               help="jsonl: also keep these roles' messages as memories, comma-separated "
                    f"({', '.join(INSTRUCTION_ROLES)}). By default they are left out and counted: a system "
                    "prompt repeated in every session would fill the memory bank.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or info lines on stderr.")
+@quiet_option
 @json_option("the store's manifest", "store, spec, dataset, format, version, model, dim, granularity, counts, "
              "stats, texts_embedded, and seconds (--out) or added (--into: what this run appended)")
 def embed(spec, out, into, granularity, model, segment_threshold, merge_threshold, cache_dir,
-          batch_size, no_cache, answers, skip_invalid, keep_roles, quiet, as_json):
+          batch_size, no_cache, answers, skip_invalid, keep_roles, as_json):
     """Embed a dataset's memories and questions into an embedding store.
 
     SPEC names the data: `locomo:PATH` (a LoCoMo JSON file or a directory of them),
@@ -130,7 +131,6 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
       rmm-jax embed synthetic:users=4 --out stores/synthetic --json
       rmm-jax embed jsonl:examples/chat_history.jsonl --into stores/mine   # appends only what is new
     """
-    say = (lambda m: None) if quiet else info
     if (out is None) == (into is None):
         raise InputError("give --out (a new store) or --into (append to an existing one)"
                          + (", not both" if out is not None else ""), where="--out")
@@ -146,7 +146,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
             check_threshold(name, segment_threshold if name == "segment_threshold" else merge_threshold)
     if into is not None:
         return _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles,
-                       answers, say, as_json)
+                       answers, as_json)
     with as_options(path="out"):        # before any work; write_store checks it again
         check_store_path(out)
     _check_replaceable(out, f"--out {out}")
@@ -158,47 +158,47 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
         raise InputError(f"a log's memories are kept as logged (their ids are what the log names); "
                          f"use --granularity turn, not {granularity!r}", where="--granularity")
     t_load = time.perf_counter() - t0
-    say(f"loaded {spec}: {count(len(dataset.users), 'user')} ({t_load:.1f}s)")
+    info(f"loaded {spec}: {count(len(dataset.users), 'user')} ({t_load:.1f}s)")
     if dataset.name == "jsonl":
-        _note_skipped(dataset.stats["skipped"], say)
+        _note_skipped(dataset.stats["skipped"])
     for note in dataset.stats.get("notes", ()):      # log: unknown keys that look misspelt
-        say(f"note: {note}")
+        info(f"note: {note}")
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
     dropped = dataset.stats.get("gold_without_text", 0)
     if dropped:
         mems = parse_log_spec(spec.partition(":")[2])[1]          # given: the texts go there, not a new option
-        say(f"note: dropped {dropped} gold ids naming memories no record carries (never retrieved, so no text "
-            f"to embed; first: {dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the "
+        info(f"note: dropped {dropped} gold ids naming memories no record carries (never retrieved, so no text "
+             f"to embed; first: {dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the "
             "store holds. " + (f"Add their texts to {mems} to keep them" if mems
                                else "Give their texts with log:CALLS,memories=MEMS to keep them"))
     if dataset.name in ("jsonl", "log") and no_gold:
-        say(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
-            + (" (no question has gold)" if no_gold == n_q else ""))
+        info(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
+             + (" (no question has gold)" if no_gold == n_q else ""))
     n = unanswered(dataset) if answers else 0
     if n:
-        say(f"note: --answers: {n} of {count(n_q, 'question')} {'has' if n == 1 else 'have'} no answer; "
-            + ("its answer embedding is of the question alone" if n == 1 else
+        info(f"note: --answers: {n} of {count(n_q, 'question')} {'has' if n == 1 else 'have'} no answer; "
+             + ("its answer embedding is of the question alone" if n == 1 else
                "their answer embeddings are of the questions alone"))
     t1 = time.perf_counter()
     with as_options("model", "granularity", "segment_threshold", "merge_threshold", "cache_dir", path="out", **MODEL):
-        embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=not quiet,
+        embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=True,
                             use_cache=not no_cache)
-        say(f"model {embedder.model_id} (dim {embedder.dim}), cache "
-            f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
+        info(f"model {embedder.model_id} (dim {embedder.dim}), cache "
+             f"{embedder.cache_dir if embedder.cache_dir else 'off'}")
         try:
             thresholds = ({"segment_threshold": segment_threshold, "merge_threshold": merge_threshold}
                           if granularity == "segment" else {})     # only segment reads them (else refused)
-            manifest = write_store(out, dataset, granularity, embedder, spec=spec, progress=say, answers=answers,
+            manifest = write_store(out, dataset, granularity, embedder, spec=spec, progress=info, answers=answers,
                                    **thresholds)
         finally:
             embedder.close()
-    _note_truncated(embedder, say)
+    _note_truncated(embedder)
     total = time.perf_counter() - t0
     c = manifest["counts"]
-    say(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
-        f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached; {total:.1f}s total)")
+    info(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
+         f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached; {total:.1f}s total)")
     if was is not None:
-        say(f"replaced {out} (was {count(was['users'], 'user')}, {count(was['memories'], 'memory')})")
+        info(f"replaced {out} (was {count(was['users'], 'user')}, {count(was['memories'], 'memory')})")
     if as_json:
         report = dict(manifest)
         report["store"] = str(out)
@@ -213,7 +213,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
 
 
 def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, skip_invalid, keep_roles, answers,
-            say, as_json) -> None:
+            as_json) -> None:
     """``embed SPEC --into STORE``: the store's model and granularity unless given (and then
     they must match it). New questions get answer embeddings when the store has them; a store
     without them cannot take ``--answers`` (its old questions' answers are not in it)."""
@@ -232,19 +232,19 @@ def _append(spec, into, model, granularity, cache_dir, batch_size, no_cache, ski
     with as_options("skip_invalid", "keep_roles"):     # gold of earlier days: the store holds it (append_store)
         dataset = load_spec(spec, skip_invalid=skip_invalid, keep_roles=keep_roles, gold_elsewhere=True)
     if dataset.name == "jsonl":
-        _note_skipped(dataset.stats["skipped"], say)
+        _note_skipped(dataset.stats["skipped"])
     with as_options("model", "cache_dir", path="into", **MODEL):
         embedder = Embedder(model if "model" in given else st.model.removeprefix("local:"), cache_dir=cache_dir,
-                            batch_size=batch_size, progress=say is info, use_cache=not no_cache)
+                            batch_size=batch_size, progress=True, use_cache=not no_cache)
         try:
-            res = append_store(into, dataset, embedder, spec=spec, progress=say, skip_invalid=skip_invalid)
+            res = append_store(into, dataset, embedder, spec=spec, progress=info, skip_invalid=skip_invalid)
         finally:
             embedder.close()
-    _note_truncated(embedder, say)
+    _note_truncated(embedder)
     c, a = res["manifest"]["counts"], res["added"]
-    say(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
-        f"now {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
-        f"({count(embedder.texts_embedded, 'text')} embedded; {time.perf_counter() - t0:.1f}s)")
+    info(f"{'appended to' if any(a[k] for k in ('users', 'sessions', 'queries')) else 'nothing new for'} {into}: "
+         f"now {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
+         f"({count(embedder.texts_embedded, 'text')} embedded; {time.perf_counter() - t0:.1f}s)")
     if as_json:
         emit_json({**res["manifest"], "store": str(into), "added": a, "texts_embedded": embedder.texts_embedded},
                   indent=None)
@@ -282,15 +282,15 @@ def _roles(value: str) -> tuple[str, ...]:
     return roles
 
 
-def _note_truncated(embedder, say) -> None:
+def _note_truncated(embedder) -> None:
     """One stderr line when the model read only the beginning of some texts
     (:func:`rmm_jax.data.embed.truncation_note`)."""
     note = truncation_note(embedder)
     if note:
-        say(f"note: {note}")
+        info(f"note: {note}")
 
 
-def _note_skipped(skipped: dict, say) -> None:
+def _note_skipped(skipped: dict) -> None:
     """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
     labels = {"tool_results": "tool results", "tool_calls": "tool-call-only",
               "instructions": "system/developer", "no_text": "no text part",
@@ -308,4 +308,4 @@ def _note_skipped(skipped: dict, say) -> None:
     if parts:
         first = f"; first invalid: {skipped['first_errors'][0]}" if skipped["first_errors"] else ""
         keep = "; --keep-roles system,developer keeps system/developer messages" if skipped["instructions"] else ""
-        say(f"skipped {'; '.join(parts)}{first}{keep}")
+        info(f"skipped {'; '.join(parts)}{first}{keep}", must_read=bool(first))   # what --skip-invalid dropped

@@ -16,6 +16,7 @@ from rmm_jax.cli.shell import (
     info,
     json_option,
     png_option,
+    quiet_option,
     users_option,
 )
 from rmm_jax.core.config import Layout
@@ -90,6 +91,7 @@ def _row(name: str, est: dict) -> str:
 @png_option("Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a reference "
             "line, each unreliable estimate as a hatched column labelled 'unreliable', with no value; below, each "
             "estimate's paired gain over the logging policy; the verdict in the title.")
+@quiet_option
 @json_option("the report", "store, policies, log, users, calls, k, m, tau, clip, min_ess, bootstrap, seed, "
              "estimators, estimates (per metric, per estimator), ranges, marginals, cited_recall, unreliable, "
              "users_on_shared_params, learned_calls (how many of the calls the policies learned from), notes, "
@@ -213,7 +215,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     for note in k_m_note:
         info(note)
     if log["skipped"]:
-        info(ReadReport(*(log[f] for f in ReadReport._fields)).skipped_line())   # log also holds its path
+        info(ReadReport(*(log[f] for f in ReadReport._fields)).skipped_line(),   # log also holds its path
+             must_read=True)
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
     for note in filter(None, (rep["learned_calls"]["note"], rep["pending_rollback"],
@@ -233,11 +236,11 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     # failed (the warning says what to fix), nor when it served these policies (the verdict says so)
     hint = rollback_hint(ps, policies) if v["worse"] else None
     if hint:
-        info(hint)
+        info(hint, must_read=True)
     if rep["unreliable"]:
         n_est = sum(len(per) for per in rep["estimates"].values())
         info(f"{len(rep['unreliable'])} of {n_est} estimates are unreliable"
-             + ("" if allow_unreliable else f"; exit status {EXIT_UNRELIABLE} (--allow-unreliable: 0)"))
+             + ("" if allow_unreliable else f"; exit status {EXIT_UNRELIABLE} (--allow-unreliable: 0)"), must_read=True)
         if not allow_unreliable:
             click.get_current_context().exit(EXIT_UNRELIABLE)
 
@@ -260,7 +263,7 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
     for note in filter(None, (rep["pending_rollback"], (rep["unfinished_run"] or {}).get("note"))):
         info(f"note: {note}")
     if opts["plot_path"] is not None:
-        info(f"no plot: {why}, so --plot {opts['plot_path']} was not written")
+        info(f"no plot: {why}, so --plot {opts['plot_path']} was not written", must_read=True)
     if as_json:         # the line on stderr, as rerank --json says it served 0 calls
         info(f"verdict: none ({why})")
         emit_json(rep)

@@ -143,7 +143,7 @@ def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, crea
         with as_options("policies"):                    # its errors name --policies
             start = session.plan_start(ps, st, ls.setting.layout, init, seed, rs, writer=writer)
         if start.rolled_back is not None:
-            info(rolled_back_note(policies, start.rolled_back))
+            info(rolled_back_note(policies, start.rolled_back), must_read=True)
         yield rs, start
         if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
             write_setting(ps, ls.record)

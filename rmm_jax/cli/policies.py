@@ -24,6 +24,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    quiet_option,
     users_option,
 )
 from rmm_jax.errors import InputError
@@ -39,7 +40,7 @@ SHOW_VERSIONS = 10  # kept versions listed in text (all of them with --json)
 
 
 def _progress(msg: str) -> None:
-    click.echo(msg, err=True)
+    info(msg)       # routine: none under --quiet
 
 
 def _user_list(user: str | None, users: list[str] | None) -> list[str] | None:
@@ -233,6 +234,7 @@ def _echo_user(d: dict) -> None:
 @click.argument("store", type=click.Path())
 @click.argument("user", required=False)
 @users_option("These users, with or instead of USER", default="none: the store alone")
+@quiet_option
 @json_option("what loads", "store (an object), users (one object per user asked for), unfinished_run (null, or "
              "the run that has not finished writing the store: command, state, note), pending_rollback (null, or "
              "the note that an interrupted rollback is pending: what loads is the store as it was before it)")
@@ -292,6 +294,7 @@ def export_params(st: PolicyStore, user: str, out: Path, version: int | None = N
                    "with meta, version and info is written next to it.")
 @click.option("--version", "version", type=IntRange(min=1), default=None,
               help="Export this saved version instead of the newest good one.")
+@quiet_option
 @json_option("what was exported (the .json written next to the .npz, with both paths)",
              "store, user, version, shared_version, meta, info, shapes, dtypes, out, json")
 def export(store, user, out, version, as_json):
@@ -356,6 +359,7 @@ def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
                    "above TO is forgotten.  [default: (the version before the newest run of simulate or "
                    "replay, which that run's versions record)]")
 @click.option("--dry-run", is_flag=True, help="Say what would be rolled back and change nothing.")
+@quiet_option
 @json_option("the rollback", "store, done (false with --dry-run), to, users, versions, removed, shared, setting, "
              "setting_known, interrupted, newest (the newest user version kept afterwards)")
 def rollback_cmd(store, to, dry_run, as_json):

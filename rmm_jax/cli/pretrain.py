@@ -27,6 +27,7 @@ from rmm_jax.cli.shell import (
     info,
     json_option,
     png_option,
+    quiet_option,
     users_option,
 )
 from rmm_jax.cli.signals import StopSignals
@@ -123,6 +124,7 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @checkpoint_options(1, "epochs")
 @png_option("Also write a PNG of the epochs: the training loss, and the train and validation Recall@m from "
             "the untrained start, with the epoch early stopping kept marked.")
+@quiet_option
 @json_option("the run's summary", "policies, split, best_epoch, epochs_run, train_recall@M, val_recall@M and "
              "initial_val_recall@M (null without validation users), untrained_start_kept, "
              "untrained_start_kept_reason, plot (with --plot)")
@@ -207,7 +209,7 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
             if tree_digest(PolicyStore.open(out).shared_state().state.params) != tree_digest(best):
                 raise InputError("already exists and is not empty; choose a new policy store path",
                                  where=f"--out {out}")
-            info(f"{out} was already written by the interrupted run")
+            info(f"{out} was already written by the interrupted run", must_read=True)
         else:
             PolicyStore.create(out, meta, best)
         rs.finish()

@@ -47,6 +47,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    quiet_option,
     users_option,
 )
 from rmm_jax.data.citation_log import ReadReport, is_empty_log, time_text
@@ -68,14 +69,15 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
     """Say on stderr which calls the policies learned already; the counts for ``--json``."""
     before = learned.known + learned.older
     if before and relearn:
-        info(f"--relearn: learning {before} calls again that these policies have learned from already")
+        info(f"--relearn: learning {before} calls again that these policies have learned from already", must_read=True)
     elif before and learned.older:      # not learned: behind the time up to which their users have learned
         info(f"skipped {before} calls: {learned.known} learned already by these policies, {learned.older} older than "
              f"what their users have learned (at or before their horizon, {time_text(learned.horizon)}; --relearn "
-             f"learns them); {learned.learn} calls to learn")
+             f"learns them); {learned.learn} calls to learn", must_read=True)
     elif before:
         info(f"skipped {before} calls learned already: {learned.known} by these policies, {learned.older} older than "
-             f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn")
+             f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn",
+             must_read=True)
     return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older, "relearn": relearn}
 
 
@@ -88,7 +90,7 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
     if unfinished:
         info(f"note: {unfinished['note']}")
     if plot_path:
-        info(f"no plot: nothing was learned, so --plot {plot_path} was not written")
+        info(f"no plot: nothing was learned, so --plot {plot_path} was not written", must_read=True)
     calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}
     what = "is unchanged" if Path(policies).exists() else "was not created"
     line = f"nothing to learn: {log_path} has no calls (the file is empty); {policies} {what}"
@@ -129,6 +131,7 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
+@quiet_option
 @json_option("the run's summary", "policies, init, setting, config, log (the log read: path, calls, skipped, "
              "...), base (the base retriever on the same calls, per_user among them), online (the run's "
              "prequential measures, per_user among them), curve and cited_curve (learning curves, when measured)")
@@ -224,20 +227,20 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                   users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                                   desc="replay", mesh=mesh, writer=writer, relearn=relearn, questions=st)
     if note:
-        info(note)
+        info(note, must_read=True)
     if untimed:
         who = f"user {untimed[0]!r} has" if len(untimed) == 1 else f"{len(untimed)} users (first: {untimed[0]!r}) have"
         info(f"{who} more than {WINDOW} calls without a timestamp in this log: a policy remembers its last "
              f"{WINDOW} calls and recognises older ones by their timestamps, so replaying this log again would "
              "learn their earlier calls again; give each call a timestamp (`rmm-jax rerank` writes one on every "
-             "call it serves)")
+             "call it serves)", must_read=True)
     if scan.read.skipped:
-        info(scan.read.skipped_line())
+        info(scan.read.skipped_line(), must_read=True)
     for line in scan.read.notes:                 # unknown keys that look misspelt
         info(f"note: {line}")
     if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")
     elif plot_path and writer:
-        info(f"no plot: nothing was learned, so --plot {plot_path} was not written")
+        info(f"no plot: nothing was learned, so --plot {plot_path} was not written", must_read=True)
     report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
                              "log": {"path": str(log_path), **rep}}, as_json)

@@ -10,7 +10,17 @@ import click
 
 from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import SEED, IntRange, as_options, check_output_file, count, emit_json, info, json_option
+from rmm_jax.cli.shell import (
+    SEED,
+    IntRange,
+    as_options,
+    check_output_file,
+    count,
+    emit_json,
+    info,
+    json_option,
+    quiet_option,
+)
 from rmm_jax.data.calls import check_out_apart, prepare_calls, read_calls
 from rmm_jax.data.citation_log import record_to_json, validate_record
 from rmm_jax.data.json_lines import source_name
@@ -55,6 +65,7 @@ def serve_clock() -> int:
                    "file, nor a path inside STORE or --policies.")
 @click.option("--cache-users", type=IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
+@quiet_option
 @json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
              "calls, users, served_by (own_policy: calls served by their user's saved policy; shared: by the "
              "shared part, for a user the store does not hold; identity: by the retriever's scores, without a "
@@ -115,13 +126,14 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     with as_options("k", "m"):                    # the API names its arguments, the CLI its options
         prepared = prepare_calls(st, calls, calls_path, k, m, key_notes)
     if note:                                      # after the calls are checked: an error stays one line
-        info(note)
+        info(note, must_read=True)
     # unknown keys that look misspelt; texts the model cut; a pending rollback; a run not finished
     for line in key_notes + [pending] * bool(pending) + ([unfinished['note']] if unfinished else []):
         info(f"note: {line}")
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:
-        info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected")
+        info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected",
+             must_read=True)
     lines: list[str | None] = [None] * len(prepared)
     served_by = dict.fromkeys(("own_policy", "shared", "identity"), 0)
     batches = call_batches(prepared)

@@ -6,7 +6,7 @@ import time
 import click
 
 from rmm_jax.cli.main import cli
-from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, json_option
+from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, info, json_option, quiet_option
 from rmm_jax.core.config import Layout
 from rmm_jax.data.retrieval import evaluate_store
 from rmm_jax.data.store import open_store
@@ -36,6 +36,7 @@ def _table(title: str, rows: dict, names: list[str]) -> list[str]:
                    "instead of failing.")
 @click.option("--expect-model", default=None,
               help="Fail unless the store was embedded with this model id.")
+@quiet_option
 @json_option("the metrics", "store, model, granularity, k, metrics (their names), overall, per_user, "
              "per_category, counts, seconds")
 def retrieve(store, k, pad_short_banks, expect_model, as_json):
@@ -80,4 +81,4 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
     click.echo("")
     for line in _table("category", res["per_category"], names):
         click.echo(line)
-    click.echo(f"({res['seconds']:.1f}s)", err=True)
+    info(f"({res['seconds']:.1f}s)")

@@ -1,5 +1,6 @@
-"""The shell's side of every verb, without JAX: notes on stderr and JSON on stdout, the
-``--users`` filter, which options the user gave, and output paths refused before any work.
+"""The shell's side of every verb, without JAX: notes on stderr (no routine ones under
+``--quiet``) and JSON on stdout, the ``--users`` filter, which options the user gave, and
+output paths refused before any work.
 
 Verbs that never touch JAX (``embed``) import only this of the CLI's helpers, so that they
 start in a fraction of a second (:mod:`rmm_jax.cli.main` loads each verb when it is called).
@@ -7,6 +8,7 @@ start in a fraction of a second (:mod:`rmm_jax.cli.main` loads each verb when it
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from pathlib import Path
@@ -15,6 +17,7 @@ import click
 from click.core import ParameterSource
 
 from rmm_jax.cli import disk_errors
+from rmm_jax.data.embed import QUIET
 from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
 from rmm_jax.errors import InputError, worded
 from rmm_jax.persist.atomic import write_problem
@@ -34,9 +37,44 @@ class FloatRange(click.FloatRange):
 SEED = IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, JAX's keys >= 2**63
 
 
-def info(msg: str) -> None:
-    """Progress and notes go to stderr so that ``--json`` stdout stays parseable."""
+#: The lines a user must read, printed under ``--quiet`` too.
+MUST_READ = ("note: ", "warning: ", "error: ")
+
+QUIET_HELP = ("No progress bars and no routine lines on stderr; what must be read stays: every note:, warning: "
+              "and error: line, and stdout.")
+
+
+def info(msg: str, *, must_read: bool = False) -> None:
+    """Progress and notes go to stderr so that ``--json`` stdout stays parseable. Under
+    ``--quiet`` (:func:`quiet_option`) only the lines a user must read are printed: those that
+    start ``note:``, ``warning:`` or ``error:``, and those a caller marks ``must_read`` (a
+    state to act on said without such a prefix); routine lines (progress, what was written,
+    timings) are not."""
+    if QUIET.get() and not must_read and not msg.startswith(MUST_READ):
+        return
     click.echo(msg, err=True)
+
+
+def quiet() -> bool:
+    """True while the running command was given ``--quiet``."""
+    return QUIET.get()
+
+
+def quiet_option(f):
+    """``--quiet/-q``, the same on every verb that prints progress or routine lines on stderr:
+    for the command's run, :func:`info` prints only what must be read and no progress bar
+    shows (:func:`rmm_jax.cli.common.progress_bar`, the embedding bars). The state is set
+    around the command and reset after it, also on an error, so that a command run in the
+    same process after it (a test's) is not quiet. tests/test_cli_quiet.py checks that every
+    verb that prints such lines has it."""
+    @functools.wraps(f)
+    def run(*args, quiet: bool, **kwargs):
+        token = QUIET.set(quiet)
+        try:
+            return f(*args, **kwargs)
+        finally:
+            QUIET.reset(token)
+    return click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)(run)
 
 
 def _plain(x):

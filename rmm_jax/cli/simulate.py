@@ -36,7 +36,16 @@ from rmm_jax.cli.online import (
     setting_report,
     stored_scope,
 )
-from rmm_jax.cli.shell import IntRange, as_options, check_output_file, count, info, json_option, users_option
+from rmm_jax.cli.shell import (
+    IntRange,
+    as_options,
+    check_output_file,
+    count,
+    info,
+    json_option,
+    quiet_option,
+    users_option,
+)
 from rmm_jax.data import citations as cm
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
@@ -102,6 +111,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
+@quiet_option
 @json_option("the run's summary", "policies, init, setting, config, citations, base (the base retriever on the "
              "same queries, per_user among them), online (the run's prequential measures, per_user among them), "
              "curve and cited_curve (learning curves, when measured)")
@@ -191,10 +201,10 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh,
                                   first_query=queries[0])
     if note:
-        info(note)
+        info(note, must_read=True)
     if again:
         info(f"--relearn: learned {count(again, 'question')} again that these policies had learned in an earlier "
-             "simulate run")
+             "simulate run", must_read=True)
     if len(run_ids) < len(asked) and writer:
         info(f"note: {len(asked) - len(run_ids)} of {count(len(asked), 'user')} hold no question in --queries "
              f"{query_range} and were not run")

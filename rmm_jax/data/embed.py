@@ -32,6 +32,7 @@ import sqlite3
 import sys
 import time
 import warnings
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,11 @@ from rmm_jax.persist.atomic import disk_problem
 
 __all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
            "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug"]
+
+#: True while the running command is quiet (the CLI's ``--quiet``): no bars, nor the model's
+#: loading line, whatever an :class:`Embedder`'s ``progress`` says. A ContextVar, so that it
+#: holds for one command (set and reset around it) and one thread or task.
+QUIET: ContextVar[bool] = ContextVar("rmm_jax_quiet", default=False)
 
 #: The packaged offline model, by its short name.
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -288,7 +294,7 @@ class Embedder:
             # torch and the weights take seconds: one line says so, where the bars show (a terminal,
             # progress on), cleared once loaded; none in a log file or a pipe, as for the bars
             with tqdm(total=0, desc=f"loading the embedding model {self.model_name} ...", bar_format="{desc}",
-                      file=sys.stderr, disable=None if self.progress else True, leave=False):
+                      file=sys.stderr, disable=None if self.progress and not QUIET.get() else True, leave=False):
                 self._loaded = self._load(self._load_from, self.model_name)
             if getattr(self, "dim", None) is not None and self._model_dim(self._loaded) != self.dim:
                 raise InputError(f"model {self.model_name!r} has dim {self._model_dim(self._loaded)}, its embedding "
@@ -383,8 +389,8 @@ class Embedder:
         missing.sort(key=lambda k: -len(uniq[k]))
         if missing:
             self._model                 # loaded (with its line) before the bar opens
-            with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr,
-                      disable=None if self.progress else True, leave=False) as bar:   # None: a terminal only
+            bars = None if self.progress and not QUIET.get() else True      # None: a terminal only
+            with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr, disable=bars, leave=False) as bar:
                 for s in range(0, len(missing), self.batch_size):
                     part = missing[s:s + self.batch_size]
                     vecs = self._run_model([uniq[k] for k in part])
