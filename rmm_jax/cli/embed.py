@@ -178,7 +178,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     if n:
         info(f"note: --answers: {n} of {count(n_q, 'question')} {'has' if n == 1 else 'have'} no answer; "
              + ("its answer embedding is of the question alone" if n == 1 else
-               "their answer embeddings are of the questions alone"))
+                "their answer embeddings are of the questions alone"))
     t1 = time.perf_counter()
     with as_options("model", "granularity", "segment_threshold", "merge_threshold", "cache_dir", path="out", **MODEL):
         embedder = Embedder(model, cache_dir=cache_dir, batch_size=batch_size, progress=True,
