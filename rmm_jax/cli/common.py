@@ -262,17 +262,22 @@ def raise_option_error(e: ValueError):
 def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None, hidden=None,
                  *, clip=None, loss=None, p_useful=None, p_other=None, draw_tau=None) -> Setting:
     """The program's parts from the options (``scope`` None: user; ``hidden``: the `mlp` kind's
-    width, None its default; the keyword ones: :class:`Estimator` fields, None the preset's).
-    A verb's :class:`SettingOptions` ``o`` gives them all: ``make_setting(**o._asdict())``."""
-    overrides = {n: v for n, v in dict(batch=batch, tau=tau, lr=lr, reward=reward, baseline=baseline,
-                                       credit=credit).items() if v is not None}
-    overrides.update({n: v for n, v in dict(clip=clip, loss=loss, p_useful=p_useful, p_other=p_other,
-                                            draw_tau=draw_tau).items() if v is not None})
-    check_rank_scope(scope, rank)
-    check_kind_scope(kind, scope)
+    width, None its default; the keyword ones: :class:`Estimator` fields, None the preset's):
+    :func:`rmm_jax.online.setting.resolve_setting` on a store that records no setting, a bad
+    value as its option's one line. A verb's :class:`SettingOptions` ``o`` gives them all:
+    ``make_setting(**o._asdict())``."""
+    given = SettingOptions(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope, rank, hidden,
+                           clip=clip, loss=loss, p_useful=p_useful, p_other=p_other, draw_tau=draw_tau)
+    return _resolved(None, given, ()).setting
+
+
+def _resolved(recorded: dict | None, given: SettingOptions, explicit) -> LearningSetting:
+    """:func:`rmm_jax.online.setting.resolve_setting` with the CLI's checks of --rank and --kind
+    against the scope first, and a bad value as its option's one-line error."""
+    check_rank_scope(given.scope, given.rank)
+    check_kind_scope(given.kind, given.scope)
     try:
-        return settings.preset(preset, k=k, m=m, kind=kind, hidden=hidden, scope=scope or "user", rank=rank,
-                               **overrides)
+        return resolve_setting(recorded, given, explicit)
     except ValueError as e:
         raise_option_error(e)
 
@@ -295,14 +300,9 @@ def learning_setting(policies, given: SettingOptions, *, change: bool = False,
     refuses any option that differs from it."""
     recorded = read_setting(PolicyStore.open(policies)) if Path(policies).exists() else None
     if recorded is None:
-        return LearningSetting(make_setting(**given._asdict()), given.preset, None, [])
+        return _resolved(None, given, ())
     explicit = explicit_options()
-    check_rank_scope(given.scope, given.rank)
-    check_kind_scope(given.kind, given.scope)
-    try:
-        ls = resolve_setting(recorded, given, explicit)
-    except ValueError as e:
-        raise_option_error(e)
+    ls = _resolved(recorded, given, explicit)
     if ls.changes and not change and not (resume and runstate.RunState.interrupted_fingerprint(policies)):
         option, shown, was = blamed_change(ls, explicit)
         raise InputError(f"{shown} would change the learning setting policy store {policies} records ({was}); "
