@@ -17,10 +17,12 @@
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 import warnings
 
@@ -41,6 +43,7 @@ from rmm_jax.online.ope import (
     estimator_weights,
     evaluate_calls,
     evaluate_log,
+    learned_calls,
     load_calls,
     prefix_log_probs,
     report_entry,
@@ -744,6 +747,32 @@ def test_ess_threshold_is_the_option(capsys, ope_env):
     code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--min-ess", 47.5, "--json")
     assert code == 0 and strict_json(out)["unreliable"] == [] and err == ""
 
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "interleaved"])
+def test_evaluate_log_reads_the_log_once(ope_env, tmp_path, monkeypatch, grouped):
+    """evaluate_log read the day's log again for its learned-calls count (scan_log), and a
+    third time when a user's records are not on consecutive lines (scan_log's second pass):
+    the count now comes from the calls load_calls read. It counts what learned_calls does."""
+    log = ope_env["log"]
+    if not grouped:             # round-robin over the users: no user's records are consecutive
+        by_user = [[r for r in ope_env["records"] if r["user_id"] == u] for u in ope_env["users"]]
+        log = tmp_path / "interleaved.jsonl"
+        log.write_text("".join(json.dumps(r) + "\n" for recs in itertools.zip_longest(*by_user) for r in recs if r))
+    st, ps, cfg = open_store(ope_env["store"]), PolicyStore.open(ope_env["pol"]), Target(KK, MM, TAU)
+    expected = learned_calls(st, log, ps, cfg)
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == os.fspath(log):
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    got = evaluate_log(st, log, ps, cfg, bootstrap=40)
+    assert len(opened) == 1, f"the log was opened {len(opened)} times"
+    assert got["learned_calls"] == expected and expected["calls"] == len(ope_env["records"])
 
 def test_deterministic_logger_log_prob_zero_is_flagged(capsys, ope_env, tmp_path):
     """log_prob 0 says the logger could show nothing else. Then the weights are π(a) < 1 and

@@ -14,7 +14,7 @@ import numpy as np
 from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import Layout
 from rmm_jax.core.executables import aot
-from rmm_jax.data.citation_log import ReadReport, iter_numbered, pl_log_prob
+from rmm_jax.data.citation_log import ReadReport, call_hash, call_hashes, iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import pad_rows
@@ -50,6 +50,7 @@ class Calls:
     served_by_target: np.ndarray | None = None   # (n,) bool: the call's logged versions are those the target loads
     logit_error: np.ndarray | None = None  # (n,) float64: float32 error bound of the target's logits (rounding_bound)
     read: ReadReport | None = None     # what reading the log found (load_calls)
+    hashes: dict | None = None         # user id -> (learned_calls.Calls, line numbers) of its calls, in log order
 
     @property
     def filled(self) -> np.ndarray:
@@ -189,6 +190,9 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     number: the log does not name the policy store that served it. ``logit_error``: per call,
     how far float32 rounding can move the target's logits (:func:`rounding_bound`). ``read``: the log's
     :class:`~rmm_jax.data.citation_log.ReadReport` (``report``, a dict filled with it, is deprecated).
+    ``hashes``: per user, what a policy store remembers of its calls once learned and their line
+    numbers, as :func:`rmm_jax.online.streams.scan_log` gives them with ``calls=True`` (what
+    :func:`learned_calls` counts), from the same single read of the log.
     """
     if report is not None:
         deprecated_parameter("load_calls", "report", "read the returned Calls' .read, a ReadReport")
@@ -198,6 +202,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     wanted = None if not users else set(users)
     by_user: dict[str, list] = {}
     texts: dict[str, None] = {}
+    hashes: dict[str, list] = {}
     reading = iter_numbered(log_path, known=known, skip_invalid=skip_invalid)
     for line, rec in reading:
         check_limits(rec, cfg, log_path)
@@ -208,6 +213,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                              where=at(log_path, line, "log_prob"))
         if wanted is None or rec.user_id in wanted:
             by_user.setdefault(rec.user_id, []).append(rec)
+            hashes.setdefault(rec.user_id, []).append((*call_hash(rec), line))
             texts.update(dict.fromkeys(unseen_texts(rec, known(rec.user_id))))
     read = reading.report
     if report is not None:
@@ -261,7 +267,8 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
-                 served_by_target=cat("served"), logit_error=cat("err"), read=read)
+                 served_by_target=cat("served"), logit_error=cat("err"), read=read,
+                 hashes={u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()})
 
 
 class MetricRewards(NamedTuple):

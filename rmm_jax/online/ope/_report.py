@@ -299,9 +299,16 @@ def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str
     learned from, as the policy store remembers them (:func:`rmm_jax.online.starts.check_learned`):
     ``{"calls", "learned", "older", "note"}``; ``older``: calls older than what a user's policy
     remembers (learned and forgotten, or never learned: it cannot tell); ``note``: the line
-    that says an estimate on learned calls can be optimistic (None: none was learned)."""
+    that says an estimate on learned calls can be optimistic (None: none was learned).
+    Reads the log; :func:`evaluate_log` counts the calls :func:`load_calls` read instead
+    (``Calls.hashes``)."""
     scan = scan_log(log_path, cfg, known=known_ids(store), skip_invalid=skip_invalid, users=users, calls=True)
-    calls = scan.calls or {}
+    return _learned(scan.calls or {}, store, log_path, policies)
+
+
+def _learned(calls: dict, store, log_path, policies) -> dict:
+    """:func:`learned_calls` of the calls ``calls`` (per user, its calls and their line
+    numbers: ``scan_log(..., calls=True).calls`` or ``Calls.hashes``)."""
     got = (check_learned(calls, policies, log_path, before=None, relearn=True, questions=store)   # count, never refuse
            if calls else None)
     total, learned, older = (int(got.learn), int(got.known), int(got.older)) if got else (0, 0, 0)
@@ -409,7 +416,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         warnings.append(f"importance weights clipped at {clip:g} (weights capped, cited metric: {counts}): "
                         "clipped estimates are biased, towards the logging policy's value for ips")
     bad = [{"metric": metric, "estimator": name, "reason": reason} for metric, name, reason in unreliable(res)]
-    learned = learned_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid)
+    learned = _learned(calls.hashes, store, log_path, policies)    # the calls load_calls read: one read
     return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
             "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
             "seed": seed, "log": {"path": str(log_path), **calls.read._asdict()}, "warnings": warnings,
