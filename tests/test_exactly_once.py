@@ -27,7 +27,7 @@ from rmm_jax.core.config import Layout, describe
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, worded
-from rmm_jax.online import loop, sinks
+from rmm_jax.online import loop, sinks, starts
 from rmm_jax.online.starts import check_learned
 from rmm_jax.online.streams import scan_log
 from rmm_jax.persist import runstate
@@ -370,13 +370,15 @@ def test_a_day_replayed_after_a_killed_rollback_of_it_is_learned_once(capsys, mo
     assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))
 
 
-def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(capsys, tmp_path, store, logged):
+def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(capsys, monkeypatch, tmp_path, store,
+                                                                           logged):
     """`simulate --queries :8 --log-out s.jsonl` then `replay --log s.jsonl` into the same
     policies learned every call a second time (learn 32, learned_already 0; `policies list`
     went from 8 learned to 16) and evaluate said nothing of it. The questions a user's simulate
     runs learned (each version's simulated_queries) count as learned calls: skipped and
     counted, relearned only with --relearn; a log with newer calls learns just those, bit for
-    bit as a log of only those; evaluate's note counts them."""
+    bit as a log of only those; evaluate's note counts them. A replay looks up each user's
+    simulated questions once (its check before the run and the run itself both used them)."""
     pol = tmp_path / "p"
     code, _, err = run_cli(capsys, "simulate", store, "--policies", pol, "--queries", ":8", "--log-out",
                            tmp_path / "s.jsonl", *RUN)
@@ -393,8 +395,13 @@ def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(cap
     shutil.copytree(pol, tmp_path / "only_new")
     newer = set(map(json.dumps, logged)) - set(sim.read_text().splitlines())
     only_new = write(tmp_path / "new.jsonl", [r for r in logged if json.dumps(r) in newer])
+    looked_up = []
+    real_keys = starts.simulated_keys
+    monkeypatch.setattr(starts, "simulated_keys", lambda q, u, info: looked_up.append(u) or real_keys(q, u, info))
     code, out, err = replay(capsys, store, write(tmp_path / "all.jsonl", logged), pol, "--json")
+    monkeypatch.setattr(starts, "simulated_keys", real_keys)
     assert code == 0, err
+    assert looked_up and len(looked_up) == len(set(looked_up)), looked_up
     calls = json.loads(out)["log"]["calls"]
     assert (calls["learn"], calls["learned_already"]) == (len(logged) - n, n), (calls, err)
     code, _, err = replay(capsys, store, only_new, tmp_path / "only_new")

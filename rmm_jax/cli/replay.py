@@ -225,7 +225,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         if learned is None or learned.learn:
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                                   users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
-                                  desc="replay", mesh=mesh, writer=writer, relearn=relearn, questions=st)
+                                  desc="replay", mesh=mesh, writer=writer, relearn=relearn, questions=st,
+                                  simulated=learned.simulated if learned is not None else None)
     if note:
         info(note, must_read=True)
     if untimed:

@@ -38,7 +38,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -51,10 +51,13 @@ from rmm_jax.online.streams import Stream, take_queries
 from rmm_jax.persist.learned_calls import Calls, Sorted, classify, hash64
 
 CHECK_USERS = 64             # users whose learned calls check_learned reads at a time
+_NO_KEYS = np.zeros(0, np.uint64)   # simulated_keys of a user without simulated questions: one array for them all
+_NO_KEYS.setflags(write=False)
 
 
 def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None = None,
-               relearn: bool = False, questions=None) -> Iterator[Chunk]:
+               relearn: bool = False, questions=None,
+               simulated: Mapping[str, np.ndarray] | None = None) -> Iterator[Chunk]:
     """Each chunk with the saved states of its users that ``store`` holds (their newest
     versions older than ``before``, see :meth:`PolicyStore.load_batch`); the others start
     afresh. Each chunk's users are read once, as the chunk is reached.
@@ -67,7 +70,9 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
     is decided against the versions older than ``before``, so a resumed run makes the same
     chunks as the run it resumes. ``questions``: the embedding store the users' questions come
     from (None: none), whose questions a user's ``simulate`` runs learned count as learned
-    calls (:func:`sort_calls`)."""
+    calls (:func:`sort_calls`). ``simulated``: per user, those questions' keys as
+    :func:`check_learned` found them for the same ``before`` (``LearnedCheck.simulated``),
+    not looked up again; a user it lacks is looked up in ``questions``."""
     for streams in chunks:
         streams = list(streams)
         got = store.load_batch([s.user_id for s in streams], before=before)
@@ -76,8 +81,10 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
         for s in streams:
             prior = jax.tree.map(lambda x: x[row[s.user_id]], got.learned) if s.user_id in row else None
             if prior is not None and s.calls is not None:
-                sort = sort_calls(prior, s.calls, simulated_keys(questions, s.user_id, got.infos[row[s.user_id]]),
-                                  relearn=relearn)
+                keys = simulated.get(s.user_id) if simulated is not None else None
+                if keys is None:
+                    keys = simulated_keys(questions, s.user_id, got.infos[row[s.user_id]])
+                sort = sort_calls(prior, s.calls, keys, relearn=relearn)
                 if sort.changed.any() and not relearn:     # check_learned refused this log before the run
                     raise InputError(f"user {s.user_id!r}: a call learned already has other content (the log "
                                      "changed during the run?)", arg="chunks")
@@ -102,7 +109,7 @@ def simulated_keys(questions, user_id: str, info: dict) -> np.ndarray:
     in (None, or one without the user: none)."""
     ranges = simulated_queries(info)
     if not ranges or questions is None or not questions.has_user(user_id):
-        return np.zeros(0, np.uint64)
+        return _NO_KEYS
     ids = [str(r["id"]) for r in questions.query_rows(user_id)]   # its question ids only, not its embeddings
     return np.array([hash64(call_key(_Question(ids[p]))) for a, b in ranges for p in range(a, min(b, len(ids)))],
                     np.uint64)
@@ -134,11 +141,14 @@ class LearnedCheck(NamedTuple):
     """What :func:`check_learned` found: calls to learn, calls skipped because the user's
     policy learned them already, and calls skipped as older than what it has learned;
     ``horizon``: the newest horizon (:mod:`rmm_jax.persist.learned_calls`, seconds) of the
-    users with such calls (None: none)."""
+    users with such calls (None: none); ``simulated``: per user the store holds, the keys of
+    the store questions its ``simulate`` runs learned (:func:`simulated_keys`), for
+    :func:`from_store` to sort the same calls without looking them up again."""
     learn: int
     known: int
     older: int
     horizon: float | None = None
+    simulated: dict | None = None
 
 
 def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *, before: int | None,
@@ -154,13 +164,14 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
     (``known``; :func:`sort_calls`), as :func:`from_store` counts them."""
     learn = known = older = 0
     horizon = None
+    simulated: dict[str, np.ndarray] = {}
     users = list(calls)
     for i in range(0, len(users), CHECK_USERS):
         got = store.load_batch(users[i:i + CHECK_USERS], before=before)
         for j, u in enumerate(got.users):
             mine, lines = calls[u]
-            sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine,
-                              simulated_keys(questions, u, got.infos[j]), relearn=relearn)
+            simulated[u] = simulated_keys(questions, u, got.infos[j])
+            sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine, simulated[u], relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
                 raise InputError(f"user {u!r}: this call was learned with other content: the log was rewritten "
@@ -173,7 +184,7 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
                 h = float(got.learned.horizon[j])
                 horizon = h if horizon is None else max(horizon, h)
         learn += sum(len(calls[u][1]) for u in got.missing)
-    return LearnedCheck(learn, known, older, horizon)
+    return LearnedCheck(learn, known, older, horizon, simulated)
 
 
 def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | None], *,
