@@ -497,6 +497,22 @@ def test_a_call_from_the_future_is_refused_naming_its_line(tmp_path, stamp, hint
     assert [r.query_id for r in got] == ["q0", "q2"] and report.skipped == 1
 
 
+def test_a_log_is_checked_against_one_reading_of_the_clock(tmp_path, monkeypatch):
+    """Each record's timestamp check read the clock (time.time) again: a log of N timed
+    records read it N times. A read of the log (and a write of records) reads it once."""
+    path = tmp_path / "calls.jsonl"
+    now = time.time()
+    recs = [_with(query_id=f"q{i}", timestamp=now - 60 * i) for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    reads = []
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: reads.append(1) or real_time())
+    got, _ = read_log(path)
+    assert len(got) == 5 and len(reads) == 1, len(reads)
+    reads.clear()
+    write_log(tmp_path / "out.jsonl", recs)
+    assert len(reads) == 1, len(reads)
+
 def test_an_unknown_key_that_looks_misspelt_is_noted_once_naming_its_first_line(tmp_path):
     """Unknown keys are ignored (forward compatibility), so a misspelt optional key used to
     vanish silently. One close to a log key is noted, once per key, at the first line of a

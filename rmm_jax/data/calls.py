@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -113,6 +114,7 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
     seen, notes = set(KEYS), [] if notes is None else notes
     repeats = 0                                   # calls whose candidate_texts repeat a text
     lines = json_lines(path, stdin=True, allow_empty=True)    # a day without calls: none (docs/lifecycle.md)
+    now = time.time()                             # one clock read per file: no timestamp may lie a day after it
     path = source_name(path)                      # "-" is standard input: <stdin>:line
     for line, obj in lines:
         if not isinstance(obj, dict):
@@ -122,7 +124,7 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
             if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
                 raise InputError(f"expected a non-empty string, got {json_type(obj.get(key))}",
                                  where=at(path, line, key))
-        stamp = check_timestamp(obj.get("timestamp"), at(path, line))
+        stamp = check_timestamp(obj.get("timestamp"), at(path, line), now)
         if "query" not in obj and "query_id" not in obj:
             raise InputError("needs 'query' (text) or a 'query_id' of STORE", where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:

@@ -65,17 +65,17 @@ WINDOW = 512
 FUTURE_SKEW = 86_400.0      # seconds a timestamp may lie after now: clocks of the machines that log disagree
 
 
-def _trusted(times):
-    """``times`` (seconds) with those more than :data:`FUTURE_SKEW` after now as NaN: no
-    horizon comes from a time in the future."""
+def _trusted(times, now: float | None = None):
+    """``times`` (seconds) with those more than :data:`FUTURE_SKEW` after ``now`` (None: the
+    clock's) as NaN: no horizon comes from a time in the future."""
     t = np.asarray(times, np.float64)
-    return np.where(t > time.time() + FUTURE_SKEW, np.nan, t)
+    return np.where(t > (time.time() if now is None else now) + FUTURE_SKEW, np.nan, t)
 
 
-def _horizon(learned: "LearnedCalls") -> float:
+def _horizon(learned: "LearnedCalls", now: float | None = None) -> float:
     """``learned``'s horizon, −inf where it was saved from a time in the future: not used."""
     h = float(learned.horizon)
-    return -np.inf if np.isnan(_trusted(h)) else h
+    return -np.inf if np.isnan(_trusted(h, now)) else h
 
 
 class LearnedCalls(NamedTuple):
@@ -149,8 +149,9 @@ def add(learned: LearnedCalls, calls: Calls) -> LearnedCalls:
     seq = [np.concatenate([a, b]) for a, b in zip(old, (calls.keys, calls.digests, calls.times))]
     total = count + t
     stay = min(total, w)
-    gone = _trusted(seq[2][:len(seq[2]) - stay])
-    horizon = _horizon(learned)
+    now = time.time()           # once: the horizon kept and the times that leave are judged by one clock
+    gone = _trusted(seq[2][:len(seq[2]) - stay], now)
+    horizon = _horizon(learned, now)
     if gone.size and not np.all(np.isnan(gone)):
         horizon = max(horizon, float(np.nanmax(gone)))
     slots = np.arange(total - stay, total) % w

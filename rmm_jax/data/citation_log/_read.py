@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -109,11 +110,12 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
+    now = time.time()           # one clock read per read of the log: no timestamp may lie a day after it
     for lineno, raw in nonblank_lines(path):
         where = at(path, lineno)
         try:
             obj = decode_line(raw, path, lineno)
-            rec = validate_record(obj, where)
+            rec = validate_record(obj, where, now=now)
             if lookup is not None:
                 _check_known(rec, lookup, where)
             pair = (rec.user_id, call_key(rec))

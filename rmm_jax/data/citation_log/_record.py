@@ -124,7 +124,8 @@ def _version(value: Any, where: str, key: str) -> int | None:
     return value
 
 
-def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) -> LogRecord:
+def validate_record(obj: Any, where: str = "<record>", *, served: bool = False,
+                    now: float | None = None) -> LogRecord:
     """Check one decoded JSON value against the schema and return a :class:`LogRecord`.
 
     ``where`` locates the record in messages, usually ``at(path, line)``; errors read
@@ -134,7 +135,9 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     empty or only whitespace (embedded, it would match nothing), duplicate ids, ``selected`` outside
     ``candidates``, ``cited`` outside ``selected``, and a non-finite or positive
     ``log_prob``. Unknown keys are ignored. ``served``: a served record, which has no
-    ``cited`` yet (``cited`` is then ``()``).
+    ``cited`` yet (``cited`` is then ``()``). ``now``: the time a ``timestamp`` may not lie
+    more than a day after (:func:`check_timestamp`; None: the clock's, read for this record;
+    a reader of many records reads the clock once and passes it).
     """
     if not isinstance(obj, Mapping):
         raise InputError(f"expected a JSON object, got {_type_name(obj)}", where=where)
@@ -150,7 +153,7 @@ def validate_record(obj: Any, where: str = "<record>", *, served: bool = False) 
     selected = _id_list(obj["selected"], where, "selected", allow_empty=False)
     cited = _id_list(obj.get("cited", []), where, "cited", allow_empty=True)
     log_prob = _log_prob(obj.get("log_prob"), where)
-    timestamp = check_timestamp(obj.get("timestamp"), where)
+    timestamp = check_timestamp(obj.get("timestamp"), where, now)
     query = obj.get("query")
     if query is not None and not isinstance(query, str):
         raise InputError(f"must be a string, got {_type_name(query)}", where=_key_where(where, "query"))

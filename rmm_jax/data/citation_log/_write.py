@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -14,16 +15,16 @@ from rmm_jax.errors import InputError
 from rmm_jax.persist.atomic import atomic_file
 
 
-def _json_line(rec: LogRecord | Mapping, where: str) -> tuple[LogRecord, str]:
-    """Validate one record to write (a :class:`LogRecord` or its JSON object) and
-    return it with its JSONL line."""
+def _json_line(rec: LogRecord | Mapping, where: str, now: float | None = None) -> tuple[LogRecord, str]:
+    """Validate one record to write (a :class:`LogRecord` or its JSON object; ``now``, the
+    clock read once for the records written together) and return it with its JSONL line."""
     if isinstance(rec, LogRecord):
         obj = record_to_json(rec)
     elif isinstance(rec, Mapping):
         obj = rec
     else:
         raise InputError(f"expected a LogRecord, got {type(rec).__name__}", where=where)
-    rec = validate_record(obj, where)
+    rec = validate_record(obj, where, now=now)
     return rec, json.dumps(record_to_json(rec), allow_nan=False) + "\n"
 
 
@@ -56,9 +57,10 @@ def write_log(path: str | os.PathLike, records: Iterable[LogRecord]) -> int:
     _check_file_path(path)
     lines: list[str] = []
     seen: set[tuple[str, str]] = set()
+    now = time.time()
     for i, rec in enumerate(records):
         where = f"record {i}"
-        rec, line = _json_line(rec, where)
+        rec, line = _json_line(rec, where, now)
         pair = (rec.user_id, call_key(rec))
         if pair in seen:
             key, what = _call_name(rec)
@@ -111,8 +113,9 @@ class LogWriter:
         if self._f is None:
             raise RuntimeError("LogWriter.write called outside its with-block")
         _check_many(records, "records")
+        now = time.time()
         for r in records:
-            _, line = _json_line(r, f"generated record {self.count}")
+            _, line = _json_line(r, f"generated record {self.count}", now)
             self._f.write(line)
             self.count += 1
 
