@@ -674,3 +674,61 @@ def test_serve_calls_names_a_bad_now_m_or_call(calls, m, now, where):
     with pytest.raises(InputError) as e:
         list(serve_calls(Reranker(None, dim=2), calls, m, now=now))
     assert str(e.value).startswith(where), str(e.value)
+
+
+def _random_calls(n_calls: int, k: int, dim: int, seed: int = 0):
+    from rmm_jax.data.calls import Call, Prepared
+    rng = np.random.default_rng(seed)
+    unit = lambda a: (a / np.linalg.norm(a, axis=-1, keepdims=True)).astype(np.float32)     # noqa: E731
+    return [Prepared(Call(i, f"u{i % 3}", call_id=f"c{i}"), unit(rng.normal(size=dim)), unit(rng.normal(size=(k, dim))),
+                     [f"m{j}" for j in range(k)], None) for i in range(n_calls)]
+
+
+def test_an_exploring_serve_warns_exactly_when_its_median_draw_repeats_more_often_than_not():
+    """The warning's rule, against the probabilities the served records carry: the median
+    call drew its selection with probability >= 1/2. The temperatures span draws from
+    deterministic to near uniform, and both sides of the rule must be taken."""
+    import warnings
+
+    from rmm_jax.online.serve import ExplorationWarning, serve_calls
+    calls, sides = _random_calls(15, k=6, dim=4), set()
+    for tau in (1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.3, 3.0):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            served = [s for batch in serve_calls(Reranker(None, dim=4), calls, 2, explore=True, tau=tau, now=0)
+                      for s in batch]
+        p = np.median(np.exp([s.record.log_prob for s in served]))
+        ours = [w for w in seen if issubclass(w.category, ExplorationWarning)]
+        assert len(ours) == (1 if p >= 0.5 else 0), (tau, p, [str(w.message) for w in seen])
+        if ours:
+            assert f"probability {p:.2f} (15 calls)" in str(ours[0].message)
+        sides.add(bool(ours))
+    assert sides == {True, False}
+
+
+def test_a_call_that_shows_every_candidate_is_not_counted_as_a_draw_that_does_not_explore():
+    import warnings
+
+    from rmm_jax.online.serve import ExplorationWarning, serve_calls
+    calls = _random_calls(8, k=2, dim=4)                  # 2 candidates, m 2: all shown, nothing to explore
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExplorationWarning)
+        assert len([s for b in serve_calls(Reranker(None, dim=4), calls, 2, explore=True, tau=1e-4, now=0)
+                    for s in b]) == 8
+
+
+def test_rerank_says_in_one_warning_line_that_its_draw_barely_explored(capsys, tmp_path, env):
+    store, _ = env
+    calls = tmp_path / "calls.jsonl"
+    st = open_store(store)
+    calls.write_text("".join(json.dumps({"user_id": u, "query_id": q, "call_id": f"{u}-{q}"}) + "\n"
+                             for u in st.user_ids for q in st.user(u).query_ids[:4]))
+    for tau, warned in (("1e-5", True), ("100", False)):
+        code, out, err = run_cli(capsys, "rerank", store, "--policies", tmp_path / "none", "--calls", calls, "--k", 8,
+                                 "--m", 3, "--explore", "--tau", tau, "--out", tmp_path / f"out{tau}.jsonl")
+        assert code == 0, err
+        lines = [ln for ln in err.splitlines() if "barely explored" in ln]
+        assert len(lines) == (1 if warned else 0), err
+        if warned:
+            assert lines[0].startswith("warning: the exploring draw barely explored: the median call drew its 3 "
+                                       "memories"), lines[0]

@@ -11,7 +11,8 @@ when the command ends (also on an error), prints:
   reasons, ONE line instead: ``warning: STORE: 812 users restored an older version (v4 is
   damaged (...)); first: 'u1'``;
 - any other warning (e.g. NumPy's ``RuntimeWarning``) as ``warning: RuntimeWarning:
-  message``, once per distinct message, with ``(N times)`` if it repeated.
+  message`` (rmm-jax's own, written for the user, as ``warning: message``), once per
+  distinct message, with ``(N times)`` if it repeated.
 
 A repeated warning (the same user restored twice, the shared part of a store restored for
 every user served) prints once. What is kept is one line per user that rolled back and one
@@ -48,7 +49,8 @@ class WarningLines:
             if message.who not in group:   # lines beyond those that may be printed are not kept
                 group[message.who] = f"warning: {_one_line(message)}" if len(group) <= SUMMARY_AFTER else ""
             return
-        key = (category.__name__, _one_line(message))
+        own = category.__module__.startswith("rmm_jax.")     # written for the user: its text says what it is
+        key = ("" if own else category.__name__, _one_line(message))
         self._others[key] = self._others.get(key, 0) + 1
 
     def lines(self) -> list[str]:
@@ -63,7 +65,7 @@ class WarningLines:
                 out.append(f"warning: {store}: {len(users)} users restored an older version "
                            f"({skips_text(skipped)}); first: {users[0]!r}")
         for (name, text), n in self._others.items():
-            out.append(f"warning: {name}: {text}" + (f" ({n} times)" if n > 1 else ""))
+            out.append(f"warning: {name + ': ' if name else ''}{text}" + (f" ({n} times)" if n > 1 else ""))
         return out
 
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import math
+import warnings
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
@@ -55,6 +57,14 @@ from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULT_CACHE_USERS = 1024
 SHARED_ON_DEVICE = 2        # shared versions a Reranker keeps on the device
+#: An exploring draw whose median call draws its selection with at least this probability
+#: shows, more often than not, one ordered selection: it has stopped exploring.
+NO_EXPLORATION = 0.5
+
+
+class ExplorationWarning(UserWarning):
+    """An exploring serve (:func:`serve_calls` with ``explore``) whose draws barely explore:
+    the median call's drawn selection had probability >= :data:`NO_EXPLORATION`."""
 
 
 class Ranking(NamedTuple):
@@ -495,6 +505,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
       (True, (1.0, 0.0, 0.6))
     """
     prepared_calls = _check_serve_args(prepared_calls, m, now)
+    drawn = []          # log-probabilities of the draws that chose among more than m candidates
     for (uid, n), rows in (call_batches(prepared_calls) if batches is None else batches).items():
         mm = min(m, n)                    # a call with fewer candidates than m shows all of them
         q = np.stack([prepared_calls[i].query for i in rows])
@@ -504,6 +515,9 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
         if explore:
             keys = call_keys(seed, uid, [call_key(prepared_calls[i].call) for i in rows])
             got = reranker.sample(uid, q, cands, mm, keys=keys, tau=tau)
+            if n > mm:
+                finite = np.abs(got.logits[np.isfinite(got.logits)])      # masked candidates: -inf
+                drawn.append((np.asarray(got.log_prob, np.float64), finite.max(initial=0.0)))
         else:
             got = reranker.rank(uid, q, cands, mm)
         batch = []
@@ -514,6 +528,28 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
             batch.append(Served(i, rec, who) if explore else
                          Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
         yield batch
+    if drawn:
+        _warn_if_not_exploring(drawn, m, reranker.tau if tau is None else tau)
+
+
+def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
+    """An :class:`ExplorationWarning` when the median of the draws' probabilities is at least
+    :data:`NO_EXPLORATION`: the logits s/τ lie so far apart (the policies' scores have grown,
+    or τ is small) that the Gumbel top-M shows the same memories, in the same order, more
+    often than not, so the
+    next log labels little beyond the policy's own choice and ``evaluate`` can judge little
+    else (docs/lifecycle.md, "When the draw stops exploring"). ``drawn``: per batch, the
+    draws' log-probabilities and the batch's largest |logit|."""
+    log_p = np.concatenate([lp for lp, _ in drawn])
+    p = math.exp(float(np.median(log_p)))
+    if p >= NO_EXPLORATION:
+        largest = max(float(x) for _, x in drawn)
+        warnings.warn(ExplorationWarning(
+            f"the exploring draw barely explored: the median call drew its {m} memories, in that order, with "
+            f"probability {p:.2f} ({len(log_p)} calls): its logits s/tau lie far apart (up to {largest:.3g} at tau "
+            f"{tau:g}), so tomorrow's log labels little beyond the policy's own top {m} and evaluate can judge "
+            f"little else; draw at a larger --tau (docs/lifecycle.md, \"When the draw stops exploring\")"),
+            stacklevel=2)
 
 
 _MIN_NOW_US = 10**14   # microseconds since the epoch below this (1973) are seconds or milliseconds
