@@ -712,7 +712,8 @@ def test_cli_list_show_export_and_errors(tmp_path, capsys):
     code, out, _ = _cli(["policies", "show", str(st.path), "bob"], capsys)
     assert code == 0 and "q_adapter/W/kernel" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("bytes on disk:"))
-    assert "(v1 c0000 row 1, 1/2 of " in line and "; shared " in line and "once for all users" in line
+    assert "(v1 c0000 row 1, 1/2 of " in line and "; shared " in line
+    assert line.endswith("(v1, the store's only shared version)")       # not "once for all users"
     code, _, err = _cli(["policies", "export", str(st.path), "alice", "--out", str(tmp_path / "a.npz")], capsys)
     assert code == 0 and (tmp_path / "a.npz").exists() and (tmp_path / "a.json").exists()
     for argv, needle in [(["policies", "list", str(tmp_path / "nope")], "no such policy store"),

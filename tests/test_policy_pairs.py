@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import TESTS_DIR, info_of, learner_of, params_of, save_seeds, stacked, state_of
 
+from rmm_jax.cli import policies as policies_cli
 from rmm_jax.cli.main import cli, main
 from rmm_jax.core import reranker
 from rmm_jax.core.types import SharedState, UserState
@@ -336,6 +337,33 @@ def test_policies_show_reports_what_loads(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- warnings as lines
+
+
+def test_policies_show_counts_every_shared_version_a_run_keeps(tmp_path, capsys):
+    # A run in scope hybrid saves one shared version per users chunk, and each stays while a kept
+    # user version pairs with it: 2 nights of 3 chunks keep 6 (+ the start), not one "once for all users".
+    st = PolicyStore.create(tmp_path / "hy", HYBRID, params_of(0))
+    for night in range(2):
+        for chunk in range(3):
+            sv = st.save_shared(SharedState(params_of(10 * night + chunk + 1), None), {"source": "online"})
+            save_factors(st, {f"u{2 * chunk}": 100 * night + chunk, f"u{2 * chunk + 1}": 100 * night + chunk + 50}, sv)
+    on_disk = st.shared_versions()
+    assert len(on_disk) == 7
+    total = sum(p.stat().st_size for v in on_disk for p in shared_dir(st, v).rglob("*") if p.is_file())
+    code, out, err = _cli(["policies", "show", st.path, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["store"]["shared"]["bytes"] == total
+    code, out, err = _cli(["policies", "show", st.path, "u0"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    size = policies_cli._size(total)
+    assert f"shared bytes on disk: {size} in 7 versions (a run saves one per users chunk, kept while a kept " \
+           "user version pairs with it: about 3 x users / --users-per-chunk versions)" in lines
+    line = next(ln for ln in lines if ln.startswith("bytes on disk:"))
+    assert "once for all users" not in line
+    assert line.endswith(f"; shared {policies_cli._size(st.shared_bytes(5)['bytes'])} (v5, one of 7 shared versions "
+                         f"on disk, {size} in all)")
+    assert st.shared_total_bytes() == total > 6 * st.shared_bytes()["bytes"]
 
 
 def many_users_rolled_back(tmp_path, n) -> PolicyStore:

@@ -138,7 +138,8 @@ def _leaf_table(tree) -> list[dict]:
 
 def store_doc(st: PolicyStore) -> dict:
     """What ``show`` reports about the store: the shared version that loads (and newer ones
-    skipped), every shared version on disk and why it is kept, every kept user version."""
+    skipped), every shared version on disk and why it is kept, their bytes on disk together,
+    every kept user version."""
     try:
         shared = st.shared_state()
         loads, skipped, error = shared.version, shared.skipped, None
@@ -152,6 +153,7 @@ def store_doc(st: PolicyStore) -> dict:
         used_by.setdefault(s.shared_version, []).append(s.version)
     return {"path": str(st.path), "meta": st.meta, "scope": st.scope.name, "keep": st.keep, "n_users": st.n_users(),
             "shared": {"loads": loads, "error": error, "skipped": [s._asdict() for s in skipped],
+                       "bytes": st.shared_total_bytes(),
                        "versions": [{"version": v, "newest": v in newest, "start": v == start,
                                      "used_by": used_by.get(v, [])} for v in on_disk]},
             "versions": [s._asdict() for s in saves]}
@@ -203,6 +205,7 @@ def _echo_store(doc: dict) -> None:
                                             + ([f"used by user versions {','.join(map(str, r['used_by']))}"]
                                                if r["used_by"] else [])) + ")" for r in sh["versions"]]
     click.echo(f"shared: {loads}; on disk: {_listed(kept)}")
+    click.echo(_shared_disk(doc))
     for s in sh["skipped"]:
         click.echo(f"  skipped shared v{s['version']}: {s['reason']}")
     vs = [f"v{s['version']} ({count(s['users'], 'user')}" + (f", shared v{s['shared_version']}"
@@ -211,7 +214,18 @@ def _echo_store(doc: dict) -> None:
     click.echo(f"user versions kept: {_listed(vs) or 'none'}")
 
 
-def _echo_user(d: dict) -> None:
+def _shared_disk(doc: dict) -> str:
+    """The line of the shared versions' bytes on disk together: in scopes with a shared part a
+    run saves one per users chunk, each kept while a kept user version pairs with it."""
+    sh = doc["shared"]
+    line = f"shared bytes on disk: {_size(sh['bytes'])} in {count(len(sh['versions']), 'version')}"
+    if doc["scope"] == "user":
+        return line
+    return line + (" (a run saves one per users chunk, kept while a kept user version pairs with it: about "
+                   f"{doc['keep']} x users / --users-per-chunk versions)")
+
+
+def _echo_user(d: dict, store: dict) -> None:
     pair = f", with shared v{d['shared_version']}" if d["shared_version"] is not None else ""
     click.echo(f"user {d['user']}: v{d['version']} loads{pair}")
     for s in d["skipped"]:
@@ -219,9 +233,12 @@ def _echo_user(d: dict) -> None:
     click.echo("versions: " + ", ".join(f"v{e['version']} ({e['saved_at']}" + (
         f", shared v{e['shared_version']})" if e["shared_version"] is not None else ")") for e in d["versions"]))
     ub, sb = d["bytes"]["user"], d["bytes"]["shared"]
+    n = len(store["shared"]["versions"])
+    among = ("the store's only shared version" if n == 1 else
+             f"one of {n} shared versions on disk, {_size(store['shared']['bytes'])} in all")
     click.echo(f"bytes on disk: user {_size(ub['bytes'])} (v{ub['version']} {ub['chunk']} row {ub['row']}, "
                f"1/{ub['users_in_chunk']} of {_size(ub['chunk_bytes'])}); shared {_size(sb['bytes'])} "
-               f"(v{sb['version']}, once for all users)")
+               f"(v{sb['version']}, {among})")
     for part in ("params", "opt_state", "learner_state"):
         click.echo(f"{part}:")
         for leaf in d[part]:
@@ -235,13 +252,16 @@ def _echo_user(d: dict) -> None:
 @click.argument("user", required=False)
 @users_option("These users, with or instead of USER", default="none: the store alone")
 @quiet_option
-@json_option("what loads", "store (an object), users (one object per user asked for), unfinished_run (null, or "
-             "the run that has not finished writing the store: command, state, note), pending_rollback (null, or "
-             "the note that an interrupted rollback is pending: what loads is the store as it was before it)")
+@json_option("what loads", "store (an object; its shared.bytes: every shared version on disk, together), users "
+             "(one object per user asked for), unfinished_run (null, or the run that has not finished writing the "
+             "store: command, state, note), pending_rollback (null, or the note that an interrupted rollback is "
+             "pending: what loads is the store as it was before it)")
 def show(store, user, users, as_json):
     """Show what loads from STORE. The store: its meta, the shared version that loads
     (newer damaged ones skipped), the shared versions on disk and why each is kept (the
-    store's start, among its newest `keep`, or used by a kept user version), the user versions kept. For USER
+    store's start, among its newest `keep`, or used by a kept user version) and their bytes
+    together (scopes shared and hybrid: a run saves one per users chunk, so about keep x
+    users / --users-per-chunk of them), the user versions kept. For USER
     (or --users): the version that loads, the shared version it pairs with (scopes shared
     and hybrid), any newer version skipped and why, bytes on disk, shapes and L2 norms of
     the params, optimiser and learner state, and the saved info.
@@ -267,7 +287,7 @@ def show(store, user, users, as_json):
         return
     _echo_store(doc["store"])
     for d in doc["users"]:
-        _echo_user(d)
+        _echo_user(d, doc["store"])
 
 
 def export_params(st: PolicyStore, user: str, out: Path, version: int | None = None) -> dict:

@@ -9,7 +9,15 @@ from typing import Iterator, Sequence
 
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_index import Entry, PolicyIndex
-from rmm_jax.persist.policy_snapshot import chunk_array_bytes, cname, read_chunk_meta, row_bytes, shared_meta, vname
+from rmm_jax.persist.policy_snapshot import (
+    chunk_array_bytes,
+    cname,
+    dir_bytes,
+    read_chunk_meta,
+    row_bytes,
+    shared_meta,
+    vname,
+)
 
 
 def listing(idx: PolicyIndex, gens: Path,
@@ -87,3 +95,11 @@ def shared_bytes(root: Path, versions: list[int], version: int | None = None) ->
     except (OSError, ValueError, KeyError, TypeError):
         raw = None
     return {"version": version, "bytes": chunk_array_bytes(snap, cname(0)), "array_bytes": raw}
+
+
+def shared_total_bytes(root: Path, versions: list[int]) -> int:
+    """On-disk bytes of every one of shared ``versions`` under ``root``, together (each
+    version's whole directory). In scopes with a shared part an online run saves one
+    version per users chunk, and each stays while a kept user version pairs with it, so
+    this is about users / users per chunk x keep times one version's size, not one's."""
+    return sum(dir_bytes(root / vname(v)) for v in versions)

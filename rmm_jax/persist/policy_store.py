@@ -42,7 +42,10 @@ trained against, and a load pairs them exactly (:mod:`rmm_jax.persist.policy_res
 user's newest version whose row verifies AND whose shared version loads, never factors
 with another shared version. So the shared versions a kept user version references are
 never pruned, nor is the store's start (:meth:`PolicyStore.start_shared_version`, the
-version it was created or pretrained with); of the others the newest ``keep`` stay.
+version it was created or pretrained with); of the others the newest ``keep`` stay. An
+online run saves a shared version per users chunk (its users pair with it), so a store
+keeps about ``keep`` x users / users per chunk shared versions, each the shared part's
+full size (:meth:`PolicyStore.shared_total_bytes`; ``rmm-jax policies show`` prints it).
 
 **Scale.** Looking up or saving one user touches nothing that grows with the number of
 users: a load is one indexed SQLite query, one chunk's ``chunk.json`` (verified against its
@@ -320,6 +323,12 @@ class PolicyStore:
         array_bytes}`` (``array_bytes``: raw params + optimiser-state bytes)."""
         version = check_version(version)
         return policy_report.shared_bytes(self.path / "shared", self.shared_versions(), version)
+
+    def shared_total_bytes(self) -> int:
+        """On-disk size of every shared version on disk together: in scopes ``shared`` and
+        ``hybrid`` an online run saves one per users chunk, kept while a kept user version
+        pairs with it (:func:`rmm_jax.persist.policy_report.shared_total_bytes`)."""
+        return policy_report.shared_total_bytes(self.path / "shared", self.shared_versions())
 
     # ---- the shared part
 
