@@ -282,6 +282,15 @@ def _resolved(recorded: dict | None, given: SettingOptions, explicit) -> Learnin
         raise_option_error(e)
 
 
+def users_per_chunk_option(f):
+    """``--users-per-chunk``, the same on every verb that runs the online loop."""
+    return click.option("--users-per-chunk", type=IntRange(min=1), default=8, show_default=True,
+                        help="Users run side by side per compiled call. In scopes shared and hybrid each chunk saves "
+                             "a shared version (3.4 MiB at d=384) that the store keeps while its users' versions are: "
+                             "about keep x users / this many of them; a larger chunk divides that disk and needs more "
+                             "memory (docs/scopes.md).")(f)
+
+
 def change_setting_option(f):
     """``--change-setting``: let this run change the learning setting the policy store records."""
     return click.option("--change-setting", is_flag=True,

@@ -18,6 +18,7 @@ from rmm_jax.cli.common import (
     note_setting,
     open_policies_for,
     start_distributed,
+    users_per_chunk_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
@@ -126,11 +127,7 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
                    "each call is learned once: calls learned already are skipped and counted, and one learned "
                    "with other content is an error (docs/reliability.md, \"Exactly once\").")
 @users_option("Only these users' records")
-@click.option("--users-per-chunk", type=IntRange(min=1), default=8, show_default=True,
-              help="Users run side by side per compiled call. In scopes shared and hybrid each chunk saves a "
-                   "shared version (3.4 MiB at d=384) that the store keeps while its users' versions are: about "
-                   "keep x users / this many of them; a larger chunk divides that disk and needs more memory "
-                   "(docs/scopes.md).")
+@users_per_chunk_option
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option

@@ -18,6 +18,7 @@ from rmm_jax.cli.common import (
     note_setting,
     short_bank_note,
     start_distributed,
+    users_per_chunk_option,
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.online import (
@@ -37,7 +38,6 @@ from rmm_jax.cli.online import (
     stored_scope,
 )
 from rmm_jax.cli.shell import (
-    IntRange,
     as_options,
     check_output_file,
     count,
@@ -104,8 +104,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
               help="Learn the --queries range also where the policies learned those questions in an earlier "
                    "simulate run. Without it such a run is refused: each version records the questions its "
                    "simulate runs learned from.")
-@click.option("--users-per-chunk", type=IntRange(min=1), default=8, show_default=True,
-              help="Users run side by side per compiled call.")
+@users_per_chunk_option
 @click.option("--log-out", type=click.Path(), default=None,
               help="Write the generated citation log (JSONL) to this file; not - (stdout carries the summary).")
 @distributed_options
