@@ -147,6 +147,37 @@ def test_an_empty_log_is_a_quiet_day_with_nothing_to_learn(capsys, tmp_path, sto
     assert tree(pol.parent) == before
 
 
+def test_a_quiet_day_refuses_the_options_a_day_with_calls_refuses(capsys, tmp_path, store, logged):
+    """An empty log skipped the option checks: `--k 3 --m 5`, refused on a day with calls
+    (the log contradicts it, and m > k is no layout), exited 0 with "nothing to learn",
+    as did --preset paper (whose log-prob logs cannot give) and a --plot that is no .png, so
+    a nightly job's bad options went unnoticed until a day with calls. Now the same one
+    line and exit 2, and nothing written."""
+    pol = tmp_path / "policies" / "p"
+    code, _, err = replay(capsys, store, write(tmp_path / "day1.jsonl", logged), pol)
+    assert code == 0, err
+    before = tree(pol.parent)
+    empty = tmp_path / "quiet.jsonl"
+    empty.write_text("")
+    for targets, extra, line in (((pol, pol.parent / "new"), ("--k", "3", "--m", "5"),
+                                  "error: --m: must be an int in [1, k=3], got 5"),
+                                 ((pol.parent / "new",), ("--preset", "paper"), "error: --preset: the paper preset's "
+                                  "log-prob needs the sampled Gumbel noise, which logs do not record; replay with "
+                                  "--preset default"),
+                                 ((pol,), ("--preset", "paper"), "error: --preset: paper would change the learning "
+                                  f"setting policy store {pol} records (preset default; loss, reward, baseline, mode, "
+                                  "tau, noise, optimizer change with it); leave the option out to continue with it, "
+                                  "or add --change-setting"),
+                                 ((pol, pol.parent / "new"), ("--plot", str(tmp_path / "curve.txt")),
+                                  f"error: --plot: must name a .png file, got {str(tmp_path / 'curve.txt')!r}")):
+        for target in targets:
+            code, out, err = replay(capsys, store, empty, target, *extra)
+            assert (code, out, err.strip()) == (2, "", line), (extra, err)
+            assert tree(pol.parent) == before
+    code, out, err = replay(capsys, store, empty, pol, "--k", "40", "--m", "30")   # a day with such calls runs
+    assert code == 0 and "nothing to learn" in out, err
+
+
 def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, tmp_path, store, logged):
     log = write(tmp_path / "day.jsonl", logged)
     code, _, err = replay(capsys, store, log, tmp_path / "p")

@@ -389,6 +389,20 @@ def test_evaluate_on_an_empty_log_has_no_calls_to_judge(capsys, ope_env, tmp_pat
     assert out.strip() == f"verdict: none ({empty} has no calls to judge: the file is empty)"
 
 
+def test_evaluate_on_an_empty_log_checks_its_options(capsys, ope_env, tmp_path):
+    """An empty log skipped the option checks a log with calls gets: `--k 3 --m 5` (m > k)
+    or `--k 0` exited 0 with "verdict: none", hiding a nightly job's bad options until a
+    day with calls. Now the one line naming the option, exit 2, nothing on stdout."""
+    empty = tmp_path / "quiet.jsonl"
+    empty.write_text("")
+    for extra, line in ((("--k", 3, "--m", 5), "error: --m: must be an int in [1, k=3], got 5"),
+                        (("--k", 0), "error: --k: must be an int >= 1, got 0")):
+        code, out, err = evaluate(capsys, ope_env, *extra, "--json", log=empty)
+        assert (code, out, err.strip()) == (2, "", line), err
+    code, out, err = evaluate(capsys, ope_env, "--m", 30, "--k", 40, log=empty)
+    assert code == 0 and out.startswith("verdict: none ("), err
+
+
 def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     """Target = the logging policy (identity reranker, same τ): every importance weight is 1,
     so every estimator returns the logged mean and the ESS is the number of calls. No false

@@ -382,6 +382,14 @@ def k_m_from_log(k: int | None, m: int | None, shape, log_path, *, notes: list[s
     return out[0], out[1]
 
 
+def k_m_without_log(k: int | None, m: int | None) -> tuple[int, int]:
+    """``--k``/``--m`` for the option checks of a verb whose log is empty (a quiet day):
+    those given, the other the default (raised to ``--m``, or capped at ``--k``), so that
+    ``--k 3 --m 5`` is refused as on a day with calls, and ``--m 30`` alone is not."""
+    k = max(DEFAULTS.layout.k, m or 1) if k is None else k
+    return k, min(DEFAULTS.layout.m, k) if m is None else m
+
+
 def check_store_writable(path, where: str) -> None:
     """A policy store a run writes (its directories and index), and the run-state kept beside it."""
     check_writable(path, where, depth=1)

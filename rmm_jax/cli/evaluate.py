@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, open_policies_for
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, k_m_without_log, open_policies_for
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -191,6 +191,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     if is_empty_log(log_path):       # a day without calls: nothing to judge (not bad input)
+        _target(*k_m_without_log(k, m), tau)     # but its options are checked, as on a day with calls
         return quiet_day(store, log_path, policies, open_policies_for(policies, st),
                          dict(tau=tau, k=k, m=m, clip=clip, min_ess=min_ess, bootstrap=bootstrap, seed=seed,
                               plot_path=plot_path), as_json)
@@ -199,12 +200,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
                         notes=k_m_note)
     ps = open_policies_for(policies, st)
     tau = behaviour_tau(ps) if tau is None else tau
-    try:
-        Layout(k=k, m=m)
-        cfg = Target(k, m, tau)
-    except ValueError as e:
-        name, _, msg = str(e).partition(": ")
-        raise InputError(msg or str(e), where=f"--{name}") from None
+    cfg = _target(k, m, tau)
     with as_options(*OPTIONS, "k", "m"):          # its warnings name --k, --m, --clip, --min-ess
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
@@ -243,6 +239,17 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
              + ("" if allow_unreliable else f"; exit status {EXIT_UNRELIABLE} (--allow-unreliable: 0)"), must_read=True)
         if not allow_unreliable:
             click.get_current_context().exit(EXIT_UNRELIABLE)
+
+
+def _target(k: int, m: int, tau: float | None) -> Target:
+    """The target of ``--k``, ``--m``, ``--tau`` (None: the default, for the checks alone);
+    a bad one is the one line naming its option."""
+    try:
+        Layout(k=k, m=m)
+        return Target(k, m, DEFAULTS.estimator.tau if tau is None else tau)
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise InputError(msg or str(e), where=f"--{name}") from None
 
 
 def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:

@@ -14,6 +14,7 @@ from rmm_jax.cli.common import (
     distributed_options,
     is_writer,
     k_m_from_log,
+    k_m_without_log,
     learning_setting,
     note_setting,
     open_policies_for,
@@ -80,6 +81,20 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
              f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn",
              must_read=True)
     return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older, "relearn": relearn}
+
+
+def check_options(policies, st, given: SettingOptions, change: bool, resume: bool, plot_path):
+    """The run's learning setting (:func:`learning_setting`), refused where replay cannot use it,
+    its --plot path and the existing store's scope checked: what replay refuses before it reads
+    any call, also on a quiet day."""
+    ls = learning_setting(policies, given, change=change, resume=resume)
+    if ls.setting.estimator.mode == "rmm":
+        raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
+                         "record; replay with --preset default", where="--preset")
+    check_output_file(plot_path, f"--plot {plot_path}")
+    if Path(policies).exists():  # fail fast on a mismatched store, before the validation pass
+        check_scope(open_policies_for(policies, st), ls.setting.layout, policies)
+    return ls
 
 
 def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_json: bool) -> None:
@@ -165,27 +180,24 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     scope, rank = stored_scope(policies, given.scope, given.rank)
     check_rank_scope(scope, rank)
     st = open_store(store)
-    if is_empty_log(log_path):      # a day without calls: nothing to learn, nothing written (not bad input)
+    if is_empty_log(log_path):      # a day without calls: nothing to learn, nothing written (not bad input),
+        k, m = k_m_without_log(given.k, given.m)          # but the options are checked as on a day with calls
+        check_options(policies, st, given._replace(k=k, m=m, scope=scope, rank=rank), change_setting, resume,
+                      plot_path)
         return quiet_day(st, log_path, policies, resolve_init(policies, init, resume), relearn, plot_path, as_json)
     known = known_ids(st)
     k_m_note: list[str] = []         # printed once the log's calls are checked: bad input is one line
     k, m = k_m_from_log(given.k, given.m, log_shape(log_path, known, skip_invalid=skip_invalid), log_path,
                         notes=k_m_note)
-    ls = learning_setting(policies, given._replace(k=k, m=m, scope=scope, rank=rank), change=change_setting,
-                          resume=resume)
+    ls = check_options(policies, st, given._replace(k=k, m=m, scope=scope, rank=rank), change_setting, resume,
+                       plot_path)
     setting = ls.setting
     scope, rank = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     given = given._replace(k=k, m=m, scope=scope, rank=rank)
-    if setting.estimator.mode == "rmm":
-        raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
-                         "record; replay with --preset default", where="--preset")
-    check_output_file(plot_path, f"--plot {plot_path}")
     afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
     init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
-    if Path(policies).exists():  # fail fast on a mismatched store, before the validation pass
-        check_scope(open_policies_for(policies, st), setting.layout, policies)
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a
     # bad one; pass 2 streams it users_per_chunk users at a time.
     continues = init == "continue" and Path(policies).exists()    # only a continued policy has learned calls
