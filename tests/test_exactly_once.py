@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import jax
 import numpy as np
@@ -487,6 +488,32 @@ def test_a_resumed_run_interrupted_between_a_chunks_save_and_its_checkpoint_save
     assert code == 0 and "resuming from" in err, err
     assert listed(tmp_path / "p") == listed(tmp_path / "ref")
     assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))
+
+
+def test_a_busy_refusal_after_a_killed_replay_starts_nothing_and_says_only_so(capsys, monkeypatch, tmp_path, store,
+                                                                            logged):
+    """A replay killed mid-run, then the same replay while another writer held the policy
+    store's lock: it printed "an interrupted `replay` run of the same input left ...; starting
+    it again" and the calls it would skip before its exit-75 busy line, though it started
+    nothing. Now the busy line alone, and the killed run's state is left as it was; once the
+    store is free, the same command starts it again and says so."""
+    first = each_users_first(logged, 8)
+    day1 = write(tmp_path / "day1.jsonl", [r for r, f in zip(logged, first) if f])
+    day2 = write(tmp_path / "day2.jsonl", [r for r, f in zip(logged, first) if not f])
+    pol = tmp_path / "p"
+    assert replay(capsys, store, day1, pol)[0] == 0
+    killed_run(capsys, monkeypatch, store, day2, pol, SAVED_NOT_CHECKPOINTED)
+    rs = runstate.RunState.path_for(pol)
+    left = {f: b for f, b in tree(rs).items() if f != ".lock"}       # the lock's record names its last holder
+    with PolicyStore.open(pol).writer():              # another writer (a `policies rollback`, say) holds it
+        code, out, err = replay(capsys, store, day2, pol)
+    assert (code, out) == (75, "") and err == (f"error: policy store {pol} is locked by pid {os.getpid()} on host "
+                                               f"{socket.gethostname()} (another writer is running; retry when it "
+                                               "ends)\n"), err
+    assert {f: b for f, b in tree(rs).items() if f != ".lock"} == left
+    code, _, err = replay(capsys, store, day2, pol)
+    assert code == 0 and err.startswith(f"an interrupted `replay` run of the same input left {rs}; starting it "
+                                        "again"), err
 
 
 def test_calls_skipped_only_as_older_than_the_horizon_are_not_called_learned(capsys, tmp_path, store, logged):

@@ -397,7 +397,7 @@ def check_store_writable(path, where: str) -> None:
 
 
 def begin_run_state(target, command: str, options: dict, *, resume: bool, checkpoint_every: int, inputs: dict,
-                    restart_same: tuple[str, ...] = (), paths: dict | None = None):
+                    restart_same: tuple[str, ...] = (), paths: dict | None = None, say_notes: bool = True):
     """Lock (and with ``resume`` restore) the run-state next to ``target``.
 
     The fingerprint holds ``options`` (option name -> value), then ``inputs`` (digests of
@@ -406,7 +406,8 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
     ``inputs`` of these names are the same is started again instead of refused; not a
     ``--relearn`` run (this one or the interrupted one): started again, it would learn what
     the interrupted run saved once more, so it is resumed. ``paths``: the files of ``inputs``
-    (name -> path), for its messages to name them."""
+    (name -> path), for its messages to name them. ``say_notes`` False: the caller prints the
+    run-state's notes (``rs.notes``) once the run starts (:func:`rmm_jax.cli.online.saving_run`)."""
     if checkpoint_every < 0:
         raise InputError(f"must be >= 0, got {checkpoint_every}", where="--checkpoint-every")
     fp = {**options, **inputs, **runstate.versions()}
@@ -415,7 +416,7 @@ def begin_run_state(target, command: str, options: dict, *, resume: bool, checkp
         same = lambda old: not old.get("--relearn") and all(old.get(n) == inputs[n] for n in restart_same)  # noqa: E731
     with as_options("resume"):                    # its messages say --resume
         rs = runstate.RunState.begin(target, command, fp, resume=resume, restart=same, paths=paths)
-    for note in rs.notes:
+    for note in rs.notes if say_notes else ():
         info(note, must_read=True)      # the state an interrupted run left
     disk_errors.running(target)      # a full disk later says the run resumes
     return rs

@@ -279,7 +279,8 @@ class RunState:
         each saved policy learned, so starting again learns nothing twice), keeping the
         interrupted run's progress meta in :attr:`interrupted` (what it began from).
         The notes (a damaged checkpoint skipped, a run started again, nothing to resume) are in
-        :attr:`notes`, for the caller to show. The errors and notes name ``resume`` as
+        :attr:`notes`, for the caller to show once the run starts (after the locks that can still
+        refuse it as busy: a refused run starts nothing again). The errors and notes name ``resume`` as
         :func:`rmm_jax.errors.named` does (``resume=True``; the CLI's ``--resume``).
         ``paths`` (option -> path) names the input files whose digests ``fingerprint``
         holds: recorded with each checkpoint, for the messages to name the files."""
