@@ -257,6 +257,24 @@ def test_a_rollback_killed_at_any_step_is_finished_by_the_next_writer(tmp_path, 
     assert loads(st.path) == want == before
 
 
+def test_store_notes_are_what_every_reader_says_and_carries_in_its_json(tmp_path, monkeypatch):
+    """store_notes: the one read of a store's notes for its readers (rerank, evaluate, policies
+    list/show/export, a quiet replay), which each assembled by hand: the note lines in order
+    (the pending rollback, then the unfinished run) and the two --json keys, null where none."""
+    st, _, _ = two_runs(tmp_path / "p", "user")
+    clean = policy_rollback.store_notes(st)
+    assert clean == (None, None) and clean.lines == []
+    assert list(clean.doc().items()) == [("unfinished_run", None), ("pending_rollback", None)]
+    with monkeypatch.context() as m:
+        m.setattr(policy_rollback, "writer_index", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            rollback(st)
+    notes = policy_rollback.store_notes(PolicyStore.open(st.path))
+    pending = policy_rollback.pending_note(PolicyStore.open(st.path))
+    assert pending and notes == (pending, None) and notes.lines == [pending]
+    assert notes.doc() == {"unfinished_run": None, "pending_rollback": pending}
+
+
 # SIGKILLs itself at the N-th directory the rollback deletes (N > 0), or as it writes the
 # header that ends it (N = 0): no finally block runs, the lock dies with the process.
 KILL_IN_ROLLBACK = textwrap.dedent("""

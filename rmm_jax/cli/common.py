@@ -390,6 +390,14 @@ def k_m_without_log(k: int | None, m: int | None) -> tuple[int, int]:
     return k, min(DEFAULTS.layout.m, k) if m is None else m
 
 
+def note_lines(lines) -> None:
+    """A ``note:`` line on stderr for each of ``lines`` (None: none): what a read noted (unknown
+    keys that look misspelt, texts the model cut) and a policy store's notes
+    (:class:`rmm_jax.persist.policy_rollback.StoreNotes` ``.lines``)."""
+    for line in filter(None, lines):
+        info(f"note: {line}")
+
+
 def check_store_writable(path, where: str) -> None:
     """A policy store a run writes (its directories and index), and the run-state kept beside it."""
     check_writable(path, where, depth=1)

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, k_m_from_log, k_m_without_log, open_policies_for
+from rmm_jax.cli.common import (
+    DEFAULTS,
+    check_tau_option,
+    k_m_from_log,
+    k_m_without_log,
+    note_lines,
+    open_policies_for,
+)
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -41,7 +48,7 @@ from rmm_jax.online.plot import plot_estimates
 from rmm_jax.online.serve import behaviour_tau
 from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES
 from rmm_jax.online.streams import log_shape
-from rmm_jax.persist.policy_rollback import newest_run, pending_note, unfinished_run
+from rmm_jax.persist.policy_rollback import newest_run, store_notes
 
 # evaluate_log's arguments that are this command's options: their errors name the option
 OPTIONS = ("clip", "bootstrap", "min_ess", "users")
@@ -205,8 +212,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
                            min_ess=min_ess)
-    rep = {"store": str(store), "policies": str(policies), **rep, "pending_rollback": pending_note(ps),
-           "unfinished_run": unfinished_run(ps)}
+    notes = store_notes(ps)
+    rep = {"store": str(store), "policies": str(policies), **rep, **notes.doc()}
     log = rep["log"]
     for note in k_m_note:
         info(note)
@@ -215,9 +222,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
              must_read=True)
     for note in log["notes"]:                    # unknown keys that look misspelt
         info(f"note: {note}")
-    for note in filter(None, (rep["learned_calls"]["note"], rep["pending_rollback"],
-                              (rep["unfinished_run"] or {}).get("note"))):    # pending: before a rollback
-        info(f"note: {note}")
+    note_lines([rep["learned_calls"]["note"], *notes.lines])     # pending: before a rollback
     for w in rep["warnings"]:
         info(f"warning: {w}")
     if plot_path is not None:
@@ -257,6 +262,7 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
     0; --json has the report's usual keys with 0 calls and no estimates. ``opts``: the verb's
     options (tau, k, m, clip, min_ess, bootstrap, seed, plot_path)."""
     why = f"{log_path} has no calls to judge: the file is empty"
+    notes = store_notes(ps)
     tau = behaviour_tau(ps) if opts["tau"] is None else opts["tau"]
     rep = {"store": str(store), "policies": str(policies), "calls": 0, "users": 0, "users_on_shared_params": 0,
            "tau": tau, **{k: opts[k] for k in ("k", "m", "clip", "min_ess", "bootstrap", "seed")},
@@ -266,9 +272,8 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
            "verdict": {"ship": False, "reliable": False, "worse": False, "metric": SHIP_METRIC,
                        "estimator": SHIP_ESTIMATOR, "gain": None, "reason": why, "log_problem": None,
                        "served_by_target": 0, "self_served": False},
-           "pending_rollback": pending_note(ps), "unfinished_run": unfinished_run(ps)}
-    for note in filter(None, (rep["pending_rollback"], (rep["unfinished_run"] or {}).get("note"))):
-        info(f"note: {note}")
+           **notes.doc()}
+    note_lines(notes.lines)
     if opts["plot_path"] is not None:
         info(f"no plot: {why}, so --plot {opts['plot_path']} was not written", must_read=True)
     if as_json:         # the line on stderr, as rerank --json says it served 0 calls

@@ -14,6 +14,7 @@ import click
 import jax
 import numpy as np
 
+from rmm_jax.cli.common import note_lines
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     IntRange,
@@ -31,7 +32,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.sinks import queries_learned
 from rmm_jax.persist.atomic import atomic_file, write_json
 from rmm_jax.persist.codec import encode_tree, leaf_specs
-from rmm_jax.persist.policy_rollback import Rollback, pending_note, plan, rollback, unfinished_run
+from rmm_jax.persist.policy_rollback import Rollback, plan, rollback, store_notes
 from rmm_jax.persist.policy_store import PolicyStore
 from rmm_jax.persist.policy_versions import version_span
 from rmm_jax.persist.runstate import RunState
@@ -104,13 +105,11 @@ def list_cmd(store, users, as_json):
     if wanted:
         _require_users(st, wanted)
     rows = list_rows(st, wanted)
-    if pending := pending_note(st):     # a reader writes nothing: it lists the versions the rollback forgets
-        info(f"note: {pending}")
-    if unfinished := unfinished_run(st):
-        info(f"note: {unfinished['note']}")
+    notes = store_notes(st)      # a reader writes nothing: it lists the versions a pending rollback forgets
+    note_lines(notes.lines)
     if as_json:
-        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows,
-                   "unfinished_run": unfinished, "pending_rollback": pending}, indent=None, sort_keys=False)
+        emit_json({"store": store, "meta": st.meta, "n_users": len(rows), "users": rows, **notes.doc()},
+                  indent=None, sort_keys=False)
         return
     m = st.meta_info()
     shown = f" (listed: {len(rows)})" if wanted else ""
@@ -276,12 +275,9 @@ def show(store, user, users, as_json):
     _require_users(st, wanted)
     if wanted:
         _progress(f"loading {len(wanted)} user(s) from {store} ...")
-    doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else [],
-           "unfinished_run": unfinished_run(st), "pending_rollback": pending_note(st)}
-    if doc["pending_rollback"]:       # a reader writes nothing: it shows the versions the rollback forgets
-        info(f"note: {doc['pending_rollback']}")
-    if doc["unfinished_run"]:
-        info(f"note: {doc['unfinished_run']['note']}")
+    notes = store_notes(st)      # a reader writes nothing: it shows the versions a pending rollback forgets
+    doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else [], **notes.doc()}
+    note_lines(notes.lines)
     if as_json:
         emit_json(doc, indent=None, sort_keys=False)
         return
@@ -339,10 +335,7 @@ def export(store, user, out, version, as_json):
     st = PolicyStore.open(store)
     _require_users(st, [user])
     doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
-    if pending := pending_note(st):     # a reader writes nothing: it may export a version the rollback forgets
-        info(f"note: {pending}")
-    if unfinished := unfinished_run(st):
-        info(f"note: {unfinished['note']}")
+    note_lines(store_notes(st).lines)   # a reader writes nothing: it may export a version a pending rollback forgets
     _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
     if as_json:
         emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)

@@ -16,6 +16,7 @@ from rmm_jax.cli.common import (
     k_m_from_log,
     k_m_without_log,
     learning_setting,
+    note_lines,
     note_setting,
     open_policies_for,
     start_distributed,
@@ -63,7 +64,7 @@ from rmm_jax.online.setting import SettingOptions
 from rmm_jax.online.starts import LearnedCheck, check_learned
 from rmm_jax.online.streams import log_chunks, log_shape, repeat_passes, scan_log
 from rmm_jax.persist.learned_calls import WINDOW
-from rmm_jax.persist.policy_rollback import unfinished_run
+from rmm_jax.persist.policy_rollback import StoreNotes, store_notes
 from rmm_jax.persist.runstate import file_digest
 
 
@@ -102,9 +103,8 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
     already; POLICIES is neither created nor changed, and no run-state is written. --json:
     the usual keys, with no setting (the log gives no --k, --m) and 0 calls. A run that an
     earlier night left unfinished is not finished by it: the note says so, as readers say."""
-    unfinished = unfinished_run(open_policies_for(policies, st)) if Path(policies).exists() else None
-    if unfinished:
-        info(f"note: {unfinished['note']}")
+    notes = store_notes(open_policies_for(policies, st)) if Path(policies).exists() else StoreNotes()
+    note_lines(notes._replace(pending_rollback=None).lines)     # (a pending rollback: the next run finishes it)
     if plot_path:
         info(f"no plot: nothing was learned, so --plot {plot_path} was not written", must_read=True)
     calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}

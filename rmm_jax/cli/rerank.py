@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, note_lines, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -28,7 +28,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_batches, serve_calls
 from rmm_jax.persist.atomic import atomic_file
-from rmm_jax.persist.policy_rollback import pending_note, unfinished_run
+from rmm_jax.persist.policy_rollback import StoreNotes, store_notes
 
 
 def serve_clock() -> int:
@@ -108,11 +108,12 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if as_json and not out:
         raise InputError("needs --out FILE: without it stdout carries the served lines", where="--json")
     st = open_store(store)
-    note = pending = unfinished = None
+    note, notes = None, StoreNotes()
     if policies is not None and Path(policies).exists():
         rr = Reranker(open_policies_for(policies, st), cache_users=cache_users)
-        pending = pending_note(rr.store)      # a reader writes nothing: it serves the versions the rollback forgets
-        unfinished = unfinished_run(rr.store)     # and those a run not finished has written so far
+        # a reader writes nothing: it serves the versions a pending rollback forgets, and those a run not
+        # finished has written so far
+        notes = store_notes(rr.store)
     else:
         rr = Reranker(None, dim=st.dim)
         note = (("no policy yet" if policies is None else f"no policy store at {policies}")
@@ -127,9 +128,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         prepared = prepare_calls(st, calls, calls_path, k, m, key_notes)
     if note:                                      # after the calls are checked: an error stays one line
         info(note, must_read=True)
-    # unknown keys that look misspelt; texts the model cut; a pending rollback; a run not finished
-    for line in key_notes + [pending] * bool(pending) + ([unfinished['note']] if unfinished else []):
-        info(f"note: {line}")
+    note_lines(key_notes + notes.lines)   # unknown keys that look misspelt; texts the model cut; the store's
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:
         info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected",
@@ -158,7 +157,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
                  f"in {seconds:.1f} s; wrote {out}")
         if as_json:
             emit_json({"calls": len(lines), "users": users, "served_by": served_by, "explore": explore, "out": out,
-                       "seconds": round(seconds, 3), "unfinished_run": unfinished, "pending_rollback": pending})
+                       "seconds": round(seconds, 3), **notes.doc()})
     else:
         sys.stdout.write(text)
     if not calls:       # a day without traffic: an empty output, not an error (docs/lifecycle.md, "A quiet day")

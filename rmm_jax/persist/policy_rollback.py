@@ -273,6 +273,29 @@ def unfinished_run(store) -> dict | None:
             "users": users, "note": note}
 
 
+class StoreNotes(NamedTuple):
+    """What a reader of a policy store (which writes nothing and takes no lock) says about
+    the state it reads (:func:`store_notes`): ``pending_rollback`` (:func:`pending_note`) and
+    ``unfinished_run`` (:func:`unfinished_run`), each None when there is none (``StoreNotes()``:
+    a store that does not exist, or no policy store)."""
+    pending_rollback: str | None = None
+    unfinished_run: dict | None = None
+
+    @property
+    def lines(self) -> list[str]:
+        """The note lines, in order: the pending rollback, then the unfinished run."""
+        return [n for n in (self.pending_rollback, (self.unfinished_run or {}).get("note")) if n]
+
+    def doc(self) -> dict:
+        """The two keys a reader's ``--json`` carries (null where there is none)."""
+        return {"unfinished_run": self.unfinished_run, "pending_rollback": self.pending_rollback}
+
+
+def store_notes(store) -> StoreNotes:
+    """The notes of a reader of ``store``: its pending rollback and its unfinished run."""
+    return StoreNotes(pending_note(store), unfinished_run(store))
+
+
 def finish(store) -> None:
     """Finish the rollback the header marks as pending, if any (under the writer's lock;
     every step can be done again after a kill)."""
