@@ -27,6 +27,7 @@ from rmm_jax.core.config import (
 from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REWARDS
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
+from rmm_jax.data.citation_log import ReadReport
 from rmm_jax.errors import InputError
 from rmm_jax.online.setting import LearningSetting, SettingOptions, blamed_change, resolve_setting
 from rmm_jax.online.sharding import users_mesh
@@ -396,6 +397,14 @@ def note_lines(lines) -> None:
     (:class:`rmm_jax.persist.policy_rollback.StoreNotes` ``.lines``)."""
     for line in filter(None, lines):
         info(f"note: {line}")
+
+
+def note_read(read: ReadReport, more=()) -> None:
+    """On stderr, what reading a log or a requests file skipped (``read``'s one line, if any)
+    and noted (:func:`note_lines`: ``read.notes``, then ``more``)."""
+    if read.skipped:
+        info(read.skipped_line(), must_read=True)
+    note_lines([*read.notes, *more])
 
 
 def check_store_writable(path, where: str) -> None:

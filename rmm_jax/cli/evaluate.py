@@ -9,6 +9,7 @@ from rmm_jax.cli.common import (
     k_m_from_log,
     k_m_without_log,
     note_lines,
+    note_read,
     open_policies_for,
 )
 from rmm_jax.cli.main import cli
@@ -217,12 +218,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     log = rep["log"]
     for note in k_m_note:
         info(note)
-    if log["skipped"]:
-        info(ReadReport(*(log[f] for f in ReadReport._fields)).skipped_line(),   # log also holds its path
-             must_read=True)
-    for note in log["notes"]:                    # unknown keys that look misspelt
-        info(f"note: {note}")
-    note_lines([rep["learned_calls"]["note"], *notes.lines])     # pending: before a rollback
+    note_read(ReadReport(*(log[f] for f in ReadReport._fields)),    # log also holds its path; unknown keys
+              [rep["learned_calls"]["note"], *notes.lines])        # pending: before a rollback
     for w in rep["warnings"]:
         info(f"warning: {w}")
     if plot_path is not None:

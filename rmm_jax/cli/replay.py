@@ -17,6 +17,7 @@ from rmm_jax.cli.common import (
     k_m_without_log,
     learning_setting,
     note_lines,
+    note_read,
     note_setting,
     open_policies_for,
     start_distributed,
@@ -247,10 +248,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
              f"{WINDOW} calls and recognises older ones by their timestamps, so replaying this log again would "
              "learn their earlier calls again; give each call a timestamp (`rmm-jax rerank` writes one on every "
              "call it serves)", must_read=True)
-    if scan.read.skipped:
-        info(scan.read.skipped_line(), must_read=True)
-    for line in scan.read.notes:                 # unknown keys that look misspelt
-        info(f"note: {line}")
+    note_read(scan.read)                         # invalid records skipped; unknown keys that look misspelt
     if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")
     elif plot_path and writer:
