@@ -102,10 +102,11 @@ def check_options(policies, st, given: SettingOptions, change: bool, resume: boo
 def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_json: bool) -> None:
     """An empty log (docs/lifecycle.md, "A quiet day"): nothing to learn, as for a log learned
     already; POLICIES is neither created nor changed, and no run-state is written. --json:
-    the usual keys, with no setting (the log gives no --k, --m) and 0 calls. A run that an
-    earlier night left unfinished is not finished by it: the note says so, as readers say."""
+    the usual keys, with no setting (the log gives no --k, --m) and 0 calls. A run or a
+    rollback that an earlier night left unfinished is not finished by it: the notes say so,
+    as readers say."""
     notes = store_notes(open_policies_for(policies, st)) if Path(policies).exists() else StoreNotes()
-    note_lines(notes._replace(pending_rollback=None).lines)     # (a pending rollback: the next run finishes it)
+    note_lines(notes.lines)         # a pending rollback, as readers say it: this run finishes nothing
     if plot_path:
         info(f"no plot: nothing was learned, so --plot {plot_path} was not written", must_read=True)
     calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}
