@@ -484,7 +484,7 @@ def test_an_own_log_without_versions_agrees_to_float32_rounding(capsys, ope_env,
     1 up to float32 rounding, and that rounding alone decided the verdict (before: 'ship (...
     [+5.9e-09, +5.0e-08] lies above 0)', or 'do not ship' with a rollback hint, by the CPU).
     Now every call agrees within the float32 bound (rounding_bound) and the verdict is none,
-    saying so. The bound is a worst case, far above the rounding seen and far below a real
+    saying so. The bound (float32 error analysis) is far above the rounding seen and far below a real
     policy change: a target at another temperature differs from the log by orders of magnitude
     more, and its decisions (ship, worse) stand, with gains far above what rounding can move."""
     import rmm_jax.cli.evaluate as cli_evaluate
@@ -534,6 +534,71 @@ def test_an_own_log_without_versions_agrees_to_float32_rounding(capsys, ope_env,
         assert not agrees_to_rounding(calls).any() and (lr / bound).min() > 10 and np.median(lr / bound) > 1000
         tol = rounding_gain(calls, rep["ranges"]["cite_rate"])
         assert min(abs(x) for x in v["gain"]["ci95"]) > 100 * tol, (v, tol)     # the whole interval, 160x
+
+
+def test_large_learned_weights_a_log_of_another_version_is_not_called_rounding(capsys, tmp_path):
+    """Night 70 of a daily loop, small: policies whose learned weights are large (their scores'
+    terms cancel, so float32's worst-case bound on a score, γ_N times the score on absolute
+    values, is far above the score's own size) judged on a log that another version served
+    (each record's policy_version/shared_version differ from those POLICIES loads). Before:
+    the worst-case bound (median about 0.3 nats here, 2.1 at night 70) exceeded the real
+    log-ratios (median about 0.08), so most calls 'agreed to float32 rounding' and counted as
+    served by POLICIES, with the verdict none once all did. Now the logged versions decide
+    (none served), and without version keys a bound beyond AGREE_LIMIT never calls agreement:
+    a note says rounding cannot be told from a change there."""
+    from rmm_jax.online.ope import AGREE_LIMIT, Target, agrees_to_rounding, rounding_bound
+    from rmm_jax.online.ope._marginals import _prefix_log_probs
+    dim = 128
+    store = make_fake_store(tmp_path / "store", users=4, sessions=4, turns=8, dim=dim)
+    st = open_store(store)
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(dim, dim)) * 0.15, rng.normal(size=(dim, dim)) * 0.15
+
+    def params(wm, wq):
+        return {"m_adapter": {"W": {"kernel": jax.numpy.asarray(wm, np.float32)}},
+                "q_adapter": {"W": {"kernel": jax.numpy.asarray(wq, np.float32)}}}
+    logger = params(a + 0.01 * rng.normal(size=a.shape), b + 0.01 * rng.normal(size=b.shape))
+    pol = tmp_path / "pol"
+    PolicyStore.create(pol, {"kind": "linear", "dim": dim, "hidden": None,
+                             "config": {"pretrained": False, "model": st.model}}, params(a, b))   # loads (None, 1)
+    records = []
+    for uid in st.user_ids:
+        u = st.user(uid)
+        s = stream_from_user(u, KK)
+        for t, qid in enumerate(u.query_ids):
+            cand = [int(j) for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
+            z = np.asarray(score(logger, u.query_emb[t], u.memory_emb[cand]), np.float64) / TAU
+            order = [int(p) for p in np.argsort(-(z + rng.gumbel(size=len(z))))[:MM]]
+            records.append({"user_id": uid, "query_id": qid, "candidates": [u.memory_ids[j] for j in cand],
+                            "selected": [u.memory_ids[cand[p]] for p in order], "cited": [u.memory_ids[cand[order[0]]]],
+                            "logits": [float(x) for x in z], "log_prob": pl_log_prob(z, order),
+                            "policy_version": None, "shared_version": 2})
+    env = {"store": store, "pol": pol}
+    for name, rows in [("versions", records),
+                       ("no versions", [{k: v for k, v in r.items() if not k.endswith("_version")} for r in records])]:
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        calls = load_calls(st, log, PolicyStore.open(pol), Target(KK, MM, TAU))
+        lr = np.abs(_prefix_log_probs(calls.target_logits, calls.selected, calls.mask)[:, -1] - calls.log_prob)
+        bound = rounding_bound(calls)
+        assert np.median(lr) > 0.05 and (bound > AGREE_LIMIT).sum() > len(lr) / 2, (np.median(lr), bound)
+        assert not (agrees_to_rounding(calls, bound) & (lr > AGREE_LIMIT)).any()
+        code, out, err = evaluate(capsys, env, "--json", "--allow-unreliable", log=log)
+        assert code == 0, err
+        rep = strict_json(out)
+        v = rep["verdict"]
+        assert v["served_by_target"] == 0 and not v["self_served"], (name, v)
+        assert not [x for x in rep["notes"] if "POLICIES served" in x], rep["notes"]
+        coarse = [x for x in rep["notes"] if "rounding can be told from a change of policy" in x]
+        if name == "versions":
+            assert coarse == []
+        else:
+            n_coarse = int((bound > AGREE_LIMIT).sum())
+            assert coarse == [f"on {n_coarse} of these {len(lr)} calls, logged without policy_version and "
+                              "shared_version, float32 rounding of the target's scores could move a log-probability "
+                              f"by up to {bound.max():.2g} nats (its scores are large), beyond the {AGREE_LIMIT:g} "
+                              "within which rounding can be told from a change of policy: they count as not served "
+                              "by POLICIES"], coarse
 
 
 def test_rollback_hint_only_for_a_reliable_estimate_below_the_logged_value(capsys, ope_env, tmp_path, monkeypatch):

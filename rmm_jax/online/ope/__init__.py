@@ -109,8 +109,8 @@ has one too. :func:`ship_verdict` turns it into a decision: ship when the SNIPS 
 of the cite rate (:data:`SHIP_ESTIMATOR`, :data:`SHIP_METRIC`) is reliable and its gain's
 interval lies above 0 (``worse`` when it is reliable and lies below 0, the one verdict that
 shows the target worse; none when the target's own versions served every logged call, so
-the log compares it with itself, or when it gives every call the logged probabilities to
-float32 rounding: :func:`rounding_bound`, :func:`agrees_to_rounding`). The cite rate needs no
+the log compares it with itself, or when it gives every call, logged without version keys, the
+logged probabilities to float32 rounding: :func:`rounding_bound`, :func:`agrees_to_rounding`). The cite rate needs no
 gold; SNIPS needs only ``log_prob``, has far less variance than IPS, and is the estimator
 ``benchmarks/ope_validation.py`` validates under both fixed and adaptive logging (95% coverage
 0.93 and 1.0 on cited memories); the slate estimators are narrower but assume how citations
@@ -124,9 +124,11 @@ verdict); ``_chunks`` fixes the calls per compiled program.
 from __future__ import annotations
 
 from rmm_jax.online.ope._calls import (
+    AGREE_LIMIT,
     F32_UNIT,
     LOG_FLOAT_MAX,
     METRICS,
+    ROUNDING_LAMBDA,
     Calls,
     MetricRewards,
     Target,
@@ -185,7 +187,7 @@ __all__ = [
     "cited_recall", "decision", "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs",
     "report_entry", "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
     "slot_rewards", "subset_count", "unreliable", "verdict", "agrees_to_rounding", "rounding_bound",
-    "rounding_gain", "F32_UNIT",
+    "rounding_gain", "F32_UNIT", "AGREE_LIMIT", "ROUNDING_LAMBDA",
     # constants and checks the CLI and the docstrings name
     "DEFAULT_BOOTSTRAP", "DEFAULT_EXACT_LIMIT", "DEFAULT_MC_SAMPLES", "LOG_FLOAT_MAX", "RANGE_TOL", "SHIP_ESTIMATOR",
     "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "check_inputs", "check_marginal_options",

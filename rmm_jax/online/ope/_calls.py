@@ -30,6 +30,8 @@ METRICS = ("cited", "cite_rate", "recall")
 LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
 F32_UNIT = 2.0 ** -24               # float32's unit roundoff u (Higham, Accuracy and Stability, §2.1)
 _GELU_SLOPE = 1.13                  # max |gelu'(t)| ≈ 1.129 (t ≈ 2.4), and |gelu(t)| <= |t|
+ROUNDING_LAMBDA = 10.0              # λ of the probabilistic bound γ̃_n(λ) (:func:`_gamma_prob`, :func:`rounding_bound`)
+AGREE_LIMIT = 0.02                  # the largest δ (nats) within which rounding is told from a policy change
 
 
 @dataclasses.dataclass
@@ -48,6 +50,7 @@ class Calls:
     valid: np.ndarray                  # (n,) bool: has gold, not an abstention question
     own_policy: dict                   # user id -> True when the policy store holds the user's own params
     served_by_target: np.ndarray | None = None   # (n,) bool: the call's logged versions are those the target loads
+    versions_logged: np.ndarray | None = None    # (n,) bool: the record carries policy_version and shared_version
     logit_error: np.ndarray | None = None  # (n,) float64: float32 error bound of the target's logits (rounding_bound)
     read: ReadReport | None = None     # what reading the log found (load_calls)
     hashes: dict | None = None         # user id -> (learned_calls.Calls, line numbers) of its calls, in log order
@@ -132,35 +135,58 @@ def _gamma(n) -> np.ndarray:
     return nu / (1 - nu)
 
 
+def _gamma_prob(n, lam: float = ROUNDING_LAMBDA) -> np.ndarray:
+    """Higham and Mary's probabilistic γ̃_n(λ) = exp(λ√n·u + n·u²/(1 − u)) − 1 ≈ λ√n·u
+    ("A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5),
+    2019, Theorems 2.4 and 3.1), u = :data:`F32_UNIT`: with rounding errors independent of mean
+    zero, |θ_n| <= γ̃_n(λ) fails with probability at most 2·exp(−λ²(1 − u)²/2) (4e-22 at
+    λ = 10), where the worst case :func:`_gamma` grows with n instead of √n."""
+    n = np.asarray(n, np.float64)
+    u = F32_UNIT
+    return np.expm1(lam * np.sqrt(n) * u + n * u * u / (1 - u))
+
+
 def rounding_bound(calls: Calls) -> np.ndarray:
     """Per call, a bound δ on |log π(a) − log μ(a)| when the target π and the logging policy
     μ are the same policy, each evaluated in float32 (in any order, on any CPU): a call whose
     log-ratios all lie within ±δ gives the target the logging policy's probabilities to
     float32 rounding. ``inf`` where :func:`load_calls` did not bound the target's logits.
+    Agreement is told from a policy change only while δ <= :data:`AGREE_LIMIT` (0.02 nats:
+    weights within 2% of 1); beyond it rounding could hide a real change, so
+    :func:`~rmm_jax.online.ope.agrees_to_rounding` never calls such a call agreed.
 
     Derivation (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., ch. 3;
-    u = 2⁻²⁴, γ_n = nu/(1 − nu), first order in u):
+    Higham and Mary, "A new approach to probabilistic rounding error analysis", SIAM J. Sci.
+    Comput. 41(5), 2019; u = 2⁻²⁴, first order in u):
 
     * **Logits.** A score s = m'ᵀq' is computed by sums and products only (the ``linear``
       adapters; ``mlp`` adds a gelu, whose slope is at most 1.13). Every such value computed
-      along a chain of at most N roundings has |ŝ − s| <= γ_N · S with S the same computation
+      along a chain of at most N roundings has |ŝ − s| = |θ| · S with S the same computation
       on absolute values (Higham §3.1 and §3.5: an inner product of length d has
-      |fl(xᵀy) − xᵀy| <= γ_d |x|ᵀ|y|, and the bounds compose along the chain):
-      N = 3d + 2w + 8 (:func:`_score_depth`). z = s/τ rounds once more, so each logit is within
-      e_z = γ_{N+2} · max_k S_k / τ of its exact value (``Calls.logit_error``).
+      |fl(xᵀy) − xᵀy| <= |θ_d| |x|ᵀ|y|, and the bounds compose along the chain):
+      N = 3d + 2w + 8 (:func:`_score_depth`). The worst case |θ_N| <= γ_N = Nu/(1 − Nu) grows
+      with N and is reached only when every rounding errs the same way: with learned weights
+      (S far above |s|: the terms cancel) it called log-ratios of 0.1 nats and more rounding.
+      Rounding errors independent of mean zero (Higham and Mary's model, Theorems 2.4 and
+      3.1) give |θ_N| <= γ̃_N(λ) ≈ λ√N·u (:func:`_gamma_prob`) except with probability
+      2·exp(−λ²(1 − u)²/2) per θ: at λ = :data:`ROUNDING_LAMBDA` = 10, 4e-22, so below 1e-13
+      over the fewer than N² θ's of every logit of a call (K <= 100, d <= 4096). z = s/τ rounds
+      once more, so each logit is within e_z = γ̃_{N+2}(λ) · max_k S_k / τ of its exact value
+      (``Calls.logit_error``).
     * **Plackett–Luce.** log P(a) = Σ_{j<M} (z_{a_j} − log Σ_{k not drawn} e^{z_k}); each term
       moves by at most twice the largest logit change (log-sum-exp is 1-Lipschitz in the max
       norm), so log P moves by <= 2M·e_z from exact logits. Evaluating it from given logits
-      rounds too: a sum of at most K exponentials is within γ_K (relative, so absolute in
-      its log), exp, log and the subtractions add a few u, and each term's rounding is
-      relative to its size, at most 2Z + log K (Z = max|z|), cumulated over M draws:
-      ε <= M·(γ_{K+4} + γ_{M+3}·(2Z + log K)).
+      rounds too (worst case, a few dozen roundings): a sum of at most K exponentials is within
+      γ_K (relative, so absolute in its log), exp, log and the subtractions add a few u, and
+      each term's rounding is relative to its size, at most 2Z + log K (Z = max|z|), cumulated
+      over M draws: ε <= M·(γ_{K+4} + γ_{M+3}·(2Z + log K)).
     * **Two evaluations.** π and μ each lie within 2M·e_z + ε of the exact log P, so
       δ = 4M·e_z + 2ε. Prefix log-ratios (fewer draws) lie within the same δ.
 
     For unit-norm embeddings at the identity reranker, d = 384, τ = 0.1, K = 20, M = 5:
-    δ ≈ 4·5·γ_1162·1/0.1 + 2ε ≈ 0.014 (weights within 1.4% of 1), a worst case (the errors seen are
-    about 1e-7); a different policy's log-ratios are of order 0.1 and beyond."""
+    δ ≈ 4·5·γ̃_1162(10)·1/0.1 + 2ε ≈ 0.004 (weights within 0.4% of 1; the worst case γ_N gave
+    0.014), still far above the errors seen (about 1e-7); a different policy's log-ratios are
+    of order 0.1 and beyond."""
     n = len(calls.user_ids)
     if calls.logit_error is None:
         return np.full(n, np.inf)
@@ -226,7 +252,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
-                                                 "valid", "served", "err")}
+                                                 "valid", "served", "versioned", "err")}
     all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
     for uid, recs in by_user.items():
         c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
@@ -259,15 +285,16 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         rows["cg"].append(c.cand_gold)
         rows["ng"].append(c.num_gold)
         rows["valid"].append(c.valid)
-        rows["err"].append(_gamma(_score_depth(params) + 2) * size / cfg.tau)
+        rows["err"].append(_gamma_prob(_score_depth(params) + 2) * size / cfg.tau)
         rows["served"].append(np.array([r.versions_logged and (r.policy_version, r.shared_version) == loads
                                         for r in recs], bool))
+        rows["versioned"].append(np.array([bool(r.versions_logged) for r in recs], bool))
     cat = lambda key: np.concatenate(rows[key])
     return Calls(user_ids=rows["uid"], query_ids=rows["qid"], target_logits=cat("t"),
                  behaviour_logits=cat("b") if all_logits else None, mask=cat("mask"), selected=cat("sel"),
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
-                 served_by_target=cat("served"), logit_error=cat("err"), read=read,
+                 served_by_target=cat("served"), versions_logged=cat("versioned"), logit_error=cat("err"), read=read,
                  hashes={u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()})
 
 

@@ -13,6 +13,7 @@ from rmm_jax.core.scope import Scope
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.errors import InputError, named
 from rmm_jax.online.ope._calls import (
+    AGREE_LIMIT,
     METRICS,
     Calls,
     Target,
@@ -196,13 +197,16 @@ def decision(v: dict) -> str:
 def agrees_to_rounding(calls: Calls, bound: np.ndarray | None = None) -> np.ndarray:
     """(n,) bool: the calls on which the target gives the logged selection the logging
     policy's probability to float32 rounding, every prefix too when the log has ``logits``
-    (:func:`rmm_jax.online.ope._calls.rounding_bound`): served by the target, whatever the
-    log says of versions. Not finite: never. ``bound``: :func:`rounding_bound`'s, when the
-    caller has it."""
+    (:func:`rmm_jax.online.ope._calls.rounding_bound`). Never where the bound δ exceeds
+    :data:`~rmm_jax.online.ope._calls.AGREE_LIMIT` (there rounding cannot be told from a policy
+    change), nor where it is not finite. Numbers only: :func:`evaluate_log` counts it as
+    served by the target only on calls logged without ``policy_version``/``shared_version``
+    (with them, the versions decide). ``bound``: :func:`rounding_bound`'s, when the caller
+    has it."""
     bound = rounding_bound(calls) if bound is None else bound
     with np.errstate(all="ignore"):
         target = _prefix_log_probs(calls.target_logits, calls.selected, calls.mask)
-        ok = np.abs(target[:, -1] - calls.log_prob) <= bound
+        ok = (np.abs(target[:, -1] - calls.log_prob) <= bound) & (bound <= AGREE_LIMIT)
         if calls.behaviour_logits is not None:
             behaviour = _prefix_log_probs(calls.behaviour_logits, calls.selected, calls.mask)
             ok &= (np.abs(target - behaviour) <= bound[:, None]).all(1)
@@ -354,8 +358,10 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     than ``min_ess``), ``verdict["log_problem"]`` says why and, instead of the
     ESS line, a warning says the log cannot judge the policies and what to fix in it (no
     clip, no rollback). ``verdict["served_by_target"]``: how many calls the target's own
-    versions served (:func:`load_calls`), or the target gives the logged probabilities to
-    float32 rounding (:func:`agrees_to_rounding`; a call with one candidate does not count);
+    versions served (:func:`load_calls`), or, on a call logged without version keys, the target
+    gives the logged probabilities to float32 rounding (:func:`agrees_to_rounding`; a call with
+    one candidate does not count; a note counts the calls without version keys whose rounding
+    bound is too large to tell rounding from a change of policy);
     when it served them all, ``verdict["self_served"]`` is true and the verdict neither ships
     nor turns the target down (``worse`` false): the log cannot compare it with itself.
     ``learned_calls``: how many of the calls the policies learned from
@@ -377,10 +383,14 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess)
     res["verdict"]["log_problem"] = cause.why if cause else None
     bound = rounding_bound(calls)
-    agree = agrees_to_rounding(calls, bound)
+    n_calls = len(calls.user_ids)
+    # a record's versions decide whether the target served it; rounding is evidence only without them
+    unversioned = ~calls.versions_logged if calls.versions_logged is not None else np.ones(n_calls, bool)
+    agree = agrees_to_rounding(calls, bound) & unversioned
     certain = calls.mask.sum(1) < 2           # one candidate: any policy shows it, with weight 1
+    coarse = unversioned & ~certain & ~(bound <= AGREE_LIMIT)
     by_versions = int(calls.served_by_target.sum())
-    n_calls, served = len(calls.user_ids), int((calls.served_by_target | (agree & ~certain)).sum())
+    served = int((calls.served_by_target | (agree & ~certain)).sum())
     res["verdict"].update(served_by_target=served, self_served=False)
     if n_calls and by_versions == n_calls:
         res["verdict"] = _self_served(res["verdict"], n_calls)
@@ -393,6 +403,12 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     elif n_calls and served == n_calls:
         res["verdict"] = _self_served(res["verdict"], n_calls, f"POLICIES served all {n_calls} of these calls (by "
                                       "their logged versions, or to float32 rounding of the logged probabilities)")
+    if coarse.any():
+        res["notes"].append(f"on {int(coarse.sum())} of these {n_calls} calls, logged without policy_version and "
+                            "shared_version, float32 rounding of the target's scores could move a log-probability by "
+                            f"up to {float(np.max(bound[coarse])):.2g} nats (its scores are large), beyond the "
+                            f"{AGREE_LIMIT:g} within which rounding can be told from a change of policy: they count "
+                            "as not served by POLICIES")
     if served and served < n_calls:
         res["notes"].append(f"POLICIES served {served} of these {n_calls} calls itself (their logged "
                             "policy_version and shared_version are the ones it loads, or it gives them the logged "
