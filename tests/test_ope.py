@@ -893,6 +893,46 @@ def test_wrong_log_prob_blames_the_log_not_clip_nor_the_policies(capsys, ope_env
     assert not v["ship"] and "log_prob is not the logging policy's probability" in v["log_problem"]
 
 
+def test_a_correct_log_and_a_far_target_names_the_drift_not_the_log(capsys, ope_env, tmp_path):
+    """An exact log (every log_prob the Plackett–Luce probability of its logits, every
+    candidate drawable) judged for a target far from the logging policy (the identity's
+    ranking reversed): its selections are rare in the log, a few calls carry the weight and
+    the weights' mean falls below 1. Before: 'weights average 0.0x, not 1: log_prob is not the
+    logging policy's probability, or the log does not cover the target' and a fix to log
+    log_prob right, blaming a correct log. Now the message names the drift first, says the
+    log's log_prob agree with its logits, and how to tell the causes apart, in the text and
+    in --json (verdict log_problem, the warning's fix, the estimate's reason)."""
+    pol = tmp_path / "far"
+    st = open_store(ope_env["store"])
+    eye = np.eye(16, dtype=np.float32)
+    PolicyStore.create(pol, {"kind": "linear", "dim": 16, "hidden": None,
+                             "config": {"pretrained": False, "model": st.model}},
+                       {"m_adapter": {"W": {"kernel": jax.numpy.asarray(-2 * eye)}},
+                        "q_adapter": {"W": {"kernel": jax.numpy.zeros((16, 16), np.float32)}}})   # scores -mᵀq
+    rng = np.random.default_rng(3)
+    records = []
+    for r in ope_env["records"]:           # logged at τ 0.05: log_prob exact, every candidate drawable
+        z = np.asarray(r["logits"]) * (TAU / 0.05)
+        order = [int(p) for p in np.argsort(-(z + rng.gumbel(size=len(z))))[:MM]]
+        records.append({**r, "logits": [float(x) for x in z], "selected": [r["candidates"][p] for p in order],
+                        "cited": [r["candidates"][order[0]]], "log_prob": pl_log_prob(z, order)})
+    log = tmp_path / "exact.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    env = {**ope_env, "pol": pol, "log": log}
+    code, out, err = evaluate(capsys, env, "--tau", 0.02, "--json")
+    assert code == 3, err
+    rep = strict_json(out)
+    est, v = rep["estimates"]["cite_rate"]["snips"], rep["verdict"]
+    assert est["weight_mean"] < 0.1 and est["ess"] < 0.1 * est["n"], est
+    for text in (v["log_problem"], est["reason"]):
+        assert "the target has likely drifted far from the logging policy" in text, text
+    assert "every record's log_prob is the Plackett–Luce probability of its logits" in v["log_problem"]
+    fix = [w for w in rep["warnings"] if w.startswith("the log cannot judge these policies")]
+    assert len(fix) == 1 and "to tell the two apart" in fix[0] and "a later day's" in fix[0], rep["warnings"]
+    code, out, err = evaluate(capsys, env, "--tau", 0.02)
+    assert "the target has likely drifted far from the logging policy" in err, err
+
+
 @pytest.mark.parametrize("args", [["--users", "user0"], ["--users", "user0", "--clip", "2"], ["--min-ess", "47"]])
 def test_too_few_calls_for_min_ess_says_so_and_never_suggests_clip(capsys, ope_env, args):
     """ESS <= n, and clipping lower never lowers it, so ``ess_max`` (the ESS at --clip 1) is

@@ -142,12 +142,14 @@ from rmm_jax.online.ope._calls import (
 from rmm_jax.online.ope._estimators import (
     DEFAULT_BOOTSTRAP,
     ESTIMATORS,
+    HEAVY_TAIL_ESS,
     RANGE_TOL,
     SLATE_ONLY,
     WEIGHT_MEAN_TOL,
     WEIGHT_MEAN_Z,
     estimate,
     estimator_weights,
+    heavy_tailed,
     report_entry,
     verdict,
 )
@@ -190,6 +192,7 @@ __all__ = [
     "rounding_gain", "F32_UNIT", "AGREE_LIMIT", "ROUNDING_LAMBDA",
     # constants and checks the CLI and the docstrings name
     "DEFAULT_BOOTSTRAP", "DEFAULT_EXACT_LIMIT", "DEFAULT_MC_SAMPLES", "LOG_FLOAT_MAX", "RANGE_TOL", "SHIP_ESTIMATOR",
-    "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "check_inputs", "check_marginal_options",
+    "SHIP_METRIC", "SLATE_ONLY", "WEIGHT_MEAN_TOL", "WEIGHT_MEAN_Z", "HEAVY_TAIL_ESS", "heavy_tailed", "check_inputs",
+    "check_marginal_options",
     "check_report_options", "check_target", "learned_calls", "log_cause", "low_ess_advice", "LogCause", "signed",
 ]

@@ -16,6 +16,7 @@ SLATE_ONLY = ("ips", "snips")        # need only the behaviour's log-probability
 DEFAULT_BOOTSTRAP = 1000
 WEIGHT_MEAN_Z = 3.29                 # two-sided 0.1% normal quantile
 WEIGHT_MEAN_TOL = 0.1                # a weight mean within 1 ± 0.1 is never flagged
+HEAVY_TAIL_ESS = 0.1                 # weights whose ESS is below this share of the calls: a few calls carry them
 RANGE_TOL = 1e-4                     # of a metric's range: float rounding, clamped
 
 
@@ -70,6 +71,16 @@ def _weight_mean(cols) -> tuple[float, float]:
     excess = np.abs(mean - 1.0) - _weight_mean_allowance(se)
     j = int(np.argmax(np.where(np.isnan(excess), np.inf, excess)))
     return float(mean[j]), float(se[j])
+
+
+def heavy_tailed(est: dict) -> bool:
+    """Whether an estimate's weights average below 1 with a few calls carrying them (ESS below
+    :data:`HEAVY_TAIL_ESS` of the calls): what a target far from the logging policy gives on a
+    correct log. Its selections are rare there, so E[π/μ] = 1 rests on rare calls with huge
+    weights that a log of n calls seldom holds; the sample mean of such heavy-tailed weights
+    falls below 1. A wrong ``log_prob`` can look the same: the log's ``logits`` tell them apart."""
+    mean, ess, n = est.get("weight_mean"), est.get("ess"), est.get("n", 0)
+    return mean is not None and ess is not None and mean < 1.0 and ess < HEAVY_TAIL_ESS * n
 
 
 def _weight_mean_allowance(se):
@@ -221,8 +232,11 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
         reasons.append(f"ESS {ess:.1f} of {n} calls < {min_ess:g}")
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
     if mean is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
-        reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}), not 1: log_prob is not the logging policy's "
-                       "probability, or the log does not cover the target")
+        reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}), not 1: " + (
+            f"a few calls carry them (ESS {ess:.1f} of {n}): the target has likely drifted far from the logging "
+            "policy (heavy-tailed weights, whose mean over few calls falls below 1), or log_prob is not the logging "
+            "policy's probability" if heavy_tailed(est) else
+            "log_prob is not the logging policy's probability, or the log does not cover the target"))
     if value_range is not None:
         a, b = value_range
         tol = RANGE_TOL * max(b - a, 1.0)

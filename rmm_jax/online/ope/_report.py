@@ -30,6 +30,7 @@ from rmm_jax.online.ope._estimators import (
     _estimate,
     _weight_mean_allowance,
     estimator_weights,
+    heavy_tailed,
     report_entry,
     verdict,
 )
@@ -261,18 +262,37 @@ class LogCause(NamedTuple):
     fix: str
 
 
-def log_cause(est: dict, min_ess: float) -> LogCause | None:
+def log_cause(est: dict, min_ess: float, *, logits_checked: bool = False) -> LogCause | None:
     """Why the log, not the target policy, makes the report entry ``est`` unreliable (None:
     it is reliable, or the log is not why): its weights do not average 1 (the log's
     ``log_prob`` is not the logging policy's probability, or it misses selections the target
     makes), or it holds fewer calls than ``min_ess`` (an ESS is at most the number of calls).
     Neither a clip nor another policy changes either. A target whose selections the log
     rarely shows (``ess_max``, the ESS at a clip of 1, below ``min_ess`` on enough calls) is
-    the target's divergence, not the log's fault: not a cause here (see :func:`low_ess_advice`)."""
+    the target's divergence, not the log's fault: not a cause here (see :func:`low_ess_advice`).
+    Weights that average below 1 with a few calls carrying them
+    (:func:`~rmm_jax.online.ope._estimators.heavy_tailed`) are named first as what they most
+    likely are, a target far from the logging policy on a correct log, with how to tell it
+    from a wrong ``log_prob``; ``logits_checked``: every record carries ``logits`` and its
+    ``log_prob`` is their Plackett–Luce probability (:func:`load_calls` refuses one that is not),
+    so the log is self-consistent."""
     if est.get("reliable", True):
         return None
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
     if mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
+        if heavy_tailed(est):
+            other = ("; every record's log_prob is the Plackett–Luce probability of its logits, so the log is "
+                     "wrong only if those logits are not the logging policy's (another temperature)" if logits_checked
+                     else "; or the log's log_prob is not the logging policy's probability")
+            return LogCause(f"the importance weights average {mean:.3g}, not 1, and a few calls carry them (ESS "
+                            f"{est['ess']:.1f} of {est['n']}): the target has likely drifted far from the logging "
+                            "policy, so the log rarely shows the selections it makes (heavy-tailed weights, whose "
+                            f"mean over a log this size falls below 1){other}",
+                            "to tell the two apart, check that each record's log_prob is the probability the logging "
+                            "policy drew its selection with (rerank --explore writes it so, with its logits); if it "
+                            "is, the log is right and these policies are too far from the ones that served it: "
+                            "evaluate them on a log served by policies closer to them (a later day's), or log with "
+                            "more exploration")
         return LogCause(f"the importance weights average {mean:.3g}, not 1: the log's log_prob is not the logging "
                         "policy's probability, or the log misses selections the target makes",
                         "log each call's log_prob as the probability the logging policy drew its selection with")
@@ -380,7 +400,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
                             f"POLICIES: scored with its shared params")
     warnings = []
     res["verdict"] = ship_verdict(res["estimates"])
-    cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess)
+    checked = calls.behaviour_logits is not None
+    cause = log_cause(res["estimates"][SHIP_METRIC][SHIP_ESTIMATOR], min_ess, logits_checked=checked)
     res["verdict"]["log_problem"] = cause.why if cause else None
     bound = rounding_bound(calls)
     n_calls = len(calls.user_ids)
@@ -420,7 +441,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
                         f"Neither {named('clip')} nor a rollback helps: {cause.fix}")
     elif low:
         ess, n, metric, name = min(low)
-        low_cause = log_cause(res["estimates"][metric][name], min_ess)
+        low_cause = log_cause(res["estimates"][metric][name], min_ess, logits_checked=checked)
         advice = (f"{low_cause.why}: {low_cause.fix}" if low_cause else
                   low_ess_advice(res["estimates"][metric][name], min_ess, clip))
         warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
