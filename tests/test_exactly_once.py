@@ -537,6 +537,30 @@ def test_calls_skipped_only_as_older_than_the_horizon_are_not_called_learned(cap
                           "(--relearn learns them)", out
 
 
+def test_evaluate_notes_calls_older_than_what_the_policies_learned(capsys, tmp_path, store, logged):
+    """Day 6 of a 70-night run: its calls have left the window of calls the policies remember,
+    and the policies learned from them (or from calls after them). evaluate's note on learned
+    calls disappeared (learned 0, older 96: no note, as if the estimate did not lean
+    optimistic). Now the note says so for older calls too, as replay does ('older than what
+    their users have learned'), in --json's learned_calls and on stderr."""
+    from rmm_jax.persist.learned_calls import WINDOW
+    mine = [r for r in logged if r["user_id"] == logged[0]["user_id"]]
+    day1 = write(tmp_path / "day1.jsonl", [{**mine[i % len(mine)], "call_id": f"c{i}",
+                                            "timestamp": 1_700_000_000 + 60 * i} for i in range(WINDOW + 8)])
+    early = write(tmp_path / "early.jsonl", [json.loads(line) for line in day1.read_text().splitlines()[:5]])
+    code, _, err = replay(capsys, store, day1, tmp_path / "p")
+    assert code == 0, err
+    ev = ["evaluate", store, "--policies", tmp_path / "p", "--k", "8", "--m", "3", "--bootstrap", "50",
+          "--allow-unreliable"]
+    note = ("5 of these 5 calls are older than what the policies have learned (learned and forgotten, or followed "
+            "by calls they learned from): an estimate on calls they learned from, or on calls before them, can be "
+            "optimistic; evaluate on a later day's log")
+    code, out, err = run_cli(capsys, *ev, "--log", early, "--json")
+    assert code == 0, err
+    assert json.loads(out)["learned_calls"] == {"calls": 5, "learned": 0, "older": 5, "note": note}
+    assert f"note: {note}" in err.splitlines(), err
+
+
 def test_every_reader_says_a_killed_replay_left_the_store_half_learned(capsys, monkeypatch, tmp_path, store, logged):
     """The night's replay killed after its first chunk of users was saved (policies.runstate
     left behind): the morning's rerank served a mix of those users' new versions and the

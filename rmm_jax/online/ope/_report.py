@@ -323,7 +323,8 @@ def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str
     learned from, as the policy store remembers them (:func:`rmm_jax.online.starts.check_learned`):
     ``{"calls", "learned", "older", "note"}``; ``older``: calls older than what a user's policy
     remembers (learned and forgotten, or never learned: it cannot tell); ``note``: the line
-    that says an estimate on learned calls can be optimistic (None: none was learned).
+    that says an estimate on learned calls, or on older ones (the policies learned from them or
+    from later calls), can be optimistic (None: none was learned and none is older).
     Reads the log; :func:`evaluate_log` counts the calls :func:`load_calls` read instead
     (``Calls.hashes``)."""
     scan = scan_log(log_path, cfg, known=known_ids(store), skip_invalid=skip_invalid, users=users, calls=True)
@@ -336,8 +337,16 @@ def _learned(calls: dict, store, log_path, policies) -> dict:
     got = (check_learned(calls, policies, log_path, before=None, relearn=True, questions=store)   # count, never refuse
            if calls else None)
     total, learned, older = (int(got.learn), int(got.known), int(got.older)) if got else (0, 0, 0)
-    note = None if not learned else (f"the policies learned from {learned} of these {total} calls: an estimate on the "
-                                     "calls they learned from can be optimistic; evaluate on a later day's log")
+    if learned and not older:
+        note = (f"the policies learned from {learned} of these {total} calls: an estimate on the calls they learned "
+                "from can be optimistic; evaluate on a later day's log")
+    elif older:
+        said = f"the policies learned from {learned} of these {total} calls and " if learned else ""
+        note = (f"{said}{older} of these {total} calls are older than what the policies have learned (learned and "
+                "forgotten, or followed by calls they learned from): an estimate on calls they learned from, or on "
+                "calls before them, can be optimistic; evaluate on a later day's log")
+    else:
+        note = None
     return {"calls": total, "learned": learned, "older": older, "note": note}
 
 
