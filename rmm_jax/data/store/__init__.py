@@ -61,7 +61,9 @@ the users after a grown one move. The store must have been embedded with the sam
 and at ``turn`` or ``session`` granularity (``segment`` merges new topics into old
 memories, which would change them). The new store is written whole, next to the old one,
 and renamed into place (:func:`rmm_jax.persist.atomic.atomic_dir`): a crash leaves the
-old store.
+old store. Readers take no lock: an opened store reads the version it opened, through the
+files it opened at once (``_read``), and :meth:`EmbeddingStore.refresh` moves it to the one
+renamed into place since.
 
 One concern per private module: ``_format`` (the marker and version), ``_write`` (a new
 store, whole), ``_read`` (opening and reading), ``_append`` (growing one).

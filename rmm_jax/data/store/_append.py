@@ -161,10 +161,15 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, p
 
 
 def _append(path, dataset: Dataset, embedder, spec: str | None, progress, skip_invalid: bool) -> dict:
+    t0 = time.perf_counter()
+    with open_store(path) as st:              # its files closed once the grown store is in place
+        return _append_to(st, path, dataset, embedder, spec, progress, skip_invalid, t0)
+
+
+def _append_to(st, path, dataset: Dataset, embedder, spec: str | None, progress, skip_invalid: bool,
+               t0: float) -> dict:
     say = progress or (lambda msg: None)
     where = spec or "dataset"
-    t0 = time.perf_counter()
-    st = open_store(path)
     check_model(st, path, embedder.model_id, where="embedder")
     if st.granularity not in APPENDABLE:
         raise InputError(f"STORE {path} has {st.granularity!r} memories; appending keeps old memories as they are, "
@@ -240,16 +245,14 @@ def _append(path, dataset: Dataset, embedder, spec: str | None, progress, skip_i
     return {"manifest": manifest, "added": counts}
 
 
-def _copy_lines(src: Path, offsets: np.ndarray, start: int, end: int, dst) -> None:
-    with open(src, "rb") as f:
-        f.seek(int(offsets[start]))
-        dst.write(f.read(int(offsets[end] - offsets[start])))
+def _copy_lines(st, name: str, offsets: np.ndarray, start: int, end: int, dst) -> None:
+    dst.write(st._files.read(name, int(offsets[start]), int(offsets[end])))
 
 
-def _put(out, at: int, old, o0: int, o1: int, new, n0: int, n1: int) -> int:
-    """Rows ``o0:o1`` of ``old`` (bit for bit), then ``n0:n1`` of ``new``, into ``out`` from
-    row ``at``; returns the next free row."""
-    out[at:at + o1 - o0] = read_rows(old, o0, o1)
+def _put(out, at: int, old, o0: int, o1: int, new, n0: int, n1: int, fd: int | None = None) -> int:
+    """Rows ``o0:o1`` of ``old`` (bit for bit; read from ``fd``, the store's open file of it),
+    then ``n0:n1`` of ``new``, into ``out`` from row ``at``; returns the next free row."""
+    out[at:at + o1 - o0] = read_rows(old, o0, o1, fd)
     at += o1 - o0
     out[at:at + n1 - n0] = new[n0:n1]
     return at + n1 - n0
@@ -294,12 +297,15 @@ def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order:
             for uid in all_ids:
                 old = old_users.get(uid, none)
                 nm0, nm1, nq0, nq1 = spans.get(uid, (0, 0, 0, 0))
-                m_end = _put(out_m, m_at, st.memory_emb, old["mem_start"], old["mem_end"], mem_emb, nm0, nm1)
-                q_end = _put(out_q, q_at, st.query_emb, old["query_start"], old["query_end"], qry_emb, nq0, nq1)
+                m_end = _put(out_m, m_at, st.memory_emb, old["mem_start"], old["mem_end"], mem_emb, nm0, nm1,
+                             st._files.fd("memories.npy"))
+                q_end = _put(out_q, q_at, st.query_emb, old["query_start"], old["query_end"], qry_emb, nq0, nq1,
+                             st._files.fd("queries.npy"))
                 if out_a is not None:
-                    _put(out_a, q_at, st.answer_emb, old["query_start"], old["query_end"], ans_emb, nq0, nq1)
-                _copy_lines(st.path / "memories.jsonl", moffs, old["mem_start"], old["mem_end"], fm)
-                _copy_lines(st.path / "queries.jsonl", qoffs, old["query_start"], old["query_end"], fq)
+                    _put(out_a, q_at, st.answer_emb, old["query_start"], old["query_end"], ans_emb, nq0, nq1,
+                         st._files.fd("answers.npy"))
+                _copy_lines(st, "memories.jsonl", moffs, old["mem_start"], old["mem_end"], fm)
+                _copy_lines(st, "queries.jsonl", qoffs, old["query_start"], old["query_end"], fq)
                 fm.writelines((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows.memories[nm0:nm1])
                 fq.writelines((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows.queries[nq0:nq1])
                 users_out.append({"id": uid, "mem_start": m_at, "mem_end": m_end, "query_start": q_at,

@@ -1,11 +1,21 @@
 """Opening an embedding store: validate its files (:func:`open_store`) and read one user's
 rows at a time (:class:`EmbeddingStore`, :class:`UserData`) without holding the whole
-store in memory."""
+store in memory.
+
+An opened store is a snapshot: :func:`open_store` opens the store's directory and every file
+it will read at once (:class:`_Files`: at most 8 descriptors a store, whatever its number of
+users, besides the one each memory-mapped array holds) and reads through those descriptors
+only, so an ``embed --into`` that renames a grown store into place meanwhile changes nothing
+it reads (a renamed-away or deleted file stays readable through an open descriptor).
+:meth:`EmbeddingStore.refresh` moves it to the store the path holds now;
+:meth:`EmbeddingStore.close` (or ``with``, or garbage collection) closes them."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import stat
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +38,114 @@ def _parse_row(line, path, ln: int, keys) -> dict:
         if k not in r:
             raise InputError("missing key", where=at(path, ln, k))
     return r
+
+
+_NAMES = ("manifest.json", "users.json", "memories.npy", "queries.npy", "answers.npy", "memories.jsonl",
+          "queries.jsonl")
+
+
+def _close_fds(fds: dict) -> None:
+    while fds:
+        os.close(fds.popitem()[1])
+
+
+class _Files:
+    """The files of one version of a store, open: its directory (``"."``) and each of
+    :data:`_NAMES` it holds, all opened relative to that directory in one go, so they are one
+    version's whatever is renamed into place afterwards. Closed by :meth:`close` or when
+    garbage collected."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.fds: dict[str, int] = {}
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _close_fds, self.fds)
+
+    def close(self) -> None:
+        self.closed = True
+        self._finalizer()
+
+    def has(self, name: str) -> bool:
+        return name in self.fds
+
+    def fd(self, name: str) -> int:
+        """The descriptor of file ``name``; an ``InputError`` naming it if the store lacks it
+        (or naming the store once it is closed)."""
+        if self.closed:
+            raise InputError("the store is closed", where=str(self.root))
+        if name not in self.fds:
+            raise InputError("missing file of the embedding store", where=at(self.root / name))
+        return self.fds[name]
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``start:end`` of file ``name`` (to its end without ``end``), by ``pread``: no
+        file position is shared, so threads may read one store at once."""
+        fd, parts, pos = self.fd(name), [], start
+        while end is None or pos < end:
+            chunk = os.pread(fd, (1 << 24) if end is None else min(1 << 30, end - pos), pos)
+            if not chunk:
+                break
+            parts.append(chunk)
+            pos += len(chunk)
+        return b"".join(parts)
+
+    def lines(self, name: str):
+        """The lines of file ``name`` (bytes, each with its newline), as iterating a file gives them."""
+        rest, pos, fd = b"", 0, self.fd(name)
+        while chunk := os.pread(fd, 1 << 20, pos):
+            pos += len(chunk)
+            *whole, rest = (rest + chunk).split(b"\n")
+            for line in whole:
+                yield line + b"\n"
+        if rest:
+            yield rest
+
+    def identity(self) -> tuple[int, int]:
+        st = os.fstat(self.fd("."))
+        return st.st_dev, st.st_ino
+
+
+def _replaced(root: Path, files: _Files) -> bool:
+    """Whether ``root`` names another directory than the one ``files`` opened (a writer renamed
+    a new store into place)."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return True
+    return (st.st_dev, st.st_ino) != files.identity()
+
+
+def _open_files(root: Path) -> _Files:
+    """Open ``root`` and the store files it holds (a file that is not a regular file counts as
+    missing). A file missing because a writer swapped a new store in and deleted the old one's
+    files while they were being opened is opened again from the new one (a few tries)."""
+    for attempt in range(8):
+        files = _Files(root)
+        try:
+            files.fds["."] = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:
+            raise InputError("no such embedding store (create one with `rmm-jax embed`)", where=at(root)) from None
+        except NotADirectoryError:
+            raise InputError("not an embedding store directory", where=at(root)) from None
+        except OSError as e:
+            raise InputError(f"cannot open ({e.strerror or e})", where=at(root)) from None
+        missing = False
+        for name in _NAMES:
+            try:
+                fd = os.open(name, os.O_RDONLY, dir_fd=files.fds["."])
+            except (FileNotFoundError, IsADirectoryError):
+                missing = True
+                continue
+            except OSError as e:
+                files.close()
+                raise InputError(f"cannot open ({e.strerror or e})", where=at(root / name)) from None
+            files.fds[name] = fd
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(files.fds.pop(name))
+                missing = True
+        if not (missing and _replaced(root, files)) or attempt == 7:
+            return files
+        files.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +175,18 @@ class UserData:
 
 
 class EmbeddingStore:
-    """A validated store directory; use :func:`open_store`."""
+    """A validated store directory; use :func:`open_store`.
 
-    def __init__(self, path: Path, manifest: dict, users: list[dict], memory_emb, query_emb, answer_emb=None):
+    A snapshot: it reads the version of the store it opened, through descriptors it holds
+    (:class:`_Files`), whatever ``embed --into`` renames into place afterwards; :meth:`refresh`
+    moves it to the version the path holds now. :meth:`close` (or leaving a ``with`` block, or
+    garbage collection) closes its descriptors; the arrays it gave stay valid."""
+
+    def __init__(self, path: Path, manifest: dict, users: list[dict], memory_emb, query_emb, answer_emb=None, *,
+                 files: _Files, expect: tuple = (None, None)):
         self.path = path
+        self._files = files
+        self._expect = expect
         self.manifest = manifest
         self.dim = int(manifest["dim"])
         self.model = manifest["model"]
@@ -84,6 +210,34 @@ class EmbeddingStore:
     def has_user(self, user_id) -> bool:
         return str(user_id) in self._by_id
 
+    def close(self) -> None:
+        """Close the store's files (reading a user afterwards is an ``InputError``). Rows and
+        arrays read from it stay valid; garbage collection closes them too."""
+        self._files.close()
+
+    def __enter__(self) -> "EmbeddingStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def refresh(self) -> bool:
+        """Read the store the path holds now. The store is a snapshot of the version it opened,
+        so after the nightly ``embed --into`` a long-lived one (a server's, beside its
+        :class:`~rmm_jax.online.serve.Reranker`) still serves yesterday's memories: call this
+        when that job ends (between requests: a read running meanwhile may see either). If
+        another store was renamed into place, it is opened and validated as :func:`open_store`
+        does (with the model and dim it was opened expecting), this object reads it from then
+        on and the old one's files are closed. Returns whether it changed; when it did not, it
+        cost one ``stat``."""
+        if not _replaced(Path(self.path), self._files):
+            return False
+        new = open_store(self.path, *self._expect)
+        old = self._files
+        self.__dict__.update(new.__dict__)
+        old.close()
+        return True
+
     @property
     def bank_sizes(self) -> dict[str, int]:
         """Number of memories of each user, without reading the metadata files."""
@@ -91,12 +245,9 @@ class EmbeddingStore:
 
     def _jsonl(self, name: str, n: int, keys: tuple[str, ...]) -> list[dict]:
         p = self.path / name
-        if not p.is_file():
-            raise InputError("missing file of the embedding store", where=at(p))
-        rows = []
-        with open(p, "rb") as f:          # bytes: a line that is not UTF-8 is _parse_row's one-line error
-            for ln, line in enumerate(f, 1):
-                rows.append(_parse_row(line, p, ln, keys))
+        rows = []                         # bytes: a line that is not UTF-8 is _parse_row's one-line error
+        for ln, line in enumerate(self._files.lines(name), 1):
+            rows.append(_parse_row(line, p, ln, keys))
         if len(rows) != n:
             raise InputError(f"{len(rows)} rows but the manifest counts {n}", where=at(p))
         return rows
@@ -105,16 +256,12 @@ class EmbeddingStore:
         """Byte offset of every row of a JSONL file (plus the end): 8 bytes per row, so
         :meth:`user` reads one user's rows without holding every row in memory."""
         if name not in self._offsets_cache:
-            p = self.path / name
-            if not p.is_file():
-                raise InputError("missing file of the embedding store", where=at(p))
             offs, pos = [0], 0
-            with open(p, "rb") as f:
-                for line in f:
-                    pos += len(line)
-                    offs.append(pos)
+            for line in self._files.lines(name):
+                pos += len(line)
+                offs.append(pos)
             if len(offs) - 1 != n:
-                raise InputError(f"{len(offs) - 1} rows but the manifest counts {n}", where=at(p))
+                raise InputError(f"{len(offs) - 1} rows but the manifest counts {n}", where=at(self.path / name))
             self._offsets_cache[name] = np.asarray(offs, np.int64)
         return self._offsets_cache[name]
 
@@ -122,9 +269,7 @@ class EmbeddingStore:
         """Rows ``start:end`` of a JSONL file, validated like :meth:`_jsonl`."""
         offs = self._line_offsets(name, n)
         p = self.path / name
-        with open(p, "rb") as f:
-            f.seek(int(offs[start]))
-            blob = f.read(int(offs[end] - offs[start]))
+        blob = self._files.read(name, int(offs[start]), int(offs[end]))
         rows = []
         for i, line in enumerate(blob.splitlines(keepends=True)[:end - start]):
             ln = start + i + 1
@@ -220,8 +365,8 @@ class EmbeddingStore:
                 gold[i, col[m]] = True
         return UserData(
             user_id=uid,
-            memory_emb=read_rows(self.memory_emb, ms, me),
-            query_emb=read_rows(self.query_emb, qs, qe),
+            memory_emb=read_rows(self.memory_emb, ms, me, self._files.fd("memories.npy")),
+            query_emb=read_rows(self.query_emb, qs, qe, self._files.fd("queries.npy")),
             gold=gold,
             memory_ids=mem_ids,
             query_ids=tuple(str(r["id"]) for r in qrys),
@@ -236,7 +381,7 @@ class EmbeddingStore:
             raise InputError("store holds no answer embeddings; rebuild it with `rmm-jax embed ... --answers`",
                              where=str(self.path))
         u = self._user_entry(user_id)                  # the one-line error naming the store
-        return read_rows(self.answer_emb, u["query_start"], u["query_end"])
+        return read_rows(self.answer_emb, u["query_start"], u["query_end"], self._files.fd("answers.npy"))
 
     def iter_users(self):
         """Iterate over :class:`UserData` of every user, in store order."""
@@ -244,38 +389,58 @@ class EmbeddingStore:
             yield self.user(uid)
 
 
-def read_rows(mm: np.memmap, start: int, end: int) -> np.ndarray:
-    """Rows ``start:end`` of a memory-mapped ``.npy`` array, read with ``pread``.
+def read_rows(mm: np.memmap, start: int, end: int, fd: int | None = None) -> np.ndarray:
+    """Rows ``start:end`` of a memory-mapped ``.npy`` array, read with ``pread`` from ``fd``
+    (the open file it maps: a store's, :class:`_Files`), else from the file it names.
 
     Touching the memory map would make its pages resident in this process, so reading
     every user once would grow the RSS by the whole store; read pages stay in the
     kernel's page cache instead and memory stays bounded with the number of users.
     """
-    if not isinstance(mm, np.memmap) or mm.filename is None:
+    if not isinstance(mm, np.memmap) or (fd is None and mm.filename is None):
         return np.asarray(mm[start:end])
     width = int(np.prod(mm.shape[1:], dtype=np.int64))
     row = width * mm.dtype.itemsize
-    with open(mm.filename, "rb") as f:
-        buf = os.pread(f.fileno(), (end - start) * row, mm.offset + start * row)
+    if fd is not None:
+        buf = os.pread(fd, (end - start) * row, mm.offset + start * row)
+    else:
+        with open(mm.filename, "rb") as f:
+            buf = os.pread(f.fileno(), (end - start) * row, mm.offset + start * row)
     return np.frombuffer(buf, mm.dtype).reshape((end - start,) + mm.shape[1:])
 
 
-def _load_npy(path: Path, rows: int, dim: int, name: str):
-    if not path.is_file():
-        raise InputError("missing file of the embedding store", where=at(path))
+def _map_npy(fd: int) -> np.memmap:
+    """The ``.npy`` array of open file ``fd`` mapped read-only (the map holds the file, not its
+    name); ``ValueError`` unless it is a C-order ``.npy`` file as long as its header says."""
+    fmt = np.lib.format
+    with open(fd, "rb", closefd=False) as f:
+        f.seek(0)
+        version = fmt.read_magic(f)
+        header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+        if header is None:
+            raise ValueError(f"unsupported .npy format version {version}")
+        shape, fortran, dtype = header(f)
+        if fortran and len(shape) > 1:
+            raise ValueError("stored in Fortran order")
+        return np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape)
+
+
+def _load_npy(files: _Files, name: str, rows: int, dim: int, what: str):
+    path = files.root / name
+    fd = files.fd(name)
     try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        arr = _map_npy(fd)
     except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
         raise InputError(f"not a readable .npy array ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
                          where=at(path)) from None
     if arr.dtype != np.float32:
         raise InputError(f"dtype {arr.dtype}, expected float32", where=at(path))
     if arr.shape != (rows, dim):
-        raise InputError(f"shape {arr.shape} does not match the manifest ({rows} {name}, dim {dim})",
+        raise InputError(f"shape {arr.shape} does not match the manifest ({rows} {what}, dim {dim})",
                          where=at(path))
     step = max(1, (1 << 24) // max(dim, 1))
     for s in range(0, rows, step):
-        block = read_rows(arr, s, min(rows, s + step))
+        block = read_rows(arr, s, min(rows, s + step), fd)
         ok = np.isfinite(block).all(axis=1)
         if not ok.all():
             bad = s + int(np.flatnonzero(~ok)[0])
@@ -288,11 +453,12 @@ def _nonneg_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _json_file(path: Path, cannot: str):
+def _json_file(files: _Files, name: str, cannot: str):
     """A store's JSON file parsed; an error names it (and the line), ``cannot`` worded for an
     unreadable one."""
+    path = files.root / name
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(files.read(name).decode("utf-8"))
     except json.JSONDecodeError as e:
         raise InputError(f"invalid JSON: {e.msg}", where=at(path, e.lineno)) from None
     except (OSError, UnicodeDecodeError) as e:
@@ -331,6 +497,11 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
     float32 with the manifest's counts and dim, finite values, that ``users.json``
     tiles the rows, and optionally the model and dim the caller expects. Every failure
     is an :class:`InputError` naming the file (or the store and the mismatch).
+
+    The store it returns is a snapshot of the version ``path`` held when it was opened (the
+    module's docstring): it keeps reading it while ``embed --into`` grows the store, and
+    opening during an append gives the old store or the new one, never a mix.
+    :meth:`EmbeddingStore.refresh` moves to the new one.
     """
     # by name: None was Path's TypeError, expect_dim="abc" int()'s ValueError (after the manifest)
     if not isinstance(path, (str, os.PathLike)):
@@ -340,15 +511,21 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
         check_int(expect_dim, "expect_dim", 1, note=" or None", shown=lambda x: f"{type(x).__name__} {x!r}", cut=80,
                   where=True)
     root = Path(path)
-    if not root.exists():
-        raise InputError("no such embedding store (create one with `rmm-jax embed`)", where=at(root))
-    if not root.is_dir():
-        raise InputError("not an embedding store directory", where=at(root))
+    files = _open_files(root)                 # every file now: the version this store reads
+    try:
+        return _validate(root, files, expect_model, expect_dim)
+    except BaseException:
+        files.close()
+        raise
+
+
+def _validate(root: Path, files: _Files, expect_model: str | None, expect_dim: int | None) -> EmbeddingStore:
+    """:func:`open_store`'s checks, on the files ``files`` opened."""
     mpath = root / "manifest.json"
-    if not mpath.is_file():
+    if not files.has("manifest.json"):
         raise InputError("missing manifest.json: not an embedding store (or an incomplete one)",
                          where=at(root))
-    manifest = _json_file(mpath, "cannot read manifest")
+    manifest = _json_file(files, "manifest.json", "cannot read manifest")
     if not isinstance(manifest, dict):
         raise InputError("expected a JSON object", where=at(mpath))
     if manifest.get("format") != FORMAT:
@@ -377,9 +554,7 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
         raise InputError(f"store has embedding dim {dim}, expected {expect_dim}", where=at(root))
 
     upath = root / "users.json"
-    if not upath.is_file():
-        raise InputError("missing file of the embedding store", where=at(upath))
-    users = _json_file(upath, "cannot read")
+    users = _json_file(files, "users.json", "cannot read")
     if not isinstance(users, list) or len(users) != counts["users"]:
         raise InputError(f"expected a list of {counts['users']} users", where=at(upath))
     m_end = q_end = 0
@@ -404,7 +579,7 @@ def open_store(path, expect_model: str | None = None, expect_dim: int | None = N
         raise InputError(f"users cover {m_end} memories / {q_end} queries, the manifest counts "
                          f"{counts['memories']} / {counts['queries']}", where=at(upath))
 
-    mem = _load_npy(root / "memories.npy", counts["memories"], dim, "memories")
-    qry = _load_npy(root / "queries.npy", counts["queries"], dim, "queries")
-    ans = _load_npy(root / "answers.npy", counts["queries"], dim, "answers") if manifest.get("answers") else None
-    return EmbeddingStore(root, manifest, users, mem, qry, ans)
+    mem = _load_npy(files, "memories.npy", counts["memories"], dim, "memories")
+    qry = _load_npy(files, "queries.npy", counts["queries"], dim, "queries")
+    ans = _load_npy(files, "answers.npy", counts["queries"], dim, "answers") if manifest.get("answers") else None
+    return EmbeddingStore(root, manifest, users, mem, qry, ans, files=files, expect=(expect_model, expect_dim))
