@@ -965,6 +965,35 @@ def test_readers_racing_appends_see_one_version_each(tmp_path, days):
     assert all(v in versions for v in seen)
 
 
+def test_a_store_opened_between_the_two_renames_of_an_append_is_the_new_one(days, monkeypatch):
+    # Where the system cannot swap two directories in one step (macOS, some file systems), the append renames the
+    # old store aside, then the grown one in: an open_store between the two said "no such embedding store".
+    import threading
+
+    import rmm_jax.persist.atomic as atomic
+    store, spec, _ = days
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    aside, go, real = threading.Event(), threading.Event(), os.replace
+
+    def replace(src, dst, *a, **kw):
+        real(src, dst, *a, **kw)
+        if ".old-" in os.fspath(dst):                # the old store is aside: STORE is missing until the next
+            aside.set()
+            go.wait(10)
+    monkeypatch.setattr(os, "replace", replace)
+    append = threading.Thread(target=append_store, args=(store, load_spec(spec), FakeEmbedder(DIM)),
+                              kwargs={"spec": spec})
+    append.start()
+    try:
+        assert aside.wait(10) and not store.exists()
+        threading.Timer(0.2, go.set).start()         # the second rename, while the open waits
+        st = open_store(store)
+    finally:
+        go.set()
+        append.join()
+    assert st.user_ids == ("a", "b", "c")
+
+
 def test_evaluate_reports_the_targets_cited_recall_beside_the_retrievers():
     """Brute force over random calls: the share of each call's cited memories in the
     target's top-M (M = the call's shown count) and in the retriever's first M."""

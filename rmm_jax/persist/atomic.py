@@ -282,7 +282,8 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     untouched. With ``overwrite`` an existing ``target`` is replaced by swapping the two in
     one step (:func:`exchange`), so a kill at any moment leaves ``target`` whole, old or new
     (the old copy is then a leftover ``.NAME.tmp-*``); where the system cannot swap, by two
-    renames, between which ``target`` is missing and the old copy is ``.NAME.old-PID``. The
+    renames, between which ``target`` is missing and the old copy is ``.NAME.old-PID`` (a
+    reader that finds it missing can wait for the second: :func:`being_replaced`). The
     old copy is removed after the new one is in place. Without ``overwrite`` an existing
     ``target`` raises FileExistsError before any work and again just before the rename
     (callers that need the check to be race-free hold a lock, as the policy store's writer
@@ -312,6 +313,19 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def being_replaced(target: str | os.PathLike) -> bool:
+    """Whether a running process has moved ``target`` aside (``.NAME.old-PID``, its pid alive):
+    :func:`atomic_dir` between its two renames where the system cannot swap, or
+    :func:`remove_dir` deleting it. A reader that finds ``target`` missing waits while this holds."""
+    target = Path(target)
+    try:
+        names = [p.name for p in target.parent.iterdir()]
+    except OSError:
+        return False
+    prefix = f".{target.name}.old-"
+    return any(n.startswith(prefix) and n[len(prefix):].isdigit() and _alive(int(n[len(prefix):])) for n in names)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import stat
+import time
 import weakref
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from rmm_jax.data.store._format import FORMAT, VERSION
 from rmm_jax.errors import InputError, at, check_int
+from rmm_jax.persist.atomic import being_replaced
 
 
 def _parse_row(line, path, ln: int, keys) -> dict:
@@ -115,6 +117,20 @@ def _replaced(root: Path, files: _Files) -> bool:
     return (st.st_dev, st.st_ino) != files.identity()
 
 
+def _open_dir(root: Path, wait: float = 5.0) -> int:
+    """A descriptor of directory ``root``. Where the system cannot swap two directories in one
+    step, a writer renames the old store aside and then the new one in (:func:`atomic_dir`):
+    a missing ``root`` whose writer is between the two is waited for (up to ``wait`` seconds)."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:
+            if time.monotonic() > end or not being_replaced(root):
+                raise
+        time.sleep(0.01)
+
+
 def _open_files(root: Path) -> _Files:
     """Open ``root`` and the store files it holds (a file that is not a regular file counts as
     missing). A file missing because a writer swapped a new store in and deleted the old one's
@@ -122,7 +138,7 @@ def _open_files(root: Path) -> _Files:
     for attempt in range(8):
         files = _Files(root)
         try:
-            files.fds["."] = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            files.fds["."] = _open_dir(root)
         except FileNotFoundError:
             raise InputError("no such embedding store (create one with `rmm-jax embed`)", where=at(root)) from None
         except NotADirectoryError:
