@@ -229,6 +229,24 @@ def test_a_call_learned_with_other_content_is_one_line_with_k_and_m_from_the_log
     assert_same(before, states(tmp_path / "p"))
 
 
+@pytest.mark.parametrize("keep", ["1", "7"])
+def test_a_replay_refused_for_its_log_leaves_the_store_byte_identical_whatever_its_keep(capsys, tmp_path, store,
+                                                                                       logged, keep):
+    """A replay refused for a call learned with other content, given --keep: taking the store's
+    writer lock to say it was busy before any note recorded --keep in the store's header (3 -> 1
+    or 7), so the next night, without --keep, pruned versions `policies rollback` needed. The
+    refused run now only probes the lock: every file of the store is as it was."""
+    log = write(tmp_path / "day.jsonl", logged)
+    assert replay(capsys, store, log, tmp_path / "p")[0] == 0
+    edited = [dict(r) for r in logged]
+    edited[5]["cited"] = [] if edited[5]["cited"] else edited[5]["selected"][:1]
+    write(log, edited)
+    before = tree(tmp_path / "p")
+    code, _, err = replay(capsys, store, log, tmp_path / "p", "--keep", keep)
+    assert code == 2 and "this call was learned with other content" in err, err
+    assert tree(tmp_path / "p") == before
+
+
 class Killed(BaseException):
     """Where a SIGKILL would stop the process (not an Exception: nothing handles it)."""
 

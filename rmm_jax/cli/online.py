@@ -136,25 +136,24 @@ def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, crea
     locked (restored with ``--resume``; :func:`rmm_jax.cli.common.begin_run_state_if_single`),
     the run's :class:`rmm_jax.online.session.Start` planned and yielded with the run-state;
     after the body, only when it succeeds, the learning setting ``ls`` recorded in the store
-    (when it is to be and this process writes) and the run-state finished. The body runs
-    holding the store's writer lock, and the run-state's notes are printed once it is taken."""
+    (when it is to be and this process writes) and the run-state finished. The run-state's
+    notes are printed once no other writer holds the store (:meth:`PolicyStore.check_not_busy`)."""
     with (removed_if_unused(policies, created),    # entered first: it sees what the run-state leaves
           begin_run_state_if_single(policies, command, options, resume=resume, checkpoint_every=checkpoint_every,
                                     inputs=inputs, restart_same=restart_same, paths=paths, say_notes=False) as rs):
         with as_options("policies"):                    # its errors name --policies
             start = session.plan_start(ps, st, ls.setting.layout, init, seed, rs, writer=writer)
-        # the store's writer lock (the run's, re-entrant) before any note: a run refused as busy
-        # (another writer holds it: exit 75) starts nothing, and says only that
-        with ps.writer() if writer and ps is not None else contextlib.nullcontext():
-            for note in rs.notes if rs is not None else ():     # e.g. an interrupted run started again
-                info(note, must_read=True)
-            if start.rolled_back is not None:
-                info(rolled_back_note(policies, start.rolled_back), must_read=True)
-            yield rs, start
-            if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
-                write_setting(ps, ls.record)
-            if rs is not None:
-                rs.finish()
+        if writer and ps is not None:   # a run refused as busy (exit 75) starts nothing and says only that;
+            ps.check_not_busy()         # a probe: a hold would record --keep in a store a refused run must not change
+        for note in rs.notes if rs is not None else ():     # e.g. an interrupted run started again
+            info(note, must_read=True)
+        if start.rolled_back is not None:
+            info(rolled_back_note(policies, start.rolled_back), must_read=True)
+        yield rs, start
+        if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
+            write_setting(ps, ls.record)
+        if rs is not None:
+            rs.finish()
 
 
 def keep_option(f):

@@ -160,6 +160,16 @@ class WriterLock:
             raise Busy.of(self._busy(was)) from None
         return True
 
+    def check_free(self) -> None:
+        """Raise the error :meth:`acquire` would if another holder has the lock now, taking
+        nothing (the readers' probe, :func:`live_holder`): for a command that must say it is
+        busy before it says or writes anything else, and takes the lock later."""
+        if self.held:
+            return
+        rec = live_holder(self.path)
+        if rec is not None:
+            raise Busy.of(self._busy(rec))
+
     def release(self) -> None:
         """Undo one :meth:`acquire`; the outermost marks the record released (still holding
         the lock, so no next holder's record is overwritten) and releases the file lock."""

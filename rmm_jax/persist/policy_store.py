@@ -235,6 +235,12 @@ class PolicyStore:
                 self._repair()
             yield self
 
+    def check_not_busy(self) -> None:
+        """Raise the busy error :meth:`writer` would if another writer holds the store now,
+        without taking its lock (taking it repairs the store and records this object's
+        ``keep``: a run refused later, for its input, must leave the store as it was)."""
+        self._lock.check_free()
+
     def _locked_error(self, holder: dict) -> InputError:
         err = InputError(f"policy store {self.path} is locked by pid {holder.get('pid', '?')} on host "
                          f"{holder.get('host', '?')} (another writer is running; retry when it ends)")
