@@ -516,8 +516,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
             keys = call_keys(seed, uid, [call_key(prepared_calls[i].call) for i in rows])
             got = reranker.sample(uid, q, cands, mm, keys=keys, tau=tau)
             if n > mm:
-                finite = np.abs(got.logits[np.isfinite(got.logits)])      # masked candidates: -inf
-                drawn.append((np.asarray(got.log_prob, np.float64), finite.max(initial=0.0)))
+                drawn.append((np.asarray(got.log_prob, np.float64), np.abs(got.logits).max()))   # masked: 0
         else:
             got = reranker.rank(uid, q, cands, mm)
         batch = []
