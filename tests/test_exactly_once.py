@@ -151,9 +151,10 @@ def test_an_empty_log_is_a_quiet_day_with_nothing_to_learn(capsys, tmp_path, sto
 def test_a_quiet_day_refuses_the_options_a_day_with_calls_refuses(capsys, tmp_path, store, logged):
     """An empty log skipped the option checks: `--k 3 --m 5`, refused on a day with calls
     (the log contradicts it, and m > k is no layout), exited 0 with "nothing to learn",
-    as did --preset paper (whose log-prob logs cannot give) and a --plot that is no .png, so
-    a nightly job's bad options went unnoticed until a day with calls. Now the same one
-    line and exit 2, and nothing written."""
+    as did --preset paper (whose log-prob logs cannot give), a --plot that is no .png, a
+    --rank the embedding cannot hold and --init pretrained with no pretrained store, so a
+    nightly job's bad options went unnoticed until a day with calls. Now the same one line
+    and exit 2, and nothing written."""
     pol = tmp_path / "policies" / "p"
     code, _, err = replay(capsys, store, write(tmp_path / "day1.jsonl", logged), pol)
     assert code == 0, err
@@ -170,7 +171,14 @@ def test_a_quiet_day_refuses_the_options_a_day_with_calls_refuses(capsys, tmp_pa
                                   "tau, noise, optimizer change with it); leave the option out to continue with it, "
                                   "or add --change-setting"),
                                  ((pol, pol.parent / "new"), ("--plot", str(tmp_path / "curve.txt")),
-                                  f"error: --plot: must name a .png file, got {str(tmp_path / 'curve.txt')!r}")):
+                                  f"error: --plot: must name a .png file, got {str(tmp_path / 'curve.txt')!r}"),
+                                 ((pol.parent / "new",), ("--scope", "hybrid", "--rank", "16"),
+                                  "error: --rank: must be in [1, d=16), got 16"),
+                                 ((pol.parent / "new",), ("--init", "pretrained"), f"error: --policies "
+                                  f"{pol.parent / 'new'}: does not exist; run `rmm-jax pretrain` first or use --init "
+                                  "identity (--init pretrained)"),
+                                 ((pol,), ("--init", "pretrained"), f"error: --policies {pol}: holds no pretrained "
+                                  "parameters; run `rmm-jax pretrain` or use --init identity")):
         for target in targets:
             code, out, err = replay(capsys, store, empty, target, *extra)
             assert (code, out, err.strip()) == (2, "", line), (extra, err)

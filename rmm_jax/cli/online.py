@@ -67,18 +67,36 @@ def resolve_init(path, init: str | None, resume: bool = False) -> str:
     return "continue" if Path(path).exists() else "identity"
 
 
-def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, writer: bool = True):
-    """The policy store at ``path``, created (with the identity reranker as its shared part)
-    when absent; checked against the run's scope, kind and embedding model. A process that
-    is not the writer (``jax.process_index() > 0``) opens but never creates (None if absent)."""
+def check_start(path, st, layout, init: str) -> None:
+    """What a run refuses of its start before it writes or says anything, also on a quiet day
+    (an empty log): a ``--rank`` the embedding cannot hold, ``--init pretrained`` or
+    ``continue`` without a policy store at ``path``, a store of another reranker kind, and
+    ``--init pretrained`` on a store that holds no pretrained parameters."""
     check_rank(layout, st.dim)
     p = Path(path)
-    if writer:
-        check_store_writable(p, f"--policies {path}")
     if not p.exists():
         if init in ("pretrained", "continue"):
             raise InputError(f"does not exist; run `rmm-jax pretrain` first or use --init identity (--init {init})",
                              where=f"--policies {path}")
+        return
+    meta = open_policies_for(p, st).meta_info()
+    if meta.kind != layout.kind:
+        raise InputError(f"policy store holds '{meta.kind}' rerankers, not '{layout.kind}'", where="--kind")
+    if init == "pretrained" and not meta.pretrained:
+        raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
+                         where=f"--policies {path}")
+
+
+def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, writer: bool = True):
+    """The policy store at ``path``, created (with the identity reranker as its shared part)
+    when absent; checked against the run's scope, kind and embedding model (:func:`check_start`).
+    A process that is not the writer (``jax.process_index() > 0``) opens but never creates
+    (None if absent)."""
+    check_start(path, st, layout, init)
+    p = Path(path)
+    if writer:
+        check_store_writable(p, f"--policies {path}")
+    if not p.exists():
         if not writer:
             return None
         # under the run-state lock: a run that created it meanwhile is named ("in use by pid N")
@@ -95,11 +113,6 @@ def open_policies(path, st, layout, init: str, seed: int, *, keep: int | None, w
     elif writer and ps.keep == 1 and ps.n_users():
         info(f"note: {path} keeps 1 version per user, so this run deletes each saved user's previous one: "
              "`policies rollback` cannot undo it")
-    if ps.meta_info().kind != layout.kind:
-        raise InputError(f"policy store holds '{ps.meta_info().kind}' rerankers, not '{layout.kind}'", where="--kind")
-    if init == "pretrained" and not ps.meta_info().pretrained:
-        raise InputError("holds no pretrained parameters; run `rmm-jax pretrain` or use --init identity",
-                         where=f"--policies {path}")
     return ps
 
 

@@ -28,6 +28,7 @@ from rmm_jax.cli.online import (
     INIT_HELP,
     INITS,
     check_scope,
+    check_start,
     continue_note,
     keep_option,
     online_options,
@@ -184,9 +185,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     st = open_store(store)
     if is_empty_log(log_path):      # a day without calls: nothing to learn, nothing written (not bad input),
         k, m = k_m_without_log(given.k, given.m)          # but the options are checked as on a day with calls
-        check_options(policies, st, given._replace(k=k, m=m, scope=scope, rank=rank), change_setting, resume,
-                      plot_path)
-        return quiet_day(st, log_path, policies, resolve_init(policies, init, resume), relearn, plot_path, as_json)
+        ls = check_options(policies, st, given._replace(k=k, m=m, scope=scope, rank=rank), change_setting, resume,
+                           plot_path)
+        init = resolve_init(policies, init, resume)
+        check_start(policies, st, ls.setting.layout, init)
+        return quiet_day(st, log_path, policies, init, relearn, plot_path, as_json)
     known = known_ids(st)
     k_m_note: list[str] = []         # printed once the log's calls are checked: bad input is one line
     k, m = k_m_from_log(given.k, given.m, log_shape(log_path, known, skip_invalid=skip_invalid), log_path,
