@@ -25,7 +25,9 @@ register_commands()
 
 RUN = ["--lr", "0.01", "--users-per-chunk", "2"]
 # Verbs that print nothing routine on stderr (only their output and note: lines): no --quiet.
-NO_ROUTINE = {("version",): "prints on stdout only", ("policies", "list"): "prints its table and note: lines only"}
+NO_ROUTINE = {("version",): "prints on stdout only"}
+# verbs that print nothing routine but take -q, so that a script can give it to every verb of their group
+QUIET_ANYWAY = {("policies", "list"): "prints its table and note: lines only"}
 
 
 def leaf_commands(group=cli, prefix=()):
@@ -43,9 +45,9 @@ def test_every_verb_that_prints_progress_or_routine_lines_has_the_one_quiet_opti
     for path, cmd in leaf_commands():
         paths.append(path)
         opt = next((p for p in cmd.params if p.name == "quiet"), None)
-        if path in NO_ROUTINE:
+        if path in NO_ROUTINE or path in QUIET_ANYWAY:
             src = inspect.getsource(inspect.unwrap(cmd.callback))
-            assert opt is None and "progress" not in src and "err=True" not in src, path
+            assert (opt is None) is (path in NO_ROUTINE) and "progress" not in src and "err=True" not in src, path
             assert all(c.startswith('info(f"note: ') for c in re.findall(r"\binfo\(.*", src)), path
             continue
         assert opt is not None, f"rmm-jax {' '.join(path)} has no --quiet (decorate it with shell.quiet_option)"
@@ -202,3 +204,21 @@ def test_quiet_drops_routine_lines_and_keeps_notes_warnings_and_stdout(verb, cap
     if note is not None:
         note = note.format(**logs)
         assert any(note in line for line in quiet) and any(note in line for line in plain), (note, quiet)
+
+
+@pytest.mark.parametrize("gold", [["s1:1"], ["s1:0", "s1:1"]], ids=["gold on a kept turn", "gold on the prompt"])
+def test_embed_quiet_keeps_the_skipped_line_when_gold_named_a_skipped_message(gold, capsys, monkeypatch, tmp_path):
+    """The roles left out by default (a system prompt) are routine under -q; a gold turn id
+    that names such a message is gold lost: its line stays."""
+    monkeypatch.setattr("rmm_jax.cli.embed.Embedder", lambda *a, **kw: FakeEmbedder(16))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"user_id": "u1", "session_id": "s1", "messages": [
+        {"role": "system", "content": "Be nice."}, {"role": "user", "content": "I have a dog named Rex."},
+        {"role": "assistant", "content": "Nice!"}],
+        "questions": [{"id": "q1", "question": "What pet do I have?", "gold_turn_ids": gold}]}) + "\n")
+    code, _, err = run_cli(capsys, "embed", f"jsonl:{chat}", "--out", tmp_path / "s", "-q")
+    assert code == 0, err
+    lost = len(gold) > 1
+    assert [line for line in err.splitlines() if line.startswith("skipped ")] == (
+        ["skipped 1 messages (1 system/developer); 1 gold turn ids naming skipped messages; --keep-roles "
+         "system,developer keeps system/developer messages"] if lost else []), err

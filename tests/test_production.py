@@ -792,9 +792,13 @@ def test_append_a_day_whose_sessions_have_no_text(days, tmp_path):
     assert str(e.value).startswith(f"{day}:3: key 'user_id': user 'c' has no message with text")
     assert f"STORE {store} holds no user 'c'" in str(e.value) and "--skip-invalid" in str(e.value)
     assert open_store(store).manifest == before
-    res = append_store(store, ds, FakeEmbedder(DIM), spec="day", skip_invalid=True)
+    said = []
+    res = append_store(store, ds, FakeEmbedder(DIM), spec="day", skip_invalid=True, progress=said.append)
     assert {k: res["added"][k] for k in ("users", "sessions", "memories", "queries", "users_without_text")} == \
         {"users": 1, "sessions": 1, "memories": 1, "queries": 1, "users_without_text": 1}
+    # what --skip-invalid dropped is a note of its own (shown under --quiet), naming the file and line
+    assert [ln for ln in said if "no message with text" in ln] == [
+        f"note: skipped 1 new user with no message with text (first: {day}:3: key 'user_id')"], said
     st = open_store(store)
     assert st.user_ids == ("a", "b", "d")
     q9 = next(r for r in map(json.loads, open(store / "queries.jsonl")) if r["id"] == "q9")

@@ -308,4 +308,6 @@ def _note_skipped(skipped: dict) -> None:
     if parts:
         first = f"; first invalid: {skipped['first_errors'][0]}" if skipped["first_errors"] else ""
         keep = "; --keep-roles system,developer keeps system/developer messages" if skipped["instructions"] else ""
-        info(f"skipped {'; '.join(parts)}{first}{keep}", must_read=bool(first))   # what --skip-invalid dropped
+        # what --skip-invalid dropped, or gold that named a skipped message, must be read; the
+        # roles left out by default (system prompts, tool results) are counted as routine
+        info(f"skipped {'; '.join(parts)}{first}{keep}", must_read=bool(first or skipped["gold_on_skipped"]))

@@ -87,6 +87,7 @@ def list_rows(store: PolicyStore, users: list[str] | None = None) -> list[dict]:
 @policies.command("list")
 @click.argument("store", type=click.Path())
 @users_option("Only these users")
+@quiet_option       # nothing routine to drop; taken so that a script can give every policies verb -q
 @json_option("the table", "store, meta, n_users, users (one object per user), unfinished_run (null, or the run "
              "that has not finished writing the store: command, state, note), pending_rollback (null, or the note "
              "that an interrupted rollback is pending: the table shows the store as it was before it)")

@@ -227,9 +227,10 @@ def _append_to(st, path, dataset: Dataset, embedder, spec: str | None, progress,
     counts["memories"], counts["queries"] = len(rows.memories), len(rows.queries)
     say(f"new: {count(counts['users'], 'user')}, {count(counts['sessions'], 'session')} "
         f"({count(counts['memories'], 'memory')}), {count(counts['queries'], 'question')}; already in the store: "
-        f"{count(counts['sessions_repeated'], 'session')}, {count(counts['queries_repeated'], 'question')}"
-        + (f"; skipped {count(counts['users_without_text'], 'new user')} with no message with text (first: "
-           f"{first_no_text})" if counts["users_without_text"] else ""))
+        f"{count(counts['sessions_repeated'], 'session')}, {count(counts['queries_repeated'], 'question')}")
+    if counts["users_without_text"]:          # what --skip-invalid dropped: a note, read under --quiet too
+        say(f"note: skipped {count(counts['users_without_text'], 'new user')} with no message with text (first: "
+            f"{first_no_text})")
     if not order:
         return {"manifest": st.manifest, "added": counts}
     mem_emb, qry_emb = _assemble_arrays(embedder.encode([r["text"] for r in rows.memories], desc="new memories"),
