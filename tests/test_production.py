@@ -883,6 +883,19 @@ def open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
+def held_files(root) -> list[str]:
+    """The descriptors (/proc/self/fd) and maps (/proc/self/maps) of this process naming a file under ``root``."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:                              # the listing's own descriptor, closed since
+            pass
+    with open("/proc/self/maps") as f:
+        names += [line.split(None, 5)[-1].strip() for line in f if len(line.split(None, 5)) == 6]
+    return [n for n in names if n.startswith(str(root))]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
 def test_a_held_store_reads_the_version_it_opened_after_an_append(days):
     # A server holding an open store (docs/lifecycle.md, Serve) read its files by name, lazily: after the night's
@@ -901,9 +914,15 @@ def test_a_held_store_reads_the_version_it_opened_after_an_append(days):
     assert st.user_ids == ("a", "b", "c") and store_view(st) == store_view(open_store(store))
     assert st.refresh() is False                     # nothing new since
     assert open_fds() - fds == held                  # the replaced version's files are closed
+    assert not [n for n in held_files(store.parent) if "(deleted)" in n]     # ... and unmapped: their space is freed
     st.close()
+    # close() closed the store's descriptors but its maps (memory_emb, ...) kept theirs: memories.npy (deleted)
+    # stayed in /proc/self/fd and /proc/self/maps, its disk space held while the closed store object lived
+    assert held_files(store.parent) == []
     with pytest.raises(InputError, match="store is closed$"):
         st.user("a")
+    with pytest.raises(InputError, match="store is closed$"):
+        st.memory_emb
     del st
     assert open_fds() == fds
     with open_store(store) as st:

@@ -8,7 +8,8 @@ users, besides the one each memory-mapped array holds) and reads through those d
 only, so an ``embed --into`` that renames a grown store into place meanwhile changes nothing
 it reads (a renamed-away or deleted file stays readable through an open descriptor).
 :meth:`EmbeddingStore.refresh` moves it to the store the path holds now;
-:meth:`EmbeddingStore.close` (or ``with``, or garbage collection) closes them."""
+:meth:`EmbeddingStore.close` (or ``with``, or garbage collection) closes them and drops the
+maps, so a deleted version's disk space is freed."""
 from __future__ import annotations
 
 import dataclasses
@@ -196,7 +197,8 @@ class EmbeddingStore:
     A snapshot: it reads the version of the store it opened, through descriptors it holds
     (:class:`_Files`), whatever ``embed --into`` renames into place afterwards; :meth:`refresh`
     moves it to the version the path holds now. :meth:`close` (or leaving a ``with`` block, or
-    garbage collection) closes its descriptors; the arrays it gave stay valid."""
+    garbage collection) closes its descriptors and drops its maps (``memory_emb``, ``query_emb``,
+    ``answer_emb``: reading them afterwards is an ``InputError``); the rows it gave stay valid."""
 
     def __init__(self, path: Path, manifest: dict, users: list[dict], memory_emb, query_emb, answer_emb=None, *,
                  files: _Files, expect: tuple = (None, None)):
@@ -210,9 +212,8 @@ class EmbeddingStore:
         self._users = users
         self._by_id = {u["id"]: u for u in users}
         self.user_ids = tuple(u["id"] for u in users)
-        self.memory_emb = memory_emb
-        self.query_emb = query_emb
-        self.answer_emb = answer_emb        # (N_q, d) question + answer embeddings, or None
+        # the maps: dropped by close() and refresh(), so no map of a deleted version keeps its disk space
+        self._maps = {"memories.npy": memory_emb, "queries.npy": query_emb, "answers.npy": answer_emb}
         self._mem_meta = None
         self._qry_meta = None
         self._offsets_cache: dict[str, np.ndarray] = {}
@@ -223,13 +224,36 @@ class EmbeddingStore:
                 f"granularity={self.granularity!r}, users={c['users']}, "
                 f"memories={c['memories']}, queries={c['queries']})")
 
+    def _map(self, name: str):
+        if self._files.closed:
+            self._files.fd(name)                       # "the store is closed"
+        return self._maps[name]
+
+    @property
+    def memory_emb(self) -> np.memmap:
+        """(N_mem, d) float32, every user's memories, memory-mapped (read a user's with :meth:`user`)."""
+        return self._map("memories.npy")
+
+    @property
+    def query_emb(self) -> np.memmap:
+        """(N_q, d) float32, every user's questions, memory-mapped."""
+        return self._map("queries.npy")
+
+    @property
+    def answer_emb(self) -> np.memmap | None:
+        """(N_q, d) question + answer embeddings, memory-mapped, or None when the store holds none."""
+        return self._map("answers.npy")
+
     def has_user(self, user_id) -> bool:
         return str(user_id) in self._by_id
 
     def close(self) -> None:
-        """Close the store's files (reading a user afterwards is an ``InputError``). Rows and
-        arrays read from it stay valid; garbage collection closes them too."""
+        """Close the store's files and drop its maps (reading a user or an array afterwards is an
+        ``InputError``), so no descriptor or map of its files is left (an array taken from
+        ``memory_emb`` and still held keeps its own). Rows read from it stay valid; garbage
+        collection closes them too."""
         self._files.close()
+        self._maps = dict.fromkeys(self._maps)
 
     def __enter__(self) -> "EmbeddingStore":
         return self
@@ -250,7 +274,7 @@ class EmbeddingStore:
             return False
         new = open_store(self.path, *self._expect)
         old = self._files
-        self.__dict__.update(new.__dict__)
+        self.__dict__.update(new.__dict__)             # the old maps go with the old state
         old.close()
         return True
 
