@@ -454,6 +454,30 @@ def test_a_store_file_that_is_not_utf8_is_one_line_naming_it(store):
         open_store(store).memories               # every row
 
 
+def test_a_fifo_in_a_store_is_a_missing_file_not_a_hang(store):
+    """open_store opened each store file before checking it is a regular file: a FIFO named
+    manifest.json blocked it forever (the open waits for a writer); it is a missing file."""
+    import os
+    import threading
+    (store / "manifest.json").unlink()
+    os.mkfifo(store / "manifest.json")
+    got = []
+
+    def run():
+        try:
+            open_store(store)
+        except InputError as e:
+            got.append(str(e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():                                 # release the blocked open: a writer comes and goes
+        os.close(os.open(store / "manifest.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("open_store blocked on a FIFO")
+    assert len(got) == 1 and "missing manifest.json: not an embedding store" in got[0]
+
+
 def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
     """Embedder(""), write_store(..., "paragraph", ...), an embedder giving NaN, check_model
     and append_store to a segment store said "--model:", "--granularity:", "--into:": the

@@ -149,7 +149,9 @@ def _open_files(root: Path) -> _Files:
         missing = False
         for name in _NAMES:
             try:
-                fd = os.open(name, os.O_RDONLY, dir_fd=files.fds["."])
+                # O_NONBLOCK: a FIFO named like a store file would block the open (it is no regular file)
+                fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
+                             dir_fd=files.fds["."])
             except (FileNotFoundError, IsADirectoryError):
                 missing = True
                 continue
