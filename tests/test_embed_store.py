@@ -478,6 +478,21 @@ def test_a_fifo_in_a_store_is_a_missing_file_not_a_hang(store):
     assert len(got) == 1 and "missing manifest.json: not an embedding store" in got[0]
 
 
+def test_read_rows_without_fd_preads_or_names_fd(store):
+    """read_rows(mm, a, b) of a store's array (a map of an open descriptor: no file name) fell
+    back to slicing the map, making its pages resident: what it exists to avoid. Without ``fd``
+    it reads a map that names its file, and refuses one that names none, naming ``fd``."""
+    from rmm_jax.data.store import read_rows
+    st = open_store(store)
+    with pytest.raises(InputError, match=r"^fd: a map of an open file names no file to read from") as e:
+        read_rows(st.memory_emb, 0, 2)
+    assert e.value.arg == "fd"
+    want = st.user("alice").memory_emb[:2]
+    assert read_rows(st.memory_emb, 0, 2, st._files.fd("memories.npy")).tobytes() == want.tobytes()
+    assert read_rows(np.load(store / "memories.npy", mmap_mode="r"), 0, 2).tobytes() == want.tobytes()
+    assert read_rows(np.asarray(st.memory_emb), 0, 2).tobytes() == want.tobytes()    # no map: sliced
+
+
 def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
     """Embedder(""), write_store(..., "paragraph", ...), an embedder giving NaN, check_model
     and append_store to a segment store said "--model:", "--granularity:", "--into:": the

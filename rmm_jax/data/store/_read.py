@@ -433,14 +433,20 @@ class EmbeddingStore:
 
 def read_rows(mm: np.memmap, start: int, end: int, fd: int | None = None) -> np.ndarray:
     """Rows ``start:end`` of a memory-mapped ``.npy`` array, read with ``pread`` from ``fd``
-    (the open file it maps: a store's, :class:`_Files`), else from the file it names.
+    (the open file it maps: a store's, :class:`_Files`), else from the file it names
+    (``np.load(..., mmap_mode="r")``); a map of an open file names none (a store's arrays:
+    read their rows with :meth:`EmbeddingStore.user`), so without ``fd`` it is an
+    ``InputError`` naming ``fd``. An array that is no map is sliced.
 
     Touching the memory map would make its pages resident in this process, so reading
     every user once would grow the RSS by the whole store; read pages stay in the
     kernel's page cache instead and memory stays bounded with the number of users.
     """
-    if not isinstance(mm, np.memmap) or (fd is None and mm.filename is None):
+    if not isinstance(mm, np.memmap):
         return np.asarray(mm[start:end])
+    if fd is None and mm.filename is None:
+        raise InputError("a map of an open file names no file to read from: pass the descriptor it maps "
+                         "(a store's rows: EmbeddingStore.user)", arg="fd")
     width = int(np.prod(mm.shape[1:], dtype=np.int64))
     row = width * mm.dtype.itemsize
     if fd is not None:
