@@ -493,6 +493,25 @@ def test_read_rows_without_fd_preads_or_names_fd(store):
     assert read_rows(np.asarray(st.memory_emb), 0, 2).tobytes() == want.tobytes()    # no map: sliced
 
 
+def test_a_store_file_s_lines_are_read_in_linear_copies(store, monkeypatch):
+    """_Files.lines joined and split ``rest + chunk`` at every chunk: a line of n chunks (a
+    memories.jsonl without newlines) was copied n times over, O(n²). Each line is now joined once."""
+    import rmm_jax.data.store._read as R
+    body = b"".join([b"x" * 50 + b"\n", b"\n", b"y" * 7 + b"\n", b"z" * 123])       # lines longer than a chunk
+    (store / "big.jsonl").write_bytes(body)
+    monkeypatch.setattr(R, "_NAMES", R._NAMES + ("big.jsonl",))
+    files = R._open_files(store)
+    joined = []
+    join = R._join
+    monkeypatch.setattr(R, "_join", lambda pieces: joined.append(sum(map(len, pieces))) or join(pieces))
+    for chunk in (1, 4, 5, 1 << 20):
+        monkeypatch.setattr(R, "_CHUNK", chunk)
+        joined.clear()
+        assert list(files.lines("big.jsonl")) == body.splitlines(keepends=True)
+        assert sum(joined) == len(body)              # every byte copied into its line once
+    files.close()
+
+
 def test_from_python_the_errors_name_the_argument_not_embeds_option(tmp_path):
     """Embedder(""), write_store(..., "paragraph", ...), an embedder giving NaN, check_model
     and append_store to a segment store said "--model:", "--granularity:", "--into:": the

@@ -43,6 +43,14 @@ def _parse_row(line, path, ln: int, keys) -> dict:
     return r
 
 
+_CHUNK = 1 << 20                     # bytes :meth:`_Files.lines` reads at a time
+
+
+def _join(pieces: list) -> bytes:
+    """``pieces`` as one bytes (the only copy :meth:`_Files.lines` makes of a line)."""
+    return b"".join(pieces)
+
+
 _NAMES = ("manifest.json", "users.json", "memories.npy", "queries.npy", "answers.npy", "memories.jsonl",
           "queries.jsonl")
 
@@ -94,14 +102,18 @@ class _Files:
 
     def lines(self, name: str):
         """The lines of file ``name`` (bytes, each with its newline), as iterating a file gives them."""
-        rest, pos, fd = b"", 0, self.fd(name)
-        while chunk := os.pread(fd, 1 << 20, pos):
+        pieces, pos, fd = [], 0, self.fd(name)         # pieces: the line read so far, joined once whole
+        while chunk := os.pread(fd, _CHUNK, pos):
             pos += len(chunk)
-            *whole, rest = (rest + chunk).split(b"\n")
-            for line in whole:
-                yield line + b"\n"
-        if rest:
-            yield rest
+            start = 0
+            while (nl := chunk.find(b"\n", start)) >= 0:
+                pieces.append(chunk[start:nl + 1])
+                yield _join(pieces)
+                pieces, start = [], nl + 1
+            if start < len(chunk):
+                pieces.append(chunk[start:])
+        if pieces:
+            yield _join(pieces)
 
     def identity(self) -> tuple[int, int]:
         st = os.fstat(self.fd("."))
