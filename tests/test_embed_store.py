@@ -14,7 +14,7 @@ from conftest import FakeEmbedder
 from helpers import assert_f32_close, f32_error
 
 from rmm_jax.data import embed as E
-from rmm_jax.data.store import FORMAT, UserData, open_store, write_store
+from rmm_jax.data.store import FORMAT, UserData, is_store, open_store, store_counts, write_store
 from rmm_jax.data.types import Dataset, Query, Session, Turn, User, gold_matrix
 from rmm_jax.errors import InputError, worded
 
@@ -476,6 +476,15 @@ def test_a_fifo_in_a_store_is_a_missing_file_not_a_hang(store):
         t.join(5)
         pytest.fail("open_store blocked on a FIFO")
     assert len(got) == 1 and "missing manifest.json: not an embedding store" in got[0]
+    # what embed --out asks of the directory it replaces
+    t = threading.Thread(target=lambda: got.append((is_store(store), store_counts(store))), daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        os.close(os.open(store / "manifest.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("is_store blocked on a FIFO")
+    assert got[1] == (False, None)
 
 
 def test_read_rows_without_fd_preads_or_names_fd(store):

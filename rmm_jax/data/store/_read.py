@@ -525,14 +525,26 @@ def _json_file(files: _Files, name: str, cannot: str):
         raise InputError(f"{cannot} ({e})", where=at(path)) from None
 
 
+def _manifest(path):
+    """The parsed ``manifest.json`` of directory ``path``, or None where it holds no readable one (a
+    FIFO of that name is none: opened without blocking, then checked to be a regular file)."""
+    try:
+        fd = os.open(Path(path) / "manifest.json",
+                     os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with open(fd, "rb") as f:
+        try:
+            return json.loads(f.read().decode("utf-8")) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+
+
 def is_store(path) -> bool:
     """Whether directory ``path`` holds an embedding store: a ``manifest.json`` of this format
     (any version, valid or not). ``embed --out`` replaces only such a directory (or an empty
     one): anything else there, a policy store or someone's files, is not its to delete."""
-    try:
-        manifest = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
+    manifest = _manifest(path)
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
@@ -540,10 +552,7 @@ def store_counts(path) -> dict | None:
     """The ``counts`` the manifest of the store at ``path`` records (``users``, ``memories``,
     ``queries``), read without opening the store: what ``embed --out`` says it replaced. None
     when there is no readable manifest or it records no counts."""
-    try:
-        manifest = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
+    manifest = _manifest(path)
     counts = manifest.get("counts") if isinstance(manifest, dict) else None
     if not isinstance(counts, dict) or not all(_nonneg_int(counts.get(k)) for k in ("users", "memories")):
         return None
