@@ -500,6 +500,9 @@ def test_read_rows_without_fd_preads_or_names_fd(store):
     assert read_rows(st.memory_emb, 0, 2, st._files.fd("memories.npy")).tobytes() == want.tobytes()
     assert read_rows(np.load(store / "memories.npy", mmap_mode="r"), 0, 2).tobytes() == want.tobytes()
     assert read_rows(np.asarray(st.memory_emb), 0, 2).tobytes() == want.tobytes()    # no map: sliced
+    # a slice of a map kept the map's offset: its rows 0:2 were the file's rows 0:2
+    whole = np.load(store / "memories.npy", mmap_mode="r")
+    assert read_rows(whole[1:], 0, 2).tobytes() == np.asarray(whole[1:3]).tobytes()
 
 
 def test_a_store_file_s_lines_are_read_in_linear_copies(store, monkeypatch):

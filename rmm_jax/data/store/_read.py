@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import stat
 import time
@@ -448,13 +449,14 @@ def read_rows(mm: np.memmap, start: int, end: int, fd: int | None = None) -> np.
     (the open file it maps: a store's, :class:`_Files`), else from the file it names
     (``np.load(..., mmap_mode="r")``); a map of an open file names none (a store's arrays:
     read their rows with :meth:`EmbeddingStore.user`), so without ``fd`` it is an
-    ``InputError`` naming ``fd``. An array that is no map is sliced.
+    ``InputError`` naming ``fd``. An array that is no whole map (a slice or view of one, whose
+    rows are not at the map's offsets) is sliced.
 
     Touching the memory map would make its pages resident in this process, so reading
     every user once would grow the RSS by the whole store; read pages stay in the
     kernel's page cache instead and memory stays bounded with the number of users.
     """
-    if not isinstance(mm, np.memmap):
+    if not isinstance(mm, np.memmap) or not isinstance(mm.base, mmap.mmap):
         return np.asarray(mm[start:end])
     if fd is None and mm.filename is None:
         raise InputError("a map of an open file names no file to read from: pass the descriptor it maps "
