@@ -691,7 +691,7 @@ def test_an_exploring_serve_warns_exactly_when_its_median_draw_repeats_more_ofte
     import warnings
 
     from rmm_jax.online.serve import ExplorationWarning, serve_calls
-    calls, sides = _random_calls(15, k=6, dim=4), set()
+    calls, sides = _random_calls(24, k=6, dim=4), set()
     for tau in (1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.3, 3.0):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -701,20 +701,24 @@ def test_an_exploring_serve_warns_exactly_when_its_median_draw_repeats_more_ofte
         ours = [w for w in seen if issubclass(w.category, ExplorationWarning)]
         assert len(ours) == (1 if p >= 0.5 else 0), (tau, p, [str(w.message) for w in seen])
         if ours:
-            assert f"probability {p:.2f} (15 calls)" in str(ours[0].message)
+            assert f"probability {p:.2f} (24 calls)" in str(ours[0].message)
         sides.add(bool(ours))
     assert sides == {True, False}
+    with warnings.catch_warnings():      # fewer draws than EXPLORATION_CALLS: no median is judged
+        warnings.simplefilter("error", ExplorationWarning)
+        assert len([s for b in serve_calls(Reranker(None, dim=4), calls[:19], 2, explore=True, tau=1e-4, now=0)
+                    for s in b]) == 19
 
 
 def test_a_call_that_shows_every_candidate_is_not_counted_as_a_draw_that_does_not_explore():
     import warnings
 
     from rmm_jax.online.serve import ExplorationWarning, serve_calls
-    calls = _random_calls(8, k=2, dim=4)                  # 2 candidates, m 2: all shown, nothing to explore
+    calls = _random_calls(24, k=2, dim=4)                 # 2 candidates, m 2: all shown, nothing to explore
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExplorationWarning)
         assert len([s for b in serve_calls(Reranker(None, dim=4), calls, 2, explore=True, tau=1e-4, now=0)
-                    for s in b]) == 8
+                    for s in b]) == 24
 
 
 def test_rerank_says_in_one_warning_line_that_its_draw_barely_explored(capsys, tmp_path, env):
@@ -722,7 +726,7 @@ def test_rerank_says_in_one_warning_line_that_its_draw_barely_explored(capsys, t
     calls = tmp_path / "calls.jsonl"
     st = open_store(store)
     calls.write_text("".join(json.dumps({"user_id": u, "query_id": q, "call_id": f"{u}-{q}"}) + "\n"
-                             for u in st.user_ids for q in st.user(u).query_ids[:4]))
+                             for u in st.user_ids for q in st.user(u).query_ids[:8]))
     for tau, warned in (("1e-5", True), ("100", False)):
         code, out, err = run_cli(capsys, "rerank", store, "--policies", tmp_path / "none", "--calls", calls, "--k", 8,
                                  "--m", 3, "--explore", "--tau", tau, "--out", tmp_path / f"out{tau}.jsonl")

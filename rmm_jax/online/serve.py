@@ -60,6 +60,9 @@ SHARED_ON_DEVICE = 2        # shared versions a Reranker keeps on the device
 #: An exploring draw whose median call draws its selection with at least this probability
 #: shows, more often than not, one ordered selection: it has stopped exploring.
 NO_EXPLORATION = 0.5
+#: The fewest exploring draws whose median :func:`serve_calls` judges (a service serving one
+#: request at a time gets no warning per request; its logs' ``log_prob`` tell the same).
+EXPLORATION_CALLS = 20
 
 
 class ExplorationWarning(UserWarning):
@@ -484,7 +487,10 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
     ``InputError`` names ``now`` if it is not such an int (a float, or seconds), ``m`` if
     it is not an int >= 1, and a call without candidates or with fewer ids than candidates.
     ``batches``: :func:`call_batches` of ``prepared_calls``, when the caller has grouped them
-    already (``rmm-jax rerank``, for its progress bar's total); None: grouped here.
+    already (``rmm-jax rerank``, for its progress bar's total); None: grouped here. An
+    exploring serve of at least :data:`EXPLORATION_CALLS` draws whose median drew its
+    selection with probability 1/2 or more warns, once, with an :class:`ExplorationWarning`
+    when the generator is exhausted (docs/lifecycle.md, "When the draw stops exploring").
 
     Examples:
       >>> import numpy as np
@@ -527,12 +533,14 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
             batch.append(Served(i, rec, who) if explore else
                          Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
         yield batch
-    if drawn:
+    if sum(len(lp) for lp, _ in drawn) >= EXPLORATION_CALLS:
         _warn_if_not_exploring(drawn, m, reranker.tau if tau is None else tau)
 
 
 def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
-    """An :class:`ExplorationWarning` when the median of the draws' probabilities is at least
+    """An :class:`ExplorationWarning` (one per call of :func:`serve_calls` that drew at least
+    :data:`EXPLORATION_CALLS` times, when its generator is exhausted) when the median of the
+    draws' probabilities is at least
     :data:`NO_EXPLORATION`: the logits s/τ lie so far apart (the policies' scores have grown,
     or τ is small) that the Gumbel top-M shows the same memories, in the same order, more
     often than not, so the
@@ -547,7 +555,7 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
             f"the exploring draw barely explored: the median call drew its {m} memories, in that order, with "
             f"probability {p:.2f} ({len(log_p)} calls): its logits s/tau lie far apart (up to {largest:.3g} at tau "
             f"{tau:g}), so tomorrow's log labels little beyond the policy's own top {m} and evaluate can judge "
-            f"little else; draw at a larger --tau (docs/lifecycle.md, \"When the draw stops exploring\")"),
+            f"little else; draw at a larger tau (rerank --tau; docs/lifecycle.md, \"When the draw stops exploring\")"),
             stacklevel=2)
 
 
