@@ -434,3 +434,22 @@ def test_the_cli_words_a_gone_to_an_interrupted_run_and_what_to_learn_again_trut
         assert "--to: no user version would remain: v0 is below the oldest version the store keeps, v1" in err, err
         assert f"delete {st.path} to start afresh" not in err and f"delete {st.path})" in err, err
     assert tree_digest(st.path) == before
+
+
+def test_undoing_the_newest_run_names_the_version_it_went_back_to(capsys, tmp_path):
+    """A plain rollback (no --to) after a run that followed an earlier rollback said "rolled
+    back to v2 (it keeps no v2: the newest version at or below it, v1, is the newest now)":
+    nobody asked for v2 (the run's start, forgotten by the first rollback). It names v1, in its
+    dry run, its progress line and its report; --to 2 still explains its v2."""
+    st = PolicyStore.create(tmp_path / "p", META, params_of(0))
+    run(st, [{"a": 1}], shared_seed=100)                       # v1
+    run(st, [{"a": 2}], shared_seed=200)                       # v2
+    rollback(st)                                               # back to v1: v2 forgotten
+    assert run(st, [{"a": 3}], shared_seed=300) == [3]
+    code, out, _ = run_cli(capsys, "policies", "rollback", st.path, "--dry-run")
+    assert code == 0 and out.splitlines()[0].startswith(f"would roll back {st.path} to v1: forgets v3;"), out
+    code, out, _ = run_cli(capsys, "policies", "rollback", st.path, "--to", "2", "--dry-run")
+    assert code == 0 and out.splitlines()[0].startswith(f"would roll back {st.path} to v2 (it keeps no v2"), out
+    code, out, err = run_cli(capsys, "policies", "rollback", st.path)
+    assert code == 0 and out.splitlines()[0].startswith(f"rolled back {st.path} to v1: forgot v3;"), out
+    assert f"rolling back {st.path} to v1 ..." in err, err

@@ -342,12 +342,21 @@ def export(store, user, out, version, as_json):
         emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)
 
 
-def rollback_text(r: Rollback, store: str, done: bool) -> list[str]:
-    """What a rollback did (or, not ``done``, would do), a line each."""
+def shown_to(r, asked: bool) -> int:
+    """The version a rollback names as where it went: ``--to`` as given, else (undoing the
+    newest run) the newest version the store keeps afterwards, which the run's own start
+    (``r.to``) is not when an earlier rollback forgot that version."""
+    return r.to if asked or r.newest is None else r.newest
+
+
+def rollback_text(r: Rollback, store: str, done: bool, asked: bool = True) -> list[str]:
+    """What a rollback did (or, not ``done``, would do), a line each; ``asked``: to ``--to``
+    (else it undid the newest run, and names the version it went back to)."""
     if r.interrupted:
         lines = [f"finished the interrupted rollback of {store} to v{r.to}: forgot {version_span(r.versions)}"]
     else:
         verb = "rolled back" if done else "would roll back"
+        r = r._replace(to=shown_to(r, asked))
         gone = "" if r.newest == r.to else (         # v{to} itself was forgotten (an earlier rollback) or pruned
             f" (it keeps no v{r.to}: the newest version at or below it, v{r.newest}, is the newest "
             f"{'now' if done else 'then'})" if r.newest is not None
@@ -401,7 +410,7 @@ def rollback_cmd(store, to, dry_run, as_json):
         check_writable(store, f"STORE {store}", depth=1)
     with as_options("to", "keep"):
         r = plan(st, to, interrupted_run_ok=True) if dry_run else rollback(
-            st, to, starting=lambda p: _progress(f"rolling back {store} to v{p.to} ..."))
+            st, to, starting=lambda p: _progress(f"rolling back {store} to v{shown_to(p, to is not None)} ..."))
     interrupted = RunState.interrupted_command(st.path) if dry_run else None
     if interrupted:      # a dry run changes nothing: it reports, and says what the rollback itself needs
         info(f"note: the rollback itself is refused while an interrupted `{interrupted}` run's state is in "
@@ -409,5 +418,5 @@ def rollback_cmd(store, to, dry_run, as_json):
     if as_json:
         emit_json({"store": store, "done": not dry_run, **r._asdict()}, indent=None, sort_keys=False)
         return
-    for line in rollback_text(r, store, done=not dry_run):
+    for line in rollback_text(r, store, done=not dry_run, asked=to is not None):
         click.echo(line)
