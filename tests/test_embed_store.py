@@ -160,6 +160,36 @@ def test_model_loads_only_on_a_cache_miss(embedder, cache_root):
     warm.close()
 
 
+def test_a_process_loads_a_model_once_keeps_a_few_and_close_frees_only_the_disk_cache(tmp_path, monkeypatch):
+    """A long-running process made an Embedder per request (embed_texts) and each loaded the
+    model again. Every Embedder of a model (its path, its device) now takes the one the process
+    loaded; closing one closes its disk cache, not the model another uses; at most
+    MODELS_KEPT models stay loaded."""
+    class Model:
+        def get_embedding_dimension(self):
+            return 8
+
+        def encode(self, texts, **kw):
+            return FakeEmbedder(8).encode(texts)
+
+    loads = []
+    monkeypatch.setattr(E.Embedder, "_load", lambda self, load_from, given: loads.append((given, self.device))
+                        or Model())
+    a = E.Embedder(cache_dir=tmp_path / "a", progress=False)
+    b = E.Embedder(cache_dir=tmp_path / "b", progress=False)           # another cache, the same model
+    assert loads == [(E.DEFAULT_MODEL, "cpu")] and a._loaded is b._loaded
+    a.close()
+    assert b.encode(["still served after a closed"]).shape == (1, 8) and b.texts_embedded == 1
+    b.close()
+    E.Embedder(cache_dir=tmp_path / "c", progress=False, device="meta").close()      # another device: its own
+    assert loads[1:] == [(E.DEFAULT_MODEL, "meta")]
+    for i in range(E.MODELS_KEPT + 1):
+        model = tmp_path / f"model{i}"
+        model.mkdir()
+        E.Embedder(str(model), cache_dir=tmp_path / "d", progress=False).close()
+    assert len(E._MODELS) == E.MODELS_KEPT and len(loads) == 2 + E.MODELS_KEPT + 1
+
+
 def test_embedder_counts_the_texts_it_cuts(embedder):
     # A 12,929-character message was embedded from its first 256 word pieces, silently: a fact
     # at its end was not retrievable. The embedder counts the texts its model cut, by the

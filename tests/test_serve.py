@@ -236,6 +236,29 @@ def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     assert str(e.value) == f"{path}:1: m=5 is more than this call's 3 candidates (the retriever's top k=3)"
 
 
+def test_prepare_calls_loads_the_embedding_model_once_per_process(tmp_path, env, monkeypatch):
+    """A service calling prepare_calls per request loaded the embedding model again for every
+    request with a new query text (~0.2 s each; a cached text took 2 ms): each call's Embedder
+    loaded its own. Every Embedder of a model now takes the one this process loaded."""
+    from rmm_jax.data.calls import Call, prepare_calls
+
+    class Model:                                  # what SentenceTransformer gives, without torch
+        def get_embedding_dimension(self):
+            return 16
+
+        def encode(self, texts, **kw):
+            return FakeEmbedder(16).encode(texts)
+
+    loads = []
+    monkeypatch.setattr(embed_mod.Embedder, "_load", lambda self, load_from, given: loads.append(given) or Model())
+    monkeypatch.setenv(embed_mod.CACHE_ENV, str(tmp_path / "cache"))
+    st = open_store(env[0])
+    for i in range(3):                            # three requests, each with a text nobody embedded
+        (p,) = prepare_calls(st, [Call(1, "user0", call_id=f"c{i}", query_text=f"a new question {i}")], "request", 8, 3)
+        np.testing.assert_allclose(p.query, FakeEmbedder(16).encode([f"a new question {i}"])[0], rtol=1e-6)
+    assert loads == [st.model]
+
+
 @pytest.mark.parametrize("line, where", [
     ({"user_id": "user0", "query_id": "q1", "candidates": ["nope"]}, "key 'candidates'"),
     ({"user_id": "user0", "query_id": "q999", "call_id": 7}, "key 'call_id'"),

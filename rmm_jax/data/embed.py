@@ -30,8 +30,10 @@ import os
 import re
 import sqlite3
 import sys
+import threading
 import time
 import warnings
+from collections import OrderedDict
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -59,6 +61,41 @@ CACHE_ENV = "RMM_JAX_CACHE"
 DEFAULT_CACHE_ROOT = "~/.cache/rmm-jax/embeddings"
 _PACKAGED_ID = f"sentence-transformers/{DEFAULT_MODEL}"
 _PACKAGED_ALIASES = {DEFAULT_MODEL, _PACKAGED_ID}
+
+
+#: How many loaded models this process keeps (most recently used): an :class:`Embedder` takes
+#: its model from them, so a long-running process (a service calling
+#: :func:`rmm_jax.data.calls.prepare_calls` per request) loads a model once, not per request.
+MODELS_KEPT = 3
+_MODELS: OrderedDict = OrderedDict()    # (loader, what it loads from, device) -> model, least recently used first
+_MODELS_LOCK = threading.Lock()         # guards _MODELS and _LOADING
+_LOADING: dict = {}                     # key -> the lock its one loading thread holds
+
+
+def _shared_model(key, load):
+    """The model ``key`` names, from the models this process keeps, else ``load()``-ed once
+    (a thread asking for a model another is loading waits for that load) and kept, dropping
+    the least recently used beyond :data:`MODELS_KEPT`. A failed load keeps nothing."""
+    with _MODELS_LOCK:
+        if key in _MODELS:
+            _MODELS.move_to_end(key)
+            return _MODELS[key]
+        loading = _LOADING.setdefault(key, threading.Lock())
+    with loading:
+        with _MODELS_LOCK:
+            if key in _MODELS:                  # another thread loaded it while this one waited
+                _MODELS.move_to_end(key)
+                return _MODELS[key]
+        try:
+            model = load()
+        finally:
+            with _MODELS_LOCK:
+                _LOADING.pop(key, None)
+        with _MODELS_LOCK:
+            _MODELS[key] = model
+            while len(_MODELS) > MODELS_KEPT:
+                _MODELS.popitem(last=False)
+    return model
 
 
 def default_cache_root() -> Path:
@@ -244,7 +281,11 @@ class Embedder:
     The model itself (torch and its weights) is loaded on the first cache miss when the
     cache already records its dimension, else at construction; with ``progress``, a line
     ("loading the embedding model NAME ...") shows while it loads, on a terminal only, as
-    the bars do.
+    the bars do. It is loaded once per process: every Embedder of the same model (what it
+    loads from, and ``device``) uses the one loaded first (the last :data:`MODELS_KEPT`
+    models loaded are kept), so a service that makes an Embedder per request, as
+    :func:`embed_texts` does, loads it once. :meth:`close` closes the disk cache and leaves
+    the model to the next Embedder.
 
     Raises:
       InputError: the model cannot be found or loaded, or the model returns NaN/Inf: one
@@ -252,6 +293,8 @@ class Embedder:
         or the cache root cannot be created: one line naming ``cache_dir`` (``--cache-dir``),
         or ``$RMM_JAX_CACHE`` when the variable set it.
     """
+
+    device: str = "cpu"             # the torch device (each Embedder sets its own: the key of its loaded model)
 
     def __init__(self, model: str = DEFAULT_MODEL, cache_dir=None, batch_size: int = DEFAULT_BATCH_SIZE,
                  progress: bool = True, *, device: str = "cpu", use_cache: bool = True):
@@ -291,11 +334,16 @@ class Embedder:
     def _model(self):
         """The sentence-transformers model, loaded on first use."""
         if self._loaded is None:
-            # torch and the weights take seconds: one line says so, where the bars show (a terminal,
-            # progress on), cleared once loaded; none in a log file or a pipe, as for the bars
-            with tqdm(total=0, desc=f"loading the embedding model {self.model_name} ...", bar_format="{desc}",
-                      file=sys.stderr, disable=None if self.progress and not QUIET.get() else True, leave=False):
-                self._loaded = self._load(self._load_from, self.model_name)
+            def load():
+                # torch and the weights take seconds: one line says so, where the bars show (a terminal,
+                # progress on), cleared once loaded; none in a log file or a pipe, as for the bars
+                with tqdm(total=0, desc=f"loading the embedding model {self.model_name} ...", bar_format="{desc}",
+                          file=sys.stderr, disable=None if self.progress and not QUIET.get() else True, leave=False):
+                    return loader(self._load_from, self.model_name)
+
+            loader = self._load             # a subclass's (or a test's) loader loads another model: its own key
+            self._loaded = _shared_model((getattr(loader, "__func__", loader), self._load_from, str(self.device)),
+                                         load)
             if getattr(self, "dim", None) is not None and self._model_dim(self._loaded) != self.dim:
                 raise InputError(f"model {self.model_name!r} has dim {self._model_dim(self._loaded)}, its embedding "
                                  f"cache says {self.dim}; {self._fix}", where=str(self.cache_dir))
@@ -415,6 +463,8 @@ class Embedder:
     __call__ = encode
 
     def close(self) -> None:
+        """Close the disk cache. The model stays loaded for this process's next Embedder of it
+        (:data:`MODELS_KEPT`)."""
         if self._cache is not None:
             self._cache.close()
 
