@@ -18,6 +18,7 @@ from helpers import assert_f32_close, f32_error
 
 import rmm_jax as rj
 from rmm_jax.data import embed as embed_mod
+from rmm_jax.data.calls import Call
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.online.serve import Reranker, call_keys, load_policy
@@ -234,6 +235,48 @@ def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     with pytest.raises(InputError) as e:
         prepare_calls(open_store(store), read_calls(path), path, 3, 5)
     assert str(e.value) == f"{path}:1: m=5 is more than this call's 3 candidates (the retriever's top k=3)"
+
+
+@pytest.mark.parametrize("calls, k, m, want", [
+    # one Call, not a list: an AttributeError ("'int' object has no attribute 'query_id'")
+    (Call(1, "user0", query_text="hi"), 8, 3, "calls: must be a list of Call (rmm_jax.data.calls.read_calls), got "
+                                                "one Call (pass [call])"),
+    ((Call(1, "user0", query_text="hi") for _ in range(1)), 8, 3, "calls: must be a list of Call"),
+    ([("user0", "hi")], 8, 3, "calls: must be a list of Call"),
+    # a str as candidates was split into letters: "unknown memory id 's'"
+    ([Call(1, "user0", query_text="hi", candidates="D1:1")], 8, 3,
+     "calls 0: candidates: expected a non-empty list of strings, got str 'D1:1'"),
+    ([Call(1, "user0", query_text="hi", candidate_texts="a memory")], 8, 3,
+     "calls 0: candidate_texts: expected a non-empty list of strings, got str 'a memory'"),
+    ([Call(1, "user0", query_text="hi", candidates=())], 8, 3, "calls 0: candidates: expected a non-empty list"),
+    ([Call(1, "user0", query_text="hi", candidates=("D1:1", "D1:1"))], 8, 3, "calls 0: candidates: lists a candidate "
+                                                                             "twice"),
+    ([Call(1, "user0", query_text="hi", candidate_texts=("a", ""))], 8, 3, "calls 0: candidate_texts: expected "
+                                                                           "non-empty strings, got str ''"),
+    ([Call(1, "user0", query_text="hi", candidates=("D1:1",), candidate_texts=("a",))], 8, 3,
+     "calls 0: give candidates (memory ids) or candidate_texts, not both"),
+    # an empty query was embedded and served (read_calls refuses it)
+    ([Call(1, "user0", query_id="q0"), Call(2, "user0", query_text="")], 8, 3,
+     "calls 1: query_text: expected a non-empty string, got str ''"),
+    ([Call(1, "user0", query_text="  ")], 8, 3, "calls 0: query_text: expected a non-empty string"),
+    ([Call(1, "user0")], 8, 3, "calls 0: needs a query_text, or a query_id of STORE"),
+    ([Call(1, 0, query_text="hi")], 8, 3, "calls 0: user_id: expected a non-empty string, got int 0"),
+    ([Call(1, "user0", call_id=7, query_text="hi")], 8, 3, "calls 0: call_id: expected a non-empty string, got int 7"),
+    ([Call(1, "user0", query_text="hi")], "8", 3, "k: must be an int >= 1, got str '8'"),
+    ([Call(1, "user0", query_text="hi")], 8, 0, "m: must be an int >= 1, got int 0"),
+])
+def test_prepare_calls_refuses_a_python_caller_s_bad_calls_by_name_before_any_work(env, monkeypatch, calls, k, m,
+                                                                                   want):
+    """A Python caller's own Calls skip read_calls' checks: one Call for a list was an
+    AttributeError, a str of candidates was split into letters, an empty query was embedded
+    and served. Each is one InputError naming calls (and which call and field), k or m,
+    before anything is embedded."""
+    from rmm_jax.data.calls import prepare_calls
+
+    monkeypatch.setattr(embed_mod, "Embedder", lambda *a, **kw: pytest.fail("embedded before the calls were checked"))
+    with pytest.raises(InputError) as e:
+        prepare_calls(open_store(env[0]), calls, "request", k, m)
+    assert str(e.value).startswith(want), str(e.value)
 
 
 def test_prepare_calls_loads_the_embedding_model_once_per_process(tmp_path, env, monkeypatch):

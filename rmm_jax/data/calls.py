@@ -53,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,7 +65,7 @@ from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.json_lines import json_lines, source_name
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.data.words import count
-from rmm_jax.errors import InputError, at, named
+from rmm_jax.errors import InputError, at, check_int, named, short
 
 
 class Call(NamedTuple):
@@ -221,6 +222,42 @@ def _retrieve(users: _Users, calls: list[Call], queries: list, k: int) -> list[l
     return out
 
 
+def _check_calls(calls, k, m) -> None:
+    """:func:`prepare_calls`'s ``calls``, ``k`` and ``m`` from a Python caller, each refused by
+    name before any work, as :func:`read_calls` refuses a line: ``calls`` a list of
+    :class:`Call` (not one), each with a non-empty ``user_id``, a non-empty ``query_text``
+    and/or ``query_id`` (``call_id`` None or non-empty), and ``candidates`` or
+    ``candidate_texts`` (not both), each None or a non-empty list of non-empty strings (not
+    one string, whose letters were taken as ids), ids listed once; ``k`` and ``m`` ints >= 1."""
+    if isinstance(calls, Call) or isinstance(calls, str) or not isinstance(calls, Sequence) or any(
+            not isinstance(c, Call) for c in calls):
+        got = "one Call (pass [call])" if isinstance(calls, Call) else short(calls)
+        raise InputError(f"must be a list of Call (rmm_jax.data.calls.read_calls), got {got}", arg="calls")
+    check_int(k, "k", 1)
+    check_int(m, "m", 1)
+    for i, c in enumerate(calls):
+        where = f"calls {i}"
+        for field in ("user_id", "query_text", "query_id", "call_id"):
+            v = getattr(c, field)
+            if (v is not None or field == "user_id") and (not isinstance(v, str) or not v.strip()):
+                raise InputError(f"{field}: expected a non-empty string, got {short(v)}", arg=where)
+        if c.query_text is None and c.query_id is None:
+            raise InputError("needs a query_text, or a query_id of STORE", arg=where)
+        if c.candidates is not None and c.candidate_texts is not None:
+            raise InputError("give candidates (memory ids) or candidate_texts, not both", arg=where)
+        for field in ("candidates", "candidate_texts"):
+            v = getattr(c, field)
+            if v is None:
+                continue
+            if isinstance(v, str) or not isinstance(v, Sequence) or not v:
+                raise InputError(f"{field}: expected a non-empty list of strings, got {short(v)}", arg=where)
+            for x in v:
+                if not isinstance(x, str) or not x.strip():
+                    raise InputError(f"{field}: expected non-empty strings, got {short(x)}", arg=where)
+            if field == "candidates" and len(set(v)) != len(v):
+                raise InputError(f"{field}: lists a candidate twice", arg=where)
+
+
 def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
@@ -233,7 +270,10 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     ``notes``, when given, gets the line saying how many texts the store lacked
     (:meth:`rmm_jax.data.embed.EmbeddedTexts.lacks_note`, as ``replay`` says it; a ``new texts``
     bar shows while they embed) and the one saying how many the model cut
-    (:func:`rmm_jax.data.embed.truncation_note`)."""
+    (:func:`rmm_jax.data.embed.truncation_note`). ``calls`` is a list of :class:`Call` (from
+    :func:`read_calls`, or a Python caller's own, whose fields are refused as a file's keys
+    are: an InputError naming ``calls`` and the call, before any work)."""
+    _check_calls(calls, k, m)
     users = _Users(store, path)
     texts = []
     for c in calls:
