@@ -190,6 +190,34 @@ def test_a_process_loads_a_model_once_keeps_a_few_and_close_frees_only_the_disk_
     assert len(E._MODELS) == E.MODELS_KEPT and len(loads) == 2 + E.MODELS_KEPT + 1
 
 
+def test_threads_that_ask_for_a_model_at_once_load_it_once(tmp_path, monkeypatch):
+    """A service's request threads each made an Embedder; the second to ask waits for the
+    first's load instead of loading the model again beside it."""
+    import threading
+    import time
+
+    class Model:
+        def get_embedding_dimension(self):
+            return 8
+
+    loads = []
+
+    def slow(self, load_from, given):
+        loads.append(given)
+        time.sleep(0.2)
+        return Model()
+
+    monkeypatch.setattr(E.Embedder, "_load", slow)
+    got = []
+    threads = [threading.Thread(target=lambda i=i: got.append(E.Embedder(cache_dir=tmp_path / str(i),
+                                                                         progress=False)._loaded)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and len(got) == 4 and all(m is got[0] for m in got)
+
+
 def test_embedder_counts_the_texts_it_cuts(embedder):
     # A 12,929-character message was embedded from its first 256 word pieces, silently: a fact
     # at its end was not retrievable. The embedder counts the texts its model cut, by the
