@@ -230,14 +230,28 @@ def result_options(ap: argparse.ArgumentParser, plot_help: str) -> None:
     ap.add_argument("--from-json", type=Path, default=None, help="redraw --plot from a saved result; run nothing")
 
 
-def redrawn(args, plot) -> bool:
-    """With ``--from-json``: ``plot(result, --plot)`` from the saved result (when ``--plot``
-    is given) and True: the caller runs nothing else."""
+def redrawn(ap: argparse.ArgumentParser, args, plot) -> bool:
+    """With ``--from-json``: ``plot(result, --plot)`` from the saved result
+    (:func:`saved_result`) and True: the caller runs nothing else. Without ``--plot`` there is
+    nothing to redraw: a usage error."""
     if not args.from_json:
         return False
-    if args.plot:
-        plot(json.loads(Path(args.from_json).read_text()), args.plot)
+    if not args.plot:
+        ap.error("--from-json needs --plot")
+    plot(saved_result(ap, args.from_json, "--from-json"), args.plot)
     return True
+
+
+def saved_result(ap: argparse.ArgumentParser, path: Path, option: str) -> dict:
+    """The saved result a redraw reads (``--from-json``, or ``--json`` under ``--replot``):
+    a missing, unreadable or non-JSON file is the parser's one-line error naming ``option``
+    and ``path`` (exit 2), not a traceback."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        ap.error(f"{option} {path}: {e.strerror or e}")
+    except ValueError as e:
+        ap.error(f"{option} {path}: not a JSON result ({e})")
 
 
 def save_outputs(args, result: dict, plot) -> None:

@@ -137,7 +137,7 @@ def main(argv=None):
                     help=f"conversations the heat map reports (default: all but {','.join(_common.TUNED_ON)})")
     _common.result_options(ap, "heat map PNG")
     args = ap.parse_args(argv)
-    if _common.redrawn(args, plot):
+    if _common.redrawn(ap, args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()

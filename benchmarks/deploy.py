@@ -330,12 +330,14 @@ def main(argv=None) -> int:
     ap.add_argument("--paired-with", type=_common.existing_path, default=None,
                     help="a result file of the same deployment without --gate: the final Recall@5 difference, "
                          "paired per question")
-    ap.add_argument("--json", type=Path, default=_common.RESULTS / "deploy.json")
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the days")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from --json")
     args = ap.parse_args(argv)
     if args.replot:
-        plot(json.loads(args.json.read_text()), args.plot)
+        if args.plot is None or args.json is None:
+            ap.error("--replot needs --json and --plot")
+        plot(_common.saved_result(ap, args.json, "--json"), args.plot)
         return 0
     dataset = load_locomo(_common.require_data(args.data))
     t0 = time.perf_counter()
@@ -428,7 +430,8 @@ def main(argv=None) -> int:
     }
     if args.paired_with is not None:
         result["paired"] = paired(result, args.paired_with)
-    _common.write_result(args.json, result)
+    if args.json:
+        _common.write_result(args.json, result)
     if args.plot:
         plot(result, args.plot)
     print(f"final Recall@5 {final:.4f}; simulate [{sim['lo']:.4f}, {sim['hi']:.4f}]; SNIPS covers tomorrow on "

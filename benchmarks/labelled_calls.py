@@ -116,7 +116,7 @@ def main(argv=None):
                     help="comma-separated numbers of labelled calls")
     _common.result_options(ap, "gain against N, PNG")
     args = ap.parse_args(argv)
-    if _common.redrawn(args, plot):
+    if _common.redrawn(ap, args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()

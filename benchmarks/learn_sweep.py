@@ -205,7 +205,8 @@ def locomo(data: Path, store: Path | None) -> tuple[list[Stream], dict, dict]:
                 {s.user_id: s for s in load_dialogue_streams(st, K)})
 
     if store is not None and (store / "manifest.json").exists():
-        return load(store)
+        return load(store)                          # a complete store: the data is not read
+    data = _common.require_data(data)
     with tempfile.TemporaryDirectory() as tmp:
         out = store or Path(tmp) / "store"
         emb = Embedder("all-MiniLM-L6-v2", progress=False)
@@ -1290,7 +1291,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    streams, qa, dialogue = locomo(_common.require_data(args.data), args.store)
+    streams, qa, dialogue = locomo(args.data, args.store)
     reports_held_out = args.lever in ("heldout", "bound", "hybrid", "dialogue")
     seeds = args.seeds or list(range(5 if reports_held_out else 8))
     ctx = Context(streams, qa, dialogue, _common.retriever_recall(streams, M), seeds, args.rows,

@@ -1,7 +1,9 @@
 """Validate the off-policy estimators of ``rmm-jax evaluate`` against a truth they do not share code with.
 
-    python benchmarks/ope_validation.py --seeds 100 --plot benchmarks/results/ope_validation.png
-    python benchmarks/ope_validation.py --replot --plot benchmarks/results/ope_validation.png  # redraw only
+    python benchmarks/ope_validation.py --seeds 100 --plot benchmarks/results/ope_validation.png \\
+        --json benchmarks/results/ope_validation.json
+    python benchmarks/ope_validation.py --replot --plot benchmarks/results/ope_validation.png \\
+        --json benchmarks/results/ope_validation.json  # redraw only
 
 Set-up (LoCoMo, turn granularity, MiniLM, K=20, M=5, τ=0.1, oracle citations with the default
 precision/recall 0.876/0.858, as ``rmm-jax simulate``):
@@ -54,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=_common.HelpFormatter)
     ap.add_argument("--seeds", type=_common.positive_int, default=100, help="logs per scenario")
-    ap.add_argument("--json", type=Path, default=_common.RESULTS / "ope_validation.json")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of every seed's interval of the cited count")
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from the results in --json")
     _common.add_data_option(ap)
@@ -360,9 +361,9 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default="fixed,adaptive")
     args = ap.parse_args(argv)
     if args.replot:
-        if args.plot is None:
-            ap.error("--replot needs --plot")
-        saved = json.loads(args.json.read_text())
+        if args.plot is None or args.json is None:
+            ap.error("--replot needs --json and --plot")
+        saved = _common.saved_result(ap, args.json, "--json")
         plot(saved["scenarios"], saved["truth"]["enumeration"]["target"], args.plot)
         return 0
     data = _common.require_data(args.data)
@@ -459,7 +460,8 @@ def main(argv=None) -> int:
         "seconds": round(time.perf_counter() - t0, 1),
         "backend": f"jax {jax.__version__} ({jax.default_backend()})",
     }
-    _common.write_result(args.json, result)
+    if args.json:
+        _common.write_result(args.json, result)
     if args.plot:
         plot(scenarios, truth, args.plot)
     print(report(result))

@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="Keep each run's files.")
     ap.add_argument("--json", dest="json_out", default=None, help="Write the results as JSON here.")
     args = ap.parse_args(argv)
+    if args.memories < args.k:      # simulate would log fewer than --k candidates, which replay refuses
+        ap.error(f"--memories {args.memories} is below --k {args.k}: each call retrieves --k candidates "
+                 f"(give --k {args.memories} or fewer)")
     counts = args.users
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rmm-soak-"))
     watch = _common.LoadWatch()

@@ -33,9 +33,9 @@ Usage::
     .venv/bin/python benchmarks/store_scale.py [--users 10000] [--per-save 1000] [--json]
         [--workdir DIR] [--keep] [--no-rollback] [--out benchmarks/results/store_scale.json]
 
-The result is merged into ``--out`` (one entry per (users, per_save), replacing an older
-one, each entry with the ``provenance`` of the run that wrote it); ``--json`` also prints it
-on stdout. The store is deleted afterwards unless
+The result is merged into ``--out`` when given (one entry per (users, per_save), replacing an
+older one, each entry with the ``provenance`` of the run that wrote it; without ``--out`` no
+file is written); ``--json`` also prints it on stdout. The store is deleted afterwards unless
 ``--keep``. Disk: ~150 KB per user (100,000 users: ~15 GB).
 """
 from __future__ import annotations
@@ -215,13 +215,15 @@ def main(argv=None) -> int:
     ap.add_argument("--per-save", type=_common.positive_int, default=1000, help="Users per save call.")
     ap.add_argument("--loads", type=_common.positive_int, default=20, help="Random users to load.")
     ap.add_argument("--json", action="store_true", help="Also print the result as JSON on stdout.")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "store_scale.json"),
-                    help="Results file; this run's entry is merged in.")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="Results file; this run's entry is merged in (default: none written).")
     ap.add_argument("--workdir", default=None, help="Where the store goes (default: a temp dir).")
     ap.add_argument("--keep", action="store_true", help="Keep the store.")
     ap.add_argument("--rollback", action=argparse.BooleanOptionalAction, default=True,
                     help="Step 4: save every user once more and time rolling that night back (twice the disk).")
     args = ap.parse_args(argv)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="store_scale-", dir=args.workdir))
     watch = _common.LoadWatch()
     try:
@@ -229,11 +231,13 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "store_scale", "runs": []}
-    doc["runs"] = [r for r in doc["runs"] if (r["users"], r["per_save"]) != (res["users"], res["per_save"])] + [res]
-    doc["runs"].sort(key=lambda r: (r["users"], r["per_save"]))
-    _common.write_result(out, doc)    # the file's provenance: the newest run's (each run keeps its own)
+    if args.out is not None:
+        out = args.out
+        doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "store_scale", "runs": []}
+        doc["runs"] = [r for r in doc["runs"]
+                       if (r["users"], r["per_save"]) != (res["users"], res["per_save"])] + [res]
+        doc["runs"].sort(key=lambda r: (r["users"], r["per_save"]))
+        _common.write_result(out, doc)    # the file's provenance: the newest run's (each run keeps its own)
     if args.json:
         print(json.dumps(res))
     else:

@@ -150,10 +150,11 @@ def main(argv=None):
     ap.add_argument("--seeds", type=_common.positive_int, default=5,
                     help="seeds: citation draws, sampling and shuffles")
     ap.add_argument("--no-speakers", dest="speakers", action="store_false",
-                    help="embed every memory without its speaker's name (the dialogue row is left out)")
+                    help="embed every memory without its speaker's name (the dialogue row is left out); "
+                         "default: the names are kept")
     _common.result_options(ap, "transfer and in-sample gain per learner, PNG")
     args = ap.parse_args(argv)
-    if _common.redrawn(args, plot):
+    if _common.redrawn(ap, args, plot):
         return
     data = _common.require_data(args.data)
     t0 = time.perf_counter()

@@ -307,3 +307,110 @@ def test_a_committed_result_is_reproducible_with_todays_options(name, script, ar
             assert f"default: {a.default}" in text or "default" in (a.help or "").lower(), \
                 f"{script} --help: {a.option_strings[0]} shows no default"
         assert text.count(f"(default: {a.default}) (default:") == 0
+
+
+def bench_module(name: str, monkeypatch):
+    """benchmarks/NAME.py imported as ``python benchmarks/NAME.py`` sees its folder."""
+    import importlib
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("script,option", [("deploy", "json"), ("ope_validation", "json"), ("store_scale", "out")])
+def test_no_result_file_is_written_unless_asked(script, option, monkeypatch):
+    """A run without ``--json``/``--out`` writes no file: a default under benchmarks/results/
+    let a smoke run overwrite the committed result the docs render."""
+    ns, _ = parsed(script, [], monkeypatch)
+    assert getattr(ns, option) is None
+
+
+def test_store_scale_creates_its_workdir_and_writes_nothing_by_default(tmp_path, monkeypatch, capsys):
+    """``--workdir D`` that does not exist yet is created (as soak.py does), not a
+    FileNotFoundError; without ``--out`` the run writes no result file."""
+    store_scale = bench_module("store_scale", monkeypatch)
+    written = []
+    monkeypatch.setattr(store_scale._common, "write_result", lambda path, doc: written.append(path))
+    work = tmp_path / "new" / "dir"
+    assert store_scale.main(["--users", "4", "--per-save", "2", "--loads", "1", "--no-rollback",
+                             "--workdir", str(work)]) == 0
+    assert work.is_dir() and written == []
+    assert "4 users in 2 saves" in capsys.readouterr().out
+
+
+def test_learn_sweep_reuses_a_complete_store_without_the_data(tmp_path, monkeypatch):
+    """``--store`` naming a complete embedding store needs no LoCoMo data (it was a skip,
+    exit 0, nothing run); the data is required only to build the store."""
+    from fake_embedder import FakeEmbedder
+
+    import rmm_jax.online.streams as streams_mod
+    from rmm_jax.data import make_synthetic
+    from rmm_jax.data.store import write_store
+
+    learn_sweep = bench_module("learn_sweep", monkeypatch)
+    store = tmp_path / "store"
+    write_store(store, make_synthetic(users=2, sessions=2, turns=4, seed=0), "turn", FakeEmbedder(16), spec="s",
+                answers=True)
+    monkeypatch.setattr(streams_mod, "load_dialogue_streams", lambda st, k: [])   # synthetic has no dialogue
+    monkeypatch.setitem(learn_sweep.LEVERS, "heldout", lambda ctx: {"streams": len(ctx.streams)})
+    monkeypatch.delenv("CI", raising=False)
+    result = learn_sweep.main(["heldout", "--data", str(tmp_path / "no_data"), "--store", str(store)])
+    assert result["streams"] == 2
+    with pytest.raises(SystemExit) as e:                 # no store to reuse: the data is needed, a skip
+        learn_sweep.main(["heldout", "--data", str(tmp_path / "no_data"), "--store", str(tmp_path / "new")])
+    assert e.value.code == 0
+
+
+def test_soak_refuses_fewer_memories_than_candidates_up_front(monkeypatch, capsys):
+    """``--memories`` below ``--k``: simulate logs short candidate lists that replay (same
+    --k) refuses; the run is a one-line usage error before anything runs, naming both."""
+    soak = bench_module("soak", monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        soak.main(["--users", "1", "--queries", "2", "--memories", "16"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--memories 16" in last and "--k 20" in last
+
+
+REDRAWS = [("deploy", ["--replot", "--json", "{missing}", "--plot", "{png}"], "--json"),
+           ("ope_validation", ["--replot", "--json", "{missing}", "--plot", "{png}"], "--json"),
+           ("transfer", ["--from-json", "{missing}", "--plot", "{png}"], "--from-json"),
+           ("labelled_calls", ["--from-json", "{missing}", "--plot", "{png}"], "--from-json"),
+           ("citation_noise", ["--from-json", "{missing}", "--plot", "{png}"], "--from-json")]
+
+
+@pytest.mark.parametrize("script,argv,option", REDRAWS, ids=[r[0] for r in REDRAWS])
+def test_a_redraw_from_a_missing_file_is_one_line_naming_option_and_path(script, argv, option, tmp_path,
+                                                                          monkeypatch, capsys):
+    missing, png = tmp_path / "no_such.json", tmp_path / "out.png"
+    module = bench_module(script, monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        module.main([a.format(missing=missing, png=png) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: {option} {missing}: " in err[-1] and not any("Traceback" in x for x in err), err
+    assert not png.exists()
+
+
+@pytest.mark.parametrize("script,argv,needs", [
+    ("citation_noise", ["--from-json", str(BENCH / "results" / "citation_noise.json")], "--from-json needs --plot"),
+    ("deploy", ["--replot", "--plot", "{png}"], "--replot needs --json and --plot"),
+    ("ope_validation", ["--replot", "--plot", "{png}"], "--replot needs --json and --plot")])
+def test_a_redraw_with_nothing_to_draw_or_read_is_refused(script, argv, needs, tmp_path, monkeypatch, capsys):
+    """``--from-json`` without ``--plot`` did nothing, silently, exit 0; ``--replot``
+    without ``--json`` has no result to read (no file is its default any more)."""
+    module = bench_module(script, monkeypatch)
+    png = tmp_path / "out.png"
+    with pytest.raises(SystemExit) as e:
+        module.main([a.format(png=png) for a in argv])
+    assert e.value.code == 2
+    assert needs in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not png.exists()
+
+
+def test_transfer_help_says_the_speakers_are_kept_by_default(monkeypatch):
+    """``--no-speakers`` is a store_false option: its default (True) is that of ``speakers``,
+    which read as if --no-speakers were on by default."""
+    monkeypatch.setenv("COLUMNS", "10000")
+    _, parser = parsed("transfer", [], monkeypatch)
+    line = next(x for x in parser.format_help().splitlines() if x.strip().startswith("--no-speakers"))
+    assert "(default: True)" not in line and "default: the names are kept" in line
