@@ -24,7 +24,8 @@ Measured, each as a median of ``--repeats`` interleaved repeats with [min, max]:
 
 The 1-minute load average is sampled at every repeat (``load``; ``noisy``: above 2.5).
 Targets: cold p50 ≤ 3 ms and p99 ≤ 10 ms; warm and batched no worse than before the
-per-user rows (0.53 ms and 25,084 queries/s, ``serve.json`` at commit c655ff9).
+per-user rows (0.53 ms and 25,084 queries/s, ``serve.json`` at commit 03e0b1c, written by code at
+c655ff9).
 """
 from __future__ import annotations
 
