@@ -91,24 +91,45 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         runs = committed_runs(self._prog)
         text = super().format_help()
         if runs:
-            text += ("\ncommitted results (benchmarks/results/) and the commands that wrote them:\n"
-                     + "".join(f"  {name}: {command}\n" for name, command in runs))
+            text += ("\ncommitted results (benchmarks/results/) and the commands that wrote them, with how long "
+                     "each took where the file records it:\n"
+                     + "".join(f"  {name}: {command}\n" + (f"    took {took}\n" if took else "")
+                               for name, command, took in runs))
         return text
 
 
-def committed_runs(script: str) -> list[tuple[str, str]]:
-    """``(result file, command)`` of each committed result whose provenance command runs
-    benchmarks/``script`` (a file name such as ``throughput.py``)."""
+def committed_runs(script: str) -> list[tuple[str, str, str | None]]:
+    """``(result file, command, took)`` of each committed result whose provenance command
+    runs benchmarks/``script`` (a file name such as ``throughput.py``); ``took``: the run's
+    wall time (the file's ``seconds``) and the CPUs of the machine that ran it, else None."""
     out = []
     for f in sorted(RESULTS.glob("*.json")):
         try:
-            command = json.loads(f.read_text())["provenance"]["command"]
+            data = json.loads(f.read_text())
+            command = data["provenance"]["command"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
         words = command.split()
         if len(words) > 1 and Path(words[1]).name == script:
-            out.append((f.name, command))
+            out.append((f.name, command, took(data)))
     return out
+
+
+def took(data: dict) -> str | None:
+    """How long the run that wrote a result took, from its ``seconds`` and its provenance's
+    ``machine.cpus``: "about 3 min on 2 CPUs"; None when the file records no ``seconds``, or
+    is one CLI verb's JSON (a top-level ``command``: its ``seconds`` are that verb's, not the run's)."""
+    seconds = data.get("seconds")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or "command" in data:
+        return None
+    if seconds < 90:
+        text = f"about {max(1, round(seconds))} s"
+    elif seconds < 90 * 60:
+        text = f"about {round(seconds / 60)} min"
+    else:
+        text = f"about {seconds / 3600:.1f} h"
+    cpus = ((data.get("provenance") or {}).get("machine") or {}).get("cpus")
+    return f"{text} on {cpus} CPUs" if cpus else text
 
 
 def positive_int(text: str) -> int:

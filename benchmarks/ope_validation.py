@@ -372,8 +372,10 @@ def main(argv=None) -> int:
     k, m, precision, recall = 20, 5, DEFAULT_PRECISION, DEFAULT_RECALL
     loop = online_loop(k, m, args.tau, precision, recall)
     target_sampling = Target(k, m, args.tau)
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        progress("set-up: embedding LoCoMo, pretraining the target on " + args.train)
         emb = Embedder(progress=False)
         try:
             write_store(tmp / "store", load_locomo(data), "turn", emb, spec=f"locomo:{data}")
@@ -392,6 +394,7 @@ def main(argv=None) -> int:
         behaviour, tgt = call_arrays(ev_streams, p0), call_arrays(ev_streams, target)
         t_setup = time.perf_counter() - t0
 
+        progress("truth: enumerating every slate of the target and the behaviour")
         t1 = time.perf_counter()
         enum = {name: enumerate_pl(a["scores"] / np.float32(args.tau), a["mask"], a["gold"], m)
                 for name, a in (("target", tgt), ("behaviour", behaviour))}
@@ -399,6 +402,7 @@ def main(argv=None) -> int:
                     for name, a in (("target", tgt), ("behaviour", behaviour))}
         truth = {x: float(np.nanmean(v)) for x, v in per_call["target"].items()}
         t_enum = time.perf_counter() - t1
+        progress(f"check: {args.replicates} on-policy Monte Carlo replicates")
         t1 = time.perf_counter()
         mc = on_policy_mc(loop.act_and_cite, tgt, m, args.replicates, seed=10_000)
         t_mc = time.perf_counter() - t1
@@ -411,6 +415,7 @@ def main(argv=None) -> int:
         scenarios = {}
         for name in args.scenarios.split(","):
             runs, t1 = [], time.perf_counter()
+            progress(f"scenario {name}: {args.seeds} logs, each evaluated with {args.bootstrap} bootstrap resamples")
             for seed in range(args.seeds):
                 log = tmp / f"{name}-{seed}.jsonl"
                 if name == "fixed":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,7 +36,9 @@ def main(argv=None):
             store = str(Path(tmp) / "store")
             embed = ["embed", f"locomo:{data}", "--out", store, "--granularity", g]
             retrieve = ["retrieve", store, "--k", str(args.k), "--pad-short-banks", "--json"]
+            print(f"{g}: rmm-jax embed (from the embedding cache after the first build)", file=sys.stderr, flush=True)
             run_cli(embed)
+            print(f"{g}: rmm-jax retrieve --k {args.k}", file=sys.stderr, flush=True)
             got = json.loads(run_cli(retrieve))
         got["command"] = (f"rmm-jax embed locomo:{args.data} --out S --granularity {g} && "
                           f"rmm-jax retrieve S --k {args.k} --pad-short-banks --json")

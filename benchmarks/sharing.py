@@ -289,9 +289,11 @@ def main(argv=None):
 
     sizes, late_sizes = args.sizes, args.late_sizes
     n_syn = max([args.users, args.scored] + sizes + [u + args.newcomers for u in late_sizes])   # newcomers: the last
+    log(f"{n_syn} synthetic users: their store ({args.synthetic_store or 'a temporary one'})")
     syn = synthetic_streams(n_syn, k, args.synthetic_store, args.synthetic_seed)
     if len(syn) < n_syn:
         sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
+    log("LoCoMo: its streams and dialogue pairs (embedded, or read from the embedding cache)")
     loco_all = _common.locomo_streams(data, k, dialogue=True)
     loco, loco_pairs = loco_all.streams, {s.user_id: s for s in loco_all.dialogue}
     params = rj.init_reranker(jax.random.key(0), loco[0].bank.shape[1])

@@ -414,3 +414,50 @@ def test_transfer_help_says_the_speakers_are_kept_by_default(monkeypatch):
     _, parser = parsed("transfer", [], monkeypatch)
     line = next(x for x in parser.format_help().splitlines() if x.strip().startswith("--no-speakers"))
     assert "(default: True)" not in line and "default: the names are kept" in line
+
+
+def test_help_says_how_long_each_committed_run_took(monkeypatch):
+    """Under each committed command, ``--help`` says how long that run took and on how many
+    CPUs (the file's ``seconds`` and ``provenance.machine.cpus``); a file that is one CLI
+    verb's JSON (retrieval_locomo's: its ``seconds`` are the verb's) says nothing."""
+    monkeypatch.setenv("COLUMNS", "10000")
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "citation_agreement.py")])
+    _, parser = parsed("citation_agreement", [], monkeypatch)
+    data = json.loads((BENCH / "results" / "citation_agreement.json").read_text())
+    took = f"about {round(data['seconds'])} s on {data['provenance']['machine']['cpus']} CPUs"
+    assert f"  citation_agreement.json: {data['provenance']['command']}\n    took {took}\n" in parser.format_help()
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "retrieval_locomo.py")])
+    _, parser = parsed("retrieval_locomo", ["--out-dir", "x"], monkeypatch)
+    assert "retrieval_locomo_turn.json" in parser.format_help() and "    took " not in parser.format_help()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*a, **kw):
+    raise _Stop
+
+
+def test_the_long_benchmarks_say_each_stage_before_it_runs(tmp_path, monkeypatch, capsys):
+    """retrieval_locomo, ope_validation and sharing were silent for minutes before their first
+    line: each stage is named on stderr as it starts (stopped here at the first stage's work)."""
+    data = tmp_path / "locomo"
+    data.mkdir()
+    (data / "locomo10.json").write_text("[]")
+    retrieval = bench_module("retrieval_locomo", monkeypatch)
+    monkeypatch.setattr(retrieval, "run_cli", _stop)
+    with pytest.raises(_Stop):
+        retrieval.main(["--data", str(data), "--out-dir", str(tmp_path), "--granularities", "turn"])
+    assert capsys.readouterr().err.splitlines() == [
+        "turn: rmm-jax embed (from the embedding cache after the first build)"]
+    ope = bench_module("ope_validation", monkeypatch)
+    monkeypatch.setattr(ope, "Embedder", _stop)
+    with pytest.raises(_Stop):
+        ope.main(["--data", str(data)])
+    assert capsys.readouterr().err.splitlines() == ["set-up: embedding LoCoMo, pretraining the target on 26,30"]
+    sharing = bench_module("sharing", monkeypatch)
+    monkeypatch.setattr(sharing, "synthetic_streams", _stop)
+    with pytest.raises(_Stop):
+        sharing.main(["--data", str(data)])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("synthetic users: their store (a temporary one)")
