@@ -87,10 +87,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def format_help(self) -> str:
         """The help, then the command that wrote each committed result of this script (the
-        parser's ``prog`` is the script's file name): the README and docs cite those files."""
+        parser's ``prog`` is the script's file name): the README and docs cite those files.
+        A usage error's usage (argparse formats it with this method too) stays the usage."""
         runs = committed_runs(self._prog)
         text = super().format_help()
-        if runs:
+        if runs and len(self._root_section.items) > 1:     # not the usage alone (a usage error's)
             text += ("\ncommitted results (benchmarks/results/) and the commands that wrote them, with how long "
                      "each took where the file records it:\n"
                      + "".join(f"  {name}: {command}\n" + (f"    took {took}\n" if took else "")

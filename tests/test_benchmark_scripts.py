@@ -382,12 +382,14 @@ REDRAWS = [("deploy", ["--replot", "--json", "{missing}", "--plot", "{png}"], "-
 def test_a_redraw_from_a_missing_file_is_one_line_naming_option_and_path(script, argv, option, tmp_path,
                                                                           monkeypatch, capsys):
     missing, png = tmp_path / "no_such.json", tmp_path / "out.png"
+    monkeypatch.setattr(sys, "argv", [str(BENCH / f"{script}.py")])   # prog, as `python benchmarks/X.py`
     module = bench_module(script, monkeypatch)
     with pytest.raises(SystemExit) as e:
         module.main([a.format(missing=missing, png=png) for a in argv])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert f"error: {option} {missing}: " in err[-1] and not any("Traceback" in x for x in err), err
+    assert err[0].startswith("usage:") and not any("committed results" in x or "took" in x for x in err), err
     assert not png.exists()
 
 
