@@ -8,13 +8,14 @@ call is one error line naming file:line with nothing written.
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FakeEmbedder, make_fake_store, run_cli
-from helpers import assert_f32_close, f32_error
+from helpers import assert_f32_close, f32_error, params_of, save_seeds, state_of
 
 import rmm_jax as rj
 from rmm_jax.data import embed as embed_mod
@@ -342,6 +343,58 @@ def test_the_cache_keeps_the_most_recently_used_users(env):
     p0 = rr.policy("user0").params
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
                                                     jax.tree.leaves(load_policy(rr.store, "user0").params)))
+
+
+META8 = {"kind": "linear", "dim": 8, "hidden": None}
+
+
+def policy_store(path, seeds: dict) -> PolicyStore:
+    """A user-scope store (d=8) holding users ``{user: seed}`` (``state_of(seed)``) as version 1."""
+    st = PolicyStore.create(path, META8, params_of(0))
+    save_seeds(st, seeds)
+    return st
+
+
+def leaf_bytes(tree) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_refresh_serves_a_store_deleted_and_made_again(tmp_path):
+    # docs/lifecycle.md: "delete the directory to start afresh". The rebuilt store repeated the old one's newest
+    # version (1), setting and rollbacks: refresh() returned False and the service kept the deleted store's policies
+    path = tmp_path / "pol"
+    policy_store(path, {"a": 1})
+    rr = Reranker.open(path)
+    assert leaf_bytes(rr.policy("a").params) == leaf_bytes(state_of(1).params)
+    shutil.rmtree(path)
+    policy_store(path, {"a": 2, "b": 3})
+    assert rr.refresh() is True
+    assert rr.policy("a").version == 1 and leaf_bytes(rr.policy("a").params) == leaf_bytes(state_of(2).params)
+    assert rr.policy("b").version == 1                  # the new store's user, not the old store's shared part
+    assert rr.refresh() is False
+
+
+def test_a_reranker_opened_before_its_store_exists_serves_the_store_once_refresh_finds_it(tmp_path):
+    # A service started before the first night served Reranker(None, dim=d) and refresh() returned False forever:
+    # the store the first replay wrote was never served. Reranker.open(path, dim=d) serves the identity until then.
+    path = tmp_path / "pol"
+    with pytest.raises(InputError, match="no such policy store$"):
+        Reranker.open(path)                             # without dim a missing store is refused, as before
+    rr = Reranker.open(path, dim=8)
+    q, c = np.eye(8, dtype=np.float32)[0], np.eye(8, dtype=np.float32)[:3]
+    assert rr.store is None and rr.policy("a").version is None and rr.rank("a", q, c, 1).selected.tolist() == [[0]]
+    assert rr.refresh() is False
+    policy_store(path, {"a": 2})                        # the first night
+    assert rr.refresh() is True and rr.store is not None
+    assert rr.policy("a").version == 1 and leaf_bytes(rr.policy("a").params) == leaf_bytes(state_of(2).params)
+    assert rr.refresh() is False
+    other = tmp_path / "other"
+    rr = Reranker.open(other, dim=4)
+    policy_store(other, {"a": 2})
+    with pytest.raises(InputError, match="policy store has dim 8, expected 4"):
+        rr.refresh()
+    assert rr.store is None                              # still the identity of its dim
+    assert Reranker.open(path, dim=8).policy("a").version == 1      # a store that exists: served at once
 
 
 def test_non_finite_embeddings_are_refused_naming_the_argument(env):

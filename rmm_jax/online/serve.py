@@ -35,6 +35,8 @@ import collections
 import functools
 import hashlib
 import math
+import os
+import threading
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -51,8 +53,9 @@ from rmm_jax.data.citation_log import LogRecord, call_key, call_record, utc_time
 from rmm_jax.errors import InputError, check_int
 from rmm_jax.online import compile_cache as persistent_cache
 from rmm_jax.online.streams import bucket, user_hash
-from rmm_jax.persist.policy_rollback import check_store, rollbacks
-from rmm_jax.persist.policy_setting import read_setting
+from rmm_jax.persist.policy_header import read_header
+from rmm_jax.persist.policy_rollback import DONE, check_store
+from rmm_jax.persist.policy_setting import SETTING_KEY, read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULT_CACHE_USERS = 1024
@@ -247,11 +250,16 @@ def _check_scores(scores: np.ndarray, mask: np.ndarray) -> None:
                          "embeddings to unit norm, as the retriever's are", where="query_emb, candidate_embs")
 
 
-def _generation(store: PolicyStore | None) -> tuple:
+def _generation(store: PolicyStore | None, header: dict | None = None) -> tuple:
     """What a :class:`Reranker` serves from ``store``: its newest user version, its setting,
     and how many rollbacks it has finished (undoing the newest run brings the newest version
-    back to what it was before the run)."""
-    return () if store is None else (store.newest_version(), read_setting(store), rollbacks(store))
+    back to what it was before the run), ``header`` being the store's header as read now
+    (None: as ``store`` opened it). Whether the directory is still the one ``store`` opened
+    is :meth:`PolicyStore.replaced`: a store deleted and made again can repeat all three."""
+    if store is None:
+        return ()
+    header = store._header if header is None else header
+    return store.newest_version(), header.get(SETTING_KEY), int(header.get(DONE, 0))
 
 
 def behaviour_tau(store: PolicyStore | None) -> float:
@@ -268,11 +276,18 @@ def behaviour_tau(store: PolicyStore | None) -> float:
 class Reranker:
     """Serve a policy store's policies (module docstring). ``cache_users``: how many users'
     policies stay on the device (least recently used dropped first). ``store`` None: the
-    identity reranker for everyone (``dim`` needed), before any policy exists.
-    ``compile_cache``: use the persistent compilation cache as the CLI does
+    identity reranker for everyone (``dim`` needed), before any policy exists;
+    :meth:`open` with ``dim`` serves it until the store at a path exists, then that store
+    (after :meth:`refresh`). ``compile_cache``: use the persistent compilation cache as the CLI does
     (:func:`rmm_jax.online.compile_cache.ensure`: a new process's first call loads its
     programs instead of compiling them, unless ``RMM_JAX_COMPILE_CACHE=0`` or the
-    application configured JAX's cache directory itself); False leaves JAX's settings alone."""
+    application configured JAX's cache directory itself); False leaves JAX's settings alone.
+
+    **Threads.** One Reranker may serve many threads: :meth:`policy`, :meth:`rank`,
+    :meth:`sample` and :meth:`refresh` may run at once (the cache of users' policies is
+    kept under a lock; a user's policy is read from disk and put on the device outside it).
+    A call that began before a :meth:`refresh` that changed the store may still be served
+    from the old store; nothing loaded from the old store enters the new store's cache."""
 
     def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None,
                  compile_cache: bool = True):
@@ -285,37 +300,64 @@ class Reranker:
             check_int(dim, "dim", 1, shown=repr, where=True)
         if compile_cache:       # before anything compiles: JAX settles the cache at its first compile
             persistent_cache.ensure()
-        self.store, self.cache_users = store, cache_users
-        self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
-        self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
+        self.cache_users = cache_users
         self.dim = int(store.meta_info().dim) if store is not None else int(dim)
-        self.tau = behaviour_tau(store)
-        self._seen = _generation(store)
-        self._identity = None if store is not None else Policy(
+        self._path = None             # open(path, dim=d) of a store not made yet: refresh() opens it once it is
+        self._lock = threading.Lock()                 # the cache and what is served (store, tau, identity)
+        self._refreshing = threading.Lock()           # one refresh at a time (it reads the disk outside _lock)
+        self._serve(store)
+
+    def _serve(self, store: PolicyStore | None) -> None:
+        """Serve ``store`` (None: the identity reranker) from now on, with an empty cache."""
+        seen, tau = _generation(store), behaviour_tau(store)
+        identity = None if store is not None else Policy(
             _device(reranker.identity_reranker(self.dim)), None, None)       # traces nothing (init_reranker did)
+        with self._lock:
+            self.store, self.tau, self._seen, self._identity = store, tau, seen, identity
+            # new objects, not cleared ones: a load that began before this puts nothing into them
+            self._cache: collections.OrderedDict[str, Policy] = collections.OrderedDict()
+            self._shared: collections.OrderedDict[int, Any] = collections.OrderedDict()   # version -> device params
 
     @classmethod
-    def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS, compile_cache: bool = True) -> "Reranker":
-        return cls(PolicyStore.open(path), cache_users=cache_users, compile_cache=compile_cache)
+    def open(cls, path, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None,
+             compile_cache: bool = True) -> "Reranker":
+        """Serve the policy store at ``path`` (an ``InputError`` if there is none). With
+        ``dim`` (the embedding dimension), a service may start before the first night's
+        ``replay`` made the store: while none exists at ``path`` it serves the identity
+        reranker (as ``Reranker(None, dim=dim)``), and the :meth:`refresh` that finds the
+        store there serves it from then on; a store of another dim is refused."""
+        if dim is not None:
+            check_int(dim, "dim", 1, shown=repr, where=True)
+            if not os.path.lexists(path):
+                rr = cls(None, cache_users=cache_users, dim=dim, compile_cache=compile_cache)
+                rr._path = path
+                return rr
+        return cls(PolicyStore.open(path, expect_dim=dim), cache_users=cache_users, compile_cache=compile_cache)
 
     def refresh(self) -> bool:
         """Serve what the store holds now. A Reranker keeps the policies it has loaded, so
         after a night's run saved new versions, or a rollback forgot some, a long-lived one
         would serve its cached users yesterday's policies and the others today's. Call this
-        when such a job ends: if the store changed (its newest user version, its learning
-        setting, or a rollback finished), the store is reopened and every cached policy dropped, so each user's next
-        call loads what the store serves now, at the setting's τ. Returns whether it
-        changed; when it did not, it cost one indexed query and one small file read."""
-        if self.store is None:
-            return False
-        store = PolicyStore.open(self.store.path)
-        now = _generation(store)
-        if now == self._seen:
-            return False
-        self.store, self.tau, self._seen = store, behaviour_tau(store), now
-        self._cache.clear()
-        self._shared.clear()
-        return True
+        when such a job ends: if the store changed (its directory was deleted and made again,
+        or its newest user version, its learning setting, or a rollback finished), the store is reopened
+        (the old one closed, :meth:`PolicyStore.close`) and every cached policy dropped, so each user's next
+        call loads what the store serves now, at the setting's τ. A Reranker opened with
+        ``dim`` before its store existed (:meth:`open`) serves the store once it exists.
+        Returns whether it changed; when it did not, it cost one ``stat``, one indexed
+        query and one small file read (no store is opened)."""
+        with self._refreshing:
+            old = self.store
+            if old is None:
+                if self._path is None or not os.path.lexists(self._path):
+                    return False
+                self._serve(PolicyStore.open(self._path, expect_dim=self.dim))
+                self._path = None
+                return True
+            if not old.replaced() and _generation(old, read_header(old.path)) == self._seen:
+                return False
+            self._serve(PolicyStore.open(old.path, expect_dim=self.dim))
+            old.close()
+            return True
 
     def policy(self, user_id: str) -> Policy:
         """The policy ``user_id`` is served (cached; :meth:`refresh` drops the cache when the
@@ -323,25 +365,39 @@ class Reranker:
         id was looked up as given and never found the user's policy (``7`` is not ``"7"``)."""
         if not isinstance(user_id, str):
             raise InputError(f"must be a str, got {checks.short(user_id)}", where="user_id")
-        if self._identity is not None:
-            return self._identity
-        got = self._cache.get(user_id)
-        if got is None:
-            got = self._cache[user_id] = load_policy(self.store, user_id, shared_params=self._shared_params)
-            if len(self._cache) > self.cache_users:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(user_id)
+        with self._lock:
+            if self._identity is not None:
+                return self._identity
+            cache, shared, store = self._cache, self._shared, self.store
+            got = cache.get(user_id)
+            if got is not None:
+                cache.move_to_end(user_id)
+                return got
+        # read and put on the device outside the lock; into the cache of the store it came from
+        got = load_policy(store, user_id, shared_params=functools.partial(self._shared_params, store, shared))
+        with self._lock:
+            if cache is self._cache:             # else a refresh replaced the store meanwhile: served, not kept
+                got = cache.setdefault(user_id, got)
+                cache.move_to_end(user_id)
+                while len(cache) > self.cache_users:
+                    cache.popitem(last=False)
         return got
 
-    def _shared_params(self, version: int | None) -> tuple[Any, int]:
-        """Shared ``version`` (None: the newest that loads) on the device, once per version."""
-        got = self.store.shared_state(version)
-        params = self._shared.get(got.version)
-        if params is None:
-            params = self._shared[got.version] = _device(got.state.params)
-            while len(self._shared) > SHARED_ON_DEVICE:
-                self._shared.popitem(last=False)
+    def _shared_params(self, store: PolicyStore, shared: collections.OrderedDict, version: int | None
+                       ) -> tuple[Any, int]:
+        """Shared ``version`` of ``store`` (None: the newest that loads) on the device, once per
+        version (``shared``: the device copies of ``store``'s)."""
+        with self._lock:       # the store's shared-part cache is not thread-safe
+            got = store.shared_state(version)
+            params = shared.get(got.version)
+            if params is not None:
+                shared.move_to_end(got.version)
+                return params, got.version
+        params = _device(got.state.params)
+        with self._lock:
+            params = shared.setdefault(got.version, params)
+            while len(shared) > SHARED_ON_DEVICE:
+                shared.popitem(last=False)
         return params, got.version
 
     def _padded(self, query_emb, candidate_embs, m, mask):

@@ -83,7 +83,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import os
+import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -145,6 +147,24 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _open_dir(path: Path) -> int:
+    """A descriptor of store directory ``path``; the InputError :func:`read_header` gives
+    when it is none (missing, not a directory)."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:
+        read_header(path)                       # says why, in one line
+        raise InputError(f"cannot open the policy store's directory: {e.strerror}", where=str(path)) from None
+
+
+def _locked_error(path: Path, holder: dict) -> InputError:
+    """The busy error of the store at ``path`` whose lock ``holder`` (its record) holds."""
+    err = InputError(f"policy store {path} is locked by pid {holder.get('pid', '?')} on host "
+                     f"{holder.get('host', '?')} (another writer is running; retry when it ends)")
+    err.where = str(path)
+    return err
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -157,6 +177,12 @@ class PolicyStore:
 
     def __init__(self, path: str | os.PathLike, *, keep: int | None = None):
         self.path = as_path(path)
+        # the directory held open: its identity cannot be another's (a directory deleted and made again may reuse
+        # the inode number of a closed one), so replaced() tells a rebuilt store from this one
+        dir_fd = _open_dir(self.path)
+        self._close_dir = weakref.finalize(self, os.close, dir_fd)       # by close() or garbage collection
+        st = os.fstat(dir_fd)
+        self._identity = (st.st_dev, st.st_ino)
         self._header = read_header(self.path)
         self.meta: dict = self._header["meta"]
         stored = int(self._header.get("keep_versions", DEFAULT_KEEP))
@@ -164,7 +190,9 @@ class PolicyStore:
         cs = self._header.get("chunk_size")
         self.chunk_size: int | None = None if cs is None else int(cs)
         self.chunk_bytes: int = int(self._header.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
-        self._lock = WriterLock(self.path / LOCK_FILE, self._locked_error)
+        # not a bound method: the cycle store -> lock -> store kept every store (its index connection, its
+        # directory) for the cyclic garbage collector
+        self._lock = WriterLock(self.path / LOCK_FILE, functools.partial(_locked_error, self.path))
         self._index = IndexReader(self.path)
         self._shared = SharedParts(self.path / "shared", str(self.path))
 
@@ -241,11 +269,28 @@ class PolicyStore:
         ``keep``: a run refused later, for its input, must leave the store as it was)."""
         self._lock.check_free()
 
-    def _locked_error(self, holder: dict) -> InputError:
-        err = InputError(f"policy store {self.path} is locked by pid {holder.get('pid', '?')} on host "
-                         f"{holder.get('host', '?')} (another writer is running; retry when it ends)")
-        err.where = str(self.path)
-        return err
+    def replaced(self) -> bool:
+        """Whether :attr:`path` no longer names the directory this object opened: the store was
+        deleted and made again (docs/lifecycle.md: "delete the directory to start afresh"),
+        or another directory was renamed over it, or it is gone. One ``stat``. This object
+        holds its directory open until :meth:`close`, so a new directory cannot take its
+        inode number; after :meth:`close` it may, unseen."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._identity
+
+    def close(self) -> None:
+        """Release what this object holds open: its index connections (every thread's) and
+        its directory's descriptor. Idempotent. Not needed for correctness (garbage
+        collection releases them too), but a long-lived process that replaces its store
+        objects (:meth:`rmm_jax.online.serve.Reranker.refresh`) frees them at once. The
+        object stays usable: a later read reopens the index, so a thread still reading it
+        finishes its read (:meth:`replaced` can then no longer tell a rebuilt store)."""
+        old, self._index = self._index, IndexReader(self.path)
+        old._close()            # this thread's connection now; the other threads' go with `old` (no cycle holds it)
+        self._close_dir()
 
     def _repair(self) -> None:
         """Under the lock: no leftovers of killed writers, a usable index.sqlite (migrated
