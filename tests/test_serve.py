@@ -7,8 +7,11 @@ call is one error line naming file:line with nothing written.
 """
 from __future__ import annotations
 
+import collections
 import json
 import shutil
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -395,6 +398,98 @@ def test_a_reranker_opened_before_its_store_exists_serves_the_store_once_refresh
         rr.refresh()
     assert rr.store is None                              # still the identity of its dim
     assert Reranker.open(path, dim=8).policy("a").version == 1      # a store that exists: served at once
+
+
+class PausingDict(collections.OrderedDict):
+    """A cache that pauses a lookup in thread ``pause_in`` that finds its user, until ``go`` is set."""
+    pause_in: threading.Thread | None = None
+
+    def get(self, key, default=None):
+        got = super().get(key, default)
+        if got is not None and threading.current_thread() is self.pause_in:
+            self.paused.set()
+            self.go.wait(0.5)          # the other thread's call runs meanwhile (unless a lock holds it)
+        return got
+
+
+def test_threads_sharing_a_reranker_never_see_a_user_evicted_between_lookup_and_use(tmp_path):
+    # A Reranker shared by threads raised a bare KeyError (~1 run in 3 of the auditor's 8 threads): between
+    # `_cache.get` and `move_to_end` another thread evicted the user. A paused lookup makes the race certain.
+    policy_store(tmp_path / "pol", {"a": 1, "b": 2, "c": 3})
+    rr = Reranker.open(tmp_path / "pol", cache_users=2)
+    cache = rr._cache = PausingDict()
+    cache.paused, cache.go = threading.Event(), threading.Event()
+    rr.policy("a"), rr.policy("b")
+    errors = []
+
+    def serve_a():
+        try:
+            assert rr.policy("a").version == 1
+        except Exception as e:          # noqa: BLE001 - the test reports it
+            errors.append(e)
+    t = cache.pause_in = threading.Thread(target=serve_a)
+    t.start()
+    assert cache.paused.wait(5)
+    other = threading.Thread(target=rr.policy, args=("c",))     # evicts the least recently used user: "a"
+    other.start()
+    other.join(0.2)
+    cache.go.set()
+    t.join(5), other.join(5)
+    assert errors == [] and list(rr._cache) == ["a", "c"]
+
+    # and many threads at a tiny switch interval: every result the one a Reranker of its own gives
+    rr, alone = Reranker.open(tmp_path / "pol", cache_users=2), Reranker.open(tmp_path / "pol")
+    q, c = np.eye(8, dtype=np.float32)[:2], np.eye(8, dtype=np.float32)
+    want = {u: alone.rank(u, q, c, 3).selected.tolist() for u in "abc"}
+    wrong = []
+
+    def work(i):
+        try:
+            for j in range(200):
+                u = "abc"[(i + j) % 3]
+                if rr.rank(u, q, c, 3).selected.tolist() != want[u]:
+                    wrong.append(u)
+                if j % 50 == i:
+                    rr.refresh()
+        except Exception as e:          # noqa: BLE001 - the test reports it
+            wrong.append(repr(e))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []
+
+
+def test_a_refresh_during_a_load_keeps_the_old_store_s_policy_out_of_the_new_cache(tmp_path, monkeypatch):
+    # A thread loading a user from the store a concurrent refresh() replaced put that (old) policy into the new
+    # cache: the user was served yesterday's policy until evicted.
+    import rmm_jax.online.serve as serve_mod
+    st = policy_store(tmp_path / "pol", {"a": 1})
+    rr = Reranker.open(tmp_path / "pol")
+    loading, go = threading.Event(), threading.Event()
+    real = serve_mod.load_policy
+
+    def slow_load(*a, **kw):
+        got = real(*a, **kw)
+        if threading.current_thread() is not threading.main_thread():
+            loading.set()
+            go.wait(5)
+        return got
+    monkeypatch.setattr(serve_mod, "load_policy", slow_load)
+    served = []
+    t = threading.Thread(target=lambda: served.append(rr.policy("a").version))
+    t.start()
+    assert loading.wait(5)
+    save_seeds(st, {"a": 5})                           # the night's version 2
+    assert rr.refresh() is True
+    go.set()
+    t.join(5)
+    assert served == [1]                               # the call began before the refresh: the old store's
+    assert rr.policy("a").version == 2                 # ... but the cache holds the new store's
 
 
 def test_non_finite_embeddings_are_refused_naming_the_argument(env):
