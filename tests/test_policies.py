@@ -469,6 +469,46 @@ def _run_writer(path):
                           cwd=ROOT, env=SUBPROCESS_ENV, timeout=60)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_close_releases_the_store_and_a_dropped_store_needs_no_garbage_collector(tmp_path):
+    # A PolicyStore had no close() and a cycle (store -> its WriterLock -> the bound _locked_error): each store a
+    # long-lived Reranker replaced kept its SQLite descriptor and memory until the cyclic collector ran.
+    import gc
+    import weakref
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    save_seeds(new_store(tmp_path), {"a": 1})
+    gc.collect()
+    gc.disable()
+    try:
+        before = fds()
+        st = PolicyStore.open(tmp_path / "store")
+        assert st.users() == ["a"] and fds() > before
+        st.close()
+        st.close()                                        # idempotent
+        assert fds() == before
+        assert st.load("a").version == 1                  # still usable: the index is opened again
+        st.close()
+        assert fds() == before
+        gone = weakref.ref(PolicyStore.open(tmp_path / "store"))
+        assert gone() is None                             # freed when dropped: no cycle holds it
+        assert fds() == before
+    finally:
+        gc.enable()
+
+
+def test_replaced_tells_a_store_deleted_and_made_again(tmp_path):
+    # "delete the directory to start afresh": the new directory may get the deleted one's inode number; a store
+    # holds its directory open, so it cannot while the store is open
+    st = new_store(tmp_path)
+    assert st.replaced() is False
+    shutil.rmtree(st.path)
+    assert st.replaced() is True
+    new_store(tmp_path)
+    assert st.replaced() is True and PolicyStore.open(st.path).replaced() is False
+
+
 def test_second_writer_gets_lock_error_then_succeeds(tmp_path):
     st = new_store(tmp_path)
     with st.writer():
