@@ -21,6 +21,8 @@ again draws the same memories, whatever else is served with it.
 **No policy yet.** ``Reranker(None, dim=d)`` serves the identity reranker to everyone:
 its scores are exactly the retriever's cosine q·m, so a team can explore (and log
 propensities) from day one, and replaying that log from the identity policy is on-policy.
+``Reranker.open(path, dim=d)`` does so until the first night's store exists at ``path``, and
+serves that store from the :meth:`Reranker.refresh` that finds it.
 
 Examples:
   >>> import numpy as np, jax, rmm_jax as rj                                       # doctest: +SKIP
@@ -328,7 +330,7 @@ class Reranker:
         store there serves it from then on; a store of another dim is refused."""
         if dim is not None:
             check_int(dim, "dim", 1, shown=repr, where=True)
-            if not os.path.lexists(path):
+            if isinstance(path, (str, os.PathLike)) and not os.path.lexists(path):
                 rr = cls(None, cache_users=cache_users, dim=dim, compile_cache=compile_cache)
                 rr._path = path
                 return rr
