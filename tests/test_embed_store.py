@@ -218,6 +218,30 @@ def test_threads_that_ask_for_a_model_at_once_load_it_once(tmp_path, monkeypatch
     assert len(loads) == 1 and len(got) == 4 and all(m is got[0] for m in got)
 
 
+def test_a_model_once_loading_is_always_loading_or_kept(monkeypatch):
+    """A thread that asked between the end of a load and the model's keeping found neither
+    and loaded it again: each time the cache's lock is released, a model whose load has
+    begun is either still loading or kept."""
+    import threading
+    key, loads = ("loader", "path", "cpu"), []
+
+    class Spy:
+        lock = threading.Lock()
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            assert not loads or key in E._MODELS or key in E._LOADING, "neither loading nor kept"
+
+    monkeypatch.setattr(E, "_MODELS", type(E._MODELS)())
+    monkeypatch.setattr(E, "_LOADING", {})
+    monkeypatch.setattr(E, "_MODELS_LOCK", Spy())
+    model = E._shared_model(key, lambda: loads.append(1) or "model")
+    assert model == "model" and E._shared_model(key, lambda: loads.append(1) or "other") == "model" and loads == [1]
+
+
 def test_embedder_counts_the_texts_it_cuts(embedder):
     # A 12,929-character message was embedded from its first 256 word pieces, silently: a fact
     # at its end was not retrievable. The embedder counts the texts its model cut, by the

@@ -88,11 +88,13 @@ def _shared_model(key, load):
                 return _MODELS[key]
         try:
             model = load()
-        finally:
+        except BaseException:
             with _MODELS_LOCK:
                 _LOADING.pop(key, None)
-        with _MODELS_LOCK:
+            raise
+        with _MODELS_LOCK:          # kept and no longer loading in one step: a thread arriving finds it
             _MODELS[key] = model
+            _LOADING.pop(key, None)
             while len(_MODELS) > MODELS_KEPT:
                 _MODELS.popitem(last=False)
     return model
