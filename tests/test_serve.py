@@ -268,6 +268,12 @@ def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     ([Call(1, "user0")], 8, 3, "calls 0: needs a query_text, or a query_id of STORE"),
     ([Call(1, 0, query_text="hi")], 8, 3, "calls 0: user_id: expected a non-empty string, got int 0"),
     ([Call(1, "user0", call_id=7, query_text="hi")], 8, 3, "calls 0: call_id: expected a non-empty string, got int 7"),
+    # a text said twice was logged twice (read_calls keeps a file's repeated text once); a bad time went on the record
+    ([Call(1, "user0", query_text="hi", candidate_texts=("a", "a"))], 8, 3, "calls 0: candidate_texts: lists a text "
+                                                                           "twice"),
+    ([Call(1, "user0", query_text="hi", timestamp=float("nan"))], 8, 3, "calls 0: key 'timestamp'"),
+    ([Call(1, "user0", query_text="hi", timestamp=1735689600000)], 8, 3, "calls 0: key 'timestamp': its time "
+                                                                         "1735689600000"),
     ([Call(1, "user0", query_text="hi")], "8", 3, "k: must be an int >= 1, got str '8'"),
     ([Call(1, "user0", query_text="hi")], 8, 0, "m: must be an int >= 1, got int 0"),
 ])

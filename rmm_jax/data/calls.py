@@ -228,13 +228,15 @@ def _check_calls(calls, k, m) -> None:
     :class:`Call` (not one), each with a non-empty ``user_id``, a non-empty ``query_text``
     and/or ``query_id`` (``call_id`` None or non-empty), and ``candidates`` or
     ``candidate_texts`` (not both), each None or a non-empty list of non-empty strings (not
-    one string, whose letters were taken as ids), ids listed once; ``k`` and ``m`` ints >= 1."""
+    one string, whose letters were taken as ids), each id or text listed once, a ``timestamp``
+    as a log's (:func:`rmm_jax.data.citation_log.check_timestamp`); ``k`` and ``m`` ints >= 1."""
     if isinstance(calls, Call) or isinstance(calls, str) or not isinstance(calls, Sequence) or any(
             not isinstance(c, Call) for c in calls):
         got = "one Call (pass [call])" if isinstance(calls, Call) else short(calls)
         raise InputError(f"must be a list of Call (rmm_jax.data.calls.read_calls), got {got}", arg="calls")
     check_int(k, "k", 1)
     check_int(m, "m", 1)
+    now = time.time()                   # one clock read: no timestamp may lie a day after it
     for i, c in enumerate(calls):
         where = f"calls {i}"
         for field in ("user_id", "query_text", "query_id", "call_id"):
@@ -254,8 +256,11 @@ def _check_calls(calls, k, m) -> None:
             for x in v:
                 if not isinstance(x, str) or not x.strip():
                     raise InputError(f"{field}: expected non-empty strings, got {short(x)}", arg=where)
-            if field == "candidates" and len(set(v)) != len(v):
-                raise InputError(f"{field}: lists a candidate twice", arg=where)
+            if len(set(v)) != len(v):         # read_calls keeps a file's repeated text once; a Call says it once
+                raise InputError(f"{field}: lists a {'candidate' if field == 'candidates' else 'text'} twice",
+                                 arg=where)
+        if c.timestamp is not None:
+            check_timestamp(c.timestamp, where, now)
 
 
 def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None) -> list[Prepared]:
