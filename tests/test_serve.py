@@ -408,6 +408,30 @@ def test_a_reranker_opened_before_its_store_exists_serves_the_store_once_refresh
     assert Reranker.open(path, dim=8).policy("a").version == 1      # a store that exists: served at once
 
 
+def test_a_reranker_opened_on_an_empty_directory_serves_the_identity_until_the_store_is_made_in_it(tmp_path):
+    # A deploy that made the store's directory first (a volume) could not start: Reranker.open(path, dim=d) refused
+    # the empty directory ("not a policy store (no policy_store.json)"), though PolicyStore.create makes the store in
+    # it; and a directory made after start made every refresh() raise until the first replay.
+    path = tmp_path / "pol"
+    path.mkdir()
+    rr = Reranker.open(path, dim=8)
+    q, c = np.eye(8, dtype=np.float32)[0], np.eye(8, dtype=np.float32)[:3]
+    assert rr.store is None and rr.rank("a", q, c, 1).selected.tolist() == [[0]]
+    assert rr.refresh() is False
+    policy_store(path, {"a": 2})                        # the first night writes into the directory
+    assert rr.refresh() is True and rr.policy("a").version == 1
+    later = tmp_path / "later"
+    rr = Reranker.open(later, dim=8)
+    later.mkdir()                                       # the directory appears after the service started
+    assert rr.refresh() is False and rr.store is None
+    policy_store(later, {"a": 2})
+    assert rr.refresh() is True and rr.policy("a").version == 1
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("")
+    with pytest.raises(InputError, match="policy_store.json"):      # a directory holding something else: refused
+        Reranker.open(tmp_path / "junk", dim=8)
+
+
 class PausingDict(collections.OrderedDict):
     """A cache that pauses a lookup in thread ``pause_in`` that finds its user, until ``go`` is set."""
     pause_in: threading.Thread | None = None

@@ -326,11 +326,12 @@ class Reranker:
         """Serve the policy store at ``path`` (an ``InputError`` if there is none). With
         ``dim`` (the embedding dimension), a service may start before the first night's
         ``replay`` made the store: while none exists at ``path`` it serves the identity
-        reranker (as ``Reranker(None, dim=dim)``), and the :meth:`refresh` that finds the
-        store there serves it from then on; a store of another dim is refused."""
+        reranker (as ``Reranker(None, dim=dim)``; an empty directory, such as a volume made
+        for the store, is none yet), and the :meth:`refresh` that finds the store there serves
+        it from then on; a store of another dim is refused."""
         if dim is not None:
             check_int(dim, "dim", 1, shown=repr, where=True)
-            if isinstance(path, (str, os.PathLike)) and not os.path.lexists(path):
+            if isinstance(path, (str, os.PathLike)) and _no_store_yet(path):
                 rr = cls(None, cache_users=cache_users, dim=dim, compile_cache=compile_cache)
                 rr._path = path
                 return rr
@@ -350,7 +351,7 @@ class Reranker:
         with self._refreshing:
             old = self.store
             if old is None:
-                if self._path is None or not os.path.lexists(self._path):
+                if self._path is None or _no_store_yet(self._path):
                     return False
                 self._serve(PolicyStore.open(self._path, expect_dim=self.dim))
                 self._path = None
@@ -492,6 +493,19 @@ class Reranker:
         _check_scores(scores, mp[:n, :k])
         logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
         return Sample(np.asarray(sel[:n]), np.asarray(lp[:n], np.float64), logits, scores)
+
+
+def _no_store_yet(path) -> bool:
+    """Whether no policy store exists at ``path`` yet: nothing there, or an empty directory
+    (made before the first store, e.g. a mounted volume; :meth:`PolicyStore.create` makes
+    the store in it)."""
+    if not os.path.lexists(path):
+        return True
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:                 # a file, or unreadable: PolicyStore.open says what is wrong
+        return False
 
 
 class Served(NamedTuple):
