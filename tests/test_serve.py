@@ -524,6 +524,46 @@ def test_a_refresh_during_a_load_keeps_the_old_store_s_policy_out_of_the_new_cac
     assert rr.policy("a").version == 2                 # ... but the cache holds the new store's
 
 
+@pytest.mark.parametrize("explore", [False, True])
+def test_a_refresh_between_a_batch_s_lookup_and_its_draw_logs_the_policy_that_drew(tmp_path, monkeypatch, explore):
+    # serve_calls looked the policy up for the record (policy_version, served_by) and rank/sample looked it up again
+    # for the draw: a refresh() in between (here the identity-to-store switch, then a night's new version) logged
+    # "identity" (or version 1) for scores and log_prob that the store's policy (or version 2) gave.
+    from rmm_jax.data.calls import Call, Prepared
+    from rmm_jax.online.serve import serve_calls
+    path = tmp_path / "pol"
+    rr = Reranker.open(path, dim=8)
+    q, c = np.eye(8, dtype=np.float32)[0], np.eye(8, dtype=np.float32)[:3] + 0.1
+    calls = [Prepared(Call(1, "a", call_id="c1"), q, c, ["m1", "m2", "m3"], None)]
+    real = rr._padded
+    night = []
+
+    def refreshing_padded(*a, **kw):           # the inputs are checked after the lookup: a refresh lands then
+        if night:
+            night.pop()()
+            assert rr.refresh() is True
+        return real(*a, **kw)
+    monkeypatch.setattr(rr, "_padded", refreshing_padded)
+
+    def serve(reranker):
+        [[got]] = serve_calls(reranker, calls, 2, explore=explore, seed=3, tau=0.5, now=0)
+        return got, (got.record.log_prob, got.record.logits) if explore else got.scores
+
+    identity = serve(Reranker(None, dim=8))[1]
+    night.append(lambda: policy_store(path, {"a": 2}))
+    got, drawn = serve(rr)
+    assert (got.served_by, got.record.policy_version, drawn) == ("identity", None, identity)
+    version1 = serve(Reranker.open(path))[1]
+    assert version1 != identity
+    st = PolicyStore.open(path)
+    night.append(lambda: save_seeds(st, {"a": 5}))
+    got, drawn = serve(rr)
+    assert (got.served_by, got.record.policy_version, drawn) == ("own_policy", 1, version1)
+    got, drawn = serve(rr)                      # the next batch: the refreshed store's version
+    assert got.record.policy_version == 2 and drawn == serve(Reranker.open(path))[1] != version1
+    st.close()
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
 def test_refresh_leaves_no_store_open_behind(tmp_path):
     # Every refresh() opened a PolicyStore (changed or not) and left the old one, its SQLite descriptor and memory,

@@ -289,7 +289,8 @@ class Reranker:
     :meth:`sample` and :meth:`refresh` may run at once (the cache of users' policies is
     kept under a lock; a user's policy is read from disk and put on the device outside it).
     A call that began before a :meth:`refresh` that changed the store may still be served
-    from the old store; nothing loaded from the old store enters the new store's cache."""
+    from the old store; nothing loaded from the old store enters the new store's cache, and
+    :func:`serve_calls` draws and logs each batch with the one policy it looked up."""
 
     def __init__(self, store: PolicyStore | None, *, cache_users: int = DEFAULT_CACHE_USERS, dim: int | None = None,
                  compile_cache: bool = True):
@@ -366,16 +367,24 @@ class Reranker:
         """The policy ``user_id`` is served (cached; :meth:`refresh` drops the cache when the
         store changes). ``user_id`` is a str, as the store and :func:`call_keys` hold it: an int
         id was looked up as given and never found the user's policy (``7`` is not ``"7"``)."""
+        return self._served(user_id)[0]
+
+    def _served(self, user_id: str) -> tuple[Policy, str, float]:
+        """:meth:`policy` with who serves it (``identity``, ``shared`` or ``own_policy``, as
+        :class:`Served` names it) and the store's :attr:`tau`, read together: one snapshot
+        that a concurrent :meth:`refresh` cannot split, so a draw and its log record name
+        the policy that drew it."""
         if not isinstance(user_id, str):
             raise InputError(f"must be a str, got {checks.short(user_id)}", where="user_id")
         with self._lock:
+            tau = self.tau
             if self._identity is not None:
-                return self._identity
+                return self._identity, "identity", tau
             cache, shared, store = self._cache, self._shared, self.store
             got = cache.get(user_id)
             if got is not None:
                 cache.move_to_end(user_id)
-                return got
+                return got, _who(got), tau
         # read and put on the device outside the lock; into the cache of the store it came from
         got = load_policy(store, user_id, shared_params=functools.partial(self._shared_params, store, shared))
         with self._lock:
@@ -384,7 +393,7 @@ class Reranker:
                 cache.move_to_end(user_id)
                 while len(cache) > self.cache_users:
                     cache.popitem(last=False)
-        return got
+        return got, _who(got), tau
 
     def _shared_params(self, store: PolicyStore, shared: collections.OrderedDict, version: int | None
                        ) -> tuple[Any, int]:
@@ -448,8 +457,12 @@ class Reranker:
         (n, K, d), both floating-point (an int or bool embedding is refused); ``mask`` (K,)
         or (n, K) bool, False at padding. Shapes are padded to buckets, so batches of nearby
         sizes share one compiled program."""
-        n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
-        sel, scores = jax.device_get(_rank(self.policy(user_id).params, qp, cp, mp, m=int(m)))
+        padded = self._padded(query_emb, candidate_embs, m, mask)
+        return self._top(self.policy(user_id), m, *padded)
+
+    def _top(self, policy: Policy, m: int, n, k, qp, cp, mp) -> Ranking:
+        """:meth:`rank` with ``policy``, of inputs :meth:`_padded` checked."""
+        sel, scores = jax.device_get(_rank(policy.params, qp, cp, mp, m=int(m)))
         _check_scores(scores[:n, :k], mp[:n, :k])
         return Ranking(np.asarray(sel[:n]), np.asarray(scores[:n, :k]))
 
@@ -469,12 +482,19 @@ class Reranker:
         >>> got.selected.shape, bool(np.allclose(got.logits, [[1.0, 0.0, 0.6]]))
         ((1, 2), True)
         """
-        tau = self.tau if tau is None else tau
-        try:
-            checks.check_tau(tau)
-        except ValueError as e:
-            raise InputError(str(e).partition(": ")[2], where="tau") from None
-        tau = float(tau)
+        tau, inputs = self._draw_inputs(query_emb, candidate_embs, m, keys, tau, mask)
+        policy, _, store_tau = self._served(user_id)
+        return self._draw(policy, store_tau if tau is None else tau, m, *inputs)
+
+    def _draw_inputs(self, query_emb, candidate_embs, m, keys, tau, mask) -> tuple[float | None, tuple]:
+        """:meth:`sample`'s inputs checked: ``tau`` (None: the store's, left to the caller's
+        snapshot) and ``(n, K, q, cands, mask, keys)`` padded to buckets."""
+        if tau is not None:
+            try:
+                checks.check_tau(tau)
+            except ValueError as e:
+                raise InputError(str(e).partition(": ")[2], where="tau") from None
+            tau = float(tau)
         n, k, qp, cp, mp = self._padded(query_emb, candidate_embs, m, mask)
         try:
             keys = keys if isinstance(keys, jax.Array) else jnp.asarray(keys)
@@ -488,11 +508,21 @@ class Reranker:
         data = np.asarray(jax.random.key_data(keys))        # padded on the host: eager pads are programs
         data = np.concatenate([data, np.repeat(data[:1], qp.shape[0] - n, axis=0)])
         keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
-        sel, lp, scores = jax.device_get(_sample(self.policy(user_id).params, qp, cp, mp, keys, tau, m=int(m)))
+        return tau, (n, k, qp, cp, mp, keys)
+
+    def _draw(self, policy: Policy, tau: float, m: int, n, k, qp, cp, mp, keys) -> Sample:
+        """:meth:`sample` with ``policy`` at ``tau``, of inputs :meth:`_draw_inputs` checked."""
+        tau = float(tau)
+        sel, lp, scores = jax.device_get(_sample(policy.params, qp, cp, mp, keys, tau, m=int(m)))
         scores = np.asarray(scores[:n, :k])
         _check_scores(scores, mp[:n, :k])
         logits = np.where(mp[:n, :k], scores / np.float32(tau), 0.0).astype(np.float32)
         return Sample(np.asarray(sel[:n]), np.asarray(lp[:n], np.float64), logits, scores)
+
+
+def _who(policy: Policy) -> str:
+    """Who serves a policy loaded from a store, as :class:`Served` names it."""
+    return "shared" if policy.version is None else "own_policy"
 
 
 def _no_store_yet(path) -> bool:
@@ -588,15 +618,17 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
         mm = min(m, n)                    # a call with fewer candidates than m shows all of them
         q = np.stack([prepared_calls[i].query for i in rows])
         cands = np.stack([prepared_calls[i].cands for i in rows])
-        pol = reranker.policy(uid)
-        who = "identity" if reranker.store is None else "shared" if pol.version is None else "own_policy"
+        # one snapshot per batch: a refresh() meanwhile must not draw with one policy and log another
+        pol, who, store_tau = reranker._served(uid)
         if explore:
             keys = call_keys(seed, uid, [call_key(prepared_calls[i].call) for i in rows])
-            got = reranker.sample(uid, q, cands, mm, keys=keys, tau=tau)
+            given, inputs = reranker._draw_inputs(q, cands, mm, keys, tau, None)
+            drew_at = store_tau if given is None else given
+            got = reranker._draw(pol, drew_at, mm, *inputs)
             if n > mm:
                 drawn.append((np.asarray(got.log_prob, np.float64), np.abs(got.logits).max()))   # masked: 0
         else:
-            got = reranker.rank(uid, q, cands, mm)
+            got = reranker._top(pol, mm, *reranker._padded(q, cands, mm, None))
         batch = []
         for r, i in enumerate(rows):
             pos = [int(x) for x in got.selected[r] if x >= 0]
@@ -606,7 +638,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
                          Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
         yield batch
     if sum(len(lp) for lp, _ in drawn) >= EXPLORATION_CALLS:
-        _warn_if_not_exploring(drawn, m, reranker.tau if tau is None else tau)
+        _warn_if_not_exploring(drawn, m, drew_at)
 
 
 def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
