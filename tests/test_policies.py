@@ -491,11 +491,73 @@ def test_close_releases_the_store_and_a_dropped_store_needs_no_garbage_collector
         assert st.load("a").version == 1                  # still usable: the index is opened again
         st.close()
         assert fds() == before
-        gone = weakref.ref(PolicyStore.open(tmp_path / "store"))
+        dropped = PolicyStore.open(tmp_path / "store")
+        assert dropped.newest_version() == 1 and fds() > before   # it has read: its index connection is open
+        gone = weakref.ref(dropped)
+        del dropped
         assert gone() is None                             # freed when dropped: no cycle holds it
+        assert fds() == before                            # and so is its connection (sqlite3's own cycle aside)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_stores_that_read_and_are_dropped_leave_no_descriptors_without_the_garbage_collector(tmp_path):
+    # An sqlite3.Connection is in a reference cycle with its statement cache (Python 3.11): a dropped store that
+    # had read kept its index.sqlite descriptor until the cyclic collector ran, one per store, per thread.
+    import gc
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    save_seeds(new_store(tmp_path), {"a": 1})
+    path = tmp_path / "store"
+    gc.collect()
+    gc.disable()
+    try:
+        PolicyStore.open(path).newest_version()           # warm up whatever imports/caches open once
+        before = fds()
+        for _ in range(20):
+            assert PolicyStore.open(path).newest_version() == 1
+        for _ in range(20):
+            assert PolicyStore.open(path).load("a").version == 1
+        for _ in range(5):
+            with PolicyStore.open(path).writer():
+                pass
         assert fds() == before
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_close_closes_the_index_connections_other_threads_opened(tmp_path):
+    # close() closed only the calling thread's connection; the other threads' stayed open until collected.
+    import threading
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    save_seeds(new_store(tmp_path), {"a": 1})
+    st = PolicyStore.open(tmp_path / "store")
+    before = fds()
+    go, done = threading.Event(), []
+
+    def reader():
+        done.append(st.newest_version())
+        go.wait(10)                                       # alive (its connection held) while the main thread closes
+        done.append(st.load("a").version)                 # still usable afterwards: opened again
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    while len(done) < 3:
+        time.sleep(0.01)
+    assert fds() == before + 3
+    st.close()
+    assert fds() == before - 1                            # every thread's connection and the directory's descriptor
+    go.set()
+    for t in threads:
+        t.join()
+    assert done == [1, 1, 1, 1, 1, 1]
+    st.close()
+    assert fds() == before - 1
 
 
 def test_replaced_tells_a_store_deleted_and_made_again(tmp_path):

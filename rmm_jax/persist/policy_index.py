@@ -116,15 +116,17 @@ class PolicyIndex:
     # ---- open / create / build
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, readonly: bool = True) -> "PolicyIndex":
+    def open(cls, path: str | os.PathLike, *, readonly: bool = True, any_thread: bool = False) -> "PolicyIndex":
         """Open an existing index file; :class:`IndexUnavailable` if it is missing, not
-        an index of this schema, or cannot be opened."""
+        an index of this schema, or cannot be opened. ``any_thread``: another thread may use
+        or close it (the caller makes sure no two threads use it at once)."""
         path = Path(path)
         if not path.is_file():
             raise IndexUnavailable(f"{path}: missing")
         uri = path.resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
         try:
-            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                   check_same_thread=not any_thread)
         except sqlite3.Error as e:
             raise IndexUnavailable(f"{path}: cannot open ({e})") from None
         idx = cls(conn, str(path))

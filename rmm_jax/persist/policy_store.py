@@ -289,7 +289,7 @@ class PolicyStore:
         object stays usable: a later read reopens the index, so a thread still reading it
         finishes its read (:meth:`replaced` can then no longer tell a rebuilt store)."""
         old, self._index = self._index, IndexReader(self.path)
-        old._close()            # this thread's connection now; the other threads' go with `old` (no cycle holds it)
+        old.close()             # every thread's connection (one mid-query finishes it first)
         self._close_dir()
 
     def _repair(self) -> None:

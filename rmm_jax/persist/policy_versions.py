@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import threading
+import weakref
 from pathlib import Path
 
 from rmm_jax.errors import InputError
@@ -47,6 +48,35 @@ def build_index(store: Path, header: dict, keep: int, path: Path | None) -> Poli
     return PolicyIndex.build(path, snapshot_records(store / "gens"), keep=keep, next_version=top)
 
 
+class _Connection:
+    """One thread's read-only connection to index.sqlite. Its thread uses it under
+    :attr:`lock`; any thread may :meth:`close` it (under the same lock, so never mid-query)."""
+
+    def __init__(self, key: tuple, idx: PolicyIndex):
+        self.key, self.idx, self.closed = key, idx, False
+        self.lock = threading.RLock()
+        self.owner = weakref.ref(threading.current_thread())
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.idx.close()
+
+    def orphaned(self) -> bool:
+        """Whether the thread that opened it has ended (nothing will use it again)."""
+        owner = self.owner()
+        return owner is None or not owner.is_alive()
+
+
+def _close_all(conns: list, lock: threading.Lock) -> None:
+    """Close every connection in ``conns`` (a reader's record) and forget them."""
+    with lock:
+        taken, conns[:] = list(conns), []
+    for c in taken:
+        c.close()
+
+
 class IndexReader:
     """Read-only queries on a store's index; an index rebuilt in memory while the file is
     missing or corrupt, cached until the snapshots or ``index.json`` change.
@@ -54,17 +84,28 @@ class IndexReader:
     The read-only connection stays open between queries (opening one costs more than an
     indexed lookup), one per thread, for as long as the file is the same file: a rebuild
     replaces it under a new inode, and the next query opens that. An open connection
-    sees every commit (SQLite checks at the start of each read)."""
+    sees every commit (SQLite checks at the start of each read). The reader records every
+    connection it opens: :meth:`close` closes them all, whichever thread opened them, and so
+    does dropping the reader (a finalizer: an ``sqlite3.Connection`` sits in a reference
+    cycle with its statement cache, so without it only the cyclic collector would)."""
 
     def __init__(self, store: Path):
         self.store = store
         self._fallback: tuple[object, PolicyIndex] | None = None
         self._open = threading.local()
+        self._conns: list[_Connection] = []
+        self._conns_lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._conns, self._conns_lock)
 
     def query(self, fn, header: dict, keep: int):
         """``fn(index)`` on index.sqlite, or on the in-memory rebuild."""
         try:
-            return fn(self._connection())
+            while True:
+                conn = self._connection()
+                with conn.lock:
+                    if not conn.closed:
+                        return fn(conn.idx)
+                # closed by close() from another thread meanwhile: open it again
         except IndexUnavailable:
             self._close()
             if not self.store.is_dir():     # was answered from no snapshots: "no saved policy ... (known users: 0)"
@@ -72,25 +113,39 @@ class IndexReader:
                                  where=str(self.store)) from None
             return fn(self._rebuilt(header, keep))
 
-    def _connection(self) -> PolicyIndex:
+    def close(self) -> None:
+        """Close every thread's connection (a thread mid-query finishes it first). Idempotent;
+        the reader stays usable: a later query opens a connection again."""
+        _close_all(self._conns, self._conns_lock)
+
+    def _connection(self) -> _Connection:
         path = self.store / INDEX_DB
         try:
             st = path.stat()
         except OSError:
             raise IndexUnavailable(f"{path}: missing") from None
         held = getattr(self._open, "held", None)
-        if held is not None and held[0] == (st.st_dev, st.st_ino):
-            return held[1]
+        if held is not None and not held.closed and held.key == (st.st_dev, st.st_ino):
+            return held
         self._close()
-        idx = PolicyIndex.open(path)
-        self._open.held = ((st.st_dev, st.st_ino), idx)
-        return idx
+        conn = _Connection((st.st_dev, st.st_ino), PolicyIndex.open(path, any_thread=True))
+        with self._conns_lock:
+            ended = [c for c in self._conns if c.orphaned()]
+            self._conns[:] = [c for c in self._conns if c not in ended] + [conn]
+        for c in ended:
+            c.close()
+        self._open.held = conn
+        return conn
 
     def _close(self) -> None:
+        """Close this thread's connection."""
         held = getattr(self._open, "held", None)
         if held is not None:
-            held[1].close()
             self._open.held = None
+            with self._conns_lock:
+                if held in self._conns:
+                    self._conns.remove(held)
+            held.close()
 
     def _rebuilt(self, header: dict, keep: int) -> PolicyIndex:
         gens = self.store / "gens"
