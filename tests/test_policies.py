@@ -860,3 +860,52 @@ def test_cli_export_refuses_a_path_in_the_store_and_a_missing_version_in_one_lin
         assert not out.exists()
     assert (st.path / "policy_store.json").read_bytes() == meta
     assert PolicyStore.open(st.path).load("alice").version == 1
+
+
+def test_shared_parts_get_is_safe_from_many_threads(tmp_path, monkeypatch):
+    # SharedParts.get looked a version up, then reordered/returned it from its LRU: another thread evicting it in
+    # between raised KeyError (the Reranker held its global lock around every shared read to avoid that).
+    import collections
+    import threading
+
+    from rmm_jax.persist import policy_shared
+
+    def restore(path):
+        time.sleep(0)                                     # a thread switch where the disk read would be
+        return {"params": path.name}, {}
+    monkeypatch.setattr(policy_shared, "restore_shared", restore)
+    monkeypatch.setattr(policy_shared, "_read_only", lambda state: state)
+    monkeypatch.setattr(policy_shared, "SHARED_CACHE", 1)
+
+    class Slow(collections.OrderedDict):                  # widens the window between a lookup and its use
+        def __contains__(self, key):
+            found = super().__contains__(key)
+            time.sleep(0.0005)
+            return found
+
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            time.sleep(0.0005)
+            return found
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    parts = policy_shared.SharedParts(tmp_path, "store")
+    parts._restored = Slow()
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(300):
+                v = 1 + (i // 2 + k) % 2
+                assert parts.get(v).version == v
+        except Exception as e:  # noqa: BLE001 - any failure in a thread fails the test
+            errors.append(e)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -399,8 +399,8 @@ class Reranker:
                        ) -> tuple[Any, int]:
         """Shared ``version`` of ``store`` (None: the newest that loads) on the device, once per
         version (``shared``: the device copies of ``store``'s)."""
-        with self._lock:       # the store's shared-part cache is not thread-safe
-            got = store.shared_state(version)
+        got = store.shared_state(version)     # outside the lock: its cache is thread-safe, a read may take a while
+        with self._lock:
             params = shared.get(got.version)
             if params is not None:
                 shared.move_to_end(got.version)

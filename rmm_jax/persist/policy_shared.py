@@ -9,6 +9,7 @@ ones no kept user version references, :func:`rmm_jax.persist.policy_versions.pru
 from __future__ import annotations
 
 import collections
+import threading
 import warnings
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class SharedParts:
         self._restored: collections.OrderedDict[int, SavedShared] = collections.OrderedDict()
         self._checked: dict[int, str | None] = {}
         self._online: dict[int, bool] = {}
+        self._lock = threading.Lock()       # around _restored: get() may be called from several threads
 
     def versions(self) -> list[int]:
         """Shared versions on disk, ascending (whether they load or not)."""
@@ -76,19 +78,26 @@ class SharedParts:
         return version
 
     def get(self, version: int) -> SavedShared | str:
-        """Shared ``version`` restored, or why it does not load (cached)."""
-        if version in self._restored:
-            self._restored.move_to_end(version)
-            return self._restored[version]
+        """Shared ``version`` restored, or why it does not load (cached). Thread-safe: the
+        cache is used under a small lock, the disk read outside it (two threads may both
+        read a version; both get the one object cached first)."""
+        with self._lock:
+            hit = self._restored.get(version)
+            if hit is not None:
+                self._restored.move_to_end(version)
+                return hit
         got = restore_shared(self.root / vname(version))
         if isinstance(got, str):
             self._checked[version] = problem(got)
             return got
-        self._checked[version] = None
-        self._restored[version] = SavedShared(_read_only(got[0]), got[1], version)
-        while len(self._restored) > SHARED_CACHE:
-            self._restored.popitem(last=False)
-        return self._restored[version]
+        saved = SavedShared(_read_only(got[0]), got[1], version)
+        with self._lock:
+            self._checked[version] = None
+            saved = self._restored.setdefault(version, saved)
+            self._restored.move_to_end(version)
+            while len(self._restored) > SHARED_CACHE:
+                self._restored.popitem(last=False)
+        return saved
 
     def online(self, version: int) -> bool | None:
         """Whether an online run saved shared ``version`` (its info says ``source: online``),
