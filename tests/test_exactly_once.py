@@ -224,17 +224,22 @@ def test_a_call_learned_with_other_content_is_one_line_with_k_and_m_from_the_log
     """Left to the log (the docs' way), --k and --m came with a note (as a new question's text
     came with an 'embedded' line) printed before the exactly-once check refused the rewritten
     call: two lines on stderr for one bad input."""
-    log = write(tmp_path / "day.jsonl", logged)
-    assert replay(capsys, store, log, tmp_path / "p")[0] == 0
-    edited = [dict(r) for r in logged]
-    edited[5]["cited"] = [] if edited[5]["cited"] else edited[5]["selected"][:1]
-    write(log, edited)
+    log = learned_then_edited(capsys, tmp_path, store, logged)
     before = states(tmp_path / "p")
     run = [a for i, a in enumerate(RUN) if RUN[i] not in ("--k", "--m") and RUN[i - 1] not in ("--k", "--m")]
     code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p", *run)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: {log}:6: user {logged[5]['user_id']!r}: this call was learned with other content")
     assert_same(before, states(tmp_path / "p"))
+
+
+def learned_then_edited(capsys, tmp_path, store, logged):
+    """A day's log replayed into tmp_path/p, then rewritten: its 6th call cites otherwise."""
+    log = write(tmp_path / "day.jsonl", logged)
+    assert replay(capsys, store, log, tmp_path / "p")[0] == 0
+    edited = [dict(r) for r in logged]
+    edited[5]["cited"] = [] if edited[5]["cited"] else edited[5]["selected"][:1]
+    return write(log, edited)
 
 
 @pytest.mark.parametrize("keep", ["1", "7"])
@@ -244,11 +249,7 @@ def test_a_replay_refused_for_its_log_leaves_the_store_byte_identical_whatever_i
     writer lock to say it was busy before any note recorded --keep in the store's header (3 -> 1
     or 7), so the next night, without --keep, pruned versions `policies rollback` needed. The
     refused run now only probes the lock: every file of the store is as it was."""
-    log = write(tmp_path / "day.jsonl", logged)
-    assert replay(capsys, store, log, tmp_path / "p")[0] == 0
-    edited = [dict(r) for r in logged]
-    edited[5]["cited"] = [] if edited[5]["cited"] else edited[5]["selected"][:1]
-    write(log, edited)
+    log = learned_then_edited(capsys, tmp_path, store, logged)
     before = tree(tmp_path / "p")
     code, _, err = replay(capsys, store, log, tmp_path / "p", "--keep", keep)
     assert code == 2 and "this call was learned with other content" in err, err

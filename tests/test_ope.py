@@ -310,6 +310,26 @@ def test_bootstrap_interval_ess_and_clip_counts():
 TAU, KK, MM = 0.1, 6, 2
 
 
+def drawn_records(st, rng, logits, cited) -> list[dict]:
+    """A log record per question of ``st``'s users: MM of its KK candidates drawn by Gumbel
+    top-MM at ``logits(user, t, cand)`` (float64, one per candidate), with those logits and the
+    draw's log_prob; it cites ``cited(user, t, shown)`` (memory rows, after the draw's noise)."""
+    records = []
+    for uid in st.user_ids:
+        u = st.user(uid)
+        s = stream_from_user(u, KK)
+        for t, qid in enumerate(u.query_ids):
+            cand = [int(j) for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
+            z = logits(u, t, cand)
+            order = [int(p) for p in np.argsort(-(z + rng.gumbel(size=len(z))))[:MM]]
+            shown = [cand[p] for p in order]
+            records.append({"user_id": uid, "query_id": qid, "candidates": [u.memory_ids[j] for j in cand],
+                            "selected": [u.memory_ids[j] for j in shown],
+                            "cited": [u.memory_ids[j] for j in cited(u, t, shown)],
+                            "logits": [float(x) for x in z], "log_prob": pl_log_prob(z, order)})
+    return records
+
+
 @pytest.fixture(scope="module")
 def ope_env(tmp_path_factory):
     """A fake store, an identity policy store, and a log drawn by the identity reranker at TAU
@@ -321,20 +341,8 @@ def ope_env(tmp_path_factory):
     PolicyStore.create(pol, {"kind": "linear", "dim": 16, "hidden": None,
                              "config": {"pretrained": False, "model": st.model}}, init_reranker(jax.random.key(0), 16))
     rng = np.random.default_rng(0)
-    records = []
-    for uid in st.user_ids:
-        u = st.user(uid)
-        s = stream_from_user(u, KK)
-        for t, qid in enumerate(u.query_ids):
-            cand = [int(j) for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
-            z = (u.memory_emb[cand] @ u.query_emb[t]) / TAU
-            order = [int(p) for p in np.argsort(-(z + rng.gumbel(size=len(z))))[:MM]]
-            gold = set(np.flatnonzero(u.gold[t]).tolist())
-            shown = [cand[p] for p in order]
-            records.append({"user_id": uid, "query_id": qid, "candidates": [u.memory_ids[j] for j in cand],
-                            "selected": [u.memory_ids[j] for j in shown],
-                            "cited": [u.memory_ids[j] for j in shown if j in gold or rng.uniform() < 0.1],
-                            "logits": [float(x) for x in z], "log_prob": pl_log_prob(z, order)})
+    records = drawn_records(st, rng, lambda u, t, cand: (u.memory_emb[cand] @ u.query_emb[t]) / TAU,
+                            lambda u, t, shown: [j for j in shown if u.gold[t][j] or rng.uniform() < 0.1])
     log = root / "log.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     return {"root": root, "store": store, "pol": pol, "log": log, "records": records, "users": st.user_ids}
@@ -561,18 +569,9 @@ def test_large_learned_weights_a_log_of_another_version_is_not_called_rounding(c
     pol = tmp_path / "pol"
     PolicyStore.create(pol, {"kind": "linear", "dim": dim, "hidden": None,
                              "config": {"pretrained": False, "model": st.model}}, params(a, b))   # loads (None, 1)
-    records = []
-    for uid in st.user_ids:
-        u = st.user(uid)
-        s = stream_from_user(u, KK)
-        for t, qid in enumerate(u.query_ids):
-            cand = [int(j) for j, ok in zip(s.cand[t], s.cand_mask[t]) if ok]
-            z = np.asarray(score(logger, u.query_emb[t], u.memory_emb[cand]), np.float64) / TAU
-            order = [int(p) for p in np.argsort(-(z + rng.gumbel(size=len(z))))[:MM]]
-            records.append({"user_id": uid, "query_id": qid, "candidates": [u.memory_ids[j] for j in cand],
-                            "selected": [u.memory_ids[cand[p]] for p in order], "cited": [u.memory_ids[cand[order[0]]]],
-                            "logits": [float(x) for x in z], "log_prob": pl_log_prob(z, order),
-                            "policy_version": None, "shared_version": 2})
+    records = [{**r, "policy_version": None, "shared_version": 2} for r in drawn_records(
+        st, rng, lambda u, t, cand: np.asarray(score(logger, u.query_emb[t], u.memory_emb[cand]), np.float64) / TAU,
+        lambda u, t, shown: shown[:1])]
     env = {"store": store, "pol": pol}
     for name, rows in [("versions", records),
                        ("no versions", [{k: v for k, v in r.items() if not k.endswith("_version")} for r in records])]:
