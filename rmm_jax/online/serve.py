@@ -644,13 +644,12 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
 def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
     """An :class:`ExplorationWarning` (one per call of :func:`serve_calls` that drew at least
     :data:`EXPLORATION_CALLS` times, when its generator is exhausted) when the median of the
-    draws' probabilities is at least
-    :data:`NO_EXPLORATION`: the logits s/τ lie so far apart (the policies' scores have grown,
-    or τ is small) that the Gumbel top-M shows the same memories, in the same order, more
-    often than not, so the
-    next log labels little beyond the policy's own choice and ``evaluate`` can judge little
-    else (docs/lifecycle.md, "When the draw stops exploring"). ``drawn``: per batch, the
-    draws' log-probabilities and the batch's largest |logit|."""
+    draws' probabilities is at least :data:`NO_EXPLORATION`: the logits s/τ lie so far apart
+    (the policies' scores have grown, or τ is small) that the Gumbel top-M shows the same
+    memories, in the same order, more often than not, so the next log labels little beyond
+    the policy's own choice and ``evaluate`` can judge little else (docs/lifecycle.md, "When
+    the draw stops exploring"). ``drawn``: per batch, the draws' log-probabilities and the
+    batch's largest |logit|; ``tau``: the temperature they were drawn at."""
     log_p = np.concatenate([lp for lp, _ in drawn])
     p = math.exp(float(np.median(log_p)))
     if p >= NO_EXPLORATION:
