@@ -325,7 +325,7 @@ def being_replaced(target: str | os.PathLike) -> bool:
     except OSError:
         return False
     prefix = f".{target.name}.old-"
-    return any(n.startswith(prefix) and n[len(prefix):].isdigit() and _alive(int(n[len(prefix):])) for n in names)
+    return any(n.startswith(prefix) and n[len(prefix):].isdigit() and pid_alive(int(n[len(prefix):])) for n in names)
 
 
 @functools.cache
@@ -339,9 +339,10 @@ def _owner_prefix(target: Path, pid: int | None = None) -> str:
     return f".{target.name}.tmp-{os.getpid() if pid is None else pid}@{_host_tag()}-"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs on this host: a zombie (killed, not yet reaped, as under
-    an init that reaps nothing) does not."""
+    an init that reaps nothing) does not. The one liveness probe of :mod:`rmm_jax.persist`
+    (:func:`rmm_jax.persist.lock.live_holder` uses it where ``flock`` cannot be queried)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -372,7 +373,7 @@ def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
         return removed
     for p in names:
         pid, sep, rest = p.name.partition(".tmp-")[2].partition(tail)
-        if not sep or not rest or not pid.isdigit() or int(pid) <= 0 or _alive(int(pid)):
+        if not sep or not rest or not pid.isdigit() or int(pid) <= 0 or pid_alive(int(pid)):
             continue
         if p.is_file() and not p.is_symlink():
             with contextlib.suppress(FileNotFoundError):

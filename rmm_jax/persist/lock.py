@@ -35,6 +35,7 @@ from typing import Callable
 import filelock
 
 from rmm_jax.errors import Busy, InputError
+from rmm_jax.persist.atomic import pid_alive
 
 try:
     import fcntl
@@ -61,18 +62,6 @@ def _read_record(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return rec if isinstance(rec, dict) else {}
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:         # another user's process
-        return True
-    return True
 
 
 def held(path: str | os.PathLike) -> bool | None:
@@ -112,7 +101,8 @@ def live_holder(path: str | os.PathLike) -> dict | None:
     now = held(path)
     if now is not None:
         return rec if now else None
-    if rec.get("host") == socket.gethostname() and not _alive(rec["pid"]):
+    pid = rec["pid"]
+    if rec.get("host") == socket.gethostname() and not (isinstance(pid, int) and pid > 0 and pid_alive(pid)):
         return None
     return rec
 
