@@ -26,23 +26,19 @@ def listing(idx: PolicyIndex, gens: Path,
     ones of ``users`` (in that order); the info is the newest version's (unverified). Each
     chunk.json is read once."""
     metas: dict[tuple[int, int], list | None] = {}
-
-    def info_of(e: Entry) -> dict:
-        return entry_info(gens, e, metas)
-
     if users is not None:
         found = idx.entries(users)
-        yield from ((u, found[u], info_of(found[u][-1])) for u in users if found[u])
+        yield from ((u, found[u], entry_info(gens, found[u][-1], metas)) for u in users if found[u])
         return
     user, entries = None, []
     for uid, e in idx.all_entries():
         if uid != user and entries:
-            yield user, entries, info_of(entries[-1])
+            yield user, entries, entry_info(gens, entries[-1], metas)
             entries = []
         user = uid
         entries.append(e)
     if entries:
-        yield user, entries, info_of(entries[-1])
+        yield user, entries, entry_info(gens, entries[-1], metas)
 
 
 def entry_info(gens: Path, e: Entry, metas: dict | None = None) -> dict:
