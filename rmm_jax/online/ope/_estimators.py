@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from rmm_jax.core import checks
-from rmm_jax.errors import InputError
+from rmm_jax.errors import InputError, check_int
 
 ESTIMATORS = ("ips", "snips", "rips", "snrips", "iips")
 SLATE_ONLY = ("ips", "snips")        # need only the behaviour's log-probability of the whole selection
@@ -117,10 +117,8 @@ def _check_estimate_args(name, weights, rewards, *, clip, bootstrap, seed, level
         raise InputError("contains NaN or Inf", arg="rewards")
     if clip is not None and not (checks.is_real(clip) and clip > 0):
         raise InputError(f"must be a finite number > 0, got {checks.short(clip)}", arg="clip")
-    if not (checks.is_int(bootstrap) and bootstrap >= 0):
-        raise InputError(f"must be an int >= 0, got {checks.short(bootstrap)}", arg="bootstrap")
-    if not (checks.is_int(seed) and 0 <= seed < 2**63):
-        raise InputError(f"must be an int in [0, 2**63), got {checks.short(seed)}", arg="seed")
+    check_int(bootstrap, "bootstrap", 0)
+    check_int(seed, "seed", 0, 2**63)
     if not (checks.is_real(level) and 0 < level < 1):
         raise InputError(f"must be a number in (0, 1), got {checks.short(level)}", arg="level")
     if logged is not None:
