@@ -14,7 +14,7 @@ import numpy as np
 from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import Layout
 from rmm_jax.core.executables import aot
-from rmm_jax.data.citation_log import ReadReport, call_hash, call_hashes, iter_numbered, pl_log_prob
+from rmm_jax.data.citation_log import ReadReport, call_hash, iter_numbered, pl_log_prob
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import pad_rows
@@ -23,7 +23,7 @@ from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
 from rmm_jax.online.serve import load_policy
-from rmm_jax.online.streams import check_limits
+from rmm_jax.online.streams import calls_by_user, check_limits
 from rmm_jax.persist.policy_rollback import check_store
 
 METRICS = ("cited", "cite_rate", "recall")
@@ -298,7 +298,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
                  served_by_target=cat("served"), versions_logged=cat("versioned"), logit_error=cat("err"), read=read,
-                 hashes={u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()})
+                 hashes=calls_by_user(hashes))
 
 
 class MetricRewards(NamedTuple):

@@ -13,6 +13,7 @@ One concern per private module: ``_stream`` (the stream, its seeds and its padde
 from rmm_jax.online.streams._log import (
     LogScan,
     LogShape,
+    calls_by_user,
     check_limits,
     log_chunks,
     log_records,
@@ -42,7 +43,7 @@ from rmm_jax.online.streams._stream import (
     user_keys,
 )
 
-__all__ = ["ChunkData", "LogScan", "LogShape", "Stream", "bucket", "check_limits", "check_users", "dialogue_stream",
-           "load_dialogue_streams", "load_streams", "log_chunks", "log_records", "log_shape", "pad_streams",
-           "repeat_passes", "scan_log", "store_chunks", "stream_batches", "stream_from_user", "streams_from_log",
-           "take_queries", "user_hash", "user_key", "user_keys", "with_answer_support"]
+__all__ = ["ChunkData", "LogScan", "LogShape", "Stream", "bucket", "calls_by_user", "check_limits", "check_users",
+           "dialogue_stream", "load_dialogue_streams", "load_streams", "log_chunks", "log_records", "log_shape",
+           "pad_streams", "repeat_passes", "scan_log", "store_chunks", "stream_batches", "stream_from_user",
+           "streams_from_log", "take_queries", "user_hash", "user_key", "user_keys", "with_answer_support"]

@@ -233,8 +233,14 @@ def scan_log(log_path, layout: Layout, *, known=None, skip_invalid: bool = False
     ids = list(users) if users else sorted(seen)
     return LogScan(read[-1], len(ids), ids, grouped, list(texts),
                    sorted(u for u, n in untimed.items() if n > WINDOW), replayed[0],
-                   {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
-                   if calls else None)
+                   calls_by_user(hashes) if calls else None)
+
+
+def calls_by_user(hashes: dict[str, list]) -> dict[str, tuple]:
+    """Per user, its ``(*call_hash(record), line)`` tuples in log order as ``(Calls, lines)``:
+    :func:`rmm_jax.data.citation_log.call_hashes` and the line numbers (:func:`scan_log`'s
+    ``calls``, and :func:`rmm_jax.online.ope.load_calls`'s ``hashes``)."""
+    return {u: (call_hashes(h[:3] for h in hs), np.array([h[3] for h in hs])) for u, hs in hashes.items()}
 
 
 def log_chunks(store, log_path, layout: Layout, users_per_chunk: int, *, grouped: bool, known=None,
