@@ -92,14 +92,7 @@ class _Files:
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``start:end`` of file ``name`` (to its end without ``end``), by ``pread``: no
         file position is shared, so threads may read one store at once."""
-        fd, parts, pos = self.fd(name), [], start
-        while end is None or pos < end:
-            chunk = os.pread(fd, (1 << 24) if end is None else min(1 << 30, end - pos), pos)
-            if not chunk:
-                break
-            parts.append(chunk)
-            pos += len(chunk)
-        return b"".join(parts)
+        return _pread(self.fd(name), start, None if end is None else end - start)
 
     def lines(self, name: str):
         """The lines of file ``name`` (bytes, each with its newline), as iterating a file gives them."""
@@ -464,11 +457,25 @@ def read_rows(mm: np.memmap, start: int, end: int, fd: int | None = None) -> np.
     width = int(np.prod(mm.shape[1:], dtype=np.int64))
     row = width * mm.dtype.itemsize
     if fd is not None:
-        buf = os.pread(fd, (end - start) * row, mm.offset + start * row)
+        buf = _pread(fd, mm.offset + start * row, (end - start) * row)
     else:
         with open(mm.filename, "rb") as f:
-            buf = os.pread(f.fileno(), (end - start) * row, mm.offset + start * row)
+            buf = _pread(f.fileno(), mm.offset + start * row, (end - start) * row)
     return np.frombuffer(buf, mm.dtype).reshape((end - start,) + mm.shape[1:])
+
+
+def _pread(fd: int, offset: int, size: int | None = None) -> bytes:
+    """``size`` bytes of ``fd`` from ``offset`` (None: to its end; fewer where the file ends),
+    by ``pread`` calls of at most 1 GiB: one call returns at most about 2 GiB on Linux, and
+    may return less than asked."""
+    parts, pos = [], offset
+    while size is None or pos < offset + size:
+        chunk = os.pread(fd, 1 << 30 if size is None else min(1 << 30, offset + size - pos), pos)
+        if not chunk:
+            break
+        parts.append(chunk)
+        pos += len(chunk)
+    return b"".join(parts)
 
 
 def _map_npy(fd: int) -> np.memmap:
