@@ -12,6 +12,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    note_lines,
     quiet_option,
     users_option,
 )
@@ -74,8 +75,7 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
         raise InputError(f"none of its {count(counts.calls, 'call')} has gold (STORE's, for a question it holds, "
                          "or the record's `gold`): nothing to measure the citations against"
                          + (f"; note: {near[0]}" if near else ""), where=log_path)
-    for note in read.notes:          # unknown keys that look misspelt
-        info(f"note: {note}")
+    note_lines(read.notes)           # unknown keys that look misspelt
     rates = measure(counts, n_boot=bootstrap, seed=seed)
     if as_json:
         emit_json({"store": str(store), "log": str(log_path), **rates})

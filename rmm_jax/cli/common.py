@@ -12,7 +12,17 @@ import jax
 from tqdm import tqdm
 
 from rmm_jax.cli import disk_errors
-from rmm_jax.cli.shell import SEED, IntRange, as_options, check_writable, count, explicit_options, info, quiet
+from rmm_jax.cli.shell import (
+    SEED,
+    IntRange,
+    as_options,
+    check_writable,
+    count,
+    explicit_options,
+    info,
+    note_lines,
+    quiet,
+)
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
 from rmm_jax.core.config import (
@@ -389,14 +399,6 @@ def k_m_without_log(k: int | None, m: int | None) -> tuple[int, int]:
     ``--k 3 --m 5`` is refused as on a day with calls, and ``--m 30`` alone is not."""
     k = max(DEFAULTS.layout.k, m or 1) if k is None else k
     return k, min(DEFAULTS.layout.m, k) if m is None else m
-
-
-def note_lines(lines) -> None:
-    """A ``note:`` line on stderr for each of ``lines`` (None: none): what a read noted (unknown
-    keys that look misspelt, texts the model cut) and a policy store's notes
-    (:class:`rmm_jax.persist.policy_rollback.StoreNotes` ``.lines``)."""
-    for line in filter(None, lines):
-        info(f"note: {line}")
 
 
 def note_read(read: ReadReport, more=()) -> None:

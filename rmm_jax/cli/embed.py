@@ -18,6 +18,7 @@ from rmm_jax.cli.shell import (
     explicit_options,
     info,
     json_option,
+    note_lines,
     quiet_option,
 )
 from rmm_jax.data import load_spec
@@ -161,8 +162,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     info(f"loaded {spec}: {count(len(dataset.users), 'user')} ({t_load:.1f}s)")
     if dataset.name == "jsonl":
         _note_skipped(dataset.stats["skipped"])
-    for note in dataset.stats.get("notes", ()):      # log: unknown keys that look misspelt
-        info(f"note: {note}")
+    note_lines(dataset.stats.get("notes", ()))      # log: unknown keys that look misspelt
     n_q, no_gold = sum(len(u.queries) for u in dataset.users), dataset.stats.get("no_gold", 0)
     dropped = dataset.stats.get("gold_without_text", 0)
     if dropped:
@@ -285,9 +285,7 @@ def _roles(value: str) -> tuple[str, ...]:
 def _note_truncated(embedder) -> None:
     """One stderr line when the model read only the beginning of some texts
     (:func:`rmm_jax.data.embed.truncation_note`)."""
-    note = truncation_note(embedder)
-    if note:
-        info(f"note: {note}")
+    note_lines([truncation_note(embedder)])
 
 
 def _note_skipped(skipped: dict) -> None:

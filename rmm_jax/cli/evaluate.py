@@ -8,7 +8,6 @@ from rmm_jax.cli.common import (
     check_tau_option,
     k_m_from_log,
     k_m_without_log,
-    note_lines,
     note_read,
     open_policies_for,
 )
@@ -23,6 +22,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    note_lines,
     png_option,
     quiet_option,
     users_option,

@@ -14,7 +14,6 @@ import click
 import jax
 import numpy as np
 
-from rmm_jax.cli.common import note_lines
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     IntRange,
@@ -25,6 +24,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    note_lines,
     quiet_option,
     users_option,
 )

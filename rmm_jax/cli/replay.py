@@ -16,7 +16,6 @@ from rmm_jax.cli.common import (
     k_m_from_log,
     k_m_without_log,
     learning_setting,
-    note_lines,
     note_read,
     note_setting,
     open_policies_for,
@@ -52,6 +51,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    note_lines,
     quiet_option,
     users_option,
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, note_lines, open_policies_for, progress_bar
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -19,6 +19,7 @@ from rmm_jax.cli.shell import (
     emit_json,
     info,
     json_option,
+    note_lines,
     quiet_option,
 )
 from rmm_jax.data.calls import check_out_apart, prepare_calls, read_calls

@@ -55,6 +55,14 @@ def info(msg: str, *, must_read: bool = False) -> None:
     click.echo(msg, err=True)
 
 
+def note_lines(lines) -> None:
+    """A ``note:`` line on stderr for each of ``lines`` (None: none): what a read noted (unknown
+    keys that look misspelt, texts the model cut) and a policy store's notes
+    (:class:`rmm_jax.persist.policy_rollback.StoreNotes` ``.lines``)."""
+    for line in filter(None, lines):
+        info(f"note: {line}")
+
+
 def quiet() -> bool:
     """True while the running command was given ``--quiet``."""
     return QUIET.get()
