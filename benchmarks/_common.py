@@ -264,6 +264,14 @@ def redrawn(ap: argparse.ArgumentParser, args, plot) -> bool:
     return True
 
 
+def replot_result(ap: argparse.ArgumentParser, args) -> dict:
+    """``--replot`` (redraw ``--plot`` from ``--json``, run nothing): the saved result
+    (:func:`saved_result`); without both options, a usage error."""
+    if args.plot is None or args.json is None:
+        ap.error("--replot needs --json and --plot")
+    return saved_result(ap, args.json, "--json")
+
+
 def saved_result(ap: argparse.ArgumentParser, path: Path, option: str) -> dict:
     """The saved result a redraw reads (``--from-json``, or ``--json`` under ``--replot``):
     a missing, unreadable or non-JSON file is the parser's one-line error naming ``option``

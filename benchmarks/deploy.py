@@ -335,9 +335,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from --json")
     args = ap.parse_args(argv)
     if args.replot:
-        if args.plot is None or args.json is None:
-            ap.error("--replot needs --json and --plot")
-        plot(_common.saved_result(ap, args.json, "--json"), args.plot)
+        plot(_common.replot_result(ap, args), args.plot)
         return 0
     dataset = load_locomo(_common.require_data(args.data))
     t0 = time.perf_counter()

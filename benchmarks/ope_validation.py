@@ -361,9 +361,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default="fixed,adaptive")
     args = ap.parse_args(argv)
     if args.replot:
-        if args.plot is None or args.json is None:
-            ap.error("--replot needs --json and --plot")
-        saved = _common.saved_result(ap, args.json, "--json")
+        saved = _common.replot_result(ap, args)
         plot(saved["scenarios"], saved["truth"]["enumeration"]["target"], args.plot)
         return 0
     data = _common.require_data(args.data)
