@@ -40,10 +40,6 @@ from rmm_jax.persist.runstate import RunState
 SHOW_VERSIONS = 10  # kept versions listed in text (all of them with --json)
 
 
-def _progress(msg: str) -> None:
-    info(msg)       # routine: none under --quiet
-
-
 def _user_list(user: str | None, users: list[str] | None) -> list[str] | None:
     """USER and/or the parsed ``--users`` as one list without repeats; None if neither was given."""
     return list(dict.fromkeys(([user] if user else []) + (users or []))) or None
@@ -275,7 +271,7 @@ def show(store, user, users, as_json):
     wanted = _user_list(user, users) or []
     _require_users(st, wanted)
     if wanted:
-        _progress(f"loading {len(wanted)} user(s) from {store} ...")
+        info(f"loading {len(wanted)} user(s) from {store} ...")
     notes = store_notes(st)      # a reader writes nothing: it shows the versions a pending rollback forgets
     doc = {"store": store_doc(st), "users": user_docs(st, wanted) if wanted else [], **notes.doc()}
     note_lines(notes.lines)
@@ -337,7 +333,7 @@ def export(store, user, out, version, as_json):
     _require_users(st, [user])
     doc = export_params(st, user, Path(out), version)     # (no progress line first: an error is the one line)
     note_lines(store_notes(st).lines)   # a reader writes nothing: it may export a version a pending rollback forgets
-    _progress(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
+    info(f"wrote {out} (version {doc['version']}, {len(doc['shapes'])} arrays)")
     if as_json:
         emit_json({**doc, "out": str(out), "json": str(Path(out).with_suffix(".json"))}, indent=None, sort_keys=False)
 
@@ -410,7 +406,7 @@ def rollback_cmd(store, to, dry_run, as_json):
         check_writable(store, f"STORE {store}", depth=1)
     with as_options("to", "keep"):
         r = plan(st, to, interrupted_run_ok=True) if dry_run else rollback(
-            st, to, starting=lambda p: _progress(f"rolling back {store} to v{shown_to(p, to is not None)} ..."))
+            st, to, starting=lambda p: info(f"rolling back {store} to v{shown_to(p, to is not None)} ..."))
     interrupted = RunState.interrupted_command(st.path) if dry_run else None
     if interrupted:      # a dry run changes nothing: it reports, and says what the rollback itself needs
         info(f"note: the rollback itself is refused while an interrupted `{interrupted}` run's state is in "
