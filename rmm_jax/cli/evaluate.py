@@ -37,11 +37,10 @@ from rmm_jax.online.ope import (
     DEFAULT_EXACT_LIMIT,
     DEFAULT_MC_SAMPLES,
     DEFAULT_MIN_ESS,
-    SHIP_ESTIMATOR,
-    SHIP_METRIC,
     Target,
     check_report_options,
     decision,
+    empty_report,
     evaluate_log,
     signed,
 )
@@ -261,14 +260,9 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
     why = f"{log_path} has no calls to judge: the file is empty"
     notes = store_notes(ps)
     tau = behaviour_tau(ps) if opts["tau"] is None else opts["tau"]
-    rep = {"store": str(store), "policies": str(policies), "calls": 0, "users": 0, "users_on_shared_params": 0,
-           "tau": tau, **{k: opts[k] for k in ("k", "m", "clip", "min_ess", "bootstrap", "seed")},
-           "log": {"path": str(log_path), **ReadReport(0, 0, [], [])._asdict()}, "warnings": [], "unreliable": [],
-           "learned_calls": {"calls": 0, "learned": 0, "older": 0, "note": None}, "estimates": {}, "estimators": [],
-           "ranges": {}, "marginals": {}, "notes": [], "cited_recall": None,
-           "verdict": {"ship": False, "reliable": False, "worse": False, "metric": SHIP_METRIC,
-                       "estimator": SHIP_ESTIMATOR, "gain": None, "reason": why, "log_problem": None,
-                       "served_by_target": 0, "self_served": False},
+    rep = {"store": str(store), "policies": str(policies),
+           **empty_report(log_path, why, tau=tau, **{k: opts[k] for k in ("k", "m", "clip", "min_ess", "bootstrap",
+                                                                           "seed")}),
            **notes.doc()}
     note_lines(notes.lines)
     if opts["plot_path"] is not None:

@@ -173,6 +173,7 @@ from rmm_jax.online.ope._report import (
     check_report_options,
     cited_recall,
     decision,
+    empty_report,
     evaluate_calls,
     evaluate_log,
     learned_calls,
@@ -186,7 +187,8 @@ from rmm_jax.online.ope._report import (
 
 __all__ = [
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
-    "cited_recall", "decision", "estimator_weights", "evaluate_calls", "evaluate_log", "load_calls", "prefix_log_probs",
+    "cited_recall", "decision", "estimator_weights", "empty_report", "evaluate_calls", "evaluate_log", "load_calls",
+    "prefix_log_probs",
     "report_entry", "ship_verdict", "shown_set_probs", "slot_marginals", "slot_marginals_exact", "slot_marginals_mc",
     "slot_rewards", "subset_count", "unreliable", "verdict", "agrees_to_rounding", "rounding_bound",
     "rounding_gain", "F32_UNIT", "AGREE_LIMIT", "ROUNDING_LAMBDA",

@@ -10,6 +10,7 @@ import numpy as np
 
 from rmm_jax.core import checks
 from rmm_jax.core.scope import Scope
+from rmm_jax.data.citation_log import ReadReport
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.errors import InputError, named
 from rmm_jax.online.ope._calls import (
@@ -370,6 +371,20 @@ def check_report_options(*, clip: float | None, bootstrap: int, min_ess: float, 
     if not (min_ess >= 0 and math.isfinite(min_ess)):
         raise InputError(f"must be a finite number >= 0, got {min_ess}", arg="min_ess")
     check_marginal_options(exact_limit=exact_limit, samples=mc_samples, seed=seed, samples_arg="mc_samples")
+
+
+def empty_report(log_path, reason: str, *, tau: float, k: int, m: int, clip: float | None, min_ess: float,
+                 bootstrap: int, seed: int) -> dict:
+    """The report of :func:`evaluate_log` on a log without calls (a quiet day): its usual keys,
+    with 0 calls, no estimate, and the verdict none for ``reason``."""
+    return {"calls": 0, "users": 0, "users_on_shared_params": 0, "tau": tau, "k": k, "m": m, "clip": clip,
+            "min_ess": min_ess, "bootstrap": bootstrap, "seed": seed,
+            "log": {"path": str(log_path), **ReadReport(0, 0, [], [])._asdict()}, "warnings": [], "unreliable": [],
+            "learned_calls": {"calls": 0, "learned": 0, "older": 0, "note": None}, "estimates": {}, "estimators": [],
+            "ranges": {}, "marginals": {}, "notes": [], "cited_recall": None,
+            "verdict": {"ship": False, "reliable": False, "worse": False, "metric": SHIP_METRIC,
+                        "estimator": SHIP_ESTIMATOR, "gain": None, "reason": reason, "log_problem": None,
+                        "served_by_target": 0, "self_served": False}}
 
 
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
