@@ -56,6 +56,12 @@ CANDIDATES = {        # name -> fields over the `reinforce` preset
     "logistic calibrated lr 2e-4": {"loss": "logistic", "lr": 2e-4, **PAPER_JUDGE},
     "logistic calibrated lr 3e-4": {"loss": "logistic", "lr": 3e-4, **PAPER_JUDGE},
 }
+# The logistic loss anchored at the retriever's best score (Estimator(reference="retriever")): a
+# score's logit no longer stays at `offset` when it is the query's best, so no score grows without
+# end (docs/method.md, "Scores that grow without end"). Offsets 1-4 x three step sizes.
+CANDIDATES.update({f"anchored offset {o} lr {lr}": {"loss": "logistic", "lr": float(lr), "reference": "retriever",
+                                                   "offset": float(o)}
+                   for o in (1, 2, 3, 4) for lr in ("1e-4", "3e-4", "1e-3")})
 SCOPES = ("user", "shared", "hybrid")
 
 

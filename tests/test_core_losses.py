@@ -353,6 +353,46 @@ def test_judge_corrected_logistic_loss_is_proper_for_usefulness(eta):
     assert abs(best((1.0, 0.0)) - logit(p_cite)) < 0.02
 
 
+@pytest.mark.parametrize("eta", [0.3, 0.6, 0.9])
+def test_a_retriever_anchored_logistic_loss_is_proper_for_the_best_candidate_too(eta):
+    """The shown memory is the query's best (score x above the other's 0), cited at rate η. Anchored
+    at a fixed reference r = 0, the expected loss is smallest at σ(u) = η, u = (x − r)/τ + offset.
+    Anchored at the best current score, its logit is `offset` whatever x: the expected loss is the
+    same at every x > 0 and its gradient (σ(offset) − η)/τ never vanishes, so the score of a best
+    candidate cited more often than σ(offset) rises without end."""
+    tau, off = 0.5, -1.0
+    x = jnp.linspace(0.01, 12.0, 2399)
+    scores = jnp.stack([jnp.zeros_like(x), x], axis=1)
+    sel = jnp.ones((1, 1), jnp.int32)
+
+    def expected(reference):
+        per = lambda c: jax.vmap(lambda s: rj.citation_logistic_loss(s[None], sel, jnp.full((1, 1), c), tau,
+                                                                     offset=off, reference=reference))(scores)
+        return eta * per(True) + (1 - eta) * per(False)
+
+    fixed = expected(jnp.zeros(1))
+    u_min = float(x[int(jnp.argmin(fixed))]) / tau + off
+    want = np.log(eta / (1 - eta))
+    if want > 0.01 / tau + off:                 # inside the grid: the minimum is where σ(u) = η
+        assert abs(u_min - want) < 0.03         # three steps of the grid of u (0.01)
+    anchored = expected(None)
+    assert bool(jnp.all(anchored == anchored[0]))      # u = offset exactly (x − x = 0): flat, no x preferred
+    g = jax.vmap(jax.grad(lambda s: rj.citation_logistic_loss(s[None], sel, jnp.ones((1, 1), bool), tau,
+                                                               offset=off)))(scores)[:, 1]
+    g0 = jax.vmap(jax.grad(lambda s: rj.citation_logistic_loss(s[None], sel, jnp.zeros((1, 1), bool), tau,
+                                                                offset=off)))(scores)[:, 1]
+    sig = 1 / (1 + np.exp(-off))
+    # the same at every x, and not zero: float32 σ and a division, a few ulps of values below 2
+    assert np.allclose(eta * np.asarray(g) + (1 - eta) * np.asarray(g0), (sig - eta) / tau, rtol=1e-5, atol=0)
+
+
+def test_the_logistic_reference_is_one_anchor_per_query():
+    with pytest.raises(ValueError, match=r"^reference: one anchor per query"):
+        rj.citation_logistic_loss(S2, SEL2, CITED2, 0.5, reference=jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"^reference: must be one of"):
+        rj.Estimator(loss="logistic", reference="mean")
+
+
 # ---- contracts: values (τ, indices, NaN) are checked when concrete, i.e. eager (rmm_jax.core.checks)
 
 S2 = jnp.array([[1.0, 0.0, 0.5, -0.5], [0.2, 0.4, 0.0, 0.0]])

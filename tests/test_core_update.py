@@ -18,6 +18,7 @@ from rmm_jax.core.update import (
     importance_weights,
     linear_factors,
     reranker_reinforce_loss,
+    retriever_best,
     scores_loss,
 )
 
@@ -83,6 +84,38 @@ def test_the_logistic_loss_runs_through_the_same_update_and_equals_the_brute_for
     closed-form linear gradient and its shared mean equal autodiff of each user's loss."""
     check_brute_force(scope, "adam", jax.jit if variant_name == "jit" else (lambda f: f),
                       loss="logistic", offset=0.5, p_useful=0.9, p_other=0.2)
+
+
+@pytest.mark.parametrize("scope", rj.SCOPES)
+@pytest.mark.parametrize("variant_name", ["jit", "eager"])
+def test_the_retriever_anchored_logistic_loss_runs_through_the_same_update(scope, variant_name):
+    """``reference="retriever"``: the closed-form linear gradient and the shared mean equal autodiff
+    of each user's loss with the anchor held constant."""
+    check_brute_force(scope, "adam", jax.jit if variant_name == "jit" else (lambda f: f),
+                      loss="logistic", offset=2.0, reference="retriever")
+
+
+def test_the_retriever_anchor_is_each_querys_best_base_score_over_its_valid_candidates():
+    """The anchor is max_k qᵀm_k over the unmasked candidates (against NumPy in float64, within
+    Higham's bound γ_D Σ|q_d m_d| on a float32 dot product), whatever the reranker scores; the
+    loss is the one given that anchor, and it differs from the loss anchored at the best current
+    score (the learned reranker ranks otherwise)."""
+    _, est, shared, users, batch = setup("user", rj.adam(0.05), loss="logistic", offset=2.0, reference="retriever")
+    bu = jax.tree.map(lambda x: x[0], batch)
+    q, m, mask = (np.asarray(x, np.float64) for x in (bu.q, bu.m, bu.mask))
+    dots = np.where(mask.astype(bool), np.einsum("bd,bkd->bk", q, m), -np.inf)
+    want, at = dots.max(axis=-1), dots.argmax(axis=-1)
+    gamma = D * 2.0 ** -24 / (1 - D * 2.0 ** -24)
+    bound = gamma * np.abs(q[:, None, :] * m).sum(-1)[np.arange(B), at]
+    got = np.asarray(retriever_best(est, bu), np.float64)
+    assert np.all(np.abs(got - want) <= bound), (got, want, bound)
+    loss = scores_loss(est, bu.scores, bu, 0.0, jnp.ones(B))
+    given = rj.citation_logistic_loss(bu.scores, bu.selected, bu.cited, est.tau, offset=2.0, mask=bu.mask,
+                                      reference=retriever_best(est, bu))
+    assert float(loss) == float(given)
+    own = scores_loss(dataclasses.replace(est, reference="best"), bu.scores, bu, 0.0, jnp.ones(B))
+    assert abs(float(own) - float(loss)) > 0.1
+    assert retriever_best(dataclasses.replace(est, reference="best"), bu) is None
 
 
 @pytest.mark.parametrize("scope", rj.SCOPES)

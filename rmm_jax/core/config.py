@@ -33,7 +33,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from rmm_jax.core import checks, optim
-from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REWARDS, check_judge_rates
+from rmm_jax.core.losses import BASELINES, CREDITS, LOSSES, REFERENCES, REWARDS, check_judge_rates
 from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.sampling import MODES
 from rmm_jax.core.scope import Scope
@@ -91,6 +91,8 @@ class Estimator:
     loss: str = "reinforce"      # reinforce (REINFORCE on citation rewards) | logistic (citations as labels)
                                  # | pairwise (the cited over the uncited shown memories of a call)
     offset: float = 0.0          # logistic: the logit of a query's best candidate
+    reference: str = "best"      # logistic: logits relative to the query's best current score | retriever (its
+                                 # best base score, fixed: no score grows without end; losses.citation_logistic_loss)
     reward: str = "binary"       # binary | pm1
     p_useful: float = 1.0        # the judge's P(cite | useful); rewards are corrected for it and p_other
     p_other: float = 0.0         # the judge's P(cite | not useful); 1 and 0: a perfect judge, no correction
@@ -111,6 +113,7 @@ class Estimator:
         c, real = checks.require, checks.is_real
         c(self.loss in LOSSES, "loss", f"must be one of {LOSSES}, got {self.loss!r}")
         c(real(self.offset), "offset", f"must be a finite number, got {self.offset!r}")
+        c(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}, got {self.reference!r}")
         c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
         check_judge_rates(self.p_useful, self.p_other)
         c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",

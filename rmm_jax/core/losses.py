@@ -37,6 +37,7 @@ REWARDS = ("pm1", "binary")
 BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")
 CREDITS = ("item", "reward_to_go", "selection")
 LOSSES = ("reinforce", "logistic", "pairwise")
+REFERENCES = ("best", "retriever")   # the logistic loss's anchor: the query's best current score, or the retriever's
 
 
 def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1.0, p_other: float = 0.0):
@@ -211,7 +212,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
 
 
 def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful=1.0, p_other=0.0, mask=None,
-                           weights=None):
+                           weights=None, reference=None):
     """Pointwise logistic regression of citations on the shown memories' scores, corrected
     for the judge's rates (the ``logistic`` estimator).
 
@@ -234,12 +235,23 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
     what it gets. ``offset`` places the best candidate's logit: memories the judge cites
     less often than σ(offset) (plain) are pushed below the best.
 
+    The best candidate itself is the exception: its logit is ``offset`` whatever its score, so
+    its gradient never vanishes. Cited in more than a share σ(offset) of its calls, it rises
+    without end (and an uncited best falls until another is best): under Adam, whose steps
+    keep their size as a gradient shrinks, the scores' scale grows with the number of
+    updates, and the draw stops exploring. A ``reference`` anchors the logits elsewhere:
+    given the per-query constant r_b (the base retriever's best score: ``Estimator(reference=
+    "retriever")``), u_bj = (s_{b,i_j} − r_b)/τ + offset for every shown memory, the best
+    included, so each score settles where its predicted rate meets its citation rate. At the
+    start (scores equal to the retriever's) both anchors give the same logits and gradient.
+
     Args:
       scores: (B, K) reranker scores (differentiable). selected: (B, M) int32 positions,
         −1 unfilled. cited: (B, M) bool. tau: logit scale > 0.
       offset: the logit of the query's best candidate. p_useful, p_other: the judge's rates
         (:func:`check_judge_rates`). mask: (B, K) bool valid candidates. weights: (B,)
-        per-query weights (importance ratios; 0 drops a padded query).
+        per-query weights (importance ratios; 0 drops a padded query). reference: (B,)
+        per-query anchors, held constant; None: the best valid current score (stop-gradient).
 
     Returns:
       Scalar loss.
@@ -253,14 +265,26 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
       3.7417
       >>> [round(x, 3) for x in jax.grad(loss)(scores)[0].tolist()]  # (σ(u) − c)/τ on the shown only
       [5.0, 0.0, -9.526]
+      >>> up = jnp.array([[0.5, 0.2, 0.0]])                 # the best one raised: its logit stays 0 ...
+      >>> round(float(jax.grad(loss)(up)[0, 0]), 3)
+      5.0
+      >>> fixed = lambda s: rj.citation_logistic_loss(s, selected, cited, 0.1, reference=jnp.array([0.3]))
+      >>> round(float(jax.grad(fixed)(up)[0, 0]), 3)          # ... against a fixed anchor it is σ(2)/τ
+      8.808
     """
     weights = _call_contract(scores, selected, cited, "cited", weights, mask)
     checks.check_tau(tau)
     check_judge_rates(p_useful, p_other)
     valid = valid_mask(scores, mask)
     finite = jnp.where(valid, scores, 0.0)                  # masked (−inf) slots out before any arithmetic
-    top = jax.lax.stop_gradient(jnp.max(jnp.where(valid, scores, NEG), axis=-1, keepdims=True))
-    top = jnp.where(jnp.any(valid, axis=-1, keepdims=True), top, 0.0)
+    if reference is None:
+        top = jnp.max(jnp.where(valid, scores, NEG), axis=-1, keepdims=True)
+        top = jnp.where(jnp.any(valid, axis=-1, keepdims=True), top, 0.0)
+    else:
+        checks.require(jnp.shape(reference) == scores.shape[:1], "reference",
+                       f"one anchor per query: expected shape {scores.shape[:1]}, got {jnp.shape(reference)}")
+        top = jnp.asarray(reference, scores.dtype)[:, None]
+    top = jax.lax.stop_gradient(top)
     filled = selected >= 0
     u = (jnp.take_along_axis(finite, jnp.maximum(selected, 0), axis=-1) - top) / tau + offset
     u = jnp.where(filled, u, 0.0)

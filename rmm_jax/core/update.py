@@ -200,10 +200,20 @@ def scores_loss(estimator: Estimator, scores, batch: Batch, baseline, weights):
     if estimator.loss == "logistic":
         return citation_logistic_loss(scores, batch.selected, batch.cited, estimator.tau, offset=estimator.offset,
                                       p_useful=estimator.p_useful, p_other=estimator.p_other, mask=batch.mask,
-                                      weights=weights)
+                                      weights=weights, reference=retriever_best(estimator, batch))
     rewards = estimator_rewards(estimator, batch.cited, batch.selected >= 0)
     return reinforce_loss(scores, batch.selected, rewards, baseline, estimator.loss_tau, mode=estimator.mode,
                           credit=estimator.credit, gumbel=batch.gumbel, mask=batch.mask, weights=weights)
+
+
+def retriever_best(estimator: Estimator, batch: Batch):
+    """Each query's best base-retriever score max_k qᵀm_k (B,), the logistic loss's anchor
+    under ``reference="retriever"``; None (the best current score) otherwise."""
+    if estimator.reference != "retriever":
+        return None
+    base = jnp.einsum("bd,bkd->bk", batch.q, batch.m)
+    best = jnp.max(jnp.where(batch.mask, base, -jnp.inf), axis=-1)
+    return jnp.where(jnp.isfinite(best), best, 0.0)
 
 
 def reranker_reinforce_loss(params, batch: Batch, baseline, weights, estimator: Estimator):
