@@ -12,6 +12,7 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`locomo_streams`: the one LoCoMo store builder (granularity, model, and
   ``answers=`` for the question + answer embeddings of ``embed --answers``), and
   :data:`TUNED_ON`: the conversations the defaults were tuned on (the rest are held out).
+* :func:`synthetic_population`: the synthetic users of :data:`SYNTHETIC` (``sharing``, ``nights``).
 * :func:`citation_model`: the ``--citations`` choices (:data:`CITATIONS`), as cite functions.
 * :func:`online_recall`: the one call of the online loop the LoCoMo benchmarks make (every
   stream side by side in one chunk, per-query prequential Recall@M back).
@@ -38,6 +39,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -415,6 +417,36 @@ def citation_model(name: str):
                   "top_c": cm.ANSWER_TOP_C, "threshold": cm.ANSWER_THRESHOLD}
 
 
+SYNTHETIC = "synthetic:users={users},sessions=6,turns=10,seed={seed}"   # the synthetic population's spec
+
+
+def synthetic_population(users: int, k: int, store: Path | None, seed: int = 0) -> list[Stream]:
+    """The first ``users`` users of the synthetic population ``seed`` (:data:`SYNTHETIC`), from
+    ``store`` (made by ``rmm-jax embed SPEC``) when it holds them, else embedded into ``store``
+    (a temporary one when None; the embeddings are cached on disk)."""
+    from rmm_jax.data import load_spec
+    from rmm_jax.data.synthetic import parse_synthetic_spec
+
+    if store is not None and (store / "manifest.json").exists():
+        st = open_store(store)
+        got = parse_synthetic_spec(str(st.manifest.get("spec", "")).removeprefix("synthetic:"))
+        want = parse_synthetic_spec(SYNTHETIC.format(users=users, seed=seed).removeprefix("synthetic:"))
+        if {key: got.get(key) for key in ("sessions", "turns", "seed")} != \
+                {key: want[key] for key in ("sessions", "turns", "seed")}:
+            sys.exit(f"error: --synthetic-store {store}: holds {st.manifest.get('spec')!r}, "
+                     f"not {SYNTHETIC.format(users='N', seed=seed)!r}")
+        return load_streams(st, k, sorted(st.user_ids, key=lambda u: int(u.removeprefix("user")))[:users])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = store or Path(tmp) / "store"
+        emb = Embedder(MODEL, progress=True)
+        try:
+            spec = SYNTHETIC.format(users=users, seed=seed)
+            write_store(out, load_spec(spec), "turn", emb, spec=spec)
+        finally:
+            emb.close()
+        return load_streams(open_store(out), k)
+
+
 def online_recall(streams: Sequence[Stream], program, params, seed: int) -> dict:
     """User id -> (T,) prequential Recall@M of one run of ``program`` (built once by
     :func:`rmm_jax.make_run`, reused over seeds) with every stream side by side in one
@@ -544,7 +576,7 @@ def provenance() -> dict:
     uncommitted change outside ``benchmarks/results/``, and ``rmm_jax`` imported from this
     checkout: else ``rmm_jax_from``), machine, load average."""
     commit, dirty, elsewhere = _git("rev-parse", "--short", "HEAD"), uncommitted(), code_elsewhere()
-    return {"command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+    return {"command": "python " + shlex.join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),   # re-parses
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit.strip() if commit else None, "clean": dirty == [] and elsewhere is None,
             **({"uncommitted": dirty[:20]} if dirty else {}),

@@ -59,7 +59,6 @@ import dataclasses
 import itertools
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,42 +72,13 @@ import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
 from rmm_jax.core.update import shared_step_multiple  # noqa: E402
 from rmm_jax.online.pretrain import DIALOGUE_RECIPE, pretrain  # noqa: E402
-from rmm_jax.online.streams import Stream, load_streams  # noqa: E402
+from rmm_jax.online.streams import Stream  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
-SYNTHETIC = "synthetic:users={users},sessions=6,turns=10,seed={seed}"
+SYNTHETIC = _common.SYNTHETIC
 
 
 # --------------------------------------------------------------------------- data
-
-def synthetic_streams(users: int, k: int, store: Path | None, seed: int = 0) -> list[Stream]:
-    """The first ``users`` synthetic users of population ``seed``, from ``store`` (made by
-    ``rmm-jax embed SPEC``) when it holds them, else embedded into a temporary store (the
-    embeddings are cached on disk)."""
-    from rmm_jax.data import load_spec
-    from rmm_jax.data.embed import Embedder
-    from rmm_jax.data.store import open_store, write_store
-    from rmm_jax.data.synthetic import parse_synthetic_spec
-
-    if store is not None and (store / "manifest.json").exists():
-        st = open_store(store)
-        got = parse_synthetic_spec(str(st.manifest.get("spec", "")).removeprefix("synthetic:"))
-        want = parse_synthetic_spec(SYNTHETIC.format(users=users, seed=seed).removeprefix("synthetic:"))
-        if {key: got.get(key) for key in ("sessions", "turns", "seed")} != \
-                {key: want[key] for key in ("sessions", "turns", "seed")}:
-            sys.exit(f"error: --synthetic-store {store}: holds {st.manifest.get('spec')!r}, "
-                     f"not {SYNTHETIC.format(users='N', seed=seed)!r}")
-        return load_streams(st, k, sorted(st.user_ids, key=lambda u: int(u.removeprefix("user")))[:users])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = store or Path(tmp) / "store"
-        emb = Embedder(_common.MODEL, progress=True)
-        try:
-            spec = SYNTHETIC.format(users=users, seed=seed)
-            write_store(out, load_spec(spec), "turn", emb, spec=spec)
-        finally:
-            emb.close()
-        return load_streams(open_store(out), k)
-
 
 def head(s: Stream, n: int) -> Stream:
     """A stream's first ``n`` queries."""
@@ -290,7 +260,7 @@ def main(argv=None):
     sizes, late_sizes = args.sizes, args.late_sizes
     n_syn = max([args.users, args.scored] + sizes + [u + args.newcomers for u in late_sizes])   # newcomers: the last
     log(f"{n_syn} synthetic users: their store ({args.synthetic_store or 'a temporary one'})")
-    syn = synthetic_streams(n_syn, k, args.synthetic_store, args.synthetic_seed)
+    syn = _common.synthetic_population(n_syn, k, args.synthetic_store, args.synthetic_seed)
     if len(syn) < n_syn:
         sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
     log("LoCoMo: its streams and dialogue pairs (embedded, or read from the embedding cache)")

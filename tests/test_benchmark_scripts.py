@@ -147,6 +147,31 @@ def test_the_default_and_calibrated_are_what_the_sweep_chooses():
         assert describe(*rj.preset("calibrated", scope=scope)) == want, (scope, pick["name"])
 
 
+def test_anchored_is_what_its_sweep_chooses_and_was_run_beside_the_default():
+    """``preset("anchored")`` is, in every scope, the candidate of ``defaults_sweep_anchored.json``
+    whose worst of the nine cells is best (recomputed from the cells); that file ran the default's
+    candidate beside them, and its cells are the ones ``defaults_sweep.json`` holds (same seeds and
+    streams: the two files are one sweep), and its worst cell is below the chosen one's."""
+    import rmm_jax as rj
+    from rmm_jax.core.config import describe
+
+    sweep = json.loads((BENCH / "results" / "defaults_sweep_anchored.json").read_text())
+    first = {r["name"]: r for r in json.loads((BENCH / "results" / "defaults_sweep.json").read_text())["rows"]}
+    rows = sweep["rows"]
+    assert all(len(row["cells"]) == 9 for row in rows)
+    worst = [min(v["gain"]["mean"] for v in row["cells"].values()) for row in rows]
+    best = rows[max(range(len(rows)), key=lambda i: (worst[i], -i))]
+    assert sweep["chosen"] == best["name"] and best["fields"].get("reference") == "retriever"
+    for scope in ("user", "shared", "hybrid"):
+        assert describe(*rj.preset("anchored", scope=scope)) == \
+            describe(*rj.preset("reinforce", scope=scope, **best["fields"])), scope
+    default = next(r for r in rows if r["name"] == json.loads(
+        (BENCH / "results" / "defaults_sweep.json").read_text())["chosen"])
+    assert {c: v["gain"]["mean"] for c, v in default["cells"].items()} == \
+        {c: v["gain"]["mean"] for c, v in first[default["name"]]["cells"].items()}
+    assert min(v["gain"]["mean"] for v in default["cells"].values()) < max(worst)
+
+
 class _Parsed(Exception):
     """Raised in place of running a script once its arguments parsed (:func:`parsed`)."""
 
@@ -459,7 +484,7 @@ def test_the_long_benchmarks_say_each_stage_before_it_runs(tmp_path, monkeypatch
         ope.main(["--data", str(data)])
     assert capsys.readouterr().err.splitlines() == ["set-up: embedding LoCoMo, pretraining the target on 26,30"]
     sharing = bench_module("sharing", monkeypatch)
-    monkeypatch.setattr(sharing, "synthetic_streams", _stop)
+    monkeypatch.setattr(sharing._common, "synthetic_population", _stop)
     with pytest.raises(_Stop):
         sharing.main(["--data", str(data)])
     assert capsys.readouterr().err.splitlines()[-1].endswith("synthetic users: their store (a temporary one)")
