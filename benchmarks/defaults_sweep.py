@@ -1,6 +1,11 @@
 """The sweep that chooses the default preset (docs/method.md, "Choosing the defaults").
 
     python benchmarks/defaults_sweep.py --json benchmarks/results/defaults_sweep.json
+    python benchmarks/defaults_sweep.py --candidates 'logistic lr 1e-4;anchored offset 1 lr 1e-4;...' \
+        --json benchmarks/results/defaults_sweep_anchored.json
+
+(the second: the default beside the twelve anchored candidates, which chose the ``anchored``
+preset; docs/method.md, "Scores that grow without end")
 
 Every candidate learns online from the retriever (identity) on LoCoMo conversations 26 and
 30 only (``TUNED_ON``; 41, 42, 43 stay held out), both side by side, under each citation

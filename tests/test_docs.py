@@ -350,6 +350,13 @@ HEADLINE = {
         "{}; {}; {}", [("learn_sweep_hybrid.json", f"rows.name={name}.held_out_minus_user", "interval")
                        for name in ("default hybrid r8", "default hybrid r383, shared step 0",
                                     "default hybrid r383, shared step 1")]),
+    "`--preset anchored` (each logit against the retriever's best score: scores stay bounded) minus the default, "
+    "held-out, paired: class-calibrated; precision/recall; answer; hybrid": (
+        "{}; {}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval")     # anchored − default
+                           for i in (31, 32, 33, 35)]),
+    "300 synthetic users asking again for 8 nights, Recall@5 gain on night 8: default in hybrid; anchored in hybrid": (
+        "{}; {}", [("nights.json", "cells.default/hybrid.nights.-1.gain", "interval"),
+                   ("nights.json", "cells.anchored/hybrid.nights.-1.gain", "interval")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (
         "{}", [("learn_sweep_heldout.json", "rows.name=gold pretrain + default online.gain", "interval")]),
     "Recall@5 gain, held-out LoCoMo, a start pretrained on the users' own dialogue (`pretrain --labels dialogue`, "
