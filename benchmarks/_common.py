@@ -435,7 +435,10 @@ def synthetic_population(users: int, k: int, store: Path | None, seed: int = 0) 
                 {key: want[key] for key in ("sessions", "turns", "seed")}:
             sys.exit(f"error: --synthetic-store {store}: holds {st.manifest.get('spec')!r}, "
                      f"not {SYNTHETIC.format(users='N', seed=seed)!r}")
-        return load_streams(st, k, sorted(st.user_ids, key=lambda u: int(u.removeprefix("user")))[:users])
+        held = sorted(st.user_ids, key=lambda u: int(u.removeprefix("user")))
+        if len(held) < users:
+            sys.exit(f"error: --synthetic-store {store}: {len(held)} users, need {users}")
+        return load_streams(st, k, held[:users])
     with tempfile.TemporaryDirectory() as tmp:
         out = store or Path(tmp) / "store"
         emb = Embedder(MODEL, progress=True)

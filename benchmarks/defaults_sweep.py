@@ -64,9 +64,11 @@ CANDIDATES = {        # name -> fields over the `reinforce` preset
 # The logistic loss anchored at the retriever's best score (Estimator(reference="retriever")): a
 # score's logit no longer stays at `offset` when it is the query's best, so no score grows without
 # end (docs/method.md, "Scores that grow without end"). Offsets 1-4 x three step sizes.
-CANDIDATES.update({f"anchored offset {o} lr {lr}": {"loss": "logistic", "lr": float(lr), "reference": "retriever",
-                                                   "offset": float(o)}
-                   for o in (1, 2, 3, 4) for lr in ("1e-4", "3e-4", "1e-3")})
+# Named with --candidates (the default set is the first sweep's, whose file records that command).
+ANCHORED = {f"anchored offset {o} lr {lr}": {"loss": "logistic", "lr": float(lr), "reference": "retriever",
+                                            "offset": float(o)}
+            for o in (1, 2, 3, 4) for lr in ("1e-4", "3e-4", "1e-3")}
+NAMED = {**CANDIDATES, **ANCHORED}
 SCOPES = ("user", "shared", "hybrid")
 
 
@@ -89,16 +91,17 @@ def main(argv=None):
     ap.add_argument("--k", type=_common.positive_int, default=20, help="candidates per question")
     ap.add_argument("--m", type=_common.positive_int, default=5, help="memories shown per question")
     ap.add_argument("--seeds", type=_common.int_list, default="0,1,2,3,4,5,6,7", help="comma-separated seeds")
-    ap.add_argument("--candidates", default=None, help="';'-separated candidate names (default: all)")
+    ap.add_argument("--candidates", default=None,
+                    help="';'-separated candidate names, of CANDIDATES or ANCHORED (default: every one of CANDIDATES)")
     ap.add_argument("--json", type=Path, default=None, help="write the results as one JSON object")
     args = ap.parse_args(argv)
     data = _common.require_data(args.data)
     t0 = time.perf_counter()
     seeds = args.seeds
     names = list(CANDIDATES) if not args.candidates else [n.strip() for n in args.candidates.split(";")]
-    unknown = [n for n in names if n not in CANDIDATES]
+    unknown = [n for n in names if n not in NAMED]
     if unknown:
-        raise SystemExit(f"error: --candidates: unknown {unknown[0]!r} (choose from: {'; '.join(CANDIDATES)})")
+        raise SystemExit(f"error: --candidates: unknown {unknown[0]!r} (choose from: {'; '.join(NAMED)})")
     locomo = _common.locomo_streams(data, args.k, answers=True, users=list(_common.TUNED_ON))
     streams = {"oracle": locomo.streams, "precision_recall": locomo.streams, "answer": locomo.answer_streams()}
     users = list(_common.TUNED_ON)
@@ -111,7 +114,7 @@ def main(argv=None):
         for cm in _common.CITATIONS:
             cite, _ = _common.citation_model(cm)
             for scope in SCOPES:
-                setting = rj.preset("reinforce", k=args.k, m=args.m, scope=scope, **CANDIDATES[name])
+                setting = rj.preset("reinforce", k=args.k, m=args.m, scope=scope, **NAMED[name])
                 program = rj.make_run(*setting, cite_fn=cite)
                 online = np.stack([_common.pooled(_common.online_recall(streams[cm], program, identity, seed),
                                                   streams[cm], users) for seed in seeds])
@@ -121,8 +124,8 @@ def main(argv=None):
                       flush=True)
         means = {c: v["gain"]["mean"] for c, v in cells.items()}
         worst = min(means, key=means.get)
-        rows.append({"name": name, "fields": CANDIDATES[name],
-                     "setting": describe(*rj.preset("reinforce", k=args.k, m=args.m, **CANDIDATES[name])),
+        rows.append({"name": name, "fields": NAMED[name],
+                     "setting": describe(*rj.preset("reinforce", k=args.k, m=args.m, **NAMED[name])),
                      "cells": cells, "worst": means[worst], "worst_cell": worst,
                      "mean_over_cells": float(np.mean(list(means.values())))})
         print(f"{name}: worst {means[worst]:+.4f} ({worst}), mean {rows[-1]['mean_over_cells']:+.4f}", flush=True)

@@ -142,7 +142,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   whether the tie and what the calls show hold on 41–43. The tenth adds 0.01, the temperature
   the draw lever's served rule chooses on 26 and 30 (``max_min_served``: the best worst cell of
   the lower of the top-5 gain and the shown gain), fixed in docs/method.md before it ran, with
-  the same rows and pairs as 0.02. Every online row also reports the
+  the same rows and pairs as 0.02. The thirteenth (the ``hybrid`` and ``dialogue`` levers were
+  the eleventh and twelfth) adds the ``anchored`` preset (``defaults_sweep_anchored.json``'s
+  choice on 26 and 30), fixed before it ran: the default's five online rows and gold pretraining
+  + online under it, each paired with the default's. Every online row also reports the
   Recall@M of what its calls drew and showed (``shown``), and each pair of online rows its
   difference.
 

@@ -10,13 +10,14 @@ nights, one stream of all nights, online from the retriever (identity), with the
 class-calibrated citations (``simulate``'s default), K = 20, M = 5, all users side by side in
 one chunk (one shared part in scopes shared and hybrid). Per night:
 
-* ``gain``: Recall@5 of what was shown, minus the retriever's, over users and queries, the mean
-  over ``--seeds`` with its 95% interval over seeds and queries;
+* ``gain``: Recall@5 of the policy's own top 5 (prequential: before the call's update), minus the
+  retriever's, over users and queries, the mean over ``--seeds`` with its 95% interval over
+  seeds and queries;
 * ``log_prob``: the mean log-probability of the shown selection under the policy that drew it
   (an ordered draw of 5 of 20 at the start is about −13; 0 is a draw that no longer explores);
 
-and at the end ``logit``: the median over users of the largest |score| / τ over their
-candidates, the scale the draw sees.
+and at the end ``logit``: the median, over the first 50 users of each seed's run, of the largest
+|score| / τ over a user's candidates, the scale the draw sees.
 
 Written down before it ran: the logistic loss anchored at the best current score (the
 ``default`` preset) leaves the best candidate's gradient at (σ(offset) − its citation rate)/τ
@@ -43,19 +44,15 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
-from rmm_jax.online.streams import Stream  # noqa: E402
+from rmm_jax.online.streams import Stream, repeat_passes  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
 
 
 def nightly(s: Stream, nights: int) -> Stream:
-    """``s``'s queries asked again on each of ``nights`` nights, as one stream (query ids
-    prefixed by the night)."""
-    rep = lambda x: None if x is None else np.concatenate([np.asarray(x)] * nights)  # noqa: E731
-    return dataclasses.replace(s, queries=rep(s.queries), cand=rep(s.cand), cand_mask=rep(s.cand_mask),
-                               cand_gold=rep(s.cand_gold), num_gold=rep(s.num_gold), valid=rep(s.valid),
-                               query_ids=[f"{n}:{q}" for n in range(nights) for q in s.query_ids],
-                               cite_gold=rep(s.cite_gold))
+    """``s``'s queries asked again on each of ``nights`` nights, as one stream whose every night
+    counts (``repeat_passes`` counts the first pass only)."""
+    return dataclasses.replace(repeat_passes(s, nights), valid=np.concatenate([s.valid] * nights), passes=1)
 
 
 def logit_scale(params, s: Stream, tau: float) -> float:
@@ -70,11 +67,12 @@ def run_cell(streams, nights: int, program, params, seeds, m: int) -> dict:
     users = [s.user_id for s in streams]
     base = _common.retriever_recall(streams, m)
     runs = [_common.run_chunk([nightly(s, nights) for s in streams], program, params, seed) for seed in seeds]
-    t = len(streams[0].query_ids)
+    size = {s.user_id: len(s.query_ids) for s in streams}               # one night's queries, per user
+    night = lambda x, u, n: np.asarray(x)[n * size[u]:(n + 1) * size[u]]  # noqa: E731
     out = {"nights": []}
     for n in range(nights):
-        per_seed = [{u: np.asarray(r.outputs[u]["recall"])[n * t:(n + 1) * t] for u in users} for r in runs]
-        lp = np.mean([np.mean(np.asarray(r.outputs[u]["log_prob"])[n * t:(n + 1) * t]) for r in runs for u in users])
+        per_seed = [{u: night(r.outputs[u]["recall"], u, n) for u in users} for r in runs]
+        lp = np.mean([np.mean(night(r.outputs[u]["log_prob"], u, n)) for r in runs for u in users])
         out["nights"].append({"night": n + 1, **_common.pooled_gain(per_seed, base, streams, users),
                               "log_prob": float(lp)})
     tau = program.estimator.tau
@@ -132,7 +130,7 @@ def plot(out: dict, path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     styles = {"user": "-", "shared": "--", "hybrid": ":"}
-    presets = list(dict.fromkeys(c["preset"] for c in out["cells"].values()))
+    presets = list(dict.fromkeys(["default", "anchored", *(c["preset"] for c in out["cells"].values())]))
     for key, c in out["cells"].items():
         color = f"C{presets.index(c['preset'])}"
         xs = [r["night"] for r in c["nights"]]

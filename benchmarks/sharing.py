@@ -261,8 +261,6 @@ def main(argv=None):
     n_syn = max([args.users, args.scored] + sizes + [u + args.newcomers for u in late_sizes])   # newcomers: the last
     log(f"{n_syn} synthetic users: their store ({args.synthetic_store or 'a temporary one'})")
     syn = _common.synthetic_population(n_syn, k, args.synthetic_store, args.synthetic_seed)
-    if len(syn) < n_syn:
-        sys.exit(f"error: --synthetic-store {args.synthetic_store}: {len(syn)} users, need {n_syn}")
     log("LoCoMo: its streams and dialogue pairs (embedded, or read from the embedding cache)")
     loco_all = _common.locomo_streams(data, k, dialogue=True)
     loco, loco_pairs = loco_all.streams, {s.user_id: s for s in loco_all.dialogue}

@@ -172,6 +172,34 @@ def test_anchored_is_what_its_sweep_chooses_and_was_run_beside_the_default():
     assert min(v["gain"]["mean"] for v in default["cells"].values()) < max(worst)
 
 
+@pytest.mark.parametrize("name", ["defaults_sweep.json", "defaults_sweep_anchored.json"])
+def test_each_sweep_file_holds_the_candidates_its_command_runs_today(name, monkeypatch):
+    """The candidates a sweep file's recorded command would run now are the rows it holds, in
+    order: a candidate added to the default set later would change what re-running it chooses."""
+    import shlex
+    sweep = bench_module("defaults_sweep", monkeypatch)
+    data = json.loads((BENCH / "results" / name).read_text())
+    ns, _ = parsed("defaults_sweep", shlex.split(data["provenance"]["command"])[2:], monkeypatch)
+    names = list(sweep.CANDIDATES) if not ns.candidates else [n.strip() for n in ns.candidates.split(";")]
+    assert names == [r["name"] for r in data["rows"]]
+    assert all(sweep.NAMED[n] == r["fields"] for n, r in zip(names, data["rows"]))
+
+
+def test_nights_asks_every_question_again_each_night_and_counts_every_night(monkeypatch):
+    """nights.py's stream: the queries in order once a night, every night valid (``repeat_passes``
+    counts only its first pass), one pass as far as the loop knows."""
+    import numpy as np
+
+    from rmm_jax.online.streams import Stream
+    nights = bench_module("nights", monkeypatch)
+    s = Stream("u", np.zeros((2, 1), np.float32), np.arange(3, dtype=np.float32)[:, None],
+               np.zeros((3, 1), np.int32), np.ones((3, 1), bool), np.ones((3, 1), bool), np.ones(3, np.int32),
+               np.array([True, False, True]), query_ids=("a", "b", "c"))
+    r = nights.nightly(s, 3)
+    assert r.queries[:, 0].tolist() == [0, 1, 2] * 3 and r.query_ids == ("a", "b", "c") * 3
+    assert r.valid.tolist() == [True, False, True] * 3 and r.passes == 1
+
+
 class _Parsed(Exception):
     """Raised in place of running a script once its arguments parsed (:func:`parsed`)."""
 

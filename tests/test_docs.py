@@ -354,7 +354,8 @@ HEADLINE = {
     "held-out, paired: class-calibrated; precision/recall; answer; hybrid": (
         "{}; {}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval")     # anchored − default
                            for i in (31, 32, 33, 35)]),
-    "300 synthetic users asking again for 8 nights, Recall@5 gain on night 8: default in hybrid; anchored in hybrid": (
+    "300 synthetic users asking again for 8 nights (3 seeds), Recall@5 gain on night 8: default in hybrid; anchored "
+    "in hybrid": (
         "{}; {}", [("nights.json", "cells.default/hybrid.nights.-1.gain", "interval"),
                    ("nights.json", "cells.anchored/hybrid.nights.-1.gain", "interval")]),
     "Recall@5 gain, held-out LoCoMo, gold pretrain + online, default preset": (

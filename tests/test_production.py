@@ -243,6 +243,12 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
         assert err.strip().splitlines()[-1] == (
             "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
             "--preset calibrated sets them): drop them, or use --loss logistic")
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", ":4",
+                             "--preset", "anchored", "--loss", "reinforce")
+    assert code == 2 and out == "" and not pol.exists()
+    assert err.strip().splitlines()[-1] == ("error: --loss: --preset anchored reads the logistic loss against the "
+                                            "retriever's best score: leave --loss out (logistic), or use another "
+                                            "--preset")
     # from Python the same check names the fields a caller passes, not the CLI's options
     from rmm_jax.core.config import preset
 

@@ -262,7 +262,9 @@ def check_rank_scope(scope: str | None, rank: int | None) -> None:
 
 # core messages that name other fields than their own, as the options that give them
 OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
-                                         "--preset calibrated sets them): drop them, or use --loss logistic"}
+                                         "--preset calibrated sets them): drop them, or use --loss logistic",
+                settings.LOGISTIC_REFERENCE: "--preset anchored reads the logistic loss against the retriever's best "
+                                             "score: leave --loss out (logistic), or use another --preset"}
 
 
 def raise_option_error(e: ValueError):

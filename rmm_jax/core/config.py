@@ -41,6 +41,8 @@ from rmm_jax.core.scope import Scope
 NOISES = ("tempered", "unit")
 # Estimator's error for the pairwise loss with judge rates, naming its fields (the CLI's
 # cli.common.raise_option_error shows it with its options: --p-useful, --loss logistic)
+LOGISTIC_REFERENCE = ("the retriever anchor (reference='retriever', preset 'anchored') is the logistic loss's: "
+                      "use loss='logistic', or another preset")
 PAIRWISE_RATES = ("the pairwise loss takes no judge rates or offset (p_useful, p_other, offset; preset 'calibrated' "
                   "sets them): drop them, or use loss='logistic'")
 
@@ -90,7 +92,7 @@ class Estimator:
     """
     loss: str = "reinforce"      # reinforce (REINFORCE on citation rewards) | logistic (citations as labels)
                                  # | pairwise (the cited over the uncited shown memories of a call)
-    offset: float = 0.0          # logistic: the logit of a query's best candidate
+    offset: float = 0.0          # logistic: the logit of a memory scored at the anchor (the query's best score)
     reference: str = "best"      # logistic: logits relative to the query's best current score | retriever (its
                                  # best base score, fixed: no score grows without end; losses.citation_logistic_loss)
     reward: str = "binary"       # binary | pm1
@@ -113,9 +115,10 @@ class Estimator:
         c, real = checks.require, checks.is_real
         c(self.loss in LOSSES, "loss", f"must be one of {LOSSES}, got {self.loss!r}")
         c(real(self.offset), "offset", f"must be a finite number, got {self.offset!r}")
-        c(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}, got {self.reference!r}")
         c(self.reward in REWARDS, "reward", f"must be one of {REWARDS}")
         check_judge_rates(self.p_useful, self.p_other)
+        c(self.reference in REFERENCES, "reference", f"must be one of {REFERENCES}, got {self.reference!r}")
+        c(self.reference == "best" or self.loss == "logistic", "loss", LOGISTIC_REFERENCE)
         c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",
           PAIRWISE_RATES)
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
@@ -270,13 +273,20 @@ def setting_record(name: str, setting: Setting) -> dict:
     return {"preset": name, **describe(*setting)}
 
 
+# Estimator fields added after stores began recording settings, with the value every run had
+# before: a record that lacks one was trained with it (not with whatever a preset now gives).
+ADDED_LATER = {"reference": "best"}
+
+
 def setting_values(record: dict) -> dict:
     """The :data:`SETTING_FIELDS` of a :func:`setting_record`, flat (``field -> value``);
-    fields this version does not know are left out, and fields it has that the record
-    lacks (a record written by an older version) are absent, so :func:`preset` fills them
-    with the preset's values."""
+    fields this version does not know are left out; an estimator field added later
+    (:data:`ADDED_LATER`) that the record lacks is the value it had before; other fields the
+    record lacks are absent, so :func:`preset` fills them with the preset's values."""
+    est = record.get("estimator") or {}
     flat = {"preset": record.get("preset"), "batch": (record.get("layout") or {}).get("batch"),
-            **{k: v for k, v in (record.get("estimator") or {}).items() if k in ESTIMATOR_FIELDS}}
+            **({k: v for k, v in ADDED_LATER.items() if k not in est} if est else {}),
+            **{k: v for k, v in est.items() if k in ESTIMATOR_FIELDS}}
     opt = record.get("optimizer") or {}
     flat.update({"optimizer": opt.get("name"), "lr": opt.get("lr")})
     return {k: v for k, v in flat.items() if v is not None}

@@ -248,7 +248,7 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
     Args:
       scores: (B, K) reranker scores (differentiable). selected: (B, M) int32 positions,
         −1 unfilled. cited: (B, M) bool. tau: logit scale > 0.
-      offset: the logit of the query's best candidate. p_useful, p_other: the judge's rates
+      offset: the logit of a memory scored at the anchor. p_useful, p_other: the judge's rates
         (:func:`check_judge_rates`). mask: (B, K) bool valid candidates. weights: (B,)
         per-query weights (importance ratios; 0 drops a padded query). reference: (B,)
         per-query anchors, held constant; None: the best valid current score (stop-gradient).
@@ -283,6 +283,7 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
     else:
         checks.require(jnp.shape(reference) == scores.shape[:1], "reference",
                        f"one anchor per query: expected shape {scores.shape[:1]}, got {jnp.shape(reference)}")
+        checks.check_finite(reference, "reference")
         top = jnp.asarray(reference, scores.dtype)[:, None]
     top = jax.lax.stop_gradient(top)
     filled = selected >= 0
