@@ -139,6 +139,13 @@ LEARNERS = {"vw": "VW logistic, anchored", "rmm_jax": "rmm-jax (default preset)"
             "rmm_jax_hybrid": "rmm-jax hybrid (a lever VW lacks)",
             "rmm_jax_dialogue": "rmm-jax from a dialogue start", "vw_dialogue": "VW from a dialogue start",
             "vw_cb": "VW cb_explore_adf (ablation)"}
+
+
+def learner_label(name: str, preset: str) -> str:
+    """A learner's label in the results: rmm-jax's names the preset it ran."""
+    return f"rmm-jax ({preset} preset)" if name == "rmm_jax" else LEARNERS[name]
+
+
 DIALOGUE_LEARNERS = ("rmm_jax_dialogue", "vw_dialogue")     # LoCoMo only: they need the memories' text
 FLOORED = ("vw", "rmm_jax", *DIALOGUE_LEARNERS)  # must end above the retriever; the ablation is reported only
 
@@ -510,7 +517,7 @@ def floor_failures(out: dict) -> list[str]:
         for name in (n for n in FLOORED if n in res):
             g = res[name]["gain_held_out"]
             if not g["mean"] > 0:
-                bad.append(f"{LEARNERS[name]} under citations {cm!r}: held-out Recall@{out['m']} "
+                bad.append(f"{res[name]['label']} under citations {cm!r}: held-out Recall@{out['m']} "
                            f"{res[name]['held_out_recall']['mean']:.4f} is not above the retriever's "
                            f"{out['base']['held_out']:.4f} (gain {_common.format_interval(g)})")
     return bad
@@ -693,7 +700,7 @@ def main(argv=None):
         for name in runs[cm]:
             ph, pa = per_query(name, cm, held), per_query(name, cm, users)
             results[cm][name] = {
-                "label": LEARNERS[name],
+                "label": learner_label(name, args.preset),
                 "held_out_recall": {"mean": float(ph.mean()), **_common.spread(ph.mean(1))},
                 "all_recall": {"mean": float(pa.mean()), **_common.spread(pa.mean(1))},
                 "gain_held_out": _common.gain_interval(ph - base_held, groups=groups_held),
@@ -766,7 +773,7 @@ def main(argv=None):
     if dialogue is not None:
         vw_warm_dir.cleanup()
     failures = floor_failures(out)
-    out["targets"] = [{"name": f"{LEARNERS[n]} above the retriever on held-out Recall@{m}, citations {cm}",
+    out["targets"] = [{"name": f"{results[cm][n]['label']} above the retriever on held-out Recall@{m}, citations {cm}",
                        "value": results[cm][n]["gain_held_out"]["mean"], "target": "> 0",
                        "pass": results[cm][n]["gain_held_out"]["mean"] > 0} for cm in cms for n in FLOORED
                       if n in results[cm]]
@@ -809,7 +816,7 @@ def plot(out: dict, path) -> None:
     """The held-out gains over the retriever with their 95% intervals, one row per learner and citation model."""
     from rmm_jax.online.plot import plot_gains
 
-    plot_gains({f"{LEARNERS[n].replace(' (ablation)', ' (abl.)')} [{cm}]": r["gain_held_out"]
+    plot_gains({f"{r['label'].replace(' (ablation)', ' (abl.)')} [{cm}]": r["gain_held_out"]
                 for cm, res in out["results"].items() for n, r in res.items()}, path,
                title=f"{out['dataset'].split(':')[0]}: held-out Recall@{out['m']} gain over the retriever\n"
                      f"{len(out['seeds'])} seeds, 95% interval (grey: contains 0)")
