@@ -62,8 +62,15 @@ def command_of(data: dict) -> str | None:
     return None
 
 
+def _picks(row, key: str) -> bool:
+    field, _, value = key.partition("=")
+    return isinstance(row, dict) and str(row.get(field)) == value
+
+
 def get(data, path, name: str = "?"):
-    """Follow a dotted path (or a list of keys); ``MISSING`` for an optional path that is absent."""
+    """Follow a dotted path (or a list of keys; ``field=value`` picks the one row of a list
+    whose field is that value, so a row added to a file moves no reference); ``MISSING`` for an
+    optional path that is absent."""
     optional = isinstance(path, str) and path.endswith("?")
     keys = [k for k in path.rstrip("?").split(".") if k] if isinstance(path, str) else list(path)  # "": the row
     node = data
@@ -72,6 +79,8 @@ def get(data, path, name: str = "?"):
             node = node[str(k)]
         elif isinstance(node, list) and str(k).lstrip("-").isdigit() and -len(node) <= int(k) < len(node):
             node = node[int(k)]
+        elif isinstance(node, list) and "=" in str(k) and sum(_picks(r, str(k)) for r in node) == 1:
+            node = next(r for r in node if _picks(r, str(k)))   # "name=X": the one row whose name is X
         elif optional:
             return MISSING
         else:

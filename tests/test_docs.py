@@ -318,6 +318,11 @@ def test_hook_formats_and_refuses():
     assert h.get({"a": [{"b": 1}]}, "a.0.b") == 1 and h.get({"a": 1}, "b?") is h.MISSING
     with pytest.raises(h.ResultError, match="no key 'c'"):
         h.get({"a": {"b": 1}}, "a.c")
+    rows = {"r": [{"name": "x", "v": 1}, {"name": "y + z", "v": 2}, {"name": "w", "v": 3}, {"name": "w", "v": 4}]}
+    assert h.get(rows, "r.name=y + z.v") == 2 and h.get(rows, "r.name=x.v") == 1
+    for bad in ("r.name=w.v", "r.name=q.v"):            # two rows, or none: an error, not a guess
+        with pytest.raises(h.ResultError, match="no key 'name="):
+            h.get(rows, bad)
     assert h.command_of({"provenance": {"command": "python x.py"}}) == "python x.py"
     assert h.command_of({"runs": [{"provenance": {"command": "python y.py"}}]}) == "python y.py"
 
