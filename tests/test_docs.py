@@ -327,6 +327,16 @@ def test_hook_formats_and_refuses():
     assert h.command_of({"runs": [{"provenance": {"command": "python y.py"}}]}) == "python y.py"
 
 
+def test_a_docs_figure_copied_from_a_result_is_the_committed_result():
+    """docs/img holds copies of some result plots (mkdocs serves only docs/): each copy is
+    byte-for-byte the file under benchmarks/results, so a re-run benchmark cannot leave the
+    site showing its old figure."""
+    copies = [p for p in (REPO / "docs" / "img").glob("*.png") if (REPO / "benchmarks" / "results" / p.name).exists()]
+    assert {p.name for p in copies} >= {"sharing.png", "nights.png"}
+    stale = [p.name for p in copies if p.read_bytes() != (REPO / "benchmarks" / "results" / p.name).read_bytes()]
+    assert not stale, f"docs/img copies that differ from benchmarks/results: {stale} (copy them over)"
+
+
 # ------------------------------------------------------------------------- the README's headline table
 
 # README row (the cell under "measure") → (the text of its "result" cell with a {} for each
