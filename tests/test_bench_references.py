@@ -537,13 +537,14 @@ def test_vw_learns_a_planted_bilinear_ranking():
 def test_floor_failures_name_each_learner_below_the_retriever():
     """The floor covers VW and rmm-jax under every citation model; the ablation is exempt."""
     g = lambda mean: {"mean": mean, "lo": mean - 0.01, "hi": mean + 0.01, "significant": False}  # noqa: E731
-    res = lambda a, b, c: {"vw": {"gain_held_out": g(a), "held_out_recall": {"mean": 0.4 + a}},  # noqa: E731
-                           "rmm_jax": {"gain_held_out": g(b), "held_out_recall": {"mean": 0.4 + b}},
-                           "vw_cb": {"gain_held_out": g(c), "held_out_recall": {"mean": 0.4 + c}}}
+    row = lambda name, x: {"label": peer_vw.learner_label(name, "anchored"), "gain_held_out": g(x),  # noqa: E731
+                           "held_out_recall": {"mean": 0.4 + x}}
+    res = lambda a, b, c: {"vw": row("vw", a), "rmm_jax": row("rmm_jax", b), "vw_cb": row("vw_cb", c)}  # noqa: E731
     out = {"m": 5, "base": {"held_out": 0.4}, "results": {"oracle": res(0.03, 0.1, -0.07),
                                                           "precision_recall": res(-0.01, 0.0, 0.2)}}
     bad = peer_vw.floor_failures(out)
-    assert len(bad) == 2 and "'precision_recall'" in bad[0] and "VW" in bad[0] and "rmm-jax" in bad[1]
+    assert len(bad) == 2 and "'precision_recall'" in bad[0] and "VW" in bad[0]
+    assert bad[1].startswith("rmm-jax (anchored preset) under citations 'precision_recall'")
     out["results"]["precision_recall"] = res(0.01, 0.02, -0.3)
     assert peer_vw.floor_failures(out) == []
 
