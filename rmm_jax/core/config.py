@@ -177,8 +177,8 @@ PRESETS: dict[str, dict] = {
     # candidate's logit at +2, Adam at 3e-4: of the anchored candidates of defaults_sweep.py
     # (offsets 1-4 x three step sizes), the one whose worst cell is best on 26 and 30, in every scope
     # (defaults_sweep_anchored.json). Anchored at the best current score (default), scores grow with
-    # every update and a shared part's collapse within nights (benchmarks/nights.py); anchored at
-    # the retriever's, each settles where its predicted citation rate meets the one it gets.
+    # every update and a shared part collapses within nights (benchmarks/nights.py); anchored at the
+    # retriever's, each settles where its predicted citation rate meets the one it gets.
     "anchored": dict(optimizer="adam", lr=3e-4, loss="logistic", reference="retriever", offset=2.0),
     # The same as default (its name before default took it, kept for scripts that use it).
     "realistic": dict(optimizer="adam", lr=1e-4, loss="logistic"),
