@@ -2,12 +2,14 @@
 ``PYTHONPATH`` set to this directory (see :data:`TESTS_DIR`) and ``from helpers import ...``."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
 import jax.extend  # noqa: F401 - jax.extend.core below (once imported through flax, which rmm-jax no longer imports)
 import numpy as np
 import optax
+import pytest
 
 from rmm_jax.core.types import LearnerState, UserState
 
@@ -501,3 +503,12 @@ def _rule(prim, params, vals, errs, outs):
         if name == "convert_element_type":
             return [E[0] if _is_float(vals[0]) else U32 * av]
     raise NotImplementedError(f"f32_error has no rule for the primitive {name!r}")
+
+
+# Descriptor counts read /proc/self/fd (Linux); elsewhere those tests skip with this reason.
+needs_proc_fd = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+
+
+def open_fds() -> int:
+    """How many file descriptors this process holds."""
+    return len(os.listdir("/proc/self/fd"))

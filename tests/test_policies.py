@@ -17,7 +17,18 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import TESTS_DIR, assert_f32_close, f32_error, info_of, params_of, save_seeds, stacked, state_of
+from helpers import (
+    TESTS_DIR,
+    assert_f32_close,
+    f32_error,
+    info_of,
+    needs_proc_fd,
+    open_fds,
+    params_of,
+    save_seeds,
+    stacked,
+    state_of,
+)
 
 import rmm_jax as R
 from rmm_jax.cli.main import main
@@ -469,53 +480,49 @@ def _run_writer(path):
                           cwd=ROOT, env=SUBPROCESS_ENV, timeout=60)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+@needs_proc_fd
 def test_close_releases_the_store_and_a_dropped_store_needs_no_garbage_collector(tmp_path):
     # A PolicyStore had no close() and a cycle (store -> its WriterLock -> the bound _locked_error): each store a
     # long-lived Reranker replaced kept its SQLite descriptor and memory until the cyclic collector ran.
     import gc
     import weakref
 
-    def fds():
-        return len(os.listdir("/proc/self/fd"))
     save_seeds(new_store(tmp_path), {"a": 1})
     gc.collect()
     gc.disable()
     try:
-        before = fds()
+        before = open_fds()
         st = PolicyStore.open(tmp_path / "store")
-        assert st.users() == ["a"] and fds() > before
+        assert st.users() == ["a"] and open_fds() > before
         st.close()
         st.close()                                        # idempotent
-        assert fds() == before
+        assert open_fds() == before
         assert st.load("a").version == 1                  # still usable: the index is opened again
         st.close()
-        assert fds() == before
+        assert open_fds() == before
         dropped = PolicyStore.open(tmp_path / "store")
-        assert dropped.newest_version() == 1 and fds() > before   # it has read: its index connection is open
+        assert dropped.newest_version() == 1 and open_fds() > before   # it has read: its index connection is open
         gone = weakref.ref(dropped)
         del dropped
         assert gone() is None                             # freed when dropped: no cycle holds it
-        assert fds() == before                            # and so is its connection (sqlite3's own cycle aside)
+        assert open_fds() == before                            # and so is its connection (sqlite3's own cycle aside)
     finally:
         gc.enable()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+@needs_proc_fd
 def test_stores_that_read_and_are_dropped_leave_no_descriptors_without_the_garbage_collector(tmp_path):
     # An sqlite3.Connection is in a reference cycle with its statement cache (Python 3.11): a dropped store that
     # had read kept its index.sqlite descriptor until the cyclic collector ran, one per store, per thread.
     import gc
 
-    def fds():
-        return len(os.listdir("/proc/self/fd"))
     save_seeds(new_store(tmp_path), {"a": 1})
     path = tmp_path / "store"
     gc.collect()
     gc.disable()
     try:
         PolicyStore.open(path).newest_version()           # warm up whatever imports/caches open once
-        before = fds()
+        before = open_fds()
         for _ in range(20):
             assert PolicyStore.open(path).newest_version() == 1
         for _ in range(20):
@@ -523,21 +530,19 @@ def test_stores_that_read_and_are_dropped_leave_no_descriptors_without_the_garba
         for _ in range(5):
             with PolicyStore.open(path).writer():
                 pass
-        assert fds() == before
+        assert open_fds() == before
     finally:
         gc.enable()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+@needs_proc_fd
 def test_close_closes_the_index_connections_other_threads_opened(tmp_path):
     # close() closed only the calling thread's connection; the other threads' stayed open until collected.
     import threading
 
-    def fds():
-        return len(os.listdir("/proc/self/fd"))
     save_seeds(new_store(tmp_path), {"a": 1})
     st = PolicyStore.open(tmp_path / "store")
-    before = fds()
+    before = open_fds()
     go, done = threading.Event(), []
 
     def reader():
@@ -549,15 +554,15 @@ def test_close_closes_the_index_connections_other_threads_opened(tmp_path):
         t.start()
     while len(done) < 3:
         time.sleep(0.01)
-    assert fds() == before + 3
+    assert open_fds() == before + 3
     st.close()
-    assert fds() == before - 1                            # every thread's connection and the directory's descriptor
+    assert open_fds() == before - 1                        # every thread's connection and the directory's descriptor
     go.set()
     for t in threads:
         t.join()
     assert done == [1, 1, 1, 1, 1, 1]
     st.close()
-    assert fds() == before - 1
+    assert open_fds() == before - 1
 
 
 def test_replaced_tells_a_store_deleted_and_made_again(tmp_path):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, FakeEmbedder, make_fake_store, run_cli
+from helpers import needs_proc_fd, open_fds
 
 import rmm_jax as rj
 from rmm_jax.cli.evaluate import rollback_hint
@@ -885,10 +886,6 @@ def store_view(st):
     return view
 
 
-def open_fds():
-    return len(os.listdir("/proc/self/fd"))
-
-
 def held_files(root) -> list[str]:
     """The descriptors (/proc/self/fd) and maps (/proc/self/maps) of this process naming a file under ``root``."""
     names = []
@@ -902,7 +899,7 @@ def held_files(root) -> list[str]:
     return [n for n in names if n.startswith(str(root))]
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+@needs_proc_fd
 def test_a_held_store_reads_the_version_it_opened_after_an_append(days):
     # A server holding an open store (docs/lifecycle.md, Serve) read its files by name, lazily: after the night's
     # `embed --into` renamed the grown store into place, `memories.jsonl: 1032 rows but the manifest counts 960`,

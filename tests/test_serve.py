@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FakeEmbedder, make_fake_store, run_cli
-from helpers import assert_f32_close, f32_error, params_of, save_seeds, state_of
+from helpers import assert_f32_close, f32_error, needs_proc_fd, open_fds, params_of, save_seeds, state_of
 
 import rmm_jax as rj
 from rmm_jax.data import embed as embed_mod
@@ -564,26 +564,24 @@ def test_a_refresh_between_a_batch_s_lookup_and_its_draw_logs_the_policy_that_dr
     st.close()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+@needs_proc_fd
 def test_refresh_leaves_no_store_open_behind(tmp_path):
     # Every refresh() opened a PolicyStore (changed or not) and left the old one, its SQLite descriptor and memory,
     # to the cyclic garbage collector: "fds before 7 after 200 unchanged refresh() 207 after gc.collect() 7".
-    def fds():
-        return len(os.listdir("/proc/self/fd"))
     st = policy_store(tmp_path / "pol", {"a": 1})
     rr = Reranker.open(tmp_path / "pol")
     rr.policy("a")
     gc.collect()
     gc.disable()
     try:
-        before = fds()
+        before = open_fds()
         for _ in range(100):
             assert rr.refresh() is False
-        assert fds() == before
+        assert open_fds() == before
         for seed in range(2, 12):                          # each night a new version: the store is replaced
             save_seeds(st, {"a": seed})
             assert rr.refresh() is True and rr.policy("a").version == seed
-        assert fds() == before
+        assert open_fds() == before
     finally:
         gc.enable()
 
@@ -938,7 +936,6 @@ def test_rerank_refuses_an_out_that_is_its_calls_or_inside_its_store(capsys, tmp
     the requests were gone. --out naming the requests file (by another spelling of the path,
     or a link to it), or a path inside STORE, is one line naming --out, before any work:
     nothing written, the requests and the store as they were."""
-    import os
 
     store = make_fake_store(tmp_path / "st", users=1, sessions=1, turns=2, dim=16)
     calls = tmp_path / "calls.jsonl"
