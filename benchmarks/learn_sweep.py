@@ -32,8 +32,10 @@ conversations in the run; the other two learn beside them in the shared scopes, 
 pretraining data in the leave-one-out rows) and is the report. The levers:
 
 Rows without a ``preset`` start from ``reinforce`` (REINFORCE on citation rewards, the
-default preset until issue 26, which these levers began from); ``default`` rows are the
-default preset (the logistic loss at lr 1e-4, chosen by ``benchmarks/defaults_sweep.py``);
+default preset until issue 26, which these levers began from); rows named ``default`` are the
+default preset when they ran: the logistic loss against the best current score at lr 1e-4,
+chosen by ``benchmarks/defaults_sweep.py``, today's ``realistic`` (``WAS_DEFAULT``: the names
+stay, so each committed file is what its lever writes); ``anchored`` rows are today's default;
 ``calibrated`` rows the same loss corrected for the paper's judge rates, at 2e-4 in scope
 user (``rmm_jax.core.config.BY_SCOPE``).
 
@@ -187,6 +189,9 @@ JUDGE = {"p_useful": P_USEFUL, "p_other": P_OTHER}        # the class-calibrated
 PERFECT = "perfect"          # the bound lever's citations: exactly the shown gold memories, no judge noise
 CITE_FNS = {**{name: _common.citation_model(name)[0] for name in _common.CITATIONS},
             PERFECT: answer_oracle()}
+# The preset of the rows named "default": the default when every committed file of this script ran
+# (the logistic loss against the best current score, lr 1e-4); the default is `anchored` since.
+WAS_DEFAULT = "realistic"
 # row keys that are not settings
 NOT_SETTINGS = ("name", "pretrain", "citations", "online", "epochs", "prior", "candidate")
 
@@ -478,8 +483,8 @@ PASSES_ROWS = [
     {"name": "reinforce, clip 1", "clip": 1.0},
     {"name": "lr 1e-4", "lr": 1e-4},
     {"name": "logistic", "loss": "logistic"},
-    {"name": "logistic lr 1e-4 (default)", "preset": "default"},
-    {"name": "logistic lr 1e-4 (default), clip 1", "preset": "default", "clip": 1.0},
+    {"name": "logistic lr 1e-4 (default)", "preset": WAS_DEFAULT},
+    {"name": "logistic lr 1e-4 (default), clip 1", "preset": WAS_DEFAULT, "clip": 1.0},
 ]
 
 
@@ -487,11 +492,11 @@ SCOPE_ROWS = [
     {"name": "reinforce user"},
     {"name": "reinforce shared", "scope": "shared"},
     {"name": "reinforce hybrid r8", "scope": "hybrid", "rank": 8},
-    {"name": "default user", "preset": "default"},
-    {"name": "default shared", "preset": "default", "scope": "shared"},
-    {"name": "default hybrid r8", "preset": "default", "scope": "hybrid", "rank": 8},
-    {"name": "default hybrid r32", "preset": "default", "scope": "hybrid", "rank": 32},
-    {"name": "default hybrid r8, local lr 3e-4", "preset": "default", "scope": "hybrid", "rank": 8, "local_lr": 3e-4},
+    {"name": "default user", "preset": WAS_DEFAULT},
+    {"name": "default shared", "preset": WAS_DEFAULT, "scope": "shared"},
+    {"name": "default hybrid r8", "preset": WAS_DEFAULT, "scope": "hybrid", "rank": 8},
+    {"name": "default hybrid r32", "preset": WAS_DEFAULT, "scope": "hybrid", "rank": 32},
+    {"name": "default hybrid r8, local lr 3e-4", "preset": WAS_DEFAULT, "scope": "hybrid", "rank": 8, "local_lr": 3e-4},
     {"name": "logistic user lr 3e-4", "loss": "logistic"},
     {"name": "logistic shared lr 3e-4", "loss": "logistic", "scope": "shared"},
     {"name": "logistic hybrid r8 lr 3e-4", "loss": "logistic", "scope": "hybrid", "rank": 8},
@@ -505,18 +510,18 @@ def lever_scope(ctx) -> dict:
 PRETRAIN_ROWS = [
     {"name": "gold pretrain", "pretrain": "gold"},
     {"name": "gold pretrain + reinforce online", "pretrain": "gold", "online": True},
-    {"name": "gold pretrain + default online", "pretrain": "gold", "online": True, "preset": "default"},
+    {"name": "gold pretrain + default online", "pretrain": "gold", "online": True, "preset": WAS_DEFAULT},
     {"name": "gold pretrain + realistic online", "pretrain": "gold", "online": True, "preset": "realistic"},
-    {"name": "gold pretrain + default online lr 3e-4", "pretrain": "gold", "online": True, "preset": "default",
+    {"name": "gold pretrain + default online lr 3e-4", "pretrain": "gold", "online": True, "preset": WAS_DEFAULT,
      "lr": 3e-4},
-    {"name": "gold pretrain + default online hybrid", "pretrain": "gold", "online": True, "preset": "default",
+    {"name": "gold pretrain + default online hybrid", "pretrain": "gold", "online": True, "preset": WAS_DEFAULT,
      "scope": "hybrid"},
     {"name": "cited pretrain 10 ep", "pretrain": "cited", "epochs": 10},
-    {"name": "replay pretrain 1 ep", "pretrain": "replay", "epochs": 1, "preset": "default"},
-    {"name": "replay pretrain 3 ep", "pretrain": "replay", "epochs": 3, "preset": "default"},
-    {"name": "replay pretrain 3 ep + default online", "pretrain": "replay", "epochs": 3, "preset": "default",
+    {"name": "replay pretrain 1 ep", "pretrain": "replay", "epochs": 1, "preset": WAS_DEFAULT},
+    {"name": "replay pretrain 3 ep", "pretrain": "replay", "epochs": 3, "preset": WAS_DEFAULT},
+    {"name": "replay pretrain 3 ep + default online", "pretrain": "replay", "epochs": 3, "preset": WAS_DEFAULT,
      "online": True},
-    {"name": "replay pretrain 3 ep + default online hybrid", "pretrain": "replay", "epochs": 3, "preset": "default",
+    {"name": "replay pretrain 3 ep + default online hybrid", "pretrain": "replay", "epochs": 3, "preset": WAS_DEFAULT,
      "online": True, "scope": "hybrid"},
 ]
 
@@ -547,7 +552,7 @@ def pretrain_rows(ctx, rows: list[dict], users) -> dict:
     params = identity(streams)
     per_seed = {r["name"]: [] for r in rows}
     for seed in ctx.seeds:
-        logs = run_loop(streams, program_of({"preset": "default"}, "oracle"), params, seed).outputs   # everyone's calls
+        logs = run_loop(streams, program_of({"preset": WAS_DEFAULT}, "oracle"), params, seed).outputs   # everyone's
         cache = {}
         for row in rows:
             got = {}
@@ -604,7 +609,7 @@ def lever_answer(ctx) -> dict:
 # held-out report, which showed the realistic preset gaining nothing under precision/recall
 # citations; kept apart from the choices the report was fixed by).
 LR_MODELS = ("oracle", "precision_recall", "answer")
-LR_ROWS = [{"name": f"default lr {lr:g} [{cm}]", "preset": "default", "lr": lr, "citations": cm}
+LR_ROWS = [{"name": f"default lr {lr:g} [{cm}]", "preset": WAS_DEFAULT, "lr": lr, "citations": cm}
            for cm in LR_MODELS for lr in (1e-3, 3e-4, 1e-4)]
 
 
@@ -628,10 +633,10 @@ def lever_lr(ctx) -> dict:
 # online from identity and after gold pretraining; the scale whose worst citation model gains most
 # (max-min, as for the step size) is the lever's choice.
 PRIOR_SCALES = (0.0, 1.0, 3.0, 10.0, 20.0, 30.0, 50.0)
-PRIOR_ROWS = [{"name": f"default, memory coordinates x{sc:g} [{cm}]", "preset": "default", "prior": sc,
+PRIOR_ROWS = [{"name": f"default, memory coordinates x{sc:g} [{cm}]", "preset": WAS_DEFAULT, "prior": sc,
                "citations": cm} for cm in LR_MODELS for sc in PRIOR_SCALES]
 PRIOR_PRETRAIN_ROWS = [{"name": f"gold pretrain + default online, memory coordinates x{sc:g}", "pretrain": "gold",
-                        "online": True, "preset": "default", "prior": sc} for sc in PRIOR_SCALES]
+                        "online": True, "preset": WAS_DEFAULT, "prior": sc} for sc in PRIOR_SCALES]
 
 
 def with_memory_coordinates(s: Stream, n: int, scale: float) -> Stream:
@@ -689,7 +694,7 @@ def lever_prior(ctx) -> dict:
 # every conversation and reported on 26+30 and 41-43 apart; it chooses nothing.
 BOUND_LRS = (1e-4, 3e-4, 1e-3, 3e-3)
 BOUND_TAU = PretrainConfig().tau        # pretraining's listwise temperature
-BOUND_CITED = [{"name": f"default{sc} [{c}]", "preset": "default", "citations": c, **extra}
+BOUND_CITED = [{"name": f"default{sc} [{c}]", "preset": WAS_DEFAULT, "citations": c, **extra}
                for c in ("oracle", PERFECT)
                for sc, extra in (("", {}), (" shared", {"scope": "shared"}), (" hybrid", {"scope": "hybrid"}))]
 BOUND_FULL = [{"name": f"full information {scope}, lr {lr:g}", "scope": scope, "lr": lr}
@@ -705,7 +710,7 @@ def full_information(streams: list[Stream], params, lr: float, scope: str = "use
     against their gold (:func:`rmm_jax.core.losses.listwise_loss` at pretraining's temperature;
     valid queries with a gold candidate). ``scope`` ``user``: each stream its own reranker;
     ``shared``: one reranker, each step on every stream's next batch together."""
-    b = setting_of({"preset": "default"}).layout.batch
+    b = setting_of({"preset": WAS_DEFAULT}).layout.batch
     steps = max(-(-s.queries.shape[0] // b) for s in streams)
 
     def padded(s):
@@ -798,11 +803,11 @@ def lever_bound(ctx) -> dict:
 # user's own kernel), the shared part stepping at 0, 0.5 and 1 times a user's step and at the
 # update's own √U_a (√5 with every conversation), beside scope user; the default preset and its
 # class-calibrated citations. Reported on 26+30 and on 41-43 apart; it chooses nothing.
-HYBRID_ROWS = ([{"name": "default user", "preset": "default"}]
-               + [{"name": f"default hybrid r{r}" + ("" if c is None else f", shared step {c:g}"), "preset": "default",
-                   "scope": "hybrid", "rank": r, **({} if c is None else {"shared_step": c})}
+HYBRID_ROWS = ([{"name": "default user", "preset": WAS_DEFAULT}]
+               + [{"name": f"default hybrid r{r}" + ("" if c is None else f", shared step {c:g}"),
+                   "preset": WAS_DEFAULT, "scope": "hybrid", "rank": r, **({} if c is None else {"shared_step": c})}
                   for r in (8, 383) for c in (0.0, 0.5, 1.0, None)]
-               + [{"name": "default hybrid r64", "preset": "default", "scope": "hybrid", "rank": 64}])
+               + [{"name": "default hybrid r64", "preset": WAS_DEFAULT, "scope": "hybrid", "rank": 64}])
 
 
 def lever_hybrid(ctx) -> dict:
@@ -827,7 +832,7 @@ def lever_hybrid(ctx) -> dict:
 # sweep: three citation models by three scopes on 26 and 30; the candidate whose worst cell is
 # best (the defaults sweep's rule) is a lever's choice.
 CELL_SCOPES = (("user", {}), ("shared", {"scope": "shared"}), ("hybrid", {"scope": "hybrid"}))
-DEFAULT_CANDIDATE = ("default", {"preset": "default"})
+DEFAULT_CANDIDATE = ("default", {"preset": WAS_DEFAULT})
 
 
 def cell_rows(candidates) -> list[dict]:
@@ -863,7 +868,7 @@ def max_min_over_cells(ctx, rows: list[dict]) -> dict:
 # The citations as preferences within a call (Estimator(loss="pairwise")). The bound lever read the
 # shared scopes' fall under perfect citations as the logistic loss pushing every uncited shown
 # memory down; this loss never does.
-PAIRWISE_ROWS = cell_rows([(f"pairwise lr {lr:g}", {"preset": "default", "loss": "pairwise", "lr": lr})
+PAIRWISE_ROWS = cell_rows([(f"pairwise lr {lr:g}", {"preset": WAS_DEFAULT, "loss": "pairwise", "lr": lr})
                            for lr in (1e-4, 3e-4, 1e-3)])
 
 
@@ -874,7 +879,7 @@ def lever_pairwise(ctx) -> dict:
 # The draw of the shown memories at its own temperature (Estimator(draw_tau=...)), the loss's logits
 # still at τ = 0.1. With one τ for both, the τ rows of the estimator lever changed the loss's scale
 # as well as how far the draw strays from the policy's own top M.
-DRAW_ROWS = cell_rows([(f"draw tau {t:g}", {"preset": "default", "draw_tau": t}) for t in (0.05, 0.02, 0.01)])
+DRAW_ROWS = cell_rows([(f"draw tau {t:g}", {"preset": WAS_DEFAULT, "draw_tau": t}) for t in (0.05, 0.02, 0.01)])
 
 
 def lever_draw(ctx) -> dict:
@@ -884,9 +889,9 @@ def lever_draw(ctx) -> dict:
 # The step size moved in two ways the lr lever did not: a rate per map (the query map and the
 # memory map), and a rate that starts high and decays to the default's 1e-4 (at step t of a part,
 # max(1e-4, lr0/√(1 + t/t0))), in the same nine cells and by the same rule.
-STEPS_ROWS = cell_rows([(f"query map {q:g}, memory map {m:g}", {"preset": "default", "map_lr": (q, m)})
+STEPS_ROWS = cell_rows([(f"query map {q:g}, memory map {m:g}", {"preset": WAS_DEFAULT, "map_lr": (q, m)})
                         for q, m in ((3e-4, 1e-4), (1e-4, 3e-4))]
-                       + [(f"decay from {lr0:g}, t0 {t0:g}", {"preset": "default", "decay": (lr0, t0)})
+                       + [(f"decay from {lr0:g}, t0 {t0:g}", {"preset": WAS_DEFAULT, "decay": (lr0, t0)})
                           for lr0, t0 in ((3e-4, 20.0), (1e-3, 5.0))])
 
 
@@ -902,9 +907,9 @@ def draw_look(tau: float) -> list[dict]:
     each scope, drawn at ``tau``."""
     models = [("", {}), (" [precision_recall]", {"citations": "precision_recall"}),
               (" [answer]", {"citations": "answer"})]
-    return ([{"name": f"default, draw tau {tau:g}{tag}", "preset": "default", "draw_tau": tau, **extra}
+    return ([{"name": f"default, draw tau {tau:g}{tag}", "preset": WAS_DEFAULT, "draw_tau": tau, **extra}
              for tag, extra in models]
-            + [{"name": f"default {scope}, draw tau {tau:g}", "preset": "default", "draw_tau": tau, "scope": scope}
+            + [{"name": f"default {scope}, draw tau {tau:g}", "preset": WAS_DEFAULT, "draw_tau": tau, "scope": scope}
                for scope in ("shared", "hybrid")])
 
 
@@ -915,11 +920,11 @@ def draw_look(tau: float) -> list[dict]:
 # showed under the other citation models put the default back, and it was run again with the
 # rows named as they are now (the same settings, seeds and streams).
 HELDOUT_ONLINE_DEFAULT = [
-    {"name": "default", "preset": "default"},
-    {"name": "default [precision_recall]", "preset": "default", "citations": "precision_recall"},
-    {"name": "default [answer]", "preset": "default", "citations": "answer"},
-    {"name": "default shared", "preset": "default", "scope": "shared"},
-    {"name": "default hybrid", "preset": "default", "scope": "hybrid"},
+    {"name": "default", "preset": WAS_DEFAULT},
+    {"name": "default [precision_recall]", "preset": WAS_DEFAULT, "citations": "precision_recall"},
+    {"name": "default [answer]", "preset": WAS_DEFAULT, "citations": "answer"},
+    {"name": "default shared", "preset": WAS_DEFAULT, "scope": "shared"},
+    {"name": "default hybrid", "preset": WAS_DEFAULT, "scope": "hybrid"},
 ]
 HELDOUT_ONLINE = [
     *HELDOUT_ONLINE_DEFAULT,
@@ -932,13 +937,13 @@ HELDOUT_ONLINE = [
     {"name": "reinforce [precision_recall]", "citations": "precision_recall"},
     {"name": "reinforce [answer]", "citations": "answer"},
     # added at the sixth look: the scope lever's best hybrid row on 26 and 30 (learn_sweep_scope.json)
-    {"name": "default hybrid, local lr 3e-4", "preset": "default", "scope": "hybrid", "rank": 8, "local_lr": 3e-4},
+    {"name": "default hybrid, local lr 3e-4", "preset": WAS_DEFAULT, "scope": "hybrid", "rank": 8, "local_lr": 3e-4},
     # added at the seventh look: the prior lever's choice on 26 and 30 (learn_sweep_prior.json: the
     # scale whose worst citation model gains most, 20), under each citation model
-    {"name": "default, memory coordinates x20", "preset": "default", "prior": 20.0},
-    {"name": "default, memory coordinates x20 [precision_recall]", "preset": "default", "prior": 20.0,
+    {"name": "default, memory coordinates x20", "preset": WAS_DEFAULT, "prior": 20.0},
+    {"name": "default, memory coordinates x20 [precision_recall]", "preset": WAS_DEFAULT, "prior": 20.0,
      "citations": "precision_recall"},
-    {"name": "default, memory coordinates x20 [answer]", "preset": "default", "prior": 20.0, "citations": "answer"},
+    {"name": "default, memory coordinates x20 [answer]", "preset": WAS_DEFAULT, "prior": 20.0, "citations": "answer"},
     # added at the ninth look: the draw lever's middle temperature (learn_sweep_draw.json: the policy's
     # top-5 gain ties the default's at every temperature, and what is shown rises above the retriever's)
     *draw_look(0.02),
@@ -953,22 +958,22 @@ HELDOUT_ONLINE = [
 ]
 HELDOUT_PRETRAIN = [
     {"name": "gold pretrain", "pretrain": "gold"},
-    {"name": "gold pretrain + default online", "pretrain": "gold", "online": True, "preset": "default"},
+    {"name": "gold pretrain + default online", "pretrain": "gold", "online": True, "preset": WAS_DEFAULT},
     {"name": "gold pretrain + calibrated online", "pretrain": "gold", "online": True, "preset": "calibrated"},
-    {"name": "gold pretrain + default online hybrid", "pretrain": "gold", "online": True, "preset": "default",
+    {"name": "gold pretrain + default online hybrid", "pretrain": "gold", "online": True, "preset": WAS_DEFAULT,
      "scope": "hybrid"},
     {"name": "gold pretrain + reinforce online", "pretrain": "gold", "online": True},
     {"name": "replay pretrain 3 ep + default online", "pretrain": "replay", "epochs": 3, "online": True,
-     "preset": "default"},
+     "preset": WAS_DEFAULT},
     # added at the seventh look, with the online rows above
     {"name": "gold pretrain + default online, memory coordinates x20", "pretrain": "gold", "online": True,
-     "preset": "default", "prior": 20.0},
+     "preset": WAS_DEFAULT, "prior": 20.0},
     # added at the ninth look, with the online rows above
     {"name": "gold pretrain + default online, draw tau 0.02", "pretrain": "gold", "online": True,
-     "preset": "default", "draw_tau": 0.02},
+     "preset": WAS_DEFAULT, "draw_tau": 0.02},
     # added at the tenth look, with the online rows above
     {"name": "gold pretrain + default online, draw tau 0.01", "pretrain": "gold", "online": True,
-     "preset": "default", "draw_tau": 0.01},
+     "preset": WAS_DEFAULT, "draw_tau": 0.01},
     # added at the thirteenth look, with the online rows above
     {"name": "gold pretrain + anchored online", "pretrain": "gold", "online": True, "preset": "anchored"},
 ]
@@ -1085,7 +1090,7 @@ def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = (
         cells += [("oracle", sc, f"{tag} + default {sc} [oracle]") for sc in scopes]
         for cm, scope, name in cells:
             run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
-            row = {"preset": "default", **({} if scope == "user" else {"scope": scope}),
+            row = {"preset": WAS_DEFAULT, **({} if scope == "user" else {"scope": scope}),
                    **({} if lr is None else {"lr": lr})}
             out = run_loop(run_on, program_of(row, cm), start, seed).outputs
             runs.setdefault(name, []).append({u: o["recall"] for u, o in out.items()})
@@ -1107,7 +1112,7 @@ def lever_dialogue(ctx) -> dict:
     ctx.log(f"  chosen on {'+'.join(TUNED_ON)}: {chosen} epochs (worst model {worst[chosen]:+.4f})")
     everyone = [s.user_id for s in ctx.streams]
     runs = dialogue_rows(ctx, everyone, chosen, "dialogue start", scopes=("shared", "hybrid"))
-    runs |= online_rows(ctx, [{"name": f"default [{cm}]", "preset": "default", "citations": cm} for cm in LR_MODELS],
+    runs |= online_rows(ctx, [{"name": f"default [{cm}]", "preset": WAS_DEFAULT, "citations": cm} for cm in LR_MODELS],
                         everyone, HELD_OUT)
     report = {n: {"tuned_on": gain(r, ctx.base, ctx.streams, TUNED_ON),
                   "held_out": gain(r, ctx.base, ctx.streams, HELD_OUT),
@@ -1223,7 +1228,7 @@ def lever_anchor(ctx) -> dict:
                 {u: _common.frozen_recall(by_user[u], streams[u], M) for u in TUNED_ON})
             for name, extra in ANCHOR_ROWS:
                 for cm in LR_MODELS:
-                    row = {"preset": "default", **extra}
+                    row = {"preset": WAS_DEFAULT, **extra}
                     got = {}
                     for u in TUNED_ON:
                         target = with_answer_support(streams[u], ctx.qa[u]) if cm == "answer" else streams[u]
@@ -1246,7 +1251,7 @@ def lever_anchor(ctx) -> dict:
     ctx.log(f"  worst over models and starts: {', '.join(f'{n} {w:+.4f}' for n, w in worst.items())}; "
             f"chosen: {chosen}")
     return {"rows": rows, "worst_minus_frozen": worst, "chosen": chosen,
-            "settings": {name: record({"preset": "default", **extra}) for name, extra in ANCHOR_ROWS},
+            "settings": {name: record({"preset": WAS_DEFAULT, **extra}) for name, extra in ANCHOR_ROWS},
             "protocol": "26+30 only (no score of 41-43 is read; their gold is pretraining data, as in the pretrain "
                         "lever); gold start: leave-one-out gold pretraining on the other four "
                         "conversations (the library's recipe); dialogue start: 26+30's pairs (DIALOGUE_RECIPE); "

@@ -19,12 +19,12 @@ one chunk (one shared part in scopes shared and hybrid). Per night:
 and at the end ``logit``: the median, over the first 50 users of each seed's run, of the largest
 |score| / τ over a user's candidates, the scale the draw sees.
 
-Written down before it ran: the logistic loss anchored at the best current score (the
-``default`` preset) leaves the best candidate's gradient at (σ(offset) − its citation rate)/τ
+Written down before it first ran: the logistic loss anchored at the best current score (the
+``default`` preset then, ``realistic`` today) leaves the best candidate's gradient at (σ(offset) − its citation rate)/τ
 whatever its score, so under Adam the scores' scale grows with the updates, and a shared
 part, which takes an update per batch of every user, grows fastest. The ``anchored`` preset
-(``reference="retriever"``, chosen on LoCoMo 26 and 30 by ``defaults_sweep.py``'s rule) should
-keep the scale bounded and the gain from falling. Nothing here was tuned.
+(``reference="retriever"``, chosen on LoCoMo 26 and 30 by ``defaults_sweep.py``'s rule, the
+default since) should keep the scale bounded and the gain from falling. Nothing here was tuned.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def main(argv=None):
     ap.add_argument("--users", type=_common.positive_int, default=300, help="synthetic users, side by side")
     ap.add_argument("--nights", type=_common.positive_int, default=8, help="nights each user asks its questions")
     ap.add_argument("--seeds", type=_common.int_list, default="0,1,2", help="comma-separated seeds")
-    ap.add_argument("--presets", type=_common.choice_list(*rj.PRESETS), default="default,anchored",
-                    help="comma-separated presets")
+    ap.add_argument("--presets", type=_common.choice_list(*rj.PRESETS), default="realistic,anchored",
+                    help="comma-separated presets (anchored is the default's setting; realistic the default before)")
     ap.add_argument("--scopes", type=_common.choice_list(*SCOPES), default="user,shared,hybrid",
                     help="comma-separated policy scopes")
     _common.result_options(ap, "PNG of the gain and of log P(shown) by night")
@@ -130,7 +130,7 @@ def plot(out: dict, path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     styles = {"user": "-", "shared": "--", "hybrid": ":"}
-    presets = list(dict.fromkeys(["default", "anchored", *(c["preset"] for c in out["cells"].values())]))
+    presets = list(dict.fromkeys(["realistic", "anchored", *(c["preset"] for c in out["cells"].values())]))
     for key, c in out["cells"].items():
         color = f"C{presets.index(c['preset'])}"
         xs = [r["night"] for r in c["nights"]]

@@ -361,16 +361,20 @@ def test_presets_route_each_field_to_its_part():
     assert (opt.name, est.noise, est.tau, est.mode, lay.k, lay.scope) == ("adam", "tempered", 0.5, "rmm", 7,
                                                                           rj.Scope("hybrid", 3))
     assert optim.describe(optax.sgd(0.1)) == {"name": "custom"}
-    default, old = rj.preset("default"), rj.preset("reinforce")   # the old default with the logistic loss at 1e-4
-    assert default.layout == old.layout and describe(*rj.preset("realistic")) == describe(*default)
-    assert optim.describe(default.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
-    assert default.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
+    # realistic: the default before anchored, the REINFORCE default's estimator with the logistic loss, at 1e-4;
+    # the default (and anchored, its name before): the same loss against the retriever's best score, +2, at 3e-4
+    default, realistic, old = rj.preset("default"), rj.preset("realistic"), rj.preset("reinforce")
+    assert default.layout == realistic.layout == old.layout and describe(*rj.preset("anchored")) == describe(*default)
+    assert optim.describe(realistic.optimizer) == {**optim.describe(old.optimizer), "lr": 1e-4}
+    assert realistic.estimator == dataclasses.replace(old.estimator, loss="logistic") != old.estimator
+    assert default.estimator == dataclasses.replace(realistic.estimator, reference="retriever", offset=2.0)
+    assert optim.describe(default.optimizer) == {"name": "adam", "lr": 3e-4}
     assert old.estimator == rj.Estimator() and optim.describe(old.optimizer) == {"name": "adam", "lr": 3e-4}
-    # calibrated, per scope (BY_SCOPE): the default's loss corrected for the paper's judge rates, at 2e-4
-    # in user and 1e-4 in shared and hybrid; the default itself is the same in every scope
+    # calibrated, per scope (BY_SCOPE): realistic's loss corrected for the paper's judge rates, at 2e-4
+    # in user and 1e-4 in shared and hybrid; realistic itself is the same in every scope
     judge = dict(p_useful=0.911, p_other=0.154, offset=-1.0)
     for scope, lr in (("user", 2e-4), ("shared", 1e-4), ("hybrid", 1e-4)):
-        cal, plain = rj.preset("calibrated", scope=scope), rj.preset("default", scope=scope)
+        cal, plain = rj.preset("calibrated", scope=scope), rj.preset("realistic", scope=scope)
         assert cal.layout == plain.layout and cal.layout.scope.name == scope
         assert optim.describe(cal.optimizer) == {"name": "adam", "lr": lr}
         assert optim.describe(plain.optimizer) == {"name": "adam", "lr": 1e-4}
@@ -399,7 +403,7 @@ def test_a_store_recorded_before_the_anchor_existed_keeps_the_best_score_anchor(
     current score: continuing it keeps that, whatever a preset now says, and a run under
     ``anchored`` lists the anchor among its changes (so the CLI can refuse or record it)."""
     from rmm_jax.core.config import setting_changes, setting_record, setting_values
-    old = setting_record("default", rj.preset("default"))
+    old = setting_record("default", rj.preset("realistic"))      # the default as it was then
     del old["estimator"]["reference"]
     assert setting_values(old)["reference"] == "best"
     continued = rj.preset("anchored", **{k: v for k, v in setting_values(old).items() if k != "preset"})
@@ -410,8 +414,10 @@ def test_a_store_recorded_before_the_anchor_existed_keeps_the_best_score_anchor(
 
 @pytest.mark.parametrize("loss", ["reinforce", "pairwise"])
 def test_the_retriever_anchor_is_refused_for_another_loss(loss):
-    with pytest.raises(ValueError, match=r"^loss: the retriever anchor \(reference='retriever', preset 'anchored'\)"):
-        rj.preset("anchored", loss=loss)
+    for name in ("default", "anchored"):
+        with pytest.raises(ValueError, match=r"^loss: the retriever anchor \(reference='retriever', presets "
+                                             r"'default' and 'anchored'\)"):
+            rj.preset(name, loss=loss)
 
 
 @pytest.mark.parametrize("fields, temp", [({"noise": "unit"}, 1.0), ({"noise": "tempered"}, 0.5),

@@ -167,9 +167,9 @@ def test_a_quiet_day_refuses_the_options_a_day_with_calls_refuses(capsys, tmp_pa
                                   "log-prob needs the sampled Gumbel noise, which logs do not record; replay with "
                                   "--preset default"),
                                  ((pol,), ("--preset", "paper"), "error: --preset: paper would change the learning "
-                                  f"setting policy store {pol} records (preset default; loss, reward, baseline, mode, "
-                                  "tau, noise, optimizer change with it); leave the option out to continue with it, "
-                                  "or add --change-setting"),
+                                  f"setting policy store {pol} records (preset default; loss, offset, reference, "
+                                  "reward, baseline, mode, tau, noise, optimizer change with it); leave the option "
+                                  "out to continue with it, or add --change-setting"),
                                  ((pol, pol.parent / "new"), ("--plot", str(tmp_path / "curve.txt")),
                                   f"error: --plot: must name a .png file, got {str(tmp_path / 'curve.txt')!r}"),
                                  ((pol.parent / "new",), ("--scope", "hybrid", "--rank", "16"),

@@ -178,7 +178,7 @@ def test_a_continued_run_keeps_the_recorded_setting_and_a_change_is_explicit(cap
     assert code == 0, err
     cfg = json.loads(out)["config"]
     assert (cfg["estimator"]["loss"], cfg["optimizer"]["lr"]) == ("reinforce", 3e-4)
-    assert "continuing with the learning setting" in err and "lr 0.0003" in err
+    assert "continuing with the learning setting" in err and "loss reinforce, offset 0.0, reference best" in err
     code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "1e-4")
     assert code == 2 and out == ""
     assert err.strip().splitlines()[-1] == (f"error: --lr: 0.0001 would change the learning setting policy store "
@@ -186,7 +186,7 @@ def test_a_continued_run_keeps_the_recorded_setting_and_a_change_is_explicit(cap
                                             "or add --change-setting")
     code, _, err = run_cli(capsys, *sim, "8:12", "--preset", "default")
     assert code == 2 and "--preset: default would change" in err
-    assert "(preset reinforce; loss, lr change" in err
+    assert "(preset reinforce; loss, offset, reference change" in err
     code, out, err = run_cli(capsys, *sim, "8:12", "--lr", "1e-4", "--change-setting", "--json")
     assert code == 0, err
     assert "changed (--change-setting): lr 0.0003 -> 0.0001" in err
@@ -212,7 +212,37 @@ def test_an_explicit_preset_is_that_preset_as_it_is_now(capsys, tmp_path, store)
                                             "option out to continue with it, or add --change-setting")
     code, out, err = run_cli(capsys, *sim, "8:12", "--preset", "default", "--change-setting", "--json")
     assert code == 0, err
-    assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 1e-3, "to": 1e-4}]
+    assert json.loads(out)["setting"]["changed"] == [{"field": "lr", "from": 1e-3, "to": 3e-4}]
+
+
+def test_a_store_trained_under_the_default_before_anchored_keeps_its_learner(capsys, tmp_path, store):
+    """A store an older version recorded as ``default`` holds that default's values (the loss against
+    the policy's best score, lr 1e-4, today's ``realistic``): continued without --preset it learns
+    exactly as before (the same parameters as a run under ``realistic``, and says so); --preset
+    default asks to move it to the anchored default and names each field that would change."""
+    old, ref = tmp_path / "old", tmp_path / "ref"
+    sim = lambda pol, *a: run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, *a)  # noqa: E731
+    for pol in (old, ref):
+        code, _, err = sim(pol, "--queries", ":4", "--preset", "realistic")
+        assert code == 0, err
+    header = json.loads((old / "policy_store.json").read_text())
+    assert header["setting"]["preset"] == "realistic"
+    header["setting"]["preset"] = "default"                        # what the older version wrote
+    (old / "policy_store.json").write_text(json.dumps(header))
+    code, out, err = sim(old, "--queries", "4:8", "--json")
+    assert code == 0, err
+    cfg = json.loads(out)["config"]
+    assert (cfg["estimator"]["reference"], cfg["estimator"]["offset"], cfg["optimizer"]["lr"]) == ("best", 0.0, 1e-4)
+    assert "continuing with the learning setting" in err and "reference best" in err
+    code, _, err = sim(ref, "--queries", "4:8")
+    assert code == 0, err
+    a, b = store_loads(old), store_loads(ref)
+    assert a.pop("setting")["preset"] == "default" and b.pop("setting")["preset"] == "realistic" and a == b
+    code, out, err = sim(old, "--queries", "8:12", "--preset", "default")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].endswith(
+        "records (preset default as it was then: offset 0.0, reference best, lr 0.0001); leave the option out to "
+        "continue with it, or add --change-setting")
 
 
 def test_judge_rates_are_options_the_store_records(capsys, tmp_path, store):
@@ -234,22 +264,25 @@ def test_judge_rates_are_options_the_store_records(capsys, tmp_path, store):
 
 
 def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tmp_path, store):
-    """--loss pairwise runs and is recorded; with judge rates (given, or from --preset calibrated)
+    """--loss pairwise runs and is recorded (over a preset read against the best score: the default's
+    retriever anchor is the logistic loss's); with judge rates (given, or from --preset calibrated)
     it is one line naming --loss, before anything is written."""
     pol = tmp_path / "p"
-    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries", ":4", "--loss", "pairwise"]
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries", ":4", "--loss", "pairwise", "--preset",
+           "realistic"]
     for extra in (["--p-useful", "0.9", "--p-other", "0.1"], ["--preset", "calibrated"]):
         code, out, err = run_cli(capsys, *sim, *extra)
         assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
         assert err.strip().splitlines()[-1] == (
             "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
             "--preset calibrated sets them): drop them, or use --loss logistic")
-    code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", ":4",
-                             "--preset", "anchored", "--loss", "reinforce")
-    assert code == 2 and out == "" and not pol.exists()
-    assert err.strip().splitlines()[-1] == ("error: --loss: --preset anchored reads the logistic loss against the "
-                                            "retriever's best score: leave --loss out (logistic), or use another "
-                                            "--preset")
+    for extra in ([], ["--preset", "anchored"]):        # the default and its earlier name
+        code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", ":4", *extra,
+                                 "--loss", "reinforce")
+        assert code == 2 and out == "" and not pol.exists()
+        assert err.strip().splitlines()[-1] == (
+            "error: --loss: the default preset (and 'anchored') reads the logistic loss against the retriever's "
+            "best score: leave --loss out (logistic), or use another --preset (realistic, reinforce)")
     # from Python the same check names the fields a caller passes, not the CLI's options
     from rmm_jax.core.config import preset
 
@@ -257,7 +290,7 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
         with pytest.raises(ValueError, match=r"^loss: the pairwise loss takes no judge rates or offset \(p_useful, "
                                              r"p_other, offset; preset 'calibrated' sets them\): drop them, or use "
                                              r"loss='logistic'$"):
-            preset("default", loss="pairwise", **kw)
+            preset("realistic", loss="pairwise", **kw)
     code, out, err = run_cli(capsys, *sim, "--json")
     assert code == 0, err
     assert json.loads(out)["config"]["estimator"]["loss"] == "pairwise"

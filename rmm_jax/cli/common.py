@@ -74,15 +74,15 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
     opts = [
         click.option("--preset", type=click.Choice(tuple(PRESETS)), default="default",
                      help="Named setting: 'default' (the citations as labels of the shown memories, --loss "
-                          "logistic, Adam lr 1e-4: the best worst case over citation models and scopes of the sweep "
-                          "before 'anchored', docs/method.md; 'realistic' is the same); 'anchored' (the same loss "
-                          "with each logit relative to the retriever's best score, not the policy's own, offset +2, "
-                          "lr 3e-4: a better worst case on 26 and 30, and its scores stay bounded night after "
-                          "night, docs/method.md); 'calibrated' (the same loss corrected for the "
-                          "paper's judge rates, lr 2e-4 in scope user and 1e-4 in shared and hybrid: better when "
-                          "your citations follow those rates, worse when they do not); 'reinforce' (REINFORCE on "
-                          "citation rewards, "
-                          "Adam lr 3e-4: the default until issue 26); 'paper' (the RMM update as written: top-M of "
+                          "logistic, each logit relative to the retriever's best score with the best at +2, Adam lr "
+                          "3e-4: the best worst case over citation models and scopes on 26 and 30, and its scores "
+                          "stay bounded night after night, docs/method.md; 'anchored' is the same); 'realistic' (the "
+                          "same loss relative to the policy's own best score, lr 1e-4: the default before; its scores "
+                          "grow with every update, docs/method.md); 'calibrated' (the logistic loss "
+                          "against the policy's best score corrected for the paper's judge rates, lr 2e-4 in scope "
+                          "user and 1e-4 in shared and hybrid: better when your citations follow those rates, worse "
+                          "when they do not); 'reinforce' (REINFORCE on citation rewards, Adam lr 3e-4: the default "
+                          "until issue 26); 'paper' (the RMM update as written: top-M of "
                           "s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob only, plain SGD lr 1e-3, "
                           "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
         click.option("--k", type=IntRange(min=1), **k_default, help="Candidates from the base retriever."),
@@ -262,8 +262,9 @@ def check_rank_scope(scope: str | None, rank: int | None) -> None:
 # core messages that name other fields than their own, as the options that give them
 OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
                                          "--preset calibrated sets them): drop them, or use --loss logistic",
-                settings.LOGISTIC_REFERENCE: "--preset anchored reads the logistic loss against the retriever's best "
-                                             "score: leave --loss out (logistic), or use another --preset"}
+                settings.LOGISTIC_REFERENCE: "the default preset (and 'anchored') reads the logistic loss against the "
+                                             "retriever's best score: leave --loss out (logistic), or use another "
+                                             "--preset (realistic, reinforce)"}
 
 
 def raise_option_error(e: ValueError):

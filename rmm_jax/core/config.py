@@ -18,8 +18,8 @@ Examples:
   (10, 'unit', 'sgd', 0.001)
   >>> preset("default", scope="hybrid", rank=4).layout.scope
   Scope(name='hybrid', rank=4)
-  >>> preset().estimator.loss, preset().optimizer.lr, preset("reinforce").estimator.loss
-  ('logistic', 0.0001, 'reinforce')
+  >>> preset().estimator.loss, preset().estimator.reference, preset().optimizer.lr, preset("reinforce").estimator.loss
+  ('logistic', 'retriever', 0.0003, 'reinforce')
   >>> [preset("calibrated", scope=s).optimizer.lr for s in ("user", "shared", "hybrid")]   # per scope
   [0.0002, 0.0001, 0.0001]
   >>> Estimator(tau=0)
@@ -41,8 +41,8 @@ from rmm_jax.core.scope import Scope
 NOISES = ("tempered", "unit")
 # Estimator's error for the pairwise loss with judge rates, naming its fields (the CLI's
 # cli.common.raise_option_error shows it with its options: --p-useful, --loss logistic)
-LOGISTIC_REFERENCE = ("the retriever anchor (reference='retriever', preset 'anchored') is the logistic loss's: "
-                      "use loss='logistic', or another preset")
+LOGISTIC_REFERENCE = ("the retriever anchor (reference='retriever', presets 'default' and 'anchored') is the "
+                      "logistic loss's: use loss='logistic', or another preset ('realistic', 'reinforce')")
 PAIRWISE_RATES = ("the pairwise loss takes no judge rates or offset (p_useful, p_other, offset; preset 'calibrated' "
                   "sets them): drop them, or use loss='logistic'")
 
@@ -168,19 +168,20 @@ class Setting(NamedTuple):
 PAPER_JUDGE = dict(p_useful=0.911, p_other=0.154, offset=-1.0)
 
 PRESETS: dict[str, dict] = {
-    # The citations taken as labels of the shown memories (loss "logistic"), Adam at 1e-4:
-    # of the candidates of benchmarks/defaults_sweep.py, the one whose worst gain over three
-    # citation models (class-calibrated, precision/recall, answer) x three scopes is best on
-    # LoCoMo 26 and 30 (defaults_sweep.json; docs/method.md, "Choosing the defaults").
-    "default": dict(optimizer="adam", lr=1e-4, loss="logistic"),
     # The logistic loss anchored at the retriever's best score (reference="retriever"), the best
-    # candidate's logit at +2, Adam at 3e-4: of the anchored candidates of defaults_sweep.py
-    # (offsets 1-4 x three step sizes), the one whose worst cell is best on 26 and 30, in every scope
-    # (defaults_sweep_anchored.json). Anchored at the best current score (default), scores grow with
-    # every update and a shared part collapses within nights (benchmarks/nights.py); anchored at the
-    # retriever's, each settles where its predicted citation rate meets the one it gets.
-    "anchored": dict(optimizer="adam", lr=3e-4, loss="logistic", reference="retriever", offset=2.0),
+    # candidate's logit at +2, Adam at 3e-4: of the candidates of benchmarks/defaults_sweep.py
+    # (defaults_sweep.json and its anchored candidates, defaults_sweep_anchored.json: one sweep,
+    # the same seeds and streams), the one whose worst gain over three citation models
+    # (class-calibrated, precision/recall, answer) x three scopes is best on LoCoMo 26 and 30, in
+    # every scope (docs/method.md, "Choosing the defaults"). Anchored at the retriever, each logit
+    # settles where its predicted citation rate meets the one it gets; anchored at the best current
+    # score (`realistic`), scores grow with every update and a shared part collapses within nights
+    # (benchmarks/nights.py).
+    "default": dict(optimizer="adam", lr=3e-4, loss="logistic", reference="retriever", offset=2.0),
     # The same as default (its name before default took it, kept for scripts that use it).
+    "anchored": dict(optimizer="adam", lr=3e-4, loss="logistic", reference="retriever", offset=2.0),
+    # The logistic loss against the query's best current score, Adam at 1e-4: the default from
+    # issue 26 until anchored took it (the best worst case of defaults_sweep.json's candidates).
     "realistic": dict(optimizer="adam", lr=1e-4, loss="logistic"),
     # The logistic loss corrected for the paper's judge rates, Adam at 1e-4, and at 2e-4 in
     # scope user (BY_SCOPE): in each scope, the sweep's candidate whose worst gain over the

@@ -658,8 +658,9 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
             f"the exploring draw barely explored: the median call drew its {m} memories, in that order, with "
             f"probability {p:.2f} ({len(log_p)} calls): its logits s/tau lie far apart (up to {largest:.3g} at tau "
             f"{tau:g}), so tomorrow's log labels little beyond the policy's own top {m} and evaluate can judge "
-            f"little else; draw at a larger tau (rerank --tau), or learn with --preset anchored, whose scores stop "
-            f"growing (docs/lifecycle.md, \"When the draw stops exploring\")"),
+            f"little else; draw at a larger tau (rerank --tau), or move the store to the default preset (replay "
+            f"--preset default --change-setting), whose scores stop growing (docs/lifecycle.md, \"When the draw "
+            f"stops exploring\")"),
             stacklevel=2)
 
 
