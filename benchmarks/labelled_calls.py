@@ -4,12 +4,13 @@
         --plot benchmarks/results/labelled_calls.png
 
 ``--preset calibrated`` with ``--p-useful``/``--p-other`` corrects the logistic loss for a
-generator's citation rates. Corrected for the true rates it gains where the default
-preset cannot (``citation_noise_matched.json``). A user measures the rates with
+generator's citation rates. Corrected for the true rates it gained where ``realistic``, the
+default until stop 52, could not (``citation_noise_matched.json``). A user measures the rates with
 ``rmm-jax cite-rates`` on the calls they have gold for, and a small sample measures them
 with error. This script follows that user, for a generator with P(cite | useful)
 ``--p-useful`` and P(cite | not useful) ``--p-other`` (default 0.9 and 0.3, a generator
-noisier than the paper's judge, where the default preset gains nothing significant):
+noisier than the paper's judge, where ``realistic`` gained nothing significant; the default
+since, read against the retriever's best score, gains as much as the correction):
 
 1. **Labelled calls.** N calls drawn at random (with replacement) from the questions of
    the conversations the presets were tuned on (26 and 30), each showing the base
