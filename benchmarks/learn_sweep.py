@@ -290,7 +290,7 @@ def pull_to_start(fraction: float) -> optax.GradientTransformation:
 
 def setting_of(row: dict) -> rj.Setting:
     """A row's :class:`rmm_jax.Setting`: ``preset`` (default ``reinforce``, the REINFORCE preset the
-    levers started from; the ``default`` preset is now its logistic variant) with the row's fields,
+    levers started from; rows named ``default`` run ``WAS_DEFAULT``, its logistic variant) with the row's fields,
     plus ``shrink`` (AdamW: each step also pulls the residual adapters toward zero, the
     retriever, by that fraction), ``local_lr`` (hybrid: the per-user factors step with
     Adam at that rate, the shared part at ``lr``) or ``shared_step`` (hybrid: the shared part
@@ -579,7 +579,8 @@ def pretrain_rows(ctx, rows: list[dict], users) -> dict:
 
 
 PRETRAIN_PROTOCOL = ("leave-one-out over all five conversations; the others' calls (cited, replay) are their "
-                     "simulated online runs with the default preset (scope user) from identity under the same seed")
+                     "simulated online runs with the default preset of the time (realistic; scope user) from identity "
+                     "under the same seed")
 
 
 def lever_pretrain(ctx) -> dict:

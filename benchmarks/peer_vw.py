@@ -559,7 +559,8 @@ def main(argv=None):
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=False,
                     help="also run the cb_explore_adf ablation rows (about 4x VW's time)")
     ap.add_argument("--preset", default="default", choices=list(rj.PRESETS),
-                    help="rmm-jax's preset (default: default; realistic: the logistic loss)")
+                    help="rmm-jax's preset (default: default, anchored at the retriever's best score; realistic: the "
+                         "default until stop 52, which peer_vw.json ran)")
     ap.add_argument("--jax-timing-runs", type=int, default=5,
                     help="rmm-jax passes per seed, timed (median; a pass takes well under a second)")
     ap.add_argument("--start-check", action="store_true",
@@ -579,7 +580,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     if args.synthetic:
         k, m = (6, 2) if args.quick else (args.k, args.m)
-        # quick: 1,200 queries a user, since at the default preset's lr 1e-4 a few hundred (75 updates)
+        # quick: 1,200 queries a user, since at realistic's lr 1e-4 a few hundred (75 updates)
         # move the reranker too little to rank differently, and the floor below would fail
         streams = synthetic_streams(3 if args.quick else 5, 1200 if args.quick else 400, 60 if args.quick else 400,
                                     8 if args.quick else 32, k)

@@ -2,7 +2,8 @@
 
     python benchmarks/sharing.py --json benchmarks/results/sharing.json --plot benchmarks/results/sharing.png
 
-Two questions, both online from the retriever (identity) with the default preset and the
+Two questions, both online from the retriever (identity) with ``--preset`` (the default preset
+unless given; ``sharing.json`` and ``sharing_step*.json`` ran ``realistic``, the default then) and the
 class-calibrated citations (``simulate``'s default), prequential Recall@5, K = 20, M = 5:
 
 * **Scope × users** (``curves``). At U users per group the users learn side by side in groups

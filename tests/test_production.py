@@ -227,7 +227,9 @@ def test_a_store_trained_under_the_default_before_anchored_keeps_its_learner(cap
         assert code == 0, err
     header = json.loads((old / "policy_store.json").read_text())
     assert header["setting"]["preset"] == "realistic"
-    header["setting"]["preset"] = "default"                        # what the older version wrote
+    header["setting"]["preset"] = "default"                        # what the older version wrote,
+    for field in ("reference", "draw_tau"):                           # before either field existed
+        del header["setting"]["estimator"][field]
     (old / "policy_store.json").write_text(json.dumps(header))
     code, out, err = sim(old, "--queries", "4:8", "--json")
     assert code == 0, err
@@ -238,11 +240,28 @@ def test_a_store_trained_under_the_default_before_anchored_keeps_its_learner(cap
     assert code == 0, err
     a, b = store_loads(old), store_loads(ref)
     assert a.pop("setting")["preset"] == "default" and b.pop("setting")["preset"] == "realistic" and a == b
+    code, _, err = sim(old, "--queries", "8:12", "--preset", "anchored")    # the default's other name: a change too
+    assert code == 2 and "--preset: anchored would change" in err
     code, out, err = sim(old, "--queries", "8:12", "--preset", "default")
     assert code == 2 and out == ""
     assert err.strip().splitlines()[-1].endswith(
         "records (preset default as it was then: offset 0.0, reference best, lr 0.0001); leave the option out to "
         "continue with it, or add --change-setting")
+
+
+def test_two_names_of_one_preset_are_no_change_of_setting(capsys, tmp_path, store):
+    """A store recorded under ``anchored`` continued with ``--preset default`` (the same fields under
+    another name) is neither refused nor re-recorded, and says nothing about a change."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    code, _, err = run_cli(capsys, *sim, ":4", "--preset", "anchored")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, *sim, "4:8", "--preset", "default")
+    assert code == 0, err
+    assert "would change" not in err and "changed (--change-setting)" not in err and "continuing with" not in err
+    assert json.loads((pol / "policy_store.json").read_text())["setting"]["preset"] == "anchored"
+    code, _, err = run_cli(capsys, *sim, "8:12", "--preset", "realistic")     # other fields: still refused
+    assert code == 2 and "--preset: realistic would change" in err
 
 
 def test_judge_rates_are_options_the_store_records(capsys, tmp_path, store):

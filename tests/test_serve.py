@@ -1017,6 +1017,27 @@ def test_an_exploring_serve_warns_exactly_when_its_median_draw_repeats_more_ofte
                     for s in b]) == 19
 
 
+def test_the_exploration_warning_names_the_default_only_where_the_scores_can_grow(capsys, tmp_path, env):
+    """The warning's cure: a larger --tau always; the move to the default preset only for policies
+    that learn against the best current score (realistic), not for the identity reranker nor for
+    policies already under the default (whose scores stay bounded)."""
+    from conftest import main
+    store, pol = env
+    real = tmp_path / "real"
+    main(["simulate", str(store), "--policies", str(real), *SIM, "--preset", "realistic"])
+    calls = tmp_path / "calls.jsonl"
+    st = open_store(store)
+    calls.write_text("".join(json.dumps({"user_id": u, "query_id": q, "call_id": f"{u}-{q}"}) + "\n"
+                             for u in st.user_ids for q in st.user(u).query_ids[:8]))
+    for policies, named in ((tmp_path / "none", False), (pol["user"], False), (real, True)):
+        code, _, err = run_cli(capsys, "rerank", store, "--policies", policies, "--calls", calls, "--k", 8, "--m", 3,
+                               "--explore", "--tau", "1e-5", "--out", tmp_path / "out.jsonl")
+        assert code == 0, err
+        line = next(ln for ln in err.splitlines() if "barely explored" in ln)
+        assert "draw at a larger tau (rerank --tau)" in line
+        assert ("--preset default --change-setting" in line) == named, (policies, line)
+
+
 def test_a_call_that_shows_every_candidate_is_not_counted_as_a_draw_that_does_not_explore():
     import warnings
 

@@ -55,7 +55,10 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     rates; `--preset calibrated` alone assumes the paper's (0.911, 0.154), and a
     generator far from them can make that correction hurt (docs/citations.md).
     Give them to `replay` or `simulate` with `--preset calibrated` (with --json,
-    `.options` holds them, null when no correction is advised). Nothing is written.
+    `.options` holds them, null when no correction is advised). The correction reads
+    the loss against the policy's best score, as `--preset realistic` does; the default,
+    read against the retriever's, learned as much uncorrected on the LoCoMo grid of
+    docs/citations.md. Nothing is written.
 
     \b
     Examples:

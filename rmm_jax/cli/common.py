@@ -106,11 +106,14 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
         click.option("--loss", type=click.Choice(LOSSES), default=None,
                      help="reinforce: REINFORCE on the citation rewards; logistic: the citations as labels of "
                           "the shown memories (no baseline or credit); pairwise: each cited shown memory over each "
-                          "uncited one of the same call (no judge rates) [default: logistic; reinforce: reinforce]."),
+                          "uncited one of the same call (no judge rates); reinforce and pairwise need a preset read "
+                          "against the best score (--preset realistic or reinforce) [default: logistic; reinforce: "
+                          "reinforce]."),
         click.option("--p-useful", type=float, default=None,
                      help="The citations' correction: your generator's P(cite | a useful memory is shown), "
                           "as measured against a judge (docs/citations.md); the logistic loss models the rates, "
-                          "REINFORCE corrects its rewards for them [default: 1 (no correction); "
+                          "REINFORCE corrects its rewards for them; measured with --preset calibrated (the best-score "
+                          "anchor), not with the default's retriever anchor [default: 1 (no correction); "
                           f"calibrated: {PAPER_JUDGE['p_useful']}, the paper's]."),
         click.option("--p-other", type=float, default=None,
                      help="The same for P(cite | a memory that is not useful is shown), below --p-useful "

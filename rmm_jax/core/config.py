@@ -92,7 +92,7 @@ class Estimator:
     """
     loss: str = "reinforce"      # reinforce (REINFORCE on citation rewards) | logistic (citations as labels)
                                  # | pairwise (the cited over the uncited shown memories of a call)
-    offset: float = 0.0          # logistic: the logit of a memory scored at the anchor (the query's best score)
+    offset: float = 0.0          # logistic: the logit of a memory scored at the anchor (see reference)
     reference: str = "best"      # logistic: logits relative to the query's best current score | retriever (its
                                  # best base score, fixed: no score grows without end; losses.citation_logistic_loss)
     reward: str = "binary"       # binary | pm1
@@ -304,4 +304,16 @@ def setting_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
     [('preset', 'reinforce', 'realistic'), ('loss', 'reinforce', 'logistic'), ('lr', 0.0003, 0.0001)]
     """
     a, b = setting_values(old), setting_values(new)
-    return [(f, a.get(f), b.get(f)) for f in SETTING_FIELDS if f in a and f in b and a[f] != b[f]]
+    return [(f, a.get(f), b.get(f)) for f in SETTING_FIELDS if f in a and f in b and a[f] != b[f]
+            and not (f == "preset" and same_preset(a[f], b[f]))]
+
+
+def same_preset(a, b) -> bool:
+    """Whether preset names ``a`` and ``b`` name one setting (``default`` and ``anchored``): a
+    store recorded under one continues under the other with no change to refuse or record.
+
+    >>> same_preset("default", "anchored"), same_preset("default", "realistic")
+    (True, False)
+    """
+    return a == b or (a in PRESETS and b in PRESETS and PRESETS[a] == PRESETS[b]
+                      and BY_SCOPE.get(a) == BY_SCOPE.get(b))

@@ -4,9 +4,10 @@ The logistic loss corrects its rewards for a generator that cites a shown useful
 with P(cite | useful) and any other shown memory with P(cite | not useful)
 (``--p-useful``, ``--p-other``; :func:`rmm_jax.core.losses.citation_logistic_loss`).
 ``--preset calibrated`` assumes the paper's judge rates (0.911 and 0.154). Corrected for
-the generator's own rates, the loss gains where the default does not
-(``citation_noise_matched.json``). Corrected for rates the generator does not have, it
-can lose. This module measures the rates on logged calls that have gold:
+the generator's own rates, the loss read against the best current score gains where it does
+not uncorrected (``realistic``; ``citation_noise_matched.json``); the default, read against the
+retriever's best score, gains about as much uncorrected (``citation_noise.json``). Corrected
+for rates the generator does not have, it can lose. This module measures the rates on logged calls that have gold:
 
 * gold: the store's, for a question the store holds (an abstention question has none);
   else the record's ``gold``; a call without gold is not counted;

@@ -6,8 +6,9 @@ scores over the base retriever's K candidates against the normalised multi-hot g
 vector; Adam; a validation split by user; early stopping on validation Recall@M of the
 reranked top-M. The best parameters become every user's initial online policy.
 ``PretrainConfig(loss="logistic")`` fits each candidate on its own instead, gold or not, with
-the online default's loss (:func:`rmm_jax.core.losses.citation_logistic_loss`, every candidate
-shown and the gold ones cited), the per-example loss a pointwise learner such as Vowpal
+``realistic``'s online loss, read against the query's best score
+(:func:`rmm_jax.core.losses.citation_logistic_loss`, every candidate shown and the gold ones
+cited), the per-example loss a pointwise learner such as Vowpal
 Wabbit's ``--loss_function logistic`` fits; ``"balanced_logistic"`` weighs a row's gold
 candidates as much as its others (:func:`rmm_jax.core.losses.pointwise_loss`;
 ``benchmarks/learn_sweep.py start_loss`` measures both against the listwise loss).
@@ -59,7 +60,7 @@ LOSSES = {"listwise": listwise_loss, "logistic": pointwise_loss,
 # The recipe for dialogue labels (``rmm-jax pretrain --labels dialogue``,
 # :func:`rmm_jax.online.streams.load_dialogue_streams`): 2 epochs at the gold recipe's rate, no
 # validation split (the last epoch is kept). Chosen on LoCoMo 26 and 30 among 2, 5 and 10 epochs
-# by the worst citation model's gain with the default online after it
+# by the worst citation model's gain with the default of the time (``realistic``) online after it
 # (benchmarks/results/learn_sweep_dialogue.json; docs/method.md).
 DIALOGUE_RECIPE = PretrainConfig(epochs=2, val_fraction=0.0)
 

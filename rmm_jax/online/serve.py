@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.core import checks, reranker
-from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator
+from rmm_jax.core.config import ESTIMATOR_FIELDS, Estimator, setting_values
 from rmm_jax.core.executables import aot
 from rmm_jax.core.sampling import gumbel_top_m, selection_log_prob, top_m
 from rmm_jax.data.calls import Prepared
@@ -638,10 +638,21 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
                          Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
         yield batch
     if sum(len(lp) for lp, _ in drawn) >= EXPLORATION_CALLS:
-        _warn_if_not_exploring(drawn, m, drew_at)
+        _warn_if_not_exploring(drawn, m, drew_at, _scores_grow(reranker.store))
 
 
-def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
+def _scores_grow(store: PolicyStore | None) -> bool:
+    """Whether the policies of ``store`` learn with a loss whose scores can grow without end:
+    the logistic loss read against the query's best current score (``reference="best"``, as
+    ``realistic`` and ``calibrated`` do, and every store recorded before the field), not the
+    default's retriever anchor. No store, or none recorded yet: False (the identity reranker's
+    scores, or the default's)."""
+    rec = read_setting(store) if store is not None else None
+    values = setting_values(rec) if rec else {}
+    return values.get("loss") == "logistic" and values.get("reference", "best") == "best"
+
+
+def _warn_if_not_exploring(drawn: list, m: int, tau: float, scores_grow: bool = False) -> None:
     """An :class:`ExplorationWarning` (one per call of :func:`serve_calls` that drew at least
     :data:`EXPLORATION_CALLS` times, when its generator is exhausted) when the median of the
     draws' probabilities is at least :data:`NO_EXPLORATION`: the logits s/τ lie so far apart
@@ -649,7 +660,9 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
     memories, in the same order, more often than not, so the next log labels little beyond
     the policy's own choice and ``evaluate`` can judge little else (docs/lifecycle.md, "When
     the draw stops exploring"). ``drawn``: per batch, the draws' log-probabilities and the
-    batch's largest |logit|; ``tau``: the temperature they were drawn at."""
+    batch's largest |logit|; ``tau``: the temperature they were drawn at; ``scores_grow``: the
+    policies learn with the best-score anchor (:func:`_scores_grow`), so the warning also names
+    the move to the default preset, whose scores stay bounded."""
     log_p = np.concatenate([lp for lp, _ in drawn])
     p = math.exp(float(np.median(log_p)))
     if p >= NO_EXPLORATION:
@@ -658,9 +671,10 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float) -> None:
             f"the exploring draw barely explored: the median call drew its {m} memories, in that order, with "
             f"probability {p:.2f} ({len(log_p)} calls): its logits s/tau lie far apart (up to {largest:.3g} at tau "
             f"{tau:g}), so tomorrow's log labels little beyond the policy's own top {m} and evaluate can judge "
-            f"little else; draw at a larger tau (rerank --tau), or move the store to the default preset (replay "
-            f"--preset default --change-setting), whose scores stop growing (docs/lifecycle.md, \"When the draw "
-            f"stops exploring\")"),
+            f"little else; draw at a larger tau (rerank --tau)"
+            + (", or move the policies to the default preset (replay ... --preset default --change-setting), whose "
+               "scores stop growing" if scores_grow else "")
+            + " (docs/lifecycle.md, \"When the draw stops exploring\")"),
             stacklevel=2)
 
 
