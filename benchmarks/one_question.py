@@ -2,6 +2,7 @@
 
     python benchmarks/one_question.py --json benchmarks/results/one_question.json
     python benchmarks/one_question.py --store STORE     # e.g. `rmm-jax embed longmemeval:FILE --out STORE`
+    python benchmarks/one_question.py --ablation --json benchmarks/results/one_question_ablation.json
 
 Each user asks one question. Prequential scoring scores it with the policy *before* the
 update its citations make, and that user never asks again, so in scope ``user`` nothing
@@ -17,6 +18,10 @@ memory from the base retriever). ``--store`` runs the users of an embedding stor
 ``precision_recall`` at 0.876/0.858; see ``_common.citation_model``), default preset.
 Gains: mean ± 95% interval over ``--seeds`` and a bootstrap over users, each user one
 query (:func:`rmm_jax.online.stats.gain_interval`; ``resamples`` in the JSON).
+
+``--ablation``: scope shared only, the default's three differences from ``realistic`` (the
+anchor, the best memory's logit, the step size) taken apart (``ABLATION``): which one decides
+what a shared part learns from one question per user. It chooses nothing.
 """
 from __future__ import annotations
 
@@ -35,6 +40,16 @@ from rmm_jax.online.streams import load_streams
 from rmm_jax.online.vectors import VectorSpec, vector_chunks
 
 SCOPES = ("user", "shared", "hybrid")
+# --ablation: (label, preset, overrides): realistic (the best-score anchor, offset 0, lr 1e-4) and the
+# default (the retriever's best score, offset +2, lr 3e-4), and each of the six settings between them
+ABLATION = [("realistic: best score, offset 0, lr 1e-4", "realistic", {}),
+            ("best score, offset 0, lr 3e-4", "realistic", {"lr": 3e-4}),
+            ("best score, offset +2, lr 3e-4", "default", {"reference": "best"}),
+            ("best score, offset +2, lr 1e-4", "default", {"reference": "best", "lr": 1e-4}),
+            ("retriever, offset 0, lr 1e-4", "default", {"offset": 0.0, "lr": 1e-4}),
+            ("retriever, offset 0, lr 3e-4", "default", {"offset": 0.0}),
+            ("retriever, offset +2, lr 1e-4", "default", {"lr": 1e-4}),
+            ("default: retriever, offset +2, lr 3e-4", "default", {})]
 
 
 def main(argv=None):
@@ -48,6 +63,8 @@ def main(argv=None):
     ap.add_argument("--citations", default="oracle", choices=_common.CITATIONS[:2], help="simulated generator")
     ap.add_argument("--users-per-chunk", type=_common.positive_int, default=8, help="users run side by side")
     ap.add_argument("--seeds", type=_common.int_list, default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--ablation", action="store_true",
+                    help="scope shared only: the default's anchor, offset and step size taken apart (ABLATION)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -66,8 +83,12 @@ def main(argv=None):
            "config": {"preset": "default", "citations": cite_info, "users_per_chunk": args.users_per_chunk},
            "rows": {}}
     seeds = args.seeds
-    for scope in args.scopes:
-        setting = rj.preset("default", k=args.k, scope=scope)
+    runs = ([(label, "shared", rj.preset(name, k=args.k, scope="shared", **kw)) for label, name, kw in ABLATION]
+            if args.ablation else
+            [(scope, scope, rj.preset("default", k=args.k, scope=scope)) for scope in args.scopes])
+    if args.ablation:
+        out["config"]["preset"] = "ABLATION (scope shared)"
+    for row, scope, setting in runs:
         program = rj.make_run(*setting, cite_fn=cite)
         m = setting.layout.m
         base = _common.retriever_recall(streams, m)
@@ -79,11 +100,11 @@ def main(argv=None):
             diffs.append(got - ref)
             online.append(float(got.mean()))
         g = _common.gain_interval(np.stack(diffs))
-        out["rows"][scope] = {"setting": describe(*setting), f"base_recall@{m}": float(ref.mean()),
-                              f"online_recall@{m}": float(np.mean(online)), "gain": g,
-                              "exactly_base": bool(all(np.all(d == 0) for d in diffs))}
-        print(f"{scope:<8} base {ref.mean():.4f}  online {np.mean(online):.4f}  gain {_common.format_interval(g)}"
-              + ("  (identical to the retriever on every query)" if out["rows"][scope]["exactly_base"] else ""),
+        out["rows"][row] = {"setting": describe(*setting), f"base_recall@{m}": float(ref.mean()),
+                            f"online_recall@{m}": float(np.mean(online)), "gain": g,
+                            "exactly_base": bool(all(np.all(d == 0) for d in diffs))}
+        print(f"{row:<8} base {ref.mean():.4f}  online {np.mean(online):.4f}  gain {_common.format_interval(g)}"
+              + ("  (identical to the retriever on every query)" if out["rows"][row]["exactly_base"] else ""),
               flush=True)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:

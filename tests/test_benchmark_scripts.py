@@ -197,6 +197,30 @@ def test_each_sweep_file_holds_the_candidates_its_command_runs_today(name, monke
     assert all(sweep.NAMED[n] == r["fields"] for n, r in zip(names, data["rows"]))
 
 
+def test_the_one_question_ablation_is_the_whole_grid_between_realistic_and_the_default(monkeypatch):
+    """one_question.py --ablation: its eight rows are the 2 x 2 x 2 grid of anchor x offset x step
+    size, each setting what its label says, realistic and the default at the two ends, every other
+    field theirs."""
+    import re
+
+    import rmm_jax as rj
+    from rmm_jax.core.config import describe
+    oq = bench_module("one_question", monkeypatch)
+    got = set()
+    for label, name, kw in oq.ABLATION:
+        d = describe(*rj.preset(name, **kw))
+        anchor, offset, lr = re.search(r"(best score|retriever), offset (\+?\d), lr ([\d.e-]+)$", label).groups()
+        assert (d["estimator"]["reference"], d["estimator"]["offset"], d["optimizer"]["lr"]) == (
+            "best" if anchor == "best score" else "retriever", float(offset), float(lr)), label
+        rest = {k: v for k, v in d["estimator"].items() if k not in ("reference", "offset")}
+        assert rest == {k: v for k, v in describe(*rj.preset("default"))["estimator"].items()
+                        if k not in ("reference", "offset")}, label
+        got.add((anchor, offset, lr))
+    assert len(got) == len(oq.ABLATION) == 8
+    ends = {label.split(":")[0]: describe(*rj.preset(name, **kw)) for label, name, kw in oq.ABLATION if ":" in label}
+    assert ends == {"realistic": describe(*rj.preset("realistic")), "default": describe(*rj.preset("default"))}
+
+
 def test_nights_asks_every_question_again_each_night_and_counts_every_night(monkeypatch):
     """nights.py's stream: the queries in order once a night, every night valid (``repeat_passes``
     counts only its first pass), one pass as far as the loop knows."""
