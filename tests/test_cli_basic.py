@@ -177,7 +177,7 @@ def test_a_group_called_alone_prints_its_help_not_an_error(capsys, words):
 
 
 @pytest.mark.parametrize("preset, loss, want", [
-    ("default", None, "logistic"), ("default", "reinforce", "reinforce"),
+    ("default", None, "logistic"), ("realistic", "reinforce", "reinforce"),
     ("reinforce", None, "reinforce"), ("reinforce", "logistic", "logistic")])
 def test_loss_option_overrides_the_presets_loss(preset, loss, want):
     from rmm_jax.cli.common import make_setting

@@ -312,6 +312,7 @@ def same_preset(a, b) -> bool:
     """Whether preset names ``a`` and ``b`` name one setting (``default`` and ``anchored``): a
     store recorded under one continues under the other with no change to refuse or record.
 
+    >>> from rmm_jax.core.config import same_preset
     >>> same_preset("default", "anchored"), same_preset("default", "realistic")
     (True, False)
     """
