@@ -26,6 +26,7 @@ what a shared part learns from one question per user. It chooses nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -67,6 +68,8 @@ def main(argv=None):
                     help="scope shared only: the default's anchor, offset and step size taken apart (ABLATION)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
+    if args.ablation and any(a.startswith("--scopes") for a in (sys.argv[1:] if argv is None else argv)):
+        ap.error("--scopes: --ablation runs scope shared only; leave --scopes out")
     t0 = time.perf_counter()
     if args.store:
         streams = load_streams(open_store(args.store), args.k)

@@ -242,6 +242,7 @@ def test_a_store_trained_under_the_default_before_anchored_keeps_its_learner(cap
     assert a.pop("setting")["preset"] == "default" and b.pop("setting")["preset"] == "realistic" and a == b
     code, _, err = sim(old, "--queries", "8:12", "--preset", "anchored")    # the default's other name: a change too
     assert code == 2 and "--preset: anchored would change" in err
+    assert "(preset default as it was then: offset 0.0, reference best, lr 0.0001)" in err
     code, out, err = sim(old, "--queries", "8:12", "--preset", "default")
     assert code == 2 and out == ""
     assert err.strip().splitlines()[-1].endswith(

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from rmm_jax.core import checks
 from rmm_jax.core import config as settings
-from rmm_jax.core.config import Setting, setting_changes, setting_record, setting_values
+from rmm_jax.core.config import Setting, same_preset, setting_changes, setting_record, setting_values
 from rmm_jax.errors import InputError
 
 __all__ = ["SETTING_OPTIONS", "LearningSetting", "SettingOptions", "blamed_change", "resolve_setting"]
@@ -136,8 +136,9 @@ def blamed_change(ls: LearningSetting, explicit) -> tuple[str, object, str]:
     field, old, new = ls.changes[0]
     option = field if "preset" not in explicit or field in explicit else "preset"
     shown = name if option == "preset" else new
-    if option == "preset" and name == recorded.get("preset"):   # the same name, defined otherwise now
-        was = f"preset {name} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in ls.changes)
+    if option == "preset" and same_preset(name, recorded.get("preset")):   # one name (or two for one preset),
+        # defined otherwise now
+        was = f"preset {recorded.get('preset')} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in ls.changes)
     else:
         others = [f for f, _, _ in ls.changes if f != option]
         was = (f"{option} {recorded.get('preset') if option == 'preset' else old}"
