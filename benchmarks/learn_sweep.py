@@ -16,6 +16,7 @@
     python benchmarks/learn_sweep.py steps     --json benchmarks/results/learn_sweep_steps.json
     python benchmarks/learn_sweep.py start_loss --json benchmarks/results/learn_sweep_start_loss.json
     python benchmarks/learn_sweep.py anchor    --json benchmarks/results/learn_sweep_anchor.json
+    python benchmarks/learn_sweep.py start_offset --json benchmarks/results/learn_sweep_start_offset.json
 
 LoCoMo, turn memories, all-MiniLM-L6-v2, K = 20 candidates, M = 5 shown; every number is
 prequential Recall@5 (each query scored before the update that uses it) unless a lever
@@ -122,6 +123,9 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   pulling the parameters 1 to 10% of the way back to the start (:func:`pull_to_start`, L2-SP),
   under each citation model, on 26 and 30 only; the max-min row over the models and both starts
   (online minus its start frozen) is the choice. 41–43's scores are not read.
+* ``start_offset``: after the gold start, today's default online at offsets 0, 1, 2 and lr 1e-4,
+  3e-4 beside ``realistic`` (scope user, class-calibrated citations), each paired with the start
+  frozen, on 26 and 30 only. It chooses nothing; 41–43's scores are not read.
 * ``heldout``: the report on 41–43 (``HELDOUT_ONLINE``, ``HELDOUT_PRETRAIN``), paired
   differences between rows (``PAIRS``), and issue 26's targets. **It is the fourth look at
   41–43**: the first (``learn_sweep_heldout_first.json``) showed the logistic loss at lr 3e-4
@@ -1290,11 +1294,35 @@ class Context:
     log: object
 
 
+# What online learning adds to a gold start under today's default, by the best memory's logit and the
+# step size (the default: offset +2, 3e-4; one_question.py --ablation found offset 0 learning where +2 did
+# not, with few updates), beside realistic: leave-one-out gold pretraining as in `pretrain`, then online
+# in scope user, class-calibrated citations, on 26 and 30 only. It chooses nothing.
+START_OFFSET_ROWS = ([{"name": "gold pretrain", "pretrain": "gold"},
+                      {"name": "gold pretrain + realistic online", "pretrain": "gold", "online": True,
+                       "preset": "realistic"}]
+                     + [{"name": f"gold pretrain + default online, offset {o:g}, lr {lr:g}", "pretrain": "gold",
+                         "online": True, "preset": "default", "offset": o, "lr": lr}
+                        for lr in (1e-4, 3e-4) for o in (0.0, 1.0, 2.0)])
+
+
+def lever_start_offset(ctx) -> dict:
+    rows = select(START_OFFSET_ROWS, ctx.rows)
+    runs = pretrain_rows(ctx, rows, TUNED_ON)
+    out = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, TUNED_ON)} for r in rows]
+    start = "gold pretrain"
+    over = {r["name"]: paired(runs[r["name"]], runs[start], ctx.streams, TUNED_ON) for r in rows
+            if r["name"] != start and start in runs}
+    for name, g in over.items():
+        ctx.log(f"  {name} − {start}: {_common.format_interval(g)}")
+    return {"rows": out, "over_start": over, "protocol": PRETRAIN_PROTOCOL}
+
+
 LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_scope, "pretrain": lever_pretrain,
           "answer": lever_answer, "lr": lever_lr, "prior": lever_prior, "heldout": lever_heldout,
           "bound": lever_bound, "pairwise": lever_pairwise, "draw": lever_draw, "hybrid": lever_hybrid,
           "steps": lever_steps, "dialogue": lever_dialogue, "dialogue_lr": lever_dialogue_lr,
-          "start_loss": lever_start_loss, "anchor": lever_anchor}
+          "start_loss": lever_start_loss, "anchor": lever_anchor, "start_offset": lever_start_offset}
 
 
 def main(argv=None):
