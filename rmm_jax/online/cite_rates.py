@@ -7,7 +7,8 @@ with P(cite | useful) and any other shown memory with P(cite | not useful)
 the generator's own rates, the loss read against the best current score gains where it does
 not uncorrected (``realistic``; ``citation_noise_matched.json``); the default, read against the
 retriever's best score, gains about as much uncorrected (``citation_noise.json``). Corrected
-for rates the generator does not have, it can lose. This module measures the rates on logged calls that have gold:
+for rates the generator does not have, it can lose. This module measures the rates on logged
+calls that have gold:
 
 * gold: the store's, for a question the store holds (an abstention question has none);
   else the record's ``gold``; a call without gold is not counted;

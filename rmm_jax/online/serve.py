@@ -638,7 +638,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
                          Served(i, rec, who, pos, [round(float(got.scores[r, x]), 6) for x in pos]))
         yield batch
     if sum(len(lp) for lp, _ in drawn) >= EXPLORATION_CALLS:
-        _warn_if_not_exploring(drawn, m, drew_at, _scores_grow(reranker.store))
+        _warn_if_not_exploring(drawn, m, drew_at, reranker.store)
 
 
 def _scores_grow(store: PolicyStore | None) -> bool:
@@ -652,7 +652,7 @@ def _scores_grow(store: PolicyStore | None) -> bool:
     return values.get("loss") == "logistic" and values.get("reference", "best") == "best"
 
 
-def _warn_if_not_exploring(drawn: list, m: int, tau: float, scores_grow: bool = False) -> None:
+def _warn_if_not_exploring(drawn: list, m: int, tau: float, store: PolicyStore | None = None) -> None:
     """An :class:`ExplorationWarning` (one per call of :func:`serve_calls` that drew at least
     :data:`EXPLORATION_CALLS` times, when its generator is exhausted) when the median of the
     draws' probabilities is at least :data:`NO_EXPLORATION`: the logits s/τ lie so far apart
@@ -660,9 +660,9 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float, scores_grow: bool = 
     memories, in the same order, more often than not, so the next log labels little beyond
     the policy's own choice and ``evaluate`` can judge little else (docs/lifecycle.md, "When
     the draw stops exploring"). ``drawn``: per batch, the draws' log-probabilities and the
-    batch's largest |logit|; ``tau``: the temperature they were drawn at; ``scores_grow``: the
-    policies learn with the best-score anchor (:func:`_scores_grow`), so the warning also names
-    the move to the default preset, whose scores stay bounded."""
+    batch's largest |logit|; ``tau``: the temperature they were drawn at; ``store``: the policies'
+    store: when they learn with the best-score anchor (:func:`_scores_grow`) the warning also
+    names the move to the default preset, whose scores stay bounded."""
     log_p = np.concatenate([lp for lp, _ in drawn])
     p = math.exp(float(np.median(log_p)))
     if p >= NO_EXPLORATION:
@@ -673,7 +673,7 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float, scores_grow: bool = 
             f"{tau:g}), so tomorrow's log labels little beyond the policy's own top {m} and evaluate can judge "
             f"little else; draw at a larger tau (rerank --tau)"
             + (", or move the policies to the default preset (replay ... --preset default --change-setting), whose "
-               "scores stop growing" if scores_grow else "")
+               "scores stop growing" if _scores_grow(store) else "")
             + " (docs/lifecycle.md, \"When the draw stops exploring\")"),
             stacklevel=2)
 

@@ -136,8 +136,7 @@ def blamed_change(ls: LearningSetting, explicit) -> tuple[str, object, str]:
     field, old, new = ls.changes[0]
     option = field if "preset" not in explicit or field in explicit else "preset"
     shown = name if option == "preset" else new
-    if option == "preset" and same_preset(name, recorded.get("preset")):   # one name (or two for one preset),
-        # defined otherwise now
+    if option == "preset" and same_preset(name, recorded.get("preset")):   # one preset, defined otherwise now
         was = f"preset {recorded.get('preset')} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in ls.changes)
     else:
         others = [f for f, _, _ in ls.changes if f != option]
