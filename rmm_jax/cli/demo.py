@@ -33,6 +33,14 @@ def print_table(rows: dict, m: int, title: str) -> None:
         click.echo(f"  {name:<16} {r:>9.4f} {s[f'ndcg@{m}']:>8.4f} {r - base:>+8.4f}")
 
 
+def room_line(rows: dict, m: int) -> str:
+    """What online learning after pretraining could add at most: no reranker of the retriever's
+    K candidates passes the ceiling, so pretrain+online can gain at most ceiling − pretrain."""
+    room = rows["ceiling"][f"recall@{m}"] - rows["pretrain"][f"recall@{m}"]
+    return (f"room above pretraining: {room:.4f} Recall@{m} (ceiling minus pretrain), the most that online "
+            "learning after it could add here")
+
+
 @cli.command()
 @click.option("--out", default="runs/demo", type=click.Path(file_okay=False),
               help="Working directory: the embedding store (store/, reused by a re-run), summary.json and "
@@ -109,4 +117,5 @@ def demo(out, users, sessions, turns, as_json, **opts):
     else:
         print_table(rows, m, f"Prequential Recall@{m} on {len(evaluate)} held-out synthetic users "
                              f"(K={k}, M={m}, preset {opts['preset']}):")
+        click.echo(room_line(rows, m))
         click.echo(f"learning curve: {out / 'learning_curve.png'}   summary: {out / 'summary.json'}")
