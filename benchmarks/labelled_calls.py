@@ -3,14 +3,15 @@
     python benchmarks/labelled_calls.py --json benchmarks/results/labelled_calls.json \\
         --plot benchmarks/results/labelled_calls.png
 
-``--preset calibrated`` with ``--p-useful``/``--p-other`` corrects the logistic loss for a
-generator's citation rates. Corrected for the true rates it gained where ``realistic``, the
-default until stop 52, could not (``citation_noise_matched.json``). A user measures the rates with
+``--p-useful``/``--p-other`` correct the default's logistic loss for a generator's citation
+rates. On the tuning conversations (26 and 30) the correction paid where the generator cites
+other memories often (``citation_noise_default_matched_tuned_on.json`` beside
+``citation_noise_tuned_on.json``), and ``cite-rates`` advises it there
+(:data:`rmm_jax.online.cite_rates.ADVISE_FROM`). A user measures the rates with
 ``rmm-jax cite-rates`` on the calls they have gold for, and a small sample measures them
 with error. This script follows that user, for a generator with P(cite | useful)
 ``--p-useful`` and P(cite | not useful) ``--p-other`` (default 0.9 and 0.3, a generator
-noisier than the paper's judge, where ``realistic`` gained nothing significant; the default
-since, read against the retriever's best score, gains as much as the correction):
+noisier than the paper's judge, inside the region where the correction is advised):
 
 1. **Labelled calls.** N calls drawn at random (with replacement) from the questions of
    the conversations the presets were tuned on (26 and 30), each showing the base
@@ -19,8 +20,8 @@ since, read against the retriever's best score, gains as much as the correction)
 2. **The rates, as ``cite-rates`` gives them**
    (:func:`rmm_jax.online.cite_rates.cite_rates`: the pooled rates, with a bootstrap
    interval over conversations, then calls). When the two intervals are apart the user
-   takes the advice (``--preset calibrated`` with the measured rates); otherwise no
-   correction is advised and the user keeps the default preset.
+   takes the advice: the default corrected for the measured rates when ``cite-rates``
+   advises it (the intervals apart, the rates in the region), the default uncorrected otherwise.
 3. **Online learning** from identity on all five conversations (turn memories, MiniLM,
    K = 20, M = 5), the same generator citing, seed s; reported on the held-out
    conversations (41, 42, 43): the prequential Recall@5 gain over the retriever, and the
@@ -28,8 +29,10 @@ since, read against the retriever's best score, gains as much as the correction)
    draws (95% interval over conversations, seeds and questions,
    :func:`rmm_jax.online.stats.gain_interval`).
 
-Beside each N: the default preset, and the correction for the true rates (what an
-unlimited sample would give). Nothing here is tuned.
+Beside each N: the default preset, and the default corrected for the true rates (what an
+unlimited sample would give). Nothing here is tuned. Until stop 53 the advice was
+``--preset calibrated`` (the loss read against the policy's best score) with the rates:
+``git show e9445bc:benchmarks/results/labelled_calls.json``.
 
 LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
 ``../shared/data/locomo``); when absent the script says so and exits 0, or 1 under
@@ -86,7 +89,7 @@ def plot(out: dict, path: Path) -> None:
     hi = [r["gain"]["hi"] for r in out["rows"]]
     ax.fill_between(sizes, lo, hi, alpha=0.2, color="C0")
     ax.plot(sizes, mean, "o-", color="C0", label="rates measured on N labelled calls (cite-rates' advice)")
-    for key, color, label in (("true_rates", "C2", "corrected for the true rates"),
+    for key, color, label in (("true_rates", "C2", "the default corrected for the true rates"),
                               ("default", "C3", "default preset (no correction)")):
         g = out[key]["gain"]
         ax.axhline(g["mean"], color=color, linestyle="--", label=f"{label}: {_common.format_interval(g)}")
@@ -138,7 +141,7 @@ def main(argv=None):
         key = (p_useful, p_other)
         if key not in programs:
             setting = (rj.preset("default", k=args.k, m=args.m) if p_useful is None else
-                       rj.preset("calibrated", k=args.k, m=args.m, p_useful=p_useful, p_other=p_other))
+                       rj.preset("default", k=args.k, m=args.m, p_useful=p_useful, p_other=p_other))
             programs[key] = rj.make_run(*setting, cite_fn=cite)
         return _common.pooled(_common.online_recall(streams, programs[key], params, seed), streams, held)
 
@@ -183,7 +186,7 @@ def main(argv=None):
     print(f"Held-out ({','.join(held)}) online Recall@{args.m} gain over the retriever, generator "
           f"P(cite | useful) {args.p_useful}, P(cite | not useful) {args.p_other}, {args.seeds} seeds:")
     print(f"  default preset (no correction)       {_common.format_interval(out['default']['gain'])}")
-    print(f"  corrected for the true rates         {_common.format_interval(out['true_rates']['gain'])}")
+    print(f"  the default corrected for the true rates {_common.format_interval(out['true_rates']['gain'])}")
     for r in rows:
         print(f"  rates from {r['labelled_calls']:>4} labelled calls     {_common.format_interval(r['gain'])}  "
               f"(advised {r['advised']}/{args.seeds}; over default {_common.format_interval(r['over_default'])})")

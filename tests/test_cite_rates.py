@@ -15,6 +15,9 @@ from conftest import make_fake_store, run_cli
 from rmm_jax.cli.main import main
 from rmm_jax.data.citations import P_OTHER, P_USEFUL
 from rmm_jax.data.store import open_store
+from rmm_jax.online.cite_rates import ADVISE_FROM, advice
+from rmm_jax.persist.policy_setting import read_setting
+from rmm_jax.persist.policy_store import PolicyStore
 
 SIM = ["--k", "10", "--m", "4", "--users-per-chunk", "4", "--checkpoint-every", "0", "--seed", "5"]
 
@@ -93,24 +96,65 @@ def test_counts_match_a_brute_force_count_over_every_gold_source(logged, capsys)
     assert mine["calls_with_gold"] == counted and (mine["p_useful"]["cited"], mine["p_useful"]["shown"]) == (gc, gs)
 
 
-def test_the_class_calibrated_simulators_rates_are_recovered_and_advised(logged, capsys):
+def test_the_class_calibrated_simulators_rates_are_recovered_and_not_corrected(logged, capsys):
+    """The paper's judge rates (0.911, 0.154) are recovered; at them the default learned as well
+    uncorrected on the LoCoMo grid, so the advice is to leave it uncorrected."""
     root, store = logged
     got = rates(capsys, store, root / "sim.jsonl")
     assert got["p_useful"]["lo"] <= P_USEFUL <= got["p_useful"]["hi"], got["p_useful"]
     assert got["p_other"]["lo"] <= P_OTHER <= got["p_other"]["hi"], got["p_other"]
-    useful, other = got["p_useful"]["value"], got["p_other"]["value"]
-    assert got["apart"] and got["options"] == f"--p-useful {useful} --p-other {other}"
+    assert got["apart"] and got["p_other"]["value"] < ADVISE_FROM["p_other"]
+    assert got["advice"] == "uncorrected" and got["options"] is None
     code, out, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl")
     assert out.startswith(f"{got['calls_with_gold']} of {got['calls']} calls have gold (8 users); "), out
+    assert out.strip().splitlines()[-1].startswith("no correction is advised: the default learns as well"), out
     code, one, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl", "--users", "user0")
     assert code == 0 and " gold (1 user); " in one.splitlines()[0], one     # not "(1 users)"
+
+
+def recited(root, store, name: str, p_useful: float, p_other: float, seed: int = 0):
+    """sim.jsonl with every shown memory cited afresh: a gold one at ``p_useful``, any other at
+    ``p_other`` (a generator with those rates), against the store's gold."""
+    st = open_store(store)
+    rng = np.random.default_rng(seed)
+    out = []
+    for line in open(root / "sim.jsonl"):
+        r = json.loads(line)
+        u = st.user(r["user_id"])
+        row = list(u.query_ids).index(r["query_id"])
+        gold = {m for m, g in zip(u.memory_ids, u.gold[row]) if g}
+        out.append({**r, "cited": [m for m in r["selected"] if rng.random() < (p_useful if m in gold else p_other)]})
+    path = root / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
+def test_a_generator_that_cites_others_often_is_advised_the_correction_and_it_runs(logged, capsys):
+    """At 0.9 and 0.4 (inside ADVISE_FROM, apart) the advice is to correct, the options are the
+    measured rates, and a learning verb takes them as printed, with the default preset."""
+    root, store = logged
+    log = recited(root, store, "noisy.jsonl", 0.9, 0.4)
+    got = rates(capsys, store, log)
+    useful, other = got["p_useful"]["value"], got["p_other"]["value"]
+    assert got["p_useful"]["lo"] <= 0.9 <= got["p_useful"]["hi"] and got["p_other"]["lo"] <= 0.4 <= got["p_other"]["hi"]
+    assert got["advice"] == "correct" and got["options"] == f"--p-useful {useful} --p-other {other}"
+    code, out, _ = run_cli(capsys, "cite-rates", store, "--log", log)
     last = out.strip().splitlines()[-1]
-    assert code == 0 and last == f"to correct the logistic loss for them: --preset calibrated {got['options']}"
-    # the advised options are accepted by a learning verb as they are printed
-    code, _, err = run_cli(capsys, "replay", store, "--log", root / "sim.jsonl", "--policies", root / "advised",
-                           "--preset", "calibrated", *got["options"].split(), "--k", "10", "--m", "4",
-                           "--checkpoint-every", "0")
+    assert code == 0 and last == f"to correct the default's logistic loss for them: {got['options']}", last
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", root / "advised",
+                           *got["options"].split(), "--k", "10", "--m", "4", "--checkpoint-every", "0")
     assert code == 0, err
+    setting = read_setting(PolicyStore.open(root / "advised"))
+    assert setting["preset"] == "default", setting
+    assert (setting["estimator"]["p_useful"], setting["estimator"]["p_other"]) == (useful, other), setting
+
+
+@pytest.mark.parametrize("useful, other, apart, want", [
+    (0.9, 0.3, True, "correct"), (0.65, 0.25, True, "correct"), (0.64, 0.5, True, "uncorrected"),
+    (0.9, 0.24, True, "uncorrected"), (0.9, 0.3, False, "overlap"), (0.3, 0.3, False, "uninformative"),
+    (0.2, 0.3, True, "uninformative"), (None, 0.3, False, "overlap")])
+def test_the_advice_follows_where_the_correction_paid(useful, other, apart, want):
+    assert advice(useful, other, apart) == want
 
 
 def test_citations_that_ignore_gold_get_no_correction(logged, capsys):

@@ -18,8 +18,8 @@ from rmm_jax.cli.shell import (
 )
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
+from rmm_jax.online.cite_rates import ADVISE_FROM, count_calls
 from rmm_jax.online.cite_rates import cite_rates as measure
-from rmm_jax.online.cite_rates import count_calls
 from rmm_jax.online.stats import MAX_RESAMPLES, MIN_RESAMPLES, check_resamples
 
 ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | another memory is shown)"),
@@ -41,7 +41,7 @@ ROWS = (("p_useful", "P(cite | a gold memory is shown)"), ("p_other", "P(cite | 
 @quiet_option
 @json_option("the rates", "store, log, users, calls, calls_with_gold, p_useful, p_other, "
              "p_other_when_gold_shown, p_cite_when_no_gold_shown (each {value, lo, hi, shown, cited}), apart, "
-             "options, level, resamples, resampled")
+             "advice, options, level, resamples, resampled")
 def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     """Measure how your generator cites: the --p-useful and --p-other to learn with.
 
@@ -50,15 +50,14 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     P(cite | not useful) the share of the other shown memories. Each comes with a 95%
     bootstrap interval (users, then calls, resampled), each bound at least as wide as
     the exact binomial (Clopper-Pearson) one, so 7 of 7 cited reads [0.5904, 1], not
-    [1, 1]. When the two intervals are
-    apart, the last line gives the options that correct the logistic loss for these
-    rates; `--preset calibrated` alone assumes the paper's (0.911, 0.154), and a
-    generator far from them can make that correction hurt (docs/citations.md).
-    Give them to `replay` or `simulate` with `--preset calibrated` (with --json,
-    `.options` holds them, null when no correction is advised). The correction reads
-    the loss against the policy's best score, as `--preset realistic` does; the default,
-    read against the retriever's, learned as much uncorrected on the LoCoMo grid of
-    docs/citations.md. Nothing is written.
+    [1, 1]. The last line says what to do with the rates: when the two intervals are
+    apart and the generator cites other memories often (P(cite | useful) at least 0.65 and
+    P(cite | not useful) at least 0.25, where correcting the default paid on the LoCoMo grid
+    of docs/citations.md), the options that correct the default's logistic loss for them,
+    to give to `replay` or `simulate` as they are; elsewhere, that the default learns as
+    well uncorrected, or why the rates cannot tell. With --json, `.advice` says which
+    (correct, uncorrected, uninformative, overlap) and `.options` holds the options (null
+    unless the advice is correct). Nothing is written.
 
     \b
     Examples:
@@ -95,12 +94,17 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
             continue
         tally = f"{r['cited']} / {r['shown']}"
         click.echo(f"  {label:<36}{r['value']:>8.4f}  [{r['lo']:.4f}, {r['hi']:.4f}]  {tally:>15}")
-    useful, other = rates["p_useful"]["value"], rates["p_other"]["value"]
-    if rates["options"]:
-        click.echo(f"to correct the logistic loss for them: --preset calibrated {rates['options']}")
-    elif useful is not None and other is not None and useful <= other:
-        click.echo("this generator cites other memories at least as often as gold ones: its citations say nothing "
-                   "about usefulness that a correction could recover")
-    else:
-        click.echo("the two rates' intervals overlap: the citations do not yet tell gold memories from others, so "
-                   "no correction is advised (more calls with gold narrow the intervals)")
+    click.echo(ADVICE_LINES[rates["advice"]].format(options=rates["options"], useful=ADVISE_FROM["p_useful"],
+                                                    other=ADVISE_FROM["p_other"]))
+
+
+ADVICE_LINES = {
+    "correct": "to correct the default's logistic loss for them: {options}",
+    "uncorrected": "no correction is advised: the default learns as well uncorrected at rates like these (the "
+                   "correction paid on the LoCoMo grid where P(cite | useful) >= {useful} and P(cite | not useful) "
+                   ">= {other}: docs/citations.md)",
+    "uninformative": "this generator cites other memories at least as often as gold ones: its citations say nothing "
+                     "about usefulness that a correction could recover",
+    "overlap": "the two rates' intervals overlap: the citations do not yet tell gold memories from others, so no "
+               "correction is advised (more calls with gold narrow the intervals)",
+}

@@ -5,10 +5,12 @@ with P(cite | useful) and any other shown memory with P(cite | not useful)
 (``--p-useful``, ``--p-other``; :func:`rmm_jax.core.losses.citation_logistic_loss`).
 ``--preset calibrated`` assumes the paper's judge rates (0.911 and 0.154). Corrected for
 the generator's own rates, the loss read against the best current score gains where it does
-not uncorrected (``realistic``; ``citation_noise_matched.json``); the default, read against the
-retriever's best score, gains about as much uncorrected (``citation_noise.json``). Corrected
-for rates the generator does not have, it can lose. This module measures the rates on logged
-calls that have gold:
+not uncorrected (``realistic``; ``citation_noise_matched.json``). The default, read against the
+retriever's best score, learns uncorrected across that grid (``citation_noise.json``); corrected
+for a generator's own rates it gains more where the generator cites other memories often, and
+less where it cites useful ones rarely (:data:`ADVISE_FROM`). Corrected for rates the generator
+does not have, it can lose. This module measures the rates on logged calls that have gold,
+and says whether to correct for them (:func:`advice`):
 
 * gold: the store's, for a question the store holds (an abstention question has none);
   else the record's ``gold``; a call without gold is not counted;
@@ -209,11 +211,41 @@ def _rate(cited: np.ndarray, shown: np.ndarray, counts: np.ndarray, level: float
             "hi": round(max(float(hi), exact_hi), DIGITS), "shown": n_shown, "cited": n_cited}
 
 
+# Where correcting today's default for a generator's own rates paid, on the conversations the
+# defaults were tuned on (26 and 30: citation_noise_default_matched_tuned_on.json beside
+# citation_noise_tuned_on.json, the same grid, seeds and citation draws): every cell from
+# P(cite | useful) 0.7 and P(cite | not useful) 0.3 gained (+0.008 to +0.040); below either it tied
+# or cost (down to -0.032 at P(cite | useful) 0.3). The bounds sit midway between the grid's cells.
+ADVISE_FROM = {"p_useful": 0.65, "p_other": 0.25}
+ADVICE = ("correct", "uncorrected", "uninformative", "overlap")
+
+
+def advice(useful: float | None, other: float | None, apart: bool) -> str:
+    """What :func:`cite_rates` advises for measured rates (one of :data:`ADVICE`):
+    ``correct`` (learn with ``--p-useful``/``--p-other`` set to them) when the two intervals
+    are apart and both rates reach :data:`ADVISE_FROM`, where the correction paid;
+    ``uncorrected`` when they are apart elsewhere, where it did not; ``uninformative`` when
+    P(cite | useful) is not above P(cite | not useful); ``overlap`` otherwise.
+
+    Examples:
+      >>> from rmm_jax.online.cite_rates import advice
+      >>> advice(0.9, 0.3, True), advice(0.911, 0.154, True), advice(0.3, 0.4, False), advice(0.5, 0.4, False)
+      ('correct', 'uncorrected', 'uninformative', 'overlap')
+    """
+    if useful is not None and other is not None and useful <= other:
+        return "uninformative"
+    if not apart:
+        return "overlap"
+    return "correct" if useful >= ADVISE_FROM["p_useful"] and other >= ADVISE_FROM["p_other"] else "uncorrected"
+
+
 def cite_rates(c: CallCounts, *, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
-    """The rates of :class:`CallCounts` with their intervals, and the options that correct
-    the logistic loss for them: ``options`` is None unless the two rates' intervals are
-    apart (P(cite | useful) above P(cite | not useful)); the correction divides by their
-    difference, so rates that may be equal would make it noise.
+    """The rates of :class:`CallCounts` with their intervals, what to do with them
+    (``advice``, :func:`advice`) and the options that correct the default's logistic loss
+    for them: ``options`` is None unless the advice is ``correct``. The correction divides by
+    the rates' difference, so it needs their intervals apart (rates that may be equal would
+    make it noise), and it paid only where the generator cites other memories often
+    (:data:`ADVISE_FROM`).
 
     Each interval (at ``level``) is the percentile bootstrap over users, then calls, with
     each bound widened to at least the exact binomial (Clopper-Pearson) bound of the pooled
@@ -234,10 +266,11 @@ def cite_rates(c: CallCounts, *, n_boot: int = 2000, seed: int = 0, level: float
     other_shown, other_cited = c.other_shown + c.none_shown, c.other_cited + c.none_cited
     useful, other = _rate(c.gold_cited, c.gold_shown, counts, level), _rate(other_cited, other_shown, counts, level)
     apart = useful["value"] is not None and other["value"] is not None and useful["lo"] > other["hi"]
-    options = f"--p-useful {useful['value']} --p-other {other['value']}" if apart else None
+    advised = advice(useful["value"], other["value"], apart)
+    options = f"--p-useful {useful['value']} --p-other {other['value']}" if advised == "correct" else None
     return {"calls": c.calls, "calls_with_gold": int(c.users.size), "users": len(c.user_ids),
             "p_useful": useful, "p_other": other,
             "p_other_when_gold_shown": _rate(c.other_cited, c.other_shown, counts, level),
             "p_cite_when_no_gold_shown": _rate(c.none_cited, c.none_shown, counts, level),
-            "apart": apart, "options": options, "level": level, "resamples": n_boot,
+            "apart": apart, "advice": advised, "options": options, "level": level, "resamples": n_boot,
             "resampled": ["user", "call"] if len(c.user_ids) > 1 else ["call"]}
