@@ -353,9 +353,9 @@ HEADLINE = {
     "`--preset calibrated` (`realistic` corrected for the judge's rates) minus `--preset realistic`, held-out, "
     "paired: class-calibrated; precision/recall; answer": (
         "{}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval") for i in range(3)]),
-    "A generator that cites 90% of the useful memories shown and 30% of the others: held-out gain corrected for "
-    "those rates (`--preset calibrated --p-useful 0.9 --p-other 0.3`); default preset": (
-        "{}; {}", [("citation_noise_matched.json", "cells.6.3.held_out", "interval"),
+    "A generator that cites 90% of the useful memories shown and 30% of the others: held-out gain of the default "
+    "corrected for those rates (`--p-useful 0.9 --p-other 0.3`, what `cite-rates` advises there); uncorrected": (
+        "{}; {}", [("citation_noise_default_matched.json", "cells.6.3.held_out", "interval"),
                    ("citation_noise.json", "cells.6.3.held_out", "interval")]),
     "The same generator, its rates measured by `rmm-jax cite-rates` on 100 labelled calls and the advice taken: "
     "held-out gain; minus the default, paired": (
