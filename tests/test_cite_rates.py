@@ -107,7 +107,8 @@ def test_the_class_calibrated_simulators_rates_are_recovered_and_not_corrected(l
     assert got["advice"] == "uncorrected" and got["options"] is None
     code, out, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl")
     assert out.startswith(f"{got['calls_with_gold']} of {got['calls']} calls have gold (8 users); "), out
-    assert out.strip().splitlines()[-1].startswith("no correction is advised: the default learns as well"), out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("no correction is advised: on the LoCoMo grid correcting the default gained clearly"), out
     code, one, _ = run_cli(capsys, "cite-rates", store, "--log", root / "sim.jsonl", "--users", "user0")
     assert code == 0 and " gold (1 user); " in one.splitlines()[0], one     # not "(1 users)"
 

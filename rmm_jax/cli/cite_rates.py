@@ -54,8 +54,8 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     apart and the generator cites other memories often (P(cite | useful) at least 0.65 and
     P(cite | not useful) at least 0.25, where correcting the default paid on the LoCoMo grid
     of docs/citations.md), the options that correct the default's logistic loss for them,
-    to give to `replay` or `simulate` as they are; elsewhere, that the default learns as
-    well uncorrected, or why the rates cannot tell. With --json, `.advice` says which
+    to give to `replay` or `simulate` as they are; elsewhere, that no correction is advised
+    and why. With --json, `.advice` says which
     (correct, uncorrected, uninformative, overlap) and `.options` holds the options (null
     unless the advice is correct). Nothing is written.
 
@@ -100,9 +100,8 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
 
 ADVICE_LINES = {
     "correct": "to correct the default's logistic loss for them: {options}",
-    "uncorrected": "no correction is advised: the default learns as well uncorrected at rates like these (the "
-                   "correction paid on the LoCoMo grid where P(cite | useful) >= {useful} and P(cite | not useful) "
-                   ">= {other}: docs/citations.md)",
+    "uncorrected": "no correction is advised: on the LoCoMo grid correcting the default gained clearly only where "
+                   "P(cite | useful) >= {useful} and P(cite | not useful) >= {other} (docs/citations.md)",
     "uninformative": "this generator cites other memories at least as often as gold ones: its citations say nothing "
                      "about usefulness that a correction could recover",
     "overlap": "the two rates' intervals overlap: the citations do not yet tell gold memories from others, so no "

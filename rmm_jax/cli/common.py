@@ -112,8 +112,8 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
         click.option("--p-useful", type=float, default=None,
                      help="The citations' correction: your generator's P(cite | a useful memory is shown), "
                           "as measured against a judge (docs/citations.md); the logistic loss models the rates, "
-                          "REINFORCE corrects its rewards for them. With the default it paid where the generator cites other "
-                          "memories often (`cite-rates` says when) [default: 1 (no correction); "
+                          "REINFORCE corrects its rewards for them. With the default it paid where the generator "
+                          "cites other memories often (`cite-rates` says when) [default: 1 (no correction); "
                           f"calibrated: {PAPER_JUDGE['p_useful']}, the paper's]."),
         click.option("--p-other", type=float, default=None,
                      help="The same for P(cite | a memory that is not useful is shown), below --p-useful "

@@ -214,8 +214,11 @@ def _rate(cited: np.ndarray, shown: np.ndarray, counts: np.ndarray, level: float
 # Where correcting today's default for a generator's own rates paid, on the conversations the
 # defaults were tuned on (26 and 30: citation_noise_default_matched_tuned_on.json beside
 # citation_noise_tuned_on.json, the same grid, seeds and citation draws): every cell from
-# P(cite | useful) 0.7 and P(cite | not useful) 0.3 gained (+0.008 to +0.040); below either it tied
-# or cost (down to -0.032 at P(cite | useful) 0.3). The bounds sit midway between the grid's cells.
+# P(cite | useful) 0.7 and P(cite | not useful) 0.3 gained (+0.008 to +0.040); outside, it cost on
+# average where the generator cites others at 0.1 to 0.3 (down to -0.032) and gained a little where it
+# cites none. The bounds sit midway between the grid's cells. On 41-43, checked after the rule was fixed
+# (citation_noise_default_matched.json), the region gained at P(cite | not useful) 0.4 and 0.5 and cost
+# a little at 0.3 (docs/citations.md).
 ADVISE_FROM = {"p_useful": 0.65, "p_other": 0.25}
 ADVICE = ("correct", "uncorrected", "uninformative", "overlap")
 
