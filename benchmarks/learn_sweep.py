@@ -861,7 +861,10 @@ HYBRID_DEFAULT_ROWS = ([{"name": "user", "preset": "default"}]
 
 
 def lever_hybrid_default(ctx) -> dict:
-    _, out = hybrid_runs(ctx, select(HYBRID_DEFAULT_ROWS, ctx.rows), "user")
+    rows = select(HYBRID_DEFAULT_ROWS, ctx.rows)
+    if "user" not in {r["name"] for r in rows} or len(rows) < 2:
+        sys.exit("error: --rows: hybrid_default pairs each hybrid row with 'user': name 'user' and a hybrid row")
+    _, out = hybrid_runs(ctx, rows, "user")
     tuned = {r["name"]: r["tuned_on_minus_user"]["mean"] for r in out if "tuned_on_minus_user" in r}
     chosen = max(tuned, key=tuned.get)
     for r in out:

@@ -100,8 +100,9 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
 
 ADVICE_LINES = {
     "correct": "to correct the default's logistic loss for them: {options}",
-    "uncorrected": "no correction is advised: on the LoCoMo grid correcting the default gained clearly only where "
-                   "P(cite | useful) >= {useful} and P(cite | not useful) >= {other} (docs/citations.md)",
+    "uncorrected": "no correction is advised: on the LoCoMo grid's tuning conversations correcting the default "
+                   "gained only where P(cite | useful) >= {useful} and P(cite | not useful) >= {other} "
+                   "(docs/citations.md)",
     "uninformative": "this generator cites other memories at least as often as gold ones: its citations say nothing "
                      "about usefulness that a correction could recover",
     "overlap": "the two rates' intervals overlap: the citations do not yet tell gold memories from others, so no "

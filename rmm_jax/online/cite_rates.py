@@ -6,11 +6,11 @@ with P(cite | useful) and any other shown memory with P(cite | not useful)
 ``--preset calibrated`` assumes the paper's judge rates (0.911 and 0.154). Corrected for
 the generator's own rates, the loss read against the best current score gains where it does
 not uncorrected (``realistic``; ``citation_noise_matched.json``). The default, read against the
-retriever's best score, learns uncorrected across that grid (``citation_noise.json``); corrected
-for a generator's own rates it gains more where the generator cites other memories often, and
-less where it cites useful ones rarely (:data:`ADVISE_FROM`). Corrected for rates the generator
-does not have, it can lose. This module measures the rates on logged calls that have gold,
-and says whether to correct for them (:func:`advice`):
+retriever's best score, learns uncorrected over most of that grid (``citation_noise.json``);
+corrected for a generator's own rates it gained on the tuning conversations where the generator
+cites other memories often (:data:`ADVISE_FROM`) and cost a little where it cites them at 0.1 to
+0.3. Corrected for rates the generator does not have, it can lose. This module measures the
+rates on logged calls that have gold, and says whether to correct for them (:func:`advice`):
 
 * gold: the store's, for a question the store holds (an abstention question has none);
   else the record's ``gold``; a call without gold is not counted;
@@ -214,7 +214,7 @@ def _rate(cited: np.ndarray, shown: np.ndarray, counts: np.ndarray, level: float
 # Where correcting today's default for a generator's own rates paid, on the conversations the
 # defaults were tuned on (26 and 30: citation_noise_default_matched_tuned_on.json beside
 # citation_noise_tuned_on.json, the same grid, seeds and citation draws): every cell from
-# P(cite | useful) 0.7 and P(cite | not useful) 0.3 gained (+0.008 to +0.040); outside, it cost on
+# P(cite | useful) 0.7 and P(cite | not useful) 0.3 gained (+0.008 to +0.041); outside, it cost on
 # average where the generator cites others at 0.1 to 0.3 (down to -0.032) and gained a little where it
 # cites none. The bounds sit midway between the grid's cells. On 41-43, checked after the rule was fixed
 # (citation_noise_default_matched.json), the region gained at P(cite | not useful) 0.4 and 0.5 and cost
