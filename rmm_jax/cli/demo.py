@@ -60,7 +60,8 @@ def demo(out, users, sessions, turns, as_json, **opts):
     Half the users pretrain the shared reranker; on the other half the online loop
     runs against simulated citations. Prints base vs pretrain vs online vs both
     (prequential Recall@M), and the ceiling: the best order of the retriever's K
-    candidates (every gold one first), which no reranker of them can pass. Writes
+    candidates (every gold one first), which no reranker of them can pass; the last
+    line says how much room pretraining leaves below it. Writes
     OUT/learning_curve.png and OUT/summary.json.
     Re-runs reuse the embedding store.
 
