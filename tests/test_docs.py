@@ -433,8 +433,9 @@ HEADLINE = {
         "{}; {}; {}", [("sharing_curves_anchored.json", "curves.synthetic.hybrid/1000.gain", "interval"),
                        ("sharing_curves_anchored.json", "curves.synthetic.user/1.gain", "interval"),
                        ("sharing_late_anchored.json", "late.synthetic/900.over_fresh_user.hybrid", "interval")]),
-    "100,000 users × 100 queries, scope hybrid: wall time; peak memory": (
-        "{} s; {} MiB", [("scale_100k.json", "rows.0.seconds", ",.0f"), ("scale_100k.json", "peak_rss_mb", ",.0f")]),
+    "100,000 users × 100 queries, scope hybrid: wall time; peak memory; prequential Recall@5": (
+        "{} s; {} MiB; {}", [("scale_100k.json", "rows.0.seconds", ",.0f"), ("scale_100k.json", "peak_rss_mb", ",.0f"),
+                             ("scale_100k.json", "rows.0.prequential_recall@5", ".3f")]),
     "Serving from a 100,000-user hybrid store: one query, p50 of a user not cached, its row read from disk; cached": (
         "{} ms; {} ms",
         [("serve.json", "cold_disk_p50_ms.median", ".1f"), ("serve.json", "warm_p50_ms.median", ".2f")]),
