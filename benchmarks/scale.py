@@ -4,6 +4,9 @@
         --json benchmarks/results/scale_100k.json
     python benchmarks/scale.py --users 10000 --scopes user,shared,hybrid --json benchmarks/results/scale_10k.json
     python benchmarks/scale.py --throughput --json benchmarks/results/scale_throughput.json
+    python benchmarks/scale.py --users 10000 --preset realistic --json benchmarks/results/scale_10k_realistic.json
+    python benchmarks/scale.py --users 10000 --json benchmarks/results/scale_10k_default.json
+    python benchmarks/scale.py --users 10000 --offset 0 --json benchmarks/results/scale_10k_offset0.json
 
 Users are synthetic vector streams (:mod:`rmm_jax.online.vectors`): each user's 100
 memories are Gaussian vectors in d = 384, each query a distorted copy of one of them
@@ -27,6 +30,10 @@ average around the run (``load``; ``noisy`` above 2.5). Scope ``user`` at d=384
 holds 3.5 MB per user: with ``--user-save-limit`` (default 200) only that many of its
 users are written, rounded up to whole chunks (bytes per user are the same for every user), the rest only run.
 Targets (100,000 hybrid users × 100 queries): ≤ 600 s, saving included, and peak RSS ≤ 2 GB.
+
+``--preset`` and ``--offset`` choose the learner (default: the default preset), so that the
+learning the run reports (prequential Recall@5) can be compared between learners on the same
+users; the 10,000-user hybrid runs above do that.
 
 ``--throughput``: queries/s of 1,000 users × 200 queries, ``hybrid`` against ``user``,
 interleaved repeats in one run (median [min, max]), no saving.
@@ -138,7 +145,9 @@ class TimedSaves(PolicySink):
 
 
 def program_for(scope: str, args, spec: VectorSpec):
-    setting = rj.preset("default", k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None)
+    extra = {} if args.offset is None else {"offset": args.offset}
+    setting = rj.preset(args.preset, k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None,
+                        **extra)
     return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
 
 
@@ -220,6 +229,9 @@ def main(argv=None):
     ap.add_argument("--chunk", type=positive_int, default=250, help="users per compiled call")
     ap.add_argument("--user-save-limit", type=int, default=200, help="users of scope `user` written to disk")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", default="default", choices=tuple(rj.PRESETS), help="the learner")
+    ap.add_argument("--offset", type=float, default=None,
+                    help="the logistic loss's offset, the best memory's logit (default: the preset's)")
     ap.add_argument("--root", type=Path, default=None, help="where the policy stores go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the policy stores")
     ap.add_argument("--streams", type=Path, default=None, help="the synthetic streams' file, written before the "
@@ -229,7 +241,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    out = {"machine": {"cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}}
+    out = {"machine": {"cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()},
+           "preset": args.preset, "offset": args.offset}
     if args.throughput:
         out["throughput"] = throughput(args)
         t = out["throughput"]
