@@ -294,8 +294,8 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
         code, out, err = run_cli(capsys, *sim, *extra)
         assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
         assert err.strip().splitlines()[-1] == (
-            "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
-            "--preset calibrated sets them): drop them, or use --loss logistic")
+            "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other, --offset; "
+            "--preset calibrated sets the rates): drop them, or use --loss logistic")
     for extra in ([], ["--preset", "anchored"]):        # the default and its earlier name
         code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", ":4", *extra,
                                  "--loss", "reinforce")
@@ -338,6 +338,27 @@ def test_a_draw_temperature_is_an_option_the_store_records_and_serving_draws_at(
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "4:8",
                              "--draw-tau", "0.05")
     assert code == 2 and "error: --draw-tau: 0.05 would change the learning setting" in err
+
+
+def test_an_offset_is_an_option_the_store_records_and_a_loss_without_one_refuses_it(capsys, tmp_path, store):
+    """--offset reaches the logistic loss, is recorded with the setting and continued with when
+    left out; another value is a change of setting, refused without --change-setting; with a loss
+    that reads no offset it is one line naming --offset, before anything is written."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    code, out, err = run_cli(capsys, *sim, ":4", "--preset", "realistic", "--loss", "reinforce", "--offset", "1")
+    assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
+    assert err.strip().splitlines()[-1] == ("error: --offset: only the logistic loss reads an offset (the logit of a "
+                                            "memory scored at its anchor); this loss is 'reinforce'")
+    code, out, err = run_cli(capsys, *sim, ":4", "--offset", "0", "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"]["estimator"]["offset"] == 0.0 != rj.preset("default").estimator.offset
+    assert json.loads((pol / "policy_store.json").read_text())["setting"]["estimator"]["offset"] == 0.0
+    code, out, err = run_cli(capsys, *sim, "4:8", "--json")      # left out: the recorded offset
+    assert code == 0, err
+    assert json.loads(out)["config"]["estimator"]["offset"] == 0.0
+    code, out, err = run_cli(capsys, *sim, "8:12", "--offset", "2")
+    assert code == 2 and "error: --offset: 2.0 would change the learning setting" in err
 
 
 def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, store):

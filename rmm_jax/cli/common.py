@@ -118,6 +118,12 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
         click.option("--p-other", type=float, default=None,
                      help="The same for P(cite | a memory that is not useful is shown), below --p-useful "
                           f"[default: 0 (no correction); calibrated: {PAPER_JUDGE['p_other']}, the paper's]."),
+        click.option("--offset", type=float, default=None,
+                     help="The logistic loss's logit of a memory scored at its anchor (the best memory's, under "
+                          "the default): memories cited less often than sigmoid(offset) are pushed below it. +2 "
+                          "was best on LoCoMo; 0 learned more where each policy gets few updates or users are "
+                          "much alike (one question per user; the scale benchmark's users: docs/scopes.md) "
+                          "[default: 2 (default, anchored); 0 (realistic, calibrated)]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(new_store),
@@ -263,8 +269,9 @@ def check_rank_scope(scope: str | None, rank: int | None) -> None:
 
 
 # core messages that name other fields than their own, as the options that give them
-OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates or offset (--p-useful, --p-other; "
-                                         "--preset calibrated sets them): drop them, or use --loss logistic",
+OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates or offset (--p-useful, --p-other, "
+                                         "--offset; --preset calibrated sets the rates): drop them, or use --loss "
+                                         "logistic",
                 settings.LOGISTIC_REFERENCE: "the default preset (and 'anchored') reads the logistic loss against the "
                                              "retriever's best score: leave --loss out (logistic), or use another "
                                              "--preset (realistic, reinforce)"}
@@ -280,14 +287,15 @@ def raise_option_error(e: ValueError):
 
 
 def make_setting(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope=None, rank=None, hidden=None,
-                 *, clip=None, loss=None, p_useful=None, p_other=None, draw_tau=None) -> Setting:
+                 *, clip=None, loss=None, p_useful=None, p_other=None, draw_tau=None, offset=None) -> Setting:
     """The program's parts from the options (``scope`` None: user; ``hidden``: the `mlp` kind's
     width, None its default; the keyword ones: :class:`Estimator` fields, None the preset's):
     :func:`rmm_jax.online.setting.resolve_setting` on a store that records no setting, a bad
     value as its option's one line. A verb's :class:`SettingOptions` ``o`` gives them all:
     ``make_setting(**o._asdict())``."""
     given = SettingOptions(preset, k, m, batch, tau, lr, reward, baseline, credit, kind, scope, rank, hidden,
-                           clip=clip, loss=loss, p_useful=p_useful, p_other=p_other, draw_tau=draw_tau)
+                           clip=clip, loss=loss, p_useful=p_useful, p_other=p_other, draw_tau=draw_tau,
+                           offset=offset)
     return _resolved(None, given, ()).setting
 
 

@@ -19,7 +19,7 @@ __all__ = ["SETTING_OPTIONS", "LearningSetting", "SettingOptions", "blamed_chang
 
 # the options that set fields of the record, the preset first (the layout's shape is not recorded)
 SETTING_OPTIONS = ("preset", "batch", "tau", "lr", "reward", "baseline", "credit", "loss", "clip", "p_useful",
-                   "p_other", "draw_tau")
+                   "p_other", "draw_tau", "offset")
 
 
 class SettingOptions(NamedTuple):
@@ -50,6 +50,7 @@ class SettingOptions(NamedTuple):
     p_useful: float | None = None
     p_other: float | None = None
     draw_tau: float | None = None
+    offset: float | None = None
 
     @classmethod
     def of(cls, options: dict) -> SettingOptions:
