@@ -6,6 +6,7 @@
     python benchmarks/scale.py --throughput --json benchmarks/results/scale_throughput.json
     python benchmarks/scale.py --users 10000 --preset realistic --json benchmarks/results/scale_10k_realistic.json
     python benchmarks/scale.py --users 10000 --json benchmarks/results/scale_10k_default.json
+    python benchmarks/scale.py --users 10000 --offset 1 --json benchmarks/results/scale_10k_offset1.json
     python benchmarks/scale.py --users 10000 --offset 0 --json benchmarks/results/scale_10k_offset0.json
 
 Users are synthetic vector streams (:mod:`rmm_jax.online.vectors`): each user's 100

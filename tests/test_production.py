@@ -295,7 +295,7 @@ def test_the_pairwise_loss_learns_and_refuses_judge_rates_in_one_line(capsys, tm
         assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
         assert err.strip().splitlines()[-1] == (
             "error: --loss: the pairwise loss takes no judge rates or offset (--p-useful, --p-other, --offset; "
-            "--preset calibrated sets the rates): drop them, or use --loss logistic")
+            "--preset calibrated sets the rates and offset): drop them, or use --loss logistic")
     for extra in ([], ["--preset", "anchored"]):        # the default and its earlier name
         code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", ":4", *extra,
                                  "--loss", "reinforce")
@@ -348,8 +348,13 @@ def test_an_offset_is_an_option_the_store_records_and_a_loss_without_one_refuses
     sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
     code, out, err = run_cli(capsys, *sim, ":4", "--preset", "realistic", "--loss", "reinforce", "--offset", "1")
     assert code == 2 and out == "" and not pol.exists() and not pol.with_name("p.runstate").exists()
-    assert err.strip().splitlines()[-1] == ("error: --offset: only the logistic loss reads an offset (the logit of a "
-                                            "memory scored at its anchor); this loss is 'reinforce'")
+    assert err.strip().splitlines()[-1] == ("error: --offset 1: only the logistic loss reads an offset (the logit of a "
+                                            "memory scored at its anchor); this run's loss is 'reinforce'")
+    # a preset's own offset under another loss is not the user's: calibrated (offset -1) with REINFORCE runs
+    code, out, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "q", *ONLINE, "--queries", ":4",
+                             "--preset", "calibrated", "--loss", "reinforce", "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"]["estimator"]["loss"] == "reinforce"
     code, out, err = run_cli(capsys, *sim, ":4", "--offset", "0", "--json")
     assert code == 0, err
     assert json.loads(out)["config"]["estimator"]["offset"] == 0.0 != rj.preset("default").estimator.offset
@@ -359,6 +364,20 @@ def test_an_offset_is_an_option_the_store_records_and_a_loss_without_one_refuses
     assert json.loads(out)["config"]["estimator"]["offset"] == 0.0
     code, out, err = run_cli(capsys, *sim, "8:12", "--offset", "2")
     assert code == 2 and "error: --offset: 2.0 would change the learning setting" in err
+
+
+def test_a_store_learning_with_reinforce_continues_when_only_the_loss_is_given_again(capsys, tmp_path, store):
+    """A store recorded under `--preset realistic --loss reinforce`, continued with `--loss reinforce`
+    and no --preset: the recorded setting goes on (the options alone, over today's default, name no
+    setting, and the note that says what is continued must not fail on them)."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    code, out, err = run_cli(capsys, *sim, ":4", "--preset", "realistic", "--loss", "reinforce")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *sim, "4:8", "--loss", "reinforce", "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"]["estimator"]["loss"] == "reinforce"
+    assert "continuing with the learning setting" in err and "preset realistic" in err, err
 
 
 def test_a_query_range_that_holds_no_question_writes_nothing(capsys, tmp_path, store):

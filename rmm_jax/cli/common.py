@@ -119,11 +119,12 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                      help="The same for P(cite | a memory that is not useful is shown), below --p-useful "
                           f"[default: 0 (no correction); calibrated: {PAPER_JUDGE['p_other']}, the paper's]."),
         click.option("--offset", type=float, default=None,
-                     help="The logistic loss's logit of a memory scored at its anchor (the best memory's, under "
-                          "the default): memories cited less often than sigmoid(offset) are pushed below it. +2 "
-                          "was best on LoCoMo; 0 learned more where each policy gets few updates or users are "
-                          "much alike (one question per user; the scale benchmark's users: docs/scopes.md) "
-                          "[default: 2 (default, anchored); 0 (realistic, calibrated)]."),
+                     help="The logistic loss's logit of a memory scored at its anchor (the retriever's best "
+                          "score under the default, the policy's own best under realistic): memories cited less "
+                          "often than sigmoid(offset) are pushed below it. +2 was best on LoCoMo; 0 learned more "
+                          "for one question per user and on the scale benchmark's users (docs/scopes.md) "
+                          "[default: 2 (default, anchored); 0 (realistic); -1 (calibrated); the reinforce and "
+                          "pairwise losses read none]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(new_store),
@@ -270,8 +271,8 @@ def check_rank_scope(scope: str | None, rank: int | None) -> None:
 
 # core messages that name other fields than their own, as the options that give them
 OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates or offset (--p-useful, --p-other, "
-                                         "--offset; --preset calibrated sets the rates): drop them, or use --loss "
-                                         "logistic",
+                                         "--offset; --preset calibrated sets the rates and offset): drop them, or use "
+                                         "--loss logistic",
                 settings.LOGISTIC_REFERENCE: "the default preset (and 'anchored') reads the logistic loss against the "
                                              "retriever's best score: leave --loss out (logistic), or use another "
                                              "--preset (realistic, reinforce)"}
@@ -305,9 +306,14 @@ def _resolved(recorded: dict | None, given: SettingOptions, explicit) -> Learnin
     check_rank_scope(given.scope, given.rank)
     check_kind_scope(given.kind, given.scope)
     try:
-        return resolve_setting(recorded, given, explicit)
+        ls = resolve_setting(recorded, given, explicit)
     except ValueError as e:
         raise_option_error(e)
+    loss = ls.setting.estimator.loss
+    if given.offset is not None and loss != "logistic":   # a preset's own offset under another loss is left unread
+        raise InputError(f"only the logistic loss reads an offset (the logit of a memory scored at its anchor); "
+                         f"this run's loss is {loss!r}", where=f"--offset {given.offset:g}")
+    return ls
 
 
 def users_per_chunk_option(f):
@@ -355,8 +361,11 @@ def note_setting(ls: LearningSetting, given: SettingOptions, policies) -> None:
         info(f"learning setting of {policies} changed (--change-setting): "
              + ", ".join(f"{f} {a} -> {b}" for f, a, b in ls.changes), must_read=True)
     elif ls.recorded is not None:
-        plain = setting_record(given.preset, make_setting(**given._asdict()))
-        differ = setting_changes(plain, ls.record)
+        try:
+            plain = setting_record(given.preset, make_setting(**given._asdict()))
+        except InputError:   # the options alone name no setting (`--loss reinforce` over today's default preset)
+            plain = None
+        differ = setting_changes(plain, ls.record) if plain is not None else [("preset", None, ls.preset)]
         if differ:
             info(f"continuing with the learning setting {policies} records: "
                  + ", ".join(f"{f} {b}" for f, _, b in differ) + " (not the options' defaults)", must_read=True)

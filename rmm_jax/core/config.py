@@ -121,9 +121,6 @@ class Estimator:
         c(self.reference == "best" or self.loss == "logistic", "loss", LOGISTIC_REFERENCE)
         c(self.loss != "pairwise" or (self.p_useful, self.p_other, self.offset) == (1.0, 0.0, 0.0), "loss",
           PAIRWISE_RATES)
-        c(self.offset == 0.0 or self.loss == "logistic", "offset",
-          f"only the logistic loss reads an offset (the logit of a memory scored at its anchor); this loss is "
-          f"{self.loss!r}")
         c(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
         c(real(self.baseline_value), "baseline_value", f"must be a finite number, got {self.baseline_value!r}")
         c(real(self.ema) and 0 <= self.ema < 1, "ema", f"must be in [0, 1), got {self.ema!r}")
