@@ -49,7 +49,8 @@ ABLATION = [("realistic: best score, offset 0, lr 1e-4", "realistic", {}),
             ("retriever, offset 0, lr 1e-4", "default", {"offset": 0.0, "lr": 1e-4}),
             ("retriever, offset 0, lr 3e-4", "default", {"offset": 0.0}),
             ("retriever, offset +2, lr 1e-4", "default", {"lr": 1e-4}),
-            ("default: retriever, offset +2, lr 3e-4", "default", {})]
+            ("default: retriever, offset +2, lr 3e-4", "default", {}),
+            ("retriever, offset +1, lr 3e-4", "default", {"offset": 1.0})]   # between the two (added at stop 53)
 
 
 def main(argv=None):
