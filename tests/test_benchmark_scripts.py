@@ -198,9 +198,9 @@ def test_each_sweep_file_holds_the_candidates_its_command_runs_today(name, monke
 
 
 def test_the_one_question_ablation_is_the_whole_grid_between_realistic_and_the_default(monkeypatch):
-    """one_question.py --ablation: its eight rows are the 2 x 2 x 2 grid of anchor x offset x step
+    """one_question.py --ablation: eight of its rows are the 2 x 2 x 2 grid of anchor x offset x step
     size, each setting what its label says, realistic and the default at the two ends, every other
-    field theirs."""
+    field theirs; the ninth is the default at offset +1, between the grid's two offsets."""
     import re
 
     import rmm_jax as rj
@@ -216,7 +216,8 @@ def test_the_one_question_ablation_is_the_whole_grid_between_realistic_and_the_d
         assert rest == {k: v for k, v in describe(*rj.preset("default"))["estimator"].items()
                         if k not in ("reference", "offset")}, label
         got.add((anchor, offset, lr))
-    assert len(got) == len(oq.ABLATION) == 8
+    grid = {g for g in got if g[1] in ("0", "+2")}
+    assert len(grid) == 8 and got - grid == {("retriever", "+1", "3e-4")} and len(got) == len(oq.ABLATION) == 9
     ends = {label.split(":")[0]: describe(*rj.preset(name, **kw)) for label, name, kw in oq.ABLATION if ":" in label}
     assert ends == {"realistic": describe(*rj.preset("realistic")), "default": describe(*rj.preset("default"))}
 
