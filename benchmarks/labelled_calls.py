@@ -140,8 +140,8 @@ def main(argv=None):
         default preset (None)."""
         key = (p_useful, p_other)
         if key not in programs:
-            setting = (rj.preset("default", k=args.k, m=args.m) if p_useful is None else
-                       rj.preset("default", k=args.k, m=args.m, p_useful=p_useful, p_other=p_other))
+            judge = {} if p_useful is None else {"p_useful": p_useful, "p_other": p_other}
+            setting = rj.preset("default", k=args.k, m=args.m, **judge)
             programs[key] = rj.make_run(*setting, cite_fn=cite)
         return _common.pooled(_common.online_recall(streams, programs[key], params, seed), streams, held)
 

@@ -41,7 +41,8 @@ from rmm_jax.online.vectors import VectorSpec, vector_chunks
 
 SCOPES = ("user", "shared", "hybrid")
 # --ablation: (label, preset, overrides): realistic (the best-score anchor, offset 0, lr 1e-4) and the
-# default (the retriever's best score, offset +2, lr 3e-4), and each of the six settings between them
+# default (the retriever's best score, offset +2, lr 3e-4), each of the six settings between them, and
+# the default at offset +1
 ABLATION = [("realistic: best score, offset 0, lr 1e-4", "realistic", {}),
             ("best score, offset 0, lr 3e-4", "realistic", {"lr": 3e-4}),
             ("best score, offset +2, lr 3e-4", "default", {"reference": "best"}),
@@ -50,7 +51,7 @@ ABLATION = [("realistic: best score, offset 0, lr 1e-4", "realistic", {}),
             ("retriever, offset 0, lr 3e-4", "default", {"offset": 0.0}),
             ("retriever, offset +2, lr 1e-4", "default", {"lr": 1e-4}),
             ("default: retriever, offset +2, lr 3e-4", "default", {}),
-            ("retriever, offset +1, lr 3e-4", "default", {"offset": 1.0})]   # between the two (added at stop 53)
+            ("retriever, offset +1, lr 3e-4", "default", {"offset": 1.0})]
 
 
 def main(argv=None):

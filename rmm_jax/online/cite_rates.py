@@ -220,11 +220,10 @@ def _rate(cited: np.ndarray, shown: np.ndarray, counts: np.ndarray, level: float
 # (citation_noise_default_matched.json), the region gained at P(cite | not useful) 0.4 and 0.5 and cost
 # a little at 0.3 (docs/citations.md).
 ADVISE_FROM = {"p_useful": 0.65, "p_other": 0.25}
-ADVICE = ("correct", "uncorrected", "uninformative", "overlap")
 
 
 def advice(useful: float | None, other: float | None, apart: bool) -> str:
-    """What :func:`cite_rates` advises for measured rates (one of :data:`ADVICE`):
+    """What :func:`cite_rates` advises for measured rates, one of four names:
     ``correct`` (learn with ``--p-useful``/``--p-other`` set to them) when the two intervals
     are apart and both rates reach :data:`ADVISE_FROM`, where the correction paid;
     ``uncorrected`` when they are apart elsewhere, where it did not; ``uninformative`` when
