@@ -384,15 +384,18 @@ def test_options_with_a_floor_show_it_in_help_and_refuse_below_it_by_name(path, 
 
 def test_demo_says_how_much_room_pretraining_leaves_and_online_stays_within_it(capsys, monkeypatch, tmp_path):
     """The demo's room line is the ceiling's Recall@M minus pretraining's, from the same rows it
-    writes to summary.json, and what online learning adds after pretraining never passes it: the
-    ceiling orders every gold candidate first, so no reranker of the K candidates does better."""
+    writes to summary.json (which carries it too, for scripts), and what online learning adds after
+    pretraining never passes it: the ceiling orders every gold candidate first, so no reranker of the
+    K candidates does better."""
     monkeypatch.setattr("rmm_jax.cli.demo.Embedder", lambda *a, **kw: FakeEmbedder(16))
     out_dir = tmp_path / "demo"
     code, out, err = run_cli([str(a) for a in ("demo", "--out", out_dir, "--users", 4, "--sessions", 3,
                                                "--turns", 4, "--k", 8, "--m", 3)], capsys)
     assert code == 0, err
-    rows = json.loads((out_dir / "summary.json").read_text())["rows"]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    rows = summary["rows"]
     room = rows["ceiling"]["recall@3"] - rows["pretrain"]["recall@3"]
+    assert summary["room_above_pretraining"] == pytest.approx(room, abs=1e-12)
     line = [s for s in out.splitlines() if s.startswith("room above pretraining:")]
     assert len(line) == 1, out
     assert float(line[0].split()[3]) == pytest.approx(room, abs=5e-5), (line, room)

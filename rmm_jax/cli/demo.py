@@ -33,11 +33,14 @@ def print_table(rows: dict, m: int, title: str) -> None:
         click.echo(f"  {name:<16} {r:>9.4f} {s[f'ndcg@{m}']:>8.4f} {r - base:>+8.4f}")
 
 
-def room_line(rows: dict, m: int) -> str:
+def room(rows: dict, m: int) -> float:
     """What online learning after pretraining could add at most: no reranker of the retriever's
     K candidates passes the ceiling, so pretrain+online can gain at most ceiling − pretrain."""
-    room = rows["ceiling"][f"recall@{m}"] - rows["pretrain"][f"recall@{m}"]
-    return (f"room above pretraining: {room:.4f} Recall@{m} (ceiling minus pretrain), the most that online "
+    return rows["ceiling"][f"recall@{m}"] - rows["pretrain"][f"recall@{m}"]
+
+
+def room_line(rows: dict, m: int) -> str:
+    return (f"room above pretraining: {room(rows, m):.4f} Recall@{m} (ceiling minus pretrain), the most that online "
             "learning after it could add here")
 
 
@@ -51,7 +54,7 @@ def room_line(rows: dict, m: int) -> str:
 @config_options(new_store=True)
 @quiet_option
 @json_option("the summary (as OUT/summary.json)", "rows (base, pretrain, online, pretrain+online, ceiling, "
-             "_pretrain), config, spec, seconds, plot")
+             "_pretrain), room_above_pretraining (ceiling minus pretrain, Recall@M), config, spec, seconds, plot")
 def demo(out, users, sessions, turns, as_json, **opts):
     """Run the whole method on built-in synthetic users: embed → pretrain → simulate.
 
@@ -110,6 +113,7 @@ def demo(out, users, sessions, turns, as_json, **opts):
                 ylabel=f"Recall@{m}", reference="base",
                 notes={n: f"{rows[n][f'recall@{m}'] - base_r:+.3f} vs base" for n in curves if n != "base"})
     summary = {"rows": {n: {k: v for k, v in s.items() if k != "curve"} for n, s in rows.items()},
+               "room_above_pretraining": room(rows, m),
                "config": config_dict(setting), "spec": spec, "seconds": round(time.perf_counter() - t0, 1),
                "plot": str(out / "learning_curve.png")}
     write_json(out / "summary.json", summary)
