@@ -184,7 +184,35 @@ def test_anchored_is_what_its_sweep_chooses_and_was_run_beside_the_default():
     assert min(v["gain"]["mean"] for v in default["cells"].values()) < max(worst)
 
 
-@pytest.mark.parametrize("name", ["defaults_sweep.json", "defaults_sweep_anchored.json"])
+def test_anchored_calibrated_is_what_the_populations_sweep_chooses():
+    """``preset("anchored_calibrated")`` is, in every scope, the candidate of
+    ``defaults_sweep_populations.json`` whose worst of its twelve cells (LoCoMo's nine and the
+    three vector populations', recomputed from the cells) is best; the default's candidate ran
+    beside it (``anchored``), with the LoCoMo cells ``defaults_sweep_anchored.json`` holds for it (same seeds and
+    streams), and one of its cells falls below the retriever."""
+    import rmm_jax as rj
+    from rmm_jax.core.config import describe
+
+    sweep = json.loads((BENCH / "results" / "defaults_sweep_populations.json").read_text())
+    rows = sweep["rows"]
+    assert all(len(row["cells"]) == 12 and sum(c.startswith("vectors") for c in row["cells"]) == 3 for row in rows)
+    worst = [min(v["gain"]["mean"] for v in row["cells"].values()) for row in rows]
+    best = rows[max(range(len(rows)), key=lambda i: (worst[i], -i))]
+    assert sweep["chosen"] == best["name"]
+    for scope in ("user", "shared", "hybrid"):
+        assert describe(*rj.preset("anchored_calibrated", scope=scope)) == \
+            describe(*rj.preset("reinforce", scope=scope, **best["fields"])), scope
+    earlier = json.loads((BENCH / "results" / "defaults_sweep_anchored.json").read_text())["rows"]
+    anchored = {r["name"]: r for r in earlier}
+    default = next(r for r in rows
+                   if describe(*rj.preset("reinforce", **r["fields"])) == describe(*rj.preset("anchored")))
+    assert {c: v["gain"]["mean"] for c, v in default["cells"].items() if c in anchored[default["name"]]["cells"]} == \
+        {c: v["gain"]["mean"] for c, v in anchored[default["name"]]["cells"].items()}
+    assert min(v["gain"]["mean"] for v in default["cells"].values()) < 0
+
+
+@pytest.mark.parametrize("name", ["defaults_sweep.json", "defaults_sweep_anchored.json",
+                                  "defaults_sweep_populations.json"])
 def test_each_sweep_file_holds_the_candidates_its_command_runs_today(name, monkeypatch):
     """The candidates a sweep file's recorded command would run now are the rows it holds, in
     order: a candidate added to the default set later would change what re-running it chooses."""
