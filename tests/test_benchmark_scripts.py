@@ -209,6 +209,26 @@ def test_anchored_calibrated_is_what_the_populations_sweep_chooses():
     assert {c: v["gain"]["mean"] for c, v in default["cells"].items() if c in anchored[default["name"]]["cells"]} == \
         {c: v["gain"]["mean"] for c, v in anchored[default["name"]]["cells"].items()}
     assert min(v["gain"]["mean"] for v in default["cells"].values()) < 0
+    for row in rows:                              # the worst cell the docs render is the file's own minimum
+        means = {c: v["gain"]["mean"] for c, v in row["cells"].items()}
+        assert row["worst"] == min(means.values()) and means[row["worst_cell"]] == row["worst"], row["name"]
+
+
+def test_a_population_cell_pairs_each_users_online_recall_with_its_own_retriever(monkeypatch):
+    """A population cell's gain is each query's online recall minus the same query's retriever
+    recall: with one question per user in scope ``user``, every question is scored before any
+    update, so the online recall is the retriever's query for query and the gain is exactly 0,
+    which a cell pairing one user's recall with another's would miss (the users' retriever
+    recalls differ: the test checks it has some 0s and some 1s)."""
+    sweep = bench_module("defaults_sweep", monkeypatch)
+    monkeypatch.setattr(sweep, "POPULATIONS", {"vectors, one question/oracle/user": ({"queries": 1}, 24, "user",
+                                                                                     "oracle", (0, 1))})
+    fields = sweep.NAMED["anchored calibrated offset -1 lr 3e-4"]
+    cell = sweep.population_cells(fields, 20, 2)["vectors, one question/oracle/user"]
+    assert 0 < cell["base_recall"] < 1
+    assert cell["recall"] == cell["base_recall"]
+    assert cell["gain"]["mean"] == 0 and cell["gain"]["lo"] == 0 == cell["gain"]["hi"]
+    assert cell["gain"]["seeds"] == 2 and cell["gain"]["groups"] == 24
 
 
 @pytest.mark.parametrize("name", ["defaults_sweep.json", "defaults_sweep_anchored.json",
@@ -223,6 +243,8 @@ def test_each_sweep_file_holds_the_candidates_its_command_runs_today(name, monke
     names = list(sweep.CANDIDATES) if not ns.candidates else [n.strip() for n in ns.candidates.split(";")]
     assert names == [r["name"] for r in data["rows"]]
     assert all(sweep.NAMED[n] == r["fields"] for n, r in zip(names, data["rows"]))
+    if ns.populations:                            # and the populations it runs today are the ones it ran
+        assert data["config"]["populations"] == sweep.populations_config(ns.k)
 
 
 def test_the_one_question_ablation_is_the_whole_grid_between_realistic_and_the_default(monkeypatch):

@@ -186,9 +186,9 @@ PRESETS: dict[str, dict] = {
     # The anchored loss corrected for the paper's judge rates (PAPER_JUDGE: P(cite | useful) 0.911,
     # P(cite | not useful) 0.154, the best candidate's logit at -1), Adam at 3e-4: of the candidates of
     # benchmarks/defaults_sweep.py --populations (defaults_sweep_populations.json), the one whose worst
-    # gain over LoCoMo 26 and 30's nine cells and three synthetic vector populations is best. Under
-    # the class-calibrated judge the default's +2 does part of this correction's work on LoCoMo, and
-    # falls below the retriever on 1,000 vector users under precision/recall citations
+    # gain over LoCoMo 26 and 30's nine cells and two synthetic vector populations' three is best.
+    # Under the class-calibrated judge the default's +2 likely does part of this correction's work on
+    # LoCoMo; on 1,000 vector users under precision/recall citations it falls below the retriever
     # (docs/method.md, "One default for three populations").
     "anchored_calibrated": dict(_ANCHORED, **PAPER_JUDGE),
     # The logistic loss against the query's best current score, Adam at 1e-4: the default from
