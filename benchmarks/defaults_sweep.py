@@ -95,8 +95,8 @@ SCOPES = ("user", "shared", "hybrid")
 # cells beside LoCoMo's nine, so a default is judged where it was not tuned to the data's geometry.
 # name: (spec fields, users, scope, citation model, seeds); one_question.py's population (one
 # question each, shared) and scale.py's (100 questions each, hybrid, 1,000 of them), the latter
-# under both simulators; one_question.py's three seeds. The interval resamples seeds, users and
-# each user's queries (a user's queries share a bank and a twist, so they are not independent).
+# under both simulators; one_question.py's three seeds. The interval resamples seeds and users (a
+# user's queries share a bank and a twist, so they are not independent draws).
 POPULATIONS = {
     "vectors, one question/oracle/shared": ({"queries": 1}, 600, "shared", "oracle", (0, 1, 2)),
     "vectors, 100 questions/precision_recall/hybrid": ({"queries": 100}, 1000, "hybrid", "precision_recall",
@@ -119,9 +119,11 @@ def population_cells(fields: dict, k: int, m: int) -> dict:
             r = rj.run_online(streams, program, params, seed=seed, users_per_chunk=8 if n < 1000 else 250)
             got.append(np.concatenate([np.asarray(r.recall[s.user_id])[s.valid] for s in streams]))
         got = np.stack(got)
-        users = [s.user_id for s in streams]
+        # the interval over seeds and users: each user's mean gain over its questions (all users ask
+        # as many, so their mean is the pooled mean), a cluster bootstrap with users as the clusters
+        per_user = (got - ref[None]).reshape(len(seeds), len(streams), -1).mean(axis=2)
         cells[cell] = {"recall": float(got.mean()), "base_recall": float(ref.mean()),
-                       "gain": _common.gain_interval(got - ref[None], groups=_common.query_groups(streams, users))}
+                       "gain": {**_common.gain_interval(per_user), "resamples": ["seed", "user"]}}
         print(f"  {cell:<48} {_common.format_interval(cells[cell]['gain'])}", flush=True)
     return cells
 

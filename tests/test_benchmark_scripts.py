@@ -228,7 +228,8 @@ def test_a_population_cell_pairs_each_users_online_recall_with_its_own_retriever
     assert 0 < cell["base_recall"] < 1
     assert cell["recall"] == cell["base_recall"]
     assert cell["gain"]["mean"] == 0 and cell["gain"]["lo"] == 0 == cell["gain"]["hi"]
-    assert cell["gain"]["seeds"] == 2 and cell["gain"]["groups"] == 24
+    assert cell["gain"]["seeds"] == 2 and cell["gain"]["queries"] == 24      # the interval's units: the users
+    assert cell["gain"]["resamples"] == ["seed", "user"]
 
 
 @pytest.mark.parametrize("name", ["defaults_sweep.json", "defaults_sweep_anchored.json",
