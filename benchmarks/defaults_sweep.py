@@ -121,9 +121,11 @@ def population_cells(fields: dict, k: int, m: int) -> dict:
         got = np.stack(got)
         # the interval over seeds and users: each user's mean gain over its questions (all users ask
         # as many, so their mean is the pooled mean), a cluster bootstrap with users as the clusters
+        assert all(s.valid.all() and s.valid.size == streams[0].valid.size for s in streams), cell
         per_user = (got - ref[None]).reshape(len(seeds), len(streams), -1).mean(axis=2)
-        cells[cell] = {"recall": float(got.mean()), "base_recall": float(ref.mean()),
-                       "gain": {**_common.gain_interval(per_user), "resamples": ["seed", "user"]}}
+        g = _common.gain_interval(per_user)
+        cells[cell] = {"recall": float(got.mean()), "base_recall": float(ref.mean()), "users": len(streams),
+                       "gain": {**g, "resamples": ["user" if r == "query" else r for r in g["resamples"]]}}
         print(f"  {cell:<48} {_common.format_interval(cells[cell]['gain'])}", flush=True)
     return cells
 
