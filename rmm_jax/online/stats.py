@@ -101,17 +101,23 @@ def resample_counts(groups, n_boot: int, rng: np.random.Generator) -> np.ndarray
     statistic of weighted queries (a mean, a ratio of summed counts) is then a product
     with these counts."""
     _, member = np.unique(np.asarray(groups), return_inverse=True)
+    member = member.ravel()
     n_groups, q = int(member.max()) + 1, member.size
     drawn = (np.ones((n_boot, 1), np.int64) if n_groups == 1 else
              rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups), size=n_boot))     # (n_boot, G)
-    counts = np.zeros(n_boot * q, np.int64)
-    rows = np.arange(n_boot)[:, None] * q
-    for j in range(n_groups):
-        idx = np.flatnonzero(member == j)
+    counts = np.zeros((n_boot, q), np.int64)
+    # each group's queries in order (a stable sort keeps them ascending, as np.flatnonzero would)
+    order = np.argsort(member, kind="stable")
+    members = np.split(order, np.cumsum(np.bincount(member, minlength=n_groups))[:-1])
+    for j, idx in enumerate(members):
+        n = idx.size
+        local = np.zeros(n_boot * n, np.int64)            # group j's columns only: O(n_boot · Q) over all groups
+        rows = np.arange(n_boot)[:, None] * n
         for copy in range(int(drawn[:, j].max())):        # the copy-th draw of group j, where it was drawn that often
-            pick = idx[rng.integers(0, idx.size, (n_boot, idx.size))] + rows
-            counts += np.bincount(pick[drawn[:, j] > copy].ravel(), minlength=n_boot * q)
-    return counts.reshape(n_boot, q)
+            pick = rng.integers(0, n, (n_boot, n)) + rows
+            local += np.bincount(pick[drawn[:, j] > copy].ravel(), minlength=n_boot * n)
+        counts[:, idx] += local.reshape(n_boot, n)
+    return counts
 
 
 def gain_interval(diffs, *, groups=None, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
