@@ -109,19 +109,15 @@ def population_cells(fields: dict, k: int, m: int) -> dict:
     """The POPULATIONS cells of one candidate: its gain over each population's retriever."""
     cells = {}
     for cell, (spec_fields, n, scope, cm, seeds) in POPULATIONS.items():
-        streams = _vector_streams(k, n, **spec_fields)
-        ref = np.concatenate([r[s.valid] for s, r in zip(streams, _retriever(streams, m))])
+        streams, users, ref = _population(k, m, n, **spec_fields)
         cite, _ = _common.citation_model(cm)
         program = rj.make_run(*rj.preset("reinforce", k=k, m=m, scope=scope, **fields), cite_fn=cite)
         params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
-        got = []
-        for seed in seeds:
-            r = rj.run_online(streams, program, params, seed=seed, users_per_chunk=8 if n < 1000 else 250)
-            got.append(np.concatenate([np.asarray(r.recall[s.user_id])[s.valid] for s in streams]))
-        got = np.stack(got)
+        got = np.stack([_common.pooled(rj.run_online(streams, program, params, seed=seed,
+                                                     users_per_chunk=8 if n < 1000 else 250).recall, streams, users)
+                        for seed in seeds])
         # the interval over seeds and users: each user's mean gain over its questions (all users ask
         # as many, so their mean is the pooled mean), a cluster bootstrap with users as the clusters
-        assert all(s.valid.all() and s.valid.size == streams[0].valid.size for s in streams), cell
         per_user = (got - ref[None]).reshape(len(seeds), len(streams), -1).mean(axis=2)
         g = _common.gain_interval(per_user)
         cells[cell] = {"recall": float(got.mean()), "base_recall": float(ref.mean()), "users": len(streams),
@@ -137,14 +133,14 @@ def populations_config(k: int) -> dict:
 
 
 @functools.cache
-def _vector_streams(k: int, users: int, queries: int):
+def _population(k: int, m: int, users: int, queries: int):
+    """``(streams, user ids, the retriever's pooled Recall@m)`` of a POPULATIONS population, made
+    once for every candidate; each user's queries all valid and as many (the per-user reshape)."""
     spec = VectorSpec(dim=384, memories=100, queries=queries, k=k)
-    return tuple(s for chunk in vector_chunks(spec, 0, users, 256) for s in chunk)
-
-
-def _retriever(streams, m: int) -> list:
-    base = _common.retriever_recall(list(streams), m)
-    return [base[s.user_id] for s in streams]
+    streams = [s for chunk in vector_chunks(spec, 0, users, 256) for s in chunk]
+    assert all(s.valid.all() and s.valid.size == queries for s in streams)
+    ids = [s.user_id for s in streams]
+    return streams, ids, _common.pooled(_common.retriever_recall(streams, m), streams, ids)
 
 
 def choose(rows: list[dict]) -> str:
