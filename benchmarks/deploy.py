@@ -10,6 +10,8 @@ the CLI, run as a subprocess, as a team would run it.
         --plot benchmarks/results/deploy_draw_001.png
     python benchmarks/deploy.py --gate --paired-with benchmarks/results/deploy.json \
         --json benchmarks/results/deploy_gate.json --plot benchmarks/results/deploy_gate.png
+    python benchmarks/deploy.py --preset anchored_calibrated --json benchmarks/results/deploy_anchored_calibrated.json \
+        --plot benchmarks/results/deploy_anchored_calibrated.png
 
 **Time.** The five LoCoMo conversations span different years; each is shifted so that its
 first session falls on day 0 (five users who start on the same day), keeping the gaps
@@ -28,7 +30,7 @@ scores). (3) The generator is simulated on what was served: the class-calibrated
 (``rmm_jax.data.citations.oracle``, the CLI's default) cites each shown memory by whether
 LoCoMo's gold marks it useful; gold is used here, offline, and never enters the log.
 (4) ``rmm-jax replay STORE --log LOG --policies P --json`` learns overnight (the CLI's
-default preset and scope; the first night creates P). (5) ``rmm-jax evaluate STORE --log
+default preset and scope, or ``--preset``'s, which the first night records when it creates P). (5) ``rmm-jax evaluate STORE --log
 LOG --policies P --json``: tomorrow's policy estimated on today's log, with the verdict.
 With ``--gate`` a night the verdict does not ship is undone (6): ``rmm-jax policies
 rollback P``, so tomorrow is served by today's policies and the day's calls are never
@@ -325,6 +327,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draw-tau", type=float, default=None,
                     help="draw the shown memories at this temperature (rerank --explore --tau, replay --draw-tau; "
                          "the store records it) instead of the default preset's tau")
+    ap.add_argument("--preset", choices=sorted(rj.PRESETS), default=None,
+                    help="the first night's replay --preset (the store records it; later nights and simulate's "
+                         "interval use it); default: the CLI's default preset")
     ap.add_argument("--gate", action="store_true",
                     help="roll back each night whose evaluate verdict is not to ship (rmm-jax policies rollback)")
     ap.add_argument("--paired-with", type=_common.existing_path, default=None,
@@ -372,8 +377,9 @@ def main(argv=None) -> int:
         for k in recall:
             recall[k] += rec[k]
         asked_by += [r["user_id"] for r in served]
-        rep = json.loads(cli(["replay", store, "--log", log_path.name, "--policies", policies, *learn, "--json"],
-                             work))
+        first = () if args.preset is None or policies.exists() else ("--preset", args.preset)   # the store records it
+        rep = json.loads(cli(["replay", store, "--log", log_path.name, "--policies", policies, *learn, *first,
+                              "--json"], work))
         ope = json.loads(cli(["evaluate", store, "--log", log_path.name, "--policies", policies, "--json"], work))
         shipped = bool(ope["verdict"]["ship"])
         if args.gate and not shipped:          # not shipped: tomorrow is served by today's policies
