@@ -437,8 +437,8 @@ HEADLINE = {
             ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage_all", ".2f")]),
     "Throughput, one user, paper shapes: rmm-jax / torch.compile": (
         "{}", [("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")]),
-    "Sharing, synthetic users, the default: Recall@5 gain of 1,000 learning side by side in hybrid; of each alone; "
-    "a newcomer after 900, hybrid minus a fresh policy": (
+    "Sharing, synthetic users, the default (3 seeds): Recall@5 gain of 1,000 learning side by side in hybrid; of "
+    "each alone; a newcomer after 900, hybrid minus a fresh policy": (
         "{}; {}; {}", [("sharing_curves_anchored.json", "curves.synthetic.hybrid/1000.gain", "interval"),
                        ("sharing_curves_anchored.json", "curves.synthetic.user/1.gain", "interval"),
                        ("sharing_late_anchored.json", "late.synthetic/900.over_fresh_user.hybrid", "interval")]),

@@ -83,9 +83,10 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           "'realistic' (the same loss relative to the policy's own best score, lr 1e-4: the default "
                           "before; its scores grow with every update, docs/method.md); 'calibrated' (the logistic loss "
                           "against the policy's best score corrected for the paper's judge rates, lr 2e-4 in scope "
-                          "user and 1e-4 in shared and hybrid: better when your citations follow those rates, worse "
-                          "when they do not); 'reinforce' (REINFORCE on citation rewards, Adam lr 3e-4: the default "
-                          "until issue 26); 'paper' (the RMM update as written: top-M of "
+                          "user and 1e-4 in shared and hybrid: better when your citations follow those rates; where "
+                          "the generator cites 40% or more of useless memories it falls below the retriever on "
+                          "LoCoMo 41-43, docs/citations.md); 'reinforce' (REINFORCE on citation rewards, Adam lr "
+                          "3e-4: the default until issue 26); 'paper' (the RMM update as written: top-M of "
                           "s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob only, plain SGD lr 1e-3, "
                           "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
         click.option("--k", type=IntRange(min=1), **k_default, help="Candidates from the base retriever."),
@@ -117,17 +118,18 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           "as measured against a judge (docs/citations.md); the logistic loss models the rates, "
                           "REINFORCE corrects its rewards for them. With the default it paid where the generator "
                           "cites other memories often (`cite-rates` says when) [default: 1 (no correction); "
-                          f"calibrated: {PAPER_JUDGE['p_useful']}, the paper's]."),
+                          f"calibrated and anchored_calibrated: {PAPER_JUDGE['p_useful']}, the paper's]."),
         click.option("--p-other", type=float, default=None,
                      help="The same for P(cite | a memory that is not useful is shown), below --p-useful "
-                          f"[default: 0 (no correction); calibrated: {PAPER_JUDGE['p_other']}, the paper's]."),
+                          f"[default: 0 (no correction); calibrated and anchored_calibrated: {PAPER_JUDGE['p_other']}, "
+                          "the paper's]."),
         click.option("--offset", type=float, default=None,
                      help="The logistic loss's logit of a memory scored at its anchor (the retriever's best "
                           "score under the default, the policy's own best under realistic): memories cited less "
                           "often than sigmoid(offset) are pushed below it. +2 was best on LoCoMo; 0 learned more "
                           "for one question per user and on the scale benchmark's users (docs/scopes.md) "
-                          "[default: 2 (default, anchored); 0 (realistic); -1 (calibrated); the reinforce and "
-                          "pairwise losses read none]."),
+                          "[default: 2 (default, anchored); 0 (realistic); -1 (calibrated, anchored_calibrated); "
+                          "the reinforce and pairwise losses read none]."),
         click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(new_store),
