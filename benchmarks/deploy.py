@@ -30,8 +30,9 @@ scores). (3) The generator is simulated on what was served: the class-calibrated
 (``rmm_jax.data.citations.oracle``, the CLI's default) cites each shown memory by whether
 LoCoMo's gold marks it useful; gold is used here, offline, and never enters the log.
 (4) ``rmm-jax replay STORE --log LOG --policies P --json`` learns overnight (the CLI's
-default preset and scope, or ``--preset``'s, which the first night records when it creates P). (5) ``rmm-jax evaluate STORE --log
-LOG --policies P --json``: tomorrow's policy estimated on today's log, with the verdict.
+default preset and scope, or ``--preset``'s, which the first night records when it creates
+P). (5) ``rmm-jax evaluate STORE --log LOG --policies P --json``: tomorrow's policy estimated
+on today's log, with the verdict.
 With ``--gate`` a night the verdict does not ship is undone (6): ``rmm-jax policies
 rollback P``, so tomorrow is served by today's policies and the day's calls are never
 learned; ``--paired-with FILE`` (a run without it) then reports the final Recall@5

@@ -2,6 +2,8 @@
 
     python benchmarks/nights.py --synthetic-store STORE --json benchmarks/results/nights.json \
         --plot benchmarks/results/nights.png
+    python benchmarks/nights.py --synthetic-store STORE --presets anchored,anchored_calibrated --evaluate \
+        --json benchmarks/results/nights_evaluate.json --plot benchmarks/results/nights_evaluate.png
 
 The daily loop (docs/lifecycle.md) serves a user's questions, learns from the citations, and
 serves the next day's with what it learned. Here every synthetic user
@@ -18,6 +20,15 @@ one chunk (one shared part in scopes shared and hybrid). Per night:
 
 and at the end ``logit``: the median, over the first 50 users of each seed's run, of the largest
 |score| / τ over a user's candidates, the scale the draw sees.
+
+With ``--evaluate``, what the last night's log lets ``rmm-jax evaluate`` estimate
+(:func:`rmm_jax.online.ope.evaluate_calls`, the function behind it, on every user's calls of
+that night as one log, each call's ``log_prob`` that of the policy that drew it; Recall@5 of
+``--m`` shown): per seed, two targets, ``tomorrow`` (each user's policy after the last night,
+what a nightly deployment ships next) and ``retriever`` (the identity reranker, a rollback),
+each with SNIPS's value, effective sample size and whether ``evaluate`` gives it (``reliable``),
+beside the target's exact expected Recall on those calls (``direct``, no sampling error). A
+draw that explores less leaves a policy far from the one that drew it less to go on.
 
 Written down before it first ran: the logistic loss anchored at the best current score (the
 ``default`` preset then, ``realistic`` today) leaves the best candidate's gradient at (σ(offset) − its citation rate)/τ
@@ -44,6 +55,7 @@ import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
 from rmm_jax.core.config import describe  # noqa: E402
+from rmm_jax.online.ope import Calls, Target, evaluate_calls  # noqa: E402
 from rmm_jax.online.streams import Stream, repeat_passes  # noqa: E402
 
 SCOPES = ("user", "shared", "hybrid")
@@ -61,9 +73,55 @@ def logit_scale(params, s: Stream, tau: float) -> float:
     return float(jnp.max(jnp.where(jnp.asarray(s.cand_mask), jnp.abs(sc), 0.0))) / tau
 
 
-def run_cell(streams, nights: int, program, params, seeds, m: int) -> dict:
+def last_night_calls(streams, run, target, nights: int, tau: float) -> Calls:
+    """Every user's calls of the last night as one log: what the run drew, cited and logged
+    (each call's log P under the policy of its time), with ``target(user id)``'s logits."""
+    parts = {f: [] for f in ("t", "sel", "cited", "lp", "mask", "gold", "ng", "valid")}
+    uids, qids = [], []
+    for s in streams:
+        o, t = run.outputs[s.user_id], len(s.query_ids)
+        last = slice((nights - 1) * t, nights * t)
+        sc = rj.score_batch(target(s.user_id), jnp.asarray(s.queries), jnp.asarray(s.bank[s.cand]),
+                            jnp.asarray(s.cand_mask))
+        parts["t"].append(np.where(s.cand_mask, np.asarray(sc) / tau, 0.0).astype(np.float32))
+        parts["sel"].append(np.asarray(o["selected"], np.int32)[last])
+        parts["cited"].append(np.asarray(o["cited"], bool)[last])
+        parts["lp"].append(np.asarray(o["log_prob"], np.float64)[last])
+        parts["mask"].append(np.asarray(s.cand_mask, bool))
+        parts["gold"].append(np.asarray(s.cand_gold, bool))
+        parts["ng"].append(np.asarray(s.num_gold, np.int32))
+        parts["valid"].append(np.asarray(s.valid, bool))
+        uids += [s.user_id] * t
+        qids += [f"{s.user_id}/{q}" for q in s.query_ids]
+    c = {f: np.concatenate(v) for f, v in parts.items()}
+    return Calls(user_ids=uids, query_ids=qids, target_logits=c["t"], behaviour_logits=None, mask=c["mask"],
+                 selected=c["sel"], cited=c["cited"], log_prob=c["lp"], cand_gold=c["gold"], num_gold=c["ng"],
+                 valid=c["valid"], own_policy=dict.fromkeys(uids, True))
+
+
+def evaluable(streams, runs, params, nights: int, program, m: int) -> dict:
+    """Per target (``tomorrow``, ``retriever``), per seed: SNIPS's Recall@M estimate on the last
+    night's calls, its effective sample size and whether ``evaluate`` gives it, and the exact
+    expected value (``direct``)."""
+    tau, k = program.estimator.tau, program.layout.k
+    out = {}
+    for name in ("tomorrow", "retriever"):
+        rows = []
+        for r in runs:
+            target = (lambda u, r=r: r.finals[u]) if name == "tomorrow" else (lambda u: params)
+            rep = evaluate_calls(last_night_calls(streams, r, target, nights, tau), Target(k, m, tau))
+            est = rep["estimates"]["recall"]
+            rows.append({"snips": {f: est["snips"].get(f) for f in ("value", "ess", "reliable")},
+                         "direct": est["direct"]["value"]})
+        out[name] = {"seeds": rows, "reliable": sum(bool(x["snips"]["reliable"]) for x in rows),
+                     "ess_median": float(np.median([x["snips"]["ess"] for x in rows]))}
+    return out
+
+
+def run_cell(streams, nights: int, program, params, seeds, m: int, evaluate: bool = False) -> dict:
     """One preset in one scope: per night the gain over the retriever and the mean log P of the
-    shown draw; at the end the median logit scale (over the first 50 users, each seed)."""
+    shown draw; at the end the median logit scale (over the first 50 users, each seed) and,
+    with ``evaluate``, :func:`evaluable`."""
     users = [s.user_id for s in streams]
     base = _common.retriever_recall(streams, m)
     runs = [_common.run_chunk([nightly(s, nights) for s in streams], program, params, seed) for seed in seeds]
@@ -77,6 +135,8 @@ def run_cell(streams, nights: int, program, params, seeds, m: int) -> dict:
                               "log_prob": float(lp)})
     tau = program.estimator.tau
     out["logit"] = float(np.median([logit_scale(r.finals[s.user_id], s, tau) for r in runs for s in streams[:50]]))
+    if evaluate:
+        out["evaluate"] = evaluable(streams, runs, params, nights, program, m)
     return out
 
 
@@ -92,6 +152,9 @@ def main(argv=None):
                     help="comma-separated presets (anchored is the default's setting; realistic the default before)")
     ap.add_argument("--scopes", type=_common.choice_list(*SCOPES), default="user,shared,hybrid",
                     help="comma-separated policy scopes")
+    ap.add_argument("--evaluate", action="store_true",
+                    help="also what evaluate can estimate from the last night's calls (tomorrow's policy, the "
+                         "retriever)")
     _common.result_options(ap, "PNG of the gain and of log P(shown) by night")
     args = ap.parse_args(argv)
     if _common.redrawn(ap, args, plot):
@@ -109,12 +172,15 @@ def main(argv=None):
     for name in args.presets:
         for scope in args.scopes:
             setting = rj.preset(name, k=k, m=m, scope=scope)
-            cell = run_cell(streams, args.nights, rj.make_run(*setting, cite_fn=cite), params, args.seeds, m)
+            cell = run_cell(streams, args.nights, rj.make_run(*setting, cite_fn=cite), params, args.seeds, m,
+                            args.evaluate)
             out["cells"][f"{name}/{scope}"] = {"preset": name, "scope": scope, "setting": describe(*setting), **cell}
             first, last = cell["nights"][0]["gain"], cell["nights"][-1]["gain"]
             log(f"  {name:<9} {scope:<7} night 1 {_common.format_interval(first)}  night {args.nights} "
                 f"{_common.format_interval(last)}  log P {cell['nights'][-1]['log_prob']:.2f}  "
-                f"logit {cell['logit']:.1f}")
+                f"logit {cell['logit']:.1f}" + ("" if not args.evaluate else "  evaluate (reliable seeds, median ESS): "
+                + ", ".join(f"{t} {e['reliable']}/{len(e['seeds'])} {e['ess_median']:.0f}"
+                            for t, e in cell["evaluate"].items())))
     out["seconds"] = round(time.perf_counter() - t0, 1)
     _common.save_outputs(args, out, plot)
     return out

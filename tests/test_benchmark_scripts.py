@@ -604,3 +604,55 @@ def test_the_long_benchmarks_say_each_stage_before_it_runs(tmp_path, monkeypatch
     with pytest.raises(_Stop):
         sharing.main(["--data", str(data)])
     assert capsys.readouterr().err.splitlines()[-1].endswith("synthetic users: their store (a temporary one)")
+
+
+def test_nights_evaluate_reads_the_last_night_and_the_retriever_exactly(monkeypatch):
+    """nights.py --evaluate: the calls are the last night's (as the run drew and logged them,
+    every user's), and the retriever target's exact Recall@M (``direct``) equals a brute-force
+    enumeration of its Plackett–Luce draws at τ over every ordered selection, per call: wrong
+    logits (τ left out), another night's slice or misaligned gold would not."""
+    import itertools
+
+    import jax
+    import numpy as np
+
+    import rmm_jax as rj
+    from rmm_jax.data.citations import oracle
+    from rmm_jax.online.streams import Stream
+    nights = bench_module("nights", monkeypatch)
+    rng = np.random.default_rng(0)
+    k, m, t, d = 4, 2, 6, 8
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731  (as embeddings)
+    streams = []
+    for u in range(3):
+        bank = unit(rng.normal(size=(7, d)))
+        cand = np.stack([rng.permutation(7)[:k] for _ in range(t)]).astype(np.int32)
+        gold = rng.random((t, k)) < 0.3
+        gold[:, 0] |= ~gold.any(1)
+        streams.append(Stream(f"u{u}", bank, unit(rng.normal(size=(t, d))), cand,
+                              np.ones((t, k), bool), gold, gold.sum(1).astype(np.int32) + (u == 1),
+                              np.ones(t, bool), query_ids=tuple(f"q{i}" for i in range(t))))
+    program = rj.make_run(*rj.preset("default", k=k, m=m), cite_fn=oracle())
+    params = rj.init_reranker(jax.random.key(0), d)
+    run = nights._common.run_chunk([nights.nightly(s, 2) for s in streams], program, params, 0)
+    tau = program.estimator.tau
+    calls = nights.last_night_calls(streams, run, lambda u: params, 2, tau)
+    assert calls.selected.shape == (3 * t, m)
+    assert np.array_equal(calls.selected[:t], np.asarray(run.outputs["u0"]["selected"])[t:])
+    assert np.array_equal(calls.log_prob[t:2 * t], np.asarray(run.outputs["u1"]["log_prob"], np.float64)[t:])
+    want = []
+    for s in streams:
+        for i in range(t):
+            z = np.einsum("d,kd->k", s.queries[i].astype(np.float64), s.bank[s.cand[i]].astype(np.float64)) / tau
+            w = np.exp(z - z.max())
+            e = 0.0
+            for sel in itertools.permutations(range(k), m):
+                p, left = 1.0, w.sum()
+                for j in sel:
+                    p, left = p * w[j] / left, left - w[j]
+                e += p * s.cand_gold[i, list(sel)].sum() / s.num_gold[i]
+            want.append(e)
+    got = nights.evaluable(streams, [run], params, 2, program, m)["retriever"]["seeds"][0]["direct"]
+    # float32 scores of unit vectors: |error of s/τ| ≤ γ_d·Σ|q_i m_i|/τ ≤ (d·2⁻²⁴)/0.1 < 5e-6 per logit;
+    # a draw's probability moves by at most 2·m times that, relatively: the mean within 1e-4
+    assert abs(got - np.mean(want)) < 1e-4, (got, np.mean(want))

@@ -53,7 +53,8 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     [1, 1]. The last line says what to do with the rates: when the two intervals are
     apart and the generator cites other memories often (P(cite | useful) at least 0.65 and
     P(cite | not useful) at least 0.25, where correcting the default paid on the LoCoMo grid's
-    tuning conversations 26 and 30, docs/citations.md; on 41-43 it did not, at 0.3), the options that correct the default's logistic loss for them,
+    tuning conversations 26 and 30, docs/citations.md; on 41-43 it did not, at 0.3), the
+    options that correct the default's logistic loss for them,
     to give to `replay` or `simulate` as they are; elsewhere, that no correction is advised
     and why. With --json, `.advice` says which
     (correct, uncorrected, uninformative, overlap) and `.options` holds the options (null
