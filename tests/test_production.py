@@ -338,6 +338,19 @@ def test_a_draw_temperature_is_an_option_the_store_records_and_serving_draws_at(
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", "4:8",
                              "--draw-tau", "0.05")
     assert code == 2 and "error: --draw-tau: 0.05 would change the learning setting" in err
+    # a store that draws at the loss's tau (none recorded): a draw temperature is a change too, not
+    # used for one run and dropped (it was: the record kept None and the next run drew at tau)
+    tau_store = tmp_path / "t"
+    at_tau = ["simulate", store, "--policies", tau_store, *ONLINE, "--queries"]
+    assert run_cli(capsys, *at_tau, ":4")[0] == 0
+    code, out, err = run_cli(capsys, *at_tau, "4:8", "--draw-tau", "0.02")
+    assert code == 2 and out == "" and err.strip().splitlines()[-1] == (
+        f"error: --draw-tau: 0.02 would change the learning setting policy store {tau_store} records (draw_tau none "
+        "(the loss's tau)); leave the option out to continue with it, or add --change-setting")
+    assert behaviour_tau(PolicyStore.open(tau_store)) == rj.preset("default").estimator.tau
+    code, out, err = run_cli(capsys, *at_tau, "4:8", "--draw-tau", "0.02", "--change-setting", "--json")
+    assert code == 0, err
+    assert "draw_tau none (the loss's tau) -> 0.02" in err and behaviour_tau(PolicyStore.open(tau_store)) == 0.02
 
 
 def test_an_offset_is_an_option_the_store_records_and_a_loss_without_one_refuses_it(capsys, tmp_path, store):

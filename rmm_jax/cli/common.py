@@ -39,7 +39,7 @@ from rmm_jax.core.reranker import KINDS
 from rmm_jax.core.scope import DEFAULT_RANK, SCOPES
 from rmm_jax.data.citation_log import ReadReport
 from rmm_jax.errors import InputError
-from rmm_jax.online.setting import LearningSetting, SettingOptions, blamed_change, resolve_setting
+from rmm_jax.online.setting import LearningSetting, SettingOptions, blamed_change, resolve_setting, shown_value
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
 from rmm_jax.persist.policy_setting import read_setting
@@ -364,7 +364,8 @@ def note_setting(ls: LearningSetting, given: SettingOptions, policies) -> None:
     the recorded setting continued, or the changes ``--change-setting`` made."""
     if ls.changes:
         info(f"learning setting of {policies} changed (--change-setting): "
-             + ", ".join(f"{f} {a} -> {b}" for f, a, b in ls.changes), must_read=True)
+             + ", ".join(f"{f} {shown_value(f, a)} -> {shown_value(f, b)}" for f, a, b in ls.changes),
+             must_read=True)
     elif ls.recorded is not None:
         try:
             plain = setting_record(given.preset, make_setting(**given._asdict()))

@@ -287,21 +287,31 @@ def setting_record(name: str, setting: Setting) -> dict:
 
 # Estimator fields added after stores began recording settings, with the value every run had
 # before: a record that lacks one was trained with it (not with whatever a preset now gives).
-ADDED_LATER = {"reference": "best"}
+ADDED_LATER = {"reference": "best", "draw_tau": None}
+# Estimator fields whose None is a value (draw_tau None: the draw is at the loss's τ): a record
+# that holds None holds a setting, and a run that gives a number changes it.
+NONE_IS_A_VALUE = ("draw_tau",)
 
 
 def setting_values(record: dict) -> dict:
     """The :data:`SETTING_FIELDS` of a :func:`setting_record`, flat (``field -> value``);
     fields this version does not know are left out; an estimator field added later
     (:data:`ADDED_LATER`) that the record lacks is the value it had before; other fields the
-    record lacks are absent, so :func:`preset` fills them with the preset's values."""
+    record lacks are absent, so :func:`preset` fills them with the preset's values. A None is
+    absent too, except in a field where it is a value (:data:`NONE_IS_A_VALUE`).
+
+    >>> from rmm_jax import preset
+    >>> from rmm_jax.core.config import setting_record, setting_values
+    >>> setting_values(setting_record("default", preset("default")))["draw_tau"] is None   # drawn at τ
+    True
+    """
     est = record.get("estimator") or {}
     flat = {"preset": record.get("preset"), "batch": (record.get("layout") or {}).get("batch"),
             **({k: v for k, v in ADDED_LATER.items() if k not in est} if est else {}),
             **{k: v for k, v in est.items() if k in ESTIMATOR_FIELDS}}
     opt = record.get("optimizer") or {}
     flat.update({"optimizer": opt.get("name"), "lr": opt.get("lr")})
-    return {k: v for k, v in flat.items() if v is not None}
+    return {k: v for k, v in flat.items() if v is not None or (est and k in NONE_IS_A_VALUE)}
 
 
 def setting_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
@@ -313,6 +323,8 @@ def setting_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
     >>> old, new = setting_record("reinforce", preset("reinforce")), setting_record("realistic", preset("realistic"))
     >>> setting_changes(old, new)
     [('preset', 'reinforce', 'realistic'), ('loss', 'reinforce', 'logistic'), ('lr', 0.0003, 0.0001)]
+    >>> setting_changes(new, setting_record("realistic", preset("realistic", draw_tau=0.02)))
+    [('draw_tau', None, 0.02)]
     """
     a, b = setting_values(old), setting_values(new)
     return [(f, a.get(f), b.get(f)) for f in SETTING_FIELDS if f in a and f in b and a[f] != b[f]

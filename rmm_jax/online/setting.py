@@ -119,6 +119,18 @@ def resolve_setting(recorded: dict, given: SettingOptions, explicit) -> Learning
     return LearningSetting(setting, name, recorded, setting_changes(recorded, setting_record(name, setting)))
 
 
+def shown_value(field: str, value) -> object:
+    """A recorded setting value as a message shows it: a None that is a value (``draw_tau``:
+    the draw at the loss's τ) in words, any other value as it is.
+
+    Examples:
+        >>> from rmm_jax.online.setting import shown_value
+        >>> shown_value("draw_tau", None), shown_value("lr", 1e-4)
+        ("none (the loss's tau)", 0.0001)
+    """
+    return "none (the loss's tau)" if field == "draw_tau" and value is None else value
+
+
 def blamed_change(ls: LearningSetting, explicit) -> tuple[str, object, str]:
     """For a run whose setting ``ls`` changes its store's record: the option to name (the
     first changed field the user gave, else ``preset``), its value as shown, and what the
@@ -141,6 +153,6 @@ def blamed_change(ls: LearningSetting, explicit) -> tuple[str, object, str]:
         was = f"preset {recorded.get('preset')} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in ls.changes)
     else:
         others = [f for f, _, _ in ls.changes if f != option]
-        was = (f"{option} {recorded.get('preset') if option == 'preset' else old}"
+        was = (f"{option} {recorded.get('preset') if option == 'preset' else shown_value(field, old)}"
                + (f"; {', '.join(others)} change with it" if others else ""))
     return option, shown, was
