@@ -26,7 +26,8 @@ With ``--evaluate``, what the last night's log lets ``rmm-jax evaluate`` estimat
 that night as one log, each call's ``log_prob`` that of the policy that drew it; Recall@5 of
 ``--m`` shown): per seed, two targets, ``tomorrow`` (each user's policy after the last night,
 what a nightly deployment ships next) and ``retriever`` (the identity reranker, a rollback),
-each with SNIPS's value, effective sample size and whether ``evaluate`` gives it (``reliable``),
+each with SNIPS's value, effective sample size, weights' mean and whether ``evaluate`` gives it
+(``reliable``; ``reason`` if not),
 beside the target's exact expected Recall on those calls (``direct``, no sampling error). A
 draw that explores less leaves a policy far from the one that drew it less to go on.
 
@@ -101,8 +102,8 @@ def last_night_calls(streams, run, target, nights: int, tau: float) -> Calls:
 
 def evaluable(streams, runs, params, nights: int, program, m: int) -> dict:
     """Per target (``tomorrow``, ``retriever``), per seed: SNIPS's Recall@M estimate on the last
-    night's calls, its effective sample size and whether ``evaluate`` gives it, and the exact
-    expected value (``direct``)."""
+    night's calls, its effective sample size, its weights' mean, whether ``evaluate`` gives it
+    and if not why (``reason``), and the exact expected value (``direct``)."""
     tau, k = program.estimator.tau, program.layout.k
     out = {}
     for name in ("tomorrow", "retriever"):
@@ -111,7 +112,8 @@ def evaluable(streams, runs, params, nights: int, program, m: int) -> dict:
             target = (lambda u, r=r: r.finals[u]) if name == "tomorrow" else (lambda u: params)
             rep = evaluate_calls(last_night_calls(streams, r, target, nights, tau), Target(k, m, tau))
             est = rep["estimates"]["recall"]
-            rows.append({"snips": {f: est["snips"].get(f) for f in ("value", "ess", "reliable")},
+            keep = ("value", "ess", "reliable", "weight_mean", "reason")
+            rows.append({"snips": {f: est["snips"].get(f) for f in keep},
                          "direct": est["direct"]["value"]})
         out[name] = {"seeds": rows, "reliable": sum(bool(x["snips"]["reliable"]) for x in rows),
                      "ess_median": float(np.median([x["snips"]["ess"] for x in rows]))}
