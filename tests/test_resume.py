@@ -373,9 +373,13 @@ def test_sigterm_checkpoints_then_options_are_checked_and_a_damaged_checkpoint_f
     snaps = sorted(q for q in rs_dir.iterdir() if q.name.startswith("s"))
     assert len(snaps) == 2 and not log.exists()
 
-    # without --resume: refused, nothing changes
+    # without --resume, the same command: refused, nothing changes; told its options are the
+    # interrupted run's (not that --init differs: that run created the store, and --init
+    # left out resolved to identity there, as it does again here)
     rc, text = run(env, args, "t1")
-    assert rc == 2 and "--resume" in text and "remove" in text, text
+    assert rc == 2 and text.strip().splitlines()[-1].endswith(
+        "its options are this command's; pass --resume to continue it, or remove "
+        f"{RunState.path_for(pol)} to start over"), text
     # --resume with another option: the option is named
     rc, text = run(env, [*args, "--resume", "--lr", "0.01"], "t2")
     assert rc == 2 and text.strip().splitlines()[-1].startswith("error: --lr: differs from the interrupted run"), text

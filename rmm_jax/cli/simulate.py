@@ -159,7 +159,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                          "learned (--queries), or on the same ones with --relearn",
                          where="--resume")
     afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
-    init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
+    # before the processes meet (process 0 may create the store)
+    init = resolve_init(policies, init, resume, as_interrupted=True)
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     st = open_store(store)

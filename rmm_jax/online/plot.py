@@ -225,9 +225,12 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
             handles.setdefault(lab, h)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 3), fontsize=8,
                frameon=False)
-    if verdict is not None:
+    if verdict is not None:   # wrapped to the figure: the decision is what the plot is for
+        import textwrap
+
         from rmm_jax.online.ope import decision
-        title += f"\nverdict: {decision(verdict)} ({verdict['reason']})"
+        width = int(fig.get_figwidth() * 72 / 10 * 1.6)    # characters of a 10-point line across the figure
+        title += "\n" + "\n".join(textwrap.wrap(f"verdict: {decision(verdict)} ({verdict['reason']})", width))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.07 / rows, 1, 1))
     _save(fig, path)
