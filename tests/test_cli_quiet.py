@@ -222,3 +222,20 @@ def test_embed_quiet_keeps_the_skipped_line_when_gold_named_a_skipped_message(go
     assert [line for line in err.splitlines() if line.startswith("skipped ")] == (
         ["skipped 1 messages (1 system/developer); 1 gold turn ids naming skipped messages; --keep-roles "
          "system,developer keeps system/developer messages"] if lost else []), err
+
+
+def test_a_quiet_night_that_continues_its_users_prints_nothing_and_a_created_store_is_said(capsys, tmp_path, logs):
+    """A nightly ``replay -q`` that continues every user of its store leaves stderr empty (the
+    cron mail of docs/reliability.md); without -q it says it continued. A store the run creates
+    (a mistyped --policies) is said under -q too."""
+    for quiet in (False, True):
+        pol = tmp_path / f"p{int(quiet)}"
+        q = ["-q"] if quiet else []
+        code, _, err = run_cli(capsys, "replay", logs["store"], "--log", logs["day1"], "--policies", pol, *RUN, *q)
+        assert code == 0 and f"created {pol}: a new policy store" in err, err
+        code, _, err = run_cli(capsys, "replay", logs["store"], "--log", logs["day2"], "--policies", pol, *RUN, *q)
+        assert code == 0, err
+        if quiet:
+            assert err == "", err
+        else:
+            assert f"continued {pol}: 4 of 4 users from their saved versions" in err, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
@@ -203,7 +204,17 @@ def rolled_back_note(policies, r) -> str:
             "so this run continues from the versions it kept and learns the calls those forgotten ones had learned")
 
 
-def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> str | None:
+class StartNote(NamedTuple):
+    """:func:`continue_note`'s line, and whether it is routine: a night that continued its
+    users (``-q`` drops it), not a store created or users started afresh (always printed)."""
+    text: str
+    routine: bool = False
+
+    def say(self) -> None:
+        info(self.text, must_read=not self.routine)
+
+
+def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> StartNote | None:
     """The stderr line of a run that continued a policy store: how many of its users continued
     from their saved versions (which), and where the others started; None when nobody continues.
     Made before the run saves anything, printed after it (an error stays one line). With
@@ -217,13 +228,13 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
     user_ids = list(user_ids)
     if created:
         scope = ps.meta.get("scope", "user")
-        return (f"created {ps.path}: a new policy store (scope {scope}, {ps.meta['kind']} reranker); its "
-                f"{count(len(user_ids), 'user')} started from the identity reranker (the retriever's order)")
+        return StartNote(f"created {ps.path}: a new policy store (scope {scope}, {ps.meta['kind']} reranker); its "
+                         f"{count(len(user_ids), 'user')} started from the identity reranker (the retriever's order)")
     if start.before is None:
         if not afresh:
             return None
         held = sum(bool(entries) for _, entries, _ in ps.listing(user_ids))
-        return None if not held else (
+        return None if not held else StartNote(
             f"started {held} of {len(user_ids)} users afresh although {ps.path} holds their saved policies "
             "(--init): their new versions do not continue what those learned; leave out --init to continue them")
     held = {}
@@ -233,13 +244,13 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
             held[u] = max(older)
     source = "shared part" if start.shared_version is None else f"shared version v{start.shared_version}"
     if not held:        # nobody continued: a store that holds other users, or none (a run killed before it saved)
-        return (f"started {count(len(user_ids), 'new user')} in {ps.path} from the store's {source}: it holds "
-                + ("no saved user yet" if not ps.n_users() else "no saved policy of this run's users"))
+        return StartNote(f"started {count(len(user_ids), 'new user')} in {ps.path} from the store's {source}: it holds "
+                         + ("no saved user yet" if not ps.n_users() else "no saved policy of this run's users"))
     vs = sorted(set(held.values()))
     span = f" {version_span(vs)}" if vs else ""
     new = len(user_ids) - len(held)
-    return (f"continued {ps.path}: {len(held)} of {len(user_ids)} users from their saved versions{span}, "
-            f"{new} new user{'s' if new != 1 else ''} from the store's {source}")
+    return StartNote(f"continued {ps.path}: {len(held)} of {len(user_ids)} users from their saved versions{span}, "
+                     f"{new} new user{'s' if new != 1 else ''} from the store's {source}", routine=True)
 
 
 def run_and_save(chunks, n_users: int, program, start: Start, ps, rs, *, desc: str, **kw):

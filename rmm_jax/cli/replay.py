@@ -246,7 +246,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                                   desc="replay", mesh=mesh, writer=writer, relearn=relearn, questions=st,
                                   simulated=learned.simulated if learned is not None else None)
     if note:
-        info(note, must_read=True)
+        note.say()
     if untimed:
         who = f"user {untimed[0]!r} has" if len(untimed) == 1 else f"{len(untimed)} users (first: {untimed[0]!r}) have"
         info(f"{who} more than {WINDOW} calls without a timestamp in this log: a policy remembers its last "

@@ -123,12 +123,15 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     if tau is not None and not explore:
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
     key_notes: list[str] = []
+    routine: list[str] = []                       # the texts the store lacked: every day's new questions
     calls = read_calls(calls_path, key_notes)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
     with as_options("k", "m"):                    # the API names its arguments, the CLI its options
-        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes)
+        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine)
     if note:                                      # after the calls are checked: an error stays one line
         info(note, must_read=True)
+    for line in routine:
+        info(line)
     note_lines(key_notes + notes.lines)   # unknown keys that look misspelt; texts the model cut; the store's
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:

@@ -201,7 +201,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                                   checkpoint_every=checkpoint_every, log=log, desc="simulate", mesh=mesh,
                                   first_query=queries[0])
     if note:
-        info(note, must_read=True)
+        note.say()
     if again:
         info(f"--relearn: learned {count(again, 'question')} again that these policies had learned in an earlier "
              "simulate run", must_read=True)

@@ -263,7 +263,8 @@ def _check_calls(calls, k, m) -> None:
             check_timestamp(c.timestamp, where, now)
 
 
-def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None) -> list[Prepared]:
+def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None,
+                  routine: list | None = None) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
     the base retriever's top ``k``. Every call is checked first (users, ids, ``k`` >= ``m``
@@ -272,12 +273,13 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     texts are embedded with the store's model through the embedding cache
     (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
     ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`).
-    ``notes``, when given, gets the line saying how many texts the store lacked
-    (:meth:`rmm_jax.data.embed.EmbeddedTexts.lacks_note`, as ``replay`` says it; a ``new texts``
-    bar shows while they embed) and the one saying how many the model cut
-    (:func:`rmm_jax.data.embed.truncation_note`). ``calls`` is a list of :class:`Call` (from
-    :func:`read_calls`, or a Python caller's own, whose fields are refused as a file's keys
-    are: an InputError naming ``calls`` and the call, before any work)."""
+    ``notes``, when given, gets the line saying how many texts the model cut
+    (:func:`rmm_jax.data.embed.truncation_note`), and ``routine`` the one saying how many texts
+    the store lacked (:meth:`rmm_jax.data.embed.EmbeddedTexts.lacks_note`, as ``replay`` says
+    it: every day's new questions, nothing to look at; a ``new texts`` bar shows while they
+    embed). ``calls`` is a list of :class:`Call` (from :func:`read_calls`, or a Python
+    caller's own, whose fields are refused as a file's keys are: an InputError naming ``calls``
+    and the call, before any work)."""
     _check_calls(calls, k, m)
     users = _Users(store, path)
     texts = []
@@ -305,8 +307,11 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
             raise InputError(f"{named('m', m)} is more than this call's {n} candidates "
                              f"(the retriever's top {named('k', k)})", where=at(path, c.line))
     vecs = embed_texts(texts, store.model, progress=True, desc="new texts")   # as replay and evaluate: a bar
-    if notes is not None:
-        notes += [n for n in (vecs.lacks_note("queries and candidates the calls carry as text"), vecs.truncated) if n]
+    if notes is not None and vecs.truncated:
+        notes.append(vecs.truncated)
+    lacks = vecs.lacks_note("queries and candidates the calls carry as text")
+    if routine is not None and lacks:
+        routine.append(lacks)
     queries = []
     for c in calls:
         row = users.held_query(c)
