@@ -1226,3 +1226,49 @@ def test_slot_marginals_and_prefix_log_probs_refuse_bad_input_by_name():
                         ((np.zeros((2, 4)), np.array([[0, 1]])), r"^selected: expected 2 rows")):
         with pytest.raises(InputError, match=match):
             prefix_log_probs(*args)
+
+
+def test_snips_beyond_the_estimand_range_by_its_weighting_alone_is_clamped_not_withheld():
+    """SNIPS is Σ w_i R_i / Σ w_i, so it lies within the same weighted mean of the calls' ranges;
+    a target at every call's ceiling whose weights favour the calls with the higher ceiling gives
+    a SNIPS above the estimand's range (the mean of the ceilings) by sampling alone. That is
+    reported, clamped to the estimand's range (it was withheld: 'outside the metric's range');
+    IPS beyond the range is still withheld, and SNIPS beyond its own weighted range too."""
+    from rmm_jax.online.ope import Calls, Target, evaluate_calls
+    from rmm_jax.online.ope._report import checked_range
+    rng = np.random.default_rng(3)
+    n, k, m = 400, 4, 2
+    gold = np.zeros((n, k), bool)
+    gold[:, 0] = True
+    gold[::2, 1] = True                        # even calls: two gold (ceiling 2/2), odd: one of two in the bank
+    num_gold = np.full(n, 2, np.int32)
+    # the logger already prefers gold memories; the target shows them first (at every call's ceiling).
+    # A call with two gold is drawn whole less often by the logger, so its weight is larger: SNIPS
+    # leans to the calls whose ceiling is 1
+    behaviour = (np.where(gold, 2.0, -2.0) + rng.normal(size=(n, k))).astype(np.float32)
+    target = np.where(gold, 8.0, -8.0).astype(np.float32)
+    g = rng.gumbel(size=(n, k))
+    selected = np.argsort(-(behaviour + g), axis=1)[:, :m].astype(np.int32)    # Plackett-Luce draws
+    from rmm_jax.online.ope import prefix_log_probs
+    log_prob = prefix_log_probs(behaviour, selected)[:, -1].astype(np.float64)
+    calls = Calls(user_ids=["u"] * n, query_ids=[f"q{i}" for i in range(n)], target_logits=target,
+                  behaviour_logits=None, mask=np.ones((n, k), bool), selected=selected,
+                  cited=np.zeros((n, m), bool), log_prob=log_prob, cand_gold=gold, num_gold=num_gold,
+                  valid=np.ones(n, bool), own_policy={"u": True})
+    mr = __import__("rmm_jax.online.ope", fromlist=["slot_rewards"]).slot_rewards(calls)["recall"]
+    a, b = mr.value_range
+    assert (a, b) == (0.0, 0.75)               # mean of ceilings 1 and 1/2
+    w = np.exp(prefix_log_probs(target, selected)[:, -1] - log_prob)[:, None]
+    snips = float((w[:, 0] * mr.rewards.sum(1)).sum() / w[:, 0].sum())
+    lo_w, hi_w = checked_range("snips", w, mr)
+    assert hi_w == pytest.approx(float(w[:, 0] @ mr.high / w[:, 0].sum())) and lo_w == a
+    assert snips <= hi_w + 1e-12               # SNIPS lies in its own weighted range, whatever the weights
+    assert checked_range("ips", w, mr) == (a, b)
+    rep = evaluate_calls(calls, Target(k, m, 1.0))["estimates"]["recall"]
+    truth = rep["direct"]["value"]
+    assert truth == pytest.approx(b, abs=1e-3)    # the target sits at the ceiling of every call
+    assert snips > b * (1 + 1e-3)               # beyond the estimand's range: reported, clamped to it
+    assert rep["snips"]["reliable"] and rep["snips"]["value"] == b, rep["snips"]
+    assert not rep["ips"]["reliable"] or rep["ips"]["value"] <= b
+    assert verdict({"value": hi_w + 0.1, "ci95": [0.0, 1.0], "n": n, "nonfinite": 0},
+                   value_range=(lo_w, hi_w)) != []

@@ -81,7 +81,11 @@ checks:
   count (:func:`slot_rewards`): cited [0, M_i], cite rate [0, 1], Recall@M
   [max(0, M_i − (K_i − G_i))/N_i, min(M_i, G_i)/N_i]. IPS can leave this range in finite
   samples (weights need not sum to n); such a value is no estimate of the metric.
-  Values within :data:`RANGE_TOL` of the range (float rounding) are clamped.
+  Values within :data:`RANGE_TOL` of the range (float rounding) are clamped. SNIPS, the
+  weighted mean of the calls' rewards, is held to the wider of this range and the same
+  weighted mean of the calls' ranges (:func:`~rmm_jax.online.ope._report.checked_range`):
+  beyond the estimand's range but within its own, it is sampling (the weights favour calls
+  with a higher ceiling), not a broken log, and is clamped to the estimand's range.
 
 What is checkable about ``log_prob`` itself: under Plackett–Luce with finite logits
 every ordered selection of distinct candidates has a probability in (0, 1), and any
