@@ -17,7 +17,7 @@
   (the generator's judgement, which this script knows from the synthetic conversations).
   Overnight ``rmm-jax replay`` learns from the day's log. The logs hold no gold.
 
-    python examples/make_examples.py            # writes the six files next to this script
+    python examples/make_examples.py            # writes the five files next to this script
 """
 from __future__ import annotations
 

@@ -98,8 +98,9 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           f"shown memories {_preset_default('tau')}."),
         click.option("--draw-tau", type=float, default=None,
                      help="Temperature > 0 of the draw of the shown memories alone (Gumbel top-M, a Plackett–Luce "
-                          "sample): lower shows more of the policy's own top M and explores less "
-                          "[default: --tau]."),
+                          "sample): lower shows more of the policy's own top M and explores less. The policy store "
+                          "records it and `rerank --explore` (whose --tau is this draw's) draws at it; replay "
+                          "draws nothing itself [default: --tau]."),
         click.option("--lr", type=float, default=None, help=f"Learning rate {_preset_default('lr')}."),
         click.option("--reward", type=click.Choice(REWARDS), default=None,
                      help=f"Citation reward: binary 1/0 or pm1 ±1 {_preset_default('reward')}."),

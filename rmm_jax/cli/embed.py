@@ -196,7 +196,7 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     total = time.perf_counter() - t0
     c = manifest["counts"]
     info(f"wrote {out}: {count(c['users'], 'user')}, {count(c['memories'], 'memory')}, {count(c['queries'], 'query')} "
-         f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached; {total:.1f}s total)")
+         f"({count(embedder.texts_embedded, 'text')} embedded, the rest cached or repeated; {total:.1f}s total)")
     if was is not None:
         info(f"replaced {out} (was {count(was['users'], 'user')}, {count(was['memories'], 'memory')})")
     if as_json:

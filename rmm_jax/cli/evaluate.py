@@ -224,6 +224,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     if plot_path is not None:
         plot_estimates(rep["estimates"], rep["ranges"], plot_path, labels=LABELS, verdict=rep["verdict"],
                        title=f"off-policy estimates for {policies} ({rep['calls']} calls, target tau {tau:g})")
+        info(f"wrote {plot_path}")
     if as_json:
         emit_json(rep)
     else:
