@@ -128,6 +128,66 @@ def test_sigkill_between_snapshot_and_commit(tmp_path):
     assert st.load_batch(["u", "new"], before=before).missing == ["new"]
 
 
+# Kills the process at the COMMIT of its save's index transaction, with SQLite's page cache at one
+# page so the transaction has spilt into the database file: a hot rollback journal is left.
+KILL_IN_COMMIT = textwrap.dedent('''
+    import os, signal, sys
+    from helpers import save_seeds
+    from rmm_jax.persist.policy_index import PolicyIndex
+    from rmm_jax.persist.policy_store import PolicyStore
+    commit = PolicyIndex.commit_version
+
+    class Dying:
+        def __init__(self, conn):
+            self._conn = conn
+        def execute(self, sql, *a):
+            if sql == "COMMIT":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if sql == "BEGIN IMMEDIATE":
+                self._conn.execute("PRAGMA cache_size = 1")
+                self._conn.execute("PRAGMA cache_spill = 1")
+            return self._conn.execute(sql, *a)
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+    def dying(self, *a, **k):
+        self._conn = Dying(self._conn)
+        return commit(self, *a, **k)
+
+    PolicyIndex.commit_version = dying
+    save_seeds(PolicyStore.open(sys.argv[1]), {f"n{i}": 3 for i in range(300)} | {"u": 2})
+''')
+
+
+def test_a_kill_inside_the_index_commit_is_read_as_the_last_commit_without_touching_the_store(tmp_path):
+    """Killed inside its COMMIT, a save leaves a hot journal, which a read-only connection may
+    not roll back. Readers then see the last committed state, from a private copy rolled back,
+    and leave the store's files byte for byte; a reader held open sees the writer's repair and
+    next save. Before, readers rebuilt the index from the snapshot directories, which hold the
+    killed save's complete snapshot: a replay run again counted its calls as learned, and its
+    writer then dropped the version, so those calls were learned twice (and a reader's view was
+    never rolled back)."""
+    st = new_store(tmp_path)
+    save_seeds(st, {"u": 1})
+    before = lookups(st)
+    r = subprocess.run([sys.executable, "-c", KILL_IN_COMMIT, str(st.path)], cwd=ROOT, env=SUBPROCESS_ENV,
+                       capture_output=True, timeout=120)
+    assert r.returncode == -9, r.stderr.decode()[-2000:]
+    journal = st.path / "index.sqlite-journal"
+    assert journal.exists() and verify_snapshot(st.path / "gens" / "v00000002") is None   # complete, uncommitted
+    files = {p.name: p.read_bytes() for p in (st.path / "index.sqlite", journal)}
+    reader = PolicyStore.open(st.path)
+    assert lookups(reader) == before and reader.users() == ["u"]
+    assert_policy(reader.load("u"), state_of(1))
+    assert {p.name: p.read_bytes() for p in (st.path / "index.sqlite", journal)} == files
+    with st.writer():                                   # the writer rolls the journal back in place
+        pass
+    assert not journal.exists() and gens_versions(st) == {1}
+    version = save_seeds(st, {"new": 5})
+    assert reader.users() == ["new", "u"] and lookups(reader)["new"][0][0] == version   # reopened, not the copy
+    assert_policy(reader.load("new"), state_of(5))
+
+
 # ----------------------------------------------------------------------------- rebuild
 
 @pytest.mark.parametrize("how", ["delete", "garbage", "truncate", "other_schema"])

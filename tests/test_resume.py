@@ -333,6 +333,61 @@ def test_a_replay_killed_before_a_commit_run_again_killed_and_resumed_is_bit_ide
     assert not rs_dir.exists()
 
 
+# As KILL_AT_COMMIT, but inside the index transaction, at its COMMIT, with SQLite's page cache at
+# one page so the transaction has spilt into the database: a hot rollback journal is left.
+KILL_IN_COMMIT = textwrap.dedent("""
+    import os, signal, sys
+    from rmm_jax.persist.policy_index import PolicyIndex
+    commit, calls = PolicyIndex.commit_version, [0]
+
+    class Dying:
+        def __init__(self, conn):
+            self._conn = conn
+        def execute(self, sql, *a):
+            if sql == "COMMIT":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if sql == "BEGIN IMMEDIATE":
+                self._conn.execute("PRAGMA cache_size = 1")
+                self._conn.execute("PRAGMA cache_spill = 1")
+            return self._conn.execute(sql, *a)
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+    def dying(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == int(sys.argv[1]):
+            self._conn = Dying(self._conn)
+        return commit(self, *a, **k)
+
+    PolicyIndex.commit_version = dying
+    from rmm_jax.cli.main import main
+    main(sys.argv[2:])
+""")
+
+
+def test_a_replay_killed_inside_an_index_commit_and_run_again_is_bit_identical(env, reference):
+    """The daily replay killed inside the index commit of its second users chunk (a hot
+    journal: the version's snapshot complete, its commit not), then run again without
+    --resume: it ends with the uninterrupted replay's policies. Before, the run again read the
+    store's index rebuilt from its snapshots (a read-only connection cannot roll a journal
+    back), counted the killed version's calls as learned, and its writer then dropped that
+    version: those calls were learned twice, and every policy differed."""
+    d = env["dir"]
+    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
+    rc, err = run(env, [*args, "--policies", str(d / "jref")], "jref")
+    assert rc == 0, err
+    pol = d / "jkill"
+    with open(d / "jkill-a.err", "w") as e:
+        a = subprocess.run([sys.executable, "-c", KILL_IN_COMMIT, "2", *args, "--policies", str(pol)], cwd=REPO,
+                           env=env["env"], stdout=subprocess.DEVNULL, stderr=e, timeout=120)
+    assert a.returncode == -signal.SIGKILL, (d / "jkill-a.err").read_text()
+    assert (pol / "index.sqlite-journal").exists()
+    rc, err = run(env, [*args, "--policies", str(pol)], "jkill-b")
+    assert rc == 0, err
+    assert "continued" in err and "from their saved versions v1," in err, err   # the committed chunk only
+    assert_same_policies(d / "jref", pol)
+
+
 def test_a_replay_killed_before_its_first_commit_and_run_again_is_bit_identical(env, reference):
     """The daily replay into a new store, scope hybrid, killed between its first chunk's
     shared save and that chunk's commit, then run again without --resume: it ends with the

@@ -31,7 +31,10 @@ Concurrency: the store's one writer holds its flock (:mod:`rmm_jax.persist.lock`
 database uses SQLite's rollback journal (``journal_mode = DELETE``), so readers (opened
 ``mode=ro``, no lock) see the last committed state, wait at most ``BUSY_TIMEOUT_S`` while
 a commit is being written, and create no file: reading a store leaves it byte for byte
-as it was (WAL mode would make every reader create ``-wal``/``-shm`` side files). A
+as it was (WAL mode would make every reader create ``-wal``/``-shm`` side files). A writer
+killed inside a commit leaves a hot journal, which a read-only connection may not roll
+back: a reader then reads a rolled-back private copy (:meth:`PolicyIndex._committed_copy`,
+the last commit), until the next writer rolls the journal back in place. A
 missing, corrupt or unopenable database raises :class:`IndexUnavailable`; the store then
 rebuilds the index from the snapshots (:meth:`PolicyIndex.build`: in memory for a reader,
 to the file for the writer).
@@ -40,7 +43,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -104,6 +109,19 @@ def remove_database(path: Path) -> None:
             p.unlink()
 
 
+def _stamp(path: Path) -> list:
+    """(mtime, size) of database ``path`` and of its rollback journal (None: absent)."""
+    out = []
+    for p in (path, sidecar_files(path)[2]):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            out.append(None)
+        else:
+            out.append((st.st_mtime_ns, st.st_size))
+    return out
+
+
 class PolicyIndex:
     """A connection to a policy-store index (see the module docstring). Use as a context
     manager or call :meth:`close`."""
@@ -112,6 +130,8 @@ class PolicyIndex:
         self._conn = conn
         self.where = where
         self._sv = "v.shared_version"    # "NULL" on a read-only schema-1 index (no such column)
+        self._copy: tempfile.TemporaryDirectory | None = None   # _committed_copy's directory
+        self._copied: list | None = None       # the original's files' (mtime, size) when copied
 
     # ---- open / create / build
 
@@ -130,6 +150,58 @@ class PolicyIndex:
         except sqlite3.Error as e:
             raise IndexUnavailable(f"{path}: cannot open ({e})") from None
         idx = cls(conn, str(path))
+        if readonly:
+            try:
+                conn.execute("SELECT value FROM kv WHERE key = 'schema'").fetchall()
+            except sqlite3.Error as e:
+                if getattr(e, "sqlite_errorname", "") != "SQLITE_READONLY_ROLLBACK":
+                    idx.close()
+                    raise idx._error(e) from None
+                idx.close()
+                idx = cls._committed_copy(path, any_thread)
+        return cls._checked(idx, path, readonly)
+
+    @classmethod
+    def _committed_copy(cls, path: Path, any_thread: bool) -> "PolicyIndex":
+        """A reader's view of an index whose writer was killed inside a commit: SQLite left a
+        hot rollback journal, which a read-only connection may not roll back
+        (``SQLITE_READONLY_ROLLBACK``). The database and its journal are copied to a private
+        directory and opened there, where SQLite rolls the journal back: the last committed
+        state, read without touching the store (its next writer rolls the journal back in
+        place). Before, the reader rebuilt the index from the snapshot directories, which
+        hold the killed commit's snapshot too: a replay run again counted that version's
+        calls as learned, and its writer then dropped the version, so they were learned again.
+        A copy that changed while it was taken (a writer rolled back meanwhile) is taken again."""
+        tmp = tempfile.TemporaryDirectory(prefix="rmm-index-")
+        try:
+            for _ in range(5):
+                stamp = _stamp(path)
+                db = Path(tmp.name) / path.name
+                remove_database(db)
+                shutil.copyfile(path, db)
+                if sidecar_files(path)[2].exists():
+                    shutil.copyfile(sidecar_files(path)[2], sidecar_files(db)[2])
+                if stamp == _stamp(path):
+                    break
+            conn = sqlite3.connect(str(db), timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                   check_same_thread=not any_thread)
+        except (OSError, sqlite3.Error) as e:
+            tmp.cleanup()
+            raise IndexUnavailable(f"{path}: cannot read past its interrupted commit ({e})") from None
+        idx = cls(conn, str(path))
+        idx._copy, idx._copied = tmp, stamp
+        return idx
+
+    def stale(self) -> bool:
+        """Whether this is a :meth:`_committed_copy` whose original has changed since (its
+        writer rolled the journal back and committed): a reader must open it again, or it would
+        go on reading the state of the kill."""
+        return self._copy is not None and _stamp(Path(self.where)) != self._copied
+
+    @classmethod
+    def _checked(cls, idx: "PolicyIndex", path: Path, readonly: bool) -> "PolicyIndex":
+        """``idx`` once its schema is one this version reads (a writer upgrades schema 1)."""
+        conn = idx._conn
         try:
             schema = idx._one("SELECT value FROM kv WHERE key = 'schema'")
             if schema not in READS_SCHEMAS:
@@ -216,6 +288,9 @@ class PolicyIndex:
 
     def close(self) -> None:
         self._conn.close()
+        if self._copy is not None:
+            self._copy.cleanup()
+            self._copy = None
 
     def __enter__(self) -> "PolicyIndex":
         return self

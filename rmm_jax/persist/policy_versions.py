@@ -125,7 +125,7 @@ class IndexReader:
         except OSError:
             raise IndexUnavailable(f"{path}: missing") from None
         held = getattr(self._open, "held", None)
-        if held is not None and not held.closed and held.key == (st.st_dev, st.st_ino):
+        if held is not None and not held.closed and held.key == (st.st_dev, st.st_ino) and not held.idx.stale():
             return held
         self._close()
         conn = _Connection((st.st_dev, st.st_ino), PolicyIndex.open(path, any_thread=True))
