@@ -289,12 +289,18 @@ def cases():
     # ---- K, M, tau, lr out of range: every online command
     for opt, val, name in [("--k", 0, "--k"), ("--m", 0, "--m"), ("--m", K + 1, "--m"), ("--tau", 0, "--tau"),
                            ("--tau", -1, "--tau"), ("--tau", "nan", "--tau"), ("--tau", "1e-45", "--tau"),
-                           ("--lr", 0, "--lr"), ("--lr", "inf", "--lr"),
+                           ("--lr", 0, "--lr"), ("--lr", "inf", "--lr"), ("--lr", "1e300", "--lr"),
+                           ("--tau", "1e300", "--tau"),     # finite in float64, inf in float32: NaN policies saved
                            ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k")]:
         c.append((f"replay{opt}={val}", lambda e, o=opt, v=val: rp(e, "good", o, v), lambda e, n=name: [n]))
         c.append((f"simulate{opt}={val}", lambda e, o=opt, v=val: sim(e, o, v), lambda e, n=name: [n]))
         c.append((f"demo{opt}={val}", lambda e, o=opt, v=val: ["demo", "--out", e["root"] / "demo", "--k", K, o, v],
                   lambda e, n=name: [n]))
+    # ---- a step size in float32's range that diverges: NaN policies were saved with exit 0
+    c += [
+        ("replay-lr-diverges", lambda e: rp(e, "good", "--lr", "3e38"), lambda e: ["learning setting", "diverged"]),
+        ("simulate-lr-diverges", lambda e: sim(e, "--lr", "3e38"), lambda e: ["learning setting", "diverged"]),
+    ]
     # ---- simulate
     c += [
         ("simulate-precision", lambda e: sim(e, "--precision", 1.5), lambda e: ["--precision"]),

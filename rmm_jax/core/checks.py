@@ -41,10 +41,15 @@ def is_real(x, finite: bool = True) -> bool:
     return math.isfinite(x) or not finite
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_positive(x, name: str) -> None:
-    """``ValueError`` naming ``name`` unless ``x`` is a real number (not a bool), finite and > 0:
-    a step size, which optax would take as NaN, negative or inf without a word."""
-    require(is_real(x) and float(np.asarray(x)) > 0, name, f"must be > 0 and finite, got {x!r}")
+    """``ValueError`` naming ``name`` unless ``x`` is a real number (not a bool), finite and > 0,
+    and finite in float32 (the parameters' type: 1e300 was taken, cast to inf, and made NaN of
+    every policy): a step size, which optax would take as NaN, negative or inf without a word."""
+    require(is_real(x) and 0 < float(np.asarray(x)) <= F32_MAX, name,
+            f"must be > 0 and finite (at most {F32_MAX:.3g}, float32's largest), got {x!r}")
 
 
 def check_nonnegative(x, name: str) -> None:
@@ -112,7 +117,8 @@ def check_tau(tau, name: str = "tau") -> None:
     require(is_real(tau, finite=False), name, f"must be one number, got {short(tau)}")
     t = float(np.asarray(tau))
     require(t > 0, name, f"must be > 0, got {tau}")
-    require(math.isfinite(t), name, f"must be finite, got {tau}")
+    require(math.isfinite(t) and t <= F32_MAX, name, f"must be finite (at most {F32_MAX:.3g}, float32's largest), "
+            f"got {tau}")
     require(t >= TAU_MIN, name, f"must be >= {TAU_MIN:g} (below it s/τ overflows float32), got {tau}")
 
 

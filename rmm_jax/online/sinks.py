@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from rmm_jax.errors import InputError
 from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Resume, SegmentDone
 from rmm_jax.online.loop import Program
 from rmm_jax.online.run import chunk_records
@@ -112,6 +113,7 @@ class PolicySink:
             if had.saved:           # the interrupted run saved this chunk: these states, bit for bit
                 return
             infos = had.infos if self.continues else {}
+        check_finite_chunk(event, self.program)
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
         self.store.save(uids, event.states,
                         [user_info(s, event.outputs, m, queries_learned(infos.get(s.user_id, {})) or 0,
@@ -121,6 +123,27 @@ class PolicySink:
 
     def save_shared(self, event: ChunkDone) -> int:
         return self.store.save_shared(event.shared, {"source": "online"})
+
+
+def check_finite_chunk(event: ChunkDone, program: Program) -> None:
+    """``InputError`` unless every parameter the chunk would save is finite: a learning setting
+    that diverges (a step size or temperature far out of scale: ``--lr 1e30``) made NaN of every
+    policy, which the store saved with exit 0, and ``rerank`` then blamed the embeddings. Nothing
+    of the chunk is saved (an earlier chunk's users keep what they saved)."""
+    n = len(event.streams)
+    for part, tree in (("user", event.states.params), ("shared part", event.shared.params)):
+        bad = np.zeros(n, bool) if part == "user" else np.zeros(1, bool)
+        for leaf in jax.tree.leaves(tree):
+            x = np.asarray(leaf)
+            bad |= ~np.isfinite(x[:n].reshape(n, -1)).all(1) if part == "user" else ~np.isfinite(x).all()
+        if bad.any():
+            who = (f"the policy of user {event.streams[int(np.argmax(bad))].user_id!r}" if part == "user"
+                   else "the shared part")
+            lr, est = getattr(program.optimizer, "lr", None), program.estimator
+            setting = (f"lr {lr:g}, " if lr is not None else "") + f"tau {est.tau:g}, loss {est.loss}"
+            raise InputError(f"diverged: {who} is not finite after its updates ({setting}); "
+                             "nothing of this users chunk was saved: a smaller --lr (or a --tau, --offset or judge "
+                             "rates in scale) learns", where="learning setting")
 
 
 def learned_after(streams) -> LearnedCalls | None:
