@@ -291,7 +291,8 @@ def cases():
                            ("--tau", -1, "--tau"), ("--tau", "nan", "--tau"), ("--tau", "1e-45", "--tau"),
                            ("--lr", 0, "--lr"), ("--lr", "inf", "--lr"), ("--lr", "1e300", "--lr"),
                            ("--tau", "1e300", "--tau"),     # finite in float64, inf in float32: NaN policies saved
-                           ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k")]:
+                           ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k"),
+                           ("--batch", 100_000, "--batch")]:     # the stream padded to it: out of memory, killed
         c.append((f"replay{opt}={val}", lambda e, o=opt, v=val: rp(e, "good", o, v), lambda e, n=name: [n]))
         c.append((f"simulate{opt}={val}", lambda e, o=opt, v=val: sim(e, o, v), lambda e, n=name: [n]))
         c.append((f"demo{opt}={val}", lambda e, o=opt, v=val: ["demo", "--out", e["root"] / "demo", "--k", K, o, v],
@@ -299,6 +300,7 @@ def cases():
     # ---- a step size in float32's range that diverges: NaN policies were saved with exit 0
     c += [
         ("replay-lr-diverges", lambda e: rp(e, "good", "--lr", "3e38"), lambda e: ["learning setting", "diverged"]),
+        ("replay-passes-huge", lambda e: rp(e, "good", "--passes", 10 ** 9), lambda e: ["--passes"]),  # repeated: OOM
         ("simulate-lr-diverges", lambda e: sim(e, "--lr", "3e38"), lambda e: ["learning setting", "diverged"]),
     ]
     # ---- simulate

@@ -46,6 +46,11 @@ from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
 DEFAULTS = settings.preset("default")
+# Bounds of options whose size is memory: each user's stream is padded to a multiple of --batch and
+# repeated --passes times before the run, and far beyond these (the paper's batch is 4; passes past
+# 3 overfit, docs/method.md) the kernel's out-of-memory killer ended the run, leaving a created
+# store and a run-state behind, where the bound is one line before any work.
+MAX_BATCH, MAX_PASSES = 4096, 100
 PAPER = settings.preset("paper")
 
 
@@ -91,7 +96,7 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
         click.option("--k", type=IntRange(min=1), **k_default, help="Candidates from the base retriever."),
         click.option("--m", type=IntRange(min=1), **m_default, help="Memories shown to the generator (selected)."),
-        click.option("--batch", type=IntRange(min=1), default=None,
+        click.option("--batch", type=IntRange(min=1, max=MAX_BATCH), default=None,
                      help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None,
                      help=f"Temperature > 0 of the loss's logits and, unless --draw-tau is given, of the draw of the "

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from rmm_jax.cli.common import (
+    MAX_PASSES,
     change_setting_option,
     check_rank_scope,
     checkpoint_options,
@@ -135,7 +136,7 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
 @change_setting_option
 @click.option("--clip", type=FloatRange(min=1), default=5.0, help="Importance-ratio ceiling for off-policy records "
               "(inf: none).")
-@click.option("--passes", type=IntRange(min=1), default=1,
+@click.option("--passes", type=IntRange(min=1, max=MAX_PASSES), default=1,
               help="Passes over each user's records: every pass updates (later ones importance-weighted against "
                    "the logged policy); the report scores the first, prequentially. Under --preset realistic two or "
                    "three gained +0.02 to +0.03 Recall@5 on LoCoMo 26+30; under the default (lr 3e-4) not "
