@@ -1234,8 +1234,7 @@ def test_snips_beyond_the_estimand_range_by_its_weighting_alone_is_clamped_not_w
     a SNIPS above the estimand's range (the mean of the ceilings) by sampling alone. That is
     reported, clamped to the estimand's range (it was withheld: 'outside the metric's range');
     IPS beyond the range is still withheld, and SNIPS beyond its own weighted range too."""
-    from rmm_jax.online.ope import Calls, Target, evaluate_calls
-    from rmm_jax.online.ope._report import checked_range
+    from rmm_jax.online.ope import Calls, Target, checked_range, evaluate_calls, prefix_log_probs, slot_rewards
     rng = np.random.default_rng(3)
     n, k, m = 400, 4, 2
     gold = np.zeros((n, k), bool)
@@ -1249,13 +1248,12 @@ def test_snips_beyond_the_estimand_range_by_its_weighting_alone_is_clamped_not_w
     target = np.where(gold, 8.0, -8.0).astype(np.float32)
     g = rng.gumbel(size=(n, k))
     selected = np.argsort(-(behaviour + g), axis=1)[:, :m].astype(np.int32)    # Plackett-Luce draws
-    from rmm_jax.online.ope import prefix_log_probs
     log_prob = prefix_log_probs(behaviour, selected)[:, -1].astype(np.float64)
     calls = Calls(user_ids=["u"] * n, query_ids=[f"q{i}" for i in range(n)], target_logits=target,
                   behaviour_logits=None, mask=np.ones((n, k), bool), selected=selected,
                   cited=np.zeros((n, m), bool), log_prob=log_prob, cand_gold=gold, num_gold=num_gold,
                   valid=np.ones(n, bool), own_policy={"u": True})
-    mr = __import__("rmm_jax.online.ope", fromlist=["slot_rewards"]).slot_rewards(calls)["recall"]
+    mr = slot_rewards(calls)["recall"]
     a, b = mr.value_range
     assert (a, b) == (0.0, 0.75)               # mean of ceilings 1 and 1/2
     w = np.exp(prefix_log_probs(target, selected)[:, -1] - log_prob)[:, None]

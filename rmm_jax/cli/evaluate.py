@@ -28,6 +28,7 @@ from rmm_jax.cli.shell import (
     users_option,
 )
 from rmm_jax.core.config import Layout
+from rmm_jax.data.calls import check_out_apart
 from rmm_jax.data.citation_log import ReadReport, is_empty_log
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store
@@ -195,6 +196,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
             raise InputError(f"must be >= 1, got {v}", where=name)
     with as_options(*OPTIONS):
         check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
+    check_out_apart(plot_path, f"--plot {plot_path}", log_path, [("STORE", store), ("--policies", policies)])
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     if is_empty_log(log_path):       # a day without calls: nothing to judge (not bad input)

@@ -56,6 +56,7 @@ from rmm_jax.cli.shell import (
     quiet_option,
     users_option,
 )
+from rmm_jax.data.calls import check_out_apart
 from rmm_jax.data.citation_log import ReadReport, is_empty_log, time_text
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.log_vectors import known_ids
@@ -95,6 +96,7 @@ def check_options(policies, st, given: SettingOptions, change: bool, resume: boo
     if ls.setting.estimator.mode == "rmm":
         raise InputError("the paper preset's log-prob needs the sampled Gumbel noise, which logs do not "
                          "record; replay with --preset default", where="--preset")
+    check_out_apart(plot_path, f"--plot {plot_path}", "-", [("STORE", st.path), ("--policies", policies)])
     check_output_file(plot_path, f"--plot {plot_path}")
     if Path(policies).exists():  # fail fast on a mismatched store, before the validation pass
         check_scope(open_policies_for(policies, st), ls.setting.layout, policies)

@@ -47,6 +47,7 @@ from rmm_jax.cli.shell import (
     users_option,
 )
 from rmm_jax.data import citations as cm
+from rmm_jax.data.calls import check_out_apart
 from rmm_jax.data.citation_log import LogWriter
 from rmm_jax.data.citations import DEFAULT_PRECISION, DEFAULT_RECALL
 from rmm_jax.data.store import open_store
@@ -150,6 +151,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     if log_out and Path(log_out).is_dir():
         raise InputError("is a directory, expected a JSONL file path", where=f"--log-out {log_out}")
     check_output_file(log_out, f"--log-out {log_out}")
+    for path, opt in ((log_out, "--log-out"), (plot_path, "--plot")):    # neither inside a store it reads
+        check_out_apart(path, f"{opt} {path}", "-", [("STORE", store), ("--policies", policies)])
     check_output_file(plot_path, f"--plot {plot_path}")
     left = RunState.path_for(policies).is_dir()   # a run-state without a checkpoint: a run killed before the first
     if resume and Path(policies).exists() and RunState.interrupted_command(policies) is None \

@@ -83,7 +83,7 @@ checks:
   samples (weights need not sum to n); such a value is no estimate of the metric.
   Values within :data:`RANGE_TOL` of the range (float rounding) are clamped. SNIPS, the
   weighted mean of the calls' rewards, is held to the wider of this range and the same
-  weighted mean of the calls' ranges (:func:`~rmm_jax.online.ope._report.checked_range`):
+  weighted mean of the calls' ranges (:func:`checked_range`):
   beyond the estimand's range but within its own, it is sampling (the weights favour calls
   with a higher ceiling), not a broken log, and is clamped to the estimand's range.
 
@@ -175,6 +175,7 @@ from rmm_jax.online.ope._report import (
     LogCause,
     agrees_to_rounding,
     check_report_options,
+    checked_range,
     cited_recall,
     decision,
     empty_report,
@@ -190,6 +191,7 @@ from rmm_jax.online.ope._report import (
 )
 
 __all__ = [
+    "checked_range",
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
     "cited_recall", "decision", "estimator_weights", "empty_report", "evaluate_calls", "evaluate_log", "load_calls",
     "prefix_log_probs",

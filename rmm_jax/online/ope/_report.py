@@ -123,7 +123,7 @@ def checked_range(name: str, weights, mr, clip: float | None = None) -> tuple[fl
     Examples:
         >>> import numpy as np
         >>> from rmm_jax.online.ope import MetricRewards
-        >>> from rmm_jax.online.ope._report import checked_range
+        >>> from rmm_jax.online.ope import checked_range
         >>> mr = MetricRewards(np.zeros((2, 1)), np.arange(2), np.zeros(2), np.array([1.0, 0.5]))
         >>> checked_range("ips", np.ones((2, 1)), mr), checked_range("snips", np.array([[3.0], [1.0]]), mr)
         ((0.0, 0.75), (0.0, 0.875))
