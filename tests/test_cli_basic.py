@@ -374,12 +374,17 @@ def test_progress_bars_draw_on_a_terminal_only(monkeypatch, stream, drawn):
                                            (("replay",), ["--k", "--m", "--batch", "--passes", "--clip"])],
                          ids=lambda x: " ".join(x) if isinstance(x, tuple) else None)
 def test_options_with_a_floor_show_it_in_help_and_refuse_below_it_by_name(path, options, capsys):
-    """--batch, --passes and --clip showed no valid range, unlike the options that show x>=1."""
+    """--batch, --passes and --clip showed no valid range, unlike the options that show x>=1;
+    --batch and --passes show their ceiling too (1<=x<=MAX_BATCH, MAX_PASSES)."""
+    from rmm_jax.cli.common import MAX_BATCH, MAX_PASSES
     entries = option_entries(help_of(path)[1])
     for opt in options:
-        assert "x>=1" in entries[opt], entries[opt]
+        top = {"--batch": MAX_BATCH, "--passes": MAX_PASSES}.get(opt)
+        shown = "x>=1" if top is None else f"1<=x<={top}"
+        assert shown in entries[opt], entries[opt]
         code, _, err = run_cli([*path, "STORE", opt, "0"], capsys)
-        assert code == 2 and re.search(rf"Invalid value for '{opt}': 0(\.0)? is not in the range x>=1", err), err
+        assert code == 2 and re.search(rf"Invalid value for '{opt}': 0(\.0)? is not in the range {re.escape(shown)}",
+                                       err), err
 
 
 def test_demo_says_how_much_room_pretraining_leaves_and_online_stays_within_it(capsys, monkeypatch, tmp_path):
