@@ -93,6 +93,7 @@ BAD_LINES = [
     ({"user_id": "u", "messages": [{"role": "user", "content": "a", "id": "session_1:0"}]}, "messages[0].id",
      "duplicate turn id"),
     ({"user_id": "u", "messages": GOOD["messages"], "timestamp": [1]}, "timestamp", "expected a string or a number"),
+    ({"user_id": "u", "messages": GOOD["messages"], "timestamp": float("nan")}, "timestamp", "must be finite"),
     ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"id": "q"}]}, "questions[0].question",
      "missing key"),
     ({"user_id": "u", "messages": GOOD["messages"], "questions": [{"question": "?", "gold_turn_ids": ["nope"]}]},

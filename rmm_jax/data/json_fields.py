@@ -7,6 +7,7 @@ expected a list, got a string``).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,9 @@ def line_ids(obj: dict, key: str, path, line: int, loc: str) -> tuple[str, ...]:
 
 
 def line_stamp(obj: dict, key: str, path, line: int, loc: str) -> str | None:
-    """An optional timestamp (string or number), kept as text."""
+    """An optional timestamp (string or number), kept as text; a number must be finite (NaN was
+    kept as the text "nan", where a log's timestamp refuses it)."""
     value = field(obj, key, (str, int, float), path, loc, line=line, required=False)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"must be finite, got {value}", where=at(path, line, f"{loc}.{key}" if loc else key))
     return None if value is None else str(value)
