@@ -512,3 +512,37 @@ needs_proc_fd = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="c
 def open_fds() -> int:
     """How many file descriptors this process holds."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def die_inside_commit(n: int = 1) -> None:
+    """Make this process SIGKILL itself at the COMMIT of its ``n``-th
+    :meth:`PolicyIndex.commit_version`, with SQLite's page cache at one page so that the
+    transaction has spilt into the database file: a hot rollback journal is left, as a kill
+    inside a real commit leaves it (for test subprocesses)."""
+    import signal
+
+    from rmm_jax.persist.policy_index import PolicyIndex
+    commit, calls = PolicyIndex.commit_version, [0]
+
+    class Dying:
+        def __init__(self, conn):
+            self._conn = conn
+
+        def execute(self, sql, *a):
+            if sql == "COMMIT":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if sql == "BEGIN IMMEDIATE":
+                self._conn.execute("PRAGMA cache_size = 1")
+                self._conn.execute("PRAGMA cache_spill = 1")
+            return self._conn.execute(sql, *a)
+
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+    def dying(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            self._conn = Dying(self._conn)
+        return commit(self, *a, **k)
+
+    PolicyIndex.commit_version = dying

@@ -107,13 +107,20 @@ KILL_BEFORE_COMMIT = textwrap.dedent('''
 ''')
 
 
-def test_sigkill_between_snapshot_and_commit(tmp_path):
+def killed_second_save(tmp_path, script: str) -> tuple[PolicyStore, dict]:
+    """A store that saved user u (seed 1), and its lookups then; ``script`` saving into it again is
+    SIGKILLed (a kill before or inside the save's commit)."""
     st = new_store(tmp_path)
     save_seeds(st, {"u": 1})
     before = lookups(st)
-    r = subprocess.run([sys.executable, "-c", KILL_BEFORE_COMMIT, str(st.path)], cwd=ROOT, env=SUBPROCESS_ENV,
+    r = subprocess.run([sys.executable, "-c", script, str(st.path)], cwd=ROOT, env=SUBPROCESS_ENV,
                        capture_output=True, timeout=120)
     assert r.returncode == -9, r.stderr.decode()[-2000:]
+    return st, before
+
+
+def test_sigkill_between_snapshot_and_commit(tmp_path):
+    st, before = killed_second_save(tmp_path, KILL_BEFORE_COMMIT)
     assert verify_snapshot(st.path / "gens" / "v00000002") is None
     assert lookups(PolicyStore.open(st.path)) == before
     assert_policy(PolicyStore.open(st.path).load("u"), state_of(1))
@@ -131,30 +138,10 @@ def test_sigkill_between_snapshot_and_commit(tmp_path):
 # Kills the process at the COMMIT of its save's index transaction, with SQLite's page cache at one
 # page so the transaction has spilt into the database file: a hot rollback journal is left.
 KILL_IN_COMMIT = textwrap.dedent('''
-    import os, signal, sys
-    from helpers import save_seeds
-    from rmm_jax.persist.policy_index import PolicyIndex
+    import sys
+    from helpers import die_inside_commit, save_seeds
     from rmm_jax.persist.policy_store import PolicyStore
-    commit = PolicyIndex.commit_version
-
-    class Dying:
-        def __init__(self, conn):
-            self._conn = conn
-        def execute(self, sql, *a):
-            if sql == "COMMIT":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if sql == "BEGIN IMMEDIATE":
-                self._conn.execute("PRAGMA cache_size = 1")
-                self._conn.execute("PRAGMA cache_spill = 1")
-            return self._conn.execute(sql, *a)
-        def __getattr__(self, name):
-            return getattr(self._conn, name)
-
-    def dying(self, *a, **k):
-        self._conn = Dying(self._conn)
-        return commit(self, *a, **k)
-
-    PolicyIndex.commit_version = dying
+    die_inside_commit(1)
     save_seeds(PolicyStore.open(sys.argv[1]), {f"n{i}": 3 for i in range(300)} | {"u": 2})
 ''')
 
@@ -167,12 +154,7 @@ def test_a_kill_inside_the_index_commit_is_read_as_the_last_commit_without_touch
     killed save's complete snapshot: a replay run again counted its calls as learned, and its
     writer then dropped the version, so those calls were learned twice (and a reader's view was
     never rolled back)."""
-    st = new_store(tmp_path)
-    save_seeds(st, {"u": 1})
-    before = lookups(st)
-    r = subprocess.run([sys.executable, "-c", KILL_IN_COMMIT, str(st.path)], cwd=ROOT, env=SUBPROCESS_ENV,
-                       capture_output=True, timeout=120)
-    assert r.returncode == -9, r.stderr.decode()[-2000:]
+    st, before = killed_second_save(tmp_path, KILL_IN_COMMIT)
     journal = st.path / "index.sqlite-journal"
     assert journal.exists() and verify_snapshot(st.path / "gens" / "v00000002") is None   # complete, uncommitted
     files = {p.name: p.read_bytes() for p in (st.path / "index.sqlite", journal)}

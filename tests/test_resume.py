@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import REPO, USER_XLA_FLAGS, make_fake_store, run_cli
+from helpers import TESTS_DIR
 
 from rmm_jax.cli.signals import MESSAGE
 from rmm_jax.errors import InputError, worded
@@ -336,33 +337,29 @@ def test_a_replay_killed_before_a_commit_run_again_killed_and_resumed_is_bit_ide
 # As KILL_AT_COMMIT, but inside the index transaction, at its COMMIT, with SQLite's page cache at
 # one page so the transaction has spilt into the database: a hot rollback journal is left.
 KILL_IN_COMMIT = textwrap.dedent("""
-    import os, signal, sys
-    from rmm_jax.persist.policy_index import PolicyIndex
-    commit, calls = PolicyIndex.commit_version, [0]
-
-    class Dying:
-        def __init__(self, conn):
-            self._conn = conn
-        def execute(self, sql, *a):
-            if sql == "COMMIT":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if sql == "BEGIN IMMEDIATE":
-                self._conn.execute("PRAGMA cache_size = 1")
-                self._conn.execute("PRAGMA cache_spill = 1")
-            return self._conn.execute(sql, *a)
-        def __getattr__(self, name):
-            return getattr(self._conn, name)
-
-    def dying(self, *a, **k):
-        calls[0] += 1
-        if calls[0] == int(sys.argv[1]):
-            self._conn = Dying(self._conn)
-        return commit(self, *a, **k)
-
-    PolicyIndex.commit_version = dying
+    import sys
+    from helpers import die_inside_commit
+    die_inside_commit(int(sys.argv[1]))
     from rmm_jax.cli.main import main
     main(sys.argv[2:])
 """)
+
+
+def killed_replay(env, reference, script: str, n: int, tag: str) -> tuple[list, Path]:
+    """The daily replay (scope hybrid) run once whole into ``{tag}ref`` and once by ``script``
+    (a kill at the ``n``-th commit) into ``{tag}kill``, which it SIGKILLs: (its arguments, that store)."""
+    d = env["dir"]
+    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
+    rc, err = run(env, [*args, "--policies", str(d / f"{tag}ref")], f"{tag}ref")
+    assert rc == 0, err
+    pol, log = d / f"{tag}kill", d / f"{tag}kill-a.err"
+    tests_path = os.pathsep.join(filter(None, [str(TESTS_DIR), env["env"].get("PYTHONPATH")]))
+    with open(log, "w") as e:
+        a = subprocess.run([sys.executable, "-c", script, str(n), *args, "--policies", str(pol)], cwd=REPO,
+                           env={**env["env"], "PYTHONPATH": tests_path}, stdout=subprocess.DEVNULL, stderr=e,
+                           timeout=120)
+    assert a.returncode == -signal.SIGKILL, log.read_text()
+    return args, pol
 
 
 def test_a_replay_killed_inside_an_index_commit_and_run_again_is_bit_identical(env, reference):
@@ -373,14 +370,7 @@ def test_a_replay_killed_inside_an_index_commit_and_run_again_is_bit_identical(e
     back), counted the killed version's calls as learned, and its writer then dropped that
     version: those calls were learned twice, and every policy differed."""
     d = env["dir"]
-    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
-    rc, err = run(env, [*args, "--policies", str(d / "jref")], "jref")
-    assert rc == 0, err
-    pol = d / "jkill"
-    with open(d / "jkill-a.err", "w") as e:
-        a = subprocess.run([sys.executable, "-c", KILL_IN_COMMIT, "2", *args, "--policies", str(pol)], cwd=REPO,
-                           env=env["env"], stdout=subprocess.DEVNULL, stderr=e, timeout=120)
-    assert a.returncode == -signal.SIGKILL, (d / "jkill-a.err").read_text()
+    args, pol = killed_replay(env, reference, KILL_IN_COMMIT, 2, "j")
     assert (pol / "index.sqlite-journal").exists()
     rc, err = run(env, [*args, "--policies", str(pol)], "jkill-b")
     assert rc == 0, err
@@ -395,14 +385,7 @@ def test_a_replay_killed_before_its_first_commit_and_run_again_is_bit_identical(
     killed run's (no user version records either), the second run began from the killed
     run's trained shared part, and its users differed by about 1e-5."""
     d = env["dir"]
-    args = ["replay", env["store"], "--log", str(reference["log"]), "--scope", "hybrid", "--rank", "2", *SIM]
-    rc, err = run(env, [*args, "--policies", str(d / "fref")], "fref")
-    assert rc == 0, err
-    pol = d / "fkill"
-    with open(d / "fkill-a.err", "w") as e:
-        a = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, "1", *args, "--policies", str(pol)], cwd=REPO,
-                           env=env["env"], stdout=subprocess.DEVNULL, stderr=e, timeout=120)
-    assert a.returncode == -signal.SIGKILL, (d / "fkill-a.err").read_text()
+    args, pol = killed_replay(env, reference, KILL_AT_COMMIT, 1, "f")
     store = PolicyStore.open(pol)
     assert store.users() == [] and len(store.shared_versions()) == 2      # created, and the killed chunk's
     rc, err = run(env, [*args, "--policies", str(pol)], "fkill-b")
