@@ -229,6 +229,22 @@ def test_rerank_calls_dash_reads_standard_input(capsys, tmp_path, env, monkeypat
     assert (code, out) == (2, "") and err.strip().count("\n") == 0 and "<stdin>:3: needs 'query'" in err, err
 
 
+def test_a_request_without_its_query_names_a_misspelt_key_it_holds(tmp_path):
+    """A request whose 'query' is misspelt ('qurey') was refused for lacking it, with no word
+    of the key it holds (an optional key misspelt is noted with 'did you mean'); a key that is a
+    request key ('user_id', close to 'query_id') is not taken for a misspelling."""
+    from rmm_jax.data.calls import read_calls
+
+    path = tmp_path / "calls.jsonl"
+    for obj, hint in (({"user_id": "u", "qurey": "what is my job?"}, " (did you mean 'query' for 'qurey'?)"),
+                      ({"user_id": "u", "querry_id": "q0"}, " (did you mean 'query_id' for 'querry_id'?)"),
+                      ({"user_id": "u"}, "")):
+        path.write_text(json.dumps(obj) + "\n")
+        with pytest.raises(InputError) as e:
+            read_calls(path)
+        assert str(e.value) == f"{path}:1: needs 'query' (text) or a 'query_id' of STORE{hint}"
+
+
 def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
     """prepare_calls(..., k=3, m=5) said "--m 5 ... (the retriever's top --k 3)", the options of
     rmm-jax rerank, to a Python caller who passed k and m: it names them as arguments (the CLI

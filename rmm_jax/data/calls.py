@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key, check_timestamp, note_misspelt_keys
+from rmm_jax.data.citation_log import call_key, check_timestamp, misspelt_key, note_misspelt_keys
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.json_lines import json_lines, source_name
@@ -127,7 +127,10 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
                                  where=at(path, line, key))
         stamp = check_timestamp(obj.get("timestamp"), at(path, line), now)
         if "query" not in obj and "query_id" not in obj:
-            raise InputError("needs 'query' (text) or a 'query_id' of STORE", where=at(path, line))
+            near = [f"{m!r} for {k!r}" for k in obj if k not in KEYS for m in (misspelt_key(k, ("query", "query_id")),)
+                    if m]
+            raise InputError("needs 'query' (text) or a 'query_id' of STORE"
+                             + (f" (did you mean {near[0]}?)" if near else ""), where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:
             raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
         call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
