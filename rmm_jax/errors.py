@@ -62,6 +62,19 @@ class WriteFailed(InputError):
     exit_code = 1
 
 
+class Diverged(InputError):
+    """A learning setting whose updates made a parameter non-finite (a step size far out of
+    scale): bad input, found only once the run has learned. Nothing of it is worth resuming,
+    so the run-state goes with it (:func:`rmm_jax.cli.online.saving_run`) and the same command
+    with a smaller ``--lr`` runs afresh.
+
+    >>> from rmm_jax.errors import Diverged
+    >>> e = Diverged("not finite", where="--lr")
+    >>> str(e), e.exit_code
+    ('--lr: not finite', 2)
+    """
+
+
 class Busy(InputError):
     """Another process holds the lock on what this one must write (a store, a run-state):
     nothing is wrong with the input, retry when that process ends. The CLI exits with

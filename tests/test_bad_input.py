@@ -299,7 +299,10 @@ def cases():
                   lambda e, n=name: [n]))
     # ---- a step size in float32's range that diverges: NaN policies were saved with exit 0
     c += [
-        ("replay-lr-diverges", lambda e: rp(e, "good", "--lr", "3e38"), lambda e: ["learning setting", "diverged"]),
+        # checkpointed after every batch: the run-state held the diverged states, and the same command
+        # with a smaller --lr was told to --resume them
+        ("replay-lr-diverges", lambda e: rp(e, "good", "--lr", "3e38", "--batch", 1, "--checkpoint-every", 1),
+         lambda e: ["--lr", "diverged"]),
         # a plot written into a store it reads would overwrite that store's files
         ("evaluate-plot-in-policies", lambda e: ["evaluate", S(e), "--log", L(e, "good"), "--policies",
                                                  e["pol_existing"], "--plot", e["pol_existing"] / "x.png"],
@@ -307,7 +310,8 @@ def cases():
         ("replay-plot-in-store", lambda e: rp(e, "good", "--plot", S(e) / "x.png"),
          lambda e: ["--plot", "lies in STORE"]),
         ("replay-passes-huge", lambda e: rp(e, "good", "--passes", 10 ** 9), lambda e: ["--passes"]),  # repeated: OOM
-        ("simulate-lr-diverges", lambda e: sim(e, "--lr", "3e38"), lambda e: ["learning setting", "diverged"]),
+        ("simulate-lr-diverges", lambda e: sim(e, "--lr", "3e38", "--batch", 1, "--checkpoint-every", 1),
+         lambda e: ["--lr", "diverged"]),
     ]
     # ---- simulate
     c += [

@@ -1154,3 +1154,28 @@ def test_evaluate_reports_the_targets_cited_recall_beside_the_retrievers():
     assert got["calls"] == len(target)
     np.testing.assert_allclose([got["target"]["value"], got["retriever"]["value"], got["target"]["gain"]["value"]],
                                [np.mean(target), np.mean(base), np.mean(target) - np.mean(base)], rtol=1e-12)
+
+
+def test_a_run_that_diverges_on_a_store_leaves_it_as_it_was_and_runs_again_with_a_smaller_step(capsys, tmp_path,
+                                                                                                store):
+    """A step size that makes the policies non-finite (given with --change-setting), checkpointed
+    after every batch: one line naming --lr, the store's files as they were (its setting too),
+    and no run-state left (it held the diverged states, and the same command with a smaller
+    --lr was told to --resume them); run again without it, the store learns."""
+    import hashlib as _h
+
+    from rmm_jax.persist.runstate import RunState
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries"]
+    assert run_cli(capsys, *sim, ":4")[0] == 0
+
+    def files():
+        return {str(p.relative_to(pol)): _h.sha256(p.read_bytes()).hexdigest() for p in sorted(pol.rglob("*"))
+                if p.is_file() and p.name != ".lock"}
+    before = files()
+    code, out, err = run_cli(capsys, *sim, "4:", "--lr", "3e38", "--change-setting", "--checkpoint-every", "1")
+    assert code == 2 and out == "" and err.strip().splitlines()[-1].startswith("error: --lr: the learning diverged:")
+    assert files() == before and not RunState.path_for(pol).exists()
+    code, out, err = run_cli(capsys, *sim, "4:", "--checkpoint-every", "1")
+    assert code == 0, err
+    assert json.loads((pol / "policy_store.json").read_text())["setting"]["optimizer"]["lr"] != 3e38

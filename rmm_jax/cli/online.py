@@ -21,7 +21,7 @@ from rmm_jax.cli.common import (
 from rmm_jax.cli.shell import IntRange, as_options, count, emit_json, info, png_option
 from rmm_jax.cli.signals import StopSignals
 from rmm_jax.core.scope import Scope
-from rmm_jax.errors import InputError
+from rmm_jax.errors import Diverged, InputError
 from rmm_jax.online import session
 from rmm_jax.online.plot import plot_learning
 from rmm_jax.online.session import Start, create_policies, identity_params, learned_nothing
@@ -167,7 +167,12 @@ def saving_run(command: str, policies, ps, st, ls, init: str, seed: int, *, crea
             info(note, must_read=True)
         if start.rolled_back is not None:
             info(rolled_back_note(policies, start.rolled_back), must_read=True)
-        yield rs, start
+        try:
+            yield rs, start
+        except Diverged:                 # its checkpoints hold non-finite states: nothing to resume
+            if rs is not None:
+                rs.finish()
+            raise
         if ls.to_record and writer:      # after the run (a run that fails records nothing), before its end
             write_setting(ps, ls.record)
         if rs is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from rmm_jax.errors import InputError
+from rmm_jax.errors import Diverged
 from rmm_jax.online.driver import ChunkDone, ChunkSkipped, Resume, SegmentDone
 from rmm_jax.online.loop import Program
 from rmm_jax.online.run import chunk_records
@@ -126,24 +126,31 @@ class PolicySink:
 
 
 def check_finite_chunk(event: ChunkDone, program: Program) -> None:
-    """``InputError`` unless every parameter the chunk would save is finite: a learning setting
-    that diverges (a step size or temperature far out of scale: ``--lr 1e30``) made NaN of every
-    policy, which the store saved with exit 0, and ``rerank`` then blamed the embeddings. Nothing
-    of the chunk is saved (an earlier chunk's users keep what they saved)."""
+    """:class:`~rmm_jax.errors.Diverged` unless every parameter the chunk would save is finite:
+    a learning setting that diverges (a step size far out of scale: ``--lr 1e30``) made NaN of
+    every policy, which the store saved with exit 0, and ``rerank`` then blamed the embeddings.
+    Nothing of the chunk is saved (an earlier chunk's users keep what they saved)."""
     n = len(event.streams)
-    for part, tree in (("user", event.states.params), ("shared part", event.shared.params)):
-        bad = np.zeros(n, bool) if part == "user" else np.zeros(1, bool)
-        for leaf in jax.tree.leaves(tree):
-            x = np.asarray(leaf)
-            bad |= ~np.isfinite(x[:n].reshape(n, -1)).all(1) if part == "user" else ~np.isfinite(x).all()
-        if bad.any():
-            who = (f"the policy of user {event.streams[int(np.argmax(bad))].user_id!r}" if part == "user"
-                   else "the shared part")
-            lr, est = getattr(program.optimizer, "lr", None), program.estimator
-            setting = (f"lr {lr:g}, " if lr is not None else "") + f"tau {est.tau:g}, loss {est.loss}"
-            raise InputError(f"diverged: {who} is not finite after its updates ({setting}); "
-                             "nothing of this users chunk was saved: a smaller --lr (or a --tau, --offset or judge "
-                             "rates in scale) learns", where="learning setting")
+    users = _nonfinite_rows(event.states.params, n)
+    shared = _nonfinite_rows(event.shared.params, None)
+    if users.any() or shared.any():
+        who = (f"the policy of user {event.streams[int(np.argmax(users))].user_id!r}" if users.any()
+               else "the shared part")
+        lr, est = getattr(program.optimizer, "lr", None), program.estimator
+        setting = (f"lr {lr:g}, " if lr is not None else "") + f"tau {est.tau:g}, loss {est.loss}"
+        raise Diverged(f"the learning diverged: {who} is not finite after its updates ({setting}); nothing of this "
+                       "users chunk was saved, nor its run-state kept: a smaller --lr (or a --tau, --offset or judge "
+                       "rates in scale) learns", where="--lr")
+
+
+def _nonfinite_rows(tree, n: int | None) -> np.ndarray:
+    """Per row of the leading (users) axis, the first ``n`` of it, whether any leaf of ``tree``
+    holds a non-finite value there; ``n`` None: one row for the whole tree (the shared part)."""
+    bad = np.zeros(1 if n is None else n, bool)
+    for leaf in jax.tree.leaves(tree):
+        x = np.asarray(leaf)
+        bad |= ~np.isfinite(x.reshape(1, -1) if n is None else x[:n].reshape(n, -1)).all(1)
+    return bad
 
 
 def learned_after(streams) -> LearnedCalls | None:
