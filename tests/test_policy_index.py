@@ -158,7 +158,8 @@ def test_a_kill_inside_the_index_commit_is_read_as_the_last_commit_without_touch
     journal = st.path / "index.sqlite-journal"
     assert journal.exists() and verify_snapshot(st.path / "gens" / "v00000002") is None   # complete, uncommitted
     files = {p.name: p.read_bytes() for p in (st.path / "index.sqlite", journal)}
-    reader = PolicyStore.open(st.path)
+    assert lookups(st) == before and st.users() == ["u"]     # a reader open (and read) before the kill
+    reader = PolicyStore.open(st.path)                      # and one opened after it
     assert lookups(reader) == before and reader.users() == ["u"]
     assert_policy(reader.load("u"), state_of(1))
     assert {p.name: p.read_bytes() for p in (st.path / "index.sqlite", journal)} == files

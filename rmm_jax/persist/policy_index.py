@@ -96,6 +96,12 @@ class IndexUnavailable(Exception):
     """The index is missing, corrupt or cannot be opened; rebuild it from the snapshots."""
 
 
+class HotJournal(IndexUnavailable):
+    """An open read-only connection met a writer's hot journal (killed inside a commit): open
+    the index again (:meth:`PolicyIndex.open` reads a rolled-back copy), do not rebuild it from
+    the snapshots, which hold the killed commit's."""
+
+
 def sidecar_files(path: Path) -> list[Path]:
     """SQLite's side files of database ``path`` (WAL, shared memory, rollback journal)."""
     return [path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal")]
@@ -154,15 +160,17 @@ class PolicyIndex:
             try:
                 conn.execute("SELECT value FROM kv WHERE key = 'schema'").fetchall()
             except sqlite3.Error as e:
-                if getattr(e, "sqlite_errorname", "") != "SQLITE_READONLY_ROLLBACK":
-                    idx.close()
-                    raise idx._error(e) from None
                 idx.close()
+                err = idx._error(e)
+                if not isinstance(err, HotJournal):
+                    raise err from None
                 idx = cls._committed_copy(path, any_thread)
+                if idx is None:          # a writer rolled the journal back meanwhile: the original reads
+                    return cls.open(path, readonly=True, any_thread=any_thread)
         return cls._checked(idx, path, readonly)
 
     @classmethod
-    def _committed_copy(cls, path: Path, any_thread: bool) -> "PolicyIndex":
+    def _committed_copy(cls, path: Path, any_thread: bool) -> "PolicyIndex | None":
         """A reader's view of an index whose writer was killed inside a commit: SQLite left a
         hot rollback journal, which a read-only connection may not roll back
         (``SQLITE_READONLY_ROLLBACK``). The database and its journal are copied to a private
@@ -171,20 +179,26 @@ class PolicyIndex:
         place). Before, the reader rebuilt the index from the snapshot directories, which
         hold the killed commit's snapshot too: a replay run again counted that version's
         calls as learned, and its writer then dropped the version, so they were learned again.
-        A copy that changed while it was taken (a writer rolled back meanwhile) is taken again."""
+        A copy taken while the files changed is never used: the journal gone, or the files
+        changed while copied, a writer has rolled it back meanwhile, and None says to open the
+        original again."""
         tmp = tempfile.TemporaryDirectory(prefix="rmm-index-")
+        journal, db = sidecar_files(path)[2], Path(tmp.name) / path.name
         try:
-            for _ in range(5):
-                stamp = _stamp(path)
-                db = Path(tmp.name) / path.name
-                remove_database(db)
-                shutil.copyfile(path, db)
-                if sidecar_files(path)[2].exists():
-                    shutil.copyfile(sidecar_files(path)[2], sidecar_files(db)[2])
-                if stamp == _stamp(path):
-                    break
+            stamp = _stamp(path)
+            if stamp[1] is None:
+                tmp.cleanup()
+                return None
+            shutil.copyfile(path, db)
+            shutil.copyfile(journal, sidecar_files(db)[2])
+            if stamp != _stamp(path):
+                tmp.cleanup()
+                return None
             conn = sqlite3.connect(str(db), timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                    check_same_thread=not any_thread)
+        except FileNotFoundError:           # the journal went while copied: rolled back
+            tmp.cleanup()
+            return None
         except (OSError, sqlite3.Error) as e:
             tmp.cleanup()
             raise IndexUnavailable(f"{path}: cannot read past its interrupted commit ({e})") from None
@@ -319,9 +333,12 @@ class PolicyIndex:
     def _error(self, e: sqlite3.Error) -> Exception:
         """Busy after the timeout: a one-line :class:`~rmm_jax.errors.Busy` (the CLI exits 75:
         retry). Anything else: the file is not a usable index (corrupt, truncated, other schema)."""
-        if getattr(e, "sqlite_errorname", "") in _BUSY:
+        name = getattr(e, "sqlite_errorname", "")
+        if name in _BUSY:
             return Busy(f"policy index is busy for more than {BUSY_TIMEOUT_S:.0f} s ({e}); retry when its "
                         "writer ends", where=self.where)
+        if name == "SQLITE_READONLY_ROLLBACK":
+            return HotJournal(f"{self.where}: {type(e).__name__}: {e}")
         return IndexUnavailable(f"{self.where}: {type(e).__name__}: {e}")
 
     @contextlib.contextmanager

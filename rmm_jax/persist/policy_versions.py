@@ -20,7 +20,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.persist import policy_format1
 from rmm_jax.persist.atomic import leftovers, remove_dir
 from rmm_jax.persist.policy_header import FORMAT_VERSION, STORE_FILE, write_header
-from rmm_jax.persist.policy_index import IndexUnavailable, PolicyIndex
+from rmm_jax.persist.policy_index import HotJournal, IndexUnavailable, PolicyIndex
 from rmm_jax.persist.policy_snapshot import snapshot_dirs, snapshot_records, vname
 
 INDEX_DB = "index.sqlite"
@@ -98,13 +98,20 @@ class IndexReader:
         weakref.finalize(self, _close_all, self._conns, self._conns_lock)
 
     def query(self, fn, header: dict, keep: int):
-        """``fn(index)`` on index.sqlite, or on the in-memory rebuild."""
+        """``fn(index)`` on index.sqlite, or on the in-memory rebuild. A connection opened before a
+        writer was killed inside a commit meets its hot journal (:class:`HotJournal`): it is
+        opened again, which reads the last commit, not rebuilt from the snapshots."""
         try:
             while True:
                 conn = self._connection()
                 with conn.lock:
                     if not conn.closed:
-                        return fn(conn.idx)
+                        try:
+                            return fn(conn.idx)
+                        except HotJournal:
+                            conn.close()        # below: opened again, from a rolled-back copy
+                            self._close()
+                            continue
                 # closed by close() from another thread meanwhile: open it again
         except IndexUnavailable:
             self._close()
