@@ -81,11 +81,11 @@ checks:
   count (:func:`slot_rewards`): cited [0, M_i], cite rate [0, 1], Recall@M
   [max(0, M_i − (K_i − G_i))/N_i, min(M_i, G_i)/N_i]. IPS can leave this range in finite
   samples (weights need not sum to n); such a value is no estimate of the metric.
-  Values within :data:`RANGE_TOL` of the range (float rounding) are clamped. SNIPS, the
-  weighted mean of the calls' rewards, is held to the wider of this range and the same
-  weighted mean of the calls' ranges (:func:`checked_range`):
-  beyond the estimand's range but within its own, it is sampling (the weights favour calls
-  with a higher ceiling), not a broken log, and is clamped to the estimand's range.
+  Values within :data:`RANGE_TOL` of the range (float rounding) are clamped. SNIPS is not
+  checked: a weighted mean of the calls' rewards, it always lies in the same weighted mean
+  of their ranges, and beyond the estimand's range it is sampling (its weights favouring
+  calls with a higher ceiling), not a broken log; it is clamped to the estimand's range.
+  (SNRIPS, a sum of per-slot weighted means, can leave the range, and is checked.)
 
 What is checkable about ``log_prob`` itself: under Plackett–Luce with finite logits
 every ordered selection of distinct candidates has a probability in (0, 1), and any
@@ -175,7 +175,6 @@ from rmm_jax.online.ope._report import (
     LogCause,
     agrees_to_rounding,
     check_report_options,
-    checked_range,
     cited_recall,
     decision,
     empty_report,
@@ -191,7 +190,6 @@ from rmm_jax.online.ope._report import (
 )
 
 __all__ = [
-    "checked_range",
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
     "cited_recall", "decision", "estimator_weights", "empty_report", "evaluate_calls", "evaluate_log", "load_calls",
     "prefix_log_probs",

@@ -94,7 +94,10 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
             for name in names:
                 est = _estimate(name, weights[name][mr.rows], mr.rewards, clip=clip, bootstrap=bootstrap, seed=seed,
                                logged=logged)
-                judged = checked_range(name, weights[name][mr.rows], mr, clip)
+                # SNIPS, a weighted mean of the calls' rewards, lies in the same weighted mean of their
+                # ranges whatever its weights: no range check can fail (beyond the estimand's range it
+                # is sampling, the weights favouring calls with a higher ceiling); it is clamped below
+                judged = None if name == "snips" else span
                 per[name] = report_entry(est, verdict(est, value_range=judged, min_ess=min_ess,
                                                       problems=problems[name]), span)
             if metric == "recall":
@@ -108,35 +111,6 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
         notes.append("recall skipped: no logged call has gold memories in STORE")
     return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes,
             **cited_recall(calls, bootstrap=bootstrap, seed=seed)}
-
-
-def checked_range(name: str, weights, mr, clip: float | None = None) -> tuple[float, float]:
-    """The range :func:`verdict` holds estimator ``name``'s value to: the estimand's
-    (``mr.value_range``, the mean of the calls' ranges), widened for SNIPS to the mean of
-    those ranges under SNIPS's own weights. SNIPS is the weighted mean Σ w_i R_i / Σ w_i of
-    the calls' rewards, so it lies in Σ w_i low_i / Σ w_i … Σ w_i high_i / Σ w_i whatever
-    the weights, and beyond the estimand's range only by how the weights favour calls with
-    a higher (or lower) ceiling: sampling, not a broken log. A target at the ceiling of
-    every call was withheld about half the time for it (``benchmarks/nights.py
-    --evaluate``). The report still clamps the value to the estimand's range.
-
-    Examples:
-        >>> import numpy as np
-        >>> from rmm_jax.online.ope import MetricRewards
-        >>> from rmm_jax.online.ope import checked_range
-        >>> mr = MetricRewards(np.zeros((2, 1)), np.arange(2), np.zeros(2), np.array([1.0, 0.5]))
-        >>> checked_range("ips", np.ones((2, 1)), mr), checked_range("snips", np.array([[3.0], [1.0]]), mr)
-        ((0.0, 0.75), (0.0, 0.875))
-    """
-    a, b = mr.value_range
-    if name != "snips":
-        return a, b
-    w = np.asarray(weights, np.float64)[:, 0]
-    w = w if clip is None else np.minimum(w, clip)
-    total = w.sum()
-    if not (np.isfinite(total) and total > 0):
-        return a, b
-    return min(a, float(w @ mr.low / total)), max(b, float(w @ mr.high / total))
 
 
 def cited_recall(calls: Calls, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> dict:
