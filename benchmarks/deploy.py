@@ -49,9 +49,9 @@ serving realises (the mean over its calls of cited / shown).
 
 **Done when.** (a) The deployment's final Recall@5 (the serving policy's top 5, over every
 question asked) lies within the 95% interval of ``simulate`` over the same questions in
-the same order: the same online loop (:func:`rmm_jax.run_online`, the CLI default preset
-and scope, identity start) on streams of exactly the served calls (same candidates, same
-order), citing with the same model, updating every batch instead of every night, over
+the same order: the same online loop (:func:`rmm_jax.run_online`, the preset the first
+night recorded and the CLI's default scope, identity start) on streams of exactly the served
+calls (same candidates, same order), citing with the same model, updating every batch instead of every night, over
 ``--seeds`` seeds; the interval is :func:`rmm_jax.online.stats.gain_interval` over seeds
 and questions. (b) On most days (more than half of those where
 ``evaluate`` gives a SNIPS interval; it withholds one whose effective sample size is too
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draw-tau", type=float, default=None,
                     help="draw the shown memories at this temperature (rerank --explore --tau, replay --draw-tau; "
                          "the store records it) instead of the default preset's tau")
-    ap.add_argument("--preset", choices=sorted(rj.PRESETS), default=None,
+    ap.add_argument("--preset", choices=sorted(set(rj.PRESETS) - {"paper"}), default=None,   # replay refuses paper
                     help="the first night's replay --preset (the store records it; later nights and simulate's "
                          "interval use it); default: the CLI's default preset")
     ap.add_argument("--gate", action="store_true",

@@ -1,6 +1,8 @@
 """``rmm-jax evaluate``: off-policy estimates of a policy store's value from a citation log."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from rmm_jax.cli.common import (
@@ -196,7 +198,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
             raise InputError(f"must be >= 1, got {v}", where=name)
     with as_options(*OPTIONS):
         check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
-    check_out_apart(plot_path, f"--plot {plot_path}", log_path, [("STORE", store), ("--policies", policies)])
+    check_out_apart(plot_path, f"--plot {plot_path}", "-", [("STORE", store), ("--policies", policies)])
+    if plot_path and Path(plot_path).exists() and Path(log_path).exists() and Path(plot_path).samefile(log_path):
+        raise InputError(f"is the log --log {log_path}: writing the plot would replace it; give another path",
+                         where=f"--plot {plot_path}")
     check_output_file(plot_path, f"--plot {plot_path}")
     st = open_store(store)
     if is_empty_log(log_path):       # a day without calls: nothing to judge (not bad input)

@@ -17,6 +17,9 @@ import numpy as np
 
 from rmm_jax.errors import is_int, short  # noqa: F401  (checks.is_int, checks.short: defined with check_int)
 
+F32_MAX = float(np.finfo(np.float32).max)               # the parameters' type: a step size or tau beyond
+F32_TINY = float(np.finfo(np.float32).smallest_subnormal)  # these is inf, or 0, once cast
+
 
 def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
@@ -41,15 +44,12 @@ def is_real(x, finite: bool = True) -> bool:
     return math.isfinite(x) or not finite
 
 
-F32_MAX = float(np.finfo(np.float32).max)
-
-
 def check_positive(x, name: str) -> None:
     """``ValueError`` naming ``name`` unless ``x`` is a real number (not a bool), finite and > 0,
     and finite in float32 (the parameters' type: 1e300 was taken, cast to inf, and made NaN of
     every policy): a step size, which optax would take as NaN, negative or inf without a word."""
-    require(is_real(x) and 0 < float(np.asarray(x)) <= F32_MAX, name,
-            f"must be > 0 and finite (at most {F32_MAX:.3g}, float32's largest), got {x!r}")
+    require(is_real(x) and 0 < float(np.asarray(x)) <= F32_MAX and np.float32(float(np.asarray(x))) > 0, name,
+            f"must be > 0 and finite in float32 (from {F32_TINY:.3g} to {F32_MAX:.3g}), got {x!r}")
 
 
 def check_nonnegative(x, name: str) -> None:

@@ -1,6 +1,7 @@
 """Learning-curve plots (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from rmm_jax.persist.atomic import atomic_file
@@ -226,8 +227,6 @@ def plot_estimates(estimates: dict, ranges: dict, path, *, title: str, labels: d
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 3), fontsize=8,
                frameon=False)
     if verdict is not None:   # wrapped to the figure: the decision is what the plot is for
-        import textwrap
-
         from rmm_jax.online.ope import decision
         width = int(fig.get_figwidth() * 72 / 10 * 1.6)    # characters of a 10-point line across the figure
         title += "\n" + "\n".join(textwrap.wrap(f"verdict: {decision(verdict)} ({verdict['reason']})", width))

@@ -150,7 +150,8 @@ def blamed_change(ls: LearningSetting, explicit) -> tuple[str, object, str]:
     option = field if "preset" not in explicit or field in explicit else "preset"
     shown = name if option == "preset" else new
     if option == "preset" and same_preset(name, recorded.get("preset")):   # one preset, defined otherwise now
-        was = f"preset {recorded.get('preset')} as it was then: " + ", ".join(f"{f} {a}" for f, a, _ in ls.changes)
+        was = f"preset {recorded.get('preset')} as it was then: " + ", ".join(f"{f} {shown_value(f, a)}"
+                                                                             for f, a, _ in ls.changes)
     else:
         others = [f for f, _, _ in ls.changes if f != option]
         was = (f"{option} {recorded.get('preset') if option == 'preset' else shown_value(field, old)}"
