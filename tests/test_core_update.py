@@ -340,7 +340,8 @@ def test_settings_take_numpy_integers_as_the_ints_they_are():
 
 
 @pytest.mark.parametrize("make", [rj.adam, rj.sgd])
-@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0, 0.0, True, 1e300, 1e-50])   # the last two: inf, 0 in float32
+# the last two are inf and 0 in float32, the parameters' type
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0, 0.0, True, 1e300, 1e-50])
 def test_optimizers_refuse_a_step_size_that_is_not_positive_and_finite(make, lr):
     with pytest.raises(ValueError, match=r"^lr: must be > 0 and finite"):
         make(lr)
