@@ -66,7 +66,8 @@ class Diverged(InputError):
     """A learning setting whose updates made a parameter non-finite (a step size far out of
     scale): bad input, found only once the run has learned. Nothing of it is worth resuming,
     so the run-state goes with it (:func:`rmm_jax.cli.online.saving_run`) and the same command
-    with a smaller ``--lr`` runs afresh.
+    with a smaller ``--lr`` runs again; users chunks the run saved before it diverged keep
+    their versions, which the message says ``policies rollback`` undoes.
 
     >>> from rmm_jax.errors import Diverged
     >>> e = Diverged("not finite", where="--lr")

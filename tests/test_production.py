@@ -1179,3 +1179,27 @@ def test_a_run_that_diverges_on_a_store_leaves_it_as_it_was_and_runs_again_with_
     code, out, err = run_cli(capsys, *sim, "4:", "--checkpoint-every", "1")
     assert code == 0, err
     assert json.loads((pol / "policy_store.json").read_text())["setting"]["optimizer"]["lr"] != 3e38
+
+
+def test_a_divergence_after_saved_chunks_says_how_to_undo_them():
+    """Users chunks a run saved before a later chunk diverged keep their versions (learned at the
+    diverging setting): the one line says so and names the rollback that undoes them; a first
+    chunk's divergence says nothing of the kind. Only non-finite rows count (a finite shared part,
+    a finite user beside a NaN one)."""
+    from types import SimpleNamespace as NS
+
+    from rmm_jax.errors import Diverged
+    from rmm_jax.online.sinks import check_finite_chunk
+
+    params = {"W": np.array([[1.0, 2.0], [np.nan, 0.0]], np.float32)}      # user u1's row is NaN
+    event = NS(streams=[NS(user_id="u0"), NS(user_id="u1")], states=NS(params=params), shared=NS(params={}))
+    program = NS(optimizer=NS(lr=3e38), estimator=NS(tau=0.1, loss="logistic"))
+    with pytest.raises(Diverged) as first:
+        check_finite_chunk(event, program, 0, "P")
+    with pytest.raises(Diverged) as later:
+        check_finite_chunk(event, program, 2, "P")
+    assert "the policy of user 'u1' is not finite" in str(first.value) and "rollback" not in str(first.value)
+    assert "users chunks this run saved before it (2)" in str(later.value)
+    assert "`rmm-jax policies rollback P` undoes them" in str(later.value) and later.value.where == "--lr"
+    check_finite_chunk(NS(streams=event.streams, states=NS(params={"W": np.ones((2, 2), np.float32)}),
+                          shared=NS(params={"S": np.zeros(3, np.float32)})), program, 2, "P")      # finite: passes

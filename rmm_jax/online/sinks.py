@@ -103,6 +103,7 @@ class PolicySink:
         self.store, self.program, self.continues, self.run = store, program, continues, run
         self.first_query = first_query      # simulate: its streams are the users' questions from this position
         self.before, self.resumed = before, resumed
+        self.saved = 0                      # users chunks this run has saved
 
     def chunk(self, event: ChunkDone) -> None:
         m = self.program.layout.m
@@ -113,23 +114,25 @@ class PolicySink:
             if had.saved:           # the interrupted run saved this chunk: these states, bit for bit
                 return
             infos = had.infos if self.continues else {}
-        check_finite_chunk(event, self.program)
+        check_finite_chunk(event, self.program, self.saved, self.store.path)
         shared_version = self.save_shared(event) if self.program.layout.scope.has_shared else None
         self.store.save(uids, event.states,
                         [user_info(s, event.outputs, m, queries_learned(infos.get(s.user_id, {})) or 0,
                                    simulated_queries(infos.get(s.user_id, {})), self.first_query)
                          for s in event.streams], shared_version=shared_version,
                         learned=learned_after(event.streams), run=self.run)
+        self.saved += 1
 
     def save_shared(self, event: ChunkDone) -> int:
         return self.store.save_shared(event.shared, {"source": "online"})
 
 
-def check_finite_chunk(event: ChunkDone, program: Program) -> None:
+def check_finite_chunk(event: ChunkDone, program: Program, saved: int = 0, store=None) -> None:
     """:class:`~rmm_jax.errors.Diverged` unless every parameter the chunk would save is finite:
     a learning setting that diverges (a step size far out of scale: ``--lr 1e30``) made NaN of
     every policy, which the store saved with exit 0, and ``rerank`` then blamed the embeddings.
-    Nothing of the chunk is saved (an earlier chunk's users keep what they saved)."""
+    Nothing of the chunk is saved; the ``saved`` users chunks this run saved before it keep
+    their versions, which the message says how to undo (``policies rollback`` on ``store``)."""
     n = len(event.streams)
     users = _nonfinite_rows(event.states.params, n)
     shared = _nonfinite_rows(event.shared.params, None)
@@ -138,9 +141,12 @@ def check_finite_chunk(event: ChunkDone, program: Program) -> None:
                else "the shared part")
         lr, est = getattr(program.optimizer, "lr", None), program.estimator
         setting = (f"lr {lr:g}, " if lr is not None else "") + f"tau {est.tau:g}, loss {est.loss}"
+        earlier = "" if not saved else (
+            f"; users chunks this run saved before it ({saved}) keep what they learned at this setting: "
+            f"`rmm-jax policies rollback {store}` undoes them, and their calls are learned again")
         raise Diverged(f"the learning diverged: {who} is not finite after its updates ({setting}); nothing of this "
-                       "users chunk was saved, nor its run-state kept: a smaller --lr (or a --tau, --offset or judge "
-                       "rates in scale) learns", where="--lr")
+                       f"users chunk was saved, nor the run-state kept{earlier}: a smaller --lr (or a --tau, --offset "
+                       "or judge rates in scale) learns", where="--lr")
 
 
 def _nonfinite_rows(tree, n: int | None) -> np.ndarray:

@@ -142,7 +142,8 @@ class PolicyIndex:
     # ---- open / create / build
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, readonly: bool = True, any_thread: bool = False) -> "PolicyIndex":
+    def open(cls, path: str | os.PathLike, *, readonly: bool = True, any_thread: bool = False,
+             _tries: int = 5) -> "PolicyIndex":
         """Open an existing index file; :class:`IndexUnavailable` if it is missing, not
         an index of this schema, or cannot be opened. ``any_thread``: another thread may use
         or close it (the caller makes sure no two threads use it at once)."""
@@ -164,9 +165,12 @@ class PolicyIndex:
                 err = idx._error(e)
                 if not isinstance(err, HotJournal):
                     raise err from None
-                idx = cls._committed_copy(path, any_thread)
+                idx = cls._committed_copy(path.resolve(), any_thread)   # the journal is beside the real file
                 if idx is None:          # a writer rolled the journal back meanwhile: the original reads
-                    return cls.open(path, readonly=True, any_thread=any_thread)
+                    if _tries <= 1:
+                        raise IndexUnavailable(f"{path}: the journal of an interrupted commit kept changing while "
+                                               "it was read") from None
+                    return cls.open(path, readonly=True, any_thread=any_thread, _tries=_tries - 1)
         return cls._checked(idx, path, readonly)
 
     @classmethod
