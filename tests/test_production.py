@@ -1203,3 +1203,15 @@ def test_a_divergence_after_saved_chunks_says_how_to_undo_them():
     assert "`rmm-jax policies rollback P` undoes them" in str(later.value) and later.value.where == "--lr"
     check_finite_chunk(NS(streams=event.streams, states=NS(params={"W": np.ones((2, 2), np.float32)}),
                           shared=NS(params={"S": np.zeros(3, np.float32)})), program, 2, "P")      # finite: passes
+
+
+def test_a_mistyped_policy_store_on_rerank_names_the_one_beside_it(capsys, tmp_path, store):
+    """`rerank --policies polices` beside a store named `policies` served the retriever with a line
+    that reads like day 1's: it names the store it likely meant (still exit 0: day 1 has none); a
+    missing store with nothing like it beside it says only that there is none."""
+    pol = tmp_path / "policies"
+    assert run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--queries", ":4")[0] == 0
+    _, err = served(capsys, tmp_path, store, "--policies", tmp_path / "polices")
+    assert f"no policy store at {tmp_path / 'polices'} (did you mean {pol}?): serving the identity reranker" in err
+    _, err = served(capsys, tmp_path, store, "--policies", tmp_path / "elsewhere", name="b.jsonl")
+    assert f"no policy store at {tmp_path / 'elsewhere'}: serving the identity reranker" in err

@@ -1,6 +1,7 @@
 """``rmm-jax rerank``: serve stored policies on a file of calls."""
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 import time
@@ -35,6 +36,19 @@ from rmm_jax.persist.policy_rollback import StoreNotes, store_notes
 def serve_clock() -> int:
     """Now, in microseconds since the epoch: read once per run (a test replaces it)."""
     return time.time_ns() // 1000
+
+
+def nearby_policy_store(path) -> str | None:
+    """A policy store beside the missing ``--policies PATH`` whose name is close to its own (a
+    typo on day 30 served the retriever with exit 0 and a line that reads like day 1's): its
+    path, or None."""
+    p = Path(path)
+    try:
+        siblings = [q.name for q in p.parent.iterdir() if (q / "policy_store.json").is_file()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(p.name, siblings, n=1, cutoff=0.8)
+    return str(p.parent / close[0]) if close else None
 
 
 @cli.command()
@@ -117,7 +131,9 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         notes = store_notes(rr.store)
     else:
         rr = Reranker(None, dim=st.dim)
+        near = None if policies is None else nearby_policy_store(policies)
         note = (("no policy yet" if policies is None else f"no policy store at {policies}")
+                + (f" (did you mean {near}?)" if near else "")
                 + ": serving the identity reranker (the base retriever's scores)")
     check_tau_option(tau)
     if tau is not None and not explore:

@@ -226,8 +226,8 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
     if not (math.isfinite(value) and math.isfinite(lo) and math.isfinite(hi)):
         return reasons + ["not finite: the weighted sums overflow float64"]
     ess = est.get("ess")
-    if ess is not None and ess < min_ess:
-        reasons.append(f"ESS {ess:.1f} of {n} calls < {min_ess:g}")
+    if ess is not None and ess < min_ess:   # rounded down: 29.95 read "ESS 30.0 of 36 calls < 30"
+        reasons.append(f"ESS {math.floor(ess * 10 + 1e-6) / 10:.1f} of {n} calls < {min_ess:g}")
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
     if mean is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
         reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}), not 1: " + (
