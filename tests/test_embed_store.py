@@ -277,6 +277,9 @@ def test_default_cache_dir_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path / "c"))
     assert E.default_cache_root() == tmp_path / "c"
     monkeypatch.delenv("RMM_JAX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))      # as the compile cache reads it
+    assert E.default_cache_root() == tmp_path / "xdg" / "rmm-jax" / "embeddings"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert E.default_cache_root() == Path.home() / ".cache" / "rmm-jax" / "embeddings"
     assert "/" not in E.model_slug("org/model") and E.model_slug("local:/a/b/m").startswith("m-")
 

@@ -11,7 +11,8 @@ one SQLite database per model::
     <cache root>/<model-slug>/embeddings.sqlite
 
 where the cache root is ``cache_dir``, else ``$RMM_JAX_CACHE``, else
-``~/.cache/rmm-jax/embeddings``. SQLite transactions make the cache crash-safe (a batch
+``$XDG_CACHE_HOME/rmm-jax/embeddings`` (``~/.cache`` when unset, as the compile cache).
+SQLite transactions make the cache crash-safe (a batch
 is committed whole or not at all) and safe for concurrent processes (WAL journal, busy
 timeout). A re-run embeds nothing twice.
 
@@ -58,7 +59,7 @@ DEFAULT_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_BATCH_SIZE = 64
 #: Environment variable naming the cache root, and the root when it is unset.
 CACHE_ENV = "RMM_JAX_CACHE"
-DEFAULT_CACHE_ROOT = "~/.cache/rmm-jax/embeddings"
+DEFAULT_CACHE_ROOT = "$XDG_CACHE_HOME/rmm-jax/embeddings (~/.cache when unset)"
 _PACKAGED_ID = f"sentence-transformers/{DEFAULT_MODEL}"
 _PACKAGED_ALIASES = {DEFAULT_MODEL, _PACKAGED_ID}
 
@@ -101,8 +102,12 @@ def _shared_model(key, load):
 
 
 def default_cache_root() -> Path:
-    """``$RMM_JAX_CACHE`` if set, else ``~/.cache/rmm-jax/embeddings``."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
+    """``$RMM_JAX_CACHE`` if set, else ``$XDG_CACHE_HOME/rmm-jax/embeddings``, ``~/.cache``
+    standing for an unset ``$XDG_CACHE_HOME`` (where the compile cache goes too; it was
+    ignored here)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rmm-jax" / "embeddings"
 
 
 def model_slug(model_id: str) -> str:
@@ -262,7 +267,7 @@ class Embedder:
       model: model name or local directory. ``"all-MiniLM-L6-v2"`` and
         ``"sentence-transformers/all-MiniLM-L6-v2"`` load the packaged offline copy.
       cache_dir: cache root (a ``<model-slug>/`` directory is made inside it); default
-        ``$RMM_JAX_CACHE`` or ``~/.cache/rmm-jax/embeddings``.
+        :func:`default_cache_root`.
       batch_size: texts per model call.
       progress: show a tqdm bar on stderr while it is a terminal.
       device: torch device, ``"cpu"`` unless told otherwise.
