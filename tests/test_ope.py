@@ -609,7 +609,8 @@ def test_rollback_hint_only_for_a_reliable_estimate_below_the_logged_value(capsy
     monkeypatch.setattr(cli_evaluate, "rollback_hint", lambda ps, policies: "HINT: roll back")
     code, out, err = evaluate(capsys, ope_env, "--tau", 0.08)                    # near the logging policy
     assert code == 0 and "HINT" not in err, err
-    assert "verdict: do not ship: not shown better, nor worse; serving them on is the team's call (snips" in out
+    assert ("verdict: do not ship: not shown better, nor worse; `rerank` serves them already when a replay made them "
+            "current: keeping them or `rmm-jax policies rollback` is the team's call (snips") in out
     code, out, err = evaluate(capsys, ope_env, "--tau", 0.08, "--json")
     v = strict_json(out)["verdict"]
     assert code == 0 and v["reliable"] and v["gain"]["ci95"][0] < 0 < v["gain"]["ci95"][1] and not v["worse"], v

@@ -196,7 +196,8 @@ def decision(v: dict) -> str:
     if v.get("log_problem"):
         return "do not ship: the log cannot judge these policies"
     if v["reliable"] and not v["worse"]:        # the interval contains 0: no rollback proposed
-        return "do not ship: not shown better, nor worse; serving them on is the team's call"
+        return ("do not ship: not shown better, nor worse; `rerank` serves them already when a replay made them "
+                "current: keeping them or `rmm-jax policies rollback` is the team's call")
     return "do not ship"
 
 
