@@ -1006,7 +1006,7 @@ def test_report_entry_clamps_and_cuts_and_verdict_judges_range():
     row = report_entry(out, [reason], (0.0, 1.0))
     assert row["value"] is None and row["ci95"] is None and row["reason"] == reason
     assert verdict(dict(est, ess=29.9), min_ess=30) == ["ESS 29.9 of 50 calls < 30"]
-    assert verdict(dict(est, ess=29.95), min_ess=30) == ["ESS 29.9 of 50 calls < 30"]   # not "30.0 ... < 30"
+    assert verdict(dict(est, ess=29.96), min_ess=30) == ["ESS 29.9 of 50 calls < 30"]   # not "30.0 ... < 30"
     assert verdict(dict(est, ess=30.0), min_ess=30) == []
     assert verdict(dict(est, weight_mean=1.09, weight_mean_se=0.001)) == []              # within 0.1
     assert verdict(dict(est, weight_mean=1.5, weight_mean_se=0.2)) == []                 # within 3.29 s.e.

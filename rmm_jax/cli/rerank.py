@@ -1,6 +1,7 @@
 """``rmm-jax rerank``: serve stored policies on a file of calls."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import sys
@@ -30,6 +31,7 @@ from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_batches, serve_calls
 from rmm_jax.persist.atomic import atomic_file
+from rmm_jax.persist.policy_header import STORE_FILE
 from rmm_jax.persist.policy_rollback import StoreNotes, store_notes
 
 
@@ -44,11 +46,14 @@ def nearby_policy_store(path) -> str | None:
     path, or None."""
     p = Path(path)
     try:
-        siblings = [q.name for q in p.parent.iterdir() if (q / "policy_store.json").is_file()]
+        names = [q.name for q in p.parent.iterdir()]
     except OSError:
         return None
-    close = difflib.get_close_matches(p.name, siblings, n=1, cutoff=0.8)
-    return str(p.parent / close[0]) if close else None
+    for name in difflib.get_close_matches(p.name, names, n=5, cutoff=0.8):    # names first: a stat for few
+        with contextlib.suppress(OSError):
+            if (p.parent / name / STORE_FILE).is_file():
+                return str(p.parent / name)
+    return None
 
 
 @cli.command()

@@ -57,9 +57,10 @@ QUIET: ContextVar[bool] = ContextVar("rmm_jax_quiet", default=False)
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 #: Texts per model call.
 DEFAULT_BATCH_SIZE = 64
-#: Environment variable naming the cache root, and the root when it is unset.
+#: Environment variable naming the cache root, and where the root is when it is unset, in words
+#: (:func:`default_cache_root` resolves it).
 CACHE_ENV = "RMM_JAX_CACHE"
-DEFAULT_CACHE_ROOT = "$XDG_CACHE_HOME/rmm-jax/embeddings (~/.cache when unset)"
+DEFAULT_CACHE_ROOT = "$XDG_CACHE_HOME/rmm-jax/embeddings, else ~/.cache/rmm-jax/embeddings"
 _PACKAGED_ID = f"sentence-transformers/{DEFAULT_MODEL}"
 _PACKAGED_ALIASES = {DEFAULT_MODEL, _PACKAGED_ID}
 

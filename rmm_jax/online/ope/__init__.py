@@ -151,6 +151,7 @@ from rmm_jax.online.ope._estimators import (
     SLATE_ONLY,
     WEIGHT_MEAN_TOL,
     WEIGHT_MEAN_Z,
+    ess_below,
     estimate,
     estimator_weights,
     heavy_tailed,
@@ -190,6 +191,7 @@ from rmm_jax.online.ope._report import (
 )
 
 __all__ = [
+    "ess_below",
     "Calls", "DEFAULT_MIN_ESS", "Target", "ESTIMATORS", "METRICS", "MetricRewards", "call_problems", "estimate",
     "cited_recall", "decision", "estimator_weights", "empty_report", "evaluate_calls", "evaluate_log", "load_calls",
     "prefix_log_probs",

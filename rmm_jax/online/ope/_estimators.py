@@ -208,6 +208,18 @@ def _estimate(name: str, weights, rewards, *, clip: float | None = None, bootstr
     return {"value": value, "ci95": [float(lo), float(hi)], "se": se, "ess": ess, **out}
 
 
+def ess_below(ess: float, bound: float) -> str:
+    """An ESS below ``bound`` to one decimal, as a line that says it is below shows it: rounded
+    down where rounding to nearest would reach the bound (29.96 read "ESS 30.0 of 36 calls < 30").
+
+    >>> from rmm_jax.online.ope import ess_below
+    >>> ess_below(29.96, 30), ess_below(29.94, 30), ess_below(47.99999999, 48.5)
+    ('29.9', '29.9', '48.0')
+    """
+    shown = f"{ess:.1f}"
+    return shown if float(shown) < bound else f"{math.floor(ess * 10) / 10:.1f}"
+
+
 def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_ess: float = 0.0,
             problems: Sequence[str] = ()) -> list[str]:
     """Why the estimate :func:`estimate` returned is unreliable: one short reason per
@@ -226,8 +238,8 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
     if not (math.isfinite(value) and math.isfinite(lo) and math.isfinite(hi)):
         return reasons + ["not finite: the weighted sums overflow float64"]
     ess = est.get("ess")
-    if ess is not None and ess < min_ess:   # rounded down: 29.95 read "ESS 30.0 of 36 calls < 30"
-        reasons.append(f"ESS {math.floor(ess * 10 + 1e-6) / 10:.1f} of {n} calls < {min_ess:g}")
+    if ess is not None and ess < min_ess:
+        reasons.append(f"ESS {ess_below(ess, min_ess)} of {n} calls < {min_ess:g}")
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
     if mean is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
         reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}), not 1: " + (

@@ -30,6 +30,7 @@ from rmm_jax.online.ope._estimators import (
     SLATE_ONLY,
     _estimate,
     _weight_mean_allowance,
+    ess_below,
     estimator_weights,
     heavy_tailed,
     report_entry,
@@ -473,8 +474,8 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         low_cause = log_cause(res["estimates"][metric][name], min_ess, logits_checked=checked)
         advice = (f"{low_cause.why}: {low_cause.fix}" if low_cause else
                   low_ess_advice(res["estimates"][metric][name], min_ess, clip))
-        warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest {ess:.1f} of "
-                        f"{n} calls, {name} on {metric}); {advice}")
+        warnings.append(f"effective sample size below {min_ess:g} for {len(low)} estimates (lowest "
+                        f"{ess_below(ess, min_ess)} of {n} calls, {name} on {metric}); {advice}")
     if clip is not None:
         n_clipped = {name: est.get("clipped", 0) for name, est in next(iter(res["estimates"].values())).items()
                      if name not in ("logged", "direct")}
