@@ -1215,3 +1215,16 @@ def test_a_mistyped_policy_store_on_rerank_names_the_one_beside_it(capsys, tmp_p
     assert f"no policy store at {tmp_path / 'polices'} (did you mean {pol}?): serving the identity reranker" in err
     _, err = served(capsys, tmp_path, store, "--policies", tmp_path / "elsewhere", name="b.jsonl")
     assert f"no policy store at {tmp_path / 'elsewhere'}: serving the identity reranker" in err
+
+
+def test_a_change_of_setting_refused_later_is_not_said_to_have_happened(capsys, tmp_path, store):
+    """A simulate run given --change-setting but refused afterwards (its questions learned
+    already) printed "learning setting of P changed (--change-setting): ..." before its error,
+    though nothing changed: the refusal is the only line, and the store records the old setting."""
+    pol = tmp_path / "p"
+    sim = ["simulate", store, "--policies", pol, *ONLINE, "--queries", ":4"]
+    assert run_cli(capsys, *sim)[0] == 0
+    code, out, err = run_cli(capsys, *sim, "--lr", "1e-3", "--change-setting")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "changed" not in err, err
+    assert "is learned" in err and json.loads((pol / "policy_store.json").read_text())["setting"]["optimizer"]["lr"] \
+        == rj.preset("default").optimizer.lr

@@ -174,7 +174,6 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     asked = check_users(st, users)
     created = writer and not Path(policies).exists()
     ps = open_policies(policies, st, setting.layout, init, opts["seed"], keep=keep, writer=writer)
-    note_setting(ls, given, policies)
     options = online_options(opts, given, **{"--init": init, "--citations": citations,
                                       "--precision": precision if overridden else None,
                                       "--recall": cite_recall if overridden else None,
@@ -197,6 +196,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                     if query_range or e.where != "--queries":
                         raise
                     raise InputError(e.message, where=f"--policies {policies}") from None
+            note_setting(ls, given, policies)      # after the last refusal: a refused run changed nothing
             note = continue_note(ps, start, run_ids, afresh=afresh and rs_fresh(rs),
                                  created=created) if writer else None
             result = run_and_save(chunks, len(run_ids), make_run(*setting, cite_fn=cite), start, ps, rs,
