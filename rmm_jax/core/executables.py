@@ -27,8 +27,8 @@ cache holds it only if this version of rmm-jax compiled it before (and its entry
 was then deleted). A process keeps what it loaded in memory.
 
 Where: beside the compilation cache's directory, its name followed by ``-executables``
-(``~/.cache/rmm-jax/jax-executables`` by default), and only while that cache is on
-(:func:`rmm_jax.online.compile_cache.setup` calls :func:`use`), on one device in one
+(``$XDG_CACHE_HOME/rmm-jax/jax-executables``, else ``~/.cache/rmm-jax/jax-executables``), and
+only while that cache is on (:func:`rmm_jax.online.compile_cache.setup` calls :func:`use`), on one device in one
 process; otherwise an :func:`aot` function is its ``jax.jit``. Like any compilation
 cache it holds code to run: keep it where only you can write.
 
