@@ -57,16 +57,16 @@ def check_scope(ps, layout, path) -> None:
         raise InputError(f"policy store {path} {bad[1]}", where=bad[0])
 
 
-def resolve_init(path, init: str | None, resume: bool = False, *, as_interrupted: bool = False) -> str:
-    """``--init`` as given, else as the interrupted run at ``path`` resolved it (``resume``; or
-    ``as_interrupted``: ``simulate``, which never starts an interrupted run again, so the same
-    command run again after Ctrl-C resolves it the same though that run created the store,
-    and is told to ``--resume``, not that its ``--init`` differs), else ``continue`` when the
-    policy store exists, ``identity`` when not. (``replay`` run again starts its interrupted
-    night again, continuing what it saved: ``continue``.)"""
+def resolve_init(path, init: str | None, as_interrupted: bool = False) -> str:
+    """``--init`` as given, else, ``as_interrupted``, as the interrupted run at ``path``
+    resolved it (``--resume``; and ``simulate`` always, which never starts an interrupted run
+    again: the same command run again after Ctrl-C resolves it the same though that run
+    created the store, and is told to ``--resume``, not that its ``--init`` differs), else
+    ``continue`` when the policy store exists, ``identity`` when not. (``replay`` run again
+    without ``--resume`` starts its interrupted night again, continuing what it saved.)"""
     if init:
         return init
-    before = RunState.interrupted_fingerprint(path) if resume or as_interrupted else None
+    before = RunState.interrupted_fingerprint(path) if as_interrupted else None
     if before and before.get("--init") in INITS:
         return before["--init"]
     return "continue" if Path(path).exists() else "identity"

@@ -191,7 +191,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         k, m = k_m_without_log(given.k, given.m)          # but the options are checked as on a day with calls
         ls = check_options(policies, st, given._replace(k=k, m=m, scope=scope, rank=rank), change_setting, resume,
                            plot_path)
-        init = resolve_init(policies, init, resume)
+        init = resolve_init(policies, init, as_interrupted=resume)
         check_start(policies, st, ls.setting.layout, init)
         return quiet_day(st, log_path, policies, init, relearn, plot_path, as_json)
     known = known_ids(st)
@@ -204,7 +204,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     scope, rank = setting.layout.scope   # as resolved: the run-state fingerprint compares them
     given = given._replace(k=k, m=m, scope=scope, rank=rank)
     afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
-    init = resolve_init(policies, init, resume)   # before the processes meet: process 0 may create the store
+    # before the processes meet (process 0 may create the store)
+    init = resolve_init(policies, init, as_interrupted=resume)
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     # Pass 1 validates the whole log (bounded memory) so that nothing is written for a

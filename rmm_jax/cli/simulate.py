@@ -163,7 +163,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                          where="--resume")
     afresh = init in ("identity", "pretrained") and not resume    # given: a note if it drops saved users
     # before the processes meet (process 0 may create the store)
-    init = resolve_init(policies, init, resume, as_interrupted=True)
+    init = resolve_init(policies, init, as_interrupted=True)
     mesh = start_distributed(opts, users_per_chunk=users_per_chunk, resume=resume)
     writer = is_writer()
     st = open_store(store)

@@ -142,8 +142,7 @@ class PolicyIndex:
     # ---- open / create / build
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, readonly: bool = True, any_thread: bool = False,
-             _tries: int = 5) -> "PolicyIndex":
+    def open(cls, path: str | os.PathLike, *, readonly: bool = True, any_thread: bool = False) -> "PolicyIndex":
         """Open an existing index file; :class:`IndexUnavailable` if it is missing, not
         an index of this schema, or cannot be opened. ``any_thread``: another thread may use
         or close it (the caller makes sure no two threads use it at once)."""
@@ -151,27 +150,27 @@ class PolicyIndex:
         if not path.is_file():
             raise IndexUnavailable(f"{path}: missing")
         uri = path.resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
-        try:
-            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                                   check_same_thread=not any_thread)
-        except sqlite3.Error as e:
-            raise IndexUnavailable(f"{path}: cannot open ({e})") from None
-        idx = cls(conn, str(path))
-        if readonly:
+        for _ in range(5):          # a hot journal a writer rolls back meanwhile: the original, again
+            try:
+                conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                       check_same_thread=not any_thread)
+            except sqlite3.Error as e:
+                raise IndexUnavailable(f"{path}: cannot open ({e})") from None
+            idx = cls(conn, str(path))
+            if not readonly:
+                return cls._checked(idx, path, readonly)
             try:
                 conn.execute("SELECT value FROM kv WHERE key = 'schema'").fetchall()
+                return cls._checked(idx, path, readonly)
             except sqlite3.Error as e:
                 idx.close()
                 err = idx._error(e)
                 if not isinstance(err, HotJournal):
                     raise err from None
-                idx = cls._committed_copy(path.resolve(), any_thread)   # the journal is beside the real file
-                if idx is None:          # a writer rolled the journal back meanwhile: the original reads
-                    if _tries <= 1:
-                        raise IndexUnavailable(f"{path}: the journal of an interrupted commit kept changing while "
-                                               "it was read") from None
-                    return cls.open(path, readonly=True, any_thread=any_thread, _tries=_tries - 1)
-        return cls._checked(idx, path, readonly)
+            copy = cls._committed_copy(path.resolve(), any_thread)      # the journal is beside the real file
+            if copy is not None:
+                return cls._checked(copy, path, readonly)
+        raise IndexUnavailable(f"{path}: the journal of an interrupted commit kept changing while it was read")
 
     @classmethod
     def _committed_copy(cls, path: Path, any_thread: bool) -> "PolicyIndex | None":
@@ -188,27 +187,23 @@ class PolicyIndex:
         original again."""
         tmp = tempfile.TemporaryDirectory(prefix="rmm-index-")
         journal, db = sidecar_files(path)[2], Path(tmp.name) / path.name
+        stamp = _stamp(path)
         try:
-            stamp = _stamp(path)
-            if stamp[1] is None:
-                tmp.cleanup()
-                return None
-            shutil.copyfile(path, db)
-            shutil.copyfile(journal, sidecar_files(db)[2])
-            if stamp != _stamp(path):
-                tmp.cleanup()
-                return None
-            conn = sqlite3.connect(str(db), timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                                   check_same_thread=not any_thread)
+            if stamp[1] is not None:
+                shutil.copyfile(path, db)
+                shutil.copyfile(journal, sidecar_files(db)[2])
+                if stamp == _stamp(path):
+                    idx = cls(sqlite3.connect(str(db), timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                              check_same_thread=not any_thread), str(path))
+                    idx._copy, idx._copied = tmp, stamp
+                    return idx
         except FileNotFoundError:           # the journal went while copied: rolled back
-            tmp.cleanup()
-            return None
+            pass
         except (OSError, sqlite3.Error) as e:
             tmp.cleanup()
             raise IndexUnavailable(f"{path}: cannot read past its interrupted commit ({e})") from None
-        idx = cls(conn, str(path))
-        idx._copy, idx._copied = tmp, stamp
-        return idx
+        tmp.cleanup()
+        return None
 
     def stale(self) -> bool:
         """Whether this is a :meth:`_committed_copy` whose original has changed since (its
