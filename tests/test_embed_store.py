@@ -691,8 +691,8 @@ def test_the_progress_lines_say_1_user_not_1_users(tmp_path):
 
 def test_a_cache_of_another_dimension_names_what_the_caller_can_change(tmp_path, monkeypatch):
     """A cache that records another dimension for the model: the Embedder's error named the
-    CLI's --cache-dir to a Python caller, and to rerank, replay and evaluate, which have no
-    such option (their cache root is $RMM_JAX_CACHE). Each now names what its caller gives."""
+    CLI's --cache-dir to a Python caller, and to rerank, replay and evaluate run without
+    --cache-dir (their cache root is then $RMM_JAX_CACHE). Each now names what its caller gives."""
     model_id = E._resolve("all-MiniLM-L6-v2")[1]
     E._Cache(tmp_path / E.model_slug(model_id), model_id, 8).close()        # recorded: dim 8, not 384
     for words, fix in (({}, "use another cache_dir"), ({"cache_dir": "--cache-dir"}, "use another --cache-dir")):

@@ -679,6 +679,41 @@ def test_embed_bad_chat_history_writes_nothing(capsys, tmp_path):
     assert not (tmp_path / "s2").exists()
 
 
+def test_cache_dir_roots_every_verb_that_embeds(capsys, tmp_path, monkeypatch):
+    """rerank, replay and evaluate embed the texts a store lacks (a day's new questions), and
+    only embed took --cache-dir: a team keeping its cache elsewhere had to set $RMM_JAX_CACHE.
+    Each takes it now, over the variable (whose root here cannot be made); one that cannot be
+    made is one line naming it, and writes nothing."""
+    from rmm_jax.data.embed import model_slug
+
+    store = tmp_path / "chats"
+    code, _, err = run_cli(capsys, "embed", f"jsonl:{CHATS}", "--out", store, "-q")
+    assert code == 0, err
+    recs = [json.loads(line) for line in CALLS.read_text().splitlines()]
+    for r in recs:                                # questions the store has never seen
+        r["query_id"], r["query"] = "new-" + r["query_id"], r["query"] + " Asked again on day two."
+    log, calls = tmp_path / "day2.jsonl", tmp_path / "calls.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    calls.write_text("".join(json.dumps({"user_id": r["user_id"], "query": r["query"],
+                                         "candidate_texts": [c["text"] for c in r["candidates"]]}) + "\n"
+                             for r in recs))
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("RMM_JAX_CACHE", str(tmp_path / "afile" / "env-cache"))
+    bad, own, pol = tmp_path / "afile" / "cache", tmp_path / "own", tmp_path / "policies"
+    verbs = (["rerank", store, "--calls", calls, "--out", tmp_path / "served.jsonl"],
+             ["replay", store, "--log", log, "--policies", pol],
+             ["evaluate", store, "--log", log, "--policies", pol, "--allow-unreliable"])
+    for argv in verbs:
+        code, out, err = run_cli(capsys, *argv, "--cache-dir", bad, "-q")
+        one_line_error(code, out, err, f"--cache-dir {bad}: cannot write")
+        assert (tmp_path / "served.jsonl").exists() == (argv[0] != "rerank") and pol.exists() == (argv[0] == "evaluate")
+        code, out, err = run_cli(capsys, *argv, "--cache-dir", own, "-q")
+        assert code == 0, err
+        assert (own / model_slug(MODEL_ID)).is_dir()
+    served = [json.loads(line) for line in (tmp_path / "served.jsonl").read_text().splitlines()]
+    assert [s["query"] for s in served] == [r["query"] for r in recs]
+
+
 def test_walkthrough_log_to_store_replay_evaluate(capsys, tmp_path, cache_dir):
     """A generator-call log alone → a store (embedded through the cache) → replay → evaluate."""
     store, own = tmp_path / "calls_store", ["--cache-dir", tmp_path / "own-cache"]

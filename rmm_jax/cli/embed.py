@@ -11,6 +11,7 @@ from rmm_jax.cli.shell import (
     FloatRange,
     IntRange,
     as_options,
+    cache_dir_option,
     check_output_dir,
     check_writable,
     count,
@@ -23,9 +24,7 @@ from rmm_jax.cli.shell import (
 )
 from rmm_jax.data import load_spec
 from rmm_jax.data.embed import (
-    CACHE_ENV,
     DEFAULT_BATCH_SIZE,
-    DEFAULT_CACHE_ROOT,
     DEFAULT_MODEL,
     Embedder,
     model_id,
@@ -81,9 +80,7 @@ MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embed
               default=DEFAULT_MERGE_THRESHOLD,
               help="segment: a segment merges into the most similar existing memory when "
                    "their cosine exceeds this.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              show_default=f"${CACHE_ENV} or {DEFAULT_CACHE_ROOT}",
-              help="Embedding cache root; one sub-directory per model.")
+@cache_dir_option
 @click.option("--batch-size", type=IntRange(min=1), default=DEFAULT_BATCH_SIZE,
               help="Texts per model call.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the embedding cache.")

@@ -18,6 +18,7 @@ from rmm_jax.cli.shell import (
     SEED,
     TWICE,
     as_options,
+    cache_dir_option,
     check_input_file,
     check_output_file,
     count,
@@ -54,7 +55,7 @@ from rmm_jax.online.streams import log_shape
 from rmm_jax.persist.policy_rollback import newest_run, store_notes
 
 # evaluate_log's arguments that are this command's options: their errors name the option
-OPTIONS = ("clip", "bootstrap", "min_ess", "users")
+OPTIONS = ("clip", "bootstrap", "min_ess", "users", "cache_dir")
 LABELS = {"cited": "cited memories per call", "cite_rate": "cite rate of the shown memories",
           "recall": "Recall@M of the shown memories (calls with gold)"}
 EXIT_UNRELIABLE = 3
@@ -101,6 +102,7 @@ def _row(name: str, est: dict) -> str:
 @png_option("Also write a PNG: per metric, every estimate with its 95% interval, the logged value as a reference "
             "line, each unreliable estimate as a hatched column labelled 'unreliable', with no value; below, each "
             "estimate's paired gain over the logging policy; the verdict in the title.")
+@cache_dir_option
 @quiet_option
 @json_option("the report", "store, policies, log, users, calls, k, m, tau, clip, min_ess, bootstrap, seed, "
              "estimators, estimates (per metric, per estimator), ranges, marginals, cited_recall, unreliable, "
@@ -111,7 +113,7 @@ def _row(name: str, est: dict) -> str:
              "unfinished_run (null, or the run that has not finished writing POLICIES, whose mix of versions was "
              "evaluated: command, state, note)")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
-             mc_samples, seed, skip_invalid, plot_path, as_json):
+             mc_samples, seed, skip_invalid, plot_path, cache_dir, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
 
     Every record's selection was drawn by the logging policy with probability
@@ -121,8 +123,10 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     Recall@M. Estimators: ips, snips; with per-candidate `logits` in the log also rips
     (reward-interaction), snrips and iips (independent, per-slot marginals). Each comes
     with a bootstrap 95% interval and its effective sample size (ESS); `logged` is the
-    logging policy's own value. Nothing is written but --plot. --k and --m default to the
-    log's: every record lists K candidates (or all of its user's memories, when fewer) and
+    logging policy's own value. A query or memory that STORE lacks is embedded from the
+    record's text with STORE's model through the embedding cache (--cache-dir);
+    nothing is written but that cache and --plot. --k and --m default to the log's:
+    every record lists K candidates (or all of its user's memories, when fewer) and
     shows M memories (or all its candidates, when fewer); given, they must agree with it.
 
     An estimate is UNRELIABLE, printed as `unreliable (reason)` with no number
@@ -218,7 +222,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     with as_options(*OPTIONS, "k", "m"):          # its warnings name --k, --m, --clip, --min-ess
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
-                           min_ess=min_ess)
+                           min_ess=min_ess, cache_dir=cache_dir)
     notes = store_notes(ps)
     rep = {"store": str(store), "policies": str(policies), **rep, **notes.doc()}
     log = rep["log"]

@@ -47,6 +47,7 @@ from rmm_jax.cli.shell import (
     FloatRange,
     IntRange,
     as_options,
+    cache_dir_option,
     check_input_file,
     check_output_file,
     emit_json,
@@ -153,12 +154,13 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
 @distributed_options
 @checkpoint_options(16, "updates (batches)")
 @plot_option
+@cache_dir_option
 @quiet_option
 @json_option("the run's summary", "policies, init, setting, config, log (the log read: path, calls, skipped, "
              "...), base (the base retriever on the same calls, per_user among them), online (the run's "
              "prequential measures, per_user among them), curve and cited_curve (learning curves, when measured)")
 def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, relearn, users,
-           users_per_chunk, checkpoint_every, resume, plot_path, as_json, **opts):
+           users_per_chunk, checkpoint_every, resume, plot_path, cache_dir, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
 
     Every record's logged selection and citations drive an update (--preset's loss), in
@@ -168,7 +170,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     started again, with or without --resume, ends where one uninterrupted run would.
     A query or memory that STORE lacks is embedded from the text the
     record carries (`query`, candidates as {"id", "text"}), with STORE's model through
-    the embedding cache; so a day's log of new questions replays as it is. Where a
+    the embedding cache (--cache-dir); so a day's log of new questions replays as it is. Where a
     record carries the behaviour policy's log_prob and the replaying policy differs,
     the update is importance-weighted (ratio clipped at --clip). Replaying a
     `simulate --log-out` log with the same options and seed reproduces its per-user
@@ -217,7 +219,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     grouped, n_users, texts, calls = scan.grouped, scan.users, scan.texts, scan.calls
     user_ids, untimed, replayed = scan.user_ids, scan.untimed_over_window, scan.replayed
     rep = scan.read._asdict()       # the --json `log`: the read report, and the calls learned
-    vectors = embed_texts(texts, st.model, progress=True, desc="new texts")   # what STORE lacks, before any write
+    with as_options("cache_dir"):            # what STORE lacks, before any write
+        vectors = embed_texts(texts, st.model, cache_dir=cache_dir, progress=True, desc="new texts")
     if vectors:
         k_m_note.append(vectors.lacks_note("queries and memories the log carries as text"))
     if vectors.truncated:

@@ -16,6 +16,7 @@ from rmm_jax.cli.shell import (
     SEED,
     IntRange,
     as_options,
+    cache_dir_option,
     check_output_file,
     count,
     emit_json,
@@ -85,6 +86,7 @@ def nearby_policy_store(path) -> str | None:
                    "file, nor a path inside STORE or --policies.")
 @click.option("--cache-users", type=IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
+@cache_dir_option
 @quiet_option
 @json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
              "calls, users, served_by (own_policy: calls served by their user's saved policy; shared: by the "
@@ -92,7 +94,7 @@ def nearby_policy_store(path) -> str | None:
              "policy store), explore, out, seconds, unfinished_run (null, or the run that has not finished writing the "
              "policies: command, state, note), pending_rollback (null, or the note that an interrupted "
              "rollback of --policies is pending: the calls were served by the versions it forgets)")
-def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users, as_json):
+def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users, cache_dir, as_json):
     """Select each call's memories with the user's stored policy.
 
     For every line of --calls, one JSON line in input order: a citation-log record
@@ -113,7 +115,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     Replay recognises a call learned before by its timestamp once the call has left the
     last 512 a policy remembers (docs/reliability.md, "Exactly once").
 
-    Texts are embedded with STORE's model through the embedding cache. A bad call is one
+    Texts are embedded with STORE's model through the embedding cache (--cache-dir). A bad call is one
     error line naming file:line; nothing is written then.
 
     \b
@@ -147,8 +149,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     routine: list[str] = []                       # the texts the store lacked: every day's new questions
     calls = read_calls(calls_path, key_notes)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
-    with as_options("k", "m"):                    # the API names its arguments, the CLI its options
-        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine)
+    with as_options("k", "m", "cache_dir"):       # the API names its arguments, the CLI its options
+        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine, cache_dir=cache_dir)
     if note:                                      # after the calls are checked: an error stays one line
         info(note, must_read=True)
     for line in routine:

@@ -17,7 +17,7 @@ import click
 from click.core import ParameterSource
 
 from rmm_jax.cli import disk_errors
-from rmm_jax.data.embed import QUIET
+from rmm_jax.data.embed import CACHE_ENV, DEFAULT_CACHE_ROOT, QUIET
 from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
 from rmm_jax.errors import InputError, worded
 from rmm_jax.persist.atomic import write_problem
@@ -83,6 +83,15 @@ def quiet_option(f):
         finally:
             QUIET.reset(token)
     return click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)(run)
+
+
+def cache_dir_option(f):
+    """``--cache-dir``, the same on every verb that embeds text (``embed``, and ``rerank``,
+    ``replay`` and ``evaluate`` for the texts a store lacks): the embedding cache's root, given
+    to the verb as ``cache_dir`` (None: ``$RMM_JAX_CACHE``, else the default root)."""
+    return click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                        show_default=f"${CACHE_ENV} or {DEFAULT_CACHE_ROOT}",
+                        help="Embedding cache root; one sub-directory per model.")(f)
 
 
 def _plain(x):

@@ -267,14 +267,14 @@ def _check_calls(calls, k, m) -> None:
 
 
 def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None,
-                  routine: list | None = None) -> list[Prepared]:
+                  routine: list | None = None, *, cache_dir=None) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
     the base retriever's top ``k``. Every call is checked first (users, ids, ``k`` >= ``m``
     for a call the retriever fills); a call with fewer than ``m`` candidates (listed, or
     a user holding fewer) is prepared as it is, to be served with all of them. Then the
     texts are embedded with the store's model through the embedding cache
-    (:func:`rmm_jax.data.embed.embed_texts`), all at once. An error names ``k`` and
+    (:func:`rmm_jax.data.embed.embed_texts`, rooted at ``cache_dir``), all at once. An error names ``k`` and
     ``m`` as arguments (``m=5``; from ``rmm-jax rerank`` ``--m 5``: :func:`rmm_jax.errors.named`).
     ``notes``, when given, gets the line saying how many texts the model cut
     (:func:`rmm_jax.data.embed.truncation_note`), and ``routine`` the one saying how many texts
@@ -309,7 +309,7 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
             # that lists fewer than m, or whose user holds fewer, is served with all its candidates
             raise InputError(f"{named('m', m)} is more than this call's {n} candidates "
                              f"(the retriever's top {named('k', k)})", where=at(path, c.line))
-    vecs = embed_texts(texts, store.model, progress=True, desc="new texts")   # as replay and evaluate: a bar
+    vecs = embed_texts(texts, store.model, cache_dir=cache_dir, progress=True, desc="new texts")   # a bar, as replay
     if notes is not None and vecs.truncated:
         notes.append(vecs.truncated)
     lacks = vecs.lacks_note("queries and candidates the calls carry as text")

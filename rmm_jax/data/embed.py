@@ -529,11 +529,13 @@ class EmbeddedTexts(dict):
                 f"{lacks}: {cached} from the embedding cache, {self.embedded} embedded")
 
 
-def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embedding") -> EmbeddedTexts:
+def embed_texts(texts, model: str, *, cache_dir=None, progress: bool = False,
+                desc: str = "embedding") -> EmbeddedTexts:
     """Every distinct text of ``texts`` -> its embedding with ``model`` (an embedding
     store's ``model``), through the disk cache: how ``replay``, ``evaluate`` and ``rerank``
     embed the query and memory texts a store lacks. The model is loaded only when there
-    is text to embed (and the cache is the default one, ``$RMM_JAX_CACHE``).
+    is text to embed. ``cache_dir`` is the cache root, as :class:`Embedder`'s (their
+    ``--cache-dir``); None: ``$RMM_JAX_CACHE``, else the default root.
 
     >>> from rmm_jax.data.embed import embed_texts
     >>> embed_texts([], "all-MiniLM-L6-v2")       # nothing to embed: no model loaded
@@ -551,8 +553,9 @@ def embed_texts(texts, model: str, *, progress: bool = False, desc: str = "embed
     distinct = list(dict.fromkeys(texts))
     if not distinct:
         return EmbeddedTexts()
-    with worded({"cache_dir": "$RMM_JAX_CACHE"}):   # no cache_dir here: the root is the variable's
-        emb = Embedder(model.removeprefix("local:"), progress=progress)   # a store records a local model as local:PATH
+    # a store records a local model as local:PATH; without cache_dir the root is the variable's
+    with worded({} if cache_dir is not None else {"cache_dir": f"${CACHE_ENV}"}):
+        emb = Embedder(model.removeprefix("local:"), cache_dir=cache_dir, progress=progress)
     try:
         vecs = emb.encode(distinct, desc=desc)
     finally:

@@ -202,14 +202,15 @@ def rounding_bound(calls: Calls) -> np.ndarray:
 
 
 def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
-               skip_invalid: bool = False, report: dict | None = None) -> Calls:
+               skip_invalid: bool = False, report: dict | None = None, cache_dir=None) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
 
     Each record is validated (schema, ids known to ``store`` or carried as text, the
     ``cfg.k``/``cfg.m`` limits: :func:`rmm_jax.online.streams.check_limits`)
     and must carry the behaviour's ``log_prob`` or ``logits``.
     Queries and memories the store lacks are embedded from the records' texts
-    (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache).
+    (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache rooted at
+    ``cache_dir``: :func:`rmm_jax.data.embed.embed_texts`).
     Every user's target params come from :func:`rmm_jax.online.serve.load_policy` (the
     shared params for users without their own), scored with
     :func:`rmm_jax.core.reranker.score`. ``served_by_target`` marks the calls whose logged
@@ -252,7 +253,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         u = missing[0]
         raise InputError(f"user {u!r} has no record in {log_path}" if store.has_user(u) else
                          f"unknown user id {u!r} (not in STORE, no record in {log_path})", arg="users")
-    vectors = embed_texts(list(texts), store.model, progress=True, desc="new texts")
+    vectors = embed_texts(list(texts), store.model, cache_dir=cache_dir, progress=True, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
                                                  "valid", "served", "versioned", "err")}

@@ -396,7 +396,7 @@ def empty_report(log_path, reason: str, *, tau: float, k: int, m: int, clip: flo
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
-                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS) -> dict:
+                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS, cache_dir=None) -> dict:
     """Off-policy estimates of the policies in ``policies`` (a
     :class:`~rmm_jax.persist.policy_store.PolicyStore`) from the calls logged in
     ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints.
@@ -417,10 +417,11 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     ``learned_calls``: how many of the calls the policies learned from
     (:func:`learned_calls`). The warnings and errors name ``clip``, ``min_ess`` and the layout's
     ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
-    :func:`rmm_jax.errors.named`)."""
+    :func:`rmm_jax.errors.named`). ``cache_dir``: the root of the embedding cache through which the
+    log's texts are embedded (:func:`load_calls`)."""
     check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples)
-    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid)
+    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, cache_dir=cache_dir)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples, min_ess=min_ess)
     scope = Scope.from_meta(getattr(policies, "meta", None) or {})
