@@ -44,6 +44,21 @@ def state_of(seed, kind="linear", d=8) -> UserState:
     return UserState(p, o, learner_of(seed))
 
 
+def state_for(seed, scope: str = "user", d=8, rank=2) -> UserState:
+    """A user's policy holding the part ``scope`` keeps per user (what a save in a store of
+    that scope takes): ``state_of`` in ``user``, standard-normal low-rank factors of ``rank``
+    in ``hybrid``, no params in ``shared``; each with Adam moments (count 1) and a learner state."""
+    if scope == "user":
+        return state_of(seed, d=d)
+    rng = np.random.default_rng(seed)
+    p = {} if scope == "shared" else {
+        a: {"lora": {f: rng.standard_normal((d, rank)).astype(np.float32) for f in "ab"}}
+        for a in ("q_adapter", "m_adapter")}
+    opt = optax.adam(1e-3)
+    _, o = opt.update(jax.tree_util.tree_map(lambda x: x + 1, p), opt.init(p), p)
+    return UserState(p, o, learner_of(seed))
+
+
 def info_of(seed) -> dict:
     """The info saved with ``state_of(seed)``: ``{"queries_seen": seed, "seed": seed}``."""
     return {"queries_seen": int(seed), "seed": int(seed)}
@@ -57,8 +72,9 @@ def stacked(states) -> UserState:
 
 
 def save_seeds(store, seeds: dict, **kw) -> int:
-    """Save users ``{user: seed}`` (``state_of(seed)``, ``info_of(seed)``) as one version."""
-    return store.save(list(seeds), stacked([state_of(s) for s in seeds.values()]),
+    """Save users ``{user: seed}`` (``state_for(seed)`` of the store's scope, ``info_of(seed)``) as one
+    version."""
+    return store.save(list(seeds), stacked([state_for(s, store.scope.name) for s in seeds.values()]),
                       [info_of(s) for s in seeds.values()], **kw)
 
 

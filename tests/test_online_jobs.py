@@ -2,6 +2,7 @@
 pretraining learns, and the CLI chain embed → pretrain → simulate → replay holds."""
 import dataclasses
 import json
+import re
 import threading
 import time
 
@@ -158,6 +159,30 @@ def test_a_program_that_does_not_fit_its_streams_or_a_flat_list_of_streams_is_re
     with pytest.raises(ValueError, match=r"^chunks: expected chunks .* got a Stream: drive\(\[streams\], \.\.\.\)"):
         run(streams, SIM)
     assert [type(e).__name__ for e in run([logged], REPLAY)][-1] == "ChunkDone"
+
+
+@pytest.mark.parametrize("stored, given, says", [
+    (dict(), dict(scope="hybrid", rank=2), "scope is 'hybrid' (rank 2), the policy store's is 'user'"),
+    (dict(scope="hybrid", rank=2), dict(), "scope is 'user', the policy store's is 'hybrid' (rank 2)"),
+    (dict(scope="hybrid", rank=2), dict(scope="hybrid", rank=3), "scope is 'hybrid' (rank 3), the policy store's is "
+                                                                 "'hybrid' (rank 2)"),
+    (dict(), dict(kind="mlp", hidden=8), "reranker is mlp (hidden 8), the policy store's is linear")])
+def test_open_run_refuses_a_program_of_another_layout_than_its_store(store, tmp_path, stored, given, says):
+    """open_run took a program of another scope or kind than its policy store: a hybrid
+    program's factors were saved in a user-scope store (which then failed at every load), an
+    mlp program's params in a linear store, and a user-scope program in a hybrid store ran a
+    whole chunk before its save was refused. Each is refused by name before any work."""
+    from rmm_jax.online.session import Start, create_policies, open_run
+
+    streams = load_streams(store, CFG.k)
+    p0 = rj.init_reranker(jax.random.key(0), store.dim)
+    ps = create_policies(tmp_path / "p", rj.preset("default", k=CFG.k, m=CFG.m, **stored).layout, store.dim, p0,
+                         config={})
+    program = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, **given), cite_fn=oracle_cite)
+    with pytest.raises(InputError, match=rf"^program: the program's {re.escape(says)} "):
+        with open_run([streams], program, Start(p0), ps, None, seed=0, users_per_chunk=2, checkpoint_every=0) as run:
+            list(run)
+    assert ps.n_users() == 0 and ps.shared_versions() == [1]
 
 
 def test_run_online_and_drive_refuse_a_bad_seed_chunk_size_stream_or_m_by_name_before_any_work(store, tmp_path):

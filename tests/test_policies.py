@@ -27,6 +27,7 @@ from helpers import (
     params_of,
     save_seeds,
     stacked,
+    state_for,
     state_of,
 )
 
@@ -349,8 +350,8 @@ def test_a_shared_part_of_no_arrays_saves_verifies_and_pairs(tmp_path):
     fail on a zero-length read buffer)."""
     st = PolicyStore.create(tmp_path / "store", {**META, "scope": "hybrid", "rank": 2}, {})
     assert st.shared_state().state.params == {}
-    save_one(st, "u", state_of(3), shared_version=1)
-    assert_policy(PolicyStore.open(st.path).load("u"), state_of(3))
+    save_one(st, "u", state_for(3, "hybrid"), shared_version=1)
+    assert_policy(PolicyStore.open(st.path).load("u"), state_for(3, "hybrid"))
     assert verify_snapshot(st.path / "shared" / "v00000001", "c0000") is None
 
 
@@ -432,9 +433,37 @@ def test_params_of_another_embedding_size_are_refused_before_anything_is_written
     assert sorted(p.relative_to(st.path) for p in st.path.rglob("*") if p.name != ".lock") == \
         [p for p in before if p.name != ".lock"]
     assert st.users() == ["u"] and st.shared_versions() == [1]
-    ok = UserState({"q_adapter": {"lora": {"a": np.zeros((1, D, 2)), "b": np.zeros((1, D, 2))}}}, {}, {})
-    st.save(["lr"], ok)                               # what is there is checked: factors of size d, no W
-    st.save(["empty"], UserState({}, {}, {}))         # shared-scope users: no params of their own
+    st.save(["empty"], UserState({}, {}, {}))         # what is there is checked: nothing is there
+
+
+def test_a_save_holds_what_the_stores_scope_keeps_per_user(tmp_path):
+    """A whole reranker saved in a hybrid store was stored and served as the shared part alone
+    (the merge keeps the shared kernel; scores [0.354 0.354 0.354 0.354] where the user's own
+    gave [0.308 0.260 0.921 0.543]), and low-rank factors saved in a user store failed at every
+    load. A save holds what its scope keeps per user, or is refused naming ``state`` with
+    nothing written; factors of another rank than a hybrid store's too."""
+    stores = {scope: PolicyStore.create(tmp_path / scope, {**META, **({"scope": scope} if scope != "user" else {}),
+                                                          **({"rank": 2} if scope == "hybrid" else {})},
+                                        params_of(0))
+              for scope in ("user", "shared", "hybrid")}
+    wrong = {"user": [("hybrid", r"scope 'user' keeps no low-rank factors \(m_adapter/lora/a\)")],
+             "shared": [("user", r"scope 'shared' keeps no params per user \(the shared part is save_shared's\), "
+                                 r"not a reranker's own params \(m_adapter/W/kernel\)"),
+                        ("hybrid", r"scope 'shared' keeps no low-rank factors")],
+             "hybrid": [("user", r"scope 'hybrid' keeps each user's low-rank factors \(rmm_jax.init_lowrank\), not a "
+                                 r"reranker's own params \(m_adapter/W/kernel\)")]}
+    for scope, st in stores.items():
+        before = sorted(p.relative_to(st.path) for p in st.path.rglob("*") if p.name != ".lock")
+        for other, msg in wrong[scope]:
+            with pytest.raises(InputError, match=rf"^state: {msg}"):
+                st.save(["x"], stacked([state_for(1, other)]), shared_version=1 if st.paired else None)
+        if scope == "hybrid":
+            with pytest.raises(InputError, match=r"^state: low-rank factors of rank 3 \(m_adapter/lora/a has shape "
+                                                 r"\(1, 8, 3\)\), the store's rank is 2$"):
+                st.save(["x"], stacked([state_for(1, "hybrid", rank=3)]), shared_version=1)
+        assert sorted(p.relative_to(st.path) for p in st.path.rglob("*") if p.name != ".lock") == before
+        v = st.save(["x"], stacked([state_for(1, scope)]), shared_version=1 if st.paired else None)
+        assert_policy(PolicyStore.open(st.path).load("x", version=v), state_for(1, scope))
 
 
 def test_load_wait_and_a_deleted_directory_are_named(tmp_path):
@@ -687,7 +716,8 @@ def _check_every_verifying_version(st: PolicyStore):
             for row, uid in enumerate(c["users"]):
                 got = [decode_tree(c["spec"][p], [a[row] for a in leaves[p]])
                        for p in ("params", "opt_state", "learner_state")]
-                assert_policy(Saved(UserState(*got), c["info"][row], 0, None), state_of(c["info"][row]["seed"]))
+                assert_policy(Saved(UserState(*got), c["info"][row], 0, None),
+                              state_for(c["info"][row]["seed"], st.scope.name))
                 n_ok += 1
     for snap in sorted((st.path / "shared").glob("v*")):
         if verify_snapshot(snap) is None:
@@ -718,7 +748,7 @@ def test_sigkill_mid_save_never_leaves_wrong_or_unpaired_versions(tmp_path):
         for uid in reader.users():                   # indexed newest versions load, paired exactly
             pol = reader.load(uid)
             assert pol.skipped == () and len(reader.entries(uid)) == 1
-            assert_policy(pol, state_of(pol.info["seed"]))
+            assert_policy(pol, state_for(pol.info["seed"], "hybrid"))
             shared = reader.shared_state(pol.shared_version)
             assert shared.info["i"] == pol.info["seed"] // 10
             assert_same(shared.state.params, params_of(shared.info["i"] * 10))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 from helpers import TESTS_DIR as TESTS
-from helpers import info_of, params_of, stacked, state_of
+from helpers import info_of, params_of, stacked, state_for, state_of
 
 from rmm_jax.core.config import preset
 from rmm_jax.core.types import SharedState
@@ -42,7 +42,7 @@ def run(st: PolicyStore, chunks: list[dict], shared_seed: int, setting_before=S1
         sv = st.save_shared(SharedState(params_of(shared_seed + i), None), {"source": "online"}) if st.paired \
             else None
         run_rec = {"first_version": first, "setting_before": setting_before} if record_run else None
-        versions.append(st.save(list(seeds), stacked([state_of(s) for s in seeds.values()]),
+        versions.append(st.save(list(seeds), stacked([state_for(s, st.scope.name) for s in seeds.values()]),
                                 [info_of(s) for s in seeds.values()], shared_version=sv, run=run_rec))
     return versions
 
@@ -94,7 +94,7 @@ def test_undoing_the_newest_run_loads_exactly_what_loaded_before_it(tmp_path, sc
         assert set(r.shared) and set(r.shared).isdisjoint(st.shared_versions())
         assert set(st.shared_versions()) <= shared_before
     assert not (st.path / "gens" / f"v{second[0]:08d}").exists()
-    assert st.save(["a"], stacked([state_of(5)]), [info_of(5)],
+    assert st.save(["a"], stacked([state_for(5, st.scope.name)]), [info_of(5)],
                    shared_version=st.learned_shared_version()) > second[-1]   # no number handed out twice
 
 
@@ -117,7 +117,7 @@ def test_a_shared_version_number_is_never_handed_out_again_after_a_rollback(tmp_
     assert r.shared and set(r.shared) <= issued
     nxt = st.save_shared(SharedState(params_of(300), None), {"source": "online"})
     assert nxt > max(issued)
-    rollback(st, to=st.save(["a"], stacked([state_of(7)]), [info_of(7)], shared_version=nxt) - 1)
+    rollback(st, to=st.save(["a"], stacked([state_for(7, st.scope.name)]), [info_of(7)], shared_version=nxt) - 1)
     assert st.save_shared(SharedState(params_of(301), None), {"source": "online"}) > nxt
 
 

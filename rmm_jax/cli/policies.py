@@ -65,7 +65,7 @@ def policies():
     Examples:
       rmm-jax policies list policies                  # users, versions, queries learned from
       rmm-jax policies show policies                  # what loads: shared version, versions kept
-      rmm-jax policies show policies user7            # the version of user7 that loads, and why
+      rmm-jax policies show policies user7            # user7: the version that loads, its shared part, norms
       rmm-jax policies show policies --users user0,user1 --json
       rmm-jax policies export policies user7 --out user7.npz
       rmm-jax policies rollback policies              # evaluate showed it worse: undo the last run
@@ -265,7 +265,7 @@ def show(store, user, users, as_json):
     \b
     Examples:
       rmm-jax policies show policies                  # the store: shared version, versions kept
-      rmm-jax policies show policies user7            # the version of user7 that loads, and why
+      rmm-jax policies show policies user7            # user7: the version that loads, its shared part, norms
     """
     st = PolicyStore.open(store)
     wanted = _user_list(user, users) or []

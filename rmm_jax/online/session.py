@@ -236,6 +236,7 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
         raise InputError(f"expected a Start (rmm_jax.online.session.Start(params)), got a {type(start).__name__}",
                          arg="start")
     check_chunks(chunks)
+    check_program_fits(program, ps)
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions,
@@ -266,6 +267,27 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
             yield run
         finally:       # however the with is left (a break, the caller's error): before the writer is released
             run.close()
+
+
+def check_program_fits(program, ps) -> None:
+    """Refuse a ``program`` whose layout is not the policy store ``ps``'s: another scope or
+    rank, another reranker kind or hidden width (naming ``program``). A hybrid program's
+    factors were saved in a user-scope store, which then failed at every load; an `mlp`
+    program's params in a `linear` store, whose meta still said linear; a user-scope program
+    in a hybrid store ran a whole chunk before a save refused it."""
+    lay, meta = program.layout, ps.meta_info()
+
+    def scope(s):
+        return repr(s.name) + (f" (rank {s.rank})" if s.rank is not None else "")
+
+    def kind(k, hidden):
+        return k + (f" (hidden {hidden})" if hidden is not None else "")
+    if lay.scope != ps.scope:
+        raise InputError(f"the program's scope is {scope(lay.scope)}, the policy store's is {scope(ps.scope)} "
+                         f"({ps.path}): make the program with the store's scope, or create a new store", arg="program")
+    if lay.kind != meta.kind or (meta.kind == "mlp" and meta.hidden is not None and lay.hidden != meta.hidden):
+        raise InputError(f"the program's reranker is {kind(lay.kind, lay.hidden)}, the policy store's is "
+                         f"{kind(meta.kind, meta.hidden)} ({ps.path})", arg="program")
 
 
 def _noted(items, own: list):

@@ -160,6 +160,39 @@ def check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
                                  f"the store's meta hidden is {hidden}", arg=arg)
 
 
+def check_user_params(params, scope: Scope, arg: str) -> None:
+    """Refuse users' ``params`` (a users axis in front) that hold what ``scope`` does not keep
+    per user (:meth:`rmm_jax.core.scope.Scope.split`): a reranker's own leaves (a linear
+    ``W``, an ``mlp``'s layers) in ``shared`` or ``hybrid``, whose users keep none (saved in a
+    ``hybrid`` store, a whole reranker was served as the shared part alone, without a word: the
+    merge keeps the shared kernel), and low-rank factors in ``user`` or ``shared`` (saved in a
+    ``user`` store, they failed at every load) or of another rank than a ``hybrid`` store's.
+    Other leaves are the caller's to choose. Names ``arg``.
+
+    >>> import jax, rmm_jax as rj
+    >>> from rmm_jax.persist.policy_checks import check_user_params
+    >>> check_user_params(rj.init_reranker(jax.random.key(0), 4), rj.Scope.named("hybrid", 2), "state")
+    Traceback (most recent call last):
+    ...
+    rmm_jax.errors.InputError: state: scope 'hybrid' keeps each user's low-rank factors ... (m_adapter/W/kernel)
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        name, shape = "/".join(map(str, keys)), np.shape(leaf)
+        if keys[-2:] in _KIND_OF and scope.has_shared:
+            raise InputError(f"scope {scope.name!r} keeps "
+                             + ("each user's low-rank factors (rmm_jax.init_lowrank)" if scope.name == "hybrid" else
+                                "no params per user (the shared part is save_shared's)")
+                             + f", not a reranker's own params ({name})", arg=arg)
+        if keys[-2:] in (("lora", "a"), ("lora", "b")):
+            if scope.name != "hybrid":
+                raise InputError(f"scope {scope.name!r} keeps no low-rank factors ({name}): those are scope "
+                                 "'hybrid''s", arg=arg)
+            if not shape or shape[-1] != scope.rank:
+                raise InputError(f"low-rank factors of rank {shape[-1] if shape else None} ({name} has shape "
+                                 f"{tuple(shape)}), the store's rank is {scope.rank}", arg=arg)
+
+
 def check_create(path: Path, meta: PolicyMeta | dict, shared_params, keep, chunk_size, chunk_bytes,
                  shared_info) -> tuple[dict, dict]:
     """A :meth:`~rmm_jax.persist.policy_store.PolicyStore.create`'s arguments checked: the
@@ -184,7 +217,8 @@ def check_save(user_ids, state, infos, chunk_size, *, scope: Scope, shared_versi
                ) -> tuple[list[str], list[dict]]:
     """A :meth:`~rmm_jax.persist.policy_store.PolicyStore.save`'s arguments checked: the
     users (distinct non-empty str), one JSON info each (None: ``{}`` each), a
-    :class:`UserState` whose params are of the store's ``meta`` dim, ``chunk_size`` >= 1 if
+    :class:`UserState` whose params are of the store's ``meta`` dim and the part its ``scope``
+    keeps per user (:func:`check_user_params`), ``chunk_size`` >= 1 if
     given and, where ``scope`` pairs users with the shared part, a ``shared_version``.
     Returns the users and their infos as lists."""
     if isinstance(user_ids, str):
@@ -211,6 +245,7 @@ def check_save(user_ids, state, infos, chunk_size, *, scope: Scope, shared_versi
         raise InputError(f"a save in scope {scope.name!r} needs shared_version (the shared version these "
                          "users were trained against)", where="save")
     check_params(state.params, meta, "state", of_kind=False)
+    check_user_params(state.params, scope, "state")
     return user_ids, infos
 
 
