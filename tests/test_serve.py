@@ -27,7 +27,7 @@ from rmm_jax.data import embed as embed_mod
 from rmm_jax.data.calls import Call
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
-from rmm_jax.online.serve import Reranker, call_keys, load_policy
+from rmm_jax.online.serve import Reranker, call_keys, load_policy, serve_calls
 from rmm_jax.online.streams import user_key, user_keys
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -243,6 +243,23 @@ def test_a_request_without_its_query_names_a_misspelt_key_it_holds(tmp_path):
         with pytest.raises(InputError) as e:
             read_calls(path)
         assert str(e.value) == f"{path}:1: needs 'query' (text) or a 'query_id' of STORE{hint}"
+
+
+def test_an_empty_or_blank_request_string_is_said_to_be_so(tmp_path):
+    """An empty query read "expected a non-empty string, got a string"."""
+    from rmm_jax.data.calls import read_calls
+
+    path = tmp_path / "calls.jsonl"
+    for obj, key, got in (({"user_id": "u", "query": ""}, "query", "an empty string"),
+                          ({"user_id": " ", "query": "q"}, "user_id", "a blank string"),
+                          ({"user_id": "u", "query": "q", "candidate_texts": ["a", ""]}, "candidate_texts",
+                           "an empty string"),
+                          ({"user_id": "u", "query": "q", "call_id": 3}, "call_id", "a number")):
+        path.write_text(json.dumps(obj) + "\n")
+        with pytest.raises(InputError) as e:
+            read_calls(path)
+        want = "non-empty strings" if key == "candidate_texts" else "a non-empty string"
+        assert str(e.value) == f"{path}:1: key {key!r}: expected {want}, got {got}"
 
 
 def test_prepare_calls_names_its_arguments_to_a_python_caller(tmp_path, env):
@@ -668,6 +685,31 @@ def test_the_reranker_names_a_key_a_dim_or_a_cache_size_of_the_wrong_kind():
                       ({"dim": 2, "cache_users": 2.5}, "cache_users")):
         with pytest.raises(InputError, match=rf"^{where}: must be an int >= 1"):   # 2.5 was taken as d = 2
             Reranker(None, **kw)
+
+
+def test_a_dim_that_disagrees_with_the_policy_store_or_the_calls_is_refused_by_name(env):
+    """Reranker(store, dim=16) on a store of another dim served the store's dim without a word;
+    calls prepared on an embedding store of another dimension failed naming ``query_emb``, no
+    argument of serve_calls; PolicyStore.open(path, expect_dim="384") said "has dim 384,
+    expected 384"."""
+    from rmm_jax.data.calls import Call, Prepared
+    from rmm_jax.errors import InputError
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    _, pol = env
+    ps = PolicyStore.open(pol["user"])
+    d = ps.meta_info().dim
+    with pytest.raises(InputError, match=rf"^dim: is {d + 1}, the policy store's is {d}$"):
+        Reranker(ps, dim=d + 1)
+    assert Reranker(ps, dim=d).dim == d
+    with pytest.raises(InputError, match=rf"^expect_dim: must be an int \(the embedding dimension\), got str '{d}'$"):
+        PolicyStore.open(pol["user"], expect_dim=str(d))
+    for q_dim, c_dim in ((d - 1, d), (d, d - 1)):
+        call = Prepared(Call(1, "user0", call_id="c1"), np.ones(q_dim, np.float32), np.eye(3, c_dim, dtype=np.float32),
+                        ["a", "b", "c"], None)
+        with pytest.raises(InputError, match=rf"^prepared_calls 0: call c1 is embedded in {d - 1} dimensions, the "
+                                             rf"reranker's are {d} "):
+            list(serve_calls(Reranker(ps), [call], 2, now=1_700_000_000_000_000))
 
 
 @pytest.mark.parametrize("call, arg", [

@@ -42,6 +42,7 @@ from rmm_jax.errors import InputError
 from rmm_jax.online.setting import LearningSetting, SettingOptions, blamed_change, resolve_setting, shown_value
 from rmm_jax.online.sharding import users_mesh
 from rmm_jax.persist import runstate
+from rmm_jax.persist.policy_checks import check_embedding_store
 from rmm_jax.persist.policy_setting import read_setting
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -214,10 +215,10 @@ def open_policies_for(path, st, *, keep: int | None = None) -> PolicyStore:
     ``st``: the same dimension, and the same embedding model when the policy store records
     one (two models of one dimension embed into different spaces)."""
     ps = PolicyStore.open(path, expect_dim=st.dim, keep=keep)
-    made_for = ps.meta_info().model
-    if made_for and made_for != st.model:
-        raise InputError(f"policy store was made for embedding model {made_for!r}, STORE uses {st.model!r}",
-                         where=f"--policies {path}")
+    try:
+        check_embedding_store(ps, st, "policies")
+    except InputError as e:
+        raise InputError(e.message, where=f"--policies {path}") from None
     return ps
 
 

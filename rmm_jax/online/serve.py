@@ -299,8 +299,10 @@ class Reranker:
         check_int(cache_users, "cache_users", 1, shown=repr, where=True)      # "3" was a TypeError, 2.5 taken
         if store is None and dim is None:
             raise InputError("the identity reranker (no policy store) needs the embedding dim", where="dim")
-        if store is None:   # 2.5 was served as d = 2
+        if dim is not None or store is None:   # 2.5 was served as d = 2
             check_int(dim, "dim", 1, shown=repr, where=True)
+        if store is not None and dim is not None and dim != store.meta_info().dim:   # was ignored
+            raise InputError(f"is {dim}, the policy store's is {store.meta_info().dim}", where="dim")
         if compile_cache:       # before anything compiles: JAX settles the cache at its first compile
             persistent_cache.ensure()
         self.cache_users = cache_users
@@ -612,7 +614,7 @@ def serve_calls(reranker: Reranker, prepared_calls: Sequence[Prepared], m: int, 
       >>> got[0].record.log_prob < 0, got[0].record.logits
       (True, (1.0, 0.0, 0.6))
     """
-    prepared_calls = _check_serve_args(prepared_calls, m, now)
+    prepared_calls = _check_serve_args(prepared_calls, m, now, reranker.dim)
     drawn = []          # log-probabilities of the draws that chose among more than m candidates
     for (uid, n), rows in (call_batches(prepared_calls) if batches is None else batches).items():
         mm = min(m, n)                    # a call with fewer candidates than m shows all of them
@@ -681,11 +683,13 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float, store: PolicyStore |
 _MIN_NOW_US = 10**14   # microseconds since the epoch below this (1973) are seconds or milliseconds
 
 
-def _check_serve_args(prepared_calls, m, now) -> list:
+def _check_serve_args(prepared_calls, m, now, dim: int) -> list:
     """:func:`serve_calls`'s arguments, each refused by name before any call is served:
     ``prepared_calls`` a list of :class:`~rmm_jax.data.calls.Prepared` (not one), each with
-    candidates and one id per candidate; ``m`` an int >= 1; ``now`` an int of microseconds
-    since the epoch (``time.time()`` seconds stamped 1970 silently)."""
+    candidates and one id per candidate, embedded in ``dim`` (the reranker's: calls prepared
+    on an embedding store of another dimension failed naming ``query_emb``, no argument of
+    serve_calls); ``m`` an int >= 1; ``now`` an int of microseconds since the epoch
+    (``time.time()`` seconds stamped 1970 silently)."""
     if isinstance(prepared_calls, Prepared) or not isinstance(prepared_calls, Sequence) or any(
             not isinstance(p, Prepared) for p in prepared_calls):
         raise InputError("must be a list of Prepared calls (rmm_jax.data.calls.prepare_calls), got "
@@ -701,6 +705,10 @@ def _check_serve_args(prepared_calls, m, now) -> list:
         if len(p.ids) != n:
             raise InputError(f"call {p.call.call_id or i} has {len(p.ids)} ids for {n} candidates",
                              arg=f"prepared_calls {i}")
+        got = {np.shape(x)[-1] if np.ndim(x) else None for x in (p.query, p.cands)} - {dim}
+        if got:
+            raise InputError(f"call {p.call.call_id or i} is embedded in {got.pop()} dimensions, the reranker's "
+                             f"are {dim} (prepared on another embedding store?)", arg=f"prepared_calls {i}")
     return prepared_calls
 
 

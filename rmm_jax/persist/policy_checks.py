@@ -193,6 +193,21 @@ def check_user_params(params, scope: Scope, arg: str) -> None:
                                  f"{tuple(shape)}), the store's rank is {scope.rank}", arg=arg)
 
 
+def check_embedding_store(ps, store, arg: str) -> None:
+    """Refuse policy store ``ps`` for embedding store ``store`` (an
+    :class:`~rmm_jax.data.store.EmbeddingStore`: its ``dim`` and ``model``) when its
+    dimension differs, or the embedding model it records (when it records one) is not
+    ``store``'s: two models of one dimension embed into different spaces, and a policy of
+    one scores the other's vectors without an error. Names ``arg`` (the CLI's ``--policies``)."""
+    meta = ps.meta_info()
+    if meta.dim != store.dim:
+        raise InputError(f"policy store has dim {meta.dim}, the embedding store's is {store.dim} (made for another "
+                         "embedding model?)", arg=arg)
+    if meta.model and meta.model != store.model:
+        raise InputError(f"policy store was made for embedding model {meta.model!r}, the embedding store uses "
+                         f"{store.model!r}", arg=arg)
+
+
 def check_create(path: Path, meta: PolicyMeta | dict, shared_params, keep, chunk_size, chunk_bytes,
                  shared_info) -> tuple[dict, dict]:
     """A :meth:`~rmm_jax.persist.policy_store.PolicyStore.create`'s arguments checked: the

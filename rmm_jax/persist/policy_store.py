@@ -89,7 +89,7 @@ import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from rmm_jax.core.checks import is_real, short
+from rmm_jax.core.checks import is_int, is_real, short
 from rmm_jax.core.scope import Scope
 from rmm_jax.core.types import SharedState, UserState
 from rmm_jax.errors import InputError
@@ -237,6 +237,8 @@ class PolicyStore:
         """Open an existing store; with ``expect_dim`` check the embedding dimension. With
         ``keep`` this store keeps that many versions per user from its next write on (the
         writer stores the setting); None keeps the store's setting."""
+        if expect_dim is not None and not is_int(expect_dim):    # "384" read "has dim 384, expected 384"
+            raise InputError(f"must be an int (the embedding dimension), got {short(expect_dim)}", arg="expect_dim")
         store = cls(path, keep=keep)
         if expect_dim is not None and store.meta["dim"] != expect_dim:
             raise InputError(f"policy store has dim {store.meta['dim']}, expected {expect_dim} "

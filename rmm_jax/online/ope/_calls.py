@@ -24,6 +24,7 @@ from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
 from rmm_jax.online.serve import load_policy
 from rmm_jax.online.streams import calls_by_user, check_limits
+from rmm_jax.persist.policy_checks import check_embedding_store
 from rmm_jax.persist.policy_rollback import check_store
 
 METRICS = ("cited", "cite_rate", "recall")
@@ -90,9 +91,12 @@ def check_target(cfg) -> None:
 def check_inputs(store, policies, users) -> None:
     """The arguments :func:`load_calls` takes by type, each refused by name: a path for
     ``store`` or ``policies`` was an AttributeError ('str' object has no attribute
-    'user_ids'), and a str ``users`` was read letter by letter (\"unknown user id 'a'\")."""
+    'user_ids'), and a str ``users`` was read letter by letter (\"unknown user id 'a'\"); a policy
+    store of another dimension or embedding model than ``store`` is refused naming ``policies``
+    (:func:`rmm_jax.persist.policy_checks.check_embedding_store`: it was estimated without a word)."""
     check_log_inputs(store, users)
     check_store(policies, where="policies")
+    check_embedding_store(policies, store, "policies")
 
 
 @aot
