@@ -1061,6 +1061,33 @@ def test_weight_mean_check_quiet_on_correct_logs_loud_on_deterministic(seed):
     assert any("not 1" in x for x in verdict(est))
 
 
+def test_over_fewer_calls_than_min_ess_the_weight_mean_is_no_diagnosis_of_the_log():
+    """A day's correct log of 16 calls, the target replayed on it: evaluate said its weights
+    average 0.783 (s.e. 0.063), "log_prob is not the logging policy's probability", and told
+    the team to fix its logging (the same policies on 2,400 calls of the same logger: 0.994).
+    Over so few calls the tail of large weights is seldom sampled: correct logs of 16 calls
+    fail the 0.1% check about 8% of the time. Below min_ess the check is not made (the ESS
+    withholds the estimate already), and the log's cause is its size."""
+    from rmm_jax.online.ope._report import log_cause
+
+    flagged = {0: 0, 30: 0}
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        n, k, m = 16, 8, 3
+        zb = rng.normal(size=(n, k))
+        zt = zb + rng.normal(size=(n, k))
+        mask = np.ones((n, k), bool)
+        sel = np.argsort(-(zb + rng.gumbel(size=(n, k))), axis=1)[:, :m]
+        pb, pt = prefix_log_probs(zb, sel, mask), prefix_log_probs(zt, sel, mask)
+        r = (rng.uniform(size=(n, m)) < 0.3).astype(np.float64)
+        est = estimate("ips", estimator_weights("ips", log_ratio=pt[:, -1] - pb[:, -1]), r, bootstrap=0)
+        for min_ess in flagged:
+            flagged[min_ess] += any("not 1" in x for x in verdict(est, min_ess=min_ess))
+        cause = log_cause({**est, "reliable": False}, 30)
+        assert cause.why.startswith("the log has too few calls: 16 of them"), cause
+    assert flagged[0] >= 10 and flagged[30] == 0, flagged     # without min_ess: the false alarms measured
+
+
 def test_call_problems_name_what_the_reader_would_refuse(ope_env):
     """Calls built without the reader (the library API): a positive log_prob, a selection
     no Plackett–Luce policy can draw, non-finite target scores each give their reason."""
@@ -1127,6 +1154,28 @@ def test_a_bad_target_or_an_argument_of_the_wrong_type_is_refused_by_name(ope_en
     with pytest.raises(InputError, match=r"^users: expected a list of user ids \(str\), got str 'user0'$"):
         evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), users="user0", bootstrap=40)
     assert evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), users=["user0"], bootstrap=40)["users"] == 1
+
+
+def test_evaluate_log_refuses_policies_made_for_another_embedding_model_or_dim(ope_env, monkeypatch):
+    """The CLI refused a policy store made for another embedding model than STORE's, and
+    evaluate_log took it from Python and gave a whole report; one of another dimension failed
+    deep inside, naming ``q``, no argument of evaluate_log. Each is refused naming ``policies``."""
+    from rmm_jax.errors import InputError
+    from rmm_jax.online.ope import evaluate_log
+
+    st, ps = open_store(ope_env["store"]), PolicyStore.open(ope_env["pol"])
+    for field, value, says in (("model", "another-model", r"policy store was made for embedding model "
+                                                           r"'another-model', the embedding store uses "),
+                               ("dim", st.dim + 1, rf"policy store has dim {st.dim + 1}, the embedding store's is "
+                                                   rf"{st.dim} ")):
+        meta = ps.meta_info()
+        wrong = meta._replace(**({"config": {**(meta.config or {}), "model": value}} if field == "model"
+                                 else {"dim": value}))
+        with monkeypatch.context() as m:
+            m.setattr(type(ps), "meta_info", lambda self, wrong=wrong: wrong)
+            with pytest.raises(InputError, match=rf"^policies: {says}"):
+                evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), bootstrap=40)
+    assert evaluate_log(st, ope_env["log"], ps, Target(KK, MM, TAU), bootstrap=40)["calls"] > 0
 
 
 def test_from_python_an_error_names_the_argument_and_the_cli_its_option(capsys, ope_env):
