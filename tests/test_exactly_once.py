@@ -341,16 +341,41 @@ def test_a_log_with_more_untimed_calls_than_a_policy_remembers_says_so(capsys, t
     mine = [r for r in logged if r["user_id"] == logged[0]["user_id"]]
     many = [{**mine[i % len(mine)], "call_id": f"c{i}"} for i in range(WINDOW + 8)]
     stamped = [{**r, "timestamp": 1_700_000_000 + i} for i, r in enumerate(many)]
-    for records, name, warned in ((many, "untimed", True), (stamped, "stamped", False)):
+    # a timestamp in free text is none replay can order (it was said "without a timestamp" of calls that had one)
+    free = [{**r, "timestamp": f"06/03/2024 09:{i // 60 % 60:02d}:{i % 60:02d}"} for i, r in enumerate(many)]
+    for records, name, warned in ((many, "untimed", True), (free, "free", True), (stamped, "stamped", False)):
         log = write(tmp_path / f"{name}.jsonl", records)
         code, _, err = replay(capsys, store, log, tmp_path / name)
         assert code == 0, err
-        assert (f"user {logged[0]['user_id']!r} has more than {WINDOW} calls without a timestamp"
-                in err) is warned, err
+        assert (f"user {logged[0]['user_id']!r} has more than {WINDOW} calls without a timestamp replay can order "
+                "(a number of seconds or ISO 8601; free text is none)" in err) is warned, err
     code, out, err = replay(capsys, store, tmp_path / "stamped.jsonl", tmp_path / "stamped", "--json")
     assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 0, err
-    code, out, err = replay(capsys, store, tmp_path / "untimed.jsonl", tmp_path / "untimed", "--json")
-    assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 8, err    # what the note warned of
+    for name in ("untimed", "free"):
+        code, out, err = replay(capsys, store, tmp_path / f"{name}.jsonl", tmp_path / name, "--json")
+        assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == 8, err    # what the note warned of
+
+
+def test_rerank_notes_a_request_timestamp_in_free_text_which_it_writes_as_given(tmp_path):
+    """rerank echoed a request's '06/03/2024 09:00' into the log without a word, and replay,
+    which cannot order free text, later learned such calls again past the window. Reading the
+    requests notes them once (how many, the first line, what to give); ISO 8601 and numbers are
+    not noted."""
+    from rmm_jax.data.calls import read_calls
+    from rmm_jax.persist.learned_calls import WINDOW
+
+    path = tmp_path / "calls.jsonl"
+    stamps = ["2024-06-03T09:00:00Z", "06/03/2024 09:01", 1_717_405_260, "Mon, 03 Jun 2024 09:02:00 GMT",
+              "2024-06-03 09:03"]
+    path.write_text("".join(json.dumps({"user_id": "u", "call_id": f"c{i}", "query": "q", "timestamp": t}) + "\n"
+                            for i, t in enumerate(stamps)))
+    notes: list[str] = []
+    calls = read_calls(path, notes)
+    assert [c.timestamp for c in calls] == stamps
+    assert notes == [f"2 calls of {path} (first: line 2) have a timestamp that is neither ISO 8601 nor a number, "
+                     f"written as given: replay cannot order it, so once a policy has learned more than the last "
+                     f"{WINDOW} calls it remembers, a log replayed again learns such calls again (docs/reliability.md, "
+                     '"Exactly once"); give ISO 8601 (2024-06-03T09:00:00Z) or seconds']
 
 
 def test_rerank_stamps_what_it_serves_so_a_log_of_many_untimed_requests_is_learned_once(capsys, tmp_path, store):

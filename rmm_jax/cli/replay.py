@@ -256,10 +256,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         note.say()
     if untimed:
         who = f"user {untimed[0]!r} has" if len(untimed) == 1 else f"{len(untimed)} users (first: {untimed[0]!r}) have"
-        info(f"{who} more than {WINDOW} calls without a timestamp in this log: a policy remembers its last "
-             f"{WINDOW} calls and recognises older ones by their timestamps, so replaying this log again would "
-             "learn their earlier calls again; give each call a timestamp (`rmm-jax rerank` writes one on every "
-             "call it serves)", must_read=True)
+        info(f"{who} more than {WINDOW} calls without a timestamp replay can order (a number of seconds or ISO "
+             f"8601; free text is none) in this log: a policy remembers its last {WINDOW} calls and recognises "
+             "older ones by their timestamps, so a replay of this log after this one learns their earlier calls "
+             "again (and this one did, if the log was replayed before); give each call such a timestamp "
+             "(`rmm-jax rerank` writes one on every call it serves without one)", must_read=True)
     note_read(scan.read)                         # invalid records skipped; unknown keys that look misspelt
     if plot_path and writer and result is not None:
         save_plot(result, setting, plot_path, "replay")

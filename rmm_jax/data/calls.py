@@ -51,6 +51,7 @@ Examples:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -59,13 +60,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key, check_timestamp, misspelt_key, note_misspelt_keys
+from rmm_jax.data.citation_log import call_key, check_timestamp, misspelt_key, note_misspelt_keys, timestamp_seconds
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.json_lines import json_lines, source_name
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, at, check_int, named, short
+from rmm_jax.persist.learned_calls import WINDOW
 
 
 class Call(NamedTuple):
@@ -87,6 +89,12 @@ def text_id(text: str) -> str:
     return "t:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def _got(value) -> str:
+    """What a request's value is, for an error: an empty or blank string said so ("got a
+    string" under "expected a non-empty string" read as a contradiction)."""
+    return ("an empty string" if not value else "a blank string") if isinstance(value, str) else json_type(value)
+
+
 def _strings(value, path, line, key, *, once: bool = False) -> tuple[str, ...]:
     """A request's non-empty list of non-empty strings. A repeated one is refused, or with
     ``once`` (candidate texts: a user may say the same thing twice) taken where it first comes."""
@@ -94,7 +102,7 @@ def _strings(value, path, line, key, *, once: bool = False) -> tuple[str, ...]:
         raise InputError(f"expected a non-empty list of strings, got {json_type(value)}", where=at(path, line, key))
     for v in value:
         if not isinstance(v, str) or not v.strip():
-            raise InputError(f"expected non-empty strings, got {json_type(v)}", where=at(path, line, key))
+            raise InputError(f"expected non-empty strings, got {_got(v)}", where=at(path, line, key))
     if len(set(value)) != len(value):
         if not once:
             raise InputError("lists a candidate twice", where=at(path, line, key))
@@ -114,6 +122,7 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
     first: dict[tuple[str, str], int] = {}
     seen, notes = set(KEYS), [] if notes is None else notes
     repeats = 0                                   # calls whose candidate_texts repeat a text
+    free: list[int] = []                          # lines whose timestamp is free text (replay cannot order it)
     lines = json_lines(path, stdin=True, allow_empty=True)    # a day without calls: none (docs/lifecycle.md)
     now = time.time()                             # one clock read per file: no timestamp may lie a day after it
     path = source_name(path)                      # "-" is standard input: <stdin>:line
@@ -123,9 +132,10 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
         note_misspelt_keys(obj, seen, path, line, notes, keys=KEYS, kind="request")
         for key in ("user_id", "query", "query_id", "call_id"):
             if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
-                raise InputError(f"expected a non-empty string, got {json_type(obj.get(key))}",
-                                 where=at(path, line, key))
+                raise InputError(f"expected a non-empty string, got {_got(obj.get(key))}", where=at(path, line, key))
         stamp = check_timestamp(obj.get("timestamp"), at(path, line), now)
+        if isinstance(stamp, str) and math.isnan(timestamp_seconds(stamp)):
+            free.append(line)
         if "query" not in obj and "query_id" not in obj:
             near = [f"{m!r} for {k!r}" for k in obj if k not in KEYS for m in (misspelt_key(k, ("query", "query_id")),)
                     if m]
@@ -148,6 +158,12 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
     if repeats:
         notes.append(f"{count(repeats, 'call')} of {path} {'lists' if repeats == 1 else 'list'} a candidate text "
                      "more than once: served with each text once, where it first comes")
+    if free:   # echoed as given: past the calls a policy remembers, replay tells a learned call by its time
+        notes.append(f"{count(len(free), 'call')} of {path} (first: line {free[0]}) "
+                     f"{'has' if len(free) == 1 else 'have'} a timestamp that is neither ISO 8601 nor a number, "
+                     f"written as given: replay cannot order it, so once a policy has learned more than the last "
+                     f"{WINDOW} calls it remembers, a log replayed again learns such calls again (docs/reliability.md, "
+                     "\"Exactly once\"); give ISO 8601 (2024-06-03T09:00:00Z) or seconds")
     return calls
 
 
