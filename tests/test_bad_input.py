@@ -292,11 +292,13 @@ def cases():
                            ("--lr", 0, "--lr"), ("--lr", "inf", "--lr"), ("--lr", "1e300", "--lr"),
                            ("--tau", "1e300", "--tau"),     # finite in float64, inf in float32: NaN policies saved
                            ("--lr", -1, "--lr"), ("--batch", 0, "--batch"), ("--k", "abc", "--k"),
-                           ("--batch", 100_000, "--batch")]:     # the stream padded to it: out of memory, killed
+                           ("--batch", 100_000, "--batch"),      # the stream padded to it: out of memory, killed
+                           ("--k", 10**20, "--k"), ("--k", 2**31, "--k")]:    # NumPy tracebacks; int32 indices
         c.append((f"replay{opt}={val}", lambda e, o=opt, v=val: rp(e, "good", o, v), lambda e, n=name: [n]))
         c.append((f"simulate{opt}={val}", lambda e, o=opt, v=val: sim(e, o, v), lambda e, n=name: [n]))
         c.append((f"demo{opt}={val}", lambda e, o=opt, v=val: ["demo", "--out", e["root"] / "demo", "--k", K, o, v],
                   lambda e, n=name: [n]))
+    c.append(("pretrain--k=1e20", lambda e: pre(e, "--k", 10**20), lambda e: ["--k"]))
     # ---- a step size in float32's range that diverges: NaN policies were saved with exit 0
     c += [
         # checkpointed after every batch: the run-state held the diverged states, and the same command

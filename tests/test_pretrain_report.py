@@ -108,3 +108,23 @@ def test_from_python_users_must_be_a_list_of_distinct_ids_and_store_an_opened_st
             read(str(store), None)
     assert [s.user_id for s in load_streams(st, 4, ("user1", "user0"))] == ["user1", "user0"]
     assert len(load_streams(st, 4)) == 4
+
+
+def test_out_of_device_memory_is_one_line_naming_the_commands_sizes(capsys, store, tmp_path, monkeypatch):
+    """`pretrain --kind mlp --hidden 100000000` ran out of XLA's memory with a traceback
+    (RESOURCE_EXHAUSTED), where simulate's NumPy MemoryError was one line, whose advice named
+    --users-per-chunk, an option pretrain lacks. Both are one line, exit 1, naming the options
+    that size what this command holds; nothing is written."""
+    import jax
+
+    from rmm_jax.cli import pretrain as verb
+
+    def exhausted(*a, **k):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 153600000000 bytes.")
+        yield
+    monkeypatch.setattr(verb, "pretrain_epochs", exhausted)
+    code, out, err = pretrain(capsys, store, tmp_path / "p")
+    assert (code, out) == (1, "") and err.splitlines()[-1] == (
+        "error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating 153600000000 bytes.); smaller --k or "
+        "--hidden need less"), err
+    assert "Traceback" not in err and not (tmp_path / "p").exists()

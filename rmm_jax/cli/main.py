@@ -226,14 +226,39 @@ def main(argv=None) -> None:
         click.echo("interrupted", err=True)
         sys.exit(130)
     except MemoryError as e:    # e.g. numpy's, for a --users-per-chunk far beyond the store's users
-        click.echo(f"error: out of memory ({e}); a smaller --users-per-chunk or --batch needs less", err=True)
-        sys.exit(1)
+        _out_of_memory(e, argv)
     except Exception as e:      # a full disk or a size limit (ulimit -f) while writing: one line, not a traceback
+        if "RESOURCE_EXHAUSTED" in str(e).split(":", 1)[0] + type(e).__name__:   # XLA's out of memory
+            _out_of_memory(e, argv)
         line = disk_errors.error_line(e)
         if line is None:
             raise
         click.echo(line, err=True)
         sys.exit(1)
+
+
+#: the options that size what a command holds in memory, in the order the advice names them
+SIZES = ("--users-per-chunk", "--batch", "--k", "--hidden")
+
+
+def _out_of_memory(e: BaseException, argv) -> None:
+    """One line and status 1 for a run out of memory (NumPy's MemoryError, XLA's
+    RESOURCE_EXHAUSTED, which `pretrain --hidden 100000000` was a traceback of), naming the
+    options of the command run that size what it holds."""
+    words = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    cmd, group = None, cli
+    for w in words:              # the sub-command (and a group's sub-command): its options
+        sub = getattr(group, "commands", {}).get(w)
+        if sub is None:
+            break
+        cmd = group = sub
+    have = {o for p in (cmd.params if cmd is not None else ()) for o in p.opts}
+    sizes = [o for o in SIZES if o in have]
+    detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    click.echo(f"error: out of memory ({detail})"
+               + (f"; smaller {', '.join(sizes[:-1])}{' or ' if len(sizes) > 1 else ''}{sizes[-1]} need less"
+                  if sizes else ""), err=True)
+    sys.exit(1)
 
 
 def _stdout_closed() -> None:

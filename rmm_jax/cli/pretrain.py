@@ -19,6 +19,7 @@ from rmm_jax.cli.common import (
 )
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
+    MAX_INDEX,
     SEED,
     as_options,
     check_output_dir,
@@ -159,7 +160,8 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     for name, v, ok, rng in [("--epochs", epochs, epochs >= 1, ">= 1"),
                              ("--val-fraction", val_fraction, 0 <= val_fraction < 1, "in [0, 1)"),
                              ("--patience", patience, patience >= 1, ">= 1"),
-                             ("--k", k, k >= 1, ">= 1"), ("--m", m, 1 <= m <= k, f"in [1, --k={k}]")]:
+                             ("--k", k, 1 <= k <= MAX_INDEX, f"in [1, {MAX_INDEX}]"),
+                             ("--m", m, 1 <= m <= k, f"in [1, --k={k}]")]:
         if not ok:
             raise InputError(f"must be {rng}, got {v}", where=name)
     try:

@@ -35,6 +35,7 @@ class FloatRange(click.FloatRange):
 
 
 SEED = IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, JAX's keys >= 2**63
+MAX_INDEX = 2**31 - 1           # candidates and memories are indexed in int32: --k 10**20 was a NumPy traceback
 
 
 #: The lines a user must read, printed under ``--quiet`` too.
