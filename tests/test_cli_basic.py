@@ -406,3 +406,18 @@ def test_demo_says_how_much_room_pretraining_leaves_and_online_stays_within_it(c
     assert float(line[0].split()[3]) == pytest.approx(room, abs=5e-5), (line, room)
     assert rows["pretrain+online"]["recall@3"] <= rows["ceiling"]["recall@3"] + 1e-9
     assert room >= -1e-9
+
+
+@pytest.mark.parametrize("verb", ["rerank", "evaluate"])
+def test_the_draw_temperature_is_draw_tau_in_every_verb_and_tau_still_gives_it(verb):
+    """rerank's and evaluate's --tau is the draw's temperature, which replay, simulate and demo
+    call --draw-tau (their --tau is the loss's): a user who copied --tau from a replay drew at
+    the loss's temperature. Its name is --draw-tau there too; --tau still gives the same value."""
+    for name in ("--draw-tau", "--tau"):
+        args = [name, "0.25"] + (["S", "--calls", "c.jsonl", "--explore"] if verb == "rerank" else
+                                 ["S", "--log", "l.jsonl", "--policies", "p"])
+        with cli.commands[verb].make_context(verb, args) as ctx:
+            assert ctx.params["tau"] == 0.25
+    opts = {p.name: p.opts for p in cli.commands[verb].params}
+    assert opts["tau"][0] == "--draw-tau"
+    assert all("--draw-tau" in {o for p in cli.commands[v].params for o in p.opts} for v in ("replay", "simulate"))

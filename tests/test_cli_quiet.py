@@ -204,6 +204,8 @@ def test_quiet_drops_routine_lines_and_keeps_notes_warnings_and_stdout(verb, cap
     if note is not None:
         note = note.format(**logs)
         assert any(note in line for line in quiet) and any(note in line for line in plain), (note, quiet)
+    if verb == "pretrain":      # the store it created stays, as simulate's does (-q printed nothing at all)
+        assert any(line.startswith("wrote D/pre: best epoch ") for line in quiet), quiet
 
 
 @pytest.mark.parametrize("gold", [["s1:1"], ["s1:0", "s1:1"]], ids=["gold on a kept turn", "gold on the prompt"])

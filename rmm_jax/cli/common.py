@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 from rmm_jax.cli import disk_errors
 from rmm_jax.cli.shell import (
-    MAX_INDEX,
     SEED,
+    IndexCount,
     IntRange,
     as_options,
     check_writable,
@@ -96,8 +96,8 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           "3e-4: the default until issue 26); 'paper' (the RMM update as written: top-M of "
                           "s + unit Gumbel, rewards ±1, b=0.5, tau=0.5 in the log-prob only, plain SGD lr 1e-3, "
                           "batch 4); 'tempered_adam' (the same with tau-scaled noise and Adam)."),
-        click.option("--k", type=IntRange(1, MAX_INDEX), **k_default, help="Candidates from the base retriever."),
-        click.option("--m", type=IntRange(1, MAX_INDEX), **m_default,
+        click.option("--k", type=IndexCount(), **k_default, help="Candidates from the base retriever."),
+        click.option("--m", type=IndexCount(), **m_default,
                      help="Memories shown to the generator (selected)."),
         click.option("--batch", type=IntRange(min=1, max=MAX_BATCH), default=None,
                      help=f"Queries per update {_preset_default('batch')}."),

@@ -81,8 +81,10 @@ def _row(name: str, est: dict) -> str:
                    "logits).")
 @click.option("--policies", required=True, type=click.Path(), help="Policy store holding the target policy.")
 @users_option("Only these users' calls")
-@click.option("--tau", type=float, default=None, show_default="the learning setting POLICIES records, else "
-              f"{DEFAULTS.estimator.tau}", help="Target policy's sampling temperature.")
+@click.option("--draw-tau", "--tau", "tau", type=float, default=None,
+              show_default="the learning setting POLICIES records, else " f"{DEFAULTS.estimator.tau}",
+              help="Target policy's sampling temperature: the draw's, what replay and simulate call --draw-tau "
+                   "(their --tau, the loss's, when none is given). --tau is the same option.")
 @click.option("--k", type=int, default=None, show_default="the log's", help="Candidates per call (K).")
 @click.option("--m", type=int, default=None, show_default="the log's", help="Memories shown per call (M).")
 @click.option("--clip", type=float, default=None, show_default="no clipping",
@@ -118,7 +120,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
 
     Every record's selection was drawn by the logging policy with probability
     exp(log_prob). Reweighting the logged citations by target/logging probabilities
-    (the target samples Plackett–Luce on its scores / --tau, like `simulate`) estimates
+    (the target samples Plackett–Luce on its scores / --draw-tau, like `simulate`) estimates
     the target's cited memories per call, cite rate and, where STORE has gold,
     Recall@M. Estimators: ips, snips; with per-candidate `logits` in the log also rips
     (reward-interaction), snrips and iips (independent, per-slot marginals). Each comes

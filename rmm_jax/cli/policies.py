@@ -306,7 +306,8 @@ def export_params(st: PolicyStore, user: str, out: Path, version: int | None = N
               help="Output .npz; keys are leaf paths such as q_adapter/W/kernel. A FILE.json "
                    "with meta, version and info is written next to it.")
 @click.option("--version", "version", type=IntRange(min=1), default=None,
-              help="Export this saved version instead of the newest good one.")
+              help="Export this saved version instead of the newest good one (one of the user's versions "
+                   "`policies list` shows: numbers count the store's saves, so a user's need not be consecutive).")
 @quiet_option
 @json_option("what was exported (the .json written next to the .npz, with both paths)",
              "store, user, version, shared_version, meta, info, shapes, dtypes, out, json")
@@ -318,7 +319,7 @@ def export(store, user, out, version, as_json):
     \b
     Examples:
       rmm-jax policies export policies user7 --out user7.npz
-      rmm-jax policies export policies user7 --version 2 --out user7_v2.npz
+      rmm-jax policies export policies user7 --version 1 --out user7_v1.npz   # a version `policies list` shows
     """
     if not str(out).endswith(".npz"):
         raise InputError("export file must end in .npz", where=f"--out {out}")

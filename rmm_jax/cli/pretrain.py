@@ -160,7 +160,7 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     for name, v, ok, rng in [("--epochs", epochs, epochs >= 1, ">= 1"),
                              ("--val-fraction", val_fraction, 0 <= val_fraction < 1, "in [0, 1)"),
                              ("--patience", patience, patience >= 1, ">= 1"),
-                             ("--k", k, 1 <= k <= MAX_INDEX, f"in [1, {MAX_INDEX}]"),
+                             ("--k", k, k >= 1, ">= 1"), ("--k", k, k <= MAX_INDEX, f"<= {MAX_INDEX} (int32 indices)"),
                              ("--m", m, 1 <= m <= k, f"in [1, --k={k}]")]:
         if not ok:
             raise InputError(f"must be {rng}, got {v}", where=name)
@@ -234,6 +234,7 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
     if as_json:
         emit_json(summary)
     else:
-        info(f"wrote {out}: best epoch {summary['best_epoch']} of {summary['epochs_run']}")
+        info(f"wrote {out}: best epoch {summary['best_epoch']} of {summary['epochs_run']}",   # the store it created:
+             must_read=True)                                                                   # kept under -q
     if plot_path is not None:
         info(f"wrote {plot_path}")

@@ -73,11 +73,13 @@ def nearby_policy_store(path) -> str | None:
 @click.option("--k", type=IntRange(min=1), default=DEFAULTS.layout.k,
               help="Candidates from the base retriever when a call lists none.")
 @click.option("--explore", is_flag=True,
-              help="Draw the shown memories (Gumbel top-M at --tau, a Plackett–Luce sample) instead of the "
+              help="Draw the shown memories (Gumbel top-M at --draw-tau, a Plackett–Luce sample) instead of the "
                    "deterministic top-M, and log each draw's log_prob and logits: the propensities that let "
                    "tomorrow's replay and evaluate use today's log.")
-@click.option("--tau", type=float, default=None, show_default="the learning setting the policy store records",
-              help="--explore: the sampling temperature.")
+@click.option("--draw-tau", "--tau", "tau", type=float, default=None,
+              show_default="the learning setting the policy store records",
+              help="--explore: the sampling temperature, what replay and simulate call --draw-tau (their --tau, the "
+                   "loss's, when none is given). --tau is the same option.")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="--explore: each call's noise derives from the seed, the user and the call's identity "
                    "(call_id, else query_id, else the query text): serving the same call again draws the same.")

@@ -38,6 +38,20 @@ SEED = IntRange(0, 2**63 - 1)   # every --seed: NumPy's generators refuse < 0, J
 MAX_INDEX = 2**31 - 1           # candidates and memories are indexed in int32: --k 10**20 was a NumPy traceback
 
 
+class IndexCount(IntRange):
+    """A count of candidates or memories (``--k``, ``--m``): at least 1 (``x>=1`` in the help),
+    at most :data:`MAX_INDEX`, which an error names."""
+
+    def __init__(self):
+        super().__init__(min=1)
+
+    def convert(self, value, param, ctx):
+        n = super().convert(value, param, ctx)
+        if n > MAX_INDEX:
+            self.fail(f"{n} is more than {MAX_INDEX} (candidates and memories are indexed in int32)", param, ctx)
+        return n
+
+
 #: The lines a user must read, printed under ``--quiet`` too.
 MUST_READ = ("note: ", "warning: ", "error: ")
 
