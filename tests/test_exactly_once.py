@@ -332,6 +332,32 @@ def test_a_mixed_log_killed_anywhere_and_run_again_learns_the_new_calls_once(cap
     assert_same(states(tmp_path / "ref"), states(tmp_path / "killed"))
 
 
+@pytest.mark.parametrize("how", ["appended", "interleaved"])
+def test_a_log_delivered_twice_is_learned_once_and_says_so(capsys, tmp_path, store, logged, how):
+    """A day's log appended to itself (a log shipped at least once) was refused as a whole,
+    "duplicate call_id ..., first logged at line 1", by replay and evaluate alike. Each line
+    that repeats a record exactly is read once: the policies are bit for bit the single log's,
+    the run notes the repeats (and --json counts them), and evaluate judges the same calls."""
+    once = write(tmp_path / "once.jsonl", logged)
+    twice = write(tmp_path / "twice.jsonl", logged + logged if how == "appended" else
+                  [r for r in logged for _ in (0, 1)])
+    code, _, err = replay(capsys, store, once, tmp_path / "p1")
+    assert code == 0, err
+    code, out, err = replay(capsys, store, twice, tmp_path / "p2", "--json")
+    assert code == 0, err
+    n = len(logged)
+    assert json.loads(out)["log"]["repeated"] == n and json.loads(out)["log"]["records"] == n
+    assert f"note: {n} lines of {twice} repeat an earlier record exactly (first: line " in err, err
+    assert_same(states(tmp_path / "p1"), states(tmp_path / "p2"))
+    reports = []
+    for log in (once, twice):
+        code, out, err = run_cli(capsys, "evaluate", store, "--log", log, "--policies", tmp_path / "p1", "--json",
+                                 "--allow-unreliable", "--bootstrap", 50)
+        assert code == 0, err
+        reports.append({k: v for k, v in json.loads(out).items() if k not in ("log", "notes")})
+    assert reports[0] == reports[1]
+
+
 def test_a_log_with_more_untimed_calls_than_a_policy_remembers_says_so(capsys, tmp_path, store, logged):
     """A policy remembers its last WINDOW calls and recognises older ones by timestamp, so a
     user's calls beyond WINDOW without timestamps would be learned again if the log were

@@ -15,6 +15,7 @@ from rmm_jax.data.citation_log import (
     LogRecord,
     LogWriter,
     iter_log,
+    iter_numbered,
     iter_user_chunks,
     read_log,
     record_to_json,
@@ -188,7 +189,9 @@ def malformed_line(draw, earlier: list[dict], kind: str):
         return text[:-1] + ', "user_id": "again"}', "user_id", kind
     assert kind == "dup_pair"
     prev = draw(st.sampled_from(earlier))
-    obj = draw(record_objs(user_id=prev["user_id"], query_id=prev["query_id"], ids=small_ids))
+    # other content (the same record exactly is a repeat, read once: test_a_line_that_repeats_...)
+    obj = draw(record_objs(user_id=prev["user_id"], query_id=prev["query_id"], ids=small_ids).filter(
+        lambda o: json.loads(_dump(o)) != json.loads(_dump(prev))))
     return _dump(obj), "query_id", kind
 
 
@@ -222,7 +225,7 @@ def test_valid_records_round_trip(objs):
         got, report = read_log(path)
         assert got == recs
         assert list(iter_log(path)) == recs
-        assert report._asdict() == {"records": len(recs), "skipped": 0, "first_errors": [], "notes": []}
+        assert report._asdict() == {"records": len(recs), "skipped": 0, "first_errors": [], "notes": [], "repeated": 0}
         # The hand-written form (extra keys, nulls, int log_prob) reads the same too.
         raw = Path(d) / "raw.jsonl"
         _write_lines(raw, [json.dumps(o) for o in objs], [i % 3 for i in range(len(objs))])
@@ -412,10 +415,32 @@ def test_duplicate_pair(tmp_path):
     with pytest.raises(InputError) as info:
         read_log(path)
     assert str(info.value) == (f"{path}:3: key 'query_id': duplicate (user_id, query_id) "
-                               "('u1', 'q1'), first logged at line 1")
+                               "('u1', 'q1'), first logged at line 1 with other content")
     # Same query id for another user is fine.
     path.write_text(json.dumps(BASE) + "\n" + json.dumps(_with(user_id="u2")) + "\n")
     assert len(read_log(path)[0]) == 2
+
+
+def test_a_line_that_repeats_a_record_exactly_is_read_once_and_noted(tmp_path):
+    """A log delivered at least once (or a day's file appended to itself) repeats records
+    exactly; each was refused as a duplicate call, so the whole day could not be replayed or
+    evaluated (with --skip-invalid: 'skipped 8 invalid records'). A record repeated exactly,
+    its keys in any order, is read once, counted and noted; the same call with other content
+    is still an error, also with the repeats before it."""
+    path = tmp_path / "calls.jsonl"
+    other = _with(query_id="q2")
+    again = json.dumps(dict(reversed(list(BASE.items()))))        # the same object, keys in another order
+    path.write_text("\n".join([json.dumps(BASE), json.dumps(other), json.dumps(BASE), json.dumps(other), again])
+                    + "\n")
+    for grouped in (False, True):
+        reading = iter_numbered(path, grouped=grouped)
+        assert [(n, r.query_id) for n, r in reading] == [(1, "q1"), (2, "q2")]
+        assert reading.report.records == 2 and reading.report.repeated == 3 and reading.report.skipped == 0
+        assert reading.report.notes == [f"3 lines of {path} repeat an earlier record exactly (first: line 3, as "
+                                        "line 1): each call is read once"]
+    path.write_text("\n".join([json.dumps(BASE), json.dumps(BASE), json.dumps(_with(cited=[]))]) + "\n")
+    with pytest.raises(InputError, match=r":3: key 'query_id': duplicate .* first logged at line 1 with other "):
+        read_log(path)
 
 
 def test_extra_keys_ignored_and_nulls_absent(tmp_path):
@@ -456,7 +481,7 @@ def test_skip_invalid_counts_and_caps_first_errors(tmp_path):
     path = tmp_path / "calls.jsonl"
     lines = [json.dumps(_with(query_id=f"q{i}")) for i in range(3)]
     bad = ["{", "[]", json.dumps(_with(query_id="x", cited=["m3"])), "7",
-           json.dumps(_with(query_id="q0")), json.dumps(_with(query_id="y", log_prob=1)),
+           json.dumps(_with(query_id="q0", cited=[])), json.dumps(_with(query_id="y", log_prob=1)),
            "null"]
     path.write_text("\n".join(lines[:1] + bad + lines[1:]) + "\n")
     recs, report = read_log(path, skip_invalid=True)

@@ -3,6 +3,8 @@ validated, checked against the store's ids, and checked for a call logged twice.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import time
 import warnings
@@ -40,6 +42,7 @@ class ReadReport(NamedTuple):
     skipped: int
     first_errors: list[str]
     notes: list[str]
+    repeated: int = 0       # lines that repeat an earlier record exactly (a log delivered at least once): read once
 
     def skipped_line(self) -> str | None:
         """The line ``replay``, ``evaluate`` and ``cite-rates`` print when invalid records
@@ -58,7 +61,7 @@ class ReadReport(NamedTuple):
 
 
 def _new_report() -> dict:
-    return {"records": 0, "skipped": 0, "first_errors": [], "notes": []}
+    return {"records": 0, "skipped": 0, "first_errors": [], "notes": [], "repeated": 0}
 
 
 class LogReading(Iterator):
@@ -78,7 +81,7 @@ class LogReading(Iterator):
     @property
     def report(self) -> ReadReport:
         c = {**_new_report(), **self._counts}
-        return ReadReport(c["records"], c["skipped"], list(c["first_errors"]), list(c["notes"]))
+        return ReadReport(c["records"], c["skipped"], list(c["first_errors"]), list(c["notes"]), c["repeated"])
 
 
 def _counts(report: dict | None, name: str) -> dict:
@@ -98,7 +101,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     after another user's records is an error, even with ``skip_invalid``); repeated
     pairs are then tracked for the current user only, so memory does not grow with
     the number of records (only a set of finished user ids is kept). A memory whose
-    text two records of a user give differently is an error (so is a call logged twice).
+    text two records of a user give differently is an error (so is a call logged twice with
+    other content). A line that repeats an earlier record of the call exactly (the same JSON
+    object: a log delivered at least once, a day's file appended twice) is read once: counted
+    in ``repeated`` and noted, not an error.
     """
     if not isinstance(path, (str, bytes, os.PathLike)):   # None was a TypeError from open(), an int read as an fd
         raise InputError(f"expected the log's path (a str or os.PathLike), got {type(path).__name__} {path!r}"[:160],
@@ -106,7 +112,8 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     lookup = _known_lookup(known) if known is not None else None
     report.update(_new_report())
     keys_seen = set(LOG_KEYS)
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[tuple[str, str], tuple[int, bytes]] = {}    # a call -> (its line, its record's digest)
+    first_repeat: tuple[int, int] | None = None
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
@@ -118,10 +125,14 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
             rec = validate_record(obj, where, now=now)
             if lookup is not None:
                 _check_known(rec, lookup, where)
-            pair = (rec.user_id, call_key(rec))
+            pair, digest = (rec.user_id, call_key(rec)), _digest(obj)
+            if pair in seen and seen[pair][1] == digest:      # the same record again: read once
+                report["repeated"] += 1
+                first_repeat = first_repeat or (lineno, seen[pair][0])
+                continue
             if pair in seen:
                 key, what = _call_name(rec)
-                raise InputError(f"duplicate {what}, first logged at line {seen[pair]}",
+                raise InputError(f"duplicate {what}, first logged at line {seen[pair][0]} with other content",
                                  where=_key_where(where, key))
             carried = [((rec.user_id, mid), text) for mid, text in zip(rec.candidates, rec.candidate_texts or ())
                        if text is not None]
@@ -147,7 +158,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
             current = rec.user_id
             seen.clear()
             texts.clear()
-        seen[pair] = lineno
+        seen[pair] = (lineno, digest)
         for mem, text in carried:
             texts.setdefault(mem, (text, lineno))
         note_misspelt_keys(obj, keys_seen, path, lineno, report["notes"])
@@ -156,6 +167,18 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
                          f"{report['first_errors'][0]})", where=str(path))
+    if first_repeat is not None:
+        n = report["repeated"]
+        report["notes"].append(f"{n} line{'s' if n > 1 else ''} of {path} repeat{'' if n > 1 else 's'} an earlier "
+                               f"record exactly (first: line {first_repeat[0]}, as line {first_repeat[1]}): each "
+                               "call is read once")
+
+
+def _digest(obj) -> bytes:
+    """A record's JSON object, canonically: two lines that decode to the same object (a line
+    delivered twice, or written again with its keys in another order) have the same digest."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:16]
 
 
 def is_empty_log(path: str | os.PathLike) -> bool:
