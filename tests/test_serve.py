@@ -205,6 +205,27 @@ def test_a_day_without_requests_serves_nothing_and_exits_0(capsys, tmp_path, env
     assert err.strip().splitlines()[-1] == "ranked 0 calls (the requests file is empty)"
 
 
+def test_rerank_notes_a_k_beyond_the_users_banks_as_simulate_does(capsys, tmp_path, env):
+    """rerank --k 100 on banks of fewer memories ranked every memory without a word, where
+    simulate and pretrain note it (and retrieve refuses it): the same note, for the users whose
+    calls the retriever fills; a call that lists its candidates is not sized by --k."""
+    from rmm_jax.data.store import open_store
+
+    store, pol = env
+    sizes = open_store(store).bank_sizes
+    calls = tmp_path / "calls.jsonl"
+    for recs, noted in (([{"user_id": "user0", "query_id": "q0"}, {"user_id": "user1", "query_id": "q1"}], True),
+                        ([{"user_id": "user0", "query_id": "q0", "candidates": ["D1:1", "D1:2", "D1:3"]}], False)):
+        calls.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        k = max(sizes.values()) + 1
+        code, _, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", calls, "--k", k,
+                               "--m", 2, "--out", tmp_path / "o.jsonl")
+        assert code == 0, err
+        note = (f"note: --k {k} is more than the memory bank of 2 of 2 users (the largest of those holds "
+                f"{max(sizes['user0'], sizes['user1'])}): their queries rank every memory they hold")
+        assert (note in err.splitlines()) is noted, err
+
+
 def test_rerank_calls_dash_reads_standard_input(capsys, tmp_path, env, monkeypatch):
     """`rerank --calls -` was "-: file not found": a pipeline that hands rerank its requests
     on stdin gets the lines it gets from the same file, and a bad line is named <stdin>:line."""

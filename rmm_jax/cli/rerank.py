@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar, short_bank_note
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -158,6 +158,10 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     for line in routine:
         info(line)
     note_lines(key_notes + notes.lines)   # unknown keys that look misspelt; texts the model cut; the store's
+    retrieved = list(dict.fromkeys(c.user_id for c in calls if c.candidates is None and c.candidate_texts is None))
+    bank_note = short_bank_note(st, k, retrieved) if retrieved else None    # --k only sizes what the retriever fills
+    if bank_note:
+        info(bank_note)
     short = sum(p.cands.shape[0] < m for p in prepared)
     if short:
         info(f"{count(short, 'call')} with fewer than --m {m} candidates: served with all of them selected",
