@@ -406,6 +406,24 @@ def test_demo_says_how_much_room_pretraining_leaves_and_online_stays_within_it(c
     assert float(line[0].split()[3]) == pytest.approx(room, abs=5e-5), (line, room)
     assert rows["pretrain+online"]["recall@3"] <= rows["ceiling"]["recall@3"] + 1e-9
     assert room >= -1e-9
+    # its own --out again: a re-run (the store reused); someone's directory: refused, nothing written
+    code, _, err = run_cli([str(a) for a in ("demo", "--out", out_dir, "--users", 4, "--sessions", 3,
+                                             "--turns", 4, "--k", 8, "--m", 3, "-q")], capsys)
+    assert code == 0, err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    (mine / "summary.json").write_text('{"mine": 1}')
+    for bad, says in ((mine, "holds 'notes.txt', which no demo wrote"), (mine / "only_summary", "holds a "
+                      "summary.json that is not a demo's, which no demo wrote")):
+        if bad.name == "only_summary":
+            bad.mkdir()
+            (bad / "summary.json").write_text("[]")
+        before = sorted(p.name for p in bad.iterdir())
+        code, out, err = run_cli(["demo", "--out", str(bad)], capsys)
+        assert (code, out) == (2, "") and err == f"error: --out {bad}: {says}: give a new or empty directory, or an " \
+            "earlier demo's --out\n", err
+        assert sorted(p.name for p in bad.iterdir()) == before
 
 
 @pytest.mark.parametrize("verb", ["rerank", "evaluate"])

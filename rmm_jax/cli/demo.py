@@ -1,6 +1,7 @@
 """``rmm-jax demo``: the whole method end to end on the built-in synthetic users."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -44,6 +45,30 @@ def room_line(rows: dict, m: int) -> str:
             "learning after it could add here")
 
 
+#: what a demo writes in its --out: a directory holding anything else is someone's, not a demo's
+DEMO_FILES = ("store", "summary.json", "learning_curve.png")
+
+
+def check_demo_dir(out) -> None:
+    """Refuse an ``--out`` that holds files no demo wrote (`demo --out examples` put a store,
+    summary.json and learning_curve.png among the user's files, replacing a summary.json of
+    theirs): a new or empty directory, or an earlier demo's, whose summary.json names its spec."""
+    path = Path(out)
+    if not path.is_dir():
+        return
+    others = sorted(p.name for p in path.iterdir() if p.name not in DEMO_FILES and not p.name.startswith("."))
+    summary = path / "summary.json"
+    try:
+        ours = not summary.exists() or "spec" in json.loads(summary.read_text())
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if others or not ours:
+        what = f"{others[0]!r}" + (f" and {len(others) - 1} more" if len(others) > 1 else "") if others else \
+            "a summary.json that is not a demo's"
+        raise InputError(f"holds {what}, which no demo wrote: give a new or empty directory, or an earlier demo's "
+                         "--out", where=f"--out {out}")
+
+
 @cli.command()
 @click.option("--out", default="runs/demo", type=click.Path(file_okay=False),
               help="Working directory: the embedding store (store/, reused by a re-run), summary.json and "
@@ -74,6 +99,7 @@ def demo(out, users, sessions, turns, as_json, **opts):
     """
     setting = make_setting(**SettingOptions.of(opts)._asdict())
     check_writable(out, f"--out {out}", depth=1)
+    check_demo_dir(out)
     k, m = setting.layout.k, setting.layout.m
     t0 = time.perf_counter()
     spec = f"synthetic:users={users},sessions={sessions},turns={turns},seed={opts['seed']}"
