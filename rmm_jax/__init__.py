@@ -74,10 +74,19 @@ __all__ = [
 ]
 
 
+# What users look for here that lives in its own room: the error says where (it said only "no attribute")
+_ELSEWHERE = {"Reranker": "rmm_jax.online.serve", "serve_calls": "rmm_jax.online.serve",
+              "PolicyStore": "rmm_jax.persist.policy_store", "open_store": "rmm_jax.data.store",
+              "write_store": "rmm_jax.data.store", "Embedder": "rmm_jax.data.embed",
+              "evaluate_log": "rmm_jax.online.ope", "read_log": "rmm_jax.data.citation_log",
+              "prepare_calls": "rmm_jax.data.calls"}
+
+
 def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
-        raise AttributeError(f"module 'rmm_jax' has no attribute {name!r}")
+        hint = f" (it is {_ELSEWHERE[name]}.{name})" if name in _ELSEWHERE else ""
+        raise AttributeError(f"module 'rmm_jax' has no attribute {name!r}{hint}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # the next lookup is a plain one
     return value

@@ -168,12 +168,31 @@ def test_score_batch_names_the_argument_of_a_wrong_shape(call, arg, variant):
                                     "lowrank"])
 @pytest.mark.parametrize("fn", ["score", "score_naive", "score_batch"])
 def test_params_that_are_not_a_rerankers_are_one_value_error(params, fn, variant):
-    # rj.score({}, q, m) was KeyError 'q_adapter'; a per-user low-rank tree alone KeyError 'down'
+    # rj.score({}, q, m) was KeyError 'q_adapter'; a per-user low-rank tree alone KeyError 'down', then
+    # "expected ... q_adapter and m_adapter, got keys ['m_adapter', 'q_adapter']": it says what to do now
+    says = r"expected a reranker's params \(init_reranker"
     if params == "lowrank":
         params = rj.init_lowrank(jax.random.key(0), 3, 1)
+        says = r"low-rank factors alone \(init_lowrank\): merge them with the shared reranker first"
     q, m = (jnp.ones((2, 3)), jnp.ones((2, 4, 3))) if fn == "score_batch" else (jnp.ones(3), jnp.ones((4, 3)))
-    with pytest.raises(ValueError, match=r"^params: expected a reranker's params \(init_reranker"):
+    with pytest.raises(ValueError, match=rf"^params: {says}"):
         variant(getattr(rj, fn))(params, q, m)
+
+
+def test_merge_params_refuses_parts_that_do_not_add_up():
+    """merge_params kept the shared leaf where both parts held one (a whole reranker as a
+    hybrid user's part: served as the shared part alone), and took factors of another size
+    than the shared kernels (a dot_general TypeError when scored)."""
+    p, lr = rj.init_reranker(jax.random.key(0), 4), rj.init_lowrank(jax.random.key(1), 4, 2)
+    with pytest.raises(ValueError, match=r"^local: holds m_adapter/W/kernel, which the shared part holds too"):
+        rj.merge_params(p, rj.init_reranker(jax.random.key(2), 4))
+    with pytest.raises(ValueError, match=r"^local: low-rank factors of dimension 3, the shared reranker's is 4$"):
+        rj.merge_params(p, rj.init_lowrank(jax.random.key(1), 3, 2))
+    merged = rj.merge_params(p, lr)
+    assert rj.merge_params({}, p) is p and rj.merge_params(p, {}) is p
+    q, m = jnp.ones(4), jnp.eye(4)
+    assert merged["q_adapter"].keys() == {"W", "lora"} and merged["m_adapter"]["lora"] is lr["m_adapter"]["lora"]
+    assert rj.score(merged, q, m).shape == (4,)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["score", "score_batch"])

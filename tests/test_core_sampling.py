@@ -227,3 +227,19 @@ def test_top_m_refuses_nan_logits_and_keeps_minus_inf_as_never_chosen():
     with pytest.raises(ValueError, match="^logits: contains NaN"):
         rj.top_m(jnp.array([1.0, jnp.nan, 2.0]), 2)
     assert rj.top_m(jnp.array([1.0, -jnp.inf, 2.0]), 3).tolist() == [2, 0, -1]
+
+
+def test_a_selection_no_draw_can_make_is_refused_when_concrete():
+    """selection_log_prob of a masked (or -inf) candidate returned the -1e30 sentinel, and a
+    -1 between filled slots was skipped ([1, -1, 0] read as 1 then 0): both are refused by
+    name on concrete arrays; a selection a draw can make is scored as before, also jitted."""
+    s = jnp.log(jnp.array([1.0, 2.0, 1.0]))
+    with pytest.raises(ValueError, match=r"^selected: candidate 1 is masked or scores -inf: no draw selects it$"):
+        rj.selection_log_prob(s, jnp.array([1, 0]), 1.0, mask=jnp.array([True, False, True]))
+    with pytest.raises(ValueError, match=r"^selected: candidate 2 is masked or scores -inf"):
+        rj.selection_log_prob(s.at[2].set(-jnp.inf), jnp.array([2]), 1.0)
+    with pytest.raises(ValueError, match=r"^selected: an unfilled slot \(-1\) comes before a filled one"):
+        rj.selection_log_prob(s, jnp.array([1, -1, 0]), 1.0)
+    ok = rj.selection_log_prob(s, jnp.array([1, 0, -1]), 1.0)
+    assert float(jnp.exp(ok)) == pytest.approx(0.25, rel=1e-6)
+    assert float(jax.jit(lambda a, b: rj.selection_log_prob(a, b, 1.0))(s, jnp.array([1, 0, -1]))) == float(ok)

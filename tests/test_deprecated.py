@@ -93,6 +93,10 @@ def test_a_read_reports_old_dict_ways_work_and_warn(tmp_path):
     _, report = read_log(path, skip_invalid=True)
     with pytest.warns(DeprecationWarning, match=r"report\['skipped'\] is deprecated: .* use report\.skipped"):
         assert report["skipped"] == 1
+    # `"skipped" in report` of the dict was False without a word (a tuple's `in` looks at its values)
+    with pytest.warns(DeprecationWarning, match=r"^'skipped' in report is deprecated: .* \(report\.skipped\)$"):
+        assert "skipped" in report
+    assert "absent" not in report and 1 in report       # not a field: a tuple's `in`, as before
     assert report[1] == 1 and report.skipped_line().startswith("skipped 1 invalid records of 2; first: ")
 
 

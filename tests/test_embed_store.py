@@ -87,6 +87,8 @@ def test_encode_shape_norm_and_semantics(embedder):
     assert embedder.encode([]).shape == (0, 384)
     with pytest.raises(InputError):
         embedder.encode("one string, not a list")
+    with pytest.raises(InputError, match=r"^texts: encode expects a list of strings, got NoneType$"):
+        embedder.encode(None)             # was "'NoneType' object is not iterable"
 
 
 def test_cache_rerun_embeds_nothing_twice(embedder, cache_root, monkeypatch):
@@ -402,6 +404,8 @@ def test_real_model_store(tmp_path, embedder):
     out = tmp_path / "real"
     write_store(out, tiny_dataset(), "turn", embedder)
     st = open_store(out, expect_model="sentence-transformers/all-MiniLM-L6-v2", expect_dim=384)
+    # the package's own short name (rmm_jax.data.embed.DEFAULT_MODEL, the CLI's --model default) was refused
+    assert open_store(out, expect_model="all-MiniLM-L6-v2").model == "sentence-transformers/all-MiniLM-L6-v2"
     u = st.user("alice")
     assert_unit_rows(np.asarray(u.memory_emb))
     np.testing.assert_array_equal(u.memory_emb[0], embedder.encode([tiny_dataset().users[0].turns[0].text])[0])

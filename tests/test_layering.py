@@ -4,6 +4,7 @@ Every ``import`` of an ``rmm_jax`` module, at any depth of any module, is read w
 ``ast`` and checked against the layer order in docs/index.md's "Layout of the code".
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,20 @@ def test_the_top_level_names_its_exports_once_and_loads_them_lazily():
     out = subprocess.run([sys.executable, "-c", "import sys, rmm_jax; print(sorted(m for m in sys.modules"
                           " if m.split('.')[0] in ('jax', 'chex', 'optax')))"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_name_of_another_room_asked_of_the_top_level_says_where_it_is():
+    """``rmm_jax.Reranker`` was "module 'rmm_jax' has no attribute 'Reranker'", with no word of
+    rmm_jax.online.serve: each pointer names the module that holds the name, and none is a top-level name."""
+    import importlib
+
+    import rmm_jax
+
+    assert rmm_jax._ELSEWHERE and not set(rmm_jax._ELSEWHERE) & set(rmm_jax.__all__)
+    for name, module in rmm_jax._ELSEWHERE.items():
+        assert hasattr(importlib.import_module(module), name), (name, module)
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}' \(it is {re.escape(module)}\.{name}\)$"):
+            getattr(rmm_jax, name)
 
 
 # packages of one private module per concern, curated in their __init__ (optax style)

@@ -44,6 +44,9 @@ def kind_of(params) -> str:
     q, m = (params.get("q_adapter"), params.get("m_adapter")) if isinstance(params, Mapping) else (None, None)
     ok = isinstance(q, Mapping) and isinstance(m, Mapping) and ("W" in q or "down" in q)
     got = f"keys {sorted(params)}" if isinstance(params, Mapping) else checks.short(params)
+    factors = isinstance(q, Mapping) and set(q) == {"lora"}     # "expected ... q_adapter and m_adapter, got keys
+    checks.require(ok or not factors, "params", "low-rank factors alone (init_lowrank): merge them with the shared "
+                                                "reranker first, rmm_jax.merge_params(shared, factors)")   # [those]"
     checks.require(ok, "params", f"expected a reranker's params (init_reranker: q_adapter and m_adapter), got {got}")
     return "linear" if "W" in q else "mlp"
 
@@ -154,11 +157,27 @@ def merge_params(shared, local):
       >>> sorted(p["q_adapter"]), sorted(rj.merge_params({}, lowrank)["q_adapter"])      # and an empty shared part
       (['W', 'lora'], ['lora'])
     """
-    if not isinstance(shared, dict) or not isinstance(local, dict):
-        return local if isinstance(shared, dict) and not shared else shared
+    out = _merge(shared, local, ())
+    for name in ("q_adapter", "m_adapter"):        # factors of another size failed deep inside a dot_general
+        p = out.get(name) if isinstance(out, dict) else None
+        if isinstance(p, dict) and isinstance(p.get("lora"), dict) and isinstance(p.get("W"), dict):
+            d, dl = np.shape(p["W"]["kernel"])[-1], np.shape(p["lora"]["a"])[-2]
+            checks.require(d == dl, "local", f"low-rank factors of dimension {dl}, the shared reranker's is {d}")
+    return out
+
+
+def _merge(shared, local, path: tuple):
+    if isinstance(shared, dict) and not shared:
+        return local
+    if isinstance(local, dict) and not local:
+        return shared
+    # a leaf in both parts: the shared one was kept without a word (a user's whole reranker in scope hybrid)
+    checks.require(isinstance(shared, dict) and isinstance(local, dict), "local",
+                   f"holds {'/'.join(path) or 'params'}, which the shared part holds too: a user's part adds to the "
+                   "shared one (in scope hybrid, low-rank factors: init_lowrank), it does not replace it")
     out = dict(shared)
     for k, v in local.items():
-        out[k] = merge_params(shared[k], v) if k in shared else v
+        out[k] = _merge(shared[k], v, (*path, k)) if k in shared else v
     return out
 
 
@@ -186,8 +205,20 @@ def score_naive(params, q, m):
       >>> rj.score_naive(params, jnp.array([1.0, 0.0, 2.0]), jnp.eye(3)).tolist()   # at init: m @ q
       [1.0, 0.0, 2.0]
     """
-    kind_of(params)                                         # a tree of another kind: one ValueError
+    _check_query(params, q, m)                              # what score checks: a dot_general TypeError
     return _apply_adapter(params["m_adapter"], m) @ _apply_adapter(params["q_adapter"], q)
+
+
+def _check_query(params, q, m) -> None:
+    """``q`` (d,) and ``m`` (K, d) floats of the reranker's dimension (a tree of another kind:
+    one ValueError naming ``params``)."""
+    checks.check_rank(q, 1, "q")
+    checks.check_rank(m, 2, "m")
+    checks.check_float(q, "q")
+    checks.check_float(m, "m")
+    d = dim_of(params)
+    checks.require(q.shape[0] == d, "q", f"dimension {q.shape[0]} does not match the reranker's {d}")
+    checks.require(m.shape[1] == d, "m", f"dimension {m.shape[1]} does not match the reranker's {d}")
 
 
 def _score_unmasked(params, q, m):
@@ -228,13 +259,7 @@ def score(params, q, m, mask=None):
       >>> rj.score(params, q, m, mask=jnp.array([True, False, True])).tolist()
       [3.0, -inf, 2.0]
     """
-    checks.check_rank(q, 1, "q")
-    checks.check_rank(m, 2, "m")
-    checks.check_float(q, "q")
-    checks.check_float(m, "m")
-    d = dim_of(params)
-    checks.require(q.shape[0] == d, "q", f"dimension {q.shape[0]} does not match the reranker's {d}")
-    checks.require(m.shape[1] == d, "m", f"dimension {m.shape[1]} does not match the reranker's {d}")
+    _check_query(params, q, m)
     checks.check_mask(mask, (m.shape[0],))
     checks.check_finite(q, "q")                  # eager calls: NaN scored silently, while sampling refused it
     checks.check_finite_where(m, mask, "m")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rmm_jax.core import checks
 
@@ -47,6 +48,11 @@ def _check_scores(scores, mask, m=None, selected=None):
         checks.check_int(selected, "selected")
         checks.require(selected.shape[0] <= k, "selected", f"length {selected.shape[0]} exceeds K={k}")
         checks.check_selected(selected, k)
+        if all(checks.is_concrete(x) for x in (scores, selected, mask)):   # a masked or -inf pick: -1e30, no error
+            v, sel = np.asarray(valid_mask(scores, mask)), np.asarray(selected)
+            bad = [int(i) for i in sel if i >= 0 and not v[i]]
+            checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or scores -inf: no draw "
+                                                "selects it")
 
 
 def _check_gumbel(gumbel, scores):

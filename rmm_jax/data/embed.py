@@ -35,6 +35,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterable
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -427,6 +428,8 @@ class Embedder:
         """Embed ``texts`` -> ``(n, dim)`` float32 with unit L2 norm (cached)."""
         if isinstance(texts, str):
             raise InputError("encode expects a list of strings, got one string", where="texts")
+        if not isinstance(texts, Iterable):    # None was "'NoneType' object is not iterable"
+            raise InputError(f"encode expects a list of strings, got {type(texts).__name__}", where="texts")
         texts = list(texts)
         for i, t in enumerate(texts):
             if not isinstance(t, str):

@@ -59,6 +59,13 @@ class ReadReport(NamedTuple):
             return getattr(self, key)
         return tuple.__getitem__(self, key)
 
+    def __contains__(self, key) -> bool:
+        if isinstance(key, str) and key in self._fields:   # `"skipped" in report` of the dict: False, silently
+            warnings.warn(f"{key!r} in report is deprecated: a log's read report is a ReadReport, whose fields "
+                          f"are always there (report.{key})", DeprecationWarning, stacklevel=2)
+            return True
+        return tuple.__contains__(self, key)
+
 
 def _new_report() -> dict:
     return {"records": 0, "skipped": 0, "first_errors": [], "notes": [], "repeated": 0}
