@@ -147,7 +147,7 @@ def env(tmp_path_factory):
         # a stored memory with another text: the store's memory would be used, the text ignored
         "store_text_differs": jl({**g0, "log_prob": -2.0}, {**g1, "log_prob": -2.0, "candidates": [
             {"id": g1["candidates"][0], "text": "not the store's text"}, *g1["candidates"][1:]]}),
-        "duplicate_query": jl(g0, g1, g0),
+        "duplicate_query": jl(g0, g1, {**g0, "cited": []}),      # other content (a repeat is read once)
         "cited_outside_selected": jl({**g0, "cited": [g0["candidates"][-1]]}),
         "selected_outside_candidates": jl({**g0, "selected": g0["selected"] + ["zz"]}),
         "positive_log_prob": jl({**g0, "log_prob": 0.5}),
@@ -687,8 +687,9 @@ def mutate(draw, rec, env, kind):
         return [line[:draw(st.integers(1, len(line) - 1))]], 1
     elif kind == "not_object":
         return [json.dumps(draw(st.sampled_from([[rec], "x", 3, None])))], 1
-    elif kind == "dup_pair":
-        return [json.dumps(rec), json.dumps(rec)], 2
+    elif kind == "dup_pair":          # the same call with other content (an exact repeat is read once)
+        other = {**rec, "cited": [] if rec["cited"] else rec["selected"][:1]}
+        return [json.dumps(rec), json.dumps(other)], 2
     elif kind == "too_many_candidates":
         extra = [m for m in u.memory_ids if m not in rec["candidates"]]
         rec["candidates"] = rec["candidates"] + extra[:K + 1 - len(rec["candidates"])]

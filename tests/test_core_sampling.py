@@ -238,7 +238,8 @@ def test_a_selection_no_draw_can_make_is_refused_when_concrete():
         rj.selection_log_prob(s, jnp.array([1, 0]), 1.0, mask=jnp.array([True, False, True]))
     with pytest.raises(ValueError, match=r"^selected: candidate 2 is masked or scores -inf"):
         rj.selection_log_prob(s.at[2].set(-jnp.inf), jnp.array([2]), 1.0)
-    with pytest.raises(ValueError, match=r"^selected: an unfilled slot \(-1\) comes before a filled one"):
+    with pytest.raises(ValueError, match=r"^selected: an unfilled slot \(-1\) comes before a filled one: "
+                                         r"unfilled slots end a draw$"):
         rj.selection_log_prob(s, jnp.array([1, -1, 0]), 1.0)
     ok = rj.selection_log_prob(s, jnp.array([1, 0, -1]), 1.0)
     assert float(jnp.exp(ok)) == pytest.approx(0.25, rel=1e-6)

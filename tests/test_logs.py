@@ -437,7 +437,8 @@ def test_a_line_that_repeats_a_record_exactly_is_read_once_and_noted(tmp_path):
         assert [(n, r.query_id) for n, r in reading] == [(1, "q1"), (2, "q2")]
         assert reading.report.records == 2 and reading.report.repeated == 3 and reading.report.skipped == 0
         assert reading.report.notes == [f"3 lines of {path} repeat an earlier record exactly (first: line 3, as "
-                                        "line 1): each call is read once"]
+                                        "line 1): each call is read once (if they were separate calls, give each its "
+                                        "own call_id)"]
     path.write_text("\n".join([json.dumps(BASE), json.dumps(BASE), json.dumps(_with(cited=[]))]) + "\n")
     with pytest.raises(InputError, match=r":3: key 'query_id': duplicate .* first logged at line 1 with other "):
         read_log(path)

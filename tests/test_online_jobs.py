@@ -185,6 +185,26 @@ def test_open_run_refuses_a_program_of_another_layout_than_its_store(store, tmp_
     assert ps.n_users() == 0 and ps.shared_versions() == [1]
 
 
+def test_open_run_takes_a_program_that_fits_its_store_and_none_on_a_process_that_does_not_write(store, tmp_path):
+    """What the layout check must not refuse (the review's two regressions): a program without
+    a hidden width on an mlp store that records one (simulate and replay have no --hidden: a
+    `pretrain --hidden 8` store could not be continued), and no store at all on a process that
+    does not write (a distributed run's process 1 before process 0 made the store: an
+    AttributeError on None)."""
+    from rmm_jax.online.session import Start, create_policies, open_run
+
+    streams = load_streams(store, CFG.k)
+    p0 = rj.init_reranker(jax.random.key(0), store.dim, "mlp", 8)
+    ps = create_policies(tmp_path / "p", rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp", hidden=8).layout,
+                         store.dim, p0, config={})
+    program = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp"), cite_fn=oracle_cite)
+    for target, writer in ((ps, True), (None, False)):
+        with open_run([streams], program, Start(p0), target, None, seed=0, users_per_chunk=len(streams),
+                      checkpoint_every=0, writer=writer) as run:
+            assert list(run) == [len(streams)]
+    assert ps.n_users() == len(streams)
+
+
 def test_run_online_and_drive_refuse_a_bad_seed_chunk_size_stream_or_m_by_name_before_any_work(store, tmp_path):
     """seed="1" was a JAX TypeError 14 calls deep; users_per_chunk=0 range()'s "arg 3 must
     not be zero"; run_online(stream) "'Stream' has no len()"; replaying streams logged with

@@ -226,6 +226,20 @@ def test_rerank_notes_a_k_beyond_the_users_banks_as_simulate_does(capsys, tmp_pa
         assert (note in err.splitlines()) is noted, err
 
 
+def test_rerank_names_its_draw_temperature_as_draw_tau_however_it_was_spelt(capsys, tmp_path, env):
+    """rerank's --draw-tau (also spelt --tau) was refused as "--tau: must be > 0", an option the
+    user may not have typed; its errors name --draw-tau."""
+    store, pol = env
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(json.dumps({"user_id": "user0", "query_id": "q0"}) + "\n")
+    for spelt in ("--draw-tau", "--tau"):
+        for value, more, says in ((0, ["--explore"], "must be > 0, got 0.0"),
+                                  (0.5, [], "only --explore samples; the deterministic top-M has no temperature")):
+            code, out, err = run_cli(capsys, "rerank", store, "--policies", pol["user"], "--calls", calls, spelt,
+                                     value, "--k", 5, "--m", 2, *more)
+            assert (code, out, err) == (2, "", f"error: --draw-tau: {says}\n"), err
+
+
 def test_rerank_calls_dash_reads_standard_input(capsys, tmp_path, env, monkeypatch):
     """`rerank --calls -` was "-: file not found": a pipeline that hands rerank its requests
     on stdin gets the lines it gets from the same file, and a bad line is named <stdin>:line."""
@@ -1113,7 +1127,7 @@ def test_the_exploration_warning_names_the_default_only_where_the_scores_can_gro
                                "--explore", "--tau", "1e-5", "--out", tmp_path / "out.jsonl")
         assert code == 0, err
         line = next(ln for ln in err.splitlines() if "barely explored" in ln)
-        assert "draw at a larger tau (rerank --tau)" in line
+        assert "draw at a larger tau (rerank --draw-tau)" in line
         assert ("--preset default --change-setting" in line) == named, (policies, line)
 
 

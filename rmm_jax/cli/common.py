@@ -245,13 +245,15 @@ def check_rank(layout: Layout, dim: int) -> None:
         raise_option_error(e)
 
 
-def check_tau_option(tau: float | None) -> None:
-    """``--tau`` (None: not given) as the core checks a temperature, as the option's one line."""
+def check_tau_option(tau: float | None, option: str = "--tau") -> None:
+    """``--tau`` (None: not given) as the core checks a temperature, as the one line of
+    ``option`` (rerank's and evaluate's ``--draw-tau``)."""
     if tau is not None:
         try:
             checks.check_tau(tau)
         except ValueError as e:
-            raise_option_error(e)
+            _, _, msg = str(e).partition(": ")
+            raise InputError(OPTION_WORDS.get(msg, msg) or str(e), where=option) from None
 
 
 def short_bank_note(st, k: int, users=None) -> str | None:

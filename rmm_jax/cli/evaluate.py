@@ -198,7 +198,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
     check_input_file(log_path, f"--log {log_path}", TWICE)
-    check_tau_option(tau)
+    check_tau_option(tau, "--draw-tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)

@@ -144,9 +144,9 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         note = (("no policy yet" if policies is None else f"no policy store at {policies}")
                 + (f" (did you mean {near}?)" if near else "")
                 + ": serving the identity reranker (the base retriever's scores)")
-    check_tau_option(tau)
+    check_tau_option(tau, "--draw-tau")
     if tau is not None and not explore:
-        raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--tau")
+        raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--draw-tau")
     key_notes: list[str] = []
     routine: list[str] = []                       # the texts the store lacked: every day's new questions
     calls = read_calls(calls_path, key_notes)

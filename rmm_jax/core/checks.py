@@ -143,7 +143,7 @@ def check_no_nan(x, name: str) -> None:
 
 def check_selected(selected, k: int, name: str = "selected") -> None:
     """Each filled entry (>= 0) of a selection (..., M) names one of K candidates, once per
-    selection; −1 is an unfilled slot, after every filled one. Checked when concrete: under ``jit`` or ``vmap`` the
+    selection; −1 is an unfilled slot. Checked when concrete: under ``jit`` or ``vmap`` the
     indices are traced, and a gather clamps an index out of range (a finite, wrong value), so
     there the caller's outer check is what guards it."""
     if not is_concrete(selected):
@@ -154,9 +154,6 @@ def check_selected(selected, k: int, name: str = "selected") -> None:
     srt = np.sort(s, axis=-1)
     twice = srt[..., 1:][(srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)].tolist()
     require(not twice, name, f"candidate {twice[:1] and twice[0]} is selected twice in one selection")
-    # [1, -1, 0] was read as the draws 1 then 0, the -1 skipped
-    require(not (s[..., 1:] >= 0)[s[..., :-1] < 0].any(), name,
-            "an unfilled slot (-1) comes before a filled one: unfilled slots end a selection")
 
 
 def check_mask(mask, shape, name: str = "mask") -> None:

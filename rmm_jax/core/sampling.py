@@ -53,6 +53,10 @@ def _check_scores(scores, mask, m=None, selected=None):
             bad = [int(i) for i in sel if i >= 0 and not v[i]]
             checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or scores -inf: no draw "
                                                 "selects it")
+            # a draw's order: [1, -1, 0] was read as the draws 1 then 0, the -1 skipped (a loss's selection may
+            # hold -1 anywhere: a slot it leaves out)
+            checks.require(not (sel[1:] >= 0)[sel[:-1] < 0].any(), "selected",
+                           "an unfilled slot (-1) comes before a filled one: unfilled slots end a draw")
 
 
 def _check_gumbel(gumbel, scores):

@@ -673,7 +673,7 @@ def _warn_if_not_exploring(drawn: list, m: int, tau: float, store: PolicyStore |
             f"the exploring draw barely explored: the median call drew its {m} memories, in that order, with "
             f"probability {p:.2f} ({len(log_p)} calls): its logits s/tau lie far apart (up to {largest:.3g} at tau "
             f"{tau:g}), so tomorrow's log labels little beyond the policy's own top {m} and evaluate can judge "
-            f"little else; draw at a larger tau (rerank --tau)"
+            f"little else; draw at a larger tau (rerank --draw-tau)"
             + (", or move the policies to the default preset (replay ... --preset default --change-setting), whose "
                "scores stop growing" if _scores_grow(store) else "")
             + " (docs/lifecycle.md, \"When the draw stops exploring\")"),

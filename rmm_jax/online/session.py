@@ -236,7 +236,8 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
         raise InputError(f"expected a Start (rmm_jax.online.session.Start(params)), got a {type(start).__name__}",
                          arg="start")
     check_chunks(chunks)
-    check_program_fits(program, ps)
+    if ps is not None:       # a process that does not write may hold no store (none made yet)
+        check_program_fits(program, ps)
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions,
@@ -271,7 +272,7 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
 
 def check_program_fits(program, ps) -> None:
     """Refuse a ``program`` whose layout is not the policy store ``ps``'s: another scope or
-    rank, another reranker kind or hidden width (naming ``program``). A hybrid program's
+    rank, another reranker kind or, when both give one, hidden width (naming ``program``). A hybrid program's
     factors were saved in a user-scope store, which then failed at every load; an `mlp`
     program's params in a `linear` store, whose meta still said linear; a user-scope program
     in a hybrid store ran a whole chunk before a save refused it."""
@@ -285,7 +286,8 @@ def check_program_fits(program, ps) -> None:
     if lay.scope != ps.scope:
         raise InputError(f"the program's scope is {scope(lay.scope)}, the policy store's is {scope(ps.scope)} "
                          f"({ps.path}): make the program with the store's scope, or create a new store", arg="program")
-    if lay.kind != meta.kind or (meta.kind == "mlp" and meta.hidden is not None and lay.hidden != meta.hidden):
+    # a program without a hidden width takes the store's (simulate and replay have no --hidden)
+    if lay.kind != meta.kind or (None not in (lay.hidden, meta.hidden) and lay.hidden != meta.hidden):
         raise InputError(f"the program's reranker is {kind(lay.kind, lay.hidden)}, the policy store's is "
                          f"{kind(meta.kind, meta.hidden)} ({ps.path})", arg="program")
 

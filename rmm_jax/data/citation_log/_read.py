@@ -178,7 +178,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         n = report["repeated"]
         report["notes"].append(f"{n} line{'s' if n > 1 else ''} of {path} repeat{'' if n > 1 else 's'} an earlier "
                                f"record exactly (first: line {first_repeat[0]}, as line {first_repeat[1]}): each "
-                               "call is read once")
+                               "call is read once (if they were separate calls, give each its own call_id)")
 
 
 def _digest(obj) -> bytes:
