@@ -1066,11 +1066,12 @@ def test_over_fewer_calls_than_min_ess_the_weight_mean_is_no_diagnosis_of_the_lo
     average 0.783 (s.e. 0.063), "log_prob is not the logging policy's probability", and told
     the team to fix its logging (the same policies on 2,400 calls of the same logger: 0.994).
     Over so few calls the tail of large weights is seldom sampled: correct logs of 16 calls
-    fail the 0.1% check about 8% of the time. Below min_ess the check is not made (the ESS
-    withholds the estimate already), and the log's cause is its size."""
+    fail the 0.1% check about 8% of the time. Below min_ess a failed check says it cannot tell
+    sampling from a wrong log_prob (the ESS withholds the estimate already), and the log's
+    cause is its size, with the log_prob to check."""
     from rmm_jax.online.ope._report import log_cause
 
-    flagged = {0: 0, 30: 0}
+    flagged, hedged = {0: 0, 30: 0}, 0
     for seed in range(200):
         rng = np.random.default_rng(seed)
         n, k, m = 16, 8, 3
@@ -1082,10 +1083,15 @@ def test_over_fewer_calls_than_min_ess_the_weight_mean_is_no_diagnosis_of_the_lo
         r = (rng.uniform(size=(n, m)) < 0.3).astype(np.float64)
         est = estimate("ips", estimator_weights("ips", log_ratio=pt[:, -1] - pb[:, -1]), r, bootstrap=0)
         for min_ess in flagged:
-            flagged[min_ess] += any("not 1" in x for x in verdict(est, min_ess=min_ess))
+            flagged[min_ess] += any("not 1: " in x for x in verdict(est, min_ess=min_ess))
+        off = any("over only 16 calls: too few to tell large weights not sampled yet from a log_prob that is not "
+                  "the logging policy's probability" in x for x in verdict(est, min_ess=30))
+        hedged += off
         cause = log_cause({**est, "reliable": False}, 30)
         assert cause.why.startswith("the log has too few calls: 16 of them"), cause
-    assert flagged[0] >= 10 and flagged[30] == 0, flagged     # without min_ess: the false alarms measured
+        assert ("check that each record's log_prob" in cause.fix) is off, cause
+    # without min_ess: the false alarms measured; with it, the same calls said to be undecidable
+    assert flagged[0] >= 10 and flagged[30] == 0 and hedged == flagged[0], (flagged, hedged)
 
 
 def test_call_problems_name_what_the_reader_would_refuse(ope_env):

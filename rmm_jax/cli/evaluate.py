@@ -141,7 +141,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         calls the bootstrap interval is not trustworthy and a few calls
         decide the estimate; an on-policy log of fewer calls is flagged too);
       - its weights average far from 1 (beyond 0.1 and 3.29 standard
-        errors, on a log of at least --min-ess calls): E[target/logging] = 1 whenever the log covers the target,
+        errors; over fewer than --min-ess calls said to be undecidable
+        from sampling): E[target/logging] = 1 whenever the log covers the target,
         so log_prob is not the logging policy's probability (a deterministic
         logger writing 0, a wrong temperature) or the log misses selections
         the target makes;

@@ -72,10 +72,11 @@ checks:
   each slot of the prefix and marginal ratios. The mean (unclipped) weight is flagged when it is
   further from 1 than both 0.1 (:data:`WEIGHT_MEAN_TOL`) and 3.29 standard errors
   (:data:`WEIGHT_MEAN_Z`, a two-sided 0.1% test, so a correct log is almost never
-  flagged), on a log of at least ``min_ess`` calls: over fewer, the tail of large weights
-  is seldom sampled and the standard error is as untrustworthy as the bootstrap interval
-  (16 calls of a correct log averaged 0.78, s.e. 0.06; the same policies on 2,400 calls
-  0.994), and the ESS withholds the estimate already. It catches ``log_prob`` values that are not the logging policy's
+  flagged). Over fewer than ``min_ess`` calls the tail of large weights is seldom sampled
+  and the standard error is as untrustworthy as the bootstrap interval (16 calls of a
+  correct log averaged 0.78, s.e. 0.06; the same policies on 2,400 calls 0.994): the
+  reason then says so few calls cannot tell the two apart (the ESS withholds the estimate
+  already). It catches ``log_prob`` values that are not the logging policy's
   probabilities of one normalised policy (a deterministic logger that writes 0, a
   probability at another temperature, a missing normaliser) and a log that does not
   cover the target.

@@ -243,9 +243,12 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
     # Below min_ess calls the weights' standard error is no more trustworthy than the bootstrap:
     # 16 calls of a correct log whose target drifted average 0.78 (s.e. 0.06) where the tail of
-    # large weights is not sampled yet (the same policies on 2,400 calls: 0.994), and the ESS
-    # reason withholds the estimate already
-    if mean is not None and n >= min_ess and abs(mean - 1.0) > _weight_mean_allowance(se):
+    # large weights is not sampled yet (the same policies on 2,400 calls: 0.994); the ESS reason
+    # withholds the estimate already, and this one says it cannot tell the two apart
+    if mean is not None and n < min_ess and abs(mean - 1.0) > _weight_mean_allowance(se):
+        reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}) over only {n} calls: too few to tell large "
+                       "weights not sampled yet from a log_prob that is not the logging policy's probability")
+    elif mean is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
         reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}), not 1: " + (
             f"a few calls carry them (ESS {ess:.1f} of {n}): the target has likely drifted far from the logging "
             "policy (heavy-tailed weights, whose mean over few calls falls below 1), or log_prob is not the logging "

@@ -272,9 +272,10 @@ class LogCause(NamedTuple):
 def log_cause(est: dict, min_ess: float, *, logits_checked: bool = False) -> LogCause | None:
     """Why the log, not the target policy, makes the report entry ``est`` unreliable (None:
     it is reliable, or the log is not why): it holds fewer calls than ``min_ess`` (an ESS is at
-    most the number of calls; over so few the weights' mean tells nothing either), or its
-    weights do not average 1 (the log's ``log_prob`` is not the logging policy's probability,
-    or it misses selections the target makes).
+    most the number of calls; over so few, weights that do not average 1 cannot be told from
+    sampling, and the fix says to check the log_prob too), or its weights do not average 1 (the
+    log's ``log_prob`` is not the logging policy's probability, or it misses selections the
+    target makes).
     Neither a clip nor another policy changes either. A target whose selections the log
     rarely shows (``ess_max``, the ESS at a clip of 1, below ``min_ess`` on enough calls) is
     the target's divergence, not the log's fault: not a cause here (see :func:`low_ess_advice`).
@@ -287,10 +288,17 @@ def log_cause(est: dict, min_ess: float, *, logits_checked: bool = False) -> Log
     if est.get("reliable", True):
         return None
     n = est["n"]
-    if n < min_ess:       # first: over fewer calls the weights' mean tells nothing about the log_prob
-        return LogCause(f"the log has too few calls: {n} of them, and the ESS (at most the number of calls) cannot "
-                        f"reach {named('min_ess')} {min_ess:g}", f"log more calls (or lower {named('min_ess')})")
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
+    if n < min_ess:       # first: over fewer calls the weights' mean cannot tell a wrong log_prob from sampling
+        off = mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se)
+        return LogCause(f"the log has too few calls: {n} of them, and the ESS (at most the number of calls) cannot "
+                        f"reach {named('min_ess')} {min_ess:g}"
+                        + (f"; its weights average {mean:.3g}, not 1, which so few calls cannot tell from sampling "
+                           "(large weights not drawn yet)" if off else ""),
+                        f"log more calls (or lower {named('min_ess')})"
+                        + ("; and check that each record's log_prob is the probability the logging policy drew its "
+                           "selection with (a log_prob that is not the logging policy's probability keeps the "
+                           "weights from averaging 1 however many calls)" if off else ""))
     if mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
         if heavy_tailed(est):
             other = ("; every record's log_prob is the Plackett–Luce probability of its logits, so the log is "
