@@ -43,7 +43,7 @@ from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key
+from rmm_jax.data.citation_log import CONTENT_LEFT_OUT, call_key
 from rmm_jax.errors import InputError, at, named
 from rmm_jax.online.driver import Chunk
 from rmm_jax.online.sinks import overlap, simulated_queries
@@ -174,10 +174,11 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
             sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine, simulated[u], relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
-                raise InputError(f"user {u!r}: this call was learned with other content: the log was rewritten "
-                                 "after it was learned, or it is another call under the same name (give each "
-                                 f"call its own call_id); {named('relearn', True)} learns the log's calls again",
-                                 where=at(log_path, line))
+                raise InputError(f"user {u!r}: this call was learned with other content (every key but "
+                                 f"{', '.join(CONTENT_LEFT_OUT)} counts: a log_prob rounded or a text re-spaced "
+                                 "since is other content): the log was rewritten after it was learned, or it is "
+                                 "another call under the same name (give each call its own call_id); "
+                                 f"{named('relearn', True)} learns the log's calls again", where=at(log_path, line))
             known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
             learn += int(sort.learn.sum())
             if sort.older.any():
