@@ -28,7 +28,7 @@ WALK = [
     ("retrieve", "retrieve stores/synth --k 10 --json", 0),
     ("pretrain dialogue", "pretrain stores/mine --labels dialogue --epochs 1 --out policies --json", 0),
     ("pretrain gold --plot", "pretrain stores/synth --k 10 --epochs 1 --out pretrained --plot pt.png --json", 0),
-    ("replay", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
+    ("replay", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --plot day1.png --json", 0),
     ("replay nothing to learn", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
     ("rerank", "rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore "
                "--out served.jsonl --json", 0),
@@ -37,10 +37,11 @@ WALK = [
     ("evaluate unreliable", "evaluate stores/mine --log examples/calls_day2.jsonl --policies policies "
                             "--bootstrap 40 --json", 3),
     ("evaluate misspelt keys", "evaluate stores/mine --log typo2.jsonl --policies policies --users user0,user1 "
-                               "--bootstrap 40 --allow-unreliable --json", 0),
+                               "--bootstrap 40 --allow-unreliable --plot ev.png --json", 0),
     ("evaluate one call", "evaluate stores/mine --log examples/calls_day2.jsonl --policies policies "
                           "--users newcomer --bootstrap 40 --json", 3),
-    ("simulate", "simulate stores/synth --policies simulated --k 10 --users user1 --log-out sim.jsonl --json", 0),
+    ("simulate", "simulate stores/synth --policies simulated --k 10 --users user1 --log-out sim.jsonl --plot sim.png "
+                 "--json", 0),
     ("cite-rates", "cite-rates stores/synth --log sim.jsonl --bootstrap 40 --json", 0),
     ("cite-rates misspelt keys", "cite-rates stores/synth --log sim_typo.jsonl --users user1 --bootstrap 40 --json", 0),
     ("policies list", "policies list policies --json", 0),
@@ -154,6 +155,16 @@ def test_the_json_help_names_every_key_printed(walk, label, line, code):
     named = set(re.findall(r"[\w@+]+", _json_help(path)))
     keys = {re.sub(r"@\d+$", "@M", k) for k in _strict(walk[label][1])}
     assert keys <= named, (path, sorted(keys - named))
+
+
+def test_the_plot_written_is_named_in_the_json_as_pretrain_and_demo_name_theirs(walk):
+    """simulate, replay and evaluate wrote --plot without a word of it in --json, where pretrain
+    and demo name theirs: each says the PNG it wrote, or null when it wrote none."""
+    for label, png in (("replay", "day1.png"), ("simulate", "sim.png"), ("evaluate misspelt keys", "ev.png"),
+                       ("pretrain gold --plot", "pt.png"), ("replay nothing to learn", None),
+                       ("evaluate unreliable", None)):
+        assert _strict(walk[label][1])["plot"] == png, label
+        assert png is None or (walk["_root"] / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", label
 
 
 def test_notes_go_to_stderr_and_the_exit_status_is_the_one_without_json(walk):

@@ -113,7 +113,7 @@ def _row(name: str, est: dict) -> str:
              "self_served and served_by_target: the calls POLICIES served itself), pending_rollback (null, or the "
              "note that an interrupted rollback of POLICIES is pending: the versions it forgets were evaluated), "
              "unfinished_run (null, or the run that has not finished writing POLICIES, whose mix of versions was "
-             "evaluated: command, state, note)")
+             "evaluated: command, state, note), plot (the --plot PNG written, or null)")
 def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_unreliable, bootstrap, exact_limit,
              mc_samples, seed, skip_invalid, plot_path, cache_dir, as_json):
     """Estimate, from logged calls, what the policies in POLICIES would get: off-policy evaluation.
@@ -240,7 +240,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
                        title=f"off-policy estimates for {policies} ({rep['calls']} calls, target tau {tau:g})")
         info(f"wrote {plot_path}")
     if as_json:
-        emit_json(rep)
+        emit_json({**rep, "plot": str(plot_path) if plot_path is not None else None})
     else:
         _print_table(rep, policies, tau)
     v = rep["verdict"]
@@ -284,7 +284,7 @@ def quiet_day(store, log_path, policies, ps, opts: dict, as_json: bool) -> None:
         info(f"no plot: {why}, so --plot {opts['plot_path']} was not written", must_read=True)
     if as_json:         # the line on stderr, as rerank --json says it served 0 calls
         info(f"verdict: none ({why})")
-        emit_json(rep)
+        emit_json({**rep, "plot": None})
     else:
         click.echo(f"verdict: none ({why})")
 

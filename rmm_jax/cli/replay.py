@@ -121,7 +121,7 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
         info(line)
         emit_json({"policies": str(policies), "init": init, "setting": None, "config": None,
                    "log": {"path": str(log_path), **ReadReport(0, 0, [], [])._asdict(), "calls": calls},
-                   "base": {}, "online": {"queries": 0, "calls": 0}})
+                   "base": {}, "online": {"queries": 0, "calls": 0}, "plot": None})
     else:
         click.echo(line)
 
@@ -158,7 +158,8 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
 @quiet_option
 @json_option("the run's summary", "policies, init, setting, config, log (the log read: path, calls, skipped, "
              "...), base (the base retriever on the same calls, per_user among them), online (the run's "
-             "prequential measures, per_user among them), curve and cited_curve (learning curves, when measured)")
+             "prequential measures, per_user among them), curve and cited_curve (learning curves, when measured), "
+             "plot (the --plot PNG written, or null)")
 def replay(store, log_path, policies, init, keep, change_setting, clip, passes, skip_invalid, relearn, users,
            users_per_chunk, checkpoint_every, resume, plot_path, cache_dir, as_json, **opts):
     """Replay logged citations from a real (or simulated) generator through the learner.
@@ -262,9 +263,11 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
              "again (and this one did, if the log was replayed before); give each call such a timestamp "
              "(`rmm-jax rerank` writes one on every call it serves without one)", must_read=True)
     note_read(scan.read)                         # invalid records skipped; unknown keys that look misspelt
-    if plot_path and writer and result is not None:
+    plotted = bool(plot_path and writer and result is not None)
+    if plotted:
         save_plot(result, setting, plot_path, "replay")
     elif plot_path and writer:
         info(f"no plot: nothing was learned, so --plot {plot_path} was not written", must_read=True)
     report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
-                             "log": {"path": str(log_path), **rep}}, as_json)
+                             "log": {"path": str(log_path), **rep}, "plot": str(plot_path) if plotted else None},
+           as_json)

@@ -114,7 +114,7 @@ def parse_range(text: str | None) -> tuple[int, int | None]:
 @quiet_option
 @json_option("the run's summary", "policies, init, setting, config, citations, base (the base retriever on the "
              "same queries, per_user among them), online (the run's prequential measures, per_user among them), "
-             "curve and cited_curve (learning curves, when measured)")
+             "curve and cited_curve (learning curves, when measured), plot (the --plot PNG written, or null)")
 def simulate(store, policies, init, keep, change_setting, citations, precision, cite_recall, users, query_range,
              relearn, users_per_chunk, log_out, checkpoint_every, resume, plot_path, as_json, **opts):
     """Run the online loop on STORE against simulated citations.
@@ -219,6 +219,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     if plot_path and writer:
         save_plot(result, setting, plot_path, "simulate")
     report(result, setting, {"policies": str(policies), "init": init, "setting": setting_report(ls),
+                             "plot": str(plot_path) if plot_path and writer else None,
                                 "citations": {"model": "precision/recall" if overridden else citations,
                                               **({"precision": precision, "recall": cite_recall} if overridden
                                                  else {})}}, as_json)
