@@ -411,6 +411,17 @@ def test_evaluate_on_an_empty_log_checks_its_options(capsys, ope_env, tmp_path):
     assert code == 0 and out.startswith("verdict: none ("), err
 
 
+def test_evaluate_clip_inf_is_no_clipping_as_replay_takes_it(capsys, ope_env):
+    """replay's --clip inf means no ceiling; evaluate refused it ("must be a finite number >= 1"):
+    it is the report of no --clip, number for number."""
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--json", "--bootstrap", 40)
+    code_inf, out_inf, err_inf = evaluate(capsys, ope_env, "--tau", TAU, "--json", "--bootstrap", 40, "--clip", "inf")
+    assert (code, err) == (code_inf, err_inf) and strict_json(out_inf)["clip"] is None
+    assert strict_json(out_inf) == strict_json(out)
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--clip", "nan")
+    assert code == 2 and err.startswith("error: --clip: must be a finite number >= 1, got nan"), err
+
+
 def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     """Target = the logging policy (identity reranker, same τ): every importance weight is 1,
     so every estimator returns the logged mean and the ESS is the number of calls. No false

@@ -1,6 +1,7 @@
 """``rmm-jax evaluate``: off-policy estimates of a policy store's value from a citation log."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -88,7 +89,8 @@ def _row(name: str, est: dict) -> str:
 @click.option("--k", type=int, default=None, show_default="the log's", help="Candidates per call (K).")
 @click.option("--m", type=int, default=None, show_default="the log's", help="Memories shown per call (M).")
 @click.option("--clip", type=float, default=None, show_default="no clipping",
-              help="Cap every importance weight at this (>= 1); reported as a bias warning.")
+              help="Cap every importance weight at this (>= 1; inf: none, as replay's --clip takes it); reported as a "
+                   "bias warning.")
 @click.option("--min-ess", type=float, default=DEFAULT_MIN_ESS,
               help="An estimate whose weights have a smaller effective sample size is unreliable (0: no check).")
 @click.option("--allow-unreliable", is_flag=True,
@@ -199,6 +201,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
     check_input_file(log_path, f"--log {log_path}", TWICE)
+    clip = None if clip == math.inf else clip      # replay's "none", which evaluate refused as not finite
     check_tau_option(tau, "--draw-tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
