@@ -29,7 +29,8 @@ WALK = [
     ("pretrain dialogue", "pretrain stores/mine --labels dialogue --epochs 1 --out policies --json", 0),
     ("pretrain gold --plot", "pretrain stores/synth --k 10 --epochs 1 --out pretrained --plot pt.png --json", 0),
     ("replay", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --plot day1.png --json", 0),
-    ("replay nothing to learn", "replay stores/mine --log examples/calls_day1.jsonl --policies policies --json", 0),
+    ("replay nothing to learn", "replay stores/mine --log examples/calls_day1.jsonl --policies policies "
+                                "--plot nothing.png --json", 0),
     ("rerank", "rerank stores/mine --policies policies --calls examples/requests_day2.jsonl --explore "
                "--out served.jsonl --json", 0),
     ("rerank no store", "rerank stores/mine --calls examples/requests_day1.jsonl --out ranked.jsonl --json", 0),
@@ -162,9 +163,10 @@ def test_the_plot_written_is_named_in_the_json_as_pretrain_and_demo_name_theirs(
     and demo name theirs: each says the PNG it wrote, or null when it wrote none."""
     for label, png in (("replay", "day1.png"), ("simulate", "sim.png"), ("evaluate misspelt keys", "ev.png"),
                        ("pretrain gold --plot", "pt.png"), ("replay nothing to learn", None),
-                       ("evaluate unreliable", None)):
+                       ("evaluate unreliable", None), ("pretrain dialogue", None)):
         assert _strict(walk[label][1])["plot"] == png, label
         assert png is None or (walk["_root"] / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", label
+    assert not (walk["_root"] / "nothing.png").exists()       # given --plot, nothing learned: null, no file
 
 
 def test_notes_go_to_stderr_and_the_exit_status_is_the_one_without_json(walk):

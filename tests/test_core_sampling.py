@@ -241,6 +241,8 @@ def test_a_selection_no_draw_can_make_is_refused_when_concrete():
     with pytest.raises(ValueError, match=r"^selected: an unfilled slot \(-1\) comes before a filled one: "
                                          r"unfilled slots end a draw$"):
         rj.selection_log_prob(s, jnp.array([1, -1, 0]), 1.0)
+    with pytest.raises(ValueError, match=r"^selected: an unfilled slot \(-1\) comes before a filled one"):
+        jax.grad(lambda x: rj.selection_log_prob(x, jnp.array([1, -1, 0]), 1.0))(s)     # the scores traced
     ok = rj.selection_log_prob(s, jnp.array([1, 0, -1]), 1.0)
     assert float(jnp.exp(ok)) == pytest.approx(0.25, rel=1e-6)
     assert float(jax.jit(lambda a, b: rj.selection_log_prob(a, b, 1.0))(s, jnp.array([1, 0, -1]))) == float(ok)

@@ -199,8 +199,8 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
     code, _, err = replay(capsys, store, log, tmp_path / "p")
     assert code == 2, err
     assert err.strip().splitlines() == [f"error: {log}:6: user {logged[5]['user_id']!r}: this call was learned with "
-                                        "other content (every key but gold, timestamp, policy_version, "
-                                        "shared_version counts: a log_prob rounded or a text re-spaced since is "
+                                        "other content (every log key but gold, timestamp, policy_version, "
+                                        "shared_version is read: a log_prob rounded or a text re-spaced since is "
                                         "other content): the log was rewritten after it was learned, or it is "
                                         "another call under the same name (give each call its own call_id); "
                                         "--relearn learns the log's calls again"], err
@@ -232,8 +232,8 @@ def test_a_call_learned_with_other_content_is_one_line_with_k_and_m_from_the_log
     code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p", *run)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: {log}:6: user {logged[5]['user_id']!r}: this call was learned with other content "
-                          "(every key but gold, timestamp, policy_version, shared_version counts: a log_prob rounded "
-                          "or a text re-spaced since is other content)")
+                          "(every log key but gold, timestamp, policy_version, shared_version is read: a log_prob "
+                          "rounded or a text re-spaced since is other content)")
     assert_same(before, states(tmp_path / "p"))
 
 

@@ -186,23 +186,48 @@ def test_open_run_refuses_a_program_of_another_layout_than_its_store(store, tmp_
 
 
 def test_open_run_takes_a_program_that_fits_its_store_and_none_on_a_process_that_does_not_write(store, tmp_path):
-    """What the layout check must not refuse (the review's two regressions): a program without
-    a hidden width on an mlp store that records one (simulate and replay have no --hidden: a
-    `pretrain --hidden 8` store could not be continued), and no store at all on a process that
-    does not write (a distributed run's process 1 before process 0 made the store: an
-    AttributeError on None)."""
+    """What the layout check must refuse and must not (the reviews' regressions): an mlp program
+    compares its hidden width with the store's, None being the default d (a program of width d
+    on a store of width 8 saved users of width d beside a shared part of 8); and a process that
+    does not write may hold no store (a distributed run's process 1, before process 0 made the
+    store: an AttributeError on None)."""
     from rmm_jax.online.session import Start, create_policies, open_run
 
     streams = load_streams(store, CFG.k)
     p0 = rj.init_reranker(jax.random.key(0), store.dim, "mlp", 8)
     ps = create_policies(tmp_path / "p", rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp", hidden=8).layout,
                          store.dim, p0, config={})
-    program = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp"), cite_fn=oracle_cite)
+    default_width = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp"), cite_fn=oracle_cite)
+    with pytest.raises(InputError, match=r"^program: the program's reranker is mlp, the policy store's is mlp "
+                                         r"\(hidden 8\) "):
+        with open_run([streams], default_width, Start(p0), ps, None, seed=0, users_per_chunk=2, checkpoint_every=0):
+            pass
+    program = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp", hidden=8), cite_fn=oracle_cite)
     for target, writer in ((ps, True), (None, False)):
         with open_run([streams], program, Start(p0), target, None, seed=0, users_per_chunk=len(streams),
                       checkpoint_every=0, writer=writer) as run:
             assert list(run) == [len(streams)]
     assert ps.n_users() == len(streams)
+
+
+def test_a_run_on_an_mlp_store_builds_its_reranker_at_the_stores_width(capsys, tmp_path, store):
+    """simulate and replay have no --hidden: on a `pretrain --hidden 8` store, `--init identity`
+    built its users at the default width d and saved them beside a shared part of width 8, and a
+    later run failed ("the saved policies do not fit this run"). A run takes the store's width."""
+    from conftest import run_cli
+
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    run = ["--k", 8, "--m", 3, "--users-per-chunk", 2, "--checkpoint-every", 0, "--kind", "mlp", "-q"]
+    code, _, err = run_cli(capsys, "pretrain", store.path, "--out", tmp_path / "p", "--k", 8, "--m", 3, "--kind",
+                           "mlp", "--hidden", 8, "--epochs", 1, "-q")
+    assert code == 0, err
+    for more in (["--init", "identity"], ["--relearn"], ["--init", "pretrained", "--relearn"]):
+        code, _, err = run_cli(capsys, "simulate", store.path, "--policies", tmp_path / "p", *run, *more)
+        assert code == 0, (more, err)
+        ps = PolicyStore.open(tmp_path / "p")
+        got = ps.load_batch(ps.users())
+        assert got.state.params["q_adapter"]["down"]["kernel"].shape[1:] == (8, store.dim), more
 
 
 def test_run_online_and_drive_refuse_a_bad_seed_chunk_size_stream_or_m_by_name_before_any_work(store, tmp_path):

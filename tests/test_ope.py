@@ -418,8 +418,9 @@ def test_evaluate_clip_inf_is_no_clipping_as_replay_takes_it(capsys, ope_env):
     code_inf, out_inf, err_inf = evaluate(capsys, ope_env, "--tau", TAU, "--json", "--bootstrap", 40, "--clip", "inf")
     assert (code, err) == (code_inf, err_inf) and strict_json(out_inf)["clip"] is None
     assert strict_json(out_inf) == strict_json(out)
-    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--clip", "nan")
-    assert code == 2 and err.startswith("error: --clip: must be a finite number >= 1, got nan"), err
+    for bad in ("nan", "0.5", "-inf"):
+        code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--clip", bad)
+        assert (code, err) == (2, f"error: --clip: must be >= 1 (inf: no clipping), got {float(bad)}\n"), err
 
 
 def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
@@ -1103,6 +1104,16 @@ def test_over_fewer_calls_than_min_ess_the_weight_mean_is_no_diagnosis_of_the_lo
         assert ("check that each record's log_prob" in cause.fix) is off, cause
     # without min_ess: the false alarms measured; with it, the same calls said to be undecidable
     assert flagged[0] >= 10 and flagged[30] == 0 and hedged == flagged[0], (flagged, hedged)
+    # weights far ABOVE 1 are no sampling (unsampled large weights only pull the mean down; a mean of c or
+    # more has probability at most 1/c): the check stands over 16 calls, and the cause is the log_prob
+    rng = np.random.default_rng(0)
+    r = (rng.uniform(size=(16, 3)) < 0.3).astype(np.float64)
+    est = estimate("ips", (np.full(16, 50.0) * rng.uniform(0.9, 1.1, 16))[:, None], r, bootstrap=0)
+    reasons = verdict(est, min_ess=30)
+    assert any("not 1: log_prob is not the logging policy's probability" in x for x in reasons), reasons
+    assert not any("too few to tell" in x for x in reasons), reasons
+    cause = log_cause({**est, "reliable": False}, 30)
+    assert cause.why.startswith("the importance weights average") and "log_prob is not" in cause.why, cause
 
 
 def test_call_problems_name_what_the_reader_would_refuse(ope_env):

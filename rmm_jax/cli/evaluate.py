@@ -143,8 +143,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         calls the bootstrap interval is not trustworthy and a few calls
         decide the estimate; an on-policy log of fewer calls is flagged too);
       - its weights average far from 1 (beyond 0.1 and 3.29 standard
-        errors; over fewer than --min-ess calls said to be undecidable
-        from sampling): E[target/logging] = 1 whenever the log covers the target,
+        errors; over fewer than --min-ess calls a mean below 1 is said to be
+        undecidable from sampling): E[target/logging] = 1 whenever the log covers the target,
         so log_prob is not the logging policy's probability (a deterministic
         logger writing 0, a wrong temperature) or the log misses selections
         the target makes;
@@ -201,6 +201,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
     check_input_file(log_path, f"--log {log_path}", TWICE)
+    if clip is not None and not clip >= 1.0:       # the API's "must be a finite number" read wrong beside inf
+        raise InputError(f"must be >= 1 (inf: no clipping), got {clip}", where="--clip")
     clip = None if clip == math.inf else clip      # replay's "none", which evaluate refused as not finite
     check_tau_option(tau, "--draw-tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):

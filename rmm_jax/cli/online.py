@@ -50,6 +50,18 @@ def stored_scope(path, scope: str | None, rank: int | None) -> tuple[str | None,
     return held.name, rank if rank is not None else held.rank
 
 
+def stored_hidden(path, kind: str | None, hidden: int | None) -> int | None:
+    """The `mlp` kind's ``hidden`` width as given, or, when not given (``simulate`` and
+    ``replay`` have no ``--hidden``), as the existing `mlp` store at ``path`` records it: a run
+    started afresh there (``--init identity``) built its reranker at the default width d and saved
+    it beside a shared part of the store's width."""
+    p = Path(path)
+    if hidden is not None or kind != "mlp" or not p.exists():
+        return hidden
+    meta = PolicyStore.open(p).meta_info()
+    return meta.hidden if meta.kind == "mlp" else None
+
+
 def check_scope(ps, layout, path) -> None:
     """A store holds policies of one scope (and rank); another is refused before any work."""
     bad = layout.scope.mismatch(Scope.from_meta(ps.meta))

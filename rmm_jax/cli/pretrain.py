@@ -128,7 +128,7 @@ def train_and_checkpoint(rs, streams, params, pcfg: PretrainConfig, *, every: in
 @quiet_option
 @json_option("the run's summary", "policies, split, best_epoch, epochs_run, train_recall@M, val_recall@M and "
              "initial_val_recall@M (null without validation users), untrained_start_kept, "
-             "untrained_start_kept_reason, plot (with --plot)")
+             "untrained_start_kept_reason, plot (the --plot PNG written, or null)")
 def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, val_fraction, patience, k, m, kind,
              hidden, seed, scope, rank, checkpoint_every, resume, plot_path, as_json):
     """Pretrain the shared reranker on STORE's labelled queries; write a policy store.
@@ -230,7 +230,7 @@ def pretrain(store, out, users, labels, epochs, lr, weight_decay, temperature, v
         checked = (f"validation on {len(split['validation'])}: best epoch {history['best_epoch']}"
                    if history["val_recall"][0] is not None else "no validation: the last epoch kept")
         plot_epochs(history, plot_path, m=m, title=f"pretrain on {len(split['train'])} users, {checked}")
-        summary["plot"] = str(plot_path)
+    summary["plot"] = str(plot_path) if plot_path is not None else None   # as simulate, replay and evaluate
     if as_json:
         emit_json(summary)
     else:

@@ -48,15 +48,17 @@ def _check_scores(scores, mask, m=None, selected=None):
         checks.check_int(selected, "selected")
         checks.require(selected.shape[0] <= k, "selected", f"length {selected.shape[0]} exceeds K={k}")
         checks.check_selected(selected, k)
+        if checks.is_concrete(selected):      # also under jax.grad of the scores
+            sel = np.asarray(selected)
+            # a draw's order: [1, -1, 0] was read as the draws 1 then 0, the -1 skipped (a loss's selection may
+            # hold -1 anywhere: a slot it leaves out)
+            checks.require(not (sel[1:] >= 0)[sel[:-1] < 0].any(), "selected",
+                           "an unfilled slot (-1) comes before a filled one: unfilled slots end a draw")
         if all(checks.is_concrete(x) for x in (scores, selected, mask)):   # a masked or -inf pick: -1e30, no error
             v, sel = np.asarray(valid_mask(scores, mask)), np.asarray(selected)
             bad = [int(i) for i in sel if i >= 0 and not v[i]]
             checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or scores -inf: no draw "
                                                 "selects it")
-            # a draw's order: [1, -1, 0] was read as the draws 1 then 0, the -1 skipped (a loss's selection may
-            # hold -1 anywhere: a slot it leaves out)
-            checks.require(not (sel[1:] >= 0)[sel[:-1] < 0].any(), "selected",
-                           "an unfilled slot (-1) comes before a filled one: unfilled slots end a draw")
 
 
 def _check_gumbel(gumbel, scores):

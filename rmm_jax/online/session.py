@@ -272,7 +272,7 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
 
 def check_program_fits(program, ps) -> None:
     """Refuse a ``program`` whose layout is not the policy store ``ps``'s: another scope or
-    rank, another reranker kind or, when both give one, hidden width (naming ``program``). A hybrid program's
+    rank, another reranker kind or hidden width (None: the default, d), naming ``program``. A hybrid program's
     factors were saved in a user-scope store, which then failed at every load; an `mlp`
     program's params in a `linear` store, whose meta still said linear; a user-scope program
     in a hybrid store ran a whole chunk before a save refused it."""
@@ -286,8 +286,8 @@ def check_program_fits(program, ps) -> None:
     if lay.scope != ps.scope:
         raise InputError(f"the program's scope is {scope(lay.scope)}, the policy store's is {scope(ps.scope)} "
                          f"({ps.path}): make the program with the store's scope, or create a new store", arg="program")
-    # a program without a hidden width takes the store's (simulate and replay have no --hidden)
-    if lay.kind != meta.kind or (None not in (lay.hidden, meta.hidden) and lay.hidden != meta.hidden):
+    width = {"mlp": lambda h: meta.dim if h is None else h}.get(lay.kind, lambda h: h)     # None: the default, d
+    if lay.kind != meta.kind or (lay.kind == "mlp" and width(lay.hidden) != width(meta.hidden)):
         raise InputError(f"the program's reranker is {kind(lay.kind, lay.hidden)}, the policy store's is "
                          f"{kind(meta.kind, meta.hidden)} ({ps.path})", arg="program")
 

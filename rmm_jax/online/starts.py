@@ -174,8 +174,8 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
             sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine, simulated[u], relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
-                raise InputError(f"user {u!r}: this call was learned with other content (every key but "
-                                 f"{', '.join(CONTENT_LEFT_OUT)} counts: a log_prob rounded or a text re-spaced "
+                raise InputError(f"user {u!r}: this call was learned with other content (every log key but "
+                                 f"{', '.join(CONTENT_LEFT_OUT)} is read: a log_prob rounded or a text re-spaced "
                                  "since is other content): the log was rewritten after it was learned, or it is "
                                  "another call under the same name (give each call its own call_id); "
                                  f"{named('relearn', True)} learns the log's calls again", where=at(log_path, line))

@@ -74,9 +74,10 @@ checks:
   (:data:`WEIGHT_MEAN_Z`, a two-sided 0.1% test, so a correct log is almost never
   flagged). Over fewer than ``min_ess`` calls the tail of large weights is seldom sampled
   and the standard error is as untrustworthy as the bootstrap interval (16 calls of a
-  correct log averaged 0.78, s.e. 0.06; the same policies on 2,400 calls 0.994): the
-  reason then says so few calls cannot tell the two apart (the ESS withholds the estimate
-  already). It catches ``log_prob`` values that are not the logging policy's
+  correct log averaged 0.78, s.e. 0.06; the same policies on 2,400 calls 0.994): a mean
+  below 1 is then said to be undecidable from sampling (the ESS withholds the estimate
+  already). Unsampled large weights only pull the mean down, so one far above 1 is flagged
+  however few the calls. It catches ``log_prob`` values that are not the logging policy's
   probabilities of one normalised policy (a deterministic logger that writes 0, a
   probability at another temperature, a missing normaliser) and a log that does not
   cover the target.

@@ -245,7 +245,8 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
     # 16 calls of a correct log whose target drifted average 0.78 (s.e. 0.06) where the tail of
     # large weights is not sampled yet (the same policies on 2,400 calls: 0.994); the ESS reason
     # withholds the estimate already, and this one says it cannot tell the two apart
-    if mean is not None and n < min_ess and abs(mean - 1.0) > _weight_mean_allowance(se):
+    # (large weights not drawn yet pull the mean below 1, never above it: above, the check stands)
+    if mean is not None and n < min_ess and mean < 1.0 and abs(mean - 1.0) > _weight_mean_allowance(se):
         reasons.append(f"weights average {mean:.3g} (s.e. {se:.2g}) over only {n} calls: too few to tell large "
                        "weights not sampled yet from a log_prob that is not the logging policy's probability")
     elif mean is not None and abs(mean - 1.0) > _weight_mean_allowance(se):

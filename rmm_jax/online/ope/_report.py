@@ -272,7 +272,7 @@ class LogCause(NamedTuple):
 def log_cause(est: dict, min_ess: float, *, logits_checked: bool = False) -> LogCause | None:
     """Why the log, not the target policy, makes the report entry ``est`` unreliable (None:
     it is reliable, or the log is not why): it holds fewer calls than ``min_ess`` (an ESS is at
-    most the number of calls; over so few, weights that do not average 1 cannot be told from
+    most the number of calls; over so few, weights that average below 1 cannot be told from
     sampling, and the fix says to check the log_prob too), or its weights do not average 1 (the
     log's ``log_prob`` is not the logging policy's probability, or it misses selections the
     target makes).
@@ -289,17 +289,19 @@ def log_cause(est: dict, min_ess: float, *, logits_checked: bool = False) -> Log
         return None
     n = est["n"]
     mean, se = est.get("weight_mean"), est.get("weight_mean_se")
-    if n < min_ess:       # first: over fewer calls the weights' mean cannot tell a wrong log_prob from sampling
-        off = mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se)
+    off = mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se)
+    # first: over fewer calls a mean below 1 cannot tell a wrong log_prob from sampling (large weights not drawn
+    # yet pull it below 1, never above: a mean far above 1 is the log's log_prob however few the calls)
+    if n < min_ess and not (off and mean > 1.0):
         return LogCause(f"the log has too few calls: {n} of them, and the ESS (at most the number of calls) cannot "
                         f"reach {named('min_ess')} {min_ess:g}"
                         + (f"; its weights average {mean:.3g}, not 1, which so few calls cannot tell from sampling "
                            "(large weights not drawn yet)" if off else ""),
-                        f"log more calls (or lower {named('min_ess')})"
+                        ("log more calls" if off else f"log more calls (or lower {named('min_ess')})")
                         + ("; and check that each record's log_prob is the probability the logging policy drew its "
                            "selection with (a log_prob that is not the logging policy's probability keeps the "
                            "weights from averaging 1 however many calls)" if off else ""))
-    if mean is not None and se is not None and abs(mean - 1.0) > _weight_mean_allowance(se):
+    if off:
         if heavy_tailed(est):
             other = ("; every record's log_prob is the Plackett–Luce probability of its logits, so the log is "
                      "wrong only if those logits are not the logging policy's (another temperature)" if logits_checked
