@@ -166,7 +166,7 @@ def test_a_program_that_does_not_fit_its_streams_or_a_flat_list_of_streams_is_re
     (dict(scope="hybrid", rank=2), dict(), "scope is 'user', the policy store's is 'hybrid' (rank 2)"),
     (dict(scope="hybrid", rank=2), dict(scope="hybrid", rank=3), "scope is 'hybrid' (rank 3), the policy store's is "
                                                                  "'hybrid' (rank 2)"),
-    (dict(), dict(kind="mlp", hidden=8), "reranker is mlp (hidden 8), the policy store's is linear")])
+    (dict(), dict(kind="mlp", hidden=8), "reranker is mlp, the policy store's is linear")])
 def test_open_run_refuses_a_program_of_another_layout_than_its_store(store, tmp_path, stored, given, says):
     """open_run took a program of another scope or kind than its policy store: a hybrid
     program's factors were saved in a user-scope store (which then failed at every load), an
@@ -186,28 +186,30 @@ def test_open_run_refuses_a_program_of_another_layout_than_its_store(store, tmp_
 
 
 def test_open_run_takes_a_program_that_fits_its_store_and_none_on_a_process_that_does_not_write(store, tmp_path):
-    """What the layout check must refuse and must not (the reviews' regressions): an mlp program
-    compares its hidden width with the store's, None being the default d (a program of width d
-    on a store of width 8 saved users of width d beside a shared part of 8); and a process that
-    does not write may hold no store (a distributed run's process 1, before process 0 made the
-    store: an AttributeError on None)."""
+    """What the layout check must refuse and must not (the reviews' regressions): the run's users
+    start from ``start``, so its mlp params' hidden width is what must be the store's (None: the
+    default d; start params of width d saved users of width d beside a shared part of 8), whatever
+    width the program's layout names; and a process that does not write may hold no store (a
+    distributed run's process 1, before process 0 made the store: an AttributeError on None)."""
     from rmm_jax.online.session import Start, create_policies, open_run
 
     streams = load_streams(store, CFG.k)
-    p0 = rj.init_reranker(jax.random.key(0), store.dim, "mlp", 8)
+    p8, pd = (rj.init_reranker(jax.random.key(0), store.dim, "mlp", h) for h in (8, None))
     ps = create_policies(tmp_path / "p", rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp", hidden=8).layout,
-                         store.dim, p0, config={})
-    default_width = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp"), cite_fn=oracle_cite)
-    with pytest.raises(InputError, match=r"^program: the program's reranker is mlp, the policy store's is mlp "
-                                         r"\(hidden 8\) "):
-        with open_run([streams], default_width, Start(p0), ps, None, seed=0, users_per_chunk=2, checkpoint_every=0):
+                         store.dim, p8, config={})
+    named = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp", hidden=8), cite_fn=oracle_cite)
+    unnamed = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp"), cite_fn=oracle_cite)
+    with pytest.raises(InputError, match=rf"^start: its params are mlp of hidden width {store.dim}, the policy "
+                                         r"store's are of 8 "):
+        with open_run([streams], named, Start(pd), ps, None, seed=0, users_per_chunk=2, checkpoint_every=0):
             pass
-    program = make_run(*rj.preset("default", k=CFG.k, m=CFG.m, kind="mlp", hidden=8), cite_fn=oracle_cite)
-    for target, writer in ((ps, True), (None, False)):
-        with open_run([streams], program, Start(p0), target, None, seed=0, users_per_chunk=len(streams),
+    assert ps.n_users() == 0
+    for program, target, writer in ((unnamed, ps, True), (named, None, False)):
+        with open_run([streams], program, Start(p8), target, None, seed=0, users_per_chunk=len(streams),
                       checkpoint_every=0, writer=writer) as run:
             assert list(run) == [len(streams)]
-    assert ps.n_users() == len(streams)
+    got = ps.load_batch(ps.users())
+    assert ps.n_users() == len(streams) and got.state.params["q_adapter"]["up"]["kernel"].shape[1:] == (store.dim, 8)
 
 
 def test_a_run_on_an_mlp_store_builds_its_reranker_at_the_stores_width(capsys, tmp_path, store):

@@ -201,13 +201,13 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
       rmm-jax evaluate stores/mine --log examples/calls_day2.jsonl --policies policies --json --bootstrap 1000
     """
     check_input_file(log_path, f"--log {log_path}", TWICE)
-    if clip is not None and not clip >= 1.0:       # the API's "must be a finite number" read wrong beside inf
-        raise InputError(f"must be >= 1 (inf: no clipping), got {clip}", where="--clip")
-    clip = None if clip == math.inf else clip      # replay's "none", which evaluate refused as not finite
     check_tau_option(tau, "--draw-tau")
     for name, v in (("--exact-limit", exact_limit), ("--mc-samples", mc_samples)):
         if v < 1:
             raise InputError(f"must be >= 1, got {v}", where=name)
+    if clip is not None and not clip >= 1.0:       # the API's "must be a finite number" read wrong beside inf
+        raise InputError(f"must be >= 1 (inf: no clipping), got {clip}", where="--clip")
+    clip = None if clip == math.inf else clip      # replay's "none", which evaluate refused as not finite
     with as_options(*OPTIONS):
         check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess)
     check_out_apart(plot_path, f"--plot {plot_path}", "-", [("STORE", store), ("--policies", policies)])

@@ -237,7 +237,7 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
                          arg="start")
     check_chunks(chunks)
     if ps is not None:       # a process that does not write may hold no store (none made yet)
-        check_program_fits(program, ps)
+        check_program_fits(program, ps, start)
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions,
@@ -270,26 +270,38 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
             run.close()
 
 
-def check_program_fits(program, ps) -> None:
-    """Refuse a ``program`` whose layout is not the policy store ``ps``'s: another scope or
-    rank, another reranker kind or hidden width (None: the default, d), naming ``program``. A hybrid program's
-    factors were saved in a user-scope store, which then failed at every load; an `mlp`
-    program's params in a `linear` store, whose meta still said linear; a user-scope program
-    in a hybrid store ran a whole chunk before a save refused it."""
+def check_program_fits(program, ps, start: Start | None = None) -> None:
+    """Refuse a ``program`` whose layout is not the policy store ``ps``'s (another scope or
+    rank, another reranker kind; naming ``program``), and a ``start`` whose `mlp` params are of
+    another hidden width than the store's (None: the default, d; naming ``start``): the run's
+    users start from ``start``, not from the program's layout. A hybrid program's factors were
+    saved in a user-scope store, which then failed at every load; an `mlp` program's params in a
+    `linear` store, whose meta still said linear; a user-scope program in a hybrid store ran a
+    whole chunk before a save refused it; users of width d were saved beside a shared part of 8."""
     lay, meta = program.layout, ps.meta_info()
 
     def scope(s):
         return repr(s.name) + (f" (rank {s.rank})" if s.rank is not None else "")
-
-    def kind(k, hidden):
-        return k + (f" (hidden {hidden})" if hidden is not None else "")
     if lay.scope != ps.scope:
         raise InputError(f"the program's scope is {scope(lay.scope)}, the policy store's is {scope(ps.scope)} "
                          f"({ps.path}): make the program with the store's scope, or create a new store", arg="program")
-    width = {"mlp": lambda h: meta.dim if h is None else h}.get(lay.kind, lambda h: h)     # None: the default, d
-    if lay.kind != meta.kind or (lay.kind == "mlp" and width(lay.hidden) != width(meta.hidden)):
-        raise InputError(f"the program's reranker is {kind(lay.kind, lay.hidden)}, the policy store's is "
-                         f"{kind(meta.kind, meta.hidden)} ({ps.path})", arg="program")
+    if lay.kind != meta.kind:
+        raise InputError(f"the program's reranker is {lay.kind}, the policy store's is {meta.kind} ({ps.path})",
+                         arg="program")
+    want = meta.hidden if meta.hidden is not None else meta.dim
+    for part in (start.params, start.shared.params if start.shared is not None else None) if start else ():
+        got = _hidden_width(part)
+        if meta.kind == "mlp" and got is not None and got != want:
+            raise InputError(f"its params are mlp of hidden width {got}, the policy store's are of {want} "
+                             f"({ps.path})", arg="start")
+
+
+def _hidden_width(params) -> int | None:
+    """The `mlp` kind's hidden width of reranker ``params`` (its ``up`` kernel's last axis), else None."""
+    try:
+        return int(params["q_adapter"]["up"]["kernel"].shape[-1])
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return None
 
 
 def _noted(items, own: list):

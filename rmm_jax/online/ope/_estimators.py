@@ -254,7 +254,9 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
             f"a few calls carry them (ESS {ess:.1f} of {n}): the target has likely drifted far from the logging "
             "policy (heavy-tailed weights, whose mean over few calls falls below 1), or log_prob is not the logging "
             "policy's probability" if heavy_tailed(est) else
-            "log_prob is not the logging policy's probability, or the log does not cover the target"))
+            "log_prob is not the logging policy's probability" + (
+                " (a log that does not cover the target only pulls the mean below 1)" if mean > 1.0 else
+                ", or the log does not cover the target")))
     if value_range is not None:
         a, b = value_range
         tol = RANGE_TOL * max(b - a, 1.0)

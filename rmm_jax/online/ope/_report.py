@@ -316,7 +316,8 @@ def log_cause(est: dict, min_ess: float, *, logits_checked: bool = False) -> Log
                             "evaluate them on a log served by policies closer to them (a later day's), or log with "
                             "more exploration")
         return LogCause(f"the importance weights average {mean:.3g}, not 1: the log's log_prob is not the logging "
-                        "policy's probability, or the log misses selections the target makes",
+                        "policy's probability" + (" (selections the log misses only pull the mean below 1)"
+                                                  if mean > 1.0 else ", or the log misses selections the target makes"),
                         "log each call's log_prob as the probability the logging policy drew its selection with")
     return None
 
