@@ -124,6 +124,74 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
     assert out[2]["selected"] == [out[2]["candidates"][p]["id"] for p in top]
 
 
+def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys, tmp_path, env, monkeypatch):
+    """A team with its own retriever has memory ids and texts; rerank refused candidates given as
+    {"id", "text"} objects, the form its own served lines (and every log) carry, so the ids became
+    "t:" + sha256 of the texts. Each object is STORE's memory when STORE holds the id (its text must
+    be STORE's), else its text embedded under the team's id, as replay and evaluate resolve a log:
+    the served file replays, and evaluate of the identity reranker at the draw's temperature finds
+    every weight 1 (the draw's vectors are the ones they read). A held id with another text, or an
+    id STORE lacks given without a text, is one line naming the call."""
+    from rmm_jax.core.reranker import init_reranker
+    from rmm_jax.persist.policy_store import PolicyStore
+
+    store, _ = env
+    st = open_store(store)
+    user = st.user("user1")
+    text_of = {str(r["id"]): r["text"] for r in st.memory_rows("user1")}
+    held = list(user.memory_ids[:3])
+    calls = [{"call_id": "a", "user_id": "user1", "query_id": user.query_ids[0],
+              "candidates": [{"id": held[0], "text": text_of[held[0]]}, held[1], held[2],
+                             {"id": "crm-17", "text": "the team's own memory about a passport"},
+                             {"id": "crm-18", "text": "another of its memories, about a cat"}]},
+             {"call_id": "b", "user_id": "someone-new", "query": "where is my passport",
+              "candidates": [{"id": "crm-1", "text": "passport in the drawer"},
+                             {"id": "crm-2", "text": "my cat is called Tom"},
+                             {"id": "crm-3", "text": "flight on Monday"}]}]
+    req = tmp_path / "calls.jsonl"
+    req.write_text("".join(json.dumps(c) + "\n" for c in calls))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
+    served = tmp_path / "served.jsonl"
+    code, _, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 2, "--explore", "--draw-tau", 0.2,
+                           "--out", served)
+    assert code == 0, err
+    out = [json.loads(line) for line in served.read_text().splitlines()]
+    ids = [[c["id"] if isinstance(c, dict) else c for c in o["candidates"]] for o in out]
+    assert ids == [[held[0], held[1], held[2], "crm-17", "crm-18"], ["crm-1", "crm-2", "crm-3"]]
+    assert out[0]["candidates"][1] == held[1] and out[0]["candidates"][3]["text"].startswith("the team's own")
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({**o, "cited": o["selected"][:1]}) + "\n" for o in out))
+    code, _, err = run_cli(capsys, "replay", store, "--log", log, "--policies", tmp_path / "p", "-q")
+    assert code == 0, err
+    ident = tmp_path / "identity"
+    PolicyStore.create(ident, {"kind": "linear", "dim": st.dim, "hidden": None,
+                               "config": {"pretrained": False, "model": st.model}}, init_reranker(jax.random.key(0),
+                                                                                                  st.dim))
+    code, rep, err = run_cli(capsys, "evaluate", store, "--log", log, "--policies", ident, "--draw-tau", 0.2,
+                             "--json", "--allow-unreliable", "--min-ess", 0, "--bootstrap", 40)
+    assert code == 0, err
+    for metric in ("cited", "cite_rate"):
+        est = json.loads(rep)["estimates"][metric]["ips"]
+        assert est["weight_mean"] == pytest.approx(1.0, abs=1e-3), (metric, est)   # the logits' 6 decimals
+    for bad, says in ((dict(calls[0], candidates=[{"id": held[0], "text": "not the store's text"}, held[1]]),
+                       f"memory {held[0]!r} of user 'user1' is given with another text than STORE's"),
+                      (dict(calls[0], candidates=[held[0], "crm-99"]),
+                       "unknown memory id 'crm-99' for user 'user1' (give it with its text"),
+                      (dict(calls[0], candidates=[{"id": "crm-5", "text": "x"}, {"id": "crm-5", "text": "x"}]),
+                       "lists a candidate twice"),
+                      (dict(calls[0], candidates=[{"id": "crm-5"}]), "item 0: expected an id")):
+        req.write_text(json.dumps(bad) + "\n")
+        code, stdout, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 2, "--out", tmp_path / "x.jsonl")
+        assert (code, stdout) == (2, "") and says in err and err.count("\n") == 1, err
+        assert f"{req}:1: key 'candidates'" in err and not (tmp_path / "x.jsonl").exists()
+    # one id with two texts in one file: its served lines would be refused as a log
+    req.write_text(json.dumps(calls[0]) + "\n" + json.dumps(dict(calls[0], call_id="a2", candidates=[
+        {"id": "crm-17", "text": "a third text"}, held[1]])) + "\n")
+    code, stdout, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 2, "--out", tmp_path / "x.jsonl")
+    assert (code, stdout) == (2, "") and err == (f"error: {req}:2: key 'candidates': memory 'crm-17' of user 'user1' "
+                                                 "has another text than at line 1\n"), err
+
+
 @pytest.mark.parametrize("explore", [False, True])
 def test_rerank_stamps_a_call_without_a_timestamp_with_the_time_it_served_it(capsys, tmp_path, env, monkeypatch,
                                                                             explore):

@@ -64,8 +64,9 @@ def nearby_policy_store(path) -> str | None:
                    "identity reranker (the base retriever's own scores) serves everyone, so a team can start "
                    "exploring before any policy exists.")
 @click.option("--calls", "calls_path", required=True, type=click.Path(),
-              help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE), "
-                   "candidate_texts, or neither (the base retriever's top --k); call_id; timestamp (without one, the "
+              help="JSONL of calls: user_id; query (text) and/or query_id; candidates (memory ids of STORE, or "
+                   "{\"id\", \"text\"} objects as a log writes them: your own ids), candidate_texts, or neither "
+                   "(the base retriever's top --k); call_id; timestamp (without one, the "
                    "served line gets the time it was served). Other keys are ignored (one that looks like a misspelt "
                    "key is noted). -: standard input.")
 @click.option("--m", type=IntRange(min=1), default=DEFAULTS.layout.m,

@@ -12,7 +12,9 @@ key                  meaning
                      is not needed), else the application's own id for the call's question
 ``candidates``       memory ids of that user in STORE, in your retriever's order, best first
                      (echoed: ``replay`` and ``evaluate`` read the first M as what the
-                     retriever alone would have shown),
+                     retriever alone would have shown); an item may be ``{"id", "text"}``, as
+                     a log writes it: STORE's memory when STORE holds the id (its text must
+                     be STORE's), else the text embedded under your own id,
 ``candidate_texts``  or candidate memory texts (embedded; a text given twice, as a retriever
                      returns a thing the user said twice, is taken once, where it first
                      comes); neither: the base retriever's top-K of the user's memories in
@@ -64,6 +66,7 @@ from rmm_jax.data.citation_log import call_key, check_timestamp, misspelt_key, n
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
 from rmm_jax.data.json_lines import json_lines, source_name
+from rmm_jax.data.log_vectors import StoreMemories
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, at, check_int, named, short
@@ -79,6 +82,7 @@ class Call(NamedTuple):
     candidates: tuple[str, ...] | None = None        # memory ids
     candidate_texts: tuple[str, ...] | None = None
     timestamp: str | int | float | None = None
+    carried: tuple[str | None, ...] | None = None     # with ``candidates``: each id's text ({"id", "text"}), or None
 
 
 KEYS = ("user_id", "query", "query_id", "candidates", "candidate_texts", "call_id", "timestamp")
@@ -110,6 +114,27 @@ def _strings(value, path, line, key, *, once: bool = False) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _candidate_items(value, path, line) -> tuple[tuple[str, ...], tuple[str | None, ...] | None]:
+    """A request's ``candidates``: ids, or ``{"id", "text"}`` objects as a log writes them (mixed
+    allowed) -> (ids, texts or None: each id's text, None for an id alone). An id listed twice is
+    refused."""
+    if not isinstance(value, list) or not value:
+        raise InputError(f"expected a non-empty list of ids (or {{\"id\", \"text\"}} objects), got "
+                         f"{json_type(value)}", where=at(path, line, "candidates"))
+    ids, texts = [], []
+    for i, item in enumerate(value):
+        mid, text = (item.get("id"), item.get("text")) if isinstance(item, dict) else (item, None)
+        if not isinstance(mid, str) or not mid.strip() or (isinstance(item, dict) and (
+                not isinstance(text, str) or not text.strip() or set(item) - {"id", "text"})):
+            raise InputError(f"item {i}: expected an id (a non-empty string) or an object of a non-empty 'id' and "
+                             f"'text', got {_got(item)}", where=at(path, line, "candidates"))
+        ids.append(mid)
+        texts.append(text)
+    if len(set(ids)) != len(ids):
+        raise InputError("lists a candidate twice", where=at(path, line, "candidates"))
+    return tuple(ids), (tuple(texts) if any(t is not None for t in texts) else None)
+
+
 def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]:
     """Every call of a calls file (``"-"``: standard input, named ``<stdin>`` in errors),
     checked (module docstring). ``notes``, when given, gets one line per unknown key that
@@ -123,6 +148,7 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
     seen, notes = set(KEYS), [] if notes is None else notes
     repeats = 0                                   # calls whose candidate_texts repeat a text
     free: list[int] = []                          # lines whose timestamp is free text (replay cannot order it)
+    texts: dict[tuple[str, str], tuple[str, int]] = {}   # (user, carried memory id) -> (its text, first line)
     lines = json_lines(path, stdin=True, allow_empty=True)    # a day without calls: none (docs/lifecycle.md)
     now = time.time()                             # one clock read per file: no timestamp may lie a day after it
     path = source_name(path)                      # "-" is standard input: <stdin>:line
@@ -143,10 +169,15 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
                              + (f" (did you mean {near[0]}?)" if near else ""), where=at(path, line))
         if "candidates" in obj and "candidate_texts" in obj:
             raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
-        call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"),
-                    _strings(obj["candidates"], path, line, "candidates") if "candidates" in obj else None,
+        ids, carried = _candidate_items(obj["candidates"], path, line) if "candidates" in obj else (None, None)
+        call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"), ids,
                     _strings(obj["candidate_texts"], path, line, "candidate_texts", once=True)
-                    if "candidate_texts" in obj else None, stamp)
+                    if "candidate_texts" in obj else None, stamp, carried)
+        for mid, text in zip(ids or (), carried or ()):    # the served file would be refused as a log
+            said = texts.setdefault((call.user_id, mid), (text, line)) if text is not None else None
+            if said is not None and said[0] != text:
+                raise InputError(f"memory {mid!r} of user {call.user_id!r} has another text than at line {said[1]}",
+                                 where=at(path, line, "candidates"))
         repeats += call.candidate_texts is not None and len(call.candidate_texts) < len(obj["candidate_texts"])
         key = (call.user_id, call_key(call))
         if key in first:
@@ -206,7 +237,8 @@ class _Users:
     def get(self, call, key):
         if call.user_id not in self.cache:
             if not self.st.has_user(call.user_id):
-                hint = ("; a call for a user STORE lacks gives its candidates as texts in 'candidate_texts'"
+                hint = ("; a call for a user STORE lacks gives its candidates as texts in 'candidate_texts', or "
+                        "as {\"id\", \"text\"} objects in 'candidates'"
                         if key in ("candidates", "the retrieved candidates") else "")
                 raise InputError(f"user {call.user_id!r} is not in STORE {self.st.path} (needed for '{key}'){hint}",
                                  where=at(self.path, call.line, "user_id"))
@@ -214,6 +246,11 @@ class _Users:
             self.cache[call.user_id] = (u, {m: j for j, m in enumerate(u.memory_ids)},
                                         {q: i for i, q in enumerate(u.query_ids)})
         return self.cache[call.user_id]
+
+    def memories(self, call) -> StoreMemories:
+        """The call's user's memory ids in STORE, each mapped to STORE's text of it (read when asked)."""
+        u, m_index, _ = self.get(call, "candidates")
+        return StoreMemories(self.st, call.user_id, list(m_index))
 
     def held_query(self, call) -> int | None:
         """The row of the call's ``query_id`` in STORE, None when STORE lacks it."""
@@ -278,6 +315,11 @@ def _check_calls(calls, k, m) -> None:
             if len(set(v)) != len(v):         # read_calls keeps a file's repeated text once; a Call says it once
                 raise InputError(f"{field}: lists a {'candidate' if field == 'candidates' else 'text'} twice",
                                  arg=where)
+        if c.carried is not None and (c.candidates is None or isinstance(c.carried, str) or not isinstance(
+                c.carried, Sequence) or len(c.carried) != len(c.candidates) or any(
+                t is not None and (not isinstance(t, str) or not t.strip()) for t in c.carried)):
+            raise InputError("carried: expected one text (or None) per candidate id, got "
+                             f"{short(c.carried)}", arg=where)
         if c.timestamp is not None:
             check_timestamp(c.timestamp, where, now)
 
@@ -313,12 +355,23 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
         if c.candidate_texts is not None:
             n = len(c.candidate_texts)
             texts += c.candidate_texts
+        elif c.carried is not None:     # {"id", "text"} items: STORE's memory where it holds the id, else the text
+            n = len(c.candidates)
+            held = users.memories(c) if store.has_user(c.user_id) else {}
+            for mid, text in zip(c.candidates, c.carried):
+                if mid in held and text is not None and text != held[mid]:
+                    raise InputError(f"memory {mid!r} of user {c.user_id!r} is given with another text than STORE's",
+                                     where=at(path, c.line, "candidates"))
+                if mid not in held and text is None:
+                    raise InputError(f"unknown memory id {mid!r} for user {c.user_id!r} (give it with its text, "
+                                     "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
+                texts += [text] if mid not in held else []
         else:
             u, m_index, _ = users.get(c, "candidates" if c.candidates else "the retrieved candidates")
             bad = [x for x in c.candidates or () if x not in m_index]
             if bad:
-                raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r}",
-                                 where=at(path, c.line, "candidates"))
+                raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r} (give it with its text, "
+                                 "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
             n = len(c.candidates) if c.candidates is not None else min(k, len(u.memory_ids))
         if m > n == k and c.candidates is None and c.candidate_texts is None:
             # k < m makes every retrieved call short: the arguments disagree, named as such. A call
@@ -341,6 +394,12 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
         if c.candidate_texts is not None:
             out.append(Prepared(c, np.asarray(q, np.float32), np.stack([vecs[t] for t in c.candidate_texts]),
                                 [text_id(t) for t in c.candidate_texts], list(c.candidate_texts)))
+            continue
+        if c.carried is not None:
+            u, m_index = (users.get(c, "candidates")[:2]) if store.has_user(c.user_id) else (None, {})
+            rows = [u.memory_emb[m_index[x]] if x in m_index else vecs[t] for x, t in zip(c.candidates, c.carried)]
+            out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(np.stack(rows), np.float32),
+                                list(c.candidates), list(c.carried)))
             continue
         u, m_index, _ = users.get(c, "candidates")
         idx = [m_index[x] for x in c.candidates] if c.candidates is not None else got
