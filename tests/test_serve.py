@@ -179,7 +179,12 @@ def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys
                        "unknown memory id 'crm-99' for user 'user1' (give it with its text"),
                       (dict(calls[0], candidates=[{"id": "crm-5", "text": "x"}, {"id": "crm-5", "text": "x"}]),
                        "lists a candidate twice"),
-                      (dict(calls[0], candidates=[{"id": "crm-5"}]), "item 0: expected an id")):
+                      (dict(calls[0], candidates=[{"id": "crm-5"}]), "item 0: 'text' must be a non-empty string, "
+                                                                       "got null"),
+                      (dict(calls[0], candidates=[{"id": 5, "text": "x"}]), "item 0: 'id' must be a non-empty "
+                                                                            "string, got a number"),
+                      (dict(calls[0], candidates=[["crm-5"]]), "item 0: expected an id (a non-empty string) or an "
+                                                               "{\"id\", \"text\"} object, got a list")):
         req.write_text(json.dumps(bad) + "\n")
         code, stdout, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 2, "--out", tmp_path / "x.jsonl")
         assert (code, stdout) == (2, "") and says in err and err.count("\n") == 1, err
@@ -190,6 +195,25 @@ def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys
     code, stdout, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 2, "--out", tmp_path / "x.jsonl")
     assert (code, stdout) == (2, "") and err == (f"error: {req}:2: key 'candidates': memory 'crm-17' of user 'user1' "
                                                  "has another text than at line 1\n"), err
+    # a candidate_texts call's id ("t:" + sha256) is an id like any other: given again with another text, refused
+    from rmm_jax.data.calls import Call, prepare_calls, text_id
+    req.write_text(json.dumps({"call_id": "t1", "user_id": "user1", "query": "q", "candidate_texts": ["X one"]})
+                   + "\n" + json.dumps({"call_id": "t2", "user_id": "user1", "query": "q",
+                                        "candidates": [{"id": text_id("X one"), "text": "Y two"}]}) + "\n")
+    code, stdout, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 1, "--out", tmp_path / "x.jsonl")
+    assert code == 2 and err.startswith(f"error: {req}:2: key 'candidates': memory {text_id('X one')!r} of user "
+                                        "'user1' has another text than at line 1"), err
+    # and from Python: prepare_calls checks what read_calls read (a served file replay would refuse)
+    two = [Call(i, "user1", call_id=f"p{i}", query_text="q", candidates=("crm-1",), carried=(text,))
+           for i, text in ((1, "text A"), (2, "text B"))]
+    with pytest.raises(InputError, match=r"^calls.jsonl:2: key 'candidates': memory 'crm-1' of user 'user1' has "
+                                         r"another text than at line 1$"):
+        prepare_calls(st, two, "calls.jsonl", 5, 1)
+    for bad, says in ((Call(1, "user1", query_text="q", carried=("t",)), "carried: needs candidates"),
+                      (Call(1, "user1", query_text="q", candidates=("a", "b"), carried=("t",)),
+                       "carried: expected one non-empty text \\(or None\\) for each of the 2 candidates")):
+        with pytest.raises(InputError, match=rf"^calls 0: {says}"):
+            prepare_calls(st, [bad], "calls.jsonl", 5, 1)
 
 
 @pytest.mark.parametrize("explore", [False, True])

@@ -103,8 +103,9 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     For every line of --calls, one JSON line in input order: a citation-log record
     without `cited` (docs/own-data.md): user_id, call_id, query_id and/or query, the
     timestamp (the call's own, else the time it was served, see below), the
-    candidates (memory ids; {"id", "text"} objects for candidate_texts, with id "t:" +
-    the first 16 hex digits of the text's sha256), the selected memories in display
+    candidates (memory ids; {"id", "text"} objects for candidates given with a text: your
+    own ids, or for candidate_texts "t:" + the first 16 hex digits of the text's sha256),
+    the selected memories in display
     order, and the policy_version and shared_version that served it (null for a user the
     store does not hold: they are served the shared part, as a run would start them). The default is
     the deterministic top-M (and each selected memory's score, `scores`, with its

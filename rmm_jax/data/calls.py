@@ -116,18 +116,21 @@ def _strings(value, path, line, key, *, once: bool = False) -> tuple[str, ...]:
 
 def _candidate_items(value, path, line) -> tuple[tuple[str, ...], tuple[str | None, ...] | None]:
     """A request's ``candidates``: ids, or ``{"id", "text"}`` objects as a log writes them (mixed
-    allowed) -> (ids, texts or None: each id's text, None for an id alone). An id listed twice is
-    refused."""
+    allowed; an object's other keys are ignored, as a log's) -> (ids, texts or None: each id's
+    text, None for an id alone). An id listed twice is refused."""
     if not isinstance(value, list) or not value:
         raise InputError(f"expected a non-empty list of ids (or {{\"id\", \"text\"}} objects), got "
                          f"{json_type(value)}", where=at(path, line, "candidates"))
     ids, texts = [], []
     for i, item in enumerate(value):
+        if not isinstance(item, (str, dict)):
+            raise InputError(f"item {i}: expected an id (a non-empty string) or an {{\"id\", \"text\"}} object, got "
+                             f"{_got(item)}", where=at(path, line, "candidates"))
         mid, text = (item.get("id"), item.get("text")) if isinstance(item, dict) else (item, None)
-        if not isinstance(mid, str) or not mid.strip() or (isinstance(item, dict) and (
-                not isinstance(text, str) or not text.strip() or set(item) - {"id", "text"})):
-            raise InputError(f"item {i}: expected an id (a non-empty string) or an object of a non-empty 'id' and "
-                             f"'text', got {_got(item)}", where=at(path, line, "candidates"))
+        for name, v in (("id", mid), ("text", text)) if isinstance(item, dict) else (("id", mid),):
+            if not isinstance(v, str) or not v.strip():        # other keys of the object are ignored, as a log's
+                raise InputError(f"item {i}: {name!r} must be a non-empty string, got {_got(v)}",
+                                 where=at(path, line, "candidates"))
         ids.append(mid)
         texts.append(text)
     if len(set(ids)) != len(ids):
@@ -148,7 +151,6 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
     seen, notes = set(KEYS), [] if notes is None else notes
     repeats = 0                                   # calls whose candidate_texts repeat a text
     free: list[int] = []                          # lines whose timestamp is free text (replay cannot order it)
-    texts: dict[tuple[str, str], tuple[str, int]] = {}   # (user, carried memory id) -> (its text, first line)
     lines = json_lines(path, stdin=True, allow_empty=True)    # a day without calls: none (docs/lifecycle.md)
     now = time.time()                             # one clock read per file: no timestamp may lie a day after it
     path = source_name(path)                      # "-" is standard input: <stdin>:line
@@ -173,11 +175,6 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
         call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"), ids,
                     _strings(obj["candidate_texts"], path, line, "candidate_texts", once=True)
                     if "candidate_texts" in obj else None, stamp, carried)
-        for mid, text in zip(ids or (), carried or ()):    # the served file would be refused as a log
-            said = texts.setdefault((call.user_id, mid), (text, line)) if text is not None else None
-            if said is not None and said[0] != text:
-                raise InputError(f"memory {mid!r} of user {call.user_id!r} has another text than at line {said[1]}",
-                                 where=at(path, line, "candidates"))
         repeats += call.candidate_texts is not None and len(call.candidate_texts) < len(obj["candidate_texts"])
         key = (call.user_id, call_key(call))
         if key in first:
@@ -232,7 +229,7 @@ class _Users:
     """STORE's users, read once each, with their memory and query indices."""
 
     def __init__(self, st, calls_path):
-        self.st, self.path, self.cache = st, calls_path, {}
+        self.st, self.path, self.cache, self.texts = st, calls_path, {}, {}
 
     def get(self, call, key):
         if call.user_id not in self.cache:
@@ -248,9 +245,11 @@ class _Users:
         return self.cache[call.user_id]
 
     def memories(self, call) -> StoreMemories:
-        """The call's user's memory ids in STORE, each mapped to STORE's text of it (read when asked)."""
-        u, m_index, _ = self.get(call, "candidates")
-        return StoreMemories(self.st, call.user_id, list(m_index))
+        """The call's user's memory ids in STORE, each mapped to STORE's text of it (read once, when asked)."""
+        if call.user_id not in self.texts:
+            u, m_index, _ = self.get(call, "candidates")
+            self.texts[call.user_id] = StoreMemories(self.st, call.user_id, list(m_index))
+        return self.texts[call.user_id]
 
     def held_query(self, call) -> int | None:
         """The row of the call's ``query_id`` in STORE, None when STORE lacks it."""
@@ -285,7 +284,8 @@ def _check_calls(calls, k, m) -> None:
     and/or ``query_id`` (``call_id`` None or non-empty), and ``candidates`` or
     ``candidate_texts`` (not both), each None or a non-empty list of non-empty strings (not
     one string, whose letters were taken as ids), each id or text listed once, a ``timestamp``
-    as a log's (:func:`rmm_jax.data.citation_log.check_timestamp`); ``k`` and ``m`` ints >= 1."""
+    as a log's (:func:`rmm_jax.data.citation_log.check_timestamp`), ``carried`` None or one text
+    (or None) per id of ``candidates``; ``k`` and ``m`` ints >= 1."""
     if isinstance(calls, Call) or isinstance(calls, str) or not isinstance(calls, Sequence) or any(
             not isinstance(c, Call) for c in calls):
         got = "one Call (pass [call])" if isinstance(calls, Call) else short(calls)
@@ -315,11 +315,14 @@ def _check_calls(calls, k, m) -> None:
             if len(set(v)) != len(v):         # read_calls keeps a file's repeated text once; a Call says it once
                 raise InputError(f"{field}: lists a {'candidate' if field == 'candidates' else 'text'} twice",
                                  arg=where)
-        if c.carried is not None and (c.candidates is None or isinstance(c.carried, str) or not isinstance(
-                c.carried, Sequence) or len(c.carried) != len(c.candidates) or any(
-                t is not None and (not isinstance(t, str) or not t.strip()) for t in c.carried)):
-            raise InputError("carried: expected one text (or None) per candidate id, got "
-                             f"{short(c.carried)}", arg=where)
+        if c.carried is not None:
+            if c.candidates is None:
+                raise InputError("carried: needs candidates, the ids its texts go with", arg=where)
+            texts_ok = all(t is None or (isinstance(t, str) and t.strip()) for t in c.carried) \
+                if isinstance(c.carried, Sequence) and not isinstance(c.carried, str) else False
+            if not texts_ok or len(c.carried) != len(c.candidates):
+                raise InputError(f"carried: expected one non-empty text (or None) for each of the {len(c.candidates)} "
+                                 f"candidates, got {short(c.carried)}", arg=where)
         if c.timestamp is not None:
             check_timestamp(c.timestamp, where, now)
 
@@ -344,6 +347,15 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     _check_calls(calls, k, m)
     users = _Users(store, path)
     texts = []
+    said: dict[tuple[str, str], tuple[str, int]] = {}   # (user, memory id given with a text) -> (the text, its line)
+    for c in calls:
+        given = list(zip(c.candidates, c.carried)) if c.carried is not None else \
+            [(text_id(t), t) for t in c.candidate_texts or ()]
+        for mid, text in given:          # one id, one text: the served file is refused as a log otherwise
+            first = said.setdefault((c.user_id, mid), (text, c.line)) if text is not None else None
+            if first is not None and first[0] != text:
+                raise InputError(f"memory {mid!r} of user {c.user_id!r} has another text than at line {first[1]}",
+                                 where=at(path, c.line, "candidates" if c.carried is not None else "candidate_texts"))
     for c in calls:
         held = users.held_query(c)
         if held is None and c.query_text is None:
@@ -357,15 +369,15 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
             texts += c.candidate_texts
         elif c.carried is not None:     # {"id", "text"} items: STORE's memory where it holds the id, else the text
             n = len(c.candidates)
-            held = users.memories(c) if store.has_user(c.user_id) else {}
+            stored = users.memories(c) if store.has_user(c.user_id) else {}
             for mid, text in zip(c.candidates, c.carried):
-                if mid in held and text is not None and text != held[mid]:
+                if mid in stored and text is not None and text != stored[mid]:
                     raise InputError(f"memory {mid!r} of user {c.user_id!r} is given with another text than STORE's",
                                      where=at(path, c.line, "candidates"))
-                if mid not in held and text is None:
+                if mid not in stored and text is None:
                     raise InputError(f"unknown memory id {mid!r} for user {c.user_id!r} (give it with its text, "
                                      "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
-                texts += [text] if mid not in held else []
+                texts += [text] if mid not in stored else []
         else:
             u, m_index, _ = users.get(c, "candidates" if c.candidates else "the retrieved candidates")
             bad = [x for x in c.candidates or () if x not in m_index]
