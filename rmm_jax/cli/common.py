@@ -252,8 +252,7 @@ def check_tau_option(tau: float | None, option: str = "--tau") -> None:
         try:
             checks.check_tau(tau)
         except ValueError as e:
-            _, _, msg = str(e).partition(": ")
-            raise InputError(OPTION_WORDS.get(msg, msg) or str(e), where=option) from None
+            raise_option_error(e, option)
 
 
 def short_bank_note(st, k: int, users=None) -> str | None:
@@ -294,12 +293,13 @@ OPTION_WORDS = {settings.PAIRWISE_RATES: "the pairwise loss takes no judge rates
                                              "--preset (realistic, reinforce)"}
 
 
-def raise_option_error(e: ValueError):
+def raise_option_error(e: ValueError, option: str | None = None):
     """A core ``ValueError("field: message")`` as the one-line error of option ``--field``
-    (a message that names other fields in :data:`OPTION_WORDS`' wording)."""
+    (``option``, when the option has another name: ``--draw-tau`` gives ``tau``; a message
+    that names other fields in :data:`OPTION_WORDS`' wording)."""
     name, _, msg = str(e).partition(": ")
     msg = OPTION_WORDS.get(msg, msg)
-    raise InputError(msg or str(e), where=f"--{name.replace('_', '-')}") from None
+    raise InputError(msg or str(e), where=option or f"--{name.replace('_', '-')}") from None
 
 
 

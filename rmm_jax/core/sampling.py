@@ -54,11 +54,11 @@ def _check_scores(scores, mask, m=None, selected=None):
             # hold -1 anywhere: a slot it leaves out)
             checks.require(not (sel[1:] >= 0)[sel[:-1] < 0].any(), "selected",
                            "an unfilled slot (-1) comes before a filled one: unfilled slots end a draw")
-        if all(checks.is_concrete(x) for x in (scores, selected, mask)):   # a masked or -inf pick: -1e30, no error
-            v, sel = np.asarray(valid_mask(scores, mask)), np.asarray(selected)
-            bad = [int(i) for i in sel if i >= 0 and not v[i]]
-            checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or scores -inf: no draw "
-                                                "selects it")
+            if checks.is_concrete(scores) and checks.is_concrete(mask):    # a masked or -inf pick: -1e30, no error
+                v = np.asarray(valid_mask(scores, mask))
+                bad = [int(i) for i in sel if i >= 0 and not v[i]]
+                checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or scores -inf: no "
+                                                    "draw selects it")
 
 
 def _check_gumbel(gumbel, scores):

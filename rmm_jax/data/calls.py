@@ -367,10 +367,12 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
         if c.candidate_texts is not None:
             n = len(c.candidate_texts)
             texts += c.candidate_texts
-        elif c.carried is not None:     # {"id", "text"} items: STORE's memory where it holds the id, else the text
+        elif c.candidates is not None:  # ids or {"id", "text"}: STORE's memory where it holds the id, else the text
             n = len(c.candidates)
-            stored = users.memories(c) if store.has_user(c.user_id) else {}
-            for mid, text in zip(c.candidates, c.carried):
+            carried = c.carried or (None,) * n
+            # an id without a text needs STORE's user: for one STORE lacks, the one-line error with its hint
+            stored = users.memories(c) if None in carried or store.has_user(c.user_id) else {}
+            for mid, text in zip(c.candidates, carried):
                 if mid in stored and text is not None and text != stored[mid]:
                     raise InputError(f"memory {mid!r} of user {c.user_id!r} is given with another text than STORE's",
                                      where=at(path, c.line, "candidates"))
@@ -379,12 +381,7 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
                                      "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
                 texts += [text] if mid not in stored else []
         else:
-            u, m_index, _ = users.get(c, "candidates" if c.candidates else "the retrieved candidates")
-            bad = [x for x in c.candidates or () if x not in m_index]
-            if bad:
-                raise InputError(f"unknown memory id {bad[0]!r} for user {c.user_id!r} (give it with its text, "
-                                 "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
-            n = len(c.candidates) if c.candidates is not None else min(k, len(u.memory_ids))
+            n = min(k, len(users.get(c, "the retrieved candidates")[0].memory_ids))
         if m > n == k and c.candidates is None and c.candidate_texts is None:
             # k < m makes every retrieved call short: the arguments disagree, named as such. A call
             # that lists fewer than m, or whose user holds fewer, is served with all its candidates
@@ -407,14 +404,14 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
             out.append(Prepared(c, np.asarray(q, np.float32), np.stack([vecs[t] for t in c.candidate_texts]),
                                 [text_id(t) for t in c.candidate_texts], list(c.candidate_texts)))
             continue
-        if c.carried is not None:
-            u, m_index = (users.get(c, "candidates")[:2]) if store.has_user(c.user_id) else (None, {})
-            rows = [u.memory_emb[m_index[x]] if x in m_index else vecs[t] for x, t in zip(c.candidates, c.carried)]
+        if c.candidates is not None:
+            u, m_index = users.get(c, "candidates")[:2] if store.has_user(c.user_id) else (None, {})
+            rows = [u.memory_emb[m_index[x]] if x in m_index else vecs[t]
+                    for x, t in zip(c.candidates, c.carried or (None,) * len(c.candidates))]
             out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(np.stack(rows), np.float32),
-                                list(c.candidates), list(c.carried)))
+                                list(c.candidates), list(c.carried) if c.carried is not None else None))
             continue
-        u, m_index, _ = users.get(c, "candidates")
-        idx = [m_index[x] for x in c.candidates] if c.candidates is not None else got
-        out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(u.memory_emb[idx], np.float32),
-                            [u.memory_ids[j] for j in idx], None))
+        u = users.get(c, "the retrieved candidates")[0]
+        out.append(Prepared(c, np.asarray(q, np.float32), np.asarray(u.memory_emb[got], np.float32),
+                            [u.memory_ids[j] for j in got], None))
     return out

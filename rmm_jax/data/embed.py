@@ -47,7 +47,7 @@ from rmm_jax.errors import InputError, WriteFailed, named, worded
 from rmm_jax.persist.atomic import disk_problem
 
 __all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
-           "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug"]
+           "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug", "packaged_id"]
 
 #: True while the running command is quiet (the CLI's ``--quiet``): no bars, nor the model's
 #: loading line, whatever an :class:`Embedder`'s ``progress`` says. A ContextVar, so that it
@@ -123,6 +123,17 @@ def model_slug(model_id: str) -> str:
 
 def _text_key(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def packaged_id(model: str) -> str:
+    """The id a store records for ``model`` when it names the packaged model (short or full name),
+    else ``model`` as it is; nothing is loaded (``open_store``'s ``expect_model`` compares it).
+
+    >>> from rmm_jax.data.embed import packaged_id
+    >>> packaged_id("all-MiniLM-L6-v2"), packaged_id("other/model")
+    ('sentence-transformers/all-MiniLM-L6-v2', 'other/model')
+    """
+    return _PACKAGED_ID if model in _PACKAGED_ALIASES else model
 
 
 def model_id(model: str) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rmm_jax.data.embed import DEFAULT_MODEL
+from rmm_jax.data.embed import packaged_id
 from rmm_jax.data.store._format import FORMAT, VERSION
 from rmm_jax.errors import InputError, at, check_int
 from rmm_jax.persist.atomic import being_replaced
@@ -626,8 +626,7 @@ def _validate(root: Path, files: _Files, expect_model: str | None, expect_dim: i
         if not _nonneg_int(counts.get(key)):
             raise InputError(f"expected a non-negative integer, got {counts.get(key)!r}",
                              where=at(mpath, key=f"counts.{key}"))
-    if expect_model is not None and manifest["model"] != expect_model and manifest["model"] != {
-            DEFAULT_MODEL: f"sentence-transformers/{DEFAULT_MODEL}"}.get(expect_model):   # the short name, as the CLI's
+    if expect_model is not None and manifest["model"] not in (expect_model, packaged_id(expect_model)):
         raise InputError(f"store was embedded with model {manifest['model']!r}, expected "
                          f"{expect_model!r}", where=at(root))
     if expect_dim is not None and dim != int(expect_dim):
