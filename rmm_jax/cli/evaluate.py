@@ -230,7 +230,7 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
     with as_options(*OPTIONS, "k", "m"):          # its warnings name --k, --m, --clip, --min-ess
         rep = evaluate_log(st, log_path, ps, cfg, users=users, clip=clip, bootstrap=bootstrap, seed=seed,
                            exact_limit=exact_limit, mc_samples=mc_samples, skip_invalid=skip_invalid,
-                           min_ess=min_ess, cache_dir=cache_dir)
+                           min_ess=min_ess, cache_dir=cache_dir, progress=True)
     notes = store_notes(ps)
     rep = {"store": str(store), "policies": str(policies), **rep, **notes.doc()}
     log = rep["log"]

@@ -54,6 +54,12 @@ __all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE
 #: holds for one command (set and reset around it) and one thread or task.
 QUIET: ContextVar[bool] = ContextVar("rmm_jax_quiet", default=False)
 
+
+def bar_disable(progress: bool) -> bool | None:
+    """tqdm's ``disable`` for a bar that ``progress`` asks for: None (a bar while stderr is a
+    terminal; none in a log file or a pipe) unless the command is quiet (:data:`QUIET`)."""
+    return None if progress and not QUIET.get() else True
+
 #: The packaged offline model, by its short name.
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 #: Texts per model call.
@@ -358,7 +364,7 @@ class Embedder:
                 # torch and the weights take seconds: one line says so, where the bars show (a terminal,
                 # progress on), cleared once loaded; none in a log file or a pipe, as for the bars
                 with tqdm(total=0, desc=f"loading the embedding model {self.model_name} ...", bar_format="{desc}",
-                          file=sys.stderr, disable=None if self.progress and not QUIET.get() else True, leave=False):
+                          file=sys.stderr, disable=bar_disable(self.progress), leave=False):
                     return loader(self._load_from, self.model_name)
 
             loader = self._load             # a subclass's (or a test's) loader loads another model: its own key
@@ -459,8 +465,8 @@ class Embedder:
         missing.sort(key=lambda k: -len(uniq[k]))
         if missing:
             self._model                 # loaded (with its line) before the bar opens
-            bars = None if self.progress and not QUIET.get() else True      # None: a terminal only
-            with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr, disable=bars, leave=False) as bar:
+            with tqdm(total=len(missing), desc=desc, unit="text", file=sys.stderr, disable=bar_disable(self.progress),
+                      leave=False) as bar:
                 for s in range(0, len(missing), self.batch_size):
                     part = missing[s:s + self.batch_size]
                     vecs = self._run_model([uniq[k] for k in part])

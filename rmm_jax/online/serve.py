@@ -160,25 +160,54 @@ def load_policy(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = 
 
     The cold path is one indexed lookup, one chunk's verified ``chunk.json`` and the user's
     own verified row (:mod:`rmm_jax.persist.policy_rows`), then one transfer of the user's
-    own params: the shared part is not copied per user."""
+    own params: the shared part is not copied per user. Many users: :func:`load_policies`."""
+    return load_policies(store, [user_id], fallback_to_shared=fallback_to_shared, shared_params=shared_params)[0]
+
+
+def load_policies(store: PolicyStore, user_ids: Sequence[str], *, fallback_to_shared: bool = True,
+                  shared_params: Callable[[int | None], tuple[Any, int]] | None = None) -> list[Policy]:
+    """:func:`load_policy` of each of ``user_ids``, in their order, read together: one
+    :meth:`PolicyStore.load_batch` (each chunk verified and read once) and each shared version
+    once. ``rmm-jax evaluate`` reads a day's users so, 64 at a time: one at a time, 300 users
+    took 3.4 s, mostly reading the same chunks again."""
     _check_store(store, "PolicyStore", "PolicyStore.open(path)")
-    shared_params = shared_params or functools.partial(_shared_on_device, store)
+    shared_cache: dict[int | str | None, Any] = {}
+
+    def shared(version):
+        """The shared params of ``version`` and the version ("learned": the version the last
+        saved users left, :meth:`PolicyStore.learned_shared_version`), each read once."""
+        if version == "learned":
+            if version not in shared_cache:
+                shared_cache[version] = store.learned_shared_version()
+            version = shared_cache["learned"]
+        if version not in shared_cache:
+            shared_cache[version] = (shared_params or functools.partial(_shared_on_device, store))(version)
+        return shared_cache[version]
+
     scope = store.scope
-    got = store.load_batch([user_id])
-    if got.missing:
-        if not fallback_to_shared:
-            store.load(user_id)                                          # the one-line error
-        params, shared_version = shared_params(store.learned_shared_version())
-        return Policy(params, None, shared_version)
-    version = got.versions[0]
-    own = _device(jax.tree.map(lambda a: a[0], got.state.params))
-    if scope.local_is_full:
-        return Policy(own, version, None)
-    if not scope.has_local:                    # one policy for everyone: as its users left it
-        params, shared_version = shared_params(store.learned_shared_version())
-        return Policy(params, version, shared_version)
-    params, shared_version = shared_params(got.shared_versions[0])
-    return Policy(scope.merge(params, own), version, shared_version)
+    got = store.load_batch(list(user_ids))
+    if got.missing and not fallback_to_shared:
+        store.load(got.missing[0])                                       # the one-line error
+    row = {u: j for j, u in enumerate(got.users)}
+    out = []
+    for user_id in user_ids:
+        if user_id not in row:
+            params, shared_version = shared("learned")
+            out.append(Policy(params, None, shared_version))
+            continue
+        j = row[user_id]
+        version = got.versions[j]
+        if not scope.has_local:                # one policy for everyone: as its users left it
+            params, shared_version = shared("learned")
+            out.append(Policy(params, version, shared_version))
+            continue
+        own = _device(jax.tree.map(lambda a: a[j], got.state.params))   # noqa: B023 (called at once)
+        if scope.local_is_full:
+            out.append(Policy(own, version, None))
+        else:
+            params, shared_version = shared(got.shared_versions[j])
+            out.append(Policy(scope.merge(params, own), version, shared_version))
+    return out
 
 
 def _check_store(store, expected: str, opener: str) -> None:

@@ -5,28 +5,31 @@ weights (:func:`call_problems`)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from rmm_jax.core import checks, reranker
 from rmm_jax.core.config import Layout
 from rmm_jax.core.executables import aot
 from rmm_jax.data.citation_log import ReadReport, call_hash, iter_numbered, pl_log_prob
-from rmm_jax.data.embed import embed_texts
+from rmm_jax.data.embed import bar_disable, embed_texts
 from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.data.retrieval import pad_rows
 from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
-from rmm_jax.online.serve import load_policy
+from rmm_jax.online.serve import load_policies
 from rmm_jax.online.streams import calls_by_user, check_limits
 from rmm_jax.persist.policy_checks import check_embedding_store
 from rmm_jax.persist.policy_rollback import check_store
 
+POLICY_USERS = 64                   # users whose policies load_calls reads together (load_policies)
 METRICS = ("cited", "cite_rate", "recall")
 LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
 F32_UNIT = 2.0 ** -24               # float32's unit roundoff u (Higham, Accuracy and Stability, §2.1)
@@ -206,7 +209,7 @@ def rounding_bound(calls: Calls) -> np.ndarray:
 
 
 def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
-               skip_invalid: bool = False, report: dict | None = None, cache_dir=None) -> Calls:
+               skip_invalid: bool = False, report: dict | None = None, cache_dir=None, progress: bool = False) -> Calls:
     """Read a log against an embedding store and score every call with the target policy.
 
     Each record is validated (schema, ids known to ``store`` or carried as text, the
@@ -215,8 +218,8 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     Queries and memories the store lacks are embedded from the records' texts
     (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache rooted at
     ``cache_dir``: :func:`rmm_jax.data.embed.embed_texts`).
-    Every user's target params come from :func:`rmm_jax.online.serve.load_policy` (the
-    shared params for users without their own), scored with
+    Every user's target params come from :func:`rmm_jax.online.serve.load_policies`, 64 users at a
+    time (the shared params for users without their own), scored with
     :func:`rmm_jax.core.reranker.score`. ``served_by_target`` marks the calls whose logged
     ``policy_version`` and ``shared_version`` (``rmm-jax rerank`` writes both, null
     included) are exactly the versions the target loads for their user: the target served
@@ -226,7 +229,8 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     :class:`~rmm_jax.data.citation_log.ReadReport` (``report``, a dict filled with it, is deprecated).
     ``hashes``: per user, what a policy store remembers of its calls once learned and their line
     numbers, as :func:`rmm_jax.online.streams.scan_log` gives them with ``calls=True`` (what
-    :func:`learned_calls` counts), from the same single read of the log.
+    :func:`learned_calls` counts), from the same single read of the log. ``progress``: bars on
+    stderr while it is a terminal, over the texts embedded and the users scored.
     """
     if report is not None:
         deprecated_parameter("load_calls", "report", "read the returned Calls' .read, a ReadReport")
@@ -257,14 +261,15 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
         u = missing[0]
         raise InputError(f"user {u!r} has no record in {log_path}" if store.has_user(u) else
                          f"unknown user id {u!r} (not in STORE, no record in {log_path})", arg="users")
-    vectors = embed_texts(list(texts), store.model, cache_dir=cache_dir, progress=True, desc="new texts")
+    vectors = embed_texts(list(texts), store.model, cache_dir=cache_dir, progress=progress, desc="new texts")
     has_policy = set(policies.users())
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
                                                  "valid", "served", "versioned", "err")}
     all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
-    for uid, recs in by_user.items():
+    scoring = tqdm(_with_policies(policies, by_user), total=len(by_user), desc="scoring", unit="user",
+                   file=sys.stderr, disable=bar_disable(progress), leave=False)
+    for uid, recs, policy in scoring:
         c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
-        policy = load_policy(policies, uid, fallback_to_shared=uid not in has_policy)
         params, loads = policy.params, (policy.version, policy.shared_version)
         n = len(recs)
         scores, sizes = [], []
@@ -304,6 +309,16 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
                  served_by_target=cat("served"), versions_logged=cat("versioned"), logit_error=cat("err"), read=read,
                  hashes=calls_by_user(hashes))
+
+
+def _with_policies(policies, by_user: dict[str, list]):
+    """``(user, records, policy)`` of each user in ``by_user``, their policies read
+    :data:`POLICY_USERS` at a time (:func:`rmm_jax.online.serve.load_policies`)."""
+    users = list(by_user)
+    for i in range(0, len(users), POLICY_USERS):
+        part = users[i:i + POLICY_USERS]
+        for uid, policy in zip(part, load_policies(policies, part, fallback_to_shared=True)):
+            yield uid, by_user[uid], policy
 
 
 class MetricRewards(NamedTuple):

@@ -4,13 +4,16 @@ cited-recall, and the ship verdict (:mod:`rmm_jax.online.ope`'s docstring, "The 
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from rmm_jax.core import checks
 from rmm_jax.core.scope import Scope
 from rmm_jax.data.citation_log import ReadReport
+from rmm_jax.data.embed import bar_disable
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.errors import InputError, named
 from rmm_jax.online.ope._calls import (
@@ -53,11 +56,12 @@ SHIP_METRIC, SHIP_ESTIMATOR = "cite_rate", "snips"   # see "The verdict" in the 
 
 def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP,
                    seed: int = 0, exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
-                   min_ess: float = DEFAULT_MIN_ESS) -> dict:
+                   min_ess: float = DEFAULT_MIN_ESS, progress: bool = False) -> dict:
     """The estimates of every metric by every estimator that the log supports (see the
     package docstring), the logging policy's own logged value and, for Recall@M, the
     exact expected value of the target (``direct``), each judged (:func:`verdict`) and
-    reported (:func:`report_entry`); ``ranges``: each metric's range."""
+    reported (:func:`report_entry`); ``ranges``: each metric's range. ``progress``: a bar on
+    stderr while it is a terminal, over the metrics' bootstrapped estimates."""
     check_target(cfg)
     check_marginal_options(exact_limit=exact_limit, samples=mc_samples, seed=seed, samples_arg="mc_samples")
     m = calls.selected.shape[1]
@@ -87,7 +91,10 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
         weights = {name: estimator_weights(name, **kw) for name in names}
         out: dict = {}
         ranges: dict = {}
-        for metric, mr in slot_rewards(calls).items():
+        rewards = slot_rewards(calls)
+        bar = tqdm(total=len(rewards) * (len(names) + 1), desc="estimating", unit="estimate", file=sys.stderr,
+                   disable=bar_disable(progress), leave=False)
+        for metric, mr in rewards.items():
             span = mr.value_range
             problems = call_problems(calls, mr.rows, **problem_kw)
             logged = mr.rewards.sum(1)
@@ -101,6 +108,7 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
                 judged = None if name == "snips" else span
                 per[name] = report_entry(est, verdict(est, value_range=judged, min_ess=min_ess,
                                                       problems=problems[name]), span)
+                bar.update(1)
             if metric == "recall":
                 incl = (t_marg * (np.arange(m)[None, :, None] < calls.shown[:, None, None])).sum(1)   # (n, K)
                 direct = (incl * calls.cand_gold).sum(1) / np.maximum(calls.num_gold, 1)
@@ -108,6 +116,8 @@ def evaluate_calls(calls: Calls, cfg: Target, *, clip: float | None = None, boot
                                             logged=logged)
             out[metric] = per
             ranges[metric] = list(span)
+            bar.update(1)
+        bar.close()
     if "recall" not in out:
         notes.append("recall skipped: no logged call has gold memories in STORE")
     return {"estimates": out, "estimators": names, "ranges": ranges, "marginals": info, "notes": notes,
@@ -408,7 +418,8 @@ def empty_report(log_path, reason: str, *, tau: float, k: int, m: int, clip: flo
 def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str] | None = None,
                  clip: float | None = None, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
                  exact_limit: int = DEFAULT_EXACT_LIMIT, mc_samples: int = DEFAULT_MC_SAMPLES,
-                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS, cache_dir=None) -> dict:
+                 skip_invalid: bool = False, min_ess: float = DEFAULT_MIN_ESS, cache_dir=None,
+                 progress: bool = False) -> dict:
     """Off-policy estimates of the policies in ``policies`` (a
     :class:`~rmm_jax.persist.policy_store.PolicyStore`) from the calls logged in
     ``log_path`` on ``store`` (an embedding store): the report ``rmm-jax evaluate`` prints.
@@ -430,12 +441,15 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
     (:func:`learned_calls`). The warnings and errors name ``clip``, ``min_ess`` and the layout's
     ``k``/``m`` as arguments (``clip=10``; from ``rmm-jax evaluate`` as its options, ``--clip 10``:
     :func:`rmm_jax.errors.named`). ``cache_dir``: the root of the embedding cache through which the
-    log's texts are embedded (:func:`load_calls`)."""
+    log's texts are embedded (:func:`load_calls`). ``progress``: bars on stderr while it is a terminal
+    (``rmm-jax evaluate``'s, none under ``--quiet``), over the texts embedded, the users scored
+    and the estimates."""
     check_report_options(clip=clip, bootstrap=bootstrap, min_ess=min_ess, seed=seed, exact_limit=exact_limit,
                          mc_samples=mc_samples)
-    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, cache_dir=cache_dir)
+    calls = load_calls(store, log_path, policies, cfg, users=users, skip_invalid=skip_invalid, cache_dir=cache_dir,
+                       progress=progress)
     res = evaluate_calls(calls, cfg, clip=clip, bootstrap=bootstrap, seed=seed, exact_limit=exact_limit,
-                         mc_samples=mc_samples, min_ess=min_ess)
+                         mc_samples=mc_samples, min_ess=min_ess, progress=progress)
     scope = Scope.from_meta(getattr(policies, "meta", None) or {})
     shared = [] if not scope.has_local else sorted(u for u, own in calls.own_policy.items() if not own)
     if shared:
