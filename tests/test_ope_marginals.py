@@ -49,13 +49,12 @@ import ope_validation  # noqa: E402
 def pl_selections(z, mask, m):
     """Every ordered selection of ``m`` valid candidates with its PL(softmax(z)) probability."""
     valid = [i for i in range(len(z)) if mask[i]]
-    top = max(z[i] for i in valid)
-    w = {i: math.exp(z[i] - top) for i in valid}
     for perm in itertools.permutations(valid, m):
-        p, left = 1.0, sum(w.values())
-        for a in perm:
-            p *= w[a] / left
-            left -= w[a]
+        p, left = 1.0, list(valid)
+        for a in perm:      # each draw's weights relative to the largest left: exact at any spread
+            top = max(z[i] for i in left)
+            p *= math.exp(z[a] - top) / sum(math.exp(z[i] - top) for i in left)
+            left.remove(a)
         yield perm, p
 
 
@@ -99,6 +98,32 @@ def test_slot_marginals_exact_equal_enumeration(k, m):
         np.testing.assert_allclose(got[i], brute_marginals(z[i], mask[i], m), rtol=1e-10, atol=1e-13)
     assert np.all(got[~mask[:, None, :].repeat(m, 1)] == 0)
     np.testing.assert_allclose(got.sum(2), 1.0, atol=1e-12)          # one candidate per slot
+
+
+@pytest.mark.parametrize("k,m", [(6, 3), (8, 4)])
+def test_slot_marginals_exact_hold_at_any_spread_of_the_logits(k, m):
+    """Logits hundreds apart (a policy whose scores grew, at a small τ): weights relative to the
+    call's best underflowed once it was drawn, and [0, -800, -801] gave a second slot of 0
+    where it is [0, 0.731, 0.269] ([0, -720, -721]: NaN). Exact in float64 at any spread."""
+    z, mask = calls(k, seed=k + m, scales=(300.0, 1000.0, 5000.0), masked=(0, 1, 2))
+    got = slot_marginals_exact(z, mask, m)
+    members, probs = shown_set_probs(z, mask, m)
+    index = {frozenset(np.flatnonzero(row).tolist()): c for c, row in enumerate(members)}
+    for i in range(len(z)):
+        np.testing.assert_allclose(got[i], brute_marginals(z[i], mask[i], m), rtol=1e-10, atol=1e-13)
+        want = np.zeros(len(members))
+        for perm, p in pl_selections(z[i], mask[i], m):
+            want[index[frozenset(perm)]] += p
+        np.testing.assert_allclose(probs[i], want, rtol=1e-10, atol=1e-13)
+    second = 1 / (1 + math.exp(-1))
+    for gap in (720.0, 800.0):
+        three = np.array([[0.0, -gap, -gap - 1]])
+        np.testing.assert_allclose(slot_marginals_exact(three, np.ones((1, 3), bool), 2)[0, 1],
+                                   [0, second, 1 - second], atol=1e-14)
+    # the Monte Carlo branch, in float32, underflowed from a gap of 88: its first draw is the best
+    # almost surely, so the Rao-Blackwellised second slot is the exact conditional
+    np.testing.assert_allclose(slot_marginals_mc(np.array([[0.0, -90.0, -91.0]]), np.ones((1, 3), bool), 2,
+                                                 samples=64)[0, 1], [0, second, 1 - second], atol=1e-6)
 
 
 @pytest.mark.parametrize("k,m", [(10, 3), (10, 5)])

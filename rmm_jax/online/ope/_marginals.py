@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +29,27 @@ def subset_count(k: int, m: int) -> int:
     return sum(math.comb(k, j) for j in range(m))
 
 
+class _Level(NamedTuple):
+    """The sets of j candidates (of K, in the order of their logits, largest first) drawn
+    before slot j, lexicographic: ``members`` (C, K) bool; ``parents``/``removed`` (C, j): the
+    set without its p-th member, as an index of the level before, and that member; ``first``
+    (C,): each set's first candidate not in it (the largest weight left to draw; K: none);
+    ``groups``: ``(g, rows)`` of the sets whose first is g < K; ``via`` (C, j): the row
+    ``first(parent) · K + removed`` of the level before's stacked weights (:func:`_set_levels`)."""
+
+    members: np.ndarray
+    parents: np.ndarray
+    removed: np.ndarray
+    first: np.ndarray
+    groups: tuple
+    via: np.ndarray
+
+
 @functools.lru_cache(maxsize=8)
-def _subsets(k: int, m: int):
-    """Per level j < m: (members (C_j, k) bool, parents (C_j, j) int, removed (C_j, j) int)."""
-    levels = [(np.zeros((1, k), bool), np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64))]
-    prev = {(): 0}
-    for j in range(1, m):
+def _subsets(k: int, m: int) -> tuple[_Level, ...]:
+    """The :class:`_Level` of each j < m."""
+    levels, prev, first_prev = [], {(): 0}, None
+    for j in range(m):
         combos = list(itertools.combinations(range(k), j))
         members = np.zeros((len(combos), k), bool)
         parents = np.zeros((len(combos), j), np.int64)
@@ -45,38 +61,53 @@ def _subsets(k: int, m: int):
             for p in range(j):
                 parents[c, p] = prev[combo[:p] + combo[p + 1:]]
                 removed[c, p] = combo[p]
-        levels.append((members, parents, removed))
-        prev = index
-    return levels
-
-
-def _weights(logits, mask) -> np.ndarray:
-    z = np.where(mask, np.asarray(logits, np.float64), -np.inf)
-    top = np.max(np.where(mask, z, -np.inf), axis=-1, keepdims=True)
-    return np.where(mask, np.exp(z - np.where(np.isfinite(top), top, 0.0)), 0.0)
+        first = np.where(members.all(1), k, np.argmin(members, axis=1))
+        groups = tuple((g, np.flatnonzero(first == g)) for g in np.unique(first) if g < k)
+        via = first_prev[parents] * k + removed if j else removed
+        levels.append(_Level(members, parents, removed, first, groups, via))
+        prev, first_prev = index, first
+    return tuple(levels)
 
 
 def _set_levels(logits, mask, levels: int):
-    """The subset dynamic programme: per level j < ``levels``, yields ``(j, members (C_j, K),
-    prob (C_j, n), rest (C_j, n), w (K, n))``: P(the first j draws are the set S) and the weight
-    Σ_{k∉S} w_k still to draw from, with w = exp(logits) (0 where masked). Sets are the leading
-    axis: each parent's row is gathered whole, contiguous (calls on the columns gathered one
-    call at a time: 3.9 s of CPU for 6,300 calls at K = 20, M = 5, where this takes 0.5 s)."""
-    logits = np.atleast_2d(np.asarray(logits, np.float64))
-    mask = np.broadcast_to(np.asarray(mask, bool), logits.shape)
-    k = logits.shape[1]
-    w = np.ascontiguousarray(_weights(logits, mask).T)
-    prob = np.ones((1, w.shape[1]))
+    """The subset dynamic programme, in each call's candidates sorted by logit (largest
+    first: ``order`` (n, K), yielded first), per level j < ``levels``: ``(j, level, prob,
+    ratio, weights)``, with ``prob`` (C_j, n) P(the first j draws are the set S) and ``ratio``
+    (C_j, n) = P(S) / Σ_{k∉S} e^{z_k − z_g}, g the set's first candidate left (:class:`_Level`),
+    and ``weights`` (G, K, n) e^{z_b − z_g} for g < G = min(j + 1, K) (0 for b < g and masked b).
+
+    Every quantity is at most 1: each set's weights left are taken relative to the largest of
+    them, which is 1, so their sum is at least 1. Weights relative to the call's best
+    underflowed once the best was drawn: logits [0, -800, -801] gave a second slot of 0 where
+    it is [0, 0.731, 0.269], and [0, -720, -721] NaN (the ratio overflowed). Sets are the
+    leading axis: each parent's row is gathered whole, contiguous (calls on the columns
+    gathered one call at a time: 3.9 s of CPU for 6,300 calls at K = 20, M = 5, where this
+    takes 0.7 s)."""
+    z = np.where(mask, np.atleast_2d(np.asarray(logits, np.float64)), -np.inf)
+    n, k = z.shape
+    order = np.argsort(-z, axis=1, kind="stable")
+    zs = np.take_along_axis(z, order, 1)
+    lw = (zs - np.where(np.isfinite(zs[:, :1]), zs[:, :1], 0.0)).T            # (K, n): <= 0, -inf masked
+    yield order
+    prob = np.ones((1, n))
     structure = _subsets(k, levels)
-    for j, (members, _, _) in enumerate(structure):
-        rest = _outside(members) @ w
-        yield j, members, prob, rest, w
+    below = np.arange(k)[None, :, None] >= np.arange(k)[:, None, None]        # (K, K, 1): b >= g
+    for j, level in enumerate(structure):
+        g_count = min(j + 1, k)
+        with np.errstate(invalid="ignore", over="ignore"):
+            weights = np.exp(lw[None, :, :] - lw[:g_count, None, :])
+        weights = np.where(below[:g_count] & np.isfinite(lw[:g_count])[:, None, :], weights, 0.0)
+        rest = np.zeros_like(prob)
+        for g, rows in level.groups:
+            rest[rows] = _outside(level.members[rows]) @ weights[g]
+        ratio = np.divide(prob, rest, out=np.zeros_like(prob), where=rest > 0)
+        yield j, level, prob, ratio, weights
         if j + 1 < levels:
-            ratio = np.divide(prob, rest, out=np.zeros_like(rest), where=rest > 0)
-            _, parents, removed = structure[j + 1]
-            prob = ratio[parents[:, 0]] * w[removed[:, 0]]
-            for p in range(1, parents.shape[1]):
-                prob += ratio[parents[:, p]] * w[removed[:, p]]
+            flat = weights.reshape(g_count * k, n)
+            via = structure[j + 1].via
+            prob = ratio[structure[j + 1].parents[:, 0]] * flat[via[:, 0]]
+            for p in range(1, via.shape[1]):
+                prob += ratio[structure[j + 1].parents[:, p]] * flat[via[:, p]]
 
 
 def _outside(members: np.ndarray) -> np.ndarray:
@@ -93,23 +124,31 @@ _ONE_BLAS_THREAD = threadpool_limits.wrap(limits=1, user_api="blas")
 @_ONE_BLAS_THREAD
 def slot_marginals_exact(logits, mask, m: int, *, block: int = 128) -> np.ndarray:
     """Exact per-slot marginals of Plackett–Luce(softmax(logits)): ``(n, m, K)`` float64,
-    ``[i, j, a]`` = P(candidate a is drawn j-th) for call i (0 for masked candidates).
+    ``[i, j, a]`` = P(candidate a is drawn j-th) for call i (0 for masked candidates, and in
+    the slots after the last valid candidate is drawn).
 
     Dynamic programming over the sets S of candidates drawn before slot j:
     P(S) = Σ_{b∈S} P(S∖b) · w_b / Σ_{k∉S∖b} w_k and P_j(a) = Σ_{|S|=j, a∉S} P(S) · w_a /
-    Σ_{k∉S} w_k, with w = exp(logits). Cost Σ_{j<m} C(K, j) sets (:func:`subset_count`),
-    run ``block`` calls at a time: a level holds (sets × calls) float64 arrays, 3.9 GB each
-    for 100,000 calls at K = 20, M = 5 without blocks, 5 MB in blocks of 128 (small blocks
-    also stay nearer the cache: 6,300 calls took 0.5 s of CPU in blocks of 128, 0.9 s in 256).
+    Σ_{k∉S} w_k, with w = exp(logits), each ratio of weights taken relative to the largest
+    weight left to draw (:func:`_set_levels`): exact for logits of any spread. Cost
+    Σ_{j<m} C(K, j) sets (:func:`subset_count`), run ``block`` calls at a time: a level holds
+    (sets × calls) float64 arrays, 3.9 GB each for 100,000 calls at K = 20, M = 5 without
+    blocks, 5 MB in blocks of 128 (small blocks also stay nearer the cache: 6,300 calls took
+    0.7 s of CPU in blocks of 128, 0.8 s in 64 or 256).
     """
     logits = np.atleast_2d(np.asarray(logits, np.float64))
     mask = np.broadcast_to(np.asarray(mask, bool), logits.shape)
-    out = np.zeros((logits.shape[0], m, logits.shape[1]))
-    for lo in range(0, logits.shape[0], block):
-        rows = slice(lo, lo + block)
-        for j, members, prob, rest, w in _set_levels(logits[rows], mask[rows], m):
-            ratio = np.divide(prob, rest, out=np.zeros_like(prob), where=rest > 0)
-            out[rows, j, :] = (w * (_outside(members).T @ ratio)).T
+    n, k = logits.shape
+    out = np.zeros((n, m, k))
+    for lo in range(0, n, block):
+        levels = _set_levels(logits[lo:lo + block], mask[lo:lo + block], m)
+        order = next(levels)
+        part = np.zeros((m, k, order.shape[0]))
+        for j, level, _, ratio, weights in levels:
+            for g, rows in level.groups:
+                part[j] += weights[g] * (_outside(level.members[rows]).T @ ratio[rows])
+        np.put_along_axis(out[lo:lo + block], np.broadcast_to(order[:, None, :], (order.shape[0], m, k)),
+                          part.transpose(2, 0, 1), axis=2)
     return out
 
 
@@ -119,9 +158,23 @@ def shown_set_probs(logits, mask, m: int) -> tuple[np.ndarray, np.ndarray]:
     are exactly the set ``members[c]``, in any order, for every set of ``m`` candidates
     (the same dynamic programme as :func:`slot_marginals_exact`, one level further; cost
     C(K, m) sets). The exact expectation of any reward that depends on the shown set only,
-    e.g. an oracle citation model's expected cited count."""
-    *_, (_, members, prob, _, _) = _set_levels(logits, mask, m + 1)
-    return members, np.ascontiguousarray(prob.T)
+    e.g. an oracle citation model's expected cited count. A call with fewer than ``m`` valid
+    candidates draws no set of ``m``: its row is 0."""
+    logits = np.atleast_2d(np.asarray(logits, np.float64))
+    mask = np.broadcast_to(np.asarray(mask, bool), logits.shape)
+    n, k = logits.shape
+    levels = _set_levels(logits, mask, m + 1)
+    order = next(levels)
+    *_, (_, level, prob, _, _) = levels
+    # each call's sorted set is the set of its original candidates order[i, set]: placed by rank
+    comb = np.array([[math.comb(a, t + 1) for t in range(m)] for a in range(k)], np.int64)
+    colex = lambda sets: comb[sets, np.arange(m)].sum(-1)               # noqa: E731  (rank of a sorted set)
+    lex_of = np.empty(len(level.removed), np.int64)
+    lex_of[colex(level.removed)] = np.arange(len(level.removed))
+    original = np.sort(order[:, level.removed], axis=-1)                 # (n, C, m)
+    out = np.zeros((n, len(level.removed)))
+    np.put_along_axis(out, lex_of[colex(original)], prob.T, axis=1)
+    return level.members, out
 
 
 @functools.partial(jax.jit, static_argnames=("m", "samples"))
@@ -130,12 +183,15 @@ def _mc_marginals(logits, mask, key, m: int, samples: int):
         g = jax.random.gumbel(key, (samples,) + z.shape, jnp.float32)
         zz = jnp.where(mk, z, -jnp.inf)
         order = jax.vmap(lambda gg: top_m(zz + gg, m, mk))(g)            # (S, m)
-        w = jnp.where(mk, jnp.exp(z - jnp.max(zz)), 0.0)
         hit = (order[:, :, None] == jnp.arange(z.shape[0])) & (order[:, :, None] >= 0)  # (S, m, K)
         before = jnp.cumsum(hit, axis=1) - hit                           # drawn before slot j
-        left = w[None, None, :] * (before == 0)
-        rest = left.sum(-1, keepdims=True)
-        return jnp.mean(jnp.where(rest > 0, left / jnp.where(rest > 0, rest, 1.0), 0.0), axis=0)
+        # the weights left, relative to the largest of them (to the call's best, they underflowed
+        # in float32 once it was drawn: logits [0, -90, -91] gave a second slot of 0)
+        left = jnp.where((before == 0) & mk, z, -jnp.inf)
+        top = jnp.max(left, axis=-1, keepdims=True)
+        e = jnp.where(jnp.isfinite(top), jnp.exp(left - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+        rest = e.sum(-1, keepdims=True)
+        return jnp.mean(jnp.where(rest > 0, e / jnp.where(rest > 0, rest, 1.0), 0.0), axis=0)
     keys = jax.random.split(key, logits.shape[0])
     return jax.vmap(one)(logits, mask, keys)
 
