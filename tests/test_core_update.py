@@ -210,6 +210,30 @@ def check_brute_force(scope, opt_name, variant, **est_fields):
     assert metrics["loss"].shape == (U,)
 
 
+@pytest.mark.parametrize("scope, kind", [(s, "linear") for s in rj.SCOPES] + [("user", "mlp"), ("shared", "mlp")])
+@pytest.mark.parametrize("padding", [float("nan"), float("inf")])
+@pytest.mark.parametrize("preset", ["default", "reinforce"])
+def test_what_a_padded_slot_holds_changes_no_update(scope, kind, padding, preset):
+    """A masked slot may hold anything (score's contract), NaN included. It did not change the
+    scores, but 0 · NaN in the params' gradient made every kernel NaN after one update (and a
+    shared part spreads it to every user). The update from a batch whose padded slots hold
+    NaN or inf is the update from the same batch with zeros there, bit for bit."""
+    opt = rj.adam(0.05)
+    layout, _, shared, users, batch = setup(scope, opt, kind)
+    est = rj.preset(preset, k=K, m=M, batch=B, scope=scope)[1]
+    update = jax.jit(rj.make_update(layout, est, opt))
+    runs = []
+    for fill in (0.0, padding):
+        m = jnp.where(batch.mask[..., None], batch.m, fill)
+        scores = jax.vmap(lambda lp, q, mm, mk: rj.score_batch(rj.merge_params(shared.params, lp), q, mm, mk))(
+            users.params, batch.q, m, batch.mask)
+        runs.append(update(shared, users, batch._replace(m=m, scores=scores)))
+    (clean_shared, clean_users, _), (got_shared, got_users, _) = runs
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(got_users.params) + jax.tree.leaves(got_shared.params))
+    jax.tree.map(np.testing.assert_array_equal, (got_shared.params, got_users.params),
+                 (clean_shared.params, clean_users.params))
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_a_positive_advantage_raises_the_log_prob_of_the_selection_and_a_negative_lowers_it(kind):
     layout, est, shared, users, batch = setup("user", rj.adam(1e-2), kind, credit="selection", baseline_value=0.0)

@@ -263,8 +263,11 @@ def score(params, q, m, mask=None):
     checks.check_mask(mask, (m.shape[0],))
     checks.check_finite(q, "q")                  # eager calls: NaN scored silently, while sampling refused it
     checks.check_finite_where(m, mask, "m")
-    s = _score_unmasked(params, q, m)
-    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+    if mask is None:
+        return _score_unmasked(params, q, m)
+    # a masked slot may hold anything, NaN included: zeroed, it adds nothing to the params' gradient
+    # (0 · NaN would be NaN there, and one update would spread it to every user of a shared part)
+    return jnp.where(mask, _score_unmasked(params, q, jnp.where(mask[:, None], m, 0.0)), -jnp.inf)
 
 
 def score_batch(params, q, m, mask=None):

@@ -233,7 +233,8 @@ def linear_factors(params, q, m, mask, dscores):
     kq, km = pq["W"]["kernel"], pm["W"]["kernel"]
     lq, lm = pq.get("lora"), pm.get("lora")
     qp = q + q @ kq + (0.0 if lq is None else (q @ lq["a"]) @ lq["b"].T)
-    u = jnp.einsum("bk,bkd->bd", jnp.where(mask, dscores, 0.0), m)
+    # a padded slot may hold anything (score's contract), NaN included: 0 · NaN would be NaN
+    u = jnp.einsum("bk,bkd->bd", jnp.where(mask, dscores, 0.0), jnp.where(mask[..., None], m, 0.0))
     w = u + u @ km + (0.0 if lm is None else (u @ lm["a"]) @ lm["b"].T)
     out = {"q_adapter": {"W": {"kernel": (q, w)}}, "m_adapter": {"W": {"kernel": (u, qp)}}}
     if lq is not None:   # ∂L/∂A = (∂L/∂K) B = Σ_b x_b ⊗ (y_b B), ∂L/∂B = (∂L/∂K)ᵀ A = Σ_b y_b ⊗ (x_b A)
