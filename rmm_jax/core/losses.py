@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.core import checks
-from rmm_jax.core.sampling import NEG, selection_log_probs, valid_mask
+from rmm_jax.core.sampling import NEG, selection_log_probs, shifted, valid_mask
 
 REWARDS = ("pm1", "binary")
 BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")
@@ -384,7 +384,7 @@ def listwise_loss(scores, gold, mask=None, tau=1.0):
     g = (gold & valid).astype(jnp.float32)
     n = jnp.sum(g, axis=-1)
     y = g / jnp.maximum(n, 1.0)[:, None]
-    logp = jax.nn.log_softmax(jnp.where(valid, scores / tau, NEG), axis=-1)
+    logp = jax.nn.log_softmax(jnp.where(valid, jax.vmap(shifted)(scores, valid) / tau, NEG), axis=-1)
     per_query = -jnp.sum(jnp.where(valid, y * logp, 0.0), axis=-1)
     has = n > 0
     return jnp.sum(jnp.where(has, per_query, 0.0)) / jnp.maximum(jnp.sum(has), 1)

@@ -35,6 +35,23 @@ def valid_mask(scores, mask=None):
     return v if mask is None else v & mask
 
 
+def shifted(scores, valid):
+    """``scores`` less the largest valid one, a constant (no gradient): Plackett–Luce and softmax
+    probabilities are the same, and s/τ no longer rounds at the scale of s. Scores near 1e4 at
+    τ = 0.01 are 1e6 apart from 0, where float32's step is 0.0625: a selection's log-probability
+    was 0.0625 nats off, and the Gumbel noise rounded to steps of 1/16 drew tied candidates
+    0.403 and 0.391 (0.397 each). All invalid: unshifted.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from rmm_jax.core.sampling import shifted
+      >>> shifted(jnp.array([1e4, 1e4 - 1.0, -jnp.inf]), jnp.array([True, True, False])).tolist()
+      [0.0, -1.0, -inf]
+    """
+    top = jnp.max(jnp.where(valid, scores, -jnp.inf))
+    return scores - jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+
+
 def _check_scores(scores, mask, m=None, selected=None):
     checks.check_rank(scores, 1, "scores")
     checks.check_float(scores, "scores")
@@ -104,7 +121,8 @@ def _top_m(logits, m: int, valid):
 def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
     """Draw an ordered selection of M candidates from Plackett–Luce(softmax(s/τ)).
 
-    i_1..i_M = top-M of (s/τ + g), g ~ Gumbel(0, 1) i.i.d. (Kool et al., 2019).
+    i_1..i_M = top-M of (s/τ + g), g ~ Gumbel(0, 1) i.i.d. (Kool et al., 2019), s taken
+    less its largest valid score (:func:`shifted`: the same distribution, without rounding s/τ).
 
     Args:
       key: PRNG key (ignored when ``gumbel`` is given).
@@ -138,7 +156,8 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
     m = int(m)
     if gumbel is None:
         gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
-    return _top_m(scores / tau + gumbel, m, valid_mask(scores, mask))     # scores checked above
+    valid = valid_mask(scores, mask)
+    return _top_m(shifted(scores, valid) / tau + gumbel, m, valid)     # scores checked above
 
 
 def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumbel=None, mask=None):
@@ -166,10 +185,10 @@ def selection_log_probs(scores, selected, tau, mode: str = "plackett_luce", gumb
     idx = jnp.where(filled, selected, 0)
     if mode == "rmm":
         _check_gumbel(gumbel, scores)
-        z = jnp.where(valid, (scores + jax.lax.stop_gradient(gumbel)) / tau, NEG)
+        z = jnp.where(valid, (shifted(scores, valid) + jax.lax.stop_gradient(gumbel)) / tau, NEG)
         lp = jax.nn.log_softmax(z)[idx]
     else:
-        z = jnp.where(valid, scores / tau, NEG)
+        z = jnp.where(valid, shifted(scores, valid) / tau, NEG)
         onehot = (idx[:, None] == jnp.arange(scores.shape[0])[None, :]) & filled[:, None]
         drawn_before = jnp.cumsum(onehot, axis=0) - onehot
         remaining = valid[None, :] & (drawn_before == 0)

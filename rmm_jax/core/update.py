@@ -65,7 +65,7 @@ from rmm_jax.core.config import Estimator, Layout
 from rmm_jax.core.losses import citation_logistic_loss, citation_pairwise_loss, citation_rewards, reinforce_loss
 from rmm_jax.core.optim import step_dense_or_factors
 from rmm_jax.core.reranker import score_batch
-from rmm_jax.core.sampling import selection_log_prob, top_m
+from rmm_jax.core.sampling import selection_log_prob, shifted, top_m, valid_mask
 from rmm_jax.core.types import Batch, LearnerState, QueryBatch, SharedState, UserState
 
 SHARED_STEP_MAX_USERS = 100
@@ -415,7 +415,9 @@ def act(estimator: Estimator, m: int, scores, mask, key):
     chex.assert_rank([scores, mask], [2, 2])
     t = estimator.sample_tau
     g = jax.random.gumbel(key, scores.shape, scores.dtype)
-    selected = jax.vmap(lambda z, mk: top_m(z, m, mk))(scores / t + g, mask)
+    # less each query's best valid score (sampling.shifted): the same draw, without rounding s/τ'
+    z = jax.vmap(lambda s, mk: shifted(s, valid_mask(s, mk)))(scores, mask) / t
+    selected = jax.vmap(lambda z, mk: top_m(z, m, mk))(z + g, mask)
     logp = jax.vmap(lambda s, sel, mk: selection_log_prob(s, sel, t, "plackett_luce", None, mk))(
         scores, selected, mask)
     return selected, t * g, logp
