@@ -29,7 +29,7 @@ from rmm_jax.online.streams import calls_by_user, check_limits
 from rmm_jax.persist.policy_checks import check_embedding_store
 from rmm_jax.persist.policy_rollback import check_store
 
-POLICY_USERS = 64                   # users whose policies load_calls reads together (load_policies)
+_POLICY_USERS = 64                   # users whose policies load_calls reads together (load_policies)
 METRICS = ("cited", "cite_rate", "recall")
 LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
 F32_UNIT = 2.0 ** -24               # float32's unit roundoff u (Higham, Accuracy and Stability, §2.1)
@@ -313,10 +313,10 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
 
 def _with_policies(policies, by_user: dict[str, list]):
     """``(user, records, policy)`` of each user in ``by_user``, their policies read
-    :data:`POLICY_USERS` at a time (:func:`rmm_jax.online.serve.load_policies`)."""
+    64 at a time (:func:`rmm_jax.online.serve.load_policies`)."""
     users = list(by_user)
-    for i in range(0, len(users), POLICY_USERS):
-        part = users[i:i + POLICY_USERS]
+    for i in range(0, len(users), _POLICY_USERS):
+        part = users[i:i + _POLICY_USERS]
         for uid, policy in zip(part, load_policies(policies, part, fallback_to_shared=True)):
             yield uid, by_user[uid], policy
 
