@@ -20,7 +20,9 @@ package. No benchmark imports another: what two of them need lives here.
   and of the retriever's own order (the baseline of every gain).
 * :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
   users, side by side, and which user (conversation) each belongs to, for
-  :func:`gain_interval`'s ``groups``.
+  :func:`gain_interval`'s ``groups``; :func:`paired_gain`: the interval of one run's values
+  minus another's (or a baseline's) on the same queries and seeds, and :func:`pooled_gain`:
+  a run's recall and its gain over the base.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
   with the command line, date, commit, whether the tree was clean, and machine that produced
   it; refused from a tree with uncommitted changes (:func:`uncommitted`).
@@ -525,17 +527,26 @@ def query_groups(streams: Sequence[Stream], users: Sequence[str]) -> np.ndarray:
     return np.concatenate([np.full(int(np.asarray(by_id[u].valid, bool).sum()), i) for i, u in enumerate(users)])
 
 
+def paired_gain(a: Sequence[dict], b: Sequence[dict], streams: Sequence[Stream], users: Sequence[str], *,
+                by_user: bool = False) -> dict:
+    """The :func:`gain_interval` of ``a`` minus ``b``, per query and seed: per-seed per-user
+    values (user id -> (T,)) of two runs on the same seeds and queries, each pooled over
+    ``users`` (:func:`pooled`); ``b`` may hold one run (a baseline), set against every seed of
+    ``a``. ``by_user``: the interval resamples the users too (:func:`query_groups`)."""
+    stack = lambda runs: np.stack([pooled(r, streams, users) for r in runs])  # noqa: E731
+    return gain_interval(stack(a) - stack(b), groups=query_groups(streams, users) if by_user else None)
+
+
 def pooled_gain(per_seed: Sequence[dict], base: dict, streams: Sequence[Stream], users: Sequence[str], *,
                 by_user: bool = False, detail: bool = False) -> dict:
     """Recall and gain over ``base`` of per-seed per-user recalls (user id -> (T,)), pooled
-    over ``users``: ``{"recall", "base", "gain"}``, the gain a :func:`gain_interval` of the
-    paired per-query differences (``by_user``: resampling the users too, :func:`query_groups`).
-    ``detail`` adds ``per_seed_gain`` (each seed's mean gain) and ``per_user`` (each user's
-    recall, over seeds)."""
+    over ``users``: ``{"recall", "base", "gain"}``, the gain a :func:`paired_gain` over the
+    base (``by_user``: resampling the users too). ``detail`` adds ``per_seed_gain`` (each
+    seed's mean gain) and ``per_user`` (each user's recall, over seeds)."""
     vals = np.stack([pooled(r, streams, users) for r in per_seed])
     b = pooled(base, streams, users)
-    groups = query_groups(streams, users) if by_user else None
-    out = {"recall": float(vals.mean()), "base": float(b.mean()), "gain": gain_interval(vals - b[None], groups=groups)}
+    out = {"recall": float(vals.mean()), "base": float(b.mean()),
+           "gain": paired_gain(per_seed, [base], streams, users, by_user=by_user)}
     if detail:
         out["per_seed_gain"] = [float(x) for x in (vals - b).mean(1)]
         out["per_user"] = {u: float(np.stack([pooled(r, streams, [u]) for r in per_seed]).mean()) for u in users}

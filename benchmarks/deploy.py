@@ -307,9 +307,11 @@ def plot(result: dict, path: Path) -> None:
     _common.save_figure(fig, path, dpi=110)
 
 
-def paired(result: dict, other_path: Path) -> dict:
-    """This deployment's final Recall@5 minus another's (same calls, same order), paired
-    per question, with its interval over conversations and questions."""
+def paired_with(result: dict, other_path: Path) -> dict:
+    """``--paired-with``: this deployment's final Recall@5 minus another's (same calls, same
+    order), paired per question, with its interval over conversations and questions. One
+    deployment, no seeds or streams: the differences come from the two result files, straight
+    into :func:`gain_interval` (what :func:`_common.paired_gain` does for per-seed runs)."""
     other = json.loads(other_path.read_text())
     mine, theirs = result["per_question"], other.get("per_question")
     if theirs is None or theirs["user"] != mine["user"]:
@@ -434,7 +436,7 @@ def main(argv=None) -> int:
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if args.paired_with is not None:
-        result["paired"] = paired(result, args.paired_with)
+        result["paired"] = paired_with(result, args.paired_with)
     if args.json:
         _common.write_result(args.json, result)
     if args.plot:

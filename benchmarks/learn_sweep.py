@@ -347,19 +347,13 @@ def record(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- summaries
 
-pooled = _common.pooled
-
-
 # recall and gain over the base of per-seed per-user recalls, pooled over users, with each seed's gain and
 # each user's recall
 gain = functools.partial(_common.pooled_gain, detail=True)
 
 
-def paired(a: list[dict], b: list[dict], streams, users) -> dict:
-    """The interval of ``a`` minus ``b`` (per-seed per-user values of two rows on the same seeds
-    and queries), pooled over ``users``."""
-    stack = lambda runs: np.stack([pooled(x, streams, users) for x in runs])  # noqa: E731
-    return _common.gain_interval(stack(a) - stack(b))
+# the interval of a minus b (per-seed per-user values of two rows on the same seeds and queries), pooled over users
+paired = _common.paired_gain
 
 
 def by_path(key: str, hit: str, miss: str):
@@ -478,9 +472,7 @@ def lever_passes(ctx) -> dict:
         for e in ctx.epochs:
             g = gain(per_e[e], base, second, TUNED_ON)
             if e != 1:
-                one = np.stack([pooled(r, second, TUNED_ON) for r in per_e[1]])
-                g["gain_over_one_pass"] = _common.gain_interval(
-                    np.stack([pooled(r, second, TUNED_ON) for r in per_e[e]]) - one)
+                g["gain_over_one_pass"] = paired(per_e[e], per_e[1], second, TUNED_ON)
             rows.append({**record(row), "passes": e, **g})
             ctx.log(line(f"{row['name']}, {e} pass(es)", g)
                     + (f"  vs 1 pass {_common.format_interval(g['gain_over_one_pass'])}" if e != 1 else ""))

@@ -685,14 +685,16 @@ def main(argv=None):
                 f"{name} {_common.pooled(runs[cm][name][-1]['recall'], streams, held).mean():.4f} "
                 f"({runs[cm][name][-1]['queries_per_s']:.0f} q/s)" for name in runs[cm]))
 
+    def recalls(name, cm):
+        return [r["recall"] for r in runs[cm][name]]
+
     def per_query(name, cm, us):
-        return np.stack([_common.pooled(r["recall"], streams, us) for r in runs[cm][name]])
+        return np.stack([_common.pooled(r, streams, us) for r in recalls(name, cm)])
 
-    groups_held, groups_all = _common.query_groups(streams, held), _common.query_groups(streams, users)
-
-    def paired(a, b, cm, us, groups):
-        """a − b per query and seed, with an interval that resamples conversations, seeds and queries."""
-        return _common.gain_interval(per_query(a, cm, us) - per_query(b, cm, us), groups=groups)
+    def paired(a, b, cm, us):
+        """Learner a − learner b per query and seed, with an interval that resamples conversations, seeds and
+        queries."""
+        return _common.paired_gain(recalls(a, cm), recalls(b, cm), streams, us, by_user=True)
 
     base_held, base_all = _common.pooled(base, streams, held), _common.pooled(base, streams, users)
     results, ratios = {}, {}
@@ -704,22 +706,21 @@ def main(argv=None):
                 "label": learner_label(name, args.preset),
                 "held_out_recall": {"mean": float(ph.mean()), **_common.spread(ph.mean(1))},
                 "all_recall": {"mean": float(pa.mean()), **_common.spread(pa.mean(1))},
-                "gain_held_out": _common.gain_interval(ph - base_held, groups=groups_held),
-                "gain_all": _common.gain_interval(pa - base_all, groups=groups_all),
+                "gain_held_out": _common.paired_gain(recalls(name, cm), [base], streams, held, by_user=True),
+                "gain_all": _common.paired_gain(recalls(name, cm), [base], streams, users, by_user=True),
                 "per_user": {u: float(per_query(name, cm, [u]).mean()) for u in users},
                 "queries_per_s": _common.spread([r["queries_per_s"] for r in runs[cm][name]]),
                 "runs": [{k_: v for k_, v in r.items() if k_ != "recall"} for r in runs[cm][name]]}
         ratios[cm] = {
-            "rmm_jax_minus_vw_all": paired("rmm_jax", "vw", cm, users, groups_all),
-            "rmm_jax_minus_vw_held_out": paired("rmm_jax", "vw", cm, held, groups_held),
-            "rmm_jax_hybrid_minus_vw_all": paired("rmm_jax_hybrid", "vw", cm, users, groups_all),
-            "rmm_jax_hybrid_minus_rmm_jax_all": paired("rmm_jax_hybrid", "rmm_jax", cm, users, groups_all),
-            **({"rmm_jax_dialogue_minus_vw_all": paired("rmm_jax_dialogue", "vw", cm, users, groups_all),
-                "rmm_jax_dialogue_minus_vw_held_out": paired("rmm_jax_dialogue", "vw", cm, held, groups_held),
-                "rmm_jax_dialogue_minus_vw_dialogue_all": paired("rmm_jax_dialogue", "vw_dialogue", cm, users,
-                                                                 groups_all),
-                "rmm_jax_dialogue_minus_rmm_jax_all": paired("rmm_jax_dialogue", "rmm_jax", cm, users, groups_all),
-                "vw_dialogue_minus_vw_all": paired("vw_dialogue", "vw", cm, users, groups_all)}
+            "rmm_jax_minus_vw_all": paired("rmm_jax", "vw", cm, users),
+            "rmm_jax_minus_vw_held_out": paired("rmm_jax", "vw", cm, held),
+            "rmm_jax_hybrid_minus_vw_all": paired("rmm_jax_hybrid", "vw", cm, users),
+            "rmm_jax_hybrid_minus_rmm_jax_all": paired("rmm_jax_hybrid", "rmm_jax", cm, users),
+            **({"rmm_jax_dialogue_minus_vw_all": paired("rmm_jax_dialogue", "vw", cm, users),
+                "rmm_jax_dialogue_minus_vw_held_out": paired("rmm_jax_dialogue", "vw", cm, held),
+                "rmm_jax_dialogue_minus_vw_dialogue_all": paired("rmm_jax_dialogue", "vw_dialogue", cm, users),
+                "rmm_jax_dialogue_minus_rmm_jax_all": paired("rmm_jax_dialogue", "rmm_jax", cm, users),
+                "vw_dialogue_minus_vw_all": paired("vw_dialogue", "vw", cm, users)}
                if dialogue is not None else {}),
             "rmm_jax_over_vw_queries_per_s": _common.spread(
                 [a["queries_per_s"] / b["queries_per_s"] for a, b in zip(runs[cm]["rmm_jax"], runs[cm]["vw"])])}
