@@ -17,7 +17,8 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`online_recall`: the one call of the online loop the LoCoMo benchmarks make (every
   stream side by side in one chunk, per-query prequential Recall@M back).
 * :func:`frozen_recall` / :func:`retriever_recall`: per-query Recall@M of a fixed reranker,
-  and of the retriever's own order (the baseline of every gain).
+  and of the retriever's own order (the baseline of every gain); :func:`recall_at`: one
+  query's, from whether each shown memory is gold.
 * :func:`pooled` / :func:`query_groups`: per-query values of the valid queries of some
   users, side by side, and which user (conversation) each belongs to, for
   :func:`gain_interval`'s ``groups``; :func:`paired_gain`: the interval of one run's values
@@ -479,6 +480,14 @@ def run_chunk(streams: Sequence[Stream], program, params, seed: int) -> ChunkRun
                 local = jax.tree.map(lambda x, i=i: x[i], ev.states.params)
                 finals[s.user_id] = program.layout.scope.merge(ev.shared.params, local)
     return ChunkRun(finals, outputs, shared)
+
+
+def recall_at(rel, num_gold: int) -> float:
+    """Recall@M of one query from its shown (or top M) memories: ``rel``, whether each is gold,
+    summed over the query's ``num_gold`` gold memories (0 when it has none, as
+    :func:`rmm_jax.core.metrics.recall_at_k`). One query in plain Python and NumPy, for the
+    benchmarks that rank outside the library (a peer, served lines)."""
+    return float(np.sum(rel)) / num_gold if num_gold > 0 else 0.0
 
 
 def frozen_recall(params, s: Stream, m: int, *, valid_only: bool = False) -> np.ndarray:

@@ -156,10 +156,6 @@ def cite(served: list[dict], gold: dict, first: int) -> list[dict]:
     return [{**rec, "cited": [m for m, c in zip(rec["selected"], cited[i]) if c]} for i, rec in enumerate(served)]
 
 
-def recall_at(ids, gold: set) -> float:
-    return len(set(ids) & gold) / len(gold)
-
-
 def served_recall(served: list[dict], gold: dict) -> dict:
     """Per call, Recall@5 against gold of the policy's top 5 (the logits' deterministic
     top 5), of the drawn selection, and of the retriever's top 5."""
@@ -169,9 +165,8 @@ def served_recall(served: list[dict], gold: dict) -> dict:
         order = np.argsort(-np.asarray(rec["logits"]), kind="stable")[:M]
         ids = [rec["candidates"][i] if isinstance(rec["candidates"][i], str) else rec["candidates"][i]["id"]
                for i in order]
-        out["policy"].append(recall_at(ids, g))
-        out["served"].append(recall_at(rec["selected"], g))
-        out["retriever"].append(recall_at(rec["candidates"][:M], g))
+        for key, shown in (("policy", ids), ("served", rec["selected"]), ("retriever", rec["candidates"][:M])):
+            out[key].append(_common.recall_at([i in g for i in shown], len(g)))
     return out
 
 

@@ -248,7 +248,7 @@ def run_vw_user(stream: Stream, vw: VWSetting, cite, *, m: int, tau: float, seed
             z = vw_logits(ws, base, q_text, mems)
             t_vw += time.perf_counter() - t0
             k_m = min(m, cand.size)
-            recalls[t] = recall_at(stream.cand_gold[t][ok][rank(z, k_m)], int(stream.num_gold[t]))
+            recalls[t] = _common.recall_at(stream.cand_gold[t][ok][rank(z, k_m)], int(stream.num_gold[t]))
             shown = gumbel_top(z, k_m, rng)
             cited = cite(useful[shown][None], np.ones((1, k_m), bool), rng)[0]
             n_cited, n_shown = n_cited + int(cited.sum()), n_shown + k_m
@@ -318,7 +318,8 @@ def vw_frozen_recall(init: Path, streams: list[Stream], *, bits: int, tau: float
                 cand = s.cand[t][s.cand_mask[t]]
                 z = vw_logits(ws, retriever_logits(s, t, cand, tau), f"|Q {features(s.queries[t])} ",
                               [mem_text[j] for j in cand])
-                out.append(recall_at(s.cand_gold[t][s.cand_mask[t]][rank(z, min(m, cand.size))], int(s.num_gold[t])))
+                shown = s.cand_gold[t][s.cand_mask[t]][rank(z, min(m, cand.size))]
+                out.append(_common.recall_at(shown, int(s.num_gold[t])))
     finally:
         ws.finish()
     return float(np.mean(out))
@@ -369,10 +370,6 @@ def start_check(streams, dialogue, start: VWStart, *, bits: int, tau: float, m: 
             "rows": rows, "seeds": list(seeds), "reads": "nothing of 41-43 but their pairs (no gold, no questions)"}
 
 
-def recall_at(rel: np.ndarray, num_gold: int) -> float:
-    return float(rel.sum()) / num_gold if num_gold > 0 else 0.0
-
-
 # --------------------------------------------------------------------------- the ablation: VW's contextual bandit
 
 CB_ARGS = "--cb_explore_adf --softmax --lambda 10 --cb_type dm -q QM -b 22 -l 0.1 --no_predict"
@@ -418,7 +415,7 @@ def run_cb_user(stream: Stream, cite, *, m: int, seed: int) -> dict:
             pmf = np.asarray(ws.predict([shared] + actions), np.float64)
             t_vw += time.perf_counter() - t0
             k_m = min(m, cand.size)
-            recalls[t] = recall_at(stream.cand_gold[t][ok][det_top_m(pmf, k_m)], int(stream.num_gold[t]))
+            recalls[t] = _common.recall_at(stream.cand_gold[t][ok][det_top_m(pmf, k_m)], int(stream.num_gold[t]))
             shown, probs = sample_slate(pmf, k_m, rng)
             cited = cite(useful[shown][None], np.ones((1, k_m), bool), rng)[0]
             left = list(range(cand.size))
