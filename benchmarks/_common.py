@@ -27,9 +27,10 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
   with the command line, date, commit, whether the tree was clean, and machine that produced
   it; refused from a tree with uncommitted changes (:func:`uncommitted`).
-* :func:`spread`: median, min and max of per-repeat values (timings: medians of
-  interleaved repeats). :class:`LoadWatch`: the load average around a timing, and whether
-  it was too busy to trust (``noisy``). :func:`gain_interval` / :func:`format_interval`: a gain's 95%
+* :func:`timed`: wall seconds of one call, its JAX result waited for. :func:`spread`: median,
+  min and max of per-repeat values (timings: medians of interleaved repeats).
+  :class:`LoadWatch`: the load average around a timing, and whether it was too busy to trust
+  (``noisy``). :func:`gain_interval` / :func:`format_interval`: a gain's 95%
   interval, re-exported from :mod:`rmm_jax.online.stats` (the one interval function).
 """
 from __future__ import annotations
@@ -711,6 +712,15 @@ def load_summary(one_minute) -> dict:
               file=sys.stderr)
     return {"one_minute": [round(x, 2) for x in one_minute], "max": round(worst, 2), "noisy": worst > NOISY_LOAD,
             "noisy_above": NOISY_LOAD}
+
+
+def timed(fn) -> float:
+    """Wall seconds of one call of ``fn`` (no arguments), its result waited for
+    (``jax.block_until_ready``: JAX dispatches asynchronously; any other result passes through):
+    the one stopwatch of the timing benchmarks."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
 
 
 def spread(values) -> dict:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import HelpFormatter, LoadWatch, drop_page_cache, positive_int, spread, write_result
+from _common import HelpFormatter, LoadWatch, drop_page_cache, positive_int, spread, timed, write_result
 from tqdm import tqdm
 
 import rmm_jax as rj
@@ -63,12 +63,6 @@ def build(path: Path, users: int, dim: int, rank: int, per_save: int = 2000) -> 
             st = st._replace(params=noise(st.params, keys[0]))
             store.save([f"u{i:07d}" for i in range(lo, lo + n)], jax.device_get(st), shared_version=sv)
             bar.update(n)
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t
 
 
 def main(argv=None):

@@ -84,7 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
-from _common import HelpFormatter, load_summary, positive_int, save_figure, write_result
+from _common import HelpFormatter, load_summary, positive_int, save_figure, timed, write_result
 from _common import spread as interval
 
 try:
@@ -130,12 +130,6 @@ def block(tree):
 
 # --------------------------------------------------------------------------- machine
 
-def _timeit(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 _COPY_LOOPS: dict = {}
 
 
@@ -154,14 +148,14 @@ def copy_bandwidth(n_bytes: int) -> dict:
             np.copyto(y, x)
 
     np_copy()
-    t_np = min(_timeit(np_copy) for _ in range(5)) / reps
+    t_np = min(timed(np_copy) for _ in range(5)) / reps
     key = (n, reps)
     if key not in _COPY_LOOPS:
         _COPY_LOOPS[key] = jax.jit(lambda a: jax.lax.fori_loop(0, reps, lambda i, v: v * 1.0000001, a))
     loop = _COPY_LOOPS[key]
     xj = jnp.ones(n, jnp.float32)
     loop(xj).block_until_ready()
-    t_jx = min(_timeit(lambda: loop(xj).block_until_ready()) for _ in range(5)) / reps
+    t_jx = min(timed(lambda: loop(xj)) for _ in range(5)) / reps
     bw_np, bw_jx = 2 * n_bytes / t_np, 2 * n_bytes / t_jx
     return {"bytes": n_bytes, "GBps": max(bw_np, bw_jx) / 1e9, "numpy_GBps": bw_np / 1e9, "jax_GBps": bw_jx / 1e9}
 
@@ -177,7 +171,7 @@ def measure_machine(quick):
     a = jnp.asarray(np.random.default_rng(0).standard_normal((nm, nm), dtype=np.float32))
     mm = jax.jit(lambda u, v: u @ v)
     mm(a, a).block_until_ready()
-    t_mm = min(_timeit(lambda: mm(a, a).block_until_ready()) for _ in range(3))
+    t_mm = min(timed(lambda: mm(a, a)) for _ in range(3))
     ok, why = ref_torch.compile_available()
     return {"bandwidth_GBps": bw["GBps"], "bandwidth_numpy_GBps": bw["numpy_GBps"],
             "bandwidth_jax_GBps": bw["jax_GBps"], "copy_MiB": bw["bytes"] / 2 ** 20,
@@ -214,9 +208,7 @@ def jax_runner(stream, setting, params, seed=0):
 
     def once():
         st = block(fresh())
-        t0 = time.perf_counter()
-        block(compiled(st, data, 0))
-        return time.perf_counter() - t0
+        return timed(lambda: compiled(st, data, 0))
 
     return compile_s, once
 
@@ -309,11 +301,7 @@ def profile_substeps(setting, params, d, k, repeats=20):
     out = {}
     for name, (fn, args) in fns.items():
         block(fn(*args))
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            block(fn(*args))
-            ts.append(time.perf_counter() - t0)
+        ts = [timed(lambda: fn(*args)) for _ in range(repeats)]
         out[name] = float(np.median(ts))
     return out
 
