@@ -27,7 +27,8 @@ package. No benchmark imports another: what two of them need lives here.
 * :func:`write_result`: the JSON artifact under ``benchmarks/results/``, written atomically,
   with the command line, date, commit, whether the tree was clean, and machine that produced
   it; refused from a tree with uncommitted changes (:func:`uncommitted`).
-* :func:`timed`: wall seconds of one call, its JAX result waited for. :func:`spread`: median,
+* :func:`timed`: wall seconds of one call, its JAX result waited for; :func:`peak_rss_mib`:
+  peak resident memory, of this process or a child. :func:`spread`: median,
   min and max of per-repeat values (timings: medians of interleaved repeats).
   :class:`LoadWatch`: the load average around a timing, and whether it was too busy to trust
   (``noisy``). :func:`gain_interval` / :func:`format_interval`: a gain's 95%
@@ -43,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -712,6 +714,13 @@ def load_summary(one_minute) -> dict:
               file=sys.stderr)
     return {"one_minute": [round(x, 2) for x in one_minute], "max": round(worst, 2), "noisy": worst > NOISY_LOAD,
             "noisy_above": NOISY_LOAD}
+
+
+def peak_rss_mib(usage=None) -> float:
+    """Peak resident set size in MiB, to 0.1: of this process, or of what ``usage`` (a
+    ``resource.struct_rusage``, e.g. a child's from ``os.wait4``) describes. Linux reports
+    ``ru_maxrss`` in KiB."""
+    return round((resource.getrusage(resource.RUSAGE_SELF) if usage is None else usage).ru_maxrss / 1024, 1)
 
 
 def timed(fn) -> float:

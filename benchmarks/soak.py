@@ -98,7 +98,7 @@ def run_measured(argv: list[str], out_path: Path) -> dict:
     if code != 0:
         tail = out_path.with_suffix(".err").read_text()[-2000:]
         raise SystemExit(f"{' '.join(argv[:3])} failed with status {code}:\n{tail}")
-    return {"seconds": round(wall, 2), "peak_rss_mib": round(ru.ru_maxrss / 1024, 1)}
+    return {"seconds": round(wall, 2), "peak_rss_mib": _common.peak_rss_mib(ru)}
 
 
 def soak(users: int, args, work: Path) -> dict:

@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -203,7 +202,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0, night
         "load_one_user_cached_s_median": round(float(np.median(warm)), 4),
         "load_fresh_process": {k: round(v, 3) for k, v in fresh.items()},
         "n_users_s": round(n_users_s, 4), "night_rolled_back": rolled,
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": _common.peak_rss_mib(),
         "target_load_le_1s": bool(max(cold) <= 1.0),
     }
 
