@@ -232,6 +232,19 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def du_allocated(path: Path) -> tuple[int, int]:
+    """``(allocated, apparent)`` bytes of every file under the directory ``path``, links not
+    followed: the blocks the files hold on the disk (less than apparent where they are sparse,
+    more where a block is partly used), and their sizes (:func:`du`'s count, links aside)."""
+    alloc = size = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            st = os.lstat(os.path.join(root, n))
+            alloc += st.st_blocks * 512
+            size += st.st_size
+    return alloc, size
+
+
 def locomo_dir() -> Path:
     """The LoCoMo directory: ``$RMM_LOCOMO_DIR``, else ``<repo>/../shared/data/locomo``."""
     return Path(os.environ.get(DATA_ENV) or REPO.parent / "shared" / "data" / "locomo")

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -79,17 +78,6 @@ def hybrid_block(n: int, rng: np.random.Generator) -> UserState:
 
 def uid(i: int) -> str:
     return f"user_{i:07d}"
-
-
-def du(path: Path) -> tuple[int, int]:
-    """(allocated bytes, apparent bytes) of every file under ``path``."""
-    alloc = size = 0
-    for root, _, names in os.walk(path):
-        for n in names:
-            st = os.lstat(os.path.join(root, n))
-            alloc += st.st_blocks * 512
-            size += st.st_size
-    return alloc, size
 
 
 def user_scope_bytes(work: Path) -> dict:
@@ -143,11 +131,11 @@ def night_rolled_back(st: PolicyStore, n: int, per_save: int, block: UserState, 
     """A second night saved and rolled back (step 4): the rollback's seconds, what it forgot,
     the bytes it freed; the picked users load their first night again."""
     save_night(st, n, per_save, block, night=1)
-    before = du(st.path)[0]
+    before = _common.du_allocated(st.path)[0]
     t = time.perf_counter()
     undone = rollback(PolicyStore.open(st.path))
     seconds = time.perf_counter() - t
-    after = du(st.path)[0]
+    after = _common.du_allocated(st.path)[0]
     reader = PolicyStore.open(st.path)
     for i in picks:
         assert float(reader.load(uid(i)).state.learner_state.baseline) == i
@@ -164,7 +152,7 @@ def run(n: int, per_save: int, work: Path, loads: int = 20, seed: int = 0, night
     t_all = time.perf_counter()
     save_s = save_night(st, n, per_save, block, night=0)
     total_save = time.perf_counter() - t_all
-    alloc, apparent = du(path)
+    alloc, apparent = _common.du_allocated(path)
     ub = st.user_bytes(uid(0))
 
     picks = random.Random(seed).sample(range(n), min(loads, n))
