@@ -94,6 +94,9 @@ copied back) after compile (``compile_s``: its first pass, compile included), XL
 backend with its own threads, all users at once; a pass takes well under a second, so each
 is the median of ``--jax-timing-runs`` identical passes. Per seed VW and rmm-jax run back
 to back (interleaved); the ratio is taken per seed and summarised as median [min, max].
+``timing.load_avg_1min``: the 1-minute load average at the start and after each seed;
+``timing.load``: the same with one at the end (:class:`_common.LoadWatch`: ``noisy`` above
+2.5, and ``others_cpu``, the share of the machine's CPU other processes used meanwhile).
 """
 from __future__ import annotations
 
@@ -617,7 +620,7 @@ def main(argv=None):
     runs = {cm: {name: [] for name in LEARNERS if not (name == "vw_cb" and not args.ablation)
                  and not (name in DIALOGUE_LEARNERS and dialogue is None)} for cm in cms}
     compile_s = {}
-    load = [os.getloadavg()[0]]
+    load = _common.LoadWatch()       # the 1-minute load average at the start and after each seed's runs
     dim = int(streams[0].bank.shape[1])
     hybrid_setting = rj.preset(args.preset, k=k, m=m, scope="hybrid",
                                rank=min(rj.Scope.named("hybrid").rank, dim - 1))   # the default rank, below d
@@ -672,7 +675,7 @@ def main(argv=None):
                                                                      seed=seed, init=vw_init), streams)
             if "vw_cb" in runs[cm]:
                 got["vw_cb"] = run_users(lambda s: run_cb_user(s, cit.numpy, m=m, seed=seed), streams)
-            load.append(os.getloadavg()[0])
+            load.sample()
             for name, r in got.items():
                 runs[cm][name].append({
                     "seed": seed, "recall": r["recall"], "seconds": r["seconds"],
@@ -693,6 +696,8 @@ def main(argv=None):
         queries."""
         return _common.paired_gain(recalls(a, cm), recalls(b, cm), streams, us, by_user=True)
 
+    load_1min = _common.spread(load.samples)          # the samples the timings ran between, as before
+    load_watch = load.result()                        # + one at the end, whether it was noisy, others' CPU
     base_held, base_all = _common.pooled(base, streams, held), _common.pooled(base, streams, users)
     results, ratios = {}, {}
     for cm in cms:
@@ -767,7 +772,8 @@ def main(argv=None):
                       "vw_cb": "as vw, with CB_ARGS",
                       "order": "per seed: vw, rmm_jax, rmm_jax_hybrid, rmm_jax_dialogue, vw_dialogue, vw_cb back "
                                "to back",
-                      "load_avg_1min": _common.spread(load), "backend": jax.default_backend(), "jax": jax.__version__},
+                      "load_avg_1min": load_1min, "load": load_watch, "backend": jax.default_backend(),
+                      "jax": jax.__version__},
            "seconds": round(time.perf_counter() - t_start, 1)}
     if dialogue is not None:
         vw_warm_dir.cleanup()
@@ -836,7 +842,7 @@ def report(out: dict) -> str:
     la = out["timing"]["load_avg_1min"]
     lines = [f"Peer comparison on {out['dataset']} ({out['queries']} queries, {len(out['users'])} users, d={out['d']}, "
              f"K={out['k']}, M={m}, tau={out['tau']}); held out: {','.join(out['held_out'])}; seeds {out['seeds']}; "
-             f"load avg {la['min']:.2f}-{la['max']:.2f}",
+             f"load avg {la['min']:.2f}-{la['max']:.2f}" + (" (noisy)" if out["timing"]["load"]["noisy"] else ""),
              f"  retriever held-out Recall@{m}: {out['base']['held_out']:.4f}"]
     for cm, res in out["results"].items():
         lines += [f"citations {cm}: {out['citations'][cm]}",
