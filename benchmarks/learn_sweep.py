@@ -1064,37 +1064,41 @@ PAIRS = [("calibrated", "default"), ("calibrated [precision_recall]", "default [
          ("gold pretrain + anchored_calibrated online", "gold pretrain + anchored online")]
 
 
+# Issue 26's targets on the held-out report: (name, the row, or the two rows whose difference it
+# reads, the least gain or difference)
+HELDOUT_TARGETS = [("defaults, online, class-calibrated: >= base + 0.06", ("default",), 0.06),
+                   ("defaults, online, answer citations: >= base + 0.05", ("default [answer]",), 0.05),
+                   ("defaults, pretrain+online >= pretrain + 0.02", ("gold pretrain + default online", "gold pretrain"),
+                    0.02),
+                   ("hybrid online >= user online + 0.01", ("default hybrid", "default"), 0.01)]
+
+
 def lever_heldout(ctx) -> dict:
     """The rows chosen on 26 and 30, once, on 41–43 (every conversation in each run), and the
-    issue's targets on them."""
+    issue's targets on them. With ``--rows``, those rows, and the pairs and targets that read
+    only them."""
+    chosen = {r["name"] for r in select(HELDOUT_ONLINE + HELDOUT_PRETRAIN, ctx.rows)}
+    online = [r for r in HELDOUT_ONLINE if r["name"] in chosen]
+    pre = [r for r in HELDOUT_PRETRAIN if r["name"] in chosen]
     shown = {}
-    runs = {**online_rows(ctx, HELDOUT_ONLINE, [s.user_id for s in ctx.streams], HELD_OUT, shown=shown),
-            **pretrain_rows(ctx, HELDOUT_PRETRAIN, HELD_OUT)}
+    runs = {**online_rows(ctx, online, [s.user_id for s in ctx.streams], HELD_OUT, shown=shown),
+            **(pretrain_rows(ctx, pre, HELD_OUT) if pre else {})}
     rows = [{**record(r), **gain(runs[r["name"]], ctx.base, ctx.streams, HELD_OUT),
              **({"shown": gain(shown[r["name"]], ctx.base, ctx.streams, HELD_OUT)} if r["name"] in shown else {})}
-            for r in HELDOUT_ONLINE + HELDOUT_PRETRAIN]
+            for r in online + pre]
     by = {r["name"]: r for r in rows}
+    both = [(a, b) for a, b in PAIRS if a in runs and b in runs]
 
     pairs = {f"{a} − {b}": {"a": a, "b": b, "a_minus_b": paired(runs[a], runs[b], ctx.streams, HELD_OUT)}
-             for a, b in PAIRS}
-    for a, b in PAIRS:              # what the calls showed, where both rows are online
+             for a, b in both}
+    for a, b in both:               # what the calls showed, where both rows are online
         if a in shown and b in shown:
             pairs[f"{a} − {b}"]["shown_a_minus_b"] = paired(shown[a], shown[b], ctx.streams, HELD_OUT)
     for name, p in pairs.items():
         ctx.log(f"  {name}: {_common.format_interval(p['a_minus_b'])}")
-    g = lambda name: by[name]["gain"]  # noqa: E731
-    d = lambda a, b: pairs[f"{a} − {b}"]["a_minus_b"]  # noqa: E731
-    targets = [
-        {"name": "defaults, online, class-calibrated: >= base + 0.06", "row": "default", "value": g("default"),
-         "target": 0.06},
-        {"name": "defaults, online, answer citations: >= base + 0.05", "row": "default [answer]",
-         "value": g("default [answer]"), "target": 0.05},
-        {"name": "defaults, pretrain+online >= pretrain + 0.02",
-         "row": "gold pretrain + default online − gold pretrain",
-         "value": d("gold pretrain + default online", "gold pretrain"), "target": 0.02},
-        {"name": "hybrid online >= user online + 0.01", "row": "default hybrid − default",
-         "value": d("default hybrid", "default"), "target": 0.01},
-    ]
+    targets = [{"name": name, "row": " − ".join(on),
+                "value": by[on[0]]["gain"] if len(on) == 1 else pairs[" − ".join(on)]["a_minus_b"], "target": least}
+               for name, on, least in HELDOUT_TARGETS if all(r in runs for r in on)]
     for t in targets:
         t["met"] = t["value"]["mean"] >= t["target"]
         t["met_with_interval"] = t["value"]["lo"] >= t["target"]
@@ -1235,21 +1239,25 @@ def lever_start_loss(ctx) -> dict:
     """Each row's dialogue start (26+30's pairs), frozen, on 26+30's questions; each paired with
     the listwise recipe's start on the same seeds."""
     streams = [s for s in ctx.streams if s.user_id in TUNED_ON]
+    chosen = {r["name"] for r in select([{"name": n} for n, _ in START_LOSS_ROWS], ctx.rows)}
     runs = {}
     for name, cfg in START_LOSS_ROWS:
+        if name not in chosen:
+            continue
         cfg = dict(cfg)
         epochs = cfg.pop("epochs")
         runs[name] = [{s.user_id: _common.frozen_recall(dialogue_start(ctx, TUNED_ON, epochs, seed, **cfg), s, M)
                        for s in streams} for seed in ctx.seeds]
     ref = START_LOSS_ROWS[0][0]
     rows = [{"name": n, **gain(r, ctx.base, ctx.streams, TUNED_ON),
-             **({} if n == ref else {"minus_listwise": paired(r, runs[ref], ctx.streams, TUNED_ON)})}
+             **({} if n == ref or ref not in runs else {"minus_listwise": paired(r, runs[ref], ctx.streams, TUNED_ON)})}
             for n, r in runs.items()]
     for r in rows:
         ctx.log(line(r["name"], r) + ("" if "minus_listwise" not in r else
                                       f"  minus listwise {_common.format_interval(r['minus_listwise'])}"))
     logistic = [r for r in rows if r["name"] != ref]
-    return {"rows": rows, "best_logistic": best(logistic), "chooses": "nothing: 26+30 only, 41-43 not read",
+    return {"rows": rows, "best_logistic": best(logistic) if logistic else None,
+            "chooses": "nothing: 26+30 only, 41-43 not read",
             "protocol": "pretrained on 26+30's dialogue pairs (AdamW at the recipe's rate, batch 32, no validation "
                         "split), each start frozen, scored on 26+30's questions"}
 
@@ -1273,6 +1281,8 @@ def lever_anchor(ctx) -> dict:
     """Each start frozen, and the default online from it with each of ``ANCHOR_ROWS`` under
     each citation model, scope user, on 26+30; each online row paired with its start frozen."""
     streams = {s.user_id: s for s in ctx.streams}
+    picked = {r["name"] for r in select([{"name": n} for n, _ in ANCHOR_ROWS], ctx.rows)}
+    anchor_rows = [(name, extra) for name, extra in ANCHOR_ROWS if name in picked]
     runs: dict = {}
     for seed in ctx.seeds:
         starts = {"gold": {u: pretrained({"pretrain": "gold"}, [s for s in ctx.streams if s.user_id != u], {},
@@ -1281,7 +1291,7 @@ def lever_anchor(ctx) -> dict:
         for kind, by_user in starts.items():
             runs.setdefault(f"{kind} start frozen", []).append(
                 {u: _common.frozen_recall(by_user[u], streams[u], M) for u in TUNED_ON})
-            for name, extra in ANCHOR_ROWS:
+            for name, extra in anchor_rows:
                 for cm in LR_MODELS:
                     row = {"preset": WAS_DEFAULT, **extra}
                     got = {}
@@ -1298,7 +1308,7 @@ def lever_anchor(ctx) -> dict:
                      **({} if r is frozen else {"minus_frozen": paired(r, frozen, ctx.streams, TUNED_ON)})})
     by_name = {r["name"]: r for r in rows}
     worst = {name: min(by_name[f"{kind} start + {name} [{cm}]"]["minus_frozen"]["mean"]
-                       for kind in ("gold", "dialogue") for cm in LR_MODELS) for name, _ in ANCHOR_ROWS}
+                       for kind in ("gold", "dialogue") for cm in LR_MODELS) for name, _ in anchor_rows}
     chosen = max(worst, key=worst.get)
     for r in rows:
         ctx.log(line(r["name"], r) + ("" if "minus_frozen" not in r else
@@ -1306,7 +1316,7 @@ def lever_anchor(ctx) -> dict:
     ctx.log(f"  worst over models and starts: {', '.join(f'{n} {w:+.4f}' for n, w in worst.items())}; "
             f"chosen: {chosen}")
     return {"rows": rows, "worst_minus_frozen": worst, "chosen": chosen,
-            "settings": {name: record({"preset": WAS_DEFAULT, **extra}) for name, extra in ANCHOR_ROWS},
+            "settings": {name: record({"preset": WAS_DEFAULT, **extra}) for name, extra in anchor_rows},
             "protocol": "26+30 only (no score of 41-43 is read; their gold is pretraining data, as in the pretrain "
                         "lever); gold start: leave-one-out gold pretraining on the other four "
                         "conversations (the library's recipe); dialogue start: 26+30's pairs (DIALOGUE_RECIPE); "
@@ -1317,14 +1327,25 @@ def identity(streams):
     return rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
 
 
+def wanted(names: str | None) -> list[str]:
+    """``--rows`` as row names; none (every row) without it."""
+    return [n.strip() for n in names.split(";")] if names else []
+
+
+def rows_error(valid: list[str], names: str | None) -> str | None:
+    """Why ``--rows names`` cannot be run from the rows ``valid`` (one line: the first unknown
+    name and every valid one), else None."""
+    unknown = [n for n in wanted(names) if n not in valid]
+    return f"--rows: unknown row {unknown[0]!r} (choose from: {'; '.join(valid)})" if unknown else None
+
+
 def select(rows: list[dict], names: str | None) -> list[dict]:
-    if not names:
-        return rows
-    want = [n.strip() for n in names.split(";")]
-    unknown = [n for n in want if n not in {r["name"] for r in rows}]
-    if unknown:
-        sys.exit(f"error: --rows: unknown row {unknown[0]!r} (choose from: {'; '.join(r['name'] for r in rows)})")
-    return [r for r in rows if r["name"] in want]
+    """``rows``, or those ``--rows`` names (in the lever's order); an unknown name ends the run."""
+    error = rows_error([r["name"] for r in rows], names)
+    if error:
+        sys.exit(f"error: {error}")
+    want = wanted(names)
+    return [r for r in rows if r["name"] in want] if want else rows
 
 
 def best(rows: list[dict]) -> str:
@@ -1375,6 +1396,20 @@ LEVERS = {"estimator": lever_estimator, "passes": lever_passes, "scope": lever_s
           "start_loss": lever_start_loss, "anchor": lever_anchor, "start_offset": lever_start_offset,
           "hybrid_default": lever_hybrid_default}
 
+# The rows --rows picks from, per lever (anchor's: ANCHOR_ROWS, each run from both starts under every
+# citation model; start_loss's: START_LOSS_ROWS), checked before anything runs. dialogue and
+# dialogue_lr have none: their rows are every cell of epochs or rates by citation model, which the
+# choice and the comparisons read whole, so --rows is refused there (it was silently ignored).
+ROW_NAMES = {lever: [r["name"] if isinstance(r, dict) else r[0] for r in rows] for lever, rows in {
+    "estimator": ESTIMATOR_ROWS, "passes": PASSES_ROWS, "scope": SCOPE_ROWS, "pretrain": PRETRAIN_ROWS,
+    "answer": ANSWER_ROWS, "lr": LR_ROWS, "prior": PRIOR_ROWS + PRIOR_PRETRAIN_ROWS,
+    "heldout": HELDOUT_ONLINE + HELDOUT_PRETRAIN, "bound": BOUND_CITED + BOUND_FULL + BOUND_PRETRAIN,
+    "pairwise": PAIRWISE_ROWS, "draw": DRAW_ROWS, "hybrid": HYBRID_ROWS, "steps": STEPS_ROWS,
+    "start_loss": START_LOSS_ROWS, "anchor": ANCHOR_ROWS, "start_offset": START_OFFSET_ROWS,
+    "hybrid_default": HYBRID_DEFAULT_ROWS}.items()}
+# The levers that report 41-43 (every conversation in the run): 5 seeds by default, the others 8.
+REPORTS_HELD_OUT = ("heldout", "bound", "hybrid", "dialogue", "hybrid_default")
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_common.HelpFormatter)
@@ -1384,17 +1419,26 @@ def main(argv=None):
                     help="embedding store to reuse (made with `rmm-jax embed locomo:DATA --answers`); built there "
                          "when absent (default: a temporary one)")
     ap.add_argument("--seeds", type=_common.int_list, default=None,
-                    help="comma-separated seeds (default 0..7; heldout, bound and hybrid "
-                                                  "0..4)")
-    ap.add_argument("--rows", default=None, help="';'-separated row names of the lever (default: all)")
+                    help=f"comma-separated seeds (default 0..7; {', '.join(REPORTS_HELD_OUT)} 0..4)")
+    ap.add_argument("--rows", default=None,
+                    help="';'-separated row names of the lever (default: all); an unknown name is refused before "
+                         "anything runs, listing the lever's rows; anchor: names of ANCHOR_ROWS, start_loss: of "
+                         "START_LOSS_ROWS; refused by dialogue and dialogue_lr (no rows to pick)")
     ap.add_argument("--passes", type=_common.positive_int_list, default="1,2,3,5",
                     help="passes: numbers of passes over the first half")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.rows:                   # before anything runs: a wrong name was a refusal after the data loaded
+        if args.lever not in ROW_NAMES:
+            ap.error(f"--rows: the {args.lever} lever has no named rows to pick (it runs a grid by citation model, "
+                     f"read whole); --rows is for {', '.join(ROW_NAMES)}")
+        error = rows_error(ROW_NAMES[args.lever], args.rows)
+        if error:
+            ap.error(error)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     streams, qa, dialogue = locomo(args.data, args.store)
-    reports_held_out = args.lever in ("heldout", "bound", "hybrid", "dialogue", "hybrid_default")
+    reports_held_out = args.lever in REPORTS_HELD_OUT
     seeds = args.seeds or list(range(5 if reports_held_out else 8))
     ctx = Context(streams, qa, dialogue, _common.retriever_recall(streams, M), seeds, args.rows,
                   args.passes, log)

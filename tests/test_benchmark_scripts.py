@@ -501,6 +501,51 @@ def test_learn_sweep_reuses_a_complete_store_without_the_data(tmp_path, monkeypa
     assert e.value.code == 0
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["dialogue", "--rows", "default"], "--rows: the dialogue lever has no named rows to pick"),
+    (["dialogue_lr", "--rows", "default"], "--rows: the dialogue_lr lever has no named rows to pick"),
+    (["heldout", "--rows", "anchored;no such row"], "--rows: unknown row 'no such row' (choose from: default; "),
+    (["anchor", "--rows", "lr 3e-4"], "--rows: unknown row 'lr 3e-4' (choose from: default; lr 3e-4, anchor 0.01;"),
+    (["start_loss", "--rows", "logistic"], "--rows: unknown row 'logistic' (choose from: listwise (the recipe);")])
+def test_learn_sweep_rows_it_cannot_run_are_refused_before_anything_runs(argv, says, tmp_path, monkeypatch, capsys):
+    """``--rows`` was silently ignored by heldout, dialogue, dialogue_lr, start_loss and anchor
+    (``heldout --rows anchored`` ran all its rows): a lever without named rows refuses it, and a
+    name that is not one of the lever's rows is refused listing them, both a one-line usage
+    error before the data is read, nothing written."""
+    learn_sweep = bench_module("learn_sweep", monkeypatch)
+    monkeypatch.setattr(learn_sweep, "locomo", _stop)
+    out = tmp_path / "result.json"
+    with pytest.raises(SystemExit) as e:
+        learn_sweep.main(argv + ["--json", str(out)])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not out.exists()
+
+
+def test_learn_sweep_heldout_runs_the_rows_named_and_only_their_pairs_and_targets(monkeypatch):
+    """``heldout --rows`` runs those rows (online and pretrained) and reports the pairs and
+    issue 26's targets that read only them."""
+    learn_sweep = bench_module("learn_sweep", monkeypatch)
+    ran = []
+
+    def runs(ctx, rows, *a, shown=None):
+        ran.extend(r["name"] for r in rows)
+        return {r["name"]: r["name"] for r in rows}
+
+    monkeypatch.setattr(learn_sweep, "online_rows", runs)
+    monkeypatch.setattr(learn_sweep, "pretrain_rows", runs)
+    monkeypatch.setattr(learn_sweep, "record", lambda r: {"name": r["name"]})
+    interval = {"mean": 0.1, "lo": 0.05, "hi": 0.15, "significant": True}
+    monkeypatch.setattr(learn_sweep, "gain", lambda *a: {"recall": 0.5, "gain": interval})
+    monkeypatch.setattr(learn_sweep, "paired", lambda a, b, *x: {**interval, "a": a, "b": b})
+    ctx = learn_sweep.Context([], {}, {}, {}, [0], "default hybrid;default;gold pretrain", [1], lambda msg: None)
+    out = learn_sweep.lever_heldout(ctx)
+    assert ran == ["default", "default hybrid", "gold pretrain"]
+    assert [r["name"] for r in out["rows"]] == ran
+    assert [(p["a"], p["b"]) for p in out["pairs"]] == [("default hybrid", "default")]
+    assert [t["row"] for t in out["targets"]] == ["default", "default hybrid − default"]
+
+
 def test_soak_refuses_fewer_memories_than_candidates_up_front(monkeypatch, capsys):
     """``--memories`` below ``--k``: simulate logs short candidate lists that replay (same
     --k) refuses; the run is a one-line usage error before anything runs, naming both."""
