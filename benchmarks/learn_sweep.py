@@ -13,6 +13,7 @@
     python benchmarks/learn_sweep.py draw      --json benchmarks/results/learn_sweep_draw.json
     python benchmarks/learn_sweep.py hybrid    --json benchmarks/results/learn_sweep_hybrid.json
     python benchmarks/learn_sweep.py dialogue  --json benchmarks/results/learn_sweep_dialogue.json
+    python benchmarks/learn_sweep.py dialogue_lr --json benchmarks/results/learn_sweep_dialogue_lr.json
     python benchmarks/learn_sweep.py steps     --json benchmarks/results/learn_sweep_steps.json
     python benchmarks/learn_sweep.py start_loss --json benchmarks/results/learn_sweep_start_loss.json
     python benchmarks/learn_sweep.py anchor    --json benchmarks/results/learn_sweep_anchor.json
@@ -157,9 +158,21 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   the same rows and pairs as 0.02. The thirteenth (the ``hybrid`` and ``dialogue`` levers were
   the eleventh and twelfth) adds the ``anchored`` preset (``defaults_sweep_anchored.json``'s
   choice on 26 and 30), fixed before it ran: the default's five online rows and gold pretraining
-  + online under it, each paired with the default's. Every online row also reports the
+  + online under it, each paired with the default's. The fourteenth is the ``hybrid_default``
+  lever's; the fifteenth checked where ``cite-rates`` advises correcting the default
+  (``citation_noise.py --matched`` and ``labelled_calls.py``, not this lever). The sixteenth adds
+  the ``anchored_calibrated`` preset (``defaults_sweep_populations.json``'s choice: its worst cell
+  over 26 and 30 and two synthetic vector populations is best, where ``anchored``'s falls below
+  the retriever on one), fixed before it ran: the same five online rows and gold pretraining +
+  online under it, each paired with ``anchored``'s (and its shared and hybrid rows with its own
+  row, its gold pretraining + online with gold pretraining). Every online row also reports the
   Recall@M of what its calls drew and showed (``shown``), and each pair of online rows its
   difference.
+
+``--rows`` runs some of a lever's rows (``;``-separated names: ``anchor``'s and ``start_loss``'s
+are those of ``ANCHOR_ROWS`` and ``START_LOSS_ROWS``; ``heldout`` keeps the pairs and targets that
+read only the rows run); a name the lever does not have is refused before anything runs, and
+``dialogue`` and ``dialogue_lr``, whose rows are grids by citation model read whole, refuse it.
 
 The store: ``--store`` (made by ``rmm-jax embed locomo:DATA --answers --out DIR``) is
 reused when it exists and is built there otherwise (a temporary one without it).
