@@ -853,6 +853,37 @@ def test_a_read_only_output_is_one_line_before_any_work_and_leaves_nothing(env, 
     assert snapshot(tmp_path) == before and model_starts == []
 
 
+def test_a_read_only_file_beside_a_file_output_does_not_block_it(env, capsys, tmp_path):
+    """A file output is renamed into its directory and touches no other file there: a read-only
+    archived log beside it (``chattr +i``, or mode 444 for another user) refused every
+    ``--out`` in that directory, "cannot write: old_served.jsonl: not writable", exit 2."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "archive.jsonl").write_text("{}\n")
+    (tmp_path / "calls.jsonl").write_text(jl({"user_id": env["user"].user_id, "query_id": env["user"].query_ids[0]}))
+    with read_only(out / "archive.jsonl"):
+        code, _, err = cli(capsys, "rerank", env["store"], "--policies", env["pol_existing"], "--calls",
+                           tmp_path / "calls.jsonl", "--out", out / "ranked.jsonl", "--k", K, "--m", M)
+    assert code == 0, err
+    assert len((out / "ranked.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_read_only_file_system_is_the_machines_failure_exit_1(env, capsys, tmp_path, monkeypatch):
+    """A read-only mount is the machine's doing, as a full disk is (docs/reliability.md: exit
+    status 1, one line naming the output); it exited 2, bad input, so a cron wrapper took an
+    infrastructure fault for bad data. A permission the operator set stays 2 (the tests above)."""
+    import rmm_jax.persist.atomic as atomic
+
+    def read_only_fs(prefix, parent):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(parent))
+
+    monkeypatch.setattr(atomic, "temp_file", read_only_fs)
+    (tmp_path / "calls.jsonl").write_text(jl({"user_id": env["user"].user_id, "query_id": env["user"].query_ids[0]}))
+    code, _, err = cli(capsys, "rerank", env["store"], "--policies", env["pol_existing"], "--calls",
+                       tmp_path / "calls.jsonl", "--out", tmp_path / "o" / "ranked.jsonl", "--k", K, "--m", M)
+    assert_one_line_error(code, err, ["--out", "cannot write", "Read-only file system"], expect_code=1)
+
+
 @pytest.mark.parametrize("opt", ["--into", "--out"])
 def test_embed_refuses_a_store_it_cannot_replace_before_any_work(env, capsys, tmp_path, opt, model_starts):
     """The store is swapped for a new one and deleted: one that cannot be (immutable, read-only),

@@ -419,7 +419,9 @@ def test_failed_write_leaves_nothing(tmp_path):
     out = tmp_path / "store"
     with pytest.raises(InputError):
         write_store(out, tiny_dataset(), "turn", Boom())
-    assert list(tmp_path.iterdir()) == []
+    # no store, no temporary: only the writers' lock file, taken before the embedding (it stays, as
+    # lock files do: removing one another writer waits on would let two hold it)
+    assert [p.name for p in tmp_path.iterdir()] == [".store.lock"]
     # an existing store survives a failed rewrite untouched
     write_store(out, tiny_dataset(), "turn", FakeEmbedder())
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -773,3 +775,61 @@ def test_embed_texts_names_a_str_for_texts_or_a_model_that_is_not_a_name(texts, 
     with pytest.raises(InputError) as e:
         embed_texts(texts, model)
     assert str(e.value).startswith(where), str(e.value)
+
+
+# --------------------------------------------------------------------------- one writer, any name
+
+
+def test_a_new_store_holds_the_writer_lock_while_it_embeds(tmp_path):
+    """write_store took the store's lock only to rename: an append that ran during its
+    embedding (minutes) was lost when the new store replaced the old, both exiting 0. The
+    lock is held from the first read to the rename: a writer meanwhile is told the store is busy."""
+    from rmm_jax.data import make_synthetic
+    from rmm_jax.data.store import append_store, store_writer
+    from rmm_jax.errors import Busy
+
+    store = tmp_path / "s"
+    write_store(store, make_synthetic(users=2, sessions=2, turns=4, seed=0), "turn", FakeEmbedder(8))
+    seen = []
+
+    class Embedding(FakeEmbedder):          # while the new store is embedded, another writer tries
+        def encode(self, texts, desc=""):
+            try:
+                with store_writer(store):
+                    seen.append("took the lock")
+            except Busy as e:
+                seen.append(str(e))
+            return super().encode(texts, desc)
+
+    write_store(store, make_synthetic(users=3, sessions=2, turns=4, seed=1), "turn", Embedding(8))
+    assert seen and all("in use by pid" in s for s in seen), seen
+    with pytest.raises(Busy, match="in use by pid"):      # and an append during another append's embedding
+        class Appending(FakeEmbedder):
+            def encode(self, texts, desc=""):
+                append_store(store, make_synthetic(users=4, sessions=2, turns=4, seed=1), FakeEmbedder(8))
+        append_store(store, make_synthetic(users=4, sessions=2, turns=4, seed=1), Appending(8))
+
+
+def test_a_store_reached_by_a_symbolic_link_is_written_where_it_points(tmp_path):
+    """Written through a link, a store replaced the link with a directory and left the old
+    store, stale, under its real name (and the link, renamed, as a leftover): readers of the
+    real name saw none of the new data. Now the link stays, and the directory it points to is
+    the new store, under one lock and one run-state whichever name is given."""
+    import os
+
+    from rmm_jax.data import make_synthetic
+    from rmm_jax.data.store import append_store, store_writer
+    from rmm_jax.errors import Busy
+    from rmm_jax.persist.runstate import RunState
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    write_store(real, make_synthetic(users=3, sessions=4, turns=8, seed=0), "turn", FakeEmbedder(8))
+    os.symlink(real, link)
+    append_store(link, make_synthetic(users=4, sessions=4, turns=8, seed=0), FakeEmbedder(8))
+    assert link.is_symlink() and store_counts(real)["users"] == 4
+    write_store(link, make_synthetic(users=5, sessions=2, turns=4, seed=2), "turn", FakeEmbedder(8))
+    assert link.is_symlink() and store_counts(real)["users"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".real.lock", "link", "real"]     # nothing left over
+    with store_writer(real), pytest.raises(Busy), store_writer(link):
+        pass
+    assert RunState.path_for(link) == RunState.path_for(real.resolve())

@@ -264,7 +264,7 @@ def _check_replaceable(path, where: str) -> None:
     if full == here or full in here.parents:
         raise InputError("is the current directory or holds it, which cannot be replaced; write the store elsewhere",
                          where=where)
-    check_writable(p.parent, where)
+    check_writable(p.parent, where, own_files=False)        # the store is renamed in; its siblings stay
     if p.exists():
         check_writable(p, where)
 

@@ -19,7 +19,7 @@ from click.core import ParameterSource
 from rmm_jax.cli import disk_errors
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_CACHE_ROOT, QUIET
 from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
-from rmm_jax.errors import InputError, worded
+from rmm_jax.errors import InputError, WriteFailed, worded
 from rmm_jax.persist.atomic import write_problem
 
 
@@ -193,13 +193,15 @@ def explicit_options() -> set[str]:
     return {n for n in ctx.params if ctx.get_parameter_source(n) in given}
 
 
-def check_writable(path, where: str, depth: int = 0) -> None:
+def check_writable(path, where: str, depth: int = 0, *, own_files: bool = True) -> None:
     """Refuse, in one line and before any work, an output location that cannot take new files
-    (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount)."""
+    (:func:`rmm_jax.persist.atomic.write_problem`: permissions, a read-only mount). A read-only
+    file system is the machine's doing (exit status 1, :class:`~rmm_jax.errors.WriteFailed`), as
+    when it stops a write part-way; a permission is the input's (2)."""
     disk_errors.writing(where, path)      # named by the line of a full disk or a size limit later
-    problem = write_problem(path, depth)
+    problem = write_problem(path, depth, own_files=own_files)
     if problem:
-        raise InputError(f"cannot write: {problem}", where=where)
+        raise (WriteFailed if problem.machine else InputError)(f"cannot write: {problem}", where=where)
 
 
 def check_output_file(path, where: str) -> None:
@@ -212,7 +214,7 @@ def check_output_file(path, where: str) -> None:
                          "--json); give a file path", where=where)
     if path:
         disk_errors.writing(where, path)
-        check_writable(Path(path).parent, where)
+        check_writable(Path(path).parent, where, own_files=False)     # renamed in: the others are not touched
 
 
 def check_output_dir(path, where: str) -> None:

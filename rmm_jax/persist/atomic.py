@@ -63,38 +63,55 @@ def temp_file(prefix: str, parent: str | os.PathLike) -> tuple[int, str]:
     return fd, path
 
 
-def write_problem(path: str | os.PathLike, depth: int = 0) -> str | None:
+class WriteProblem(str):
+    """Why a directory cannot take new files (:func:`write_problem`), in words; ``machine``: the
+    file system's doing (read-only, full, an I/O error: :func:`disk_problem` words it), not a
+    permission or an immutable file the operator set."""
+
+    machine: bool = False
+
+    @classmethod
+    def of(cls, text: str, machine: bool = False) -> "WriteProblem":
+        out = cls(text)
+        out.machine = machine
+        return out
+
+
+def write_problem(path: str | os.PathLike, depth: int = 0, *, own_files: bool = True) -> WriteProblem | None:
     """Why new files cannot be written in directory ``path``, or None if they can.
 
     ``path`` need not exist: then its nearest existing ancestor is what must take the new
     entries (and nothing below that ancestor is probed: its other directories are not the
     output's). A probe file is created and removed in the directory and in every directory up to
-    ``depth`` levels below it, and the files directly in it must be writable: permissions,
-    read-only mounts and immutable files answer alike, for root too (which ignores modes).
+    ``depth`` levels below it: permissions, read-only mounts and immutable directories answer
+    alike, for root too (which ignores modes). With ``own_files`` (a store rewritten in place),
+    the files directly in it must be writable too; a file output renamed into the directory
+    (``own_files=False``) does not touch the others: a read-only archived log beside it refused
+    every ``--out`` there.
     """
     p = Path(path)
     while not p.exists() and p.parent != p:
         p = p.parent
     if not p.is_dir():
-        return f"{p} is not a directory"
+        return WriteProblem.of(f"{p} is not a directory")
     level, dirs = [p], []
     for _ in range(depth + 1 if p == Path(path) else 1):
         dirs += level
         try:
             level = [c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
         except OSError as e:
-            return f"{e.filename or p}: {e.strerror or e}"
+            return WriteProblem.of(f"{e.filename or p}: {e.strerror or e}", disk_problem(e) is not None)
     for d in dirs:
         try:
             fd, probe = temp_file(".write-probe-", d)
         except OSError as e:
-            return f"{d}: {e.strerror or e}"
+            return WriteProblem.of(f"{d}: {e.strerror or e}", disk_problem(e) is not None)
         os.close(fd)
         os.unlink(probe)
-    if p == Path(path):
+    if own_files and p == Path(path):
         for f in p.iterdir():
             if f.is_file() and not os.access(f, os.W_OK):
-                return f"{f}: not writable"
+                return WriteProblem.of(f"{f}: not writable")
     return None
 
 
@@ -272,6 +289,22 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """``path``, or where it points when it is a symbolic link: what a write through it
+    replaces, and what its lock and run-state are named after, whichever name a command is given.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from pathlib import Path
+        >>> from rmm_jax.persist.atomic import real_path
+        >>> d = Path(tempfile.mkdtemp()); (d / "real").mkdir(); os.symlink(d / "real", d / "link")
+        >>> real_path(d / "link") == (d / "real").resolve(), real_path(d / "new") == d / "new"
+        (True, True)
+    """
+    p = Path(path)
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     """Yield a temporary directory that becomes ``target`` on success.
@@ -287,9 +320,10 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True):
     old copy is removed after the new one is in place. Without ``overwrite`` an existing
     ``target`` raises FileExistsError before any work and again just before the rename
     (callers that need the check to be race-free hold a lock, as the policy store's writer
-    does).
+    does). A symbolic link stays a link: the directory it points to is replaced (swapped, the
+    link became the new copy, and the old directory stayed, stale, under its own name).
     """
-    target = Path(target)
+    target = real_path(target)        # a link stays a link: swapped, it was replaced by the new copy
     make_dirs(target.parent)
     if target.exists() and not overwrite:
         raise FileExistsError(str(target))
@@ -403,9 +437,7 @@ def atomic_file(target: str | os.PathLike, mode: str = "w"):
     it is, since replacing it would turn it into a plain file (``--out /dev/null`` made
     ``/dev/null`` one for every program on the machine); a pipe whose reader goes away is an
     ``InputError`` naming it."""
-    target = Path(target)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
+    target = real_path(target)
     if target.exists() and not target.is_file() and not target.is_dir():
         try:
             with open(target, mode) as f:

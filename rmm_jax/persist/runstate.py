@@ -49,7 +49,7 @@ import numpy as np
 
 from rmm_jax.errors import Busy, InputError, named, option_of
 from rmm_jax.persist import checksums
-from rmm_jax.persist.atomic import atomic_file, fsync_dir, remove_dir, temp_dir, write_json
+from rmm_jax.persist.atomic import atomic_file, fsync_dir, real_path, remove_dir, temp_dir, write_json
 from rmm_jax.persist.checksums import CHECKSUM_FILE
 from rmm_jax.persist.codec import decode_tree, encode_tree, leaf_specs
 from rmm_jax.persist.lock import WriterLock, live_holder
@@ -189,7 +189,7 @@ class RunState:
 
     @staticmethod
     def path_for(target) -> Path:
-        t = Path(target)
+        t = real_path(target)          # a link's run-state is its target's: readers by either name see it
         return t.parent / (t.name + SUFFIX)
 
     @classmethod

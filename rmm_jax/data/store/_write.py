@@ -20,7 +20,7 @@ from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.data.words import count
 from rmm_jax.deprecated import renamed_argument
 from rmm_jax.errors import InputError, named
-from rmm_jax.persist.atomic import atomic_dir, fsync_files, leftovers, make_dirs
+from rmm_jax.persist.atomic import atomic_dir, fsync_files, leftovers, make_dirs, real_path
 from rmm_jax.persist.lock import WriterLock
 
 
@@ -231,11 +231,14 @@ def _write_jsonl(path: Path, rows) -> None:
 @contextlib.contextmanager
 def store_writer(path):
     """``with store_writer(path):`` the one writer of the embedding store at ``path``: a lock
-    file beside it (``.NAME.lock``: the store directory itself is swapped whole), so two
-    ``embed --into`` runs cannot both grow the old store and the second's rename lose the
-    first's additions. Taking it removes what a killed writer left beside the store
-    (``.NAME.tmp-*``, ``.NAME.old-*``); a second writer gets one line naming the first's pid."""
-    p = Path(path)
+    file beside it (``.NAME.lock``: the store directory itself is swapped whole), held by
+    :func:`write_store` and :func:`append_store` from their first read to the rename, so two
+    writers cannot both start from the old store and the second's rename lose the first's work
+    (an ``embed --out`` that took the lock only to rename had replaced, minutes later, a store an
+    ``embed --into`` grew meanwhile). A symbolic link's lock is its target's. Taking it removes
+    what a killed writer left beside the store (``.NAME.tmp-*``, ``.NAME.old-*``); a second
+    writer gets one line naming the first's pid."""
+    p = real_path(path)               # one lock whichever name, the link's or its target's
     make_dirs(p.parent)
     lock = WriterLock(p.parent / f".{p.name}.lock", lambda holder: InputError(
         f"in use by pid {holder.get('pid', '?')} (another embed is writing this store; retry when it ends)",
@@ -251,7 +254,7 @@ def _write_files(path, mem_emb: np.ndarray, qry_emb: np.ndarray, rows: _Rows,
                  manifest: dict, ans_emb: np.ndarray | None = None) -> None:
     """Write the store directory at ``path`` whole, or nothing (the layout is in the package
     docstring, :mod:`rmm_jax.data.store`)."""
-    with store_writer(path), atomic_dir(path) as tmp:
+    with atomic_dir(path) as tmp:      # the caller holds the store's writer lock
         np.save(tmp / "memories.npy", mem_emb)
         np.save(tmp / "queries.npy", qry_emb)
         if ans_emb is not None:
@@ -312,6 +315,12 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     _check_granularity_kwargs(granularity, granularity_kwargs)
     check_store_path(path)
     say = renamed_argument("write_store", "log", "progress", log, progress) or (lambda msg: None)
+    with store_writer(path):       # from the first read to the rename: an append meanwhile would be lost
+        return _write_store(path, dataset, granularity, embedder, spec, say, answers, granularity_kwargs)
+
+
+def _write_store(path, dataset: Dataset, granularity: str, embedder, spec: str | None, say, answers: bool,
+                 granularity_kwargs: dict) -> dict:
     where = spec or "dataset"
     t0 = time.perf_counter()
     _check_user_ids(dataset, where)
