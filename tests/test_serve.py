@@ -124,6 +124,41 @@ def test_rerank_cli_writes_one_line_per_call_in_order(capsys, tmp_path, env, mon
     assert out[2]["selected"] == [out[2]["candidates"][p]["id"] for p in top]
 
 
+def test_rerank_skip_invalid_serves_the_valid_calls_as_a_file_of_them_alone(capsys, tmp_path, env, monkeypatch):
+    """One bad request (a user STORE lacks, a timestamp in the future, a line that is not JSON, a
+    call repeating another's identity, an unknown memory id) failed the whole morning's file.
+    With --skip-invalid each is left out and counted, and the served lines are bit for bit those
+    of the file without them (drawn with --explore: each call's noise is its own); without it
+    the first is still the one-line error, and nothing is written."""
+    store, pol = env
+    user = open_store(store).user("user1")
+    good = [{"call_id": f"g{j}", "user_id": "user1", "query_id": user.query_ids[j]} for j in range(4)]
+    bad = ['{"call_id": "x1", "user_id": "ghost", "query": "who am I"}',
+           '{"call_id": "x2", "user_id": "user1", "query": "later", "timestamp": "2999-01-01T00:00:00Z"}',
+           'not json',
+           json.dumps(good[0]),
+           json.dumps({"call_id": "x3", "user_id": "user1", "query": "q", "candidates": ["no-such-memory"]})]
+    lines = [json.dumps(good[0]), bad[0], json.dumps(good[1]), bad[1], bad[2], json.dumps(good[2]), bad[3],
+             bad[4], json.dumps(good[3])]
+    (tmp_path / "mixed.jsonl").write_text("".join(x + "\n" for x in lines))
+    (tmp_path / "good.jsonl").write_text("".join(json.dumps(c) + "\n" for c in good))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
+    args = ("rerank", store, "--policies", pol["user"], "--m", "2", "--k", "8", "--explore")
+    code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "mixed.jsonl", "--out", tmp_path / "no.jsonl")
+    assert code == 2 and "mixed.jsonl:4" in err and not (tmp_path / "no.jsonl").exists()   # read before resolved
+    code, out, err = run_cli(capsys, *args, "--calls", tmp_path / "mixed.jsonl", "--out", tmp_path / "m.jsonl",
+                             "--skip-invalid", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["calls"] == 4 and doc["skipped"] == 5 and doc["first_errors"][0].startswith(f"{tmp_path}/mixed.jsonl:2:")
+    assert "skipped 5 invalid records of 9; first: " in err
+    code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "good.jsonl", "--out", tmp_path / "g.jsonl")
+    assert code == 0, err
+    strip = lambda path: [{k: v for k, v in json.loads(x).items() if k != "timestamp"}     # noqa: E731 (served at)
+                          for x in path.read_text().splitlines()]
+    assert strip(tmp_path / "m.jsonl") == strip(tmp_path / "g.jsonl")
+
+
 def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys, tmp_path, env, monkeypatch):
     """A team with its own retriever has memory ids and texts; rerank refused candidates given as
     {"id", "text"} objects, the form its own served lines (and every log) carry, so the ids became

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from rmm_jax.cli.common import DEFAULTS, check_tau_option, open_policies_for, progress_bar, short_bank_note
+from rmm_jax.cli.common import DEFAULTS, check_tau_option, note_read, open_policies_for, progress_bar, short_bank_note
 from rmm_jax.cli.main import cli
 from rmm_jax.cli.shell import (
     SEED,
@@ -26,8 +26,8 @@ from rmm_jax.cli.shell import (
     quiet_option,
 )
 from rmm_jax.data.calls import check_out_apart, prepare_calls, read_calls
-from rmm_jax.data.citation_log import record_to_json, validate_record
-from rmm_jax.data.json_lines import source_name
+from rmm_jax.data.citation_log import ReadReport, record_to_json, validate_record
+from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, source_name
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.serve import DEFAULT_CACHE_USERS, Reranker, call_batches, serve_calls
@@ -89,15 +89,20 @@ def nearby_policy_store(path) -> str | None:
                    "file, nor a path inside STORE or --policies.")
 @click.option("--cache-users", type=IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
+@click.option("--skip-invalid", is_flag=True,
+              help="Leave out and count invalid requests (a user STORE lacks, a timestamp in the future, a "
+                   "malformed line) instead of failing the file: the others are served.")
 @cache_dir_option
 @quiet_option
 @json_option("a summary of the run (with --out FILE: without it stdout carries the served lines)",
-             "calls, users, served_by (own_policy: calls served by their user's saved policy; shared: by the "
+             "calls, users, skipped (requests left out by --skip-invalid), first_errors (the first of their "
+             "errors), served_by (own_policy: calls served by their user's saved policy; shared: by the "
              "shared part, for a user the store does not hold; identity: by the retriever's scores, without a "
              "policy store), explore, out, seconds, unfinished_run (null, or the run that has not finished writing the "
              "policies: command, state, note), pending_rollback (null, or the note that an interrupted "
              "rollback of --policies is pending: the calls were served by the versions it forgets)")
-def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users, cache_dir, as_json):
+def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_users, skip_invalid, cache_dir,
+           as_json):
     """Select each call's memories with the user's stored policy.
 
     For every line of --calls, one JSON line in input order: a citation-log record
@@ -120,7 +125,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     last 512 a policy remembers (docs/reliability.md, "Exactly once").
 
     Texts are embedded with STORE's model through the embedding cache (--cache-dir). A bad call is one
-    error line naming file:line; nothing is written then.
+    error line naming file:line; nothing is written then. With --skip-invalid it is left out and
+    counted (one line names the first), and every other call is served.
 
     \b
     Examples:
@@ -151,10 +157,16 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--draw-tau")
     key_notes: list[str] = []
     routine: list[str] = []                       # the texts the store lacked: every day's new questions
-    calls = read_calls(calls_path, key_notes)
+    skipped: list[str] | None = [] if skip_invalid else None
+    calls = read_calls(calls_path, key_notes, skipped=skipped)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
     with as_options("k", "m", "cache_dir"):       # the API names its arguments, the CLI its options
-        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine, cache_dir=cache_dir)
+        prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine, cache_dir=cache_dir,
+                                 skipped=skipped)
+    calls = [p.call for p in prepared]
+    errors = [e for _, e in sorted(skipped or ())]           # by line: read_calls' first, then prepare_calls'
+    read = ReadReport(len(calls), len(errors), errors[:MAX_FIRST_ERRORS], [])
+    note_read(read)
     if note:                                      # after the calls are checked: an error stays one line
         info(note, must_read=True)
     for line in routine:
@@ -191,10 +203,12 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
             info(f"{'served' if explore else 'ranked'} {count(len(lines), 'call')} of {count(users, 'user')} "
                  f"in {seconds:.1f} s; wrote {out}")
         if as_json:
-            emit_json({"calls": len(lines), "users": users, "served_by": served_by, "explore": explore, "out": out,
-                       "seconds": round(seconds, 3), **notes.doc()})
+            emit_json({"calls": len(lines), "users": users, "skipped": read.skipped, "first_errors": read.first_errors,
+                       "served_by": served_by, "explore": explore, "out": out, "seconds": round(seconds, 3),
+                       **notes.doc()})
     else:
         sys.stdout.write(text)
     if not calls:       # a day without traffic: an empty output, not an error (docs/lifecycle.md, "A quiet day")
-        info(f"{'served' if explore else 'ranked'} 0 calls (the requests file is empty)"
+        info(f"{'served' if explore else 'ranked'} 0 calls "
+             + ("(every request was invalid)" if read.skipped else "(the requests file is empty)")
              + (f"; wrote an empty {out}" if out else ""))

@@ -65,7 +65,7 @@ import numpy as np
 from rmm_jax.data.citation_log import call_key, check_timestamp, misspelt_key, note_misspelt_keys, timestamp_seconds
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
-from rmm_jax.data.json_lines import json_lines, source_name
+from rmm_jax.data.json_lines import STDIN, decode_line, nonblank_lines, source_name
 from rmm_jax.data.log_vectors import StoreMemories
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.data.words import count
@@ -138,51 +138,43 @@ def _candidate_items(value, path, line) -> tuple[tuple[str, ...], tuple[str | No
     return tuple(ids), (tuple(texts) if any(t is not None for t in texts) else None)
 
 
-def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]:
+def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: list | None = None) -> list[Call]:
     """Every call of a calls file (``"-"``: standard input, named ``<stdin>`` in errors),
     checked (module docstring). ``notes``, when given, gets one line per unknown key that
     looks like a misspelt request key (the others are ignored without a word), and one
     counting the calls whose ``candidate_texts`` repeat a text (each taken once). Two calls of a user with the
     same identity are refused, with or without ``--explore``: each served line is a log
     record, and a log that names a call twice is refused by ``replay`` and ``evaluate``. An empty
-    file (0 bytes, or blank lines only) holds no calls: a day without traffic, not an error."""
+    file (0 bytes, or blank lines only) holds no calls: a day without traffic, not an error.
+    ``skipped``, when given (``rerank --skip-invalid``), takes ``(line, one-line error)`` of each
+    invalid request, which is left out instead of failing the file (a later call repeating an
+    earlier one's identity is the one left out)."""
     calls = []
     first: dict[tuple[str, str], int] = {}
     seen, notes = set(KEYS), [] if notes is None else notes
     repeats = 0                                   # calls whose candidate_texts repeat a text
     free: list[int] = []                          # lines whose timestamp is free text (replay cannot order it)
-    lines = json_lines(path, stdin=True, allow_empty=True)    # a day without calls: none (docs/lifecycle.md)
     now = time.time()                             # one clock read per file: no timestamp may lie a day after it
-    path = source_name(path)                      # "-" is standard input: <stdin>:line
-    for line, obj in lines:
-        if not isinstance(obj, dict):
-            raise InputError(f"expected an object, got {json_type(obj)}", where=at(path, line))
-        note_misspelt_keys(obj, seen, path, line, notes, keys=KEYS, kind="request")
-        for key in ("user_id", "query", "query_id", "call_id"):
-            if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
-                raise InputError(f"expected a non-empty string, got {_got(obj.get(key))}", where=at(path, line, key))
-        stamp = check_timestamp(obj.get("timestamp"), at(path, line), now)
-        if isinstance(stamp, str) and math.isnan(timestamp_seconds(stamp)):
-            free.append(line)
-        if "query" not in obj and "query_id" not in obj:
-            near = [f"{m!r} for {k!r}" for k in obj if k not in KEYS for m in (misspelt_key(k, ("query", "query_id")),)
-                    if m]
-            raise InputError("needs 'query' (text) or a 'query_id' of STORE"
-                             + (f" (did you mean {near[0]}?)" if near else ""), where=at(path, line))
-        if "candidates" in obj and "candidate_texts" in obj:
-            raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
-        ids, carried = _candidate_items(obj["candidates"], path, line) if "candidates" in obj else (None, None)
-        call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"), ids,
-                    _strings(obj["candidate_texts"], path, line, "candidate_texts", once=True)
-                    if "candidate_texts" in obj else None, stamp, carried)
-        repeats += call.candidate_texts is not None and len(call.candidate_texts) < len(obj["candidate_texts"])
-        key = (call.user_id, call_key(call))
-        if key in first:
-            name = "call_id" if call.call_id is not None else "query_id" if call.query_id is not None else "query"
-            raise InputError(f"the same call as line {first[key]} (give each call its own call_id: a log "
-                             "names each call once)", where=at(path, line, name))
+    name = source_name(path)                      # "-" is standard input: <stdin>:line
+    # a day without calls: none (docs/lifecycle.md)
+    for line, raw in nonblank_lines(path, stdin=str(path) == STDIN, allow_empty=True):
+        try:
+            call, stamp_free, repeated = _read_call(decode_line(raw, name, line), name, line, now, seen, notes)
+            key = (call.user_id, call_key(call))
+            if key in first:
+                what = "call_id" if call.call_id is not None else "query_id" if call.query_id is not None else "query"
+                raise InputError(f"the same call as line {first[key]} (give each call its own call_id: a log "
+                                 "names each call once)", where=at(name, line, what))
+        except InputError as e:
+            if skipped is None:
+                raise
+            skipped.append((line, str(e)))
+            continue
         first[key] = line
+        repeats += repeated
+        free += [line] if stamp_free else []
         calls.append(call)
+    path = name
     if repeats:
         notes.append(f"{count(repeats, 'call')} of {path} {'lists' if repeats == 1 else 'list'} a candidate text "
                      "more than once: served with each text once, where it first comes")
@@ -193,6 +185,32 @@ def read_calls(path: str | os.PathLike, notes: list | None = None) -> list[Call]
                      f"{WINDOW} calls it remembers, a log replayed again learns such calls again (docs/reliability.md, "
                      "\"Exactly once\"); give ISO 8601 (2024-06-03T09:00:00Z) or seconds")
     return calls
+
+
+def _read_call(obj, path: str, line: int, now: float, seen: set, notes: list) -> tuple[Call, bool, bool]:
+    """One request of :func:`read_calls`: ``(call, whether its timestamp is free text, whether
+    its candidate_texts repeat a text)``, or its one-line InputError."""
+    if not isinstance(obj, dict):
+        raise InputError(f"expected an object, got {json_type(obj)}", where=at(path, line))
+    note_misspelt_keys(obj, seen, path, line, notes, keys=KEYS, kind="request")
+    for key in ("user_id", "query", "query_id", "call_id"):
+        if (key in obj or key == "user_id") and (not isinstance(obj.get(key), str) or not obj[key].strip()):
+            raise InputError(f"expected a non-empty string, got {_got(obj.get(key))}", where=at(path, line, key))
+    stamp = check_timestamp(obj.get("timestamp"), at(path, line), now)
+    free = isinstance(stamp, str) and math.isnan(timestamp_seconds(stamp))
+    if "query" not in obj and "query_id" not in obj:
+        near = [f"{m!r} for {k!r}" for k in obj if k not in KEYS for m in (misspelt_key(k, ("query", "query_id")),)
+                if m]
+        raise InputError("needs 'query' (text) or a 'query_id' of STORE"
+                         + (f" (did you mean {near[0]}?)" if near else ""), where=at(path, line))
+    if "candidates" in obj and "candidate_texts" in obj:
+        raise InputError("give 'candidates' (memory ids) or 'candidate_texts', not both", where=at(path, line))
+    ids, carried = _candidate_items(obj["candidates"], path, line) if "candidates" in obj else (None, None)
+    call = Call(line, obj["user_id"], obj.get("call_id"), obj.get("query"), obj.get("query_id"), ids,
+                _strings(obj["candidate_texts"], path, line, "candidate_texts", once=True)
+                if "candidate_texts" in obj else None, stamp, carried)
+    repeated = call.candidate_texts is not None and len(call.candidate_texts) < len(obj["candidate_texts"])
+    return call, free, repeated
 
 
 def check_out_apart(out, where: str, calls, dirs=()) -> None:
@@ -327,8 +345,68 @@ def _check_calls(calls, k, m) -> None:
             check_timestamp(c.timestamp, where, now)
 
 
+class _ArgumentsDisagree(InputError):
+    """``k`` < ``m`` on a call the retriever fills: the arguments, not the call, are wrong
+    (never skipped)."""
+
+
+def _texts_given(c: Call, said: dict, path) -> dict:
+    """The ``(user, memory id) -> (text, line)`` a call gives with its candidates, each id's
+    text the one earlier calls gave it (``said``): one id, one text, or the served file is
+    refused as a log."""
+    given = list(zip(c.candidates, c.carried)) if c.carried is not None else \
+        [(text_id(t), t) for t in c.candidate_texts or ()]
+    out: dict = {}
+    for mid, text in given:
+        if text is None:
+            continue
+        first = said.get((c.user_id, mid)) or out.get((c.user_id, mid)) or (text, c.line)
+        if first[0] != text:
+            raise InputError(f"memory {mid!r} of user {c.user_id!r} has another text than at line {first[1]}",
+                             where=at(path, c.line, "candidates" if c.carried is not None else "candidate_texts"))
+        out.setdefault((c.user_id, mid), first)
+    return out
+
+
+def _call_texts(store, users: "_Users", c: Call, k: int, m: int, path) -> list[str]:
+    """The texts a call needs embedded (its query's, where STORE lacks it; its candidates'
+    that STORE does not hold), once it resolves against STORE, else its one-line InputError."""
+    texts: list[str] = []
+    held = users.held_query(c)
+    if held is None and c.query_text is None:
+        users.get(c, "query_id")               # an unknown user: the one-line error
+        raise InputError(f"unknown query id {c.query_id!r} for user {c.user_id!r} (give the call's text in "
+                         "'query')",
+                         where=at(path, c.line, "query_id"))
+    texts += [c.query_text] if held is None else []
+    if c.candidate_texts is not None:
+        n = len(c.candidate_texts)
+        texts += c.candidate_texts
+    elif c.candidates is not None:  # ids or {"id", "text"}: STORE's memory where it holds the id, else the text
+        n = len(c.candidates)
+        carried = c.carried or (None,) * n
+        # an id without a text needs STORE's user: for one STORE lacks, the one-line error with its hint
+        stored = users.memories(c) if None in carried or store.has_user(c.user_id) else {}
+        for mid, text in zip(c.candidates, carried):
+            if mid in stored and text is not None and text != stored[mid]:
+                raise InputError(f"memory {mid!r} of user {c.user_id!r} is given with another text than STORE's",
+                                 where=at(path, c.line, "candidates"))
+            if mid not in stored and text is None:
+                raise InputError(f"unknown memory id {mid!r} for user {c.user_id!r} (give it with its text, "
+                                 "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
+            texts += [text] if mid not in stored else []
+    else:
+        n = min(k, len(users.get(c, "the retrieved candidates")[0].memory_ids))
+    if m > n == k and c.candidates is None and c.candidate_texts is None:
+        # k < m makes every retrieved call short: the arguments disagree, named as such. A call
+        # that lists fewer than m, or whose user holds fewer, is served with all its candidates
+        raise _ArgumentsDisagree(f"{named('m', m)} is more than this call's {n} candidates "
+                                 f"(the retriever's top {named('k', k)})", where=at(path, c.line))
+    return texts
+
+
 def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | None = None,
-                  routine: list | None = None, *, cache_dir=None) -> list[Prepared]:
+                  routine: list | None = None, *, cache_dir=None, skipped: list | None = None) -> list[Prepared]:
     """Resolve every call against ``store`` (an embedding store): STORE's question when it
     holds the ``query_id``, else the ``query`` text; the listed candidates, the texts, or
     the base retriever's top ``k``. Every call is checked first (users, ids, ``k`` >= ``m``
@@ -343,50 +421,28 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     it: every day's new questions, nothing to look at; a ``new texts`` bar shows while they
     embed). ``calls`` is a list of :class:`Call` (from :func:`read_calls`, or a Python
     caller's own, whose fields are refused as a file's keys are: an InputError naming ``calls``
-    and the call, before any work)."""
+    and the call, before any work). ``skipped``, when given (``rerank --skip-invalid``), takes
+    ``(line, one-line error)`` of each call that STORE cannot resolve (an unknown user, query or memory id,
+    a text that contradicts STORE's or an earlier call's), which is left out of what is returned
+    instead of failing them all; arguments that disagree (``k`` < ``m``) still fail."""
     _check_calls(calls, k, m)
     users = _Users(store, path)
-    texts = []
+    texts: list[str] = []
     said: dict[tuple[str, str], tuple[str, int]] = {}   # (user, memory id given with a text) -> (the text, its line)
+    good = []
     for c in calls:
-        given = list(zip(c.candidates, c.carried)) if c.carried is not None else \
-            [(text_id(t), t) for t in c.candidate_texts or ()]
-        for mid, text in given:          # one id, one text: the served file is refused as a log otherwise
-            first = said.setdefault((c.user_id, mid), (text, c.line)) if text is not None else None
-            if first is not None and first[0] != text:
-                raise InputError(f"memory {mid!r} of user {c.user_id!r} has another text than at line {first[1]}",
-                                 where=at(path, c.line, "candidates" if c.carried is not None else "candidate_texts"))
-    for c in calls:
-        held = users.held_query(c)
-        if held is None and c.query_text is None:
-            users.get(c, "query_id")               # an unknown user: the one-line error
-            raise InputError(f"unknown query id {c.query_id!r} for user {c.user_id!r} (give the call's text in "
-                             "'query')",
-                             where=at(path, c.line, "query_id"))
-        texts += [c.query_text] if held is None else []
-        if c.candidate_texts is not None:
-            n = len(c.candidate_texts)
-            texts += c.candidate_texts
-        elif c.candidates is not None:  # ids or {"id", "text"}: STORE's memory where it holds the id, else the text
-            n = len(c.candidates)
-            carried = c.carried or (None,) * n
-            # an id without a text needs STORE's user: for one STORE lacks, the one-line error with its hint
-            stored = users.memories(c) if None in carried or store.has_user(c.user_id) else {}
-            for mid, text in zip(c.candidates, carried):
-                if mid in stored and text is not None and text != stored[mid]:
-                    raise InputError(f"memory {mid!r} of user {c.user_id!r} is given with another text than STORE's",
-                                     where=at(path, c.line, "candidates"))
-                if mid not in stored and text is None:
-                    raise InputError(f"unknown memory id {mid!r} for user {c.user_id!r} (give it with its text, "
-                                     "{\"id\", \"text\"})", where=at(path, c.line, "candidates"))
-                texts += [text] if mid not in stored else []
-        else:
-            n = min(k, len(users.get(c, "the retrieved candidates")[0].memory_ids))
-        if m > n == k and c.candidates is None and c.candidate_texts is None:
-            # k < m makes every retrieved call short: the arguments disagree, named as such. A call
-            # that lists fewer than m, or whose user holds fewer, is served with all its candidates
-            raise InputError(f"{named('m', m)} is more than this call's {n} candidates "
-                             f"(the retriever's top {named('k', k)})", where=at(path, c.line))
+        try:
+            given = _texts_given(c, said, path)
+            here = _call_texts(store, users, c, k, m, path)
+        except InputError as e:
+            if skipped is None or isinstance(e, _ArgumentsDisagree):
+                raise
+            skipped.append((c.line, str(e)))
+            continue
+        said.update(given)
+        texts += here
+        good.append(c)
+    calls = good
     vecs = embed_texts(texts, store.model, cache_dir=cache_dir, progress=True, desc="new texts")   # a bar, as replay
     if notes is not None and vecs.truncated:
         notes.append(vecs.truncated)
