@@ -159,6 +159,42 @@ def test_rerank_skip_invalid_serves_the_valid_calls_as_a_file_of_them_alone(caps
     assert strip(tmp_path / "m.jsonl") == strip(tmp_path / "g.jsonl")
 
 
+def test_rerank_explore_keeps_a_served_record_of_the_same_calls(capsys, tmp_path, env, monkeypatch):
+    """A morning's rerank --explore run again after the night replaced served.jsonl, what the
+    generator had been shown and the application cites against, with a draw of the new
+    policies, without a word (and the next replay refused the log). A run that would write
+    another record of a call the file holds (another draw, here another --seed; or the file
+    without the citations the application added) is refused now, one line naming --out, the file
+    unchanged. The same run again writes the same records (a retried job: allowed), and another
+    day's calls, or a ranking without --explore, replace the file as before."""
+    store, pol = env
+    user = open_store(store).user("user1")
+    day = lambda js: "".join(json.dumps({"call_id": f"c{j}", "user_id": "user1", "query_id": user.query_ids[j]})
+                             + "\n" for j in js)                                      # noqa: E731
+    (tmp_path / "day1.jsonl").write_text(day(range(3)))
+    (tmp_path / "day2.jsonl").write_text(day(range(3, 6)))
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
+    served = tmp_path / "served.jsonl"
+    args = ("rerank", store, "--policies", pol["user"], "--m", "2", "--k", "8", "--out", served)
+    code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "day1.jsonl", "--explore")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "day1.jsonl", "--explore")    # retried: the same
+    assert code == 0, err
+    records = [json.loads(x) for x in served.read_text().splitlines()]
+    cited = "".join(json.dumps({**r, "cited": r["selected"][:1]}) + "\n" for r in records)
+    for change in ((), ("--seed", "1")):
+        if not change:
+            served.write_text(cited)          # the application added what the generator cited
+        before = served.read_bytes()
+        code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "day1.jsonl", "--explore", *change)
+        assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --out {served}: holds 3 calls"), err
+        assert served.read_bytes() == before
+    for more in (("--calls", tmp_path / "day2.jsonl", "--explore"), ("--calls", tmp_path / "day1.jsonl")):
+        code, _, err = run_cli(capsys, *args, *more)
+        assert code == 0, err
+        assert served.read_bytes() != before
+
+
 def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys, tmp_path, env, monkeypatch):
     """A team with its own retriever has memory ids and texts; rerank refused candidates given as
     {"id", "text"} objects, the form its own served lines (and every log) carry, so the ids became
@@ -1249,9 +1285,9 @@ def test_the_exploration_warning_names_the_default_only_where_the_scores_can_gro
     st = open_store(store)
     calls.write_text("".join(json.dumps({"user_id": u, "query_id": q, "call_id": f"{u}-{q}"}) + "\n"
                              for u in st.user_ids for q in st.user(u).query_ids[:8]))
-    for policies, named in ((tmp_path / "none", False), (pol["user"], False), (real, True)):
+    for i, (policies, named) in enumerate(((tmp_path / "none", False), (pol["user"], False), (real, True))):
         code, _, err = run_cli(capsys, "rerank", store, "--policies", policies, "--calls", calls, "--k", 8, "--m", 3,
-                               "--explore", "--tau", "1e-5", "--out", tmp_path / "out.jsonl")
+                               "--explore", "--tau", "1e-5", "--out", tmp_path / f"out{i}.jsonl")   # one per policy
         assert code == 0, err
         line = next(ln for ln in err.splitlines() if "barely explored" in ln)
         assert "draw at a larger tau (rerank --draw-tau)" in line

@@ -25,7 +25,7 @@ from rmm_jax.cli.shell import (
     note_lines,
     quiet_option,
 )
-from rmm_jax.data.calls import check_out_apart, prepare_calls, read_calls
+from rmm_jax.data.calls import check_not_served, check_out_apart, prepare_calls, read_calls
 from rmm_jax.data.citation_log import ReadReport, record_to_json, validate_record
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, source_name
 from rmm_jax.data.store import open_store
@@ -86,7 +86,8 @@ def nearby_policy_store(path) -> str | None:
                    "(call_id, else query_id, else the query text): serving the same call again draws the same.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write the JSONL here (atomically) instead of stdout (-: stdout, as without --out); not the --calls "
-                   "file, nor a path inside STORE or --policies.")
+                   "file, nor a path inside STORE or --policies. With --explore, a file that holds another record of "
+                   "these calls (served by other policies, or with the citations added) is kept: refused.")
 @click.option("--cache-users", type=IntRange(min=1), default=DEFAULT_CACHE_USERS,
               help="Users' policies kept on the device.")
 @click.option("--skip-invalid", is_flag=True,
@@ -193,6 +194,8 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
                 lines[s.index] = json.dumps(obj)
                 served_by[s.served_by] += 1
             bar.update(1)
+    if explore:                                   # a served record is what the generator was shown: kept
+        check_not_served(out, f"--out {out}", [json.loads(line) for line in lines])
     text = "".join(line + "\n" for line in lines)
     if out:
         with atomic_file(Path(out)) as f:

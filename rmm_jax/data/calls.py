@@ -62,10 +62,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rmm_jax.data.citation_log import call_key, check_timestamp, misspelt_key, note_misspelt_keys, timestamp_seconds
+from rmm_jax.data.citation_log import (
+    CONTENT_LEFT_OUT,
+    call_key,
+    check_timestamp,
+    misspelt_key,
+    note_misspelt_keys,
+    timestamp_seconds,
+)
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
-from rmm_jax.data.json_lines import STDIN, decode_line, nonblank_lines, source_name
+from rmm_jax.data.json_lines import STDIN, decode_line, json_lines, nonblank_lines, source_name
 from rmm_jax.data.log_vectors import StoreMemories
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.data.words import count
@@ -231,6 +238,40 @@ def check_out_apart(out, where: str, calls, dirs=()) -> None:
         if d is not None and Path(d).is_dir() and (real == Path(d).resolve() or Path(d).resolve() in real.parents):
             raise InputError(f"lies in {name} {d}: writing it would overwrite that store's files; give a path "
                              "outside it", where=where)
+
+
+def check_not_served(out, where: str, served: Sequence[dict]) -> None:
+    """Refuse (one :class:`~rmm_jax.errors.InputError` at ``where``) to replace an output file
+    ``out`` that holds another record of a call of ``served`` (the served lines about to be
+    written, as dicts): the same user and call identity (:func:`rmm_jax.data.citation_log.call_key`)
+    with other content, every key but :data:`~rmm_jax.data.citation_log.CONTENT_LEFT_OUT` read,
+    as replay reads a log. ``rerank --explore`` run again after the night replaced what the
+    generator had been shown, which the application cites against (or the citations it had
+    added), with a draw of the new policies, and the next replay refused the log ("learned with
+    other content"). The same run again, by the same policies, writes the same records: allowed.
+    A file that is not served lines, or holds none of these calls, is replaced as any output is."""
+    if out is None or not Path(out).is_file() or not served:
+        return
+    try:
+        earlier = {}
+        for line, obj in json_lines(out, allow_empty=True):
+            if isinstance(obj, dict):
+                earlier.setdefault((obj.get("user_id"), _identity(obj)), (line, obj))
+    except (InputError, OSError):
+        return
+    content = lambda rec: {k: v for k, v in rec.items() if k not in CONTENT_LEFT_OUT}    # noqa: E731
+    other = [earlier[key] for rec in served for key in [(rec.get("user_id"), _identity(rec))]
+             if key in earlier and content(earlier[key][1]) != content(rec)]
+    if other:
+        raise InputError(f"holds {count(len(other), 'call')} of these requests served otherwise (line "
+                         f"{min(line for line, _ in other)}: what the generator was shown, which its citations and "
+                         "the log are of); serving them again would replace that record with another draw. Write "
+                         "the served lines to another file, or move this one away first", where=where)
+
+
+def _identity(rec: dict) -> str:
+    """:func:`call_key` of a record as JSON."""
+    return call_key(Call(0, rec.get("user_id"), rec.get("call_id"), rec.get("query"), rec.get("query_id")))
 
 
 class Prepared(NamedTuple):
