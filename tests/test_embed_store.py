@@ -833,3 +833,68 @@ def test_a_store_reached_by_a_symbolic_link_is_written_where_it_points(tmp_path)
     with store_writer(real), pytest.raises(Busy), store_writer(link):
         pass
     assert RunState.path_for(link) == RunState.path_for(real.resolve())
+
+
+# --------------------------------------------------------------------------- the cache is a cache
+
+
+def test_a_damaged_embedding_cache_is_moved_aside_and_a_new_one_started(cache_root, tmp_path):
+    """A cache SQLite cannot read ("file is not a database") failed every command that embeds,
+    exit 2, where a damaged policy index is rebuilt: it holds nothing that cannot be embedded
+    again. It is moved aside with a warning naming where, and the same texts embed to the same
+    vectors through a new one."""
+    import shutil
+    import warnings
+
+    root = tmp_path / "cache"
+    shutil.copytree(cache_root, root)
+    texts = ["a first text", "and a second one"]
+    emb = E.Embedder(cache_dir=root, progress=False)
+    want, cache = emb.encode(texts), emb.cache_dir / "embeddings.sqlite"
+    emb.close()
+    cache.write_bytes(b"not a database at all" * 100)
+    for suffix in ("-wal", "-shm"):
+        cache.with_name(cache.name + suffix).unlink(missing_ok=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        emb = E.Embedder(cache_dir=root, progress=False)
+        # embedded again: the model's own float32 results, batched otherwise (padding moves the last bits)
+        np.testing.assert_allclose(emb.encode(texts), want, atol=1e-6)
+        assert len(emb._cache) == 2
+        emb.close()
+    said = [str(w.message) for w in seen if issubclass(w.category, E.EmbeddingCacheWarning)]
+    assert len(said) == 1 and "file is not a database; moved aside to embeddings.sqlite.damaged-" in said[0]
+    aside = [p for p in cache.parent.iterdir() if p.name.startswith("embeddings.sqlite.damaged-")]
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"not a database")
+
+
+def test_an_embedding_cache_the_disk_stops_is_left_for_the_run(cache_root, tmp_path, monkeypatch):
+    """A full disk under the cache (not under the output) stopped rerank and replay, exit 1,
+    serving nothing. The run goes on without the cache, with one warning; the vectors are the
+    cached run's."""
+    import errno
+    import shutil
+    import sqlite3
+    import warnings
+
+    root = tmp_path / "cache"
+    shutil.copytree(cache_root, root)
+    texts = ["one text", "another text", "a third"]
+    emb = E.Embedder(cache_dir=root, progress=False)
+    want = emb.encode(texts)
+    emb.close()
+
+    def full(self, keys, vecs):
+        raise E.WriteFailed("cannot write the embedding cache: no space left on device", where=str(self.path)) \
+            from sqlite3.OperationalError(errno.ENOSPC)
+
+    monkeypatch.setattr(E._Cache, "put", full)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        emb = E.Embedder(cache_dir=root, progress=False)
+        np.testing.assert_array_equal(emb.encode(texts + ["a new text"])[:3], want)
+        assert emb._cache is None
+        emb.encode(["and one more"])
+        emb.close()
+    said = [str(w.message) for w in seen if issubclass(w.category, E.EmbeddingCacheWarning)]
+    assert len(said) == 1 and "no space left on device: the rest of this run embeds without it" in said[0], said

@@ -46,8 +46,9 @@ from rmm_jax.data.words import count
 from rmm_jax.errors import InputError, WriteFailed, named, worded
 from rmm_jax.persist.atomic import disk_problem
 
-__all__ = ["Embedder", "EmbeddedTexts", "embed_texts", "truncation_note", "CACHE_ENV", "DEFAULT_BATCH_SIZE",
-           "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug", "packaged_id"]
+__all__ = ["Embedder", "EmbeddedTexts", "EmbeddingCacheWarning", "embed_texts", "truncation_note", "CACHE_ENV",
+           "DEFAULT_BATCH_SIZE", "DEFAULT_CACHE_ROOT", "DEFAULT_MODEL", "default_cache_root", "model_slug",
+           "packaged_id"]
 
 #: True while the running command is quiet (the CLI's ``--quiet``): no bars, nor the model's
 #: loading line, whatever an :class:`Embedder`'s ``progress`` says. A ContextVar, so that it
@@ -199,6 +200,40 @@ def _set_wal(conn, attempts: int = 100) -> None:
             time.sleep(0.05)
 
 
+class EmbeddingCacheWarning(UserWarning):
+    """The embedding cache could not be used as it was: damaged, and moved aside for a new one,
+    or not writable, and left for the run. The embeddings are right either way; the cache only
+    saves recomputing them."""
+
+
+def _open_cache(directory: Path, model_id: str, dim: int, fix: str) -> "_Cache | None":
+    """:class:`_Cache` at ``directory``. A damaged one (not a database, malformed) is moved
+    aside as ``embeddings.sqlite.damaged-<time>`` and a new one started, with a warning: it
+    holds nothing that cannot be embedded again, and a damaged cache failed every command that
+    embeds ("embedding cache unusable: file is not a database"), while a damaged policy index
+    is rebuilt. One the disk stops (full, read-only) is left for the run, with a warning."""
+    try:
+        return _Cache(directory, model_id, dim, fix)
+    except WriteFailed as e:
+        warnings.warn(EmbeddingCacheWarning(f"{e}: this run embeds without it"), stacklevel=3)
+        return None
+    except _Damaged as e:
+        aside = directory / f"embeddings.sqlite.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        try:
+            os.replace(directory / "embeddings.sqlite", aside)
+            for suffix in ("-wal", "-shm"):
+                (directory / f"embeddings.sqlite{suffix}").unlink(missing_ok=True)
+        except OSError:
+            raise e from None
+        warnings.warn(EmbeddingCacheWarning(f"{e}; moved aside to {aside.name}, and a new cache started (its texts "
+                                            "are embedded again as they are met)"), stacklevel=3)
+        return _Cache(directory, model_id, dim, fix)
+
+
+class _Damaged(InputError):
+    """An embedding cache SQLite cannot read: not a database, or malformed."""
+
+
 class _Cache:
     """sha256(text) -> float32 vector, one SQLite file per model."""
 
@@ -220,7 +255,8 @@ class _Cache:
             problem = disk_problem(e, self.path)     # not damage: the disk, or a limit of this process
             if problem:
                 raise WriteFailed(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
-            raise InputError(f"embedding cache unusable: {e}", where=str(self.path)) from e
+            damaged = any(words in str(e) for words in ("not a database", "malformed"))
+            raise (_Damaged if damaged else InputError)(f"embedding cache unusable: {e}", where=str(self.path)) from e
         if meta.get("model") != model_id or meta.get("dim") != str(dim):
             raise InputError(
                 f"embedding cache belongs to model {meta.get('model')!r} (dim {meta.get('dim')}), "
@@ -354,7 +390,7 @@ class Embedder:
         # torch and the weights take seconds, and a command whose texts are all cached needs neither.
         self.dim = int(dim or self._model_dim(self._model))
         if use_cache:
-            self._cache = _Cache(self.cache_dir, self.model_id, self.dim, self._fix)
+            self._cache = _open_cache(self.cache_dir, self.model_id, self.dim, self._fix)
 
     @property
     def _model(self):
@@ -481,7 +517,7 @@ class Embedder:
                     norms = np.linalg.norm(vecs, axis=1, keepdims=True)
                     vecs = (vecs / np.maximum(norms, 1e-12)).astype(np.float32)
                     if self._cache is not None:
-                        self._cache.put(part, vecs)
+                        self._put(part, vecs)
                     found.update(zip(part, vecs))
                     bar.update(len(part))
         for i, k in enumerate(keys):
@@ -489,6 +525,18 @@ class Embedder:
         return out
 
     __call__ = encode
+
+    def _put(self, keys: list[str], vecs: np.ndarray) -> None:
+        """Cache what was embedded; a cache the disk stops (full, a quota, a size limit) is left
+        for the rest of the run with a warning: the embeddings are kept, and embedded again the
+        next time (a command that served nothing for a full cache disk exited 1)."""
+        try:
+            self._cache.put(keys, vecs)
+        except WriteFailed as e:
+            warnings.warn(EmbeddingCacheWarning(f"{e}: the rest of this run embeds without it (what it embeds is "
+                                                "embedded again next time)"), stacklevel=3)
+            self._cache.close()
+            self._cache = None
 
     def close(self) -> None:
         """Close the disk cache. The model stays loaded for this process's next Embedder of it

@@ -315,17 +315,18 @@ def write_store(path, dataset: Dataset, granularity: str, embedder, *, spec: str
     _check_granularity_kwargs(granularity, granularity_kwargs)
     check_store_path(path)
     say = renamed_argument("write_store", "log", "progress", log, progress) or (lambda msg: None)
-    with store_writer(path):       # from the first read to the rename: an append meanwhile would be lost
-        return _write_store(path, dataset, granularity, embedder, spec, say, answers, granularity_kwargs)
-
-
-def _write_store(path, dataset: Dataset, granularity: str, embedder, spec: str | None, say, answers: bool,
-                 granularity_kwargs: dict) -> dict:
     where = spec or "dataset"
-    t0 = time.perf_counter()
     _check_user_ids(dataset, where)
     _check_gold_in_file(dataset)
     _check_not_empty(dataset, where)
+    # held from the embedding to the rename: an append meanwhile would be lost (bad input is refused first)
+    with store_writer(path):
+        return _write_store(path, dataset, granularity, embedder, where, spec, say, answers, granularity_kwargs)
+
+
+def _write_store(path, dataset: Dataset, granularity: str, embedder, where: str, spec: str | None, say,
+                 answers: bool, granularity_kwargs: dict) -> dict:
+    t0 = time.perf_counter()
     embed_fn = embedder.encode if granularity == "segment" else None
     rows = _build_rows(dataset, granularity, embed_fn, where, granularity_kwargs)
     t_build = time.perf_counter() - t0
