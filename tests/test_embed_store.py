@@ -898,3 +898,31 @@ def test_an_embedding_cache_the_disk_stops_is_left_for_the_run(cache_root, tmp_p
         emb.close()
     said = [str(w.message) for w in seen if issubclass(w.category, E.EmbeddingCacheWarning)]
     assert len(said) == 1 and "no space left on device: the rest of this run embeds without it" in said[0], said
+
+
+def test_an_embedding_cache_damaged_past_its_header_is_set_aside_as_it_is_read(cache_root, tmp_path):
+    """Pages damaged past the header open fine and fail as they are read ("database disk image
+    is malformed"): a traceback from the cache's read, exit 1. The cache is moved aside as it
+    is found, with a warning, and the run goes on without one, to the same vectors."""
+    import shutil
+    import warnings
+
+    root = tmp_path / "cache"
+    shutil.copytree(cache_root, root)
+    texts = [f"text number {i} about things" for i in range(200)]
+    emb = E.Embedder(cache_dir=root, progress=False)
+    want, cache = emb.encode(texts), emb.cache_dir / "embeddings.sqlite"
+    emb.close()
+    for suffix in ("-wal", "-shm"):
+        cache.with_name(cache.name + suffix).unlink(missing_ok=True)
+    data = bytearray(cache.read_bytes())
+    data[3 * 4096:] = bytes((i * 7) % 256 for i in range(len(data) - 3 * 4096))    # the header pages kept
+    cache.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        emb = E.Embedder(cache_dir=root, progress=False)
+        np.testing.assert_allclose(emb.encode(texts[:20] + ["a new one"])[:20], want[:20], atol=1e-6)
+        assert emb._cache is None
+        emb.close()
+    said = [str(w.message) for w in seen if issubclass(w.category, E.EmbeddingCacheWarning)]
+    assert len(said) == 1 and "malformed; moved aside to embeddings.sqlite.damaged-" in said[0], said

@@ -138,9 +138,12 @@ def test_rerank_skip_invalid_serves_the_valid_calls_as_a_file_of_them_alone(caps
            'not json',
            json.dumps(good[0]),
            json.dumps({"call_id": "x3", "user_id": "user1", "query": "q", "candidates": ["no-such-memory"]})]
+    # x3 again, valid: the identity of a call left out is free (it was skipped as "the same call")
+    again = {"call_id": "x3", "user_id": "user1", "query_id": user.query_ids[4]}
     lines = [json.dumps(good[0]), bad[0], json.dumps(good[1]), bad[1], bad[2], json.dumps(good[2]), bad[3],
-             bad[4], json.dumps(good[3])]
+             bad[4], json.dumps(again), json.dumps(good[3])]
     (tmp_path / "mixed.jsonl").write_text("".join(x + "\n" for x in lines))
+    good = [*good[:3], again, good[3]]
     (tmp_path / "good.jsonl").write_text("".join(json.dumps(c) + "\n" for c in good))
     monkeypatch.setattr(embed_mod, "Embedder", lambda model, progress=False, **kw: FakeEmbedder(16))
     args = ("rerank", store, "--policies", pol["user"], "--m", "2", "--k", "8", "--explore")
@@ -150,8 +153,8 @@ def test_rerank_skip_invalid_serves_the_valid_calls_as_a_file_of_them_alone(caps
                              "--skip-invalid", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["calls"] == 4 and doc["skipped"] == 5 and doc["first_errors"][0].startswith(f"{tmp_path}/mixed.jsonl:2:")
-    assert "skipped 5 invalid records of 9; first: " in err
+    assert doc["calls"] == 5 and doc["skipped"] == 5 and doc["first_errors"][0].startswith(f"{tmp_path}/mixed.jsonl:2:")
+    assert "skipped 5 invalid records of 10; first: " in err
     code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "good.jsonl", "--out", tmp_path / "g.jsonl")
     assert code == 0, err
     strip = lambda path: [{k: v for k, v in json.loads(x).items() if k != "timestamp"}     # noqa: E731 (served at)
@@ -182,12 +185,17 @@ def test_rerank_explore_keeps_a_served_record_of_the_same_calls(capsys, tmp_path
     assert code == 0, err
     records = [json.loads(x) for x in served.read_text().splitlines()]
     cited = "".join(json.dumps({**r, "cited": r["selected"][:1]}) + "\n" for r in records)
-    for change in ((), ("--seed", "1")):
+    (tmp_path / "unknown.jsonl").write_text("".join(                         # every call left out
+        json.dumps({"call_id": f"c{j}", "user_id": "user1", "query": "q", "candidates": ["no-such-memory"]}) + "\n"
+        for j in range(3)))
+    for change in ((), ("--seed", "1"), ("--skip-invalid",)):
         if not change:
-            served.write_text(cited)          # the application added what the generator cited
+            served.write_text(cited + '{"user_id": ["a list"]}\n{"truncated by a cras')   # citations; bad lines
         before = served.read_bytes()
-        code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "day1.jsonl", "--explore", *change)
-        assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --out {served}: holds 3 calls"), err
+        calls = tmp_path / ("unknown.jsonl" if change == ("--skip-invalid",) else "day1.jsonl")
+        code, _, err = run_cli(capsys, *args, "--calls", calls, "--explore", *change)
+        last = err.splitlines()[-1]
+        assert code == 2 and last.startswith(f"error: --out {served}: holds 3 calls") and "Traceback" not in err, err
         assert served.read_bytes() == before
     for more in (("--calls", tmp_path / "day2.jsonl", "--explore"), ("--calls", tmp_path / "day1.jsonl")):
         code, _, err = run_cli(capsys, *args, *more)

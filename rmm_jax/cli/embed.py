@@ -50,6 +50,7 @@ from rmm_jax.data.store import (
     write_store,
 )
 from rmm_jax.errors import InputError
+from rmm_jax.persist.atomic import real_path
 
 # the API names its arguments; the errors of those this command's options give name the option
 MODEL = {"embedder": "model", "model_id": "model"}          # the model an Embedder (or its id) is of
@@ -259,7 +260,7 @@ def _check_replaceable(path, where: str) -> None:
     it (a rename cannot move '.', and the shell would be left in the deleted old store); a
     parent that cannot take the new store; an old store that cannot be moved or deleted
     (read-only, immutable)."""
-    p = Path(path)
+    p = real_path(path)                # a link's store is written where it points
     full, here = p.resolve(), Path.cwd().resolve()
     if full == here or full in here.parents:
         raise InputError("is the current directory or holds it, which cannot be replaced; write the store elsewhere",

@@ -164,7 +164,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
     with as_options("k", "m", "cache_dir"):       # the API names its arguments, the CLI its options
         prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine, cache_dir=cache_dir,
                                  skipped=skipped)
-    calls = [p.call for p in prepared]
+    asked, calls = calls, [p.call for p in prepared]
     errors = [e for _, e in sorted(skipped or ())]           # by line: read_calls' first, then prepare_calls'
     read = ReadReport(len(calls), len(errors), errors[:MAX_FIRST_ERRORS], [])
     note_read(read)
@@ -195,7 +195,7 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
                 served_by[s.served_by] += 1
             bar.update(1)
     if explore:                                   # a served record is what the generator was shown: kept
-        check_not_served(out, f"--out {out}", [json.loads(line) for line in lines])
+        check_not_served(out, f"--out {out}", asked, [json.loads(line) for line in lines])
     text = "".join(line + "\n" for line in lines)
     if out:
         with atomic_file(Path(out)) as f:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 from pathlib import Path
 
 import click
@@ -20,7 +21,7 @@ from rmm_jax.cli import disk_errors
 from rmm_jax.data.embed import CACHE_ENV, DEFAULT_CACHE_ROOT, QUIET
 from rmm_jax.data.words import count  # noqa: F401 - the verbs' count, shared with the data layer's lines
 from rmm_jax.errors import InputError, WriteFailed, worded
-from rmm_jax.persist.atomic import write_problem
+from rmm_jax.persist.atomic import real_path, write_problem
 
 
 class IntRange(click.IntRange):
@@ -214,7 +215,10 @@ def check_output_file(path, where: str) -> None:
                          "--json); give a file path", where=where)
     if path:
         disk_errors.writing(where, path)
-        check_writable(Path(path).parent, where, own_files=False)     # renamed in: the others are not touched
+        target = real_path(path)                                      # a link's file is replaced where it points
+        check_writable(target.parent, where, own_files=False)         # renamed in: the others are not touched
+        if target.is_file() and not os.access(target, os.W_OK):       # but a read-only or immutable one is refused
+            raise InputError(f"cannot write: {target}: not writable", where=where)
 
 
 def check_output_dir(path, where: str) -> None:

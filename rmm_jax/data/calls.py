@@ -72,7 +72,7 @@ from rmm_jax.data.citation_log import (
 )
 from rmm_jax.data.embed import embed_texts
 from rmm_jax.data.json_fields import json_type
-from rmm_jax.data.json_lines import STDIN, decode_line, json_lines, nonblank_lines, source_name
+from rmm_jax.data.json_lines import STDIN, decode_line, nonblank_lines, source_name
 from rmm_jax.data.log_vectors import StoreMemories
 from rmm_jax.data.retrieval import top_k
 from rmm_jax.data.words import count
@@ -154,8 +154,9 @@ def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: l
     record, and a log that names a call twice is refused by ``replay`` and ``evaluate``. An empty
     file (0 bytes, or blank lines only) holds no calls: a day without traffic, not an error.
     ``skipped``, when given (``rerank --skip-invalid``), takes ``(line, one-line error)`` of each
-    invalid request, which is left out instead of failing the file (a later call repeating an
-    earlier one's identity is the one left out)."""
+    invalid request, which is left out instead of failing the file; a call repeating another's
+    identity is then left to :func:`prepare_calls`, which leaves out the later of the calls it
+    keeps (an earlier one it cannot resolve does not take the identity)."""
     calls = []
     first: dict[tuple[str, str], int] = {}
     seen, notes = set(KEYS), [] if notes is None else notes
@@ -168,16 +169,14 @@ def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: l
         try:
             call, stamp_free, repeated = _read_call(decode_line(raw, name, line), name, line, now, seen, notes)
             key = (call.user_id, call_key(call))
-            if key in first:
-                what = "call_id" if call.call_id is not None else "query_id" if call.query_id is not None else "query"
-                raise InputError(f"the same call as line {first[key]} (give each call its own call_id: a log "
-                                 "names each call once)", where=at(name, line, what))
+            if key in first and skipped is None:      # skipping: over the calls prepare_calls keeps
+                raise _repeat(call, first[key], name)
         except InputError as e:
             if skipped is None:
                 raise
             skipped.append((line, str(e)))
             continue
-        first[key] = line
+        first.setdefault(key, line)
         repeats += repeated
         free += [line] if stamp_free else []
         calls.append(call)
@@ -192,6 +191,13 @@ def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: l
                      f"{WINDOW} calls it remembers, a log replayed again learns such calls again (docs/reliability.md, "
                      "\"Exactly once\"); give ISO 8601 (2024-06-03T09:00:00Z) or seconds")
     return calls
+
+
+def _repeat(call: Call, first: int, path) -> InputError:
+    """The one-line error of a call whose identity an earlier one (line ``first``) has."""
+    what = "call_id" if call.call_id is not None else "query_id" if call.query_id is not None else "query"
+    return InputError(f"the same call as line {first} (give each call its own call_id: a log names each call once)",
+                      where=at(path, call.line, what))
 
 
 def _read_call(obj, path: str, line: int, now: float, seen: set, notes: list) -> tuple[Call, bool, bool]:
@@ -240,38 +246,48 @@ def check_out_apart(out, where: str, calls, dirs=()) -> None:
                              "outside it", where=where)
 
 
-def check_not_served(out, where: str, served: Sequence[dict]) -> None:
+def check_not_served(out, where: str, calls: Sequence[Call], served: Sequence[dict]) -> None:
     """Refuse (one :class:`~rmm_jax.errors.InputError` at ``where``) to replace an output file
-    ``out`` that holds another record of a call of ``served`` (the served lines about to be
-    written, as dicts): the same user and call identity (:func:`rmm_jax.data.citation_log.call_key`)
-    with other content, every key but :data:`~rmm_jax.data.citation_log.CONTENT_LEFT_OUT` read,
-    as replay reads a log. ``rerank --explore`` run again after the night replaced what the
-    generator had been shown, which the application cites against (or the citations it had
-    added), with a draw of the new policies, and the next replay refused the log ("learned with
-    other content"). The same run again, by the same policies, writes the same records: allowed.
-    A file that is not served lines, or holds none of these calls, is replaced as any output is."""
-    if out is None or not Path(out).is_file() or not served:
+    ``out`` that holds a record of one of ``calls`` (the requests: the same user and call
+    identity, :func:`rmm_jax.data.citation_log.call_key`) other than the one about to be written
+    in ``served`` (the served lines, as dicts; none for a call left out): other content, every
+    key but :data:`~rmm_jax.data.citation_log.CONTENT_LEFT_OUT` read, as replay reads a log.
+    ``rerank --explore`` run again after the night replaced what the generator had been shown,
+    which the application cites against (or the citations it had added), with a draw of the new
+    policies, and the next replay refused the log ("learned with other content"). The same run
+    again, by the same policies, writes the same records: allowed. Lines of ``out`` that are not
+    records (not JSON, not an object with string ids) are passed over; a file that holds no
+    record of these calls is replaced as any output is."""
+    if out is None or not Path(out).is_file() or not calls:
         return
-    try:
-        earlier = {}
-        for line, obj in json_lines(out, allow_empty=True):
-            if isinstance(obj, dict):
-                earlier.setdefault((obj.get("user_id"), _identity(obj)), (line, obj))
-    except (InputError, OSError):
-        return
+    asked = {(c.user_id, call_key(c)) for c in calls}
+    new = {key: rec for rec in served for key in [_identity(rec)] if key is not None}
     content = lambda rec: {k: v for k, v in rec.items() if k not in CONTENT_LEFT_OUT}    # noqa: E731
-    other = [earlier[key] for rec in served for key in [(rec.get("user_id"), _identity(rec))]
-             if key in earlier and content(earlier[key][1]) != content(rec)]
+    other = []
+    try:
+        for line, raw in nonblank_lines(out, allow_empty=True):
+            try:
+                rec = decode_line(raw, str(out), line)
+            except InputError:
+                continue
+            key = _identity(rec) if isinstance(rec, dict) else None
+            if key in asked and (key not in new or content(new[key]) != content(rec)):
+                other.append(line)
+    except OSError:
+        return
     if other:
-        raise InputError(f"holds {count(len(other), 'call')} of these requests served otherwise (line "
-                         f"{min(line for line, _ in other)}: what the generator was shown, which its citations and "
-                         "the log are of); serving them again would replace that record with another draw. Write "
-                         "the served lines to another file, or move this one away first", where=where)
+        raise InputError(f"holds {count(len(other), 'call')} of these requests served otherwise (line {other[0]}: "
+                         "what the generator was shown, which its citations and the log are of); serving them "
+                         "again would replace that record. Write the served lines to another file, or move this one "
+                         "away first", where=where)
 
 
-def _identity(rec: dict) -> str:
-    """:func:`call_key` of a record as JSON."""
-    return call_key(Call(0, rec.get("user_id"), rec.get("call_id"), rec.get("query"), rec.get("query_id")))
+def _identity(rec: dict) -> tuple[str, str] | None:
+    """``(user_id, call_key)`` of a record as JSON, None unless its ids are strings."""
+    ids = [rec.get(k) for k in ("user_id", "call_id", "query", "query_id")]
+    if not isinstance(ids[0], str) or not all(v is None or isinstance(v, str) for v in ids[1:]):
+        return None
+    return ids[0], call_key(Call(0, *ids))
 
 
 class Prepared(NamedTuple):
@@ -470,9 +486,11 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     users = _Users(store, path)
     texts: list[str] = []
     said: dict[tuple[str, str], tuple[str, int]] = {}   # (user, memory id given with a text) -> (the text, its line)
-    good = []
+    good, kept = [], {}
     for c in calls:
         try:
+            if (c.user_id, call_key(c)) in kept:
+                raise _repeat(c, kept[(c.user_id, call_key(c))], path)
             given = _texts_given(c, said, path)
             here = _call_texts(store, users, c, k, m, path)
         except InputError as e:
@@ -482,6 +500,7 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
             continue
         said.update(given)
         texts += here
+        kept[(c.user_id, call_key(c))] = c.line
         good.append(c)
     calls = good
     vecs = embed_texts(texts, store.model, cache_dir=cache_dir, progress=True, desc="new texts")   # a bar, as replay

@@ -218,20 +218,30 @@ def _open_cache(directory: Path, model_id: str, dim: int, fix: str) -> "_Cache |
         warnings.warn(EmbeddingCacheWarning(f"{e}: this run embeds without it"), stacklevel=3)
         return None
     except _Damaged as e:
-        aside = directory / f"embeddings.sqlite.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        try:
-            os.replace(directory / "embeddings.sqlite", aside)
-            for suffix in ("-wal", "-shm"):
-                (directory / f"embeddings.sqlite{suffix}").unlink(missing_ok=True)
-        except OSError:
-            raise e from None
-        warnings.warn(EmbeddingCacheWarning(f"{e}; moved aside to {aside.name}, and a new cache started (its texts "
-                                            "are embedded again as they are met)"), stacklevel=3)
+        _set_aside(directory, e, "a new cache started (its texts are embedded again as they are met)")
         return _Cache(directory, model_id, dim, fix)
+
+
+def _set_aside(directory: Path, e: "_Damaged", then: str) -> None:
+    """Move a damaged cache aside (``embeddings.sqlite.damaged-<time>-<pid>``, its journal files
+    removed) with a warning saying ``then``; ``e`` again if it cannot be moved."""
+    aside = directory / f"embeddings.sqlite.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    try:
+        os.replace(directory / "embeddings.sqlite", aside)
+        for suffix in ("-wal", "-shm"):
+            (directory / f"embeddings.sqlite{suffix}").unlink(missing_ok=True)
+    except OSError:
+        raise e from None
+    warnings.warn(EmbeddingCacheWarning(f"{e}; moved aside to {aside.name}, and {then}"), stacklevel=4)
 
 
 class _Damaged(InputError):
     """An embedding cache SQLite cannot read: not a database, or malformed."""
+
+
+def _damage(e: BaseException) -> bool:
+    """Whether SQLite's error says the file is damaged (not the disk, a lock or a bug)."""
+    return any(words in str(e) for words in ("not a database", "malformed"))
 
 
 class _Cache:
@@ -252,11 +262,13 @@ class _Cache:
             self.conn.execute("COMMIT")
             meta = dict(self.conn.execute("SELECT key, value FROM meta"))
         except sqlite3.Error as e:
+            if getattr(self, "conn", None) is not None:
+                self.conn.close()
             problem = disk_problem(e, self.path)     # not damage: the disk, or a limit of this process
             if problem:
                 raise WriteFailed(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
-            damaged = any(words in str(e) for words in ("not a database", "malformed"))
-            raise (_Damaged if damaged else InputError)(f"embedding cache unusable: {e}", where=str(self.path)) from e
+            raise (_Damaged if _damage(e) else InputError)(f"embedding cache unusable: {e}",
+                                                          where=str(self.path)) from e
         if meta.get("model") != model_id or meta.get("dim") != str(dim):
             raise InputError(
                 f"embedding cache belongs to model {meta.get('model')!r} (dim {meta.get('dim')}), "
@@ -282,13 +294,18 @@ class _Cache:
 
     def get(self, keys: list[str]) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        for s in range(0, len(keys), 500):
-            part = keys[s:s + 500]
-            q = f"SELECT key, vec FROM emb WHERE key IN ({','.join('?' * len(part))})"
-            for key, blob in self.conn.execute(q, part):
-                v = np.frombuffer(blob, dtype=np.float32)
-                if v.shape == (self.dim,) and np.isfinite(v).all():
-                    out[key] = v
+        try:
+            for s in range(0, len(keys), 500):
+                part = keys[s:s + 500]
+                q = f"SELECT key, vec FROM emb WHERE key IN ({','.join('?' * len(part))})"
+                for key, blob in self.conn.execute(q, part):
+                    v = np.frombuffer(blob, dtype=np.float32)
+                    if v.shape == (self.dim,) and np.isfinite(v).all():
+                        out[key] = v
+        except sqlite3.DatabaseError as e:        # pages damaged past the header: found only as they are read
+            if not _damage(e):
+                raise
+            raise _Damaged(f"embedding cache unusable: {e}", where=str(self.path)) from e
         return out
 
     def put(self, keys: list[str], vecs: np.ndarray) -> None:
@@ -305,6 +322,8 @@ class _Cache:
         except sqlite3.Error as e:
             problem = disk_problem(e, self.path)
             if problem is None:
+                if _damage(e):
+                    raise _Damaged(f"embedding cache unusable: {e}", where=str(self.path)) from e
                 raise
             raise WriteFailed(f"cannot write the embedding cache: {problem}", where=str(self.path)) from e
 
@@ -495,7 +514,7 @@ class Embedder:
         uniq: dict[str, str] = {}
         for k, t in zip(keys, texts):
             uniq.setdefault(k, t)
-        found = self._cache.get(list(uniq)) if self._cache is not None else {}
+        found = self._cached(list(uniq))
         missing = [k for k in uniq if k not in found]
         # Longest first: batches of similar length pad less, and the ETA is pessimistic.
         missing.sort(key=lambda k: -len(uniq[k]))
@@ -526,17 +545,36 @@ class Embedder:
 
     __call__ = encode
 
+    def _cached(self, keys: list[str]) -> dict[str, np.ndarray]:
+        """The cached vectors of ``keys`` (none without a cache); a cache found damaged as it is
+        read is moved aside, and the run goes on without one."""
+        if self._cache is None:
+            return {}
+        try:
+            return self._cache.get(keys)
+        except _Damaged as e:
+            self._drop_cache()
+            _set_aside(self.cache_dir, e, "the rest of this run embeds without a cache")
+            return {}
+
     def _put(self, keys: list[str], vecs: np.ndarray) -> None:
         """Cache what was embedded; a cache the disk stops (full, a quota, a size limit) is left
         for the rest of the run with a warning: the embeddings are kept, and embedded again the
-        next time (a command that served nothing for a full cache disk exited 1)."""
+        next time (a command that served nothing for a full cache disk exited 1). One found
+        damaged is moved aside."""
         try:
             self._cache.put(keys, vecs)
         except WriteFailed as e:
+            self._drop_cache()
             warnings.warn(EmbeddingCacheWarning(f"{e}: the rest of this run embeds without it (what it embeds is "
                                                 "embedded again next time)"), stacklevel=3)
-            self._cache.close()
-            self._cache = None
+        except _Damaged as e:
+            self._drop_cache()
+            _set_aside(self.cache_dir, e, "the rest of this run embeds without a cache")
+
+    def _drop_cache(self) -> None:
+        self._cache.close()
+        self._cache = None
 
     def close(self) -> None:
         """Close the disk cache. The model stays loaded for this process's next Embedder of it

@@ -171,7 +171,7 @@ def shown_set_probs(logits, mask, m: int) -> tuple[np.ndarray, np.ndarray]:
     colex = lambda sets: comb[sets, np.arange(m)].sum(-1)               # noqa: E731  (rank of a sorted set)
     lex_of = np.empty(len(level.removed), np.int64)
     lex_of[colex(level.removed)] = np.arange(len(level.removed))
-    original = np.sort(order[:, level.removed], axis=-1)                 # (n, C, m)
+    original = np.sort(order.astype(np.int16)[:, level.removed], axis=-1)    # (n, C, m): K < 2**15 by far
     out = np.zeros((n, len(level.removed)))
     np.put_along_axis(out, lex_of[colex(original)], prob.T, axis=1)
     return level.members, out
