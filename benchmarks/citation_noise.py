@@ -13,7 +13,9 @@ Every cell runs the online loop from identity (``--preset``, default: the defaul
 ``calibrated`` corrects for fixed judge rates, which the sweep moves away from; with
 ``--matched`` each cell's learner corrects for that cell's own rates; turn memories, MiniLM,
 K = 20, M = 5) on all five conversations at once: online learning from identity needs
-no pretraining, so there is nothing to leave out. The reported number is the
+no pretraining, so there is nothing to leave out. The JSON records the learner, preset name
+and resolved fields (:func:`rmm_jax.core.config.setting_record`), as ``config.setting``, and
+a ``--matched`` cell's own as that cell's ``setting``. The reported number is the
 prequential Recall@5 gain over the base retriever on the conversations the default
 preset was *not* tuned on (``--held-out``, default 41,42,43); the all-conversation
 gain is in the JSON too. Each cell runs ``--seeds`` seeds (sampling and citation draws)
@@ -46,6 +48,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.config import setting_record  # noqa: E402
 from rmm_jax.data.citations import (  # noqa: E402
     DEFAULT_PRECISION,
     DEFAULT_RECALL,
@@ -151,10 +154,12 @@ def main(argv=None):
     params = rj.init_reranker(jax.random.key(0), streams[0].bank.shape[1])
     base = _common.retriever_recall(streams, args.m)
 
-    def cell(cite_fn, rates, setting=setting):
-        program = rj.make_run(*setting, cite_fn=cite_fn)
+    def cell(cite_fn, rates, own=None):
+        """One cell: ``setting`` (config.setting), or ``own`` (a --matched cell's learner,
+        recorded in the cell as ``setting``)."""
+        program = rj.make_run(*(own or setting), cite_fn=cite_fn)
         runs = [_common.online_recall(streams, program, params, seed) for seed in seeds]
-        out = {"rates": rates}
+        out = {"rates": rates, **({"setting": setting_record(args.preset, own)} if own else {})}
         for name, us in (("held_out", held), ("all", users)):
             diffs = np.stack([_common.pooled(r, streams, us) for r in runs]) - _common.pooled(base, streams, us)
             out[name] = _common.gain_interval(diffs, groups=_common.query_groups(streams, us))
@@ -193,7 +198,7 @@ def main(argv=None):
         row = []
         for po in args.p_other:
             matched = args.matched and po < pu
-            own = rj.preset(args.preset, k=args.k, m=args.m, p_useful=pu, p_other=po) if matched else setting
+            own = rj.preset(args.preset, k=args.k, m=args.m, p_useful=pu, p_other=po) if matched else None
             row.append(cell(oracle(p_useful=pu, p_other=po, spurious=po),
                             {"p_useful": pu, "p_other": po, "spurious": po, "matched": matched}, own))
             tick(f"p_useful {pu:g}, p_other {po:g}: {row[-1]['held_out']['mean']:+.4f}")
@@ -202,7 +207,7 @@ def main(argv=None):
     out = {"grid": {"p_useful": list(args.p_useful), "p_other": list(args.p_other)}, "cells": cells,
            "reference": reference, "spurious_sweep": spurious,
            "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "preset": args.preset,
-                      "matched": args.matched,
+                      "setting": setting_record(args.preset, setting), "matched": args.matched,
                       "init": "identity", "conversations": users, "held_out": held, "seeds": seeds,
                       "spurious": "= p_other",
                       "interval": "rmm_jax.online.stats.gain_interval, 95%, 2000 resamples"},

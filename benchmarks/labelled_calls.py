@@ -30,9 +30,12 @@ noisier than the paper's judge, inside the region where the correction is advise
    :func:`rmm_jax.online.stats.gain_interval`).
 
 Beside each N: the default preset, and the default corrected for the true rates (what an
-unlimited sample would give). Nothing here is tuned. Until stop 53 the advice was
-``--preset calibrated`` (the loss read against the policy's best score) with the rates:
-``git show e9445bc:benchmarks/results/labelled_calls.json``.
+unlimited sample would give). Nothing here is tuned. The JSON records each learner, preset name
+and resolved fields (:func:`rmm_jax.core.config.setting_record`): the uncorrected default as
+``config.setting`` and ``default.setting``, the true rates' as ``true_rates.setting``, and
+each seed's (corrected for its measured rates when advised) as ``rows[].seeds[].setting``.
+Until stop 53 the advice was ``--preset calibrated`` (the loss read against the policy's best
+score) with the rates: ``git show e9445bc:benchmarks/results/labelled_calls.json``.
 
 LoCoMo is read from ``--data`` (default ``$RMM_LOCOMO_DIR``, else
 ``../shared/data/locomo``); when absent the script says so and exits 0, or 1 under
@@ -53,6 +56,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.config import setting_record  # noqa: E402
 from rmm_jax.data.citations import oracle  # noqa: E402
 from rmm_jax.online.cite_rates import CallCounts, call_row, cite_rates, counts_of  # noqa: E402
 
@@ -135,14 +139,21 @@ def main(argv=None):
     cite = oracle(p_useful=args.p_useful, p_other=args.p_other, spurious=args.p_other)
     programs: dict = {}
 
+    def learner(p_useful: float | None, p_other: float | None) -> rj.Setting:
+        """The default corrected for these rates, or the default preset (None)."""
+        judge = {} if p_useful is None else {"p_useful": p_useful, "p_other": p_other}
+        return rj.preset("default", k=args.k, m=args.m, **judge)
+
+    def recorded(p_useful: float | None, p_other: float | None) -> dict:
+        """What the result records of that learner: the preset's name and its resolved fields."""
+        return setting_record("default", learner(p_useful, p_other))
+
     def run(p_useful: float | None, p_other: float | None, seed: int) -> np.ndarray:
         """Held-out per-query Recall@M of one run: the correction for these rates, or the
         default preset (None)."""
         key = (p_useful, p_other)
         if key not in programs:
-            judge = {} if p_useful is None else {"p_useful": p_useful, "p_other": p_other}
-            setting = rj.preset("default", k=args.k, m=args.m, **judge)
-            programs[key] = rj.make_run(*setting, cite_fn=cite)
+            programs[key] = rj.make_run(*learner(p_useful, p_other), cite_fn=cite)
         return _common.pooled(_common.online_recall(streams, programs[key], params, seed), streams, held)
 
     default = np.stack([run(None, None, s) for s in seeds])
@@ -158,9 +169,10 @@ def main(argv=None):
             rates = cite_rates(labelled_counts(streams, _common.TUNED_ON, n, args.m, args.p_useful, args.p_other, rng),
                                n_boot=1000, seed=s)
             advised = rates["options"] is not None
+            judge = (rates["p_useful"]["value"], rates["p_other"]["value"]) if advised else (None, None)
             measured.append({"seed": s, "p_useful": rates["p_useful"], "p_other": rates["p_other"],
-                             "advised": advised})
-            got.append(run(rates["p_useful"]["value"], rates["p_other"]["value"], s) if advised else default[s])
+                             "advised": advised, "setting": recorded(*judge)})
+            got.append(run(*judge, s) if advised else default[s])
         got = np.stack(got)
         pu = np.array([x["p_useful"]["value"] for x in measured], float)
         po = np.array([x["p_other"]["value"] for x in measured], float)
@@ -174,10 +186,13 @@ def main(argv=None):
         print(f"  N {n:>4}: advised {r['advised']}/{len(seeds)}, gain {_common.format_interval(r['gain'])}, "
               f"over default {_common.format_interval(r['over_default'])} ({time.perf_counter() - t0:.0f} s)",
               file=sys.stderr, flush=True)
-    out = {"rows": rows, "default": {"gain": _common.gain_interval(default - base, groups=groups)},
+    out = {"rows": rows, "default": {"gain": _common.gain_interval(default - base, groups=groups),
+                                     "setting": recorded(None, None)},
            "true_rates": {"gain": _common.gain_interval(true - base, groups=groups),
-                          "over_default": _common.gain_interval(true - default, groups=groups)},
+                          "over_default": _common.gain_interval(true - default, groups=groups),
+                          "setting": recorded(args.p_useful, args.p_other)},
            "config": {"model": args.model, "granularity": "turn", "k": args.k, "m": args.m, "init": "identity",
+                      "setting": recorded(None, None),
                       "generator": {"p_useful": args.p_useful, "p_other": args.p_other, "spurious": args.p_other},
                       "labelled_from": list(_common.TUNED_ON), "conversations": users, "held_out": held,
                       "seeds": seeds, "sizes": sizes,

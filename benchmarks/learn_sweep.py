@@ -111,7 +111,10 @@ user (``rmm_jax.core.config.BY_SCOPE``).
   a deployment holds: every user's memories, none of their questions) and reports the start
   frozen and with the default online, in scope user under each citation model and in shared and
   hybrid, on 26+30 and 41–43 apart, each paired with the default online from the retriever. The
-  twelfth look at 41–43; the choice is made by the code before the report runs.
+  twelfth look at 41–43; the choice is made by the code before the report runs. Each row (the
+  tuning's too) records its online learner as ``setting`` (preset name and resolved fields,
+  :func:`rmm_jax.core.config.setting_record`; None for a frozen start) and, after a dialogue
+  start, the pretraining as ``pretrain`` (:class:`PretrainConfig`'s fields); so do ``dialogue_lr``'s.
 * ``dialogue_lr``: why online learning adds little after the dialogue start. On 26 and 30 only,
   the start (the recipe's epochs, on their pairs) frozen and with the default online after it at
   Adam rates ``DIALOGUE_LRS``, under each citation model. It chooses nothing; 41–43 are not read.
@@ -198,7 +201,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
-from rmm_jax.core.config import describe  # noqa: E402
+from rmm_jax.core.config import describe, setting_record  # noqa: E402
 from rmm_jax.core.losses import listwise_loss  # noqa: E402
 from rmm_jax.core.update import shared_step_multiple  # noqa: E402
 from rmm_jax.data.citations import P_OTHER, P_USEFUL, answer_oracle  # noqa: E402
@@ -1136,6 +1139,11 @@ DIALOGUE_EPOCHS = (2, 5, 10)
 _STARTS: dict = {}
 
 
+def dialogue_config(epochs: int, **config) -> PretrainConfig:
+    """The pretraining of :func:`dialogue_start`."""
+    return PretrainConfig(m=M, epochs=epochs, **config)
+
+
 def dialogue_start(ctx, users, epochs: int, seed: int, **config):
     """The identity reranker pretrained on the dialogue pairs of ``users`` for ``epochs`` epochs
     (the library's listwise recipe at its rate unless ``config`` changes a field of
@@ -1144,26 +1152,47 @@ def dialogue_start(ctx, users, epochs: int, seed: int, **config):
     key = (tuple(users), epochs, seed, tuple(sorted(config.items())))
     if key not in _STARTS:
         _STARTS[key] = pretrain(identity(ctx.streams), [ctx.dialogue[u] for u in users], [],
-                                PretrainConfig(m=M, epochs=epochs, **config), seed=seed)[0]
+                                dialogue_config(epochs, **config), seed=seed)[0]
     return _STARTS[key]
+
+
+def dialogue_cells(tag: str, scopes: tuple[str, ...] = (), lr: float | None = None) -> list[tuple[str, str, dict]]:
+    """``(citation model, name, row)`` of each online run of :func:`dialogue_rows`."""
+    cells = [(cm, "user", f"{tag} + default [{cm}]") for cm in LR_MODELS]
+    cells += [("oracle", sc, f"{tag} + default {sc} [oracle]") for sc in scopes]
+    return [(cm, name, {"preset": WAS_DEFAULT, **({} if scope == "user" else {"scope": scope}),
+                        **({} if lr is None else {"lr": lr})}) for cm, scope, name in cells]
+
+
+def learner(row: dict) -> dict:
+    """What a row records of its online learner: the preset's name and the resolved
+    setting that :func:`program_of` runs (:func:`rmm_jax.core.config.setting_record`)."""
+    return setting_record(row.get("preset", "reinforce"), setting_of(row))
+
+
+def dialogue_learners(epochs: int, tag: str, scopes: tuple[str, ...] = (), lr: float | None = None) -> dict:
+    """``{name: {"setting", "pretrain"}}`` of each row of :func:`dialogue_rows` (the same
+    arguments): the online learner (None for the frozen start) and the start's pretraining."""
+    # No validation users (dialogue_start passes none): val_fraction and patience do nothing.
+    fields = {k: v for k, v in dataclasses.asdict(dialogue_config(epochs)).items()
+              if k not in ("val_fraction", "patience")}
+    start = {"pretrain": {"labels": "dialogue", "validation": "none: the last epoch is kept", **fields}}
+    return {f"{tag} frozen": {"setting": None, **start},
+            **{name: {"setting": learner(row), **start} for _, name, row in dialogue_cells(tag, scopes, lr)}}
 
 
 def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = (), lr: float | None = None) -> dict:
     """``{name: [per seed {user: (T,) recall}]}`` on the streams of ``users``: the dialogue start
     frozen, and online from it under each citation model (default preset, at Adam rate ``lr``
     when given, scope user), and in each of ``scopes`` under the class-calibrated citations (the
-    start is the shared part)."""
+    start is the shared part). :func:`dialogue_learners` says what each row ran."""
     streams = [s for s in ctx.streams if s.user_id in users]
     runs: dict = {f"{tag} frozen": []}
     for seed in ctx.seeds:
         start = dialogue_start(ctx, users, epochs, seed)
         runs[f"{tag} frozen"].append({s.user_id: _common.frozen_recall(start, s, M) for s in streams})
-        cells = [(cm, "user", f"{tag} + default [{cm}]") for cm in LR_MODELS]
-        cells += [("oracle", sc, f"{tag} + default {sc} [oracle]") for sc in scopes]
-        for cm, scope, name in cells:
+        for cm, name, row in dialogue_cells(tag, scopes, lr):
             run_on = [with_answer_support(s, ctx.qa[s.user_id]) for s in streams] if cm == "answer" else streams
-            row = {"preset": WAS_DEFAULT, **({} if scope == "user" else {"scope": scope}),
-                   **({} if lr is None else {"lr": lr})}
             out = run_loop(run_on, program_of(row, cm), start, seed).outputs
             runs.setdefault(name, []).append({u: o["recall"] for u, o in out.items()})
     return runs
@@ -1172,10 +1201,11 @@ def dialogue_rows(ctx, users, epochs: int, tag: str, scopes: tuple[str, ...] = (
 def lever_dialogue(ctx) -> dict:
     """Choose the epochs on 26 and 30 (max-min over the citation models), then report the choice
     on every conversation beside the default online from the retriever, paired."""
-    tuned = {}
+    tuned, learners = {}, {}
     for e in DIALOGUE_EPOCHS:
         runs = dialogue_rows(ctx, TUNED_ON, e, f"dialogue {e} ep")
         tuned |= {n: gain(r, ctx.base, ctx.streams, TUNED_ON) for n, r in runs.items()}
+        learners |= dialogue_learners(e, f"dialogue {e} ep")
     worst = {e: min(tuned[f"dialogue {e} ep + default [{cm}]"]["gain"]["mean"] for cm in LR_MODELS)
              for e in DIALOGUE_EPOCHS}
     chosen = max(DIALOGUE_EPOCHS, key=lambda e: (worst[e], -e))
@@ -1184,8 +1214,10 @@ def lever_dialogue(ctx) -> dict:
     ctx.log(f"  chosen on {'+'.join(TUNED_ON)}: {chosen} epochs (worst model {worst[chosen]:+.4f})")
     everyone = [s.user_id for s in ctx.streams]
     runs = dialogue_rows(ctx, everyone, chosen, "dialogue start", scopes=("shared", "hybrid"))
-    runs |= online_rows(ctx, [{"name": f"default [{cm}]", "preset": WAS_DEFAULT, "citations": cm} for cm in LR_MODELS],
-                        everyone, HELD_OUT)
+    report_learners = dialogue_learners(chosen, "dialogue start", scopes=("shared", "hybrid"))
+    from_retriever = [{"name": f"default [{cm}]", "preset": WAS_DEFAULT, "citations": cm} for cm in LR_MODELS]
+    runs |= online_rows(ctx, from_retriever, everyone, HELD_OUT)
+    report_learners |= {r["name"]: {"setting": learner(r)} for r in from_retriever}
     report = {n: {"tuned_on": gain(r, ctx.base, ctx.streams, TUNED_ON),
                   "held_out": gain(r, ctx.base, ctx.streams, HELD_OUT),
                   "pooled": gain(r, ctx.base, ctx.streams, everyone)} for n, r in runs.items()}
@@ -1203,9 +1235,9 @@ def lever_dialogue(ctx) -> dict:
         ctx.log(line(n + ", held-out", g["held_out"]))
     for p in pairs:
         ctx.log(f"  {p['a']} − {p['b']}, held-out: {_common.format_interval(p['held_out'])}")
-    return {"tuning": {"rows": [{"name": n, **g} for n, g in tuned.items()], "worst_over_models":
+    return {"tuning": {"rows": [{"name": n, **learners[n], **g} for n, g in tuned.items()], "worst_over_models":
                        {str(e): w for e, w in worst.items()}, "chosen_epochs": chosen},
-            "rows": [{"name": n, **g} for n, g in report.items()], "pairs": pairs,
+            "rows": [{"name": n, **report_learners[n], **g} for n, g in report.items()], "pairs": pairs,
             "protocol": "tuning: pretrained on 26+30's dialogue pairs, scored on 26+30; report: pretrained on all "
                         "five conversations' dialogue pairs (no gold, no questions), every conversation online "
                         "in scope user"}
@@ -1219,14 +1251,18 @@ DIALOGUE_LRS = (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)
 def lever_dialogue_lr(ctx) -> dict:
     """The dialogue start (the recipe's epochs, on 26+30's pairs) frozen, and the default online
     from it at each of ``DIALOGUE_LRS`` under each citation model, scored on 26+30."""
-    rows = {}
+    rows, learners = {}, {}
     for lr in DIALOGUE_LRS:
-        runs = dialogue_rows(ctx, TUNED_ON, DIALOGUE_RECIPE.epochs, f"dialogue start, online lr {lr:g}", lr=lr)
-        frozen = runs.pop(f"dialogue start, online lr {lr:g} frozen")
+        tag = f"dialogue start, online lr {lr:g}"
+        runs = dialogue_rows(ctx, TUNED_ON, DIALOGUE_RECIPE.epochs, tag, lr=lr)
+        frozen = runs.pop(f"{tag} frozen")
         rows.setdefault("dialogue start frozen", frozen)        # the same start at every rate
         rows |= runs
+        these = dialogue_learners(DIALOGUE_RECIPE.epochs, tag, lr=lr)
+        learners.setdefault("dialogue start frozen", these.pop(f"{tag} frozen"))
+        learners |= these
     frozen = rows["dialogue start frozen"]
-    out = [{"name": n, **gain(r, ctx.base, ctx.streams, TUNED_ON),
+    out = [{"name": n, **learners[n], **gain(r, ctx.base, ctx.streams, TUNED_ON),
             **({} if r is frozen else {"minus_frozen": paired(r, frozen, ctx.streams, TUNED_ON)})}
            for n, r in rows.items()]
     for r in out:

@@ -35,7 +35,9 @@ Targets (100,000 hybrid users × 100 queries): ≤ 600 s, saving included, and p
 
 ``--preset`` and ``--offset`` choose the learner (default: the default preset), so that the
 learning the run reports (prequential Recall@5) can be compared between learners on the same
-users; the 10,000-user hybrid runs above do that.
+users; the 10,000-user hybrid runs above do that. Each row records its scope's learner, preset
+name and resolved fields (:func:`rmm_jax.core.config.setting_record`), as ``setting``;
+``--throughput`` as ``throughput.settings`` (by scope).
 
 ``--throughput``: queries/s of 1,000 users × 200 queries, ``hybrid`` against ``user``,
 interleaved repeats in one run (median [min, max]), no saving.
@@ -59,6 +61,7 @@ from _common import HelpFormatter, LoadWatch, du, peak_rss_mib, positive_int, sp
 from tqdm import tqdm  # noqa: E402
 
 import rmm_jax as rj  # noqa: E402
+from rmm_jax.core.config import setting_record  # noqa: E402
 from rmm_jax.core.scope import DEFAULT_RANK  # noqa: E402
 from rmm_jax.data.citations import (  # noqa: E402
     DEFAULT_PRECISION,
@@ -141,11 +144,15 @@ class TimedSaves(PolicySink):
         self.seconds += time.perf_counter() - t
 
 
-def program_for(scope: str, args, spec: VectorSpec):
+def setting_for(scope: str, args, spec: VectorSpec) -> rj.Setting:
+    """The learner of ``scope``: ``--preset`` with ``--offset`` over it."""
     extra = {} if args.offset is None else {"offset": args.offset}
-    setting = rj.preset(args.preset, k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None,
-                        **extra)
-    return make_run(*setting, cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
+    return rj.preset(args.preset, k=spec.k, m=5, scope=scope, rank=args.rank if scope == "hybrid" else None,
+                     **extra)
+
+
+def program_for(scope: str, args, spec: VectorSpec):
+    return make_run(*setting_for(scope, args, spec), cite_fn=precision_recall_oracle(DEFAULT_PRECISION, DEFAULT_RECALL))
 
 
 def run_scope(scope: str, args, spec: VectorSpec, root: Path, streams: StreamFile) -> dict:
@@ -187,7 +194,8 @@ def run_scope(scope: str, args, spec: VectorSpec, root: Path, streams: StreamFil
            "store_bytes_per_saved_user": disk / max(saved, 1),
            "load_one_user_s": spread(loads),
            # "_mb" (the committed results' and the docs' key) holds MiB
-           "peak_rss_mb_so_far": peak_rss_mib(), "loadavg": os.getloadavg(), "load": load}
+           "peak_rss_mb_so_far": peak_rss_mib(), "loadavg": os.getloadavg(), "load": load,
+           "setting": setting_record(args.preset, setting_for(scope, args, spec))}
     if not args.keep:
         shutil.rmtree(path, ignore_errors=True)
     return row
@@ -214,7 +222,8 @@ def throughput(args) -> dict:
     return {"users": args.tp_users, "queries_per_user": spec.queries, "dim": spec.dim, "rank": args.rank,
             "users_per_chunk": args.chunk, "repeats": args.repeats,
             "queries_per_s": {s: spread(v) for s, v in qps.items()}, "hybrid_over_user": spread(ratios),
-            "loadavg": os.getloadavg()}
+            "loadavg": os.getloadavg(),
+            "settings": {s: setting_record(args.preset, setting_for(s, args, spec)) for s in programs}}
 
 
 def main(argv=None):

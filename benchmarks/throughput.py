@@ -67,6 +67,11 @@ Usage::
 
 ``--quick`` is a seconds-long smoke run with tiny shapes (used by the tests; it skips
 ``torch.compile`` unless ``--torch-compile`` is given).
+
+The JSON records each learner: rmm-jax's, preset name and resolved fields
+(:func:`rmm_jax.core.config.setting_record`), as ``configs.NAME.setting``,
+``users_scaling_setting`` and ``profile_setting``; the fields of it the references read, and
+the algorithm they run, as ``configs.NAME.reference_setting``.
 """
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ except ImportError:  # NumPy's BLAS then keeps its default threads
     threadpool_limits = None
 
 import rmm_jax as rj
+from rmm_jax.core.config import setting_record
 from rmm_jax.data.citations import oracle_cite
 from rmm_jax.online.driver import ChunkDone, drive
 from rmm_jax.online.loop import make_run
@@ -228,6 +234,17 @@ def flat(setting) -> Flat:
     return Flat(lay.kind, lay.hidden, lay.m, lay.batch, est.tau, opt.lr)
 
 
+# What the references (_ref_torch, _ref_numpy) run at the fields of a setting they read (flat),
+# whatever the setting's own estimator: their update is written out, not read from it.
+REFERENCE_ALGORITHM = ("REINFORCE: binary rewards, batch-mean baseline over the shown memories, reward-to-go "
+                       "credit, the exact Plackett-Luce log-probability at tau, Adam at lr")
+
+
+def reference_setting(setting) -> dict:
+    """What a result records of the references' learner at ``setting``."""
+    return {**flat(setting)._asdict(), "algorithm": REFERENCE_ALGORITHM}
+
+
 def torch_runner(stream, cfg, params, fused=False, seed=0):
     data = stream_dict(stream)
 
@@ -361,7 +378,8 @@ def run_configs(args, machine):
         params = rj.init_reranker(jax.random.key(0), sp["d"], sp["kind"], sp.get("hidden"))
         n_params = sum(int(x.size) for x in jax.tree.leaves(params))
         linear = sp["kind"] == "linear"
-        r = {**sp, "queries": args.queries, "batch": B, "params": n_params}
+        r = {**sp, "queries": args.queries, "batch": B, "params": n_params,
+             "setting": setting_record("default", setting), "reference_setting": reference_setting(setting)}
         runners = {}
         r["rmm_jax_compile_s"], runners["rmm_jax"] = jax_runner(stream, setting, params)
         runners["torch"] = torch_runner(stream, cfg, params)
@@ -442,7 +460,8 @@ def run_users(args, machine):
     p_count = sum(int(x.size) for x in jax.tree.leaves(params))
     rng = np.random.default_rng(1)
     all_streams = [make_stream(rng, f"user{i:05d}", d, k, args.user_queries, args.bank) for i in range(max(counts))]
-    program = make_run(*rj.preset("default", k=k, m=m, batch=B, credit="reward_to_go"), cite_fn=oracle_cite)
+    setting = rj.preset("default", k=k, m=m, batch=B, credit="reward_to_go")
+    program = make_run(*setting, cite_fn=oracle_cite)
     keys = lambda streams: jnp.stack([user_key(0, s.user_id) for s in streams])
     compiled_by_chunk = {}
     for n_users in counts:
@@ -518,7 +537,7 @@ def run_users(args, machine):
                 "drive's time per chunk is host padding, state init and transfers. padded_batches_fraction: "
                 "batches of the length bucket that are padding for every user of the chunk (every user has 200 "
                 "queries): padded on the host, skipped by the loop (not run)."}
-    return out, {"load_avg": loads, "copy": bws}
+    return out, {"load_avg": loads, "copy": bws}, setting_record("default", setting)
 
 
 # --------------------------------------------------------------------------- report
@@ -644,10 +663,10 @@ def main(argv=None):
     print("one-user configs ...", flush=True)
     configs = run_configs(args, machine)
     print("users scaling ...", flush=True)
-    users, users_machine = run_users(args, machine)
+    users, users_machine, users_setting = run_users(args, machine)
     d_users = 32 if args.quick else 384
     res = {"configs": configs, "users_scaling": users, "users_scaling_d": d_users,
-           "users_scaling_machine": users_machine,
+           "users_scaling_machine": users_machine, "users_scaling_setting": users_setting,
            "floor": {name: r["floor"] for name, r in configs.items() if "floor" in r},
            "machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "args": vars(args)}
@@ -660,6 +679,7 @@ def main(argv=None):
         setting = rj.preset("default", k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
         res["profile"] = profile_substeps(setting, rj.init_reranker(jax.random.key(0), sp["d"]), sp["d"], sp["k"],
                                           repeats=50)
+        res["profile_setting"] = setting_record("default", setting)
     res["total_s"] = time.perf_counter() - t_start
     print()
     print(report(res, args))

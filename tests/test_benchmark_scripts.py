@@ -701,3 +701,208 @@ def test_nights_evaluate_reads_the_last_night_and_the_retriever_exactly(monkeypa
     # float32 scores of unit vectors: |error of s/τ| ≤ γ_d·Σ|q_i m_i|/τ ≤ (d·2⁻²⁴)/0.1 < 5e-6 per logit;
     # a draw's probability moves by at most 2·m times that, relatively: the mean within 1e-4
     assert abs(got - np.mean(want)) < 1e-4, (got, np.mean(want))
+
+
+# --------------------------------------------------------------------------- the learner each result records
+#
+# "default" named `realistic` before it named `anchored`: a result that records only a preset's
+# name does not say which learner ran. Each script below records the resolved setting
+# (rmm_jax.core.config.setting_record: the name and every field) of each learner it runs; each
+# test runs the script at a tiny size (or its result-building lever, stubbed where the script
+# needs LoCoMo) and checks that what the file records is what ran: the setting of every program
+# the run built (``ran``) is one the file records, and each record names the preset's fields.
+
+def _ran(program_or_setting) -> str:
+    """The setting of a program (or of a Setting), as a JSON string comparable across runs."""
+    from rmm_jax.core.config import describe
+    parts = (program_or_setting.layout, program_or_setting.estimator, program_or_setting.optimizer)
+    return json.dumps(describe(*parts), sort_keys=True)
+
+
+def _as_ran(record: dict) -> str:
+    """A recorded setting_record, as :func:`_ran` writes what ran (the preset's name left out)."""
+    assert set(record) == {"preset", "layout", "estimator", "optimizer"}, record
+    return json.dumps({k: v for k, v in record.items() if k != "preset"}, sort_keys=True)
+
+
+def _recorded(name: str, **fields) -> dict:
+    """setting_record of preset ``name`` with ``fields``, as a result file holds it (JSON)."""
+    import rmm_jax as rj
+    from rmm_jax.core.config import setting_record
+    return json.loads(json.dumps(setting_record(name, rj.preset(name, **fields))))
+
+
+def _tiny_streams(ids, queries: int = 8):
+    """Synthetic vector users (d 8, 12 memories, K 4) named ``ids``."""
+    import dataclasses
+
+    from rmm_jax.online.vectors import VectorSpec, vector_chunks
+    streams = next(vector_chunks(VectorSpec(dim=8, memories=12, queries=queries, k=4), 0, len(ids), len(ids)))
+    return [dataclasses.replace(s, user_id=u) for s, u in zip(streams, ids)]
+
+
+def _locomo_stubbed(module, monkeypatch, ids):
+    """``module`` (a LoCoMo script) reading tiny synthetic streams named ``ids`` in place of LoCoMo,
+    with each online run the retriever's recall, the program it was given kept in ``ran``."""
+    streams = _tiny_streams(ids)
+    ran = []
+    monkeypatch.setattr(module._common, "require_data", lambda path: path)
+    monkeypatch.setattr(module._common, "locomo_streams",
+                        lambda data, k, **kw: module._common.LoCoMo(streams, None, None))
+
+    def online_recall(streams, program, params, seed):
+        ran.append(_ran(program))
+        return module._common.retriever_recall(streams, program.layout.m)
+
+    monkeypatch.setattr(module._common, "online_recall", online_recall)
+    return ran
+
+
+def test_citation_noise_records_the_learner_of_every_cell(tmp_path, monkeypatch):
+    """``config.setting`` is the preset's learner (``config.preset`` alone was a name whose
+    meaning changed); a ``--matched`` cell records its own learner, corrected for its rates."""
+    cn = bench_module("citation_noise", monkeypatch)
+    ran = _locomo_stubbed(cn, monkeypatch, ["26", "30", "41"])
+    out = tmp_path / "cn.json"
+    cn.main(["--data", str(tmp_path), "--k", "4", "--m", "2", "--seeds", "1", "--preset", "realistic", "--matched",
+             "--p-useful", "0.5,0.9", "--p-other", "0.1,0.6", "--spurious", "0.1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["preset"] == "realistic"
+    base = data["config"]["setting"]
+    assert base == _recorded("realistic", k=4, m=2)
+    assert base["optimizer"] == {"name": "adam", "lr": 1e-4} and base["estimator"]["loss"] == "logistic"
+    cells = [c for row in data["cells"] for c in row]
+    for c in cells:
+        r = c["rates"]
+        if r["matched"]:
+            assert c["setting"] == _recorded("realistic", k=4, m=2, p_useful=r["p_useful"], p_other=r["p_other"])
+        else:
+            assert "setting" not in c and r["p_other"] >= r["p_useful"]
+    assert sum(c["rates"]["matched"] for c in cells) == 3
+    want = [_as_ran(base)] * (len(data["reference"]) + len(data["spurious_sweep"])) + \
+        [_as_ran(c.get("setting", base)) for c in cells]
+    assert ran == want                                      # one seed: one run per cell, in the order they ran
+
+
+def test_labelled_calls_records_the_learner_of_every_run(tmp_path, monkeypatch):
+    """The uncorrected default (``config.setting``, ``default.setting``), the default corrected
+    for the true rates (``true_rates.setting``) and each seed's learner, corrected for the rates
+    it measured where ``cite-rates`` advised it (``rows[].seeds[].setting``)."""
+    lc = bench_module("labelled_calls", monkeypatch)
+    ran = _locomo_stubbed(lc, monkeypatch, ["26", "30", "41"])
+    out = tmp_path / "lc.json"
+    lc.main(["--data", str(tmp_path), "--k", "4", "--m", "2", "--seeds", "2", "--sizes", "4,400",
+             "--json", str(out)])
+    data = json.loads(out.read_text())
+    default = _recorded("default", k=4, m=2)
+    assert data["config"]["setting"] == data["default"]["setting"] == default
+    assert default["estimator"]["reference"] == "retriever" and default["optimizer"]["lr"] == 3e-4
+    assert data["true_rates"]["setting"] == _recorded("default", k=4, m=2, p_useful=0.9, p_other=0.3)
+    seeds = [s for row in data["rows"] for s in row["seeds"]]
+    for s in seeds:
+        assert s["setting"] == (_recorded("default", k=4, m=2, p_useful=s["p_useful"]["value"],
+                                          p_other=s["p_other"]["value"]) if s["advised"] else default)
+    assert any(s["advised"] for s in seeds)
+    want = [_as_ran(default)] * 2 + [_as_ran(data["true_rates"]["setting"])] * 2 + \
+        [_as_ran(s["setting"]) for s in seeds if s["advised"]]
+    assert ran == want
+
+
+def test_throughput_records_the_learner_it_times(tmp_path, monkeypatch, capsys):
+    """``--quick``: each config's ``setting`` (and the fields the references read, with their
+    algorithm), ``users_scaling_setting``: the settings of every program the run built."""
+    tp = bench_module("throughput", monkeypatch)
+    built = []
+    real = tp.make_run
+    monkeypatch.setattr(tp, "make_run", lambda *setting, **kw: built.append(_ran(real(*setting, **kw))) or
+                        real(*setting, **kw))
+    out = tmp_path / "tp.json"
+    tp.main(["--quick", "--no-profile", "--json", str(out)])
+    data = json.loads(out.read_text())
+    recorded = [c["setting"] for c in data["configs"].values()] + [data["users_scaling_setting"]]
+    assert {_as_ran(r) for r in recorded} == set(built)
+    for c in data["configs"].values():
+        assert c["setting"] == _recorded("default", kind=c["kind"], hidden=c.get("hidden"), k=c["k"], m=c["m"],
+                                         batch=c["batch"], credit="reward_to_go")
+        ref = c["reference_setting"]
+        assert (ref["tau"], ref["lr"], ref["m"]) == (c["setting"]["estimator"]["tau"],
+                                                     c["setting"]["optimizer"]["lr"], c["m"])
+        assert ref["algorithm"].startswith("REINFORCE")
+    assert data["users_scaling_setting"]["estimator"]["loss"] == "logistic"
+
+
+def test_scale_records_the_learner_of_every_scope(tmp_path, monkeypatch, capsys):
+    """Each row's ``setting`` is its scope's learner (``--preset`` with ``--offset`` over it),
+    and ``--throughput`` records one per scope it times."""
+    sc = bench_module("scale", monkeypatch)
+    built = []
+    real = sc.make_run
+    monkeypatch.setattr(sc, "make_run", lambda *setting, **kw: built.append(_ran(real(*setting, **kw))) or
+                        real(*setting, **kw))
+    out = tmp_path / "scale.json"
+    sc.main(["--users", "2", "--queries", "4", "--dim", "8", "--rank", "2", "--chunk", "2", "--scopes", "hybrid",
+             "--preset", "realistic", "--offset", "1", "--root", str(tmp_path / "root"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["setting"] == _recorded("realistic", k=20, m=5, scope="hybrid", rank=2, offset=1.0)
+    assert row["setting"]["optimizer"]["lr"] == 1e-4 and row["setting"]["estimator"]["reference"] == "best"
+    assert built == [_as_ran(row["setting"])]
+    built.clear()
+    monkeypatch.setattr(sc, "drive", lambda *a, **kw: iter(()))    # the settings, not the timing
+    sc.main(["--throughput", "--tp-users", "2", "--repeats", "1", "--dim", "8", "--rank", "2", "--chunk", "2",
+             "--json", str(out)])
+    settings = json.loads(out.read_text())["throughput"]["settings"]
+    assert settings == {"user": _recorded("default", k=20, m=5, scope="user"),
+                        "hybrid": _recorded("default", k=20, m=5, scope="hybrid", rank=2)}
+    assert sorted(built) == sorted(_as_ran(s) for s in settings.values())
+
+
+@pytest.mark.parametrize("lever", ["dialogue", "dialogue_lr"])
+def test_learn_sweep_dialogue_rows_record_their_learner(lever, monkeypatch):
+    """learn_sweep's ``dialogue`` rows (``default [...]``, ``dialogue start + default ...``)
+    named a preset only in their names: each row records its online learner (None for a frozen
+    start) and the start's pretraining; the settings recorded are those of the programs that ran."""
+    import numpy as np
+
+    from rmm_jax.online.pretrain import PretrainConfig
+    ls = bench_module("learn_sweep", monkeypatch)
+    streams = _tiny_streams(list(ls.TUNED_ON) + ls.HELD_OUT)
+    ran = []
+
+    class Run:
+        def __init__(self, streams):
+            self.outputs = {s.user_id: {"recall": np.zeros(len(s.queries))} for s in streams}
+
+    monkeypatch.setattr(ls, "run_loop", lambda streams, program, params, seed: ran.append(_ran(program)) or
+                        Run(streams))
+    monkeypatch.setattr(ls, "dialogue_start", lambda ctx, users, epochs, seed, **config: None)
+    monkeypatch.setattr(ls._common, "frozen_recall", lambda params, s, m: np.zeros(len(s.queries)))
+    monkeypatch.setattr(ls, "with_answer_support", lambda s, qa: s)
+    interval = {"mean": 0.0, "lo": 0.0, "hi": 0.0, "significant": False}
+    monkeypatch.setattr(ls, "gain", lambda *a: {"recall": 0.5, "gain": interval})
+    monkeypatch.setattr(ls, "paired", lambda *a: interval)
+    ctx = ls.Context(streams, {s.user_id: None for s in streams}, {}, {}, [0], None, [1], lambda msg: None)
+    out = ls.LEVERS[lever](ctx)
+    rows = out["rows"] + out.get("tuning", {}).get("rows", [])
+    assert len(rows) > 10
+    for r in rows:
+        name, setting = r["name"], r["setting"]
+        if name.endswith("frozen"):
+            assert setting is None
+            continue
+        scope = next((sc for sc in ("shared", "hybrid") if f" {sc} [" in name), "user")
+        lr = float(name.split("online lr ")[1].split(" ")[0]) if "online lr " in name else None
+        assert setting == json.loads(json.dumps(_recorded(
+            "realistic", k=ls.K, m=ls.M, **({} if scope == "user" else {"scope": scope}),
+            **({} if lr is None else {"lr": lr})))), name
+        assert setting["estimator"]["loss"] == "logistic" and setting["optimizer"]["lr"] == (lr or 1e-4), name
+    for r in rows:
+        if r["name"].startswith("dialogue"):
+            word = r["name"].split(" ")[1]                   # "dialogue 5 ep ...": the tuning's epochs
+            epochs = (int(word) if word.isdigit() else out["tuning"]["chosen_epochs"] if lever == "dialogue"
+                      else ls.DIALOGUE_RECIPE.epochs)
+            assert r["pretrain"]["epochs"] == epochs and r["pretrain"]["labels"] == "dialogue", r["name"]
+            assert r["pretrain"]["lr"] == PretrainConfig().lr and "val_fraction" not in r["pretrain"]
+        else:
+            assert "pretrain" not in r
+    assert set(ran) == {_as_ran(r["setting"]) for r in rows if r["setting"] is not None}
