@@ -9,7 +9,10 @@ citations with the paper's precision/recall):
   ``mlp`` (d=384, hidden 384, K=20, M=5).
   - rmm-jax: the library's own path, ``rmm_jax.make_run(*preset, cite_fn=oracle_cite)`` on a
     1-user chunk built by ``program.pad`` (one jitted ``vmap``/``fori_loop``: score →
-    prequential top-M eval → Gumbel top-M → oracle citations → REINFORCE + Adam).
+    prequential top-M eval → Gumbel top-M → oracle citations → REINFORCE + Adam), at
+    ``--preset reinforce`` unless another is given: the step every reference takes, so each
+    ratio compares one algorithm in two implementations. (The file committed before this
+    option, at ad4482b, timed the default's logistic step against the references' REINFORCE.)
     Compile time = ``run.lower(...).compile()``; a timed run = one call of the compiled
     executable on fresh states (data already on device; result blocked on).
   - PyTorch eager (``benchmarks/ref_torch.py``): per-batch Python loop, naive scoring
@@ -372,14 +375,14 @@ def run_configs(args, machine):
     for name, sp in config_specs(args.quick).items():
         rng = np.random.default_rng(0)
         stream = make_stream(rng, "bench-user", sp["d"], sp["k"], args.queries, args.bank)
-        setting = rj.preset("default", kind=sp["kind"], hidden=sp.get("hidden"), k=sp["k"], m=sp["m"], batch=B,
+        setting = rj.preset(args.preset, kind=sp["kind"], hidden=sp.get("hidden"), k=sp["k"], m=sp["m"], batch=B,
                             credit="reward_to_go")
         cfg = flat(setting)
         params = rj.init_reranker(jax.random.key(0), sp["d"], sp["kind"], sp.get("hidden"))
         n_params = sum(int(x.size) for x in jax.tree.leaves(params))
         linear = sp["kind"] == "linear"
         r = {**sp, "queries": args.queries, "batch": B, "params": n_params,
-             "setting": setting_record("default", setting), "reference_setting": reference_setting(setting)}
+             "setting": setting_record(args.preset, setting), "reference_setting": reference_setting(setting)}
         runners = {}
         r["rmm_jax_compile_s"], runners["rmm_jax"] = jax_runner(stream, setting, params)
         runners["torch"] = torch_runner(stream, cfg, params)
@@ -460,7 +463,7 @@ def run_users(args, machine):
     p_count = sum(int(x.size) for x in jax.tree.leaves(params))
     rng = np.random.default_rng(1)
     all_streams = [make_stream(rng, f"user{i:05d}", d, k, args.user_queries, args.bank) for i in range(max(counts))]
-    setting = rj.preset("default", k=k, m=m, batch=B, credit="reward_to_go")
+    setting = rj.preset(args.preset, k=k, m=m, batch=B, credit="reward_to_go")
     program = make_run(*setting, cite_fn=oracle_cite)
     keys = lambda streams: jnp.stack([user_key(0, s.user_id) for s in streams])
     compiled_by_chunk = {}
@@ -537,7 +540,7 @@ def run_users(args, machine):
                 "drive's time per chunk is host padding, state init and transfers. padded_batches_fraction: "
                 "batches of the length bucket that are padding for every user of the chunk (every user has 200 "
                 "queries): padded on the host, skipped by the loop (not run)."}
-    return out, {"load_avg": loads, "copy": bws}, setting_record("default", setting)
+    return out, {"load_avg": loads, "copy": bws}, setting_record(args.preset, setting)
 
 
 # --------------------------------------------------------------------------- report
@@ -648,6 +651,10 @@ def main(argv=None):
     ap.add_argument("--compile-configs", default=None, help="comma-separated configs to time torch.compile on "
                     "(default: all)")
     ap.add_argument("--no-profile", action="store_true", help="skip the sub-step profile")
+    ap.add_argument("--preset", default="reinforce", choices=rj.PRESETS,
+                    help="rmm-jax's learner (default: reinforce, the exact Plackett-Luce REINFORCE step with Adam "
+                         "that every reference implements, so that the ratios compare one algorithm; 'default' "
+                         "times the CLI's default, the logistic loss against the retriever's best score)")
     ap.add_argument("--ref-repeats", type=int, default=None, help=argparse.SUPPRESS)  # old flag: repeats are shared
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -676,10 +683,10 @@ def main(argv=None):
     res["targets"] = targets(res)
     if not (args.no_profile or args.quick):
         sp = configs["paper"]
-        setting = rj.preset("default", k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
+        setting = rj.preset(args.preset, k=sp["k"], m=sp["m"], batch=B, credit="reward_to_go")
         res["profile"] = profile_substeps(setting, rj.init_reranker(jax.random.key(0), sp["d"]), sp["d"], sp["k"],
                                           repeats=50)
-        res["profile_setting"] = setting_record("default", setting)
+        res["profile_setting"] = setting_record(args.preset, setting)
     res["total_s"] = time.perf_counter() - t_start
     print()
     print(report(res, args))
