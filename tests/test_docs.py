@@ -350,8 +350,8 @@ HEADLINE = {
     "The same under the other citation models: precision/recall; answer": (
         "{}; {}", [("learn_sweep_heldout.json", "rows.name=anchored [precision_recall].gain", "interval"),
                    ("learn_sweep_heldout.json", "rows.name=anchored [answer].gain", "interval")]),
-    "`--preset calibrated` (`realistic` corrected for the judge's rates) minus `--preset realistic`, held-out, "
-    "paired: class-calibrated; precision/recall; answer": (
+    "`--preset calibrated` (`realistic` corrected for the judge's rates, at lr 2e-4 in scope user) minus "
+    "`--preset realistic`, held-out, paired: class-calibrated; precision/recall; answer": (
         "{}; {}; {}", [("learn_sweep_heldout.json", f"pairs.{i}.a_minus_b", "interval") for i in range(3)]),
     "A generator that cites 90% of the useful memories shown and 30% of the others: held-out gain of the default "
     "corrected for those rates (`--p-useful 0.9 --p-other 0.3`, what `cite-rates` advises there); uncorrected": (
@@ -435,7 +435,7 @@ HEADLINE = {
             ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage", ".2f"),
             ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.withheld", ""),
             ("ope_validation.json", "scenarios.adaptive.summary.cited.snips.coverage_all", ".2f")]),
-    "Throughput, one user, paper shapes: rmm-jax / torch.compile": (
+    "Throughput, one user, paper shapes, the same REINFORCE step: rmm-jax / torch.compile": (
         "{}", [("throughput.json", "configs.paper.ratios.vs_torch_compile", "ratio:.1f")]),
     "Sharing, synthetic users, the default (3 seeds): Recall@5 gain of 1,000 learning side by side in hybrid; of "
     "each alone; a newcomer after 900, hybrid minus a fresh policy": (
