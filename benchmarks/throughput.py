@@ -651,7 +651,7 @@ def main(argv=None):
     ap.add_argument("--compile-configs", default=None, help="comma-separated configs to time torch.compile on "
                     "(default: all)")
     ap.add_argument("--no-profile", action="store_true", help="skip the sub-step profile")
-    ap.add_argument("--preset", default="reinforce", choices=rj.PRESETS,
+    ap.add_argument("--preset", default="reinforce", choices=("reinforce", "default"),
                     help="rmm-jax's learner (default: reinforce, the exact Plackett-Luce REINFORCE step with Adam "
                          "that every reference implements, so that the ratios compare one algorithm; 'default' "
                          "times the CLI's default, the logistic loss against the retriever's best score)")

@@ -808,27 +808,29 @@ def test_labelled_calls_records_the_learner_of_every_run(tmp_path, monkeypatch):
     assert ran == want
 
 
-def test_throughput_records_the_learner_it_times(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("preset, loss", [(None, "reinforce"), ("default", "logistic")])
+def test_throughput_records_the_learner_it_times(tmp_path, monkeypatch, capsys, preset, loss):
     """``--quick``: each config's ``setting`` (and the fields the references read, with their
-    algorithm), ``users_scaling_setting``: the settings of every program the run built."""
+    algorithm), ``users_scaling_setting``: the settings of every program the run built. By
+    default rmm-jax takes the references' step (reinforce); ``--preset default`` times the CLI's."""
     tp = bench_module("throughput", monkeypatch)
     built = []
     real = tp.make_run
     monkeypatch.setattr(tp, "make_run", lambda *setting, **kw: built.append(_ran(real(*setting, **kw))) or
                         real(*setting, **kw))
     out = tmp_path / "tp.json"
-    tp.main(["--quick", "--no-profile", "--json", str(out)])
+    tp.main(["--quick", "--no-profile", "--json", str(out), *(["--preset", preset] if preset else [])])
     data = json.loads(out.read_text())
     recorded = [c["setting"] for c in data["configs"].values()] + [data["users_scaling_setting"]]
     assert {_as_ran(r) for r in recorded} == set(built)
     for c in data["configs"].values():
-        assert c["setting"] == _recorded("default", kind=c["kind"], hidden=c.get("hidden"), k=c["k"], m=c["m"],
-                                         batch=c["batch"], credit="reward_to_go")
+        assert c["setting"] == _recorded(preset or "reinforce", kind=c["kind"], hidden=c.get("hidden"), k=c["k"],
+                                         m=c["m"], batch=c["batch"], credit="reward_to_go")
         ref = c["reference_setting"]
         assert (ref["tau"], ref["lr"], ref["m"]) == (c["setting"]["estimator"]["tau"],
                                                      c["setting"]["optimizer"]["lr"], c["m"])
         assert ref["algorithm"].startswith("REINFORCE")
-    assert data["users_scaling_setting"]["estimator"]["loss"] == "logistic"
+    assert data["users_scaling_setting"]["estimator"]["loss"] == loss
 
 
 def test_scale_records_the_learner_of_every_scope(tmp_path, monkeypatch, capsys):

@@ -185,18 +185,21 @@ def test_rerank_explore_keeps_a_served_record_of_the_same_calls(capsys, tmp_path
     assert code == 0, err
     records = [json.loads(x) for x in served.read_text().splitlines()]
     cited = "".join(json.dumps({**r, "cited": r["selected"][:1]}) + "\n" for r in records)
-    (tmp_path / "unknown.jsonl").write_text("".join(                         # every call left out
+    (tmp_path / "unknown.jsonl").write_text("".join(                         # every call left out: by STORE
         json.dumps({"call_id": f"c{j}", "user_id": "user1", "query": "q", "candidates": ["no-such-memory"]}) + "\n"
         for j in range(3)))
-    for change in ((), ("--seed", "1"), ("--skip-invalid",)):
-        if not change:
-            served.write_text(cited + '{"user_id": ["a list"]}\n{"truncated by a cras')   # citations; bad lines
+    (tmp_path / "malformed.jsonl").write_text("".join(                       # or as it is read
+        json.dumps({"call_id": f"c{j}", "user_id": "user1", "query": "q", "candidates": 5}) + "\n" for j in range(3)))
+    keyed = "".join(json.dumps({**r, "latency_ms": 12}) + "\n" for r in records)      # a key of the application's
+    for change, calls, content in (((), "day1", cited), (("--seed", "1"), "day1", cited),
+                                   (("--skip-invalid",), "unknown", cited), (("--skip-invalid",), "malformed", cited),
+                                   ((), "day1", keyed)):
+        served.write_text(content + '{"user_id": ["a list"]}\n{"truncated by a cras')   # and lines of no record
         before = served.read_bytes()
-        calls = tmp_path / ("unknown.jsonl" if change == ("--skip-invalid",) else "day1.jsonl")
-        code, _, err = run_cli(capsys, *args, "--calls", calls, "--explore", *change)
+        code, _, err = run_cli(capsys, *args, "--calls", tmp_path / f"{calls}.jsonl", "--explore", *change)
         last = err.splitlines()[-1]
-        assert code == 2 and last.startswith(f"error: --out {served}: holds 3 calls") and "Traceback" not in err, err
-        assert served.read_bytes() == before
+        assert code == 2 and last.startswith(f"error: --out {served}: holds another record of 3 calls"), err
+        assert "Traceback" not in err and served.read_bytes() == before
     for more in (("--calls", tmp_path / "day2.jsonl", "--explore"), ("--calls", tmp_path / "day1.jsonl")):
         code, _, err = run_cli(capsys, *args, *more)
         assert code == 0, err

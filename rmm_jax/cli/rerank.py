@@ -25,8 +25,8 @@ from rmm_jax.cli.shell import (
     note_lines,
     quiet_option,
 )
-from rmm_jax.data.calls import check_not_served, check_out_apart, prepare_calls, read_calls
-from rmm_jax.data.citation_log import ReadReport, record_to_json, validate_record
+from rmm_jax.data.calls import Skipped, check_not_served, check_out_apart, prepare_calls, read_calls
+from rmm_jax.data.citation_log import ReadReport, call_key, record_to_json, validate_record
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, source_name
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError, at
@@ -158,14 +158,15 @@ def rerank(store, policies, calls_path, m, k, explore, tau, seed, out, cache_use
         raise InputError("only --explore samples; the deterministic top-M has no temperature", where="--draw-tau")
     key_notes: list[str] = []
     routine: list[str] = []                       # the texts the store lacked: every day's new questions
-    skipped: list[str] | None = [] if skip_invalid else None
+    skipped: list[Skipped] | None = [] if skip_invalid else None
     calls = read_calls(calls_path, key_notes, skipped=skipped)
     calls_path = source_name(calls_path)          # "-" read standard input: errors name <stdin>:line
     with as_options("k", "m", "cache_dir"):       # the API names its arguments, the CLI its options
         prepared = prepare_calls(st, calls, calls_path, k, m, key_notes, routine, cache_dir=cache_dir,
                                  skipped=skipped)
-    asked, calls = calls, [p.call for p in prepared]
-    errors = [e for _, e in sorted(skipped or ())]           # by line: read_calls' first, then prepare_calls'
+    asked = {(c.user_id, call_key(c)) for c in calls} | {s.identity for s in skipped or () if s.identity}
+    calls = [p.call for p in prepared]
+    errors = [s.error for s in sorted(skipped or ())]        # by line: read_calls' first, then prepare_calls'
     read = ReadReport(len(calls), len(errors), errors[:MAX_FIRST_ERRORS], [])
     note_read(read)
     if note:                                      # after the calls are checked: an error stays one line

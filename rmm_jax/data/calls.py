@@ -63,7 +63,6 @@ from typing import NamedTuple
 import numpy as np
 
 from rmm_jax.data.citation_log import (
-    CONTENT_LEFT_OUT,
     call_key,
     check_timestamp,
     misspelt_key,
@@ -153,7 +152,7 @@ def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: l
     same identity are refused, with or without ``--explore``: each served line is a log
     record, and a log that names a call twice is refused by ``replay`` and ``evaluate``. An empty
     file (0 bytes, or blank lines only) holds no calls: a day without traffic, not an error.
-    ``skipped``, when given (``rerank --skip-invalid``), takes ``(line, one-line error)`` of each
+    ``skipped``, when given (``rerank --skip-invalid``), takes the :class:`Skipped` of each
     invalid request, which is left out instead of failing the file; a call repeating another's
     identity is then left to :func:`prepare_calls`, which leaves out the later of the calls it
     keeps (an earlier one it cannot resolve does not take the identity)."""
@@ -166,15 +165,17 @@ def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: l
     name = source_name(path)                      # "-" is standard input: <stdin>:line
     # a day without calls: none (docs/lifecycle.md)
     for line, raw in nonblank_lines(path, stdin=str(path) == STDIN, allow_empty=True):
+        obj = None
         try:
-            call, stamp_free, repeated = _read_call(decode_line(raw, name, line), name, line, now, seen, notes)
+            obj = decode_line(raw, name, line)
+            call, stamp_free, repeated = _read_call(obj, name, line, now, seen, notes)
             key = (call.user_id, call_key(call))
             if key in first and skipped is None:      # skipping: over the calls prepare_calls keeps
                 raise _repeat(call, first[key], name)
         except InputError as e:
             if skipped is None:
                 raise
-            skipped.append((line, str(e)))
+            skipped.append(Skipped(line, str(e), _identity(obj) if isinstance(obj, dict) else None))
             continue
         first.setdefault(key, line)
         repeats += repeated
@@ -191,6 +192,15 @@ def read_calls(path: str | os.PathLike, notes: list | None = None, *, skipped: l
                      f"{WINDOW} calls it remembers, a log replayed again learns such calls again (docs/reliability.md, "
                      "\"Exactly once\"); give ISO 8601 (2024-06-03T09:00:00Z) or seconds")
     return calls
+
+
+class Skipped(NamedTuple):
+    """A request ``rerank --skip-invalid`` left out: its line, its one-line error and, where its
+    ids could be read, its ``(user_id, call_key)`` identity (None: none), which a served record of
+    it in ``--out`` is found by (:func:`check_not_served`)."""
+    line: int
+    error: str
+    identity: tuple[str, str] | None
 
 
 def _repeat(call: Call, first: int, path) -> InputError:
@@ -246,23 +256,23 @@ def check_out_apart(out, where: str, calls, dirs=()) -> None:
                              "outside it", where=where)
 
 
-def check_not_served(out, where: str, calls: Sequence[Call], served: Sequence[dict]) -> None:
+def check_not_served(out, where: str, asked, served: Sequence[dict]) -> None:
     """Refuse (one :class:`~rmm_jax.errors.InputError` at ``where``) to replace an output file
-    ``out`` that holds a record of one of ``calls`` (the requests: the same user and call
-    identity, :func:`rmm_jax.data.citation_log.call_key`) other than the one about to be written
-    in ``served`` (the served lines, as dicts; none for a call left out): other content, every
-    key but :data:`~rmm_jax.data.citation_log.CONTENT_LEFT_OUT` read, as replay reads a log.
+    ``out`` that holds a record of a requested call (``asked``: the ``(user_id, call_key)`` of
+    every request read, kept or left out; :func:`rmm_jax.data.citation_log.call_key`) other
+    than the one about to be written in ``served`` (the served lines, as dicts; none for a call
+    left out): any key but the ``timestamp`` a call without its own is stamped with.
     ``rerank --explore`` run again after the night replaced what the generator had been shown,
-    which the application cites against (or the citations it had added), with a draw of the new
-    policies, and the next replay refused the log ("learned with other content"). The same run
-    again, by the same policies, writes the same records: allowed. Lines of ``out`` that are not
-    records (not JSON, not an object with string ids) are passed over; a file that holds no
-    record of these calls is replaced as any output is."""
-    if out is None or not Path(out).is_file() or not calls:
+    which the application cites against (and the citations, gold or keys of its own it had
+    added), with a draw of the new policies, and the next replay refused the log ("learned with
+    other content"). The same run again, by the same policies, writes the same records: allowed.
+    Lines of ``out`` that are not records (not JSON, not an object with string ids) are passed
+    over; a file that holds no record of these calls is replaced as any output is."""
+    if out is None or not Path(out).is_file() or not asked:
         return
-    asked = {(c.user_id, call_key(c)) for c in calls}
+    asked = set(asked)
     new = {key: rec for rec in served for key in [_identity(rec)] if key is not None}
-    content = lambda rec: {k: v for k, v in rec.items() if k not in CONTENT_LEFT_OUT}    # noqa: E731
+    content = lambda rec: {k: v for k, v in rec.items() if k != "timestamp"}     # noqa: E731  (served at)
     other = []
     try:
         for line, raw in nonblank_lines(out, allow_empty=True):
@@ -273,11 +283,11 @@ def check_not_served(out, where: str, calls: Sequence[Call], served: Sequence[di
             key = _identity(rec) if isinstance(rec, dict) else None
             if key in asked and (key not in new or content(new[key]) != content(rec)):
                 other.append(line)
-    except OSError:
+    except (InputError, OSError):        # a file that cannot be read: its write fails, one line, as any
         return
     if other:
-        raise InputError(f"holds {count(len(other), 'call')} of these requests served otherwise (line {other[0]}: "
-                         "what the generator was shown, which its citations and the log are of); serving them "
+        raise InputError(f"holds another record of {count(len(other), 'call')} of these requests (line {other[0]}: "
+                         "what the generator was shown, and what your application added to it); serving them "
                          "again would replace that record. Write the served lines to another file, or move this one "
                          "away first", where=where)
 
@@ -479,9 +489,11 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
     embed). ``calls`` is a list of :class:`Call` (from :func:`read_calls`, or a Python
     caller's own, whose fields are refused as a file's keys are: an InputError naming ``calls``
     and the call, before any work). ``skipped``, when given (``rerank --skip-invalid``), takes
-    ``(line, one-line error)`` of each call that STORE cannot resolve (an unknown user, query or memory id,
-    a text that contradicts STORE's or an earlier call's), which is left out of what is returned
-    instead of failing them all; arguments that disagree (``k`` < ``m``) still fail."""
+    the :class:`Skipped` of each call that STORE cannot resolve (an unknown user, query or memory id,
+    a text that contradicts STORE's or an earlier call's, a call repeating the identity of one it
+    keeps), which is left out of what is returned instead of failing them all; arguments that
+    disagree (``k`` < ``m``) still fail. Without it a repeated identity is refused, as a log
+    names each call once."""
     _check_calls(calls, k, m)
     users = _Users(store, path)
     texts: list[str] = []
@@ -496,7 +508,7 @@ def prepare_calls(store, calls: list[Call], path, k: int, m: int, notes: list | 
         except InputError as e:
             if skipped is None or isinstance(e, _ArgumentsDisagree):
                 raise
-            skipped.append((c.line, str(e)))
+            skipped.append(Skipped(c.line, str(e), (c.user_id, call_key(c))))
             continue
         said.update(given)
         texts += here
