@@ -95,7 +95,7 @@ def test_a_log_replayed_again_learns_nothing_and_says_how_many_it_skipped(capsys
     code, out, err = replay(capsys, store, log, tmp_path / "p", "--scope", "hybrid", "--rank", "2", "--json")
     assert code == 0, err
     first = json.loads(out)["log"]["calls"]              # the first night into a new store says so too
-    assert first == {"learn": len(logged), "learned_already": 0, "older": 0, "relearn": False}, first
+    assert first == {"learn": len(logged), "learned_already": 0, "older": 0, "changed": 0, "relearn": False}, first
     one = logged[0]["user_id"]                           # and counts only the users it replays
     code, out, err = replay(capsys, store, log, tmp_path / "one", "--users", one, "--json")
     assert code == 0 and json.loads(out)["log"]["calls"]["learn"] == sum(r["user_id"] == one for r in logged), err
@@ -105,7 +105,7 @@ def test_a_log_replayed_again_learns_nothing_and_says_how_many_it_skipped(capsys
     assert code == 0, err
     assert f"skipped {len(logged)} calls learned already: {len(logged)} by these policies" in err, err
     calls = json.loads(out)["log"]["calls"]
-    assert calls == {"learn": 0, "learned_already": len(logged), "older": 0, "relearn": False}
+    assert calls == {"learn": 0, "learned_already": len(logged), "older": 0, "changed": 0, "relearn": False}
     assert PolicyStore.open(tmp_path / "p").next_version() == versions      # nothing saved
     assert_same(before, states(tmp_path / "p"))
     # --resume without a checkpoint after a finished run: nothing retrained either
@@ -137,7 +137,7 @@ def test_an_empty_log_is_a_quiet_day_with_nothing_to_learn(capsys, tmp_path, sto
     code, out, err = replay(capsys, store, empty, pol, "--json")
     assert code == 0 and err.startswith("nothing to learn: ") and "has no calls (the file is empty)" in err, err
     doc = json.loads(out)
-    assert doc["log"]["calls"] == {"learn": 0, "learned_already": 0, "older": 0, "relearn": False}
+    assert doc["log"]["calls"] == {"learn": 0, "learned_already": 0, "older": 0, "changed": 0, "relearn": False}
     assert doc["log"]["records"] == 0 and doc["online"] == {"queries": 0, "calls": 0}
     code, out, err = replay(capsys, store, empty, pol)
     assert code == 0 and out.startswith("nothing to learn: ") and "has no calls (the file is empty)" in out, err
@@ -219,6 +219,34 @@ def test_a_call_learned_with_other_content_is_an_error_naming_its_line(capsys, t
         check_learned(calls, PolicyStore.open(tmp_path / "p"), log, before=None)
     code, _, err = replay(capsys, store, log, tmp_path / "p", "--relearn")
     assert code == 0, err
+
+
+def test_skip_invalid_leaves_out_a_call_learned_with_other_content_and_learns_the_rest(capsys, tmp_path, store,
+                                                                                        logged):
+    """One call of an earlier night re-logged with other citations, in the next night's log:
+    the night was refused whole, and --skip-invalid did not skip it (--relearn learns every
+    call of the log again). With --skip-invalid it is left out and counted, one line names it,
+    and the policies end bit for bit as a replay of the night with that call as it was learned,
+    which is left out as learned already (the same streams, so the same compiled shapes)."""
+    half = len(logged) // 2
+    first, second = logged[:half], logged[half:]
+    for name in ("p", "ref"):
+        code, _, err = replay(capsys, store, write(tmp_path / "night1.jsonl", first), tmp_path / name)
+        assert code == 0, err
+    changed = dict(first[3])
+    changed["cited"] = [] if changed["cited"] else changed["selected"][:1]
+    night2 = write(tmp_path / "night2.jsonl", [*second[:5], changed, *second[5:]])
+    code, _, err = replay(capsys, store, night2, tmp_path / "p")
+    assert code == 2 and "this call was learned with other content" in err, err
+    code, out, err = replay(capsys, store, night2, tmp_path / "p", "--skip-invalid", "--json")
+    assert code == 0, err
+    assert "skipped 1 call learned already with other content (--skip-invalid; first: " in err and ":6: user" in err
+    calls = json.loads(out)["log"]["calls"]
+    assert calls["changed"] == 1 and calls["learn"] == len(second), calls
+    code, _, err = replay(capsys, store, write(tmp_path / "night2_ref.jsonl", [*second[:5], first[3], *second[5:]]),
+                          tmp_path / "ref")
+    assert code == 0, err
+    assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))
 
 
 def test_a_call_learned_with_other_content_is_one_line_with_k_and_m_from_the_log(capsys, tmp_path, store,
@@ -479,7 +507,7 @@ def test_a_day_replayed_after_a_killed_rollback_of_it_is_learned_once(capsys, mo
     assert f"finished the interrupted rollback of {tmp_path / 'p'} to v2 first: v3-v4 forgotten" in err, err
     assert f"continued {tmp_path / 'p'}: 4 of 4 users from their saved versions v1-v2," in err, err
     assert json.loads(out)["log"]["calls"] == {"learn": len(day2.read_text().splitlines()), "learned_already": 0,
-                                               "older": 0, "relearn": False}
+                                               "older": 0, "changed": 0, "relearn": False}
     assert policy_rollback.PENDING not in PolicyStore.open(tmp_path / "p")._header
     assert_same(states(tmp_path / "ref"), states(tmp_path / "p"))
 
@@ -502,7 +530,8 @@ def test_replaying_a_simulate_log_out_into_its_policies_learns_nothing_twice(cap
     assert n == 32
     code, out, err = replay(capsys, store, sim, pol, "--json")
     assert code == 0, err
-    assert json.loads(out)["log"]["calls"] == {"learn": 0, "learned_already": n, "older": 0, "relearn": False}, err
+    assert json.loads(out)["log"]["calls"] == {"learn": 0, "learned_already": n, "older": 0, "changed": 0,
+                                               "relearn": False}, err
     assert f"skipped {n} calls learned already: {n} by these policies" in err, err
     code, out, err = run_cli(capsys, "evaluate", store, "--log", sim, "--policies", pol, "--allow-unreliable")
     assert code == 0 and f"note: the policies learned from {n} of these {n} calls" in err, err

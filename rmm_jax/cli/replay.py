@@ -51,6 +51,7 @@ from rmm_jax.cli.shell import (
     cache_dir_option,
     check_input_file,
     check_output_file,
+    count,
     emit_json,
     info,
     json_option,
@@ -87,7 +88,11 @@ def note_learned(learned: LearnedCheck, relearn: bool) -> dict:
         info(f"skipped {before} calls learned already: {learned.known} by these policies, {learned.older} older than "
              f"what their users have learned (--relearn learns them again); {learned.learn} calls to learn",
              must_read=True)
-    return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older, "relearn": relearn}
+    if learned.changed:
+        info(f"skipped {count(learned.changed, 'call')} learned already with other content (--skip-invalid; "
+             f"first: {learned.first_changed})", must_read=True)
+    return {"learn": learned.learn, "learned_already": learned.known, "older": learned.older,
+            "changed": learned.changed, "relearn": relearn}
 
 
 def check_options(policies, st, given: SettingOptions, change: bool, resume: bool, plot_path):
@@ -115,7 +120,7 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
     note_lines(notes.lines)         # a pending rollback, as readers say it: this run finishes nothing
     if plot_path:
         info(f"no plot: nothing was learned, so --plot {plot_path} was not written", must_read=True)
-    calls = {"learn": 0, "learned_already": 0, "older": 0, "relearn": relearn}
+    calls = {"learn": 0, "learned_already": 0, "older": 0, "changed": 0, "relearn": relearn}
     what = "is unchanged" if Path(policies).exists() else "was not created"
     line = f"nothing to learn: {log_path} has no calls (the file is empty); {policies} {what}"
     if as_json:         # the line on stderr, as rerank --json says it served 0 calls
@@ -145,7 +150,9 @@ def quiet_day(st, log_path, policies, init: str, relearn: bool, plot_path, as_js
                    "the logged policy); the report scores the first, prequentially. Under --preset realistic two or "
                    "three gained +0.02 to +0.03 Recall@5 on LoCoMo 26+30; under the default (lr 3e-4) not "
                    "measured, and at lr 3e-4 against the best score more passes overfit (docs/method.md).")
-@click.option("--skip-invalid", is_flag=True, help="Skip and count invalid records instead of failing.")
+@click.option("--skip-invalid", is_flag=True,
+              help="Skip and count invalid records instead of failing, and calls these policies learned with "
+                   "other content (a call re-logged with other citations), which are otherwise refused.")
 @click.option("--relearn", is_flag=True,
               help="Learn every call of the log, also those the policies have learned from already. Without it "
                    "each call is learned once: calls learned already are skipped and counted, and one learned "
@@ -242,7 +249,7 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
                     restart_same=("--log",), paths={"STORE": store, "--log": log_path}) as (rs, start):
         with as_options("relearn"):
             learned = check_learned(calls, ps, log_path, before=start.before, relearn=relearn,
-                                    questions=st) if calls else None
+                                    questions=st, skip_changed=skip_invalid) if calls else None
         for line in k_m_note:      # after the last check of the log's calls: bad input is one line
             info(line)
         note_setting(ls, given, policies)
@@ -254,7 +261,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],
                                   users_per_chunk=users_per_chunk, checkpoint_every=checkpoint_every,
                                   desc="replay", mesh=mesh, writer=writer, relearn=relearn, questions=st,
-                                  simulated=learned.simulated if learned is not None else None)
+                                  simulated=learned.simulated if learned is not None else None,
+                                  skip_changed=skip_invalid)
     if note:
         note.say()
     if untimed:

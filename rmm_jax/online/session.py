@@ -196,7 +196,7 @@ class SavingRun:
 @contextlib.contextmanager
 def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chunk: int, checkpoint_every: int,
              log=None, mesh=None, writer: bool = True, relearn: bool = False, first_query: int | None = None,
-             saves=None, questions=None, simulated=None):
+             saves=None, questions=None, simulated=None, skip_changed: bool = False):
     """Within ``with``: a :class:`SavingRun` that drives ``chunks`` through ``program`` from
     ``start`` and keeps what each event carries: policies to ``ps``, log records to ``log``
     (simulate), checkpoints and finished outputs to the run-state ``rs``
@@ -206,7 +206,8 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
     have not learned (all with ``relearn``; ``questions``, the embedding store: also leaving
     out the calls of questions their simulate runs learned,
     :func:`rmm_jax.online.starts.sort_calls`; ``simulated``: their keys as
-    :func:`rmm_jax.online.starts.check_learned` found them, not looked up again). Under
+    :func:`rmm_jax.online.starts.check_learned` found them, not looked up again;
+    ``skip_changed``: a call learned with other content is left out, as check_learned counted it). Under
     ``jax.distributed`` every process runs this loop (reading ``ps``) and only the ``writer``,
     process 0, writes. ``first_query``:
     the chunks are the users' store questions from that position (simulate), which each
@@ -241,7 +242,7 @@ def open_run(chunks, program, start: Start, ps, rs, *, seed: int, users_per_chun
     own = []       # from_store's errors: about the calls of ``chunks``, not the saved states
     if start.before is not None:     # its calls come from the log (replay), its saved states from the store
         chunks = _noted(from_store(chunks, ps, before=start.before, relearn=relearn, questions=questions,
-                                   simulated=simulated), own)
+                                   simulated=simulated, skip_changed=skip_changed), own)
     ps = ps if writer else None
     run = run_record(ps, rs)
     checkpoints = RunStateSink(rs, {"params": start.params}, {"before": start.before, "run": run}) \

@@ -57,7 +57,7 @@ _NO_KEYS.setflags(write=False)
 
 def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None = None,
                relearn: bool = False, questions=None,
-               simulated: Mapping[str, np.ndarray] | None = None) -> Iterator[Chunk]:
+               simulated: Mapping[str, np.ndarray] | None = None, skip_changed: bool = False) -> Iterator[Chunk]:
     """Each chunk with the saved states of its users that ``store`` holds (their newest
     versions older than ``before``, see :meth:`PolicyStore.load_batch`); the others start
     afresh. Each chunk's users are read once, as the chunk is reached.
@@ -72,7 +72,8 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
     from (None: none), whose questions a user's ``simulate`` runs learned count as learned
     calls (:func:`sort_calls`). ``simulated``: per user, those questions' keys as
     :func:`check_learned` found them for the same ``before`` (``LearnedCheck.simulated``),
-    not looked up again; a user it lacks is looked up in ``questions``."""
+    not looked up again; a user it lacks is looked up in ``questions``. ``skip_changed``: a call
+    learned with other content is left out, as :func:`check_learned` counted it."""
     for streams in chunks:
         streams = list(streams)
         got = store.load_batch([s.user_id for s in streams], before=before)
@@ -85,7 +86,7 @@ def from_store(chunks: Iterable[Sequence[Stream]], store, *, before: int | None 
                 if keys is None:
                     keys = simulated_keys(questions, s.user_id, got.infos[row[s.user_id]])
                 sort = sort_calls(prior, s.calls, keys, relearn=relearn)
-                if sort.changed.any() and not relearn:     # check_learned refused this log before the run
+                if sort.changed.any() and not (relearn or skip_changed):     # check_learned refused it already
                     raise InputError(f"user {s.user_id!r}: a call learned already has other content (the log "
                                      "changed during the run?)", arg="chunks")
                 if not sort.learn.all():
@@ -149,10 +150,12 @@ class LearnedCheck(NamedTuple):
     older: int
     horizon: float | None = None
     simulated: dict | None = None
+    changed: int = 0                 # learned already with other content, left out (skip_changed)
+    first_changed: str | None = None  # the first such call's one-line error
 
 
 def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *, before: int | None,
-                  relearn: bool = False, questions=None) -> LearnedCheck:
+                  relearn: bool = False, questions=None, skip_changed: bool = False) -> LearnedCheck:
     """Sort every logged call (``calls``: per user, its calls and their line numbers, from
     :func:`rmm_jax.online.streams.scan_log`) against what the user's policy in ``store`` has
     learned (versions older than ``before``), before the run writes anything. A call
@@ -161,8 +164,12 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
     learned, and ``known``/``older`` count those learned before. That error names ``relearn``
     (:func:`rmm_jax.errors.named`: ``relearn=True``, the CLI's ``--relearn``). ``questions``:
     the embedding store, whose questions a user's ``simulate`` runs learned count as learned
-    (``known``; :func:`sort_calls`), as :func:`from_store` counts them."""
-    learn = known = older = 0
+    (``known``; :func:`sort_calls`), as :func:`from_store` counts them. ``skip_changed``
+    (``replay --skip-invalid``): a call learned with other content is left out and counted
+    (``changed``, ``first_changed`` its one-line error) instead of refusing the log: one call
+    re-logged with late citations blocked a whole night, and ``relearn`` learns every call again."""
+    learn = known = older = changed = 0
+    first_changed = None
     horizon = None
     simulated: dict[str, np.ndarray] = {}
     users = list(calls)
@@ -174,18 +181,22 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
             sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine, simulated[u], relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
-                raise InputError(f"user {u!r}: this call was learned with other content (every log key but "
-                                 f"{', '.join(CONTENT_LEFT_OUT)} is read: a log_prob rounded or a text re-spaced "
-                                 "since is other content): the log was rewritten after it was learned, or it is "
-                                 "another call under the same name (give each call its own call_id); "
-                                 f"{named('relearn', True)} learns the log's calls again", where=at(log_path, line))
+                error = InputError(f"user {u!r}: this call was learned with other content (every log key but "
+                                   f"{', '.join(CONTENT_LEFT_OUT)} is read: a log_prob rounded or a text re-spaced "
+                                   "since is other content): the log was rewritten after it was learned, or it is "
+                                   "another call under the same name (give each call its own call_id); "
+                                   f"{named('relearn', True)} learns the log's calls again", where=at(log_path, line))
+                if not skip_changed:
+                    raise error
+                changed += int(sort.changed.sum())
+                first_changed = first_changed or str(error)
             known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
             learn += int(sort.learn.sum())
             if sort.older.any():
                 h = float(got.learned.horizon[j])
                 horizon = h if horizon is None else max(horizon, h)
         learn += sum(len(calls[u][1]) for u in got.missing)
-    return LearnedCheck(learn, known, older, horizon, simulated)
+    return LearnedCheck(learn, known, older, horizon, simulated, changed, first_changed)
 
 
 def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | None], *,
