@@ -808,16 +808,22 @@ def test_labelled_calls_records_the_learner_of_every_run(tmp_path, monkeypatch):
     assert ran == want
 
 
+def _programs_built(module, monkeypatch) -> list:
+    """The settings (:func:`_ran`) of every program ``module``'s ``make_run`` builds from now on."""
+    built = []
+    real = module.make_run
+    monkeypatch.setattr(module, "make_run", lambda *setting, **kw: built.append(_ran(real(*setting, **kw))) or
+                        real(*setting, **kw))
+    return built
+
+
 @pytest.mark.parametrize("preset, loss", [(None, "reinforce"), ("default", "logistic")])
 def test_throughput_records_the_learner_it_times(tmp_path, monkeypatch, capsys, preset, loss):
     """``--quick``: each config's ``setting`` (and the fields the references read, with their
     algorithm), ``users_scaling_setting``: the settings of every program the run built. By
     default rmm-jax takes the references' step (reinforce); ``--preset default`` times the CLI's."""
     tp = bench_module("throughput", monkeypatch)
-    built = []
-    real = tp.make_run
-    monkeypatch.setattr(tp, "make_run", lambda *setting, **kw: built.append(_ran(real(*setting, **kw))) or
-                        real(*setting, **kw))
+    built = _programs_built(tp, monkeypatch)
     out = tmp_path / "tp.json"
     tp.main(["--quick", "--no-profile", "--json", str(out), *(["--preset", preset] if preset else [])])
     data = json.loads(out.read_text())
@@ -837,10 +843,7 @@ def test_scale_records_the_learner_of_every_scope(tmp_path, monkeypatch, capsys)
     """Each row's ``setting`` is its scope's learner (``--preset`` with ``--offset`` over it),
     and ``--throughput`` records one per scope it times."""
     sc = bench_module("scale", monkeypatch)
-    built = []
-    real = sc.make_run
-    monkeypatch.setattr(sc, "make_run", lambda *setting, **kw: built.append(_ran(real(*setting, **kw))) or
-                        real(*setting, **kw))
+    built = _programs_built(sc, monkeypatch)
     out = tmp_path / "scale.json"
     sc.main(["--users", "2", "--queries", "4", "--dim", "8", "--rank", "2", "--chunk", "2", "--scopes", "hybrid",
              "--preset", "realistic", "--offset", "1", "--root", str(tmp_path / "root"), "--json", str(out)])
