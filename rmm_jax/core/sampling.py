@@ -74,8 +74,8 @@ def _check_scores(scores, mask, m=None, selected=None):
             if checks.is_concrete(scores) and checks.is_concrete(mask):    # a masked or -inf pick: -1e30, no error
                 v = np.asarray(valid_mask(scores, mask))
                 bad = [int(i) for i in sel if i >= 0 and not v[i]]
-                checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or scores -inf: no "
-                                                    "draw selects it")
+                checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or its score is not "
+                                                    "finite: no draw selects it")
 
 
 def _check_gumbel(gumbel, scores):
