@@ -212,15 +212,17 @@ def test_open_run_takes_a_program_that_fits_its_store_and_none_on_a_process_that
     assert ps.n_users() == len(streams) and got.state.params["q_adapter"]["up"]["kernel"].shape[1:] == (store.dim, 8)
 
 
-def test_a_run_on_an_mlp_store_builds_its_reranker_at_the_stores_width(capsys, tmp_path, store):
+def test_a_run_on_an_mlp_store_builds_its_reranker_of_the_stores_kind_and_width(capsys, tmp_path, store):
     """simulate and replay have no --hidden: on a `pretrain --hidden 8` store, `--init identity`
     built its users at the default width d and saved them beside a shared part of width 8, and a
-    later run failed ("the saved policies do not fit this run"). A run takes the store's width."""
+    later run failed ("the saved policies do not fit this run"). Without --kind, every run on an
+    mlp store was refused ("holds 'mlp' rerankers, not 'linear'"). A run takes the store's kind
+    and width; a --kind given that is not the store's is still refused."""
     from conftest import run_cli
 
     from rmm_jax.persist.policy_store import PolicyStore
 
-    run = ["--k", 8, "--m", 3, "--users-per-chunk", 2, "--checkpoint-every", 0, "--kind", "mlp", "-q"]
+    run = ["--k", 8, "--m", 3, "--users-per-chunk", 2, "--checkpoint-every", 0, "-q"]
     code, _, err = run_cli(capsys, "pretrain", store.path, "--out", tmp_path / "p", "--k", 8, "--m", 3, "--kind",
                            "mlp", "--hidden", 8, "--epochs", 1, "-q")
     assert code == 0, err
@@ -230,6 +232,15 @@ def test_a_run_on_an_mlp_store_builds_its_reranker_at_the_stores_width(capsys, t
         ps = PolicyStore.open(tmp_path / "p")
         got = ps.load_batch(ps.users())
         assert got.state.params["q_adapter"]["down"]["kernel"].shape[1:] == (8, store.dim), more
+    code, _, err = run_cli(capsys, "simulate", store.path, "--policies", tmp_path / "p", *run, "--relearn",
+                           "--log-out", tmp_path / "log.jsonl")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "replay", store.path, "--log", tmp_path / "log.jsonl", "--policies", tmp_path / "p",
+                           "--relearn", "-q")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "simulate", store.path, "--policies", tmp_path / "p", *run, "--relearn", "--kind",
+                           "linear")
+    assert code == 2 and "error: --kind: policy store holds 'mlp' rerankers, not 'linear'" in err, err
 
 
 def test_run_online_and_drive_refuse_a_bad_seed_chunk_size_stream_or_m_by_name_before_any_work(store, tmp_path):

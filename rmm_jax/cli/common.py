@@ -139,7 +139,8 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
                           "for one question per user and on the scale benchmark's users (docs/scopes.md) "
                           "[default: 2 (default, anchored); 0 (realistic); -1 (calibrated, anchored_calibrated); "
                           "the reinforce and pairwise losses read none]."),
-        click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind, show_default=True,
+        click.option("--kind", type=click.Choice(KINDS), default=DEFAULTS.layout.kind if new_store else None,
+                     show_default=True if new_store else f"{DEFAULTS.layout.kind}, or the store's",
                      help="Reranker adapters (when creating a policy store)."),
         *scope_options(new_store),
         click.option("--seed", type=SEED, default=0, show_default=True,

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import click
 
 from rmm_jax.cli.common import (
+    DEFAULTS,
     DISTRIBUTED_OPTIONS,
     begin_run_state_if_single,
     check_rank,
@@ -50,16 +51,19 @@ def stored_scope(path, scope: str | None, rank: int | None) -> tuple[str | None,
     return held.name, rank if rank is not None else held.rank
 
 
-def stored_hidden(path, kind: str | None, hidden: int | None) -> int | None:
-    """The `mlp` kind's ``hidden`` width as given, or, when not given (``simulate`` and
-    ``replay`` have no ``--hidden``), as the existing `mlp` store at ``path`` records it: a run
-    started afresh there (``--init identity``) built its reranker at the default width d and saved
-    it beside a shared part of the store's width."""
+def stored_kind(path, kind: str | None, hidden: int | None) -> tuple[str, int | None]:
+    """The reranker's kind and the `mlp` kind's ``hidden`` width, each as given, else as the
+    existing store at ``path`` records it (``simulate`` and ``replay`` have no ``--hidden``), else
+    ``linear``. A run on an `mlp` store without ``--kind`` was refused ("holds 'mlp' rerankers,
+    not 'linear'"), and one started afresh there (``--init identity``) built its reranker at the
+    default width d and saved it beside a shared part of the store's width."""
     p = Path(path)
-    if hidden is not None or kind != "mlp" or not p.exists():
-        return hidden
-    meta = PolicyStore.open(p).meta_info()
-    return meta.hidden if meta.kind == "mlp" else None
+    meta = PolicyStore.open(p).meta_info() if p.exists() and (kind is None or (kind == "mlp" and hidden is None)) \
+        else None
+    kind = kind or (meta.kind if meta is not None else DEFAULTS.layout.kind)
+    if hidden is None and kind == "mlp" and meta is not None and meta.kind == "mlp":
+        hidden = meta.hidden
+    return kind, hidden
 
 
 def check_scope(ps, layout, path) -> None:

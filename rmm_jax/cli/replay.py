@@ -40,7 +40,7 @@ from rmm_jax.cli.online import (
     save_plot,
     saving_run,
     setting_report,
-    stored_hidden,
+    stored_kind,
     stored_scope,
 )
 from rmm_jax.cli.shell import (
@@ -196,7 +196,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
     check_input_file(log_path, f"--log {log_path}", TWICE)
     given = SettingOptions.of({**opts, "clip": clip})
     scope, rank = stored_scope(policies, given.scope, given.rank)
-    given = given._replace(hidden=stored_hidden(policies, given.kind, given.hidden))
+    kind, hidden = stored_kind(policies, given.kind, given.hidden)
+    given = given._replace(kind=kind, hidden=hidden)
     check_rank_scope(scope, rank)
     st = open_store(store)
     if is_empty_log(log_path):      # a day without calls: nothing to learn, nothing written (not bad input),

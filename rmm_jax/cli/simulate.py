@@ -35,7 +35,7 @@ from rmm_jax.cli.online import (
     save_plot,
     saving_run,
     setting_report,
-    stored_hidden,
+    stored_kind,
     stored_scope,
 )
 from rmm_jax.cli.shell import (
@@ -134,7 +134,8 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
     """
     given = SettingOptions.of(opts)
     scope, rank = stored_scope(policies, given.scope, given.rank)
-    given = given._replace(hidden=stored_hidden(policies, given.kind, given.hidden))
+    kind, hidden = stored_kind(policies, given.kind, given.hidden)
+    given = given._replace(kind=kind, hidden=hidden)
     check_rank_scope(scope, rank)
     ls = learning_setting(policies, given._replace(scope=scope, rank=rank), change=change_setting, resume=resume)
     setting = ls.setting
