@@ -36,10 +36,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rmm_jax import init_reranker
+from rmm_jax.cli.common import k_m_from_log
 from rmm_jax.core.config import Layout
 from rmm_jax.data import make_synthetic
 from rmm_jax.data.log_vectors import known_ids
 from rmm_jax.data.store import open_store, write_store
+from rmm_jax.errors import InputError
 from rmm_jax.online.streams import log_shape, scan_log
 from rmm_jax.persist.policy_store import PolicyStore
 
@@ -1151,13 +1153,27 @@ def test_log_shape_agreement(tmp_path):
                               "selected": banks[u][:s], "cited": []}
     log = tmp_path / "log.jsonl"
     log.write_text(jl(rec("a", 0, 8, 3), rec("b", 1, 5, 3), rec("c", 2, 2, 2), rec("a", 3, 8, 3)))
-    assert log_shape(log, known) == (8, 3, 1, 1, None, None)        # b, c: their whole banks; c: all it lists
+    assert log_shape(log, known) == (8, 3, 1, 1, None, None, False, False)   # b, c: whole banks; c: all it lists
+    # every record lists its user's whole bank (and shows all it lists): any larger --k (--m) agrees
+    log.write_text(jl(rec("b", 1, 5, 3), rec("c", 2, 2, 2)))
+    shape = log_shape(log, known)
+    assert shape == (5, 3, 1, 1, None, None, True, False)
+    assert k_m_from_log(20, None, shape, log, notes=[]) == (20, 3)
+    with pytest.raises(InputError, match=r"^--m 4: contradicts the log"):
+        k_m_from_log(20, 4, shape, log, notes=[])
+    log.write_text(jl(rec("c", 2, 2, 2)))
+    assert k_m_from_log(20, 5, log_shape(log, known), log, notes=[]) == (20, 5)
+    with pytest.raises(InputError, match=r"^--k 1: contradicts the log"):        # fewer: never
+        k_m_from_log(1, 2, log_shape(log, known), log, notes=[])
     # a user the store lacks brings its texts: its bank is unknown, so fewer candidates agree
     new = {"user_id": "z", "query": "a new question", "candidates": [{"id": f"t{i}", "text": f"memory {i}"}
                                                                       for i in range(4)],
            "selected": ["t0", "t1", "t2"], "cited": ["t0"]}
     log.write_text(jl(rec("a", 0, 8, 3), new))
-    assert log_shape(log, known) == (8, 3, 1, 1, None, None)
+    assert log_shape(log, known)[:6] == (8, 3, 1, 1, None, None)
+    log.write_text(jl(rec("a", 0, 8, 3), rec("a", 1, 8, 3)))
+    with pytest.raises(InputError, match=r"^--k 20: contradicts the log: .* lists 8 candidates per call"):
+        k_m_from_log(20, 3, log_shape(log, known), log, notes=[])      # a lists 8 of its 10: K was 8
     log.write_text(jl(rec("a", 0, 8, 3), rec("a", 1, 6, 3), rec("a", 2, 8, 2)))
     shape = log_shape(log, known)
     assert shape[:4] == (8, 3, 1, 1)
@@ -1184,7 +1200,7 @@ def test_log_shape_takes_a_record_listing_the_whole_bank_its_user_had_when_serve
                                "cited": []}
     log = tmp_path / "log.jsonl"
     log.write_text(jl(rec("a", 0, banks["a"][:8]), rec("c", 1, ["c1", "c0"]), rec("c", 2, ["c0", "c1"])))
-    assert log_shape(log, known) == (8, 2, 1, 1, None, None)
+    assert log_shape(log, known) == (8, 2, 1, 1, None, None, False, False)
     log.write_text(jl(rec("a", 0, banks["a"][:8]), rec("c", 1, ["c0", "c2"])))           # not its first memories
     assert log_shape(log, known).k_apart == "line 2 lists 2 candidates of the 4 memories of user 'c'"
     log.write_text(jl(rec("a", 0, banks["a"][:8]), rec("c", 1, banks["c"][:3]), rec("c", 2, ["c0", "c1"])))

@@ -416,15 +416,19 @@ def checkpoint_options(default_every: int, unit: str):
 
 def k_m_from_log(k: int | None, m: int | None, shape, log_path, *, notes: list[str] | None = None) -> tuple[int, int]:
     """``--k``/``--m`` for a run over a log (:func:`rmm_jax.online.streams.log_shape`): an option
-    left out is the log's, when its records agree; one given must be the log's, when they do.
+    left out is the log's, when its records agree; one given must be the log's, when they do, or
+    larger where every record lists its user's whole bank (``--k``; the default 20 over banks of
+    18 was refused) or shows all its candidates (``--m``).
     The note saying so goes on stderr, or into ``notes`` for a verb that prints it later."""
     out = []
-    for name, given, logged, line, apart, what in (("--k", k, shape.k, shape.k_line, shape.k_apart, "list"),
-                                                   ("--m", m, shape.m, shape.m_line, shape.m_apart, "show")):
+    for name, given, logged, line, apart, what, whole in (
+            ("--k", k, shape.k, shape.k_line, shape.k_apart, "list", shape.whole_banks),
+            ("--m", m, shape.m, shape.m_line, shape.m_apart, "show", shape.whole_slates)):
         says = f"{log_path} {what}s {logged} {'candidates' if name == '--k' else 'memories'} per call (line {line})"
         if given is None and apart is not None:
             raise InputError(f"the records of {log_path} disagree: {says}, but {apart}; pass {name}", where=name)
-        if given is not None and apart is None and given != logged:
+        # every record lists its user's whole bank (shows all its candidates): a larger K (M) would have too
+        if given is not None and apart is None and given != logged and not (whole and given > logged):
             raise InputError(f"contradicts the log: {says}; leave {name} out to take it from the log",
                              where=f"{name} {given}")
         out.append(logged if given is None else given)

@@ -46,13 +46,17 @@ def check_limits(rec: LogRecord, layout: Layout, log_path) -> None:
 class LogShape(NamedTuple):
     """The K and M of a log: its records' most candidates and most selected memories, each
     with the first line that has it. ``k_apart``/``m_apart`` name a record that disagrees
-    (None when every record agrees, see :func:`log_shape`)."""
+    (None when every record agrees, see :func:`log_shape`). ``whole_banks``: every record lists
+    every memory its user holds, so any K from ``k`` up agrees with it; ``whole_slates``: every
+    record shows all its candidates, so any M from ``m`` up agrees."""
     k: int
     m: int
     k_line: int
     m_line: int
     k_apart: str | None
     m_apart: str | None
+    whole_banks: bool = False
+    whole_slates: bool = False
 
 
 def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
@@ -74,12 +78,16 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
     short_k: dict[int, tuple[int, str]] = {}  # n candidates -> (line, why) of a record listing fewer than its bank
     short_m: dict[int, tuple[int, str]] = {}  # n selected -> (line, why) of a record showing fewer than its candidates
     most: dict[str, int] = {}             # user -> most candidates a record of it listed so far
+    whole_banks = whole_slates = True
     for line, r in iter_numbered(log_path, known=known, skip_invalid=skip_invalid):
         ids = known(r.user_id)                  # None: a user the store lacks (the log carries its texts)
         nk, nm, bank = len(r.candidates), len(r.selected), (len(ids[1]) if ids else None)
         first_k.setdefault(nk, line)
         first_m.setdefault(nm, line)
-        if bank is not None and nk < bank and not _bank_then(r, ids[1], most.get(r.user_id, 0)):
+        then = bank is not None and nk < bank and _bank_then(r, ids[1], most.get(r.user_id, 0))
+        whole_banks = whole_banks and nk == bank        # today's whole bank: a bank-then record may have had more
+        whole_slates = whole_slates and nm == nk
+        if bank is not None and nk < bank and not then:
             short_k.setdefault(nk, (line, f"line {line} lists {nk} candidates of the {bank} memories "
                                           f"of user {r.user_id!r}"))
         if bank is not None:
@@ -89,7 +97,7 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
     k, m = max(first_k), max(first_m)
     # the earliest record that disagrees (the error names it), not the one listing fewest
     apart = lambda short, top: min((at for n, at in short.items() if n < top), default=(0, None))[1]
-    return LogShape(k, m, first_k[k], first_m[m], apart(short_k, k), apart(short_m, m))
+    return LogShape(k, m, first_k[k], first_m[m], apart(short_k, k), apart(short_m, m), whole_banks, whole_slates)
 
 
 def _bank_then(rec: LogRecord, memories, most: int) -> bool:
