@@ -278,7 +278,9 @@ def _check_scores(scores: np.ndarray, mask: np.ndarray) -> None:
     if bad.any():
         i, j = np.argwhere(bad)[0].tolist()
         raise InputError(f"the score of query {i}, candidate {j} overflows float32 ({scores[i, j]}): scale the "
-                         "embeddings to unit norm, as the retriever's are", where="query_emb, candidate_embs")
+                         "embeddings to unit norm, as the retriever's are (or the policy's params are that large: "
+                         "`policies show` them, `policies rollback` a version that diverged)",
+                         where="query_emb, candidate_embs")
 
 
 def _generation(store: PolicyStore | None, header: dict | None = None) -> tuple:

@@ -134,8 +134,8 @@ def check_finite_chunk(event: ChunkDone, program: Program, saved: int = 0, store
     Nothing of the chunk is saved; the ``saved`` users chunks this run saved before it keep
     their versions, which the message says how to undo (``policies rollback`` on ``store``)."""
     n = len(event.streams)
-    users = _nonfinite_rows(event.states.params, n)
-    shared = _nonfinite_rows(event.shared.params, None)
+    users = _diverged_rows(event.states.params, n)
+    shared = _diverged_rows(event.shared.params, None)
     if users.any() or shared.any():
         who = (f"the policy of user {event.streams[int(np.argmax(users))].user_id!r}" if users.any()
                else "the shared part")
@@ -144,18 +144,30 @@ def check_finite_chunk(event: ChunkDone, program: Program, saved: int = 0, store
         earlier = "" if not saved else (
             f"; users chunks this run saved before it ({saved}) keep what they learned at this setting: "
             f"`rmm-jax policies rollback {store}` undoes them, and their calls are learned again")
-        raise Diverged(f"the learning diverged: {who} is not finite after its updates ({setting}); nothing of this "
+        raise Diverged(f"the learning diverged: {who} is not finite after its updates, or so large its scores "
+                       f"overflow float32 ({setting}); nothing of this "
                        f"users chunk was saved, nor the run-state kept{earlier}: a smaller --lr (or a --tau, --offset "
                        "or judge rates in scale) learns", where="--lr")
 
 
-def _nonfinite_rows(tree, n: int | None) -> np.ndarray:
+#: sqrt(float32's largest): a score multiplies two factors of the params (the query's and the
+#: memory's adapters), each summed over the embedding's width.
+_SCORE_ROOT = float(np.sqrt(np.finfo(np.float32).max))
+
+
+def _diverged_rows(tree, n: int | None) -> np.ndarray:
     """Per row of the leading (users) axis, the first ``n`` of it, whether any leaf of ``tree``
-    holds a non-finite value there; ``n`` None: one row for the whole tree (the shared part)."""
+    holds a non-finite value there, or one past sqrt(float32 max) / its width, where a score,
+    two such factors summed over the width, overflows: ``--lr 1e30`` left finite params of 1e33,
+    saved with every score NaN (``rerank`` then blamed the embeddings). ``n`` None: one row for
+    the whole tree (the shared part)."""
     bad = np.zeros(1 if n is None else n, bool)
     for leaf in jax.tree.leaves(tree):
         x = np.asarray(leaf)
-        bad |= ~np.isfinite(x.reshape(1, -1) if n is None else x[:n].reshape(n, -1)).all(1)
+        rows = x.reshape(1, -1) if n is None else x[:n].reshape(n, -1)
+        limit = _SCORE_ROOT / max(x.shape[-1] if x.ndim else 1, 1)
+        with np.errstate(invalid="ignore"):
+            bad |= ~(np.isfinite(rows) & (np.abs(rows) <= limit)).all(1)
     return bad
 
 
