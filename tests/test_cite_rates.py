@@ -153,7 +153,7 @@ def test_a_generator_that_cites_others_often_is_advised_the_correction_and_it_ru
 @pytest.mark.parametrize("useful, other, apart, want", [
     (0.9, 0.3, True, "correct"), (0.65, 0.25, True, "correct"), (0.64, 0.5, True, "uncorrected"),
     (0.9, 0.24, True, "uncorrected"), (0.9, 0.3, False, "overlap"), (0.3, 0.3, False, "uninformative"),
-    (0.2, 0.3, True, "uninformative"), (None, 0.3, False, "overlap")])
+    (0.2, 0.3, True, "uninformative"), (None, 0.3, False, "unmeasured"), (0.8, None, False, "unmeasured")])
 def test_the_advice_follows_where_the_correction_paid(useful, other, apart, want):
     assert advice(useful, other, apart) == want
 

@@ -57,7 +57,7 @@ def cite_rates(store, log_path, users, bootstrap, seed, skip_invalid, as_json):
     options that correct the default's logistic loss for them,
     to give to `replay` or `simulate` as they are; elsewhere, that no correction is advised
     and why. With --json, `.advice` says which
-    (correct, uncorrected, uninformative, overlap) and `.options` holds the options (null
+    (correct, uncorrected, uninformative, unmeasured, overlap) and `.options` holds the options (null
     unless the advice is correct). Nothing is written.
 
     \b
@@ -108,4 +108,6 @@ ADVICE_LINES = {
                      "about usefulness that a correction could recover",
     "overlap": "the two rates' intervals overlap: the citations do not yet tell gold memories from others, so no "
                "correction is advised (more calls with gold narrow the intervals)",
+    "unmeasured": "one rate is not measured (no memory of its kind was shown: 0 / 0), so no correction is advised "
+                  "(calls that show both gold and other memories measure it)",
 }

@@ -223,18 +223,23 @@ ADVISE_FROM = {"p_useful": 0.65, "p_other": 0.25}
 
 
 def advice(useful: float | None, other: float | None, apart: bool) -> str:
-    """What :func:`cite_rates` advises for measured rates, one of four names:
+    """What :func:`cite_rates` advises for measured rates, one of five names:
     ``correct`` (learn with ``--p-useful``/``--p-other`` set to them) when the two intervals
     are apart and both rates reach :data:`ADVISE_FROM`, where the correction paid;
     ``uncorrected`` when they are apart elsewhere, where it did not; ``uninformative`` when
-    P(cite | useful) is not above P(cite | not useful); ``overlap`` otherwise.
+    P(cite | useful) is not above P(cite | not useful); ``unmeasured`` when either rate has no
+    memory of its kind shown (None: 0 / 0; it was called an overlap); ``overlap`` otherwise.
 
     Examples:
       >>> from rmm_jax.online.cite_rates import advice
       >>> advice(0.9, 0.3, True), advice(0.911, 0.154, True), advice(0.3, 0.4, False), advice(0.5, 0.4, False)
       ('correct', 'uncorrected', 'uninformative', 'overlap')
+      >>> advice(None, 0.2, False), advice(0.8, None, False)
+      ('unmeasured', 'unmeasured')
     """
-    if useful is not None and other is not None and useful <= other:
+    if useful is None or other is None:
+        return "unmeasured"
+    if useful <= other:
         return "uninformative"
     if not apart:
         return "overlap"
