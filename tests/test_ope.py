@@ -522,8 +522,9 @@ def test_an_own_log_without_versions_agrees_to_float32_rounding(capsys, ope_env,
     assert line.startswith(f"verdict: none (snips on cite_rate: the target and the logging policy agree to float32 "
                            f"rounding on all {n} of these calls (every importance weight is 1 within float32's error "
                            "bound, so any gain lies within ±"), line
-    assert line.endswith("POLICIES served them, so the log cannot compare it with itself: evaluate a newer version "
-                         "on this log, or this version on a log it did not serve)"), line
+    assert line.endswith("POLICIES served them, or draws exactly as what served them did (a uniform draw at a large "
+                         "--draw-tau, or the same params), so the log cannot compare it with itself: evaluate a newer "
+                         "version on this log, or this version on a log it did not serve)"), line
 
     from rmm_jax.online.ope import Target, agrees_to_rounding, load_calls, rounding_bound, rounding_gain
     from rmm_jax.online.ope._marginals import _prefix_log_probs
