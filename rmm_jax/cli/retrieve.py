@@ -72,7 +72,7 @@ def retrieve(store, k, pad_short_banks, expect_model, as_json):
                f"k={k}")
     click.echo(f"{c['valid_queries']} valid questions of {c['queries']} ({c['abstention_queries']} "
                f"abstention, {c['queries_without_gold_memory']} without a gold memory), "
-               f"{c['memories']} memories, {c['users']} users")
+               f"{count(c['memories'], 'memory')}, {count(c['users'], 'user')}")
     click.echo("")
     rows = dict(res["per_user"])
     rows["overall"] = res["overall"]
