@@ -1163,6 +1163,9 @@ def test_log_shape_agreement(tmp_path):
         k_m_from_log(20, 4, shape, log, notes=[])
     log.write_text(jl(rec("c", 2, 2, 2)))
     assert k_m_from_log(20, 5, log_shape(log, known), log, notes=[]) == (20, 5)
+    carried = {**rec("b", 1, 4, 3), "candidates": [*banks["b"][:4], {"id": "new", "text": "a memory the store lacks"}]}
+    log.write_text(jl(carried))                  # as many candidates as b's bank, one of them not b's: not whole
+    assert not log_shape(log, known).whole_banks
     with pytest.raises(InputError, match=r"^--k 1: contradicts the log"):        # fewer: never
         k_m_from_log(1, 2, log_shape(log, known), log, notes=[])
     # a user the store lacks brings its texts: its bank is unknown, so fewer candidates agree

@@ -242,7 +242,7 @@ def test_skip_invalid_leaves_out_a_call_learned_with_other_content_and_learns_th
     assert code == 0, err
     assert "skipped 1 call learned already with other content (--skip-invalid; first: " in err and ":6: user" in err
     calls = json.loads(out)["log"]["calls"]
-    assert calls["changed"] == 1 and calls["learn"] == len(second), calls
+    assert calls["changed"] == 1 and calls["learn"] == len(second) and calls["learned_already"] == 0, calls
     code, _, err = replay(capsys, store, write(tmp_path / "night2_ref.jsonl", [*second[:5], first[3], *second[5:]]),
                           tmp_path / "ref")
     assert code == 0, err

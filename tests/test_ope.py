@@ -522,7 +522,7 @@ def test_an_own_log_without_versions_agrees_to_float32_rounding(capsys, ope_env,
     assert line.startswith(f"verdict: none (snips on cite_rate: the target and the logging policy agree to float32 "
                            f"rounding on all {n} of these calls (every importance weight is 1 within float32's error "
                            "bound, so any gain lies within ±"), line
-    assert line.endswith("POLICIES served them, or draws exactly as what served them did (a uniform draw at a large "
+    assert line.endswith("POLICIES served them, or it draws exactly as what served them did (a uniform draw at a large "
                          "--draw-tau, or the same params), so the log cannot compare it with itself: evaluate a newer "
                          "version on this log, or this version on a log it did not serve)"), line
 

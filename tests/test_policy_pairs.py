@@ -359,7 +359,7 @@ def test_policies_show_counts_every_shared_version_a_run_keeps(tmp_path, capsys)
     size = policies_cli._size(total)
     assert f"shared bytes on disk: {size} in 7 versions (a run saves one per users chunk, kept while a kept " \
            "user version pairs with it: about 3 x users / --users-per-chunk when every run saves every user, up " \
-           "to 3 x users when each run saves a few)" in lines
+           "to 3 x users and the start when each run saves a few)" in lines
     line = next(ln for ln in lines if ln.startswith("bytes on disk:"))
     assert "once for all users" not in line
     assert line.endswith(f"; shared {policies_cli._size(st.shared_bytes(5)['bytes'])} (v5, one of 7 shared versions "

@@ -1183,17 +1183,19 @@ def test_a_run_that_diverges_on_a_store_leaves_it_as_it_was_and_runs_again_with_
     assert json.loads((pol / "policy_store.json").read_text())["setting"]["optimizer"]["lr"] != 3e38
 
 
-@pytest.mark.parametrize("lr", ["1e30", "1e20"])
-def test_a_step_that_leaves_finite_params_too_large_to_score_is_a_divergence(capsys, tmp_path, store, lr):
+@pytest.mark.parametrize("lr, more", [("1e30", ()), ("1e20", ()), ("1e12", ("--scope", "hybrid", "--rank", "2")),
+                                      ("1e8", ("--kind", "mlp"))])
+def test_a_step_that_leaves_finite_params_too_large_to_score_is_a_divergence(capsys, tmp_path, store, lr, more):
     """--lr 1e30 left every parameter finite (about 1e33) and every score NaN: the policies were
     saved, the run failed on its own log record ("key 'selected': must be a non-empty list",
     exit 2) with its run-state left to resume the same, and rerank blamed the embeddings. A
     parameter past sqrt(float32 max) / its width, where a score overflows, is a divergence too:
-    one line naming --lr, nothing saved, no run-state."""
+    one line naming --lr, nothing saved, no run-state. An mlp or hybrid's factors overflow with every
+    entry far smaller: the bound is the product of the leaves' norms."""
     from rmm_jax.persist.runstate import RunState
     pol = tmp_path / "p"
     code, out, err = run_cli(capsys, "simulate", store, "--policies", pol, *ONLINE, "--lr", lr, "--batch", "1",
-                             "--log-out", tmp_path / "log.jsonl")
+                             *more, "--log-out", tmp_path / "log.jsonl")
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: --lr: the learning diverged:"), err
     assert "so large its scores overflow float32" in err
     assert not (tmp_path / "log.jsonl").exists() and not RunState.path_for(pol).exists()

@@ -219,7 +219,7 @@ def _shared_disk(doc: dict) -> str:
         return line
     return line + (" (a run saves one per users chunk, kept while a kept user version pairs with it: about "
                    f"{doc['keep']} x users / --users-per-chunk when every run saves every user, up to "
-                   f"{doc['keep']} x users when each run saves a few)")
+                   f"{doc['keep']} x users and the start when each run saves a few)")
 
 
 def _echo_user(d: dict, store: dict) -> None:

@@ -128,14 +128,17 @@ class PolicySink:
 
 
 def check_finite_chunk(event: ChunkDone, program: Program, saved: int = 0, store=None) -> None:
-    """:class:`~rmm_jax.errors.Diverged` unless every parameter the chunk would save is finite:
-    a learning setting that diverges (a step size far out of scale: ``--lr 1e30``) made NaN of
-    every policy, which the store saved with exit 0, and ``rerank`` then blamed the embeddings.
+    """:class:`~rmm_jax.errors.Diverged` unless every parameter the chunk would save is finite,
+    and small enough that no score overflows (:func:`_row_bounds`): a learning setting that
+    diverges (a step size far out of scale: ``--lr 1e30``) made NaN of every policy, which the
+    store saved with exit 0, and ``rerank`` then blamed the embeddings.
     Nothing of the chunk is saved; the ``saved`` users chunks this run saved before it keep
     their versions, which the message says how to undo (``policies rollback`` on ``store``)."""
     n = len(event.streams)
-    users = _diverged_rows(event.states.params, n)
-    shared = _diverged_rows(event.shared.params, None)
+    user_finite, user_log = _row_bounds(event.states.params, n)
+    shared_finite, shared_log = _row_bounds(event.shared.params, None)
+    shared = ~shared_finite | (shared_log > _LOG_MAX)
+    users = ~user_finite | (user_log + shared_log[0] > _LOG_MAX)       # a user's score: its part and the shared
     if users.any() or shared.any():
         who = (f"the policy of user {event.streams[int(np.argmax(users))].user_id!r}" if users.any()
                else "the shared part")
@@ -150,25 +153,30 @@ def check_finite_chunk(event: ChunkDone, program: Program, saved: int = 0, store
                        "or judge rates in scale) learns", where="--lr")
 
 
-#: sqrt(float32's largest): a score multiplies two factors of the params (the query's and the
-#: memory's adapters), each summed over the embedding's width.
-_SCORE_ROOT = float(np.sqrt(np.finfo(np.float32).max))
+#: log of float32's largest: past it a score overflows.
+_LOG_MAX = float(np.log(np.finfo(np.float32).max))
 
 
-def _diverged_rows(tree, n: int | None) -> np.ndarray:
-    """Per row of the leading (users) axis, the first ``n`` of it, whether any leaf of ``tree``
-    holds a non-finite value there, or one past sqrt(float32 max) / its width, where a score,
-    two such factors summed over the width, overflows: ``--lr 1e30`` left finite params of 1e33,
-    saved with every score NaN (``rerank`` then blamed the embeddings). ``n`` None: one row for
-    the whole tree (the shared part)."""
-    bad = np.zeros(1 if n is None else n, bool)
+def _row_bounds(tree, n: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of the leading (users) axis, the first ``n`` of it (``n`` None: one row, the
+    whole tree: the shared part), whether every leaf of ``tree`` is finite there, and the log of
+    Π (1 + ‖leaf‖_F). For unit-norm embeddings (as the embedder writes them) that product bounds
+    every score's magnitude, each kind and scope alike: a score composes residual maps
+    (I + W, I + A Bᵀ, an MLP's layers through GELU, |gelu(t)| <= |t|), each at most 1 plus its
+    leaves' norms. ``--lr 1e30`` left finite params of about 1e33 and every score NaN (saved,
+    and ``rerank`` then blamed the embeddings); an mlp at ``--lr 1e8`` and hybrid factors at
+    ``--lr 1e12`` overflowed with every entry far below a per-entry limit. A policy that learns
+    stays many orders of magnitude below float32's largest."""
+    rows_n = 1 if n is None else n
+    finite, log_bound = np.ones(rows_n, bool), np.zeros(rows_n)
     for leaf in jax.tree.leaves(tree):
         x = np.asarray(leaf)
-        rows = x.reshape(1, -1) if n is None else x[:n].reshape(n, -1)
-        limit = _SCORE_ROOT / max(x.shape[-1] if x.ndim else 1, 1)
-        with np.errstate(invalid="ignore"):
-            bad |= ~(np.isfinite(rows) & (np.abs(rows) <= limit)).all(1)
-    return bad
+        rows = (x.reshape(1, -1) if n is None else x[:n].reshape(n, -1)).astype(np.float64)
+        ok = np.isfinite(rows).all(1)
+        finite &= ok
+        with np.errstate(over="ignore"):        # entries past 1e154 square to inf: a bound of inf, as it is
+            log_bound += np.log1p(np.sqrt((np.where(ok[:, None], rows, 0.0) ** 2).sum(1)))
+    return finite, log_bound
 
 
 def learned_after(streams) -> LearnedCalls | None:

@@ -190,7 +190,9 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
                     raise error
                 changed += int(sort.changed.sum())
                 first_changed = first_changed or str(error)
-            known, older = known + int(sort.known.sum() + sort.changed.sum()), older + int(sort.older.sum())
+            # learned again with relearn, left out with skip_changed (counted apart, in changed)
+            known += int(sort.known.sum() + (sort.changed.sum() if relearn else 0))
+            older += int(sort.older.sum())
             learn += int(sort.learn.sum())
             if sort.older.any():
                 h = float(got.learned.horizon[j])

@@ -44,8 +44,9 @@ with another shared version. So the shared versions a kept user version referenc
 never pruned, nor is the store's start (:meth:`PolicyStore.start_shared_version`, the
 version it was created or pretrained with); of the others the newest ``keep`` stay. An
 online run saves a shared version per users chunk (its users pair with it), so a store
-keeps about ``keep`` x users / users per chunk shared versions, each the shared part's
-full size (:meth:`PolicyStore.shared_total_bytes`; ``rmm-jax policies show`` prints it).
+keeps about ``keep`` x users / users per chunk shared versions when every run saves every
+user, and up to ``keep`` x users (and the start) when each run saves a few, each the shared
+part's full size (:meth:`PolicyStore.shared_total_bytes`; ``rmm-jax policies show`` prints it).
 
 **Scale.** Looking up or saving one user touches nothing that grows with the number of
 users: a load is one indexed SQLite query, one chunk's ``chunk.json`` (verified against its

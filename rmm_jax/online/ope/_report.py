@@ -477,7 +477,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         res["verdict"] = _self_served(res["verdict"], n_calls, f"the target and the logging policy agree to float32 "
                                       f"rounding on all {n_calls} of these calls (every importance weight is 1 within "
                                       f"float32's error bound, so any gain lies within ±{tol:.1g}): POLICIES served "
-                                      "them, or draws exactly as what served them did (a uniform draw at a large "
+                                      "them, or it draws exactly as what served them did (a uniform draw at a large "
                                       "--draw-tau, or the same params)")
     elif n_calls and served == n_calls:
         res["verdict"] = _self_served(res["verdict"], n_calls, f"POLICIES served all {n_calls} of these calls (by "

@@ -85,7 +85,8 @@ def log_shape(log_path, known, *, skip_invalid: bool = False) -> LogShape:
         first_k.setdefault(nk, line)
         first_m.setdefault(nm, line)
         then = bank is not None and nk < bank and _bank_then(r, ids[1], most.get(r.user_id, 0))
-        whole_banks = whole_banks and nk == bank        # today's whole bank: a bank-then record may have had more
+        # today's whole bank (a bank-then record may have had more), every candidate one of its memories
+        whole_banks = whole_banks and nk == bank and all(c in ids[1] for c in r.candidates)
         whole_slates = whole_slates and nm == nk
         if bank is not None and nk < bank and not then:
             short_k.setdefault(nk, (line, f"line {line} lists {nk} candidates of the {bank} memories "
