@@ -423,6 +423,17 @@ def test_evaluate_clip_inf_is_no_clipping_as_replay_takes_it(capsys, ope_env):
         assert (code, err) == (2, f"error: --clip: must be >= 1 (inf: no clipping), got {float(bad)}\n"), err
 
 
+def test_evaluate_says_when_direct_comes_from_monte_carlo_marginals(capsys, ope_env):
+    """The report's footnote called `direct` the target's exact expected Recall@M also where the
+    slot marginals were Monte Carlo (--exact-limit below their count); it says which now."""
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--allow-unreliable")
+    assert code == 0 and "direct: the target's exact expected Recall@M from the gold labels)" in out, err
+    code, out, err = evaluate(capsys, ope_env, "--tau", TAU, "--allow-unreliable", "--exact-limit", 1,
+                              "--mc-samples", 64)
+    assert code == 0 and "direct: the target's expected Recall@M from the gold labels, over Monte Carlo slot " \
+                         "marginals (--mc-samples;" in out, err
+
+
 def test_evaluate_on_policy_weights_are_one(capsys, ope_env):
     """Target = the logging policy (identity reranker, same τ): every importance weight is 1,
     so every estimator returns the logged mean and the ESS is the number of calls. No false

@@ -321,8 +321,12 @@ def _print_table(rep: dict, policies, tau: float) -> None:
         for name, est in per.items():
             click.echo(_row(name, est))
             cut = cut or bool(est.get("ci95_clipped"))
-    click.echo("\n(logged: the logging policy's own value; direct: the target's exact expected Recall@M "
-               "from the gold labels)" if "recall" in rep["estimates"] else "\n(logged: the logging policy's value)")
+    exact = rep.get("marginals", {}).get("method", "exact") == "exact"
+    direct = ("the target's exact expected Recall@M from the gold labels" if exact else
+              "the target's expected Recall@M from the gold labels, over Monte Carlo slot marginals (--mc-samples; "
+              "--exact-limit above their count makes them exact)")
+    click.echo(f"\n(logged: the logging policy's own value; direct: {direct})" if "recall" in rep["estimates"]
+               else "\n(logged: the logging policy's value)")
     if cut:
         click.echo("(*: interval cut at the metric's range)")
     click.echo("(gain: the estimate minus the logging policy's value on the same calls, paired bootstrap interval)")
