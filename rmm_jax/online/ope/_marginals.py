@@ -34,8 +34,10 @@ class _Level(NamedTuple):
     before slot j, lexicographic: ``members`` (C, K) bool; ``parents``/``removed`` (C, j): the
     set without its p-th member, as an index of the level before, and that member; ``first``
     (C,): each set's first candidate not in it (the largest weight left to draw; K: none);
-    ``groups``: ``(g, rows)`` of the sets whose first is g < K; ``via`` (C, j): the row
-    ``first(parent) · K + removed`` of the level before's stacked weights (:func:`_set_levels`)."""
+    ``groups``: ``(g, rows, outside)`` of the sets whose first is g < K, ``outside`` (rows, K)
+    float64 the candidates each leaves to draw (made once: every block of calls reads it);
+    ``via`` (C, j): the row ``first(parent) · K + removed`` of the level before's stacked
+    weights (:func:`_set_levels`)."""
 
     members: np.ndarray
     parents: np.ndarray
@@ -62,7 +64,8 @@ def _subsets(k: int, m: int) -> tuple[_Level, ...]:
                 parents[c, p] = prev[combo[:p] + combo[p + 1:]]
                 removed[c, p] = combo[p]
         first = np.where(members.all(1), k, np.argmin(members, axis=1))
-        groups = tuple((g, np.flatnonzero(first == g)) for g in np.unique(first) if g < k)
+        groups = tuple((g, rows, (~members[rows]).astype(np.float64))
+                       for g in np.unique(first) if g < k for rows in [np.flatnonzero(first == g)])
         via = first_prev[parents] * k + removed if j else removed
         levels.append(_Level(members, parents, removed, first, groups, via))
         prev, first_prev = index, first
@@ -98,8 +101,8 @@ def _set_levels(logits, mask, levels: int):
             weights = np.exp(lw[None, :, :] - lw[:g_count, None, :])
         weights = np.where(below[:g_count] & np.isfinite(lw[:g_count])[:, None, :], weights, 0.0)
         rest = np.zeros_like(prob)
-        for g, rows in level.groups:
-            rest[rows] = _outside(level.members[rows]) @ weights[g]
+        for g, rows, outside in level.groups:
+            rest[rows] = outside @ weights[g]
         ratio = np.divide(prob, rest, out=np.zeros_like(prob), where=rest > 0)
         yield j, level, prob, ratio, weights
         if j + 1 < levels:
@@ -108,11 +111,6 @@ def _set_levels(logits, mask, levels: int):
             prob = ratio[structure[j + 1].parents[:, 0]] * flat[via[:, 0]]
             for p in range(1, via.shape[1]):
                 prob += ratio[structure[j + 1].parents[:, p]] * flat[via[:, p]]
-
-
-def _outside(members: np.ndarray) -> np.ndarray:
-    """``~members`` as float64 (C, K): which candidates each set leaves to draw."""
-    return (~members).astype(np.float64)
 
 
 #: The dynamic programme's products are (sets × K) by (K × calls), K about 20: too thin for BLAS's
@@ -145,8 +143,8 @@ def slot_marginals_exact(logits, mask, m: int, *, block: int = 128) -> np.ndarra
         order = next(levels)
         part = np.zeros((m, k, order.shape[0]))
         for j, level, _, ratio, weights in levels:
-            for g, rows in level.groups:
-                part[j] += weights[g] * (_outside(level.members[rows]).T @ ratio[rows])
+            for g, rows, outside in level.groups:
+                part[j] += weights[g] * (outside.T @ ratio[rows])
         np.put_along_axis(out[lo:lo + block], np.broadcast_to(order[:, None, :], (order.shape[0], m, k)),
                           part.transpose(2, 0, 1), axis=2)
     return out
