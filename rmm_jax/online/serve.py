@@ -171,19 +171,9 @@ def load_policies(store: PolicyStore, user_ids: Sequence[str], *, fallback_to_sh
     once. ``rmm-jax evaluate`` reads a day's users so, 64 at a time: one at a time, 300 users
     took 3.4 s, mostly reading the same chunks again."""
     _check_store(store, "PolicyStore", "PolicyStore.open(path)")
-    shared_cache: dict[int | str | None, Any] = {}
-
-    def shared(version):
-        """The shared params of ``version`` and the version ("learned": the version the last
-        saved users left, :meth:`PolicyStore.learned_shared_version`), each read once."""
-        if version == "learned":
-            if version not in shared_cache:
-                shared_cache[version] = store.learned_shared_version()
-            version = shared_cache["learned"]
-        if version not in shared_cache:
-            shared_cache[version] = (shared_params or functools.partial(_shared_on_device, store))(version)
-        return shared_cache[version]
-
+    # each shared version, and the one the last saved users left, read once for all of them
+    shared = functools.cache(shared_params or functools.partial(_shared_on_device, store))
+    learned = functools.cache(store.learned_shared_version)
     scope = store.scope
     got = store.load_batch(list(user_ids))
     if got.missing and not fallback_to_shared:
@@ -192,13 +182,13 @@ def load_policies(store: PolicyStore, user_ids: Sequence[str], *, fallback_to_sh
     out = []
     for user_id in user_ids:
         if user_id not in row:
-            params, shared_version = shared("learned")
+            params, shared_version = shared(learned())
             out.append(Policy(params, None, shared_version))
             continue
         j = row[user_id]
         version = got.versions[j]
         if not scope.has_local:                # one policy for everyone: as its users left it
-            params, shared_version = shared("learned")
+            params, shared_version = shared(learned())
             out.append(Policy(params, version, shared_version))
             continue
         own = _device(jax.tree.map(lambda a: a[j], got.state.params))   # noqa: B023 (called at once)
