@@ -417,6 +417,8 @@ def test_cli_chain_and_bit_identical_replay(tmp_path, capsys):
     run("pretrain", str(st), "--out", pol, "--epochs", "2", *km)
     out = run("simulate", str(st), "--policies", pol, "--init", "pretrained", *km,
               "--log-out", str(tmp_path / "log.jsonl"), "--json")
+    # the first night from the pretrained store says where its users started (it said nothing)
+    assert f"started 3 new users in {pol} from its pretrained reranker (--init pretrained)" in out.err.splitlines()
     summary = json.loads(out.out)
     assert summary["online"]["queries"] == summary["base"]["queries"] > 0
     simulated = {u: PolicyStore.open(pol).load(u).state.params for u in PolicyStore.open(pol).users()}

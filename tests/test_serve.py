@@ -266,7 +266,9 @@ def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys
                       (dict(calls[0], candidates=[{"id": 5, "text": "x"}]), "item 0: 'id' must be a non-empty "
                                                                             "string, got a number"),
                       (dict(calls[0], candidates=[["crm-5"]]), "item 0: expected an id (a non-empty string) or an "
-                                                               "{\"id\", \"text\"} object, got a list")):
+                                                               "{\"id\", \"text\"} object, got a list"),
+                      (dict(calls[0], candidates=[]), "expected a non-empty list of ids (or {\"id\", \"text\"} "
+                                                      "objects), got an empty list")):
         req.write_text(json.dumps(bad) + "\n")
         code, stdout, err = run_cli(capsys, "rerank", store, "--calls", req, "--m", 2, "--out", tmp_path / "x.jsonl")
         assert (code, stdout) == (2, "") and says in err and err.count("\n") == 1, err

@@ -102,11 +102,12 @@ def config_options(f=None, *, from_log: bool = False, new_store: bool = False):
         click.option("--batch", type=IntRange(min=1, max=MAX_BATCH), default=None,
                      help=f"Queries per update {_preset_default('batch')}."),
         click.option("--tau", type=float, default=None,
-                     help=f"Temperature > 0 of the loss's logits and, unless --draw-tau is given, of the draw of the "
-                          f"shown memories {_preset_default('tau')}."),
+                     help=f"Temperature (at least {checks.TAU_MIN:g}) of the loss's logits and, unless --draw-tau is "
+                          f"given, of the draw of the shown memories {_preset_default('tau')}."),
         click.option("--draw-tau", type=float, default=None,
-                     help="Temperature > 0 of the draw of the shown memories alone (Gumbel top-M, a Plackett–Luce "
-                          "sample): lower shows more of the policy's own top M and explores less. The policy store "
+                     help=f"Temperature (at least {checks.TAU_MIN:g}) of the draw of the shown memories alone "
+                          "(Gumbel top-M, a Plackett–Luce sample): lower shows more of the policy's own top M and "
+                          "explores less. The policy store "
                           "records it and `rerank --explore` (whose --tau is this draw's) draws at it; replay "
                           "draws nothing itself [default: --tau]."),
         click.option("--lr", type=float, default=None, help=f"Learning rate {_preset_default('lr')}."),

@@ -235,15 +235,16 @@ class StartNote(NamedTuple):
         info(self.text, must_read=not self.routine)
 
 
-def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: bool = False) -> StartNote | None:
+def continue_note(ps, start: Start, user_ids, *, afresh: str | None = None,
+                  created: bool = False) -> StartNote | None:
     """The stderr line of a run that continued a policy store: how many of its users continued
     from their saved versions (which), and where the others started; None when nobody continues.
-    Made before the run saves anything, printed after it (an error stays one line). With
-    ``afresh`` (a fresh run given ``--init identity`` or ``pretrained``), a store that holds
-    some of its users says so instead: their new versions forget what the saved ones
-    learned, which a nightly job that keeps the first night's ``--init`` would do every night.
-    A store the run ``created`` says so: a mistyped ``--policies`` otherwise starts every user
-    afresh without a word."""
+    Made before the run saves anything, printed after it (an error stays one line). ``afresh``:
+    the ``--init`` (``identity``, ``pretrained``) a fresh run was given, which starts its users
+    there. A store that holds some of them says so: their new versions forget what the saved
+    ones learned, which a nightly job that keeps the first night's ``--init`` would do every
+    night. Otherwise the line says where they started. A store the run ``created`` says so: a
+    mistyped ``--policies`` otherwise starts every user afresh without a word."""
     if ps is None:
         return None
     user_ids = list(user_ids)
@@ -255,9 +256,14 @@ def continue_note(ps, start: Start, user_ids, *, afresh: bool = False, created: 
         if not afresh:
             return None
         held = sum(bool(entries) for _, entries, _ in ps.listing(user_ids))
-        return None if not held else StartNote(
-            f"started {held} of {len(user_ids)} users afresh although {ps.path} holds their saved policies "
-            "(--init): their new versions do not continue what those learned; leave out --init to continue them")
+        if held:
+            return StartNote(
+                f"started {held} of {len(user_ids)} users afresh although {ps.path} holds their saved policies "
+                "(--init): their new versions do not continue what those learned; leave out --init to continue them")
+        source = ("its pretrained reranker" if afresh == "pretrained"
+                  else "the identity reranker (the retriever's order)")
+        return StartNote(f"started {count(len(user_ids), 'new user')} in {ps.path} from {source} (--init {afresh})",
+                         routine=True)
     held = {}
     for u, entries, _ in ps.listing(user_ids):
         older = [e.version for e in entries if e.version < start.before]

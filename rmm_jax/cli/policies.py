@@ -92,6 +92,10 @@ def list_cmd(store, users, as_json):
     newest version has learned from over all its runs (like its learner step, counted from
     the policy's start) and in the run that saved it, and the time of that run (UTC).
 
+    The versions come from the store's index, unread: a list of 100,000 users reads no
+    policy. `policies show` reads and verifies what loads (a damaged newest version is
+    skipped for the one before, and said).
+
     \b
     Examples:
       rmm-jax policies list policies

@@ -256,7 +256,8 @@ def replay(store, log_path, policies, init, keep, change_setting, clip, passes, 
         note_setting(ls, given, policies)
         # every night's --json has log.calls: a run that starts afresh learns every valid record
         rep["calls"] = note_learned(learned if learned is not None else LearnedCheck(replayed, 0, 0), relearn)
-        note = continue_note(ps, start, user_ids, afresh=afresh and rs_fresh(rs), created=created) if writer else None
+        note = continue_note(ps, start, user_ids, afresh=init if afresh and rs_fresh(rs) else None,
+                             created=created) if writer else None
         result = None
         if learned is None or learned.learn:
             result = run_and_save(chunks, n_users, make_run(*setting), start, ps, rs, seed=opts["seed"],

@@ -200,7 +200,7 @@ def simulate(store, policies, init, keep, change_setting, citations, precision, 
                         raise
                     raise InputError(e.message, where=f"--policies {policies}") from None
             note_setting(ls, given, policies)      # after the last refusal: a refused run changed nothing
-            note = continue_note(ps, start, run_ids, afresh=afresh and rs_fresh(rs),
+            note = continue_note(ps, start, run_ids, afresh=init if afresh and rs_fresh(rs) else None,
                                  created=created) if writer else None
             result = run_and_save(chunks, len(run_ids), make_run(*setting, cite_fn=cite), start, ps, rs,
                                   seed=opts["seed"], users_per_chunk=users_per_chunk, writer=writer,

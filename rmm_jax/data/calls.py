@@ -105,11 +105,16 @@ def _got(value) -> str:
     return ("an empty string" if not value else "a blank string") if isinstance(value, str) else json_type(value)
 
 
+def _list_type(value) -> str:
+    """What a value given for a non-empty list is (``an empty list``: ``[]`` was "a list")."""
+    return "an empty list" if value == [] else json_type(value)
+
+
 def _strings(value, path, line, key, *, once: bool = False) -> tuple[str, ...]:
     """A request's non-empty list of non-empty strings. A repeated one is refused, or with
     ``once`` (candidate texts: a user may say the same thing twice) taken where it first comes."""
     if not isinstance(value, list) or not value:
-        raise InputError(f"expected a non-empty list of strings, got {json_type(value)}", where=at(path, line, key))
+        raise InputError(f"expected a non-empty list of strings, got {_list_type(value)}", where=at(path, line, key))
     for v in value:
         if not isinstance(v, str) or not v.strip():
             raise InputError(f"expected non-empty strings, got {_got(v)}", where=at(path, line, key))
@@ -126,7 +131,7 @@ def _candidate_items(value, path, line) -> tuple[tuple[str, ...], tuple[str | No
     text, None for an id alone). An id listed twice is refused."""
     if not isinstance(value, list) or not value:
         raise InputError(f"expected a non-empty list of ids (or {{\"id\", \"text\"}} objects), got "
-                         f"{json_type(value)}", where=at(path, line, "candidates"))
+                         f"{_list_type(value)}", where=at(path, line, "candidates"))
     ids, texts = [], []
     for i, item in enumerate(value):
         if not isinstance(item, (str, dict)):
