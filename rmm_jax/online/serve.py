@@ -171,11 +171,19 @@ def load_policies(store: PolicyStore, user_ids: Sequence[str], *, fallback_to_sh
     once. ``rmm-jax evaluate`` reads a day's users so, 64 at a time: one at a time, 300 users
     took 3.4 s, mostly reading the same chunks again."""
     _check_store(store, "PolicyStore", "PolicyStore.open(path)")
+    return batch_policies(store, store.load_batch(list(user_ids)), user_ids, fallback_to_shared=fallback_to_shared,
+                          shared_params=shared_params)
+
+
+def batch_policies(store: PolicyStore, got, user_ids: Sequence[str], *, fallback_to_shared: bool = True,
+                   shared_params: Callable[[int | None], tuple[Any, int]] | None = None) -> list[Policy]:
+    """:func:`load_policies` of ``user_ids`` from ``got``, their
+    :meth:`PolicyStore.load_batch` already read: for a caller that reads the users' states
+    for more than their params (``evaluate`` also counts the calls they learned), once."""
     # each shared version, and the one the last saved users left, read once for all of them
     shared = functools.cache(shared_params or functools.partial(_shared_on_device, store))
     learned = functools.cache(store.learned_shared_version)
     scope = store.scope
-    got = store.load_batch(list(user_ids))
     if got.missing and not fallback_to_shared:
         store.load(got.missing[0])                                       # the one-line error
     row = {u: j for j, u in enumerate(got.users)}

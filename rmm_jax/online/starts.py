@@ -168,37 +168,61 @@ def check_learned(calls: dict[str, tuple[Calls, np.ndarray]], store, log_path, *
     (``replay --skip-invalid``): a call learned with other content is left out and counted
     (``changed``, ``first_changed`` its one-line error) instead of refusing the log: one call
     re-logged with late citations blocked a whole night, and ``relearn`` learns every call again."""
-    learn = known = older = changed = 0
-    first_changed = None
-    horizon = None
-    simulated: dict[str, np.ndarray] = {}
+    tally = LearnedTally(calls, log_path, relearn=relearn, questions=questions, skip_changed=skip_changed)
     users = list(calls)
     for i in range(0, len(users), CHECK_USERS):
-        got = store.load_batch(users[i:i + CHECK_USERS], before=before)
+        tally.add(store.load_batch(users[i:i + CHECK_USERS], before=before))
+    return tally.result()
+
+
+class LearnedTally:
+    """:func:`check_learned`'s sort, one loaded batch of users at a time
+    (:meth:`PolicyStore.load_batch`'s :class:`~rmm_jax.persist.policy_store.SavedBatch`, with
+    ``learned`` and ``infos``): for a reader that loads the users' states anyway, as
+    ``evaluate`` loads their policies, so that each state is read and verified once.
+    ``add`` raises what :func:`check_learned` raises; ``result`` is its :class:`LearnedCheck`."""
+
+    def __init__(self, calls: dict[str, tuple[Calls, np.ndarray]], log_path, *, relearn: bool = False,
+                 questions=None, skip_changed: bool = False):
+        self.calls, self.log_path = calls, log_path
+        self.relearn, self.questions, self.skip_changed = relearn, questions, skip_changed
+        self.learn = self.known = self.older = self.changed = 0
+        self.first_changed: str | None = None
+        self.horizon: float | None = None
+        self.simulated: dict[str, np.ndarray] = {}
+
+    def add(self, got) -> None:
+        """Sort the calls of ``got``'s users (those it holds, and those it misses: all new)."""
+        relearn = self.relearn
         for j, u in enumerate(got.users):
-            mine, lines = calls[u]
-            simulated[u] = simulated_keys(questions, u, got.infos[j])
-            sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine, simulated[u], relearn=relearn)
+            mine, lines = self.calls[u]
+            self.simulated[u] = simulated_keys(self.questions, u, got.infos[j])
+            sort = sort_calls(jax.tree.map(lambda x: x[j], got.learned), mine, self.simulated[u],  # noqa: B023
+                              relearn=relearn)
             if sort.changed.any() and not relearn:
                 line = int(lines[np.flatnonzero(sort.changed)[0]])
                 error = InputError(f"user {u!r}: this call was learned with other content (every log key but "
                                    f"{', '.join(CONTENT_LEFT_OUT)} is read: a log_prob rounded or a text re-spaced "
                                    "since is other content): the log was rewritten after it was learned, or it is "
                                    "another call under the same name (give each call its own call_id); "
-                                   f"{named('relearn', True)} learns the log's calls again", where=at(log_path, line))
-                if not skip_changed:
+                                   f"{named('relearn', True)} learns the log's calls again",
+                                   where=at(self.log_path, line))
+                if not self.skip_changed:
                     raise error
-                changed += int(sort.changed.sum())
-                first_changed = first_changed or str(error)
+                self.changed += int(sort.changed.sum())
+                self.first_changed = self.first_changed or str(error)
             # learned again with relearn, left out with skip_changed (counted apart, in changed)
-            known += int(sort.known.sum() + (sort.changed.sum() if relearn else 0))
-            older += int(sort.older.sum())
-            learn += int(sort.learn.sum())
+            self.known += int(sort.known.sum() + (sort.changed.sum() if relearn else 0))
+            self.older += int(sort.older.sum())
+            self.learn += int(sort.learn.sum())
             if sort.older.any():
                 h = float(got.learned.horizon[j])
-                horizon = h if horizon is None else max(horizon, h)
-        learn += sum(len(calls[u][1]) for u in got.missing)
-    return LearnedCheck(learn, known, older, horizon, simulated, changed, first_changed)
+                self.horizon = h if self.horizon is None else max(self.horizon, h)
+        self.learn += sum(len(self.calls[u][1]) for u in got.missing)
+
+    def result(self) -> LearnedCheck:
+        return LearnedCheck(self.learn, self.known, self.older, self.horizon, self.simulated, self.changed,
+                            self.first_changed)
 
 
 def check_simulated(store, counts: dict[str, int], queries: tuple[int, int | None], *,

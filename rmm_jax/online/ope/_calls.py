@@ -24,7 +24,8 @@ from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
-from rmm_jax.online.serve import load_policies
+from rmm_jax.online.serve import batch_policies
+from rmm_jax.online.starts import LearnedCheck, LearnedTally
 from rmm_jax.online.streams import calls_by_user, check_limits
 from rmm_jax.persist.policy_checks import check_embedding_store
 from rmm_jax.persist.policy_rollback import check_store
@@ -59,6 +60,7 @@ class Calls:
     logit_error: np.ndarray | None = None  # (n,) float64: float32 error bound of the target's logits (rounding_bound)
     read: ReadReport | None = None     # what reading the log found (load_calls)
     hashes: dict | None = None         # user id -> (learned_calls.Calls, line numbers) of its calls, in log order
+    learned: LearnedCheck | None = None  # how many of them the policies learned from (relearn: counted, never refused)
 
     @property
     def filled(self) -> np.ndarray:
@@ -229,7 +231,9 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     :class:`~rmm_jax.data.citation_log.ReadReport` (``report``, a dict filled with it, is deprecated).
     ``hashes``: per user, what a policy store remembers of its calls once learned and their line
     numbers, as :func:`rmm_jax.online.streams.scan_log` gives them with ``calls=True`` (what
-    :func:`learned_calls` counts), from the same single read of the log. ``progress``: bars on
+    :func:`learned_calls` counts), from the same single read of the log; ``learned``, that count
+    (:func:`rmm_jax.online.starts.check_learned` with ``relearn``), from the same single read of
+    each user's state. ``progress``: bars on
     stderr while it is a terminal, over the texts embedded and the users scored.
     """
     if report is not None:
@@ -266,7 +270,9 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     rows: dict[str, list] = {key: [] for key in ("uid", "qid", "t", "b", "mask", "sel", "cited", "lp", "cg", "ng",
                                                  "valid", "served", "versioned", "err")}
     all_logits = all(r.logits is not None for recs in by_user.values() for r in recs)
-    scoring = tqdm(_with_policies(policies, by_user), total=len(by_user), desc="scoring", unit="user",
+    hashed = calls_by_user(hashes)
+    tally = LearnedTally(hashed, log_path, relearn=True, questions=store)      # counted, never refused
+    scoring = tqdm(_with_policies(policies, by_user, tally), total=len(by_user), desc="scoring", unit="user",
                    file=sys.stderr, disable=bar_disable(progress), leave=False)
     for uid, recs, policy in scoring:
         c = resolve_calls(store, uid, recs, vectors, cfg.k, cfg.m)
@@ -308,16 +314,19 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
                  served_by_target=cat("served"), versions_logged=cat("versioned"), logit_error=cat("err"), read=read,
-                 hashes=calls_by_user(hashes))
+                 hashes=hashed, learned=tally.result())
 
 
-def _with_policies(policies, by_user: dict[str, list]):
-    """``(user, records, policy)`` of each user in ``by_user``, their policies read
-    64 at a time (:func:`rmm_jax.online.serve.load_policies`)."""
+def _with_policies(policies, by_user: dict[str, list], tally: LearnedTally):
+    """``(user, records, policy)`` of each user in ``by_user``, their states read 64 at a
+    time (:func:`rmm_jax.online.serve.load_policies`), each read once for its policy and for
+    the calls it learned (``tally``)."""
     users = list(by_user)
     for i in range(0, len(users), _POLICY_USERS):
         part = users[i:i + _POLICY_USERS]
-        for uid, policy in zip(part, load_policies(policies, part, fallback_to_shared=True)):
+        got = policies.load_batch(part)
+        tally.add(got)
+        for uid, policy in zip(part, batch_policies(policies, got, part, fallback_to_shared=True)):
             yield uid, by_user[uid], policy
 
 

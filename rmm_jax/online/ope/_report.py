@@ -354,17 +354,17 @@ def learned_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str
     remembers (learned and forgotten, or never learned: it cannot tell); ``note``: the line
     that says an estimate on learned calls, or on older ones (the policies learned from them or
     from later calls), can be optimistic (None: none was learned and none is older).
-    Reads the log; :func:`evaluate_log` counts the calls :func:`load_calls` read instead
-    (``Calls.hashes``)."""
+    Reads the log and the users' states; :func:`evaluate_log` takes the count :func:`load_calls`
+    made as it read both (``Calls.learned``)."""
     scan = scan_log(log_path, cfg, known=known_ids(store), skip_invalid=skip_invalid, users=users, calls=True)
-    return _learned(scan.calls or {}, store, log_path, policies)
+    calls = scan.calls or {}
+    return _learned(check_learned(calls, policies, log_path, before=None, relearn=True, questions=store)  # count
+                    if calls else None)
 
 
-def _learned(calls: dict, store, log_path, policies) -> dict:
-    """:func:`learned_calls` of the calls ``calls`` (per user, its calls and their line
-    numbers: ``scan_log(..., calls=True).calls`` or ``Calls.hashes``)."""
-    got = (check_learned(calls, policies, log_path, before=None, relearn=True, questions=store)   # count, never refuse
-           if calls else None)
+def _learned(got) -> dict:
+    """:func:`learned_calls`' dict of a :class:`~rmm_jax.online.starts.LearnedCheck` (None: no
+    call), from :func:`check_learned` or ``Calls.learned``."""
     total, learned, older = (int(got.learn), int(got.known), int(got.older)) if got else (0, 0, 0)
     if learned and not older:
         note = (f"the policies learned from {learned} of these {total} calls: an estimate on the calls they learned "
@@ -511,7 +511,7 @@ def evaluate_log(store, log_path, policies, cfg: Target, *, users: Sequence[str]
         warnings.append(f"importance weights clipped at {clip:g} (weights capped, cited metric: {counts}): "
                         "clipped estimates are biased, towards the logging policy's value for ips")
     bad = [{"metric": metric, "estimator": name, "reason": reason} for metric, name, reason in unreliable(res)]
-    learned = _learned(calls.hashes, store, log_path, policies)    # the calls load_calls read: one read
+    learned = _learned(calls.learned)    # counted as load_calls read the log and the states: each read once
     return {"calls": int(len(calls.user_ids)), "users": len(calls.own_policy), "users_on_shared_params": len(shared),
             "tau": cfg.tau, "k": cfg.k, "m": cfg.m, "clip": clip, "min_ess": min_ess, "bootstrap": bootstrap,
             "seed": seed, "log": {"path": str(log_path), **calls.read._asdict()}, "warnings": warnings,
