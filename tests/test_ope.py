@@ -873,8 +873,13 @@ def test_evaluate_log_reads_the_log_once(ope_env, tmp_path, monkeypatch, grouped
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", counting_open)
+    loaded = []                 # and each user's state once: for its policy and for the calls it learned
+    real_load = PolicyStore.load_batch
+    monkeypatch.setattr(PolicyStore, "load_batch", lambda self, users, **kw: (loaded.extend(users),
+                                                                              real_load(self, users, **kw))[1])
     got = evaluate_log(st, log, ps, cfg, bootstrap=40)
     assert len(opened) == 1, f"the log was opened {len(opened)} times"
+    assert sorted(loaded) == sorted(ope_env["users"]), loaded
     assert got["learned_calls"] == expected and expected["calls"] == len(ope_env["records"])
 
 def test_deterministic_logger_log_prob_zero_is_flagged(capsys, ope_env, tmp_path):
