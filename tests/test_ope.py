@@ -1090,6 +1090,37 @@ def test_weight_mean_check_quiet_on_correct_logs_loud_on_deterministic(seed):
     assert any("not 1" in x for x in verdict(est))
 
 
+def test_a_mean_below_one_with_no_tail_drawn_names_the_drift_beside_the_log_prob():
+    """A correct log of 48 calls judging a target that moved its mass onto a candidate the
+    logger seldom draws: the log holds none of those selections, so every weight is small
+    and alike (ESS near the number of calls) and their mean falls below 1. evaluate blamed
+    the log's log_prob alone ("log each call's log_prob as the probability ..."), telling a
+    team with a correct log to fix it (the docs audit: 0.561 at an ESS of 34 of 48). The
+    cause now names both, with how to tell them apart; with logits on every record (the log
+    is self-consistent) the drift first."""
+    from rmm_jax.online.ope._estimators import heavy_tailed
+    from rmm_jax.online.ope._report import log_cause
+
+    rng = np.random.default_rng(0)
+    n, k, m = 48, 8, 3
+    zb = rng.normal(size=(n, k))
+    zb[:, -1] = -20.0                         # the logger all but never draws candidate 7 ...
+    zt = zb.copy()
+    zt[:, -1] = 1.0                           # ... which the target shows about half the time
+    mask = np.ones((n, k), bool)
+    sel = np.argsort(-(zb + rng.gumbel(size=(n, k))), axis=1)[:, :m]      # logged exactly: a correct log
+    ratio = prefix_log_probs(zt, sel, mask)[:, -1] - prefix_log_probs(zb, sel, mask)[:, -1]
+    r = (rng.uniform(size=(n, m)) < 0.3).astype(np.float64)
+    est = {**estimate("ips", estimator_weights("ips", log_ratio=ratio), r, bootstrap=0), "reliable": False}
+    assert est["weight_mean"] < 0.7 and not heavy_tailed(est), est       # below 1, and no tail drawn
+    cause = log_cause(est, 30)
+    assert "log_prob is not the logging policy's probability, or the target has drifted" in cause.why, cause
+    assert cause.fix.startswith("to tell the two apart") and "a later day's" in cause.fix, cause
+    checked = log_cause(est, 30, logits_checked=True)
+    assert "the target has likely drifted far from the logging policy" in checked.why, checked
+    assert "Plackett–Luce probability of its logits" in checked.why and checked.fix == cause.fix, checked
+
+
 def test_over_fewer_calls_than_min_ess_the_weight_mean_is_no_diagnosis_of_the_log():
     """A day's correct log of 16 calls, the target replayed on it: evaluate said its weights
     average 0.783 (s.e. 0.063), "log_prob is not the logging policy's probability", and told

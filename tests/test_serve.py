@@ -191,14 +191,25 @@ def test_rerank_explore_keeps_a_served_record_of_the_same_calls(capsys, tmp_path
     (tmp_path / "malformed.jsonl").write_text("".join(                       # or as it is read
         json.dumps({"call_id": f"c{j}", "user_id": "user1", "query": "q", "candidates": 5}) + "\n" for j in range(3)))
     keyed = "".join(json.dumps({**r, "latency_ms": 12}) + "\n" for r in records)      # a key of the application's
-    for change, calls, content in (((), "day1", cited), (("--seed", "1"), "day1", cited),
-                                   (("--skip-invalid",), "unknown", cited), (("--skip-invalid",), "malformed", cited),
-                                   ((), "day1", keyed)):
+    shown = "".join(json.dumps(r) + "\n" for r in records)                     # served, nothing added yet
+    # what the refusal says the file holds: what the application added to it, by name, or what the policies of
+    # that time drew (it said "and what your application added" of a file nobody had added to)
+    added = lambda *keys: f"what the generator was shown, and the {', '.join(keys)} your application added to it"  # noqa
+    for change, calls, content, says in (
+            ((), "day1", cited, added("'cited'")), (("--seed", "1"), "day1", cited, added("'cited'")),
+            (("--skip-invalid",), "unknown", cited, added("'cited'")),
+            (("--skip-invalid",), "malformed", cited, added("'cited'")),
+            ((), "day1", keyed, added("'latency_ms'")),
+            (("--seed", "1"), "day1", shown, "what the generator was shown, drawn then by the policies of that time")):
         served.write_text(content + '{"user_id": ["a list"]}\n{"truncated by a cras')   # and lines of no record
         before = served.read_bytes()
         code, _, err = run_cli(capsys, *args, "--calls", tmp_path / f"{calls}.jsonl", "--explore", *change)
         last = err.splitlines()[-1]
-        assert code == 2 and last.startswith(f"error: --out {served}: holds another record of 3 calls"), err
+        # every served record carries what the application added; another draw at --seed 1 may match one record
+        n = "3 calls" if content is not shown else ("2 calls", "3 calls")
+        assert code == 2 and last.startswith(tuple(f"error: --out {served}: holds another record of {x}"
+                                                   for x in ([n] if isinstance(n, str) else n))), err
+        assert f"{says})" in last, last
         assert "Traceback" not in err and served.read_bytes() == before
     for more in (("--calls", tmp_path / "day2.jsonl", "--explore"), ("--calls", tmp_path / "day1.jsonl")):
         code, _, err = run_cli(capsys, *args, *more)

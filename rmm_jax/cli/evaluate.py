@@ -147,7 +147,8 @@ def evaluate(store, log_path, policies, users, tau, k, m, clip, min_ess, allow_u
         undecidable from sampling): E[target/logging] = 1 whenever the log covers the target,
         so log_prob is not the logging policy's probability (a deterministic
         logger writing 0, a wrong temperature) or the log misses selections
-        the target makes;
+        the target makes (a target far from the logging policy: the message
+        names both, and how to tell them apart);
       - its value lies outside the metric's range on these calls: cited in
         [0, mean shown], cite rate in [0, 1], Recall@M between the least and
         the most any selection of the candidates gets (IPS can leave the

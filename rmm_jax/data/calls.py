@@ -63,6 +63,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rmm_jax.data.citation_log import (
+    LOG_KEYS,
     call_key,
     check_timestamp,
     misspelt_key,
@@ -261,6 +262,9 @@ def check_out_apart(out, where: str, calls, dirs=()) -> None:
                              "outside it", where=where)
 
 
+_SERVED_KEYS = frozenset(LOG_KEYS) - {"cited", "gold"}      # what rerank writes; the rest, the application added
+
+
 def check_not_served(out, where: str, asked, served: Sequence[dict]) -> None:
     """Refuse (one :class:`~rmm_jax.errors.InputError` at ``where``) to replace an output file
     ``out`` that holds a record of a requested call (``asked``: the ``(user_id, call_key)`` of
@@ -287,14 +291,16 @@ def check_not_served(out, where: str, asked, served: Sequence[dict]) -> None:
                 continue
             key = _identity(rec) if isinstance(rec, dict) else None
             if key in asked and (key not in new or content(new[key]) != content(rec)):
-                other.append(line)
+                other.append((line, sorted(set(rec) - _SERVED_KEYS)))
     except (InputError, OSError):        # a file that cannot be read: its write fails, one line, as any
         return
     if other:
-        raise InputError(f"holds another record of {count(len(other), 'call')} of these requests (line {other[0]}: "
-                         "what the generator was shown, and what your application added to it); serving them "
-                         "again would replace that record. Write the served lines to another file, or move this one "
-                         "away first", where=where)
+        line, added = other[0]
+        what = (f"what the generator was shown, and the {', '.join(map(repr, added))} your application added to it"
+                if added else "what the generator was shown, drawn then by the policies of that time")
+        raise InputError(f"holds another record of {count(len(other), 'call')} of these requests (line {line}: "
+                         f"{what}); serving them again would replace that record. Write the served lines to another "
+                         "file, or move this one away first", where=where)
 
 
 def _identity(rec: dict) -> tuple[str, str] | None:

@@ -256,7 +256,8 @@ def verdict(est: dict, *, value_range: tuple[float, float] | None = None, min_es
             "policy's probability" if heavy_tailed(est) else
             "log_prob is not the logging policy's probability" + (
                 " (a log that does not cover the target only pulls the mean below 1)" if mean > 1.0 else
-                ", or the log does not cover the target")))
+                ", or the target has drifted onto selections this log has not drawn yet (their large weights, "
+                "unsampled, pull the mean below 1)")))
     if value_range is not None:
         a, b = value_range
         tol = RANGE_TOL * max(b - a, 1.0)
