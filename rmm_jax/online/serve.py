@@ -141,7 +141,10 @@ class Policy(NamedTuple):
 
 def user_params(store: PolicyStore, user_id: str, *, fallback_to_shared: bool = False):
     """The reranker params that score ``user_id``'s queries, as device arrays (see
-    :func:`load_policy`)."""
+    :func:`load_policy`). Unlike :func:`load_policy`, whose default serves a user the store
+    does not hold its shared part, a user it does not hold is an error here unless
+    ``fallback_to_shared``: asking for one user's params by name, a mistyped id should not
+    quietly give everyone's."""
     return load_policy(store, user_id, fallback_to_shared=fallback_to_shared).params
 
 
