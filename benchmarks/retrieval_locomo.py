@@ -4,7 +4,7 @@
 
 For each granularity (``--granularities``): ``rmm-jax embed locomo:DATA --out S
 --granularity G`` into a scratch store, then ``rmm-jax retrieve S --k 20 --pad-short-banks
---json`` (conversation 26 has only 19 sessions, so K = 20 at session level needs the
+--json`` (conversations 26 and 30 have only 19 sessions each, so K = 20 at session level needs the
 padding). Each command's JSON goes, with the commands and the provenance, to
 ``OUT_DIR/retrieval_locomo_G.json``: what docs/own-data.md's table of the retriever reads.
 Embeddings come from the embedding cache after the first build.

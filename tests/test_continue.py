@@ -10,6 +10,7 @@ store trained with another optimiser is refused in one line.
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -179,6 +180,33 @@ def test_new_users_start_from_the_shared_part_and_keep_bounds_versions(capsys, t
     assert not all(np.array_equal(a, b) for a, b in zip(shared_after_first, states(ps_path)["<shared>"]))
     ps = PolicyStore.open(ps_path)
     assert all(len(ps.entries(u)) == 1 for u in ps.users())          # --keep 1
+
+
+@pytest.mark.parametrize("scope", ["user", "shared"])
+def test_new_users_started_by_init_say_where_and_whether_the_shared_part_restarts(capsys, tmp_path, store, scope):
+    """New users started by --init identity in a store that holds other users: the run said
+    nothing. In scope user the line says where they started (routine: -q drops it). With a
+    shared part the run starts it over too (its shared part after the run is a fresh store's,
+    bit for bit), which -q keeps, with how to continue it instead."""
+    ps_path = tmp_path / "p"
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", ps_path, "--users", "user0,user1", *SIM,
+                           "--scope", scope)
+    assert code == 0, err
+    for quiet in ((), ("-q",)):
+        path = tmp_path / f"copy{len(quiet)}"
+        shutil.copytree(ps_path, path)
+        code, _, err = run_cli(capsys, "simulate", store, "--policies", path, "--users", "user2", *SIM,
+                               "--init", "identity", *quiet)
+        assert code == 0, err
+        line = (f"started 1 new user in {path} from the identity reranker, the retriever's order (--init identity)"
+                + ("; the shared part starts there too, not from the one the store's users left: leave out --init "
+                   "to continue it" if scope == "shared" else ""))
+        assert (line in err.splitlines()) is (scope == "shared" or not quiet), err
+    code, _, err = run_cli(capsys, "simulate", store, "--policies", tmp_path / "fresh", "--users", "user2", *SIM,
+                           "--scope", scope)
+    assert code == 0, err
+    if scope == "shared":          # what the line says: the shared part is the one a fresh store learns
+        assert_same({"<shared>": states(path)["<shared>"]}, {"<shared>": states(tmp_path / "fresh")["<shared>"]})
 
 
 def test_lowering_keep_says_what_it_deletes_and_that_rollback_cannot_undo_at_one(capsys, tmp_path, store):

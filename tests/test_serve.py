@@ -215,6 +215,9 @@ def test_rerank_explore_keeps_a_served_record_of_the_same_calls(capsys, tmp_path
         code, _, err = run_cli(capsys, *args, *more)
         assert code == 0, err
         assert served.read_bytes() != before
+    # the file holds a plain ranking now: its positions and scores are rerank's, not the application's
+    code, _, err = run_cli(capsys, *args, "--calls", tmp_path / "day1.jsonl", "--explore")
+    assert code == 2 and "(line 1: a ranking of an earlier rerank without --explore)" in err, err
 
 
 def test_rerank_takes_candidates_as_a_log_writes_them_and_keeps_their_ids(capsys, tmp_path, env, monkeypatch):

@@ -226,8 +226,10 @@ def rolled_back_note(policies, r) -> str:
 
 
 class StartNote(NamedTuple):
-    """:func:`continue_note`'s line, and whether it is routine: a night that continued its
-    users (``-q`` drops it), not a store created or users started afresh (always printed)."""
+    """:func:`continue_note`'s line, and whether it is routine (``-q`` drops it): a night that
+    continued its users, or new users started where ``--init`` says in a store that holds none
+    of them; not a store created, users started afresh over their saved policies, or a shared
+    part started again (always printed)."""
     text: str
     routine: bool = False
 
@@ -260,10 +262,11 @@ def continue_note(ps, start: Start, user_ids, *, afresh: str | None = None,
             return StartNote(
                 f"started {held} of {len(user_ids)} users afresh although {ps.path} holds their saved policies "
                 "(--init): their new versions do not continue what those learned; leave out --init to continue them")
-        source = ("its pretrained reranker" if afresh == "pretrained"
-                  else "the identity reranker (the retriever's order)")
-        return StartNote(f"started {count(len(user_ids), 'new user')} in {ps.path} from {source} (--init {afresh})",
-                         routine=True)
+        source = "its pretrained reranker" if afresh == "pretrained" else "the identity reranker, the retriever's order"
+        restarted = ps.scope.has_shared and bool(ps.n_users())     # its shared part as the saved users left it
+        return StartNote(f"started {count(len(user_ids), 'new user')} in {ps.path} from {source} (--init {afresh})"
+                         + ("; the shared part starts there too, not from the one the store's users left: leave out "
+                            "--init to continue it" if restarted else ""), routine=not restarted)
     held = {}
     for u, entries, _ in ps.listing(user_ids):
         older = [e.version for e in entries if e.version < start.before]

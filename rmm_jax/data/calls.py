@@ -296,8 +296,11 @@ def check_not_served(out, where: str, asked, served: Sequence[dict]) -> None:
         return
     if other:
         line, added = other[0]
+        ranked = {"positions", "scores"} & set(added)           # what a rerank without --explore writes
+        added = [k for k in added if k not in ranked]
         what = (f"what the generator was shown, and the {', '.join(map(repr, added))} your application added to it"
-                if added else "what the generator was shown, drawn then by the policies of that time")
+                if added else "a ranking of an earlier rerank without --explore" if ranked
+                else "what the generator was shown, drawn then by the policies of that time")
         raise InputError(f"holds another record of {count(len(other), 'call')} of these requests (line {line}: "
                          f"{what}); serving them again would replace that record. Write the served lines to another "
                          "file, or move this one away first", where=where)
