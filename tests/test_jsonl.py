@@ -13,13 +13,14 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, FakeEmbedder, run_cli, use_fake_embedder
 
 from rmm_jax.core.reranker import init_reranker
 from rmm_jax.data import load_spec
 from rmm_jax.data.citation_log import LogRecord, pl_log_prob, pl_tolerance, read_log, record_to_json, validate_record
 from rmm_jax.data.jsonl import MAX_MESSAGE_CHARS, PART_SEPARATOR, load_jsonl
 from rmm_jax.data.log_dataset import load_log_dataset
+from rmm_jax.data.log_vectors import known_ids, resolve_calls, unseen_texts
 from rmm_jax.data.store import open_store
 from rmm_jax.errors import InputError
 from rmm_jax.persist.policy_store import PolicyStore
@@ -577,6 +578,40 @@ def test_gold_that_no_record_carries_is_dropped_and_counted(tmp_path, capsys, fa
     code, out, err = run_cli(capsys, "embed", f"log:{calls},memories={mems}", "--out", tmp_path / "store2")
     assert code == 0 and "dropped 1 gold ids" in err and f"Add their texts to {mems} to keep them" in err, err
     assert "Give their texts with" not in err
+
+
+def test_a_store_built_from_a_log_replays_that_log_despite_gold_never_retrieved(tmp_path, capsys, monkeypatch):
+    """``embed log:`` drops a gold id that no record carries; replaying and evaluating the same
+    log on that store refused it ("unknown memory id ... neither in the store nor a candidate"),
+    though the ids are kept as logged so that the log replays. Where the store holds the
+    question its gold counts; elsewhere the id leaves the record's gold, as embed dropped it,
+    counted in one note; a call left with no gold does not count for Recall."""
+    use_fake_embedder(monkeypatch)
+    calls, store, pol = tmp_path / "calls.jsonl", tmp_path / "store", tmp_path / "pol"
+    by_call = {k: v for k, v in CALL.items() if k != "query_id"} | {"log_prob": -0.5}
+    calls.write_text(jl({**CALL, "gold": ["m1", "zz"], "log_prob": -0.5},   # the store holds q1
+                        {**by_call, "call_id": "c2", "query": "what do I drink?", "gold": ["m2", "yy"]},
+                        {**by_call, "call_id": "c3", "query": "who is Lena?", "gold": ["yy"]}))
+    code, out, err = run_cli(capsys, "embed", f"log:{calls}", "--out", store, "--json")
+    assert code == 0 and json.loads(out)["stats"]["gold_without_text"] == 3, err
+    st = open_store(store)
+    recs, report = read_log(calls, known=known_ids(st))
+    assert [r.gold for r in recs] == [("m1", "zz"), ("m2",), None]     # q1's is the store's: not read
+    assert report.notes == [f"{calls}: left out 2 gold ids naming no memory of the store or of its record (first: "
+                            "line 2, 'yy' of user 'u'), so Recall counts the gold the store holds (a gold memory "
+                            "never retrieved has no text)"]
+    raw, _ = read_log(calls)        # read without the store: resolving leaves them out the same way
+    texts = [t for r in raw for t in unseen_texts(r, known_ids(st)("u"))]
+    c = resolve_calls(st, "u", raw, dict(zip(texts, FakeEmbedder(st.dim).encode(texts))), 2, 1)
+    assert c.num_gold.tolist() == [1, 1, 0] and c.valid.tolist() == [True, True, False]
+    assert "zz" not in c.memory_ids and "yy" not in c.memory_ids
+    code, out, err = run_cli(capsys, "replay", store, "--log", calls, "--policies", pol, "--json")
+    assert code == 0, err
+    assert [x for x in err.splitlines() if "left out" in x] == [f"note: {report.notes[0]}"]
+    code, out, err = run_cli(capsys, "evaluate", store, "--log", calls, "--policies", pol, "--json",
+                             "--allow-unreliable", "--bootstrap", 40)
+    assert code == 0, err
+    assert json.loads(out)["estimates"]["recall"]["logged"]["n"] == 2      # c3 has no gold left
 
 
 def test_embed_log_notes_each_misspelt_key_once(tmp_path, capsys, fake_model):

@@ -3,6 +3,7 @@ validated, checked against the store's ids, and checked for a call logged twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from rmm_jax.data.citation_log._known import Known, _check_known, _known_lookup
 from rmm_jax.data.citation_log._record import validate_record
 from rmm_jax.data.citation_log._schema import LOG_KEYS, LogRecord, _key_where
 from rmm_jax.data.json_lines import MAX_FIRST_ERRORS, decode_line, nonblank_lines
+from rmm_jax.data.words import count
 from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError, at
 
@@ -111,7 +113,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     text two records of a user give differently is an error (so is a call logged twice with
     other content). A line that repeats an earlier record of the call exactly (the same JSON
     object: a log delivered at least once, a day's file appended twice) is read once: counted
-    in ``repeated`` and noted, not an error.
+    in ``repeated`` and noted, not an error. Against ``known``, a gold id that neither the
+    store nor the record holds leaves the record's gold (:func:`~rmm_jax.data.citation_log.held_gold`: no bank
+    can hold it, and ``embed log:`` dropped it from the store it built): counted in one
+    note naming the first, not an error.
     """
     if not isinstance(path, (str, bytes, os.PathLike)):   # None was a TypeError from open(), an int read as an fd
         raise InputError(f"expected the log's path (a str or os.PathLike), got {type(path).__name__} {path!r}"[:160],
@@ -121,6 +126,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     keys_seen = set(LOG_KEYS)
     seen: dict[tuple[str, str], tuple[int, bytes]] = {}    # a call -> (its line, its record's digest)
     first_repeat: tuple[int, int] | None = None
+    gold_left_out, first_left_out = 0, ""
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
@@ -130,8 +136,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         try:
             obj = decode_line(raw, path, lineno)
             rec = validate_record(obj, where, now=now)
-            if lookup is not None:
-                _check_known(rec, lookup, where)
+            left_out = _check_known(rec, lookup, where) if lookup is not None else ()
             pair, digest = (rec.user_id, call_key(rec)), _digest(obj)
             if pair in seen and seen[pair][1] == digest:      # the same record again: read once
                 report["repeated"] += 1
@@ -170,6 +175,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
             texts.setdefault(mem, (text, lineno))
         note_misspelt_keys(obj, keys_seen, path, lineno, report["notes"])
         report["records"] += 1
+        if left_out:
+            gold_left_out += len(left_out)
+            first_left_out = first_left_out or f"line {lineno}, {left_out[0]!r} of user {rec.user_id!r}"
+            rec = dataclasses.replace(rec, gold=tuple(g for g in rec.gold if g not in left_out) or None)
         yield lineno, rec
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
@@ -179,6 +188,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         report["notes"].append(f"{n} line{'s' if n > 1 else ''} of {path} repeat{'' if n > 1 else 's'} an earlier "
                                f"record exactly (first: line {first_repeat[0]}, as line {first_repeat[1]}): each "
                                "call is read once (if they were separate calls, give each its own call_id)")
+    if gold_left_out:
+        report["notes"].append(f"{path}: left out {count(gold_left_out, 'gold id')} naming no memory of the store "
+                               f"or of its record (first: {first_left_out}), so Recall counts the gold the store "
+                               "holds (a gold memory never retrieved has no text)")
 
 
 def _digest(obj) -> bytes:
