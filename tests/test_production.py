@@ -960,6 +960,36 @@ def test_append_refuses_a_changed_session_and_another_model(tmp_path, days):
         append_store(store, load_spec(spec), FakeEmbedder(8), spec=spec)
 
 
+@pytest.mark.parametrize("change, key, words", [
+    ({"gold_turn_ids": ["s1:1"]}, "questions[0]", "question 'q1' of user 'a' is already in the store with other gold "
+                                                  "(s1:0 there, s1:1 here; give a changed question its own id)"),
+    ({"gold_turn_ids": ["s1:0", "s1:1"]}, "questions[0]", "with other gold (s1:0 there, s1:0, s1:1 here"),
+    ({"gold_turn_ids": [], "abstention": True}, "questions[0]", "question 'q1' of user 'a' is already in the store "
+                                                                "with abstention false, not true"),
+    ({"timestamp": "2024-05-03"}, "sessions[0]", "session 's1' of user 'a' is already in the store with another "
+                                                 "timestamp ('2024-05-01' there, '2024-05-03' here")])
+def test_append_refuses_a_repeat_with_other_gold_abstention_or_timestamp(tmp_path, days, change, key, words):
+    """Day 1's question or session sent again with the same text but other gold, abstention or
+    timestamp counted as a repeat, and the store kept day 1's without a word; it is an error
+    naming its file:line, as another text is, before anything is written. The same line is
+    still a repeat."""
+    store, _, _ = days
+    q1 = {"id": "q1", "question": "dog name?", "gold_turn_ids": ["s1:0"]}
+    s1 = session("s1", ["I adopted a puppy named Max", "hello"], "2024-05-01")
+    line = {"user_id": "a", "sessions": [s1], "questions": [q1]}
+    changed = {**line, "sessions": [{**s1, **change}] if key == "sessions[0]" else [s1],
+               "questions": [{**q1, **change}] if key == "questions[0]" else [q1]}
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    bad = write_jsonl(tmp_path / "bad.jsonl", [changed])
+    with pytest.raises(InputError) as e:
+        append_store(store, load_spec(f"jsonl:{bad}", gold_elsewhere=True), FakeEmbedder(DIM), spec=f"jsonl:{bad}")
+    assert str(e.value).startswith(f"{bad}:1: key '{key}': ") and words in str(e.value), str(e.value)
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+    same = write_jsonl(tmp_path / "same.jsonl", [line])
+    again = append_store(store, load_spec(f"jsonl:{same}", gold_elsewhere=True), FakeEmbedder(DIM), spec="same")
+    assert (again["added"]["queries_repeated"], again["added"]["sessions_repeated"]) == (1, 1)
+
+
 def test_a_kill_mid_append_leaves_the_old_store(tmp_path, days):
     store, spec, _ = days
     before = {p.name: p.read_bytes() for p in store.iterdir()}

@@ -40,13 +40,14 @@ the loaders read (``jsonl:``, ``locomo:``, ``longmemeval:``, ``synthetic``):
   store's users;
 * a **session**, by its ``session_id`` within its user: a session id the store does not
   hold for that user is new, and its memories go after the user's existing ones. A
-  session the store holds with the same memories (ids and texts) is a **repeat**:
+  session the store holds with the same memories (ids, texts, timestamps) is a **repeat**:
   skipped and counted, so appending the same day twice changes nothing. The same
   session id with other content is an error (one line naming the user and the session):
   give every session of a day file its own ``session_id`` (``jsonl:`` numbers sessions
   without one from 1 in each file, so two day files without ids collide);
 * a **question**, by its id within its user, likewise: new ones are appended with gold
-  over the user's whole bank, repeats skipped, a changed text is an error. Its gold may
+  over the user's whole bank, repeats skipped, a changed text, gold or abstention is an
+  error (the store would keep its own without a word). Its gold may
   name turns and sessions of an earlier day: the ids its file does not hold
   (``Dataset.gold_elsewhere``, kept by ``load_jsonl(..., gold_elsewhere=True)``) are looked
   up in the store's memories of its user (their ``turn_ids`` and ``session_id``), and an id

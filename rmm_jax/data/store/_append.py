@@ -26,7 +26,7 @@ from rmm_jax.data.store._write import (
     answer_texts,
     store_writer,
 )
-from rmm_jax.data.types import Dataset, MemoryUnit, User
+from rmm_jax.data.types import Dataset, MemoryUnit, User, gold_matrix
 from rmm_jax.data.words import count
 from rmm_jax.deprecated import renamed_argument
 from rmm_jax.errors import InputError
@@ -81,13 +81,18 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
                counts: dict, located: dict) -> _Growth:
     """The new memories and questions of ``user`` against what the store holds of it. An
     error names the file:line of the session or question (``located``: ``Dataset.where``),
-    else ``where`` (the spec). Gold from the store is resolved already (:func:`_gold_in_store`)."""
+    else ``where`` (the spec). Gold from the store is resolved already (:func:`_gold_in_store`).
+
+    A session or question the store holds is skipped only when it is the same: a session's
+    memories (ids, texts, timestamps), a question's text, gold and abstention. The store keeps
+    what it holds, so a repeat with other content would be dropped without a word (a date
+    corrected, gold relabelled): it is an error instead, as a new text is."""
     def loc(kind: str, name: str) -> str:
         return located.get((user.id, kind, name), where)
 
     stored: dict[str, list] = {}
     for r in old_mems:
-        stored.setdefault(str(r.get("session_id")), []).append((str(r["id"]), r["text"]))
+        stored.setdefault(str(r.get("session_id")), []).append((str(r["id"]), r["text"], r.get("timestamp")))
     by_session: dict[str, list[MemoryUnit]] = {}
     for mem in mems:
         by_session.setdefault(mem.session_id, []).append(mem)
@@ -95,9 +100,14 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
     new: list[MemoryUnit] = []
     for sid, units in by_session.items():
         if sid in stored:
-            if [(u.id, u.text) for u in units] != stored[sid]:
+            if [(u.id, u.text) for u in units] != [m[:2] for m in stored[sid]]:
                 raise InputError(f"session {sid!r} of user {user.id!r} is already in the store with other content "
                                  "(give every new session its own session_id)", where=loc("session", sid))
+            stamps = [(u.timestamp, m[2]) for u, m in zip(units, stored[sid]) if u.timestamp != m[2]]
+            if stamps:
+                raise InputError(f"session {sid!r} of user {user.id!r} is already in the store with another "
+                                 f"timestamp ({stamps[0][1]!r} there, {stamps[0][0]!r} here; give every new session "
+                                 "its own session_id)", where=loc("session", sid))
             counts["sessions_repeated"] += 1
             continue
         clash = [u.id for u in units if u.id in held_ids]
@@ -106,17 +116,45 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
                              "store, in another session", where=loc("session", sid))
         counts["sessions"] += 1
         new += units
-    held_q = {str(r["id"]): r["text"] for r in old_queries}
+    held_q = {str(r["id"]): r for r in old_queries}
+    bank = _stored_units(old_mems) + new
     queries = []
     for q in user.queries:
         if q.id in held_q:
-            if held_q[q.id] != q.text:
-                raise InputError(f"question {q.id!r} of user {user.id!r} is already in the store with another "
-                                 "text", where=loc("question", q.id))
+            other = _other_in_question(q, held_q[q.id], bank)
+            if other:
+                raise InputError(f"question {q.id!r} of user {user.id!r} is already in the store with {other}",
+                                 where=loc("question", q.id))
             counts["queries_repeated"] += 1
         else:
             queries.append(q)
-    return _Growth(dataclasses.replace(user, queries=tuple(queries)), new, _stored_units(old_mems) + new)
+    return _Growth(dataclasses.replace(user, queries=tuple(queries)), new, bank)
+
+
+def _other_in_question(q, row: dict, bank: list[MemoryUnit]) -> str | None:
+    """What the store's question ``row`` holds otherwise than ``q``, in words (None: the same
+    question): its text, its abstention, its gold. Gold is compared as the turns it names, in
+    any order (a store written without ``gold_turn_ids``: as the memories they make gold over
+    ``bank``, the user's whole bank after the append)."""
+    if row["text"] != q.text:
+        return "another text"
+    held = bool(row.get("abstention", False))
+    if held != bool(q.abstention):
+        return f"abstention {str(held).lower()}, not {str(not held).lower()} (give a changed question its own id)"
+    if "gold_turn_ids" in row:
+        held_gold, gold = [str(t) for t in row["gold_turn_ids"] or ()], list(q.gold_turn_ids)
+    else:
+        marks = gold_matrix((q,), bank)[0] if bank else ()
+        held_gold, gold = [str(m) for m in row["gold_memory_ids"]], [m.id for m, g in zip(bank, marks) if g]
+    if set(held_gold) == set(gold):
+        return None
+    return f"other gold ({_ids(held_gold)} there, {_ids(gold)} here; give a changed question its own id)"
+
+
+def _ids(ids: list[str]) -> str:
+    """A few ids for a one-line message: ``s1:0, s1:1`` (the first 3, then how many more), or ``none``."""
+    more = f" and {len(ids) - 3} more" if len(ids) > 3 else ""
+    return ", ".join(ids[:3]) + more if ids else "none"
 
 
 def check_model(st, path, model_id: str, where: str = "model_id") -> None:
