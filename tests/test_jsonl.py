@@ -160,6 +160,22 @@ def test_content_parts_text_joined_other_parts_counted(tmp_path):
     assert stats["turns"] == 2
 
 
+def test_responses_api_text_parts_are_text(tmp_path):
+    """The Responses API writes a message's text as ``input_text`` (user) and ``output_text``
+    (assistant) parts: they were dropped and counted as images, audio or files, so a user's
+    facts left the store (silently under -q). They are text, joined as ``text`` parts are; a
+    refusal part is still no memory."""
+    refusal = {"type": "refusal", "refusal": "I can't help with that."}
+    said = [{"type": "input_text", "text": "I live in Oslo."}, IMAGE, {"type": "input_text", "text": "Near the fjord."}]
+    u, stats = load_one(tmp_path, {"role": "user", "content": said},
+                        {"role": "assistant", "content": [{"type": "output_text", "text": "Nice city!",
+                                                           "annotations": []}, refusal]},
+                        {"role": "assistant", "content": [refusal]})
+    assert [t.text for t in u.turns] == ["user: I live in Oslo." + PART_SEPARATOR + "Near the fjord.",
+                                         "assistant: Nice city!"]
+    assert stats["skipped"]["non_text_parts"] == 3 and stats["skipped"]["no_text"] == 1
+
+
 def test_tool_calls_and_tool_results_skipped_and_counted(tmp_path):
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]}

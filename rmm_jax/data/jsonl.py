@@ -40,10 +40,11 @@ index in ``messages``, skipped messages included, so ids do not shift when some 
 skipped):
 
 * ``content`` may be a **list of parts** (``{"type": "text", "text": ...}``,
-  ``{"type": "image_url", ...}``, ...). The text parts are joined with a newline
-  (:data:`PART_SEPARATOR`: parts are separate blocks, and a newline keeps them apart
-  without gluing words); every other part (image, audio, file, refusal) has no text to
-  embed and is dropped and counted (``non_text_parts``). A message with no text part at
+  ``{"type": "image_url", ...}``, ...). The text parts (:data:`TEXT_PARTS`: ``text`` as
+  the chat API writes it, ``input_text`` and ``output_text`` as the Responses API does)
+  are joined with a newline (:data:`PART_SEPARATOR`: parts are separate blocks, and a
+  newline keeps them apart without gluing words); every other part (image, audio, file,
+  refusal) has no text to embed and is dropped and counted (``non_text_parts``). A message with no text part at
   all (an image alone) is skipped and counted (``no_text``).
 * ``content: null`` with ``tool_calls`` (or the older ``function_call``): an assistant
   message that only calls a tool. Skipped and counted (``tool_calls``). ``null`` without
@@ -105,10 +106,11 @@ from rmm_jax.data.types import Dataset, Query, Session, Turn, User
 from rmm_jax.deprecated import moved
 from rmm_jax.errors import InputError, at
 
-__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "load_jsonl", "no_text_error"]
+__all__ = ["INSTRUCTION_ROLES", "MAX_MESSAGE_CHARS", "PART_SEPARATOR", "TEXT_PARTS", "load_jsonl", "no_text_error"]
 
 MAX_MESSAGE_CHARS = 16_000  # longer content is invalid (see the module docstring)
 PART_SEPARATOR = "\n"       # joins the text parts of a list content
+TEXT_PARTS = ("text", "input_text", "output_text")   # part types whose "text" is embedded (chat and Responses APIs)
 TOOL_ROLES = ("tool", "function")
 INSTRUCTION_ROLES = ("system", "developer")  # left out of memories unless kept (see the module docstring)
 SKIP_COUNTS = ("tool_results", "tool_calls", "instructions", "no_text", "non_text_parts", "null_content", "empty",
@@ -175,7 +177,7 @@ def _message_text(msg: dict, path, line: int, tloc: str, skips: _Skips) -> str |
             ploc = f"{key}[{j}]"
             expect(part, dict, path, ploc, line)
             kind = line_id(field(part, "type", str, path, ploc, line=line), path, line, f"{ploc}.type")
-            if kind == "text":
+            if kind in TEXT_PARTS:
                 texts.append(field(part, "text", str, path, ploc, line=line))
             else:
                 skips.counts["non_text_parts"] += 1
