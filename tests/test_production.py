@@ -729,6 +729,9 @@ def session(sid, texts, date):
     return {"session_id": sid, "timestamp": date, "messages": [{"role": "user", "content": t} for t in texts]}
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
 class CountingEmbedder(FakeEmbedder):
     def __init__(self, dim=DIM):
         super().__init__(dim)
@@ -761,7 +764,8 @@ def test_append_embeds_only_new_texts_and_keeps_every_existing_row(days):
     res = append_store(store, load_spec(spec), emb, spec=spec)
     assert sorted(emb.texts) == sorted(["user: I started piano lessons", "user: a new user arrives", "which lessons?"])
     assert res["added"] == {"users": 1, "sessions": 2, "sessions_repeated": 1, "memories": 2, "queries": 1,
-                            "queries_repeated": 0, "users_without_text": 0}
+                            "queries_repeated": 0, "users_without_text": 0,
+                            "skipped": load_spec(spec).stats["skipped"]}
     st = open_store(store)
     assert st.user_ids == ("a", "b", "c")
     for uid, u in old.items():
@@ -775,6 +779,31 @@ def test_append_embeds_only_new_texts_and_keeps_every_existing_row(days):
     emb = CountingEmbedder()
     again = append_store(store, load_spec(spec), emb, spec=spec)       # the same day twice: nothing new
     assert emb.texts == [] and again["added"]["sessions_repeated"] == 3 and again["added"]["queries_repeated"] == 1
+
+
+def test_append_counts_its_skips_and_keeps_the_manifest_totals_the_stores(tmp_path, days):
+    """After an append the manifest's stats were the first build's: ``skipped`` all zero
+    though the day's file skipped messages (said on stderr), ``sessions``, ``turns`` and
+    ``questions`` stale, and the ``appends`` entry without the skips. Each append's entry and
+    ``added`` carry its file's skips; the totals add them up and count the grown store."""
+    store, _, d2 = days
+    d2[0]["sessions"][1]["messages"] += [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": [{"type": "text", "text": "and chess"}, IMAGE]}]
+    d2[0]["questions"].append({"id": "q3", "question": "anything?"})
+    spec = f"jsonl:{write_jsonl(tmp_path / 'd2.jsonl', d2)}"
+    day1, day2 = open_store(store).manifest["stats"], load_spec(spec, gold_elsewhere=True).stats
+    assert day2["skipped"]["instructions"] == 1 and day2["skipped"]["non_text_parts"] == 1
+    res = append_store(store, load_spec(spec, gold_elsewhere=True), FakeEmbedder(DIM), spec=spec)
+    st = open_store(store)
+    stats = st.manifest["stats"]
+    assert stats == res["manifest"]["stats"] and res["added"]["skipped"] == day2["skipped"]
+    assert stats["appends"][-1]["skipped"] == day2["skipped"]
+    assert stats["skipped"] == {k: day1["skipped"][k] + day2["skipped"][k] for k in day2["skipped"]
+                                if k != "first_errors"} | {"first_errors": []}
+    assert stats["questions"] == len(st.queries) == 3
+    assert stats["turns"] == sum(len(r["turn_ids"]) for r in st.memories) == 6
+    assert stats["sessions"] == len({(r["user"], r["session_id"]) for r in st.memories}) == 4
+    assert stats["no_gold"] == day1["no_gold"] + 1 and stats["lines"] == day1["lines"] + day2["lines"]
 
 
 def earlier_day(tmp_path, name, questions, user="a"):

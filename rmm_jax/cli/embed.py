@@ -121,7 +121,9 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     `system`, `developer`; keep them with --keep-roles) are skipped and counted.
     `content: null` without a tool call, empty content and content over the character
     limit are errors naming file:line, or skipped and counted with --skip-invalid. The
-    counts are printed on stderr and kept in the manifest (`stats.skipped` in --json).
+    counts are printed on stderr and kept in the manifest (`stats.skipped` in --json;
+    with --into, this run's are `added.skipped` and `stats.skipped` adds up every file
+    read into the store).
 
     \b
     Examples:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from rmm_jax.data.granularity import build_memories
+from rmm_jax.data.json_lines import MAX_FIRST_ERRORS
 from rmm_jax.data.jsonl import no_text_error
 from rmm_jax.data.store._read import open_store, read_rows
 from rmm_jax.data.store._write import (
@@ -171,8 +172,16 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, p
     package docstring's "Growing a store"), embedding only their texts with ``embedder`` (its
     ``model_id`` must be the store's). Returns ``{"manifest", "added"}``: the new manifest and what
     was added or skipped (``users``, ``sessions``, ``sessions_repeated``, ``memories``,
-    ``queries``, ``queries_repeated``, ``users_without_text``). The store's writer lock (:func:`store_writer`) is
+    ``queries``, ``queries_repeated``, ``users_without_text``, and, for a dataset whose loader
+    skips messages (``jsonl:``), its ``skipped`` counts). The store's writer lock (:func:`store_writer`) is
     held from reading the store to renaming the grown one into place.
+
+    The manifest's ``stats.appends`` gets one entry a grown store: ``spec``, these counts and
+    ``seconds``. Its totals stay the store's: ``valid_queries``, ``queries_without_gold_memory``,
+    ``abstention_queries`` and ``memories_per_user``, and, where the first build's dataset
+    counted them, ``sessions``, ``turns``, ``questions``, ``no_gold`` and ``abstention`` grow
+    by what the append added, ``lines`` by the file's lines, and ``skipped`` by the file's
+    counts (each file read, a repeated day's too; ``first_errors`` keeps the first few).
 
     A question's gold may name turns and sessions of its user that the store holds and
     ``dataset`` does not (``dataset.gold_elsewhere``, from ``load_jsonl(...,
@@ -219,6 +228,8 @@ def _append_to(st, path, dataset: Dataset, embedder, spec: str | None, progress,
     aside = dataset.gold_elsewhere
     counts = dict.fromkeys(("users", "sessions", "sessions_repeated", "memories", "queries", "queries_repeated",
                             "users_without_text"), 0)
+    if "skipped" in dataset.stats:          # jsonl: the messages and parts the loader left out of this file
+        counts["skipped"] = dataset.stats["skipped"]
     c = st.manifest["counts"]
     growth: dict[str, _Growth] = {}
     first_no_text = ""
@@ -280,7 +291,7 @@ def _append_to(st, path, dataset: Dataset, embedder, spec: str | None, progress,
         _, ans_emb = _assemble_arrays(mem_emb, embedder.encode(texts, desc="new answers"), rows, st.model, st.dim,
                                       "the store's dim")
     manifest = _write_grown(st, rows, spans, mem_emb, qry_emb, ans_emb, order, spec, counts,
-                            round(time.perf_counter() - t0, 3))
+                            round(time.perf_counter() - t0, 3), dataset.stats.get("lines"))
     return {"manifest": manifest, "added": counts}
 
 
@@ -317,10 +328,29 @@ def _reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
     return out
 
 
+def _add_totals(stats: dict, rows: _Rows, counts: dict, lines: int | None) -> None:
+    """The first build's dataset counts in ``stats`` (a manifest's), grown by one append: what
+    it added to the store (``rows``, ``counts``), the lines its file had and what its loader
+    skipped. A count the first build's dataset had not is left out (a ``locomo:`` store has
+    no ``turns``), except ``skipped``, which the first append from a ``jsonl:`` file starts."""
+    grown = {"sessions": counts["sessions"], "turns": sum(len(r["turn_ids"]) for r in rows.memories),
+             "questions": counts["queries"], "no_gold": rows.no_gold, "abstention": rows.abstention,
+             "lines": lines or 0}
+    for key, add in grown.items():
+        if isinstance(stats.get(key), int):
+            stats[key] += add
+    if "skipped" in counts:
+        old = stats.get("skipped") or {}
+        new = counts["skipped"]
+        stats["skipped"] = {**{k: old.get(k, 0) + v for k, v in new.items() if k != "first_errors"},
+                            "first_errors": [*old.get("first_errors", []), *new["first_errors"]][:MAX_FIRST_ERRORS]}
+
+
 def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order: list, spec, counts: dict,
-                 seconds: float) -> dict:
+                 seconds: float, lines: int | None = None) -> dict:
     """Write the grown store next to ``st`` and rename it into place: per user, its old rows
-    (copied, bit for bit) then its new ones; new users last."""
+    (copied, bit for bit) then its new ones; new users last. The manifest's stats record the
+    append (``appends``) and grow its totals (:func:`_add_totals`; ``lines``: the file's)."""
     c = st.manifest["counts"]
     n_mem, n_q = c["memories"] + len(rows.memories), c["queries"] + len(rows.queries)
     old_users = {u["id"]: u for u in st._users}
@@ -363,6 +393,7 @@ def _write_grown(st, rows: _Rows, spans: dict, mem_emb, qry_emb, ans_emb, order:
         stats["memories_per_user"] = {"min": int(min(sizes, default=0)), "max": int(max(sizes, default=0)),
                                       "mean": float(np.mean(sizes)) if sizes else 0.0}
         stats["appends"] = [*stats.get("appends", []), {"spec": spec, **counts, "seconds": seconds}]
+        _add_totals(stats, rows, counts, lines)
         manifest = {**st.manifest, "counts": {"users": len(users_out), "memories": n_mem, "queries": n_q},
                     "stats": _jsonable(stats)}
         # manifest last: a directory with a manifest is complete
