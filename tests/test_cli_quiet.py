@@ -222,7 +222,7 @@ def test_embed_quiet_keeps_the_skipped_line_when_gold_named_a_skipped_message(go
     assert code == 0, err
     lost = len(gold) > 1
     assert [line for line in err.splitlines() if line.startswith("skipped ")] == (
-        ["skipped 1 messages (1 system/developer); 1 gold turn ids naming skipped messages; --keep-roles "
+        ["skipped 1 message (1 system/developer); 1 gold turn id naming a skipped message; --keep-roles "
          "system,developer keeps system/developer messages"] if lost else []), err
 
 

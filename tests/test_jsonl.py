@@ -358,8 +358,8 @@ def test_embed_skip_invalid_counts_on_stderr_and_json(capsys, tmp_path, fake_mod
         "tool_results": 1, "tool_calls": 1, "non_text_parts": 1, "empty": 1, "too_long": 1}
     assert len(sk["first_errors"]) == 2 and json.loads(out)["counts"]["memories"] == 2
     (line,) = [ln for ln in err.splitlines() if ln.startswith("skipped ")]
-    assert line.startswith("skipped 4 messages (1 tool results, 1 tool-call-only, 1 empty, 1 over 16000 characters)")
-    assert "1 non-text content parts" in line
+    assert line.startswith("skipped 4 messages (1 tool result, 1 tool-call-only, 1 empty, 1 over 16000 characters)")
+    assert "1 non-text content part (images" in line          # one part, in the singular (count())
     assert "first invalid: " in line and "messages[3].content" in line
     code, out, err = run_cli(capsys, "embed", "synthetic:users=2", "--out", tmp_path / "b", "--skip-invalid")
     one_line_error(code, out, err, "--skip-invalid", "jsonl")
@@ -592,7 +592,8 @@ def test_gold_that_no_record_carries_is_dropped_and_counted(tmp_path, capsys, fa
     assert "Give their texts with log:CALLS,memories=MEMS" in err
     # memories=MEMS given: the hint says to add the missing texts to that file, not to give one
     code, out, err = run_cli(capsys, "embed", f"log:{calls},memories={mems}", "--out", tmp_path / "store2")
-    assert code == 0 and "dropped 1 gold ids" in err and f"Add their texts to {mems} to keep them" in err, err
+    assert code == 0 and "dropped 1 gold id naming a memory no record carries" in err, err     # "1 gold ids" was
+    assert f"Add their texts to {mems} to keep them" in err, err
     assert "Give their texts with" not in err
 
 

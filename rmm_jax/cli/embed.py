@@ -167,10 +167,11 @@ def embed(spec, out, into, granularity, model, segment_threshold, merge_threshol
     dropped = dataset.stats.get("gold_without_text", 0)
     if dropped:
         mems = parse_log_spec(spec.partition(":")[2])[1]          # given: the texts go there, not a new option
-        info(f"note: dropped {dropped} gold ids naming memories no record carries (never retrieved, so no text "
-             f"to embed; first: {dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the "
-            "store holds. " + (f"Add their texts to {mems} to keep them" if mems
-                               else "Give their texts with log:CALLS,memories=MEMS to keep them"))
+        info(f"note: dropped {count(dropped, 'gold id')} naming {'a memory' if dropped == 1 else 'memories'} no "
+             f"record carries (never retrieved, so no text to embed; first: "
+             f"{dataset.stats['gold_without_text_first'][0]}); Recall counts only the gold the store holds. "
+             + (f"Add their texts to {mems} to keep them" if mems
+                else "Give their texts with log:CALLS,memories=MEMS to keep them"))
     if dataset.name in ("jsonl", "log") and no_gold:
         info(f"note: {no_gold} of {n_q} questions have no gold ids; Recall, NDCG and MRR skip them"
              + (" (no question has gold)" if no_gold == n_q else ""))
@@ -290,19 +291,21 @@ def _note_truncated(embedder) -> None:
 
 def _note_skipped(skipped: dict) -> None:
     """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
-    labels = {"tool_results": "tool results", "tool_calls": "tool-call-only",
+    labels = {"tool_results": "tool result", "tool_calls": "tool-call-only",      # a noun: count()'s plural
               "instructions": "system/developer", "no_text": "no text part",
               "null_content": "content null without tool calls", "empty": "empty",
               "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
-    kinds = [f"{skipped[k]} {label}" for k, label in labels.items() if skipped[k]]
-    parts = [f"{sum(skipped[k] for k in labels)} messages ({', '.join(kinds)})"] if kinds else []
+    kinds = [count(skipped[k], label) if k == "tool_results" else f"{skipped[k]} {label}"
+             for k, label in labels.items() if skipped[k]]
+    parts = [f"{count(sum(skipped[k] for k in labels), 'message')} ({', '.join(kinds)})"] if kinds else []
     if skipped["non_text_parts"]:
-        parts.append(f"{skipped['non_text_parts']} non-text content parts (images, audio, files)")
+        parts.append(f"{count(skipped['non_text_parts'], 'non-text content part')} (images, audio, files)")
     if skipped.get("sessions_without_text"):
         parts.append(f"{count(skipped['sessions_without_text'], 'session')} with no message with text (nothing "
                      "to add)")
     if skipped["gold_on_skipped"]:
-        parts.append(f"{skipped['gold_on_skipped']} gold turn ids naming skipped messages")
+        n = skipped["gold_on_skipped"]
+        parts.append(f"{count(n, 'gold turn id')} naming {'a skipped message' if n == 1 else 'skipped messages'}")
     if parts:
         first = f"; first invalid: {skipped['first_errors'][0]}" if skipped["first_errors"] else ""
         keep = "; --keep-roles system,developer keeps system/developer messages" if skipped["instructions"] else ""
