@@ -455,6 +455,30 @@ def test_every_loss_refuses_nan_scores(name):
         LOSSES[name](S2.at[0, 3].set(jnp.nan), SEL2, 0.5)
 
 
+@pytest.mark.parametrize("name", ["reinforce", "logistic", "pairwise"])
+def test_the_per_call_losses_refuse_a_selection_no_draw_can_make(name):
+    """A pick of a masked (or −inf) candidate: selection_log_prob refuses it, but the losses vmap
+    over the queries, where its check saw tracers, and took it (reinforce 1e30, logistic 1.45,
+    pairwise 0.744: each a loss of a draw that cannot happen). Refused on the whole batch, by
+    row; every pick a draw can make (gumbel_top_m under the same mask) is still taken."""
+    fn = {"reinforce": lambda s, sel, mk: rj.reinforce_loss(s, sel, CITED2.astype(F32), 0.0, 1.0, mask=mk),
+          "logistic": lambda s, sel, mk: rj.citation_logistic_loss(s, sel, CITED2, 1.0, mask=mk),
+          "pairwise": lambda s, sel, mk: rj.citation_pairwise_loss(s, sel, CITED2, 1.0, mask=mk)}[name]
+    mask = jnp.array([[True, True, True, False], [True, True, False, True]])
+    for b, j in zip(*np.nonzero(~np.asarray(mask))):
+        sel = SEL2.at[b, 1].set(j)               # [[0, 3], [1, -1]] and [[0, 2], [1, 2]]
+        with pytest.raises(ValueError, match=rf"^selected: candidate {j} \(row {b}\) is masked or its score is "
+                                             r"not finite: no draw selects it$"):
+            fn(S2, sel, mask)
+    s_inf = S2.at[1, 3].set(-jnp.inf)           # a -inf score: masked as well
+    with pytest.raises(ValueError, match=r"^selected: candidate 3 \(row 1\) is masked"):
+        fn(s_inf, SEL2.at[1, 1].set(3), None)
+    for seed in range(5):
+        keys = jax.random.split(jax.random.key(seed), 2)
+        drawn = jax.vmap(lambda k, s, mk: rj.gumbel_top_m(k, s, 2, 1.0, mk))(keys, S2, mask)
+        assert np.isfinite(float(fn(S2, drawn, mask)))
+
+
 F32 = jnp.float32
 
 

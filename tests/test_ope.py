@@ -1356,6 +1356,24 @@ def test_slot_marginals_and_prefix_log_probs_refuse_bad_input_by_name():
             prefix_log_probs(*args)
 
 
+def test_prefix_log_probs_refuses_a_masked_pick_by_name():
+    """A pick of a candidate the mask drops has no probability under the
+    policy: prefix_log_probs returned the -1e30 stand-in for it without a word; it is an
+    InputError naming the row. Every selection a draw can make (enumerated) is still taken."""
+    from rmm_jax.errors import InputError
+
+    z, mask = np.zeros((2, 6)), np.ones((2, 6), bool)
+    mask[1, 2] = False
+    with pytest.raises(InputError, match=r"^selected: candidate 2 \(row 1\) is masked or its score is not finite"):
+        prefix_log_probs(z, np.array([[0, 3, -1], [1, 2, 5]]), mask)
+    with pytest.raises(InputError, match=r"^selected: candidate 4 \(row 0\) is masked"):
+        prefix_log_probs(np.where(np.arange(6) == 4, -np.inf, z), np.array([[4, 0, -1], [1, 0, 5]]),
+                         np.arange(6) != 4)
+    zr, mr = random_case(5, 11, 1)
+    for perm, _ in selections(zr, mr, 3):
+        assert np.isfinite(prefix_log_probs(zr[None], np.asarray(perm)[None], mr[None])).all()
+
+
 def test_snips_beyond_the_estimand_range_by_its_weighting_alone_is_clamped_not_withheld():
     """SNIPS is Σ w_i R_i / Σ w_i, so it lies within the same weighted mean of the calls' ranges;
     a target at every call's ceiling whose weights favour the calls with the higher ceiling gives

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmm_jax.core import checks
-from rmm_jax.core.sampling import NEG, selection_log_probs, shifted, valid_mask
+from rmm_jax.core.sampling import NEG, check_picks, selection_log_probs, shifted, valid_mask
 
 REWARDS = ("pm1", "binary")
 BASELINES = ("constant", "batch_mean", "running_mean", "query_mean")
@@ -89,12 +89,15 @@ def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1
 
 
 def _call_contract(scores, selected, slots, name: str, weights, mask=None):
-    """The per-call losses' contract: ``scores`` (B, K) float without NaN, ``selected`` (B, M)
-    int, ``slots`` (the rewards or citations, named ``name``) shaped as ``selected``, ``mask``
-    (B, K) bool or None, ``weights`` (B,) or None (ones). Returns the weights.
+    """The per-call losses' contract: ``scores`` (B, K) float without NaN (−inf:
+    masked), ``selected`` (B, M) int, each filled entry a candidate that is neither masked nor
+    −inf (one a draw can select), ``slots`` (the rewards or citations, named ``name``) shaped
+    as ``selected``, ``mask`` (B, K) bool or None, ``weights`` (B,) or None (ones). Returns
+    the weights.
 
-    NaN in the scores and the selected indices are checked here, on the whole batch, where
-    they are concrete: the losses vmap over the queries, where they are traced."""
+    The scores' values and the selected indices are checked here, on the whole batch, where
+    they are concrete: the losses vmap over the queries, where they are traced (a masked pick
+    was a loss of 1e30, or a finite, wrong one, with no error)."""
     checks.check_rank(scores, 2, "scores")
     checks.check_float(scores, "scores")
     checks.check_no_nan(scores, "scores")
@@ -111,6 +114,7 @@ def _call_contract(scores, selected, slots, name: str, weights, mask=None):
         checks.check_no_nan(slots, name)
     checks.check_selected(selected, scores.shape[1])
     checks.check_mask(mask, scores.shape)
+    check_picks(scores, selected, mask)
     b = scores.shape[0]
     weights = jnp.ones((b,), jnp.float32) if weights is None else weights
     checks.require(checks.is_array(weights) and weights.shape == (b,), "weights",
@@ -168,8 +172,8 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
         L = −Σ_b w_b Σ_j sg[A_bj] · log π_bj,    A from :func:`advantages`.
 
     Args:
-      scores: (B, K) reranker scores (differentiable).
-      selected: (B, M) int32 ordered selections, −1 for unfilled slots.
+      scores: (B, K) reranker scores (differentiable), no NaN; −inf: masked.
+      selected: (B, M) int32 ordered selections, −1 for unfilled slots; each a valid candidate.
       rewards: (B, M) per-shown-memory rewards (:func:`citation_rewards`).
       baseline: scalar or broadcastable to (B, M); treated as a constant.
       tau: temperature, >= :data:`rmm_jax.core.checks.TAU_MIN` (1e-6) and finite.
@@ -246,8 +250,9 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
     start (scores equal to the retriever's) both anchors give the same logits and gradient.
 
     Args:
-      scores: (B, K) reranker scores (differentiable). selected: (B, M) int32 positions,
-        −1 unfilled. cited: (B, M) bool. tau: logit scale > 0.
+      scores: (B, K) reranker scores (differentiable), no NaN; −inf: masked.
+        selected: (B, M) int32 positions of valid candidates, −1 unfilled. cited: (B, M) bool.
+        tau: logit scale > 0.
       offset: the logit of a memory scored at the anchor. p_useful, p_other: the judge's rates
         (:func:`check_judge_rates`). mask: (B, K) bool valid candidates. weights: (B,)
         per-query weights (importance ratios; 0 drops a padded query). reference: (B,)
@@ -314,8 +319,9 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
     keeps its sign on average wherever useful memories are cited more often than others.
 
     Args:
-      scores: (B, K) reranker scores (differentiable). selected: (B, M) int32 positions,
-        −1 unfilled. cited: (B, M) bool. tau: logit scale > 0.
+      scores: (B, K) reranker scores (differentiable), no NaN; −inf: masked.
+        selected: (B, M) int32 positions of valid candidates, −1 unfilled. cited: (B, M) bool.
+        tau: logit scale > 0.
       mask: (B, K) bool valid candidates. weights: (B,) per-query weights (importance ratios;
         0 drops a padded query).
 

@@ -14,7 +14,7 @@ Conventions: a selection is an (M,) int32 vector of candidate indices in draw or
 slots that could not be filled (fewer than M valid candidates) hold −1 and contribute
 nothing; any other index must be in [0, K) and appear once (checked on concrete arrays
 only: under ``jit`` or ``vmap`` it is traced, and the gather clamps it). Masked candidates
-are never drawn and receive zero gradient.
+(mask False, or a score of −inf) are never drawn and receive zero gradient.
 """
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def shifted(scores, valid):
     return scores - jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
 
 
+def check_picks(scores, selected, mask=None) -> None:
+    """``ValueError`` naming ``selected`` when a filled entry (>= 0) of the selections
+    (..., M) picks a candidate of ``scores`` (..., K) that is masked or scores −inf: no draw
+    selects it, and its log-probability is the −1e30 stand-in (a loss of 1e30, or a finite,
+    wrong one), no error. Checked when all three are concrete, on the whole batch: a loss
+    vmaps over its queries, where they are traced. The indices are in range
+    (:func:`checks.check_selected` first)."""
+    if not (checks.is_concrete(scores) and checks.is_concrete(selected) and checks.is_concrete(mask)):
+        return
+    v = np.isfinite(np.asarray(scores))            # valid_mask in NumPy: an eager jnp op is a program to load
+    v = v if mask is None else v & np.asarray(mask, bool)
+    sel = np.asarray(selected)
+    bad = np.argwhere((sel >= 0) & ~np.take_along_axis(v, np.maximum(sel, 0), axis=-1))
+    if len(bad):
+        at = tuple(bad[0].tolist())
+        row = f" (row {', '.join(map(str, at[:-1]))})" if sel.ndim > 1 else ""
+        raise ValueError(f"selected: candidate {int(sel[at])}{row} is masked or its score is not finite: "
+                         "no draw selects it")
+
+
 def _check_scores(scores, mask, m=None, selected=None):
     checks.check_rank(scores, 1, "scores")
     checks.check_float(scores, "scores")
@@ -71,11 +91,7 @@ def _check_scores(scores, mask, m=None, selected=None):
             # hold -1 anywhere: a slot it leaves out)
             checks.require(not (sel[1:] >= 0)[sel[:-1] < 0].any(), "selected",
                            "an unfilled slot (-1) comes before a filled one: unfilled slots end a draw")
-            if checks.is_concrete(scores) and checks.is_concrete(mask):    # a masked or -inf pick: -1e30, no error
-                v = np.asarray(valid_mask(scores, mask))
-                bad = [int(i) for i in sel if i >= 0 and not v[i]]
-                checks.require(not bad, "selected", f"candidate {bad[:1] and bad[0]} is masked or its score is not "
-                                                    "finite: no draw selects it")
+            check_picks(scores, selected, mask)        # a masked or -inf pick: -1e30, no error
 
 
 def _check_gumbel(gumbel, scores):

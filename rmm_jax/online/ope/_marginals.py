@@ -15,7 +15,7 @@ from threadpoolctl import threadpool_limits
 
 from rmm_jax.core import checks
 from rmm_jax.core.executables import aot
-from rmm_jax.core.sampling import selection_log_probs, top_m
+from rmm_jax.core.sampling import check_picks, selection_log_probs, top_m
 from rmm_jax.data.retrieval import pad_rows
 from rmm_jax.errors import InputError, check_int
 from rmm_jax.online.ope._chunks import _CHUNK
@@ -276,7 +276,7 @@ def prefix_log_probs(logits, selected, mask=None) -> np.ndarray:
     ``(n, M)``; unfilled slots (−1) repeat the last prefix.
 
     ``logits`` (n, K) (or (K,)), finite where ``mask`` holds; ``selected`` (n, M) (or (M,))
-    ints, each a candidate in [0, K) at most once per row, or -1. Raises ``InputError``
+    ints, each a candidate in [0, K) that ``mask`` keeps, at most once per row, or -1. Raises ``InputError``
     naming the argument otherwise."""
     z, mk = _check_logits(logits, mask)
     sel = np.asarray(selected)
@@ -288,6 +288,7 @@ def prefix_log_probs(logits, selected, mask=None) -> np.ndarray:
                          arg="selected")
     try:
         checks.check_selected(sel, z.shape[1])
+        check_picks(z, sel, mk)                   # a masked pick was a prefix of -1e30, no error
     except ValueError as e:
         raise InputError(str(e).partition(": ")[2], arg="selected") from None
     return _prefix_log_probs(z, sel, mk)
