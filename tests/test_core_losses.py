@@ -479,6 +479,14 @@ def test_the_per_call_losses_refuse_a_selection_no_draw_can_make(name):
         assert np.isfinite(float(fn(S2, drawn, mask)))
 
 
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_refuses_plus_inf_scores_and_keeps_minus_inf_as_masked(name):
+    # +inf was taken as masked (valid_mask is isfinite): the best candidate dropped from the loss
+    with pytest.raises(ValueError, match=r"^scores: contains \+inf .*-inf for a masked candidate"):
+        LOSSES[name](S2.at[0, 3].set(jnp.inf), SEL2, 0.5)
+    assert np.isfinite(float(LOSSES[name](S2.at[0, 3].set(-jnp.inf), SEL2, 0.5)))
+
+
 F32 = jnp.float32
 
 

@@ -249,6 +249,22 @@ def test_top_m_refuses_nan_logits_and_keeps_minus_inf_as_never_chosen():
     assert rj.top_m(jnp.array([1.0, -jnp.inf, 2.0]), 3).tolist() == [2, 0, -1]
 
 
+def test_plus_inf_scores_are_refused_not_taken_as_masked():
+    """valid_mask is isfinite, so +inf (an overflow) was a masked candidate: top_m([1, inf, 0], 2)
+    gave [0, 2], the best never shown, and a draw never drew it. Refused by name when concrete,
+    for every function that reads scores; −inf stays a masked candidate."""
+    s = jnp.array([1.0, jnp.inf, 0.0])
+    calls = {"logits": lambda x: rj.top_m(x, 2),
+             "scores": lambda x: rj.gumbel_top_m(jax.random.key(0), x, 2, 1.0)}
+    for name, fn in calls.items():
+        with pytest.raises(ValueError, match=rf"^{name}: contains \+inf .*-inf for a masked candidate$"):
+            fn(s)
+        assert -1 not in fn(s.at[1].set(-jnp.inf)).tolist()[:2]       # two valid: both drawn, 1 never
+        assert 1 not in fn(s.at[1].set(-jnp.inf)).tolist()
+    with pytest.raises(ValueError, match=r"^scores: contains \+inf"):
+        rj.selection_log_prob(s, jnp.array([0, 2]), 1.0)
+
+
 def test_a_selection_no_draw_can_make_is_refused_when_concrete():
     """selection_log_prob of a masked (or -inf) candidate returned the -1e30 sentinel, and a
     -1 between filled slots was skipped ([1, -1, 0] read as 1 then 0): both are refused by
@@ -257,9 +273,10 @@ def test_a_selection_no_draw_can_make_is_refused_when_concrete():
     with pytest.raises(ValueError, match=r"^selected: candidate 1 is masked or its score is not finite: no draw "
                                          r"selects it$"):
         rj.selection_log_prob(s, jnp.array([1, 0]), 1.0, mask=jnp.array([True, False, True]))
-    for bad in (-jnp.inf, jnp.inf):       # +inf too: an overflow, never drawn (valid_mask), named as such
-        with pytest.raises(ValueError, match=r"^selected: candidate 2 is masked or its score is not finite"):
-            rj.selection_log_prob(s.at[2].set(bad), jnp.array([2]), 1.0)
+    with pytest.raises(ValueError, match=r"^selected: candidate 2 is masked or its score is not finite"):
+        rj.selection_log_prob(s.at[2].set(-jnp.inf), jnp.array([2]), 1.0)
+    with pytest.raises(ValueError, match=r"^scores: contains \+inf"):          # an overflow: refused, not masked
+        rj.selection_log_prob(s.at[2].set(jnp.inf), jnp.array([2]), 1.0)
     with pytest.raises(ValueError, match=r"^selected: an unfilled slot \(-1\) comes before a filled one: "
                                          r"unfilled slots end a draw$"):
         rj.selection_log_prob(s, jnp.array([1, -1, 0]), 1.0)

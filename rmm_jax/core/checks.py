@@ -141,6 +141,16 @@ def check_no_nan(x, name: str) -> None:
         require(not bool(np.any(np.isnan(np.asarray(x)))), name, "contains NaN")
 
 
+def check_scores(x, name: str = "scores") -> None:
+    """Scores (or logits) as the draws and losses read them, when concrete: no NaN, and no +inf.
+    −inf is a masked candidate (never drawn); +inf, an overflow, was taken as masked too
+    (``top_m([1, inf, 0], 2)`` gave [0, 2]: the best candidate never shown), so it is refused."""
+    check_no_nan(x, name)
+    if is_concrete(x):
+        require(not bool(np.any(np.isposinf(np.asarray(x)))), name,
+                "contains +inf (an overflow?): a score must be finite, or -inf for a masked candidate")
+
+
 def check_selected(selected, k: int, name: str = "selected") -> None:
     """Each filled entry (>= 0) of a selection (..., M) names one of K candidates, once per
     selection; −1 is an unfilled slot. Checked when concrete: under ``jit`` or ``vmap`` the

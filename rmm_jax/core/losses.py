@@ -89,7 +89,7 @@ def citation_rewards(cited, filled, mapping: str = "binary", p_useful: float = 1
 
 
 def _call_contract(scores, selected, slots, name: str, weights, mask=None):
-    """The per-call losses' contract: ``scores`` (B, K) float without NaN (−inf:
+    """The per-call losses' contract: ``scores`` (B, K) float without NaN or +inf (−inf:
     masked), ``selected`` (B, M) int, each filled entry a candidate that is neither masked nor
     −inf (one a draw can select), ``slots`` (the rewards or citations, named ``name``) shaped
     as ``selected``, ``mask`` (B, K) bool or None, ``weights`` (B,) or None (ones). Returns
@@ -100,7 +100,7 @@ def _call_contract(scores, selected, slots, name: str, weights, mask=None):
     was a loss of 1e30, or a finite, wrong one, with no error)."""
     checks.check_rank(scores, 2, "scores")
     checks.check_float(scores, "scores")
-    checks.check_no_nan(scores, "scores")
+    checks.check_scores(scores)
     checks.check_rank(selected, 2, "selected")
     checks.check_int(selected, "selected")
     checks.require(selected.shape[0] == scores.shape[0], "selected",
@@ -172,7 +172,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
         L = −Σ_b w_b Σ_j sg[A_bj] · log π_bj,    A from :func:`advantages`.
 
     Args:
-      scores: (B, K) reranker scores (differentiable), no NaN; −inf: masked.
+      scores: (B, K) reranker scores (differentiable), no NaN or +inf; −inf: masked.
       selected: (B, M) int32 ordered selections, −1 for unfilled slots; each a valid candidate.
       rewards: (B, M) per-shown-memory rewards (:func:`citation_rewards`).
       baseline: scalar or broadcastable to (B, M); treated as a constant.
@@ -250,7 +250,7 @@ def citation_logistic_loss(scores, selected, cited, tau, *, offset=0.0, p_useful
     start (scores equal to the retriever's) both anchors give the same logits and gradient.
 
     Args:
-      scores: (B, K) reranker scores (differentiable), no NaN; −inf: masked.
+      scores: (B, K) reranker scores (differentiable), no NaN or +inf; −inf: masked.
         selected: (B, M) int32 positions of valid candidates, −1 unfilled. cited: (B, M) bool.
         tau: logit scale > 0.
       offset: the logit of a memory scored at the anchor. p_useful, p_other: the judge's rates
@@ -319,7 +319,7 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
     keeps its sign on average wherever useful memories are cited more often than others.
 
     Args:
-      scores: (B, K) reranker scores (differentiable), no NaN; −inf: masked.
+      scores: (B, K) reranker scores (differentiable), no NaN or +inf; −inf: masked.
         selected: (B, M) int32 positions of valid candidates, −1 unfilled. cited: (B, M) bool.
         tau: logit scale > 0.
       mask: (B, K) bool valid candidates. weights: (B,) per-query weights (importance ratios;
@@ -353,11 +353,11 @@ def citation_pairwise_loss(scores, selected, cited, tau, *, mask=None, weights=N
 
 
 def _gold_contract(scores, gold, mask):
-    """The offline losses' contract: ``scores`` (B, K) float without NaN (checked when
-    concrete), ``gold`` and ``mask`` (B, K) bool."""
+    """The offline losses' contract: ``scores`` (B, K) float without NaN or +inf (checked
+    when concrete; −inf: masked), ``gold`` and ``mask`` (B, K) bool."""
     checks.check_rank(scores, 2, "scores")
     checks.check_float(scores, "scores")
-    checks.check_no_nan(scores, "scores")
+    checks.check_scores(scores)
     checks.check_mask(gold, scores.shape, "gold")
     checks.check_mask(mask, scores.shape)
 

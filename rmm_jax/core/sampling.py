@@ -14,7 +14,8 @@ Conventions: a selection is an (M,) int32 vector of candidate indices in draw or
 slots that could not be filled (fewer than M valid candidates) hold −1 and contribute
 nothing; any other index must be in [0, K) and appear once (checked on concrete arrays
 only: under ``jit`` or ``vmap`` it is traced, and the gather clamps it). Masked candidates
-(mask False, or a score of −inf) are never drawn and receive zero gradient.
+(mask False, or a score of −inf) are never drawn and receive zero gradient; a NaN or +inf
+score is refused (when concrete), not taken as masked.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ MODES = ("plackett_luce", "rmm")
 
 
 def valid_mask(scores, mask=None):
-    """Candidates that may be drawn: unmasked and with a finite score."""
+    """Candidates that may be drawn: unmasked and with a finite score (−inf: masked; +inf and
+    NaN are refused by the public functions' checks when concrete, :func:`checks.check_scores`)."""
     v = jnp.isfinite(scores)
     return v if mask is None else v & mask
 
@@ -75,7 +77,7 @@ def check_picks(scores, selected, mask=None) -> None:
 def _check_scores(scores, mask, m=None, selected=None):
     checks.check_rank(scores, 1, "scores")
     checks.check_float(scores, "scores")
-    checks.check_no_nan(scores, "scores")
+    checks.check_scores(scores)
     checks.check_mask(mask, scores.shape)
     k = scores.shape[0]
     if m is not None:
@@ -105,7 +107,7 @@ def top_m(logits, m: int, mask=None):
     """Deterministic ordered top-M of the valid logits; unfilled slots are −1.
 
     Args:
-      logits: (K,) float, no NaN (checked when concrete); −inf or masked: never selected.
+      logits: (K,) float, no NaN or +inf (checked when concrete); −inf or masked: never selected.
       m: static int, 1 ≤ m ≤ K. mask: optional (K,) bool.
 
     Returns:
@@ -121,7 +123,7 @@ def top_m(logits, m: int, mask=None):
     """
     checks.check_rank(logits, 1, "logits")
     checks.check_float(logits, "logits")       # ints were ranked as they were, unlike every other scores input
-    checks.check_no_nan(logits, "logits")      # NaN was taken as masked; a NaN score is a bug upstream
+    checks.check_scores(logits, "logits")      # NaN or +inf was taken as masked; either is a bug upstream
     k = logits.shape[0]
     checks.require(checks.is_int(m) and 1 <= m <= k, "m", f"must be an int in [1, K={k}], got {m!r}")
     checks.check_mask(mask, logits.shape)
@@ -142,7 +144,7 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
 
     Args:
       key: PRNG key (ignored when ``gumbel`` is given).
-      scores: (K,) float scores.
+      scores: (K,) float scores, no NaN or +inf (checked when concrete); −inf: masked.
       m: number of memories to select, 1 ≤ m ≤ K.
       tau: temperature, >= :data:`rmm_jax.core.checks.TAU_MIN` (1e-6) and finite.
       mask: optional (K,) bool of valid candidates.

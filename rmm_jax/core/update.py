@@ -273,8 +273,8 @@ def check_batch(batch: Batch, n_users: int, dim: int | None = None) -> None:
     ``gumbel``, ``scores`` (U, B, K), ``valid``,
     ``logged_log_prob``, ``has_logged`` (U, B), ``selected`` int and ``cited`` bool (U, B, M).
     Shapes and dtypes are static, so this holds under jit too; a wrong one was a chex
-    AssertionError or a broadcasting error deep inside the step. Values (NaN in ``q`` or
-    ``scores``, ``selected`` beyond K or twice) are checked when concrete, i.e. when the update
+    AssertionError or a broadcasting error deep inside the step. Values (NaN in ``q``, NaN or
+    +inf in ``scores``, ``selected`` beyond K or twice) are checked when concrete, i.e. when the update
     is called outside jit: the losses see them per user, under vmap, where they are traced."""
     checks.check_rank(batch.q, 3, "q")
     checks.check_rank(batch.m, 4, "m")
@@ -294,7 +294,7 @@ def check_batch(batch: Batch, n_users: int, dim: int | None = None) -> None:
         got = jnp.result_type(getattr(batch, name))
         checks.require(got == jnp.bool_, name, f"expected dtype bool, got {got}")
     checks.check_no_nan(batch.q, "q")
-    checks.check_no_nan(batch.scores, "scores")
+    checks.check_scores(batch.scores)               # NaN, or +inf (an overflow the draws read as masked)
     checks.check_selected(batch.selected, k)
 
 
