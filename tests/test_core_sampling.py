@@ -249,6 +249,23 @@ def test_top_m_refuses_nan_logits_and_keeps_minus_inf_as_never_chosen():
     assert rj.top_m(jnp.array([1.0, -jnp.inf, 2.0]), 3).tolist() == [2, 0, -1]
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_gumbel_noise_is_refused_when_concrete(bad):
+    """Caller-supplied noise was taken as given: [0, nan, 0, 0] drew candidate 1 first from scores
+    [3, 1, 0, -1] (top_k ranks NaN first), whatever the scores. Refused by name, by the draw, the
+    rmm log-probability and reinforce_loss (which checks it on the whole batch: it vmaps)."""
+    s, g = jnp.array([3.0, 1.0, 0.0, -1.0]), jnp.zeros(4).at[1].set(bad)
+    with pytest.raises(ValueError, match=r"^gumbel: contains NaN or Inf$"):
+        rj.gumbel_top_m(None, s, 2, 1.0, gumbel=g)
+    with pytest.raises(ValueError, match=r"^gumbel: contains NaN or Inf$"):
+        rj.selection_log_prob(s, jnp.array([0, 1]), 1.0, mode="rmm", gumbel=g)
+    with pytest.raises(ValueError, match=r"^gumbel: contains NaN or Inf$"):
+        rj.reinforce_loss(s[None], jnp.array([[0, 1]]), jnp.ones((1, 2)), 0.0, 1.0, mode="rmm", gumbel=g[None])
+    # finite noise is used as given: the draw is the argsort of s/τ + g
+    g = jnp.zeros(4).at[3].set(10.0)
+    assert rj.gumbel_top_m(None, s, 2, 1.0, gumbel=g).tolist() == [3, 0]
+
+
 def test_plus_inf_scores_are_refused_not_taken_as_masked():
     """valid_mask is isfinite, so +inf (an overflow) was a masked candidate: top_m([1, inf, 0], 2)
     gave [0, 2], the best never shown, and a draw never drew it. Refused by name when concrete,

@@ -179,7 +179,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
       tau: temperature, >= :data:`rmm_jax.core.checks.TAU_MIN` (1e-6) and finite.
       mode: ``plackett_luce`` (exact log-prob) or ``rmm`` (paper; needs ``gumbel``).
       credit: ``item`` | ``reward_to_go`` | ``selection``.
-      gumbel: (B, K) sampled noise on the score scale, for ``rmm``.
+      gumbel: (B, K) sampled noise on the score scale, for ``rmm``; finite.
       mask: (B, K) bool valid candidates.
       weights: (B,) per-query weights (importance ratios; 0 drops a padded query).
 
@@ -203,6 +203,7 @@ def reinforce_loss(scores, selected, rewards, baseline, tau, *, mode="plackett_l
     if gumbel is not None:
         checks.check_rank(gumbel, 2, "gumbel")
         checks.require(gumbel.shape == scores.shape, "gumbel", f"expected shape {scores.shape}, got {gumbel.shape}")
+        checks.check_finite(gumbel, "gumbel")      # checked per query under vmap, where it is traced
     filled = selected >= 0
     adv = jax.lax.stop_gradient(advantages(rewards, baseline, filled, credit))
     w = jax.lax.stop_gradient(weights)

@@ -97,10 +97,13 @@ def _check_scores(scores, mask, m=None, selected=None):
 
 
 def _check_gumbel(gumbel, scores):
-    """Noise of the scores' shape: a (1,) or (K, 1) one broadcast silently to a wrong draw."""
+    """Noise of the scores' shape: a (1,) or (K, 1) one broadcast silently to a wrong draw; finite
+    when concrete: a NaN was drawn first (gumbel [0, nan, 0, 0] drew [1, 0] from scores
+    [3, 1, 0, -1]), as an inf would be."""
     checks.check_rank(gumbel, scores.ndim, "gumbel")
     checks.require(gumbel.shape == scores.shape, "gumbel", f"expected shape {scores.shape}, got {gumbel.shape}")
     checks.check_float(gumbel, "gumbel")
+    checks.check_finite(gumbel, "gumbel")
 
 
 def top_m(logits, m: int, mask=None):
@@ -148,7 +151,7 @@ def gumbel_top_m(key, scores, m: int, tau, mask=None, *, gumbel=None):
       m: number of memories to select, 1 ≤ m ≤ K.
       tau: temperature, >= :data:`rmm_jax.core.checks.TAU_MIN` (1e-6) and finite.
       mask: optional (K,) bool of valid candidates.
-      gumbel: optional (K,) precomputed Gumbel noise (to reuse it in the `rmm` log-prob).
+      gumbel: optional (K,) precomputed Gumbel noise (to reuse it in the `rmm` log-prob), finite.
 
     Returns:
       (M,) int32 candidate indices in draw order; −1 where fewer than M are valid.
