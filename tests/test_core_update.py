@@ -363,6 +363,26 @@ def test_settings_take_numpy_integers_as_the_ints_they_are():
     assert rj.preset("default", kind="mlp", hidden=np.int64(8)).layout.hidden == 8
 
 
+@pytest.mark.parametrize("wrap", [jnp.asarray, np.asarray, np.float32, np.float64])
+def test_an_estimator_of_numpy_or_jax_numbers_is_hashable_and_json_ready(wrap):
+    """check_tau takes a 0-d array, and the Estimator kept it: a jax or NumPy 0-d tau made it
+    unhashable (it keys the compiled programs), and a np.float32 one its setting_record a
+    TypeError in json.dumps. Each number is the Python float it is, the record as a plain one's."""
+    import json
+
+    from rmm_jax.core.config import setting_record
+
+    numbers = dict(tau=0.5, draw_tau=0.25, offset=-1.0, p_useful=0.75, p_other=0.125, baseline_value=0.5,
+                   ema=0.5, clip=4.0, on_policy_tol=0.0625)    # exact in float32: the same floats once cast
+    est = rj.Estimator(loss="logistic", **{f: wrap(v) for f, v in numbers.items()})
+    plain = rj.Estimator(loss="logistic", **numbers)
+    assert all(type(getattr(est, f)) is float for f in numbers)
+    assert est == plain and hash(est) == hash(plain)
+    setting = rj.preset("default")
+    record = setting_record("default", setting._replace(estimator=est))
+    assert json.loads(json.dumps(record)) == setting_record("default", setting._replace(estimator=plain))
+
+
 @pytest.mark.parametrize("make", [rj.adam, rj.sgd])
 # the last two are inf and 0 in float32, the parameters' type
 @pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0, 0.0, True, 1e300, 1e-50])

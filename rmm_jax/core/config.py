@@ -79,6 +79,10 @@ class Layout:
         self.scope.validate(self.kind)
 
 
+# The Estimator's numeric fields: each made a Python float once checked, as Layout's ints are made ints.
+_NUMBERS = ("offset", "p_useful", "p_other", "baseline_value", "ema", "tau", "draw_tau", "clip", "on_policy_tol")
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimator:
     """The estimator: frozen and hashable. Defaults are the ``reinforce`` preset's; the
@@ -135,6 +139,9 @@ class Estimator:
         c(real(self.clip, finite=False) and self.clip >= 1, "clip", f"must be >= 1, got {self.clip!r}")  # inf: no clip
         c(real(self.on_policy_tol, finite=False) and self.on_policy_tol >= 0, "on_policy_tol",
           f"must be >= 0, got {self.on_policy_tol!r}")
+        for f in _NUMBERS:      # a NumPy scalar or 0-d array as the float it is (hashed, written to JSON)
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, float(getattr(self, f)))
 
     @property
     def sample_tau(self) -> float:
