@@ -980,6 +980,23 @@ def test_load_policy_refuses_a_path_with_reranker_s_message(env):
     assert load_policy(PolicyStore.open(pol["user"]), "user0").version is not None
 
 
+def test_load_policies_and_batch_policies_refuse_a_str_of_user_ids_by_name(tmp_path):
+    """load_policies(store, "user5") read the str as the users 'u', 's', 'e', 'r', '5' (list()
+    hid it from load_batch's check), five policies of the shared start; batch_policies alike.
+    Refused by name as load_batch refuses it; a list (or any iterable) of the ids is served."""
+    from rmm_jax.online.serve import batch_policies, load_policies
+
+    st = policy_store(tmp_path / "pol", {"user5": 1})
+    with pytest.raises(InputError, match=r"^user_ids: expected a list of user ids, got the string 'user5'$"):
+        load_policies(st, "user5")
+    with pytest.raises(InputError, match=r"^user_ids: expected a list of user ids, got the string 'user5'$"):
+        batch_policies(st, st.load_batch(["user5"]), "user5")
+    want = load_policy(st, "user5")
+    for ids in (["user5"], ("user5",), iter(["user5"])):
+        (got,) = load_policies(st, ids)
+        assert got.version == want.version and leaf_bytes(got.params) == leaf_bytes(want.params)
+
+
 def test_behaviour_tau_refuses_a_path_by_name(tmp_path):
     """behaviour_tau("policies"), a path where it takes a PolicyStore, was an AttributeError
     ('str' object has no attribute '_header'); None is the default estimator's tau."""

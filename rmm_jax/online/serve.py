@@ -55,6 +55,7 @@ from rmm_jax.data.citation_log import LogRecord, call_key, call_record, utc_time
 from rmm_jax.errors import InputError, check_int
 from rmm_jax.online import compile_cache as persistent_cache
 from rmm_jax.online.streams import bucket, user_hash
+from rmm_jax.persist.policy_checks import check_user_ids
 from rmm_jax.persist.policy_header import read_header
 from rmm_jax.persist.policy_rollback import DONE, check_store
 from rmm_jax.persist.policy_setting import SETTING_KEY, read_setting
@@ -174,7 +175,8 @@ def load_policies(store: PolicyStore, user_ids: Sequence[str], *, fallback_to_sh
     once. ``rmm-jax evaluate`` reads a day's users so, 64 at a time: one at a time, 300 users
     took 3.4 s, mostly reading the same chunks again."""
     _check_store(store, "PolicyStore", "PolicyStore.open(path)")
-    return batch_policies(store, store.load_batch(list(user_ids)), user_ids, fallback_to_shared=fallback_to_shared,
+    ids = check_user_ids(user_ids, "user_ids")      # before list(): "user5" was five users, 'u' to '5'
+    return batch_policies(store, store.load_batch(ids), ids, fallback_to_shared=fallback_to_shared,
                           shared_params=shared_params)
 
 
@@ -183,6 +185,7 @@ def batch_policies(store: PolicyStore, got, user_ids: Sequence[str], *, fallback
     """:func:`load_policies` of ``user_ids`` from ``got``, their
     :meth:`PolicyStore.load_batch` already read: for a caller that reads the users' states
     for more than their params (``evaluate`` also counts the calls they learned), once."""
+    user_ids = check_user_ids(user_ids, "user_ids")     # a str was its letters, each a user on the shared policy
     # each shared version, and the one the last saved users left, read once for all of them
     shared = functools.cache(shared_params or functools.partial(_shared_on_device, store))
     learned = functools.cache(store.learned_shared_version)
