@@ -89,6 +89,41 @@ def test_top_k_bad_inputs_name_the_argument():
     assert s.shape == (0, 2) and i.shape == (0, 2)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_top_k_refuses_a_non_finite_query_or_bank_row_naming_it(bad, on_device):
+    """A NaN bank row scored NaN, which top_k ranks first: bank[3] = nan came back as every
+    query's best ([[3, 0]]); a NaN query had NaN scores. Each is an InputError naming the
+    argument and the row. A row bank_mask drops is never scored and may hold anything, and
+    finite rows whose entries sum past float32 (the check's shortcut) are ranked as before."""
+    rng = np.random.default_rng(0)
+    q, bank = int_data(rng, 3, 12, 4)
+    put = jnp.asarray if on_device else np.asarray
+    for row in (0, 3, 11):
+        b = bank.copy()
+        b[row, 2] = bad
+        with pytest.raises(InputError, match=rf"^bank: row {row} holds NaN or inf"):
+            R.top_k(q, put(b), 2, chunk_size=5)
+        keep = np.arange(12) != row
+        s, i = R.top_k(q, put(b), 2, chunk_size=5, bank_mask=keep)
+        rs, ri = brute_top_k(q, bank, 2, keep)
+        np.testing.assert_array_equal(i, ri)
+    for row in (0, 2):
+        qq = q.copy()
+        qq[row, 1] = bad
+        with pytest.raises(InputError, match=rf"^queries: row {row} holds NaN or inf"):
+            R.top_k(qq, put(bank), 2)
+    probes = np.stack([q, q], axis=1)                      # (3, 2, 4)
+    probes[1, 1, 0] = bad
+    with pytest.raises(InputError, match=r"^probes: query 1, probe 1 holds NaN or inf"):
+        R.multi_probe_top_k(probes, bank, 2)
+    pm = np.ones((3, 2), bool)
+    pm[1, 1] = False                                        # an ignored probe may hold anything
+    np.testing.assert_array_equal(R.multi_probe_top_k(probes, bank, 2, probe_mask=pm)[1], brute_top_k(q, bank, 2)[1])
+    big = np.full((3, 4), 1e38, np.float32) * np.array([[1], [0.5], [0.25]], np.float32)  # each row sums to inf
+    np.testing.assert_array_equal(R.top_k(np.array([[1e-38, 0, 0, 0]], np.float32), big, 3)[1], [[0, 1, 2]])
+
+
 def test_top_k_large_bank_against_numpy():
     """>= 200,000 x 384 bank, default chunking (last chunk partial), subset checked."""
     rng = np.random.default_rng(0)

@@ -92,6 +92,38 @@ def _multi_probe_jit(probes, probe_mask, bank, bank_mask, *, k, chunk, n_chunks)
     return _chunk_scan(score, bank, bank_mask, k, chunk, n_chunks, probes.shape[0])
 
 
+def _non_finite_row(x, keep=None) -> int | None:
+    """The first row of ``x`` (N, d) host float32 that holds NaN or ±inf (among the rows ``keep``
+    holds, None: all), else None. A NaN row scored NaN against every query, which top_k ranks
+    first: the bank's row came back as every query's best, a NaN query's scores were all NaN.
+    One matrix-vector product finds the candidates (NaN and inf carry through a sum), cheap
+    beside the scoring's matrix product; a row whose finite entries merely overflow that sum
+    is cleared by its own check."""
+    if x.size == 0:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        maybe = ~np.isfinite(x @ np.ones(x.shape[1], np.float32))
+    if keep is not None:
+        maybe &= keep
+    for i in np.flatnonzero(maybe):
+        if not np.isfinite(x[i]).all():
+            return int(i)
+    return None
+
+
+def _check_finite_rows(x, name: str, keep=None) -> None:
+    """InputError naming ``name`` and the row when :func:`_non_finite_row` finds one."""
+    i = _non_finite_row(x, keep)
+    if i is not None:
+        raise InputError(f"row {i} holds NaN or inf (a vector to score must be finite)", where=name)
+
+
+@aot
+def _finite_rows(bank):
+    """:func:`_non_finite_row`'s test of a bank already on the device, there: (N,) bool."""
+    return jnp.isfinite(bank).all(axis=1)
+
+
 def _check_bank(bank, bank_mask, k, chunk_size, d_query):
     bank = np.asarray(bank) if not isinstance(bank, jax.Array) else bank
     if bank.ndim != 2:
@@ -122,7 +154,15 @@ def _check_bank(bank, bank_mask, k, chunk_size, d_query):
     n_chunks = math.ceil(n / chunk)
     # on the device once for every query block; converted on the host and put there (jnp.asarray
     # and eager casts are programs to trace and load in every process, device_put is not)
-    bank = bank.astype(jnp.float32) if isinstance(bank, jax.Array) else jax.device_put(np.asarray(bank, np.float32))
+    if isinstance(bank, jax.Array):
+        bank = bank.astype(jnp.float32)
+        bad = np.flatnonzero(~np.asarray(_finite_rows(bank)) & mask)     # on the device: N flags come back
+        if len(bad):
+            raise InputError(f"row {int(bad[0])} holds NaN or inf (a vector to score must be finite)", where="bank")
+    else:
+        bank = np.asarray(bank, np.float32)
+        _check_finite_rows(bank, "bank", mask)                 # rows bank_mask drops are never scored
+        bank = jax.device_put(bank)
     return bank, jax.device_put(mask), int(k), chunk, n_chunks
 
 
@@ -175,12 +215,14 @@ def top_k(queries, bank, k: int, *, chunk_size: int = 65536, bank_mask=None,
       ties broken by lower index.
 
     Raises:
-      InputError: bad shapes, or ``k`` larger than the number of valid bank rows.
+      InputError: bad shapes, ``k`` larger than the number of valid bank rows, or a query or
+        a valid bank row that holds NaN or inf (named by its row).
     """
     q = np.asarray(queries, dtype=np.float32)
     if q.ndim != 2:
         raise InputError(f"queries must be 2-D (Q, d), got shape {q.shape}", where="queries")
     bank, mask, k, chunk, n_chunks = _check_bank(bank, bank_mask, k, chunk_size, q.shape[1])
+    _check_finite_rows(q, "queries")
     n_q = q.shape[0]
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
@@ -219,6 +261,10 @@ def multi_probe_top_k(probes, bank, k: int, *, chunk_size: int = 65536, bank_mas
             raise InputError(f"probe_mask shape {pm.shape} != {(n_q, n_p)}", where="probe_mask")
     if n_p == 0 or (n_q and not pm.any(axis=1).all()):
         raise InputError("every query needs at least one probe", where="probes")
+    i = _non_finite_row(p.reshape(n_q * n_p, p.shape[2]), pm.reshape(-1))     # probe_mask's False probes are ignored
+    if i is not None:
+        raise InputError(f"query {i // n_p}, probe {i % n_p} holds NaN or inf (a vector to score must be finite)",
+                         where="probes")
     if n_q == 0:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int32)
     def block(s, e, qb):
