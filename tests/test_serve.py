@@ -867,6 +867,24 @@ def test_non_finite_embeddings_are_refused_naming_the_argument(env):
 
 
 
+def test_sample_of_no_queries_is_empty_as_rank_of_none_is(tmp_path):
+    """Reranker.sample with n = 0 was a raw vmap size error (the keys were padded with a copy of
+    the first, of which there is none), while rank returned empty arrays. Its result is a Sample
+    of n = 0 rows with the shapes and dtypes a batch of n rows has, for shared and per-query
+    candidates, the identity reranker and a stored policy."""
+    rr_store = Reranker.open(policy_store(tmp_path / "pol", {"u": 1}).path)
+    for rr in (Reranker(None, dim=8), rr_store):
+        c = np.eye(5, 8) * np.arange(1, 6)[:, None]
+        for cands, mask in ((c, None), (np.zeros((0, 5, 8)), np.zeros((0, 5), bool)), (c, np.ones(5, bool))):
+            got = rr.sample("u", np.zeros((0, 8)), cands, 3, keys=jax.random.split(jax.random.key(0), 0), tau=0.5,
+                            mask=mask)
+            some = rr.sample("u", np.ones((2, 8)), np.broadcast_to(c, (2, 5, 8)), 3,
+                             keys=jax.random.split(jax.random.key(0), 2), tau=0.5)
+            assert [(a.shape[1:], a.dtype) for a in got] == [(a.shape[1:], a.dtype) for a in some]
+            assert [a.shape[0] for a in got] == [0] * 4
+            assert rr.rank("u", np.zeros((0, 8)), cands, 3, mask=mask).selected.shape == got.selected.shape
+
+
 def test_a_numpy_integer_m_serves_as_the_int_and_a_bool_is_refused():
     """m=np.int64(3) was refused as "must be in [1, K=6], got np.int64(3)"."""
     from rmm_jax.errors import InputError

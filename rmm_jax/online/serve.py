@@ -543,7 +543,8 @@ class Reranker:
         if keys.shape != (n,):
             raise InputError(f"expected {n} keys, one per query, got shape {keys.shape}", where="keys")
         data = np.asarray(jax.random.key_data(keys))        # padded on the host: eager pads are programs
-        data = np.concatenate([data, np.repeat(data[:1], qp.shape[0] - n, axis=0)])
+        fill = data[:1] if n else np.zeros((1,) + data.shape[1:], data.dtype)   # n = 0: no key to repeat; a
+        data = np.concatenate([data, np.repeat(fill, qp.shape[0] - n, axis=0)])  # padded row's draw is dropped
         keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
         return tau, (n, k, qp, cp, mp, keys)
 
