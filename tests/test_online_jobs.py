@@ -268,6 +268,31 @@ def test_run_online_and_drive_refuse_a_bad_seed_chunk_size_stream_or_m_by_name_b
         run_online(logged, m2, p0)
 
 
+@pytest.mark.parametrize("params_kind, layout_kind", [(("linear", None), ("mlp", 8)), (("mlp", 4), ("mlp", 8)),
+                                                       (("mlp", 8), ("linear", None))])
+def test_run_online_and_drive_refuse_params_of_another_kind_or_width_than_the_layout(store, params_kind,
+                                                                                      layout_kind):
+    """The params a caller hands in were never checked against the program's layout: linear
+    params under an `mlp` layout trained a linear reranker, an `mlp` of hidden 4 under hidden 8
+    ran as 4, and `mlp` params under a linear layout were a KeyError 'W' in the update. Each is
+    one InputError naming params (PolicyStore.create's check), before anything is compiled or
+    run; params of the layout's kind and width run."""
+    streams = load_streams(store, CFG.k)[:2]
+    (pk, ph), (lk, lh) = params_kind, layout_kind
+    params = rj.init_reranker(jax.random.key(0), store.dim, kind=pk, **({"hidden": ph} if ph else {}))
+    setting = rj.preset("default", k=10, m=3, batch=4, kind=lk, **({"hidden": lh} if lh else {}))
+    never = lambda *a, **k: pytest.fail("ran")              # nothing is compiled or run
+    program = make_run(*setting, cite_fn=oracle_cite)._replace(init_shared=never, init=never, pad=never,
+                                                                 batches=never, run=never)
+    what = "kind is" if pk != lk else f"hidden is {lh}"
+    for call in (lambda: run_online(streams, program, params), lambda: drive([streams], program, params)):
+        with pytest.raises(InputError, match=rf"^params: params (are of the {pk} kind|have hidden width {ph}) .*the "
+                                             rf"program's layout {what}"):
+            call()
+    fits = rj.init_reranker(jax.random.key(0), store.dim, kind=lk, **({"hidden": lh} if lh else {}))
+    assert run_online(streams[:1], make_run(*setting, cite_fn=oracle_cite), fits).summary["queries"] > 0
+
+
 def test_a_recorder_of_another_m_than_its_programs_is_refused(store, tmp_path):
     """Recorder(0) and Recorder("5") were taken, and Recorder(2) on an m=3 program reported
     recall@2 with recall@3's numbers; now the first event that shows the program's m

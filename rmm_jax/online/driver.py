@@ -35,6 +35,7 @@ from rmm_jax.errors import InputError, check_int
 from rmm_jax.online.loop import LoopState, Program, per_query, segment_plan
 from rmm_jax.online.sharding import replicate, shard_users
 from rmm_jax.online.streams import Stream, user_keys
+from rmm_jax.persist.policy_checks import check_params
 
 OUTPUT_KEYS = ("recall", "ndcg", "selected", "cited", "log_prob",   # per-query outputs kept per user
                "hit", "hit_base", "n_cited", "n_shown", "shown_recall")
@@ -145,6 +146,7 @@ def drive(chunks: Iterable[Sequence[Stream] | Chunk], program: Program, params, 
     """
     check_seed_and_chunk(seed, users_per_chunk)            # a generator's checks ran only at the first next()
     check_chunks(chunks)
+    check_program_params(params, program)
     return _drive(chunks, program, params, seed=seed, users_per_chunk=users_per_chunk,
                   segment_batches=segment_batches, resume=resume, mesh=mesh, shared=shared)
 
@@ -155,6 +157,16 @@ def check_seed_and_chunk(seed, users_per_chunk) -> None:
     range()'s "arg 3 must not be zero"."""
     check_int(seed, "seed")
     check_int(users_per_chunk, "users_per_chunk", 1)
+
+
+def check_program_params(params, program: Program) -> None:
+    """``params`` of ``program``'s layout, else an InputError naming ``params``: the kind
+    (linear params under an `mlp` layout trained a linear reranker without a word, `mlp`
+    params under a linear one were a KeyError 'W' deep in the update) and an `mlp`'s hidden
+    width (4 under a layout of 8 ran as 4). :meth:`PolicyStore.create`'s check of its meta."""
+    layout = program.layout
+    check_params(params, {"kind": layout.kind, "dim": None, "hidden": layout.hidden}, "params",
+                 of="the program's layout")
 
 
 def check_chunks(chunks) -> None:

@@ -132,7 +132,7 @@ _KIND_OF = {("W", "kernel"): "linear", ("down", "kernel"): "mlp", ("down", "bias
 _HIDDEN_AXES = {("down", "kernel"): (-2,), ("up", "kernel"): (-1,), ("up", "bias"): (-1,)}
 
 
-def check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
+def check_params(params, meta: dict, arg: str, *, of_kind: bool = True, of: str = "the store's meta") -> None:
     """Refuse ``params`` (a reranker's, a users axis in front or not; ``{}`` or only some
     adapters: what is there is checked) that are not of the store's meta: an embedding size
     other than ``dim`` (a dim-16 policy saved in a dim-384 store was found only when serving:
@@ -140,7 +140,8 @@ def check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
     in an `mlp` store, or the reverse, were stored and failed at serving) or, for `mlp`, a
     hidden width other than ``hidden`` (when the meta records one); naming ``arg``. Without
     ``of_kind`` only the dim (users' params: a store may hold users of another structure,
-    which :meth:`PolicyStore.load_batch` refuses to stack)."""
+    which :meth:`PolicyStore.load_batch` refuses to stack). A ``dim`` of None is not checked
+    (a program's layout has none); ``of`` names what the meta is in the messages."""
     dim, kind, hidden = meta["dim"], meta["kind"], meta.get("hidden") if of_kind else None
     kind = kind if of_kind else None
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -148,16 +149,15 @@ def check_params(params, meta: dict, arg: str, *, of_kind: bool = True) -> None:
         shape = np.shape(leaf)
         name = "/".join(map(str, keys))
         if kind is not None and _KIND_OF.get(keys[-2:], kind) != kind:
-            raise InputError(f"params are of the {_KIND_OF[keys[-2:]]} kind ({name}), the store's meta kind is "
-                             f"{kind}", arg=arg)
-        for ax in _DIM_AXES.get(keys[-2:], ()):
+            raise InputError(f"params are of the {_KIND_OF[keys[-2:]]} kind ({name}), {of} kind is {kind}", arg=arg)
+        for ax in _DIM_AXES.get(keys[-2:], ()) if dim is not None else ():
             if len(shape) >= -ax and shape[ax] != dim:
                 raise InputError(f"params are for embedding size {shape[ax]} ({name} has shape {tuple(shape)}), "
-                                 f"the store's meta dim is {dim}", arg=arg)
+                                 f"{of} dim is {dim}", arg=arg)
         for ax in _HIDDEN_AXES.get(keys[-2:], ()) if kind == "mlp" and hidden is not None else ():
             if len(shape) >= -ax and shape[ax] != hidden:
                 raise InputError(f"params have hidden width {shape[ax]} ({name} has shape {tuple(shape)}), "
-                                 f"the store's meta hidden is {hidden}", arg=arg)
+                                 f"{of} hidden is {hidden}", arg=arg)
 
 
 def check_user_params(params, scope: Scope, arg: str) -> None:
