@@ -601,34 +601,42 @@ def test_a_store_built_from_a_log_replays_that_log_despite_gold_never_retrieved(
     """``embed log:`` drops a gold id that no record carries; replaying and evaluating the same
     log on that store refused it ("unknown memory id ... neither in the store nor a candidate"),
     though the ids are kept as logged so that the log replays. Where the store holds the
-    question its gold counts; elsewhere the id leaves the record's gold, as embed dropped it,
-    counted in one note; a call left with no gold does not count for Recall."""
+    question its gold counts; elsewhere Recall leaves out the ids no bank holds (neither the
+    store nor any record of the user), counted in one note, and a call left with no gold does
+    not count for Recall. A gold id that another record of the user lists stays gold: it is in
+    the bank (a review found a first form of the fix dropping it, per record). The records
+    keep their gold as logged, for cite-rates, which needs no bank."""
     use_fake_embedder(monkeypatch)
     calls, store, pol = tmp_path / "calls.jsonl", tmp_path / "store", tmp_path / "pol"
     by_call = {k: v for k, v in CALL.items() if k != "query_id"} | {"log_prob": -0.5}
+    ww = {"id": "ww", "text": "Lena has a cat."}
     calls.write_text(jl({**CALL, "gold": ["m1", "zz"], "log_prob": -0.5},   # the store holds q1
                         {**by_call, "call_id": "c2", "query": "what do I drink?", "gold": ["m2", "yy"]},
-                        {**by_call, "call_id": "c3", "query": "who is Lena?", "gold": ["yy"]}))
+                        {**by_call, "call_id": "c3", "query": "who is Lena?", "gold": ["yy"]},
+                        {**by_call, "call_id": "c4", "query": "does Lena have a pet?", "gold": ["ww"]},
+                        {**by_call, "call_id": "c5", "query": "a cat?", "candidates": [*CALL["candidates"], ww],
+                         "gold": ["ww"]}))
     code, out, err = run_cli(capsys, "embed", f"log:{calls}", "--out", store, "--json")
     assert code == 0 and json.loads(out)["stats"]["gold_without_text"] == 3, err
     st = open_store(store)
     recs, report = read_log(calls, known=known_ids(st))
-    assert [r.gold for r in recs] == [("m1", "zz"), ("m2",), None]     # q1's is the store's: not read
-    assert report.notes == [f"{calls}: left out 2 gold ids naming no memory of the store or of its record (first: "
-                            "line 2, 'yy' of user 'u'), so Recall counts the gold the store holds (a gold memory "
-                            "never retrieved has no text)"]
-    raw, _ = read_log(calls)        # read without the store: resolving leaves them out the same way
-    texts = [t for r in raw for t in unseen_texts(r, known_ids(st)("u"))]
-    c = resolve_calls(st, "u", raw, dict(zip(texts, FakeEmbedder(st.dim).encode(texts))), 2, 1)
-    assert c.num_gold.tolist() == [1, 1, 0] and c.valid.tolist() == [True, True, False]
-    assert "zz" not in c.memory_ids and "yy" not in c.memory_ids
+    assert [r.gold for r in recs] == [("m1", "zz"), ("m2", "yy"), ("yy",), ("ww",), ("ww",)]    # as logged
+    assert report.notes == [f"{calls}: 2 gold ids name no memory of the store or of any record of its user (first: "
+                            "line 2, 'yy' of user 'u'): Recall leaves them out, as no bank holds a gold memory never "
+                            "retrieved (cite-rates counts such a call as one with gold)"]
+    for known in (known_ids(st), None):     # read with the store or without: resolved the same way
+        raw, _ = read_log(calls, known=known)
+        texts = [t for r in raw for t in unseen_texts(r, known_ids(st)("u"))]
+        c = resolve_calls(st, "u", raw, dict(zip(texts, FakeEmbedder(st.dim).encode(texts))), 3, 1)
+        assert c.num_gold.tolist() == [1, 1, 0, 1, 1] and c.valid.tolist() == [True, True, False, True, True]
+        assert "zz" not in c.memory_ids and "yy" not in c.memory_ids and "ww" in c.memory_ids
     code, out, err = run_cli(capsys, "replay", store, "--log", calls, "--policies", pol, "--json")
     assert code == 0, err
-    assert [x for x in err.splitlines() if "left out" in x] == [f"note: {report.notes[0]}"]
+    assert [x for x in err.splitlines() if "no memory of the store" in x] == [f"note: {report.notes[0]}"]
     code, out, err = run_cli(capsys, "evaluate", store, "--log", calls, "--policies", pol, "--json",
                              "--allow-unreliable", "--bootstrap", 40)
     assert code == 0, err
-    assert json.loads(out)["estimates"]["recall"]["logged"]["n"] == 2      # c3 has no gold left
+    assert json.loads(out)["estimates"]["recall"]["logged"]["n"] == 4      # c3 has no gold left
 
 
 def test_embed_log_notes_each_misspelt_key_once(tmp_path, capsys, fake_model):

@@ -12,10 +12,10 @@ one piece at a time, the store first:
   the carried ones, in order of first appearance in the log (a user the store lacks has
   only carried ones);
 * **gold**: the store's gold memories for a question it holds; otherwise the record's
-  ``gold`` (none: the call does not count for Recall), less the ids that neither the store
-  nor the record's candidates hold (:func:`~rmm_jax.data.citation_log.held_gold`: a gold
-  memory never retrieved, which ``embed log:`` dropped too). An abstention question of
-  the store never counts.
+  ``gold`` (none: the call does not count for Recall), less the ids the user's bank lacks
+  (neither the store nor any of these records holds them: a gold memory never retrieved
+  has no text, and ``embed log:`` dropped it too). An abstention question of the store
+  never counts.
 
 Texts are embedded with the store's model through the embedding cache
 (:func:`rmm_jax.data.embed.embed_texts`, the function ``rerank`` uses too), all of a
@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from rmm_jax.data.citation_log import LogRecord, call_key, held_gold
+from rmm_jax.data.citation_log import LogRecord, call_key
 
 __all__ = ["StoreMemories", "UserCalls", "known_ids", "resolve_calls", "unseen_texts"]
 
@@ -177,13 +177,12 @@ def resolve_calls(store, user_id: str, records: Sequence[LogRecord], vectors: Ma
         bank[n_store:] = np.stack(carried)
     gold = np.zeros((t, n_bank), bool)
     valid = np.zeros(t, bool)
-    store_ids = frozenset(memory_ids[:n_store])
     for i, r in enumerate(records):
         if store_rows[i] >= 0:
             gold[i, :n_store] = user.gold[store_rows[i]]
             valid[i] = not user.abstention[store_rows[i]]
         else:
-            gold[i, [mem_index[g] for g in held_gold(r, store_ids)[0]]] = True
+            gold[i, [mem_index[g] for g in r.gold or () if g in mem_index]] = True    # the bank's; never retrieved: out
             valid[i] = True
     num_gold = gold.sum(1).astype(np.int32)
     return UserCalls(

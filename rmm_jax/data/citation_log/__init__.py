@@ -34,9 +34,9 @@ to build an embedding store straight from a production log (:mod:`rmm_jax.data.l
 ``replay`` and ``evaluate`` take a query or a memory from the store when the store holds
 its id, and embed the record's text otherwise (:mod:`rmm_jax.data.log_vectors`); gold
 comes from the store for a question it holds, from the record's ``gold`` otherwise, less
-the ids that neither the store nor the record's candidates hold (:func:`held_gold`: a gold
-memory never retrieved has no text, so no bank holds it; read against ``known``, the
-record comes without them and a note counts them).
+the ids no bank holds (neither the store nor any record of the user: a gold memory never
+retrieved has no text; read against ``known``, one note counts them, and the records keep
+their gold as logged).
 
 A **served record** (what ``rmm-jax rerank --explore`` writes, :func:`validate_record`
 with ``served=True``) is a record without ``cited``: the application adds the memories
@@ -97,7 +97,7 @@ themselves are decoded as every JSONL file is (:mod:`rmm_jax.data.json_lines`).
 """
 from rmm_jax.data.citation_log._identity import CONTENT_LEFT_OUT, call_hash, call_hashes, call_key, learned_content
 from rmm_jax.data.citation_log._keys import CLOSE_KEY, KEY_SUFFIXES, misspelt_key, note_misspelt_keys
-from rmm_jax.data.citation_log._known import Known, check_known, held_gold
+from rmm_jax.data.citation_log._known import Known, check_known
 from rmm_jax.data.citation_log._plackett_luce import pl_log_prob, pl_tolerance
 from rmm_jax.data.citation_log._read import (
     LogReading,
@@ -119,7 +119,7 @@ __all__ = [
     "CLOSE_KEY", "CONTENT_LEFT_OUT", "FLOAT32_MAX", "FUTURE_SKEW", "KEY_SUFFIXES", "LOG_KEYS", "MAX_FIRST_ERRORS",
     "OPTIONAL_KEYS", "REQUIRED_KEYS", "STDIN", "Known", "LogReading", "LogRecord", "LogWriter", "NotGroupedError",
     "ReadReport", "call_hash", "call_hashes", "call_record", "call_key", "check_known", "check_timestamp",
-    "held_gold", "is_empty_log", "iter_log", "iter_numbered", "iter_user_chunks", "json_lines", "learned_content",
+    "is_empty_log", "iter_log", "iter_numbered", "iter_user_chunks", "json_lines", "learned_content",
     "misspelt_key", "note_misspelt_keys", "pl_log_prob", "pl_tolerance", "read_log", "record_to_json", "source_name",
     "time_text", "timestamp_seconds", "utc_timestamp", "validate_record", "write_log",
 ]

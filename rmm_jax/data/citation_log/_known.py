@@ -31,26 +31,15 @@ def _known_lookup(known: Known) -> Callable[[str], Any]:
                      f"got {type(known).__name__}", where="argument 'known'")
 
 
-def held_gold(rec: LogRecord, memory_ids) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(kept, left out)``: the record's ``gold`` split into the ids the store holds
-    (``memory_ids``, the user's) or the record lists as candidates, and the others. A gold
-    memory that was never retrieved and that the store lacks has no text anywhere, so no
-    bank holds it: ``rmm-jax embed log:`` drops it from its question's gold
-    (:mod:`rmm_jax.data.log_dataset`), and a replay of that log on the store leaves it out
-    the same way (Recall counts the gold the store holds), rather than refusing the log
-    the store was built from."""
-    kept = tuple(g for g in rec.gold or () if g in memory_ids or g in rec.candidates)
-    return kept, tuple(g for g in rec.gold or () if g not in kept)
-
-
 def _check_known(rec: LogRecord, lookup: Callable[[str], Any], where: str) -> tuple[str, ...]:
     """What the store lacks the record must carry as text: a query id the store does not
     hold needs the ``query`` text, a memory id it does not hold needs the candidate's
     text, and a user it does not hold needs both for everything. When the lookup's memory
     ids are a mapping ``id -> text`` (:func:`rmm_jax.data.log_vectors.known_ids`), a text
-    the record carries for a memory the store holds must be the store's. Returns the gold
-    ids the record's question loses (:func:`held_gold`): none when the store holds the
-    question, whose gold is the store's and the record's is not read."""
+    the record carries for a memory the store holds must be the store's. Returns the
+    record's gold ids that neither the store nor the record holds (no error: another record
+    of the user may list one; a reader counts those none lists): none when the store holds
+    the question, whose gold is the store's and the record's is not read."""
     entry = lookup(rec.user_id)
     query_ids, memory_ids = entry if entry is not None else ((), ())
     texts = rec.candidate_texts or (None,) * len(rec.candidates)
@@ -72,12 +61,13 @@ def _check_known(rec: LogRecord, lookup: Callable[[str], Any], where: str) -> tu
                              where=_key_where(where, "candidates"))
     if rec.query_id is not None and rec.query_id in query_ids:
         return ()
-    return held_gold(rec, memory_ids)[1]
+    return tuple(g for g in rec.gold or () if g not in memory_ids and g not in rec.candidates)
 
 
 def check_known(rec: LogRecord, known: Known, where: str) -> None:
     """One record against ``known`` (as :func:`rmm_jax.data.citation_log.iter_log` takes it),
     for records that were read without it: what the store lacks the record must carry as
     text (:func:`_check_known`), an ``InputError`` at ``where`` naming the key and the id.
-    Gold ids that neither the store nor the record holds are no error (:func:`held_gold`)."""
+    Gold ids that neither the store nor the record holds are no error (Recall leaves out those
+    no bank holds: :func:`rmm_jax.data.log_vectors.resolve_calls`)."""
     _check_known(rec, _known_lookup(known), where)

@@ -3,7 +3,6 @@ validated, checked against the store's ids, and checked for a call logged twice.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -114,9 +113,10 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     other content). A line that repeats an earlier record of the call exactly (the same JSON
     object: a log delivered at least once, a day's file appended twice) is read once: counted
     in ``repeated`` and noted, not an error. Against ``known``, a gold id that neither the
-    store nor the record holds leaves the record's gold (:func:`~rmm_jax.data.citation_log.held_gold`: no bank
-    can hold it, and ``embed log:`` dropped it from the store it built): counted in one
-    note naming the first, not an error.
+    store nor any record of its user carries is no error either: the record keeps it as
+    logged (``cite-rates`` counts the call as one with gold), one note at the end counts such
+    ids, and Recall leaves them out (:func:`rmm_jax.data.log_vectors.resolve_calls`: no bank
+    holds a gold memory never retrieved, and ``embed log:`` dropped it from the store it built).
     """
     if not isinstance(path, (str, bytes, os.PathLike)):   # None was a TypeError from open(), an int read as an fd
         raise InputError(f"expected the log's path (a str or os.PathLike), got {type(path).__name__} {path!r}"[:160],
@@ -126,7 +126,8 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     keys_seen = set(LOG_KEYS)
     seen: dict[tuple[str, str], tuple[int, bytes]] = {}    # a call -> (its line, its record's digest)
     first_repeat: tuple[int, int] | None = None
-    gold_left_out, first_left_out = 0, ""
+    unheld: list[tuple[int, str, str]] = []                # (line, user, gold id) the store and record lack
+    listed: dict[str, set[str]] = {}                       # user -> every candidate id its records list
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
@@ -175,10 +176,9 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
             texts.setdefault(mem, (text, lineno))
         note_misspelt_keys(obj, keys_seen, path, lineno, report["notes"])
         report["records"] += 1
-        if left_out:
-            gold_left_out += len(left_out)
-            first_left_out = first_left_out or f"line {lineno}, {left_out[0]!r} of user {rec.user_id!r}"
-            rec = dataclasses.replace(rec, gold=tuple(g for g in rec.gold if g not in left_out) or None)
+        if lookup is not None:
+            listed.setdefault(rec.user_id, set()).update(rec.candidates)
+            unheld += [(lineno, rec.user_id, g) for g in left_out]
         yield lineno, rec
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
@@ -188,10 +188,13 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         report["notes"].append(f"{n} line{'s' if n > 1 else ''} of {path} repeat{'' if n > 1 else 's'} an earlier "
                                f"record exactly (first: line {first_repeat[0]}, as line {first_repeat[1]}): each "
                                "call is read once (if they were separate calls, give each its own call_id)")
-    if gold_left_out:
-        report["notes"].append(f"{path}: left out {count(gold_left_out, 'gold id')} naming no memory of the store "
-                               f"or of its record (first: {first_left_out}), so Recall counts the gold the store "
-                               "holds (a gold memory never retrieved has no text)")
+    unheld = [(line, user, g) for line, user, g in unheld if g not in listed.get(user, ())]  # no record lists it
+    if unheld:
+        line, user, g = unheld[0]
+        report["notes"].append(f"{path}: {count(len(unheld), 'gold id')} name{'s' if len(unheld) == 1 else ''} no "
+                               f"memory of the store or of any record of its user (first: line {line}, {g!r} of user "
+                               f"{user!r}): Recall leaves {'it' if len(unheld) == 1 else 'them'} out, as no bank "
+                               "holds a gold memory never retrieved (cite-rates counts such a call as one with gold)")
 
 
 def _digest(obj) -> bytes:
