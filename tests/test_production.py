@@ -804,6 +804,10 @@ def test_append_counts_its_skips_and_keeps_the_manifest_totals_the_stores(tmp_pa
     assert stats["turns"] == sum(len(r["turn_ids"]) for r in st.memories) == 6
     assert stats["sessions"] == len({(r["user"], r["session_id"]) for r in st.memories}) == 4
     assert stats["no_gold"] == day1["no_gold"] + 1 and stats["lines"] == day1["lines"] + day2["lines"]
+    assert stats.get("memories", len(st.memories)) == len(st.memories)
+    # the same day again adds nothing: the manifest, and its skip counts, stay as they were
+    again = append_store(store, load_spec(spec, gold_elsewhere=True), FakeEmbedder(DIM), spec=spec)
+    assert open_store(store).manifest["stats"] == stats and again["manifest"]["stats"] == stats
 
 
 def earlier_day(tmp_path, name, questions, user="a"):

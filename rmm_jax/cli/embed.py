@@ -292,14 +292,14 @@ def _note_truncated(embedder) -> None:
 def _note_skipped(skipped: dict) -> None:
     """One stderr line with what a jsonl: dataset skipped (nothing when nothing was)."""
     labels = {"tool_results": "tool result", "tool_calls": "tool-call-only",      # a noun: count()'s plural
-              "instructions": "system/developer", "no_text": "no text part",
+              "instructions": "system/developer", "no_text": "with no text part",
               "null_content": "content null without tool calls", "empty": "empty",
               "too_long": f"over {MAX_MESSAGE_CHARS} characters"}
     kinds = [count(skipped[k], label) if k == "tool_results" else f"{skipped[k]} {label}"
              for k, label in labels.items() if skipped[k]]
     parts = [f"{count(sum(skipped[k] for k in labels), 'message')} ({', '.join(kinds)})"] if kinds else []
     if skipped["non_text_parts"]:
-        parts.append(f"{count(skipped['non_text_parts'], 'non-text content part')} (images, audio, files)")
+        parts.append(f"{count(skipped['non_text_parts'], 'non-text content part')} (images, audio, files, refusals)")
     if skipped.get("sessions_without_text"):
         parts.append(f"{count(skipped['sessions_without_text'], 'session')} with no message with text (nothing "
                      "to add)")

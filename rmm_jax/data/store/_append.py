@@ -107,8 +107,8 @@ def _grow_user(user: User, mems: list[MemoryUnit], old_mems: list[dict], old_que
             stamps = [(u.timestamp, m[2]) for u, m in zip(units, stored[sid]) if u.timestamp != m[2]]
             if stamps:
                 raise InputError(f"session {sid!r} of user {user.id!r} is already in the store with another "
-                                 f"timestamp ({stamps[0][1]!r} there, {stamps[0][0]!r} here; give every new session "
-                                 "its own session_id)", where=loc("session", sid))
+                                 f"timestamp ({_stamp(stamps[0][1])} there, {_stamp(stamps[0][0])} here; give every "
+                                 "new session its own session_id)", where=loc("session", sid))
             counts["sessions_repeated"] += 1
             continue
         clash = [u.id for u in units if u.id in held_ids]
@@ -179,9 +179,12 @@ def append_store(path, dataset: Dataset, embedder, *, spec: str | None = None, p
     The manifest's ``stats.appends`` gets one entry a grown store: ``spec``, these counts and
     ``seconds``. Its totals stay the store's: ``valid_queries``, ``queries_without_gold_memory``,
     ``abstention_queries`` and ``memories_per_user``, and, where the first build's dataset
-    counted them, ``sessions``, ``turns``, ``questions``, ``no_gold`` and ``abstention`` grow
-    by what the append added, ``lines`` by the file's lines, and ``skipped`` by the file's
-    counts (each file read, a repeated day's too; ``first_errors`` keeps the first few).
+    counted them, ``memories``, ``sessions``, ``turns``, ``questions``, ``no_gold`` and
+    ``abstention`` grow by what the append added, ``lines`` by the file's lines, and
+    ``skipped`` by the file's counts (``first_errors`` keeps the first few). A file that adds
+    nothing (a day read again) leaves the store and its manifest as they were, so its skips
+    are not counted twice. The first build's other counts (a ``locomo:`` store's
+    ``per_category``, a ``log:`` store's ``records``) describe that build alone.
 
     A question's gold may name turns and sessions of its user that the store holds and
     ``dataset`` does not (``dataset.gold_elsewhere``, from ``load_jsonl(...,
@@ -328,12 +331,18 @@ def _reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
     return out
 
 
+def _stamp(value) -> str:
+    """A session's timestamp in a message: its repr, or ``none`` (Python's ``None`` read as code)."""
+    return "none" if value is None else repr(value)
+
+
 def _add_totals(stats: dict, rows: _Rows, counts: dict, lines: int | None) -> None:
     """The first build's dataset counts in ``stats`` (a manifest's), grown by one append: what
     it added to the store (``rows``, ``counts``), the lines its file had and what its loader
     skipped. A count the first build's dataset had not is left out (a ``locomo:`` store has
     no ``turns``), except ``skipped``, which the first append from a ``jsonl:`` file starts."""
-    grown = {"sessions": counts["sessions"], "turns": sum(len(r["turn_ids"]) for r in rows.memories),
+    grown = {"memories": len(rows.memories), "sessions": counts["sessions"],
+             "turns": sum(len(r["turn_ids"]) for r in rows.memories),
              "questions": counts["queries"], "no_gold": rows.no_gold, "abstention": rows.abstention,
              "lines": lines or 0}
     for key, add in grown.items():
