@@ -1246,6 +1246,46 @@ def test_a_run_that_diverges_on_a_store_leaves_it_as_it_was_and_runs_again_with_
     assert json.loads((pol / "policy_store.json").read_text())["setting"]["optimizer"]["lr"] != 3e38
 
 
+def test_the_divergence_bound_is_the_float64_norms_of_each_row_with_non_finite_rows_marked():
+    """sinks._row_bounds against an independent float64 computation (math.fsum of the
+    squares, exact for float32 entries): per user row, whether every leaf is finite and
+    log Π (1 + ‖leaf‖); rows past _BOUND_ROWS, NaN and inf rows, float64 entries whose
+    squares overflow (a bound of inf), bfloat16 leaves, and the shared part (n None)."""
+    import math
+
+    import ml_dtypes
+
+    from rmm_jax.online.sinks import _BOUND_ROWS, _row_bounds
+
+    rng = np.random.default_rng(0)
+    u = _BOUND_ROWS + 5
+    tree = {"a": (rng.standard_normal((u + 2, 6, 7)) * 10).astype(np.float32),
+            "b": rng.standard_normal((u + 2, 5)).astype(np.float32),
+            "c": rng.standard_normal((u + 2, 3)).astype(ml_dtypes.bfloat16),
+            "d": rng.standard_normal((u + 2, 4)) * 1e3}                 # float64
+    tree["a"][3, 2, 2], tree["b"][_BOUND_ROWS + 1, 0], tree["d"][7, 1] = np.nan, np.inf, 1e200
+    finite, log_bound = _row_bounds(tree, u)
+
+    def want(rows):
+        total, ok = 0.0, True
+        for leaf in rows:
+            v = np.asarray(leaf, np.float64).ravel()
+            if not np.isfinite(v).all():
+                ok = False
+                continue
+            with np.errstate(over="ignore"):
+                total += math.log1p(math.sqrt(math.fsum(v * v)))
+        return ok, total
+
+    for i in range(u):
+        ok, bound = want([tree[k][i] for k in "abcd"])
+        assert finite[i] == ok and (bound == log_bound[i] == math.inf or abs(bound - log_bound[i]) <= 1e-12 * bound), i
+    assert not finite[3] and not finite[_BOUND_ROWS + 1] and finite[7] and log_bound[7] == math.inf
+    ok, bound = want([tree[k][:2] for k in "abc"])                     # one row: the whole tree
+    f1, b1 = _row_bounds({k: tree[k][:2] for k in "abc"}, None)
+    assert f1.tolist() == [ok] and abs(b1[0] - bound) <= 1e-12 * bound
+
+
 @pytest.mark.parametrize("lr, more", [("1e30", ()), ("1e20", ()), ("1e12", ("--scope", "hybrid", "--rank", "2")),
                                       ("1e8", ("--kind", "mlp"))])
 def test_a_step_that_leaves_finite_params_too_large_to_score_is_a_divergence(capsys, tmp_path, store, lr, more):
