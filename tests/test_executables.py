@@ -1,8 +1,9 @@
 """Executables kept whole on disk (rmm_jax.core.executables): a second process runs what the
 first compiled without tracing it, bit for bit; keys follow shapes, static arguments and the
-source; a damaged entry or one that fails to run is compiled again; an executable that JAX's
-persistent cache supplied is not saved (on CPU it would fail once loaded again); off, or
-under a transformation, an aot function is its jit."""
+source; a damaged entry or one that fails to run is compiled again; where JAX's persistent
+cache supplied an executable (on CPU it would fail once saved and loaded again), it is compiled
+once more without that cache and saved; off, or under a transformation, an aot function is its
+jit."""
 from __future__ import annotations
 
 import os
@@ -64,19 +65,20 @@ def test_a_second_process_runs_what_the_first_compiled_without_tracing_it(tmp_pa
     out2, err2 = serve_once(tmp_path)
     assert out2 == out1                       # bit for bit (every float printed in full)
     assert traced(err2) == set(), err2[-2000:]
-    # entries gone, JAX's persistent cache warm: it supplies the executables, which are used
-    # but not saved (re-serialised, they fail to run on CPU); the results do not change
+    # entries gone, JAX's persistent cache warm: what it supplies would fail to run once saved
+    # and loaded again (on CPU), so each program is compiled again without it and that one is
+    # saved. They were used and not saved: every later process traced and lowered them again.
     root = tmp_path / "xdg" / "rmm-jax" / "jax-executables"
     for p in root.rglob("*.exe"):
         p.unlink()
     out3, _ = serve_once(tmp_path)
-    assert out3 == out1 and saved(tmp_path) == []
-    out4, _ = serve_once(tmp_path)
-    assert out4 == out1
+    assert out3 == out1 and saved(tmp_path) == sorted(SERVING)
+    out4, err4 = serve_once(tmp_path)
+    assert out4 == out1 and traced(err4) == set(), err4[-2000:]      # the refilled entries load and run
 
 
 # The suite keeps a persistent JAX cache (tests/conftest.py), which would supply the programs of
-# an earlier run (and then they are not saved): each run's programs carry a constant of their own.
+# an earlier run (and then they are compiled twice): each run's programs carry a constant of their own.
 SALT = float(np.random.default_rng().integers(1, 1 << 20))
 
 
@@ -122,8 +124,10 @@ def test_a_damaged_entry_or_one_that_fails_to_run_is_compiled_again(kept, monkey
     good = entry.read_bytes()
     entry.write_bytes(good[:40] + bytes([good[40] ^ 0xFF]) + good[41:])      # damaged: its checksum fails
     assert np.array_equal(np.asarray(aot(cube)(x)), np.arange(5.0) ** 3 + SALT)
-    # removed (saved again only when compiled afresh, not supplied by JAX's persistent cache)
-    assert not entry.exists() or entry.read_bytes() == good
+    # replaced by a fresh compile (JAX's persistent cache supplies this program: compiled again without it)
+    assert entry.exists() and entry.read_bytes() != good.replace(good[40:41], bytes([good[40] ^ 0xFF]), 1)
+    executables_loaded = aot(cube)                   # a new wrapper loads the refilled entry and runs it
+    assert np.array_equal(np.asarray(executables_loaded(x)), np.arange(5.0) ** 3 + SALT)
     entry.write_bytes(good)
 
     class Broken:                                    # loads, then fails when run (like a re-serialised one)

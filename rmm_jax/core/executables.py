@@ -20,11 +20,13 @@ the newest four such directories are kept.
 A key not on disk is compiled and saved: written to a temporary file, then renamed, with
 a sha256 of the executable that is checked before it is loaded. An entry that is damaged,
 does not load (another jaxlib build) or fails on its first run is compiled again and
-replaced. An executable that JAX's persistent cache supplied is used but not saved: on
-CPU one loaded from that cache does not serialize whole (it fails to run once loaded
-again). The program is lowered under a name that holds the source digest, so that JAX's
-cache holds it only if this version of rmm-jax compiled it before (and its entry here
-was then deleted). A process keeps what it loaded in memory.
+replaced. An executable that JAX's persistent cache supplied is not the one saved: on CPU
+one loaded from that cache does not serialize whole (it fails to run once loaded again),
+so the program is compiled once more with that cache off, and that one is used and saved.
+JAX's cache holds the program only if this version of rmm-jax compiled it before (it is
+lowered under a name that holds the source digest) and its entry here was then deleted or
+damaged: without the second compile that entry was never written again, and every later
+process traced and lowered the program. A process keeps what it loaded in memory.
 
 Where: beside the compilation cache's directory, its name followed by ``-executables``
 (``$XDG_CACHE_HOME/rmm-jax/jax-executables``, else ``~/.cache/rmm-jax/jax-executables``), and
@@ -197,14 +199,18 @@ class Aot:
         return self._compile_and_save(sig, dynamic, statics)
 
     def _compile_and_save(self, sig: tuple, dynamic: tuple, statics: dict):
-        """Compile, and save unless JAX's persistent cache supplied the executable
-        (module docstring)."""
+        """Compile and save; compiled again with JAX's persistent cache off when that cache
+        supplied the executable (module docstring)."""
         from jax.experimental.serialize_executable import serialize
         _listen_for_hits()
         hits = _hits[0]
         compiled = self._jit_named.lower(*dynamic[0], **dynamic[1], **statics).compile()
         if _hits[0] != hits:
-            return compiled
+            off = _persistent_cache_off()
+            if off is None:              # a JAX without the switch: used, not saved, as before
+                return compiled
+            with off:                    # under another name: the same one would get the same executable back
+                compiled = self._jit_fresh.lower(*dynamic[0], **dynamic[1], **statics).compile()
         path = self.path(sig)
         try:
             body = pickle.dumps(serialize(compiled))
@@ -224,11 +230,31 @@ class Aot:
 
     @functools.cached_property
     def _jit_named(self):
+        return self._jit_as(f"{self.fn.__name__}_rmm_{source_digest()[:12]}")
+
+    @functools.cached_property
+    def _jit_fresh(self):
+        """The program under a name of its own, compiled only with JAX's persistent cache off:
+        compiled again under its usual name, a process that JAX's cache supplied it to gets
+        the same executable back (which fails to run once saved and loaded again)."""
+        return self._jit_as(f"{self.fn.__name__}_rmm_{source_digest()[:12]}_fresh")
+
+    def _jit_as(self, name: str):
         @functools.wraps(self.fn)
         def named(*args, **kwargs):
             return self.fn(*args, **kwargs)
-        named.__name__ = named.__qualname__ = f"{self.fn.__name__}_rmm_{source_digest()[:12]}"
+        named.__name__ = named.__qualname__ = name
         return jax.jit(named, static_argnames=self.static)
+
+
+def _persistent_cache_off():
+    """A context in which JAX compiles without its persistent cache (None: this JAX has no
+    such switch)."""
+    try:
+        from jax._src import config
+        return config.enable_compilation_cache(False)
+    except (ImportError, AttributeError, TypeError):
+        return None
 
 
 KEEP_VERSIONS = 4
