@@ -126,8 +126,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
     keys_seen = set(LOG_KEYS)
     seen: dict[tuple[str, str], tuple[int, bytes]] = {}    # a call -> (its line, its record's digest)
     first_repeat: tuple[int, int] | None = None
-    unheld: list[tuple[int, str, str]] = []                # (line, user, gold id) the store and record lack
-    listed: dict[str, set[str]] = {}                       # user -> every candidate id its records list
+    unheld = _UnheldGold()
     texts: dict[tuple[str, str], tuple[str, int]] = {}     # (user, memory id) -> (text, first line)
     current: str | None = None
     finished: set[str] = set()
@@ -168,6 +167,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
                     where=_key_where(where, "user_id"))
             if current is not None:
                 finished.add(current)
+                unheld.finish(current)              # grouped: what a user's records list, held for it alone
             current = rec.user_id
             seen.clear()
             texts.clear()
@@ -177,8 +177,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         note_misspelt_keys(obj, keys_seen, path, lineno, report["notes"])
         report["records"] += 1
         if lookup is not None:
-            listed.setdefault(rec.user_id, set()).update(rec.candidates)
-            unheld += [(lineno, rec.user_id, g) for g in left_out]
+            unheld.add(rec, lineno, left_out)
         yield lineno, rec
     if report["records"] == 0:
         raise InputError(f"no records ({report['skipped']} invalid lines skipped; first: "
@@ -188,13 +187,41 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         report["notes"].append(f"{n} line{'s' if n > 1 else ''} of {path} repeat{'' if n > 1 else 's'} an earlier "
                                f"record exactly (first: line {first_repeat[0]}, as line {first_repeat[1]}): each "
                                "call is read once (if they were separate calls, give each its own call_id)")
-    unheld = [(line, user, g) for line, user, g in unheld if g not in listed.get(user, ())]  # no record lists it
-    if unheld:
-        line, user, g = unheld[0]
-        report["notes"].append(f"{path}: {count(len(unheld), 'gold id')} name{'s' if len(unheld) == 1 else ''} no "
-                               f"memory of the store or of any record of its user (first: line {line}, {g!r} of user "
-                               f"{user!r}): Recall leaves {'it' if len(unheld) == 1 else 'them'} out, as no bank "
-                               "holds a gold memory never retrieved (cite-rates counts such a call as one with gold)")
+    for user in list(unheld.listed):
+        unheld.finish(user)
+    if unheld.count:
+        line, user, g = unheld.first
+        n = unheld.count
+        report["notes"].append(f"{path}: {count(n, 'gold id')} name{'s' if n == 1 else ''} no memory of the store or "
+                               f"of any record of its user (first: line {line}, {g!r} of user {user!r}): Recall "
+                               f"leaves {'it' if n == 1 else 'them'} out, as no bank holds a gold memory never "
+                               "retrieved (cite-rates counts such a call as one with gold)")
+
+
+class _UnheldGold:
+    """The gold ids that neither the store nor their record holds, counted once no record of
+    their user lists them (another record may: then the id is in the user's bank). Held per
+    user until :meth:`finish`: a grouped read finishes each user as the next begins, so its
+    memory stays one user's (a review found every user's candidate ids held to the end)."""
+
+    def __init__(self):
+        self.listed: dict[str, set[str]] = {}           # user -> every candidate id its records list
+        self.pending: dict[str, list[tuple[int, str]]] = {}   # user -> (line, gold id) the store and record lack
+        self.count = 0
+        self.first: tuple[int, str, str] | None = None  # (line, user, gold id) of the first counted
+
+    def add(self, rec: LogRecord, line: int, left_out) -> None:
+        self.listed.setdefault(rec.user_id, set()).update(rec.candidates)
+        if left_out:
+            self.pending.setdefault(rec.user_id, []).extend((line, g) for g in left_out)
+
+    def finish(self, user: str) -> None:
+        listed = self.listed.pop(user, set())
+        for line, g in self.pending.pop(user, ()):
+            if g not in listed:
+                self.count += 1
+                if self.first is None or line < self.first[0]:
+                    self.first = (line, user, g)
 
 
 def _digest(obj) -> bytes:
