@@ -22,11 +22,12 @@ a sha256 of the executable that is checked before it is loaded. An entry that is
 does not load (another jaxlib build) or fails on its first run is compiled again and
 replaced. An executable that JAX's persistent cache supplied is not the one saved: on CPU
 one loaded from that cache does not serialize whole (it fails to run once loaded again),
-so the program is compiled once more with that cache off, and that one is used and saved.
-JAX's cache holds the program only if this version of rmm-jax compiled it before (it is
-lowered under a name that holds the source digest) and its entry here was then deleted or
-damaged: without the second compile that entry was never written again, and every later
-process traced and lowered the program. A process keeps what it loaded in memory.
+so the program is compiled once more under a name no process used before (which that
+cache cannot hold; it keeps the copy, one entry a refill), and that one is used and
+saved. JAX's cache holds the program only if this version of rmm-jax compiled it before
+(it is lowered under a name that holds the source digest) and its entry here was then
+deleted or damaged: without the second compile that entry was never written again, and
+every later process traced and lowered the program. A process keeps what it loaded in memory.
 
 Where: beside the compilation cache's directory, its name followed by ``-executables``
 (``$XDG_CACHE_HOME/rmm-jax/jax-executables``, else ``~/.cache/rmm-jax/jax-executables``), and
@@ -53,6 +54,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -206,11 +208,13 @@ class Aot:
         hits = _hits[0]
         compiled = self._jit_named.lower(*dynamic[0], **dynamic[1], **statics).compile()
         if _hits[0] != hits:
-            off = _persistent_cache_off()
-            if off is None:              # a JAX without the switch: used, not saved, as before
+            # under a name no process used before: JAX's cache cannot hold it (the same name would get the same
+            # executable back; switching that cache off has no effect once a process has used it)
+            hits = _hits[0]
+            fresh = self._jit_as(f"{self.fn.__name__}_rmm_{source_digest()[:12]}_{os.getpid()}_{time.time_ns()}")
+            compiled = fresh.lower(*dynamic[0], **dynamic[1], **statics).compile()
+            if _hits[0] != hits:         # supplied all the same: used, not saved
                 return compiled
-            with off:                    # under another name: the same one would get the same executable back
-                compiled = self._jit_fresh.lower(*dynamic[0], **dynamic[1], **statics).compile()
         path = self.path(sig)
         try:
             body = pickle.dumps(serialize(compiled))
@@ -232,29 +236,12 @@ class Aot:
     def _jit_named(self):
         return self._jit_as(f"{self.fn.__name__}_rmm_{source_digest()[:12]}")
 
-    @functools.cached_property
-    def _jit_fresh(self):
-        """The program under a name of its own, compiled only with JAX's persistent cache off:
-        compiled again under its usual name, a process that JAX's cache supplied it to gets
-        the same executable back (which fails to run once saved and loaded again)."""
-        return self._jit_as(f"{self.fn.__name__}_rmm_{source_digest()[:12]}_fresh")
-
     def _jit_as(self, name: str):
         @functools.wraps(self.fn)
         def named(*args, **kwargs):
             return self.fn(*args, **kwargs)
         named.__name__ = named.__qualname__ = name
         return jax.jit(named, static_argnames=self.static)
-
-
-def _persistent_cache_off():
-    """A context in which JAX compiles without its persistent cache (None: this JAX has no
-    such switch)."""
-    try:
-        from jax._src import config
-        return config.enable_compilation_cache(False)
-    except (ImportError, AttributeError, TypeError):
-        return None
 
 
 KEEP_VERSIONS = 4
