@@ -691,7 +691,7 @@ def test_streaming_by_user_against_a_store_holds_one_users_ids(tmp_path):
                 f.write(json.dumps({"user_id": f"user{u}", "call_id": "c", "query": "q", "candidates": c,
                                     "selected": [c[0]["id"]], "cited": [], "gold": gold}) + "\n")
 
-    n = 5000
+    n = 1500                # the old reader held 10 times a read without the store here
     path = tmp_path / "log.jsonl"
     make(path, n)
     peaks = {}
