@@ -145,9 +145,9 @@ def check_scores(x, name: str = "scores") -> None:
     """Scores (or logits) as the draws and losses read them, when concrete: no NaN, and no +inf.
     −inf is a masked candidate (never drawn); +inf, an overflow, was taken as masked too
     (``top_m([1, inf, 0], 2)`` gave [0, 2]: the best candidate never shown), so it is refused."""
-    check_no_nan(x, name)
+    check_no_nan(x, name)           # its own message, as every other input's NaN
     if is_concrete(x):
-        require(not bool(np.any(np.isposinf(np.asarray(x)))), name,
+        require(not bool(np.any(np.isposinf(x))), name,
                 "contains +inf (an overflow?): a score must be finite, or -inf for a masked candidate")
 
 

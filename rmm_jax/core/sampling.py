@@ -70,8 +70,8 @@ def check_picks(scores, selected, mask=None) -> None:
     if len(bad):
         at = tuple(bad[0].tolist())
         row = f" (row {', '.join(map(str, at[:-1]))})" if sel.ndim > 1 else ""
-        raise ValueError(f"selected: candidate {int(sel[at])}{row} is masked or its score is not finite: "
-                         "no draw selects it")
+        checks.require(False, "selected", f"candidate {int(sel[at])}{row} is masked or its score is not finite: "
+                                          "no draw selects it")
 
 
 def _check_scores(scores, mask, m=None, selected=None):

@@ -92,13 +92,17 @@ def _multi_probe_jit(probes, probe_mask, bank, bank_mask, *, k, chunk, n_chunks)
     return _chunk_scan(score, bank, bank_mask, k, chunk, n_chunks, probes.shape[0])
 
 
-def _non_finite_row(x, keep=None) -> int | None:
+def _non_finite_row(x, keep=None, finite=None) -> int | None:
     """The first row of ``x`` (N, d) host float32 that holds NaN or ±inf (among the rows ``keep``
     holds, None: all), else None. A NaN row scored NaN against every query, which top_k ranks
     first: the bank's row came back as every query's best, a NaN query's scores were all NaN.
     One matrix-vector product finds the candidates (NaN and inf carry through a sum), cheap
     beside the scoring's matrix product; a row whose finite entries merely overflow that sum
-    is cleared by its own check."""
+    is cleared by its own check. ``finite``: the (N,) row flags, computed where ``x`` lives
+    (a bank on the device: :func:`_finite_rows`)."""
+    if finite is not None:
+        bad = np.flatnonzero(~finite if keep is None else ~finite & keep)
+        return int(bad[0]) if len(bad) else None
     if x.size == 0:
         return None
     with np.errstate(over="ignore", invalid="ignore"):
@@ -111,9 +115,9 @@ def _non_finite_row(x, keep=None) -> int | None:
     return None
 
 
-def _check_finite_rows(x, name: str, keep=None) -> None:
+def _check_finite_rows(x, name: str, keep=None, finite=None) -> None:
     """InputError naming ``name`` and the row when :func:`_non_finite_row` finds one."""
-    i = _non_finite_row(x, keep)
+    i = _non_finite_row(x, keep, finite)
     if i is not None:
         raise InputError(f"row {i} holds NaN or inf (a vector to score must be finite)", where=name)
 
@@ -156,9 +160,7 @@ def _check_bank(bank, bank_mask, k, chunk_size, d_query):
     # and eager casts are programs to trace and load in every process, device_put is not)
     if isinstance(bank, jax.Array):
         bank = bank.astype(jnp.float32)
-        bad = np.flatnonzero(~np.asarray(_finite_rows(bank)) & mask)     # on the device: N flags come back
-        if len(bad):
-            raise InputError(f"row {int(bad[0])} holds NaN or inf (a vector to score must be finite)", where="bank")
+        _check_finite_rows(bank, "bank", mask, finite=np.asarray(_finite_rows(bank)))   # on the device: N flags back
     else:
         bank = np.asarray(bank, np.float32)
         _check_finite_rows(bank, "bank", mask)                 # rows bank_mask drops are never scored

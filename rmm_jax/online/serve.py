@@ -222,6 +222,13 @@ def _check_store(store, expected: str, opener: str) -> None:
                          "path", where="store")
 
 
+def shared_params_of(store: PolicyStore) -> Callable[[int | None], tuple[Any, int]]:
+    """``shared_params`` for :func:`load_policies` and :func:`batch_policies`: each shared
+    version of ``store`` read and put on the device once, for every batch a caller loads
+    (``evaluate`` loads its users 64 at a time)."""
+    return functools.cache(functools.partial(_shared_on_device, store))
+
+
 def _shared_on_device(store: PolicyStore, version: int | None) -> tuple[Any, int]:
     got = store.shared_state(version)
     return _device(got.state.params), got.version

@@ -187,8 +187,7 @@ def _iter_numbered(path: str | os.PathLike, known: Known, skip_invalid: bool,
         report["notes"].append(f"{n} line{'s' if n > 1 else ''} of {path} repeat{'' if n > 1 else 's'} an earlier "
                                f"record exactly (first: line {first_repeat[0]}, as line {first_repeat[1]}): each "
                                "call is read once (if they were separate calls, give each its own call_id)")
-    for user in list(unheld.listed):
-        unheld.finish(user)
+    unheld.finish_all()
     if unheld.count:
         line, user, g = unheld.first
         n = unheld.count
@@ -214,6 +213,11 @@ class _UnheldGold:
         self.listed.setdefault(rec.user_id, set()).update(rec.candidates)
         if left_out:
             self.pending.setdefault(rec.user_id, []).extend((line, g) for g in left_out)
+
+    def finish_all(self) -> None:
+        """Finish every user still held (the end of the read)."""
+        for user in list(self.listed):
+            self.finish(user)
 
     def finish(self, user: str) -> None:
         listed = self.listed.pop(user, set())

@@ -24,13 +24,12 @@ from rmm_jax.deprecated import parameter as deprecated_parameter
 from rmm_jax.errors import InputError, at
 from rmm_jax.online.cite_rates import check_log_inputs
 from rmm_jax.online.ope._chunks import _CHUNK
-from rmm_jax.online.serve import batch_policies
-from rmm_jax.online.starts import LearnedCheck, LearnedTally
+from rmm_jax.online.serve import batch_policies, shared_params_of
+from rmm_jax.online.starts import CHECK_USERS, LearnedCheck, LearnedTally
 from rmm_jax.online.streams import calls_by_user, check_limits
 from rmm_jax.persist.policy_checks import check_embedding_store
 from rmm_jax.persist.policy_rollback import check_store
 
-_POLICY_USERS = 64                   # users whose policies load_calls reads together (load_policies)
 METRICS = ("cited", "cite_rate", "recall")
 LOG_FLOAT_MAX = float(np.log(np.finfo(np.float64).max))   # 709.78: exp overflows above
 F32_UNIT = 2.0 ** -24               # float32's unit roundoff u (Higham, Accuracy and Stability, §2.1)
@@ -59,7 +58,7 @@ class Calls:
     versions_logged: np.ndarray | None = None    # (n,) bool: the record carries policy_version and shared_version
     logit_error: np.ndarray | None = None  # (n,) float64: float32 error bound of the target's logits (rounding_bound)
     read: ReadReport | None = None     # what reading the log found (load_calls)
-    hashes: dict | None = None         # user id -> (learned_calls.Calls, line numbers) of its calls, in log order
+    hashes: dict | None = None         # no longer filled: what learned counts them from (kept for callers)
     learned: LearnedCheck | None = None  # how many of them the policies learned from (relearn: counted, never refused)
 
     @property
@@ -220,7 +219,7 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     Queries and memories the store lacks are embedded from the records' texts
     (:mod:`rmm_jax.data.log_vectors`, the store's model through the embedding cache rooted at
     ``cache_dir``: :func:`rmm_jax.data.embed.embed_texts`).
-    Every user's target params come from :func:`rmm_jax.online.serve.load_policies`, 64 users at a
+    Every user's target params come from :func:`rmm_jax.online.serve.batch_policies`, 64 users at a
     time (the shared params for users without their own), scored with
     :func:`rmm_jax.core.reranker.score`. ``served_by_target`` marks the calls whose logged
     ``policy_version`` and ``shared_version`` (``rmm-jax rerank`` writes both, null
@@ -229,11 +228,9 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
     number: the log does not name the policy store that served it. ``logit_error``: per call,
     how far float32 rounding can move the target's logits (:func:`rounding_bound`). ``read``: the log's
     :class:`~rmm_jax.data.citation_log.ReadReport` (``report``, a dict filled with it, is deprecated).
-    ``hashes``: per user, what a policy store remembers of its calls once learned and their line
-    numbers, as :func:`rmm_jax.online.streams.scan_log` gives them with ``calls=True`` (what
-    :func:`learned_calls` counts), from the same single read of the log; ``learned``, that count
-    (:func:`rmm_jax.online.starts.check_learned` with ``relearn``), from the same single read of
-    each user's state. ``progress``: bars on
+    ``learned``: how many of the calls the policies learned from (what :func:`learned_calls`
+    counts: :func:`rmm_jax.online.starts.check_learned` with ``relearn``), from the same single
+    read of the log and of each user's state (``hashes`` is no longer filled). ``progress``: bars on
     stderr while it is a terminal, over the texts embedded and the users scored.
     """
     if report is not None:
@@ -314,19 +311,22 @@ def load_calls(store, log_path, policies, cfg: Target, *, users: Sequence[str] |
                  cited=cat("cited"), log_prob=cat("lp"), cand_gold=cat("cg"), num_gold=cat("ng"),
                  valid=cat("valid"), own_policy={u: u in has_policy for u in by_user},
                  served_by_target=cat("served"), versions_logged=cat("versioned"), logit_error=cat("err"), read=read,
-                 hashes=hashed, learned=tally.result())
+                 learned=tally.result())
 
 
 def _with_policies(policies, by_user: dict[str, list], tally: LearnedTally):
     """``(user, records, policy)`` of each user in ``by_user``, their states read 64 at a
-    time (:func:`rmm_jax.online.serve.load_policies`), each read once for its policy and for
-    the calls it learned (``tally``)."""
+    time (:meth:`PolicyStore.load_batch`), each read once for its policy
+    (:func:`rmm_jax.online.serve.batch_policies`, each shared version put on the device once
+    for all of them) and for the calls it learned (``tally``)."""
     users = list(by_user)
-    for i in range(0, len(users), _POLICY_USERS):
-        part = users[i:i + _POLICY_USERS]
+    shared = shared_params_of(policies)
+    for i in range(0, len(users), CHECK_USERS):          # users read together, as check_learned reads them
+        part = users[i:i + CHECK_USERS]
         got = policies.load_batch(part)
         tally.add(got)
-        for uid, policy in zip(part, batch_policies(policies, got, part, fallback_to_shared=True)):
+        for uid, policy in zip(part, batch_policies(policies, got, part, fallback_to_shared=True,
+                                                    shared_params=shared)):
             yield uid, by_user[uid], policy
 
 
